@@ -1,0 +1,328 @@
+#include "kernels/cpu_backend.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "kernels/op_checks.h"
+#include "runtime/error.h"
+
+#ifdef GPIPE_WITH_CUDA
+#include "kernels/cuda_backend.h"
+#endif
+
+namespace gpipe {
+
+namespace {
+
+// Calls f(T*) with the tensor's data as float or double.
+template <typename F>
+void dispatch_float(const Tensor& t, F&& f) {
+  if (t.dtype() == DType::kF32) {
+    f(static_cast<float*>(nullptr));
+  } else if (t.dtype() == DType::kF64) {
+    f(static_cast<double*>(nullptr));
+  } else {
+    throw Error("expected a float32 or float64 tensor, got " + t.str());
+  }
+}
+
+void gemm(bool ta, bool tb, int m, int n, int k, double alpha, const float* a, int lda, const float* b, int ldb,
+          double beta, float* c, int ldc) {
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n, k,
+              static_cast<float>(alpha), a, lda, b, ldb, static_cast<float>(beta), c, ldc);
+}
+void gemm(bool ta, bool tb, int m, int n, int k, double alpha, const double* a, int lda, const double* b, int ldb,
+          double beta, double* c, int ldc) {
+  cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n, k, alpha, a,
+              lda, b, ldb, beta, c, ldc);
+}
+
+template <typename T>
+T gelu_value(T x) {
+  return T(0.5) * x * (T(1) + std::erf(x * T(M_SQRT1_2)));
+}
+template <typename T>
+T gelu_slope(T x) {
+  const T cdf = T(0.5) * (T(1) + std::erf(x * T(M_SQRT1_2)));
+  const T pdf = std::exp(T(-0.5) * x * x) * T(0.3989422804014327);  // 1/sqrt(2 pi)
+  return cdf + x * pdf;
+}
+
+void check_label(int32_t label, int64_t classes, int ignore_index, int64_t row) {
+  if (label == ignore_index) return;
+  if (label < 0 || label >= classes) {
+    throw UserError("label " + std::to_string(label) + " in row " + std::to_string(row) +
+                    " is outside [0, " + std::to_string(classes) +
+                    "); the model's last layer must have as many outputs as there are classes");
+  }
+}
+
+}  // namespace
+
+Tensor Backend::zeros(const Shape& shape, DType dtype) {
+  Tensor t = empty(shape, dtype);
+  fill(t, 0.0);
+  return t;
+}
+
+void CpuBackend::matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, double alpha, double beta) {
+  const auto d = ops::check_matmul(a, ta, b, tb, c);
+  if (d.m == 0 || d.n == 0) return;
+  dispatch_float(a, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    if (d.k == 0) {  // BLAS leaves c untouched when k == 0; the definition says beta * c.
+      scale(c, beta);
+      return;
+    }
+    gemm(ta, tb, static_cast<int>(d.m), static_cast<int>(d.n), static_cast<int>(d.k), alpha, a.data<T>(),
+         static_cast<int>(a.size(1)), b.data<T>(), static_cast<int>(b.size(1)), beta, c.data<T>(),
+         static_cast<int>(c.size(1)));
+  });
+}
+
+void CpuBackend::add_bias(Tensor& y, const Tensor& bias) {
+  ops::check_matrix(y, "add_bias");
+  ops::check_float(bias, "add_bias");
+  GPIPE_CHECK(bias.dtype() == y.dtype() && bias.numel() == y.size(1),
+              "add_bias: bias " + bias.str() + " for " + y.str());
+  dispatch_float(y, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const int64_t rows = y.size(0), cols = y.size(1);
+    T* py = y.data<T>();
+    const T* pb = bias.data<T>();
+    for (int64_t r = 0; r < rows; ++r) {
+      T* row = py + r * cols;
+      for (int64_t j = 0; j < cols; ++j) row[j] += pb[j];
+    }
+  });
+}
+
+void CpuBackend::bias_grad(const Tensor& dy, Tensor& db, double beta) {
+  ops::check_matrix(dy, "bias_grad");
+  ops::check_float(db, "bias_grad");
+  GPIPE_CHECK(db.dtype() == dy.dtype() && db.numel() == dy.size(1), "bias_grad: " + db.str() + " for " + dy.str());
+  dispatch_float(dy, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const int64_t rows = dy.size(0), cols = dy.size(1);
+    const T* p = dy.data<T>();
+    T* out = db.data<T>();
+    std::vector<T> acc(cols, T(0));
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* row = p + r * cols;
+      for (int64_t j = 0; j < cols; ++j) acc[j] += row[j];
+    }
+    for (int64_t j = 0; j < cols; ++j) out[j] = (beta == 0.0 ? T(0) : T(beta) * out[j]) + acc[j];
+  });
+}
+
+void CpuBackend::relu(const Tensor& x, Tensor& y) {
+  ops::check_float(x, "relu");
+  ops::check_same(x, y, "relu");
+  dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* px = x.data<T>();
+    T* py = y.data<T>();
+    const int64_t n = x.numel();
+    for (int64_t i = 0; i < n; ++i) py[i] = px[i] > T(0) ? px[i] : T(0);
+  });
+}
+
+void CpuBackend::relu_backward(const Tensor& y, const Tensor& dy, Tensor& dx) {
+  ops::check_float(y, "relu_backward");
+  ops::check_same(y, dy, "relu_backward");
+  ops::check_same(y, dx, "relu_backward");
+  dispatch_float(y, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* py = y.data<T>();
+    const T* pdy = dy.data<T>();
+    T* pdx = dx.data<T>();
+    const int64_t n = y.numel();
+    for (int64_t i = 0; i < n; ++i) pdx[i] = py[i] > T(0) ? pdy[i] : T(0);
+  });
+}
+
+void CpuBackend::gelu(const Tensor& x, Tensor& y) {
+  ops::check_float(x, "gelu");
+  ops::check_same(x, y, "gelu");
+  dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* px = x.data<T>();
+    T* py = y.data<T>();
+    const int64_t n = x.numel();
+    for (int64_t i = 0; i < n; ++i) py[i] = gelu_value(px[i]);
+  });
+}
+
+void CpuBackend::gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {
+  ops::check_float(x, "gelu_backward");
+  ops::check_same(x, dy, "gelu_backward");
+  ops::check_same(x, dx, "gelu_backward");
+  dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* px = x.data<T>();
+    const T* pdy = dy.data<T>();
+    T* pdx = dx.data<T>();
+    const int64_t n = x.numel();
+    for (int64_t i = 0; i < n; ++i) pdx[i] = pdy[i] * gelu_slope(px[i]);
+  });
+}
+
+void CpuBackend::softmax_xent(const Tensor& logits, const Tensor& labels, double scale, int ignore_index,
+                              Tensor& probs, Tensor& loss) {
+  ops::check_xent(logits, labels, probs);
+  GPIPE_CHECK(loss.numel() == 1 && loss.dtype() == logits.dtype(), "softmax_xent: loss " + loss.str());
+  dispatch_float(logits, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const int64_t rows = logits.size(0), cols = logits.size(1);
+    const T* pl = logits.data<T>();
+    const int32_t* py = labels.data<int32_t>();
+    T* pp = probs.data<T>();
+    double total = 0.0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* in = pl + r * cols;
+      T* out = pp + r * cols;
+      T mx = in[0];
+      for (int64_t j = 1; j < cols; ++j) mx = std::max(mx, in[j]);
+      T sum = 0;
+      for (int64_t j = 0; j < cols; ++j) {
+        out[j] = std::exp(in[j] - mx);
+        sum += out[j];
+      }
+      const T inv = T(1) / sum;
+      for (int64_t j = 0; j < cols; ++j) out[j] *= inv;
+      check_label(py[r], cols, ignore_index, r);
+      if (py[r] != ignore_index) total += static_cast<double>(std::log(sum) + mx - in[py[r]]);
+    }
+    *loss.data<T>() = static_cast<T>(total * scale);
+  });
+}
+
+void CpuBackend::softmax_xent_backward(const Tensor& probs, const Tensor& labels, double scale, int ignore_index,
+                                       Tensor& dlogits) {
+  ops::check_xent(probs, labels, dlogits);
+  dispatch_float(probs, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const int64_t rows = probs.size(0), cols = probs.size(1);
+    const T* pp = probs.data<T>();
+    const int32_t* py = labels.data<int32_t>();
+    T* pd = dlogits.data<T>();
+    const T s = static_cast<T>(scale);
+    for (int64_t r = 0; r < rows; ++r) {
+      T* out = pd + r * cols;
+      if (py[r] == ignore_index) {
+        std::fill(out, out + cols, T(0));
+        continue;
+      }
+      check_label(py[r], cols, ignore_index, r);
+      const T* in = pp + r * cols;
+      for (int64_t j = 0; j < cols; ++j) out[j] = s * in[j];
+      out[py[r]] -= s;
+    }
+  });
+}
+
+void CpuBackend::fill(Tensor& x, double value) {
+  if (x.dtype() == DType::kI32) {
+    std::fill(x.data<int32_t>(), x.data<int32_t>() + x.numel(), static_cast<int32_t>(value));
+    return;
+  }
+  ops::check_float(x, "fill");
+  dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    std::fill(x.data<T>(), x.data<T>() + x.numel(), static_cast<T>(value));
+  });
+}
+
+void CpuBackend::scale(Tensor& x, double alpha) {
+  ops::check_float(x, "scale");
+  dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* p = x.data<T>();
+    const int64_t n = x.numel();
+    if (alpha == 0.0) {
+      std::fill(p, p + n, T(0));  // 0 * NaN would stay NaN; scale(0) means "clear"
+      return;
+    }
+    const T a = static_cast<T>(alpha);
+    for (int64_t i = 0; i < n; ++i) p[i] *= a;
+  });
+}
+
+void CpuBackend::axpy(double alpha, const Tensor& x, Tensor& y) {
+  ops::check_float(x, "axpy");
+  ops::check_same(x, y, "axpy");
+  dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* px = x.data<T>();
+    T* py = y.data<T>();
+    const T a = static_cast<T>(alpha);
+    const int64_t n = x.numel();
+    for (int64_t i = 0; i < n; ++i) py[i] += a * px[i];
+  });
+}
+
+void CpuBackend::sgd_step(Tensor& param, const Tensor& grad, Tensor& buf, const SgdParams& p, bool first_step) {
+  ops::check_float(param, "sgd_step");
+  ops::check_same(param, grad, "sgd_step");
+  if (p.momentum != 0.0) ops::check_same(param, buf, "sgd_step");
+  dispatch_float(param, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* w = param.data<T>();
+    const T* g = grad.data<T>();
+    T* b = p.momentum != 0.0 ? buf.data<T>() : nullptr;
+    const T lr = static_cast<T>(p.lr), mom = static_cast<T>(p.momentum), wd = static_cast<T>(p.weight_decay);
+    const int64_t n = param.numel();
+    for (int64_t i = 0; i < n; ++i) {
+      T d = g[i] + wd * w[i];
+      if (b != nullptr) {
+        b[i] = first_step ? d : mom * b[i] + d;
+        d = p.nesterov ? d + mom * b[i] : b[i];
+      }
+      w[i] -= lr * d;
+    }
+  });
+}
+
+void CpuBackend::copy(const Tensor& src, Tensor& dst) { copy_tensor(src, dst); }
+
+double CpuBackend::item(const Tensor& x) {
+  GPIPE_CHECK(x.numel() == 1, "item() of " + x.str());
+  switch (x.dtype()) {
+    case DType::kF32: return *x.data<float>();
+    case DType::kF64: return *x.data<double>();
+    case DType::kI32: return *x.data<int32_t>();
+    default: throw Error("item() of " + x.str());
+  }
+}
+
+Backend& backend_for(Device device) {
+  static std::mutex mu;
+  static std::vector<std::unique_ptr<Backend>> cpu, cuda;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& table = device.is_cpu() ? cpu : cuda;
+  if (static_cast<size_t>(device.index) >= table.size()) table.resize(device.index + 1);
+  auto& slot = table[device.index];
+  if (!slot) {
+    if (device.is_cpu()) {
+      slot = std::make_unique<CpuBackend>(device);
+    } else {
+#ifdef GPIPE_WITH_CUDA
+      slot = make_cuda_backend(device);
+#else
+      throw UserError("device " + device.str() +
+                      " requested, but this build has no CUDA support; use cpu devices or build where nvcc exists");
+#endif
+    }
+  }
+  return *slot;
+}
+
+void set_cpu_blas_threads(int threads) { openblas_set_num_threads(threads); }
+
+}  // namespace gpipe

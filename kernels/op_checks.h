@@ -1,0 +1,62 @@
+// Argument checks shared by every backend, so CPU and CUDA reject the same mistakes
+// with the same messages.
+#pragma once
+
+#include <string>
+
+#include "runtime/error.h"
+#include "runtime/tensor.h"
+
+namespace gpipe {
+namespace ops {
+
+inline void check_float(const Tensor& t, const char* op) {
+  if (t.dtype() != DType::kF32 && t.dtype() != DType::kF64) {
+    throw Error(std::string(op) + ": " + t.str() + " must be float32 or float64");
+  }
+  if (!t.is_contiguous()) throw Error(std::string(op) + ": " + t.str() + " must be contiguous");
+}
+
+inline void check_same(const Tensor& a, const Tensor& b, const char* op) {
+  if (a.dtype() != b.dtype() || a.shape() != b.shape()) {
+    throw Error(std::string(op) + ": operands " + a.str() + " and " + b.str() + " differ in dtype or shape");
+  }
+  if (!b.is_contiguous()) throw Error(std::string(op) + ": " + b.str() + " must be contiguous");
+}
+
+inline void check_matrix(const Tensor& t, const char* op) {
+  check_float(t, op);
+  if (t.dim() != 2) throw Error(std::string(op) + ": " + t.str() + " must be 2-D");
+}
+
+// Shapes of c = op(a) @ op(b); returns {M, N, K}.
+struct GemmDims {
+  int64_t m, n, k;
+};
+inline GemmDims check_matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& c) {
+  check_matrix(a, "matmul");
+  check_matrix(b, "matmul");
+  check_matrix(c, "matmul");
+  if (a.dtype() != b.dtype() || a.dtype() != c.dtype()) throw Error("matmul: mixed dtypes");
+  const int64_t m = ta ? a.size(1) : a.size(0);
+  const int64_t k = ta ? a.size(0) : a.size(1);
+  const int64_t kb = tb ? b.size(1) : b.size(0);
+  const int64_t n = tb ? b.size(0) : b.size(1);
+  if (k != kb || c.size(0) != m || c.size(1) != n) {
+    throw Error("matmul: shapes do not fit: " + shape_str(a.shape()) + (ta ? "^T" : "") + " @ " +
+                shape_str(b.shape()) + (tb ? "^T" : "") + " -> " + shape_str(c.shape()));
+  }
+  return {m, n, k};
+}
+
+inline void check_xent(const Tensor& logits, const Tensor& labels, const Tensor& probs) {
+  check_matrix(logits, "softmax_xent");
+  if (labels.dtype() != DType::kI32 || labels.dim() != 1 || labels.size(0) != logits.size(0)) {
+    throw Error("softmax_xent: labels " + labels.str() + " must be int32 with one label per row of " +
+                logits.str());
+  }
+  check_same(logits, probs, "softmax_xent");
+}
+
+}  // namespace ops
+}  // namespace gpipe

@@ -1,0 +1,34 @@
+// Element types. float32 is the training type; float64 exists so that finite-difference
+// checks and exact-equality tests can run in double precision on the reference backend;
+// bf16 is reserved for the CUDA backend; int32 holds labels.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace gpipe {
+
+enum class DType : uint8_t { kF32, kF64, kBF16, kI32 };
+
+size_t dtype_size(DType t);
+const char* dtype_name(DType t);
+// "float32" / "float64" / "bfloat16" / "int32"; throws UserError otherwise.
+DType parse_dtype(const std::string& name);
+
+template <typename T>
+struct DTypeOf;
+template <>
+struct DTypeOf<float> {
+  static constexpr DType value = DType::kF32;
+};
+template <>
+struct DTypeOf<double> {
+  static constexpr DType value = DType::kF64;
+};
+template <>
+struct DTypeOf<int32_t> {
+  static constexpr DType value = DType::kI32;
+};
+
+}  // namespace gpipe

@@ -1,0 +1,47 @@
+// Typed errors for the whole runtime: what failed, where, and what to do about it.
+// Every checked library call and every user mistake ends up as one of these.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace gpipe {
+
+// A failure of the runtime or of a library it calls (CUDA, cuBLAS, NCCL, MPI).
+class Error : public std::runtime_error {
+ public:
+  explicit Error(const std::string& what) : std::runtime_error(what) {}
+};
+
+// A mistake in what the user asked for (config, shapes, balance): the message names
+// the thing, the value and the fix.
+class UserError : public Error {
+ public:
+  explicit UserError(const std::string& what) : Error(what) {}
+};
+
+// Raised in a stage that was told to stop because another stage failed. The driver
+// reports the first non-abort error instead of these.
+class Aborted : public Error {
+ public:
+  explicit Aborted(const std::string& what) : Error(what) {}
+};
+
+// "file:line" prefix for checked calls; includes the rank and stage of the calling
+// thread (see logging.h) so a message from a multi-stage run says who failed.
+std::string error_location(const char* file, int line);
+
+}  // namespace gpipe
+
+#define GPIPE_CHECK(cond, msg)                                                          \
+  do {                                                                                  \
+    if (!(cond)) {                                                                      \
+      throw ::gpipe::Error(::gpipe::error_location(__FILE__, __LINE__) + ": check `" #cond \
+                           "` failed: " + std::string(msg));                            \
+    }                                                                                   \
+  } while (0)
+
+#define GPIPE_USER_CHECK(cond, msg)               \
+  do {                                            \
+    if (!(cond)) throw ::gpipe::UserError(msg);   \
+  } while (0)

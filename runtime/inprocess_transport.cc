@@ -1,0 +1,62 @@
+#include "runtime/inprocess_transport.h"
+
+#include "runtime/error.h"
+
+namespace gpipe {
+
+std::string tag_str(const MessageTag& tag) {
+  return std::string(tag.kind == MessageKind::kActivation ? "activation" : "gradient") +
+         " of micro-batch " + std::to_string(tag.micro_batch);
+}
+
+InProcessTransport::InProcessTransport(int num_stages) : boxes_(num_stages) {}
+
+void InProcessTransport::send(int src, int dst, const MessageTag& tag, const Tensor& t) {
+  GPIPE_CHECK(dst >= 0 && dst < static_cast<int>(boxes_.size()), "send to stage " + std::to_string(dst));
+  std::lock_guard<std::mutex> lock(mu_);
+  if (aborted_) throw Aborted(why_);
+  Mailbox& box = boxes_[dst];
+  const Key key{src, static_cast<int>(tag.kind), tag.micro_batch};
+  GPIPE_CHECK(box.messages.find(key) == box.messages.end(),
+              "stage " + std::to_string(src) + " sent the " + tag_str(tag) + " to stage " +
+                  std::to_string(dst) + " twice");
+  box.messages.emplace(key, t);
+  box.cv.notify_all();
+}
+
+Tensor InProcessTransport::recv(int dst, int src, const MessageTag& tag, Device device) {
+  GPIPE_CHECK(dst >= 0 && dst < static_cast<int>(boxes_.size()), "recv on stage " + std::to_string(dst));
+  Tensor t;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    Mailbox& box = boxes_[dst];
+    const Key key{src, static_cast<int>(tag.kind), tag.micro_batch};
+    std::map<Key, Tensor>::iterator it;
+    box.cv.wait(lock, [&] { return aborted_ || (it = box.messages.find(key)) != box.messages.end(); });
+    if (aborted_) throw Aborted(why_);
+    t = std::move(it->second);
+    box.messages.erase(it);
+  }
+  // Host memory is shared by all CPU devices: hand the tensor over as it is.
+  if (t.device() == device || (t.device().is_cpu() && device.is_cpu())) return t;
+  Tensor out = Tensor::empty(t.shape(), t.dtype(), device);
+  copy_tensor(t, out);
+  return out;
+}
+
+void InProcessTransport::abort(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (aborted_) return;
+  aborted_ = true;
+  why_ = why;
+  for (auto& box : boxes_) box.cv.notify_all();
+}
+
+size_t InProcessTransport::pending() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = 0;
+  for (const auto& box : boxes_) n += box.messages.size();
+  return n;
+}
+
+}  // namespace gpipe

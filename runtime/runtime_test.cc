@@ -1,0 +1,143 @@
+// Tests for devices, tensors, the CPU allocator, events, the in-process transport and
+// the MPI check macro.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <thread>
+
+#include "runtime/allocator.h"
+#include "runtime/device.h"
+#include "runtime/error.h"
+#include "runtime/inprocess_transport.h"
+#include "runtime/mpi_check.h"
+#include "runtime/random.h"
+#include "runtime/stream.h"
+#include "runtime/tensor.h"
+
+using namespace gpipe;
+
+TEST_CASE("devices parse and print") {
+  CHECK(parse_device("cpu") == Device::cpu(0));
+  CHECK(parse_device("cuda:3") == Device::cuda(3));
+  CHECK(parse_device("cpu:1").str() == "cpu:1");
+  CHECK_THROWS_AS(parse_device("tpu:0"), UserError);
+  CHECK_THROWS_AS(parse_device("cuda:x"), UserError);
+}
+
+TEST_CASE("tensor shapes, views and copies") {
+  Tensor t = Tensor::from_vector<float>({1, 2, 3, 4, 5, 6}, {3, 2});
+  CHECK(t.numel() == 6);
+  CHECK(t.nbytes() == 24);
+  CHECK(t.is_contiguous());
+  CHECK(t.str() == "float32(3, 2) on cpu:0");
+  Tensor rows = t.narrow_rows(1, 2);
+  CHECK(rows.shape() == Shape{2, 2});
+  CHECK(rows.storage_id() == t.storage_id());
+  CHECK(rows.to_vector<float>() == std::vector<float>{3, 4, 5, 6});
+  CHECK(t.reshape({6}).shape() == Shape{6});
+  CHECK_THROWS_AS(t.reshape({4}), UserError);
+  CHECK_THROWS_AS(t.data<double>(), Error);
+  Tensor c = Tensor::empty({2, 2}, DType::kF32, Device::cpu());
+  copy_tensor(rows, c);
+  CHECK(c.to_vector<float>() == std::vector<float>{3, 4, 5, 6});
+  CHECK(c.storage_id() != rows.storage_id());
+}
+
+TEST_CASE("CPU allocator counts, caches and reuses blocks") {
+  Allocator& a = allocator_for(Device::cpu(7));
+  const auto before = a.stats();
+  void* p = a.allocate(1000);
+  CHECK(a.stats().in_use == before.in_use + static_cast<int64_t>(round_allocation(1000)));
+  a.deallocate(p, 1000);
+  CHECK(a.stats().in_use == before.in_use);
+  CHECK(a.stats().cached >= static_cast<int64_t>(round_allocation(1000)));
+  void* q = a.allocate(900);  // same rounded size: served from the cache
+  CHECK(q == p);
+  a.deallocate(q, 900);
+  a.release_cache();
+  CHECK(a.stats().cached == 0);
+  CHECK(a.stats().peak >= static_cast<int64_t>(round_allocation(1000)));
+}
+
+TEST_CASE("CPU events measure elapsed time") {
+  CpuStream s(Device::cpu());
+  CpuEvent a, b;
+  a.record(s);
+  std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  b.record(s);
+  CHECK(a.elapsed_ms(b) >= 1.0);
+}
+
+TEST_CASE("a CUDA device without a CUDA build or a GPU is a clear error") {
+  if (cuda_device_count() == 0) {
+    try {
+      Tensor::empty({4}, DType::kF32, Device::cuda(0));
+      // A CUDA build on a machine without a GPU gets here only if allocation is lazy.
+    } catch (const Error& e) {
+      CHECK(std::string(e.what()).find("cuda:0") != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("in-process transport hands tensors over without copying") {
+  InProcessTransport tr(2);
+  Tensor t = Tensor::from_vector<float>({1, 2}, {2});
+  std::thread sender([&] { tr.send(0, 1, {MessageKind::kActivation, 3}, t); });
+  Tensor r = tr.recv(1, 0, {MessageKind::kActivation, 3}, Device::cpu(1));
+  sender.join();
+  CHECK(r.storage_id() == t.storage_id());
+  CHECK(tr.pending() == 0);
+}
+
+TEST_CASE("messages are matched by kind and micro-batch, not by arrival order") {
+  InProcessTransport tr(2);
+  tr.send(1, 0, {MessageKind::kGradient, 1}, Tensor::from_vector<float>({1}, {1}));
+  tr.send(1, 0, {MessageKind::kGradient, 0}, Tensor::from_vector<float>({0}, {1}));
+  CHECK(tr.recv(0, 1, {MessageKind::kGradient, 0}, Device::cpu()).to_vector<float>()[0] == 0.0f);
+  CHECK(tr.recv(0, 1, {MessageKind::kGradient, 1}, Device::cpu()).to_vector<float>()[0] == 1.0f);
+  CHECK_THROWS_AS(
+      [&] {
+        tr.send(0, 1, {MessageKind::kActivation, 0}, Tensor::from_vector<float>({1}, {1}));
+        tr.send(0, 1, {MessageKind::kActivation, 0}, Tensor::from_vector<float>({1}, {1}));
+      }(),
+      Error);
+}
+
+TEST_CASE("abort wakes a blocked receiver") {
+  InProcessTransport tr(2);
+  std::atomic<bool> got_abort{false};
+  std::thread waiter([&] {
+    try {
+      tr.recv(1, 0, {MessageKind::kActivation, 0}, Device::cpu());
+    } catch (const Aborted& e) {
+      got_abort = std::string(e.what()).find("stage 0 failed") != std::string::npos;
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  tr.abort("stage 0 failed");
+  waiter.join();
+  CHECK(got_abort);
+  CHECK_THROWS_AS(tr.send(0, 1, {MessageKind::kActivation, 1}, Tensor::from_vector<float>({1}, {1})), Aborted);
+}
+
+TEST_CASE("MPI check macro names the call and MPI's message") {
+  try {
+    GPIPE_MPI_CHECK(MPI_ERR_COUNT);
+    FAIL("no throw");
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    CHECK(msg.find("MPI_ERR_COUNT") != std::string::npos);
+    CHECK(msg.find("runtime_test.cc") != std::string::npos);
+  }
+}
+
+TEST_CASE("the generator is deterministic and roughly uniform") {
+  Rng a(42), b(42);
+  double sum = 0;
+  for (int i = 0; i < 10000; ++i) {
+    const double u = a.uniform();
+    CHECK(u == b.uniform());
+    sum += u;
+  }
+  CHECK(sum / 10000 == doctest::Approx(0.5).epsilon(0.02));
+}

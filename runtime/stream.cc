@@ -1,0 +1,35 @@
+#include "runtime/stream.h"
+
+#include "runtime/error.h"
+
+#ifdef GPIPE_WITH_CUDA
+#include "runtime/cuda_runtime.h"
+#endif
+
+namespace gpipe {
+
+double CpuEvent::elapsed_ms(const Event& later) const {
+  const auto* other = dynamic_cast<const CpuEvent*>(&later);
+  GPIPE_CHECK(other != nullptr, "elapsed_ms between a CPU event and a non-CPU event");
+  return std::chrono::duration<double, std::milli>(other->time_ - time_).count();
+}
+
+std::unique_ptr<Stream> make_stream(Device device) {
+  if (device.is_cpu()) return std::make_unique<CpuStream>(device);
+#ifdef GPIPE_WITH_CUDA
+  return make_cuda_stream(device);
+#else
+  throw UserError("a stream on " + device.str() + " needs a CUDA build");
+#endif
+}
+
+std::unique_ptr<Event> make_event(Device device) {
+  if (device.is_cpu()) return std::make_unique<CpuEvent>();
+#ifdef GPIPE_WITH_CUDA
+  return make_cuda_event(device);
+#else
+  throw UserError("an event on " + device.str() + " needs a CUDA build");
+#endif
+}
+
+}  // namespace gpipe

@@ -1,0 +1,35 @@
+// How boundary activations and their gradients travel between neighbouring stages.
+// One interface, several implementations: threads in one process (InProcessTransport,
+// here), MPI between CPU processes and NCCL between GPUs (later). The executor only
+// sees this interface.
+#pragma once
+
+#include <string>
+
+#include "runtime/tensor.h"
+
+namespace gpipe {
+
+enum class MessageKind { kActivation, kGradient };
+
+struct MessageTag {
+  MessageKind kind;
+  int micro_batch;
+};
+
+std::string tag_str(const MessageTag& tag);  // "activation of micro-batch 3"
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  // Hands `t` to stage `dst`. Does not wait for the receiver; the sender must not
+  // write to `t` afterwards.
+  virtual void send(int src, int dst, const MessageTag& tag, const Tensor& t) = 0;
+  // Blocks until the matching send arrives and returns it on `device`. Throws Aborted
+  // once abort() has been called, so a failed stage never leaves its neighbours waiting.
+  virtual Tensor recv(int dst, int src, const MessageTag& tag, Device device) = 0;
+  // Wakes every waiting receiver with Aborted(why). Idempotent.
+  virtual void abort(const std::string& why) = 0;
+};
+
+}  // namespace gpipe

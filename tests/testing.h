@@ -1,0 +1,52 @@
+// Shared test helpers: expect_close (reports the largest absolute and relative error
+// and the first mismatching elements), random tensors, and the GPU-skip convention.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "runtime/tensor.h"
+
+namespace gpipe {
+namespace testing {
+
+struct CloseReport {
+  bool ok = true;
+  double max_abs = 0, max_rel = 0;
+  std::string detail;  // first mismatches, for the failure message
+};
+
+// |a - b| <= atol + rtol * |b| elementwise.
+CloseReport compare(const std::vector<double>& a, const std::vector<double>& b, double rtol, double atol);
+
+// Host copy of any float tensor (CPU or CUDA) as doubles.
+std::vector<double> to_doubles(const Tensor& t);
+
+// A CPU tensor of the given dtype with values uniform in [lo, hi), seeded.
+Tensor random_tensor(const Shape& shape, DType dtype, uint64_t seed, double lo = -1.0, double hi = 1.0);
+Tensor random_labels(int64_t n, int classes, uint64_t seed);
+
+// Prints the marker that `./gpipe test` counts as "skipped" (a doctest binary that has
+// nothing to run here, e.g. GPU tests on a machine without a GPU, exits 0 after it).
+void report_skipped(const std::string& why);
+
+}  // namespace testing
+}  // namespace gpipe
+
+// CHECK that two tensors (or vectors of doubles) agree; prints the errors on failure.
+#define GPIPE_EXPECT_CLOSE(a, b, rtol, atol)                                                         \
+  do {                                                                                              \
+    auto gpipe_rep_ = ::gpipe::testing::compare(::gpipe::testing::as_doubles(a),                    \
+                                                ::gpipe::testing::as_doubles(b), (rtol), (atol));   \
+    INFO("max abs err " << gpipe_rep_.max_abs << ", max rel err " << gpipe_rep_.max_rel << "; "     \
+                        << gpipe_rep_.detail);                                                      \
+    CHECK(gpipe_rep_.ok);                                                                           \
+  } while (0)
+
+namespace gpipe {
+namespace testing {
+inline std::vector<double> as_doubles(const Tensor& t) { return to_doubles(t); }
+inline std::vector<double> as_doubles(const std::vector<double>& v) { return v; }
+}  // namespace testing
+}  // namespace gpipe
