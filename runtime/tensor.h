@@ -75,6 +75,8 @@ class Tensor {
   std::string str() const;  // "float32(256, 1024) on cpu:0"
   // Identity of the underlying block, for tests that check hand-over without copies.
   const void* storage_id() const { return storage_.get(); }
+  // Bytes of the whole underlying block (a view reports its base's size).
+  size_t storage_bytes() const { return storage_ ? storage_->bytes() : 0; }
 
  private:
   void check_dtype(DType want) const;

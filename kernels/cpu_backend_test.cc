@@ -1,0 +1,109 @@
+// The reference backend against naive double-precision loops.
+#include <doctest/doctest.h>
+
+#include <cmath>
+
+#include "kernels/backend.h"
+#include "runtime/error.h"
+#include "tests/testing.h"
+
+using namespace gpipe;
+using gpipe::testing::random_tensor;
+using gpipe::testing::to_doubles;
+
+namespace {
+Backend& cpu() { return backend_for(Device::cpu()); }
+
+std::vector<double> naive_matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, const std::vector<double>& c0,
+                                 double alpha, double beta) {
+  const auto A = to_doubles(a), B = to_doubles(b);
+  const int64_t m = ta ? a.size(1) : a.size(0), k = ta ? a.size(0) : a.size(1);
+  const int64_t n = tb ? b.size(0) : b.size(1);
+  std::vector<double> c(m * n);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double s = 0;
+      for (int64_t p = 0; p < k; ++p) {
+        const double av = ta ? A[p * a.size(1) + i] : A[i * a.size(1) + p];
+        const double bv = tb ? B[j * b.size(1) + p] : B[p * b.size(1) + j];
+        s += av * bv;
+      }
+      c[i * n + j] = alpha * s + beta * c0[i * n + j];
+    }
+  return c;
+}
+}  // namespace
+
+TEST_CASE("matmul in every transpose combination, float32 and float64") {
+  for (DType dt : {DType::kF32, DType::kF64}) {
+    for (bool ta : {false, true}) {
+      for (bool tb : {false, true}) {
+        const int64_t m = 5, n = 3, k = 7;
+        Tensor a = random_tensor(ta ? Shape{k, m} : Shape{m, k}, dt, 1);
+        Tensor b = random_tensor(tb ? Shape{n, k} : Shape{k, n}, dt, 2);
+        Tensor c = random_tensor({m, n}, dt, 3);
+        const auto c0 = to_doubles(c);
+        cpu().matmul(a, ta, b, tb, c, 0.5, 2.0);
+        const double tol = dt == DType::kF32 ? 1e-5 : 1e-12;
+        GPIPE_EXPECT_CLOSE(c, naive_matmul(a, ta, b, tb, c0, 0.5, 2.0), tol, tol);
+      }
+    }
+  }
+}
+
+TEST_CASE("matmul rejects shapes that do not fit") {
+  Tensor a = random_tensor({2, 3}, DType::kF32, 1), b = random_tensor({4, 2}, DType::kF32, 2);
+  Tensor c = cpu().empty({2, 2}, DType::kF32);
+  CHECK_THROWS_WITH(cpu().matmul(a, false, b, false, c), doctest::Contains("shapes do not fit"));
+}
+
+TEST_CASE("bias add and its reduction") {
+  Tensor y = random_tensor({4, 3}, DType::kF64, 1);
+  Tensor bias = random_tensor({3}, DType::kF64, 2);
+  auto y0 = to_doubles(y);
+  cpu().add_bias(y, bias);
+  for (int r = 0; r < 4; ++r)
+    for (int j = 0; j < 3; ++j) CHECK(y.data<double>()[r * 3 + j] == doctest::Approx(y0[r * 3 + j] + bias.data<double>()[j]));
+  Tensor db = Tensor::from_vector<double>({1, 1, 1}, {3});
+  cpu().bias_grad(y, db, 0.5);
+  for (int j = 0; j < 3; ++j) {
+    double s = 0.5;
+    for (int r = 0; r < 4; ++r) s += y.data<double>()[r * 3 + j];
+    CHECK(db.data<double>()[j] == doctest::Approx(s));
+  }
+}
+
+TEST_CASE("elementwise ops") {
+  Tensor x = Tensor::from_vector<double>({-2, -0.5, 0, 0.5, 3}, {5});
+  Tensor y = cpu().empty({5}, DType::kF64);
+  cpu().relu(x, y);
+  CHECK(y.to_vector<double>() == std::vector<double>{0, 0, 0, 0.5, 3});
+  cpu().gelu(x, y);
+  for (int i = 0; i < 5; ++i) {
+    const double v = x.data<double>()[i];
+    CHECK(y.data<double>()[i] == doctest::Approx(0.5 * v * (1 + std::erf(v / std::sqrt(2.0)))));
+  }
+  Tensor z = Tensor::from_vector<double>({1, 2, 3, 4, 5}, {5});
+  cpu().axpy(2.0, x, z);
+  CHECK(z.to_vector<double>() == std::vector<double>{-3, 1, 3, 5, 11});
+  cpu().scale(z, 0.5);
+  CHECK(z.to_vector<double>() == std::vector<double>{-1.5, 0.5, 1.5, 2.5, 5.5});
+  z.data<double>()[0] = NAN;
+  cpu().scale(z, 0.0);  // clears, even NaN
+  CHECK(z.to_vector<double>() == std::vector<double>{0, 0, 0, 0, 0});
+  cpu().fill(z, 7);
+  CHECK(cpu().item(z.narrow_rows(2, 1)) == 7.0);
+}
+
+TEST_CASE("softmax rows sum to one and survive large logits") {
+  Tensor logits = Tensor::from_vector<float>({1000, 1001, 999, -5, 0, 5}, {2, 3});
+  Tensor labels = Tensor::from_vector<int32_t>({1, 2}, {2});
+  Tensor probs = cpu().empty({2, 3}, DType::kF32), loss = cpu().empty({1}, DType::kF32);
+  cpu().softmax_xent(logits, labels, 0.5, -100, probs, loss);
+  for (int r = 0; r < 2; ++r) {
+    double s = 0;
+    for (int j = 0; j < 3; ++j) s += probs.data<float>()[r * 3 + j];
+    CHECK(s == doctest::Approx(1.0).epsilon(1e-6));
+  }
+  CHECK(std::isfinite(cpu().item(loss)));
+}

@@ -1,0 +1,83 @@
+// The layer API. A layer has a forward that returns what its backward needs (a
+// Context), a backward that accumulates parameter gradients and returns the input
+// gradient, its parameters, and an exact cost estimate for a given input shape.
+//
+// Public non-virtual forward/backward validate their arguments and call the virtual
+// *_impl, so every layer rejects a bad shape with the same kind of message.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "runtime/tensor.h"
+
+namespace gpipe {
+namespace layers {
+
+struct Parameter {
+  std::string name;  // "weight", "bias"; the model prefixes the layer index
+  Tensor value;
+  Tensor grad;  // same shape, device and dtype; accumulated by backward
+};
+
+// Exact counts for one call with a batch of `batch` samples.
+struct LayerCost {
+  double forward_flops = 0;
+  double backward_flops = 0;  // input and parameter gradients
+  double forward_bytes = 0;   // memory traffic: inputs, outputs and parameters read/written
+  double backward_bytes = 0;
+  int64_t param_bytes = 0;
+  int64_t output_bytes = 0;  // the activation this layer produces
+  int64_t saved_bytes = 0;   // what forward keeps for backward without rematerialization
+};
+
+// What forward keeps for backward.
+struct Context {
+  std::vector<Tensor> saved;
+};
+
+class Layer {
+ public:
+  virtual ~Layer() = default;
+
+  // x: (batch, *input_shape()). With ctx == nullptr nothing is kept for backward (the
+  // no-grad forward of a checkpointed micro-batch).
+  Tensor forward(Backend& be, const Tensor& x, Context* ctx);
+  // dy: (batch, *output_shape()). Adds parameter gradients into Parameter::grad and
+  // returns dx, or an undefined tensor when need_dx is false (the first layer).
+  Tensor backward(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx = true);
+
+  // "linear", "relu", ... as named in configs.
+  virtual std::string type() const = 0;
+  // "linear(784 -> 1024)"
+  virtual std::string describe() const = 0;
+  // Per-sample shapes.
+  const Shape& input_shape() const { return input_shape_; }
+  const Shape& output_shape() const { return output_shape_; }
+  virtual LayerCost cost(int64_t batch) const = 0;
+  virtual std::vector<Parameter*> parameters() { return {}; }
+  // Moves parameters (and fresh zero gradients) to `device`.
+  void to(Device device);
+  Device device() const { return device_; }
+  DType dtype() const { return dtype_; }
+
+ protected:
+  Layer(Shape input_shape, Shape output_shape, DType dtype)
+      : input_shape_(std::move(input_shape)), output_shape_(std::move(output_shape)), dtype_(dtype) {}
+  virtual Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx) = 0;
+  virtual Tensor backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) = 0;
+  // Creates a parameter on the CPU, initialised uniform in [-bound, bound].
+  Parameter make_parameter(const std::string& name, const Shape& shape, double bound, uint64_t seed);
+
+  Shape input_shape_, output_shape_;
+  DType dtype_;
+  Device device_ = Device::cpu();
+};
+
+// Checks that x is (batch, *sample) of the given dtype; the message names the layer.
+void check_batch(const Tensor& x, const Shape& sample, DType dtype, const std::string& who, const char* what);
+
+}  // namespace layers
+}  // namespace gpipe

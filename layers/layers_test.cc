@@ -1,0 +1,219 @@
+// Every layer's backward against central finite differences in double precision, plus
+// costs, the registry and the model's shape checks.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <functional>
+
+#include "layers/activation.h"
+#include "layers/linear.h"
+#include "layers/loss.h"
+#include "layers/optimizer.h"
+#include "layers/registry.h"
+#include "layers/sequential.h"
+#include "runtime/error.h"
+#include "tests/testing.h"
+
+using namespace gpipe;
+using namespace gpipe::layers;
+using gpipe::testing::random_labels;
+using gpipe::testing::random_tensor;
+
+namespace {
+
+Backend& cpu() { return backend_for(Device::cpu()); }
+
+double dot(const Tensor& a, const Tensor& b) {
+  double s = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) s += a.data<double>()[i] * b.data<double>()[i];
+  return s;
+}
+
+// f(x) = <layer(x), r>. Checks dx and every parameter gradient against central
+// differences of f.
+void check_layer_gradients(Layer& layer, int64_t batch, double tol = 1e-6) {
+  Shape in{batch};
+  in.insert(in.end(), layer.input_shape().begin(), layer.input_shape().end());
+  Shape out{batch};
+  out.insert(out.end(), layer.output_shape().begin(), layer.output_shape().end());
+  Tensor x = random_tensor(in, DType::kF64, 11);
+  Tensor r = random_tensor(out, DType::kF64, 12);
+  auto f = [&] { return dot(layer.forward(cpu(), x, nullptr), r); };
+
+  for (Parameter* p : layer.parameters()) cpu().fill(p->grad, 0.0);
+  Context ctx;
+  layer.forward(cpu(), x, &ctx);
+  Tensor dx = layer.backward(cpu(), r, ctx);
+
+  const double eps = 1e-6;
+  auto numeric = [&](Tensor& t) {
+    std::vector<double> g(t.numel());
+    double* v = t.data<double>();
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      const double keep = v[i];
+      v[i] = keep + eps;
+      const double fp = f();
+      v[i] = keep - eps;
+      const double fm = f();
+      v[i] = keep;
+      g[i] = (fp - fm) / (2 * eps);
+    }
+    return g;
+  };
+  INFO(layer.describe(), " input gradient");
+  GPIPE_EXPECT_CLOSE(dx, numeric(x), tol, tol);
+  for (Parameter* p : layer.parameters()) {
+    INFO(layer.describe(), " gradient of ", p->name);
+    GPIPE_EXPECT_CLOSE(p->grad, numeric(p->value), tol, tol);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("linear backward matches finite differences") {
+  for (bool bias : {true, false}) {
+    LinearOptions o(7, 5);
+    o.bias = bias;
+    o.dtype = DType::kF64;
+    o.seed = 3;
+    Linear l(o);
+    check_layer_gradients(l, 4);
+  }
+}
+
+TEST_CASE("relu and gelu backward match finite differences") {
+  Relu relu({9}, DType::kF64);
+  check_layer_gradients(relu, 3);
+  Gelu gelu({9}, DType::kF64);
+  check_layer_gradients(gelu, 3);
+}
+
+TEST_CASE("gradients accumulate across backward calls") {
+  LinearOptions o(3, 2);
+  o.dtype = DType::kF64;
+  Linear l(o);
+  Tensor x = random_tensor({2, 3}, DType::kF64, 1);
+  Tensor r = random_tensor({2, 2}, DType::kF64, 2);
+  Context c;
+  l.forward(cpu(), x, &c);
+  l.backward(cpu(), r, c);
+  const auto once = gpipe::testing::to_doubles(l.weight().grad);
+  l.backward(cpu(), r, c);
+  const auto twice = gpipe::testing::to_doubles(l.weight().grad);
+  for (size_t i = 0; i < once.size(); ++i) CHECK(twice[i] == doctest::Approx(2 * once[i]));
+}
+
+TEST_CASE("softmax cross-entropy backward matches finite differences") {
+  const int64_t batch = 5, classes = 4;
+  SoftmaxCrossEntropy loss(classes, DType::kF64, /*ignore_index=*/-1);
+  Tensor logits = random_tensor({batch, classes}, DType::kF64, 5, -3, 3);
+  Tensor labels = random_labels(batch, classes, 6);
+  labels.data<int32_t>()[2] = -1;  // ignored row
+  const double scale = 1.0 / 4;
+  Context ctx;
+  Tensor value = loss.forward(cpu(), logits, labels, scale, &ctx);
+  Tensor d = loss.backward(cpu(), ctx);
+  std::vector<double> numeric(logits.numel());
+  double* v = logits.data<double>();
+  for (int64_t i = 0; i < logits.numel(); ++i) {
+    const double keep = v[i];
+    v[i] = keep + 1e-6;
+    const double fp = cpu().item(loss.forward(cpu(), logits, labels, scale, nullptr));
+    v[i] = keep - 1e-6;
+    const double fm = cpu().item(loss.forward(cpu(), logits, labels, scale, nullptr));
+    v[i] = keep;
+    numeric[i] = (fp - fm) / 2e-6;
+  }
+  GPIPE_EXPECT_CLOSE(d, numeric, 1e-6, 1e-7);
+  for (int64_t j = 0; j < classes; ++j) CHECK(d.data<double>()[2 * classes + j] == 0.0);
+
+  // The value itself: mean negative log-likelihood of the labelled class.
+  double expect = 0;
+  for (int64_t r = 0; r < batch; ++r) {
+    if (r == 2) continue;
+    const double* row = logits.data<double>() + r * classes;
+    double z = 0;
+    for (int64_t j = 0; j < classes; ++j) z += std::exp(row[j]);
+    expect += std::log(z) - row[labels.data<int32_t>()[r]];
+  }
+  CHECK(cpu().item(value) == doctest::Approx(expect * scale).epsilon(1e-12));
+}
+
+TEST_CASE("an out-of-range label is a user error naming the fix") {
+  SoftmaxCrossEntropy loss(3, DType::kF64);
+  Tensor logits = random_tensor({2, 3}, DType::kF64, 1);
+  Tensor labels = Tensor::from_vector<int32_t>({0, 3}, {2});
+  CHECK_THROWS_WITH_AS(loss.forward(cpu(), logits, labels, 1.0, nullptr),
+                       doctest::Contains("outside [0, 3)"), UserError);
+}
+
+TEST_CASE("linear cost counts the exact matrix-product flops") {
+  LinearOptions o(1024, 512);
+  Linear l(o);
+  const LayerCost c = l.cost(256);
+  CHECK(c.forward_flops == 2.0 * 256 * 1024 * 512 + 256 * 512);
+  CHECK(c.backward_flops == 4.0 * 256 * 1024 * 512 + 1024 * 512 + 256 * 512);
+  CHECK(c.param_bytes == 4 * (1024 * 512 + 512));
+  CHECK(c.output_bytes == 4 * 256 * 512);
+  CHECK(c.saved_bytes == 4 * 256 * 1024);
+}
+
+TEST_CASE("layer inputs of the wrong shape are rejected with the layer's name") {
+  Linear l(LinearOptions(4, 2));
+  Tensor x = random_tensor({3, 5}, DType::kF32, 1);
+  CHECK_THROWS_WITH_AS(l.forward(cpu(), x, nullptr), doctest::Contains("linear(4 -> 2)"), UserError);
+  Sequential m({4}, DType::kF32);
+  m.emplace<Linear>(LinearOptions(4, 8));
+  CHECK_THROWS_WITH_AS(m.emplace<Linear>(LinearOptions(7, 2)), doctest::Contains("receives float32(8)"), UserError);
+}
+
+TEST_CASE("the registry builds models and names unknown types and options") {
+  ModelSpec spec;
+  spec.input = {6};
+  spec.dtype = DType::kF64;
+  spec.layers = {{"linear", {{"out", "8"}}, {}, ""}, {"gelu", {}, {}, ""}, {"linear", {{"out", "3"}}, {}, ""}};
+  spec.loss = {"softmax_cross_entropy", {}, {}, ""};
+  auto model = build_model(spec);
+  CHECK(model->size() == 3);
+  CHECK(model->output_shape() == Shape{3});
+  CHECK(model->parameter_count() == 6 * 8 + 8 + 8 * 3 + 3);
+
+  spec.layers[1] = {"relux", {}, {}, "cfg.yaml:4:7"};
+  CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("unknown layer type 'relux' (at cfg.yaml:4:7); valid types: gelu, linear, relu"),
+                       UserError);
+  spec.layers[1] = {"linear", {{"out", "4"}, {"outs", "3"}}, {}, "cfg.yaml:5:7"};
+  CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("unknown option 'outs'"), UserError);
+  spec.layers[1] = {"linear", {}, {}, "cfg.yaml:5:7"};
+  CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("needs the option 'out'"), UserError);
+}
+
+TEST_CASE("weights do not depend on anything but the seed and position") {
+  ModelSpec spec;
+  spec.input = {4};
+  spec.layers = {{"linear", {{"out", "4"}}, {}, ""}, {"linear", {{"out", "2"}}, {}, ""}};
+  spec.loss = {"softmax_cross_entropy", {}, {}, ""};
+  spec.seed = 9;
+  auto a = build_model(spec);
+  auto b = build_model(spec);
+  CHECK(a->layer(1).parameters()[0]->value.to_vector<float>() == b->layer(1).parameters()[0]->value.to_vector<float>());
+  CHECK(a->layer(0).parameters()[0]->value.to_vector<float>() != a->layer(1).parameters()[0]->value.to_vector<float>());
+}
+
+TEST_CASE("SGD with momentum and weight decay follows PyTorch's update") {
+  Parameter p;
+  p.value = Tensor::from_vector<double>({1.0, -2.0}, {2});
+  p.grad = Tensor::from_vector<double>({0.5, 0.25}, {2});
+  SgdParams sp;
+  sp.lr = 0.1;
+  sp.momentum = 0.9;
+  sp.weight_decay = 0.01;
+  Sgd opt({&p}, sp);
+  opt.step();  // buf = g + wd w;  w -= lr buf
+  const double b0 = 0.5 + 0.01 * 1.0, b1 = 0.25 + 0.01 * -2.0;
+  const double w0 = 1.0 - 0.1 * b0, w1 = -2.0 - 0.1 * b1;
+  CHECK(p.value.data<double>()[0] == doctest::Approx(w0));
+  CHECK(p.value.data<double>()[1] == doctest::Approx(w1));
+  opt.step();  // buf = 0.9 buf + g + wd w
+  const double c0 = 0.9 * b0 + 0.5 + 0.01 * w0;
+  CHECK(p.value.data<double>()[0] == doctest::Approx(w0 - 0.1 * c0));
+}

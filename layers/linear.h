@@ -1,0 +1,37 @@
+// Fully connected layer: y = x W^T + b, with W (out, in) as in PyTorch, initialised
+// uniform in [-1/sqrt(in), 1/sqrt(in)] like torch.nn.Linear.
+#pragma once
+
+#include "layers/layer.h"
+
+namespace gpipe {
+namespace layers {
+
+struct LinearOptions {
+  LinearOptions(int64_t in, int64_t out) : in(in), out(out) {}
+  int64_t in, out;
+  bool bias = true;
+  DType dtype = DType::kF32;
+  uint64_t seed = 0;
+};
+
+class Linear : public Layer {
+ public:
+  explicit Linear(const LinearOptions& opts);
+  std::string type() const override { return "linear"; }
+  std::string describe() const override;
+  LayerCost cost(int64_t batch) const override;
+  std::vector<Parameter*> parameters() override;
+  Parameter& weight() { return weight_; }
+  Parameter& bias() { return bias_; }
+
+ private:
+  Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx) override;
+  Tensor backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) override;
+  LinearOptions opts_;
+  Parameter weight_;  // (out, in)
+  Parameter bias_;    // (out)
+};
+
+}  // namespace layers
+}  // namespace gpipe

@@ -1,0 +1,184 @@
+#include "layers/registry.h"
+
+#include <cstdlib>
+#include <mutex>
+
+#include "layers/activation.h"
+#include "layers/linear.h"
+#include "runtime/error.h"
+#include "runtime/random.h"
+
+namespace gpipe {
+namespace layers {
+
+namespace {
+
+std::string at(const LayerSpec& s) { return s.where.empty() ? "" : " (at " + s.where + ")"; }
+
+std::string join(const std::vector<std::string>& v) {
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + v[i];
+  return out;
+}
+
+struct Registry {
+  std::mutex mu;
+  std::map<std::string, LayerFactory> layers;
+  std::map<std::string, LossFactory> losses;
+};
+
+Registry& registry() {
+  static Registry* r = [] {
+    auto* reg = new Registry;
+    reg->layers["linear"] = [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
+      if (in.size() != 1) {
+        throw UserError("linear" + at(a.spec()) + ": takes a flat input per sample, got " + shape_str(in) +
+                        "; flatten the input first");
+      }
+      LinearOptions o(in[0], a.get_int("out"));
+      o.bias = a.get_bool("bias", true);
+      o.dtype = dtype;
+      o.seed = seed;
+      return std::make_unique<Linear>(o);
+    };
+    reg->layers["relu"] = [](LayerArgs&, const Shape& in, DType dtype, uint64_t) -> std::unique_ptr<Layer> {
+      return std::make_unique<Relu>(in, dtype);
+    };
+    reg->layers["gelu"] = [](LayerArgs&, const Shape& in, DType dtype, uint64_t) -> std::unique_ptr<Layer> {
+      return std::make_unique<Gelu>(in, dtype);
+    };
+    reg->losses["softmax_cross_entropy"] = [](LayerArgs& a, const Shape& in, DType dtype) -> std::unique_ptr<Loss> {
+      if (in.size() != 1) {
+        throw UserError("softmax_cross_entropy" + at(a.spec()) + ": expects (batch, classes) logits, got " +
+                        shape_str(in) + " per sample");
+      }
+      return std::make_unique<SoftmaxCrossEntropy>(in[0], dtype,
+                                                   static_cast<int>(a.get_int("ignore_index", -100)));
+    };
+    return reg;
+  }();
+  return *r;
+}
+
+}  // namespace
+
+const std::string* LayerArgs::find(const std::string& key) {
+  used_.insert(key);
+  auto it = spec_.args.find(key);
+  return it == spec_.args.end() ? nullptr : &it->second;
+}
+
+int64_t LayerArgs::get_int(const std::string& key) {
+  const std::string* v = find(key);
+  if (v == nullptr) {
+    throw UserError("layer '" + spec_.type + "'" + at(spec_) + " needs the option '" + key + "', e.g. {type: " +
+                    spec_.type + ", " + key + ": 1024}");
+  }
+  return get_int(key, 0);
+}
+
+int64_t LayerArgs::get_int(const std::string& key, int64_t fallback) {
+  const std::string* v = find(key);
+  if (v == nullptr) return fallback;
+  char* end = nullptr;
+  const long long n = std::strtoll(v->c_str(), &end, 10);
+  if (v->empty() || *end != '\0') {
+    throw UserError("layer '" + spec_.type + "'" + at(spec_) + ": option '" + key + "' must be an integer, got '" +
+                    *v + "'");
+  }
+  return n;
+}
+
+bool LayerArgs::get_bool(const std::string& key, bool fallback) {
+  const std::string* v = find(key);
+  if (v == nullptr) return fallback;
+  if (*v == "true") return true;
+  if (*v == "false") return false;
+  throw UserError("layer '" + spec_.type + "'" + at(spec_) + ": option '" + key + "' must be true or false, got '" +
+                  *v + "'");
+}
+
+void LayerArgs::finish() const {
+  for (const auto& kv : spec_.args) {
+    if (!used_.count(kv.first)) {
+      std::vector<std::string> known(used_.begin(), used_.end());
+      throw UserError("layer '" + spec_.type + "'" + at(spec_) + ": unknown option '" + kv.first + "'" +
+                      (known.empty() ? std::string("; it takes no options") : "; valid options: " + join(known)));
+    }
+  }
+}
+
+void register_layer(const std::string& type, LayerFactory factory) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.layers[type] = std::move(factory);
+}
+
+void register_loss(const std::string& type, LossFactory factory) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.losses[type] = std::move(factory);
+}
+
+std::vector<std::string> layer_types() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  std::vector<std::string> out;
+  for (auto& kv : r.layers) out.push_back(kv.first);
+  return out;
+}
+
+std::vector<std::string> loss_types() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  std::vector<std::string> out;
+  for (auto& kv : r.losses) out.push_back(kv.first);
+  return out;
+}
+
+std::unique_ptr<Layer> make_layer(const LayerSpec& spec, const Shape& input, DType dtype, uint64_t seed) {
+  LayerFactory f;
+  {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    auto it = r.layers.find(spec.type);
+    if (it != r.layers.end()) f = it->second;
+  }
+  if (!f) {
+    throw UserError("unknown layer type '" + spec.type + "'" + at(spec) + "; valid types: " + join(layer_types()));
+  }
+  LayerArgs args(spec);
+  auto layer = f(args, input, dtype, seed);
+  args.finish();
+  return layer;
+}
+
+std::unique_ptr<Loss> make_loss(const LayerSpec& spec, const Shape& input, DType dtype) {
+  LossFactory f;
+  {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    auto it = r.losses.find(spec.type);
+    if (it != r.losses.end()) f = it->second;
+  }
+  if (!f) {
+    throw UserError("unknown loss type '" + spec.type + "'" + at(spec) + "; valid types: " + join(loss_types()));
+  }
+  LayerArgs args(spec);
+  auto loss = f(args, input, dtype);
+  args.finish();
+  return loss;
+}
+
+std::unique_ptr<Sequential> build_model(const ModelSpec& spec) {
+  if (spec.layers.empty()) throw UserError("model.layers is empty; list at least one layer");
+  auto model = std::make_unique<Sequential>(spec.input, spec.dtype);
+  for (size_t i = 0; i < spec.layers.size(); ++i) {
+    model->add(make_layer(spec.layers[i], model->output_shape(), spec.dtype, mix_seed(spec.seed, i)));
+  }
+  model->set_loss(make_loss(spec.loss, model->output_shape(), spec.dtype));
+  return model;
+}
+
+}  // namespace layers
+}  // namespace gpipe

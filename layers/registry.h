@@ -1,0 +1,70 @@
+// Builds layers from plain specs (decoded from YAML by the config layer): a registry
+// maps a config's `type` to a factory. An unknown type or option is an error that
+// names it, says where it was written, and lists what is valid.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "layers/layer.h"
+#include "layers/loss.h"
+#include "layers/sequential.h"
+
+namespace gpipe {
+namespace layers {
+
+struct LayerSpec {
+  std::string type;
+  std::map<std::string, std::string> args;  // option -> scalar text, e.g. {"out": "1024"}
+  std::optional<double> cost;               // a user's cost for the balancer, overriding the estimate
+  std::string where;                        // "configs/default.yaml:12:7", for messages
+};
+
+struct ModelSpec {
+  Shape input;  // per sample
+  DType dtype = DType::kF32;
+  std::vector<LayerSpec> layers;  // repeats already expanded
+  LayerSpec loss;
+  uint64_t seed = 0;
+};
+
+// Typed access to a spec's options; every option must be read or it is reported
+// as unknown by finish().
+class LayerArgs {
+ public:
+  explicit LayerArgs(const LayerSpec& spec) : spec_(spec) {}
+  int64_t get_int(const std::string& key);
+  int64_t get_int(const std::string& key, int64_t fallback);
+  bool get_bool(const std::string& key, bool fallback);
+  const LayerSpec& spec() const { return spec_; }
+  // Throws UserError for any option not read.
+  void finish() const;
+
+ private:
+  const std::string* find(const std::string& key);
+  const LayerSpec& spec_;
+  std::set<std::string> used_;
+};
+
+using LayerFactory =
+    std::function<std::unique_ptr<Layer>(LayerArgs& args, const Shape& input, DType dtype, uint64_t seed)>;
+using LossFactory = std::function<std::unique_ptr<Loss>(LayerArgs& args, const Shape& input, DType dtype)>;
+
+void register_layer(const std::string& type, LayerFactory factory);
+void register_loss(const std::string& type, LossFactory factory);
+std::vector<std::string> layer_types();
+std::vector<std::string> loss_types();
+
+std::unique_ptr<Layer> make_layer(const LayerSpec& spec, const Shape& input, DType dtype, uint64_t seed);
+std::unique_ptr<Loss> make_loss(const LayerSpec& spec, const Shape& input, DType dtype);
+// The whole model; layer i is seeded with mix_seed(spec.seed, i), so the weights do
+// not depend on how the model is later partitioned.
+std::unique_ptr<Sequential> build_model(const ModelSpec& spec);
+
+}  // namespace layers
+}  // namespace gpipe

@@ -1,0 +1,79 @@
+#include "layers/sequential.h"
+
+#include "runtime/error.h"
+
+namespace gpipe {
+namespace layers {
+
+Layer& Sequential::add(std::unique_ptr<Layer> layer) {
+  const Shape& want = output_shape();
+  if (layer->input_shape() != want || layer->dtype() != dtype_) {
+    throw UserError("layer " + std::to_string(layers_.size()) + " (" + layer->describe() + ") takes " +
+                    dtype_name(layer->dtype()) + shape_str(layer->input_shape()) + " per sample, but receives " +
+                    dtype_name(dtype_) + shape_str(want) + "; fix its input size");
+  }
+  layers_.push_back(std::move(layer));
+  return *layers_.back();
+}
+
+Loss& Sequential::loss() {
+  if (!loss_) throw UserError("the model has no loss; add one (model.loss in YAML, set_loss in C++)");
+  return *loss_;
+}
+
+const Shape& Sequential::output_shape() const {
+  return layers_.empty() ? input_shape_ : layers_.back()->output_shape();
+}
+
+std::vector<LayerCost> Sequential::costs(int64_t batch) const {
+  std::vector<LayerCost> out;
+  for (const auto& l : layers_) out.push_back(l->cost(batch));
+  if (loss_ && !out.empty()) {
+    const LayerCost lc = loss_->cost(batch);
+    LayerCost& last = out.back();
+    last.forward_flops += lc.forward_flops;
+    last.backward_flops += lc.backward_flops;
+    last.forward_bytes += lc.forward_bytes;
+    last.backward_bytes += lc.backward_bytes;
+    last.saved_bytes += lc.saved_bytes;
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, Parameter*>> Sequential::named_parameters() {
+  std::vector<std::pair<std::string, Parameter*>> out;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    for (Parameter* p : layers_[i]->parameters()) out.emplace_back(std::to_string(i) + "." + p->name, p);
+  }
+  return out;
+}
+
+int64_t Sequential::parameter_count() {
+  int64_t n = 0;
+  for (auto& np : named_parameters()) n += np.second->value.numel();
+  return n;
+}
+
+void Sequential::zero_grad() {
+  for (auto& np : named_parameters()) backend_for(np.second->grad.device()).fill(np.second->grad, 0.0);
+}
+
+double Sequential::forward_backward(Backend& be, const Tensor& x, const Tensor& targets, double scale) {
+  std::vector<Context> ctx(layers_.size());
+  Tensor h = x;
+  for (size_t i = 0; i < layers_.size(); ++i) h = layers_[i]->forward(be, h, &ctx[i]);
+  Context loss_ctx;
+  Tensor loss = this->loss().forward(be, h, targets, scale, &loss_ctx);
+  Tensor g = loss_->backward(be, loss_ctx);
+  for (size_t i = layers_.size(); i-- > 0;) g = layers_[i]->backward(be, g, ctx[i], i > 0);
+  return be.item(loss);
+}
+
+Tensor Sequential::predict(Backend& be, const Tensor& x) {
+  Tensor h = x;
+  for (auto& l : layers_) h = l->forward(be, h, nullptr);
+  return h;
+}
+
+}  // namespace layers
+}  // namespace gpipe

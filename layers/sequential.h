@@ -1,0 +1,59 @@
+// A model is a sequence of layers followed by a loss: the form GPipe partitions. The
+// same object is the unpartitioned reference (forward_backward) and the source of the
+// pipeline's cells (contiguous ranges of its layers).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "layers/layer.h"
+#include "layers/loss.h"
+
+namespace gpipe {
+namespace layers {
+
+class Sequential {
+ public:
+  Sequential(Shape input_shape, DType dtype) : input_shape_(std::move(input_shape)), dtype_(dtype) {}
+
+  // Appends a layer; its input shape must equal the current output shape.
+  Layer& add(std::unique_ptr<Layer> layer);
+  template <typename L, typename... Args>
+  L& emplace(Args&&... args) {
+    return static_cast<L&>(add(std::make_unique<L>(std::forward<Args>(args)...)));
+  }
+  void set_loss(std::unique_ptr<Loss> loss) { loss_ = std::move(loss); }
+
+  int size() const { return static_cast<int>(layers_.size()); }
+  Layer& layer(int i) { return *layers_.at(i); }
+  const Layer& layer(int i) const { return *layers_.at(i); }
+  Loss& loss();
+  bool has_loss() const { return loss_ != nullptr; }
+  const Shape& input_shape() const { return input_shape_; }
+  const Shape& output_shape() const;
+  DType dtype() const { return dtype_; }
+
+  // Per-layer costs for a batch; the loss is counted with the last layer.
+  std::vector<LayerCost> costs(int64_t batch) const;
+  // ("3.weight", parameter) in layer order.
+  std::vector<std::pair<std::string, Parameter*>> named_parameters();
+  int64_t parameter_count();
+  void zero_grad();
+
+  // The unpartitioned reference: forward and backward of the whole batch on one
+  // backend, adding into the gradients. Returns the loss scaled by `scale`.
+  double forward_backward(Backend& be, const Tensor& x, const Tensor& targets, double scale);
+  // Forward only; returns the logits.
+  Tensor predict(Backend& be, const Tensor& x);
+
+ private:
+  Shape input_shape_;
+  DType dtype_;
+  std::vector<std::unique_ptr<Layer>> layers_;
+  std::unique_ptr<Loss> loss_;
+};
+
+}  // namespace layers
+}  // namespace gpipe

@@ -1,0 +1,105 @@
+#include "partition/balance.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <string>
+
+#include "runtime/error.h"
+
+namespace gpipe {
+namespace partition {
+
+double CostModel::seconds(const layers::LayerCost& c, bool recompute) const {
+  const double fwd = std::max(c.forward_flops / flops_per_second, c.forward_bytes / bytes_per_second);
+  const double bwd = std::max(c.backward_flops / flops_per_second, c.backward_bytes / bytes_per_second);
+  return (recompute ? 2 : 1) * fwd + bwd;
+}
+
+std::vector<int> balance_by_cost(const std::vector<double>& costs, int k) {
+  const int n = static_cast<int>(costs.size());
+  if (k < 1) throw UserError("pipeline.partitions must be at least 1, got " + std::to_string(k));
+  if (k > n) {
+    throw UserError("pipeline.partitions = " + std::to_string(k) + " but the model has only " + std::to_string(n) +
+                    " layers; each partition needs at least one layer: lower pipeline.partitions to at most " +
+                    std::to_string(n));
+  }
+  for (int i = 0; i < n; ++i) {
+    if (!(costs[i] >= 0) || !std::isfinite(costs[i])) {
+      throw UserError("layer " + std::to_string(i) + " has cost " + std::to_string(costs[i]) +
+                      "; costs must be finite and non-negative");
+    }
+  }
+  std::vector<double> prefix(n + 1, 0.0);
+  for (int i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + costs[i];
+  const double inf = std::numeric_limits<double>::infinity();
+  // best[j][i]: the smallest possible max cell cost splitting the first i layers into j cells.
+  std::vector<std::vector<double>> best(k + 1, std::vector<double>(n + 1, inf));
+  std::vector<std::vector<int>> cut(k + 1, std::vector<int>(n + 1, -1));
+  best[0][0] = 0.0;
+  for (int j = 1; j <= k; ++j) {
+    for (int i = j; i <= n - (k - j); ++i) {
+      // The last cell is layers [p, i); scanning p downward keeps the earliest cells
+      // as large as possible among equal optima.
+      for (int p = i - 1; p >= j - 1; --p) {
+        const double v = std::max(best[j - 1][p], prefix[i] - prefix[p]);
+        if (v < best[j][i]) {
+          best[j][i] = v;
+          cut[j][i] = p;
+        }
+      }
+    }
+  }
+  std::vector<int> sizes(k);
+  for (int j = k, i = n; j >= 1; --j) {
+    const int p = cut[j][i];
+    sizes[j - 1] = i - p;
+    i = p;
+  }
+  return sizes;
+}
+
+void validate_balance(const std::vector<int>& balance, int num_layers, int k) {
+  if (static_cast<int>(balance.size()) != k) {
+    throw UserError("pipeline.balance has " + std::to_string(balance.size()) + " entries but pipeline.partitions is " +
+                    std::to_string(k) + "; give one layer count per partition");
+  }
+  int sum = 0;
+  for (size_t i = 0; i < balance.size(); ++i) {
+    if (balance[i] < 1) {
+      throw UserError("pipeline.balance[" + std::to_string(i) + "] = " + std::to_string(balance[i]) +
+                      "; every partition needs at least one layer");
+    }
+    sum += balance[i];
+  }
+  if (sum != num_layers) {
+    throw UserError("pipeline.balance sums to " + std::to_string(sum) + " but the model has " +
+                    std::to_string(num_layers) + " layers (after repeats are expanded); make the counts add up to " +
+                    std::to_string(num_layers));
+  }
+}
+
+double max_cell_cost(const std::vector<double>& costs, const std::vector<int>& balance) {
+  double worst = 0;
+  size_t i = 0;
+  for (int size : balance) {
+    double s = 0;
+    for (int j = 0; j < size; ++j) s += costs.at(i++);
+    worst = std::max(worst, s);
+  }
+  return worst;
+}
+
+std::vector<double> layer_costs(const layers::Sequential& model, int64_t micro_batch_size, bool recompute,
+                                const std::vector<std::optional<double>>& overrides, const CostModel& cm) {
+  const auto counts = model.costs(micro_batch_size);
+  std::vector<double> out(counts.size());
+  for (size_t i = 0; i < counts.size(); ++i) {
+    out[i] = (i < overrides.size() && overrides[i]) ? *overrides[i] : cm.seconds(counts[i], recompute);
+  }
+  return out;
+}
+
+}  // namespace partition
+}  // namespace gpipe

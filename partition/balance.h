@@ -1,0 +1,43 @@
+// The balancer: splits L layers into K contiguous cells so that the slowest cell is
+// as fast as possible. Exact (dynamic programming over split points), not a heuristic.
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include "layers/layer.h"
+#include "layers/sequential.h"
+
+namespace gpipe {
+namespace partition {
+
+// Turns a layer's counts into seconds: a roofline-style estimate that charges the
+// larger of compute time and memory time, forward plus backward (plus a second
+// forward when the cell rematerializes).
+struct CostModel {
+  double flops_per_second = 5e10;  // one core's matrix-product rate, roughly
+  double bytes_per_second = 1e10;  // one core's memory bandwidth, roughly
+  double seconds(const layers::LayerCost& c, bool recompute) const;
+};
+
+// Cell sizes (layers per cell) minimising the largest cell cost. Among optimal
+// splits, the one with the most even spread of the remaining cells is not sought:
+// ties are broken toward putting layers in earlier cells. Throws UserError if
+// k < 1, k > costs.size(), or a cost is negative or not finite.
+std::vector<int> balance_by_cost(const std::vector<double>& costs, int k);
+
+// Checks a user's manual balance against the layer count; throws UserError naming the
+// problem and the fix.
+void validate_balance(const std::vector<int>& balance, int num_layers, int k);
+
+// The cost of the most expensive cell of a split.
+double max_cell_cost(const std::vector<double>& costs, const std::vector<int>& balance);
+
+// Per-layer costs in seconds for a model at a given micro-batch size; a user's
+// `cost:` value (overrides[i]) replaces the estimate for layer i.
+std::vector<double> layer_costs(const layers::Sequential& model, int64_t micro_batch_size, bool recompute,
+                                const std::vector<std::optional<double>>& overrides = {},
+                                const CostModel& cm = {});
+
+}  // namespace partition
+}  // namespace gpipe

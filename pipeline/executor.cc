@@ -1,0 +1,375 @@
+#include "pipeline/executor.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "runtime/error.h"
+#include "runtime/logging.h"
+
+namespace gpipe {
+namespace pipeline {
+
+std::vector<StageSpec> make_stages(const std::vector<int>& balance, const std::vector<Device>& devices) {
+  GPIPE_CHECK(balance.size() == devices.size(), "one device per stage");
+  std::vector<StageSpec> out;
+  int first = 0;
+  for (size_t k = 0; k < balance.size(); ++k) {
+    out.push_back({first, balance[k], devices[k]});
+    first += balance[k];
+  }
+  return out;
+}
+
+std::vector<int64_t> split_sizes(int64_t n, int m) {
+  if (m < 1) throw UserError("pipeline.micro_batches must be at least 1, got " + std::to_string(m));
+  if (n < m) {
+    throw UserError("the batch of " + std::to_string(n) + " samples cannot be split into " + std::to_string(m) +
+                    " micro-batches; raise train.batch_size to at least " + std::to_string(m) +
+                    " or lower pipeline.micro_batches");
+  }
+  std::vector<int64_t> sizes(m, n / m);
+  for (int i = 0; i < n % m; ++i) ++sizes[i];
+  return sizes;
+}
+
+// What one stage keeps between instructions, per micro-batch.
+struct MicroBatch {
+  Tensor input;                       // stage input; kept while the micro-batch is checkpointed
+  Tensor output;                      // cell output awaiting its send
+  std::vector<layers::Context> ctx;   // per layer; empty while checkpointed
+  layers::Context loss_ctx;           // last stage only
+  Tensor targets;                     // last stage only
+  Tensor loss;                        // last stage only
+  Tensor grad_output, grad_input;     // received / to be sent
+  int64_t held_bytes = 0;             // activations held, for the memory meter
+};
+
+struct Executor::StageRuntime {
+  int index = 0;
+  StageSpec spec;
+  Backend* backend = nullptr;
+  std::unique_ptr<layers::Sgd> optimizer;
+  std::vector<MicroBatch> mbs;
+  StageTrace trace;
+  int64_t live_bytes = 0;
+  std::exception_ptr error;
+  bool error_is_abort = false;
+  std::string error_text;
+};
+
+namespace {
+
+// Bytes of the distinct buffers a micro-batch holds.
+int64_t held_bytes(const MicroBatch& mb) {
+  std::vector<std::pair<const void*, int64_t>> seen;
+  auto add = [&](const Tensor& t) {
+    if (!t.defined()) return;
+    const void* key = t.raw_data();
+    for (auto& s : seen) {
+      if (s.first == key) return;
+    }
+    seen.emplace_back(key, static_cast<int64_t>(t.nbytes()));
+  };
+  add(mb.input);
+  add(mb.output);
+  add(mb.grad_output);
+  add(mb.grad_input);
+  for (const auto& c : mb.ctx) {
+    for (const auto& t : c.saved) add(t);
+  }
+  for (const auto& t : mb.loss_ctx.saved) add(t);
+  int64_t total = 0;
+  for (auto& s : seen) total += s.second;
+  return total;
+}
+
+void pin_to_core(int core) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(core, &set);
+  if (pthread_setaffinity_np(pthread_self(), sizeof(set), &set) != 0) {
+    spdlog::debug("could not pin the stage thread to core {}", core);
+  }
+}
+
+}  // namespace
+
+Executor::Executor(layers::Sequential& model, std::vector<StageSpec> stages, Schedule schedule, Transport& transport,
+                   ExecutorOptions options)
+    : model_(model), stages_(std::move(stages)), schedule_(std::move(schedule)), transport_(transport),
+      options_(options) {
+  const int K = static_cast<int>(stages_.size());
+  if (K != schedule_.num_stages) {
+    throw UserError("the schedule has " + std::to_string(schedule_.num_stages) + " stages but " + std::to_string(K) +
+                    " cells were given");
+  }
+  check_schedule(schedule_);
+  int expect_first = 0;
+  for (int k = 0; k < K; ++k) {
+    const StageSpec& s = stages_[k];
+    if (s.first_layer != expect_first || s.num_layers < 1) {
+      throw UserError("stage " + std::to_string(k) + " must start at layer " + std::to_string(expect_first) +
+                      " and hold at least one layer");
+    }
+    expect_first += s.num_layers;
+  }
+  if (expect_first != model_.size()) {
+    throw UserError("the stages hold " + std::to_string(expect_first) + " layers but the model has " +
+                    std::to_string(model_.size()));
+  }
+  model_.loss();  // the last stage needs one: fail now, not in a worker
+  for (int k = 0; k < K; ++k) {
+    auto rt = std::make_unique<StageRuntime>();
+    rt->index = k;
+    rt->spec = stages_[k];
+    rt->backend = &backend_for(stages_[k].device);
+    std::vector<layers::Parameter*> params;
+    for (int i = rt->spec.first_layer; i < rt->spec.first_layer + rt->spec.num_layers; ++i) {
+      model_.layer(i).to(rt->spec.device);
+      for (auto* p : model_.layer(i).parameters()) params.push_back(p);
+    }
+    rt->optimizer = std::make_unique<layers::Sgd>(params, options_.sgd);
+    runtimes_.push_back(std::move(rt));
+  }
+  const bool pin = options_.pin_threads && K > 1 && static_cast<unsigned>(K) <= std::thread::hardware_concurrency();
+  for (int k = 0; k < K; ++k) {
+    workers_.emplace_back([this, k, pin] {
+      set_thread_context(0, k);
+      if (pin) pin_to_core(k);
+      worker_main(k);
+    });
+  }
+}
+
+Executor::~Executor() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    shutdown_ = true;
+  }
+  cv_start_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+void Executor::set_lr(double lr) {
+  for (auto& rt : runtimes_) rt->optimizer->set_lr(lr);
+}
+
+void Executor::worker_main(int k) {
+  uint64_t seen = 0;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_start_.wait(lock, [&] { return shutdown_ || generation_ != seen; });
+      if (shutdown_) return;
+      seen = generation_;
+    }
+    run_stage(k);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--running_ == 0) cv_done_.notify_all();
+    }
+  }
+}
+
+void Executor::run_stage(int k) {
+  StageRuntime& rt = *runtimes_[k];
+  const int K = static_cast<int>(stages_.size());
+  const int M = schedule_.num_micro_batches;
+  const bool last = k == K - 1;
+  Backend& be = *rt.backend;
+  const Device dev = rt.spec.device;
+  layers::Loss& loss = model_.loss();
+  rt.mbs.assign(M, MicroBatch{});
+  // The schedule decides rematerialization: a micro-batch is checkpointed on this
+  // stage exactly when the stage's program recomputes it.
+  std::vector<char> checkpointed(M, 0);
+  for (const Instruction& ins : schedule_.stages[k]) {
+    if (ins.op == Op::kRecompute) checkpointed[ins.micro_batch] = 1;
+  }
+  rt.trace = StageTrace{};
+  rt.live_bytes = 0;
+  rt.error = nullptr;
+  rt.error_is_abort = false;
+
+  auto to_device = [&](const Tensor& host) {
+    if (host.device() == dev || (host.device().is_cpu() && dev.is_cpu())) return host;
+    Tensor t = be.empty(host.shape(), host.dtype());
+    be.copy(host, t);
+    return t;
+  };
+  // Runs the cell's forward; with keep, records every layer's context (and the loss's).
+  // A recompute only rebuilds the contexts: its output was sent already.
+  auto cell_forward = [&](MicroBatch& mb, int m, bool keep, bool recompute) {
+    Tensor h = mb.input;
+    if (keep) mb.ctx.assign(rt.spec.num_layers, {});
+    for (int i = 0; i < rt.spec.num_layers; ++i) {
+      h = model_.layer(rt.spec.first_layer + i).forward(be, h, keep ? &mb.ctx[i] : nullptr);
+    }
+    if (last) {
+      if (!mb.targets.defined()) {
+        mb.targets = to_device(cur_.targets.narrow_rows(cur_.offsets[m], cur_.sizes[m]));
+      }
+      Tensor l = loss.forward(be, h, mb.targets, cur_.scale, keep ? &mb.loss_ctx : nullptr);
+      if (!recompute) mb.loss = l;
+    } else if (!recompute) {
+      mb.output = h;
+    }
+  };
+  auto now_ms = [&] {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - cur_.epoch).count();
+  };
+
+  try {
+    for (const Instruction& ins : schedule_.stages[k]) {
+      const int m = ins.micro_batch;
+      if (ins.op == Op::kOptimizerStep && !cur_.apply_optimizer) continue;
+      const double t0 = now_ms();
+      switch (ins.op) {
+        case Op::kRecvActivation:
+          rt.mbs[m].input = transport_.recv(k, k - 1, {MessageKind::kActivation, m}, dev);
+          break;
+        case Op::kForward: {
+          MicroBatch& mb = rt.mbs[m];
+          if (k == 0) mb.input = to_device(cur_.inputs.narrow_rows(cur_.offsets[m], cur_.sizes[m]));
+          const bool ckpt = checkpointed[m];
+          cell_forward(mb, m, /*keep=*/!ckpt, /*recompute=*/false);
+          // A checkpointed micro-batch keeps only its input; otherwise the contexts
+          // hold whatever backward needs and the input may go.
+          if (!ckpt) mb.input = Tensor();
+          break;
+        }
+        case Op::kSendActivation: {
+          MicroBatch& mb = rt.mbs[m];
+          transport_.send(k, k + 1, {MessageKind::kActivation, m}, mb.output);
+          mb.output = Tensor();
+          break;
+        }
+        case Op::kRecompute:
+          cell_forward(rt.mbs[m], m, /*keep=*/true, /*recompute=*/true);
+          break;
+        case Op::kRecvGradient:
+          rt.mbs[m].grad_output = transport_.recv(k, k + 1, {MessageKind::kGradient, m}, dev);
+          break;
+        case Op::kBackward: {
+          MicroBatch& mb = rt.mbs[m];
+          GPIPE_CHECK(static_cast<int>(mb.ctx.size()) == rt.spec.num_layers,
+                      "backward of micro-batch " + std::to_string(m) + " without its forward contexts");
+          Tensor g = last ? loss.backward(be, mb.loss_ctx) : mb.grad_output;
+          for (int i = rt.spec.num_layers - 1; i >= 0; --i) {
+            const bool need_dx = i > 0 || k > 0;
+            g = model_.layer(rt.spec.first_layer + i).backward(be, g, mb.ctx[i], need_dx);
+          }
+          mb.grad_input = g;
+          // Everything but the gradient to send (and the loss value) is released here.
+          mb.ctx.clear();
+          mb.loss_ctx = {};
+          mb.input = Tensor();
+          mb.grad_output = Tensor();
+          break;
+        }
+        case Op::kSendGradient: {
+          MicroBatch& mb = rt.mbs[m];
+          transport_.send(k, k - 1, {MessageKind::kGradient, m}, mb.grad_input);
+          mb.grad_input = Tensor();
+          break;
+        }
+        case Op::kOptimizerStep:
+          rt.optimizer->step();
+          break;
+      }
+      if (m >= 0) {
+        MicroBatch& mb = rt.mbs[m];
+        const int64_t now_held = held_bytes(mb);
+        rt.live_bytes += now_held - mb.held_bytes;
+        mb.held_bytes = now_held;
+        rt.trace.peak_activation_bytes = std::max(rt.trace.peak_activation_bytes, rt.live_bytes);
+      }
+      rt.trace.ops.push_back({ins.op, m, t0, now_ms()});
+    }
+    be.synchronize();
+  } catch (const Aborted& e) {
+    rt.error = std::current_exception();
+    rt.error_is_abort = true;
+    rt.error_text = e.what();
+  } catch (const std::exception& e) {
+    rt.error = std::current_exception();
+    rt.error_text = e.what();
+    transport_.abort("stage " + std::to_string(k) + " failed");
+  }
+}
+
+StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool apply_optimizer) {
+  if (failed_) throw Error("the pipeline stopped after an earlier failure; start a new run");
+  const int M = schedule_.num_micro_batches;
+  if (!inputs.device().is_cpu() || !targets.device().is_cpu()) throw Error("step() takes host tensors");
+  if (inputs.dim() < 1 || targets.dim() != 1 || inputs.size(0) != targets.size(0)) {
+    throw UserError("inputs " + inputs.str() + " and targets " + targets.str() + " must have the same batch size");
+  }
+  const int64_t n = inputs.size(0);
+  cur_.inputs = inputs;
+  cur_.targets = targets;
+  cur_.sizes = split_sizes(n, M);
+  cur_.offsets.assign(M, 0);
+  for (int m = 1; m < M; ++m) cur_.offsets[m] = cur_.offsets[m - 1] + cur_.sizes[m - 1];
+  // Mean over the labelled samples of the whole mini-batch, however it is split.
+  int64_t counted = n;
+  if (auto* xent = dynamic_cast<layers::SoftmaxCrossEntropy*>(&model_.loss())) {
+    const int32_t* t = targets.data<int32_t>();
+    counted = std::count_if(t, t + n, [&](int32_t v) { return v != xent->ignore_index(); });
+  }
+  cur_.scale = counted > 0 ? 1.0 / static_cast<double>(counted) : 0.0;
+  cur_.apply_optimizer = apply_optimizer;
+  model_.zero_grad();
+  cur_.epoch = std::chrono::steady_clock::now();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    running_ = static_cast<int>(workers_.size());
+    ++generation_;
+  }
+  cv_start_.notify_all();
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_done_.wait(lock, [&] { return running_ == 0; });
+  }
+  StepResult result;
+  result.wall_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - cur_.epoch).count();
+
+  // The first real failure wins; the others were told to stop because of it.
+  for (auto& rt : runtimes_) {
+    if (rt->error && !rt->error_is_abort) {
+      failed_ = true;
+      const StageSpec& s = rt->spec;
+      const std::string msg = "stage " + std::to_string(rt->index) + " (layers " + std::to_string(s.first_layer) +
+                              ".." + std::to_string(s.first_layer + s.num_layers - 1) + " on " + s.device.str() +
+                              ") failed: " + rt->error_text;
+      for (auto& other : runtimes_) other->mbs.clear();
+      try {
+        std::rethrow_exception(rt->error);
+      } catch (const UserError&) {
+        throw UserError(msg);
+      } catch (...) {
+        throw Error(msg);
+      }
+    }
+  }
+  for (auto& rt : runtimes_) {
+    if (rt->error) {
+      failed_ = true;
+      throw Error("stage " + std::to_string(rt->index) + " stopped: " + rt->error_text);
+    }
+  }
+  StageRuntime& last = *runtimes_.back();
+  for (auto& mb : last.mbs) result.loss += last.backend->item(mb.loss);
+  for (auto& rt : runtimes_) {
+    result.stages.push_back(std::move(rt->trace));
+    rt->mbs.clear();
+  }
+  return result;
+}
+
+}  // namespace pipeline
+}  // namespace gpipe

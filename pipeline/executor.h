@@ -1,0 +1,117 @@
+// The executor: runs a schedule with one worker thread per stage in this process.
+// Each stage owns a contiguous range of the model's layers (a cell) on its device and
+// interprets its instruction list; boundary activations and gradients travel through
+// a Transport. Gradients of all micro-batches accumulate into the parameters' grads
+// and one optimizer step per stage ends the mini-batch, so a step equals one step on
+// the whole mini-batch on one device.
+//
+// A worker never throws across threads: it records its error, aborts the transport so
+// its neighbours stop waiting, and the driver rethrows the first real failure after
+// every worker has stopped.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "layers/optimizer.h"
+#include "layers/sequential.h"
+#include "pipeline/schedule.h"
+#include "runtime/transport.h"
+
+namespace gpipe {
+namespace pipeline {
+
+struct StageSpec {
+  int first_layer = 0;
+  int num_layers = 0;
+  Device device;
+};
+
+// Stage specs from per-cell layer counts, with stage k on devices[k].
+std::vector<StageSpec> make_stages(const std::vector<int>& balance, const std::vector<Device>& devices);
+
+struct ExecutorOptions {
+  SgdParams sgd;
+  // Pin stage k's thread to core k when there are at least as many cores as stages.
+  bool pin_threads = true;
+};
+
+struct TimedOp {
+  Op op;
+  int micro_batch;
+  double start_ms, end_ms;  // since the step began
+};
+
+struct StageTrace {
+  std::vector<TimedOp> ops;
+  int64_t peak_activation_bytes = 0;  // largest sum of activations held at once
+};
+
+struct StepResult {
+  double loss = 0;  // mean over the mini-batch (sum of the micro-batches' scaled losses)
+  double wall_ms = 0;
+  std::vector<StageTrace> stages;
+};
+
+// Sizes of M micro-batches of an N-sample batch: as even as possible, larger first
+// (10 into 4 -> 3 3 2 2). Throws UserError when N < M.
+std::vector<int64_t> split_sizes(int64_t n, int m);
+
+class Executor {
+ public:
+  // Moves each cell's parameters to its stage's device. The model must outlive the
+  // executor; the transport too.
+  Executor(layers::Sequential& model, std::vector<StageSpec> stages, Schedule schedule, Transport& transport,
+           ExecutorOptions options);
+  ~Executor();
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  // One mini-batch: inputs (N, *input_shape) and int32 targets (N) on the host.
+  // Gradients are zeroed first; with apply_optimizer = false the optimizer steps are
+  // skipped, leaving the accumulated gradients for inspection.
+  StepResult step(const Tensor& inputs, const Tensor& targets, bool apply_optimizer = true);
+
+  const Schedule& schedule() const { return schedule_; }
+  const std::vector<StageSpec>& stages() const { return stages_; }
+  void set_lr(double lr);
+
+ private:
+  struct StageRuntime;
+  void worker_main(int k);
+  void run_stage(int k);
+
+  layers::Sequential& model_;
+  std::vector<StageSpec> stages_;
+  Schedule schedule_;
+  Transport& transport_;
+  ExecutorOptions options_;
+  std::vector<std::unique_ptr<StageRuntime>> runtimes_;
+
+  // The current step, shared with the workers.
+  struct StepInputs {
+    Tensor inputs, targets;
+    std::vector<int64_t> offsets, sizes;
+    double scale = 1.0;
+    bool apply_optimizer = true;
+    std::chrono::steady_clock::time_point epoch;
+  } cur_;
+
+  std::mutex mu_;
+  std::condition_variable cv_start_, cv_done_;
+  uint64_t generation_ = 0;
+  int running_ = 0;
+  bool shutdown_ = false;
+  bool failed_ = false;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace pipeline
+}  // namespace gpipe

@@ -1,0 +1,217 @@
+// The defining test: the pipelined model's loss and every parameter gradient equal the
+// unpartitioned model's on the same batch, for K in 1..4, M in {1, 2, 4, 8} and every
+// checkpoint mode. Also: the optimizer step, failure propagation, memory accounting.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <thread>
+
+#include "layers/linear.h"
+#include "layers/registry.h"
+#include "partition/balance.h"
+#include "pipeline/executor.h"
+#include "runtime/error.h"
+#include "runtime/inprocess_transport.h"
+#include "tests/testing.h"
+
+using namespace gpipe;
+using namespace gpipe::pipeline;
+using gpipe::testing::to_doubles;
+
+namespace {
+
+layers::ModelSpec mlp_spec(DType dtype) {
+  layers::ModelSpec spec;
+  spec.input = {6};
+  spec.dtype = dtype;
+  spec.seed = 5;
+  spec.layers = {{"linear", {{"out", "8"}}, {}, ""}, {"relu", {}, {}, ""}, {"linear", {{"out", "8"}}, {}, ""},
+                 {"gelu", {}, {}, ""},              {"linear", {{"out", "7"}}, {}, ""}, {"relu", {}, {}, ""},
+                 {"linear", {{"out", "4"}}, {}, ""}};
+  spec.loss = {"softmax_cross_entropy", {}, {}, ""};
+  return spec;
+}
+
+std::vector<Device> cpu_devices(int k) {
+  std::vector<Device> d;
+  for (int i = 0; i < k; ++i) d.push_back(Device::cpu(i));
+  return d;
+}
+
+std::vector<int> even_balance(int layers, int k) {
+  return partition::balance_by_cost(std::vector<double>(layers, 1.0), k);
+}
+
+}  // namespace
+
+TEST_CASE("pipelined loss and gradients equal the unpartitioned model's") {
+  const int64_t N = 13;  // not divisible by most M: uneven micro-batches
+  Tensor x = gpipe::testing::random_tensor({N, 6}, DType::kF64, 21);
+  Tensor y = gpipe::testing::random_labels(N, 4, 22);
+
+  auto reference = layers::build_model(mlp_spec(DType::kF64));
+  reference->zero_grad();
+  const double ref_loss = reference->forward_backward(backend_for(Device::cpu()), x, y, 1.0 / N);
+  auto ref_params = reference->named_parameters();
+
+  for (int K = 1; K <= 4; ++K) {
+    for (int M : {1, 2, 4, 8}) {
+      for (auto mode : {CheckpointMode::kAlways, CheckpointMode::kExceptLast, CheckpointMode::kNever}) {
+        CAPTURE(K);
+        CAPTURE(M);
+        CAPTURE(checkpoint_mode_name(mode));
+        auto model = layers::build_model(mlp_spec(DType::kF64));
+        InProcessTransport transport(K);
+        Executor ex(*model, make_stages(even_balance(model->size(), K), cpu_devices(K)),
+                    gpipe_schedule(K, M, mode), transport, {});
+        const StepResult r = ex.step(x, y, /*apply_optimizer=*/false);
+        CHECK(r.loss == doctest::Approx(ref_loss).epsilon(1e-12));
+        auto params = model->named_parameters();
+        REQUIRE(params.size() == ref_params.size());
+        for (size_t i = 0; i < params.size(); ++i) {
+          INFO("gradient of ", params[i].first);
+          GPIPE_EXPECT_CLOSE(params[i].second->grad, ref_params[i].second->grad, 1e-10, 1e-12);
+        }
+        CHECK(transport.pending() == 0);
+        CHECK(r.stages.size() == static_cast<size_t>(K));
+      }
+    }
+  }
+}
+
+TEST_CASE("float32 pipelines agree with the reference to float32 rounding") {
+  const int64_t N = 32;
+  Tensor x = gpipe::testing::random_tensor({N, 6}, DType::kF32, 1);
+  Tensor y = gpipe::testing::random_labels(N, 4, 2);
+  auto reference = layers::build_model(mlp_spec(DType::kF32));
+  reference->zero_grad();
+  const double ref_loss = reference->forward_backward(backend_for(Device::cpu()), x, y, 1.0 / N);
+  auto model = layers::build_model(mlp_spec(DType::kF32));
+  InProcessTransport transport(3);
+  Executor ex(*model, make_stages({3, 2, 2}, cpu_devices(3)), gpipe_schedule(3, 4, CheckpointMode::kExceptLast),
+              transport, {});
+  const StepResult r = ex.step(x, y, false);
+  CHECK(r.loss == doctest::Approx(ref_loss).epsilon(1e-5));
+  auto a = model->named_parameters(), b = reference->named_parameters();
+  for (size_t i = 0; i < a.size(); ++i) GPIPE_EXPECT_CLOSE(a[i].second->grad, b[i].second->grad, 1e-4, 1e-6);
+}
+
+TEST_CASE("one pipelined step equals one SGD step on the whole batch") {
+  const int64_t N = 10;
+  Tensor x = gpipe::testing::random_tensor({N, 6}, DType::kF64, 3);
+  Tensor y = gpipe::testing::random_labels(N, 4, 4);
+  SgdParams sgd;
+  sgd.lr = 0.5;
+  sgd.momentum = 0.9;
+  sgd.weight_decay = 0.01;
+
+  auto reference = layers::build_model(mlp_spec(DType::kF64));
+  std::vector<layers::Parameter*> ref_params;
+  for (auto& np : reference->named_parameters()) ref_params.push_back(np.second);
+  layers::Sgd ref_opt(ref_params, sgd);
+
+  auto model = layers::build_model(mlp_spec(DType::kF64));
+  InProcessTransport transport(2);
+  ExecutorOptions opts;
+  opts.sgd = sgd;
+  Executor ex(*model, make_stages({4, 3}, cpu_devices(2)), gpipe_schedule(2, 4, CheckpointMode::kAlways), transport,
+              opts);
+  for (int step = 0; step < 3; ++step) {
+    reference->zero_grad();
+    const double ref_loss = reference->forward_backward(backend_for(Device::cpu()), x, y, 1.0 / N);
+    ref_opt.step();
+    const StepResult r = ex.step(x, y);
+    CHECK(r.loss == doctest::Approx(ref_loss).epsilon(1e-12));
+  }
+  auto a = model->named_parameters(), b = reference->named_parameters();
+  for (size_t i = 0; i < a.size(); ++i) GPIPE_EXPECT_CLOSE(a[i].second->value, b[i].second->value, 1e-12, 1e-12);
+}
+
+TEST_CASE("rematerialization lowers the activation memory a stage holds") {
+  const int64_t N = 64;
+  Tensor x = gpipe::testing::random_tensor({N, 6}, DType::kF32, 3);
+  Tensor y = gpipe::testing::random_labels(N, 4, 4);
+  int64_t peak[2];
+  int i = 0;
+  for (auto mode : {CheckpointMode::kNever, CheckpointMode::kAlways}) {
+    auto model = layers::build_model(mlp_spec(DType::kF32));
+    InProcessTransport transport(2);
+    Executor ex(*model, make_stages({4, 3}, cpu_devices(2)), gpipe_schedule(2, 8, mode), transport, {});
+    peak[i++] = ex.step(x, y, false).stages[0].peak_activation_bytes;
+  }
+  CHECK(peak[0] > 0);
+  CHECK(peak[1] < peak[0]);
+}
+
+TEST_CASE("every instruction is timed, in order, within the step") {
+  auto model = layers::build_model(mlp_spec(DType::kF32));
+  InProcessTransport transport(2);
+  Executor ex(*model, make_stages({4, 3}, cpu_devices(2)), gpipe_schedule(2, 4, CheckpointMode::kExceptLast),
+              transport, {});
+  Tensor x = gpipe::testing::random_tensor({16, 6}, DType::kF32, 1);
+  Tensor y = gpipe::testing::random_labels(16, 4, 2);
+  const StepResult r = ex.step(x, y);
+  for (int k = 0; k < 2; ++k) {
+    const auto& ops = r.stages[k].ops;
+    REQUIRE(ops.size() == ex.schedule().stages[k].size());
+    for (size_t j = 0; j < ops.size(); ++j) {
+      CHECK(ops[j].op == ex.schedule().stages[k][j].op);
+      CHECK(ops[j].start_ms <= ops[j].end_ms);
+      if (j > 0) CHECK(ops[j - 1].end_ms <= ops[j].start_ms);
+      CHECK(ops[j].end_ms <= r.wall_ms);
+    }
+  }
+}
+
+namespace {
+// A layer that fails in forward, to test failure propagation.
+class Exploding : public layers::Layer {
+ public:
+  explicit Exploding(const Shape& s) : Layer(s, s, DType::kF32) {}
+  std::string type() const override { return "exploding"; }
+  std::string describe() const override { return "exploding"; }
+  layers::LayerCost cost(int64_t) const override { return {}; }
+
+ private:
+  Tensor forward_impl(Backend&, const Tensor&, layers::Context*) override {
+    throw UserError("exploding layer went off");
+  }
+  Tensor backward_impl(Backend&, const Tensor& dy, const layers::Context&, bool) override { return dy; }
+};
+}  // namespace
+
+TEST_CASE("a failure inside one stage stops every stage with that stage's message") {
+  for (int bad_stage : {0, 1, 2}) {
+    CAPTURE(bad_stage);
+    layers::Sequential model({6}, DType::kF32);
+    model.emplace<layers::Linear>(layers::LinearOptions(6, 6));
+    if (bad_stage == 0) model.emplace<Exploding>(Shape{6});
+    model.emplace<layers::Linear>(layers::LinearOptions(6, 6));
+    if (bad_stage == 1) model.emplace<Exploding>(Shape{6});
+    model.emplace<layers::Linear>(layers::LinearOptions(6, 4));
+    if (bad_stage == 2) model.emplace<Exploding>(Shape{4});
+    model.set_loss(std::make_unique<layers::SoftmaxCrossEntropy>(4));
+    std::vector<int> balance = {1, 1, 1};
+    balance[bad_stage] = 2;
+    InProcessTransport transport(3);
+    Executor ex(model, make_stages(balance, cpu_devices(3)), gpipe_schedule(3, 4, CheckpointMode::kNever), transport,
+                {});
+    Tensor x = gpipe::testing::random_tensor({8, 6}, DType::kF32, 1);
+    Tensor y = gpipe::testing::random_labels(8, 4, 2);
+    const std::string expected = "stage " + std::to_string(bad_stage) + " (layers";
+    try {
+      ex.step(x, y);
+      FAIL("no error");
+    } catch (const UserError& e) {
+      CHECK(std::string(e.what()).find(expected) != std::string::npos);
+      CHECK(std::string(e.what()).find("exploding layer went off") != std::string::npos);
+    }
+    CHECK_THROWS_WITH(ex.step(x, y), doctest::Contains("earlier failure"));
+  }
+}
+
+TEST_CASE("micro-batch sizes") {
+  CHECK(split_sizes(10, 4) == std::vector<int64_t>{3, 3, 2, 2});
+  CHECK(split_sizes(8, 8) == std::vector<int64_t>{1, 1, 1, 1, 1, 1, 1, 1});
+  CHECK_THROWS_WITH_AS(split_sizes(3, 4), doctest::Contains("raise train.batch_size"), UserError);
+}
