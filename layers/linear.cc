@@ -13,9 +13,9 @@ Linear::Linear(const LinearOptions& opts) : Layer({opts.in}, {opts.out}, opts.dt
     throw UserError("linear: in and out must be positive, got in=" + std::to_string(opts.in) +
                     ", out=" + std::to_string(opts.out));
   }
-  const double bound = 1.0 / std::sqrt(static_cast<double>(opts.in));
-  weight_ = make_parameter("weight", {opts.out, opts.in}, bound, mix_seed(opts.seed, 1));
-  if (opts.bias) bias_ = make_parameter("bias", {opts.out}, bound, mix_seed(opts.seed, 2));
+  const double fan_in = static_cast<double>(opts.in);
+  weight_ = make_parameter("weight", {opts.out, opts.in}, std::sqrt(6.0 / fan_in), mix_seed(opts.seed, 1));
+  if (opts.bias) bias_ = make_parameter("bias", {opts.out}, 1.0 / std::sqrt(fan_in), mix_seed(opts.seed, 2));
 }
 
 std::string Linear::describe() const {

@@ -1,5 +1,7 @@
-// Fully connected layer: y = x W^T + b, with W (out, in) as in PyTorch, initialised
-// uniform in [-1/sqrt(in), 1/sqrt(in)] like torch.nn.Linear.
+// Fully connected layer: y = x W^T + b, with W (out, in) as in PyTorch. Weights are
+// initialised He-uniform in [-sqrt(6/in), sqrt(6/in)] (variance 2/in, which keeps the
+// signal's scale through deep ReLU stacks; torch.nn.Linear's default, bound 1/sqrt(in),
+// shrinks it layer by layer); biases uniform in [-1/sqrt(in), 1/sqrt(in)].
 #pragma once
 
 #include "layers/layer.h"

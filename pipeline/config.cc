@@ -1,0 +1,333 @@
+#include "pipeline/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "runtime/error.h"
+
+namespace gpipe {
+namespace pipeline {
+
+namespace {
+
+std::string join(const std::vector<std::string>& v) {
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + v[i];
+  return out;
+}
+
+class Decoder {
+ public:
+  explicit Decoder(std::string source) : source_(std::move(source)) {}
+
+  // Records that `path` (and everything under it) came from a --set override.
+  void note_override(const std::string& path, const std::string& text) { overrides_[path] = text; }
+
+  std::string where(const YAML::Node& n, const std::string& path) const {
+    for (const auto& kv : overrides_) {
+      if (path == kv.first || path.rfind(kv.first + ".", 0) == 0) return "--set " + kv.second;
+    }
+    const YAML::Mark m = n.Mark();
+    if (m.is_null()) return source_;
+    return source_ + ":" + std::to_string(m.line + 1) + ":" + std::to_string(m.column + 1);
+  }
+
+  [[noreturn]] void fail(const YAML::Node& n, const std::string& path, const std::string& msg) const {
+    throw UserError("config error at " + where(n, path) + ": " + path + ": " + msg);
+  }
+
+  // The node must be a mapping whose keys are all in `allowed`.
+  void check_map(const YAML::Node& n, const std::string& path, const std::vector<std::string>& allowed) const {
+    if (!n.IsMap()) fail(n, path, "expected a mapping of keys (" + join(allowed) + ")");
+    for (auto it = n.begin(); it != n.end(); ++it) {
+      const std::string key = it->first.Scalar();
+      bool ok = false;
+      for (const auto& a : allowed) ok = ok || a == key;
+      if (!ok) {
+        const std::string p = path.empty() ? key : path + "." + key;
+        fail(it->first, p, "unknown key '" + key + "'; valid keys" + (path.empty() ? "" : " in " + path) + ": " +
+                               join(allowed));
+      }
+    }
+  }
+
+  YAML::Node required(const YAML::Node& map, const std::string& key, const std::string& path) const {
+    YAML::Node n = map[key];
+    if (!n) fail(map, path.empty() ? key : path + "." + key, "missing; this field is required");
+    return n;
+  }
+
+  std::string str(const YAML::Node& n, const std::string& path) const {
+    if (!n.IsScalar()) fail(n, path, "expected a single value");
+    return n.Scalar();
+  }
+
+  int64_t integer(const YAML::Node& n, const std::string& path) const {
+    const std::string s = str(n, path);
+    char* end = nullptr;
+    const long long v = std::strtoll(s.c_str(), &end, 10);
+    if (s.empty() || *end != '\0') fail(n, path, "expected an integer, got '" + s + "'");
+    return v;
+  }
+
+  int64_t positive(const YAML::Node& n, const std::string& path) const {
+    const int64_t v = integer(n, path);
+    if (v < 1) fail(n, path, "must be at least 1, got " + std::to_string(v));
+    return v;
+  }
+
+  double number(const YAML::Node& n, const std::string& path) const {
+    const std::string s = str(n, path);
+    char* end = nullptr;
+    const double v = std::strtod(s.c_str(), &end);
+    if (s.empty() || *end != '\0' || !std::isfinite(v)) fail(n, path, "expected a number, got '" + s + "'");
+    return v;
+  }
+
+  bool boolean(const YAML::Node& n, const std::string& path) const {
+    const std::string s = str(n, path);
+    if (s == "true" || s == "True" || s == "yes") return true;
+    if (s == "false" || s == "False" || s == "no") return false;
+    fail(n, path, "expected true or false, got '" + s + "'");
+  }
+
+  std::vector<int64_t> int_list(const YAML::Node& n, const std::string& path) const {
+    std::vector<int64_t> out;
+    if (n.IsScalar()) {
+      out.push_back(integer(n, path));
+      return out;
+    }
+    if (!n.IsSequence()) fail(n, path, "expected a list of integers, e.g. [3, 3, 2]");
+    for (size_t i = 0; i < n.size(); ++i) out.push_back(integer(n[i], path + "[" + std::to_string(i) + "]"));
+    return out;
+  }
+
+  // Appends the layers of a list, expanding `repeat` blocks.
+  void layers(const YAML::Node& list, const std::string& path, std::vector<layers::LayerSpec>& out) const {
+    if (!list.IsSequence()) fail(list, path, "expected a list of layers, e.g. [{type: linear, out: 1024}]");
+    for (size_t i = 0; i < list.size(); ++i) {
+      const YAML::Node item = list[i];
+      const std::string p = path + "[" + std::to_string(i) + "]";
+      if (!item.IsMap()) fail(item, p, "expected a layer such as {type: relu} or a {repeat: N, layers: [...]} block");
+      if (item["repeat"]) {
+        check_map(item, p, {"repeat", "layers"});
+        const int64_t times = positive(item["repeat"], p + ".repeat");
+        std::vector<layers::LayerSpec> block;
+        layers(required(item, "layers", p), p + ".layers", block);
+        for (int64_t t = 0; t < times; ++t) out.insert(out.end(), block.begin(), block.end());
+        continue;
+      }
+      out.push_back(layer(item, p));
+    }
+  }
+
+  layers::LayerSpec layer(const YAML::Node& item, const std::string& p) const {
+    layers::LayerSpec spec;
+    if (item.IsScalar()) {  // "relu" is short for {type: relu}
+      spec.type = item.Scalar();
+      spec.where = where(item, p);
+      return spec;
+    }
+    if (!item.IsMap()) fail(item, p, "expected {type: NAME, ...}");
+    spec.type = str(required(item, "type", p), p + ".type");
+    spec.where = where(item, p);
+    for (auto it = item.begin(); it != item.end(); ++it) {
+      const std::string key = it->first.Scalar();
+      if (key == "type") continue;
+      if (key == "cost") {
+        const double c = number(it->second, p + ".cost");
+        if (c < 0) fail(it->second, p + ".cost", "must be non-negative");
+        spec.cost = c;
+        continue;
+      }
+      if (!it->second.IsScalar()) fail(it->second, p + "." + key, "layer options take single values");
+      spec.args[key] = it->second.Scalar();
+    }
+    return spec;
+  }
+
+ private:
+  std::string source_;
+  std::map<std::string, std::string> overrides_;
+};
+
+// Applies "a.b.c=value" to the tree, creating mappings on the way.
+void apply_override(YAML::Node& root, const std::string& text, Decoder& dec) {
+  const auto eq = text.find('=');
+  if (eq == std::string::npos || eq == 0) {
+    throw UserError("--set " + text + ": expected KEY=VALUE, e.g. --set pipeline.micro_batches=8");
+  }
+  const std::string path = text.substr(0, eq), value = text.substr(eq + 1);
+  std::vector<std::string> parts;
+  std::stringstream ss(path);
+  for (std::string part; std::getline(ss, part, '.');) {
+    if (part.empty()) throw UserError("--set " + text + ": empty key component in '" + path + "'");
+    parts.push_back(part);
+  }
+  YAML::Node value_node;
+  try {
+    value_node = YAML::Load(value);
+  } catch (const YAML::Exception& e) {
+    throw UserError("--set " + text + ": the value is not valid YAML: " + e.msg);
+  }
+  YAML::Node cur = root;
+  for (size_t i = 0; i + 1 < parts.size(); ++i) {
+    if (cur.IsSequence()) {
+      char* end = nullptr;
+      const long idx = std::strtol(parts[i].c_str(), &end, 10);
+      if (*end != '\0' || idx < 0 || static_cast<size_t>(idx) >= cur.size()) {
+        throw UserError("--set " + text + ": '" + parts[i] + "' is not an index of the list at that point");
+      }
+      cur.reset(cur[static_cast<size_t>(idx)]);
+      continue;
+    }
+    if (!cur[parts[i]]) cur[parts[i]] = YAML::Node(YAML::NodeType::Map);
+    YAML::Node next = cur[parts[i]];
+    if (next.IsScalar()) {
+      throw UserError("--set " + text + ": '" + parts[i] + "' holds a single value, not a mapping");
+    }
+    cur.reset(next);
+  }
+  if (cur.IsSequence()) {
+    char* end = nullptr;
+    const long idx = std::strtol(parts.back().c_str(), &end, 10);
+    if (*end != '\0' || idx < 0 || static_cast<size_t>(idx) >= cur.size()) {
+      throw UserError("--set " + text + ": '" + parts.back() + "' is not an index of the list at that point");
+    }
+    cur[static_cast<size_t>(idx)] = value_node;
+  } else {
+    cur[parts.back()] = value_node;
+  }
+  dec.note_override(path, text);
+}
+
+std::string stem(const std::string& path) {
+  std::string base = path.substr(path.find_last_of('/') == std::string::npos ? 0 : path.find_last_of('/') + 1);
+  const auto dot = base.rfind('.');
+  return dot == std::string::npos ? base : base.substr(0, dot);
+}
+
+}  // namespace
+
+Config parse_config(const std::string& text, const std::string& source, const std::vector<std::string>& overrides) {
+  Decoder dec(source);
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::ParserException& e) {
+    throw UserError("config error at " + source + ":" + std::to_string(e.mark.line + 1) + ":" +
+                    std::to_string(e.mark.column + 1) + ": invalid YAML: " + e.msg);
+  }
+  if (!root || root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
+  if (!root.IsMap()) throw UserError("config error at " + source + ": the top level must be a mapping of sections");
+  for (const auto& o : overrides) apply_override(root, o, dec);
+
+  Config c;
+  c.source = source;
+  c.name = stem(source);
+  dec.check_map(root, "", {"model", "data", "pipeline", "optimizer", "train", "output"});
+
+  // model
+  const YAML::Node model = dec.required(root, "model", "");
+  dec.check_map(model, "model", {"input", "dtype", "seed", "layers", "loss"});
+  for (int64_t d : dec.int_list(dec.required(model, "input", "model"), "model.input")) {
+    if (d < 1) dec.fail(model["input"], "model.input", "dimensions must be positive");
+    c.model.input.push_back(d);
+  }
+  if (model["dtype"]) {
+    const std::string dt = dec.str(model["dtype"], "model.dtype");
+    if (dt != "float32" && dt != "float64") dec.fail(model["dtype"], "model.dtype", "use float32 or float64, got '" + dt + "'");
+    c.model.dtype = parse_dtype(dt);
+  }
+  if (model["seed"]) c.model.seed = static_cast<uint64_t>(dec.integer(model["seed"], "model.seed"));
+  dec.layers(dec.required(model, "layers", "model"), "model.layers", c.model.layers);
+  if (c.model.layers.empty()) dec.fail(model["layers"], "model.layers", "is empty; list at least one layer");
+  c.model.loss = dec.layer(dec.required(model, "loss", "model"), "model.loss");
+
+  // data
+  if (const YAML::Node data = root["data"]) {
+    dec.check_map(data, "data", {"type", "classes", "teacher_hidden", "teacher_scale", "seed", "eval_samples"});
+    if (data["type"]) {
+      c.data.type = dec.str(data["type"], "data.type");
+      if (c.data.type != "teacher") dec.fail(data["type"], "data.type", "unknown data type '" + c.data.type + "'; valid: teacher");
+    }
+    if (data["classes"]) c.data.classes = dec.positive(data["classes"], "data.classes");
+    if (data["teacher_hidden"]) c.data.teacher_hidden = dec.positive(data["teacher_hidden"], "data.teacher_hidden");
+    if (data["teacher_scale"]) c.data.teacher_scale = dec.number(data["teacher_scale"], "data.teacher_scale");
+    if (data["seed"]) c.data.seed = static_cast<uint64_t>(dec.integer(data["seed"], "data.seed"));
+    if (data["eval_samples"]) c.data.eval_samples = dec.integer(data["eval_samples"], "data.eval_samples");
+  }
+
+  // pipeline
+  if (const YAML::Node p = root["pipeline"]) {
+    dec.check_map(p, "pipeline", {"partitions", "micro_batches", "checkpoint", "schedule", "balance", "devices", "pin_threads"});
+    if (p["partitions"]) c.pipeline.partitions = static_cast<int>(dec.positive(p["partitions"], "pipeline.partitions"));
+    if (p["micro_batches"]) c.pipeline.micro_batches = static_cast<int>(dec.positive(p["micro_batches"], "pipeline.micro_batches"));
+    if (p["checkpoint"]) {
+      c.pipeline.checkpoint = dec.str(p["checkpoint"], "pipeline.checkpoint");
+      if (c.pipeline.checkpoint != "always" && c.pipeline.checkpoint != "except_last" && c.pipeline.checkpoint != "never") {
+        dec.fail(p["checkpoint"], "pipeline.checkpoint", "unknown mode '" + c.pipeline.checkpoint + "'; use always, except_last or never");
+      }
+    }
+    if (p["schedule"]) c.pipeline.schedule = dec.str(p["schedule"], "pipeline.schedule");
+    if (p["balance"] && !p["balance"].IsNull()) {
+      for (int64_t b : dec.int_list(p["balance"], "pipeline.balance")) c.pipeline.balance.push_back(static_cast<int>(b));
+    }
+    if (p["devices"] && !p["devices"].IsNull()) {
+      const YAML::Node d = p["devices"];
+      if (!d.IsSequence()) dec.fail(d, "pipeline.devices", "expected a list such as [cpu:0, cpu:1]");
+      for (size_t i = 0; i < d.size(); ++i) c.pipeline.devices.push_back(dec.str(d[i], "pipeline.devices"));
+    }
+    if (p["pin_threads"]) c.pipeline.pin_threads = dec.boolean(p["pin_threads"], "pipeline.pin_threads");
+  }
+
+  // optimizer
+  if (const YAML::Node o = root["optimizer"]) {
+    dec.check_map(o, "optimizer", {"type", "lr", "momentum", "weight_decay", "nesterov"});
+    if (o["type"]) {
+      c.optimizer.type = dec.str(o["type"], "optimizer.type");
+      if (c.optimizer.type != "sgd") dec.fail(o["type"], "optimizer.type", "unknown optimizer '" + c.optimizer.type + "'; valid: sgd");
+    }
+    if (o["lr"]) c.optimizer.lr = dec.number(o["lr"], "optimizer.lr");
+    if (o["momentum"]) c.optimizer.momentum = dec.number(o["momentum"], "optimizer.momentum");
+    if (o["weight_decay"]) c.optimizer.weight_decay = dec.number(o["weight_decay"], "optimizer.weight_decay");
+    if (o["nesterov"]) c.optimizer.nesterov = dec.boolean(o["nesterov"], "optimizer.nesterov");
+    if (c.optimizer.lr <= 0) dec.fail(o["lr"], "optimizer.lr", "must be positive");
+  }
+
+  // train
+  const YAML::Node t = dec.required(root, "train", "");
+  dec.check_map(t, "train", {"steps", "batch_size", "seed", "log_interval", "blas_threads", "log_level"});
+  c.train.steps = static_cast<int>(dec.positive(dec.required(t, "steps", "train"), "train.steps"));
+  c.train.batch_size = dec.positive(dec.required(t, "batch_size", "train"), "train.batch_size");
+  if (t["seed"]) c.train.seed = static_cast<uint64_t>(dec.integer(t["seed"], "train.seed"));
+  if (t["log_interval"]) c.train.log_interval = static_cast<int>(dec.positive(t["log_interval"], "train.log_interval"));
+  if (t["blas_threads"]) c.train.blas_threads = static_cast<int>(dec.positive(t["blas_threads"], "train.blas_threads"));
+  if (t["log_level"]) c.train.log_level = dec.str(t["log_level"], "train.log_level");
+
+  // output
+  if (const YAML::Node o = root["output"]) {
+    dec.check_map(o, "output", {"dir"});
+    if (o["dir"]) c.output.dir = dec.str(o["dir"], "output.dir");
+  }
+  if (c.output.dir.empty()) c.output.dir = "runs/" + c.name;
+  return c;
+}
+
+Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  std::ifstream in(path);
+  if (!in) {
+    throw UserError("cannot read config file '" + path + "'; check the path (configs/default.yaml is the default)");
+  }
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return parse_config(ss.str(), path, overrides);
+}
+
+}  // namespace pipeline
+}  // namespace gpipe

@@ -1,0 +1,76 @@
+// A training run's configuration, decoded from YAML at the edge into plain structs:
+// nothing below this layer sees a YAML node. Errors name the key with its file, line
+// and column (or the --set override it came from) and say what would be valid.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "layers/registry.h"
+
+namespace gpipe {
+namespace pipeline {
+
+struct DataConfig {
+  // "teacher": inputs x ~ N(0, 1); the label of x is the argmax of a fixed random
+  // two-layer tanh network (the teacher), so the task is learnable and seeded.
+  std::string type = "teacher";
+  int64_t classes = 10;
+  int64_t teacher_hidden = 64;
+  double teacher_scale = 1.0;  // gain of the teacher's first layer: larger = sharper boundaries
+  uint64_t seed = 1;
+  int64_t eval_samples = 2048;  // a fixed held-out set, scored at the end
+};
+
+struct PipelineConfig {
+  int partitions = 1;       // K
+  int micro_batches = 1;    // M
+  std::string checkpoint = "except_last";
+  std::string schedule = "gpipe";
+  std::vector<int> balance;          // layers per partition; empty = balance automatically
+  std::vector<std::string> devices;  // one per partition; empty = cpu:0 .. cpu:K-1
+  bool pin_threads = true;
+};
+
+struct OptimizerConfig {
+  std::string type = "sgd";
+  double lr = 0.05;
+  double momentum = 0.9;
+  double weight_decay = 0.0;
+  bool nesterov = false;
+};
+
+struct TrainConfig {
+  int steps = 100;
+  int64_t batch_size = 64;
+  uint64_t seed = 0;
+  int log_interval = 10;
+  int blas_threads = 1;  // BLAS threads per stage: a CPU device is one core
+  std::string log_level = "info";
+};
+
+struct OutputConfig {
+  std::string dir;  // default runs/<config name>
+};
+
+struct Config {
+  std::string name;  // the file's stem, "default"
+  std::string source;
+  layers::ModelSpec model;
+  DataConfig data;
+  PipelineConfig pipeline;
+  OptimizerConfig optimizer;
+  TrainConfig train;
+  OutputConfig output;
+};
+
+// Reads and decodes a YAML file; `overrides` are "a.b=value" strings applied before
+// decoding (value is YAML: 3, 0.1, always, [3, 3, 2]). Throws UserError.
+Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+// The same from text; `source` names it in messages.
+Config parse_config(const std::string& text, const std::string& source,
+                    const std::vector<std::string>& overrides = {});
+
+}  // namespace pipeline
+}  // namespace gpipe

@@ -1,0 +1,104 @@
+// Config decoding: defaults, repeats, overrides, and errors that name the key with
+// its line and column.
+#include <doctest/doctest.h>
+
+#include <string>
+
+#include "pipeline/config.h"
+#include "runtime/error.h"
+
+using namespace gpipe;
+using namespace gpipe::pipeline;
+
+namespace {
+const char* kBase = R"(model:
+  input: [8]
+  layers:
+    - {type: linear, out: 16}
+    - repeat: 3
+      layers:
+        - {type: relu}
+        - {type: linear, out: 16, cost: 2.5}
+    - {type: linear, out: 4}
+  loss: softmax_cross_entropy
+train:
+  steps: 5
+  batch_size: 32
+)";
+
+std::string error_of(const std::string& text, const std::vector<std::string>& overrides = {}) {
+  try {
+    parse_config(text, "t.yaml", overrides);
+  } catch (const UserError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+}  // namespace
+
+TEST_CASE("the default config loads") {
+  const Config c = load_config("configs/default.yaml");
+  CHECK(c.name == "default");
+  CHECK(c.pipeline.partitions == 2);
+  CHECK(c.pipeline.micro_batches == 8);
+  CHECK(c.output.dir == "runs/default");
+  CHECK(c.model.layers.size() == 15);
+}
+
+TEST_CASE("repeats expand, costs and defaults are kept") {
+  const Config c = parse_config(kBase, "configs/small.yaml");
+  REQUIRE(c.model.layers.size() == 8);
+  CHECK(c.model.layers[1].type == "relu");
+  CHECK(c.model.layers[2].args.at("out") == "16");
+  CHECK(c.model.layers[2].cost.value() == 2.5);
+  CHECK(!c.model.layers[0].cost.has_value());
+  CHECK(c.model.loss.type == "softmax_cross_entropy");
+  CHECK(c.pipeline.checkpoint == "except_last");
+  CHECK(c.output.dir == "runs/small");
+  CHECK(c.model.layers[0].where == "configs/small.yaml:4:7");
+}
+
+TEST_CASE("--set overrides any field, including lists and new keys") {
+  const Config c = parse_config(kBase, "t.yaml",
+                                {"pipeline.partitions=2", "pipeline.balance=[4,4]", "train.steps=7",
+                                 "model.layers.0.out=12", "optimizer.lr=0.5"});
+  CHECK(c.pipeline.partitions == 2);
+  CHECK(c.pipeline.balance == std::vector<int>{4, 4});
+  CHECK(c.train.steps == 7);
+  CHECK(c.model.layers[0].args.at("out") == "12");
+  CHECK(c.optimizer.lr == 0.5);
+}
+
+TEST_CASE("an unknown key names itself, its place and the valid keys") {
+  const std::string e = error_of(std::string(kBase) + "  stepz: 4\n");
+  CHECK(e.find("t.yaml:14:3") != std::string::npos);
+  CHECK(e.find("train.stepz") != std::string::npos);
+  CHECK(e.find("valid keys in train: steps, batch_size") != std::string::npos);
+  CHECK(error_of(std::string(kBase) + "trian: {}\n").find("unknown key 'trian'") != std::string::npos);
+}
+
+TEST_CASE("a wrong type names the key with line and column") {
+  std::string text = kBase;
+  text.replace(text.find("steps: 5"), 8, "steps: five");
+  const std::string e = error_of(text);
+  CHECK(e.find("t.yaml:12:10") != std::string::npos);
+  CHECK(e.find("train.steps: expected an integer, got 'five'") != std::string::npos);
+  CHECK(error_of(kBase, {"pipeline.checkpoint=sometimes"}).find("--set pipeline.checkpoint=sometimes") !=
+        std::string::npos);
+  CHECK(error_of(kBase, {"pipeline.micro_batches=0"}).find("must be at least 1") != std::string::npos);
+}
+
+TEST_CASE("a missing field is named") {
+  std::string text = kBase;
+  text.erase(text.find("  batch_size: 32\n"));
+  const std::string e = error_of(text);
+  CHECK(e.find("train.batch_size: missing") != std::string::npos);
+  CHECK(error_of("train: {steps: 1, batch_size: 1}\n").find("model: missing") != std::string::npos);
+}
+
+TEST_CASE("malformed YAML and bad overrides are clear errors") {
+  CHECK(error_of("model: [1, 2\n").find("t.yaml:2:1: invalid YAML") != std::string::npos);
+  CHECK(error_of(kBase, {"pipeline.partitions"}).find("expected KEY=VALUE") != std::string::npos);
+  CHECK(error_of(kBase, {"train.steps.x=1"}).find("holds a single value") != std::string::npos);
+  CHECK_THROWS_WITH_AS(load_config("no/such/file.yaml"), doctest::Contains("cannot read config file"), UserError);
+}

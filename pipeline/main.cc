@@ -1,0 +1,111 @@
+// gpipe: the command-line program. `gpipe train [CONFIG] [--set key=value ...]`
+// trains from a YAML config; `gpipe plan` shows how a config would be partitioned and
+// scheduled without training.
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "partition/balance.h"
+#include "pipeline/config.h"
+#include "pipeline/schedule.h"
+#include "pipeline/trainer.h"
+#include "runtime/error.h"
+#include "runtime/logging.h"
+
+namespace {
+
+constexpr const char* kUsage = R"(usage:
+  gpipe train [CONFIG.yaml] [--set key=value ...]   train (default config: configs/default.yaml)
+  gpipe plan  [CONFIG.yaml] [--set key=value ...]   show the partition and schedule, do not train
+  gpipe help
+
+--set overrides any config field, e.g. --set pipeline.partitions=2 --set pipeline.balance=[3,3,2]
+)";
+
+struct Args {
+  std::string command;
+  std::string config = "configs/default.yaml";
+  std::vector<std::string> overrides;
+};
+
+Args parse_args(int argc, char** argv) {
+  Args a;
+  if (argc < 2) throw gpipe::UserError(std::string("no command given\n") + kUsage);
+  a.command = argv[1];
+  bool have_config = false;
+  for (int i = 2; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--set") {
+      if (i + 1 >= argc) throw gpipe::UserError("--set needs KEY=VALUE, e.g. --set train.steps=10");
+      a.overrides.push_back(argv[++i]);
+    } else if (arg.rfind("--set=", 0) == 0) {
+      a.overrides.push_back(arg.substr(6));
+    } else if (!arg.empty() && arg[0] == '-') {
+      throw gpipe::UserError("unknown option '" + arg + "'\n" + kUsage);
+    } else if (!have_config) {
+      a.config = arg;
+      have_config = true;
+    } else {
+      throw gpipe::UserError("unexpected argument '" + arg + "' (one config file at most)\n" + kUsage);
+    }
+  }
+  return a;
+}
+
+int plan(const gpipe::pipeline::Config& c) {
+  using namespace gpipe;
+  auto model = layers::build_model(c.model);
+  const auto balance = pipeline::plan_balance(c, *model);
+  const int64_t micro = (c.train.batch_size + c.pipeline.micro_batches - 1) / c.pipeline.micro_batches;
+  std::vector<std::optional<double>> overrides;
+  for (const auto& l : c.model.layers) overrides.push_back(l.cost);
+  const auto costs = partition::layer_costs(*model, micro, c.pipeline.checkpoint != "never", overrides);
+  std::printf("model: %d layers, %lld parameters, input %s\n", model->size(),
+              static_cast<long long>(model->parameter_count()), shape_str(model->input_shape()).c_str());
+  int first = 0;
+  for (size_t k = 0; k < balance.size(); ++k) {
+    double s = 0;
+    for (int i = first; i < first + balance[k]; ++i) s += costs[i];
+    std::printf("stage %zu: layers %d-%d, estimated %.3f ms per micro-batch of %lld\n", k, first,
+                first + balance[k] - 1, s * 1e3, static_cast<long long>(micro));
+    for (int i = first; i < first + balance[k]; ++i) {
+      std::printf("  %3d %-28s %10.3f ms\n", i, model->layer(i).describe().c_str(), costs[i] * 1e3);
+    }
+    first += balance[k];
+  }
+  const auto sched = pipeline::make_schedule(c.pipeline.schedule, c.pipeline.partitions, c.pipeline.micro_batches,
+                                             pipeline::parse_checkpoint_mode(c.pipeline.checkpoint));
+  pipeline::check_schedule(sched);
+  std::printf("schedule %s (ideal bubble %.3f):\n%s", sched.name.c_str(),
+              pipeline::ideal_bubble(c.pipeline.partitions, c.pipeline.micro_batches),
+              pipeline::schedule_table(sched).c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  gpipe::init_logging("info");
+  try {
+    const Args a = parse_args(argc, argv);
+    if (a.command == "help" || a.command == "--help" || a.command == "-h") {
+      std::cout << kUsage;
+      return 0;
+    }
+    if (a.command != "train" && a.command != "plan") {
+      throw gpipe::UserError("unknown command '" + a.command + "'\n" + kUsage);
+    }
+    const auto config = gpipe::pipeline::load_config(a.config, a.overrides);
+    if (a.command == "plan") return plan(config);
+    gpipe::pipeline::train(config, std::cout);
+    return 0;
+  } catch (const gpipe::UserError& e) {
+    std::fprintf(stderr, "gpipe: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gpipe: internal error: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,180 @@
+#include "pipeline/report.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <sstream>
+
+namespace gpipe {
+namespace pipeline {
+
+std::string describe_layers(const layers::Sequential& model, int first, int count) {
+  std::vector<std::pair<std::string, int>> kinds;
+  for (int i = first; i < first + count; ++i) {
+    const std::string t = model.layer(i).type();
+    auto it = std::find_if(kinds.begin(), kinds.end(), [&](auto& kv) { return kv.first == t; });
+    if (it == kinds.end()) {
+      kinds.emplace_back(t, 1);
+    } else {
+      ++it->second;
+    }
+  }
+  std::string out = std::to_string(first) + "-" + std::to_string(first + count - 1) + " ";
+  for (size_t i = 0; i < kinds.size(); ++i) {
+    out += (i ? ", " : "") + kinds[i].first + (kinds[i].second > 1 ? " x" + std::to_string(kinds[i].second) : "");
+  }
+  return out;
+}
+
+ReportBuilder::ReportBuilder(std::vector<std::string> stage_layers, std::vector<std::string> stage_devices,
+                             int micro_batches, std::string checkpoint, std::string schedule, int64_t batch_size)
+    : layers_(std::move(stage_layers)), devices_(std::move(stage_devices)), micro_batches_(micro_batches),
+      checkpoint_(std::move(checkpoint)), schedule_(std::move(schedule)), batch_size_(batch_size),
+      acc_(layers_.size()) {
+  for (size_t k = 0; k < acc_.size(); ++k) {
+    acc_[k].stage = static_cast<int>(k);
+    acc_[k].layers = layers_[k];
+    acc_[k].device = devices_[k];
+  }
+}
+
+void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool timed) {
+  losses_.emplace_back(step, loss);
+  if (!timed) return;
+  double span = 0;
+  for (const auto& st : r.stages) {
+    for (const auto& op : st.ops) {
+      if (op.op != Op::kOptimizerStep) span = std::max(span, op.end_ms);
+    }
+  }
+  for (size_t k = 0; k < r.stages.size() && k < acc_.size(); ++k) {
+    StageSummary& s = acc_[k];
+    double busy = 0, comm = 0;
+    for (const auto& op : r.stages[k].ops) {
+      const double d = op.end_ms - op.start_ms;
+      switch (op.op) {
+        case Op::kForward: s.forward_ms += d; busy += d; break;
+        case Op::kRecompute: s.recompute_ms += d; busy += d; break;
+        case Op::kBackward: s.backward_ms += d; busy += d; break;
+        case Op::kOptimizerStep: s.optimizer_ms += d; break;
+        case Op::kSendActivation:
+        case Op::kSendGradient: comm += d; break;
+        case Op::kRecvActivation:
+        case Op::kRecvGradient: break;  // waiting for the neighbour: idle
+      }
+    }
+    s.busy_ms += busy;
+    s.comm_ms += comm;
+    s.idle_ms += std::max(0.0, span - busy - comm);
+    s.peak_activation_bytes = std::max(s.peak_activation_bytes, r.stages[k].peak_activation_bytes);
+  }
+  span_total_ += span;
+  wall_total_ += r.wall_ms;
+  ++timed_;
+}
+
+void ReportBuilder::set_eval(double loss, double accuracy) {
+  has_eval_ = true;
+  eval_loss_ = loss;
+  eval_accuracy_ = accuracy;
+}
+
+RunSummary ReportBuilder::summary() const {
+  RunSummary out;
+  out.partitions = static_cast<int>(acc_.size());
+  out.micro_batches = micro_batches_;
+  out.checkpoint = checkpoint_;
+  out.schedule = schedule_;
+  out.batch_size = batch_size_;
+  out.timed_steps = timed_;
+  out.ideal_bubble = ideal_bubble(out.partitions, micro_batches_);
+  out.stages = acc_;
+  if (timed_ == 0) return out;
+  out.span_ms = span_total_ / timed_;
+  out.step_ms = wall_total_ / timed_;
+  out.samples_per_second = wall_total_ > 0 ? batch_size_ * timed_ / (wall_total_ / 1000.0) : 0;
+  double busy = 0;
+  for (auto& s : out.stages) {
+    s.forward_ms /= timed_;
+    s.recompute_ms /= timed_;
+    s.backward_ms /= timed_;
+    s.optimizer_ms /= timed_;
+    s.comm_ms /= timed_;
+    s.idle_ms /= timed_;
+    s.busy_ms /= timed_;
+    s.utilization = out.span_ms > 0 ? s.busy_ms / out.span_ms : 0;
+    busy += s.busy_ms;
+  }
+  out.measured_bubble = out.span_ms > 0 ? 1.0 - busy / (out.partitions * out.span_ms) : 0;
+  return out;
+}
+
+std::string ReportBuilder::table() const {
+  const RunSummary s = summary();
+  std::ostringstream os;
+  char line[512];
+  std::snprintf(line, sizeof line, "Pipeline: K=%d stages, M=%d micro-batches, checkpoint=%s, schedule=%s, batch=%lld\n",
+                s.partitions, s.micro_batches, s.checkpoint.c_str(), s.schedule.c_str(),
+                static_cast<long long>(s.batch_size));
+  os << line;
+  std::snprintf(line, sizeof line, "Per step, averaged over %d timed steps (span %.2f ms, wall %.2f ms):\n",
+                s.timed_steps, s.span_ms, s.step_ms);
+  os << line;
+  std::snprintf(line, sizeof line, "%-5s %-28s %-7s %9s %9s %9s %8s %8s %8s %6s %10s\n", "stage", "layers", "device",
+                "fwd ms", "recomp ms", "bwd ms", "comm ms", "idle ms", "opt ms", "util", "peak act");
+  os << line;
+  for (const auto& st : s.stages) {
+    std::snprintf(line, sizeof line, "%-5d %-28s %-7s %9.2f %9.2f %9.2f %8.2f %8.2f %8.2f %5.1f%% %7.2f MB\n",
+                  st.stage, st.layers.substr(0, 28).c_str(), st.device.c_str(), st.forward_ms, st.recompute_ms,
+                  st.backward_ms, st.comm_ms, st.idle_ms, st.optimizer_ms, 100 * st.utilization,
+                  st.peak_activation_bytes / 1e6);
+    os << line;
+  }
+  std::snprintf(line, sizeof line, "Bubble: measured %.3f, ideal (K-1)/(M+K-1) = %.3f\n", s.measured_bubble,
+                s.ideal_bubble);
+  os << line;
+  std::snprintf(line, sizeof line, "Throughput: %.1f samples/s\n", s.samples_per_second);
+  os << line;
+  if (has_eval_) {
+    std::snprintf(line, sizeof line, "Held-out: loss %.4f, accuracy %.2f%%\n", eval_loss_, 100 * eval_accuracy_);
+    os << line;
+  }
+  return os.str();
+}
+
+nlohmann::json ReportBuilder::json() const {
+  const RunSummary s = summary();
+  nlohmann::json j;
+  j["partitions"] = s.partitions;
+  j["micro_batches"] = s.micro_batches;
+  j["checkpoint"] = s.checkpoint;
+  j["schedule"] = s.schedule;
+  j["batch_size"] = s.batch_size;
+  j["timed_steps"] = s.timed_steps;
+  j["span_ms"] = s.span_ms;
+  j["step_ms"] = s.step_ms;
+  j["samples_per_second"] = s.samples_per_second;
+  j["bubble"] = {{"measured", s.measured_bubble}, {"theoretical", s.ideal_bubble}};
+  j["steps"] = nlohmann::json::array();
+  for (const auto& [step, loss] : losses_) j["steps"].push_back({{"step", step}, {"loss", loss}});
+  j["stages"] = nlohmann::json::array();
+  for (const auto& st : s.stages) {
+    j["stages"].push_back({{"stage", st.stage},
+                           {"layers", st.layers},
+                           {"device", st.device},
+                           {"forward_ms", st.forward_ms},
+                           {"recompute_ms", st.recompute_ms},
+                           {"backward_ms", st.backward_ms},
+                           {"optimizer_ms", st.optimizer_ms},
+                           {"comm_ms", st.comm_ms},
+                           {"idle_ms", st.idle_ms},
+                           {"busy_ms", st.busy_ms},
+                           {"utilization", st.utilization},
+                           {"peak_activation_bytes", st.peak_activation_bytes}});
+  }
+  if (has_eval_) j["eval"] = {{"loss", eval_loss_}, {"accuracy", eval_accuracy_}};
+  return j;
+}
+
+}  // namespace pipeline
+}  // namespace gpipe

@@ -1,0 +1,71 @@
+// Bubble and utilization reports: where each stage's time went, against GPipe's ideal
+// bubble (K-1)/(M+K-1). Built from the executor's per-instruction timings.
+//
+// Per step, the pipeline span is from the step's start to the end of the last
+// backward on any stage (the optimizer steps after it are reported on their own).
+// Within the span a stage is busy (forward, recompute, backward), communicating
+// (sends, and copies on receive), or idle (waiting for a neighbour: the bubble).
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <vector>
+
+#include "pipeline/executor.h"
+
+namespace gpipe {
+namespace pipeline {
+
+struct StageSummary {
+  int stage = 0;
+  std::string layers;  // "0-15 linear x8, relu x8"
+  std::string device;
+  double forward_ms = 0, recompute_ms = 0, backward_ms = 0, optimizer_ms = 0;
+  double comm_ms = 0, idle_ms = 0, busy_ms = 0;
+  double utilization = 0;  // busy / span
+  int64_t peak_activation_bytes = 0;
+};
+
+struct RunSummary {
+  int partitions = 0, micro_batches = 0;
+  std::string checkpoint, schedule;
+  int64_t batch_size = 0;
+  int timed_steps = 0;
+  double span_ms = 0;  // per step, averaged
+  double step_ms = 0;  // wall time per step, averaged
+  double samples_per_second = 0;
+  double measured_bubble = 0, ideal_bubble = 0;
+  std::vector<StageSummary> stages;
+};
+
+class ReportBuilder {
+ public:
+  ReportBuilder(std::vector<std::string> stage_layers, std::vector<std::string> stage_devices, int micro_batches,
+                std::string checkpoint, std::string schedule, int64_t batch_size);
+  // Timings of a step; steps before `timed` (warm-up) only contribute their loss.
+  void add_step(int step, double loss, const StepResult& r, bool timed);
+  void set_eval(double loss, double accuracy);
+  RunSummary summary() const;
+  // The table printed at the end of a run.
+  std::string table() const;
+  nlohmann::json json() const;
+
+ private:
+  std::vector<std::string> layers_, devices_;
+  int micro_batches_;
+  std::string checkpoint_, schedule_;
+  int64_t batch_size_;
+  std::vector<std::pair<int, double>> losses_;
+  std::vector<StageSummary> acc_;
+  int timed_ = 0;
+  double span_total_ = 0, wall_total_ = 0;
+  bool has_eval_ = false;
+  double eval_loss_ = 0, eval_accuracy_ = 0;
+};
+
+// "linear x8, relu x8" for a cell.
+std::string describe_layers(const layers::Sequential& model, int first, int count);
+
+}  // namespace pipeline
+}  // namespace gpipe

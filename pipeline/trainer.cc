@@ -1,0 +1,213 @@
+#include "pipeline/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <ostream>
+
+#include "partition/balance.h"
+#include "pipeline/data.h"
+#include "pipeline/executor.h"
+#include "runtime/error.h"
+#include "runtime/inprocess_transport.h"
+#include "runtime/logging.h"
+
+namespace gpipe {
+namespace pipeline {
+
+namespace {
+
+std::vector<Device> plan_devices(const Config& c) {
+  const int K = c.pipeline.partitions;
+  std::vector<Device> out;
+  if (c.pipeline.devices.empty()) {
+    for (int k = 0; k < K; ++k) out.push_back(Device::cpu(k));
+    return out;
+  }
+  if (static_cast<int>(c.pipeline.devices.size()) != K) {
+    throw UserError("pipeline.devices lists " + std::to_string(c.pipeline.devices.size()) +
+                    " devices but pipeline.partitions is " + std::to_string(K) + "; give one device per partition");
+  }
+  for (const auto& d : c.pipeline.devices) {
+    Device dev = parse_device(d);
+    if (dev.is_cuda() && dev.index >= cuda_device_count()) {
+      throw UserError("pipeline.devices names " + dev.str() + " but this machine has " +
+                      std::to_string(cuda_device_count()) + " visible CUDA devices; use cpu:N devices instead");
+    }
+    out.push_back(dev);
+  }
+  return out;
+}
+
+// Writes `text` to `path` through a temporary file and a rename, so a crash never
+// leaves a half-written report.
+void write_atomically(const std::filesystem::path& path, const std::string& text) {
+  const std::filesystem::path tmp = path.string() + ".tmp";
+  {
+    std::ofstream f(tmp);
+    if (!f) throw UserError("cannot write " + tmp.string() + "; check output.dir");
+    f << text;
+    if (!f.flush()) throw UserError("failed writing " + tmp.string() + " (disk full?)");
+  }
+  std::filesystem::rename(tmp, path);
+}
+
+// Loss and accuracy of the model on a held-out set, cell by cell on each stage's device.
+std::pair<double, double> evaluate(layers::Sequential& model, const std::vector<StageSpec>& stages, const Tensor& x,
+                                   const Tensor& y, int64_t chunk) {
+  double loss_sum = 0;
+  int64_t correct = 0;
+  const int64_t n = x.size(0);
+  for (int64_t start = 0; start < n; start += chunk) {
+    const int64_t len = std::min(chunk, n - start);
+    Tensor h = x.narrow_rows(start, len);
+    for (const StageSpec& s : stages) {
+      Backend& be = backend_for(s.device);
+      if (!(h.device() == s.device || (h.device().is_cpu() && s.device.is_cpu()))) {
+        Tensor moved = be.empty(h.shape(), h.dtype());
+        be.copy(h, moved);
+        h = moved;
+      }
+      for (int i = s.first_layer; i < s.first_layer + s.num_layers; ++i) h = model.layer(i).forward(be, h, nullptr);
+    }
+    Backend& be = backend_for(stages.back().device);
+    Tensor targets = y.narrow_rows(start, len);
+    if (!be.device().is_cpu()) {
+      Tensor t = be.empty(targets.shape(), targets.dtype());
+      be.copy(targets, t);
+      targets = t;
+    }
+    loss_sum += be.item(model.loss().forward(be, h, targets, 1.0, nullptr));
+    Tensor logits = h;
+    if (!h.device().is_cpu()) {
+      logits = Tensor::empty(h.shape(), h.dtype(), Device::cpu());
+      be.copy(h, logits);
+    }
+    const int64_t classes = logits.size(1);
+    for (int64_t i = 0; i < len; ++i) {
+      int64_t best = 0;
+      for (int64_t c = 1; c < classes; ++c) {
+        const double a = logits.dtype() == DType::kF32 ? logits.data<float>()[i * classes + c]
+                                                       : logits.data<double>()[i * classes + c];
+        const double b = logits.dtype() == DType::kF32 ? logits.data<float>()[i * classes + best]
+                                                       : logits.data<double>()[i * classes + best];
+        if (a > b) best = c;
+      }
+      correct += best == y.data<int32_t>()[start + i];
+    }
+  }
+  return {loss_sum / n, static_cast<double>(correct) / n};
+}
+
+}  // namespace
+
+std::vector<int> plan_balance(const Config& c, const layers::Sequential& model) {
+  const int K = c.pipeline.partitions;
+  if (!c.pipeline.balance.empty()) {
+    partition::validate_balance(c.pipeline.balance, model.size(), K);
+    return c.pipeline.balance;
+  }
+  std::vector<std::optional<double>> overrides;
+  for (const auto& l : c.model.layers) overrides.push_back(l.cost);
+  const int64_t micro = (c.train.batch_size + c.pipeline.micro_batches - 1) / c.pipeline.micro_batches;
+  const bool recompute = c.pipeline.checkpoint != "never";
+  return partition::balance_by_cost(partition::layer_costs(model, micro, recompute, overrides), K);
+}
+
+TrainResult train(const Config& c, std::ostream& out) {
+  init_logging(c.train.log_level);
+  set_cpu_blas_threads(c.train.blas_threads);
+  auto model = layers::build_model(c.model);
+  if (c.model.input.size() != 1) {
+    throw UserError("data.type teacher makes flat inputs: model.input must have one dimension, got " +
+                    shape_str(c.model.input));
+  }
+  if (model->output_shape() != Shape{c.data.classes}) {
+    throw UserError("the model's last layer produces " + shape_str(model->output_shape()) + " per sample but data.classes is " +
+                    std::to_string(c.data.classes) + "; make the last layer's out equal to data.classes");
+  }
+  const int K = c.pipeline.partitions, M = c.pipeline.micro_batches;
+  const CheckpointMode mode = parse_checkpoint_mode(c.pipeline.checkpoint);
+  split_sizes(c.train.batch_size, M);  // validates N >= M before anything starts
+  TrainResult result;
+  result.balance = plan_balance(c, *model);
+  const std::vector<StageSpec> stages = make_stages(result.balance, plan_devices(c));
+  Schedule schedule = make_schedule(c.pipeline.schedule, K, M, mode);
+
+  std::vector<std::string> stage_layers, stage_devices;
+  for (const auto& s : stages) {
+    stage_layers.push_back(describe_layers(*model, s.first_layer, s.num_layers));
+    stage_devices.push_back(s.device.str());
+  }
+  spdlog::info("model: {} layers, {} parameters; {} stages, balance [{}], {} micro-batches, checkpoint {}",
+               model->size(), model->parameter_count(), K,
+               [&] {
+                 std::string b;
+                 for (size_t i = 0; i < result.balance.size(); ++i) b += (i ? ", " : "") + std::to_string(result.balance[i]);
+                 return b;
+               }(),
+               M, c.pipeline.checkpoint);
+  for (size_t k = 0; k < stages.size(); ++k) spdlog::info("stage {} on {}: layers {}", k, stage_devices[k], stage_layers[k]);
+
+  InProcessTransport transport(K);
+  ExecutorOptions opts;
+  opts.sgd.lr = c.optimizer.lr;
+  opts.sgd.momentum = c.optimizer.momentum;
+  opts.sgd.weight_decay = c.optimizer.weight_decay;
+  opts.sgd.nesterov = c.optimizer.nesterov;
+  opts.pin_threads = c.pipeline.pin_threads;
+  Executor executor(*model, stages, std::move(schedule), transport, opts);
+
+  TeacherData data(c.model.input[0], c.data.classes, c.data.teacher_hidden, c.data.teacher_scale, c.data.seed,
+                   c.model.dtype);
+  ReportBuilder report(stage_layers, stage_devices, M, c.pipeline.checkpoint, c.pipeline.schedule, c.train.batch_size);
+  double window_ms = 0;
+  int window_steps = 0;
+  for (int step = 0; step < c.train.steps; ++step) {
+    auto [x, y] = data.batch(static_cast<uint64_t>(c.train.seed) * 1000003ULL + step, c.train.batch_size);
+    const StepResult r = executor.step(x, y);
+    if (!std::isfinite(r.loss)) {
+      throw UserError("the loss became " + std::string(std::isnan(r.loss) ? "NaN" : "infinite") + " at step " +
+                      std::to_string(step) + "; lower optimizer.lr (now " + std::to_string(c.optimizer.lr) +
+                      ") or check the data. Nothing was written for this step.");
+    }
+    result.losses.push_back(r.loss);
+    // The first step warms caches and allocators; it is left out of the timings.
+    report.add_step(step, r.loss, r, c.train.steps == 1 || step > 0);
+    window_ms += r.wall_ms;
+    ++window_steps;
+    if ((step + 1) % c.train.log_interval == 0 || step + 1 == c.train.steps || step == 0) {
+      char line[256];
+      std::snprintf(line, sizeof line, "step %5d/%d  loss %.4f  %.1f samples/s", step + 1, c.train.steps, r.loss,
+                    c.train.batch_size * window_steps / (window_ms / 1000.0));
+      out << line << std::endl;
+      window_ms = 0;
+      window_steps = 0;
+    }
+  }
+  if (c.data.eval_samples > 0) {
+    auto [ex, ey] = data.eval_set(c.data.eval_samples);
+    std::tie(result.eval_loss, result.eval_accuracy) = evaluate(*model, stages, ex, ey, c.train.batch_size);
+    report.set_eval(result.eval_loss, result.eval_accuracy);
+  }
+  out << "\n" << report.table();
+  result.summary = report.summary();
+
+  std::filesystem::path dir(c.output.dir);
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) throw UserError("cannot create output.dir '" + dir.string() + "': " + ec.message());
+  nlohmann::json j = report.json();
+  j["config"] = c.source;
+  j["balance"] = result.balance;
+  const auto path = dir / "report.json";
+  write_atomically(path, j.dump(2) + "\n");
+  result.report_path = path.string();
+  out << "Report: " << result.report_path << std::endl;
+  return result;
+}
+
+}  // namespace pipeline
+}  // namespace gpipe

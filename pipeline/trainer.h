@@ -1,0 +1,30 @@
+// A training run from a Config: builds the model, balances it into cells, runs the
+// schedule step by step, logs, evaluates, and writes the report.
+#pragma once
+
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+#include "pipeline/config.h"
+#include "pipeline/report.h"
+
+namespace gpipe {
+namespace pipeline {
+
+struct TrainResult {
+  RunSummary summary;
+  std::vector<double> losses;  // per step
+  double eval_loss = 0, eval_accuracy = 0;
+  std::vector<int> balance;
+  std::string report_path;
+};
+
+// Runs the whole job; progress lines and the final table go to `out`.
+TrainResult train(const Config& config, std::ostream& out);
+
+// The cells a config asks for: its balance, or the balancer's from layer costs.
+std::vector<int> plan_balance(const Config& config, const layers::Sequential& model);
+
+}  // namespace pipeline
+}  // namespace gpipe

@@ -1,0 +1,103 @@
+// End to end: a small config trains (the loss falls), K=2 gives the same losses as
+// K=1, report.json has its fields, and a diverging run stops with a clear error.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "pipeline/config.h"
+#include "pipeline/trainer.h"
+#include "runtime/error.h"
+
+using namespace gpipe;
+using namespace gpipe::pipeline;
+
+namespace {
+const char* kSmall = R"(model:
+  input: [16]
+  layers:
+    - {type: linear, out: 32}
+    - {type: relu}
+    - {type: linear, out: 32}
+    - {type: gelu}
+    - {type: linear, out: 4}
+  loss: {type: softmax_cross_entropy}
+data: {classes: 4, teacher_hidden: 8, eval_samples: 256}
+pipeline: {partitions: 1, micro_batches: 4}
+optimizer: {lr: 0.1, momentum: 0.9}
+train: {steps: 60, batch_size: 32, log_interval: 20}
+)";
+
+std::string out_dir(const std::string& name) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  return std::string(tmp ? tmp : "/tmp") + "/" + name;
+}
+
+TrainResult run(const std::vector<std::string>& overrides) {
+  std::ostringstream out;
+  return train(parse_config(kSmall, "small.yaml", overrides), out);
+}
+}  // namespace
+
+TEST_CASE("a small MLP learns the teacher task") {
+  const TrainResult r = run({"output.dir=" + out_dir("learn")});
+  REQUIRE(r.losses.size() == 60);
+  double first = 0, last = 0;
+  for (int i = 0; i < 10; ++i) first += r.losses[i] / 10;
+  for (int i = 50; i < 60; ++i) last += r.losses[i] / 10;
+  CHECK(last < 0.7 * first);
+  CHECK(r.eval_accuracy > 0.5);  // chance is 0.25
+}
+
+TEST_CASE("K=2 and K=3 train exactly like K=1 up to float32 rounding") {
+  const TrainResult one = run({"output.dir=" + out_dir("k1"), "train.steps=10"});
+  for (const char* k : {"2", "3"}) {
+    for (const char* mode : {"always", "never"}) {
+      const TrainResult many = run({"output.dir=" + out_dir(std::string("k") + k), "train.steps=10",
+                                    std::string("pipeline.partitions=") + k, std::string("pipeline.checkpoint=") + mode});
+      REQUIRE(many.losses.size() == one.losses.size());
+      for (size_t i = 0; i < one.losses.size(); ++i) CHECK(many.losses[i] == doctest::Approx(one.losses[i]).epsilon(1e-4));
+    }
+  }
+}
+
+TEST_CASE("report.json carries steps, stages and the bubble") {
+  const TrainResult r = run({"output.dir=" + out_dir("report"), "pipeline.partitions=2", "train.steps=5"});
+  std::ifstream f(r.report_path);
+  REQUIRE(f.good());
+  const nlohmann::json j = nlohmann::json::parse(f);
+  REQUIRE(j["steps"].size() == 5);
+  CHECK(j["steps"][4]["step"] == 4);
+  CHECK(j["steps"][4]["loss"].get<double>() == doctest::Approx(r.losses[4]));
+  REQUIRE(j["stages"].size() == 2);
+  for (const auto& s : j["stages"]) {
+    CHECK(s["busy_ms"].get<double>() > 0);
+    CHECK(s["idle_ms"].get<double>() >= 0);
+    CHECK(s["utilization"].get<double>() > 0);
+    CHECK(s["utilization"].get<double>() <= 1.0);
+  }
+  CHECK(j["bubble"]["theoretical"].get<double>() == doctest::Approx(1.0 / 5));
+  CHECK(j["bubble"]["measured"].get<double>() >= 0);
+  CHECK(j["balance"].size() == 2);
+  CHECK(!std::filesystem::exists(r.report_path + ".tmp"));
+}
+
+TEST_CASE("a diverging run stops with a message naming the fix") {
+  CHECK_THROWS_WITH_AS(run({"output.dir=" + out_dir("nan"), "optimizer.lr=1e30", "train.steps=20"}),
+                       doctest::Contains("lower optimizer.lr"), UserError);
+  CHECK(!std::filesystem::exists(out_dir("nan") + "/report.json"));
+}
+
+TEST_CASE("requests that cannot work are refused before training") {
+  CHECK_THROWS_WITH_AS(run({"pipeline.partitions=6"}), doctest::Contains("only 5 layers"), UserError);
+  CHECK_THROWS_WITH_AS(run({"pipeline.partitions=2", "pipeline.balance=[2,2]"}), doctest::Contains("sums to 4"),
+                       UserError);
+  CHECK_THROWS_WITH_AS(run({"pipeline.micro_batches=64"}), doctest::Contains("raise train.batch_size"), UserError);
+  CHECK_THROWS_WITH_AS(run({"data.classes=5"}), doctest::Contains("data.classes is 5"), UserError);
+  CHECK_THROWS_WITH_AS(run({"pipeline.partitions=2", "pipeline.devices=[cuda:0, cuda:1]"}),
+                       doctest::Contains("CUDA"), UserError);
+}
