@@ -64,12 +64,16 @@ int plan(const gpipe::pipeline::Config& c) {
   const auto costs = partition::layer_costs(*model, micro, c.pipeline.checkpoint != "never", overrides);
   std::printf("model: %d layers, %lld parameters, input %s\n", model->size(),
               static_cast<long long>(model->parameter_count()), shape_str(model->input_shape()).c_str());
+  const auto memory = partition::estimate_stage_memory(*model, balance, c.train.batch_size, c.pipeline.micro_batches,
+                                                       c.pipeline.checkpoint != "never");
   int first = 0;
   for (size_t k = 0; k < balance.size(); ++k) {
     double s = 0;
     for (int i = first; i < first + balance[k]; ++i) s += costs[i];
-    std::printf("stage %zu: layers %d-%d, estimated %.3f ms per micro-batch of %lld\n", k, first,
-                first + balance[k] - 1, s * 1e3, static_cast<long long>(micro));
+    std::printf("stage %zu: layers %d-%d, estimated %.3f ms per micro-batch of %lld, memory %.1f MB "
+                "(parameters+state %.1f, activations %.1f)\n",
+                k, first, first + balance[k] - 1, s * 1e3, static_cast<long long>(micro), memory[k].total() / 1e6,
+                memory[k].parameter_bytes / 1e6, memory[k].activation_bytes / 1e6);
     for (int i = first; i < first + balance[k]; ++i) {
       std::printf("  %3d %-28s %10.3f ms\n", i, model->layer(i).describe().c_str(), costs[i] * 1e3);
     }

@@ -101,6 +101,35 @@ std::pair<double, double> evaluate(layers::Sequential& model, const std::vector<
   return {loss_sum / n, static_cast<double>(correct) / n};
 }
 
+int64_t host_available_bytes() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  int64_t kb = 0;
+  std::string unit;
+  while (f >> key >> kb >> unit) {
+    if (key == "MemAvailable:") return kb * 1024;
+  }
+  return -1;
+}
+
+// Refuses a run whose estimated footprint cannot fit, before it allocates anything.
+void check_fits_in_memory(const Config& c, const layers::Sequential& model, const std::vector<int>& balance,
+                          const std::vector<StageSpec>& stages) {
+  const bool remat = c.pipeline.checkpoint != "never";
+  const auto mem = partition::estimate_stage_memory(model, balance, c.train.batch_size, c.pipeline.micro_batches, remat);
+  int64_t host = 0;
+  for (size_t k = 0; k < stages.size(); ++k) {
+    if (stages[k].device.is_cpu()) host += mem[k].total();
+  }
+  const int64_t avail = host_available_bytes();
+  if (avail > 0 && host > avail) {
+    auto gib = [](int64_t b) { return std::to_string(b / (1 << 20) / 1024.0).substr(0, 5) + " GiB"; };
+    throw UserError("the model needs about " + gib(host) + " of host memory (parameters, gradients, momentum and "
+                    "activations) but only " + gib(avail) + " is available; lower train.batch_size, raise "
+                    "pipeline.micro_batches, set pipeline.checkpoint: always, or shrink the model");
+  }
+}
+
 }  // namespace
 
 std::vector<int> plan_balance(const Config& c, const layers::Sequential& model) {
@@ -134,6 +163,7 @@ TrainResult train(const Config& c, std::ostream& out) {
   TrainResult result;
   result.balance = plan_balance(c, *model);
   const std::vector<StageSpec> stages = make_stages(result.balance, plan_devices(c));
+  check_fits_in_memory(c, *model, result.balance, stages);
   Schedule schedule = make_schedule(c.pipeline.schedule, K, M, mode);
 
   std::vector<std::string> stage_layers, stage_devices;

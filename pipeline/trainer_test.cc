@@ -98,6 +98,9 @@ TEST_CASE("requests that cannot work are refused before training") {
                        UserError);
   CHECK_THROWS_WITH_AS(run({"pipeline.micro_batches=64"}), doctest::Contains("raise train.batch_size"), UserError);
   CHECK_THROWS_WITH_AS(run({"data.classes=5"}), doctest::Contains("data.classes is 5"), UserError);
+  // 2^20-wide layers at batch 2^16: terabytes, refused before anything is allocated.
+  CHECK_THROWS_WITH_AS(run({"model.layers.0.out=1048576", "train.batch_size=65536", "pipeline.checkpoint=never"}),
+                       doctest::Contains("of host memory"), UserError);
   CHECK_THROWS_WITH_AS(run({"pipeline.partitions=2", "pipeline.devices=[cuda:0, cuda:1]"}),
                        doctest::Contains("CUDA"), UserError);
 }
