@@ -182,14 +182,15 @@ void Executor::run_stage(int k) {
   Backend& be = *rt.backend;
   const Device dev = rt.spec.device;
   layers::Loss& loss = model_.loss();
+  rt.trace = StageTrace{};
   rt.mbs.assign(M, MicroBatch{});
+  rt.trace.ops.reserve(schedule_.stages[k].size());
   // The schedule decides rematerialization: a micro-batch is checkpointed on this
   // stage exactly when the stage's program recomputes it.
   std::vector<char> checkpointed(M, 0);
   for (const Instruction& ins : schedule_.stages[k]) {
     if (ins.op == Op::kRecompute) checkpointed[ins.micro_batch] = 1;
   }
-  rt.trace = StageTrace{};
   rt.live_bytes = 0;
   rt.error = nullptr;
   rt.error_is_abort = false;
@@ -223,6 +224,10 @@ void Executor::run_stage(int k) {
   };
 
   try {
+    // Each stage clears its own gradients, on its own device, in parallel.
+    for (int i = rt.spec.first_layer; i < rt.spec.first_layer + rt.spec.num_layers; ++i) {
+      for (layers::Parameter* p : model_.layer(i).parameters()) be.fill(p->grad, 0.0);
+    }
     for (const Instruction& ins : schedule_.stages[k]) {
       const int m = ins.micro_batch;
       if (ins.op == Op::kOptimizerStep && !cur_.apply_optimizer) continue;
@@ -322,7 +327,6 @@ StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool appl
   }
   cur_.scale = counted > 0 ? 1.0 / static_cast<double>(counted) : 0.0;
   cur_.apply_optimizer = apply_optimizer;
-  model_.zero_grad();
   cur_.epoch = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -105,6 +105,13 @@ Allocator& allocator_for(Device device) {
       slot = std::make_unique<CpuAllocator>(device);
     } else {
 #ifdef GPIPE_WITH_CUDA
+      const int visible = cuda_runtime_device_count();
+      if (device.index >= visible) {
+        throw UserError("device " + device.str() + " requested, but " +
+                        (visible == 0 ? std::string("no CUDA device is visible here; use cpu devices")
+                                      : std::to_string(visible) + " CUDA devices are visible; use cuda:0..cuda:" +
+                                            std::to_string(visible - 1) + " or check CUDA_VISIBLE_DEVICES"));
+      }
       slot = make_cuda_allocator(device);
 #else
       throw UserError("device " + device.str() +

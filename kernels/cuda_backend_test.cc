@@ -1,0 +1,661 @@
+// Conformance of the CUDA backend with the CPU reference: every Backend op runs on
+// cuda:0 and on cpu:0 with the same random inputs and the results are compared, for
+// float32 and float64, at odd sizes. Also covers the CUDA runtime pieces (allocator,
+// streams, events, copies). Without a visible GPU it prints the skip marker and passes.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "runtime/allocator.h"
+#include "runtime/cuda_runtime.h"
+#include "runtime/device.h"
+#include "runtime/error.h"
+#include "runtime/stream.h"
+#include "runtime/tensor.h"
+#include "tests/testing.h"
+
+namespace gpipe {
+namespace {
+
+using testing::random_labels;
+using testing::random_tensor;
+using testing::to_doubles;
+
+const Device kGpu = Device::cuda(0);
+const DType kFloatTypes[] = {DType::kF32, DType::kF64};
+
+Backend& gpu() { return backend_for(kGpu); }
+Backend& cpu() { return backend_for(Device::cpu()); }
+
+// A device copy of a host tensor.
+Tensor to_gpu(const Tensor& host) {
+  Tensor d = gpu().empty(host.shape(), host.dtype());
+  gpu().copy(host, d);
+  return d;
+}
+// A separate host copy (so the CPU op does not change the input the GPU op gets).
+Tensor clone(const Tensor& host) {
+  Tensor c = Tensor::empty(host.shape(), host.dtype(), Device::cpu());
+  copy_tensor(host, c);
+  return c;
+}
+
+struct Tol {
+  double rtol, atol;
+};
+// Elementwise ops: the same formula in the same precision; only the libm differs
+// (CUDA's erf/exp are within 2 ulp, as is glibc) and nvcc may fuse a * b + c.
+Tol elementwise_tol(DType t) { return t == DType::kF32 ? Tol{1e-5, 1e-6} : Tol{1e-12, 1e-14}; }
+// Reductions over `terms` values add in another order on the GPU (trees vs. a loop),
+// so the allowed error grows with the number of terms.
+Tol reduction_tol(DType t, int64_t terms) {
+  return t == DType::kF32 ? Tol{1e-4, 1e-5 + 2e-7 * static_cast<double>(terms)}
+                          : Tol{1e-10, 1e-12 + 1e-14 * static_cast<double>(terms)};
+}
+
+#define EXPECT_CLOSE_TOL(a, b, tol) GPIPE_EXPECT_CLOSE(a, b, (tol).rtol, (tol).atol)
+
+// Host tensor of `shape` with every element = value (NaN allowed).
+Tensor host_full(const Shape& shape, DType dt, double value) {
+  Tensor t = Tensor::empty(shape, dt, Device::cpu());
+  cpu().fill(t, value);
+  return t;
+}
+
+bool all_finite(const Tensor& t) {
+  for (double v : to_doubles(t)) {
+    if (!std::isfinite(v)) return false;
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------------------------
+// Runtime
+
+TEST_CASE("the CUDA runtime sees the device") {
+  CHECK(cuda_device_count() >= 1);
+  CHECK(cuda_runtime_device_count() == cuda_device_count());
+  CHECK(gpu().device() == kGpu);
+  CHECK(gpu().stream().native() != nullptr);
+}
+
+TEST_CASE("allocator: stats, cache reuse, release_cache") {
+  Allocator& al = allocator_for(kGpu);
+  CHECK(al.device() == kGpu);
+  al.release_cache();
+  const MemoryStats before = al.stats();
+  CHECK(before.cached == 0);
+
+  const size_t bytes = 1000;
+  const int64_t rounded = static_cast<int64_t>(round_allocation(bytes));
+  void* p = al.allocate(bytes);
+  REQUIRE(p != nullptr);
+  MemoryStats s = al.stats();
+  CHECK(s.in_use == before.in_use + rounded);
+  CHECK(s.peak >= s.in_use);
+  CHECK(s.cached == 0);
+
+  // The block is usable device memory.
+  std::vector<float> in(250), out(250, 0.0f);
+  for (size_t i = 0; i < in.size(); ++i) in[i] = static_cast<float>(i) * 0.5f;
+  cuda_copy(in.data(), Device::cpu(), p, kGpu, bytes);
+  cuda_copy(p, kGpu, out.data(), Device::cpu(), bytes);
+  CHECK(out == in);
+
+  al.deallocate(p, bytes);
+  s = al.stats();
+  CHECK(s.in_use == before.in_use);
+  CHECK(s.cached == rounded);
+
+  void* q = al.allocate(bytes);  // the same rounded size comes from the cache
+  CHECK(q == p);
+  s = al.stats();
+  CHECK(s.cached == 0);
+  CHECK(s.in_use == before.in_use + rounded);
+  al.deallocate(q, bytes);
+
+  al.reset_peak();
+  CHECK(al.stats().peak == al.stats().in_use);
+  al.release_cache();
+  CHECK(al.stats().cached == 0);
+  al.deallocate(nullptr, 0);  // no-op
+}
+
+TEST_CASE("allocator: out of memory is a UserError naming the device and the fix, and CUDA keeps working") {
+  Allocator& al = allocator_for(kGpu);
+  const size_t huge = size_t(1) << 50;  // 1 PiB
+  const int64_t in_use = al.stats().in_use;
+  bool thrown = false;
+  try {
+    al.allocate(huge);
+  } catch (const UserError& e) {
+    thrown = true;
+    const std::string msg = e.what();
+    CAPTURE(msg);
+    CHECK(msg.find("cuda:0") != std::string::npos);
+    CHECK(msg.find(std::to_string(round_allocation(huge))) != std::string::npos);
+    CHECK(msg.find("train.batch_size") != std::string::npos);
+    CHECK(msg.find("pipeline.micro_batches") != std::string::npos);
+    CHECK(msg.find("pipeline.partitions") != std::string::npos);
+  }
+  CHECK(thrown);
+  CHECK(al.stats().in_use == in_use);
+  // The failed cudaMalloc must not linger as the "last error" of the next launch check.
+  Tensor t = gpu().empty({1000}, DType::kF32);
+  gpu().fill(t, 2.5);
+  gpu().scale(t, 2.0);
+  CHECK(to_doubles(t) == std::vector<double>(1000, 5.0));
+}
+
+TEST_CASE("stream and event: timing is non-negative, waits do not fail") {
+  auto stream = make_stream(kGpu);
+  CHECK(stream->device() == kGpu);
+  CHECK(stream->native() != nullptr);
+  CHECK(stream->native() != gpu().stream().native());
+  auto start = make_event(kGpu);
+  auto stop = make_event(kGpu);
+
+  Tensor big = gpu().empty({1 << 22}, DType::kF32);
+  start->record(gpu().stream());
+  gpu().fill(big, 1.0);
+  gpu().scale(big, 3.0);
+  stop->record(gpu().stream());
+  stream->wait(*stop);  // the other stream orders itself after the backend's work
+  stream->synchronize();
+  stop->synchronize();
+  const double ms = start->elapsed_ms(*stop);
+  CHECK(ms >= 0.0);
+  CHECK(std::isfinite(ms));
+  gpu().synchronize();
+
+  // An event recorded on the second stream, waited for by the backend's stream.
+  auto mark = make_event(kGpu);
+  mark->record(*stream);
+  gpu().stream().wait(*mark);
+  gpu().synchronize();
+
+  CpuEvent cpu_event;
+  CHECK_THROWS_AS(stream->wait(cpu_event), Error);
+  CpuStream cpu_stream(Device::cpu());
+  CHECK_THROWS_AS(mark->record(cpu_stream), Error);
+}
+
+TEST_CASE("cuda_copy and copy_tensor round trips are exact") {
+  const int64_t n = 12345;
+  Tensor host = random_tensor({n}, DType::kF64, 7);
+  Allocator& al = allocator_for(kGpu);
+  const size_t bytes = host.nbytes();
+  void* d1 = al.allocate(bytes);
+  void* d2 = al.allocate(bytes);
+  cuda_copy(host.raw_data(), Device::cpu(), d1, kGpu, bytes);
+  cuda_copy(d1, kGpu, d2, kGpu, bytes);
+  Tensor back = Tensor::empty({n}, DType::kF64, Device::cpu());
+  cuda_copy(d2, kGpu, back.raw_data(), Device::cpu(), bytes);
+  CHECK(to_doubles(back) == to_doubles(host));
+  al.deallocate(d1, bytes);
+  al.deallocate(d2, bytes);
+
+  Tensor dev = Tensor::empty({n}, DType::kF64, kGpu);
+  copy_tensor(host, dev);
+  Tensor dev2 = Tensor::empty({n}, DType::kF64, kGpu);
+  copy_tensor(dev, dev2);
+  Tensor back2 = Tensor::empty({n}, DType::kF64, Device::cpu());
+  copy_tensor(dev2, back2);
+  CHECK(to_doubles(back2) == to_doubles(host));
+}
+
+TEST_CASE("copy_tensor waits for work queued on the backend's non-blocking stream") {
+  const int64_t n = (int64_t(1) << 24) + 77;
+  Tensor t = gpu().empty({n}, DType::kF32);
+  gpu().fill(t, 1.0);
+  for (int i = 0; i < 8; ++i) gpu().axpy(1.0, t, t);  // 256 when done, no synchronize
+  Tensor host = Tensor::empty({n}, DType::kF32, Device::cpu());
+  copy_tensor(t, host);
+  const float* p = host.data<float>();
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < n; ++i) wrong += p[i] != 256.0f;
+  CHECK(wrong == 0);
+}
+
+TEST_CASE("backend copy: host to device, device to device, device to host") {
+  for (DType dt : kFloatTypes) {
+    Tensor host = random_tensor({257, 129}, dt, 11);
+    Tensor d1 = gpu().empty(host.shape(), dt);
+    Tensor d2 = gpu().empty(host.shape(), dt);
+    gpu().copy(host, d1);
+    gpu().copy(d1, d2);
+    Tensor back = Tensor::empty(host.shape(), dt, Device::cpu());
+    gpu().copy(d2, back);
+    CHECK(to_doubles(back) == to_doubles(host));
+    Tensor host2 = Tensor::empty(host.shape(), dt, Device::cpu());
+    gpu().copy(host, host2);
+    CHECK(to_doubles(host2) == to_doubles(host));
+  }
+  Tensor empty_host = Tensor::empty({0, 3}, DType::kF32, Device::cpu());
+  Tensor empty_dev = gpu().empty({0, 3}, DType::kF32);
+  gpu().copy(empty_host, empty_dev);
+}
+
+TEST_CASE("item reads one element of each dtype") {
+  Tensor f = gpu().empty({1}, DType::kF32);
+  gpu().fill(f, 1.25);
+  CHECK(gpu().item(f) == 1.25);
+  Tensor d = gpu().empty({1, 1}, DType::kF64);
+  gpu().fill(d, -3.5);
+  CHECK(gpu().item(d) == -3.5);
+  Tensor i = gpu().empty({1}, DType::kI32);
+  gpu().fill(i, 7.0);
+  CHECK(gpu().item(i) == 7.0);
+  Tensor h = Tensor::from_vector<double>({4.75}, {1});
+  CHECK(gpu().item(h) == 4.75);
+  Tensor two = gpu().empty({2}, DType::kF32);
+  CHECK_THROWS_AS(gpu().item(two), Error);
+}
+
+TEST_CASE("operands on the wrong device and bfloat16 are rejected, not crashed on") {
+  Tensor host = random_tensor({4, 5}, DType::kF32, 3);
+  Tensor dev = gpu().empty({4, 5}, DType::kF32);
+  CHECK_THROWS_AS(gpu().relu(host, dev), Error);
+  CHECK_THROWS_AS(gpu().relu(dev, host), Error);
+  Tensor c = gpu().empty({4, 4}, DType::kF32);
+  CHECK_THROWS_AS(gpu().matmul(host, false, dev, true, c, 1.0, 0.0), Error);
+  Tensor bf = Tensor::empty({4}, DType::kBF16, kGpu);
+  CHECK_THROWS_AS(gpu().fill(bf, 1.0), Error);
+  CHECK_THROWS_AS(gpu().scale(bf, 2.0), Error);
+  // The backend is still usable.
+  gpu().relu(dev, dev);
+  gpu().synchronize();
+}
+
+// ---------------------------------------------------------------------------------
+// Ops against the CPU reference
+
+TEST_CASE("matmul: all transposes, odd sizes, alpha and beta") {
+  struct Dims {
+    int64_t m, n, k;
+  };
+  const Dims dims[] = {{1, 1, 1}, {3, 5, 7}, {257, 129, 65}, {1000, 10, 33}, {64, 1, 300}, {2, 513, 1}};
+  uint64_t seed = 100;
+  for (DType dt : kFloatTypes) {
+    for (const Dims& d : dims) {
+      for (int ta = 0; ta < 2; ++ta) {
+        for (int tb = 0; tb < 2; ++tb) {
+          for (double beta : {0.0, 0.5}) {
+            const double alpha = ta ? -0.75 : 1.0;
+            CAPTURE(dtype_name(dt));
+            CAPTURE(d.m);
+            CAPTURE(d.n);
+            CAPTURE(d.k);
+            CAPTURE(ta);
+            CAPTURE(tb);
+            CAPTURE(beta);
+            const Shape sa = ta ? Shape{d.k, d.m} : Shape{d.m, d.k};
+            const Shape sb = tb ? Shape{d.n, d.k} : Shape{d.k, d.n};
+            Tensor a = random_tensor(sa, dt, seed++);
+            Tensor b = random_tensor(sb, dt, seed++);
+            Tensor c0 = random_tensor({d.m, d.n}, dt, seed++);
+            Tensor c_cpu = clone(c0);
+            Tensor c_gpu = to_gpu(c0);
+            cpu().matmul(a, ta, b, tb, c_cpu, alpha, beta);
+            gpu().matmul(to_gpu(a), ta, to_gpu(b), tb, c_gpu, alpha, beta);
+            EXPECT_CLOSE_TOL(c_gpu, c_cpu, reduction_tol(dt, d.k));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("matmul: beta == 0 ignores NaN in c; k == 0 scales c by beta") {
+  for (DType dt : kFloatTypes) {
+    CAPTURE(dtype_name(dt));
+    Tensor a = random_tensor({6, 4}, dt, 1), b = random_tensor({4, 3}, dt, 2);
+    Tensor c_gpu = to_gpu(host_full({6, 3}, dt, std::nan("")));
+    Tensor c_cpu = host_full({6, 3}, dt, std::nan(""));
+    gpu().matmul(to_gpu(a), false, to_gpu(b), false, c_gpu, 1.0, 0.0);
+    cpu().matmul(a, false, b, false, c_cpu, 1.0, 0.0);
+    CHECK(all_finite(c_gpu));
+    EXPECT_CLOSE_TOL(c_gpu, c_cpu, reduction_tol(dt, 4));
+
+    Tensor a0 = Tensor::empty({5, 0}, dt, Device::cpu()), b0 = Tensor::empty({0, 3}, dt, Device::cpu());
+    Tensor c0 = random_tensor({5, 3}, dt, 3);
+    for (double beta : {0.5, 0.0}) {
+      CAPTURE(beta);
+      Tensor cc = clone(c0), cg = to_gpu(c0);
+      cpu().matmul(a0, false, b0, false, cc, 1.0, beta);
+      gpu().matmul(to_gpu(a0), false, to_gpu(b0), false, cg, 1.0, beta);
+      GPIPE_EXPECT_CLOSE(cg, cc, 0.0, 0.0);
+    }
+    Tensor nan_c = to_gpu(host_full({5, 3}, dt, std::nan("")));
+    gpu().matmul(to_gpu(a0), false, to_gpu(b0), false, nan_c, 1.0, 0.0);
+    CHECK(to_doubles(nan_c) == std::vector<double>(15, 0.0));
+
+    // m == 0 or n == 0: nothing to do, no error.
+    Tensor e = gpu().empty({0, 3}, dt);
+    gpu().matmul(gpu().empty({0, 4}, dt), false, to_gpu(b), false, e, 1.0, 0.0);
+  }
+}
+
+const Shape kMatrixShapes[] = {{1, 1}, {3, 5}, {257, 129}, {1000, 10}, {2, 1000}, {600001, 3}};
+
+TEST_CASE("add_bias") {
+  uint64_t seed = 200;
+  for (DType dt : kFloatTypes) {
+    for (const Shape& s : kMatrixShapes) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(shape_str(s));
+      Tensor y = random_tensor(s, dt, seed++);
+      Tensor bias = random_tensor({s[1]}, dt, seed++);
+      Tensor y_cpu = clone(y), y_gpu = to_gpu(y);
+      cpu().add_bias(y_cpu, bias);
+      gpu().add_bias(y_gpu, to_gpu(bias));
+      EXPECT_CLOSE_TOL(y_gpu, y_cpu, elementwise_tol(dt));
+    }
+  }
+}
+
+TEST_CASE("bias_grad with beta 0 (NaN in db ignored), 1 and 0.5") {
+  uint64_t seed = 300;
+  for (DType dt : kFloatTypes) {
+    for (const Shape& s : kMatrixShapes) {
+      for (double beta : {0.0, 1.0, 0.5}) {
+        CAPTURE(dtype_name(dt));
+        CAPTURE(shape_str(s));
+        CAPTURE(beta);
+        Tensor dy = random_tensor(s, dt, seed++);
+        Tensor db0 = beta == 0.0 ? host_full({s[1]}, dt, std::nan("")) : random_tensor({s[1]}, dt, seed++);
+        Tensor db_cpu = clone(db0), db_gpu = to_gpu(db0);
+        cpu().bias_grad(dy, db_cpu, beta);
+        gpu().bias_grad(to_gpu(dy), db_gpu, beta);
+        CHECK(all_finite(db_gpu));
+        EXPECT_CLOSE_TOL(db_gpu, db_cpu, reduction_tol(dt, s[0]));
+      }
+    }
+  }
+  // No rows: db = beta * db.
+  Tensor db = random_tensor({4}, DType::kF64, 5);
+  Tensor db_cpu = clone(db), db_gpu = to_gpu(db);
+  cpu().bias_grad(Tensor::empty({0, 4}, DType::kF64, Device::cpu()), db_cpu, 0.5);
+  gpu().bias_grad(gpu().empty({0, 4}, DType::kF64), db_gpu, 0.5);
+  GPIPE_EXPECT_CLOSE(db_gpu, db_cpu, 0.0, 0.0);
+}
+
+const Shape kVectorShapes[] = {{1}, {15}, {257, 129}, {1000, 10}, {(int64_t(1) << 24) + 77}};
+
+TEST_CASE("relu and relu_backward") {
+  uint64_t seed = 400;
+  for (DType dt : kFloatTypes) {
+    for (const Shape& s : kVectorShapes) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(shape_str(s));
+      Tensor x = random_tensor(s, dt, seed++);
+      Tensor dy = random_tensor(s, dt, seed++);
+      Tensor y_cpu = Tensor::empty(s, dt, Device::cpu()), y_gpu = gpu().empty(s, dt);
+      cpu().relu(x, y_cpu);
+      gpu().relu(to_gpu(x), y_gpu);
+      GPIPE_EXPECT_CLOSE(y_gpu, y_cpu, 0.0, 0.0);
+      Tensor dx_cpu = Tensor::empty(s, dt, Device::cpu()), dx_gpu = gpu().empty(s, dt);
+      cpu().relu_backward(y_cpu, dy, dx_cpu);
+      gpu().relu_backward(y_gpu, to_gpu(dy), dx_gpu);
+      GPIPE_EXPECT_CLOSE(dx_gpu, dx_cpu, 0.0, 0.0);
+    }
+  }
+  // In place.
+  Tensor x = random_tensor({1000}, DType::kF32, 9);
+  Tensor ref = Tensor::empty({1000}, DType::kF32, Device::cpu());
+  cpu().relu(x, ref);
+  Tensor xg = to_gpu(x);
+  gpu().relu(xg, xg);
+  GPIPE_EXPECT_CLOSE(xg, ref, 0.0, 0.0);
+}
+
+TEST_CASE("gelu and gelu_backward (exact erf form)") {
+  uint64_t seed = 500;
+  const Shape shapes[] = {{1}, {15}, {257, 129}, {1000, 10}, {100003}};
+  for (DType dt : kFloatTypes) {
+    for (const Shape& s : shapes) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(shape_str(s));
+      Tensor x = random_tensor(s, dt, seed++, -6.0, 6.0);
+      Tensor dy = random_tensor(s, dt, seed++);
+      Tensor y_cpu = Tensor::empty(s, dt, Device::cpu()), y_gpu = gpu().empty(s, dt);
+      cpu().gelu(x, y_cpu);
+      gpu().gelu(to_gpu(x), y_gpu);
+      EXPECT_CLOSE_TOL(y_gpu, y_cpu, elementwise_tol(dt));
+      Tensor dx_cpu = Tensor::empty(s, dt, Device::cpu()), dx_gpu = gpu().empty(s, dt);
+      cpu().gelu_backward(x, dy, dx_cpu);
+      gpu().gelu_backward(to_gpu(x), to_gpu(dy), dx_gpu);
+      EXPECT_CLOSE_TOL(dx_gpu, dx_cpu, elementwise_tol(dt));
+    }
+  }
+}
+
+// Labels for `rows` rows of `classes` classes, with every 7th row (from row 2) set to
+// ignore_index.
+Tensor labels_with_ignored(int64_t rows, int classes, int ignore_index, uint64_t seed) {
+  Tensor labels = random_labels(rows, classes, seed);
+  int32_t* p = labels.data<int32_t>();
+  for (int64_t r = 2; r < rows; r += 7) p[r] = ignore_index;
+  return labels;
+}
+
+TEST_CASE("softmax_xent forward and backward, with ignore_index rows") {
+  const Shape shapes[] = {{1, 1}, {3, 5}, {257, 129}, {1000, 10}, {4, 5000}, {2, 1}};
+  uint64_t seed = 600;
+  for (DType dt : kFloatTypes) {
+    for (const Shape& s : shapes) {
+      for (int ignore_index : {-100, 2}) {
+        for (double range : {5.0, 80.0}) {
+          CAPTURE(dtype_name(dt));
+          CAPTURE(shape_str(s));
+          CAPTURE(ignore_index);
+          CAPTURE(range);
+          const int64_t rows = s[0], cols = s[1];
+          if (ignore_index >= cols) continue;  // ignore_index 2 needs a class 2 to be meaningful
+          Tensor logits = random_tensor(s, dt, seed++, -range, range);
+          Tensor labels = labels_with_ignored(rows, static_cast<int>(cols), ignore_index, seed++);
+          const double scale = 1.0 / static_cast<double>(rows);
+
+          Tensor probs_cpu = Tensor::empty(s, dt, Device::cpu()), loss_cpu = Tensor::empty({1}, dt, Device::cpu());
+          cpu().softmax_xent(logits, labels, scale, ignore_index, probs_cpu, loss_cpu);
+          Tensor probs_gpu = gpu().empty(s, dt), loss_gpu = gpu().empty({1}, dt);
+          Tensor labels_gpu = to_gpu(labels);
+          gpu().softmax_xent(to_gpu(logits), labels_gpu, scale, ignore_index, probs_gpu, loss_gpu);
+          // exp times 1 / (a sum of `cols` terms, added in another order): a small relative error
+          const Tol probs_tol = dt == DType::kF32 ? Tol{1e-4, 1e-7} : Tol{1e-10, 1e-15};
+          EXPECT_CLOSE_TOL(probs_gpu, probs_cpu, probs_tol);
+          const Tol loss_tol = dt == DType::kF32 ? Tol{1e-5, 1e-5} : Tol{1e-11, 1e-12};
+          EXPECT_CLOSE_TOL(std::vector<double>{gpu().item(loss_gpu)}, std::vector<double>{cpu().item(loss_cpu)},
+                           loss_tol);
+
+          // Backward from the same probabilities on both sides.
+          for (double bscale : {scale, 1.0}) {
+            Tensor d_cpu = Tensor::empty(s, dt, Device::cpu()), d_gpu = gpu().empty(s, dt);
+            cpu().softmax_xent_backward(probs_cpu, labels, bscale, ignore_index, d_cpu);
+            gpu().softmax_xent_backward(to_gpu(probs_cpu), labels_gpu, bscale, ignore_index, d_gpu);
+            EXPECT_CLOSE_TOL(d_gpu, d_cpu, elementwise_tol(dt));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("softmax_xent with no rows writes a zero loss") {
+  for (DType dt : kFloatTypes) {
+    Tensor logits = gpu().empty({0, 5}, dt), probs = gpu().empty({0, 5}, dt);
+    Tensor labels = gpu().empty({0}, DType::kI32);
+    Tensor loss = to_gpu(host_full({1}, dt, std::nan("")));
+    gpu().softmax_xent(logits, labels, 1.0, -100, probs, loss);
+    CHECK(gpu().item(loss) == 0.0);
+    Tensor d = gpu().empty({0, 5}, dt);
+    gpu().softmax_xent_backward(probs, labels, 1.0, -100, d);
+  }
+}
+
+TEST_CASE("an out-of-range label is a UserError with the CPU backend's message") {
+  for (DType dt : kFloatTypes) {
+    const Shape s{8, 5};
+    Tensor logits = random_tensor(s, dt, 700);
+    for (int bad : {5, -3, 1000}) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(bad);
+      std::vector<int32_t> lv = {0, 1, -100, bad, 4, -7, 2, 3};  // rows 3 and 5 are bad; row 3 is reported
+      Tensor labels = Tensor::from_vector(lv, {8});
+      Tensor labels_gpu = to_gpu(labels);
+
+      std::string cpu_msg, gpu_msg;
+      Tensor probs_cpu = Tensor::empty(s, dt, Device::cpu()), loss_cpu = Tensor::empty({1}, dt, Device::cpu());
+      try {
+        cpu().softmax_xent(logits, labels, 1.0, -100, probs_cpu, loss_cpu);
+      } catch (const UserError& e) {
+        cpu_msg = e.what();
+      }
+      Tensor probs_gpu = gpu().empty(s, dt), loss_gpu = gpu().empty({1}, dt);
+      CHECK_THROWS_AS(gpu().softmax_xent(to_gpu(logits), labels_gpu, 1.0, -100, probs_gpu, loss_gpu), UserError);
+      try {
+        gpu().softmax_xent(to_gpu(logits), labels_gpu, 1.0, -100, probs_gpu, loss_gpu);
+      } catch (const UserError& e) {
+        gpu_msg = e.what();
+      }
+      CHECK(!cpu_msg.empty());
+      CHECK(gpu_msg == cpu_msg);
+      CHECK(gpu_msg.find("row 3") != std::string::npos);
+
+      std::string cpu_bmsg, gpu_bmsg;
+      Tensor probs = random_tensor(s, dt, 701, 0.0, 1.0);
+      Tensor d_cpu = Tensor::empty(s, dt, Device::cpu()), d_gpu = gpu().empty(s, dt);
+      try {
+        cpu().softmax_xent_backward(probs, labels, 1.0, -100, d_cpu);
+      } catch (const UserError& e) {
+        cpu_bmsg = e.what();
+      }
+      try {
+        gpu().softmax_xent_backward(to_gpu(probs), labels_gpu, 1.0, -100, d_gpu);
+      } catch (const UserError& e) {
+        gpu_bmsg = e.what();
+      }
+      CHECK(!cpu_bmsg.empty());
+      CHECK(gpu_bmsg == cpu_bmsg);
+    }
+  }
+  // The backend is fine afterwards.
+  Tensor ok_labels = to_gpu(Tensor::from_vector<int32_t>({1, 0}, {2}));
+  Tensor logits = to_gpu(random_tensor({2, 3}, DType::kF32, 702));
+  Tensor probs = gpu().empty({2, 3}, DType::kF32), loss = gpu().empty({1}, DType::kF32);
+  gpu().softmax_xent(logits, ok_labels, 0.5, -100, probs, loss);
+  CHECK(std::isfinite(gpu().item(loss)));
+}
+
+TEST_CASE("fill: float32, float64 and int32 (truncating like the CPU)") {
+  for (DType dt : {DType::kF32, DType::kF64, DType::kI32}) {
+    for (const Shape& s : {Shape{1}, Shape{3, 5}, Shape{100003}}) {
+      for (double v : {0.0, -0.0, 0.37, 3.7, -2.5, 1e6}) {
+        CAPTURE(dtype_name(dt));
+        CAPTURE(shape_str(s));
+        CAPTURE(v);
+        Tensor c = Tensor::empty(s, dt, Device::cpu()), g = gpu().empty(s, dt);
+        cpu().fill(c, v);
+        gpu().fill(g, v);
+        CHECK(to_doubles(g) == to_doubles(c));
+      }
+    }
+  }
+  Tensor z = gpu().zeros({7, 3}, DType::kF64);
+  CHECK(to_doubles(z) == std::vector<double>(21, 0.0));
+}
+
+TEST_CASE("scale: 0 clears NaN, other factors multiply") {
+  for (DType dt : kFloatTypes) {
+    for (const Shape& s : kVectorShapes) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(shape_str(s));
+      Tensor g = to_gpu(host_full(s, dt, std::nan("")));
+      gpu().scale(g, 0.0);
+      CHECK(to_doubles(g) == std::vector<double>(static_cast<size_t>(shape_numel(s)), 0.0));
+      Tensor x = random_tensor(s, dt, 800);
+      Tensor xc = clone(x), xg = to_gpu(x);
+      cpu().scale(xc, -1.7);
+      gpu().scale(xg, -1.7);
+      EXPECT_CLOSE_TOL(xg, xc, elementwise_tol(dt));
+    }
+  }
+}
+
+TEST_CASE("axpy") {
+  uint64_t seed = 900;
+  for (DType dt : kFloatTypes) {
+    for (const Shape& s : kVectorShapes) {
+      for (double alpha : {1.0, -0.3}) {
+        CAPTURE(dtype_name(dt));
+        CAPTURE(shape_str(s));
+        CAPTURE(alpha);
+        Tensor x = random_tensor(s, dt, seed++), y = random_tensor(s, dt, seed++);
+        Tensor yc = clone(y), yg = to_gpu(y);
+        cpu().axpy(alpha, x, yc);
+        gpu().axpy(alpha, to_gpu(x), yg);
+        EXPECT_CLOSE_TOL(yg, yc, elementwise_tol(dt));
+      }
+    }
+  }
+}
+
+TEST_CASE("sgd_step: plain, momentum, nesterov, weight decay, first and later steps") {
+  const SgdParams configs[] = {
+      {0.1, 0.0, 0.0, false},
+      {0.1, 0.0, 0.01, false},
+      {0.05, 0.9, 0.0, false},
+      {0.05, 0.9, 1e-4, false},
+      {0.05, 0.9, 0.0, true},
+      {0.02, 0.8, 0.01, true},
+  };
+  const Shape shapes[] = {{1}, {1000}, {257, 129}};
+  uint64_t seed = 1000;
+  for (DType dt : kFloatTypes) {
+    for (const Shape& s : shapes) {
+      for (const SgdParams& p : configs) {
+        CAPTURE(dtype_name(dt));
+        CAPTURE(shape_str(s));
+        CAPTURE(p.lr);
+        CAPTURE(p.momentum);
+        CAPTURE(p.weight_decay);
+        CAPTURE(p.nesterov);
+        Tensor w = random_tensor(s, dt, seed++);
+        Tensor wc = clone(w), wg = to_gpu(w);
+        Tensor bc, bg;  // undefined when there is no momentum
+        if (p.momentum != 0.0) {
+          Tensor b0 = random_tensor(s, dt, seed++);  // garbage: the first step must overwrite it
+          bc = clone(b0);
+          bg = to_gpu(b0);
+        }
+        for (int step = 0; step < 3; ++step) {
+          CAPTURE(step);
+          Tensor grad = random_tensor(s, dt, seed++);
+          cpu().sgd_step(wc, grad, bc, p, step == 0);
+          gpu().sgd_step(wg, to_gpu(grad), bg, p, step == 0);
+          EXPECT_CLOSE_TOL(wg, wc, elementwise_tol(dt));
+          if (p.momentum != 0.0) EXPECT_CLOSE_TOL(bg, bc, elementwise_tol(dt));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace gpipe
+
+int main(int argc, char** argv) {
+  if (gpipe::cuda_device_count() == 0) {
+    gpipe::testing::report_skipped("no CUDA device visible");
+    return 0;
+  }
+  doctest::Context context;
+  context.applyCommandLine(argc, argv);
+  return context.run();
+}
