@@ -11,6 +11,7 @@ LayerCost elementwise_cost(int64_t batch, const Shape& shape, DType dtype, doubl
   LayerCost c;
   c.forward_flops = fwd * n;
   c.backward_flops = bwd * n;
+  c.input_grad_flops = bwd * n;  // no parameters: backward is all input gradient
   c.forward_bytes = 2 * es * n;
   c.backward_bytes = 3 * es * n;
   c.output_bytes = static_cast<int64_t>(es * n);

@@ -26,6 +26,7 @@ struct Parameter {
 struct LayerCost {
   double forward_flops = 0;
   double backward_flops = 0;  // input and parameter gradients
+  double input_grad_flops = 0;  // the part of backward_flops that computes dx (skipped for the model's first layer)
   double forward_bytes = 0;   // memory traffic: inputs, outputs and parameters read/written
   double backward_bytes = 0;
   int64_t param_bytes = 0;

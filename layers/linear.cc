@@ -34,6 +34,7 @@ LayerCost Linear::cost(int64_t batch) const {
   c.forward_flops = 2 * b * in * out + (opts_.bias ? b * out : 0);
   // dx = dy W (2 b in out) and dW += dy^T x (2 b in out, plus the accumulation), db.
   c.backward_flops = 4 * b * in * out + in * out + (opts_.bias ? b * out : 0);
+  c.input_grad_flops = 2 * b * in * out;
   c.forward_bytes = es * (b * in + in * out + b * out);
   c.backward_bytes = es * (2 * b * out + 2 * b * in + 3 * in * out);
   c.param_bytes = static_cast<int64_t>(es * (in * out + (opts_.bias ? out : 0)));

@@ -93,7 +93,15 @@ double max_cell_cost(const std::vector<double>& costs, const std::vector<int>& b
 
 std::vector<double> layer_costs(const layers::Sequential& model, int64_t micro_batch_size, bool recompute,
                                 const std::vector<std::optional<double>>& overrides, const CostModel& cm) {
-  const auto counts = model.costs(micro_batch_size);
+  auto counts = model.costs(micro_batch_size);
+  if (!counts.empty()) {
+    // Nothing upstream of the model's first layer needs its input gradient, so the
+    // executor never computes it.
+    layers::LayerCost& first = counts.front();
+    const double share = first.backward_flops > 0 ? first.input_grad_flops / first.backward_flops : 0.0;
+    first.backward_bytes *= 1.0 - share;
+    first.backward_flops -= first.input_grad_flops;
+  }
   std::vector<double> out(counts.size());
   for (size_t i = 0; i < counts.size(); ++i) {
     out[i] = (i < overrides.size() && overrides[i]) ? *overrides[i] : cm.seconds(counts[i], recompute);

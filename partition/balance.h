@@ -20,10 +20,10 @@ struct CostModel {
   double seconds(const layers::LayerCost& c, bool recompute) const;
 };
 
-// Cell sizes (layers per cell) minimising the largest cell cost. Among optimal
-// splits, the one with the most even spread of the remaining cells is not sought:
-// ties are broken toward putting layers in earlier cells. Throws UserError if
-// k < 1, k > costs.size(), or a cost is negative or not finite.
+// Cell sizes (layers per cell) minimising the largest cell cost. Ties between optimal
+// splits go to the one whose last cell is smallest (layers lean toward earlier
+// cells). Throws UserError if k < 1, k > costs.size(), or a cost is negative or not
+// finite.
 std::vector<int> balance_by_cost(const std::vector<double>& costs, int k);
 
 // Checks a user's manual balance against the layer count; throws UserError naming the
@@ -34,7 +34,8 @@ void validate_balance(const std::vector<int>& balance, int num_layers, int k);
 double max_cell_cost(const std::vector<double>& costs, const std::vector<int>& balance);
 
 // Per-layer costs in seconds for a model at a given micro-batch size; a user's
-// `cost:` value (overrides[i]) replaces the estimate for layer i.
+// `cost:` value (overrides[i]) replaces the estimate for layer i. The first layer is
+// charged no input gradient, which the executor never computes.
 std::vector<double> layer_costs(const layers::Sequential& model, int64_t micro_batch_size, bool recompute,
                                 const std::vector<std::optional<double>>& overrides = {},
                                 const CostModel& cm = {});

@@ -107,3 +107,15 @@ TEST_CASE("rematerialization shrinks the estimated activation memory") {
   CHECK(remat[0].activation_bytes == (8 + 9) * 64 * 256 * 4);
   CHECK(remat[1].activation_bytes < plain[1].activation_bytes);
 }
+
+TEST_CASE("the first layer is not charged for an input gradient nobody needs") {
+  layers::ModelSpec spec;
+  spec.input = {128};
+  spec.layers = {{"linear", {{"out", "128"}}, {}, ""}, {"linear", {{"out", "128"}}, {}, ""}};
+  spec.loss = {"softmax_cross_entropy", {}, {}, ""};
+  auto model = layers::build_model(spec);
+  const auto est = layer_costs(*model, 64, false);
+  CHECK(est[0] < est[1]);
+  const auto counts = model->costs(64);
+  CHECK(counts[0].input_grad_flops == 2.0 * 64 * 128 * 128);
+}

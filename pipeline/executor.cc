@@ -55,6 +55,7 @@ struct Executor::StageRuntime {
   std::vector<MicroBatch> mbs;
   StageTrace trace;
   int64_t live_bytes = 0;
+  bool grads_dirty = true;  // gradients hold values from an earlier step
   std::exception_ptr error;
   bool error_is_abort = false;
   std::string error_text;
@@ -134,7 +135,7 @@ Executor::Executor(layers::Sequential& model, std::vector<StageSpec> stages, Sch
     rt->optimizer = std::make_unique<layers::Sgd>(params, options_.sgd);
     runtimes_.push_back(std::move(rt));
   }
-  const bool pin = options_.pin_threads && K > 1 && static_cast<unsigned>(K) <= std::thread::hardware_concurrency();
+  const bool pin = options_.pin_threads && static_cast<unsigned>(K) <= std::thread::hardware_concurrency();
   for (int k = 0; k < K; ++k) {
     workers_.emplace_back([this, k, pin] {
       set_thread_context(0, k);
@@ -223,11 +224,19 @@ void Executor::run_stage(int k) {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - cur_.epoch).count();
   };
 
-  try {
-    // Each stage clears its own gradients, on its own device, in parallel.
+  // Each stage clears its own gradients, on its own device, in parallel: right after
+  // its optimizer step (so the next step starts at once), or here when the previous
+  // step kept its gradients for inspection.
+  auto zero_grads = [&] {
     for (int i = rt.spec.first_layer; i < rt.spec.first_layer + rt.spec.num_layers; ++i) {
       for (layers::Parameter* p : model_.layer(i).parameters()) be.fill(p->grad, 0.0);
     }
+    rt.grads_dirty = false;
+  };
+
+  try {
+    if (rt.grads_dirty) zero_grads();
+    rt.grads_dirty = true;
     for (const Instruction& ins : schedule_.stages[k]) {
       const int m = ins.micro_batch;
       if (ins.op == Op::kOptimizerStep && !cur_.apply_optimizer) continue;
@@ -283,6 +292,7 @@ void Executor::run_stage(int k) {
         }
         case Op::kOptimizerStep:
           rt.optimizer->step();
+          zero_grads();
           break;
       }
       if (m >= 0) {

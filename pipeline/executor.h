@@ -39,7 +39,8 @@ std::vector<StageSpec> make_stages(const std::vector<int>& balance, const std::v
 
 struct ExecutorOptions {
   SgdParams sgd;
-  // Pin stage k's thread to core k when there are at least as many cores as stages.
+  // Pin stage k's thread to core k when there are at least as many cores as stages
+  // (K = 1 included: a CPU device is one core).
   bool pin_threads = true;
 };
 
@@ -75,8 +76,8 @@ class Executor {
   Executor& operator=(const Executor&) = delete;
 
   // One mini-batch: inputs (N, *input_shape) and int32 targets (N) on the host.
-  // Gradients are zeroed first; with apply_optimizer = false the optimizer steps are
-  // skipped, leaving the accumulated gradients for inspection.
+  // Gradients start from zero; with apply_optimizer = false the optimizer steps are
+  // skipped, leaving the accumulated gradients in Parameter::grad for inspection.
   StepResult step(const Tensor& inputs, const Tensor& targets, bool apply_optimizer = true);
 
   const Schedule& schedule() const { return schedule_; }

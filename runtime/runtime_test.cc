@@ -10,6 +10,7 @@
 #include "runtime/error.h"
 #include "runtime/inprocess_transport.h"
 #include "runtime/mpi_check.h"
+#include "runtime/philox.h"
 #include "runtime/random.h"
 #include "runtime/stream.h"
 #include "runtime/tensor.h"
@@ -140,4 +141,28 @@ TEST_CASE("the generator is deterministic and roughly uniform") {
     sum += u;
   }
   CHECK(sum / 10000 == doctest::Approx(0.5).epsilon(0.02));
+}
+
+TEST_CASE("Philox4x32-10 matches the Random123 known-answer vectors") {
+  const Philox4x32 zero = philox4x32_10({{0, 0, 0, 0}}, 0, 0);
+  CHECK(zero.v[0] == 0x6627e8d5u);
+  CHECK(zero.v[1] == 0xe169c58du);
+  CHECK(zero.v[2] == 0xbc57ac4cu);
+  CHECK(zero.v[3] == 0x9b00dbd8u);
+  const Philox4x32 ones = philox4x32_10({{0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu}}, 0xffffffffu, 0xffffffffu);
+  CHECK(ones.v[0] == 0x408f276du);
+  CHECK(ones.v[1] == 0x41c83b0eu);
+  CHECK(ones.v[2] == 0xa20bc7c6u);
+  CHECK(ones.v[3] == 0x6d5451fdu);
+  const Philox4x32 pi = philox4x32_10({{0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u}}, 0xa4093822u, 0x299f31d0u);
+  CHECK(pi.v[0] == 0xd16cfe09u);
+  CHECK(pi.v[1] == 0x94fdccebu);
+  CHECK(pi.v[2] == 0x5001e420u);
+  CHECK(pi.v[3] == 0x24126ea1u);
+  // Uniforms depend only on (key, sample, element).
+  CHECK(philox_uniform(7, 3, 11) == philox_uniform(7, 3, 11));
+  CHECK(philox_uniform(7, 3, 11) != philox_uniform(7, 4, 11));
+  double sum = 0;
+  for (int i = 0; i < 4000; ++i) sum += philox_uniform(1, i / 4, i % 4);
+  CHECK(sum / 4000 == doctest::Approx(0.5).epsilon(0.03));
 }

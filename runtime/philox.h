@@ -1,0 +1,51 @@
+// Philox4x32-10, the counter-based generator of Salmon et al. (SC'11), as used by
+// cuRAND and PyTorch. A random value is a pure function of (key, counter), so a
+// dropout mask keyed by (seed, step, layer) and counted by (sample, element) is the
+// same however the batch is split into micro-batches, on every backend, and when a
+// checkpointed micro-batch is recomputed. Usable from host and device code.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define GPIPE_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define GPIPE_HOST_DEVICE inline
+#endif
+
+namespace gpipe {
+
+struct Philox4x32 {
+  uint32_t v[4];
+};
+
+GPIPE_HOST_DEVICE uint32_t philox_mulhilo(uint32_t a, uint32_t b, uint32_t* hi) {
+  const uint64_t p = static_cast<uint64_t>(a) * b;
+  *hi = static_cast<uint32_t>(p >> 32);
+  return static_cast<uint32_t>(p);
+}
+
+// Ten rounds of Philox4x32 on counter c with key k.
+GPIPE_HOST_DEVICE Philox4x32 philox4x32_10(Philox4x32 c, uint32_t k0, uint32_t k1) {
+  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+  for (int round = 0; round < 10; ++round) {
+    uint32_t hi0, hi1;
+    const uint32_t lo0 = philox_mulhilo(kM0, c.v[0], &hi0);
+    const uint32_t lo1 = philox_mulhilo(kM1, c.v[2], &hi1);
+    c = Philox4x32{{hi1 ^ c.v[1] ^ k0, lo1, hi0 ^ c.v[3] ^ k1, lo0}};
+    k0 += kW0;
+    k1 += kW1;
+  }
+  return c;
+}
+
+// A uniform float in [0, 1) for element `element` of sample `sample` under a 64-bit
+// key. Four consecutive elements share one Philox block.
+GPIPE_HOST_DEVICE float philox_uniform(uint64_t key, uint64_t sample, uint64_t element) {
+  const Philox4x32 c{{static_cast<uint32_t>(element >> 2), static_cast<uint32_t>(element >> 34),
+                      static_cast<uint32_t>(sample), static_cast<uint32_t>(sample >> 32)}};
+  const Philox4x32 r = philox4x32_10(c, static_cast<uint32_t>(key), static_cast<uint32_t>(key >> 32));
+  return static_cast<float>(r.v[element & 3] >> 8) * (1.0f / 16777216.0f);
+}
+
+}  // namespace gpipe
