@@ -22,7 +22,7 @@ LayerCost elementwise_cost(int64_t batch, const Shape& shape, DType dtype, doubl
 
 LayerCost Relu::cost(int64_t batch) const { return elementwise_cost(batch, input_shape_, dtype_, 1, 1); }
 
-Tensor Relu::forward_impl(Backend& be, const Tensor& x, Context* ctx) {
+Tensor Relu::forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs&) {
   Tensor y = be.empty(x.shape(), dtype_);
   be.relu(x, y);
   if (ctx != nullptr) ctx->saved = {y};
@@ -39,7 +39,7 @@ Tensor Relu::backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bo
 // erf and exp per element: counted as ~20 flops forward, ~30 backward.
 LayerCost Gelu::cost(int64_t batch) const { return elementwise_cost(batch, input_shape_, dtype_, 20, 30); }
 
-Tensor Gelu::forward_impl(Backend& be, const Tensor& x, Context* ctx) {
+Tensor Gelu::forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs&) {
   Tensor y = be.empty(x.shape(), dtype_);
   be.gelu(x, y);
   if (ctx != nullptr) ctx->saved = {x};

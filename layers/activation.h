@@ -14,7 +14,7 @@ class Relu : public Layer {
   LayerCost cost(int64_t batch) const override;
 
  private:
-  Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx) override;
+  Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
   Tensor backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) override;
 };
 
@@ -26,7 +26,7 @@ class Gelu : public Layer {
   LayerCost cost(int64_t batch) const override;
 
  private:
-  Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx) override;
+  Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
   Tensor backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) override;
 };
 

@@ -16,16 +16,16 @@ void check_batch(const Tensor& x, const Shape& sample, DType dtype, const std::s
   }
 }
 
-Tensor Layer::forward(Backend& be, const Tensor& x, Context* ctx) {
-  check_batch(x, input_shape_, dtype_, describe(), "input");
+Tensor Layer::forward(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) {
+  check_batch(x, input_shape_, input_dtype_, describe(), "input");
   GPIPE_CHECK(x.device() == be.device() || (x.device().is_cpu() && be.device().is_cpu()),
               describe() + ": input on " + x.device().str() + ", backend on " + be.device().str());
-  return forward_impl(be, x, ctx);
+  return forward_impl(be, x, ctx, args);
 }
 
 Tensor Layer::backward(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) {
   check_batch(dy, output_shape_, dtype_, describe(), "output gradient");
-  return backward_impl(be, dy, ctx, need_dx);
+  return backward_impl(be, dy, ctx, need_dx && input_dtype_ != DType::kI32);
 }
 
 void Layer::to(Device device) {

@@ -34,9 +34,19 @@ struct LayerCost {
   int64_t saved_bytes = 0;   // what forward keeps for backward without rematerialization
 };
 
-// What forward keeps for backward.
+// What forward keeps for backward; a composite layer keeps one child per sub-layer.
 struct Context {
   std::vector<Tensor> saved;
+  std::vector<Context> children;
+};
+
+// What a forward may need besides its input. Dropout keys its mask on (seed, step)
+// and counts samples from the first sample of the mini-batch, so masks do not depend
+// on the micro-batch split and a recompute reproduces them.
+struct ForwardArgs {
+  bool training = true;
+  uint64_t step = 0;          // the optimizer step this forward belongs to
+  int64_t sample_offset = 0;  // index of the input's first sample in the mini-batch
 };
 
 class Layer {
@@ -45,9 +55,10 @@ class Layer {
 
   // x: (batch, *input_shape()). With ctx == nullptr nothing is kept for backward (the
   // no-grad forward of a checkpointed micro-batch).
-  Tensor forward(Backend& be, const Tensor& x, Context* ctx);
+  Tensor forward(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args = {});
   // dy: (batch, *output_shape()). Adds parameter gradients into Parameter::grad and
-  // returns dx, or an undefined tensor when need_dx is false (the first layer).
+  // returns dx, or an undefined tensor when need_dx is false (the first layer) or the
+  // input is not differentiable (token ids).
   Tensor backward(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx = true);
 
   // "linear", "relu", ... as named in configs.
@@ -62,18 +73,21 @@ class Layer {
   // Moves parameters (and fresh zero gradients) to `device`.
   void to(Device device);
   Device device() const { return device_; }
-  DType dtype() const { return dtype_; }
+  DType dtype() const { return dtype_; }              // parameters and output
+  DType input_dtype() const { return input_dtype_; }  // int32 for token ids
 
  protected:
   Layer(Shape input_shape, Shape output_shape, DType dtype)
-      : input_shape_(std::move(input_shape)), output_shape_(std::move(output_shape)), dtype_(dtype) {}
-  virtual Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx) = 0;
+      : input_shape_(std::move(input_shape)), output_shape_(std::move(output_shape)), dtype_(dtype),
+        input_dtype_(dtype) {}
+  virtual Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) = 0;
   virtual Tensor backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) = 0;
   // Creates a parameter on the CPU, initialised uniform in [-bound, bound].
   Parameter make_parameter(const std::string& name, const Shape& shape, double bound, uint64_t seed);
 
   Shape input_shape_, output_shape_;
   DType dtype_;
+  DType input_dtype_;
   Device device_ = Device::cpu();
 };
 

@@ -8,7 +8,15 @@
 namespace gpipe {
 namespace layers {
 
-Linear::Linear(const LinearOptions& opts) : Layer({opts.in}, {opts.out}, opts.dtype), opts_(opts) {
+namespace {
+Shape with_last(Shape leading, int64_t last) {
+  leading.push_back(last);
+  return leading;
+}
+}  // namespace
+
+Linear::Linear(const LinearOptions& opts)
+    : Layer(with_last(opts.leading, opts.in), with_last(opts.leading, opts.out), opts.dtype), opts_(opts) {
   if (opts.in <= 0 || opts.out <= 0) {
     throw UserError("linear: in and out must be positive, got in=" + std::to_string(opts.in) +
                     ", out=" + std::to_string(opts.out));
@@ -28,7 +36,8 @@ std::vector<Parameter*> Linear::parameters() {
 }
 
 LayerCost Linear::cost(int64_t batch) const {
-  const double b = static_cast<double>(batch), in = opts_.in, out = opts_.out;
+  // b: rows of the matrix product.
+  const double b = static_cast<double>(batch * shape_numel(opts_.leading)), in = opts_.in, out = opts_.out;
   const double es = static_cast<double>(dtype_size(dtype_));
   LayerCost c;
   c.forward_flops = 2 * b * in * out + (opts_.bias ? b * out : 0);
@@ -43,22 +52,28 @@ LayerCost Linear::cost(int64_t batch) const {
   return c;
 }
 
-Tensor Linear::forward_impl(Backend& be, const Tensor& x, Context* ctx) {
-  Tensor y = be.empty({x.size(0), opts_.out}, dtype_);  // (B, out)
-  be.matmul(x, false, weight_.value, true, y);           // x (B, in) @ W^T (in, out)
+Tensor Linear::forward_impl(Backend& be, const Tensor& xin, Context* ctx, const ForwardArgs&) {
+  const Tensor x = xin.reshape({xin.numel() / opts_.in, opts_.in});  // (R, in)
+  Tensor y = be.empty({x.size(0), opts_.out}, dtype_);               // (R, out)
+  be.matmul(x, false, weight_.value, true, y);                       // x (R, in) @ W^T (in, out)
   if (opts_.bias) be.add_bias(y, bias_.value);
   if (ctx != nullptr) ctx->saved = {x};
-  return y;
+  Shape out{xin.size(0)};
+  out.insert(out.end(), output_shape_.begin(), output_shape_.end());
+  return y.reshape(out);
 }
 
-Tensor Linear::backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) {
-  const Tensor& x = ctx.saved.at(0);                          // (B, in)
+Tensor Linear::backward_impl(Backend& be, const Tensor& dyin, const Context& ctx, bool need_dx) {
+  const Tensor& x = ctx.saved.at(0);                          // (R, in)
+  const Tensor dy = dyin.reshape({x.size(0), opts_.out});     // (R, out)
   be.matmul(dy, true, x, false, weight_.grad, 1.0, 1.0);      // dW += dy^T (out, B) @ x (B, in)
   if (opts_.bias) be.bias_grad(dy, bias_.grad, 1.0);         // db += sum_B dy
   if (!need_dx) return Tensor();
-  Tensor dx = be.empty({dy.size(0), opts_.in}, dtype_);       // (B, in)
-  be.matmul(dy, false, weight_.value, false, dx);             // dy (B, out) @ W (out, in)
-  return dx;
+  Tensor dx = be.empty({dy.size(0), opts_.in}, dtype_);       // (R, in)
+  be.matmul(dy, false, weight_.value, false, dx);             // dy (R, out) @ W (out, in)
+  Shape in{dyin.size(0)};
+  in.insert(in.end(), input_shape_.begin(), input_shape_.end());
+  return dx.reshape(in);
 }
 
 }  // namespace layers

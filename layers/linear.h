@@ -1,4 +1,5 @@
-// Fully connected layer: y = x W^T + b, with W (out, in) as in PyTorch. Weights are
+// Fully connected layer over the last dimension: y = x W^T + b, with W (out, in) as in
+// PyTorch; inputs (batch, *leading, in) are treated as (rows, in). Weights are
 // initialised He-uniform in [-sqrt(6/in), sqrt(6/in)] (variance 2/in, which keeps the
 // signal's scale through deep ReLU stacks; torch.nn.Linear's default, bound 1/sqrt(in),
 // shrinks it layer by layer); biases uniform in [-1/sqrt(in), 1/sqrt(in)].
@@ -12,6 +13,7 @@ namespace layers {
 struct LinearOptions {
   LinearOptions(int64_t in, int64_t out) : in(in), out(out) {}
   int64_t in, out;
+  Shape leading;  // per-sample dimensions before the features, e.g. {T} for (T, C) inputs
   bool bias = true;
   DType dtype = DType::kF32;
   uint64_t seed = 0;
@@ -28,7 +30,7 @@ class Linear : public Layer {
   Parameter& bias() { return bias_; }
 
  private:
-  Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx) override;
+  Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
   Tensor backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) override;
   LinearOptions opts_;
   Parameter weight_;  // (out, in)

@@ -15,7 +15,8 @@ class Loss {
  public:
   virtual ~Loss() = default;
   virtual std::string type() const = 0;
-  // logits: (batch, *input_shape); targets: int32 (batch). Returns the scaled loss (1).
+  // logits: (batch, *input_shape); targets: int32 (batch, *input_shape minus its last
+  // dimension). Returns the scaled loss (1).
   virtual Tensor forward(Backend& be, const Tensor& logits, const Tensor& targets, double scale,
                          Context* ctx) = 0;
   // d(scaled loss)/d logits.
@@ -23,13 +24,16 @@ class Loss {
   virtual LayerCost cost(int64_t batch) const = 0;
 };
 
-// Softmax over the last dimension of (batch, classes) logits, then the negative
-// log-likelihood of the target class. Targets equal to ignore_index contribute
-// nothing (and their count should be left out of the scale).
+// Softmax over the last dimension of the logits, then the negative log-likelihood of
+// the target class: (batch, classes) logits with (batch) targets, or (batch, T,
+// classes) with (batch, T) for a language model. Targets equal to ignore_index
+// contribute nothing (and their count should be left out of the scale).
 class SoftmaxCrossEntropy : public Loss {
  public:
+  // sample_shape: logits per sample, classes last.
+  SoftmaxCrossEntropy(Shape sample_shape, DType dtype = DType::kF32, int ignore_index = -100);
   SoftmaxCrossEntropy(int64_t classes, DType dtype = DType::kF32, int ignore_index = -100)
-      : classes_(classes), dtype_(dtype), ignore_index_(ignore_index) {}
+      : SoftmaxCrossEntropy(Shape{classes}, dtype, ignore_index) {}
   std::string type() const override { return "softmax_cross_entropy"; }
   Tensor forward(Backend& be, const Tensor& logits, const Tensor& targets, double scale, Context* ctx) override;
   Tensor backward(Backend& be, const Context& ctx) override;
@@ -37,6 +41,7 @@ class SoftmaxCrossEntropy : public Loss {
   int ignore_index() const { return ignore_index_; }
 
  private:
+  Shape sample_shape_;
   int64_t classes_;
   DType dtype_;
   int ignore_index_;

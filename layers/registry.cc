@@ -31,11 +31,9 @@ Registry& registry() {
   static Registry* r = [] {
     auto* reg = new Registry;
     reg->layers["linear"] = [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
-      if (in.size() != 1) {
-        throw UserError("linear" + at(a.spec()) + ": takes a flat input per sample, got " + shape_str(in) +
-                        "; flatten the input first");
-      }
-      LinearOptions o(in[0], a.get_int("out"));
+      if (in.empty()) throw UserError("linear" + at(a.spec()) + ": needs an input with a feature dimension");
+      LinearOptions o(in.back(), a.get_int("out"));
+      o.leading.assign(in.begin(), in.end() - 1);
       o.bias = a.get_bool("bias", true);
       o.dtype = dtype;
       o.seed = seed;
@@ -48,12 +46,11 @@ Registry& registry() {
       return std::make_unique<Gelu>(in, dtype);
     };
     reg->losses["softmax_cross_entropy"] = [](LayerArgs& a, const Shape& in, DType dtype) -> std::unique_ptr<Loss> {
-      if (in.size() != 1) {
-        throw UserError("softmax_cross_entropy" + at(a.spec()) + ": expects (batch, classes) logits, got " +
+      if (in.empty()) {
+        throw UserError("softmax_cross_entropy" + at(a.spec()) + ": expects logits with a class dimension, got " +
                         shape_str(in) + " per sample");
       }
-      return std::make_unique<SoftmaxCrossEntropy>(in[0], dtype,
-                                                   static_cast<int>(a.get_int("ignore_index", -100)));
+      return std::make_unique<SoftmaxCrossEntropy>(in, dtype, static_cast<int>(a.get_int("ignore_index", -100)));
     };
     return reg;
   }();
@@ -172,7 +169,7 @@ std::unique_ptr<Loss> make_loss(const LayerSpec& spec, const Shape& input, DType
 
 std::unique_ptr<Sequential> build_model(const ModelSpec& spec) {
   if (spec.layers.empty()) throw UserError("model.layers is empty; list at least one layer");
-  auto model = std::make_unique<Sequential>(spec.input, spec.dtype);
+  auto model = std::make_unique<Sequential>(spec.input, spec.dtype, spec.input_dtype.value_or(spec.dtype));
   for (size_t i = 0; i < spec.layers.size(); ++i) {
     model->add(make_layer(spec.layers[i], model->output_shape(), spec.dtype, mix_seed(spec.seed, i)));
   }

@@ -27,7 +27,8 @@ struct LayerSpec {
 
 struct ModelSpec {
   Shape input;  // per sample
-  DType dtype = DType::kF32;
+  DType dtype = DType::kF32;          // parameters and activations
+  std::optional<DType> input_dtype;   // of the model's input; default dtype (int32 for token ids)
   std::vector<LayerSpec> layers;  // repeats already expanded
   LayerSpec loss;
   uint64_t seed = 0;

@@ -7,10 +7,10 @@ namespace layers {
 
 Layer& Sequential::add(std::unique_ptr<Layer> layer) {
   const Shape& want = output_shape();
-  if (layer->input_shape() != want || layer->dtype() != dtype_) {
+  if (layer->input_shape() != want || layer->input_dtype() != output_dtype()) {
     throw UserError("layer " + std::to_string(layers_.size()) + " (" + layer->describe() + ") takes " +
-                    dtype_name(layer->dtype()) + shape_str(layer->input_shape()) + " per sample, but receives " +
-                    dtype_name(dtype_) + shape_str(want) + "; fix its input size");
+                    dtype_name(layer->input_dtype()) + shape_str(layer->input_shape()) + " per sample, but receives " +
+                    dtype_name(output_dtype()) + shape_str(want) + "; fix its input size or type");
   }
   layers_.push_back(std::move(layer));
   return *layers_.back();
@@ -58,21 +58,16 @@ void Sequential::zero_grad() {
   for (auto& np : named_parameters()) backend_for(np.second->grad.device()).fill(np.second->grad, 0.0);
 }
 
-double Sequential::forward_backward(Backend& be, const Tensor& x, const Tensor& targets, double scale) {
+double Sequential::forward_backward(Backend& be, const Tensor& x, const Tensor& targets, double scale,
+                                    const ForwardArgs& args) {
   std::vector<Context> ctx(layers_.size());
   Tensor h = x;
-  for (size_t i = 0; i < layers_.size(); ++i) h = layers_[i]->forward(be, h, &ctx[i]);
+  for (size_t i = 0; i < layers_.size(); ++i) h = layers_[i]->forward(be, h, &ctx[i], args);
   Context loss_ctx;
   Tensor loss = this->loss().forward(be, h, targets, scale, &loss_ctx);
   Tensor g = loss_->backward(be, loss_ctx);
   for (size_t i = layers_.size(); i-- > 0;) g = layers_[i]->backward(be, g, ctx[i], i > 0);
   return be.item(loss);
-}
-
-Tensor Sequential::predict(Backend& be, const Tensor& x) {
-  Tensor h = x;
-  for (auto& l : layers_) h = l->forward(be, h, nullptr);
-  return h;
 }
 
 }  // namespace layers

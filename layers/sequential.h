@@ -16,7 +16,10 @@ namespace layers {
 
 class Sequential {
  public:
-  Sequential(Shape input_shape, DType dtype) : input_shape_(std::move(input_shape)), dtype_(dtype) {}
+  Sequential(Shape input_shape, DType dtype) : Sequential(std::move(input_shape), dtype, dtype) {}
+  // input_dtype: int32 for a model that starts from token ids.
+  Sequential(Shape input_shape, DType dtype, DType input_dtype)
+      : input_shape_(std::move(input_shape)), dtype_(dtype), input_dtype_(input_dtype) {}
 
   // Appends a layer; its input shape must equal the current output shape.
   Layer& add(std::unique_ptr<Layer> layer);
@@ -34,6 +37,8 @@ class Sequential {
   const Shape& input_shape() const { return input_shape_; }
   const Shape& output_shape() const;
   DType dtype() const { return dtype_; }
+  DType input_dtype() const { return input_dtype_; }
+  DType output_dtype() const { return layers_.empty() ? input_dtype_ : layers_.back()->dtype(); }
 
   // Per-layer costs for a batch; the loss is counted with the last layer.
   std::vector<LayerCost> costs(int64_t batch) const;
@@ -44,13 +49,13 @@ class Sequential {
 
   // The unpartitioned reference: forward and backward of the whole batch on one
   // backend, adding into the gradients. Returns the loss scaled by `scale`.
-  double forward_backward(Backend& be, const Tensor& x, const Tensor& targets, double scale);
-  // Forward only; returns the logits.
-  Tensor predict(Backend& be, const Tensor& x);
+  double forward_backward(Backend& be, const Tensor& x, const Tensor& targets, double scale,
+                          const ForwardArgs& args = {});
 
  private:
   Shape input_shape_;
   DType dtype_;
+  DType input_dtype_;
   std::vector<std::unique_ptr<Layer>> layers_;
   std::unique_ptr<Loss> loss_;
 };

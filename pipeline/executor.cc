@@ -207,8 +207,11 @@ void Executor::run_stage(int k) {
   auto cell_forward = [&](MicroBatch& mb, int m, bool keep, bool recompute) {
     Tensor h = mb.input;
     if (keep) mb.ctx.assign(rt.spec.num_layers, {});
+    layers::ForwardArgs args;
+    args.step = cur_.step;
+    args.sample_offset = cur_.offsets[m];
     for (int i = 0; i < rt.spec.num_layers; ++i) {
-      h = model_.layer(rt.spec.first_layer + i).forward(be, h, keep ? &mb.ctx[i] : nullptr);
+      h = model_.layer(rt.spec.first_layer + i).forward(be, h, keep ? &mb.ctx[i] : nullptr, args);
     }
     if (last) {
       if (!mb.targets.defined()) {
@@ -337,6 +340,7 @@ StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool appl
   }
   cur_.scale = counted > 0 ? 1.0 / static_cast<double>(counted) : 0.0;
   cur_.apply_optimizer = apply_optimizer;
+  cur_.step = steps_done_++;
   cur_.epoch = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(mu_);

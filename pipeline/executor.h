@@ -102,12 +102,14 @@ class Executor {
     std::vector<int64_t> offsets, sizes;
     double scale = 1.0;
     bool apply_optimizer = true;
+    uint64_t step = 0;  // how many steps ran before this one
     std::chrono::steady_clock::time_point epoch;
   } cur_;
 
   std::mutex mu_;
   std::condition_variable cv_start_, cv_done_;
   uint64_t generation_ = 0;
+  uint64_t steps_done_ = 0;
   int running_ = 0;
   bool shutdown_ = false;
   bool failed_ = false;

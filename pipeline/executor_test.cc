@@ -173,7 +173,7 @@ class Exploding : public layers::Layer {
   layers::LayerCost cost(int64_t) const override { return {}; }
 
  private:
-  Tensor forward_impl(Backend&, const Tensor&, layers::Context*) override {
+  Tensor forward_impl(Backend&, const Tensor&, layers::Context*, const layers::ForwardArgs&) override {
     throw UserError("exploding layer went off");
   }
   Tensor backward_impl(Backend&, const Tensor& dy, const layers::Context&, bool) override { return dy; }
