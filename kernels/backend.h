@@ -17,6 +17,14 @@
 
 namespace gpipe {
 
+struct AdamParams {
+  double lr = 1e-3;
+  double beta1 = 0.9, beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool decoupled = false;  // false: Adam with L2 in the gradient; true: AdamW
+};
+
 struct SgdParams {
   double lr = 0.01;
   double momentum = 0.0;
@@ -69,6 +77,87 @@ class Backend {
   //   param -= lr * (nesterov ? g + momentum * buf : buf)
   virtual void sgd_step(Tensor& param, const Tensor& grad, Tensor& momentum_buf, const SgdParams& p,
                         bool first_step) = 0;
+
+  // Adam with PyTorch's semantics; `step` counts from 1.
+  //   decoupled (AdamW): param *= 1 - lr * weight_decay;  g = grad
+  //   otherwise (Adam):  g = grad + weight_decay * param
+  //   m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2
+  //   param -= lr * (m / (1 - beta1^step)) / (sqrt(v / (1 - beta2^step)) + eps)
+  virtual void adam_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamParams& p,
+                         int64_t step) = 0;
+  // Sum of the squares of all elements, on the host (waits for queued work).
+  virtual double sum_squares(const Tensor& x) = 0;
+
+  // ---- Transformer ops. Shapes use B (batch), T (positions), C (channels), V
+  // (vocabulary), H (heads), D = C / H (head width).
+
+  // out (B, T, C) = table[ids[b, t]] + pos[t]; ids int32 (B, T) with values in [0, V)
+  // (anything else is a UserError naming the id and its position); table (V, C); pos
+  // (P >= T, C), or an undefined tensor for no positions.
+  virtual void embedding(const Tensor& ids, const Tensor& table, const Tensor& pos, Tensor& out) = 0;
+  // dtable[ids[b, t]] += dout[b, t];  dpos[t] += sum_b dout[b, t] (when dpos is defined).
+  virtual void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable, Tensor& dpos) = 0;
+
+  // Layer normalisation over the last dimension of x viewed as (R, C):
+  //   mean[r], rstd[r] = 1 / sqrt(var[r] + eps)  (biased variance), both (R);
+  //   y = (x - mean) * rstd * gamma + beta;  gamma, beta (C).
+  virtual void layernorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y,
+                         Tensor& mean, Tensor& rstd) = 0;
+  // dx = rstd * (dy*gamma - mean_c(dy*gamma) - xhat * mean_c(dy*gamma*xhat)),
+  // dgamma += sum_r dy * xhat, dbeta += sum_r dy.
+  virtual void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                                  const Tensor& rstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) = 0;
+
+  // Causal multi-head self-attention on fused projections. qkv (B, T, 3C) holds q, k
+  // and v side by side, head h in columns [h D, (h + 1) D) of each. probs (B, H, T, T)
+  // receives softmax_s(q_t . k_s / sqrt(D)) over s <= t, zero for s > t, and is kept
+  // for backward; out (B, T, C) = probs @ v per head, heads side by side.
+  virtual void attention(const Tensor& qkv, int heads, Tensor& probs, Tensor& out) = 0;
+  // dqkv (B, T, 3C), overwritten.
+  virtual void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs, int heads,
+                                  Tensor& dqkv) = 0;
+
+  // Inverted dropout with a counter-based mask. x, y: (N, ...) with E elements per
+  // sample. Element e of row i is kept iff philox_uniform(key, sample_offset + i, e)
+  // >= p (runtime/philox.h), and kept values are scaled by 1 / (1 - p); the mask does
+  // not depend on how the batch was split, and a recomputation reproduces it.
+  virtual void dropout(const Tensor& x, double p, uint64_t key, int64_t sample_offset, Tensor& y) = 0;
+  // dx = dy * mask / (1 - p), regenerating the same mask.
+  virtual void dropout_backward(const Tensor& dy, double p, uint64_t key, int64_t sample_offset, Tensor& dx) = 0;
+
+  // ---- Convolution ops, on NCHW images: x (N, C, H, W), weights (K, C, R, S), outputs
+  // (N, K, P, Q) with P = (H + 2 pad - R) / stride + 1 and Q likewise.
+
+  // y = cross-correlation of x with w (as torch.nn.functional.conv2d), zero padding.
+  virtual void conv2d(const Tensor& x, const Tensor& w, int stride, int pad, Tensor& y) = 0;
+  // dx = the input gradient (skipped when dx is undefined); dw += the weight gradient.
+  virtual void conv2d_backward(const Tensor& dy, const Tensor& x, const Tensor& w, int stride, int pad, Tensor& dx,
+                               Tensor& dw) = 0;
+  // y (N, K, ...) += bias[k] over every position; db (K) += sum over N and positions.
+  virtual void add_channel_bias(Tensor& y, const Tensor& bias) = 0;
+  virtual void channel_bias_grad(const Tensor& dy, Tensor& db) = 0;
+
+  // Batch normalisation over (N, H, W) for each channel of x (N, C, H, W), with the
+  // statistics of this batch: mean (C) and biased var (C) are written (and kept for
+  // backward and for the running statistics); y = (x - mean) / sqrt(var + eps) * gamma + beta.
+  virtual void batchnorm_train(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y,
+                               Tensor& mean, Tensor& var) = 0;
+  // The same with given statistics (evaluation: the running mean and variance).
+  virtual void batchnorm_eval(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& mean,
+                              const Tensor& var, double eps, Tensor& y) = 0;
+  // Backward of batchnorm_train: dx overwritten, dgamma and dbeta (C) accumulated.
+  virtual void batchnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                                  const Tensor& var, double eps, Tensor& dx, Tensor& dgamma, Tensor& dbeta) = 0;
+
+  // Max pooling with a kernel x kernel window, stride and padding (padded positions
+  // count as -infinity, as in PyTorch). argmax (N, C, P, Q) int32 receives the flat index h W + w
+  // of each maximum within its (n, c) plane (the first one on ties).
+  virtual void maxpool2d(const Tensor& x, int kernel, int stride, int pad, Tensor& y, Tensor& argmax) = 0;
+  // dx overwritten: each dy goes to its argmax.
+  virtual void maxpool2d_backward(const Tensor& dy, const Tensor& argmax, Tensor& dx) = 0;
+  // Average pooling without padding: y = mean of each kernel x kernel window.
+  virtual void avgpool2d(const Tensor& x, int kernel, int stride, Tensor& y) = 0;
+  virtual void avgpool2d_backward(const Tensor& dy, int kernel, int stride, Tensor& dx) = 0;
 
   // dst = src; either may live on the host or on this backend's device.
   virtual void copy(const Tensor& src, Tensor& dst) = 0;

@@ -29,6 +29,37 @@ class CpuBackend : public Backend {
   void axpy(double alpha, const Tensor& x, Tensor& y) override;
   void sgd_step(Tensor& param, const Tensor& grad, Tensor& momentum_buf, const SgdParams& p,
                 bool first_step) override;
+  void adam_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamParams& p,
+                 int64_t step) override;
+  double sum_squares(const Tensor& x) override;
+  // Transformer ops: kernels/cpu_transformer_ops.cc.
+  void embedding(const Tensor& ids, const Tensor& table, const Tensor& pos, Tensor& out) override;
+  void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable, Tensor& dpos) override;
+  void layernorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y, Tensor& mean,
+                 Tensor& rstd) override;
+  void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                          const Tensor& rstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) override;
+  void attention(const Tensor& qkv, int heads, Tensor& probs, Tensor& out) override;
+  void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs, int heads,
+                          Tensor& dqkv) override;
+  void dropout(const Tensor& x, double p, uint64_t key, int64_t sample_offset, Tensor& y) override;
+  void dropout_backward(const Tensor& dy, double p, uint64_t key, int64_t sample_offset, Tensor& dx) override;
+  // Convolution ops: kernels/cpu_conv_ops.cc.
+  void conv2d(const Tensor& x, const Tensor& w, int stride, int pad, Tensor& y) override;
+  void conv2d_backward(const Tensor& dy, const Tensor& x, const Tensor& w, int stride, int pad, Tensor& dx,
+                       Tensor& dw) override;
+  void add_channel_bias(Tensor& y, const Tensor& bias) override;
+  void channel_bias_grad(const Tensor& dy, Tensor& db) override;
+  void batchnorm_train(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y, Tensor& mean,
+                       Tensor& var) override;
+  void batchnorm_eval(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& mean, const Tensor& var,
+                      double eps, Tensor& y) override;
+  void batchnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                          const Tensor& var, double eps, Tensor& dx, Tensor& dgamma, Tensor& dbeta) override;
+  void maxpool2d(const Tensor& x, int kernel, int stride, int pad, Tensor& y, Tensor& argmax) override;
+  void maxpool2d_backward(const Tensor& dy, const Tensor& argmax, Tensor& dx) override;
+  void avgpool2d(const Tensor& x, int kernel, int stride, Tensor& y) override;
+  void avgpool2d_backward(const Tensor& dy, int kernel, int stride, Tensor& dx) override;
   void copy(const Tensor& src, Tensor& dst) override;
   double item(const Tensor& x) override;
   void synchronize() override {}

@@ -45,6 +45,7 @@ struct Context {
 // on the micro-batch split and a recompute reproduces them.
 struct ForwardArgs {
   bool training = true;
+  bool recompute = false;     // a rematerialization of a forward that already ran
   uint64_t step = 0;          // the optimizer step this forward belongs to
   int64_t sample_offset = 0;  // index of the input's first sample in the mini-batch
 };
@@ -70,6 +71,10 @@ class Layer {
   const Shape& output_shape() const { return output_shape_; }
   virtual LayerCost cost(int64_t batch) const = 0;
   virtual std::vector<Parameter*> parameters() { return {}; }
+  // Called once per mini-batch on the stage's thread, after the optimizer step: layers
+  // that gather statistics over the micro-batches (BatchNorm's running statistics)
+  // fold them in here, as if they had seen the whole mini-batch at once.
+  virtual void end_step(Backend&) {}
   // Moves parameters (and fresh zero gradients) to `device`.
   void to(Device device);
   Device device() const { return device_; }

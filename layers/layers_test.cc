@@ -179,7 +179,13 @@ TEST_CASE("the registry builds models and names unknown types and options") {
   CHECK(model->parameter_count() == 6 * 8 + 8 + 8 * 3 + 3);
 
   spec.layers[1] = {"relux", {}, {}, "cfg.yaml:4:7"};
-  CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("unknown layer type 'relux' (at cfg.yaml:4:7); valid types: gelu, linear, relu"),
+  std::string valid;
+  for (const auto& t : layer_types()) valid += (valid.empty() ? "" : ", ") + t;
+  for (const char* t : {"linear", "relu", "gelu", "embedding", "transformer_block", "conv2d", "basic_block"}) {
+    CHECK(valid.find(t) != std::string::npos);
+  }
+  CHECK_THROWS_WITH_AS(build_model(spec),
+                       doctest::Contains(("unknown layer type 'relux' (at cfg.yaml:4:7); valid types: " + valid).c_str()),
                        UserError);
   spec.layers[1] = {"linear", {{"out", "4"}, {"outs", "3"}}, {}, "cfg.yaml:5:7"};
   CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("unknown option 'outs'"), UserError);
@@ -216,4 +222,51 @@ TEST_CASE("SGD with momentum and weight decay follows PyTorch's update") {
   opt.step();  // buf = 0.9 buf + g + wd w
   const double c0 = 0.9 * b0 + 0.5 + 0.01 * w0;
   CHECK(p.value.data<double>()[0] == doctest::Approx(w0 - 0.1 * c0));
+}
+
+TEST_CASE("Adam and AdamW follow PyTorch's update") {
+  for (bool decoupled : {false, true}) {
+    Parameter p;
+    p.value = Tensor::from_vector<double>({1.0, -2.0}, {2});
+    p.grad = Tensor::from_vector<double>({0.5, 0.25}, {2});
+    OptimizerConfig c;
+    c.type = decoupled ? "adamw" : "adam";
+    c.lr = 0.1;
+    c.weight_decay = 0.01;
+    auto opt = make_optimizer({&p}, c);
+    double w = 1.0, m = 0, v = 0;
+    for (int step = 1; step <= 3; ++step) {
+      opt->step();
+      double g = 0.5;
+      if (decoupled) {
+        w *= 1 - 0.1 * 0.01;
+      } else {
+        g += 0.01 * w;
+      }
+      m = 0.9 * m + 0.1 * g;
+      v = 0.999 * v + 0.001 * g * g;
+      const double mhat = m / (1 - std::pow(0.9, step)), vhat = v / (1 - std::pow(0.999, step));
+      w -= 0.1 * mhat / (std::sqrt(vhat) + 1e-8);
+      CHECK(p.value.data<double>()[0] == doctest::Approx(w).epsilon(1e-12));
+    }
+  }
+  Parameter p;
+  CHECK_THROWS_WITH_AS(make_optimizer({&p}, OptimizerConfig{"lamb"}), doctest::Contains("valid: sgd, adam, adamw"),
+                       UserError);
+}
+
+TEST_CASE("learning-rate warmup and cosine decay") {
+  LrSchedule s;
+  s.kind = "cosine";
+  s.base_lr = 1.0;
+  s.warmup_steps = 4;
+  s.total_steps = 14;
+  s.min_lr = 0.1;
+  CHECK(s.at(0) == doctest::Approx(0.25));
+  CHECK(s.at(3) == doctest::Approx(1.0));
+  CHECK(s.at(4) == doctest::Approx(1.0));
+  CHECK(s.at(13) == doctest::Approx(0.1));
+  CHECK(s.at(8) < s.at(5));
+  s.kind = "constant";
+  CHECK(s.at(10) == 1.0);
 }

@@ -1,14 +1,23 @@
 #include "layers/optimizer.h"
 
+#include <cmath>
+
+#include "runtime/error.h"
+
 namespace gpipe {
 namespace layers {
 
-Sgd::Sgd(std::vector<Parameter*> params, const SgdParams& p) : params_(std::move(params)), p_(p) {
-  for (Parameter* prm : params_) {
-    momentum_.push_back(p_.momentum != 0.0 ? backend_for(prm->value.device()).zeros(prm->value.shape(),
-                                                                                    prm->value.dtype())
-                                           : Tensor());
-  }
+namespace {
+std::vector<Tensor> zeros_like(const std::vector<Parameter*>& params) {
+  std::vector<Tensor> out;
+  for (Parameter* p : params) out.push_back(backend_for(p->value.device()).zeros(p->value.shape(), p->value.dtype()));
+  return out;
+}
+}  // namespace
+
+Sgd::Sgd(std::vector<Parameter*> params, const SgdParams& p) : Optimizer(std::move(params)), p_(p) {
+  if (p_.momentum != 0.0) momentum_ = zeros_like(params_);
+  momentum_.resize(params_.size());
 }
 
 void Sgd::step() {
@@ -17,6 +26,49 @@ void Sgd::step() {
     backend_for(prm->value.device()).sgd_step(prm->value, prm->grad, momentum_[i], p_, first_);
   }
   first_ = false;
+}
+
+Adam::Adam(std::vector<Parameter*> params, const AdamParams& p)
+    : Optimizer(std::move(params)), m_(zeros_like(params_)), v_(zeros_like(params_)), p_(p) {}
+
+void Adam::step() {
+  ++steps_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Parameter* prm = params_[i];
+    backend_for(prm->value.device()).adam_step(prm->value, prm->grad, m_[i], v_[i], p_, steps_);
+  }
+}
+
+std::unique_ptr<Optimizer> make_optimizer(std::vector<Parameter*> params, const OptimizerConfig& c) {
+  if (c.type == "sgd") {
+    SgdParams p;
+    p.lr = c.lr;
+    p.momentum = c.momentum;
+    p.weight_decay = c.weight_decay;
+    p.nesterov = c.nesterov;
+    if (p.nesterov && p.momentum <= 0) throw UserError("optimizer.nesterov needs optimizer.momentum > 0");
+    return std::make_unique<Sgd>(std::move(params), p);
+  }
+  if (c.type == "adam" || c.type == "adamw") {
+    AdamParams p;
+    p.lr = c.lr;
+    p.beta1 = c.beta1;
+    p.beta2 = c.beta2;
+    p.eps = c.eps;
+    p.weight_decay = c.weight_decay;
+    p.decoupled = c.type == "adamw";
+    return std::make_unique<Adam>(std::move(params), p);
+  }
+  throw UserError("optimizer.type: unknown optimizer '" + c.type + "'; valid: sgd, adam, adamw");
+}
+
+double LrSchedule::at(int step) const {
+  if (warmup_steps > 0 && step < warmup_steps) return base_lr * (step + 1) / warmup_steps;
+  if (kind == "constant") return base_lr;
+  // cosine: from base_lr right after warmup to min_lr at the last step.
+  const int span = std::max(1, total_steps - warmup_steps - 1);
+  const double t = std::min(1.0, static_cast<double>(step - warmup_steps) / span);
+  return min_lr + 0.5 * (base_lr - min_lr) * (1.0 + std::cos(M_PI * t));
 }
 
 }  // namespace layers

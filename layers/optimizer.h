@@ -1,8 +1,10 @@
 // Optimizers own their per-parameter state and update parameters in place on the
 // parameters' own device. One step per mini-batch, after gradients of all
-// micro-batches have been accumulated.
+// micro-batches have been accumulated. Learning-rate schedules are plain functions
+// of the step.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -12,23 +14,66 @@
 namespace gpipe {
 namespace layers {
 
-struct OptimizerSpec {
-  std::string type = "sgd";
-  SgdParams sgd;
+struct OptimizerConfig {
+  std::string type = "sgd";  // sgd | adam | adamw
+  double lr = 0.01;
+  double weight_decay = 0.0;
+  double momentum = 0.0;  // sgd
+  bool nesterov = false;  // sgd
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;  // adam, adamw
 };
 
-class Sgd {
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  virtual void step() = 0;
+  virtual void set_lr(double lr) = 0;
+  const std::vector<Parameter*>& params() const { return params_; }
+
+ protected:
+  explicit Optimizer(std::vector<Parameter*> params) : params_(std::move(params)) {}
+  std::vector<Parameter*> params_;
+};
+
+// SGD with momentum, Nesterov and weight decay, as torch.optim.SGD (dampening 0).
+class Sgd : public Optimizer {
  public:
   Sgd(std::vector<Parameter*> params, const SgdParams& p);
-  void step();
-  const SgdParams& params() const { return p_; }
-  void set_lr(double lr) { p_.lr = lr; }
+  void step() override;
+  void set_lr(double lr) override { p_.lr = lr; }
 
  private:
-  std::vector<Parameter*> params_;
   std::vector<Tensor> momentum_;  // one buffer per parameter, on its device
   SgdParams p_;
   bool first_ = true;
+};
+
+// Adam (L2 weight decay in the gradient, as torch.optim.Adam) or AdamW (decoupled
+// weight decay, as torch.optim.AdamW).
+class Adam : public Optimizer {
+ public:
+  Adam(std::vector<Parameter*> params, const AdamParams& p);
+  void step() override;
+  void set_lr(double lr) override { p_.lr = lr; }
+
+ private:
+  std::vector<Tensor> m_, v_;
+  AdamParams p_;
+  int64_t steps_ = 0;
+};
+
+// Throws UserError for an unknown type, listing the valid ones.
+std::unique_ptr<Optimizer> make_optimizer(std::vector<Parameter*> params, const OptimizerConfig& c);
+
+// Learning rate at a step: linear warmup from 0 over `warmup_steps`, then constant or
+// cosine decay to `min_lr` at `total_steps`.
+struct LrSchedule {
+  std::string kind = "constant";  // constant | cosine
+  double base_lr = 0.01;
+  int warmup_steps = 0;
+  int total_steps = 1;
+  double min_lr = 0.0;
+  double at(int step) const;
 };
 
 }  // namespace layers

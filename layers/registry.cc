@@ -1,10 +1,17 @@
 #include "layers/registry.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <mutex>
 
 #include "layers/activation.h"
+#include "layers/conv_layers.h"
+#include "layers/attention.h"
+#include "layers/dropout.h"
+#include "layers/embedding.h"
+#include "layers/layernorm.h"
 #include "layers/linear.h"
+#include "layers/transformer.h"
 #include "runtime/error.h"
 #include "runtime/random.h"
 
@@ -21,13 +28,23 @@ std::string join(const std::vector<std::string>& v) {
   return out;
 }
 
+
+// Attention layers take (T, C) per sample: the output of an embedding.
+void check_sequence_input(const LayerArgs& a, const Shape& in) {
+  if (in.size() != 2) {
+    throw UserError(a.spec().type + at(a.spec()) + ": takes a sequence (T, C) per sample, got " + shape_str(in) +
+                    "; put an embedding layer before it");
+  }
+}
+
 struct Registry {
   std::mutex mu;
   std::map<std::string, LayerFactory> layers;
   std::map<std::string, LossFactory> losses;
 };
 
-Registry& registry() {
+// The built-in layers of this file; the registry() below adds the convolution layers.
+Registry& base_registry() {
   static Registry* r = [] {
     auto* reg = new Registry;
     reg->layers["linear"] = [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
@@ -45,6 +62,47 @@ Registry& registry() {
     reg->layers["gelu"] = [](LayerArgs&, const Shape& in, DType dtype, uint64_t) -> std::unique_ptr<Layer> {
       return std::make_unique<Gelu>(in, dtype);
     };
+    reg->layers["embedding"] = [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
+      if (in.size() != 1) {
+        throw UserError("embedding" + at(a.spec()) + ": takes int32 token ids (T) per sample, got " + shape_str(in) +
+                        "; set model.input to [T] and model.input_dtype to int32");
+      }
+      EmbeddingOptions o(a.get_int("vocab"), a.get_int("dim"), in[0]);
+      o.max_positions = a.get_int("positions", in[0]);
+      o.dtype = dtype;
+      o.seed = seed;
+      return std::make_unique<Embedding>(o);
+    };
+    reg->layers["layernorm"] = [](LayerArgs& a, const Shape& in, DType dtype, uint64_t) -> std::unique_ptr<Layer> {
+      if (in.empty()) throw UserError("layernorm" + at(a.spec()) + ": needs an input with a feature dimension");
+      LayerNormOptions o(in);
+      o.dtype = dtype;
+      return std::make_unique<LayerNorm>(o);
+    };
+    reg->layers["attention"] = [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
+      check_sequence_input(a, in);
+      AttentionOptions o(in[1], a.get_int("heads"), in[0]);
+      o.dropout = a.get_double("dropout", 0.0);
+      o.dtype = dtype;
+      o.seed = seed;
+      return std::make_unique<CausalSelfAttention>(o);
+    };
+    reg->layers["dropout"] = [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
+      DropoutOptions o(in, a.get_double("p"));
+      o.dtype = dtype;
+      o.seed = seed;
+      return std::make_unique<Dropout>(o);
+    };
+    reg->layers["transformer_block"] = [](LayerArgs& a, const Shape& in, DType dtype,
+                                          uint64_t seed) -> std::unique_ptr<Layer> {
+      check_sequence_input(a, in);
+      TransformerBlockOptions o(in[1], a.get_int("heads"), in[0]);
+      o.mlp_ratio = a.get_int("mlp_ratio", 4);
+      o.dropout = a.get_double("dropout", 0.0);
+      o.dtype = dtype;
+      o.seed = seed;
+      return std::make_unique<TransformerBlock>(o);
+    };
     reg->losses["softmax_cross_entropy"] = [](LayerArgs& a, const Shape& in, DType dtype) -> std::unique_ptr<Loss> {
       if (in.empty()) {
         throw UserError("softmax_cross_entropy" + at(a.spec()) + ": expects logits with a class dimension, got " +
@@ -55,6 +113,14 @@ Registry& registry() {
     return reg;
   }();
   return *r;
+}
+
+// Every built-in layer. register_conv_layers() registers through register_layer(),
+// which uses base_registry(), so this initialisation does not re-enter itself.
+Registry& registry() {
+  static const bool conv_registered = (register_conv_layers(), true);
+  (void)conv_registered;
+  return base_registry();
 }
 
 }  // namespace
@@ -86,6 +152,26 @@ int64_t LayerArgs::get_int(const std::string& key, int64_t fallback) {
   return n;
 }
 
+double LayerArgs::get_double(const std::string& key) {
+  if (find(key) == nullptr) {
+    throw UserError("layer '" + spec_.type + "'" + at(spec_) + " needs the option '" + key + "', e.g. {type: " +
+                    spec_.type + ", " + key + ": 0.1}");
+  }
+  return get_double(key, 0.0);
+}
+
+double LayerArgs::get_double(const std::string& key, double fallback) {
+  const std::string* v = find(key);
+  if (v == nullptr) return fallback;
+  char* end = nullptr;
+  const double d = std::strtod(v->c_str(), &end);
+  if (v->empty() || *end != '\0' || !std::isfinite(d)) {
+    throw UserError("layer '" + spec_.type + "'" + at(spec_) + ": option '" + key + "' must be a number, got '" +
+                    *v + "'");
+  }
+  return d;
+}
+
 bool LayerArgs::get_bool(const std::string& key, bool fallback) {
   const std::string* v = find(key);
   if (v == nullptr) return fallback;
@@ -106,13 +192,13 @@ void LayerArgs::finish() const {
 }
 
 void register_layer(const std::string& type, LayerFactory factory) {
-  Registry& r = registry();
+  Registry& r = base_registry();
   std::lock_guard<std::mutex> lock(r.mu);
   r.layers[type] = std::move(factory);
 }
 
 void register_loss(const std::string& type, LossFactory factory) {
-  Registry& r = registry();
+  Registry& r = base_registry();
   std::lock_guard<std::mutex> lock(r.mu);
   r.losses[type] = std::move(factory);
 }

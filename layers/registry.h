@@ -41,6 +41,8 @@ class LayerArgs {
   explicit LayerArgs(const LayerSpec& spec) : spec_(spec) {}
   int64_t get_int(const std::string& key);
   int64_t get_int(const std::string& key, int64_t fallback);
+  double get_double(const std::string& key);
+  double get_double(const std::string& key, double fallback);
   bool get_bool(const std::string& key, bool fallback);
   const LayerSpec& spec() const { return spec_; }
   // Throws UserError for any option not read.

@@ -54,6 +54,10 @@ int64_t Sequential::parameter_count() {
   return n;
 }
 
+void Sequential::end_step(Backend& be) {
+  for (auto& l : layers_) l->end_step(be);
+}
+
 void Sequential::zero_grad() {
   for (auto& np : named_parameters()) backend_for(np.second->grad.device()).fill(np.second->grad, 0.0);
 }

@@ -46,6 +46,8 @@ class Sequential {
   std::vector<std::pair<std::string, Parameter*>> named_parameters();
   int64_t parameter_count();
   void zero_grad();
+  // Every layer's end_step (see Layer::end_step), on one backend.
+  void end_step(Backend& be);
 
   // The unpartitioned reference: forward and backward of the whole batch on one
   // backend, adding into the gradients. Returns the loss scaled by `scale`.

@@ -1,0 +1,485 @@
+// The CPU reference of the transformer ops (token and position embedding, layer norm,
+// causal multi-head attention, counter-based dropout) and of the Adam step: plain loops,
+// plus BLAS for attention's per-head products. The CUDA backend implements the same
+// semantics (kernels/backend.h) and is tested against this file.
+#include <cblas.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/cpu_backend.h"
+#include "kernels/op_checks.h"
+#include "runtime/error.h"
+#include "runtime/philox.h"
+
+namespace gpipe {
+
+namespace {
+
+// Calls f(Real*) with a null pointer of the tensor's element type, float or double.
+template <typename F>
+void dispatch_float(const Tensor& t, F&& f) {
+  if (t.dtype() == DType::kF32) {
+    f(static_cast<float*>(nullptr));
+  } else if (t.dtype() == DType::kF64) {
+    f(static_cast<double*>(nullptr));
+  } else {
+    throw Error("expected a float32 or float64 tensor, got " + t.str());
+  }
+}
+
+void gemm(bool ta, bool tb, int m, int n, int k, double alpha, const float* a, int lda, const float* b, int ldb,
+          double beta, float* c, int ldc) {
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n, k,
+              static_cast<float>(alpha), a, lda, b, ldb, static_cast<float>(beta), c, ldc);
+}
+void gemm(bool ta, bool tb, int m, int n, int k, double alpha, const double* a, int lda, const double* b, int ldb,
+          double beta, double* c, int ldc) {
+  cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n, k, alpha, a,
+              lda, b, ldb, beta, c, ldc);
+}
+
+// ---- Argument checks. They mirror kernels/op_checks.h: internal mistakes (a layer
+// passing the wrong buffer) are Errors; what a user can cause (a token id, a dropout
+// probability) is a UserError that names the value and the fix.
+
+void check_shape(const Tensor& t, const Shape& want, DType dtype, const char* op, const char* what) {
+  if (!t.defined() || t.dtype() != dtype || t.shape() != want || !t.is_contiguous()) {
+    throw Error(std::string(op) + ": " + what + " is " + (t.defined() ? t.str() : std::string("undefined")) +
+                ", expected contiguous " + dtype_name(dtype) + shape_str(want));
+  }
+}
+
+void check_ids(const Tensor& ids, const char* op) {
+  if (!ids.defined() || ids.dtype() != DType::kI32 || ids.dim() != 2 || !ids.is_contiguous()) {
+    throw Error(std::string(op) + ": token ids " + (ids.defined() ? ids.str() : std::string("undefined")) +
+                " must be contiguous int32 (B, T)");
+  }
+}
+
+// Every id is checked before anything is written, so a bad batch leaves the outputs
+// (and, in backward, the accumulated gradients) untouched.
+void check_id_range(const Tensor& ids, int64_t vocab) {
+  const int64_t B = ids.size(0), T = ids.size(1);
+  const int32_t* p = ids.data<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) {
+      const int32_t id = p[b * T + t];
+      if (id < 0 || id >= vocab) {
+        throw UserError("token id " + std::to_string(id) + " at (b=" + std::to_string(b) + ", t=" +
+                        std::to_string(t) + ") is outside the vocabulary [0, " + std::to_string(vocab) +
+                        "); make the embedding's vocab option larger than every id in the data");
+      }
+    }
+  }
+}
+
+// pos: (P >= T, C) of the table's dtype, or undefined.
+void check_positions(const Tensor& pos, const Tensor& table, int64_t T, const char* op) {
+  if (!pos.defined()) return;
+  ops::check_matrix(pos, op);
+  if (pos.dtype() != table.dtype() || pos.size(1) != table.size(1) || pos.size(0) < T) {
+    throw Error(std::string(op) + ": position table " + pos.str() + " must be " + dtype_name(table.dtype()) +
+                " (P >= " + std::to_string(T) + ", " + std::to_string(table.size(1)) + ")");
+  }
+}
+
+void check_blas_dim(int64_t n, const char* op) {
+  if (n > INT_MAX) throw Error(std::string(op) + ": dimension " + std::to_string(n) + " exceeds BLAS's int range");
+}
+
+struct AttentionDims {
+  int64_t B, T, C, H, D;
+};
+
+// qkv (B, T, 3C) with C divisible by heads.
+AttentionDims check_attention(const Tensor& qkv, int heads, const char* op) {
+  ops::check_float(qkv, op);
+  if (qkv.dim() != 3 || qkv.size(2) % 3 != 0) {
+    throw Error(std::string(op) + ": qkv " + qkv.str() + " must be (B, T, 3C)");
+  }
+  const int64_t C = qkv.size(2) / 3;
+  if (heads < 1 || C % heads != 0) {
+    throw Error(std::string(op) + ": " + std::to_string(C) + " channels do not split into " +
+                std::to_string(heads) + " heads");
+  }
+  check_blas_dim(qkv.size(2), op);
+  check_blas_dim(qkv.size(1) * qkv.size(1), op);
+  return {qkv.size(0), qkv.size(1), C, heads, C / heads};
+}
+
+void check_dropout_p(double p, const char* op) {
+  if (!(p >= 0.0 && p < 1.0)) {  // also rejects NaN
+    throw UserError(std::string(op) + ": dropout probability " + std::to_string(p) +
+                    " must be in [0, 1); use 0 to disable dropout");
+  }
+}
+
+// out = in * mask / (1 - p) with the mask of backend.h: element e of row i is kept iff
+// philox_uniform(key, sample_offset + i, e) >= p. Forward and backward are the same
+// map (dropout is linear and diagonal), so both call this. The comparison is made in
+// double, C++'s usual promotion of the float uniform against the double p; a kernel
+// may equivalently compare the uniform's 24-bit integer with ceil(p * 2^24).
+//
+// philox_uniform draws one Philox block for every four consecutive elements and
+// keeps one word; here each block is drawn once and all four words are used, which
+// gives the same values (the test checks element by element) at a quarter of the cost.
+template <typename Real>
+void apply_dropout(const Real* in, Real* out, int64_t rows, int64_t per_row, double p, uint64_t key,
+                   int64_t sample_offset) {
+  const Real scale = static_cast<Real>(1.0 / (1.0 - p));
+  const uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
+  for (int64_t i = 0; i < rows; ++i) {
+    const uint64_t sample = static_cast<uint64_t>(sample_offset + i);
+    const Real* x = in + i * per_row;
+    Real* y = out + i * per_row;
+    for (int64_t e0 = 0; e0 < per_row; e0 += 4) {
+      const uint64_t block = static_cast<uint64_t>(e0) >> 2;  // the counter layout of philox_uniform
+      const Philox4x32 r = philox4x32_10(Philox4x32{{static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
+                                                     static_cast<uint32_t>(sample),
+                                                     static_cast<uint32_t>(sample >> 32)}},
+                                         k0, k1);
+      const int64_t n = std::min<int64_t>(4, per_row - e0);
+      for (int64_t j = 0; j < n; ++j) {
+        const float u = static_cast<float>(r.v[j] >> 8) * (1.0f / 16777216.0f);
+        y[e0 + j] = static_cast<double>(u) >= p ? x[e0 + j] * scale : Real(0);
+      }
+    }
+  }
+}
+
+void dropout_impl(const Tensor& in, double p, uint64_t key, int64_t sample_offset, Tensor& out, const char* op) {
+  ops::check_float(in, op);
+  ops::check_same(in, out, op);
+  if (in.dim() < 1) throw Error(std::string(op) + ": " + in.str() + " needs a batch dimension");
+  check_dropout_p(p, op);
+  if (sample_offset < 0) throw Error(std::string(op) + ": negative sample offset " + std::to_string(sample_offset));
+  const int64_t rows = in.size(0);
+  if (rows == 0 || in.numel() == 0) return;
+  if (p == 0.0) {  // no mask to draw: a plain copy, bit for bit
+    if (out.raw_data() != in.raw_data()) std::memcpy(out.raw_data(), in.raw_data(), in.nbytes());
+    return;
+  }
+  dispatch_float(in, [&](auto* tag) {
+    using Real = std::remove_pointer_t<decltype(tag)>;
+    apply_dropout(in.data<Real>(), out.data<Real>(), rows, in.numel() / rows, p, key, sample_offset);
+  });
+}
+
+}  // namespace
+
+// ---- Optimizer and reductions.
+
+void CpuBackend::adam_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamParams& p,
+                           int64_t step) {
+  ops::check_float(param, "adam_step");
+  ops::check_same(param, grad, "adam_step");
+  ops::check_same(param, m, "adam_step");
+  ops::check_same(param, v, "adam_step");
+  if (step < 1) throw Error("adam_step: step counts from 1, got " + std::to_string(step));
+  // Bias corrections in double: beta2^step underflows slowly, and 1 - beta2^step is
+  // tiny on the first steps, where float's rounding of beta2 would show.
+  const double bc1 = 1.0 - std::pow(p.beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(p.beta2, static_cast<double>(step));
+  dispatch_float(param, [&](auto* tag) {
+    using Real = std::remove_pointer_t<decltype(tag)>;
+    Real* w = param.data<Real>();
+    const Real* g = grad.data<Real>();
+    Real* pm = m.data<Real>();
+    Real* pv = v.data<Real>();
+    const Real lr = static_cast<Real>(p.lr), b1 = static_cast<Real>(p.beta1), b2 = static_cast<Real>(p.beta2);
+    const Real eps = static_cast<Real>(p.eps), wd = static_cast<Real>(p.weight_decay);
+    const Real decay = static_cast<Real>(1.0 - p.lr * p.weight_decay);
+    const Real c1 = static_cast<Real>(bc1), c2 = static_cast<Real>(bc2);
+    const int64_t n = param.numel();
+    for (int64_t i = 0; i < n; ++i) {
+      Real gi = g[i];
+      if (p.decoupled) {
+        if (p.weight_decay != 0.0) w[i] *= decay;
+      } else {
+        gi += wd * w[i];
+      }
+      pm[i] = b1 * pm[i] + (Real(1) - b1) * gi;
+      pv[i] = b2 * pv[i] + (Real(1) - b2) * gi * gi;
+      w[i] -= lr * (pm[i] / c1) / (std::sqrt(pv[i] / c2) + eps);
+    }
+  });
+}
+
+double CpuBackend::sum_squares(const Tensor& x) {
+  ops::check_float(x, "sum_squares");
+  double total = 0.0;  // double even for float32: a gradient norm sums millions of terms
+  dispatch_float(x, [&](auto* tag) {
+    using Real = std::remove_pointer_t<decltype(tag)>;
+    const Real* p = x.data<Real>();
+    const int64_t n = x.numel();
+    for (int64_t i = 0; i < n; ++i) total += static_cast<double>(p[i]) * static_cast<double>(p[i]);
+  });
+  return total;
+}
+
+// ---- Embedding.
+
+void CpuBackend::embedding(const Tensor& ids, const Tensor& table, const Tensor& pos, Tensor& out) {
+  check_ids(ids, "embedding");
+  ops::check_matrix(table, "embedding");
+  const int64_t B = ids.size(0), T = ids.size(1), V = table.size(0), C = table.size(1);
+  check_positions(pos, table, T, "embedding");
+  check_shape(out, {B, T, C}, table.dtype(), "embedding", "out");
+  check_id_range(ids, V);
+  dispatch_float(table, [&](auto* tag) {
+    using Real = std::remove_pointer_t<decltype(tag)>;
+    const int32_t* pid = ids.data<int32_t>();  // (B, T)
+    const Real* wte = table.data<Real>();      // (V, C)
+    const Real* wpe = pos.defined() ? pos.data<Real>() : nullptr;  // (P, C)
+    Real* po = out.data<Real>();               // (B, T, C)
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t t = 0; t < T; ++t) {
+        const Real* tok = wte + static_cast<int64_t>(pid[b * T + t]) * C;
+        Real* o = po + (b * T + t) * C;
+        if (wpe != nullptr) {
+          const Real* ps = wpe + t * C;
+          for (int64_t c = 0; c < C; ++c) o[c] = tok[c] + ps[c];
+        } else {
+          std::copy(tok, tok + C, o);
+        }
+      }
+    }
+  });
+}
+
+void CpuBackend::embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable, Tensor& dpos) {
+  check_ids(ids, "embedding_backward");
+  ops::check_matrix(dtable, "embedding_backward");
+  const int64_t B = ids.size(0), T = ids.size(1), V = dtable.size(0), C = dtable.size(1);
+  check_positions(dpos, dtable, T, "embedding_backward");
+  check_shape(dout, {B, T, C}, dtable.dtype(), "embedding_backward", "dout");
+  check_id_range(ids, V);
+  dispatch_float(dtable, [&](auto* tag) {
+    using Real = std::remove_pointer_t<decltype(tag)>;
+    const int32_t* pid = ids.data<int32_t>();  // (B, T)
+    const Real* pd = dout.data<Real>();        // (B, T, C)
+    Real* dwte = dtable.data<Real>();          // (V, C)
+    Real* dwpe = dpos.defined() ? dpos.data<Real>() : nullptr;  // (P, C); rows >= T untouched
+    // Sequential in (b, t) order: a repeated id accumulates deterministically.
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t t = 0; t < T; ++t) {
+        const Real* g = pd + (b * T + t) * C;
+        Real* dt = dwte + static_cast<int64_t>(pid[b * T + t]) * C;
+        for (int64_t c = 0; c < C; ++c) dt[c] += g[c];
+        if (dwpe != nullptr) {
+          Real* dp = dwpe + t * C;
+          for (int64_t c = 0; c < C; ++c) dp[c] += g[c];
+        }
+      }
+    }
+  });
+}
+
+// ---- Layer normalisation.
+
+void CpuBackend::layernorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y,
+                           Tensor& mean, Tensor& rstd) {
+  ops::check_float(x, "layernorm");
+  ops::check_same(x, y, "layernorm");
+  if (x.dim() < 1 || x.size(-1) == 0) throw Error("layernorm: " + x.str() + " has no channels to normalise");
+  const int64_t C = x.size(-1), R = x.numel() / C;
+  check_shape(gamma, {C}, x.dtype(), "layernorm", "gamma");
+  check_shape(beta, {C}, x.dtype(), "layernorm", "beta");
+  check_shape(mean, {R}, x.dtype(), "layernorm", "mean");
+  check_shape(rstd, {R}, x.dtype(), "layernorm", "rstd");
+  if (!(eps >= 0.0)) throw Error("layernorm: eps " + std::to_string(eps) + " must be >= 0");
+  dispatch_float(x, [&](auto* tag) {
+    using Real = std::remove_pointer_t<decltype(tag)>;
+    const Real* px = x.data<Real>();  // (R, C)
+    const Real* g = gamma.data<Real>();
+    const Real* bt = beta.data<Real>();
+    Real* py = y.data<Real>();  // (R, C)
+    Real* pm = mean.data<Real>();
+    Real* pr = rstd.data<Real>();
+    for (int64_t r = 0; r < R; ++r) {
+      const Real* xr = px + r * C;
+      // Two passes in double for the statistics; the normalisation then uses the
+      // stored (rounded) mean and rstd, exactly as backward will.
+      double sum = 0;
+      for (int64_t c = 0; c < C; ++c) sum += xr[c];
+      const double mu = sum / static_cast<double>(C);
+      double var = 0;
+      for (int64_t c = 0; c < C; ++c) var += (xr[c] - mu) * (xr[c] - mu);
+      var /= static_cast<double>(C);
+      const Real m = static_cast<Real>(mu), s = static_cast<Real>(1.0 / std::sqrt(var + eps));
+      pm[r] = m;
+      pr[r] = s;
+      Real* yr = py + r * C;
+      for (int64_t c = 0; c < C; ++c) yr[c] = (xr[c] - m) * s * g[c] + bt[c];
+    }
+  });
+}
+
+void CpuBackend::layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                                    const Tensor& rstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) {
+  ops::check_float(x, "layernorm_backward");
+  ops::check_same(x, dy, "layernorm_backward");
+  ops::check_same(x, dx, "layernorm_backward");
+  if (x.dim() < 1 || x.size(-1) == 0) throw Error("layernorm_backward: " + x.str() + " has no channels");
+  const int64_t C = x.size(-1), R = x.numel() / C;
+  check_shape(gamma, {C}, x.dtype(), "layernorm_backward", "gamma");
+  check_shape(mean, {R}, x.dtype(), "layernorm_backward", "mean");
+  check_shape(rstd, {R}, x.dtype(), "layernorm_backward", "rstd");
+  check_shape(dgamma, {C}, x.dtype(), "layernorm_backward", "dgamma");
+  check_shape(dbeta, {C}, x.dtype(), "layernorm_backward", "dbeta");
+  dispatch_float(x, [&](auto* tag) {
+    using Real = std::remove_pointer_t<decltype(tag)>;
+    const Real* pdy = dy.data<Real>();  // (R, C)
+    const Real* px = x.data<Real>();    // (R, C)
+    const Real* g = gamma.data<Real>();
+    const Real* pm = mean.data<Real>();
+    const Real* pr = rstd.data<Real>();
+    Real* pdx = dx.data<Real>();  // (R, C)
+    std::vector<double> dg(C, 0.0), db(C, 0.0);
+    for (int64_t r = 0; r < R; ++r) {
+      const Real* xr = px + r * C;
+      const Real* dyr = pdy + r * C;
+      const Real m = pm[r], s = pr[r];
+      // a = mean_c(dy * gamma), b = mean_c(dy * gamma * xhat)
+      double a = 0, b = 0;
+      for (int64_t c = 0; c < C; ++c) {
+        const Real xhat = (xr[c] - m) * s;
+        const Real dyg = dyr[c] * g[c];
+        a += dyg;
+        b += dyg * xhat;
+      }
+      const Real ma = static_cast<Real>(a / static_cast<double>(C));
+      const Real mb = static_cast<Real>(b / static_cast<double>(C));
+      Real* dxr = pdx + r * C;
+      for (int64_t c = 0; c < C; ++c) {
+        const Real xhat = (xr[c] - m) * s;
+        const Real d = dyr[c];
+        dg[c] += d * xhat;
+        db[c] += d;
+        dxr[c] = s * (d * g[c] - ma - xhat * mb);
+      }
+    }
+    Real* pdg = dgamma.data<Real>();
+    Real* pdb = dbeta.data<Real>();
+    for (int64_t c = 0; c < C; ++c) {
+      pdg[c] += static_cast<Real>(dg[c]);
+      pdb[c] += static_cast<Real>(db[c]);
+    }
+  });
+}
+
+// ---- Causal self-attention. Per (batch, head), q, k and v are strided views into
+// qkv with leading dimension 3C, so no head is ever copied out:
+//
+//   qkv row t:  [ q_h0 q_h1 ... | k_h0 k_h1 ... | v_h0 v_h1 ... ]   (3C)
+//                 ^ q + h D       ^ q + C + h D   ^ q + 2C + h D
+//
+// The product q k^T is computed over the full (T, T) and the upper triangle is then
+// overwritten with zeros: one BLAS call beats T row-sized ones at these sizes.
+
+void CpuBackend::attention(const Tensor& qkv, int heads, Tensor& probs, Tensor& out) {
+  const AttentionDims d = check_attention(qkv, heads, "attention");
+  const int64_t B = d.B, T = d.T, C = d.C, H = d.H, D = d.D;
+  check_shape(probs, {B, H, T, T}, qkv.dtype(), "attention", "probs");
+  check_shape(out, {B, T, C}, qkv.dtype(), "attention", "out");
+  if (B == 0 || T == 0) return;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const int iT = static_cast<int>(T), iD = static_cast<int>(D), ld = static_cast<int>(3 * C);
+  dispatch_float(qkv, [&](auto* tag) {
+    using Real = std::remove_pointer_t<decltype(tag)>;
+    const Real* pqkv = qkv.data<Real>();  // (B, T, 3C)
+    Real* pp = probs.data<Real>();        // (B, H, T, T)
+    Real* po = out.data<Real>();          // (B, T, C)
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        const Real* q = pqkv + b * T * 3 * C + h * D;  // (T, D), ld 3C
+        const Real* k = q + C;
+        const Real* v = q + 2 * C;
+        Real* p = pp + (b * H + h) * T * T;  // (T, T)
+        gemm(false, true, iT, iT, iD, scale, q, ld, k, ld, 0.0, p, iT);  // scores = q k^T / sqrt(D)
+        for (int64_t t = 0; t < T; ++t) {
+          Real* row = p + t * T;
+          Real mx = row[0];
+          for (int64_t s = 1; s <= t; ++s) mx = std::max(mx, row[s]);
+          Real sum = 0;
+          for (int64_t s = 0; s <= t; ++s) {
+            row[s] = std::exp(row[s] - mx);
+            sum += row[s];
+          }
+          const Real inv = Real(1) / sum;
+          for (int64_t s = 0; s <= t; ++s) row[s] *= inv;
+          std::fill(row + t + 1, row + T, Real(0));  // the causal mask
+        }
+        // out_h (T, D), ld C = probs (T, T) @ v (T, D)
+        gemm(false, false, iT, iD, iT, 1.0, p, iT, v, ld, 0.0, po + b * T * C + h * D, static_cast<int>(C));
+      }
+    }
+  });
+}
+
+void CpuBackend::attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs, int heads,
+                                    Tensor& dqkv) {
+  const AttentionDims d = check_attention(qkv, heads, "attention_backward");
+  const int64_t B = d.B, T = d.T, C = d.C, H = d.H, D = d.D;
+  check_shape(dout, {B, T, C}, qkv.dtype(), "attention_backward", "dout");
+  check_shape(probs, {B, H, T, T}, qkv.dtype(), "attention_backward", "probs");
+  check_shape(dqkv, {B, T, 3 * C}, qkv.dtype(), "attention_backward", "dqkv");
+  if (B == 0 || T == 0) return;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const int iT = static_cast<int>(T), iD = static_cast<int>(D), ld = static_cast<int>(3 * C);
+  const int ldo = static_cast<int>(C);
+  dispatch_float(qkv, [&](auto* tag) {
+    using Real = std::remove_pointer_t<decltype(tag)>;
+    const Real* pqkv = qkv.data<Real>();  // (B, T, 3C)
+    const Real* pp = probs.data<Real>();  // (B, H, T, T)
+    const Real* pdo = dout.data<Real>();  // (B, T, C)
+    Real* pdq = dqkv.data<Real>();        // (B, T, 3C)
+    std::vector<Real> ds(T * T);          // (T, T): dprobs, then dscores in place
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t off = b * T * 3 * C + h * D;
+        const Real* q = pqkv + off;  // (T, D), ld 3C
+        const Real* k = q + C;
+        const Real* v = q + 2 * C;
+        Real* dq = pdq + off;
+        Real* dk = dq + C;
+        Real* dv = dq + 2 * C;
+        const Real* p = pp + (b * H + h) * T * T;    // (T, T)
+        const Real* go = pdo + b * T * C + h * D;    // (T, D), ld C
+        gemm(false, true, iT, iT, iD, 1.0, go, ldo, v, ld, 0.0, ds.data(), iT);  // dprobs = dout v^T
+        // Softmax Jacobian per row: dscore_s = p_s (dprob_s - sum_s' p_s' dprob_s');
+        // masked entries have p = 0 and get exactly 0.
+        for (int64_t t = 0; t < T; ++t) {
+          const Real* pr = p + t * T;
+          Real* dr = ds.data() + t * T;
+          Real dot = 0;
+          for (int64_t s = 0; s <= t; ++s) dot += pr[s] * dr[s];
+          for (int64_t s = 0; s <= t; ++s) dr[s] = pr[s] * (dr[s] - dot);
+          std::fill(dr + t + 1, dr + T, Real(0));
+        }
+        // scores = scale q k^T, so dq = scale ds k and dk = scale ds^T q.
+        gemm(false, false, iT, iD, iT, scale, ds.data(), iT, k, ld, 0.0, dq, ld);
+        gemm(true, false, iT, iD, iT, scale, ds.data(), iT, q, ld, 0.0, dk, ld);
+        gemm(true, false, iT, iD, iT, 1.0, p, iT, go, ldo, 0.0, dv, ld);  // dv = probs^T dout
+      }
+    }
+  });
+}
+
+// ---- Dropout.
+
+void CpuBackend::dropout(const Tensor& x, double p, uint64_t key, int64_t sample_offset, Tensor& y) {
+  dropout_impl(x, p, key, sample_offset, y, "dropout");
+}
+
+void CpuBackend::dropout_backward(const Tensor& dy, double p, uint64_t key, int64_t sample_offset, Tensor& dx) {
+  dropout_impl(dy, p, key, sample_offset, dx, "dropout_backward");
+}
+
+}  // namespace gpipe

@@ -1,0 +1,135 @@
+#include "layers/attention.h"
+
+#include <sstream>
+
+#include "runtime/error.h"
+#include "runtime/random.h"
+
+namespace gpipe {
+namespace layers {
+
+namespace {
+
+// Children of the layer's Context, in forward order.
+enum Child { kQkv, kProj, kDrop, kChildren };
+
+Context* child(Context* ctx, Child i) { return ctx != nullptr ? &ctx->children[i] : nullptr; }
+
+void add_cost(LayerCost& total, const LayerCost& part) {
+  total.forward_flops += part.forward_flops;
+  total.backward_flops += part.backward_flops;
+  total.input_grad_flops += part.input_grad_flops;
+  total.forward_bytes += part.forward_bytes;
+  total.backward_bytes += part.backward_bytes;
+  total.param_bytes += part.param_bytes;
+  total.output_bytes += part.output_bytes;
+  total.saved_bytes += part.saved_bytes;
+}
+
+LinearOptions projection(const AttentionOptions& o, int64_t out, uint64_t seed) {
+  LinearOptions l(o.dim, out);
+  l.leading = {o.seq_len};
+  l.dtype = o.dtype;
+  l.seed = seed;
+  return l;
+}
+
+DropoutOptions dropout_options(const AttentionOptions& o) {
+  DropoutOptions d({o.seq_len, o.dim}, o.dropout);
+  d.dtype = o.dtype;
+  d.seed = mix_seed(o.seed, 3);
+  return d;
+}
+
+const AttentionOptions& checked(const AttentionOptions& o) {
+  if (o.dim <= 0 || o.heads <= 0 || o.seq_len <= 0) {
+    throw UserError("attention: dim, heads and the sequence length must be positive, got dim=" +
+                    std::to_string(o.dim) + ", heads=" + std::to_string(o.heads) +
+                    ", seq_len=" + std::to_string(o.seq_len));
+  }
+  if (o.dim % o.heads != 0) {
+    throw UserError("attention: " + std::to_string(o.dim) + " channels do not split into " +
+                    std::to_string(o.heads) + " heads; choose heads that divide the embedding dim");
+  }
+  return o;
+}
+
+}  // namespace
+
+CausalSelfAttention::CausalSelfAttention(const AttentionOptions& opts)
+    : Layer({opts.seq_len, opts.dim}, {opts.seq_len, opts.dim}, opts.dtype),
+      opts_(checked(opts)),
+      qkv_(projection(opts, 3 * opts.dim, mix_seed(opts.seed, 1))),
+      proj_(projection(opts, opts.dim, mix_seed(opts.seed, 2))),
+      drop_(dropout_options(opts)) {
+  for (Parameter* p : qkv_.parameters()) p->name = "qkv." + p->name;
+  for (Parameter* p : proj_.parameters()) p->name = "proj." + p->name;
+}
+
+std::string CausalSelfAttention::describe() const {
+  std::ostringstream os;
+  os << "attention(" << opts_.dim << ", " << opts_.heads << " heads";
+  if (opts_.dropout > 0) os << ", dropout " << opts_.dropout;
+  os << ")";
+  return os.str();
+}
+
+std::vector<Parameter*> CausalSelfAttention::parameters() {
+  std::vector<Parameter*> out = qkv_.parameters();
+  for (Parameter* p : proj_.parameters()) out.push_back(p);
+  return out;
+}
+
+LayerCost CausalSelfAttention::cost(int64_t batch) const {
+  const double B = static_cast<double>(batch), T = static_cast<double>(opts_.seq_len);
+  const double C = static_cast<double>(opts_.dim), H = static_cast<double>(opts_.heads), D = C / H;
+  const double es = static_cast<double>(dtype_size(dtype_));
+  const double bh = B * H;
+  const double kept = T * (T + 1) / 2;  // unmasked scores per (batch, head)
+  LayerCost core;
+  // q k^T and probs v over the full (T, T): the kernels compute the masked upper
+  // triangle too (one GEMM per head beats T small ones), so it is counted. Softmax:
+  // max, subtract, exp, sum and scale per kept score, one reciprocal per row.
+  core.forward_flops = bh * (2 * T * T * D + 5 * kept + T + 2 * T * T * D);
+  // dprobs = dout v^T, dq = ds k, dk = ds^T q, dv = probs^T dout (four full GEMMs),
+  // and the softmax Jacobian: a dot product and p (dp - dot) per kept score.
+  core.backward_flops = bh * (8 * T * T * D + 4 * kept);
+  core.forward_bytes = es * (3 * B * T * C + bh * T * T + B * T * C);
+  core.backward_bytes = es * (B * T * C + 3 * B * T * C + bh * T * T + 3 * B * T * C);
+  core.saved_bytes = static_cast<int64_t>(es * (3 * B * T * C + bh * T * T));  // qkv, probs
+  LayerCost c;
+  add_cost(c, qkv_.cost(batch));
+  add_cost(c, core);
+  add_cost(c, proj_.cost(batch));
+  add_cost(c, drop_.cost(batch));
+  // Only the qkv projection's dx is skipped without need_dx: everything else feeds
+  // the parameter gradients too.
+  c.input_grad_flops = qkv_.cost(batch).input_grad_flops;
+  c.output_bytes = drop_.cost(batch).output_bytes;
+  return c;
+}
+
+Tensor CausalSelfAttention::forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) {
+  const int64_t B = x.size(0), T = opts_.seq_len, C = opts_.dim, H = opts_.heads;
+  if (ctx != nullptr) ctx->children.assign(kChildren, Context{});
+  Tensor qkv = qkv_.forward(be, x, child(ctx, kQkv), args);  // (B, T, 3C)
+  Tensor probs = be.empty({B, H, T, T}, dtype_);             // (B, H, T, T)
+  Tensor att = be.empty({B, T, C}, dtype_);                  // (B, T, C), heads side by side
+  be.attention(qkv, static_cast<int>(H), probs, att);
+  if (ctx != nullptr) ctx->saved = {qkv, probs};
+  Tensor y = proj_.forward(be, att, child(ctx, kProj), args);  // (B, T, C)
+  return drop_.forward(be, y, child(ctx, kDrop), args);
+}
+
+Tensor CausalSelfAttention::backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) {
+  const Tensor& qkv = ctx.saved.at(0);    // (B, T, 3C)
+  const Tensor& probs = ctx.saved.at(1);  // (B, H, T, T)
+  Tensor g = drop_.backward(be, dy, ctx.children.at(kDrop));  // (B, T, C)
+  Tensor datt = proj_.backward(be, g, ctx.children.at(kProj));  // (B, T, C)
+  Tensor dqkv = be.empty(qkv.shape(), dtype_);                  // (B, T, 3C)
+  be.attention_backward(datt, qkv, probs, static_cast<int>(opts_.heads), dqkv);
+  return qkv_.backward(be, dqkv, ctx.children.at(kQkv), need_dx);
+}
+
+}  // namespace layers
+}  // namespace gpipe

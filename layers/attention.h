@@ -1,0 +1,41 @@
+// Causal multi-head self-attention, GPT-2 style: one fused projection to q, k and v,
+// the attention core (Backend::attention), an output projection, then dropout. Input
+// and output are (T, dim) per sample. A composite layer: each sub-layer's context is
+// one of Context::children.
+#pragma once
+
+#include "layers/dropout.h"
+#include "layers/layer.h"
+#include "layers/linear.h"
+
+namespace gpipe {
+namespace layers {
+
+struct AttentionOptions {
+  AttentionOptions(int64_t dim, int64_t heads, int64_t seq_len) : dim(dim), heads(heads), seq_len(seq_len) {}
+  int64_t dim, heads, seq_len;
+  double dropout = 0.0;  // on the output projection (GPT-2's resid_pdrop)
+  DType dtype = DType::kF32;
+  uint64_t seed = 0;
+};
+
+class CausalSelfAttention : public Layer {
+ public:
+  explicit CausalSelfAttention(const AttentionOptions& opts);
+  std::string type() const override { return "attention"; }
+  std::string describe() const override;
+  LayerCost cost(int64_t batch) const override;
+  // "qkv.weight", "qkv.bias", "proj.weight", "proj.bias".
+  std::vector<Parameter*> parameters() override;
+
+ private:
+  Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
+  Tensor backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) override;
+  AttentionOptions opts_;
+  Linear qkv_;    // (T, C) -> (T, 3C)
+  Linear proj_;   // (T, C) -> (T, C)
+  Dropout drop_;  // (T, C)
+};
+
+}  // namespace layers
+}  // namespace gpipe

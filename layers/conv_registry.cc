@@ -1,0 +1,89 @@
+// Config names for the convolutional layers (layers/conv_layers.h). Kept apart from
+// registry.cc so that the registry's core does not depend on every layer family;
+// registry.cc calls register_conv_layers() once.
+#include <climits>
+#include <functional>
+
+#include "layers/conv_layers.h"
+#include "layers/registry.h"
+#include "runtime/error.h"
+
+namespace gpipe {
+namespace layers {
+
+namespace {
+
+std::string at(const LayerSpec& s) { return s.where.empty() ? "" : " (at " + s.where + ")"; }
+
+// An option that a layer stores as int (kernel, stride, pad).
+int small_int(LayerArgs& a, const std::string& key, int64_t value) {
+  if (value < INT_MIN || value > INT_MAX) {
+    throw UserError("layer '" + a.spec().type + "'" + at(a.spec()) + ": option '" + key +
+                    "' is out of range: " + std::to_string(value));
+  }
+  return static_cast<int>(value);
+}
+
+// Layer constructors name the layer but cannot know where it was written; this adds
+// the config location to their messages.
+std::unique_ptr<Layer> located(LayerArgs& a, const std::function<std::unique_ptr<Layer>()>& make) {
+  try {
+    return make();
+  } catch (const UserError& e) {
+    throw UserError(std::string(e.what()) + at(a.spec()));
+  }
+}
+
+}  // namespace
+
+void register_conv_layers() {
+  register_layer("conv2d", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) {
+    const int kernel = small_int(a, "kernel", a.get_int("kernel"));
+    Conv2dOptions o(in, a.get_int("out"), kernel);
+    o.stride = small_int(a, "stride", a.get_int("stride", 1));
+    o.pad = small_int(a, "pad", a.get_int("pad", kernel / 2));  // "same" size at stride 1 for odd kernels
+    o.bias = a.get_bool("bias", true);
+    o.dtype = dtype;
+    o.seed = seed;
+    return located(a, [&] { return std::make_unique<Conv2d>(o); });
+  });
+  register_layer("batchnorm2d", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t) {
+    BatchNorm2dOptions o(in);
+    o.dtype = dtype;
+    return located(a, [&] { return std::make_unique<BatchNorm2d>(o); });
+  });
+  register_layer("maxpool2d", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t) {
+    const int kernel = small_int(a, "kernel", a.get_int("kernel"));
+    MaxPool2dOptions o(in, kernel);
+    o.stride = small_int(a, "stride", a.get_int("stride", kernel));
+    o.pad = small_int(a, "pad", a.get_int("pad", 0));
+    o.dtype = dtype;
+    return located(a, [&] { return std::make_unique<MaxPool2d>(o); });
+  });
+  register_layer("avgpool2d", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t) {
+    const int kernel = small_int(a, "kernel", a.get_int("kernel"));
+    AvgPool2dOptions o(in, kernel);
+    o.stride = small_int(a, "stride", a.get_int("stride", kernel));
+    o.dtype = dtype;
+    return located(a, [&] { return std::make_unique<AvgPool2d>(o); });
+  });
+  register_layer("global_avgpool", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t) {
+    AvgPool2dOptions o = AvgPool2dOptions::global_pool(in);
+    o.dtype = dtype;
+    return located(a, [&] { return std::make_unique<AvgPool2d>(o); });
+  });
+  register_layer("flatten", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t) {
+    return located(a, [&] { return std::make_unique<Flatten>(in, dtype); });
+  });
+  register_layer("basic_block", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) {
+    BasicBlockOptions o(in, a.get_int("out"));
+    o.stride = small_int(a, "stride", a.get_int("stride", 1));
+    o.batchnorm = a.get_bool("batchnorm", true);
+    o.dtype = dtype;
+    o.seed = seed;
+    return located(a, [&] { return std::make_unique<BasicBlock>(o); });
+  });
+}
+
+}  // namespace layers
+}  // namespace gpipe

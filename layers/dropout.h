@@ -1,0 +1,38 @@
+// Inverted dropout with a counter-based mask: element e of sample s is dropped by a
+// pure function of (layer seed, step, s, e) (Backend::dropout), so the mask is the
+// same however the mini-batch is split into micro-batches and when a checkpointed
+// micro-batch is recomputed. Backward regenerates the mask instead of storing it.
+#pragma once
+
+#include "layers/layer.h"
+
+namespace gpipe {
+namespace layers {
+
+struct DropoutOptions {
+  DropoutOptions(Shape shape, double p) : shape(std::move(shape)), p(p) {}
+  Shape shape;  // per sample
+  double p;     // probability of dropping an element, in [0, 1)
+  DType dtype = DType::kF32;
+  uint64_t seed = 0;
+};
+
+class Dropout : public Layer {
+ public:
+  explicit Dropout(const DropoutOptions& opts);
+  std::string type() const override { return "dropout"; }
+  std::string describe() const override;
+  LayerCost cost(int64_t batch) const override;
+  double p() const { return opts_.p; }
+  // The mask's key for an optimizer step: mix_seed(seed, step).
+  uint64_t key(uint64_t step) const;
+
+ private:
+  // Identity (returning x itself, saving nothing) when args.training is false or p == 0.
+  Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
+  Tensor backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) override;
+  DropoutOptions opts_;
+};
+
+}  // namespace layers
+}  // namespace gpipe

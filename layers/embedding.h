@@ -1,0 +1,39 @@
+// Token embedding plus an optional learned position embedding: the first layer of a
+// language model, from int32 token ids (T) per sample to (T, dim) vectors in the
+// model's dtype. Its input is not differentiable, so backward returns no dx.
+#pragma once
+
+#include "layers/layer.h"
+
+namespace gpipe {
+namespace layers {
+
+struct EmbeddingOptions {
+  EmbeddingOptions(int64_t vocab, int64_t dim, int64_t seq_len)
+      : vocab(vocab), dim(dim), seq_len(seq_len), max_positions(seq_len) {}
+  int64_t vocab, dim, seq_len;
+  int64_t max_positions;  // rows of the position table (>= seq_len); 0: no learned positions
+  DType dtype = DType::kF32;
+  uint64_t seed = 0;
+};
+
+class Embedding : public Layer {
+ public:
+  explicit Embedding(const EmbeddingOptions& opts);
+  std::string type() const override { return "embedding"; }
+  std::string describe() const override;
+  LayerCost cost(int64_t batch) const override;
+  std::vector<Parameter*> parameters() override;
+  Parameter& token() { return token_; }
+  Parameter& position() { return position_; }  // undefined value when max_positions == 0
+
+ private:
+  Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
+  Tensor backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) override;
+  EmbeddingOptions opts_;
+  Parameter token_;     // (vocab, dim)
+  Parameter position_;  // (max_positions, dim)
+};
+
+}  // namespace layers
+}  // namespace gpipe

@@ -1,0 +1,165 @@
+#include "layers/transformer.h"
+
+#include <initializer_list>
+#include <sstream>
+
+#include "runtime/error.h"
+#include "runtime/random.h"
+
+namespace gpipe {
+namespace layers {
+
+namespace {
+
+// Children of the block's Context, in forward order.
+enum Child { kLn1, kAttn, kLn2, kFc1, kGelu, kFc2, kDrop, kChildren };
+
+Context* child(Context* ctx, Child i) { return ctx != nullptr ? &ctx->children[i] : nullptr; }
+
+void add_cost(LayerCost& total, const LayerCost& part) {
+  total.forward_flops += part.forward_flops;
+  total.backward_flops += part.backward_flops;
+  total.input_grad_flops += part.input_grad_flops;
+  total.forward_bytes += part.forward_bytes;
+  total.backward_bytes += part.backward_bytes;
+  total.param_bytes += part.param_bytes;
+  total.output_bytes += part.output_bytes;
+  total.saved_bytes += part.saved_bytes;
+}
+
+const TransformerBlockOptions& checked(const TransformerBlockOptions& o) {
+  if (o.mlp_ratio <= 0) {
+    throw UserError("transformer_block: mlp_ratio must be positive, got " + std::to_string(o.mlp_ratio));
+  }
+  return o;  // dim, heads and dropout are checked by the sub-layers
+}
+
+LayerNormOptions norm(const TransformerBlockOptions& o) {
+  LayerNormOptions n({o.seq_len, o.dim});
+  n.dtype = o.dtype;
+  return n;
+}
+
+AttentionOptions attention(const TransformerBlockOptions& o) {
+  AttentionOptions a(o.dim, o.heads, o.seq_len);
+  a.dropout = o.dropout;
+  a.dtype = o.dtype;
+  a.seed = mix_seed(o.seed, 1);
+  return a;
+}
+
+LinearOptions fc(const TransformerBlockOptions& o, int64_t in, int64_t out, uint64_t seed) {
+  LinearOptions l(in, out);
+  l.leading = {o.seq_len};
+  l.dtype = o.dtype;
+  l.seed = seed;
+  return l;
+}
+
+DropoutOptions dropout(const TransformerBlockOptions& o) {
+  DropoutOptions d({o.seq_len, o.dim}, o.dropout);
+  d.dtype = o.dtype;
+  d.seed = mix_seed(o.seed, 4);
+  return d;
+}
+
+void prefix(const std::vector<Parameter*>& params, const std::string& name) {
+  for (Parameter* p : params) p->name = name + "." + p->name;
+}
+
+}  // namespace
+
+TransformerBlock::TransformerBlock(const TransformerBlockOptions& opts)
+    : Layer({opts.seq_len, opts.dim}, {opts.seq_len, opts.dim}, opts.dtype),
+      opts_(checked(opts)),
+      ln1_(norm(opts)),
+      attn_(attention(opts)),
+      ln2_(norm(opts)),
+      fc1_(fc(opts, opts.dim, opts.mlp_ratio * opts.dim, mix_seed(opts.seed, 2))),
+      gelu_({opts.seq_len, opts.mlp_ratio * opts.dim}, opts.dtype),
+      fc2_(fc(opts, opts.mlp_ratio * opts.dim, opts.dim, mix_seed(opts.seed, 3))),
+      drop_(dropout(opts)) {
+  prefix(ln1_.parameters(), "ln1");
+  prefix(attn_.parameters(), "attn");
+  prefix(ln2_.parameters(), "ln2");
+  prefix(fc1_.parameters(), "fc1");
+  prefix(fc2_.parameters(), "fc2");
+}
+
+std::string TransformerBlock::describe() const {
+  std::ostringstream os;
+  os << "transformer_block(" << opts_.dim << ", " << opts_.heads << " heads, mlp x" << opts_.mlp_ratio;
+  if (opts_.dropout > 0) os << ", dropout " << opts_.dropout;
+  os << ")";
+  return os.str();
+}
+
+std::vector<Parameter*> TransformerBlock::parameters() {
+  std::vector<Parameter*> out;
+  for (Layer* l : std::initializer_list<Layer*>{&ln1_, &attn_, &ln2_, &fc1_, &fc2_}) {
+    for (Parameter* p : l->parameters()) out.push_back(p);
+  }
+  return out;
+}
+
+LayerCost TransformerBlock::cost(int64_t batch) const {
+  const double n = static_cast<double>(batch * opts_.seq_len * opts_.dim);  // elements of x
+  const double es = static_cast<double>(dtype_size(dtype_));
+  LayerCost c;
+  for (const Layer* l : std::initializer_list<const Layer*>{&ln1_, &attn_, &ln2_, &fc1_, &gelu_, &fc2_, &drop_}) {
+    add_cost(c, l->cost(batch));
+  }
+  // The two residual adds, each a copy and an axpy; backward adds the residual's
+  // gradient twice. Only the last of those is skipped without need_dx: the
+  // sub-layers' dx all feed parameter gradients (ln1's dx comes out of its
+  // parameter pass anyway).
+  c.forward_flops += 2 * n;
+  c.backward_flops += 2 * n;
+  c.input_grad_flops = n;
+  c.forward_bytes += 2 * (2 * es * n + 3 * es * n);
+  c.backward_bytes += 2 * 3 * es * n;
+  c.output_bytes = static_cast<int64_t>(es * n);
+  return c;
+}
+
+Tensor TransformerBlock::forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) {
+  if (ctx != nullptr) ctx->children.assign(kChildren, Context{});
+  // h = x + attn(ln1(x)). The sum goes into a fresh tensor: x is saved by ln1's
+  // context (and maybe by the previous layer's), so it is never written.
+  Tensor a = ln1_.forward(be, x, child(ctx, kLn1), args);  // (B, T, C)
+  a = attn_.forward(be, a, child(ctx, kAttn), args);        // (B, T, C)
+  Tensor h = be.empty(x.shape(), dtype_);                   // (B, T, C)
+  be.copy(x, h);
+  be.axpy(1.0, a, h);
+  // y = h + drop(fc2(gelu(fc1(ln2(h))))); h is saved by ln2's context, so again a copy.
+  Tensor m = ln2_.forward(be, h, child(ctx, kLn2), args);  // (B, T, C)
+  m = fc1_.forward(be, m, child(ctx, kFc1), args);         // (B, T, 4C)
+  m = gelu_.forward(be, m, child(ctx, kGelu), args);       // (B, T, 4C)
+  m = fc2_.forward(be, m, child(ctx, kFc2), args);         // (B, T, C)
+  m = drop_.forward(be, m, child(ctx, kDrop), args);       // (B, T, C)
+  Tensor y = be.empty(x.shape(), dtype_);                  // (B, T, C)
+  be.copy(h, y);
+  be.axpy(1.0, m, y);
+  return y;
+}
+
+Tensor TransformerBlock::backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) {
+  const std::vector<Context>& ch = ctx.children;
+  // dh = dy + d(mlp branch). ln2's dx is a fresh tensor owned here, so the residual's
+  // gradient is added into it in place.
+  Tensor g = drop_.backward(be, dy, ch.at(kDrop));  // (B, T, C)
+  g = fc2_.backward(be, g, ch.at(kFc2));            // (B, T, 4C)
+  g = gelu_.backward(be, g, ch.at(kGelu));          // (B, T, 4C)
+  g = fc1_.backward(be, g, ch.at(kFc1));            // (B, T, C)
+  Tensor dh = ln2_.backward(be, g, ch.at(kLn2));    // (B, T, C)
+  be.axpy(1.0, dy, dh);
+  // dx = dh + d(attention branch); ln1 still runs for its parameter gradients.
+  g = attn_.backward(be, dh, ch.at(kAttn));              // (B, T, C)
+  Tensor dx = ln1_.backward(be, g, ch.at(kLn1), need_dx);  // (B, T, C), fresh
+  if (!need_dx) return Tensor();
+  be.axpy(1.0, dh, dx);
+  return dx;
+}
+
+}  // namespace layers
+}  // namespace gpipe

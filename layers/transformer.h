@@ -1,0 +1,53 @@
+// A GPT-2 transformer block as ONE layer, so the partitioner can cut a model between
+// blocks: pre-LayerNorm residual attention, then a pre-LayerNorm residual MLP,
+//
+//   h = x + attn(ln1(x))                      (attn ends with its own dropout)
+//   y = h + drop(fc2(gelu(fc1(ln2(h)))))      fc1: dim -> mlp_ratio * dim
+//
+// Input and output are (T, dim) per sample; each sub-layer keeps its context in
+// Context::children.
+#pragma once
+
+#include "layers/activation.h"
+#include "layers/attention.h"
+#include "layers/dropout.h"
+#include "layers/layer.h"
+#include "layers/layernorm.h"
+#include "layers/linear.h"
+
+namespace gpipe {
+namespace layers {
+
+struct TransformerBlockOptions {
+  TransformerBlockOptions(int64_t dim, int64_t heads, int64_t seq_len) : dim(dim), heads(heads), seq_len(seq_len) {}
+  int64_t dim, heads, seq_len;
+  int64_t mlp_ratio = 4;
+  double dropout = 0.0;  // after the attention projection and after fc2
+  DType dtype = DType::kF32;
+  uint64_t seed = 0;
+};
+
+class TransformerBlock : public Layer {
+ public:
+  explicit TransformerBlock(const TransformerBlockOptions& opts);
+  std::string type() const override { return "transformer_block"; }
+  std::string describe() const override;
+  LayerCost cost(int64_t batch) const override;
+  // "ln1.weight", "attn.qkv.weight", ..., "fc2.bias", in forward order.
+  std::vector<Parameter*> parameters() override;
+
+ private:
+  Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
+  Tensor backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) override;
+  TransformerBlockOptions opts_;
+  LayerNorm ln1_;             // (T, C)
+  CausalSelfAttention attn_;  // (T, C)
+  LayerNorm ln2_;             // (T, C)
+  Linear fc1_;                // (T, C) -> (T, mlp_ratio C)
+  Gelu gelu_;                 // (T, mlp_ratio C)
+  Linear fc2_;                // (T, mlp_ratio C) -> (T, C)
+  Dropout drop_;              // (T, C)
+};
+
+}  // namespace layers
+}  // namespace gpipe
