@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -72,9 +73,25 @@ void gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, i
   GPIPE_CUBLAS_CHECK(cublasDgemm(h, ta, tb, m, n, k, &alpha, a, lda, b, ldb, &beta, c, ldc));
 }
 
-int to_int(int64_t v, const char* what) {
+// Strided-batched column-major gemm: for i < batch, C_i = alpha op(A_i) op(B_i) + beta C_i
+// with X_i = x + i * stride_x.
+void gemm_batched(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, double alpha,
+                  const float* a, int lda, long long sa, const float* b, int ldb, long long sb, double beta, float* c,
+                  int ldc, long long sc, int batch) {
+  const float al = static_cast<float>(alpha), be = static_cast<float>(beta);
+  GPIPE_CUBLAS_CHECK(
+      cublasSgemmStridedBatched(h, ta, tb, m, n, k, &al, a, lda, sa, b, ldb, sb, &be, c, ldc, sc, batch));
+}
+void gemm_batched(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, double alpha,
+                  const double* a, int lda, long long sa, const double* b, int ldb, long long sb, double beta,
+                  double* c, int ldc, long long sc, int batch) {
+  GPIPE_CUBLAS_CHECK(
+      cublasDgemmStridedBatched(h, ta, tb, m, n, k, &alpha, a, lda, sa, b, ldb, sb, &beta, c, ldc, sc, batch));
+}
+
+int to_int(int64_t v, const char* what, const char* op = "matmul") {
   if (v > INT_MAX) {
-    throw Error(std::string("matmul: ") + what + " = " + std::to_string(v) + " exceeds cuBLAS's 32-bit limit");
+    throw Error(std::string(op) + ": " + what + " = " + std::to_string(v) + " exceeds cuBLAS's 32-bit limit");
   }
   return static_cast<int>(v);
 }
@@ -83,6 +100,66 @@ int to_int(int64_t v, const char* what) {
 std::string label_error(int32_t label, int64_t row, int64_t classes) {
   return "label " + std::to_string(label) + " in row " + std::to_string(row) + " is outside [0, " +
          std::to_string(classes) + "); the model's last layer must have as many outputs as there are classes";
+}
+
+// The CPU reference's message for a bad token id, word for word
+// (kernels/cpu_transformer_ops.cc).
+std::string token_error(int32_t id, int64_t b, int64_t t, int64_t vocab) {
+  return "token id " + std::to_string(id) + " at (b=" + std::to_string(b) + ", t=" + std::to_string(t) +
+         ") is outside the vocabulary [0, " + std::to_string(vocab) +
+         "); make the embedding's vocab option larger than every id in the data";
+}
+
+// ---- Argument checks of the transformer ops: the same tests and messages as the CPU
+// reference's (kernels/cpu_transformer_ops.cc), so both backends reject the same calls.
+
+void check_shape(const Tensor& t, const Shape& want, DType dtype, const char* op, const char* what) {
+  if (!t.defined() || t.dtype() != dtype || t.shape() != want || !t.is_contiguous()) {
+    throw Error(std::string(op) + ": " + what + " is " + (t.defined() ? t.str() : std::string("undefined")) +
+                ", expected contiguous " + dtype_name(dtype) + shape_str(want));
+  }
+}
+
+void check_ids(const Tensor& ids, const char* op) {
+  if (!ids.defined() || ids.dtype() != DType::kI32 || ids.dim() != 2 || !ids.is_contiguous()) {
+    throw Error(std::string(op) + ": token ids " + (ids.defined() ? ids.str() : std::string("undefined")) +
+                " must be contiguous int32 (B, T)");
+  }
+}
+
+// pos: (P >= T, C) of the table's dtype, or undefined.
+void check_positions(const Tensor& pos, const Tensor& table, int64_t T, const char* op) {
+  if (!pos.defined()) return;
+  ops::check_matrix(pos, op);
+  if (pos.dtype() != table.dtype() || pos.size(1) != table.size(1) || pos.size(0) < T) {
+    throw Error(std::string(op) + ": position table " + pos.str() + " must be " + dtype_name(table.dtype()) +
+                " (P >= " + std::to_string(T) + ", " + std::to_string(table.size(1)) + ")");
+  }
+}
+
+struct AttentionDims {
+  int64_t B, T, C, H, D;
+};
+
+// qkv (B, T, 3C) with C divisible by heads.
+AttentionDims check_attention(const Tensor& qkv, int heads, const char* op) {
+  ops::check_float(qkv, op);
+  if (qkv.dim() != 3 || qkv.size(2) % 3 != 0) {
+    throw Error(std::string(op) + ": qkv " + qkv.str() + " must be (B, T, 3C)");
+  }
+  const int64_t C = qkv.size(2) / 3;
+  if (heads < 1 || C % heads != 0) {
+    throw Error(std::string(op) + ": " + std::to_string(C) + " channels do not split into " +
+                std::to_string(heads) + " heads");
+  }
+  return {qkv.size(0), qkv.size(1), C, heads, C / heads};
+}
+
+void check_dropout_p(double p, const char* op) {
+  if (!(p >= 0.0 && p < 1.0)) {  // also rejects NaN
+    throw UserError(std::string(op) + ": dropout probability " + std::to_string(p) +
+                    " must be in [0, 1); use 0 to disable dropout");
+  }
 }
 
 constexpr size_t kStagingBytes = 16;
@@ -144,6 +221,7 @@ void CudaBackend::release() noexcept {
     if (e != cudaSuccess) spdlog::warn("cudaFree failed: {}", cudaGetErrorString(e));
     bad_row_ = nullptr;
   }
+  release_cudnn();  // kernels/cuda_conv_ops.cc
   if (blas_ != nullptr) {
     const cublasStatus_t st = cublasDestroy(blas_);
     if (st != CUBLAS_STATUS_SUCCESS) spdlog::warn("cublasDestroy failed: {}", cublas_status_string(st));
@@ -269,19 +347,30 @@ void CudaBackend::gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {
   });
 }
 
-// The one place where an op waits for the host: labels live on the device, and an
+// Where an op waits for the host: labels live on the device, and an
 // invalid one must surface as a UserError from this call (as on the CPU), not as a
 // silent wrong loss or an out-of-bounds read. The kernels record the first bad row in
 // bad_row_ instead of reading out of bounds; here we copy that one word into pinned
 // memory and wait for the stream. The loss is needed on the host right after the
 // forward pass in practice (item()), so the wait costs little beyond the kernels
 // themselves. Only when a row is flagged is its label fetched, for the message.
-void CudaBackend::check_labels(const Tensor& labels, int64_t classes, const char* op) {
+//
+// The embedding ops check their token ids the same way, but before they queue any
+// other work (validate, wait, then gather or scatter), so a bad batch leaves the
+// outputs and the accumulated gradients untouched, as on the CPU. The ids have just
+// come from the host in practice (a synchronous copy), so the stream is nearly idle
+// when the embedding waits on it.
+unsigned CudaBackend::wait_for_bad_row() {
   cudaStream_t s = cuda_stream();
   auto* host_row = static_cast<unsigned*>(host_staging_);
   GPIPE_CUDA_CHECK(cudaMemcpyAsync(host_row, bad_row_, sizeof(unsigned), cudaMemcpyDeviceToHost, s));
   GPIPE_CUDA_CHECK(cudaStreamSynchronize(s));
-  const unsigned row = *host_row;
+  return *host_row;
+}
+
+void CudaBackend::check_labels(const Tensor& labels, int64_t classes, const char* op) {
+  cudaStream_t s = cuda_stream();
+  const unsigned row = wait_for_bad_row();
   if (row == cuda::kNoBadRow) return;
   GPIPE_CHECK(static_cast<int64_t>(row) < labels.numel(), std::string(op) + ": bad label row out of range");
   auto* host_label = reinterpret_cast<int32_t*>(static_cast<char*>(host_staging_) + 8);
@@ -289,6 +378,20 @@ void CudaBackend::check_labels(const Tensor& labels, int64_t classes, const char
                                    cudaMemcpyDeviceToHost, s));
   GPIPE_CUDA_CHECK(cudaStreamSynchronize(s));
   throw UserError(label_error(*host_label, static_cast<int64_t>(row), classes));
+}
+
+void CudaBackend::check_token_ids(const Tensor& ids, int64_t vocab, const char* op) {
+  cuda::validate_token_ids(ids.data<int32_t>(), ids.numel(), vocab, bad_row_, cuda_stream());
+  const unsigned p = wait_for_bad_row();
+  if (p == cuda::kNoBadRow) return;
+  GPIPE_CHECK(static_cast<int64_t>(p) < ids.numel(), std::string(op) + ": bad token position out of range");
+  cudaStream_t s = cuda_stream();
+  auto* host_id = reinterpret_cast<int32_t*>(static_cast<char*>(host_staging_) + 8);
+  GPIPE_CUDA_CHECK(
+      cudaMemcpyAsync(host_id, ids.data<int32_t>() + p, sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+  GPIPE_CUDA_CHECK(cudaStreamSynchronize(s));
+  const int64_t seq = ids.size(1);  // ids: (B, T), p = b * T + t
+  throw UserError(token_error(*host_id, static_cast<int64_t>(p) / seq, static_cast<int64_t>(p) % seq, vocab));
 }
 
 void CudaBackend::softmax_xent(const Tensor& logits, const Tensor& labels, double scale, int ignore_index,
@@ -378,6 +481,261 @@ void CudaBackend::sgd_step(Tensor& param, const Tensor& grad, Tensor& buf, const
     using T = std::remove_pointer_t<decltype(tag)>;
     cuda::sgd_step(param.data<T>(), grad.data<T>(), momentum ? buf.data<T>() : nullptr, param.numel(), p.lr,
                    p.momentum, p.weight_decay, p.nesterov, first_step, cuda_stream());
+  });
+}
+
+void CudaBackend::adam_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamParams& p,
+                            int64_t step) {
+  ops::check_float(param, "adam_step");
+  ops::check_same(param, grad, "adam_step");
+  ops::check_same(param, m, "adam_step");
+  ops::check_same(param, v, "adam_step");
+  if (step < 1) throw Error("adam_step: step counts from 1, got " + std::to_string(step));
+  check_on_device(param, "adam_step");
+  check_on_device(grad, "adam_step");
+  check_on_device(m, "adam_step");
+  check_on_device(v, "adam_step");
+  // Bias corrections in double on the host, as the CPU reference computes them.
+  const double bc1 = 1.0 - std::pow(p.beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(p.beta2, static_cast<double>(step));
+  DeviceGuard guard(device_.index);
+  dispatch_float(param, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda::adam_step(param.data<T>(), grad.data<T>(), m.data<T>(), v.data<T>(), param.numel(), p.lr, p.beta1,
+                    p.beta2, p.eps, p.weight_decay, p.decoupled, bc1, bc2, cuda_stream());
+  });
+}
+
+double CudaBackend::sum_squares(const Tensor& x) {
+  ops::check_float(x, "sum_squares");
+  check_on_device(x, "sum_squares");
+  const int64_t n = x.numel();
+  if (n == 0) return 0.0;
+  DeviceGuard guard(device_.index);
+  const int64_t partials = cuda::sum_squares_workspace(n);
+  Tensor work = empty({partials + 1}, DType::kF64);  // (partials) block sums, then the total
+  double* total = work.data<double>() + partials;
+  cudaStream_t s = cuda_stream();
+  dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda::sum_squares(x.data<T>(), n, work.data<double>(), total, s);
+  });
+  auto* host = static_cast<double*>(host_staging_);
+  GPIPE_CUDA_CHECK(cudaMemcpyAsync(host, total, sizeof(double), cudaMemcpyDeviceToHost, s));
+  GPIPE_CUDA_CHECK(cudaStreamSynchronize(s));
+  return *host;
+}
+
+void CudaBackend::embedding(const Tensor& ids, const Tensor& table, const Tensor& pos, Tensor& out) {
+  check_ids(ids, "embedding");
+  ops::check_matrix(table, "embedding");
+  const int64_t B = ids.size(0), T = ids.size(1), V = table.size(0), C = table.size(1);
+  check_positions(pos, table, T, "embedding");
+  check_shape(out, {B, T, C}, table.dtype(), "embedding", "out");
+  check_on_device(ids, "embedding");
+  check_on_device(table, "embedding");
+  if (pos.defined()) check_on_device(pos, "embedding");
+  check_on_device(out, "embedding");
+  DeviceGuard guard(device_.index);
+  check_token_ids(ids, V, "embedding");  // waits; throws before anything is written
+  dispatch_float(table, [&](auto* tag) {
+    using Real = std::remove_pointer_t<decltype(tag)>;
+    cuda::embedding(ids.data<int32_t>(), table.data<Real>(), pos.defined() ? pos.data<Real>() : nullptr,
+                    out.data<Real>(), B, T, V, C, cuda_stream());
+  });
+}
+
+void CudaBackend::embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable, Tensor& dpos) {
+  check_ids(ids, "embedding_backward");
+  ops::check_matrix(dtable, "embedding_backward");
+  const int64_t B = ids.size(0), T = ids.size(1), V = dtable.size(0), C = dtable.size(1);
+  check_positions(dpos, dtable, T, "embedding_backward");
+  check_shape(dout, {B, T, C}, dtable.dtype(), "embedding_backward", "dout");
+  check_on_device(ids, "embedding_backward");
+  check_on_device(dout, "embedding_backward");
+  check_on_device(dtable, "embedding_backward");
+  if (dpos.defined()) check_on_device(dpos, "embedding_backward");
+  DeviceGuard guard(device_.index);
+  check_token_ids(ids, V, "embedding_backward");  // waits; throws before any gradient changes
+  const size_t bytes = cuda::embedding_backward_workspace_bytes(B * T, V);
+  // Sort keys, positions and CUB's scratch; freed (to the stream-ordered cache) on return.
+  Tensor work = empty({static_cast<int64_t>((bytes + 3) / 4)}, DType::kI32);
+  dispatch_float(dtable, [&](auto* tag) {
+    using Real = std::remove_pointer_t<decltype(tag)>;
+    cuda::embedding_backward(ids.data<int32_t>(), dout.data<Real>(), dtable.data<Real>(),
+                             dpos.defined() ? dpos.data<Real>() : nullptr, B, T, V, C,
+                             bytes > 0 ? work.raw_data() : nullptr, bytes, cuda_stream());
+  });
+}
+
+void CudaBackend::layernorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y,
+                            Tensor& mean, Tensor& rstd) {
+  ops::check_float(x, "layernorm");
+  ops::check_same(x, y, "layernorm");
+  if (x.dim() < 1 || x.size(-1) == 0) throw Error("layernorm: " + x.str() + " has no channels to normalise");
+  const int64_t C = x.size(-1), R = x.numel() / C;
+  check_shape(gamma, {C}, x.dtype(), "layernorm", "gamma");
+  check_shape(beta, {C}, x.dtype(), "layernorm", "beta");
+  check_shape(mean, {R}, x.dtype(), "layernorm", "mean");
+  check_shape(rstd, {R}, x.dtype(), "layernorm", "rstd");
+  if (!(eps >= 0.0)) throw Error("layernorm: eps " + std::to_string(eps) + " must be >= 0");
+  for (const Tensor* t : {&x, &gamma, &beta}) check_on_device(*t, "layernorm");
+  for (const Tensor* t : {&y, &mean, &rstd}) check_on_device(*t, "layernorm");
+  DeviceGuard guard(device_.index);
+  dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda::layernorm(x.data<T>(), gamma.data<T>(), beta.data<T>(), eps, y.data<T>(), mean.data<T>(), rstd.data<T>(),
+                    R, C, cuda_stream());
+  });
+}
+
+void CudaBackend::layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                                     const Tensor& rstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) {
+  ops::check_float(x, "layernorm_backward");
+  ops::check_same(x, dy, "layernorm_backward");
+  ops::check_same(x, dx, "layernorm_backward");
+  if (x.dim() < 1 || x.size(-1) == 0) throw Error("layernorm_backward: " + x.str() + " has no channels");
+  const int64_t C = x.size(-1), R = x.numel() / C;
+  check_shape(gamma, {C}, x.dtype(), "layernorm_backward", "gamma");
+  check_shape(mean, {R}, x.dtype(), "layernorm_backward", "mean");
+  check_shape(rstd, {R}, x.dtype(), "layernorm_backward", "rstd");
+  check_shape(dgamma, {C}, x.dtype(), "layernorm_backward", "dgamma");
+  check_shape(dbeta, {C}, x.dtype(), "layernorm_backward", "dbeta");
+  for (const Tensor* t : {&dy, &x, &gamma, &mean, &rstd}) check_on_device(*t, "layernorm_backward");
+  for (const Tensor* t : {&dx, &dgamma, &dbeta}) check_on_device(*t, "layernorm_backward");
+  if (R == 0) return;
+  DeviceGuard guard(device_.index);
+  // (2, chunks, C) partial sums of dgamma and dbeta, in double.
+  Tensor work = empty({cuda::layernorm_backward_workspace(R, C)}, DType::kF64);
+  dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda::layernorm_backward(dy.data<T>(), x.data<T>(), gamma.data<T>(), mean.data<T>(), rstd.data<T>(),
+                             dx.data<T>(), dgamma.data<T>(), dbeta.data<T>(), R, C, work.data<double>(),
+                             cuda_stream());
+  });
+}
+
+// Attention runs per batch element b, each cuBLAS call batched over the H heads with
+// strided pointers into qkv (no head is copied out):
+//
+//   qkv row t:  [ q_h0 q_h1 ... | k_h0 k_h1 ... | v_h0 v_h1 ... ]   (3C, ld 3C)
+//                 ^ q + h D       ^ q + C + h D   ^ q + 2C + h D
+//
+// cuBLAS is column-major: a row-major (r, c) block with row stride ld reads as its
+// transpose (c, r) with leading dimension ld. So each row-major product X = A B below
+// is issued as the column-major X^T = B^T A^T, and each operand stored as Y (row-major)
+// is passed as OP_N when the formula wants Y^T and as OP_T when it wants Y.
+
+void CudaBackend::attention(const Tensor& qkv, int heads, Tensor& probs, Tensor& out) {
+  const AttentionDims d = check_attention(qkv, heads, "attention");
+  const int64_t B = d.B, T = d.T, C = d.C, H = d.H, D = d.D;
+  check_shape(probs, {B, H, T, T}, qkv.dtype(), "attention", "probs");
+  check_shape(out, {B, T, C}, qkv.dtype(), "attention", "out");
+  check_on_device(qkv, "attention");
+  check_on_device(probs, "attention");
+  check_on_device(out, "attention");
+  if (B == 0 || T == 0) return;
+  if (D == 0) throw Error("attention: qkv " + qkv.str() + " has no channels");
+  const int iT = to_int(T, "T", "attention"), iD = to_int(D, "D", "attention");
+  const int ld = to_int(3 * C, "3C", "attention"), ldo = to_int(C, "C", "attention");
+  const int iH = static_cast<int>(H);
+  const long long tt = static_cast<long long>(T) * T;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  DeviceGuard guard(device_.index);
+  dispatch_float(qkv, [&](auto* tag) {
+    using Real = std::remove_pointer_t<decltype(tag)>;
+    const Real* pqkv = qkv.data<Real>();  // (B, T, 3C)
+    Real* pp = probs.data<Real>();        // (B, H, T, T)
+    Real* po = out.data<Real>();          // (B, T, C)
+    for (int64_t b = 0; b < B; ++b) {
+      const Real* q = pqkv + b * T * 3 * C;  // head h at + h D, (T, D) with ld 3C
+      const Real* k = q + C;
+      Real* p = pp + b * H * tt;  // head h at + h T^2, (T, T)
+      // scores (T, T) = scale q k^T;  column-major: scores^T = scale k q^T
+      gemm_batched(blas_, CUBLAS_OP_T, CUBLAS_OP_N, iT, iT, iD, scale, k, ld, D, q, ld, D, 0.0, p, iT, tt, iH);
+    }
+    cuda::causal_softmax(pp, B * H * T, T, cuda_stream());
+    for (int64_t b = 0; b < B; ++b) {
+      const Real* v = pqkv + b * T * 3 * C + 2 * C;  // (T, D), ld 3C
+      const Real* p = pp + b * H * tt;
+      // out_h (T, D), ld C = probs (T, T) v (T, D);  column-major: out^T = v^T probs^T
+      gemm_batched(blas_, CUBLAS_OP_N, CUBLAS_OP_N, iD, iT, iT, 1.0, v, ld, D, p, iT, tt, 0.0, po + b * T * C, ldo, D,
+                   iH);
+    }
+  });
+}
+
+void CudaBackend::attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs, int heads,
+                                     Tensor& dqkv) {
+  const AttentionDims d = check_attention(qkv, heads, "attention_backward");
+  const int64_t B = d.B, T = d.T, C = d.C, H = d.H, D = d.D;
+  check_shape(dout, {B, T, C}, qkv.dtype(), "attention_backward", "dout");
+  check_shape(probs, {B, H, T, T}, qkv.dtype(), "attention_backward", "probs");
+  check_shape(dqkv, {B, T, 3 * C}, qkv.dtype(), "attention_backward", "dqkv");
+  check_on_device(dout, "attention_backward");
+  check_on_device(qkv, "attention_backward");
+  check_on_device(probs, "attention_backward");
+  check_on_device(dqkv, "attention_backward");
+  if (B == 0 || T == 0) return;
+  if (D == 0) throw Error("attention_backward: qkv " + qkv.str() + " has no channels");
+  const int iT = to_int(T, "T", "attention_backward"), iD = to_int(D, "D", "attention_backward");
+  const int ld = to_int(3 * C, "3C", "attention_backward"), ldo = to_int(C, "C", "attention_backward");
+  const int iH = static_cast<int>(H);
+  const long long tt = static_cast<long long>(T) * T;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  DeviceGuard guard(device_.index);
+  // (H, T, T): dprobs, then dscores in place, for one batch element at a time (the
+  // stream orders element b + 1's first write after element b's last read).
+  Tensor work = empty({H, T, T}, qkv.dtype());
+  cudaStream_t s = cuda_stream();
+  dispatch_float(qkv, [&](auto* tag) {
+    using Real = std::remove_pointer_t<decltype(tag)>;
+    Real* ds = work.data<Real>();
+    for (int64_t b = 0; b < B; ++b) {
+      const Real* q = qkv.data<Real>() + b * T * 3 * C;  // (T, D) per head, ld 3C
+      const Real* k = q + C;
+      const Real* v = q + 2 * C;
+      Real* dq = dqkv.data<Real>() + b * T * 3 * C;
+      Real* dk = dq + C;
+      Real* dv = dq + 2 * C;
+      const Real* p = probs.data<Real>() + b * H * tt;  // (T, T) per head
+      const Real* go = dout.data<Real>() + b * T * C;   // (T, D) per head, ld C
+      // dprobs (T, T) = dout v^T;  column-major: dprobs^T = v dout^T
+      gemm_batched(blas_, CUBLAS_OP_T, CUBLAS_OP_N, iT, iT, iD, 1.0, v, ld, D, go, ldo, D, 0.0, ds, iT, tt, iH);
+      cuda::causal_softmax_backward(p, ds, H * T, T, s);  // dscores, masked entries 0
+      // dq (T, D) = scale dscores k;  column-major: dq^T = scale k^T dscores^T
+      gemm_batched(blas_, CUBLAS_OP_N, CUBLAS_OP_N, iD, iT, iT, scale, k, ld, D, ds, iT, tt, 0.0, dq, ld, D, iH);
+      // dk (T, D) = scale dscores^T q;  column-major: dk^T = scale q^T dscores
+      gemm_batched(blas_, CUBLAS_OP_N, CUBLAS_OP_T, iD, iT, iT, scale, q, ld, D, ds, iT, tt, 0.0, dk, ld, D, iH);
+      // dv (T, D) = probs^T dout;  column-major: dv^T = dout^T probs
+      gemm_batched(blas_, CUBLAS_OP_N, CUBLAS_OP_T, iD, iT, iT, 1.0, go, ldo, D, p, iT, tt, 0.0, dv, ld, D, iH);
+    }
+  });
+}
+
+void CudaBackend::dropout(const Tensor& x, double p, uint64_t key, int64_t sample_offset, Tensor& y) {
+  dropout_impl(x, p, key, sample_offset, y, "dropout");
+}
+
+void CudaBackend::dropout_backward(const Tensor& dy, double p, uint64_t key, int64_t sample_offset, Tensor& dx) {
+  dropout_impl(dy, p, key, sample_offset, dx, "dropout_backward");  // the same linear map as forward
+}
+
+void CudaBackend::dropout_impl(const Tensor& in, double p, uint64_t key, int64_t sample_offset, Tensor& out,
+                               const char* op) {
+  ops::check_float(in, op);
+  ops::check_same(in, out, op);
+  if (in.dim() < 1) throw Error(std::string(op) + ": " + in.str() + " needs a batch dimension");
+  check_dropout_p(p, op);
+  if (sample_offset < 0) throw Error(std::string(op) + ": negative sample offset " + std::to_string(sample_offset));
+  check_on_device(in, op);
+  check_on_device(out, op);
+  const int64_t rows = in.size(0);
+  if (rows == 0 || in.numel() == 0) return;
+  DeviceGuard guard(device_.index);
+  dispatch_float(in, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda::dropout(in.data<T>(), out.data<T>(), rows, in.numel() / rows, p, key, sample_offset, cuda_stream());
   });
 }
 

@@ -1,6 +1,7 @@
 // Conformance of the CUDA backend with the CPU reference: every Backend op runs on
 // cuda:0 and on cpu:0 with the same random inputs and the results are compared, for
-// float32 and float64, at odd sizes. Also covers the CUDA runtime pieces (allocator,
+// float32 and float64, at odd sizes (the ops the CPU computes in the same order, such
+// as embedding and dropout, bit for bit). Also covers the CUDA runtime pieces (allocator,
 // streams, events, copies). Without a visible GPU it prints the skip marker and passes.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
@@ -645,6 +646,359 @@ TEST_CASE("sgd_step: plain, momentum, nesterov, weight decay, first and later st
       }
     }
   }
+}
+
+// ---------------------------------------------------------------------------------
+// Adam and the gradient norm
+
+TEST_CASE("adam_step: Adam and AdamW, decoupled or not, over several steps") {
+  struct Config {
+    double lr, beta1, beta2, eps, weight_decay;
+    bool decoupled;
+  };
+  const Config configs[] = {
+      {1e-3, 0.9, 0.999, 1e-8, 0.0, false},  {1e-2, 0.9, 0.999, 1e-8, 0.01, false},
+      {1e-2, 0.9, 0.999, 1e-8, 0.1, true},   {3e-3, 0.9, 0.999, 1e-8, 0.0, true},
+      {5e-3, 0.8, 0.99, 1e-6, 0.05, true},   {5e-3, 0.8, 0.99, 1e-6, 0.05, false},
+  };
+  const Shape shapes[] = {{1}, {1000}, {257, 129}};
+  // One step is elementwise, but nvcc may fuse a * b + c, and the error of a step
+  // carries into the next.
+  auto tol = [](DType t) { return t == DType::kF32 ? Tol{1e-5, 1e-6} : Tol{1e-12, 1e-14}; };
+  uint64_t seed = 1100;
+  for (DType dt : kFloatTypes) {
+    for (const Shape& s : shapes) {
+      for (const Config& c : configs) {
+        CAPTURE(dtype_name(dt));
+        CAPTURE(shape_str(s));
+        CAPTURE(c.lr);
+        CAPTURE(c.weight_decay);
+        CAPTURE(c.decoupled);
+        AdamParams p;
+        p.lr = c.lr;
+        p.beta1 = c.beta1;
+        p.beta2 = c.beta2;
+        p.eps = c.eps;
+        p.weight_decay = c.weight_decay;
+        p.decoupled = c.decoupled;
+        Tensor w = random_tensor(s, dt, seed++);
+        Tensor wc = clone(w), wg = to_gpu(w);
+        Tensor mc = host_full(s, dt, 0.0), vc = host_full(s, dt, 0.0);
+        Tensor mg = gpu().zeros(s, dt), vg = gpu().zeros(s, dt);
+        for (int64_t step = 1; step <= 4; ++step) {
+          CAPTURE(step);
+          Tensor grad = random_tensor(s, dt, seed++);
+          cpu().adam_step(wc, grad, mc, vc, p, step);
+          gpu().adam_step(wg, to_gpu(grad), mg, vg, p, step);
+          EXPECT_CLOSE_TOL(mg, mc, tol(dt));
+          EXPECT_CLOSE_TOL(vg, vc, tol(dt));
+          EXPECT_CLOSE_TOL(wg, wc, tol(dt));
+        }
+      }
+    }
+  }
+  Tensor w = gpu().zeros({3}, DType::kF32), g = gpu().zeros({3}, DType::kF32);
+  Tensor m = gpu().zeros({3}, DType::kF32), v = gpu().zeros({3}, DType::kF32);
+  CHECK_THROWS_AS(gpu().adam_step(w, g, m, v, AdamParams{}, 0), Error);
+}
+
+TEST_CASE("sum_squares: double accumulation, deterministic, empty is 0") {
+  uint64_t seed = 1200;
+  for (DType dt : kFloatTypes) {
+    for (const Shape& s : kVectorShapes) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(shape_str(s));
+      Tensor x = random_tensor(s, dt, seed++);
+      const double want = cpu().sum_squares(x);
+      Tensor xg = to_gpu(x);
+      const double got = gpu().sum_squares(xg);
+      // Every square is exact in double; only the order of the additions differs.
+      CHECK(got == doctest::Approx(want).epsilon(1e-10));
+      CHECK(gpu().sum_squares(xg) == got);  // bit for bit the same on a second run
+    }
+    CHECK(gpu().sum_squares(gpu().empty({0, 4}, dt)) == 0.0);
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// Transformer ops
+
+// Token ids (B, T) uniform in [0, V).
+Tensor random_ids(int64_t B, int64_t T, int V, uint64_t seed) { return random_labels(B * T, V, seed).reshape({B, T}); }
+
+struct EmbeddingDims {
+  int64_t B, T, V, C;
+};
+// Small vocabularies make ids repeat (the backward's accumulation order matters); the
+// last shape has three ids for 4096 positions, so each id has a long run.
+const EmbeddingDims kEmbeddingDims[] = {{1, 1, 1, 1},    {3, 7, 11, 5},    {2, 33, 1000, 65},
+                                        {4, 128, 50, 768}, {8, 512, 3, 33}, {2, 5, 600, 4097}};
+
+TEST_CASE("embedding forward and backward equal the CPU bit for bit, with and without positions") {
+  uint64_t seed = 1300;
+  for (DType dt : kFloatTypes) {
+    for (const EmbeddingDims& d : kEmbeddingDims) {
+      for (bool with_pos : {true, false}) {
+        CAPTURE(dtype_name(dt));
+        CAPTURE(d.B);
+        CAPTURE(d.T);
+        CAPTURE(d.V);
+        CAPTURE(d.C);
+        CAPTURE(with_pos);
+        const int64_t P = d.T + 3;  // longer than the sequence: rows >= T are left alone
+        Tensor ids = random_ids(d.B, d.T, static_cast<int>(d.V), seed++);
+        Tensor table = random_tensor({d.V, d.C}, dt, seed++);
+        Tensor pos = with_pos ? random_tensor({P, d.C}, dt, seed++) : Tensor();
+        Tensor ids_g = to_gpu(ids);
+        Tensor pos_g = with_pos ? to_gpu(pos) : Tensor();
+
+        Tensor out_c = Tensor::empty({d.B, d.T, d.C}, dt, Device::cpu()), out_g = gpu().empty({d.B, d.T, d.C}, dt);
+        cpu().embedding(ids, table, pos, out_c);
+        gpu().embedding(ids_g, to_gpu(table), pos_g, out_g);
+        CHECK(to_doubles(out_g) == to_doubles(out_c));
+
+        // Backward adds into non-zero gradients, in the CPU's (b, t) order on both sides.
+        Tensor dout = random_tensor({d.B, d.T, d.C}, dt, seed++);
+        Tensor dtable0 = random_tensor({d.V, d.C}, dt, seed++);
+        Tensor dpos0 = with_pos ? random_tensor({P, d.C}, dt, seed++) : Tensor();
+        Tensor dtable_c = clone(dtable0), dtable_g = to_gpu(dtable0);
+        Tensor dpos_c = with_pos ? clone(dpos0) : Tensor(), dpos_g = with_pos ? to_gpu(dpos0) : Tensor();
+        Tensor dout_g = to_gpu(dout);
+        cpu().embedding_backward(ids, dout, dtable_c, dpos_c);
+        gpu().embedding_backward(ids_g, dout_g, dtable_g, dpos_g);
+        CHECK(to_doubles(dtable_g) == to_doubles(dtable_c));
+        if (with_pos) CHECK(to_doubles(dpos_g) == to_doubles(dpos_c));
+
+        // Deterministic: a second accumulation on both sides still agrees exactly.
+        cpu().embedding_backward(ids, dout, dtable_c, dpos_c);
+        gpu().embedding_backward(ids_g, dout_g, dtable_g, dpos_g);
+        CHECK(to_doubles(dtable_g) == to_doubles(dtable_c));
+        if (with_pos) CHECK(to_doubles(dpos_g) == to_doubles(dpos_c));
+      }
+    }
+  }
+}
+
+TEST_CASE("a token id outside the vocabulary is a UserError with the CPU's message; nothing is written") {
+  const int64_t B = 3, T = 4, V = 5, C = 6;
+  for (DType dt : kFloatTypes) {
+    for (int bad : {5, -1, 1000}) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(bad);
+      // Bad ids at (1, 2) and (2, 0); (b=1, t=2) is reported.
+      std::vector<int32_t> v = {0, 1, 2, 3, 4, 0, bad, 1, -7, 2, 3, 4};
+      Tensor ids = Tensor::from_vector(v, {B, T});
+      Tensor ids_g = to_gpu(ids);
+      Tensor table = random_tensor({V, C}, dt, 1400);
+      Tensor table_g = to_gpu(table);
+
+      auto message = [](auto&& call) {
+        try {
+          call();
+        } catch (const UserError& e) {
+          return std::string(e.what());
+        }
+        return std::string();
+      };
+      Tensor out_c = Tensor::empty({B, T, C}, dt, Device::cpu());
+      Tensor out_g = to_gpu(host_full({B, T, C}, dt, 7.0));
+      const std::string cpu_msg = message([&] { cpu().embedding(ids, table, Tensor(), out_c); });
+      const std::string gpu_msg = message([&] { gpu().embedding(ids_g, table_g, Tensor(), out_g); });
+      CHECK(!cpu_msg.empty());
+      CHECK(gpu_msg == cpu_msg);
+      CHECK(gpu_msg.find("(b=1, t=2)") != std::string::npos);
+      CHECK(to_doubles(out_g) == std::vector<double>(B * T * C, 7.0));  // untouched
+
+      Tensor dout = random_tensor({B, T, C}, dt, 1401);
+      Tensor dtable0 = random_tensor({V, C}, dt, 1402);
+      Tensor dtable_c = clone(dtable0), dtable_g = to_gpu(dtable0), none;
+      const std::string cpu_bmsg = message([&] { cpu().embedding_backward(ids, dout, dtable_c, none); });
+      const std::string gpu_bmsg = message([&] { gpu().embedding_backward(ids_g, to_gpu(dout), dtable_g, none); });
+      CHECK(!cpu_bmsg.empty());
+      CHECK(gpu_bmsg == cpu_bmsg);
+      CHECK(to_doubles(dtable_g) == to_doubles(dtable0));  // no gradient was added
+    }
+  }
+  // The backend is fine afterwards.
+  Tensor ids = to_gpu(Tensor::from_vector<int32_t>({1, 0}, {1, 2}));
+  Tensor table = to_gpu(random_tensor({2, 3}, DType::kF32, 1403));
+  Tensor out = gpu().empty({1, 2, 3}, DType::kF32);
+  gpu().embedding(ids, table, Tensor(), out);
+  CHECK(all_finite(out));
+  // Ids on the host are a programming error, not a crash.
+  CHECK_THROWS_AS(gpu().embedding(Tensor::from_vector<int32_t>({1, 0}, {1, 2}), table, Tensor(), out), Error);
+}
+
+TEST_CASE("layernorm forward and backward, 2-D and 3-D, up to 4096 channels") {
+  const Shape shapes[] = {{1, 1}, {3, 5}, {257, 129}, {64, 768}, {5, 4096}, {1000, 10}, {2, 3, 7}, {130, 1}};
+  uint64_t seed = 1500;
+  for (DType dt : kFloatTypes) {
+    for (const Shape& s : shapes) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(shape_str(s));
+      const int64_t C = s.back(), R = shape_numel(s) / C;
+      Tensor x = random_tensor(s, dt, seed++, -2.0, 3.0);
+      Tensor gamma = random_tensor({C}, dt, seed++, 0.5, 1.5), beta = random_tensor({C}, dt, seed++);
+      const double eps = 1e-5;
+      Tensor y_c = Tensor::empty(s, dt, Device::cpu()), mean_c = Tensor::empty({R}, dt, Device::cpu()),
+             rstd_c = Tensor::empty({R}, dt, Device::cpu());
+      cpu().layernorm(x, gamma, beta, eps, y_c, mean_c, rstd_c);
+      Tensor x_g = to_gpu(x), gamma_g = to_gpu(gamma);
+      Tensor y_g = gpu().empty(s, dt), mean_g = gpu().empty({R}, dt), rstd_g = gpu().empty({R}, dt);
+      gpu().layernorm(x_g, gamma_g, to_gpu(beta), eps, y_g, mean_g, rstd_g);
+      // Statistics in double on both sides, rounded once: only the summation order differs.
+      EXPECT_CLOSE_TOL(mean_g, mean_c, reduction_tol(dt, C));
+      EXPECT_CLOSE_TOL(rstd_g, rstd_c, reduction_tol(dt, C));
+      EXPECT_CLOSE_TOL(y_g, y_c, reduction_tol(dt, C));
+
+      // Backward from the CPU's statistics on both sides; dgamma and dbeta accumulate.
+      Tensor dy = random_tensor(s, dt, seed++);
+      Tensor dgamma0 = random_tensor({C}, dt, seed++), dbeta0 = random_tensor({C}, dt, seed++);
+      Tensor dx_c = Tensor::empty(s, dt, Device::cpu()), dgamma_c = clone(dgamma0), dbeta_c = clone(dbeta0);
+      cpu().layernorm_backward(dy, x, gamma, mean_c, rstd_c, dx_c, dgamma_c, dbeta_c);
+      Tensor dx_g = to_gpu(host_full(s, dt, std::nan(""))), dgamma_g = to_gpu(dgamma0), dbeta_g = to_gpu(dbeta0);
+      gpu().layernorm_backward(to_gpu(dy), x_g, gamma_g, to_gpu(mean_c), to_gpu(rstd_c), dx_g, dgamma_g, dbeta_g);
+      CHECK(all_finite(dx_g));
+      EXPECT_CLOSE_TOL(dx_g, dx_c, reduction_tol(dt, C));
+      EXPECT_CLOSE_TOL(dgamma_g, dgamma_c, reduction_tol(dt, R));
+      EXPECT_CLOSE_TOL(dbeta_g, dbeta_c, reduction_tol(dt, R));
+    }
+  }
+  // Many rows: the dgamma/dbeta reduction uses its full grid of row chunks.
+  Tensor x = random_tensor({70001, 3}, DType::kF64, 1510), dy = random_tensor({70001, 3}, DType::kF64, 1511);
+  Tensor gamma = random_tensor({3}, DType::kF64, 1512), beta = random_tensor({3}, DType::kF64, 1513);
+  Tensor y = Tensor::empty({70001, 3}, DType::kF64, Device::cpu());
+  Tensor mean = Tensor::empty({70001}, DType::kF64, Device::cpu());
+  Tensor rstd = Tensor::empty({70001}, DType::kF64, Device::cpu());
+  cpu().layernorm(x, gamma, beta, 1e-5, y, mean, rstd);
+  Tensor dx_c = Tensor::empty({70001, 3}, DType::kF64, Device::cpu());
+  Tensor dg_c = host_full({3}, DType::kF64, 0.0), db_c = host_full({3}, DType::kF64, 0.0);
+  cpu().layernorm_backward(dy, x, gamma, mean, rstd, dx_c, dg_c, db_c);
+  Tensor dx_g = gpu().empty({70001, 3}, DType::kF64), dg_g = gpu().zeros({3}, DType::kF64),
+         db_g = gpu().zeros({3}, DType::kF64);
+  gpu().layernorm_backward(to_gpu(dy), to_gpu(x), to_gpu(gamma), to_gpu(mean), to_gpu(rstd), dx_g, dg_g, db_g);
+  EXPECT_CLOSE_TOL(dx_g, dx_c, reduction_tol(DType::kF64, 3));
+  EXPECT_CLOSE_TOL(dg_g, dg_c, reduction_tol(DType::kF64, 70001));
+  EXPECT_CLOSE_TOL(db_g, db_c, reduction_tol(DType::kF64, 70001));
+}
+
+struct AttentionDims {
+  int64_t B, T, C, H;
+};
+const AttentionDims kAttentionDims[] = {{1, 1, 4, 1},  {2, 5, 12, 3},   {3, 17, 32, 4},
+                                        {2, 64, 96, 2}, {1, 130, 64, 1}, {1, 1024, 32, 2}};
+
+TEST_CASE("attention forward and backward (strided-batched cuBLAS, causal softmax), up to T = 1024") {
+  uint64_t seed = 1600;
+  for (DType dt : kFloatTypes) {
+    for (const AttentionDims& d : kAttentionDims) {
+      for (double range : {1.0, 4.0}) {  // 4: peaked softmax rows
+        CAPTURE(dtype_name(dt));
+        CAPTURE(d.B);
+        CAPTURE(d.T);
+        CAPTURE(d.C);
+        CAPTURE(d.H);
+        CAPTURE(range);
+        const int64_t B = d.B, T = d.T, C = d.C, H = d.H, D = C / H;
+        const int heads = static_cast<int>(H);
+        Tensor qkv = random_tensor({B, T, 3 * C}, dt, seed++, -range, range);
+        Tensor probs_c = Tensor::empty({B, H, T, T}, dt, Device::cpu());
+        Tensor out_c = Tensor::empty({B, T, C}, dt, Device::cpu());
+        cpu().attention(qkv, heads, probs_c, out_c);
+        Tensor qkv_g = to_gpu(qkv);
+        Tensor probs_g = to_gpu(host_full({B, H, T, T}, dt, std::nan(""))), out_g = gpu().empty({B, T, C}, dt);
+        gpu().attention(qkv_g, heads, probs_g, out_g);
+        // Scores are dot products of D terms; each output sums T products.
+        EXPECT_CLOSE_TOL(probs_g, probs_c, reduction_tol(dt, D));
+        EXPECT_CLOSE_TOL(out_g, out_c, reduction_tol(dt, T + D));
+        // The causal mask is exact zeros (the NaN the buffer held is gone).
+        const std::vector<double> pg = to_doubles(probs_g);
+        int64_t unmasked = 0;
+        for (int64_t bh = 0; bh < B * H; ++bh)
+          for (int64_t t = 0; t < T; ++t)
+            for (int64_t s = t + 1; s < T; ++s) unmasked += pg[(bh * T + t) * T + s] != 0.0;
+        CHECK(unmasked == 0);
+
+        // Backward from the same probabilities on both sides; dqkv is overwritten.
+        Tensor dout = random_tensor({B, T, C}, dt, seed++);
+        Tensor dqkv_c = Tensor::empty({B, T, 3 * C}, dt, Device::cpu());
+        cpu().attention_backward(dout, qkv, probs_c, heads, dqkv_c);
+        Tensor dqkv_g = to_gpu(host_full({B, T, 3 * C}, dt, std::nan("")));
+        gpu().attention_backward(to_gpu(dout), qkv_g, to_gpu(probs_c), heads, dqkv_g);
+        CHECK(all_finite(dqkv_g));
+        EXPECT_CLOSE_TOL(dqkv_g, dqkv_c, reduction_tol(dt, 2 * T + D));
+      }
+    }
+  }
+  Tensor qkv = gpu().empty({1, 2, 18}, DType::kF32);
+  Tensor probs = gpu().empty({1, 4, 2, 2}, DType::kF32), out = gpu().empty({1, 2, 6}, DType::kF32);
+  CHECK_THROWS_AS(gpu().attention(qkv, 4, probs, out), Error);  // 6 channels, 4 heads
+}
+
+TEST_CASE("dropout: the mask and the output are the CPU's bit for bit, forward and backward") {
+  const Shape shapes[] = {{1, 1}, {3, 5}, {7, 33, 3}, {64, 1000}, {5, 1}, {2, 3, 4, 5}, {4, 100003}};
+  const uint64_t key = 0x0123456789ABCDEFull;
+  uint64_t seed = 1700;
+  for (DType dt : kFloatTypes) {
+    for (const Shape& s : shapes) {
+      for (double p : {0.1, 0.5, 0.0}) {
+        for (int64_t offset : {int64_t(0), int64_t(5), (int64_t(1) << 33) + 7}) {
+          CAPTURE(dtype_name(dt));
+          CAPTURE(shape_str(s));
+          CAPTURE(p);
+          CAPTURE(offset);
+          Tensor x = random_tensor(s, dt, seed++);
+          Tensor y_c = Tensor::empty(s, dt, Device::cpu()), y_g = gpu().empty(s, dt);
+          cpu().dropout(x, p, key, offset, y_c);
+          Tensor x_g = to_gpu(x);
+          gpu().dropout(x_g, p, key, offset, y_g);
+          CHECK(to_doubles(y_g) == to_doubles(y_c));
+
+          Tensor dy = random_tensor(s, dt, seed++);
+          Tensor dx_c = Tensor::empty(s, dt, Device::cpu()), dx_g = gpu().empty(s, dt);
+          cpu().dropout_backward(dy, p, key, offset, dx_c);
+          gpu().dropout_backward(to_gpu(dy), p, key, offset, dx_g);
+          CHECK(to_doubles(dx_g) == to_doubles(dx_c));
+
+          // In place.
+          gpu().dropout(x_g, p, key, offset, x_g);
+          CHECK(to_doubles(x_g) == to_doubles(y_c));
+        }
+      }
+    }
+  }
+  // Split into two micro-batches, the mask is the same.
+  Tensor x = to_gpu(random_tensor({8, 3, 5}, DType::kF32, 1750));
+  Tensor whole = gpu().empty({8, 3, 5}, DType::kF32);
+  gpu().dropout(x, 0.5, key, 0, whole);
+  Tensor a = gpu().empty({3, 3, 5}, DType::kF32), b = gpu().empty({5, 3, 5}, DType::kF32);
+  gpu().dropout(x.narrow_rows(0, 3), 0.5, key, 0, a);
+  gpu().dropout(x.narrow_rows(3, 5), 0.5, key, 3, b);
+  std::vector<double> split = to_doubles(a);
+  const std::vector<double> second = to_doubles(b);
+  split.insert(split.end(), second.begin(), second.end());
+  CHECK(split == to_doubles(whole));
+
+  // Bad probabilities: the CPU's UserError; a negative offset is an Error.
+  for (double p : {1.0, -0.1, std::nan("")}) {
+    CAPTURE(p);
+    std::string cpu_msg, gpu_msg;
+    Tensor hx = random_tensor({2, 3}, DType::kF32, 1760), hy = Tensor::empty({2, 3}, DType::kF32, Device::cpu());
+    Tensor gx = to_gpu(hx), gy = gpu().empty({2, 3}, DType::kF32);
+    try {
+      cpu().dropout(hx, p, key, 0, hy);
+    } catch (const UserError& e) {
+      cpu_msg = e.what();
+    }
+    try {
+      gpu().dropout(gx, p, key, 0, gy);
+    } catch (const UserError& e) {
+      gpu_msg = e.what();
+    }
+    CHECK(!cpu_msg.empty());
+    CHECK(gpu_msg == cpu_msg);
+  }
+  CHECK_THROWS_AS(gpu().dropout(x, 0.5, key, -1, whole), Error);
 }
 
 }  // namespace

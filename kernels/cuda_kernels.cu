@@ -1,12 +1,16 @@
-// Kernels of the CUDA backend and their launchers (declared in kernels/cuda_kernels.h).
-// Layout: device helpers, then the kernels, then the launchers, which do the grid math,
-// launch on the caller's stream and check the launch. Every kernel matches the CPU
-// reference in kernels/cpu_backend.cc operation for operation (same formula, same
-// element type for the arithmetic); only the order of additions in reductions differs.
+// Kernels of the CUDA backend and their launchers (declared in kernels/cuda_kernels.h):
+// the MLP ops (elementwise, bias, softmax cross-entropy, SGD), then Adam, the squared
+// norm and the transformer ops (embedding, layernorm, the softmax inside attention,
+// dropout). Layout: device helpers, then the kernels, then the launchers, which do the
+// grid math, launch on the caller's stream and check the launch. Every kernel matches
+// the CPU reference (kernels/cpu_backend.cc, kernels/cpu_transformer_ops.cc) operation
+// for operation (same formula, same element type for the arithmetic, double where the
+// reference accumulates in double); only the order of additions in reductions differs,
+// and not even that for the embedding gradients, which add in the CPU's order.
 //
 // Nothing here synchronises with the host. Everything is deterministic: reductions use
 // fixed trees (no floating-point atomics); the only atomic is an integer atomicMin that
-// records the first bad label row.
+// records the first bad label row or token id.
 #include "kernels/cuda_kernels.h"
 
 #include <algorithm>
@@ -15,8 +19,11 @@
 #include <cstdint>
 #include <string>
 
+#include <cub/device/device_radix_sort.cuh>
+
 #include "runtime/cuda_check.h"
 #include "runtime/error.h"
+#include "runtime/philox.h"
 
 namespace gpipe {
 namespace cuda {
@@ -34,6 +41,10 @@ constexpr int kBiasGradRowLanes = 16;      // bias_grad: threads walking the row
 constexpr int64_t kMaxGridY = 65535;       // hardware limit of gridDim.y
 constexpr int kMaxRowThreads = 512;        // softmax kernels: at most this many threads per row
 constexpr int kLossSumThreads = 256;       // the one-block loss reduction
+constexpr int64_t kSumSquaresMaxBlocks = 1024;  // sum_squares: partial sums (one per block)
+constexpr int kLnRowLanes = 16;            // layernorm dgamma/dbeta: threads walking the rows of a column
+constexpr int64_t kLnMinRowsPerChunk = 64;  // layernorm dgamma/dbeta: rows per partial sum, at least
+constexpr int64_t kLnMaxChunks = 1024;     // ... and at most this many partial sums per column (<= kMaxGridY)
 
 unsigned elementwise_blocks(int64_t n) {
   return static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, kMaxBlocks));
@@ -69,6 +80,8 @@ template <>
 __device__ __forceinline__ float neg_infinity<float>() { return -INFINITY; }
 template <>
 __device__ __forceinline__ double neg_infinity<double>() { return -static_cast<double>(INFINITY); }
+__device__ __forceinline__ float dev_sqrt(float x) { return sqrtf(x); }  // IEEE (no fast-math)
+__device__ __forceinline__ double dev_sqrt(double x) { return sqrt(x); }
 
 struct SumOp {
   template <typename T>
@@ -274,6 +287,328 @@ __global__ void sgd_step_kernel(T* w, const T* g, T* buf, int64_t n, T lr, T mom
   }
 }
 
+// ---------------------------------------------------------------------------------
+// Optimizer and norm kernels
+
+// The scalars of one Adam step, converted to the element type once on the host.
+template <typename T>
+struct AdamScalars {
+  T lr, beta1, beta2, eps, weight_decay;
+  T decay;              // 1 - lr * weight_decay (decoupled, weight_decay != 0 only)
+  T bias_correction1;   // 1 - beta1^step
+  T bias_correction2;   // 1 - beta2^step
+  bool decoupled;
+  bool decay_weights;   // decoupled && weight_decay != 0
+};
+
+template <typename T>
+__global__ void adam_step_kernel(T* w, const T* grad, T* m, T* v, int64_t n, AdamScalars<T> s) {
+  GRID_STRIDE_LOOP(i, n) {
+    T param = w[i];
+    T g = grad[i];
+    if (s.decoupled) {
+      if (s.decay_weights) param *= s.decay;
+    } else {
+      g += s.weight_decay * param;
+    }
+    const T mi = s.beta1 * m[i] + (T(1) - s.beta1) * g;
+    const T vi = s.beta2 * v[i] + (T(1) - s.beta2) * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    w[i] = param - s.lr * (mi / s.bias_correction1) / (dev_sqrt(vi / s.bias_correction2) + s.eps);
+  }
+}
+
+// partial[blockIdx.x] = sum of x[i]^2 (in double) over this block's grid-stride share.
+template <typename T>
+__global__ void sum_squares_partial_kernel(const T* x, int64_t n, double* partial) {
+  __shared__ double shared[32];
+  double acc = 0.0;
+  GRID_STRIDE_LOOP(i, n) {
+    const double v = static_cast<double>(x[i]);
+    acc += v * v;
+  }
+  acc = block_allreduce(acc, SumOp(), 0.0, shared);
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+// One block: *result = sum of partial: (count), strided per-thread sums then a tree.
+__global__ void sum_partials_kernel(const double* partial, int64_t count, double* result) {
+  __shared__ double shared[32];
+  double acc = 0.0;
+  for (int64_t i = threadIdx.x; i < count; i += blockDim.x) acc += partial[i];
+  acc = block_allreduce(acc, SumOp(), 0.0, shared);
+  if (threadIdx.x == 0) *result = acc;
+}
+
+// ---------------------------------------------------------------------------------
+// Transformer kernels
+
+// Lowers *bad to the smallest position p whose id is outside [0, vocab).
+__global__ void validate_token_ids_kernel(const int32_t* ids, int64_t positions, int64_t vocab, unsigned* bad) {
+  GRID_STRIDE_LOOP(p, positions) {
+    const int32_t id = ids[p];
+    if (id < 0 || id >= vocab) atomicMin(bad, static_cast<unsigned>(p));
+  }
+}
+
+// out: (P, C) = table[ids[p]] + pos[p % seq] (pos may be nullptr), P = positions.
+// Grid-stride over the P * C outputs. The ids were validated before the launch; an
+// invalid one would still only produce zeros, never a read out of bounds.
+template <typename T>
+__global__ void embedding_kernel(const int32_t* ids, const T* table, const T* pos, T* out, int64_t positions,
+                                 int64_t seq, int64_t vocab, int64_t channels) {
+  const int64_t n = positions * channels;
+  GRID_STRIDE_LOOP(i, n) {
+    const int64_t p = i / channels;
+    const int64_t c = i - p * channels;
+    const int32_t id = ids[p];
+    if (id < 0 || id >= vocab) {
+      out[i] = T(0);
+      continue;
+    }
+    const T value = table[static_cast<int64_t>(id) * channels + c];
+    out[i] = pos != nullptr ? value + pos[(p % seq) * channels + c] : value;
+  }
+}
+
+// Sort input for embedding_backward: keys[p] = ids[p] when valid, else vocab (sorts
+// after every valid id and is skipped); positions[p] = p.
+__global__ void embedding_sort_input_kernel(const int32_t* ids, int64_t n, int64_t vocab, unsigned* keys,
+                                            int32_t* positions) {
+  GRID_STRIDE_LOOP(p, n) {
+    const int32_t id = ids[p];
+    const bool valid = id >= 0 && id < vocab;
+    keys[p] = valid ? static_cast<unsigned>(id) : static_cast<unsigned>(vocab);
+    positions[p] = static_cast<int32_t>(p);
+  }
+}
+
+// One block per entry j of the sorted (key, position) list: the block holding the first
+// entry of a run of equal keys adds the dout rows of the whole run, in position order
+// (the sort is stable), into dtable[key]; every other block returns at once. Threads
+// stride over the channels.
+template <typename T>
+__global__ void embedding_table_grad_kernel(const unsigned* keys, const int32_t* positions, const T* dout,
+                                            T* dtable, int64_t n, int64_t vocab, int64_t channels) {
+  const int64_t j = blockIdx.x;
+  const unsigned key = keys[j];
+  if (static_cast<int64_t>(key) >= vocab) return;  // invalid ids sort last and are skipped
+  if (j > 0 && keys[j - 1] == key) return;         // not the first entry of its run
+  T* row = dtable + static_cast<int64_t>(key) * channels;
+  for (int64_t c = threadIdx.x; c < channels; c += blockDim.x) {
+    T acc = row[c];
+    for (int64_t k = j; k < n && keys[k] == key; ++k) acc += dout[static_cast<int64_t>(positions[k]) * channels + c];
+    row[c] = acc;
+  }
+}
+
+// dpos: rows [0, seq) of (>= seq, C) += sum over b of dout: (batch, seq, C), b in order.
+template <typename T>
+__global__ void embedding_pos_grad_kernel(const T* dout, T* dpos, int64_t batch, int64_t seq, int64_t channels) {
+  const int64_t n = seq * channels;
+  GRID_STRIDE_LOOP(i, n) {
+    T acc = dpos[i];
+    for (int64_t b = 0; b < batch; ++b) acc += dout[b * n + i];
+    dpos[i] = acc;
+  }
+}
+
+// One block per row of x: (rows, cols), blockDim.x a multiple of 32. Statistics in
+// double, two passes, as the CPU reference computes them:
+//   mean = sum x / C;  rstd = 1 / sqrt(sum (x - mean)^2 / C + eps);
+// then, with both rounded to T (they are stored, and backward uses the stored values),
+//   y = (x - mean) * rstd * gamma + beta.
+template <typename T>
+__global__ void layernorm_kernel(const T* x, const T* gamma, const T* beta, double eps, T* y, T* mean, T* rstd,
+                                 int64_t cols) {
+  __shared__ double shared[32];
+  const int64_t row = blockIdx.x;
+  const T* in = x + row * cols;
+  T* out = y + row * cols;
+
+  double sum = 0.0;
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) sum += static_cast<double>(in[j]);
+  sum = block_allreduce(sum, SumOp(), 0.0, shared);
+  const double mu = sum / static_cast<double>(cols);
+
+  double var = 0.0;
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+    const double d = static_cast<double>(in[j]) - mu;
+    var += d * d;
+  }
+  var = block_allreduce(var, SumOp(), 0.0, shared) / static_cast<double>(cols);
+  const T m = static_cast<T>(mu);
+  const T s = static_cast<T>(1.0 / sqrt(var + eps));
+
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) out[j] = (in[j] - m) * s * gamma[j] + beta[j];
+  if (threadIdx.x == 0) {
+    mean[row] = m;
+    rstd[row] = s;
+  }
+}
+
+// One block per row: with g = dy * gamma and xhat = (x - mean) * rstd (in T),
+//   dx = rstd * (g - mean_c(g) - xhat * mean_c(g * xhat)),
+// the two means summed in double as on the CPU. Each thread reads and writes the same
+// columns in both loops, so dx may alias dy or x.
+template <typename T>
+__global__ void layernorm_backward_dx_kernel(const T* dy, const T* x, const T* gamma, const T* mean, const T* rstd,
+                                             T* dx, int64_t cols) {
+  __shared__ double shared[32];
+  const int64_t row = blockIdx.x;
+  const T* d_in = dy + row * cols;
+  const T* x_in = x + row * cols;
+  T* out = dx + row * cols;
+  const T m = mean[row], s = rstd[row];
+
+  double sum_g = 0.0, sum_gx = 0.0;
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+    const T g = d_in[j] * gamma[j];
+    const T xhat = (x_in[j] - m) * s;
+    sum_g += static_cast<double>(g);
+    sum_gx += static_cast<double>(g * xhat);
+  }
+  sum_g = block_allreduce(sum_g, SumOp(), 0.0, shared);
+  sum_gx = block_allreduce(sum_gx, SumOp(), 0.0, shared);
+  const T mean_g = static_cast<T>(sum_g / static_cast<double>(cols));
+  const T mean_gx = static_cast<T>(sum_gx / static_cast<double>(cols));
+
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+    const T xhat = (x_in[j] - m) * s;
+    out[j] = s * (d_in[j] * gamma[j] - mean_g - xhat * mean_gx);
+  }
+}
+
+// Partial column sums (in double) for dgamma and dbeta. Grid (column tiles, row
+// chunks), block (kTileCols, kLnRowLanes): thread (x, y) sums rows start + y, + 16, ...
+// of its chunk in its column, then a shared-memory tree over y; the block writes row
+// `chunk` of partial_gamma and partial_beta: (chunks, cols).
+template <typename T>
+__global__ void layernorm_param_partial_kernel(const T* dy, const T* x, const T* mean, const T* rstd,
+                                               double* partial_gamma, double* partial_beta, int64_t rows,
+                                               int64_t cols, int64_t rows_per_chunk) {
+  __shared__ double part_g[kLnRowLanes][kTileCols];
+  __shared__ double part_b[kLnRowLanes][kTileCols];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kTileCols + tx;
+  const int64_t chunk = blockIdx.y;
+  const int64_t start = chunk * rows_per_chunk;
+  const int64_t end = start + rows_per_chunk < rows ? start + rows_per_chunk : rows;
+  double acc_g = 0.0, acc_b = 0.0;
+  if (col < cols) {
+    for (int64_t r = start + ty; r < end; r += kLnRowLanes) {
+      const T d = dy[r * cols + col];
+      const T xhat = (x[r * cols + col] - mean[r]) * rstd[r];
+      acc_g += static_cast<double>(d * xhat);
+      acc_b += static_cast<double>(d);
+    }
+  }
+  part_g[ty][tx] = acc_g;
+  part_b[ty][tx] = acc_b;
+  __syncthreads();
+  for (int s = kLnRowLanes / 2; s > 0; s >>= 1) {
+    if (ty < s) {
+      part_g[ty][tx] += part_g[ty + s][tx];
+      part_b[ty][tx] += part_b[ty + s][tx];
+    }
+    __syncthreads();
+  }
+  if (ty == 0 && col < cols) {
+    partial_gamma[chunk * cols + col] = part_g[0][tx];
+    partial_beta[chunk * cols + col] = part_b[0][tx];
+  }
+}
+
+// dgamma, dbeta: (cols) += the chunks' partial sums, added in chunk order in double and
+// rounded once, as the CPU reference does with its per-column double accumulators.
+template <typename T>
+__global__ void layernorm_param_final_kernel(const double* partial_gamma, const double* partial_beta, T* dgamma,
+                                             T* dbeta, int64_t chunks, int64_t cols) {
+  GRID_STRIDE_LOOP(c, cols) {
+    double acc_g = 0.0, acc_b = 0.0;
+    for (int64_t k = 0; k < chunks; ++k) {
+      acc_g += partial_gamma[k * cols + c];
+      acc_b += partial_beta[k * cols + c];
+    }
+    dgamma[c] += static_cast<T>(acc_g);
+    dbeta[c] += static_cast<T>(acc_b);
+  }
+}
+
+// One block per row r of scores: (rows, seq), query position t = r % seq; in place:
+// softmax over s <= t, zeros for s > t (the scores arrive already scaled by 1/sqrt(D),
+// the alpha of the q k^T product, as in the CPU reference). Each thread rescales the
+// entries it wrote itself, so no barrier is needed between those passes.
+template <typename T>
+__global__ void causal_softmax_kernel(T* scores, int64_t seq) {
+  __shared__ T shared[32];
+  const int64_t row = blockIdx.x;
+  const int64_t t = row % seq;
+  T* p = scores + row * seq;
+
+  T mx = neg_infinity<T>();
+  for (int64_t s = threadIdx.x; s <= t; s += blockDim.x) mx = dev_max(mx, p[s]);
+  mx = block_allreduce(mx, MaxOp(), neg_infinity<T>(), shared);
+
+  T sum = T(0);
+  for (int64_t s = threadIdx.x; s <= t; s += blockDim.x) {
+    const T e = dev_exp(p[s] - mx);
+    p[s] = e;
+    sum += e;
+  }
+  sum = block_allreduce(sum, SumOp(), T(0), shared);
+
+  const T inv = T(1) / sum;
+  for (int64_t s = threadIdx.x; s <= t; s += blockDim.x) p[s] *= inv;
+  for (int64_t s = t + 1 + threadIdx.x; s < seq; s += blockDim.x) p[s] = T(0);
+}
+
+// One block per row (as causal_softmax_kernel); in place on d:
+//   d[s] = probs[s] * (d[s] - sum_{s' <= t} d[s'] probs[s'])  for s <= t, else 0.
+template <typename T>
+__global__ void causal_softmax_backward_kernel(const T* probs, T* d, int64_t seq) {
+  __shared__ T shared[32];
+  const int64_t row = blockIdx.x;
+  const int64_t t = row % seq;
+  const T* p = probs + row * seq;
+  T* g = d + row * seq;
+
+  T dot = T(0);
+  for (int64_t s = threadIdx.x; s <= t; s += blockDim.x) dot += p[s] * g[s];
+  dot = block_allreduce(dot, SumOp(), T(0), shared);
+
+  for (int64_t s = threadIdx.x; s <= t; s += blockDim.x) g[s] = p[s] * (g[s] - dot);
+  for (int64_t s = t + 1 + threadIdx.x; s < seq; s += blockDim.x) g[s] = T(0);
+}
+
+// Inverted dropout over x: (rows, per_row). One thread per group of four consecutive
+// elements 4k .. 4k + 3 of a row: they share one Philox block (counter (k, sample)),
+// computed once; lane j of the block is the value philox_uniform(key, sample, 4k + j)
+// returns, by the same expression (runtime/philox.h).
+template <typename T>
+__global__ void dropout_kernel(const T* x, T* y, int64_t rows, int64_t per_row, int64_t groups_per_row, double p,
+                               T scale, uint64_t key, uint64_t sample_offset) {
+  const int64_t n = rows * groups_per_row;
+  GRID_STRIDE_LOOP(idx, n) {
+    const int64_t i = idx / groups_per_row;
+    const int64_t group = idx - i * groups_per_row;
+    const uint64_t sample = sample_offset + static_cast<uint64_t>(i);
+    const uint64_t k = static_cast<uint64_t>(group);  // == element >> 2
+    const Philox4x32 counter{{static_cast<uint32_t>(k), static_cast<uint32_t>(k >> 32),
+                              static_cast<uint32_t>(sample), static_cast<uint32_t>(sample >> 32)}};
+    const Philox4x32 r = philox4x32_10(counter, static_cast<uint32_t>(key), static_cast<uint32_t>(key >> 32));
+    const int64_t base = i * per_row + group * 4;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (group * 4 + j < per_row) {
+        const float u = static_cast<float>(r.v[j] >> 8) * (1.0f / 16777216.0f);
+        y[base + j] = static_cast<double>(u) >= p ? x[base + j] * scale : T(0);
+      }
+    }
+  }
+}
+
 #undef GRID_STRIDE_LOOP
 
 // ---------------------------------------------------------------------------------
@@ -395,6 +730,211 @@ void launch_sgd_step(T* param, const T* grad, T* buf, int64_t n, double lr, doub
   GPIPE_CHECK_LAUNCH();
 }
 
+template <typename T>
+void launch_adam_step(T* param, const T* grad, T* m, T* v, int64_t n, double lr, double beta1, double beta2,
+                      double eps, double weight_decay, bool decoupled, double bias_correction1,
+                      double bias_correction2, cudaStream_t stream) {
+  if (n == 0) return;
+  AdamScalars<T> s;
+  s.lr = static_cast<T>(lr);
+  s.beta1 = static_cast<T>(beta1);
+  s.beta2 = static_cast<T>(beta2);
+  s.eps = static_cast<T>(eps);
+  s.weight_decay = static_cast<T>(weight_decay);
+  s.decay = static_cast<T>(1.0 - lr * weight_decay);
+  s.bias_correction1 = static_cast<T>(bias_correction1);
+  s.bias_correction2 = static_cast<T>(bias_correction2);
+  s.decoupled = decoupled;
+  s.decay_weights = decoupled && weight_decay != 0.0;
+  adam_step_kernel<T><<<elementwise_blocks(n), kThreads, 0, stream>>>(param, grad, m, v, n, s);
+  GPIPE_CHECK_LAUNCH();
+}
+
+int64_t sum_squares_blocks(int64_t n) {
+  return std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads, kSumSquaresMaxBlocks));
+}
+
+template <typename T>
+void launch_sum_squares(const T* x, int64_t n, double* workspace, double* result, cudaStream_t stream) {
+  const int64_t blocks = sum_squares_blocks(n);
+  sum_squares_partial_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, n, workspace);
+  GPIPE_CHECK_LAUNCH();
+  sum_partials_kernel<<<1, kThreads, 0, stream>>>(workspace, blocks, result);
+  GPIPE_CHECK_LAUNCH();
+}
+
+void check_positions(int64_t positions, const char* op) {
+  if (positions >= static_cast<int64_t>(kNoBadRow) || positions >= static_cast<int64_t>(INT_MAX)) {
+    throw Error(std::string(op) + ": " + std::to_string(positions) +
+                " token positions exceed the kernels' 32-bit position index (2^31 - 2)");
+  }
+}
+
+void launch_validate_token_ids(const int32_t* ids, int64_t positions, int64_t vocab, unsigned* bad_index,
+                               cudaStream_t stream) {
+  check_positions(positions, "embedding");
+  GPIPE_CUDA_CHECK(cudaMemsetAsync(bad_index, 0xFF, sizeof(unsigned), stream));  // kNoBadRow
+  if (positions == 0) return;
+  validate_token_ids_kernel<<<elementwise_blocks(positions), kThreads, 0, stream>>>(ids, positions, vocab,
+                                                                                   bad_index);
+  GPIPE_CHECK_LAUNCH();
+}
+
+template <typename T>
+void launch_embedding(const int32_t* ids, const T* table, const T* pos, T* out, int64_t batch, int64_t seq,
+                      int64_t vocab, int64_t channels, cudaStream_t stream) {
+  const int64_t positions = batch * seq;
+  check_positions(positions, "embedding");
+  if (positions == 0 || channels == 0) return;
+  const int64_t n = positions * channels;
+  embedding_kernel<T><<<elementwise_blocks(n), kThreads, 0, stream>>>(ids, table, pos, out, positions, seq, vocab,
+                                                                      channels);
+  GPIPE_CHECK_LAUNCH();
+}
+
+// Workspace of embedding_backward: keys and positions before and after the sort, then
+// CUB's temporary storage, each part aligned to kWorkspaceAlign bytes.
+constexpr size_t kWorkspaceAlign = 256;
+size_t align_up(size_t bytes) { return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
+
+// Bits that hold every key 0 .. vocab (vocab itself marks an invalid id).
+int sort_bits(int64_t vocab) {
+  int bits = 1;
+  while (bits < 32 && (int64_t(1) << bits) <= vocab) ++bits;
+  return bits;
+}
+
+size_t cub_sort_bytes(int64_t positions, int64_t vocab) {
+  size_t bytes = 0;
+  GPIPE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const unsigned*>(nullptr),
+                                                   static_cast<unsigned*>(nullptr),
+                                                   static_cast<const int32_t*>(nullptr),
+                                                   static_cast<int32_t*>(nullptr), static_cast<int>(positions), 0,
+                                                   sort_bits(vocab)));
+  return bytes;
+}
+
+size_t embedding_workspace_bytes(int64_t positions, int64_t vocab) {
+  check_positions(positions, "embedding_backward");
+  if (positions == 0) return 0;
+  const size_t array = align_up(static_cast<size_t>(positions) * sizeof(uint32_t));
+  return 4 * array + align_up(cub_sort_bytes(positions, vocab));
+}
+
+template <typename T>
+void launch_embedding_backward(const int32_t* ids, const T* dout, T* dtable, T* dpos, int64_t batch, int64_t seq,
+                               int64_t vocab, int64_t channels, void* workspace, size_t workspace_bytes,
+                               cudaStream_t stream) {
+  const int64_t positions = batch * seq;
+  check_positions(positions, "embedding_backward");
+  if (vocab >= static_cast<int64_t>(INT_MAX)) {
+    throw Error("embedding_backward: a vocabulary of " + std::to_string(vocab) + " rows exceeds 2^31 - 2");
+  }
+  if (positions == 0 || channels == 0) return;
+  const size_t need = embedding_workspace_bytes(positions, vocab);
+  if (workspace_bytes < need) {
+    throw Error("embedding_backward: workspace of " + std::to_string(workspace_bytes) + " bytes, " +
+                std::to_string(need) + " needed");
+  }
+  const size_t array = align_up(static_cast<size_t>(positions) * sizeof(uint32_t));
+  char* base = static_cast<char*>(workspace);
+  auto* keys_in = reinterpret_cast<unsigned*>(base);
+  auto* keys_out = reinterpret_cast<unsigned*>(base + array);
+  auto* pos_in = reinterpret_cast<int32_t*>(base + 2 * array);
+  auto* pos_out = reinterpret_cast<int32_t*>(base + 3 * array);
+  void* cub_temp = base + 4 * array;
+  size_t cub_bytes = workspace_bytes - 4 * array;
+
+  embedding_sort_input_kernel<<<elementwise_blocks(positions), kThreads, 0, stream>>>(ids, positions, vocab,
+                                                                                     keys_in, pos_in);
+  GPIPE_CHECK_LAUNCH();
+  // LSD radix sort is stable: equal keys keep their positions in increasing order.
+  GPIPE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_temp, cub_bytes, keys_in, keys_out, pos_in, pos_out,
+                                                   static_cast<int>(positions), 0, sort_bits(vocab), stream));
+  embedding_table_grad_kernel<T><<<static_cast<unsigned>(positions), row_threads(channels), 0, stream>>>(
+      keys_out, pos_out, dout, dtable, positions, vocab, channels);
+  GPIPE_CHECK_LAUNCH();
+  if (dpos != nullptr) {
+    embedding_pos_grad_kernel<T><<<elementwise_blocks(seq * channels), kThreads, 0, stream>>>(dout, dpos, batch, seq,
+                                                                                            channels);
+    GPIPE_CHECK_LAUNCH();
+  }
+}
+
+template <typename T>
+void launch_layernorm(const T* x, const T* gamma, const T* beta, double eps, T* y, T* mean, T* rstd, int64_t rows,
+                      int64_t cols, cudaStream_t stream) {
+  check_row_grid(rows, "layernorm");
+  if (rows == 0) return;
+  layernorm_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(x, gamma, beta, eps, y, mean,
+                                                                                    rstd, cols);
+  GPIPE_CHECK_LAUNCH();
+}
+
+// Row chunks of the dgamma/dbeta reduction: a function of `rows` alone, so the order of
+// additions (and the result) does not change between runs.
+int64_t layernorm_chunks(int64_t rows) {
+  return std::max<int64_t>(1, std::min<int64_t>((rows + kLnMinRowsPerChunk - 1) / kLnMinRowsPerChunk, kLnMaxChunks));
+}
+
+template <typename T>
+void launch_layernorm_backward(const T* dy, const T* x, const T* gamma, const T* mean, const T* rstd, T* dx,
+                               T* dgamma, T* dbeta, int64_t rows, int64_t cols, double* workspace,
+                               cudaStream_t stream) {
+  check_row_grid(rows, "layernorm_backward");
+  if (rows == 0 || cols == 0) return;
+  const int64_t chunks = layernorm_chunks(rows);
+  const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
+  double* partial_gamma = workspace;                // (chunks, cols)
+  double* partial_beta = workspace + chunks * cols;  // (chunks, cols)
+  // Parameter gradients first: dx may alias dy or x.
+  const dim3 block(kTileCols, kLnRowLanes);
+  const dim3 grid(static_cast<unsigned>((cols + kTileCols - 1) / kTileCols), static_cast<unsigned>(chunks));
+  layernorm_param_partial_kernel<T><<<grid, block, 0, stream>>>(dy, x, mean, rstd, partial_gamma, partial_beta, rows,
+                                                                cols, rows_per_chunk);
+  GPIPE_CHECK_LAUNCH();
+  layernorm_param_final_kernel<T><<<elementwise_blocks(cols), kThreads, 0, stream>>>(partial_gamma, partial_beta,
+                                                                                     dgamma, dbeta, chunks, cols);
+  GPIPE_CHECK_LAUNCH();
+  layernorm_backward_dx_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(
+      dy, x, gamma, mean, rstd, dx, cols);
+  GPIPE_CHECK_LAUNCH();
+}
+
+template <typename T>
+void launch_causal_softmax(T* scores, int64_t rows, int64_t seq, cudaStream_t stream) {
+  check_row_grid(rows, "attention");
+  if (rows == 0 || seq == 0) return;
+  causal_softmax_kernel<T><<<static_cast<unsigned>(rows), row_threads(seq), 0, stream>>>(scores, seq);
+  GPIPE_CHECK_LAUNCH();
+}
+
+template <typename T>
+void launch_causal_softmax_backward(const T* probs, T* dprobs, int64_t rows, int64_t seq, cudaStream_t stream) {
+  check_row_grid(rows, "attention_backward");
+  if (rows == 0 || seq == 0) return;
+  causal_softmax_backward_kernel<T><<<static_cast<unsigned>(rows), row_threads(seq), 0, stream>>>(probs, dprobs, seq);
+  GPIPE_CHECK_LAUNCH();
+}
+
+template <typename T>
+void launch_dropout(const T* x, T* y, int64_t rows, int64_t per_row, double p, uint64_t key, int64_t sample_offset,
+                    cudaStream_t stream) {
+  if (rows == 0 || per_row == 0) return;
+  if (p == 0.0) {  // no mask to draw: a plain copy, bit for bit (as the CPU reference)
+    if (y != x) {
+      GPIPE_CUDA_CHECK(cudaMemcpyAsync(y, x, static_cast<size_t>(rows * per_row) * sizeof(T),
+                                       cudaMemcpyDeviceToDevice, stream));
+    }
+    return;
+  }
+  const int64_t groups_per_row = (per_row + 3) / 4;
+  const T scale = static_cast<T>(1.0 / (1.0 - p));
+  dropout_kernel<T><<<elementwise_blocks(rows * groups_per_row), kThreads, 0, stream>>>(
+      x, y, rows, per_row, groups_per_row, p, scale, key, static_cast<uint64_t>(sample_offset));
+  GPIPE_CHECK_LAUNCH();
+}
+
 #undef GPIPE_CHECK_LAUNCH
 
 }  // namespace
@@ -478,6 +1018,99 @@ void sgd_step(float* param, const float* grad, float* buf, int64_t n, double lr,
 void sgd_step(double* param, const double* grad, double* buf, int64_t n, double lr, double momentum,
               double weight_decay, bool nesterov, bool first_step, cudaStream_t stream) {
   launch_sgd_step(param, grad, buf, n, lr, momentum, weight_decay, nesterov, first_step, stream);
+}
+
+void adam_step(float* param, const float* grad, float* m, float* v, int64_t n, double lr, double beta1,
+               double beta2, double eps, double weight_decay, bool decoupled, double bias_correction1,
+               double bias_correction2, cudaStream_t stream) {
+  launch_adam_step(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction1,
+                   bias_correction2, stream);
+}
+void adam_step(double* param, const double* grad, double* m, double* v, int64_t n, double lr, double beta1,
+               double beta2, double eps, double weight_decay, bool decoupled, double bias_correction1,
+               double bias_correction2, cudaStream_t stream) {
+  launch_adam_step(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction1,
+                   bias_correction2, stream);
+}
+
+int64_t sum_squares_workspace(int64_t n) { return sum_squares_blocks(n); }
+void sum_squares(const float* x, int64_t n, double* workspace, double* result, cudaStream_t stream) {
+  launch_sum_squares(x, n, workspace, result, stream);
+}
+void sum_squares(const double* x, int64_t n, double* workspace, double* result, cudaStream_t stream) {
+  launch_sum_squares(x, n, workspace, result, stream);
+}
+
+void validate_token_ids(const int32_t* ids, int64_t positions, int64_t vocab, unsigned* bad_index,
+                        cudaStream_t stream) {
+  launch_validate_token_ids(ids, positions, vocab, bad_index, stream);
+}
+
+void embedding(const int32_t* ids, const float* table, const float* pos, float* out, int64_t batch,
+               int64_t seq, int64_t vocab, int64_t channels, cudaStream_t stream) {
+  launch_embedding(ids, table, pos, out, batch, seq, vocab, channels, stream);
+}
+void embedding(const int32_t* ids, const double* table, const double* pos, double* out, int64_t batch,
+               int64_t seq, int64_t vocab, int64_t channels, cudaStream_t stream) {
+  launch_embedding(ids, table, pos, out, batch, seq, vocab, channels, stream);
+}
+
+size_t embedding_backward_workspace_bytes(int64_t positions, int64_t vocab) {
+  return embedding_workspace_bytes(positions, vocab);
+}
+void embedding_backward(const int32_t* ids, const float* dout, float* dtable, float* dpos, int64_t batch,
+                        int64_t seq, int64_t vocab, int64_t channels, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream) {
+  launch_embedding_backward(ids, dout, dtable, dpos, batch, seq, vocab, channels, workspace, workspace_bytes, stream);
+}
+void embedding_backward(const int32_t* ids, const double* dout, double* dtable, double* dpos, int64_t batch,
+                        int64_t seq, int64_t vocab, int64_t channels, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream) {
+  launch_embedding_backward(ids, dout, dtable, dpos, batch, seq, vocab, channels, workspace, workspace_bytes, stream);
+}
+
+void layernorm(const float* x, const float* gamma, const float* beta, double eps, float* y, float* mean,
+               float* rstd, int64_t rows, int64_t cols, cudaStream_t stream) {
+  launch_layernorm(x, gamma, beta, eps, y, mean, rstd, rows, cols, stream);
+}
+void layernorm(const double* x, const double* gamma, const double* beta, double eps, double* y, double* mean,
+               double* rstd, int64_t rows, int64_t cols, cudaStream_t stream) {
+  launch_layernorm(x, gamma, beta, eps, y, mean, rstd, rows, cols, stream);
+}
+
+int64_t layernorm_backward_workspace(int64_t rows, int64_t cols) { return 2 * layernorm_chunks(rows) * cols; }
+void layernorm_backward(const float* dy, const float* x, const float* gamma, const float* mean, const float* rstd,
+                        float* dx, float* dgamma, float* dbeta, int64_t rows, int64_t cols, double* workspace,
+                        cudaStream_t stream) {
+  launch_layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, rows, cols, workspace, stream);
+}
+void layernorm_backward(const double* dy, const double* x, const double* gamma, const double* mean,
+                        const double* rstd, double* dx, double* dgamma, double* dbeta, int64_t rows, int64_t cols,
+                        double* workspace, cudaStream_t stream) {
+  launch_layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, rows, cols, workspace, stream);
+}
+
+void causal_softmax(float* scores, int64_t rows, int64_t seq, cudaStream_t stream) {
+  launch_causal_softmax(scores, rows, seq, stream);
+}
+void causal_softmax(double* scores, int64_t rows, int64_t seq, cudaStream_t stream) {
+  launch_causal_softmax(scores, rows, seq, stream);
+}
+void causal_softmax_backward(const float* probs, float* dprobs, int64_t rows, int64_t seq, cudaStream_t stream) {
+  launch_causal_softmax_backward(probs, dprobs, rows, seq, stream);
+}
+void causal_softmax_backward(const double* probs, double* dprobs, int64_t rows, int64_t seq,
+                             cudaStream_t stream) {
+  launch_causal_softmax_backward(probs, dprobs, rows, seq, stream);
+}
+
+void dropout(const float* x, float* y, int64_t rows, int64_t per_row, double p, uint64_t key,
+             int64_t sample_offset, cudaStream_t stream) {
+  launch_dropout(x, y, rows, per_row, p, key, sample_offset, stream);
+}
+void dropout(const double* x, double* y, int64_t rows, int64_t per_row, double p, uint64_t key,
+             int64_t sample_offset, cudaStream_t stream) {
+  launch_dropout(x, y, rows, per_row, p, key, sample_offset, stream);
 }
 
 }  // namespace cuda

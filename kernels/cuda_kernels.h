@@ -1,6 +1,7 @@
-// Raw-pointer launchers for the CUDA backend's elementwise, reduction, loss and
-// optimizer kernels (kernels/cuda_kernels.cu). Plain C++: includable from files the
-// host compiler builds.
+// Raw-pointer launchers for the CUDA backend's elementwise, reduction, loss, optimizer
+// and transformer kernels (kernels/cuda_kernels.cu). Plain C++: includable from files
+// the host compiler builds. The matrix products of attention are cuBLAS calls in
+// kernels/cuda_backend.cc; only the softmax between them lives here.
 //
 // Conventions:
 //   * every pointer is device memory on the current device (the caller sets it), and
@@ -15,6 +16,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace gpipe {
@@ -92,6 +94,98 @@ void sgd_step(float* param, const float* grad, float* buf, int64_t n, double lr,
               double weight_decay, bool nesterov, bool first_step, cudaStream_t stream);
 void sgd_step(double* param, const double* grad, double* buf, int64_t n, double lr, double momentum,
               double weight_decay, bool nesterov, bool first_step, cudaStream_t stream);
+
+// One Adam / AdamW step, the formula of Backend::adam_step. param, grad, m, v: (n).
+// bias_correction1 = 1 - beta1^step and bias_correction2 = 1 - beta2^step come from the
+// host (computed in double), so the kernel is purely elementwise.
+void adam_step(float* param, const float* grad, float* m, float* v, int64_t n, double lr, double beta1,
+               double beta2, double eps, double weight_decay, bool decoupled, double bias_correction1,
+               double bias_correction2, cudaStream_t stream);
+void adam_step(double* param, const double* grad, double* m, double* v, int64_t n, double lr, double beta1,
+               double beta2, double eps, double weight_decay, bool decoupled, double bias_correction1,
+               double bias_correction2, cudaStream_t stream);
+
+// Sum of squares of x: (n), in double, in a fixed order (a fixed grid for a given n,
+// per-block trees, then one block over the partial sums), so the result does not vary
+// from run to run. workspace: (sum_squares_workspace(n)) doubles; *result (device)
+// receives the sum (0 when n == 0).
+int64_t sum_squares_workspace(int64_t n);
+void sum_squares(const float* x, int64_t n, double* workspace, double* result, cudaStream_t stream);
+void sum_squares(const double* x, int64_t n, double* workspace, double* result, cudaStream_t stream);
+
+// ---- Transformer ops. B batch, T positions, C channels, V vocabulary; P = B * T
+// positions in all, counted p = b * T + t (P < 2^31 - 1).
+
+// *bad_index = kNoBadRow, then the smallest p whose id ids[p] (P int32 ids) is outside
+// [0, vocab). The embedding ops check this on the host before they launch anything
+// else, so a bad batch leaves their outputs untouched, as on the CPU.
+void validate_token_ids(const int32_t* ids, int64_t positions, int64_t vocab, unsigned* bad_index,
+                        cudaStream_t stream);
+
+// out: (B, T, C) = table[ids[b, t]] + pos[t], table: (V, C), pos: (>= T, C) or nullptr
+// for none; ids: (B, T) int32, validated already (an invalid id still only yields zeros).
+void embedding(const int32_t* ids, const float* table, const float* pos, float* out, int64_t batch,
+               int64_t seq, int64_t vocab, int64_t channels, cudaStream_t stream);
+void embedding(const int32_t* ids, const double* table, const double* pos, double* out, int64_t batch,
+               int64_t seq, int64_t vocab, int64_t channels, cudaStream_t stream);
+
+// Bytes of device workspace embedding_backward needs for B * T = positions ids.
+size_t embedding_backward_workspace_bytes(int64_t positions, int64_t vocab);
+// dtable: (V, C) += dout: (B, T, C) scattered by ids: (B, T); dpos: (>= T, C), rows
+// [0, T) += sum over b of dout[b] (skipped when dpos == nullptr). Deterministic, and
+// in the CPU loop's order of additions: the (id, position) pairs are sorted stably
+// (CUB radix sort), then one block per distinct id adds its dout rows into dtable in
+// position order; dpos adds b = 0, 1, ... per element. No atomics. ids validated
+// already (invalid ones would be skipped).
+void embedding_backward(const int32_t* ids, const float* dout, float* dtable, float* dpos, int64_t batch,
+                        int64_t seq, int64_t vocab, int64_t channels, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream);
+void embedding_backward(const int32_t* ids, const double* dout, double* dtable, double* dpos, int64_t batch,
+                        int64_t seq, int64_t vocab, int64_t channels, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream);
+
+// Layer normalisation over the rows of x: (rows, cols); gamma, beta: (cols); y like x;
+// mean, rstd: (rows). Statistics in double, two passes (mean, then the biased variance
+// of x - mean) per row, stored rounded to the element type.
+void layernorm(const float* x, const float* gamma, const float* beta, double eps, float* y, float* mean,
+               float* rstd, int64_t rows, int64_t cols, cudaStream_t stream);
+void layernorm(const double* x, const double* gamma, const double* beta, double eps, double* y, double* mean,
+               double* rstd, int64_t rows, int64_t cols, cudaStream_t stream);
+
+// Doubles of workspace layernorm_backward needs.
+int64_t layernorm_backward_workspace(int64_t rows, int64_t cols);
+// dx: (rows, cols) = the row formula of Backend::layernorm_backward; dgamma, dbeta:
+// (cols) += column sums of dy * xhat and dy, in double and reduced deterministically:
+// per (column tile, row chunk) partial sums into the workspace, then one pass over the
+// chunks in order, rounded once. dx may alias dy or x (the parameter gradients are
+// computed first).
+void layernorm_backward(const float* dy, const float* x, const float* gamma, const float* mean, const float* rstd,
+                        float* dx, float* dgamma, float* dbeta, int64_t rows, int64_t cols, double* workspace,
+                        cudaStream_t stream);
+void layernorm_backward(const double* dy, const double* x, const double* gamma, const double* mean,
+                        const double* rstd, double* dx, double* dgamma, double* dbeta, int64_t rows, int64_t cols,
+                        double* workspace, cudaStream_t stream);
+
+// In place on scores: (rows, seq), row r being query position t = r % seq, scores
+// already scaled by 1/sqrt(D) (the alpha of the q k^T product):
+//   p[r, s] = softmax_s(scores[r, s]) over s <= t, 0 for s > t.
+void causal_softmax(float* scores, int64_t rows, int64_t seq, cudaStream_t stream);
+void causal_softmax(double* scores, int64_t rows, int64_t seq, cudaStream_t stream);
+// In place on dprobs: (rows, seq), same row convention, probs from causal_softmax:
+//   dscores[r, s] = probs[r, s] * (dprobs[r, s] - sum_s' dprobs[r, s'] probs[r, s'])
+// for s <= t, 0 for s > t (the gradient with respect to the scaled scores).
+void causal_softmax_backward(const float* probs, float* dprobs, int64_t rows, int64_t seq, cudaStream_t stream);
+void causal_softmax_backward(const double* probs, double* dprobs, int64_t rows, int64_t seq,
+                             cudaStream_t stream);
+
+// Inverted dropout, the mask of Backend::dropout: x, y: (rows, per_row); element e of
+// row i is kept iff double(philox_uniform(key, sample_offset + i, e)) >= p, and kept
+// values are multiplied by T(1 / (1 - p)); p == 0 copies. Bit for bit the CPU
+// reference's output. p in [0, 1), sample_offset >= 0 (the caller checks). y may alias x.
+void dropout(const float* x, float* y, int64_t rows, int64_t per_row, double p, uint64_t key,
+             int64_t sample_offset, cudaStream_t stream);
+void dropout(const double* x, double* y, int64_t rows, int64_t per_row, double p, uint64_t key,
+             int64_t sample_offset, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace gpipe

@@ -43,3 +43,17 @@ const char* cublas_status_string(cublasStatus_t s);
                            " (set NCCL_DEBUG=INFO for details)");                     \
     }                                                                                 \
   } while (0)
+
+// cuDNN: the same form, with cuDNN's own message. <cudnn.h> is included here so that
+// targets using the macro get the status type and cudnnGetErrorString with it; those
+// targets must depend on @local_cuda//:cudnn.
+#include <cudnn.h>
+
+#define GPIPE_CUDNN_CHECK(call)                                                       \
+  do {                                                                                \
+    cudnnStatus_t gpipe_cs_ = (call);                                                 \
+    if (gpipe_cs_ != CUDNN_STATUS_SUCCESS) {                                          \
+      throw ::gpipe::Error(::gpipe::error_location(__FILE__, __LINE__) + ": " #call   \
+                           " failed: " + cudnnGetErrorString(gpipe_cs_));             \
+    }                                                                                 \
+  } while (0)

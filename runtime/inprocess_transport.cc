@@ -44,12 +44,32 @@ Tensor InProcessTransport::recv(int dst, int src, const MessageTag& tag, Device 
   return out;
 }
 
+double InProcessTransport::all_reduce_sum(int stage, double value) {
+  GPIPE_CHECK(stage >= 0 && stage < static_cast<int>(boxes_.size()), "all_reduce_sum on stage " + std::to_string(stage));
+  std::unique_lock<std::mutex> lock(mu_);
+  if (aborted_) throw Aborted(why_);
+  const uint64_t round = reduce_round_;
+  reduce_partial_ += value;
+  if (++reduce_arrived_ == static_cast<int>(boxes_.size())) {
+    reduce_result_ = reduce_partial_;
+    reduce_partial_ = 0;
+    reduce_arrived_ = 0;
+    ++reduce_round_;
+    reduce_cv_.notify_all();
+    return reduce_result_;
+  }
+  reduce_cv_.wait(lock, [&] { return aborted_ || reduce_round_ != round; });
+  if (reduce_round_ == round) throw Aborted(why_);
+  return reduce_result_;
+}
+
 void InProcessTransport::abort(const std::string& why) {
   std::lock_guard<std::mutex> lock(mu_);
   if (aborted_) return;
   aborted_ = true;
   why_ = why;
   for (auto& box : boxes_) box.cv.notify_all();
+  reduce_cv_.notify_all();
 }
 
 size_t InProcessTransport::pending() const {

@@ -18,6 +18,7 @@ class InProcessTransport : public Transport {
   explicit InProcessTransport(int num_stages);
   void send(int src, int dst, const MessageTag& tag, const Tensor& t) override;
   Tensor recv(int dst, int src, const MessageTag& tag, Device device) override;
+  double all_reduce_sum(int stage, double value) override;
   void abort(const std::string& why) override;
   // Messages sent and not yet received (a finished schedule leaves none).
   size_t pending() const;
@@ -32,6 +33,12 @@ class InProcessTransport : public Transport {
   std::vector<Mailbox> boxes_;  // one per destination stage
   bool aborted_ = false;
   std::string why_;
+  // all_reduce_sum: the round being gathered, its partial sum and arrivals, and the
+  // result of the last finished round.
+  std::condition_variable reduce_cv_;
+  uint64_t reduce_round_ = 0;
+  int reduce_arrived_ = 0;
+  double reduce_partial_ = 0, reduce_result_ = 0;
 };
 
 }  // namespace gpipe

@@ -166,3 +166,18 @@ TEST_CASE("Philox4x32-10 matches the Random123 known-answer vectors") {
   for (int i = 0; i < 4000; ++i) sum += philox_uniform(1, i / 4, i % 4);
   CHECK(sum / 4000 == doctest::Approx(0.5).epsilon(0.03));
 }
+
+TEST_CASE("all_reduce_sum gives every stage the total, round after round") {
+  InProcessTransport tr(3);
+  std::vector<double> got(3);
+  for (int round = 0; round < 3; ++round) {
+    std::vector<std::thread> ts;
+    for (int k = 0; k < 3; ++k) ts.emplace_back([&, k] { got[k] = tr.all_reduce_sum(k, k + 1.0 + round); });
+    for (auto& t : ts) t.join();
+    for (int k = 0; k < 3; ++k) CHECK(got[k] == 6.0 + 3 * round);
+  }
+  std::thread waiter([&] { CHECK_THROWS_AS(tr.all_reduce_sum(0, 1.0), Aborted); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  tr.abort("stage 2 failed");
+  waiter.join();
+}

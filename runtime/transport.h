@@ -28,6 +28,10 @@ class Transport {
   // Blocks until the matching send arrives and returns it on `device`. Throws Aborted
   // once abort() has been called, so a failed stage never leaves its neighbours waiting.
   virtual Tensor recv(int dst, int src, const MessageTag& tag, Device device) = 0;
+  // Collective over all stages: every stage calls it once with its value and all get
+  // the sum (e.g. squared gradient norms for clipping by the global norm). Throws
+  // Aborted once abort() has been called.
+  virtual double all_reduce_sum(int stage, double value) = 0;
   // Wakes every waiting receiver with Aborted(why). Idempotent.
   virtual void abort(const std::string& why) = 0;
 };

@@ -1,0 +1,693 @@
+// The convolution ops of the CUDA backend (kernels/backend.h, "Convolution ops"), with
+// the semantics, argument checks and error texts of the CPU reference
+// (kernels/cpu_conv_ops.cc):
+//   * conv2d and conv2d_backward: cuDNN (legacy API). Full float32 precision (FMA
+//     math, no TF32 tensor-core rounding, like the backend's cuBLAS handle) and, where
+//     cuDNN offers one, a deterministic algorithm that is neither FFT nor Winograd,
+//     chosen by cuDNN's heuristics once per shape and remembered;
+//   * avgpool2d and avgpool2d_backward: cuDNN pooling (average over the window, no
+//     padding);
+//   * channel bias, batch norm and max pooling: kernels/cuda_conv_kernels.cu
+//     (deterministic; cuDNN's batch norm keeps an inverse standard deviation, not the
+//     contract's biased variance, and its max pooling has no argmax).
+// Every op returns as soon as its work is queued, except maxpool2d_backward, which
+// first validates argmax on the device and waits for that check (like the embedding
+// ops' token-id check), so a bad index is an Error from the call and dx is untouched.
+#include <cudnn.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <array>
+#include <climits>
+#include <initializer_list>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kernels/cuda_backend.h"
+#include "kernels/cuda_conv_kernels.h"
+#include "kernels/cuda_kernels.h"
+#include "kernels/op_checks.h"
+#include "runtime/cuda_check.h"
+#include "runtime/error.h"
+
+namespace gpipe {
+
+// Algorithms and workspace sizes cuDNN chose, per convolution shape.
+struct ConvChoice {
+  int algo = 0;      // cudnnConvolution{Fwd,BwdData,BwdFilter}Algo_t
+  size_t bytes = 0;  // its workspace
+};
+using ConvKey = std::array<int64_t, 10>;  // dtype, N, C, H, W, K, R, S, stride, pad
+
+// One per CudaBackend (CudaBackend::cudnn_), created by the first op that needs cuDNN.
+// The descriptors are set afresh by each call; the backend is used by one thread at a
+// time, so they need no lock.
+struct CudnnState {
+  cudnnHandle_t handle = nullptr;  // bound to the backend's stream
+  cudnnTensorDescriptor_t x = nullptr, y = nullptr;
+  cudnnFilterDescriptor_t w = nullptr;
+  cudnnConvolutionDescriptor_t conv = nullptr;
+  cudnnPoolingDescriptor_t pool = nullptr;
+  std::map<ConvKey, ConvChoice> forward, backward_data, backward_filter;
+};
+
+namespace {
+
+bool is_teardown(cudaError_t e) { return e == cudaErrorCudartUnloading || e == cudaErrorContextIsDestroyed; }
+
+// Sets the backend's device for the scope of an op and restores the caller's
+// (the same guard as kernels/cuda_backend.cc).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int index) {
+    GPIPE_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != index) {
+      GPIPE_CUDA_CHECK(cudaSetDevice(index));
+      switched_ = true;
+    }
+  }
+  ~DeviceGuard() {
+    if (!switched_) return;
+    const cudaError_t e = cudaSetDevice(previous_);
+    if (e != cudaSuccess && !is_teardown(e)) {
+      spdlog::warn("cudaSetDevice({}) while restoring the current device failed: {}", previous_,
+                   cudaGetErrorString(e));
+    }
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+};
+
+// Calls f(T*) with T = float or double per the tensor's dtype (the pointer is a tag).
+template <typename F>
+void dispatch_float(const Tensor& t, F&& f) {
+  if (t.dtype() == DType::kF32) {
+    f(static_cast<float*>(nullptr));
+  } else if (t.dtype() == DType::kF64) {
+    f(static_cast<double*>(nullptr));
+  } else {
+    throw Error("expected a float32 or float64 tensor, got " + t.str());
+  }
+}
+
+// ---- Argument checks: those of kernels/cpu_conv_ops.cc, word for word.
+
+std::string str(const Tensor& t) { return t.defined() ? t.str() : std::string("undefined"); }
+
+void check_4d(const Tensor& t, const char* op, const char* what) {
+  if (!t.defined() || t.dim() != 4) {
+    throw Error(std::string(op) + ": " + what + " " + str(t) + " must be a 4-D NCHW tensor");
+  }
+  ops::check_float(t, op);
+}
+
+// `t` must be contiguous, of `like`'s dtype and of shape `want`.
+void check_shape(const Tensor& t, const Tensor& like, const Shape& want, const char* op, const char* what,
+                 const std::string& because) {
+  if (!t.defined() || t.dtype() != like.dtype() || t.shape() != want || !t.is_contiguous()) {
+    throw Error(std::string(op) + ": " + what + " is " + str(t) + ", expected contiguous " +
+                dtype_name(like.dtype()) + shape_str(want) + " " + because);
+  }
+}
+
+void check_window(int kernel, int stride, int pad, const char* op) {
+  if (kernel < 1 || stride < 1 || pad < 0) {
+    throw Error(std::string(op) + ": kernel " + std::to_string(kernel) + ", stride " + std::to_string(stride) +
+                " and pad " + std::to_string(pad) + " must be >= 1, >= 1 and >= 0");
+  }
+}
+
+int64_t out_extent(int64_t in, int64_t kernel, int stride, int pad, const Tensor& x, const char* op) {
+  if (in + 2 * pad < kernel) {
+    throw Error(std::string(op) + ": a " + std::to_string(kernel) + "-wide window does not fit in input " +
+                x.str() + " with padding " + std::to_string(pad));
+  }
+  return (in + 2 * pad - kernel) / stride + 1;
+}
+
+struct ConvDims {
+  int64_t N, C, H, W;  // input
+  int64_t K, R, S;     // weights
+  int64_t P, Q;        // output
+};
+
+ConvDims check_conv(const Tensor& x, const Tensor& w, int stride, int pad, const char* op) {
+  check_4d(x, op, "input");
+  check_4d(w, op, "weight");
+  if (stride < 1 || pad < 0) {
+    throw Error(std::string(op) + ": stride " + std::to_string(stride) + " and pad " + std::to_string(pad) +
+                " must be >= 1 and >= 0");
+  }
+  if (w.dtype() != x.dtype()) {
+    throw Error(std::string(op) + ": input " + x.str() + " and weight " + w.str() + " differ in dtype");
+  }
+  ConvDims d{x.size(0), x.size(1), x.size(2), x.size(3), w.size(0), w.size(2), w.size(3), 0, 0};
+  if (w.size(1) != d.C) {
+    throw Error(std::string(op) + ": input " + x.str() + " and weight " + w.str() + " do not fit: the weight takes " +
+                std::to_string(w.size(1)) + " input channels, the input has " + std::to_string(d.C));
+  }
+  if (d.K < 1 || d.C < 1 || d.R < 1 || d.S < 1) throw Error(std::string(op) + ": empty weight " + w.str());
+  d.P = out_extent(d.H, d.R, stride, pad, x, op);
+  d.Q = out_extent(d.W, d.S, stride, pad, x, op);
+  return d;
+}
+
+std::string conv_because(const Tensor& x, const Tensor& w, int stride, int pad) {
+  return "for input " + shape_str(x.shape()) + " and weight " + shape_str(w.shape()) + " (stride " +
+         std::to_string(stride) + ", pad " + std::to_string(pad) + ")";
+}
+
+struct ChannelDims {
+  int64_t N, C, E;
+};
+ChannelDims channel_dims(const Tensor& t) {
+  return {t.size(0), t.size(1), t.numel() / std::max<int64_t>(1, t.size(0) * t.size(1))};
+}
+
+void check_per_channel(const Tensor& v, const Tensor& x, const char* op, const char* what) {
+  check_shape(v, x, {x.size(1)}, op, what, "(one value per channel of " + x.str() + ")");
+}
+
+// beta is null for backward, which does not take it.
+void check_batchnorm(const Tensor& x, const Tensor& gamma, const Tensor* beta, double eps, const char* op) {
+  check_4d(x, op, "input");
+  check_per_channel(gamma, x, op, "gamma");
+  if (beta != nullptr) check_per_channel(*beta, x, op, "beta");
+  if (!(eps >= 0)) throw Error(std::string(op) + ": eps " + std::to_string(eps) + " must be >= 0");
+  if (x.size(0) * x.size(2) * x.size(3) == 0) {
+    throw Error(std::string(op) + ": input " + x.str() + " has no values per channel to normalise over");
+  }
+}
+
+struct PoolDims {
+  int64_t N, C, H, W, P, Q;
+};
+
+PoolDims check_maxpool(const Tensor& x, int kernel, int stride, int pad, const char* op) {
+  check_4d(x, op, "input");
+  check_window(kernel, stride, pad, op);
+  if (pad > kernel / 2) {
+    throw Error(std::string(op) + ": pad " + std::to_string(pad) + " must be at most half the kernel (" +
+                std::to_string(kernel) + "), or some windows would hold only padding");
+  }
+  return {x.size(0), x.size(1), x.size(2), x.size(3), out_extent(x.size(2), kernel, stride, pad, x, op),
+          out_extent(x.size(3), kernel, stride, pad, x, op)};
+}
+
+std::string pool_because(const Tensor& x, int kernel, int stride, int pad) {
+  return "for input " + shape_str(x.shape()) + " (kernel " + std::to_string(kernel) + ", stride " +
+         std::to_string(stride) + ", pad " + std::to_string(pad) + ")";
+}
+
+PoolDims check_avgpool(const Tensor& x, int kernel, int stride, const char* op) {
+  check_4d(x, op, "input");
+  check_window(kernel, stride, 0, op);
+  return {x.size(0), x.size(1), x.size(2), x.size(3), out_extent(x.size(2), kernel, stride, 0, x, op),
+          out_extent(x.size(3), kernel, stride, 0, x, op)};
+}
+
+// ---- cuDNN helpers
+
+// cuDNN's 4-D descriptors take int extents and strides.
+int cudnn_int(int64_t v, const Tensor& t, const char* op) {
+  if (v > INT_MAX || t.numel() > INT_MAX) {
+    throw Error(std::string(op) + ": " + t.str() + " is too large for cuDNN's 32-bit tensor descriptors");
+  }
+  return static_cast<int>(v);
+}
+
+cudnnDataType_t cudnn_type(DType t) { return t == DType::kF64 ? CUDNN_DATA_DOUBLE : CUDNN_DATA_FLOAT; }
+
+void set_tensor(cudnnTensorDescriptor_t desc, const Tensor& t, const Shape& shape, const char* op) {
+  GPIPE_CUDNN_CHECK(cudnnSetTensor4dDescriptor(desc, CUDNN_TENSOR_NCHW, cudnn_type(t.dtype()),
+                                               cudnn_int(shape[0], t, op), cudnn_int(shape[1], t, op),
+                                               cudnn_int(shape[2], t, op), cudnn_int(shape[3], t, op)));
+}
+
+// The blending factors (alpha, beta) in the element type of the data: cuDNN reads
+// doubles for double tensors and floats otherwise.
+struct Blend {
+  float f[2];
+  double d[2];
+  const void* alpha(DType t) const { return t == DType::kF64 ? static_cast<const void*>(&d[0]) : &f[0]; }
+  const void* beta(DType t) const { return t == DType::kF64 ? static_cast<const void*>(&d[1]) : &f[1]; }
+};
+Blend blend(double alpha, double beta) {
+  return {{static_cast<float>(alpha), static_cast<float>(beta)}, {alpha, beta}};
+}
+
+// Workspace larger than this is not considered when choosing an algorithm.
+constexpr size_t kMaxWorkspaceBytes = size_t(1) << 30;
+
+bool fast_transform(cudnnConvolutionFwdAlgo_t a) {
+  return a == CUDNN_CONVOLUTION_FWD_ALGO_FFT || a == CUDNN_CONVOLUTION_FWD_ALGO_FFT_TILING ||
+         a == CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD || a == CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD_NONFUSED;
+}
+bool fast_transform(cudnnConvolutionBwdDataAlgo_t a) {
+  return a == CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT || a == CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT_TILING ||
+         a == CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD || a == CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD_NONFUSED;
+}
+bool fast_transform(cudnnConvolutionBwdFilterAlgo_t a) {
+  return a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT || a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT_TILING ||
+         a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD_NONFUSED;
+}
+
+// From cuDNN's heuristic ranking (fastest first), the first usable entry in order of
+// preference: deterministic and neither FFT nor Winograd (their transforms round
+// differently from a direct sum), then any deterministic one, then any. Tensor-core
+// math types are never taken (the descriptor asks for FMA math in float32). Returns
+// the index, or -1.
+template <typename Perf>
+int choose_algo(const std::vector<Perf>& perf, int count, DType dtype) {
+  for (int pass = 0; pass < 3; ++pass) {
+    for (int i = 0; i < count; ++i) {
+      const Perf& p = perf[i];
+      if (p.status != CUDNN_STATUS_SUCCESS || p.memory > kMaxWorkspaceBytes) continue;
+      if (dtype == DType::kF32 &&
+          (p.mathType == CUDNN_TENSOR_OP_MATH || p.mathType == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION)) {
+        continue;
+      }
+      if (pass < 2 && p.determinism != CUDNN_DETERMINISTIC) continue;
+      if (pass < 1 && fast_transform(p.algo)) continue;
+      return i;
+    }
+  }
+  return -1;
+}
+
+[[noreturn]] void no_algorithm(const char* op, const std::string& because) {
+  throw Error(std::string(op) + ": cuDNN offers no usable algorithm " + because);
+}
+
+// Sets the convolution descriptors of `st` for x, w and y = conv(x, w).
+void set_conv(CudnnState& st, const Tensor& x, const Tensor& w, const ConvDims& d, int stride, int pad,
+              const char* op) {
+  if (d.N * d.K * d.P * d.Q > INT_MAX) {
+    throw Error(std::string(op) + ": the output " + shape_str({d.N, d.K, d.P, d.Q}) +
+                " is too large for cuDNN's 32-bit tensor descriptors");
+  }
+  set_tensor(st.x, x, x.shape(), op);
+  set_tensor(st.y, x, {d.N, d.K, d.P, d.Q}, op);  // y's extents (each <= its count, checked above)
+  GPIPE_CUDNN_CHECK(cudnnSetFilter4dDescriptor(st.w, cudnn_type(w.dtype()), CUDNN_TENSOR_NCHW,
+                                               cudnn_int(d.K, w, op), cudnn_int(d.C, w, op), cudnn_int(d.R, w, op),
+                                               cudnn_int(d.S, w, op)));
+  GPIPE_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(st.conv, pad, pad, stride, stride, 1, 1, CUDNN_CROSS_CORRELATION,
+                                                    cudnn_type(x.dtype())));
+  // FMA math: no TF32 rounding of float32 operands on Ampere and later.
+  GPIPE_CUDNN_CHECK(
+      cudnnSetConvolutionMathType(st.conv, x.dtype() == DType::kF32 ? CUDNN_FMA_MATH : CUDNN_DEFAULT_MATH));
+}
+
+ConvKey conv_key(const Tensor& x, const ConvDims& d, int stride, int pad) {
+  return {static_cast<int64_t>(x.dtype()), d.N, d.C, d.H, d.W, d.K, d.R, d.S, stride, pad};
+}
+
+// The cached or newly chosen algorithms; the descriptors must be set (set_conv).
+ConvChoice forward_algo(CudnnState& st, const ConvKey& key, DType dtype, const std::string& because) {
+  auto it = st.forward.find(key);
+  if (it != st.forward.end()) return it->second;
+  int max_count = 0;
+  GPIPE_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(st.handle, &max_count));
+  std::vector<cudnnConvolutionFwdAlgoPerf_t> perf(static_cast<size_t>(std::max(max_count, 1)));
+  int count = 0;
+  GPIPE_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(st.handle, st.x, st.w, st.conv, st.y, max_count, &count,
+                                                           perf.data()));
+  const int i = choose_algo(perf, count, dtype);
+  if (i < 0) no_algorithm("conv2d", because);
+  ConvChoice c;
+  c.algo = perf[i].algo;
+  GPIPE_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(st.handle, st.x, st.w, st.conv, st.y, perf[i].algo,
+                                                            &c.bytes));
+  st.forward.emplace(key, c);
+  return c;
+}
+
+ConvChoice backward_data_algo(CudnnState& st, const ConvKey& key, DType dtype, const std::string& because) {
+  auto it = st.backward_data.find(key);
+  if (it != st.backward_data.end()) return it->second;
+  int max_count = 0;
+  GPIPE_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(st.handle, &max_count));
+  std::vector<cudnnConvolutionBwdDataAlgoPerf_t> perf(static_cast<size_t>(std::max(max_count, 1)));
+  int count = 0;
+  GPIPE_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(st.handle, st.w, st.y, st.conv, st.x, max_count,
+                                                                &count, perf.data()));
+  const int i = choose_algo(perf, count, dtype);
+  if (i < 0) no_algorithm("conv2d_backward (input gradient)", because);
+  ConvChoice c;
+  c.algo = perf[i].algo;
+  GPIPE_CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(st.handle, st.w, st.y, st.conv, st.x, perf[i].algo,
+                                                                 &c.bytes));
+  st.backward_data.emplace(key, c);
+  return c;
+}
+
+ConvChoice backward_filter_algo(CudnnState& st, const ConvKey& key, DType dtype, const std::string& because) {
+  auto it = st.backward_filter.find(key);
+  if (it != st.backward_filter.end()) return it->second;
+  int max_count = 0;
+  GPIPE_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(st.handle, &max_count));
+  std::vector<cudnnConvolutionBwdFilterAlgoPerf_t> perf(static_cast<size_t>(std::max(max_count, 1)));
+  int count = 0;
+  GPIPE_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(st.handle, st.x, st.y, st.conv, st.w, max_count,
+                                                                  &count, perf.data()));
+  const int i = choose_algo(perf, count, dtype);
+  if (i < 0) no_algorithm("conv2d_backward (weight gradient)", because);
+  ConvChoice c;
+  c.algo = perf[i].algo;
+  GPIPE_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(st.handle, st.x, st.y, st.conv, st.w,
+                                                                   perf[i].algo, &c.bytes));
+  st.backward_filter.emplace(key, c);
+  return c;
+}
+
+// Device scratch memory from the device's caching allocator, as a tensor so that it
+// returns to the cache when the op returns (undefined when bytes == 0). Reuse is
+// ordered by the stream: the next op that receives the block runs on the same
+// stream, after this one's kernels.
+Tensor scratch(Backend& b, size_t bytes) {
+  if (bytes == 0) return Tensor();
+  return b.empty({static_cast<int64_t>((bytes + sizeof(double) - 1) / sizeof(double))}, DType::kF64);
+}
+
+void destroy(CudnnState* st) noexcept {
+  auto warn = [](cudnnStatus_t s, const char* what) {
+    if (s != CUDNN_STATUS_SUCCESS) spdlog::warn("{} failed: {}", what, cudnnGetErrorString(s));
+  };
+  if (st->pool != nullptr) warn(cudnnDestroyPoolingDescriptor(st->pool), "cudnnDestroyPoolingDescriptor");
+  if (st->conv != nullptr) warn(cudnnDestroyConvolutionDescriptor(st->conv), "cudnnDestroyConvolutionDescriptor");
+  if (st->w != nullptr) warn(cudnnDestroyFilterDescriptor(st->w), "cudnnDestroyFilterDescriptor");
+  if (st->y != nullptr) warn(cudnnDestroyTensorDescriptor(st->y), "cudnnDestroyTensorDescriptor");
+  if (st->x != nullptr) warn(cudnnDestroyTensorDescriptor(st->x), "cudnnDestroyTensorDescriptor");
+  if (st->handle != nullptr) warn(cudnnDestroy(st->handle), "cudnnDestroy");
+  delete st;
+}
+
+}  // namespace
+
+// ---- cuDNN state
+
+CudnnState& CudaBackend::cudnn() {
+  if (cudnn_ != nullptr) return *static_cast<CudnnState*>(cudnn_);
+  // The caller holds a DeviceGuard: the handle is created on device_.
+  auto* st = new CudnnState;
+  try {
+    GPIPE_CUDNN_CHECK(cudnnCreate(&st->handle));
+    GPIPE_CUDNN_CHECK(cudnnSetStream(st->handle, cuda_stream()));
+    GPIPE_CUDNN_CHECK(cudnnCreateTensorDescriptor(&st->x));
+    GPIPE_CUDNN_CHECK(cudnnCreateTensorDescriptor(&st->y));
+    GPIPE_CUDNN_CHECK(cudnnCreateFilterDescriptor(&st->w));
+    GPIPE_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&st->conv));
+    GPIPE_CUDNN_CHECK(cudnnCreatePoolingDescriptor(&st->pool));
+  } catch (...) {
+    destroy(st);
+    throw;
+  }
+  cudnn_ = st;
+  return *st;
+}
+
+void CudaBackend::release_cudnn() noexcept {
+  if (cudnn_ == nullptr) return;
+  destroy(static_cast<CudnnState*>(cudnn_));
+  cudnn_ = nullptr;
+}
+
+// ---- Convolution
+
+void CudaBackend::conv2d(const Tensor& x, const Tensor& w, int stride, int pad, Tensor& y) {
+  const ConvDims d = check_conv(x, w, stride, pad, "conv2d");
+  const std::string because = conv_because(x, w, stride, pad);
+  check_shape(y, x, {d.N, d.K, d.P, d.Q}, "conv2d", "output", because);
+  check_on_device(x, "conv2d");
+  check_on_device(w, "conv2d");
+  check_on_device(y, "conv2d");
+  if (d.N == 0) return;
+  DeviceGuard guard(device_.index);
+  if (x.numel() == 0) {  // H or W is 0: every tap falls in the padding
+    GPIPE_CUDA_CHECK(cudaMemsetAsync(y.raw_data(), 0, y.nbytes(), cuda_stream()));
+    return;
+  }
+  CudnnState& st = cudnn();
+  set_conv(st, x, w, d, stride, pad, "conv2d");
+  const ConvChoice c = forward_algo(st, conv_key(x, d, stride, pad), x.dtype(), because);
+  Tensor ws = scratch(*this, c.bytes);
+  const Blend b = blend(1.0, 0.0);
+  GPIPE_CUDNN_CHECK(cudnnConvolutionForward(st.handle, b.alpha(x.dtype()), st.x, x.raw_data(), st.w, w.raw_data(),
+                                            st.conv, static_cast<cudnnConvolutionFwdAlgo_t>(c.algo),
+                                            c.bytes > 0 ? ws.raw_data() : nullptr, c.bytes, b.beta(x.dtype()), st.y,
+                                            y.raw_data()));
+}
+
+void CudaBackend::conv2d_backward(const Tensor& dy, const Tensor& x, const Tensor& w, int stride, int pad, Tensor& dx,
+                                  Tensor& dw) {
+  const ConvDims d = check_conv(x, w, stride, pad, "conv2d_backward");
+  const std::string because = conv_because(x, w, stride, pad);
+  check_shape(dy, x, {d.N, d.K, d.P, d.Q}, "conv2d_backward", "output gradient dy", because);
+  check_shape(dw, x, w.shape(), "conv2d_backward", "weight gradient dw", "(the weight's shape)");
+  const bool want_dx = dx.defined();
+  if (want_dx) check_shape(dx, x, x.shape(), "conv2d_backward", "input gradient dx", "(the input's shape)");
+  check_on_device(dy, "conv2d_backward");
+  check_on_device(x, "conv2d_backward");
+  check_on_device(w, "conv2d_backward");
+  check_on_device(dw, "conv2d_backward");
+  if (want_dx) check_on_device(dx, "conv2d_backward");
+  if (d.N == 0) return;
+  if (x.numel() == 0) return;  // H or W is 0: dw += 0, and dx has no elements
+  DeviceGuard guard(device_.index);
+  CudnnState& st = cudnn();
+  set_conv(st, x, w, d, stride, pad, "conv2d_backward");
+  const ConvKey key = conv_key(x, d, stride, pad);
+  const DType t = x.dtype();
+  // dw += the weight gradient (beta 1).
+  const ConvChoice cf = backward_filter_algo(st, key, t, because);
+  size_t bytes = cf.bytes;
+  ConvChoice cd;
+  if (want_dx) {
+    cd = backward_data_algo(st, key, t, because);
+    bytes = std::max(bytes, cd.bytes);
+  }
+  Tensor ws = scratch(*this, bytes);  // one workspace for both calls (they run in stream order)
+  void* wsp = bytes > 0 ? ws.raw_data() : nullptr;
+  const Blend accumulate = blend(1.0, 1.0), overwrite = blend(1.0, 0.0);
+  GPIPE_CUDNN_CHECK(cudnnConvolutionBackwardFilter(st.handle, accumulate.alpha(t), st.x, x.raw_data(), st.y,
+                                                   dy.raw_data(), st.conv,
+                                                   static_cast<cudnnConvolutionBwdFilterAlgo_t>(cf.algo), wsp,
+                                                   cf.bytes, accumulate.beta(t), st.w, dw.raw_data()));
+  if (!want_dx) return;
+  GPIPE_CUDNN_CHECK(cudnnConvolutionBackwardData(st.handle, overwrite.alpha(t), st.w, w.raw_data(), st.y,
+                                                 dy.raw_data(), st.conv,
+                                                 static_cast<cudnnConvolutionBwdDataAlgo_t>(cd.algo), wsp, cd.bytes,
+                                                 overwrite.beta(t), st.x, dx.raw_data()));
+}
+
+// ---- Per-channel bias
+
+void CudaBackend::add_channel_bias(Tensor& y, const Tensor& bias) {
+  ops::check_float(y, "add_channel_bias");
+  if (y.dim() < 2) throw Error("add_channel_bias: output " + y.str() + " must be (N, K, ...)");
+  check_per_channel(bias, y, "add_channel_bias", "bias");
+  check_on_device(y, "add_channel_bias");
+  check_on_device(bias, "add_channel_bias");
+  const ChannelDims d = channel_dims(y);
+  DeviceGuard guard(device_.index);
+  dispatch_float(y, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda_conv::add_channel_bias(y.data<T>(), bias.data<T>(), d.N, d.C, d.E, cuda_stream());
+  });
+}
+
+void CudaBackend::channel_bias_grad(const Tensor& dy, Tensor& db) {
+  ops::check_float(dy, "channel_bias_grad");
+  if (dy.dim() < 2) throw Error("channel_bias_grad: output gradient " + dy.str() + " must be (N, K, ...)");
+  check_per_channel(db, dy, "channel_bias_grad", "bias gradient");
+  check_on_device(dy, "channel_bias_grad");
+  check_on_device(db, "channel_bias_grad");
+  const ChannelDims d = channel_dims(dy);
+  DeviceGuard guard(device_.index);
+  Tensor ws = empty({cuda_conv::channel_reduction_workspace(d.N, d.C, d.E)}, DType::kF64);
+  dispatch_float(dy, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda_conv::channel_bias_grad(dy.data<T>(), db.data<T>(), d.N, d.C, d.E, ws.data<double>(), cuda_stream());
+  });
+}
+
+// ---- Batch normalisation
+
+void CudaBackend::batchnorm_train(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y,
+                                  Tensor& mean, Tensor& var) {
+  check_batchnorm(x, gamma, &beta, eps, "batchnorm_train");
+  check_shape(y, x, x.shape(), "batchnorm_train", "output", "(the input's shape)");
+  check_per_channel(mean, x, "batchnorm_train", "mean");
+  check_per_channel(var, x, "batchnorm_train", "var");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&x, &gamma, &beta, &y, &mean, &var}) {
+    check_on_device(*t, "batchnorm_train");
+  }
+  const ChannelDims d = channel_dims(x);
+  DeviceGuard guard(device_.index);
+  Tensor ws = empty({cuda_conv::channel_reduction_workspace(d.N, d.C, d.E)}, DType::kF64);
+  dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda_conv::batchnorm_train(x.data<T>(), gamma.data<T>(), beta.data<T>(), eps, y.data<T>(), mean.data<T>(),
+                               var.data<T>(), d.N, d.C, d.E, ws.data<double>(), cuda_stream());
+  });
+}
+
+void CudaBackend::batchnorm_eval(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& mean,
+                                 const Tensor& var, double eps, Tensor& y) {
+  check_batchnorm(x, gamma, &beta, eps, "batchnorm_eval");
+  check_shape(y, x, x.shape(), "batchnorm_eval", "output", "(the input's shape)");
+  check_per_channel(mean, x, "batchnorm_eval", "mean");
+  check_per_channel(var, x, "batchnorm_eval", "var");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&x, &gamma, &beta, &mean, &var, &y}) {
+    check_on_device(*t, "batchnorm_eval");
+  }
+  const ChannelDims d = channel_dims(x);
+  DeviceGuard guard(device_.index);
+  Tensor ws = empty({cuda_conv::channel_reduction_workspace(d.N, d.C, d.E)}, DType::kF64);
+  dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda_conv::batchnorm_eval(x.data<T>(), gamma.data<T>(), beta.data<T>(), mean.data<T>(), var.data<T>(), eps,
+                              y.data<T>(), d.N, d.C, d.E, ws.data<double>(), cuda_stream());
+  });
+}
+
+void CudaBackend::batchnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                                     const Tensor& var, double eps, Tensor& dx, Tensor& dgamma, Tensor& dbeta) {
+  check_batchnorm(x, gamma, nullptr, eps, "batchnorm_backward");
+  check_shape(dy, x, x.shape(), "batchnorm_backward", "output gradient dy", "(the input's shape)");
+  check_shape(dx, x, x.shape(), "batchnorm_backward", "input gradient dx", "(the input's shape)");
+  check_per_channel(mean, x, "batchnorm_backward", "mean");
+  check_per_channel(var, x, "batchnorm_backward", "var");
+  check_per_channel(dgamma, x, "batchnorm_backward", "dgamma");
+  check_per_channel(dbeta, x, "batchnorm_backward", "dbeta");
+  for (const Tensor* t :
+       std::initializer_list<const Tensor*>{&dy, &x, &gamma, &mean, &var, &dx, &dgamma, &dbeta}) {
+    check_on_device(*t, "batchnorm_backward");
+  }
+  const ChannelDims d = channel_dims(x);
+  DeviceGuard guard(device_.index);
+  Tensor ws = empty({cuda_conv::channel_reduction_workspace(d.N, d.C, d.E)}, DType::kF64);
+  dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda_conv::batchnorm_backward(dy.data<T>(), x.data<T>(), gamma.data<T>(), mean.data<T>(), var.data<T>(), eps,
+                                  dx.data<T>(), dgamma.data<T>(), dbeta.data<T>(), d.N, d.C, d.E, ws.data<double>(),
+                                  cuda_stream());
+  });
+}
+
+// ---- Pooling
+
+void CudaBackend::maxpool2d(const Tensor& x, int kernel, int stride, int pad, Tensor& y, Tensor& argmax) {
+  const PoolDims d = check_maxpool(x, kernel, stride, pad, "maxpool2d");
+  const Shape out{d.N, d.C, d.P, d.Q};
+  check_shape(y, x, out, "maxpool2d", "output", pool_because(x, kernel, stride, pad));
+  if (!argmax.defined() || argmax.dtype() != DType::kI32 || argmax.shape() != out || !argmax.is_contiguous()) {
+    throw Error("maxpool2d: argmax is " + str(argmax) + ", expected contiguous int32" + shape_str(out) + " " +
+                pool_because(x, kernel, stride, pad));
+  }
+  check_on_device(x, "maxpool2d");
+  check_on_device(y, "maxpool2d");
+  check_on_device(argmax, "maxpool2d");
+  DeviceGuard guard(device_.index);
+  dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda_conv::maxpool2d(x.data<T>(), y.data<T>(), argmax.data<int32_t>(), d.N * d.C, d.H, d.W, d.P, d.Q, kernel,
+                         stride, pad, cuda_stream());
+  });
+}
+
+void CudaBackend::maxpool2d_backward(const Tensor& dy, const Tensor& argmax, Tensor& dx) {
+  check_4d(dy, "maxpool2d_backward", "output gradient dy");
+  check_4d(dx, "maxpool2d_backward", "input gradient dx");
+  if (dx.dtype() != dy.dtype() || dx.size(0) != dy.size(0) || dx.size(1) != dy.size(1)) {
+    throw Error("maxpool2d_backward: output gradient " + dy.str() + " and input gradient " + dx.str() +
+                " do not fit: they need the same dtype, batch and channels");
+  }
+  if (!argmax.defined() || argmax.dtype() != DType::kI32 || argmax.shape() != dy.shape() || !argmax.is_contiguous()) {
+    throw Error("maxpool2d_backward: argmax " + str(argmax) + " must be contiguous int32 of dy's shape " +
+                shape_str(dy.shape()));
+  }
+  check_on_device(dy, "maxpool2d_backward");
+  check_on_device(argmax, "maxpool2d_backward");
+  check_on_device(dx, "maxpool2d_backward");
+  const int64_t planes = dy.size(0) * dy.size(1), PQ = dy.size(2) * dy.size(3), HW = dx.size(2) * dx.size(3);
+  const int64_t count = planes * PQ;
+  if (count >= static_cast<int64_t>(cuda::kNoBadRow)) {
+    throw Error("maxpool2d_backward: " + dy.str() + " has too many elements for the CUDA argmax check (2^32 - 1)");
+  }
+  DeviceGuard guard(device_.index);
+  cudaStream_t s = cuda_stream();
+  // Every index is checked before dx is written, as on the CPU: validate, wait, scatter.
+  if (count > 0) {
+    GPIPE_CUDA_CHECK(cudaMemsetAsync(bad_row_, 0xFF, sizeof(unsigned), s));  // kNoBadRow
+    cuda_conv::validate_argmax(argmax.data<int32_t>(), count, HW, bad_row_, s);
+    const unsigned i = wait_for_bad_row();
+    if (i != cuda::kNoBadRow) {
+      auto* host_index = reinterpret_cast<int32_t*>(static_cast<char*>(host_staging_) + 8);
+      GPIPE_CUDA_CHECK(
+          cudaMemcpyAsync(host_index, argmax.data<int32_t>() + i, sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+      GPIPE_CUDA_CHECK(cudaStreamSynchronize(s));
+      throw Error("maxpool2d_backward: argmax " + std::to_string(*host_index) + " at " + std::to_string(i) +
+                  " is outside the " + std::to_string(HW) + "-value planes of " + dx.str() +
+                  "; pass the argmax that maxpool2d wrote for this input");
+    }
+  }
+  dispatch_float(dy, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda_conv::maxpool2d_backward(dy.data<T>(), argmax.data<int32_t>(), dx.data<T>(), planes, PQ, HW, s);
+  });
+}
+
+void CudaBackend::avgpool2d(const Tensor& x, int kernel, int stride, Tensor& y) {
+  const PoolDims d = check_avgpool(x, kernel, stride, "avgpool2d");
+  const Shape out{d.N, d.C, d.P, d.Q};
+  check_shape(y, x, out, "avgpool2d", "output", pool_because(x, kernel, stride, 0));
+  check_on_device(x, "avgpool2d");
+  check_on_device(y, "avgpool2d");
+  if (d.N * d.C == 0) return;  // H, W >= kernel >= 1 here
+  DeviceGuard guard(device_.index);
+  CudnnState& st = cudnn();
+  set_tensor(st.x, x, x.shape(), "avgpool2d");
+  set_tensor(st.y, y, out, "avgpool2d");
+  GPIPE_CUDNN_CHECK(cudnnSetPooling2dDescriptor(st.pool, CUDNN_POOLING_AVERAGE_COUNT_INCLUDE_PADDING,
+                                                CUDNN_PROPAGATE_NAN, kernel, kernel, 0, 0, stride, stride));
+  const Blend b = blend(1.0, 0.0);
+  GPIPE_CUDNN_CHECK(cudnnPoolingForward(st.handle, st.pool, b.alpha(x.dtype()), st.x, x.raw_data(),
+                                        b.beta(x.dtype()), st.y, y.raw_data()));
+}
+
+// dx is overwritten; input positions that no window covers (when the stride skips
+// them) get 0. dx is cleared first and cuDNN adds into it (beta 1), so those positions
+// are 0 however cuDNN treats them.
+void CudaBackend::avgpool2d_backward(const Tensor& dy, int kernel, int stride, Tensor& dx) {
+  const PoolDims d = check_avgpool(dx, kernel, stride, "avgpool2d_backward");
+  const Shape out{d.N, d.C, d.P, d.Q};
+  check_shape(dy, dx, out, "avgpool2d_backward", "output gradient dy", pool_because(dx, kernel, stride, 0));
+  check_on_device(dy, "avgpool2d_backward");
+  check_on_device(dx, "avgpool2d_backward");
+  if (d.N * d.C == 0) return;
+  DeviceGuard guard(device_.index);
+  cudaStream_t s = cuda_stream();
+  GPIPE_CUDA_CHECK(cudaMemsetAsync(dx.raw_data(), 0, dx.nbytes(), s));
+  CudnnState& st = cudnn();
+  set_tensor(st.x, dx, dx.shape(), "avgpool2d_backward");
+  set_tensor(st.y, dy, out, "avgpool2d_backward");
+  GPIPE_CUDNN_CHECK(cudnnSetPooling2dDescriptor(st.pool, CUDNN_POOLING_AVERAGE_COUNT_INCLUDE_PADDING,
+                                                CUDNN_PROPAGATE_NAN, kernel, kernel, 0, 0, stride, stride));
+  const Blend b = blend(1.0, 1.0);
+  // Average pooling's gradient depends on dy alone; cuDNN still takes the forward
+  // input and output, which it does not read in this mode: dy and dx stand in for them.
+  GPIPE_CUDNN_CHECK(cudnnPoolingBackward(st.handle, st.pool, b.alpha(dx.dtype()), st.y, dy.raw_data(), st.y,
+                                         dy.raw_data(), st.x, dx.raw_data(), b.beta(dx.dtype()), st.x,
+                                         dx.raw_data()));
+}
+
+}  // namespace gpipe
