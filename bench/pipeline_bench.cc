@@ -213,13 +213,12 @@ int main(int argc, char** argv) {
     for (int64_t i = 0; i < x.numel(); ++i) x.data<float>()[i] = static_cast<float>(rng.normal());
     for (int64_t i = 0; i < f.batch; ++i) y.data<int32_t>()[i] = static_cast<int32_t>(rng.next() % f.classes);
 
-    // The driver thread (and with it a K = 1 stage, which the executor leaves unpinned
-    // and which inherits this affinity) runs on one core (--core, default 0): the K = 1
-    // device is one core, and the direct baseline of a K = 1 run shares its core.
+    // The driver thread runs on one core (--core, default 0); the executor pins stage k
+    // to core k (K = 1 included), and the direct baseline of a K = 1 run shares core 0.
     if (f.pin && !bench::pin_this_thread(f.core)) usage_error("cannot pin to core " + std::to_string(f.core));
     InProcessTransport transport(f.k);
     ExecutorOptions opts;
-    opts.sgd.lr = f.lr;
+    opts.optimizer.lr = f.lr;
     opts.pin_threads = f.pin;
     Executor ex(*model, stages, schedule, transport, opts);
 
@@ -235,7 +234,9 @@ int main(int argc, char** argv) {
     std::unique_ptr<bench::DirectRunner> direct;
     if (f.direct) {
       direct_model = layers::build_model(spec);
-      direct = std::make_unique<bench::DirectRunner>(*direct_model, stages, schedule, opts.sgd, f.pin);
+      SgdParams sgd;
+      sgd.lr = f.lr;
+      direct = std::make_unique<bench::DirectRunner>(*direct_model, stages, schedule, sgd, f.pin);
     }
 
     // Executor and direct steps alternate, so a drift in machine load hits both alike.

@@ -234,7 +234,7 @@ Config parse_config(const std::string& text, const std::string& source, const st
 
   // model
   const YAML::Node model = dec.required(root, "model", "");
-  dec.check_map(model, "model", {"input", "dtype", "seed", "layers", "loss"});
+  dec.check_map(model, "model", {"input", "input_dtype", "dtype", "seed", "layers", "loss"});
   for (int64_t d : dec.int_list(dec.required(model, "input", "model"), "model.input")) {
     if (d < 1) dec.fail(model["input"], "model.input", "dimensions must be positive");
     c.model.input.push_back(d);
@@ -244,17 +244,41 @@ Config parse_config(const std::string& text, const std::string& source, const st
     if (dt != "float32" && dt != "float64") dec.fail(model["dtype"], "model.dtype", "use float32 or float64, got '" + dt + "'");
     c.model.dtype = parse_dtype(dt);
   }
+  if (model["input_dtype"]) {
+    const std::string dt = dec.str(model["input_dtype"], "model.input_dtype");
+    if (dt != "float32" && dt != "float64" && dt != "int32") {
+      dec.fail(model["input_dtype"], "model.input_dtype", "use int32 (token ids), float32 or float64, got '" + dt + "'");
+    }
+    c.model.input_dtype = parse_dtype(dt);
+  }
   if (model["seed"]) c.model.seed = static_cast<uint64_t>(dec.integer(model["seed"], "model.seed"));
   dec.layers(dec.required(model, "layers", "model"), "model.layers", c.model.layers);
   if (c.model.layers.empty()) dec.fail(model["layers"], "model.layers", "is empty; list at least one layer");
   c.model.loss = dec.layer(dec.required(model, "loss", "model"), "model.loss");
+  // A model that starts with an embedding reads token ids.
+  if (!c.model.input_dtype && c.model.layers.front().type == "embedding") c.model.input_dtype = DType::kI32;
 
   // data
   if (const YAML::Node data = root["data"]) {
-    dec.check_map(data, "data", {"type", "classes", "teacher_hidden", "teacher_scale", "seed", "eval_samples"});
+    dec.check_map(data, "data", {"type", "path", "seq_len", "vocab", "validation_fraction", "classes",
+                                 "teacher_hidden", "teacher_scale", "seed", "eval_samples"});
     if (data["type"]) {
       c.data.type = dec.str(data["type"], "data.type");
-      if (c.data.type != "teacher") dec.fail(data["type"], "data.type", "unknown data type '" + c.data.type + "'; valid: teacher");
+      if (c.data.type != "teacher" && c.data.type != "text" && c.data.type != "tokens" && c.data.type != "cifar10") {
+        dec.fail(data["type"], "data.type", "unknown data type '" + c.data.type + "'; valid: teacher, text, tokens, cifar10");
+      }
+    }
+    if (data["path"]) c.data.path = dec.str(data["path"], "data.path");
+    if (c.data.type != "teacher" && c.data.path.empty()) {
+      dec.fail(data, "data.path", "data.type " + c.data.type + " reads a file: set data.path (or --set data.path=FILE)");
+    }
+    if (data["seq_len"]) c.data.seq_len = dec.positive(data["seq_len"], "data.seq_len");
+    if (data["vocab"]) c.data.vocab = dec.positive(data["vocab"], "data.vocab");
+    if (data["validation_fraction"]) {
+      c.data.validation_fraction = dec.number(data["validation_fraction"], "data.validation_fraction");
+      if (c.data.validation_fraction < 0 || c.data.validation_fraction >= 1) {
+        dec.fail(data["validation_fraction"], "data.validation_fraction", "must be in [0, 1)");
+      }
     }
     if (data["classes"]) c.data.classes = dec.positive(data["classes"], "data.classes");
     if (data["teacher_hidden"]) c.data.teacher_hidden = dec.positive(data["teacher_hidden"], "data.teacher_hidden");
@@ -288,25 +312,48 @@ Config parse_config(const std::string& text, const std::string& source, const st
 
   // optimizer
   if (const YAML::Node o = root["optimizer"]) {
-    dec.check_map(o, "optimizer", {"type", "lr", "momentum", "weight_decay", "nesterov"});
+    dec.check_map(o, "optimizer", {"type", "lr", "momentum", "weight_decay", "nesterov", "beta1", "beta2", "eps",
+                                   "schedule", "warmup_steps", "min_lr", "clip_grad_norm"});
+    layers::OptimizerConfig& oc = c.optimizer.optimizer;
     if (o["type"]) {
-      c.optimizer.type = dec.str(o["type"], "optimizer.type");
-      if (c.optimizer.type != "sgd") dec.fail(o["type"], "optimizer.type", "unknown optimizer '" + c.optimizer.type + "'; valid: sgd");
+      oc.type = dec.str(o["type"], "optimizer.type");
+      if (oc.type != "sgd" && oc.type != "adam" && oc.type != "adamw") {
+        dec.fail(o["type"], "optimizer.type", "unknown optimizer '" + oc.type + "'; valid: sgd, adam, adamw");
+      }
     }
-    if (o["lr"]) c.optimizer.lr = dec.number(o["lr"], "optimizer.lr");
-    if (o["momentum"]) c.optimizer.momentum = dec.number(o["momentum"], "optimizer.momentum");
-    if (o["weight_decay"]) c.optimizer.weight_decay = dec.number(o["weight_decay"], "optimizer.weight_decay");
-    if (o["nesterov"]) c.optimizer.nesterov = dec.boolean(o["nesterov"], "optimizer.nesterov");
-    if (c.optimizer.lr <= 0) dec.fail(o["lr"], "optimizer.lr", "must be positive");
+    if (o["lr"]) oc.lr = dec.number(o["lr"], "optimizer.lr");
+    if (o["momentum"]) oc.momentum = dec.number(o["momentum"], "optimizer.momentum");
+    if (o["weight_decay"]) oc.weight_decay = dec.number(o["weight_decay"], "optimizer.weight_decay");
+    if (o["nesterov"]) oc.nesterov = dec.boolean(o["nesterov"], "optimizer.nesterov");
+    if (o["beta1"]) oc.beta1 = dec.number(o["beta1"], "optimizer.beta1");
+    if (o["beta2"]) oc.beta2 = dec.number(o["beta2"], "optimizer.beta2");
+    if (o["eps"]) oc.eps = dec.number(o["eps"], "optimizer.eps");
+    if (oc.lr <= 0) dec.fail(o["lr"], "optimizer.lr", "must be positive");
+    if (oc.nesterov && oc.momentum <= 0) dec.fail(o["nesterov"], "optimizer.nesterov", "needs optimizer.momentum > 0");
+    if (o["schedule"]) {
+      c.optimizer.schedule = dec.str(o["schedule"], "optimizer.schedule");
+      if (c.optimizer.schedule != "constant" && c.optimizer.schedule != "cosine") {
+        dec.fail(o["schedule"], "optimizer.schedule", "unknown schedule '" + c.optimizer.schedule + "'; valid: constant, cosine");
+      }
+    }
+    if (o["warmup_steps"]) c.optimizer.warmup_steps = static_cast<int>(dec.integer(o["warmup_steps"], "optimizer.warmup_steps"));
+    if (o["min_lr"]) c.optimizer.min_lr = dec.number(o["min_lr"], "optimizer.min_lr");
+    if (o["clip_grad_norm"]) {
+      c.optimizer.clip_grad_norm = dec.number(o["clip_grad_norm"], "optimizer.clip_grad_norm");
+      if (c.optimizer.clip_grad_norm < 0) dec.fail(o["clip_grad_norm"], "optimizer.clip_grad_norm", "must be >= 0 (0 = off)");
+    }
   }
 
   // train
   const YAML::Node t = dec.required(root, "train", "");
-  dec.check_map(t, "train", {"steps", "batch_size", "seed", "log_interval", "blas_threads", "log_level"});
+  dec.check_map(t, "train", {"steps", "batch_size", "seed", "log_interval", "eval_interval", "eval_samples",
+                             "blas_threads", "log_level"});
   c.train.steps = static_cast<int>(dec.positive(dec.required(t, "steps", "train"), "train.steps"));
   c.train.batch_size = dec.positive(dec.required(t, "batch_size", "train"), "train.batch_size");
   if (t["seed"]) c.train.seed = static_cast<uint64_t>(dec.integer(t["seed"], "train.seed"));
   if (t["log_interval"]) c.train.log_interval = static_cast<int>(dec.positive(t["log_interval"], "train.log_interval"));
+  if (t["eval_interval"]) c.train.eval_interval = static_cast<int>(dec.integer(t["eval_interval"], "train.eval_interval"));
+  if (t["eval_samples"]) c.train.eval_samples = dec.integer(t["eval_samples"], "train.eval_samples");
   if (t["blas_threads"]) c.train.blas_threads = static_cast<int>(dec.positive(t["blas_threads"], "train.blas_threads"));
   if (t["log_level"]) c.train.log_level = dec.str(t["log_level"], "train.log_level");
 

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "layers/optimizer.h"
 #include "layers/registry.h"
 
 namespace gpipe {
@@ -15,7 +16,14 @@ namespace pipeline {
 struct DataConfig {
   // "teacher": inputs x ~ N(0, 1); the label of x is the argmax of a fixed random
   // two-layer tanh network (the teacher), so the task is learnable and seeded.
+  // "text": the bytes of any file, for byte-level language modelling (vocabulary 256).
+  // "tokens": a file of little-endian uint16 token ids below `vocab`.
+  // "cifar10": CIFAR-10's binary format (1 label byte + 3072 pixel bytes per record).
   std::string type = "teacher";
+  std::string path;                  // text, tokens, cifar10
+  int64_t seq_len = 128;             // text, tokens
+  int64_t vocab = 256;               // tokens (text is always 256)
+  double validation_fraction = 0.1;  // text, tokens, cifar10: the held-out tail
   int64_t classes = 10;
   int64_t teacher_hidden = 64;
   double teacher_scale = 1.0;  // gain of the teacher's first layer: larger = sharper boundaries
@@ -34,11 +42,11 @@ struct PipelineConfig {
 };
 
 struct OptimizerConfig {
-  std::string type = "sgd";
-  double lr = 0.05;
-  double momentum = 0.9;
-  double weight_decay = 0.0;
-  bool nesterov = false;
+  layers::OptimizerConfig optimizer;  // type, lr, momentum, nesterov, betas, eps, weight_decay
+  std::string schedule = "constant";  // constant | cosine
+  int warmup_steps = 0;
+  double min_lr = 0.0;                // where cosine decay ends
+  double clip_grad_norm = 0.0;        // 0: no clipping
 };
 
 struct TrainConfig {
@@ -46,6 +54,8 @@ struct TrainConfig {
   int64_t batch_size = 64;
   uint64_t seed = 0;
   int log_interval = 10;
+  int eval_interval = 0;     // validation loss every N steps (0: only at the end)
+  int64_t eval_samples = 0;  // validation samples scored each time (0: all)
   int blas_threads = 1;  // BLAS threads per stage: a CPU device is one core
   std::string log_level = "info";
 };

@@ -66,7 +66,7 @@ TEST_CASE("--set overrides any field, including lists and new keys") {
   CHECK(c.pipeline.balance == std::vector<int>{4, 4});
   CHECK(c.train.steps == 7);
   CHECK(c.model.layers[0].args.at("out") == "12");
-  CHECK(c.optimizer.lr == 0.5);
+  CHECK(c.optimizer.optimizer.lr == 0.5);
 }
 
 TEST_CASE("an unknown key names itself, its place and the valid keys") {

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 
 #include "runtime/error.h"
 #include "runtime/logging.h"
@@ -51,7 +52,8 @@ struct Executor::StageRuntime {
   int index = 0;
   StageSpec spec;
   Backend* backend = nullptr;
-  std::unique_ptr<layers::Sgd> optimizer;
+  std::unique_ptr<layers::Optimizer> optimizer;
+  double grad_norm = -1;
   std::vector<MicroBatch> mbs;
   StageTrace trace;
   int64_t live_bytes = 0;
@@ -78,10 +80,13 @@ int64_t held_bytes(const MicroBatch& mb) {
   add(mb.output);
   add(mb.grad_output);
   add(mb.grad_input);
-  for (const auto& c : mb.ctx) {
+  // Composite layers keep their sub-layers' contexts as children.
+  std::function<void(const layers::Context&)> add_context = [&](const layers::Context& c) {
     for (const auto& t : c.saved) add(t);
-  }
-  for (const auto& t : mb.loss_ctx.saved) add(t);
+    for (const auto& child : c.children) add_context(child);
+  };
+  for (const auto& c : mb.ctx) add_context(c);
+  add_context(mb.loss_ctx);
   int64_t total = 0;
   for (auto& s : seen) total += s.second;
   return total;
@@ -132,7 +137,7 @@ Executor::Executor(layers::Sequential& model, std::vector<StageSpec> stages, Sch
       model_.layer(i).to(rt->spec.device);
       for (auto* p : model_.layer(i).parameters()) params.push_back(p);
     }
-    rt->optimizer = std::make_unique<layers::Sgd>(params, options_.sgd);
+    rt->optimizer = layers::make_optimizer(params, options_.optimizer);
     runtimes_.push_back(std::move(rt));
   }
   const bool pin = options_.pin_threads && static_cast<unsigned>(K) <= std::thread::hardware_concurrency();
@@ -195,6 +200,7 @@ void Executor::run_stage(int k) {
   rt.live_bytes = 0;
   rt.error = nullptr;
   rt.error_is_abort = false;
+  rt.grad_norm = -1;
 
   auto to_device = [&](const Tensor& host) {
     if (host.device() == dev || (host.device().is_cpu() && dev.is_cpu())) return host;
@@ -210,6 +216,7 @@ void Executor::run_stage(int k) {
     layers::ForwardArgs args;
     args.step = cur_.step;
     args.sample_offset = cur_.offsets[m];
+    args.recompute = recompute;
     for (int i = 0; i < rt.spec.num_layers; ++i) {
       h = model_.layer(rt.spec.first_layer + i).forward(be, h, keep ? &mb.ctx[i] : nullptr, args);
     }
@@ -294,8 +301,12 @@ void Executor::run_stage(int k) {
           break;
         }
         case Op::kOptimizerStep:
+          if (options_.clip_grad_norm > 0) clip_gradients(k);
           rt.optimizer->step();
           zero_grads();
+          for (int i = rt.spec.first_layer; i < rt.spec.first_layer + rt.spec.num_layers; ++i) {
+            model_.layer(i).end_step(be);
+          }
           break;
       }
       if (m >= 0) {
@@ -319,11 +330,24 @@ void Executor::run_stage(int k) {
   }
 }
 
+void Executor::clip_gradients(int k) {
+  StageRuntime& rt = *runtimes_[k];
+  double local = 0;
+  for (layers::Parameter* p : rt.optimizer->params()) local += rt.backend->sum_squares(p->grad);
+  const double norm = std::sqrt(transport_.all_reduce_sum(k, local));
+  rt.grad_norm = norm;
+  // As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when above.
+  const double coef = options_.clip_grad_norm / (norm + 1e-6);
+  if (coef < 1.0) {
+    for (layers::Parameter* p : rt.optimizer->params()) rt.backend->scale(p->grad, coef);
+  }
+}
+
 StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool apply_optimizer) {
   if (failed_) throw Error("the pipeline stopped after an earlier failure; start a new run");
   const int M = schedule_.num_micro_batches;
   if (!inputs.device().is_cpu() || !targets.device().is_cpu()) throw Error("step() takes host tensors");
-  if (inputs.dim() < 1 || targets.dim() != 1 || inputs.size(0) != targets.size(0)) {
+  if (inputs.dim() < 1 || targets.dim() < 1 || inputs.size(0) != targets.size(0)) {
     throw UserError("inputs " + inputs.str() + " and targets " + targets.str() + " must have the same batch size");
   }
   const int64_t n = inputs.size(0);
@@ -333,10 +357,10 @@ StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool appl
   cur_.offsets.assign(M, 0);
   for (int m = 1; m < M; ++m) cur_.offsets[m] = cur_.offsets[m - 1] + cur_.sizes[m - 1];
   // Mean over the labelled samples of the whole mini-batch, however it is split.
-  int64_t counted = n;
+  int64_t counted = targets.numel();
   if (auto* xent = dynamic_cast<layers::SoftmaxCrossEntropy*>(&model_.loss())) {
     const int32_t* t = targets.data<int32_t>();
-    counted = std::count_if(t, t + n, [&](int32_t v) { return v != xent->ignore_index(); });
+    counted = std::count_if(t, t + targets.numel(), [&](int32_t v) { return v != xent->ignore_index(); });
   }
   cur_.scale = counted > 0 ? 1.0 / static_cast<double>(counted) : 0.0;
   cur_.apply_optimizer = apply_optimizer;
@@ -382,6 +406,7 @@ StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool appl
   }
   StageRuntime& last = *runtimes_.back();
   for (auto& mb : last.mbs) result.loss += last.backend->item(mb.loss);
+  result.grad_norm = last.grad_norm;
   for (auto& rt : runtimes_) {
     result.stages.push_back(std::move(rt->trace));
     rt->mbs.clear();

@@ -38,7 +38,10 @@ struct StageSpec {
 std::vector<StageSpec> make_stages(const std::vector<int>& balance, const std::vector<Device>& devices);
 
 struct ExecutorOptions {
-  SgdParams sgd;
+  layers::OptimizerConfig optimizer;
+  // Scale all gradients so that their global norm (over every stage) is at most this;
+  // 0 turns clipping off.
+  double clip_grad_norm = 0.0;
   // Pin stage k's thread to core k when there are at least as many cores as stages
   // (K = 1 included: a CPU device is one core).
   bool pin_threads = true;
@@ -57,6 +60,7 @@ struct StageTrace {
 
 struct StepResult {
   double loss = 0;  // mean over the mini-batch (sum of the micro-batches' scaled losses)
+  double grad_norm = -1;  // global gradient norm before clipping; -1 when not computed
   double wall_ms = 0;
   std::vector<StageTrace> stages;
 };
@@ -88,6 +92,7 @@ class Executor {
   struct StageRuntime;
   void worker_main(int k);
   void run_stage(int k);
+  void clip_gradients(int k);
 
   layers::Sequential& model_;
   std::vector<StageSpec> stages_;

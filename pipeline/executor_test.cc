@@ -113,7 +113,10 @@ TEST_CASE("one pipelined step equals one SGD step on the whole batch") {
   auto model = layers::build_model(mlp_spec(DType::kF64));
   InProcessTransport transport(2);
   ExecutorOptions opts;
-  opts.sgd = sgd;
+  opts.optimizer.type = "sgd";
+  opts.optimizer.lr = sgd.lr;
+  opts.optimizer.momentum = sgd.momentum;
+  opts.optimizer.weight_decay = sgd.weight_decay;
   Executor ex(*model, make_stages({4, 3}, cpu_devices(2)), gpipe_schedule(2, 4, CheckpointMode::kAlways), transport,
               opts);
   for (int step = 0; step < 3; ++step) {
@@ -214,4 +217,65 @@ TEST_CASE("micro-batch sizes") {
   CHECK(split_sizes(10, 4) == std::vector<int64_t>{3, 3, 2, 2});
   CHECK(split_sizes(8, 8) == std::vector<int64_t>{1, 1, 1, 1, 1, 1, 1, 1});
   CHECK_THROWS_WITH_AS(split_sizes(3, 4), doctest::Contains("raise train.batch_size"), UserError);
+}
+
+TEST_CASE("gradient clipping uses the global norm over all stages") {
+  const int64_t N = 12;
+  Tensor x = gpipe::testing::random_tensor({N, 6}, DType::kF64, 8, -3, 3);
+  Tensor y = gpipe::testing::random_labels(N, 4, 9);
+  const double max_norm = 0.05;  // small enough to clip
+
+  auto reference = layers::build_model(mlp_spec(DType::kF64));
+  reference->zero_grad();
+  reference->forward_backward(backend_for(Device::cpu()), x, y, 1.0 / N);
+  double sq = 0;
+  for (auto& np : reference->named_parameters()) {
+    for (double g : to_doubles(np.second->grad)) sq += g * g;
+  }
+  const double norm = std::sqrt(sq);
+  REQUIRE(norm > max_norm);
+  std::vector<layers::Parameter*> ref_params;
+  for (auto& np : reference->named_parameters()) {
+    backend_for(Device::cpu()).scale(np.second->grad, max_norm / (norm + 1e-6));
+    ref_params.push_back(np.second);
+  }
+  SgdParams sgd;
+  sgd.lr = 0.1;
+  layers::Sgd(ref_params, sgd).step();
+
+  auto model = layers::build_model(mlp_spec(DType::kF64));
+  InProcessTransport transport(3);
+  ExecutorOptions opts;
+  opts.optimizer.lr = 0.1;
+  opts.clip_grad_norm = max_norm;
+  Executor ex(*model, make_stages({3, 2, 2}, cpu_devices(3)), gpipe_schedule(3, 4, CheckpointMode::kExceptLast),
+              transport, opts);
+  const StepResult r = ex.step(x, y);
+  CHECK(r.grad_norm == doctest::Approx(norm).epsilon(1e-10));
+  auto a = model->named_parameters(), b = reference->named_parameters();
+  for (size_t i = 0; i < a.size(); ++i) GPIPE_EXPECT_CLOSE(a[i].second->value, b[i].second->value, 1e-12, 1e-12);
+}
+
+TEST_CASE("sequence targets: a loss per position, averaged over all positions") {
+  // (N, T, F) inputs through Linear over the last dimension, (N, T) targets.
+  layers::ModelSpec spec;
+  spec.input = {3, 5};
+  spec.dtype = DType::kF64;
+  spec.layers = {{"linear", {{"out", "6"}}, {}, ""}, {"gelu", {}, {}, ""}, {"linear", {{"out", "4"}}, {}, ""}};
+  spec.loss = {"softmax_cross_entropy", {{"ignore_index", "-1"}}, {}, ""};
+  const int64_t N = 7;
+  Tensor x = gpipe::testing::random_tensor({N, 3, 5}, DType::kF64, 1);
+  Tensor y = gpipe::testing::random_labels(N * 3, 4, 2).reshape({N, 3});
+  y.data<int32_t>()[4] = -1;  // an ignored position
+  auto reference = layers::build_model(spec);
+  reference->zero_grad();
+  const double ref_loss = reference->forward_backward(backend_for(Device::cpu()), x, y, 1.0 / (N * 3 - 1));
+  auto model = layers::build_model(spec);
+  InProcessTransport transport(2);
+  Executor ex(*model, make_stages({2, 1}, cpu_devices(2)), gpipe_schedule(2, 3, CheckpointMode::kAlways), transport,
+              {});
+  const StepResult r = ex.step(x, y, false);
+  CHECK(r.loss == doctest::Approx(ref_loss).epsilon(1e-12));
+  auto a = model->named_parameters(), b = reference->named_parameters();
+  for (size_t i = 0; i < a.size(); ++i) GPIPE_EXPECT_CLOSE(a[i].second->grad, b[i].second->grad, 1e-10, 1e-12);
 }

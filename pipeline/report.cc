@@ -73,6 +73,10 @@ void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool ti
   ++timed_;
 }
 
+void ReportBuilder::add_validation(int step, double loss, double accuracy) {
+  validations_.push_back({step, loss, accuracy});
+}
+
 void ReportBuilder::set_eval(double loss, double accuracy) {
   has_eval_ = true;
   eval_loss_ = loss;
@@ -136,7 +140,7 @@ std::string ReportBuilder::table() const {
   std::snprintf(line, sizeof line, "Throughput: %.1f samples/s\n", s.samples_per_second);
   os << line;
   if (has_eval_) {
-    std::snprintf(line, sizeof line, "Held-out: loss %.4f, accuracy %.2f%%\n", eval_loss_, 100 * eval_accuracy_);
+    std::snprintf(line, sizeof line, "Validation: loss %.4f, accuracy %.2f%%\n", eval_loss_, 100 * eval_accuracy_);
     os << line;
   }
   return os.str();
@@ -173,6 +177,10 @@ nlohmann::json ReportBuilder::json() const {
                            {"peak_activation_bytes", st.peak_activation_bytes}});
   }
   if (has_eval_) j["eval"] = {{"loss", eval_loss_}, {"accuracy", eval_accuracy_}};
+  j["validation"] = nlohmann::json::array();
+  for (const auto& v : validations_) {
+    j["validation"].push_back({{"step", v.step}, {"loss", v.loss}, {"accuracy", v.accuracy}});
+  }
   return j;
 }
 

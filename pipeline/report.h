@@ -46,6 +46,8 @@ class ReportBuilder {
   // Timings of a step; steps before `timed` (warm-up) only contribute their loss.
   void add_step(int step, double loss, const StepResult& r, bool timed);
   void set_eval(double loss, double accuracy);
+  // A validation score taken after `step`.
+  void add_validation(int step, double loss, double accuracy);
   RunSummary summary() const;
   // The table printed at the end of a run.
   std::string table() const;
@@ -57,6 +59,11 @@ class ReportBuilder {
   std::string checkpoint_, schedule_;
   int64_t batch_size_;
   std::vector<std::pair<int, double>> losses_;
+  struct Validation {
+    int step;
+    double loss, accuracy;
+  };
+  std::vector<Validation> validations_;
   std::vector<StageSummary> acc_;
   int timed_ = 0;
   double span_total_ = 0, wall_total_ = 0;

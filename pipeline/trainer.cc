@@ -8,7 +8,7 @@
 #include <ostream>
 
 #include "partition/balance.h"
-#include "pipeline/data.h"
+#include "pipeline/datasets.h"
 #include "pipeline/executor.h"
 #include "runtime/error.h"
 #include "runtime/inprocess_transport.h"
@@ -54,15 +54,18 @@ void write_atomically(const std::filesystem::path& path, const std::string& text
   std::filesystem::rename(tmp, path);
 }
 
-// Loss and accuracy of the model on a held-out set, cell by cell on each stage's device.
-std::pair<double, double> evaluate(layers::Sequential& model, const std::vector<StageSpec>& stages, const Tensor& x,
-                                   const Tensor& y, int64_t chunk) {
+// Mean loss and accuracy (argmax over the classes, per target) of the model on
+// validation samples [0, n), cell by cell on each stage's device, in chunks.
+std::pair<double, double> evaluate(layers::Sequential& model, const std::vector<StageSpec>& stages,
+                                   const Dataset& data, int64_t n, int64_t chunk) {
   double loss_sum = 0;
-  int64_t correct = 0;
-  const int64_t n = x.size(0);
+  int64_t correct = 0, counted = 0;
+  layers::ForwardArgs args;
+  args.training = false;
   for (int64_t start = 0; start < n; start += chunk) {
     const int64_t len = std::min(chunk, n - start);
-    Tensor h = x.narrow_rows(start, len);
+    auto [x, y] = data.validation(start, len);
+    Tensor h = x;
     for (const StageSpec& s : stages) {
       Backend& be = backend_for(s.device);
       if (!(h.device() == s.device || (h.device().is_cpu() && s.device.is_cpu()))) {
@@ -70,35 +73,75 @@ std::pair<double, double> evaluate(layers::Sequential& model, const std::vector<
         be.copy(h, moved);
         h = moved;
       }
-      for (int i = s.first_layer; i < s.first_layer + s.num_layers; ++i) h = model.layer(i).forward(be, h, nullptr);
+      for (int i = s.first_layer; i < s.first_layer + s.num_layers; ++i) h = model.layer(i).forward(be, h, nullptr, args);
     }
     Backend& be = backend_for(stages.back().device);
-    Tensor targets = y.narrow_rows(start, len);
+    Tensor targets = y;
     if (!be.device().is_cpu()) {
-      Tensor t = be.empty(targets.shape(), targets.dtype());
-      be.copy(targets, t);
-      targets = t;
+      targets = be.empty(y.shape(), y.dtype());
+      be.copy(y, targets);
     }
+    // Scaled by 1: the sum of per-target losses of this chunk.
     loss_sum += be.item(model.loss().forward(be, h, targets, 1.0, nullptr));
     Tensor logits = h;
     if (!h.device().is_cpu()) {
       logits = Tensor::empty(h.shape(), h.dtype(), Device::cpu());
       be.copy(h, logits);
     }
-    const int64_t classes = logits.size(1);
-    for (int64_t i = 0; i < len; ++i) {
+    const int64_t classes = logits.shape().back();
+    const int64_t rows = logits.numel() / classes;
+    for (int64_t r = 0; r < rows; ++r) {
+      auto value = [&](int64_t c) {
+        return logits.dtype() == DType::kF32 ? static_cast<double>(logits.data<float>()[r * classes + c])
+                                             : logits.data<double>()[r * classes + c];
+      };
       int64_t best = 0;
       for (int64_t c = 1; c < classes; ++c) {
-        const double a = logits.dtype() == DType::kF32 ? logits.data<float>()[i * classes + c]
-                                                       : logits.data<double>()[i * classes + c];
-        const double b = logits.dtype() == DType::kF32 ? logits.data<float>()[i * classes + best]
-                                                       : logits.data<double>()[i * classes + best];
-        if (a > b) best = c;
+        if (value(c) > value(best)) best = c;
       }
-      correct += best == y.data<int32_t>()[start + i];
+      correct += best == y.data<int32_t>()[r];
     }
+    counted += rows;
   }
-  return {loss_sum / n, static_cast<double>(correct) / n};
+  return {loss_sum / std::max<int64_t>(counted, 1), static_cast<double>(correct) / std::max<int64_t>(counted, 1)};
+}
+
+std::unique_ptr<Dataset> make_dataset(const Config& c) {
+  const DataConfig& d = c.data;
+  if (d.type == "teacher") {
+    if (c.model.input.size() != 1) {
+      throw UserError("data.type teacher makes flat inputs: model.input must have one dimension, got " +
+                      shape_str(c.model.input));
+    }
+    return make_teacher_data(c.model.input[0], d.classes, d.teacher_hidden, d.teacher_scale, d.seed, c.model.dtype,
+                             d.eval_samples);
+  }
+  if (d.type == "text") {
+    return make_token_data(read_byte_tokens(d.path), 256, d.seq_len, d.validation_fraction, d.seed, d.path);
+  }
+  if (d.type == "tokens") {
+    return make_token_data(read_uint16_tokens(d.path, d.vocab), d.vocab, d.seq_len, d.validation_fraction, d.seed,
+                           d.path);
+  }
+  if (d.type == "cifar10") return make_cifar_data(d.path, d.validation_fraction, d.seed);
+  throw UserError("data.type: unknown data type '" + d.type + "'; valid: teacher, text, tokens, cifar10");
+}
+
+// The model must read what the data gives and predict what it asks for.
+void check_model_fits_data(const layers::Sequential& model, const Dataset& data) {
+  if (model.input_shape() != data.input_shape() || model.input_dtype() != data.input_dtype()) {
+    throw UserError("the data gives " + std::string(dtype_name(data.input_dtype())) + shape_str(data.input_shape()) +
+                    " per sample but the model takes " + dtype_name(model.input_dtype()) +
+                    shape_str(model.input_shape()) + "; set model.input (and data.seq_len for text) to match");
+  }
+  Shape want = data.target_shape();
+  want.push_back(data.classes());
+  if (model.output_shape() != want) {
+    throw UserError("the model's last layer produces " + shape_str(model.output_shape()) + " per sample but the data needs " +
+                    shape_str(want) + " (" + std::to_string(data.classes()) + " classes" +
+                    (data.target_shape().empty() ? std::string() : " per position") +
+                    "); make the last layer's out equal to data.classes (or the vocabulary)");
+  }
 }
 
 int64_t host_available_bytes() {
@@ -149,14 +192,8 @@ TrainResult train(const Config& c, std::ostream& out) {
   init_logging(c.train.log_level);
   set_cpu_blas_threads(c.train.blas_threads);
   auto model = layers::build_model(c.model);
-  if (c.model.input.size() != 1) {
-    throw UserError("data.type teacher makes flat inputs: model.input must have one dimension, got " +
-                    shape_str(c.model.input));
-  }
-  if (model->output_shape() != Shape{c.data.classes}) {
-    throw UserError("the model's last layer produces " + shape_str(model->output_shape()) + " per sample but data.classes is " +
-                    std::to_string(c.data.classes) + "; make the last layer's out equal to data.classes");
-  }
+  const std::unique_ptr<Dataset> data = make_dataset(c);
+  check_model_fits_data(*model, *data);
   const int K = c.pipeline.partitions, M = c.pipeline.micro_batches;
   const CheckpointMode mode = parse_checkpoint_mode(c.pipeline.checkpoint);
   split_sizes(c.train.batch_size, M);  // validates N >= M before anything starts
@@ -171,55 +208,68 @@ TrainResult train(const Config& c, std::ostream& out) {
     stage_layers.push_back(describe_layers(*model, s.first_layer, s.num_layers));
     stage_devices.push_back(s.device.str());
   }
+  std::string balance_text;
+  for (size_t i = 0; i < result.balance.size(); ++i) balance_text += (i ? ", " : "") + std::to_string(result.balance[i]);
+  spdlog::info("data: {}", data->describe());
   spdlog::info("model: {} layers, {} parameters; {} stages, balance [{}], {} micro-batches, checkpoint {}",
-               model->size(), model->parameter_count(), K,
-               [&] {
-                 std::string b;
-                 for (size_t i = 0; i < result.balance.size(); ++i) b += (i ? ", " : "") + std::to_string(result.balance[i]);
-                 return b;
-               }(),
-               M, c.pipeline.checkpoint);
+               model->size(), model->parameter_count(), K, balance_text, M, c.pipeline.checkpoint);
   for (size_t k = 0; k < stages.size(); ++k) spdlog::info("stage {} on {}: layers {}", k, stage_devices[k], stage_layers[k]);
 
   InProcessTransport transport(K);
   ExecutorOptions opts;
-  opts.sgd.lr = c.optimizer.lr;
-  opts.sgd.momentum = c.optimizer.momentum;
-  opts.sgd.weight_decay = c.optimizer.weight_decay;
-  opts.sgd.nesterov = c.optimizer.nesterov;
+  opts.optimizer = c.optimizer.optimizer;
+  opts.clip_grad_norm = c.optimizer.clip_grad_norm;
   opts.pin_threads = c.pipeline.pin_threads;
   Executor executor(*model, stages, std::move(schedule), transport, opts);
+  layers::LrSchedule lr;
+  lr.kind = c.optimizer.schedule;
+  lr.base_lr = c.optimizer.optimizer.lr;
+  lr.warmup_steps = c.optimizer.warmup_steps;
+  lr.total_steps = c.train.steps;
+  lr.min_lr = c.optimizer.min_lr;
 
-  TeacherData data(c.model.input[0], c.data.classes, c.data.teacher_hidden, c.data.teacher_scale, c.data.seed,
-                   c.model.dtype);
+  const int64_t eval_n = c.train.eval_samples > 0 ? std::min(c.train.eval_samples, data->validation_size())
+                                                  : data->validation_size();
+  auto validate = [&] { return evaluate(*model, stages, *data, eval_n, c.train.batch_size); };
+
   ReportBuilder report(stage_layers, stage_devices, M, c.pipeline.checkpoint, c.pipeline.schedule, c.train.batch_size);
   double window_ms = 0;
   int window_steps = 0;
   for (int step = 0; step < c.train.steps; ++step) {
-    auto [x, y] = data.batch(static_cast<uint64_t>(c.train.seed) * 1000003ULL + step, c.train.batch_size);
+    auto [x, y] = data->batch(static_cast<uint64_t>(c.train.seed) * 1000003ULL + step, c.train.batch_size);
+    executor.set_lr(lr.at(step));
     const StepResult r = executor.step(x, y);
     if (!std::isfinite(r.loss)) {
       throw UserError("the loss became " + std::string(std::isnan(r.loss) ? "NaN" : "infinite") + " at step " +
-                      std::to_string(step) + "; lower optimizer.lr (now " + std::to_string(c.optimizer.lr) +
-                      ") or check the data. Nothing was written for this step.");
+                      std::to_string(step) + "; lower optimizer.lr (now " + std::to_string(lr.at(step)) +
+                      "), set optimizer.clip_grad_norm, or check the data. Nothing was written for this step.");
     }
     result.losses.push_back(r.loss);
     // The first step warms caches and allocators; it is left out of the timings.
     report.add_step(step, r.loss, r, c.train.steps == 1 || step > 0);
     window_ms += r.wall_ms;
     ++window_steps;
-    if ((step + 1) % c.train.log_interval == 0 || step + 1 == c.train.steps || step == 0) {
+    const bool last = step + 1 == c.train.steps;
+    const bool eval_now = eval_n > 0 && c.train.eval_interval > 0 && (step + 1) % c.train.eval_interval == 0 && !last;
+    if ((step + 1) % c.train.log_interval == 0 || last || step == 0 || eval_now) {
       char line[256];
-      std::snprintf(line, sizeof line, "step %5d/%d  loss %.4f  %.1f samples/s", step + 1, c.train.steps, r.loss,
+      int len = std::snprintf(line, sizeof line, "step %5d/%d  loss %.4f", step + 1, c.train.steps, r.loss);
+      if (eval_now) {
+        const auto [vl, va] = validate();
+        report.add_validation(step, vl, va);
+        len += std::snprintf(line + len, sizeof line - len, "  val_loss %.4f", vl);
+      }
+      if (r.grad_norm >= 0) len += std::snprintf(line + len, sizeof line - len, "  grad_norm %.3f", r.grad_norm);
+      std::snprintf(line + len, sizeof line - len, "  lr %.3g  %.1f samples/s", lr.at(step),
                     c.train.batch_size * window_steps / (window_ms / 1000.0));
       out << line << std::endl;
       window_ms = 0;
       window_steps = 0;
     }
   }
-  if (c.data.eval_samples > 0) {
-    auto [ex, ey] = data.eval_set(c.data.eval_samples);
-    std::tie(result.eval_loss, result.eval_accuracy) = evaluate(*model, stages, ex, ey, c.train.batch_size);
+  if (eval_n > 0) {
+    std::tie(result.eval_loss, result.eval_accuracy) = validate();
+    report.add_validation(c.train.steps - 1, result.eval_loss, result.eval_accuracy);
     report.set_eval(result.eval_loss, result.eval_accuracy);
   }
   out << "\n" << report.table();
@@ -231,6 +281,7 @@ TrainResult train(const Config& c, std::ostream& out) {
   if (ec) throw UserError("cannot create output.dir '" + dir.string() + "': " + ec.message());
   nlohmann::json j = report.json();
   j["config"] = c.source;
+  j["data"] = data->describe();
   j["balance"] = result.balance;
   const auto path = dir / "report.json";
   write_atomically(path, j.dump(2) + "\n");

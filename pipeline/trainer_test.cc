@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "layers/registry.h"
 #include "pipeline/config.h"
 #include "pipeline/trainer.h"
 #include "runtime/error.h"
@@ -97,10 +98,88 @@ TEST_CASE("requests that cannot work are refused before training") {
   CHECK_THROWS_WITH_AS(run({"pipeline.partitions=2", "pipeline.balance=[2,2]"}), doctest::Contains("sums to 4"),
                        UserError);
   CHECK_THROWS_WITH_AS(run({"pipeline.micro_batches=64"}), doctest::Contains("raise train.batch_size"), UserError);
-  CHECK_THROWS_WITH_AS(run({"data.classes=5"}), doctest::Contains("data.classes is 5"), UserError);
+  CHECK_THROWS_WITH_AS(run({"data.classes=5"}), doctest::Contains("the data needs (5) (5 classes)"), UserError);
   // 2^20-wide layers at batch 2^16: terabytes, refused before anything is allocated.
   CHECK_THROWS_WITH_AS(run({"model.layers.0.out=1048576", "train.batch_size=65536", "pipeline.checkpoint=never"}),
                        doctest::Contains("of host memory"), UserError);
   CHECK_THROWS_WITH_AS(run({"pipeline.partitions=2", "pipeline.devices=[cuda:0, cuda:1]"}),
                        doctest::Contains("CUDA"), UserError);
+}
+
+namespace {
+std::string write_text(const std::string& name, int repeats) {
+  const std::string path = out_dir(name);
+  std::ofstream f(path);
+  for (int i = 0; i < repeats; ++i) f << "the quick brown fox jumps over the lazy dog. ";
+  return path;
+}
+
+const char* kTinyGpt = R"(model:
+  input: [16]
+  layers:
+    - {type: embedding, vocab: 256, dim: 32}
+    - {type: transformer_block, heads: 2, dropout: 0.1}
+    - {type: transformer_block, heads: 2}
+    - {type: layernorm}
+    - {type: linear, out: 256}
+  loss: softmax_cross_entropy
+data: {type: text, seq_len: 16, validation_fraction: 0.2}
+pipeline: {partitions: 2, micro_batches: 4, checkpoint: except_last}
+optimizer: {type: adamw, lr: 0.01, weight_decay: 0.01, schedule: cosine, warmup_steps: 5, clip_grad_norm: 1.0}
+train: {steps: 60, batch_size: 8, log_interval: 20, eval_interval: 30, eval_samples: 16}
+)";
+}  // namespace
+
+TEST_CASE("a tiny GPT learns a text file through the pipeline, with validation") {
+  const std::string text = write_text("fox.txt", 60);
+  std::ostringstream log;
+  const Config c = parse_config(kTinyGpt, "tiny_gpt.yaml", {"data.path=" + text, "output.dir=" + out_dir("gpt")});
+  const TrainResult r = train(c, log);
+  REQUIRE(r.losses.size() == 60);
+  CHECK(r.losses.front() > 4.0);  // about log(256) at the start
+  CHECK(r.losses.back() < 0.5 * r.losses.front());
+  CHECK(r.eval_loss < 0.6 * r.losses.front());
+  CHECK(log.str().find("val_loss") != std::string::npos);
+  std::ifstream f(r.report_path);
+  const nlohmann::json j = nlohmann::json::parse(f);
+  CHECK(j["validation"].size() == 2);  // step 30 and the end
+}
+
+TEST_CASE("data and model must agree, and files must exist") {
+  const std::string text = write_text("fox2.txt", 10);
+  std::ostringstream log;
+  CHECK_THROWS_WITH_AS(
+      train(parse_config(kTinyGpt, "t.yaml", {"data.path=" + text, "data.seq_len=8"}), log),
+      doctest::Contains("the data gives int32(8) per sample but the model takes int32(16)"), UserError);
+  CHECK_THROWS_WITH_AS(train(parse_config(kTinyGpt, "t.yaml", {"data.path=/no/such.txt"}), log),
+                       doctest::Contains("'/no/such.txt' cannot be read"), UserError);
+  CHECK_THROWS_WITH_AS(parse_config(kTinyGpt, "t.yaml"), doctest::Contains("set data.path"), UserError);
+}
+
+TEST_CASE("the shipped configs parse, build and balance") {
+  for (const char* path : {"configs/default.yaml", "configs/gpt.yaml", "configs/resnet.yaml"}) {
+    CAPTURE(path);
+    const Config c = load_config(path);
+    auto model = layers::build_model(c.model);
+    const auto balance = plan_balance(c, *model);
+    CHECK(static_cast<int>(balance.size()) == c.pipeline.partitions);
+  }
+}
+
+TEST_CASE("the ResNet config trains on a CIFAR-10 binary file") {
+  const std::string path = out_dir("cifar_batch.bin");
+  {
+    std::ofstream f(path, std::ios::binary);
+    for (int r = 0; r < 64; ++r) {
+      f.put(static_cast<char>(r % 10));
+      for (int p = 0; p < 3072; ++p) f.put(static_cast<char>((p * (r % 10 + 1)) % 251));
+    }
+  }
+  std::ostringstream log;
+  const Config c = load_config("configs/resnet.yaml", {"data.path=" + path, "train.steps=3", "train.batch_size=8",
+                                                       "train.eval_samples=8", "output.dir=" + out_dir("resnet")});
+  const TrainResult r = train(c, log);
+  REQUIRE(r.losses.size() == 3);
+  for (double l : r.losses) CHECK(std::isfinite(l));
+  CHECK(r.balance.size() == 2);
 }

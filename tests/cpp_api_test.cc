@@ -29,8 +29,8 @@ TEST_CASE("the README's C++ example trains") {
 
   InProcessTransport transport(K);
   pipeline::ExecutorOptions options;
-  options.sgd.lr = 0.05;
-  options.sgd.momentum = 0.9;
+  options.optimizer.lr = 0.05;
+  options.optimizer.momentum = 0.9;
   pipeline::Executor executor(model, stages,
                               pipeline::gpipe_schedule(K, M, pipeline::CheckpointMode::kExceptLast),
                               transport, options);

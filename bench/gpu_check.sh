@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The GPU check: what gets run when a GPU machine is lent.
+#
+#   bench/gpu_check.sh prepare   (here, where Bazel and the Debian libraries are)
+#       builds the CUDA tests and GPU benchmarks with --config=cuda and copies them,
+#       with every non-CUDA shared library they load, into .gpu_carry/ (git-ignored)
+#   bench/gpu_check.sh run       (on the GPU machine, with .gpu_carry/ carried over)
+#       runs the CPU-vs-CUDA conformance suite and the GPU benchmarks, full logs under
+#       $OUT (or /tmp/gpu_check), and prints a short table last
+#
+# The GPU machine has the CUDA libraries but no Bazel and no Debian packages, so the
+# binaries are built here; the CUDA libraries themselves are never carried.
+set -euo pipefail
+cd "$(dirname "$(readlink -f "$0")")/.."
+carry=.gpu_carry
+
+prepare() {
+  rm -rf "$carry" && mkdir -p "$carry/lib"
+  bazel build --config=cuda //kernels:cuda_backend_test //kernels:cuda_conv_test //tests:gpu_layers_test \
+    //bench:block_bench //bench:pipeline_bench >&2
+  local bin
+  for bin in kernels/cuda_backend_test kernels/cuda_conv_test tests/gpu_layers_test bench/block_bench \
+             bench/pipeline_bench; do
+    cp -L "bazel-bin/$bin" "$carry/$(basename "$bin")"
+    # Every shared library it loads, except the CUDA toolkit's and the C runtime's.
+    ldd "bazel-bin/$bin" | awk '/=> \// { print $3 }' | while read -r lib; do
+      case "$lib" in
+        */cuda*/*|*libcuda.so*|*libnccl*|*libcublas*|*libcudnn*|*/libc.so*|*/libm.so*|*/ld-linux*|*/libpthread*|*/libdl.so*|*/librt.so*) ;;
+        *) cp -Ln "$lib" "$carry/lib/" ;;
+      esac
+    done
+  done
+  cp bench/torch_block.py "$carry/"
+  du -sh "$carry" >&2
+}
+
+run() {
+  local out="${OUT:-/tmp/gpu_check}"
+  mkdir -p "$out"
+  local cuda_libs
+  cuda_libs="$(ls -d /usr/local/cuda*/lib64 2>/dev/null | tr '\n' ':')"
+  cuda_libs+="$(ldconfig -p | awk '/libcublas|libnccl|libcudnn/ { sub(/\/[^\/]*$/, "", $NF); print $NF }' | sort -u | tr '\n' ':')"
+  export LD_LIBRARY_PATH="$PWD/$carry/lib:${cuda_libs}${LD_LIBRARY_PATH:-}"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1 || true
+
+  local t conf summary=""
+  for t in cuda_backend_test cuda_conv_test gpu_layers_test; do
+    conf="FAILED"
+    if "$carry/$t" > "$out/$t.log" 2>&1; then conf="passed"; fi
+    grep -q GPIPE_TEST_SKIPPED "$out/$t.log" && conf="skipped (no GPU visible)"
+    summary+="  $t: $conf (log: $out/$t.log)"$'\n'
+  done
+
+  : > "$out/bench.jsonl"
+  local h
+  for h in 1024 2048; do
+    "$carry/block_bench" --device cuda:0 --hidden "$h" --heads 16 --seq 512 --batch 8 --blocks 4 --steps 20 \
+      >> "$out/bench.jsonl" 2>> "$out/bench.err" || echo "{\"bench\": \"block\", \"hidden\": $h, \"error\": true}" >> "$out/bench.jsonl"
+    if python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+      python3 "$carry/torch_block.py" --device cuda --hidden "$h" --heads 16 --seq 512 --batch 8 --blocks 4 --steps 20 \
+        >> "$out/bench.jsonl" 2>> "$out/bench.err" || true
+    fi
+  done
+
+  echo "GPU: $(tail -n 1 "$out/gpu.txt")"
+  echo "CPU-vs-CUDA conformance:"
+  printf '%s' "$summary"
+  python3 - "$out/bench.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+print(f"{'bench':<12} {'hidden':>6} {'step ms':>9} {'GFLOP/s':>9} {'GEMM GFLOP/s':>13} {'fraction':>8}")
+for r in rows:
+    if r.get("error"):
+        print(f"{r['bench']:<12} {r['hidden']:>6} failed")
+        continue
+    print(f"{r['bench']:<12} {r['hidden']:>6} {r['step_ms']:>9.2f} {r.get('achieved_gflops', float('nan')):>9.0f} "
+          f"{r.get('gemm_gflops', float('nan')):>13.0f} {r.get('fraction_of_gemm_rate', float('nan')):>8.2f}")
+PY
+}
+
+case "${1:-}" in
+  prepare) prepare ;;
+  run) run ;;
+  *) echo "usage: bench/gpu_check.sh prepare|run" >&2; exit 2 ;;
+esac

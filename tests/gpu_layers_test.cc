@@ -1,0 +1,104 @@
+// Layer-level CPU-vs-CUDA conformance: the same models (same seeds) run forward and
+// backward on the CPU reference and on cuda:0; the loss and every parameter gradient
+// must agree to float32 rounding, and one optimizer step must leave the same weights.
+// Reports itself skipped where no GPU is visible.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include "kernels/backend.h"
+#include "layers/optimizer.h"
+#include "layers/registry.h"
+#include "runtime/device.h"
+#include "tests/testing.h"
+
+using namespace gpipe;
+using gpipe::testing::random_labels;
+using gpipe::testing::random_tensor;
+
+namespace {
+
+Tensor to_device(const Tensor& host, Device d) {
+  Tensor t = Tensor::empty(host.shape(), host.dtype(), d);
+  copy_tensor(host, t);
+  return t;
+}
+
+void compare_models(const layers::ModelSpec& spec, const Tensor& x, const Tensor& y, double rtol, double atol) {
+  auto cpu_model = layers::build_model(spec);
+  auto gpu_model = layers::build_model(spec);
+  const Device gpu = Device::cuda(0);
+  for (int i = 0; i < gpu_model->size(); ++i) gpu_model->layer(i).to(gpu);
+  const double scale = 1.0 / static_cast<double>(y.numel());
+  layers::ForwardArgs args;
+  args.step = 3;
+  const double cpu_loss = cpu_model->forward_backward(backend_for(Device::cpu()), x, y, scale, args);
+  const double gpu_loss =
+      gpu_model->forward_backward(backend_for(gpu), to_device(x, gpu), to_device(y, gpu), scale, args);
+  CHECK(gpu_loss == doctest::Approx(cpu_loss).epsilon(1e-4));
+  auto a = gpu_model->named_parameters(), b = cpu_model->named_parameters();
+  REQUIRE(a.size() == b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    INFO("gradient of ", a[i].first);
+    GPIPE_EXPECT_CLOSE(a[i].second->grad, b[i].second->grad, rtol, atol);
+  }
+  layers::OptimizerConfig oc;
+  oc.type = "adamw";
+  oc.lr = 1e-3;
+  oc.weight_decay = 0.01;
+  std::vector<layers::Parameter*> pa, pb;
+  for (auto& np : a) pa.push_back(np.second);
+  for (auto& np : b) pb.push_back(np.second);
+  layers::make_optimizer(pa, oc)->step();
+  layers::make_optimizer(pb, oc)->step();
+  for (size_t i = 0; i < a.size(); ++i) {
+    INFO("weights of ", a[i].first);
+    GPIPE_EXPECT_CLOSE(a[i].second->value, b[i].second->value, 1e-4, 1e-5);
+  }
+  gpu_model->end_step(backend_for(gpu));
+  cpu_model->end_step(backend_for(Device::cpu()));
+}
+
+}  // namespace
+
+TEST_CASE("a small GPT agrees on CPU and CUDA, dropout included") {
+  layers::ModelSpec spec;
+  spec.input = {16};
+  spec.input_dtype = DType::kI32;
+  spec.seed = 4;
+  spec.layers = {{"embedding", {{"vocab", "64"}, {"dim", "32"}}, {}, ""},
+                 {"transformer_block", {{"heads", "4"}, {"dropout", "0.1"}}, {}, ""},
+                 {"transformer_block", {{"heads", "4"}}, {}, ""},
+                 {"layernorm", {}, {}, ""},
+                 {"linear", {{"out", "64"}}, {}, ""}};
+  spec.loss = {"softmax_cross_entropy", {}, {}, ""};
+  Tensor x = random_labels(4 * 16, 64, 1).reshape({4, 16});
+  Tensor y = random_labels(4 * 16, 64, 2).reshape({4, 16});
+  compare_models(spec, x, y, 2e-3, 2e-5);
+}
+
+TEST_CASE("a small ResNet agrees on CPU and CUDA") {
+  layers::ModelSpec spec;
+  spec.input = {3, 8, 8};
+  spec.seed = 5;
+  spec.layers = {{"conv2d", {{"out", "8"}, {"kernel", "3"}}, {}, ""},
+                 {"batchnorm2d", {}, {}, ""},
+                 {"relu", {}, {}, ""},
+                 {"maxpool2d", {{"kernel", "2"}}, {}, ""},
+                 {"basic_block", {{"out", "16"}, {"stride", "2"}}, {}, ""},
+                 {"global_avgpool", {}, {}, ""},
+                 {"flatten", {}, {}, ""},
+                 {"linear", {{"out", "10"}}, {}, ""}};
+  spec.loss = {"softmax_cross_entropy", {}, {}, ""};
+  Tensor x = random_tensor({6, 3, 8, 8}, DType::kF32, 3);
+  Tensor y = random_labels(6, 10, 4);
+  compare_models(spec, x, y, 2e-3, 2e-5);
+}
+
+int main(int argc, char** argv) {
+  if (cuda_device_count() == 0) {
+    gpipe::testing::report_skipped("no CUDA device visible");
+    return 0;
+  }
+  doctest::Context ctx(argc, argv);
+  return ctx.run();
+}
