@@ -124,7 +124,7 @@ std::vector<StageMemory> estimate_stage_memory(const layers::Sequential& model, 
       out_bytes = std::max(out_bytes, per_micro[i].output_bytes);
     }
     const int64_t input_bytes = micro * shape_numel(model.layer(first).input_shape()) *
-                                static_cast<int64_t>(dtype_size(model.dtype()));
+                                static_cast<int64_t>(dtype_size(model.layer(first).input_dtype()));
     m.activation_bytes = checkpointed ? micro_batches * input_bytes + saved + out_bytes
                                       : micro_batches * (saved + out_bytes);
     out.push_back(m);
