@@ -107,3 +107,22 @@ TEST_CASE("softmax rows sum to one and survive large logits") {
   }
   CHECK(std::isfinite(cpu().item(loss)));
 }
+
+TEST_CASE("float32 GELU agrees with the exact erf form") {
+  std::vector<float> xs;
+  for (int i = -2000; i <= 2000; ++i) xs.push_back(i * 0.005f);  // [-10, 10]
+  Tensor x = Tensor::from_vector<float>(xs, {static_cast<int64_t>(xs.size())});
+  Tensor y = cpu().empty(x.shape(), DType::kF32), dx = cpu().empty(x.shape(), DType::kF32);
+  Tensor ones = cpu().empty(x.shape(), DType::kF32);
+  cpu().fill(ones, 1.0);
+  cpu().gelu(x, y);
+  cpu().gelu_backward(x, ones, dx);
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const double v = xs[i];
+    const double cdf = 0.5 * (1 + std::erf(v / std::sqrt(2.0)));
+    const double want_y = v * cdf, want_dx = cdf + v * std::exp(-0.5 * v * v) / std::sqrt(2 * M_PI);
+    CAPTURE(v);
+    CHECK(std::fabs(y.data<float>()[i] - want_y) <= 1e-6 + 1e-5 * std::fabs(want_y));
+    CHECK(std::fabs(dx.data<float>()[i] - want_dx) <= 1e-6 + 1e-5 * std::fabs(want_dx));
+  }
+}
