@@ -9,6 +9,7 @@
 #include <mutex>
 #include <vector>
 
+#include "kernels/cpu_blas.h"
 #include "kernels/op_checks.h"
 #include "runtime/error.h"
 
@@ -20,28 +21,8 @@ namespace gpipe {
 
 namespace {
 
-// Calls f(T*) with the tensor's data as float or double.
-template <typename F>
-void dispatch_float(const Tensor& t, F&& f) {
-  if (t.dtype() == DType::kF32) {
-    f(static_cast<float*>(nullptr));
-  } else if (t.dtype() == DType::kF64) {
-    f(static_cast<double*>(nullptr));
-  } else {
-    throw Error("expected a float32 or float64 tensor, got " + t.str());
-  }
-}
-
-void gemm(bool ta, bool tb, int m, int n, int k, double alpha, const float* a, int lda, const float* b, int ldb,
-          double beta, float* c, int ldc) {
-  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n, k,
-              static_cast<float>(alpha), a, lda, b, ldb, static_cast<float>(beta), c, ldc);
-}
-void gemm(bool ta, bool tb, int m, int n, int k, double alpha, const double* a, int lda, const double* b, int ldb,
-          double beta, double* c, int ldc) {
-  cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n, k, alpha, a,
-              lda, b, ldb, beta, c, ldc);
-}
+using cpu_blas::gemm;
+using ops::dispatch_float;
 
 // Float GELU is evaluated with branch-free polynomial exp and erf that the compiler
 // vectorises: libm's scalar erff and expf took a quarter of a transformer block's time.

@@ -3,8 +3,6 @@
 // normalisation, max and average pooling. The CUDA backend implements the same
 // semantics and is tested against this file, so clarity wins over speed here; the
 // reductions accumulate in double so the reference is more accurate than its twin.
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -12,7 +10,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/conv_checks.h"
 #include "kernels/cpu_backend.h"
+#include "kernels/cpu_blas.h"
 #include "kernels/op_checks.h"
 #include "runtime/error.h"
 
@@ -20,100 +20,25 @@ namespace gpipe {
 
 namespace {
 
-// Calls f(Real*) with a null pointer of the tensor's element type, float or double.
-template <typename F>
-void dispatch_float(const Tensor& t, F&& f) {
-  if (t.dtype() == DType::kF32) {
-    f(static_cast<float*>(nullptr));
-  } else if (t.dtype() == DType::kF64) {
-    f(static_cast<double*>(nullptr));
-  } else {
-    throw Error("expected a float32 or float64 tensor, got " + t.str());
-  }
-}
-
-void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const float* a, int64_t lda, const float* b,
-          int64_t ldb, double beta, float* c, int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, static_cast<int>(m),
-              static_cast<int>(n), static_cast<int>(k), static_cast<float>(alpha), a, static_cast<int>(lda), b,
-              static_cast<int>(ldb), static_cast<float>(beta), c, static_cast<int>(ldc));
-}
-void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha, const double* a, int64_t lda,
-          const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
-  cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, static_cast<int>(m),
-              static_cast<int>(n), static_cast<int>(k), alpha, a, static_cast<int>(lda), b, static_cast<int>(ldb), beta,
-              c, static_cast<int>(ldc));
-}
-
-// ---- Argument checks. A layer validates what a user wrote; these catch a layer (or
-// a test) passing the wrong buffer, so they are Errors that name every operand.
-
-std::string str(const Tensor& t) { return t.defined() ? t.str() : std::string("undefined"); }
-
-void check_4d(const Tensor& t, const char* op, const char* what) {
-  if (!t.defined() || t.dim() != 4) {
-    throw Error(std::string(op) + ": " + what + " " + str(t) + " must be a 4-D NCHW tensor");
-  }
-  ops::check_float(t, op);
-}
-
-// `t` must be contiguous, of `like`'s dtype and of shape `want`.
-void check_shape(const Tensor& t, const Tensor& like, const Shape& want, const char* op, const char* what,
-                 const std::string& because) {
-  if (!t.defined() || t.dtype() != like.dtype() || t.shape() != want || !t.is_contiguous()) {
-    throw Error(std::string(op) + ": " + what + " is " + str(t) + ", expected contiguous " + dtype_name(like.dtype()) +
-                shape_str(want) + " " + because);
-  }
-}
-
-void check_window(int kernel, int stride, int pad, const char* op) {
-  if (kernel < 1 || stride < 1 || pad < 0) {
-    throw Error(std::string(op) + ": kernel " + std::to_string(kernel) + ", stride " + std::to_string(stride) +
-                " and pad " + std::to_string(pad) + " must be >= 1, >= 1 and >= 0");
-  }
-}
-
-// Output extent of a window sliding over `in` (+ padding on both sides); the message
-// names the input when the window does not fit even once.
-int64_t out_extent(int64_t in, int64_t kernel, int stride, int pad, const Tensor& x, const char* op) {
-  if (in + 2 * pad < kernel) {
-    throw Error(std::string(op) + ": a " + std::to_string(kernel) + "-wide window does not fit in input " + x.str() +
-                " with padding " + std::to_string(pad));
-  }
-  return (in + 2 * pad - kernel) / stride + 1;
-}
-
-struct ConvDims {
-  int64_t N, C, H, W;  // input
-  int64_t K, R, S;     // weights
-  int64_t P, Q;        // output
-};
-
-ConvDims check_conv(const Tensor& x, const Tensor& w, int stride, int pad, const char* op) {
-  check_4d(x, op, "input");
-  check_4d(w, op, "weight");
-  if (stride < 1 || pad < 0) {
-    throw Error(std::string(op) + ": stride " + std::to_string(stride) + " and pad " + std::to_string(pad) +
-                " must be >= 1 and >= 0");
-  }
-  if (w.dtype() != x.dtype()) {
-    throw Error(std::string(op) + ": input " + x.str() + " and weight " + w.str() + " differ in dtype");
-  }
-  ConvDims d{x.size(0), x.size(1), x.size(2), x.size(3), w.size(0), w.size(2), w.size(3), 0, 0};
-  if (w.size(1) != d.C) {
-    throw Error(std::string(op) + ": input " + x.str() + " and weight " + w.str() + " do not fit: the weight takes " +
-                std::to_string(w.size(1)) + " input channels, the input has " + std::to_string(d.C));
-  }
-  if (d.K < 1 || d.C < 1 || d.R < 1 || d.S < 1) throw Error(std::string(op) + ": empty weight " + w.str());
-  d.P = out_extent(d.H, d.R, stride, pad, x, op);
-  d.Q = out_extent(d.W, d.S, stride, pad, x, op);
-  return d;
-}
-
-std::string conv_because(const Tensor& x, const Tensor& w, int stride, int pad) {
-  return "for input " + shape_str(x.shape()) + " and weight " + shape_str(w.shape()) + " (stride " +
-         std::to_string(stride) + ", pad " + std::to_string(pad) + ")";
-}
+using cpu_blas::gemm;
+// The argument checks are kernels/conv_checks.h, shared with the CUDA backend.
+using ops::channel_dims;
+using ops::ChannelDims;
+using ops::check_4d;
+using ops::check_avgpool;
+using ops::check_batchnorm;
+using ops::check_conv;
+using ops::check_maxpool;
+using ops::check_per_channel;
+using ops::check_shape;
+using ops::check_window;
+using ops::conv_because;
+using ops::ConvDims;
+using ops::dispatch_float;
+using ops::out_extent;
+using ops::pool_because;
+using ops::PoolDims;
+using ops::str;
 
 // A 1x1 convolution with stride 1 and no padding is a plain matrix product on the
 // image itself: (K, C) @ (C, H W). No im2col copy is needed.
@@ -169,23 +94,6 @@ void col2im_add(const T* col, const ConvDims& d, int stride, int pad, T* dx) {
     }
   }
 }
-
-// Per-channel view of an (N, C, ...) tensor: channel c of sample n is the contiguous
-// run [(n C + c) E, (n C + c + 1) E), E = positions per plane.
-struct ChannelDims {
-  int64_t N, C, E;
-};
-ChannelDims channel_dims(const Tensor& t) {
-  return {t.size(0), t.size(1), t.numel() / std::max<int64_t>(1, t.size(0) * t.size(1))};
-}
-
-void check_per_channel(const Tensor& v, const Tensor& x, const char* op, const char* what) {
-  check_shape(v, x, {x.size(1)}, op, what, "(one value per channel of " + x.str() + ")");
-}
-
-struct PoolDims {
-  int64_t N, C, H, W, P, Q;
-};
 
 }  // namespace
 
@@ -292,19 +200,6 @@ void CpuBackend::channel_bias_grad(const Tensor& dy, Tensor& db) {
 
 // ---- Batch normalisation. Statistics are per channel over (N, H, W); `var` is the
 // biased variance (divided by N H W), as the normalisation uses it.
-
-namespace {
-// beta is null for backward, which does not take it.
-void check_batchnorm(const Tensor& x, const Tensor& gamma, const Tensor* beta, double eps, const char* op) {
-  check_4d(x, op, "input");
-  check_per_channel(gamma, x, op, "gamma");
-  if (beta != nullptr) check_per_channel(*beta, x, op, "beta");
-  if (!(eps >= 0)) throw Error(std::string(op) + ": eps " + std::to_string(eps) + " must be >= 0");
-  if (x.size(0) * x.size(2) * x.size(3) == 0) {
-    throw Error(std::string(op) + ": input " + x.str() + " has no values per channel to normalise over");
-  }
-}
-}  // namespace
 
 void CpuBackend::batchnorm_train(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y,
                                  Tensor& mean, Tensor& var) {
@@ -421,41 +316,6 @@ void CpuBackend::batchnorm_backward(const Tensor& dy, const Tensor& x, const Ten
 }
 
 // ---- Pooling
-
-namespace {
-// Max pooling's padding must leave every window at least one real value (PyTorch's
-// rule, pad <= kernel / 2), so that each output has a maximum and an argmax.
-PoolDims check_maxpool(const Tensor& x, int kernel, int stride, int pad, const char* op) {
-  check_4d(x, op, "input");
-  check_window(kernel, stride, pad, op);
-  if (pad > kernel / 2) {
-    throw Error(std::string(op) + ": pad " + std::to_string(pad) + " must be at most half the kernel (" +
-                std::to_string(kernel) + "), or some windows would hold only padding");
-  }
-  return {x.size(0),
-          x.size(1),
-          x.size(2),
-          x.size(3),
-          out_extent(x.size(2), kernel, stride, pad, x, op),
-          out_extent(x.size(3), kernel, stride, pad, x, op)};
-}
-
-std::string pool_because(const Tensor& x, int kernel, int stride, int pad) {
-  return "for input " + shape_str(x.shape()) + " (kernel " + std::to_string(kernel) + ", stride " +
-         std::to_string(stride) + ", pad " + std::to_string(pad) + ")";
-}
-
-PoolDims check_avgpool(const Tensor& x, int kernel, int stride, const char* op) {
-  check_4d(x, op, "input");
-  check_window(kernel, stride, 0, op);
-  return {x.size(0),
-          x.size(1),
-          x.size(2),
-          x.size(3),
-          out_extent(x.size(2), kernel, stride, 0, x, op),
-          out_extent(x.size(3), kernel, stride, 0, x, op)};
-}
-}  // namespace
 
 void CpuBackend::maxpool2d(const Tensor& x, int kernel, int stride, int pad, Tensor& y, Tensor& argmax) {
   const PoolDims d = check_maxpool(x, kernel, stride, pad, "maxpool2d");

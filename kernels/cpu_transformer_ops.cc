@@ -2,8 +2,6 @@
 // causal multi-head attention, counter-based dropout) and of the Adam step: plain loops,
 // plus BLAS for attention's per-head products. The CUDA backend implements the same
 // semantics (kernels/backend.h) and is tested against this file.
-#include <cblas.h>
-
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -13,7 +11,9 @@
 #include <vector>
 
 #include "kernels/cpu_backend.h"
+#include "kernels/cpu_blas.h"
 #include "kernels/op_checks.h"
+#include "kernels/transformer_checks.h"
 #include "runtime/error.h"
 #include "runtime/philox.h"
 
@@ -21,46 +21,19 @@ namespace gpipe {
 
 namespace {
 
-// Calls f(Real*) with a null pointer of the tensor's element type, float or double.
-template <typename F>
-void dispatch_float(const Tensor& t, F&& f) {
-  if (t.dtype() == DType::kF32) {
-    f(static_cast<float*>(nullptr));
-  } else if (t.dtype() == DType::kF64) {
-    f(static_cast<double*>(nullptr));
-  } else {
-    throw Error("expected a float32 or float64 tensor, got " + t.str());
-  }
-}
-
-void gemm(bool ta, bool tb, int m, int n, int k, double alpha, const float* a, int lda, const float* b, int ldb,
-          double beta, float* c, int ldc) {
-  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n, k,
-              static_cast<float>(alpha), a, lda, b, ldb, static_cast<float>(beta), c, ldc);
-}
-void gemm(bool ta, bool tb, int m, int n, int k, double alpha, const double* a, int lda, const double* b, int ldb,
-          double beta, double* c, int ldc) {
-  cblas_dgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n, k, alpha, a,
-              lda, b, ldb, beta, c, ldc);
-}
+using cpu_blas::gemm;
+using ops::dispatch_float;
 
 // ---- Argument checks. They mirror kernels/op_checks.h: internal mistakes (a layer
 // passing the wrong buffer) are Errors; what a user can cause (a token id, a dropout
-// probability) is a UserError that names the value and the fix.
+// probability) is a UserError that names the value and the fix. Those shared with the
+// CUDA backend are in kernels/transformer_checks.h; the ones below are the CPU's own.
 
-void check_shape(const Tensor& t, const Shape& want, DType dtype, const char* op, const char* what) {
-  if (!t.defined() || t.dtype() != dtype || t.shape() != want || !t.is_contiguous()) {
-    throw Error(std::string(op) + ": " + what + " is " + (t.defined() ? t.str() : std::string("undefined")) +
-                ", expected contiguous " + dtype_name(dtype) + shape_str(want));
-  }
-}
-
-void check_ids(const Tensor& ids, const char* op) {
-  if (!ids.defined() || ids.dtype() != DType::kI32 || ids.dim() != 2 || !ids.is_contiguous()) {
-    throw Error(std::string(op) + ": token ids " + (ids.defined() ? ids.str() : std::string("undefined")) +
-                " must be contiguous int32 (B, T)");
-  }
-}
+using ops::AttentionDims;
+using ops::check_dropout_p;
+using ops::check_ids;
+using ops::check_positions;
+using ops::check_shape;
 
 // Every id is checked before anything is written, so a bad batch leaves the outputs
 // (and, in backward, the accumulated gradients) untouched.
@@ -79,45 +52,16 @@ void check_id_range(const Tensor& ids, int64_t vocab) {
   }
 }
 
-// pos: (P >= T, C) of the table's dtype, or undefined.
-void check_positions(const Tensor& pos, const Tensor& table, int64_t T, const char* op) {
-  if (!pos.defined()) return;
-  ops::check_matrix(pos, op);
-  if (pos.dtype() != table.dtype() || pos.size(1) != table.size(1) || pos.size(0) < T) {
-    throw Error(std::string(op) + ": position table " + pos.str() + " must be " + dtype_name(table.dtype()) +
-                " (P >= " + std::to_string(T) + ", " + std::to_string(table.size(1)) + ")");
-  }
-}
-
 void check_blas_dim(int64_t n, const char* op) {
   if (n > INT_MAX) throw Error(std::string(op) + ": dimension " + std::to_string(n) + " exceeds BLAS's int range");
 }
 
-struct AttentionDims {
-  int64_t B, T, C, H, D;
-};
-
-// qkv (B, T, 3C) with C divisible by heads.
+// ops::check_attention plus BLAS's int range, which the cblas calls below need.
 AttentionDims check_attention(const Tensor& qkv, int heads, const char* op) {
-  ops::check_float(qkv, op);
-  if (qkv.dim() != 3 || qkv.size(2) % 3 != 0) {
-    throw Error(std::string(op) + ": qkv " + qkv.str() + " must be (B, T, 3C)");
-  }
-  const int64_t C = qkv.size(2) / 3;
-  if (heads < 1 || C % heads != 0) {
-    throw Error(std::string(op) + ": " + std::to_string(C) + " channels do not split into " +
-                std::to_string(heads) + " heads");
-  }
+  const AttentionDims d = ops::check_attention(qkv, heads, op);
   check_blas_dim(qkv.size(2), op);
   check_blas_dim(qkv.size(1) * qkv.size(1), op);
-  return {qkv.size(0), qkv.size(1), C, heads, C / heads};
-}
-
-void check_dropout_p(double p, const char* op) {
-  if (!(p >= 0.0 && p < 1.0)) {  // also rejects NaN
-    throw UserError(std::string(op) + ": dropout probability " + std::to_string(p) +
-                    " must be in [0, 1); use 0 to disable dropout");
-  }
+  return d;
 }
 
 // out = in * mask / (1 - p) with the mask of backend.h: element e of row i is kept iff

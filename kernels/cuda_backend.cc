@@ -11,6 +11,7 @@
 
 #include "kernels/cuda_kernels.h"
 #include "kernels/op_checks.h"
+#include "kernels/transformer_checks.h"
 #include "runtime/cuda_check.h"
 #include "runtime/cuda_runtime.h"
 #include "runtime/error.h"
@@ -19,48 +20,7 @@ namespace gpipe {
 
 namespace {
 
-// "The process is exiting and CUDA is already torn down" (static destructors at exit).
-bool is_teardown(cudaError_t e) { return e == cudaErrorCudartUnloading || e == cudaErrorContextIsDestroyed; }
-
-// Sets the backend's device for the scope of an op and restores the caller's device:
-// kernel launches, cuBLAS calls and allocations all act on the current device, and the
-// stream and handle belong to device_.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int index) {
-    GPIPE_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != index) {
-      GPIPE_CUDA_CHECK(cudaSetDevice(index));
-      switched_ = true;
-    }
-  }
-  ~DeviceGuard() {
-    if (!switched_) return;
-    const cudaError_t e = cudaSetDevice(previous_);
-    if (e != cudaSuccess && !is_teardown(e)) {
-      spdlog::warn("cudaSetDevice({}) while restoring the current device failed: {}", previous_,
-                   cudaGetErrorString(e));
-    }
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-  bool switched_ = false;
-};
-
-// Calls f(T*) with T = float or double per the tensor's dtype (the pointer is a tag).
-template <typename F>
-void dispatch_float(const Tensor& t, F&& f) {
-  if (t.dtype() == DType::kF32) {
-    f(static_cast<float*>(nullptr));
-  } else if (t.dtype() == DType::kF64) {
-    f(static_cast<double*>(nullptr));
-  } else {
-    throw Error("expected a float32 or float64 tensor, got " + t.str());
-  }
-}
+using ops::dispatch_float;
 
 // Column-major gemm: C (m x n) = alpha * op(A) (m x k) op(B) (k x n) + beta * C.
 void gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, double alpha,
@@ -110,57 +70,14 @@ std::string token_error(int32_t id, int64_t b, int64_t t, int64_t vocab) {
          "); make the embedding's vocab option larger than every id in the data";
 }
 
-// ---- Argument checks of the transformer ops: the same tests and messages as the CPU
-// reference's (kernels/cpu_transformer_ops.cc), so both backends reject the same calls.
-
-void check_shape(const Tensor& t, const Shape& want, DType dtype, const char* op, const char* what) {
-  if (!t.defined() || t.dtype() != dtype || t.shape() != want || !t.is_contiguous()) {
-    throw Error(std::string(op) + ": " + what + " is " + (t.defined() ? t.str() : std::string("undefined")) +
-                ", expected contiguous " + dtype_name(dtype) + shape_str(want));
-  }
-}
-
-void check_ids(const Tensor& ids, const char* op) {
-  if (!ids.defined() || ids.dtype() != DType::kI32 || ids.dim() != 2 || !ids.is_contiguous()) {
-    throw Error(std::string(op) + ": token ids " + (ids.defined() ? ids.str() : std::string("undefined")) +
-                " must be contiguous int32 (B, T)");
-  }
-}
-
-// pos: (P >= T, C) of the table's dtype, or undefined.
-void check_positions(const Tensor& pos, const Tensor& table, int64_t T, const char* op) {
-  if (!pos.defined()) return;
-  ops::check_matrix(pos, op);
-  if (pos.dtype() != table.dtype() || pos.size(1) != table.size(1) || pos.size(0) < T) {
-    throw Error(std::string(op) + ": position table " + pos.str() + " must be " + dtype_name(table.dtype()) +
-                " (P >= " + std::to_string(T) + ", " + std::to_string(table.size(1)) + ")");
-  }
-}
-
-struct AttentionDims {
-  int64_t B, T, C, H, D;
-};
-
-// qkv (B, T, 3C) with C divisible by heads.
-AttentionDims check_attention(const Tensor& qkv, int heads, const char* op) {
-  ops::check_float(qkv, op);
-  if (qkv.dim() != 3 || qkv.size(2) % 3 != 0) {
-    throw Error(std::string(op) + ": qkv " + qkv.str() + " must be (B, T, 3C)");
-  }
-  const int64_t C = qkv.size(2) / 3;
-  if (heads < 1 || C % heads != 0) {
-    throw Error(std::string(op) + ": " + std::to_string(C) + " channels do not split into " +
-                std::to_string(heads) + " heads");
-  }
-  return {qkv.size(0), qkv.size(1), C, heads, C / heads};
-}
-
-void check_dropout_p(double p, const char* op) {
-  if (!(p >= 0.0 && p < 1.0)) {  // also rejects NaN
-    throw UserError(std::string(op) + ": dropout probability " + std::to_string(p) +
-                    " must be in [0, 1); use 0 to disable dropout");
-  }
-}
+// ---- Argument checks of the transformer ops: the CPU reference's, shared through
+// kernels/transformer_checks.h, so both backends reject the same calls.
+using ops::AttentionDims;
+using ops::check_attention;
+using ops::check_dropout_p;
+using ops::check_ids;
+using ops::check_positions;
+using ops::check_shape;
 
 constexpr size_t kStagingBytes = 16;
 

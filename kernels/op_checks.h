@@ -10,6 +10,19 @@
 namespace gpipe {
 namespace ops {
 
+// Calls f(Real*) with a null pointer of the tensor's element type, float or double
+// (the pointer is a tag).
+template <typename F>
+inline void dispatch_float(const Tensor& t, F&& f) {
+  if (t.dtype() == DType::kF32) {
+    f(static_cast<float*>(nullptr));
+  } else if (t.dtype() == DType::kF64) {
+    f(static_cast<double*>(nullptr));
+  } else {
+    throw Error("expected a float32 or float64 tensor, got " + t.str());
+  }
+}
+
 inline void check_float(const Tensor& t, const char* op) {
   if (t.dtype() != DType::kF32 && t.dtype() != DType::kF64) {
     throw Error(std::string(op) + ": " + t.str() + " must be float32 or float64");

@@ -45,37 +45,6 @@ const char* cublas_status_string(cublasStatus_t s) {
 
 namespace {
 
-// Errors that mean "the process is exiting and CUDA is already torn down": destructors
-// of static objects (the allocator and backend registries) see these and stay quiet.
-bool is_teardown(cudaError_t e) { return e == cudaErrorCudartUnloading || e == cudaErrorContextIsDestroyed; }
-
-// Sets the current device for the scope and restores the previous one. The restore
-// happens in a destructor, so it logs instead of throwing.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int index) {
-    GPIPE_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != index) {
-      GPIPE_CUDA_CHECK(cudaSetDevice(index));
-      switched_ = true;
-    }
-  }
-  ~DeviceGuard() {
-    if (!switched_) return;
-    const cudaError_t e = cudaSetDevice(previous_);
-    if (e != cudaSuccess && !is_teardown(e)) {
-      spdlog::warn("cudaSetDevice({}) while restoring the current device failed: {}", previous_,
-                   cudaGetErrorString(e));
-    }
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-  bool switched_ = false;
-};
-
 // For destructors: like DeviceGuard, but never throws. ok() is false when the device
 // could not be set (the caller then skips its cleanup: at process exit the CUDA runtime
 // may already be unloaded, and the driver reclaims everything anyway).
