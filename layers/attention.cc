@@ -15,17 +15,6 @@ enum Child { kQkv, kProj, kDrop, kChildren };
 
 Context* child(Context* ctx, Child i) { return ctx != nullptr ? &ctx->children[i] : nullptr; }
 
-void add_cost(LayerCost& total, const LayerCost& part) {
-  total.forward_flops += part.forward_flops;
-  total.backward_flops += part.backward_flops;
-  total.input_grad_flops += part.input_grad_flops;
-  total.forward_bytes += part.forward_bytes;
-  total.backward_bytes += part.backward_bytes;
-  total.param_bytes += part.param_bytes;
-  total.output_bytes += part.output_bytes;
-  total.saved_bytes += part.saved_bytes;
-}
-
 LinearOptions projection(const AttentionOptions& o, int64_t out, uint64_t seed) {
   LinearOptions l(o.dim, out);
   l.leading = {o.seq_len};
@@ -98,10 +87,10 @@ LayerCost CausalSelfAttention::cost(int64_t batch) const {
   core.backward_bytes = es * (B * T * C + 3 * B * T * C + bh * T * T + 3 * B * T * C);
   core.saved_bytes = static_cast<int64_t>(es * (3 * B * T * C + bh * T * T));  // qkv, probs
   LayerCost c;
-  add_cost(c, qkv_.cost(batch));
-  add_cost(c, core);
-  add_cost(c, proj_.cost(batch));
-  add_cost(c, drop_.cost(batch));
+  c += qkv_.cost(batch);
+  c += core;
+  c += proj_.cost(batch);
+  c += drop_.cost(batch);
   // Only the qkv projection's dx is skipped without need_dx: everything else feeds
   // the parameter gradients too.
   c.input_grad_flops = qkv_.cost(batch).input_grad_flops;

@@ -34,6 +34,20 @@ struct LayerCost {
   int64_t saved_bytes = 0;   // what forward keeps for backward without rematerialization
 };
 
+// Adds every count of `part` into `total`: the cost of a composite layer is the sum of
+// its sub-layers' and its own.
+inline LayerCost& operator+=(LayerCost& total, const LayerCost& part) {
+  total.forward_flops += part.forward_flops;
+  total.backward_flops += part.backward_flops;
+  total.input_grad_flops += part.input_grad_flops;
+  total.forward_bytes += part.forward_bytes;
+  total.backward_bytes += part.backward_bytes;
+  total.param_bytes += part.param_bytes;
+  total.output_bytes += part.output_bytes;
+  total.saved_bytes += part.saved_bytes;
+  return total;
+}
+
 // What forward keeps for backward; a composite layer keeps one child per sub-layer.
 struct Context {
   std::vector<Tensor> saved;

@@ -16,17 +16,6 @@ enum Child { kLn1, kAttn, kLn2, kFc1, kGelu, kFc2, kDrop, kChildren };
 
 Context* child(Context* ctx, Child i) { return ctx != nullptr ? &ctx->children[i] : nullptr; }
 
-void add_cost(LayerCost& total, const LayerCost& part) {
-  total.forward_flops += part.forward_flops;
-  total.backward_flops += part.backward_flops;
-  total.input_grad_flops += part.input_grad_flops;
-  total.forward_bytes += part.forward_bytes;
-  total.backward_bytes += part.backward_bytes;
-  total.param_bytes += part.param_bytes;
-  total.output_bytes += part.output_bytes;
-  total.saved_bytes += part.saved_bytes;
-}
-
 const TransformerBlockOptions& checked(const TransformerBlockOptions& o) {
   if (o.mlp_ratio <= 0) {
     throw UserError("transformer_block: mlp_ratio must be positive, got " + std::to_string(o.mlp_ratio));
@@ -107,7 +96,7 @@ LayerCost TransformerBlock::cost(int64_t batch) const {
   const double es = static_cast<double>(dtype_size(dtype_));
   LayerCost c;
   for (const Layer* l : std::initializer_list<const Layer*>{&ln1_, &attn_, &ln2_, &fc1_, &gelu_, &fc2_, &drop_}) {
-    add_cost(c, l->cost(batch));
+    c += l->cost(batch);
   }
   // The two residual adds, each a copy and an axpy; backward adds the residual's
   // gradient twice. Only the last of those is skipped without need_dx: the
