@@ -25,7 +25,7 @@ prepare() {
     # Every shared library it loads, except the CUDA toolkit's and the C runtime's.
     ldd "bazel-bin/$bin" | awk '/=> \// { print $3 }' | while read -r lib; do
       case "$lib" in
-        */cuda*/*|*libcuda.so*|*libnccl*|*libcublas*|*libcudnn*|*/libc.so*|*/libm.so*|*/ld-linux*|*/libpthread*|*/libdl.so*|*/librt.so*) ;;
+        */cuda*/*|*libcuda.so*|*libcudart*|*libnccl*|*libcublas*|*libcudnn*|*/libc.so*|*/libm.so*|*/ld-linux*|*/libpthread*|*/libdl.so*|*/librt.so*) ;;
         *) cp -Ln "$lib" "$carry/lib/" ;;
       esac
     done
