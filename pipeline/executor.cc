@@ -50,6 +50,7 @@ struct MicroBatch {
 
 struct Executor::StageRuntime {
   int index = 0;
+  bool local = true;  // executed by this process
   StageSpec spec;
   Backend* backend = nullptr;
   std::unique_ptr<layers::Optimizer> optimizer;
@@ -127,24 +128,35 @@ Executor::Executor(layers::Sequential& model, std::vector<StageSpec> stages, Sch
                     std::to_string(model_.size()));
   }
   model_.loss();  // the last stage needs one: fail now, not in a worker
+  if (options_.local_stage >= K) {
+    throw UserError("this process was asked to run stage " + std::to_string(options_.local_stage) + " of a " +
+                    std::to_string(K) + "-stage pipeline");
+  }
   for (int k = 0; k < K; ++k) {
     auto rt = std::make_unique<StageRuntime>();
     rt->index = k;
     rt->spec = stages_[k];
-    rt->backend = &backend_for(stages_[k].device);
-    std::vector<layers::Parameter*> params;
-    for (int i = rt->spec.first_layer; i < rt->spec.first_layer + rt->spec.num_layers; ++i) {
-      model_.layer(i).to(rt->spec.device);
-      for (auto* p : model_.layer(i).parameters()) params.push_back(p);
+    rt->local = options_.local_stage < 0 || options_.local_stage == k;
+    if (rt->local) {
+      rt->backend = &backend_for(stages_[k].device);
+      std::vector<layers::Parameter*> params;
+      for (int i = rt->spec.first_layer; i < rt->spec.first_layer + rt->spec.num_layers; ++i) {
+        model_.layer(i).to(rt->spec.device);
+        for (auto* p : model_.layer(i).parameters()) params.push_back(p);
+      }
+      rt->optimizer = layers::make_optimizer(params, options_.optimizer);
     }
-    rt->optimizer = layers::make_optimizer(params, options_.optimizer);
     runtimes_.push_back(std::move(rt));
   }
-  const bool pin = options_.pin_threads && static_cast<unsigned>(K) <= std::thread::hardware_concurrency();
+  // Threads per process: K in one process, or one stage per process (one per core).
+  const int threads = options_.local_stage < 0 ? K : 1;
+  const bool pin = options_.pin_threads && static_cast<unsigned>(threads) <= std::thread::hardware_concurrency();
   for (int k = 0; k < K; ++k) {
-    workers_.emplace_back([this, k, pin] {
-      set_thread_context(0, k);
-      if (pin) pin_to_core(k);
+    if (!runtimes_[k]->local) continue;
+    const int core = options_.local_stage < 0 ? k : 0;
+    workers_.emplace_back([this, k, pin, core] {
+      set_thread_context(options_.rank, k);
+      if (pin && options_.local_stage < 0) pin_to_core(core);
       worker_main(k);
     });
   }
@@ -160,7 +172,9 @@ Executor::~Executor() {
 }
 
 void Executor::set_lr(double lr) {
-  for (auto& rt : runtimes_) rt->optimizer->set_lr(lr);
+  for (auto& rt : runtimes_) {
+    if (rt->optimizer) rt->optimizer->set_lr(lr);
+  }
 }
 
 void Executor::worker_main(int k) {
@@ -326,7 +340,7 @@ void Executor::run_stage(int k) {
   } catch (const std::exception& e) {
     rt.error = std::current_exception();
     rt.error_text = e.what();
-    transport_.abort("stage " + std::to_string(k) + " failed");
+    transport_.abort("stage " + std::to_string(k) + " failed: " + rt.error_text);
   }
 }
 
@@ -405,10 +419,18 @@ StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool appl
     }
   }
   StageRuntime& last = *runtimes_.back();
-  for (auto& mb : last.mbs) result.loss += last.backend->item(mb.loss);
-  result.grad_norm = last.grad_norm;
+  if (last.local) {
+    for (auto& mb : last.mbs) result.loss += last.backend->item(mb.loss);
+  }
+  if (options_.local_stage >= 0) {
+    // Only the last stage's process has the loss; every process learns it.
+    result.loss = transport_.all_reduce_sum(options_.local_stage, result.loss);
+    result.grad_norm = runtimes_[options_.local_stage]->grad_norm;
+  } else {
+    result.grad_norm = last.grad_norm;
+  }
   for (auto& rt : runtimes_) {
-    result.stages.push_back(std::move(rt->trace));
+    result.stages.push_back(std::move(rt->trace));  // empty for stages of other processes
     rt->mbs.clear();
   }
   return result;

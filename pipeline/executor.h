@@ -45,6 +45,11 @@ struct ExecutorOptions {
   // Pin stage k's thread to core k when there are at least as many cores as stages
   // (K = 1 included: a CPU device is one core).
   bool pin_threads = true;
+  // Multi-process runs: the one stage this process executes (its rank's), or -1 for all
+  // stages as threads of this process. With a local stage, the transport must connect
+  // the processes (MpiTransport) and the loss is summed across them through it.
+  int local_stage = -1;
+  int rank = 0;  // shown in log lines
 };
 
 struct TimedOp {

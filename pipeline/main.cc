@@ -7,7 +7,13 @@
 #include <string>
 #include <vector>
 
+#include <mpi.h>
+
+#include <cstdlib>
+
 #include "partition/balance.h"
+#include "runtime/mpi_check.h"
+#include "runtime/mpi_transport.h"
 #include "pipeline/config.h"
 #include "pipeline/schedule.h"
 #include "pipeline/trainer.h"
@@ -18,6 +24,7 @@ namespace {
 
 constexpr const char* kUsage = R"(usage:
   gpipe train [CONFIG.yaml] [--set key=value ...]   train (default config: configs/default.yaml)
+  mpirun -np K gpipe train ...                      one process per pipeline stage (K = pipeline.partitions)
   gpipe plan  [CONFIG.yaml] [--set key=value ...]   show the partition and schedule, do not train
   gpipe help
 
@@ -88,10 +95,45 @@ int plan(const gpipe::pipeline::Config& c) {
   return 0;
 }
 
+// Started by mpirun (OpenMPI or a PMI launcher such as Slurm's)?
+bool launched_by_mpi() {
+  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"}) {
+    if (std::getenv(v) != nullptr) return true;
+  }
+  return false;
+}
+
+// MPI for the life of the process, when launched by mpirun.
+struct MpiSession {
+  MpiSession(int* argc, char*** argv) {
+    int provided = 0;
+    GPIPE_MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &provided));
+    if (provided < MPI_THREAD_SERIALIZED) {
+      throw gpipe::Error("this MPI library cannot be called from the stage threads (MPI_THREAD_SERIALIZED)");
+    }
+    GPIPE_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
+    GPIPE_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size));
+  }
+  ~MpiSession() { MPI_Finalize(); }
+  int rank = 0, size = 1;
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
   gpipe::init_logging("info");
+  std::unique_ptr<MpiSession> mpi;
+  try {
+    if (launched_by_mpi()) mpi = std::make_unique<MpiSession>(&argc, &argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gpipe: error: %s\n", e.what());
+    return 1;
+  }
+  // A user's mistake seen by one rank ends every rank, with the message.
+  auto fail = [&](int code) {
+    if (mpi && mpi->size > 1) MPI_Abort(MPI_COMM_WORLD, code);
+    return code;
+  };
   try {
     const Args a = parse_args(argc, argv);
     if (a.command == "help" || a.command == "--help" || a.command == "-h") {
@@ -103,13 +145,24 @@ int main(int argc, char** argv) {
     }
     const auto config = gpipe::pipeline::load_config(a.config, a.overrides);
     if (a.command == "plan") return plan(config);
-    gpipe::pipeline::train(config, std::cout);
+    gpipe::pipeline::Launch launch;
+    std::unique_ptr<gpipe::MpiTransport> transport;
+    if (mpi) {
+      gpipe::set_thread_context(mpi->rank, -1);
+      launch.rank = mpi->rank;
+      launch.size = mpi->size;
+      transport = std::make_unique<gpipe::MpiTransport>(MPI_COMM_WORLD);
+      launch.transport = transport.get();
+    }
+    gpipe::pipeline::train(config, std::cout, launch);
     return 0;
   } catch (const gpipe::UserError& e) {
-    std::fprintf(stderr, "gpipe: error: %s\n", e.what());
-    return 2;
+    std::fprintf(stderr, "gpipe: error%s: %s\n",
+                 mpi ? (" on rank " + std::to_string(mpi->rank)).c_str() : "", e.what());
+    return fail(2);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "gpipe: internal error: %s\n", e.what());
-    return 1;
+    std::fprintf(stderr, "gpipe: internal error%s: %s\n",
+                 mpi ? (" on rank " + std::to_string(mpi->rank)).c_str() : "", e.what());
+    return fail(1);
   }
 }

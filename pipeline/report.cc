@@ -27,12 +27,14 @@ std::string describe_layers(const layers::Sequential& model, int first, int coun
 }
 
 ReportBuilder::ReportBuilder(std::vector<std::string> stage_layers, std::vector<std::string> stage_devices,
-                             int micro_batches, std::string checkpoint, std::string schedule, int64_t batch_size)
+                             int micro_batches, std::string checkpoint, std::string schedule, int64_t batch_size,
+                             int first_stage, int partitions)
     : layers_(std::move(stage_layers)), devices_(std::move(stage_devices)), micro_batches_(micro_batches),
+      first_stage_(first_stage), partitions_(partitions < 0 ? static_cast<int>(layers_.size()) : partitions),
       checkpoint_(std::move(checkpoint)), schedule_(std::move(schedule)), batch_size_(batch_size),
       acc_(layers_.size()) {
   for (size_t k = 0; k < acc_.size(); ++k) {
-    acc_[k].stage = static_cast<int>(k);
+    acc_[k].stage = first_stage_ + static_cast<int>(k);
     acc_[k].layers = layers_[k];
     acc_[k].device = devices_[k];
   }
@@ -47,10 +49,11 @@ void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool ti
       if (op.op != Op::kOptimizerStep) span = std::max(span, op.end_ms);
     }
   }
-  for (size_t k = 0; k < r.stages.size() && k < acc_.size(); ++k) {
+  for (size_t k = 0; k < acc_.size() && first_stage_ + k < r.stages.size(); ++k) {
     StageSummary& s = acc_[k];
+    const StageTrace& trace = r.stages[first_stage_ + k];
     double busy = 0, comm = 0;
-    for (const auto& op : r.stages[k].ops) {
+    for (const auto& op : trace.ops) {
       const double d = op.end_ms - op.start_ms;
       switch (op.op) {
         case Op::kForward: s.forward_ms += d; busy += d; break;
@@ -66,7 +69,7 @@ void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool ti
     s.busy_ms += busy;
     s.comm_ms += comm;
     s.idle_ms += std::max(0.0, span - busy - comm);
-    s.peak_activation_bytes = std::max(s.peak_activation_bytes, r.stages[k].peak_activation_bytes);
+    s.peak_activation_bytes = std::max(s.peak_activation_bytes, trace.peak_activation_bytes);
   }
   span_total_ += span;
   wall_total_ += r.wall_ms;
@@ -85,7 +88,7 @@ void ReportBuilder::set_eval(double loss, double accuracy) {
 
 RunSummary ReportBuilder::summary() const {
   RunSummary out;
-  out.partitions = static_cast<int>(acc_.size());
+  out.partitions = partitions_;
   out.micro_batches = micro_batches_;
   out.checkpoint = checkpoint_;
   out.schedule = schedule_;
@@ -109,7 +112,7 @@ RunSummary ReportBuilder::summary() const {
     s.utilization = out.span_ms > 0 ? s.busy_ms / out.span_ms : 0;
     busy += s.busy_ms;
   }
-  out.measured_bubble = out.span_ms > 0 ? 1.0 - busy / (out.partitions * out.span_ms) : 0;
+  out.measured_bubble = out.span_ms > 0 ? 1.0 - busy / (static_cast<double>(acc_.size()) * out.span_ms) : 0;
   return out;
 }
 

@@ -188,7 +188,14 @@ std::vector<int> plan_balance(const Config& c, const layers::Sequential& model) 
   return partition::balance_by_cost(partition::layer_costs(model, micro, recompute, overrides), K);
 }
 
-TrainResult train(const Config& c, std::ostream& out) {
+TrainResult train(const Config& c, std::ostream& out, const Launch& launch) {
+  const bool multi = launch.size > 1;
+  if (multi && launch.size != c.pipeline.partitions) {
+    throw UserError("launched as " + std::to_string(launch.size) + " processes but pipeline.partitions is " +
+                    std::to_string(c.pipeline.partitions) + "; run one process per stage: mpirun -np " +
+                    std::to_string(c.pipeline.partitions) + " (data-parallel replicas are not supported yet)");
+  }
+  GPIPE_CHECK(!multi || launch.transport != nullptr, "a multi-process launch needs a transport");
   init_logging(c.train.log_level);
   set_cpu_blas_threads(c.train.blas_threads);
   auto model = layers::build_model(c.model);
@@ -215,11 +222,14 @@ TrainResult train(const Config& c, std::ostream& out) {
                model->size(), model->parameter_count(), K, balance_text, M, c.pipeline.checkpoint);
   for (size_t k = 0; k < stages.size(); ++k) spdlog::info("stage {} on {}: layers {}", k, stage_devices[k], stage_layers[k]);
 
-  InProcessTransport transport(K);
+  InProcessTransport in_process(K);
+  Transport& transport = multi ? *launch.transport : static_cast<Transport&>(in_process);
   ExecutorOptions opts;
   opts.optimizer = c.optimizer.optimizer;
   opts.clip_grad_norm = c.optimizer.clip_grad_norm;
   opts.pin_threads = c.pipeline.pin_threads;
+  opts.local_stage = multi ? launch.rank : -1;
+  opts.rank = launch.rank;
   Executor executor(*model, stages, std::move(schedule), transport, opts);
   layers::LrSchedule lr;
   lr.kind = c.optimizer.schedule;
@@ -228,11 +238,18 @@ TrainResult train(const Config& c, std::ostream& out) {
   lr.total_steps = c.train.steps;
   lr.min_lr = c.optimizer.min_lr;
 
-  const int64_t eval_n = c.train.eval_samples > 0 ? std::min(c.train.eval_samples, data->validation_size())
-                                                  : data->validation_size();
+  // Validation runs every stage in this process, so it needs all the trained weights:
+  // not yet available in a multi-process run.
+  const int64_t eval_n = multi ? 0
+                         : c.train.eval_samples > 0 ? std::min(c.train.eval_samples, data->validation_size())
+                                                    : data->validation_size();
+  if (multi && launch.rank == 0) spdlog::info("validation is not run in multi-process mode yet");
   auto validate = [&] { return evaluate(*model, stages, *data, eval_n, c.train.batch_size); };
 
-  ReportBuilder report(stage_layers, stage_devices, M, c.pipeline.checkpoint, c.pipeline.schedule, c.train.batch_size);
+  // A process of a multi-process run reports its own stage.
+  ReportBuilder report(multi ? std::vector<std::string>{stage_layers[launch.rank]} : stage_layers,
+                       multi ? std::vector<std::string>{stage_devices[launch.rank]} : stage_devices, M,
+                       c.pipeline.checkpoint, c.pipeline.schedule, c.train.batch_size, multi ? launch.rank : 0, K);
   double window_ms = 0;
   int window_steps = 0;
   for (int step = 0; step < c.train.steps; ++step) {
@@ -262,7 +279,7 @@ TrainResult train(const Config& c, std::ostream& out) {
       if (r.grad_norm >= 0) len += std::snprintf(line + len, sizeof line - len, "  grad_norm %.3f", r.grad_norm);
       std::snprintf(line + len, sizeof line - len, "  lr %.3g  %.1f samples/s", lr.at(step),
                     c.train.batch_size * window_steps / (window_ms / 1000.0));
-      out << line << std::endl;
+      if (!multi || launch.rank == 0) out << line << std::endl;
       window_ms = 0;
       window_steps = 0;
     }
@@ -283,7 +300,7 @@ TrainResult train(const Config& c, std::ostream& out) {
   j["config"] = c.source;
   j["data"] = data->describe();
   j["balance"] = result.balance;
-  const auto path = dir / "report.json";
+  const auto path = dir / (multi ? "report.rank" + std::to_string(launch.rank) + ".json" : std::string("report.json"));
   write_atomically(path, j.dump(2) + "\n");
   result.report_path = path.string();
   out << "Report: " << result.report_path << std::endl;

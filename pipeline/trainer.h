@@ -8,6 +8,7 @@
 
 #include "pipeline/config.h"
 #include "pipeline/report.h"
+#include "runtime/transport.h"
 
 namespace gpipe {
 namespace pipeline {
@@ -20,8 +21,16 @@ struct TrainResult {
   std::string report_path;
 };
 
+// How this process takes part in the job: alone (all stages as threads), or as rank
+// `rank` of `size` processes that each run one stage, connected by `transport`.
+struct Launch {
+  int rank = 0;
+  int size = 1;
+  Transport* transport = nullptr;  // required when size > 1 (an MpiTransport)
+};
+
 // Runs the whole job; progress lines and the final table go to `out`.
-TrainResult train(const Config& config, std::ostream& out);
+TrainResult train(const Config& config, std::ostream& out, const Launch& launch = {});
 
 // The cells a config asks for: its balance, or the balancer's from layer costs.
 std::vector<int> plan_balance(const Config& config, const layers::Sequential& model);
