@@ -289,7 +289,9 @@ Config parse_config(const std::string& text, const std::string& source, const st
 
   // pipeline
   if (const YAML::Node p = root["pipeline"]) {
-    dec.check_map(p, "pipeline", {"partitions", "micro_batches", "checkpoint", "schedule", "balance", "devices", "pin_threads"});
+    dec.check_map(p, "pipeline", {"partitions", "replicas", "micro_batches", "checkpoint", "schedule", "balance",
+                                  "devices", "pin_threads"});
+    if (p["replicas"]) c.pipeline.replicas = static_cast<int>(dec.positive(p["replicas"], "pipeline.replicas"));
     if (p["partitions"]) c.pipeline.partitions = static_cast<int>(dec.positive(p["partitions"], "pipeline.partitions"));
     if (p["micro_batches"]) c.pipeline.micro_batches = static_cast<int>(dec.positive(p["micro_batches"], "pipeline.micro_batches"));
     if (p["checkpoint"]) {

@@ -33,6 +33,7 @@ struct DataConfig {
 
 struct PipelineConfig {
   int partitions = 1;       // K
+  int replicas = 1;         // D: data-parallel copies of the pipeline (multi-process runs)
   int micro_batches = 1;    // M
   std::string checkpoint = "except_last";
   std::string schedule = "gpipe";

@@ -315,6 +315,7 @@ void Executor::run_stage(int k) {
           break;
         }
         case Op::kOptimizerStep:
+          if (options_.replicas != nullptr && options_.replicas->size() > 1) average_over_replicas(k);
           if (options_.clip_grad_norm > 0) clip_gradients(k);
           rt.optimizer->step();
           zero_grads();
@@ -341,6 +342,22 @@ void Executor::run_stage(int k) {
     rt.error = std::current_exception();
     rt.error_text = e.what();
     transport_.abort("stage " + std::to_string(k) + " failed: " + rt.error_text);
+  }
+}
+
+void Executor::average_over_replicas(int k) {
+  StageRuntime& rt = *runtimes_[k];
+  const double inv = 1.0 / options_.replicas->size();
+  for (layers::Parameter* p : rt.optimizer->params()) {
+    if (p->grad.device().is_cpu()) {
+      options_.replicas->all_reduce_sum(p->grad);
+    } else {
+      Tensor host = Tensor::empty(p->grad.shape(), p->grad.dtype(), Device::cpu());
+      rt.backend->copy(p->grad, host);
+      options_.replicas->all_reduce_sum(host);
+      rt.backend->copy(host, p->grad);
+    }
+    rt.backend->scale(p->grad, inv);
   }
 }
 
@@ -428,6 +445,9 @@ StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool appl
     result.grad_norm = runtimes_[options_.local_stage]->grad_norm;
   } else {
     result.grad_norm = last.grad_norm;
+  }
+  if (options_.replicas != nullptr && options_.replicas->size() > 1) {
+    result.loss = options_.replicas->all_reduce_sum(result.loss) / options_.replicas->size();
   }
   for (auto& rt : runtimes_) {
     result.stages.push_back(std::move(rt->trace));  // empty for stages of other processes

@@ -50,6 +50,9 @@ struct ExecutorOptions {
   // the processes (MpiTransport) and the loss is summed across them through it.
   int local_stage = -1;
   int rank = 0;  // shown in log lines
+  // Data parallelism: the other replicas of this process's stage. After accumulation
+  // the stage's gradients (and the loss) are averaged over them; not owned.
+  ReplicaGroup* replicas = nullptr;
 };
 
 struct TimedOp {
@@ -98,6 +101,7 @@ class Executor {
   void worker_main(int k);
   void run_stage(int k);
   void clip_gradients(int k);
+  void average_over_replicas(int k);
 
   layers::Sequential& model_;
   std::vector<StageSpec> stages_;

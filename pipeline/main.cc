@@ -114,8 +114,13 @@ struct MpiSession {
     GPIPE_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
     GPIPE_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &size));
   }
-  ~MpiSession() { MPI_Finalize(); }
+  ~MpiSession() {
+    if (pipeline != MPI_COMM_NULL) MPI_Comm_free(&pipeline);
+    if (replicas != MPI_COMM_NULL) MPI_Comm_free(&replicas);
+    MPI_Finalize();
+  }
   int rank = 0, size = 1;
+  MPI_Comm pipeline = MPI_COMM_NULL, replicas = MPI_COMM_NULL;
 };
 
 }  // namespace
@@ -147,12 +152,26 @@ int main(int argc, char** argv) {
     if (a.command == "plan") return plan(config);
     gpipe::pipeline::Launch launch;
     std::unique_ptr<gpipe::MpiTransport> transport;
+    std::unique_ptr<gpipe::MpiReplicaGroup> replicas;
     if (mpi) {
+      // P = K x D ranks: rank r runs stage r % K of replica r / K. One communicator per
+      // pipeline (its K stages) and one per stage (its D replicas).
+      const int K = config.pipeline.partitions, D = config.pipeline.replicas;
+      if (mpi->size != K * D) {
+        throw gpipe::UserError("launched as " + std::to_string(mpi->size) + " processes but pipeline.partitions x "
+                               "pipeline.replicas is " + std::to_string(K) + " x " + std::to_string(D) +
+                               "; run one process per stage and replica: mpirun -np " + std::to_string(K * D));
+      }
       gpipe::set_thread_context(mpi->rank, -1);
-      launch.rank = mpi->rank;
-      launch.size = mpi->size;
-      transport = std::make_unique<gpipe::MpiTransport>(MPI_COMM_WORLD);
+      launch.rank = mpi->rank % K;
+      launch.replica = mpi->rank / K;
+      GPIPE_MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, launch.replica, launch.rank, &mpi->pipeline));
+      GPIPE_MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, launch.rank, launch.replica, &mpi->replicas));
+      launch.size = K;
+      transport = std::make_unique<gpipe::MpiTransport>(mpi->pipeline);
       launch.transport = transport.get();
+      replicas = std::make_unique<gpipe::MpiReplicaGroup>(mpi->replicas);
+      launch.replicas = replicas.get();
     }
     gpipe::pipeline::train(config, std::cout, launch);
     return 0;

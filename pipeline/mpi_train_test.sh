@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Multi-process pipelines on this machine (mpirun --oversubscribe):
-#  1. `mpirun -np 2 gpipe train` (K = 2, one stage per process, MPI transport) logs the
-#     same per-step losses as the single-process run of the same config;
+#  1. `mpirun -np 2 gpipe train` (K = 2, one stage per process, MPI transport) and
+#     `mpirun -np 4` with pipeline.replicas=2 (K = 2, D = 2: each replica takes half of
+#     every mini-batch, gradients averaged) log the same per-step losses as the
+#     single-process run of the same config, to float32 rounding;
 #  2. a rank count that does not match pipeline.partitions is an error that says what would;
 #  3. a rank killed mid-run ends the whole job promptly with a non-zero exit.
 set -uo pipefail
@@ -23,9 +25,18 @@ fi
 [ "$(losses < "$tmp/multi.log" | wc -l)" -eq 12 ] || { cat "$tmp/multi.log"; echo "FAIL: expected 12 step lines"; exit 1; }
 echo "ok: 12 identical per-step losses with 1 and 2 processes"
 
+"${mpirun[@]}" -np 4 "$gpipe" train "$config" "${common[@]}" --set pipeline.replicas=2 --set output.dir="$tmp/dp" \
+  > "$tmp/dp.log" 2>&1 || { cat "$tmp/dp.log"; echo "FAIL: mpirun -np 4 with 2 replicas"; exit 1; }
+paste <(losses < "$tmp/single.log") <(losses < "$tmp/dp.log") > "$tmp/pairs.txt"
+[ "$(wc -l < "$tmp/pairs.txt")" -eq 12 ] || { cat "$tmp/dp.log"; echo "FAIL: expected 12 step lines with replicas"; exit 1; }
+if ! awk '{ d = $2 - $4; if (d < 0) d = -d; if ($1 != $3 || d > 1e-3) { print "step " $1 ": " $2 " vs " $4; bad = 1 } } END { exit bad }' "$tmp/pairs.txt"; then
+  echo "FAIL: per-step losses differ between one process and K=2 x D=2"; exit 1
+fi
+echo "ok: K=2 x D=2 (4 processes) gives the single-process losses"
+
 "${mpirun[@]}" -np 3 "$gpipe" train "$config" "${common[@]}" --set output.dir="$tmp/bad" > "$tmp/bad.log" 2>&1
 rc=$?
-if [ "$rc" -eq 0 ] || ! grep -q "launched as 3 processes but pipeline.partitions is 2; run one process per stage: mpirun -np 2" "$tmp/bad.log"; then
+if [ "$rc" -eq 0 ] || ! grep -q "launched as 3 processes but pipeline.partitions x pipeline.replicas is 2 x 1; run one process per stage and replica: mpirun -np 2" "$tmp/bad.log"; then
   cat "$tmp/bad.log"; echo "FAIL: a mismatched rank count (rc=$rc)"; exit 1
 fi
 echo "ok: mpirun -np 3 for K=2 is refused with the fix"

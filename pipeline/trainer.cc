@@ -190,11 +190,22 @@ std::vector<int> plan_balance(const Config& c, const layers::Sequential& model) 
 
 TrainResult train(const Config& c, std::ostream& out, const Launch& launch) {
   const bool multi = launch.size > 1;
-  if (multi && launch.size != c.pipeline.partitions) {
-    throw UserError("launched as " + std::to_string(launch.size) + " processes but pipeline.partitions is " +
-                    std::to_string(c.pipeline.partitions) + "; run one process per stage: mpirun -np " +
-                    std::to_string(c.pipeline.partitions) + " (data-parallel replicas are not supported yet)");
+  const int D = c.pipeline.replicas;
+  if (D > 1 && (launch.replicas == nullptr || launch.replicas->size() != D)) {
+    throw UserError("pipeline.replicas = " + std::to_string(D) + " needs " + std::to_string(D) +
+                    " copies of the pipeline: launch mpirun -np " + std::to_string(D * c.pipeline.partitions) +
+                    " (pipeline.partitions x pipeline.replicas)");
   }
+  if (multi && launch.size != c.pipeline.partitions) {
+    throw UserError("launched as " + std::to_string(launch.size * D) + " processes but pipeline.partitions x "
+                    "pipeline.replicas is " + std::to_string(c.pipeline.partitions * D) +
+                    "; run one process per stage and replica: mpirun -np " + std::to_string(c.pipeline.partitions * D));
+  }
+  if (D > 1 && c.train.batch_size % D != 0) {
+    throw UserError("train.batch_size = " + std::to_string(c.train.batch_size) + " does not split evenly over " +
+                    std::to_string(D) + " replicas; make it a multiple of pipeline.replicas");
+  }
+  const int64_t replica_batch = c.train.batch_size / D;
   GPIPE_CHECK(!multi || launch.transport != nullptr, "a multi-process launch needs a transport");
   init_logging(c.train.log_level);
   set_cpu_blas_threads(c.train.blas_threads);
@@ -203,7 +214,7 @@ TrainResult train(const Config& c, std::ostream& out, const Launch& launch) {
   check_model_fits_data(*model, *data);
   const int K = c.pipeline.partitions, M = c.pipeline.micro_batches;
   const CheckpointMode mode = parse_checkpoint_mode(c.pipeline.checkpoint);
-  split_sizes(c.train.batch_size, M);  // validates N >= M before anything starts
+  split_sizes(replica_batch, M);  // validates N >= M before anything starts
   TrainResult result;
   result.balance = plan_balance(c, *model);
   const std::vector<StageSpec> stages = make_stages(result.balance, plan_devices(c));
@@ -229,7 +240,8 @@ TrainResult train(const Config& c, std::ostream& out, const Launch& launch) {
   opts.clip_grad_norm = c.optimizer.clip_grad_norm;
   opts.pin_threads = c.pipeline.pin_threads;
   opts.local_stage = multi ? launch.rank : -1;
-  opts.rank = launch.rank;
+  opts.rank = launch.replica * launch.size + launch.rank;
+  opts.replicas = D > 1 ? launch.replicas : nullptr;
   Executor executor(*model, stages, std::move(schedule), transport, opts);
   layers::LrSchedule lr;
   lr.kind = c.optimizer.schedule;
@@ -240,7 +252,7 @@ TrainResult train(const Config& c, std::ostream& out, const Launch& launch) {
 
   // Validation runs every stage in this process, so it needs all the trained weights:
   // not yet available in a multi-process run.
-  const int64_t eval_n = multi ? 0
+  const int64_t eval_n = multi || D > 1 ? 0
                          : c.train.eval_samples > 0 ? std::min(c.train.eval_samples, data->validation_size())
                                                     : data->validation_size();
   if (multi && launch.rank == 0) spdlog::info("validation is not run in multi-process mode yet");
@@ -254,6 +266,10 @@ TrainResult train(const Config& c, std::ostream& out, const Launch& launch) {
   int window_steps = 0;
   for (int step = 0; step < c.train.steps; ++step) {
     auto [x, y] = data->batch(static_cast<uint64_t>(c.train.seed) * 1000003ULL + step, c.train.batch_size);
+    if (D > 1) {  // each replica takes its own rows of the mini-batch
+      x = x.narrow_rows(launch.replica * replica_batch, replica_batch);
+      y = y.narrow_rows(launch.replica * replica_batch, replica_batch);
+    }
     executor.set_lr(lr.at(step));
     const StepResult r = executor.step(x, y);
     if (!std::isfinite(r.loss)) {
@@ -279,7 +295,7 @@ TrainResult train(const Config& c, std::ostream& out, const Launch& launch) {
       if (r.grad_norm >= 0) len += std::snprintf(line + len, sizeof line - len, "  grad_norm %.3f", r.grad_norm);
       std::snprintf(line + len, sizeof line - len, "  lr %.3g  %.1f samples/s", lr.at(step),
                     c.train.batch_size * window_steps / (window_ms / 1000.0));
-      if (!multi || launch.rank == 0) out << line << std::endl;
+      if (launch.rank == 0 && launch.replica == 0) out << line << std::endl;
       window_ms = 0;
       window_steps = 0;
     }
@@ -300,7 +316,8 @@ TrainResult train(const Config& c, std::ostream& out, const Launch& launch) {
   j["config"] = c.source;
   j["data"] = data->describe();
   j["balance"] = result.balance;
-  const auto path = dir / (multi ? "report.rank" + std::to_string(launch.rank) + ".json" : std::string("report.json"));
+  const auto path = dir / (multi || D > 1 ? "report.rank" + std::to_string(opts.rank) + ".json"
+                                          : std::string("report.json"));
   write_atomically(path, j.dump(2) + "\n");
   result.report_path = path.string();
   out << "Report: " << result.report_path << std::endl;

@@ -24,9 +24,11 @@ struct TrainResult {
 // How this process takes part in the job: alone (all stages as threads), or as rank
 // `rank` of `size` processes that each run one stage, connected by `transport`.
 struct Launch {
-  int rank = 0;
-  int size = 1;
+  int rank = 0;  // this process's stage: its rank within its pipeline
+  int size = 1;  // processes per pipeline (K when size > 1)
   Transport* transport = nullptr;  // required when size > 1 (an MpiTransport)
+  int replica = 0;                 // which data-parallel replica this process belongs to
+  ReplicaGroup* replicas = nullptr;  // the same stage in the other replicas; required when D > 1
 };
 
 // Runs the whole job; progress lines and the final table go to `out`.

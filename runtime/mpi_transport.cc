@@ -89,6 +89,26 @@ double MpiTransport::all_reduce_sum(int stage, double value) {
   return total;
 }
 
+MpiReplicaGroup::MpiReplicaGroup(MPI_Comm comm) : comm_(comm) { GPIPE_MPI_CHECK(MPI_Comm_size(comm_, &size_)); }
+
+void MpiReplicaGroup::all_reduce_sum(Tensor& t) {
+  GPIPE_CHECK(t.device().is_cpu() && t.is_contiguous(), "MpiReplicaGroup reduces contiguous host tensors");
+  MPI_Datatype type = MPI_FLOAT;
+  if (t.dtype() == DType::kF64) {
+    type = MPI_DOUBLE;
+  } else if (t.dtype() != DType::kF32) {
+    throw Error("MpiReplicaGroup: cannot reduce " + t.str());
+  }
+  GPIPE_CHECK(t.numel() <= std::numeric_limits<int>::max(), "tensor too large for one MPI_Allreduce");
+  GPIPE_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, t.raw_data(), static_cast<int>(t.numel()), type, MPI_SUM, comm_));
+}
+
+double MpiReplicaGroup::all_reduce_sum(double value) {
+  double total = 0;
+  GPIPE_MPI_CHECK(MPI_Allreduce(&value, &total, 1, MPI_DOUBLE, MPI_SUM, comm_));
+  return total;
+}
+
 void MpiTransport::abort(const std::string& why) {
   spdlog::error("rank {} ends the job: {}", rank_, why);
   MPI_Abort(comm_, 1);

@@ -38,4 +38,17 @@ class MpiTransport : public Transport {
   int rank_ = 0, size_ = 1, tag_ub_ = 32767;
 };
 
+// The replicas of a stage over MPI: MPI_Allreduce on host tensors, in place.
+class MpiReplicaGroup : public ReplicaGroup {
+ public:
+  explicit MpiReplicaGroup(MPI_Comm comm);
+  int size() const override { return size_; }
+  void all_reduce_sum(Tensor& t) override;
+  double all_reduce_sum(double value) override;
+
+ private:
+  MPI_Comm comm_;
+  int size_ = 1;
+};
+
 }  // namespace gpipe

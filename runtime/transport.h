@@ -36,4 +36,15 @@ class Transport {
   virtual void abort(const std::string& why) = 0;
 };
 
+// The data-parallel replicas of one stage (the same stage in every replica of the
+// pipeline): sums over them, for averaging gradients after accumulation and the loss.
+class ReplicaGroup {
+ public:
+  virtual ~ReplicaGroup() = default;
+  virtual int size() const = 0;
+  // In place, over every replica; all replicas call it with tensors of the same shape.
+  virtual void all_reduce_sum(Tensor& t) = 0;
+  virtual double all_reduce_sum(double value) = 0;
+};
+
 }  // namespace gpipe
