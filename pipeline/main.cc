@@ -24,7 +24,8 @@ namespace {
 
 constexpr const char* kUsage = R"(usage:
   gpipe train [CONFIG.yaml] [--set key=value ...]   train (default config: configs/default.yaml)
-  mpirun -np K gpipe train ...                      one process per pipeline stage (K = pipeline.partitions)
+  mpirun -np K*D gpipe train ...                    one process per stage and replica (K = pipeline.partitions,
+                                                    D = pipeline.replicas)
   gpipe plan  [CONFIG.yaml] [--set key=value ...]   show the partition and schedule, do not train
   gpipe help
 
