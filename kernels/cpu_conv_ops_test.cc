@@ -20,29 +20,6 @@ namespace {
 
 Backend& cpu() { return backend_for(Device::cpu()); }
 
-// f's gradient with respect to every element of t (float64), by central differences.
-std::vector<double> numeric_grad(Tensor& t, const std::function<double()>& f, double eps = 1e-6) {
-  std::vector<double> g(t.numel());
-  double* v = t.data<double>();
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    const double keep = v[i];
-    v[i] = keep + eps;
-    const double fp = f();
-    v[i] = keep - eps;
-    const double fm = f();
-    v[i] = keep;
-    g[i] = (fp - fm) / (2 * eps);
-  }
-  return g;
-}
-
-double dot(const Tensor& a, const Tensor& b) {
-  const auto x = to_doubles(a), y = to_doubles(b);
-  double s = 0;
-  for (size_t i = 0; i < x.size(); ++i) s += x[i] * y[i];
-  return s;
-}
-
 std::vector<double> minus(const std::vector<double>& a, const std::vector<double>& b) {
   std::vector<double> out(a.size());
   for (size_t i = 0; i < a.size(); ++i) out[i] = a[i] - b[i];
@@ -198,14 +175,14 @@ TEST_CASE("conv2d_backward matches finite differences; dw accumulates; dx is opt
     Tensor y = cpu().empty(r.shape(), DType::kF64);
     auto f = [&] {
       cpu().conv2d(x, w, c.stride, c.pad, y);
-      return dot(y, r);
+      return gpipe::testing::dot(y, r);
     };
     Tensor dx = random_tensor(x.shape(), DType::kF64, 6);  // garbage: dx is overwritten
     Tensor dw = random_tensor(w.shape(), DType::kF64, 7);  // a running sum: dw accumulates
     const auto dw0 = to_doubles(dw);
     cpu().conv2d_backward(r, x, w, c.stride, c.pad, dx, dw);
-    GPIPE_EXPECT_CLOSE(dx, numeric_grad(x, f), 1e-7, 1e-8);
-    const auto dw_num = numeric_grad(w, f);
+    GPIPE_EXPECT_CLOSE(dx, gpipe::testing::numeric_gradient(x, f), 1e-7, 1e-8);
+    const auto dw_num = gpipe::testing::numeric_gradient(w, f);
     GPIPE_EXPECT_CLOSE(minus(to_doubles(dw), dw0), dw_num, 1e-7, 1e-8);
 
     Tensor none;  // no input gradient: only dw
@@ -298,16 +275,16 @@ TEST_CASE("batchnorm_backward matches finite differences through the batch stati
     const double eps = 1e-5;
     auto f = [&] {
       cpu().batchnorm_train(x, g, b, eps, y, mean, var);
-      return dot(y, r);
+      return gpipe::testing::dot(y, r);
     };
     f();
     Tensor dx = random_tensor(shape, DType::kF64, 5);                                         // overwritten
     Tensor dg = random_tensor({C}, DType::kF64, 6), db = random_tensor({C}, DType::kF64, 7);  // accumulated
     const auto dg0 = to_doubles(dg), db0 = to_doubles(db);
     cpu().batchnorm_backward(r, x, g, mean, var, eps, dx, dg, db);
-    GPIPE_EXPECT_CLOSE(dx, numeric_grad(x, f), 1e-6, 1e-7);
-    GPIPE_EXPECT_CLOSE(minus(to_doubles(dg), dg0), numeric_grad(g, f), 1e-6, 1e-7);
-    GPIPE_EXPECT_CLOSE(minus(to_doubles(db), db0), numeric_grad(b, f), 1e-6, 1e-7);
+    GPIPE_EXPECT_CLOSE(dx, gpipe::testing::numeric_gradient(x, f), 1e-6, 1e-7);
+    GPIPE_EXPECT_CLOSE(minus(to_doubles(dg), dg0), gpipe::testing::numeric_gradient(g, f), 1e-6, 1e-7);
+    GPIPE_EXPECT_CLOSE(minus(to_doubles(db), db0), gpipe::testing::numeric_gradient(b, f), 1e-6, 1e-7);
   }
 }
 
@@ -347,12 +324,12 @@ TEST_CASE("maxpool2d_backward routes each gradient to its maximum (finite differ
   Tensor y = cpu().empty(r.shape(), DType::kF64), arg = cpu().empty(r.shape(), DType::kI32);
   auto f = [&] {
     cpu().maxpool2d(x, 3, 2, 1, y, arg);
-    return dot(y, r);
+    return gpipe::testing::dot(y, r);
   };
   f();
   Tensor dx = random_tensor(x.shape(), DType::kF64, 10);  // overwritten
   cpu().maxpool2d_backward(r, arg, dx);
-  GPIPE_EXPECT_CLOSE(dx, numeric_grad(x, f), 1e-7, 1e-8);
+  GPIPE_EXPECT_CLOSE(dx, gpipe::testing::numeric_gradient(x, f), 1e-7, 1e-8);
 
   arg.data<int32_t>()[3] = 42;  // outside a 7 x 6 plane
   CHECK_THROWS_WITH(cpu().maxpool2d_backward(r, arg, dx), doctest::Contains("argmax 42"));
@@ -381,11 +358,11 @@ TEST_CASE("avgpool2d and its backward (finite differences)") {
     Tensor y = cpu().empty(r.shape(), DType::kF64);
     auto f = [&] {
       cpu().avgpool2d(x, c.k, c.stride, y);
-      return dot(y, r);
+      return gpipe::testing::dot(y, r);
     };
     Tensor dx = random_tensor(x.shape(), DType::kF64, 4);  // overwritten, uncovered positions too
     cpu().avgpool2d_backward(r, c.k, c.stride, dx);
-    GPIPE_EXPECT_CLOSE(dx, numeric_grad(x, f), 1e-8, 1e-9);
+    GPIPE_EXPECT_CLOSE(dx, gpipe::testing::numeric_gradient(x, f), 1e-8, 1e-9);
   }
 }
 

@@ -20,29 +20,6 @@ namespace {
 
 Backend& cpu() { return backend_for(Device::cpu()); }
 
-double dot(const Tensor& a, const Tensor& b) {
-  const auto x = to_doubles(a), y = to_doubles(b);
-  double s = 0;
-  for (size_t i = 0; i < x.size(); ++i) s += x[i] * y[i];
-  return s;
-}
-
-// d f / d t by central differences, perturbing the float64 tensor t in place.
-std::vector<double> numeric_grad(Tensor& t, const std::function<double()>& f, double eps = 1e-6) {
-  std::vector<double> g(t.numel());
-  double* v = t.data<double>();
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    const double keep = v[i];
-    v[i] = keep + eps;
-    const double fp = f();
-    v[i] = keep - eps;
-    const double fm = f();
-    v[i] = keep;
-    g[i] = (fp - fm) / (2 * eps);
-  }
-  return g;
-}
-
 Tensor ids_tensor(const std::vector<int32_t>& v, int64_t B, int64_t T) {
   return Tensor::from_vector<int32_t>(v, {B, T});
 }
@@ -109,13 +86,13 @@ TEST_CASE("embedding backward accumulates and matches finite differences") {
   auto f = [&] {
     Tensor out = cpu().empty({B, T, C}, DType::kF64);
     cpu().embedding(ids, table, pos, out);
-    return dot(out, r);
+    return gpipe::testing::dot(out, r);
   };
   // Start from non-zero gradients: backward adds.
   Tensor dtable = random_tensor({V, C}, DType::kF64, 4), dpos = random_tensor({P, C}, DType::kF64, 5);
   const auto dtable0 = to_doubles(dtable), dpos0 = to_doubles(dpos);
   cpu().embedding_backward(ids, r, dtable, dpos);
-  auto nt = numeric_grad(table, f), np = numeric_grad(pos, f);
+  auto nt = gpipe::testing::numeric_gradient(table, f), np = gpipe::testing::numeric_gradient(pos, f);
   for (size_t i = 0; i < nt.size(); ++i) nt[i] += dtable0[i];
   for (size_t i = 0; i < np.size(); ++i) np[i] += dpos0[i];
   GPIPE_EXPECT_CLOSE(dtable, nt, 1e-8, 1e-8);
@@ -184,7 +161,7 @@ TEST_CASE("layernorm backward matches finite differences") {
     Tensor y = cpu().empty(x.shape(), DType::kF64);
     Tensor m = cpu().empty({R}, DType::kF64), s = cpu().empty({R}, DType::kF64);
     cpu().layernorm(x, gamma, beta, eps, y, m, s);
-    return dot(y, r);
+    return gpipe::testing::dot(y, r);
   };
   Tensor y = cpu().empty(x.shape(), DType::kF64), mean = cpu().empty({R}, DType::kF64),
          rstd = cpu().empty({R}, DType::kF64);
@@ -193,8 +170,8 @@ TEST_CASE("layernorm backward matches finite differences") {
   Tensor dgamma = Tensor::from_vector<double>(std::vector<double>(C, 0.5), {C});  // backward adds to these
   Tensor dbeta = Tensor::from_vector<double>(std::vector<double>(C, -0.25), {C});
   cpu().layernorm_backward(r, x, gamma, mean, rstd, dx, dgamma, dbeta);
-  GPIPE_EXPECT_CLOSE(dx, numeric_grad(x, f), 1e-6, 1e-8);
-  auto ng = numeric_grad(gamma, f), nb = numeric_grad(beta, f);
+  GPIPE_EXPECT_CLOSE(dx, gpipe::testing::numeric_gradient(x, f), 1e-6, 1e-8);
+  auto ng = gpipe::testing::numeric_gradient(gamma, f), nb = gpipe::testing::numeric_gradient(beta, f);
   for (auto& v : ng) v += 0.5;
   for (auto& v : nb) v -= 0.25;
   GPIPE_EXPECT_CLOSE(dgamma, ng, 1e-6, 1e-8);
@@ -244,13 +221,13 @@ TEST_CASE("attention backward matches finite differences") {
     auto f = [&] {
       Tensor probs = cpu().empty({B, heads, T, T}, DType::kF64), out = cpu().empty({B, T, C}, DType::kF64);
       cpu().attention(qkv, heads, probs, out);
-      return dot(out, r);
+      return gpipe::testing::dot(out, r);
     };
     Tensor probs = cpu().empty({B, heads, T, T}, DType::kF64), out = cpu().empty({B, T, C}, DType::kF64);
     cpu().attention(qkv, heads, probs, out);
     Tensor dqkv = random_tensor({B, T, 3 * C}, DType::kF64, 9);  // garbage: backward overwrites
     cpu().attention_backward(r, qkv, probs, heads, dqkv);
-    GPIPE_EXPECT_CLOSE(dqkv, numeric_grad(qkv, f), 1e-6, 1e-8);
+    GPIPE_EXPECT_CLOSE(dqkv, gpipe::testing::numeric_gradient(qkv, f), 1e-6, 1e-8);
   }
 }
 
@@ -336,11 +313,11 @@ TEST_CASE("dropout backward matches finite differences") {
   auto f = [&] {
     Tensor y = cpu().empty({N, E}, DType::kF64);
     cpu().dropout(x, p, 7, 11, y);
-    return dot(y, r);
+    return gpipe::testing::dot(y, r);
   };
   Tensor dx = cpu().empty({N, E}, DType::kF64);
   cpu().dropout_backward(r, p, 7, 11, dx);
-  GPIPE_EXPECT_CLOSE(dx, numeric_grad(x, f), 1e-8, 1e-8);
+  GPIPE_EXPECT_CLOSE(dx, gpipe::testing::numeric_gradient(x, f), 1e-8, 1e-8);
 }
 
 TEST_CASE("dropout with p = 0 copies, and p outside [0, 1) is a user error") {

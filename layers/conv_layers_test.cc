@@ -22,13 +22,6 @@ namespace {
 
 Backend& cpu() { return backend_for(Device::cpu()); }
 
-double dot(const Tensor& a, const Tensor& b) {
-  const auto x = to_doubles(a), y = to_doubles(b);
-  double s = 0;
-  for (size_t i = 0; i < x.size(); ++i) s += x[i] * y[i];
-  return s;
-}
-
 Shape batched(int64_t n, const Shape& s) {
   Shape out{n};
   out.insert(out.end(), s.begin(), s.end());
@@ -51,28 +44,14 @@ void check_layer_gradients(Layer& layer, int64_t batch, double tol = 1e-6) {
   Tensor r = random_tensor(batched(batch, layer.output_shape()), DType::kF64, 12);
   ForwardArgs probe;
   probe.recompute = true;
-  auto f = [&] { return dot(layer.forward(cpu(), x, nullptr, probe), r); };
+  auto f = [&] { return gpipe::testing::dot(layer.forward(cpu(), x, nullptr, probe), r); };
 
   for (Parameter* p : layer.parameters()) cpu().fill(p->grad, 0.0);
   Context ctx;
   layer.forward(cpu(), x, &ctx);
   Tensor dx = layer.backward(cpu(), r, ctx);
 
-  const double eps = 1e-6;
-  auto numeric = [&](Tensor& t) {
-    std::vector<double> g(t.numel());
-    double* v = t.data<double>();
-    for (int64_t i = 0; i < t.numel(); ++i) {
-      const double keep = v[i];
-      v[i] = keep + eps;
-      const double fp = f();
-      v[i] = keep - eps;
-      const double fm = f();
-      v[i] = keep;
-      g[i] = (fp - fm) / (2 * eps);
-    }
-    return g;
-  };
+  auto numeric = [&](Tensor& t) { return gpipe::testing::numeric_gradient(t, f); };
   INFO(layer.describe(), " input gradient");
   GPIPE_EXPECT_CLOSE(dx, numeric(x), tol, tol);
   for (Parameter* p : layer.parameters()) {

@@ -23,12 +23,6 @@ namespace {
 
 Backend& cpu() { return backend_for(Device::cpu()); }
 
-double dot(const Tensor& a, const Tensor& b) {
-  double s = 0;
-  for (int64_t i = 0; i < a.numel(); ++i) s += a.data<double>()[i] * b.data<double>()[i];
-  return s;
-}
-
 // f(x) = <layer(x), r>. Checks dx and every parameter gradient against central
 // differences of f.
 void check_layer_gradients(Layer& layer, int64_t batch, double tol = 1e-6) {
@@ -38,28 +32,14 @@ void check_layer_gradients(Layer& layer, int64_t batch, double tol = 1e-6) {
   out.insert(out.end(), layer.output_shape().begin(), layer.output_shape().end());
   Tensor x = random_tensor(in, DType::kF64, 11);
   Tensor r = random_tensor(out, DType::kF64, 12);
-  auto f = [&] { return dot(layer.forward(cpu(), x, nullptr), r); };
+  auto f = [&] { return gpipe::testing::dot(layer.forward(cpu(), x, nullptr), r); };
 
   for (Parameter* p : layer.parameters()) cpu().fill(p->grad, 0.0);
   Context ctx;
   layer.forward(cpu(), x, &ctx);
   Tensor dx = layer.backward(cpu(), r, ctx);
 
-  const double eps = 1e-6;
-  auto numeric = [&](Tensor& t) {
-    std::vector<double> g(t.numel());
-    double* v = t.data<double>();
-    for (int64_t i = 0; i < t.numel(); ++i) {
-      const double keep = v[i];
-      v[i] = keep + eps;
-      const double fp = f();
-      v[i] = keep - eps;
-      const double fm = f();
-      v[i] = keep;
-      g[i] = (fp - fm) / (2 * eps);
-    }
-    return g;
-  };
+  auto numeric = [&](Tensor& t) { return gpipe::testing::numeric_gradient(t, f); };
   INFO(layer.describe(), " input gradient");
   GPIPE_EXPECT_CLOSE(dx, numeric(x), tol, tol);
   for (Parameter* p : layer.parameters()) {
@@ -113,17 +93,8 @@ TEST_CASE("softmax cross-entropy backward matches finite differences") {
   Context ctx;
   Tensor value = loss.forward(cpu(), logits, labels, scale, &ctx);
   Tensor d = loss.backward(cpu(), ctx);
-  std::vector<double> numeric(logits.numel());
-  double* v = logits.data<double>();
-  for (int64_t i = 0; i < logits.numel(); ++i) {
-    const double keep = v[i];
-    v[i] = keep + 1e-6;
-    const double fp = cpu().item(loss.forward(cpu(), logits, labels, scale, nullptr));
-    v[i] = keep - 1e-6;
-    const double fm = cpu().item(loss.forward(cpu(), logits, labels, scale, nullptr));
-    v[i] = keep;
-    numeric[i] = (fp - fm) / 2e-6;
-  }
+  const auto numeric = gpipe::testing::numeric_gradient(
+      logits, [&] { return cpu().item(loss.forward(cpu(), logits, labels, scale, nullptr)); });
   GPIPE_EXPECT_CLOSE(d, numeric, 1e-6, 1e-7);
   for (int64_t j = 0; j < classes; ++j) CHECK(d.data<double>()[2 * classes + j] == 0.0);
 

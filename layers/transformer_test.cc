@@ -34,13 +34,6 @@ Shape batched(int64_t batch, const Shape& sample) {
   return s;
 }
 
-double dot(const Tensor& a, const Tensor& b) {
-  const auto x = to_doubles(a), y = to_doubles(b);
-  double s = 0;
-  for (size_t i = 0; i < x.size(); ++i) s += x[i] * y[i];
-  return s;
-}
-
 Tensor random_ids(const Shape& shape, int vocab, uint64_t seed) {
   Rng rng(seed);
   Tensor t = Tensor::empty(shape, DType::kI32, Device::cpu());
@@ -48,28 +41,12 @@ Tensor random_ids(const Shape& shape, int vocab, uint64_t seed) {
   return t;
 }
 
-std::vector<double> numeric_grad(Tensor& t, const std::function<double()>& f) {
-  const double eps = 1e-6;
-  std::vector<double> g(t.numel());
-  double* v = t.data<double>();
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    const double keep = v[i];
-    v[i] = keep + eps;
-    const double fp = f();
-    v[i] = keep - eps;
-    const double fm = f();
-    v[i] = keep;
-    g[i] = (fp - fm) / (2 * eps);
-  }
-  return g;
-}
-
 // f(x) = <layer(x, args), r>. Checks dx (for float inputs) and every parameter
 // gradient against central differences of f; gradients start non-zero so that
 // backward must add into them.
 void check_gradients(Layer& layer, const Tensor& x, const ForwardArgs& args = {}, double tol = 1e-6) {
   Tensor r = random_tensor(batched(x.size(0), layer.output_shape()), DType::kF64, 12);
-  auto f = [&] { return dot(layer.forward(cpu(), x, nullptr, args), r); };
+  auto f = [&] { return gpipe::testing::dot(layer.forward(cpu(), x, nullptr, args), r); };
   std::vector<std::vector<double>> before;
   for (Parameter* p : layer.parameters()) {
     cpu().fill(p->grad, 0.5);
@@ -81,14 +58,14 @@ void check_gradients(Layer& layer, const Tensor& x, const ForwardArgs& args = {}
   if (x.dtype() == DType::kF64) {
     INFO(layer.describe(), " input gradient");
     Tensor xv = x;  // shares storage: perturbing it perturbs the input f reads
-    GPIPE_EXPECT_CLOSE(dx, numeric_grad(xv, f), tol, tol);
+    GPIPE_EXPECT_CLOSE(dx, gpipe::testing::numeric_gradient(xv, f), tol, tol);
   } else {
     CHECK(!dx.defined());
   }
   const auto params = layer.parameters();
   for (size_t i = 0; i < params.size(); ++i) {
     INFO(layer.describe(), " gradient of ", params[i]->name);
-    auto want = numeric_grad(params[i]->value, f);
+    auto want = gpipe::testing::numeric_gradient(params[i]->value, f);
     for (size_t j = 0; j < want.size(); ++j) want[j] += before[i][j];
     GPIPE_EXPECT_CLOSE(params[i]->grad, want, tol, tol);
   }

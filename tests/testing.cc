@@ -76,6 +76,29 @@ Tensor random_labels(int64_t n, int classes, uint64_t seed) {
   return t;
 }
 
+std::vector<double> numeric_gradient(Tensor& t, const std::function<double()>& f, double eps) {
+  std::vector<double> g(t.numel());
+  double* v = t.data<double>();
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const double keep = v[i];
+    v[i] = keep + eps;
+    const double fp = f();
+    v[i] = keep - eps;
+    const double fm = f();
+    v[i] = keep;
+    g[i] = (fp - fm) / (2 * eps);
+  }
+  return g;
+}
+
+double dot(const Tensor& a, const Tensor& b) {
+  const auto x = to_doubles(a), y = to_doubles(b);
+  GPIPE_CHECK(x.size() == y.size(), "dot of " + a.str() + " and " + b.str());
+  double s = 0;
+  for (size_t i = 0; i < x.size(); ++i) s += x[i] * y[i];
+  return s;
+}
+
 void report_skipped(const std::string& why) {
   std::printf("GPIPE_TEST_SKIPPED: %s\n", why.c_str());
   std::fflush(stdout);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,13 @@ std::vector<double> to_doubles(const Tensor& t);
 // A CPU tensor of the given dtype with values uniform in [lo, hi), seeded.
 Tensor random_tensor(const Shape& shape, DType dtype, uint64_t seed, double lo = -1.0, double hi = 1.0);
 Tensor random_labels(int64_t n, int classes, uint64_t seed);
+
+// d f / d t by central differences, perturbing every element of the float64 tensor t
+// in place (and restoring it): the reference every backward is checked against.
+std::vector<double> numeric_gradient(Tensor& t, const std::function<double()>& f, double eps = 1e-6);
+
+// Sum of a[i] * b[i] over all elements, in double, for f(x) = <layer(x), r> objectives.
+double dot(const Tensor& a, const Tensor& b);
 
 // Prints the marker that `./gpipe test` counts as "skipped" (a doctest binary that has
 // nothing to run here, e.g. GPU tests on a machine without a GPU, exits 0 after it).
