@@ -31,9 +31,6 @@ using ops::dispatch_float;
 
 using ops::AttentionDims;
 using ops::check_dropout_p;
-using ops::check_ids;
-using ops::check_positions;
-using ops::check_shape;
 
 // Every id is checked before anything is written, so a bad batch leaves the outputs
 // (and, in backward, the accumulated gradients) untouched.
@@ -56,12 +53,10 @@ void check_blas_dim(int64_t n, const char* op) {
   if (n > INT_MAX) throw Error(std::string(op) + ": dimension " + std::to_string(n) + " exceeds BLAS's int range");
 }
 
-// ops::check_attention plus BLAS's int range, which the cblas calls below need.
-AttentionDims check_attention(const Tensor& qkv, int heads, const char* op) {
-  const AttentionDims d = ops::check_attention(qkv, heads, op);
+// BLAS's int range, which the cblas calls of attention need.
+void check_attention_blas_dims(const Tensor& qkv, const char* op) {
   check_blas_dim(qkv.size(2), op);
   check_blas_dim(qkv.size(1) * qkv.size(1), op);
-  return d;
 }
 
 // out = in * mask / (1 - p) with the mask of backend.h: element e of row i is kept iff
@@ -121,11 +116,7 @@ void dropout_impl(const Tensor& in, double p, uint64_t key, int64_t sample_offse
 
 void CpuBackend::adam_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamParams& p,
                            int64_t step) {
-  ops::check_float(param, "adam_step");
-  ops::check_same(param, grad, "adam_step");
-  ops::check_same(param, m, "adam_step");
-  ops::check_same(param, v, "adam_step");
-  if (step < 1) throw Error("adam_step: step counts from 1, got " + std::to_string(step));
+  ops::check_adam(param, grad, m, v, step);
   // Bias corrections in double: beta2^step underflows slowly, and 1 - beta2^step is
   // tiny on the first steps, where float's rounding of beta2 would show.
   const double bc1 = 1.0 - std::pow(p.beta1, static_cast<double>(step));
@@ -170,11 +161,8 @@ double CpuBackend::sum_squares(const Tensor& x) {
 // ---- Embedding.
 
 void CpuBackend::embedding(const Tensor& ids, const Tensor& table, const Tensor& pos, Tensor& out) {
-  check_ids(ids, "embedding");
-  ops::check_matrix(table, "embedding");
-  const int64_t B = ids.size(0), T = ids.size(1), V = table.size(0), C = table.size(1);
-  check_positions(pos, table, T, "embedding");
-  check_shape(out, {B, T, C}, table.dtype(), "embedding", "out");
+  const ops::EmbeddingDims d = ops::check_embedding(ids, table, pos, out, "embedding", "out");
+  const int64_t B = d.B, T = d.T, V = d.V, C = d.C;
   check_id_range(ids, V);
   dispatch_float(table, [&](auto* tag) {
     using Real = std::remove_pointer_t<decltype(tag)>;
@@ -198,11 +186,8 @@ void CpuBackend::embedding(const Tensor& ids, const Tensor& table, const Tensor&
 }
 
 void CpuBackend::embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable, Tensor& dpos) {
-  check_ids(ids, "embedding_backward");
-  ops::check_matrix(dtable, "embedding_backward");
-  const int64_t B = ids.size(0), T = ids.size(1), V = dtable.size(0), C = dtable.size(1);
-  check_positions(dpos, dtable, T, "embedding_backward");
-  check_shape(dout, {B, T, C}, dtable.dtype(), "embedding_backward", "dout");
+  const ops::EmbeddingDims d = ops::check_embedding(ids, dtable, dpos, dout, "embedding_backward", "dout");
+  const int64_t B = d.B, T = d.T, V = d.V, C = d.C;
   check_id_range(ids, V);
   dispatch_float(dtable, [&](auto* tag) {
     using Real = std::remove_pointer_t<decltype(tag)>;
@@ -229,15 +214,8 @@ void CpuBackend::embedding_backward(const Tensor& ids, const Tensor& dout, Tenso
 
 void CpuBackend::layernorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y,
                            Tensor& mean, Tensor& rstd) {
-  ops::check_float(x, "layernorm");
-  ops::check_same(x, y, "layernorm");
-  if (x.dim() < 1 || x.size(-1) == 0) throw Error("layernorm: " + x.str() + " has no channels to normalise");
-  const int64_t C = x.size(-1), R = x.numel() / C;
-  check_shape(gamma, {C}, x.dtype(), "layernorm", "gamma");
-  check_shape(beta, {C}, x.dtype(), "layernorm", "beta");
-  check_shape(mean, {R}, x.dtype(), "layernorm", "mean");
-  check_shape(rstd, {R}, x.dtype(), "layernorm", "rstd");
-  if (!(eps >= 0.0)) throw Error("layernorm: eps " + std::to_string(eps) + " must be >= 0");
+  const ops::RowDims d = ops::check_layernorm(x, gamma, beta, eps, y, mean, rstd);
+  const int64_t R = d.R, C = d.C;
   dispatch_float(x, [&](auto* tag) {
     using Real = std::remove_pointer_t<decltype(tag)>;
     const Real* px = x.data<Real>();  // (R, C)
@@ -267,16 +245,8 @@ void CpuBackend::layernorm(const Tensor& x, const Tensor& gamma, const Tensor& b
 
 void CpuBackend::layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
                                     const Tensor& rstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) {
-  ops::check_float(x, "layernorm_backward");
-  ops::check_same(x, dy, "layernorm_backward");
-  ops::check_same(x, dx, "layernorm_backward");
-  if (x.dim() < 1 || x.size(-1) == 0) throw Error("layernorm_backward: " + x.str() + " has no channels");
-  const int64_t C = x.size(-1), R = x.numel() / C;
-  check_shape(gamma, {C}, x.dtype(), "layernorm_backward", "gamma");
-  check_shape(mean, {R}, x.dtype(), "layernorm_backward", "mean");
-  check_shape(rstd, {R}, x.dtype(), "layernorm_backward", "rstd");
-  check_shape(dgamma, {C}, x.dtype(), "layernorm_backward", "dgamma");
-  check_shape(dbeta, {C}, x.dtype(), "layernorm_backward", "dbeta");
+  const ops::RowDims d = ops::check_layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta);
+  const int64_t R = d.R, C = d.C;
   dispatch_float(x, [&](auto* tag) {
     using Real = std::remove_pointer_t<decltype(tag)>;
     const Real* pdy = dy.data<Real>();  // (R, C)
@@ -328,10 +298,9 @@ void CpuBackend::layernorm_backward(const Tensor& dy, const Tensor& x, const Ten
 // overwritten with zeros: one BLAS call beats T row-sized ones at these sizes.
 
 void CpuBackend::attention(const Tensor& qkv, int heads, Tensor& probs, Tensor& out) {
-  const AttentionDims d = check_attention(qkv, heads, "attention");
+  const AttentionDims d = ops::check_attention_forward(qkv, heads, probs, out);
+  check_attention_blas_dims(qkv, "attention");
   const int64_t B = d.B, T = d.T, C = d.C, H = d.H, D = d.D;
-  check_shape(probs, {B, H, T, T}, qkv.dtype(), "attention", "probs");
-  check_shape(out, {B, T, C}, qkv.dtype(), "attention", "out");
   if (B == 0 || T == 0) return;
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   const int iT = static_cast<int>(T), iD = static_cast<int>(D), ld = static_cast<int>(3 * C);
@@ -369,11 +338,9 @@ void CpuBackend::attention(const Tensor& qkv, int heads, Tensor& probs, Tensor& 
 
 void CpuBackend::attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs, int heads,
                                     Tensor& dqkv) {
-  const AttentionDims d = check_attention(qkv, heads, "attention_backward");
+  const AttentionDims d = ops::check_attention_backward(dout, qkv, probs, heads, dqkv);
+  check_attention_blas_dims(qkv, "attention_backward");
   const int64_t B = d.B, T = d.T, C = d.C, H = d.H, D = d.D;
-  check_shape(dout, {B, T, C}, qkv.dtype(), "attention_backward", "dout");
-  check_shape(probs, {B, H, T, T}, qkv.dtype(), "attention_backward", "probs");
-  check_shape(dqkv, {B, T, 3 * C}, qkv.dtype(), "attention_backward", "dqkv");
   if (B == 0 || T == 0) return;
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   const int iT = static_cast<int>(T), iD = static_cast<int>(D), ld = static_cast<int>(3 * C);

@@ -73,11 +73,7 @@ std::string token_error(int32_t id, int64_t b, int64_t t, int64_t vocab) {
 // ---- Argument checks of the transformer ops: the CPU reference's, shared through
 // kernels/transformer_checks.h, so both backends reject the same calls.
 using ops::AttentionDims;
-using ops::check_attention;
 using ops::check_dropout_p;
-using ops::check_ids;
-using ops::check_positions;
-using ops::check_shape;
 
 constexpr size_t kStagingBytes = 16;
 
@@ -403,11 +399,7 @@ void CudaBackend::sgd_step(Tensor& param, const Tensor& grad, Tensor& buf, const
 
 void CudaBackend::adam_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamParams& p,
                             int64_t step) {
-  ops::check_float(param, "adam_step");
-  ops::check_same(param, grad, "adam_step");
-  ops::check_same(param, m, "adam_step");
-  ops::check_same(param, v, "adam_step");
-  if (step < 1) throw Error("adam_step: step counts from 1, got " + std::to_string(step));
+  ops::check_adam(param, grad, m, v, step);
   check_on_device(param, "adam_step");
   check_on_device(grad, "adam_step");
   check_on_device(m, "adam_step");
@@ -444,11 +436,8 @@ double CudaBackend::sum_squares(const Tensor& x) {
 }
 
 void CudaBackend::embedding(const Tensor& ids, const Tensor& table, const Tensor& pos, Tensor& out) {
-  check_ids(ids, "embedding");
-  ops::check_matrix(table, "embedding");
-  const int64_t B = ids.size(0), T = ids.size(1), V = table.size(0), C = table.size(1);
-  check_positions(pos, table, T, "embedding");
-  check_shape(out, {B, T, C}, table.dtype(), "embedding", "out");
+  const ops::EmbeddingDims d = ops::check_embedding(ids, table, pos, out, "embedding", "out");
+  const int64_t B = d.B, T = d.T, V = d.V, C = d.C;
   check_on_device(ids, "embedding");
   check_on_device(table, "embedding");
   if (pos.defined()) check_on_device(pos, "embedding");
@@ -463,11 +452,8 @@ void CudaBackend::embedding(const Tensor& ids, const Tensor& table, const Tensor
 }
 
 void CudaBackend::embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable, Tensor& dpos) {
-  check_ids(ids, "embedding_backward");
-  ops::check_matrix(dtable, "embedding_backward");
-  const int64_t B = ids.size(0), T = ids.size(1), V = dtable.size(0), C = dtable.size(1);
-  check_positions(dpos, dtable, T, "embedding_backward");
-  check_shape(dout, {B, T, C}, dtable.dtype(), "embedding_backward", "dout");
+  const ops::EmbeddingDims d = ops::check_embedding(ids, dtable, dpos, dout, "embedding_backward", "dout");
+  const int64_t B = d.B, T = d.T, V = d.V, C = d.C;
   check_on_device(ids, "embedding_backward");
   check_on_device(dout, "embedding_backward");
   check_on_device(dtable, "embedding_backward");
@@ -487,15 +473,8 @@ void CudaBackend::embedding_backward(const Tensor& ids, const Tensor& dout, Tens
 
 void CudaBackend::layernorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y,
                             Tensor& mean, Tensor& rstd) {
-  ops::check_float(x, "layernorm");
-  ops::check_same(x, y, "layernorm");
-  if (x.dim() < 1 || x.size(-1) == 0) throw Error("layernorm: " + x.str() + " has no channels to normalise");
-  const int64_t C = x.size(-1), R = x.numel() / C;
-  check_shape(gamma, {C}, x.dtype(), "layernorm", "gamma");
-  check_shape(beta, {C}, x.dtype(), "layernorm", "beta");
-  check_shape(mean, {R}, x.dtype(), "layernorm", "mean");
-  check_shape(rstd, {R}, x.dtype(), "layernorm", "rstd");
-  if (!(eps >= 0.0)) throw Error("layernorm: eps " + std::to_string(eps) + " must be >= 0");
+  const ops::RowDims d = ops::check_layernorm(x, gamma, beta, eps, y, mean, rstd);
+  const int64_t R = d.R, C = d.C;
   for (const Tensor* t : {&x, &gamma, &beta}) check_on_device(*t, "layernorm");
   for (const Tensor* t : {&y, &mean, &rstd}) check_on_device(*t, "layernorm");
   DeviceGuard guard(device_.index);
@@ -508,16 +487,8 @@ void CudaBackend::layernorm(const Tensor& x, const Tensor& gamma, const Tensor& 
 
 void CudaBackend::layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
                                      const Tensor& rstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) {
-  ops::check_float(x, "layernorm_backward");
-  ops::check_same(x, dy, "layernorm_backward");
-  ops::check_same(x, dx, "layernorm_backward");
-  if (x.dim() < 1 || x.size(-1) == 0) throw Error("layernorm_backward: " + x.str() + " has no channels");
-  const int64_t C = x.size(-1), R = x.numel() / C;
-  check_shape(gamma, {C}, x.dtype(), "layernorm_backward", "gamma");
-  check_shape(mean, {R}, x.dtype(), "layernorm_backward", "mean");
-  check_shape(rstd, {R}, x.dtype(), "layernorm_backward", "rstd");
-  check_shape(dgamma, {C}, x.dtype(), "layernorm_backward", "dgamma");
-  check_shape(dbeta, {C}, x.dtype(), "layernorm_backward", "dbeta");
+  const ops::RowDims d = ops::check_layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta);
+  const int64_t R = d.R, C = d.C;
   for (const Tensor* t : {&dy, &x, &gamma, &mean, &rstd}) check_on_device(*t, "layernorm_backward");
   for (const Tensor* t : {&dx, &dgamma, &dbeta}) check_on_device(*t, "layernorm_backward");
   if (R == 0) return;
@@ -544,10 +515,8 @@ void CudaBackend::layernorm_backward(const Tensor& dy, const Tensor& x, const Te
 // is passed as OP_N when the formula wants Y^T and as OP_T when it wants Y.
 
 void CudaBackend::attention(const Tensor& qkv, int heads, Tensor& probs, Tensor& out) {
-  const AttentionDims d = check_attention(qkv, heads, "attention");
+  const AttentionDims d = ops::check_attention_forward(qkv, heads, probs, out);
   const int64_t B = d.B, T = d.T, C = d.C, H = d.H, D = d.D;
-  check_shape(probs, {B, H, T, T}, qkv.dtype(), "attention", "probs");
-  check_shape(out, {B, T, C}, qkv.dtype(), "attention", "out");
   check_on_device(qkv, "attention");
   check_on_device(probs, "attention");
   check_on_device(out, "attention");
@@ -584,11 +553,8 @@ void CudaBackend::attention(const Tensor& qkv, int heads, Tensor& probs, Tensor&
 
 void CudaBackend::attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs, int heads,
                                      Tensor& dqkv) {
-  const AttentionDims d = check_attention(qkv, heads, "attention_backward");
+  const AttentionDims d = ops::check_attention_backward(dout, qkv, probs, heads, dqkv);
   const int64_t B = d.B, T = d.T, C = d.C, H = d.H, D = d.D;
-  check_shape(dout, {B, T, C}, qkv.dtype(), "attention_backward", "dout");
-  check_shape(probs, {B, H, T, T}, qkv.dtype(), "attention_backward", "probs");
-  check_shape(dqkv, {B, T, 3 * C}, qkv.dtype(), "attention_backward", "dqkv");
   check_on_device(dout, "attention_backward");
   check_on_device(qkv, "attention_backward");
   check_on_device(probs, "attention_backward");

@@ -67,5 +67,80 @@ inline void check_dropout_p(double p, const char* op) {
   }
 }
 
+// ---- Whole-op validation: every argument of one Backend op, as both backends check it.
+
+inline void check_adam(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, int64_t step) {
+  check_float(param, "adam_step");
+  check_same(param, grad, "adam_step");
+  check_same(param, m, "adam_step");
+  check_same(param, v, "adam_step");
+  if (step < 1) throw Error("adam_step: step counts from 1, got " + std::to_string(step));
+}
+
+struct EmbeddingDims {
+  int64_t B, T, V, C;
+};
+
+// embedding (table, out) and embedding_backward (dtable, dout) take the same shapes.
+inline EmbeddingDims check_embedding(const Tensor& ids, const Tensor& table, const Tensor& pos, const Tensor& out,
+                                     const char* op, const char* out_name) {
+  check_ids(ids, op);
+  check_matrix(table, op);
+  const EmbeddingDims d{ids.size(0), ids.size(1), table.size(0), table.size(1)};
+  check_positions(pos, table, d.T, op);
+  check_shape(out, {d.B, d.T, d.C}, table.dtype(), op, out_name);
+  return d;
+}
+
+struct RowDims {
+  int64_t R, C;  // rows and channels of x viewed as (R, C)
+};
+
+inline RowDims check_layernorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, const Tensor& y,
+                               const Tensor& mean, const Tensor& rstd) {
+  check_float(x, "layernorm");
+  check_same(x, y, "layernorm");
+  if (x.dim() < 1 || x.size(-1) == 0) throw Error("layernorm: " + x.str() + " has no channels to normalise");
+  const int64_t C = x.size(-1), R = x.numel() / C;
+  check_shape(gamma, {C}, x.dtype(), "layernorm", "gamma");
+  check_shape(beta, {C}, x.dtype(), "layernorm", "beta");
+  check_shape(mean, {R}, x.dtype(), "layernorm", "mean");
+  check_shape(rstd, {R}, x.dtype(), "layernorm", "rstd");
+  if (!(eps >= 0.0)) throw Error("layernorm: eps " + std::to_string(eps) + " must be >= 0");
+  return {R, C};
+}
+
+inline RowDims check_layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                                        const Tensor& rstd, const Tensor& dx, const Tensor& dgamma,
+                                        const Tensor& dbeta) {
+  check_float(x, "layernorm_backward");
+  check_same(x, dy, "layernorm_backward");
+  check_same(x, dx, "layernorm_backward");
+  if (x.dim() < 1 || x.size(-1) == 0) throw Error("layernorm_backward: " + x.str() + " has no channels");
+  const int64_t C = x.size(-1), R = x.numel() / C;
+  check_shape(gamma, {C}, x.dtype(), "layernorm_backward", "gamma");
+  check_shape(mean, {R}, x.dtype(), "layernorm_backward", "mean");
+  check_shape(rstd, {R}, x.dtype(), "layernorm_backward", "rstd");
+  check_shape(dgamma, {C}, x.dtype(), "layernorm_backward", "dgamma");
+  check_shape(dbeta, {C}, x.dtype(), "layernorm_backward", "dbeta");
+  return {R, C};
+}
+
+inline AttentionDims check_attention_forward(const Tensor& qkv, int heads, const Tensor& probs, const Tensor& out) {
+  const AttentionDims d = check_attention(qkv, heads, "attention");
+  check_shape(probs, {d.B, d.H, d.T, d.T}, qkv.dtype(), "attention", "probs");
+  check_shape(out, {d.B, d.T, d.C}, qkv.dtype(), "attention", "out");
+  return d;
+}
+
+inline AttentionDims check_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs, int heads,
+                                              const Tensor& dqkv) {
+  const AttentionDims d = check_attention(qkv, heads, "attention_backward");
+  check_shape(dout, {d.B, d.T, d.C}, qkv.dtype(), "attention_backward", "dout");
+  check_shape(probs, {d.B, d.H, d.T, d.T}, qkv.dtype(), "attention_backward", "probs");
+  check_shape(dqkv, {d.B, d.T, 3 * d.C}, qkv.dtype(), "attention_backward", "dqkv");
+  return d;
+}
+
 }  // namespace ops
 }  // namespace gpipe
