@@ -3,8 +3,7 @@
 // float32 and float64, at odd sizes (the ops the CPU computes in the same order, such
 // as embedding and dropout, bit for bit). Also covers the CUDA runtime pieces (allocator,
 // streams, events, copies). Without a visible GPU it prints the skip marker and passes.
-#define DOCTEST_CONFIG_IMPLEMENT
-#include <doctest/doctest.h>
+#include "tests/gpu_testing.h"
 
 #include <cmath>
 #include <cstdint>
@@ -28,39 +27,7 @@ using testing::random_labels;
 using testing::random_tensor;
 using testing::to_doubles;
 
-const Device kGpu = Device::cuda(0);
-const DType kFloatTypes[] = {DType::kF32, DType::kF64};
-
-Backend& gpu() { return backend_for(kGpu); }
-Backend& cpu() { return backend_for(Device::cpu()); }
-
-// A device copy of a host tensor.
-Tensor to_gpu(const Tensor& host) {
-  Tensor d = gpu().empty(host.shape(), host.dtype());
-  gpu().copy(host, d);
-  return d;
-}
-// A separate host copy (so the CPU op does not change the input the GPU op gets).
-Tensor clone(const Tensor& host) {
-  Tensor c = Tensor::empty(host.shape(), host.dtype(), Device::cpu());
-  copy_tensor(host, c);
-  return c;
-}
-
-struct Tol {
-  double rtol, atol;
-};
-// Elementwise ops: the same formula in the same precision; only the libm differs
-// (CUDA's erf/exp are within 2 ulp, as is glibc) and nvcc may fuse a * b + c.
-Tol elementwise_tol(DType t) { return t == DType::kF32 ? Tol{1e-5, 1e-6} : Tol{1e-12, 1e-14}; }
-// Reductions over `terms` values add in another order on the GPU (trees vs. a loop),
-// so the allowed error grows with the number of terms.
-Tol reduction_tol(DType t, int64_t terms) {
-  return t == DType::kF32 ? Tol{1e-4, 1e-5 + 2e-7 * static_cast<double>(terms)}
-                          : Tol{1e-10, 1e-12 + 1e-14 * static_cast<double>(terms)};
-}
-
-#define EXPECT_CLOSE_TOL(a, b, tol) GPIPE_EXPECT_CLOSE(a, b, (tol).rtol, (tol).atol)
+using namespace gpu_testing;
 
 // Host tensor of `shape` with every element = value (NaN allowed).
 Tensor host_full(const Shape& shape, DType dt, double value) {
@@ -1004,12 +971,4 @@ TEST_CASE("dropout: the mask and the output are the CPU's bit for bit, forward a
 }  // namespace
 }  // namespace gpipe
 
-int main(int argc, char** argv) {
-  if (gpipe::cuda_device_count() == 0) {
-    gpipe::testing::report_skipped("no CUDA device visible");
-    return 0;
-  }
-  doctest::Context context;
-  context.applyCommandLine(argc, argv);
-  return context.run();
-}
+int main(int argc, char** argv) { return gpipe::gpu_testing::run_gpu_tests(argc, argv); }

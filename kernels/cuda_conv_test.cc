@@ -3,8 +3,7 @@
 // same random inputs, for float32 and float64, at odd sizes, strides 1 and 2 and
 // padding 0 and 1, forward and backward. Without a visible GPU it prints the skip
 // marker and passes.
-#define DOCTEST_CONFIG_IMPLEMENT
-#include <doctest/doctest.h>
+#include "tests/gpu_testing.h"
 
 #include <cmath>
 #include <cstdint>
@@ -25,36 +24,7 @@ namespace {
 using testing::random_tensor;
 using testing::to_doubles;
 
-const Device kGpu = Device::cuda(0);
-const DType kFloatTypes[] = {DType::kF32, DType::kF64};
-
-Backend& gpu() { return backend_for(kGpu); }
-Backend& cpu() { return backend_for(Device::cpu()); }
-
-Tensor to_gpu(const Tensor& host) {
-  Tensor d = gpu().empty(host.shape(), host.dtype());
-  gpu().copy(host, d);
-  return d;
-}
-Tensor clone(const Tensor& host) {
-  Tensor c = Tensor::empty(host.shape(), host.dtype(), Device::cpu());
-  copy_tensor(host, c);
-  return c;
-}
-
-struct Tol {
-  double rtol, atol;
-};
-// Elementwise ops: the same formula in the same precision; only fma contraction differs.
-Tol elementwise_tol(DType t) { return t == DType::kF32 ? Tol{1e-5, 1e-6} : Tol{1e-12, 1e-14}; }
-// Sums of `terms` products add in another order on the GPU (cuDNN's tiles and our
-// trees vs. BLAS and loops), so the allowed error grows with the number of terms.
-Tol reduction_tol(DType t, int64_t terms) {
-  return t == DType::kF32 ? Tol{1e-4, 1e-5 + 2e-7 * static_cast<double>(terms)}
-                          : Tol{1e-10, 1e-12 + 1e-14 * static_cast<double>(terms)};
-}
-
-#define EXPECT_CLOSE_TOL(a, b, tol) GPIPE_EXPECT_CLOSE(a, b, (tol).rtol, (tol).atol)
+using namespace gpu_testing;
 
 // Bit-for-bit equality of the values (NaN equal to NaN); reports the first mismatch.
 void expect_identical(const Tensor& a, const Tensor& b) {
@@ -450,12 +420,4 @@ TEST_CASE("avgpool2d and avgpool2d_backward match the CPU reference (dx overwrit
 }  // namespace
 }  // namespace gpipe
 
-int main(int argc, char** argv) {
-  if (gpipe::cuda_device_count() == 0) {
-    gpipe::testing::report_skipped("no CUDA device visible");
-    return 0;
-  }
-  doctest::Context context;
-  context.applyCommandLine(argc, argv);
-  return context.run();
-}
+int main(int argc, char** argv) { return gpipe::gpu_testing::run_gpu_tests(argc, argv); }

@@ -2,8 +2,7 @@
 // backward on the CPU reference and on cuda:0; the loss and every parameter gradient
 // must agree to float32 rounding, and one optimizer step must leave the same weights.
 // Reports itself skipped where no GPU is visible.
-#define DOCTEST_CONFIG_IMPLEMENT
-#include <doctest/doctest.h>
+#include "tests/gpu_testing.h"
 
 #include "kernels/backend.h"
 #include "layers/optimizer.h"
@@ -94,11 +93,4 @@ TEST_CASE("a small ResNet agrees on CPU and CUDA") {
   compare_models(spec, x, y, 2e-3, 2e-5);
 }
 
-int main(int argc, char** argv) {
-  if (cuda_device_count() == 0) {
-    gpipe::testing::report_skipped("no CUDA device visible");
-    return 0;
-  }
-  doctest::Context ctx(argc, argv);
-  return ctx.run();
-}
+int main(int argc, char** argv) { return gpipe::gpu_testing::run_gpu_tests(argc, argv); }
