@@ -44,9 +44,7 @@ void Allocator::note_free(size_t bytes) {
   stats_.in_use -= static_cast<int64_t>(bytes);
 }
 
-CpuAllocator::~CpuAllocator() { release_cache(); }
-
-void* CpuAllocator::allocate(size_t bytes) {
+void* CachingAllocator::allocate(size_t bytes) {
   const size_t size = round_allocation(bytes);
   void* p = nullptr;
   {
@@ -59,22 +57,17 @@ void* CpuAllocator::allocate(size_t bytes) {
       stats_.cached -= static_cast<int64_t>(size);
     }
   }
+  if (p == nullptr) p = allocate_block(size);
   if (p == nullptr) {
-    p = std::aligned_alloc(kAlignment, size);
-    if (p == nullptr) {
-      release_cache();
-      p = std::aligned_alloc(kAlignment, size);
-    }
-    if (p == nullptr) {
-      throw UserError("out of host memory allocating " + std::to_string(size) + " bytes on " +
-                      device_.str() + "; reduce train.batch_size or raise pipeline.micro_batches");
-    }
+    release_cache();
+    p = allocate_block(size);
   }
+  if (p == nullptr) throw out_of_memory(size);
   note_alloc(size);
   return p;
 }
 
-void CpuAllocator::deallocate(void* ptr, size_t bytes) {
+void CachingAllocator::deallocate(void* ptr, size_t bytes) {
   if (ptr == nullptr) return;
   const size_t size = round_allocation(bytes);
   note_free(size);
@@ -84,12 +77,31 @@ void CpuAllocator::deallocate(void* ptr, size_t bytes) {
   stats_.cached += static_cast<int64_t>(size);
 }
 
-void CpuAllocator::release_cache() {
+std::multimap<size_t, void*> CachingAllocator::take_cache() {
+  std::multimap<size_t, void*> blocks;
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto& kv : free_) std::free(kv.second);
-  free_.clear();
+  blocks.swap(free_);
   std::lock_guard<std::mutex> slock(stats_mu_);
   stats_.cached = 0;
+  return blocks;
+}
+
+void CachingAllocator::release_cache() {
+  const std::multimap<size_t, void*> blocks = take_cache();
+  if (!blocks.empty()) free_blocks(blocks);
+}
+
+CpuAllocator::~CpuAllocator() { free_blocks(take_cache()); }
+
+void* CpuAllocator::allocate_block(size_t size) { return std::aligned_alloc(kAlignment, size); }
+
+void CpuAllocator::free_blocks(const std::multimap<size_t, void*>& blocks) {
+  for (const auto& kv : blocks) std::free(kv.second);
+}
+
+UserError CpuAllocator::out_of_memory(size_t size) const {
+  return UserError("out of host memory allocating " + std::to_string(size) + " bytes on " + device_.str() +
+                   "; reduce train.batch_size or raise pipeline.micro_batches");
 }
 
 Allocator& allocator_for(Device device) {

@@ -10,6 +10,7 @@
 #include <mutex>
 
 #include "runtime/device.h"
+#include "runtime/error.h"
 
 namespace gpipe {
 
@@ -38,19 +39,45 @@ class Allocator {
   MemoryStats stats_;
 };
 
-class CpuAllocator : public Allocator {
+// The size-keyed block cache shared by the CPU and CUDA allocators: sizes are rounded
+// with round_allocation(), and a freed block waits in a free list for the next request
+// of the same rounded size. A request the device cannot meet releases the cache and
+// tries once more before it fails.
+class CachingAllocator : public Allocator {
  public:
-  explicit CpuAllocator(Device device) : device_(device) {}
-  ~CpuAllocator() override;
-  void* allocate(size_t bytes) override;
-  void deallocate(void* ptr, size_t bytes) override;
-  Device device() const override { return device_; }
-  void release_cache() override;
+  void* allocate(size_t bytes) final;
+  void deallocate(void* ptr, size_t bytes) final;
+  Device device() const final { return device_; }
+  void release_cache() final;
+
+ protected:
+  explicit CachingAllocator(Device device) : device_(device) {}
+  // A fresh block of `size` bytes, or nullptr when the device is out of memory (other
+  // failures throw).
+  virtual void* allocate_block(size_t size) = 0;
+  // Returns blocks taken out of the cache to the system.
+  virtual void free_blocks(const std::multimap<size_t, void*>& blocks) = 0;
+  // The error for a request that failed even after the cache was released.
+  virtual UserError out_of_memory(size_t size) const = 0;
+  // Empties the cache and hands its blocks to the caller (destructors free them).
+  std::multimap<size_t, void*> take_cache();
+
+  Device device_;
 
  private:
-  Device device_;
   std::mutex mu_;
   std::multimap<size_t, void*> free_;  // rounded size -> block
+};
+
+class CpuAllocator : public CachingAllocator {
+ public:
+  explicit CpuAllocator(Device device) : CachingAllocator(device) {}
+  ~CpuAllocator() override;
+
+ protected:
+  void* allocate_block(size_t size) override;
+  void free_blocks(const std::multimap<size_t, void*>& blocks) override;
+  UserError out_of_memory(size_t size) const override;
 };
 
 // The allocator of a device; created on first use and alive for the process.

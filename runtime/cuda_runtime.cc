@@ -104,107 +104,61 @@ void check_cuda_device(Device device, const char* what) {
 // ---------------------------------------------------------------------------------
 // Allocator
 
-// A caching allocator over cudaMalloc, like CpuAllocator: sizes are rounded with
-// round_allocation() and freed blocks are kept in a free list keyed by rounded size.
+// A caching allocator over cudaMalloc (the cache itself is CachingAllocator's).
 //
 // Reuse is safe for work ordered on one stream: a block freed by the host while a kernel
 // that uses it is still queued can only be handed out again to work queued later on the
 // same stream, which runs after it. Work on a *different* stream of the same device that
 // receives a recycled block must be ordered with events by its caller (as the pipeline
 // already does between its compute and communication streams).
-class CudaAllocator : public Allocator {
+class CudaAllocator : public CachingAllocator {
  public:
-  explicit CudaAllocator(Device device) : device_(device) {}
+  explicit CudaAllocator(Device device) : CachingAllocator(device) {}
   ~CudaAllocator() override { release_cache_nothrow(); }
 
-  void* allocate(size_t bytes) override {
-    const size_t size = round_allocation(bytes);
+ protected:
+  void* allocate_block(size_t size) override {
+    DeviceGuard guard(device_.index);
     void* p = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = free_.find(size);
-      if (it != free_.end()) {
-        p = it->second;
-        free_.erase(it);
-        std::lock_guard<std::mutex> slock(stats_mu_);
-        stats_.cached -= static_cast<int64_t>(size);
-      }
-    }
-    if (p == nullptr) {
-      DeviceGuard guard(device_.index);
-      cudaError_t e = cudaMalloc(&p, size);
-      if (e == cudaErrorMemoryAllocation) {
-        cudaGetLastError();  // clear it, or the next checked kernel launch would report it
-        release_cache();
-        e = cudaMalloc(&p, size);
-      }
-      if (e == cudaErrorMemoryAllocation) {
-        cudaGetLastError();
-        const MemoryStats s = stats();
-        size_t free_bytes = 0, total_bytes = 0;
-        if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) cudaGetLastError();
-        throw UserError("out of GPU memory on " + device_.str() + " allocating " + std::to_string(size) +
-                        " bytes (" + std::to_string(s.in_use) + " bytes in use by this process's tensors, " +
-                        std::to_string(free_bytes) + " of " + std::to_string(total_bytes) +
-                        " bytes free on the device); lower train.batch_size, or raise pipeline.micro_batches "
-                        "or pipeline.partitions so each stage holds less");
-      }
-      if (e != cudaSuccess) {
-        cudaGetLastError();
-        throw Error(error_location(__FILE__, __LINE__) + ": cudaMalloc of " + std::to_string(size) + " bytes on " +
-                    device_.str() + " failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
-      }
-    }
-    note_alloc(size);
-    return p;
+    const cudaError_t e = cudaMalloc(&p, size);
+    if (e == cudaSuccess) return p;
+    cudaGetLastError();  // clear it, or the next checked kernel launch would report it
+    if (e == cudaErrorMemoryAllocation) return nullptr;
+    throw Error(error_location(__FILE__, __LINE__) + ": cudaMalloc of " + std::to_string(size) + " bytes on " +
+                device_.str() + " failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
   }
 
-  void deallocate(void* ptr, size_t bytes) override {
-    if (ptr == nullptr) return;
-    const size_t size = round_allocation(bytes);
-    note_free(size);
-    std::lock_guard<std::mutex> lock(mu_);
-    free_.emplace(size, ptr);
-    std::lock_guard<std::mutex> slock(stats_mu_);
-    stats_.cached += static_cast<int64_t>(size);
-  }
-
-  Device device() const override { return device_; }
-
-  void release_cache() override {
-    std::multimap<size_t, void*> blocks = take_cache();
-    if (blocks.empty()) return;
+  void free_blocks(const std::multimap<size_t, void*>& blocks) override {
     DeviceGuard guard(device_.index);
     // cudaFree waits for the device to finish using the block (it synchronises), so the
     // blocks can be returned even if queued kernels were the last to use them.
-    for (auto& kv : blocks) GPIPE_CUDA_CHECK(cudaFree(kv.second));
+    for (const auto& kv : blocks) GPIPE_CUDA_CHECK(cudaFree(kv.second));
+  }
+
+  UserError out_of_memory(size_t size) const override {
+    const MemoryStats s = stats();
+    size_t free_bytes = 0, total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) cudaGetLastError();
+    return UserError("out of GPU memory on " + device_.str() + " allocating " + std::to_string(size) + " bytes (" +
+                     std::to_string(s.in_use) + " bytes in use by this process's tensors, " +
+                     std::to_string(free_bytes) + " of " + std::to_string(total_bytes) +
+                     " bytes free on the device); lower train.batch_size, or raise pipeline.micro_batches "
+                     "or pipeline.partitions so each stage holds less");
   }
 
  private:
-  std::multimap<size_t, void*> take_cache() {
-    std::multimap<size_t, void*> blocks;
-    std::lock_guard<std::mutex> lock(mu_);
-    blocks.swap(free_);
-    std::lock_guard<std::mutex> slock(stats_mu_);
-    stats_.cached = 0;
-    return blocks;
-  }
-
+  // At process exit CUDA may already be torn down: leak rather than throw.
   void release_cache_nothrow() noexcept {
-    std::multimap<size_t, void*> blocks = take_cache();
+    const std::multimap<size_t, void*> blocks = take_cache();
     if (blocks.empty()) return;
     NoThrowDeviceGuard guard(device_.index, "~CudaAllocator");
     if (!guard.ok()) return;  // leak at exit
-    for (auto& kv : blocks) {
+    for (const auto& kv : blocks) {
       const cudaError_t e = cudaFree(kv.second);
       if (is_teardown(e)) return;  // process exit: the driver frees everything
       warn_if_failed(e, "cudaFree");
     }
   }
-
-  Device device_;
-  std::mutex mu_;
-  std::multimap<size_t, void*> free_;  // rounded size -> block
 };
 
 // ---------------------------------------------------------------------------------
