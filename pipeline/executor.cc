@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
 
 #include "runtime/error.h"
 #include "runtime/logging.h"
@@ -67,29 +66,31 @@ struct Executor::StageRuntime {
 namespace {
 
 // Bytes of the distinct buffers a micro-batch holds.
+// Every buffer a context holds, its sub-layers' (children) included.
+void collect(const layers::Context& c, std::vector<std::pair<const void*, int64_t>>& out) {
+  for (const auto& t : c.saved) {
+    if (t.defined()) out.emplace_back(t.raw_data(), static_cast<int64_t>(t.nbytes()));
+  }
+  for (const auto& child : c.children) collect(child, out);
+}
+
 int64_t held_bytes(const MicroBatch& mb) {
-  std::vector<std::pair<const void*, int64_t>> seen;
-  auto add = [&](const Tensor& t) {
-    if (!t.defined()) return;
-    const void* key = t.raw_data();
-    for (auto& s : seen) {
-      if (s.first == key) return;
-    }
-    seen.emplace_back(key, static_cast<int64_t>(t.nbytes()));
-  };
-  add(mb.input);
-  add(mb.output);
-  add(mb.grad_output);
-  add(mb.grad_input);
-  // Composite layers keep their sub-layers' contexts as children.
-  std::function<void(const layers::Context&)> add_context = [&](const layers::Context& c) {
-    for (const auto& t : c.saved) add(t);
-    for (const auto& child : c.children) add_context(child);
-  };
-  for (const auto& c : mb.ctx) add_context(c);
-  add_context(mb.loss_ctx);
+  std::vector<std::pair<const void*, int64_t>> held;
+  for (const Tensor* t : {&mb.input, &mb.output, &mb.grad_output, &mb.grad_input}) {
+    if (t->defined()) held.emplace_back(t->raw_data(), static_cast<int64_t>(t->nbytes()));
+  }
+  for (const auto& c : mb.ctx) collect(c, held);
+  collect(mb.loss_ctx, held);
+  // A buffer kept by two contexts (a layer's output is the next one's input) counts once,
+  // at its largest view.
+  std::sort(held.begin(), held.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first < b.first : a.second > b.second;
+  });
+  held.erase(std::unique(held.begin(), held.end(),
+                         [](const auto& a, const auto& b) { return a.first == b.first; }),
+             held.end());
   int64_t total = 0;
-  for (auto& s : seen) total += s.second;
+  for (const auto& h : held) total += h.second;
   return total;
 }
 
