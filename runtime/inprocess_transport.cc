@@ -5,8 +5,15 @@
 namespace gpipe {
 
 std::string tag_str(const MessageTag& tag) {
-  return std::string(tag.kind == MessageKind::kActivation ? "activation" : "gradient") +
-         " of micro-batch " + std::to_string(tag.micro_batch);
+  switch (tag.kind) {
+    case MessageKind::kActivation:
+      return "activation of micro-batch " + std::to_string(tag.micro_batch);
+    case MessageKind::kGradient:
+      return "gradient of micro-batch " + std::to_string(tag.micro_batch);
+    case MessageKind::kEvalActivation:
+      break;
+  }
+  return "validation activation of chunk " + std::to_string(tag.micro_batch);
 }
 
 InProcessTransport::InProcessTransport(int num_stages) : boxes_(num_stages) {}
@@ -61,6 +68,27 @@ double InProcessTransport::all_reduce_sum(int stage, double value) {
   reduce_cv_.wait(lock, [&] { return aborted_ || reduce_round_ != round; });
   if (reduce_round_ == round) throw Aborted(why_);
   return reduce_result_;
+}
+
+std::vector<std::vector<double>> InProcessTransport::gather_to_first(int stage, const std::vector<double>& values) {
+  const int K = static_cast<int>(boxes_.size());
+  GPIPE_CHECK(stage >= 0 && stage < K, "gather_to_first on stage " + std::to_string(stage));
+  std::unique_lock<std::mutex> lock(mu_);
+  if (aborted_) throw Aborted(why_);
+  const uint64_t round = gather_round_;
+  if (gather_partial_.empty()) gather_partial_.resize(K);
+  gather_partial_[stage] = values;
+  if (++gather_arrived_ == K) {
+    gather_result_ = std::move(gather_partial_);
+    gather_partial_.clear();
+    gather_arrived_ = 0;
+    ++gather_round_;
+    reduce_cv_.notify_all();
+  } else {
+    reduce_cv_.wait(lock, [&] { return aborted_ || gather_round_ != round; });
+    if (gather_round_ == round) throw Aborted(why_);
+  }
+  return stage == 0 ? gather_result_ : std::vector<std::vector<double>>{};
 }
 
 void InProcessTransport::abort(const std::string& why) {

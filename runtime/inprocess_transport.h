@@ -19,6 +19,7 @@ class InProcessTransport : public Transport {
   void send(int src, int dst, const MessageTag& tag, const Tensor& t) override;
   Tensor recv(int dst, int src, const MessageTag& tag, Device device) override;
   double all_reduce_sum(int stage, double value) override;
+  std::vector<std::vector<double>> gather_to_first(int stage, const std::vector<double>& values) override;
   void abort(const std::string& why) override;
   // Messages sent and not yet received (a finished schedule leaves none).
   size_t pending() const;
@@ -39,6 +40,10 @@ class InProcessTransport : public Transport {
   uint64_t reduce_round_ = 0;
   int reduce_arrived_ = 0;
   double reduce_partial_ = 0, reduce_result_ = 0;
+  // gather_to_first, likewise (woken through reduce_cv_).
+  uint64_t gather_round_ = 0;
+  int gather_arrived_ = 0;
+  std::vector<std::vector<double>> gather_partial_, gather_result_;
 };
 
 }  // namespace gpipe

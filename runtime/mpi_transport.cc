@@ -2,6 +2,7 @@
 
 #include <array>
 #include <cstring>
+#include <iterator>
 #include <limits>
 
 #include "runtime/error.h"
@@ -11,9 +12,9 @@
 namespace gpipe {
 
 namespace {
-// Header: element type, number of dimensions, then up to kMaxDims sizes.
+// Header (MpiTransport::kHeaderWords): element type, number of dimensions, then up to
+// kMaxDims sizes.
 constexpr int kMaxDims = 8;
-constexpr int kHeaderWords = 2 + kMaxDims;
 }  // namespace
 
 MpiTransport::MpiTransport(MPI_Comm comm) : comm_(comm) {
@@ -33,10 +34,10 @@ void MpiTransport::check_stage(int stage, const char* what) const {
 }
 
 int MpiTransport::mpi_tag(const MessageTag& tag) const {
-  const int64_t t = 2 * static_cast<int64_t>(tag.micro_batch) + (tag.kind == MessageKind::kGradient ? 1 : 0);
+  const int64_t t = 3 * static_cast<int64_t>(tag.micro_batch) + static_cast<int>(tag.kind);
   if (tag.micro_batch < 0 || t > tag_ub_) {
-    throw Error("micro-batch " + std::to_string(tag.micro_batch) + " does not fit in MPI's tags (upper bound " +
-                std::to_string(tag_ub_) + "); use fewer micro-batches");
+    throw Error("the " + tag_str(tag) + " does not fit in MPI's tags (upper bound " + std::to_string(tag_ub_) +
+                "); use fewer micro-batches (or a larger train.batch_size for validation)");
   }
   return static_cast<int>(t);
 }
@@ -50,18 +51,68 @@ void MpiTransport::send(int src, int dst, const MessageTag& tag, const Tensor& t
   if (t.nbytes() > static_cast<size_t>(std::numeric_limits<int>::max())) {
     throw Error("cannot send " + t.str() + " in one MPI message (over 2 GiB); use more micro-batches");
   }
-  std::array<int64_t, kHeaderWords> header{};
-  header[0] = static_cast<int64_t>(t.dtype());
-  header[1] = t.dim();
-  for (int d = 0; d < t.dim(); ++d) header[2 + d] = t.size(d);
+  reap_sends(/*wait=*/false);
+  // Non-blocking: the stage goes on computing while the neighbour is still busy; the
+  // pending entry keeps the tensor (and the header) alive until MPI is done with them.
+  auto p = std::make_unique<PendingSend>();
+  p->tensor = t;
+  p->header[0] = static_cast<int64_t>(t.dtype());
+  p->header[1] = t.dim();
+  for (int d = 0; d < t.dim(); ++d) p->header[2 + d] = t.size(d);
   const int mtag = mpi_tag(tag);
-  GPIPE_MPI_CHECK(MPI_Send(header.data(), kHeaderWords, MPI_INT64_T, dst, mtag, comm_));
-  GPIPE_MPI_CHECK(MPI_Send(t.raw_data(), static_cast<int>(t.nbytes()), MPI_BYTE, dst, mtag, comm_));
+  GPIPE_MPI_CHECK(MPI_Isend(p->header.data(), kHeaderWords, MPI_INT64_T, dst, mtag, comm_, &p->requests[0]));
+  GPIPE_MPI_CHECK(
+      MPI_Isend(t.raw_data(), static_cast<int>(t.nbytes()), MPI_BYTE, dst, mtag, comm_, &p->requests[1]));
+  pending_.push_back(std::move(p));
+}
+
+void MpiTransport::reap_sends(bool wait) {
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    int done = 0;
+    if (wait) {
+      GPIPE_MPI_CHECK(MPI_Waitall(2, (*it)->requests.data(), MPI_STATUSES_IGNORE));
+      done = 1;
+    } else {
+      GPIPE_MPI_CHECK(MPI_Testall(2, (*it)->requests.data(), &done, MPI_STATUSES_IGNORE));
+    }
+    it = done ? pending_.erase(it) : std::next(it);
+  }
+}
+
+void MpiTransport::flush(int stage) {
+  GPIPE_CHECK(stage == rank_, "rank " + std::to_string(rank_) + " flushing as stage " + std::to_string(stage));
+  reap_sends(/*wait=*/true);
+}
+
+std::vector<std::vector<double>> MpiTransport::gather_to_first(int stage, const std::vector<double>& values) {
+  GPIPE_CHECK(stage == rank_, "rank " + std::to_string(rank_) + " gathering as stage " + std::to_string(stage));
+  GPIPE_CHECK(values.size() <= static_cast<size_t>(std::numeric_limits<int>::max()), "gather: too many values");
+  const int n = static_cast<int>(values.size());
+  std::vector<int> counts(rank_ == 0 ? size_ : 0), displs(rank_ == 0 ? size_ : 0);
+  GPIPE_MPI_CHECK(MPI_Gather(&n, 1, MPI_INT, counts.data(), 1, MPI_INT, 0, comm_));
+  std::vector<double> all;
+  if (rank_ == 0) {
+    int64_t total = 0;
+    for (int r = 0; r < size_; ++r) {
+      displs[r] = static_cast<int>(total);
+      total += counts[r];
+    }
+    GPIPE_CHECK(total <= std::numeric_limits<int>::max(), "gather: too many values");
+    all.resize(total);
+  }
+  GPIPE_MPI_CHECK(MPI_Gatherv(values.data(), n, MPI_DOUBLE, all.data(), counts.data(), displs.data(), MPI_DOUBLE, 0,
+                              comm_));
+  std::vector<std::vector<double>> out;
+  for (int r = 0; r < static_cast<int>(counts.size()); ++r) {
+    out.emplace_back(all.begin() + displs[r], all.begin() + displs[r] + counts[r]);
+  }
+  return out;
 }
 
 Tensor MpiTransport::recv(int dst, int src, const MessageTag& tag, Device device) {
   check_stage(src, "receive from");
   GPIPE_CHECK(dst == rank_, "rank " + std::to_string(rank_) + " receiving as stage " + std::to_string(dst));
+  reap_sends(/*wait=*/false);
   GPIPE_CHECK(device.is_cpu(), "MpiTransport receives into host memory, not " + device.str());
   const int mtag = mpi_tag(tag);
   std::array<int64_t, kHeaderWords> header{};
@@ -91,16 +142,39 @@ double MpiTransport::all_reduce_sum(int stage, double value) {
 
 MpiReplicaGroup::MpiReplicaGroup(MPI_Comm comm) : comm_(comm) { GPIPE_MPI_CHECK(MPI_Comm_size(comm_, &size_)); }
 
-void MpiReplicaGroup::all_reduce_sum(Tensor& t) {
+namespace {
+MPI_Datatype reducible_type(const Tensor& t) {
   GPIPE_CHECK(t.device().is_cpu() && t.is_contiguous(), "MpiReplicaGroup reduces contiguous host tensors");
-  MPI_Datatype type = MPI_FLOAT;
-  if (t.dtype() == DType::kF64) {
-    type = MPI_DOUBLE;
-  } else if (t.dtype() != DType::kF32) {
-    throw Error("MpiReplicaGroup: cannot reduce " + t.str());
-  }
   GPIPE_CHECK(t.numel() <= std::numeric_limits<int>::max(), "tensor too large for one MPI_Allreduce");
+  if (t.dtype() == DType::kF64) return MPI_DOUBLE;
+  if (t.dtype() != DType::kF32) throw Error("MpiReplicaGroup: cannot reduce " + t.str());
+  return MPI_FLOAT;
+}
+}  // namespace
+
+void MpiReplicaGroup::all_reduce_sum(Tensor& t) {
+  const MPI_Datatype type = reducible_type(t);
   GPIPE_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, t.raw_data(), static_cast<int>(t.numel()), type, MPI_SUM, comm_));
+}
+
+void MpiReplicaGroup::start_all_reduce_sum(Tensor& t) {
+  const MPI_Datatype type = reducible_type(t);
+  MPI_Request r;
+  GPIPE_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, t.raw_data(), static_cast<int>(t.numel()), type, MPI_SUM, comm_, &r));
+  requests_.push_back(r);
+}
+
+void MpiReplicaGroup::progress() {
+  if (requests_.empty()) return;
+  int done = 0;
+  GPIPE_MPI_CHECK(MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &done, MPI_STATUSES_IGNORE));
+  if (done) requests_.clear();
+}
+
+void MpiReplicaGroup::wait_all() {
+  if (requests_.empty()) return;
+  GPIPE_MPI_CHECK(MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE));
+  requests_.clear();
 }
 
 double MpiReplicaGroup::all_reduce_sum(double value) {

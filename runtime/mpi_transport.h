@@ -8,7 +8,11 @@
 
 #include <mpi.h>
 
+#include <array>
+#include <list>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "runtime/transport.h"
 
@@ -25,6 +29,8 @@ class MpiTransport : public Transport {
   void send(int src, int dst, const MessageTag& tag, const Tensor& t) override;
   Tensor recv(int dst, int src, const MessageTag& tag, Device device) override;
   double all_reduce_sum(int stage, double value) override;
+  std::vector<std::vector<double>> gather_to_first(int stage, const std::vector<double>& values) override;
+  void flush(int stage) override;
   // A failed rank cannot wake its peers' blocking receives one by one: it ends the
   // whole job (MPI_Abort), after logging why, so no rank waits forever.
   void abort(const std::string& why) override;
@@ -34,6 +40,15 @@ class MpiTransport : public Transport {
 
  private:
   void check_stage(int stage, const char* what) const;
+  // Forgets the sends MPI has finished (all of them, waiting, with wait).
+  void reap_sends(bool wait);
+  static constexpr int kHeaderWords = 10;  // element type, number of dimensions, up to 8 sizes
+  struct PendingSend {
+    Tensor tensor;  // keeps the data alive until the send completes
+    std::array<int64_t, kHeaderWords> header{};
+    std::array<MPI_Request, 2> requests{};
+  };
+  std::list<std::unique_ptr<PendingSend>> pending_;
   MPI_Comm comm_;
   int rank_ = 0, size_ = 1, tag_ub_ = 32767;
 };
@@ -45,8 +60,12 @@ class MpiReplicaGroup : public ReplicaGroup {
   int size() const override { return size_; }
   void all_reduce_sum(Tensor& t) override;
   double all_reduce_sum(double value) override;
+  void start_all_reduce_sum(Tensor& t) override;  // MPI_Iallreduce
+  void progress() override;
+  void wait_all() override;
 
  private:
+  std::vector<MPI_Request> requests_;
   MPI_Comm comm_;
   int size_ = 1;
 };

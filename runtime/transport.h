@@ -5,12 +5,14 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "runtime/tensor.h"
 
 namespace gpipe {
 
-enum class MessageKind { kActivation, kGradient };
+// kEvalActivation: a validation forward's activation, numbered by validation chunk.
+enum class MessageKind { kActivation, kGradient, kEvalActivation };
 
 struct MessageTag {
   MessageKind kind;
@@ -32,6 +34,13 @@ class Transport {
   // the sum (e.g. squared gradient norms for clipping by the global norm). Throws
   // Aborted once abort() has been called.
   virtual double all_reduce_sum(int stage, double value) = 0;
+  // Collective over all stages: stage 0 gets every stage's `values`, in stage order;
+  // the others get an empty list. Multi-process runs gather their reports with it.
+  virtual std::vector<std::vector<double>> gather_to_first(int stage, const std::vector<double>& values) = 0;
+  // Waits until every send this stage started has left its buffer (a non-blocking
+  // transport finishes its sends here; the others return at once). Called at the end
+  // of each stage's program.
+  virtual void flush(int /*stage*/) {}
   // Wakes every waiting receiver with Aborted(why). Idempotent.
   virtual void abort(const std::string& why) = 0;
 };
@@ -45,6 +54,15 @@ class ReplicaGroup {
   // In place, over every replica; all replicas call it with tensors of the same shape.
   virtual void all_reduce_sum(Tensor& t) = 0;
   virtual double all_reduce_sum(double value) = 0;
+  // Starts summing `t` in place and returns at once; `t` must stay untouched until
+  // wait_all(). Every replica starts the same reductions in the same order. The
+  // default is the blocking all_reduce_sum.
+  virtual void start_all_reduce_sum(Tensor& t) { all_reduce_sum(t); }
+  // Lets started reductions advance (MPI progresses non-blocking collectives only
+  // inside MPI calls); called between layers' backward passes.
+  virtual void progress() {}
+  // Returns once every started reduction has finished.
+  virtual void wait_all() {}
 };
 
 }  // namespace gpipe
