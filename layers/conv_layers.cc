@@ -249,8 +249,12 @@ Tensor BatchNorm2d::backward_impl(Backend& be, const Tensor& dy, const Context& 
 // With n_i values, mean m_i and biased variance v_i per micro-batch, the mini-batch's
 // n = sum n_i, mean m = sum n_i m_i / n and biased variance
 // v = sum n_i (v_i + (m_i - m)^2) / n, exactly (Chan et al.'s parallel variance).
-void BatchNorm2d::end_step(Backend& be) {
-  if (kept_.empty()) return;
+// Over replicas the micro-batches are spread across processes, and only sums can be
+// reduced: with r the running mean (the same on every replica), d_i = m_i - r,
+// S1 = sum n_i d_i and S2 = sum n_i (v_i + d_i^2), m = r + S1 / n and
+// n v = S2 - S1^2 / n. Shifting by r keeps the difference well conditioned.
+void BatchNorm2d::end_step_impl(Backend& be, const ReplicaSum& replicas) {
+  if (kept_.empty() && !replicas) return;  // a replica that saw nothing still joins the sum
   const int64_t C = input_shape_[0];
   std::vector<std::vector<double>> means, vars;
   for (const Kept& k : kept_) {
@@ -261,20 +265,41 @@ void BatchNorm2d::end_step(Backend& be) {
   std::vector<double> rm = host_doubles(be, running_mean_), rv = host_doubles(be, running_var_);
   double n = 0;
   for (const Kept& k : kept_) n += static_cast<double>(k.count);
+  std::vector<double> mean(C, 0.0), m2(C, 0.0);  // m2: sum of squared deviations from the mean
+  if (replicas) {
+    std::vector<double> sums(1 + 2 * C, 0.0);  // n, S1 (C), S2 (C)
+    sums[0] = n;
+    for (size_t i = 0; i < kept_.size(); ++i) {
+      const double ni = static_cast<double>(kept_[i].count);
+      for (int64_t c = 0; c < C; ++c) {
+        const double d = means[i][c] - rm[c];
+        sums[1 + c] += ni * d;
+        sums[1 + C + c] += ni * (vars[i][c] + d * d);
+      }
+    }
+    replicas(sums);
+    n = sums[0];
+    if (n == 0) return;
+    for (int64_t c = 0; c < C; ++c) {
+      mean[c] = rm[c] + sums[1 + c] / n;
+      m2[c] = std::max(0.0, sums[1 + C + c] - sums[1 + c] * sums[1 + c] / n);
+    }
+  } else {
+    for (int64_t c = 0; c < C; ++c) {
+      for (size_t i = 0; i < kept_.size(); ++i) mean[c] += static_cast<double>(kept_[i].count) * means[i][c];
+      mean[c] /= n;
+      for (size_t i = 0; i < kept_.size(); ++i) {
+        const double d = means[i][c] - mean[c];
+        m2[c] += static_cast<double>(kept_[i].count) * (vars[i][c] + d * d);
+      }
+    }
+  }
   const double mom = opts_.momentum;
   for (int64_t c = 0; c < C; ++c) {
-    double mean = 0;
-    for (size_t i = 0; i < kept_.size(); ++i) mean += static_cast<double>(kept_[i].count) * means[i][c];
-    mean /= n;
-    double m2 = 0;  // sum of squared deviations from the mini-batch mean
-    for (size_t i = 0; i < kept_.size(); ++i) {
-      const double d = means[i][c] - mean;
-      m2 += static_cast<double>(kept_[i].count) * (vars[i][c] + d * d);
-    }
     // PyTorch's running variance is unbiased (n - 1); with a single value there is no
     // unbiased estimate, and the biased one (0) is kept instead.
-    const double unbiased = n > 1 ? m2 / (n - 1) : m2 / n;
-    rm[c] = (1 - mom) * rm[c] + mom * mean;
+    const double unbiased = n > 1 ? m2[c] / (n - 1) : m2[c] / n;
+    rm[c] = (1 - mom) * rm[c] + mom * mean[c];
     rv[c] = (1 - mom) * rv[c] + mom * unbiased;
   }
   store_doubles(be, rm, running_mean_);
@@ -543,8 +568,8 @@ std::vector<BatchNorm2d*> BasicBlock::batchnorms() {
   return out;
 }
 
-void BasicBlock::end_step(Backend& be) {
-  for (BatchNorm2d* b : batchnorms()) b->end_step(be);
+void BasicBlock::end_step_impl(Backend& be, const ReplicaSum& replicas) {
+  for (BatchNorm2d* b : batchnorms()) b->end_step(be, replicas);
 }
 
 LayerCost BasicBlock::cost(int64_t batch) const {

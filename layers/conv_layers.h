@@ -76,7 +76,9 @@ struct BatchNorm2dOptions {
 // formula), updates the running statistics with the unbiased variance (n / (n - 1)) as
 // PyTorch does, and forgets them. Statistics kept in a step whose end_step never ran
 // (an executor step without the optimizer) are dropped by the next step's first
-// forward rather than mixed into it.
+// forward rather than mixed into it. With data-parallel replicas, end_step sums the
+// statistics over them first, so every replica's running statistics are those of the
+// whole mini-batch.
 // Evaluation forward (ForwardArgs::training false): normalise with the running
 // statistics; such a forward has no backward.
 //
@@ -89,7 +91,6 @@ class BatchNorm2d : public Layer {
   std::string describe() const override;
   LayerCost cost(int64_t batch) const override;
   std::vector<Parameter*> parameters() override { return {&gamma_, &beta_}; }
-  void end_step(Backend& be) override;
   Parameter& gamma() { return gamma_; }
   Parameter& beta() { return beta_; }
   const Tensor& running_mean() const { return running_mean_; }  // (C), initially 0
@@ -100,6 +101,7 @@ class BatchNorm2d : public Layer {
  private:
   Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
   Tensor backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) override;
+  void end_step_impl(Backend& be, const ReplicaSum& replicas) override;
   void place_running_stats(Device device);
 
   struct Kept {
@@ -207,7 +209,6 @@ class BasicBlock : public Layer {
   std::string describe() const override;
   LayerCost cost(int64_t batch) const override;
   std::vector<Parameter*> parameters() override;
-  void end_step(Backend& be) override;
   bool has_projection() const { return proj_conv_ != nullptr; }
   // Batch norms in forward order (bn1, bn2, then the projection's); empty without.
   std::vector<BatchNorm2d*> batchnorms();
@@ -215,6 +216,7 @@ class BasicBlock : public Layer {
  private:
   Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
   Tensor backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) override;
+  void end_step_impl(Backend& be, const ReplicaSum& replicas) override;
   BasicBlockOptions opts_;
   std::unique_ptr<Conv2d> conv1_, conv2_, proj_conv_;
   std::unique_ptr<BatchNorm2d> bn1_, bn2_, proj_bn_;  // null without batch norm

@@ -6,6 +6,7 @@
 // *_impl, so every layer rejects a bad shape with the same kind of message.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -64,6 +65,10 @@ struct ForwardArgs {
   int64_t sample_offset = 0;  // index of the input's first sample in the mini-batch
 };
 
+// Sums `values` in place over the data-parallel replicas of a stage; empty without
+// replicas.
+using ReplicaSum = std::function<void(std::vector<double>& values)>;
+
 class Layer {
  public:
   virtual ~Layer() = default;
@@ -87,8 +92,10 @@ class Layer {
   virtual std::vector<Parameter*> parameters() { return {}; }
   // Called once per mini-batch on the stage's thread, after the optimizer step: layers
   // that gather statistics over the micro-batches (BatchNorm's running statistics)
-  // fold them in here, as if they had seen the whole mini-batch at once.
-  virtual void end_step(Backend&) {}
+  // fold them in here, as if they had seen the whole mini-batch at once. With
+  // data-parallel replicas, `replicas` sums statistics over them, so that every replica
+  // folds in those of the whole mini-batch; every replica calls it.
+  void end_step(Backend& be, const ReplicaSum& replicas = {}) { end_step_impl(be, replicas); }
   // Moves parameters (and fresh zero gradients) to `device`.
   void to(Device device);
   Device device() const { return device_; }
@@ -101,6 +108,7 @@ class Layer {
         input_dtype_(dtype) {}
   virtual Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) = 0;
   virtual Tensor backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) = 0;
+  virtual void end_step_impl(Backend&, const ReplicaSum&) {}
   // Creates a parameter on the CPU, initialised uniform in [-bound, bound].
   Parameter make_parameter(const std::string& name, const Shape& shape, double bound, uint64_t seed);
 

@@ -290,7 +290,13 @@ Config parse_config(const std::string& text, const std::string& source, const st
   // pipeline
   if (const YAML::Node p = root["pipeline"]) {
     dec.check_map(p, "pipeline", {"partitions", "replicas", "micro_batches", "checkpoint", "schedule", "balance",
-                                  "devices", "pin_threads"});
+                                  "devices", "pin_threads", "bucket_mb"});
+    if (p["bucket_mb"]) {
+      c.pipeline.bucket_mb = dec.number(p["bucket_mb"], "pipeline.bucket_mb");
+      if (!(c.pipeline.bucket_mb >= 0)) {
+        dec.fail(p["bucket_mb"], "pipeline.bucket_mb", "must be at least 0 (0: one reduction per parameter)");
+      }
+    }
     if (p["replicas"]) c.pipeline.replicas = static_cast<int>(dec.positive(p["replicas"], "pipeline.replicas"));
     if (p["partitions"]) c.pipeline.partitions = static_cast<int>(dec.positive(p["partitions"], "pipeline.partitions"));
     if (p["micro_batches"]) c.pipeline.micro_batches = static_cast<int>(dec.positive(p["micro_batches"], "pipeline.micro_batches"));

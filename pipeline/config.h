@@ -34,6 +34,7 @@ struct DataConfig {
 struct PipelineConfig {
   int partitions = 1;       // K
   int replicas = 1;         // D: data-parallel copies of the pipeline (multi-process runs)
+  double bucket_mb = 25;    // with replicas: gradients reduced in buckets of this many MiB
   int micro_batches = 1;    // M
   std::string checkpoint = "except_last";
   std::string schedule = "gpipe";

@@ -53,6 +53,8 @@ struct Executor::StageRuntime {
   StageSpec spec;
   Backend* backend = nullptr;
   std::unique_ptr<layers::Optimizer> optimizer;
+  std::unique_ptr<GradReducer> reducer;  // with data-parallel replicas
+  layers::ReplicaSum replica_sum;        // likewise, for BatchNorm's statistics
   double grad_norm = -1;
   std::vector<MicroBatch> mbs;
   StageTrace trace;
@@ -146,6 +148,16 @@ Executor::Executor(layers::Sequential& model, std::vector<StageSpec> stages, Sch
         for (auto* p : model_.layer(i).parameters()) params.push_back(p);
       }
       rt->optimizer = layers::make_optimizer(params, options_.optimizer);
+      if (options_.replicas != nullptr && options_.replicas->size() > 1) {
+        ReplicaGroup* group = options_.replicas;
+        rt->reducer = std::make_unique<GradReducer>(*group, *rt->backend, options_.bucket_bytes);
+        rt->replica_sum = [group](std::vector<double>& v) {
+          Tensor t = Tensor::empty({static_cast<int64_t>(v.size())}, DType::kF64, Device::cpu());
+          std::copy(v.begin(), v.end(), t.data<double>());
+          group->all_reduce_sum(t);
+          std::copy(t.data<double>(), t.data<double>() + v.size(), v.begin());
+        };
+      }
     }
     runtimes_.push_back(std::move(rt));
   }
@@ -209,9 +221,14 @@ void Executor::run_stage(int k) {
   // The schedule decides rematerialization: a micro-batch is checkpointed on this
   // stage exactly when the stage's program recomputes it.
   std::vector<char> checkpointed(M, 0);
-  for (const Instruction& ins : schedule_.stages[k]) {
+  size_t last_backward = 0;  // the instruction after which every gradient is final
+  for (size_t i = 0; i < schedule_.stages[k].size(); ++i) {
+    const Instruction& ins = schedule_.stages[k][i];
     if (ins.op == Op::kRecompute) checkpointed[ins.micro_batch] = 1;
+    if (ins.op == Op::kBackward) last_backward = i;
   }
+  // Gradients go to the replicas during the last backward only when a step will use them.
+  GradReducer* reducer = cur_.apply_optimizer ? rt.reducer.get() : nullptr;
   rt.live_bytes = 0;
   rt.error = nullptr;
   rt.error_is_abort = false;
@@ -262,7 +279,8 @@ void Executor::run_stage(int k) {
   try {
     if (rt.grads_dirty) zero_grads();
     rt.grads_dirty = true;
-    for (const Instruction& ins : schedule_.stages[k]) {
+    for (size_t pc = 0; pc < schedule_.stages[k].size(); ++pc) {
+      const Instruction& ins = schedule_.stages[k][pc];
       const int m = ins.micro_batch;
       if (ins.op == Op::kOptimizerStep && !cur_.apply_optimizer) continue;
       const double t0 = now_ms();
@@ -297,9 +315,15 @@ void Executor::run_stage(int k) {
           GPIPE_CHECK(static_cast<int>(mb.ctx.size()) == rt.spec.num_layers,
                       "backward of micro-batch " + std::to_string(m) + " without its forward contexts");
           Tensor g = last ? loss.backward(be, mb.loss_ctx) : mb.grad_output;
+          const bool final_grads = reducer != nullptr && pc == last_backward;
           for (int i = rt.spec.num_layers - 1; i >= 0; --i) {
             const bool need_dx = i > 0 || k > 0;
-            g = model_.layer(rt.spec.first_layer + i).backward(be, g, mb.ctx[i], need_dx);
+            layers::Layer& layer = model_.layer(rt.spec.first_layer + i);
+            g = layer.backward(be, g, mb.ctx[i], need_dx);
+            if (final_grads) {
+              for (layers::Parameter* p : layer.parameters()) reducer->ready(p);
+              reducer->progress();
+            }
           }
           mb.grad_input = g;
           // Everything but the gradient to send (and the loss value) is released here.
@@ -316,12 +340,12 @@ void Executor::run_stage(int k) {
           break;
         }
         case Op::kOptimizerStep:
-          if (options_.replicas != nullptr && options_.replicas->size() > 1) average_over_replicas(k);
+          if (rt.reducer) rt.reducer->finish(rt.optimizer->params());
           if (options_.clip_grad_norm > 0) clip_gradients(k);
           rt.optimizer->step();
           zero_grads();
           for (int i = rt.spec.first_layer; i < rt.spec.first_layer + rt.spec.num_layers; ++i) {
-            model_.layer(i).end_step(be);
+            model_.layer(i).end_step(be, rt.replica_sum);
           }
           break;
       }
@@ -334,6 +358,7 @@ void Executor::run_stage(int k) {
       }
       rt.trace.ops.push_back({ins.op, m, t0, now_ms()});
     }
+    transport_.flush(k);
     be.synchronize();
   } catch (const Aborted& e) {
     rt.error = std::current_exception();
@@ -343,22 +368,6 @@ void Executor::run_stage(int k) {
     rt.error = std::current_exception();
     rt.error_text = e.what();
     transport_.abort("stage " + std::to_string(k) + " failed: " + rt.error_text);
-  }
-}
-
-void Executor::average_over_replicas(int k) {
-  StageRuntime& rt = *runtimes_[k];
-  const double inv = 1.0 / options_.replicas->size();
-  for (layers::Parameter* p : rt.optimizer->params()) {
-    if (p->grad.device().is_cpu()) {
-      options_.replicas->all_reduce_sum(p->grad);
-    } else {
-      Tensor host = Tensor::empty(p->grad.shape(), p->grad.dtype(), Device::cpu());
-      rt.backend->copy(p->grad, host);
-      options_.replicas->all_reduce_sum(host);
-      rt.backend->copy(host, p->grad);
-    }
-    rt.backend->scale(p->grad, inv);
   }
 }
 

@@ -22,6 +22,7 @@
 
 #include "layers/optimizer.h"
 #include "layers/sequential.h"
+#include "pipeline/grad_reducer.h"
 #include "pipeline/schedule.h"
 #include "runtime/transport.h"
 
@@ -50,9 +51,12 @@ struct ExecutorOptions {
   // the processes (MpiTransport) and the loss is summed across them through it.
   int local_stage = -1;
   int rank = 0;  // shown in log lines
-  // Data parallelism: the other replicas of this process's stage. After accumulation
-  // the stage's gradients (and the loss) are averaged over them; not owned.
+  // Data parallelism: the other replicas of this process's stage. The stage's
+  // gradients are averaged over them (GradReducer: in buckets of bucket_bytes that
+  // start during the last backward), BatchNorm statistics summed, the loss averaged;
+  // not owned.
   ReplicaGroup* replicas = nullptr;
+  int64_t bucket_bytes = int64_t{25} << 20;  // PyTorch DDP's default bucket
 };
 
 struct TimedOp {
@@ -101,7 +105,6 @@ class Executor {
   void worker_main(int k);
   void run_stage(int k);
   void clip_gradients(int k);
-  void average_over_replicas(int k);
 
   layers::Sequential& model_;
   std::vector<StageSpec> stages_;

@@ -2,8 +2,11 @@
 # Multi-process pipelines on this machine (mpirun --oversubscribe):
 #  1. `mpirun -np 2 gpipe train` (K = 2, one stage per process, MPI transport) and
 #     `mpirun -np 4` with pipeline.replicas=2 (K = 2, D = 2: each replica takes half of
-#     every mini-batch, gradients averaged) log the same per-step losses as the
-#     single-process run of the same config, to float32 rounding;
+#     every mini-batch, gradients averaged in several buckets) log the same per-step
+#     and validation losses as the single-process run of the same config, to float32
+#     rounding, and write one report.json covering both stages;
+#  1b. a convnet with BatchNorm at K = 2, D = 2 gives the single-process validation
+#     loss (evaluation uses the running statistics, summed over the replicas);
 #  2. a rank count that does not match pipeline.partitions is an error that says what would;
 #  3. a rank killed mid-run ends the whole job promptly with a non-zero exit.
 set -uo pipefail
@@ -11,9 +14,16 @@ gpipe="$1"
 config="$2"
 tmp="${TEST_TMPDIR:-/tmp}"
 mpirun=(timeout 120 mpirun --allow-run-as-root --oversubscribe)
-common=(--set train.steps=12 --set train.log_interval=1 --set data.eval_samples=0)
+common=(--set train.steps=12 --set train.log_interval=1 --set train.eval_interval=6 --set data.eval_samples=256)
 
 losses() { grep -E '^step ' | awk '{print $2, $4}'; }
+# "step 6/12 ... val_loss X" and the final "Validation: loss X, accuracy Y%".
+validation() { grep -oE 'val_loss [0-9.]+|Validation: .*'; }
+same_validation() {
+  if ! diff <(validation < "$1") <(validation < "$2") || [ "$(validation < "$2" | wc -l)" -ne 2 ]; then
+    cat "$2"; echo "FAIL: validation differs between $1 and $2"; exit 1
+  fi
+}
 
 "$gpipe" train "$config" "${common[@]}" --set output.dir="$tmp/single" > "$tmp/single.log" 2>&1 ||
   { cat "$tmp/single.log"; echo "FAIL: single-process run"; exit 1; }
@@ -24,8 +34,15 @@ if ! diff <(losses < "$tmp/single.log") <(losses < "$tmp/multi.log"); then
 fi
 [ "$(losses < "$tmp/multi.log" | wc -l)" -eq 12 ] || { cat "$tmp/multi.log"; echo "FAIL: expected 12 step lines"; exit 1; }
 echo "ok: 12 identical per-step losses with 1 and 2 processes"
+same_validation "$tmp/single.log" "$tmp/multi.log"
+echo "ok: the same validation loss and accuracy with 1 and 2 processes"
+if [ "$(grep -c '"stage":' "$tmp/multi/report.json")" -ne 2 ] || [ -e "$tmp/multi/report.rank1.json" ]; then
+  cat "$tmp/multi/report.json"; echo "FAIL: expected one report.json with both stages"; exit 1
+fi
+echo "ok: one report.json with both stages' timings"
 
-"${mpirun[@]}" -np 4 "$gpipe" train "$config" "${common[@]}" --set pipeline.replicas=2 --set output.dir="$tmp/dp" \
+"${mpirun[@]}" -np 4 "$gpipe" train "$config" "${common[@]}" --set pipeline.replicas=2 --set pipeline.bucket_mb=0.3 \
+  --set output.dir="$tmp/dp" \
   > "$tmp/dp.log" 2>&1 || { cat "$tmp/dp.log"; echo "FAIL: mpirun -np 4 with 2 replicas"; exit 1; }
 paste <(losses < "$tmp/single.log") <(losses < "$tmp/dp.log") > "$tmp/pairs.txt"
 [ "$(wc -l < "$tmp/pairs.txt")" -eq 12 ] || { cat "$tmp/dp.log"; echo "FAIL: expected 12 step lines with replicas"; exit 1; }
@@ -33,6 +50,48 @@ if ! awk '{ d = $2 - $4; if (d < 0) d = -d; if ($1 != $3 || d > 1e-3) { print "s
   echo "FAIL: per-step losses differ between one process and K=2 x D=2"; exit 1
 fi
 echo "ok: K=2 x D=2 (4 processes) gives the single-process losses"
+same_validation "$tmp/single.log" "$tmp/dp.log"
+echo "ok: K=2 x D=2 gives the single-process validation"
+
+# 1b. BatchNorm across replicas: one process with M = 4 sees the same micro-batches as
+# two replicas with M = 2 each (rows 0-7 and 8-15 of every batch of 16).
+cifar="$tmp/cifar.bin"
+: > "$cifar"
+for i in $(seq 0 79); do
+  printf "\\$(printf '%03o' $((i % 10)))" >> "$cifar"
+  yes "record $i: $((i * 7919 % 997)) $((i * i % 89))" | head -c 3072 >> "$cifar"  # varied, and the same every run
+done
+cat > "$tmp/convnet.yaml" <<EOF
+model:
+  input: [3, 32, 32]
+  layers:
+    - {type: conv2d, out: 8, kernel: 3}
+    - {type: batchnorm2d}
+    - {type: relu}
+    - {type: maxpool2d, kernel: 4}
+    - {type: conv2d, out: 8, kernel: 3}
+    - {type: batchnorm2d}
+    - {type: relu}
+    - {type: global_avgpool}
+    - {type: flatten}
+    - {type: linear, out: 10}
+  loss: {type: softmax_cross_entropy}
+data: {type: cifar10, path: $cifar, validation_fraction: 0.2}
+pipeline: {partitions: 2, micro_batches: 4}
+optimizer: {type: sgd, lr: 0.05, momentum: 0.9}
+train: {steps: 6, batch_size: 16, log_interval: 1, eval_interval: 3}
+EOF
+"$gpipe" train "$tmp/convnet.yaml" --set output.dir="$tmp/bn1" > "$tmp/bn1.log" 2>&1 ||
+  { cat "$tmp/bn1.log"; echo "FAIL: single-process convnet"; exit 1; }
+"${mpirun[@]}" -np 4 "$gpipe" train "$tmp/convnet.yaml" --set pipeline.replicas=2 --set pipeline.micro_batches=2 \
+  --set output.dir="$tmp/bn4" > "$tmp/bn4.log" 2>&1 || { cat "$tmp/bn4.log"; echo "FAIL: convnet with 2 replicas"; exit 1; }
+paste <(validation < "$tmp/bn1.log" | grep -oE '[0-9]+[.][0-9]+' | head -2) \
+      <(validation < "$tmp/bn4.log" | grep -oE '[0-9]+[.][0-9]+' | head -2) > "$tmp/bnpairs.txt"
+if [ "$(wc -l < "$tmp/bnpairs.txt")" -ne 2 ] ||
+   ! awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 2e-4) bad = 1 } END { exit bad }' "$tmp/bnpairs.txt"; then
+  cat "$tmp/bn1.log" "$tmp/bn4.log"; echo "FAIL: BatchNorm running statistics differ with replicas"; exit 1
+fi
+echo "ok: a BatchNorm convnet at K=2 x D=2 validates as one process does"
 
 "${mpirun[@]}" -np 3 "$gpipe" train "$config" "${common[@]}" --set output.dir="$tmp/bad" > "$tmp/bad.log" 2>&1
 rc=$?

@@ -27,14 +27,12 @@ std::string describe_layers(const layers::Sequential& model, int first, int coun
 }
 
 ReportBuilder::ReportBuilder(std::vector<std::string> stage_layers, std::vector<std::string> stage_devices,
-                             int micro_batches, std::string checkpoint, std::string schedule, int64_t batch_size,
-                             int first_stage, int partitions)
+                             int micro_batches, std::string checkpoint, std::string schedule, int64_t batch_size)
     : layers_(std::move(stage_layers)), devices_(std::move(stage_devices)), micro_batches_(micro_batches),
-      first_stage_(first_stage), partitions_(partitions < 0 ? static_cast<int>(layers_.size()) : partitions),
       checkpoint_(std::move(checkpoint)), schedule_(std::move(schedule)), batch_size_(batch_size),
       acc_(layers_.size()) {
   for (size_t k = 0; k < acc_.size(); ++k) {
-    acc_[k].stage = first_stage_ + static_cast<int>(k);
+    acc_[k].stage = static_cast<int>(k);
     acc_[k].layers = layers_[k];
     acc_[k].device = devices_[k];
   }
@@ -49,9 +47,9 @@ void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool ti
       if (op.op != Op::kOptimizerStep) span = std::max(span, op.end_ms);
     }
   }
-  for (size_t k = 0; k < acc_.size() && first_stage_ + k < r.stages.size(); ++k) {
+  for (size_t k = 0; k < acc_.size() && k < r.stages.size(); ++k) {
     StageSummary& s = acc_[k];
-    const StageTrace& trace = r.stages[first_stage_ + k];
+    const StageTrace& trace = r.stages[k];
     double busy = 0, comm = 0;
     for (const auto& op : trace.ops) {
       const double d = op.end_ms - op.start_ms;
@@ -88,7 +86,7 @@ void ReportBuilder::set_eval(double loss, double accuracy) {
 
 RunSummary ReportBuilder::summary() const {
   RunSummary out;
-  out.partitions = partitions_;
+  out.partitions = static_cast<int>(acc_.size());
   out.micro_batches = micro_batches_;
   out.checkpoint = checkpoint_;
   out.schedule = schedule_;

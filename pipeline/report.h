@@ -41,11 +41,10 @@ struct RunSummary {
 
 class ReportBuilder {
  public:
-  // One entry per reported stage. A process of a multi-process run reports only its
-  // own stage: then first_stage is that stage's index and partitions the pipeline's K.
+  // One entry per stage of the pipeline (a multi-process run gathers every stage's
+  // timings into its first stage's process, see trainer.cc).
   ReportBuilder(std::vector<std::string> stage_layers, std::vector<std::string> stage_devices, int micro_batches,
-                std::string checkpoint, std::string schedule, int64_t batch_size, int first_stage = 0,
-                int partitions = -1);
+                std::string checkpoint, std::string schedule, int64_t batch_size);
   // Timings of a step; steps before `timed` (warm-up) only contribute their loss.
   void add_step(int step, double loss, const StepResult& r, bool timed);
   void set_eval(double loss, double accuracy);
@@ -59,7 +58,6 @@ class ReportBuilder {
  private:
   std::vector<std::string> layers_, devices_;
   int micro_batches_;
-  int first_stage_, partitions_;
   std::string checkpoint_, schedule_;
   int64_t batch_size_;
   std::vector<std::pair<int, double>> losses_;

@@ -54,56 +54,117 @@ void write_atomically(const std::filesystem::path& path, const std::string& text
   std::filesystem::rename(tmp, path);
 }
 
-// Mean loss and accuracy (argmax over the classes, per target) of the model on
-// validation samples [0, n), cell by cell on each stage's device, in chunks.
-std::pair<double, double> evaluate(layers::Sequential& model, const std::vector<StageSpec>& stages,
-                                   const Dataset& data, int64_t n, int64_t chunk) {
+// Loss (summed over targets) and correct argmax predictions of one chunk's logits.
+struct Score {
   double loss_sum = 0;
-  int64_t correct = 0, counted = 0;
+  double correct = 0, counted = 0;
+};
+
+Score score_chunk(layers::Sequential& model, Backend& be, const Tensor& h, const Tensor& y) {
+  Score s;
+  Tensor targets = y;
+  if (!be.device().is_cpu()) {
+    targets = be.empty(y.shape(), y.dtype());
+    be.copy(y, targets);
+  }
+  // Scaled by 1: the sum of per-target losses of this chunk.
+  s.loss_sum = be.item(model.loss().forward(be, h, targets, 1.0, nullptr));
+  Tensor logits = h;
+  if (!h.device().is_cpu()) {
+    logits = Tensor::empty(h.shape(), h.dtype(), Device::cpu());
+    be.copy(h, logits);
+    be.synchronize();
+  }
+  const int64_t classes = logits.shape().back();
+  const int64_t rows = logits.numel() / classes;
+  for (int64_t r = 0; r < rows; ++r) {
+    auto value = [&](int64_t c) {
+      return logits.dtype() == DType::kF32 ? static_cast<double>(logits.data<float>()[r * classes + c])
+                                           : logits.data<double>()[r * classes + c];
+    };
+    int64_t best = 0;
+    for (int64_t c = 1; c < classes; ++c) {
+      if (value(c) > value(best)) best = c;
+    }
+    s.correct += best == y.data<int32_t>()[r];
+  }
+  s.counted = static_cast<double>(rows);
+  return s;
+}
+
+// Mean loss and accuracy (argmax over the classes, per target) of the model on
+// validation samples [0, n), in chunks, cell by cell on each stage's device. In a
+// multi-process run each process runs its own cell and passes the activations on
+// through the transport; replica d takes chunks d, d + D, ... Every process gets the
+// totals.
+std::pair<double, double> evaluate(layers::Sequential& model, const std::vector<StageSpec>& stages,
+                                   const Dataset& data, int64_t n, int64_t chunk, const Launch& launch) {
+  const int K = static_cast<int>(stages.size());
+  const bool multi = launch.size > 1;
+  const int D = launch.replicas != nullptr ? launch.replicas->size() : 1;
+  const int me = launch.rank;
+  Score total;
   layers::ForwardArgs args;
   args.training = false;
-  for (int64_t start = 0; start < n; start += chunk) {
-    const int64_t len = std::min(chunk, n - start);
+  for (int64_t c = launch.replica; c * chunk < n; c += D) {
+    const int64_t start = c * chunk, len = std::min(chunk, n - start);
     auto [x, y] = data.validation(start, len);
+    const MessageTag tag{MessageKind::kEvalActivation, static_cast<int>(c)};
     Tensor h = x;
-    for (const StageSpec& s : stages) {
+    for (int k = 0; k < K; ++k) {
+      if (multi && k != me) continue;
+      const StageSpec& s = stages[k];
       Backend& be = backend_for(s.device);
+      if (multi && k > 0) h = launch.transport->recv(k, k - 1, tag, s.device);
       if (!(h.device() == s.device || (h.device().is_cpu() && s.device.is_cpu()))) {
         Tensor moved = be.empty(h.shape(), h.dtype());
         be.copy(h, moved);
         h = moved;
       }
       for (int i = s.first_layer; i < s.first_layer + s.num_layers; ++i) h = model.layer(i).forward(be, h, nullptr, args);
+      if (multi && k + 1 < K) launch.transport->send(k, k + 1, tag, h);
     }
-    Backend& be = backend_for(stages.back().device);
-    Tensor targets = y;
-    if (!be.device().is_cpu()) {
-      targets = be.empty(y.shape(), y.dtype());
-      be.copy(y, targets);
+    if (!multi || me == K - 1) {
+      const Score part = score_chunk(model, backend_for(stages.back().device), h, y);
+      total.loss_sum += part.loss_sum;
+      total.correct += part.correct;
+      total.counted += part.counted;
     }
-    // Scaled by 1: the sum of per-target losses of this chunk.
-    loss_sum += be.item(model.loss().forward(be, h, targets, 1.0, nullptr));
-    Tensor logits = h;
-    if (!h.device().is_cpu()) {
-      logits = Tensor::empty(h.shape(), h.dtype(), Device::cpu());
-      be.copy(h, logits);
-    }
-    const int64_t classes = logits.shape().back();
-    const int64_t rows = logits.numel() / classes;
-    for (int64_t r = 0; r < rows; ++r) {
-      auto value = [&](int64_t c) {
-        return logits.dtype() == DType::kF32 ? static_cast<double>(logits.data<float>()[r * classes + c])
-                                             : logits.data<double>()[r * classes + c];
-      };
-      int64_t best = 0;
-      for (int64_t c = 1; c < classes; ++c) {
-        if (value(c) > value(best)) best = c;
-      }
-      correct += best == y.data<int32_t>()[r];
-    }
-    counted += rows;
   }
-  return {loss_sum / std::max<int64_t>(counted, 1), static_cast<double>(correct) / std::max<int64_t>(counted, 1)};
+  if (multi) {
+    launch.transport->flush(me);
+    for (double* v : {&total.loss_sum, &total.correct, &total.counted}) *v = launch.transport->all_reduce_sum(me, *v);
+  }
+  if (D > 1) {
+    for (double* v : {&total.loss_sum, &total.correct, &total.counted}) *v = launch.replicas->all_reduce_sum(*v);
+  }
+  const double counted = std::max(total.counted, 1.0);
+  return {total.loss_sum / counted, total.correct / counted};
+}
+
+// A multi-process step's timings, each process holding only its own stage's: stage 0
+// receives every stage's, so that it reports the whole pipeline as one process would.
+// Every process times from its own step start; they start together (the previous
+// step ended in a collective), to within a transport latency.
+StepResult gather_timings(StepResult r, const Launch& launch) {
+  const int me = launch.rank;
+  const StageTrace& mine = r.stages.at(me);
+  std::vector<double> flat{static_cast<double>(mine.peak_activation_bytes)};
+  for (const TimedOp& op : mine.ops) {
+    flat.insert(flat.end(), {static_cast<double>(op.op), static_cast<double>(op.micro_batch), op.start_ms, op.end_ms});
+  }
+  const std::vector<std::vector<double>> all = launch.transport->gather_to_first(me, flat);
+  for (size_t k = 0; k < all.size(); ++k) {
+    const std::vector<double>& v = all[k];
+    GPIPE_CHECK(!v.empty() && (v.size() - 1) % 4 == 0, "malformed timings from stage " + std::to_string(k));
+    StageTrace& t = r.stages.at(k);
+    t = StageTrace{};
+    t.peak_activation_bytes = static_cast<int64_t>(v[0]);
+    for (size_t i = 1; i < v.size(); i += 4) {
+      t.ops.push_back({static_cast<Op>(static_cast<int>(v[i])), static_cast<int>(v[i + 1]), v[i + 2], v[i + 3]});
+    }
+  }
+  return r;
 }
 
 std::unique_ptr<Dataset> make_dataset(const Config& c) {
@@ -242,6 +303,7 @@ TrainResult train(const Config& c, std::ostream& out, const Launch& launch) {
   opts.local_stage = multi ? launch.rank : -1;
   opts.rank = launch.replica * launch.size + launch.rank;
   opts.replicas = D > 1 ? launch.replicas : nullptr;
+  opts.bucket_bytes = static_cast<int64_t>(c.pipeline.bucket_mb * (1 << 20));
   Executor executor(*model, stages, std::move(schedule), transport, opts);
   layers::LrSchedule lr;
   lr.kind = c.optimizer.schedule;
@@ -250,18 +312,16 @@ TrainResult train(const Config& c, std::ostream& out, const Launch& launch) {
   lr.total_steps = c.train.steps;
   lr.min_lr = c.optimizer.min_lr;
 
-  // Validation runs every stage in this process, so it needs all the trained weights:
-  // not yet available in a multi-process run.
-  const int64_t eval_n = multi || D > 1 ? 0
-                         : c.train.eval_samples > 0 ? std::min(c.train.eval_samples, data->validation_size())
-                                                    : data->validation_size();
-  if (multi && launch.rank == 0) spdlog::info("validation is not run in multi-process mode yet");
-  auto validate = [&] { return evaluate(*model, stages, *data, eval_n, c.train.batch_size); };
+  const int64_t eval_n = c.train.eval_samples > 0 ? std::min(c.train.eval_samples, data->validation_size())
+                                                  : data->validation_size();
+  auto validate = [&] { return evaluate(*model, stages, *data, eval_n, c.train.batch_size, launch); };
 
-  // A process of a multi-process run reports its own stage.
-  ReportBuilder report(multi ? std::vector<std::string>{stage_layers[launch.rank]} : stage_layers,
-                       multi ? std::vector<std::string>{stage_devices[launch.rank]} : stage_devices, M,
-                       c.pipeline.checkpoint, c.pipeline.schedule, c.train.batch_size, multi ? launch.rank : 0, K);
+  // The whole pipeline's report, kept by its first stage (in a multi-process run, the
+  // other processes send it their timings every step); written by replica 0's.
+  const bool reports = launch.rank == 0;
+  const bool writes = reports && launch.replica == 0;
+  ReportBuilder report(stage_layers, stage_devices, M, c.pipeline.checkpoint, c.pipeline.schedule,
+                       c.train.batch_size);
   double window_ms = 0;
   int window_steps = 0;
   for (int step = 0; step < c.train.steps; ++step) {
@@ -271,7 +331,8 @@ TrainResult train(const Config& c, std::ostream& out, const Launch& launch) {
       y = y.narrow_rows(launch.replica * replica_batch, replica_batch);
     }
     executor.set_lr(lr.at(step));
-    const StepResult r = executor.step(x, y);
+    StepResult r = executor.step(x, y);
+    if (multi) r = gather_timings(std::move(r), launch);
     if (!std::isfinite(r.loss)) {
       throw UserError("the loss became " + std::string(std::isnan(r.loss) ? "NaN" : "infinite") + " at step " +
                       std::to_string(step) + "; lower optimizer.lr (now " + std::to_string(lr.at(step)) +
@@ -279,7 +340,7 @@ TrainResult train(const Config& c, std::ostream& out, const Launch& launch) {
     }
     result.losses.push_back(r.loss);
     // The first step warms caches and allocators; it is left out of the timings.
-    report.add_step(step, r.loss, r, c.train.steps == 1 || step > 0);
+    if (reports) report.add_step(step, r.loss, r, c.train.steps == 1 || step > 0);
     window_ms += r.wall_ms;
     ++window_steps;
     const bool last = step + 1 == c.train.steps;
@@ -295,7 +356,7 @@ TrainResult train(const Config& c, std::ostream& out, const Launch& launch) {
       if (r.grad_norm >= 0) len += std::snprintf(line + len, sizeof line - len, "  grad_norm %.3f", r.grad_norm);
       std::snprintf(line + len, sizeof line - len, "  lr %.3g  %.1f samples/s", lr.at(step),
                     c.train.batch_size * window_steps / (window_ms / 1000.0));
-      if (launch.rank == 0 && launch.replica == 0) out << line << std::endl;
+      if (writes) out << line << std::endl;
       window_ms = 0;
       window_steps = 0;
     }
@@ -305,8 +366,10 @@ TrainResult train(const Config& c, std::ostream& out, const Launch& launch) {
     report.add_validation(c.train.steps - 1, result.eval_loss, result.eval_accuracy);
     report.set_eval(result.eval_loss, result.eval_accuracy);
   }
-  out << "\n" << report.table();
+  if (!reports) return result;  // stage 0 of the pipeline reports for it
   result.summary = report.summary();
+  if (!writes) return result;
+  out << "\n" << report.table();
 
   std::filesystem::path dir(c.output.dir);
   std::error_code ec;
@@ -316,8 +379,8 @@ TrainResult train(const Config& c, std::ostream& out, const Launch& launch) {
   j["config"] = c.source;
   j["data"] = data->describe();
   j["balance"] = result.balance;
-  const auto path = dir / (multi || D > 1 ? "report.rank" + std::to_string(opts.rank) + ".json"
-                                          : std::string("report.json"));
+  if (D > 1) j["replicas"] = D;
+  const auto path = dir / "report.json";
   write_atomically(path, j.dump(2) + "\n");
   result.report_path = path.string();
   out << "Report: " << result.report_path << std::endl;
