@@ -257,7 +257,31 @@ std::unique_ptr<Sequential> build_model(const ModelSpec& spec) {
   if (spec.layers.empty()) throw UserError("model.layers is empty; list at least one layer");
   auto model = std::make_unique<Sequential>(spec.input, spec.dtype, spec.input_dtype.value_or(spec.dtype));
   for (size_t i = 0; i < spec.layers.size(); ++i) {
-    model->add(make_layer(spec.layers[i], model->output_shape(), spec.dtype, mix_seed(spec.seed, i)));
+    // `tied: true` on a linear layer: its weight is the nearest earlier embedding's
+    // token table (an output head tied to the input embedding, as in GPT-2).
+    LayerSpec ls = spec.layers[i];
+    bool tied = false;
+    if (auto it = ls.args.find("tied"); it != ls.args.end()) {
+      if (it->second != "true" && it->second != "false") {
+        throw UserError("tied" + at(ls) + ": expected true or false, got '" + it->second + "'");
+      }
+      tied = it->second == "true";
+      ls.args.erase(it);
+    }
+    Layer& layer = model->add(make_layer(ls, model->output_shape(), spec.dtype, mix_seed(spec.seed, i)));
+    if (!tied) continue;
+    auto* head = dynamic_cast<Linear*>(&layer);
+    if (head == nullptr) throw UserError("tied" + at(ls) + ": only a linear layer can be tied to an embedding");
+    int owner = static_cast<int>(i) - 1;
+    while (owner >= 0 && dynamic_cast<Embedding*>(&model->layer(owner)) == nullptr) --owner;
+    if (owner < 0) throw UserError("tied" + at(ls) + ": no embedding layer before this one to tie to");
+    auto& emb = static_cast<Embedding&>(model->layer(owner));
+    if (head->weight().value.shape() != emb.token().value.shape()) {
+      throw UserError("tied" + at(ls) + ": the head's weight " + shape_str(head->weight().value.shape()) +
+                      " must match embedding layer " + std::to_string(owner) + "'s token table " +
+                      shape_str(emb.token().value.shape()) + " (out = vocab, in = dim)");
+    }
+    model->tie(owner, emb.token(), static_cast<int>(i), head->weight());
   }
   model->set_loss(make_loss(spec.loss, model->output_shape(), spec.dtype));
   return model;

@@ -50,8 +50,36 @@ std::vector<std::pair<std::string, Parameter*>> Sequential::named_parameters() {
 
 int64_t Sequential::parameter_count() {
   int64_t n = 0;
-  for (auto& np : named_parameters()) n += np.second->value.numel();
+  for (auto& np : named_parameters()) {
+    if (!is_tied_copy(np.second)) n += np.second->value.numel();
+  }
   return n;
+}
+
+void Sequential::tie(int owner_layer, Parameter& owner, int copy_layer, Parameter& copy) {
+  GPIPE_CHECK(owner_layer >= 0 && owner_layer < size() && copy_layer >= 0 && copy_layer < size(),
+              "tie: layer index outside the model");
+  if (owner.value.shape() != copy.value.shape() || owner.value.dtype() != copy.value.dtype()) {
+    throw UserError("cannot tie " + std::to_string(copy_layer) + "." + copy.name + " " + copy.value.str() + " to " +
+                    std::to_string(owner_layer) + "." + owner.name + " " + owner.value.str() +
+                    ": a tied weight needs the same shape and type in both layers");
+  }
+  backend_for(copy.value.device()).copy(owner.value, copy.value);
+  ties_.push_back({owner_layer, &owner, copy_layer, &copy});
+}
+
+bool Sequential::is_tied_copy(const Parameter* p) const {
+  for (const Tie& t : ties_) {
+    if (t.copy == p) return true;
+  }
+  return false;
+}
+
+void Sequential::sum_tied_gradients(Backend& be) {
+  for (const Tie& t : ties_) {
+    be.axpy(1.0, t.copy->grad, t.owner->grad);
+    be.copy(t.owner->grad, t.copy->grad);
+  }
 }
 
 void Sequential::end_step(Backend& be) {

@@ -14,6 +14,19 @@
 namespace gpipe {
 namespace layers {
 
+// A weight used by two layers, such as a language model's output head tied to its
+// token embedding. In a pipeline the two usually sit on different stages (the first
+// and the last), so each layer keeps its own copy, as Megatron-LM does: equal at the
+// start, and kept equal by giving both the sum of their gradients before every
+// optimizer step, so that both take the same step. The copy is left out of the
+// parameter count and of the gradient norm.
+struct Tie {
+  int owner_layer = 0;
+  Parameter* owner = nullptr;
+  int copy_layer = 0;
+  Parameter* copy = nullptr;
+};
+
 class Sequential {
  public:
   Sequential(Shape input_shape, DType dtype) : Sequential(std::move(input_shape), dtype, dtype) {}
@@ -44,8 +57,17 @@ class Sequential {
   std::vector<LayerCost> costs(int64_t batch) const;
   // ("3.weight", parameter) in layer order.
   std::vector<std::pair<std::string, Parameter*>> named_parameters();
-  int64_t parameter_count();
+  int64_t parameter_count();  // tied copies counted once
   void zero_grad();
+  // Makes `copy` (of layer copy_layer) a tied copy of `owner` (of layer owner_layer):
+  // same shape and type, its value overwritten with the owner's.
+  void tie(int owner_layer, Parameter& owner, int copy_layer, Parameter& copy);
+  const std::vector<Tie>& ties() const { return ties_; }
+  bool is_tied_copy(const Parameter* p) const;
+  // After the whole mini-batch's backward, on the backend holding both parameters of
+  // every tie: each gets the sum of the two gradients (the executor does the same
+  // across stages).
+  void sum_tied_gradients(Backend& be);
   // Every layer's end_step (see Layer::end_step), on one backend.
   void end_step(Backend& be);
 
@@ -60,6 +82,7 @@ class Sequential {
   DType input_dtype_;
   std::vector<std::unique_ptr<Layer>> layers_;
   std::unique_ptr<Loss> loss_;
+  std::vector<Tie> ties_;
 };
 
 }  // namespace layers

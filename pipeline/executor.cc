@@ -227,8 +227,7 @@ void Executor::run_stage(int k) {
     if (ins.op == Op::kRecompute) checkpointed[ins.micro_batch] = 1;
     if (ins.op == Op::kBackward) last_backward = i;
   }
-  // Gradients go to the replicas during the last backward only when a step will use them.
-  GradReducer* reducer = cur_.apply_optimizer ? rt.reducer.get() : nullptr;
+  GradReducer* reducer = rt.reducer.get();
   rt.live_bytes = 0;
   rt.error = nullptr;
   rt.error_is_abort = false;
@@ -282,7 +281,6 @@ void Executor::run_stage(int k) {
     for (size_t pc = 0; pc < schedule_.stages[k].size(); ++pc) {
       const Instruction& ins = schedule_.stages[k][pc];
       const int m = ins.micro_batch;
-      if (ins.op == Op::kOptimizerStep && !cur_.apply_optimizer) continue;
       const double t0 = now_ms();
       switch (ins.op) {
         case Op::kRecvActivation:
@@ -341,6 +339,12 @@ void Executor::run_stage(int k) {
         }
         case Op::kOptimizerStep:
           if (rt.reducer) rt.reducer->finish(rt.optimizer->params());
+          sum_tied_gradients(k);
+          if (!cur_.apply_optimizer) break;  // the gradients stay for inspection
+          // A device backend reports bad data (a token id, a label) at its next wait: wait
+          // here, once per step, so that such an error stops the step before any weight
+          // changes.
+          be.synchronize();
           if (options_.clip_grad_norm > 0) clip_gradients(k);
           rt.optimizer->step();
           zero_grads();
@@ -371,10 +375,51 @@ void Executor::run_stage(int k) {
   }
 }
 
+int Executor::stage_of(int layer) const {
+  for (const StageSpec& s : stages_) {
+    if (layer >= s.first_layer && layer < s.first_layer + s.num_layers) return static_cast<int>(&s - stages_.data());
+  }
+  throw Error("layer " + std::to_string(layer) + " is in no stage");
+}
+
+// Both copies of a tied weight get the sum of their gradients. On one stage that is
+// local; across stages the copy's stage sends its gradient to the owner's, which adds
+// it and sends the sum back. Both send copies: a send may still read its tensor when
+// the sender overwrites or clears its gradient.
+void Executor::sum_tied_gradients(int k) {
+  StageRuntime& rt = *runtimes_[k];
+  Backend& be = *rt.backend;
+  const Device dev = rt.spec.device;
+  const auto& ties = model_.ties();
+  for (size_t i = 0; i < ties.size(); ++i) {
+    const layers::Tie& t = ties[i];
+    const int so = stage_of(t.owner_layer), sc = stage_of(t.copy_layer);
+    const MessageTag tag{MessageKind::kTiedGradient, static_cast<int>(i)};
+    if (so == k && sc == k) {
+      be.axpy(1.0, t.copy->grad, t.owner->grad);
+      be.copy(t.owner->grad, t.copy->grad);
+    } else if (sc == k) {
+      Tensor mine = be.empty(t.copy->grad.shape(), t.copy->grad.dtype());  // the send may outlive the next line
+      be.copy(t.copy->grad, mine);
+      transport_.send(k, so, tag, mine);
+      Tensor sum = transport_.recv(k, so, tag, dev);
+      be.copy(sum, t.copy->grad);
+    } else if (so == k) {
+      Tensor other = transport_.recv(k, sc, tag, dev);
+      be.axpy(1.0, other, t.owner->grad);
+      Tensor sum = be.empty(t.owner->grad.shape(), t.owner->grad.dtype());
+      be.copy(t.owner->grad, sum);
+      transport_.send(k, sc, tag, sum);
+    }
+  }
+}
+
 void Executor::clip_gradients(int k) {
   StageRuntime& rt = *runtimes_[k];
   double local = 0;
-  for (layers::Parameter* p : rt.optimizer->params()) local += rt.backend->sum_squares(p->grad);
+  for (layers::Parameter* p : rt.optimizer->params()) {
+    if (!model_.is_tied_copy(p)) local += rt.backend->sum_squares(p->grad);  // a tied weight counts once
+  }
   const double norm = std::sqrt(transport_.all_reduce_sum(k, local));
   rt.grad_norm = norm;
   // As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when above.

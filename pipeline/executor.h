@@ -105,6 +105,8 @@ class Executor {
   void worker_main(int k);
   void run_stage(int k);
   void clip_gradients(int k);
+  void sum_tied_gradients(int k);
+  int stage_of(int layer) const;
 
   layers::Sequential& model_;
   std::vector<StageSpec> stages_;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <thread>
 
+#include "layers/embedding.h"
 #include "layers/linear.h"
 #include "layers/registry.h"
 #include "partition/balance.h"
@@ -320,6 +321,84 @@ TEST_CASE("a pipelined GPT with dropout equals the unpartitioned model") {
           GPIPE_EXPECT_CLOSE(params[i].second->grad, ref_params[i].second->grad, 1e-9, 1e-12);
         }
       }
+    }
+  }
+}
+
+TEST_CASE("a head tied to the embedding: gradients summed across stages, copies kept equal") {
+  // The head's weight is the embedding's token table. Split over stages each holds a
+  // copy; the pipeline must give both the gradient of the shared weight (the sum of
+  // the two uses), count it once in the global norm, and keep the copies equal.
+  layers::ModelSpec spec;
+  spec.input = {6};
+  spec.input_dtype = DType::kI32;
+  spec.dtype = DType::kF64;
+  spec.seed = 13;
+  spec.layers = {{"embedding", {{"vocab", "16"}, {"dim", "8"}}, {}, ""},
+                 {"transformer_block", {{"heads", "2"}}, {}, ""},
+                 {"layernorm", {}, {}, ""},
+                 {"linear", {{"out", "16"}, {"bias", "false"}, {"tied", "true"}}, {}, ""}};
+  spec.loss = {"softmax_cross_entropy", {}, {}, ""};
+  const int64_t N = 6;
+  Tensor x = gpipe::testing::random_labels(N * 6, 16, 41).reshape({N, 6});
+  Tensor y = gpipe::testing::random_labels(N * 6, 16, 42).reshape({N, 6});
+
+  auto reference = layers::build_model(spec);
+  REQUIRE(reference->ties().size() == 1);
+  auto* emb = dynamic_cast<layers::Embedding*>(&reference->layer(0));
+  auto* head = dynamic_cast<layers::Linear*>(&reference->layer(3));
+  REQUIRE((emb != nullptr && head != nullptr));
+  CHECK(to_doubles(head->weight().value) == to_doubles(emb->token().value));
+  // Counted once: the untied model has one more 16 x 8 table.
+  CHECK(reference->parameter_count() ==
+        [&] {
+          int64_t n = 0;
+          for (auto& np : reference->named_parameters()) n += np.second->value.numel();
+          return n;
+        }() - 16 * 8);
+  reference->zero_grad();
+  const double ref_loss = reference->forward_backward(backend_for(Device::cpu()), x, y, 1.0 / (N * 6));
+  const std::vector<double> head_only = to_doubles(head->weight().grad);
+  reference->sum_tied_gradients(backend_for(Device::cpu()));
+  // The shared weight's gradient is the sum of both uses, and the head's alone is not it.
+  CHECK(to_doubles(head->weight().grad) == to_doubles(emb->token().grad));
+  CHECK(to_doubles(head->weight().grad) != head_only);
+  double ref_norm2 = 0;
+  for (auto& np : reference->named_parameters()) {
+    if (!reference->is_tied_copy(np.second)) {
+      for (double g : to_doubles(np.second->grad)) ref_norm2 += g * g;
+    }
+  }
+  auto ref_params = reference->named_parameters();
+
+  for (int K = 1; K <= 3; ++K) {
+    for (int M : {1, 3}) {
+      CAPTURE(K);
+      CAPTURE(M);
+      auto model = layers::build_model(spec);
+      InProcessTransport transport(K);
+      ExecutorOptions opts;
+      opts.clip_grad_norm = 1e9;  // computes the global norm, never clips
+      opts.optimizer.lr = 0.1;
+      opts.optimizer.momentum = 0.9;
+      opts.optimizer.weight_decay = 0.01;
+      Executor ex(*model, make_stages(even_balance(model->size(), K), cpu_devices(K)),
+                  gpipe_schedule(K, M, CheckpointMode::kExceptLast), transport, opts);
+      const StepResult r = ex.step(x, y, false);
+      CHECK(r.loss == doctest::Approx(ref_loss).epsilon(1e-12));
+      auto params = model->named_parameters();
+      for (size_t i = 0; i < params.size(); ++i) {
+        INFO("gradient of ", params[i].first);
+        GPIPE_EXPECT_CLOSE(params[i].second->grad, ref_params[i].second->grad, 1e-9, 1e-12);
+      }
+      // Training steps: the global norm counts the tied weight once, and both copies
+      // take the same steps.
+      const StepResult s = ex.step(x, y, true);
+      CHECK(s.grad_norm == doctest::Approx(std::sqrt(ref_norm2)).epsilon(1e-9));
+      ex.step(x, y, true);
+      const auto& tie = model->ties().at(0);
+      CHECK(to_doubles(tie.copy->value) == to_doubles(tie.owner->value));
+      CHECK(to_doubles(tie.owner->value) != to_doubles(emb->token().value));  // it did train
     }
   }
 }

@@ -7,6 +7,8 @@
 #     rounding, and write one report.json covering both stages;
 #  1b. a convnet with BatchNorm at K = 2, D = 2 gives the single-process validation
 #     loss (evaluation uses the running statistics, summed over the replicas);
+#  1c. a language model with its head tied to its embedding, the two on different
+#     processes, gives the single-process losses;
 #  2. a rank count that does not match pipeline.partitions is an error that says what would;
 #  3. a rank killed mid-run ends the whole job promptly with a non-zero exit.
 set -uo pipefail
@@ -92,6 +94,34 @@ if [ "$(wc -l < "$tmp/bnpairs.txt")" -ne 2 ] ||
   cat "$tmp/bn1.log" "$tmp/bn4.log"; echo "FAIL: BatchNorm running statistics differ with replicas"; exit 1
 fi
 echo "ok: a BatchNorm convnet at K=2 x D=2 validates as one process does"
+
+# 1c. A language model whose output head (stage 1) is tied to its embedding (stage 0):
+# the tied weight's gradient crosses the processes, and the losses stay the same.
+for i in $(seq 200); do echo "line $i: the quick brown fox jumps over the lazy dog $((i * 37 % 101))"; done > "$tmp/text.txt"
+cat > "$tmp/tied.yaml" <<EOF
+model:
+  input: [16]
+  input_dtype: int32
+  layers:
+    - {type: embedding, vocab: 256, dim: 32}
+    - {type: transformer_block, heads: 2}
+    - {type: layernorm}
+    - {type: linear, out: 256, bias: false, tied: true}
+  loss: {type: softmax_cross_entropy}
+data: {type: text, path: $tmp/text.txt, seq_len: 16}
+pipeline: {partitions: 2, micro_batches: 2, balance: [2, 2]}
+optimizer: {type: adamw, lr: 0.003, clip_grad_norm: 1.0}
+train: {steps: 8, batch_size: 8, log_interval: 1, eval_interval: 4, eval_samples: 64}
+EOF
+"$gpipe" train "$tmp/tied.yaml" --set output.dir="$tmp/t1" > "$tmp/t1.log" 2>&1 ||
+  { cat "$tmp/t1.log"; echo "FAIL: single-process tied LM"; exit 1; }
+"${mpirun[@]}" -np 2 "$gpipe" train "$tmp/tied.yaml" --set output.dir="$tmp/t2" > "$tmp/t2.log" 2>&1 ||
+  { cat "$tmp/t2.log"; echo "FAIL: tied LM on 2 processes"; exit 1; }
+if ! diff <(losses < "$tmp/t1.log") <(losses < "$tmp/t2.log") || [ "$(losses < "$tmp/t2.log" | wc -l)" -ne 8 ]; then
+  cat "$tmp/t2.log"; echo "FAIL: tied LM losses differ between one process and two"; exit 1
+fi
+same_validation "$tmp/t1.log" "$tmp/t2.log"
+echo "ok: a language model with a tied head across 2 processes gives the single-process losses"
 
 "${mpirun[@]}" -np 3 "$gpipe" train "$config" "${common[@]}" --set output.dir="$tmp/bad" > "$tmp/bad.log" 2>&1
 rc=$?

@@ -10,6 +10,8 @@ std::string tag_str(const MessageTag& tag) {
       return "activation of micro-batch " + std::to_string(tag.micro_batch);
     case MessageKind::kGradient:
       return "gradient of micro-batch " + std::to_string(tag.micro_batch);
+    case MessageKind::kTiedGradient:
+      return "gradient of tied weight " + std::to_string(tag.micro_batch);
     case MessageKind::kEvalActivation:
       break;
   }

@@ -12,7 +12,10 @@
 namespace gpipe {
 
 // kEvalActivation: a validation forward's activation, numbered by validation chunk.
-enum class MessageKind { kActivation, kGradient, kEvalActivation };
+// kTiedGradient: a tied weight's gradient between the stages holding its copies,
+// numbered by tie.
+enum class MessageKind { kActivation, kGradient, kEvalActivation, kTiedGradient };
+constexpr int kMessageKinds = 4;
 
 struct MessageTag {
   MessageKind kind;
