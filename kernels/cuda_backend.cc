@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -56,18 +57,41 @@ int to_int(int64_t v, const char* what, const char* op = "matmul") {
   return static_cast<int>(v);
 }
 
+// ---- The deferred checks of labels and token ids (see "Deferred input errors" below).
+
 // The CPU backend's message for a bad label, word for word (kernels/cpu_backend.cc).
-std::string label_error(int32_t label, int64_t row, int64_t classes) {
+std::string label_error(const DeferredCheck& c, int64_t row, int32_t label, Device) {
   return "label " + std::to_string(label) + " in row " + std::to_string(row) + " is outside [0, " +
-         std::to_string(classes) + "); the model's last layer must have as many outputs as there are classes";
+         std::to_string(c.limit) + "); the model's last layer must have as many outputs as there are classes";
+}
+
+// labels (rows) against [0, classes).
+DeferredCheck label_check(const char* op, int64_t rows, int64_t classes) {
+  DeferredCheck c;
+  c.op = op;
+  c.count = rows;
+  c.limit = classes;
+  c.message = label_error;
+  return c;
 }
 
 // The CPU reference's message for a bad token id, word for word
-// (kernels/cpu_transformer_ops.cc).
-std::string token_error(int32_t id, int64_t b, int64_t t, int64_t vocab) {
-  return "token id " + std::to_string(id) + " at (b=" + std::to_string(b) + ", t=" + std::to_string(t) +
-         ") is outside the vocabulary [0, " + std::to_string(vocab) +
+// (kernels/cpu_transformer_ops.cc); position p = b T + t.
+std::string token_error(const DeferredCheck& c, int64_t p, int32_t id, Device) {
+  return "token id " + std::to_string(id) + " at (b=" + std::to_string(p / c.seq) + ", t=" +
+         std::to_string(p % c.seq) + ") is outside the vocabulary [0, " + std::to_string(c.limit) +
          "); make the embedding's vocab option larger than every id in the data";
+}
+
+// ids (B, T) against [0, vocab).
+DeferredCheck token_check(const char* op, const Tensor& ids, int64_t vocab) {
+  DeferredCheck c;
+  c.op = op;
+  c.count = ids.numel();
+  c.limit = vocab;
+  c.seq = std::max<int64_t>(ids.size(1), 1);
+  c.message = token_error;
+  return c;
 }
 
 // ---- Argument checks of the transformer ops: the CPU reference's, shared through
@@ -75,7 +99,9 @@ std::string token_error(int32_t id, int64_t b, int64_t t, int64_t vocab) {
 using ops::AttentionDims;
 using ops::check_dropout_p;
 
-constexpr size_t kStagingBytes = 16;
+// Pinned host memory: item() and sum_squares land in the first kItemBytes, the error
+// slots' read-back follows.
+constexpr size_t kItemBytes = 16;
 
 }  // namespace
 
@@ -89,8 +115,13 @@ CudaBackend::CudaBackend(Device device) : device_(device) {
     // Full float32 precision: no TF32 tensor-core rounding, so results match the CPU
     // reference to float32 accuracy (CUBLAS_DEFAULT_MATH never lowers precision).
     GPIPE_CUBLAS_CHECK(cublasSetMathMode(blas_, CUBLAS_DEFAULT_MATH));
-    GPIPE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&bad_row_), sizeof(unsigned)));
-    GPIPE_CUDA_CHECK(cudaMallocHost(&host_staging_, kStagingBytes));
+    const size_t slot_bytes = kMaxDeferredChecks * sizeof(cuda::ErrorSlot);
+    GPIPE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&slots_), slot_bytes));
+    // All slots free (kNoError), ordered before every kernel that may flag one.
+    GPIPE_CUDA_CHECK(cudaMemsetAsync(slots_, 0xFF, slot_bytes, cuda_stream()));
+    GPIPE_CUDA_CHECK(cudaMallocHost(&host_staging_, kItemBytes + slot_bytes));
+    host_slots_ = reinterpret_cast<cuda::ErrorSlot*>(static_cast<char*>(host_staging_) + kItemBytes);
+    pending_.reserve(64);
   } catch (...) {
     release();
     throw;
@@ -124,15 +155,17 @@ void CudaBackend::release() noexcept {
     cudaGetLastError();
     return;  // cannot select the device: leave the resources to the driver
   }
+  log_unreported_errors();
   if (host_staging_ != nullptr) {
     const cudaError_t e = cudaFreeHost(host_staging_);
     if (e != cudaSuccess) spdlog::warn("cudaFreeHost failed: {}", cudaGetErrorString(e));
     host_staging_ = nullptr;
+    host_slots_ = nullptr;
   }
-  if (bad_row_ != nullptr) {
-    const cudaError_t e = cudaFree(bad_row_);
+  if (slots_ != nullptr) {
+    const cudaError_t e = cudaFree(slots_);
     if (e != cudaSuccess) spdlog::warn("cudaFree failed: {}", cudaGetErrorString(e));
-    bad_row_ = nullptr;
+    slots_ = nullptr;
   }
   release_cudnn();  // kernels/cuda_conv_ops.cc
   if (blas_ != nullptr) {
@@ -260,51 +293,91 @@ void CudaBackend::gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {
   });
 }
 
-// Where an op waits for the host: labels live on the device, and an
-// invalid one must surface as a UserError from this call (as on the CPU), not as a
-// silent wrong loss or an out-of-bounds read. The kernels record the first bad row in
-// bad_row_ instead of reading out of bounds; here we copy that one word into pinned
-// memory and wait for the stream. The loss is needed on the host right after the
-// forward pass in practice (item()), so the wait costs little beyond the kernels
-// themselves. Only when a row is flagged is its label fetched, for the message.
+// ---- Deferred input errors
 //
-// The embedding ops check their token ids the same way, but before they queue any
-// other work (validate, wait, then gather or scatter), so a bad batch leaves the
-// outputs and the accumulated gradients untouched, as on the CPU. The ids have just
-// come from the host in practice (a synchronous copy), so the stream is nearly idle
-// when the embedding waits on it.
-unsigned CudaBackend::wait_for_bad_row() {
-  cudaStream_t s = cuda_stream();
-  auto* host_row = static_cast<unsigned*>(host_staging_);
-  GPIPE_CUDA_CHECK(cudaMemcpyAsync(host_row, bad_row_, sizeof(unsigned), cudaMemcpyDeviceToHost, s));
-  GPIPE_CUDA_CHECK(cudaStreamSynchronize(s));
-  return *host_row;
+// Labels, token ids and argmax indices live on the device, and a bad one must still
+// surface as the CPU reference's error, not as a silent wrong loss or an out-of-bounds
+// access. Waiting for the stream in the op to find out would stall the host inside
+// every layer, so the check travels with the stream instead:
+//
+//   host                                          stream
+//   op: shape checks, then                        op's kernel: uses the good values,
+//       slot i = defer_check({op, limit, ...})     skips a bad one and lowers slots_[i]
+//       (pending_[i], host bookkeeping only)        to (index << 32 | value), atomicMin
+//   ... more ops, more slots ...                  ...
+//   wait(): queue copy slots_[0, n) -> pinned     copy, after all those kernels
+//           cudaStreamSynchronize (needed anyway)
+//           first flagged pending_[i]: queue      memset slots_[i, n) = kNoError
+//           the reset, clear pending_, throw
+//
+// wait() runs only where the backend waits anyway: synchronize(), item(),
+// sum_squares() and copies to or from host memory. The pipeline executor calls
+// synchronize() at the end of each stage's program, so a bad batch fails the step it
+// came in at the latest. Reported is the first flagged op (in queue order) at its
+// smallest index: what the CPU, which stops at the first bad value, reports. Outputs
+// computed after a bad value are garbage until then; the kernels never index with it.
+
+cuda::ErrorSlot* CudaBackend::defer_check(const DeferredCheck& check) {
+  // Every slot taken: read them back now (throwing the first error, if any) to free them.
+  if (pending_.size() == kMaxDeferredChecks) wait();
+  pending_.push_back(check);
+  return slots_ + (pending_.size() - 1);
 }
 
-void CudaBackend::check_labels(const Tensor& labels, int64_t classes, const char* op) {
+void CudaBackend::wait() {
   cudaStream_t s = cuda_stream();
-  const unsigned row = wait_for_bad_row();
-  if (row == cuda::kNoBadRow) return;
-  GPIPE_CHECK(static_cast<int64_t>(row) < labels.numel(), std::string(op) + ": bad label row out of range");
-  auto* host_label = reinterpret_cast<int32_t*>(static_cast<char*>(host_staging_) + 8);
-  GPIPE_CUDA_CHECK(cudaMemcpyAsync(host_label, labels.data<int32_t>() + row, sizeof(int32_t),
-                                   cudaMemcpyDeviceToHost, s));
+  const size_t n = pending_.size();
+  if (n > 0) {
+    GPIPE_CUDA_CHECK(cudaMemcpyAsync(host_slots_, slots_, n * sizeof(cuda::ErrorSlot), cudaMemcpyDeviceToHost, s));
+  }
   GPIPE_CUDA_CHECK(cudaStreamSynchronize(s));
-  throw UserError(label_error(*host_label, static_cast<int64_t>(row), classes));
+  if (n > 0) report_deferred_errors();
 }
 
-void CudaBackend::check_token_ids(const Tensor& ids, int64_t vocab, const char* op) {
-  cuda::validate_token_ids(ids.data<int32_t>(), ids.numel(), vocab, bad_row_, cuda_stream());
-  const unsigned p = wait_for_bad_row();
-  if (p == cuda::kNoBadRow) return;
-  GPIPE_CHECK(static_cast<int64_t>(p) < ids.numel(), std::string(op) + ": bad token position out of range");
+void CudaBackend::report_deferred_errors() {
+  const size_t n = pending_.size();
+  size_t first = 0;
+  while (first < n && host_slots_[first] == cuda::kNoError) ++first;
+  if (first == n) {  // the usual case: every slot is still free
+    pending_.clear();
+    return;
+  }
+  const DeferredCheck check = pending_[first];
+  const cuda::ErrorSlot slot = host_slots_[first];
+  // Free the slots before throwing, so the backend keeps working after the error; the
+  // reset is ordered before any kernel queued later.
+  pending_.clear();
+  GPIPE_CUDA_CHECK(cudaMemsetAsync(slots_ + first, 0xFF, (n - first) * sizeof(cuda::ErrorSlot), cuda_stream()));
+  const int64_t index = cuda::error_index(slot);
+  GPIPE_CHECK(index < check.count && check.message != nullptr,
+              std::string(check.op) + ": the error slot flags index " + std::to_string(index) + " of " +
+                  std::to_string(check.count));
+  const std::string message = check.message(check, index, cuda::error_value(slot), device_);
+  if (check.user_error) throw UserError(message);
+  throw Error(message);
+}
+
+void CudaBackend::log_unreported_errors() noexcept {
+  const size_t n = pending_.size();
+  if (n == 0 || slots_ == nullptr || host_slots_ == nullptr) return;
   cudaStream_t s = cuda_stream();
-  auto* host_id = reinterpret_cast<int32_t*>(static_cast<char*>(host_staging_) + 8);
-  GPIPE_CUDA_CHECK(
-      cudaMemcpyAsync(host_id, ids.data<int32_t>() + p, sizeof(int32_t), cudaMemcpyDeviceToHost, s));
-  GPIPE_CUDA_CHECK(cudaStreamSynchronize(s));
-  const int64_t seq = ids.size(1);  // ids: (B, T), p = b * T + t
-  throw UserError(token_error(*host_id, static_cast<int64_t>(p) / seq, static_cast<int64_t>(p) % seq, vocab));
+  if (cudaMemcpyAsync(host_slots_, slots_, n * sizeof(cuda::ErrorSlot), cudaMemcpyDeviceToHost, s) != cudaSuccess ||
+      cudaStreamSynchronize(s) != cudaSuccess) {
+    cudaGetLastError();
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (host_slots_[i] == cuda::kNoError || pending_[i].message == nullptr) continue;
+    try {
+      const DeferredCheck& c = pending_[i];
+      spdlog::warn("~CudaBackend on {}: {} flagged an error that was never reported (no synchronize() after it): {}",
+                   device_.str(), c.op,
+                   c.message(c, cuda::error_index(host_slots_[i]), cuda::error_value(host_slots_[i]), device_));
+    } catch (...) {
+    }
+    break;
+  }
+  pending_.clear();
 }
 
 void CudaBackend::softmax_xent(const Tensor& logits, const Tensor& labels, double scale, int ignore_index,
@@ -317,13 +390,14 @@ void CudaBackend::softmax_xent(const Tensor& logits, const Tensor& labels, doubl
   check_on_device(loss, "softmax_xent");
   const int64_t rows = logits.size(0), cols = logits.size(1);
   DeviceGuard guard(device_.index);
-  Tensor row_loss = empty({rows}, logits.dtype());  // (rows) workspace, alive until the stream is synced
+  // (rows) workspace, back in the stream-ordered cache on return.
+  Tensor row_loss = empty({rows}, logits.dtype());
+  cuda::ErrorSlot* error = defer_check(label_check("softmax_xent", rows, cols));
   dispatch_float(logits, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     cuda::softmax_xent(logits.data<T>(), labels.data<int32_t>(), rows, cols, scale, ignore_index, probs.data<T>(),
-                       row_loss.data<T>(), loss.data<T>(), bad_row_, cuda_stream());
+                       row_loss.data<T>(), loss.data<T>(), error, cuda_stream());
   });
-  check_labels(labels, cols, "softmax_xent");
 }
 
 void CudaBackend::softmax_xent_backward(const Tensor& probs, const Tensor& labels, double scale, int ignore_index,
@@ -334,12 +408,12 @@ void CudaBackend::softmax_xent_backward(const Tensor& probs, const Tensor& label
   check_on_device(dlogits, "softmax_xent_backward");
   const int64_t rows = probs.size(0), cols = probs.size(1);
   DeviceGuard guard(device_.index);
+  cuda::ErrorSlot* error = defer_check(label_check("softmax_xent_backward", rows, cols));
   dispatch_float(probs, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     cuda::softmax_xent_backward(probs.data<T>(), labels.data<int32_t>(), rows, cols, scale, ignore_index,
-                                dlogits.data<T>(), bad_row_, cuda_stream());
+                                dlogits.data<T>(), error, cuda_stream());
   });
-  check_labels(labels, cols, "softmax_xent_backward");
 }
 
 void CudaBackend::fill(Tensor& x, double value) {
@@ -431,7 +505,7 @@ double CudaBackend::sum_squares(const Tensor& x) {
   });
   auto* host = static_cast<double*>(host_staging_);
   GPIPE_CUDA_CHECK(cudaMemcpyAsync(host, total, sizeof(double), cudaMemcpyDeviceToHost, s));
-  GPIPE_CUDA_CHECK(cudaStreamSynchronize(s));
+  wait();  // and report what earlier ops flagged
   return *host;
 }
 
@@ -443,11 +517,11 @@ void CudaBackend::embedding(const Tensor& ids, const Tensor& table, const Tensor
   if (pos.defined()) check_on_device(pos, "embedding");
   check_on_device(out, "embedding");
   DeviceGuard guard(device_.index);
-  check_token_ids(ids, V, "embedding");  // waits; throws before anything is written
+  cuda::ErrorSlot* error = defer_check(token_check("embedding", ids, V));
   dispatch_float(table, [&](auto* tag) {
     using Real = std::remove_pointer_t<decltype(tag)>;
     cuda::embedding(ids.data<int32_t>(), table.data<Real>(), pos.defined() ? pos.data<Real>() : nullptr,
-                    out.data<Real>(), B, T, V, C, cuda_stream());
+                    out.data<Real>(), B, T, V, C, error, cuda_stream());
   });
 }
 
@@ -459,15 +533,15 @@ void CudaBackend::embedding_backward(const Tensor& ids, const Tensor& dout, Tens
   check_on_device(dtable, "embedding_backward");
   if (dpos.defined()) check_on_device(dpos, "embedding_backward");
   DeviceGuard guard(device_.index);
-  check_token_ids(ids, V, "embedding_backward");  // waits; throws before any gradient changes
   const size_t bytes = cuda::embedding_backward_workspace_bytes(B * T, V);
   // Sort keys, positions and CUB's scratch; freed (to the stream-ordered cache) on return.
   Tensor work = empty({static_cast<int64_t>((bytes + 3) / 4)}, DType::kI32);
+  cuda::ErrorSlot* error = defer_check(token_check("embedding_backward", ids, V));
   dispatch_float(dtable, [&](auto* tag) {
     using Real = std::remove_pointer_t<decltype(tag)>;
     cuda::embedding_backward(ids.data<int32_t>(), dout.data<Real>(), dtable.data<Real>(),
                              dpos.defined() ? dpos.data<Real>() : nullptr, B, T, V, C,
-                             bytes > 0 ? work.raw_data() : nullptr, bytes, cuda_stream());
+                             bytes > 0 ? work.raw_data() : nullptr, bytes, error, cuda_stream());
   });
 }
 
@@ -641,9 +715,10 @@ void CudaBackend::copy(const Tensor& src, Tensor& dst) {
   DeviceGuard guard(device_.index);
   cudaStream_t s = cuda_stream();
   GPIPE_CUDA_CHECK(cudaMemcpyAsync(dst.raw_data(), src.raw_data(), src.nbytes(), cudaMemcpyDefault, s));
-  // A host buffer may be read or freed as soon as we return: wait. Device-to-device
-  // copies stay queued, ordered with the other work on the stream.
-  if (src.device().is_cpu() || dst.device().is_cpu()) GPIPE_CUDA_CHECK(cudaStreamSynchronize(s));
+  // A host buffer may be read or freed as soon as we return: wait (and report what
+  // earlier ops flagged). Device-to-device copies stay queued, ordered with the other
+  // work on the stream.
+  if (src.device().is_cpu() || dst.device().is_cpu()) wait();
 }
 
 double CudaBackend::item(const Tensor& x) {
@@ -659,7 +734,7 @@ double CudaBackend::item(const Tensor& x) {
     DeviceGuard guard(device_.index);
     cudaStream_t s = cuda_stream();
     GPIPE_CUDA_CHECK(cudaMemcpyAsync(host_staging_, x.raw_data(), dtype_size(x.dtype()), cudaMemcpyDeviceToHost, s));
-    GPIPE_CUDA_CHECK(cudaStreamSynchronize(s));
+    wait();  // and report what earlier ops flagged
   }
   switch (x.dtype()) {
     case DType::kF32: return *static_cast<const float*>(host);
@@ -668,7 +743,10 @@ double CudaBackend::item(const Tensor& x) {
   }
 }
 
-void CudaBackend::synchronize() { stream_->synchronize(); }
+void CudaBackend::synchronize() {
+  DeviceGuard guard(device_.index);
+  wait();
+}
 
 std::unique_ptr<Backend> make_cuda_backend(Device device) { return std::make_unique<CudaBackend>(device); }
 

@@ -3,26 +3,55 @@
 // semantics as the CPU reference (kernels/cpu_backend.cc) for float32 and float64;
 // bfloat16 is rejected for now.
 //
-// Ops return as soon as their work is queued, with these exceptions: softmax_xent,
-// softmax_xent_backward, embedding and embedding_backward wait for their stream so
-// that a bad label or token id can be reported as a gpipe::UserError from the call that
-// saw it (see the comment in cuda_backend.cc), and sum_squares returns a host value.
+// Every op returns as soon as its work is queued. The backend waits for its stream
+// only where the host needs a result: sum_squares and item (host values), copy to or
+// from host memory (the host buffer), and synchronize.
+//
+// Bad data a user can pass (a label outside the classes, a token id outside the
+// vocabulary, an argmax outside its plane) is found by the kernels on the device and
+// reported later, not by the op that saw it: each of those waits also reads back the
+// kernels' error records, and throws the CPU reference's error for the first bad value
+// (a UserError for labels and token ids, an Error for argmax, as on the CPU). The
+// pipeline executor synchronises at the end of every stage's program, so a bad batch
+// fails the step it came in. Until then, outputs computed from the bad values are
+// garbage (never out-of-bounds accesses). See "Deferred input errors" in
+// cuda_backend.cc.
 // Compiled only in CUDA builds (GPIPE_WITH_CUDA).
 #pragma once
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <array>
+#include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/cuda_kernels.h"  // cuda::ErrorSlot
 
 namespace gpipe {
 
+// One op's check of user data, queued on the stream with the op's kernels and not yet
+// read back: what its error message needs, kept on the host (no device access).
+struct DeferredCheck {
+  const char* op = "";  // the op that queued it
+  int64_t count = 0;    // values checked; a flagged index is below this
+  int64_t limit = 0;    // valid values are [0, limit): classes, vocabulary, or H W of a plane
+  int64_t seq = 1;      // token ids: T, so that index p = b T + t
+  DType dtype = DType::kF32;       // maxpool2d_backward: dx's dtype and shape, for
+  std::array<int64_t, 4> shape{};  // the CPU's description of it
+  bool user_error = true;          // thrown as UserError (labels, token ids) or Error (argmax)
+  // The CPU reference's message for `value` at flat index `index` (`device`: the
+  // backend's).
+  std::string (*message)(const DeferredCheck& check, int64_t index, int32_t value, Device device) = nullptr;
+};
+
 class CudaBackend : public Backend {
  public:
-  // Creates the stream, the cuBLAS handle (bound to the stream) and two small buffers on
-  // `device`. Throws UserError if the device does not exist.
+  // Creates the stream, the cuBLAS handle (bound to the stream), the error slots and a
+  // small pinned host buffer on `device`. Throws UserError if the device does not exist.
   explicit CudaBackend(Device device);
   ~CudaBackend() override;
   CudaBackend(const CudaBackend&) = delete;
@@ -63,8 +92,8 @@ class CudaBackend : public Backend {
   void dropout(const Tensor& x, double p, uint64_t key, int64_t sample_offset, Tensor& y) override;
   void dropout_backward(const Tensor& dy, double p, uint64_t key, int64_t sample_offset, Tensor& dx) override;
   // Convolution ops: kernels/cuda_conv_ops.cc (cuDNN for convolutions and average
-  // pooling, kernels/cuda_conv_kernels.cu for the rest). maxpool2d_backward waits for
-  // its stream: it validates argmax on the device before writing dx, as the CPU does.
+  // pooling, kernels/cuda_conv_kernels.cu for the rest). maxpool2d_backward checks
+  // argmax on the device as it scatters; a bad index is reported at the next wait.
   void conv2d(const Tensor& x, const Tensor& w, int stride, int pad, Tensor& y) override;
   void conv2d_backward(const Tensor& dy, const Tensor& x, const Tensor& w, int stride, int pad, Tensor& dx,
                        Tensor& dw) override;
@@ -82,21 +111,30 @@ class CudaBackend : public Backend {
   void avgpool2d_backward(const Tensor& dy, int kernel, int stride, Tensor& dx) override;
   void copy(const Tensor& src, Tensor& dst) override;
   double item(const Tensor& x) override;
+  // Waits for all work queued on this backend's stream, then throws the error of the
+  // first bad label, token id or argmax that an op since the last wait flagged.
   void synchronize() override;
 
  private:
+  // At most this many checks wait for one read-back; the next one waits first (only a
+  // caller that queues this many validating ops with no sum_squares, item, host copy or
+  // synchronize in between pays that wait).
+  static constexpr size_t kMaxDeferredChecks = 1024;
+
   cudaStream_t cuda_stream() const;
   // Throws gpipe::Error unless `t` lives on this backend's device.
   void check_on_device(const Tensor& t, const char* op) const;
-  // Waits for the stream and returns bad_row_ (cuda::kNoBadRow when nothing was flagged).
-  unsigned wait_for_bad_row();
-  // Waits for the stream and throws the CPU backend's UserError if a label kernel
-  // flagged a row (bad_row_ != kNoBadRow).
-  void check_labels(const Tensor& labels, int64_t classes, const char* op);
-  // Validates token ids (B, T) against [0, vocab) on the device, waits, and throws the
-  // CPU backend's UserError for the first bad one; called before an embedding op
-  // queues any other work.
-  void check_token_ids(const Tensor& ids, int64_t vocab, const char* op);
+  // Registers the check of the op about to be queued and returns its error slot (which
+  // holds cuda::kNoError): pending_[i] owns slots_[i]. The device must be current.
+  cuda::ErrorSlot* defer_check(const DeferredCheck& check);
+  // The one place the backend waits for its stream: queues the read-back of the pending
+  // checks' slots into pinned memory, waits, then throws the first flagged error (after
+  // resetting the slots, so the backend stays usable). The device must be current.
+  void wait();
+  // Called by wait() after the wait: throws the first flagged check's error, if any.
+  void report_deferred_errors();
+  // ~CudaBackend: logs what the pending checks flagged instead of throwing.
+  void log_unreported_errors() noexcept;
   // dropout and dropout_backward: the same map (dropout is linear and diagonal).
   void dropout_impl(const Tensor& in, double p, uint64_t key, int64_t sample_offset, Tensor& out, const char* op);
   void release() noexcept;
@@ -108,8 +146,10 @@ class CudaBackend : public Backend {
   Device device_;
   std::unique_ptr<Stream> stream_;    // a non-blocking CUDA stream on device_
   cublasHandle_t blas_ = nullptr;     // bound to stream_
-  unsigned* bad_row_ = nullptr;       // device (1): first row with an invalid label or token id
-  void* host_staging_ = nullptr;      // pinned host (16 bytes): bad_row_, item() and sum_squares land here
+  cuda::ErrorSlot* slots_ = nullptr;  // device (kMaxDeferredChecks): error slots, kNoError when free
+  void* host_staging_ = nullptr;      // pinned host: 16 bytes where item() and sum_squares land,
+  cuda::ErrorSlot* host_slots_ = nullptr;  // then (kMaxDeferredChecks) where slots_ is read back
+  std::vector<DeferredCheck> pending_;     // checks queued since the last wait(), in op order
   void* cudnn_ = nullptr;             // CudnnState*, see cudnn()
 };
 

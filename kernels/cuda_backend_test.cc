@@ -467,7 +467,20 @@ TEST_CASE("softmax_xent with no rows writes a zero loss") {
   }
 }
 
-TEST_CASE("an out-of-range label is a UserError with the CPU backend's message") {
+// The message of the UserError `call` throws, or "" when it throws none.
+template <typename F>
+std::string user_error_of(F&& call) {
+  try {
+    call();
+  } catch (const UserError& e) {
+    return e.what();
+  }
+  return std::string();
+}
+
+// Bad labels, token ids and argmax indices are found on the device and reported at the
+// backend's next wait (kernels/cuda_backend.h): the op itself returns without waiting.
+TEST_CASE("an out-of-range label is a UserError with the CPU backend's message, at the next synchronize") {
   for (DType dt : kFloatTypes) {
     const Shape s{8, 5};
     Tensor logits = random_tensor(s, dt, 700);
@@ -477,38 +490,31 @@ TEST_CASE("an out-of-range label is a UserError with the CPU backend's message")
       std::vector<int32_t> lv = {0, 1, -100, bad, 4, -7, 2, 3};  // rows 3 and 5 are bad; row 3 is reported
       Tensor labels = Tensor::from_vector(lv, {8});
       Tensor labels_gpu = to_gpu(labels);
+      Tensor logits_gpu = to_gpu(logits);
 
-      std::string cpu_msg, gpu_msg;
       Tensor probs_cpu = Tensor::empty(s, dt, Device::cpu()), loss_cpu = Tensor::empty({1}, dt, Device::cpu());
-      try {
-        cpu().softmax_xent(logits, labels, 1.0, -100, probs_cpu, loss_cpu);
-      } catch (const UserError& e) {
-        cpu_msg = e.what();
-      }
+      const std::string cpu_msg =
+          user_error_of([&] { cpu().softmax_xent(logits, labels, 1.0, -100, probs_cpu, loss_cpu); });
       Tensor probs_gpu = gpu().empty(s, dt), loss_gpu = gpu().empty({1}, dt);
-      CHECK_THROWS_AS(gpu().softmax_xent(to_gpu(logits), labels_gpu, 1.0, -100, probs_gpu, loss_gpu), UserError);
-      try {
-        gpu().softmax_xent(to_gpu(logits), labels_gpu, 1.0, -100, probs_gpu, loss_gpu);
-      } catch (const UserError& e) {
-        gpu_msg = e.what();
-      }
+      CHECK_NOTHROW(gpu().softmax_xent(logits_gpu, labels_gpu, 1.0, -100, probs_gpu, loss_gpu));
+      const std::string gpu_msg = user_error_of([&] { gpu().synchronize(); });
       CHECK(!cpu_msg.empty());
       CHECK(gpu_msg == cpu_msg);
       CHECK(gpu_msg.find("row 3") != std::string::npos);
+      CHECK_NOTHROW(gpu().synchronize());  // reported once
 
-      std::string cpu_bmsg, gpu_bmsg;
+      // item() waits too, and reports it before returning the (garbage) loss.
+      CHECK_NOTHROW(gpu().softmax_xent(logits_gpu, labels_gpu, 1.0, -100, probs_gpu, loss_gpu));
+      CHECK(user_error_of([&] { gpu().item(loss_gpu); }) == cpu_msg);
+
       Tensor probs = random_tensor(s, dt, 701, 0.0, 1.0);
+      Tensor probs_g = to_gpu(probs);
       Tensor d_cpu = Tensor::empty(s, dt, Device::cpu()), d_gpu = gpu().empty(s, dt);
-      try {
-        cpu().softmax_xent_backward(probs, labels, 1.0, -100, d_cpu);
-      } catch (const UserError& e) {
-        cpu_bmsg = e.what();
-      }
-      try {
-        gpu().softmax_xent_backward(to_gpu(probs), labels_gpu, 1.0, -100, d_gpu);
-      } catch (const UserError& e) {
-        gpu_bmsg = e.what();
-      }
+      const std::string cpu_bmsg = user_error_of([&] { cpu().softmax_xent_backward(probs, labels, 1.0, -100, d_cpu); });
+      CHECK_NOTHROW(gpu().softmax_xent_backward(probs_g, labels_gpu, 1.0, -100, d_gpu));
+      // A copy to the host waits, so it reports the error instead of handing back garbage.
+      Tensor d_host = Tensor::empty(s, dt, Device::cpu());
+      const std::string gpu_bmsg = user_error_of([&] { gpu().copy(d_gpu, d_host); });
       CHECK(!cpu_bmsg.empty());
       CHECK(gpu_bmsg == cpu_bmsg);
     }
@@ -519,6 +525,66 @@ TEST_CASE("an out-of-range label is a UserError with the CPU backend's message")
   Tensor probs = gpu().empty({2, 3}, DType::kF32), loss = gpu().empty({1}, DType::kF32);
   gpu().softmax_xent(logits, ok_labels, 0.5, -100, probs, loss);
   CHECK(std::isfinite(gpu().item(loss)));
+}
+
+TEST_CASE("deferred errors: the first bad op is reported, once, at any wait; more ops than slots still work") {
+  const DType dt = DType::kF32;
+  // Rows of 3 classes: row 1 of bad1 holds 7, row 0 of bad2 holds 9.
+  Tensor good = Tensor::from_vector<int32_t>({0, 2}, {2});
+  Tensor bad1 = Tensor::from_vector<int32_t>({0, 7}, {2});
+  Tensor bad2 = Tensor::from_vector<int32_t>({9, 0}, {2});
+  Tensor probs = random_tensor({2, 3}, dt, 710, 0.0, 1.0);
+  Tensor d_cpu = Tensor::empty({2, 3}, dt, Device::cpu());
+  const std::string msg1 = user_error_of([&] { cpu().softmax_xent_backward(probs, bad1, 1.0, -100, d_cpu); });
+  const std::string msg2 = user_error_of([&] { cpu().softmax_xent_backward(probs, bad2, 1.0, -100, d_cpu); });
+  REQUIRE(!msg1.empty());
+  REQUIRE(!msg2.empty());
+  REQUIRE(msg1 != msg2);
+  Tensor good_g = to_gpu(good), bad1_g = to_gpu(bad1), bad2_g = to_gpu(bad2), probs_g = to_gpu(probs);
+  Tensor d = gpu().empty({2, 3}, dt);
+
+  SUBCASE("the first of two bad ops wins, whatever the kinds") {
+    Tensor ids = to_gpu(Tensor::from_vector<int32_t>({0, 5}, {1, 2}));  // (b=0, t=1) is outside [0, 4)
+    Tensor table = to_gpu(random_tensor({4, 3}, dt, 711));
+    Tensor out = gpu().empty({1, 2, 3}, dt);
+    Tensor table_c = random_tensor({4, 3}, dt, 711), out_c = Tensor::empty({1, 2, 3}, dt, Device::cpu());
+    const std::string token_msg = user_error_of([&] {
+      cpu().embedding(Tensor::from_vector<int32_t>({0, 5}, {1, 2}), table_c, Tensor(), out_c);
+    });
+    REQUIRE(!token_msg.empty());
+    CHECK_NOTHROW(gpu().embedding(ids, table, Tensor(), out));
+    CHECK_NOTHROW(gpu().softmax_xent_backward(probs_g, bad1_g, 1.0, -100, d));
+    CHECK(user_error_of([&] { gpu().synchronize(); }) == token_msg);
+    CHECK_NOTHROW(gpu().synchronize());
+
+    CHECK_NOTHROW(gpu().softmax_xent_backward(probs_g, good_g, 1.0, -100, d));
+    CHECK_NOTHROW(gpu().softmax_xent_backward(probs_g, bad2_g, 1.0, -100, d));
+    CHECK_NOTHROW(gpu().softmax_xent_backward(probs_g, bad1_g, 1.0, -100, d));
+    CHECK(user_error_of([&] { gpu().synchronize(); }) == msg2);
+  }
+
+  SUBCASE("sum_squares waits, so it reports") {
+    CHECK_NOTHROW(gpu().softmax_xent_backward(probs_g, bad1_g, 1.0, -100, d));
+    CHECK(user_error_of([&] { gpu().sum_squares(d); }) == msg1);
+    CHECK(std::isfinite(gpu().sum_squares(d)));
+  }
+
+  SUBCASE("thousands of checks between waits: each error is reported exactly once") {
+    std::vector<std::string> reported;
+    for (int i = 0; i < 3000; ++i) {
+      const Tensor& labels = i == 5 ? bad1_g : good_g;
+      const std::string m = user_error_of([&] { gpu().softmax_xent_backward(probs_g, labels, 1.0, -100, d); });
+      if (!m.empty()) reported.push_back(m);
+    }
+    const std::string last = user_error_of([&] { gpu().synchronize(); });
+    if (!last.empty()) reported.push_back(last);
+    CHECK(reported == std::vector<std::string>{msg1});
+
+    CHECK_NOTHROW(gpu().softmax_xent_backward(probs_g, bad2_g, 1.0, -100, d));
+    CHECK(user_error_of([&] { gpu().synchronize(); }) == msg2);
+  }
+  // Nothing is left behind for the next test.
+  CHECK_NOTHROW(gpu().synchronize());
 }
 
 TEST_CASE("fill: float32, float64 and int32 (truncating like the CPU)") {
@@ -746,7 +812,7 @@ TEST_CASE("embedding forward and backward equal the CPU bit for bit, with and wi
   }
 }
 
-TEST_CASE("a token id outside the vocabulary is a UserError with the CPU's message; nothing is written") {
+TEST_CASE("a token id outside the vocabulary is a UserError with the CPU's message, at the next synchronize") {
   const int64_t B = 3, T = 4, V = 5, C = 6;
   for (DType dt : kFloatTypes) {
     for (int bad : {5, -1, 1000}) {
@@ -758,32 +824,59 @@ TEST_CASE("a token id outside the vocabulary is a UserError with the CPU's messa
       Tensor ids_g = to_gpu(ids);
       Tensor table = random_tensor({V, C}, dt, 1400);
       Tensor table_g = to_gpu(table);
+      // What the kernels do with the bad positions until the error is reported: skip
+      // them. The ids with those positions pointed at row 0, and no gradient there.
+      std::vector<int32_t> v_ok = v;
+      std::vector<bool> is_bad(v.size());
+      for (size_t p = 0; p < v.size(); ++p) {
+        is_bad[p] = v[p] < 0 || v[p] >= V;
+        if (is_bad[p]) v_ok[p] = 0;
+      }
+      Tensor ids_ok = Tensor::from_vector(v_ok, {B, T});
 
-      auto message = [](auto&& call) {
-        try {
-          call();
-        } catch (const UserError& e) {
-          return std::string(e.what());
-        }
-        return std::string();
-      };
       Tensor out_c = Tensor::empty({B, T, C}, dt, Device::cpu());
       Tensor out_g = to_gpu(host_full({B, T, C}, dt, 7.0));
-      const std::string cpu_msg = message([&] { cpu().embedding(ids, table, Tensor(), out_c); });
-      const std::string gpu_msg = message([&] { gpu().embedding(ids_g, table_g, Tensor(), out_g); });
+      const std::string cpu_msg = user_error_of([&] { cpu().embedding(ids, table, Tensor(), out_c); });
+      CHECK_NOTHROW(gpu().embedding(ids_g, table_g, Tensor(), out_g));
+      const std::string gpu_msg = user_error_of([&] { gpu().synchronize(); });
       CHECK(!cpu_msg.empty());
       CHECK(gpu_msg == cpu_msg);
       CHECK(gpu_msg.find("(b=1, t=2)") != std::string::npos);
-      CHECK(to_doubles(out_g) == std::vector<double>(B * T * C, 7.0));  // untouched
+      // Good positions hold their table rows, bad ones zeros (nothing read out of bounds).
+      cpu().embedding(ids_ok, table, Tensor(), out_c);
+      std::vector<double> want = to_doubles(out_c);
+      for (size_t p = 0; p < v.size(); ++p) {
+        for (int64_t c = 0; c < C; ++c) {
+          if (is_bad[p]) want[p * C + c] = 0.0;
+        }
+      }
+      CHECK(to_doubles(out_g) == want);
 
       Tensor dout = random_tensor({B, T, C}, dt, 1401);
       Tensor dtable0 = random_tensor({V, C}, dt, 1402);
       Tensor dtable_c = clone(dtable0), dtable_g = to_gpu(dtable0), none;
-      const std::string cpu_bmsg = message([&] { cpu().embedding_backward(ids, dout, dtable_c, none); });
-      const std::string gpu_bmsg = message([&] { gpu().embedding_backward(ids_g, to_gpu(dout), dtable_g, none); });
+      Tensor dout_g = to_gpu(dout);
+      const std::string cpu_bmsg = user_error_of([&] { cpu().embedding_backward(ids, dout, dtable_c, none); });
+      CHECK_NOTHROW(gpu().embedding_backward(ids_g, dout_g, dtable_g, none));
+      const std::string gpu_bmsg = user_error_of([&] { gpu().synchronize(); });
       CHECK(!cpu_bmsg.empty());
       CHECK(gpu_bmsg == cpu_bmsg);
-      CHECK(to_doubles(dtable_g) == to_doubles(dtable0));  // no gradient was added
+      // The good positions' gradients were added, the bad ones' skipped: the CPU's
+      // result with those rows of dout zeroed (adding +0 changes no value).
+      Tensor dout_ok = clone(dout);
+      for (size_t p = 0; p < v.size(); ++p) {
+        if (!is_bad[p]) continue;
+        for (int64_t c = 0; c < C; ++c) {
+          if (dt == DType::kF32) {
+            dout_ok.data<float>()[p * C + c] = 0.0f;
+          } else {
+            dout_ok.data<double>()[p * C + c] = 0.0;
+          }
+        }
+      }
+      Tensor dtable_want = clone(dtable0);
+      cpu().embedding_backward(ids_ok, dout_ok, dtable_want, none);
+      CHECK(to_doubles(dtable_g) == to_doubles(dtable_want));
     }
   }
   // The backend is fine afterwards.

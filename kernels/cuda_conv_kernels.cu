@@ -343,24 +343,27 @@ __global__ void maxpool2d_kernel(const T* x, T* y, int32_t* argmax, int64_t tota
   }
 }
 
-__global__ void validate_argmax_kernel(const int32_t* argmax, int64_t count, int64_t plane_size,
-                                       unsigned* bad_index) {
-  GRID_STRIDE_LOOP(i, count) {
-    const int32_t a = argmax[i];
-    if (a < 0 || a >= plane_size) atomicMin(bad_index, static_cast<unsigned>(i));
-  }
-}
-
 // One thread per plane, walking its outputs in order (the CPU loop's order of
-// additions); dx is zero already. Indices are trusted (validated by the caller).
+// additions); dx is zero already. An index outside the plane is skipped; the first one
+// of each plane (its lowest) is flagged, and atomicMin keeps the lowest overall.
 template <typename T>
 __global__ void maxpool2d_backward_kernel(const T* __restrict__ dy, const int32_t* __restrict__ argmax,
-                                          T* __restrict__ dx, int64_t planes, int64_t out_size, int64_t in_size) {
+                                          T* __restrict__ dx, int64_t planes, int64_t out_size, int64_t in_size,
+                                          cuda::ErrorSlot* error) {
   GRID_STRIDE_LOOP(plane, planes) {
     const T* g = dy + plane * out_size;
     const int32_t* a = argmax + plane * out_size;
     T* out = dx + plane * in_size;
-    for (int64_t o = 0; o < out_size; ++o) out[a[o]] = add_rn(out[a[o]], g[o]);
+    bool flagged = false;
+    for (int64_t o = 0; o < out_size; ++o) {
+      const int32_t i = a[o];
+      if (i < 0 || i >= in_size) {
+        if (!flagged) cuda::flag_error(error, plane * out_size + o, i);
+        flagged = true;
+        continue;
+      }
+      out[i] = add_rn(out[i], g[o]);
+    }
   }
 }
 
@@ -467,15 +470,24 @@ void launch_maxpool2d(const T* x, T* y, int32_t* argmax, int64_t planes, int64_t
 
 template <typename T>
 void launch_maxpool2d_backward(const T* dy, const int32_t* argmax, T* dx, int64_t planes, int64_t out_size,
-                               int64_t in_size, cudaStream_t stream) {
-  if (planes == 0 || in_size == 0) return;
-  GPIPE_CUDA_CHECK(cudaMemsetAsync(dx, 0, static_cast<size_t>(planes * in_size) * sizeof(T), stream));
+                               int64_t in_size, cuda::ErrorSlot* error, cudaStream_t stream) {
+  if (planes * out_size > cuda::kMaxErrorIndex) {
+    throw Error("maxpool2d_backward: " + std::to_string(planes * out_size) +
+                " argmax values exceed the CUDA argmax check's 32-bit index (2^32 - 2)");
+  }
+  if (planes == 0) return;
+  if (in_size > 0) {
+    GPIPE_CUDA_CHECK(cudaMemsetAsync(dx, 0, static_cast<size_t>(planes * in_size) * sizeof(T), stream));
+  }
+  // With in_size == 0 the kernel still runs: every argmax is then out of range, as the
+  // CPU reference reports.
   if (out_size == 0) return;
   // One thread per plane: small blocks, so that few planes still spread over the SMs.
   constexpr int kPlaneThreads = 64;
   const unsigned blocks =
       static_cast<unsigned>(std::min<int64_t>((planes + kPlaneThreads - 1) / kPlaneThreads, kMaxBlocks));
-  maxpool2d_backward_kernel<T><<<blocks, kPlaneThreads, 0, stream>>>(dy, argmax, dx, planes, out_size, in_size);
+  maxpool2d_backward_kernel<T><<<blocks, kPlaneThreads, 0, stream>>>(dy, argmax, dx, planes, out_size, in_size,
+                                                                     error);
   GPIPE_CHECK_LAUNCH();
 }
 
@@ -547,20 +559,13 @@ void maxpool2d(const double* x, double* y, int32_t* argmax, int64_t planes, int6
   launch_maxpool2d(x, y, argmax, planes, height, width, out_height, out_width, kernel, stride, pad, stream);
 }
 
-void validate_argmax(const int32_t* argmax, int64_t count, int64_t plane_size, unsigned* bad_index,
-                     cudaStream_t stream) {
-  if (count == 0) return;
-  validate_argmax_kernel<<<elementwise_blocks(count), kThreads, 0, stream>>>(argmax, count, plane_size, bad_index);
-  GPIPE_CHECK_LAUNCH();
-}
-
 void maxpool2d_backward(const float* dy, const int32_t* argmax, float* dx, int64_t planes, int64_t out_size,
-                        int64_t in_size, cudaStream_t stream) {
-  launch_maxpool2d_backward(dy, argmax, dx, planes, out_size, in_size, stream);
+                        int64_t in_size, cuda::ErrorSlot* error, cudaStream_t stream) {
+  launch_maxpool2d_backward(dy, argmax, dx, planes, out_size, in_size, error, stream);
 }
 void maxpool2d_backward(const double* dy, const int32_t* argmax, double* dx, int64_t planes, int64_t out_size,
-                        int64_t in_size, cudaStream_t stream) {
-  launch_maxpool2d_backward(dy, argmax, dx, planes, out_size, in_size, stream);
+                        int64_t in_size, cuda::ErrorSlot* error, cudaStream_t stream) {
+  launch_maxpool2d_backward(dy, argmax, dx, planes, out_size, in_size, error, stream);
 }
 
 }  // namespace cuda_conv

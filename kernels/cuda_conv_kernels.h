@@ -22,6 +22,8 @@
 
 #include <cstdint>
 
+#include "kernels/cuda_kernels.h"  // cuda::ErrorSlot
+
 namespace gpipe {
 namespace cuda_conv {
 
@@ -85,19 +87,16 @@ void maxpool2d(const float* x, float* y, int32_t* argmax, int64_t planes, int64_
 void maxpool2d(const double* x, double* y, int32_t* argmax, int64_t planes, int64_t height, int64_t width,
                int64_t out_height, int64_t out_width, int kernel, int stride, int pad, cudaStream_t stream);
 
-// *bad_index (device) is lowered (atomicMin) to the smallest flat index i < count whose
-// argmax[i] is outside [0, plane_size); the caller sets it to 0xFFFFFFFF first.
-// count must be < 2^32 - 1.
-void validate_argmax(const int32_t* argmax, int64_t count, int64_t plane_size, unsigned* bad_index,
-                     cudaStream_t stream);
-
 // dx: (planes, in_size) = 0, then dx[plane, argmax[plane, o]] += dy[plane, o] for o in
 // order: one thread per plane walks its outputs in the CPU loop's order, so
-// overlapping windows add up exactly as on the CPU. Every argmax must be valid.
+// overlapping windows add up exactly as on the CPU. An argmax outside [0, in_size) is
+// skipped and flagged in `error` (kNoError on entry; kernels/cuda_kernels.h, "Deferred
+// input errors") as (plane * out_size + o, argmax), the CPU's flat index.
+// planes * out_size must be at most cuda::kMaxErrorIndex.
 void maxpool2d_backward(const float* dy, const int32_t* argmax, float* dx, int64_t planes, int64_t out_size,
-                        int64_t in_size, cudaStream_t stream);
+                        int64_t in_size, cuda::ErrorSlot* error, cudaStream_t stream);
 void maxpool2d_backward(const double* dy, const int32_t* argmax, double* dx, int64_t planes, int64_t out_size,
-                        int64_t in_size, cudaStream_t stream);
+                        int64_t in_size, cuda::ErrorSlot* error, cudaStream_t stream);
 
 }  // namespace cuda_conv
 }  // namespace gpipe

@@ -10,9 +10,9 @@
 //   * channel bias, batch norm and max pooling: kernels/cuda_conv_kernels.cu
 //     (deterministic; cuDNN's batch norm keeps an inverse standard deviation, not the
 //     contract's biased variance, and its max pooling has no argmax).
-// Every op returns as soon as its work is queued, except maxpool2d_backward, which
-// first validates argmax on the device and waits for that check (like the embedding
-// ops' token-id check), so a bad index is an Error from the call and dx is untouched.
+// Every op returns as soon as its work is queued. maxpool2d_backward checks argmax as
+// it scatters, on the device: a bad index is skipped and becomes the CPU's Error at the
+// backend's next wait ("Deferred input errors" in kernels/cuda_backend.cc).
 #include <cudnn.h>
 #include <spdlog/spdlog.h>
 
@@ -145,6 +145,15 @@ int choose_algo(const std::vector<Perf>& perf, int count, DType dtype) {
     }
   }
   return -1;
+}
+
+// The CPU reference's message for a bad argmax (kernels/cpu_conv_ops.cc), with dx
+// described as Tensor::str() does; dx lives on `device`.
+std::string argmax_error(const DeferredCheck& c, int64_t index, int32_t value, Device device) {
+  const Shape dx_shape(c.shape.begin(), c.shape.end());
+  return "maxpool2d_backward: argmax " + std::to_string(value) + " at " + std::to_string(index) + " is outside the " +
+         std::to_string(c.limit) + "-value planes of " + dtype_name(c.dtype) + shape_str(dx_shape) + " on " +
+         device.str() + "; pass the argmax that maxpool2d wrote for this input";
 }
 
 [[noreturn]] void no_algorithm(const char* op, const std::string& because) {
@@ -484,29 +493,26 @@ void CudaBackend::maxpool2d_backward(const Tensor& dy, const Tensor& argmax, Ten
   check_on_device(dx, "maxpool2d_backward");
   const int64_t planes = dy.size(0) * dy.size(1), PQ = dy.size(2) * dy.size(3), HW = dx.size(2) * dx.size(3);
   const int64_t count = planes * PQ;
-  if (count >= static_cast<int64_t>(cuda::kNoBadRow)) {
-    throw Error("maxpool2d_backward: " + dy.str() + " has too many elements for the CUDA argmax check (2^32 - 1)");
+  if (count > cuda::kMaxErrorIndex) {
+    throw Error("maxpool2d_backward: " + dy.str() +
+                " has too many elements for the CUDA argmax check (at most 2^32 - 2)");
   }
   DeviceGuard guard(device_.index);
-  cudaStream_t s = cuda_stream();
-  // Every index is checked before dx is written, as on the CPU: validate, wait, scatter.
-  if (count > 0) {
-    GPIPE_CUDA_CHECK(cudaMemsetAsync(bad_row_, 0xFF, sizeof(unsigned), s));  // kNoBadRow
-    cuda_conv::validate_argmax(argmax.data<int32_t>(), count, HW, bad_row_, s);
-    const unsigned i = wait_for_bad_row();
-    if (i != cuda::kNoBadRow) {
-      auto* host_index = reinterpret_cast<int32_t*>(static_cast<char*>(host_staging_) + 8);
-      GPIPE_CUDA_CHECK(
-          cudaMemcpyAsync(host_index, argmax.data<int32_t>() + i, sizeof(int32_t), cudaMemcpyDeviceToHost, s));
-      GPIPE_CUDA_CHECK(cudaStreamSynchronize(s));
-      throw Error("maxpool2d_backward: argmax " + std::to_string(*host_index) + " at " + std::to_string(i) +
-                  " is outside the " + std::to_string(HW) + "-value planes of " + dx.str() +
-                  "; pass the argmax that maxpool2d wrote for this input");
-    }
-  }
+  // The indices are checked as dx is written; a bad one is skipped here and reported by
+  // the next wait, with the CPU's message (Error, as on the CPU).
+  DeferredCheck check;
+  check.op = "maxpool2d_backward";
+  check.count = count;
+  check.limit = HW;
+  check.dtype = dx.dtype();
+  check.shape = {dx.size(0), dx.size(1), dx.size(2), dx.size(3)};
+  check.user_error = false;
+  check.message = argmax_error;
+  cuda::ErrorSlot* error = defer_check(check);
   dispatch_float(dy, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    cuda_conv::maxpool2d_backward(dy.data<T>(), argmax.data<int32_t>(), dx.data<T>(), planes, PQ, HW, s);
+    cuda_conv::maxpool2d_backward(dy.data<T>(), argmax.data<int32_t>(), dx.data<T>(), planes, PQ, HW, error,
+                                  cuda_stream());
   });
 }
 

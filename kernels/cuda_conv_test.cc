@@ -359,7 +359,9 @@ TEST_CASE("maxpool2d and maxpool2d_backward match the CPU reference bit for bit 
   }
 }
 
-TEST_CASE("maxpool2d_backward: a bad argmax is an Error and leaves dx untouched") {
+// A bad argmax is found on the device as dx is written and reported at the backend's
+// next wait (kernels/cuda_backend.h), not by the op.
+TEST_CASE("maxpool2d_backward: a bad argmax is the CPU's Error at the next synchronize; the rest scatters") {
   for (DType dt : kFloatTypes) {
     CAPTURE(dtype_name(dt));
     const Shape s{2, 3, 6, 6}, out{2, 3, 3, 3};
@@ -368,22 +370,56 @@ TEST_CASE("maxpool2d_backward: a bad argmax is an Error and leaves dx untouched"
     gpu().maxpool2d(to_gpu(x), 2, 2, 0, y, a);
     Tensor host_a = Tensor::empty(out, DType::kI32, Device::cpu());
     gpu().copy(a, host_a);
-    host_a.data<int32_t>()[20] = 36;  // planes hold 6 * 6 = 36 values
-    Tensor dx0 = random_tensor(s, dt, 2);
-    Tensor dx = to_gpu(dx0);
-    Tensor dy = to_gpu(random_tensor(out, dt, 3));
-    std::string msg;
+    Tensor bad_a = clone(host_a);
+    bad_a.data<int32_t>()[20] = 36;  // planes hold 6 * 6 = 36 values
+    bad_a.data<int32_t>()[40] = -1;  // a second one, later: 20 is reported
+    Tensor dy_host = random_tensor(out, dt, 3);
+    Tensor dx = to_gpu(random_tensor(s, dt, 2));
+    Tensor dy = to_gpu(dy_host);
+    Tensor bad_a_g = to_gpu(bad_a);
+
+    std::string cpu_msg, gpu_msg;
+    Tensor dx_cpu = Tensor::empty(s, dt, Device::cpu());
     try {
-      gpu().maxpool2d_backward(dy, to_gpu(host_a), dx);
+      cpu().maxpool2d_backward(dy_host, bad_a, dx_cpu);
     } catch (const Error& e) {
-      msg = e.what();
+      cpu_msg = e.what();
     }
-    CAPTURE(msg);
-    CHECK(msg.find("maxpool2d_backward: argmax 36 at 20 is outside the 36-value planes") != std::string::npos);
-    expect_identical(dx, dx0);
+    CHECK_NOTHROW(gpu().maxpool2d_backward(dy, bad_a_g, dx));
+    try {
+      gpu().synchronize();
+    } catch (const UserError& e) {
+      FAIL("a bad argmax is an Error, as on the CPU, not a UserError: " << e.what());
+    } catch (const Error& e) {
+      gpu_msg = e.what();
+    }
+    CAPTURE(gpu_msg);
+    CHECK(gpu_msg.find("maxpool2d_backward: argmax 36 at 20 is outside the 36-value planes") != std::string::npos);
+    // Word for word the CPU's message, but for the device dx lives on.
+    const std::string on_cpu = " on " + Device::cpu().str(), on_gpu = " on " + kGpu.str();
+    REQUIRE(cpu_msg.find(on_cpu) != std::string::npos);
+    CHECK(gpu_msg == cpu_msg.replace(cpu_msg.find(on_cpu), on_cpu.size(), on_gpu));
+    CHECK_NOTHROW(gpu().synchronize());  // reported once
+
+    // Until then dx held the other outputs' gradients: the CPU's result with the bad
+    // entries' dy at 0 (pointed at index 0, where adding +0 changes nothing).
+    Tensor fixed_a = clone(bad_a), fixed_dy = clone(dy_host);
+    for (int64_t i : {20, 40}) {
+      fixed_a.data<int32_t>()[i] = 0;
+      if (dt == DType::kF32) {
+        fixed_dy.data<float>()[i] = 0.0f;
+      } else {
+        fixed_dy.data<double>()[i] = 0.0;
+      }
+    }
+    cpu().maxpool2d_backward(fixed_dy, fixed_a, dx_cpu);
+    expect_identical(dx, dx_cpu);
+
     // The backend still works afterwards.
     gpu().maxpool2d_backward(dy, a, dx);
     gpu().synchronize();
+    cpu().maxpool2d_backward(dy_host, host_a, dx_cpu);
+    expect_identical(dx, dx_cpu);
   }
 }
 

@@ -9,8 +9,9 @@
 // and not even that for the embedding gradients, which add in the CPU's order.
 //
 // Nothing here synchronises with the host. Everything is deterministic: reductions use
-// fixed trees (no floating-point atomics); the only atomic is an integer atomicMin that
-// records the first bad label row or token id.
+// fixed trees (no floating-point atomics); the only atomic is the integer atomicMin of
+// flag_error, which records the first bad label or token id in the op's error slot
+// (kernels/cuda_kernels.h, "Deferred input errors") for the backend to report later.
 #include "kernels/cuda_kernels.h"
 
 #include <algorithm>
@@ -187,10 +188,10 @@ __global__ void gelu_backward_kernel(const T* x, const T* dy, T* dx, int64_t n) 
 // One block per row r of logits: (rows, cols), blockDim.x a multiple of 32.
 //   probs[r, :] = exp(x - max) / sum exp(x - max)
 //   row_loss[r] = log(sum) + max - x[label]   (0 when label == ignore_index or invalid)
-// An invalid label lowers *bad_row to r.
+// An invalid label is flagged as (r, label) and never read through.
 template <typename T>
 __global__ void softmax_xent_forward_kernel(const T* logits, const int32_t* labels, int64_t cols,
-                                            int ignore_index, T* probs, T* row_loss, unsigned* bad_row) {
+                                            int ignore_index, T* probs, T* row_loss, ErrorSlot* error) {
   __shared__ T shared[32];
   const int64_t row = blockIdx.x;
   const T* in = logits + row * cols;
@@ -216,7 +217,7 @@ __global__ void softmax_xent_forward_kernel(const T* logits, const int32_t* labe
     T loss = T(0);
     if (label != ignore_index) {
       if (label < 0 || label >= cols) {
-        atomicMin(bad_row, static_cast<unsigned>(row));
+        flag_error(error, row, label);
       } else {
         loss = dev_log(sum) + mx - in[label];
       }
@@ -237,10 +238,11 @@ __global__ void loss_sum_kernel(const T* row_loss, int64_t rows, double scale, T
 }
 
 // One block per row r: dlogits[r, :] = s * probs[r, :] - s * onehot(label), or 0 when
-// label == ignore_index. An invalid label lowers *bad_row to r.
+// label == ignore_index. An invalid label is flagged as (r, label); its row gets
+// s * probs (no column matches it).
 template <typename T>
 __global__ void softmax_xent_backward_kernel(const T* probs, const int32_t* labels, int64_t cols, T s,
-                                             int ignore_index, T* dlogits, unsigned* bad_row) {
+                                             int ignore_index, T* dlogits, ErrorSlot* error) {
   const int64_t row = blockIdx.x;
   const int32_t label = labels[row];
   const T* in = probs + row * cols;
@@ -249,7 +251,7 @@ __global__ void softmax_xent_backward_kernel(const T* probs, const int32_t* labe
     for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) out[j] = T(0);
     return;
   }
-  if (threadIdx.x == 0 && (label < 0 || label >= cols)) atomicMin(bad_row, static_cast<unsigned>(row));
+  if (threadIdx.x == 0 && (label < 0 || label >= cols)) flag_error(error, row, label);
   for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
     T v = s * in[j];
     if (j == label) v -= s;
@@ -344,26 +346,28 @@ __global__ void sum_partials_kernel(const double* partial, int64_t count, double
 // ---------------------------------------------------------------------------------
 // Transformer kernels
 
-// Lowers *bad to the smallest position p whose id is outside [0, vocab).
-__global__ void validate_token_ids_kernel(const int32_t* ids, int64_t positions, int64_t vocab, unsigned* bad) {
+// Flags (p, ids[p]) for every id outside [0, vocab). Only for embeddings without
+// channels, where no gather or sort kernel sees the ids.
+__global__ void validate_token_ids_kernel(const int32_t* ids, int64_t positions, int64_t vocab, ErrorSlot* error) {
   GRID_STRIDE_LOOP(p, positions) {
     const int32_t id = ids[p];
-    if (id < 0 || id >= vocab) atomicMin(bad, static_cast<unsigned>(p));
+    if (id < 0 || id >= vocab) flag_error(error, p, id);
   }
 }
 
 // out: (P, C) = table[ids[p]] + pos[p % seq] (pos may be nullptr), P = positions.
-// Grid-stride over the P * C outputs. The ids were validated before the launch; an
-// invalid one would still only produce zeros, never a read out of bounds.
+// Grid-stride over the P * C outputs. An invalid id yields zeros (never a read out of
+// bounds) and is flagged once, by the thread of channel 0.
 template <typename T>
 __global__ void embedding_kernel(const int32_t* ids, const T* table, const T* pos, T* out, int64_t positions,
-                                 int64_t seq, int64_t vocab, int64_t channels) {
+                                 int64_t seq, int64_t vocab, int64_t channels, ErrorSlot* error) {
   const int64_t n = positions * channels;
   GRID_STRIDE_LOOP(i, n) {
     const int64_t p = i / channels;
     const int64_t c = i - p * channels;
     const int32_t id = ids[p];
     if (id < 0 || id >= vocab) {
+      if (c == 0) flag_error(error, p, id);
       out[i] = T(0);
       continue;
     }
@@ -373,12 +377,13 @@ __global__ void embedding_kernel(const int32_t* ids, const T* table, const T* po
 }
 
 // Sort input for embedding_backward: keys[p] = ids[p] when valid, else vocab (sorts
-// after every valid id and is skipped); positions[p] = p.
+// after every valid id and is skipped; the id is flagged); positions[p] = p.
 __global__ void embedding_sort_input_kernel(const int32_t* ids, int64_t n, int64_t vocab, unsigned* keys,
-                                            int32_t* positions) {
+                                            int32_t* positions, ErrorSlot* error) {
   GRID_STRIDE_LOOP(p, n) {
     const int32_t id = ids[p];
     const bool valid = id >= 0 && id < vocab;
+    if (!valid) flag_error(error, p, id);
     keys[p] = valid ? static_cast<unsigned>(id) : static_cast<unsigned>(vocab);
     positions[p] = static_cast<int32_t>(p);
   }
@@ -665,13 +670,12 @@ void launch_gelu_backward(const T* x, const T* dy, T* dx, int64_t n, cudaStream_
 
 template <typename T>
 void launch_softmax_xent(const T* logits, const int32_t* labels, int64_t rows, int64_t cols, double scale,
-                         int ignore_index, T* probs, T* row_loss, T* loss, unsigned* bad_row,
+                         int ignore_index, T* probs, T* row_loss, T* loss, ErrorSlot* error,
                          cudaStream_t stream) {
   check_row_grid(rows, "softmax_xent");
-  GPIPE_CUDA_CHECK(cudaMemsetAsync(bad_row, 0xFF, sizeof(unsigned), stream));  // kNoBadRow
   if (rows > 0) {
     softmax_xent_forward_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(
-        logits, labels, cols, ignore_index, probs, row_loss, bad_row);
+        logits, labels, cols, ignore_index, probs, row_loss, error);
     GPIPE_CHECK_LAUNCH();
   }
   loss_sum_kernel<T><<<1, kLossSumThreads, 0, stream>>>(row_loss, rows, scale, loss);
@@ -680,13 +684,12 @@ void launch_softmax_xent(const T* logits, const int32_t* labels, int64_t rows, i
 
 template <typename T>
 void launch_softmax_xent_backward(const T* probs, const int32_t* labels, int64_t rows, int64_t cols,
-                                  double scale, int ignore_index, T* dlogits, unsigned* bad_row,
+                                  double scale, int ignore_index, T* dlogits, ErrorSlot* error,
                                   cudaStream_t stream) {
   check_row_grid(rows, "softmax_xent_backward");
-  GPIPE_CUDA_CHECK(cudaMemsetAsync(bad_row, 0xFF, sizeof(unsigned), stream));  // kNoBadRow
   if (rows == 0) return;
   softmax_xent_backward_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(
-      probs, labels, cols, static_cast<T>(scale), ignore_index, dlogits, bad_row);
+      probs, labels, cols, static_cast<T>(scale), ignore_index, dlogits, error);
   GPIPE_CHECK_LAUNCH();
 }
 
@@ -763,32 +766,35 @@ void launch_sum_squares(const T* x, int64_t n, double* workspace, double* result
   GPIPE_CHECK_LAUNCH();
 }
 
+// Positions are sort values (int32) and error indices (<= kMaxErrorIndex).
 void check_positions(int64_t positions, const char* op) {
-  if (positions >= static_cast<int64_t>(kNoBadRow) || positions >= static_cast<int64_t>(INT_MAX)) {
+  if (positions >= static_cast<int64_t>(INT_MAX)) {
     throw Error(std::string(op) + ": " + std::to_string(positions) +
                 " token positions exceed the kernels' 32-bit position index (2^31 - 2)");
   }
 }
 
-void launch_validate_token_ids(const int32_t* ids, int64_t positions, int64_t vocab, unsigned* bad_index,
+// Without channels nothing else reads the ids, but they are still checked (as on the CPU).
+void launch_validate_token_ids(const int32_t* ids, int64_t positions, int64_t vocab, ErrorSlot* error,
                                cudaStream_t stream) {
-  check_positions(positions, "embedding");
-  GPIPE_CUDA_CHECK(cudaMemsetAsync(bad_index, 0xFF, sizeof(unsigned), stream));  // kNoBadRow
   if (positions == 0) return;
-  validate_token_ids_kernel<<<elementwise_blocks(positions), kThreads, 0, stream>>>(ids, positions, vocab,
-                                                                                   bad_index);
+  validate_token_ids_kernel<<<elementwise_blocks(positions), kThreads, 0, stream>>>(ids, positions, vocab, error);
   GPIPE_CHECK_LAUNCH();
 }
 
 template <typename T>
 void launch_embedding(const int32_t* ids, const T* table, const T* pos, T* out, int64_t batch, int64_t seq,
-                      int64_t vocab, int64_t channels, cudaStream_t stream) {
+                      int64_t vocab, int64_t channels, ErrorSlot* error, cudaStream_t stream) {
   const int64_t positions = batch * seq;
   check_positions(positions, "embedding");
-  if (positions == 0 || channels == 0) return;
+  if (positions == 0) return;
+  if (channels == 0) {
+    launch_validate_token_ids(ids, positions, vocab, error, stream);
+    return;
+  }
   const int64_t n = positions * channels;
   embedding_kernel<T><<<elementwise_blocks(n), kThreads, 0, stream>>>(ids, table, pos, out, positions, seq, vocab,
-                                                                      channels);
+                                                                      channels, error);
   GPIPE_CHECK_LAUNCH();
 }
 
@@ -824,13 +830,17 @@ size_t embedding_workspace_bytes(int64_t positions, int64_t vocab) {
 template <typename T>
 void launch_embedding_backward(const int32_t* ids, const T* dout, T* dtable, T* dpos, int64_t batch, int64_t seq,
                                int64_t vocab, int64_t channels, void* workspace, size_t workspace_bytes,
-                               cudaStream_t stream) {
+                               ErrorSlot* error, cudaStream_t stream) {
   const int64_t positions = batch * seq;
   check_positions(positions, "embedding_backward");
   if (vocab >= static_cast<int64_t>(INT_MAX)) {
     throw Error("embedding_backward: a vocabulary of " + std::to_string(vocab) + " rows exceeds 2^31 - 2");
   }
-  if (positions == 0 || channels == 0) return;
+  if (positions == 0) return;
+  if (channels == 0) {
+    launch_validate_token_ids(ids, positions, vocab, error, stream);
+    return;
+  }
   const size_t need = embedding_workspace_bytes(positions, vocab);
   if (workspace_bytes < need) {
     throw Error("embedding_backward: workspace of " + std::to_string(workspace_bytes) + " bytes, " +
@@ -846,7 +856,7 @@ void launch_embedding_backward(const int32_t* ids, const T* dout, T* dtable, T* 
   size_t cub_bytes = workspace_bytes - 4 * array;
 
   embedding_sort_input_kernel<<<elementwise_blocks(positions), kThreads, 0, stream>>>(ids, positions, vocab,
-                                                                                     keys_in, pos_in);
+                                                                                     keys_in, pos_in, error);
   GPIPE_CHECK_LAUNCH();
   // LSD radix sort is stable: equal keys keep their positions in increasing order.
   GPIPE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_temp, cub_bytes, keys_in, keys_out, pos_in, pos_out,
@@ -977,24 +987,24 @@ void gelu_backward(const double* x, const double* dy, double* dx, int64_t n, cud
 }
 
 void softmax_xent(const float* logits, const int32_t* labels, int64_t rows, int64_t cols, double scale,
-                  int ignore_index, float* probs, float* row_loss, float* loss, unsigned* bad_row,
+                  int ignore_index, float* probs, float* row_loss, float* loss, ErrorSlot* error,
                   cudaStream_t stream) {
-  launch_softmax_xent(logits, labels, rows, cols, scale, ignore_index, probs, row_loss, loss, bad_row, stream);
+  launch_softmax_xent(logits, labels, rows, cols, scale, ignore_index, probs, row_loss, loss, error, stream);
 }
 void softmax_xent(const double* logits, const int32_t* labels, int64_t rows, int64_t cols, double scale,
-                  int ignore_index, double* probs, double* row_loss, double* loss, unsigned* bad_row,
+                  int ignore_index, double* probs, double* row_loss, double* loss, ErrorSlot* error,
                   cudaStream_t stream) {
-  launch_softmax_xent(logits, labels, rows, cols, scale, ignore_index, probs, row_loss, loss, bad_row, stream);
+  launch_softmax_xent(logits, labels, rows, cols, scale, ignore_index, probs, row_loss, loss, error, stream);
 }
 
 void softmax_xent_backward(const float* probs, const int32_t* labels, int64_t rows, int64_t cols, double scale,
-                           int ignore_index, float* dlogits, unsigned* bad_row, cudaStream_t stream) {
-  launch_softmax_xent_backward(probs, labels, rows, cols, scale, ignore_index, dlogits, bad_row, stream);
+                           int ignore_index, float* dlogits, ErrorSlot* error, cudaStream_t stream) {
+  launch_softmax_xent_backward(probs, labels, rows, cols, scale, ignore_index, dlogits, error, stream);
 }
 void softmax_xent_backward(const double* probs, const int32_t* labels, int64_t rows, int64_t cols,
-                           double scale, int ignore_index, double* dlogits, unsigned* bad_row,
+                           double scale, int ignore_index, double* dlogits, ErrorSlot* error,
                            cudaStream_t stream) {
-  launch_softmax_xent_backward(probs, labels, rows, cols, scale, ignore_index, dlogits, bad_row, stream);
+  launch_softmax_xent_backward(probs, labels, rows, cols, scale, ignore_index, dlogits, error, stream);
 }
 
 void fill(float* x, int64_t n, float value, cudaStream_t stream) { launch_fill(x, n, value, stream); }
@@ -1041,18 +1051,13 @@ void sum_squares(const double* x, int64_t n, double* workspace, double* result, 
   launch_sum_squares(x, n, workspace, result, stream);
 }
 
-void validate_token_ids(const int32_t* ids, int64_t positions, int64_t vocab, unsigned* bad_index,
-                        cudaStream_t stream) {
-  launch_validate_token_ids(ids, positions, vocab, bad_index, stream);
-}
-
 void embedding(const int32_t* ids, const float* table, const float* pos, float* out, int64_t batch,
-               int64_t seq, int64_t vocab, int64_t channels, cudaStream_t stream) {
-  launch_embedding(ids, table, pos, out, batch, seq, vocab, channels, stream);
+               int64_t seq, int64_t vocab, int64_t channels, ErrorSlot* error, cudaStream_t stream) {
+  launch_embedding(ids, table, pos, out, batch, seq, vocab, channels, error, stream);
 }
 void embedding(const int32_t* ids, const double* table, const double* pos, double* out, int64_t batch,
-               int64_t seq, int64_t vocab, int64_t channels, cudaStream_t stream) {
-  launch_embedding(ids, table, pos, out, batch, seq, vocab, channels, stream);
+               int64_t seq, int64_t vocab, int64_t channels, ErrorSlot* error, cudaStream_t stream) {
+  launch_embedding(ids, table, pos, out, batch, seq, vocab, channels, error, stream);
 }
 
 size_t embedding_backward_workspace_bytes(int64_t positions, int64_t vocab) {
@@ -1060,13 +1065,15 @@ size_t embedding_backward_workspace_bytes(int64_t positions, int64_t vocab) {
 }
 void embedding_backward(const int32_t* ids, const float* dout, float* dtable, float* dpos, int64_t batch,
                         int64_t seq, int64_t vocab, int64_t channels, void* workspace, size_t workspace_bytes,
-                        cudaStream_t stream) {
-  launch_embedding_backward(ids, dout, dtable, dpos, batch, seq, vocab, channels, workspace, workspace_bytes, stream);
+                        ErrorSlot* error, cudaStream_t stream) {
+  launch_embedding_backward(ids, dout, dtable, dpos, batch, seq, vocab, channels, workspace, workspace_bytes, error,
+                            stream);
 }
 void embedding_backward(const int32_t* ids, const double* dout, double* dtable, double* dpos, int64_t batch,
                         int64_t seq, int64_t vocab, int64_t channels, void* workspace, size_t workspace_bytes,
-                        cudaStream_t stream) {
-  launch_embedding_backward(ids, dout, dtable, dpos, batch, seq, vocab, channels, workspace, workspace_bytes, stream);
+                        ErrorSlot* error, cudaStream_t stream) {
+  launch_embedding_backward(ids, dout, dtable, dpos, batch, seq, vocab, channels, workspace, workspace_bytes, error,
+                            stream);
 }
 
 void layernorm(const float* x, const float* gamma, const float* beta, double eps, float* y, float* mean,

@@ -45,31 +45,50 @@ void gelu(const double* x, double* y, int64_t n, cudaStream_t stream);
 void gelu_backward(const float* x, const float* dy, float* dx, int64_t n, cudaStream_t stream);
 void gelu_backward(const double* x, const double* dy, double* dx, int64_t n, cudaStream_t stream);
 
-// Value of *bad_row after softmax_xent / softmax_xent_backward when every label was
-// valid (or ignore_index).
-constexpr unsigned kNoBadRow = 0xFFFFFFFFu;
+// ---- Deferred input errors. What a user can get wrong in the data (a label, a token
+// id; in kernels/cuda_conv_kernels.h a max-pool argmax) is found by the kernel that uses
+// the value, without stopping the host: the kernel skips the bad element (it never
+// reads or writes out of bounds; what it would have computed is left as documented per
+// launcher) and lowers an error slot, one device word per validating op call, to
+//   (uint64(index) << 32) | uint32(value)
+// with a 64-bit atomicMin. So the smallest bad index wins, and the low half is that
+// element's value (an index always carries the same value). The slot must hold kNoError
+// when the kernel starts; the backend owns the slots, resets them, and reads them back
+// when it waits for its stream anyway (kernels/cuda_backend.cc). Indices must be at most
+// kMaxErrorIndex, so that no flagged slot reads as kNoError.
+using ErrorSlot = unsigned long long;
+constexpr ErrorSlot kNoError = ~ErrorSlot(0);
+constexpr int64_t kMaxErrorIndex = 0xFFFFFFFE;
+inline int64_t error_index(ErrorSlot s) { return static_cast<int64_t>(s >> 32); }
+inline int32_t error_value(ErrorSlot s) { return static_cast<int32_t>(static_cast<uint32_t>(s & 0xFFFFFFFFu)); }
+#ifdef __CUDACC__
+__device__ __forceinline__ void flag_error(ErrorSlot* slot, int64_t index, int32_t value) {
+  atomicMin(slot, (static_cast<ErrorSlot>(index) << 32) | static_cast<uint32_t>(value));
+}
+#endif
 
 // Softmax cross-entropy forward over the rows of logits: (rows, cols).
 //   probs:    (rows, cols)  softmax of each row
 //   row_loss: (rows)        workspace: -log probs[r, labels[r]], 0 for ignored rows
 //   loss:     (1)           scale * sum of row_loss, summed in double in a fixed order
 //   labels:   (rows) int32
-//   bad_row:  (1) device    set to kNoBadRow first, then to the smallest row whose
-//                           label is neither ignore_index nor in [0, cols)
+//   error:    (1) device    error slot (kNoError on entry): flags (row, label) for each
+//                           label that is neither ignore_index nor in [0, cols); such
+//                           rows add 0 to the loss
 // Always writes loss (0 when rows == 0). rows must be < 2^31 - 1.
 void softmax_xent(const float* logits, const int32_t* labels, int64_t rows, int64_t cols, double scale,
-                  int ignore_index, float* probs, float* row_loss, float* loss, unsigned* bad_row,
+                  int ignore_index, float* probs, float* row_loss, float* loss, ErrorSlot* error,
                   cudaStream_t stream);
 void softmax_xent(const double* logits, const int32_t* labels, int64_t rows, int64_t cols, double scale,
-                  int ignore_index, double* probs, double* row_loss, double* loss, unsigned* bad_row,
+                  int ignore_index, double* probs, double* row_loss, double* loss, ErrorSlot* error,
                   cudaStream_t stream);
 
 // dlogits: (rows, cols) = scale * (probs - onehot(labels)); rows with ignore_index get 0.
-// bad_row as for softmax_xent (such rows get scale * probs).
+// error as for softmax_xent (rows with a bad label get scale * probs).
 void softmax_xent_backward(const float* probs, const int32_t* labels, int64_t rows, int64_t cols, double scale,
-                           int ignore_index, float* dlogits, unsigned* bad_row, cudaStream_t stream);
+                           int ignore_index, float* dlogits, ErrorSlot* error, cudaStream_t stream);
 void softmax_xent_backward(const double* probs, const int32_t* labels, int64_t rows, int64_t cols,
-                           double scale, int ignore_index, double* dlogits, unsigned* bad_row,
+                           double scale, int ignore_index, double* dlogits, ErrorSlot* error,
                            cudaStream_t stream);
 
 // x: (n) = value.
@@ -116,18 +135,13 @@ void sum_squares(const double* x, int64_t n, double* workspace, double* result, 
 // ---- Transformer ops. B batch, T positions, C channels, V vocabulary; P = B * T
 // positions in all, counted p = b * T + t (P < 2^31 - 1).
 
-// *bad_index = kNoBadRow, then the smallest p whose id ids[p] (P int32 ids) is outside
-// [0, vocab). The embedding ops check this on the host before they launch anything
-// else, so a bad batch leaves their outputs untouched, as on the CPU.
-void validate_token_ids(const int32_t* ids, int64_t positions, int64_t vocab, unsigned* bad_index,
-                        cudaStream_t stream);
-
 // out: (B, T, C) = table[ids[b, t]] + pos[t], table: (V, C), pos: (>= T, C) or nullptr
-// for none; ids: (B, T) int32, validated already (an invalid id still only yields zeros).
+// for none; ids: (B, T) int32. error: error slot (kNoError on entry) that flags (p, id)
+// for each id outside [0, V); such positions get zeros.
 void embedding(const int32_t* ids, const float* table, const float* pos, float* out, int64_t batch,
-               int64_t seq, int64_t vocab, int64_t channels, cudaStream_t stream);
+               int64_t seq, int64_t vocab, int64_t channels, ErrorSlot* error, cudaStream_t stream);
 void embedding(const int32_t* ids, const double* table, const double* pos, double* out, int64_t batch,
-               int64_t seq, int64_t vocab, int64_t channels, cudaStream_t stream);
+               int64_t seq, int64_t vocab, int64_t channels, ErrorSlot* error, cudaStream_t stream);
 
 // Bytes of device workspace embedding_backward needs for B * T = positions ids.
 size_t embedding_backward_workspace_bytes(int64_t positions, int64_t vocab);
@@ -135,14 +149,14 @@ size_t embedding_backward_workspace_bytes(int64_t positions, int64_t vocab);
 // [0, T) += sum over b of dout[b] (skipped when dpos == nullptr). Deterministic, and
 // in the CPU loop's order of additions: the (id, position) pairs are sorted stably
 // (CUB radix sort), then one block per distinct id adds its dout rows into dtable in
-// position order; dpos adds b = 0, 1, ... per element. No atomics. ids validated
-// already (invalid ones would be skipped).
+// position order; dpos adds b = 0, 1, ... per element. No floating-point atomics.
+// error as for embedding; a bad id's row of dout is skipped (dpos still receives it).
 void embedding_backward(const int32_t* ids, const float* dout, float* dtable, float* dpos, int64_t batch,
                         int64_t seq, int64_t vocab, int64_t channels, void* workspace, size_t workspace_bytes,
-                        cudaStream_t stream);
+                        ErrorSlot* error, cudaStream_t stream);
 void embedding_backward(const int32_t* ids, const double* dout, double* dtable, double* dpos, int64_t batch,
                         int64_t seq, int64_t vocab, int64_t channels, void* workspace, size_t workspace_bytes,
-                        cudaStream_t stream);
+                        ErrorSlot* error, cudaStream_t stream);
 
 // Layer normalisation over the rows of x: (rows, cols); gamma, beta: (cols); y like x;
 // mean, rstd: (rows). Statistics in double, two passes (mean, then the biased variance
