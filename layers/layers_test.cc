@@ -164,6 +164,29 @@ TEST_CASE("the registry builds models and names unknown types and options") {
   CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("needs the option 'out'"), UserError);
 }
 
+TEST_CASE("a tied head needs an embedding before it with the same table shape") {
+  ModelSpec spec;
+  spec.input = {4};
+  spec.input_dtype = DType::kI32;
+  spec.dtype = DType::kF64;
+  spec.layers = {{"embedding", {{"vocab", "10"}, {"dim", "6"}}, {}, ""},
+                 {"linear", {{"out", "10"}, {"bias", "false"}, {"tied", "true"}}, {}, "cfg.yaml:3:7"}};
+  spec.loss = {"softmax_cross_entropy", {}, {}, ""};
+  CHECK(build_model(spec)->ties().size() == 1);
+  spec.layers[1].args["out"] = "9";
+  CHECK_THROWS_WITH_AS(build_model(spec),
+                       doctest::Contains("tied (at cfg.yaml:3:7): the head's weight (9, 6) must match embedding layer 0"),
+                       UserError);
+  spec.layers[1].args["out"] = "10";
+  spec.layers[1].args["tied"] = "yes";
+  CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("expected true or false, got 'yes'"), UserError);
+  spec.input_dtype.reset();
+  spec.input = {4, 6};
+  spec.layers.erase(spec.layers.begin());
+  spec.layers[0].args["tied"] = "true";
+  CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("no embedding layer before this one"), UserError);
+}
+
 TEST_CASE("weights do not depend on anything but the seed and position") {
   ModelSpec spec;
   spec.input = {4};

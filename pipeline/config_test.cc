@@ -86,6 +86,9 @@ TEST_CASE("a wrong type names the key with line and column") {
   CHECK(error_of(kBase, {"pipeline.checkpoint=sometimes"}).find("--set pipeline.checkpoint=sometimes") !=
         std::string::npos);
   CHECK(error_of(kBase, {"pipeline.micro_batches=0"}).find("must be at least 1") != std::string::npos);
+  CHECK(error_of(kBase, {"pipeline.bucket_mb=-1"}).find("pipeline.bucket_mb: must be at least 0") !=
+        std::string::npos);
+  CHECK(parse_config(kBase, "t.yaml", {"pipeline.bucket_mb=0.5"}).pipeline.bucket_mb == 0.5);
 }
 
 TEST_CASE("a missing field is named") {
