@@ -12,6 +12,7 @@
 #include <cstdlib>
 
 #include "partition/balance.h"
+#include "runtime/device.h"
 #include "runtime/mpi_check.h"
 #include "runtime/mpi_transport.h"
 #include "pipeline/config.h"
@@ -19,6 +20,11 @@
 #include "pipeline/trainer.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
+
+#ifdef GPIPE_WITH_CUDA
+#include "kernels/backend.h"
+#include "runtime/nccl_transport.h"
+#endif
 
 namespace {
 
@@ -124,6 +130,51 @@ struct MpiSession {
   MPI_Comm pipeline = MPI_COMM_NULL, replicas = MPI_COMM_NULL;
 };
 
+// The device of this rank's stage in a multi-process run, from pipeline.devices (one
+// per stage): `cuda` without an index is this node's GPU for this rank, its local rank
+// modulo the visible GPUs, so one config serves nodes of any size; `cuda:N` and `cpu:N`
+// are taken as written. All stages must be on one kind of device, because a pipeline
+// has one transport: MPI between host memories, NCCL between GPUs. The resolved device
+// is written back into the config, so the trainer puts the stage on exactly that GPU.
+// Every rank calls this (finding the local rank is collective).
+gpipe::Device multi_process_device(gpipe::pipeline::Config& config, int stage, int world_rank) {
+  std::vector<std::string>& devices = config.pipeline.devices;
+  // None given: CPU stages. A wrong count is the trainer's to report.
+  if (devices.size() != static_cast<size_t>(config.pipeline.partitions)) return gpipe::Device::cpu(stage);
+  bool any_cuda = false, any_cpu = false;
+  for (const std::string& d : devices) (gpipe::parse_device(d).is_cuda() ? any_cuda : any_cpu) = true;
+  if (!any_cuda) return gpipe::parse_device(devices[stage]);
+  if (any_cpu) {
+    throw gpipe::UserError("pipeline.devices mixes cpu and cuda devices, but the stages of a multi-process run "
+                           "talk through one transport (MPI between host memories, NCCL between GPUs); put every "
+                           "stage on cuda (e.g. pipeline.devices: [cuda, cuda]) or every stage on cpu");
+  }
+#ifndef GPIPE_WITH_CUDA
+  (void)world_rank;
+  throw gpipe::UserError("pipeline.devices puts the stages on CUDA devices, but this gpipe was built without CUDA "
+                         "(no NCCL transport); build it where nvcc is found (./gpipe then builds with "
+                         "--config=cuda) or use cpu devices");
+#else
+  const int local_rank = gpipe::node_local_rank(MPI_COMM_WORLD);
+  const int count = gpipe::cuda_device_count();
+  const std::string& text = devices[stage];
+  const std::string where = "rank " + std::to_string(world_rank) + " (stage " + std::to_string(stage) + ")";
+  if (count == 0) {
+    throw gpipe::UserError(where + ": pipeline.devices puts the stage on " + text + ", but no CUDA device is "
+                           "visible on this node (no GPU, no driver, or CUDA_VISIBLE_DEVICES hides them all)");
+  }
+  gpipe::Device device = gpipe::parse_device(text);
+  if (text.find(':') == std::string::npos) device.index = local_rank % count;
+  if (device.index >= count) {
+    throw gpipe::UserError(where + ": pipeline.devices puts the stage on " + text + ", but this node has " +
+                           std::to_string(count) + " visible CUDA device(s); write `cuda` to give each rank its "
+                           "node's GPU by local rank");
+  }
+  devices[stage] = device.str();
+  return device;
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -149,11 +200,11 @@ int main(int argc, char** argv) {
     if (a.command != "train" && a.command != "plan") {
       throw gpipe::UserError("unknown command '" + a.command + "'\n" + kUsage);
     }
-    const auto config = gpipe::pipeline::load_config(a.config, a.overrides);
+    auto config = gpipe::pipeline::load_config(a.config, a.overrides);
     if (a.command == "plan") return plan(config);
     gpipe::pipeline::Launch launch;
-    std::unique_ptr<gpipe::MpiTransport> transport;
-    std::unique_ptr<gpipe::MpiReplicaGroup> replicas;
+    std::unique_ptr<gpipe::Transport> transport;
+    std::unique_ptr<gpipe::ReplicaGroup> replicas;
     if (mpi) {
       // P = K x D ranks: rank r runs stage r % K of replica r / K. One communicator per
       // pipeline (its K stages) and one per stage (its D replicas).
@@ -169,9 +220,25 @@ int main(int argc, char** argv) {
       GPIPE_MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, launch.replica, launch.rank, &mpi->pipeline));
       GPIPE_MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, launch.rank, launch.replica, &mpi->replicas));
       launch.size = K;
-      transport = std::make_unique<gpipe::MpiTransport>(mpi->pipeline);
+      const gpipe::Device device = multi_process_device(config, launch.rank, mpi->rank);
+      if (device.is_cpu()) {
+        transport = std::make_unique<gpipe::MpiTransport>(mpi->pipeline);
+        replicas = std::make_unique<gpipe::MpiReplicaGroup>(mpi->replicas);
+      } else {
+#ifdef GPIPE_WITH_CUDA
+        // NCCL between the GPUs, ordered with events against the stream the stage's
+        // kernels run on (the backend the executor will use for this device).
+        gpipe::Stream& compute = gpipe::backend_for(device).stream();
+        transport = std::make_unique<gpipe::NcclTransport>(mpi->pipeline, device, compute);
+        // Without replicas the group is never used: no NCCL communicator for it.
+        if (D > 1) {
+          replicas = std::make_unique<gpipe::NcclReplicaGroup>(mpi->replicas, device, compute);
+        } else {
+          replicas = std::make_unique<gpipe::MpiReplicaGroup>(mpi->replicas);
+        }
+#endif
+      }
       launch.transport = transport.get();
-      replicas = std::make_unique<gpipe::MpiReplicaGroup>(mpi->replicas);
       launch.replicas = replicas.get();
     }
     gpipe::pipeline::train(config, std::cout, launch);

@@ -11,12 +11,6 @@
 
 namespace gpipe {
 
-namespace {
-// Header (MpiTransport::kHeaderWords): element type, number of dimensions, then up to
-// kMaxDims sizes.
-constexpr int kMaxDims = 8;
-}  // namespace
-
 MpiTransport::MpiTransport(MPI_Comm comm) : comm_(comm) {
   GPIPE_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
   GPIPE_MPI_CHECK(MPI_Comm_size(comm_, &size_));
@@ -47,7 +41,6 @@ void MpiTransport::send(int src, int dst, const MessageTag& tag, const Tensor& t
   GPIPE_CHECK(src == rank_, "rank " + std::to_string(rank_) + " sending as stage " + std::to_string(src));
   GPIPE_CHECK(t.device().is_cpu(), "MpiTransport sends host tensors; " + t.str() + " is not");
   GPIPE_CHECK(t.is_contiguous(), "MpiTransport sends contiguous tensors");
-  if (t.dim() > kMaxDims) throw Error("cannot send " + t.str() + ": more than 8 dimensions");
   if (t.nbytes() > static_cast<size_t>(std::numeric_limits<int>::max())) {
     throw Error("cannot send " + t.str() + " in one MPI message (over 2 GiB); use more micro-batches");
   }
@@ -56,11 +49,9 @@ void MpiTransport::send(int src, int dst, const MessageTag& tag, const Tensor& t
   // pending entry keeps the tensor (and the header) alive until MPI is done with them.
   auto p = std::make_unique<PendingSend>();
   p->tensor = t;
-  p->header[0] = static_cast<int64_t>(t.dtype());
-  p->header[1] = t.dim();
-  for (int d = 0; d < t.dim(); ++d) p->header[2 + d] = t.size(d);
+  p->header = encode_header(t, tag);
   const int mtag = mpi_tag(tag);
-  GPIPE_MPI_CHECK(MPI_Isend(p->header.data(), kHeaderWords, MPI_INT64_T, dst, mtag, comm_, &p->requests[0]));
+  GPIPE_MPI_CHECK(MPI_Isend(p->header.data(), kMessageHeaderWords, MPI_INT64_T, dst, mtag, comm_, &p->requests[0]));
   GPIPE_MPI_CHECK(
       MPI_Isend(t.raw_data(), static_cast<int>(t.nbytes()), MPI_BYTE, dst, mtag, comm_, &p->requests[1]));
   pending_.push_back(std::move(p));
@@ -115,13 +106,10 @@ Tensor MpiTransport::recv(int dst, int src, const MessageTag& tag, Device device
   reap_sends(/*wait=*/false);
   GPIPE_CHECK(device.is_cpu(), "MpiTransport receives into host memory, not " + device.str());
   const int mtag = mpi_tag(tag);
-  std::array<int64_t, kHeaderWords> header{};
-  GPIPE_MPI_CHECK(MPI_Recv(header.data(), kHeaderWords, MPI_INT64_T, src, mtag, comm_, MPI_STATUS_IGNORE));
-  if (header[1] < 0 || header[1] > kMaxDims || header[0] < 0 || header[0] > static_cast<int64_t>(DType::kI32)) {
-    throw Error("malformed message header from rank " + std::to_string(src) + " for the " + tag_str(tag));
-  }
-  Shape shape(header.begin() + 2, header.begin() + 2 + header[1]);
-  Tensor t = Tensor::empty(shape, static_cast<DType>(header[0]), device);
+  MessageHeader header{};
+  GPIPE_MPI_CHECK(MPI_Recv(header.data(), kMessageHeaderWords, MPI_INT64_T, src, mtag, comm_, MPI_STATUS_IGNORE));
+  const MessageLayout layout = decode_header(header, "the " + tag_str(tag) + " from rank " + std::to_string(src));
+  Tensor t = Tensor::empty(layout.shape, layout.dtype, device);
   MPI_Status status;
   GPIPE_MPI_CHECK(MPI_Recv(t.raw_data(), static_cast<int>(t.nbytes()), MPI_BYTE, src, mtag, comm_, &status));
   int got = 0;

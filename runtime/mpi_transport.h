@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/message_header.h"
 #include "runtime/transport.h"
 
 namespace gpipe {
@@ -42,10 +43,9 @@ class MpiTransport : public Transport {
   void check_stage(int stage, const char* what) const;
   // Forgets the sends MPI has finished (all of them, waiting, with wait).
   void reap_sends(bool wait);
-  static constexpr int kHeaderWords = 10;  // element type, number of dimensions, up to 8 sizes
   struct PendingSend {
     Tensor tensor;  // keeps the data alive until the send completes
-    std::array<int64_t, kHeaderWords> header{};
+    MessageHeader header{};
     std::array<MPI_Request, 2> requests{};
   };
   std::list<std::unique_ptr<PendingSend>> pending_;

@@ -1,0 +1,264 @@
+// NcclTransport and NcclReplicaGroup across two MPI ranks with a GPU each (run under
+// mpirun -np 2 by nccl_transport_test.sh): tensors and their shapes arrive intact both
+// ways, out-of-order messages are matched by kind and micro-batch, bad messages raise
+// errors that name them without hanging either rank, and replicas sum device tensors.
+// Every test case is collective: both ranks run them all, in order. With fewer than
+// two visible GPUs it prints the skip marker and passes.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+#include <mpi.h>
+
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "runtime/cuda_check.h"
+#include "runtime/device.h"
+#include "runtime/error.h"
+#include "runtime/nccl_transport.h"
+#include "runtime/stream.h"
+#include "runtime/tensor.h"
+#include "tests/testing.h"
+
+namespace gpipe {
+namespace {
+
+struct World {
+  int rank = 0;
+  Device device;
+  std::unique_ptr<Stream> compute;  // stands in for the CUDA backend's stream
+  std::unique_ptr<NcclTransport> transport;
+  std::unique_ptr<NcclReplicaGroup> replicas;
+};
+
+World& world() {
+  static World w;
+  return w;
+}
+
+cudaStream_t compute_stream() { return static_cast<cudaStream_t>(world().compute->native()); }
+
+// Host tensor with element i = base + i / 4 (exact in float32 for the sizes used here).
+Tensor pattern(const Shape& shape, DType dtype, double base) {
+  Tensor t = Tensor::empty(shape, dtype, Device::cpu());
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    const double v = base + static_cast<double>(i) / 4;
+    if (dtype == DType::kF32) {
+      t.data<float>()[i] = static_cast<float>(v);
+    } else {
+      t.data<double>()[i] = v;
+    }
+  }
+  return t;
+}
+
+std::vector<double> values(const Tensor& host) {
+  std::vector<double> out(host.numel());
+  for (int64_t i = 0; i < host.numel(); ++i) {
+    out[i] = host.dtype() == DType::kF32 ? host.data<float>()[i] : host.data<double>()[i];
+  }
+  return out;
+}
+
+// Queued on the compute stream and not waited for: a send must order itself after it.
+Tensor to_device(const Tensor& host) {
+  Tensor d = Tensor::empty(host.shape(), host.dtype(), world().device);
+  if (host.nbytes() > 0) {
+    GPIPE_CUDA_CHECK(cudaMemcpyAsync(d.raw_data(), host.raw_data(), host.nbytes(), cudaMemcpyHostToDevice,
+                                     compute_stream()));
+  }
+  return d;
+}
+
+// Read on the compute stream: correct only if that stream waits for the receive.
+std::vector<double> device_values(const Tensor& d) {
+  Tensor host = Tensor::empty(d.shape(), d.dtype(), Device::cpu());
+  if (d.nbytes() > 0) {
+    GPIPE_CUDA_CHECK(cudaMemcpyAsync(host.raw_data(), d.raw_data(), d.nbytes(), cudaMemcpyDeviceToHost,
+                                     compute_stream()));
+  }
+  GPIPE_CUDA_CHECK(cudaStreamSynchronize(compute_stream()));
+  return values(host);
+}
+
+constexpr MessageKind kAct = MessageKind::kActivation;
+constexpr MessageKind kGrad = MessageKind::kGradient;
+
+TEST_CASE("float32 and float64 tensors of several shapes travel both ways") {
+  World& w = world();
+  NcclTransport& tr = *w.transport;
+  const std::vector<Shape> shapes = {{1}, {3, 5}, {2, 3, 4}, {0, 7}, {513, 1027}};
+  int m = 0;
+  for (DType dt : {DType::kF32, DType::kF64}) {
+    for (const Shape& s : shapes) {
+      CAPTURE(m);
+      if (w.rank == 0) {
+        // The sent tensor is a temporary: the transport must keep it alive.
+        tr.send(0, 1, {kAct, m}, to_device(pattern(s, dt, m)));
+        Tensor g = tr.recv(0, 1, {kGrad, m}, w.device);
+        CHECK(g.shape() == s);
+        CHECK(g.dtype() == dt);
+        CHECK(device_values(g) == values(pattern(s, dt, -m)));
+      } else {
+        Tensor a = tr.recv(1, 0, {kAct, m}, w.device);
+        CHECK(a.shape() == s);
+        CHECK(a.dtype() == dt);
+        CHECK(a.device() == w.device);
+        CHECK(device_values(a) == values(pattern(s, dt, m)));
+        tr.send(1, 0, {kGrad, m}, to_device(pattern(s, dt, -m)));
+      }
+      ++m;
+    }
+  }
+  tr.flush(w.rank);
+  CHECK(tr.sends_in_flight() == 0);
+}
+
+TEST_CASE("messages sent out of order are matched by kind and micro-batch") {
+  World& w = world();
+  NcclTransport& tr = *w.transport;
+  if (w.rank == 0) {
+    tr.send(0, 1, {kAct, 101}, to_device(pattern({2, 3}, DType::kF32, 7)));
+    tr.send(0, 1, {kAct, 100}, to_device(pattern({4}, DType::kF64, 5)));
+  } else {
+    Tensor a100 = tr.recv(1, 0, {kAct, 100}, w.device);  // 101 arrives first and waits
+    Tensor a101 = tr.recv(1, 0, {kAct, 101}, w.device);
+    CHECK(a100.shape() == Shape{4});
+    CHECK(device_values(a100) == values(pattern({4}, DType::kF64, 5)));
+    CHECK(a101.shape() == Shape{2, 3});
+    CHECK(device_values(a101) == values(pattern({2, 3}, DType::kF32, 7)));
+  }
+  tr.flush(w.rank);
+}
+
+TEST_CASE("a message that cannot travel raises an error naming it, and nothing hangs") {
+  World& w = world();
+  NcclTransport& tr = *w.transport;
+  const int me = w.rank, peer = 1 - w.rank;
+  // Refused before anything is sent.
+  CHECK_THROWS_WITH_AS(tr.send(me, peer, {kAct, 40}, Tensor::empty({1, 1, 1, 1, 1, 1, 1, 1, 2}, DType::kF32, w.device)),
+                       doctest::Contains("activation of micro-batch 40"), Error);
+  CHECK_THROWS_WITH_AS(tr.send(me, peer, {kAct, 40}, pattern({3}, DType::kF32, 0)),
+                       doctest::Contains("activation of micro-batch 40"), Error);
+  CHECK_THROWS_AS(tr.recv(me, peer, {kGrad, 40}, Device::cpu()), Error);
+
+  // Headers that announce no valid size: refused on arrival, before any NCCL receive is
+  // posted, so neither rank is left with a transfer the other never matches.
+  struct Bad {
+    int micro_batch;
+    std::vector<int64_t> words;
+  };
+  const std::vector<Bad> bad = {
+      {41, {0, 12}},                        // 12 dimensions
+      {42, {1, 2, 3, -4}},                  // a negative size
+      {43, {9, 1, 3}},                      // no such element type
+      {44, {0, 2, 1LL << 40, 1LL << 40}},   // more elements than fit anywhere
+  };
+  for (const Bad& b : bad) {
+    CAPTURE(b.micro_batch);
+    if (w.rank == 0) {
+      MessageHeader h{};
+      for (size_t i = 0; i < b.words.size(); ++i) h[i] = b.words[i];
+      REQUIRE(MPI_Send(h.data(), kMessageHeaderWords, MPI_INT64_T, 1, tr.mpi_tag({kAct, b.micro_batch}),
+                       MPI_COMM_WORLD) == MPI_SUCCESS);
+    } else {
+      CHECK_THROWS_WITH_AS(tr.recv(1, 0, {kAct, b.micro_batch}, w.device),
+                           doctest::Contains(("activation of micro-batch " + std::to_string(b.micro_batch)).c_str()), Error);
+    }
+  }
+  // The transport still works afterwards.
+  if (w.rank == 0) {
+    tr.send(0, 1, {kAct, 45}, to_device(pattern({6}, DType::kF32, 1)));
+  } else {
+    CHECK(device_values(tr.recv(1, 0, {kAct, 45}, w.device)) == values(pattern({6}, DType::kF32, 1)));
+  }
+  tr.flush(w.rank);
+}
+
+TEST_CASE("host collectives over the stages") {
+  World& w = world();
+  NcclTransport& tr = *w.transport;
+  CHECK(tr.all_reduce_sum(w.rank, w.rank + 1.0) == 3.0);
+  const auto gathered = tr.gather_to_first(w.rank, {static_cast<double>(w.rank), 2.0 * w.rank});
+  if (w.rank == 0) {
+    CHECK(gathered == std::vector<std::vector<double>>{{0, 0}, {1, 2}});
+  } else {
+    CHECK(gathered.empty());
+  }
+}
+
+TEST_CASE("a replica group sums device tensors in place") {
+  World& w = world();
+  NcclReplicaGroup& g = *w.replicas;
+  CHECK(g.size() == 2);
+  for (DType dt : {DType::kF32, DType::kF64}) {
+    // Rank r holds base r + 1: the sum is pattern(1) + pattern(2) = 3 + i / 2.
+    auto expected = [&](const Shape& s) {
+      std::vector<double> want = values(pattern(s, dt, 1));
+      const std::vector<double> other = values(pattern(s, dt, 2));
+      for (size_t i = 0; i < want.size(); ++i) want[i] += other[i];
+      return want;
+    };
+    Tensor t = to_device(pattern({1000}, dt, w.rank + 1));
+    g.all_reduce_sum(t);
+    CHECK(device_values(t) == expected({1000}));
+
+    Tensor a = to_device(pattern({257}, dt, w.rank + 1));
+    Tensor b = to_device(pattern({3, 7}, dt, w.rank + 1));
+    g.start_all_reduce_sum(a);
+    g.start_all_reduce_sum(b);
+    g.progress();
+    g.wait_all();
+    CHECK(device_values(a) == expected({257}));
+    CHECK(device_values(b) == expected({3, 7}));
+  }
+  Tensor host = pattern({5}, DType::kF64, w.rank);
+  g.all_reduce_sum(host);
+  CHECK(values(host) == std::vector<double>{1, 1.5, 2, 2.5, 3});
+  CHECK(g.all_reduce_sum(w.rank + 0.5) == 2.0);
+  Tensor ints = to_device(Tensor::from_vector<int32_t>({1, 2}, {2}));
+  CHECK_THROWS_AS(g.all_reduce_sum(ints), Error);
+}
+
+}  // namespace
+}  // namespace gpipe
+
+int main(int argc, char** argv) {
+  using namespace gpipe;
+  MPI_Init(&argc, &argv);
+  int rank = 0, size = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (size != 2) {
+    std::fprintf(stderr, "nccl_transport_check: run with 2 ranks (mpirun -np 2)\n");
+    MPI_Abort(MPI_COMM_WORLD, 2);
+  }
+  int rc = 0;
+  const int gpus = cuda_device_count();
+  if (gpus < 2) {
+    // One node: both ranks see the same count, so both skip.
+    if (rank == 0) testing::report_skipped("needs 2 GPUs, one per rank; " + std::to_string(gpus) + " visible");
+  } else {
+    try {
+      World& w = world();
+      w.rank = rank;
+      w.device = Device::cuda(node_local_rank(MPI_COMM_WORLD) % gpus);
+      w.compute = make_stream(w.device);
+      w.transport = std::make_unique<NcclTransport>(MPI_COMM_WORLD, w.device, *w.compute);
+      w.replicas = std::make_unique<NcclReplicaGroup>(MPI_COMM_WORLD, w.device, *w.compute);
+      doctest::Context context;
+      context.applyCommandLine(argc, argv);
+      rc = context.run();
+      w.replicas.reset();
+      w.transport.reset();
+      w.compute.reset();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "nccl_transport_check: rank %d: %s\n", rank, e.what());
+      MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    if (rc == 0) std::printf("nccl_transport_check: rank %d ok\n", rank);
+  }
+  MPI_Finalize();
+  return rc;
+}
