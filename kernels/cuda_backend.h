@@ -91,8 +91,8 @@ class CudaBackend : public Backend {
                           Tensor& dqkv) override;
   void dropout(const Tensor& x, double p, uint64_t key, int64_t sample_offset, Tensor& y) override;
   void dropout_backward(const Tensor& dy, double p, uint64_t key, int64_t sample_offset, Tensor& dx) override;
-  // Convolution ops: kernels/cuda_conv_ops.cc (cuDNN for convolutions and average
-  // pooling, kernels/cuda_conv_kernels.cu for the rest). maxpool2d_backward checks
+  // Convolution ops: kernels/cuda_conv_ops.cc (cuDNN for convolutions, batch norm and
+  // average pooling, kernels/cuda_conv_kernels.cu for max pooling and channel bias). maxpool2d_backward checks
   // argmax on the device as it scatters; a bad index is reported at the next wait.
   void conv2d(const Tensor& x, const Tensor& w, int stride, int pad, Tensor& y) override;
   void conv2d_backward(const Tensor& dy, const Tensor& x, const Tensor& w, int stride, int pad, Tensor& dx,

@@ -1,6 +1,8 @@
 // Kernels of the CUDA convolution ops and their launchers (declared in
-// kernels/cuda_conv_kernels.h): per-channel bias and its gradient, batch
-// normalisation, max pooling with argmax.
+// kernels/cuda_conv_kernels.h): per-channel bias and its gradient, the per-channel
+// conversions between the batch-norm contract's biased variance and cuDNN's inverse
+// standard deviation (batch norm itself is cuDNN, in kernels/cuda_conv_ops.cc), max
+// pooling with argmax.
 //
 // Per-channel work on an (N, C, E) tensor runs over its N C planes of E contiguous
 // positions: plane kernels take a 2-D grid (x over positions, y over planes, both
@@ -10,12 +12,9 @@
 // into a partial sum in double (per-thread sums, then a fixed warp/block tree), then
 // one thread per channel adds its chunks in order. No floating-point atomics.
 //
-// Elementwise arithmetic is written with explicitly rounded operations (__fmul_rn and
-// friends) in the CPU reference's order, so nvcc cannot fuse a * b + c into one fma;
-// given the same statistics, the outputs differ from kernels/cpu_conv_ops.cc only
-// where the host compiler contracts the reference's expressions into fmas. Max
-// pooling and its backward (comparisons, and additions in the CPU loop's order) match
-// bit for bit.
+// Additions are written as explicitly rounded operations (__fadd_rn and friends) so
+// nvcc cannot fuse them into fmas. Max pooling and its backward (comparisons, and
+// additions in the CPU loop's order) match kernels/cpu_conv_ops.cc bit for bit.
 #include "kernels/cuda_conv_kernels.h"
 
 #include <algorithm>
@@ -40,7 +39,6 @@ constexpr int64_t kMaxGridY = 65535;           // hardware limit of gridDim.y
 constexpr int64_t kMaxPlaneBlocksX = 1024;     // plane kernels: blocks along the positions
 constexpr int64_t kMinPerChunk = 8 * kThreads;  // channel sums: values per partial sum, at least
 constexpr int64_t kMaxChunks = 512;            // ... and at most this many partial sums per channel
-constexpr int kStatsPerChannel = 5;            // doubles of per-channel statistics in the workspace
 
 #define GPIPE_CHECK_LAUNCH() GPIPE_CUDA_CHECK(cudaGetLastError())
 
@@ -78,10 +76,6 @@ void check_channels(int64_t channels, const char* op) {
 
 __device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ float sub_rn(float a, float b) { return __fsub_rn(a, b); }
-__device__ __forceinline__ double sub_rn(double a, double b) { return __dsub_rn(a, b); }
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
 
 // Sum of v over a 1-D block whose size is a multiple of 32; thread 0 receives it.
 // shared: 32 doubles. A fixed tree, so the same inputs give the same bits.
@@ -101,57 +95,21 @@ __device__ double block_sum(double v, double* shared) {
 }
 
 // ---------------------------------------------------------------------------------
-// Per-channel reductions. A Term supplies, for flat element index i of channel c, two
-// values to sum: term(i, c, a, b) adds to a and b.
+// Per-channel sums (the bias gradient)
 
-// a += v, in double.
+// Grid (C, chunks), 1-D blocks of kThreads. Block (c, k) sums, in double, values
+// [k L, min((k + 1) L, m)) of channel c of v: (N, C, E), value j being element
+// (n C + c) E + e with n = j / E, e = j % E; partial: (C, chunks).
 template <typename T>
-struct SumTerm {
-  const T* v;
-  __device__ __forceinline__ void operator()(int64_t i, int64_t, double& a, double&) const {
-    a += static_cast<double>(v[i]);
-  }
-};
-
-// a += (x - mu)^2 with mu = stats[c] in double, as the CPU reference's second pass.
-template <typename T>
-struct SquaredDeviationTerm {
-  const T* x;
-  const double* mu;
-  __device__ __forceinline__ void operator()(int64_t i, int64_t c, double& a, double&) const {
-    const double d = __dsub_rn(static_cast<double>(x[i]), mu[c]);
-    a = __dadd_rn(a, __dmul_rn(d, d));
-  }
-};
-
-// a += dy, b += dy * ((x - mu) * rstd), all in double (mu = stats[c], rstd = stats[C + c]).
-template <typename T>
-struct BatchnormGradTerm {
-  const T* dy;
-  const T* x;
-  const double* mu;
-  const double* rstd;
-  __device__ __forceinline__ void operator()(int64_t i, int64_t c, double& a, double& b) const {
-    const double g = static_cast<double>(dy[i]);
-    const double xhat = __dmul_rn(__dsub_rn(static_cast<double>(x[i]), mu[c]), rstd[c]);
-    a = __dadd_rn(a, g);
-    b = __dadd_rn(b, __dmul_rn(g, xhat));
-  }
-};
-
-// Grid (C, chunks), 1-D blocks of kThreads. Block (c, k) sums the term over values
-// [k L, min((k + 1) L, m)) of channel c, value j being element (n C + c) E + e with
-// n = j / E, e = j % E; partial_a / partial_b: (C, chunks).
-template <typename Term>
-__global__ void channel_partial_kernel(Term term, int64_t channels, int64_t positions, int64_t m,
-                                       int64_t per_chunk, double* partial_a, double* partial_b) {
+__global__ void channel_partial_kernel(const T* v, int64_t channels, int64_t positions, int64_t m,
+                                       int64_t per_chunk, double* partial) {
   __shared__ double shared[32];
   const int64_t c = blockIdx.x;
   const int64_t chunk = blockIdx.y;
   const int64_t chunks = gridDim.y;
   const int64_t start = chunk * per_chunk;
   const int64_t end = start + per_chunk < m ? start + per_chunk : m;
-  double a = 0.0, b = 0.0;
+  double a = 0.0;
   int64_t j = start + threadIdx.x;
   if (j < end) {
     // Walk n and e incrementally: one division per thread, not per value.
@@ -159,7 +117,7 @@ __global__ void channel_partial_kernel(Term term, int64_t channels, int64_t posi
     const int64_t step = blockDim.x;
     const int64_t step_n = step / positions, step_e = step - step_n * positions;
     for (; j < end; j += step) {
-      term((n * channels + c) * positions + e, c, a, b);
+      a += static_cast<double>(v[(n * channels + c) * positions + e]);
       n += step_n;
       e += step_e;
       if (e >= positions) {
@@ -169,23 +127,18 @@ __global__ void channel_partial_kernel(Term term, int64_t channels, int64_t posi
     }
   }
   a = block_sum(a, shared);
-  b = block_sum(b, shared);
-  if (threadIdx.x == 0) {
-    partial_a[c * chunks + chunk] = a;
-    if (partial_b != nullptr) partial_b[c * chunks + chunk] = b;
-  }
+  if (threadIdx.x == 0) partial[c * chunks + chunk] = a;
 }
 
 // Launches channel_partial_kernel over all channels into workspace rows (C, chunks).
-template <typename Term>
-void launch_channel_partials(Term term, int64_t n, int64_t channels, int64_t positions, double* partial_a,
-                             double* partial_b, cudaStream_t stream) {
+template <typename T>
+void launch_channel_partials(const T* v, int64_t n, int64_t channels, int64_t positions, double* partial,
+                             cudaStream_t stream) {
   const int64_t m = n * positions;
   const int64_t chunks = reduction_chunks(m);
   const int64_t per_chunk = (m + chunks - 1) / chunks;
   const dim3 grid(static_cast<unsigned>(channels), static_cast<unsigned>(chunks));
-  channel_partial_kernel<Term><<<grid, kThreads, 0, stream>>>(term, channels, positions, m, per_chunk, partial_a,
-                                                              partial_b);
+  channel_partial_kernel<T><<<grid, kThreads, 0, stream>>>(v, channels, positions, m, per_chunk, partial);
   GPIPE_CHECK_LAUNCH();
 }
 
@@ -214,103 +167,25 @@ __global__ void channel_bias_grad_final_kernel(const double* partial, T* db, int
   GRID_STRIDE_LOOP(c, channels) db[c] = add_rn(db[c], static_cast<T>(sum_chunks(partial, c, chunks)));
 }
 
-// Batch norm, step 2: mu = sum / m (stats[c]), mean = T(mu).
+// Batch norm (kernels/cuda_conv_ops.cc): cuDNN's saved inverse standard deviation to
+// the biased variance, in place and in double: var = 1 / invstd^2 - eps, clamped at 0
+// (for a channel of (nearly) equal values the rounding of invstd can leave a tiny
+// negative number). The comparison lets a NaN through.
 template <typename T>
-__global__ void batchnorm_mean_kernel(const double* partial, double* stats, T* mean, int64_t channels,
-                                      int64_t chunks, double m) {
+__global__ void batchnorm_invstd_to_var_kernel(T* v, double eps, int64_t channels) {
   GRID_STRIDE_LOOP(c, channels) {
-    const double mu = sum_chunks(partial, c, chunks) / m;
-    stats[c] = mu;
-    mean[c] = static_cast<T>(mu);
+    const double s = static_cast<double>(v[c]);
+    const double var = __dsub_rn(__ddiv_rn(1.0, __dmul_rn(s, s)), eps);
+    v[c] = static_cast<T>(var < 0.0 ? 0.0 : var);
   }
 }
 
-// Batch norm, step 4: v = sum / m, var = T(v); the apply coefficients (as doubles
-// holding T values): stats[2C + c] = T(mu), stats[3C + c] = T(gamma / sqrt(T(v) + eps)),
-// stats[4C + c] = beta.
+// The other way, for cuDNN's backward: invstd = T(1 / sqrt(double(var) + eps)), the CPU
+// reference's rstd rounded once to T.
 template <typename T>
-__global__ void batchnorm_var_kernel(const double* partial, double* stats, const T* gamma, const T* beta, T* var,
-                                     double eps, int64_t channels, int64_t chunks, double m) {
+__global__ void batchnorm_var_to_invstd_kernel(const T* var, double eps, T* invstd, int64_t channels) {
   GRID_STRIDE_LOOP(c, channels) {
-    const double v = sum_chunks(partial, c, chunks) / m;
-    const T v_t = static_cast<T>(v);
-    var[c] = v_t;
-    stats[2 * channels + c] = static_cast<double>(static_cast<T>(stats[c]));
-    stats[3 * channels + c] =
-        static_cast<double>(static_cast<T>(static_cast<double>(gamma[c]) / sqrt(static_cast<double>(v_t) + eps)));
-    stats[4 * channels + c] = static_cast<double>(beta[c]);
-  }
-}
-
-// Evaluation coefficients from given statistics, in the same layout as batchnorm_var_kernel's.
-template <typename T>
-__global__ void batchnorm_eval_coeff_kernel(const T* gamma, const T* beta, const T* mean, const T* var, double eps,
-                                            double* stats, int64_t channels) {
-  GRID_STRIDE_LOOP(c, channels) {
-    stats[2 * channels + c] = static_cast<double>(mean[c]);
-    stats[3 * channels + c] =
-        static_cast<double>(static_cast<T>(static_cast<double>(gamma[c]) / sqrt(static_cast<double>(var[c]) + eps)));
-    stats[4 * channels + c] = static_cast<double>(beta[c]);
-  }
-}
-
-// y = (x - mean) * scale + shift in T, per plane, with the coefficients of stats.
-template <typename T>
-__global__ void batchnorm_apply_kernel(const T* x, const double* stats, T* y, int64_t planes, int64_t channels,
-                                       int64_t positions) {
-  for (int64_t plane = blockIdx.y; plane < planes; plane += gridDim.y) {
-    const int64_t c = plane % channels;
-    const T mu = static_cast<T>(stats[2 * channels + c]);
-    const T scale = static_cast<T>(stats[3 * channels + c]);
-    const T shift = static_cast<T>(stats[4 * channels + c]);
-    const T* in = x + plane * positions;
-    T* out = y + plane * positions;
-    GRID_STRIDE_LOOP(e, positions) out[e] = add_rn(mul_rn(sub_rn(in[e], mu), scale), shift);
-  }
-}
-
-// Backward, step 1: stats[c] = mu = double(mean), stats[C + c] = rstd = 1 / sqrt(var + eps).
-template <typename T>
-__global__ void batchnorm_backward_prep_kernel(const T* mean, const T* var, double eps, double* stats,
-                                               int64_t channels) {
-  GRID_STRIDE_LOOP(c, channels) {
-    stats[c] = static_cast<double>(mean[c]);
-    stats[channels + c] = 1.0 / sqrt(static_cast<double>(var[c]) + eps);
-  }
-}
-
-// Backward, step 3: dbeta += T(sum dy), dgamma += T(sum dy xhat); the dx coefficients
-// k = gamma rstd, a = sum dy / m, b = sum dy xhat / m into stats[2C..5C).
-template <typename T>
-__global__ void batchnorm_backward_final_kernel(const double* partial_a, const double* partial_b, const T* gamma,
-                                                double* stats, T* dgamma, T* dbeta, int64_t channels,
-                                                int64_t chunks, double m) {
-  GRID_STRIDE_LOOP(c, channels) {
-    const double sum_dy = sum_chunks(partial_a, c, chunks);
-    const double sum_dy_xhat = sum_chunks(partial_b, c, chunks);
-    dbeta[c] = add_rn(dbeta[c], static_cast<T>(sum_dy));
-    dgamma[c] = add_rn(dgamma[c], static_cast<T>(sum_dy_xhat));
-    stats[2 * channels + c] = __dmul_rn(static_cast<double>(gamma[c]), stats[channels + c]);
-    stats[3 * channels + c] = sum_dy / m;
-    stats[4 * channels + c] = sum_dy_xhat / m;
-  }
-}
-
-// Backward, step 4: dx = T(k (dy - a - xhat b)), xhat = (x - mu) rstd, in double.
-template <typename T>
-__global__ void batchnorm_backward_dx_kernel(const T* dy, const T* x, const double* stats, T* dx, int64_t planes,
-                                             int64_t channels, int64_t positions) {
-  for (int64_t plane = blockIdx.y; plane < planes; plane += gridDim.y) {
-    const int64_t c = plane % channels;
-    const double mu = stats[c], rstd = stats[channels + c];
-    const double k = stats[2 * channels + c], a = stats[3 * channels + c], b = stats[4 * channels + c];
-    const T* g = dy + plane * positions;
-    const T* in = x + plane * positions;
-    T* out = dx + plane * positions;
-    GRID_STRIDE_LOOP(e, positions) {
-      const double xhat = __dmul_rn(__dsub_rn(static_cast<double>(in[e]), mu), rstd);
-      out[e] = static_cast<T>(__dmul_rn(k, __dsub_rn(__dsub_rn(static_cast<double>(g[e]), a), __dmul_rn(xhat, b))));
-    }
+    invstd[c] = static_cast<T>(__ddiv_rn(1.0, __dsqrt_rn(__dadd_rn(static_cast<double>(var[c]), eps))));
   }
 }
 
@@ -387,74 +262,24 @@ void launch_channel_bias_grad(const T* dy, T* db, int64_t n, int64_t channels, i
   check_channels(channels, "channel_bias_grad");
   if (channels == 0 || n * positions == 0) return;  // db += 0
   const int64_t chunks = reduction_chunks(n * positions);
-  launch_channel_partials(SumTerm<T>{dy}, n, channels, positions, workspace, nullptr, stream);
+  launch_channel_partials(dy, n, channels, positions, workspace, stream);
   channel_bias_grad_final_kernel<T><<<elementwise_blocks(channels), kThreads, 0, stream>>>(workspace, db, channels,
                                                                                           chunks);
   GPIPE_CHECK_LAUNCH();
 }
 
 template <typename T>
-void launch_batchnorm_train(const T* x, const T* gamma, const T* beta, double eps, T* y, T* mean, T* var, int64_t n,
-                            int64_t channels, int64_t positions, double* workspace, cudaStream_t stream) {
-  check_channels(channels, "batchnorm_train");
-  const int64_t m = n * positions;
-  if (channels == 0 || m == 0) return;
-  const int64_t chunks = reduction_chunks(m);
-  double* partial = workspace;                       // (C, chunks)
-  double* stats = workspace + 2 * channels * chunks;  // (kStatsPerChannel, C)
-  launch_channel_partials(SumTerm<T>{x}, n, channels, positions, partial, nullptr, stream);
-  batchnorm_mean_kernel<T><<<elementwise_blocks(channels), kThreads, 0, stream>>>(partial, stats, mean, channels,
-                                                                                 chunks, static_cast<double>(m));
-  GPIPE_CHECK_LAUNCH();
-  launch_channel_partials(SquaredDeviationTerm<T>{x, stats}, n, channels, positions, partial, nullptr, stream);
-  batchnorm_var_kernel<T><<<elementwise_blocks(channels), kThreads, 0, stream>>>(
-      partial, stats, gamma, beta, var, eps, channels, chunks, static_cast<double>(m));
-  GPIPE_CHECK_LAUNCH();
-  const int64_t planes = n * channels;
-  const unsigned threads = plane_threads(positions);
-  batchnorm_apply_kernel<T><<<plane_grid(planes, positions, threads), threads, 0, stream>>>(x, stats, y, planes,
-                                                                                           channels, positions);
+void launch_batchnorm_invstd_to_var(T* v, double eps, int64_t channels, cudaStream_t stream) {
+  if (channels == 0) return;
+  batchnorm_invstd_to_var_kernel<T><<<elementwise_blocks(channels), kThreads, 0, stream>>>(v, eps, channels);
   GPIPE_CHECK_LAUNCH();
 }
 
 template <typename T>
-void launch_batchnorm_eval(const T* x, const T* gamma, const T* beta, const T* mean, const T* var, double eps, T* y,
-                           int64_t n, int64_t channels, int64_t positions, double* workspace, cudaStream_t stream) {
-  check_channels(channels, "batchnorm_eval");
-  const int64_t planes = n * channels;
-  if (planes == 0 || positions == 0) return;
-  batchnorm_eval_coeff_kernel<T><<<elementwise_blocks(channels), kThreads, 0, stream>>>(gamma, beta, mean, var, eps,
-                                                                                       workspace, channels);
-  GPIPE_CHECK_LAUNCH();
-  const unsigned threads = plane_threads(positions);
-  batchnorm_apply_kernel<T><<<plane_grid(planes, positions, threads), threads, 0, stream>>>(x, workspace, y, planes,
-                                                                                           channels, positions);
-  GPIPE_CHECK_LAUNCH();
-}
-
-template <typename T>
-void launch_batchnorm_backward(const T* dy, const T* x, const T* gamma, const T* mean, const T* var, double eps, T* dx,
-                               T* dgamma, T* dbeta, int64_t n, int64_t channels, int64_t positions, double* workspace,
-                               cudaStream_t stream) {
-  check_channels(channels, "batchnorm_backward");
-  const int64_t m = n * positions;
-  if (channels == 0 || m == 0) return;
-  const int64_t chunks = reduction_chunks(m);
-  double* partial_a = workspace;                       // (C, chunks)
-  double* partial_b = workspace + channels * chunks;   // (C, chunks)
-  double* stats = workspace + 2 * channels * chunks;   // (kStatsPerChannel, C)
-  batchnorm_backward_prep_kernel<T><<<elementwise_blocks(channels), kThreads, 0, stream>>>(mean, var, eps, stats,
+void launch_batchnorm_var_to_invstd(const T* var, double eps, T* invstd, int64_t channels, cudaStream_t stream) {
+  if (channels == 0) return;
+  batchnorm_var_to_invstd_kernel<T><<<elementwise_blocks(channels), kThreads, 0, stream>>>(var, eps, invstd,
                                                                                           channels);
-  GPIPE_CHECK_LAUNCH();
-  launch_channel_partials(BatchnormGradTerm<T>{dy, x, stats, stats + channels}, n, channels, positions, partial_a,
-                          partial_b, stream);
-  batchnorm_backward_final_kernel<T><<<elementwise_blocks(channels), kThreads, 0, stream>>>(
-      partial_a, partial_b, gamma, stats, dgamma, dbeta, channels, chunks, static_cast<double>(m));
-  GPIPE_CHECK_LAUNCH();
-  const int64_t planes = n * channels;
-  const unsigned threads = plane_threads(positions);
-  batchnorm_backward_dx_kernel<T><<<plane_grid(planes, positions, threads), threads, 0, stream>>>(
-      dy, x, stats, dx, planes, channels, positions);
   GPIPE_CHECK_LAUNCH();
 }
 
@@ -494,7 +319,7 @@ void launch_maxpool2d_backward(const T* dy, const int32_t* argmax, T* dx, int64_
 }  // namespace
 
 int64_t channel_reduction_workspace(int64_t n, int64_t channels, int64_t positions) {
-  return 2 * channels * reduction_chunks(n * positions) + kStatsPerChannel * channels;
+  return channels * reduction_chunks(n * positions);
 }
 
 void add_channel_bias(float* y, const float* bias, int64_t n, int64_t channels, int64_t positions,
@@ -515,39 +340,19 @@ void channel_bias_grad(const double* dy, double* db, int64_t n, int64_t channels
   launch_channel_bias_grad(dy, db, n, channels, positions, workspace, stream);
 }
 
-void batchnorm_train(const float* x, const float* gamma, const float* beta, double eps, float* y, float* mean,
-                     float* var, int64_t n, int64_t channels, int64_t positions, double* workspace,
-                     cudaStream_t stream) {
-  launch_batchnorm_train(x, gamma, beta, eps, y, mean, var, n, channels, positions, workspace, stream);
+void batchnorm_invstd_to_var(float* v, double eps, int64_t channels, cudaStream_t stream) {
+  launch_batchnorm_invstd_to_var(v, eps, channels, stream);
 }
-void batchnorm_train(const double* x, const double* gamma, const double* beta, double eps, double* y,
-                     double* mean, double* var, int64_t n, int64_t channels, int64_t positions, double* workspace,
-                     cudaStream_t stream) {
-  launch_batchnorm_train(x, gamma, beta, eps, y, mean, var, n, channels, positions, workspace, stream);
+void batchnorm_invstd_to_var(double* v, double eps, int64_t channels, cudaStream_t stream) {
+  launch_batchnorm_invstd_to_var(v, eps, channels, stream);
 }
 
-void batchnorm_eval(const float* x, const float* gamma, const float* beta, const float* mean, const float* var,
-                    double eps, float* y, int64_t n, int64_t channels, int64_t positions, double* workspace,
-                    cudaStream_t stream) {
-  launch_batchnorm_eval(x, gamma, beta, mean, var, eps, y, n, channels, positions, workspace, stream);
+void batchnorm_var_to_invstd(const float* var, double eps, float* invstd, int64_t channels, cudaStream_t stream) {
+  launch_batchnorm_var_to_invstd(var, eps, invstd, channels, stream);
 }
-void batchnorm_eval(const double* x, const double* gamma, const double* beta, const double* mean,
-                    const double* var, double eps, double* y, int64_t n, int64_t channels, int64_t positions,
-                    double* workspace, cudaStream_t stream) {
-  launch_batchnorm_eval(x, gamma, beta, mean, var, eps, y, n, channels, positions, workspace, stream);
-}
-
-void batchnorm_backward(const float* dy, const float* x, const float* gamma, const float* mean, const float* var,
-                        double eps, float* dx, float* dgamma, float* dbeta, int64_t n, int64_t channels,
-                        int64_t positions, double* workspace, cudaStream_t stream) {
-  launch_batchnorm_backward(dy, x, gamma, mean, var, eps, dx, dgamma, dbeta, n, channels, positions, workspace,
-                            stream);
-}
-void batchnorm_backward(const double* dy, const double* x, const double* gamma, const double* mean,
-                        const double* var, double eps, double* dx, double* dgamma, double* dbeta, int64_t n,
-                        int64_t channels, int64_t positions, double* workspace, cudaStream_t stream) {
-  launch_batchnorm_backward(dy, x, gamma, mean, var, eps, dx, dgamma, dbeta, n, channels, positions, workspace,
-                            stream);
+void batchnorm_var_to_invstd(const double* var, double eps, double* invstd, int64_t channels,
+                             cudaStream_t stream) {
+  launch_batchnorm_var_to_invstd(var, eps, invstd, channels, stream);
 }
 
 void maxpool2d(const float* x, float* y, int32_t* argmax, int64_t planes, int64_t height, int64_t width,

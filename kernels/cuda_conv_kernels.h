@@ -1,8 +1,8 @@
 // Raw-pointer launchers for the CUDA backend's convolution-op kernels
-// (kernels/cuda_conv_kernels.cu): per-channel bias and its gradient, batch
-// normalisation, max pooling with argmax. Convolutions and average pooling are cuDNN
-// calls in kernels/cuda_conv_ops.cc. Plain C++: includable from files the host
-// compiler builds.
+// (kernels/cuda_conv_kernels.cu): per-channel bias and its gradient, the conversions
+// around cuDNN's batch normalisation, max pooling with argmax. Convolutions, average
+// pooling and batch normalisation are cuDNN calls in kernels/cuda_conv_ops.cc. Plain
+// C++: includable from files the host compiler builds.
 //
 // Conventions (those of kernels/cuda_kernels.h):
 //   * every pointer is device memory on the current device (the caller sets it);
@@ -14,8 +14,8 @@
 //   * everything is deterministic: reductions add partial sums in a fixed order that
 //     depends only on the shape (no floating-point atomics), and each kernel follows
 //     the CPU reference (kernels/cpu_conv_ops.cc) operation for operation, with the
-//     same element type for the arithmetic (double for the reductions and statistics);
-//     only the order of additions in the reductions differs.
+//     same element type for the arithmetic (double for the reductions); only the order
+//     of additions in the reductions differs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -33,7 +33,7 @@ void add_channel_bias(float* y, const float* bias, int64_t n, int64_t channels, 
 void add_channel_bias(double* y, const double* bias, int64_t n, int64_t channels, int64_t positions,
                       cudaStream_t stream);
 
-// Doubles of workspace the per-channel reductions below need (a function of the shape).
+// Doubles of workspace channel_bias_grad needs (a function of the shape).
 int64_t channel_reduction_workspace(int64_t n, int64_t channels, int64_t positions);
 
 // db: (C) += the sum of dy: (N, C, E) over n and e, accumulated in double and rounded
@@ -43,39 +43,21 @@ void channel_bias_grad(const float* dy, float* db, int64_t n, int64_t channels, 
 void channel_bias_grad(const double* dy, double* db, int64_t n, int64_t channels, int64_t positions,
                        double* workspace, cudaStream_t stream);
 
-// Batch normalisation with the batch's statistics, as the CPU reference computes them:
-// per channel, in double, mu = sum x / m and v = sum (x - mu)^2 / m (m = N E, two
-// passes); mean = T(mu), var = T(v); then
-//   y = (x - T(mu)) * T(gamma / sqrt(double(T(v)) + eps)) + beta     (in T).
-// y may alias x. workspace: channel_reduction_workspace() doubles. n * positions >= 1.
-void batchnorm_train(const float* x, const float* gamma, const float* beta, double eps, float* y, float* mean,
-                     float* var, int64_t n, int64_t channels, int64_t positions, double* workspace,
-                     cudaStream_t stream);
-void batchnorm_train(const double* x, const double* gamma, const double* beta, double eps, double* y,
-                     double* mean, double* var, int64_t n, int64_t channels, int64_t positions, double* workspace,
-                     cudaStream_t stream);
+// Batch normalisation runs on cuDNN, whose training forward saves, per channel, the
+// batch mean and the inverse standard deviation invstd = 1 / sqrt(var + eps), and whose
+// backward takes the same pair. The contract (kernels/backend.h) keeps the biased
+// variance instead; these convert, per channel, in double, rounding once to T.
+//
+// v: (C) holds invstd on entry and var = max(1 / invstd^2 - eps, 0) on exit (a NaN stays
+// NaN). The clamp only catches channels whose variance is within rounding of 0.
+void batchnorm_invstd_to_var(float* v, double eps, int64_t channels, cudaStream_t stream);
+void batchnorm_invstd_to_var(double* v, double eps, int64_t channels, cudaStream_t stream);
 
-// y = (x - mean) * T(gamma / sqrt(double(var) + eps)) + beta (in T), per channel.
-// y may alias x. workspace: channel_reduction_workspace() doubles.
-void batchnorm_eval(const float* x, const float* gamma, const float* beta, const float* mean, const float* var,
-                    double eps, float* y, int64_t n, int64_t channels, int64_t positions, double* workspace,
-                    cudaStream_t stream);
-void batchnorm_eval(const double* x, const double* gamma, const double* beta, const double* mean,
-                    const double* var, double eps, double* y, int64_t n, int64_t channels, int64_t positions,
-                    double* workspace, cudaStream_t stream);
-
-// Backward of batchnorm_train, in double per channel with rstd = 1 / sqrt(var + eps),
-// xhat = (x - mean) rstd, m = N E:
-//   dbeta += T(sum dy);  dgamma += T(sum dy xhat);
-//   dx = T(gamma rstd (dy - sum(dy) / m - xhat sum(dy xhat) / m)).
-// The sums are complete before dx is written, so dx may alias dy or x.
-// workspace: channel_reduction_workspace() doubles. n * positions >= 1.
-void batchnorm_backward(const float* dy, const float* x, const float* gamma, const float* mean, const float* var,
-                        double eps, float* dx, float* dgamma, float* dbeta, int64_t n, int64_t channels,
-                        int64_t positions, double* workspace, cudaStream_t stream);
-void batchnorm_backward(const double* dy, const double* x, const double* gamma, const double* mean,
-                        const double* var, double eps, double* dx, double* dgamma, double* dbeta, int64_t n,
-                        int64_t channels, int64_t positions, double* workspace, cudaStream_t stream);
+// invstd: (C) = T(1 / sqrt(double(var) + eps)) for var: (C) (the CPU reference's rstd,
+// rounded to T).
+void batchnorm_var_to_invstd(const float* var, double eps, float* invstd, int64_t channels, cudaStream_t stream);
+void batchnorm_var_to_invstd(const double* var, double eps, double* invstd, int64_t channels,
+                             cudaStream_t stream);
 
 // Max pooling over `planes` (N C) planes of x: (H, W) into y, argmax: (P, Q) per plane.
 // Each output scans its window clipped to the image in row-major order; the first

@@ -5,11 +5,14 @@
 //     math, no TF32 tensor-core rounding, like the backend's cuBLAS handle) and, where
 //     cuDNN offers one, a deterministic algorithm that is neither FFT nor Winograd,
 //     chosen by cuDNN's heuristics once per shape and remembered;
+//   * batchnorm_train, batchnorm_backward and batchnorm_eval: cuDNN's spatial batch
+//     normalisation, with two small conversions (kernels/cuda_conv_kernels.cu) between
+//     the contract's biased variance and the inverse standard deviation cuDNN keeps; see
+//     "Batch normalisation" below;
 //   * avgpool2d and avgpool2d_backward: cuDNN pooling (average over the window, no
 //     padding);
-//   * channel bias, batch norm and max pooling: kernels/cuda_conv_kernels.cu
-//     (deterministic; cuDNN's batch norm keeps an inverse standard deviation, not the
-//     contract's biased variance, and its max pooling has no argmax).
+//   * channel bias and max pooling: kernels/cuda_conv_kernels.cu (deterministic;
+//     cuDNN's max pooling has no argmax).
 // Every op returns as soon as its work is queued. maxpool2d_backward checks argmax as
 // it scatters, on the device: a bad index is skipped and becomes the CPU's Error at the
 // backend's next wait ("Deferred input errors" in kernels/cuda_backend.cc).
@@ -19,10 +22,11 @@
 #include <algorithm>
 #include <array>
 #include <climits>
-#include <initializer_list>
 #include <cstdint>
+#include <initializer_list>
 #include <map>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -51,6 +55,7 @@ using ConvKey = std::array<int64_t, 10>;  // dtype, N, C, H, W, K, R, S, stride,
 struct CudnnState {
   cudnnHandle_t handle = nullptr;  // bound to the backend's stream
   cudnnTensorDescriptor_t x = nullptr, y = nullptr;
+  cudnnTensorDescriptor_t bn = nullptr;  // batch norm: (1, C, 1, 1) parameters and statistics
   cudnnFilterDescriptor_t w = nullptr;
   cudnnConvolutionDescriptor_t conv = nullptr;
   cudnnPoolingDescriptor_t pool = nullptr;
@@ -250,6 +255,48 @@ Tensor scratch(Backend& b, size_t bytes) {
   return b.empty({static_cast<int64_t>((bytes + sizeof(double) - 1) / sizeof(double))}, DType::kF64);
 }
 
+// ---- Batch-norm helpers
+
+// Spatial mode: one mean, variance, gamma and beta per channel, over (N, H, W). Not
+// SPATIAL_PERSISTENT, which cuDNN's header describes as possibly faster but limited in
+// the range of values it handles.
+constexpr cudnnBatchNormMode_t kBatchnormMode = CUDNN_BATCHNORM_SPATIAL;
+
+std::string number(double v) {
+  std::ostringstream out;
+  out << v;
+  return out.str();
+}
+
+// cuDNN refuses an eps below CUDNN_BN_MIN_EPSILON with CUDNN_STATUS_BAD_PARAM. That
+// minimum is 0 in the cuDNN 9 we build with, and check_batchnorm already refuses
+// eps < 0, so this fires only when built against an older cuDNN (whose minimum was
+// 1e-5); it then names the value and the fix instead of cuDNN's bare status.
+void check_cudnn_eps(double eps, const char* op) {
+  if (eps < CUDNN_BN_MIN_EPSILON) {
+    throw UserError(std::string(op) + ": eps " + number(eps) + " is below " + number(CUDNN_BN_MIN_EPSILON) +
+                    ", the smallest that this build's cuDNN " + std::to_string(CUDNN_MAJOR) + "." +
+                    std::to_string(CUDNN_MINOR) + " accepts (CUDNN_BN_MIN_EPSILON); give the BatchNorm2d layer "
+                    "an eps of at least " + number(CUDNN_BN_MIN_EPSILON) + " (BatchNorm2dOptions::eps), or build "
+                    "against a cuDNN whose minimum is 0 (cuDNN 9 is)");
+  }
+}
+
+// Sets st.x to x's shape (also used for y, dy and dx, which share it) and st.bn to the
+// (1, C, 1, 1) descriptor cuDNN derives from it: same element type as x (float for
+// float32, double for float64), as gamma, beta, mean and var have.
+void set_batchnorm(CudnnState& st, const Tensor& x, const char* op) {
+  set_tensor(st.x, x, x.shape(), op);
+  GPIPE_CUDNN_CHECK(cudnnDeriveBNTensorDescriptor(st.bn, st.x, kBatchnormMode));
+}
+
+// Whether the memory of a and b overlaps.
+bool overlaps(const Tensor& a, const Tensor& b) {
+  const char* pa = static_cast<const char*>(a.raw_data());
+  const char* pb = static_cast<const char*>(b.raw_data());
+  return pa < pb + b.nbytes() && pb < pa + a.nbytes();
+}
+
 void destroy(CudnnState* st) noexcept {
   auto warn = [](cudnnStatus_t s, const char* what) {
     if (s != CUDNN_STATUS_SUCCESS) spdlog::warn("{} failed: {}", what, cudnnGetErrorString(s));
@@ -257,6 +304,7 @@ void destroy(CudnnState* st) noexcept {
   if (st->pool != nullptr) warn(cudnnDestroyPoolingDescriptor(st->pool), "cudnnDestroyPoolingDescriptor");
   if (st->conv != nullptr) warn(cudnnDestroyConvolutionDescriptor(st->conv), "cudnnDestroyConvolutionDescriptor");
   if (st->w != nullptr) warn(cudnnDestroyFilterDescriptor(st->w), "cudnnDestroyFilterDescriptor");
+  if (st->bn != nullptr) warn(cudnnDestroyTensorDescriptor(st->bn), "cudnnDestroyTensorDescriptor");
   if (st->y != nullptr) warn(cudnnDestroyTensorDescriptor(st->y), "cudnnDestroyTensorDescriptor");
   if (st->x != nullptr) warn(cudnnDestroyTensorDescriptor(st->x), "cudnnDestroyTensorDescriptor");
   if (st->handle != nullptr) warn(cudnnDestroy(st->handle), "cudnnDestroy");
@@ -276,6 +324,7 @@ CudnnState& CudaBackend::cudnn() {
     GPIPE_CUDNN_CHECK(cudnnSetStream(st->handle, cuda_stream()));
     GPIPE_CUDNN_CHECK(cudnnCreateTensorDescriptor(&st->x));
     GPIPE_CUDNN_CHECK(cudnnCreateTensorDescriptor(&st->y));
+    GPIPE_CUDNN_CHECK(cudnnCreateTensorDescriptor(&st->bn));
     GPIPE_CUDNN_CHECK(cudnnCreateFilterDescriptor(&st->w));
     GPIPE_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&st->conv));
     GPIPE_CUDNN_CHECK(cudnnCreatePoolingDescriptor(&st->pool));
@@ -393,6 +442,36 @@ void CudaBackend::channel_bias_grad(const Tensor& dy, Tensor& db) {
 }
 
 // ---- Batch normalisation
+//
+// cuDNN's spatial batch normalisation (legacy API: cuDNN 9 marks it deprecated, which
+// only warns under CUDNN_WARN_DEPRECATED, and still ships it, as it does the pooling
+// and filter calls above). Its training forward saves, per channel, the batch mean and
+// invstd = 1 / sqrt(var + eps) (biased var) for its backward; the contract keeps the
+// biased variance itself, which BatchNorm2d folds into its running statistics at the
+// end of the step. So:
+//
+//   batchnorm_train     cuDNN forward, running averages off (NULL: the layer keeps its
+//                       own), saved mean -> mean, saved invstd -> var, then in place
+//                       var = 1 / invstd^2 - eps (in double; clamped at 0)
+//   batchnorm_backward  invstd = 1 / sqrt(var + eps) into scratch (in double, rounded
+//                       to T), then cuDNN backward with (mean, invstd) as its saved
+//                       statistics, so it does not recompute them from x: dx
+//                       overwritten (alpha 1, beta 0), dgamma and dbeta accumulated
+//                       (alpha 1, beta 1), as on the CPU
+//   batchnorm_eval      cuDNN inference with the given mean and var
+//
+// Rounding: var comes back from cuDNN's invstd, rounded to T with some relative error
+// d (at least half an ulp: 6e-8 for float32, 1.1e-16 for float64). 1 / invstd^2 - eps
+// turns that into an absolute error of about 2 d (var + eps), i.e. 2 d (1 + eps / var)
+// relative: a few ulps of var where var >> eps, and about 2 d eps absolute for a
+// channel with (nearly) no variance (clamped at 0 if it goes negative). That is well
+// inside the conformance tolerances (kernels/cuda_conv_test.cc), which are set by the
+// reductions anyway: cuDNN sums in its own order and precision, and computes y from its
+// unrounded statistics rather than, as the CPU reference does, from the stored T(mean)
+// and T(var).
+//
+// Outputs may alias inputs (the old kernels allowed it, cuDNN does not document it):
+// an output that overlaps an input is computed into scratch and copied, on the stream.
 
 void CudaBackend::batchnorm_train(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y,
                                   Tensor& mean, Tensor& var) {
@@ -403,14 +482,28 @@ void CudaBackend::batchnorm_train(const Tensor& x, const Tensor& gamma, const Te
   for (const Tensor* t : std::initializer_list<const Tensor*>{&x, &gamma, &beta, &y, &mean, &var}) {
     check_on_device(*t, "batchnorm_train");
   }
+  check_cudnn_eps(eps, "batchnorm_train");
   const ChannelDims d = channel_dims(x);
+  if (x.numel() == 0) return;  // no channels (check_batchnorm refuses N H W == 0)
   DeviceGuard guard(device_.index);
-  Tensor ws = empty({cuda_conv::channel_reduction_workspace(d.N, d.C, d.E)}, DType::kF64);
+  cudaStream_t s = cuda_stream();
+  CudnnState& st = cudnn();
+  set_batchnorm(st, x, "batchnorm_train");
+  const DType t = x.dtype();
+  Tensor out = overlaps(y, x) ? empty(y.shape(), t) : y;  // (N, C, H, W)
+  const Blend b = blend(1.0, 0.0);
+  GPIPE_CUDNN_CHECK(cudnnBatchNormalizationForwardTraining(
+      st.handle, kBatchnormMode, b.alpha(t), b.beta(t), st.x, x.raw_data(), st.x, out.raw_data(), st.bn,
+      gamma.raw_data(), beta.raw_data(), /*exponentialAverageFactor=*/1.0, /*resultRunningMean=*/nullptr,
+      /*resultRunningVariance=*/nullptr, eps, /*resultSaveMean=*/mean.raw_data(),
+      /*resultSaveInvVariance=*/var.raw_data()));
   dispatch_float(x, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    cuda_conv::batchnorm_train(x.data<T>(), gamma.data<T>(), beta.data<T>(), eps, y.data<T>(), mean.data<T>(),
-                               var.data<T>(), d.N, d.C, d.E, ws.data<double>(), cuda_stream());
+    cuda_conv::batchnorm_invstd_to_var(var.data<T>(), eps, d.C, s);
   });
+  if (out.raw_data() != y.raw_data()) {
+    GPIPE_CUDA_CHECK(cudaMemcpyAsync(y.raw_data(), out.raw_data(), y.nbytes(), cudaMemcpyDeviceToDevice, s));
+  }
 }
 
 void CudaBackend::batchnorm_eval(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& mean,
@@ -422,14 +515,22 @@ void CudaBackend::batchnorm_eval(const Tensor& x, const Tensor& gamma, const Ten
   for (const Tensor* t : std::initializer_list<const Tensor*>{&x, &gamma, &beta, &mean, &var, &y}) {
     check_on_device(*t, "batchnorm_eval");
   }
-  const ChannelDims d = channel_dims(x);
+  check_cudnn_eps(eps, "batchnorm_eval");
+  if (x.numel() == 0) return;
   DeviceGuard guard(device_.index);
-  Tensor ws = empty({cuda_conv::channel_reduction_workspace(d.N, d.C, d.E)}, DType::kF64);
-  dispatch_float(x, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    cuda_conv::batchnorm_eval(x.data<T>(), gamma.data<T>(), beta.data<T>(), mean.data<T>(), var.data<T>(), eps,
-                              y.data<T>(), d.N, d.C, d.E, ws.data<double>(), cuda_stream());
-  });
+  cudaStream_t s = cuda_stream();
+  CudnnState& st = cudnn();
+  set_batchnorm(st, x, "batchnorm_eval");
+  const DType t = x.dtype();
+  Tensor out = overlaps(y, x) ? empty(y.shape(), t) : y;  // (N, C, H, W)
+  const Blend b = blend(1.0, 0.0);
+  GPIPE_CUDNN_CHECK(cudnnBatchNormalizationForwardInference(st.handle, kBatchnormMode, b.alpha(t), b.beta(t), st.x,
+                                                            x.raw_data(), st.x, out.raw_data(), st.bn,
+                                                            gamma.raw_data(), beta.raw_data(), mean.raw_data(),
+                                                            var.raw_data(), eps));
+  if (out.raw_data() != y.raw_data()) {
+    GPIPE_CUDA_CHECK(cudaMemcpyAsync(y.raw_data(), out.raw_data(), y.nbytes(), cudaMemcpyDeviceToDevice, s));
+  }
 }
 
 void CudaBackend::batchnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
@@ -445,15 +546,28 @@ void CudaBackend::batchnorm_backward(const Tensor& dy, const Tensor& x, const Te
        std::initializer_list<const Tensor*>{&dy, &x, &gamma, &mean, &var, &dx, &dgamma, &dbeta}) {
     check_on_device(*t, "batchnorm_backward");
   }
+  check_cudnn_eps(eps, "batchnorm_backward");
   const ChannelDims d = channel_dims(x);
+  if (x.numel() == 0) return;  // no channels: dx is empty, dgamma and dbeta += nothing
   DeviceGuard guard(device_.index);
-  Tensor ws = empty({cuda_conv::channel_reduction_workspace(d.N, d.C, d.E)}, DType::kF64);
+  cudaStream_t s = cuda_stream();
+  CudnnState& st = cudnn();
+  set_batchnorm(st, x, "batchnorm_backward");
+  const DType t = x.dtype();
+  Tensor invstd = empty({d.C}, t);  // (C): cuDNN's saved inverse standard deviation
   dispatch_float(x, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    cuda_conv::batchnorm_backward(dy.data<T>(), x.data<T>(), gamma.data<T>(), mean.data<T>(), var.data<T>(), eps,
-                                  dx.data<T>(), dgamma.data<T>(), dbeta.data<T>(), d.N, d.C, d.E, ws.data<double>(),
-                                  cuda_stream());
+    cuda_conv::batchnorm_var_to_invstd(var.data<T>(), eps, invstd.data<T>(), d.C, s);
   });
+  Tensor out = overlaps(dx, dy) || overlaps(dx, x) ? empty(dx.shape(), t) : dx;  // (N, C, H, W)
+  const Blend data = blend(1.0, 0.0), params = blend(1.0, 1.0);
+  GPIPE_CUDNN_CHECK(cudnnBatchNormalizationBackward(
+      st.handle, kBatchnormMode, data.alpha(t), data.beta(t), params.alpha(t), params.beta(t), st.x, x.raw_data(),
+      st.x, dy.raw_data(), st.x, out.raw_data(), st.bn, gamma.raw_data(), dgamma.raw_data(), dbeta.raw_data(), eps,
+      /*savedMean=*/mean.raw_data(), /*savedInvVariance=*/invstd.raw_data()));
+  if (out.raw_data() != dx.raw_data()) {
+    GPIPE_CUDA_CHECK(cudaMemcpyAsync(dx.raw_data(), out.raw_data(), dx.nbytes(), cudaMemcpyDeviceToDevice, s));
+  }
 }
 
 // ---- Pooling

@@ -186,12 +186,23 @@ TEST_CASE("add_channel_bias and channel_bias_grad match the CPU reference") {
 }
 
 // ---------------------------------------------------------------------------------
-// Batch normalisation
+// Batch normalisation (cuDNN's spatial mode, kernels/cuda_conv_ops.cc)
 
-// Odd sizes; planes shorter and longer than a block; several partial sums per channel
-// (the last two); one value per plane.
+// Odd sizes; planes shorter and longer than a block; large channels (the last two);
+// one value per plane.
 const Shape kBatchnormShapes[] = {{2, 3, 5, 7}, {1, 4, 3, 3}, {5, 3, 1, 1}, {4, 3, 13, 11}, {16, 3, 13, 11},
                                   {3, 2, 47, 45}};
+
+// The statistics (and y, dgamma, dbeta, dx through them) are sums of m = N H W values
+// that cuDNN adds in its own order and in the element type: reduction_tol(dt, m). The
+// biased variance comes back from cuDNN's inverse standard deviation; that conversion
+// adds only a few ulps of var + eps (see kernels/cuda_conv_ops.cc).
+//
+// Inference has no reduction, but cuDNN may arrange gamma (x - mean) / sqrt(var + eps)
+// + beta differently from the CPU (folded into x scale + shift, with a reciprocal square
+// root of a few ulps): allow a few ulps of the intermediates, |x scale| and
+// |mean scale| <= ~5 with these inputs, beyond the elementwise tolerance.
+Tol batchnorm_eval_tol(DType t) { return t == DType::kF32 ? Tol{1e-5, 5e-6} : Tol{1e-12, 1e-13}; }
 
 TEST_CASE("batchnorm_train matches the CPU reference (statistics and output)") {
   uint64_t seed = 300;
@@ -213,7 +224,55 @@ TEST_CASE("batchnorm_train matches the CPU reference (statistics and output)") {
       EXPECT_CLOSE_TOL(mg, mc, reduction_tol(dt, m));
       EXPECT_CLOSE_TOL(vg, vc, reduction_tol(dt, m));
       EXPECT_CLOSE_TOL(yg, yc, reduction_tol(dt, m));
+
+      // y may alias x.
+      Tensor inplace = to_gpu(x);
+      Tensor m2 = gpu().empty({C}, dt), v2 = gpu().empty({C}, dt);
+      gpu().batchnorm_train(inplace, to_gpu(gamma), to_gpu(beta), eps, inplace, m2, v2);
+      EXPECT_CLOSE_TOL(inplace, yc, reduction_tol(dt, m));
+      EXPECT_CLOSE_TOL(v2, vc, reduction_tol(dt, m));
     }
+  }
+}
+
+// A channel of equal values has variance 0: cuDNN's invstd is then 1 / sqrt(eps), and
+// 1 / invstd^2 - eps is 0 up to rounding, which must not come back negative.
+TEST_CASE("batchnorm_train: a constant channel gets variance 0 (not below), and y = beta there") {
+  for (DType dt : kFloatTypes) {
+    CAPTURE(dtype_name(dt));
+    const Shape s{3, 2, 5, 4};
+    const int64_t m = s[0] * s[2] * s[3];
+    Tensor x = random_tensor(s, dt, 42);
+    // Channel 0 holds 2.0 everywhere: every sum of it is exact, so the mean is exactly 2
+    // and every deviation exactly 0, whatever order cuDNN adds in.
+    for (int64_t n = 0; n < s[0]; ++n) {
+      for (int64_t e = 0; e < s[2] * s[3]; ++e) {
+        const int64_t i = n * s[1] * s[2] * s[3] + e;
+        if (dt == DType::kF32) {
+          x.data<float>()[i] = 2.0f;
+        } else {
+          x.data<double>()[i] = 2.0;
+        }
+      }
+    }
+    Tensor gamma = random_tensor({2}, dt, 43, 0.5, 1.5), beta = random_tensor({2}, dt, 44);
+    const double eps = 1e-5;
+    Tensor yc = Tensor::empty(s, dt, Device::cpu()), mc = Tensor::empty({2}, dt, Device::cpu()),
+           vc = Tensor::empty({2}, dt, Device::cpu());
+    Tensor yg = gpu().empty(s, dt), mg = gpu().empty({2}, dt), vg = gpu().empty({2}, dt);
+    cpu().batchnorm_train(x, gamma, beta, eps, yc, mc, vc);
+    gpu().batchnorm_train(to_gpu(x), to_gpu(gamma), to_gpu(beta), eps, yg, mg, vg);
+    EXPECT_CLOSE_TOL(mg, mc, reduction_tol(dt, m));
+    const std::vector<double> v = to_doubles(vg);
+    CHECK(v[0] >= 0.0);
+    // A few ulps d of invstd turn into about 2 d eps (kernels/cuda_conv_ops.cc).
+    CHECK(v[0] <= (dt == DType::kF32 ? 1e-10 : 1e-19));
+    EXPECT_CLOSE_TOL(vg, vc, reduction_tol(dt, m));
+    // On the CPU channel 0 gets y = 0 * scale + beta = beta exactly; cuDNN may fold the
+    // normalisation into x scale + shift, whose terms are |2 gamma / sqrt(eps)| <= ~950
+    // here: allow a few of their ulps.
+    const double ulp = dt == DType::kF32 ? 6e-8 : 1.2e-16;
+    EXPECT_CLOSE_TOL(yg, yc, (Tol{1e-5, 8 * ulp * 2.0 * 1.5 / std::sqrt(eps)}));
   }
 }
 
@@ -232,7 +291,12 @@ TEST_CASE("batchnorm_eval matches the CPU reference") {
       Tensor yc = Tensor::empty(s, dt, Device::cpu()), yg = gpu().empty(s, dt);
       cpu().batchnorm_eval(x, gamma, beta, mean, var, 1e-3, yc);
       gpu().batchnorm_eval(to_gpu(x), to_gpu(gamma), to_gpu(beta), to_gpu(mean), to_gpu(var), 1e-3, yg);
-      EXPECT_CLOSE_TOL(yg, yc, elementwise_tol(dt));
+      EXPECT_CLOSE_TOL(yg, yc, batchnorm_eval_tol(dt));
+
+      // y may alias x.
+      Tensor inplace = to_gpu(x);
+      gpu().batchnorm_eval(inplace, to_gpu(gamma), to_gpu(beta), to_gpu(mean), to_gpu(var), 1e-3, inplace);
+      EXPECT_CLOSE_TOL(inplace, yc, batchnorm_eval_tol(dt));
     }
   }
 }
@@ -269,6 +333,18 @@ TEST_CASE("batchnorm_backward matches the CPU reference: dx overwritten, dgamma 
       Tensor dg2 = to_gpu(dg0), db2 = to_gpu(db0);
       gpu().batchnorm_backward(inplace, to_gpu(x), to_gpu(gamma), to_gpu(mean), to_gpu(var), eps, inplace, dg2, db2);
       EXPECT_CLOSE_TOL(inplace, dxc, reduction_tol(dt, m));
+      EXPECT_CLOSE_TOL(dg2, dgc, reduction_tol(dt, m));
+      EXPECT_CLOSE_TOL(db2, dbc, reduction_tol(dt, m));
+
+      // As a layer uses it: the statistics the GPU's batchnorm_train kept (the variance
+      // converted from cuDNN's invstd, and back again for the backward).
+      Tensor yg = gpu().empty(s, dt), mg = gpu().empty({C}, dt), vg = gpu().empty({C}, dt);
+      gpu().batchnorm_train(to_gpu(x), to_gpu(gamma), to_gpu(beta), eps, yg, mg, vg);
+      Tensor dx3 = to_gpu(dx0), dg3 = to_gpu(dg0), db3 = to_gpu(db0);
+      gpu().batchnorm_backward(to_gpu(dy), to_gpu(x), to_gpu(gamma), mg, vg, eps, dx3, dg3, db3);
+      EXPECT_CLOSE_TOL(db3, dbc, reduction_tol(dt, m));
+      EXPECT_CLOSE_TOL(dg3, dgc, reduction_tol(dt, m));
+      EXPECT_CLOSE_TOL(dx3, dxc, reduction_tol(dt, m));
     }
   }
 }
