@@ -53,6 +53,10 @@ struct Executor::StageRuntime {
   StageSpec spec;
   Backend* backend = nullptr;
   std::unique_ptr<layers::Optimizer> optimizer;
+  // Shared with the other local stages on the same device, whose backend (its stream,
+  // BLAS and cuDNN handles, error checks) they also use: a stage queues work on the
+  // device only while it holds it, and never while it waits for a message.
+  std::mutex* device_turn = nullptr;
   std::unique_ptr<GradReducer> reducer;  // with data-parallel replicas
   layers::ReplicaSum replica_sum;        // likewise, for BatchNorm's statistics
   double grad_norm = -1;
@@ -161,6 +165,20 @@ Executor::Executor(layers::Sequential& model, std::vector<StageSpec> stages, Sch
     }
     runtimes_.push_back(std::move(rt));
   }
+  // Stages of this process that share a device take turns on its backend.
+  for (int k = 0; k < K; ++k) {
+    if (!runtimes_[k]->local) continue;
+    for (int j = 0; j < k; ++j) {
+      if (runtimes_[j]->local && stages_[j].device == stages_[k].device) {
+        if (runtimes_[j]->device_turn == nullptr) {
+          device_turns_.push_back(std::make_unique<std::mutex>());
+          runtimes_[j]->device_turn = device_turns_.back().get();
+        }
+        runtimes_[k]->device_turn = runtimes_[j]->device_turn;
+        break;
+      }
+    }
+  }
   // Threads per process: K in one process, or one stage per process (one per core).
   const int threads = options_.local_stage < 0 ? K : 1;
   const bool pin = options_.pin_threads && static_cast<unsigned>(threads) <= std::thread::hardware_concurrency();
@@ -205,6 +223,11 @@ void Executor::worker_main(int k) {
       if (--running_ == 0) cv_done_.notify_all();
     }
   }
+}
+
+std::unique_lock<std::mutex> Executor::device_turn(int k) {
+  std::mutex* m = runtimes_[k]->device_turn;
+  return m != nullptr ? std::unique_lock<std::mutex>(*m) : std::unique_lock<std::mutex>();
 }
 
 void Executor::run_stage(int k) {
@@ -276,7 +299,10 @@ void Executor::run_stage(int k) {
   };
 
   try {
-    if (rt.grads_dirty) zero_grads();
+    if (rt.grads_dirty) {
+      auto turn = device_turn(k);
+      zero_grads();
+    }
     rt.grads_dirty = true;
     for (size_t pc = 0; pc < schedule_.stages[k].size(); ++pc) {
       const Instruction& ins = schedule_.stages[k][pc];
@@ -287,6 +313,7 @@ void Executor::run_stage(int k) {
           rt.mbs[m].input = transport_.recv(k, k - 1, {MessageKind::kActivation, m}, dev);
           break;
         case Op::kForward: {
+          auto turn = device_turn(k);
           MicroBatch& mb = rt.mbs[m];
           if (k == 0) mb.input = to_device(cur_.inputs.narrow_rows(cur_.offsets[m], cur_.sizes[m]));
           const bool ckpt = checkpointed[m];
@@ -302,13 +329,16 @@ void Executor::run_stage(int k) {
           mb.output = Tensor();
           break;
         }
-        case Op::kRecompute:
+        case Op::kRecompute: {
+          auto turn = device_turn(k);
           cell_forward(rt.mbs[m], m, /*keep=*/true, /*recompute=*/true);
           break;
+        }
         case Op::kRecvGradient:
           rt.mbs[m].grad_output = transport_.recv(k, k + 1, {MessageKind::kGradient, m}, dev);
           break;
         case Op::kBackward: {
+          auto turn = device_turn(k);
           MicroBatch& mb = rt.mbs[m];
           GPIPE_CHECK(static_cast<int>(mb.ctx.size()) == rt.spec.num_layers,
                       "backward of micro-batch " + std::to_string(m) + " without its forward contexts");
@@ -337,21 +367,26 @@ void Executor::run_stage(int k) {
           mb.grad_input = Tensor();
           break;
         }
-        case Op::kOptimizerStep:
-          if (rt.reducer) rt.reducer->finish(rt.optimizer->params());
+        case Op::kOptimizerStep: {
+          if (rt.reducer) rt.reducer->finish(rt.optimizer->params());  // multi-process: no shared device
           sum_tied_gradients(k);
           if (!cur_.apply_optimizer) break;  // the gradients stay for inspection
-          // A device backend reports bad data (a token id, a label) at its next wait: wait
-          // here, once per step, so that such an error stops the step before any weight
-          // changes.
-          be.synchronize();
+          {
+            // A device backend reports bad data (a token id, a label) at its next wait:
+            // wait here, once per step, so that such an error stops the step before any
+            // weight changes.
+            auto turn = device_turn(k);
+            be.synchronize();
+          }
           if (options_.clip_grad_norm > 0) clip_gradients(k);
+          auto turn = device_turn(k);
           rt.optimizer->step();
           zero_grads();
           for (int i = rt.spec.first_layer; i < rt.spec.first_layer + rt.spec.num_layers; ++i) {
             model_.layer(i).end_step(be, rt.replica_sum);
           }
           break;
+        }
       }
       if (m >= 0) {
         MicroBatch& mb = rt.mbs[m];
@@ -363,6 +398,7 @@ void Executor::run_stage(int k) {
       rt.trace.ops.push_back({ins.op, m, t0, now_ms()});
     }
     transport_.flush(k);
+    auto turn = device_turn(k);
     be.synchronize();
   } catch (const Aborted& e) {
     rt.error = std::current_exception();
@@ -396,19 +432,27 @@ void Executor::sum_tied_gradients(int k) {
     const int so = stage_of(t.owner_layer), sc = stage_of(t.copy_layer);
     const MessageTag tag{MessageKind::kTiedGradient, static_cast<int>(i)};
     if (so == k && sc == k) {
+      auto turn = device_turn(k);
       be.axpy(1.0, t.copy->grad, t.owner->grad);
       be.copy(t.owner->grad, t.copy->grad);
     } else if (sc == k) {
       Tensor mine = be.empty(t.copy->grad.shape(), t.copy->grad.dtype());  // the send may outlive the next line
-      be.copy(t.copy->grad, mine);
+      {
+        auto turn = device_turn(k);
+        be.copy(t.copy->grad, mine);
+      }
       transport_.send(k, so, tag, mine);
       Tensor sum = transport_.recv(k, so, tag, dev);
+      auto turn = device_turn(k);
       be.copy(sum, t.copy->grad);
     } else if (so == k) {
       Tensor other = transport_.recv(k, sc, tag, dev);
-      be.axpy(1.0, other, t.owner->grad);
       Tensor sum = be.empty(t.owner->grad.shape(), t.owner->grad.dtype());
-      be.copy(t.owner->grad, sum);
+      {
+        auto turn = device_turn(k);
+        be.axpy(1.0, other, t.owner->grad);
+        be.copy(t.owner->grad, sum);
+      }
       transport_.send(k, sc, tag, sum);
     }
   }
@@ -417,14 +461,18 @@ void Executor::sum_tied_gradients(int k) {
 void Executor::clip_gradients(int k) {
   StageRuntime& rt = *runtimes_[k];
   double local = 0;
-  for (layers::Parameter* p : rt.optimizer->params()) {
-    if (!model_.is_tied_copy(p)) local += rt.backend->sum_squares(p->grad);  // a tied weight counts once
+  {
+    auto turn = device_turn(k);
+    for (layers::Parameter* p : rt.optimizer->params()) {
+      if (!model_.is_tied_copy(p)) local += rt.backend->sum_squares(p->grad);  // a tied weight counts once
+    }
   }
   const double norm = std::sqrt(transport_.all_reduce_sum(k, local));
   rt.grad_norm = norm;
   // As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when above.
   const double coef = options_.clip_grad_norm / (norm + 1e-6);
   if (coef < 1.0) {
+    auto turn = device_turn(k);
     for (layers::Parameter* p : rt.optimizer->params()) rt.backend->scale(p->grad, coef);
   }
 }

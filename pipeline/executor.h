@@ -106,6 +106,8 @@ class Executor {
   void run_stage(int k);
   void clip_gradients(int k);
   void sum_tied_gradients(int k);
+  // Stage k's turn on its device's backend (no-op unless it shares the device).
+  std::unique_lock<std::mutex> device_turn(int k);
   int stage_of(int layer) const;
 
   layers::Sequential& model_;
@@ -114,6 +116,7 @@ class Executor {
   Transport& transport_;
   ExecutorOptions options_;
   std::vector<std::unique_ptr<StageRuntime>> runtimes_;
+  std::vector<std::unique_ptr<std::mutex>> device_turns_;  // one per device shared by local stages
 
   // The current step, shared with the workers.
   struct StepInputs {

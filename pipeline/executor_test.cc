@@ -371,10 +371,15 @@ TEST_CASE("a head tied to the embedding: gradients summed across stages, copies 
   }
   auto ref_params = reference->named_parameters();
 
-  for (int K = 1; K <= 3; ++K) {
+  // Last: three stages sharing one device, taking turns on its backend (as stages
+  // sharing a GPU must), with the tied exchange and the norm's all-reduce between them.
+  for (int K : {1, 2, 3, -3}) {
     for (int M : {1, 3}) {
+      const bool shared = K < 0;
+      K = std::abs(K);
       CAPTURE(K);
       CAPTURE(M);
+      CAPTURE(shared);
       auto model = layers::build_model(spec);
       InProcessTransport transport(K);
       ExecutorOptions opts;
@@ -382,7 +387,9 @@ TEST_CASE("a head tied to the embedding: gradients summed across stages, copies 
       opts.optimizer.lr = 0.1;
       opts.optimizer.momentum = 0.9;
       opts.optimizer.weight_decay = 0.01;
-      Executor ex(*model, make_stages(even_balance(model->size(), K), cpu_devices(K)),
+      Executor ex(*model,
+                  make_stages(even_balance(model->size(), K),
+                              shared ? std::vector<Device>(K, Device::cpu(0)) : cpu_devices(K)),
                   gpipe_schedule(K, M, CheckpointMode::kExceptLast), transport, opts);
       const StepResult r = ex.step(x, y, false);
       CHECK(r.loss == doctest::Approx(ref_loss).epsilon(1e-12));

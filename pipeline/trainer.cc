@@ -19,7 +19,9 @@ namespace pipeline {
 
 namespace {
 
-std::vector<Device> plan_devices(const Config& c) {
+// The stages' devices. In a multi-process run only this process's stage (local_stage)
+// must exist here; the others are on other nodes.
+std::vector<Device> plan_devices(const Config& c, int local_stage) {
   const int K = c.pipeline.partitions;
   std::vector<Device> out;
   if (c.pipeline.devices.empty()) {
@@ -32,7 +34,8 @@ std::vector<Device> plan_devices(const Config& c) {
   }
   for (const auto& d : c.pipeline.devices) {
     Device dev = parse_device(d);
-    if (dev.is_cuda() && dev.index >= cuda_device_count()) {
+    const bool here = local_stage < 0 || static_cast<int>(out.size()) == local_stage;
+    if (here && dev.is_cuda() && dev.index >= cuda_device_count()) {
       throw UserError("pipeline.devices names " + dev.str() + " but this machine has " +
                       std::to_string(cuda_device_count()) + " visible CUDA devices; use cpu:N devices instead");
     }
@@ -278,7 +281,7 @@ TrainResult train(const Config& c, std::ostream& out, const Launch& launch) {
   split_sizes(replica_batch, M);  // validates N >= M before anything starts
   TrainResult result;
   result.balance = plan_balance(c, *model);
-  const std::vector<StageSpec> stages = make_stages(result.balance, plan_devices(c));
+  const std::vector<StageSpec> stages = make_stages(result.balance, plan_devices(c, multi ? launch.rank : -1));
   check_fits_in_memory(c, *model, result.balance, stages);
   Schedule schedule = make_schedule(c.pipeline.schedule, K, M, mode);
 

@@ -26,7 +26,7 @@ struct TrainResult {
 struct Launch {
   int rank = 0;  // this process's stage: its rank within its pipeline
   int size = 1;  // processes per pipeline (K when size > 1)
-  Transport* transport = nullptr;  // required when size > 1 (an MpiTransport)
+  Transport* transport = nullptr;  // required when size > 1 (MpiTransport, or NcclTransport for GPU stages)
   int replica = 0;                 // which data-parallel replica this process belongs to
   ReplicaGroup* replicas = nullptr;  // the same stage in the other replicas; required when D > 1
 };

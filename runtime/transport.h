@@ -30,8 +30,10 @@ class Transport {
   // Hands `t` to stage `dst`. Does not wait for the receiver; the sender must not
   // write to `t` afterwards.
   virtual void send(int src, int dst, const MessageTag& tag, const Tensor& t) = 0;
-  // Blocks until the matching send arrives and returns it on `device`. Throws Aborted
-  // once abort() has been called, so a failed stage never leaves its neighbours waiting.
+  // Returns the matching send's tensor on `device`: once it has arrived, or, on a GPU
+  // transport, once its arrival is ordered before everything later queued on the
+  // device's compute stream. Throws Aborted once abort() has been called, so a failed
+  // stage never leaves its neighbours waiting.
   virtual Tensor recv(int dst, int src, const MessageTag& tag, Device device) = 0;
   // Collective over all stages: every stage calls it once with its value and all get
   // the sum (e.g. squared gradient norms for clipping by the global norm). Throws
