@@ -5,7 +5,8 @@
 #       builds the CUDA tests and GPU benchmarks with --config=cuda and copies them,
 #       with every non-CUDA shared library they load, into .gpu_carry/ (git-ignored)
 #   bench/gpu_check.sh run       (on the GPU machine, with .gpu_carry/ carried over)
-#       runs the CPU-vs-CUDA conformance suite and the GPU benchmarks, full logs under
+#       runs the CPU-vs-CUDA conformance suite, the GPU benchmarks and a K = 1, 2, 4
+#       pipeline on one GPU, full logs under
 #       $OUT (or /tmp/gpu_check), and prints a short table last
 #
 # The GPU machine has the CUDA libraries but no Bazel and no Debian packages, so the
@@ -62,6 +63,16 @@ run() {
     fi
   done
 
+  # A K-stage pipeline on this one GPU against K = 1 (the stages take turns on its
+  # stream; step_ms waits for the device, the per-stage timings are the host's queuing).
+  : > "$out/pipeline.jsonl"
+  local k
+  for k in 1 2 4; do
+    "$carry/pipeline_bench" --device cuda:0 --k "$k" --m 8 --checkpoint except_last --width 4096 --depth 16 \
+      --batch 1024 --steps 20 --warmup 3 --no-pin --table >> "$out/pipeline.jsonl" 2>> "$out/pipeline.err" ||
+      echo "{\"k\": $k, \"error\": true}" >> "$out/pipeline.jsonl"
+  done
+
   echo "GPU: $(tail -n 1 "$out/gpu.txt")"
   echo "CPU-vs-CUDA conformance:"
   printf '%s' "$summary"
@@ -75,6 +86,16 @@ for r in rows:
         continue
     print(f"{r['bench']:<12} {r['hidden']:>6} {r['step_ms']:>9.2f} {r.get('achieved_gflops', float('nan')):>9.0f} "
           f"{r.get('gemm_gflops', float('nan')):>13.0f} {r.get('fraction_of_gemm_rate', float('nan')):>8.2f}")
+PY
+  python3 - "$out/pipeline.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+print(f"{'pipeline on cuda:0':<20} {'step ms':>9} {'ideal bubble':>13}")
+for r in rows:
+    if r.get("error"):
+        print(f"K={r['k']:<18} failed")
+        continue
+    print(f"K={r['k']}, M={r['m']:<14} {r['step_ms']:>9.2f} {r['ideal_bubble']:>13.3f}")
 PY
 }
 

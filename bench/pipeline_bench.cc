@@ -48,6 +48,7 @@ struct Flags {
   bool lead_relu = false;  // a ReLU before the first Linear, so that every Linear computes dx
   int core = 0;  // the driver thread's core (and a K = 1 stage's)
   bool direct = false;  // also time the direct single-thread baseline
+  std::string device = "cpu";  // cpu: stage k on cpu:k; otherwise every stage on this device (e.g. cuda:0)
   bool table = false;   // ReportBuilder's table on stderr
   bool trace = false;   // the last step's per-instruction timeline on stderr
   double lr = 0.01;
@@ -59,7 +60,7 @@ const char* kUsage =
     "usage: pipeline_bench [--k K] [--m M] [--checkpoint never|except_last|always] [--width W] [--depth D]\n"
     "                      [--input I] [--classes C] [--batch N] [--steps S] [--warmup W] [--blas-threads T]\n"
     "                      [--balance a,b,..] [--lr LR] [--seed S] [--core C] [--no-pin] [--direct] [--table]\n"
-    "                      [--trace] [--lead-relu]\n";
+    "                      [--trace] [--lead-relu] [--device cpu|cuda:N]\n";
 
 [[noreturn]] void usage_error(const std::string& why) {
   std::cerr << "pipeline_bench: " << why << "\n" << kUsage;
@@ -103,6 +104,7 @@ Flags parse_flags(int argc, char** argv) {
     if (a == "k") f.k = static_cast<int>(to_int(a, value));
     else if (a == "m") f.m = static_cast<int>(to_int(a, value));
     else if (a == "checkpoint") f.checkpoint = value;
+    else if (a == "device") f.device = value;
     else if (a == "width") f.width = to_int(a, value);
     else if (a == "depth") f.depth = to_int(a, value);
     else if (a == "input") f.input = to_int(a, value);
@@ -202,7 +204,10 @@ int main(int argc, char** argv) {
       partition::validate_balance(balance, model->size(), f.k);
     }
     std::vector<Device> devices;
-    for (int k = 0; k < f.k; ++k) devices.push_back(Device::cpu(k));
+    // On one GPU the stages share it (taking turns on its stream), as on a single-GPU
+    // machine; the per-instruction timings then measure the host's queuing, and only
+    // step_ms (which waits for the device) is the GPU's time.
+    for (int k = 0; k < f.k; ++k) devices.push_back(f.device == "cpu" ? Device::cpu(k) : parse_device(f.device));
     const std::vector<StageSpec> stages = make_stages(balance, devices);
     const Schedule schedule = gpipe_schedule(f.k, f.m, mode);
 
@@ -306,6 +311,7 @@ int main(int argc, char** argv) {
     j["k"] = f.k;
     j["m"] = f.m;
     j["checkpoint"] = f.checkpoint;
+    j["device"] = f.device;
     j["width"] = f.width;
     j["depth"] = f.depth;
     j["lead_relu"] = f.lead_relu;
