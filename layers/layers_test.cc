@@ -172,7 +172,10 @@ TEST_CASE("a tied head needs an embedding before it with the same table shape") 
   spec.layers = {{"embedding", {{"vocab", "10"}, {"dim", "6"}}, {}, ""},
                  {"linear", {{"out", "10"}, {"bias", "false"}, {"tied", "true"}}, {}, "cfg.yaml:3:7"}};
   spec.loss = {"softmax_cross_entropy", {}, {}, ""};
-  CHECK(build_model(spec)->ties().size() == 1);
+  auto tied = build_model(spec);
+  CHECK(tied->ties().size() == 1);
+  const Tie t = tied->ties()[0];
+  CHECK_THROWS_WITH_AS(tied->tie(0, *t.owner, 1, *t.copy), doctest::Contains("tied already"), UserError);
   spec.layers[1].args["out"] = "9";
   CHECK_THROWS_WITH_AS(build_model(spec),
                        doctest::Contains("tied (at cfg.yaml:3:7): the head's weight (9, 6) must match embedding layer 0"),

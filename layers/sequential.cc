@@ -64,6 +64,13 @@ void Sequential::tie(int owner_layer, Parameter& owner, int copy_layer, Paramete
                     std::to_string(owner_layer) + "." + owner.name + " " + owner.value.str() +
                     ": a tied weight needs the same shape and type in both layers");
   }
+  for (const Tie& t : ties_) {
+    if (t.owner == &owner || t.copy == &owner || t.copy == &copy) {
+      throw UserError("cannot tie " + std::to_string(copy_layer) + "." + copy.name + " to " +
+                      std::to_string(owner_layer) + "." + owner.name + ": one of them is tied already; a weight "
+                      "can be shared by two layers only");
+    }
+  }
   backend_for(copy.value.device()).copy(owner.value, copy.value);
   ties_.push_back({owner_layer, &owner, copy_layer, &copy});
 }

@@ -293,8 +293,9 @@ Config parse_config(const std::string& text, const std::string& source, const st
                                   "devices", "pin_threads", "bucket_mb"});
     if (p["bucket_mb"]) {
       c.pipeline.bucket_mb = dec.number(p["bucket_mb"], "pipeline.bucket_mb");
-      if (!(c.pipeline.bucket_mb >= 0)) {
-        dec.fail(p["bucket_mb"], "pipeline.bucket_mb", "must be at least 0 (0: one reduction per parameter)");
+      if (!(c.pipeline.bucket_mb >= 0 && c.pipeline.bucket_mb <= 1e6)) {
+        dec.fail(p["bucket_mb"], "pipeline.bucket_mb",
+                 "must be at least 0 (0: one reduction per parameter) and at most 1e6");
       }
     }
     if (p["replicas"]) c.pipeline.replicas = static_cast<int>(dec.positive(p["replicas"], "pipeline.replicas"));

@@ -179,6 +179,14 @@ Executor::Executor(layers::Sequential& model, std::vector<StageSpec> stages, Sch
       }
     }
   }
+  for (const auto& rt : runtimes_) {
+    // A replica's collectives block; a stage must not block while other stages wait for
+    // their turn on its device.
+    if (rt->reducer && rt->device_turn != nullptr) {
+      throw UserError("data-parallel replicas need each stage on its own device; pipeline.devices gives stage " +
+                      std::to_string(rt->index) + "'s device to another stage too");
+    }
+  }
   // Threads per process: K in one process, or one stage per process (one per core).
   const int threads = options_.local_stage < 0 ? K : 1;
   const bool pin = options_.pin_threads && static_cast<unsigned>(threads) <= std::thread::hardware_concurrency();
@@ -373,8 +381,8 @@ void Executor::run_stage(int k) {
           if (!cur_.apply_optimizer) break;  // the gradients stay for inspection
           {
             // A device backend reports bad data (a token id, a label) at its next wait:
-            // wait here, once per step, so that such an error stops the step before any
-            // weight changes.
+            // wait here, once per step, so that such an error stops the step before this
+            // stage's weights change.
             auto turn = device_turn(k);
             be.synchronize();
           }
@@ -496,6 +504,12 @@ StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool appl
     const int32_t* t = targets.data<int32_t>();
     counted = std::count_if(t, t + targets.numel(), [&](int32_t v) { return v != xent->ignore_index(); });
   }
+  // With replicas, over the whole mini-batch: each replica's share of the loss and of
+  // the gradients is then already scaled for the sum over replicas, however unevenly
+  // the ignored targets fall.
+  if (options_.replicas != nullptr && options_.replicas->size() > 1) {
+    counted = static_cast<int64_t>(options_.replicas->all_reduce_sum(static_cast<double>(counted)));
+  }
   cur_.scale = counted > 0 ? 1.0 / static_cast<double>(counted) : 0.0;
   cur_.apply_optimizer = apply_optimizer;
   cur_.step = steps_done_++;
@@ -550,7 +564,7 @@ StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool appl
     result.grad_norm = last.grad_norm;
   }
   if (options_.replicas != nullptr && options_.replicas->size() > 1) {
-    result.loss = options_.replicas->all_reduce_sum(result.loss) / options_.replicas->size();
+    result.loss = options_.replicas->all_reduce_sum(result.loss);
   }
   for (auto& rt : runtimes_) {
     result.stages.push_back(std::move(rt->trace));  // empty for stages of other processes

@@ -38,9 +38,8 @@ void GradReducer::start(Bucket& b) {
     be_.copy(p->grad, slice);
     offset += p->grad.numel();
   }
-  // Averaged before the sum (each replica's share scaled by 1/D): the sum is then the
-  // mean, and the copies back are plain copies.
-  be_.scale(b.flat, 1.0 / group_.size());
+  // Summed: each replica's loss was scaled by the whole mini-batch's target count, so
+  // the sum over replicas is the mini-batch's gradient.
   group_.start_all_reduce_sum(b.flat);
   open_ = false;
   ++started_;

@@ -1,4 +1,4 @@
-// Data parallelism: averages one stage's gradients over its replicas in buckets, as
+// Data parallelism: sums one stage's gradients over its replicas in buckets, as
 // PyTorch's DistributedDataParallel does, so that the reductions of the layers whose
 // gradients are final start while the earlier layers are still in backward.
 //
@@ -6,7 +6,9 @@
 // mini-batch, and that backward runs the cell's layers last to first: the executor
 // marks each layer's parameters ready as that backward leaves the layer. A bucket
 // (a flat buffer on the stage's device) starts its reduction once it holds
-// bucket_bytes; finish() starts the rest, waits, and writes the averages back.
+// bucket_bytes; finish() starts the rest, waits, and writes the sums back (each
+// replica scaled its loss by the whole mini-batch's target count, so the sum is the
+// mini-batch's gradient).
 //
 //   last backward:  layer 5 | layer 4 | layer 3 | layer 2 | layer 1 | layer 0 | opt
 //   reductions:            [ bucket 0 (5, 4)   ][ bucket 1 (3, 2, 1)     ][b2]
@@ -32,7 +34,7 @@ class GradReducer {
   // Lets started reductions advance; cheap, call it between layers.
   void progress() { group_.progress(); }
   // Marks every parameter of `all` not yet ready, waits for every reduction and
-  // leaves each gradient averaged over the replicas. Ends the step.
+  // leaves each gradient summed over the replicas. Ends the step.
   void finish(const std::vector<layers::Parameter*>& all);
   // Reductions started so far in this step (for tests and logs).
   int buckets_started() const { return started_; }

@@ -191,6 +191,10 @@ int main(int argc, char** argv) {
     if (mpi && mpi->size > 1) MPI_Abort(MPI_COMM_WORLD, code);
     return code;
   };
+  // Outside the try: a failure's MPI_Abort must come before their destructors, which
+  // would otherwise free buffers that sends and reductions still use.
+  std::unique_ptr<gpipe::Transport> transport;
+  std::unique_ptr<gpipe::ReplicaGroup> replicas;
   try {
     const Args a = parse_args(argc, argv);
     if (a.command == "help" || a.command == "--help" || a.command == "-h") {
@@ -203,8 +207,6 @@ int main(int argc, char** argv) {
     auto config = gpipe::pipeline::load_config(a.config, a.overrides);
     if (a.command == "plan") return plan(config);
     gpipe::pipeline::Launch launch;
-    std::unique_ptr<gpipe::Transport> transport;
-    std::unique_ptr<gpipe::ReplicaGroup> replicas;
     if (mpi) {
       // P = K x D ranks: rank r runs stage r % K of replica r / K. One communicator per
       // pipeline (its K stages) and one per stage (its D replicas).

@@ -75,8 +75,7 @@ Score score_chunk(layers::Sequential& model, Backend& be, const Tensor& h, const
   Tensor logits = h;
   if (!h.device().is_cpu()) {
     logits = Tensor::empty(h.shape(), h.dtype(), Device::cpu());
-    be.copy(h, logits);
-    be.synchronize();
+    be.copy(h, logits);  // waits for the device
   }
   const int64_t classes = logits.shape().back();
   const int64_t rows = logits.numel() / classes;

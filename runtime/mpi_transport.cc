@@ -173,7 +173,7 @@ double MpiReplicaGroup::all_reduce_sum(double value) {
 
 void MpiTransport::abort(const std::string& why) {
   spdlog::error("rank {} ends the job: {}", rank_, why);
-  MPI_Abort(comm_, 1);
+  MPI_Abort(MPI_COMM_WORLD, 1);  // the whole job: other replicas too
 }
 
 }  // namespace gpipe

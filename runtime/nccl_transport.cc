@@ -323,7 +323,7 @@ void NcclTransport::abort(const std::string& why) {
   // Kernels waiting for a peer that will never answer stop now instead of holding the
   // GPU until MPI_Abort ends the process.
   release_nccl_comm(std::exchange(nccl_, nullptr), /*abandon=*/true, "NcclTransport::abort");
-  MPI_Abort(comm_, 1);
+  MPI_Abort(MPI_COMM_WORLD, 1);  // the whole job: other replicas too
 }
 
 // ---------------------------------------------------------------------------------
