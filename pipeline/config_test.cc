@@ -40,9 +40,10 @@ TEST_CASE("the default config loads") {
   const Config c = load_config("configs/default.yaml");
   CHECK(c.name == "default");
   CHECK(c.pipeline.partitions == 2);
-  CHECK(c.pipeline.micro_batches == 8);
+  CHECK(c.pipeline.micro_batches == 4);
   CHECK(c.output.dir == "runs/default");
-  CHECK(c.model.layers.size() == 15);
+  CHECK(c.model.layers.size() == 7);  // embedding, 4 blocks, layernorm, tied head
+  CHECK(c.model.layers.back().args.at("tied") == "true");
 }
 
 TEST_CASE("repeats expand, costs and defaults are kept") {

@@ -157,7 +157,7 @@ TEST_CASE("data and model must agree, and files must exist") {
 }
 
 TEST_CASE("the shipped configs parse, build and balance") {
-  for (const char* path : {"configs/default.yaml", "configs/gpt.yaml", "configs/resnet.yaml"}) {
+  for (const char* path : {"configs/default.yaml", "configs/mlp.yaml", "configs/gpt.yaml", "configs/resnet.yaml"}) {
     CAPTURE(path);
     const Config c = load_config(path);
     auto model = layers::build_model(c.model);
