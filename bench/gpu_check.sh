@@ -18,10 +18,10 @@ carry=.gpu_carry
 prepare() {
   rm -rf "$carry" && mkdir -p "$carry/lib"
   bazel build --config=cuda //kernels:cuda_backend_test //kernels:cuda_conv_test //tests:gpu_layers_test \
-    //bench:block_bench //bench:pipeline_bench >&2
+    //bench:block_bench //bench:pipeline_bench //pipeline:gpipe >&2
   local bin
   for bin in kernels/cuda_backend_test kernels/cuda_conv_test tests/gpu_layers_test bench/block_bench \
-             bench/pipeline_bench; do
+             bench/pipeline_bench pipeline/gpipe; do
     cp -L "bazel-bin/$bin" "$carry/$(basename "$bin")"
     # Every shared library it loads, except the CUDA toolkit's and the C runtime's.
     ldd "bazel-bin/$bin" | awk '/=> \// { print $3 }' | while read -r lib; do
@@ -31,7 +31,8 @@ prepare() {
       esac
     done
   done
-  cp bench/torch_block.py "$carry/"
+  cp bench/torch_block.py configs/default.yaml "$carry/"
+  cp /usr/share/common-licenses/GPL-3 "$carry/GPL-3"
   du -sh "$carry" >&2
 }
 
@@ -73,6 +74,14 @@ run() {
       echo "{\"k\": $k, \"error\": true}" >> "$out/pipeline.jsonl"
   done
 
+  # The default language model end to end: two stages sharing the GPU (tied head and
+  # embedding on different stages) against the same run on two CPU stages.
+  local lm=(train "$carry/default.yaml" --set "data.path=$carry/GPL-3" --set train.steps=40
+            --set train.log_interval=10 --set model.layers.1.layers.0.dropout=0.0)
+  "$carry/gpipe" "${lm[@]}" --set output.dir="$out/lm_cpu" > "$out/lm_cpu.log" 2>&1 || true
+  "$carry/gpipe" "${lm[@]}" --set 'pipeline.devices=[cuda:0,cuda:0]' --set output.dir="$out/lm_gpu" \
+    > "$out/lm_gpu.log" 2>&1 || true
+
   echo "GPU: $(tail -n 1 "$out/gpu.txt")"
   echo "CPU-vs-CUDA conformance:"
   printf '%s' "$summary"
@@ -97,6 +106,10 @@ for r in rows:
         continue
     print(f"K={r['k']}, M={r['m']:<14} {r['step_ms']:>9.2f} {r['ideal_bubble']:>13.3f}")
 PY
+  echo "default LM, 40 steps, per-step loss on 2 CPU stages vs 2 stages on cuda:0:"
+  paste <(grep -E '^step ' "$out/lm_cpu.log" | awk '{print $2, $4}') \
+        <(grep -E '^step ' "$out/lm_gpu.log" | awk '{print $4}') || true
+  grep -E 'Throughput|error' "$out/lm_cpu.log" "$out/lm_gpu.log" || true
 }
 
 case "${1:-}" in
