@@ -376,7 +376,7 @@ void Executor::run_stage(int k) {
           break;
         }
         case Op::kOptimizerStep: {
-          if (rt.reducer) rt.reducer->finish(rt.optimizer->params());  // multi-process: no shared device
+          if (rt.reducer) rt.reducer->finish(rt.optimizer->params());  // its device is not shared (checked)
           sum_tied_gradients(k);
           if (!cur_.apply_optimizer) break;  // the gradients stay for inspection
           {
