@@ -83,10 +83,12 @@ bool Sequential::is_tied_copy(const Parameter* p) const {
 }
 
 void Sequential::sum_tied_gradients(Backend& be) {
-  for (const Tie& t : ties_) {
-    be.axpy(1.0, t.copy->grad, t.owner->grad);
-    be.copy(t.owner->grad, t.copy->grad);
-  }
+  for (const Tie& t : ties_) sum_tied_gradient(be, t);
+}
+
+void Sequential::sum_tied_gradient(Backend& be, const Tie& t) {
+  be.axpy(1.0, t.copy->grad, t.owner->grad);
+  be.copy(t.owner->grad, t.copy->grad);
 }
 
 void Sequential::end_step(Backend& be) {

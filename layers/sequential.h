@@ -68,6 +68,8 @@ class Sequential {
   // every tie: each gets the sum of the two gradients (the executor does the same
   // across stages).
   void sum_tied_gradients(Backend& be);
+  // The same for one tie.
+  static void sum_tied_gradient(Backend& be, const Tie& t);
   // Every layer's end_step (see Layer::end_step), on one backend.
   void end_step(Backend& be);
 

@@ -441,8 +441,7 @@ void Executor::sum_tied_gradients(int k) {
     const MessageTag tag{MessageKind::kTiedGradient, static_cast<int>(i)};
     if (so == k && sc == k) {
       auto turn = device_turn(k);
-      be.axpy(1.0, t.copy->grad, t.owner->grad);
-      be.copy(t.owner->grad, t.copy->grad);
+      layers::Sequential::sum_tied_gradient(be, t);
     } else if (sc == k) {
       Tensor mine = be.empty(t.copy->grad.shape(), t.copy->grad.dtype());  // the send may outlive the next line
       {

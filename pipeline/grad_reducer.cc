@@ -1,7 +1,5 @@
 #include "pipeline/grad_reducer.h"
 
-#include <algorithm>
-
 #include "runtime/error.h"
 
 namespace gpipe {
@@ -11,10 +9,7 @@ GradReducer::GradReducer(ReplicaGroup& group, Backend& be, int64_t bucket_bytes)
     : group_(group), be_(be), bucket_bytes_(bucket_bytes) {}
 
 void GradReducer::ready(layers::Parameter* p) {
-  for (const Bucket& b : buckets_) {
-    GPIPE_CHECK(std::find(b.params.begin(), b.params.end(), p) == b.params.end(),
-                "gradient of " + p->name + " marked ready twice in one step");
-  }
+  GPIPE_CHECK(marked_.insert(p).second, "gradient of " + p->name + " marked ready twice in one step");
   // One element type per bucket: a parameter of another type closes the open one.
   if (open_ && buckets_.back().params.front()->grad.dtype() != p->grad.dtype()) start(buckets_.back());
   if (!open_) {
@@ -47,9 +42,7 @@ void GradReducer::start(Bucket& b) {
 
 void GradReducer::finish(const std::vector<layers::Parameter*>& all) {
   for (layers::Parameter* p : all) {
-    bool seen = false;
-    for (const Bucket& b : buckets_) seen = seen || std::find(b.params.begin(), b.params.end(), p) != b.params.end();
-    if (!seen) ready(p);
+    if (marked_.count(p) == 0) ready(p);
   }
   if (open_) start(buckets_.back());
   group_.wait_all();
@@ -61,6 +54,7 @@ void GradReducer::finish(const std::vector<layers::Parameter*>& all) {
     }
   }
   buckets_.clear();
+  marked_.clear();
   started_ = 0;
 }
 

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <unordered_set>
 #include <vector>
 
 #include "layers/layer.h"
@@ -51,6 +52,7 @@ class GradReducer {
   Backend& be_;
   int64_t bucket_bytes_;
   std::vector<Bucket> buckets_;  // this step's; the last one is open while not started
+  std::unordered_set<const layers::Parameter*> marked_;  // ready this step
   bool open_ = false;
   int started_ = 0;
 };
