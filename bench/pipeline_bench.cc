@@ -156,8 +156,6 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-bool is_compute(Op op) { return op == Op::kForward || op == Op::kRecompute || op == Op::kBackward; }
-
 // CPU seconds the whole machine spent busy (and lost to the hypervisor: steal) from
 // /proc/stat, and this process's own from getrusage: their difference over the timed
 // steps is what other programs took, which on a 2-core machine slows K = 2 (both

@@ -130,7 +130,8 @@ class Backend {
 
   // y = cross-correlation of x with w (as torch.nn.functional.conv2d), zero padding.
   virtual void conv2d(const Tensor& x, const Tensor& w, int stride, int pad, Tensor& y) = 0;
-  // dx = the input gradient (skipped when dx is undefined); dw += the weight gradient.
+  // dx = the input gradient; dw += the weight gradient. Either is skipped when undefined
+  // (a zero-bubble schedule computes them at different times).
   virtual void conv2d_backward(const Tensor& dy, const Tensor& x, const Tensor& w, int stride, int pad, Tensor& dx,
                                Tensor& dw) = 0;
   // y (N, K, ...) += bias[k] over every position; db (K) += sum over N and positions.

@@ -126,8 +126,8 @@ void CpuBackend::conv2d_backward(const Tensor& dy, const Tensor& x, const Tensor
   const ConvDims d = check_conv(x, w, stride, pad, "conv2d_backward");
   const std::string because = conv_because(x, w, stride, pad);
   check_shape(dy, x, {d.N, d.K, d.P, d.Q}, "conv2d_backward", "output gradient dy", because);
-  check_shape(dw, x, w.shape(), "conv2d_backward", "weight gradient dw", "(the weight's shape)");
-  const bool want_dx = dx.defined();
+  const bool want_dw = dw.defined(), want_dx = dx.defined();
+  if (want_dw) check_shape(dw, x, w.shape(), "conv2d_backward", "weight gradient dw", "(the weight's shape)");
   if (want_dx) check_shape(dx, x, x.shape(), "conv2d_backward", "input gradient dx", "(the input's shape)");
   if (d.N == 0) return;
   dispatch_float(x, [&](auto* tag) {
@@ -138,13 +138,15 @@ void CpuBackend::conv2d_backward(const Tensor& dy, const Tensor& x, const Tensor
     for (int64_t n = 0; n < d.N; ++n) {
       const T* xn = x.data<T>() + n * CHW;         // (C, H, W)
       const T* dyn = dy.data<T>() + n * d.K * PQ;  // (K, P Q)
-      const T* b = xn;
-      if (!pointwise) {
-        im2col(xn, d, stride, pad, col.data());
-        b = col.data();
+      if (want_dw) {
+        const T* b = xn;
+        if (!pointwise) {
+          im2col(xn, d, stride, pad, col.data());
+          b = col.data();
+        }
+        // dw (K, C R S) += dy_n (K, P Q) @ col^T (P Q, C R S)
+        gemm(false, true, d.K, CRS, PQ, 1.0, dyn, PQ, b, PQ, 1.0, dw.data<T>(), CRS);
       }
-      // dw (K, C R S) += dy_n (K, P Q) @ col^T (P Q, C R S)
-      gemm(false, true, d.K, CRS, PQ, 1.0, dyn, PQ, b, PQ, 1.0, dw.data<T>(), CRS);
       if (!want_dx) continue;
       T* dxn = dx.data<T>() + n * CHW;
       if (pointwise) {

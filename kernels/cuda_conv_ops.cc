@@ -373,13 +373,13 @@ void CudaBackend::conv2d_backward(const Tensor& dy, const Tensor& x, const Tenso
   const ConvDims d = check_conv(x, w, stride, pad, "conv2d_backward");
   const std::string because = conv_because(x, w, stride, pad);
   check_shape(dy, x, {d.N, d.K, d.P, d.Q}, "conv2d_backward", "output gradient dy", because);
-  check_shape(dw, x, w.shape(), "conv2d_backward", "weight gradient dw", "(the weight's shape)");
-  const bool want_dx = dx.defined();
+  const bool want_dw = dw.defined(), want_dx = dx.defined();
+  if (want_dw) check_shape(dw, x, w.shape(), "conv2d_backward", "weight gradient dw", "(the weight's shape)");
   if (want_dx) check_shape(dx, x, x.shape(), "conv2d_backward", "input gradient dx", "(the input's shape)");
   check_on_device(dy, "conv2d_backward");
   check_on_device(x, "conv2d_backward");
   check_on_device(w, "conv2d_backward");
-  check_on_device(dw, "conv2d_backward");
+  if (want_dw) check_on_device(dw, "conv2d_backward");
   if (want_dx) check_on_device(dx, "conv2d_backward");
   if (d.N == 0) return;
   if (x.numel() == 0) return;  // H or W is 0: dw += 0, and dx has no elements
@@ -389,9 +389,12 @@ void CudaBackend::conv2d_backward(const Tensor& dy, const Tensor& x, const Tenso
   const ConvKey key = conv_key(x, d, stride, pad);
   const DType t = x.dtype();
   // dw += the weight gradient (beta 1).
-  const ConvChoice cf = backward_filter_algo(st, key, t, because);
-  size_t bytes = cf.bytes;
-  ConvChoice cd;
+  ConvChoice cf, cd;
+  size_t bytes = 0;
+  if (want_dw) {
+    cf = backward_filter_algo(st, key, t, because);
+    bytes = cf.bytes;
+  }
   if (want_dx) {
     cd = backward_data_algo(st, key, t, because);
     bytes = std::max(bytes, cd.bytes);
@@ -399,10 +402,12 @@ void CudaBackend::conv2d_backward(const Tensor& dy, const Tensor& x, const Tenso
   Tensor ws = scratch(*this, bytes);  // one workspace for both calls (they run in stream order)
   void* wsp = bytes > 0 ? ws.raw_data() : nullptr;
   const Blend accumulate = blend(1.0, 1.0), overwrite = blend(1.0, 0.0);
-  GPIPE_CUDNN_CHECK(cudnnConvolutionBackwardFilter(st.handle, accumulate.alpha(t), st.x, x.raw_data(), st.y,
-                                                   dy.raw_data(), st.conv,
-                                                   static_cast<cudnnConvolutionBwdFilterAlgo_t>(cf.algo), wsp,
-                                                   cf.bytes, accumulate.beta(t), st.w, dw.raw_data()));
+  if (want_dw) {
+    GPIPE_CUDNN_CHECK(cudnnConvolutionBackwardFilter(st.handle, accumulate.alpha(t), st.x, x.raw_data(), st.y,
+                                                     dy.raw_data(), st.conv,
+                                                     static_cast<cudnnConvolutionBwdFilterAlgo_t>(cf.algo), wsp,
+                                                     cf.bytes, accumulate.beta(t), st.w, dw.raw_data()));
+  }
   if (!want_dx) return;
   GPIPE_CUDNN_CHECK(cudnnConvolutionBackwardData(st.handle, overwrite.alpha(t), st.w, w.raw_data(), st.y,
                                                  dy.raw_data(), st.conv,

@@ -110,14 +110,19 @@ Tensor CausalSelfAttention::forward_impl(Backend& be, const Tensor& x, Context* 
   return drop_.forward(be, y, child(ctx, kDrop), args);
 }
 
-Tensor CausalSelfAttention::backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) {
+Tensor CausalSelfAttention::backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) {
   const Tensor& qkv = ctx.saved.at(0);    // (B, T, 3C)
   const Tensor& probs = ctx.saved.at(1);  // (B, H, T, T)
-  Tensor g = drop_.backward(be, dy, ctx.children.at(kDrop));  // (B, T, C)
-  Tensor datt = proj_.backward(be, g, ctx.children.at(kProj));  // (B, T, C)
-  Tensor dqkv = be.empty(qkv.shape(), dtype_);                  // (B, T, 3C)
+  Tensor g = drop_.backward_input(be, dy, ctx.children.at(kDrop));   // (B, T, C)
+  Tensor datt = proj_.backward_input(be, g, ctx.children.at(kProj));  // (B, T, C)
+  Tensor dqkv = be.empty(qkv.shape(), dtype_);                        // (B, T, 3C)
   be.attention_backward(datt, qkv, probs, static_cast<int>(opts_.heads), dqkv);
-  return qkv_.backward(be, dqkv, ctx.children.at(kQkv), need_dx);
+  return qkv_.backward_input(be, dqkv, ctx.children.at(kQkv), need_dx);
+}
+
+void CausalSelfAttention::backward_weight_impl(Backend& be, Context& ctx) {
+  proj_.backward_weight(be, ctx.children.at(kProj));
+  qkv_.backward_weight(be, ctx.children.at(kQkv));
 }
 
 }  // namespace layers

@@ -27,10 +27,12 @@ class CausalSelfAttention : public Layer {
   LayerCost cost(int64_t batch) const override;
   // "qkv.weight", "qkv.bias", "proj.weight", "proj.bias".
   std::vector<Parameter*> parameters() override;
+  bool splits_backward() const override { return true; }  // the projections' weight gradients
 
  private:
   Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
-  Tensor backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) override;
+  Tensor backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) override;
+  void backward_weight_impl(Backend& be, Context& ctx) override;
   AttentionOptions opts_;
   Linear qkv_;    // (T, C) -> (T, 3C)
   Linear proj_;   // (T, C) -> (T, C)

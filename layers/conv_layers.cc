@@ -150,12 +150,25 @@ Tensor Conv2d::forward_impl(Backend& be, const Tensor& x, Context* ctx, const Fo
   return y;
 }
 
-Tensor Conv2d::backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) {
-  const Tensor& x = ctx.saved.at(0);                             // (N, C, H, W)
-  Tensor dx = need_dx ? be.empty(x.shape(), dtype_) : Tensor();  // undefined: the op skips it
-  be.conv2d_backward(dy, x, weight_.value, opts_.stride, opts_.pad, dx, weight_.grad);
-  if (opts_.bias) be.channel_bias_grad(dy, bias_.grad);
+// B: dx only; dy joins the context for W.
+Tensor Conv2d::backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) {
+  const Tensor x = ctx.saved.at(0);  // (N, C, H, W); a handle, as push_back may move the vector
+  ctx.saved.push_back(dy);           // (N, K, P, Q)
+  if (!need_dx) return Tensor();
+  Tensor dx = be.empty(x.shape(), dtype_);
+  Tensor no_dw;  // undefined: the op skips the weight gradient
+  be.conv2d_backward(dy, x, weight_.value, opts_.stride, opts_.pad, dx, no_dw);
   return dx;
+}
+
+// W: dw and the bias gradient.
+void Conv2d::backward_weight_impl(Backend& be, Context& ctx) {
+  GPIPE_CHECK(ctx.saved.size() == 2, describe() + ": weight gradient without its backward_input");
+  const Tensor& x = ctx.saved[0];   // (N, C, H, W)
+  const Tensor& dy = ctx.saved[1];  // (N, K, P, Q)
+  Tensor no_dx;
+  be.conv2d_backward(dy, x, weight_.value, opts_.stride, opts_.pad, no_dx, weight_.grad);
+  if (opts_.bias) be.channel_bias_grad(dy, bias_.grad);
 }
 
 // ---- BatchNorm2d

@@ -28,6 +28,19 @@ Tensor Layer::backward(Backend& be, const Tensor& dy, const Context& ctx, bool n
   return backward_impl(be, dy, ctx, need_dx && input_dtype_ != DType::kI32);
 }
 
+Tensor Layer::backward_input(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) {
+  check_batch(dy, output_shape_, dtype_, describe(), "output gradient");
+  return backward_input_impl(be, dy, ctx, need_dx && input_dtype_ != DType::kI32);
+}
+
+Tensor Layer::backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) {
+  GPIPE_CHECK(splits_backward(), describe() + " implements neither backward_impl nor backward_input_impl");
+  Context c = ctx;  // shallow: the halves add what W needs to the copy
+  Tensor dx = backward_input_impl(be, dy, c, need_dx);
+  backward_weight_impl(be, c);
+  return dx;
+}
+
 void Layer::to(Device device) {
   for (Parameter* p : parameters()) {
     if (p->value.device() != device) {

@@ -80,6 +80,14 @@ class Layer {
   // returns dx, or an undefined tensor when need_dx is false (the first layer) or the
   // input is not differentiable (token ids).
   Tensor backward(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx = true);
+  // The same backward in two halves, for zero-bubble schedules: backward_input (B, on
+  // the pipeline's critical path) returns dx and keeps in ctx what the weight
+  // gradients need; backward_weight (W, run later in a bubble) adds them. A layer that
+  // does not split (splits_backward() false) does all its work in backward_input and
+  // nothing in backward_weight, so every layer runs under every schedule.
+  Tensor backward_input(Backend& be, const Tensor& dy, Context& ctx, bool need_dx = true);
+  void backward_weight(Backend& be, Context& ctx) { backward_weight_impl(be, ctx); }
+  virtual bool splits_backward() const { return false; }
 
   // "linear", "relu", ... as named in configs.
   virtual std::string type() const = 0;
@@ -107,7 +115,14 @@ class Layer {
       : input_shape_(std::move(input_shape)), output_shape_(std::move(output_shape)), dtype_(dtype),
         input_dtype_(dtype) {}
   virtual Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) = 0;
-  virtual Tensor backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) = 0;
+  // A layer implements backward_impl, or (splitting its backward) backward_input_impl
+  // and backward_weight_impl with splits_backward() true; each default is written in
+  // terms of the other: the whole backward is the two halves on a copy of the context.
+  virtual Tensor backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx);
+  virtual Tensor backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) {
+    return backward_impl(be, dy, ctx, need_dx);
+  }
+  virtual void backward_weight_impl(Backend&, Context&) {}
   virtual void end_step_impl(Backend&, const ReplicaSum&) {}
   // Creates a parameter on the CPU, initialised uniform in [-bound, bound].
   Parameter make_parameter(const std::string& name, const Shape& shape, double bound, uint64_t seed);

@@ -63,17 +63,26 @@ Tensor Linear::forward_impl(Backend& be, const Tensor& xin, Context* ctx, const 
   return y.reshape(out);
 }
 
-Tensor Linear::backward_impl(Backend& be, const Tensor& dyin, const Context& ctx, bool need_dx) {
-  const Tensor& x = ctx.saved.at(0);                          // (R, in)
-  const Tensor dy = dyin.reshape({x.size(0), opts_.out});     // (R, out)
-  be.matmul(dy, true, x, false, weight_.grad, 1.0, 1.0);      // dW += dy^T (out, B) @ x (B, in)
-  if (opts_.bias) be.bias_grad(dy, bias_.grad, 1.0);         // db += sum_B dy
+// B: dx = dy W; dy joins the context for W.
+Tensor Linear::backward_input_impl(Backend& be, const Tensor& dyin, Context& ctx, bool need_dx) {
+  const int64_t rows = ctx.saved.at(0).size(0);         // x: (R, in)
+  const Tensor dy = dyin.reshape({rows, opts_.out});     // (R, out)
+  ctx.saved.push_back(dy);
   if (!need_dx) return Tensor();
-  Tensor dx = be.empty({dy.size(0), opts_.in}, dtype_);       // (R, in)
-  be.matmul(dy, false, weight_.value, false, dx);             // dy (R, out) @ W (out, in)
+  Tensor dx = be.empty({dy.size(0), opts_.in}, dtype_);  // (R, in)
+  be.matmul(dy, false, weight_.value, false, dx);        // dy (R, out) @ W (out, in)
   Shape in{dyin.size(0)};
   in.insert(in.end(), input_shape_.begin(), input_shape_.end());
   return dx.reshape(in);
+}
+
+// W: dW += dy^T x, db += sum over rows of dy.
+void Linear::backward_weight_impl(Backend& be, Context& ctx) {
+  GPIPE_CHECK(ctx.saved.size() == 2, describe() + ": weight gradient without its backward_input");
+  const Tensor& x = ctx.saved[0];                          // (R, in)
+  const Tensor& dy = ctx.saved[1];                         // (R, out)
+  be.matmul(dy, true, x, false, weight_.grad, 1.0, 1.0);   // dW += dy^T (out, R) @ x (R, in)
+  if (opts_.bias) be.bias_grad(dy, bias_.grad, 1.0);       // db += sum_R dy
 }
 
 }  // namespace layers

@@ -26,12 +26,14 @@ class Linear : public Layer {
   std::string describe() const override;
   LayerCost cost(int64_t batch) const override;
   std::vector<Parameter*> parameters() override;
+  bool splits_backward() const override { return true; }
   Parameter& weight() { return weight_; }
   Parameter& bias() { return bias_; }
 
  private:
   Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
-  Tensor backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) override;
+  Tensor backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) override;
+  void backward_weight_impl(Backend& be, Context& ctx) override;
   LinearOptions opts_;
   Parameter weight_;  // (out, in)
   Parameter bias_;    // (out)

@@ -1,5 +1,7 @@
 #include "layers/loss.h"
 
+#include <algorithm>
+
 #include "runtime/error.h"
 
 namespace gpipe {
@@ -54,6 +56,11 @@ LayerCost SoftmaxCrossEntropy::cost(int64_t batch) const {
   c.output_bytes = static_cast<int64_t>(es);
   c.saved_bytes = static_cast<int64_t>(es * n + 4 * rows);
   return c;
+}
+
+int64_t SoftmaxCrossEntropy::counted_targets(const Tensor& targets) const {
+  const int32_t* t = targets.data<int32_t>();
+  return std::count_if(t, t + targets.numel(), [&](int32_t v) { return v != ignore_index_; });
 }
 
 }  // namespace layers

@@ -22,6 +22,9 @@ class Loss {
   // d(scaled loss)/d logits.
   virtual Tensor backward(Backend& be, const Context& ctx) = 0;
   virtual LayerCost cost(int64_t batch) const = 0;
+  // How many of the host targets count towards the mean (all, unless some are
+  // ignored): the loss of a mini-batch is the sum over them divided by this count.
+  virtual int64_t counted_targets(const Tensor& targets) const { return targets.numel(); }
 };
 
 // Softmax over the last dimension of the logits, then the negative log-likelihood of
@@ -38,6 +41,7 @@ class SoftmaxCrossEntropy : public Loss {
   Tensor forward(Backend& be, const Tensor& logits, const Tensor& targets, double scale, Context* ctx) override;
   Tensor backward(Backend& be, const Context& ctx) override;
   LayerCost cost(int64_t batch) const override;
+  int64_t counted_targets(const Tensor& targets) const override;  // those != ignore_index
   int ignore_index() const { return ignore_index_; }
 
  private:

@@ -132,22 +132,30 @@ Tensor TransformerBlock::forward_impl(Backend& be, const Tensor& x, Context* ctx
   return y;
 }
 
-Tensor TransformerBlock::backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) {
-  const std::vector<Context>& ch = ctx.children;
+Tensor TransformerBlock::backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) {
+  std::vector<Context>& ch = ctx.children;
   // dh = dy + d(mlp branch). ln2's dx is a fresh tensor owned here, so the residual's
   // gradient is added into it in place.
-  Tensor g = drop_.backward(be, dy, ch.at(kDrop));  // (B, T, C)
-  g = fc2_.backward(be, g, ch.at(kFc2));            // (B, T, 4C)
-  g = gelu_.backward(be, g, ch.at(kGelu));          // (B, T, 4C)
-  g = fc1_.backward(be, g, ch.at(kFc1));            // (B, T, C)
-  Tensor dh = ln2_.backward(be, g, ch.at(kLn2));    // (B, T, C)
+  Tensor g = drop_.backward_input(be, dy, ch.at(kDrop));  // (B, T, C)
+  g = fc2_.backward_input(be, g, ch.at(kFc2));            // (B, T, 4C)
+  g = gelu_.backward_input(be, g, ch.at(kGelu));          // (B, T, 4C)
+  g = fc1_.backward_input(be, g, ch.at(kFc1));            // (B, T, C)
+  Tensor dh = ln2_.backward_input(be, g, ch.at(kLn2));    // (B, T, C)
   be.axpy(1.0, dy, dh);
   // dx = dh + d(attention branch); ln1 still runs for its parameter gradients.
-  g = attn_.backward(be, dh, ch.at(kAttn));              // (B, T, C)
-  Tensor dx = ln1_.backward(be, g, ch.at(kLn1), need_dx);  // (B, T, C), fresh
+  g = attn_.backward_input(be, dh, ch.at(kAttn));              // (B, T, C)
+  Tensor dx = ln1_.backward_input(be, g, ch.at(kLn1), need_dx);  // (B, T, C), fresh
   if (!need_dx) return Tensor();
   be.axpy(1.0, dh, dx);
   return dx;
+}
+
+// The weight gradients the sub-layers deferred (the layer norms took theirs in B).
+void TransformerBlock::backward_weight_impl(Backend& be, Context& ctx) {
+  std::vector<Context>& ch = ctx.children;
+  fc2_.backward_weight(be, ch.at(kFc2));
+  fc1_.backward_weight(be, ch.at(kFc1));
+  attn_.backward_weight(be, ch.at(kAttn));
 }
 
 }  // namespace layers

@@ -35,10 +35,12 @@ class TransformerBlock : public Layer {
   LayerCost cost(int64_t batch) const override;
   // "ln1.weight", "attn.qkv.weight", ..., "fc2.bias", in forward order.
   std::vector<Parameter*> parameters() override;
+  bool splits_backward() const override { return true; }  // attention's and the MLP's weight gradients
 
  private:
   Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
-  Tensor backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) override;
+  Tensor backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) override;
+  void backward_weight_impl(Backend& be, Context& ctx) override;
   TransformerBlockOptions opts_;
   LayerNorm ln1_;             // (T, C)
   CausalSelfAttention attn_;  // (T, C)

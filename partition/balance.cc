@@ -62,8 +62,9 @@ std::vector<int> balance_by_cost(const std::vector<double>& costs, int k) {
 
 void validate_balance(const std::vector<int>& balance, int num_layers, int k) {
   if (static_cast<int>(balance.size()) != k) {
-    throw UserError("pipeline.balance has " + std::to_string(balance.size()) + " entries but pipeline.partitions is " +
-                    std::to_string(k) + "; give one layer count per partition");
+    throw UserError("pipeline.balance has " + std::to_string(balance.size()) + " entries but the pipeline has " +
+                    std::to_string(k) + " cells (pipeline.partitions, times pipeline.virtual_stages when interleaved)"
+                    "; give one layer count per cell");
   }
   int sum = 0;
   for (size_t i = 0; i < balance.size(); ++i) {

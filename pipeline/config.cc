@@ -2,6 +2,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -289,8 +290,9 @@ Config parse_config(const std::string& text, const std::string& source, const st
 
   // pipeline
   if (const YAML::Node p = root["pipeline"]) {
-    dec.check_map(p, "pipeline", {"partitions", "replicas", "micro_batches", "checkpoint", "schedule", "balance",
-                                  "devices", "pin_threads", "bucket_mb"});
+    dec.check_map(p, "pipeline", {"partitions", "replicas", "micro_batches", "recompute", "checkpoint", "schedule",
+                                  "virtual_stages", "schedule_file", "balance", "devices", "pin_threads",
+                                  "bucket_mb"});
     if (p["bucket_mb"]) {
       c.pipeline.bucket_mb = dec.number(p["bucket_mb"], "pipeline.bucket_mb");
       if (!(c.pipeline.bucket_mb >= 0 && c.pipeline.bucket_mb <= 1e6)) {
@@ -301,13 +303,37 @@ Config parse_config(const std::string& text, const std::string& source, const st
     if (p["replicas"]) c.pipeline.replicas = static_cast<int>(dec.positive(p["replicas"], "pipeline.replicas"));
     if (p["partitions"]) c.pipeline.partitions = static_cast<int>(dec.positive(p["partitions"], "pipeline.partitions"));
     if (p["micro_batches"]) c.pipeline.micro_batches = static_cast<int>(dec.positive(p["micro_batches"], "pipeline.micro_batches"));
-    if (p["checkpoint"]) {
-      c.pipeline.checkpoint = dec.str(p["checkpoint"], "pipeline.checkpoint");
-      if (c.pipeline.checkpoint != "always" && c.pipeline.checkpoint != "except_last" && c.pipeline.checkpoint != "never") {
-        dec.fail(p["checkpoint"], "pipeline.checkpoint", "unknown mode '" + c.pipeline.checkpoint + "'; use always, except_last or never");
+    if (p["recompute"] && p["checkpoint"]) {
+      dec.fail(p["checkpoint"], "pipeline.checkpoint",
+               "pipeline.recompute is set too; pipeline.checkpoint is its other name, give one of them");
+    }
+    for (const char* key : {"recompute", "checkpoint"}) {
+      if (!p[key]) continue;
+      const std::string what = std::string("pipeline.") + key;
+      const std::string mode = dec.str(p[key], what);
+      if (mode != "always" && mode != "except_last" && mode != "never") {
+        dec.fail(p[key], what, "unknown mode '" + mode + "'; use always, except_last or never");
+      }
+      c.pipeline.recompute = parse_checkpoint_mode(mode);
+    }
+    if (p["schedule"]) {
+      c.pipeline.schedule = dec.str(p["schedule"], "pipeline.schedule");
+      const auto names = schedule_names();
+      if (std::find(names.begin(), names.end(), c.pipeline.schedule) == names.end() &&
+          c.pipeline.schedule != "fill_drain") {
+        std::string valid;
+        for (const auto& n : names) valid += (valid.empty() ? "" : ", ") + n;
+        dec.fail(p["schedule"], "pipeline.schedule",
+                 "unknown schedule '" + c.pipeline.schedule + "'; valid: " + valid +
+                     " (or pipeline.schedule_file for a schedule of your own)");
       }
     }
-    if (p["schedule"]) c.pipeline.schedule = dec.str(p["schedule"], "pipeline.schedule");
+    if (p["virtual_stages"]) {
+      c.pipeline.virtual_stages = static_cast<int>(dec.positive(p["virtual_stages"], "pipeline.virtual_stages"));
+    }
+    if (p["schedule_file"] && !p["schedule_file"].IsNull()) {
+      c.pipeline.schedule_file = dec.str(p["schedule_file"], "pipeline.schedule_file");
+    }
     if (p["balance"] && !p["balance"].IsNull()) {
       for (int64_t b : dec.int_list(p["balance"], "pipeline.balance")) c.pipeline.balance.push_back(static_cast<int>(b));
     }

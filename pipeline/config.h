@@ -9,6 +9,7 @@
 
 #include "layers/optimizer.h"
 #include "layers/registry.h"
+#include "pipeline/schedule.h"
 
 namespace gpipe {
 namespace pipeline {
@@ -36,8 +37,12 @@ struct PipelineConfig {
   int replicas = 1;         // D: data-parallel copies of the pipeline (multi-process runs)
   double bucket_mb = 25;    // with replicas: gradients reduced in buckets of this many MiB
   int micro_batches = 1;    // M
-  std::string checkpoint = "except_last";
-  std::string schedule = "gpipe";
+  // Rematerialization: pipeline.recompute, or torchgpipe's name pipeline.checkpoint
+  // (saved training state is the top-level checkpoint section).
+  CheckpointMode recompute = CheckpointMode::kExceptLast;
+  std::string schedule = "gpipe";  // see schedule_names()
+  int virtual_stages = 1;          // v: cells per stage, for interleaved schedules
+  std::string schedule_file;       // a schedule of the user's own (overrides schedule)
   std::vector<int> balance;          // layers per partition; empty = balance automatically
   std::vector<std::string> devices;  // one per partition; empty = cpu:0 .. cpu:K-1
   bool pin_threads = true;

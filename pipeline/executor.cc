@@ -23,6 +23,19 @@ std::vector<StageSpec> make_stages(const std::vector<int>& balance, const std::v
   return out;
 }
 
+std::vector<StageSpec> make_cells(const std::vector<int>& balance, const Schedule& schedule,
+                                  const std::vector<Device>& devices) {
+  GPIPE_CHECK(static_cast<int>(balance.size()) == schedule.num_cells(), "one balance entry per cell");
+  GPIPE_CHECK(static_cast<int>(devices.size()) == schedule.num_stages, "one device per stage");
+  std::vector<StageSpec> out;
+  int first = 0;
+  for (size_t c = 0; c < balance.size(); ++c) {
+    out.push_back({first, balance[c], devices[schedule.stage_of_cell(static_cast<int>(c))]});
+    first += balance[c];
+  }
+  return out;
+}
+
 std::vector<int64_t> split_sizes(int64_t n, int m) {
   if (m < 1) throw UserError("pipeline.micro_batches must be at least 1, got " + std::to_string(m));
   if (n < m) {
@@ -35,22 +48,54 @@ std::vector<int64_t> split_sizes(int64_t n, int m) {
   return sizes;
 }
 
-// What one stage keeps between instructions, per micro-batch.
-struct MicroBatch {
-  Tensor input;                       // stage input; kept while the micro-batch is checkpointed
+namespace {
+constexpr size_t kOpFields = 8;  // op, micro-batch, start, end, chunk, bytes, peer, live bytes
+}  // namespace
+
+std::vector<double> encode_trace(const StageTrace& t) {
+  std::vector<double> v{static_cast<double>(t.peak_activation_bytes)};
+  v.reserve(1 + kOpFields * t.ops.size());
+  for (const TimedOp& op : t.ops) {
+    v.insert(v.end(), {static_cast<double>(op.op), static_cast<double>(op.micro_batch), op.start_ms, op.end_ms,
+                       static_cast<double>(op.chunk), static_cast<double>(op.bytes), static_cast<double>(op.peer),
+                       static_cast<double>(op.live_bytes)});
+  }
+  return v;
+}
+
+StageTrace decode_trace(const std::vector<double>& v, int stage) {
+  GPIPE_CHECK(!v.empty() && (v.size() - 1) % kOpFields == 0, "malformed timings from stage " + std::to_string(stage));
+  StageTrace t;
+  t.peak_activation_bytes = static_cast<int64_t>(v[0]);
+  for (size_t i = 1; i < v.size(); i += kOpFields) {
+    TimedOp op{static_cast<Op>(static_cast<int>(v[i])), static_cast<int>(v[i + 1]), v[i + 2], v[i + 3]};
+    op.chunk = static_cast<int>(v[i + 4]);
+    op.bytes = static_cast<int64_t>(v[i + 5]);
+    op.peer = static_cast<int>(v[i + 6]);
+    op.live_bytes = static_cast<int64_t>(v[i + 7]);
+    t.ops.push_back(op);
+  }
+  return t;
+}
+
+// What one stage keeps between instructions, per cell and micro-batch.
+struct Executor::MicroBatch {
+  Tensor input;                       // cell input; kept while the micro-batch is checkpointed
   Tensor output;                      // cell output awaiting its send
   std::vector<layers::Context> ctx;   // per layer; empty while checkpointed
-  layers::Context loss_ctx;           // last stage only
-  Tensor targets;                     // last stage only
-  Tensor loss;                        // last stage only
-  Tensor grad_output, grad_input;     // received / to be sent
+  layers::Context loss_ctx;           // the model's last cell only
+  Tensor targets;                     // likewise
+  Tensor loss;                        // likewise
+  Tensor grad_output, grad_input;     // received (or handed over) / to be sent
   int64_t held_bytes = 0;             // activations held, for the memory meter
 };
 
+// A stage: a worker thread with its cells on one device.
 struct Executor::StageRuntime {
   int index = 0;
   bool local = true;  // executed by this process
-  StageSpec spec;
+  Device device;
+  std::vector<int> cells;  // global cell index per chunk
   Backend* backend = nullptr;
   std::unique_ptr<layers::Optimizer> optimizer;
   // Shared with the other local stages on the same device, whose backend (its stream,
@@ -59,8 +104,15 @@ struct Executor::StageRuntime {
   std::mutex* device_turn = nullptr;
   std::unique_ptr<GradReducer> reducer;  // with data-parallel replicas
   layers::ReplicaSum replica_sum;        // likewise, for BatchNorm's statistics
+  // From the program, once: which (chunk, micro-batch) recompute (checkpointed) and
+  // which defer their weight gradients to a W; per instruction, the layers whose
+  // gradients are final once it ends (for the replicas' bucketed reduction); and
+  // which instructions open and close a group of messages.
+  std::vector<std::vector<char>> checkpointed, split;
+  std::vector<std::vector<int>> final_layers;
+  std::vector<char> group_begins, group_ends;
   double grad_norm = -1;
-  std::vector<MicroBatch> mbs;
+  std::vector<std::vector<MicroBatch>> mbs;  // [chunk][micro-batch]
   StageTrace trace;
   int64_t live_bytes = 0;
   bool grads_dirty = true;  // gradients hold values from an earlier step
@@ -71,7 +123,6 @@ struct Executor::StageRuntime {
 
 namespace {
 
-// Bytes of the distinct buffers a micro-batch holds.
 // Every buffer a context holds, its sub-layers' (children) included.
 void collect(const layers::Context& c, std::vector<std::pair<const void*, int64_t>>& out) {
   for (const auto& t : c.saved) {
@@ -80,7 +131,9 @@ void collect(const layers::Context& c, std::vector<std::pair<const void*, int64_
   for (const auto& child : c.children) collect(child, out);
 }
 
-int64_t held_bytes(const MicroBatch& mb) {
+// Bytes of the distinct buffers a micro-batch holds.
+template <typename MB>
+int64_t held_bytes(const MB& mb) {
   std::vector<std::pair<const void*, int64_t>> held;
   for (const Tensor* t : {&mb.input, &mb.output, &mb.grad_output, &mb.grad_input}) {
     if (t->defined()) held.emplace_back(t->raw_data(), static_cast<int64_t>(t->nbytes()));
@@ -109,32 +162,36 @@ void pin_to_core(int core) {
   }
 }
 
+std::string layer_range(const StageSpec& c) {
+  return std::to_string(c.first_layer) + ".." + std::to_string(c.first_layer + c.num_layers - 1);
+}
+
 }  // namespace
 
-Executor::Executor(layers::Sequential& model, std::vector<StageSpec> stages, Schedule schedule, Transport& transport,
+Executor::Executor(layers::Sequential& model, std::vector<StageSpec> cells, Schedule schedule, Transport& transport,
                    ExecutorOptions options)
-    : model_(model), stages_(std::move(stages)), schedule_(std::move(schedule)), transport_(transport),
+    : model_(model), cells_(std::move(cells)), schedule_(std::move(schedule)), transport_(transport),
       options_(options) {
-  const int K = static_cast<int>(stages_.size());
-  if (K != schedule_.num_stages) {
-    throw UserError("the schedule has " + std::to_string(schedule_.num_stages) + " stages but " + std::to_string(K) +
-                    " cells were given");
+  const int K = schedule_.num_stages, C = schedule_.num_cells();
+  if (static_cast<int>(cells_.size()) != C) {
+    throw UserError("the schedule runs " + std::to_string(C) + " cells on " + std::to_string(K) + " stages but " +
+                    std::to_string(cells_.size()) + " cells were given");
   }
-  check_schedule(schedule_);
+  check_schedule(schedule_, transport_.sends_wait_for_receiver() ? CommModel::kRendezvous : CommModel::kBuffered);
   int expect_first = 0;
-  for (int k = 0; k < K; ++k) {
-    const StageSpec& s = stages_[k];
+  for (int c = 0; c < C; ++c) {
+    const StageSpec& s = cells_[c];
     if (s.first_layer != expect_first || s.num_layers < 1) {
-      throw UserError("stage " + std::to_string(k) + " must start at layer " + std::to_string(expect_first) +
+      throw UserError("cell " + std::to_string(c) + " must start at layer " + std::to_string(expect_first) +
                       " and hold at least one layer");
     }
     expect_first += s.num_layers;
   }
   if (expect_first != model_.size()) {
-    throw UserError("the stages hold " + std::to_string(expect_first) + " layers but the model has " +
+    throw UserError("the cells hold " + std::to_string(expect_first) + " layers but the model has " +
                     std::to_string(model_.size()));
   }
-  model_.loss();  // the last stage needs one: fail now, not in a worker
+  model_.loss();  // the last cell needs one: fail now, not in a worker
   if (options_.local_stage >= K) {
     throw UserError("this process was asked to run stage " + std::to_string(options_.local_stage) + " of a " +
                     std::to_string(K) + "-stage pipeline");
@@ -142,14 +199,23 @@ Executor::Executor(layers::Sequential& model, std::vector<StageSpec> stages, Sch
   for (int k = 0; k < K; ++k) {
     auto rt = std::make_unique<StageRuntime>();
     rt->index = k;
-    rt->spec = stages_[k];
+    rt->cells = schedule_.cells[k];
+    rt->device = cells_[rt->cells[0]].device;
+    for (int c : rt->cells) {
+      if (!(cells_[c].device == rt->device)) {
+        throw UserError("stage " + std::to_string(k) + " runs cells on " + rt->device.str() + " and " +
+                        cells_[c].device.str() + "; the cells of one stage share its device");
+      }
+    }
     rt->local = options_.local_stage < 0 || options_.local_stage == k;
     if (rt->local) {
-      rt->backend = &backend_for(stages_[k].device);
+      rt->backend = &backend_for(rt->device);
       std::vector<layers::Parameter*> params;
-      for (int i = rt->spec.first_layer; i < rt->spec.first_layer + rt->spec.num_layers; ++i) {
-        model_.layer(i).to(rt->spec.device);
-        for (auto* p : model_.layer(i).parameters()) params.push_back(p);
+      for (int c : rt->cells) {
+        for (int i = cells_[c].first_layer; i < cells_[c].first_layer + cells_[c].num_layers; ++i) {
+          model_.layer(i).to(rt->device);
+          for (auto* p : model_.layer(i).parameters()) params.push_back(p);
+        }
       }
       rt->optimizer = layers::make_optimizer(params, options_.optimizer);
       if (options_.replicas != nullptr && options_.replicas->size() > 1) {
@@ -163,13 +229,44 @@ Executor::Executor(layers::Sequential& model, std::vector<StageSpec> stages, Sch
         };
       }
     }
+    // What the program says, once.
+    const auto& prog = schedule_.stages[k];
+    const int v = schedule_.num_chunks(), M = schedule_.num_micro_batches;
+    rt->checkpointed.assign(v, std::vector<char>(M, 0));
+    rt->split.assign(v, std::vector<char>(M, 0));
+    for (const Instruction& ins : prog) {
+      if (ins.op == Op::kRecompute) rt->checkpointed[ins.chunk][ins.micro_batch] = 1;
+      if (ins.op == Op::kBackwardWeight) rt->split[ins.chunk][ins.micro_batch] = 1;
+    }
+    // A layer's gradients are final after the last instruction that adds to them: the
+    // chunk's last backward, or for a layer that splits its backward, the last weight
+    // gradient or whole backward (one without a W) of the chunk.
+    std::vector<long> last_b(v, -1), last_weights(v, -1);
+    for (size_t i = 0; i < prog.size(); ++i) {
+      const Instruction& ins = prog[i];
+      if (ins.op == Op::kBackward) last_b[ins.chunk] = static_cast<long>(i);
+      if (ins.op == Op::kBackwardWeight || (ins.op == Op::kBackward && !rt->split[ins.chunk][ins.micro_batch])) {
+        last_weights[ins.chunk] = static_cast<long>(i);
+      }
+      const bool comm = is_communication(ins.op);
+      rt->group_begins.push_back(comm && (i == 0 || !is_communication(prog[i - 1].op)));
+      rt->group_ends.push_back(comm && (i + 1 == prog.size() || !is_communication(prog[i + 1].op)));
+    }
+    rt->final_layers.assign(prog.size(), {});
+    for (int j = 0; j < v; ++j) {
+      const StageSpec& cell = cells_[rt->cells[j]];
+      for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) {
+        const long at = model_.layer(i).splits_backward() ? last_weights[j] : last_b[j];
+        if (at >= 0) rt->final_layers[at].push_back(i);
+      }
+    }
     runtimes_.push_back(std::move(rt));
   }
   // Stages of this process that share a device take turns on its backend.
   for (int k = 0; k < K; ++k) {
     if (!runtimes_[k]->local) continue;
     for (int j = 0; j < k; ++j) {
-      if (runtimes_[j]->local && stages_[j].device == stages_[k].device) {
+      if (runtimes_[j]->local && runtimes_[j]->device == runtimes_[k]->device) {
         if (runtimes_[j]->device_turn == nullptr) {
           device_turns_.push_back(std::make_unique<std::mutex>());
           runtimes_[j]->device_turn = device_turns_.back().get();
@@ -238,176 +335,255 @@ std::unique_lock<std::mutex> Executor::device_turn(int k) {
   return m != nullptr ? std::unique_lock<std::mutex>(*m) : std::unique_lock<std::mutex>();
 }
 
+Tensor Executor::to_device(StageRuntime& rt, const Tensor& host) {
+  if (host.device() == rt.device || (host.device().is_cpu() && rt.device.is_cpu())) return host;
+  Tensor t = rt.backend->empty(host.shape(), host.dtype());
+  rt.backend->copy(host, t);
+  return t;
+}
+
+// Each stage clears its own gradients, on its own device, in parallel: right after
+// its optimizer step (so the next step starts at once), or at the start of a step when
+// the previous one kept its gradients for inspection.
+void Executor::zero_grads(StageRuntime& rt) {
+  for (auto* p : rt.optimizer->params()) rt.backend->fill(p->grad, 0.0);
+  rt.grads_dirty = false;
+}
+
+// The cell's forward; a first forward keeps what backward needs (or, for a
+// checkpointed micro-batch, only the cell's input), a recompute rebuilds the contexts
+// from that input. The output goes to the next cell: into its input on this stage, or
+// out for sending.
+void Executor::forward(StageRuntime& rt, const Instruction& ins, bool recompute) {
+  const int m = ins.micro_batch, c = rt.cells[ins.chunk], C = schedule_.num_cells();
+  const StageSpec& cell = cells_[c];
+  Backend& be = *rt.backend;
+  MicroBatch& mb = rt.mbs[ins.chunk][m];
+  if (c == 0 && !recompute) mb.input = to_device(rt, cur_.inputs.narrow_rows(cur_.offsets[m], cur_.sizes[m]));
+  GPIPE_CHECK(mb.input.defined(), "forward of micro-batch " + std::to_string(m) + " of cell " + std::to_string(c) +
+                                      " without its input");
+  const bool keep = recompute || !rt.checkpointed[ins.chunk][m];
+  layers::ForwardArgs args;
+  args.step = cur_.step;
+  args.sample_offset = options_.sample_offset + cur_.offsets[m];
+  args.recompute = recompute;
+  if (keep) mb.ctx.assign(cell.num_layers, {});
+  Tensor h = mb.input;
+  for (int i = 0; i < cell.num_layers; ++i) {
+    h = model_.layer(cell.first_layer + i).forward(be, h, keep ? &mb.ctx[i] : nullptr, args);
+  }
+  if (c == C - 1) {
+    if (!mb.targets.defined()) mb.targets = to_device(rt, cur_.targets.narrow_rows(cur_.offsets[m], cur_.sizes[m]));
+    Tensor l = model_.loss().forward(be, h, mb.targets, cur_.scale, keep ? &mb.loss_ctx : nullptr);
+    if (!recompute) mb.loss = l;
+  } else if (!recompute) {
+    if (schedule_.stage_of_cell(c + 1) == rt.index) {
+      rt.mbs[schedule_.chunk_of_cell(c + 1)][m].input = h;  // the next cell is ours
+    } else {
+      mb.output = h;
+    }
+  }
+  // A checkpointed micro-batch keeps only its input; otherwise the contexts hold
+  // whatever backward needs and the input may go.
+  if (!recompute && keep) mb.input = Tensor();
+}
+
+// The cell's backward, from the loss (the model's last cell) or the output gradient:
+// the whole backward, or with a W to come only the input gradient, the contexts kept
+// for it. With replicas, each layer whose gradients are now final joins a bucket.
+void Executor::backward(StageRuntime& rt, const Instruction& ins, size_t pc) {
+  const int m = ins.micro_batch, c = rt.cells[ins.chunk], C = schedule_.num_cells();
+  const StageSpec& cell = cells_[c];
+  Backend& be = *rt.backend;
+  MicroBatch& mb = rt.mbs[ins.chunk][m];
+  GPIPE_CHECK(static_cast<int>(mb.ctx.size()) == cell.num_layers,
+              "backward of micro-batch " + std::to_string(m) + " of cell " + std::to_string(c) +
+                  " without its forward contexts");
+  const bool split = rt.split[ins.chunk][m];
+  Tensor g = c == C - 1 ? model_.loss().backward(be, mb.loss_ctx) : mb.grad_output;
+  GPIPE_CHECK(g.defined(), "backward of micro-batch " + std::to_string(m) + " of cell " + std::to_string(c) +
+                               " without its output gradient");
+  const auto& final_layers = rt.final_layers[pc];
+  for (int i = cell.num_layers - 1; i >= 0; --i) {
+    const bool need_dx = i > 0 || c > 0;
+    const int index = cell.first_layer + i;
+    layers::Layer& layer = model_.layer(index);
+    g = split ? layer.backward_input(be, g, mb.ctx[i], need_dx) : layer.backward(be, g, mb.ctx[i], need_dx);
+    if (rt.reducer && std::find(final_layers.begin(), final_layers.end(), index) != final_layers.end()) {
+      for (layers::Parameter* p : layer.parameters()) rt.reducer->ready(p);
+      rt.reducer->progress();
+    }
+  }
+  if (c > 0 && schedule_.stage_of_cell(c - 1) == rt.index) {
+    rt.mbs[schedule_.chunk_of_cell(c - 1)][m].grad_output = g;  // the previous cell is ours
+  } else {
+    mb.grad_input = g;
+  }
+  // Everything but the gradient to send (and the loss value) is released here, unless
+  // a weight gradient still needs the contexts.
+  if (!split) mb.ctx.clear();
+  mb.loss_ctx = {};
+  mb.input = Tensor();
+  mb.grad_output = Tensor();
+}
+
+// The weight gradients a split backward deferred, layer by layer as backward would.
+void Executor::weight_gradient(StageRuntime& rt, const Instruction& ins, size_t pc) {
+  const int m = ins.micro_batch, c = rt.cells[ins.chunk];
+  const StageSpec& cell = cells_[c];
+  MicroBatch& mb = rt.mbs[ins.chunk][m];
+  GPIPE_CHECK(static_cast<int>(mb.ctx.size()) == cell.num_layers,
+              "weight gradient of micro-batch " + std::to_string(m) + " of cell " + std::to_string(c) +
+                  " without its backward");
+  const auto& final_layers = rt.final_layers[pc];
+  for (int i = cell.num_layers - 1; i >= 0; --i) {
+    const int index = cell.first_layer + i;
+    layers::Layer& layer = model_.layer(index);
+    layer.backward_weight(*rt.backend, mb.ctx[i]);
+    if (rt.reducer && std::find(final_layers.begin(), final_layers.end(), index) != final_layers.end()) {
+      for (layers::Parameter* p : layer.parameters()) rt.reducer->ready(p);
+      rt.reducer->progress();
+    }
+  }
+  mb.ctx.clear();
+}
+
+// Finishes the gradients (the replicas' sum, the tied copies' sum), waits for the
+// device, clips, steps, clears the gradients and lets layers fold their statistics.
+void Executor::optimizer_step(StageRuntime& rt) {
+  const int k = rt.index;
+  if (rt.reducer) rt.reducer->finish(rt.optimizer->params());  // its device is not shared (checked)
+  sum_tied_gradients(k);
+  if (!cur_.apply_optimizer) return;  // the gradients stay for inspection
+  {
+    // A device backend reports bad data (a token id, a label) at its next wait: wait
+    // here, once per step, so that such an error stops the step before this stage's
+    // weights change.
+    auto turn = device_turn(k);
+    rt.backend->synchronize();
+  }
+  if (options_.clip_grad_norm > 0) clip_gradients(k);
+  auto turn = device_turn(k);
+  rt.optimizer->step();
+  zero_grads(rt);
+  for (int c : rt.cells) {
+    for (int i = cells_[c].first_layer; i < cells_[c].first_layer + cells_[c].num_layers; ++i) {
+      model_.layer(i).end_step(*rt.backend, rt.replica_sum);
+    }
+  }
+}
+
+int64_t Executor::run_instruction(StageRuntime& rt, size_t pc) {
+  const int k = rt.index;
+  const Instruction& ins = schedule_.stages[k][pc];
+  const int m = ins.micro_batch;
+  const int c = ins.op == Op::kOptimizerStep ? 0 : rt.cells[ins.chunk];
+  switch (ins.op) {
+    case Op::kRecvActivation: {
+      Tensor& in = rt.mbs[ins.chunk][m].input;
+      in = transport_.recv(k, schedule_.stage_of_cell(c - 1), {MessageKind::kActivation, m, c}, rt.device);
+      return static_cast<int64_t>(in.nbytes());
+    }
+    case Op::kSendActivation: {
+      Tensor out = rt.mbs[ins.chunk][m].output;
+      rt.mbs[ins.chunk][m].output = Tensor();
+      transport_.send(k, schedule_.stage_of_cell(c + 1), {MessageKind::kActivation, m, c + 1}, out);
+      return static_cast<int64_t>(out.nbytes());
+    }
+    case Op::kRecvGradient: {
+      Tensor& g = rt.mbs[ins.chunk][m].grad_output;
+      g = transport_.recv(k, schedule_.stage_of_cell(c + 1), {MessageKind::kGradient, m, c}, rt.device);
+      return static_cast<int64_t>(g.nbytes());
+    }
+    case Op::kSendGradient: {
+      Tensor g = rt.mbs[ins.chunk][m].grad_input;
+      rt.mbs[ins.chunk][m].grad_input = Tensor();
+      transport_.send(k, schedule_.stage_of_cell(c - 1), {MessageKind::kGradient, m, c - 1}, g);
+      return static_cast<int64_t>(g.nbytes());
+    }
+    case Op::kForward:
+    case Op::kRecompute: {
+      auto turn = device_turn(k);
+      forward(rt, ins, ins.op == Op::kRecompute);
+      break;
+    }
+    case Op::kBackward: {
+      auto turn = device_turn(k);
+      backward(rt, ins, pc);
+      break;
+    }
+    case Op::kBackwardWeight: {
+      auto turn = device_turn(k);
+      weight_gradient(rt, ins, pc);
+      break;
+    }
+    case Op::kOptimizerStep:
+      optimizer_step(rt);
+      break;
+  }
+  return 0;
+}
+
 void Executor::run_stage(int k) {
   StageRuntime& rt = *runtimes_[k];
-  const int K = static_cast<int>(stages_.size());
-  const int M = schedule_.num_micro_batches;
-  const bool last = k == K - 1;
-  Backend& be = *rt.backend;
-  const Device dev = rt.spec.device;
-  layers::Loss& loss = model_.loss();
+  const auto& prog = schedule_.stages[k];
   rt.trace = StageTrace{};
-  rt.mbs.assign(M, MicroBatch{});
-  rt.trace.ops.reserve(schedule_.stages[k].size());
-  // The schedule decides rematerialization: a micro-batch is checkpointed on this
-  // stage exactly when the stage's program recomputes it.
-  std::vector<char> checkpointed(M, 0);
-  size_t last_backward = 0;  // the instruction after which every gradient is final
-  for (size_t i = 0; i < schedule_.stages[k].size(); ++i) {
-    const Instruction& ins = schedule_.stages[k][i];
-    if (ins.op == Op::kRecompute) checkpointed[ins.micro_batch] = 1;
-    if (ins.op == Op::kBackward) last_backward = i;
-  }
-  GradReducer* reducer = rt.reducer.get();
+  rt.mbs.assign(schedule_.num_chunks(), std::vector<MicroBatch>(schedule_.num_micro_batches));
+  rt.trace.ops.reserve(prog.size());
   rt.live_bytes = 0;
   rt.error = nullptr;
   rt.error_is_abort = false;
   rt.grad_norm = -1;
-
-  auto to_device = [&](const Tensor& host) {
-    if (host.device() == dev || (host.device().is_cpu() && dev.is_cpu())) return host;
-    Tensor t = be.empty(host.shape(), host.dtype());
-    be.copy(host, t);
-    return t;
-  };
-  // Runs the cell's forward; with keep, records every layer's context (and the loss's).
-  // A recompute only rebuilds the contexts: its output was sent already.
-  auto cell_forward = [&](MicroBatch& mb, int m, bool keep, bool recompute) {
-    Tensor h = mb.input;
-    if (keep) mb.ctx.assign(rt.spec.num_layers, {});
-    layers::ForwardArgs args;
-    args.step = cur_.step;
-    args.sample_offset = cur_.offsets[m];
-    args.recompute = recompute;
-    for (int i = 0; i < rt.spec.num_layers; ++i) {
-      h = model_.layer(rt.spec.first_layer + i).forward(be, h, keep ? &mb.ctx[i] : nullptr, args);
-    }
-    if (last) {
-      if (!mb.targets.defined()) {
-        mb.targets = to_device(cur_.targets.narrow_rows(cur_.offsets[m], cur_.sizes[m]));
-      }
-      Tensor l = loss.forward(be, h, mb.targets, cur_.scale, keep ? &mb.loss_ctx : nullptr);
-      if (!recompute) mb.loss = l;
-    } else if (!recompute) {
-      mb.output = h;
-    }
-  };
   auto now_ms = [&] {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - cur_.epoch).count();
   };
-
-  // Each stage clears its own gradients, on its own device, in parallel: right after
-  // its optimizer step (so the next step starts at once), or here when the previous
-  // step kept its gradients for inspection.
-  auto zero_grads = [&] {
-    for (int i = rt.spec.first_layer; i < rt.spec.first_layer + rt.spec.num_layers; ++i) {
-      for (layers::Parameter* p : model_.layer(i).parameters()) be.fill(p->grad, 0.0);
-    }
-    rt.grads_dirty = false;
+  // The activation meter: what (chunk, m) holds now, folded into the stage's total.
+  auto meter = [&](int chunk, int m) {
+    MicroBatch& mb = rt.mbs[chunk][m];
+    const int64_t now_held = held_bytes(mb);
+    rt.live_bytes += now_held - mb.held_bytes;
+    mb.held_bytes = now_held;
   };
-
   try {
     if (rt.grads_dirty) {
       auto turn = device_turn(k);
-      zero_grads();
+      zero_grads(rt);
     }
     rt.grads_dirty = true;
-    for (size_t pc = 0; pc < schedule_.stages[k].size(); ++pc) {
-      const Instruction& ins = schedule_.stages[k][pc];
-      const int m = ins.micro_batch;
+    for (size_t pc = 0; pc < prog.size(); ++pc) {
+      const Instruction& ins = prog[pc];
       const double t0 = now_ms();
-      switch (ins.op) {
-        case Op::kRecvActivation:
-          rt.mbs[m].input = transport_.recv(k, k - 1, {MessageKind::kActivation, m}, dev);
-          break;
-        case Op::kForward: {
-          auto turn = device_turn(k);
-          MicroBatch& mb = rt.mbs[m];
-          if (k == 0) mb.input = to_device(cur_.inputs.narrow_rows(cur_.offsets[m], cur_.sizes[m]));
-          const bool ckpt = checkpointed[m];
-          cell_forward(mb, m, /*keep=*/!ckpt, /*recompute=*/false);
-          // A checkpointed micro-batch keeps only its input; otherwise the contexts
-          // hold whatever backward needs and the input may go.
-          if (!ckpt) mb.input = Tensor();
-          break;
+      if (rt.group_begins[pc]) transport_.begin_group(k);
+      const int64_t bytes = run_instruction(rt, pc);
+      if (rt.group_ends[pc]) transport_.end_group(k);
+      TimedOp op{ins.op, ins.micro_batch, t0, 0.0, ins.chunk};
+      if (ins.micro_batch >= 0) {
+        meter(ins.chunk, ins.micro_batch);
+        // A hand-over to a neighbouring cell of this stage changed its holdings too.
+        const int c = rt.cells[ins.chunk];
+        if (ins.op == Op::kForward && c + 1 < schedule_.num_cells() && schedule_.stage_of_cell(c + 1) == k) {
+          meter(schedule_.chunk_of_cell(c + 1), ins.micro_batch);
         }
-        case Op::kSendActivation: {
-          MicroBatch& mb = rt.mbs[m];
-          transport_.send(k, k + 1, {MessageKind::kActivation, m}, mb.output);
-          mb.output = Tensor();
-          break;
+        if (ins.op == Op::kBackward && c > 0 && schedule_.stage_of_cell(c - 1) == k) {
+          meter(schedule_.chunk_of_cell(c - 1), ins.micro_batch);
         }
-        case Op::kRecompute: {
-          auto turn = device_turn(k);
-          cell_forward(rt.mbs[m], m, /*keep=*/true, /*recompute=*/true);
-          break;
-        }
-        case Op::kRecvGradient:
-          rt.mbs[m].grad_output = transport_.recv(k, k + 1, {MessageKind::kGradient, m}, dev);
-          break;
-        case Op::kBackward: {
-          auto turn = device_turn(k);
-          MicroBatch& mb = rt.mbs[m];
-          GPIPE_CHECK(static_cast<int>(mb.ctx.size()) == rt.spec.num_layers,
-                      "backward of micro-batch " + std::to_string(m) + " without its forward contexts");
-          Tensor g = last ? loss.backward(be, mb.loss_ctx) : mb.grad_output;
-          const bool final_grads = reducer != nullptr && pc == last_backward;
-          for (int i = rt.spec.num_layers - 1; i >= 0; --i) {
-            const bool need_dx = i > 0 || k > 0;
-            layers::Layer& layer = model_.layer(rt.spec.first_layer + i);
-            g = layer.backward(be, g, mb.ctx[i], need_dx);
-            if (final_grads) {
-              for (layers::Parameter* p : layer.parameters()) reducer->ready(p);
-              reducer->progress();
-            }
-          }
-          mb.grad_input = g;
-          // Everything but the gradient to send (and the loss value) is released here.
-          mb.ctx.clear();
-          mb.loss_ctx = {};
-          mb.input = Tensor();
-          mb.grad_output = Tensor();
-          break;
-        }
-        case Op::kSendGradient: {
-          MicroBatch& mb = rt.mbs[m];
-          transport_.send(k, k - 1, {MessageKind::kGradient, m}, mb.grad_input);
-          mb.grad_input = Tensor();
-          break;
-        }
-        case Op::kOptimizerStep: {
-          if (rt.reducer) rt.reducer->finish(rt.optimizer->params());  // its device is not shared (checked)
-          sum_tied_gradients(k);
-          if (!cur_.apply_optimizer) break;  // the gradients stay for inspection
-          {
-            // A device backend reports bad data (a token id, a label) at its next wait:
-            // wait here, once per step, so that such an error stops the step before this
-            // stage's weights change.
-            auto turn = device_turn(k);
-            be.synchronize();
-          }
-          if (options_.clip_grad_norm > 0) clip_gradients(k);
-          auto turn = device_turn(k);
-          rt.optimizer->step();
-          zero_grads();
-          for (int i = rt.spec.first_layer; i < rt.spec.first_layer + rt.spec.num_layers; ++i) {
-            model_.layer(i).end_step(be, rt.replica_sum);
-          }
-          break;
-        }
-      }
-      if (m >= 0) {
-        MicroBatch& mb = rt.mbs[m];
-        const int64_t now_held = held_bytes(mb);
-        rt.live_bytes += now_held - mb.held_bytes;
-        mb.held_bytes = now_held;
         rt.trace.peak_activation_bytes = std::max(rt.trace.peak_activation_bytes, rt.live_bytes);
+        if (is_communication(ins.op)) {
+          // Activations go to the next cell and come from the previous one; gradients
+          // the other way.
+          const bool act = ins.op == Op::kRecvActivation || ins.op == Op::kSendActivation;
+          const bool send = ins.op == Op::kSendActivation || ins.op == Op::kSendGradient;
+          op.peer = schedule_.stage_of_cell(act == send ? c + 1 : c - 1);
+          op.bytes = bytes;
+        }
       }
-      rt.trace.ops.push_back({ins.op, m, t0, now_ms()});
+      op.live_bytes = rt.live_bytes;
+      op.end_ms = now_ms();
+      rt.trace.ops.push_back(op);
     }
     transport_.flush(k);
     auto turn = device_turn(k);
-    be.synchronize();
+    rt.backend->synchronize();
   } catch (const Aborted& e) {
     rt.error = std::current_exception();
     rt.error_is_abort = true;
@@ -419,11 +595,13 @@ void Executor::run_stage(int k) {
   }
 }
 
-int Executor::stage_of(int layer) const {
-  for (const StageSpec& s : stages_) {
-    if (layer >= s.first_layer && layer < s.first_layer + s.num_layers) return static_cast<int>(&s - stages_.data());
+int Executor::cell_of_layer(int layer) const {
+  for (size_t c = 0; c < cells_.size(); ++c) {
+    if (layer >= cells_[c].first_layer && layer < cells_[c].first_layer + cells_[c].num_layers) {
+      return static_cast<int>(c);
+    }
   }
-  throw Error("layer " + std::to_string(layer) + " is in no stage");
+  throw Error("layer " + std::to_string(layer) + " is in no cell");
 }
 
 // Both copies of a tied weight get the sum of their gradients. On one stage that is
@@ -433,11 +611,11 @@ int Executor::stage_of(int layer) const {
 void Executor::sum_tied_gradients(int k) {
   StageRuntime& rt = *runtimes_[k];
   Backend& be = *rt.backend;
-  const Device dev = rt.spec.device;
   const auto& ties = model_.ties();
   for (size_t i = 0; i < ties.size(); ++i) {
     const layers::Tie& t = ties[i];
-    const int so = stage_of(t.owner_layer), sc = stage_of(t.copy_layer);
+    const int so = schedule_.stage_of_cell(cell_of_layer(t.owner_layer));
+    const int sc = schedule_.stage_of_cell(cell_of_layer(t.copy_layer));
     const MessageTag tag{MessageKind::kTiedGradient, static_cast<int>(i)};
     if (so == k && sc == k) {
       auto turn = device_turn(k);
@@ -449,11 +627,11 @@ void Executor::sum_tied_gradients(int k) {
         be.copy(t.copy->grad, mine);
       }
       transport_.send(k, so, tag, mine);
-      Tensor sum = transport_.recv(k, so, tag, dev);
+      Tensor sum = transport_.recv(k, so, tag, rt.device);
       auto turn = device_turn(k);
       be.copy(sum, t.copy->grad);
     } else if (so == k) {
-      Tensor other = transport_.recv(k, sc, tag, dev);
+      Tensor other = transport_.recv(k, sc, tag, rt.device);
       Tensor sum = be.empty(t.owner->grad.shape(), t.owner->grad.dtype());
       {
         auto turn = device_turn(k);
@@ -497,15 +675,12 @@ StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool appl
   cur_.sizes = split_sizes(n, M);
   cur_.offsets.assign(M, 0);
   for (int m = 1; m < M; ++m) cur_.offsets[m] = cur_.offsets[m - 1] + cur_.sizes[m - 1];
-  // Mean over the labelled samples of the whole mini-batch, however it is split.
-  int64_t counted = targets.numel();
-  if (auto* xent = dynamic_cast<layers::SoftmaxCrossEntropy*>(&model_.loss())) {
-    const int32_t* t = targets.data<int32_t>();
-    counted = std::count_if(t, t + targets.numel(), [&](int32_t v) { return v != xent->ignore_index(); });
-  }
-  // With replicas, over the whole mini-batch: each replica's share of the loss and of
-  // the gradients is then already scaled for the sum over replicas, however unevenly
-  // the ignored targets fall.
+  // The loss of a mini-batch is a mean over its counted targets, however the batch is
+  // split: each micro-batch's summed loss is scaled by 1 / (targets counted in the
+  // whole mini-batch), so the micro-batches' losses and gradients add up to the
+  // mini-batch's. With replicas the count is over every replica's rows, so each
+  // replica's share is already scaled for the sum over replicas.
+  int64_t counted = model_.loss().counted_targets(targets);
   if (options_.replicas != nullptr && options_.replicas->size() > 1) {
     counted = static_cast<int64_t>(options_.replicas->all_reduce_sum(static_cast<double>(counted)));
   }
@@ -531,10 +706,10 @@ StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool appl
   for (auto& rt : runtimes_) {
     if (rt->error && !rt->error_is_abort) {
       failed_ = true;
-      const StageSpec& s = rt->spec;
-      const std::string msg = "stage " + std::to_string(rt->index) + " (layers " + std::to_string(s.first_layer) +
-                              ".." + std::to_string(s.first_layer + s.num_layers - 1) + " on " + s.device.str() +
-                              ") failed: " + rt->error_text;
+      std::string where;
+      for (int c : rt->cells) where += (where.empty() ? "" : ", ") + layer_range(cells_[c]);
+      const std::string msg = "stage " + std::to_string(rt->index) + " (layers " + where + " on " +
+                              rt->device.str() + ") failed: " + rt->error_text;
       for (auto& other : runtimes_) other->mbs.clear();
       try {
         std::rethrow_exception(rt->error);
@@ -551,12 +726,15 @@ StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool appl
       throw Error("stage " + std::to_string(rt->index) + " stopped: " + rt->error_text);
     }
   }
-  StageRuntime& last = *runtimes_.back();
+  const int last_stage = schedule_.stage_of_cell(schedule_.num_cells() - 1);
+  StageRuntime& last = *runtimes_[last_stage];
   if (last.local) {
-    for (auto& mb : last.mbs) result.loss += last.backend->item(mb.loss);
+    for (auto& mb : last.mbs[schedule_.chunk_of_cell(schedule_.num_cells() - 1)]) {
+      result.loss += last.backend->item(mb.loss);
+    }
   }
   if (options_.local_stage >= 0) {
-    // Only the last stage's process has the loss; every process learns it.
+    // Only the last cell's process has the loss; every process learns it.
     result.loss = transport_.all_reduce_sum(options_.local_stage, result.loss);
     result.grad_norm = runtimes_[options_.local_stage]->grad_norm;
   } else {

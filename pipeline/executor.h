@@ -1,9 +1,11 @@
 // The executor: runs a schedule with one worker thread per stage in this process.
-// Each stage owns a contiguous range of the model's layers (a cell) on its device and
-// interprets its instruction list; boundary activations and gradients travel through
-// a Transport. Gradients of all micro-batches accumulate into the parameters' grads
-// and one optimizer step per stage ends the mini-batch, so a step equals one step on
-// the whole mini-batch on one device.
+// Each stage owns one or more cells (contiguous ranges of the model's layers; several
+// for interleaved schedules) on its device and interprets its instruction list, the
+// same interpreter for every schedule; boundary activations and gradients travel
+// through a Transport (or hand over directly between cells of one stage). Gradients of
+// all micro-batches accumulate into the parameters' grads and one optimizer step per
+// stage ends the mini-batch, so a step equals one step on the whole mini-batch on one
+// device.
 //
 // A worker never throws across threads: it records its error, aborts the transport so
 // its neighbours stop waiting, and the driver rethrows the first real failure after
@@ -29,14 +31,21 @@
 namespace gpipe {
 namespace pipeline {
 
+// A cell: a contiguous range of the model's layers, and the device of the stage that
+// runs it. With one cell per stage (every schedule but the interleaved ones) cell k
+// is stage k.
 struct StageSpec {
   int first_layer = 0;
   int num_layers = 0;
   Device device;
 };
 
-// Stage specs from per-cell layer counts, with stage k on devices[k].
+// Cell specs from per-cell layer counts, with cell k on devices[k] (one cell per stage).
 std::vector<StageSpec> make_stages(const std::vector<int>& balance, const std::vector<Device>& devices);
+// The same for a schedule that may place several cells on a stage: balance has one
+// entry per cell, devices one per stage, and each cell goes to its stage's device.
+std::vector<StageSpec> make_cells(const std::vector<int>& balance, const Schedule& schedule,
+                                  const std::vector<Device>& devices);
 
 struct ExecutorOptions {
   layers::OptimizerConfig optimizer;
@@ -57,18 +66,29 @@ struct ExecutorOptions {
   // not owned.
   ReplicaGroup* replicas = nullptr;
   int64_t bucket_bytes = int64_t{25} << 20;  // PyTorch DDP's default bucket
+  // Index of this process's first row in the whole mini-batch (a replica's share
+  // starts at replica x rows per replica): dropout keys its masks on the sample's
+  // place in the mini-batch, so every split draws the same masks.
+  int64_t sample_offset = 0;
 };
 
 struct TimedOp {
   Op op;
   int micro_batch;
   double start_ms, end_ms;  // since the step began
+  int chunk = 0;
+  int64_t bytes = 0;       // sends and receives: the message's size
+  int peer = -1;           // sends and receives: the other stage
+  int64_t live_bytes = 0;  // activations the stage holds after the instruction
 };
 
 struct StageTrace {
   std::vector<TimedOp> ops;
   int64_t peak_activation_bytes = 0;  // largest sum of activations held at once
 };
+// A stage's timings as numbers, and back, for gathering them across processes.
+std::vector<double> encode_trace(const StageTrace& t);
+StageTrace decode_trace(const std::vector<double>& v, int stage);
 
 struct StepResult {
   double loss = 0;  // mean over the mini-batch (sum of the micro-batches' scaled losses)
@@ -97,21 +117,36 @@ class Executor {
   StepResult step(const Tensor& inputs, const Tensor& targets, bool apply_optimizer = true);
 
   const Schedule& schedule() const { return schedule_; }
-  const std::vector<StageSpec>& stages() const { return stages_; }
+  // The cells, in model order (one per stage unless the schedule interleaves).
+  const std::vector<StageSpec>& stages() const { return cells_; }
   void set_lr(double lr);
+  // The optimizer step the next step() is (dropout keys its masks on it); a resumed
+  // run continues the count. Starts at 0 and counts up with every step().
+  void set_step(uint64_t step) { steps_done_ = step; }
+  uint64_t next_step() const { return steps_done_; }
 
  private:
   struct StageRuntime;
+  struct MicroBatch;
   void worker_main(int k);
   void run_stage(int k);
+  // One handler per instruction kind; run_stage times, meters and dispatches. Returns
+  // the bytes a send or receive moved.
+  int64_t run_instruction(StageRuntime& rt, size_t pc);
+  void forward(StageRuntime& rt, const Instruction& ins, bool recompute);
+  void backward(StageRuntime& rt, const Instruction& ins, size_t pc);
+  void weight_gradient(StageRuntime& rt, const Instruction& ins, size_t pc);
+  void optimizer_step(StageRuntime& rt);
+  void zero_grads(StageRuntime& rt);
   void clip_gradients(int k);
   void sum_tied_gradients(int k);
   // Stage k's turn on its device's backend (no-op unless it shares the device).
   std::unique_lock<std::mutex> device_turn(int k);
-  int stage_of(int layer) const;
+  int cell_of_layer(int layer) const;
+  Tensor to_device(StageRuntime& rt, const Tensor& host);
 
   layers::Sequential& model_;
-  std::vector<StageSpec> stages_;
+  std::vector<StageSpec> cells_;
   Schedule schedule_;
   Transport& transport_;
   ExecutorOptions options_;

@@ -16,6 +16,7 @@
 #include "runtime/mpi_check.h"
 #include "runtime/mpi_transport.h"
 #include "pipeline/config.h"
+#include "pipeline/plan.h"
 #include "pipeline/schedule.h"
 #include "pipeline/trainer.h"
 #include "runtime/error.h"
@@ -71,34 +72,34 @@ Args parse_args(int argc, char** argv) {
 int plan(const gpipe::pipeline::Config& c) {
   using namespace gpipe;
   auto model = layers::build_model(c.model);
-  const auto balance = pipeline::plan_balance(c, *model);
-  const int64_t micro = (c.train.batch_size + c.pipeline.micro_batches - 1) / c.pipeline.micro_batches;
+  const pipeline::Plan p = pipeline::make_plan(c, *model);
+  const int64_t micro = p.largest_micro_batch();
   std::vector<std::optional<double>> overrides;
   for (const auto& l : c.model.layers) overrides.push_back(l.cost);
-  const auto costs = partition::layer_costs(*model, micro, c.pipeline.checkpoint != "never", overrides);
-  std::printf("model: %d layers, %lld parameters, input %s\n", model->size(),
-              static_cast<long long>(model->parameter_count()), shape_str(model->input_shape()).c_str());
-  const auto memory = partition::estimate_stage_memory(*model, balance, c.train.batch_size, c.pipeline.micro_batches,
-                                                       c.pipeline.checkpoint != "never");
-  int first = 0;
-  for (size_t k = 0; k < balance.size(); ++k) {
-    double s = 0;
-    for (int i = first; i < first + balance[k]; ++i) s += costs[i];
-    std::printf("stage %zu: layers %d-%d, estimated %.3f ms per micro-batch of %lld, memory %.1f MB "
-                "(parameters+state %.1f, activations %.1f)\n",
-                k, first, first + balance[k] - 1, s * 1e3, static_cast<long long>(micro), memory[k].total() / 1e6,
-                memory[k].parameter_bytes / 1e6, memory[k].activation_bytes / 1e6);
-    for (int i = first; i < first + balance[k]; ++i) {
-      std::printf("  %3d %-28s %10.3f ms\n", i, model->layer(i).describe().c_str(), costs[i] * 1e3);
+  const auto costs =
+      partition::layer_costs(*model, micro, p.recompute != pipeline::CheckpointMode::kNever, overrides);
+  std::printf("model: %d layers, %lld parameters, input %s; a checkpoint takes %.1f MB\n", model->size(),
+              static_cast<long long>(model->parameter_count()), shape_str(model->input_shape()).c_str(),
+              pipeline::checkpoint_bytes(*model, c.optimizer.optimizer) / 1e6);
+  const auto memory = pipeline::estimate_memory(p, *model, c.optimizer.optimizer);
+  for (int k = 0; k < p.stages; ++k) {
+    std::printf("stage %d on %s: memory %.1f MB (parameters+state %.1f, activations %.1f)\n", k,
+                p.devices[k].str().c_str(), memory[k].total() / 1e6, memory[k].parameter_bytes / 1e6,
+                memory[k].activation_bytes / 1e6);
+    for (int cell : p.schedule.cells[k]) {
+      const pipeline::StageSpec& s = p.cells[cell];
+      double total = 0;
+      for (int i = s.first_layer; i < s.first_layer + s.num_layers; ++i) total += costs[i];
+      std::printf("  cell %d: layers %d-%d, estimated %.3f ms per micro-batch of %lld\n", cell, s.first_layer,
+                  s.first_layer + s.num_layers - 1, total * 1e3, static_cast<long long>(micro));
+      for (int i = s.first_layer; i < s.first_layer + s.num_layers; ++i) {
+        std::printf("    %3d %-28s %10.3f ms\n", i, model->layer(i).describe().c_str(), costs[i] * 1e3);
+      }
     }
-    first += balance[k];
   }
-  const auto sched = pipeline::make_schedule(c.pipeline.schedule, c.pipeline.partitions, c.pipeline.micro_batches,
-                                             pipeline::parse_checkpoint_mode(c.pipeline.checkpoint));
-  pipeline::check_schedule(sched);
-  std::printf("schedule %s (ideal bubble %.3f):\n%s", sched.name.c_str(),
-              pipeline::ideal_bubble(c.pipeline.partitions, c.pipeline.micro_batches),
-              pipeline::schedule_table(sched).c_str());
+  std::printf("schedule %s, recompute %s (formula bubble %.3f):\n%s\n%s", p.schedule.name.c_str(),
+              pipeline::checkpoint_mode_name(p.recompute), pipeline::formula_bubble(p.schedule),
+              pipeline::schedule_chart(p.schedule).c_str(), pipeline::schedule_table(p.schedule).c_str());
   return 0;
 }
 

@@ -30,7 +30,7 @@ ReportBuilder::ReportBuilder(std::vector<std::string> stage_layers, std::vector<
                              int micro_batches, std::string checkpoint, std::string schedule, int64_t batch_size)
     : layers_(std::move(stage_layers)), devices_(std::move(stage_devices)), micro_batches_(micro_batches),
       checkpoint_(std::move(checkpoint)), schedule_(std::move(schedule)), batch_size_(batch_size),
-      acc_(layers_.size()) {
+      acc_(layers_.size()), op_time_(layers_.size()) {
   for (size_t k = 0; k < acc_.size(); ++k) {
     acc_[k].stage = static_cast<int>(k);
     acc_[k].layers = layers_[k];
@@ -53,10 +53,14 @@ void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool ti
     double busy = 0, comm = 0;
     for (const auto& op : trace.ops) {
       const double d = op.end_ms - op.start_ms;
+      auto& t = op_time_[k][{static_cast<int>(op.op), op.chunk}];
+      t.first += d;
+      ++t.second;
       switch (op.op) {
         case Op::kForward: s.forward_ms += d; busy += d; break;
         case Op::kRecompute: s.recompute_ms += d; busy += d; break;
         case Op::kBackward: s.backward_ms += d; busy += d; break;
+        case Op::kBackwardWeight: s.weight_ms += d; s.backward_ms += d; busy += d; break;
         case Op::kOptimizerStep: s.optimizer_ms += d; break;
         case Op::kSendActivation:
         case Op::kSendGradient: comm += d; break;
@@ -93,8 +97,19 @@ RunSummary ReportBuilder::summary() const {
   out.batch_size = batch_size_;
   out.timed_steps = timed_;
   out.ideal_bubble = ideal_bubble(out.partitions, micro_batches_);
+  out.formula_bubble = has_schedule_ ? formula_bubble(program_) : out.ideal_bubble;
   out.stages = acc_;
   if (timed_ == 0) return out;
+  if (has_schedule_ && static_cast<int>(op_time_.size()) == program_.num_stages) {
+    const CostFn cost = [&](int stage, const Instruction& ins) {
+      if (ins.op == Op::kRecvActivation || ins.op == Op::kRecvGradient || ins.op == Op::kOptimizerStep) return 0.0;
+      auto it = op_time_[stage].find({static_cast<int>(ins.op), ins.chunk});
+      return it == op_time_[stage].end() ? 0.0 : it->second.first / it->second.second;
+    };
+    const Simulation sim = simulate(program_, cost);
+    out.predicted_bubble = sim.bubble;
+    out.predicted_span_ms = sim.makespan;
+  }
   out.span_ms = span_total_ / timed_;
   out.step_ms = wall_total_ / timed_;
   out.samples_per_second = wall_total_ > 0 ? batch_size_ * timed_ / (wall_total_ / 1000.0) : 0;
@@ -103,6 +118,7 @@ RunSummary ReportBuilder::summary() const {
     s.forward_ms /= timed_;
     s.recompute_ms /= timed_;
     s.backward_ms /= timed_;
+    s.weight_ms /= timed_;
     s.optimizer_ms /= timed_;
     s.comm_ms /= timed_;
     s.idle_ms /= timed_;
@@ -135,8 +151,15 @@ std::string ReportBuilder::table() const {
                   st.peak_activation_bytes / 1e6);
     os << line;
   }
-  std::snprintf(line, sizeof line, "Bubble: measured %.3f, ideal (K-1)/(M+K-1) = %.3f\n", s.measured_bubble,
-                s.ideal_bubble);
+  if (s.predicted_bubble >= 0) {
+    std::snprintf(line, sizeof line,
+                  "Bubble: measured %.3f, predicted %.3f (the schedule simulated with the measured op times), "
+                  "formula %.3f\n",
+                  s.measured_bubble, s.predicted_bubble, s.formula_bubble);
+  } else {
+    std::snprintf(line, sizeof line, "Bubble: measured %.3f, ideal (K-1)/(M+K-1) = %.3f\n", s.measured_bubble,
+                  s.ideal_bubble);
+  }
   os << line;
   std::snprintf(line, sizeof line, "Throughput: %.1f samples/s\n", s.samples_per_second);
   os << line;
@@ -159,7 +182,11 @@ nlohmann::json ReportBuilder::json() const {
   j["span_ms"] = s.span_ms;
   j["step_ms"] = s.step_ms;
   j["samples_per_second"] = s.samples_per_second;
-  j["bubble"] = {{"measured", s.measured_bubble}, {"theoretical", s.ideal_bubble}};
+  j["bubble"] = {{"measured", s.measured_bubble},
+                 {"theoretical", s.ideal_bubble},
+                 {"formula", s.formula_bubble},
+                 {"predicted", s.predicted_bubble}};
+  j["predicted_span_ms"] = s.predicted_span_ms;
   j["steps"] = nlohmann::json::array();
   for (const auto& [step, loss] : losses_) j["steps"].push_back({{"step", step}, {"loss", loss}});
   j["stages"] = nlohmann::json::array();
@@ -170,6 +197,7 @@ nlohmann::json ReportBuilder::json() const {
                            {"forward_ms", st.forward_ms},
                            {"recompute_ms", st.recompute_ms},
                            {"backward_ms", st.backward_ms},
+                           {"weight_ms", st.weight_ms},
                            {"optimizer_ms", st.optimizer_ms},
                            {"comm_ms", st.comm_ms},
                            {"idle_ms", st.idle_ms},

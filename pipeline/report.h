@@ -1,15 +1,19 @@
-// Bubble and utilization reports: where each stage's time went, against GPipe's ideal
-// bubble (K-1)/(M+K-1). Built from the executor's per-instruction timings.
+// Bubble and utilization reports: where each stage's time went, against the schedule's
+// formula (GPipe's (K-1)/(M+K-1)) and against the simulator's prediction from the
+// measured per-instruction times. Built from the executor's per-instruction timings.
 //
 // Per step, the pipeline span is from the step's start to the end of the last
 // backward on any stage (the optimizer steps after it are reported on their own).
-// Within the span a stage is busy (forward, recompute, backward), communicating
-// (sends, and copies on receive), or idle (waiting for a neighbour: the bubble).
+// Within the span a stage is busy (forward, recompute, backward, weight gradient),
+// communicating (sends), or idle (waiting for a neighbour at a receive, or with
+// nothing to do: the bubble).
 #pragma once
 
 #include <nlohmann/json.hpp>
 
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "pipeline/executor.h"
@@ -22,6 +26,7 @@ struct StageSummary {
   std::string layers;  // "0-15 linear x8, relu x8"
   std::string device;
   double forward_ms = 0, recompute_ms = 0, backward_ms = 0, optimizer_ms = 0;
+  double weight_ms = 0;  // W: deferred weight gradients (zero-bubble schedules); in backward_ms too
   double comm_ms = 0, idle_ms = 0, busy_ms = 0;
   double utilization = 0;  // busy / span
   int64_t peak_activation_bytes = 0;
@@ -36,6 +41,10 @@ struct RunSummary {
   double step_ms = 0;  // wall time per step, averaged
   double samples_per_second = 0;
   double measured_bubble = 0, ideal_bubble = 0;
+  double formula_bubble = 0;    // the schedule's own formula (interleaving divides GPipe's by v)
+  double predicted_bubble = -1;  // simulate() of the schedule with the measured mean time of each
+                                 // instruction kind per stage; -1 without a schedule
+  double predicted_span_ms = 0;
   std::vector<StageSummary> stages;
 };
 
@@ -48,6 +57,8 @@ class ReportBuilder {
   // Timings of a step; steps before `timed` (warm-up) only contribute their loss.
   void add_step(int step, double loss, const StepResult& r, bool timed);
   void set_eval(double loss, double accuracy);
+  // The schedule that ran, for the predicted bubble.
+  void set_schedule(Schedule schedule) { program_ = std::move(schedule); has_schedule_ = true; }
   // A validation score taken after `step`.
   void add_validation(int step, double loss, double accuracy);
   RunSummary summary() const;
@@ -67,6 +78,10 @@ class ReportBuilder {
   };
   std::vector<Validation> validations_;
   std::vector<StageSummary> acc_;
+  // Per stage: total time and count of each (instruction kind, chunk).
+  std::vector<std::map<std::pair<int, int>, std::pair<double, int>>> op_time_;
+  Schedule program_;
+  bool has_schedule_ = false;
   int timed_ = 0;
   double span_total_ = 0, wall_total_ = 0;
   bool has_eval_ = false;

@@ -1,9 +1,9 @@
+// The schedule's data types, their text forms, and the passes every generator shares:
+// recompute insertion and communication lowering.
 #include "pipeline/schedule.h"
 
 #include <algorithm>
-#include <map>
 #include <sstream>
-#include <tuple>
 
 #include "runtime/error.h"
 
@@ -18,6 +18,7 @@ const char* op_name(Op op) {
     case Op::kRecompute: return "recompute";
     case Op::kRecvGradient: return "recv_gradient";
     case Op::kBackward: return "backward";
+    case Op::kBackwardWeight: return "weight_gradient";
     case Op::kSendGradient: return "send_gradient";
     case Op::kOptimizerStep: return "optimizer_step";
   }
@@ -32,17 +33,27 @@ const char* op_short_name(Op op) {
     case Op::kRecompute: return "R";
     case Op::kRecvGradient: return "rG";
     case Op::kBackward: return "B";
+    case Op::kBackwardWeight: return "W";
     case Op::kSendGradient: return "sG";
     case Op::kOptimizerStep: return "OPT";
   }
   return "?";
 }
 
+bool is_communication(Op op) {
+  return op == Op::kRecvActivation || op == Op::kSendActivation || op == Op::kRecvGradient ||
+         op == Op::kSendGradient;
+}
+
+bool is_compute(Op op) {
+  return op == Op::kForward || op == Op::kRecompute || op == Op::kBackward || op == Op::kBackwardWeight;
+}
+
 CheckpointMode parse_checkpoint_mode(const std::string& name) {
   if (name == "always") return CheckpointMode::kAlways;
   if (name == "except_last") return CheckpointMode::kExceptLast;
   if (name == "never") return CheckpointMode::kNever;
-  throw UserError("pipeline.checkpoint: unknown mode '" + name + "'; use always, except_last or never");
+  throw UserError("pipeline.recompute: unknown mode '" + name + "'; use always, except_last or never");
 }
 
 const char* checkpoint_mode_name(CheckpointMode mode) {
@@ -63,204 +74,252 @@ bool is_checkpointed(CheckpointMode mode, int m, int num_micro_batches) {
   return false;
 }
 
-Schedule gpipe_schedule(int K, int M, CheckpointMode mode) {
-  if (K < 1) throw UserError("pipeline.partitions must be at least 1, got " + std::to_string(K));
-  if (M < 1) throw UserError("pipeline.micro_batches must be at least 1, got " + std::to_string(M));
-  Schedule s;
-  s.name = "gpipe";
-  s.num_stages = K;
-  s.num_micro_batches = M;
-  s.stages.resize(K);
-  for (int k = 0; k < K; ++k) {
-    auto& out = s.stages[k];
-    for (int m = 0; m < M; ++m) {
-      if (k > 0) out.push_back({Op::kRecvActivation, m});
-      out.push_back({Op::kForward, m});
-      if (k < K - 1) out.push_back({Op::kSendActivation, m});
-    }
-    for (int m = M - 1; m >= 0; --m) {
-      if (is_checkpointed(mode, m, M)) out.push_back({Op::kRecompute, m});
-      if (k < K - 1) out.push_back({Op::kRecvGradient, m});
-      out.push_back({Op::kBackward, m});
-      if (k > 0) out.push_back({Op::kSendGradient, m});
-    }
-    out.push_back({Op::kOptimizerStep, -1});
-  }
-  return s;
+int Schedule::num_cells() const {
+  int n = 0;
+  for (const auto& c : cells) n += static_cast<int>(c.size());
+  return n;
 }
 
-Schedule make_schedule(const std::string& name, int K, int M, CheckpointMode mode) {
-  if (name == "gpipe" || name == "fill_drain") return gpipe_schedule(K, M, mode);
-  throw UserError("pipeline.schedule: unknown schedule '" + name + "'; valid schedules: gpipe (alias fill_drain)");
+int Schedule::stage_of_cell(int c) const {
+  for (size_t k = 0; k < cells.size(); ++k) {
+    if (std::find(cells[k].begin(), cells[k].end(), c) != cells[k].end()) return static_cast<int>(k);
+  }
+  throw Error("schedule '" + name + "' places no stage on cell " + std::to_string(c));
+}
+
+int Schedule::chunk_of_cell(int c) const {
+  const auto& mine = cells.at(stage_of_cell(c));
+  return static_cast<int>(std::find(mine.begin(), mine.end(), c) - mine.begin());
+}
+
+std::vector<std::vector<int>> interleaved_cells(int K, int v) {
+  std::vector<std::vector<int>> out(K);
+  for (int k = 0; k < K; ++k) {
+    for (int j = 0; j < v; ++j) out[k].push_back(j * K + k);
+  }
+  return out;
+}
+
+void insert_recompute(Schedule& s, CheckpointMode mode) {
+  for (size_t k = 0; k < s.stages.size(); ++k) {
+    std::vector<Instruction> out;
+    std::vector<int> lines;
+    for (size_t i = 0; i < s.stages[k].size(); ++i) {
+      const Instruction& ins = s.stages[k][i];
+      const int line = s.lines.empty() ? 0 : s.lines[k][i];
+      if (ins.op == Op::kBackward && is_checkpointed(mode, ins.micro_batch, s.num_micro_batches)) {
+        out.push_back({Op::kRecompute, ins.micro_batch, ins.chunk});
+        lines.push_back(line);
+      }
+      out.push_back(ins);
+      lines.push_back(line);
+    }
+    s.stages[k] = std::move(out);
+    if (!s.lines.empty()) s.lines[k] = std::move(lines);
+  }
 }
 
 namespace {
 
-std::string where(int k, const Instruction& ins) {
-  return "stage " + std::to_string(k) + ": " + op_name(ins.op) +
-         (ins.micro_batch >= 0 ? " of micro-batch " + std::to_string(ins.micro_batch) : std::string());
-}
+// The receive a compute instruction consumes and the send its result needs, given
+// where the neighbouring cells live (none when the neighbour is on the same stage).
+struct Messages {
+  bool recv = false, send = false;
+  Instruction recv_ins{Op::kRecvActivation}, send_ins{Op::kSendActivation};
+};
 
-// Executes the schedule abstractly: per-stage order, blocking receives, messages that
-// arrive at their send's finish time. Validates dependencies on the way and returns
-// the simulated timing. Throws Error on the first violation or on a deadlock.
-Simulation run_abstract(const Schedule& s, const OpCosts& c) {
-  const int K = s.num_stages, M = s.num_micro_batches;
-  GPIPE_CHECK(static_cast<int>(s.stages.size()) == K, "schedule has " + std::to_string(s.stages.size()) + " stages");
-  // sent[(dst, kind, m)] = arrival time; kind 0 = activation, 1 = gradient
-  std::map<std::tuple<int, int, int>, double> sent;
-  std::map<std::tuple<int, int, int>, int> received;
-  struct StageState {
-    size_t pc = 0;
-    double clock = 0, busy = 0;
-    std::vector<int> recv_act, fwd, sent_act, recompute, recv_grad, bwd, sent_grad;
-    int opt = 0;
-  };
-  std::vector<StageState> st(K);
-  for (auto& x : st) {
-    for (auto* v : {&x.recv_act, &x.fwd, &x.sent_act, &x.recompute, &x.recv_grad, &x.bwd, &x.sent_grad}) {
-      v->assign(M, 0);
-    }
+Messages messages_of(const Schedule& s, int stage, const Instruction& ins) {
+  Messages out;
+  if (ins.chunk < 0 || ins.chunk >= static_cast<int>(s.cells.at(stage).size())) return out;  // the checker names it
+  const int c = s.cell(stage, ins.chunk), C = s.num_cells();
+  const bool prev_remote = c > 0 && s.stage_of_cell(c - 1) != stage;
+  const bool next_remote = c + 1 < C && s.stage_of_cell(c + 1) != stage;
+  if (ins.op == Op::kForward) {
+    out.recv = prev_remote;
+    out.send = next_remote;
+    out.recv_ins = {Op::kRecvActivation, ins.micro_batch, ins.chunk};
+    out.send_ins = {Op::kSendActivation, ins.micro_batch, ins.chunk};
+  } else if (ins.op == Op::kBackward) {
+    out.recv = next_remote;
+    out.send = prev_remote;
+    out.recv_ins = {Op::kRecvGradient, ins.micro_batch, ins.chunk};
+    out.send_ins = {Op::kSendGradient, ins.micro_batch, ins.chunk};
   }
-  auto mb_ok = [&](int k, const Instruction& ins) {
-    if (ins.op == Op::kOptimizerStep) return;
-    if (ins.micro_batch < 0 || ins.micro_batch >= M) throw Error("schedule " + where(k, ins) + ": no such micro-batch");
-  };
-  bool progress = true;
-  size_t done = 0, total = 0;
-  for (auto& v : s.stages) total += v.size();
-  while (done < total && progress) {
-    progress = false;
-    for (int k = 0; k < K; ++k) {
-      StageState& x = st[k];
-      while (x.pc < s.stages[k].size()) {
-        const Instruction& ins = s.stages[k][x.pc];
-        mb_ok(k, ins);
-        const int m = ins.micro_batch;
-        auto fail = [&](const std::string& why) { throw Error("schedule " + where(k, ins) + ": " + why); };
-        double start = x.clock, cost = 0;
-        switch (ins.op) {
-          case Op::kRecvActivation:
-          case Op::kRecvGradient: {
-            const bool act = ins.op == Op::kRecvActivation;
-            if (act && k == 0) fail("the first stage has no previous stage");
-            if (!act && k == K - 1) fail("the last stage has no next stage");
-            const auto key = std::make_tuple(k, act ? 0 : 1, m);
-            auto it = sent.find(key);
-            if (it == sent.end()) goto blocked;  // wait for the neighbour
-            if (received[key]++ > 0) fail("received twice");
-            start = std::max(start, it->second);
-            (act ? x.recv_act : x.recv_grad)[m] = 1;
-            break;
-          }
-          case Op::kForward:
-            if (x.fwd[m]) fail("forward twice");
-            if (k > 0 && !x.recv_act[m]) fail("forward before its input was received");
-            x.fwd[m] = 1;
-            cost = c.forward;
-            break;
-          case Op::kSendActivation:
-          case Op::kSendGradient: {
-            const bool act = ins.op == Op::kSendActivation;
-            if (act && k == K - 1) fail("the last stage has no next stage");
-            if (!act && k == 0) fail("the first stage has no previous stage");
-            if (act && !x.fwd[m]) fail("sent before the forward that produces it");
-            if (!act && !x.bwd[m]) fail("sent before the backward that produces it");
-            auto& flag = act ? x.sent_act[m] : x.sent_grad[m];
-            if (flag) fail("sent twice");
-            flag = 1;
-            cost = c.send;
-            sent[std::make_tuple(act ? k + 1 : k - 1, act ? 0 : 1, m)] = start + cost;
-            break;
-          }
-          case Op::kRecompute:
-            if (!x.fwd[m]) fail("recompute before forward");
-            if (x.recompute[m]) fail("recompute twice");
-            if (x.bwd[m]) fail("recompute after backward");
-            x.recompute[m] = 1;
-            cost = c.recompute;
-            break;
-          case Op::kBackward:
-            if (!x.fwd[m]) fail("backward before forward");
-            if (x.bwd[m]) fail("backward twice");
-            if (k < K - 1 && !x.recv_grad[m]) fail("backward before its output gradient was received");
-            x.bwd[m] = 1;
-            cost = c.backward;
-            break;
-          case Op::kOptimizerStep:
-            for (int j = 0; j < M; ++j) {
-              if (!x.bwd[j]) fail("optimizer step before the backward of micro-batch " + std::to_string(j));
-            }
-            if (x.opt++) fail("optimizer step twice");
-            cost = c.optimizer;
-            break;
-        }
-        if (ins.op == Op::kForward || ins.op == Op::kBackward || ins.op == Op::kRecompute) x.busy += cost;
-        x.clock = start + cost;
-        ++x.pc;
-        ++done;
-        progress = true;
-      }
-    blocked:;
-    }
-  }
-  if (done < total) {
-    std::string stuck;
-    for (int k = 0; k < K; ++k) {
-      if (st[k].pc < s.stages[k].size()) stuck += "\n  " + where(k, s.stages[k][st[k].pc]) + " waits";
-    }
-    throw Error("schedule '" + s.name + "' deadlocks:" + stuck);
-  }
-  for (int k = 0; k < K; ++k) {
-    for (int m = 0; m < M; ++m) {
-      const StageState& x = st[k];
-      auto missing = [&](const char* what) {
-        throw Error("schedule stage " + std::to_string(k) + " never runs " + what + " of micro-batch " +
-                    std::to_string(m));
-      };
-      if (!x.fwd[m]) missing("the forward");
-      if (!x.bwd[m]) missing("the backward");
-      if (k < K - 1 && !x.sent_act[m]) missing("the activation send");
-      if (k > 0 && !x.sent_grad[m]) missing("the gradient send");
-    }
-    if (!st[k].opt) throw Error("schedule stage " + std::to_string(k) + " has no optimizer step");
-  }
-  for (const auto& kv : sent) {
-    if (!received.count(kv.first)) {
-      throw Error("schedule: a message to stage " + std::to_string(std::get<0>(kv.first)) + " is never received");
-    }
-  }
-  Simulation sim;
-  double total_busy = 0;
-  for (auto& x : st) {
-    sim.makespan = std::max(sim.makespan, x.clock);
-    sim.busy.push_back(x.busy);
-    total_busy += x.busy;
-  }
-  sim.bubble = sim.makespan > 0 ? 1.0 - total_busy / (K * sim.makespan) : 0.0;
-  return sim;
+  return out;
 }
 
 }  // namespace
 
-void check_schedule(const Schedule& s) { run_abstract(s, OpCosts{}); }
+namespace {
 
-Simulation simulate(const Schedule& s, const OpCosts& costs) { return run_abstract(s, costs); }
+// Rendezvous lowering (NCCL), as Megatron-LM's send_forward_backward_recv_forward_backward:
+// the program runs in steps, and between two steps one group holds the sends of the step
+// before and the receives of the step after, so that messages in both directions
+// progress together. With merge, a step holds at most one forward and one backward (the
+// 1F1B steady state); without, one of either. Recomputes and weight gradients ride along.
+std::vector<Instruction> lower_in_steps(const Schedule& s, int stage, bool merge, std::vector<int>& lines) {
+  const auto& prog = s.stages[stage];
+  std::vector<Instruction> out;
+  auto line_of = [&](size_t i) { return s.lines.empty() ? 0 : s.lines[stage][i]; };
+  auto emit = [&](Instruction ins, int line) {
+    out.push_back(ins);
+    lines.push_back(line);
+  };
+  std::vector<std::pair<size_t, size_t>> steps;  // [begin, end) in prog
+  for (size_t i = 0; i < prog.size();) {
+    size_t j = i;
+    int f = -1;  // the step's forward micro-batch
+    bool b = false;
+    while (j < prog.size() && prog[j].op != Op::kOptimizerStep) {
+      const Op op = prog[j].op;
+      if ((op == Op::kForward && (f >= 0 || (b && !merge))) || (op == Op::kBackward && (b || (f >= 0 && !merge))) ||
+          (op == Op::kRecompute && b)) {
+        break;
+      }
+      // A backward whose output gradient comes from another stage cannot share a step
+      // with the forward of its own micro-batch: that gradient follows from the
+      // forward's output, sent after the step.
+      if (op == Op::kBackward && prog[j].micro_batch == f && messages_of(s, stage, prog[j]).recv) break;
+      if (op == Op::kForward) f = prog[j].micro_batch;
+      b = b || op == Op::kBackward;
+      ++j;
+    }
+    if (j == i) ++j;  // an optimizer step is a step of its own
+    steps.emplace_back(i, j);
+    i = j;
+  }
+  auto receives = [&](size_t n) {
+    if (n >= steps.size()) return;
+    for (size_t i = steps[n].first; i < steps[n].second; ++i) {
+      const Messages msg = messages_of(s, stage, prog[i]);
+      if (msg.recv) emit(msg.recv_ins, line_of(i));  // named by the line of its consumer
+    }
+  };
+  receives(0);
+  for (size_t n = 0; n < steps.size(); ++n) {
+    for (size_t i = steps[n].first; i < steps[n].second; ++i) emit(prog[i], line_of(i));
+    for (size_t i = steps[n].first; i < steps[n].second; ++i) {
+      const Messages msg = messages_of(s, stage, prog[i]);
+      if (msg.send) emit(msg.send_ins, line_of(i));  // and a send by its producer's
+    }
+    receives(n + 1);
+  }
+  return out;
+}
+
+// Each receive right before the instruction that consumes it, each send right after
+// the one that produces it.
+std::vector<Instruction> lower_in_place(const Schedule& s, int stage, std::vector<int>& lines) {
+  const auto& prog = s.stages[stage];
+  std::vector<Instruction> out;
+  for (size_t i = 0; i < prog.size(); ++i) {
+    const Messages msg = messages_of(s, stage, prog[i]);
+    const int line = s.lines.empty() ? 0 : s.lines[stage][i];  // messages go by their compute's line
+    if (msg.recv) {
+      out.push_back(msg.recv_ins);
+      lines.push_back(line);
+    }
+    out.push_back(prog[i]);
+    lines.push_back(line);
+    if (msg.send) {
+      out.push_back(msg.send_ins);
+      lines.push_back(line);
+    }
+  }
+  return out;
+}
+
+Schedule lowered(const Schedule& s, CommModel comm, bool merge) {
+  Schedule out = s;
+  for (size_t k = 0; k < s.stages.size(); ++k) {
+    std::vector<int> lines;
+    out.stages[k] = comm == CommModel::kBuffered ? lower_in_place(s, static_cast<int>(k), lines)
+                                                 : lower_in_steps(s, static_cast<int>(k), merge, lines);
+    if (std::none_of(out.stages[k].begin(), out.stages[k].end(),
+                     [](const Instruction& i) { return i.op == Op::kOptimizerStep; })) {
+      out.stages[k].push_back({Op::kOptimizerStep, -1, 0});
+      lines.push_back(0);
+    }
+    if (!s.lines.empty()) out.lines[k] = std::move(lines);
+  }
+  return out;
+}
+
+}  // namespace
+
+void lower_communication(Schedule& s, CommModel comm) {
+  if (comm == CommModel::kBuffered) {
+    s = lowered(s, comm, false);
+    return;
+  }
+  // Steps of one forward and one backward where the transport allows it; where that
+  // grouping would deadlock (fewer micro-batches than stages, say), steps of one.
+  Schedule merged = lowered(s, comm, true);
+  try {
+    check_schedule(merged, comm);
+  } catch (const UserError&) {
+    Schedule single = lowered(s, comm, false);
+    try {
+      check_schedule(single, comm);
+      s = std::move(single);
+      return;
+    } catch (const UserError&) {
+    }
+  }
+  s = std::move(merged);  // fine, or its check names the problem
+}
+
+std::string instruction_str(const Schedule& s, int stage, const Instruction& ins) {
+  std::string out;
+  if (s.num_chunks() > 1 && ins.op != Op::kOptimizerStep && ins.chunk >= 0 && ins.chunk < s.num_chunks()) {
+    out += std::to_string(s.cell(stage, ins.chunk));
+  }
+  out += op_short_name(ins.op);
+  if (ins.micro_batch >= 0) out += std::to_string(ins.micro_batch);
+  return out;
+}
 
 std::string schedule_table(const Schedule& s) {
   std::ostringstream os;
   for (size_t k = 0; k < s.stages.size(); ++k) {
     os << "stage " << k << ":";
-    for (const auto& ins : s.stages[k]) {
-      os << " " << op_short_name(ins.op);
-      if (ins.micro_batch >= 0) os << ins.micro_batch;
+    for (const auto& ins : s.stages[k]) os << " " << instruction_str(s, static_cast<int>(k), ins);
+    os << "\n";
+  }
+  return os.str();
+}
+
+std::string schedule_chart(const Schedule& s) {
+  OpCosts unit;
+  unit.forward = unit.backward = unit.weight = unit.recompute = 1.0;
+  const Simulation sim = simulate(s, unit);
+  const int slots = static_cast<int>(sim.makespan + 0.5);
+  size_t width = 1;
+  std::vector<std::vector<std::string>> rows(s.stages.size(), std::vector<std::string>(slots, "."));
+  for (size_t k = 0; k < sim.timeline.size(); ++k) {
+    for (const TimedInstruction& t : sim.timeline[k]) {
+      if (!is_compute(t.ins.op)) continue;
+      const int slot = static_cast<int>(t.start + 0.5);
+      if (slot < 0 || slot >= slots) continue;
+      rows[k][slot] = instruction_str(s, static_cast<int>(k), t.ins);
+      width = std::max(width, rows[k][slot].size());
     }
+  }
+  std::ostringstream os;
+  for (size_t k = 0; k < rows.size(); ++k) {
+    os << "stage " << k << ":";
+    for (const std::string& cell : rows[k]) os << " " << cell << std::string(width - cell.size(), ' ');
     os << "\n";
   }
   return os.str();
 }
 
 double ideal_bubble(int K, int M) { return static_cast<double>(K - 1) / (M + K - 1); }
+
+double formula_bubble(const Schedule& s) {
+  const int K = s.num_stages, M = s.num_micro_batches, v = s.num_chunks();
+  return static_cast<double>(K - 1) / (static_cast<double>(v) * M + K - 1);
+}
 
 }  // namespace pipeline
 }  // namespace gpipe

@@ -1,18 +1,29 @@
-// Schedules are data: for each stage, the list of instructions it executes for one
-// mini-batch. The executor interprets them, check_schedule() proves that every send
-// meets its receive and that the schedule cannot deadlock, and simulate() predicts
-// their timing from per-instruction costs.
+// Schedules are data: for each stage (a worker on one device), the list of
+// instructions it executes for one mini-batch. A generator emits the compute
+// instructions only (forward, backward, weight gradient, recompute, optimizer step);
+// lower_communication() then inserts every send and receive, each receive just before
+// the instruction that consumes it and each send just after the one that produces it.
+// The executor interprets the result, check_schedule() proves that every send meets its
+// receive and nothing can deadlock on the transport, and simulate() predicts the timing
+// from per-instruction costs. Implemented in schedule.cc (types, text, lowering),
+// schedules.cc (the generators and schedule files) and schedule_check.cc (the checker
+// and simulator, one abstract interpreter).
 //
-// GPipe's fill-drain schedule for K = 3 stages and M = 4 micro-batches (F = forward,
-// B = backward; every stage runs all forwards, then all backwards in reverse order):
+// The model is cut into C contiguous cells, run in order 0..C-1. Stage k holds v
+// cells (its chunks); with v = 1 cell k is stage k. GPipe's fill-drain schedule for
+// K = 3 stages and M = 4 micro-batches (F = forward, B = backward):
 //
 //   stage 0: F0 F1 F2 F3 .  .  .  .  .  .  B3 B2 B1 B0
 //   stage 1: .  F0 F1 F2 F3 .  .  .  .  B3 B2 B1 B0 .
 //   stage 2: .  .  F0 F1 F2 F3 B3 B2 B1 B0 .  .  .  .
 //
-// The idle slots are the bubble: (K-1)/(M+K-1) of each stage's time.
+// 1F1B (PipeDream-Flush) runs the same work with at most K - k micro-batches in flight
+// on stage k; interleaved 1F1B gives each stage v cells (stage k holds cells k, k + K,
+// ...); zero-bubble (ZB-H1) splits the backward into B (the input gradient, on the
+// critical path) and W (the weight gradient), and moves W into the bubbles.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -20,25 +31,33 @@ namespace gpipe {
 namespace pipeline {
 
 enum class Op {
-  kRecvActivation,  // receive the stage input of micro-batch m from stage k-1
-  kForward,         // forward of the cell (and the loss on the last stage)
-  kSendActivation,  // send the cell output of m to stage k+1
+  kRecvActivation,  // receive the input of the chunk's cell for micro-batch m
+  kForward,         // forward of the cell (and the loss after the model's last cell)
+  kSendActivation,  // send the cell's output of m to the stage of the next cell
   kRecompute,       // rerun the forward of a checkpointed m, keeping what backward needs
-  kRecvGradient,    // receive the gradient of the cell output of m from stage k+1
-  kBackward,        // backward of the cell, accumulating parameter gradients
-  kSendGradient,    // send the gradient of the cell input of m to stage k-1
+  kRecvGradient,    // receive the gradient of the cell's output of m
+  kBackward,        // the input gradient; also the weight gradients unless a W follows
+  kBackwardWeight,  // W: the cell's deferred weight gradients of m
+  kSendGradient,    // send the gradient of the cell's input of m to the previous cell's stage
   kOptimizerStep,   // one optimizer step on the stage's parameters (m = -1)
 };
 
 const char* op_name(Op op);        // "forward", ...
-const char* op_short_name(Op op);  // "F", "B", "R", "sA", "rA", "sG", "rG", "OPT"
+const char* op_short_name(Op op);  // "F", "B", "W", "R", "sA", "rA", "sG", "rG", "OPT"
+bool is_communication(Op op);      // sends and receives
+bool is_compute(Op op);            // F, R, B, W
 
 struct Instruction {
   Op op;
-  int micro_batch;
-  bool operator==(const Instruction& o) const { return op == o.op && micro_batch == o.micro_batch; }
+  int micro_batch = -1;
+  int chunk = 0;  // which of the stage's cells (0 .. v-1); cells[stage][chunk] is its index
+  bool operator==(const Instruction& o) const {
+    return op == o.op && micro_batch == o.micro_batch && chunk == o.chunk;
+  }
 };
 
+// Rematerialization: which micro-batches keep only their cell input during forward
+// and recompute the rest before backward (torchgpipe's `checkpoint`).
 enum class CheckpointMode { kAlways, kExceptLast, kNever };
 CheckpointMode parse_checkpoint_mode(const std::string& name);  // "always", "except_last", "never"
 const char* checkpoint_mode_name(CheckpointMode mode);
@@ -49,38 +68,140 @@ struct Schedule {
   std::string name;
   int num_stages = 0;
   int num_micro_batches = 0;
+  // cells[k][j]: the model cell that chunk j of stage k runs; every cell 0..C-1
+  // appears once. One cell per stage (cells[k] = {k}) unless the schedule interleaves.
+  std::vector<std::vector<int>> cells;
   std::vector<std::vector<Instruction>> stages;  // per stage, in execution order
+  // Schedule files: the file line of each instruction (0 for lowered communication),
+  // so that errors name it; empty for generated schedules.
+  std::vector<std::vector<int>> lines;
+  std::string source;  // the file, for messages
+
+  int num_chunks() const { return cells.empty() ? 1 : static_cast<int>(cells[0].size()); }
+  int num_cells() const;
+  int cell(int stage, int chunk) const { return cells.at(stage).at(chunk); }
+  int stage_of_cell(int cell) const;
+  int chunk_of_cell(int cell) const;
 };
+
+// One cell per stage (v = 1) or Megatron's interleaving: chunk j of stage k is cell
+// j K + k.
+std::vector<std::vector<int>> interleaved_cells(int num_stages, int num_chunks);
+
+// How a transport completes a send. Buffered: a send returns at once and its message
+// waits for the receiver (in-process hand-over, MPI_Isend). Rendezvous: a send
+// completes only when its receiver reaches it, as NCCL's do; a run of consecutive
+// sends and receives of one stage is posted as one group (ncclGroupStart/End), whose
+// operations progress together.
+enum class CommModel { kBuffered, kRendezvous };
+
+// ---- Generators. Each returns a lowered schedule, ready to check and run.
 
 // GPipe: all forwards, then all backwards in reverse micro-batch order; recompute is
 // issued before the gradient is received, so it can overlap the wait.
-Schedule gpipe_schedule(int num_stages, int num_micro_batches, CheckpointMode mode);
-// Builds the schedule named in a config ("gpipe"); an unknown name lists the valid ones.
+Schedule gpipe_schedule(int num_stages, int num_micro_batches, CheckpointMode mode,
+                        CommModel comm = CommModel::kBuffered);
+// 1F1B (PipeDream-Flush): min(K-1-k, M) forwards of warm-up on stage k, then one
+// forward and one backward in turn, then the remaining backwards.
+Schedule one_f_one_b_schedule(int num_stages, int num_micro_batches, CheckpointMode mode,
+                              CommModel comm = CommModel::kBuffered);
+// Interleaved 1F1B (Megatron-LM; PyTorch's flexible variant): stage k holds cells k,
+// k + K, ..., micro-batches go round in rounds of M / max(1, M / K), which must divide M.
+Schedule interleaved_1f1b_schedule(int num_stages, int num_chunks, int num_micro_batches, CheckpointMode mode,
+                                   CommModel comm = CommModel::kBuffered);
+// Zero bubble (ZB-H1, and ZB-1P for num_chunks > 1; Qi et al. 2024): 1F1B's order with
+// the backward split into B and W; stage k defers its first k weight gradients into
+// the cool-down bubble.
+Schedule zero_bubble_schedule(int num_stages, int num_chunks, int num_micro_batches, CheckpointMode mode,
+                              CommModel comm = CommModel::kBuffered);
+
+// What a config asks for.
+struct ScheduleRequest {
+  std::string name = "gpipe";  // gpipe (fill_drain), 1f1b, interleaved_1f1b, zero_bubble, file
+  int num_stages = 1, num_chunks = 1, num_micro_batches = 1;
+  CheckpointMode mode = CheckpointMode::kExceptLast;
+  std::string file;  // pipeline.schedule_file
+  CommModel comm = CommModel::kBuffered;  // the transport's, so the checker models it
+};
+// Builds and checks the named schedule; an unknown name lists the valid ones, a
+// schedule that cannot take these K, v, M says what it needs and why.
+Schedule make_schedule(const ScheduleRequest& request);
 Schedule make_schedule(const std::string& name, int num_stages, int num_micro_batches, CheckpointMode mode);
+std::vector<std::string> schedule_names();
 
-// Proves the schedule is well formed before anything runs: every stage forwards and
-// backwards each micro-batch once, in dependency order, each send has exactly one
-// matching receive on the neighbour, and executing it with blocking receives cannot
-// deadlock. Throws gpipe::Error describing the first problem.
-void check_schedule(const Schedule& s);
+// A schedule of the user's own, one compute instruction per line:
+//   stage,op,micro_batch[,chunk]     e.g.  1,F,3   0,B,2   0,W,2,1
+// or one action in PyTorch's notation, `<cell><op><micro-batch>` (1F3, 0B2, 0W2),
+// the cell placed as in interleaved_cells(). op is F, B, W or R (I is taken for B,
+// PyTorch's input-gradient action). Blank lines and `#` comments are skipped; each
+// stage runs its lines in file order. Without any R line, `mode` decides which
+// micro-batches recompute. Communication is inserted by lower_communication(). Errors
+// name the file, the line and the broken rule.
+Schedule parse_schedule_text(const std::string& text, const std::string& source, int num_stages, int num_chunks,
+                             int num_micro_batches, CheckpointMode mode, CommModel comm = CommModel::kBuffered);
+Schedule load_schedule_file(const std::string& path, int num_stages, int num_chunks, int num_micro_batches,
+                            CheckpointMode mode, CommModel comm = CommModel::kBuffered);
 
-// Predicted timing with unit costs per instruction kind (receives cost nothing of
-// their own; they wait for the matching send).
-struct OpCosts {
-  double forward = 1.0, backward = 2.0, recompute = 1.0, send = 0.0, optimizer = 0.0;
+// ---- Building blocks of the generators.
+
+// Puts R(j, m) right before B(j, m) for every checkpointed micro-batch.
+void insert_recompute(Schedule& s, CheckpointMode mode);
+// Inserts every send and receive between stages (cells on the same stage hand over
+// directly), then an optimizer step at the end of each stage if it has none. For a
+// rendezvous transport a receive is moved up past recomputes and weight gradients to
+// join the sends before it in one group.
+void lower_communication(Schedule& s, CommModel comm = CommModel::kBuffered);
+
+// ---- The checker and simulator (schedule_check.cc).
+
+
+// Proves the schedule is well formed before anything runs: every cell's forward,
+// backward and (where present) weight gradient runs exactly once per micro-batch, in
+// dependency order; each send has exactly one matching receive on the right stage;
+// and executing it with blocking receives (and, for rendezvous transports, blocking
+// sends) cannot deadlock. Throws UserError describing the first problem, naming the
+// file line for schedule files and showing the stage's program with the instruction
+// marked.
+void check_schedule(const Schedule& s, CommModel comm = CommModel::kBuffered);
+
+// Predicted timing. The cost of an instruction in any unit (seconds, ms, slots);
+// receives cost nothing of their own (they wait for their send).
+using CostFn = std::function<double(int stage, const Instruction& ins)>;
+struct TimedInstruction {
+  Instruction ins;
+  double start = 0, end = 0;
 };
 struct Simulation {
   double makespan = 0;
-  std::vector<double> busy;  // per stage: forward + recompute + backward
+  std::vector<double> busy;  // per stage: forward + recompute + backward + weight gradient
   double bubble = 0;         // 1 - sum(busy) / (K * makespan)
+  std::vector<std::vector<TimedInstruction>> timeline;  // per stage, in program order
+};
+Simulation simulate(const Schedule& s, const CostFn& cost, CommModel comm = CommModel::kBuffered);
+// Unit costs per instruction kind, the same for every stage and cell.
+struct OpCosts {
+  double forward = 1.0, backward = 2.0, weight = 0.0, recompute = 1.0, send = 0.0, optimizer = 0.0;
 };
 Simulation simulate(const Schedule& s, const OpCosts& costs);
 
+// ---- Text.
+
+// "F3", "rA0", "OPT"; with several chunks per stage the cell comes first ("2F3"),
+// as in PyTorch's action notation.
+std::string instruction_str(const Schedule& s, int stage, const Instruction& ins);
 // One line per stage: "stage 0: rA0 F0 sA0 ...", for tests and logs.
 std::string schedule_table(const Schedule& s);
+// The stages' compute instructions as a time chart, one row per stage and one column
+// per time slot ('.' where the stage waits), simulated with a unit cost per compute
+// instruction: the picture at the top of this file, for any schedule.
+std::string schedule_chart(const Schedule& s);
 
 // GPipe's ideal bubble fraction (K-1)/(M+K-1).
 double ideal_bubble(int num_stages, int num_micro_batches);
+// The bubble the schedule's formula gives: GPipe, 1F1B and zero-bubble's (K-1)/(M+K-1)
+// with equal F and B (ZB-H1 lowers it further when W fills the cool-down), and
+// interleaving's (K-1)/(v M + K - 1).
+double formula_bubble(const Schedule& s);
 
 }  // namespace pipeline
 }  // namespace gpipe

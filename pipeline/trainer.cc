@@ -10,6 +10,7 @@
 #include "partition/balance.h"
 #include "pipeline/datasets.h"
 #include "pipeline/executor.h"
+#include "pipeline/plan.h"
 #include "runtime/error.h"
 #include "runtime/inprocess_transport.h"
 #include "runtime/logging.h"
@@ -18,31 +19,6 @@ namespace gpipe {
 namespace pipeline {
 
 namespace {
-
-// The stages' devices. In a multi-process run only this process's stage (local_stage)
-// must exist here; the others are on other nodes.
-std::vector<Device> plan_devices(const Config& c, int local_stage) {
-  const int K = c.pipeline.partitions;
-  std::vector<Device> out;
-  if (c.pipeline.devices.empty()) {
-    for (int k = 0; k < K; ++k) out.push_back(Device::cpu(k));
-    return out;
-  }
-  if (static_cast<int>(c.pipeline.devices.size()) != K) {
-    throw UserError("pipeline.devices lists " + std::to_string(c.pipeline.devices.size()) +
-                    " devices but pipeline.partitions is " + std::to_string(K) + "; give one device per partition");
-  }
-  for (const auto& d : c.pipeline.devices) {
-    Device dev = parse_device(d);
-    const bool here = local_stage < 0 || static_cast<int>(out.size()) == local_stage;
-    if (here && dev.is_cuda() && dev.index >= cuda_device_count()) {
-      throw UserError("pipeline.devices names " + dev.str() + " but this machine has " +
-                      std::to_string(cuda_device_count()) + " visible CUDA devices; use cpu:N devices instead");
-    }
-    out.push_back(dev);
-  }
-  return out;
-}
 
 // Writes `text` to `path` through a temporary file and a rename, so a crash never
 // leaves a half-written report.
@@ -95,13 +71,14 @@ Score score_chunk(layers::Sequential& model, Backend& be, const Tensor& h, const
 }
 
 // Mean loss and accuracy (argmax over the classes, per target) of the model on
-// validation samples [0, n), in chunks, cell by cell on each stage's device. In a
-// multi-process run each process runs its own cell and passes the activations on
+// validation samples [0, n), in chunks, cell by cell on each cell's device. In a
+// multi-process run each process runs its own cells and passes the activations on
 // through the transport; replica d takes chunks d, d + D, ... Every process gets the
 // totals.
-std::pair<double, double> evaluate(layers::Sequential& model, const std::vector<StageSpec>& stages,
-                                   const Dataset& data, int64_t n, int64_t chunk, const Launch& launch) {
-  const int K = static_cast<int>(stages.size());
+std::pair<double, double> evaluate(layers::Sequential& model, const Plan& plan, const Dataset& data, int64_t n,
+                                   int64_t chunk, const Launch& launch) {
+  const Schedule& sched = plan.schedule;
+  const int C = sched.num_cells();
   const bool multi = launch.size > 1;
   const int D = launch.replicas != nullptr ? launch.replicas->size() : 1;
   const int me = launch.rank;
@@ -111,23 +88,29 @@ std::pair<double, double> evaluate(layers::Sequential& model, const std::vector<
   for (int64_t c = launch.replica; c * chunk < n; c += D) {
     const int64_t start = c * chunk, len = std::min(chunk, n - start);
     auto [x, y] = data.validation(start, len);
-    const MessageTag tag{MessageKind::kEvalActivation, static_cast<int>(c)};
     Tensor h = x;
-    for (int k = 0; k < K; ++k) {
-      if (multi && k != me) continue;
-      const StageSpec& s = stages[k];
+    for (int cell = 0; cell < C; ++cell) {
+      const int stage = sched.stage_of_cell(cell);
+      if (multi && stage != me) continue;
+      const StageSpec& s = plan.cells[cell];
       Backend& be = backend_for(s.device);
-      if (multi && k > 0) h = launch.transport->recv(k, k - 1, tag, s.device);
+      if (multi && cell > 0 && sched.stage_of_cell(cell - 1) != me) {
+        h = launch.transport->recv(me, sched.stage_of_cell(cell - 1),
+                                   {MessageKind::kEvalActivation, static_cast<int>(c), cell}, s.device);
+      }
       if (!(h.device() == s.device || (h.device().is_cpu() && s.device.is_cpu()))) {
         Tensor moved = be.empty(h.shape(), h.dtype());
         be.copy(h, moved);
         h = moved;
       }
       for (int i = s.first_layer; i < s.first_layer + s.num_layers; ++i) h = model.layer(i).forward(be, h, nullptr, args);
-      if (multi && k + 1 < K) launch.transport->send(k, k + 1, tag, h);
+      if (multi && cell + 1 < C && sched.stage_of_cell(cell + 1) != me) {
+        launch.transport->send(me, sched.stage_of_cell(cell + 1),
+                               {MessageKind::kEvalActivation, static_cast<int>(c), cell + 1}, h);
+      }
     }
-    if (!multi || me == K - 1) {
-      const Score part = score_chunk(model, backend_for(stages.back().device), h, y);
+    if (!multi || sched.stage_of_cell(C - 1) == me) {
+      const Score part = score_chunk(model, backend_for(plan.cells.back().device), h, y);
       total.loss_sum += part.loss_sum;
       total.correct += part.correct;
       total.counted += part.counted;
@@ -150,22 +133,8 @@ std::pair<double, double> evaluate(layers::Sequential& model, const std::vector<
 // step ended in a collective), to within a transport latency.
 StepResult gather_timings(StepResult r, const Launch& launch) {
   const int me = launch.rank;
-  const StageTrace& mine = r.stages.at(me);
-  std::vector<double> flat{static_cast<double>(mine.peak_activation_bytes)};
-  for (const TimedOp& op : mine.ops) {
-    flat.insert(flat.end(), {static_cast<double>(op.op), static_cast<double>(op.micro_batch), op.start_ms, op.end_ms});
-  }
-  const std::vector<std::vector<double>> all = launch.transport->gather_to_first(me, flat);
-  for (size_t k = 0; k < all.size(); ++k) {
-    const std::vector<double>& v = all[k];
-    GPIPE_CHECK(!v.empty() && (v.size() - 1) % 4 == 0, "malformed timings from stage " + std::to_string(k));
-    StageTrace& t = r.stages.at(k);
-    t = StageTrace{};
-    t.peak_activation_bytes = static_cast<int64_t>(v[0]);
-    for (size_t i = 1; i < v.size(); i += 4) {
-      t.ops.push_back({static_cast<Op>(static_cast<int>(v[i])), static_cast<int>(v[i + 1]), v[i + 2], v[i + 3]});
-    }
-  }
+  const std::vector<std::vector<double>> all = launch.transport->gather_to_first(me, encode_trace(r.stages.at(me)));
+  for (size_t k = 0; k < all.size(); ++k) r.stages.at(k) = decode_trace(all[k], static_cast<int>(k));
   return r;
 }
 
@@ -219,36 +188,25 @@ int64_t host_available_bytes() {
 }
 
 // Refuses a run whose estimated footprint cannot fit, before it allocates anything.
-void check_fits_in_memory(const Config& c, const layers::Sequential& model, const std::vector<int>& balance,
-                          const std::vector<StageSpec>& stages) {
-  const bool remat = c.pipeline.checkpoint != "never";
-  const auto mem = partition::estimate_stage_memory(model, balance, c.train.batch_size, c.pipeline.micro_batches, remat);
+void check_fits_in_memory(const Config& c, const layers::Sequential& model, const Plan& plan) {
+  const auto mem = estimate_memory(plan, model, c.optimizer.optimizer);
   int64_t host = 0;
-  for (size_t k = 0; k < stages.size(); ++k) {
-    if (stages[k].device.is_cpu()) host += mem[k].total();
+  for (size_t k = 0; k < mem.size(); ++k) {
+    if (plan.devices[k].is_cpu()) host += mem[k].total();
   }
   const int64_t avail = host_available_bytes();
   if (avail > 0 && host > avail) {
     auto gib = [](int64_t b) { return std::to_string(b / (1 << 20) / 1024.0).substr(0, 5) + " GiB"; };
-    throw UserError("the model needs about " + gib(host) + " of host memory (parameters, gradients, momentum and "
-                    "activations) but only " + gib(avail) + " is available; lower train.batch_size, raise "
-                    "pipeline.micro_batches, set pipeline.checkpoint: always, or shrink the model");
+    throw UserError("the model needs about " + gib(host) + " of host memory (parameters, gradients, optimizer "
+                    "state and activations) but only " + gib(avail) + " is available; lower train.batch_size, raise "
+                    "pipeline.micro_batches, set pipeline.recompute: always, or shrink the model");
   }
 }
 
 }  // namespace
 
 std::vector<int> plan_balance(const Config& c, const layers::Sequential& model) {
-  const int K = c.pipeline.partitions;
-  if (!c.pipeline.balance.empty()) {
-    partition::validate_balance(c.pipeline.balance, model.size(), K);
-    return c.pipeline.balance;
-  }
-  std::vector<std::optional<double>> overrides;
-  for (const auto& l : c.model.layers) overrides.push_back(l.cost);
-  const int64_t micro = (c.train.batch_size + c.pipeline.micro_batches - 1) / c.pipeline.micro_batches;
-  const bool recompute = c.pipeline.checkpoint != "never";
-  return partition::balance_by_cost(partition::layer_costs(model, micro, recompute, overrides), K);
+  return make_plan(c, model).balance;
 }
 
 TrainResult train(const Config& c, std::ostream& out, const Launch& launch) {
@@ -264,37 +222,40 @@ TrainResult train(const Config& c, std::ostream& out, const Launch& launch) {
                     "pipeline.replicas is " + std::to_string(c.pipeline.partitions * D) +
                     "; run one process per stage and replica: mpirun -np " + std::to_string(c.pipeline.partitions * D));
   }
-  if (D > 1 && c.train.batch_size % D != 0) {
-    throw UserError("train.batch_size = " + std::to_string(c.train.batch_size) + " does not split evenly over " +
-                    std::to_string(D) + " replicas; make it a multiple of pipeline.replicas");
-  }
-  const int64_t replica_batch = c.train.batch_size / D;
   GPIPE_CHECK(!multi || launch.transport != nullptr, "a multi-process launch needs a transport");
   init_logging(c.train.log_level);
   set_cpu_blas_threads(c.train.blas_threads);
   auto model = layers::build_model(c.model);
   const std::unique_ptr<Dataset> data = make_dataset(c);
   check_model_fits_data(*model, *data);
-  const int K = c.pipeline.partitions, M = c.pipeline.micro_batches;
-  const CheckpointMode mode = parse_checkpoint_mode(c.pipeline.checkpoint);
-  split_sizes(replica_batch, M);  // validates N >= M before anything starts
+  PlanOptions plan_options;
+  plan_options.local_stage = multi ? launch.rank : -1;
+  if (multi && launch.transport->sends_wait_for_receiver()) plan_options.comm = CommModel::kRendezvous;
+  Plan plan = make_plan(c, *model, plan_options);
+  const int K = plan.stages, M = plan.micro_batches;
+  const int64_t replica_batch = plan.replica_batch;
   TrainResult result;
-  result.balance = plan_balance(c, *model);
-  const std::vector<StageSpec> stages = make_stages(result.balance, plan_devices(c, multi ? launch.rank : -1));
-  check_fits_in_memory(c, *model, result.balance, stages);
-  Schedule schedule = make_schedule(c.pipeline.schedule, K, M, mode);
+  result.balance = plan.balance;
+  check_fits_in_memory(c, *model, plan);
 
+  // Per stage: its cells' layers, and its device.
   std::vector<std::string> stage_layers, stage_devices;
-  for (const auto& s : stages) {
-    stage_layers.push_back(describe_layers(*model, s.first_layer, s.num_layers));
-    stage_devices.push_back(s.device.str());
+  for (int k = 0; k < K; ++k) {
+    std::string layers_text;
+    for (int cell : plan.schedule.cells[k]) {
+      const StageSpec& s = plan.cells[cell];
+      layers_text += (layers_text.empty() ? "" : " | ") + describe_layers(*model, s.first_layer, s.num_layers);
+    }
+    stage_layers.push_back(layers_text);
+    stage_devices.push_back(plan.devices[k].str());
   }
   std::string balance_text;
   for (size_t i = 0; i < result.balance.size(); ++i) balance_text += (i ? ", " : "") + std::to_string(result.balance[i]);
   spdlog::info("data: {}", data->describe());
-  spdlog::info("model: {} layers, {} parameters; {} stages, balance [{}], {} micro-batches, checkpoint {}",
-               model->size(), model->parameter_count(), K, balance_text, M, c.pipeline.checkpoint);
-  for (size_t k = 0; k < stages.size(); ++k) spdlog::info("stage {} on {}: layers {}", k, stage_devices[k], stage_layers[k]);
+  spdlog::info("model: {} layers, {} parameters; {} stages, balance [{}], {} micro-batches, schedule {}, recompute {}",
+               model->size(), model->parameter_count(), K, balance_text, M, plan.schedule.name,
+               checkpoint_mode_name(plan.recompute));
+  for (int k = 0; k < K; ++k) spdlog::info("stage {} on {}: layers {}", k, stage_devices[k], stage_layers[k]);
 
   InProcessTransport in_process(K);
   Transport& transport = multi ? *launch.transport : static_cast<Transport&>(in_process);
@@ -306,7 +267,8 @@ TrainResult train(const Config& c, std::ostream& out, const Launch& launch) {
   opts.rank = launch.replica * launch.size + launch.rank;
   opts.replicas = D > 1 ? launch.replicas : nullptr;
   opts.bucket_bytes = static_cast<int64_t>(c.pipeline.bucket_mb * (1 << 20));
-  Executor executor(*model, stages, std::move(schedule), transport, opts);
+  opts.sample_offset = launch.replica * replica_batch;
+  Executor executor(*model, plan.cells, plan.schedule, transport, opts);
   layers::LrSchedule lr;
   lr.kind = c.optimizer.schedule;
   lr.base_lr = c.optimizer.optimizer.lr;
@@ -316,14 +278,15 @@ TrainResult train(const Config& c, std::ostream& out, const Launch& launch) {
 
   const int64_t eval_n = c.train.eval_samples > 0 ? std::min(c.train.eval_samples, data->validation_size())
                                                   : data->validation_size();
-  auto validate = [&] { return evaluate(*model, stages, *data, eval_n, c.train.batch_size, launch); };
+  auto validate = [&] { return evaluate(*model, plan, *data, eval_n, c.train.batch_size, launch); };
 
   // The whole pipeline's report, kept by its first stage (in a multi-process run, the
   // other processes send it their timings every step); written by replica 0's.
   const bool reports = launch.rank == 0;
   const bool writes = reports && launch.replica == 0;
-  ReportBuilder report(stage_layers, stage_devices, M, c.pipeline.checkpoint, c.pipeline.schedule,
+  ReportBuilder report(stage_layers, stage_devices, M, checkpoint_mode_name(plan.recompute), plan.schedule.name,
                        c.train.batch_size);
+  report.set_schedule(plan.schedule);
   double window_ms = 0;
   int window_steps = 0;
   for (int step = 0; step < c.train.steps; ++step) {

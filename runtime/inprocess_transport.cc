@@ -5,17 +5,18 @@
 namespace gpipe {
 
 std::string tag_str(const MessageTag& tag) {
+  const std::string cell = tag.cell != 0 ? " (cell " + std::to_string(tag.cell) + ")" : std::string();
   switch (tag.kind) {
     case MessageKind::kActivation:
-      return "activation of micro-batch " + std::to_string(tag.micro_batch);
+      return "activation of micro-batch " + std::to_string(tag.micro_batch) + cell;
     case MessageKind::kGradient:
-      return "gradient of micro-batch " + std::to_string(tag.micro_batch);
+      return "gradient of micro-batch " + std::to_string(tag.micro_batch) + cell;
     case MessageKind::kTiedGradient:
       return "gradient of tied weight " + std::to_string(tag.micro_batch);
     case MessageKind::kEvalActivation:
       break;
   }
-  return "validation activation of chunk " + std::to_string(tag.micro_batch);
+  return "validation activation of chunk " + std::to_string(tag.micro_batch) + cell;
 }
 
 InProcessTransport::InProcessTransport(int num_stages) : boxes_(num_stages) {}
@@ -25,7 +26,7 @@ void InProcessTransport::send(int src, int dst, const MessageTag& tag, const Ten
   std::lock_guard<std::mutex> lock(mu_);
   if (aborted_) throw Aborted(why_);
   Mailbox& box = boxes_[dst];
-  const Key key{src, static_cast<int>(tag.kind), tag.micro_batch};
+  const Key key{src, static_cast<int>(tag.kind), tag.micro_batch, tag.cell};
   GPIPE_CHECK(box.messages.find(key) == box.messages.end(),
               "stage " + std::to_string(src) + " sent the " + tag_str(tag) + " to stage " +
                   std::to_string(dst) + " twice");
@@ -39,7 +40,7 @@ Tensor InProcessTransport::recv(int dst, int src, const MessageTag& tag, Device 
   {
     std::unique_lock<std::mutex> lock(mu_);
     Mailbox& box = boxes_[dst];
-    const Key key{src, static_cast<int>(tag.kind), tag.micro_batch};
+    const Key key{src, static_cast<int>(tag.kind), tag.micro_batch, tag.cell};
     std::map<Key, Tensor>::iterator it;
     box.cv.wait(lock, [&] { return aborted_ || (it = box.messages.find(key)) != box.messages.end(); });
     if (aborted_) throw Aborted(why_);

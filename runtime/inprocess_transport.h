@@ -25,7 +25,7 @@ class InProcessTransport : public Transport {
   size_t pending() const;
 
  private:
-  using Key = std::tuple<int, int, int>;  // src, kind, micro-batch
+  using Key = std::tuple<int, int, int, int>;  // src, kind, micro-batch, cell
   struct Mailbox {
     std::map<Key, Tensor> messages;
     std::condition_variable cv;

@@ -28,8 +28,9 @@ void MpiTransport::check_stage(int stage, const char* what) const {
 }
 
 int MpiTransport::mpi_tag(const MessageTag& tag) const {
-  const int64_t t = kMessageKinds * static_cast<int64_t>(tag.micro_batch) + static_cast<int>(tag.kind);
-  if (tag.micro_batch < 0 || t > tag_ub_) {
+  const int64_t t =
+      kMessageKinds * (kMaxCells * static_cast<int64_t>(tag.micro_batch) + tag.cell) + static_cast<int>(tag.kind);
+  if (tag.micro_batch < 0 || tag.cell < 0 || tag.cell >= kMaxCells || t > tag_ub_) {
     throw Error("the " + tag_str(tag) + " does not fit in MPI's tags (upper bound " + std::to_string(tag_ub_) +
                 "); use fewer micro-batches (or a larger train.batch_size for validation)");
   }

@@ -17,12 +17,17 @@ namespace gpipe {
 enum class MessageKind { kActivation, kGradient, kEvalActivation, kTiedGradient };
 constexpr int kMessageKinds = 4;
 
+// cell: the model cell the message is for (its receiver), which tells apart the
+// messages of one micro-batch between two stages that hold several cells each
+// (interleaved schedules).
 struct MessageTag {
   MessageKind kind;
   int micro_batch;
+  int cell = 0;
 };
+constexpr int kMaxCells = 256;  // cells a tag can name
 
-std::string tag_str(const MessageTag& tag);  // "activation of micro-batch 3"
+std::string tag_str(const MessageTag& tag);  // "activation of micro-batch 3 (cell 2)"
 
 class Transport {
  public:
@@ -48,6 +53,14 @@ class Transport {
   virtual void flush(int /*stage*/) {}
   // Wakes every waiting receiver with Aborted(why). Idempotent.
   virtual void abort(const std::string& why) = 0;
+  // Whether a send completes only once its receiver has reached it (NCCL), rather than
+  // at once (in-process hand-over, MPI_Isend): the schedule checker models which.
+  virtual bool sends_wait_for_receiver() const { return false; }
+  // The sends and receives a stage posts between these two calls progress together
+  // (ncclGroupStart/End), as a rendezvous transport needs for messages in both
+  // directions at once. No-ops for the others.
+  virtual void begin_group(int /*stage*/) {}
+  virtual void end_group(int /*stage*/) {}
 };
 
 // The data-parallel replicas of one stage (the same stage in every replica of the
