@@ -117,7 +117,11 @@ Tensor CausalSelfAttention::backward_input_impl(Backend& be, const Tensor& dy, C
   Tensor datt = proj_.backward_input(be, g, ctx.children.at(kProj));  // (B, T, C)
   Tensor dqkv = be.empty(qkv.shape(), dtype_);                        // (B, T, 3C)
   be.attention_backward(datt, qkv, probs, static_cast<int>(opts_.heads), dqkv);
-  return qkv_.backward_input(be, dqkv, ctx.children.at(kQkv), need_dx);
+  Tensor dx = qkv_.backward_input(be, dqkv, ctx.children.at(kQkv), need_dx);
+  // W needs only the projections' contexts: the scores (B, H, T, T) can go now.
+  ctx.saved.clear();
+  ctx.children.at(kDrop) = {};
+  return dx;
 }
 
 void CausalSelfAttention::backward_weight_impl(Backend& be, Context& ctx) {

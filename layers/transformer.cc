@@ -145,6 +145,8 @@ Tensor TransformerBlock::backward_input_impl(Backend& be, const Tensor& dy, Cont
   // dx = dh + d(attention branch); ln1 still runs for its parameter gradients.
   g = attn_.backward_input(be, dh, ch.at(kAttn));              // (B, T, C)
   Tensor dx = ln1_.backward_input(be, g, ch.at(kLn1), need_dx);  // (B, T, C), fresh
+  // W needs only the linear layers' contexts (inside attention and the MLP).
+  for (int c : {kLn1, kLn2, kGelu, kDrop}) ch.at(c) = {};
   if (!need_dx) return Tensor();
   be.axpy(1.0, dh, dx);
   return dx;

@@ -408,7 +408,12 @@ void Executor::backward(StageRuntime& rt, const Instruction& ins, size_t pc) {
     const bool need_dx = i > 0 || c > 0;
     const int index = cell.first_layer + i;
     layers::Layer& layer = model_.layer(index);
-    g = split ? layer.backward_input(be, g, mb.ctx[i], need_dx) : layer.backward(be, g, mb.ctx[i], need_dx);
+    if (split) {
+      g = layer.backward_input(be, g, mb.ctx[i], need_dx);
+      if (!layer.splits_backward()) mb.ctx[i] = {};  // its W does nothing: nothing to keep
+    } else {
+      g = layer.backward(be, g, mb.ctx[i], need_dx);
+    }
     if (rt.reducer && std::find(final_layers.begin(), final_layers.end(), index) != final_layers.end()) {
       for (layers::Parameter* p : layer.parameters()) rt.reducer->ready(p);
       rt.reducer->progress();
