@@ -1,5 +1,6 @@
-// Every layer's backward against central finite differences in double precision, plus
-// costs, the registry and the model's shape checks.
+// Every layer's backward against central finite differences in double precision (the
+// public checker, layers/gradcheck.h), plus costs, the registry and the model's shape
+// checks.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -23,31 +24,6 @@ namespace {
 
 Backend& cpu() { return backend_for(Device::cpu()); }
 
-// f(x) = <layer(x), r>. Checks dx and every parameter gradient against central
-// differences of f.
-void check_layer_gradients(Layer& layer, int64_t batch, double tol = 1e-6) {
-  Shape in{batch};
-  in.insert(in.end(), layer.input_shape().begin(), layer.input_shape().end());
-  Shape out{batch};
-  out.insert(out.end(), layer.output_shape().begin(), layer.output_shape().end());
-  Tensor x = random_tensor(in, DType::kF64, 11);
-  Tensor r = random_tensor(out, DType::kF64, 12);
-  auto f = [&] { return gpipe::testing::dot(layer.forward(cpu(), x, nullptr), r); };
-
-  for (Parameter* p : layer.parameters()) cpu().fill(p->grad, 0.0);
-  Context ctx;
-  layer.forward(cpu(), x, &ctx);
-  Tensor dx = layer.backward(cpu(), r, ctx);
-
-  auto numeric = [&](Tensor& t) { return gpipe::testing::numeric_gradient(t, f); };
-  INFO(layer.describe(), " input gradient");
-  GPIPE_EXPECT_CLOSE(dx, numeric(x), tol, tol);
-  for (Parameter* p : layer.parameters()) {
-    INFO(layer.describe(), " gradient of ", p->name);
-    GPIPE_EXPECT_CLOSE(p->grad, numeric(p->value), tol, tol);
-  }
-}
-
 }  // namespace
 
 TEST_CASE("linear backward matches finite differences") {
@@ -57,15 +33,15 @@ TEST_CASE("linear backward matches finite differences") {
     o.dtype = DType::kF64;
     o.seed = 3;
     Linear l(o);
-    check_layer_gradients(l, 4);
+    GPIPE_EXPECT_GRADIENTS(check_layer_gradients(l, 4));
   }
 }
 
 TEST_CASE("relu and gelu backward match finite differences") {
   Relu relu({9}, DType::kF64);
-  check_layer_gradients(relu, 3);
+  GPIPE_EXPECT_GRADIENTS(check_layer_gradients(relu, 3));
   Gelu gelu({9}, DType::kF64);
-  check_layer_gradients(gelu, 3);
+  GPIPE_EXPECT_GRADIENTS(check_layer_gradients(gelu, 3));
 }
 
 TEST_CASE("gradients accumulate across backward calls") {
