@@ -334,7 +334,6 @@ TEST_CASE("batch norm's running statistics follow the backend's device") {
 }
 
 TEST_CASE("the registry builds convolutional models and reports mistakes with their location") {
-  register_conv_layers();
   ModelSpec spec;
   spec.input = {3, 8, 8};
   spec.dtype = DType::kF64;

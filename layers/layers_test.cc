@@ -3,6 +3,7 @@
 // checks.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 
@@ -138,6 +139,69 @@ TEST_CASE("the registry builds models and names unknown types and options") {
   CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("unknown option 'outs'"), UserError);
   spec.layers[1] = {"linear", {}, {}, "cfg.yaml:5:7"};
   CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("needs the option 'out'"), UserError);
+}
+
+TEST_CASE("registering a type twice, or under a built-in type's name, is refused at once") {
+  const LayerFactory relu = [](LayerArgs&, const Shape& in, DType dtype, uint64_t) -> std::unique_ptr<Layer> {
+    return std::make_unique<Relu>(in, dtype);
+  };
+  CHECK_THROWS_WITH_AS(register_layer("linear", relu),
+                       "register_layer(\"linear\"): 'linear' is a built-in layer type; register yours under another "
+                       "name, e.g. 'my_linear'",
+                       UserError);
+  CHECK_THROWS_WITH_AS(register_layer("basic_block", relu), doctest::Contains("built-in layer type"), UserError);
+  CHECK_THROWS_WITH_AS(register_layer("my relu", relu), doctest::Contains("letters, digits and '_'"), UserError);
+  CHECK_THROWS_WITH_AS(register_layer("my_relu", nullptr), doctest::Contains("the factory is empty"), UserError);
+  register_layer("test_relu", relu);
+  CHECK_THROWS_WITH_AS(register_layer("test_relu", relu),
+                       doctest::Contains("'test_relu' is registered already; register each layer once"), UserError);
+  const LossFactory xent = [](LayerArgs&, const Shape& in, DType dtype) -> std::unique_ptr<Loss> {
+    return std::make_unique<SoftmaxCrossEntropy>(in, dtype);
+  };
+  CHECK_THROWS_WITH_AS(register_loss("softmax_cross_entropy", xent), doctest::Contains("built-in loss type"), UserError);
+  register_loss("test_xent", xent);
+  CHECK_THROWS_WITH_AS(register_loss("test_xent", xent), doctest::Contains("registered already"), UserError);
+
+  // The first registrations stand.
+  ModelSpec spec;
+  spec.input = {3};
+  spec.layers = {{"test_relu", {}, {}, ""}};
+  spec.loss = {"test_xent", {}, {}, ""};
+  CHECK(build_model(spec)->layer(0).type() == "relu");
+}
+
+TEST_CASE("a model registered in C++ is built by name with its options") {
+  register_model("test_mlp", [](LayerArgs& o) {
+    const int64_t hidden = o.get_int("hidden");
+    auto m = std::make_unique<Sequential>(Shape{4}, DType::kF32);
+    m->emplace<Linear>(LinearOptions(4, hidden));
+    m->emplace<Relu>(Shape{hidden});
+    m->emplace<Linear>(LinearOptions(hidden, 3));
+    m->set_loss(std::make_unique<SoftmaxCrossEntropy>(3));
+    return m;
+  });
+  const auto names = model_names();
+  CHECK(std::count(names.begin(), names.end(), "test_mlp") == 1);
+  ModelSpec spec;
+  spec.cpp = LayerSpec{"test_mlp", {{"hidden", "6"}}, {}, "m.yaml:2:3"};
+  auto m = build_model(spec);
+  CHECK(m->size() == 3);
+  CHECK(m->layer(0).output_shape() == Shape{6});
+  spec.cpp->args["hiden"] = "5";
+  CHECK_THROWS_WITH_AS(build_model(spec),
+                       "model 'test_mlp' (at m.yaml:2:3): unknown option 'hiden'; valid options: hidden", UserError);
+  spec.cpp->args.clear();
+  CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("needs the option 'hidden', e.g. {cpp: test_mlp, hidden:"),
+                       UserError);
+  spec.cpp->type = "test_mpl";
+  CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("no model 'test_mpl' is registered in this program; "
+                                                            "registered: "),
+                       UserError);
+  CHECK_THROWS_WITH_AS(register_model("test_mlp", [](LayerArgs&) { return std::unique_ptr<Sequential>(); }),
+                       doctest::Contains("'test_mlp' is registered already"), UserError);
+  register_model("test_empty", [](LayerArgs&) { return std::unique_ptr<Sequential>(); });
+  spec.cpp->type = "test_empty";
+  CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("its factory returned no model"), UserError);
 }
 
 TEST_CASE("a tied head needs an embedding before it with the same table shape") {
