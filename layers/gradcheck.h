@@ -75,7 +75,9 @@ class GradCheckFailure : public Error {
 // gradient (of float inputs: int32 token ids have none) and every parameter gradient
 // of layer.backward against central differences of f. The layer must have float64
 // parameters on the CPU (build it with dtype float64: float32 rounding swamps finite
-// differences). The input is drawn as (batch, *input_shape()).
+// differences). The input is drawn as (batch, *input_shape()). A layer that breaks the
+// layer contract (a misshapen output or input gradient) throws Layer::forward's or
+// Layer::backward's UserError.
 GradCheckReport check_layer_gradients(Layer& layer, int64_t batch, const GradCheckOptions& options = {});
 // The same with a given input (float64, or int32 token ids).
 GradCheckReport check_layer_gradients(Layer& layer, const Tensor& input, const GradCheckOptions& options = {});
