@@ -244,14 +244,21 @@ std::vector<int> plan_balance(const Config& c, const layers::Sequential& model) 
     partition::validate_balance(c.pipeline.balance, model.size(), K);
     return c.pipeline.balance;
   }
-  std::vector<std::optional<double>> overrides;
-  for (const auto& l : c.model.layers) overrides.push_back(l.cost);
+  const std::vector<std::optional<double>> overrides = cost_overrides(c);
   const int64_t micro = (c.train.batch_size + c.pipeline.micro_batches - 1) / c.pipeline.micro_batches;
   const bool recompute = c.pipeline.checkpoint != "never";
   return partition::balance_by_cost(partition::layer_costs(model, micro, recompute, overrides), K);
 }
 
-TrainResult train(const Config& c, std::ostream& out, const Launch& launch) {
+TrainResult train(const Config& config, std::ostream& out, const Launch& launch) {
+  return train(config, MakeModel{}, out, launch);
+}
+
+TrainResult train(const Config& config, const MakeModel& make_model, std::ostream& out, const Launch& launch) {
+  // The model: YAML layers, a registered C++ model, or make_model (run_model.h); `c`
+  // describes it.
+  RunModel run = build_run_model(config, make_model);
+  const Config& c = run.config;
   const bool multi = launch.size > 1;
   const int D = c.pipeline.replicas;
   if (D > 1 && (launch.replicas == nullptr || launch.replicas->size() != D)) {
@@ -272,7 +279,7 @@ TrainResult train(const Config& c, std::ostream& out, const Launch& launch) {
   GPIPE_CHECK(!multi || launch.transport != nullptr, "a multi-process launch needs a transport");
   init_logging(c.train.log_level);
   set_cpu_blas_threads(c.train.blas_threads);
-  auto model = layers::build_model(c.model);
+  std::unique_ptr<layers::Sequential>& model = run.model;
   const std::unique_ptr<Dataset> data = make_dataset(c);
   check_model_fits_data(*model, *data);
   const int K = c.pipeline.partitions, M = c.pipeline.micro_batches;
