@@ -160,6 +160,22 @@ class Backend {
   virtual void avgpool2d(const Tensor& x, int kernel, int stride, Tensor& y) = 0;
   virtual void avgpool2d_backward(const Tensor& dy, int kernel, int stride, Tensor& dx) = 0;
 
+  // ---- Generic elementwise and row ops, the building blocks of layers of one's own
+  // (an RMSNorm, a gated unit; see examples/custom_layer). Row ops view x as (R, C), C
+  // its last dimension; a per-row or per-column factor is any contiguous tensor of R or
+  // C elements of x's dtype. Outputs may alias inputs. Row sums accumulate in double.
+
+  // y = a * b elementwise; a, b, y: same shape.
+  virtual void mul(const Tensor& a, const Tensor& b, Tensor& y) = 0;
+  // y[r, c] = x[r, c] * s[r]; s: R elements.
+  virtual void scale_rows(const Tensor& x, const Tensor& s, Tensor& y) = 0;
+  // y[r, c] = x[r, c] * s[c]; s: C elements.
+  virtual void scale_columns(const Tensor& x, const Tensor& s, Tensor& y) = 0;
+  // out[r] = alpha * sum_c a[r, c] * b[r, c]; a, b: same shape; out: R elements.
+  virtual void row_dot(const Tensor& a, const Tensor& b, double alpha, Tensor& out) = 0;
+  // out[r] = 1 / sqrt(mean_c x[r, c]^2 + eps); out: R elements.
+  virtual void row_inverse_rms(const Tensor& x, double eps, Tensor& out) = 0;
+
   // dst = src; either may live on the host or on this backend's device.
   virtual void copy(const Tensor& src, Tensor& dst) = 0;
   // The value of a one-element tensor, on the host (waits for queued work).

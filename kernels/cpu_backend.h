@@ -60,6 +60,12 @@ class CpuBackend : public Backend {
   void maxpool2d_backward(const Tensor& dy, const Tensor& argmax, Tensor& dx) override;
   void avgpool2d(const Tensor& x, int kernel, int stride, Tensor& y) override;
   void avgpool2d_backward(const Tensor& dy, int kernel, int stride, Tensor& dx) override;
+  // Generic elementwise and row ops: kernels/cpu_elementwise_ops.cc.
+  void mul(const Tensor& a, const Tensor& b, Tensor& y) override;
+  void scale_rows(const Tensor& x, const Tensor& s, Tensor& y) override;
+  void scale_columns(const Tensor& x, const Tensor& s, Tensor& y) override;
+  void row_dot(const Tensor& a, const Tensor& b, double alpha, Tensor& out) override;
+  void row_inverse_rms(const Tensor& x, double eps, Tensor& out) override;
   void copy(const Tensor& src, Tensor& dst) override;
   double item(const Tensor& x) override;
   void synchronize() override {}

@@ -126,3 +126,53 @@ TEST_CASE("float32 GELU agrees with the exact erf form") {
     CHECK(std::fabs(dx.data<float>()[i] - want_dx) <= 1e-6 + 1e-5 * std::fabs(want_dx));
   }
 }
+
+TEST_CASE("generic elementwise and row ops against naive loops, float32 and float64") {
+  const int64_t R = 6, C = 5;  // x: (3, 2, 5) viewed as (6, 5)
+  for (DType dt : {DType::kF32, DType::kF64}) {
+    CAPTURE(dtype_name(dt));
+    const double tol = dt == DType::kF32 ? 1e-6 : 1e-14;
+    Tensor a = random_tensor({3, 2, C}, dt, 1, -2, 2), b = random_tensor({3, 2, C}, dt, 2, -2, 2);
+    Tensor rows = random_tensor({R}, dt, 3, 0.5, 1.5), cols = random_tensor({C}, dt, 4, 0.5, 1.5);
+    const auto A = to_doubles(a), B = to_doubles(b), S = to_doubles(rows), G = to_doubles(cols);
+    std::vector<double> mul(R * C), by_row(R * C), by_col(R * C), dot(R), rms(R);
+    for (int64_t r = 0; r < R; ++r) {
+      double ab = 0, aa = 0;
+      for (int64_t c = 0; c < C; ++c) {
+        const int64_t i = r * C + c;
+        mul[i] = A[i] * B[i];
+        by_row[i] = A[i] * S[r];
+        by_col[i] = A[i] * G[c];
+        ab += A[i] * B[i];
+        aa += A[i] * A[i];
+      }
+      dot[r] = -0.5 * ab;
+      rms[r] = 1 / std::sqrt(aa / C + 1e-3);
+    }
+    Tensor y = cpu().empty(a.shape(), dt), out = cpu().empty({R}, dt);
+    cpu().mul(a, b, y);
+    GPIPE_EXPECT_CLOSE(y, mul, tol, tol);
+    cpu().scale_rows(a, rows, y);
+    GPIPE_EXPECT_CLOSE(y, by_row, tol, tol);
+    cpu().scale_columns(a, cols, y);
+    GPIPE_EXPECT_CLOSE(y, by_col, tol, tol);
+    cpu().row_dot(a, b, -0.5, out);
+    GPIPE_EXPECT_CLOSE(out, dot, tol, tol);
+    cpu().row_inverse_rms(a, 1e-3, out);
+    GPIPE_EXPECT_CLOSE(out, rms, tol, tol);
+    // In place: the output may be an input.
+    cpu().scale_rows(a, rows, a);
+    GPIPE_EXPECT_CLOSE(a, by_row, tol, tol);
+  }
+}
+
+TEST_CASE("generic row ops reject factors of the wrong size or type") {
+  Tensor x = random_tensor({4, 3}, DType::kF32, 1), y = cpu().empty({4, 3}, DType::kF32);
+  CHECK_THROWS_WITH(cpu().scale_rows(x, random_tensor({3}, DType::kF32, 2), y),
+                    doctest::Contains("scale_rows: s float32(3) on cpu:0 must be float32 with 4 contiguous elements"));
+  CHECK_THROWS_WITH(cpu().scale_columns(x, random_tensor({3}, DType::kF64, 2), y),
+                    doctest::Contains("must be float32 with 3 contiguous elements"));
+  Tensor out = cpu().empty({3}, DType::kF32);
+  CHECK_THROWS_WITH(cpu().row_inverse_rms(x, 1e-5, out), doctest::Contains("with 4 contiguous elements"));
+  CHECK_THROWS_WITH(cpu().mul(x, random_tensor({3, 4}, DType::kF32, 3), y), doctest::Contains("differ in dtype or shape"));
+}

@@ -751,3 +751,82 @@ void CudaBackend::synchronize() {
 std::unique_ptr<Backend> make_cuda_backend(Device device) { return std::make_unique<CudaBackend>(device); }
 
 }  // namespace gpipe
+
+// ==== Generic elementwise and row ops (Backend::mul, scale_rows, scale_columns, row_dot,
+// row_inverse_rms): argument checks shared with the CPU (kernels/row_checks.h), kernels in
+// kernels/cuda_elementwise.cu. A separate block, so that it merges apart from the rest.
+
+#include "kernels/cuda_elementwise.h"
+#include "kernels/row_checks.h"
+
+namespace gpipe {
+
+void CudaBackend::mul(const Tensor& a, const Tensor& b, Tensor& y) {
+  ops::check_float(a, "mul");
+  ops::check_same(a, b, "mul");
+  ops::check_same(a, y, "mul");
+  check_on_device(a, "mul");
+  check_on_device(b, "mul");
+  check_on_device(y, "mul");
+  DeviceGuard guard(device_.index);
+  ops::dispatch_float(a, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda::mul(a.data<T>(), b.data<T>(), y.data<T>(), a.numel(), cuda_stream());
+  });
+}
+
+void CudaBackend::scale_rows(const Tensor& x, const Tensor& s, Tensor& y) {
+  const ops::RowView d = ops::check_rows(x, "scale_rows");
+  ops::check_same(x, y, "scale_rows");
+  ops::check_factor(s, d.rows, x.dtype(), "scale_rows", "s");
+  check_on_device(x, "scale_rows");
+  check_on_device(s, "scale_rows");
+  check_on_device(y, "scale_rows");
+  DeviceGuard guard(device_.index);
+  ops::dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda::scale_rows(x.data<T>(), s.data<T>(), y.data<T>(), d.rows, d.cols, cuda_stream());
+  });
+}
+
+void CudaBackend::scale_columns(const Tensor& x, const Tensor& s, Tensor& y) {
+  const ops::RowView d = ops::check_rows(x, "scale_columns");
+  ops::check_same(x, y, "scale_columns");
+  ops::check_factor(s, d.cols, x.dtype(), "scale_columns", "s");
+  check_on_device(x, "scale_columns");
+  check_on_device(s, "scale_columns");
+  check_on_device(y, "scale_columns");
+  DeviceGuard guard(device_.index);
+  ops::dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda::scale_columns(x.data<T>(), s.data<T>(), y.data<T>(), d.rows, d.cols, cuda_stream());
+  });
+}
+
+void CudaBackend::row_dot(const Tensor& a, const Tensor& b, double alpha, Tensor& out) {
+  const ops::RowView d = ops::check_rows(a, "row_dot");
+  ops::check_same(a, b, "row_dot");
+  ops::check_factor(out, d.rows, a.dtype(), "row_dot", "out");
+  check_on_device(a, "row_dot");
+  check_on_device(b, "row_dot");
+  check_on_device(out, "row_dot");
+  DeviceGuard guard(device_.index);
+  ops::dispatch_float(a, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda::row_dot(a.data<T>(), b.data<T>(), alpha, out.data<T>(), d.rows, d.cols, cuda_stream());
+  });
+}
+
+void CudaBackend::row_inverse_rms(const Tensor& x, double eps, Tensor& out) {
+  const ops::RowView d = ops::check_rows(x, "row_inverse_rms");
+  ops::check_factor(out, d.rows, x.dtype(), "row_inverse_rms", "out");
+  check_on_device(x, "row_inverse_rms");
+  check_on_device(out, "row_inverse_rms");
+  DeviceGuard guard(device_.index);
+  ops::dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda::row_inverse_rms(x.data<T>(), eps, out.data<T>(), d.rows, d.cols, cuda_stream());
+  });
+}
+
+}  // namespace gpipe

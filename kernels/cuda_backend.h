@@ -109,6 +109,13 @@ class CudaBackend : public Backend {
   void maxpool2d_backward(const Tensor& dy, const Tensor& argmax, Tensor& dx) override;
   void avgpool2d(const Tensor& x, int kernel, int stride, Tensor& y) override;
   void avgpool2d_backward(const Tensor& dy, int kernel, int stride, Tensor& dx) override;
+  // Generic elementwise and row ops: kernels/cuda_elementwise.cu, called from the
+  // block at the end of kernels/cuda_backend.cc.
+  void mul(const Tensor& a, const Tensor& b, Tensor& y) override;
+  void scale_rows(const Tensor& x, const Tensor& s, Tensor& y) override;
+  void scale_columns(const Tensor& x, const Tensor& s, Tensor& y) override;
+  void row_dot(const Tensor& a, const Tensor& b, double alpha, Tensor& out) override;
+  void row_inverse_rms(const Tensor& x, double eps, Tensor& out) override;
   void copy(const Tensor& src, Tensor& dst) override;
   double item(const Tensor& x) override;
   // Waits for all work queued on this backend's stream, then throws the error of the

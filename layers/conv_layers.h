@@ -7,19 +7,22 @@
 // per mini-batch (Layer::end_step) as if the whole mini-batch had been seen at once.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "layers/activation.h"
 #include "layers/layer.h"
+#include "layers/registry.h"
 
 namespace gpipe {
 namespace layers {
 
-// Registers conv2d, batchnorm2d, maxpool2d, avgpool2d, global_avgpool, flatten and
-// basic_block with the layer registry (layers/registry.h); idempotent.
-void register_conv_layers();
+// Gives conv2d, batchnorm2d, maxpool2d, avgpool2d, global_avgpool, flatten and
+// basic_block to `register_layer`: the registry (layers/registry.cc) adds them to its
+// built-in types when it is first used.
+void add_conv_layer_types(const std::function<void(const std::string&, LayerFactory)>& register_layer);
 
 // ---- Conv2d
 

@@ -1,6 +1,6 @@
 // Config names for the convolutional layers (layers/conv_layers.h). Kept apart from
 // registry.cc so that the registry's core does not depend on every layer family;
-// registry.cc calls register_conv_layers() once.
+// registry.cc adds them to its built-in types once.
 #include <climits>
 #include <functional>
 
@@ -36,7 +36,7 @@ std::unique_ptr<Layer> located(LayerArgs& a, const std::function<std::unique_ptr
 
 }  // namespace
 
-void register_conv_layers() {
+void add_conv_layer_types(const std::function<void(const std::string&, LayerFactory)>& register_layer) {
   register_layer("conv2d", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) {
     const int kernel = small_int(a, "kernel", a.get_int("kernel"));
     Conv2dOptions o(in, a.get_int("out"), kernel);

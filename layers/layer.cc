@@ -1,5 +1,9 @@
 #include "layers/layer.h"
 
+#include <cmath>
+#include <cstdio>
+#include <utility>
+
 #include "runtime/error.h"
 #include "runtime/random.h"
 
@@ -16,16 +20,111 @@ void check_batch(const Tensor& x, const Shape& sample, DType dtype, const std::s
   }
 }
 
+namespace {
+
+bool same_place(Device a, Device b) { return a == b || (a.is_cpu() && b.is_cpu()); }
+
+Shape batched(int64_t batch, const Shape& sample) {
+  Shape s{batch};
+  s.insert(s.end(), sample.begin(), sample.end());
+  return s;
+}
+
+std::string num(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.6g", v);
+  return buf;
+}
+
+}  // namespace
+
+std::string Layer::name_for_errors() const {
+  return (index_ >= 0 ? "layer " + std::to_string(index_) + " (" : std::string("layer (")) + describe() +
+         ", type '" + type() + "')";
+}
+
 Tensor Layer::forward(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) {
   check_batch(x, input_shape_, input_dtype_, describe(), "input");
-  GPIPE_CHECK(x.device() == be.device() || (x.device().is_cpu() && be.device().is_cpu()),
+  GPIPE_CHECK(same_place(x.device(), be.device()),
               describe() + ": input on " + x.device().str() + ", backend on " + be.device().str());
-  return forward_impl(be, x, ctx, args);
+  Tensor y = forward_impl(be, x, ctx, args);
+  // A layer of one's own that returns the wrong shape would otherwise fail somewhere
+  // downstream (the next layer, the loss, a transport) under another name.
+  const Shape want = batched(x.size(0), output_shape_);
+  if (!y.defined() || y.shape() != want || y.dtype() != dtype_ || !same_place(y.device(), be.device())) {
+    throw UserError(name_for_errors() + ": forward returned " + (y.defined() ? y.str() : std::string("no tensor")) +
+                    " for a batch of " + std::to_string(x.size(0)) + ", but it must return (batch, *output_shape()) = " +
+                    dtype_name(dtype_) + shape_str(want) + " on " + be.device().str() + "; fix forward_impl, or the "
+                    "output shape and dtype the layer gives its Layer constructor");
+  }
+  return y;
 }
 
 Tensor Layer::backward(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) {
   check_batch(dy, output_shape_, dtype_, describe(), "output gradient");
-  return backward_impl(be, dy, ctx, need_dx && input_dtype_ != DType::kI32);
+  const bool dx_wanted = need_dx && input_dtype_ != DType::kI32;
+  Tensor dx = backward_impl(be, dy, ctx, dx_wanted);
+  const Shape want = batched(dy.size(0), input_shape_);
+  if (dx_wanted && (!dx.defined() || dx.shape() != want || dx.dtype() != input_dtype_ ||
+                    !same_place(dx.device(), be.device()))) {
+    throw UserError(name_for_errors() + ": backward returned " + (dx.defined() ? dx.str() : std::string("no tensor")) +
+                    " as the input gradient, but it must return dx shaped like the input, " +
+                    dtype_name(input_dtype_) + shape_str(want) + " on " + be.device().str() +
+                    " (an undefined tensor only when need_dx is false); fix backward_impl");
+  }
+  return dx;
+}
+
+namespace {
+
+// What is wrong with a layer's cost(batch), or "" (the rule is check_cost's, layer.h).
+std::string cost_mistake(Layer& layer, int64_t batch, const LayerCost& c) {
+  const std::pair<const char*, double> counts[] = {
+      {"forward_flops", c.forward_flops},
+      {"backward_flops", c.backward_flops},
+      {"input_grad_flops", c.input_grad_flops},
+      {"forward_bytes", c.forward_bytes},
+      {"backward_bytes", c.backward_bytes},
+      {"param_bytes", static_cast<double>(c.param_bytes)},
+      {"output_bytes", static_cast<double>(c.output_bytes)},
+      {"saved_bytes", static_cast<double>(c.saved_bytes)}};
+  for (const auto& [name, v] : counts) {
+    if (!(v >= 0) || !std::isfinite(v)) {
+      return std::string(name) + " = " + num(v) + "; every count must be finite and non-negative";
+    }
+  }
+  int64_t param_bytes = 0;
+  for (Parameter* p : layer.parameters()) param_bytes += static_cast<int64_t>(p->value.nbytes());
+  if (c.param_bytes != param_bytes) {
+    return "param_bytes = " + std::to_string(c.param_bytes) + " but its parameters() hold " +
+           std::to_string(param_bytes) + " bytes";
+  }
+  const int64_t output_bytes =
+      batch * shape_numel(layer.output_shape()) * static_cast<int64_t>(dtype_size(layer.dtype()));
+  if (c.output_bytes != output_bytes) {
+    return "output_bytes = " + std::to_string(c.output_bytes) + " but its output for this batch, " +
+           std::to_string(batch) + " x " + dtype_name(layer.dtype()) + shape_str(layer.output_shape()) + ", is " +
+           std::to_string(output_bytes) + " bytes";
+  }
+  if (param_bytes > 0 && (c.forward_flops <= 0 || c.backward_flops <= 0)) {
+    return "it has parameters but counts forward_flops = " + num(c.forward_flops) + " and backward_flops = " +
+           num(c.backward_flops) + "; count the arithmetic its forward and backward do";
+  }
+  if (c.input_grad_flops > c.backward_flops) {
+    return "input_grad_flops = " + num(c.input_grad_flops) + " exceeds backward_flops = " + num(c.backward_flops) +
+           " (it is the part of backward that computes dx)";
+  }
+  return "";
+}
+
+}  // namespace
+
+void check_cost(Layer& layer, int64_t batch, const LayerCost& cost) {
+  const std::string wrong = cost_mistake(layer, batch, cost);
+  if (wrong.empty()) return;
+  throw UserError(layer.name_for_errors() + ": cost(" + std::to_string(batch) + ") is wrong: " + wrong +
+                  ". The balancer splits the model by these counts, so cost() must count exactly what the layer "
+                  "does for a batch of that size (see docs/WRITING_LAYERS.md); fix the layer's cost()");
 }
 
 Tensor Layer::backward_input(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) {

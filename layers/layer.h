@@ -74,11 +74,14 @@ class Layer {
   virtual ~Layer() = default;
 
   // x: (batch, *input_shape()). With ctx == nullptr nothing is kept for backward (the
-  // no-grad forward of a checkpointed micro-batch).
+  // no-grad forward of a checkpointed micro-batch). What forward_impl returns must be
+  // (batch, *output_shape()) of dtype() on the backend's device, or this throws a
+  // UserError naming the layer.
   Tensor forward(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args = {});
   // dy: (batch, *output_shape()). Adds parameter gradients into Parameter::grad and
   // returns dx, or an undefined tensor when need_dx is false (the first layer) or the
-  // input is not differentiable (token ids).
+  // input is not differentiable (token ids). A dx that is not shaped like x is a
+  // UserError naming the layer.
   Tensor backward(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx = true);
   // The same backward in two halves, for zero-bubble schedules: backward_input (B, on
   // the pipeline's critical path) returns dx and keeps in ctx what the weight
@@ -96,6 +99,8 @@ class Layer {
   // Per-sample shapes.
   const Shape& input_shape() const { return input_shape_; }
   const Shape& output_shape() const { return output_shape_; }
+  // Exact counts for a batch of `batch` samples: the balancer splits the model by them.
+  // Checked when a model's costs are taken (see check_cost below).
   virtual LayerCost cost(int64_t batch) const = 0;
   virtual std::vector<Parameter*> parameters() { return {}; }
   // Called once per mini-batch on the stage's thread, after the optimizer step: layers
@@ -131,7 +136,22 @@ class Layer {
   DType dtype_;
   DType input_dtype_;
   Device device_ = Device::cpu();
+
+ private:
+  friend class Sequential;
+  friend void check_cost(Layer& layer, int64_t batch, const LayerCost& cost);
+  // "layer 3 (rmsnorm(64), type 'rmsnorm')"; the index is the layer's place in its
+  // model, set by Sequential::add (absent for a sub-layer or a layer on its own).
+  std::string name_for_errors() const;
+  int index_ = -1;
 };
+
+// Checks a layer's cost(batch) against what can be known exactly, and throws a
+// UserError naming the layer, the count and the fix otherwise. The rule: every count is
+// finite and non-negative; param_bytes equals the bytes of parameters(); output_bytes
+// equals batch x output elements x the dtype's size; a layer with parameters counts
+// forward and backward FLOPs (> 0); input_grad_flops <= backward_flops.
+void check_cost(Layer& layer, int64_t batch, const LayerCost& cost);
 
 // Checks that x is (batch, *sample) of the given dtype; the message names the layer.
 void check_batch(const Tensor& x, const Shape& sample, DType dtype, const std::string& who, const char* what);

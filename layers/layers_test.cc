@@ -1,7 +1,9 @@
-// Every layer's backward against central finite differences in double precision, plus
-// costs, the registry and the model's shape checks.
+// Every layer's backward against central finite differences in double precision (the
+// public checker, layers/gradcheck.h), plus costs, the registry and the model's shape
+// checks.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 
@@ -23,31 +25,6 @@ namespace {
 
 Backend& cpu() { return backend_for(Device::cpu()); }
 
-// f(x) = <layer(x), r>. Checks dx and every parameter gradient against central
-// differences of f.
-void check_layer_gradients(Layer& layer, int64_t batch, double tol = 1e-6) {
-  Shape in{batch};
-  in.insert(in.end(), layer.input_shape().begin(), layer.input_shape().end());
-  Shape out{batch};
-  out.insert(out.end(), layer.output_shape().begin(), layer.output_shape().end());
-  Tensor x = random_tensor(in, DType::kF64, 11);
-  Tensor r = random_tensor(out, DType::kF64, 12);
-  auto f = [&] { return gpipe::testing::dot(layer.forward(cpu(), x, nullptr), r); };
-
-  for (Parameter* p : layer.parameters()) cpu().fill(p->grad, 0.0);
-  Context ctx;
-  layer.forward(cpu(), x, &ctx);
-  Tensor dx = layer.backward(cpu(), r, ctx);
-
-  auto numeric = [&](Tensor& t) { return gpipe::testing::numeric_gradient(t, f); };
-  INFO(layer.describe(), " input gradient");
-  GPIPE_EXPECT_CLOSE(dx, numeric(x), tol, tol);
-  for (Parameter* p : layer.parameters()) {
-    INFO(layer.describe(), " gradient of ", p->name);
-    GPIPE_EXPECT_CLOSE(p->grad, numeric(p->value), tol, tol);
-  }
-}
-
 }  // namespace
 
 TEST_CASE("linear backward matches finite differences") {
@@ -57,15 +34,15 @@ TEST_CASE("linear backward matches finite differences") {
     o.dtype = DType::kF64;
     o.seed = 3;
     Linear l(o);
-    check_layer_gradients(l, 4);
+    GPIPE_EXPECT_GRADIENTS(check_layer_gradients(l, 4));
   }
 }
 
 TEST_CASE("relu and gelu backward match finite differences") {
   Relu relu({9}, DType::kF64);
-  check_layer_gradients(relu, 3);
+  GPIPE_EXPECT_GRADIENTS(check_layer_gradients(relu, 3));
   Gelu gelu({9}, DType::kF64);
-  check_layer_gradients(gelu, 3);
+  GPIPE_EXPECT_GRADIENTS(check_layer_gradients(gelu, 3));
 }
 
 TEST_CASE("gradients accumulate across backward calls") {
@@ -162,6 +139,69 @@ TEST_CASE("the registry builds models and names unknown types and options") {
   CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("unknown option 'outs'"), UserError);
   spec.layers[1] = {"linear", {}, {}, "cfg.yaml:5:7"};
   CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("needs the option 'out'"), UserError);
+}
+
+TEST_CASE("registering a type twice, or under a built-in type's name, is refused at once") {
+  const LayerFactory relu = [](LayerArgs&, const Shape& in, DType dtype, uint64_t) -> std::unique_ptr<Layer> {
+    return std::make_unique<Relu>(in, dtype);
+  };
+  CHECK_THROWS_WITH_AS(register_layer("linear", relu),
+                       "register_layer(\"linear\"): 'linear' is a built-in layer type; register yours under another "
+                       "name, e.g. 'my_linear'",
+                       UserError);
+  CHECK_THROWS_WITH_AS(register_layer("basic_block", relu), doctest::Contains("built-in layer type"), UserError);
+  CHECK_THROWS_WITH_AS(register_layer("my relu", relu), doctest::Contains("letters, digits and '_'"), UserError);
+  CHECK_THROWS_WITH_AS(register_layer("my_relu", nullptr), doctest::Contains("the factory is empty"), UserError);
+  register_layer("test_relu", relu);
+  CHECK_THROWS_WITH_AS(register_layer("test_relu", relu),
+                       doctest::Contains("'test_relu' is registered already; register each layer once"), UserError);
+  const LossFactory xent = [](LayerArgs&, const Shape& in, DType dtype) -> std::unique_ptr<Loss> {
+    return std::make_unique<SoftmaxCrossEntropy>(in, dtype);
+  };
+  CHECK_THROWS_WITH_AS(register_loss("softmax_cross_entropy", xent), doctest::Contains("built-in loss type"), UserError);
+  register_loss("test_xent", xent);
+  CHECK_THROWS_WITH_AS(register_loss("test_xent", xent), doctest::Contains("registered already"), UserError);
+
+  // The first registrations stand.
+  ModelSpec spec;
+  spec.input = {3};
+  spec.layers = {{"test_relu", {}, {}, ""}};
+  spec.loss = {"test_xent", {}, {}, ""};
+  CHECK(build_model(spec)->layer(0).type() == "relu");
+}
+
+TEST_CASE("a model registered in C++ is built by name with its options") {
+  register_model("test_mlp", [](LayerArgs& o) {
+    const int64_t hidden = o.get_int("hidden");
+    auto m = std::make_unique<Sequential>(Shape{4}, DType::kF32);
+    m->emplace<Linear>(LinearOptions(4, hidden));
+    m->emplace<Relu>(Shape{hidden});
+    m->emplace<Linear>(LinearOptions(hidden, 3));
+    m->set_loss(std::make_unique<SoftmaxCrossEntropy>(3));
+    return m;
+  });
+  const auto names = model_names();
+  CHECK(std::count(names.begin(), names.end(), "test_mlp") == 1);
+  ModelSpec spec;
+  spec.cpp = LayerSpec{"test_mlp", {{"hidden", "6"}}, {}, "m.yaml:2:3"};
+  auto m = build_model(spec);
+  CHECK(m->size() == 3);
+  CHECK(m->layer(0).output_shape() == Shape{6});
+  spec.cpp->args["hiden"] = "5";
+  CHECK_THROWS_WITH_AS(build_model(spec),
+                       "model 'test_mlp' (at m.yaml:2:3): unknown option 'hiden'; valid options: hidden", UserError);
+  spec.cpp->args.clear();
+  CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("needs the option 'hidden', e.g. {cpp: test_mlp, hidden:"),
+                       UserError);
+  spec.cpp->type = "test_mpl";
+  CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("no model 'test_mpl' is registered in this program; "
+                                                            "registered: "),
+                       UserError);
+  CHECK_THROWS_WITH_AS(register_model("test_mlp", [](LayerArgs&) { return std::unique_ptr<Sequential>(); }),
+                       doctest::Contains("'test_mlp' is registered already"), UserError);
+  register_model("test_empty", [](LayerArgs&) { return std::unique_ptr<Sequential>(); });
+  spec.cpp->type = "test_empty";
+  CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("its factory returned no model"), UserError);
 }
 
 TEST_CASE("a tied head needs an embedding before it with the same table shape") {

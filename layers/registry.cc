@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cctype>
 #include <mutex>
 
 #include "layers/activation.h"
@@ -41,13 +42,20 @@ struct Registry {
   std::mutex mu;
   std::map<std::string, LayerFactory> layers;
   std::map<std::string, LossFactory> losses;
+  std::map<std::string, ModelFactory> models;
+  std::set<std::string> builtin_layers, builtin_losses;  // refused to register_layer / register_loss
 };
 
-// The built-in layers of this file; the registry() below adds the convolution layers.
-Registry& base_registry() {
+// The built-in layers and losses, created on first use; types that register_layer()
+// and register_loss() add later are kept apart from them.
+Registry& registry() {
   static Registry* r = [] {
     auto* reg = new Registry;
-    reg->layers["linear"] = [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
+    auto layer = [reg](const std::string& type, LayerFactory f) {
+      reg->layers[type] = std::move(f);
+      reg->builtin_layers.insert(type);
+    };
+    layer("linear", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
       if (in.empty()) throw UserError("linear" + at(a.spec()) + ": needs an input with a feature dimension");
       LinearOptions o(in.back(), a.get_int("out"));
       o.leading.assign(in.begin(), in.end() - 1);
@@ -55,14 +63,14 @@ Registry& base_registry() {
       o.dtype = dtype;
       o.seed = seed;
       return std::make_unique<Linear>(o);
-    };
-    reg->layers["relu"] = [](LayerArgs&, const Shape& in, DType dtype, uint64_t) -> std::unique_ptr<Layer> {
+    });
+    layer("relu", [](LayerArgs&, const Shape& in, DType dtype, uint64_t) -> std::unique_ptr<Layer> {
       return std::make_unique<Relu>(in, dtype);
-    };
-    reg->layers["gelu"] = [](LayerArgs&, const Shape& in, DType dtype, uint64_t) -> std::unique_ptr<Layer> {
+    });
+    layer("gelu", [](LayerArgs&, const Shape& in, DType dtype, uint64_t) -> std::unique_ptr<Layer> {
       return std::make_unique<Gelu>(in, dtype);
-    };
-    reg->layers["embedding"] = [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
+    });
+    layer("embedding", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
       if (in.size() != 1) {
         throw UserError("embedding" + at(a.spec()) + ": takes int32 token ids (T) per sample, got " + shape_str(in) +
                         "; set model.input to [T] and model.input_dtype to int32");
@@ -72,29 +80,28 @@ Registry& base_registry() {
       o.dtype = dtype;
       o.seed = seed;
       return std::make_unique<Embedding>(o);
-    };
-    reg->layers["layernorm"] = [](LayerArgs& a, const Shape& in, DType dtype, uint64_t) -> std::unique_ptr<Layer> {
+    });
+    layer("layernorm", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t) -> std::unique_ptr<Layer> {
       if (in.empty()) throw UserError("layernorm" + at(a.spec()) + ": needs an input with a feature dimension");
       LayerNormOptions o(in);
       o.dtype = dtype;
       return std::make_unique<LayerNorm>(o);
-    };
-    reg->layers["attention"] = [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
+    });
+    layer("attention", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
       check_sequence_input(a, in);
       AttentionOptions o(in[1], a.get_int("heads"), in[0]);
       o.dropout = a.get_double("dropout", 0.0);
       o.dtype = dtype;
       o.seed = seed;
       return std::make_unique<CausalSelfAttention>(o);
-    };
-    reg->layers["dropout"] = [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
+    });
+    layer("dropout", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
       DropoutOptions o(in, a.get_double("p"));
       o.dtype = dtype;
       o.seed = seed;
       return std::make_unique<Dropout>(o);
-    };
-    reg->layers["transformer_block"] = [](LayerArgs& a, const Shape& in, DType dtype,
-                                          uint64_t seed) -> std::unique_ptr<Layer> {
+    });
+    layer("transformer_block", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
       check_sequence_input(a, in);
       TransformerBlockOptions o(in[1], a.get_int("heads"), in[0]);
       o.mlp_ratio = a.get_int("mlp_ratio", 4);
@@ -102,7 +109,8 @@ Registry& base_registry() {
       o.dtype = dtype;
       o.seed = seed;
       return std::make_unique<TransformerBlock>(o);
-    };
+    });
+    add_conv_layer_types(layer);
     reg->losses["softmax_cross_entropy"] = [](LayerArgs& a, const Shape& in, DType dtype) -> std::unique_ptr<Loss> {
       if (in.empty()) {
         throw UserError("softmax_cross_entropy" + at(a.spec()) + ": expects logits with a class dimension, got " +
@@ -110,20 +118,36 @@ Registry& base_registry() {
       }
       return std::make_unique<SoftmaxCrossEntropy>(in, dtype, static_cast<int>(a.get_int("ignore_index", -100)));
     };
+    reg->builtin_losses.insert("softmax_cross_entropy");
     return reg;
   }();
   return *r;
 }
 
-// Every built-in layer. register_conv_layers() registers through register_layer(),
-// which uses base_registry(), so this initialisation does not re-enter itself.
-Registry& registry() {
-  static const bool conv_registered = (register_conv_layers(), true);
-  (void)conv_registered;
-  return base_registry();
+// A name a config can write as `type:` (or `cpp:`), given to `call` exactly once.
+void check_new_name(const char* call, const char* kind, const std::string& name, bool has_factory,
+                    const std::set<std::string>& builtin, bool taken, const std::string& example) {
+  std::string why;
+  bool valid = !name.empty();
+  for (char ch : name) valid = valid && (std::isalnum(static_cast<unsigned char>(ch)) || ch == '_');
+  if (!valid) {
+    why = "a " + std::string(kind) + " name is letters, digits and '_' (it is written in configs), e.g. '" + example + "'";
+  } else if (!has_factory) {
+    why = "the factory is empty; pass a function that builds the " + std::string(kind);
+  } else if (builtin.count(name)) {
+    why = "'" + name + "' is a built-in " + kind + " type; register yours under another name, e.g. 'my_" + name + "'";
+  } else if (taken) {
+    why = "'" + name + "' is registered already; register each " + kind + " once (e.g. in main, before "
+          "gpipe::cli::main), under a name of its own";
+  }
+  if (!why.empty()) throw UserError(std::string(call) + "(\"" + name + "\"): " + why);
 }
 
 }  // namespace
+
+std::string LayerArgs::example(const std::string& key, const char* value) const {
+  return "{" + std::string(what_ == "model" ? "cpp" : "type") + ": " + spec_.type + ", " + key + ": " + value + "}";
+}
 
 const std::string* LayerArgs::find(const std::string& key) {
   used_.insert(key);
@@ -134,8 +158,8 @@ const std::string* LayerArgs::find(const std::string& key) {
 int64_t LayerArgs::get_int(const std::string& key) {
   const std::string* v = find(key);
   if (v == nullptr) {
-    throw UserError("layer '" + spec_.type + "'" + at(spec_) + " needs the option '" + key + "', e.g. {type: " +
-                    spec_.type + ", " + key + ": 1024}");
+    throw UserError(what_ + " '" + spec_.type + "'" + at(spec_) + " needs the option '" + key + "', e.g. " +
+                    example(key, "1024"));
   }
   return get_int(key, 0);
 }
@@ -146,7 +170,7 @@ int64_t LayerArgs::get_int(const std::string& key, int64_t fallback) {
   char* end = nullptr;
   const long long n = std::strtoll(v->c_str(), &end, 10);
   if (v->empty() || *end != '\0') {
-    throw UserError("layer '" + spec_.type + "'" + at(spec_) + ": option '" + key + "' must be an integer, got '" +
+    throw UserError(what_ + " '" + spec_.type + "'" + at(spec_) + ": option '" + key + "' must be an integer, got '" +
                     *v + "'");
   }
   return n;
@@ -154,8 +178,8 @@ int64_t LayerArgs::get_int(const std::string& key, int64_t fallback) {
 
 double LayerArgs::get_double(const std::string& key) {
   if (find(key) == nullptr) {
-    throw UserError("layer '" + spec_.type + "'" + at(spec_) + " needs the option '" + key + "', e.g. {type: " +
-                    spec_.type + ", " + key + ": 0.1}");
+    throw UserError(what_ + " '" + spec_.type + "'" + at(spec_) + " needs the option '" + key + "', e.g. " +
+                    example(key, "0.1"));
   }
   return get_double(key, 0.0);
 }
@@ -166,7 +190,7 @@ double LayerArgs::get_double(const std::string& key, double fallback) {
   char* end = nullptr;
   const double d = std::strtod(v->c_str(), &end);
   if (v->empty() || *end != '\0' || !std::isfinite(d)) {
-    throw UserError("layer '" + spec_.type + "'" + at(spec_) + ": option '" + key + "' must be a number, got '" +
+    throw UserError(what_ + " '" + spec_.type + "'" + at(spec_) + ": option '" + key + "' must be a number, got '" +
                     *v + "'");
   }
   return d;
@@ -177,7 +201,7 @@ bool LayerArgs::get_bool(const std::string& key, bool fallback) {
   if (v == nullptr) return fallback;
   if (*v == "true") return true;
   if (*v == "false") return false;
-  throw UserError("layer '" + spec_.type + "'" + at(spec_) + ": option '" + key + "' must be true or false, got '" +
+  throw UserError(what_ + " '" + spec_.type + "'" + at(spec_) + ": option '" + key + "' must be true or false, got '" +
                   *v + "'");
 }
 
@@ -185,22 +209,41 @@ void LayerArgs::finish() const {
   for (const auto& kv : spec_.args) {
     if (!used_.count(kv.first)) {
       std::vector<std::string> known(used_.begin(), used_.end());
-      throw UserError("layer '" + spec_.type + "'" + at(spec_) + ": unknown option '" + kv.first + "'" +
+      throw UserError(what_ + " '" + spec_.type + "'" + at(spec_) + ": unknown option '" + kv.first + "'" +
                       (known.empty() ? std::string("; it takes no options") : "; valid options: " + join(known)));
     }
   }
 }
 
 void register_layer(const std::string& type, LayerFactory factory) {
-  Registry& r = base_registry();
+  Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
+  check_new_name("register_layer", "layer", type, factory != nullptr, r.builtin_layers, r.layers.count(type) > 0,
+                 "rmsnorm");
   r.layers[type] = std::move(factory);
 }
 
 void register_loss(const std::string& type, LossFactory factory) {
-  Registry& r = base_registry();
+  Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
+  check_new_name("register_loss", "loss", type, factory != nullptr, r.builtin_losses, r.losses.count(type) > 0,
+                 "my_loss");
   r.losses[type] = std::move(factory);
+}
+
+void register_model(const std::string& name, ModelFactory factory) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  check_new_name("register_model", "model", name, factory != nullptr, {}, r.models.count(name) > 0, "my_model");
+  r.models[name] = std::move(factory);
+}
+
+std::vector<std::string> model_names() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  std::vector<std::string> out;
+  for (auto& kv : r.models) out.push_back(kv.first);
+  return out;
 }
 
 std::vector<std::string> layer_types() {
@@ -254,7 +297,11 @@ std::unique_ptr<Loss> make_loss(const LayerSpec& spec, const Shape& input, DType
 }
 
 std::unique_ptr<Sequential> build_model(const ModelSpec& spec) {
-  if (spec.layers.empty()) throw UserError("model.layers is empty; list at least one layer");
+  if (spec.cpp) return build_cpp_model(*spec.cpp);
+  if (spec.layers.empty()) {
+    throw UserError("the model has no layers; list them in model.layers, or name a model registered in C++ "
+                    "with model.cpp (register_model)");
+  }
   auto model = std::make_unique<Sequential>(spec.input, spec.dtype, spec.input_dtype.value_or(spec.dtype));
   for (size_t i = 0; i < spec.layers.size(); ++i) {
     // `tied: true` on a linear layer: its weight is the nearest earlier embedding's
@@ -284,6 +331,31 @@ std::unique_ptr<Sequential> build_model(const ModelSpec& spec) {
     model->tie(owner, emb.token(), static_cast<int>(i), head->weight());
   }
   model->set_loss(make_loss(spec.loss, model->output_shape(), spec.dtype));
+  return model;
+}
+
+std::unique_ptr<Sequential> build_cpp_model(const LayerSpec& spec) {
+  ModelFactory f;
+  {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    auto it = r.models.find(spec.type);
+    if (it != r.models.end()) f = it->second;
+  }
+  if (!f) {
+    const auto names = model_names();
+    throw UserError("model.cpp" + at(spec) + ": no model '" + spec.type + "' is registered in this program; " +
+                    (names.empty() ? std::string("it registers none (call register_model before gpipe::cli::main)")
+                                   : "registered: " + join(names)));
+  }
+  LayerArgs args(spec, "model");
+  std::unique_ptr<Sequential> model = f(args);
+  args.finish();
+  if (model == nullptr || model->size() == 0) {
+    throw UserError("model '" + spec.type + "'" + at(spec) + ": its factory returned " +
+                    (model == nullptr ? std::string("no model") : std::string("a model without layers")) +
+                    "; return a Sequential with its layers and loss");
+  }
   return model;
 }
 

@@ -26,6 +26,9 @@ struct LayerSpec {
 };
 
 struct ModelSpec {
+  // A model built in C++ and registered by name (register_model), when set: its type
+  // is the name and its args the model's options; the fields below are then unused.
+  std::optional<LayerSpec> cpp;
   Shape input;  // per sample
   DType dtype = DType::kF32;          // parameters and activations
   std::optional<DType> input_dtype;   // of the model's input; default dtype (int32 for token ids)
@@ -35,10 +38,10 @@ struct ModelSpec {
 };
 
 // Typed access to a spec's options; every option must be read or it is reported
-// as unknown by finish().
+// as unknown by finish(). `what` names the spec in messages ("layer", "model").
 class LayerArgs {
  public:
-  explicit LayerArgs(const LayerSpec& spec) : spec_(spec) {}
+  explicit LayerArgs(const LayerSpec& spec, std::string what = "layer") : spec_(spec), what_(std::move(what)) {}
   int64_t get_int(const std::string& key);
   int64_t get_int(const std::string& key, int64_t fallback);
   double get_double(const std::string& key);
@@ -50,7 +53,9 @@ class LayerArgs {
 
  private:
   const std::string* find(const std::string& key);
+  std::string example(const std::string& key, const char* value) const;  // "{type: linear, out: 1024}"
   const LayerSpec& spec_;
+  std::string what_;
   std::set<std::string> used_;
 };
 
@@ -58,15 +63,30 @@ using LayerFactory =
     std::function<std::unique_ptr<Layer>(LayerArgs& args, const Shape& input, DType dtype, uint64_t seed)>;
 using LossFactory = std::function<std::unique_ptr<Loss>(LayerArgs& args, const Shape& input, DType dtype)>;
 
+// Makes a layer or loss type of one's own available to configs (`type: NAME`). A name
+// already registered, or one of a built-in type, is a UserError: register each type
+// once, at start (before gpipe::cli::main), under a name of its own.
 void register_layer(const std::string& type, LayerFactory factory);
 void register_loss(const std::string& type, LossFactory factory);
 std::vector<std::string> layer_types();
 std::vector<std::string> loss_types();
 
+// A whole model built in C++ (layers, loss and any ties), made available to configs by
+// name: `model: {cpp: NAME, OPTION: value, ...}`. The factory reads its options from
+// `options` as a layer factory does (an option it does not read is reported as
+// unknown); every process of a multi-process run calls it. Registering a name twice is
+// a UserError.
+using ModelFactory = std::function<std::unique_ptr<Sequential>(LayerArgs& options)>;
+void register_model(const std::string& name, ModelFactory factory);
+std::vector<std::string> model_names();
+// The registered model spec.type with options spec.args; UserError if none is.
+std::unique_ptr<Sequential> build_cpp_model(const LayerSpec& spec);
+
 std::unique_ptr<Layer> make_layer(const LayerSpec& spec, const Shape& input, DType dtype, uint64_t seed);
 std::unique_ptr<Loss> make_loss(const LayerSpec& spec, const Shape& input, DType dtype);
 // The whole model; layer i is seeded with mix_seed(spec.seed, i), so the weights do
-// not depend on how the model is later partitioned.
+// not depend on how the model is later partitioned. A spec with `cpp` set builds that
+// registered C++ model instead.
 std::unique_ptr<Sequential> build_model(const ModelSpec& spec);
 
 }  // namespace layers

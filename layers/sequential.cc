@@ -1,5 +1,7 @@
 #include "layers/sequential.h"
 
+#include <cmath>
+
 #include "runtime/error.h"
 
 namespace gpipe {
@@ -12,6 +14,7 @@ Layer& Sequential::add(std::unique_ptr<Layer> layer) {
                     dtype_name(layer->input_dtype()) + shape_str(layer->input_shape()) + " per sample, but receives " +
                     dtype_name(output_dtype()) + shape_str(want) + "; fix its input size or type");
   }
+  layer->index_ = static_cast<int>(layers_.size());
   layers_.push_back(std::move(layer));
   return *layers_.back();
 }
@@ -27,9 +30,18 @@ const Shape& Sequential::output_shape() const {
 
 std::vector<LayerCost> Sequential::costs(int64_t batch) const {
   std::vector<LayerCost> out;
-  for (const auto& l : layers_) out.push_back(l->cost(batch));
+  for (const auto& l : layers_) {
+    out.push_back(l->cost(batch));
+    check_cost(*l, batch, out.back());  // a layer of one's own with a wrong cost() is named here
+  }
   if (loss_ && !out.empty()) {
     const LayerCost lc = loss_->cost(batch);
+    for (double v : {lc.forward_flops, lc.backward_flops, lc.forward_bytes, lc.backward_bytes}) {
+      if (!(v >= 0) || !std::isfinite(v)) {
+        throw UserError("the loss (" + loss_->type() + "): cost(" + std::to_string(batch) + ") has a count of " +
+                        std::to_string(v) + "; every count must be finite and non-negative; fix the loss's cost()");
+      }
+    }
     LayerCost& last = out.back();
     last.forward_flops += lc.forward_flops;
     last.backward_flops += lc.backward_flops;

@@ -53,7 +53,8 @@ class Sequential {
   DType input_dtype() const { return input_dtype_; }
   DType output_dtype() const { return layers_.empty() ? input_dtype_ : layers_.back()->dtype(); }
 
-  // Per-layer costs for a batch; the loss is counted with the last layer.
+  // Per-layer costs for a batch; the loss is counted with the last layer. Each layer's
+  // is checked first (check_cost in layer.h): a wrong one is a UserError naming it.
   std::vector<LayerCost> costs(int64_t batch) const;
   // ("3.weight", parameter) in layer order.
   std::vector<std::pair<std::string, Parameter*>> named_parameters();

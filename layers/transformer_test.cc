@@ -41,34 +41,13 @@ Tensor random_ids(const Shape& shape, int vocab, uint64_t seed) {
   return t;
 }
 
-// f(x) = <layer(x, args), r>. Checks dx (for float inputs) and every parameter
-// gradient against central differences of f; gradients start non-zero so that
-// backward must add into them.
-void check_gradients(Layer& layer, const Tensor& x, const ForwardArgs& args = {}, double tol = 1e-6) {
-  Tensor r = random_tensor(batched(x.size(0), layer.output_shape()), DType::kF64, 12);
-  auto f = [&] { return gpipe::testing::dot(layer.forward(cpu(), x, nullptr, args), r); };
-  std::vector<std::vector<double>> before;
-  for (Parameter* p : layer.parameters()) {
-    cpu().fill(p->grad, 0.5);
-    before.push_back(to_doubles(p->grad));
-  }
-  Context ctx;
-  layer.forward(cpu(), x, &ctx, args);
-  Tensor dx = layer.backward(cpu(), r, ctx);
-  if (x.dtype() == DType::kF64) {
-    INFO(layer.describe(), " input gradient");
-    Tensor xv = x;  // shares storage: perturbing it perturbs the input f reads
-    GPIPE_EXPECT_CLOSE(dx, gpipe::testing::numeric_gradient(xv, f), tol, tol);
-  } else {
-    CHECK(!dx.defined());
-  }
-  const auto params = layer.parameters();
-  for (size_t i = 0; i < params.size(); ++i) {
-    INFO(layer.describe(), " gradient of ", params[i]->name);
-    auto want = gpipe::testing::numeric_gradient(params[i]->value, f);
-    for (size_t j = 0; j < want.size(); ++j) want[j] += before[i][j];
-    GPIPE_EXPECT_CLOSE(params[i]->grad, want, tol, tol);
-  }
+// The public checker (layers/gradcheck.h) on a given input (float64, or token ids)
+// under fixed forward arguments; gradients start non-zero so that backward must add
+// into them.
+void check_gradients(Layer& layer, const Tensor& x, const ForwardArgs& args = {}) {
+  GradCheckOptions o;
+  o.args = args;
+  GPIPE_EXPECT_GRADIENTS(check_layer_gradients(layer, x, o));
 }
 
 // Bytes of every tensor a context (and its children) keeps.

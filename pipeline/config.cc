@@ -152,6 +152,48 @@ class Decoder {
     return spec;
   }
 
+  // A model written as YAML layers: input, dtypes, seed, layers, loss.
+  void yaml_model(const YAML::Node& model, layers::ModelSpec& m) const {
+    check_map(model, "model", {"input", "input_dtype", "dtype", "seed", "layers", "loss", "cpp"});
+    for (int64_t d : int_list(required(model, "input", "model"), "model.input")) {
+      if (d < 1) fail(model["input"], "model.input", "dimensions must be positive");
+      m.input.push_back(d);
+    }
+    if (model["dtype"]) {
+      const std::string dt = str(model["dtype"], "model.dtype");
+      if (dt != "float32" && dt != "float64") fail(model["dtype"], "model.dtype", "use float32 or float64, got '" + dt + "'");
+      m.dtype = parse_dtype(dt);
+    }
+    if (model["input_dtype"]) {
+      const std::string dt = str(model["input_dtype"], "model.input_dtype");
+      if (dt != "float32" && dt != "float64" && dt != "int32") {
+        fail(model["input_dtype"], "model.input_dtype", "use int32 (token ids), float32 or float64, got '" + dt + "'");
+      }
+      m.input_dtype = parse_dtype(dt);
+    }
+    if (model["seed"]) m.seed = static_cast<uint64_t>(integer(model["seed"], "model.seed"));
+    layers(required(model, "layers", "model"), "model.layers", m.layers);
+    if (m.layers.empty()) fail(model["layers"], "model.layers", "is empty; list at least one layer");
+    m.loss = layer(required(model, "loss", "model"), "model.loss");
+    // A model that starts with an embedding reads token ids.
+    if (!m.input_dtype && m.layers.front().type == "embedding") m.input_dtype = DType::kI32;
+  }
+
+  // A model built in C++ and registered by name: {cpp: NAME, OPTION: value, ...}; its
+  // other keys are its options, read by its factory (layers::register_model).
+  layers::LayerSpec cpp_model(const YAML::Node& model) const {
+    layers::LayerSpec spec;
+    spec.type = str(model["cpp"], "model.cpp");
+    spec.where = where(model, "model");
+    for (auto it = model.begin(); it != model.end(); ++it) {
+      const std::string key = it->first.Scalar();
+      if (key == "cpp") continue;
+      if (!it->second.IsScalar()) fail(it->second, "model." + key, "the options of a C++ model take single values");
+      spec.args[key] = it->second.Scalar();
+    }
+    return spec;
+  }
+
  private:
   std::string source_;
   std::map<std::string, std::string> overrides_;
@@ -235,29 +277,11 @@ Config parse_config(const std::string& text, const std::string& source, const st
 
   // model
   const YAML::Node model = dec.required(root, "model", "");
-  dec.check_map(model, "model", {"input", "input_dtype", "dtype", "seed", "layers", "loss"});
-  for (int64_t d : dec.int_list(dec.required(model, "input", "model"), "model.input")) {
-    if (d < 1) dec.fail(model["input"], "model.input", "dimensions must be positive");
-    c.model.input.push_back(d);
+  if (model.IsMap() && model["cpp"]) {
+    c.model.cpp = dec.cpp_model(model);
+  } else {
+    dec.yaml_model(model, c.model);
   }
-  if (model["dtype"]) {
-    const std::string dt = dec.str(model["dtype"], "model.dtype");
-    if (dt != "float32" && dt != "float64") dec.fail(model["dtype"], "model.dtype", "use float32 or float64, got '" + dt + "'");
-    c.model.dtype = parse_dtype(dt);
-  }
-  if (model["input_dtype"]) {
-    const std::string dt = dec.str(model["input_dtype"], "model.input_dtype");
-    if (dt != "float32" && dt != "float64" && dt != "int32") {
-      dec.fail(model["input_dtype"], "model.input_dtype", "use int32 (token ids), float32 or float64, got '" + dt + "'");
-    }
-    c.model.input_dtype = parse_dtype(dt);
-  }
-  if (model["seed"]) c.model.seed = static_cast<uint64_t>(dec.integer(model["seed"], "model.seed"));
-  dec.layers(dec.required(model, "layers", "model"), "model.layers", c.model.layers);
-  if (c.model.layers.empty()) dec.fail(model["layers"], "model.layers", "is empty; list at least one layer");
-  c.model.loss = dec.layer(dec.required(model, "loss", "model"), "model.loss");
-  // A model that starts with an embedding reads token ids.
-  if (!c.model.input_dtype && c.model.layers.front().type == "embedding") c.model.input_dtype = DType::kI32;
 
   // data
   if (const YAML::Node data = root["data"]) {

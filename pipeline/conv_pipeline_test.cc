@@ -29,7 +29,6 @@ Backend& host() { return backend_for(Device::cpu()); }
 // conv -> [BN] -> relu -> basic_block -> basic_block(stride 2) -> global average
 // pool -> flatten -> linear, on (3, 8, 8) images; float64.
 layers::ModelSpec resnet_spec(bool batchnorm) {
-  layers::register_conv_layers();
   const std::string bn = batchnorm ? "true" : "false";
   layers::ModelSpec spec;
   spec.input = {3, 8, 8};

@@ -209,7 +209,15 @@ std::vector<int> plan_balance(const Config& c, const layers::Sequential& model) 
   return make_plan(c, model).balance;
 }
 
-TrainResult train(const Config& c, std::ostream& out, const Launch& launch) {
+TrainResult train(const Config& config, std::ostream& out, const Launch& launch) {
+  return train(config, MakeModel{}, out, launch);
+}
+
+TrainResult train(const Config& config, const MakeModel& make_model, std::ostream& out, const Launch& launch) {
+  // The model: YAML layers, a registered C++ model, or make_model (run_model.h); `c`
+  // describes it.
+  RunModel run = build_run_model(config, make_model);
+  const Config& c = run.config;
   const bool multi = launch.size > 1;
   const int D = c.pipeline.replicas;
   if (D > 1 && (launch.replicas == nullptr || launch.replicas->size() != D)) {
@@ -225,7 +233,7 @@ TrainResult train(const Config& c, std::ostream& out, const Launch& launch) {
   GPIPE_CHECK(!multi || launch.transport != nullptr, "a multi-process launch needs a transport");
   init_logging(c.train.log_level);
   set_cpu_blas_threads(c.train.blas_threads);
-  auto model = layers::build_model(c.model);
+  std::unique_ptr<layers::Sequential>& model = run.model;
   const std::unique_ptr<Dataset> data = make_dataset(c);
   check_model_fits_data(*model, *data);
   PlanOptions plan_options;

@@ -1,5 +1,6 @@
-// A training run from a Config: builds the model, balances it into cells, runs the
-// schedule step by step, logs, evaluates, and writes the report.
+// A training run from a Config (and, for a model built in C++, a factory): builds the
+// model, balances it into cells, runs the schedule step by step, logs, evaluates, and
+// writes the report.
 #pragma once
 
 #include <iosfwd>
@@ -8,6 +9,7 @@
 
 #include "pipeline/config.h"
 #include "pipeline/report.h"
+#include "pipeline/run_model.h"
 #include "runtime/transport.h"
 
 namespace gpipe {
@@ -33,6 +35,12 @@ struct Launch {
 
 // Runs the whole job; progress lines and the final table go to `out`.
 TrainResult train(const Config& config, std::ostream& out, const Launch& launch = {});
+// The same for a model built in C++ by `make_model` (called once in every process),
+// with everything else from `config` (data, pipeline, optimizer, train, output; from
+// YAML or filled in C++): config.model is ignored, the data takes the model's input
+// shape and dtypes, and there are no per-layer `cost:` overrides.
+TrainResult train(const Config& config, const MakeModel& make_model, std::ostream& out,
+                  const Launch& launch = {});
 
 // The cells a config asks for: its balance, or the balancer's from layer costs.
 std::vector<int> plan_balance(const Config& config, const layers::Sequential& model);

@@ -77,18 +77,7 @@ Tensor random_labels(int64_t n, int classes, uint64_t seed) {
 }
 
 std::vector<double> numeric_gradient(Tensor& t, const std::function<double()>& f, double eps) {
-  std::vector<double> g(t.numel());
-  double* v = t.data<double>();
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    const double keep = v[i];
-    v[i] = keep + eps;
-    const double fp = f();
-    v[i] = keep - eps;
-    const double fm = f();
-    v[i] = keep;
-    g[i] = (fp - fm) / (2 * eps);
-  }
-  return g;
+  return layers::numeric_gradient(t, f, eps);
 }
 
 double dot(const Tensor& a, const Tensor& b) {

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "layers/gradcheck.h"
 #include "runtime/tensor.h"
 
 namespace gpipe {
@@ -29,7 +30,8 @@ Tensor random_tensor(const Shape& shape, DType dtype, uint64_t seed, double lo =
 Tensor random_labels(int64_t n, int classes, uint64_t seed);
 
 // d f / d t by central differences, perturbing every element of the float64 tensor t
-// in place (and restoring it): the reference every backward is checked against.
+// in place (and restoring it): the reference every backward is checked against. The
+// public checker's (layers/gradcheck.h), for the op tests' own objectives.
 std::vector<double> numeric_gradient(Tensor& t, const std::function<double()>& f, double eps = 1e-6);
 
 // Sum of a[i] * b[i] over all elements, in double, for f(x) = <layer(x), r> objectives.
@@ -41,6 +43,13 @@ void report_skipped(const std::string& why);
 
 }  // namespace testing
 }  // namespace gpipe
+
+// CHECK that a gradient check (layers/gradcheck.h) passed; prints its report otherwise.
+#define GPIPE_EXPECT_GRADIENTS(report)            \
+  do {                                            \
+    const auto gpipe_grad_report_ = (report);     \
+    CHECK_MESSAGE(gpipe_grad_report_.ok, gpipe_grad_report_.str()); \
+  } while (0)
 
 // CHECK that two tensors (or vectors of doubles) agree; prints the errors on failure.
 #define GPIPE_EXPECT_CLOSE(a, b, rtol, atol)                                                         \

@@ -1,0 +1,91 @@
+// The CPU reference of the generic elementwise and row ops (kernels/backend.h), the
+// building blocks of layers of one's own such as an RMSNorm or a gated unit. The CUDA
+// twins are in kernels/cuda_elementwise.cu. Row sums accumulate in double, so float32
+// rows of any width keep their precision.
+#include <cmath>
+#include <type_traits>
+
+#include "kernels/cpu_backend.h"
+#include "kernels/row_checks.h"
+
+namespace gpipe {
+
+using ops::dispatch_float;
+
+void CpuBackend::mul(const Tensor& a, const Tensor& b, Tensor& y) {
+  ops::check_float(a, "mul");
+  ops::check_same(a, b, "mul");
+  ops::check_same(a, y, "mul");
+  dispatch_float(a, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* pa = a.data<T>();
+    const T* pb = b.data<T>();
+    T* py = y.data<T>();
+    const int64_t n = a.numel();
+    for (int64_t i = 0; i < n; ++i) py[i] = pa[i] * pb[i];
+  });
+}
+
+void CpuBackend::scale_rows(const Tensor& x, const Tensor& s, Tensor& y) {
+  const ops::RowView d = ops::check_rows(x, "scale_rows");
+  ops::check_same(x, y, "scale_rows");
+  ops::check_factor(s, d.rows, x.dtype(), "scale_rows", "s");
+  dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* px = x.data<T>();
+    const T* ps = s.data<T>();
+    T* py = y.data<T>();
+    for (int64_t r = 0; r < d.rows; ++r) {
+      for (int64_t c = 0; c < d.cols; ++c) py[r * d.cols + c] = px[r * d.cols + c] * ps[r];
+    }
+  });
+}
+
+void CpuBackend::scale_columns(const Tensor& x, const Tensor& s, Tensor& y) {
+  const ops::RowView d = ops::check_rows(x, "scale_columns");
+  ops::check_same(x, y, "scale_columns");
+  ops::check_factor(s, d.cols, x.dtype(), "scale_columns", "s");
+  dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* px = x.data<T>();
+    const T* ps = s.data<T>();
+    T* py = y.data<T>();
+    for (int64_t r = 0; r < d.rows; ++r) {
+      for (int64_t c = 0; c < d.cols; ++c) py[r * d.cols + c] = px[r * d.cols + c] * ps[c];
+    }
+  });
+}
+
+void CpuBackend::row_dot(const Tensor& a, const Tensor& b, double alpha, Tensor& out) {
+  const ops::RowView d = ops::check_rows(a, "row_dot");
+  ops::check_same(a, b, "row_dot");
+  ops::check_factor(out, d.rows, a.dtype(), "row_dot", "out");
+  dispatch_float(a, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* pa = a.data<T>();
+    const T* pb = b.data<T>();
+    T* po = out.data<T>();
+    for (int64_t r = 0; r < d.rows; ++r) {
+      double acc = 0;
+      for (int64_t c = 0; c < d.cols; ++c) acc += static_cast<double>(pa[r * d.cols + c]) * pb[r * d.cols + c];
+      po[r] = static_cast<T>(alpha * acc);
+    }
+  });
+}
+
+void CpuBackend::row_inverse_rms(const Tensor& x, double eps, Tensor& out) {
+  const ops::RowView d = ops::check_rows(x, "row_inverse_rms");
+  ops::check_factor(out, d.rows, x.dtype(), "row_inverse_rms", "out");
+  dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* px = x.data<T>();
+    T* po = out.data<T>();
+    for (int64_t r = 0; r < d.rows; ++r) {
+      double acc = 0;
+      for (int64_t c = 0; c < d.cols; ++c) acc += static_cast<double>(px[r * d.cols + c]) * px[r * d.cols + c];
+      po[r] = static_cast<T>(1.0 / std::sqrt(acc / static_cast<double>(d.cols) + eps));
+    }
+  });
+}
+
+}  // namespace gpipe

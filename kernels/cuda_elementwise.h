@@ -1,0 +1,34 @@
+// Raw-pointer launchers of the generic elementwise and row ops (Backend::mul,
+// scale_rows, scale_columns, row_dot, row_inverse_rms), kernels/cuda_elementwise.cu.
+// Conventions as in kernels/cuda_kernels.h: device pointers on the current device,
+// contiguous row-major (rows, cols) views, enqueued on `stream` without synchronising,
+// the launch checked; n, rows and cols may be 0. Outputs may alias inputs.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace gpipe {
+namespace cuda {
+
+// y = a * b; a, b, y: (n).
+void mul(const float* a, const float* b, float* y, int64_t n, cudaStream_t stream);
+void mul(const double* a, const double* b, double* y, int64_t n, cudaStream_t stream);
+// y[r, c] = x[r, c] * s[r]; x, y: (rows, cols); s: (rows).
+void scale_rows(const float* x, const float* s, float* y, int64_t rows, int64_t cols, cudaStream_t stream);
+void scale_rows(const double* x, const double* s, double* y, int64_t rows, int64_t cols, cudaStream_t stream);
+// y[r, c] = x[r, c] * s[c]; s: (cols).
+void scale_columns(const float* x, const float* s, float* y, int64_t rows, int64_t cols, cudaStream_t stream);
+void scale_columns(const double* x, const double* s, double* y, int64_t rows, int64_t cols, cudaStream_t stream);
+// out[r] = alpha * sum_c a[r, c] b[r, c], summed in double; out: (rows).
+void row_dot(const float* a, const float* b, double alpha, float* out, int64_t rows, int64_t cols,
+             cudaStream_t stream);
+void row_dot(const double* a, const double* b, double alpha, double* out, int64_t rows, int64_t cols,
+             cudaStream_t stream);
+// out[r] = 1 / sqrt(sum_c x[r, c]^2 / cols + eps), summed in double; out: (rows).
+void row_inverse_rms(const float* x, double eps, float* out, int64_t rows, int64_t cols, cudaStream_t stream);
+void row_inverse_rms(const double* x, double eps, double* out, int64_t rows, int64_t cols, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace gpipe

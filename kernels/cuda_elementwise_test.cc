@@ -1,0 +1,63 @@
+// The generic elementwise and row ops on cuda:0 against the CPU reference, float32 and
+// float64, with rows wider than a block and outputs aliasing inputs. Built only with
+// --config=cuda; without a GPU it prints the skip marker and passes.
+#include "tests/gpu_testing.h"
+
+using namespace gpipe;
+using namespace gpipe::gpu_testing;
+using gpipe::testing::random_tensor;
+
+TEST_CASE("mul, scale_rows and scale_columns match the CPU") {
+  for (DType dt : kFloatTypes) {
+    for (Shape shape : {Shape{3, 2, 5}, Shape{7, 700}}) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(shape_str(shape));
+      const int64_t C = shape.back(), R = shape_numel(shape) / C;
+      Tensor a = random_tensor(shape, dt, 1), b = random_tensor(shape, dt, 2);
+      Tensor s_rows = random_tensor({R}, dt, 3), s_cols = random_tensor({C}, dt, 4);
+      Tensor want = cpu().empty(shape, dt), got = gpu().empty(shape, dt), host = cpu().empty(shape, dt);
+      cpu().mul(a, b, want);
+      gpu().mul(to_gpu(a), to_gpu(b), got);
+      gpu().copy(got, host);
+      EXPECT_CLOSE_TOL(host, want, elementwise_tol(dt));
+      cpu().scale_rows(a, s_rows, want);
+      Tensor ga = to_gpu(a);
+      gpu().scale_rows(ga, to_gpu(s_rows), ga);  // in place
+      gpu().copy(ga, host);
+      EXPECT_CLOSE_TOL(host, want, elementwise_tol(dt));
+      cpu().scale_columns(a, s_cols, want);
+      gpu().scale_columns(to_gpu(a), to_gpu(s_cols), got);
+      gpu().copy(got, host);
+      EXPECT_CLOSE_TOL(host, want, elementwise_tol(dt));
+    }
+  }
+}
+
+TEST_CASE("row_dot and row_inverse_rms match the CPU") {
+  for (DType dt : kFloatTypes) {
+    for (Shape shape : {Shape{3, 2, 5}, Shape{7, 700}, Shape{1, 1}}) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(shape_str(shape));
+      const int64_t C = shape.back(), R = shape_numel(shape) / C;
+      Tensor a = random_tensor(shape, dt, 5, -2, 2), b = random_tensor(shape, dt, 6, -2, 2);
+      Tensor want = cpu().empty({R}, dt), got = gpu().empty({R}, dt), host = cpu().empty({R}, dt);
+      cpu().row_dot(a, b, -0.25, want);
+      gpu().row_dot(to_gpu(a), to_gpu(b), -0.25, got);
+      gpu().copy(got, host);
+      EXPECT_CLOSE_TOL(host, want, reduction_tol(dt, C));
+      cpu().row_inverse_rms(a, 1e-5, want);
+      gpu().row_inverse_rms(to_gpu(a), 1e-5, got);
+      gpu().copy(got, host);
+      EXPECT_CLOSE_TOL(host, want, reduction_tol(dt, C));
+    }
+  }
+}
+
+TEST_CASE("the CUDA ops reject what the CPU rejects") {
+  Tensor x = to_gpu(random_tensor({4, 3}, DType::kF32, 1)), y = gpu().empty({4, 3}, DType::kF32);
+  CHECK_THROWS_WITH(gpu().scale_rows(x, to_gpu(random_tensor({3}, DType::kF32, 2)), y),
+                    doctest::Contains("scale_rows: s float32(3) on cuda:0 must be float32 with 4 contiguous elements"));
+  CHECK_THROWS_WITH(gpu().mul(x, random_tensor({4, 3}, DType::kF32, 3), y), doctest::Contains("is not on cuda:0"));
+}
+
+int main(int argc, char** argv) { return run_gpu_tests(argc, argv); }
