@@ -573,6 +573,16 @@ std::vector<Parameter*> BasicBlock::parameters() {
   return out;
 }
 
+std::vector<Buffer> BasicBlock::buffers() {
+  std::vector<Buffer> out;
+  for (const auto& [bn, prefix] : {std::make_pair(bn1_.get(), "bn1."), std::make_pair(bn2_.get(), "bn2."),
+                                   std::make_pair(proj_bn_.get(), "downsample.1.")}) {
+    if (bn == nullptr) continue;
+    for (const Buffer& b : bn->buffers()) out.push_back({prefix + b.name, b.value});
+  }
+  return out;
+}
+
 std::vector<BatchNorm2d*> BasicBlock::batchnorms() {
   std::vector<BatchNorm2d*> out;
   for (BatchNorm2d* b : {bn1_.get(), bn2_.get(), proj_bn_.get()}) {

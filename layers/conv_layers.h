@@ -96,6 +96,7 @@ class BatchNorm2d : public Layer {
   std::string describe() const override;
   LayerCost cost(int64_t batch) const override;
   std::vector<Parameter*> parameters() override { return {&gamma_, &beta_}; }
+  std::vector<Buffer> buffers() override { return {{"running_mean", &running_mean_}, {"running_var", &running_var_}}; }
   Parameter& gamma() { return gamma_; }
   Parameter& beta() { return beta_; }
   const Tensor& running_mean() const { return running_mean_; }  // (C), initially 0
@@ -214,6 +215,7 @@ class BasicBlock : public Layer {
   std::string describe() const override;
   LayerCost cost(int64_t batch) const override;
   std::vector<Parameter*> parameters() override;
+  std::vector<Buffer> buffers() override;  // bn1.running_mean, ...
   bool has_projection() const { return proj_conv_ != nullptr; }
   // Batch norms in forward order (bn1, bn2, then the projection's); empty without.
   std::vector<BatchNorm2d*> batchnorms();

@@ -23,6 +23,14 @@ struct Parameter {
   Tensor grad;  // same shape, device and dtype; accumulated by backward
 };
 
+// State a layer keeps that nothing trains but the model needs (BatchNorm's running
+// statistics): saved in checkpoints beside the parameters, under names built like
+// theirs ("running_mean", "bn1.running_mean").
+struct Buffer {
+  std::string name;
+  Tensor* value = nullptr;
+};
+
 // Exact counts for one call with a batch of `batch` samples.
 struct LayerCost {
   double forward_flops = 0;
@@ -103,6 +111,7 @@ class Layer {
   // Checked when a model's costs are taken (see check_cost below).
   virtual LayerCost cost(int64_t batch) const = 0;
   virtual std::vector<Parameter*> parameters() { return {}; }
+  virtual std::vector<Buffer> buffers() { return {}; }
   // Called once per mini-batch on the stage's thread, after the optimizer step: layers
   // that gather statistics over the micro-batches (BatchNorm's running statistics)
   // fold them in here, as if they had seen the whole mini-batch at once. With

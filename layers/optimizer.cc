@@ -23,10 +23,17 @@ Sgd::Sgd(std::vector<Parameter*> params, const SgdParams& p) : Optimizer(std::mo
 void Sgd::step() {
   for (size_t i = 0; i < params_.size(); ++i) {
     Parameter* prm = params_[i];
-    backend_for(prm->value.device()).sgd_step(prm->value, prm->grad, momentum_[i], p_, first_);
+    backend_for(prm->value.device()).sgd_step(prm->value, prm->grad, momentum_[i], p_, steps_ == 0);
   }
-  first_ = false;
+  ++steps_;
 }
+
+std::vector<OptimizerSlot> Sgd::slots(size_t i) {
+  if (p_.momentum == 0.0) return {};
+  return {{".momentum_buffer", &momentum_.at(i)}};
+}
+
+std::vector<OptimizerSlot> Adam::slots(size_t i) { return {{".exp_avg", &m_.at(i)}, {".exp_avg_sq", &v_.at(i)}}; }
 
 Adam::Adam(std::vector<Parameter*> params, const AdamParams& p)
     : Optimizer(std::move(params)), m_(zeros_like(params_)), v_(zeros_like(params_)), p_(p) {}
@@ -60,6 +67,12 @@ std::unique_ptr<Optimizer> make_optimizer(std::vector<Parameter*> params, const 
     return std::make_unique<Adam>(std::move(params), p);
   }
   throw UserError("optimizer.type: unknown optimizer '" + c.type + "'; valid: sgd, adam, adamw");
+}
+
+std::vector<std::string> optimizer_slot_suffixes(const OptimizerConfig& c) {
+  if (c.type == "adam" || c.type == "adamw") return {".exp_avg", ".exp_avg_sq"};
+  if (c.momentum != 0.0) return {".momentum_buffer"};
+  return {};
 }
 
 double LrSchedule::at(int step) const {

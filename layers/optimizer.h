@@ -23,12 +23,24 @@ struct OptimizerConfig {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;  // adam, adamw
 };
 
+// One piece of a parameter's optimizer state, named as PyTorch's state_dict names it
+// (the checkpoint stores it as "<parameter name><suffix>").
+struct OptimizerSlot {
+  std::string suffix;  // ".momentum_buffer", ".exp_avg", ".exp_avg_sq"
+  Tensor* value = nullptr;
+};
+
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
   virtual void step() = 0;
   virtual void set_lr(double lr) = 0;
   const std::vector<Parameter*>& params() const { return params_; }
+  // For checkpoints: parameter i's state (on its device), and the steps taken, which
+  // decide Adam's bias correction and SGD's first momentum step.
+  virtual std::vector<OptimizerSlot> slots(size_t param) = 0;
+  virtual int64_t steps() const = 0;
+  virtual void set_steps(int64_t steps) = 0;
 
  protected:
   explicit Optimizer(std::vector<Parameter*> params) : params_(std::move(params)) {}
@@ -41,11 +53,14 @@ class Sgd : public Optimizer {
   Sgd(std::vector<Parameter*> params, const SgdParams& p);
   void step() override;
   void set_lr(double lr) override { p_.lr = lr; }
+  std::vector<OptimizerSlot> slots(size_t param) override;  // momentum_buffer, with momentum
+  int64_t steps() const override { return steps_; }
+  void set_steps(int64_t steps) override { steps_ = steps; }
 
  private:
   std::vector<Tensor> momentum_;  // one buffer per parameter, on its device
   SgdParams p_;
-  bool first_ = true;
+  int64_t steps_ = 0;
 };
 
 // Adam (L2 weight decay in the gradient, as torch.optim.Adam) or AdamW (decoupled
@@ -55,6 +70,9 @@ class Adam : public Optimizer {
   Adam(std::vector<Parameter*> params, const AdamParams& p);
   void step() override;
   void set_lr(double lr) override { p_.lr = lr; }
+  std::vector<OptimizerSlot> slots(size_t param) override;  // exp_avg, exp_avg_sq
+  int64_t steps() const override { return steps_; }
+  void set_steps(int64_t steps) override { steps_ = steps; }
 
  private:
   std::vector<Tensor> m_, v_;
@@ -64,6 +82,8 @@ class Adam : public Optimizer {
 
 // Throws UserError for an unknown type, listing the valid ones.
 std::unique_ptr<Optimizer> make_optimizer(std::vector<Parameter*> params, const OptimizerConfig& c);
+// The slots' suffixes an optimizer of this config keeps per parameter (without making one).
+std::vector<std::string> optimizer_slot_suffixes(const OptimizerConfig& c);
 
 // Learning rate at a step: linear warmup from 0 over `warmup_steps`, then constant or
 // cosine decay to `min_lr` at `total_steps`.

@@ -16,6 +16,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -97,6 +98,22 @@ struct StepResult {
   std::vector<StageTrace> stages;
 };
 
+// A stage's share of a checkpoint (pipeline/checkpoint.h), as host tensors by stable
+// names that do not depend on the partition: the parameters and buffers of its layers as
+// "layers.<i>.<name>" ("layers.3.attn.qkv.weight", "layers.2.running_mean"), and its
+// optimizer's state as "<parameter name><suffix>" (".exp_avg", ".momentum_buffer") and
+// "<parameter name>.step". A tied copy is its owner's weight: only the owner's stage saves
+// it, and the copy's stage restores it from the owner's name.
+struct StageState {
+  std::map<std::string, Tensor> model, optimizer;
+};
+struct StageStateNames {
+  std::vector<std::string> model, optimizer;  // what the stage saves
+  std::vector<std::string> model_needed, optimizer_needed;  // what it restores (its tied copies' owners too)
+};
+// "layers.3.weight"
+std::string state_name(int layer, const std::string& name);
+
 // Sizes of M micro-batches of an N-sample batch: as even as possible, larger first
 // (10 into 4 -> 3 3 2 2). Throws UserError when N < M.
 std::vector<int64_t> split_sizes(int64_t n, int m);
@@ -124,6 +141,14 @@ class Executor {
   // run continues the count. Starts at 0 and counts up with every step().
   void set_step(uint64_t step) { steps_done_ = step; }
   uint64_t next_step() const { return steps_done_; }
+
+  // Checkpoints, between steps. state_names works for any stage (the names follow from
+  // the model, the cells and the optimizer's config); save and restore for this
+  // process's stages. restore checks every name, shape and dtype (UserError).
+  StageStateNames state_names(int stage) const;
+  StageState save_state(int stage);
+  void restore_state(int stage, const std::map<std::string, Tensor>& model,
+                     const std::map<std::string, Tensor>& optimizer);
 
  private:
   struct StageRuntime;
