@@ -24,13 +24,9 @@ bool poll_until(const std::function<bool()>& done, const Deadline& deadline) {
     if (done()) return true;
     const auto now = Deadline::Clock::now();
     if (!deadline.none() && now >= deadline.when()) return false;
-    // The first milliseconds: as eager as a blocking MPI call (which spins), yielding
-    // to other threads of an oversubscribed node. Then short sleeps.
-    if (now - start < std::chrono::milliseconds(5)) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
+    // The first milliseconds: as eager as a blocking MPI call (which spins in its
+    // progress loop). Then short sleeps, so a long wait does not burn a core.
+    if (now - start >= std::chrono::milliseconds(5)) std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
 }
 
