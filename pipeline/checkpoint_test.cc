@@ -4,7 +4,6 @@
 #include "pipeline/checkpoint.h"
 
 #include <doctest/doctest.h>
-#include <spdlog/sinks/ostream_sink.h>
 #include <stdlib.h>
 
 #include <filesystem>
@@ -15,30 +14,17 @@
 #include "runtime/atomic_file.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
+#include "tests/log_capture.h"
 #include "tests/temp_dir.h"
 
 using namespace gpipe;
 using namespace gpipe::pipeline;
+using gpipe::testing::LogCapture;
 using gpipe::testing::TempDir;
 namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace {
-
-// Routes the log to a string while it lives, so that a test can read the warnings.
-class LogCapture {
- public:
-  LogCapture() : old_(spdlog::default_logger()) {
-    auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(os_);
-    spdlog::set_default_logger(std::make_shared<spdlog::logger>("capture", sink));
-  }
-  ~LogCapture() { spdlog::set_default_logger(old_); }
-  std::string text() const { return os_.str(); }
-
- private:
-  std::ostringstream os_;
-  std::shared_ptr<spdlog::logger> old_;
-};
 
 // Two stages' worth of state whose values depend on `step`.
 std::vector<ShardTensors> make_shards(int64_t step) {
