@@ -25,7 +25,8 @@ namespace {
 volatile sig_atomic_t g_child = 0;
 volatile sig_atomic_t g_stop_signal = 0;
 
-constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGUSR1};
+// SIGINT, SIGTERM and SIGHUP stop the job for good; SIGUSR1 asks it for a checkpoint.
+constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGHUP, SIGUSR1};
 
 void on_signal(int sig) {
   if (sig != SIGUSR1) g_stop_signal = sig;
@@ -55,8 +56,10 @@ class SignalForwarding {
 };
 
 // Forks and execs `argv`; returns the child's pid. The child gets the default signal
-// dispositions and dies with the supervisor (PR_SET_PDEATHSIG). An exec failure comes
-// back through a close-on-exec pipe as a UserError here, not as a failed "run".
+// dispositions, its own process group (a Ctrl-C in the terminal reaches the supervisor
+// only, which forwards it once: mpirun takes a second SIGINT as "kill at once"), and
+// dies with the supervisor (PR_SET_PDEATHSIG). An exec failure comes back through a
+// close-on-exec pipe as a UserError here, not as a failed run.
 pid_t launch(const std::vector<std::string>& argv, const sigset_t& unblocked) {
   int pipe_fds[2];
   if (::pipe2(pipe_fds, O_CLOEXEC) != 0) throw Error(std::string("pipe2: ") + std::strerror(errno));
@@ -70,6 +73,7 @@ pid_t launch(const std::vector<std::string>& argv, const sigset_t& unblocked) {
     ::close(pipe_fds[0]);
     for (int sig : kForwarded) ::signal(sig, SIG_DFL);
     ::sigprocmask(SIG_SETMASK, &unblocked, nullptr);
+    ::setpgid(0, 0);
     ::prctl(PR_SET_PDEATHSIG, SIGTERM);
     if (::getppid() != parent) ::_exit(1);  // the supervisor died before prctl
     ::execvp(args[0], args.data());
@@ -77,6 +81,7 @@ pid_t launch(const std::vector<std::string>& argv, const sigset_t& unblocked) {
     (void)!::write(pipe_fds[1], &err, sizeof err);
     ::_exit(127);
   }
+  ::setpgid(pid, pid);  // also here, so it holds before either side goes on
   ::close(pipe_fds[1]);
   int err = 0;
   ssize_t n;

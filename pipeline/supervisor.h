@@ -7,7 +7,8 @@
 //
 // The CLI calls it as:
 //   SupervisorOptions o;
-//   o.program = "/proc/self/exe";          // or argv[0] resolved
+//   o.program = std::filesystem::read_symlink("/proc/self/exe");  // resolved: mpirun
+//                                          // would read /proc/self/exe as itself
 //   o.config = config_path; o.overrides = the --set values;
 //   o.processes = P (--np); o.max_restarts = N (--max-restarts);
 //   o.checkpoint_dir = the config's checkpoint folder (for the log line);
@@ -42,11 +43,11 @@ struct SupervisorOptions {
 std::vector<std::string> child_command(const SupervisorOptions& options, bool resume);
 
 // Runs the job until it succeeds (returns 0), fails max_restarts + 1 times, fails with a
-// no-restart status, or is stopped by SIGINT/SIGTERM, which are forwarded to the job
-// (SIGUSR1 too: a save on demand) and end the restarts. Otherwise returns the last
-// launch's exit status (128 + N for a job killed by signal N), never 0. Logs one line
-// per relaunch: what failed and from which checkpoint step it resumes. Throws UserError
-// when the program cannot be started at all.
+// no-restart status, or is stopped by SIGINT, SIGTERM or SIGHUP, which are forwarded to
+// the job and end the restarts (SIGUSR1 is forwarded and ends nothing: a save on demand).
+// Otherwise returns the last launch's exit status (128 + N for a job killed by signal N),
+// never 0. Logs one line per relaunch: what failed and from which checkpoint step it
+// resumes. Throws UserError when the program cannot be started at all.
 int supervise(const SupervisorOptions& options);
 
 // "exit status 3", "killed by signal 9 (Killed)": a waitpid status in words.

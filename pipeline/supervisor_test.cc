@@ -125,6 +125,24 @@ TEST_CASE("supervisor: SIGTERM is forwarded to the job and ends the restarts") {
   CHECK(::kill(child, 0) != 0);  // reaped: gone
 }
 
+TEST_CASE("supervisor: SIGUSR1 is forwarded to the job and does not end the restarts") {
+  TempDir dir;
+  int result = -1;
+  std::thread runner([&] { result = supervise(options(dir, 1, "hang", 3)); });
+  pid_t child = 0;
+  for (int i = 0; i < 6000 && child == 0; ++i) {
+    std::ifstream(dir / "pid") >> child;
+    if (child == 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  REQUIRE(child > 0);
+  // The hanging child has SIGUSR1's default action (it ends the process), so the job
+  // fails with it and is relaunched; the relaunch succeeds.
+  ::kill(::getpid(), SIGUSR1);
+  runner.join();
+  CHECK(result == 0);
+  CHECK(launches(dir) == 2);
+}
+
 TEST_CASE("supervisor: the command line, mpirun for several processes, and a program that cannot start") {
   SupervisorOptions o;
   o.program = "/bin/gpipe";
