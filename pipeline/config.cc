@@ -316,7 +316,14 @@ Config parse_config(const std::string& text, const std::string& source, const st
   if (const YAML::Node p = root["pipeline"]) {
     dec.check_map(p, "pipeline", {"partitions", "replicas", "micro_batches", "recompute", "checkpoint", "schedule",
                                   "virtual_stages", "schedule_file", "balance", "devices", "pin_threads",
-                                  "bucket_mb"});
+                                  "bucket_mb", "timeout_s"});
+    if (p["timeout_s"]) {
+      c.pipeline.timeout_s = dec.number(p["timeout_s"], "pipeline.timeout_s");
+      if (c.pipeline.timeout_s < 0) {
+        dec.fail(p["timeout_s"], "pipeline.timeout_s",
+                 "must be a number of seconds > 0 (how long a stage waits for a stuck peer), or 0 for no deadline");
+      }
+    }
     if (p["bucket_mb"]) {
       c.pipeline.bucket_mb = dec.number(p["bucket_mb"], "pipeline.bucket_mb");
       if (!(c.pipeline.bucket_mb >= 0 && c.pipeline.bucket_mb <= 1e6)) {

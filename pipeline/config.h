@@ -10,6 +10,7 @@
 #include "layers/optimizer.h"
 #include "layers/registry.h"
 #include "pipeline/schedule.h"
+#include "runtime/deadline.h"
 
 namespace gpipe {
 namespace pipeline {
@@ -46,6 +47,9 @@ struct PipelineConfig {
   std::vector<int> balance;          // layers per partition; empty = balance automatically
   std::vector<std::string> devices;  // one per partition; empty = cpu:0 .. cpu:K-1
   bool pin_threads = true;
+  // Deadline of every transport wait (a receive, a send's completion, a reduction), in
+  // seconds: a stuck or stopped peer ends the job after it instead of hanging it. 0: none.
+  double timeout_s = kDefaultTimeoutS;
 };
 
 struct OptimizerConfig {

@@ -92,6 +92,15 @@ TEST_CASE("a wrong type names the key with line and column") {
   CHECK(parse_config(kBase, "t.yaml", {"pipeline.bucket_mb=0.5"}).pipeline.bucket_mb == 0.5);
 }
 
+TEST_CASE("pipeline.timeout_s: a default for real jobs, 0 for none, never negative") {
+  CHECK(parse_config(kBase, "t.yaml").pipeline.timeout_s == 600);
+  CHECK(parse_config(kBase, "t.yaml", {"pipeline.timeout_s=2.5"}).pipeline.timeout_s == 2.5);
+  CHECK(parse_config(kBase, "t.yaml", {"pipeline.timeout_s=0"}).pipeline.timeout_s == 0);
+  CHECK(error_of(kBase, {"pipeline.timeout_s=-1"}).find("pipeline.timeout_s: must be a number of seconds > 0") !=
+        std::string::npos);
+  CHECK(error_of(kBase, {"pipeline.timeout_s=soon"}).find("expected a number, got 'soon'") != std::string::npos);
+}
+
 TEST_CASE("a missing field is named") {
   std::string text = kBase;
   text.erase(text.find("  batch_size: 32\n"));

@@ -19,7 +19,14 @@ std::string tag_str(const MessageTag& tag) {
   return "validation activation of chunk " + std::to_string(tag.micro_batch) + cell;
 }
 
-InProcessTransport::InProcessTransport(int num_stages) : boxes_(num_stages) {}
+InProcessTransport::InProcessTransport(int num_stages, double timeout_s)
+    : timeout_s_(timeout_s), boxes_(num_stages) {
+  Deadline check(timeout_s);  // refuses a negative or non-finite value
+}
+
+void InProcessTransport::expire(int stage, const std::string& awaited) const {
+  throw Error(timeout_message("stage " + std::to_string(stage), awaited, timeout_s_, step_.load()));
+}
 
 void InProcessTransport::send(int src, int dst, const MessageTag& tag, const Tensor& t) {
   GPIPE_CHECK(dst >= 0 && dst < static_cast<int>(boxes_.size()), "send to stage " + std::to_string(dst));
@@ -42,8 +49,11 @@ Tensor InProcessTransport::recv(int dst, int src, const MessageTag& tag, Device 
     Mailbox& box = boxes_[dst];
     const Key key{src, static_cast<int>(tag.kind), tag.micro_batch, tag.cell};
     std::map<Key, Tensor>::iterator it;
-    box.cv.wait(lock, [&] { return aborted_ || (it = box.messages.find(key)) != box.messages.end(); });
+    const bool arrived = wait_until(box.cv, lock, Deadline(timeout_s_), [&] {
+      return aborted_ || (it = box.messages.find(key)) != box.messages.end();
+    });
     if (aborted_) throw Aborted(why_);
+    if (!arrived) expire(dst, "the " + tag_str(tag) + " from stage " + std::to_string(src));
     t = std::move(it->second);
     box.messages.erase(it);
   }
@@ -68,8 +78,12 @@ double InProcessTransport::all_reduce_sum(int stage, double value) {
     reduce_cv_.notify_all();
     return reduce_result_;
   }
-  reduce_cv_.wait(lock, [&] { return aborted_ || reduce_round_ != round; });
-  if (reduce_round_ == round) throw Aborted(why_);
+  const bool done = wait_until(reduce_cv_, lock, Deadline(timeout_s_), [&] { return aborted_ || reduce_round_ != round; });
+  if (reduce_round_ == round && aborted_) throw Aborted(why_);
+  if (!done) {
+    expire(stage, "the all-reduce over the " + std::to_string(boxes_.size()) + " stages (" +
+                      std::to_string(reduce_arrived_) + " of them had arrived)");
+  }
   return reduce_result_;
 }
 
@@ -88,8 +102,13 @@ std::vector<std::vector<double>> InProcessTransport::gather_to_first(int stage, 
     ++gather_round_;
     reduce_cv_.notify_all();
   } else {
-    reduce_cv_.wait(lock, [&] { return aborted_ || gather_round_ != round; });
-    if (gather_round_ == round) throw Aborted(why_);
+    const bool done =
+        wait_until(reduce_cv_, lock, Deadline(timeout_s_), [&] { return aborted_ || gather_round_ != round; });
+    if (gather_round_ == round && aborted_) throw Aborted(why_);
+    if (!done) {
+      expire(stage, "the gather to stage 0 over the " + std::to_string(K) + " stages (" +
+                        std::to_string(gather_arrived_) + " of them had arrived)");
+    }
   }
   return stage == 0 ? gather_result_ : std::vector<std::vector<double>>{};
 }

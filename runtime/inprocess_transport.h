@@ -1,21 +1,28 @@
 // Transport between stage threads of one process: a send is a hand-over of the tensor
 // handle (no copy when both stages share a device kind that can read the memory), a
-// receive waits on the destination stage's mailbox.
+// receive waits on the destination stage's mailbox. Every wait has a deadline
+// (pipeline.timeout_s): a stage whose neighbour is stuck gets an Error saying what it
+// waited for instead of hanging the process.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <map>
 #include <mutex>
 #include <tuple>
 #include <vector>
 
+#include "runtime/deadline.h"
 #include "runtime/transport.h"
 
 namespace gpipe {
 
 class InProcessTransport : public Transport {
  public:
-  explicit InProcessTransport(int num_stages);
+  // timeout_s: how long a receive or collective may wait (0 = no deadline).
+  explicit InProcessTransport(int num_stages, double timeout_s = kDefaultTimeoutS);
+  // The step the stages are in, for the messages of expired waits.
+  void set_step(int64_t step) { step_.store(step); }
   void send(int src, int dst, const MessageTag& tag, const Tensor& t) override;
   Tensor recv(int dst, int src, const MessageTag& tag, Device device) override;
   double all_reduce_sum(int stage, double value) override;
@@ -30,6 +37,9 @@ class InProcessTransport : public Transport {
     std::map<Key, Tensor> messages;
     std::condition_variable cv;
   };
+  [[noreturn]] void expire(int stage, const std::string& awaited) const;
+  double timeout_s_;
+  std::atomic<int64_t> step_{-1};
   mutable std::mutex mu_;
   std::vector<Mailbox> boxes_;  // one per destination stage
   bool aborted_ = false;

@@ -1,6 +1,7 @@
 #include "runtime/mpi_transport.h"
 
 #include <array>
+#include <cstdlib>
 #include <cstring>
 #include <iterator>
 #include <limits>
@@ -11,7 +12,27 @@
 
 namespace gpipe {
 
-MpiTransport::MpiTransport(MPI_Comm comm) : comm_(comm) {
+void mpi_await(int n, MPI_Request* requests, MPI_Status* statuses, double timeout_s, const std::string& waiter,
+               const std::string& awaited, int64_t step) {
+  const Deadline deadline(timeout_s);
+  const bool done = poll_until(
+      [&] {
+        int flag = 0;
+        GPIPE_MPI_CHECK(MPI_Testall(n, requests, &flag, statuses ? statuses : MPI_STATUSES_IGNORE));
+        return flag != 0;
+      },
+      deadline);
+  if (done) return;
+  // Other ranks may be blocked on this one: only the whole job ending frees them.
+  spdlog::error("{}", timeout_message(waiter, awaited, timeout_s, step));
+  spdlog::default_logger()->flush();
+  MPI_Abort(MPI_COMM_WORLD, kTimeoutExitCode);
+  std::abort();  // MPI_Abort does not return
+}
+
+MpiTransport::MpiTransport(MPI_Comm comm, double timeout_s) : comm_(comm), timeout_s_(timeout_s) {
+  Deadline check(timeout_s);  // refuses a negative or non-finite value
+  GPIPE_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_));
   GPIPE_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
   GPIPE_MPI_CHECK(MPI_Comm_size(comm_, &size_));
   int* ub = nullptr;
@@ -51,6 +72,7 @@ void MpiTransport::send(int src, int dst, const MessageTag& tag, const Tensor& t
   auto p = std::make_unique<PendingSend>();
   p->tensor = t;
   p->header = encode_header(t, tag);
+  p->what = "the " + tag_str(tag) + " to rank " + std::to_string(dst) + " to be sent";
   const int mtag = mpi_tag(tag);
   GPIPE_MPI_CHECK(MPI_Isend(p->header.data(), kMessageHeaderWords, MPI_INT64_T, dst, mtag, comm_, &p->requests[0]));
   GPIPE_MPI_CHECK(
@@ -58,11 +80,16 @@ void MpiTransport::send(int src, int dst, const MessageTag& tag, const Tensor& t
   pending_.push_back(std::move(p));
 }
 
+void MpiTransport::await(int n, MPI_Request* requests, MPI_Status* statuses, const std::string& awaited) {
+  mpi_await(n, requests, statuses, timeout_s_, "rank " + std::to_string(world_rank_) + " (stage " + std::to_string(rank_) + ")",
+            awaited, step_);
+}
+
 void MpiTransport::reap_sends(bool wait) {
   for (auto it = pending_.begin(); it != pending_.end();) {
     int done = 0;
     if (wait) {
-      GPIPE_MPI_CHECK(MPI_Waitall(2, (*it)->requests.data(), MPI_STATUSES_IGNORE));
+      await(2, (*it)->requests.data(), nullptr, (*it)->what + " (MPI_Isend; the receiver never took it)");
       done = 1;
     } else {
       GPIPE_MPI_CHECK(MPI_Testall(2, (*it)->requests.data(), &done, MPI_STATUSES_IGNORE));
@@ -81,7 +108,9 @@ std::vector<std::vector<double>> MpiTransport::gather_to_first(int stage, const 
   GPIPE_CHECK(values.size() <= static_cast<size_t>(std::numeric_limits<int>::max()), "gather: too many values");
   const int n = static_cast<int>(values.size());
   std::vector<int> counts(rank_ == 0 ? size_ : 0), displs(rank_ == 0 ? size_ : 0);
-  GPIPE_MPI_CHECK(MPI_Gather(&n, 1, MPI_INT, counts.data(), 1, MPI_INT, 0, comm_));
+  MPI_Request r;
+  GPIPE_MPI_CHECK(MPI_Igather(&n, 1, MPI_INT, counts.data(), 1, MPI_INT, 0, comm_, &r));
+  await(1, &r, nullptr, "the gather of report values to rank 0 over " + std::to_string(size_) + " ranks (MPI_Igather)");
   std::vector<double> all;
   if (rank_ == 0) {
     int64_t total = 0;
@@ -92,8 +121,9 @@ std::vector<std::vector<double>> MpiTransport::gather_to_first(int stage, const 
     GPIPE_CHECK(total <= std::numeric_limits<int>::max(), "gather: too many values");
     all.resize(total);
   }
-  GPIPE_MPI_CHECK(MPI_Gatherv(values.data(), n, MPI_DOUBLE, all.data(), counts.data(), displs.data(), MPI_DOUBLE, 0,
-                              comm_));
+  GPIPE_MPI_CHECK(MPI_Igatherv(values.data(), n, MPI_DOUBLE, all.data(), counts.data(), displs.data(), MPI_DOUBLE,
+                               0, comm_, &r));
+  await(1, &r, nullptr, "the gather of report values to rank 0 over " + std::to_string(size_) + " ranks (MPI_Igatherv)");
   std::vector<std::vector<double>> out;
   for (int r = 0; r < static_cast<int>(counts.size()); ++r) {
     out.emplace_back(all.begin() + displs[r], all.begin() + displs[r] + counts[r]);
@@ -107,12 +137,16 @@ Tensor MpiTransport::recv(int dst, int src, const MessageTag& tag, Device device
   reap_sends(/*wait=*/false);
   GPIPE_CHECK(device.is_cpu(), "MpiTransport receives into host memory, not " + device.str());
   const int mtag = mpi_tag(tag);
+  const std::string what = "the " + tag_str(tag) + " from rank " + std::to_string(src);
   MessageHeader header{};
-  GPIPE_MPI_CHECK(MPI_Recv(header.data(), kMessageHeaderWords, MPI_INT64_T, src, mtag, comm_, MPI_STATUS_IGNORE));
-  const MessageLayout layout = decode_header(header, "the " + tag_str(tag) + " from rank " + std::to_string(src));
+  MPI_Request r;
+  GPIPE_MPI_CHECK(MPI_Irecv(header.data(), kMessageHeaderWords, MPI_INT64_T, src, mtag, comm_, &r));
+  await(1, &r, nullptr, what + " (its header, MPI_Irecv)");
+  const MessageLayout layout = decode_header(header, what);
   Tensor t = Tensor::empty(layout.shape, layout.dtype, device);
   MPI_Status status;
-  GPIPE_MPI_CHECK(MPI_Recv(t.raw_data(), static_cast<int>(t.nbytes()), MPI_BYTE, src, mtag, comm_, &status));
+  GPIPE_MPI_CHECK(MPI_Irecv(t.raw_data(), static_cast<int>(t.nbytes()), MPI_BYTE, src, mtag, comm_, &r));
+  await(1, &r, &status, what + " (its data, MPI_Irecv)");
   int got = 0;
   GPIPE_MPI_CHECK(MPI_Get_count(&status, MPI_BYTE, &got));
   if (static_cast<size_t>(got) != t.nbytes()) {
@@ -125,11 +159,21 @@ Tensor MpiTransport::recv(int dst, int src, const MessageTag& tag, Device device
 double MpiTransport::all_reduce_sum(int stage, double value) {
   GPIPE_CHECK(stage == rank_, "rank " + std::to_string(rank_) + " reducing as stage " + std::to_string(stage));
   double total = 0;
-  GPIPE_MPI_CHECK(MPI_Allreduce(&value, &total, 1, MPI_DOUBLE, MPI_SUM, comm_));
+  MPI_Request r;
+  GPIPE_MPI_CHECK(MPI_Iallreduce(&value, &total, 1, MPI_DOUBLE, MPI_SUM, comm_, &r));
+  await(1, &r, nullptr, "the all-reduce of a scalar over the pipeline's " + std::to_string(size_) + " ranks (MPI_Iallreduce)");
   return total;
 }
 
-MpiReplicaGroup::MpiReplicaGroup(MPI_Comm comm) : comm_(comm) { GPIPE_MPI_CHECK(MPI_Comm_size(comm_, &size_)); }
+MpiReplicaGroup::MpiReplicaGroup(MPI_Comm comm, double timeout_s) : comm_(comm), timeout_s_(timeout_s) {
+  Deadline check(timeout_s);
+  GPIPE_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_));
+  GPIPE_MPI_CHECK(MPI_Comm_size(comm_, &size_));
+}
+
+void MpiReplicaGroup::await(int n, MPI_Request* requests, const std::string& awaited) {
+  mpi_await(n, requests, nullptr, timeout_s_, "rank " + std::to_string(world_rank_), awaited, step_);
+}
 
 namespace {
 MPI_Datatype reducible_type(const Tensor& t) {
@@ -143,7 +187,9 @@ MPI_Datatype reducible_type(const Tensor& t) {
 
 void MpiReplicaGroup::all_reduce_sum(Tensor& t) {
   const MPI_Datatype type = reducible_type(t);
-  GPIPE_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, t.raw_data(), static_cast<int>(t.numel()), type, MPI_SUM, comm_));
+  MPI_Request r;
+  GPIPE_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, t.raw_data(), static_cast<int>(t.numel()), type, MPI_SUM, comm_, &r));
+  await(1, &r, "the all-reduce of a " + t.str() + " over the stage's " + std::to_string(size_) + " replicas");
 }
 
 void MpiReplicaGroup::start_all_reduce_sum(Tensor& t) {
@@ -162,13 +208,17 @@ void MpiReplicaGroup::progress() {
 
 void MpiReplicaGroup::wait_all() {
   if (requests_.empty()) return;
-  GPIPE_MPI_CHECK(MPI_Waitall(static_cast<int>(requests_.size()), requests_.data(), MPI_STATUSES_IGNORE));
+  await(static_cast<int>(requests_.size()), requests_.data(),
+        std::to_string(requests_.size()) + " started gradient all-reduce(s) over the stage's " +
+            std::to_string(size_) + " replicas (wait_all)");
   requests_.clear();
 }
 
 double MpiReplicaGroup::all_reduce_sum(double value) {
   double total = 0;
-  GPIPE_MPI_CHECK(MPI_Allreduce(&value, &total, 1, MPI_DOUBLE, MPI_SUM, comm_));
+  MPI_Request r;
+  GPIPE_MPI_CHECK(MPI_Iallreduce(&value, &total, 1, MPI_DOUBLE, MPI_SUM, comm_, &r));
+  await(1, &r, "the all-reduce of a scalar over the stage's " + std::to_string(size_) + " replicas");
   return total;
 }
 

@@ -3,7 +3,12 @@
 // shape) followed by the data, so shapes travel with the data and a receiver never
 // has to guess a size. The MPI tag carries the message kind and micro-batch, so
 // messages are matched by what they are, not by arrival order. Host tensors only:
-// GPU stages will use NCCL.
+// GPU stages use NCCL.
+//
+// Every wait (receives, the completion of sends in flush, the collectives) polls its
+// requests until they finish or pipeline.timeout_s passes; then the rank logs what it
+// waited for and ends the whole job (MPI_Abort on MPI_COMM_WORLD, exit status
+// kTimeoutExitCode), so a stuck peer never hangs the job and a supervisor can restart it.
 #pragma once
 
 #include <mpi.h>
@@ -14,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/deadline.h"
 #include "runtime/message_header.h"
 #include "runtime/transport.h"
 
@@ -23,7 +29,10 @@ class MpiTransport : public Transport {
  public:
   // comm: the pipeline's ranks, rank k holding stage k. Not owned; MPI must be
   // initialised (with MPI_THREAD_MULTIPLE if stages call from several threads).
-  explicit MpiTransport(MPI_Comm comm);
+  // timeout_s: the deadline of every wait (0 = none).
+  explicit MpiTransport(MPI_Comm comm, double timeout_s = kDefaultTimeoutS);
+  // The step the stage is in, for the message of an expired wait.
+  void set_step(int64_t step) { step_ = step; }
   int rank() const { return rank_; }
   int size() const { return size_; }
 
@@ -43,20 +52,27 @@ class MpiTransport : public Transport {
   void check_stage(int stage, const char* what) const;
   // Forgets the sends MPI has finished (all of them, waiting, with wait).
   void reap_sends(bool wait);
+  // Waits for `requests` under the deadline; on expiry logs `awaited` and ends the job.
+  void await(int n, MPI_Request* requests, MPI_Status* statuses, const std::string& awaited);
   struct PendingSend {
     Tensor tensor;  // keeps the data alive until the send completes
     MessageHeader header{};
     std::array<MPI_Request, 2> requests{};
+    std::string what;  // "the activation of micro-batch 3 to rank 1", for a timeout
   };
   std::list<std::unique_ptr<PendingSend>> pending_;
   MPI_Comm comm_;
-  int rank_ = 0, size_ = 1, tag_ub_ = 32767;
+  int rank_ = 0, size_ = 1, tag_ub_ = 32767, world_rank_ = 0;
+  double timeout_s_;
+  int64_t step_ = -1;
 };
 
-// The replicas of a stage over MPI: MPI_Allreduce on host tensors, in place.
+// The replicas of a stage over MPI: all-reduces of host tensors, in place, with the
+// same deadline as MpiTransport.
 class MpiReplicaGroup : public ReplicaGroup {
  public:
-  explicit MpiReplicaGroup(MPI_Comm comm);
+  explicit MpiReplicaGroup(MPI_Comm comm, double timeout_s = kDefaultTimeoutS);
+  void set_step(int64_t step) { step_ = step; }
   int size() const override { return size_; }
   void all_reduce_sum(Tensor& t) override;
   double all_reduce_sum(double value) override;
@@ -65,9 +81,18 @@ class MpiReplicaGroup : public ReplicaGroup {
   void wait_all() override;
 
  private:
+  void await(int n, MPI_Request* requests, const std::string& awaited);
   std::vector<MPI_Request> requests_;
   MPI_Comm comm_;
-  int size_ = 1;
+  int size_ = 1, world_rank_ = 0;
+  double timeout_s_;
+  int64_t step_ = -1;
 };
+
+// Polls `requests` (MPI_Testall) until they finish or `timeout_s` passes; then logs
+// "`waiter` waited ... for `awaited`" and calls MPI_Abort(MPI_COMM_WORLD,
+// kTimeoutExitCode). Shared by MpiTransport, MpiReplicaGroup and checks.
+void mpi_await(int n, MPI_Request* requests, MPI_Status* statuses, double timeout_s, const std::string& waiter,
+               const std::string& awaited, int64_t step);
 
 }  // namespace gpipe

@@ -1,0 +1,145 @@
+// The checkpoint store: a training run's state on disk, in a layout any K, M, D or device
+// can load and PyTorch can read, written so that a crash at any instant leaves the
+// previous checkpoint complete. Independent of the executor: it stores named host tensors
+// and a JSON trainer state that its caller gathers.
+//
+//   <dir>/step-<N>/model-00001-of-0000K.safetensors      one shard per stage (K stages)
+//                  model.safetensors.index.json          {"metadata": {"total_size": B},
+//                                                          "weight_map": {name: file}}
+//                  optimizer-00001-of-0000K.safetensors  "<param>.<suffix>" (see below)
+//                  optimizer.safetensors.index.json
+//                  trainer_state.json                    the caller's object + format_version, step
+//                  COMPLETE                              written last: the directory counts only with it
+//   <dir>/latest                                         "step-<N>": the newest complete save
+//
+// Every file is written atomically (runtime/atomic_file.h). In a multi-process run each
+// stage's rank of replica 0 calls write_shard for its own stage, in parallel, and after a
+// barrier (the caller's) rank 0 calls finalize: nothing is gathered to one rank.
+//
+// Optimizer state names: the parameter's name plus a suffix, as PyTorch names them:
+// ".momentum_buffer" (SGD), ".exp_avg" and ".exp_avg_sq" (Adam), and the step count as
+// ".step", a float64 scalar (shape ()), exact up to 2^53 steps (step_tensor/step_value).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "runtime/safetensors.h"
+#include "runtime/tensor.h"
+
+namespace gpipe {
+namespace pipeline {
+
+constexpr int kCheckpointFormatVersion = 1;
+constexpr const char* kMomentumSuffix = ".momentum_buffer";
+constexpr const char* kExpAvgSuffix = ".exp_avg";
+constexpr const char* kExpAvgSqSuffix = ".exp_avg_sq";
+constexpr const char* kStepSuffix = ".step";
+// Milliseconds to sleep before each file of a save, so that a test can kill the writer
+// in the middle of a save reliably. Unset or 0 in real runs.
+constexpr const char* kCheckpointPauseEnv = "GPIPE_CHECKPOINT_PAUSE_MS";
+
+Tensor step_tensor(int64_t steps);                         // F64 scalar
+int64_t step_value(const Tensor& t, const std::string& name);  // checks dtype, shape, integrality
+
+// "step-42", "model-00001-of-00002.safetensors" (shard is 0-based, the name 1-based).
+std::string step_dir_name(int64_t step);
+std::string shard_file_name(const std::string& kind, int shard, int num_shards);  // kind: model | optimizer
+
+struct ShardTensors {
+  TensorMap model, optimizer;  // contiguous host tensors
+};
+struct ShardNames {
+  std::vector<std::string> model, optimizer;
+};
+ShardNames names_of(const ShardTensors& shard);
+
+class CheckpointStore {
+ public:
+  // dir: the checkpoints folder, created on the first save. keep: complete checkpoints
+  // kept (the newest `keep` at or below the one just saved; 0 keeps all).
+  explicit CheckpointStore(std::string dir, int keep = 0);
+  const std::string& dir() const { return dir_; }
+  int keep() const { return keep_; }
+  std::string step_path(int64_t step) const;
+
+  // Writes one stage's model and optimizer shard of `step` durably. If step-N was
+  // complete already (a step saved again), it stops counting as complete here and counts
+  // again when finalize has run.
+  void write_shard(int64_t step, int shard, int num_shards, const TensorMap& model, const TensorMap& optimizer) const;
+  // After every shard is durable: checks each shard file against `names` (one entry per
+  // shard; a missing file, a missing or extra tensor, a tensor in two shards is an Error),
+  // writes both indexes and trainer_state.json, removes stray files (temporaries of a
+  // torn save, shards of another count), writes COMPLETE, then `latest`, then deletes
+  // checkpoints beyond `keep` and torn saves older than this one.
+  void finalize(int64_t step, int num_shards, const std::vector<ShardNames>& names,
+                const nlohmann::json& trainer_state) const;
+  // Every shard, then finalize: single-process runs.
+  void save(int64_t step, const std::vector<ShardTensors>& shards, const nlohmann::json& trainer_state) const;
+
+ private:
+  void rotate(int64_t saved_step) const;
+  std::string dir_;
+  int keep_;
+};
+
+struct CheckpointRef {
+  int64_t step = 0;
+  std::string path;  // the step directory
+};
+
+// Step directories under `dir`, by step: complete ones and torn ones.
+struct CheckpointListing {
+  std::vector<CheckpointRef> complete, incomplete;
+};
+CheckpointListing list_checkpoints(const std::string& dir);
+
+// The checkpoint to resume from: the one `latest` names if it is complete, else the
+// newest complete one (a warning says why `latest` was not used). Every torn step-*
+// directory is skipped with a warning that names it. nullopt when there is none.
+std::optional<CheckpointRef> find_latest_complete(const std::string& dir);
+
+struct LoadedCheckpoint {
+  int64_t step = 0;
+  std::string path;
+  TensorMap model, optimizer;  // host tensors by name
+  nlohmann::json trainer_state;  // as written, with format_version and step
+};
+
+// Which tensors to read (all when unset): a stage of a resumed run reads its own.
+struct LoadFilter {
+  std::function<bool(const std::string&)> model, optimizer;
+};
+
+// Loads the step directory `path` (or, for a checkpoints folder, its latest complete
+// checkpoint), checking every file against its index. Throws UserError naming the file
+// and the problem: no COMPLETE marker, an unknown format version, a missing or corrupt
+// shard, a tensor listed in an index but missing from its file (by name), and so on.
+LoadedCheckpoint load_checkpoint(const std::string& path, const LoadFilter& filter = {});
+
+// Does a loaded map fit what the model expects? Throws UserError listing the missing and
+// extra tensors and every dtype or shape mismatch with both shapes; `what` says which
+// map ("model", "optimizer") and `path` the checkpoint.
+struct TensorSpec {
+  Shape shape;
+  DType dtype = DType::kF32;
+};
+void check_tensors_fit(const TensorMap& loaded, const std::map<std::string, TensorSpec>& expected,
+                       const std::string& what, const std::string& path);
+
+namespace detail {
+// Shared by finalize and load: a shard file must hold exactly `expected` (as `listed_by`
+// lists them); throws UserError naming the file and the missing or extra tensors.
+void check_shard_names(const std::string& path, const SafetensorsHeader& header,
+                       const std::vector<std::string>& expected, const std::string& listed_by);
+// "a, b, c and 7 more": the first ten names, for messages.
+std::string join_names(const std::vector<std::string>& names);
+}  // namespace detail
+
+}  // namespace pipeline
+}  // namespace gpipe
