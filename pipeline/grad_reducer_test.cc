@@ -395,3 +395,19 @@ TEST_CASE("K stages x D replicas in one process equal the unpartitioned model") 
     }
   }
 }
+
+TEST_CASE("replicas need each stage on its own device") {
+  // Stages sharing a device take turns on it, and a replica's blocking reduction must
+  // never hold the turn: refused before anything runs, naming the key to change.
+  Hub hub(2);
+  ThreadReplicaGroup group(hub, 0);
+  auto model = layers::build_model(mlp_spec());
+  InProcessTransport transport(2);
+  ExecutorOptions opts;
+  opts.replicas = &group;
+  CHECK_THROWS_WITH_AS(Executor(*model, make_stages({3, 2}, {Device::cpu(0), Device::cpu(0)}),
+                                gpipe_schedule(2, 2, CheckpointMode::kNever), transport, opts),
+                       doctest::Contains("data-parallel replicas need each stage on its own device; pipeline.devices "
+                                         "gives stage 0's device to another stage too"),
+                       UserError);
+}
