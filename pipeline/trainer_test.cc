@@ -116,6 +116,38 @@ TEST_CASE("a diverging run stops with a message naming the fix") {
   CHECK(!std::filesystem::exists(out_dir("nan") + "/report.json"));
 }
 
+TEST_CASE("a float64 loss that grows huge before it overflows still ends with the message") {
+  // With lr 5e299 (warm-up) step 2's loss is finite with over 200 digits, which the
+  // progress line must survive (it used to write past its buffer and crash), and step
+  // 3's is NaN.
+  const char* wide = R"(model:
+  input: [32]
+  dtype: float64
+  layers:
+    - {type: linear, out: 64}
+    - {type: gelu}
+    - {type: linear, out: 64}
+    - {type: relu}
+    - {type: linear, out: 64}
+    - {type: gelu}
+    - {type: linear, out: 64}
+    - {type: relu}
+    - {type: linear, out: 6}
+  loss: {type: softmax_cross_entropy}
+data: {type: teacher, classes: 6, teacher_hidden: 16, seed: 3, eval_samples: 96}
+pipeline: {partitions: 2, micro_batches: 2}
+optimizer: {type: sgd, lr: 1e300, weight_decay: 0.01, warmup_steps: 2}
+train: {steps: 6, batch_size: 24, log_interval: 1}
+)";
+  std::ostringstream log;
+  const Config c = parse_config(wide, "wide.yaml", {"output.dir=" + out_dir("huge")});
+  CHECK_THROWS_WITH_AS(train(c, log), doctest::Contains("the loss became NaN at step 2; lower optimizer.lr (now 1e+300)"),
+                       UserError);
+  CAPTURE(log.str());
+  CHECK(log.str().find("step     2/6  loss 888") != std::string::npos);
+  CHECK(!std::filesystem::exists(out_dir("huge") + "/report.json"));
+}
+
 TEST_CASE("requests that cannot work are refused before training") {
   CHECK_THROWS_WITH_AS(run({"pipeline.partitions=6"}), doctest::Contains("only 5 layers"), UserError);
   CHECK_THROWS_WITH_AS(run({"pipeline.partitions=2", "pipeline.balance=[2,2]"}), doctest::Contains("sums to 4"),
