@@ -95,17 +95,32 @@ TEST_CASE("elementwise ops") {
   CHECK(cpu().item(z.narrow_rows(2, 1)) == 7.0);
 }
 
-TEST_CASE("softmax rows sum to one and survive large logits") {
-  Tensor logits = Tensor::from_vector<float>({1000, 1001, 999, -5, 0, 5}, {2, 3});
-  Tensor labels = Tensor::from_vector<int32_t>({1, 2}, {2});
-  Tensor probs = cpu().empty({2, 3}, DType::kF32), loss = cpu().empty({1}, DType::kF32);
+TEST_CASE("softmax with large logits equals a float64 reference") {
+  // Logits far beyond exp's float32 range (e^89 overflows): a softmax that does not
+  // subtract the row's maximum gives inf/NaN, a wrong one gives other probabilities.
+  const std::vector<double> z = {1000, 1001, 999, -5, 0, 5, 1e4, 1e4 + 1, 1e4 + 2.5};
+  const std::vector<int32_t> y = {1, 2, 0};
+  const int64_t R = 3, C = 3;
+  Tensor logits = Tensor::from_vector<float>(std::vector<float>(z.begin(), z.end()), {R, C});
+  Tensor labels = Tensor::from_vector<int32_t>(y, {R});
+  Tensor probs = cpu().empty({R, C}, DType::kF32), loss = cpu().empty({1}, DType::kF32);
   cpu().softmax_xent(logits, labels, 0.5, -100, probs, loss);
-  for (int r = 0; r < 2; ++r) {
-    double s = 0;
-    for (int j = 0; j < 3; ++j) s += probs.data<float>()[r * 3 + j];
-    CHECK(s == doctest::Approx(1.0).epsilon(1e-6));
+  // The reference: p = e^(z - max) / sum over the row, in float64; loss = 0.5 * sum -log p[label].
+  std::vector<double> want(R * C);
+  double want_loss = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const double mx = std::max({z[r * C], z[r * C + 1], z[r * C + 2]});
+    double sum = 0;
+    for (int64_t j = 0; j < C; ++j) sum += std::exp(z[r * C + j] - mx);
+    for (int64_t j = 0; j < C; ++j) want[r * C + j] = std::exp(z[r * C + j] - mx) / sum;
+    want_loss += -0.5 * std::log(want[r * C + y[r]]);
   }
-  CHECK(std::isfinite(cpu().item(loss)));
+  // Row 2's logits hold float32's rounding of 1e4 + 2.5 (spacing 1/1024): exact here.
+  GPIPE_EXPECT_CLOSE(probs, want, 1e-6, 1e-7);
+  CHECK(cpu().item(loss) == doctest::Approx(want_loss).epsilon(1e-6));
+  // Not a softmax that merely sums to one: the rows are far from uniform.
+  CHECK(probs.data<float>()[1] > 0.66f);
+  CHECK(probs.data<float>()[8] > 0.75f);
 }
 
 TEST_CASE("float32 GELU agrees with the exact erf form") {

@@ -199,16 +199,37 @@ TEST_CASE("causal attention matches naive loops") {
   }
 }
 
-TEST_CASE("attention survives large scores") {
-  const int64_t B = 1, T = 3, C = 2;
-  Tensor qkv = random_tensor({B, T, 3 * C}, DType::kF32, 1, 100, 200);  // scores ~ 1e4 overflow exp without the max
-  Tensor probs = cpu().empty({B, 1, T, T}, DType::kF32), out = cpu().empty({B, T, C}, DType::kF32);
-  cpu().attention(qkv, 1, probs, out);
-  for (double v : to_doubles(out)) CHECK(std::isfinite(v));
-  for (int64_t t = 0; t < T; ++t) {
-    double s = 0;
-    for (int64_t j = 0; j < T; ++j) s += probs.data<float>()[t * T + j];
-    CHECK(s == doctest::Approx(1.0).epsilon(1e-6));
+TEST_CASE("attention with large scores equals the float64 reference") {
+  {
+    // Random scores ~ 1e4 overflow exp without the row's maximum subtracted; their
+    // differences are large, so each row is close to one-hot.
+    const int64_t B = 1, T = 3, C = 2;
+    Tensor qkv = random_tensor({B, T, 3 * C}, DType::kF32, 1, 100, 200);
+    Tensor probs = cpu().empty({B, 1, T, T}, DType::kF32), out = cpu().empty({B, T, C}, DType::kF32);
+    cpu().attention(qkv, 1, probs, out);
+    std::vector<double> wp, wo;
+    naive_attention(to_doubles(qkv), B, T, C, 1, wp, wo);
+    GPIPE_EXPECT_CLOSE(probs, wp, 1e-4, 1e-4);
+    GPIPE_EXPECT_CLOSE(out, wo, 1e-4, 1e-3);
+  }
+  {
+    // Scores ~ 1e4 that differ by about 0.7 (q = (100, 0), k_s = (141 + 0.01 s, 0), D = 2):
+    // every probability is far from 0 and 1, so a uniform or shifted softmax fails.
+    const int64_t B = 1, T = 3, C = 2;
+    const std::vector<float> v = {100, 0, 141.00f, 0, 1, 2,    //
+                                  100, 0, 141.01f, 0, 3, -1,   //
+                                  100, 0, 141.02f, 0, 0.5f, 4};
+    Tensor qkv = Tensor::from_vector<float>(v, {B, T, 3 * C});
+    Tensor probs = cpu().empty({B, 1, T, T}, DType::kF32), out = cpu().empty({B, T, C}, DType::kF32);
+    cpu().attention(qkv, 1, probs, out);
+    std::vector<double> wp, wo;
+    naive_attention(to_doubles(qkv), B, T, C, 1, wp, wo);
+    // float32 rounds a score of 1e4 to about 1e-3, so probabilities agree to about that.
+    GPIPE_EXPECT_CLOSE(probs, wp, 5e-3, 5e-3);
+    GPIPE_EXPECT_CLOSE(out, wo, 5e-3, 5e-3);
+    CHECK(wp[2 * T + 0] > 0.1);  // row 2 is not one-hot ...
+    CHECK(wp[2 * T + 2] < 0.8);
+    CHECK(std::abs(wp[2 * T + 0] - 1.0 / 3) > 0.05);  // ... nor uniform
   }
 }
 

@@ -187,7 +187,7 @@ __global__ void gelu_backward_kernel(const T* x, const T* dy, T* dx, int64_t n) 
 
 // One block per row r of logits: (rows, cols), blockDim.x a multiple of 32.
 //   probs[r, :] = exp(x - max) / sum exp(x - max)
-//   row_loss[r] = log(sum) + max - x[label]   (0 when label == ignore_index or invalid)
+//   row_loss[r] = log(sum) + (max - x[label])   (0 when label == ignore_index or invalid)
 // An invalid label is flagged as (r, label) and never read through.
 template <typename T>
 __global__ void softmax_xent_forward_kernel(const T* logits, const int32_t* labels, int64_t cols,
@@ -219,7 +219,7 @@ __global__ void softmax_xent_forward_kernel(const T* logits, const int32_t* labe
       if (label < 0 || label >= cols) {
         flag_error(error, row, label);
       } else {
-        loss = dev_log(sum) + mx - in[label];
+        loss = dev_log(sum) + (mx - in[label]);  // as the CPU: max - x[label] first, exact for near logits
       }
     }
     row_loss[row] = loss;

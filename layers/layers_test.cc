@@ -231,15 +231,44 @@ TEST_CASE("a tied head needs an embedding before it with the same table shape") 
 }
 
 TEST_CASE("weights do not depend on anything but the seed and position") {
+  // Three layers of one size, so that a difference can only come from the seed or the
+  // position, never from the shape.
   ModelSpec spec;
   spec.input = {4};
-  spec.layers = {{"linear", {{"out", "4"}}, {}, ""}, {"linear", {{"out", "2"}}, {}, ""}};
+  spec.layers = {{"linear", {{"out", "4"}}, {}, ""}, {"linear", {{"out", "4"}}, {}, ""}, {"linear", {{"out", "4"}}, {}, ""}};
   spec.loss = {"softmax_cross_entropy", {}, {}, ""};
   spec.seed = 9;
+  auto values = [](Sequential& m, int layer) {
+    std::vector<float> v;
+    for (Parameter* p : m.layer(layer).parameters()) {
+      const auto part = p->value.to_vector<float>();
+      v.insert(v.end(), part.begin(), part.end());
+    }
+    return v;
+  };
   auto a = build_model(spec);
   auto b = build_model(spec);
-  CHECK(a->layer(1).parameters()[0]->value.to_vector<float>() == b->layer(1).parameters()[0]->value.to_vector<float>());
-  CHECK(a->layer(0).parameters()[0]->value.to_vector<float>() != a->layer(1).parameters()[0]->value.to_vector<float>());
+  for (int i = 0; i < 3; ++i) {
+    CAPTURE(i);
+    CHECK(values(*a, i).size() == 4 * 4 + 4);
+    CHECK(values(*a, i) == values(*b, i));  // same seed, same position: same weights
+  }
+  CHECK(values(*a, 0) != values(*a, 1));  // another position
+  CHECK(values(*a, 1) != values(*a, 2));
+  ModelSpec other = spec;
+  other.seed = 10;
+  auto c = build_model(other);
+  for (int i = 0; i < 3; ++i) {
+    CAPTURE(i);
+    CHECK(values(*a, i) != values(*c, i));  // another seed
+  }
+  // What comes before a layer does not matter, only its position: a parameter-free
+  // layer in front leaves layer 1's weights as they were.
+  ModelSpec shifted = spec;
+  shifted.layers[0] = {"relu", {}, {}, ""};
+  auto d = build_model(shifted);
+  CHECK(values(*d, 1) == values(*a, 1));
+  CHECK(values(*d, 2) == values(*a, 2));
 }
 
 TEST_CASE("SGD with momentum and weight decay follows PyTorch's update") {

@@ -30,8 +30,17 @@ class Decoder {
   void note_override(const std::string& path, const std::string& text) { overrides_[path] = text; }
 
   std::string where(const YAML::Node& n, const std::string& path) const {
+    // --set spells list indices as components: model.layers[0].cost is model.layers.0.cost.
+    std::string dotted;
+    for (char ch : path) {
+      if (ch == '[') {
+        dotted += '.';
+      } else if (ch != ']') {
+        dotted += ch;
+      }
+    }
     for (const auto& kv : overrides_) {
-      if (path == kv.first || path.rfind(kv.first + ".", 0) == 0) return "--set " + kv.second;
+      if (dotted == kv.first || dotted.rfind(kv.first + ".", 0) == 0) return "--set " + kv.second;
     }
     const YAML::Mark m = n.Mark();
     if (m.is_null()) return source_;

@@ -52,6 +52,14 @@ TEST_CASE("byte-level text: inputs are windows, targets the next bytes") {
   // Same step, same batch; another step, another batch.
   auto [x2, y2] = data->batch(0, 4);
   CHECK(x2.to_vector<int32_t>() == x.to_vector<int32_t>());
+  CHECK(y2.to_vector<int32_t>() == y.to_vector<int32_t>());
+  // The text repeats every 13 bytes, so compare where each window starts in the period.
+  auto phases = [&](const Tensor& t) {
+    std::vector<std::string> out;
+    for (int r = 0; r < 4; ++r) out.push_back(std::string(t.data<int32_t>() + r * 8, t.data<int32_t>() + r * 8 + 8));
+    return out;
+  };
+  CHECK(phases(data->batch(1, 4).first) != phases(x));
   CHECK(data->validation_size() == (static_cast<int64_t>(text.size() * 0.2 + 0.5) - 1) / 8);
   auto [vx, vy] = data->validation(0, 1);
   const int64_t split = static_cast<int64_t>(text.size()) - static_cast<int64_t>(0.2 * text.size());
@@ -109,4 +117,40 @@ TEST_CASE("missing and empty files name themselves") {
   const std::string tiny = write_file("tiny.txt", "abc");
   CHECK(error_of([&] { make_token_data(read_byte_tokens(tiny), 256, 8, 0.1, 1, tiny); }).find("too few") !=
         std::string::npos);
+}
+
+TEST_CASE("every dataset: the same step gives the same batch, another step another batch") {
+  // Each kind of data, through its public batch(step, n): a dataset that ignored `step`
+  // would train on one batch forever; one that was not a function of it would not be
+  // reproducible (nor the same on every rank).
+  std::string text;
+  for (int i = 0; i < 400; ++i) text += "line " + std::to_string(i * 7919 % 1009) + "; ";
+  const std::string text_path = write_file("varied.txt", text);
+  std::string records;
+  for (int r = 0; r < 40; ++r) {
+    records.push_back(static_cast<char>(r % 10));
+    for (int p = 0; p < 3072; ++p) records.push_back(static_cast<char>((p * (r + 3)) % 251));
+  }
+  const std::string cifar_path = write_file("cifar_steps.bin", records);
+  std::vector<std::pair<std::string, std::unique_ptr<Dataset>>> all;
+  all.emplace_back("teacher", make_teacher_data(6, 3, 8, 1.0, 5, DType::kF32, 16));
+  all.emplace_back("text", make_token_data(read_byte_tokens(text_path), 256, 8, 0.1, 5, text_path));
+  all.emplace_back("cifar10", make_cifar_data(cifar_path, 0.1, 5));
+  auto bytes = [](const Tensor& t) {
+    const auto* p = static_cast<const unsigned char*>(t.raw_data());
+    return std::vector<unsigned char>(p, p + t.nbytes());
+  };
+  for (auto& [name, data] : all) {
+    CAPTURE(name);
+    const auto [x0, y0] = data->batch(0, 6);
+    const auto [x0b, y0b] = data->batch(0, 6);
+    CHECK(bytes(x0) == bytes(x0b));
+    CHECK(bytes(y0) == bytes(y0b));
+    for (uint64_t step : {1, 2, 1000003}) {
+      CAPTURE(step);
+      const auto [xs, ys] = data->batch(step, 6);
+      CHECK(xs.shape() == x0.shape());
+      CHECK(bytes(xs) != bytes(x0));
+    }
+  }
 }

@@ -307,8 +307,10 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
     StepResult r = executor.step(x, y);
     if (multi) r = gather_timings(std::move(r), launch);
     if (!std::isfinite(r.loss)) {
+      char now[32];
+      std::snprintf(now, sizeof now, "%g", lr.at(step));  // std::to_string(1e300) has 300 digits
       throw UserError("the loss became " + std::string(std::isnan(r.loss) ? "NaN" : "infinite") + " at step " +
-                      std::to_string(step) + "; lower optimizer.lr (now " + std::to_string(lr.at(step)) +
+                      std::to_string(step) + "; lower optimizer.lr (now " + now +
                       "), set optimizer.clip_grad_norm, or check the data. Nothing was written for this step.");
     }
     result.losses.push_back(r.loss);
@@ -320,15 +322,21 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
     const bool eval_now = eval_n > 0 && c.train.eval_interval > 0 && (step + 1) % c.train.eval_interval == 0 && !last;
     if ((step + 1) % c.train.log_interval == 0 || last || step == 0 || eval_now) {
       char line[256];
-      int len = std::snprintf(line, sizeof line, "step %5d/%d  loss %.4f", step + 1, c.train.steps, r.loss);
+      size_t len = 0;
+      // snprintf returns the length it wanted, not what it wrote: a diverging float64
+      // loss printed with %.4f has hundreds of digits, and must cut the line short
+      // rather than write past it.
+      auto append = [&](const char* format, auto... args) {
+        if (len < sizeof line) len += static_cast<size_t>(std::snprintf(line + len, sizeof line - len, format, args...));
+      };
+      append("step %5d/%d  loss %.4f", step + 1, c.train.steps, r.loss);
       if (eval_now) {
         const auto [vl, va] = validate();
         report.add_validation(step, vl, va);
-        len += std::snprintf(line + len, sizeof line - len, "  val_loss %.4f", vl);
+        append("  val_loss %.4f", vl);
       }
-      if (r.grad_norm >= 0) len += std::snprintf(line + len, sizeof line - len, "  grad_norm %.3f", r.grad_norm);
-      std::snprintf(line + len, sizeof line - len, "  lr %.3g  %.1f samples/s", lr.at(step),
-                    c.train.batch_size * window_steps / (window_ms / 1000.0));
+      if (r.grad_norm >= 0) append("  grad_norm %.3f", r.grad_norm);
+      append("  lr %.3g  %.1f samples/s", lr.at(step), c.train.batch_size * window_steps / (window_ms / 1000.0));
       if (writes) out << line << std::endl;
       window_ms = 0;
       window_steps = 0;

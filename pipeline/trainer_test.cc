@@ -10,8 +10,11 @@
 #include <sstream>
 
 #include "layers/registry.h"
+#include "partition/balance.h"
 #include "pipeline/config.h"
+#include "pipeline/plan.h"
 #include "pipeline/trainer.h"
+#include "runtime/device.h"
 #include "runtime/error.h"
 
 using namespace gpipe;
@@ -72,18 +75,39 @@ TEST_CASE("report.json carries steps, stages and the bubble") {
   REQUIRE(f.good());
   const nlohmann::json j = nlohmann::json::parse(f);
   REQUIRE(j["steps"].size() == 5);
-  CHECK(j["steps"][4]["step"] == 4);
-  CHECK(j["steps"][4]["loss"].get<double>() == doctest::Approx(r.losses[4]));
-  REQUIRE(j["stages"].size() == 2);
-  for (const auto& s : j["stages"]) {
-    CHECK(s["busy_ms"].get<double>() > 0);
-    CHECK(s["idle_ms"].get<double>() >= 0);
-    CHECK(s["utilization"].get<double>() > 0);
-    CHECK(s["utilization"].get<double>() <= 1.0);
+  for (int i = 0; i < 5; ++i) {
+    CHECK(j["steps"][i]["step"] == i);
+    CHECK(j["steps"][i]["loss"].get<double>() == r.losses[i]);  // every step's loss, as trained
   }
-  CHECK(j["bubble"]["theoretical"].get<double>() == doctest::Approx(1.0 / 5));
-  CHECK(j["bubble"]["measured"].get<double>() >= 0);
-  CHECK(j["balance"].size() == 2);
+  CHECK(j["timed_steps"] == 4);  // the first step is a warm-up
+  const double span = j["span_ms"].get<double>(), step_ms = j["step_ms"].get<double>();
+  CHECK(span > 0);
+  CHECK(span <= step_ms);  // the span ends inside the step
+  CHECK(j["samples_per_second"].get<double>() == doctest::Approx(32 / (step_ms / 1000)).epsilon(1e-9));
+  REQUIRE(j["stages"].size() == 2);
+  double util_sum = 0;
+  for (const auto& s : j["stages"]) {
+    CAPTURE(s.dump());
+    const double busy = s["busy_ms"].get<double>(), idle = s["idle_ms"].get<double>(), comm = s["comm_ms"].get<double>();
+    // Busy is exactly the compute: forward, recompute (3 of the 4 micro-batches are
+    // checkpointed with except_last) and backward.
+    CHECK(s["recompute_ms"].get<double>() > 0);
+    CHECK(busy == doctest::Approx(s["forward_ms"].get<double>() + s["recompute_ms"].get<double>() +
+                                  s["backward_ms"].get<double>()).epsilon(1e-9));
+    CHECK(s["utilization"].get<double>() == doctest::Approx(busy / span).epsilon(1e-9));
+    // Busy, communication and idle fill the span (idle is clamped at 0 per step, so at
+    // least the span), and idle is never more than the span.
+    CHECK(busy + comm + idle >= span * (1 - 1e-9));
+    CHECK(idle <= span);
+    CHECK(s["optimizer_ms"].get<double>() > 0);
+    CHECK(s["peak_activation_bytes"].get<int64_t>() > 0);
+    util_sum += s["utilization"].get<double>();
+  }
+  CHECK(j["bubble"]["measured"].get<double>() == doctest::Approx(1 - util_sum / 2).epsilon(1e-9));
+  CHECK(j["bubble"]["theoretical"].get<double>() == doctest::Approx(1.0 / 5));  // (K-1)/(M+K-1), K=2, M=4
+  CHECK(j["balance"] == nlohmann::json(r.balance));
+  CHECK(r.balance == std::vector<int>{2, 3});
+  CHECK(j["stages"][0]["layers"] == "0-1 linear, relu");
   CHECK(!std::filesystem::exists(r.report_path + ".tmp"));
 }
 
@@ -91,6 +115,38 @@ TEST_CASE("a diverging run stops with a message naming the fix") {
   CHECK_THROWS_WITH_AS(run({"output.dir=" + out_dir("nan"), "optimizer.lr=1e30", "train.steps=20"}),
                        doctest::Contains("lower optimizer.lr"), UserError);
   CHECK(!std::filesystem::exists(out_dir("nan") + "/report.json"));
+}
+
+TEST_CASE("a float64 loss that grows huge before it overflows still ends with the message") {
+  // With lr 5e299 (warm-up) step 2's loss is finite with over 200 digits, which the
+  // progress line must survive (it used to write past its buffer and crash), and step
+  // 3's is NaN.
+  const char* wide = R"(model:
+  input: [32]
+  dtype: float64
+  layers:
+    - {type: linear, out: 64}
+    - {type: gelu}
+    - {type: linear, out: 64}
+    - {type: relu}
+    - {type: linear, out: 64}
+    - {type: gelu}
+    - {type: linear, out: 64}
+    - {type: relu}
+    - {type: linear, out: 6}
+  loss: {type: softmax_cross_entropy}
+data: {type: teacher, classes: 6, teacher_hidden: 16, seed: 3, eval_samples: 96}
+pipeline: {partitions: 2, micro_batches: 2}
+optimizer: {type: sgd, lr: 1e300, weight_decay: 0.01, warmup_steps: 2}
+train: {steps: 6, batch_size: 24, log_interval: 1}
+)";
+  std::ostringstream log;
+  const Config c = parse_config(wide, "wide.yaml", {"output.dir=" + out_dir("huge")});
+  CHECK_THROWS_WITH_AS(train(c, log), doctest::Contains("the loss became NaN at step 2; lower optimizer.lr (now 1e+300)"),
+                       UserError);
+  CAPTURE(log.str());
+  CHECK(log.str().find("step     2/6  loss 888") != std::string::npos);
+  CHECK(!std::filesystem::exists(out_dir("huge") + "/report.json"));
 }
 
 TEST_CASE("requests that cannot work are refused before training") {
@@ -102,8 +158,10 @@ TEST_CASE("requests that cannot work are refused before training") {
   // 2^20-wide layers at batch 2^16: terabytes, refused before anything is allocated.
   CHECK_THROWS_WITH_AS(run({"model.layers.0.out=1048576", "train.batch_size=65536", "pipeline.checkpoint=never"}),
                        doctest::Contains("of host memory"), UserError);
-  CHECK_THROWS_WITH_AS(run({"pipeline.partitions=2", "pipeline.devices=[cuda:0, cuda:1]"}),
-                       doctest::Contains("CUDA"), UserError);
+  // One GPU more than this machine has (cuda:0 on a machine without any): refused on any machine.
+  const std::string missing = "cuda:" + std::to_string(cuda_device_count());
+  CHECK_THROWS_WITH_AS(run({"pipeline.partitions=2", "pipeline.devices=[cpu:0, " + missing + "]"}),
+                       doctest::Contains(("pipeline.devices names " + missing + " but this machine has").c_str()), UserError);
 }
 
 namespace {
@@ -157,29 +215,89 @@ TEST_CASE("data and model must agree, and files must exist") {
 }
 
 TEST_CASE("the shipped configs parse, build and balance") {
-  for (const char* path : {"configs/default.yaml", "configs/mlp.yaml", "configs/gpt.yaml", "configs/resnet.yaml"}) {
-    CAPTURE(path);
-    const Config c = load_config(path);
+  // Per config: the balance it gets (the README's `./gpipe plan` shows the same), which
+  // must be optimal for the layer-cost estimates (checked against every split), and
+  // the memory estimate, whose parameter part is the stage's own parameters with their
+  // gradients and the optimizer's state (AdamW two buffers, SGD with momentum one).
+  struct Expect {
+    const char* path;
+    std::vector<int> balance;
+    int state_buffers;
+  };
+  for (const Expect& e : {Expect{"configs/default.yaml", {3, 4}, 2}, Expect{"configs/mlp.yaml", {7, 8}, 1},
+                          Expect{"configs/gpt.yaml", {5, 6}, 2}, Expect{"configs/resnet.yaml", {5, 6}, 1}}) {
+    CAPTURE(e.path);
+    const Config c = load_config(e.path);
     auto model = layers::build_model(c.model);
     const auto balance = plan_balance(c, *model);
-    CHECK(static_cast<int>(balance.size()) == c.pipeline.partitions);
+    CHECK(balance == e.balance);
+    REQUIRE(c.pipeline.partitions == 2);
+    std::vector<std::optional<double>> overrides;
+    for (const auto& l : c.model.layers) overrides.push_back(l.cost);
+    const int64_t micro = (c.train.batch_size + c.pipeline.micro_batches - 1) / c.pipeline.micro_batches;
+    const auto costs =
+        partition::layer_costs(*model, micro, c.pipeline.recompute != CheckpointMode::kNever, overrides);
+    double best = 1e300;
+    for (int first = 1; first < model->size(); ++first) {
+      best = std::min(best, partition::max_cell_cost(costs, {first, model->size() - first}));
+    }
+    CHECK(partition::max_cell_cost(costs, balance) == doctest::Approx(best).epsilon(1e-12));
+
+    const auto mem = estimate_memory(make_plan(c, *model), *model, c.optimizer.optimizer);
+    REQUIRE(mem.size() == 2);
+    int first = 0;
+    for (int k = 0; k < 2; ++k) {
+      CAPTURE(k);
+      int64_t param_bytes = 0;
+      for (int i = first; i < first + balance[k]; ++i) {
+        for (auto* p : model->layer(i).parameters()) param_bytes += static_cast<int64_t>(p->value.nbytes());
+      }
+      CHECK(mem[k].parameter_bytes == (2 + e.state_buffers) * param_bytes);
+      // Checkpointed (except_last): at least the stage input of every micro-batch.
+      const auto& in = model->layer(first).input_shape();
+      const int64_t input_bytes = micro * shape_numel(in) * dtype_size(model->layer(first).input_dtype());
+      CHECK(mem[k].activation_bytes > c.pipeline.micro_batches * input_bytes);
+      first += balance[k];
+    }
   }
 }
 
-TEST_CASE("the ResNet config trains on a CIFAR-10 binary file") {
-  const std::string path = out_dir("cifar_batch.bin");
-  {
-    std::ofstream f(path, std::ios::binary);
-    for (int r = 0; r < 64; ++r) {
-      f.put(static_cast<char>(r % 10));
-      for (int p = 0; p < 3072; ++p) f.put(static_cast<char>((p * (r % 10 + 1)) % 251));
-    }
+namespace {
+// 64 CIFAR-10 records whose image is a function of the label: learnable in a few steps.
+std::string write_cifar(const std::string& name) {
+  const std::string path = out_dir(name);
+  std::ofstream f(path, std::ios::binary);
+  for (int r = 0; r < 64; ++r) {
+    f.put(static_cast<char>(r % 10));
+    for (int p = 0; p < 3072; ++p) f.put(static_cast<char>((p * (r % 10 + 1)) % 251));
   }
-  std::ostringstream log;
-  const Config c = load_config("configs/resnet.yaml", {"data.path=" + path, "train.steps=3", "train.batch_size=8",
-                                                       "train.eval_samples=8", "output.dir=" + out_dir("resnet")});
-  const TrainResult r = train(c, log);
-  REQUIRE(r.losses.size() == 3);
-  for (double l : r.losses) CHECK(std::isfinite(l));
-  CHECK(r.balance.size() == 2);
+  return path;
+}
+}  // namespace
+
+TEST_CASE("the ResNet config trains on a CIFAR-10 binary file, as one stage would") {
+  const std::string path = write_cifar("cifar_batch.bin");
+  auto train_resnet = [&](const std::string& partitions) {
+    std::ostringstream log;
+    const Config c = load_config("configs/resnet.yaml",
+                                 {"data.path=" + path, "train.steps=10", "train.batch_size=16", "train.eval_samples=8",
+                                  "optimizer.warmup_steps=0", "optimizer.schedule=constant",
+                                  "pipeline.partitions=" + partitions,
+                                  "output.dir=" + out_dir("resnet" + partitions)});
+    return train(c, log);
+  };
+  const TrainResult two = train_resnet("2");
+  const TrainResult one = train_resnet("1");
+  REQUIRE(two.losses.size() == 10);
+  CHECK(two.balance == std::vector<int>{5, 6});
+  // The same micro-batches (M = 4) through two stages or one: the same losses, batch
+  // norm and all, to float32 rounding.
+  for (size_t i = 0; i < 10; ++i) {
+    CAPTURE(i);
+    CHECK(two.losses[i] == doctest::Approx(one.losses[i]).epsilon(1e-5));
+  }
+  CHECK(two.eval_loss == doctest::Approx(one.eval_loss).epsilon(1e-5));
+  // And it learns: the image determines the label.
+  CHECK(two.losses.front() > 1.5);  // about ln 10 = 2.3 at the start
+  CHECK((two.losses[7] + two.losses[8] + two.losses[9]) / 3 < 0.5 * (two.losses[0] + two.losses[1] + two.losses[2]) / 3);
 }

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Every mistake on the command line, through the built program: it exits 2 (a user's
+# mistake), prints `gpipe: error: ...` naming the argument or key and the fix, and
+# trains nothing. Then the mistakes only a multi-process launch can make, under mpirun.
+set -uo pipefail
+gpipe="$(readlink -f "$1")"  # the script works in its own directory
+tmp="${TEST_TMPDIR:-/tmp}/cli_errors"
+mkdir -p "$tmp"
+cd "$tmp" || exit 1
+mpirun=(timeout 120 mpirun --allow-run-as-root --oversubscribe)
+
+cat > small.yaml <<EOF
+model:
+  input: [8]
+  layers:
+    - {type: linear, out: 16}
+    - {type: relu}
+    - {type: linear, out: 4}
+  loss: {type: softmax_cross_entropy}
+data: {classes: 4, eval_samples: 16}
+pipeline: {partitions: 2, micro_batches: 2}
+train: {steps: 2, batch_size: 8}
+output: {dir: $tmp/run}
+EOF
+
+n=0
+# expect RC MESSAGE -- COMMAND...: exit status RC and MESSAGE (fixed string) in the output.
+expect() {
+  local want_rc="$1" message="$2"; shift 3
+  "$@" > out.log 2>&1
+  local rc=$?
+  n=$((n + 1))
+  if [ "$rc" -ne "$want_rc" ] || ! grep -qF -- "$message" out.log; then
+    cat out.log; echo "FAIL: '$*' gave rc=$rc (want $want_rc) without: $message"; exit 1
+  fi
+}
+
+expect 2 "gpipe: error: no command given" -- "$gpipe"
+grep -q "usage:" out.log || { cat out.log; echo "FAIL: no usage after 'no command given'"; exit 1; }
+expect 2 "gpipe: error: unknown command 'trian'" -- "$gpipe" trian small.yaml
+expect 2 "gpipe: error: --set needs KEY=VALUE, e.g. --set train.steps=10" -- "$gpipe" train small.yaml --set
+expect 2 "gpipe: error: unknown option '--steps'" -- "$gpipe" train small.yaml --steps 3
+expect 2 "gpipe: error: unexpected argument 'other.yaml' for plan (one config file at most)" -- "$gpipe" plan small.yaml other.yaml
+expect 2 "gpipe: error: cannot read config file 'no/such.yaml'; check the path" -- "$gpipe" plan no/such.yaml
+expect 2 "gpipe: error: config error at --set train.steps=many: train.steps: expected an integer, got 'many'" -- \
+  "$gpipe" train small.yaml --set=train.steps=many
+expect 2 "gpipe: error: config error at --set pipeline.checkpoint=later: pipeline.checkpoint: unknown mode 'later'" -- \
+  "$gpipe" plan small.yaml --set pipeline.checkpoint=later
+expect 2 "gpipe: error: --set pipeline: expected KEY=VALUE" -- "$gpipe" plan small.yaml --set pipeline
+expect 2 "raise train.batch_size to at least 16 or lower pipeline.micro_batches" -- \
+  "$gpipe" train small.yaml --set pipeline.micro_batches=16
+expect 2 "pipeline.replicas = 2 needs 2 copies of the pipeline: launch mpirun -np 4" -- \
+  "$gpipe" train small.yaml --set pipeline.replicas=2
+[ ! -e "$tmp/run/report.json" ] || { echo "FAIL: a refused run wrote a report"; exit 1; }
+for h in help --help -h; do
+  expect 0 "gpipe plan [CONFIG.yaml]" -- "$gpipe" "$h"
+done
+expect 0 "stage 1: layers" -- "$gpipe" plan small.yaml --set=pipeline.micro_batches=4  # the --set= form works
+echo "ok: $n command lines, each refused (or served) with its message"
+
+# Under mpirun: every rank reads the same mistake; the job ends with it.
+expect_mpi() {
+  local message="$1"; shift 2
+  "${mpirun[@]}" "$@" > out.log 2>&1
+  local rc=$?
+  if [ "$rc" -eq 0 ] || [ "$rc" -eq 124 ] || ! grep -qF -- "$message" out.log || ! grep -q "gpipe: error on rank [0-9]" out.log; then
+    cat out.log; echo "FAIL: 'mpirun $*' gave rc=$rc without: $message"; exit 1
+  fi
+}
+expect_mpi "launched as 3 processes but pipeline.partitions x pipeline.replicas is 2 x 2; run one process per stage and replica: mpirun -np 4" -- \
+  -np 3 "$gpipe" train small.yaml --set pipeline.replicas=2
+expect_mpi "train.batch_size = 9 does not split evenly over 2 replicas; make it a multiple of pipeline.replicas" -- \
+  -np 4 "$gpipe" train small.yaml --set pipeline.replicas=2 --set train.batch_size=9
+expect_mpi "pipeline.devices mixes cpu and cuda devices" -- \
+  -np 2 "$gpipe" train small.yaml --set "pipeline.devices=[cpu:0, cuda:0]"
+# CUDA stages where there are none: without CUDA support, without a GPU, or past the
+# last GPU (no machine here has 8), each names pipeline.devices and the fix.
+"${mpirun[@]}" -np 2 "$gpipe" train small.yaml --set "pipeline.devices=[cuda:7, cuda:7]" > out.log 2>&1
+rc=$?
+if [ "$rc" -eq 0 ] || [ "$rc" -eq 124 ] || ! grep -q "pipeline.devices puts the stage" out.log ||
+   ! grep -qE "built without CUDA|no CUDA device is visible|visible CUDA device\(s\)" out.log; then
+  cat out.log; echo "FAIL: CUDA stages on a machine without them (rc=$rc)"; exit 1
+fi
+echo "ok: multi-process launch mistakes end the job with the rank's message"
