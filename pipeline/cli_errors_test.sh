@@ -55,7 +55,7 @@ expect 2 "pipeline.replicas = 2 needs 2 copies of the pipeline: launch mpirun -n
 for h in help --help -h; do
   expect 0 "gpipe plan [CONFIG.yaml]" -- "$gpipe" "$h"
 done
-expect 0 "stage 1: layers" -- "$gpipe" plan small.yaml --set=pipeline.micro_batches=4  # the --set= form works
+expect 0 "schedule gpipe, recompute except_last" -- "$gpipe" plan small.yaml --set=pipeline.micro_batches=4  # the --set= form works
 echo "ok: $n command lines, each refused (or served) with its message"
 
 # Under mpirun: every rank reads the same mistake; the job ends with it.
