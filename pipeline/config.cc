@@ -282,7 +282,7 @@ Config parse_config(const std::string& text, const std::string& source, const st
   Config c;
   c.source = source;
   c.name = stem(source);
-  dec.check_map(root, "", {"model", "data", "pipeline", "optimizer", "train", "output"});
+  dec.check_map(root, "", {"model", "data", "pipeline", "optimizer", "train", "output", "checkpoint"});
 
   // model
   const YAML::Node model = dec.required(root, "model", "");
@@ -438,6 +438,23 @@ Config parse_config(const std::string& text, const std::string& source, const st
     if (o["dir"]) c.output.dir = dec.str(o["dir"], "output.dir");
   }
   if (c.output.dir.empty()) c.output.dir = "runs/" + c.name;
+
+  // checkpoint (saved training state; pipeline.recompute is rematerialization)
+  if (const YAML::Node k = root["checkpoint"]) {
+    dec.check_map(k, "checkpoint", {"every", "keep", "dir", "async", "resume"});
+    if (k["every"]) {
+      c.checkpoint.every = static_cast<int>(dec.integer(k["every"], "checkpoint.every"));
+      if (c.checkpoint.every < 0) dec.fail(k["every"], "checkpoint.every", "must be 0 (off) or a number of steps");
+    }
+    if (k["keep"]) {
+      c.checkpoint.keep = static_cast<int>(dec.integer(k["keep"], "checkpoint.keep"));
+      if (c.checkpoint.keep < 0) dec.fail(k["keep"], "checkpoint.keep", "must be 0 (keep all) or how many to keep");
+    }
+    if (k["dir"] && !k["dir"].IsNull()) c.checkpoint.dir = dec.str(k["dir"], "checkpoint.dir");
+    if (k["async"]) c.checkpoint.async = dec.boolean(k["async"], "checkpoint.async");
+    if (k["resume"] && !k["resume"].IsNull()) c.checkpoint.resume = dec.str(k["resume"], "checkpoint.resume");
+  }
+  if (c.checkpoint.dir.empty()) c.checkpoint.dir = c.output.dir + "/checkpoints";
   return c;
 }
 

@@ -75,6 +75,17 @@ struct OutputConfig {
   std::string dir;  // default runs/<config name>
 };
 
+// Saved training state (pipeline/checkpoint.h): what to save, where, and what to resume.
+struct CheckpointConfig {
+  int every = 0;    // save after every N steps; 0: only on demand (SIGUSR1) and on SIGINT/SIGTERM
+  int keep = 3;     // complete checkpoints kept, newest first; 0: all
+  std::string dir;  // default <output.dir>/checkpoints
+  bool async = false;  // copy to host memory, write on a background thread while training goes on
+  // "": start afresh; "auto": the newest complete checkpoint in dir (none: start afresh);
+  // otherwise a step directory or a checkpoints folder that must hold one.
+  std::string resume;
+};
+
 struct Config {
   std::string name;  // the file's stem, "default"
   std::string source;
@@ -84,6 +95,7 @@ struct Config {
   OptimizerConfig optimizer;
   TrainConfig train;
   OutputConfig output;
+  CheckpointConfig checkpoint;
 };
 
 // Reads and decodes a YAML file; `overrides` are "a.b=value" strings applied before

@@ -110,8 +110,8 @@ Launch MpiLaunch::join(Config& config) {
   launch.size = K;
   const Device device = multi_process_device(config, launch.rank, rank_);
   if (device.is_cpu()) {
-    transport_ = std::make_unique<MpiTransport>(pipeline_);
-    replica_group_ = std::make_unique<MpiReplicaGroup>(replicas_);
+    transport_ = std::make_unique<MpiTransport>(pipeline_, config.pipeline.timeout_s);
+    replica_group_ = std::make_unique<MpiReplicaGroup>(replicas_, config.pipeline.timeout_s);
   } else {
 #ifdef GPIPE_WITH_CUDA
     // NCCL between the GPUs, ordered with events against the stream the stage's
@@ -122,7 +122,7 @@ Launch MpiLaunch::join(Config& config) {
     if (D > 1) {
       replica_group_ = std::make_unique<NcclReplicaGroup>(replicas_, device, compute);
     } else {
-      replica_group_ = std::make_unique<MpiReplicaGroup>(replicas_);
+      replica_group_ = std::make_unique<MpiReplicaGroup>(replicas_, config.pipeline.timeout_s);
     }
 #endif
   }

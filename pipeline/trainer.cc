@@ -9,6 +9,7 @@
 
 #include "partition/balance.h"
 #include "pipeline/datasets.h"
+#include "pipeline/checkpointing.h"
 #include "pipeline/executor.h"
 #include "pipeline/plan.h"
 #include "runtime/error.h"
@@ -265,7 +266,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
                checkpoint_mode_name(plan.recompute));
   for (int k = 0; k < K; ++k) spdlog::info("stage {} on {}: layers {}", k, stage_devices[k], stage_layers[k]);
 
-  InProcessTransport in_process(K);
+  InProcessTransport in_process(K, c.pipeline.timeout_s);
   Transport& transport = multi ? *launch.transport : static_cast<Transport&>(in_process);
   ExecutorOptions opts;
   opts.optimizer = c.optimizer.optimizer;
@@ -295,9 +296,16 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   ReportBuilder report(stage_layers, stage_devices, M, checkpoint_mode_name(plan.recompute), plan.schedule.name,
                        c.train.batch_size);
   report.set_schedule(plan.schedule);
+  // Saved state: resume where a checkpoint left off, save every checkpoint.every steps,
+  // on SIGUSR1, and before stopping on SIGINT or SIGTERM.
+  RunCheckpoints checkpoints(c, plan, *model, executor, launch, transport);
+  const int start = static_cast<int>(checkpoints.resume());
+  result.start_step = start;
   double window_ms = 0;
   int window_steps = 0;
-  for (int step = 0; step < c.train.steps; ++step) {
+  for (int step = start; step < c.train.steps; ++step) {
+    transport.set_step(step);
+    if (D > 1) launch.replicas->set_step(step);
     auto [x, y] = data->batch(static_cast<uint64_t>(c.train.seed) * 1000003ULL + step, c.train.batch_size);
     if (D > 1) {  // each replica takes its own rows of the mini-batch
       x = x.narrow_rows(launch.replica * replica_batch, replica_batch);
@@ -315,7 +323,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
     }
     result.losses.push_back(r.loss);
     // The first step warms caches and allocators; it is left out of the timings.
-    if (reports) report.add_step(step, r.loss, r, c.train.steps == 1 || step > 0);
+    if (reports) report.add_step(step, r.loss, r, c.train.steps - start == 1 || step > start);
     window_ms += r.wall_ms;
     ++window_steps;
     const bool last = step + 1 == c.train.steps;
@@ -341,7 +349,10 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
       window_ms = 0;
       window_steps = 0;
     }
+    checkpoints.after_step(step + 1, lr.at(step));
   }
+  checkpoints.finish();
+  result.checkpoint_path = checkpoints.last_saved();
   if (eval_n > 0) {
     std::tie(result.eval_loss, result.eval_accuracy) = validate();
     report.add_validation(c.train.steps - 1, result.eval_loss, result.eval_accuracy);

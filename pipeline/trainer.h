@@ -21,6 +21,8 @@ struct TrainResult {
   double eval_loss = 0, eval_accuracy = 0;
   std::vector<int> balance;
   std::string report_path;
+  int start_step = 0;           // where the run began: a resumed run's checkpoint step
+  std::string checkpoint_path;  // the last checkpoint saved, if any
 };
 
 // How this process takes part in the job: alone (all stages as threads), or as rank

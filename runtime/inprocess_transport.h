@@ -22,7 +22,7 @@ class InProcessTransport : public Transport {
   // timeout_s: how long a receive or collective may wait (0 = no deadline).
   explicit InProcessTransport(int num_stages, double timeout_s = kDefaultTimeoutS);
   // The step the stages are in, for the messages of expired waits.
-  void set_step(int64_t step) { step_.store(step); }
+  void set_step(int64_t step) override { step_.store(step); }
   void send(int src, int dst, const MessageTag& tag, const Tensor& t) override;
   Tensor recv(int dst, int src, const MessageTag& tag, Device device) override;
   double all_reduce_sum(int stage, double value) override;

@@ -32,7 +32,7 @@ class MpiTransport : public Transport {
   // timeout_s: the deadline of every wait (0 = none).
   explicit MpiTransport(MPI_Comm comm, double timeout_s = kDefaultTimeoutS);
   // The step the stage is in, for the message of an expired wait.
-  void set_step(int64_t step) { step_ = step; }
+  void set_step(int64_t step) override { step_ = step; }
   int rank() const { return rank_; }
   int size() const { return size_; }
 
@@ -72,7 +72,7 @@ class MpiTransport : public Transport {
 class MpiReplicaGroup : public ReplicaGroup {
  public:
   explicit MpiReplicaGroup(MPI_Comm comm, double timeout_s = kDefaultTimeoutS);
-  void set_step(int64_t step) { step_ = step; }
+  void set_step(int64_t step) override { step_ = step; }
   int size() const override { return size_; }
   void all_reduce_sum(Tensor& t) override;
   double all_reduce_sum(double value) override;

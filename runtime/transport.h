@@ -4,6 +4,7 @@
 // sees this interface.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -61,6 +62,8 @@ class Transport {
   // directions at once. No-ops for the others.
   virtual void begin_group(int /*stage*/) {}
   virtual void end_group(int /*stage*/) {}
+  // The training step under way, named when a wait times out.
+  virtual void set_step(int64_t /*step*/) {}
 };
 
 // The data-parallel replicas of one stage (the same stage in every replica of the
@@ -81,6 +84,8 @@ class ReplicaGroup {
   virtual void progress() {}
   // Returns once every started reduction has finished.
   virtual void wait_all() {}
+  // The training step under way, named when a wait times out.
+  virtual void set_step(int64_t /*step*/) {}
 };
 
 }  // namespace gpipe
