@@ -50,7 +50,7 @@ nlohmann::json model_fingerprint(const layers::Sequential& model) {
 RunCheckpoints::RunCheckpoints(const Config& config, const Plan& plan, layers::Sequential& model, Executor& executor,
                                const Launch& launch, Transport& transport)
     : config_(config), plan_(plan), model_(model), executor_(executor), launch_(launch), transport_(transport),
-      store_(config.checkpoint.dir, config.checkpoint.keep) {
+      store_(checkpoint_dir(config), config.checkpoint.keep) {
   multi_ = launch.size > 1;
   writes_ = launch.replica == 0;                // replica 0 writes the shards of its stages
   finalizes_ = writes_ && launch.rank == 0;     // its rank 0 the index and the trainer state

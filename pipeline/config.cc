@@ -454,8 +454,13 @@ Config parse_config(const std::string& text, const std::string& source, const st
     if (k["async"]) c.checkpoint.async = dec.boolean(k["async"], "checkpoint.async");
     if (k["resume"] && !k["resume"].IsNull()) c.checkpoint.resume = dec.str(k["resume"], "checkpoint.resume");
   }
-  if (c.checkpoint.dir.empty()) c.checkpoint.dir = c.output.dir + "/checkpoints";
+  c.checkpoint.dir = checkpoint_dir(c);
   return c;
+}
+
+std::string checkpoint_dir(const Config& c) {
+  if (!c.checkpoint.dir.empty()) return c.checkpoint.dir;
+  return c.output.dir.empty() ? std::string("checkpoints") : c.output.dir + "/checkpoints";
 }
 
 Config load_config(const std::string& path, const std::vector<std::string>& overrides) {

@@ -98,6 +98,9 @@ struct Config {
   CheckpointConfig checkpoint;
 };
 
+// The checkpoints folder: checkpoint.dir, or <output.dir>/checkpoints.
+std::string checkpoint_dir(const Config& config);
+
 // Reads and decodes a YAML file; `overrides` are "a.b=value" strings applied before
 // decoding (value is YAML: 3, 0.1, always, [3, 3, 2]). Throws UserError.
 Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
