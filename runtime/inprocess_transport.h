@@ -1,10 +1,15 @@
 // Transport between stage threads of one process: a send is a hand-over of the tensor
 // handle (no copy when both stages share a device kind that can read the memory), a
-// receive waits on the destination stage's mailbox.
+// receive waits on the destination stage's mailbox. Between two GPUs, the sender
+// records an event on its compute stream (what produced the tensor), and the receiver
+// copies on its device's transfer stream after that event, with its compute stream
+// waiting for the copy: no host wait, and the copy of micro-batch m + 1 overlaps the
+// receiver's forward of m (runtime/tensor.h, transfer_tensor).
 #pragma once
 
 #include <condition_variable>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <tuple>
 #include <vector>
@@ -26,8 +31,12 @@ class InProcessTransport : public Transport {
 
  private:
   using Key = std::tuple<int, int, int>;  // src, kind, micro-batch
+  struct Message {
+    Tensor tensor;
+    std::shared_ptr<Event> ready;  // GPU tensors: recorded on the sender's compute stream at the send
+  };
   struct Mailbox {
-    std::map<Key, Tensor> messages;
+    std::map<Key, Message> messages;
     std::condition_variable cv;
   };
   mutable std::mutex mu_;
