@@ -13,6 +13,7 @@
 
 #include "partition/balance.h"
 #include "runtime/device.h"
+#include "runtime/device_binding.h"
 #include "runtime/mpi_check.h"
 #include "runtime/mpi_transport.h"
 #include "pipeline/config.h"
@@ -207,6 +208,14 @@ int main(int argc, char** argv) {
     auto config = gpipe::pipeline::load_config(a.config, a.overrides);
     if (a.command == "plan") return plan(config);
     gpipe::pipeline::Launch launch;
+    if (!mpi) {
+      // This thread moves the weights and evaluates on the stages' GPUs: bound to the
+      // first one before any CUDA call, it never makes a context on a GPU no stage uses.
+      std::vector<gpipe::Device> stage_devices;
+      for (const std::string& d : config.pipeline.devices) stage_devices.push_back(gpipe::parse_device(d));
+      const gpipe::Device mine = gpipe::main_thread_device(stage_devices);
+      if (mine.index < gpipe::cuda_device_count()) gpipe::bind_thread_to_device(mine);  // else the trainer says why
+    }
     if (mpi) {
       // P = K x D ranks: rank r runs stage r % K of replica r / K. One communicator per
       // pipeline (its K stages) and one per stage (its D replicas).
@@ -230,11 +239,15 @@ int main(int argc, char** argv) {
 #ifdef GPIPE_WITH_CUDA
         // NCCL between the GPUs, ordered with events against the stream the stage's
         // kernels run on (the backend the executor will use for this device).
+        gpipe::bind_thread_to_device(device);  // before the first CUDA call of this rank
         gpipe::Stream& compute = gpipe::backend_for(device).stream();
-        transport = std::make_unique<gpipe::NcclTransport>(mpi->pipeline, device, compute);
+        auto nccl = std::make_unique<gpipe::NcclTransport>(mpi->pipeline, device, compute);
+        gpipe::NcclTransport* pipeline = nccl.get();
+        transport = std::move(nccl);
         // Without replicas the group is never used: no NCCL communicator for it.
         if (D > 1) {
-          replicas = std::make_unique<gpipe::NcclReplicaGroup>(mpi->replicas, device, compute);
+          // Its all-reduces ordered against the pipeline's sends and receives.
+          replicas = std::make_unique<gpipe::NcclReplicaGroup>(mpi->replicas, device, compute, pipeline);
         } else {
           replicas = std::make_unique<gpipe::MpiReplicaGroup>(mpi->replicas);
         }
