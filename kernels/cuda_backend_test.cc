@@ -179,6 +179,9 @@ TEST_CASE("allocator: a block another stream used returns to its own stream only
   auto receive = make_stream(kGpu);  // e.g. the NCCL receive stream
   Stream& compute = gpu().stream();
   const size_t bytes = 3 << 20;
+  // A cached block for compute first: nothing below may need cudaMalloc (or, failing it,
+  // a device-wide wait) while the gate holds the stream.
+  al.deallocate(al.allocate(bytes), bytes);
   void* p = al.allocate_for(bytes, *receive);
   {
     StreamGate gate(compute);  // compute has not reached its use of the block yet
@@ -204,6 +207,10 @@ TEST_CASE("a copy from the host returns without waiting for the stream and keeps
     Tensor host = random_tensor({100000}, DType::kF32, 5);
     const std::vector<double> want = to_doubles(host);
     Tensor dev = gpu().empty(host.shape(), DType::kF32);
+    // A pinned staging block of this size cached first (cudaHostAlloc might wait for the
+    // device), free again once the stream is idle.
+    gpu().copy(host, dev);
+    gpu().synchronize();
     bool returned_while_held = false;
     {
       StreamGate gate(gpu().stream());  // the stream the copy is queued on
