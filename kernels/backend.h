@@ -66,6 +66,12 @@ class Backend {
   // dlogits = scale * (probs - onehot(labels)); rows with ignore_index get 0.
   virtual void softmax_xent_backward(const Tensor& probs, const Tensor& labels, double scale,
                                      int ignore_index, Tensor& dlogits) = 0;
+  // How many rows of logits (B, C) have their largest entry (the first one on ties) at
+  // column labels[r], over rows whose label != ignore_index; labels int32 (B). A label
+  // outside [0, C) never matches. A host value (waits for queued work): evaluation
+  // scores on the device and brings back only this count. Rows holding NaN may count
+  // differently on the GPU (its search is a tree, the CPU's a scan).
+  virtual int64_t argmax_correct(const Tensor& logits, const Tensor& labels, int ignore_index) = 0;
 
   virtual void fill(Tensor& x, double value) = 0;
   virtual void scale(Tensor& x, double alpha) = 0;                   // x *= alpha
@@ -176,7 +182,9 @@ class Backend {
   // out[r] = 1 / sqrt(mean_c x[r, c]^2 + eps); out: R elements.
   virtual void row_inverse_rms(const Tensor& x, double eps, Tensor& out) = 0;
 
-  // dst = src; either may live on the host or on this backend's device.
+  // dst = src; either may live on the host or on this backend's device. A copy to the
+  // device returns once queued (src may change afterwards: it went through a staging
+  // buffer); a copy to the host returns once the data is there.
   virtual void copy(const Tensor& src, Tensor& dst) = 0;
   // The value of a one-element tensor, on the host (waits for queued work).
   virtual double item(const Tensor& x) = 0;

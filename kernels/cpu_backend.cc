@@ -246,6 +246,27 @@ void CpuBackend::softmax_xent_backward(const Tensor& probs, const Tensor& labels
   });
 }
 
+int64_t CpuBackend::argmax_correct(const Tensor& logits, const Tensor& labels, int ignore_index) {
+  ops::check_argmax_correct(logits, labels);
+  int64_t correct = 0;
+  dispatch_float(logits, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const int64_t rows = logits.size(0), cols = logits.size(1);
+    const T* pl = logits.data<T>();
+    const int32_t* py = labels.data<int32_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+      if (py[r] == ignore_index || cols == 0) continue;
+      const T* in = pl + r * cols;
+      int64_t best = 0;
+      for (int64_t j = 1; j < cols; ++j) {
+        if (in[j] > in[best]) best = j;
+      }
+      correct += best == py[r];
+    }
+  });
+  return correct;
+}
+
 void CpuBackend::fill(Tensor& x, double value) {
   if (x.dtype() == DType::kI32) {
     std::fill(x.data<int32_t>(), x.data<int32_t>() + x.numel(), static_cast<int32_t>(value));

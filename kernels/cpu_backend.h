@@ -24,6 +24,7 @@ class CpuBackend : public Backend {
                     Tensor& loss) override;
   void softmax_xent_backward(const Tensor& probs, const Tensor& labels, double scale, int ignore_index,
                              Tensor& dlogits) override;
+  int64_t argmax_correct(const Tensor& logits, const Tensor& labels, int ignore_index) override;
   void fill(Tensor& x, double value) override;
   void scale(Tensor& x, double alpha) override;
   void axpy(double alpha, const Tensor& x, Tensor& y) override;

@@ -123,6 +123,25 @@ TEST_CASE("softmax with large logits equals a float64 reference") {
   CHECK(probs.data<float>()[8] > 0.75f);
 }
 
+TEST_CASE("argmax_correct counts rows whose first largest logit is the label, ignored rows left out") {
+  // Row 0: max at 2 (label 2, correct). Row 1: tie between 0 and 3, the first wins
+  // (label 3, wrong). Row 2: label ignored (its argmax would match). Row 3: a label
+  // outside the classes never matches. Row 4: max at 1 (label 1, correct).
+  const std::vector<double> v = {0, 1, 5, 2, 7, 1, 2, 7, 9, 0, 0, 0, 1, 2, 3, 4, -1, 3, -2, -3};
+  const std::vector<int32_t> y = {2, 3, 0, 9, 1};
+  for (DType dt : {DType::kF32, DType::kF64}) {
+    CAPTURE(dtype_name(dt));
+    Tensor logits = dt == DType::kF32 ? Tensor::from_vector(std::vector<float>(v.begin(), v.end()), {5, 4})
+                                      : Tensor::from_vector(v, {5, 4});
+    Tensor labels = Tensor::from_vector(y, {5});
+    CHECK(cpu().argmax_correct(logits, labels, /*ignore_index=*/0) == 2);
+    CHECK(cpu().argmax_correct(logits, labels, /*ignore_index=*/-100) == 3);  // row 2 counts now
+  }
+  Tensor logits = random_tensor({3, 4}, DType::kF32, 1);
+  CHECK_THROWS_WITH_AS(cpu().argmax_correct(logits, Tensor::from_vector<int32_t>({0, 1}, {2}), -100),
+                       doctest::Contains("one label per row"), Error);
+}
+
 TEST_CASE("float32 GELU agrees with the exact erf form") {
   std::vector<float> xs;
   for (int i = -2000; i <= 2000; ++i) xs.push_back(i * 0.005f);  // [-10, 10]

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <type_traits>
 
 #include "kernels/cuda_kernels.h"
@@ -107,7 +108,7 @@ constexpr size_t kItemBytes = 16;
 
 CudaBackend::CudaBackend(Device device) : device_(device) {
   GPIPE_CHECK(device.is_cuda(), "CudaBackend on " + device.str());
-  stream_ = make_cuda_stream(device_);  // UserError if the device does not exist
+  stream_ = &compute_stream_for(device_);  // UserError if the device does not exist
   try {
     DeviceGuard guard(device_.index);
     GPIPE_CUBLAS_CHECK(cublasCreate(&blas_));
@@ -121,7 +122,6 @@ CudaBackend::CudaBackend(Device device) : device_(device) {
     GPIPE_CUDA_CHECK(cudaMemsetAsync(slots_, 0xFF, slot_bytes, cuda_stream()));
     GPIPE_CUDA_CHECK(cudaMallocHost(&host_staging_, kItemBytes + slot_bytes));
     host_slots_ = reinterpret_cast<cuda::ErrorSlot*>(static_cast<char*>(host_staging_) + kItemBytes);
-    pending_.reserve(64);
   } catch (...) {
     release();
     throw;
@@ -150,11 +150,8 @@ CudaBackend::~CudaBackend() {
 }
 
 void CudaBackend::release() noexcept {
-  int previous = -1;
-  if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(device_.index) != cudaSuccess) {
-    cudaGetLastError();
-    return;  // cannot select the device: leave the resources to the driver
-  }
+  NoThrowDeviceGuard guard(device_.index, "~CudaBackend");
+  if (!guard.ok()) return;  // cannot select the device: leave the resources to the driver
   log_unreported_errors();
   if (host_staging_ != nullptr) {
     const cudaError_t e = cudaFreeHost(host_staging_);
@@ -174,7 +171,6 @@ void CudaBackend::release() noexcept {
     blas_ = nullptr;
   }
   cudaGetLastError();
-  if (previous != device_.index && cudaSetDevice(previous) != cudaSuccess) cudaGetLastError();
 }
 
 cudaStream_t CudaBackend::cuda_stream() const { return static_cast<cudaStream_t>(stream_->native()); }
@@ -235,9 +231,12 @@ void CudaBackend::bias_grad(const Tensor& dy, Tensor& db, double beta) {
   check_on_device(dy, "bias_grad");
   check_on_device(db, "bias_grad");
   DeviceGuard guard(device_.index);
+  // (chunks, cols) partial column sums in double, one row chunk per block row.
+  const int64_t partials = cuda::bias_grad_workspace(dy.size(0), dy.size(1));
+  Tensor work = empty({std::max<int64_t>(partials, 1)}, DType::kF64);
   dispatch_float(dy, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    cuda::bias_grad(dy.data<T>(), db.data<T>(), dy.size(0), dy.size(1), beta, cuda_stream());
+    cuda::bias_grad(dy.data<T>(), db.data<T>(), dy.size(0), dy.size(1), beta, work.data<double>(), cuda_stream());
   });
 }
 
@@ -303,81 +302,62 @@ void CudaBackend::gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {
 //   host                                          stream
 //   op: shape checks, then                        op's kernel: uses the good values,
 //       slot i = defer_check({op, limit, ...})     skips a bad one and lowers slots_[i]
-//       (pending_[i], host bookkeeping only)        to (index << 32 | value), atomicMin
+//       (checks_: host bookkeeping only, with      to (index << 32 | value), atomicMin
+//        the calling thread as the owner)
 //   ... more ops, more slots ...                  ...
 //   wait(): queue copy slots_[0, n) -> pinned     copy, after all those kernels
 //           cudaStreamSynchronize (needed anyway)
-//           first flagged pending_[i]: queue      memset slots_[i, n) = kNoError
-//           the reset, clear pending_, throw
+//           any flagged: queue the reset          memset slots_[0, n) = kNoError
+//           throw the caller's first error
 //
 // wait() runs only where the backend waits anyway: synchronize(), item(),
-// sum_squares() and copies to or from host memory. The pipeline executor calls
-// synchronize() at the end of each stage's program, so a bad batch fails the step it
-// came in at the latest. Reported is the first flagged op (in queue order) at its
-// smallest index: what the CPU, which stops at the first bad value, reports. Outputs
-// computed after a bad value are garbage until then; the kernels never index with it.
+// sum_squares(), argmax_correct() and copies to host memory. The pipeline executor
+// calls synchronize() at the end of each stage's program, so a bad batch fails the step
+// it came in at the latest. Reported is the caller's first flagged op (in queue order)
+// at its smallest index: what the CPU, which stops at the first bad value, reports. A
+// flagged op of another thread (a stage sharing this GPU) is kept for that thread's
+// next wait (kernels/deferred_checks.h). Outputs computed after a bad value are
+// garbage until then; the kernels never index with it.
 
 cuda::ErrorSlot* CudaBackend::defer_check(const DeferredCheck& check) {
   // Every slot taken: read them back now (throwing the first error, if any) to free them.
-  if (pending_.size() == kMaxDeferredChecks) wait();
-  pending_.push_back(check);
-  return slots_ + (pending_.size() - 1);
+  if (checks_.full()) wait();
+  return slots_ + checks_.add(check, std::this_thread::get_id());
 }
 
 void CudaBackend::wait() {
   cudaStream_t s = cuda_stream();
-  const size_t n = pending_.size();
+  const size_t n = checks_.size();
   if (n > 0) {
     GPIPE_CUDA_CHECK(cudaMemcpyAsync(host_slots_, slots_, n * sizeof(cuda::ErrorSlot), cudaMemcpyDeviceToHost, s));
   }
   GPIPE_CUDA_CHECK(cudaStreamSynchronize(s));
-  if (n > 0) report_deferred_errors();
-}
-
-void CudaBackend::report_deferred_errors() {
-  const size_t n = pending_.size();
-  size_t first = 0;
-  while (first < n && host_slots_[first] == cuda::kNoError) ++first;
-  if (first == n) {  // the usual case: every slot is still free
-    pending_.clear();
-    return;
+  if (n > 0 && checks_.resolve(host_slots_, device_)) {
+    // Free the slots before throwing, so the backend keeps working after the error; the
+    // reset is ordered before any kernel queued later.
+    GPIPE_CUDA_CHECK(cudaMemsetAsync(slots_, 0xFF, n * sizeof(cuda::ErrorSlot), s));
   }
-  const DeferredCheck check = pending_[first];
-  const cuda::ErrorSlot slot = host_slots_[first];
-  // Free the slots before throwing, so the backend keeps working after the error; the
-  // reset is ordered before any kernel queued later.
-  pending_.clear();
-  GPIPE_CUDA_CHECK(cudaMemsetAsync(slots_ + first, 0xFF, (n - first) * sizeof(cuda::ErrorSlot), cuda_stream()));
-  const int64_t index = cuda::error_index(slot);
-  GPIPE_CHECK(index < check.count && check.message != nullptr,
-              std::string(check.op) + ": the error slot flags index " + std::to_string(index) + " of " +
-                  std::to_string(check.count));
-  const std::string message = check.message(check, index, cuda::error_value(slot), device_);
-  if (check.user_error) throw UserError(message);
-  throw Error(message);
+  checks_.throw_first(std::this_thread::get_id());
 }
 
 void CudaBackend::log_unreported_errors() noexcept {
-  const size_t n = pending_.size();
-  if (n == 0 || slots_ == nullptr || host_slots_ == nullptr) return;
+  if (slots_ == nullptr || host_slots_ == nullptr) return;
+  const size_t n = checks_.size();
   cudaStream_t s = cuda_stream();
-  if (cudaMemcpyAsync(host_slots_, slots_, n * sizeof(cuda::ErrorSlot), cudaMemcpyDeviceToHost, s) != cudaSuccess ||
-      cudaStreamSynchronize(s) != cudaSuccess) {
-    cudaGetLastError();
-    return;
+  const cuda::ErrorSlot* read = nullptr;
+  if (n > 0 && cudaMemcpyAsync(host_slots_, slots_, n * sizeof(cuda::ErrorSlot), cudaMemcpyDeviceToHost, s) ==
+                   cudaSuccess &&
+      cudaStreamSynchronize(s) == cudaSuccess) {
+    read = host_slots_;
   }
-  for (size_t i = 0; i < n; ++i) {
-    if (host_slots_[i] == cuda::kNoError || pending_[i].message == nullptr) continue;
-    try {
-      const DeferredCheck& c = pending_[i];
-      spdlog::warn("~CudaBackend on {}: {} flagged an error that was never reported (no synchronize() after it): {}",
-                   device_.str(), c.op,
-                   c.message(c, cuda::error_index(host_slots_[i]), cuda::error_value(host_slots_[i]), device_));
-    } catch (...) {
+  cudaGetLastError();
+  try {
+    for (const std::string& m : checks_.drain(read, device_)) {
+      spdlog::warn("~CudaBackend on {}: an input error was never reported (no synchronize() after it): {}",
+                   device_.str(), m);
     }
-    break;
+  } catch (...) {
   }
-  pending_.clear();
 }
 
 void CudaBackend::softmax_xent(const Tensor& logits, const Tensor& labels, double scale, int ignore_index,
@@ -414,6 +394,28 @@ void CudaBackend::softmax_xent_backward(const Tensor& probs, const Tensor& label
     cuda::softmax_xent_backward(probs.data<T>(), labels.data<int32_t>(), rows, cols, scale, ignore_index,
                                 dlogits.data<T>(), error, cuda_stream());
   });
+}
+
+int64_t CudaBackend::argmax_correct(const Tensor& logits, const Tensor& labels, int ignore_index) {
+  ops::check_argmax_correct(logits, labels);
+  check_on_device(logits, "argmax_correct");
+  check_on_device(labels, "argmax_correct");
+  const int64_t rows = logits.size(0), cols = logits.size(1);
+  if (rows == 0 || cols == 0) return 0;
+  DeviceGuard guard(device_.index);
+  cudaStream_t s = cuda_stream();
+  // (1) eight bytes: the count, an unsigned 64-bit integer the kernel adds to.
+  Tensor work = empty({1}, DType::kF64);
+  auto* count = static_cast<unsigned long long*>(work.raw_data());
+  GPIPE_CUDA_CHECK(cudaMemsetAsync(count, 0, sizeof(unsigned long long), s));
+  dispatch_float(logits, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda::argmax_correct(logits.data<T>(), labels.data<int32_t>(), rows, cols, ignore_index, count, s);
+  });
+  auto* host = static_cast<unsigned long long*>(host_staging_);
+  GPIPE_CUDA_CHECK(cudaMemcpyAsync(host, count, sizeof(unsigned long long), cudaMemcpyDeviceToHost, s));
+  wait();  // and report what earlier ops flagged
+  return static_cast<int64_t>(*host);
 }
 
 void CudaBackend::fill(Tensor& x, double value) {
@@ -533,8 +535,9 @@ void CudaBackend::embedding_backward(const Tensor& ids, const Tensor& dout, Tens
   check_on_device(dtable, "embedding_backward");
   if (dpos.defined()) check_on_device(dpos, "embedding_backward");
   DeviceGuard guard(device_.index);
-  const size_t bytes = cuda::embedding_backward_workspace_bytes(B * T, V);
-  // Sort keys, positions and CUB's scratch; freed (to the stream-ordered cache) on return.
+  const size_t bytes = cuda::embedding_backward_workspace_bytes(B * T, V, C, dtype_size(dtable.dtype()));
+  // Sort keys, positions, CUB's scratch and the per-segment partial sums; freed (to the
+  // stream-ordered cache) on return.
   Tensor work = empty({static_cast<int64_t>((bytes + 3) / 4)}, DType::kI32);
   cuda::ErrorSlot* error = defer_check(token_check("embedding_backward", ids, V));
   dispatch_float(dtable, [&](auto* tag) {
@@ -714,11 +717,19 @@ void CudaBackend::copy(const Tensor& src, Tensor& dst) {
   }
   DeviceGuard guard(device_.index);
   cudaStream_t s = cuda_stream();
-  GPIPE_CUDA_CHECK(cudaMemcpyAsync(dst.raw_data(), src.raw_data(), src.nbytes(), cudaMemcpyDefault, s));
-  // A host buffer may be read or freed as soon as we return: wait (and report what
-  // earlier ops flagged). Device-to-device copies stay queued, ordered with the other
-  // work on the stream.
-  if (src.device().is_cpu() || dst.device().is_cpu()) wait();
+  if (src.device().is_cpu()) {
+    // Inputs and targets of every micro-batch: through a pinned buffer that is reused
+    // once an event says this copy is done, so the host runs on (no wait).
+    stage_to_device(src.raw_data(), dst.raw_data(), src.nbytes(), device_, s);
+    return;
+  }
+  if (dst.device().is_cpu()) {
+    GPIPE_CUDA_CHECK(cudaMemcpyAsync(dst.raw_data(), src.raw_data(), src.nbytes(), cudaMemcpyDeviceToHost, s));
+    wait();  // the host reads it on return (and what earlier ops flagged is reported)
+    return;
+  }
+  // On the device: queued, ordered with the other work on the stream.
+  GPIPE_CUDA_CHECK(cudaMemcpyAsync(dst.raw_data(), src.raw_data(), src.nbytes(), cudaMemcpyDeviceToDevice, s));
 }
 
 double CudaBackend::item(const Tensor& x) {

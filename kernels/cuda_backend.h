@@ -3,19 +3,22 @@
 // semantics as the CPU reference (kernels/cpu_backend.cc) for float32 and float64;
 // bfloat16 is rejected for now.
 //
-// Every op returns as soon as its work is queued. The backend waits for its stream
-// only where the host needs a result: sum_squares and item (host values), copy to or
-// from host memory (the host buffer), and synchronize.
+// Every op returns as soon as its work is queued, copies from the host included (they
+// go through pinned staging buffers). The backend waits for its stream only where the
+// host needs a result: sum_squares, argmax_correct and item (host values), a copy to
+// host memory, and synchronize. Its stream is the device's compute stream
+// (compute_stream_for), which the allocator and the transports order themselves with.
 //
 // Bad data a user can pass (a label outside the classes, a token id outside the
 // vocabulary, an argmax outside its plane) is found by the kernels on the device and
 // reported later, not by the op that saw it: each of those waits also reads back the
 // kernels' error records, and throws the CPU reference's error for the first bad value
-// (a UserError for labels and token ids, an Error for argmax, as on the CPU). The
-// pipeline executor synchronises at the end of every stage's program, so a bad batch
-// fails the step it came in. Until then, outputs computed from the bad values are
-// garbage (never out-of-bounds accesses). See "Deferred input errors" in
-// cuda_backend.cc.
+// (a UserError for labels and token ids, an Error for argmax, as on the CPU) to the
+// thread that queued the op: two stages sharing the GPU share this backend, and each
+// gets its own errors (kernels/deferred_checks.h). The pipeline executor synchronises
+// at the end of every stage's program, so a bad batch fails the step it came in. Until
+// then, outputs computed from the bad values are garbage (never out-of-bounds
+// accesses). See "Deferred input errors" in cuda_backend.cc.
 // Compiled only in CUDA builds (GPIPE_WITH_CUDA).
 #pragma once
 
@@ -29,29 +32,16 @@
 #include <vector>
 
 #include "kernels/backend.h"
-#include "kernels/cuda_kernels.h"  // cuda::ErrorSlot
+#include "kernels/cuda_kernels.h"
+#include "kernels/deferred_checks.h"
 
 namespace gpipe {
 
-// One op's check of user data, queued on the stream with the op's kernels and not yet
-// read back: what its error message needs, kept on the host (no device access).
-struct DeferredCheck {
-  const char* op = "";  // the op that queued it
-  int64_t count = 0;    // values checked; a flagged index is below this
-  int64_t limit = 0;    // valid values are [0, limit): classes, vocabulary, or H W of a plane
-  int64_t seq = 1;      // token ids: T, so that index p = b T + t
-  DType dtype = DType::kF32;       // maxpool2d_backward: dx's dtype and shape, for
-  std::array<int64_t, 4> shape{};  // the CPU's description of it
-  bool user_error = true;          // thrown as UserError (labels, token ids) or Error (argmax)
-  // The CPU reference's message for `value` at flat index `index` (`device`: the
-  // backend's).
-  std::string (*message)(const DeferredCheck& check, int64_t index, int32_t value, Device device) = nullptr;
-};
-
 class CudaBackend : public Backend {
  public:
-  // Creates the stream, the cuBLAS handle (bound to the stream), the error slots and a
-  // small pinned host buffer on `device`. Throws UserError if the device does not exist.
+  // Takes the device's compute stream, creates the cuBLAS handle (bound to it), the error
+  // slots and a small pinned host buffer on `device`. Throws UserError if the device
+  // does not exist.
   explicit CudaBackend(Device device);
   ~CudaBackend() override;
   CudaBackend(const CudaBackend&) = delete;
@@ -72,6 +62,7 @@ class CudaBackend : public Backend {
                     Tensor& loss) override;
   void softmax_xent_backward(const Tensor& probs, const Tensor& labels, double scale, int ignore_index,
                              Tensor& dlogits) override;
+  int64_t argmax_correct(const Tensor& logits, const Tensor& labels, int ignore_index) override;
   void fill(Tensor& x, double value) override;
   void scale(Tensor& x, double alpha) override;
   void axpy(double alpha, const Tensor& x, Tensor& y) override;
@@ -119,7 +110,7 @@ class CudaBackend : public Backend {
   void copy(const Tensor& src, Tensor& dst) override;
   double item(const Tensor& x) override;
   // Waits for all work queued on this backend's stream, then throws the error of the
-  // first bad label, token id or argmax that an op since the last wait flagged.
+  // first bad label, token id or argmax that an op of the calling thread flagged.
   void synchronize() override;
 
  private:
@@ -131,15 +122,14 @@ class CudaBackend : public Backend {
   cudaStream_t cuda_stream() const;
   // Throws gpipe::Error unless `t` lives on this backend's device.
   void check_on_device(const Tensor& t, const char* op) const;
-  // Registers the check of the op about to be queued and returns its error slot (which
-  // holds cuda::kNoError): pending_[i] owns slots_[i]. The device must be current.
+  // Registers the check of the op about to be queued (for the calling thread) and
+  // returns its error slot (which holds cuda::kNoError). The device must be current.
   cuda::ErrorSlot* defer_check(const DeferredCheck& check);
   // The one place the backend waits for its stream: queues the read-back of the pending
-  // checks' slots into pinned memory, waits, then throws the first flagged error (after
-  // resetting the slots, so the backend stays usable). The device must be current.
+  // checks' slots into pinned memory, waits, resets the slots if any was flagged (so
+  // the backend stays usable), then throws the calling thread's first flagged error.
+  // The device must be current.
   void wait();
-  // Called by wait() after the wait: throws the first flagged check's error, if any.
-  void report_deferred_errors();
   // ~CudaBackend: logs what the pending checks flagged instead of throwing.
   void log_unreported_errors() noexcept;
   // dropout and dropout_backward: the same map (dropout is linear and diagonal).
@@ -151,12 +141,12 @@ class CudaBackend : public Backend {
   void release_cudnn() noexcept;  // called by release(); the device is already current
 
   Device device_;
-  std::unique_ptr<Stream> stream_;    // a non-blocking CUDA stream on device_
+  Stream* stream_ = nullptr;          // the device's compute stream (non-blocking; not owned)
   cublasHandle_t blas_ = nullptr;     // bound to stream_
   cuda::ErrorSlot* slots_ = nullptr;  // device (kMaxDeferredChecks): error slots, kNoError when free
   void* host_staging_ = nullptr;      // pinned host: 16 bytes where item() and sum_squares land,
   cuda::ErrorSlot* host_slots_ = nullptr;  // then (kMaxDeferredChecks) where slots_ is read back
-  std::vector<DeferredCheck> pending_;     // checks queued since the last wait(), in op order
+  DeferredChecks checks_{kMaxDeferredChecks};  // checks queued since the last wait(), in op order
   void* cudnn_ = nullptr;             // CudnnState*, see cudnn()
 };
 

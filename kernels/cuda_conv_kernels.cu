@@ -218,26 +218,50 @@ __global__ void maxpool2d_kernel(const T* x, T* y, int32_t* argmax, int64_t tota
   }
 }
 
-// One thread per plane, walking its outputs in order (the CPU loop's order of
-// additions); dx is zero already. An index outside the plane is skipped; the first one
-// of each plane (its lowest) is flagged, and atomicMin keeps the lowest overall.
+// One warp per plane (the planes strided over the grid's warps); dx is zero already.
+// The warp takes the plane's outputs 32 at a time, in order. Within a batch, the lowest
+// lane of the lanes that share a target adds their dy values into dx one by one in lane
+// order, so every element of dx receives its additions in the CPU loop's order (bit for
+// bit, overlapping windows included) with no atomics, and a plane's outputs are spread
+// over 32 lanes instead of walked by one thread. An index outside the plane is skipped
+// and flagged; atomicMin keeps the lowest flat index.
 template <typename T>
-__global__ void maxpool2d_backward_kernel(const T* __restrict__ dy, const int32_t* __restrict__ argmax,
-                                          T* __restrict__ dx, int64_t planes, int64_t out_size, int64_t in_size,
-                                          cuda::ErrorSlot* error) {
-  GRID_STRIDE_LOOP(plane, planes) {
+__global__ void maxpool2d_backward_kernel(const T* __restrict__ dy, const int32_t* __restrict__ argmax, T* dx,
+                                          int64_t planes, int64_t out_size, int64_t in_size, cuda::ErrorSlot* error) {
+  constexpr unsigned kAll = 0xffffffffu;
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t plane = warp; plane < planes; plane += warps) {  // uniform across the warp
     const T* g = dy + plane * out_size;
     const int32_t* a = argmax + plane * out_size;
     T* out = dx + plane * in_size;
-    bool flagged = false;
-    for (int64_t o = 0; o < out_size; ++o) {
-      const int32_t i = a[o];
-      if (i < 0 || i >= in_size) {
-        if (!flagged) cuda::flag_error(error, plane * out_size + o, i);
-        flagged = true;
-        continue;
+    for (int64_t base = 0; base < out_size; base += 32) {
+      const int64_t o = base + lane;
+      int32_t target = -1;  // no output here, or a bad index: adds nothing
+      T v = T(0);
+      if (o < out_size) {
+        const int32_t i = a[o];
+        if (i < 0 || i >= in_size) {
+          cuda::flag_error(error, plane * out_size + o, i);
+        } else {
+          target = i;
+          v = g[o];
+        }
       }
-      out[i] = add_rn(out[i], g[o]);
+      bool leader = target >= 0;
+      for (int src = 0; src < 32; ++src) {
+        const int32_t t = __shfl_sync(kAll, target, src);
+        if (src < lane && t == target) leader = false;
+      }
+      T acc = leader ? out[target] : T(0);
+      for (int src = 0; src < 32; ++src) {
+        const int32_t t = __shfl_sync(kAll, target, src);
+        const T w = __shfl_sync(kAll, v, src);
+        if (leader && src >= lane && t == target) acc = add_rn(acc, w);
+      }
+      if (leader) out[target] = acc;
+      __syncwarp();  // the next batch's leaders read what these wrote
     }
   }
 }
@@ -307,12 +331,9 @@ void launch_maxpool2d_backward(const T* dy, const int32_t* argmax, T* dx, int64_
   // With in_size == 0 the kernel still runs: every argmax is then out of range, as the
   // CPU reference reports.
   if (out_size == 0) return;
-  // One thread per plane: small blocks, so that few planes still spread over the SMs.
-  constexpr int kPlaneThreads = 64;
-  const unsigned blocks =
-      static_cast<unsigned>(std::min<int64_t>((planes + kPlaneThreads - 1) / kPlaneThreads, kMaxBlocks));
-  maxpool2d_backward_kernel<T><<<blocks, kPlaneThreads, 0, stream>>>(dy, argmax, dx, planes, out_size, in_size,
-                                                                     error);
+  // One warp per plane, 8 warps per block.
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((planes * 32 + kThreads - 1) / kThreads, kMaxBlocks));
+  maxpool2d_backward_kernel<T><<<blocks, kThreads, 0, stream>>>(dy, argmax, dx, planes, out_size, in_size, error);
   GPIPE_CHECK_LAUNCH();
 }
 

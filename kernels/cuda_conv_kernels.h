@@ -70,8 +70,9 @@ void maxpool2d(const double* x, double* y, int32_t* argmax, int64_t planes, int6
                int64_t out_height, int64_t out_width, int kernel, int stride, int pad, cudaStream_t stream);
 
 // dx: (planes, in_size) = 0, then dx[plane, argmax[plane, o]] += dy[plane, o] for o in
-// order: one thread per plane walks its outputs in the CPU loop's order, so
-// overlapping windows add up exactly as on the CPU. An argmax outside [0, in_size) is
+// order: one warp per plane takes its outputs 32 at a time, and the additions into each
+// element of dx happen in the CPU loop's order, so overlapping windows add up exactly
+// as on the CPU. An argmax outside [0, in_size) is
 // skipped and flagged in `error` (kNoError on entry; kernels/cuda_kernels.h, "Deferred
 // input errors") as (plane * out_size + o, argmax), the CPU's flat index.
 // planes * out_size must be at most cuda::kMaxErrorIndex.

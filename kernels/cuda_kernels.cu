@@ -5,13 +5,16 @@
 // grid math, launch on the caller's stream and check the launch. Every kernel matches
 // the CPU reference (kernels/cpu_backend.cc, kernels/cpu_transformer_ops.cc) operation
 // for operation (same formula, same element type for the arithmetic, double where the
-// reference accumulates in double); only the order of additions in reductions differs,
-// and not even that for the embedding gradients, which add in the CPU's order.
+// reference accumulates in double); only the order of additions in reductions differs
+// (the embedding gradient of an id whose rows fit one 32-entry segment of the sorted
+// ids adds in the CPU's order).
 //
 // Nothing here synchronises with the host. Everything is deterministic: reductions use
-// fixed trees (no floating-point atomics); the only atomic is the integer atomicMin of
+// fixed trees and fixed chunks (no floating-point atomics, and chunks that spread a
+// reduction over the whole GPU); the only atomics are integer ones: the atomicMin of
 // flag_error, which records the first bad label or token id in the op's error slot
-// (kernels/cuda_kernels.h, "Deferred input errors") for the backend to report later.
+// (kernels/cuda_kernels.h, "Deferred input errors") for the backend to report later,
+// and argmax_correct's count.
 #include "kernels/cuda_kernels.h"
 
 #include <algorithm>
@@ -44,8 +47,9 @@ constexpr int kMaxRowThreads = 512;        // softmax kernels: at most this many
 constexpr int kLossSumThreads = 256;       // the one-block loss reduction
 constexpr int64_t kSumSquaresMaxBlocks = 1024;  // sum_squares: partial sums (one per block)
 constexpr int kLnRowLanes = 16;            // layernorm dgamma/dbeta: threads walking the rows of a column
-constexpr int64_t kLnMinRowsPerChunk = 64;  // layernorm dgamma/dbeta: rows per partial sum, at least
-constexpr int64_t kLnMaxChunks = 1024;     // ... and at most this many partial sums per column (<= kMaxGridY)
+constexpr int64_t kMinRowsPerChunk = 64;   // bias_grad, layernorm dgamma/dbeta: rows per partial sum, at least
+constexpr int64_t kMaxChunks = 1024;       // ... and at most this many partial sums per column (<= kMaxGridY)
+constexpr int64_t kEmbSegment = 32;        // embedding_backward: sorted (id, position) entries per block
 
 unsigned elementwise_blocks(int64_t n) {
   return static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, kMaxBlocks));
@@ -56,6 +60,12 @@ unsigned elementwise_blocks(int64_t n) {
 unsigned row_threads(int64_t cols) {
   const int64_t rounded = (std::max<int64_t>(cols, 1) + 31) / 32 * 32;
   return static_cast<unsigned>(std::min<int64_t>(rounded, kMaxRowThreads));
+}
+
+// Row chunks of a column reduction (bias_grad, layernorm's dgamma/dbeta): a function of
+// `rows` alone, so the order of additions (and the result) does not change between runs.
+int64_t row_chunks(int64_t rows) {
+  return std::max<int64_t>(1, std::min<int64_t>((rows + kMinRowsPerChunk - 1) / kMinRowsPerChunk, kMaxChunks));
 }
 
 void check_row_grid(int64_t rows, const char* op) {
@@ -143,26 +153,43 @@ __global__ void add_bias_kernel(T* y, const T* bias, int64_t rows, int64_t cols)
   }
 }
 
-// db: (cols) = (accumulate ? beta * db : 0) + column sums of dy: (rows, cols).
-// One block per tile of kTileCols columns, block (kTileCols, kBiasGradRowLanes): thread
-// (x, y) sums rows y, y + 16, ... of column x (coalesced across the warp), then a
-// shared-memory tree over y adds the 16 partial sums of each column.
+// Column sums of dy: (rows, cols) over one chunk of rows per blockIdx.y, in double:
+// partial (chunks, cols). Block (kTileCols, kBiasGradRowLanes): thread (x, y) sums rows
+// start + y, start + y + 16, ... of column x (coalesced across the warp), then a
+// shared-memory tree over y adds the 16 partial sums. Chunks spread a tall matrix over
+// the whole GPU (a few column tiles alone would occupy a handful of SMs).
 template <typename T>
-__global__ void bias_grad_kernel(const T* dy, T* db, int64_t rows, int64_t cols, T beta, bool accumulate) {
-  __shared__ T partial[kBiasGradRowLanes][kTileCols];
+__global__ void bias_grad_partial_kernel(const T* dy, double* partial, int64_t rows, int64_t cols,
+                                         int64_t rows_per_chunk) {
+  __shared__ double part[kBiasGradRowLanes][kTileCols];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t col = static_cast<int64_t>(blockIdx.x) * kTileCols + tx;
-  T acc = T(0);
+  const int64_t chunk = blockIdx.y;
+  const int64_t start = chunk * rows_per_chunk;
+  const int64_t end = start + rows_per_chunk < rows ? start + rows_per_chunk : rows;
+  double acc = 0.0;
   if (col < cols) {
-    for (int64_t r = ty; r < rows; r += kBiasGradRowLanes) acc += dy[r * cols + col];
+    for (int64_t r = start + ty; r < end; r += kBiasGradRowLanes) acc += static_cast<double>(dy[r * cols + col]);
   }
-  partial[ty][tx] = acc;
+  part[ty][tx] = acc;
   __syncthreads();
   for (int s = kBiasGradRowLanes / 2; s > 0; s >>= 1) {
-    if (ty < s) partial[ty][tx] += partial[ty + s][tx];
+    if (ty < s) part[ty][tx] += part[ty + s][tx];
     __syncthreads();
   }
-  if (ty == 0 && col < cols) db[col] = (accumulate ? beta * db[col] : T(0)) + partial[0][tx];
+  if (ty == 0 && col < cols) partial[chunk * cols + col] = part[0][tx];
+}
+
+// db: (cols) = (accumulate ? beta * db : 0) + the chunks' partial sums, added in chunk
+// order (deterministic) and rounded once.
+template <typename T>
+__global__ void bias_grad_final_kernel(const double* partial, T* db, int64_t chunks, int64_t cols, T beta,
+                                       bool accumulate) {
+  GRID_STRIDE_LOOP(c, cols) {
+    double acc = 0.0;
+    for (int64_t k = 0; k < chunks; ++k) acc += partial[k * cols + c];
+    db[c] = (accumulate ? beta * db[c] : T(0)) + static_cast<T>(acc);
+  }
 }
 
 template <typename T>
@@ -257,6 +284,57 @@ __global__ void softmax_xent_backward_kernel(const T* probs, const int32_t* labe
     if (j == label) v -= s;
     out[j] = v;
   }
+}
+
+// The better of two (value, column) candidates of one row, as the CPU's scan
+// `if (v[j] > v[best]) best = j` would pick between them: the larger value, the smaller
+// column on ties. column == -1 marks "no candidate" (a thread past the row's end).
+template <typename T>
+__device__ __forceinline__ void better_of(T& v, int64_t& col, T other_v, int64_t other_col) {
+  if (other_col < 0) return;
+  if (col < 0 || other_v > v || (!(v > other_v) && other_col < col)) {
+    v = other_v;
+    col = other_col;
+  }
+}
+
+// One block per row r of logits: (rows, cols), blockDim.x a multiple of 32: the first
+// largest column, by a per-thread scan over its strided columns, then warp shuffles,
+// then one warp over the warps' results; *count += 1 when it is labels[r] (an integer
+// atomic: the count does not depend on the order). Rows with ignore_index are skipped.
+template <typename T>
+__global__ void argmax_correct_kernel(const T* logits, const int32_t* labels, int64_t cols, int ignore_index,
+                                      unsigned long long* count) {
+  __shared__ T best_v[32];
+  __shared__ int64_t best_c[32];
+  const int64_t row = blockIdx.x;
+  const int32_t label = labels[row];
+  if (label == ignore_index) return;  // the whole block leaves together
+  const T* in = logits + row * cols;
+  T v = T(0);
+  int64_t col = -1;
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) better_of(v, col, in[j], j);
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const T ov = __shfl_down_sync(0xffffffffu, v, offset);
+    const long long oc = __shfl_down_sync(0xffffffffu, static_cast<long long>(col), offset);
+    better_of(v, col, ov, static_cast<int64_t>(oc));
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) {
+    best_v[warp] = v;
+    best_c[warp] = col;
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  const int warps = blockDim.x >> 5;
+  v = lane < warps ? best_v[lane] : T(0);
+  col = lane < warps ? best_c[lane] : -1;
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const T ov = __shfl_down_sync(0xffffffffu, v, offset);
+    const long long oc = __shfl_down_sync(0xffffffffu, static_cast<long long>(col), offset);
+    better_of(v, col, ov, static_cast<int64_t>(oc));
+  }
+  if (lane == 0 && col >= 0 && col == static_cast<int64_t>(label)) atomicAdd(count, 1ULL);
 }
 
 template <typename T>
@@ -389,22 +467,65 @@ __global__ void embedding_sort_input_kernel(const int32_t* ids, int64_t n, int64
   }
 }
 
-// One block per entry j of the sorted (key, position) list: the block holding the first
-// entry of a run of equal keys adds the dout rows of the whole run, in position order
-// (the sort is stable), into dtable[key]; every other block returns at once. Threads
-// stride over the channels.
+// The table gradient from the sorted (key, position) list, cut into segments of
+// kEmbSegment entries so that a frequent id (a space in byte-level text: thousands of
+// rows) is summed by many blocks, not walked serially by one. One block per segment,
+// threads over the channels. Within a segment, each run of equal keys is a piece:
+//   * a piece that is a whole run adds its rows into dtable[key] directly, starting
+//     from the old value, in position order (the CPU's order; only this block touches
+//     that row);
+//   * the first piece continues a run from earlier segments: its sum goes to cont[seg];
+//   * the last piece starts a run that continues: old value plus its rows go to
+//     head[seg], and embedding_run_kernel finishes that row.
+// head, cont: (segments, channels). Invalid ids sort last (key == vocab) and are skipped.
 template <typename T>
-__global__ void embedding_table_grad_kernel(const unsigned* keys, const int32_t* positions, const T* dout,
-                                            T* dtable, int64_t n, int64_t vocab, int64_t channels) {
-  const int64_t j = blockIdx.x;
-  const unsigned key = keys[j];
-  if (static_cast<int64_t>(key) >= vocab) return;  // invalid ids sort last and are skipped
-  if (j > 0 && keys[j - 1] == key) return;         // not the first entry of its run
-  T* row = dtable + static_cast<int64_t>(key) * channels;
+__global__ void embedding_segment_kernel(const unsigned* keys, const int32_t* positions, const T* dout, T* dtable,
+                                         T* head, T* cont, int64_t n, int64_t vocab, int64_t channels) {
+  const int64_t seg = blockIdx.x;
+  const int64_t first = seg * kEmbSegment;
+  const int64_t last = (first + kEmbSegment < n ? first + kEmbSegment : n) - 1;
+  const bool first_starts_run = first == 0 || keys[first - 1] != keys[first];
+  const bool last_ends_run = last == n - 1 || keys[last + 1] != keys[last];
   for (int64_t c = threadIdx.x; c < channels; c += blockDim.x) {
-    T acc = row[c];
-    for (int64_t k = j; k < n && keys[k] == key; ++k) acc += dout[static_cast<int64_t>(positions[k]) * channels + c];
-    row[c] = acc;
+    for (int64_t j = first; j <= last;) {
+      const unsigned key = keys[j];
+      int64_t end = j;
+      while (end < last && keys[end + 1] == key) ++end;  // the piece [j, end]
+      if (static_cast<int64_t>(key) < vocab) {
+        const bool continues = j == first && !first_starts_run;
+        const bool goes_on = end == last && !last_ends_run;
+        T* row = dtable + static_cast<int64_t>(key) * channels;
+        T acc = continues ? T(0) : row[c];
+        for (int64_t k = j; k <= end; ++k) acc += dout[static_cast<int64_t>(positions[k]) * channels + c];
+        if (continues) {
+          cont[seg * channels + c] = acc;
+        } else if (goes_on) {
+          head[seg * channels + c] = acc;
+        } else {
+          row[c] = acc;
+        }
+      }
+      j = end + 1;
+    }
+  }
+}
+
+// Finishes the runs that cross segments: the block of the segment where such a run
+// starts adds the continuations' sums in segment order to its head and writes the row.
+template <typename T>
+__global__ void embedding_run_kernel(const unsigned* keys, T* dtable, const T* head, const T* cont, int64_t n,
+                                     int64_t segments, int64_t vocab, int64_t channels) {
+  const int64_t seg = blockIdx.x;
+  const int64_t first = seg * kEmbSegment;
+  const int64_t last = (first + kEmbSegment < n ? first + kEmbSegment : n) - 1;
+  if (last == n - 1) return;
+  const unsigned key = keys[last];
+  if (static_cast<int64_t>(key) >= vocab || keys[last + 1] != key) return;  // its last piece ends here
+  if (first > 0 && keys[first] == key && keys[first - 1] == key) return;    // ... or started earlier
+  for (int64_t c = threadIdx.x; c < channels; c += blockDim.x) {
+    T acc = head[seg * channels + c];
+    for (int64_t t = seg + 1; t < segments && keys[t * kEmbSegment] == key; ++t) acc += cont[t * channels + c];
+    dtable[static_cast<int64_t>(key) * channels + c] = acc;
   }
 }
 
@@ -632,11 +753,17 @@ void launch_add_bias(T* y, const T* bias, int64_t rows, int64_t cols, cudaStream
 }
 
 template <typename T>
-void launch_bias_grad(const T* dy, T* db, int64_t rows, int64_t cols, double beta, cudaStream_t stream) {
+void launch_bias_grad(const T* dy, T* db, int64_t rows, int64_t cols, double beta, double* workspace,
+                      cudaStream_t stream) {
   if (cols == 0) return;  // rows == 0 still writes beta * db
+  const int64_t chunks = row_chunks(rows);
+  const int64_t rows_per_chunk = std::max<int64_t>((rows + chunks - 1) / chunks, 1);
   const dim3 block(kTileCols, kBiasGradRowLanes);
-  const dim3 grid(static_cast<unsigned>((cols + kTileCols - 1) / kTileCols));
-  bias_grad_kernel<T><<<grid, block, 0, stream>>>(dy, db, rows, cols, static_cast<T>(beta), beta != 0.0);
+  const dim3 grid(static_cast<unsigned>((cols + kTileCols - 1) / kTileCols), static_cast<unsigned>(chunks));
+  bias_grad_partial_kernel<T><<<grid, block, 0, stream>>>(dy, workspace, rows, cols, rows_per_chunk);
+  GPIPE_CHECK_LAUNCH();
+  bias_grad_final_kernel<T><<<elementwise_blocks(cols), kThreads, 0, stream>>>(workspace, db, chunks, cols,
+                                                                              static_cast<T>(beta), beta != 0.0);
   GPIPE_CHECK_LAUNCH();
 }
 
@@ -690,6 +817,16 @@ void launch_softmax_xent_backward(const T* probs, const int32_t* labels, int64_t
   if (rows == 0) return;
   softmax_xent_backward_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(
       probs, labels, cols, static_cast<T>(scale), ignore_index, dlogits, error);
+  GPIPE_CHECK_LAUNCH();
+}
+
+template <typename T>
+void launch_argmax_correct(const T* logits, const int32_t* labels, int64_t rows, int64_t cols, int ignore_index,
+                           unsigned long long* count, cudaStream_t stream) {
+  check_row_grid(rows, "argmax_correct");
+  if (rows == 0 || cols == 0) return;
+  argmax_correct_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(logits, labels, cols,
+                                                                                         ignore_index, count);
   GPIPE_CHECK_LAUNCH();
 }
 
@@ -820,11 +957,13 @@ size_t cub_sort_bytes(int64_t positions, int64_t vocab) {
   return bytes;
 }
 
-size_t embedding_workspace_bytes(int64_t positions, int64_t vocab) {
+size_t embedding_workspace_bytes(int64_t positions, int64_t vocab, int64_t channels, size_t element_bytes) {
   check_positions(positions, "embedding_backward");
   if (positions == 0) return 0;
   const size_t array = align_up(static_cast<size_t>(positions) * sizeof(uint32_t));
-  return 4 * array + align_up(cub_sort_bytes(positions, vocab));
+  const int64_t segments = (positions + kEmbSegment - 1) / kEmbSegment;
+  const size_t partials = align_up(static_cast<size_t>(segments * channels) * element_bytes);
+  return 4 * array + align_up(cub_sort_bytes(positions, vocab)) + 2 * partials;
 }
 
 template <typename T>
@@ -841,19 +980,24 @@ void launch_embedding_backward(const int32_t* ids, const T* dout, T* dtable, T* 
     launch_validate_token_ids(ids, positions, vocab, error, stream);
     return;
   }
-  const size_t need = embedding_workspace_bytes(positions, vocab);
+  const size_t need = embedding_workspace_bytes(positions, vocab, channels, sizeof(T));
   if (workspace_bytes < need) {
     throw Error("embedding_backward: workspace of " + std::to_string(workspace_bytes) + " bytes, " +
                 std::to_string(need) + " needed");
   }
+  const int64_t segments = (positions + kEmbSegment - 1) / kEmbSegment;
   const size_t array = align_up(static_cast<size_t>(positions) * sizeof(uint32_t));
+  const size_t cub_bytes_needed = align_up(cub_sort_bytes(positions, vocab));
+  const size_t partials = align_up(static_cast<size_t>(segments * channels) * sizeof(T));
   char* base = static_cast<char*>(workspace);
   auto* keys_in = reinterpret_cast<unsigned*>(base);
   auto* keys_out = reinterpret_cast<unsigned*>(base + array);
   auto* pos_in = reinterpret_cast<int32_t*>(base + 2 * array);
   auto* pos_out = reinterpret_cast<int32_t*>(base + 3 * array);
   void* cub_temp = base + 4 * array;
-  size_t cub_bytes = workspace_bytes - 4 * array;
+  size_t cub_bytes = cub_bytes_needed;
+  T* head = reinterpret_cast<T*>(base + 4 * array + cub_bytes_needed);  // (segments, channels)
+  T* cont = reinterpret_cast<T*>(base + 4 * array + cub_bytes_needed + partials);  // (segments, channels)
 
   embedding_sort_input_kernel<<<elementwise_blocks(positions), kThreads, 0, stream>>>(ids, positions, vocab,
                                                                                      keys_in, pos_in, error);
@@ -861,8 +1005,11 @@ void launch_embedding_backward(const int32_t* ids, const T* dout, T* dtable, T* 
   // LSD radix sort is stable: equal keys keep their positions in increasing order.
   GPIPE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_temp, cub_bytes, keys_in, keys_out, pos_in, pos_out,
                                                    static_cast<int>(positions), 0, sort_bits(vocab), stream));
-  embedding_table_grad_kernel<T><<<static_cast<unsigned>(positions), row_threads(channels), 0, stream>>>(
-      keys_out, pos_out, dout, dtable, positions, vocab, channels);
+  embedding_segment_kernel<T><<<static_cast<unsigned>(segments), row_threads(channels), 0, stream>>>(
+      keys_out, pos_out, dout, dtable, head, cont, positions, vocab, channels);
+  GPIPE_CHECK_LAUNCH();
+  embedding_run_kernel<T><<<static_cast<unsigned>(segments), row_threads(channels), 0, stream>>>(
+      keys_out, dtable, head, cont, positions, segments, vocab, channels);
   GPIPE_CHECK_LAUNCH();
   if (dpos != nullptr) {
     embedding_pos_grad_kernel<T><<<elementwise_blocks(seq * channels), kThreads, 0, stream>>>(dout, dpos, batch, seq,
@@ -881,19 +1028,13 @@ void launch_layernorm(const T* x, const T* gamma, const T* beta, double eps, T* 
   GPIPE_CHECK_LAUNCH();
 }
 
-// Row chunks of the dgamma/dbeta reduction: a function of `rows` alone, so the order of
-// additions (and the result) does not change between runs.
-int64_t layernorm_chunks(int64_t rows) {
-  return std::max<int64_t>(1, std::min<int64_t>((rows + kLnMinRowsPerChunk - 1) / kLnMinRowsPerChunk, kLnMaxChunks));
-}
-
 template <typename T>
 void launch_layernorm_backward(const T* dy, const T* x, const T* gamma, const T* mean, const T* rstd, T* dx,
                                T* dgamma, T* dbeta, int64_t rows, int64_t cols, double* workspace,
                                cudaStream_t stream) {
   check_row_grid(rows, "layernorm_backward");
   if (rows == 0 || cols == 0) return;
-  const int64_t chunks = layernorm_chunks(rows);
+  const int64_t chunks = row_chunks(rows);
   const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
   double* partial_gamma = workspace;                // (chunks, cols)
   double* partial_beta = workspace + chunks * cols;  // (chunks, cols)
@@ -959,11 +1100,14 @@ void add_bias(double* y, const double* bias, int64_t rows, int64_t cols, cudaStr
   launch_add_bias(y, bias, rows, cols, stream);
 }
 
-void bias_grad(const float* dy, float* db, int64_t rows, int64_t cols, double beta, cudaStream_t stream) {
-  launch_bias_grad(dy, db, rows, cols, beta, stream);
+int64_t bias_grad_workspace(int64_t rows, int64_t cols) { return row_chunks(rows) * cols; }
+void bias_grad(const float* dy, float* db, int64_t rows, int64_t cols, double beta, double* workspace,
+               cudaStream_t stream) {
+  launch_bias_grad(dy, db, rows, cols, beta, workspace, stream);
 }
-void bias_grad(const double* dy, double* db, int64_t rows, int64_t cols, double beta, cudaStream_t stream) {
-  launch_bias_grad(dy, db, rows, cols, beta, stream);
+void bias_grad(const double* dy, double* db, int64_t rows, int64_t cols, double beta, double* workspace,
+               cudaStream_t stream) {
+  launch_bias_grad(dy, db, rows, cols, beta, workspace, stream);
 }
 
 void relu(const float* x, float* y, int64_t n, cudaStream_t stream) { launch_relu(x, y, n, stream); }
@@ -1005,6 +1149,15 @@ void softmax_xent_backward(const double* probs, const int32_t* labels, int64_t r
                            double scale, int ignore_index, double* dlogits, ErrorSlot* error,
                            cudaStream_t stream) {
   launch_softmax_xent_backward(probs, labels, rows, cols, scale, ignore_index, dlogits, error, stream);
+}
+
+void argmax_correct(const float* logits, const int32_t* labels, int64_t rows, int64_t cols, int ignore_index,
+                    unsigned long long* count, cudaStream_t stream) {
+  launch_argmax_correct(logits, labels, rows, cols, ignore_index, count, stream);
+}
+void argmax_correct(const double* logits, const int32_t* labels, int64_t rows, int64_t cols, int ignore_index,
+                    unsigned long long* count, cudaStream_t stream) {
+  launch_argmax_correct(logits, labels, rows, cols, ignore_index, count, stream);
 }
 
 void fill(float* x, int64_t n, float value, cudaStream_t stream) { launch_fill(x, n, value, stream); }
@@ -1060,8 +1213,8 @@ void embedding(const int32_t* ids, const double* table, const double* pos, doubl
   launch_embedding(ids, table, pos, out, batch, seq, vocab, channels, error, stream);
 }
 
-size_t embedding_backward_workspace_bytes(int64_t positions, int64_t vocab) {
-  return embedding_workspace_bytes(positions, vocab);
+size_t embedding_backward_workspace_bytes(int64_t positions, int64_t vocab, int64_t channels, size_t element_bytes) {
+  return embedding_workspace_bytes(positions, vocab, channels, element_bytes);
 }
 void embedding_backward(const int32_t* ids, const float* dout, float* dtable, float* dpos, int64_t batch,
                         int64_t seq, int64_t vocab, int64_t channels, void* workspace, size_t workspace_bytes,
@@ -1085,7 +1238,7 @@ void layernorm(const double* x, const double* gamma, const double* beta, double 
   launch_layernorm(x, gamma, beta, eps, y, mean, rstd, rows, cols, stream);
 }
 
-int64_t layernorm_backward_workspace(int64_t rows, int64_t cols) { return 2 * layernorm_chunks(rows) * cols; }
+int64_t layernorm_backward_workspace(int64_t rows, int64_t cols) { return 2 * row_chunks(rows) * cols; }
 void layernorm_backward(const float* dy, const float* x, const float* gamma, const float* mean, const float* rstd,
                         float* dx, float* dgamma, float* dbeta, int64_t rows, int64_t cols, double* workspace,
                         cudaStream_t stream) {

@@ -19,6 +19,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/deferred_checks.h"  // cuda::ErrorSlot
+
 namespace gpipe {
 namespace cuda {
 
@@ -27,9 +29,14 @@ void add_bias(float* y, const float* bias, int64_t rows, int64_t cols, cudaStrea
 void add_bias(double* y, const double* bias, int64_t rows, int64_t cols, cudaStream_t stream);
 
 // db: (cols) = (beta == 0 ? 0 : beta * db) + sum over rows of dy: (rows, cols).
-// beta == 0 ignores db's old contents (NaN included). Deterministic (no atomics).
-void bias_grad(const float* dy, float* db, int64_t rows, int64_t cols, double beta, cudaStream_t stream);
-void bias_grad(const double* dy, double* db, int64_t rows, int64_t cols, double beta, cudaStream_t stream);
+// beta == 0 ignores db's old contents (NaN included). Deterministic (no atomics): the
+// rows are cut into chunks (a function of rows alone) whose column sums, in double, go
+// to workspace: (bias_grad_workspace(rows, cols)) doubles, then are added in order.
+int64_t bias_grad_workspace(int64_t rows, int64_t cols);
+void bias_grad(const float* dy, float* db, int64_t rows, int64_t cols, double beta, double* workspace,
+               cudaStream_t stream);
+void bias_grad(const double* dy, double* db, int64_t rows, int64_t cols, double beta, double* workspace,
+               cudaStream_t stream);
 
 // y = max(x, 0); x, y: (n). y may alias x.
 void relu(const float* x, float* y, int64_t n, cudaStream_t stream);
@@ -56,11 +63,8 @@ void gelu_backward(const double* x, const double* dy, double* dx, int64_t n, cud
 // when the kernel starts; the backend owns the slots, resets them, and reads them back
 // when it waits for its stream anyway (kernels/cuda_backend.cc). Indices must be at most
 // kMaxErrorIndex, so that no flagged slot reads as kNoError.
-using ErrorSlot = unsigned long long;
-constexpr ErrorSlot kNoError = ~ErrorSlot(0);
-constexpr int64_t kMaxErrorIndex = 0xFFFFFFFE;
-inline int64_t error_index(ErrorSlot s) { return static_cast<int64_t>(s >> 32); }
-inline int32_t error_value(ErrorSlot s) { return static_cast<int32_t>(static_cast<uint32_t>(s & 0xFFFFFFFFu)); }
+// The slot's encoding (ErrorSlot, kNoError, error_index, error_value) is host code, in
+// kernels/deferred_checks.h.
 #ifdef __CUDACC__
 __device__ __forceinline__ void flag_error(ErrorSlot* slot, int64_t index, int32_t value) {
   atomicMin(slot, (static_cast<ErrorSlot>(index) << 32) | static_cast<uint32_t>(value));
@@ -90,6 +94,14 @@ void softmax_xent_backward(const float* probs, const int32_t* labels, int64_t ro
 void softmax_xent_backward(const double* probs, const int32_t* labels, int64_t rows, int64_t cols,
                            double scale, int ignore_index, double* dlogits, ErrorSlot* error,
                            cudaStream_t stream);
+
+// *count (device, one unsigned 64-bit integer, zeroed by the caller) += the number of
+// rows of logits: (rows, cols) whose first largest entry is at column labels[r], over
+// rows with labels[r] != ignore_index; labels: (rows) int32. rows < 2^31 - 1.
+void argmax_correct(const float* logits, const int32_t* labels, int64_t rows, int64_t cols, int ignore_index,
+                    unsigned long long* count, cudaStream_t stream);
+void argmax_correct(const double* logits, const int32_t* labels, int64_t rows, int64_t cols, int ignore_index,
+                    unsigned long long* count, cudaStream_t stream);
 
 // x: (n) = value.
 void fill(float* x, int64_t n, float value, cudaStream_t stream);
@@ -143,13 +155,17 @@ void embedding(const int32_t* ids, const float* table, const float* pos, float* 
 void embedding(const int32_t* ids, const double* table, const double* pos, double* out, int64_t batch,
                int64_t seq, int64_t vocab, int64_t channels, ErrorSlot* error, cudaStream_t stream);
 
-// Bytes of device workspace embedding_backward needs for B * T = positions ids.
-size_t embedding_backward_workspace_bytes(int64_t positions, int64_t vocab);
+// Bytes of device workspace embedding_backward needs for B * T = positions ids of a
+// (vocab, channels) table with elements of element_bytes.
+size_t embedding_backward_workspace_bytes(int64_t positions, int64_t vocab, int64_t channels, size_t element_bytes);
 // dtable: (V, C) += dout: (B, T, C) scattered by ids: (B, T); dpos: (>= T, C), rows
-// [0, T) += sum over b of dout[b] (skipped when dpos == nullptr). Deterministic, and
-// in the CPU loop's order of additions: the (id, position) pairs are sorted stably
-// (CUB radix sort), then one block per distinct id adds its dout rows into dtable in
-// position order; dpos adds b = 0, 1, ... per element. No floating-point atomics.
+// [0, T) += sum over b of dout[b] (skipped when dpos == nullptr). Deterministic, no
+// floating-point atomics: the (id, position) pairs are sorted stably (CUB radix sort)
+// and cut into segments of 32 entries, one block each. An id whose rows lie in one
+// segment is added into dtable in position order, the CPU's order of additions; a more
+// frequent id's rows are summed per segment and the segments' sums added in order (so
+// one id of thousands of rows is spread over many blocks; not the CPU's rounding).
+// dpos adds b = 0, 1, ... per element, as the CPU does.
 // error as for embedding; a bad id's row of dout is skipped (dpos still receives it).
 void embedding_backward(const int32_t* ids, const float* dout, float* dtable, float* dpos, int64_t batch,
                         int64_t seq, int64_t vocab, int64_t channels, void* workspace, size_t workspace_bytes,

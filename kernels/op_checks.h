@@ -71,5 +71,14 @@ inline void check_xent(const Tensor& logits, const Tensor& labels, const Tensor&
   check_same(logits, probs, "softmax_xent");
 }
 
+inline void check_argmax_correct(const Tensor& logits, const Tensor& labels) {
+  check_matrix(logits, "argmax_correct");
+  if (labels.dtype() != DType::kI32 || labels.dim() != 1 || labels.size(0) != logits.size(0) ||
+      !labels.is_contiguous()) {
+    throw Error("argmax_correct: labels " + labels.str() + " must be int32 with one label per row of " +
+                logits.str());
+  }
+}
+
 }  // namespace ops
 }  // namespace gpipe

@@ -15,6 +15,7 @@
 #include "pipeline/run_model.h"
 #include "pipeline/schedule.h"
 #include "pipeline/trainer.h"
+#include "runtime/device_binding.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
 
@@ -50,6 +51,14 @@ std::string join(const std::vector<std::string>& v) {
 
 int run_train(Invocation& inv) {
   pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);
+  if (inv.mpi == nullptr) {
+    // This thread moves the weights and evaluates on the stages' GPUs: bound to the
+    // first one before any CUDA call, it never makes a context on a GPU no stage uses.
+    std::vector<Device> stage_devices;
+    for (const std::string& d : config.pipeline.devices) stage_devices.push_back(parse_device(d));
+    const Device mine = main_thread_device(stage_devices);
+    if (mine.index < cuda_device_count()) bind_thread_to_device(mine);  // else the trainer says why
+  }
   const pipeline::Launch launch = inv.mpi != nullptr ? inv.mpi->join(config) : pipeline::Launch{};
   pipeline::train(config, std::cout, launch);
   return 0;

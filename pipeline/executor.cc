@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "runtime/device_binding.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
 
@@ -291,6 +292,7 @@ Executor::Executor(layers::Sequential& model, std::vector<StageSpec> cells, Sche
     if (!runtimes_[k]->local) continue;
     const int core = options_.local_stage < 0 ? k : 0;
     workers_.emplace_back([this, k, pin, core] {
+      bind_thread_to_device(runtimes_[k]->device);  // before any CUDA call: its own GPU, never GPU 0 by default
       set_thread_context(options_.rank, k);
       if (pin && options_.local_stage < 0) pin_to_core(core);
       worker_main(k);

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "runtime/device.h"
+#include "runtime/device_binding.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
 #include "runtime/mpi_check.h"
@@ -116,11 +117,15 @@ Launch MpiLaunch::join(Config& config) {
 #ifdef GPIPE_WITH_CUDA
     // NCCL between the GPUs, ordered with events against the stream the stage's
     // kernels run on (the backend the executor will use for this device).
+    bind_thread_to_device(device);  // before the first CUDA call of this rank
     Stream& compute = backend_for(device).stream();
-    transport_ = std::make_unique<NcclTransport>(pipeline_, device, compute);
+    auto nccl = std::make_unique<NcclTransport>(pipeline_, device, compute);
+    NcclTransport* pipeline = nccl.get();
+    transport_ = std::move(nccl);
     // Without replicas the group is never used: no NCCL communicator for it.
     if (D > 1) {
-      replica_group_ = std::make_unique<NcclReplicaGroup>(replicas_, device, compute);
+      // Its all-reduces ordered against the pipeline's sends and receives.
+      replica_group_ = std::make_unique<NcclReplicaGroup>(replicas_, device, compute, pipeline);
     } else {
       replica_group_ = std::make_unique<MpiReplicaGroup>(replicas_, config.pipeline.timeout_s);
     }

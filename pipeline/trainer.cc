@@ -49,24 +49,12 @@ Score score_chunk(layers::Sequential& model, Backend& be, const Tensor& h, const
   }
   // Scaled by 1: the sum of per-target losses of this chunk.
   s.loss_sum = be.item(model.loss().forward(be, h, targets, 1.0, nullptr));
-  Tensor logits = h;
-  if (!h.device().is_cpu()) {
-    logits = Tensor::empty(h.shape(), h.dtype(), Device::cpu());
-    be.copy(h, logits);  // waits for the device
-  }
-  const int64_t classes = logits.shape().back();
-  const int64_t rows = logits.numel() / classes;
-  for (int64_t r = 0; r < rows; ++r) {
-    auto value = [&](int64_t c) {
-      return logits.dtype() == DType::kF32 ? static_cast<double>(logits.data<float>()[r * classes + c])
-                                           : logits.data<double>()[r * classes + c];
-    };
-    int64_t best = 0;
-    for (int64_t c = 1; c < classes; ++c) {
-      if (value(c) > value(best)) best = c;
-    }
-    s.correct += best == y.data<int32_t>()[r];
-  }
+  // On the logits' device: only the count comes back.
+  const int64_t classes = h.shape().back();
+  const int64_t rows = h.numel() / classes;
+  auto* xent = dynamic_cast<layers::SoftmaxCrossEntropy*>(&model.loss());
+  const int ignore = xent != nullptr ? xent->ignore_index() : -100;
+  s.correct = static_cast<double>(be.argmax_correct(h.reshape({rows, classes}), targets.reshape({rows}), ignore));
   s.counted = static_cast<double>(rows);
   return s;
 }

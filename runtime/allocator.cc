@@ -25,7 +25,9 @@ size_t round_allocation(size_t bytes) {
 
 MemoryStats Allocator::stats() const {
   std::lock_guard<std::mutex> lock(stats_mu_);
-  return stats_;
+  MemoryStats s = stats_;
+  s.reserved = s.in_use + s.cached;
+  return s;
 }
 
 void Allocator::reset_peak() {
@@ -42,6 +44,11 @@ void Allocator::note_alloc(size_t bytes) {
 void Allocator::note_free(size_t bytes) {
   std::lock_guard<std::mutex> lock(stats_mu_);
   stats_.in_use -= static_cast<int64_t>(bytes);
+}
+
+void Allocator::note_cached(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  stats_.cached = bytes;
 }
 
 void* CachingAllocator::allocate(size_t bytes) {

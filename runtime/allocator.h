@@ -1,7 +1,8 @@
 // Per-device memory. Each device has its own allocator with its own statistics, so a
 // stage's peak memory can be read off its device. The CPU allocator caches freed
 // blocks by size: a pipeline allocates the same shapes every micro-batch, and without
-// a cache large blocks would be mmap'ed and page-faulted afresh each time.
+// a cache large blocks would be mmap'ed and page-faulted afresh each time. The CUDA
+// allocator (cuda_runtime.cc) caches by stream, with the policy of block_pool.h.
 #pragma once
 
 #include <cstddef>
@@ -11,21 +12,30 @@
 
 #include "runtime/device.h"
 #include "runtime/error.h"
+#include "runtime/stream.h"
 
 namespace gpipe {
 
 struct MemoryStats {
-  int64_t in_use = 0;  // bytes handed out and not yet returned
-  int64_t peak = 0;    // largest in_use since the last reset_peak()
-  int64_t cached = 0;  // bytes held in the cache, free for reuse
+  int64_t in_use = 0;    // bytes handed out and not yet returned
+  int64_t peak = 0;      // largest in_use since the last reset_peak()
+  int64_t cached = 0;    // bytes held in the cache, free for reuse (or waiting for a stream)
+  int64_t reserved = 0;  // in_use + cached: what the device has given this allocator
 };
 
 class Allocator {
  public:
   virtual ~Allocator() = default;
+  // A block for work queued on the device's compute stream (compute_stream_for).
   virtual void* allocate(size_t bytes) = 0;
+  // A block for work queued on `stream` of this device: once freed, a CUDA allocator
+  // hands it out again only for that stream. Host allocators ignore the stream.
+  virtual void* allocate_for(size_t bytes, Stream& stream) { return allocate(bytes); }
   // Blocks may be returned from any thread.
   virtual void deallocate(void* ptr, size_t bytes) = 0;
+  // Work queued on `stream` (not the block's own) uses the block at `ptr`: once freed,
+  // it is reused only after that work has finished (PyTorch's record_stream).
+  virtual void record_stream(void* /*ptr*/, Stream& /*stream*/) {}
   virtual Device device() const = 0;
   MemoryStats stats() const;
   void reset_peak();
@@ -35,11 +45,12 @@ class Allocator {
  protected:
   void note_alloc(size_t bytes);
   void note_free(size_t bytes);
+  void note_cached(int64_t bytes);
   mutable std::mutex stats_mu_;
   MemoryStats stats_;
 };
 
-// The size-keyed block cache shared by the CPU and CUDA allocators: sizes are rounded
+// The size-keyed block cache of host memory (CpuAllocator): sizes are rounded
 // with round_allocation(), and a freed block waits in a free list for the next request
 // of the same rounded size. A request the device cannot meet releases the cache and
 // tries once more before it fails.

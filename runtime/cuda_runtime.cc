@@ -1,27 +1,34 @@
-// The CUDA side of the runtime: device count, the caching device allocator, streams,
-// events and synchronous copies. Compiled by the host compiler only in CUDA builds
+// The CUDA side of the runtime: device count, the device selector, streams, events,
+// copies and transfers between GPUs (the allocator and pinned staging are in
+// cuda_allocator.cc). Compiled by the host compiler only in CUDA builds
 // (GPIPE_WITH_CUDA); no kernels live here (those are in kernels/cuda_kernels.cu).
 //
 // Rules followed throughout:
 //   * every CUDA call is checked with GPIPE_CUDA_CHECK (throws gpipe::Error);
 //   * every call that depends on the current device runs under a DeviceGuard, which
-//     sets the object's device and restores the caller's device afterwards;
+//     selects the object's device unless the thread is on it already (the rule of
+//     runtime/device_binding.h);
+//   * nothing here waits for a whole device: copies are ordered on streams with events,
+//     and only a copy to the host waits, for the one stream that produced the data;
 //   * destructors never throw: failures there are logged with spdlog::warn, and the
 //     "CUDA runtime already unloaded" case at process exit is ignored silently.
 #include "runtime/cuda_runtime.h"
 
 #include <cublas_v2.h>
+#include <cuda.h>  // driver types only: the two driver calls are looked up at run time
 #include <cuda_runtime.h>
 #include <spdlog/spdlog.h>
 
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 
 #include "runtime/cuda_check.h"
 #include "runtime/error.h"
+#include "runtime/tensor.h"
 
 namespace gpipe {
 
@@ -45,38 +52,6 @@ const char* cublas_status_string(cublasStatus_t s) {
 
 namespace {
 
-// For destructors: like DeviceGuard, but never throws. ok() is false when the device
-// could not be set (the caller then skips its cleanup: at process exit the CUDA runtime
-// may already be unloaded, and the driver reclaims everything anyway).
-class NoThrowDeviceGuard {
- public:
-  NoThrowDeviceGuard(int index, const char* what) {
-    cudaError_t e = cudaGetDevice(&previous_);
-    if (e == cudaSuccess && previous_ != index) {
-      e = cudaSetDevice(index);
-      switched_ = e == cudaSuccess;
-    }
-    ok_ = e == cudaSuccess;
-    if (!ok_) {
-      if (!is_teardown(e)) {
-        spdlog::warn("{}: selecting device {} failed: {}", what, index, cudaGetErrorString(e));
-      }
-      cudaGetLastError();  // do not leave the error for the next checked launch to find
-    }
-  }
-  ~NoThrowDeviceGuard() {
-    if (switched_ && cudaSetDevice(previous_) != cudaSuccess) cudaGetLastError();
-  }
-  NoThrowDeviceGuard(const NoThrowDeviceGuard&) = delete;
-  NoThrowDeviceGuard& operator=(const NoThrowDeviceGuard&) = delete;
-  bool ok() const { return ok_; }
-
- private:
-  int previous_ = 0;
-  bool switched_ = false;
-  bool ok_ = false;
-};
-
 void warn_if_failed(cudaError_t e, const char* call) {
   if (e == cudaSuccess || is_teardown(e)) {
     cudaGetLastError();
@@ -86,78 +61,49 @@ void warn_if_failed(cudaError_t e, const char* call) {
   cudaGetLastError();
 }
 
-void check_cuda_device(Device device, const char* what) {
-  if (!device.is_cuda()) throw Error(std::string(what) + " on " + device.str() + ", which is not a CUDA device");
-  const int count = cuda_runtime_device_count();
-  if (count == 0) {
-    throw UserError(std::string(what) + ": device " + device.str() +
-                    " requested, but no CUDA device is visible (no GPU, no driver, or CUDA_VISIBLE_DEVICES "
-                    "hides them all); use cpu devices on this machine");
-  }
-  if (device.index < 0 || device.index >= count) {
-    throw UserError(std::string(what) + ": device " + device.str() + " requested, but " + std::to_string(count) +
-                    " CUDA device(s) are visible; use cuda:0..cuda:" + std::to_string(count - 1) +
-                    " or check CUDA_VISIBLE_DEVICES");
-  }
+// ---------------------------------------------------------------------------------
+// The device selector
+
+// cuDeviceGet and cuDevicePrimaryCtxGetState, found through the runtime (no link
+// against libcuda, which machines without a driver lack).
+struct DriverCalls {
+  CUresult (*device_get)(CUdevice*, int) = nullptr;
+  CUresult (*primary_ctx_state)(CUdevice, unsigned int*, int*) = nullptr;
+};
+
+DriverCalls load_driver_calls() {
+  DriverCalls calls;
+  auto find = [](const char* name, void** fn) {
+    cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+    const cudaError_t e = cudaGetDriverEntryPointByVersion(name, fn, 12000, cudaEnableDefault, &status);
+    if (e != cudaSuccess || status != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      *fn = nullptr;
+      spdlog::debug("driver entry point {} not found; device guards will not restore", name);
+    }
+  };
+  find("cuDeviceGet", reinterpret_cast<void**>(&calls.device_get));
+  find("cuDevicePrimaryCtxGetState", reinterpret_cast<void**>(&calls.primary_ctx_state));
+  return calls;
 }
 
-// ---------------------------------------------------------------------------------
-// Allocator
-
-// A caching allocator over cudaMalloc (the cache itself is CachingAllocator's).
-//
-// Reuse is safe for work ordered on one stream: a block freed by the host while a kernel
-// that uses it is still queued can only be handed out again to work queued later on the
-// same stream, which runs after it. Work on a *different* stream of the same device that
-// receives a recycled block must be ordered with events by its caller (as the pipeline
-// already does between its compute and communication streams).
-class CudaAllocator : public CachingAllocator {
+class CudaSelector : public DeviceSelector {
  public:
-  explicit CudaAllocator(Device device) : CachingAllocator(device) {}
-  ~CudaAllocator() override { release_cache_nothrow(); }
-
- protected:
-  void* allocate_block(size_t size) override {
-    DeviceGuard guard(device_.index);
-    void* p = nullptr;
-    const cudaError_t e = cudaMalloc(&p, size);
-    if (e == cudaSuccess) return p;
-    cudaGetLastError();  // clear it, or the next checked kernel launch would report it
-    if (e == cudaErrorMemoryAllocation) return nullptr;
-    throw Error(error_location(__FILE__, __LINE__) + ": cudaMalloc of " + std::to_string(size) + " bytes on " +
-                device_.str() + " failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+  int current() override {
+    int d = 0;
+    GPIPE_CUDA_CHECK(cudaGetDevice(&d));
+    return d;
   }
-
-  void free_blocks(const std::multimap<size_t, void*>& blocks) override {
-    DeviceGuard guard(device_.index);
-    // cudaFree waits for the device to finish using the block (it synchronises), so the
-    // blocks can be returned even if queued kernels were the last to use them.
-    for (const auto& kv : blocks) GPIPE_CUDA_CHECK(cudaFree(kv.second));
-  }
-
-  UserError out_of_memory(size_t size) const override {
-    const MemoryStats s = stats();
-    size_t free_bytes = 0, total_bytes = 0;
-    if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) cudaGetLastError();
-    return UserError("out of GPU memory on " + device_.str() + " allocating " + std::to_string(size) + " bytes (" +
-                     std::to_string(s.in_use) + " bytes in use by this process's tensors, " +
-                     std::to_string(free_bytes) + " of " + std::to_string(total_bytes) +
-                     " bytes free on the device); lower train.batch_size, or raise pipeline.micro_batches "
-                     "or pipeline.partitions so each stage holds less");
-  }
-
- private:
-  // At process exit CUDA may already be torn down: leak rather than throw.
-  void release_cache_nothrow() noexcept {
-    const std::multimap<size_t, void*> blocks = take_cache();
-    if (blocks.empty()) return;
-    NoThrowDeviceGuard guard(device_.index, "~CudaAllocator");
-    if (!guard.ok()) return;  // leak at exit
-    for (const auto& kv : blocks) {
-      const cudaError_t e = cudaFree(kv.second);
-      if (is_teardown(e)) return;  // process exit: the driver frees everything
-      warn_if_failed(e, "cudaFree");
-    }
+  void select(int index) override { GPIPE_CUDA_CHECK(cudaSetDevice(index)); }
+  bool has_context(int index) override {
+    static const DriverCalls calls = load_driver_calls();
+    if (calls.device_get == nullptr || calls.primary_ctx_state == nullptr) return false;
+    CUdevice dev = 0;
+    if (calls.device_get(&dev, index) != CUDA_SUCCESS) return false;
+    unsigned int flags = 0;
+    int active = 0;
+    if (calls.primary_ctx_state(dev, &flags, &active) != CUDA_SUCCESS) return false;
+    return active != 0;
   }
 };
 
@@ -253,15 +199,70 @@ void CudaStream::wait(Event& event) {
   GPIPE_CUDA_CHECK(cudaStreamWaitEvent(stream_, e->handle(), 0));
 }
 
-// Waits for all work on the device, including non-blocking streams, which a plain
-// cudaMemcpy (legacy default stream) does not order itself after.
-void synchronize_device(int index) {
-  DeviceGuard guard(index);
-  GPIPE_CUDA_CHECK(cudaDeviceSynchronize());
+cudaStream_t native(Stream& s) { return static_cast<cudaStream_t>(s.native()); }
+
+// The stream that copies arriving from other GPUs of this process run on, one per
+// destination device, so that they overlap the destination's compute. Never destroyed,
+// like the compute streams.
+Stream& transfer_stream_for(Device device) {
+  static std::mutex mu;
+  static auto* streams = new std::map<int, Stream*>;
+  std::lock_guard<std::mutex> lock(mu);
+  Stream*& slot = (*streams)[device.index];
+  if (slot == nullptr) slot = make_cuda_stream(device).release();
+  return *slot;
 }
 
 }  // namespace
 
+DeviceSelector& cuda_device_selector() {
+  static CudaSelector selector;
+  return selector;
+}
+
+NoThrowDeviceGuard::NoThrowDeviceGuard(int index, const char* what) {
+  int current = 0;
+  const cudaError_t e = cudaGetDevice(&current);
+  if (e != cudaSuccess) {
+    if (!is_teardown(e)) spdlog::warn("{}: selecting device {} failed: {}", what, index, cudaGetErrorString(e));
+    cudaGetLastError();  // do not leave the error for the next checked launch to find
+    return;
+  }
+  try {
+    scope_ = std::make_unique<ScopedDevice>(cuda_device_selector(), index);
+  } catch (const std::exception& ex) {
+    spdlog::warn("{}: selecting device {} failed: {}", what, index, ex.what());
+    cudaGetLastError();
+  }
+}
+
+bool cuda_event_done(cudaEvent_t event) {
+  const cudaError_t e = cudaEventQuery(event);
+  if (e == cudaSuccess) return true;
+  if (e == cudaErrorNotReady) {
+    // Not an error; some CUDA versions leave it as the thread's last error, which the
+    // next kernel launch check would then report.
+    if (cudaPeekAtLastError() == cudaErrorNotReady) cudaGetLastError();
+    return false;
+  }
+  throw Error(error_location(__FILE__, __LINE__) + ": cudaEventQuery failed: " + cudaGetErrorName(e) + " (" +
+              cudaGetErrorString(e) + ")");
+}
+
+void check_cuda_device(Device device, const char* what) {
+  if (!device.is_cuda()) throw Error(std::string(what) + " on " + device.str() + ", which is not a CUDA device");
+  const int count = cuda_runtime_device_count();
+  if (count == 0) {
+    throw UserError(std::string(what) + ": device " + device.str() +
+                    " requested, but no CUDA device is visible (no GPU, no driver, or CUDA_VISIBLE_DEVICES "
+                    "hides them all); use cpu devices on this machine");
+  }
+  if (device.index < 0 || device.index >= count) {
+    throw UserError(std::string(what) + ": device " + device.str() + " requested, but " + std::to_string(count) +
+                    " CUDA device(s) are visible; use cuda:0..cuda:" + std::to_string(count - 1) +
+                    " or check CUDA_VISIBLE_DEVICES");
+  }
+}
 int cuda_runtime_device_count() {
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
@@ -278,11 +279,6 @@ int cuda_runtime_device_count() {
   return count;
 }
 
-std::unique_ptr<Allocator> make_cuda_allocator(Device device) {
-  check_cuda_device(device, "CUDA allocator");
-  return std::make_unique<CudaAllocator>(device);
-}
-
 std::unique_ptr<Stream> make_cuda_stream(Device device) {
   check_cuda_device(device, "CUDA stream");
   return std::make_unique<CudaStream>(device);
@@ -293,26 +289,94 @@ std::unique_ptr<Event> make_cuda_event(Device device) {
   return std::make_unique<CudaEvent>(device);
 }
 
+void enable_peer_access(int device, int peer) {
+  if (device == peer) return;
+  static std::mutex mu;
+  static std::set<std::pair<int, int>> tried;
+  std::lock_guard<std::mutex> lock(mu);
+  if (!tried.insert({device, peer}).second) return;
+  int can = 0;
+  GPIPE_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device, peer));
+  if (can == 0) {
+    spdlog::info("cuda:{} cannot access cuda:{} directly; copies between them go through host memory", device, peer);
+    return;
+  }
+  DeviceGuard guard(device);
+  const cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
+  if (e == cudaErrorPeerAccessAlreadyEnabled) {
+    cudaGetLastError();
+    return;
+  }
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    throw Error(error_location(__FILE__, __LINE__) + ": cudaDeviceEnablePeerAccess(" + std::to_string(peer) +
+                ") on cuda:" + std::to_string(device) + " failed: " + cudaGetErrorName(e) + " (" +
+                cudaGetErrorString(e) + "); set NCCL_P2P_DISABLE=1 and CUDA_VISIBLE_DEVICES to GPUs that can");
+  }
+}
+
 void cuda_copy(const void* src, Device src_device, void* dst, Device dst_device, size_t bytes) {
   if (bytes == 0) return;
   if (src_device.is_cpu() && dst_device.is_cpu()) {
     std::memcpy(dst, src, bytes);
     return;
   }
-  // Synchronous in the strong sense: the copy sees all work queued on either device
-  // before it (the backends' streams are non-blocking, so the legacy-stream cudaMemcpy
-  // alone would not wait for them), and it has landed when this returns (cudaMemcpy
-  // returns early for device-to-device and for host-to-device from pageable memory).
-  if (src_device.is_cuda()) synchronize_device(src_device.index);
-  if (dst_device.is_cuda() && dst_device != src_device) synchronize_device(dst_device.index);
-  const int copy_device = src_device.is_cuda() ? src_device.index : dst_device.index;
-  {
-    DeviceGuard guard(copy_device);
-    // Unified addressing: the runtime tells host from device pointers (and which device).
-    GPIPE_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
+  if (src_device.is_cpu()) {
+    stage_to_device(src, dst, bytes, dst_device, native(compute_stream_for(dst_device)));
+    return;
   }
-  if (src_device.is_cuda()) synchronize_device(src_device.index);
-  if (dst_device.is_cuda() && dst_device != src_device) synchronize_device(dst_device.index);
+  Stream& from = compute_stream_for(src_device);
+  if (dst_device.is_cpu()) {
+    // The host needs the bytes: wait for the stream that produced them (and nothing else).
+    DeviceGuard guard(src_device.index);
+    GPIPE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, native(from)));
+    GPIPE_CUDA_CHECK(cudaStreamSynchronize(native(from)));
+    return;
+  }
+  Stream& to = compute_stream_for(dst_device);
+  if (src_device == dst_device) {
+    DeviceGuard guard(dst_device.index);
+    GPIPE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, native(to)));
+    return;
+  }
+  // After the work queued so far on the source's stream, before what follows on the
+  // destination's; the host does not wait.
+  std::unique_ptr<Event> produced = make_cuda_event(src_device);
+  produced->record(from);
+  to.wait(*produced);
+  enable_peer_access(dst_device.index, src_device.index);
+  DeviceGuard guard(dst_device.index);
+  GPIPE_CUDA_CHECK(cudaMemcpyPeerAsync(dst, dst_device.index, src, src_device.index, bytes, native(to)));
+}
+
+Tensor cuda_transfer(const Tensor& src, Device device, Event* ready) {
+  GPIPE_CHECK(src.device().is_cuda() && device.is_cuda() && src.device() != device,
+              "cuda_transfer of " + src.str() + " to " + device.str());
+  GPIPE_CHECK(src.is_contiguous(), "cuda_transfer of a non-contiguous tensor " + src.str());
+  Stream& link = transfer_stream_for(device);
+  Stream& compute = compute_stream_for(device);
+  // (the destination's shape): a block of the transfer stream, which no compute work waits for
+  Tensor out = Tensor::empty(src.shape(), src.dtype(), device, &link);
+  if (src.nbytes() == 0) return out;
+  std::unique_ptr<Event> now;
+  if (ready == nullptr) {  // produced by everything queued on the source's stream so far
+    now = make_cuda_event(src.device());
+    now->record(compute_stream_for(src.device()));
+    ready = now.get();
+  }
+  link.wait(*ready);
+  enable_peer_access(device.index, src.device().index);
+  {
+    DeviceGuard guard(device.index);
+    GPIPE_CUDA_CHECK(cudaMemcpyPeerAsync(out.raw_data(), device.index, src.raw_data(), src.device().index,
+                                         src.nbytes(), native(link)));
+  }
+  std::unique_ptr<Event> arrived = make_cuda_event(device);
+  arrived->record(link);
+  compute.wait(*arrived);  // what the receiver queues next sees the data
+  record_stream(out, compute);  // ... and the block waits for it once freed
+  record_stream(src, link);     // the source's block waits for the copy
+  return out;
 }
 
 }  // namespace gpipe

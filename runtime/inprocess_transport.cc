@@ -30,6 +30,12 @@ void InProcessTransport::expire(int stage, const std::string& awaited) const {
 
 void InProcessTransport::send(int src, int dst, const MessageTag& tag, const Tensor& t) {
   GPIPE_CHECK(dst >= 0 && dst < static_cast<int>(boxes_.size()), "send to stage " + std::to_string(dst));
+  Message message{t, nullptr};
+  if (t.defined() && t.device().is_cuda()) {
+    // The work that produced t, and not what this stage queues after the send.
+    message.ready = make_event(t.device());
+    message.ready->record(compute_stream_for(t.device()));
+  }
   std::lock_guard<std::mutex> lock(mu_);
   if (aborted_) throw Aborted(why_);
   Mailbox& box = boxes_[dst];
@@ -37,31 +43,29 @@ void InProcessTransport::send(int src, int dst, const MessageTag& tag, const Ten
   GPIPE_CHECK(box.messages.find(key) == box.messages.end(),
               "stage " + std::to_string(src) + " sent the " + tag_str(tag) + " to stage " +
                   std::to_string(dst) + " twice");
-  box.messages.emplace(key, t);
+  box.messages.emplace(key, std::move(message));
   box.cv.notify_all();
 }
 
 Tensor InProcessTransport::recv(int dst, int src, const MessageTag& tag, Device device) {
   GPIPE_CHECK(dst >= 0 && dst < static_cast<int>(boxes_.size()), "recv on stage " + std::to_string(dst));
-  Tensor t;
+  Message m;
   {
     std::unique_lock<std::mutex> lock(mu_);
     Mailbox& box = boxes_[dst];
     const Key key{src, static_cast<int>(tag.kind), tag.micro_batch, tag.cell};
-    std::map<Key, Tensor>::iterator it;
+    std::map<Key, Message>::iterator it;
     const bool arrived = wait_until(box.cv, lock, Deadline(timeout_s_), [&] {
       return aborted_ || (it = box.messages.find(key)) != box.messages.end();
     });
     if (aborted_) throw Aborted(why_);
     if (!arrived) expire(dst, "the " + tag_str(tag) + " from stage " + std::to_string(src));
-    t = std::move(it->second);
+    m = std::move(it->second);
     box.messages.erase(it);
   }
-  // Host memory is shared by all CPU devices: hand the tensor over as it is.
-  if (t.device() == device || (t.device().is_cpu() && device.is_cpu())) return t;
-  Tensor out = Tensor::empty(t.shape(), t.dtype(), device);
-  copy_tensor(t, out);
-  return out;
+  // Host memory is shared by all CPU devices, and stages sharing a GPU share its
+  // compute stream: hand the tensor over as it is. Otherwise copy, ordered on streams.
+  return transfer_tensor(m.tensor, device, m.ready.get());
 }
 
 double InProcessTransport::all_reduce_sum(int stage, double value) {

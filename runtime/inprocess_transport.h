@@ -2,12 +2,17 @@
 // handle (no copy when both stages share a device kind that can read the memory), a
 // receive waits on the destination stage's mailbox. Every wait has a deadline
 // (pipeline.timeout_s): a stage whose neighbour is stuck gets an Error saying what it
-// waited for instead of hanging the process.
+// waited for instead of hanging the process. Between two GPUs, the sender records an
+// event on its compute stream (what produced the tensor), and the receiver copies on
+// its device's transfer stream after that event, with its compute stream waiting for
+// the copy: no host wait, and the copy of micro-batch m + 1 overlaps the receiver's
+// forward of m (runtime/tensor.h, transfer_tensor).
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <tuple>
 #include <vector>
@@ -33,8 +38,12 @@ class InProcessTransport : public Transport {
 
  private:
   using Key = std::tuple<int, int, int, int>;  // src, kind, micro-batch, cell
+  struct Message {
+    Tensor tensor;
+    std::shared_ptr<Event> ready;  // GPU tensors: recorded on the sender's compute stream at the send
+  };
   struct Mailbox {
-    std::map<Key, Tensor> messages;
+    std::map<Key, Message> messages;
     std::condition_variable cv;
   };
   [[noreturn]] void expire(int stage, const std::string& awaited) const;

@@ -5,6 +5,7 @@
 #include <spdlog/spdlog.h>
 
 #include <exception>
+#include <set>
 #include <string>
 #include <utility>
 
@@ -85,20 +86,6 @@ void order_after(cudaStream_t waiter, cudaStream_t producer, const nccl_detail::
   GPIPE_CUDA_CHECK(cudaStreamWaitEvent(waiter, edge.get(), 0));
 }
 
-// Whether the work recorded before `event` has finished; throws on a CUDA error.
-bool event_done(cudaEvent_t event) {
-  const cudaError_t e = cudaEventQuery(event);
-  if (e == cudaSuccess) return true;
-  if (e == cudaErrorNotReady) {
-    // Not an error; some CUDA versions leave it as the thread's last error, which the
-    // next kernel launch check would then report.
-    if (cudaPeekAtLastError() == cudaErrorNotReady) cudaGetLastError();
-    return false;
-  }
-  throw Error(error_location(__FILE__, __LINE__) + ": cudaEventQuery failed: " + cudaGetErrorName(e) + " (" +
-              cudaGetErrorString(e) + ")");
-}
-
 void check_compute_stream(const Stream& compute, Device device, const char* owner) {
   GPIPE_CHECK(compute.device() == device && compute.native() != nullptr,
               std::string(owner) + " on " + device.str() + " needs that device's CUDA compute stream, not a stream of " +
@@ -151,8 +138,8 @@ NcclTransport::NcclTransport(MPI_Comm comm, Device device, Stream& compute)
     send_stream_ = make_stream(device_);
     recv_stream_ = make_stream(device_);
     send_ready_ = new_event(device_);
-    recv_ready_ = new_event(device_);
-    received_ = new_event(device_);
+    edge_ = new_event(device_);
+    warm_up();
   } catch (...) {
     release_nccl_comm(std::exchange(nccl_, nullptr), /*abandon=*/true, "NcclTransport");
     throw;
@@ -162,7 +149,7 @@ NcclTransport::NcclTransport(MPI_Comm comm, Device device, Stream& compute)
 NcclTransport::~NcclTransport() {
   // Receives queued for messages nobody asked for, or sends not finished: the job is
   // ending without the flush() that waits for them, and a peer may never take part.
-  bool in_flight = !early_.empty();
+  bool in_flight = !early_.empty();  // receives queued for messages nobody asked for
   bool header_in_flight = false;
   for (const auto& p : pending_) {
     int done = 0;
@@ -217,13 +204,8 @@ void NcclTransport::send(int src, int dst, const MessageTag& tag, const Tensor& 
                             &sending.request));
   if (t.nbytes() == 0) return;  // the receiver skips the data too
   order_after(send_stream(), compute_stream(), *send_ready_);
-  in_group([&] { GPIPE_NCCL_CHECK(ncclSend(t.raw_data(), t.nbytes(), ncclUint8, dst, nccl_, send_stream())); });
-  if (spare_events_.empty()) {
-    sending.sent = new_event(device_);
-  } else {
-    sending.sent = std::move(spare_events_.back());
-    spare_events_.pop_back();
-  }
+  post([&] { GPIPE_NCCL_CHECK(ncclSend(t.raw_data(), t.nbytes(), ncclUint8, dst, nccl_, send_stream())); });
+  sending.sent = take_event();
   GPIPE_CUDA_CHECK(cudaEventRecord(sending.sent->get(), send_stream()));
 }
 
@@ -238,7 +220,7 @@ void NcclTransport::retire_sends(bool wait) {
       int done = 0;
       GPIPE_MPI_CHECK(MPI_Test(&p.request, &done, MPI_STATUS_IGNORE));
       // The send stream finishes in order: one not done means none after it is.
-      if (!done || (p.sent && !event_done(p.sent->get()))) return;
+      if (!done || (p.sent && !cuda_event_done(p.sent->get()))) return;
     }
     if (p.sent) spare_events_.push_back(std::move(p.sent));
     pending_.pop_front();  // drops the tensor: its block may be reused now
@@ -259,11 +241,16 @@ Tensor NcclTransport::recv(int dst, int src, const MessageTag& tag, Device devic
     receive_next(src, tag);
     it = early_.find(key);
   }
-  Tensor t = std::move(it->second);
+  Arrival a = std::move(it->second);
   early_.erase(it);
-  // Covers this message's receive and every one queued before it on the recv stream.
-  order_after(compute_stream(), recv_stream(), *received_);
-  return t;
+  if (a.arrived) {
+    // This message's receive only (not the later ones already posted), and the block
+    // returns to the receive stream only once the compute work queued from now is done.
+    GPIPE_CUDA_CHECK(cudaStreamWaitEvent(compute_stream(), a.arrived->get(), 0));
+    spare_events_.push_back(std::move(a.arrived));  // the wait took the event's state
+    record_stream(a.tensor, compute_);
+  }
+  return a.tensor;
 }
 
 void NcclTransport::receive_next(int src, const MessageTag& wanted) {
@@ -286,13 +273,62 @@ void NcclTransport::receive_next(int src, const MessageTag& wanted) {
   if (early_.count(key) != 0) {
     throw Error("rank " + std::to_string(src) + " sent " + what + " twice before the first was received");
   }
-  Tensor t = Tensor::empty(layout.shape, layout.dtype, device_);
-  if (t.nbytes() > 0) {
-    // The block may be a recycled one that kernels queued on the compute stream still use.
-    order_after(recv_stream(), compute_stream(), *recv_ready_);
-    in_group([&] { GPIPE_NCCL_CHECK(ncclRecv(t.raw_data(), t.nbytes(), ncclUint8, src, nccl_, recv_stream())); });
+  // (the sender's shape) A block of the receive stream: free of any compute work.
+  Arrival a;
+  a.tensor = Tensor::empty(layout.shape, layout.dtype, device_, recv_stream_.get());
+  if (a.tensor.nbytes() > 0) {
+    Tensor& t = a.tensor;
+    post([&] { GPIPE_NCCL_CHECK(ncclRecv(t.raw_data(), t.nbytes(), ncclUint8, src, nccl_, recv_stream())); });
+    a.arrived = take_event();
+    GPIPE_CUDA_CHECK(cudaEventRecord(a.arrived->get(), recv_stream()));
   }
-  early_.emplace(key, std::move(t));
+  early_.emplace(key, std::move(a));
+}
+
+void NcclTransport::post(const std::function<void()>& calls) { in_group(calls); }
+
+std::unique_ptr<nccl_detail::EventHandle> NcclTransport::take_event() {
+  if (spare_events_.empty()) return new_event(device_);
+  auto e = std::move(spare_events_.back());
+  spare_events_.pop_back();
+  return e;
+}
+
+void NcclTransport::warm_up() {
+  std::set<int> peers;
+  if (rank_ > 0) peers.insert(rank_ - 1);
+  if (rank_ + 1 < size_) peers.insert(rank_ + 1);
+  if (size_ > 2 && rank_ == 0) peers.insert(size_ - 1);  // a head tied to the embedding
+  if (size_ > 2 && rank_ == size_ - 1) peers.insert(0);
+  if (peers.empty()) return;
+  DeviceGuard guard(device_.index);
+  // (2 peers) words: one sent to and one received from each peer
+  Tensor buf = Tensor::empty({2 * static_cast<int64_t>(peers.size())}, DType::kI32, device_, send_stream_.get());
+  GPIPE_CUDA_CHECK(cudaMemsetAsync(buf.raw_data(), 0, buf.nbytes(), send_stream()));
+  auto* words = buf.data<int32_t>();
+  // Both directions of every pair in one group, so neither rank waits for the other.
+  post([&] {
+    int i = 0;
+    for (int p : peers) {
+      GPIPE_NCCL_CHECK(ncclSend(words + 2 * i, sizeof(int32_t), ncclUint8, p, nccl_, send_stream()));
+      GPIPE_NCCL_CHECK(ncclRecv(words + 2 * i + 1, sizeof(int32_t), ncclUint8, p, nccl_, send_stream()));
+      ++i;
+    }
+  });
+  // Once, at start-up: NCCL's connection buffers exist when this returns.
+  GPIPE_CUDA_CHECK(cudaStreamSynchronize(send_stream()));
+}
+
+void NcclTransport::nccl_before(cudaStream_t other) {
+  DeviceGuard guard(device_.index);
+  order_after(other, send_stream(), *edge_);
+  order_after(other, recv_stream(), *edge_);
+}
+
+void NcclTransport::nccl_after(cudaStream_t other) {
+  DeviceGuard guard(device_.index);
+  order_after(send_stream(), other, *edge_);
+  order_after(recv_stream(), other, *edge_);
 }
 
 double NcclTransport::all_reduce_sum(int stage, double value) {
@@ -329,8 +365,11 @@ void NcclTransport::abort(const std::string& why) {
 // ---------------------------------------------------------------------------------
 // NcclReplicaGroup
 
-NcclReplicaGroup::NcclReplicaGroup(MPI_Comm comm, Device device, Stream& compute)
-    : device_(device), compute_(compute), host_(comm) {
+NcclReplicaGroup::NcclReplicaGroup(MPI_Comm comm, Device device, Stream& compute, NcclTransport* pipeline)
+    : device_(device), compute_(compute), pipeline_(pipeline), host_(comm) {
+  GPIPE_CHECK(pipeline == nullptr || pipeline->device() == device,
+              "NcclReplicaGroup on " + device.str() + " ordered against a transport on " +
+                  (pipeline ? pipeline->device().str() : std::string()));
   check_compute_stream(compute, device, "NcclReplicaGroup");
   nccl_ = make_nccl_comm(comm, device, "NcclReplicaGroup");
   try {
@@ -360,10 +399,14 @@ void NcclReplicaGroup::enqueue(const Tensor& t) {
   }
   check_async_error(nccl_, "NcclReplicaGroup");
   if (t.numel() == 0) return;
+  // After the pipeline's sends and receives queued so far, and before those queued from
+  // now: the two communicators never have kernels on this GPU at once.
+  if (pipeline_ != nullptr) pipeline_->nccl_before(reduce_stream());
   // In place, so the reduction must not start before the kernels that wrote `t`.
   order_after(reduce_stream(), compute_stream(), *ready_);
   GPIPE_NCCL_CHECK(ncclAllReduce(t.raw_data(), t.raw_data(), static_cast<size_t>(t.numel()), type, ncclSum, nccl_,
                                  reduce_stream()));
+  if (pipeline_ != nullptr) pipeline_->nccl_after(reduce_stream());
 }
 
 void NcclReplicaGroup::all_reduce_sum(Tensor& t) {

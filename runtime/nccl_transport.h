@@ -6,18 +6,25 @@
 // Nothing here makes the host wait for the GPU. Two communication streams are ordered
 // against the stage's compute stream with events (● record, ◆ wait):
 //
-//   compute ──F(m)──●─────────────────────────────◆──F(m')──▶
+//   compute ──F(m)──●──────F(m+1)─────────────────◆──F(m')──▶
 //   send             ◆──ncclSend(m)──● sent        │          m kept alive until `sent`
-//   recv    ◆──ncclRecv(m')──────────● received ───┘
-//           └ after the compute work queued so far (the buffer may be a recycled block)
+//   recv    ──ncclRecv(m')───────────● arrived(m') ┘          no wait for compute
 //
 // send: the send stream waits for the work that produced the tensor, and the tensor
 // stays in a pending list until its `sent` event has completed (polled on later calls,
 // waited for in flush()), so its block is not recycled while NCCL still reads it.
-// recv: the buffer comes from the caching allocator, whose blocks are only safe on the
-// stream that last used them, so the recv stream first waits for the compute stream;
-// then the compute stream waits for the receive, so everything the caller queues after
-// (including the block's next use once the tensor is dropped) sees the data.
+// recv: the buffer is a block of the receive stream's own (the allocator reuses a
+// block for another stream only after an event, runtime/block_pool.h), so the receive
+// does not wait for the compute work queued before it: the transfer of micro-batch
+// m + 1 overlaps the forward of m. Each receive records its own `arrived` event; the
+// compute stream waits for it when the tensor is asked for, and the block is marked
+// as used by the compute stream (record_stream), so it returns to the receive stream
+// only once compute is done with it.
+//
+// NCCL connects two ranks lazily, on their first send/receive, and allocates its
+// buffers then; the constructor exchanges a few bytes both ways with every peer this
+// stage can talk to (its neighbours, and the first and last stages, which a tied
+// embedding and head join), so that happens before training holds any activation.
 //
 // NCCL pairs the sends and receives of two ranks in the order they were posted, not by
 // tag. recv() therefore takes the headers from `src` in arrival order and posts their
@@ -25,7 +32,9 @@
 // the GPU, until it is asked for. Messages are still matched by kind and micro-batch.
 // NCCL sends block their stream until the peer receives: a schedule must not rely on
 // buffered sends (GPipe does not: between neighbours, messages flow one way per phase).
-// Like MpiTransport, one thread at a time calls it (MPI_THREAD_SERIALIZED).
+// Every NCCL call goes through post(), the one place where a grouped send/receive can
+// later wrap a step's calls. Like MpiTransport, one thread at a time calls it
+// (MPI_THREAD_SERIALIZED).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -34,6 +43,7 @@
 
 #include <atomic>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -97,6 +107,15 @@ class NcclTransport : public Transport {
   // whole job with MPI_Abort, as MpiTransport does, so no rank waits forever.
   void abort(const std::string& why) override;
 
+  // Ordering against another NCCL communicator on this GPU (NcclReplicaGroup's): two
+  // communicators' kernels in flight at once, in no fixed order, can deadlock
+  // (NCCL user guide, "Using multiple NCCL communicators concurrently"). So the other
+  // stream waits for the sends and receives queued here so far (before), and the sends
+  // and receives queued here from now on wait for the other stream's work so far
+  // (after). Called in program order, the same on every rank.
+  void nccl_before(cudaStream_t other);
+  void nccl_after(cudaStream_t other);
+
   // The MPI tag a message's header travels with (tests inject headers with it).
   int mpi_tag(const MessageTag& tag) const { return host_.mpi_tag(tag); }
   // Sends not yet known to have left their buffers.
@@ -115,6 +134,11 @@ class NcclTransport : public Transport {
   void retire_sends(bool wait);
   // Receives the next header `src` sent and queues its data's receive into early_.
   void receive_next(int src, const MessageTag& wanted);
+  // One NCCL call (or several) inside ncclGroupStart/End.
+  void post(const std::function<void()>& calls);
+  // A few bytes both ways with each peer this stage talks to (see above).
+  void warm_up();
+  std::unique_ptr<nccl_detail::EventHandle> take_event();
   cudaStream_t compute_stream() const { return static_cast<cudaStream_t>(compute_.native()); }
   cudaStream_t send_stream() const { return static_cast<cudaStream_t>(send_stream_->native()); }
   cudaStream_t recv_stream() const { return static_cast<cudaStream_t>(recv_stream_->native()); }
@@ -128,10 +152,14 @@ class NcclTransport : public Transport {
   std::unique_ptr<Stream> send_stream_, recv_stream_;
   // Reused for each "this stream after that one" edge: a wait takes the event's state
   // at the time of the call, so re-recording it later is safe.
-  std::unique_ptr<nccl_detail::EventHandle> send_ready_, recv_ready_, received_;
+  std::unique_ptr<nccl_detail::EventHandle> send_ready_, edge_;
   std::vector<std::unique_ptr<nccl_detail::EventHandle>> spare_events_;
   std::deque<std::unique_ptr<PendingSend>> pending_;  // in posting order
-  std::map<std::pair<int, int>, Tensor> early_;       // (src, MPI tag) -> queued, not yet asked for
+  struct Arrival {
+    Tensor tensor;                                      // a block of the receive stream
+    std::unique_ptr<nccl_detail::EventHandle> arrived;  // after its ncclRecv; none for 0 bytes
+  };
+  std::map<std::pair<int, int>, Arrival> early_;  // (src, MPI tag) -> queued, not yet asked for
   mutable std::mutex abort_mu_;
   std::atomic<bool> aborted_{false};
   std::string why_;
@@ -140,10 +168,15 @@ class NcclTransport : public Transport {
 // The replicas of a stage on GPUs: ncclAllReduce of device tensors on a reduction
 // stream ordered after the compute stream, and the compute stream ordered after the
 // result (no host wait). Host tensors and scalars go through MPI, as MpiReplicaGroup.
+// With the stage's pipeline transport given, each all-reduce also comes after the
+// pipeline's sends and receives queued before it and before those queued after it
+// (NcclTransport::nccl_before/after), so the two communicators' kernels never run at
+// once on this GPU and every replica orders them alike.
 class NcclReplicaGroup : public ReplicaGroup {
  public:
   // comm: the stage's replicas (not owned). device, compute: as NcclTransport's.
-  NcclReplicaGroup(MPI_Comm comm, Device device, Stream& compute);
+  // pipeline: this rank's NcclTransport, or nullptr (not owned; outlives the group).
+  NcclReplicaGroup(MPI_Comm comm, Device device, Stream& compute, NcclTransport* pipeline = nullptr);
   ~NcclReplicaGroup() override;
   NcclReplicaGroup(const NcclReplicaGroup&) = delete;
   NcclReplicaGroup& operator=(const NcclReplicaGroup&) = delete;
@@ -165,6 +198,7 @@ class NcclReplicaGroup : public ReplicaGroup {
 
   Device device_;
   Stream& compute_;
+  NcclTransport* pipeline_;
   MpiReplicaGroup host_;
   ncclComm_t nccl_ = nullptr;
   std::unique_ptr<Stream> reduce_stream_;

@@ -15,6 +15,7 @@
 
 #include "runtime/cuda_check.h"
 #include "runtime/device.h"
+#include "runtime/device_binding.h"
 #include "runtime/error.h"
 #include "runtime/nccl_transport.h"
 #include "runtime/stream.h"
@@ -27,7 +28,7 @@ namespace {
 struct World {
   int rank = 0;
   Device device;
-  std::unique_ptr<Stream> compute;  // stands in for the CUDA backend's stream
+  Stream* compute = nullptr;  // the device's compute stream, as the CUDA backend's
   std::unique_ptr<NcclTransport> transport;
   std::unique_ptr<NcclReplicaGroup> replicas;
 };
@@ -244,15 +245,16 @@ int main(int argc, char** argv) {
       World& w = world();
       w.rank = rank;
       w.device = Device::cuda(node_local_rank(MPI_COMM_WORLD) % gpus);
-      w.compute = make_stream(w.device);
+      bind_thread_to_device(w.device);  // before any CUDA call, as gpipe's main does
+      w.compute = &compute_stream_for(w.device);
       w.transport = std::make_unique<NcclTransport>(MPI_COMM_WORLD, w.device, *w.compute);
-      w.replicas = std::make_unique<NcclReplicaGroup>(MPI_COMM_WORLD, w.device, *w.compute);
+      // Its all-reduces ordered against the transport's sends and receives.
+      w.replicas = std::make_unique<NcclReplicaGroup>(MPI_COMM_WORLD, w.device, *w.compute, w.transport.get());
       doctest::Context context;
       context.applyCommandLine(argc, argv);
       rc = context.run();
       w.replicas.reset();
       w.transport.reset();
-      w.compute.reset();
     } catch (const std::exception& e) {
       std::fprintf(stderr, "nccl_transport_check: rank %d: %s\n", rank, e.what());
       MPI_Abort(MPI_COMM_WORLD, 1);

@@ -1,5 +1,9 @@
 #include "runtime/stream.h"
 
+#include <map>
+#include <mutex>
+#include <utility>
+
 #include "runtime/error.h"
 
 #ifdef GPIPE_WITH_CUDA
@@ -30,6 +34,15 @@ std::unique_ptr<Event> make_event(Device device) {
 #else
   throw UserError("an event on " + device.str() + " needs a CUDA build");
 #endif
+}
+
+Stream& compute_stream_for(Device device) {
+  static std::mutex mu;
+  static auto* streams = new std::map<std::pair<int, int>, Stream*>;  // leaked on purpose (see the header)
+  std::lock_guard<std::mutex> lock(mu);
+  Stream*& slot = (*streams)[{static_cast<int>(device.kind), device.index}];
+  if (slot == nullptr) slot = make_stream(device).release();
+  return *slot;
 }
 
 }  // namespace gpipe

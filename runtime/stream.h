@@ -1,6 +1,6 @@
 // Streams and events. On the CPU backend work runs synchronously on the calling
 // thread, so a stream is trivial and an event is a timestamp. On CUDA they wrap
-// cudaStream_t and cudaEvent_t (runtime/cuda_stream.cc), and ordering between the
+// cudaStream_t and cudaEvent_t (runtime/cuda_runtime.cc), and ordering between the
 // compute and communication streams is expressed with events, not host waits.
 #pragma once
 
@@ -58,5 +58,11 @@ class CpuEvent : public Event {
 // A new stream/event for the device (CUDA ones need a CUDA build and a GPU).
 std::unique_ptr<Stream> make_stream(Device device);
 std::unique_ptr<Event> make_event(Device device);
+
+// The stream a device's kernels run on: the CUDA backend's, and the one the device's
+// allocator hands blocks out for by default. Created on first use (UserError for a
+// CUDA device that does not exist) and never destroyed, so that objects destroyed at
+// exit (backends, allocators) can still name it.
+Stream& compute_stream_for(Device device);
 
 }  // namespace gpipe

@@ -25,8 +25,9 @@ std::string shape_str(const Shape& s) {
   return os.str();
 }
 
-Storage::Storage(Allocator& alloc, size_t bytes)
-    : alloc_(&alloc), ptr_(alloc.allocate(bytes)), bytes_(bytes) {}
+Storage::Storage(Allocator& alloc, size_t bytes, Stream* stream)
+    : alloc_(&alloc), ptr_(stream != nullptr ? alloc.allocate_for(bytes, *stream) : alloc.allocate(bytes)),
+      bytes_(bytes) {}
 
 Storage::~Storage() { alloc_->deallocate(ptr_, bytes_); }
 
@@ -42,7 +43,7 @@ std::vector<int64_t> contiguous_strides(const Shape& shape) {
 }
 }  // namespace
 
-Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
+Tensor Tensor::empty(const Shape& shape, DType dtype, Device device, Stream* stream) {
   for (int64_t d : shape) {
     if (d < 0) throw UserError("negative dimension in shape " + shape_str(shape));
   }
@@ -51,7 +52,9 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
   t.strides_ = contiguous_strides(shape);
   t.dtype_ = dtype;
   t.device_ = device;
-  t.storage_ = std::make_shared<Storage>(allocator_for(device), shape_numel(shape) * dtype_size(dtype));
+  GPIPE_CHECK(stream == nullptr || stream->device() == device,
+              "a tensor on " + device.str() + " allocated for a stream of " + stream->device().str());
+  t.storage_ = std::make_shared<Storage>(allocator_for(device), shape_numel(shape) * dtype_size(dtype), stream);
   return t;
 }
 
@@ -143,9 +146,30 @@ void copy_tensor(const Tensor& src, Tensor& dst) {
   }
 #ifdef GPIPE_WITH_CUDA
   cuda_copy(src.raw_data(), src.device(), dst.raw_data(), dst.device(), src.nbytes());
+  // Read on dst's compute stream: src's block must outlive that read.
+  if (src.device().is_cuda() && dst.device().is_cuda() && src.device() != dst.device()) {
+    record_stream(src, compute_stream_for(dst.device()));
+  }
 #else
   throw Error("copy between " + src.device().str() + " and " + dst.device().str() + " needs a CUDA build");
 #endif
+}
+
+void record_stream(const Tensor& t, Stream& stream) {
+  if (!t.defined() || t.device().is_cpu()) return;
+  GPIPE_CHECK(stream.device().is_cuda(), "record_stream of " + t.str() + " on a stream of " + stream.device().str());
+  t.storage()->allocator().record_stream(t.storage()->data(), stream);
+}
+
+Tensor transfer_tensor(const Tensor& src, Device device, Event* ready) {
+  if (src.device() == device || (src.device().is_cpu() && device.is_cpu())) return src;
+#ifdef GPIPE_WITH_CUDA
+  if (src.device().is_cuda() && device.is_cuda()) return cuda_transfer(src, device, ready);
+#endif
+  (void)ready;  // host <-> GPU: copy_tensor orders itself with the compute streams
+  Tensor out = Tensor::empty(src.shape(), src.dtype(), device);
+  copy_tensor(src, out);
+  return out;
 }
 
 }  // namespace gpipe

@@ -11,6 +11,7 @@
 #include "runtime/allocator.h"
 #include "runtime/device.h"
 #include "runtime/dtype.h"
+#include "runtime/stream.h"
 
 namespace gpipe {
 
@@ -22,13 +23,15 @@ std::string shape_str(const Shape& s);  // "(256, 1024)"
 // Owns one block from an allocator. Move-only.
 class Storage {
  public:
-  Storage(Allocator& alloc, size_t bytes);
+  // stream: the stream the block is for (nullptr: the device's compute stream).
+  Storage(Allocator& alloc, size_t bytes, Stream* stream = nullptr);
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
   void* data() const { return ptr_; }
   size_t bytes() const { return bytes_; }
   Device device() const { return alloc_->device(); }
+  Allocator& allocator() const { return *alloc_; }
 
  private:
   Allocator* alloc_;
@@ -39,8 +42,9 @@ class Storage {
 class Tensor {
  public:
   Tensor() = default;
-  // Uninitialised memory on `device`.
-  static Tensor empty(const Shape& shape, DType dtype, Device device);
+  // Uninitialised memory on `device`, for work queued on `stream` (nullptr: the
+  // device's compute stream; see Allocator::allocate_for).
+  static Tensor empty(const Shape& shape, DType dtype, Device device, Stream* stream = nullptr);
   // Host-only conveniences (device must be a CPU device).
   static Tensor zeros_cpu(const Shape& shape, DType dtype, Device device = Device::cpu());
   template <typename T>
@@ -77,6 +81,7 @@ class Tensor {
   const void* storage_id() const { return storage_.get(); }
   // Bytes of the whole underlying block (a view reports its base's size).
   size_t storage_bytes() const { return storage_ ? storage_->bytes() : 0; }
+  Storage* storage() const { return storage_.get(); }
 
  private:
   void check_dtype(DType want) const;
@@ -89,7 +94,25 @@ class Tensor {
 };
 
 // Copies src into dst (same dtype and element count, both contiguous), across
-// devices where needed. CPU<->CUDA and CUDA<->CUDA copies are synchronous here.
+// devices where needed, ordered with the devices' compute streams and never waiting
+// for a whole device:
+//   host -> GPU: staged through pinned memory and queued on dst's compute stream;
+//                returns at once (src may change afterwards);
+//   GPU -> host: after the work queued on src's compute stream; waits for that stream;
+//   GPU -> GPU:  queued on dst's compute stream after the work queued so far on src's
+//                (an event; cudaMemcpyPeerAsync between devices, with peer access
+//                where they allow it); returns at once, src's block kept until done.
 void copy_tensor(const Tensor& src, Tensor& dst);
+
+// Work queued on `stream` uses t's block (not its own stream): once t's storage is
+// freed, the block is reused only after that work has finished. A no-op on the host.
+void record_stream(const Tensor& t, Stream& stream);
+
+// `src`, produced on its device's compute stream up to `ready` (recorded when it was
+// handed over; nullptr: up to now), made available on `device`: the same tensor where
+// no copy is needed (host to host, or the same device); between GPUs a copy on the
+// destination's transfer stream, so that it overlaps the destination's compute, which
+// waits for it (no host wait); otherwise copy_tensor.
+Tensor transfer_tensor(const Tensor& src, Device device, Event* ready);
 
 }  // namespace gpipe

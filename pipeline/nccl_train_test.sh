@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# An NCCL training run under mpirun against the same run as threads of one process:
+#  1. `mpirun -np 2 gpipe train` with pipeline.devices [cuda, cuda] (one GPU per rank,
+#     NCCL between them, warmed-up connections, receives on their own stream) logs the
+#     per-step losses and the validation of one process running the two stages as
+#     threads on cuda:0 and cuda:1 (peer copies), to float32 rounding;
+#  2. with four GPUs, K = 2 x D = 2 (NCCL all-reduce between replicas, ordered against
+#     the pipeline's sends and receives) logs the single-process losses too.
+# Prints GPIPE_TEST_SKIPPED (counted as skipped by ./gpipe test) and passes with fewer
+# than two GPUs.
+set -uo pipefail
+gpipe="$1"
+config="$2"
+devices_bin="$3"
+tmp="${TEST_TMPDIR:-/tmp}"
+gpus="$("$devices_bin")"
+if [ "${gpus:-0}" -lt 2 ]; then
+  echo "GPIPE_TEST_SKIPPED: needs two GPUs, $gpus visible"
+  exit 0
+fi
+mpirun=(timeout 300 mpirun --allow-run-as-root --oversubscribe)
+common=(--set train.steps=12 --set train.log_interval=1 --set train.eval_interval=6 --set data.eval_samples=256)
+
+losses() { grep -E '^step ' | awk '{print $2, $4}'; }
+validation() { grep -oE 'val_loss [0-9.]+|Validation: loss [0-9.]+' | awk '{print $NF}'; }
+# Columns: step, loss here, loss there; relative difference within float32 rounding.
+close_enough() {
+  awk '{ d = $2 - $4; if (d < 0) d = -d; if ($1 != $3 || d > 1e-4 * ($2 < 0 ? -$2 : $2) + 1e-6) { print "step " $1 ": " $2 " vs " $4; bad = 1 } } END { exit bad }' "$1"
+}
+
+"$gpipe" train "$config" "${common[@]}" --set 'pipeline.devices=[cuda:0,cuda:1]' --set output.dir="$tmp/threads" \
+  > "$tmp/threads.log" 2>&1 || { cat "$tmp/threads.log"; echo "FAIL: one process, stages on cuda:0 and cuda:1"; exit 1; }
+"${mpirun[@]}" -np 2 "$gpipe" train "$config" "${common[@]}" --set 'pipeline.devices=[cuda,cuda]' \
+  --set output.dir="$tmp/nccl" > "$tmp/nccl.log" 2>&1 ||
+  { cat "$tmp/nccl.log"; echo "FAIL: mpirun -np 2 with NCCL"; exit 1; }
+paste <(losses < "$tmp/threads.log") <(losses < "$tmp/nccl.log") > "$tmp/pairs.txt"
+[ "$(wc -l < "$tmp/pairs.txt")" -eq 12 ] || { cat "$tmp/nccl.log"; echo "FAIL: expected 12 step lines"; exit 1; }
+close_enough "$tmp/pairs.txt" || { echo "FAIL: per-step losses differ between threads and NCCL ranks"; exit 1; }
+echo "ok: 12 per-step losses agree between 2 threads on 2 GPUs and 2 NCCL ranks"
+paste <(validation < "$tmp/threads.log" | nl) <(validation < "$tmp/nccl.log" | nl) > "$tmp/val.txt"
+[ "$(wc -l < "$tmp/val.txt")" -eq 2 ] && close_enough "$tmp/val.txt" ||
+  { cat "$tmp/val.txt"; echo "FAIL: validation differs between threads and NCCL ranks"; exit 1; }
+echo "ok: the same validation loss with threads and with NCCL ranks"
+
+if [ "$gpus" -lt 4 ]; then
+  echo "ok: K=2 x D=2 skipped: needs four GPUs, $gpus visible"
+  exit 0
+fi
+"${mpirun[@]}" -np 4 "$gpipe" train "$config" "${common[@]}" --set 'pipeline.devices=[cuda,cuda]' \
+  --set pipeline.replicas=2 --set pipeline.bucket_mb=0.3 --set output.dir="$tmp/dp" > "$tmp/dp.log" 2>&1 ||
+  { cat "$tmp/dp.log"; echo "FAIL: mpirun -np 4 with 2 replicas over NCCL"; exit 1; }
+paste <(losses < "$tmp/threads.log") <(losses < "$tmp/dp.log") > "$tmp/dp_pairs.txt"
+[ "$(wc -l < "$tmp/dp_pairs.txt")" -eq 12 ] || { cat "$tmp/dp.log"; echo "FAIL: expected 12 step lines"; exit 1; }
+# Replicas sum their halves' gradients in another order: float32 rounding, looser.
+if ! awk '{ d = $2 - $4; if (d < 0) d = -d; if ($1 != $3 || d > 1e-3) { print "step " $1 ": " $2 " vs " $4; bad = 1 } } END { exit bad }' "$tmp/dp_pairs.txt"; then
+  echo "FAIL: per-step losses differ between one process and K=2 x D=2 over NCCL"; exit 1
+fi
+echo "ok: K=2 x D=2 over NCCL gives the single-process losses"

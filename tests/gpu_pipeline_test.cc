@@ -1,0 +1,157 @@
+// The executor on CUDA stages against the same pipeline on CPU stages, through the
+// public API (gpipe_schedule, make_stages, Executor, step), with the in-process
+// transport's GPU paths: stages sharing a GPU hand tensors over on its one compute
+// stream; stages on two GPUs copy peer to peer on a transfer stream ordered by events.
+// The first step's loss and every gradient must agree to float32 rounding, and a few
+// AdamW steps (clipped by the global norm, which all-reduces over the stages) must
+// track the CPU run. Also: a pipeline that uses only GPU 1 leaves no context on GPU 0
+// (runtime/device_binding.h). Skipped without a GPU; the two-GPU cases say when they
+// are skipped with one.
+#include "tests/gpu_testing.h"
+
+#include <string>
+#include <vector>
+
+#include "layers/registry.h"
+#include "partition/balance.h"
+#include "pipeline/executor.h"
+#include "runtime/device.h"
+#include "runtime/inprocess_transport.h"
+#include "tests/testing.h"
+
+#ifdef GPIPE_WITH_CUDA
+#include "runtime/cuda_runtime.h"
+#endif
+
+using namespace gpipe;
+using namespace gpipe::pipeline;
+using gpipe::testing::random_labels;
+using gpipe::testing::random_tensor;
+using gpipe::testing::to_doubles;
+
+namespace {
+
+// A small GPT with its head tied to the embedding (on different stages when K > 2),
+// dropout included: the CPU and CUDA masks are the same bits.
+layers::ModelSpec gpt_spec() {
+  layers::ModelSpec spec;
+  spec.input = {16};
+  spec.input_dtype = DType::kI32;
+  spec.seed = 7;
+  spec.layers = {{"embedding", {{"vocab", "64"}, {"dim", "32"}}, {}, ""},
+                 {"transformer_block", {{"heads", "4"}, {"dropout", "0.1"}}, {}, ""},
+                 {"transformer_block", {{"heads", "4"}}, {}, ""},
+                 {"layernorm", {}, {}, ""},
+                 {"linear", {{"out", "64"}, {"bias", "false"}, {"tied", "true"}}, {}, ""}};
+  spec.loss = {"softmax_cross_entropy", {}, {}, ""};
+  return spec;
+}
+
+layers::ModelSpec mlp_spec() {
+  layers::ModelSpec spec;
+  spec.input = {24};
+  spec.seed = 3;
+  spec.layers = {{"linear", {{"out", "64"}}, {}, ""}, {"gelu", {}, {}, ""}, {"linear", {{"out", "64"}}, {}, ""},
+                 {"relu", {}, {}, ""},              {"linear", {{"out", "32"}}, {}, ""}, {"relu", {}, {}, ""},
+                 {"linear", {{"out", "10"}}, {}, ""}};
+  spec.loss = {"softmax_cross_entropy", {}, {}, ""};
+  return spec;
+}
+
+struct Run {
+  double first_loss = 0;
+  std::vector<std::vector<double>> grads;  // after the first step, in named_parameters order
+  std::vector<double> losses;              // of the training steps that follow
+};
+
+Run run(const layers::ModelSpec& spec, const std::vector<Device>& devices, int M, const Tensor& x, const Tensor& y) {
+  auto model = layers::build_model(spec);
+  const int K = static_cast<int>(devices.size());
+  InProcessTransport transport(K);
+  ExecutorOptions opts;
+  opts.optimizer.type = "adamw";
+  opts.optimizer.lr = 3e-3;
+  opts.optimizer.weight_decay = 0.01;
+  opts.clip_grad_norm = 1.0;
+  opts.pin_threads = false;
+  const std::vector<int> balance = partition::balance_by_cost(std::vector<double>(model->size(), 1.0), K);
+  Executor ex(*model, make_stages(balance, devices), gpipe_schedule(K, M, CheckpointMode::kExceptLast), transport,
+              opts);
+  Run r;
+  r.first_loss = ex.step(x, y, /*apply_optimizer=*/false).loss;
+  for (const auto& np : model->named_parameters()) r.grads.push_back(to_doubles(np.second->grad));
+  for (int step = 0; step < 4; ++step) r.losses.push_back(ex.step(x, y).loss);
+  CHECK(transport.pending() == 0);
+  return r;
+}
+
+void compare(const Run& gpu, const Run& cpu) {
+  CHECK(gpu.first_loss == doctest::Approx(cpu.first_loss).epsilon(1e-4));
+  REQUIRE(gpu.grads.size() == cpu.grads.size());
+  for (size_t i = 0; i < gpu.grads.size(); ++i) {
+    INFO("gradient " << i);
+    GPIPE_EXPECT_CLOSE(gpu.grads[i], cpu.grads[i], 2e-3, 2e-5);
+  }
+  REQUIRE(gpu.losses.size() == cpu.losses.size());
+  for (size_t i = 0; i < gpu.losses.size(); ++i) {
+    INFO("training step " << i);
+    CHECK(gpu.losses[i] == doctest::Approx(cpu.losses[i]).epsilon(2e-3));
+  }
+}
+
+std::vector<Device> cpus(int k) {
+  std::vector<Device> d;
+  for (int i = 0; i < k; ++i) d.push_back(Device::cpu(i));
+  return d;
+}
+
+}  // namespace
+
+// First in the file (doctest runs a file's cases in order), before anything touches
+// GPU 0: the process must not create a context there.
+TEST_CASE("a pipeline on GPU 1 alone leaves no context on GPU 0") {
+  if (cuda_device_count() < 2) {
+    MESSAGE("skipped: needs two GPUs");
+    return;
+  }
+  Tensor x = random_tensor({12, 24}, DType::kF32, 1);
+  Tensor y = random_labels(12, 10, 2);
+  const Run gpu = run(mlp_spec(), {Device::cuda(1), Device::cuda(1)}, 3, x, y);
+  const Run cpu = run(mlp_spec(), cpus(2), 3, x, y);
+  compare(gpu, cpu);
+#ifdef GPIPE_WITH_CUDA
+  CHECK_FALSE(cuda_device_selector().has_context(0));
+  CHECK(cuda_device_selector().has_context(1));
+#endif
+}
+
+TEST_CASE("two stages sharing cuda:0 equal two CPU stages (MLP, uneven micro-batches)") {
+  Tensor x = random_tensor({13, 24}, DType::kF32, 3);
+  Tensor y = random_labels(13, 10, 4);
+  compare(run(mlp_spec(), {Device::cuda(0), Device::cuda(0)}, 4, x, y), run(mlp_spec(), cpus(2), 4, x, y));
+}
+
+TEST_CASE("a GPT with a tied head on three stages sharing cuda:0 equals three CPU stages") {
+  Tensor x = random_labels(8 * 16, 64, 5).reshape({8, 16});
+  Tensor y = random_labels(8 * 16, 64, 6).reshape({8, 16});
+  compare(run(gpt_spec(), {Device::cuda(0), Device::cuda(0), Device::cuda(0)}, 4, x, y),
+          run(gpt_spec(), cpus(3), 4, x, y));
+}
+
+TEST_CASE("stages on two GPUs (peer copies on the transfer stream) equal CPU stages") {
+  if (cuda_device_count() < 2) {
+    MESSAGE("skipped: needs two GPUs");
+    return;
+  }
+  Tensor x = random_labels(8 * 16, 64, 7).reshape({8, 16});
+  Tensor y = random_labels(8 * 16, 64, 8).reshape({8, 16});
+  // Hops between the GPUs and between stages sharing one, both ways, and the tied
+  // gradient between the first and the last stage.
+  const std::vector<Device> devices = {Device::cuda(0), Device::cuda(0), Device::cuda(1), Device::cuda(1)};
+  compare(run(gpt_spec(), devices, 4, x, y), run(gpt_spec(), cpus(4), 4, x, y));
+  Tensor xm = random_tensor({16, 24}, DType::kF32, 9);
+  Tensor ym = random_labels(16, 10, 10);
+  compare(run(mlp_spec(), {Device::cuda(0), Device::cuda(1)}, 8, xm, ym), run(mlp_spec(), cpus(2), 8, xm, ym));
+}
+
+int main(int argc, char** argv) { return gpipe::gpu_testing::run_gpu_tests(argc, argv); }
