@@ -1,10 +1,10 @@
 #include "pipeline/cli.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <functional>
 #include <iostream>
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
