@@ -1,9 +1,10 @@
 #include "pipeline/cli.h"
 
+#include <algorithm>
 #include <cstdio>
+#include <functional>
 #include <iostream>
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -165,7 +166,12 @@ std::string usage(const std::string& program) {
   return out;
 }
 
-int main(int argc, char** argv) {
+namespace {
+
+// Runs `body` as a command of this program: under mpirun with MPI initialised for the
+// life of the call (and a failure on one rank ending every rank), its messages on
+// stderr as "PROGRAM: error: ...", and its exit status.
+int guarded(int& argc, char**& argv, const std::function<int(Invocation&)>& body) {
   init_logging("info");
   Invocation inv;
   inv.program = base_name(argc > 0 ? argv[0] : nullptr);
@@ -181,12 +187,7 @@ int main(int argc, char** argv) {
   inv.mpi = mpi.get();
   const std::string on_rank = mpi ? " on rank " + std::to_string(mpi->rank()) : "";
   try {
-    if (argc < 2) throw UserError("no command given\n" + usage(inv.program));
-    const std::string name = argv[1];
-    const Command* cmd = find_command(name == "--help" || name == "-h" ? "help" : name);
-    if (cmd == nullptr) throw UserError("unknown command '" + name + "'\n" + usage(inv.program));
-    parse_args(argc, argv, *cmd, inv);
-    return cmd->run(inv);
+    return body(inv);
   } catch (const UserError& e) {
     std::fprintf(stderr, "%s: error%s: %s\n", inv.program.c_str(), on_rank.c_str(), e.what());
     return mpi ? mpi->abort(2) : 2;
@@ -194,6 +195,27 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s: internal error%s: %s\n", inv.program.c_str(), on_rank.c_str(), e.what());
     return mpi ? mpi->abort(1) : 1;
   }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return guarded(argc, argv, [&](Invocation& inv) {
+    if (argc < 2) throw UserError("no command given\n" + usage(inv.program));
+    const std::string name = argv[1];
+    const Command* cmd = find_command(name == "--help" || name == "-h" ? "help" : name);
+    if (cmd == nullptr) throw UserError("unknown command '" + name + "'\n" + usage(inv.program));
+    parse_args(argc, argv, *cmd, inv);
+    return cmd->run(inv);
+  });
+}
+
+int train(int argc, char** argv, pipeline::Config config, const pipeline::MakeModel& make_model) {
+  return guarded(argc, argv, [&](Invocation& inv) {
+    const pipeline::Launch launch = inv.mpi != nullptr ? inv.mpi->join(config) : pipeline::Launch{};
+    pipeline::train(config, make_model, std::cout, launch);
+    return 0;
+  });
 }
 
 }  // namespace cli

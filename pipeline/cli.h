@@ -16,6 +16,9 @@
 
 #include <string>
 
+#include "pipeline/config.h"
+#include "pipeline/run_model.h"
+
 namespace gpipe {
 namespace cli {
 
@@ -24,6 +27,11 @@ namespace cli {
 // an internal error; messages go to stderr as "PROGRAM: error: ...". Under mpirun it
 // initialises MPI and runs this rank's stage; a failing rank ends the whole job.
 int main(int argc, char** argv);
+
+// `PROGRAM train` for a program that fills its config in C++ and builds its model with
+// `make_model` (called once in each process): the same launch under mpirun, the same
+// messages and exit status. argc and argv are the program's (MPI_Init reads them).
+int train(int argc, char** argv, pipeline::Config config, const pipeline::MakeModel& make_model);
 
 // The commands and flags (what `PROGRAM help` prints first).
 std::string usage(const std::string& program);
