@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <iostream>
 #include <memory>
@@ -10,11 +12,13 @@
 
 #include "layers/registry.h"
 #include "partition/balance.h"
+#include "pipeline/checkpointing.h"
 #include "pipeline/config.h"
 #include "pipeline/mpi_launch.h"
 #include "pipeline/plan.h"
 #include "pipeline/run_model.h"
 #include "pipeline/schedule.h"
+#include "pipeline/supervisor.h"
 #include "pipeline/trainer.h"
 #include "runtime/device_binding.h"
 #include "runtime/error.h"
@@ -33,6 +37,9 @@ struct Invocation {
   std::string config = kDefaultConfig;
   std::vector<std::string> overrides;  // --set key=value
   pipeline::MpiLaunch* mpi = nullptr;  // set under mpirun
+  bool resume = false;                 // --resume: go on from the newest complete checkpoint
+  int processes = 1;                   // run --np P
+  int max_restarts = 3;                // run --max-restarts N
 };
 
 // A subcommand. Adding one is a function and an entry in kCommands.
@@ -52,6 +59,7 @@ std::string join(const std::vector<std::string>& v) {
 
 int run_train(Invocation& inv) {
   pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);
+  if (inv.resume && config.checkpoint.resume.empty()) config.checkpoint.resume = "auto";
   if (inv.mpi == nullptr) {
     // This thread moves the weights and evaluates on the stages' GPUs: bound to the
     // first one before any CUDA call, it never makes a context on a GPU no stage uses.
@@ -100,6 +108,21 @@ int run_plan(Invocation& inv) {
   return 0;
 }
 
+// The restart loop: the job (this program's train, or mpirun -np P of it) relaunched
+// with --resume after a failure, up to --max-restarts times.
+int run_run(Invocation& inv) {
+  const pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);  // a bad config fails here, once
+  pipeline::SupervisorOptions o;
+  o.program = std::filesystem::read_symlink("/proc/self/exe").string();
+  o.config = inv.config;
+  o.overrides = inv.overrides;
+  o.processes = inv.processes;
+  o.max_restarts = inv.max_restarts;
+  o.checkpoint_dir = pipeline::checkpoint_dir(config);
+  o.resume_first = inv.resume;
+  return pipeline::supervise(o);
+}
+
 int run_help(Invocation& inv) {
   std::cout << usage(inv.program) << "\nlayer types: " << join(layers::layer_types())
             << "\nlosses: " << join(layers::loss_types())
@@ -108,8 +131,11 @@ int run_help(Invocation& inv) {
 }
 
 const Command kCommands[] = {
-    {"train", "[CONFIG.yaml] [--set key=value ...]", "train (default config: configs/default.yaml)",
+    {"train", "[CONFIG.yaml] [--set key=value ...] [--resume]",
+     "train (default config: configs/default.yaml); --resume: from the newest complete checkpoint",
      "one process per stage and replica (K = pipeline.partitions, D = pipeline.replicas)", run_train},
+    {"run", "[--np P] [--max-restarts N] [CONFIG.yaml] [--set key=value ...] [--resume]",
+     "train, and after a failure restart from the newest checkpoint (mpirun -np P for P > 1)", nullptr, run_run},
     {"plan", "[CONFIG.yaml] [--set key=value ...]", "show the partition and schedule, do not train", nullptr, run_plan},
     {"help", "", "this text, and the layer types and models this program knows", nullptr, run_help},
 };
@@ -123,11 +149,30 @@ const Command* find_command(const std::string& name) {
 
 // The command's arguments: an optional config path and --set overrides.
 void parse_args(int argc, char** argv, const Command& cmd, Invocation& inv) {
-  const bool takes_config = std::string(cmd.args).find("CONFIG") != std::string::npos;
+  const std::string args = cmd.args;
+  const bool takes_config = args.find("CONFIG") != std::string::npos;
+  auto takes = [&](const char* flag) { return args.find(std::string("[") + flag) != std::string::npos; };
+  // --np P, --max-restarts N: a count of at least `least`.
+  auto count = [&](int& i, const std::string& flag, int least) {
+    if (i + 1 >= argc) throw UserError(flag + " needs a number, e.g. " + flag + " 2");
+    const std::string v = argv[++i];
+    char* end = nullptr;
+    const long n = std::strtol(v.c_str(), &end, 10);
+    if (v.empty() || *end != '\0' || n < least || n > 100000) {
+      throw UserError(flag + " " + v + ": expected a whole number of at least " + std::to_string(least));
+    }
+    return static_cast<int>(n);
+  };
   bool have_config = false;
   for (int i = 2; i < argc; ++i) {
     const std::string arg = argv[i];
-    if (takes_config && arg == "--set") {
+    if (takes("--resume") && arg == "--resume") {
+      inv.resume = true;
+    } else if (takes("--np") && arg == "--np") {
+      inv.processes = count(i, arg, 1);
+    } else if (takes("--max-restarts") && arg == "--max-restarts") {
+      inv.max_restarts = count(i, arg, 0);
+    } else if (takes_config && arg == "--set") {
       if (i + 1 >= argc) throw UserError("--set needs KEY=VALUE, e.g. --set train.steps=10");
       inv.overrides.push_back(argv[++i]);
     } else if (takes_config && arg.rfind("--set=", 0) == 0) {
@@ -188,6 +233,10 @@ int guarded(int& argc, char**& argv, const std::function<int(Invocation&)>& body
   const std::string on_rank = mpi ? " on rank " + std::to_string(mpi->rank()) : "";
   try {
     return body(inv);
+  } catch (const pipeline::RunStopped& e) {
+    // Every process stopped after the same step and saved its share: a clean exit.
+    std::fprintf(stderr, "%s%s: %s\n", inv.program.c_str(), on_rank.c_str(), e.what());
+    return 128 + e.signal();
   } catch (const UserError& e) {
     std::fprintf(stderr, "%s: error%s: %s\n", inv.program.c_str(), on_rank.c_str(), e.what());
     return mpi ? mpi->abort(2) : 2;
