@@ -15,7 +15,9 @@ tmp="${TEST_TMPDIR:-/tmp}/mpi_equivalence"
 mkdir -p "$tmp"
 mpirun=(timeout 300 mpirun --allow-run-as-root --oversubscribe)
 
-# A small float64 MLP with AdamW, warm-up, cosine decay and clipping: every promise at once.
+# A small float64 MLP with dropout, AdamW, warm-up, cosine decay and clipping: every
+# promise at once. Dropout's masks are keyed by each sample's place in the whole
+# mini-batch, so replicas, stages and micro-batches draw the same ones.
 cat > "$tmp/mlp64.yaml" <<EOF
 model:
   input: [32]
@@ -23,10 +25,12 @@ model:
   layers:
     - {type: linear, out: 64}
     - {type: gelu}
+    - {type: dropout, p: 0.2}
     - {type: linear, out: 64}
     - {type: relu}
     - {type: linear, out: 64}
     - {type: gelu}
+    - {type: dropout, p: 0.1}
     - {type: linear, out: 64}
     - {type: relu}
     - {type: linear, out: 6}
