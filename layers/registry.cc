@@ -316,6 +316,13 @@ std::unique_ptr<Sequential> build_model(const ModelSpec& spec) {
       ls.args.erase(it);
     }
     Layer& layer = model->add(make_layer(ls, model->output_shape(), spec.dtype, mix_seed(spec.seed, i)));
+    if (!ls.name.empty()) {
+      try {
+        model->set_layer_name(static_cast<int>(i), ls.name);
+      } catch (const UserError& e) {
+        throw UserError(std::string(e.what()) + at(ls));
+      }
+    }
     if (!tied) continue;
     auto* head = dynamic_cast<Linear*>(&layer);
     if (head == nullptr) throw UserError("tied" + at(ls) + ": only a linear layer can be tied to an embedding");

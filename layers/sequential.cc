@@ -1,5 +1,8 @@
 #include "layers/sequential.h"
 
+#include <algorithm>
+#include <cctype>
+
 #include <cmath>
 
 #include "runtime/error.h"
@@ -7,7 +10,28 @@
 namespace gpipe {
 namespace layers {
 
-Layer& Sequential::add(std::unique_ptr<Layer> layer) {
+std::string Sequential::layer_name(int i) const {
+  const std::string& n = names_.at(i);
+  return n.empty() ? "layers." + std::to_string(i) : n;
+}
+
+void Sequential::set_layer_name(int i, const std::string& name) {
+  const std::string what = "layer " + std::to_string(i) + " (" + layers_.at(i)->describe() + ")";
+  const bool ok_chars = std::all_of(name.begin(), name.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.';
+  });
+  if (name.empty() || !ok_chars || name.front() == '.' || name.back() == '.') {
+    throw UserError(what + ": name '" + name + "' must be letters, digits, '_' and inner '.', e.g. h.0 or lm_head");
+  }
+  for (int j = 0; j < size(); ++j) {
+    if (j != i && layer_name(j) == name) {
+      throw UserError(what + ": name '" + name + "' is layer " + std::to_string(j) + "'s already; names are unique");
+    }
+  }
+  names_.at(i) = name;
+}
+
+Layer& Sequential::add(std::unique_ptr<Layer> layer, const std::string& name) {
   const Shape& want = output_shape();
   if (layer->input_shape() != want || layer->input_dtype() != output_dtype()) {
     throw UserError("layer " + std::to_string(layers_.size()) + " (" + layer->describe() + ") takes " +
@@ -16,6 +40,8 @@ Layer& Sequential::add(std::unique_ptr<Layer> layer) {
   }
   layer->index_ = static_cast<int>(layers_.size());
   layers_.push_back(std::move(layer));
+  names_.emplace_back();
+  if (!name.empty()) set_layer_name(size() - 1, name);
   return *layers_.back();
 }
 

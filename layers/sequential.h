@@ -34,8 +34,11 @@ class Sequential {
   Sequential(Shape input_shape, DType dtype, DType input_dtype)
       : input_shape_(std::move(input_shape)), dtype_(dtype), input_dtype_(input_dtype) {}
 
-  // Appends a layer; its input shape must equal the current output shape.
-  Layer& add(std::unique_ptr<Layer> layer);
+  // Appends a layer; its input shape must equal the current output shape. `name`, if
+  // given, is what checkpoints call the layer ("wte", "h.0", "lm_head": letters, digits,
+  // '_' and '.', unique in the model), so that a model of one's own keeps its names in
+  // any partition; without one it is "layers.<index>".
+  Layer& add(std::unique_ptr<Layer> layer, const std::string& name = "");
   template <typename L, typename... Args>
   L& emplace(Args&&... args) {
     return static_cast<L&>(add(std::make_unique<L>(std::forward<Args>(args)...)));
@@ -43,6 +46,10 @@ class Sequential {
   void set_loss(std::unique_ptr<Loss> loss) { loss_ = std::move(loss); }
 
   int size() const { return static_cast<int>(layers_.size()); }
+  // The layer's name in checkpoints: its own, or "layers.<i>".
+  std::string layer_name(int i) const;
+  // Names layer i (see add).
+  void set_layer_name(int i, const std::string& name);
   Layer& layer(int i) { return *layers_.at(i); }
   const Layer& layer(int i) const { return *layers_.at(i); }
   Loss& loss();
@@ -84,6 +91,7 @@ class Sequential {
   DType dtype_;
   DType input_dtype_;
   std::vector<std::unique_ptr<Layer>> layers_;
+  std::vector<std::string> names_;  // per layer; empty: "layers.<i>"
   std::unique_ptr<Loss> loss_;
   std::vector<Tie> ties_;
 };

@@ -155,6 +155,10 @@ class Decoder {
         spec.cost = c;
         continue;
       }
+      if (key == "name") {  // what checkpoints call the layer
+        spec.name = str(it->second, p + ".name");
+        continue;
+      }
       if (!it->second.IsScalar()) fail(it->second, p + "." + key, "layer options take single values");
       spec.args[key] = it->second.Scalar();
     }

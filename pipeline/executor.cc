@@ -602,16 +602,18 @@ void Executor::run_stage(int k) {
   }
 }
 
-std::string state_name(int layer, const std::string& name) { return "layers." + std::to_string(layer) + "." + name; }
+std::string state_name(const layers::Sequential& model, int layer, const std::string& name) {
+  return model.layer_name(layer) + "." + name;
+}
 
 namespace {
 
 // The name a parameter is saved under: its own, or a tied copy's owner's.
 std::string parameter_name(layers::Sequential& model, int layer, const layers::Parameter* p) {
   for (const layers::Tie& t : model.ties()) {
-    if (t.copy == p) return state_name(t.owner_layer, t.owner->name);
+    if (t.copy == p) return state_name(model, t.owner_layer, t.owner->name);
   }
-  return state_name(layer, p->name);
+  return state_name(model, layer, p->name);
 }
 
 Tensor host_copy(const Tensor& t) {
@@ -660,8 +662,8 @@ StageStateNames Executor::state_names(int k) const {
         out.optimizer.insert(out.optimizer.end(), opt.begin(), opt.end());
       }
       for (const layers::Buffer& b : model_.layer(i).buffers()) {
-        out.model.push_back(state_name(i, b.name));
-        out.model_needed.push_back(state_name(i, b.name));
+        out.model.push_back(state_name(model_, i, b.name));
+        out.model_needed.push_back(state_name(model_, i, b.name));
       }
     }
   }
@@ -689,7 +691,7 @@ StageState Executor::save_state(int k) {
           out.optimizer[name + s.suffix] = host_copy(*s.value);
         }
       }
-      for (const layers::Buffer& b : model_.layer(i).buffers()) out.model[state_name(i, b.name)] = host_copy(*b.value);
+      for (const layers::Buffer& b : model_.layer(i).buffers()) out.model[state_name(model_, i, b.name)] = host_copy(*b.value);
     }
   }
   return out;
@@ -722,7 +724,7 @@ void Executor::restore_state(int k, const std::map<std::string, Tensor>& model,
         }
       }
       for (const layers::Buffer& b : model_.layer(i).buffers()) {
-        restore_into(state_name(i, b.name), find_state(model, state_name(i, b.name), "buffer"), *b.value, "buffer");
+        restore_into(state_name(model_, i, b.name), find_state(model, state_name(model_, i, b.name), "buffer"), *b.value, "buffer");
       }
     }
   }

@@ -100,7 +100,8 @@ struct StepResult {
 
 // A stage's share of a checkpoint (pipeline/checkpoint.h), as host tensors by stable
 // names that do not depend on the partition: the parameters and buffers of its layers as
-// "layers.<i>.<name>" ("layers.3.attn.qkv.weight", "layers.2.running_mean"), and its
+// "<layer name>.<name>" ("layers.3.attn.qkv.weight", "layers.2.running_mean", or with
+// a named layer "h.0.attn.qkv.weight"), and its
 // optimizer's state as "<parameter name><suffix>" (".exp_avg", ".momentum_buffer") and
 // "<parameter name>.step". A tied copy is its owner's weight: only the owner's stage saves
 // it, and the copy's stage restores it from the owner's name.
@@ -111,8 +112,8 @@ struct StageStateNames {
   std::vector<std::string> model, optimizer;  // what the stage saves
   std::vector<std::string> model_needed, optimizer_needed;  // what it restores (its tied copies' owners too)
 };
-// "layers.3.weight"
-std::string state_name(int layer, const std::string& name);
+// "layers.3.weight", or with the layer named "h.0.attn.qkv.weight" (Sequential::layer_name).
+std::string state_name(const layers::Sequential& model, int layer, const std::string& name);
 
 // Sizes of M micro-batches of an N-sample batch: as even as possible, larger first
 // (10 into 4 -> 3 3 2 2). Throws UserError when N < M.

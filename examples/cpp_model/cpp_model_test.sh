@@ -5,7 +5,10 @@
 #  2. under mpirun -np 2 (one stage per process) it logs the same losses;
 #  3. train_in_cpp (config filled in C++, model from a factory) is the same run: the
 #     same losses, with one process and with two;
-#  4. a mistyped model option is refused with the valid ones.
+#  4. a mistyped model option is refused with the valid ones;
+#  5. its checkpoints name the tensors by the model's own layer names (GPT-2's: wte,
+#     h.0, ln_f; the head tied to wte saved once), and a run resumed from one under
+#     mpirun -np 2 ends with the same loss.
 set -uo pipefail
 tiny_gpt="$1"
 train_in_cpp="$2"
@@ -49,3 +52,17 @@ rc=$?
 [ "$rc" -eq 2 ] && grep -q "model 'tiny_gpt' (at .*tiny_gpt.yaml:7:8): unknown option 'dims'; valid options: .*dim" \
   "$tmp/bad.log" || fail "a mistyped model option (rc=$rc)" "$tmp/bad.log"
 echo "ok: a mistyped model option is refused with the valid ones"
+
+# 5. Checkpoints by the model's own names; resume on two processes.
+index="$tmp/yaml/checkpoints/step-20/model.safetensors.index.json"
+[ -e "$tmp/yaml/checkpoints/step-20/COMPLETE" ] || fail "no checkpoint at step 20" "$tmp/yaml.log"
+for name in wte.token h.0.attn.qkv.weight h.1.fc2.bias ln_f.weight; do
+  grep -q "\"$name\"" "$index" || fail "the checkpoint has no $name" "$index"
+done
+! grep -q '"lm_head.weight"' "$index" || fail "the tied head is saved twice" "$index"
+"${mpirun[@]}" -np 2 "$tiny_gpt" train "$config" --set data.path="$tmp/text.txt" --set train.steps=$steps \
+  --set output.dir="$tmp/resumed" --set checkpoint.resume="$tmp/yaml/checkpoints/step-10" > "$tmp/resumed.log" 2>&1 ||
+  fail "resume under mpirun -np 2" "$tmp/resumed.log"
+diff <(grep -E "^step +$steps/" "$tmp/yaml.log" | awk '{print $4}') \
+     <(grep -E "^step +$steps/" "$tmp/resumed.log" | awk '{print $4}') || fail "the resumed run's last loss differs" "$tmp/resumed.log"
+echo "ok: checkpoints named wte, h.N, ln_f; resumed from step 10 on two processes to the same loss"

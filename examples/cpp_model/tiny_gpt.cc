@@ -21,20 +21,22 @@ std::unique_ptr<Sequential> make_tiny_gpt(const TinyGptOptions& o) {
   uint64_t layer = 0;
   EmbeddingOptions emb(o.vocab, C, T);  // (T) ids -> (T, C)
   emb.seed = mix_seed(o.seed, layer++);
-  Embedding& embedding = model->emplace<Embedding>(emb);
+  // Named as GPT-2's modules are, so that a checkpoint's tensors are "wte.token",
+  // "h.0.attn.qkv.weight", ..., "ln_f.weight" in any partition.
+  auto& embedding = static_cast<Embedding&>(model->add(std::make_unique<Embedding>(emb), "wte"));
   for (int64_t b = 0; b < o.blocks; ++b) {
     TransformerBlockOptions block(C, o.heads, T);  // (T, C) -> (T, C)
     block.dropout = o.dropout;
     block.seed = mix_seed(o.seed, layer++);
-    model->emplace<TransformerBlock>(block);
+    model->add(std::make_unique<TransformerBlock>(block), "h." + std::to_string(b));
   }
-  model->emplace<LayerNorm>(LayerNormOptions({T, C}));
+  model->add(std::make_unique<LayerNorm>(LayerNormOptions({T, C})), "ln_f");
   ++layer;
   LinearOptions head(C, o.vocab);  // (T, C) -> (T, vocab) logits
   head.leading = {T};
   head.bias = false;
   head.seed = mix_seed(o.seed, layer++);
-  Linear& out = model->emplace<Linear>(head);
+  auto& out = static_cast<Linear&>(model->add(std::make_unique<Linear>(head), "lm_head"));
   // The head's weight is the token table (GPT-2): each stage keeps a copy and both get
   // the sum of the two gradients before every step.
   model->tie(/*owner_layer=*/0, embedding.token(), /*copy_layer=*/model->size() - 1, out.weight());

@@ -35,8 +35,8 @@ int main(int argc, char** argv) {
   c.train.eval_interval = 50;
   c.train.eval_samples = 256;
   c.output.dir = argv[2];
-  // ---- CHECKPOINTS: when the trainer writes checkpoints, set where and how often here
-  // (and in tiny_gpt.yaml), and have the test resume from one.
+  c.checkpoint.every = 10;  // saves under OUTPUT_DIR/checkpoints; `--resume` goes on from the newest
+  c.checkpoint.keep = 2;
 
   return gpipe::cli::train(argc, argv, c, [&] { return example::make_tiny_gpt(model); });
 }
