@@ -22,8 +22,8 @@ struct LayerSpec {
   std::string type;
   std::map<std::string, std::string> args;  // option -> scalar text, e.g. {"out": "1024"}
   std::optional<double> cost;               // a user's cost for the balancer, overriding the estimate
-  std::string name;                         // what checkpoints call the layer; empty: layers.<i>
   std::string where;                        // "configs/default.yaml:12:7", for messages
+  std::string name;                         // what checkpoints call the layer; empty: layers.<i>
 };
 
 struct ModelSpec {
