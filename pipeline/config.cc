@@ -259,6 +259,12 @@ void apply_override(YAML::Node& root, const std::string& text, Decoder& dec) {
   } else {
     cur[parts.back()] = value_node;
   }
+  // pipeline.recompute and pipeline.checkpoint are one setting: setting either replaces
+  // whichever the file wrote.
+  for (const auto& [set, other] : {std::make_pair("pipeline.recompute", "checkpoint"),
+                                   std::make_pair("pipeline.checkpoint", "recompute")}) {
+    if (path == set && root["pipeline"].IsMap()) root["pipeline"].remove(other);
+  }
   dec.note_override(path, text);
 }
 

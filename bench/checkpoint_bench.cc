@@ -1,0 +1,139 @@
+// Checkpoint speed: how fast a model's and its optimizer's state is saved and loaded,
+// against a plain copy of the same bytes on the same disk, and how long a save stops
+// training, synchronous and asynchronous. One JSON line per measurement.
+//
+//   checkpoint_bench CONFIG.yaml DIR [--set key=value ...] [--repeats N]
+//
+// The config's model is built and placed on its pipeline's stages (one process), takes
+// one optimizer step (so Adam's moments exist), and is then saved to DIR/ckpt
+// repeatedly: `sync` = host copies plus the files written and made durable; `stall`
+// = what the training thread waits for with checkpoint.async (the host copies and the
+// hand-over to the writer thread); `load` = reading it back with every file checked;
+// `cp` = `cp -r` of the saved folder followed by sync, the disk's own rate for the same
+// bytes.
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "pipeline/checkpoint.h"
+#include "pipeline/checkpoint_writer.h"
+#include "pipeline/config.h"
+#include "pipeline/executor.h"
+#include "pipeline/plan.h"
+#include "pipeline/run_model.h"
+#include "runtime/inprocess_transport.h"
+#include "tests/testing.h"
+
+using namespace gpipe;
+using namespace gpipe::pipeline;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+int64_t folder_bytes(const std::string& dir) {
+  int64_t n = 0;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir)) {
+    if (e.is_regular_file()) n += static_cast<int64_t>(e.file_size());
+  }
+  return n;
+}
+
+void emit(const std::string& config, const std::string& what, double s, int64_t bytes) {
+  nlohmann::json j{{"config", config}, {"what", what}, {"seconds", s}, {"bytes", bytes},
+                   {"gb_per_s", bytes / s / 1e9}};
+  std::cout << j.dump() << std::endl;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    std::fprintf(stderr, "usage: %s CONFIG.yaml DIR [--set key=value ...] [--repeats N]\n", argv[0]);
+    return 2;
+  }
+  const std::string config_path = argv[1], dir = argv[2];
+  std::vector<std::string> overrides;
+  int repeats = 3;
+  for (int i = 3; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--set" && i + 1 < argc) overrides.push_back(argv[++i]);
+    if (a == "--repeats" && i + 1 < argc) repeats = std::atoi(argv[++i]);
+  }
+  try {
+    const Config loaded = load_config(config_path, overrides);
+    RunModel run = build_run_model(loaded);
+    const Config& c = run.config;
+    layers::Sequential& model = *run.model;
+    const Plan plan = make_plan(c, model);
+    InProcessTransport transport(plan.stages);
+    ExecutorOptions opts;
+    opts.optimizer = c.optimizer.optimizer;
+    Executor ex(model, plan.cells, plan.schedule, transport, opts);
+    // One step, so that the optimizer has state: random inputs of the model's shape.
+    Shape in{plan.replica_batch};
+    in.insert(in.end(), model.input_shape().begin(), model.input_shape().end());
+    Tensor x = model.input_dtype() == DType::kI32
+                   ? gpipe::testing::random_labels(shape_numel(in), 2, 1).reshape(in)
+                   : gpipe::testing::random_tensor(in, model.input_dtype(), 1);
+    Shape out_shape{plan.replica_batch};
+    const Shape& o = model.output_shape();
+    out_shape.insert(out_shape.end(), o.begin(), o.end() - 1);
+    Tensor y = gpipe::testing::random_labels(shape_numel(out_shape), static_cast<int>(o.back()), 2).reshape(out_shape);
+    ex.step(x, y);
+
+    std::filesystem::remove_all(dir);
+    CheckpointStore store(dir + "/ckpt", 1);
+    auto shards = [&] {
+      std::vector<ShardTensors> out;
+      for (int k = 0; k < plan.stages; ++k) {
+        StageState s = ex.save_state(k);
+        out.push_back({std::move(s.model), std::move(s.optimizer)});
+      }
+      return out;
+    };
+    int64_t bytes = 0;
+    for (int r = 0; r < repeats; ++r) {
+      const auto t0 = Clock::now();
+      store.save(r + 1, shards(), nlohmann::json::object());
+      const double s = seconds_since(t0);
+      bytes = folder_bytes(store.step_path(r + 1));
+      emit(config_path, "sync", s, bytes);
+    }
+    {
+      AsyncCheckpointWriter writer(CheckpointStore(dir + "/async", 1));
+      for (int r = 0; r < repeats; ++r) {
+        writer.wait();  // the previous save, outside the stall
+        const auto t0 = Clock::now();
+        writer.save(r + 1, shards(), nlohmann::json::object());
+        emit(config_path, "stall", seconds_since(t0), bytes);
+      }
+      writer.wait();
+    }
+    const std::string saved = store.step_path(repeats);
+    for (int r = 0; r < repeats; ++r) {
+      const auto t0 = Clock::now();
+      const LoadedCheckpoint back = load_checkpoint(saved);
+      emit(config_path, "load", seconds_since(t0), bytes);
+    }
+    for (int r = 0; r < repeats; ++r) {
+      std::filesystem::remove_all(dir + "/copy");
+      const std::string cmd = "cp -r '" + saved + "' '" + dir + "/copy' && sync";
+      const auto t0 = Clock::now();
+      if (std::system(cmd.c_str()) != 0) throw Error("cp failed");
+      emit(config_path, "cp", seconds_since(t0), bytes);
+    }
+    std::filesystem::remove_all(dir);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "checkpoint_bench: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
