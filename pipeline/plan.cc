@@ -162,11 +162,14 @@ std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequent
 }
 
 int64_t checkpoint_bytes(layers::Sequential& model, const layers::OptimizerConfig& optimizer) {
-  int64_t params = 0;
+  int64_t params = 0, buffers = 0;
   for (const auto& [name, p] : model.named_parameters()) {
     if (!model.is_tied_copy(p)) params += static_cast<int64_t>(p->value.nbytes());
   }
-  return params * (1 + optimizer_slots(optimizer));
+  for (int i = 0; i < model.size(); ++i) {
+    for (const layers::Buffer& b : model.layer(i).buffers()) buffers += static_cast<int64_t>(b.value->nbytes());
+  }
+  return params * (1 + optimizer_slots(optimizer)) + buffers;
 }
 
 }  // namespace pipeline
