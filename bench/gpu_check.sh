@@ -15,7 +15,9 @@
 #         smi       nvidia-smi while runs train: every process holds memory on its own
 #                   GPU only (one process with its stages on the last GPU; with mpirun
 #                   and two GPUs or more, one rank per GPU)
-#         nccl      with mpirun and two GPUs: the NCCL transport check and an NCCL
+#         nccl      with mpirun and two GPUs: the NCCL transport test (its cases, a
+#                   grouped exchange both ways, and waits on a stuck peer ending the
+#                   job at the deadline; runtime/nccl_transport_test.sh) and an NCCL
 #                   training run against threads (pipeline/nccl_train_test.sh)
 #         bench     the GPU benchmarks (block_bench, pipeline_bench K = 1, 2, 4)
 #       Full logs under $OUT (or /tmp/gpu_check); the table is printed last. A step that
@@ -47,7 +49,8 @@ prepare() {
       esac
     done
   done
-  cp bench/torch_block.py configs/default.yaml configs/mlp.yaml pipeline/nccl_train_test.sh "$carry/"
+  cp bench/torch_block.py configs/default.yaml configs/mlp.yaml pipeline/nccl_train_test.sh \
+    runtime/nccl_transport_test.sh "$carry/"
   cp /usr/share/common-licenses/GPL-3 "$carry/GPL-3"
   du -sh "$carry" >&2
 }
@@ -189,12 +192,14 @@ step_nccl() {
     record nccl skipped "needs mpirun and two GPUs ($gpus visible)"
     return
   fi
-  if timeout 300 mpirun --allow-run-as-root --oversubscribe -np 2 "$carry/nccl_transport_check" \
-       > "$out/nccl_transport_check.log" 2>&1 &&
-     [ "$(grep -c 'nccl_transport_check: rank [01] ok' "$out/nccl_transport_check.log")" -eq 2 ]; then
-    record nccl_transport_check pass "both ranks ok"
+  # The test cases (a grouped exchange both ways among them), then a stuck peer for each
+  # kind of wait on NCCL work: the job must end at the deadline with status 75.
+  if timeout 600 bash "$carry/nccl_transport_test.sh" "$carry/nccl_transport_check" \
+       > "$out/nccl_transport_test.log" 2>&1 &&
+     grep -q '^nccl_transport_test: ok' "$out/nccl_transport_test.log"; then
+    record nccl_transport_test pass "both ranks ok; stuck send, receive and all-reduce end the job at the deadline"
   else
-    record nccl_transport_check FAIL "$out/nccl_transport_check.log"
+    record nccl_transport_test FAIL "$out/nccl_transport_test.log"
   fi
   if TEST_TMPDIR="$out" bash "$carry/nccl_train_test.sh" "$carry/gpipe" "$carry/mlp.yaml" "$carry/cuda_devices" \
        > "$out/nccl_train_test.log" 2>&1; then

@@ -462,6 +462,9 @@ void Executor::optimizer_step(StageRuntime& rt) {
   if (rt.reducer) rt.reducer->finish(rt.optimizer->params());  // its device is not shared (checked)
   sum_tied_gradients(k);
   if (!cur_.apply_optimizer) return;  // the gradients stay for inspection
+  // A GPU transport's transfers, waited for under its deadline: the wait below then
+  // waits for no peer.
+  transport_.flush(k);
   {
     // A device backend reports bad data (a token id, a label) at its next wait: wait
     // here, once per step, so that such an error stops the step before this stage's

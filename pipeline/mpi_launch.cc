@@ -13,6 +13,7 @@
 
 #ifdef GPIPE_WITH_CUDA
 #include "kernels/backend.h"
+#include "runtime/nccl_replica_group.h"
 #include "runtime/nccl_transport.h"
 #endif
 
@@ -119,13 +120,15 @@ Launch MpiLaunch::join(Config& config) {
     // kernels run on (the backend the executor will use for this device).
     bind_thread_to_device(device);  // before the first CUDA call of this rank
     Stream& compute = backend_for(device).stream();
-    auto nccl = std::make_unique<NcclTransport>(pipeline_, device, compute);
+    auto nccl = std::make_unique<NcclTransport>(pipeline_, device, compute, config.pipeline.timeout_s);
     NcclTransport* pipeline = nccl.get();
     transport_ = std::move(nccl);
     // Without replicas the group is never used: no NCCL communicator for it.
     if (D > 1) {
-      // Its all-reduces ordered against the pipeline's sends and receives.
-      replica_group_ = std::make_unique<NcclReplicaGroup>(replicas_, device, compute, pipeline);
+      // Its all-reduces ordered against the pipeline's sends and receives, and waited
+      // for (with the deadline) by the transport's flush.
+      replica_group_ =
+          std::make_unique<NcclReplicaGroup>(replicas_, device, compute, pipeline, config.pipeline.timeout_s);
     } else {
       replica_group_ = std::make_unique<MpiReplicaGroup>(replicas_, config.pipeline.timeout_s);
     }

@@ -99,6 +99,7 @@ std::pair<double, double> evaluate(layers::Sequential& model, const Plan& plan, 
       }
     }
     if (!multi || sched.stage_of_cell(C - 1) == me) {
+      if (multi) launch.transport->flush(me);  // the scores wait for the device, not for a peer
       const Score part = score_chunk(model, backend_for(plan.cells.back().device), h, y);
       total.loss_sum += part.loss_sum;
       total.correct += part.correct;

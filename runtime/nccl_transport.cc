@@ -1,4 +1,4 @@
-// NcclTransport and NcclReplicaGroup: the stream and event protocol is described in
+// NcclTransport: the stream, event, group and deadline protocol is described in
 // nccl_transport.h. Every CUDA, NCCL and MPI call is checked; destructors only log.
 #include "runtime/nccl_transport.h"
 
@@ -13,90 +13,12 @@
 #include "runtime/cuda_runtime.h"
 #include "runtime/error.h"
 #include "runtime/mpi_check.h"
+#include "runtime/nccl_replica_group.h"
 
 namespace gpipe {
 
-namespace {
-
-// An NCCL communicator over the ranks of `comm` on `device`; collective over comm.
-ncclComm_t make_nccl_comm(MPI_Comm comm, Device device, const char* owner) {
-  GPIPE_CHECK(device.is_cuda(), std::string(owner) + " needs a CUDA device, not " + device.str());
-  int rank = 0, size = 1;
-  GPIPE_MPI_CHECK(MPI_Comm_rank(comm, &rank));
-  GPIPE_MPI_CHECK(MPI_Comm_size(comm, &size));
-  // NCCL binds the communicator to the current device. Left set on purpose: this
-  // thread's later CUDA calls then default to this rank's GPU instead of creating a
-  // context on GPU 0.
-  GPIPE_CUDA_CHECK(cudaSetDevice(device.index));
-  ncclUniqueId id{};
-  if (rank == 0) GPIPE_NCCL_CHECK(ncclGetUniqueId(&id));
-  GPIPE_MPI_CHECK(MPI_Bcast(&id, static_cast<int>(sizeof(id)), MPI_BYTE, 0, comm));
-  ncclComm_t nccl = nullptr;
-  try {
-    GPIPE_NCCL_CHECK(ncclCommInitRank(&nccl, size, id, rank));
-  } catch (const Error& e) {
-    throw Error(std::string(e.what()) + "; " + owner + " rank " + std::to_string(rank) + " of " +
-                std::to_string(size) + " on " + device.str() +
-                ": every rank needs its own GPU (NCCL refuses two ranks on one) and the nodes must reach each "
-                "other (see NCCL_SOCKET_IFNAME in the README)");
-  }
-  return nccl;
-}
-
-// Without throwing. Destroying waits until every peer is quiescent too, so when they
-// may never get there (an exception on its way to MPI_Abort, messages still in
-// flight) the communicator is aborted instead.
-void release_nccl_comm(ncclComm_t comm, bool abandon, const char* owner) noexcept {
-  if (comm == nullptr) return;
-  const ncclResult_t r = abandon ? ncclCommAbort(comm) : ncclCommDestroy(comm);
-  if (r != ncclSuccess) {
-    spdlog::warn("{}: {} failed: {}", owner, abandon ? "ncclCommAbort" : "ncclCommDestroy", ncclGetErrorString(r));
-  }
-}
-
-// A failure NCCL found in the background (a peer or the network went away).
-void check_async_error(ncclComm_t comm, const char* owner) {
-  ncclResult_t state = ncclSuccess;
-  GPIPE_NCCL_CHECK(ncclCommGetAsyncError(comm, &state));
-  if (state != ncclSuccess && state != ncclInProgress) {
-    throw Error(error_location(__FILE__, __LINE__) + ": " + owner + ": NCCL reported an asynchronous error: " +
-                ncclGetErrorString(state) + " (set NCCL_DEBUG=INFO for details)");
-  }
-}
-
-// Runs one NCCL call inside ncclGroupStart/End. The group is closed even when the call
-// fails, so NCCL's group depth stays balanced for the next call.
-template <typename Call>
-void in_group(Call call) {
-  GPIPE_NCCL_CHECK(ncclGroupStart());
-  try {
-    call();
-  } catch (...) {
-    const ncclResult_t r = ncclGroupEnd();
-    if (r != ncclSuccess) spdlog::debug("ncclGroupEnd after a failed call: {}", ncclGetErrorString(r));
-    throw;
-  }
-  GPIPE_NCCL_CHECK(ncclGroupEnd());
-}
-
-// Work queued on `waiter` from now on starts after the work queued on `producer` so
-// far; the host does not wait.
-void order_after(cudaStream_t waiter, cudaStream_t producer, const nccl_detail::EventHandle& edge) {
-  GPIPE_CUDA_CHECK(cudaEventRecord(edge.get(), producer));
-  GPIPE_CUDA_CHECK(cudaStreamWaitEvent(waiter, edge.get(), 0));
-}
-
-void check_compute_stream(const Stream& compute, Device device, const char* owner) {
-  GPIPE_CHECK(compute.device() == device && compute.native() != nullptr,
-              std::string(owner) + " on " + device.str() + " needs that device's CUDA compute stream, not a stream of " +
-                  compute.device().str());
-}
-
-std::unique_ptr<nccl_detail::EventHandle> new_event(Device device) {
-  return std::make_unique<nccl_detail::EventHandle>(device);
-}
-
-}  // namespace
+using nccl_detail::new_event;
+using nccl_detail::order_after;
 
 int node_local_rank(MPI_Comm comm) {
   int rank = 0;
@@ -109,31 +31,13 @@ int node_local_rank(MPI_Comm comm) {
   return local;
 }
 
-namespace nccl_detail {
-
-EventHandle::EventHandle(Device device) : device_(device) {
-  DeviceGuard guard(device_.index);
-  GPIPE_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
-}
-
-EventHandle::~EventHandle() {
-  if (event_ == nullptr) return;
-  const cudaError_t e = cudaEventDestroy(event_);
-  if (e != cudaSuccess && !is_teardown(e)) spdlog::warn("cudaEventDestroy failed: {}", cudaGetErrorString(e));
-  if (e != cudaSuccess) cudaGetLastError();
-}
-
-}  // namespace nccl_detail
-
-// ---------------------------------------------------------------------------------
-// NcclTransport
-
-NcclTransport::NcclTransport(MPI_Comm comm, Device device, Stream& compute)
-    : comm_(comm), device_(device), compute_(compute), host_(comm) {
+NcclTransport::NcclTransport(MPI_Comm comm, Device device, Stream& compute, double timeout_s)
+    : comm_(comm), device_(device), compute_(compute), host_(comm, timeout_s), timeout_s_(timeout_s) {
   rank_ = host_.rank();
   size_ = host_.size();
-  check_compute_stream(compute, device, "NcclTransport");
-  nccl_ = make_nccl_comm(comm, device, "NcclTransport");
+  GPIPE_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_));
+  nccl_detail::check_compute_stream(compute, device, "NcclTransport");
+  nccl_ = nccl_detail::make_nccl_comm(comm, device, "NcclTransport");
   try {
     send_stream_ = make_stream(device_);
     recv_stream_ = make_stream(device_);
@@ -141,30 +45,33 @@ NcclTransport::NcclTransport(MPI_Comm comm, Device device, Stream& compute)
     edge_ = new_event(device_);
     warm_up();
   } catch (...) {
-    release_nccl_comm(std::exchange(nccl_, nullptr), /*abandon=*/true, "NcclTransport");
+    nccl_detail::release_nccl_comm(std::exchange(nccl_, nullptr), /*abandon=*/true, "NcclTransport");
     throw;
   }
 }
 
 NcclTransport::~NcclTransport() {
-  // Receives queued for messages nobody asked for, or sends not finished: the job is
-  // ending without the flush() that waits for them, and a peer may never take part.
-  bool in_flight = !early_.empty();  // receives queued for messages nobody asked for
+  // Receives or sends not finished: the job is ending without the flush() that waits
+  // for them, and a peer may never take part.
+  bool in_flight = !early_.empty() || in_group_;  // receives queued for messages nobody asked for
   bool header_in_flight = false;
   for (const auto& p : pending_) {
     int done = 0;
     if (MPI_Test(&p->request, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) done = 0;
     header_in_flight = header_in_flight || !done;
-    if (!done || (p->sent && cudaEventQuery(p->sent->get()) != cudaSuccess)) in_flight = true;
+    if (!done || (p->sent && (!p->recorded || cudaEventQuery(p->sent->get()) != cudaSuccess))) in_flight = true;
+  }
+  for (const auto& r : receiving_) {
+    if (!r->recorded || cudaEventQuery(r->arrived->get()) != cudaSuccess) in_flight = true;
   }
   cudaGetLastError();  // a NotReady from the queries above is not an error
   if (in_flight) {
     spdlog::warn("NcclTransport: {} sends and {} receives still in flight at shutdown; abandoning them",
-                 pending_.size(), early_.size());
+                 pending_.size(), receiving_.size());
   }
   // Aborting stops the NCCL kernels, so the tensors are freed after it safely.
-  release_nccl_comm(std::exchange(nccl_, nullptr), aborted_ || in_flight || std::uncaught_exceptions() > 0,
-                    "~NcclTransport");
+  nccl_detail::release_nccl_comm(std::exchange(nccl_, nullptr),
+                                 aborted_ || in_flight || std::uncaught_exceptions() > 0, "~NcclTransport");
   // MPI may still read a header: leak those entries rather than free them under it.
   if (header_in_flight) {
     for (auto& p : pending_) p.release();
@@ -184,6 +91,25 @@ void NcclTransport::check_stage(int stage, const char* what) const {
   }
 }
 
+std::vector<nccl_detail::WatchedComm> NcclTransport::watched() {
+  std::vector<nccl_detail::WatchedComm> out{{&nccl_, "the pipeline's NCCL communicator"}};
+  if (replicas_ != nullptr) out.push_back({&replicas_->nccl_, "the replicas' NCCL communicator"});
+  return out;
+}
+
+nccl_detail::WaitContext NcclTransport::wait_context() const {
+  return {"rank " + std::to_string(world_rank_) + " (stage " + std::to_string(rank_) + ")", timeout_s_, step_};
+}
+
+void NcclTransport::await(const std::function<bool()>& done, const std::string& awaited) {
+  nccl_detail::await_nccl_work(watched(), done, wait_context(), awaited);
+}
+
+void NcclTransport::set_step(int64_t step) {
+  step_ = step;
+  host_.set_step(step);
+}
+
 void NcclTransport::send(int src, int dst, const MessageTag& tag, const Tensor& t) {
   check_open();
   check_stage(dst, "send to");
@@ -194,36 +120,73 @@ void NcclTransport::send(int src, int dst, const MessageTag& tag, const Tensor& 
   auto p = std::make_unique<PendingSend>();
   p->header = encode_header(t, tag);
   p->tensor = t;
+  p->what = "the " + tag_str(tag) + " to rank " + std::to_string(dst);
   const int mtag = host_.mpi_tag(tag);
   DeviceGuard guard(device_.index);
   retire_sends(/*wait=*/false);
   PendingSend& sending = *p;
   pending_.push_back(std::move(p));  // owns the header buffer from the moment MPI has it
-  // Non-blocking: MPI_Send may wait for the receiver to post its receive.
+  // Non-blocking, and posted at once even inside a group: the receiver's host waits for
+  // it before it can post its receive.
   GPIPE_MPI_CHECK(MPI_Isend(sending.header.data(), kMessageHeaderWords, MPI_INT64_T, dst, mtag, comm_,
                             &sending.request));
   if (t.nbytes() == 0) return;  // the receiver skips the data too
   order_after(send_stream(), compute_stream(), *send_ready_);
   post([&] { GPIPE_NCCL_CHECK(ncclSend(t.raw_data(), t.nbytes(), ncclUint8, dst, nccl_, send_stream())); });
   sending.sent = take_event();
-  GPIPE_CUDA_CHECK(cudaEventRecord(sending.sent->get(), send_stream()));
+  if (in_group_) {
+    group_sends_.push_back(&sending);  // NCCL enqueues it at the group's end
+  } else {
+    record_sent(sending);
+  }
+}
+
+void NcclTransport::record_sent(PendingSend& p) {
+  GPIPE_CUDA_CHECK(cudaEventRecord(p.sent->get(), send_stream()));
+  p.recorded = true;
+}
+
+void NcclTransport::record_arrived(PostedRecv& r) {
+  GPIPE_CUDA_CHECK(cudaEventRecord(r.arrived->get(), recv_stream()));
+  r.recorded = true;
 }
 
 void NcclTransport::retire_sends(bool wait) {
-  check_async_error(nccl_, "NcclTransport");
+  nccl_detail::check_async_error(nccl_, "NcclTransport");
   while (!pending_.empty()) {
     PendingSend& p = *pending_.front();
     if (wait) {
-      GPIPE_MPI_CHECK(MPI_Wait(&p.request, MPI_STATUS_IGNORE));
-      if (p.sent) GPIPE_CUDA_CHECK(cudaEventSynchronize(p.sent->get()));
+      mpi_await(1, &p.request, nullptr, timeout_s_, wait_context().waiter, p.what + " (its header, MPI_Isend)",
+                step_);
+      if (p.sent) await([&] { return cuda_event_done(p.sent->get()); }, p.what + " to be received (ncclSend)");
     } else {
       int done = 0;
       GPIPE_MPI_CHECK(MPI_Test(&p.request, &done, MPI_STATUS_IGNORE));
-      // The send stream finishes in order: one not done means none after it is.
-      if (!done || (p.sent && !cuda_event_done(p.sent->get()))) return;
+      // The send stream finishes in order: one not done means none after it is. An
+      // event not yet recorded (its group is open) says nothing yet.
+      if (!done || (p.sent && (!p.recorded || !cuda_event_done(p.sent->get())))) return;
     }
     if (p.sent) spare_events_.push_back(std::move(p.sent));
     pending_.pop_front();  // drops the tensor: its block may be reused now
+  }
+}
+
+void NcclTransport::retire_receives(bool wait) {
+  for (auto it = receiving_.begin(); it != receiving_.end();) {
+    PostedRecv& r = **it;
+    if (wait) {
+      await([&] { return cuda_event_done(r.arrived->get()); }, r.what + " (ncclRecv)");
+    } else if (!r.recorded || !cuda_event_done(r.arrived->get())) {
+      ++it;
+      continue;
+    }
+    // One nobody asked for yet keeps its entry: its Arrival in early_ points at it.
+    if (!r.taken) {
+      ++it;
+      continue;
+    }
+    spare_events_.push_back(std::move(r.arrived));
+    it = receiving_.erase(it);
   }
 }
 
@@ -236,6 +199,7 @@ Tensor NcclTransport::recv(int dst, int src, const MessageTag& tag, Device devic
   const std::pair<int, int> key{src, host_.mpi_tag(tag)};
   DeviceGuard guard(device_.index);
   retire_sends(/*wait=*/false);
+  retire_receives(/*wait=*/false);
   auto it = early_.find(key);
   while (it == early_.end()) {
     receive_next(src, tag);
@@ -243,11 +207,17 @@ Tensor NcclTransport::recv(int dst, int src, const MessageTag& tag, Device devic
   }
   Arrival a = std::move(it->second);
   early_.erase(it);
-  if (a.arrived) {
-    // This message's receive only (not the later ones already posted), and the block
-    // returns to the receive stream only once the compute work queued from now is done.
-    GPIPE_CUDA_CHECK(cudaStreamWaitEvent(compute_stream(), a.arrived->get(), 0));
-    spare_events_.push_back(std::move(a.arrived));  // the wait took the event's state
+  if (a.posted != nullptr) {
+    PostedRecv& r = *a.posted;
+    r.taken = true;
+    if (r.recorded) {
+      // This message's receive only (not the later ones already posted).
+      GPIPE_CUDA_CHECK(cudaStreamWaitEvent(compute_stream(), r.arrived->get(), 0));
+    } else {
+      group_taken_.push_back(&r);  // posted into the open group: compute waits after its end
+    }
+    // The block returns to the receive stream only once the compute work queued from
+    // now on is done with it.
     record_stream(a.tensor, compute_);
   }
   return a.tensor;
@@ -256,7 +226,12 @@ Tensor NcclTransport::recv(int dst, int src, const MessageTag& tag, Device devic
 void NcclTransport::receive_next(int src, const MessageTag& wanted) {
   MessageHeader header{};
   MPI_Status status;
-  GPIPE_MPI_CHECK(MPI_Recv(header.data(), kMessageHeaderWords, MPI_INT64_T, src, MPI_ANY_TAG, comm_, &status));
+  MPI_Request request = MPI_REQUEST_NULL;
+  GPIPE_MPI_CHECK(MPI_Irecv(header.data(), kMessageHeaderWords, MPI_INT64_T, src, MPI_ANY_TAG, comm_, &request));
+  // A host wait on the peer's host only (its MPI_Isend is posted when it reaches its
+  // send), never on a GPU, so it has the buffered semantics the checker proves.
+  mpi_await(1, &request, &status, timeout_s_, wait_context().waiter,
+            "the " + tag_str(wanted) + " from rank " + std::to_string(src) + " (its header, MPI_Irecv)", step_);
   const bool is_wanted = status.MPI_TAG == host_.mpi_tag(wanted);
   const std::string what = is_wanted ? "the " + tag_str(wanted) + " from rank " + std::to_string(src)
                                      : "a message from rank " + std::to_string(src) + " (MPI tag " +
@@ -279,13 +254,63 @@ void NcclTransport::receive_next(int src, const MessageTag& wanted) {
   if (a.tensor.nbytes() > 0) {
     Tensor& t = a.tensor;
     post([&] { GPIPE_NCCL_CHECK(ncclRecv(t.raw_data(), t.nbytes(), ncclUint8, src, nccl_, recv_stream())); });
-    a.arrived = take_event();
-    GPIPE_CUDA_CHECK(cudaEventRecord(a.arrived->get(), recv_stream()));
+    auto r = std::make_unique<PostedRecv>();
+    r->arrived = take_event();
+    r->what = what;
+    if (in_group_) {
+      group_recvs_.push_back(r.get());  // NCCL enqueues it at the group's end
+    } else {
+      record_arrived(*r);
+    }
+    a.posted = r.get();
+    receiving_.push_back(std::move(r));
   }
   early_.emplace(key, std::move(a));
 }
 
-void NcclTransport::post(const std::function<void()>& calls) { in_group(calls); }
+void NcclTransport::post(const std::function<void()>& calls) {
+  if (in_group_) {
+    calls();  // enqueued by end_group's ncclGroupEnd
+    return;
+  }
+  // A group of its own, closed even when a call fails, so NCCL's group depth stays
+  // balanced for the next call.
+  GPIPE_NCCL_CHECK(ncclGroupStart());
+  try {
+    calls();
+  } catch (...) {
+    const ncclResult_t r = ncclGroupEnd();
+    if (r != ncclSuccess) spdlog::debug("ncclGroupEnd after a failed call: {}", ncclGetErrorString(r));
+    throw;
+  }
+  GPIPE_NCCL_CHECK(ncclGroupEnd());
+}
+
+void NcclTransport::begin_group(int stage) {
+  check_open();
+  GPIPE_CHECK(stage == rank_, "rank " + std::to_string(rank_) + " grouping as stage " + std::to_string(stage));
+  GPIPE_CHECK(!in_group_, "NcclTransport::begin_group: stage " + std::to_string(stage) +
+                              " already has a group open; groups do not nest");
+  GPIPE_NCCL_CHECK(ncclGroupStart());
+  in_group_ = true;
+}
+
+void NcclTransport::end_group(int stage) {
+  check_open();
+  GPIPE_CHECK(stage == rank_, "rank " + std::to_string(rank_) + " grouping as stage " + std::to_string(stage));
+  GPIPE_CHECK(in_group_, "NcclTransport::end_group: stage " + std::to_string(stage) + " has no group open");
+  in_group_ = false;
+  const std::vector<PendingSend*> sends = std::exchange(group_sends_, {});
+  const std::vector<PostedRecv*> recvs = std::exchange(group_recvs_, {});
+  const std::vector<PostedRecv*> taken = std::exchange(group_taken_, {});
+  DeviceGuard guard(device_.index);
+  GPIPE_NCCL_CHECK(ncclGroupEnd());  // enqueues the group's sends and receives, as one kernel
+  // After the enqueue, so the events mark the end of the transfers; each receive's block
+  // is handed to compute only behind its own event.
+  for (PendingSend* p : sends) record_sent(*p);
+  for (PostedRecv* r : recvs) record_arrived(*r);
+  for (PostedRecv* r : taken) GPIPE_CUDA_CHECK(cudaStreamWaitEvent(compute_stream(), r->arrived->get(), 0));
+}
 
 std::unique_ptr<nccl_detail::EventHandle> NcclTransport::take_event() {
   if (spare_events_.empty()) return new_event(device_);
@@ -306,17 +331,22 @@ void NcclTransport::warm_up() {
   Tensor buf = Tensor::empty({2 * static_cast<int64_t>(peers.size())}, DType::kI32, device_, send_stream_.get());
   GPIPE_CUDA_CHECK(cudaMemsetAsync(buf.raw_data(), 0, buf.nbytes(), send_stream()));
   auto* words = buf.data<int32_t>();
+  std::string names;
   // Both directions of every pair in one group, so neither rank waits for the other.
   post([&] {
     int i = 0;
     for (int p : peers) {
       GPIPE_NCCL_CHECK(ncclSend(words + 2 * i, sizeof(int32_t), ncclUint8, p, nccl_, send_stream()));
       GPIPE_NCCL_CHECK(ncclRecv(words + 2 * i + 1, sizeof(int32_t), ncclUint8, p, nccl_, send_stream()));
-      ++i;
+      names += (i++ > 0 ? ", " : "") + std::to_string(p);
     }
   });
   // Once, at start-up: NCCL's connection buffers exist when this returns.
-  GPIPE_CUDA_CHECK(cudaStreamSynchronize(send_stream()));
+  auto done = take_event();
+  GPIPE_CUDA_CHECK(cudaEventRecord(done->get(), send_stream()));
+  await([&] { return cuda_event_done(done->get()); },
+        "the start-up exchange with rank(s) " + names + " (ncclSend/ncclRecv; NCCL connects the ranks)");
+  spare_events_.push_back(std::move(done));
 }
 
 void NcclTransport::nccl_before(cudaStream_t other) {
@@ -344,8 +374,12 @@ std::vector<std::vector<double>> NcclTransport::gather_to_first(int stage, const
 void NcclTransport::flush(int stage) {
   check_open();
   GPIPE_CHECK(stage == rank_, "rank " + std::to_string(rank_) + " flushing as stage " + std::to_string(stage));
+  GPIPE_CHECK(!in_group_, "NcclTransport::flush inside the open group of stage " + std::to_string(stage) +
+                              ": its operations are enqueued only by end_group");
   DeviceGuard guard(device_.index);
   retire_sends(/*wait=*/true);
+  retire_receives(/*wait=*/true);
+  if (replicas_ != nullptr) replicas_->await_reductions();
 }
 
 void NcclTransport::abort(const std::string& why) {
@@ -358,90 +392,8 @@ void NcclTransport::abort(const std::string& why) {
   spdlog::error("rank {} ends the job: {}", rank_, why);
   // Kernels waiting for a peer that will never answer stop now instead of holding the
   // GPU until MPI_Abort ends the process.
-  release_nccl_comm(std::exchange(nccl_, nullptr), /*abandon=*/true, "NcclTransport::abort");
+  nccl_detail::abort_comms(watched(), "NcclTransport::abort");
   MPI_Abort(MPI_COMM_WORLD, 1);  // the whole job: other replicas too
-}
-
-// ---------------------------------------------------------------------------------
-// NcclReplicaGroup
-
-NcclReplicaGroup::NcclReplicaGroup(MPI_Comm comm, Device device, Stream& compute, NcclTransport* pipeline)
-    : device_(device), compute_(compute), pipeline_(pipeline), host_(comm) {
-  GPIPE_CHECK(pipeline == nullptr || pipeline->device() == device,
-              "NcclReplicaGroup on " + device.str() + " ordered against a transport on " +
-                  (pipeline ? pipeline->device().str() : std::string()));
-  check_compute_stream(compute, device, "NcclReplicaGroup");
-  nccl_ = make_nccl_comm(comm, device, "NcclReplicaGroup");
-  try {
-    reduce_stream_ = make_stream(device_);
-    ready_ = new_event(device_);
-    reduced_ = new_event(device_);
-  } catch (...) {
-    release_nccl_comm(std::exchange(nccl_, nullptr), /*abandon=*/true, "NcclReplicaGroup");
-    throw;
-  }
-}
-
-NcclReplicaGroup::~NcclReplicaGroup() {
-  release_nccl_comm(std::exchange(nccl_, nullptr), !in_flight_.empty() || std::uncaught_exceptions() > 0,
-                    "~NcclReplicaGroup");
-}
-
-void NcclReplicaGroup::enqueue(const Tensor& t) {
-  GPIPE_CHECK(t.device() == device_, "NcclReplicaGroup on " + device_.str() + " reduces tensors on that device, not " +
-                                         t.str());
-  GPIPE_CHECK(t.is_contiguous(), "NcclReplicaGroup reduces contiguous tensors");
-  ncclDataType_t type = ncclFloat32;
-  if (t.dtype() == DType::kF64) {
-    type = ncclFloat64;
-  } else if (t.dtype() != DType::kF32) {
-    throw Error("NcclReplicaGroup: cannot reduce " + t.str() + "; float32 and float64 only");
-  }
-  check_async_error(nccl_, "NcclReplicaGroup");
-  if (t.numel() == 0) return;
-  // After the pipeline's sends and receives queued so far, and before those queued from
-  // now: the two communicators never have kernels on this GPU at once.
-  if (pipeline_ != nullptr) pipeline_->nccl_before(reduce_stream());
-  // In place, so the reduction must not start before the kernels that wrote `t`.
-  order_after(reduce_stream(), compute_stream(), *ready_);
-  GPIPE_NCCL_CHECK(ncclAllReduce(t.raw_data(), t.raw_data(), static_cast<size_t>(t.numel()), type, ncclSum, nccl_,
-                                 reduce_stream()));
-  if (pipeline_ != nullptr) pipeline_->nccl_after(reduce_stream());
-}
-
-void NcclReplicaGroup::all_reduce_sum(Tensor& t) {
-  if (t.device().is_cpu()) {
-    host_.all_reduce_sum(t);
-    return;
-  }
-  DeviceGuard guard(device_.index);
-  enqueue(t);
-  order_after(compute_stream(), reduce_stream(), *reduced_);
-}
-
-double NcclReplicaGroup::all_reduce_sum(double value) { return host_.all_reduce_sum(value); }
-
-void NcclReplicaGroup::start_all_reduce_sum(Tensor& t) {
-  if (t.device().is_cpu()) {
-    host_.start_all_reduce_sum(t);
-    return;
-  }
-  DeviceGuard guard(device_.index);
-  enqueue(t);
-  in_flight_.push_back(t);  // its block must not be recycled before the compute stream waits
-}
-
-void NcclReplicaGroup::progress() {
-  host_.progress();
-  check_async_error(nccl_, "NcclReplicaGroup");  // the GPU needs no help to progress
-}
-
-void NcclReplicaGroup::wait_all() {
-  host_.wait_all();
-  if (in_flight_.empty()) return;
-  DeviceGuard guard(device_.index);
-  order_after(compute_stream(), reduce_stream(), *reduced_);
-  in_flight_.clear();
 }
 
 }  // namespace gpipe

@@ -3,8 +3,8 @@
 // the data. One stage per rank (stage k = rank k, as MpiTransport), one GPU per rank.
 // Built only with --config=cuda.
 //
-// Nothing here makes the host wait for the GPU. Two communication streams are ordered
-// against the stage's compute stream with events (● record, ◆ wait):
+// Nothing here makes the host wait for the GPU while a step runs. Two communication
+// streams are ordered against the stage's compute stream with events (● record, ◆ wait):
 //
 //   compute ──F(m)──●──────F(m+1)─────────────────◆──F(m')──▶
 //   send             ◆──ncclSend(m)──● sent        │          m kept alive until `sent`
@@ -15,11 +15,48 @@
 // waited for in flush()), so its block is not recycled while NCCL still reads it.
 // recv: the buffer is a block of the receive stream's own (the allocator reuses a
 // block for another stream only after an event, runtime/block_pool.h), so the receive
-// does not wait for the compute work queued before it: the transfer of micro-batch
-// m + 1 overlaps the forward of m. Each receive records its own `arrived` event; the
-// compute stream waits for it when the tensor is asked for, and the block is marked
-// as used by the compute stream (record_stream), so it returns to the receive stream
-// only once compute is done with it.
+// does not wait for the compute work queued before it. Each receive records its own
+// `arrived` event; the compute stream waits for it when the tensor is asked for, and
+// the block is marked as used by the compute stream (record_stream), so it returns to
+// the receive stream only once compute is done with it.
+//
+// Groups. An NCCL send blocks its stream until the peer receives, and NCCL runs one
+// communicator's operations one after another, so two neighbours that each send before
+// they receive (1F1B's steady state: stage k sends an activation and receives a
+// gradient while stage k+1 sends that gradient and receives the activation) deadlock
+// unless each puts its sends and receives in one ncclGroupStart/End, whose operations
+// progress together (NCCL user guide, "Point-to-point communication"). So
+// sends_wait_for_receiver() is true, the schedule is lowered and checked for a
+// rendezvous transport (pipeline/schedule.h, CommModel::kRendezvous), and the executor
+// brackets each run of consecutive sends and receives with begin_group/end_group. Inside
+// a group NCCL only enqueues its operations at ncclGroupEnd, so:
+//   - send() and recv() post their ncclSend/ncclRecv into the open group; the `sent` and
+//     `arrived` events are recorded in end_group(), after ncclGroupEnd, and a tensor
+//     recv() returned inside the group has the compute stream wait for its `arrived`
+//     event there too, so no compute uses it before the group's transfers. The executor
+//     runs no compute between begin_group and end_group.
+//   - the shape header still travels by MPI: recv() waits on the host for the peer's
+//     header before it can post the ncclRecv. That wait has buffered semantics (the
+//     peer's MPI_Isend of the header is posted when its host reaches its send, whatever
+//     its GPU does), so it cannot deadlock a schedule the checker's buffered model
+//     accepts, and the host still never waits for a GPU.
+//   - NCCL makes every stream of a group wait for all of them (one kernel), so a grouped
+//     receive starts only once the work producing the grouped sends has finished.
+//   - sent tensors stay in the pending list until their events, recorded after the
+//     group's end, have completed.
+// Outside a group (tied gradients, validation) each call is a group of its own.
+//
+// Deadlines. The host does wait for NCCL work in flush() (called by the executor before
+// the stage's own host waits on its device: at the optimizer step and at the end of its
+// program, so that the backend's synchronize() after it waits only for compute that no
+// longer depends on a peer), in the start-up warm-up, and for the replica group's
+// all-reduces. None of these blocks: each polls its event and ncclCommGetAsyncError on
+// the pipeline's and the replicas' communicators until the work is done or
+// pipeline.timeout_s passes (runtime/nccl_comm.h). A wait that cannot finish logs what it
+// waited for (the message, its peer, the step), aborts both communicators
+// (ncclCommAbort: kernels waiting for a peer stop) and ends the job with
+// MPI_Abort(kTimeoutExitCode). The MPI header waits use mpi_await, with the same
+// deadline.
 //
 // NCCL connects two ranks lazily, on their first send/receive, and allocates its
 // buffers then; the constructor exchanges a few bytes both ways with every peer this
@@ -30,11 +67,8 @@
 // tag. recv() therefore takes the headers from `src` in arrival order and posts their
 // receives in that order; a message that arrives before its recv() waits, already on
 // the GPU, until it is asked for. Messages are still matched by kind and micro-batch.
-// NCCL sends block their stream until the peer receives: a schedule must not rely on
-// buffered sends (GPipe does not: between neighbours, messages flow one way per phase).
-// Every NCCL call goes through post(), the one place where a grouped send/receive can
-// later wrap a step's calls. Like MpiTransport, one thread at a time calls it
-// (MPI_THREAD_SERIALIZED).
+// Like MpiTransport, one thread at a time calls it (MPI_THREAD_SERIALIZED), and a group
+// is begun and ended by the same thread (NCCL's group state is per thread).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -42,6 +76,7 @@
 #include <nccl.h>
 
 #include <atomic>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <map>
@@ -51,42 +86,30 @@
 #include <utility>
 #include <vector>
 
+#include "runtime/deadline.h"
 #include "runtime/message_header.h"
 #include "runtime/mpi_transport.h"
+#include "runtime/nccl_comm.h"
 #include "runtime/stream.h"
 #include "runtime/transport.h"
 
 namespace gpipe {
 
+class NcclReplicaGroup;
+
 // This process's rank among the processes of `comm` on its node (MPI_COMM_TYPE_SHARED),
 // whatever the launcher: the usual way to give each process its own GPU. Collective.
 int node_local_rank(MPI_Comm comm);
-
-namespace nccl_detail {
-// A cudaEvent_t without timing (cheaper to record and query), destroyed with its owner;
-// destruction only logs.
-class EventHandle {
- public:
-  explicit EventHandle(Device device);
-  ~EventHandle();
-  EventHandle(const EventHandle&) = delete;
-  EventHandle& operator=(const EventHandle&) = delete;
-  cudaEvent_t get() const { return event_; }
-
- private:
-  Device device_;
-  cudaEvent_t event_ = nullptr;
-};
-}  // namespace nccl_detail
 
 class NcclTransport : public Transport {
  public:
   // comm: the pipeline's ranks, rank k holding stage k (not owned; MPI initialised).
   // device: this rank's GPU. compute: the stream its stage's kernels run on (the CUDA
-  // backend's, backend_for(device).stream()); must outlive the transport. Creates the
-  // NCCL communicator (collective over comm) and makes `device` the calling thread's
+  // backend's, backend_for(device).stream()); must outlive the transport. timeout_s:
+  // the deadline of every wait (pipeline.timeout_s; 0 = none). Creates the NCCL
+  // communicator (collective over comm) and makes `device` the calling thread's
   // current device.
-  NcclTransport(MPI_Comm comm, Device device, Stream& compute);
+  NcclTransport(MPI_Comm comm, Device device, Stream& compute, double timeout_s = kDefaultTimeoutS);
   ~NcclTransport() override;
   NcclTransport(const NcclTransport&) = delete;
   NcclTransport& operator=(const NcclTransport&) = delete;
@@ -96,16 +119,25 @@ class NcclTransport : public Transport {
   Device device() const { return device_; }
 
   void send(int src, int dst, const MessageTag& tag, const Tensor& t) override;
-  // Returns once the receive is queued; the compute stream waits for it.
+  // Returns once the receive is queued (inside a group: posted into it); the compute
+  // stream waits for it (inside a group: from end_group on).
   Tensor recv(int dst, int src, const MessageTag& tag, Device device) override;
   // Host values over MPI (they are scalars; a GPU round trip would cost more).
   double all_reduce_sum(int stage, double value) override;
   std::vector<std::vector<double>> gather_to_first(int stage, const std::vector<double>& values) override;
-  // Waits until every send has left its buffer.
+  // Waits, under the deadline, until every send has left its buffer, every receive
+  // posted has arrived and the attached replica group's all-reduces are done: the
+  // compute stream then depends on no peer. Not inside a group.
   void flush(int stage) override;
-  // Logs, aborts the NCCL communicator (kernels waiting for a peer stop), then ends the
-  // whole job with MPI_Abort, as MpiTransport does, so no rank waits forever.
+  // Logs, aborts the NCCL communicators (the replicas' too: kernels waiting for a peer
+  // stop), then ends the whole job with MPI_Abort, as MpiTransport does, so no rank
+  // waits forever.
   void abort(const std::string& why) override;
+  bool sends_wait_for_receiver() const override { return true; }
+  // ncclGroupStart/End around the sends and receives in between (see above).
+  void begin_group(int stage) override;
+  void end_group(int stage) override;
+  void set_step(int64_t step) override;
 
   // Ordering against another NCCL communicator on this GPU (NcclReplicaGroup's): two
   // communicators' kernels in flight at once, in no fixed order, can deadlock
@@ -120,25 +152,51 @@ class NcclTransport : public Transport {
   int mpi_tag(const MessageTag& tag) const { return host_.mpi_tag(tag); }
   // Sends not yet known to have left their buffers.
   size_t sends_in_flight() const { return pending_.size(); }
+  // Receives posted and not yet known to have arrived and been handed out.
+  size_t receives_in_flight() const { return receiving_.size(); }
 
  private:
+  friend class NcclReplicaGroup;  // attaches itself; its waits watch this communicator too
+
   struct PendingSend {
-    Tensor tensor;                                  // alive until NCCL has read it
-    MessageHeader header{};                         // alive until MPI has sent it
-    MPI_Request request = MPI_REQUEST_NULL;         // the header's MPI_Isend
-    std::unique_ptr<nccl_detail::EventHandle> sent;  // recorded after ncclSend; none for 0 bytes
+    Tensor tensor;                                   // alive until NCCL has read it
+    MessageHeader header{};                          // alive until MPI has sent it
+    MPI_Request request = MPI_REQUEST_NULL;          // the header's MPI_Isend
+    std::unique_ptr<nccl_detail::EventHandle> sent;  // after its ncclSend; none for 0 bytes
+    bool recorded = false;                           // `sent` recorded (inside a group: at its end)
+    std::string what;                                // "the activation of micro-batch 3 to rank 1"
   };
+  struct PostedRecv {
+    std::unique_ptr<nccl_detail::EventHandle> arrived;  // after its ncclRecv
+    bool recorded = false;                              // `arrived` recorded (inside a group: at its end)
+    bool taken = false;                                 // handed out by recv()
+    std::string what;                                   // "the gradient of micro-batch 2 from rank 2"
+  };
+  struct Arrival {
+    Tensor tensor;                  // a block of the receive stream
+    PostedRecv* posted = nullptr;   // in receiving_; none for 0 bytes
+  };
+
   void check_open() const;  // throws Aborted after abort()
   void check_stage(int stage, const char* what) const;
-  // Forgets the sends that have completed (all of them, waiting, with wait).
+  // Forgets the sends and receives that have completed (with wait: waits for all of
+  // them under the deadline first; a receive nobody asked for is waited for but kept).
   void retire_sends(bool wait);
+  void retire_receives(bool wait);
   // Receives the next header `src` sent and queues its data's receive into early_.
   void receive_next(int src, const MessageTag& wanted);
-  // One NCCL call (or several) inside ncclGroupStart/End.
+  // NCCL calls: inside the open group, or in a group of their own.
   void post(const std::function<void()>& calls);
+  void record_sent(PendingSend& p);
+  void record_arrived(PostedRecv& r);
   // A few bytes both ways with each peer this stage talks to (see above).
   void warm_up();
   std::unique_ptr<nccl_detail::EventHandle> take_event();
+  // The communicators a wait watches and aborts: this one and the attached replicas'.
+  std::vector<nccl_detail::WatchedComm> watched();
+  nccl_detail::WaitContext wait_context() const;
+  // await_nccl_work for `done`, naming `awaited` if it cannot finish.
+  void await(const std::function<bool()>& done, const std::string& awaited);
   cudaStream_t compute_stream() const { return static_cast<cudaStream_t>(compute_.native()); }
   cudaStream_t send_stream() const { return static_cast<cudaStream_t>(send_stream_->native()); }
   cudaStream_t recv_stream() const { return static_cast<cudaStream_t>(recv_stream_->native()); }
@@ -147,63 +205,27 @@ class NcclTransport : public Transport {
   Device device_;
   Stream& compute_;
   MpiTransport host_;  // the tags and the host-side collectives
-  int rank_ = 0, size_ = 1;
+  double timeout_s_;
+  int rank_ = 0, size_ = 1, world_rank_ = 0;
+  int64_t step_ = -1;
   ncclComm_t nccl_ = nullptr;
+  NcclReplicaGroup* replicas_ = nullptr;  // attached by the stage's replica group
   std::unique_ptr<Stream> send_stream_, recv_stream_;
   // Reused for each "this stream after that one" edge: a wait takes the event's state
   // at the time of the call, so re-recording it later is safe.
   std::unique_ptr<nccl_detail::EventHandle> send_ready_, edge_;
   std::vector<std::unique_ptr<nccl_detail::EventHandle>> spare_events_;
-  std::deque<std::unique_ptr<PendingSend>> pending_;  // in posting order
-  struct Arrival {
-    Tensor tensor;                                      // a block of the receive stream
-    std::unique_ptr<nccl_detail::EventHandle> arrived;  // after its ncclRecv; none for 0 bytes
-  };
+  std::deque<std::unique_ptr<PendingSend>> pending_;    // in posting order
+  std::deque<std::unique_ptr<PostedRecv>> receiving_;   // in posting order
   std::map<std::pair<int, int>, Arrival> early_;  // (src, MPI tag) -> queued, not yet asked for
+  // The open group: its operations' events are recorded at its end, and the compute
+  // stream waits then for the receives handed out inside it.
+  bool in_group_ = false;
+  std::vector<PendingSend*> group_sends_;
+  std::vector<PostedRecv*> group_recvs_, group_taken_;
   mutable std::mutex abort_mu_;
   std::atomic<bool> aborted_{false};
   std::string why_;
-};
-
-// The replicas of a stage on GPUs: ncclAllReduce of device tensors on a reduction
-// stream ordered after the compute stream, and the compute stream ordered after the
-// result (no host wait). Host tensors and scalars go through MPI, as MpiReplicaGroup.
-// With the stage's pipeline transport given, each all-reduce also comes after the
-// pipeline's sends and receives queued before it and before those queued after it
-// (NcclTransport::nccl_before/after), so the two communicators' kernels never run at
-// once on this GPU and every replica orders them alike.
-class NcclReplicaGroup : public ReplicaGroup {
- public:
-  // comm: the stage's replicas (not owned). device, compute: as NcclTransport's.
-  // pipeline: this rank's NcclTransport, or nullptr (not owned; outlives the group).
-  NcclReplicaGroup(MPI_Comm comm, Device device, Stream& compute, NcclTransport* pipeline = nullptr);
-  ~NcclReplicaGroup() override;
-  NcclReplicaGroup(const NcclReplicaGroup&) = delete;
-  NcclReplicaGroup& operator=(const NcclReplicaGroup&) = delete;
-
-  int size() const override { return host_.size(); }
-  // In place; float32 or float64. On the device it returns once queued, with the
-  // compute stream waiting for the result.
-  void all_reduce_sum(Tensor& t) override;
-  double all_reduce_sum(double value) override;
-  // On the device: queued at once, the compute stream waits only in wait_all().
-  void start_all_reduce_sum(Tensor& t) override;
-  void progress() override;
-  void wait_all() override;
-
- private:
-  void enqueue(const Tensor& t);
-  cudaStream_t compute_stream() const { return static_cast<cudaStream_t>(compute_.native()); }
-  cudaStream_t reduce_stream() const { return static_cast<cudaStream_t>(reduce_stream_->native()); }
-
-  Device device_;
-  Stream& compute_;
-  NcclTransport* pipeline_;
-  MpiReplicaGroup host_;
-  ncclComm_t nccl_ = nullptr;
-  std::unique_ptr<Stream> reduce_stream_;
-  std::unique_ptr<nccl_detail::EventHandle> ready_, reduced_;
-  std::vector<Tensor> in_flight_;  // started on the device, not yet waited for
 };
 
 }  // namespace gpipe

@@ -1,12 +1,19 @@
 // NcclTransport and NcclReplicaGroup across two MPI ranks with a GPU each (run under
 // mpirun -np 2 by nccl_transport_test.sh): tensors and their shapes arrive intact both
-// ways, out-of-order messages are matched by kind and micro-batch, bad messages raise
-// errors that name them without hanging either rank, and replicas sum device tensors.
-// Every test case is collective: both ranks run them all, in order. With fewer than
-// two visible GPUs it prints the skip marker and passes.
+// ways, out-of-order messages are matched by kind and micro-batch, a grouped exchange
+// in both directions completes, bad messages raise errors that name them without
+// hanging either rank, and replicas sum device tensors. Every test case is collective:
+// both ranks run them all, in order. With fewer than two visible GPUs it prints the
+// skip marker and passes.
+//   nccl_transport_check                         the test cases
+//   nccl_transport_check --stuck=send|recv|replica
+//       rank 1 stops taking part (alive, posting nothing more); rank 0's wait on NCCL
+//       work must end the job after pipeline.timeout_s (2 s) with what it waited for
+//       and exit status kTimeoutExitCode
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 #include <mpi.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <memory>
@@ -17,6 +24,8 @@
 #include "runtime/device.h"
 #include "runtime/device_binding.h"
 #include "runtime/error.h"
+#include "runtime/logging.h"
+#include "runtime/nccl_replica_group.h"
 #include "runtime/nccl_transport.h"
 #include "runtime/stream.h"
 #include "runtime/tensor.h"
@@ -133,6 +142,48 @@ TEST_CASE("messages sent out of order are matched by kind and micro-batch") {
   tr.flush(w.rank);
 }
 
+TEST_CASE("a grouped exchange in both directions completes (each rank sends before it receives)") {
+  // Both ranks send first, as neighbours do in 1F1B's steady state. A send this large
+  // completes only once its receiver takes it, and NCCL runs one communicator's
+  // operations in order: without the group each rank's send would wait for a receive
+  // the peer posts only after its own send.
+  World& w = world();
+  NcclTransport& tr = *w.transport;
+  const int me = w.rank, peer = 1 - w.rank;
+  CHECK(tr.sends_wait_for_receiver());
+  const Shape big{8 << 20};  // (8 Mi) float32: 32 MiB, far above NCCL's staging buffers
+  const MessageKind out = me == 0 ? kAct : kGrad, in = me == 0 ? kGrad : kAct;
+  for (int round = 0; round < 2; ++round) {
+    CAPTURE(round);
+    tr.begin_group(me);
+    tr.send(me, peer, {out, 200 + round}, to_device(pattern(big, DType::kF32, 1000 * me + round)));
+    Tensor got = tr.recv(me, peer, {in, 200 + round}, w.device);
+    tr.end_group(me);
+    // Read on the compute stream, which waits for the group's transfers from end_group.
+    CHECK(got.shape() == big);
+    CHECK(device_values(got) == values(pattern(big, DType::kF32, 1000 * peer + round)));
+  }
+  // Several messages each way in one group, received in another order than sent: the
+  // first receive takes the earlier header and parks its message.
+  tr.begin_group(me);
+  tr.send(me, peer, {out, 210}, to_device(pattern({3, 4}, DType::kF64, 10 + me)));
+  tr.send(me, peer, {out, 211}, to_device(pattern({5}, DType::kF32, 20 + me)));
+  Tensor second = tr.recv(me, peer, {in, 211}, w.device);
+  Tensor first = tr.recv(me, peer, {in, 210}, w.device);
+  tr.end_group(me);
+  CHECK(device_values(first) == values(pattern({3, 4}, DType::kF64, 10 + peer)));
+  CHECK(device_values(second) == values(pattern({5}, DType::kF32, 20 + peer)));
+  tr.flush(me);
+  CHECK(tr.sends_in_flight() == 0);
+  CHECK(tr.receives_in_flight() == 0);
+  // Misuse is refused, naming the stage.
+  CHECK_THROWS_WITH_AS(tr.end_group(me), doctest::Contains("has no group open"), Error);
+  tr.begin_group(me);
+  CHECK_THROWS_WITH_AS(tr.begin_group(me), doctest::Contains("groups do not nest"), Error);
+  CHECK_THROWS_WITH_AS(tr.flush(me), doctest::Contains("inside the open group"), Error);
+  tr.end_group(me);
+}
+
 TEST_CASE("a message that cannot travel raises an error naming it, and nothing hangs") {
   World& w = world();
   NcclTransport& tr = *w.transport;
@@ -222,6 +273,43 @@ TEST_CASE("a replica group sums device tensors in place") {
   CHECK_THROWS_AS(g.all_reduce_sum(ints), Error);
 }
 
+// Run with --stuck=MODE: rank 1 stops taking part, rank 0 waits on NCCL work that
+// needs it. Returns only if rank 0's wait ended without it (a failure).
+int run_stuck(const std::string& mode) {
+  World& w = world();
+  NcclTransport& tr = *w.transport;
+  tr.set_step(12);
+  w.replicas->set_step(12);
+  std::printf("nccl_transport_check: rank %d pid %d ready\n", w.rank, static_cast<int>(::getpid()));
+  std::fflush(stdout);
+  if (w.rank == 1) {
+    if (mode == "recv") {
+      // A header announcing data that never follows.
+      MessageHeader h = encode_header(Tensor::empty({1024}, DType::kF32, Device::cpu()), {kAct, 4});
+      MPI_Send(h.data(), kMessageHeaderWords, MPI_INT64_T, 0, tr.mpi_tag({kAct, 4}), MPI_COMM_WORLD);
+    }
+    for (;;) ::pause();  // alive, posting nothing; ended by rank 0's MPI_Abort
+  }
+  if (mode == "send") {
+    // (8 Mi) float32: completes only once rank 1 receives it.
+    tr.send(0, 1, {kAct, 3}, to_device(pattern({8 << 20}, DType::kF32, 0)));
+    tr.flush(0);
+  } else if (mode == "recv") {
+    tr.recv(0, 1, {kAct, 4}, w.device);
+    tr.flush(0);
+  } else if (mode == "replica") {
+    Tensor g = to_device(pattern({1000}, DType::kF32, 0));
+    w.replicas->start_all_reduce_sum(g);
+    w.replicas->wait_all();
+    tr.flush(0);
+  } else {
+    std::fprintf(stderr, "nccl_transport_check: unknown --stuck mode '%s' (send, recv or replica)\n", mode.c_str());
+    return 2;
+  }
+  std::fprintf(stderr, "nccl_transport_check: the stuck %s finished without rank 1\n", mode.c_str());
+  return 3;
+}
+
 }  // namespace
 }  // namespace gpipe
 
@@ -235,6 +323,16 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "nccl_transport_check: run with 2 ranks (mpirun -np 2)\n");
     MPI_Abort(MPI_COMM_WORLD, 2);
   }
+  std::string stuck;
+  double timeout_s = kDefaultTimeoutS;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--stuck=", 0) == 0) {
+      stuck = a.substr(8);
+      timeout_s = 2;
+    }
+  }
+  init_logging("info");
   int rc = 0;
   const int gpus = cuda_device_count();
   if (gpus < 2) {
@@ -247,9 +345,14 @@ int main(int argc, char** argv) {
       w.device = Device::cuda(node_local_rank(MPI_COMM_WORLD) % gpus);
       bind_thread_to_device(w.device);  // before any CUDA call, as gpipe's main does
       w.compute = &compute_stream_for(w.device);
-      w.transport = std::make_unique<NcclTransport>(MPI_COMM_WORLD, w.device, *w.compute);
+      w.transport = std::make_unique<NcclTransport>(MPI_COMM_WORLD, w.device, *w.compute, timeout_s);
       // Its all-reduces ordered against the transport's sends and receives.
-      w.replicas = std::make_unique<NcclReplicaGroup>(MPI_COMM_WORLD, w.device, *w.compute, w.transport.get());
+      w.replicas =
+          std::make_unique<NcclReplicaGroup>(MPI_COMM_WORLD, w.device, *w.compute, w.transport.get(), timeout_s);
+      if (!stuck.empty()) {
+        rc = run_stuck(stuck);
+        MPI_Abort(MPI_COMM_WORLD, rc);
+      }
       doctest::Context context;
       context.applyCommandLine(argc, argv);
       rc = context.run();

@@ -49,8 +49,10 @@ class Transport {
   // the others get an empty list. Multi-process runs gather their reports with it.
   virtual std::vector<std::vector<double>> gather_to_first(int stage, const std::vector<double>& values) = 0;
   // Waits until every send this stage started has left its buffer (a non-blocking
-  // transport finishes its sends here; the others return at once). Called at the end
-  // of each stage's program.
+  // transport finishes its sends here; the others return at once), and on a GPU
+  // transport until every transfer it queued is done, under its deadline, so that a
+  // host wait on the compute stream after it waits for no peer. Called before a stage's
+  // host waits for its device: at its optimizer step and at the end of its program.
   virtual void flush(int /*stage*/) {}
   // Wakes every waiting receiver with Aborted(why). Idempotent.
   virtual void abort(const std::string& why) = 0;

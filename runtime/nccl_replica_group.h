@@ -1,0 +1,85 @@
+// The data-parallel replicas of a stage on GPUs, one per rank: ncclAllReduce of device
+// tensors, ordered against the stage's compute stream and its pipeline transport with
+// events, so the host does not wait for the GPU. Built only with --config=cuda.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <mpi.h>
+#include <nccl.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "runtime/deadline.h"
+#include "runtime/mpi_transport.h"
+#include "runtime/nccl_comm.h"
+#include "runtime/stream.h"
+#include "runtime/transport.h"
+
+namespace gpipe {
+
+class NcclTransport;
+
+// ncclAllReduce of device tensors on a reduction stream ordered after the compute
+// stream, and the compute stream ordered after the result (no host wait). Host tensors
+// and scalars go through MPI, as MpiReplicaGroup. With the stage's pipeline transport
+// given, each all-reduce also comes after the pipeline's sends and receives queued
+// before it and before those queued after it (NcclTransport::nccl_before/after), so the
+// two communicators' kernels never run at once on this GPU and every replica orders
+// them alike; and the group attaches itself to the transport, whose flush() then also
+// waits for the all-reduces, and whose waits and aborts cover both communicators.
+class NcclReplicaGroup : public ReplicaGroup {
+ public:
+  // comm: the stage's replicas (not owned). device, compute, timeout_s: as
+  // NcclTransport's. pipeline: this rank's NcclTransport, or nullptr (not owned;
+  // outlives the group).
+  NcclReplicaGroup(MPI_Comm comm, Device device, Stream& compute, NcclTransport* pipeline = nullptr,
+                   double timeout_s = kDefaultTimeoutS);
+  ~NcclReplicaGroup() override;
+  NcclReplicaGroup(const NcclReplicaGroup&) = delete;
+  NcclReplicaGroup& operator=(const NcclReplicaGroup&) = delete;
+
+  int size() const override { return host_.size(); }
+  // In place; float32 or float64. On the device it returns once queued, with the
+  // compute stream waiting for the result.
+  void all_reduce_sum(Tensor& t) override;
+  double all_reduce_sum(double value) override;
+  // On the device: queued at once, the compute stream waits only in wait_all().
+  void start_all_reduce_sum(Tensor& t) override;
+  void progress() override;
+  // The compute stream waits for the started all-reduces; the host does not.
+  void wait_all() override;
+  void set_step(int64_t step) override;
+  // The host waits, under the deadline and watching both communicators for
+  // asynchronous errors, until every all-reduce queued so far on the device is done;
+  // ends the job if it cannot finish (runtime/nccl_comm.h). The attached transport's
+  // flush() calls it.
+  void await_reductions();
+
+ private:
+  friend class NcclTransport;  // aborts this communicator with its own
+
+  void enqueue(const Tensor& t);
+  std::vector<nccl_detail::WatchedComm> watched();
+  cudaStream_t compute_stream() const { return static_cast<cudaStream_t>(compute_.native()); }
+  cudaStream_t reduce_stream() const { return static_cast<cudaStream_t>(reduce_stream_->native()); }
+
+  Device device_;
+  Stream& compute_;
+  NcclTransport* pipeline_;
+  MpiReplicaGroup host_;
+  double timeout_s_;
+  int world_rank_ = 0;
+  int64_t step_ = -1;
+  ncclComm_t nccl_ = nullptr;
+  std::unique_ptr<Stream> reduce_stream_;
+  std::unique_ptr<nccl_detail::EventHandle> ready_, reduced_;
+  // Recorded after each all-reduce; `queued` of them since await_reductions() last ran.
+  std::unique_ptr<nccl_detail::EventHandle> last_done_;
+  int queued_ = 0;
+  std::vector<Tensor> in_flight_;  // started on the device, not yet waited for
+};
+
+}  // namespace gpipe
