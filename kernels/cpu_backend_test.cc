@@ -98,9 +98,11 @@ TEST_CASE("elementwise ops") {
 TEST_CASE("softmax with large logits equals a float64 reference") {
   // Logits far beyond exp's float32 range (e^89 overflows): a softmax that does not
   // subtract the row's maximum gives inf/NaN, a wrong one gives other probabilities.
-  const std::vector<double> z = {1000, 1001, 999, -5, 0, 5, 1e4, 1e4 + 1, 1e4 + 2.5};
-  const std::vector<int32_t> y = {1, 2, 0};
-  const int64_t R = 3, C = 3;
+  // The last row spreads wider than that range with its maximum in the last class, so
+  // subtracting any other logit of the row (or a maximum that misses a class) overflows.
+  const std::vector<double> z = {1000, 1001, 999, -5, 0, 5, 1e4, 1e4 + 1, 1e4 + 2.5, -50, 0, 100};
+  const std::vector<int32_t> y = {1, 2, 0, 1};
+  const int64_t R = 4, C = 3;
   Tensor logits = Tensor::from_vector<float>(std::vector<float>(z.begin(), z.end()), {R, C});
   Tensor labels = Tensor::from_vector<int32_t>(y, {R});
   Tensor probs = cpu().empty({R, C}, DType::kF32), loss = cpu().empty({1}, DType::kF32);

@@ -156,13 +156,37 @@ TEST_CASE("every instruction is timed, in order, within the step") {
   Tensor y = gpipe::testing::random_labels(16, 4, 2);
   const StepResult r = ex.step(x, y);
   for (int k = 0; k < 2; ++k) {
+    CAPTURE(k);
     const auto& ops = r.stages[k].ops;
     REQUIRE(ops.size() == ex.schedule().stages[k].size());
     for (size_t j = 0; j < ops.size(); ++j) {
-      CHECK(ops[j].op == ex.schedule().stages[k][j].op);
+      const Instruction& ins = ex.schedule().stages[k][j];
+      CAPTURE(j);
+      CHECK(ops[j].op == ins.op);
+      CHECK(ops[j].micro_batch == ins.micro_batch);
+      CHECK(ops[j].chunk == ins.chunk);
       CHECK(ops[j].start_ms <= ops[j].end_ms);
       if (j > 0) CHECK(ops[j - 1].end_ms <= ops[j].start_ms);
       CHECK(ops[j].end_ms <= r.wall_ms);
+      // A message names the other stage and its size: 4 rows (16 / M) of layer 3's 8
+      // float32 outputs forward, of their gradient backward.
+      CHECK(ops[j].peer == (is_communication(ins.op) ? 1 - k : -1));
+      CHECK(ops[j].bytes == (is_communication(ins.op) ? 4 * 8 * 4 : 0));
+    }
+    // Stages of other processes send their trace as numbers: it comes back whole.
+    const StageTrace back = decode_trace(encode_trace(r.stages[k]), k);
+    CHECK(back.peak_activation_bytes == r.stages[k].peak_activation_bytes);
+    REQUIRE(back.ops.size() == ops.size());
+    for (size_t j = 0; j < ops.size(); ++j) {
+      CAPTURE(j);
+      CHECK(back.ops[j].op == ops[j].op);
+      CHECK(back.ops[j].micro_batch == ops[j].micro_batch);
+      CHECK(back.ops[j].start_ms == ops[j].start_ms);
+      CHECK(back.ops[j].end_ms == ops[j].end_ms);
+      CHECK(back.ops[j].chunk == ops[j].chunk);
+      CHECK(back.ops[j].bytes == ops[j].bytes);
+      CHECK(back.ops[j].peer == ops[j].peer);
+      CHECK(back.ops[j].live_bytes == ops[j].live_bytes);
     }
   }
 }

@@ -315,7 +315,9 @@ TEST_CASE("K stages x D replicas in one process equal the unpartitioned model") 
   // The multi-process layout with threads: one executor per (stage, replica), each
   // running only its stage (local_stage), the K stages of a replica joined by an
   // in-process transport, the D replicas of a stage by a ThreadReplicaGroup. Replica d
-  // trains on rows [d N/D, (d+1) N/D) of every batch.
+  // trains on rows [d N/D, (d+1) N/D) of every batch. GPipe, and zero bubble, whose
+  // deferred weight gradients (W) come after the stage's last backward: a linear
+  // layer's gradients may join a bucket only after its last W.
   const int64_t N = 12;
   const int steps = 3;
   layers::OptimizerConfig oc;
@@ -344,51 +346,54 @@ TEST_CASE("K stages x D replicas in one process equal the unpartitioned model") 
     std::vector<int> balance;
   };
   for (const Layout& l : {Layout{1, 2, {5}}, Layout{1, 3, {5}}, Layout{2, 2, {3, 2}}, Layout{3, 2, {2, 2, 1}}}) {
-    for (int64_t bucket : {int64_t{0}, int64_t{200}, int64_t{1} << 30}) {
-      CAPTURE(l.K);
-      CAPTURE(l.D);
-      CAPTURE(bucket);
-      std::vector<std::unique_ptr<Hub>> hubs;  // one group per stage
-      for (int k = 0; k < l.K; ++k) hubs.push_back(std::make_unique<Hub>(l.D));
-      std::vector<std::unique_ptr<InProcessTransport>> pipes;  // one transport per replica
-      for (int d = 0; d < l.D; ++d) pipes.push_back(std::make_unique<InProcessTransport>(l.K));
-      std::vector<std::unique_ptr<layers::Sequential>> models(l.K * l.D);
-      std::vector<std::vector<double>> losses(l.K * l.D);
-      on_replicas(l.K * l.D, [&](int rank) {
-        const int k = rank % l.K, d = rank / l.K;
-        models[rank] = layers::build_model(mlp_spec());
-        ThreadReplicaGroup group(*hubs[k], d);
-        ExecutorOptions opts;
-        opts.optimizer = oc;
-        opts.local_stage = k;
-        opts.rank = rank;
-        opts.replicas = &group;
-        opts.bucket_bytes = bucket;
-        std::vector<Device> devices;
-        for (int s = 0; s < l.K; ++s) devices.push_back(Device::cpu(s));
-        Executor ex(*models[rank], make_stages(l.balance, devices), gpipe_schedule(l.K, 2, CheckpointMode::kExceptLast),
-                    *pipes[d], opts);
-        const int64_t rows = N / l.D;
-        for (int t = 0; t < steps; ++t) {
-          auto [x, y] = batch(t);
-          losses[rank].push_back(ex.step(x.narrow_rows(d * rows, rows), y.narrow_rows(d * rows, rows)).loss);
-        }
-      });
-      for (int k = 0; k < l.K; ++k) CHECK(hubs[k]->errors().empty());
-      for (int rank = 0; rank < l.K * l.D; ++rank) {
-        CAPTURE(rank);
-        REQUIRE(losses[rank].size() == static_cast<size_t>(steps));
-        for (int t = 0; t < steps; ++t) CHECK(losses[rank][t] == doctest::Approx(ref_loss[t]).epsilon(1e-12));
-        // This rank's stage's layers, against the reference's.
-        const int k = rank % l.K;
-        int first = 0;
-        for (int s = 0; s < k; ++s) first += l.balance[s];
-        for (int i = first; i < first + l.balance[k]; ++i) {
-          auto mine = models[rank]->layer(i).parameters();
-          auto want = reference->layer(i).parameters();
-          for (size_t j = 0; j < mine.size(); ++j) {
-            INFO("layer ", i, " parameter ", j);
-            GPIPE_EXPECT_CLOSE(mine[j]->value, want[j]->value, 1e-10, 1e-12);
+    for (const std::string schedule : {"gpipe", "zero_bubble"}) {
+      for (int64_t bucket : {int64_t{0}, int64_t{200}, int64_t{1} << 30}) {
+        CAPTURE(schedule);
+        CAPTURE(l.K);
+        CAPTURE(l.D);
+        CAPTURE(bucket);
+        std::vector<std::unique_ptr<Hub>> hubs;  // one group per stage
+        for (int k = 0; k < l.K; ++k) hubs.push_back(std::make_unique<Hub>(l.D));
+        std::vector<std::unique_ptr<InProcessTransport>> pipes;  // one transport per replica
+        for (int d = 0; d < l.D; ++d) pipes.push_back(std::make_unique<InProcessTransport>(l.K));
+        std::vector<std::unique_ptr<layers::Sequential>> models(l.K * l.D);
+        std::vector<std::vector<double>> losses(l.K * l.D);
+        on_replicas(l.K * l.D, [&](int rank) {
+          const int k = rank % l.K, d = rank / l.K;
+          models[rank] = layers::build_model(mlp_spec());
+          ThreadReplicaGroup group(*hubs[k], d);
+          ExecutorOptions opts;
+          opts.optimizer = oc;
+          opts.local_stage = k;
+          opts.rank = rank;
+          opts.replicas = &group;
+          opts.bucket_bytes = bucket;
+          std::vector<Device> devices;
+          for (int s = 0; s < l.K; ++s) devices.push_back(Device::cpu(s));
+          Executor ex(*models[rank], make_stages(l.balance, devices),
+                      make_schedule(ScheduleRequest{schedule, l.K, 1, 2, CheckpointMode::kExceptLast}), *pipes[d], opts);
+          const int64_t rows = N / l.D;
+          for (int t = 0; t < steps; ++t) {
+            auto [x, y] = batch(t);
+            losses[rank].push_back(ex.step(x.narrow_rows(d * rows, rows), y.narrow_rows(d * rows, rows)).loss);
+          }
+        });
+        for (int k = 0; k < l.K; ++k) CHECK(hubs[k]->errors().empty());
+        for (int rank = 0; rank < l.K * l.D; ++rank) {
+          CAPTURE(rank);
+          REQUIRE(losses[rank].size() == static_cast<size_t>(steps));
+          for (int t = 0; t < steps; ++t) CHECK(losses[rank][t] == doctest::Approx(ref_loss[t]).epsilon(1e-12));
+          // This rank's stage's layers, against the reference's.
+          const int k = rank % l.K;
+          int first = 0;
+          for (int s = 0; s < k; ++s) first += l.balance[s];
+          for (int i = first; i < first + l.balance[k]; ++i) {
+            auto mine = models[rank]->layer(i).parameters();
+            auto want = reference->layer(i).parameters();
+            for (size_t j = 0; j < mine.size(); ++j) {
+              INFO("layer ", i, " parameter ", j);
+              GPIPE_EXPECT_CLOSE(mine[j]->value, want[j]->value, 1e-10, 1e-12);
+            }
           }
         }
       }

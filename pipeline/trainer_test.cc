@@ -203,6 +203,26 @@ TEST_CASE("a tiny GPT learns a text file through the pipeline, with validation")
   CHECK(j["validation"].size() == 2);  // step 30 and the end
 }
 
+TEST_CASE("validation runs without dropout: dropout 0.5 or 0 on the same weights scores the same") {
+  // One step at a learning rate far too small to move a float32 weight, so both runs
+  // keep the initial weights (seeded per layer; dropout has none). Training draws
+  // masks, so the step's losses differ; validation is in evaluation mode, so its
+  // scores must not.
+  const std::string text = write_text("fox_eval.txt", 60);
+  auto run_with = [&](const std::string& p) {
+    std::ostringstream log;
+    const Config c = parse_config(kTinyGpt, "tiny_gpt.yaml",
+                                  {"data.path=" + text, "output.dir=" + out_dir("eval_dropout_" + p), "train.steps=1",
+                                   "optimizer.lr=1e-30", "optimizer.warmup_steps=0", "model.layers.1.dropout=" + p});
+    return train(c, log);
+  };
+  const TrainResult with = run_with("0.5"), without = run_with("0");
+  REQUIRE(with.losses.size() == 1);
+  CHECK(std::abs(with.losses[0] - without.losses[0]) > 1e-3 * without.losses[0]);
+  CHECK(with.eval_loss == doctest::Approx(without.eval_loss).epsilon(1e-6));
+  CHECK(with.eval_accuracy == without.eval_accuracy);
+}
+
 TEST_CASE("data and model must agree, and files must exist") {
   const std::string text = write_text("fox2.txt", 10);
   std::ostringstream log;
