@@ -19,12 +19,6 @@ void check_chw(const Shape& in, const std::string& who) {
   }
 }
 
-Shape batched(int64_t n, const Shape& sample) {
-  Shape s{n};
-  s.insert(s.end(), sample.begin(), sample.end());
-  return s;
-}
-
 // Positions of a kernel-wide window sliding with `stride` over `in` padded by `pad`.
 int64_t out_extent(int64_t in, int64_t kernel, int64_t stride, int64_t pad) {
   return (in + 2 * pad - kernel) / stride + 1;

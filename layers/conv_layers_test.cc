@@ -22,12 +22,6 @@ namespace {
 
 Backend& cpu() { return backend_for(Device::cpu()); }
 
-Shape batched(int64_t n, const Shape& s) {
-  Shape out{n};
-  out.insert(out.end(), s.begin(), s.end());
-  return out;
-}
-
 // Randomises every parameter (so that BN's gamma is not all ones, and so on).
 void randomize(Layer& layer, uint64_t seed) {
   for (Parameter* p : layer.parameters()) {

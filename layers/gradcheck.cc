@@ -14,12 +14,6 @@ namespace {
 
 Backend& cpu() { return backend_for(Device::cpu()); }
 
-Shape batched(int64_t batch, const Shape& sample) {
-  Shape s{batch};
-  s.insert(s.end(), sample.begin(), sample.end());
-  return s;
-}
-
 std::string num(double v) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.6g", v);

@@ -10,6 +10,12 @@
 namespace gpipe {
 namespace layers {
 
+Shape batched(int64_t batch, const Shape& sample) {
+  Shape s{batch};
+  s.insert(s.end(), sample.begin(), sample.end());
+  return s;
+}
+
 void check_batch(const Tensor& x, const Shape& sample, DType dtype, const std::string& who, const char* what) {
   Shape want{x.dim() > 0 ? x.size(0) : -1};
   want.insert(want.end(), sample.begin(), sample.end());
@@ -23,12 +29,6 @@ void check_batch(const Tensor& x, const Shape& sample, DType dtype, const std::s
 namespace {
 
 bool same_place(Device a, Device b) { return a == b || (a.is_cpu() && b.is_cpu()); }
-
-Shape batched(int64_t batch, const Shape& sample) {
-  Shape s{batch};
-  s.insert(s.end(), sample.begin(), sample.end());
-  return s;
-}
 
 std::string num(double v) {
   char buf[32];

@@ -162,6 +162,9 @@ class Layer {
 // forward and backward FLOPs (> 0); input_grad_flops <= backward_flops.
 void check_cost(Layer& layer, int64_t batch, const LayerCost& cost);
 
+// (batch, *sample): the shape of a batch of samples.
+Shape batched(int64_t batch, const Shape& sample);
+
 // Checks that x is (batch, *sample) of the given dtype; the message names the layer.
 void check_batch(const Tensor& x, const Shape& sample, DType dtype, const std::string& who, const char* what);
 

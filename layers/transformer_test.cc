@@ -28,12 +28,6 @@ namespace {
 
 Backend& cpu() { return backend_for(Device::cpu()); }
 
-Shape batched(int64_t batch, const Shape& sample) {
-  Shape s{batch};
-  s.insert(s.end(), sample.begin(), sample.end());
-  return s;
-}
-
 Tensor random_ids(const Shape& shape, int vocab, uint64_t seed) {
   Rng rng(seed);
   Tensor t = Tensor::empty(shape, DType::kI32, Device::cpu());
