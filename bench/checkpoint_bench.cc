@@ -9,8 +9,8 @@
 // repeatedly: `sync` = host copies plus the files written and made durable; `stall`
 // = what the training thread waits for with checkpoint.async (the host copies and the
 // hand-over to the writer thread); `load` = reading it back with every file checked;
-// `cp` = `cp -r` of the saved folder followed by sync, the disk's own rate for the same
-// bytes.
+// `cp` = `cp -r` of the saved folder followed by sync, right after each save, the disk's
+// own rate for the same bytes.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -99,6 +99,8 @@ int main(int argc, char** argv) {
       }
       return out;
     };
+    // A save and a cp of it in turn: this disk's write rate drifts by several times
+    // within minutes, so each pair sees the same disk.
     int64_t bytes = 0;
     for (int r = 0; r < repeats; ++r) {
       const auto t0 = Clock::now();
@@ -106,6 +108,11 @@ int main(int argc, char** argv) {
       const double s = seconds_since(t0);
       bytes = folder_bytes(store.step_path(r + 1));
       emit(config_path, "sync", s, bytes);
+      std::filesystem::remove_all(dir + "/copy");
+      const std::string cmd = "cp -r '" + store.step_path(r + 1) + "' '" + dir + "/copy' && sync";
+      const auto t1 = Clock::now();
+      if (std::system(cmd.c_str()) != 0) throw Error("cp failed");
+      emit(config_path, "cp", seconds_since(t1), bytes);
     }
     {
       AsyncCheckpointWriter writer(CheckpointStore(dir + "/async", 1));
@@ -122,13 +129,6 @@ int main(int argc, char** argv) {
       const auto t0 = Clock::now();
       const LoadedCheckpoint back = load_checkpoint(saved);
       emit(config_path, "load", seconds_since(t0), bytes);
-    }
-    for (int r = 0; r < repeats; ++r) {
-      std::filesystem::remove_all(dir + "/copy");
-      const std::string cmd = "cp -r '" + saved + "' '" + dir + "/copy' && sync";
-      const auto t0 = Clock::now();
-      if (std::system(cmd.c_str()) != 0) throw Error("cp failed");
-      emit(config_path, "cp", seconds_since(t0), bytes);
     }
     std::filesystem::remove_all(dir);
   } catch (const std::exception& e) {

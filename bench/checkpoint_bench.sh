@@ -12,7 +12,7 @@ bazel build -c opt //bench:checkpoint_bench //pipeline:gpipe >&2
 bin="$(bazel info -c opt bazel-bin 2>/dev/null)"
 mkdir -p "$dir"
 for cfg in configs/gpt.yaml bench/configs/big_mlp.yaml; do
-  "$bin/bench/checkpoint_bench" "$cfg" "$dir/scratch" --repeats 3 2>/dev/null
+  "$bin/bench/checkpoint_bench" "$cfg" "$dir/scratch" --repeats 3 2>/dev/null | grep "^{"
 done > "$dir/lines.jsonl"
 python3 - "$dir/lines.jsonl" <<'PY'
 import json, statistics, sys
