@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -12,6 +13,7 @@
 #include "pipeline/config.h"
 #include "pipeline/mpi_launch.h"
 #include "pipeline/plan.h"
+#include "pipeline/plan_commands.h"
 #include "pipeline/run_model.h"
 #include "pipeline/schedule.h"
 #include "pipeline/trainer.h"
@@ -30,6 +32,7 @@ struct Invocation {
   std::string program;  // argv[0]'s file name, for messages
   std::string config = kDefaultConfig;
   std::vector<std::string> overrides;  // --set key=value
+  std::map<std::string, std::string> options;  // the command's own --flags ("sweep" -> "1", "devices" -> "8")
   pipeline::MpiLaunch* mpi = nullptr;  // set under mpirun
 };
 
@@ -87,7 +90,63 @@ int run_plan(Invocation& inv) {
   std::printf("schedule %s, recompute %s (formula bubble %.3f):\n%s\n%s", p.schedule.name.c_str(),
               pipeline::checkpoint_mode_name(p.recompute), pipeline::formula_bubble(p.schedule),
               pipeline::schedule_chart(p.schedule).c_str(), pipeline::schedule_table(p.schedule).c_str());
+  std::fflush(stdout);
+  pipeline::print_prediction(c, model, p, std::cout);
   return 0;
+}
+
+int option_int(const Invocation& inv, const std::string& name, int fallback) {
+  auto it = inv.options.find(name);
+  if (it == inv.options.end()) return fallback;
+  char* end = nullptr;
+  const long v = std::strtol(it->second.c_str(), &end, 10);
+  if (it->second.empty() || *end != '\0' || v < 1) {
+    throw UserError("--" + name + " takes a positive integer, got '" + it->second + "'");
+  }
+  return static_cast<int>(v);
+}
+
+// `plan` with --sweep, --devices or --device-spec: beyond the config as written.
+int run_plan_command(Invocation& inv) {
+  if (inv.options.empty()) return run_plan(inv);
+  const pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);
+  pipeline::RunModel run = pipeline::build_run_model(config);
+  pipeline::PlanCommandOptions o;
+  o.sweep = inv.options.count("sweep") > 0;
+  o.devices = option_int(inv, "devices", 0);
+  if (inv.options.count("device-spec")) o.device_spec = inv.options.at("device-spec");
+  o.rows = option_int(inv, "rows", o.rows);
+  return pipeline::plan_beyond(run.config, *run.model, o, std::cout);
+}
+
+int run_profile(Invocation& inv) {
+  pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);
+  pipeline::ProfileOptions o;
+  o.sweep = inv.options.count("sweep") > 0;
+  o.repeats = option_int(inv, "repeats", o.repeats);
+  o.warmup = option_int(inv, "warmup", o.warmup);
+  if (inv.options.count("micro-batches")) {
+    const std::string& list = inv.options.at("micro-batches");
+    size_t start = 0;
+    while (start <= list.size()) {
+      const size_t comma = std::min(list.find(',', start), list.size());
+      const std::string item = list.substr(start, comma - start);
+      char* end = nullptr;
+      const long long v = std::strtoll(item.c_str(), &end, 10);
+      if (item.empty() || *end != '\0' || v < 1) {
+        throw UserError("--micro-batches takes sizes such as 8,16,32; '" + item + "' is not a positive integer");
+      }
+      o.micro_batches.push_back(v);
+      start = comma + 1;
+    }
+  }
+  pipeline::Launch launch;
+  if (inv.mpi != nullptr) {
+    config.pipeline.partitions = inv.mpi->size();  // one stage per rank: the transport between them
+    config.pipeline.replicas = 1;
+    launch = inv.mpi->join(config);
+  }
+  return pipeline::profile_command(config, o, launch, std::cout);
 }
 
 int run_help(Invocation& inv) {
@@ -100,7 +159,11 @@ int run_help(Invocation& inv) {
 const Command kCommands[] = {
     {"train", "[CONFIG.yaml] [--set key=value ...]", "train (default config: configs/default.yaml)",
      "one process per stage and replica (K = pipeline.partitions, D = pipeline.replicas)", run_train},
-    {"plan", "[CONFIG.yaml] [--set key=value ...]", "show the partition and schedule, do not train", nullptr, run_plan},
+    {"plan", "[CONFIG.yaml] [--set key=value ...] [--sweep] [--rows N] [--devices N] [--device-spec FILE]",
+     "predict step time, bubble and memory per stage; --sweep ranks the ways to run it", nullptr, run_plan_command},
+    {"profile", "[CONFIG.yaml] [--set key=value ...] [--micro-batches N,N,...] [--sweep] [--repeats N] [--warmup N]",
+     "measure each layer's times into pipeline.profile (--sweep: at every size the sweep tries)",
+     "two processes: measure the MPI transport between them into the profile", run_profile},
     {"help", "", "this text, and the layer types and models this program knows", nullptr, run_help},
 };
 
@@ -122,6 +185,16 @@ void parse_args(int argc, char** argv, const Command& cmd, Invocation& inv) {
       inv.overrides.push_back(argv[++i]);
     } else if (takes_config && arg.rfind("--set=", 0) == 0) {
       inv.overrides.push_back(arg.substr(6));
+    } else if (arg.rfind("--", 0) == 0 && std::string(cmd.args).find("[" + arg) != std::string::npos) {
+      // A flag the command lists in its usage: "[--sweep]" alone, "[--devices N]" with a value.
+      const std::string declared(cmd.args);
+      const size_t at = declared.find("[" + arg) + 1 + arg.size();
+      if (declared[at] == ' ') {
+        if (i + 1 >= argc) throw UserError(arg + " needs a value\n" + usage(inv.program));
+        inv.options[arg.substr(2)] = argv[++i];
+      } else {
+        inv.options[arg.substr(2)] = "1";
+      }
     } else if (!arg.empty() && arg[0] == '-') {
       throw UserError("unknown option '" + arg + "' for " + cmd.name + "\n" + usage(inv.program));
     } else if (takes_config && !have_config) {

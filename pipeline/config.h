@@ -46,6 +46,11 @@ struct PipelineConfig {
   std::vector<int> balance;          // layers per partition; empty = balance automatically
   std::vector<std::string> devices;  // one per partition; empty = cpu:0 .. cpu:K-1
   bool pin_threads = true;
+  // How the balancer weighs layers: "estimate" (the roofline cost model) or "profile"
+  // (the measured times in `profile`, torchgpipe's balance by time).
+  std::string balance_by = "estimate";
+  std::string profile;       // the profile file (`gpipe profile`); default <output.dir>/profile.json
+  int64_t memory_limit = 0;  // bytes per device the planner may use ("20GiB"); 0: no limit given
 };
 
 struct OptimizerConfig {
@@ -69,7 +74,21 @@ struct TrainConfig {
 
 struct OutputConfig {
   std::string dir;  // default runs/<config name>
+  // Write trace.json (Chrome trace events, for Perfetto). Default: on for runs of at
+  // most kTraceDefaultMaxSteps steps, or whenever trace.steps is given; an explicit
+  // false wins.
+  bool trace = true;
 };
+
+// Which steps the trace (and report.html's timeline, which shows the median one) records:
+// [first_step, last_step], 0-based as in report.json. Default: steps 1 .. 10 (step 0
+// warms up), clipped to the run; a one-step run records step 0. A window, so that a
+// long run's trace stays small.
+struct TraceConfig {
+  int first_step = 1, last_step = 10;
+};
+constexpr int kTraceDefaultMaxSteps = 1000;
+constexpr int kTraceDefaultSteps = 10;
 
 struct Config {
   std::string name;  // the file's stem, "default"
@@ -80,7 +99,12 @@ struct Config {
   OptimizerConfig optimizer;
   TrainConfig train;
   OutputConfig output;
+  TraceConfig trace;
 };
+
+// "20GiB", "512 MB", "1.5e9": a byte count with an optional unit (B, KB, MB, GB, TB in
+// powers of 1000; KiB, MiB, GiB, TiB in powers of 1024). Throws UserError naming `what`.
+int64_t parse_byte_size(const std::string& text, const std::string& what);
 
 // Reads and decodes a YAML file; `overrides` are "a.b=value" strings applied before
 // decoding (value is YAML: 3, 0.1, always, [3, 3, 2]). Throws UserError.

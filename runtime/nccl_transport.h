@@ -91,6 +91,7 @@ class NcclTransport : public Transport {
   // Host values over MPI (they are scalars; a GPU round trip would cost more).
   double all_reduce_sum(int stage, double value) override;
   std::vector<std::vector<double>> gather_to_first(int stage, const std::vector<double>& values) override;
+  double clock_offset_to_first(int stage) override { return host_.clock_offset_to_first(stage); }
   // Waits until every send has left its buffer.
   void flush(int stage) override;
   // Logs, aborts the NCCL communicator (kernels waiting for a peer stop), then ends the
