@@ -94,7 +94,7 @@ int plan_beyond(const Config& config, layers::Sequential& model, const PlanComma
     return 0;
   }
   const partition::CostModel cm = spec.cost_model(dtype_name(model.output_dtype()));
-  const CostSource costs(model, ProfileStore{}, "(none for a device description)", Device::cuda(0), 0, cm, {}, c.optimizer.optimizer);
+  const CostSource costs(model, ProfileStore{}, "", Device::cuda(0), 0, cm, {}, c.optimizer.optimizer);
   // The balancer's split by the spec's roofline.
   c.pipeline.balance = partition::balance_by_cost(
       partition::layer_costs(model, plan.largest_micro_batch(), plan.recompute != CheckpointMode::kNever, {}, cm),

@@ -145,6 +145,7 @@ std::string CostSource::describe_sources() const {
   char rates[128];
   std::snprintf(rates, sizeof rates, "the cost model (%.0f GFLOP/s, %.0f GB/s per device)", cm_.flops_per_second / 1e9,
                 cm_.bytes_per_second / 1e9);
+  if (path_.empty()) return rates;  // a device description: nothing was measured
   if (!has_profile()) return std::string(rates) + "; no profile in " + path_ + " for this model and device";
   std::string sizes;
   for (const auto& e : profile_.entries) {

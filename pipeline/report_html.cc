@@ -196,7 +196,7 @@ std::string loss_svg(const std::vector<std::pair<int, double>>& losses,
       << num(v, 3) << "</text>\n";
   }
   o << "<text x=\"" << l << "\" y=\"" << h - 8 << "\" class=\"tick\">step 0</text><text x=\"" << w - r << "\" y=\""
-    << h - 8 << "\" class=\"tick\">step " << last_step << "</text>\n";
+    << h - 8 << "\" class=\"ytick\">step " << last_step << "</text>\n";
   o << "<polyline class=\"loss\" points=\"";
   for (const auto& [s, v] : losses) o << num(X(s), 1) << "," << num(Y(v), 1) << " ";
   o << "\"/>\n";

@@ -99,8 +99,8 @@ SweepResult sweep(const Config& base, const layers::Sequential& model, const Swe
                                                     : partition::CostModel{};
   // On a device description there is no profile: the spec's roofline.
   const ProfileStore none;
-  const CostSource costs(model, o.spec != nullptr ? none : store, base.pipeline.profile, device, base.train.blas_threads,
-                         cm, overrides, base.optimizer.optimizer);
+  const CostSource costs(model, o.spec != nullptr ? none : store, o.spec != nullptr ? "" : base.pipeline.profile, device,
+                         base.train.blas_threads, cm, overrides, base.optimizer.optimizer);
   out.costs = o.spec != nullptr ? o.spec->name + " (" + o.spec->source + "): " + costs.describe() : costs.describe();
   const LinkCost local = local_link(store, false);
   const LinkFn link = o.spec != nullptr ? LinkFn([&](int a, int b) { return o.spec->link(a, b); })

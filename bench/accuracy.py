@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""How close the planner's predictions come to what runs measure (issue 11's accuracy
+table in bench/RESULTS.md).
+
+For each config, `gpipe profile` first measures its layers at every micro-batch size
+the cases use; then each case (K stages, M micro-batches, a recompute mode) trains a
+few steps, and its report.json holds both the measurement and the prediction made
+before the run from that profile: step time (report.json step_ms, the mean of the
+timed steps, the first left out) and each stage's peak activation memory (the
+executor's meter against estimate_memory). Then, per config, the measured bubble of a
+run balanced by the profile (pipeline.balance_by: profile) against one balanced by
+the cost model's estimates.
+
+  bench/accuracy.py [--gpipe bazel-bin/pipeline/gpipe] [--configs mlp,default,gpt]
+                    [--k 1,2] [--m 4,8,16] [--steps 8] [--out FILE.jsonl]
+
+Prints markdown tables. Run it when the machine is quiet (uptime); each case is short.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+MODES = ["never", "except_last", "always"]
+
+
+def busy_cores(seconds=0.5):
+    """Cores' worth of CPU time the whole machine used over `seconds` (from /proc/stat)."""
+    def snap():
+        f = open("/proc/stat").readline().split()[1:]
+        v = [int(x) for x in f]
+        return sum(v) - v[3] - v[4], sum(v)  # busy (all but idle, iowait), total
+    b0, t0 = snap()
+    time.sleep(seconds)
+    b1, t1 = snap()
+    return (b1 - b0) / max(1, t1 - t0) * os.cpu_count()
+
+
+def wait_quiet(limit, max_wait):
+    """Waits up to max_wait seconds for the machine to use less than `limit` cores; returns the last reading."""
+    start = time.time()
+    while True:
+        b = busy_cores()
+        if b < limit or time.time() - start > max_wait:
+            return b
+
+
+def run(cmd, log):
+    with open(log, "w") as f:
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if r.returncode != 0:
+        sys.stderr.write(open(log).read()[-3000:])
+        raise SystemExit("accuracy.py: failed: " + " ".join(cmd))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gpipe", default="bazel-bin/pipeline/gpipe")
+    ap.add_argument("--configs", default="mlp,default,gpt")
+    ap.add_argument("--k", default="1,2")
+    ap.add_argument("--m", default="4,8,16")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=10, help="profile repetitions")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--no-balance", action="store_true")
+    ap.add_argument("--runs", type=int, default=2, help="runs per case; the fastest is kept (others' work only slows)")
+    ap.add_argument("--quiet", type=float, default=0.3, help="wait for the machine to use fewer cores than this")
+    ap.add_argument("--max-wait", type=float, default=30)
+    a = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="gpipe-accuracy.")
+    out = open(a.out or os.path.join(work, "results.jsonl"), "w")
+    ks = [int(x) for x in a.k.split(",")]
+    ms = [int(x) for x in a.m.split(",")]
+    modes = a.modes.split(",")
+    rows = []
+    for name in a.configs.split(","):
+        config = "configs/%s.yaml" % name
+        d = os.path.join(work, name)
+        os.makedirs(d, exist_ok=True)
+        profile = os.path.join(d, "profile.json")
+        common = ["--set", "pipeline.profile=" + profile, "--set", "train.eval_interval=0",
+                  "--set", "train.eval_samples=8", "--set", "data.eval_samples=64",
+                  "--set", "train.log_interval=1000", "--set", "train.steps=%d" % a.steps]
+        batch = None
+        for line in open(config):
+            if line.strip().startswith("batch_size:"):
+                batch = int(line.split(":")[1].split("#")[0])
+        sizes = sorted({(batch + m - 1) // m for m in ms})
+        t0 = time.time()
+        wait_quiet(a.quiet, a.max_wait)
+        run([a.gpipe, "profile", config, "--set", "pipeline.profile=" + profile,
+             "--micro-batches", ",".join(str(s) for s in sizes), "--repeats", str(a.repeats)],
+            os.path.join(d, "profile.log"))
+        sys.stderr.write("%s: profiled micro-batches %s in %.0f s\n" % (name, sizes, time.time() - t0))
+        for k in ks:
+            for m in ms:
+                for mode in modes:
+                    tag = "%s_k%d_m%d_%s" % (name, k, m, mode)
+                    best, before = None, 0
+                    for i in range(a.runs):
+                        before = max(before, wait_quiet(a.quiet, a.max_wait))
+                        od = os.path.join(d, "%s_%d" % (tag, i))
+                        run([a.gpipe, "train", config, "--set", "output.dir=" + od, "--set",
+                             "pipeline.partitions=%d" % k, "--set", "pipeline.micro_batches=%d" % m, "--set",
+                             "pipeline.checkpoint=" + mode, "--set", "pipeline.balance_by=profile"] + common,
+                            od + ".log")
+                        r = json.load(open(os.path.join(od, "report.json")))
+                        if best is None or r["step_ms"] < best["step_ms"]:
+                            best = r
+                    r = best
+                    p = r["prediction"]
+                    row = {"config": name, "k": k, "m": m, "mode": mode, "step_ms": r["step_ms"],
+                           "pred_step_ms": p["step_ms"], "bubble": r["bubble"]["measured"],
+                           "pred_bubble": p["bubble"], "source": p["source"],
+                           "act": [s["peak_activation_bytes"] for s in r["stages"]],
+                           "pred_act": [s["activation_bytes"] for s in p["stages"]],
+                           "busy_before": round(before, 2)}
+                    rows.append(row)
+                    out.write(json.dumps(row) + "\n")
+                    out.flush()
+                    sys.stderr.write("%s: measured %.2f ms, predicted %.2f ms (%+.1f%%), other work %.2f cores\n" % (
+                        tag, row["step_ms"], row["pred_step_ms"], 100 * (row["pred_step_ms"] / row["step_ms"] - 1),
+                        row["busy_before"]))
+        if a.no_balance:
+            continue
+        for k in [k for k in ks if k > 1]:
+            for by in ["estimate", "profile"]:
+                tag = "%s_balance_k%d_%s" % (name, k, by)
+                od = os.path.join(d, tag)
+                wait_quiet(a.quiet, a.max_wait)
+                run([a.gpipe, "train", config, "--set", "output.dir=" + od, "--set", "pipeline.partitions=%d" % k,
+                     "--set", "pipeline.micro_batches=8", "--set", "pipeline.checkpoint=except_last",
+                     "--set", "pipeline.balance_by=" + by] + common, od + ".log")
+                r = json.load(open(os.path.join(od, "report.json")))
+                row = {"config": name, "k": k, "balance_by": by, "balance": r["balance"], "step_ms": r["step_ms"],
+                       "bubble": r["bubble"]["measured"]}
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+                rows.append(row)
+    print_tables(rows)
+    sys.stderr.write("raw results: %s\n" % out.name)
+
+
+def print_tables(rows):
+    print("| config | K | M | recompute | step ms measured | predicted | error | peak activations measured (MB, per stage) | predicted | error |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "balance_by" in r:
+            continue
+        err = 100 * (r["pred_step_ms"] / r["step_ms"] - 1)
+        mem_err = max(abs(p / a - 1) if a else 0 for a, p in zip(r["act"], r["pred_act"])) * 100
+        print("| %s | %d | %d | %s | %.2f | %.2f | %+.1f%% | %s | %s | %.1f%% |" % (
+            r["config"], r["k"], r["m"], r["mode"], r["step_ms"], r["pred_step_ms"], err,
+            " / ".join("%.2f" % (x / 1e6) for x in r["act"]), " / ".join("%.2f" % (x / 1e6) for x in r["pred_act"]),
+            mem_err))
+    bal = [r for r in rows if "balance_by" in r]
+    if bal:
+        print()
+        print("| config | K | balanced by | balance | step ms | measured bubble |")
+        print("|---|---|---|---|---|---|")
+        for r in bal:
+            print("| %s | %d | %s | %s | %.2f | %.3f |" % (r["config"], r["k"], r["balance_by"], r["balance"],
+                                                         r["step_ms"], r["bubble"]))
+
+
+if __name__ == "__main__":
+    main()
