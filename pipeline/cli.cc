@@ -119,26 +119,34 @@ int run_plan_command(Invocation& inv) {
   return pipeline::plan_beyond(run.config, *run.model, o, std::cout);
 }
 
+// "8,16,32" -> {8, 16, 32}, each at least 1.
+std::vector<int64_t> option_list(const Invocation& inv, const std::string& name) {
+  const std::string& list = inv.options.at(name);
+  std::vector<int64_t> out;
+  size_t start = 0;
+  while (start <= list.size()) {
+    const size_t comma = std::min(list.find(',', start), list.size());
+    const std::string item = list.substr(start, comma - start);
+    char* end = nullptr;
+    const long long v = std::strtoll(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || v < 1) {
+      throw UserError("--" + name + " takes positive integers such as 1,2 or 8,16,32; '" + item + "' is not one");
+    }
+    out.push_back(v);
+    start = comma + 1;
+  }
+  return out;
+}
+
 int run_profile(Invocation& inv) {
   pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);
   pipeline::ProfileOptions o;
   o.sweep = inv.options.count("sweep") > 0;
   o.repeats = option_int(inv, "repeats", o.repeats);
   o.warmup = option_int(inv, "warmup", o.warmup);
-  if (inv.options.count("micro-batches")) {
-    const std::string& list = inv.options.at("micro-batches");
-    size_t start = 0;
-    while (start <= list.size()) {
-      const size_t comma = std::min(list.find(',', start), list.size());
-      const std::string item = list.substr(start, comma - start);
-      char* end = nullptr;
-      const long long v = std::strtoll(item.c_str(), &end, 10);
-      if (item.empty() || *end != '\0' || v < 1) {
-        throw UserError("--micro-batches takes sizes such as 8,16,32; '" + item + "' is not a positive integer");
-      }
-      o.micro_batches.push_back(v);
-      start = comma + 1;
-    }
+  if (inv.options.count("micro-batches")) o.micro_batches = option_list(inv, "micro-batches");
+  if (inv.options.count("concurrency")) {
+    for (int64_t v : option_list(inv, "concurrency")) o.concurrency.push_back(static_cast<int>(v));
   }
   pipeline::Launch launch;
   if (inv.mpi != nullptr) {
@@ -161,7 +169,9 @@ const Command kCommands[] = {
      "one process per stage and replica (K = pipeline.partitions, D = pipeline.replicas)", run_train},
     {"plan", "[CONFIG.yaml] [--set key=value ...] [--sweep] [--rows N] [--devices N] [--device-spec FILE]",
      "predict step time, bubble and memory per stage; --sweep ranks the ways to run it", nullptr, run_plan_command},
-    {"profile", "[CONFIG.yaml] [--set key=value ...] [--micro-batches N,N,...] [--sweep] [--repeats N] [--warmup N]",
+    {"profile",
+     "[CONFIG.yaml] [--set key=value ...] [--micro-batches N,N,...] [--sweep] [--concurrency N,N] [--repeats N] "
+     "[--warmup N]",
      "measure each layer's times into pipeline.profile (--sweep: at every size the sweep tries)",
      "two processes: measure the MPI transport between them into the profile", run_profile},
     {"help", "", "this text, and the layer types and models this program knows", nullptr, run_help},

@@ -1,7 +1,13 @@
 #include "pipeline/plan_commands.h"
 
+#include <pthread.h>
+#include <sched.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
+#include <exception>
+#include <thread>
 #include <filesystem>
 #include <ostream>
 #include <set>
@@ -19,6 +25,13 @@ namespace gpipe {
 namespace pipeline {
 
 namespace {
+
+void pin_to_core(int core) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(core, &set);
+  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort, as the executor's
+}
 
 std::string mb(int64_t bytes) {
   char buf[32];
@@ -112,8 +125,8 @@ int plan_beyond(const Config& config, layers::Sequential& model, const PlanComma
 
 int profile_command(const Config& config, const ProfileOptions& o, const Launch& launch, std::ostream& out) {
   RunModel run = build_run_model(config);
-  const Config& c = run.config;
-  layers::Sequential& model = *run.model;
+  const Config c = run.config;
+  const std::string hash = model_hash(*run.model);
   const std::filesystem::path path(c.pipeline.profile);
   if (path.has_parent_path()) {
     std::error_code ec;
@@ -149,35 +162,74 @@ int profile_command(const Config& config, const ProfileOptions& o, const Launch&
   }
   const std::unique_ptr<Dataset> data = make_dataset(c);
   ProfileStore store = load_profile(c.pipeline.profile);
+  std::vector<int> levels = o.concurrency;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (levels.empty()) {
+    levels.push_back(1);
+    if (device.is_cpu() && cores > 1) levels.push_back(cores);
+  }
+  // One copy of the model per stage computing at once (gradients must not be shared).
+  std::vector<std::unique_ptr<layers::Sequential>> copies;
+  copies.push_back(std::move(run.model));
   char line[300];
-  for (int64_t n : sizes) {
-    if (n < 1) throw UserError("--micro-batches: sizes must be at least 1, got " + std::to_string(n));
-    auto [x, y] = data->batch(static_cast<uint64_t>(c.train.seed) * 1000003ULL, n);
-    ProfileEntry e =
-        measure_layers(model, x, y, device, c.optimizer.optimizer, o.warmup, o.repeats, c.train.blas_threads);
-    double f = 0, b = 0, r = 0, opt = 0;
-    for (const auto& l : e.layers) {
-      f += l.forward_ms;
-      b += l.backward_ms;
-      r += l.recompute_ms;
-      opt += l.optimizer_ms;
+  for (int at_once : levels) {
+    if (at_once < 1 || (device.is_cpu() && at_once > cores) || (!device.is_cpu() && at_once != 1)) {
+      throw UserError("--concurrency " + std::to_string(at_once) + ": give 1 to " + std::to_string(cores) +
+                      " stages at once (one per core) on CPUs, 1 on GPUs");
     }
-    std::snprintf(line, sizeof line,
-                  "micro-batch %4lld on %s: forward %.3f ms, backward %.3f ms, recompute %.3f ms, loss %.3f + %.3f ms, "
-                  "optimizer %.3f ms (medians of %d after %d warm-up)\n",
-                  static_cast<long long>(n), e.key.device.c_str(), f, b, r, e.loss_forward_ms, e.loss_backward_ms, opt,
-                  o.repeats, o.warmup);
-    out << line;
-    if (n == own) {
-      for (size_t i = 0; i < e.layers.size(); ++i) {
-        const LayerProfile& l = e.layers[i];
-        std::snprintf(line, sizeof line, "  %3zu %-34s fwd %8.3f  bwd %8.3f (B %8.3f W %8.3f)  opt %7.3f ms\n", i,
-                      l.describe.substr(0, 34).c_str(), l.forward_ms, l.backward_ms, l.backward_input_ms,
-                      l.backward_weight_ms, l.optimizer_ms);
-        out << line;
+    while (static_cast<int>(copies.size()) < at_once) copies.push_back(build_run_model(config).model);
+    for (int64_t n : sizes) {
+      if (n < 1) throw UserError("--micro-batches: sizes must be at least 1, got " + std::to_string(n));
+      auto [x, y] = data->batch(static_cast<uint64_t>(c.train.seed) * 1000003ULL, n);
+      // Every copy on its own core, started together (they do the same work, so they
+      // stay together); the first one's times are kept.
+      std::vector<ProfileEntry> entries(at_once);
+      std::vector<std::exception_ptr> errors(at_once);
+      std::atomic<int> ready{0};
+      std::vector<std::thread> threads;
+      for (int i = 0; i < at_once; ++i) {
+        threads.emplace_back([&, i] {
+          try {
+            if (device.is_cpu() && c.pipeline.pin_threads) pin_to_core(i);
+            ready.fetch_add(1);
+            while (ready.load() < at_once) std::this_thread::yield();
+            entries[i] = measure_layers(*copies[i], x, y, device, c.optimizer.optimizer, o.warmup, o.repeats,
+                                        c.train.blas_threads, at_once);
+          } catch (...) {
+            errors[i] = std::current_exception();
+            ready.fetch_add(at_once);  // release the others
+          }
+        });
       }
+      for (auto& t : threads) t.join();
+      for (auto& e : errors) {
+        if (e) std::rethrow_exception(e);
+      }
+      ProfileEntry& e = entries[0];
+      double f = 0, b = 0, r = 0, opt = 0;
+      for (const auto& l : e.layers) {
+        f += l.forward_ms;
+        b += l.backward_ms;
+        r += l.recompute_ms;
+        opt += l.optimizer_ms;
+      }
+      std::snprintf(line, sizeof line,
+                    "micro-batch %4lld on %s, %d at once: forward %.3f ms, backward %.3f ms, recompute %.3f ms, loss "
+                    "%.3f + %.3f ms, optimizer %.3f ms (medians of %d after %d warm-up)\n",
+                    static_cast<long long>(n), e.key.device.c_str(), at_once, f, b, r, e.loss_forward_ms,
+                    e.loss_backward_ms, opt, o.repeats, o.warmup);
+      out << line;
+      if (n == own && at_once == 1) {
+        for (size_t i = 0; i < e.layers.size(); ++i) {
+          const LayerProfile& l = e.layers[i];
+          std::snprintf(line, sizeof line, "  %3zu %-34s fwd %8.3f  bwd %8.3f (B %8.3f W %8.3f)  opt %7.3f ms\n", i,
+                        l.describe.substr(0, 34).c_str(), l.forward_ms, l.backward_ms, l.backward_input_ms,
+                        l.backward_weight_ms, l.optimizer_ms);
+          out << line;
+        }
+      }
+      store.put(std::move(e));
     }
-    store.put(std::move(e));
   }
   InProcessTransport pair(2);
   const LinkCost l = measure_link(pair, "inprocess", -1, o.repeats);
@@ -185,7 +237,7 @@ int profile_command(const Config& config, const ProfileOptions& o, const Launch&
   std::snprintf(line, sizeof line, "in-process hand-over: %.1f us\n", l.latency_ms * 1e3);
   out << line;
   save_profile(c.pipeline.profile, store);
-  out << "Profile: " << c.pipeline.profile << " (model " << model_hash(model) << ")\n";
+  out << "Profile: " << c.pipeline.profile << " (model " << hash << ")\n";
   return 0;
 }
 

@@ -34,10 +34,14 @@ struct ProfileOptions {
   std::vector<int64_t> micro_batches;  // sizes to measure; empty: the config's
   bool sweep = false;                  // every size the sweep tries (batch / M for M = 1, 2, 4, ...)
   int warmup = 3, repeats = 10;
+  // Stages computing at once while measuring (each a copy of the model on its own core);
+  // empty: 1 and, on CPUs, every core.
+  std::vector<int> concurrency;
 };
 
-// `gpipe profile`: measures every layer at each size on the config's first device, and
-// the in-process transport, and stores them in pipeline.profile. Under mpirun
+// `gpipe profile`: measures every layer at each size on the config's first device (on
+// CPUs alone and with every core running a copy, as K stages do), and the in-process
+// transport, and stores them in pipeline.profile. Under mpirun
 // (`launch.size` > 1, CPU stages) it measures the MPI transport between ranks 0 and 1
 // instead. Returns the exit status.
 int profile_command(const Config& config, const ProfileOptions& options, const Launch& launch, std::ostream& out);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <thread>
 
 #include "runtime/error.h"
 
@@ -62,48 +63,46 @@ CostTable profile_costs(const ProfileEntry& e) {
 
 CostSource::CostSource(const layers::Sequential& model, ProfileStore profile, std::string profile_path, Device device,
                        int blas_threads, partition::CostModel cm, std::vector<std::optional<double>> overrides,
-                       layers::OptimizerConfig optimizer, double compute_scale)
+                       layers::OptimizerConfig optimizer, double compute_scale, int concurrency)
     : model_(model), profile_(std::move(profile)), path_(std::move(profile_path)),
-      base_key_(profile_key(model, 0, device, blas_threads)), cm_(cm), overrides_(std::move(overrides)),
+      base_key_(profile_key(model, 0, device, blas_threads, concurrency)), cm_(cm), overrides_(std::move(overrides)),
       optimizer_(std::move(optimizer)), compute_scale_(compute_scale) {}
 
-bool CostSource::has_profile() const {
-  for (const auto& e : profile_.entries) {
-    ProfileKey k = e.key;
-    k.micro_batch = 0;
-    if (k.model_hash == base_key_.model_hash && k.dtype == base_key_.dtype && k.device == base_key_.device &&
-        k.blas_threads == base_key_.blas_threads) {
-      return true;
+std::vector<const ProfileEntry*> CostSource::family() const {
+  auto of = [&](int concurrency) {
+    std::vector<const ProfileEntry*> out;
+    for (const auto& e : profile_.entries) {
+      const ProfileKey& k = e.key;
+      if (k.model_hash == base_key_.model_hash && k.dtype == base_key_.dtype && k.device == base_key_.device &&
+          k.blas_threads == base_key_.blas_threads && k.concurrency == concurrency) {
+        out.push_back(&e);
+      }
     }
-  }
-  return false;
+    return out;
+  };
+  auto out = of(base_key_.concurrency);
+  return out.empty() && base_key_.concurrency > 1 ? of(1) : out;
 }
+
+bool CostSource::has_profile() const { return !family().empty(); }
 
 const CostTable& CostSource::at(int64_t micro) const {
   auto it = cache_.find(micro);
   if (it != cache_.end()) return it->second;
-  ProfileKey key = base_key_;
-  key.micro_batch = micro;
+  // The profiled size nearest to this one (on a log scale); the same size is exact.
+  const ProfileEntry* near = nullptr;
+  for (const ProfileEntry* e : family()) {
+    auto dist = [&](int64_t n) { return std::abs(std::log(static_cast<double>(n) / static_cast<double>(micro))); };
+    if (near == nullptr || dist(e->key.micro_batch) < dist(near->key.micro_batch)) near = e;
+  }
   CostTable t;
-  if (const ProfileEntry* e = profile_.find(key)) {
-    t = profile_costs(*e);
+  if (near != nullptr && near->key.micro_batch == micro) {
+    t = profile_costs(*near);
   } else {
-    // The nearest profiled size of this model on this device, scaled by the cost model.
-    const ProfileEntry* near = nullptr;
-    for (const auto& e : profile_.entries) {
-      ProfileKey k = e.key;
-      k.micro_batch = micro;
-      if (k.model_hash != key.model_hash || k.dtype != key.dtype || k.device != key.device ||
-          k.blas_threads != key.blas_threads) {
-        continue;
-      }
-      auto dist = [&](int64_t n) { return std::abs(std::log(static_cast<double>(n) / static_cast<double>(micro))); };
-      if (near == nullptr || dist(e.key.micro_batch) < dist(near->key.micro_batch)) near = &e;
-    }
     const CostTable est = estimate_costs(model_, micro, cm_, overrides_, optimizer_);
     if (near == nullptr) {
       t = est;
-    } else {
+    } else {  // scaled per layer by the cost model's ratio between the two sizes
       const CostTable base = estimate_costs(model_, near->key.micro_batch, cm_, overrides_, optimizer_);
       t = profile_costs(*near);
       auto ratio = [](double a, double b) { return b > 0 ? a / b : 1.0; };
@@ -146,15 +145,14 @@ std::string CostSource::describe_sources() const {
   std::snprintf(rates, sizeof rates, "the cost model (%.0f GFLOP/s, %.0f GB/s per device)", cm_.flops_per_second / 1e9,
                 cm_.bytes_per_second / 1e9);
   if (path_.empty()) return rates;  // a device description: nothing was measured
-  if (!has_profile()) return std::string(rates) + "; no profile in " + path_ + " for this model and device";
+  const auto entries = family();
+  if (entries.empty()) return std::string(rates) + "; no profile in " + path_ + " for this model and device";
   std::string sizes;
-  for (const auto& e : profile_.entries) {
-    if (e.key.model_hash == base_key_.model_hash && e.key.device == base_key_.device &&
-        e.key.dtype == base_key_.dtype && e.key.blas_threads == base_key_.blas_threads) {
-      sizes += (sizes.empty() ? "" : ", ") + std::to_string(e.key.micro_batch);
-    }
-  }
-  return "profile " + path_ + " (micro-batch " + sizes + "; other sizes scaled by " + rates + ")";
+  for (const ProfileEntry* e : entries) sizes += (sizes.empty() ? "" : ", ") + std::to_string(e->key.micro_batch);
+  const int measured = entries.front()->key.concurrency;
+  std::string at_once = measured > 1 ? ", " + std::to_string(measured) + " stages at once"
+                        : base_key_.concurrency > 1 ? ", measured alone" : "";
+  return "profile " + path_ + " (micro-batch " + sizes + at_once + "; other sizes scaled by " + rates + ")";
 }
 
 PlannedRun predict(const Plan& plan, const layers::Sequential& model, const CostSource& costs, const LinkFn& link,
@@ -270,12 +268,17 @@ LinkCost local_link(const ProfileStore& profile, bool across_processes) {
   return measured != nullptr ? *measured : fallback;
 }
 
+int stages_at_once(const Plan& plan) {
+  if (!plan.devices.front().is_cpu()) return 1;
+  return std::max(1, std::min(plan.stages, static_cast<int>(std::thread::hardware_concurrency())));
+}
+
 PlannedRun predict_config(const Config& c, const layers::Sequential& model, const Plan& plan, bool across_processes) {
   const ProfileStore store = load_profile(c.pipeline.profile);
   std::vector<std::optional<double>> overrides;
   for (const auto& l : c.model.layers) overrides.push_back(l.cost);
   const CostSource costs(model, store, c.pipeline.profile, plan.devices.front(), c.train.blas_threads,
-                         partition::CostModel{}, overrides, c.optimizer.optimizer);
+                         partition::CostModel{}, overrides, c.optimizer.optimizer, 1.0, stages_at_once(plan));
   const LinkCost link = local_link(store, across_processes);
   PlannedRun run = predict(plan, model, costs, [link](int, int) { return link; }, c.optimizer.optimizer);
   run.source += "; messages: " + link.kind;

@@ -55,17 +55,21 @@ CostTable profile_costs(const ProfileEntry& entry);
 // cost model's ratio between the two sizes; else the cost model alone.
 class CostSource {
  public:
-  // compute_scale multiplies every layer time (the sweep's guess for more BLAS threads
-  // than were profiled: 1 / threads, perfect scaling).
+  // concurrency: stages computing at once (the profile's entries measured so, else
+  // those measured alone). compute_scale multiplies every layer time (the sweep's guess
+  // for more BLAS threads than were profiled: 1 / threads, perfect scaling).
   CostSource(const layers::Sequential& model, ProfileStore profile, std::string profile_path, Device device,
              int blas_threads, partition::CostModel cm, std::vector<std::optional<double>> overrides,
-             layers::OptimizerConfig optimizer, double compute_scale = 1.0);
+             layers::OptimizerConfig optimizer, double compute_scale = 1.0, int concurrency = 1);
   const CostTable& at(int64_t micro_batch) const;
   bool has_profile() const;  // some size of this model and device was measured
   std::string describe() const;  // for the plan's and the report's "costs from" line
 
  private:
   std::string describe_sources() const;
+  // The profile's entries of this model, dtype, device, threads and concurrency (or,
+  // with none at this concurrency, measured alone).
+  std::vector<const ProfileEntry*> family() const;
   const layers::Sequential& model_;
   ProfileStore profile_;
   std::string path_;
@@ -97,6 +101,10 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
 // between CPU stages), or MPI between processes; the profile's measured figures
 // (`gpipe profile`, `mpirun -np 2 gpipe profile`) when it has them.
 LinkCost local_link(const ProfileStore& profile, bool across_processes);
+
+// How many of a plan's stages compute at once on their own cores: K on CPUs (at most
+// the cores), 1 on GPUs (each its own device).
+int stages_at_once(const Plan& plan);
 
 // The run's prediction as `train` and `gpipe plan` make it: the config's profile file
 // when it has entries for this model, the cost model otherwise.

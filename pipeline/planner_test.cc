@@ -304,3 +304,21 @@ TEST_CASE("a measured profile of a real model has a time for every layer and kin
   CHECK(costs.at(2).source == "profile at micro-batch 4, scaled");
   CHECK(costs.has_profile());
 }
+
+TEST_CASE("a K-stage plan takes the profile measured with K stages at once, else the one measured alone") {
+  const Config c = parse_config(kLinear4, "t.yaml");
+  RunModel run = build_run_model(c);
+  ProfileStore store;
+  store.put(synthetic(*run.model, 4, 1.0, 2.0));
+  ProfileEntry busy = synthetic(*run.model, 4, 1.5, 3.0);  // slower with a neighbour at work
+  busy.key.concurrency = 2;
+  store.put(busy);
+  auto forward = [&](int at_once) {
+    const CostSource s(*run.model, store, "p", Device::cpu(), 1, partition::CostModel{}, {}, c.optimizer.optimizer,
+                       1.0, at_once);
+    return s.at(4).layers[0].forward;
+  };
+  CHECK(forward(1) == 1.0);
+  CHECK(forward(2) == 1.5);
+  CHECK(forward(3) == 1.0);  // not measured with 3: alone
+}

@@ -17,14 +17,15 @@ namespace pipeline {
 
 std::string ProfileKey::str() const {
   return "model " + model_hash + ", micro-batch " + std::to_string(micro_batch) + ", " + dtype + " on " + device +
-         ", " + std::to_string(blas_threads) + " BLAS thread" + (blas_threads == 1 ? "" : "s");
+         ", " + std::to_string(blas_threads) + " BLAS thread" + (blas_threads == 1 ? "" : "s") +
+         (concurrency > 1 ? ", " + std::to_string(concurrency) + " stages at once" : "");
 }
 
 namespace {
 
 bool same_key(const ProfileKey& a, const ProfileKey& b) {
   return a.model_hash == b.model_hash && a.micro_batch == b.micro_batch && a.dtype == b.dtype &&
-         a.device == b.device && a.blas_threads == b.blas_threads;
+         a.device == b.device && a.blas_threads == b.blas_threads && a.concurrency == b.concurrency;
 }
 
 // FNV-1a, 64 bits.
@@ -93,6 +94,7 @@ nlohmann::json to_json(const ProfileEntry& e) {
           {"dtype", e.key.dtype},
           {"device", e.key.device},
           {"blas_threads", e.key.blas_threads},
+          {"concurrency", e.key.concurrency},
           {"host", e.host},
           {"optimizer", e.optimizer},
           {"created", e.created},
@@ -110,6 +112,7 @@ ProfileEntry entry_from_json(const nlohmann::json& j) {
   e.key.dtype = j.at("dtype").get<std::string>();
   e.key.device = j.at("device").get<std::string>();
   e.key.blas_threads = j.at("blas_threads").get<int>();
+  e.key.concurrency = j.value("concurrency", 1);
   e.host = j.value("host", "");
   e.optimizer = j.value("optimizer", "");
   e.created = j.value("created", "");
@@ -185,13 +188,15 @@ std::string model_hash(const layers::Sequential& model) {
   return hex;
 }
 
-ProfileKey profile_key(const layers::Sequential& model, int64_t micro_batch, Device device, int blas_threads) {
+ProfileKey profile_key(const layers::Sequential& model, int64_t micro_batch, Device device, int blas_threads,
+                       int concurrency) {
   ProfileKey k;
   k.model_hash = model_hash(model);
   k.micro_batch = micro_batch;
   k.dtype = dtype_name(model.output_dtype());
   k.device = device.is_cpu() ? "cpu" : "cuda";
   k.blas_threads = device.is_cpu() ? blas_threads : 0;
+  k.concurrency = device.is_cpu() ? concurrency : 1;
   return k;
 }
 
@@ -236,7 +241,7 @@ ProfileEntry require_profile(const std::string& path, const ProfileKey& key) {
   bool model = false, size = false;
   std::string sizes;
   for (const auto& e : store.entries) {
-    if (e.key.model_hash != key.model_hash) continue;
+    if (e.key.model_hash != key.model_hash || e.key.concurrency != key.concurrency) continue;
     model = true;
     if (e.key.micro_batch == key.micro_batch) size = true;
     sizes += (sizes.empty() ? "" : ", ") + std::to_string(e.key.micro_batch) + " (" + e.key.dtype + " on " +
@@ -262,7 +267,8 @@ std::vector<double> profile_layer_costs(const ProfileEntry& e, bool recompute) {
 }
 
 ProfileEntry measure_layers(layers::Sequential& model, const Tensor& inputs, const Tensor& targets, Device device,
-                            const layers::OptimizerConfig& optimizer, int warmup, int repeats, int blas_threads) {
+                            const layers::OptimizerConfig& optimizer, int warmup, int repeats, int blas_threads,
+                            int concurrency) {
   GPIPE_CHECK(repeats >= 1 && warmup >= 0, "measure_layers: at least one timed repetition");
   const int L = model.size();
   const int64_t n = inputs.size(0);
@@ -337,7 +343,7 @@ ProfileEntry measure_layers(layers::Sequential& model, const Tensor& inputs, con
     }
   }
   ProfileEntry e;
-  e.key = profile_key(model, n, device, blas_threads);
+  e.key = profile_key(model, n, device, blas_threads, concurrency);
   e.host = device.is_cpu() ? host_name() : device.str();
   e.optimizer = optimizer.type;
   e.created = utc_now();

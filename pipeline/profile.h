@@ -42,6 +42,11 @@ struct ProfileKey {
   std::string dtype;   // "float32"
   std::string device;  // "cpu", "cuda"
   int blas_threads = 1;
+  // How many stages computed at once, each on its own core, while it was measured: on
+  // CPUs, stages that run together slow each other down (shared caches and memory
+  // bandwidth, and on some VMs shared physical cores), so a K-stage plan is predicted
+  // from the entry measured with K at once.
+  int concurrency = 1;
   std::string str() const;  // "model 3f2a..., micro-batch 8, float32 on cpu, 1 BLAS thread"
 };
 
@@ -86,7 +91,8 @@ std::vector<double> profile_layer_costs(const ProfileEntry& entry, bool recomput
 
 // The model part of a key: a hash of its input, dtypes, layer descriptions and loss.
 std::string model_hash(const layers::Sequential& model);
-ProfileKey profile_key(const layers::Sequential& model, int64_t micro_batch, Device device, int blas_threads);
+ProfileKey profile_key(const layers::Sequential& model, int64_t micro_batch, Device device, int blas_threads,
+                       int concurrency = 1);
 
 // Reads a profile file; a missing file gives an empty store, a malformed one a
 // UserError naming the file.
@@ -94,10 +100,12 @@ ProfileStore load_profile(const std::string& path);
 void save_profile(const std::string& path, const ProfileStore& store);  // atomically
 
 // Measures every layer of `model` on `inputs` (a micro-batch: (n, *input shape)) and
-// `targets`, on `device`. The model's parameters move to the device; their gradients
-// are left dirty.
+// `targets`, on `device`, on the calling thread. The model's parameters move to the
+// device; their gradients are left dirty. `concurrency` only labels the entry: the
+// caller runs that many measurements at once (profile_command).
 ProfileEntry measure_layers(layers::Sequential& model, const Tensor& inputs, const Tensor& targets, Device device,
-                            const layers::OptimizerConfig& optimizer, int warmup, int repeats, int blas_threads);
+                            const layers::OptimizerConfig& optimizer, int warmup, int repeats, int blas_threads,
+                            int concurrency = 1);
 
 // Ping-pong between stages 0 and 1 of `transport` (both in this process, or this
 // process's stage `me` against the other rank), small and large messages: latency is

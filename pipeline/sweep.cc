@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <map>
+#include <memory>
 #include <sstream>
 #include <thread>
 
@@ -99,8 +101,19 @@ SweepResult sweep(const Config& base, const layers::Sequential& model, const Swe
                                                     : partition::CostModel{};
   // On a device description there is no profile: the spec's roofline.
   const ProfileStore none;
-  const CostSource costs(model, o.spec != nullptr ? none : store, o.spec != nullptr ? "" : base.pipeline.profile, device,
-                         base.train.blas_threads, cm, overrides, base.optimizer.optimizer);
+  // Per number of stages computing at once (CPU stages slow each other down).
+  std::map<int, std::unique_ptr<CostSource>> by_concurrency;
+  auto costs_for = [&](int k) -> const CostSource& {
+    const int at_once = cpu && o.spec == nullptr ? std::min(k, static_cast<int>(std::thread::hardware_concurrency())) : 1;
+    auto& slot = by_concurrency[at_once];
+    if (!slot) {
+      slot = std::make_unique<CostSource>(model, o.spec != nullptr ? none : store,
+                                          o.spec != nullptr ? "" : base.pipeline.profile, device, base.train.blas_threads,
+                                          cm, overrides, base.optimizer.optimizer, 1.0, at_once);
+    }
+    return *slot;
+  };
+  const CostSource& costs = costs_for(std::min(n, model.size()));
   out.costs = o.spec != nullptr ? o.spec->name + " (" + o.spec->source + "): " + costs.describe() : costs.describe();
   const LinkCost local = local_link(store, false);
   const LinkFn link = o.spec != nullptr ? LinkFn([&](int a, int b) { return o.spec->link(a, b); })
@@ -151,7 +164,7 @@ SweepResult sweep(const Config& base, const layers::Sequential& model, const Swe
         c.pipeline.devices.clear();
         c.pipeline.balance_by = "estimate";
         c.train.blas_threads = sh.threads;
-        const CostSource& src = sh.threads > 1 ? *threaded : costs;
+        const CostSource& src = sh.threads > 1 ? *threaded : costs_for(sh.k);
         Candidate cand;
         cand.stages = sh.k;
         cand.virtual_stages = sh.v;
