@@ -144,6 +144,7 @@ int run_profile(Invocation& inv) {
   o.sweep = inv.options.count("sweep") > 0;
   o.repeats = option_int(inv, "repeats", o.repeats);
   o.warmup = option_int(inv, "warmup", o.warmup);
+  if (inv.options.count("seconds")) o.min_seconds = option_int(inv, "seconds", 3);
   if (inv.options.count("micro-batches")) o.micro_batches = option_list(inv, "micro-batches");
   if (inv.options.count("concurrency")) {
     for (int64_t v : option_list(inv, "concurrency")) o.concurrency.push_back(static_cast<int>(v));
@@ -171,7 +172,7 @@ const Command kCommands[] = {
      "predict step time, bubble and memory per stage; --sweep ranks the ways to run it", nullptr, run_plan_command},
     {"profile",
      "[CONFIG.yaml] [--set key=value ...] [--micro-batches N,N,...] [--sweep] [--concurrency N,N] [--repeats N] "
-     "[--warmup N]",
+     "[--warmup N] [--seconds N]",
      "measure each layer's times into pipeline.profile (--sweep: at every size the sweep tries)",
      "two processes: measure the MPI transport between them into the profile", run_profile},
     {"help", "", "this text, and the layer types and models this program knows", nullptr, run_help},

@@ -194,7 +194,7 @@ int profile_command(const Config& config, const ProfileOptions& o, const Launch&
             ready.fetch_add(1);
             while (ready.load() < at_once) std::this_thread::yield();
             entries[i] = measure_layers(*copies[i], x, y, device, c.optimizer.optimizer, o.warmup, o.repeats,
-                                        c.train.blas_threads, at_once);
+                                        c.train.blas_threads, at_once, o.min_seconds);
           } catch (...) {
             errors[i] = std::current_exception();
             ready.fetch_add(at_once);  // release the others
@@ -217,7 +217,7 @@ int profile_command(const Config& config, const ProfileOptions& o, const Launch&
                     "micro-batch %4lld on %s, %d at once: forward %.3f ms, backward %.3f ms, recompute %.3f ms, loss "
                     "%.3f + %.3f ms, optimizer %.3f ms (medians of %d after %d warm-up)\n",
                     static_cast<long long>(n), e.key.device.c_str(), at_once, f, b, r, e.loss_forward_ms,
-                    e.loss_backward_ms, opt, o.repeats, o.warmup);
+                    e.loss_backward_ms, opt, e.repeats, o.warmup);
       out << line;
       if (n == own && at_once == 1) {
         for (size_t i = 0; i < e.layers.size(); ++i) {

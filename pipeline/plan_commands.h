@@ -34,6 +34,7 @@ struct ProfileOptions {
   std::vector<int64_t> micro_batches;  // sizes to measure; empty: the config's
   bool sweep = false;                  // every size the sweep tries (batch / M for M = 1, 2, 4, ...)
   int warmup = 3, repeats = 10;
+  double min_seconds = 3;  // per size and concurrency: repetitions go on at least this long
   // Stages computing at once while measuring (each a copy of the model on its own core);
   // empty: 1 and, on CPUs, every core.
   std::vector<int> concurrency;

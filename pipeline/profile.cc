@@ -268,7 +268,7 @@ std::vector<double> profile_layer_costs(const ProfileEntry& e, bool recompute) {
 
 ProfileEntry measure_layers(layers::Sequential& model, const Tensor& inputs, const Tensor& targets, Device device,
                             const layers::OptimizerConfig& optimizer, int warmup, int repeats, int blas_threads,
-                            int concurrency) {
+                            int concurrency, double min_seconds) {
   GPIPE_CHECK(repeats >= 1 && warmup >= 0, "measure_layers: at least one timed repetition");
   const int L = model.size();
   const int64_t n = inputs.size(0);
@@ -292,8 +292,15 @@ ProfileEntry measure_layers(layers::Sequential& model, const Tensor& inputs, con
   // Each kind of work runs as its own pass over all layers, as a stage runs a whole
   // cell's forward, recompute or backward: a layer's weights come from the cache
   // levels they would come from in a pipeline, not warm from the pass just before.
-  for (int rep = 0; rep < warmup + repeats; ++rep) {
+  // Repetitions go on until `repeats` were timed and `min_seconds` have passed: a
+  // core's speed drifts over seconds on a shared machine, and a median over a longer
+  // window is what a run of many steps sees.
+  const auto started = std::chrono::steady_clock::now();
+  auto elapsed_s = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(); };
+  int timed_reps = 0;
+  for (int rep = 0; rep < warmup + repeats || (elapsed_s() < min_seconds && timed_reps < 10000); ++rep) {
     const bool keep = rep >= warmup;
+    timed_reps += keep;
     auto record = [&](int i, int kind, double ms) {
       if (keep) t[i][kind].push_back(ms);
     };
@@ -348,7 +355,7 @@ ProfileEntry measure_layers(layers::Sequential& model, const Tensor& inputs, con
   e.optimizer = optimizer.type;
   e.created = utc_now();
   e.warmup = warmup;
-  e.repeats = repeats;
+  e.repeats = timed_reps;
   e.loss_forward_ms = median(loss_fwd);
   e.loss_backward_ms = median(loss_bwd);
   const auto costs = model.costs(n);

@@ -102,10 +102,11 @@ void save_profile(const std::string& path, const ProfileStore& store);  // atomi
 // Measures every layer of `model` on `inputs` (a micro-batch: (n, *input shape)) and
 // `targets`, on `device`, on the calling thread. The model's parameters move to the
 // device; their gradients are left dirty. `concurrency` only labels the entry: the
-// caller runs that many measurements at once (profile_command).
+// caller runs that many measurements at once (profile_command). Times at least
+// `repeats` repetitions after `warmup`, and more until `min_seconds` have passed.
 ProfileEntry measure_layers(layers::Sequential& model, const Tensor& inputs, const Tensor& targets, Device device,
                             const layers::OptimizerConfig& optimizer, int warmup, int repeats, int blas_threads,
-                            int concurrency = 1);
+                            int concurrency = 1, double min_seconds = 0);
 
 // Ping-pong between stages 0 and 1 of `transport` (both in this process, or this
 // process's stage `me` against the other rank), small and large messages: latency is
