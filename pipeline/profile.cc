@@ -283,7 +283,12 @@ ProfileEntry measure_layers(layers::Sequential& model, const Tensor& inputs, con
   const Tensor x = on_device(inputs), y = on_device(targets);
   std::vector<std::unique_ptr<layers::Optimizer>> optimizers(L);
   for (int i = 0; i < L; ++i) {
-    if (!model.layer(i).parameters().empty()) optimizers[i] = layers::make_optimizer(model.layer(i).parameters(), optimizer);
+    if (model.layer(i).parameters().empty()) continue;
+    // The update does its usual work at a learning rate of 0, so the weights stay as
+    // they are: hundreds of repetitions at the real rate with accumulating gradients
+    // would drive them to huge or subnormal values, which compute at other speeds.
+    optimizers[i] = layers::make_optimizer(model.layer(i).parameters(), optimizer);
+    optimizers[i]->set_lr(0.0);
   }
   // Per layer and repetition: forward, no-grad forward, recompute, backward, B, W, optimizer.
   std::vector<std::vector<std::vector<double>>> t(L, std::vector<std::vector<double>>(7));
@@ -301,26 +306,41 @@ ProfileEntry measure_layers(layers::Sequential& model, const Tensor& inputs, con
   for (int rep = 0; rep < warmup + repeats || (elapsed_s() < min_seconds && timed_reps < 10000); ++rep) {
     const bool keep = rep >= warmup;
     timed_reps += keep;
+    for (int i = 0; i < L; ++i) {  // each repetition starts from clear gradients, as a step does
+      for (layers::Parameter* p : model.layer(i).parameters()) be.fill(p->grad, 0.0);
+    }
     auto record = [&](int i, int kind, double ms) {
       if (keep) t[i][kind].push_back(ms);
     };
     layers::ForwardArgs args;
     args.step = static_cast<uint64_t>(rep);
-    std::vector<layers::Context> ctx(L);
-    std::vector<Tensor> acts{x};
-    for (int i = 0; i < L; ++i) {  // forward, keeping what backward needs
-      Tensor out;
-      record(i, 0, timed(be, [&] { out = model.layer(i).forward(be, acts[i], &ctx[i], args); }));
-      acts.push_back(out);
-    }
-    for (int i = 0; i < L; ++i) {  // the forward of a checkpointed micro-batch
-      record(i, 1, timed(be, [&] { model.layer(i).forward(be, acts[i], nullptr, args); }));
-    }
     layers::ForwardArgs again = args;
     again.recompute = true;
-    for (int i = 0; i < L; ++i) {  // its recompute
-      layers::Context rctx;
-      record(i, 2, timed(be, [&] { model.layer(i).forward(be, acts[i], &rctx, again); }));
+    // Each kind of work runs twice in a row and is timed the second time: a stage runs a
+    // cell's forward (recompute, backward) for micro-batch after micro-batch, so it finds
+    // the cell's weights where the one before left them, not where other work evicted them.
+    std::vector<layers::Context> ctx(L);
+    std::vector<Tensor> acts{x};
+    for (int pass = 0; pass < 2; ++pass) {  // forward, keeping what backward needs
+      for (int i = 0; i < L; ++i) {
+        Tensor out;
+        const double ms = timed(be, [&] { out = model.layer(i).forward(be, acts[i], &ctx[i], args); });
+        if (pass) record(i, 0, ms);
+        if (!pass) acts.push_back(out);
+      }
+    }
+    for (int pass = 0; pass < 2; ++pass) {  // the forward of a checkpointed micro-batch
+      for (int i = 0; i < L; ++i) {
+        const double ms = timed(be, [&] { model.layer(i).forward(be, acts[i], nullptr, args); });
+        if (pass) record(i, 1, ms);
+      }
+    }
+    for (int pass = 0; pass < 2; ++pass) {  // its recompute
+      for (int i = 0; i < L; ++i) {
+        layers::Context rctx;
+        const double ms = timed(be, [&] { model.layer(i).forward(be, acts[i], &rctx, again); });
+        if (pass) record(i, 2, ms);
+      }
     }
     layers::Context lctx;
     std::vector<Tensor> grads(L + 1);  // grads[i]: the gradient of layer i's output
@@ -331,10 +351,13 @@ ProfileEntry measure_layers(layers::Sequential& model, const Tensor& inputs, con
       loss_bwd.push_back(lb);
     }
     // need_dx as the executor: nothing needs the model input's gradient.
-    for (int i = L - 1; i >= 0; --i) {  // the whole backward
-      Tensor dx;
-      record(i, 3, timed(be, [&] { dx = model.layer(i).backward(be, grads[i], ctx[i], i > 0); }));
-      if (i > 0) grads[i - 1] = dx;
+    for (int pass = 0; pass < 2; ++pass) {  // the whole backward
+      for (int i = L - 1; i >= 0; --i) {
+        Tensor dx;
+        const double ms = timed(be, [&] { dx = model.layer(i).backward(be, grads[i], ctx[i], i > 0); });
+        if (pass) record(i, 3, ms);
+        if (i > 0) grads[i - 1] = dx;
+      }
     }
     for (int i = L - 1; i >= 0; --i) {  // B, then W, for layers that split
       layers::Layer& layer = model.layer(i);
@@ -345,8 +368,11 @@ ProfileEntry measure_layers(layers::Sequential& model, const Tensor& inputs, con
       layers::Layer& layer = model.layer(i);
       record(i, 5, layer.splits_backward() ? timed(be, [&] { layer.backward_weight(be, ctx[i]); }) : 0.0);
     }
-    for (int i = 0; i < L; ++i) {
-      record(i, 6, optimizers[i] ? timed(be, [&] { optimizers[i]->step(); }) : 0.0);
+    for (int pass = 0; pass < 2; ++pass) {
+      for (int i = 0; i < L; ++i) {
+        const double ms = optimizers[i] ? timed(be, [&] { optimizers[i]->step(); }) : 0.0;
+        if (pass) record(i, 6, ms);
+      }
     }
   }
   ProfileEntry e;
