@@ -102,6 +102,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=10, help="profile repetitions")
     ap.add_argument("--out", default="")
     ap.add_argument("--no-balance", action="store_true")
+    ap.add_argument("--balance-m", type=int, default=8, help="micro-batches of the balance comparison")
     ap.add_argument("--runs", type=int, default=2, help="runs per case; the fastest is kept (others' work only slows)")
     ap.add_argument("--quiet", type=float, default=0.3, help="wait for the machine to use fewer cores than this")
     ap.add_argument("--max-wait", type=float, default=180)
@@ -169,14 +170,14 @@ def main():
                 for i in range(a.runs):
                     od = os.path.join(d, "%s_%d" % (tag, i))
                     run_quietly([a.gpipe, "train", config, "--set", "output.dir=" + od, "--set",
-                                 "pipeline.partitions=%d" % k, "--set", "pipeline.micro_batches=8", "--set",
-                                 "pipeline.checkpoint=except_last", "--set", "pipeline.balance_by=" + by] + common,
+                                 "pipeline.partitions=%d" % k, "--set", "pipeline.micro_batches=%d" % a.balance_m,
+                                 "--set", "pipeline.checkpoint=except_last", "--set", "pipeline.balance_by=" + by] + common,
                                 od + ".log", a)
                     r = json.load(open(os.path.join(od, "report.json")))
                     steps.append(r["step_ms"])
                     bubbles.append(r["bubble"]["measured"])
                     balance = r["balance"]
-                row = {"config": name, "k": k, "balance_by": by, "balance": balance, "runs_ms": steps,
+                row = {"config": name, "k": k, "m": a.balance_m, "balance_by": by, "balance": balance, "runs_ms": steps,
                        "bubbles": bubbles, "step_ms": min(steps), "bubble": sum(bubbles) / len(bubbles)}
                 sys.stderr.write("%s: balance %s, bubbles %s\n" % (tag, balance, bubbles))
                 out.write(json.dumps(row) + "\n")
@@ -211,11 +212,11 @@ def print_tables(rows):
     bal = [r for r in rows if "balance_by" in r]
     if bal:
         print()
-        print("| config | K | balanced by | balance | step ms (runs) | measured bubble (runs) |")
-        print("|---|---|---|---|---|---|")
+        print("| config | K | M | balanced by | balance | step ms (runs) | measured bubble (runs) |")
+        print("|---|---|---|---|---|---|---|")
         for r in bal:
-            print("| %s | %d | %s | %s | %s | %s |" % (
-                r["config"], r["k"], r["balance_by"], r["balance"],
+            print("| %s | %d | %s | %s | %s | %s | %s |" % (
+                r["config"], r["k"], r.get("m", 8), r["balance_by"], r["balance"],
                 " / ".join("%.1f" % x for x in r.get("runs_ms", [r["step_ms"]])),
                 " / ".join("%.3f" % x for x in r.get("bubbles", [r["bubble"]]))))
 

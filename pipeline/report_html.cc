@@ -34,6 +34,13 @@ std::string num(double v, int digits = 2) {
 
 std::string pct(double v) { return num(100 * v, 1) + "%"; }
 
+// "+0.8%": how far `planned` is from `measured`.
+std::string signed_pct(double planned, double measured) {
+  if (measured <= 0) return "n/a";
+  const double d = 100 * (planned - measured) / measured;
+  return (d >= 0 ? "+" : "") + num(d, 1) + "%";
+}
+
 std::string mb(double bytes) { return num(bytes / 1e6, bytes < 1e7 ? 2 : 1) + " MB"; }
 
 // The same colour for an instruction kind everywhere on the page (and the legend).
@@ -261,9 +268,7 @@ std::string render_report_html(const HtmlReportInput& in) {
   };
   o << "<div class=\"cards\">\n";
   card("step time (measured)", num(s.step_ms) + " ms",
-       plan ? "planned " + num(s.plan.step_ms) + " ms (" +
-                  (s.step_ms > 0 ? num(100 * (s.plan.step_ms - s.step_ms) / s.step_ms, 1) : std::string("0")) + "%)"
-            : "no plan");
+       plan ? "planned " + num(s.plan.step_ms) + " ms (" + signed_pct(s.plan.step_ms, s.step_ms) + ")" : "no plan");
   card("throughput (measured)", num(s.samples_per_second, 1) + " samples/s",
        plan ? "planned " + num(s.plan.samples_per_second, 1) + " samples/s" : "");
   card("bubble (measured)", num(s.measured_bubble, 3),
