@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <functional>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,6 +17,7 @@
 #include "pipeline/config.h"
 #include "pipeline/mpi_launch.h"
 #include "pipeline/plan.h"
+#include "pipeline/plan_commands.h"
 #include "pipeline/run_model.h"
 #include "pipeline/schedule.h"
 #include "pipeline/supervisor.h"
@@ -36,6 +38,7 @@ struct Invocation {
   std::string program;  // argv[0]'s file name, for messages
   std::string config = kDefaultConfig;
   std::vector<std::string> overrides;  // --set key=value
+  std::map<std::string, std::string> options;  // the command's own --flags ("sweep" -> "1", "devices" -> "8")
   pipeline::MpiLaunch* mpi = nullptr;  // set under mpirun
   bool resume = false;                 // --resume: go on from the newest complete checkpoint
   int processes = 1;                   // run --np P
@@ -105,6 +108,8 @@ int run_plan(Invocation& inv) {
   std::printf("schedule %s, recompute %s (formula bubble %.3f):\n%s\n%s", p.schedule.name.c_str(),
               pipeline::checkpoint_mode_name(p.recompute), pipeline::formula_bubble(p.schedule),
               pipeline::schedule_chart(p.schedule).c_str(), pipeline::schedule_table(p.schedule).c_str());
+  std::fflush(stdout);
+  pipeline::print_prediction(c, model, p, std::cout);
   return 0;
 }
 
@@ -123,6 +128,69 @@ int run_run(Invocation& inv) {
   return pipeline::supervise(o);
 }
 
+int option_int(const Invocation& inv, const std::string& name, int fallback) {
+  auto it = inv.options.find(name);
+  if (it == inv.options.end()) return fallback;
+  char* end = nullptr;
+  const long v = std::strtol(it->second.c_str(), &end, 10);
+  if (it->second.empty() || *end != '\0' || v < 1) {
+    throw UserError("--" + name + " takes a positive integer, got '" + it->second + "'");
+  }
+  return static_cast<int>(v);
+}
+
+// `plan` with --sweep, --devices or --device-spec: beyond the config as written.
+int run_plan_command(Invocation& inv) {
+  if (inv.options.empty()) return run_plan(inv);
+  const pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);
+  pipeline::RunModel run = pipeline::build_run_model(config);
+  pipeline::PlanCommandOptions o;
+  o.sweep = inv.options.count("sweep") > 0;
+  o.devices = option_int(inv, "devices", 0);
+  if (inv.options.count("device-spec")) o.device_spec = inv.options.at("device-spec");
+  o.rows = option_int(inv, "rows", o.rows);
+  return pipeline::plan_beyond(run.config, *run.model, o, std::cout);
+}
+
+// "8,16,32" -> {8, 16, 32}, each at least 1.
+std::vector<int64_t> option_list(const Invocation& inv, const std::string& name) {
+  const std::string& list = inv.options.at(name);
+  std::vector<int64_t> out;
+  size_t start = 0;
+  while (start <= list.size()) {
+    const size_t comma = std::min(list.find(',', start), list.size());
+    const std::string item = list.substr(start, comma - start);
+    char* end = nullptr;
+    const long long v = std::strtoll(item.c_str(), &end, 10);
+    if (item.empty() || *end != '\0' || v < 1) {
+      throw UserError("--" + name + " takes positive integers such as 1,2 or 8,16,32; '" + item + "' is not one");
+    }
+    out.push_back(v);
+    start = comma + 1;
+  }
+  return out;
+}
+
+int run_profile(Invocation& inv) {
+  pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);
+  pipeline::ProfileOptions o;
+  o.sweep = inv.options.count("sweep") > 0;
+  o.repeats = option_int(inv, "repeats", o.repeats);
+  o.warmup = option_int(inv, "warmup", o.warmup);
+  if (inv.options.count("seconds")) o.min_seconds = option_int(inv, "seconds", 3);
+  if (inv.options.count("micro-batches")) o.micro_batches = option_list(inv, "micro-batches");
+  if (inv.options.count("concurrency")) {
+    for (int64_t v : option_list(inv, "concurrency")) o.concurrency.push_back(static_cast<int>(v));
+  }
+  pipeline::Launch launch;
+  if (inv.mpi != nullptr) {
+    config.pipeline.partitions = inv.mpi->size();  // one stage per rank: the transport between them
+    config.pipeline.replicas = 1;
+    launch = inv.mpi->join(config);
+  }
+  return pipeline::profile_command(config, o, launch, std::cout);
+}
+
 int run_help(Invocation& inv) {
   std::cout << usage(inv.program) << "\nlayer types: " << join(layers::layer_types())
             << "\nlosses: " << join(layers::loss_types())
@@ -136,7 +204,13 @@ const Command kCommands[] = {
      "one process per stage and replica (K = pipeline.partitions, D = pipeline.replicas)", run_train},
     {"run", "[--np P] [--max-restarts N] [CONFIG.yaml] [--set key=value ...] [--resume]",
      "train, and after a failure restart from the newest checkpoint (mpirun -np P for P > 1)", nullptr, run_run},
-    {"plan", "[CONFIG.yaml] [--set key=value ...]", "show the partition and schedule, do not train", nullptr, run_plan},
+    {"plan", "[CONFIG.yaml] [--set key=value ...] [--sweep] [--rows N] [--devices N] [--device-spec FILE]",
+     "predict step time, bubble and memory per stage; --sweep ranks the ways to run it", nullptr, run_plan_command},
+    {"profile",
+     "[CONFIG.yaml] [--set key=value ...] [--micro-batches N,N,...] [--sweep] [--concurrency N,N] [--repeats N] "
+     "[--warmup N] [--seconds N]",
+     "measure each layer's times into pipeline.profile (--sweep: at every size the sweep tries)",
+     "two processes: measure the MPI transport between them into the profile", run_profile},
     {"help", "", "this text, and the layer types and models this program knows", nullptr, run_help},
 };
 
@@ -177,6 +251,16 @@ void parse_args(int argc, char** argv, const Command& cmd, Invocation& inv) {
       inv.overrides.push_back(argv[++i]);
     } else if (takes_config && arg.rfind("--set=", 0) == 0) {
       inv.overrides.push_back(arg.substr(6));
+    } else if (arg.rfind("--", 0) == 0 && std::string(cmd.args).find("[" + arg) != std::string::npos) {
+      // A flag the command lists in its usage: "[--sweep]" alone, "[--devices N]" with a value.
+      const std::string declared(cmd.args);
+      const size_t at = declared.find("[" + arg) + 1 + arg.size();
+      if (declared[at] == ' ') {
+        if (i + 1 >= argc) throw UserError(arg + " needs a value\n" + usage(inv.program));
+        inv.options[arg.substr(2)] = argv[++i];
+      } else {
+        inv.options[arg.substr(2)] = "1";
+      }
     } else if (!arg.empty() && arg[0] == '-') {
       throw UserError("unknown option '" + arg + "' for " + cmd.name + "\n" + usage(inv.program));
     } else if (takes_config && !have_config) {

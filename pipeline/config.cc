@@ -274,6 +274,29 @@ std::string stem(const std::string& path) {
   return dot == std::string::npos ? base : base.substr(0, dot);
 }
 
+// A byte count with an optional unit, or -1 when the text is not one.
+int64_t byte_size_or_negative(const std::string& text) {
+  static const std::pair<const char*, double> kUnits[] = {
+      {"B", 1},        {"KB", 1e3},         {"MB", 1e6},            {"GB", 1e9},           {"TB", 1e12},
+      {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}};
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  if (text.empty() || end == text.c_str()) return -1;
+  std::string unit(end);
+  unit.erase(0, unit.find_first_not_of(' '));
+  double scale = unit.empty() ? 1.0 : 0.0;
+  for (const auto& u : kUnits) {
+    if (unit == u.first) scale = u.second;
+  }
+  if (scale == 0.0 || !std::isfinite(v) || v < 0 || v * scale > 9e18) return -1;
+  return static_cast<int64_t>(v * scale);
+}
+
+std::string byte_size_help(const std::string& text) {
+  return "'" + text + "' is not a byte size; write a number with an optional unit, e.g. 20GiB, 512MB or 1000000 "
+         "(units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)";
+}
+
 }  // namespace
 
 Config parse_config(const std::string& text, const std::string& source, const std::vector<std::string>& overrides) {
@@ -292,7 +315,7 @@ Config parse_config(const std::string& text, const std::string& source, const st
   Config c;
   c.source = source;
   c.name = stem(source);
-  dec.check_map(root, "", {"model", "data", "pipeline", "optimizer", "train", "output", "checkpoint"});
+  dec.check_map(root, "", {"model", "data", "pipeline", "optimizer", "train", "output", "checkpoint", "trace"});
 
   // model
   const YAML::Node model = dec.required(root, "model", "");
@@ -335,13 +358,27 @@ Config parse_config(const std::string& text, const std::string& source, const st
   if (const YAML::Node p = root["pipeline"]) {
     dec.check_map(p, "pipeline", {"partitions", "replicas", "micro_batches", "recompute", "checkpoint", "schedule",
                                   "virtual_stages", "schedule_file", "balance", "devices", "pin_threads",
-                                  "bucket_mb", "timeout_s"});
+                                  "bucket_mb", "timeout_s", "balance_by", "profile", "memory_limit"});
     if (p["timeout_s"]) {
       c.pipeline.timeout_s = dec.number(p["timeout_s"], "pipeline.timeout_s");
       if (c.pipeline.timeout_s < 0) {
         dec.fail(p["timeout_s"], "pipeline.timeout_s",
                  "must be a number of seconds > 0 (how long a stage waits for a stuck peer), or 0 for no deadline");
       }
+    }
+    if (p["balance_by"]) {
+      c.pipeline.balance_by = dec.str(p["balance_by"], "pipeline.balance_by");
+      if (c.pipeline.balance_by != "estimate" && c.pipeline.balance_by != "profile") {
+        dec.fail(p["balance_by"], "pipeline.balance_by",
+                 "unknown '" + c.pipeline.balance_by + "'; use estimate (the cost model) or profile (measured "
+                 "times from `gpipe profile`)");
+      }
+    }
+    if (p["profile"]) c.pipeline.profile = dec.str(p["profile"], "pipeline.profile");
+    if (p["memory_limit"]) {
+      const std::string text = dec.str(p["memory_limit"], "pipeline.memory_limit");
+      c.pipeline.memory_limit = byte_size_or_negative(text);
+      if (c.pipeline.memory_limit < 0) dec.fail(p["memory_limit"], "pipeline.memory_limit", byte_size_help(text));
     }
     if (p["bucket_mb"]) {
       c.pipeline.bucket_mb = dec.number(p["bucket_mb"], "pipeline.bucket_mb");
@@ -443,11 +480,43 @@ Config parse_config(const std::string& text, const std::string& source, const st
   if (t["log_level"]) c.train.log_level = dec.str(t["log_level"], "train.log_level");
 
   // output
+  YAML::Node trace_flag;
+  bool has_trace_flag = false;
   if (const YAML::Node o = root["output"]) {
-    dec.check_map(o, "output", {"dir"});
+    dec.check_map(o, "output", {"dir", "trace"});
     if (o["dir"]) c.output.dir = dec.str(o["dir"], "output.dir");
+    if (o["trace"]) {
+      trace_flag.reset(o["trace"]);
+      has_trace_flag = true;
+    }
   }
   if (c.output.dir.empty()) c.output.dir = "runs/" + c.name;
+
+  if (c.pipeline.profile.empty()) c.pipeline.profile = c.output.dir + "/profile.json";
+
+  // trace: which steps; output.trace: whether to write trace.json (see TraceConfig).
+  const int last = c.train.steps - 1;
+  c.trace.first_step = std::min(1, last);
+  c.trace.last_step = std::min(kTraceDefaultSteps, last);
+  c.output.trace = c.train.steps <= kTraceDefaultMaxSteps;
+  if (const YAML::Node tr = root["trace"]) {
+    dec.check_map(tr, "trace", {"steps"});
+    if (const YAML::Node st = tr["steps"]) {
+      const std::vector<int64_t> v = dec.int_list(st, "trace.steps");
+      if (v.size() != 2) dec.fail(st, "trace.steps", "expected [first, last], e.g. [1, 10]");
+      if (v[0] < 0 || v[1] < v[0] || v[1] > last) {
+        dec.fail(st, "trace.steps",
+                 "[" + std::to_string(v[0]) + ", " + std::to_string(v[1]) + "] is not a range of this run's steps 0.." +
+                     std::to_string(last) + " (0-based, first <= last); e.g. [1, " + std::to_string(std::min(10, last)) +
+                     "]");
+      }
+      c.trace.first_step = static_cast<int>(v[0]);
+      c.trace.last_step = static_cast<int>(v[1]);
+      c.output.trace = true;
+    }
+  }
+  // output.trace: false wins over trace.steps, which still picks report.html's step.
+  if (has_trace_flag) c.output.trace = dec.boolean(trace_flag, "output.trace");
 
   // checkpoint (saved training state; pipeline.recompute is rematerialization)
   if (const YAML::Node k = root["checkpoint"]) {
@@ -471,6 +540,12 @@ Config parse_config(const std::string& text, const std::string& source, const st
 std::string checkpoint_dir(const Config& c) {
   if (!c.checkpoint.dir.empty()) return c.checkpoint.dir;
   return c.output.dir.empty() ? std::string("checkpoints") : c.output.dir + "/checkpoints";
+}
+
+int64_t parse_byte_size(const std::string& text, const std::string& what) {
+  const int64_t v = byte_size_or_negative(text);
+  if (v < 0) throw UserError(what + ": " + byte_size_help(text));
+  return v;
 }
 
 Config load_config(const std::string& path, const std::vector<std::string>& overrides) {

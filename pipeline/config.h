@@ -50,6 +50,11 @@ struct PipelineConfig {
   // Deadline of every transport wait (a receive, a send's completion, a reduction), in
   // seconds: a stuck or stopped peer ends the job after it instead of hanging it. 0: none.
   double timeout_s = kDefaultTimeoutS;
+  // How the balancer weighs layers: "estimate" (the roofline cost model) or "profile"
+  // (the measured times in `profile`, torchgpipe's balance by time).
+  std::string balance_by = "estimate";
+  std::string profile;       // the profile file (`gpipe profile`); default <output.dir>/profile.json
+  int64_t memory_limit = 0;  // bytes per device the planner may use ("20GiB"); 0: no limit given
 };
 
 struct OptimizerConfig {
@@ -73,6 +78,10 @@ struct TrainConfig {
 
 struct OutputConfig {
   std::string dir;  // default runs/<config name>
+  // Write trace.json (Chrome trace events, for Perfetto). Default: on for runs of at
+  // most kTraceDefaultMaxSteps steps, or whenever trace.steps is given; an explicit
+  // false wins.
+  bool trace = true;
 };
 
 // Saved training state (pipeline/checkpoint.h): what to save, where, and what to resume.
@@ -86,6 +95,16 @@ struct CheckpointConfig {
   std::string resume;
 };
 
+// Which steps the trace (and report.html's timeline, which shows the median one) records:
+// [first_step, last_step], 0-based as in report.json. Default: steps 1 .. 10 (step 0
+// warms up), clipped to the run; a one-step run records step 0. A window, so that a
+// long run's trace stays small.
+struct TraceConfig {
+  int first_step = 1, last_step = 10;
+};
+constexpr int kTraceDefaultMaxSteps = 1000;
+constexpr int kTraceDefaultSteps = 10;
+
 struct Config {
   std::string name;  // the file's stem, "default"
   std::string source;
@@ -96,10 +115,15 @@ struct Config {
   TrainConfig train;
   OutputConfig output;
   CheckpointConfig checkpoint;
+  TraceConfig trace;
 };
 
 // The checkpoints folder: checkpoint.dir, or <output.dir>/checkpoints.
 std::string checkpoint_dir(const Config& config);
+
+// "20GiB", "512 MB", "1.5e9": a byte count with an optional unit (B, KB, MB, GB, TB in
+// powers of 1000; KiB, MiB, GiB, TiB in powers of 1024). Throws UserError naming `what`.
+int64_t parse_byte_size(const std::string& text, const std::string& what);
 
 // Reads and decodes a YAML file; `overrides` are "a.b=value" strings applied before
 // decoding (value is YAML: 3, 0.1, always, [3, 3, 2]). Throws UserError.

@@ -62,8 +62,8 @@ TEST_CASE("each config mistake given with --set names the --set, the key and the
   const std::vector<Row> rows = {
       // The shapes of values.
       {"train=5", {"train: expected a mapping of keys (steps, batch_size"}},
-      {"output=[a]", {"output: expected a mapping of keys (dir)"}},
-      {"output.dirs=x", {"output.dirs: unknown key 'dirs'; valid keys in output: dir"}},
+      {"output=[a]", {"output: expected a mapping of keys (dir, trace)"}},
+      {"output.dirs=x", {"output.dirs: unknown key 'dirs'; valid keys in output: dir, trace"}},
       {"train.log_level=[a, b]", {"train.log_level: expected a single value"}},
       {"train.eval_interval=often", {"train.eval_interval: expected an integer, got 'often'"}},
       {"data.seq_len=0", {"data.seq_len: must be at least 1, got 0"}},

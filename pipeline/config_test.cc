@@ -115,3 +115,31 @@ TEST_CASE("malformed YAML and bad overrides are clear errors") {
   CHECK(error_of(kBase, {"train.steps.x=1"}).find("holds a single value") != std::string::npos);
   CHECK_THROWS_WITH_AS(load_config("no/such/file.yaml"), doctest::Contains("cannot read config file"), UserError);
 }
+
+TEST_CASE("trace and planner keys: defaults, values and errors naming the key") {
+  const Config c = parse_config(kBase, "t.yaml");
+  CHECK(c.output.trace);  // 5 steps: a short run
+  CHECK(c.trace.first_step == 1);
+  CHECK(c.trace.last_step == 4);  // clipped to the run
+  CHECK(c.pipeline.balance_by == "estimate");
+  CHECK(c.pipeline.profile == "runs/t/profile.json");
+  CHECK(c.pipeline.memory_limit == 0);
+  CHECK_FALSE(parse_config(kBase, "t.yaml", {"train.steps=5000"}).output.trace);  // long: off unless asked
+  const Config asked = parse_config(kBase, "t.yaml", {"train.steps=5000", "trace.steps=[100, 120]"});
+  CHECK(asked.output.trace);
+  CHECK(asked.trace.first_step == 100);
+  CHECK(asked.trace.last_step == 120);
+  CHECK_FALSE(parse_config(kBase, "t.yaml", {"trace.steps=[1, 2]", "output.trace=false"}).output.trace);
+  CHECK(parse_config(kBase, "t.yaml", {"train.steps=1"}).trace.first_step == 0);
+  CHECK(parse_config(kBase, "t.yaml", {"pipeline.memory_limit=20GiB"}).pipeline.memory_limit == (int64_t{20} << 30));
+  CHECK(parse_config(kBase, "t.yaml", {"pipeline.memory_limit=1.5 GB"}).pipeline.memory_limit == 1500000000);
+  CHECK(parse_config(kBase, "t.yaml", {"pipeline.memory_limit=4096"}).pipeline.memory_limit == 4096);
+  CHECK(error_of(kBase, {"trace.steps=[3, 9]"}).find("trace.steps: [3, 9] is not a range of this run's steps 0..4") !=
+        std::string::npos);
+  CHECK(error_of(kBase, {"trace.steps=[2]"}).find("expected [first, last]") != std::string::npos);
+  CHECK(error_of(kBase, {"output.trace=maybe"}).find("output.trace: expected true or false") != std::string::npos);
+  CHECK(error_of(kBase, {"pipeline.memory_limit=20 gigs"}).find("pipeline.memory_limit: '20 gigs' is not a byte size") !=
+        std::string::npos);
+  CHECK(error_of(kBase, {"pipeline.balance_by=time"}).find("pipeline.balance_by: unknown 'time'") != std::string::npos);
+  CHECK(error_of(kBase, {"trace.every=3"}).find("unknown key 'every'") != std::string::npos);
+}

@@ -237,5 +237,26 @@ std::unique_ptr<Dataset> make_cifar_data(const std::string& path, double validat
   return std::make_unique<CifarDataset>(path, validation_fraction, seed);
 }
 
+std::unique_ptr<Dataset> make_dataset(const Config& c) {
+  const DataConfig& d = c.data;
+  if (d.type == "teacher") {
+    if (c.model.input.size() != 1) {
+      throw UserError("data.type teacher makes flat inputs: model.input must have one dimension, got " +
+                      shape_str(c.model.input));
+    }
+    return make_teacher_data(c.model.input[0], d.classes, d.teacher_hidden, d.teacher_scale, d.seed, c.model.dtype,
+                             d.eval_samples);
+  }
+  if (d.type == "text") {
+    return make_token_data(read_byte_tokens(d.path), 256, d.seq_len, d.validation_fraction, d.seed, d.path);
+  }
+  if (d.type == "tokens") {
+    return make_token_data(read_uint16_tokens(d.path, d.vocab), d.vocab, d.seq_len, d.validation_fraction, d.seed,
+                           d.path);
+  }
+  if (d.type == "cifar10") return make_cifar_data(d.path, d.validation_fraction, d.seed);
+  throw UserError("data.type: unknown data type '" + d.type + "'; valid: teacher, text, tokens, cifar10");
+}
+
 }  // namespace pipeline
 }  // namespace gpipe

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "pipeline/config.h"
 #include "runtime/tensor.h"
 
 namespace gpipe {
@@ -52,6 +53,9 @@ std::vector<int32_t> read_uint16_tokens(const std::string& path, int64_t vocab);
 // normalised per channel with CIFAR-10's mean and standard deviation. The last
 // `validation_fraction` of the records is held out.
 std::unique_ptr<Dataset> make_cifar_data(const std::string& path, double validation_fraction, uint64_t seed);
+
+// The dataset a config's data section describes (the trainer's and the profiler's).
+std::unique_ptr<Dataset> make_dataset(const Config& config);
 
 }  // namespace pipeline
 }  // namespace gpipe

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "pipeline/held_bytes.h"
 #include "runtime/device_binding.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
@@ -54,8 +55,8 @@ constexpr size_t kOpFields = 8;  // op, micro-batch, start, end, chunk, bytes, p
 }  // namespace
 
 std::vector<double> encode_trace(const StageTrace& t) {
-  std::vector<double> v{static_cast<double>(t.peak_activation_bytes)};
-  v.reserve(1 + kOpFields * t.ops.size());
+  std::vector<double> v{static_cast<double>(t.peak_activation_bytes), t.start_ms};
+  v.reserve(2 + kOpFields * t.ops.size());
   for (const TimedOp& op : t.ops) {
     v.insert(v.end(), {static_cast<double>(op.op), static_cast<double>(op.micro_batch), op.start_ms, op.end_ms,
                        static_cast<double>(op.chunk), static_cast<double>(op.bytes), static_cast<double>(op.peer),
@@ -65,10 +66,11 @@ std::vector<double> encode_trace(const StageTrace& t) {
 }
 
 StageTrace decode_trace(const std::vector<double>& v, int stage) {
-  GPIPE_CHECK(!v.empty() && (v.size() - 1) % kOpFields == 0, "malformed timings from stage " + std::to_string(stage));
+  GPIPE_CHECK(v.size() >= 2 && (v.size() - 2) % kOpFields == 0, "malformed timings from stage " + std::to_string(stage));
   StageTrace t;
   t.peak_activation_bytes = static_cast<int64_t>(v[0]);
-  for (size_t i = 1; i < v.size(); i += kOpFields) {
+  t.start_ms = v[1];
+  for (size_t i = 2; i < v.size(); i += kOpFields) {
     TimedOp op{static_cast<Op>(static_cast<int>(v[i])), static_cast<int>(v[i + 1]), v[i + 2], v[i + 3]};
     op.chunk = static_cast<int>(v[i + 4]);
     op.bytes = static_cast<int64_t>(v[i + 5]);
@@ -115,6 +117,7 @@ struct Executor::StageRuntime {
   double grad_norm = -1;
   std::vector<std::vector<MicroBatch>> mbs;  // [chunk][micro-batch]
   StageTrace trace;
+  std::unique_ptr<OpClock> clock;  // device times of compute instructions (GPU stages)
   int64_t live_bytes = 0;
   bool grads_dirty = true;  // gradients hold values from an earlier step
   std::exception_ptr error;
@@ -124,34 +127,15 @@ struct Executor::StageRuntime {
 
 namespace {
 
-// Every buffer a context holds, its sub-layers' (children) included.
-void collect(const layers::Context& c, std::vector<std::pair<const void*, int64_t>>& out) {
-  for (const auto& t : c.saved) {
-    if (t.defined()) out.emplace_back(t.raw_data(), static_cast<int64_t>(t.nbytes()));
-  }
-  for (const auto& child : c.children) collect(child, out);
-}
-
-// Bytes of the distinct buffers a micro-batch holds.
+// Bytes of the distinct buffers a micro-batch holds (held_bytes.h: the planner counts
+// the same way).
 template <typename MB>
 int64_t held_bytes(const MB& mb) {
-  std::vector<std::pair<const void*, int64_t>> held;
-  for (const Tensor* t : {&mb.input, &mb.output, &mb.grad_output, &mb.grad_input}) {
-    if (t->defined()) held.emplace_back(t->raw_data(), static_cast<int64_t>(t->nbytes()));
-  }
-  for (const auto& c : mb.ctx) collect(c, held);
-  collect(mb.loss_ctx, held);
-  // A buffer kept by two contexts (a layer's output is the next one's input) counts once,
-  // at its largest view.
-  std::sort(held.begin(), held.end(), [](const auto& a, const auto& b) {
-    return a.first != b.first ? a.first < b.first : a.second > b.second;
-  });
-  held.erase(std::unique(held.begin(), held.end(),
-                         [](const auto& a, const auto& b) { return a.first == b.first; }),
-             held.end());
-  int64_t total = 0;
-  for (const auto& h : held) total += h.second;
-  return total;
+  BufferList held;
+  for (const Tensor* t : {&mb.input, &mb.output, &mb.grad_output, &mb.grad_input}) add_buffer(*t, held);
+  for (const auto& c : mb.ctx) add_buffers(c, held);
+  add_buffers(mb.loss_ctx, held);
+  return distinct_bytes(std::move(held));
 }
 
 void pin_to_core(int core) {
@@ -211,6 +195,7 @@ Executor::Executor(layers::Sequential& model, std::vector<StageSpec> cells, Sche
     rt->local = options_.local_stage < 0 || options_.local_stage == k;
     if (rt->local) {
       rt->backend = &backend_for(rt->device);
+      rt->clock = std::make_unique<OpClock>(rt->device, options_.device_clock_on_cpu);
       std::vector<layers::Parameter*> params;
       for (int c : rt->cells) {
         for (int i = cells_[c].first_layer; i < cells_[c].first_layer + cells_[c].num_layers; ++i) {
@@ -514,17 +499,23 @@ int64_t Executor::run_instruction(StageRuntime& rt, size_t pc) {
     case Op::kForward:
     case Op::kRecompute: {
       auto turn = device_turn(k);
+      rt.clock->before(rt.backend->stream(), rt.trace.ops.size());
       forward(rt, ins, ins.op == Op::kRecompute);
+      rt.clock->after(rt.backend->stream(), rt.trace.ops.size());
       break;
     }
     case Op::kBackward: {
       auto turn = device_turn(k);
+      rt.clock->before(rt.backend->stream(), rt.trace.ops.size());
       backward(rt, ins, pc);
+      rt.clock->after(rt.backend->stream(), rt.trace.ops.size());
       break;
     }
     case Op::kBackwardWeight: {
       auto turn = device_turn(k);
+      rt.clock->before(rt.backend->stream(), rt.trace.ops.size());
       weight_gradient(rt, ins, pc);
+      rt.clock->after(rt.backend->stream(), rt.trace.ops.size());
       break;
     }
     case Op::kOptimizerStep:
@@ -554,7 +545,13 @@ void Executor::run_stage(int k) {
     rt.live_bytes += now_held - mb.held_bytes;
     mb.held_bytes = now_held;
   };
+  rt.trace.start_ms =
+      std::chrono::duration<double, std::milli>(cur_.epoch.time_since_epoch()).count() - options_.clock_offset_ms;
   try {
+    {
+      auto turn = device_turn(k);
+      rt.clock->start_step(rt.backend->stream(), now_ms());
+    }
     if (rt.grads_dirty) {
       auto turn = device_turn(k);
       zero_grads(rt);
@@ -594,6 +591,10 @@ void Executor::run_stage(int k) {
     transport_.flush(k);
     auto turn = device_turn(k);
     rt.backend->synchronize();
+    for (const OpClock::Span& span : rt.clock->resolve()) {  // device times replace the host's
+      rt.trace.ops[span.index].start_ms = span.start_ms;
+      rt.trace.ops[span.index].end_ms = span.end_ms;
+    }
   } catch (const Aborted& e) {
     rt.error = std::current_exception();
     rt.error_is_abort = true;

@@ -26,6 +26,7 @@
 #include "layers/optimizer.h"
 #include "layers/sequential.h"
 #include "pipeline/grad_reducer.h"
+#include "pipeline/op_clock.h"
 #include "pipeline/schedule.h"
 #include "runtime/transport.h"
 
@@ -71,6 +72,12 @@ struct ExecutorOptions {
   // starts at replica x rows per replica): dropout keys its masks on the sample's
   // place in the mini-batch, so every split draws the same masks.
   int64_t sample_offset = 0;
+  // This process's steady clock minus the job clock (the first stage's process's), in
+  // ms (Transport::clock_offset_to_first); StageTrace::start_ms is on the job clock.
+  double clock_offset_ms = 0;
+  // Time compute instructions with device events even on CPU devices (tests of the
+  // GPU path's bookkeeping; CUDA devices always use them, see op_clock.h).
+  bool device_clock_on_cpu = false;
 };
 
 struct TimedOp {
@@ -86,6 +93,9 @@ struct TimedOp {
 struct StageTrace {
   std::vector<TimedOp> ops;
   int64_t peak_activation_bytes = 0;  // largest sum of activations held at once
+  // When the step started, on the job clock: ms of std::chrono::steady_clock since its
+  // epoch, minus ExecutorOptions::clock_offset_ms. Op times are relative to it.
+  double start_ms = 0;
 };
 // A stage's timings as numbers, and back, for gathering them across processes.
 std::vector<double> encode_trace(const StageTrace& t);

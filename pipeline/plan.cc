@@ -1,9 +1,15 @@
 #include "pipeline/plan.h"
 
 #include <algorithm>
+#include <cmath>
+#include <fstream>
 #include <map>
+#include <string>
 
+#include "kernels/backend.h"
 #include "partition/balance.h"
+#include "pipeline/held_bytes.h"
+#include "pipeline/profile.h"
 #include "runtime/error.h"
 
 namespace gpipe {
@@ -43,9 +49,15 @@ std::vector<int> plan_balance(const Config& c, const layers::Sequential& model, 
     partition::validate_balance(c.pipeline.balance, model.size(), cells);
     return c.pipeline.balance;
   }
+  const bool recompute = c.pipeline.recompute != CheckpointMode::kNever;
+  if (c.pipeline.balance_by == "profile") {  // torchgpipe's balance by time
+    const Device device = c.pipeline.devices.empty() ? Device::cpu() : parse_device(c.pipeline.devices[0]);
+    const ProfileEntry e =
+        require_profile(c.pipeline.profile, profile_key(model, micro, device, c.train.blas_threads));
+    return partition::balance_by_cost(profile_layer_costs(e, recompute), cells);
+  }
   std::vector<std::optional<double>> overrides;
   for (const auto& l : c.model.layers) overrides.push_back(l.cost);
-  const bool recompute = c.pipeline.recompute != CheckpointMode::kNever;
   return partition::balance_by_cost(partition::layer_costs(model, micro, recompute, overrides), cells);
 }
 
@@ -89,39 +101,184 @@ int optimizer_slots(const layers::OptimizerConfig& o) {
   return o.momentum != 0.0 ? 1 : 0;
 }
 
+int64_t LayerActivation::own(int64_t batch) const {
+  return static_cast<int64_t>(std::llround(std::max(0.0, own_base + own_per_sample * static_cast<double>(batch))));
+}
+
+namespace {
+
+// A layer's (or the loss's) context: bytes besides `in` and `out`, and which of them it keeps.
+struct Kept {
+  int64_t own = 0;
+  bool input = false, output = false;
+};
+Kept kept(const layers::Context& ctx, const Tensor& in, const Tensor& out) {
+  BufferList all;
+  add_buffers(ctx, all);
+  BufferList rest;
+  Kept k;
+  for (const auto& b : all) {
+    if (in.defined() && b.first == in.raw_data()) {
+      k.input = true;
+    } else if (out.defined() && b.first == out.raw_data()) {
+      k.output = true;
+    } else {
+      rest.push_back(b);
+    }
+  }
+  k.own = distinct_bytes(std::move(rest));
+  return k;
+}
+
+}  // namespace
+
+namespace {
+
+// The layout from the layers' cost() counts, where a probe cannot run: each layer's
+// saved bytes as its own, nothing shared (an overestimate where layers share buffers).
+ActivationLayout layout_from_costs(const layers::Sequential& model) {
+  const auto one = model.costs(1), two = model.costs(2);
+  ActivationLayout out;
+  for (size_t i = 0; i < one.size(); ++i) {
+    LayerActivation a;
+    a.own_per_sample = static_cast<double>(two[i].saved_bytes - one[i].saved_bytes);
+    a.own_base = static_cast<double>(one[i].saved_bytes) - a.own_per_sample;
+    out.layers.push_back(a);
+  }
+  return out;
+}
+
+ActivationLayout probe_layers(const layers::Sequential& model_in);
+
+}  // namespace
+
+ActivationLayout probe_activations(const layers::Sequential& model) {
+  try {
+    return probe_layers(model);
+  } catch (const std::exception&) {
+    // A layer that fails on a batch of zeros fails in the run too, where its error
+    // names the real batch; the estimate falls back to the cost counts meanwhile.
+    return layout_from_costs(model);
+  }
+}
+
+namespace {
+
+ActivationLayout probe_layers(const layers::Sequential& model_in) {
+  // Recompute mode changes no layer state (BatchNorm counts no statistics), so probing
+  // leaves the model as it was; forward is not const only because layers may cache.
+  auto& model = const_cast<layers::Sequential&>(model_in);
+  const int L = model.size();
+  ActivationLayout out;
+  out.layers.resize(L);
+  std::vector<Kept> at[2];
+  Kept loss_at[2];
+  for (int b = 0; b < 2; ++b) {
+    const int64_t n = b + 1;
+    Shape shape{n};
+    for (int64_t d : model.input_shape()) shape.push_back(d);
+    Backend* be = &backend_for(model.layer(0).device());
+    Tensor h = be->zeros(shape, model.input_dtype());
+    layers::ForwardArgs args;
+    args.recompute = true;
+    for (int i = 0; i < L; ++i) {
+      be = &backend_for(model.layer(i).device());
+      if (!(h.device() == be->device())) {
+        Tensor moved = be->empty(h.shape(), h.dtype());
+        be->copy(h, moved);
+        h = moved;
+      }
+      layers::Context ctx;
+      Tensor y = model.layer(i).forward(*be, h, &ctx, args);
+      at[b].push_back(kept(ctx, h, y));
+      h = y;
+    }
+    if (model.has_loss()) {
+      Shape target_shape(h.shape().begin(), h.shape().end() - 1);
+      const Tensor targets = be->zeros(target_shape, DType::kI32);
+      layers::Context lctx;
+      model.loss().forward(*be, h, targets, 1.0, &lctx);
+      loss_at[b] = kept(lctx, h, Tensor());
+    }
+  }
+  auto fit = [](const Kept& one, const Kept& two) {
+    LayerActivation a;
+    a.own_per_sample = static_cast<double>(two.own - one.own);
+    a.own_base = static_cast<double>(one.own) - a.own_per_sample;
+    a.keeps_input = one.input || two.input;
+    a.keeps_output = one.output || two.output;
+    return a;
+  };
+  for (int i = 0; i < L; ++i) out.layers[i] = fit(at[0][i], at[1][i]);
+  out.loss = fit(loss_at[0], loss_at[1]);
+  return out;
+}
+
+}  // namespace
+
 std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequential& model,
                                          const layers::OptimizerConfig& optimizer) {
+  return estimate_memory(plan, model, optimizer, probe_activations(model));
+}
+
+std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequential& model,
+                                         const layers::OptimizerConfig& optimizer, const ActivationLayout& layout) {
   const Schedule& s = plan.schedule;
   const int K = s.num_stages, M = s.num_micro_batches, C = s.num_cells();
-  // Per cell and distinct micro-batch size: what a forward keeps, its input, its output.
+  GPIPE_CHECK(static_cast<int>(layout.layers.size()) == model.size(), "estimate_memory: a layout of another model");
+  // Per cell and micro-batch: what a forward keeps (each buffer once), what W's
+  // contexts keep, the cell's input and output, and whether the contexts hold them.
   struct CellBytes {
-    int64_t saved = 0, input = 0, output = 0;
+    int64_t saved = 0, for_w = 0, input = 0, output = 0;
+    bool keeps_input = false, keeps_output = false;
   };
   std::map<int64_t, std::vector<layers::LayerCost>> costs;  // by micro-batch size
   for (int64_t n : plan.micro_batch_sizes) {
     if (!costs.count(n)) costs[n] = model.costs(n);
   }
+  auto input_bytes = [&](int layer, int64_t n) {
+    const layers::Layer& l = model.layer(layer);
+    return n * shape_numel(l.input_shape()) * static_cast<int64_t>(dtype_size(l.input_dtype()));
+  };
   auto cell_bytes = [&](int c, int m) {
-    const auto& per_layer = costs.at(plan.micro_batch_sizes[m]);
+    const int64_t n = plan.micro_batch_sizes[m];
+    const auto& per_layer = costs.at(n);
     const StageSpec& cell = plan.cells[c];
+    const int first = cell.first_layer, last = first + cell.num_layers - 1;
     CellBytes b;
-    for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) b.saved += per_layer[i].saved_bytes;
-    const layers::Layer& first = model.layer(cell.first_layer);
-    b.input = plan.micro_batch_sizes[m] * shape_numel(first.input_shape()) *
-              static_cast<int64_t>(dtype_size(first.input_dtype()));
-    b.output = per_layer[cell.first_layer + cell.num_layers - 1].output_bytes;
+    b.input = input_bytes(first, n);
+    b.output = per_layer[last].output_bytes;
+    for (int i = first; i <= last; ++i) {
+      const LayerActivation& a = layout.layers[i];
+      b.saved += a.own(n);
+      // The buffer between layer i-1 and i, once, if either context keeps it.
+      if (a.keeps_input || (i > first && layout.layers[i - 1].keeps_output)) b.saved += input_bytes(i, n);
+      if (model.layer(i).splits_backward()) {  // what W needs: about the input, the output gradient and its own
+        b.for_w += a.own(n) + input_bytes(i, n) + per_layer[i].output_bytes;
+      }
+    }
+    b.keeps_input = layout.layers[first].keeps_input;
+    b.keeps_output = layout.layers[last].keeps_output;
+    if (c == C - 1) {
+      b.saved += layout.loss.own(n);
+      b.keeps_output = b.keeps_output || layout.loss.keeps_input;
+    }
+    if (b.keeps_output) b.saved += b.output;
     return b;
   };
   std::vector<StageMemory> out(K);
-  const int slots = 2 + optimizer_slots(optimizer);  // value, gradient, state
+  const int slots = optimizer_slots(optimizer);  // state per parameter, besides value and gradient
   const auto& any_costs = costs.begin()->second;
   for (int k = 0; k < K; ++k) {
     for (int c : s.cells[k]) {
       const StageSpec& cell = plan.cells[c];
       for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) {
-        out[k].parameter_bytes += slots * any_costs[i].param_bytes;
+        out[k].weight_bytes += any_costs[i].param_bytes;
+        out[k].gradient_bytes += any_costs[i].param_bytes;
+        out[k].optimizer_bytes += slots * any_costs[i].param_bytes;
       }
     }
+    out[k].parameter_bytes = out[k].weight_bytes + out[k].gradient_bytes + out[k].optimizer_bytes;
     // Walk the program: held[(chunk, m)] is what that micro-batch keeps on this stage.
     std::vector<std::vector<int64_t>> held(s.num_chunks(), std::vector<int64_t>(M, 0));
     std::vector<std::vector<char>> checkpointed(s.num_chunks(), std::vector<char>(M, 0)), split = checkpointed;
@@ -137,20 +294,30 @@ std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequent
       int64_t& h = held[ins.chunk][m];
       const int64_t before = h;
       const bool sends_output = c + 1 < C && s.stage_of_cell(c + 1) != k;
+      const bool ckpt = checkpointed[ins.chunk][m];
       switch (ins.op) {
         case Op::kRecvActivation: h += b.input; break;
-        case Op::kForward: h = (checkpointed[ins.chunk][m] ? b.input : b.saved) + (sends_output ? b.output : 0); break;
-        case Op::kSendActivation: h -= b.output; break;
-        case Op::kRecompute: h = b.saved; break;
+        case Op::kForward:
+          if (ckpt) {
+            h = b.input + (sends_output ? b.output : 0);
+          } else {
+            h = b.saved + (sends_output && !b.keeps_output ? b.output : 0);
+          }
+          break;
+        case Op::kSendActivation:
+          if (ckpt || !b.keeps_output) h -= b.output;
+          break;
+        case Op::kRecompute: h = b.saved + (b.keeps_input ? 0 : b.input); break;  // the input stays until backward
         case Op::kRecvGradient: h += b.output; break;
-        case Op::kBackward: h = b.input; break;  // the input gradient, until sent; W's context below
-        case Op::kBackwardWeight: h = 0; break;
+        case Op::kBackward:
+          // The input gradient, until sent (a first cell's, or one handed to a cell of this
+          // stage, is not held here); the contexts a W still needs.
+          h = (c == 0 || s.stage_of_cell(c - 1) == k) ? 0 : b.input;
+          if (split[ins.chunk][m]) h += b.for_w;
+          break;
+        case Op::kBackwardWeight: h -= b.for_w; break;
         case Op::kSendGradient: h -= b.input; break;
         default: break;
-      }
-      if (ins.op == Op::kBackward) {
-        if (split[ins.chunk][m]) h += b.saved;  // the contexts wait for W
-        if (c == 0 || s.stage_of_cell(c - 1) == k) h -= b.input;  // nothing to send
       }
       h = std::max<int64_t>(h, 0);
       live += h - before;
@@ -159,6 +326,16 @@ std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequent
     out[k].activation_bytes = peak;
   }
   return out;
+}
+
+int64_t host_available_bytes() {
+  std::ifstream f("/proc/meminfo");
+  std::string key, unit;
+  int64_t kb = 0;
+  while (f >> key >> kb >> unit) {
+    if (key == "MemAvailable:") return kb * 1024;
+  }
+  return -1;
 }
 
 int64_t checkpoint_bytes(layers::Sequential& model, const layers::OptimizerConfig& optimizer) {

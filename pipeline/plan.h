@@ -46,18 +46,46 @@ Plan make_plan(const Config& config, const layers::Sequential& model, const Plan
 std::vector<int> plan_balance(const Config& config, const layers::Sequential& model, int cells,
                               int64_t micro_batch_size);
 
+// What each layer's forward keeps for its backward, measured once per model by running
+// every layer on a one- and a two-sample batch of zeros (in recompute mode, so that no
+// layer's state changes; on the layers' devices) and counting the buffers of its context
+// as the executor's meter does (held_bytes.h): the bytes besides its input and output,
+// linear in the batch size, and whether it keeps its input and its output. A layer's
+// output is often the next one's saved input; counting each buffer once is what makes
+// the estimate agree with the meter.
+struct LayerActivation {
+  double own_base = 0, own_per_sample = 0;
+  bool keeps_input = false, keeps_output = false;
+  int64_t own(int64_t batch) const;
+};
+struct ActivationLayout {
+  std::vector<LayerActivation> layers;
+  LayerActivation loss;  // the loss's context (keeps_input: it keeps the logits)
+};
+ActivationLayout probe_activations(const layers::Sequential& model);
+
 // What a stage holds at its peak: parameters with their gradients and optimizer state,
-// and the activations the schedule keeps alive (walked instruction by instruction: a
-// forward keeps its cell's saved activations, or only its input when checkpointed; a
-// recompute rebuilds them; a backward frees them, or keeps them for a later W; sends
-// free the messages they carried).
+// and the activations the schedule keeps alive, after each instruction as the executor
+// meters them (walked instruction by instruction: a forward keeps its cell's contexts,
+// or only its input when checkpointed, and the output until it is sent; a recompute
+// rebuilds the contexts and keeps the input; a backward frees them, or keeps the
+// splitting layers' for a later W, and holds the input gradient until it is sent).
+// The trainer's fit check and the planner both call it.
 struct StageMemory {
-  int64_t parameter_bytes = 0;  // parameters, gradients and optimizer state
+  int64_t parameter_bytes = 0;  // parameters, gradients and optimizer state: the three below
+  int64_t weight_bytes = 0, gradient_bytes = 0, optimizer_bytes = 0;
   int64_t activation_bytes = 0;  // the peak of the activations held
   int64_t total() const { return parameter_bytes + activation_bytes; }
 };
 std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequential& model,
                                          const layers::OptimizerConfig& optimizer);
+// The same with a layout probed before (the sweep estimates many plans of one model).
+std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequential& model,
+                                         const layers::OptimizerConfig& optimizer, const ActivationLayout& layout);
+
+// Bytes of host memory available now (MemAvailable), or -1 where unknown: CPU stages
+// share it (the trainer's fit check, the sweep).
+int64_t host_available_bytes();
 
 // Bytes of a checkpoint of the model and its optimizer state (parameters once, tied
 // copies and buffers included).

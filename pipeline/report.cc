@@ -88,8 +88,20 @@ void ReportBuilder::set_eval(double loss, double accuracy) {
   eval_accuracy_ = accuracy;
 }
 
+Simulation ReportBuilder::measured_simulation() const {
+  if (!has_schedule_ || timed_ == 0 || static_cast<int>(op_time_.size()) != program_.num_stages) return {};
+  const CostFn cost = [&](int stage, const Instruction& ins) {
+    if (ins.op == Op::kRecvActivation || ins.op == Op::kRecvGradient || ins.op == Op::kOptimizerStep) return 0.0;
+    auto it = op_time_[stage].find({static_cast<int>(ins.op), ins.chunk});
+    return it == op_time_[stage].end() ? 0.0 : it->second.first / it->second.second;
+  };
+  return simulate(program_, cost);
+}
+
 RunSummary ReportBuilder::summary() const {
   RunSummary out;
+  out.has_plan = has_plan_;
+  out.plan = plan_;
   out.partitions = static_cast<int>(acc_.size());
   out.micro_batches = micro_batches_;
   out.checkpoint = checkpoint_;
@@ -101,12 +113,7 @@ RunSummary ReportBuilder::summary() const {
   out.stages = acc_;
   if (timed_ == 0) return out;
   if (has_schedule_ && static_cast<int>(op_time_.size()) == program_.num_stages) {
-    const CostFn cost = [&](int stage, const Instruction& ins) {
-      if (ins.op == Op::kRecvActivation || ins.op == Op::kRecvGradient || ins.op == Op::kOptimizerStep) return 0.0;
-      auto it = op_time_[stage].find({static_cast<int>(ins.op), ins.chunk});
-      return it == op_time_[stage].end() ? 0.0 : it->second.first / it->second.second;
-    };
-    const Simulation sim = simulate(program_, cost);
+    const Simulation sim = measured_simulation();
     out.predicted_bubble = sim.bubble;
     out.predicted_span_ms = sim.makespan;
   }
@@ -163,6 +170,27 @@ std::string ReportBuilder::table() const {
   os << line;
   std::snprintf(line, sizeof line, "Throughput: %.1f samples/s\n", s.samples_per_second);
   os << line;
+  if (s.has_plan && s.plan.stages.size() == s.stages.size()) {
+    const PlannedRun& p = s.plan;
+    os << "Planned vs measured (the plan's costs: " << p.source << "):\n";
+    std::snprintf(line, sizeof line, "%-5s %21s %21s %21s %21s\n", "stage", "busy ms plan/meas", "idle ms plan/meas",
+                  "util plan/meas", "peak act MB plan/meas");
+    os << line;
+    for (size_t k = 0; k < s.stages.size(); ++k) {
+      const StageSummary& m = s.stages[k];
+      const PlannedStage& q = p.stages[k];
+      std::snprintf(line, sizeof line, "%-5zu %10.2f / %8.2f %10.2f / %8.2f %9.1f%% / %7.1f%% %10.2f / %8.2f\n", k,
+                    q.busy_ms, m.busy_ms, q.idle_ms, m.idle_ms, 100 * q.utilization, 100 * m.utilization,
+                    q.activation_bytes / 1e6, m.peak_activation_bytes / 1e6);
+      os << line;
+    }
+    std::snprintf(line, sizeof line,
+                  "Step: planned %.2f ms, measured %.2f ms (%+.1f%%); bubble planned %.3f, measured %.3f; "
+                  "%.1f samples/s planned\n",
+                  p.step_ms, s.step_ms, s.step_ms > 0 ? 100 * (p.step_ms - s.step_ms) / s.step_ms : 0.0, p.bubble,
+                  s.measured_bubble, p.samples_per_second);
+    os << line;
+  }
   if (has_eval_) {
     std::snprintf(line, sizeof line, "Validation: loss %.4f, accuracy %.2f%%\n", eval_loss_, 100 * eval_accuracy_);
     os << line;
@@ -206,6 +234,31 @@ nlohmann::json ReportBuilder::json() const {
                            {"peak_activation_bytes", st.peak_activation_bytes}});
   }
   if (has_eval_) j["eval"] = {{"loss", eval_loss_}, {"accuracy", eval_accuracy_}};
+  if (s.has_plan) {
+    nlohmann::json stages = nlohmann::json::array();  // in stage order
+    for (size_t k = 0; k < s.plan.stages.size(); ++k) {
+      const PlannedStage& q = s.plan.stages[k];
+      stages.push_back({{"forward_ms", q.forward_ms},
+                        {"recompute_ms", q.recompute_ms},
+                        {"backward_ms", q.backward_ms},
+                        {"weight_ms", q.weight_ms},
+                        {"optimizer_ms", q.optimizer_ms},
+                        {"comm_ms", q.comm_ms},
+                        {"idle_ms", q.idle_ms},
+                        {"busy_ms", q.busy_ms},
+                        {"utilization", q.utilization},
+                        {"weight_bytes", q.weight_bytes},
+                        {"gradient_bytes", q.gradient_bytes},
+                        {"optimizer_bytes", q.optimizer_bytes},
+                        {"activation_bytes", q.activation_bytes}});
+    }
+    j["prediction"] = {{"source", s.plan.source},
+                       {"step_ms", s.plan.step_ms},
+                       {"span_ms", s.plan.span_ms},
+                       {"bubble", s.plan.bubble},
+                       {"samples_per_second", s.plan.samples_per_second},
+                       {"stages", stages}};
+  }
   j["validation"] = nlohmann::json::array();
   for (const auto& v : validations_) {
     j["validation"].push_back({{"step", v.step}, {"loss", v.loss}, {"accuracy", v.accuracy}});

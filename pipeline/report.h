@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "pipeline/executor.h"
+#include "pipeline/prediction.h"
 
 namespace gpipe {
 namespace pipeline {
@@ -46,6 +47,9 @@ struct RunSummary {
                                  // instruction kind per stage; -1 without a schedule
   double predicted_span_ms = 0;
   std::vector<StageSummary> stages;
+  // The planner's prediction made before the run (planner.h), when it was given one.
+  bool has_plan = false;
+  PlannedRun plan;
 };
 
 class ReportBuilder {
@@ -59,9 +63,20 @@ class ReportBuilder {
   void set_eval(double loss, double accuracy);
   // The schedule that ran, for the predicted bubble.
   void set_schedule(Schedule schedule) { program_ = std::move(schedule); has_schedule_ = true; }
+  // What the planner predicted for this run, shown beside the measurements.
+  void set_prediction(PlannedRun plan) { plan_ = std::move(plan); has_plan_ = true; }
   // A validation score taken after `step`.
   void add_validation(int step, double loss, double accuracy);
   RunSummary summary() const;
+  // The schedule simulated with the measured mean time of each instruction kind per
+  // stage (the predicted bubble's source); an empty Simulation before any timed step.
+  Simulation measured_simulation() const;
+  const std::vector<std::pair<int, double>>& losses() const { return losses_; }
+  struct Validation {
+    int step;
+    double loss, accuracy;
+  };
+  const std::vector<Validation>& validations() const { return validations_; }
   // The table printed at the end of a run.
   std::string table() const;
   nlohmann::json json() const;
@@ -72,16 +87,14 @@ class ReportBuilder {
   std::string checkpoint_, schedule_;
   int64_t batch_size_;
   std::vector<std::pair<int, double>> losses_;
-  struct Validation {
-    int step;
-    double loss, accuracy;
-  };
   std::vector<Validation> validations_;
   std::vector<StageSummary> acc_;
   // Per stage: total time and count of each (instruction kind, chunk).
   std::vector<std::map<std::pair<int, int>, std::pair<double, int>>> op_time_;
   Schedule program_;
   bool has_schedule_ = false;
+  PlannedRun plan_;
+  bool has_plan_ = false;
   int timed_ = 0;
   double span_total_ = 0, wall_total_ = 0;
   bool has_eval_ = false;

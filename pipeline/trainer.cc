@@ -12,6 +12,7 @@
 #include "pipeline/checkpointing.h"
 #include "pipeline/executor.h"
 #include "pipeline/plan.h"
+#include "pipeline/run_artifacts.h"
 #include "runtime/error.h"
 #include "runtime/inprocess_transport.h"
 #include "runtime/logging.h"
@@ -128,27 +129,6 @@ StepResult gather_timings(StepResult r, const Launch& launch) {
   return r;
 }
 
-std::unique_ptr<Dataset> make_dataset(const Config& c) {
-  const DataConfig& d = c.data;
-  if (d.type == "teacher") {
-    if (c.model.input.size() != 1) {
-      throw UserError("data.type teacher makes flat inputs: model.input must have one dimension, got " +
-                      shape_str(c.model.input));
-    }
-    return make_teacher_data(c.model.input[0], d.classes, d.teacher_hidden, d.teacher_scale, d.seed, c.model.dtype,
-                             d.eval_samples);
-  }
-  if (d.type == "text") {
-    return make_token_data(read_byte_tokens(d.path), 256, d.seq_len, d.validation_fraction, d.seed, d.path);
-  }
-  if (d.type == "tokens") {
-    return make_token_data(read_uint16_tokens(d.path, d.vocab), d.vocab, d.seq_len, d.validation_fraction, d.seed,
-                           d.path);
-  }
-  if (d.type == "cifar10") return make_cifar_data(d.path, d.validation_fraction, d.seed);
-  throw UserError("data.type: unknown data type '" + d.type + "'; valid: teacher, text, tokens, cifar10");
-}
-
 // The model must read what the data gives and predict what it asks for.
 void check_model_fits_data(const layers::Sequential& model, const Dataset& data) {
   if (model.input_shape() != data.input_shape() || model.input_dtype() != data.input_dtype()) {
@@ -164,17 +144,6 @@ void check_model_fits_data(const layers::Sequential& model, const Dataset& data)
                     (data.target_shape().empty() ? std::string() : " per position") +
                     "); make the last layer's out equal to data.classes (or the vocabulary)");
   }
-}
-
-int64_t host_available_bytes() {
-  std::ifstream f("/proc/meminfo");
-  std::string key;
-  int64_t kb = 0;
-  std::string unit;
-  while (f >> key >> kb >> unit) {
-    if (key == "MemAvailable:") return kb * 1024;
-  }
-  return -1;
 }
 
 // Refuses a run whose estimated footprint cannot fit, before it allocates anything.
@@ -255,6 +224,9 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
                checkpoint_mode_name(plan.recompute));
   for (int k = 0; k < K; ++k) spdlog::info("stage {} on {}: layers {}", k, stage_devices[k], stage_layers[k]);
 
+  // The plan's prediction, the recorded steps and one clock for all ranks (collective).
+  RunArtifacts artifacts(c, *model, plan, launch, stage_layers, stage_devices);
+
   InProcessTransport in_process(K, c.pipeline.timeout_s);
   Transport& transport = multi ? *launch.transport : static_cast<Transport&>(in_process);
   ExecutorOptions opts;
@@ -266,6 +238,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   opts.replicas = D > 1 ? launch.replicas : nullptr;
   opts.bucket_bytes = static_cast<int64_t>(c.pipeline.bucket_mb * (1 << 20));
   opts.sample_offset = launch.replica * replica_batch;
+  opts.clock_offset_ms = artifacts.clock_offset_ms();
   Executor executor(*model, plan.cells, plan.schedule, transport, opts);
   layers::LrSchedule lr;
   lr.kind = c.optimizer.schedule;
@@ -290,6 +263,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   RunCheckpoints checkpoints(c, plan, *model, executor, launch, transport);
   const int start = static_cast<int>(checkpoints.resume());
   result.start_step = start;
+  if (artifacts.has_prediction()) report.set_prediction(artifacts.prediction());
   double window_ms = 0;
   int window_steps = 0;
   for (int step = start; step < c.train.steps; ++step) {
@@ -313,6 +287,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
     result.losses.push_back(r.loss);
     // The first step warms caches and allocators; it is left out of the timings.
     if (reports) report.add_step(step, r.loss, r, c.train.steps - start == 1 || step > start);
+    if (reports) artifacts.add_step(step, r.loss, r);
     window_ms += r.wall_ms;
     ++window_steps;
     const bool last = step + 1 == c.train.steps;
@@ -361,6 +336,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   j["data"] = data->describe();
   j["balance"] = result.balance;
   if (D > 1) j["replicas"] = D;
+  artifacts.write(dir, report, j, out);  // trace.json, report.html
   const auto path = dir / "report.json";
   write_atomically(path, j.dump(2) + "\n");
   result.report_path = path.string();

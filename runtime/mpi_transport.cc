@@ -1,6 +1,7 @@
 #include "runtime/mpi_transport.h"
 
 #include <array>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
@@ -225,6 +226,48 @@ double MpiReplicaGroup::all_reduce_sum(double value) {
 void MpiTransport::abort(const std::string& why) {
   spdlog::error("rank {} ends the job: {}", rank_, why);
   MPI_Abort(MPI_COMM_WORLD, 1);  // the whole job: other replicas too
+}
+
+// ---- Clock offsets (for traces that merge several processes' timings).
+
+double MpiTransport::clock_offset_to_first(int stage) {
+  GPIPE_CHECK(stage == rank_, "rank " + std::to_string(rank_) + " measuring its clock as stage " + std::to_string(stage));
+  constexpr int kRounds = 10;
+  auto now_ms = [] {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  };
+  MPI_Comm comm = MPI_COMM_NULL;
+  GPIPE_MPI_CHECK(MPI_Comm_dup(comm_, &comm));
+  double offset = 0;
+  if (rank_ == 0) {
+    for (int r = 1; r < size_; ++r) {
+      double best_rtt = -1;
+      for (int i = 0; i < kRounds; ++i) {
+        const double t0 = now_ms();
+        double theirs = 0;
+        GPIPE_MPI_CHECK(MPI_Send(&t0, 1, MPI_DOUBLE, r, 0, comm));
+        GPIPE_MPI_CHECK(MPI_Recv(&theirs, 1, MPI_DOUBLE, r, 0, comm, MPI_STATUS_IGNORE));
+        const double t1 = now_ms();
+        // Their clock read half-way through the round trip, at best.
+        if (best_rtt < 0 || t1 - t0 < best_rtt) {
+          best_rtt = t1 - t0;
+          offset = theirs - 0.5 * (t0 + t1);
+        }
+      }
+      GPIPE_MPI_CHECK(MPI_Send(&offset, 1, MPI_DOUBLE, r, 1, comm));
+    }
+    offset = 0;
+  } else {
+    for (int i = 0; i < kRounds; ++i) {
+      double t0 = 0;
+      GPIPE_MPI_CHECK(MPI_Recv(&t0, 1, MPI_DOUBLE, 0, 0, comm, MPI_STATUS_IGNORE));
+      const double mine = now_ms();
+      GPIPE_MPI_CHECK(MPI_Send(&mine, 1, MPI_DOUBLE, 0, 0, comm));
+    }
+    GPIPE_MPI_CHECK(MPI_Recv(&offset, 1, MPI_DOUBLE, 0, 1, comm, MPI_STATUS_IGNORE));
+  }
+  GPIPE_MPI_CHECK(MPI_Comm_free(&comm));
+  return offset;
 }
 
 }  // namespace gpipe

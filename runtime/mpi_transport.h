@@ -41,6 +41,9 @@ class MpiTransport : public Transport {
   double all_reduce_sum(int stage, double value) override;
   std::vector<std::vector<double>> gather_to_first(int stage, const std::vector<double>& values) override;
   void flush(int stage) override;
+  // Ping-pongs on a duplicate of the communicator (so no message of the pipeline can
+  // match them), rank 0 with each rank in turn.
+  double clock_offset_to_first(int stage) override;
   // A failed rank cannot wake its peers' blocking receives one by one: it ends the
   // whole job (MPI_Abort), after logging why, so no rank waits forever.
   void abort(const std::string& why) override;

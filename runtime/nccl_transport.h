@@ -125,6 +125,7 @@ class NcclTransport : public Transport {
   // Host values over MPI (they are scalars; a GPU round trip would cost more).
   double all_reduce_sum(int stage, double value) override;
   std::vector<std::vector<double>> gather_to_first(int stage, const std::vector<double>& values) override;
+  double clock_offset_to_first(int stage) override { return host_.clock_offset_to_first(stage); }
   // Waits, under the deadline, until every send has left its buffer, every receive
   // posted has arrived and the attached replica group's all-reduces are done: the
   // compute stream then depends on no peer. Not inside a group.

@@ -48,6 +48,12 @@ class Transport {
   // Collective over all stages: stage 0 gets every stage's `values`, in stage order;
   // the others get an empty list. Multi-process runs gather their reports with it.
   virtual std::vector<std::vector<double>> gather_to_first(int stage, const std::vector<double>& values) = 0;
+  // Collective over all stages: this stage's clock minus stage 0's, in milliseconds of
+  // std::chrono::steady_clock (time since its epoch), so that timings taken in several
+  // processes can be put on one clock. Measured with a few ping-pongs between stage 0
+  // and each stage, keeping the one with the shortest round trip (the offset is then
+  // known to within half of it). Stages of one process share one clock: 0.
+  virtual double clock_offset_to_first(int /*stage*/) { return 0.0; }
   // Waits until every send this stage started has left its buffer (a non-blocking
   // transport finishes its sends here; the others return at once), and on a GPU
   // transport until every transfer it queued is done, under its deadline, so that a

@@ -1,0 +1,63 @@
+#include "pipeline/run_artifacts.h"
+
+#include <chrono>
+#include <ostream>
+
+#include "pipeline/output_file.h"
+#include "pipeline/planner.h"
+#include "pipeline/report_html.h"
+#include "runtime/error.h"
+#include "runtime/logging.h"
+
+namespace gpipe {
+namespace pipeline {
+
+RunArtifacts::RunArtifacts(const Config& c, const layers::Sequential& model, const Plan& plan, const Launch& launch,
+                           std::vector<std::string> stage_layers, std::vector<std::string> stage_devices)
+    : config_(c), schedule_(plan.schedule), recorder_(c.trace.first_step, c.trace.last_step) {
+  const bool multi = launch.size > 1;
+  if (multi) clock_offset_ms_ = launch.transport->clock_offset_to_first(launch.rank);
+  epoch_ms_ = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count() -
+              clock_offset_ms_;
+  for (int k = 0; k < plan.stages; ++k) {
+    const int rank = launch.replica * launch.size + (multi ? k : 0);
+    processes_.push_back({k, rank, stage_devices.at(k), stage_layers.at(k)});
+  }
+  try {
+    prediction_ = predict_config(c, model, plan, multi);
+    has_prediction_ = true;
+  } catch (const UserError& e) {
+    spdlog::warn("no prediction for this run: {}", e.what());
+  }
+}
+
+void RunArtifacts::write(const std::filesystem::path& dir, const ReportBuilder& report, nlohmann::json& j,
+                         std::ostream& out) const {
+  std::string trace_name;
+  if (config_.output.trace && !recorder_.steps().empty()) {
+    trace_name = "trace.json";
+    write_text_atomically((dir / trace_name).string(),
+                          chrome_trace(schedule_, processes_, recorder_.steps(), epoch_ms_).dump() + "\n");
+    j["trace"] = {{"file", trace_name},
+                  {"steps", {recorder_.steps().front().step, recorder_.steps().back().step}}};
+    out << "Trace: " << (dir / trace_name).string() << " (open it in Perfetto, ui.perfetto.dev)" << std::endl;
+  }
+  HtmlReportInput in;
+  in.title = config_.name;
+  in.config = config_.source;
+  in.summary = report.summary();
+  in.schedule = schedule_;
+  in.step = recorder_.median_step();
+  in.recorded_first = recorder_.steps().empty() ? 0 : recorder_.steps().front().step;
+  in.recorded_last = recorder_.steps().empty() ? -1 : recorder_.steps().back().step;
+  in.measured_simulation = report.measured_simulation();
+  in.losses = report.losses();
+  in.validations = report.validations();
+  in.trace_file = trace_name;
+  write_text_atomically((dir / "report.html").string(), render_report_html(in));
+  j["html"] = "report.html";
+  out << "Page: " << (dir / "report.html").string() << std::endl;
+}
+
+}  // namespace pipeline
+}  // namespace gpipe

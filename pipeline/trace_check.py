@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""Checks a gpipe trace.json as Perfetto would read it, and against the schedule.
+
+  trace_check.py TRACE.json STEPS COUNTS
+    STEPS   the recorded steps, "first,last" (as trace.steps)
+    COUNTS  instructions per stage and step, "20,28,20" (one slice per instruction)
+
+Checks: the file is JSON with traceEvents; every stage has a named process with a
+compute and a communication track; on every track the slices nest (none overlaps
+another partially); every flow has one start and one end, each inside a slice of its
+track (the send's and the receive's); every stage has COUNTS[k] instruction slices per
+recorded step, and every send one flow to its receive; timestamps are finite and the
+activation counter never goes negative. Exits non-zero naming the first problem.
+"""
+import collections
+import json
+import math
+import sys
+
+
+def fail(msg):
+    print("FAIL: " + msg)
+    sys.exit(1)
+
+
+def main():
+    path, steps_arg, counts_arg = sys.argv[1], sys.argv[2], sys.argv[3]
+    first, last = (int(x) for x in steps_arg.split(","))
+    counts = [int(x) for x in counts_arg.split(",")]
+    K = len(counts)
+    with open(path) as f:
+        trace = json.load(f)
+    events = trace.get("traceEvents")
+    if not isinstance(events, list) or not events:
+        fail("no traceEvents list")
+
+    names = {}
+    threads = collections.defaultdict(dict)
+    slices = collections.defaultdict(list)  # (pid, tid) -> [(ts, end, event)]
+    flows = collections.defaultdict(dict)  # id -> {"s": event, "f": event}
+    for e in events:
+        ph = e.get("ph")
+        if ph == "M":
+            if e["name"] == "process_name":
+                names[e["pid"]] = e["args"]["name"]
+            elif e["name"] == "thread_name":
+                threads[e["pid"]][e["tid"]] = e["args"]["name"]
+            continue
+        ts = e.get("ts")
+        if not isinstance(ts, (int, float)) or not math.isfinite(ts):
+            fail("an event without a finite ts: %r" % e)
+        if ph == "X":
+            dur = e.get("dur")
+            if not isinstance(dur, (int, float)) or dur < 0:
+                fail("a slice with a bad dur: %r" % e)
+            slices[(e["pid"], e["tid"])].append((ts, ts + dur, e))
+        elif ph in ("s", "f"):
+            if ph in flows[e["id"]]:
+                fail("flow %r has two '%s' events" % (e["id"], ph))
+            flows[e["id"]][ph] = e
+        elif ph == "C":
+            for v in e["args"].values():
+                if v < 0:
+                    fail("negative counter %r" % e)
+        else:
+            fail("unexpected phase %r" % ph)
+
+    for k in range(K):
+        if k not in names or not names[k].startswith("stage %d " % k):
+            fail("stage %d has no process name (got %r)" % (k, names.get(k)))
+        if sorted(threads[k].values()) != ["communication", "compute"]:
+            fail("stage %d's tracks are %r" % (k, threads[k]))
+
+    # Nesting per track: sorted by start (longer first), every slice ends before the
+    # enclosing one does. A tolerance of 1 ns for rounding.
+    eps = 1e-3
+    for key, items in slices.items():
+        items.sort(key=lambda x: (x[0], -x[1]))
+        stack = []
+        for ts, end, e in items:
+            while stack and stack[-1][1] <= ts + eps:
+                stack.pop()
+            if stack and end > stack[-1][1] + eps:
+                fail("slices overlap on track %r: %s [%g, %g] and %s [%g, %g]" % (
+                    key, stack[-1][2]["name"], stack[-1][0], stack[-1][1], e["name"], ts, end))
+            stack.append((ts, end, e))
+
+    def inside(e):
+        for ts, end, s in slices[(e["pid"], e["tid"])]:
+            if ts - eps <= e["ts"] <= end + eps and s.get("cat") != "step":
+                return s
+        return None
+
+    sends = 0
+    for fid, pair in flows.items():
+        if set(pair) != {"s", "f"}:
+            fail("flow %r lacks its %s" % (fid, "start" if "s" not in pair else "end"))
+        a, b = inside(pair["s"]), inside(pair["f"])
+        if a is None or b is None:
+            fail("flow %r has an end outside every slice" % fid)
+        if not a["cat"].startswith("send") or not b["cat"].startswith("recv"):
+            fail("flow %r goes from %s to %s, not from a send to a receive" % (fid, a["cat"], b["cat"]))
+        if a["args"]["micro_batch"] != b["args"]["micro_batch"] or a["args"]["peer"] != b["pid"]:
+            fail("flow %r joins %s on stage %d and %s on stage %d" % (fid, a["name"], a["pid"], b["name"], b["pid"]))
+        if pair["f"].get("bp") != "e":
+            fail("flow %r's end does not bind to its enclosing slice" % fid)
+
+    steps = list(range(first, last + 1))
+    for k in range(K):
+        per_step = collections.Counter()
+        for key in ((k, 0), (k, 1)):
+            for _, _, e in slices[key]:
+                per_step[e["args"]["step"]] += 1
+                if e["cat"].startswith("send"):
+                    sends += 1
+        for s in steps:
+            if per_step[s] != counts[k]:
+                fail("stage %d has %d slices in step %d, its program %d instructions" % (k, per_step[s], s, counts[k]))
+        extra = set(per_step) - set(steps)
+        if extra:
+            fail("stage %d has slices of unrecorded steps %r" % (k, sorted(extra)))
+    if sends != len(flows):
+        fail("%d sends but %d flows" % (sends, len(flows)))
+    step_slices = [e for _, _, e in slices[(K, 0)]]
+    if sorted(e["args"]["step"] for e in step_slices) != steps:
+        fail("the steps track holds %r, not steps %d..%d" % ([e["args"]["step"] for e in step_slices], first, last))
+    print("ok: %s: %d stages, steps %d..%d, %d slices, %d flows" % (
+        path, K, first, last, sum(len(v) for v in slices.values()), len(flows)))
+
+
+if __name__ == "__main__":
+    main()
