@@ -6,6 +6,8 @@
 #     with the uninterrupted run's losses, bit for bit;
 #  2. resumed with other K and M (one process) and at K=2 x D=2 (mpirun), the losses
 #     equal the uninterrupted run's to 1e-12 (float64);
+#     a resumed run traces the steps after the checkpoint; resuming a finished run
+#     trains nothing and leaves its reports;
 #  3. SIGUSR1 saves on demand and training goes on; SIGTERM saves and stops (exit 143)
 #     with the path, and the saved run resumes to the same losses;
 #  4. a rank stopped with kill -STOP ends the job within pipeline.timeout_s, naming it;
@@ -90,6 +92,18 @@ close k3/report.json ref/report.json 6
   --set checkpoint.resume=save6/checkpoints/step-6 > dp.log 2>&1 || { cat dp.log; fail "resume at K=2 x D=2"; }
 close dp/report.json ref/report.json 6
 echo "ok: resumed at K=3, M=6 and at K=2 x D=2 (mpirun) to the uninterrupted losses within 1e-12"
+# A resumed run traces the steps after its checkpoint (trace.steps not given), one
+# process and mpirun alike.
+for r in k3 dp; do
+  python3 -c "import json, sys; t = json.load(open(sys.argv[1]))['trace']; assert t['steps'] == [7, 11], t" \
+    "$r/report.json" || fail "$r: the resumed run's trace does not hold steps 7..11"
+done
+# Resuming a finished run trains nothing and leaves its reports as they were.
+before="$(md5sum save6/report.json save6/report.html)"
+"$gpipe" train lm.yaml --set output.dir=save6 --resume > again.log 2>&1 || { cat again.log; fail "resume of a finished run"; }
+grep -q "already reached train.steps = 12: nothing to train" again.log || { cat again.log; fail "no 'nothing to train'"; }
+[ "$(md5sum save6/report.json save6/report.html)" = "$before" ] || fail "resuming a finished run rewrote its reports"
+echo "ok: resumed runs trace steps 7..11; resuming a finished run trains nothing and keeps its reports"
 
 # Async saves, in one process and on two: complete checkpoints that resume bit for bit.
 "$gpipe" train lm.yaml --set output.dir=async1 --set checkpoint.every=3 --set checkpoint.keep=0 --set checkpoint.async=true \

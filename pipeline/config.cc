@@ -512,6 +512,7 @@ Config parse_config(const std::string& text, const std::string& source, const st
       }
       c.trace.first_step = static_cast<int>(v[0]);
       c.trace.last_step = static_cast<int>(v[1]);
+      c.trace.given = true;
       c.output.trace = true;
     }
   }

@@ -101,6 +101,7 @@ struct CheckpointConfig {
 // long run's trace stays small.
 struct TraceConfig {
   int first_step = 1, last_step = 10;
+  bool given = false;  // trace.steps written in the config (a resumed run keeps it)
 };
 constexpr int kTraceDefaultMaxSteps = 1000;
 constexpr int kTraceDefaultSteps = 10;

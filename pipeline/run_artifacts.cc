@@ -1,5 +1,6 @@
 #include "pipeline/run_artifacts.h"
 
+#include <algorithm>
 #include <chrono>
 #include <ostream>
 
@@ -28,6 +29,18 @@ RunArtifacts::RunArtifacts(const Config& c, const layers::Sequential& model, con
     has_prediction_ = true;
   } catch (const UserError& e) {
     spdlog::warn("no prediction for this run: {}", e.what());
+  }
+}
+
+void RunArtifacts::starts_at(int step) {
+  if (step == 0) return;
+  const int last = config_.train.steps - 1;
+  if (!config_.trace.given) {
+    recorder_ = StepRecorder(std::min(step + 1, last), std::min(step + kTraceDefaultSteps, last));
+  } else if (config_.trace.last_step < step) {
+    spdlog::warn("trace.steps [{}, {}] came before this run's first step, {} (resumed): no steps are recorded; set "
+                 "trace.steps to steps from {} on",
+                 config_.trace.first_step, config_.trace.last_step, step, step);
   }
 }
 

@@ -37,6 +37,10 @@ class RunArtifacts {
   bool has_prediction() const { return has_prediction_; }
   const PlannedRun& prediction() const { return prediction_; }
 
+  // A resumed run starts at `step`: the default trace window (trace.steps not given)
+  // moves to the steps after it; a given window that ended before it records nothing.
+  void starts_at(int step);
+
   // On the reporting process, with every stage's timings.
   void add_step(int step, double loss, const StepResult& r) { recorder_.add(step, loss, r); }
 

@@ -263,6 +263,17 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   RunCheckpoints checkpoints(c, plan, *model, executor, launch, transport);
   const int start = static_cast<int>(checkpoints.resume());
   result.start_step = start;
+  if (start >= c.train.steps) {
+    // A finished run resumed (a restart after its last checkpoint): its reports stay.
+    if (writes) {
+      out << "The checkpoint at step " << start << " already reached train.steps = " << c.train.steps
+          << ": nothing to train (raise train.steps to go on); " << c.output.dir << " is left as it was." << std::endl;
+    }
+    checkpoints.finish();
+    result.checkpoint_path = checkpoints.last_saved();
+    return result;
+  }
+  artifacts.starts_at(start);
   if (artifacts.has_prediction()) report.set_prediction(artifacts.prediction());
   double window_ms = 0;
   int window_steps = 0;
