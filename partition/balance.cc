@@ -110,29 +110,5 @@ std::vector<double> layer_costs(const layers::Sequential& model, int64_t micro_b
   return out;
 }
 
-std::vector<StageMemory> estimate_stage_memory(const layers::Sequential& model, const std::vector<int>& balance,
-                                               int64_t batch_size, int micro_batches, bool checkpointed) {
-  const int64_t micro = (batch_size + micro_batches - 1) / micro_batches;
-  const auto per_micro = model.costs(micro);
-  std::vector<StageMemory> out;
-  int first = 0;
-  for (int size : balance) {
-    StageMemory m;
-    int64_t saved = 0, out_bytes = 0;
-    for (int i = first; i < first + size; ++i) {
-      m.parameter_bytes += 3 * per_micro[i].param_bytes;
-      saved += per_micro[i].saved_bytes;
-      out_bytes = std::max(out_bytes, per_micro[i].output_bytes);
-    }
-    const int64_t input_bytes = micro * shape_numel(model.layer(first).input_shape()) *
-                                static_cast<int64_t>(dtype_size(model.layer(first).input_dtype()));
-    m.activation_bytes = checkpointed ? micro_batches * input_bytes + saved + out_bytes
-                                      : micro_batches * (saved + out_bytes);
-    out.push_back(m);
-    first += size;
-  }
-  return out;
-}
-
 }  // namespace partition
 }  // namespace gpipe

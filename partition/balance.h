@@ -40,17 +40,5 @@ std::vector<double> layer_costs(const layers::Sequential& model, int64_t micro_b
                                 const std::vector<std::optional<double>>& overrides = {},
                                 const CostModel& cm = {});
 
-// Estimated bytes a stage holds at its peak for one mini-batch: parameters with their
-// gradients and optimizer state (x3), plus activations. With rematerialization a cell
-// keeps only its input for each of the M micro-batches and one micro-batch's full
-// activations while it recomputes (O(N + (L/K)(N/M))); without, every micro-batch's.
-struct StageMemory {
-  int64_t parameter_bytes = 0;   // parameters, gradients and momentum
-  int64_t activation_bytes = 0;  // peak activations kept for backward
-  int64_t total() const { return parameter_bytes + activation_bytes; }
-};
-std::vector<StageMemory> estimate_stage_memory(const layers::Sequential& model, const std::vector<int>& balance,
-                                               int64_t batch_size, int micro_batches, bool checkpointed);
-
 }  // namespace partition
 }  // namespace gpipe

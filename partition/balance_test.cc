@@ -88,26 +88,6 @@ TEST_CASE("layer costs come from the layers' estimates unless overridden") {
   CHECK(over[0] == est[0]);
 }
 
-TEST_CASE("rematerialization shrinks the estimated activation memory") {
-  layers::ModelSpec spec;
-  spec.input = {256};
-  for (int i = 0; i < 8; ++i) {
-    spec.layers.push_back({"linear", {{"out", "256"}}, {}, ""});
-    spec.layers.push_back({"relu", {}, {}, ""});
-  }
-  spec.loss = {"softmax_cross_entropy", {}, {}, ""};
-  auto model = layers::build_model(spec);
-  const auto plain = estimate_stage_memory(*model, {8, 8}, 512, 8, false);
-  const auto remat = estimate_stage_memory(*model, {8, 8}, 512, 8, true);
-  REQUIRE(plain.size() == 2);
-  CHECK(plain[0].parameter_bytes == 3 * 4 * 4 * (256 * 256 + 256));
-  // Without: 8 micro-batches x (4 linear inputs + 4 relu outputs + last output) of 64x256 floats.
-  CHECK(plain[0].activation_bytes == 8 * 9 * 64 * 256 * 4);
-  // With: 8 stage inputs plus one micro-batch's activations.
-  CHECK(remat[0].activation_bytes == (8 + 9) * 64 * 256 * 4);
-  CHECK(remat[1].activation_bytes < plain[1].activation_bytes);
-}
-
 TEST_CASE("the first layer is not charged for an input gradient nobody needs") {
   layers::ModelSpec spec;
   spec.input = {128};
