@@ -183,6 +183,9 @@ DirectStep DirectRunner::step(const Tensor& inputs, const Tensor& targets, bool 
           case Op::kRecvActivation:
           case Op::kRecvGradient:
             break;  // handled above
+          case Op::kBackwardWeight:
+            throw Error("the direct runner runs GPipe and 1F1B schedules, whose backward computes the weight gradients; "
+                        "a schedule with W instructions needs the executor");
         }
         if (timed) out.cost_ms[k][pc[k]] = ms_since(t0);
         ++pc[k];
