@@ -4,6 +4,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 
 #include "pipeline/held_bytes.h"
@@ -51,7 +52,7 @@ std::vector<int64_t> split_sizes(int64_t n, int m) {
 }
 
 namespace {
-constexpr size_t kOpFields = 8;  // op, micro-batch, start, end, chunk, bytes, peer, live bytes
+constexpr size_t kOpFields = 9;  // op, micro-batch, start, end, chunk, bytes, peer, live bytes, reduce ms
 }  // namespace
 
 std::vector<double> encode_trace(const StageTrace& t) {
@@ -60,7 +61,7 @@ std::vector<double> encode_trace(const StageTrace& t) {
   for (const TimedOp& op : t.ops) {
     v.insert(v.end(), {static_cast<double>(op.op), static_cast<double>(op.micro_batch), op.start_ms, op.end_ms,
                        static_cast<double>(op.chunk), static_cast<double>(op.bytes), static_cast<double>(op.peer),
-                       static_cast<double>(op.live_bytes)});
+                       static_cast<double>(op.live_bytes), op.reduce_ms});
   }
   return v;
 }
@@ -76,6 +77,7 @@ StageTrace decode_trace(const std::vector<double>& v, int stage) {
     op.bytes = static_cast<int64_t>(v[i + 5]);
     op.peer = static_cast<int>(v[i + 6]);
     op.live_bytes = static_cast<int64_t>(v[i + 7]);
+    op.reduce_ms = v[i + 8];
     t.ops.push_back(op);
   }
   return t;
@@ -106,6 +108,7 @@ struct Executor::StageRuntime {
   // device only while it holds it, and never while it waits for a message.
   std::mutex* device_turn = nullptr;
   std::unique_ptr<GradReducer> reducer;  // with data-parallel replicas
+  double reduce_ms = -1;                 // the last optimizer step's TimedOp::reduce_ms
   layers::ReplicaSum replica_sum;        // likewise, for BatchNorm's statistics
   // From the program, once: which (chunk, micro-batch) recompute (checkpointed) and
   // which defer their weight gradients to a W; per instruction, the layers whose
@@ -444,8 +447,17 @@ void Executor::weight_gradient(StageRuntime& rt, const Instruction& ins, size_t 
 // device, clips, steps, clears the gradients and lets layers fold their statistics.
 void Executor::optimizer_step(StageRuntime& rt) {
   const int k = rt.index;
+  const auto t0 = std::chrono::steady_clock::now();
   if (rt.reducer) rt.reducer->finish(rt.optimizer->params());  // its device is not shared (checked)
   sum_tied_gradients(k);
+  bool with_peers = rt.reducer != nullptr;
+  for (const layers::Tie& t : model_.ties()) {
+    const int so = schedule_.stage_of_cell(cell_of_layer(t.owner_layer));
+    const int sc = schedule_.stage_of_cell(cell_of_layer(t.copy_layer));
+    with_peers = with_peers || (so != sc && (so == k || sc == k));
+  }
+  rt.reduce_ms =
+      with_peers ? std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() : -1;
   if (!cur_.apply_optimizer) return;  // the gradients stay for inspection
   // A GPU transport's transfers, waited for under its deadline: the wait below then
   // waits for no peer.
@@ -585,6 +597,7 @@ void Executor::run_stage(int k) {
         }
       }
       op.live_bytes = rt.live_bytes;
+      if (ins.op == Op::kOptimizerStep) op.reduce_ms = rt.reduce_ms;
       op.end_ms = now_ms();
       rt.trace.ops.push_back(op);
     }

@@ -88,6 +88,10 @@ struct TimedOp {
   int64_t bytes = 0;       // sends and receives: the message's size
   int peer = -1;           // sends and receives: the other stage
   int64_t live_bytes = 0;  // activations the stage holds after the instruction
+  // The optimizer step: how long, from its start, it summed gradients with its peers
+  // (the replicas' all-reduce, a tied weight's copies on other stages), mostly waiting
+  // for them; -1 where the stage has no such sum.
+  double reduce_ms = -1;
 };
 
 struct StageTrace {

@@ -61,7 +61,10 @@ void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool ti
         case Op::kRecompute: s.recompute_ms += d; busy += d; break;
         case Op::kBackward: s.backward_ms += d; busy += d; break;
         case Op::kBackwardWeight: s.weight_ms += d; s.backward_ms += d; busy += d; break;
-        case Op::kOptimizerStep: s.optimizer_ms += d; break;
+        case Op::kOptimizerStep:
+          s.optimizer_ms += d;
+          s.reduce_ms += std::max(0.0, op.reduce_ms);
+          break;
         case Op::kSendActivation:
         case Op::kSendGradient: comm += d; break;
         case Op::kRecvActivation:
@@ -127,6 +130,7 @@ RunSummary ReportBuilder::summary() const {
     s.backward_ms /= timed_;
     s.weight_ms /= timed_;
     s.optimizer_ms /= timed_;
+    s.reduce_ms /= timed_;
     s.comm_ms /= timed_;
     s.idle_ms /= timed_;
     s.busy_ms /= timed_;
@@ -227,6 +231,7 @@ nlohmann::json ReportBuilder::json() const {
                            {"backward_ms", st.backward_ms},
                            {"weight_ms", st.weight_ms},
                            {"optimizer_ms", st.optimizer_ms},
+                           {"optimizer_reduce_ms", st.reduce_ms},
                            {"comm_ms", st.comm_ms},
                            {"idle_ms", st.idle_ms},
                            {"busy_ms", st.busy_ms},

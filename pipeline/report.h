@@ -28,6 +28,7 @@ struct StageSummary {
   std::string device;
   double forward_ms = 0, recompute_ms = 0, backward_ms = 0, optimizer_ms = 0;
   double weight_ms = 0;  // W: deferred weight gradients (zero-bubble schedules); in backward_ms too
+  double reduce_ms = 0;  // summing gradients with peers (replicas, tied copies); in optimizer_ms too
   double comm_ms = 0, idle_ms = 0, busy_ms = 0;
   double utilization = 0;  // busy / span
   int64_t peak_activation_bytes = 0;

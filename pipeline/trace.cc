@@ -139,6 +139,17 @@ nlohmann::json chrome_trace(const Schedule& s, const std::vector<TraceProcess>& 
                           {"ts", ts},
                           {"dur", dur},
                           {"args", std::move(args)}});
+        if (op.op == Op::kOptimizerStep && op.reduce_ms >= 0) {
+          // The gradient sums with peers at the step's start, on the communication track.
+          events.push_back({{"ph", "X"},
+                            {"name", "all-reduce (gradients)"},
+                            {"cat", "all_reduce"},
+                            {"pid", k},
+                            {"tid", kCommTrack},
+                            {"ts", ts},
+                            {"dur", std::min(dur, std::round(op.reduce_ms * 1e3 * 1e3) / 1e3)},
+                            {"args", {{"step", step.step}}}});
+        }
         if (comm) {
           const bool send = op.op == Op::kSendActivation || op.op == Op::kSendGradient;
           (send ? sent : received)[message_of(s, k, op)] = {k, std::round((ts + dur / 2) * 1e3) / 1e3};

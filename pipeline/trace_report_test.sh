@@ -2,7 +2,8 @@
 # trace.json and report.html of real runs, checked as Perfetto and a browser need them
 # (pipeline/trace_check.py, pipeline/report_check.py): one process at K=2 (GPipe) and
 # K=3 (zero bubble, one slice per instruction including W), interleaved 1F1B (two cells
-# per stage), two processes under mpirun (1F1B, clocks aligned by ping-pongs), and
+# per stage), two processes under mpirun (1F1B, clocks aligned by ping-pongs), K=2 x D=2
+# on four processes (the replicas' all-reduce slices), and
 # output.trace: false (no trace, still a page). Instruction counts per stage and step
 # are the programs' lengths, counted by hand from each schedule (M=4, except_last).
 set -uo pipefail
@@ -49,6 +50,11 @@ run interleaved 1 --set pipeline.schedule=interleaved_1f1b --set pipeline.virtua
 check interleaved 2 47,47
 run mpi_1f1b 2 --set pipeline.schedule=1f1b
 check mpi_1f1b 2 20,20
+# Two replicas of a 2-stage pipeline on four processes: every stage's gradient
+# all-reduce is a slice inside its optimizer step.
+run mpi_dp 4 --set pipeline.replicas=2
+python3 "$trace_check" "$tmp/mpi_dp/trace.json" 2,5 20,20 --all-reduce || { echo "FAIL: mpi_dp's trace"; exit 1; }
+python3 "$report_check" "$tmp/mpi_dp/report.html" 2 2,5 || { echo "FAIL: mpi_dp's page"; exit 1; }
 grep -q '"rank 1' "$tmp/mpi_1f1b/trace.json" || grep -q 'rank 1 ' "$tmp/mpi_1f1b/trace.json" ||
   { echo "FAIL: the merged trace does not name rank 1"; exit 1; }
 
