@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Checkpoint figures for bench/RESULTS.md: save and load throughput against cp of the
+# Checkpoint figures for bench/RESULTS.md: save and load throughput against a plain copy (dd, fsync) of the
 # same bytes, the training stall of a synchronous and an asynchronous save (GPT config
 # and a 1.6 GB model), and the time from a killed job to training again under
 # `gpipe run`.
@@ -20,14 +20,21 @@ rows = {}
 for line in open(sys.argv[1]):
     r = json.loads(line)
     rows.setdefault((r["config"], r["what"]), []).append(r)
-print("| config | checkpoint | save (sync) | stall (async) | stall / save | load | cp -r + sync |")
+print("| config | checkpoint | save (sync) | stall (async) | stall / save | load | dd copy + fsync |")
 print("|---|---|---|---|---|---|---|")
 for cfg in sorted({k[0] for k in rows}):
-    med = {w: statistics.median(x["seconds"] for x in rows[(cfg, w)]) for w in ("sync", "stall", "load", "cp")}
+    med = {w: statistics.median(x["seconds"] for x in rows[(cfg, w)]) for w in ("sync", "stall", "load", "copy")}
     b = rows[(cfg, "sync")][0]["bytes"]
     gb = lambda s: f"{s * 1e3:.0f} ms ({b / s / 1e9:.2f} GB/s)"
     print(f"| {cfg} | {b / 1e6:.0f} MB | {gb(med['sync'])} | {med['stall'] * 1e3:.1f} ms | "
-          f"{med['stall'] / med['sync']:.0%} | {gb(med['load'])} | {gb(med['cp'])} |")
+          f"{med['stall'] / med['sync']:.0%} | {gb(med['load'])} | {gb(med['copy'])} |")
+# Each save beside the copy made right after it: the disk's rate drifts between them.
+print()
+print("| config | repeat | save s | dd copy s | save / copy |")
+print("|---|---|---|---|---|")
+for cfg in sorted({k[0] for k in rows}):
+    for i, (a, c) in enumerate(zip(rows[(cfg, "sync")], rows[(cfg, "copy")])):
+        print(f"| {cfg} | {i + 1} | {a['seconds']:.3f} | {c['seconds']:.3f} | {a['seconds'] / c['seconds']:.2f} |")
 PY
 
 # Restart under the supervisor: kill -9 the job after its checkpoint at step 20, time
