@@ -20,13 +20,9 @@ using gpipe::testing::to_doubles;
 
 namespace {
 
-constexpr CheckpointMode kModes[] = {CheckpointMode::kAlways, CheckpointMode::kExceptLast, CheckpointMode::kNever};
+using gpipe::testing::cpu_devices;
 
-std::vector<Device> cpu_devices(int k) {
-  std::vector<Device> d;
-  for (int i = 0; i < k; ++i) d.push_back(Device::cpu(i));
-  return d;
-}
+constexpr CheckpointMode kModes[] = {CheckpointMode::kAlways, CheckpointMode::kExceptLast, CheckpointMode::kNever};
 
 std::vector<int> even_balance(int layers, int k) {
   return partition::balance_by_cost(std::vector<double>(layers, 1.0), k);

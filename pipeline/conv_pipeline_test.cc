@@ -24,6 +24,8 @@ using namespace gpipe::pipeline;
 
 namespace {
 
+using gpipe::testing::cpu_devices;
+
 Backend& host() { return backend_for(Device::cpu()); }
 
 // conv -> [BN] -> relu -> basic_block -> basic_block(stride 2) -> global average
@@ -44,12 +46,6 @@ layers::ModelSpec resnet_spec(bool batchnorm) {
   spec.layers.push_back({"linear", {{"out", "5"}}, {}, ""});
   spec.loss = {"softmax_cross_entropy", {}, {}, ""};
   return spec;
-}
-
-std::vector<Device> cpu_devices(int k) {
-  std::vector<Device> d;
-  for (int i = 0; i < k; ++i) d.push_back(Device::cpu(i));
-  return d;
 }
 
 // The balancer's split from the layers' own costs, as the trainer would choose it.

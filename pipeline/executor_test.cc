@@ -21,6 +21,8 @@ using gpipe::testing::to_doubles;
 
 namespace {
 
+using gpipe::testing::cpu_devices;
+
 layers::ModelSpec mlp_spec(DType dtype) {
   layers::ModelSpec spec;
   spec.input = {6};
@@ -31,12 +33,6 @@ layers::ModelSpec mlp_spec(DType dtype) {
                  {"linear", {{"out", "4"}}, {}, ""}};
   spec.loss = {"softmax_cross_entropy", {}, {}, ""};
   return spec;
-}
-
-std::vector<Device> cpu_devices(int k) {
-  std::vector<Device> d;
-  for (int i = 0; i < k; ++i) d.push_back(Device::cpu(i));
-  return d;
 }
 
 std::vector<int> even_balance(int layers, int k) {

@@ -23,6 +23,8 @@ using gpipe::testing::to_doubles;
 
 namespace {
 
+using gpipe::testing::cpu_devices;
+
 layers::ModelSpec mlp_spec() {
   layers::ModelSpec spec;
   spec.input = {6};
@@ -73,12 +75,6 @@ std::vector<Case> cases() {
   s->lr.warmup_steps = 1;
   s->clip = 0.05;
   return out;
-}
-
-std::vector<Device> cpu_devices(int k) {
-  std::vector<Device> d;
-  for (int i = 0; i < k; ++i) d.push_back(Device::cpu(i));
-  return d;
 }
 
 std::vector<layers::Parameter*> all_params(layers::Sequential& m) {

@@ -19,6 +19,8 @@ using namespace gpipe::pipeline;
 
 namespace {
 
+using gpipe::testing::cpu_devices;
+
 // A byte-level GPT of 13 layers, so that 4 stages x 3 cells still get a layer each:
 // dropout inside and between the blocks, the head tied to the embedding.
 layers::ModelSpec gpt_spec() {
@@ -36,12 +38,6 @@ layers::ModelSpec gpt_spec() {
   spec.layers.push_back({"linear", {{"out", "16"}, {"bias", "false"}, {"tied", "true"}}, {}, ""});
   spec.loss = {"softmax_cross_entropy", {}, {}, ""};
   return spec;
-}
-
-std::vector<Device> cpu_devices(int k) {
-  std::vector<Device> d;
-  for (int i = 0; i < k; ++i) d.push_back(Device::cpu(i));
-  return d;
 }
 
 struct Case {

@@ -29,6 +29,13 @@ std::vector<double> to_doubles(const Tensor& t);
 Tensor random_tensor(const Shape& shape, DType dtype, uint64_t seed, double lo = -1.0, double hi = 1.0);
 Tensor random_labels(int64_t n, int classes, uint64_t seed);
 
+// cpu:0 .. cpu:k-1, one device per stage.
+inline std::vector<Device> cpu_devices(int k) {
+  std::vector<Device> d;
+  for (int i = 0; i < k; ++i) d.push_back(Device::cpu(i));
+  return d;
+}
+
 // d f / d t by central differences, perturbing every element of the float64 tensor t
 // in place (and restoring it): the reference every backward is checked against. The
 // public checker's (layers/gradcheck.h), for the op tests' own objectives.
