@@ -9,7 +9,7 @@
 #   tests/mutants.sh --check       only check that every mutant applies (no build)
 #   tests/mutants.sh --clean       also delete the scratch copy's Bazel output base at the end
 #
-# The scratch copy is $GPIPE_MUTANTS_DIR (default ~/.cache/gpipe-mutants; not under /tmp or
+# The scratch copy is $GPIPE_MUTANTS_DIR (default ~/.cache/gpipe-mutants; not under
 # /dev/shm, which .bazelrc hides from test sandboxes behind a tmpfs): the
 # tracked and untracked-but-not-ignored files of this tree, as they are now, uncommitted
 # edits included. The real tree is never edited. Bazel uses the --disk_cache of ~/.bazelrc,
@@ -125,7 +125,7 @@ exec 9> "$work/lock"
 flock -n 9 || die "another mutation run is using $work (set GPIPE_MUTANTS_DIR to run elsewhere)"
 case "$work/" in
   "$root"/*) die "the scratch folder $work lies inside the tree; set GPIPE_MUTANTS_DIR elsewhere" ;;
-  /tmp/*|/dev/shm/*) die "the scratch folder $work is under /tmp or /dev/shm, which test sandboxes hide (.bazelrc); set GPIPE_MUTANTS_DIR elsewhere" ;;
+  /dev/shm/*) die "the scratch folder $work is under /dev/shm, which test sandboxes hide (.bazelrc); set GPIPE_MUTANTS_DIR elsewhere" ;;
 esac
 command -v git > /dev/null || die "git is needed to list the tree's files"
 command -v python3 > /dev/null || die "python3 is needed to apply the mutants"
