@@ -73,10 +73,14 @@ double InProcessTransport::all_reduce_sum(int stage, double value) {
   std::unique_lock<std::mutex> lock(mu_);
   if (aborted_) throw Aborted(why_);
   const uint64_t round = reduce_round_;
-  reduce_partial_ += value;
+  // Summed in stage order, not in the order the stages arrive: a float sum of three or
+  // more values depends on its order, and the result must not depend on the threads'
+  // timing (MpiTransport sums in the same order, so one process and many agree).
+  reduce_values_.resize(boxes_.size());
+  reduce_values_[stage] = value;
   if (++reduce_arrived_ == static_cast<int>(boxes_.size())) {
-    reduce_result_ = reduce_partial_;
-    reduce_partial_ = 0;
+    reduce_result_ = 0;
+    for (double v : reduce_values_) reduce_result_ += v;
     reduce_arrived_ = 0;
     ++reduce_round_;
     reduce_cv_.notify_all();

@@ -58,7 +58,8 @@ class InProcessTransport : public Transport {
   std::condition_variable reduce_cv_;
   uint64_t reduce_round_ = 0;
   int reduce_arrived_ = 0;
-  double reduce_partial_ = 0, reduce_result_ = 0;
+  std::vector<double> reduce_values_;  // this round's value per stage, summed in stage order
+  double reduce_result_ = 0;
   // gather_to_first, likewise (woken through reduce_cv_).
   uint64_t gather_round_ = 0;
   int gather_arrived_ = 0;

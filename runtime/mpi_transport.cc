@@ -159,10 +159,16 @@ Tensor MpiTransport::recv(int dst, int src, const MessageTag& tag, Device device
 
 double MpiTransport::all_reduce_sum(int stage, double value) {
   GPIPE_CHECK(stage == rank_, "rank " + std::to_string(rank_) + " reducing as stage " + std::to_string(stage));
-  double total = 0;
+  // Every rank's value, summed in rank (stage) order: MPI_SUM's order is the library's
+  // choice, and a float sum of three or more values depends on it. The same order as
+  // InProcessTransport, so a run on K processes equals the same run as K threads bit
+  // for bit.
+  std::vector<double> values(static_cast<size_t>(size_));
   MPI_Request r;
-  GPIPE_MPI_CHECK(MPI_Iallreduce(&value, &total, 1, MPI_DOUBLE, MPI_SUM, comm_, &r));
-  await(1, &r, nullptr, "the all-reduce of a scalar over the pipeline's " + std::to_string(size_) + " ranks (MPI_Iallreduce)");
+  GPIPE_MPI_CHECK(MPI_Iallgather(&value, 1, MPI_DOUBLE, values.data(), 1, MPI_DOUBLE, comm_, &r));
+  await(1, &r, nullptr, "the all-reduce of a scalar over the pipeline's " + std::to_string(size_) + " ranks (MPI_Iallgather)");
+  double total = 0;
+  for (double v : values) total += v;
   return total;
 }
 

@@ -168,6 +168,22 @@ TEST_CASE("Philox4x32-10 matches the Random123 known-answer vectors") {
   CHECK(sum / 4000 == doctest::Approx(0.5).epsilon(0.03));
 }
 
+TEST_CASE("all_reduce_sum adds in stage order, whatever order the stages arrive in") {
+  // (1 + 1e16) - 1e16 = 0 in doubles, (1e16 - 1e16) + 1 = 1: stages 1, 2, 0 arrive in
+  // that order (each a little after the previous), and the total is stage 0's + stage
+  // 1's + stage 2's all the same, as MpiTransport's.
+  InProcessTransport tr(3);
+  const double value[3] = {1.0, 1e16, -1e16};
+  std::vector<double> got(3, -1);
+  std::vector<std::thread> ts;
+  for (int k : {1, 2, 0}) {
+    ts.emplace_back([&, k] { got[k] = tr.all_reduce_sum(k, value[k]); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  for (auto& t : ts) t.join();
+  for (int k = 0; k < 3; ++k) CHECK(got[k] == (1.0 + 1e16) - 1e16);
+}
+
 TEST_CASE("all_reduce_sum gives every stage the total, round after round") {
   InProcessTransport tr(3);
   std::vector<double> got(3);
