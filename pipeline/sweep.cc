@@ -44,10 +44,12 @@ std::string mb(int64_t bytes) {
   return buf;
 }
 
+// Device time of the compute in a step: a stage's busy time keeps each of its BLAS
+// threads' cores busy.
 double total_busy(const Candidate& c) {
   double b = 0;
   for (const auto& s : c.run.stages) b += s.busy_ms;
-  return b;
+  return b * c.blas_threads;
 }
 
 int devices_used(const Candidate& c) { return c.stages * c.blas_threads; }
@@ -59,7 +61,7 @@ std::string why_lost(const Candidate& c, const Candidate& best) {
   if (slower < 1.01) return "as fast (within 1%)";
   const double work = total_busy(c) / total_busy(best);  // compute per step: same batch
   const double devices = static_cast<double>(devices_used(best)) / devices_used(c);
-  auto inefficiency = [](const Candidate& x) {  // step time x devices / compute: 1 with no idle time
+  auto inefficiency = [](const Candidate& x) {  // step time x devices / device compute: 1 with no idle time
     return x.run.step_ms * devices_used(x) / std::max(1e-12, total_busy(x));
   };
   const double idle = inefficiency(c) / inefficiency(best);
@@ -70,12 +72,19 @@ std::string why_lost(const Candidate& c, const Candidate& best) {
     if (c.micro_batches > best.micro_batches) {
       what += (what.empty() ? "" : ", ") + std::string("thinner micro-batches");
     }
+    if (c.blas_threads > best.blas_threads) {
+      what += (what.empty() ? "" : ", ") + std::to_string(c.blas_threads) + " BLAS threads per stage";
+    }
     std::snprintf(buf, sizeof buf, "slower ops: +%.0f%% compute per sample%s%s%s", 100 * (work - 1),
                   what.empty() ? "" : " (", what.c_str(), what.empty() ? "" : ")");
   } else if (devices >= idle) {
     std::snprintf(buf, sizeof buf, "uses %d of %d devices", devices_used(c), devices_used(best));
-  } else {
+  } else if (c.run.bubble > best.run.bubble) {
     std::snprintf(buf, sizeof buf, "bubble %.2f vs %.2f", c.run.bubble, best.run.bubble);
+  } else {
+    // Idle, but not in the pipeline's bubble: the optimizer step, which runs on one thread.
+    auto outside = [](const Candidate& x) { return x.run.step_ms - total_busy(x) / devices_used(x); };
+    std::snprintf(buf, sizeof buf, "time outside compute %.1f vs %.1f ms a step", outside(c), outside(best));
   }
   return buf;
 }
@@ -231,7 +240,7 @@ std::string sweep_table(const SweepResult& r, int max_rows) {
      << (r.memory_limit > 0 ? " of " + mb(r.memory_limit) + " per device" : "") << "\n";
   os << "costs: " << r.costs << "\n";
   char line[400];
-  std::snprintf(line, sizeof line, "%4s  %-46s %9s %10s %6s %12s  %s\n", "rank", "candidate", "step ms", "samples/s",
+  std::snprintf(line, sizeof line, "%4s  %-52s %9s %10s %6s %12s  %s\n", "rank", "candidate", "step ms", "samples/s",
                 "bubble", "peak/device", "verdict");
   os << line;
   int shown = 0;
@@ -239,7 +248,7 @@ std::string sweep_table(const SweepResult& r, int max_rows) {
     const Candidate& c = r.candidates[i];
     if (shown >= max_rows && static_cast<int>(i) != r.recommended) continue;
     ++shown;
-    std::snprintf(line, sizeof line, "%4zu  %-46s %9.2f %10.1f %6.3f %12s  %s\n", i + 1, c.label().c_str(), c.run.step_ms,
+    std::snprintf(line, sizeof line, "%4zu  %-52s %9.2f %10.1f %6.3f %12s  %s\n", i + 1, c.label().c_str(), c.run.step_ms,
                   c.run.samples_per_second, c.run.bubble, mb(c.peak_device_bytes).c_str(),
                   (static_cast<int>(i) == r.recommended ? "<< recommended" : c.verdict).c_str());
     os << line;
