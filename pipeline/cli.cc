@@ -287,10 +287,9 @@ std::string usage(const std::string& program) {
     lines.push_back({program + " " + c.name + (*c.args ? " " + std::string(c.args) : ""), c.summary});
     if (c.mpirun != nullptr) lines.push_back({"mpirun -np K*D " + program + " " + c.name + " ...", c.mpirun});
   }
-  size_t width = 0;
-  for (const auto& l : lines) width = std::max(width, l.first.size());
+  // Each command's line, and under it what it does.
   std::string out = "usage:\n";
-  for (const auto& l : lines) out += "  " + l.first + std::string(width - l.first.size() + 3, ' ') + l.second + "\n";
+  for (const auto& l : lines) out += "  " + l.first + "\n      " + l.second + "\n";
   out += "\n--set overrides any config field, e.g. --set pipeline.partitions=2 --set pipeline.balance=[3,3,2]\n";
   return out;
 }
