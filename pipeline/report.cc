@@ -76,9 +76,40 @@ void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool ti
     s.idle_ms += std::max(0.0, span - busy - comm);
     s.peak_activation_bytes = std::max(s.peak_activation_bytes, trace.peak_activation_bytes);
   }
+  add_deliveries(r);
   span_total_ += span;
   wall_total_ += r.wall_ms;
   ++timed_;
+}
+
+void ReportBuilder::add_deliveries(const StepResult& r) {
+  const int K = program_.num_stages;
+  if (!has_schedule_ || static_cast<int>(r.stages.size()) != K) return;
+  for (int k = 0; k < K; ++k) {
+    if (r.stages[k].ops.size() != program_.stages[k].size()) return;  // not this schedule's timings
+  }
+  if (delivery_.empty()) delivery_.assign(K, {0.0, 0});
+  // On the job clock: each stage's op times are relative to its own step start.
+  std::map<MessageKey, double> sent;
+  for (int k = 0; k < K; ++k) {
+    for (size_t i = 0; i < program_.stages[k].size(); ++i) {
+      const Op op = program_.stages[k][i].op;
+      if (op == Op::kSendActivation || op == Op::kSendGradient) {
+        sent[message_key(program_, k, program_.stages[k][i])] = r.stages[k].start_ms + r.stages[k].ops[i].end_ms;
+      }
+    }
+  }
+  for (int k = 0; k < K; ++k) {
+    for (size_t i = 0; i < program_.stages[k].size(); ++i) {
+      const Op op = program_.stages[k][i].op;
+      if (op != Op::kRecvActivation && op != Op::kRecvGradient) continue;
+      auto it = sent.find(message_key(program_, k, program_.stages[k][i]));
+      const TimedOp& t = r.stages[k].ops[i];
+      if (it == sent.end() || r.stages[k].start_ms + t.start_ms >= it->second) continue;  // it was there already
+      delivery_[k].first += std::max(0.0, r.stages[k].start_ms + t.end_ms - it->second);
+      ++delivery_[k].second;
+    }
+  }
 }
 
 void ReportBuilder::add_validation(int step, double loss, double accuracy) {
@@ -94,7 +125,12 @@ void ReportBuilder::set_eval(double loss, double accuracy) {
 Simulation ReportBuilder::measured_simulation() const {
   if (!has_schedule_ || timed_ == 0 || static_cast<int>(op_time_.size()) != program_.num_stages) return {};
   const CostFn cost = [&](int stage, const Instruction& ins) {
-    if (ins.op == Op::kRecvActivation || ins.op == Op::kRecvGradient || ins.op == Op::kOptimizerStep) return 0.0;
+    if (ins.op == Op::kRecvActivation || ins.op == Op::kRecvGradient) {  // the measured delivery
+      return stage < static_cast<int>(delivery_.size()) && delivery_[stage].second > 0
+                 ? delivery_[stage].first / delivery_[stage].second
+                 : 0.0;
+    }
+    if (ins.op == Op::kOptimizerStep) return 0.0;
     auto it = op_time_[stage].find({static_cast<int>(ins.op), ins.chunk});
     return it == op_time_[stage].end() ? 0.0 : it->second.first / it->second.second;
   };
@@ -131,6 +167,8 @@ RunSummary ReportBuilder::summary() const {
     s.weight_ms /= timed_;
     s.optimizer_ms /= timed_;
     s.reduce_ms /= timed_;
+    const size_t k = &s - out.stages.data();
+    if (k < delivery_.size() && delivery_[k].second > 0) s.delivery_ms = delivery_[k].first / delivery_[k].second;
     s.comm_ms /= timed_;
     s.idle_ms /= timed_;
     s.busy_ms /= timed_;
@@ -232,6 +270,7 @@ nlohmann::json ReportBuilder::json() const {
                            {"weight_ms", st.weight_ms},
                            {"optimizer_ms", st.optimizer_ms},
                            {"optimizer_reduce_ms", st.reduce_ms},
+                           {"delivery_ms", st.delivery_ms},
                            {"comm_ms", st.comm_ms},
                            {"idle_ms", st.idle_ms},
                            {"busy_ms", st.busy_ms},

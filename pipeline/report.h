@@ -29,6 +29,9 @@ struct StageSummary {
   double forward_ms = 0, recompute_ms = 0, backward_ms = 0, optimizer_ms = 0;
   double weight_ms = 0;  // W: deferred weight gradients (zero-bubble schedules); in backward_ms too
   double reduce_ms = 0;  // summing gradients with peers (replicas, tied copies); in optimizer_ms too
+  // Mean time from a send's end to the end of its receive, over the receives of this
+  // stage that were waiting for their message (a thread's wake-up, a transfer); -1: none.
+  double delivery_ms = -1;
   double comm_ms = 0, idle_ms = 0, busy_ms = 0;
   double utilization = 0;  // busy / span
   int64_t peak_activation_bytes = 0;
@@ -83,6 +86,9 @@ class ReportBuilder {
   nlohmann::json json() const;
 
  private:
+  // Folds the step's waiting receives into delivery_ (by the schedule's message keys).
+  void add_deliveries(const StepResult& r);
+
   std::vector<std::string> layers_, devices_;
   int micro_batches_;
   std::string checkpoint_, schedule_;
@@ -92,6 +98,7 @@ class ReportBuilder {
   std::vector<StageSummary> acc_;
   // Per stage: total time and count of each (instruction kind, chunk).
   std::vector<std::map<std::pair<int, int>, std::pair<double, int>>> op_time_;
+  std::vector<std::pair<double, int>> delivery_;  // per stage: sum and count of waiting receives' delivery times
   Schedule program_;
   bool has_schedule_ = false;
   PlannedRun plan_;

@@ -314,7 +314,7 @@ std::string render_report_html(const HtmlReportInput& in) {
   }
   if (!simulated.empty() && !simulated[0].empty()) {
     o << "<h3>Simulated: the schedule with the measured mean time of each instruction kind per stage, "
-      << num(in.measured_simulation.makespan) << " ms to the last backward (messages free)</h3>\n"
+      << num(in.measured_simulation.makespan) << " ms to the last backward (each message delivered in its receiving stage's measured mean delivery time)</h3>\n"
       << timeline_svg(sched, simulated, scale, names);
   }
   if (plan) {

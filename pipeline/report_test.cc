@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "pipeline/report.h"
+#include "pipeline/schedule.h"
 
 using namespace gpipe;
 using namespace gpipe::pipeline;
@@ -153,4 +154,38 @@ TEST_CASE("a run with no timed step reports zeros, not NaN") {
   CHECK(s.measured_bubble == 0);
   CHECK(s.stages[0].utilization == 0);
   CHECK(s.ideal_bubble == doctest::Approx(1.0 / 3));
+}
+
+TEST_CASE("the simulation charges each receive the delivery time measured when it waited") {
+  // GPipe, K = 2, M = 1, no recompute: stage 0 F0 sA0 rG0 B0 OPT, stage 1 rA0 F0 B0 sG0 OPT.
+  const Schedule sched = gpipe_schedule(2, 1, CheckpointMode::kNever);
+  REQUIRE(sched.stages[0].size() == 5);
+  REQUIRE(sched.stages[1].size() == 5);
+  REQUIRE(sched.stages[0][2].op == Op::kRecvGradient);
+  REQUIRE(sched.stages[1][0].op == Op::kRecvActivation);
+  // Stage 1 waits for activation 0 from 0 ms and takes it 0.1 ms after stage 0's send
+  // ends at 2; stage 0 waits for the gradient from 2 ms and takes it 0.3 ms after stage
+  // 1's send ends at 7.1. Stage 1's clock starts 0.5 ms later than stage 0's (its times
+  // are relative to its own start).
+  StepResult r;
+  r.loss = 1.0;
+  r.wall_ms = 10;
+  StageTrace s0, s1;
+  s0.ops = {{Op::kForward, 0, 0, 2}, {Op::kSendActivation, 0, 2, 2}, {Op::kRecvGradient, 0, 2, 7.4},
+            {Op::kBackward, 0, 7.4, 9.4}, {Op::kOptimizerStep, -1, 9.4, 9.5}};
+  s1.start_ms = 0.5;
+  s1.ops = {{Op::kRecvActivation, 0, -0.5, 1.6}, {Op::kForward, 0, 1.6, 3.6}, {Op::kBackward, 0, 3.6, 6.6},
+            {Op::kSendGradient, 0, 6.6, 6.6}, {Op::kOptimizerStep, -1, 6.6, 7}};
+  r.stages = {s0, s1};
+  ReportBuilder b({"0 linear", "1 linear"}, {"cpu:0", "cpu:1"}, 1, "never", "gpipe", 8);
+  b.set_schedule(sched);
+  b.add_step(0, 1.0, r, true);
+  const RunSummary s = b.summary();
+  CHECK(s.stages[1].delivery_ms == doctest::Approx(0.1));
+  CHECK(s.stages[0].delivery_ms == doctest::Approx(0.3));
+  // F0 [0,2] on 0; delivered at 2.1, F0 [2.1,4.1] B0 [4.1,7.1] on 1; delivered at 7.4,
+  // B0 [7.4,9.4] on 0: a span of 9.4 where free messages would give 9.
+  CHECK(s.predicted_span_ms == doctest::Approx(9.4));
+  CHECK(s.predicted_bubble == doctest::Approx(1 - 9.0 / (2 * 9.4)));
+  CHECK(b.json()["stages"][0]["delivery_ms"].get<double>() == doctest::Approx(0.3));
 }

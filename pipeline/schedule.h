@@ -25,6 +25,7 @@
 
 #include <functional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace gpipe {
@@ -164,8 +165,15 @@ void lower_communication(Schedule& s, CommModel comm = CommModel::kBuffered);
 // marked.
 void check_schedule(const Schedule& s, CommModel comm = CommModel::kBuffered);
 
-// Predicted timing. The cost of an instruction in any unit (seconds, ms, slots);
-// receives cost nothing of their own (they wait for their send).
+// A message's identity, the same for its send and its receive: (receiving stage,
+// 0 activation / 1 gradient, micro-batch, receiving cell). `peer`, if given, is set
+// to the other stage (-1 where the cell has no neighbour that way).
+using MessageKey = std::tuple<int, int, int, int>;
+MessageKey message_key(const Schedule& s, int stage, const Instruction& ins, int* peer = nullptr);
+
+// Predicted timing. The cost of an instruction in any unit (seconds, ms, slots). A
+// receive's cost is the message's delivery: a message whose send ends at t can be taken
+// at t + that cost, and a receive that finds it there already costs nothing.
 using CostFn = std::function<double(int stage, const Instruction& ins)>;
 struct TimedInstruction {
   Instruction ins;

@@ -14,14 +14,9 @@
 namespace gpipe {
 namespace pipeline {
 
-namespace {
-
-// A message: (destination stage, kind 0 = activation / 1 = gradient, micro-batch,
-// receiving cell).
-using MessageKey = std::tuple<int, int, int, int>;
-
-// The message an instruction sends or receives, and its partner stage (-1 if none).
-MessageKey message_key(const Schedule& s, int k, const Instruction& ins, int* peer) {
+MessageKey message_key(const Schedule& s, int k, const Instruction& ins, int* peer_out) {
+  int unused = -1;
+  int* peer = peer_out != nullptr ? peer_out : &unused;
   const int c = s.cell(k, ins.chunk), C = s.num_cells();
   switch (ins.op) {
     case Op::kSendActivation: *peer = c + 1 < C ? s.stage_of_cell(c + 1) : -1; return {*peer, 0, ins.micro_batch, c + 1};
@@ -31,6 +26,8 @@ MessageKey message_key(const Schedule& s, int k, const Instruction& ins, int* pe
     default: *peer = -1; return {};
   }
 }
+
+namespace {
 
 bool is_send(Op op) { return op == Op::kSendActivation || op == Op::kSendGradient; }
 
@@ -274,7 +271,7 @@ class Interpreter {
         auto it = arrived_.find(key);
         if (it == arrived_.end()) return 0;  // wait for the neighbour
         check_comm(k, S.pc);
-        end = std::max(start, it->second);
+        end = std::max(start, it->second + cost_(k, ins));  // the message's delivery
         consumed_.insert(key);
       }
       record(k, S.pc, start, end);

@@ -31,21 +31,6 @@ constexpr int kComputeTrack = 0, kCommTrack = 1;
 // still do after rounding.
 double us(double ms) { return std::round(ms * 1e6) / 1e3; }
 
-// A message's identity: (receiving stage, 0 activation / 1 gradient, micro-batch,
-// receiving cell), as the schedule checker keys them.
-using MessageKey = std::tuple<int, int, int, int>;
-
-MessageKey message_of(const Schedule& s, int stage, const TimedOp& op) {
-  const int c = s.cell(stage, op.chunk);
-  switch (op.op) {
-    case Op::kSendActivation: return {op.peer, 0, op.micro_batch, c + 1};
-    case Op::kRecvActivation: return {stage, 0, op.micro_batch, c};
-    case Op::kSendGradient: return {op.peer, 1, op.micro_batch, c - 1};
-    case Op::kRecvGradient: return {stage, 1, op.micro_batch, c};
-    default: return {};
-  }
-}
-
 nlohmann::json metadata(const char* what, int pid, int tid, nlohmann::json args) {
   nlohmann::json e = {{"ph", "M"}, {"name", what}, {"pid", pid}, {"args", std::move(args)}};
   if (tid >= 0) e["tid"] = tid;
@@ -152,7 +137,7 @@ nlohmann::json chrome_trace(const Schedule& s, const std::vector<TraceProcess>& 
         }
         if (comm) {
           const bool send = op.op == Op::kSendActivation || op.op == Op::kSendGradient;
-          (send ? sent : received)[message_of(s, k, op)] = {k, std::round((ts + dur / 2) * 1e3) / 1e3};
+          (send ? sent : received)[message_key(s, k, prog[i])] = {k, std::round((ts + dur / 2) * 1e3) / 1e3};
         }
         counter(ts + dur, op.live_bytes);
       }
