@@ -202,7 +202,7 @@ std::string ReportBuilder::table() const {
   }
   if (s.predicted_bubble >= 0) {
     std::snprintf(line, sizeof line,
-                  "Bubble: measured %.3f, predicted %.3f (the schedule simulated with the measured op times), "
+                  "Bubble: measured %.3f, predicted %.3f (the schedule simulated with the measured op and delivery times), "
                   "formula %.3f\n",
                   s.measured_bubble, s.predicted_bubble, s.formula_bubble);
   } else {
