@@ -496,8 +496,7 @@ Config parse_config(const std::string& text, const std::string& source, const st
 
   // trace: which steps; output.trace: whether to write trace.json (see TraceConfig).
   const int last = c.train.steps - 1;
-  c.trace.first_step = std::min(1, last);
-  c.trace.last_step = std::min(kTraceDefaultSteps, last);
+  c.trace = default_trace_window(0, c.train.steps);
   c.output.trace = c.train.steps <= kTraceDefaultMaxSteps;
   if (const YAML::Node tr = root["trace"]) {
     dec.check_map(tr, "trace", {"steps"});
@@ -536,6 +535,13 @@ Config parse_config(const std::string& text, const std::string& source, const st
   }
   c.checkpoint.dir = checkpoint_dir(c);
   return c;
+}
+
+TraceConfig default_trace_window(int first, int steps) {
+  TraceConfig w;
+  w.first_step = std::min(first + 1, steps - 1);
+  w.last_step = std::min(first + kTraceDefaultSteps, steps - 1);
+  return w;
 }
 
 std::string checkpoint_dir(const Config& c) {

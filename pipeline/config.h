@@ -105,6 +105,10 @@ struct TraceConfig {
 };
 constexpr int kTraceDefaultMaxSteps = 1000;
 constexpr int kTraceDefaultSteps = 10;
+// The default window of a run of `steps` steps that starts at `first` (0, or a resumed
+// run's checkpoint step): the kTraceDefaultSteps steps after `first` (which warms up),
+// clipped to the run.
+TraceConfig default_trace_window(int first, int steps);
 
 struct Config {
   std::string name;  // the file's stem, "default"

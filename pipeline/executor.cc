@@ -108,7 +108,10 @@ struct Executor::StageRuntime {
   // device only while it holds it, and never while it waits for a message.
   std::mutex* device_turn = nullptr;
   std::unique_ptr<GradReducer> reducer;  // with data-parallel replicas
-  double reduce_ms = -1;                 // the last optimizer step's TimedOp::reduce_ms
+  // Whether the optimizer step sums gradients with peers (replicas, a tied weight's other
+  // stage), and how long it took the last time (TimedOp::reduce_ms; -1 when it does not).
+  bool sums_with_peers = false;
+  double reduce_ms = -1;
   layers::ReplicaSum replica_sum;        // likewise, for BatchNorm's statistics
   // From the program, once: which (chunk, micro-batch) recompute (checkpointed) and
   // which defer their weight gradients to a W; per instruction, the layers whose
@@ -217,6 +220,12 @@ Executor::Executor(layers::Sequential& model, std::vector<StageSpec> cells, Sche
           std::copy(t.data<double>(), t.data<double>() + v.size(), v.begin());
         };
       }
+    }
+    rt->sums_with_peers = rt->reducer != nullptr;
+    for (const layers::Tie& t : model_.ties()) {
+      const int so = schedule_.stage_of_cell(cell_of_layer(t.owner_layer));
+      const int sc = schedule_.stage_of_cell(cell_of_layer(t.copy_layer));
+      if (so != sc && (so == k || sc == k)) rt->sums_with_peers = true;
     }
     // What the program says, once.
     const auto& prog = schedule_.stages[k];
@@ -450,14 +459,9 @@ void Executor::optimizer_step(StageRuntime& rt) {
   const auto t0 = std::chrono::steady_clock::now();
   if (rt.reducer) rt.reducer->finish(rt.optimizer->params());  // its device is not shared (checked)
   sum_tied_gradients(k);
-  bool with_peers = rt.reducer != nullptr;
-  for (const layers::Tie& t : model_.ties()) {
-    const int so = schedule_.stage_of_cell(cell_of_layer(t.owner_layer));
-    const int sc = schedule_.stage_of_cell(cell_of_layer(t.copy_layer));
-    with_peers = with_peers || (so != sc && (so == k || sc == k));
-  }
-  rt.reduce_ms =
-      with_peers ? std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() : -1;
+  rt.reduce_ms = rt.sums_with_peers
+                     ? std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()
+                     : -1;
   if (!cur_.apply_optimizer) return;  // the gradients stay for inspection
   // A GPU transport's transfers, waited for under its deadline: the wait below then
   // waits for no peer.

@@ -1,6 +1,5 @@
 #include "pipeline/run_artifacts.h"
 
-#include <algorithm>
 #include <chrono>
 #include <ostream>
 
@@ -34,9 +33,9 @@ RunArtifacts::RunArtifacts(const Config& c, const layers::Sequential& model, con
 
 void RunArtifacts::starts_at(int step) {
   if (step == 0) return;
-  const int last = config_.train.steps - 1;
   if (!config_.trace.given) {
-    recorder_ = StepRecorder(std::min(step + 1, last), std::min(step + kTraceDefaultSteps, last));
+    const TraceConfig w = default_trace_window(step, config_.train.steps);
+    recorder_ = StepRecorder(w.first_step, w.last_step);
   } else if (config_.trace.last_step < step) {
     spdlog::warn("trace.steps [{}, {}] came before this run's first step, {} (resumed): no steps are recorded; set "
                  "trace.steps to steps from {} on",
