@@ -20,6 +20,24 @@ std::string sys_error(const std::string& what, const std::string& path) {
   return what + " '" + path + "': " + std::strerror(errno);
 }
 
+// A full, read-only or forbidden file system is the user's to fix, and retrying cannot
+// help (gpipe run does not restart a UserError): it says so. Anything else (EIO, ...)
+// stays an Error.
+[[noreturn]] void throw_io(const std::string& message) {
+  switch (errno) {
+    case ENOSPC:
+    case EDQUOT:
+      throw UserError(message + ": the disk is full (or over its quota); free space there or write elsewhere");
+    case EROFS:
+    case EACCES:
+    case EPERM:
+      throw UserError(message + ": the file system or directory is not writable; make it writable or write "
+                                "elsewhere");
+    default:
+      throw Error(message);
+  }
+}
+
 // A name no other writer in this or another process uses: the pid and a counter. It
 // starts with a dot and ends in ".tmp" so directory listings and globs skip it.
 std::string temporary_name(const std::string& path) {
@@ -38,7 +56,7 @@ void FileSink::write(const void* data, size_t bytes) {
     const ssize_t n = ::write(fd_, p, bytes);
     if (n < 0) {
       if (errno == EINTR) continue;
-      throw Error(sys_error("cannot write", path_) + " (after " + std::to_string(written_) + " bytes)");
+      throw_io(sys_error("cannot write", path_) + " (after " + std::to_string(written_) + " bytes)");
     }
     p += n;
     bytes -= static_cast<size_t>(n);
@@ -70,24 +88,26 @@ void fsync_directory(const std::string& dir) {
 void write_file_atomically(const std::string& path, const std::function<void(FileSink&)>& fill) {
   const std::string tmp = temporary_name(path);
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) throw Error(sys_error("cannot create", tmp) + "; check that the directory exists and is writable");
+  if (fd < 0) throw_io(sys_error("cannot create", tmp) + "; check that the directory exists and is writable");
   bool open = true;
   try {
     FileSink sink(fd, path);
     fill(sink);
-    if (::fsync(fd) != 0) throw Error(sys_error("cannot flush", path));
+    if (::fsync(fd) != 0) throw_io(sys_error("cannot flush", path));
     open = false;  // close releases the descriptor even when it fails
     // close can report a deferred write error (NFS).
-    if (::close(fd) != 0) throw Error(sys_error("cannot close", path));
+    if (::close(fd) != 0) throw_io(sys_error("cannot close", path));
   } catch (...) {
     if (open) ::close(fd);
     ::unlink(tmp.c_str());
     throw;
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
     const std::string msg = sys_error("cannot rename the temporary file onto", path);
     ::unlink(tmp.c_str());
-    throw Error(msg);
+    errno = err;
+    throw_io(msg);
   }
   fsync_directory(parent_directory(path));
 }

@@ -12,7 +12,8 @@
 namespace gpipe {
 
 // The sink a streaming writer fills. write() retries short writes and EINTR and throws
-// Error naming the file and the system's reason (ENOSPC, EIO, ...).
+// naming the file and the system's reason: a UserError for a full disk (ENOSPC, EDQUOT)
+// or a file system that refuses writing (EROFS, EACCES, EPERM), an Error otherwise (EIO).
 class FileSink {
  public:
   FileSink(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
@@ -28,7 +29,7 @@ class FileSink {
   uint64_t written_ = 0;
 };
 
-// Writes `contents` to `path` atomically (see above). Throws Error naming the path.
+// Writes `contents` to `path` atomically (see above). Throws as FileSink::write does.
 void write_file_atomically(const std::string& path, const std::string& contents);
 // The same with the bytes produced by `fill`; if `fill` throws, the temporary file is
 // removed, `path` is left as it was, and the exception goes on.
