@@ -15,8 +15,11 @@
 #include <set>
 #include <thread>
 
+#include <xxhash.h>
+
 #include "runtime/atomic_file.h"
 #include "runtime/error.h"
+#include "runtime/heartbeat.h"
 #include "runtime/logging.h"
 
 namespace gpipe {
@@ -35,6 +38,7 @@ std::string index_file_name(const std::string& kind) { return kind + ".safetenso
 // The test hook: sleeps before each file of a save when GPIPE_CHECKPOINT_PAUSE_MS is set,
 // and says which file comes next, so a test can kill the writer right there.
 void pause_before(const std::string& file) {
+  heartbeat();  // a save is progress too (runtime/heartbeat.h)
   const char* v = std::getenv(kCheckpointPauseEnv);
   if (v == nullptr || *v == '\0') return;
   const long ms = std::strtol(v, nullptr, 10);
@@ -66,14 +70,20 @@ void check_shard_index(int shard, int num_shards) {
 
 // Checks one written shard file against the names it should hold and adds its tensors
 // to the index being built.
-void index_shard(const std::string& dir, const std::string& file, int64_t step, const std::vector<std::string>& names,
-                 json& weight_map, uint64_t& total) {
+void index_shard(const std::string& dir, const std::string& file, int64_t step, const std::string& run_id,
+                 const std::vector<std::string>& names, json& weight_map, uint64_t& total) {
   const std::string path = dir + "/" + file;
   const SafetensorsHeader h = read_safetensors_header(path);
   const auto meta = h.metadata.find("step");
   if (meta != h.metadata.end() && meta->second != std::to_string(step)) {
     throw Error("checkpoint shard '" + path + "' was written for step " + meta->second + ", not " +
                 std::to_string(step) + "; was every shard of this step written before finalize?");
+  }
+  const auto run = h.metadata.find("run_id");
+  if (!run_id.empty() && (run == h.metadata.end() || run->second != run_id)) {
+    throw Error("checkpoint shard '" + path + "' was written by run " +
+                (run == h.metadata.end() ? std::string("(none)") : run->second) + ", not by this run " + run_id +
+                "; does another run write to " + dir + "?");
   }
   detail::check_shard_names(path, h, names, "the stage that saved it");
   for (const SafetensorsEntry& e : h.entries) {
@@ -144,6 +154,14 @@ std::string shard_file_name(const std::string& kind, int shard, int num_shards) 
   return kind + buf;
 }
 
+std::string tensor_checksum(const Tensor& t) {
+  if (!t.device().is_cpu() || !t.is_contiguous()) throw Error("tensor_checksum of a tensor not in host memory: " + t.str());
+  const XXH64_hash_t h = XXH3_64bits(t.raw_data(), t.nbytes());
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
+  return buf;
+}
+
 ShardNames names_of(const ShardTensors& shard) {
   ShardNames n;
   for (const auto& kv : shard.model) n.model.push_back(kv.first);
@@ -151,7 +169,8 @@ ShardNames names_of(const ShardTensors& shard) {
   return n;
 }
 
-CheckpointStore::CheckpointStore(std::string dir, int keep) : dir_(std::move(dir)), keep_(keep) {
+CheckpointStore::CheckpointStore(std::string dir, int keep, std::string run_id)
+    : dir_(std::move(dir)), keep_(keep), run_id_(std::move(run_id)) {
   if (dir_.empty()) throw UserError("checkpoint.dir is empty; give a folder for the checkpoints");
   while (dir_.size() > 1 && dir_.back() == '/') dir_.pop_back();
   if (keep_ < 0) throw UserError("checkpoint.keep is " + std::to_string(keep_) + "; use 0 (keep all) or more");
@@ -181,13 +200,26 @@ void CheckpointStore::write_shard(int64_t step, int shard, int num_shards, const
     fsync_directory(sd);
     spdlog::info("checkpoint: {} is saved again; it counts as complete once finalized", sd);
   }
-  const StringMap meta = {{"format", "pt"},
-                          {"step", std::to_string(step)},
-                          {"shard", std::to_string(shard + 1) + "/" + std::to_string(num_shards)}};
   for (const auto& [kind, tensors] : {std::make_pair("model", &model), std::make_pair("optimizer", &optimizer)}) {
+    json sums = json::object();
+    for (const auto& [name, t] : *tensors) sums[name] = tensor_checksum(t);
+    StringMap meta = {{"format", "pt"},
+                      {"step", std::to_string(step)},
+                      {"shard", std::to_string(shard + 1) + "/" + std::to_string(num_shards)},
+                      {"checksums", sums.dump()}};
+    if (!run_id_.empty()) meta["run_id"] = run_id_;
     const std::string path = sd + "/" + shard_file_name(kind, shard, num_shards);
     pause_before(path);
-    save_safetensors(path, *tensors, meta);
+    try {
+      save_safetensors(path, *tensors, meta);
+    } catch (const UserError& e) {  // a full or read-only disk: how much this save needs
+      uint64_t bytes = 0;
+      for (const TensorMap* m : {&model, &optimizer}) {
+        for (const auto& kv : *m) bytes += kv.second.nbytes();
+      }
+      throw UserError(std::string(e.what()) + " (this stage's share of the checkpoint of step " + std::to_string(step) +
+                      " is " + std::to_string((bytes + 999999) / 1000000) + " MB)");
+    }
   }
 }
 
@@ -205,7 +237,7 @@ void CheckpointStore::finalize(int64_t step, int num_shards, const std::vector<S
     uint64_t total = 0;
     for (int k = 0; k < num_shards; ++k) {
       const std::string file = shard_file_name(kind, k, num_shards);
-      index_shard(sd, file, step, kind == "model" ? names[k].model : names[k].optimizer, weight_map, total);
+      index_shard(sd, file, step, run_id_, kind == "model" ? names[k].model : names[k].optimizer, weight_map, total);
       keep_files.insert(file);
     }
     const json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
@@ -218,6 +250,12 @@ void CheckpointStore::finalize(int64_t step, int num_shards, const std::vector<S
   if (state.contains("step") && state["step"] != json(step)) {
     throw Error("trainer state says step " + state["step"].dump() + " but the checkpoint is of step " +
                 std::to_string(step));
+  }
+  if (!run_id_.empty()) {
+    if (state.contains("run_id") && state["run_id"] != json(run_id_)) {
+      throw Error("trainer state says run " + state["run_id"].dump() + " but the store saves run " + run_id_);
+    }
+    state["run_id"] = run_id_;
   }
   state["step"] = step;
   state["format_version"] = kCheckpointFormatVersion;

@@ -8,9 +8,15 @@
 //                                                          "weight_map": {name: file}}
 //                  optimizer-00001-of-0000K.safetensors  "<param>.<suffix>" (see below)
 //                  optimizer.safetensors.index.json
-//                  trainer_state.json                    the caller's object + format_version, step
+//                  trainer_state.json                    the caller's object + format_version, step,
+//                                                        run_id
 //                  COMPLETE                              written last: the directory counts only with it
 //   <dir>/latest                                         "step-<N>": the newest complete save
+//
+// Every shard's safetensors metadata says its step, its run's id and the checksum of each
+// of its tensors (xxHash's XXH3-64, hex: Debian's libxxhash; a tensor's bytes as stored),
+// so that a flipped byte, a shard copied in from another step or another run, is found
+// when it is loaded, by name, instead of training on silently.
 //
 // Every file is written atomically (runtime/atomic_file.h). In a multi-process run each
 // stage's rank of replica 0 calls write_shard for its own stage, in parallel, and after a
@@ -29,13 +35,16 @@
 #include <string>
 #include <vector>
 
+#include "runtime/error.h"
 #include "runtime/safetensors.h"
 #include "runtime/tensor.h"
 
 namespace gpipe {
 namespace pipeline {
 
-constexpr int kCheckpointFormatVersion = 1;
+// 2: shards carry run_id and per-tensor checksums, which are verified on load.
+// 1 (before checksums) still loads, with a warning that its content is not verified.
+constexpr int kCheckpointFormatVersion = 2;
 constexpr const char* kMomentumSuffix = ".momentum_buffer";
 constexpr const char* kExpAvgSuffix = ".exp_avg";
 constexpr const char* kExpAvgSqSuffix = ".exp_avg_sq";
@@ -59,12 +68,18 @@ struct ShardNames {
 };
 ShardNames names_of(const ShardTensors& shard);
 
+// XXH3-64 of a contiguous host tensor's bytes, as 16 hex digits: the checksum each shard's
+// metadata holds for each tensor ("checksums", a JSON object of name -> digest).
+std::string tensor_checksum(const Tensor& t);
+
 class CheckpointStore {
  public:
   // dir: the checkpoints folder, created on the first save. keep: complete checkpoints
-  // kept (the newest `keep` at or below the one just saved; 0 keeps all).
-  explicit CheckpointStore(std::string dir, int keep = 0);
+  // kept (the newest `keep` at or below the one just saved; 0 keeps all). run_id: the
+  // run's identity, written into every shard and the trainer state.
+  explicit CheckpointStore(std::string dir, int keep = 0, std::string run_id = "");
   const std::string& dir() const { return dir_; }
+  const std::string& run_id() const { return run_id_; }
   int keep() const { return keep_; }
   std::string step_path(int64_t step) const;
 
@@ -86,6 +101,7 @@ class CheckpointStore {
   void rotate(int64_t saved_step) const;
   std::string dir_;
   int keep_;
+  std::string run_id_;
 };
 
 struct CheckpointRef {
@@ -117,10 +133,20 @@ struct LoadFilter {
 };
 
 // Loads the step directory `path` (or, for a checkpoints folder, its latest complete
-// checkpoint), checking every file against its index. Throws UserError naming the file
-// and the problem: no COMPLETE marker, an unknown format version, a missing or corrupt
-// shard, a tensor listed in an index but missing from its file (by name), and so on.
+// checkpoint), checking every file against its index, every shard's step and run id
+// against the trainer state, and every tensor read against its checksum. Throws
+// CheckpointDamaged naming the file and the problem: no COMPLETE marker, an unknown
+// format version, a missing or corrupt shard, a tensor listed in an index but missing
+// from its file (by name), a shard of another step or run, a checksum that differs.
 LoadedCheckpoint load_checkpoint(const std::string& path, const LoadFilter& filter = {});
+
+// A checkpoint that cannot be used as it is on disk (torn, damaged, mixed up): resume
+// falls back to an older one. A checkpoint that is intact but does not fit the run
+// (another model, optimizer or run) is a plain UserError.
+class CheckpointDamaged : public UserError {
+ public:
+  using UserError::UserError;
+};
 
 // Does a loaded map fit what the model expects? Throws UserError listing the missing and
 // extra tensors and every dtype or shape mismatch with both shapes; `what` says which

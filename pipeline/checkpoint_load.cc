@@ -51,9 +51,60 @@ json read_json(const std::string& path, const std::string& what) {
 
 using detail::join_names;
 
+// What every shard of a checkpoint must say of itself: the trainer state's step and run,
+// and (format 2 on) a checksum for each of its tensors.
+struct ShardExpectation {
+  int64_t step = 0;
+  std::string run_id;  // empty: the trainer state names no run (written before run ids)
+  bool checksums = true;
+};
+
+// The shard's own header against the trainer state: its step, its run.
+void check_shard_identity(const std::string& path, const SafetensorsHeader& h, const ShardExpectation& expect) {
+  const auto step = h.metadata.find("step");
+  if (step == h.metadata.end() || step->second != std::to_string(expect.step)) {
+    throw CheckpointDamaged("checkpoint shard '" + path + "' says it holds step " +
+                            (step == h.metadata.end() ? std::string("(none)") : step->second) +
+                            " but its checkpoint is of step " + std::to_string(expect.step) +
+                            " (a shard copied in from another checkpoint)");
+  }
+  if (expect.run_id.empty()) return;
+  const auto run = h.metadata.find("run_id");
+  if (run == h.metadata.end() || run->second != expect.run_id) {
+    throw CheckpointDamaged("checkpoint shard '" + path + "' belongs to run " +
+                            (run == h.metadata.end() ? std::string("(none)") : run->second) +
+                            " but its checkpoint is of run " + expect.run_id + " (a shard copied in from another run)");
+  }
+}
+
+// Each tensor read from `path` against the checksum its shard's metadata holds for it.
+void verify_checksums(const std::string& path, const SafetensorsHeader& h, const TensorMap& read) {
+  const auto it = h.metadata.find("checksums");
+  json sums;
+  try {
+    if (it != h.metadata.end()) sums = json::parse(it->second);
+  } catch (const json::exception&) {
+  }
+  if (!sums.is_object()) {
+    throw CheckpointDamaged("checkpoint shard '" + path + "' has no readable \"checksums\" in its metadata, so its "
+                            "tensors cannot be verified (a damaged or foreign shard)");
+  }
+  for (const auto& [name, t] : read) {
+    const auto want = sums.find(name);
+    if (want == sums.end() || !want->is_string()) {
+      throw CheckpointDamaged("checkpoint shard '" + path + "' lists no checksum for tensor '" + name + "'");
+    }
+    const std::string got = tensor_checksum(t);
+    if (got != want->get<std::string>()) {
+      throw CheckpointDamaged("checkpoint shard '" + path + "': tensor '" + name + "' does not match its checksum (" +
+                              got + ", saved " + want->get<std::string>() + "): the file was damaged after it was saved");
+    }
+  }
+}
+
 // Reads the `kind` index of checkpoint `dir` and the shards it names, into `out`.
 void load_kind(const std::string& dir, const std::string& kind, const std::function<bool(const std::string&)>& want,
-               TensorMap& out) {
+               const ShardExpectation& expect, TensorMap& out) {
   const std::string index_name = kind + ".safetensors.index.json";
   const std::string index_path = dir + "/" + index_name;
   const json index = read_json(index_path, "index");
@@ -82,8 +133,10 @@ void load_kind(const std::string& dir, const std::string& kind, const std::funct
     const std::string path = dir + "/" + file;
     const SafetensorsHeader h = read_safetensors_header(path);
     detail::check_shard_names(path, h, names, index_name);
+    check_shard_identity(path, h, expect);
     for (const SafetensorsEntry& e : h.entries) total += e.end - e.begin;
     SafetensorsFile f = load_safetensors(path, [&](const std::string& n) { return !want || want(n); });
+    if (expect.checksums) verify_checksums(path, h, f.tensors);
     for (auto& kv : f.tensors) out.emplace(kv.first, std::move(kv.second));
   }
   if (total != index["metadata"]["total_size"].get<uint64_t>()) {
@@ -148,7 +201,9 @@ std::optional<CheckpointRef> find_latest_complete(const std::string& dir) {
   return newest;
 }
 
-LoadedCheckpoint load_checkpoint(const std::string& path_in, const LoadFilter& filter) {
+namespace {
+
+LoadedCheckpoint load_checkpoint_files(const std::string& path_in, const LoadFilter& filter) {
   std::error_code ec;
   if (!fs::is_directory(path_in, ec)) {
     throw UserError("checkpoint '" + path_in + "' does not exist or is not a directory");
@@ -178,9 +233,10 @@ LoadedCheckpoint load_checkpoint(const std::string& path_in, const LoadFilter& f
     throw UserError("checkpoint trainer state '" + state_path + "' has no integer format_version (not a gpipe "
                     "checkpoint, or a corrupt one)");
   }
-  if (st["format_version"].get<int64_t>() != kCheckpointFormatVersion) {
+  const int64_t version = st["format_version"].get<int64_t>();
+  if (version != kCheckpointFormatVersion && version != 1) {
     throw UserError("checkpoint '" + path + "' has format version " + st["format_version"].dump() +
-                    "; this gpipe reads version " + std::to_string(kCheckpointFormatVersion) +
+                    "; this gpipe reads versions 1 and " + std::to_string(kCheckpointFormatVersion) +
                     " (was it written by another gpipe version?)");
   }
   if (!st.contains("step") || !st["step"].is_number_integer() || st["step"].get<int64_t>() < 0) {
@@ -192,9 +248,36 @@ LoadedCheckpoint load_checkpoint(const std::string& path_in, const LoadFilter& f
     throw UserError("checkpoint '" + path + "' holds the trainer state of step " + std::to_string(out.step) +
                     "; a directory's files were mixed up");
   }
-  load_kind(path, "model", filter.model, out.model);
-  load_kind(path, "optimizer", filter.optimizer, out.optimizer);
+  ShardExpectation expect;
+  expect.step = out.step;
+  expect.checksums = version >= 2;
+  if (st.contains("run_id")) {
+    if (!st["run_id"].is_string() || st["run_id"].get<std::string>().empty()) {
+      throw UserError("checkpoint trainer state '" + state_path + "' has a run_id that is not a non-empty string");
+    }
+    expect.run_id = st["run_id"].get<std::string>();
+  } else if (version >= 2) {
+    throw UserError("checkpoint trainer state '" + state_path + "' has no run_id (format version 2 has one)");
+  }
+  if (version < 2) {
+    spdlog::warn("checkpoint {} was written before checkpoints carried checksums (format version 1): its tensors "
+                 "are loaded without verifying their content", path);
+  }
+  load_kind(path, "model", filter.model, expect, out.model);
+  load_kind(path, "optimizer", filter.optimizer, expect, out.optimizer);
   return out;
+}
+
+}  // namespace
+
+LoadedCheckpoint load_checkpoint(const std::string& path, const LoadFilter& filter) {
+  try {
+    return load_checkpoint_files(path, filter);
+  } catch (const CheckpointDamaged&) {
+    throw;
+  } catch (const UserError& e) {  // the format's checks (safetensors, indexes, trainer state)
+    throw CheckpointDamaged(e.what());
+  }
 }
 
 void check_tensors_fit(const TensorMap& loaded, const std::map<std::string, TensorSpec>& expected,

@@ -254,7 +254,7 @@ TEST_CASE("checkpoint: a damaged checkpoint is refused, naming the file and the 
     json st = json::parse(read_file(sd + "/trainer_state.json"));
     st["format_version"] = 99;
     write_file_atomically(sd + "/trainer_state.json", st.dump());
-    CHECK(load_error(sd).find("has format version 99; this gpipe reads version 1") != std::string::npos);
+    CHECK(load_error(sd).find("has format version 99; this gpipe reads versions 1 and 2") != std::string::npos);
   }
   SUBCASE("a wrong total size") {
     json idx = json::parse(read_file(sd + "/model.safetensors.index.json"));
@@ -263,6 +263,72 @@ TEST_CASE("checkpoint: a damaged checkpoint is refused, naming the file and the 
     CHECK(load_error(sd).find("total_size is 1 but the shards hold") != std::string::npos);
   }
   SUBCASE("not a directory") { CHECK(load_error(dir / "nope").find("does not exist") != std::string::npos); }
+}
+
+// The bytes of a shard's tensor data, flipped in place (the header and its metadata untouched).
+void flip_data_byte(const std::string& path, uint64_t from_end) {
+  std::string bytes = read_file(path);
+  bytes[bytes.size() - from_end] ^= 0x01;
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+TEST_CASE("checkpoint: every tensor's checksum and every shard's step and run are checked on load") {
+  TempDir dir;
+  CheckpointStore store(dir / "ckpt", 0, "run-a");
+  store.save(5, make_shards(5), state_of(5));
+  store.save(6, make_shards(6), state_of(6));
+  const std::string sd = dir / "ckpt/step-6";
+  const std::string shard1 = sd + "/model-00001-of-00002.safetensors";
+  const auto header = read_safetensors_header(shard1);
+  CHECK(header.metadata.at("run_id") == "run-a");
+  CHECK(header.metadata.at("step") == "6");
+  // The checksums are XXH3-64 of each tensor's bytes, independently of how the store computes them.
+  const json sums = json::parse(header.metadata.at("checksums"));
+  CHECK(sums.size() == 2);
+  CHECK(sums.at("layers.0.weight") == tensor_checksum(make_shards(6)[0].model.at("layers.0.weight")));
+  // XXH3-64 of the bytes 00 00 80 3f (1.0f), as `xxhsum -H3` (xxHash 0.8.1) prints it.
+  CHECK(tensor_checksum(Tensor::from_vector<float>({1}, {1})) == "f87b05471331b3ae");
+  CHECK(json::parse(read_file(sd + "/trainer_state.json"))["run_id"] == "run-a");
+  expect_same(load_checkpoint(sd).model, merged(make_shards(6), false));
+
+  SUBCASE("one flipped bit in a tensor's data") {
+    flip_data_byte(shard1, 3);
+    const std::string msg = load_error(sd);
+    CHECK(msg.find(shard1 + "': tensor '") != std::string::npos);
+    CHECK(msg.find("does not match its checksum") != std::string::npos);
+    CHECK_THROWS_AS(load_checkpoint(sd), CheckpointDamaged);
+  }
+  SUBCASE("a flipped bit in a tensor that is not read is not this reader's to find") {
+    flip_data_byte(shard1, 3);  // in layers.0.weight (F32), laid out after layers.0.bias (F64)
+    LoadFilter only_bias;
+    only_bias.model = [](const std::string& n) { return n == "layers.0.bias"; };
+    CHECK(load_checkpoint(sd, only_bias).model.size() == 1);
+  }
+  SUBCASE("a shard copied in from another step") {
+    fs::copy_file(dir / "ckpt/step-5/model-00001-of-00002.safetensors", shard1, fs::copy_options::overwrite_existing);
+    CHECK(load_error(sd).find(shard1 + "' says it holds step 5 but its checkpoint is of step 6") != std::string::npos);
+  }
+  SUBCASE("a shard copied in from another run") {
+    TempDir other;
+    CheckpointStore(other / "ckpt", 0, "run-b").save(6, make_shards(6), state_of(6));
+    fs::copy_file(other / "ckpt/step-6/optimizer-00002-of-00002.safetensors", sd + "/optimizer-00002-of-00002.safetensors",
+                  fs::copy_options::overwrite_existing);
+    CHECK(load_error(sd).find("belongs to run run-b but its checkpoint is of run run-a") != std::string::npos);
+  }
+  SUBCASE("checksums stripped from a shard's metadata") {
+    const auto f = load_safetensors(shard1);
+    StringMap meta = f.metadata;
+    meta.erase("checksums");
+    save_safetensors(shard1, f.tensors, meta);
+    CHECK(load_error(sd).find("has no readable \"checksums\"") != std::string::npos);
+  }
+  SUBCASE("finalize refuses a shard another run wrote") {
+    CheckpointStore(dir / "ckpt", 0, "run-b").write_shard(7, 0, 2, make_shards(7)[0].model, {});
+    CheckpointStore b(dir / "ckpt", 0, "run-a");
+    b.write_shard(7, 1, 2, make_shards(7)[1].model, {});
+    CHECK_THROWS_WITH_AS(b.finalize(7, 2, {{{"layers.0.weight", "layers.0.bias"}, {}}, {{"layers.1.weight", "layers.1.table"}, {}}}, {}),
+                         doctest::Contains("was written by run run-b, not by this run run-a"), Error);
+  }
 }
 
 TEST_CASE("checkpoint: check_tensors_fit lists missing, extra and mismatched tensors with both shapes") {
