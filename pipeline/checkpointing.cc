@@ -5,6 +5,7 @@
 #include <cstring>
 #include <set>
 
+#include "pipeline/run_directory.h"
 #include "runtime/logging.h"
 
 namespace gpipe {
@@ -36,8 +37,11 @@ struct sigaction install(int sig, void (*handler)(int)) {
   return before;
 }
 
-struct sigaction g_before[3];
-constexpr int kSignals[3] = {SIGUSR1, SIGINT, SIGTERM};
+// SIGUSR2 stops like SIGTERM: it is what `gpipe run` sends mpirun, which forwards it to
+// every rank and, unlike SIGINT and SIGTERM, does not kill them a second later.
+constexpr int kSignals[] = {SIGUSR1, SIGINT, SIGTERM, SIGUSR2};
+constexpr int kNumSignals = sizeof kSignals / sizeof kSignals[0];
+struct sigaction g_before[kNumSignals];
 
 }  // namespace
 
@@ -50,18 +54,18 @@ nlohmann::json model_fingerprint(const layers::Sequential& model) {
 RunCheckpoints::RunCheckpoints(const Config& config, const Plan& plan, layers::Sequential& model, Executor& executor,
                                const Launch& launch, Transport& transport)
     : config_(config), plan_(plan), model_(model), executor_(executor), launch_(launch), transport_(transport),
-      store_(checkpoint_dir(config), config.checkpoint.keep) {
+      store_(checkpoint_dir(config), config.checkpoint.keep, config.run.id), run_id_(config.run.id) {
   multi_ = launch.size > 1;
   writes_ = launch.replica == 0;                // replica 0 writes the shards of its stages
   finalizes_ = writes_ && launch.rank == 0;     // its rank 0 the index and the trainer state
   if (config.checkpoint.async) writer_ = std::make_unique<AsyncCheckpointWriter>(store_);
   g_save_requested = 0;
   g_stop_signal = 0;
-  for (int i = 0; i < 3; ++i) g_before[i] = install(kSignals[i], i == 0 ? on_save_signal : on_stop_signal);
+  for (int i = 0; i < kNumSignals; ++i) g_before[i] = install(kSignals[i], i == 0 ? on_save_signal : on_stop_signal);
 }
 
 RunCheckpoints::~RunCheckpoints() {
-  for (int i = 0; i < 3; ++i) sigaction(kSignals[i], &g_before[i], nullptr);
+  for (int i = 0; i < kNumSignals; ++i) sigaction(kSignals[i], &g_before[i], nullptr);
 }
 
 double RunCheckpoints::sum_over_job(double value) {
@@ -86,7 +90,11 @@ nlohmann::json RunCheckpoints::trainer_state(int64_t done, double lr) const {
           // step s (train.seed, data.seed) and dropout's masks (model.seed, s, sample).
           {"rng", {{"train_seed", config_.train.seed}, {"data_seed", config_.data.seed},
                    {"model_seed", config_.model.seed}}},
-          {"config", config_.source}};
+          {"config", config_.source},
+          // The run as configured (YAML after --set) and the fields a resume compares.
+          {"effective_config", config_.effective},
+          {"identity", run_identity(config_)},
+          {"history", history_ ? history_(done) : nlohmann::json()}};
 }
 
 void RunCheckpoints::save(int64_t done, double lr) {
@@ -166,8 +174,13 @@ void RunCheckpoints::after_step(int64_t done, double lr) {
   if (stop) {
     finish();
     const int sig = g_stop_signal != 0 ? static_cast<int>(g_stop_signal) : SIGTERM;
-    throw RunStopped(sig, std::string("stopped by ") + (sig == SIGINT ? "SIGINT" : "SIGTERM") + " after step " +
-                              std::to_string(done) + "; saved " + last_saved_ + "; continue with --resume");
+    const std::string& again = config_.run.resume_command;
+    const char* name = sig == SIGINT ? "SIGINT" : sig == SIGUSR2 ? "SIGUSR2 (a stop request)" : "SIGTERM";
+    throw RunStopped(sig, std::string("stopped by ") + name + " after step " +
+                              std::to_string(done) + "; saved " + last_saved_ +
+                              (!again.empty()             ? "; continue it with: " + again
+                               : config_.run.id_given ? std::string()  // its supervisor says how
+                                                      : std::string("; continue it with checkpoint.resume: auto")));
   }
 }
 
@@ -182,40 +195,45 @@ void RunCheckpoints::finish() {
   }
 }
 
-int64_t RunCheckpoints::resume() {
-  const std::string& want = config_.checkpoint.resume;
-  if (want.empty()) return 0;
-  std::string path = want;
-  if (want == "auto") {
-    const auto ref = find_latest_complete(store_.dir());
-    if (!ref) {
-      spdlog::info("no complete checkpoint in {}: starting from step 0", store_.dir());
-      return 0;
+LoadedCheckpoint RunCheckpoints::load_first_intact(const std::vector<CheckpointRef>& candidates,
+                                                  const LoadFilter& filter) {
+  std::string tried;
+  for (const CheckpointRef& c : candidates) {
+    LoadedCheckpoint loaded;
+    std::string problem;
+    try {
+      loaded = load_checkpoint(c.path, filter);
+    } catch (const CheckpointDamaged& e) {
+      problem = e.what();
     }
-    path = ref->path;
+    // Every process reads its own stages' tensors: all of them must find theirs intact.
+    const double damaged = sum_over_job(problem.empty() ? 0.0 : 1.0);
+    if (damaged == 0) return loaded;
+    if (problem.empty()) problem = "a shard another process reads is damaged (see its message)";
+    spdlog::warn("checkpoint {} cannot be used: {}; trying an older one", c.path, problem);
+    tried += (tried.empty() ? "" : "; ") + c.path + ": " + problem;
   }
-  // This process reads what its stages restore: their parameters, buffers and
-  // optimizer state, a tied copy from its owner's name.
-  std::set<std::string> model_names, optimizer_names;
-  for (int k = 0; k < plan_.stages; ++k) {
-    if (multi_ && k != launch_.rank) continue;
-    const StageStateNames n = executor_.state_names(k);
-    model_names.insert(n.model_needed.begin(), n.model_needed.end());
-    optimizer_names.insert(n.optimizer_needed.begin(), n.optimizer_needed.end());
-  }
-  LoadFilter filter;
-  filter.model = [&](const std::string& n) { return model_names.count(n) > 0; };
-  filter.optimizer = [&](const std::string& n) { return optimizer_names.count(n) > 0; };
-  LoadedCheckpoint loaded = load_checkpoint(path, filter);
+  throw CheckpointDamaged("no intact checkpoint to resume from (" + tried +
+                          "). Resume from a copy you trust (checkpoint.resume=PATH), or start afresh with --start-over");
+}
+
+// A checkpoint of another run, or one whose config decides another result, is refused.
+void RunCheckpoints::check_same_run(const LoadedCheckpoint& loaded) const {
   const nlohmann::json& state = loaded.trainer_state;
+  const std::string theirs = state.value("run_id", std::string());
+  if (config_.run.id_given && !theirs.empty() && theirs != config_.run.id) {
+    throw UserError("checkpoint " + loaded.path + " belongs to run " + theirs + ", not to this run " + config_.run.id +
+                    ": a job resumes only its own checkpoints. Continue that run with --resume (without --run-id), or "
+                    "give this one another output.dir");
+  }
   const nlohmann::json want_model = model_fingerprint(model_);
   if (!state.contains("model") || state["model"] != want_model) {
     std::string why = "its model differs";
     if (state.contains("model") && state["model"].contains("layers")) {
-      const auto& theirs = state["model"]["layers"];
+      const auto& saved = state["model"]["layers"];
       const auto& ours = want_model["layers"];
-      for (size_t i = 0; i < std::max(theirs.size(), ours.size()); ++i) {
-        const std::string a = i < theirs.size() ? theirs[i].get<std::string>() : "(none)";
+      for (size_t i = 0; i < std::max(saved.size(), ours.size()); ++i) {
+        const std::string a = i < saved.size() ? saved[i].get<std::string>() : "(none)";
         const std::string b = i < ours.size() ? ours[i].get<std::string>() : "(none)";
         if (a != b) {
           why = "its layer " + std::to_string(i) + " is " + a + " but this model's is " + b;
@@ -231,6 +249,66 @@ int64_t RunCheckpoints::resume() {
                     state.value("optimizer", std::string("?")) + " but optimizer.type is " +
                     config_.optimizer.optimizer.type + "; resume with the optimizer it was saved with");
   }
+  if (state.contains("identity") && state["identity"].is_object()) {
+    const auto changes = identity_changes(state["identity"], run_identity(config_), config_.checkpoint.allow_changes);
+    if (!changes.empty()) {
+      std::string list, keys;
+      for (const auto& ch : changes) {
+        list += (list.empty() ? "" : "; ") + ch;
+        keys += (keys.empty() ? "" : ",") + ch.substr(0, ch.find(':'));
+      }
+      throw UserError("resuming " + loaded.path + " with a config that makes it another run: " + list +
+                      ". Resume with the values it was saved with (its config is in trainer_state.json), or say the "
+                      "change is meant: --set checkpoint.allow_changes=[" + keys + "]");
+    }
+  }
+}
+
+int64_t RunCheckpoints::resume() {
+  const std::string& want = config_.checkpoint.resume;
+  if (want.empty()) return 0;
+  std::vector<CheckpointRef> candidates;
+  if (want == "auto") {
+    // The one `latest` names (or the newest complete), then the older complete ones.
+    const auto first = find_latest_complete(store_.dir());
+    if (!first) {
+      spdlog::info("no complete checkpoint in {}: starting from step 0", store_.dir());
+      return 0;
+    }
+    candidates.push_back(*first);
+    const CheckpointListing listing = list_checkpoints(store_.dir());
+    for (auto it = listing.complete.rbegin(); it != listing.complete.rend(); ++it) {
+      if (it->step < first->step) candidates.push_back(*it);
+    }
+  } else {
+    candidates.push_back({-1, want});
+  }
+  // This process reads what its stages restore: their parameters, buffers and
+  // optimizer state, a tied copy from its owner's name.
+  std::set<std::string> model_names, optimizer_names;
+  for (int k = 0; k < plan_.stages; ++k) {
+    if (multi_ && k != launch_.rank) continue;
+    const StageStateNames n = executor_.state_names(k);
+    model_names.insert(n.model_needed.begin(), n.model_needed.end());
+    optimizer_names.insert(n.optimizer_needed.begin(), n.optimizer_needed.end());
+  }
+  LoadFilter filter;
+  filter.model = [&](const std::string& n) { return model_names.count(n) > 0; };
+  filter.optimizer = [&](const std::string& n) { return optimizer_names.count(n) > 0; };
+  LoadedCheckpoint loaded = load_first_intact(candidates, filter);
+  if (loaded.path != candidates.front().path) {
+    spdlog::warn("resuming from {}, the newest intact checkpoint (the newer ones above are damaged)", loaded.path);
+  }
+  check_same_run(loaded);
+  const nlohmann::json& state = loaded.trainer_state;
+  // Saves from here on belong to the run it continues.
+  const std::string theirs = state.value("run_id", std::string());
+  if (!theirs.empty() && theirs != run_id_) {
+    run_id_ = theirs;
+    store_ = CheckpointStore(store_.dir(), store_.keep(), run_id_);
+    if (writer_) writer_ = std::make_unique<AsyncCheckpointWriter>(store_);
+  }
+  if (state.contains("history")) resumed_history_ = state["history"];
   std::map<std::string, Tensor> model(loaded.model.begin(), loaded.model.end());
   std::map<std::string, Tensor> optimizer(loaded.optimizer.begin(), loaded.optimizer.end());
   for (int k = 0; k < plan_.stages; ++k) {
@@ -238,7 +316,7 @@ int64_t RunCheckpoints::resume() {
     executor_.restore_state(k, model, optimizer);
   }
   executor_.set_step(static_cast<uint64_t>(loaded.step));
-  spdlog::info("resumed from {} at step {}", loaded.path, loaded.step);
+  spdlog::info("resumed from {} at step {} (run {})", loaded.path, loaded.step, run_id_.empty() ? "?" : run_id_);
   return loaded.step;
 }
 

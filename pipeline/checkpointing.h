@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -45,9 +46,20 @@ class RunCheckpoints {
   RunCheckpoints(const RunCheckpoints&) = delete;
   RunCheckpoints& operator=(const RunCheckpoints&) = delete;
 
-  // With checkpoint.resume: loads the checkpoint, checks that it fits this model and
-  // restores this process's stages. Returns the step to continue at (0 for a fresh run).
+  // With checkpoint.resume: loads the checkpoint, checks that it is intact (a damaged
+  // one is named and skipped for the newest intact one before it, on every process
+  // alike), that it is this run's (its run id, when this launch was given one) and that
+  // it fits this model and config (run_identity, unless checkpoint.allow_changes says
+  // so), and restores this process's stages. Returns the step to continue at (0 for a
+  // fresh run). A resumed run takes on its checkpoint's run id.
   int64_t resume();
+  // The run's id: the config's (a new run's or its supervisor's), or after resume() the
+  // checkpoint's.
+  const std::string& run_id() const { return run_id_; }
+  // The history the resumed checkpoint carried (ReportBuilder::history); null if none.
+  const nlohmann::json& resumed_history() const { return resumed_history_; }
+  // What each save stores as the run's history: called with the step count saved.
+  void set_history(std::function<nlohmann::json(int64_t)> history) { history_ = std::move(history); }
   // After `done` steps (collective in a multi-process run): saves when due, asked for by
   // SIGUSR1, or before stopping; throws RunStopped after a stop signal's save.
   void after_step(int64_t done, double lr);
@@ -57,6 +69,10 @@ class RunCheckpoints {
 
  private:
   nlohmann::json trainer_state(int64_t done, double lr) const;
+  // Loads the first of `candidates` that is intact on every process; CheckpointDamaged
+  // (naming each one tried) when none is.
+  LoadedCheckpoint load_first_intact(const std::vector<CheckpointRef>& candidates, const LoadFilter& filter);
+  void check_same_run(const LoadedCheckpoint& loaded) const;
   void save(int64_t done, double lr);
   void finalize_pending();
   double sum_over_job(double value);
@@ -73,6 +89,9 @@ class RunCheckpoints {
   int64_t pending_ = -1;  // an async multi-process save whose shards may still be writing
   nlohmann::json pending_state_;
   std::string last_saved_;
+  std::string run_id_;
+  nlohmann::json resumed_history_;
+  std::function<nlohmann::json(int64_t)> history_;
 };
 
 // The layers' descriptions, stored with a checkpoint so that another model's

@@ -18,6 +18,7 @@
 #include "pipeline/mpi_launch.h"
 #include "pipeline/plan.h"
 #include "pipeline/plan_commands.h"
+#include "pipeline/run_directory.h"
 #include "pipeline/run_model.h"
 #include "pipeline/schedule.h"
 #include "pipeline/supervisor.h"
@@ -36,11 +37,15 @@ constexpr const char* kDefaultConfig = "configs/default.yaml";
 // What a command runs with.
 struct Invocation {
   std::string program;  // argv[0]'s file name, for messages
+  std::string invoked_as;  // how the user started this program (./gpipe through the wrapper), for hints
+  std::string command;     // the subcommand
+  bool have_config = false;  // a config path was given
   std::string config = kDefaultConfig;
   std::vector<std::string> overrides;  // --set key=value
   std::map<std::string, std::string> options;  // the command's own --flags ("sweep" -> "1", "devices" -> "8")
   pipeline::MpiLaunch* mpi = nullptr;  // set under mpirun
   bool resume = false;                 // --resume: go on from the newest complete checkpoint
+  bool start_over = false;             // --start-over: move an earlier run in output.dir aside
   int processes = 1;                   // run --np P
   int max_restarts = 3;                // run --max-restarts N
 };
@@ -60,9 +65,48 @@ std::string join(const std::vector<std::string>& v) {
   return v.empty() ? "(none)" : out;
 }
 
+// The command that continues this run after a stop, as the user can paste it: this
+// command with the same config and --set values, and --resume.
+std::string continue_command(const Invocation& inv) {
+  std::vector<std::string> words;
+  if (inv.mpi != nullptr) words = {"mpirun", "-np", std::to_string(inv.mpi->size())};
+  words.push_back(inv.invoked_as);
+  words.push_back(inv.command);
+  if (inv.command == "run" && inv.processes > 1) words.insert(words.end(), {"--np", std::to_string(inv.processes)});
+  if (inv.command == "run" && inv.max_restarts != 3) {
+    words.insert(words.end(), {"--max-restarts", std::to_string(inv.max_restarts)});
+  }
+  if (inv.have_config) words.push_back(inv.config);
+  for (const auto& o : inv.overrides) words.insert(words.end(), {"--set", o});
+  words.push_back("--resume");
+  std::string out;
+  for (const auto& w : words) out += (out.empty() ? "" : " ") + pipeline::shell_quote(w);
+  if (inv.mpi != nullptr) out += "  (with your other mpirun options)";
+  return out;
+}
+
+void check_start_flags(const Invocation& inv) {
+  if (inv.resume && inv.start_over) {
+    throw UserError("--resume continues the run in output.dir and --start-over moves it aside: give one of them");
+  }
+}
+
 int run_train(Invocation& inv) {
+  check_start_flags(inv);
   pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);
   if (inv.resume && config.checkpoint.resume.empty()) config.checkpoint.resume = "auto";
+  if (inv.start_over && !config.checkpoint.resume.empty()) {
+    throw UserError("--start-over starts a new run, but checkpoint.resume is '" + config.checkpoint.resume +
+                    "'; drop one of them");
+  }
+  config.run.start_over = inv.start_over;
+  if (inv.options.count("run-id")) {
+    config.run.id = inv.options.at("run-id");
+    config.run.id_given = true;
+  }
+  if (inv.options.count("heartbeat")) config.run.heartbeat_dir = inv.options.at("heartbeat");
+  // Launched by `gpipe run` (which names the run): its supervisor prints the hint.
+  if (!inv.options.count("run-id")) config.run.resume_command = continue_command(inv);
   if (inv.mpi == nullptr) {
     // This thread moves the weights and evaluates on the stages' GPUs: bound to the
     // first one before any CUDA call, it never makes a context on a GPU no stage uses.
@@ -116,8 +160,20 @@ int run_plan(Invocation& inv) {
 // The restart loop: the job (this program's train, or mpirun -np P of it) relaunched
 // with --resume after a failure, up to --max-restarts times.
 int run_run(Invocation& inv) {
+  check_start_flags(inv);
   const pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);  // a bad config fails here, once
   pipeline::SupervisorOptions o;
+  // The job's run: a new one, or with --resume the one its checkpoints belong to.
+  const auto prior = pipeline::find_prior_run(config);
+  o.run_id = inv.resume && prior && !prior->run_id.empty() ? prior->run_id : pipeline::new_run_id();
+  // Its directories are this job's for all its launches; a fresh job does not mix with
+  // an earlier run's files (refused here, before any launch, unless --start-over).
+  pipeline::DirectoryLock lock(pipeline::run_directories(config), o.run_id);
+  if (!inv.resume && !inv.start_over && prior) pipeline::claim_directories(config);
+  o.start_over = inv.start_over;
+  o.heartbeat_dir = config.output.dir + "/.heartbeat";
+  o.stall_s = 2 * config.pipeline.timeout_s;
+  o.resume_hint = continue_command(inv);
   o.program = std::filesystem::read_symlink("/proc/self/exe").string();
   o.config = inv.config;
   o.overrides = inv.overrides;
@@ -199,11 +255,14 @@ int run_help(Invocation& inv) {
 }
 
 const Command kCommands[] = {
-    {"train", "[CONFIG.yaml] [--set key=value ...] [--resume]",
-     "train (default config: configs/default.yaml); --resume: from the newest complete checkpoint",
+    {"train", "[CONFIG.yaml] [--set key=value ...] [--resume] [--start-over] [--run-id ID] [--heartbeat DIR]",
+     "train (default config: configs/default.yaml); --resume: from the newest intact checkpoint; --start-over: "
+     "move an earlier run in output.dir to output.dir/previous/ first (--run-id and --heartbeat: gpipe run's)",
      "one process per stage and replica (K = pipeline.partitions, D = pipeline.replicas)", run_train},
-    {"run", "[--np P] [--max-restarts N] [CONFIG.yaml] [--set key=value ...] [--resume]",
-     "train, and after a failure restart from the newest checkpoint (mpirun -np P for P > 1)", nullptr, run_run},
+    {"run", "[--np P] [--max-restarts N] [CONFIG.yaml] [--set key=value ...] [--resume] [--start-over]",
+     "train, and after a failure or a frozen process restart from the newest intact checkpoint (mpirun -np P for "
+     "P > 1)",
+     nullptr, run_run},
     {"plan", "[CONFIG.yaml] [--set key=value ...] [--sweep] [--rows N] [--devices N] [--device-spec FILE]",
      "predict step time, bubble and memory per stage; --sweep ranks the ways to run it", nullptr, run_plan_command},
     {"profile",
@@ -242,6 +301,8 @@ void parse_args(int argc, char** argv, const Command& cmd, Invocation& inv) {
     const std::string arg = argv[i];
     if (takes("--resume") && arg == "--resume") {
       inv.resume = true;
+    } else if (takes("--start-over") && arg == "--start-over") {
+      inv.start_over = true;
     } else if (takes("--np") && arg == "--np") {
       inv.processes = count(i, arg, 1);
     } else if (takes("--max-restarts") && arg == "--max-restarts") {
@@ -266,6 +327,7 @@ void parse_args(int argc, char** argv, const Command& cmd, Invocation& inv) {
     } else if (takes_config && !have_config) {
       inv.config = arg;
       have_config = true;
+      inv.have_config = true;
     } else {
       throw UserError("unexpected argument '" + arg + "' for " + cmd.name +
                       (takes_config ? " (one config file at most)" : "") + "\n" + usage(inv.program));
@@ -303,6 +365,8 @@ int guarded(int& argc, char**& argv, const std::function<int(Invocation&)>& body
   init_logging("info");
   Invocation inv;
   inv.program = base_name(argc > 0 ? argv[0] : nullptr);
+  const char* wrapper = std::getenv("GPIPE_INVOKED_AS");  // set by the ./gpipe script
+  inv.invoked_as = wrapper != nullptr && *wrapper ? wrapper : (argc > 0 && argv[0] ? argv[0] : "gpipe");
   // Outside the try: a failure's MPI_Abort must come before the transports'
   // destructors, which would otherwise free buffers that sends and reductions use.
   std::unique_ptr<pipeline::MpiLaunch> mpi;
@@ -337,6 +401,7 @@ int main(int argc, char** argv) {
     const std::string name = argv[1];
     const Command* cmd = find_command(name == "--help" || name == "-h" ? "help" : name);
     if (cmd == nullptr) throw UserError("unknown command '" + name + "'\n" + usage(inv.program));
+    inv.command = cmd->name;
     parse_args(argc, argv, *cmd, inv);
     return cmd->run(inv);
   });

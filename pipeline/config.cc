@@ -315,6 +315,11 @@ Config parse_config(const std::string& text, const std::string& source, const st
   Config c;
   c.source = source;
   c.name = stem(source);
+  {
+    YAML::Emitter emitted;
+    emitted << root;
+    c.effective = std::string(emitted.c_str()) + "\n";
+  }
   dec.check_map(root, "", {"model", "data", "pipeline", "optimizer", "train", "output", "checkpoint", "trace"});
 
   // model
@@ -520,7 +525,7 @@ Config parse_config(const std::string& text, const std::string& source, const st
 
   // checkpoint (saved training state; pipeline.recompute is rematerialization)
   if (const YAML::Node k = root["checkpoint"]) {
-    dec.check_map(k, "checkpoint", {"every", "keep", "dir", "async", "resume"});
+    dec.check_map(k, "checkpoint", {"every", "keep", "dir", "async", "resume", "allow_changes"});
     if (k["every"]) {
       c.checkpoint.every = static_cast<int>(dec.integer(k["every"], "checkpoint.every"));
       if (c.checkpoint.every < 0) dec.fail(k["every"], "checkpoint.every", "must be 0 (off) or a number of steps");
@@ -532,6 +537,15 @@ Config parse_config(const std::string& text, const std::string& source, const st
     if (k["dir"] && !k["dir"].IsNull()) c.checkpoint.dir = dec.str(k["dir"], "checkpoint.dir");
     if (k["async"]) c.checkpoint.async = dec.boolean(k["async"], "checkpoint.async");
     if (k["resume"] && !k["resume"].IsNull()) c.checkpoint.resume = dec.str(k["resume"], "checkpoint.resume");
+    if (const YAML::Node a = k["allow_changes"]) {
+      if (a.IsScalar()) {
+        c.checkpoint.allow_changes.push_back(dec.str(a, "checkpoint.allow_changes"));
+      } else if (a.IsSequence()) {
+        for (const YAML::Node& e : a) c.checkpoint.allow_changes.push_back(dec.str(e, "checkpoint.allow_changes"));
+      } else if (!a.IsNull()) {
+        dec.fail(a, "checkpoint.allow_changes", "must be a list of keys such as [optimizer.lr, data.path], or all");
+      }
+    }
   }
   c.checkpoint.dir = checkpoint_dir(c);
   return c;

@@ -93,6 +93,26 @@ struct CheckpointConfig {
   // "": start afresh; "auto": the newest complete checkpoint in dir (none: start afresh);
   // otherwise a step directory or a checkpoints folder that must hold one.
   std::string resume;
+  // Fields of the run's identity (run_identity in run_directory.h: model, data, seeds,
+  // batch, optimizer) that a resume may change from what the checkpoint was saved with,
+  // by their keys ("optimizer.lr"), or "all". Anything else that differs is refused.
+  std::vector<std::string> allow_changes;
+};
+
+// How this process was asked to run, from the command line (not YAML).
+struct RunOptions {
+  // The run's id: given by `gpipe run` to every launch of its job; empty: a new run
+  // makes one (rank 0 under mpirun, for every rank), a resumed run keeps its checkpoint's.
+  std::string id;
+  bool id_given = false;  // --run-id named it: a resume refuses a checkpoint of another run
+  // --start-over: a fresh run in an output directory that holds another run's
+  // checkpoints or reports moves them aside (run_directory.h) instead of refusing.
+  bool start_over = false;
+  // --heartbeat DIR: `gpipe run` watches this process's progress through a file there.
+  std::string heartbeat_dir;
+  // The command that continues this run, for the hint after a stop ("" when a
+  // supervisor prints its own).
+  std::string resume_command;
 };
 
 // Which steps the trace (and report.html's timeline, which shows the median one) records:
@@ -113,6 +133,7 @@ TraceConfig default_trace_window(int first, int steps);
 struct Config {
   std::string name;  // the file's stem, "default"
   std::string source;
+  std::string effective;  // the YAML as decoded, --set overrides applied (empty for a config built in C++)
   layers::ModelSpec model;
   DataConfig data;
   PipelineConfig pipeline;
@@ -121,6 +142,7 @@ struct Config {
   OutputConfig output;
   CheckpointConfig checkpoint;
   TraceConfig trace;
+  RunOptions run;
 };
 
 // The checkpoints folder: checkpoint.dir, or <output.dir>/checkpoints.

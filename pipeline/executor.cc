@@ -10,6 +10,7 @@
 #include "pipeline/held_bytes.h"
 #include "runtime/device_binding.h"
 #include "runtime/error.h"
+#include "runtime/heartbeat.h"
 #include "runtime/logging.h"
 
 namespace gpipe {
@@ -485,6 +486,7 @@ void Executor::optimizer_step(StageRuntime& rt) {
 }
 
 int64_t Executor::run_instruction(StageRuntime& rt, size_t pc) {
+  heartbeat();  // progress, for a supervisor watching this process (runtime/heartbeat.h)
   const int k = rt.index;
   const Instruction& ins = schedule_.stages[k][pc];
   const int m = ins.micro_batch;

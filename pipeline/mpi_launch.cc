@@ -1,9 +1,11 @@
 #include "pipeline/mpi_launch.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
+#include "pipeline/run_directory.h"
 #include "runtime/device.h"
 #include "runtime/device_binding.h"
 #include "runtime/error.h"
@@ -104,6 +106,12 @@ Launch MpiLaunch::join(Config& config) {
                     "; run one process per stage and replica: mpirun -np " + std::to_string(K * D));
   }
   set_thread_context(rank_, -1);
+  // One run id for every rank: the one `gpipe run` gave, else rank 0's new one.
+  if (config.run.id.empty() && rank_ == 0) config.run.id = new_run_id();
+  char id[64] = {};
+  std::snprintf(id, sizeof id, "%s", config.run.id.c_str());
+  GPIPE_MPI_CHECK(MPI_Bcast(id, sizeof id, MPI_CHAR, 0, MPI_COMM_WORLD));
+  config.run.id = id;
   Launch launch;
   launch.rank = rank_ % K;
   launch.replica = rank_ / K;

@@ -10,9 +10,13 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
+#include <map>
+#include <sstream>
 #include <thread>
 
 #include "pipeline/checkpoint.h"
+#include "runtime/atomic_file.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
 
@@ -21,17 +25,34 @@ namespace pipeline {
 
 namespace {
 
-// The running child and the stop request, shared with the signal handler.
+// The running child and the stop requests, shared with the signal handler.
 volatile sig_atomic_t g_child = 0;
-volatile sig_atomic_t g_stop_signal = 0;
+volatile sig_atomic_t g_stop_signal = 0;  // the first stop signal
+volatile sig_atomic_t g_stops = 0;        // how many came
+volatile sig_atomic_t g_under_mpirun = 0;
 
 // SIGINT, SIGTERM and SIGHUP stop the job for good; SIGUSR1 asks it for a checkpoint.
 constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGHUP, SIGUSR1};
 
+// One process: the signal as it came (the trainer saves and stops on the first, dies on
+// the second). mpirun answers SIGINT and SIGTERM by killing its ranks a second or two
+// later (odls_base_sigkill_timeout), whatever they are doing, but forwards SIGUSR2: the
+// first stop is a SIGUSR2, on which every rank saves and stops; a second is SIGTERM (the
+// job ends within about two seconds), a third SIGKILL.
 void on_signal(int sig) {
-  if (sig != SIGUSR1) g_stop_signal = sig;
   const pid_t child = g_child;
-  if (child > 0) ::kill(child, sig);
+  if (sig == SIGUSR1) {
+    if (child > 0) ::kill(child, sig);
+    return;
+  }
+  if (g_stop_signal == 0) g_stop_signal = sig;
+  const int n = ++g_stops;
+  if (child <= 0) return;
+  if (!g_under_mpirun) {
+    ::kill(child, sig);
+  } else {
+    ::kill(child, n == 1 ? SIGUSR2 : n == 2 ? SIGTERM : SIGKILL);
+  }
 }
 
 // Installs the forwarding handlers for its lifetime and restores the previous ones.
@@ -40,6 +61,7 @@ class SignalForwarding {
   SignalForwarding() {
     g_child = 0;
     g_stop_signal = 0;
+    g_stops = 0;
     struct sigaction sa {};
     sa.sa_handler = on_signal;
     sigemptyset(&sa.sa_mask);
@@ -96,12 +118,86 @@ pid_t launch(const std::vector<std::string>& argv, const sigset_t& unblocked) {
   return pid;
 }
 
-int wait_child(pid_t pid) {
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0) {
-    if (errno != EINTR) throw Error(std::string("waitpid: ") + std::strerror(errno));
+// The progress files of one launch, watched while it runs: a file whose count has not
+// changed for stall_s means a frozen process. Returns its description, or "".
+class ProgressWatch {
+ public:
+  ProgressWatch(std::string dir, double stall_s) : dir_(std::move(dir)), stall_s_(stall_s) {}
+
+  std::string stalled() {
+    if (dir_.empty() || stall_s_ <= 0) return "";
+    const auto now = std::chrono::steady_clock::now();
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(dir_, ec)) {
+      std::string text;
+      try {
+        text = read_file(entry.path().string());
+      } catch (const Error&) {
+        continue;
+      }
+      std::istringstream in(text);
+      std::string count, host;
+      long pid = 0;
+      in >> count >> pid >> host;
+      if (count.empty()) continue;
+      Seen& seen = seen_[entry.path().filename().string()];
+      if (seen.count != count) {
+        seen = {count, now, static_cast<pid_t>(pid), host};
+      } else if (std::chrono::duration<double>(now - seen.since).count() > stall_s_) {
+        return entry.path().filename().string() + " (pid " + std::to_string(pid) + " on " + host + ")";
+      }
+    }
+    return "";
   }
-  return status;
+  // The watched processes on this host: killed with the job, since a stopped rank may
+  // not die with its launcher.
+  void kill_local() const {
+    char host[128] = "?";
+    ::gethostname(host, sizeof host - 1);
+    for (const auto& [name, seen] : seen_) {
+      if (seen.pid > 0 && seen.host == host) ::kill(seen.pid, SIGKILL);
+    }
+  }
+
+ private:
+  struct Seen {
+    std::string count;
+    std::chrono::steady_clock::time_point since;
+    pid_t pid = 0;
+    std::string host;
+  };
+  std::string dir_;
+  double stall_s_;
+  std::map<std::string, Seen> seen_;
+
+ public:
+  double stall_s() const { return stall_s_; }
+};
+
+// Waits for the launch; kills it (its process group, and its local processes that write
+// progress) when one of them stops making progress, and says so in `stall`.
+int wait_child(pid_t pid, ProgressWatch& watch, std::string& stall) {
+  int status = 0;
+  for (;;) {
+    const pid_t r = ::waitpid(pid, &status, WNOHANG);
+    if (r == pid) return status;
+    if (r < 0 && errno != EINTR) throw Error(std::string("waitpid: ") + std::strerror(errno));
+    if (stall.empty()) {
+      stall = watch.stalled();
+      if (!stall.empty()) {
+        spdlog::error("gpipe run: {} made no progress for {:.0f} s (2 x pipeline.timeout_s): killing the job", stall,
+                      watch.stall_s());
+        watch.kill_local();
+        ::kill(-pid, SIGKILL);
+        ::kill(pid, SIGKILL);
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+std::string heartbeat_launch_dir(const SupervisorOptions& o, int launch_no) {
+  return o.heartbeat_dir + "/launch-" + std::to_string(launch_no + 1);
 }
 
 int exit_code_of(int status) {
@@ -127,7 +223,7 @@ std::string describe_wait_status(int status) {
   return "wait status " + std::to_string(status);
 }
 
-std::vector<std::string> child_command(const SupervisorOptions& o, bool resume) {
+std::vector<std::string> child_command(const SupervisorOptions& o, bool resume, int launch_no) {
   std::vector<std::string> argv;
   if (o.processes > 1) {
     argv = {o.mpirun, "-np", std::to_string(o.processes)};
@@ -142,7 +238,15 @@ std::vector<std::string> child_command(const SupervisorOptions& o, bool resume) 
   }
   argv.insert(argv.end(), {o.program, "train", o.config});
   for (const auto& s : o.overrides) argv.insert(argv.end(), {"--set", s});
-  if (resume) argv.push_back("--resume");
+  if (!o.run_id.empty()) argv.insert(argv.end(), {"--run-id", o.run_id});
+  if (!o.heartbeat_dir.empty() && o.stall_s > 0) {
+    argv.insert(argv.end(), {"--heartbeat", heartbeat_launch_dir(o, launch_no)});
+  }
+  if (resume) {
+    argv.push_back("--resume");
+  } else if (o.start_over && launch_no == 0) {
+    argv.push_back("--start-over");
+  }
   return argv;
 }
 
@@ -153,6 +257,7 @@ int supervise(const SupervisorOptions& o) {
     throw UserError("gpipe run: --max-restarts must be 0 or more, got " + std::to_string(o.max_restarts));
   }
   SignalForwarding forwarding;
+  g_under_mpirun = o.processes > 1;
   // Signals wait while a child is being started, so none is lost between fork and
   // g_child being set.
   sigset_t forwarded, previous;
@@ -166,14 +271,24 @@ int supervise(const SupervisorOptions& o) {
 
   int last = 0;
   for (int launch_no = 0;; ++launch_no) {
-    const std::vector<std::string> argv = child_command(o, launch_no > 0 || o.resume_first);
+    const std::vector<std::string> argv = child_command(o, launch_no > 0 || o.resume_first, launch_no);
     std::string line;
     for (const auto& a : argv) line += (line.empty() ? "" : " ") + a;
     spdlog::info("gpipe run: launch {} of at most {}: {}", launch_no + 1, o.max_restarts + 1, line);
+    std::string watched;
+    if (!o.heartbeat_dir.empty() && o.stall_s > 0) {
+      watched = heartbeat_launch_dir(o, launch_no);
+      std::error_code ec;
+      std::filesystem::remove_all(o.heartbeat_dir, ec);  // the previous launches' files
+      std::filesystem::create_directories(watched, ec);
+      if (ec) throw UserError("gpipe run: cannot create '" + watched + "': " + ec.message());
+    }
+    ProgressWatch watch(watched, o.stall_s);
+    std::string stall;
     const pid_t pid = launch(argv, previous);
     g_child = pid;
     ::sigprocmask(SIG_SETMASK, &previous, nullptr);  // a signal from here on reaches the child
-    const int status = wait_child(pid);
+    const int status = wait_child(pid, watch, stall);
     ::sigprocmask(SIG_BLOCK, &forwarded, nullptr);
     g_child = 0;
     last = exit_code_of(status);
@@ -181,15 +296,16 @@ int supervise(const SupervisorOptions& o) {
       spdlog::info("gpipe run: the job finished{}", launch_no > 0 ? " after " + std::to_string(launch_no) + " restart(s)" : "");
       return 0;
     }
-    const std::string what = describe_wait_status(status);
+    const std::string what = stall.empty() ? describe_wait_status(status) : "no progress from " + stall;
     if (g_stop_signal != 0) {
-      spdlog::warn("gpipe run: stopped by signal {} ({}); the job ended with {}; not restarting", int(g_stop_signal),
-                   ::strsignal(g_stop_signal), what);
-      return last != 0 ? last : 128 + g_stop_signal;
+      spdlog::warn("gpipe run: stopped by signal {} ({}); the job ended with {}; not restarting{}", int(g_stop_signal),
+                   ::strsignal(g_stop_signal), what,
+                   o.resume_hint.empty() ? std::string() : ". Continue it with: " + o.resume_hint);
+      return 128 + g_stop_signal;
     }
     if (WIFEXITED(status) &&
         std::find(o.no_restart_exit_codes.begin(), o.no_restart_exit_codes.end(), last) != o.no_restart_exit_codes.end()) {
-      spdlog::error("gpipe run: the job failed with {}, which means it refused its input (a config or checkpoint "
+      spdlog::error("gpipe run: the job failed with {}, which means it refused its input (a config, checkpoint or disk "
                     "error, see above); a restart would fail the same way, so there is none",
                     what);
       return last;

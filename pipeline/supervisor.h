@@ -35,12 +35,25 @@ struct SupervisorOptions {
   // when P exceeds this machine's cores (README: across processes and nodes).
   std::vector<std::string> mpirun_args;
   // Exit statuses that mean the job refused its input (gpipe exits 2 on a user error: a
-  // bad config, a checkpoint that does not fit): a relaunch would fail the same way.
+  // bad config, a checkpoint that does not fit, a full or read-only disk): a relaunch
+  // would fail the same way.
   std::vector<int> no_restart_exit_codes = {2};
+  // The run every launch belongs to (--run-id): a launch resumes only this run's checkpoints.
+  std::string run_id;
+  bool start_over = false;  // --start-over on the first launch
+  // Liveness: each launch writes its processes' progress under heartbeat_dir/launch-N
+  // (--heartbeat, runtime/heartbeat.h); a process whose count stays the same for
+  // stall_s seconds is killed (with the rest of its job) and the job restarted like any
+  // failure. 0 or no directory: not watched.
+  std::string heartbeat_dir;
+  double stall_s = 0;
+  // Printed when a signal stops the job: the command that continues it.
+  std::string resume_hint;
 };
 
-// The argv of one launch: [mpirun -np P ARGS...] PROGRAM train CONFIG [--set K=V]... [--resume]
-std::vector<std::string> child_command(const SupervisorOptions& options, bool resume);
+// The argv of launch `launch_no` (0-based): [mpirun -np P ARGS...] PROGRAM train CONFIG
+// [--set K=V]... [--run-id ID] [--heartbeat DIR] [--start-over | --resume]
+std::vector<std::string> child_command(const SupervisorOptions& options, bool resume, int launch_no = 0);
 
 // Runs the job until it succeeds (returns 0), fails max_restarts + 1 times, fails with a
 // no-restart status, or is stopped by SIGINT, SIGTERM or SIGHUP, which are forwarded to

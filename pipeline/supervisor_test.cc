@@ -158,8 +158,24 @@ TEST_CASE("supervisor: the command line, mpirun for several processes, and a pro
   CHECK(std::vector<std::string>(argv.end() - 8, argv.end()) ==
         std::vector<std::string>{"-x", "NCCL_DEBUG=INFO", "/bin/gpipe", "train", "c.yaml", "--set", "train.steps=3",
                                  "--resume"});
-  o.program = "/no/such/gpipe";
+  // The job's run id goes to every launch; the heartbeat folder is the launch's own;
+  // --start-over only to the first launch, which is the only one not resuming.
   o.processes = 1;
+  o.run_id = "r1";
+  o.heartbeat_dir = "out/.heartbeat";
+  o.stall_s = 4;
+  o.start_over = true;
+  const std::vector<std::string> base = {"/bin/gpipe", "train", "c.yaml", "--set", "train.steps=3", "--run-id", "r1"};
+  auto with = [&](std::vector<std::string> tail) {
+    std::vector<std::string> v = base;
+    v.insert(v.end(), tail.begin(), tail.end());
+    return v;
+  };
+  CHECK(child_command(o, false, 0) == with({"--heartbeat", "out/.heartbeat/launch-1", "--start-over"}));
+  CHECK(child_command(o, true, 1) == with({"--heartbeat", "out/.heartbeat/launch-2", "--resume"}));
+  o.stall_s = 0;  // not watched: no heartbeat
+  CHECK(child_command(o, true, 2) == with({"--resume"}));
+  o.program = "/no/such/gpipe";
   CHECK_THROWS_WITH_AS(supervise(o), doctest::Contains("cannot start '/no/such/gpipe': No such file"), UserError);
 }
 

@@ -13,7 +13,10 @@
 #include "pipeline/executor.h"
 #include "pipeline/plan.h"
 #include "pipeline/run_artifacts.h"
+#include "pipeline/run_directory.h"
+#include "runtime/atomic_file.h"
 #include "runtime/error.h"
+#include "runtime/heartbeat.h"
 #include "runtime/inprocess_transport.h"
 #include "runtime/logging.h"
 
@@ -21,19 +24,6 @@ namespace gpipe {
 namespace pipeline {
 
 namespace {
-
-// Writes `text` to `path` through a temporary file and a rename, so a crash never
-// leaves a half-written report.
-void write_atomically(const std::filesystem::path& path, const std::string& text) {
-  const std::filesystem::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream f(tmp);
-    if (!f) throw UserError("cannot write " + tmp.string() + "; check output.dir");
-    f << text;
-    if (!f.flush()) throw UserError("failed writing " + tmp.string() + " (disk full?)");
-  }
-  std::filesystem::rename(tmp, path);
-}
 
 // Loss (summed over targets) and correct argmax predictions of one chunk's logits.
 struct Score {
@@ -76,6 +66,7 @@ std::pair<double, double> evaluate(layers::Sequential& model, const Plan& plan, 
   layers::ForwardArgs args;
   args.training = false;
   for (int64_t c = launch.replica; c * chunk < n; c += D) {
+    heartbeat();
     const int64_t start = c * chunk, len = std::min(chunk, n - start);
     auto [x, y] = data.validation(start, len);
     Tensor h = x;
@@ -173,9 +164,25 @@ TrainResult train(const Config& config, std::ostream& out, const Launch& launch)
 }
 
 TrainResult train(const Config& config, const MakeModel& make_model, std::ostream& out, const Launch& launch) {
+  // One run per directory: the job's first process holds its directories' lock for the
+  // run, and a fresh run does not write where another run's checkpoints or reports are.
+  const bool owner = launch.rank == 0 && launch.replica == 0;
+  Config identified = config;
+  if (identified.run.id.empty()) identified.run.id = new_run_id();  // mpirun: MpiLaunch::join gave every rank one
+  // `gpipe run` watches this process's progress (runtime/heartbeat.h).
+  std::unique_ptr<HeartbeatWriter> beats;
+  if (!identified.run.heartbeat_dir.empty()) {
+    beats = std::make_unique<HeartbeatWriter>(identified.run.heartbeat_dir + "/rank-" +
+                                              std::to_string(launch.replica * launch.size + launch.rank));
+  }
+  std::unique_ptr<DirectoryLock> lock;
+  if (owner) {
+    lock = std::make_unique<DirectoryLock>(run_directories(identified), identified.run.id);
+    if (identified.checkpoint.resume.empty()) claim_directories(identified);
+  }
   // The model: YAML layers, a registered C++ model, or make_model (run_model.h); `c`
   // describes it.
-  RunModel run = build_run_model(config, make_model);
+  RunModel run = build_run_model(identified, make_model);
   const Config& c = run.config;
   const bool multi = launch.size > 1;
   const int D = c.pipeline.replicas;
@@ -204,6 +211,12 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   TrainResult result;
   result.balance = plan.balance;
   check_fits_in_memory(c, *model, plan);
+  // Saves must not be the first to find a read-only or full disk: with periodic saves,
+  // room for one more checkpoint; always, a writable folder (a stop signal saves too).
+  if (owner) {
+    check_checkpoint_room(checkpoint_dir(c),
+                          c.checkpoint.every > 0 ? checkpoint_bytes(*model, c.optimizer.optimizer) : 0);
+  }
 
   // Per stage: its cells' layers, and its device.
   std::vector<std::string> stage_layers, stage_devices;
@@ -261,8 +274,16 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   // Saved state: resume where a checkpoint left off, save every checkpoint.every steps,
   // on SIGUSR1, and before stopping on SIGINT or SIGTERM.
   RunCheckpoints checkpoints(c, plan, *model, executor, launch, transport);
+#ifdef GPIPE_HISTORY_WIRING
+  if (reports) checkpoints.set_history([&](int64_t done) { return report.history(static_cast<int>(done) - 1); });
+#endif
   const int start = static_cast<int>(checkpoints.resume());
   result.start_step = start;
+#ifdef GPIPE_HISTORY_WIRING
+  if (reports && start > 0 && !checkpoints.resumed_history().is_null()) {
+    report.carry_over(checkpoints.resumed_history(), start);
+  }
+#endif
   if (start >= c.train.steps) {
     // A finished run resumed (a restart after its last checkpoint): its reports stay.
     if (writes) {
@@ -278,6 +299,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   double window_ms = 0;
   int window_steps = 0;
   for (int step = start; step < c.train.steps; ++step) {
+    heartbeat();
     transport.set_step(step);
     if (D > 1) launch.replicas->set_step(step);
     auto [x, y] = data->batch(static_cast<uint64_t>(c.train.seed) * 1000003ULL + step, c.train.batch_size);
@@ -343,13 +365,15 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   std::filesystem::create_directories(dir, ec);
   if (ec) throw UserError("cannot create output.dir '" + dir.string() + "': " + ec.message());
   nlohmann::json j = report.json();
+  j["run_id"] = checkpoints.run_id();
   j["config"] = c.source;
+  j["effective_config"] = c.effective;
   j["data"] = data->describe();
   j["balance"] = result.balance;
   if (D > 1) j["replicas"] = D;
   artifacts.write(dir, report, j, out);  // trace.json, report.html
   const auto path = dir / "report.json";
-  write_atomically(path, j.dump(2) + "\n");
+  write_file_atomically(path.string(), j.dump(2) + "\n");
   result.report_path = path.string();
   out << "Report: " << result.report_path << std::endl;
   return result;

@@ -1,0 +1,267 @@
+#!/usr/bin/env bash
+# A run that cannot be mixed up, corrupted or lost (issue 18), with real processes, real
+# signals and real files:
+#  1. run mixing: a fresh `train` or `run` in a directory that holds another run is
+#     refused before it trains and leaves that run as it was; --start-over moves it to
+#     previous/; --resume refuses a config that makes another run unless allowed; the
+#     hint printed after Ctrl-C, pasted as it is, continues the same run;
+#  2. a flipped data byte and a shard copied in from another step: named, skipped, and
+#     the run resumes from the newest intact checkpoint to the uninterrupted losses;
+#  3. two runs on one directory: the second is refused at once, naming the first's pid;
+#  4. SIGINT and SIGTERM to `gpipe run --np 2` (three times): exit 128+signal, every
+#     rank saved the same step, COMPLETE; plain mpirun with a longer
+#     odls_base_sigkill_timeout, and kill -USR2 to plain mpirun, save too;
+#  5. a damaged newest checkpoint under the supervisor: it falls back to the older one
+#     and finishes with the uninterrupted losses;
+#  6. kill -STOP of the single-process child of `gpipe run`: killed and restarted;
+#  7. a tmpfs too small for a checkpoint, one that fills up mid-run, a read-only one:
+#     exit 2 with the path and the size, no restart;
+#  8. a resumed run's report.json holds the whole run, each launch marked.
+# Judged by exit status, files and messages, never by wall time (outer timeouts only
+# keep a broken run from hanging the suite).
+set -uo pipefail
+gpipe="$(readlink -f "$1")"
+tmp="${TEST_TMPDIR:-/tmp}/integrity"
+rm -rf "$tmp"; mkdir -p "$tmp"; cd "$tmp" || exit 1
+mpirun=(timeout 300 mpirun --allow-run-as-root --oversubscribe)
+
+cat > mlp.yaml <<YAML
+model:
+  input: [16]
+  dtype: float64
+  layers:
+    - {type: linear, out: 32}
+    - {type: relu}
+    - {type: linear, out: 32}
+    - {type: relu}
+    - {type: linear, out: 4}
+  loss: {type: softmax_cross_entropy}
+data: {classes: 4, eval_samples: 64}
+pipeline: {partitions: 2, micro_batches: 2}
+optimizer: {type: adam, lr: 0.01}
+train: {steps: 12, batch_size: 16, log_interval: 1}
+YAML
+
+fail() { echo "FAIL: $*"; exit 1; }
+# Every step's loss of report.json from `first` on, as exact JSON text.
+losses() { python3 -c "
+import json, sys
+for s in json.load(open(sys.argv[1]))['steps']:
+    if s['step'] >= int(sys.argv[2]): print(s['step'], repr(s['loss']))" "$1" "$2"; }
+same_losses() {  # report, first step, log to show on failure
+  diff <(losses ref/report.json "$2") <(losses "$1" "$2") > /dev/null ||
+    { cat "$3"; diff <(losses ref/report.json "$2") <(losses "$1" "$2"); fail "$1: losses from step $2 differ from the uninterrupted run's"; }
+}
+expect() {  # rc, log, message...: exit status and every message in the log
+  local want="$1" log="$2" rc="$3"; shift 3
+  [ "$rc" -eq "$want" ] || { cat "$log"; fail "$log: exit $rc, want $want"; }
+  for m in "$@"; do grep -qF -- "$m" "$log" || { cat "$log"; fail "$log lacks: $m"; }; done
+}
+flip() {  # file, offsets from the end: flips those bytes of a shard's tensor data
+  python3 - "$@" <<'PY'
+import sys
+p = sys.argv[1]; b = bytearray(open(p, "rb").read())
+for o in sys.argv[2:]: b[len(b) - int(o)] ^= 0xFF
+open(p, "wb").write(b)
+PY
+}
+resumed_from() { grep -oE 'resumed from [^ ]+step-[0-9]+ at step [0-9]+' "$1" | tail -1 | grep -oE '[0-9]+$'; }
+
+"$gpipe" train mlp.yaml --set output.dir=ref > ref.log 2>&1 || { cat ref.log; fail "the uninterrupted run"; }
+
+# 1. Run mixing.
+"$gpipe" train mlp.yaml --set output.dir=old --set checkpoint.every=4 > old.log 2>&1 || { cat old.log; fail "old run"; }
+sums() { find old -type f ! -name .gpipe.lock -print0 | sort -z | xargs -0 md5sum; }
+before="$(sums)"
+"$gpipe" train mlp.yaml --set output.dir=old > mix1.log 2>&1
+expect 2 mix1.log $? "old holds another run" "--resume" "--set output.dir=" "--start-over"
+"$gpipe" run mlp.yaml --set output.dir=old > mix2.log 2>&1
+expect 2 mix2.log $? "old holds another run"
+! grep -q "launch 1" mix2.log || fail "gpipe run launched a job into another run's directory"
+! grep -q '^step ' mix1.log mix2.log || fail "a refused run trained"
+[ "$(sums)" = "$before" ] || fail "a refused run changed the earlier run's files"
+old_id="$(python3 -c "import json; print(json.load(open('old/checkpoints/step-12/trainer_state.json'))['run_id'])")"
+"$gpipe" train mlp.yaml --set output.dir=old --start-over > over.log 2>&1
+expect 0 over.log $? "moved to old/previous/$old_id"
+[ -e "old/previous/$old_id/checkpoints/step-12/COMPLETE" ] && [ -e "old/previous/$old_id/report.json" ] ||
+  fail "--start-over did not keep the earlier run under previous/"
+new_id="$(python3 -c "import json; print(json.load(open('old/report.json'))['run_id'])")"
+[ -n "$new_id" ] && [ "$new_id" != "$old_id" ] || fail "the new run has no id of its own ($new_id vs $old_id)"
+# --resume with a config that makes another run.
+"$gpipe" train mlp.yaml --set output.dir=old/previous/$old_id --set train.steps=14 --set optimizer.lr=0.02 --resume \
+  > changed.log 2>&1
+expect 2 changed.log $? "optimizer.lr: 0.01 -> 0.02" "checkpoint.allow_changes=[optimizer.lr]"
+"$gpipe" train mlp.yaml --set output.dir=old/previous/$old_id --set train.steps=14 --set optimizer.lr=0.02 --resume \
+  --set checkpoint.allow_changes=[optimizer.lr] > allowed.log 2>&1
+expect 0 allowed.log $? "resumed from old/previous/$old_id/checkpoints/step-12 at step 12 (run $old_id)"
+# A launch that gpipe run gave another run's id does not resume this run's checkpoints.
+"$gpipe" train mlp.yaml --set output.dir=old/previous/$old_id --set train.steps=16 --resume --run-id not-this-run \
+  > foreign.log 2>&1
+expect 2 foreign.log $? "belongs to run $old_id, not to this run not-this-run"
+echo "ok: run mixing refused (train and run), --start-over moves the earlier run aside, changed configs and other runs refused"
+# The hint after Ctrl-C, pasted as it is, continues the same run.
+"$gpipe" train mlp.yaml --set output.dir=hint --set train.steps=100000 --set train.log_interval=1 > hint.log 2>&1 &
+job=$!
+for _ in $(seq 600); do grep -q '^step ' hint.log && break; sleep 0.1; done
+kill -INT $job; wait $job
+expect 130 hint.log $? "continue it with: "
+again="$(grep -oE 'continue it with: .*' hint.log | sed 's/^continue it with: //')"
+case "$again" in *"--set output.dir=hint"*"--resume") ;; *) fail "the hint '$again' drops the run's settings";; esac
+stopped="$(grep -oE 'after step [0-9]+' hint.log | grep -oE '[0-9]+')"
+eval "$again" > hint2.log 2>&1 &
+job=$!
+for _ in $(seq 600); do grep -q '^step ' hint2.log && break; sleep 0.1; done
+kill -INT $job; wait $job
+expect 130 hint2.log $? "resumed from hint/checkpoints/step-$stopped at step $stopped"
+echo "ok: the hint after Ctrl-C, pasted, resumed the same run at step $stopped"
+
+# 2. Damaged and mixed-up checkpoints are named and skipped.
+"$gpipe" train mlp.yaml --set output.dir=dmg --set checkpoint.every=4 --set checkpoint.keep=0 --set train.steps=8 \
+  > dmg.log 2>&1 || { cat dmg.log; fail "dmg run"; }
+cp -r dmg swap
+flip dmg/checkpoints/step-8/model-00002-of-00002.safetensors 8 100 200
+"$gpipe" train mlp.yaml --set output.dir=dmg --resume > dmg2.log 2>&1
+expect 0 dmg2.log $? "checkpoint dmg/checkpoints/step-8 cannot be used" "does not match its checksum" \
+  "resuming from dmg/checkpoints/step-4, the newest intact checkpoint"
+same_losses dmg/report.json 4 dmg2.log
+cp swap/checkpoints/step-4/optimizer-00001-of-00002.safetensors swap/checkpoints/step-8/
+"$gpipe" train mlp.yaml --set output.dir=swap --resume > swap2.log 2>&1
+expect 0 swap2.log $? "optimizer-00001-of-00002.safetensors' says it holds step 4 but its checkpoint is of step 8" \
+  "resuming from swap/checkpoints/step-4"
+same_losses swap/report.json 4 swap2.log
+# Nothing intact: the run stops and names what it found.
+flip dmg/checkpoints/step-4/optimizer-00001-of-00002.safetensors 8
+flip dmg/checkpoints/step-8/optimizer-00001-of-00002.safetensors 8
+flip dmg/checkpoints/step-12/optimizer-00001-of-00002.safetensors 8
+"$gpipe" train mlp.yaml --set output.dir=dmg --resume > dmg3.log 2>&1
+expect 2 dmg3.log $? "no intact checkpoint to resume from" "step-12" "step-8" "step-4"
+echo "ok: a flipped byte and a shard of another step are named and skipped; the resumed losses are the uninterrupted run's"
+
+# 3. Two runs on one directory.
+"$gpipe" train mlp.yaml --set output.dir=busy --set train.steps=100000 > busy1.log 2>&1 &
+job=$!
+for _ in $(seq 600); do grep -q '^step ' busy1.log && break; sleep 0.1; done
+"$gpipe" train mlp.yaml --set output.dir=busy --set train.steps=3 > busy2.log 2>&1
+expect 2 busy2.log $? "busy is in use by process $job (run " "two runs must not write to one directory"
+"$gpipe" run mlp.yaml --set output.dir=busy --resume > busy3.log 2>&1
+expect 2 busy3.log $? "busy is in use by process $job"
+kill -TERM $job; wait $job
+expect 143 busy1.log $? "stopped by SIGTERM"
+# The lock of a dead process is taken over.
+"$gpipe" train mlp.yaml --set output.dir=busy --set train.steps=100000 --resume > busy4.log 2>&1 &
+job=$!
+for _ in $(seq 600); do grep -q '^step ' busy4.log && break; sleep 0.1; done
+kill -9 $job; wait $job 2>/dev/null
+"$gpipe" train mlp.yaml --set output.dir=busy --resume > busy5.log 2>&1
+expect 0 busy5.log $? "resumed from busy/checkpoints/step-"
+echo "ok: a second run on a directory is refused with the first one's pid; a dead run's lock is taken over"
+
+# 4. Signals to multi-process jobs.
+for sig in INT TERM INT; do
+  rm -rf sig
+  timeout 300 "$gpipe" run --np 2 mlp.yaml --set output.dir=sig --set train.steps=100000 > sig.log 2>&1 &
+  job=$!
+  for _ in $(seq 600); do grep -q '^step ' sig.log && break; sleep 0.1; done
+  kill -$sig $job; wait $job
+  rc=$?
+  want=$([ $sig = INT ] && echo 130 || echo 143)
+  expect $want sig.log $rc "gpipe on rank 0: stopped by" "gpipe on rank 1: stopped by" "Continue it with: "
+  step0="$(grep -oE 'rank 0: stopped .* after step [0-9]+' sig.log | grep -oE '[0-9]+$')"
+  step1="$(grep -oE 'rank 1: stopped .* after step [0-9]+' sig.log | grep -oE '[0-9]+$')"
+  [ -n "$step0" ] && [ "$step0" = "$step1" ] || { cat sig.log; fail "SIG$sig: the ranks stopped after steps $step0 and $step1"; }
+  [ -e "sig/checkpoints/step-$step0/COMPLETE" ] || { cat sig.log; fail "SIG$sig: step-$step0 is not complete"; }
+  "$gpipe" train mlp.yaml --set output.dir=sig --set train.steps=$((step0 + 1)) --resume > sig2.log 2>&1
+  expect 0 sig2.log $? "resumed from sig/checkpoints/step-$step0 at step $step0"
+  echo "ok: SIG$sig to gpipe run --np 2: exit $want, both ranks saved step $step0, which resumes"
+done
+# Plain mpirun: SIGTERM reaches the ranks after odls_base_sigkill_timeout seconds and
+# SIGKILL after twice that (mpirun itself exits 1); SIGUSR2 is forwarded at once.
+for how in TERM USR2; do
+  rm -rf plain
+  OMPI_MCA_odls_base_sigkill_timeout=5 "${mpirun[@]}" -np 2 "$gpipe" train mlp.yaml --set output.dir=plain \
+    --set train.steps=100000 > plain.log 2>&1 &
+  job=$!
+  for _ in $(seq 600); do grep -q '^step ' plain.log && break; sleep 0.1; done
+  kill -$how "$(pgrep -P $job mpirun || echo $job)"; wait $job
+  step0="$(grep -oE 'rank 0: stopped .* after step [0-9]+' plain.log | grep -oE '[0-9]+$')"
+  [ -n "$step0" ] && [ -e "plain/checkpoints/step-$step0/COMPLETE" ] ||
+    { cat plain.log; fail "SIG$how to plain mpirun: no complete save"; }
+  grep -q "rank 1: stopped .* after step $step0;" plain.log || { cat plain.log; fail "SIG$how: rank 1 stopped elsewhere"; }
+  echo "ok: SIG$how to plain mpirun: both ranks saved step $step0"
+done
+
+# 5. A damaged newest checkpoint under the supervisor.
+GPIPE_CHECKPOINT_PAUSE_MS=50 timeout 300 "$gpipe" run --max-restarts 2 mlp.yaml --set output.dir=sup --set checkpoint.every=3 --set checkpoint.keep=0 \
+  > sup.log 2>&1 &
+sup=$!
+child=""
+for _ in $(seq 600); do
+  child="$(pgrep -f "gpipe train mlp.yaml --set output.dir=sup" | head -1)"
+  [ -n "$child" ] && kill -STOP "$child" 2>/dev/null && [ -e sup/checkpoints/step-6/COMPLETE ] && break
+  [ -n "$child" ] && kill -CONT "$child" 2>/dev/null
+  sleep 0.05
+done
+[ -e sup/checkpoints/step-6/COMPLETE ] || { kill $sup; cat sup.log; fail "no checkpoint at step 6"; }
+newest="$(cat sup/checkpoints/latest)"
+flip "sup/checkpoints/$newest/model-00001-of-00002.safetensors" 8
+kill -9 "$child"
+wait $sup
+expect 0 sup.log $? "killed by signal 9" "checkpoint sup/checkpoints/$newest cannot be used"
+at="$(resumed_from sup.log)"
+[ -n "$at" ] && [ "sup/checkpoints/step-$at" != "sup/checkpoints/$newest" ] || { cat sup.log; fail "resumed from the damaged $newest"; }
+same_losses sup/report.json "$at" sup.log
+echo "ok: the supervisor's restart skipped the damaged $newest, resumed at step $at and finished with the same losses"
+
+# 6. A frozen single-process child.
+GPIPE_CHECKPOINT_PAUSE_MS=50 timeout 300 "$gpipe" run --max-restarts 1 mlp.yaml --set output.dir=frozen --set train.steps=60 --set checkpoint.every=5 \
+  --set pipeline.timeout_s=2 > frozen.log 2>&1 &
+sup=$!
+for _ in $(seq 600); do [ -e frozen/checkpoints/step-5/COMPLETE ] && break; sleep 0.05; done
+child="$(pgrep -f "gpipe train mlp.yaml --set output.dir=frozen" | head -1)"
+[ -n "$child" ] || { kill $sup; cat frozen.log; fail "the supervised job is not running"; }
+kill -STOP "$child"
+wait $sup
+expect 0 frozen.log $? "(pid $child on " "made no progress for 4 s" "restart 1 of 1"
+at="$(resumed_from frozen.log)"
+python3 -c "
+import json, sys
+steps = [s['step'] for s in json.load(open('frozen/report.json'))['steps']]
+assert steps == list(range(60)), steps" || fail "frozen: report.json does not hold steps 0..59"
+echo "ok: kill -STOP of the child: killed after 2 x pipeline.timeout_s without progress, resumed at step $at, finished"
+
+# 7. Full and read-only file systems (a tmpfs of our own, in a mount namespace of our own).
+if unshare -m --propagation private true 2>/dev/null; then
+  mkdir -p small
+  unshare -m --propagation private bash -c "
+    mount -t tmpfs -o size=30k tmpfs small || exit 99
+    '$gpipe' train mlp.yaml --set output.dir=small/o --set checkpoint.every=4 > tiny.log 2>&1; echo \$? > tiny.rc
+    umount small; mount -t tmpfs -o size=120k tmpfs small
+    '$gpipe' run mlp.yaml --set output.dir=small/o --set checkpoint.every=1 --set checkpoint.keep=0 > full.log 2>&1
+    echo \$? > full.rc
+    mount -o remount,ro small
+    '$gpipe' train mlp.yaml --set output.dir=small/p > ro.log 2>&1; echo \$? > ro.rc"
+  [ $? -ne 99 ] || fail "could not mount a tmpfs"
+  expect 2 tiny.log "$(cat tiny.rc)" "the checkpoint folder 'small/o/checkpoints' has" "a checkpoint of this model needs"
+  ! grep -q '^step ' tiny.log || fail "a run without room for a checkpoint trained"
+  expect 2 full.log "$(cat full.rc)" "No space left on device" "a restart would fail the same way"
+  [ "$(grep -c 'launch [0-9] of at most' full.log)" -eq 1 ] || { cat full.log; fail "a full disk was restarted"; }
+  expect 2 ro.log "$(cat ro.rc)" "small/p" "Read-only file system"
+  echo "ok: too small, full and read-only file systems: exit 2 naming the path and the size, no restart"
+else
+  echo "note: no mount namespace here (unshare -m failed): the file system cases were not run"
+fi
+
+# 8. A resumed run's report holds the whole run.
+"$gpipe" train mlp.yaml --set output.dir=hist --set checkpoint.every=5 --set train.steps=5 > hist1.log 2>&1 ||
+  { cat hist1.log; fail "hist1"; }
+"$gpipe" train mlp.yaml --set output.dir=hist --resume > hist2.log 2>&1 || { cat hist2.log; fail "hist2"; }
+python3 - <<'PY' || fail "the resumed run's report.json does not hold the whole run"
+import json
+r = json.load(open("hist/report.json")); ref = json.load(open("ref/report.json"))
+assert [s["step"] for s in r["steps"]] == list(range(12)), r["steps"]
+assert [s["loss"] for s in r["steps"]] == [s["loss"] for s in ref["steps"]]
+assert [s["launch"] for s in r["steps"]] == [1] * 5 + [2] * 7, r["steps"]
+assert [(l["launch"], l["first_step"]) for l in r["launches"]] == [(1, 0), (2, 5)], r["launches"]
+PY
+echo "ok: a resumed run's report.json holds all 12 steps, in 2 launches, with the uninterrupted losses"
+echo "PASS"
