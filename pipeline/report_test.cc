@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "pipeline/report.h"
+#include "pipeline/report_html.h"
 #include "runtime/error.h"
 #include "pipeline/schedule.h"
 
@@ -411,4 +412,49 @@ TEST_CASE("a malformed history throws, naming what is wrong, and leaves the buil
   ReportBuilder late = builder();
   late.add_step(0, 1.0, hand_step(1.0, 1, 1), false);
   CHECK(error_of([&] { late.carry_over(nlohmann::json::parse(good), 5); }).find("carry_over") != std::string::npos);
+}
+
+TEST_CASE("the page charts every launch's losses with a marker where each later one began") {
+  ReportBuilder b = builder();
+  nlohmann::json h = {{"version", 1},
+                      {"launches", {{{"launch", 1}, {"first_step", 0}}, {{"launch", 2}, {"first_step", 30}}}},
+                      {"steps", nlohmann::json::array()},
+                      {"validations", {{9, 2.5, 0.25}}}};
+  for (int s = 0; s < 45; ++s) h["steps"].push_back({s, 3.0 - 0.01 * s});
+  b.carry_over(h, 45);
+  for (int s = 45; s < 60; ++s) b.add_step(s, 2.0 - 0.01 * s, hand_step(1.0, 1, 1), s > 45);
+  HtmlReportInput in;
+  in.title = "t";
+  in.summary = b.summary();
+  in.losses = b.losses();
+  in.validations = b.validations();
+  const std::string page = render_report_html(in);
+  auto count = [&](const std::string& what) {
+    int n = 0;
+    for (size_t at = page.find(what); at != std::string::npos; at = page.find(what, at + 1)) ++n;
+    return n;
+  };
+  CHECK(count("class=\"launchmark\"") == 2);
+  // The chart is 720 px wide with 56 px left and 16 px right of the plot: step s is at
+  // 56 + 648 s / 59 (the last step is 59).
+  CHECK(page.find("<line x1=\"385.5\" x2=\"385.5\"") != std::string::npos);  // step 30
+  CHECK(page.find("<line x1=\"550.2\" x2=\"550.2\"") != std::string::npos);  // step 45
+  CHECK(page.find(">launch 2: resumed at step 30<title>") != std::string::npos);
+  CHECK(page.find(">launch 3: resumed at step 45<title>") != std::string::npos);
+  // Labels are about 6 px a character (28 here). Launch 2's runs right of its marker,
+  // from 389.5 to 557.5. Launch 3's would end at 550.2 + 4 + 168 = 722.2, past the chart's
+  // 720: it ends at its marker instead, from 378.2, under launch 2's: the second row, and
+  // the plot moves down for both rows.
+  CHECK(page.find("<text x=\"389.5\" y=\"22\" class=\"launchlabel\">launch 2") != std::string::npos);
+  CHECK(page.find("<text x=\"546.2\" y=\"36\" class=\"launchlabel end\">launch 3") != std::string::npos);
+  CHECK(page.find("height=\"288\" viewBox=\"0 0 720 288\"") != std::string::npos);
+  // One loss point per step of the whole run.
+  const size_t poly = page.find("<polyline class=\"loss\" points=\"");
+  REQUIRE(poly != std::string::npos);
+  const std::string points = page.substr(poly + 32, page.find('"', poly + 32) - poly - 32);
+  CHECK(std::count(points.begin(), points.end(), ',') == 60);
+  CHECK(page.find("14 timed steps of launch 3 (steps 45 to 59); the loss chart covers all 3 launches") !=
+        std::string::npos);
+  CHECK(page.find("launch 1, steps 0 to 29 (30 steps); launch 2, steps 30 to 44 (15 steps); launch 3, steps 45 to 59 "
+                  "(15 steps)") != std::string::npos);
 }
