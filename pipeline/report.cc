@@ -1,9 +1,14 @@
 #include "pipeline/report.h"
 
 #include <algorithm>
+#include <climits>
+#include <cmath>
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <sstream>
+
+#include "runtime/error.h"
 
 namespace gpipe {
 namespace pipeline {
@@ -30,7 +35,7 @@ ReportBuilder::ReportBuilder(std::vector<std::string> stage_layers, std::vector<
                              int micro_batches, std::string checkpoint, std::string schedule, int64_t batch_size)
     : layers_(std::move(stage_layers)), devices_(std::move(stage_devices)), micro_batches_(micro_batches),
       checkpoint_(std::move(checkpoint)), schedule_(std::move(schedule)), batch_size_(batch_size),
-      acc_(layers_.size()), op_time_(layers_.size()) {
+      launch_first_{0}, acc_(layers_.size()), op_time_(layers_.size()) {
   for (size_t k = 0; k < acc_.size(); ++k) {
     acc_[k].stage = static_cast<int>(k);
     acc_[k].layers = layers_[k];
@@ -39,6 +44,10 @@ ReportBuilder::ReportBuilder(std::vector<std::string> stage_layers, std::vector<
 }
 
 void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool timed) {
+  if (!first_step_known_) {  // no history carried over: this launch starts at its first step (0 when fresh)
+    launch_first_.back() = step;
+    first_step_known_ = true;
+  }
   losses_.emplace_back(step, loss);
   if (!timed) return;
   double span = 0;
@@ -116,6 +125,156 @@ void ReportBuilder::add_validation(int step, double loss, double accuracy) {
   validations_.push_back({step, loss, accuracy});
 }
 
+// ---- The run's history across launches (resumes, restarts).
+
+namespace {
+
+constexpr int kHistoryVersion = 1;
+
+Error malformed(const std::string& what) {
+  return Error("malformed report history (saved with the checkpoint in trainer_state.json): " + what +
+               "; the checkpoint's weights do not depend on it: remove the history from trainer_state.json to resume "
+               "with a report of this launch only");
+}
+
+// A step index: an integer in [0, INT_MAX].
+int step_of(const nlohmann::json& v, const std::string& where) {
+  if (!v.is_number_integer()) throw malformed(where + " is " + v.dump() + ", not an integer step");
+  if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(INT_MAX)
+                             : (v.get<int64_t>() < 0 || v.get<int64_t>() > INT_MAX)) {
+    throw malformed(where + " is " + v.dump() + ", not a step from 0 to " + std::to_string(INT_MAX));
+  }
+  return static_cast<int>(v.get<int64_t>());
+}
+
+// A loss or an accuracy. Training losses are finite (the trainer stops at a NaN); a
+// validation score may not be, and JSON writes a NaN as null.
+double value_of(const nlohmann::json& v, const std::string& where, bool may_be_nan) {
+  if (may_be_nan && v.is_null()) return std::numeric_limits<double>::quiet_NaN();
+  if (!v.is_number()) throw malformed(where + " is " + v.dump() + ", not a number");
+  const double d = v.get<double>();
+  if (!std::isfinite(d) && !may_be_nan) throw malformed(where + " is " + v.dump() + ", not finite");
+  return d;
+}
+
+const nlohmann::json& array_at(const nlohmann::json& h, const char* key) {
+  if (!h.contains(key)) throw malformed(std::string("no \"") + key + "\"");
+  const nlohmann::json& a = h[key];
+  if (!a.is_array()) throw malformed(std::string("\"") + key + "\" is " + a.type_name() + ", not an array");
+  return a;
+}
+
+}  // namespace
+
+nlohmann::json ReportBuilder::history(int up_to_step) const {
+  nlohmann::json h = {{"version", kHistoryVersion},
+                      {"launches", nlohmann::json::array()},
+                      {"steps", nlohmann::json::array()},
+                      {"validations", nlohmann::json::array()}};
+  for (size_t i = 0; i < launch_first_.size(); ++i) {
+    if (launch_first_[i] > up_to_step) break;  // none of its steps is in the history
+    h["launches"].push_back({{"launch", static_cast<int>(i) + 1}, {"first_step", launch_first_[i]}});
+  }
+  for (const auto& [step, loss] : losses_) {
+    if (step <= up_to_step) h["steps"].push_back({step, loss});
+  }
+  for (const auto& v : validations_) {
+    if (v.step <= up_to_step) h["validations"].push_back({v.step, v.loss, v.accuracy});
+  }
+  return h;
+}
+
+void ReportBuilder::carry_over(const nlohmann::json& h, int first_step) {
+  GPIPE_CHECK(!first_step_known_ && losses_.empty() && validations_.empty(),
+              "carry_over() comes before the launch's first step or validation, once");
+  GPIPE_CHECK(first_step >= 0, "a launch's first step is not negative");
+  if (!h.is_object()) throw malformed("it is " + std::string(h.type_name()) + ", not an object");
+  if (!h.contains("version") || !h["version"].is_number_integer()) throw malformed("no integer \"version\"");
+  if (h["version"].get<int64_t>() != kHistoryVersion) {
+    throw malformed("version " + h["version"].dump() + ", this gpipe reads version " +
+                    std::to_string(kHistoryVersion) + " (a newer gpipe wrote it?)");
+  }
+  // Launches: numbered 1, 2, ... in order, each starting after the one before and before this one.
+  std::vector<int> firsts;
+  for (const nlohmann::json& l : array_at(h, "launches")) {
+    const std::string where = "launch " + std::to_string(firsts.size() + 1);
+    if (!l.is_object() || !l.contains("launch") || !l.contains("first_step")) {
+      throw malformed(where + " is " + l.dump() + ", not {\"launch\": N, \"first_step\": S}");
+    }
+    if (!l["launch"].is_number_integer() || l["launch"].get<int64_t>() != static_cast<int64_t>(firsts.size()) + 1) {
+      throw malformed(where + " is numbered " + l["launch"].dump());
+    }
+    const int f = step_of(l["first_step"], where + "'s first_step");
+    if (!firsts.empty() && f <= firsts.back()) {
+      throw malformed(where + " starts at step " + std::to_string(f) + ", not after launch " +
+                      std::to_string(firsts.size()) + "'s " + std::to_string(firsts.back()));
+    }
+    if (f >= first_step) {
+      throw malformed(where + " starts at step " + std::to_string(f) + ", not before this launch's first step " +
+                      std::to_string(first_step));
+    }
+    firsts.push_back(f);
+  }
+  const nlohmann::json& steps = array_at(h, "steps");
+  const nlohmann::json& vals = array_at(h, "validations");
+  if (firsts.empty() && (!steps.empty() || !vals.empty())) throw malformed("steps without a launch");
+  // Steps and validations: in order, each in a launch and before this one.
+  const int lo = firsts.empty() ? 0 : firsts.front();
+  auto in_range = [&](int step, const std::string& where) {
+    if (step < lo || step >= first_step) {
+      throw malformed(where + " is at step " + std::to_string(step) + ", outside the history's steps " +
+                      std::to_string(lo) + " to " + std::to_string(first_step - 1));
+    }
+  };
+  std::vector<std::pair<int, double>> losses;
+  for (const nlohmann::json& e : steps) {
+    const std::string where = "steps[" + std::to_string(losses.size()) + "]";
+    if (!e.is_array() || e.size() != 2) throw malformed(where + " is " + e.dump() + ", not [step, loss]");
+    const int step = step_of(e[0], where + "'s step");
+    in_range(step, where);
+    if (!losses.empty() && step <= losses.back().first) {
+      throw malformed(where + " is step " + std::to_string(step) + ", not after step " +
+                      std::to_string(losses.back().first));
+    }
+    losses.emplace_back(step, value_of(e[1], where + "'s loss", false));
+  }
+  std::vector<Validation> validations;
+  for (const nlohmann::json& e : vals) {
+    const std::string where = "validations[" + std::to_string(validations.size()) + "]";
+    if (!e.is_array() || e.size() != 3) throw malformed(where + " is " + e.dump() + ", not [step, loss, accuracy]");
+    const int step = step_of(e[0], where + "'s step");
+    in_range(step, where);
+    if (!validations.empty() && step < validations.back().step) {
+      throw malformed(where + " is step " + std::to_string(step) + ", before step " +
+                      std::to_string(validations.back().step));
+    }
+    validations.push_back({step, value_of(e[1], where + "'s loss", true), value_of(e[2], where + "'s accuracy", true)});
+  }
+  firsts.push_back(first_step);
+  launch_first_ = std::move(firsts);
+  first_step_known_ = true;
+  losses_ = std::move(losses);
+  validations_ = std::move(validations);
+}
+
+int ReportBuilder::launch_of(int step) const {
+  const auto it = std::upper_bound(launch_first_.begin(), launch_first_.end(), step);
+  return std::max(1, static_cast<int>(it - launch_first_.begin()));
+}
+
+std::vector<LaunchSummary> ReportBuilder::launches() const {
+  std::vector<LaunchSummary> out;
+  for (size_t i = 0; i < launch_first_.size(); ++i) {
+    out.push_back({static_cast<int>(i) + 1, launch_first_[i], launch_first_[i] - 1, 0});
+  }
+  for (const auto& [step, loss] : losses_) {
+    LaunchSummary& l = out[launch_of(step) - 1];
+    l.last_step = std::max(l.last_step, step);
+    ++l.steps;
+  }
+  return out;
+}
+
 void ReportBuilder::set_eval(double loss, double accuracy) {
   has_eval_ = true;
   eval_loss_ = loss;
@@ -150,6 +309,8 @@ RunSummary ReportBuilder::summary() const {
   out.ideal_bubble = ideal_bubble(out.partitions, micro_batches_);
   out.formula_bubble = has_schedule_ ? formula_bubble(program_) : out.ideal_bubble;
   out.stages = acc_;
+  out.launches = launches();
+  out.timed_launch = launch();
   if (timed_ == 0) return out;
   if (has_schedule_ && static_cast<int>(op_time_.size()) == program_.num_stages) {
     const Simulation sim = measured_simulation();
@@ -187,6 +348,14 @@ std::string ReportBuilder::table() const {
                 s.partitions, s.micro_batches, s.checkpoint.c_str(), s.schedule.c_str(),
                 static_cast<long long>(s.batch_size));
   os << line;
+  if (s.launches.size() > 1 && !losses_.empty()) {
+    // Numbered from 1, as the progress lines above the table are.
+    const LaunchSummary& now = s.launches.back();
+    std::snprintf(line, sizeof line, "Run: steps %d-%d in %zu launches; timings are from launch %d (steps %d-%d)\n",
+                  losses_.front().first + 1, losses_.back().first + 1, s.launches.size(), s.timed_launch,
+                  now.first_step + 1, now.last_step + 1);
+    os << line;
+  }
   std::snprintf(line, sizeof line, "Per step, averaged over %d timed steps (span %.2f ms, wall %.2f ms):\n",
                 s.timed_steps, s.span_ms, s.step_ms);
   os << line;
@@ -249,6 +418,7 @@ nlohmann::json ReportBuilder::json() const {
   j["schedule"] = s.schedule;
   j["batch_size"] = s.batch_size;
   j["timed_steps"] = s.timed_steps;
+  j["timed_launch"] = s.timed_launch;  // every timing figure is this launch's; steps and validation span all
   j["span_ms"] = s.span_ms;
   j["step_ms"] = s.step_ms;
   j["samples_per_second"] = s.samples_per_second;
@@ -258,7 +428,14 @@ nlohmann::json ReportBuilder::json() const {
                  {"predicted", s.predicted_bubble}};
   j["predicted_span_ms"] = s.predicted_span_ms;
   j["steps"] = nlohmann::json::array();
-  for (const auto& [step, loss] : losses_) j["steps"].push_back({{"step", step}, {"loss", loss}});
+  for (const auto& [step, loss] : losses_) {
+    j["steps"].push_back({{"step", step}, {"loss", loss}, {"launch", launch_of(step)}});
+  }
+  j["launches"] = nlohmann::json::array();
+  for (const LaunchSummary& l : s.launches) {
+    j["launches"].push_back(
+        {{"launch", l.launch}, {"first_step", l.first_step}, {"last_step", l.last_step}, {"steps", l.steps}});
+  }
   j["stages"] = nlohmann::json::array();
   for (const auto& st : s.stages) {
     j["stages"].push_back({{"stage", st.stage},
@@ -305,7 +482,8 @@ nlohmann::json ReportBuilder::json() const {
   }
   j["validation"] = nlohmann::json::array();
   for (const auto& v : validations_) {
-    j["validation"].push_back({{"step", v.step}, {"loss", v.loss}, {"accuracy", v.accuracy}});
+    j["validation"].push_back(
+        {{"step", v.step}, {"loss", v.loss}, {"accuracy", v.accuracy}, {"launch", launch_of(v.step)}});
   }
   return j;
 }

@@ -7,6 +7,10 @@
 // Within the span a stage is busy (forward, recompute, backward, weight gradient),
 // communicating (sends), or idle (waiting for a neighbour at a receive, or with
 // nothing to do: the bubble).
+//
+// A run may span several launches (a resume, a supervisor restart): the steps' losses and
+// the validation scores cover the whole run (history() goes into each checkpoint,
+// carry_over() takes it back), while the timings are always this launch's own.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -37,6 +41,15 @@ struct StageSummary {
   int64_t peak_activation_bytes = 0;
 };
 
+// One launch of the run as the report shows it: its steps are [first_step, last_step]
+// (0-based; last_step = first_step - 1 and steps = 0 when none of its steps is kept).
+struct LaunchSummary {
+  int launch = 1;
+  int first_step = 0;
+  int last_step = -1;
+  int steps = 0;  // the steps of the report that ran in it
+};
+
 struct RunSummary {
   int partitions = 0, micro_batches = 0;
   std::string checkpoint, schedule;
@@ -51,6 +64,9 @@ struct RunSummary {
                                  // instruction kind per stage; -1 without a schedule
   double predicted_span_ms = 0;
   std::vector<StageSummary> stages;
+  // Every launch of the run (one for a fresh run); the timings above are timed_launch's only.
+  std::vector<LaunchSummary> launches;
+  int timed_launch = 1;
   // The planner's prediction made before the run (planner.h), when it was given one.
   bool has_plan = false;
   PlannedRun plan;
@@ -81,6 +97,25 @@ class ReportBuilder {
     double loss, accuracy;
   };
   const std::vector<Validation>& validations() const { return validations_; }
+
+  // The run's history so far, for a checkpoint's trainer_state.json: every launch, and every
+  // step's loss and validation up to and including `up_to_step` (0-based step index; steps after it are left out).
+  //   {"version": 1, "launches": [{"launch": 1, "first_step": 0}, ...],
+  //    "steps": [[step, loss], ...], "validations": [[step, loss, accuracy], ...]}
+  // A launch that starts after `up_to_step` is left out too (it has no step in the history).
+  nlohmann::json history(int up_to_step) const;
+  // A resumed launch: the history saved with its checkpoint (steps and validations before
+  // `first_step`, the launches before this one); this launch is numbered after them and starts at first_step.
+  // Throws gpipe::Error on a malformed history. A run that starts fresh calls nothing and is launch 1 starting at step 0.
+  // Call it before this launch's first add_step or add_validation.
+  void carry_over(const nlohmann::json& history, int first_step);
+  // This launch's number (1 for a fresh run): the one the timings come from.
+  int launch() const { return static_cast<int>(launch_first_.size()); }
+  // The launch step `step` ran in: the last one that started at or before it.
+  int launch_of(int step) const;
+  // Every launch, with the steps of the report that ran in it.
+  std::vector<LaunchSummary> launches() const;
+
   // The table printed at the end of a run.
   std::string table() const;
   nlohmann::json json() const;
@@ -95,6 +130,8 @@ class ReportBuilder {
   int64_t batch_size_;
   std::vector<std::pair<int, double>> losses_;
   std::vector<Validation> validations_;
+  std::vector<int> launch_first_;  // launch i+1's first step; the last is this launch's
+  bool first_step_known_ = false;  // carry_over() set it; otherwise this launch's first add_step does
   std::vector<StageSummary> acc_;
   // Per stage: total time and count of each (instruction kind, chunk).
   std::vector<std::map<std::pair<int, int>, std::pair<double, int>>> op_time_;

@@ -9,7 +9,11 @@ or href attribute, no script, link, img, iframe, object or embed element); it ha
 timelines (measured, simulated from measured op times, planned), each with one row per
 stage; the measured one is of a step within FIRST..LAST; the stage table has a measured
 and a planned row per stage; the loss chart has a point per step of report.json beside
-it. Exits non-zero naming the first problem.
+it. In report.json, every step and validation is in the launch that began last at or
+before it, the launches' first and last steps and counts agree with the steps, the
+timings are the last launch's (timed_launch), and the chart has a marker labelled
+"launch N: resumed at step S" for each launch after the first. Exits non-zero naming the
+first problem.
 """
 import html.parser
 import json
@@ -36,6 +40,8 @@ class Page(html.parser.HTMLParser):
         self.loss_points = 0
         self.measured_rows = self.planned_rows = 0
         self.cells = []
+        self.in_launchlabel = False
+        self.launch_labels = []
 
     def handle_starttag(self, tag, attrs):
         self._open(tag, attrs, closes=False)
@@ -54,6 +60,11 @@ class Page(html.parser.HTMLParser):
             self.timelines.append([])
         if tag == "text" and a.get("class") == "rowname":
             self.in_rowname = True
+        if tag == "text" and (a.get("class") or "").split(" ")[0] == "launchlabel":
+            self.in_launchlabel = True
+            self.launch_labels.append("")
+        if tag == "title":
+            self.in_launchlabel = False  # the label's tooltip is not its text
         if tag == "polyline" and a.get("class") == "loss":
             self.loss_points = len(a.get("points", "").split())
         if not closes and tag not in VOID:
@@ -67,8 +78,11 @@ class Page(html.parser.HTMLParser):
         self.stack.pop()
         if tag == "text":
             self.in_rowname = False
+            self.in_launchlabel = False
 
     def handle_data(self, data):
+        if self.in_launchlabel:
+            self.launch_labels[-1] += data
         if self.in_rowname and self.timelines:
             self.timelines[-1].append(data.strip())
         if self.stack and self.stack[-1] == "td":
@@ -77,6 +91,40 @@ class Page(html.parser.HTMLParser):
             if data.strip() == "planned":
                 self.planned_rows += 1
         self.text.append(data)
+
+
+def check_launches(j, labels):
+    launches = j["launches"]
+    if [l["launch"] for l in launches] != list(range(1, len(launches) + 1)):
+        fail("launches numbered %r" % [l["launch"] for l in launches])
+    firsts = [l["first_step"] for l in launches]
+    if firsts != sorted(set(firsts)):
+        fail("launches start at %r, not increasing" % firsts)
+    if j["timed_launch"] != len(launches):
+        fail("timed_launch %r, want the last launch, %d" % (j["timed_launch"], len(launches)))
+
+    def launch_of(step):
+        return max([1] + [i + 1 for i, f in enumerate(firsts) if f <= step])
+
+    seen = {}
+    for s in j["steps"]:
+        if s["launch"] != launch_of(s["step"]):
+            fail("step %d is in launch %r, want %d" % (s["step"], s["launch"], launch_of(s["step"])))
+        seen.setdefault(s["launch"], []).append(s["step"])
+    for v in j["validation"]:
+        if v["launch"] != launch_of(v["step"]):
+            fail("the validation after step %d is in launch %r, want %d" % (v["step"], v["launch"], launch_of(v["step"])))
+    for l in launches:
+        mine = seen.get(l["launch"], [])
+        want = (l["first_step"], max(mine) if mine else l["first_step"] - 1, len(mine))
+        if (l["first_step"], l["last_step"], l["steps"]) != want:
+            fail("launch %d has first, last step and count %r, the steps give %r" % (
+                l["launch"], (l["first_step"], l["last_step"], l["steps"]), want))
+    last = max(s["step"] for s in j["steps"]) if j["steps"] else -1
+    want = ["launch %d: resumed at step %d" % (l["launch"], l["first_step"])
+            for l in launches[1:] if 0 <= l["first_step"] <= last]
+    if sorted(labels) != sorted(want):
+        fail("the loss chart marks %r, want %r" % (labels, want))
 
 
 def main():
@@ -111,9 +159,11 @@ def main():
         fail("the stage table has %d measured and %d planned rows for %d stages" % (
             page.measured_rows, page.planned_rows, stages))
     report = os.path.join(os.path.dirname(path), "report.json")
-    steps = len(json.load(open(report))["steps"])
+    j = json.load(open(report))
+    steps = len(j["steps"])
     if page.loss_points != steps:
         fail("the loss curve has %d points for %d steps" % (page.loss_points, steps))
+    check_launches(j, page.launch_labels)
     print("ok: %s: %d stages, step %d of %d..%d, self-contained" % (path, stages, step, first, last))
 
 

@@ -170,10 +170,15 @@ std::string stage_bar(double compute, double recompute, double comm, double idle
 
 // ---- Loss and validation curves.
 
+// The whole run's curves: a dashed marker with a label where each later launch (a
+// resume, a restart) took over; labels that would overlap go on the next line down.
 std::string loss_svg(const std::vector<std::pair<int, double>>& losses,
-                     const std::vector<ReportBuilder::Validation>& validations) {
+                     const std::vector<ReportBuilder::Validation>& validations,
+                     const std::vector<LaunchSummary>& launches) {
   if (losses.empty()) return "<p>No steps ran.</p>";
-  const double w = 640, h = 240, l = 56, r = 16, t = 12, b = 30;
+  const double w = 720, h = 260, l = 56, r = 16, b = 30;
+  int marker_rows = 0;  // worked out below, before the plot's top is known
+  std::vector<std::pair<const LaunchSummary*, int>> markers;  // launch, label row
   double lo = 1e300, hi = -1e300;
   int last_step = 0;
   for (const auto& [s, v] : losses) {
@@ -193,17 +198,47 @@ std::string loss_svg(const std::vector<std::pair<int, double>>& losses,
   lo -= pad;
   hi += pad;
   auto X = [&](double s) { return l + (last_step > 0 ? s / last_step : 0.5) * (w - l - r); };
-  auto Y = [&](double v) { return t + (hi - v) / (hi - lo) * (h - t - b); };
+  // Marker labels sit above the plot, about 6 px a character; each row keeps its rightmost end.
+  std::vector<double> row_end;
+  auto label = [](const LaunchSummary& ls) {
+    return "launch " + std::to_string(ls.launch) + ": resumed at step " + std::to_string(ls.first_step);
+  };
+  for (size_t i = 1; i < launches.size(); ++i) {
+    const LaunchSummary& ls = launches[i];
+    if (ls.first_step < 0 || ls.first_step > last_step) continue;
+    const double x = X(ls.first_step), len = 6.0 * static_cast<double>(label(ls).size());
+    const bool left = x + 4 + len > w;  // no room to the right: the label ends at the marker
+    const double a = left ? x - 4 - len : x + 4 - 2, e = left ? x - 4 + 2 : x + 4 + len;
+    int row = 0;
+    while (row < static_cast<int>(row_end.size()) && row_end[row] > a) ++row;
+    if (row == static_cast<int>(row_end.size())) row_end.push_back(0);
+    row_end[row] = std::max(row_end[row], e);
+    markers.emplace_back(&ls, row);
+  }
+  marker_rows = static_cast<int>(row_end.size());
+  const double t = 12 + 14.0 * marker_rows;
+  const double height = h + 14.0 * marker_rows;
+  auto Y = [&](double v) { return t + (hi - v) / (hi - lo) * (height - t - b); };
   std::ostringstream o;
-  o << "<svg class=\"chart\" width=\"" << w << "\" height=\"" << h << "\" viewBox=\"0 0 " << w << " " << h << "\">\n";
+  o << "<svg class=\"chart\" width=\"" << w << "\" height=\"" << height << "\" viewBox=\"0 0 " << w << " " << height
+    << "\">\n";
   for (int i = 0; i <= 4; ++i) {
     const double v = lo + (hi - lo) * i / 4;
     o << "<line x1=\"" << l << "\" x2=\"" << w - r << "\" y1=\"" << num(Y(v), 1) << "\" y2=\"" << num(Y(v), 1)
       << "\" class=\"grid\"/><text x=\"" << l - 6 << "\" y=\"" << num(Y(v) + 4, 1) << "\" class=\"ytick\">"
       << num(v, 3) << "</text>\n";
   }
-  o << "<text x=\"" << l << "\" y=\"" << h - 8 << "\" class=\"tick\">step 0</text><text x=\"" << w - r << "\" y=\""
-    << h - 8 << "\" class=\"ytick\">step " << last_step << "</text>\n";
+  o << "<text x=\"" << l << "\" y=\"" << height - 8 << "\" class=\"tick\">step 0</text><text x=\"" << w - r
+    << "\" y=\"" << height - 8 << "\" class=\"ytick\">step " << last_step << "</text>\n";
+  for (const auto& [ls, row] : markers) {
+    const double x = X(ls->first_step);
+    const bool left = x + 4 + 6.0 * static_cast<double>(label(*ls).size()) > w;
+    o << "<line x1=\"" << num(x, 1) << "\" x2=\"" << num(x, 1) << "\" y1=\"" << 14 + 14 * row << "\" y2=\""
+      << num(height - b, 1) << "\" class=\"launchmark\"/><text x=\"" << num(left ? x - 4 : x + 4, 1) << "\" y=\""
+      << 22 + 14 * row << "\" class=\"launchlabel" << (left ? " end" : "") << "\">" << esc(label(*ls))
+      << "<title>launch " << ls->launch << ": steps " << ls->first_step << " to " << ls->last_step
+      << ", resumed from the checkpoint saved after step " << ls->first_step - 1 << "</title></text>\n";
+  }
   o << "<polyline class=\"loss\" points=\"";
   for (const auto& [s, v] : losses) o << num(X(s), 1) << "," << num(Y(v), 1) << " ";
   o << "\"/>\n";
@@ -218,7 +253,17 @@ std::string loss_svg(const std::vector<std::pair<int, double>>& losses,
     }
   }
   o << "</svg>\n<div class=\"legend\"><span><i style=\"background:#4e79a7\"></i>training loss (per step)</span>"
-    << (validations.empty() ? "" : "<span><i style=\"background:#e15759\"></i>validation loss</span>") << "</div>\n";
+    << (validations.empty() ? "" : "<span><i style=\"background:#e15759\"></i>validation loss</span>")
+    << (markers.empty() ? "" : "<span><i class=\"mark\"></i>a later launch (resume or restart) begins</span>")
+    << "</div>\n";
+  if (launches.size() > 1) {
+    o << "<p class=\"note\">The run in " << launches.size() << " launches:";
+    for (const LaunchSummary& ls : launches) {
+      o << (ls.launch > 1 ? ";" : "") << " launch " << ls.launch << ", steps " << ls.first_step << " to " << ls.last_step
+        << " (" << ls.steps << (ls.steps == 1 ? " step" : " steps") << ")";
+    }
+    o << ". The timings on this page are the last launch's only.</p>\n";
+  }
   return o.str();
 }
 
@@ -243,6 +288,10 @@ svg text { font: 11px system-ui, sans-serif; }
 .idlebar { fill: #fff; stroke: #ccc; } .bar { vertical-align: middle; }
 .loss { fill: none; stroke: #4e79a7; stroke-width: 1.5; } .val { fill: none; stroke: #e15759; stroke-width: 1.5; stroke-dasharray: 4 3; }
 .valdot { fill: #e15759; }
+.launchmark { stroke: #6b6b6b; stroke-width: 1; stroke-dasharray: 3 3; }
+.launchlabel { fill: #333; font-size: 11.5px; paint-order: stroke; stroke: #fff; stroke-width: 3px; }
+.launchlabel.end { text-anchor: end; }
+.legend i.mark { width: 0; border: 0; border-left: 1px dashed #6b6b6b; height: 12px; }
 .note { color: #555; font-size: 12.5px; max-width: 1100px; }
 code { background: #f3f3f3; padding: 0 3px; border-radius: 3px; }
 )";
@@ -259,7 +308,13 @@ std::string render_report_html(const HtmlReportInput& in) {
     << esc(in.title) << "</title>\n<style>" << kStyle << "</style>\n</head>\n<body>\n";
   o << "<h1>gpipe run report: " << esc(in.title) << "</h1>\n<div class=\"sub\">" << esc(in.config) << " &middot; K="
     << K << " stages, M=" << s.micro_batches << " micro-batches, schedule " << esc(s.schedule) << ", recompute "
-    << esc(s.checkpoint) << ", batch " << s.batch_size << " &middot; " << s.timed_steps << " timed steps</div>\n";
+    << esc(s.checkpoint) << ", batch " << s.batch_size << " &middot; " << s.timed_steps << " timed steps";
+  if (s.launches.size() > 1) {
+    const LaunchSummary& now = s.launches.back();
+    o << " of launch " << s.timed_launch << " (steps " << now.first_step << " to " << now.last_step
+      << "); the loss chart covers all " << s.launches.size() << " launches";
+  }
+  o << "</div>\n";
 
   // Headline figures, measured against the plan.
   auto card = [&](const std::string& k, const std::string& v, const std::string& p) {
@@ -384,7 +439,7 @@ std::string render_report_html(const HtmlReportInput& in) {
   o << "<tr><td class=\"l\">samples/s</td><td>" << num(s.samples_per_second, 1) << "</td><td>"
     << (plan ? num(s.plan.samples_per_second, 1) : "") << "</td><td></td><td></td></tr>\n</table>\n";
 
-  o << "<h2>Loss</h2>\n" << loss_svg(in.losses, in.validations);
+  o << "<h2>Loss</h2>\n" << loss_svg(in.losses, in.validations, s.launches);
   o << "<p class=\"note\">Written by gpipe with report.json beside it. Bubble: 1 - (sum of the stages' busy time) / "
        "(K x span); measured from the timed steps, planned by simulating the schedule with the plan's op costs, "
        "simulated with the measured mean op times, and by the schedule's formula (K-1)/(vM+K-1).</p>\n";

@@ -5,7 +5,9 @@
 // the simulator plans it from the measured mean op times and from the plan's own costs;
 // per stage, busy, recompute, communication and idle bars with utilization and peak
 // activation memory, measured and planned; the bubble measured, by the schedule's
-// formula and as planned; samples/s; the loss and validation curves.
+// formula and as planned; samples/s; the loss and validation curves of the whole run,
+// with a marker where each later launch (a resume, a restart) began. Every timing is
+// the last launch's (RunSummary::timed_launch).
 #pragma once
 
 #include <string>
@@ -27,7 +29,7 @@ struct HtmlReportInput {
   const RecordedStep* step = nullptr;  // the step whose timeline is drawn; none: no timeline
   int recorded_first = 0, recorded_last = -1;  // the steps it was chosen from
   Simulation measured_simulation;  // ReportBuilder::measured_simulation()
-  std::vector<std::pair<int, double>> losses;
+  std::vector<std::pair<int, double>> losses;  // every launch's (ReportBuilder::losses())
   std::vector<ReportBuilder::Validation> validations;
   std::string trace_file;  // "trace.json" when one was written next to the page
 };

@@ -48,8 +48,9 @@ void RunArtifacts::write(const std::filesystem::path& dir, const ReportBuilder& 
   std::string trace_name;
   if (config_.output.trace && !recorder_.steps().empty()) {
     trace_name = "trace.json";
-    write_text_atomically((dir / trace_name).string(),
-                          chrome_trace(schedule_, processes_, recorder_.steps(), epoch_ms_).dump() + "\n");
+    nlohmann::json trace = chrome_trace(schedule_, processes_, recorder_.steps(), epoch_ms_);
+    trace["otherData"]["launch"] = report.launch();  // its steps are this launch's (report.json "launches")
+    write_text_atomically((dir / trace_name).string(), trace.dump() + "\n");
     j["trace"] = {{"file", trace_name},
                   {"steps", {recorder_.steps().front().step, recorder_.steps().back().step}}};
     out << "Trace: " << (dir / trace_name).string() << " (open it in Perfetto, ui.perfetto.dev)" << std::endl;
