@@ -274,16 +274,12 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   // Saved state: resume where a checkpoint left off, save every checkpoint.every steps,
   // on SIGUSR1, and before stopping on SIGINT or SIGTERM.
   RunCheckpoints checkpoints(c, plan, *model, executor, launch, transport);
-#ifdef GPIPE_HISTORY_WIRING
   if (reports) checkpoints.set_history([&](int64_t done) { return report.history(static_cast<int>(done) - 1); });
-#endif
   const int start = static_cast<int>(checkpoints.resume());
   result.start_step = start;
-#ifdef GPIPE_HISTORY_WIRING
   if (reports && start > 0 && !checkpoints.resumed_history().is_null()) {
     report.carry_over(checkpoints.resumed_history(), start);
   }
-#endif
   if (start >= c.train.steps) {
     // A finished run resumed (a restart after its last checkpoint): its reports stay.
     if (writes) {
