@@ -55,7 +55,7 @@ using detail::join_names;
 // and (format 2 on) a checksum for each of its tensors.
 struct ShardExpectation {
   int64_t step = 0;
-  std::string run_id;  // empty: the trainer state names no run (written before run ids)
+  std::string run_id;  // empty: the trainer state names no run (a store given no run id, or format 1)
   bool checksums = true;
 };
 
@@ -68,12 +68,13 @@ void check_shard_identity(const std::string& path, const SafetensorsHeader& h, c
                             " but its checkpoint is of step " + std::to_string(expect.step) +
                             " (a shard copied in from another checkpoint)");
   }
-  if (expect.run_id.empty()) return;
   const auto run = h.metadata.find("run_id");
-  if (run == h.metadata.end() || run->second != expect.run_id) {
-    throw CheckpointDamaged("checkpoint shard '" + path + "' belongs to run " +
-                            (run == h.metadata.end() ? std::string("(none)") : run->second) +
-                            " but its checkpoint is of run " + expect.run_id + " (a shard copied in from another run)");
+  const std::string shard_run = run == h.metadata.end() ? "" : run->second;
+  if (shard_run != expect.run_id) {
+    auto named = [](const std::string& id) { return id.empty() ? std::string("(none)") : id; };
+    throw CheckpointDamaged("checkpoint shard '" + path + "' belongs to run " + named(shard_run) +
+                            " but its checkpoint is of run " + named(expect.run_id) +
+                            " (a shard copied in from another run)");
   }
 }
 
@@ -256,8 +257,6 @@ LoadedCheckpoint load_checkpoint_files(const std::string& path_in, const LoadFil
       throw UserError("checkpoint trainer state '" + state_path + "' has a run_id that is not a non-empty string");
     }
     expect.run_id = st["run_id"].get<std::string>();
-  } else if (version >= 2) {
-    throw UserError("checkpoint trainer state '" + state_path + "' has no run_id (format version 2 has one)");
   }
   if (version < 2) {
     spdlog::warn("checkpoint {} was written before checkpoints carried checksums (format version 1): its tensors "

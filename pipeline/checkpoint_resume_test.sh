@@ -130,7 +130,7 @@ kill -TERM $job
 wait $job
 rc=$?
 [ "$rc" -eq 143 ] || { cat sig.log; fail "SIGTERM: exit $rc, want 143"; }
-grep -qE "stopped by SIGTERM after step [0-9]+; saved .*sig/checkpoints/step-[0-9]+; continue with --resume" sig.log ||
+grep -qE "stopped by SIGTERM after step [0-9]+; saved .*sig/checkpoints/step-[0-9]+; continue it with: .* --set output.dir=sig --set train.steps=100000 --resume" sig.log ||
   { cat sig.log; fail "SIGTERM's message"; }
 saved="$(grep -oE 'after step [0-9]+' sig.log | tail -1 | grep -oE '[0-9]+')"
 [ -e "sig/checkpoints/step-$saved/COMPLETE" ] || fail "SIGTERM's checkpoint step-$saved"

@@ -1,5 +1,7 @@
 #include "pipeline/checkpointing.h"
 
+#include <fcntl.h>
+
 #include <cmath>
 #include <csignal>
 #include <cstring>
@@ -19,6 +21,9 @@ volatile std::sig_atomic_t g_stop_signal = 0;
 
 extern "C" void on_save_signal(int) { g_save_requested = 1; }
 
+// Set in a multi-process run.
+volatile std::sig_atomic_t g_under_mpi = 0;
+
 extern "C" void on_stop_signal(int sig) {
   if (g_stop_signal != 0) {  // a second one: stop at once
     std::signal(sig, SIG_DFL);
@@ -26,6 +31,16 @@ extern "C" void on_stop_signal(int sig) {
     return;
   }
   g_stop_signal = sig;
+  // mpirun, once signalled itself (SIGTERM reaches the ranks only after its
+  // odls_base_sigkill_timeout), no longer reads the ranks' output: a rank blocked writing
+  // to a full pipe would never reach its save. Non-blocking, such a write fails and the
+  // rank goes on to save; what it prints from here on may be lost, its checkpoint is not.
+  if (g_under_mpi && sig != SIGUSR2) {
+    for (int fd : {1, 2}) {
+      const int flags = ::fcntl(fd, F_GETFL);
+      if (flags >= 0) ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+    }
+  }
 }
 
 struct sigaction install(int sig, void (*handler)(int)) {
@@ -61,6 +76,7 @@ RunCheckpoints::RunCheckpoints(const Config& config, const Plan& plan, layers::S
   if (config.checkpoint.async) writer_ = std::make_unique<AsyncCheckpointWriter>(store_);
   g_save_requested = 0;
   g_stop_signal = 0;
+  g_under_mpi = multi_ || (launch.replicas != nullptr && launch.replicas->size() > 1);
   for (int i = 0; i < kNumSignals; ++i) g_before[i] = install(kSignals[i], i == 0 ? on_save_signal : on_stop_signal);
 }
 
@@ -208,7 +224,12 @@ LoadedCheckpoint RunCheckpoints::load_first_intact(const std::vector<CheckpointR
     }
     // Every process reads its own stages' tensors: all of them must find theirs intact.
     const double damaged = sum_over_job(problem.empty() ? 0.0 : 1.0);
-    if (damaged == 0) return loaded;
+    if (damaged == 0) {
+      if (!tried.empty()) {
+        spdlog::warn("resuming from {}, the newest intact checkpoint (the newer ones above are damaged)", loaded.path);
+      }
+      return loaded;
+    }
     if (problem.empty()) problem = "a shard another process reads is damaged (see its message)";
     spdlog::warn("checkpoint {} cannot be used: {}; trying an older one", c.path, problem);
     tried += (tried.empty() ? "" : "; ") + c.path + ": " + problem;
@@ -296,9 +317,6 @@ int64_t RunCheckpoints::resume() {
   filter.model = [&](const std::string& n) { return model_names.count(n) > 0; };
   filter.optimizer = [&](const std::string& n) { return optimizer_names.count(n) > 0; };
   LoadedCheckpoint loaded = load_first_intact(candidates, filter);
-  if (loaded.path != candidates.front().path) {
-    spdlog::warn("resuming from {}, the newest intact checkpoint (the newer ones above are damaged)", loaded.path);
-  }
   check_same_run(loaded);
   const nlohmann::json& state = loaded.trainer_state;
   // Saves from here on belong to the run it continues.

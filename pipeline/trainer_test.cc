@@ -61,7 +61,7 @@ TEST_CASE("K=2 and K=3 train exactly like K=1 up to float32 rounding") {
   const TrainResult one = run({"output.dir=" + out_dir("k1"), "train.steps=10"});
   for (const char* k : {"2", "3"}) {
     for (const char* mode : {"always", "never"}) {
-      const TrainResult many = run({"output.dir=" + out_dir(std::string("k") + k), "train.steps=10",
+      const TrainResult many = run({"output.dir=" + out_dir(std::string("k") + k + mode), "train.steps=10",
                                     std::string("pipeline.partitions=") + k, std::string("pipeline.checkpoint=") + mode});
       REQUIRE(many.losses.size() == one.losses.size());
       for (size_t i = 0; i < one.losses.size(); ++i) CHECK(many.losses[i] == doctest::Approx(one.losses[i]).epsilon(1e-4));
