@@ -10,7 +10,9 @@
 set -uo pipefail
 n="${1:-10}"
 root="$(cd "$(dirname "$(readlink -f "$0")")/.." && pwd)"
-cd "$root" && bazel build //pipeline:gpipe >&2 || exit 2
+cuda="${CUDA_PATH:-/usr/local/cuda}"  # the build ./gpipe makes (with CUDA where nvcc exists)
+flags=(); [ -x "$cuda/bin/nvcc" ] && [ "${GPIPE_NO_CUDA:-0}" != "1" ] && flags=(--config=cuda)
+cd "$root" && bazel build "${flags[@]}" //pipeline:gpipe >&2 || exit 2
 gpipe="$root/bazel-bin/pipeline/gpipe"
 work="$(mktemp -d /tmp/gpipe-signals.XXXXXX)"
 cd "$work" || exit 2
