@@ -51,6 +51,11 @@ expect 2 "raise train.batch_size to at least 16 or lower pipeline.micro_batches"
   "$gpipe" train small.yaml --set pipeline.micro_batches=16
 expect 2 "pipeline.replicas = 2 needs 2 copies of the pipeline: launch mpirun -np 4" -- \
   "$gpipe" train small.yaml --set pipeline.replicas=2
+# A directory as data.path: std::ifstream opens it and fails only when read.
+expect 2 "gpipe: error: data.path '$tmp' is a directory, not a file; set data.path to the text file itself" -- \
+  "$gpipe" train small.yaml --set data.type=text --set "data.path=$tmp"
+expect 2 "gpipe: error: text file '$tmp/no_such.txt' cannot be read (No such file or directory)" -- \
+  "$gpipe" train small.yaml --set data.type=text --set "data.path=$tmp/no_such.txt"
 [ ! -e "$tmp/run/report.json" ] || { echo "FAIL: a refused run wrote a report"; exit 1; }
 for h in help --help -h; do
   expect 0 "gpipe plan [CONFIG.yaml]" -- "$gpipe" "$h"
