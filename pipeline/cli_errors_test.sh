@@ -56,6 +56,8 @@ expect 2 "gpipe: error: data.path '$tmp' is a directory, not a file; set data.pa
   "$gpipe" train small.yaml --set data.type=text --set "data.path=$tmp"
 expect 2 "gpipe: error: text file '$tmp/no_such.txt' cannot be read (No such file or directory)" -- \
   "$gpipe" train small.yaml --set data.type=text --set "data.path=$tmp/no_such.txt"
+expect 2 "gpipe: error: config error at --set optimizer.warmup_steps=-5: optimizer.warmup_steps: must be at least 0" -- \
+  "$gpipe" train small.yaml --set optimizer.warmup_steps=-5
 [ ! -e "$tmp/run/report.json" ] || { echo "FAIL: a refused run wrote a report"; exit 1; }
 for h in help --help -h; do
   expect 0 "gpipe plan [CONFIG.yaml]" -- "$gpipe" "$h"
