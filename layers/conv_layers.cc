@@ -182,10 +182,8 @@ BatchNorm2d::BatchNorm2d(const BatchNorm2dOptions& opts)
     : Layer(checked_bn_input(opts), opts.input, opts.dtype), opts_(opts) {
   const int64_t C = opts.input[0];
   Backend& host = backend_for(Device::cpu());
-  gamma_ = make_parameter("weight", {C}, 0.0, 0);
-  host.fill(gamma_.value, 1.0);
-  beta_ = make_parameter("bias", {C}, 0.0, 0);
-  host.fill(beta_.value, 0.0);
+  gamma_ = constant_parameter("weight", {C}, 1.0);
+  beta_ = constant_parameter("bias", {C}, 0.0);
   running_mean_ = host.zeros({C}, dtype_);
   running_var_ = host.empty({C}, dtype_);
   host.fill(running_var_, 1.0);

@@ -152,23 +152,43 @@ void Layer::to(Device device) {
   device_ = device;
 }
 
+namespace {
+thread_local bool parameters_without_storage = false;
+}  // namespace
+
+ParametersWithoutStorage::ParametersWithoutStorage() : outer_(parameters_without_storage) {
+  parameters_without_storage = true;
+}
+
+ParametersWithoutStorage::~ParametersWithoutStorage() { parameters_without_storage = outer_; }
+
+bool ParametersWithoutStorage::active() { return parameters_without_storage; }
+
 Parameter Layer::make_parameter(const std::string& name, const Shape& shape, double bound, uint64_t seed) {
-  Rng rng(seed);
+  if (dtype_ != DType::kF32 && dtype_ != DType::kF64) {
+    throw UserError(std::string("parameters in ") + dtype_name(dtype_) +
+                    " are not supported yet; use model.dtype: float32");
+  }
   Parameter p;
   p.name = name;
+  if (parameters_without_storage) return p;
+  Rng rng(seed);
   p.value = Tensor::empty(shape, dtype_, Device::cpu());
   const int64_t n = p.value.numel();
   if (dtype_ == DType::kF32) {
     float* d = p.value.data<float>();
     for (int64_t i = 0; i < n; ++i) d[i] = static_cast<float>(rng.uniform(-bound, bound));
-  } else if (dtype_ == DType::kF64) {
+  } else {
     double* d = p.value.data<double>();
     for (int64_t i = 0; i < n; ++i) d[i] = rng.uniform(-bound, bound);
-  } else {
-    throw UserError(std::string("parameters in ") + dtype_name(dtype_) +
-                    " are not supported yet; use model.dtype: float32");
   }
   p.grad = backend_for(Device::cpu()).zeros(shape, dtype_);
+  return p;
+}
+
+Parameter Layer::constant_parameter(const std::string& name, const Shape& shape, double value) {
+  Parameter p = make_parameter(name, shape, 0.0, 0);  // uniform in [0, 0]: the dtype checks and a zero gradient
+  if (p.value.defined()) backend_for(Device::cpu()).fill(p.value, value);
   return p;
 }
 

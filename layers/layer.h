@@ -138,8 +138,11 @@ class Layer {
   }
   virtual void backward_weight_impl(Backend&, Context&) {}
   virtual void end_step_impl(Backend&, const ReplicaSum&) {}
-  // Creates a parameter on the CPU, initialised uniform in [-bound, bound].
+  // Creates a parameter on the CPU, initialised uniform in [-bound, bound], with a zero
+  // gradient; under a ParametersWithoutStorage, one without storage.
   Parameter make_parameter(const std::string& name, const Shape& shape, double bound, uint64_t seed);
+  // The same, every element `value` (a norm's scale 1 or shift 0).
+  Parameter constant_parameter(const std::string& name, const Shape& shape, double value);
 
   Shape input_shape_, output_shape_;
   DType dtype_;
@@ -153,6 +156,25 @@ class Layer {
   // model, set by Sequential::add (absent for a sub-layer or a layer on its own).
   std::string name_for_errors() const;
   int index_ = -1;
+};
+
+// While one is alive on its thread, layers are built without storage for their
+// parameters: make_parameter and constant_parameter return a Parameter whose value and
+// gradient are undefined tensors. Such a layer reports its shapes and cost() (which
+// counts param_bytes from its options) but cannot run, move or be tied: it only
+// measures. layers::measure_parameters (registry.h) counts a model's weights with it
+// before any is allocated. A layer that writes its parameters in its constructor must
+// not be built under it.
+class ParametersWithoutStorage {
+ public:
+  ParametersWithoutStorage();
+  ~ParametersWithoutStorage();
+  ParametersWithoutStorage(const ParametersWithoutStorage&) = delete;
+  ParametersWithoutStorage& operator=(const ParametersWithoutStorage&) = delete;
+  static bool active();
+
+ private:
+  bool outer_;  // an enclosing one's state, restored on destruction
 };
 
 // Checks a layer's cost(batch) against what can be known exactly, and throws a

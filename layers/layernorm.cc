@@ -16,12 +16,6 @@ LayerNorm::LayerNorm(const LayerNormOptions& opts)
   bias_ = constant_parameter("bias", {channels_}, 0.0);
 }
 
-Parameter LayerNorm::constant_parameter(const std::string& name, const Shape& shape, double value) {
-  Parameter p = make_parameter(name, shape, 0.0, 0);  // uniform in [0, 0]: the dtype checks and a zero gradient
-  backend_for(Device::cpu()).fill(p.value, value);
-  return p;
-}
-
 std::string LayerNorm::describe() const { return "layernorm" + shape_str(input_shape_); }
 
 LayerCost LayerNorm::cost(int64_t batch) const {

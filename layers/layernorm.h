@@ -28,8 +28,6 @@ class LayerNorm : public Layer {
  private:
   Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
   Tensor backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) override;
-  // A CPU parameter with every element `value` (Layer::make_parameter draws at random).
-  Parameter constant_parameter(const std::string& name, const Shape& shape, double value);
   LayerNormOptions opts_;
   int64_t channels_;
   Parameter weight_;  // (C), gamma

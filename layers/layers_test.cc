@@ -230,6 +230,65 @@ TEST_CASE("a tied head needs an embedding before it with the same table shape") 
   CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("no embedding layer before this one"), UserError);
 }
 
+TEST_CASE("measure_parameters counts what build_model makes, without allocating it") {
+  ModelSpec spec;
+  spec.input = {8};
+  spec.input_dtype = DType::kI32;
+  spec.dtype = DType::kF64;
+  spec.layers = {{"embedding", {{"vocab", "10"}, {"dim", "12"}}, {}, "m.yaml:2:5"},
+                 {"transformer_block", {{"heads", "2"}}, {}, ""},
+                 {"attention", {{"heads", "3"}}, {}, ""},
+                 {"layernorm", {}, {}, ""},
+                 {"dropout", {{"p", "0.1"}}, {}, ""},
+                 {"gelu", {}, {}, ""},
+                 {"linear", {{"out", "10"}, {"bias", "false"}, {"tied", "true"}}, {}, ""}};
+  spec.loss = {"softmax_cross_entropy", {}, {}, ""};
+  const auto measured = measure_parameters(spec);
+  REQUIRE(measured.has_value());
+  auto model = build_model(spec);
+  REQUIRE(measured->size() == static_cast<size_t>(model->size()));
+  for (int i = 0; i < model->size(); ++i) {
+    CAPTURE(i);
+    int64_t bytes = 0;  // what the built layer holds, a tied head's copy included
+    for (const Parameter* p : model->layer(i).parameters()) bytes += static_cast<int64_t>(p->value.nbytes());
+    CHECK((*measured)[i].bytes == bytes);
+    CHECK((*measured)[i].describe == model->layer(i).describe());
+  }
+  CHECK((*measured)[0].where == "m.yaml:2:5");
+  CHECK((*measured)[0].bytes == (10 * 12 + 8 * 12) * 8);  // token and position tables
+
+  // 200000 x 200000 float64 (320 GB): measured, and not one weight of it allocated.
+  ModelSpec huge;
+  huge.input = {200000};
+  huge.dtype = DType::kF64;
+  huge.layers = {{"linear", {{"out", "200000"}}, {}, ""}, {"relu", {}, {}, ""}, {"linear", {{"out", "4"}}, {}, ""}};
+  huge.loss = {"softmax_cross_entropy", {}, {}, ""};
+  Allocator& host = allocator_for(Device::cpu());
+  host.reset_peak();
+  const int64_t before = host.stats().in_use;
+  const auto big = measure_parameters(huge);
+  CHECK(host.stats().peak - before < (1 << 20));
+  REQUIRE(big.has_value());
+  CHECK((*big)[0].bytes == (200000LL * 200000 + 200000) * 8);
+  CHECK((*big)[0].describe == "linear(200000 -> 200000)");
+  CHECK((*big)[2].bytes == (200000LL * 4 + 4) * 8);
+  CHECK(!ParametersWithoutStorage::active());  // only while measuring
+
+  // The errors build_model gives, the same.
+  huge.layers[2].args["outt"] = "4";
+  CHECK_THROWS_WITH_AS(measure_parameters(huge), doctest::Contains("unknown option 'outt'"), UserError);
+  // A model registered in C++, or a layer type of one's own, may write its parameters as
+  // it makes them: not measured.
+  ModelSpec cpp;
+  cpp.cpp = LayerSpec{"some_model", {}, {}, ""};
+  CHECK(!measure_parameters(cpp).has_value());
+  register_layer("measure_test_own", [](LayerArgs&, const Shape& in, DType dtype, uint64_t) -> std::unique_ptr<Layer> {
+    return std::make_unique<Relu>(in, dtype);
+  });
+  huge.layers[2] = {"measure_test_own", {}, {}, ""};
+  CHECK(!measure_parameters(huge).has_value());
+}
+
 TEST_CASE("weights do not depend on anything but the seed and position") {
   // Three layers of one size, so that a difference can only come from the seed or the
   // position, never from the shape.

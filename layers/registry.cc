@@ -341,6 +341,31 @@ std::unique_ptr<Sequential> build_model(const ModelSpec& spec) {
   return model;
 }
 
+std::optional<std::vector<LayerWeights>> measure_parameters(const ModelSpec& spec) {
+  if (spec.cpp) return std::nullopt;
+  {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    for (const LayerSpec& ls : spec.layers) {
+      if (r.layers.count(ls.type) && !r.builtin_layers.count(ls.type)) return std::nullopt;
+    }
+  }
+  ParametersWithoutStorage measuring;
+  std::vector<LayerWeights> out;
+  Shape shape = spec.input;
+  DType dtype = spec.input_dtype.value_or(spec.dtype);
+  for (size_t i = 0; i < spec.layers.size(); ++i) {
+    LayerSpec ls = spec.layers[i];
+    ls.args.erase("tied");  // build_model checks it; a tied head holds a copy of the table
+    const std::unique_ptr<Layer> layer = make_layer(ls, shape, spec.dtype, mix_seed(spec.seed, i));
+    if (layer->input_shape() != shape || layer->input_dtype() != dtype) return std::nullopt;  // build_model says why
+    out.push_back({layer->describe(), ls.where, layer->cost(1).param_bytes});
+    shape = layer->output_shape();
+    dtype = layer->dtype();
+  }
+  return out;
+}
+
 std::unique_ptr<Sequential> build_cpp_model(const LayerSpec& spec) {
   ModelFactory f;
   {

@@ -90,5 +90,18 @@ std::unique_ptr<Loss> make_loss(const LayerSpec& spec, const Shape& input, DType
 // registered C++ model instead.
 std::unique_ptr<Sequential> build_model(const ModelSpec& spec);
 
+// The bytes of each layer's parameters (LayerCost::param_bytes; a tied head counted as
+// the copy of the embedding's table it keeps), from the spec alone: its layers are
+// built as build_model builds them, with the same errors, but without storage for
+// their parameters (ParametersWithoutStorage), so nothing the size of the weights is
+// allocated. std::nullopt for a model registered in C++ and for one with a layer type
+// of one's own (register_layer), whose code may write its parameters as it makes them.
+struct LayerWeights {
+  std::string describe;  // "linear(200000 -> 200000)"
+  std::string where;     // the spec's, "configs/default.yaml:12:7"
+  int64_t bytes = 0;
+};
+std::optional<std::vector<LayerWeights>> measure_parameters(const ModelSpec& spec);
+
 }  // namespace layers
 }  // namespace gpipe

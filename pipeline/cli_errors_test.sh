@@ -51,6 +51,17 @@ expect 2 "raise train.batch_size to at least 16 or lower pipeline.micro_batches"
   "$gpipe" train small.yaml --set pipeline.micro_batches=16
 expect 2 "pipeline.replicas = 2 needs 2 copies of the pipeline: launch mpirun -np 4" -- \
   "$gpipe" train small.yaml --set pipeline.replicas=2
+# A directory as data.path: std::ifstream opens it and fails only when read.
+expect 2 "gpipe: error: data.path '$tmp' is a directory, not a file; set data.path to the text file itself" -- \
+  "$gpipe" train small.yaml --set data.type=text --set "data.path=$tmp"
+expect 2 "gpipe: error: text file '$tmp/no_such.txt' cannot be read (No such file or directory)" -- \
+  "$gpipe" train small.yaml --set data.type=text --set "data.path=$tmp/no_such.txt"
+expect 2 "gpipe: error: config error at --set optimizer.warmup_steps=-5: optimizer.warmup_steps: must be at least 0" -- \
+  "$gpipe" train small.yaml --set optimizer.warmup_steps=-5
+# Weights that cannot fit (200000 x 200000 float64: 320 GB) are refused before any is
+# allocated, with the advice for weights, not for micro-batches.
+expect 2 "do not depend on pipeline.micro_batches or train.batch_size" -- \
+  "$gpipe" train small.yaml --set model.dtype=float64 --set model.layers.0.out=200000 --set model.input=[200000]
 [ ! -e "$tmp/run/report.json" ] || { echo "FAIL: a refused run wrote a report"; exit 1; }
 for h in help --help -h; do
   expect 0 "gpipe plan [CONFIG.yaml]" -- "$gpipe" "$h"

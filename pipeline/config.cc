@@ -4,10 +4,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <fstream>
 #include <map>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "runtime/error.h"
 
@@ -89,6 +91,20 @@ class Decoder {
     const int64_t v = integer(n, path);
     if (v < 1) fail(n, path, "must be at least 1, got " + std::to_string(v));
     return v;
+  }
+
+  // An integer field held as int: at least `least`, and small enough for an int.
+  int small_int(const YAML::Node& n, const std::string& path, int64_t least, const std::string& meaning) const {
+    const int64_t v = integer(n, path);
+    if (v < least) fail(n, path, "must be at least " + std::to_string(least) + meaning + ", got " + std::to_string(v));
+    if (v > INT32_MAX) fail(n, path, "must be at most " + std::to_string(INT32_MAX) + ", got " + std::to_string(v));
+    return static_cast<int>(v);
+  }
+
+  // The message of a number outside its range: "must be in [0, 1) (...), got -1.3",
+  // with the value as it was written.
+  [[noreturn]] void out_of_range(const YAML::Node& n, const std::string& path, const std::string& valid) const {
+    fail(n, path, "must be " + valid + ", got " + (n.IsScalar() ? n.Scalar() : std::string("?")));
   }
 
   double number(const YAML::Node& n, const std::string& path) const {
@@ -356,7 +372,12 @@ Config parse_config(const std::string& text, const std::string& source, const st
     if (data["teacher_hidden"]) c.data.teacher_hidden = dec.positive(data["teacher_hidden"], "data.teacher_hidden");
     if (data["teacher_scale"]) c.data.teacher_scale = dec.number(data["teacher_scale"], "data.teacher_scale");
     if (data["seed"]) c.data.seed = static_cast<uint64_t>(dec.integer(data["seed"], "data.seed"));
-    if (data["eval_samples"]) c.data.eval_samples = dec.integer(data["eval_samples"], "data.eval_samples");
+    if (data["eval_samples"]) {
+      c.data.eval_samples = dec.integer(data["eval_samples"], "data.eval_samples");
+      if (c.data.eval_samples < 0) {
+        dec.out_of_range(data["eval_samples"], "data.eval_samples", "at least 0 (the teacher task's held-out samples)");
+      }
+    }
   }
 
   // pipeline
@@ -392,9 +413,9 @@ Config parse_config(const std::string& text, const std::string& source, const st
                  "must be at least 0 (0: one reduction per parameter) and at most 1e6");
       }
     }
-    if (p["replicas"]) c.pipeline.replicas = static_cast<int>(dec.positive(p["replicas"], "pipeline.replicas"));
-    if (p["partitions"]) c.pipeline.partitions = static_cast<int>(dec.positive(p["partitions"], "pipeline.partitions"));
-    if (p["micro_batches"]) c.pipeline.micro_batches = static_cast<int>(dec.positive(p["micro_batches"], "pipeline.micro_batches"));
+    if (p["replicas"]) c.pipeline.replicas = dec.small_int(p["replicas"], "pipeline.replicas", 1, "");
+    if (p["partitions"]) c.pipeline.partitions = dec.small_int(p["partitions"], "pipeline.partitions", 1, "");
+    if (p["micro_batches"]) c.pipeline.micro_batches = dec.small_int(p["micro_batches"], "pipeline.micro_batches", 1, "");
     if (p["recompute"] && p["checkpoint"]) {
       dec.fail(p["checkpoint"], "pipeline.checkpoint",
                "pipeline.recompute is set too; pipeline.checkpoint is its other name, give one of them");
@@ -421,7 +442,7 @@ Config parse_config(const std::string& text, const std::string& source, const st
       }
     }
     if (p["virtual_stages"]) {
-      c.pipeline.virtual_stages = static_cast<int>(dec.positive(p["virtual_stages"], "pipeline.virtual_stages"));
+      c.pipeline.virtual_stages = dec.small_int(p["virtual_stages"], "pipeline.virtual_stages", 1, "");
     }
     if (p["schedule_file"] && !p["schedule_file"].IsNull()) {
       c.pipeline.schedule_file = dec.str(p["schedule_file"], "pipeline.schedule_file");
@@ -448,14 +469,44 @@ Config parse_config(const std::string& text, const std::string& source, const st
         dec.fail(o["type"], "optimizer.type", "unknown optimizer '" + oc.type + "'; valid: sgd, adam, adamw");
       }
     }
-    if (o["lr"]) oc.lr = dec.number(o["lr"], "optimizer.lr");
-    if (o["momentum"]) oc.momentum = dec.number(o["momentum"], "optimizer.momentum");
-    if (o["weight_decay"]) oc.weight_decay = dec.number(o["weight_decay"], "optimizer.weight_decay");
+    // Each number's valid range, and a learning rate above kMaxLr taken for a mistake
+    // (a lost minus in an exponent, 1e3 for 1e-3): it diverges on the first steps.
+    constexpr double kMaxLr = 10;
+    const std::string lr_valid = "> 0 and at most " + std::to_string(static_cast<int>(kMaxLr)) +
+                                 " (typical: 1e-4 to 1e-3 for adam and adamw, 0.01 to 0.1 for sgd)";
+    if (o["lr"]) {
+      oc.lr = dec.number(o["lr"], "optimizer.lr");
+      if (!(oc.lr > 0)) dec.out_of_range(o["lr"], "optimizer.lr", lr_valid);
+      if (oc.lr > kMaxLr) {
+        dec.fail(o["lr"], "optimizer.lr",
+                 o["lr"].Scalar() + " is too large: a learning rate above " + std::to_string(static_cast<int>(kMaxLr)) +
+                     " diverges at once; it must be " + lr_valid);
+      }
+    }
+    if (o["momentum"]) {
+      oc.momentum = dec.number(o["momentum"], "optimizer.momentum");
+      if (!(oc.momentum >= 0 && oc.momentum < 1)) {
+        dec.out_of_range(o["momentum"], "optimizer.momentum", "in [0, 1) (0: plain SGD; 0.9 is usual)");
+      }
+    }
+    if (o["weight_decay"]) {
+      oc.weight_decay = dec.number(o["weight_decay"], "optimizer.weight_decay");
+      if (!(oc.weight_decay >= 0)) {
+        dec.out_of_range(o["weight_decay"], "optimizer.weight_decay", ">= 0 (0: none; 0.01 to 0.1 is usual for adamw)");
+      }
+    }
     if (o["nesterov"]) oc.nesterov = dec.boolean(o["nesterov"], "optimizer.nesterov");
-    if (o["beta1"]) oc.beta1 = dec.number(o["beta1"], "optimizer.beta1");
-    if (o["beta2"]) oc.beta2 = dec.number(o["beta2"], "optimizer.beta2");
-    if (o["eps"]) oc.eps = dec.number(o["eps"], "optimizer.eps");
-    if (oc.lr <= 0) dec.fail(o["lr"], "optimizer.lr", "must be positive");
+    for (const auto& [key, usual, value] : {std::make_tuple("beta1", "0.9", &oc.beta1),
+                                            std::make_tuple("beta2", "0.999", &oc.beta2)}) {
+      if (!o[key]) continue;
+      const std::string what = std::string("optimizer.") + key;
+      *value = dec.number(o[key], what);
+      if (!(*value >= 0 && *value < 1)) dec.out_of_range(o[key], what, std::string("in [0, 1) (") + usual + " is usual)");
+    }
+    if (o["eps"]) {
+      oc.eps = dec.number(o["eps"], "optimizer.eps");
+      if (!(oc.eps > 0)) dec.out_of_range(o["eps"], "optimizer.eps", "> 0 (1e-8 is usual)");
+    }
     if (oc.nesterov && oc.momentum <= 0) dec.fail(o["nesterov"], "optimizer.nesterov", "needs optimizer.momentum > 0");
     if (o["schedule"]) {
       c.optimizer.schedule = dec.str(o["schedule"], "optimizer.schedule");
@@ -463,11 +514,21 @@ Config parse_config(const std::string& text, const std::string& source, const st
         dec.fail(o["schedule"], "optimizer.schedule", "unknown schedule '" + c.optimizer.schedule + "'; valid: constant, cosine");
       }
     }
-    if (o["warmup_steps"]) c.optimizer.warmup_steps = static_cast<int>(dec.integer(o["warmup_steps"], "optimizer.warmup_steps"));
-    if (o["min_lr"]) c.optimizer.min_lr = dec.number(o["min_lr"], "optimizer.min_lr");
+    if (o["warmup_steps"]) {
+      c.optimizer.warmup_steps = dec.small_int(o["warmup_steps"], "optimizer.warmup_steps", 0, " (0: no warmup)");
+    }
+    if (o["min_lr"]) {
+      c.optimizer.min_lr = dec.number(o["min_lr"], "optimizer.min_lr");
+      if (!(c.optimizer.min_lr >= 0 && c.optimizer.min_lr <= oc.lr)) {
+        std::ostringstream lr;
+        lr << oc.lr;
+        dec.out_of_range(o["min_lr"], "optimizer.min_lr",
+                         "in [0, optimizer.lr] = [0, " + lr.str() + "] (where the cosine schedule ends)");
+      }
+    }
     if (o["clip_grad_norm"]) {
       c.optimizer.clip_grad_norm = dec.number(o["clip_grad_norm"], "optimizer.clip_grad_norm");
-      if (c.optimizer.clip_grad_norm < 0) dec.fail(o["clip_grad_norm"], "optimizer.clip_grad_norm", "must be >= 0 (0 = off)");
+      if (c.optimizer.clip_grad_norm < 0) dec.out_of_range(o["clip_grad_norm"], "optimizer.clip_grad_norm", ">= 0 (0 = off)");
     }
   }
 
@@ -475,14 +536,28 @@ Config parse_config(const std::string& text, const std::string& source, const st
   const YAML::Node t = dec.required(root, "train", "");
   dec.check_map(t, "train", {"steps", "batch_size", "seed", "log_interval", "eval_interval", "eval_samples",
                              "blas_threads", "log_level"});
-  c.train.steps = static_cast<int>(dec.positive(dec.required(t, "steps", "train"), "train.steps"));
+  c.train.steps = dec.small_int(dec.required(t, "steps", "train"), "train.steps", 1, "");
   c.train.batch_size = dec.positive(dec.required(t, "batch_size", "train"), "train.batch_size");
   if (t["seed"]) c.train.seed = static_cast<uint64_t>(dec.integer(t["seed"], "train.seed"));
-  if (t["log_interval"]) c.train.log_interval = static_cast<int>(dec.positive(t["log_interval"], "train.log_interval"));
-  if (t["eval_interval"]) c.train.eval_interval = static_cast<int>(dec.integer(t["eval_interval"], "train.eval_interval"));
-  if (t["eval_samples"]) c.train.eval_samples = dec.integer(t["eval_samples"], "train.eval_samples");
-  if (t["blas_threads"]) c.train.blas_threads = static_cast<int>(dec.positive(t["blas_threads"], "train.blas_threads"));
-  if (t["log_level"]) c.train.log_level = dec.str(t["log_level"], "train.log_level");
+  if (t["log_interval"]) c.train.log_interval = dec.small_int(t["log_interval"], "train.log_interval", 1, "");
+  if (t["eval_interval"]) {
+    c.train.eval_interval = dec.small_int(t["eval_interval"], "train.eval_interval", 0, " (0: only at the end)");
+  }
+  if (t["eval_samples"]) {
+    c.train.eval_samples = dec.integer(t["eval_samples"], "train.eval_samples");
+    if (c.train.eval_samples < 0) {
+      dec.out_of_range(t["eval_samples"], "train.eval_samples", "at least 0 (0: the whole validation set)");
+    }
+  }
+  if (t["blas_threads"]) c.train.blas_threads = dec.small_int(t["blas_threads"], "train.blas_threads", 1, "");
+  if (t["log_level"]) {
+    c.train.log_level = dec.str(t["log_level"], "train.log_level");
+    const std::set<std::string> levels = {"trace", "debug", "info", "warn", "warning", "error", "err", "critical", "off"};
+    if (!levels.count(c.train.log_level)) {
+      dec.fail(t["log_level"], "train.log_level",
+               "unknown level '" + c.train.log_level + "'; valid: trace, debug, info, warn, error, critical, off");
+    }
+  }
 
   // output
   YAML::Node trace_flag;

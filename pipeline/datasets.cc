@@ -1,7 +1,9 @@
 #include "pipeline/datasets.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 
@@ -14,14 +16,29 @@ namespace pipeline {
 
 namespace {
 
+// The whole of data.path. A directory, a missing file and one this process may not
+// read are the user's to fix, so each is a UserError that says which (std::ifstream
+// opens a directory and only fails when read, with an error of its own).
 std::vector<uint8_t> read_file(const std::string& path, const char* what) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    const std::string dir = path.back() == '/' ? path : path + "/";
+    throw UserError("data.path '" + path + "' is a directory, not a file; set data.path to the " + what +
+                    " file itself, e.g. --set data.path=" + dir + "FILE");
+  }
+  const std::string fix = "; check data.path (it can be set with --set data.path=FILE)";
+  errno = 0;
   std::ifstream f(path, std::ios::binary);
   if (!f) {
-    throw UserError(std::string(what) + " file '" + path + "' cannot be read; check data.path (it can be set with " +
-                    "--set data.path=FILE)");
+    const std::string why = errno != 0 ? std::strerror(errno) : "it cannot be opened";
+    throw UserError(std::string(what) + " file '" + path + "' cannot be read (" + why + ")" + fix);
   }
-  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  return bytes;
+  try {
+    return std::vector<uint8_t>((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  } catch (const std::ios_base::failure&) {  // a read error after the open (a failing disk, a device)
+    const std::string why = errno != 0 ? std::strerror(errno) : "a read error";
+    throw UserError(std::string(what) + " file '" + path + "' could not be read to the end (" + why + ")" + fix);
+  }
 }
 
 class TeacherDataset : public Dataset {

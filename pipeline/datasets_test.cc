@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <string>
@@ -117,6 +118,28 @@ TEST_CASE("missing and empty files name themselves") {
   const std::string tiny = write_file("tiny.txt", "abc");
   CHECK(error_of([&] { make_token_data(read_byte_tokens(tiny), 256, 8, 0.1, 1, tiny); }).find("too few") !=
         std::string::npos);
+}
+
+TEST_CASE("data.path that is a directory, or a file that cannot be opened, is the user's to fix") {
+  const std::string dir = temp_path("a_directory");
+  std::filesystem::create_directories(dir);
+  for (const auto& read : std::vector<std::function<void()>>{
+           [&] { read_byte_tokens(dir); }, [&] { read_uint16_tokens(dir, 256); }, [&] { make_cifar_data(dir, 0.1, 1); }}) {
+    const std::string e = error_of(read);
+    CAPTURE(e);
+    CHECK(e.find("data.path '" + dir + "' is a directory, not a file; set data.path to the ") == 0);
+    CHECK(e.find(" file itself, e.g. --set data.path=" + dir + "/FILE") != std::string::npos);
+  }
+  CHECK(error_of([] { read_byte_tokens("/no/such/file.txt"); })
+            .find("text file '/no/such/file.txt' cannot be read (No such file or directory); check data.path") == 0);
+  const std::string locked = write_file("locked.txt", "some text");
+  std::filesystem::permissions(locked, std::filesystem::perms::none);
+  if (std::ifstream(locked)) {
+    MESSAGE("skipped the unreadable file: this user (root) reads it anyway");
+  } else {
+    CHECK(error_of([&] { read_byte_tokens(locked); })
+              .find("text file '" + locked + "' cannot be read (Permission denied); check data.path") == 0);
+  }
 }
 
 TEST_CASE("every dataset: the same step gives the same batch, another step another batch") {

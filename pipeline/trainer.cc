@@ -11,6 +11,7 @@
 #include "pipeline/datasets.h"
 #include "pipeline/checkpointing.h"
 #include "pipeline/executor.h"
+#include "pipeline/memory_check.h"
 #include "pipeline/plan.h"
 #include "pipeline/run_artifacts.h"
 #include "pipeline/run_directory.h"
@@ -137,22 +138,6 @@ void check_model_fits_data(const layers::Sequential& model, const Dataset& data)
   }
 }
 
-// Refuses a run whose estimated footprint cannot fit, before it allocates anything.
-void check_fits_in_memory(const Config& c, const layers::Sequential& model, const Plan& plan) {
-  const auto mem = estimate_memory(plan, model, c.optimizer.optimizer);
-  int64_t host = 0;
-  for (size_t k = 0; k < mem.size(); ++k) {
-    if (plan.devices[k].is_cpu()) host += mem[k].total();
-  }
-  const int64_t avail = host_available_bytes();
-  if (avail > 0 && host > avail) {
-    auto gib = [](int64_t b) { return std::to_string(b / (1 << 20) / 1024.0).substr(0, 5) + " GiB"; };
-    throw UserError("the model needs about " + gib(host) + " of host memory (parameters, gradients, optimizer "
-                    "state and activations) but only " + gib(avail) + " is available; lower train.batch_size, raise "
-                    "pipeline.micro_batches, set pipeline.recompute: always, or shrink the model");
-  }
-}
-
 }  // namespace
 
 std::vector<int> plan_balance(const Config& c, const layers::Sequential& model) {
@@ -180,6 +165,8 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
     lock = std::make_unique<DirectoryLock>(run_directories(identified), identified.run.id);
     if (identified.checkpoint.resume.empty()) claim_directories(identified);
   }
+  // Weights that cannot fit are refused before any is allocated (memory_check.h).
+  if (!make_model) check_weights_fit(identified, host_available_bytes(), launch.size * config.pipeline.replicas);
   // The model: YAML layers, a registered C++ model, or make_model (run_model.h); `c`
   // describes it.
   RunModel run = build_run_model(identified, make_model);
@@ -210,7 +197,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   const int64_t replica_batch = plan.replica_batch;
   TrainResult result;
   result.balance = plan.balance;
-  check_fits_in_memory(c, *model, plan);
+  check_run_fits(c, *model, plan, host_available_bytes());
   // Saves must not be the first to find a read-only or full disk: with periodic saves,
   // room for one more checkpoint; always, a writable folder (a stop signal saves too).
   if (owner) {

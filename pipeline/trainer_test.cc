@@ -6,12 +6,14 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "layers/registry.h"
 #include "partition/balance.h"
 #include "pipeline/config.h"
+#include "pipeline/memory_check.h"
 #include "pipeline/plan.h"
 #include "pipeline/trainer.h"
 #include "runtime/device.h"
@@ -112,15 +114,18 @@ TEST_CASE("report.json carries steps, stages and the bubble") {
 }
 
 TEST_CASE("a diverging run stops with a message naming the fix") {
-  CHECK_THROWS_WITH_AS(run({"output.dir=" + out_dir("nan"), "optimizer.lr=1e30", "train.steps=20"}),
-                       doctest::Contains("lower optimizer.lr"), UserError);
+  // The config reader refuses a learning rate above 10; set in C++, one diverges.
+  Config c = parse_config(kSmall, "small.yaml", {"output.dir=" + out_dir("nan"), "train.steps=20"});
+  c.optimizer.optimizer.lr = 1e30;
+  std::ostringstream out;
+  CHECK_THROWS_WITH_AS(train(c, out), doctest::Contains("lower optimizer.lr"), UserError);
   CHECK(!std::filesystem::exists(out_dir("nan") + "/report.json"));
 }
 
 TEST_CASE("a float64 loss that grows huge before it overflows still ends with the message") {
   // With lr 5e299 (warm-up) step 2's loss is finite with over 200 digits, which the
   // progress line must survive (it used to write past its buffer and crash), and step
-  // 3's is NaN.
+  // 3's is NaN. The config reader refuses such a learning rate; it is set in C++.
   const char* wide = R"(model:
   input: [32]
   dtype: float64
@@ -137,11 +142,12 @@ TEST_CASE("a float64 loss that grows huge before it overflows still ends with th
   loss: {type: softmax_cross_entropy}
 data: {type: teacher, classes: 6, teacher_hidden: 16, seed: 3, eval_samples: 96}
 pipeline: {partitions: 2, micro_batches: 2}
-optimizer: {type: sgd, lr: 1e300, weight_decay: 0.01, warmup_steps: 2}
+optimizer: {type: sgd, lr: 0.1, weight_decay: 0.01, warmup_steps: 2}
 train: {steps: 6, batch_size: 24, log_interval: 1}
 )";
   std::ostringstream log;
-  const Config c = parse_config(wide, "wide.yaml", {"output.dir=" + out_dir("huge")});
+  Config c = parse_config(wide, "wide.yaml", {"output.dir=" + out_dir("huge")});
+  c.optimizer.optimizer.lr = 1e300;
   CHECK_THROWS_WITH_AS(train(c, log), doctest::Contains("the loss became NaN at step 2; lower optimizer.lr (now 1e+300)"),
                        UserError);
   CAPTURE(log.str());
@@ -155,13 +161,92 @@ TEST_CASE("requests that cannot work are refused before training") {
                        UserError);
   CHECK_THROWS_WITH_AS(run({"pipeline.micro_batches=64"}), doctest::Contains("raise train.batch_size"), UserError);
   CHECK_THROWS_WITH_AS(run({"data.classes=5"}), doctest::Contains("the data needs (5) (5 classes)"), UserError);
-  // 2^20-wide layers at batch 2^16: terabytes, refused before anything is allocated.
+  // 2^20-wide layers at batch 2^16: terabytes of activations, refused before anything is
+  // allocated.
   CHECK_THROWS_WITH_AS(run({"model.layers.0.out=1048576", "train.batch_size=65536", "pipeline.checkpoint=never"}),
-                       doctest::Contains("of host memory"), UserError);
+                       doctest::Contains("for the activations its schedule keeps at their peak"), UserError);
   // One GPU more than this machine has (cuda:0 on a machine without any): refused on any machine.
   const std::string missing = "cuda:" + std::to_string(cuda_device_count());
   CHECK_THROWS_WITH_AS(run({"pipeline.partitions=2", "pipeline.devices=[cpu:0, " + missing + "]"}),
                        doctest::Contains(("pipeline.devices names " + missing + " but this machine has").c_str()), UserError);
+}
+
+namespace {
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const UserError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+}  // namespace
+
+TEST_CASE("weights that cannot fit are refused before any is allocated, with the advice for weights") {
+  // 200000 x 200000 float64: 320 GB of weights, as many of gradients, and with Adam
+  // twice as many of optimizer state; 64 GiB available.
+  const int64_t gib = int64_t{1} << 30;
+  const Config c = parse_config(kSmall, "small.yaml",
+                                {"model.dtype=float64", "model.input=[200000]", "model.layers.0.out=200000",
+                                 "optimizer.type=adam"});
+  Allocator& host = allocator_for(Device::cpu());
+  host.reset_peak();
+  const int64_t before = host.stats().in_use;
+  const std::string e = error_of([&] { check_weights_fit(c, 64 * gib); });
+  CHECK(host.stats().peak - before < (1 << 20));
+  CAPTURE(e);
+  CHECK(e.find("the model's weights cannot fit in host memory: with their gradients and optimizer state they need "
+               "1192.3 GiB (weights 298.1 GiB, gradients 298.1 GiB, adam state 596.1 GiB (2 values per weight)); the largest is "
+               "layer 0, linear(200000 -> 200000) at small.yaml:4:7, with 298.0 GiB of weights, but only 64.0 GiB is "
+               "available. Weights do not depend on pipeline.micro_batches or train.batch_size: use a smaller model "
+               "(fewer or narrower layers), set model.dtype: float32 instead of float64 (half the bytes), or use "
+               "optimizer.type: sgd without momentum") == 0);
+  CHECK(e.find("More pipeline.partitions do not help either: every process builds the whole model in host memory") !=
+        std::string::npos);
+  CHECK(e.find("micro_batches") == e.find("micro_batches or train.batch_size"));  // not advised to raise them
+  // Under mpirun (or on GPUs) the optimizer's state is not all this process's: weights and
+  // gradients only, which every process builds whole.
+  const std::string two = error_of([&] { check_weights_fit(c, 64 * gib, 2); });
+  CHECK(two.find("with their gradients they need 596.1 GiB (weights 298.1 GiB, gradients 298.1 GiB);") !=
+        std::string::npos);
+  // Fits: 1.3 TiB available. Unknown availability (-1): no check.
+  CHECK(error_of([&] { check_weights_fit(c, 1300 * gib); }) == "no error");
+  CHECK(error_of([&] { check_weights_fit(c, -1); }) == "no error");
+  // SGD without momentum keeps no state; float32 halves the rest.
+  const Config sgd = parse_config(kSmall, "small.yaml",
+                                  {"model.input=[200000]", "model.layers.0.out=200000", "optimizer.momentum=0"});
+  const std::string s = error_of([&] { check_weights_fit(sgd, 64 * gib); });
+  CHECK(s.find("they need 298.1 GiB (weights 149.0 GiB, gradients 149.0 GiB)") != std::string::npos);
+  CHECK(s.find("float64") == std::string::npos);
+  CHECK(s.find("optimizer") == std::string::npos);
+}
+
+TEST_CASE("a planned run that does not fit says how much is weights and how much activations") {
+  Config c = parse_config(kSmall, "small.yaml", {"model.layers.0.out=1024", "train.batch_size=65536"});
+  auto model = layers::build_model(c.model);
+  const Plan plan = make_plan(c, *model);
+  const auto mem = estimate_memory(plan, *model, c.optimizer.optimizer);
+  REQUIRE(mem.size() == 1);
+  // The model holds its weights and gradients already: `available` is what is left.
+  const int64_t held = 2 * mem[0].weight_bytes;
+  const int64_t weights = mem[0].parameter_bytes, activations = mem[0].activation_bytes;
+  REQUIRE(activations > weights);
+  CHECK(error_of([&] { check_run_fits(c, *model, plan, weights + activations - held); }) == "no error");
+  // Weights fit, activations do not: the micro-batch advice, with both parts.
+  const std::string a = error_of([&] { check_run_fits(c, *model, plan, weights + activations / 2 - held); });
+  CAPTURE(a);
+  CHECK(a.find("the run needs about ") == 0);
+  CHECK(a.find(" for the weights with their gradients and optimizer state and ") != std::string::npos);
+  CHECK(a.find(" for the activations its schedule keeps at their peak, but only ") != std::string::npos);
+  CHECK(a.find("the built model holds)") != std::string::npos);
+  CHECK(a.find("lower train.batch_size, raise pipeline.micro_batches, set pipeline.recompute: always") !=
+        std::string::npos);
+  // Not even the weights fit (a model built in C++ is checked only here): the advice for
+  // weights, not for micro-batches.
+  const std::string w = error_of([&] { check_run_fits(c, *model, plan, 1000); });
+  CAPTURE(w);
+  CHECK(w.find("the model's weights cannot fit in host memory") == 0);
+  CHECK(w.find("raise pipeline.micro_batches") == std::string::npos);
 }
 
 namespace {
