@@ -195,12 +195,15 @@ sup=$!
 child=""
 for _ in $(seq 600); do
   child="$(pgrep -f "gpipe train mlp.yaml --set output.dir=sup" | head -1)"
-  [ -n "$child" ] && kill -STOP "$child" 2>/dev/null && [ -e sup/checkpoints/step-6/COMPLETE ] && break
+  # Stopped where `latest` names step 6 or later, so that an older intact checkpoint exists.
+  [ -n "$child" ] && kill -STOP "$child" 2>/dev/null &&
+    [ "$(sed 's/step-//' sup/checkpoints/latest 2>/dev/null || echo 0)" -ge 6 ] 2>/dev/null && break
   [ -n "$child" ] && kill -CONT "$child" 2>/dev/null
   sleep 0.05
 done
-[ -e sup/checkpoints/step-6/COMPLETE ] || { kill $sup; cat sup.log; fail "no checkpoint at step 6"; }
 newest="$(cat sup/checkpoints/latest)"
+[ -e "sup/checkpoints/$newest/COMPLETE" ] && [ -e sup/checkpoints/step-3/COMPLETE ] ||
+  { kill $sup; cat sup.log; fail "no checkpoint at step 6 or later"; }
 flip "sup/checkpoints/$newest/model-00001-of-00002.safetensors" 8
 kill -9 "$child"
 wait $sup
