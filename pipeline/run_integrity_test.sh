@@ -224,6 +224,7 @@ kill -STOP "$child"
 wait $sup
 expect 0 frozen.log $? "(pid $child on " "made no progress for 4 s" "restart 1 of 1"
 at="$(resumed_from frozen.log)"
+[ ! -e frozen/.heartbeat ] || fail "gpipe run left its heartbeat files behind"
 python3 -c "
 import json, sys
 steps = [s['step'] for s in json.load(open('frozen/report.json'))['steps']]

@@ -210,7 +210,8 @@ std::string resume_point(const std::string& checkpoint_dir) {
   if (checkpoint_dir.empty()) return "resumes from the newest complete checkpoint";
   const auto ref = find_latest_complete(checkpoint_dir);
   if (!ref) return "starts over: no complete checkpoint in " + checkpoint_dir + " yet";
-  return "resumes from step " + std::to_string(ref->step) + " (" + ref->path + ")";
+  return "resumes from step " + std::to_string(ref->step) + " (" + ref->path +
+         "; the launch checks it and goes back to an older one if it is damaged)";
 }
 
 }  // namespace
@@ -269,6 +270,14 @@ int supervise(const SupervisorOptions& o) {
     ~Restore() { ::sigprocmask(SIG_SETMASK, &mask, nullptr); }
   } restore{previous};
 
+  // The launches' heartbeat files go with the job.
+  struct RemoveHeartbeats {
+    std::string dir;
+    ~RemoveHeartbeats() {
+      std::error_code ec;
+      if (!dir.empty()) std::filesystem::remove_all(dir, ec);
+    }
+  } remove_heartbeats{o.stall_s > 0 ? o.heartbeat_dir : ""};
   int last = 0;
   for (int launch_no = 0;; ++launch_no) {
     const std::vector<std::string> argv = child_command(o, launch_no > 0 || o.resume_first, launch_no);

@@ -70,7 +70,7 @@ TEST_CASE("supervisor: a job that fails twice is relaunched with --resume and fi
   CHECK(args[1] == args[0] + " --resume");
   CHECK(args[2] == args[0] + " --resume");
   const std::string text = log.text();
-  CHECK(text.find("the job failed with exit status 3; restart 1 of 3 resumes from step 5 (" + dir / "ckpt/step-5)") !=
+  CHECK(text.find("the job failed with exit status 3; restart 1 of 3 resumes from step 5 (" + dir / "ckpt/step-5; the launch checks it") !=
         std::string::npos);
   CHECK(text.find("restart 2 of 3 resumes from step 5") != std::string::npos);
   CHECK(text.find("the job finished after 2 restart(s)") != std::string::npos);
