@@ -156,7 +156,7 @@ echo "ok: a second run on a directory is refused with the first one's pid; a dea
 
 # 4. Signals to multi-process jobs.
 for sig in INT TERM INT; do
-  rm -rf sig
+  rm -rf sig sig.log  # the log too: the wait below must not find the last try's steps
   timeout 300 "$gpipe" run --np 2 mlp.yaml --set output.dir=sig --set train.steps=100000 > sig.log 2>&1 &
   job=$!
   for _ in $(seq 600); do grep -q '^step ' sig.log && break; sleep 0.1; done
@@ -175,12 +175,14 @@ done
 # Plain mpirun: SIGTERM reaches the ranks after odls_base_sigkill_timeout seconds and
 # SIGKILL after twice that (mpirun itself exits 1); SIGUSR2 is forwarded at once.
 for how in TERM USR2; do
-  rm -rf plain
+  rm -rf plain plain.log
   OMPI_MCA_odls_base_sigkill_timeout=5 "${mpirun[@]}" -np 2 "$gpipe" train mlp.yaml --set output.dir=plain \
     --set train.steps=100000 > plain.log 2>&1 &
   job=$!
   for _ in $(seq 600); do grep -q '^step ' plain.log && break; sleep 0.1; done
-  kill -$how "$(pgrep -P $job mpirun || echo $job)"; wait $job
+  launcher="$(pgrep -P $job)"  # mpirun, under timeout
+  [ -n "$launcher" ] || { cat plain.log; fail "no mpirun under $job"; }
+  kill -$how "$launcher"; wait $job
   step0="$(grep -oE 'rank 0: stopped .* after step [0-9]+' plain.log | grep -oE '[0-9]+$')"
   [ -n "$step0" ] && [ -e "plain/checkpoints/step-$step0/COMPLETE" ] ||
     { cat plain.log; fail "SIG$how to plain mpirun: no complete save"; }
@@ -230,6 +232,22 @@ import json, sys
 steps = [s['step'] for s in json.load(open('frozen/report.json'))['steps']]
 assert steps == list(range(60)), steps" || fail "frozen: report.json does not hold steps 0..59"
 echo "ok: kill -STOP of the child: killed after 2 x pipeline.timeout_s without progress, resumed at step $at, finished"
+# Both ranks of a two-process job frozen (so no transport deadline fires): the
+# supervisor kills the ranks and mpirun, and restarts the job.
+GPIPE_CHECKPOINT_PAUSE_MS=50 timeout 300 "$gpipe" run --np 2 --max-restarts 1 mlp.yaml --set output.dir=frozen2 \
+  --set train.steps=60 --set checkpoint.every=5 --set pipeline.timeout_s=2 > frozen2.log 2>&1 &
+sup=$!
+for _ in $(seq 600); do [ -e frozen2/checkpoints/step-5/COMPLETE ] && break; sleep 0.05; done
+ranks="$(pgrep -f "gpipe train mlp.yaml --set output.dir=frozen2" | while read -r p; do
+  [ "$(cat /proc/$p/comm 2>/dev/null)" = gpipe ] && echo "$p"; done)"  # not mpirun
+[ "$(echo "$ranks" | wc -w)" -eq 2 ] || { kill $sup; cat frozen2.log; fail "the two ranks are not running: $ranks"; }
+kill -STOP $ranks
+wait $sup
+expect 0 frozen2.log $? "made no progress for 4 s" "restart 1 of 1"
+for r in $ranks; do
+  case "$(ps -o stat= -p "$r" 2>/dev/null)" in ""|Z*) ;; *) fail "frozen rank $r is still there";; esac
+done
+echo "ok: both ranks of gpipe run --np 2 frozen: killed, restarted, finished"
 
 # 7. Full and read-only file systems (a tmpfs of our own, in a mount namespace of our own).
 if unshare -m --propagation private true 2>/dev/null; then
