@@ -70,13 +70,14 @@ RunCheckpoints::RunCheckpoints(const Config& config, const Plan& plan, layers::S
                                const Launch& launch, Transport& transport)
     : config_(config), plan_(plan), model_(model), executor_(executor), launch_(launch), transport_(transport),
       store_(checkpoint_dir(config), config.checkpoint.keep, config.run.id), run_id_(config.run.id) {
-  multi_ = launch.size > 1;
+  // Several processes: stages (K > 1), or replicas of a one-stage pipeline (K = 1 x D).
+  multi_ = launch.size > 1 || (launch.replicas != nullptr && launch.replicas->size() > 1);
   writes_ = launch.replica == 0;                // replica 0 writes the shards of its stages
   finalizes_ = writes_ && launch.rank == 0;     // its rank 0 the index and the trainer state
   if (config.checkpoint.async) writer_ = std::make_unique<AsyncCheckpointWriter>(store_);
   g_save_requested = 0;
   g_stop_signal = 0;
-  g_under_mpi = multi_ || (launch.replicas != nullptr && launch.replicas->size() > 1);
+  g_under_mpi = multi_;
   for (int i = 0; i < kNumSignals; ++i) g_before[i] = install(kSignals[i], i == 0 ? on_save_signal : on_stop_signal);
 }
 

@@ -172,6 +172,16 @@ for sig in INT TERM INT; do
   expect 0 sig2.log $? "resumed from sig/checkpoints/step-$step0 at step $step0"
   echo "ok: SIG$sig to gpipe run --np 2: exit $want, both ranks saved step $step0, which resumes"
 done
+# Replicas of a one-stage pipeline (K = 1 x D = 2) save once, through replica 0 (both
+# replicas finalized the same step before, and one failed on the other's files).
+"${mpirun[@]}" -np 2 "$gpipe" train mlp.yaml --set output.dir=k1d2 --set pipeline.partitions=1 \
+  --set pipeline.replicas=2 --set checkpoint.every=4 > k1d2.log 2>&1
+expect 0 k1d2.log $? "saved checkpoint k1d2/checkpoints/step-12"
+"${mpirun[@]}" -np 2 "$gpipe" train mlp.yaml --set output.dir=k1d2 --set pipeline.partitions=1 \
+  --set pipeline.replicas=2 --set checkpoint.resume=k1d2/checkpoints/step-8 \
+  > k1d2b.log 2>&1
+expect 0 k1d2b.log $? "resumed from k1d2/checkpoints/step-8 at step 8"
+echo "ok: K=1 x D=2 saves each checkpoint once and resumes"
 # Plain mpirun: SIGTERM reaches the ranks after odls_base_sigkill_timeout seconds and
 # SIGKILL after twice that (mpirun itself exits 1); SIGUSR2 is forwarded at once.
 for how in TERM USR2; do
