@@ -197,20 +197,26 @@ std::vector<std::string> run_directories(const Config& config) {
   return dirs;
 }
 
+std::vector<std::string> PriorRun::found() const {
+  std::vector<std::string> all = reports;
+  all.insert(all.end(), checkpoints.begin(), checkpoints.end());
+  return all;
+}
+
 std::optional<PriorRun> find_prior_run(const Config& config) {
   PriorRun prior;
   std::error_code ec;
   for (const char* name : kReports) {
     const std::string p = config.output.dir + "/" + name;
-    if (fs::exists(p, ec)) prior.found.push_back(p);
+    if (fs::exists(p, ec)) prior.reports.push_back(p);
   }
   const std::string ck = checkpoint_dir(config);
   const CheckpointListing listing = list_checkpoints(ck);
   for (const auto* list : {&listing.complete, &listing.incomplete}) {
-    for (const CheckpointRef& c : *list) prior.found.push_back(c.path);
+    for (const CheckpointRef& c : *list) prior.checkpoints.push_back(c.path);
   }
-  if (fs::exists(ck + "/latest", ec)) prior.found.push_back(ck + "/latest");
-  if (prior.found.empty()) return std::nullopt;
+  if (fs::exists(ck + "/latest", ec)) prior.checkpoints.push_back(ck + "/latest");
+  if (prior.reports.empty() && prior.checkpoints.empty()) return std::nullopt;
   prior.run_id = run_id_in(config.output.dir, ck);
   return prior;
 }
@@ -223,10 +229,11 @@ std::string move_prior_run_aside(const Config& config, const PriorRun& prior) {
   std::error_code ec;
   fs::create_directories(to / "checkpoints", ec);
   if (ec) throw UserError("cannot create '" + to.string() + "' to move the earlier run aside: " + ec.message());
-  const fs::path ck = checkpoint_dir(config);
-  for (const std::string& p : prior.found) {
+  const std::string ck = checkpoint_dir(config);
+  for (const std::string& p : prior.found()) {
+    const bool report = std::find(prior.reports.begin(), prior.reports.end(), p) != prior.reports.end();
     const fs::path from(p);
-    const fs::path dest = (from.parent_path() == ck ? to / "checkpoints" : to) / from.filename();
+    const fs::path dest = (report ? to : to / "checkpoints") / from.filename();
     fs::rename(from, dest, ec);
     if (ec) {
       throw UserError("cannot move '" + p + "' to '" + dest.string() + "': " + ec.message() +
@@ -235,7 +242,7 @@ std::string move_prior_run_aside(const Config& config, const PriorRun& prior) {
                                            : ""));
     }
   }
-  fsync_directory(ck.string());
+  if (fs::is_directory(ck, ec)) fsync_directory(ck);
   fsync_directory(config.output.dir);
   return to.string();
 }
@@ -245,13 +252,15 @@ void claim_directories(const Config& config) {
   if (!prior) return;
   if (config.run.start_over) {
     const std::string to = move_prior_run_aside(config, *prior);
-    spdlog::warn("--start-over: the earlier run{} in {} ({} file(s) and checkpoint(s)) was moved to {}",
-                 prior->run_id.empty() ? "" : " " + prior->run_id, config.output.dir, prior->found.size(), to);
+    spdlog::warn("--start-over: the earlier run{} in {} ({} report file(s), {} checkpoint entries) was moved to {}",
+                 prior->run_id.empty() ? "" : " " + prior->run_id, config.output.dir, prior->reports.size(),
+                 prior->checkpoints.size(), to);
     return;
   }
+  const std::vector<std::string> found = prior->found();
   std::string listed;
-  for (size_t i = 0; i < prior->found.size() && i < 4; ++i) listed += (i ? ", " : "") + prior->found[i];
-  if (prior->found.size() > 4) listed += " and " + std::to_string(prior->found.size() - 4) + " more";
+  for (size_t i = 0; i < found.size() && i < 4; ++i) listed += (i ? ", " : "") + found[i];
+  if (found.size() > 4) listed += " and " + std::to_string(found.size() - 4) + " more";
   throw UserError(config.output.dir + " holds another run" +
                   (prior->run_id.empty() ? std::string() : " (" + prior->run_id + ")") + ": " + listed +
                   ". A new run there would mix with it. Continue that run with --resume, give this one another "

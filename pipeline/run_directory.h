@@ -59,8 +59,10 @@ std::vector<std::string> run_directories(const Config& config);
 // What an earlier run left where a fresh run would write: its checkpoints (step-*,
 // latest) and its reports (report.json, report.html, trace.json).
 struct PriorRun {
-  std::string run_id;              // from its newest checkpoint or its report; "" if unknown
-  std::vector<std::string> found;  // the paths
+  std::string run_id;                     // from its newest checkpoint or its report; "" if unknown
+  std::vector<std::string> reports;       // in output.dir
+  std::vector<std::string> checkpoints;   // in the checkpoint folder: step-* and latest
+  std::vector<std::string> found() const;  // both
 };
 std::optional<PriorRun> find_prior_run(const Config& config);
 // Moves what `prior` found to <output.dir>/previous/<its run id, or "run-N">/ (the
