@@ -123,6 +123,7 @@ pid_t launch(const std::vector<std::string>& argv, const sigset_t& unblocked) {
 class ProgressWatch {
  public:
   ProgressWatch(std::string dir, double stall_s) : dir_(std::move(dir)), stall_s_(stall_s) {}
+  double stall_s() const { return stall_s_; }
 
   std::string stalled() {
     if (dir_.empty() || stall_s_ <= 0) return "";
@@ -169,9 +170,6 @@ class ProgressWatch {
   std::string dir_;
   double stall_s_;
   std::map<std::string, Seen> seen_;
-
- public:
-  double stall_s() const { return stall_s_; }
 };
 
 // Waits for the launch; kills it (its process group, and its local processes that write
