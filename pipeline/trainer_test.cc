@@ -370,6 +370,56 @@ TEST_CASE("validation runs without dropout: dropout 0.5 or 0 on the same weights
   CHECK(with.eval_accuracy == without.eval_accuracy);
 }
 
+TEST_CASE("validation's means are over the targets the loss counts, as PyTorch's ignore_index") {
+  // Spaces (byte 32) are ignored: they add nothing to the loss sum, so the mean loss and
+  // the accuracy divide by the other targets only (CrossEntropyLoss(ignore_index=32,
+  // reduction='mean')), not by every target. 19 = 2 * 8 + 3 windows, a partial chunk too.
+  const char* gpt = R"(model:
+  input: [16]
+  layers:
+    - {type: embedding, vocab: 256, dim: 32}
+    - {type: transformer_block, heads: 2}
+    - {type: layernorm}
+    - {type: linear, out: 256}
+  loss: {type: softmax_cross_entropy, ignore_index: 32}
+data: {type: text, seq_len: 16, validation_fraction: 0.2}
+pipeline: {partitions: 2, micro_batches: 2}
+optimizer: {type: sgd, lr: 1e-30}
+train: {steps: 1, batch_size: 8, eval_samples: 19}
+)";
+  const std::string text = write_text("fox_ignore.txt", 60);
+  const Config c = parse_config(gpt, "ignore.yaml", {"data.path=" + text, "output.dir=" + out_dir("eval_ignore")});
+  const auto data = make_dataset(c);
+  const std::vector<int32_t> targets = data->validation(0, 19).second.to_vector<int32_t>();
+  const auto spaces = std::count(targets.begin(), targets.end(), 32);
+  REQUIRE(spaces > 0);  // about one target in five
+  REQUIRE(spaces < static_cast<int64_t>(targets.size()));
+  std::ostringstream log;
+  const TrainResult r = train(c, log);
+  const auto [loss, accuracy] = direct_validation(c, 19, 32);
+  CHECK(r.eval_loss == doctest::Approx(loss).epsilon(1e-5));
+  CHECK(r.eval_accuracy == doctest::Approx(accuracy).epsilon(1e-12));
+
+  // The untrained byte model gets next to nothing right; on the teacher task a quarter
+  // of its guesses are, so its accuracy shows the denominator too. Class 0 is ignored.
+  std::string small = kSmall;
+  const std::string plain = "loss: {type: softmax_cross_entropy}";
+  small.replace(small.find(plain), plain.size(), "loss: {type: softmax_cross_entropy, ignore_index: 0}");
+  const Config t = parse_config(small, "small.yaml",
+                                {"output.dir=" + out_dir("eval_ignore_teacher"), "train.steps=1", "optimizer.lr=1e-30",
+                                 "train.eval_samples=67", "pipeline.partitions=2"});
+  const std::vector<int32_t> classes = make_dataset(t)->validation(0, 67).second.to_vector<int32_t>();
+  const auto zeros = std::count(classes.begin(), classes.end(), 0);
+  REQUIRE(zeros > 0);
+  REQUIRE(zeros < 67);
+  const TrainResult rt = train(t, log);
+  const auto [t_loss, t_accuracy] = direct_validation(t, 67, 0);
+  REQUIRE(t_accuracy > 0);
+  CHECK(rt.eval_loss == doctest::Approx(t_loss).epsilon(1e-5));
+  CHECK(rt.eval_accuracy == doctest::Approx(t_accuracy).epsilon(1e-12));
+  CHECK(rt.eval_accuracy * (67 - zeros) == doctest::Approx(std::round(rt.eval_accuracy * (67 - zeros))));
+}
+
 TEST_CASE("data and model must agree, and files must exist") {
   const std::string text = write_text("fox2.txt", 10);
   std::ostringstream log;
