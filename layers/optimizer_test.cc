@@ -241,6 +241,49 @@ TEST_CASE("linear warm-up, then cosine annealing to min_lr") {
   CHECK(s.at(0) == 1.0);
 }
 
+TEST_CASE("the schedule's boundaries: no warm-up, the last warm-up step, the last step, min_lr") {
+  // Closed forms, as in the test above: warm-up base * (t + 1) / W for t < W, then
+  // min + (base - min) * (1 + cos(pi * (t - W) / (total - W - 1))) / 2.
+  LrSchedule s;
+  s.kind = "cosine";
+  s.base_lr = 2.0;
+  s.total_steps = 5;  // no warm-up: T_max = 4
+  const double r = std::sqrt(2.0) / 2;  // cos(pi / 4)
+  const std::vector<double> want = {2.0, 1.0 + r, 1.0, 1.0 - r, 0.0};
+  for (int t = 0; t < 5; ++t) {
+    CAPTURE(t);
+    CHECK(s.at(t) == doctest::Approx(want[t]).epsilon(1e-14));
+  }
+  CHECK(std::abs(s.at(4)) < 1e-15);  // the last step reaches min_lr = 0
+  CHECK(std::abs(s.at(5)) < 1e-15);  // and stays there
+
+  s.base_lr = 0.3;
+  s.min_lr = 0.03;
+  s.warmup_steps = 3;
+  s.total_steps = 10;  // T_max = 10 - 3 - 1 = 6
+  CHECK(s.at(0) == doctest::Approx(0.1).epsilon(1e-14));  // never 0: the first step already learns
+  CHECK(s.at(1) == doctest::Approx(0.2).epsilon(1e-14));
+  CHECK(s.at(2) == doctest::Approx(0.3).epsilon(1e-14));  // the last warm-up step reaches base
+  CHECK(s.at(3) == doctest::Approx(0.3).epsilon(1e-14));  // T_cur = 0: the decay starts at base
+  CHECK(s.at(4) == doctest::Approx(0.03 + 0.135 * (1 + std::cos(M_PI / 6))).epsilon(1e-14));
+  CHECK(s.at(6) == doctest::Approx(0.165).epsilon(1e-14));  // T_cur = 3 of 6: halfway
+  CHECK(s.at(8) == doctest::Approx(0.03 + 0.135 * (1 + std::cos(5 * M_PI / 6))).epsilon(1e-14));
+  CHECK(s.at(9) == doctest::Approx(0.03).epsilon(1e-14));  // the last step: min_lr
+
+  // A warm-up as long as the run: every step is a warm-up step.
+  s.warmup_steps = 10;
+  CHECK(s.at(0) == doctest::Approx(0.03).epsilon(1e-14));
+  CHECK(s.at(9) == doctest::Approx(0.3).epsilon(1e-14));
+
+  // The constant schedule ignores min_lr.
+  s.kind = "constant";
+  s.warmup_steps = 2;
+  CHECK(s.at(0) == doctest::Approx(0.15).epsilon(1e-14));
+  CHECK(s.at(1) == doctest::Approx(0.3).epsilon(1e-14));
+  CHECK(s.at(2) == 0.3);
+  CHECK(s.at(9) == 0.3);
+}
+
 TEST_CASE("make_optimizer refuses what PyTorch refuses") {
   Parameter p = param(DType::kF64, {1.0}, {0.5});
   OptimizerConfig c;

@@ -34,28 +34,31 @@ std::vector<int> balance_by_cost(const std::vector<double>& costs, int k) {
   std::vector<double> prefix(n + 1, 0.0);
   for (int i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + costs[i];
   const double inf = std::numeric_limits<double>::infinity();
-  // best[j][i]: the smallest possible max cell cost splitting the first i layers into j cells.
-  std::vector<std::vector<double>> best(k + 1, std::vector<double>(n + 1, inf));
-  std::vector<std::vector<int>> cut(k + 1, std::vector<int>(n + 1, -1));
-  best[0][0] = 0.0;
-  for (int j = 1; j <= k; ++j) {
-    for (int i = j; i <= n - (k - j); ++i) {
-      // The last cell is layers [p, i); scanning p downward keeps the earliest cells
-      // as large as possible among equal optima.
-      for (int p = i - 1; p >= j - 1; --p) {
-        const double v = std::max(best[j - 1][p], prefix[i] - prefix[p]);
-        if (v < best[j][i]) {
-          best[j][i] = v;
-          cut[j][i] = p;
-        }
+  // rest[m][i]: the smallest possible max cell cost splitting layers [i, n) into m cells.
+  std::vector<std::vector<double>> rest(k + 1, std::vector<double>(n + 1, inf));
+  rest[0][n] = 0.0;
+  for (int m = 1; m <= k; ++m) {
+    for (int i = n - m; i >= 0; --i) {
+      for (int e = i + 1; e <= n - (m - 1); ++e) {
+        rest[m][i] = std::min(rest[m][i], std::max(prefix[e] - prefix[i], rest[m - 1][e]));
       }
     }
   }
+  // Among the optimal splits, the earliest cells largest: from the front, each cell
+  // takes as many layers as it can while the layers after it can still be split within
+  // the optimum. (Keeping only each prefix's own optimum is not enough: with costs
+  // [1, 1, 1, 1, 4] into 3 cells it gives [2, 2, 1], not [3, 1, 1].) Every value
+  // compared is a max of the same prefix differences, so the comparison is exact.
+  const double worst = rest[k][0];
   std::vector<int> sizes(k);
-  for (int j = k, i = n; j >= 1; --j) {
-    const int p = cut[j][i];
-    sizes[j - 1] = i - p;
-    i = p;
+  for (int j = 0, i = 0; j < k; ++j) {
+    const int after = k - j - 1;  // cells after this one
+    int end = i + 1;
+    for (int e = i + 1; e <= n - after; ++e) {
+      if (std::max(prefix[e] - prefix[i], rest[after][e]) <= worst) end = e;
+    }
+    sizes[j] = end - i;
+    i = end;
   }
   return sizes;
 }

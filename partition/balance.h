@@ -20,9 +20,9 @@ struct CostModel {
   double seconds(const layers::LayerCost& c, bool recompute) const;
 };
 
-// Cell sizes (layers per cell) minimising the largest cell cost. Ties between optimal
-// splits go to the one whose last cell is smallest (layers lean toward earlier
-// cells). Throws UserError if k < 1, k > costs.size(), or a cost is negative or not
+// Cell sizes (layers per cell) minimising the largest cell cost. Among optimal splits
+// the earliest cells are largest: the first cell as large as possible, then the second,
+// and so on (6 equal layers into 4 cells give [2, 2, 1, 1]). Throws UserError if k < 1, k > costs.size(), or a cost is negative or not
 // finite.
 std::vector<int> balance_by_cost(const std::vector<double>& costs, int k);
 

@@ -1,8 +1,10 @@
-// The balancer against brute force over every split, and its error messages.
+// The balancer against brute force over every split (its optimum, and which of several
+// optimal splits it picks), and its error messages.
 #include <doctest/doctest.h>
 
 #include <functional>
 #include <limits>
+#include <string>
 
 #include "layers/registry.h"
 #include "partition/balance.h"
@@ -60,6 +62,70 @@ TEST_CASE("equal layers split evenly") {
   CHECK(balance_by_cost(std::vector<double>(8, 1.0), 4) == std::vector<int>{2, 2, 2, 2});
   CHECK(balance_by_cost({1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}, 2) == std::vector<int>{8, 8});
   CHECK(balance_by_cost({5, 1, 1, 1, 1, 1}, 2) == std::vector<int>{1, 5});
+}
+
+namespace {
+// Of all compositions of n into k positive parts with the best max-cell cost, the
+// lexicographically largest (the earliest cells largest). For costs whose sums are
+// exact in double (small integers), so ties are exact.
+std::vector<int> brute_force_tie_break(const std::vector<double>& costs, int k) {
+  const int n = static_cast<int>(costs.size());
+  double best = std::numeric_limits<double>::infinity();
+  std::vector<int> chosen, parts;
+  std::function<void(int, int)> rec = [&](int remaining, int cells) {
+    if (cells == 0) {
+      if (remaining != 0) return;
+      const double v = max_cell_cost(costs, parts);
+      if (v < best || (v == best && parts > chosen)) {
+        best = v;
+        chosen = parts;
+      }
+      return;
+    }
+    for (int s = 1; s <= remaining - (cells - 1); ++s) {
+      parts.push_back(s);
+      rec(remaining - s, cells - 1);
+      parts.pop_back();
+    }
+  };
+  rec(n, k);
+  return chosen;
+}
+}  // namespace
+
+TEST_CASE("of several optimal splits, the earliest cells get the most layers") {
+  // Worked out by hand.
+  // Six equal layers into 4 cells: the best max is 2 layers; [2, 2, 1, 1] beats
+  // [1, 2, 2, 1], [1, 1, 2, 2] and the rest.
+  CHECK(balance_by_cost(std::vector<double>(6, 1.0), 4) == std::vector<int>{2, 2, 1, 1});
+  // Seven into 3: the best max is 3; [3, 3, 1] before [3, 2, 2] and [2, 2, 3].
+  CHECK(balance_by_cost(std::vector<double>(7, 1.0), 3) == std::vector<int>{3, 3, 1});
+  // The 4 must be alone (4 + 1 > 4), so the max is 4 and the four 1s share two cells
+  // freely: [3, 1, 1] (cells 3, 1, 4), not [2, 2, 1] nor [1, 3, 1].
+  CHECK(balance_by_cost({1, 1, 1, 1, 4}, 3) == std::vector<int>{3, 1, 1});
+  // Likewise with the heavy layer first: [4] then four 1s into two cells, each at most
+  // 4: [1, 3, 1].
+  CHECK(balance_by_cost({4, 1, 1, 1, 1}, 3) == std::vector<int>{1, 3, 1});
+  // Free layers go to the earlier cell: the max is 5 whatever the split of the zeros.
+  CHECK(balance_by_cost({0, 0, 5, 0, 0}, 2) == std::vector<int>{4, 1});
+  // The 4 alone, and the four 2s in three cells, one pair: the max is 4, and the pair
+  // goes first.
+  CHECK(balance_by_cost({2, 2, 2, 2, 4}, 4) == std::vector<int>{2, 1, 1, 1});
+
+  // And against brute force on random small-integer costs, where ties abound.
+  Rng rng(19);
+  for (int trial = 0; trial < 400; ++trial) {
+    const int n = 1 + static_cast<int>(rng.next() % 9);
+    const int k = 1 + static_cast<int>(rng.next() % n);
+    std::vector<double> costs(n);
+    for (double& c : costs) c = static_cast<double>(rng.next() % 4);
+    CAPTURE(n);
+    CAPTURE(k);
+    std::string shown;
+    for (double c : costs) shown += std::to_string(static_cast<int>(c)) + " ";
+    CAPTURE(shown);
+    CHECK(balance_by_cost(costs, k) == brute_force_tie_break(costs, k));
+  }
 }
 
 TEST_CASE("impossible requests say so") {

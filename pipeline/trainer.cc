@@ -26,7 +26,8 @@ namespace pipeline {
 
 namespace {
 
-// Loss (summed over targets) and correct argmax predictions of one chunk's logits.
+// Loss (summed over targets), correct argmax predictions and counted (not ignored)
+// targets of one chunk's logits.
 struct Score {
   double loss_sum = 0;
   double correct = 0, counted = 0;
@@ -47,11 +48,14 @@ Score score_chunk(layers::Sequential& model, Backend& be, const Tensor& h, const
   auto* xent = dynamic_cast<layers::SoftmaxCrossEntropy*>(&model.loss());
   const int ignore = xent != nullptr ? xent->ignore_index() : -100;
   s.correct = static_cast<double>(be.argmax_correct(h.reshape({rows, classes}), targets.reshape({rows}), ignore));
-  s.counted = static_cast<double>(rows);
+  // Both means are over the targets the loss counts (PyTorch's ignore_index, reduction
+  // 'mean'), not over every row: y is on the host.
+  s.counted = static_cast<double>(model.loss().counted_targets(y));
   return s;
 }
 
-// Mean loss and accuracy (argmax over the classes, per target) of the model on
+// Mean loss and accuracy (argmax over the classes, per target; both over the targets
+// the loss counts, ignore_index left out) of the model on
 // validation samples [0, n), in chunks, cell by cell on each cell's device. In a
 // multi-process run each process runs its own cells and passes the activations on
 // through the transport; replica d takes chunks d, d + D, ... Every process gets the

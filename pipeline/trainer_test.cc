@@ -1,7 +1,9 @@
 // End to end: a small config trains (the loss falls), K=2 gives the same losses as
-// K=1, report.json has its fields, and a diverging run stops with a clear error.
+// K=1, validation scores what the unpartitioned model scores on the same samples,
+// report.json has its fields, and a diverging run stops with a clear error.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -10,9 +12,11 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "kernels/backend.h"
 #include "layers/registry.h"
 #include "partition/balance.h"
 #include "pipeline/config.h"
+#include "pipeline/datasets.h"
 #include "pipeline/memory_check.h"
 #include "pipeline/plan.h"
 #include "pipeline/trainer.h"
@@ -111,6 +115,64 @@ TEST_CASE("report.json carries steps, stages and the bubble") {
   CHECK(r.balance == std::vector<int>{2, 3});
   CHECK(j["stages"][0]["layers"] == "0-1 linear, relu");
   CHECK(!std::filesystem::exists(r.report_path + ".tmp"));
+}
+
+namespace {
+// The unpartitioned model as the config builds it (its weights seeded per layer),
+// scored in one batch on validation samples [0, n), in evaluation mode: the mean
+// negative log-likelihood and the accuracy over the targets other than
+// `ignore_index`, from the logits on the host in double precision.
+std::pair<double, double> direct_validation(const Config& c, int64_t n, int ignore_index = -100) {
+  auto model = layers::build_model(c.model);
+  const auto data = make_dataset(c);
+  auto [x, y] = data->validation(0, n);
+  layers::ForwardArgs args;
+  args.training = false;
+  Backend& be = backend_for(Device::cpu());
+  Tensor h = x;
+  for (int i = 0; i < model->size(); ++i) h = model->layer(i).forward(be, h, nullptr, args);
+  const int64_t classes = h.shape().back(), rows = h.numel() / classes;
+  const std::vector<float> logits = h.to_vector<float>();
+  const std::vector<int32_t> targets = y.to_vector<int32_t>();
+  REQUIRE(static_cast<int64_t>(targets.size()) == rows);
+  double loss = 0, correct = 0, counted = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (targets[r] == ignore_index) continue;
+    const float* row = logits.data() + r * classes;
+    int64_t best = 0;
+    double top = row[0];
+    for (int64_t j = 1; j < classes; ++j) {
+      if (row[j] > row[best]) best = j;
+      top = std::max(top, static_cast<double>(row[j]));
+    }
+    double sum = 0;
+    for (int64_t j = 0; j < classes; ++j) sum += std::exp(row[j] - top);
+    loss += top + std::log(sum) - row[targets[r]];
+    correct += best == targets[r];
+    counted += 1;
+  }
+  return {loss / counted, correct / counted};
+}
+}  // namespace
+
+TEST_CASE("validation over a partial last chunk scores exactly eval_samples samples") {
+  // 67 = 2 * 32 + 3: chunks of 32, 32 and 3, through K=2. One step at a learning rate
+  // far too small to move a float32 weight keeps the initial weights, so the
+  // unpartitioned model built from the same config, run on the same 67 samples in one
+  // batch, must score the same.
+  for (const char* k : {"1", "2"}) {
+    CAPTURE(k);
+    const Config c = parse_config(kSmall, "small.yaml",
+                                  {"output.dir=" + out_dir(std::string("eval_partial_k") + k), "train.steps=1",
+                                   "optimizer.lr=1e-30", "train.eval_samples=67", std::string("pipeline.partitions=") + k});
+    std::ostringstream log;
+    const TrainResult r = train(c, log);
+    const auto [loss, accuracy] = direct_validation(c, 67);
+    CHECK(r.eval_loss == doctest::Approx(loss).epsilon(1e-5));
+    CHECK(r.eval_accuracy == doctest::Approx(accuracy).epsilon(1e-12));
+    // A count of correct samples over 67, not over 64 or 96.
+    CHECK(r.eval_accuracy * 67 == doctest::Approx(std::round(r.eval_accuracy * 67)).epsilon(1e-9));
+  }
 }
 
 TEST_CASE("a diverging run stops with a message naming the fix") {
@@ -306,6 +368,56 @@ TEST_CASE("validation runs without dropout: dropout 0.5 or 0 on the same weights
   CHECK(std::abs(with.losses[0] - without.losses[0]) > 1e-3 * without.losses[0]);
   CHECK(with.eval_loss == doctest::Approx(without.eval_loss).epsilon(1e-6));
   CHECK(with.eval_accuracy == without.eval_accuracy);
+}
+
+TEST_CASE("validation's means are over the targets the loss counts, as PyTorch's ignore_index") {
+  // Spaces (byte 32) are ignored: they add nothing to the loss sum, so the mean loss and
+  // the accuracy divide by the other targets only (CrossEntropyLoss(ignore_index=32,
+  // reduction='mean')), not by every target. 19 = 2 * 8 + 3 windows, a partial chunk too.
+  const char* gpt = R"(model:
+  input: [16]
+  layers:
+    - {type: embedding, vocab: 256, dim: 32}
+    - {type: transformer_block, heads: 2}
+    - {type: layernorm}
+    - {type: linear, out: 256}
+  loss: {type: softmax_cross_entropy, ignore_index: 32}
+data: {type: text, seq_len: 16, validation_fraction: 0.2}
+pipeline: {partitions: 2, micro_batches: 2}
+optimizer: {type: sgd, lr: 1e-30}
+train: {steps: 1, batch_size: 8, eval_samples: 19}
+)";
+  const std::string text = write_text("fox_ignore.txt", 60);
+  const Config c = parse_config(gpt, "ignore.yaml", {"data.path=" + text, "output.dir=" + out_dir("eval_ignore")});
+  const auto data = make_dataset(c);
+  const std::vector<int32_t> targets = data->validation(0, 19).second.to_vector<int32_t>();
+  const auto spaces = std::count(targets.begin(), targets.end(), 32);
+  REQUIRE(spaces > 0);  // about one target in five
+  REQUIRE(spaces < static_cast<int64_t>(targets.size()));
+  std::ostringstream log;
+  const TrainResult r = train(c, log);
+  const auto [loss, accuracy] = direct_validation(c, 19, 32);
+  CHECK(r.eval_loss == doctest::Approx(loss).epsilon(1e-5));
+  CHECK(r.eval_accuracy == doctest::Approx(accuracy).epsilon(1e-12));
+
+  // The untrained byte model gets next to nothing right; on the teacher task a quarter
+  // of its guesses are, so its accuracy shows the denominator too. Class 0 is ignored.
+  std::string small = kSmall;
+  const std::string plain = "loss: {type: softmax_cross_entropy}";
+  small.replace(small.find(plain), plain.size(), "loss: {type: softmax_cross_entropy, ignore_index: 0}");
+  const Config t = parse_config(small, "small.yaml",
+                                {"output.dir=" + out_dir("eval_ignore_teacher"), "train.steps=1", "optimizer.lr=1e-30",
+                                 "train.eval_samples=67", "pipeline.partitions=2"});
+  const std::vector<int32_t> classes = make_dataset(t)->validation(0, 67).second.to_vector<int32_t>();
+  const auto zeros = std::count(classes.begin(), classes.end(), 0);
+  REQUIRE(zeros > 0);
+  REQUIRE(zeros < 67);
+  const TrainResult rt = train(t, log);
+  const auto [t_loss, t_accuracy] = direct_validation(t, 67, 0);
+  REQUIRE(t_accuracy > 0);
+  CHECK(rt.eval_loss == doctest::Approx(t_loss).epsilon(1e-5));
+  CHECK(rt.eval_accuracy == doctest::Approx(t_accuracy).epsilon(1e-12));
+  CHECK(rt.eval_accuracy * (67 - zeros) == doctest::Approx(std::round(rt.eval_accuracy * (67 - zeros))));
 }
 
 TEST_CASE("data and model must agree, and files must exist") {

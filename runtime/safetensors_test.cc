@@ -7,6 +7,9 @@
 
 #include <cstring>
 #include <fstream>
+#include <iterator>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -93,6 +96,43 @@ TEST_CASE("safetensors: round trip of every supported dtype, a scalar, an empty 
   const SafetensorsFile part = load_safetensors(path, [](const std::string& n) { return n == "ids"; });
   CHECK(part.tensors.size() == 1);
   CHECK(part.tensors.at("ids").to_vector<int32_t>()[3] == 2147483647);
+}
+
+TEST_CASE("safetensors: an F64 tensor after an odd number of F32 elements is still 8-byte aligned") {
+  // Name order alone would put "a" (F32[3], 12 bytes) first and "b" (F64[2]) at buffer
+  // offset 12, misaligned. Read back from the file's own bytes: the header length N,
+  // the JSON, and each tensor's place, 8 + N + begin.
+  TempDir dir;
+  TensorMap in;
+  in["a"] = Tensor::from_vector<float>({1.f, 2.f, 3.f}, {3});
+  in["b"] = Tensor::from_vector<double>({0.25, -1e300}, {2});
+  in["c"] = Tensor::from_vector<int32_t>({-5}, {1});
+  const std::string path = dir / "odd.safetensors";
+  save_safetensors(path, in);
+
+  std::ifstream f(path, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  REQUIRE(bytes.size() >= 8);
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(bytes[i]);
+  CHECK(n % 8 == 0);
+  REQUIRE(8 + n <= bytes.size());
+  const nlohmann::json header = nlohmann::json::parse(bytes.substr(8, n));
+  const std::map<std::string, uint64_t> element_size = {{"a", 4}, {"b", 8}, {"c", 4}};
+  uint64_t total = 0;
+  for (const auto& [name, size] : element_size) {
+    CAPTURE(name);
+    REQUIRE(header.contains(name));
+    const uint64_t begin = header[name]["data_offsets"][0].get<uint64_t>();
+    const uint64_t end = header[name]["data_offsets"][1].get<uint64_t>();
+    CHECK((8 + n + begin) % size == 0);
+    REQUIRE(end - begin == in.at(name).nbytes());
+    REQUIRE(8 + n + end <= bytes.size());
+    // The bytes at that place are the tensor's.
+    CHECK(std::memcmp(bytes.data() + 8 + n + begin, in.at(name).raw_data(), end - begin) == 0);
+    total += end - begin;
+  }
+  CHECK(bytes.size() == 8 + n + total);
 }
 
 TEST_CASE("safetensors: a file written byte by byte from the format description") {
