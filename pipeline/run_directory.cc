@@ -250,6 +250,16 @@ std::string move_prior_run_aside(const Config& config, const PriorRun& prior) {
 void claim_directories(const Config& config) {
   const auto prior = find_prior_run(config);
   if (!prior) return;
+  const bool resuming = config.checkpoint.resume == "auto";
+  if (resuming) {
+    // Its checkpoints are what --resume continues; reports with none would be overwritten
+    // by a run that starts from step 0.
+    if (!prior->checkpoints.empty()) return;
+    throw UserError(config.output.dir + " holds another run's reports (" + prior->reports.front() +
+                    ") but no checkpoint to resume from (it saved none: checkpoint.every was 0 and it was not "
+                    "stopped by a signal). Start a new run there with --start-over (the earlier one moves to " +
+                    config.output.dir + "/previous/), or give this one another directory (--set output.dir=...)");
+  }
   if (config.run.start_over) {
     const std::string to = move_prior_run_aside(config, *prior);
     spdlog::warn("--start-over: the earlier run{} in {} ({} report file(s), {} checkpoint entries) was moved to {}",
@@ -263,9 +273,10 @@ void claim_directories(const Config& config) {
   if (found.size() > 4) listed += " and " + std::to_string(found.size() - 4) + " more";
   throw UserError(config.output.dir + " holds another run" +
                   (prior->run_id.empty() ? std::string() : " (" + prior->run_id + ")") + ": " + listed +
-                  ". A new run there would mix with it. Continue that run with --resume, give this one another "
-                  "directory (--set output.dir=...), or add --start-over to move the earlier run to " +
-                  config.output.dir + "/previous/ and start afresh");
+                  ". A new run there would mix with it. " +
+                  (prior->checkpoints.empty() ? std::string() : "Continue that run with --resume, ") +
+                  "give this one another directory (--set output.dir=...), or add --start-over to move the earlier "
+                  "run to " + config.output.dir + "/previous/ and start afresh");
 }
 
 void check_checkpoint_room(const std::string& dir, int64_t checkpoint_bytes) {

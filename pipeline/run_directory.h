@@ -70,8 +70,10 @@ std::optional<PriorRun> find_prior_run(const Config& config);
 // checkpoint.dir on another file system).
 std::string move_prior_run_aside(const Config& config, const PriorRun& prior);
 // A fresh run (no resume) in directories that hold another run's files: refused with
-// the choices (--resume, another output.dir, --start-over), or with --start-over moved
-// aside. Call with the lock held.
+// the choices (--resume when there are checkpoints, another output.dir, --start-over),
+// or with --start-over moved aside. A resume (checkpoint.resume: auto) of a directory
+// whose run left reports but no checkpoint is refused too: it would start from step 0
+// and overwrite them. Call with the lock held.
 void claim_directories(const Config& config);
 
 // Before the first step: the checkpoint folder can be created and written, and its file

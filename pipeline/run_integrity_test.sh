@@ -94,6 +94,17 @@ expect 2 changed.log $? "optimizer.lr: 0.01 -> 0.02" "checkpoint.allow_changes=[
 "$gpipe" train mlp.yaml --set output.dir=old/previous/$old_id --set train.steps=14 --set optimizer.lr=0.02 --resume \
   --set checkpoint.allow_changes=[optimizer.lr] > allowed.log 2>&1
 expect 0 allowed.log $? "resumed from old/previous/$old_id/checkpoints/step-12 at step 12 (run $old_id)"
+# A run that saved no checkpoint leaves reports only: --resume would start from step 0
+# over them, and is refused; the fresh-run message does not offer --resume.
+"$gpipe" train mlp.yaml --set output.dir=nockpt --set train.steps=3 > nockpt.log 2>&1 || { cat nockpt.log; fail "nockpt"; }
+before="$(md5sum nockpt/report.json)"
+"$gpipe" train mlp.yaml --set output.dir=nockpt --resume > nockpt2.log 2>&1
+expect 2 nockpt2.log $? "nockpt holds another run's reports (nockpt/report.json) but no checkpoint to resume from" \
+  "--start-over"
+"$gpipe" train mlp.yaml --set output.dir=nockpt > nockpt3.log 2>&1
+expect 2 nockpt3.log $? "nockpt holds another run"
+! grep -q -- "--resume" nockpt3.log || { cat nockpt3.log; fail "offered --resume to a run without checkpoints"; }
+[ "$(md5sum nockpt/report.json)" = "$before" ] || fail "a refused resume changed the earlier run's report"
 # A launch that gpipe run gave another run's id does not resume this run's checkpoints.
 "$gpipe" train mlp.yaml --set output.dir=old/previous/$old_id --set train.steps=16 --resume --run-id not-this-run \
   > foreign.log 2>&1

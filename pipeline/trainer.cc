@@ -167,7 +167,8 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   std::unique_ptr<DirectoryLock> lock;
   if (owner) {
     lock = std::make_unique<DirectoryLock>(run_directories(identified), identified.run.id);
-    if (identified.checkpoint.resume.empty()) claim_directories(identified);
+    const std::string& resume = identified.checkpoint.resume;
+    if (resume.empty() || resume == "auto") claim_directories(identified);
   }
   // Weights that cannot fit are refused before any is allocated (memory_check.h).
   if (!make_model) check_weights_fit(identified, host_available_bytes(), launch.size * config.pipeline.replicas);
