@@ -20,7 +20,7 @@
 #include "pipeline/config.h"
 #include "pipeline/executor.h"
 #include "pipeline/plan.h"
-#include "pipeline/trainer.h"
+#include "pipeline/launch.h"
 #include "runtime/error.h"
 
 namespace gpipe {

@@ -17,6 +17,12 @@
 namespace gpipe {
 namespace pipeline {
 
+// The key of step `step`'s training batch (Dataset::batch): a function of train.seed and
+// the step only, so every process, every launch and every K and M draw the same batch.
+inline uint64_t batch_key(uint64_t train_seed, int64_t step) {
+  return train_seed * 1000003ULL + static_cast<uint64_t>(step);
+}
+
 class Dataset {
  public:
   virtual ~Dataset() = default;

@@ -9,7 +9,7 @@
 #include <memory>
 
 #include "pipeline/config.h"
-#include "pipeline/trainer.h"
+#include "pipeline/launch.h"
 #include "runtime/transport.h"
 
 namespace gpipe {

@@ -180,7 +180,7 @@ int profile_command(const Config& config, const ProfileOptions& o, const Launch&
     while (static_cast<int>(copies.size()) < at_once) copies.push_back(build_run_model(config).model);
     for (int64_t n : sizes) {
       if (n < 1) throw UserError("--micro-batches: sizes must be at least 1, got " + std::to_string(n));
-      auto [x, y] = data->batch(static_cast<uint64_t>(c.train.seed) * 1000003ULL, n);
+      auto [x, y] = data->batch(batch_key(c.train.seed, 0), n);
       // Every copy on its own core, started together (they do the same work, so they
       // stay together); the first one's times are kept.
       std::vector<ProfileEntry> entries(at_once);

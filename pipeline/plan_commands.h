@@ -11,7 +11,7 @@
 #include "layers/sequential.h"
 #include "pipeline/config.h"
 #include "pipeline/plan.h"
-#include "pipeline/trainer.h"
+#include "pipeline/launch.h"
 
 namespace gpipe {
 namespace pipeline {

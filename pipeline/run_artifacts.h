@@ -18,7 +18,7 @@
 #include "pipeline/prediction.h"
 #include "pipeline/report.h"
 #include "pipeline/trace.h"
-#include "pipeline/trainer.h"
+#include "pipeline/launch.h"
 
 namespace gpipe {
 namespace pipeline {

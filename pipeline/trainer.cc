@@ -290,7 +290,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
     heartbeat();
     transport.set_step(step);
     if (D > 1) launch.replicas->set_step(step);
-    auto [x, y] = data->batch(static_cast<uint64_t>(c.train.seed) * 1000003ULL + step, c.train.batch_size);
+    auto [x, y] = data->batch(batch_key(c.train.seed, step), c.train.batch_size);
     if (D > 1) {  // each replica takes its own rows of the mini-batch
       x = x.narrow_rows(launch.replica * replica_batch, replica_batch);
       y = y.narrow_rows(launch.replica * replica_batch, replica_batch);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "pipeline/config.h"
+#include "pipeline/launch.h"
 #include "pipeline/report.h"
 #include "pipeline/run_model.h"
 #include "runtime/transport.h"
@@ -23,16 +24,6 @@ struct TrainResult {
   std::string report_path;
   int start_step = 0;           // where the run began: a resumed run's checkpoint step
   std::string checkpoint_path;  // the last checkpoint saved, if any
-};
-
-// How this process takes part in the job: alone (all stages as threads), or as rank
-// `rank` of `size` processes that each run one stage, connected by `transport`.
-struct Launch {
-  int rank = 0;  // this process's stage: its rank within its pipeline
-  int size = 1;  // processes per pipeline (K when size > 1)
-  Transport* transport = nullptr;  // required when size > 1 (MpiTransport, or NcclTransport for GPU stages)
-  int replica = 0;                 // which data-parallel replica this process belongs to
-  ReplicaGroup* replicas = nullptr;  // the same stage in the other replicas; required when D > 1
 };
 
 // Runs the whole job; progress lines and the final table go to `out`.
