@@ -183,6 +183,11 @@ DirectStep DirectRunner::step(const Tensor& inputs, const Tensor& targets, bool 
           case Op::kRecvActivation:
           case Op::kRecvGradient:
             break;  // handled above
+          case Op::kReduceGradients:
+          case Op::kTiedGradients:
+          case Op::kGradientNorm:
+            throw Error("the direct runner runs one replica of a model without ties or clipping; a schedule with "
+                        "collectives needs the executor");
           case Op::kBackwardWeight:
             throw Error("the direct runner runs GPipe and 1F1B schedules, whose backward computes the weight gradients; "
                         "a schedule with W instructions needs the executor");

@@ -53,7 +53,7 @@ std::vector<int64_t> split_sizes(int64_t n, int m) {
 }
 
 namespace {
-constexpr size_t kOpFields = 9;  // op, micro-batch, start, end, chunk, bytes, peer, live bytes, reduce ms
+constexpr size_t kOpFields = 8;  // op, micro-batch, start, end, chunk, bytes, peer, live bytes
 }  // namespace
 
 std::vector<double> encode_trace(const StageTrace& t) {
@@ -62,7 +62,7 @@ std::vector<double> encode_trace(const StageTrace& t) {
   for (const TimedOp& op : t.ops) {
     v.insert(v.end(), {static_cast<double>(op.op), static_cast<double>(op.micro_batch), op.start_ms, op.end_ms,
                        static_cast<double>(op.chunk), static_cast<double>(op.bytes), static_cast<double>(op.peer),
-                       static_cast<double>(op.live_bytes), op.reduce_ms});
+                       static_cast<double>(op.live_bytes)});
   }
   return v;
 }
@@ -78,7 +78,6 @@ StageTrace decode_trace(const std::vector<double>& v, int stage) {
     op.bytes = static_cast<int64_t>(v[i + 5]);
     op.peer = static_cast<int>(v[i + 6]);
     op.live_bytes = static_cast<int64_t>(v[i + 7]);
-    op.reduce_ms = v[i + 8];
     t.ops.push_back(op);
   }
   return t;
@@ -109,11 +108,10 @@ struct Executor::StageRuntime {
   // device only while it holds it, and never while it waits for a message.
   std::mutex* device_turn = nullptr;
   std::unique_ptr<GradReducer> reducer;  // with data-parallel replicas
-  // Whether the optimizer step sums gradients with peers (replicas, a tied weight's other
-  // stage), and how long it took the last time (TimedOp::reduce_ms; -1 when it does not).
-  bool sums_with_peers = false;
-  double reduce_ms = -1;
   layers::ReplicaSum replica_sum;        // likewise, for BatchNorm's statistics
+  // This step so far: the ties within the stage summed (before NORM or OPT reads the
+  // gradients), the layers' statistics folded (by RG, over the replicas).
+  bool local_ties_summed = false, statistics_folded = false;
   // From the program, once: which (chunk, micro-batch) recompute (checkpointed) and
   // which defer their weight gradients to a W; per instruction, the layers whose
   // gradients are final once it ends (for the replicas' bucketed reduction); and
@@ -154,11 +152,31 @@ void pin_to_core(int core) {
   }
 }
 
+int cell_of_layer(const std::vector<StageSpec>& cells, int layer) {
+  for (size_t c = 0; c < cells.size(); ++c) {
+    if (layer >= cells[c].first_layer && layer < cells[c].first_layer + cells[c].num_layers) {
+      return static_cast<int>(c);
+    }
+  }
+  throw Error("layer " + std::to_string(layer) + " is in no cell");
+}
+
 std::string layer_range(const StageSpec& c) {
   return std::to_string(c.first_layer) + ".." + std::to_string(c.first_layer + c.num_layers - 1);
 }
 
 }  // namespace
+
+Schedule::Collectives run_collectives(const layers::Sequential& model, const std::vector<StageSpec>& cells,
+                                      bool replicas, bool gradient_norm) {
+  Schedule::Collectives out;
+  out.replicas = replicas;
+  for (const layers::Tie& t : model.ties()) {
+    out.ties.emplace_back(cell_of_layer(cells, t.owner_layer), cell_of_layer(cells, t.copy_layer));
+  }
+  out.gradient_norm = gradient_norm;
+  return out;
+}
 
 Executor::Executor(layers::Sequential& model, std::vector<StageSpec> cells, Schedule schedule, Transport& transport,
                    ExecutorOptions options)
@@ -169,7 +187,6 @@ Executor::Executor(layers::Sequential& model, std::vector<StageSpec> cells, Sche
     throw UserError("the schedule runs " + std::to_string(C) + " cells on " + std::to_string(K) + " stages but " +
                     std::to_string(cells_.size()) + " cells were given");
   }
-  check_schedule(schedule_, transport_.sends_wait_for_receiver() ? CommModel::kRendezvous : CommModel::kBuffered);
   int expect_first = 0;
   for (int c = 0; c < C; ++c) {
     const StageSpec& s = cells_[c];
@@ -183,6 +200,11 @@ Executor::Executor(layers::Sequential& model, std::vector<StageSpec> cells, Sche
     throw UserError("the cells hold " + std::to_string(expect_first) + " layers but the model has " +
                     std::to_string(model_.size()));
   }
+  // The collectives this run needs (the plan's schedule holds them already; a schedule
+  // made by hand gets them here), then the whole program is checked.
+  lower_collectives(schedule_, run_collectives(model_, cells_, options_.replicas != nullptr && options_.replicas->size() > 1,
+                                               options_.clip_grad_norm > 0));
+  check_schedule(schedule_, transport_.sends_wait_for_receiver() ? CommModel::kRendezvous : CommModel::kBuffered);
   model_.loss();  // the last cell needs one: fail now, not in a worker
   if (options_.local_stage >= K) {
     throw UserError("this process was asked to run stage " + std::to_string(options_.local_stage) + " of a " +
@@ -221,12 +243,6 @@ Executor::Executor(layers::Sequential& model, std::vector<StageSpec> cells, Sche
           std::copy(t.data<double>(), t.data<double>() + v.size(), v.begin());
         };
       }
-    }
-    rt->sums_with_peers = rt->reducer != nullptr;
-    for (const layers::Tie& t : model_.ties()) {
-      const int so = schedule_.stage_of_cell(cell_of_layer(t.owner_layer));
-      const int sc = schedule_.stage_of_cell(cell_of_layer(t.copy_layer));
-      if (so != sc && (so == k || sc == k)) rt->sums_with_peers = true;
     }
     // What the program says, once.
     const auto& prog = schedule_.stages[k];
@@ -453,16 +469,45 @@ void Executor::weight_gradient(StageRuntime& rt, const Instruction& ins, size_t 
   mb.ctx.clear();
 }
 
-// Finishes the gradients (the replicas' sum, the tied copies' sum), waits for the
-// device, clips, steps, clears the gradients and lets layers fold their statistics.
+// The replicas' sum (RG): waits for the gradient buckets still in flight (the others
+// were summed during the backwards) and, in a step that applies the optimizer, folds
+// the layers' statistics over the replicas. Returns the bytes of gradients summed.
+int64_t Executor::reduce_gradients(StageRuntime& rt) {
+  GPIPE_CHECK(rt.reducer != nullptr, "RG on a stage without replicas");
+  rt.reducer->finish(rt.optimizer->params());  // its device is not shared (checked)
+  int64_t bytes = 0;
+  for (auto* p : rt.optimizer->params()) bytes += static_cast<int64_t>(p->grad.nbytes());
+  if (cur_.apply_optimizer) fold_statistics(rt);
+  return bytes;
+}
+
+void Executor::fold_statistics(StageRuntime& rt) {
+  for (int c : rt.cells) {
+    for (int i = cells_[c].first_layer; i < cells_[c].first_layer + cells_[c].num_layers; ++i) {
+      model_.layer(i).end_step(*rt.backend, rt.replica_sum);
+    }
+  }
+  rt.statistics_folded = true;
+}
+
+// The ties whose two copies are both on this stage: each gets the sum, locally.
+void Executor::sum_local_ties(StageRuntime& rt) {
+  if (rt.local_ties_summed) return;
+  for (const layers::Tie& t : model_.ties()) {
+    if (stage_of_layer(t.owner_layer) == rt.index && stage_of_layer(t.copy_layer) == rt.index) {
+      auto turn = device_turn(rt.index);
+      layers::Sequential::sum_tied_gradient(*rt.backend, t);
+    }
+  }
+  rt.local_ties_summed = true;
+}
+
+// The optimizer step, local: the collectives before it (RG, TIE, NORM) have finished
+// the gradients. Waits for the device, clips by the norm NORM found, steps, clears the
+// gradients and lets layers fold their statistics (unless RG did, over the replicas).
 void Executor::optimizer_step(StageRuntime& rt) {
   const int k = rt.index;
-  const auto t0 = std::chrono::steady_clock::now();
-  if (rt.reducer) rt.reducer->finish(rt.optimizer->params());  // its device is not shared (checked)
-  sum_tied_gradients(k);
-  rt.reduce_ms = rt.sums_with_peers
-                     ? std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()
-                     : -1;
+  sum_local_ties(rt);
   if (!cur_.apply_optimizer) return;  // the gradients stay for inspection
   // A GPU transport's transfers, waited for under its deadline: the wait below then
   // waits for no peer.
@@ -474,15 +519,18 @@ void Executor::optimizer_step(StageRuntime& rt) {
     auto turn = device_turn(k);
     rt.backend->synchronize();
   }
-  if (options_.clip_grad_norm > 0) clip_gradients(k);
+  if (options_.clip_grad_norm > 0 && rt.grad_norm >= 0) {
+    // As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when above.
+    const double coef = options_.clip_grad_norm / (rt.grad_norm + 1e-6);
+    if (coef < 1.0) {
+      auto turn = device_turn(k);
+      for (layers::Parameter* p : rt.optimizer->params()) rt.backend->scale(p->grad, coef);
+    }
+  }
   auto turn = device_turn(k);
   rt.optimizer->step();
   zero_grads(rt);
-  for (int c : rt.cells) {
-    for (int i = cells_[c].first_layer; i < cells_[c].first_layer + cells_[c].num_layers; ++i) {
-      model_.layer(i).end_step(*rt.backend, rt.replica_sum);
-    }
-  }
+  if (!rt.statistics_folded) fold_statistics(rt);
 }
 
 int64_t Executor::run_instruction(StageRuntime& rt, size_t pc) {
@@ -490,7 +538,7 @@ int64_t Executor::run_instruction(StageRuntime& rt, size_t pc) {
   const int k = rt.index;
   const Instruction& ins = schedule_.stages[k][pc];
   const int m = ins.micro_batch;
-  const int c = ins.op == Op::kOptimizerStep ? 0 : rt.cells[ins.chunk];
+  const int c = has_cell(ins.op) ? rt.cells[ins.chunk] : -1;
   switch (ins.op) {
     case Op::kRecvActivation: {
       Tensor& in = rt.mbs[ins.chunk][m].input;
@@ -539,6 +587,12 @@ int64_t Executor::run_instruction(StageRuntime& rt, size_t pc) {
     case Op::kOptimizerStep:
       optimizer_step(rt);
       break;
+    case Op::kReduceGradients:
+      return reduce_gradients(rt);
+    case Op::kTiedGradients:
+      return exchange_tied_gradient(rt, ins.micro_batch);
+    case Op::kGradientNorm:
+      return reduce_gradient_norm(rt);
   }
   return 0;
 }
@@ -553,6 +607,7 @@ void Executor::run_stage(int k) {
   rt.error = nullptr;
   rt.error_is_abort = false;
   rt.grad_norm = -1;
+  rt.local_ties_summed = rt.statistics_folded = false;
   auto now_ms = [&] {
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - cur_.epoch).count();
   };
@@ -582,7 +637,14 @@ void Executor::run_stage(int k) {
       const int64_t bytes = run_instruction(rt, pc);
       if (rt.group_ends[pc]) transport_.end_group(k);
       TimedOp op{ins.op, ins.micro_batch, t0, 0.0, ins.chunk};
-      if (ins.micro_batch >= 0) {
+      if (is_collective(ins.op)) {
+        op.bytes = bytes;
+        if (ins.op == Op::kTiedGradients) {
+          const std::vector<int> who = collective_stages(schedule_, k, ins);
+          op.peer = who[0] == k ? who[1] : who[0];
+        }
+      }
+      if (has_cell(ins.op)) {
         meter(ins.chunk, ins.micro_batch);
         // A hand-over to a neighbouring cell of this stage changed its holdings too.
         const int c = rt.cells[ins.chunk];
@@ -603,7 +665,6 @@ void Executor::run_stage(int k) {
         }
       }
       op.live_bytes = rt.live_bytes;
-      if (ins.op == Op::kOptimizerStep) op.reduce_ms = rt.reduce_ms;
       op.end_ms = now_ms();
       rt.trace.ops.push_back(op);
     }
@@ -756,56 +817,50 @@ void Executor::restore_state(int k, const std::map<std::string, Tensor>& model,
   rt.grads_dirty = true;  // fresh gradients for the next step
 }
 
-int Executor::cell_of_layer(int layer) const {
-  for (size_t c = 0; c < cells_.size(); ++c) {
-    if (layer >= cells_[c].first_layer && layer < cells_[c].first_layer + cells_[c].num_layers) {
-      return static_cast<int>(c);
-    }
-  }
-  throw Error("layer " + std::to_string(layer) + " is in no cell");
-}
 
-// Both copies of a tied weight get the sum of their gradients. On one stage that is
-// local; across stages the copy's stage sends its gradient to the owner's, which adds
-// it and sends the sum back. Both send copies: a send may still read its tensor when
-// the sender overwrites or clears its gradient.
-void Executor::sum_tied_gradients(int k) {
-  StageRuntime& rt = *runtimes_[k];
+int Executor::stage_of_layer(int layer) const { return schedule_.stage_of_cell(cell_of_layer(cells_, layer)); }
+
+// TIE: both copies of a tied weight on two stages get the sum of their gradients: the
+// copy's stage sends its gradient to the owner's, which adds it and sends the sum back.
+// Both send copies: a send may still read its tensor when the sender overwrites or
+// clears its gradient. Returns the bytes this stage sent.
+int64_t Executor::exchange_tied_gradient(StageRuntime& rt, int tie) {
+  const int k = rt.index;
   Backend& be = *rt.backend;
-  const auto& ties = model_.ties();
-  for (size_t i = 0; i < ties.size(); ++i) {
-    const layers::Tie& t = ties[i];
-    const int so = schedule_.stage_of_cell(cell_of_layer(t.owner_layer));
-    const int sc = schedule_.stage_of_cell(cell_of_layer(t.copy_layer));
-    const MessageTag tag{MessageKind::kTiedGradient, static_cast<int>(i)};
-    if (so == k && sc == k) {
+  const layers::Tie& t = model_.ties().at(static_cast<size_t>(tie));
+  const int owner_stage = stage_of_layer(t.owner_layer), copy_stage = stage_of_layer(t.copy_layer);
+  const MessageTag tag{MessageKind::kTiedGradient, tie};
+  if (copy_stage == k) {
+    Tensor mine = be.empty(t.copy->grad.shape(), t.copy->grad.dtype());  // the send may outlive the next line
+    {
       auto turn = device_turn(k);
-      layers::Sequential::sum_tied_gradient(be, t);
-    } else if (sc == k) {
-      Tensor mine = be.empty(t.copy->grad.shape(), t.copy->grad.dtype());  // the send may outlive the next line
-      {
-        auto turn = device_turn(k);
-        be.copy(t.copy->grad, mine);
-      }
-      transport_.send(k, so, tag, mine);
-      Tensor sum = transport_.recv(k, so, tag, rt.device);
-      auto turn = device_turn(k);
-      be.copy(sum, t.copy->grad);
-    } else if (so == k) {
-      Tensor other = transport_.recv(k, sc, tag, rt.device);
-      Tensor sum = be.empty(t.owner->grad.shape(), t.owner->grad.dtype());
-      {
-        auto turn = device_turn(k);
-        be.axpy(1.0, other, t.owner->grad);
-        be.copy(t.owner->grad, sum);
-      }
-      transport_.send(k, sc, tag, sum);
+      be.copy(t.copy->grad, mine);
     }
+    transport_.send(k, owner_stage, tag, mine);
+    Tensor sum = transport_.recv(k, owner_stage, tag, rt.device);
+    auto turn = device_turn(k);
+    be.copy(sum, t.copy->grad);
+    return static_cast<int64_t>(mine.nbytes());
   }
+  GPIPE_CHECK(owner_stage == k, "TIE on a stage holding neither copy");
+  Tensor other = transport_.recv(k, copy_stage, tag, rt.device);
+  Tensor sum = be.empty(t.owner->grad.shape(), t.owner->grad.dtype());
+  {
+    auto turn = device_turn(k);
+    be.axpy(1.0, other, t.owner->grad);
+    be.copy(t.owner->grad, sum);
+  }
+  transport_.send(k, copy_stage, tag, sum);
+  return static_cast<int64_t>(sum.nbytes());
 }
 
-void Executor::clip_gradients(int k) {
-  StageRuntime& rt = *runtimes_[k];
+// NORM: the global gradient norm, the squares of every stage's gradients summed over
+// the stages (a tied weight counted once), for clipping in the optimizer step. Skipped
+// by every stage alike in a step that keeps its gradients for inspection.
+int64_t Executor::reduce_gradient_norm(StageRuntime& rt) {
+  if (!cur_.apply_optimizer) return 0;
+  const int k = rt.index;
+  sum_local_ties(rt);
   double local = 0;
   {
     auto turn = device_turn(k);
@@ -813,14 +868,8 @@ void Executor::clip_gradients(int k) {
       if (!model_.is_tied_copy(p)) local += rt.backend->sum_squares(p->grad);  // a tied weight counts once
     }
   }
-  const double norm = std::sqrt(transport_.all_reduce_sum(k, local));
-  rt.grad_norm = norm;
-  // As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when above.
-  const double coef = options_.clip_grad_norm / (norm + 1e-6);
-  if (coef < 1.0) {
-    auto turn = device_turn(k);
-    for (layers::Parameter* p : rt.optimizer->params()) rt.backend->scale(p->grad, coef);
-  }
+  rt.grad_norm = std::sqrt(transport_.all_reduce_sum(k, local));
+  return static_cast<int64_t>(sizeof(double));
 }
 
 StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool apply_optimizer) {

@@ -49,6 +49,12 @@ std::vector<StageSpec> make_stages(const std::vector<int>& balance, const std::v
 std::vector<StageSpec> make_cells(const std::vector<int>& balance, const Schedule& schedule,
                                   const std::vector<Device>& devices);
 
+// The collectives a run of this model on these cells needs (Schedule::Collectives):
+// the replicas' gradient sum, the ties' cells, the global gradient norm for clipping.
+// The plan lowers them into its schedule; the executor into one made by hand.
+Schedule::Collectives run_collectives(const layers::Sequential& model, const std::vector<StageSpec>& cells,
+                                      bool replicas, bool gradient_norm);
+
 struct ExecutorOptions {
   layers::OptimizerConfig optimizer;
   // Scale all gradients so that their global norm (over every stage) is at most this;
@@ -85,13 +91,11 @@ struct TimedOp {
   int micro_batch;
   double start_ms, end_ms;  // since the step began
   int chunk = 0;
-  int64_t bytes = 0;       // sends and receives: the message's size
-  int peer = -1;           // sends and receives: the other stage
+  // Sends and receives: the message's size; collectives: the bytes this stage
+  // contributed (RG: its gradients, TIE: the weight's gradient, NORM: one double).
+  int64_t bytes = 0;
+  int peer = -1;           // sends, receives and TIE: the other stage
   int64_t live_bytes = 0;  // activations the stage holds after the instruction
-  // The optimizer step: how long, from its start, it summed gradients with its peers
-  // (the replicas' all-reduce, a tied weight's copies on other stages), mostly waiting
-  // for them; -1 where the stage has no such sum.
-  double reduce_ms = -1;
 };
 
 struct StageTrace {
@@ -177,12 +181,15 @@ class Executor {
   void backward(StageRuntime& rt, const Instruction& ins, size_t pc);
   void weight_gradient(StageRuntime& rt, const Instruction& ins, size_t pc);
   void optimizer_step(StageRuntime& rt);
+  int64_t reduce_gradients(StageRuntime& rt);
+  int64_t exchange_tied_gradient(StageRuntime& rt, int tie);
+  int64_t reduce_gradient_norm(StageRuntime& rt);
+  void sum_local_ties(StageRuntime& rt);
+  void fold_statistics(StageRuntime& rt);
   void zero_grads(StageRuntime& rt);
-  void clip_gradients(int k);
-  void sum_tied_gradients(int k);
   // Stage k's turn on its device's backend (no-op unless it shares the device).
   std::unique_lock<std::mutex> device_turn(int k);
-  int cell_of_layer(int layer) const;
+  int stage_of_layer(int layer) const;
   Tensor to_device(StageRuntime& rt, const Tensor& host);
 
   layers::Sequential& model_;

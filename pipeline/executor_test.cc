@@ -422,6 +422,29 @@ TEST_CASE("a head tied to the embedding: gradients summed across stages, copies 
       // take the same steps.
       const StepResult s = ex.step(x, y, true);
       CHECK(s.grad_norm == doctest::Approx(std::sqrt(ref_norm2)).epsilon(1e-9));
+      // The exchange and the norm are instructions of their own, timed on both stages
+      // (the tie joins stage 0's embedding and the last stage's head), before OPT.
+      for (int k = 0; k < K; ++k) {
+        CAPTURE(k);
+        const auto& prog = ex.schedule().stages[k];
+        const auto& ops = s.stages[k].ops;
+        REQUIRE(ops.size() == prog.size());
+        const bool ties_here = K > 1 && (k == 0 || k == K - 1);
+        std::vector<Instruction> tail(prog.end() - (ties_here ? 3 : 2), prog.end());
+        std::vector<Instruction> want;
+        if (ties_here) want.push_back({Op::kTiedGradients, 0, 0});
+        want.push_back({Op::kGradientNorm, -1, 0});
+        want.push_back({Op::kOptimizerStep, -1, 0});
+        CHECK(tail == want);
+        for (const TimedOp& op : ops) {
+          CHECK(op.op != Op::kReduceGradients);
+          if (op.op == Op::kTiedGradients) {
+            CHECK(op.peer == (k == 0 ? K - 1 : 0));
+            CHECK(op.bytes == 16 * 8 * 8);
+          }
+          if (op.op == Op::kGradientNorm) CHECK(op.bytes == 8);
+        }
+      }
       ex.step(x, y, true);
       const auto& tie = model->ties().at(0);
       CHECK(to_doubles(tie.copy->value) == to_doubles(tie.owner->value));

@@ -93,6 +93,7 @@ Plan make_plan(const Config& c, const layers::Sequential& model, const PlanOptio
   p.balance = plan_balance(c, model, cells, p.largest_micro_batch());
   p.devices = plan_devices(c, options.local_stage);
   p.cells = make_cells(p.balance, p.schedule, p.devices);
+  lower_collectives(p.schedule, run_collectives(model, p.cells, p.replicas > 1, c.optimizer.clip_grad_norm > 0));
   return p;
 }
 
@@ -288,7 +289,7 @@ std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequent
     }
     int64_t live = 0, peak = 0;
     for (const Instruction& ins : s.stages[k]) {
-      if (ins.op == Op::kOptimizerStep) continue;
+      if (!has_cell(ins.op)) continue;  // the optimizer step and the collectives hold no activations
       const int c = s.cell(k, ins.chunk), m = ins.micro_batch;
       const CellBytes b = cell_bytes(c, m);
       int64_t& h = held[ins.chunk][m];

@@ -172,6 +172,37 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
   for (int64_t n : plan.micro_batch_sizes) {
     if (!counts.count(n)) counts[n] = model.costs(n);
   }
+  // A collective's own time once every stage taking part has arrived (the simulator
+  // adds the wait). TIE: the copy's gradient there and the sum back. NORM: one number
+  // to a neighbour and back. RG: the buckets still in flight when the stage's last
+  // backward ends, at most one bucket (PyTorch DDP's 25 MB; the others overlap the
+  // backwards), over a ring of the replicas: 2 (D-1)/D of its bytes each way, on the
+  // link between processes of this machine.
+  const CostFn collective_ms = [&](int k, const Instruction& ins) -> double {
+    switch (ins.op) {
+      case Op::kTiedGradients: {
+        const auto& tie = s.collectives.ties.at(static_cast<size_t>(ins.micro_batch));
+        const layers::Tie& t = model.ties().at(static_cast<size_t>(ins.micro_batch));
+        const int64_t bytes = static_cast<int64_t>(t.copy->value.nbytes());
+        return 2 * link(s.stage_of_cell(tie.first), s.stage_of_cell(tie.second)).ms(bytes);
+      }
+      case Op::kGradientNorm:
+        return K > 1 ? 2 * link(k, k == 0 ? 1 : k - 1).ms(static_cast<int64_t>(sizeof(double))) : 0.0;
+      case Op::kReduceGradients: {
+        const auto& layer_costs = counts.at(plan.micro_batch_sizes.front());
+        int64_t bytes = 0;
+        for (int c : s.cells[k]) {
+          for (int i = plan.cells[c].first_layer; i < plan.cells[c].first_layer + plan.cells[c].num_layers; ++i) {
+            bytes += layer_costs[i].param_bytes;
+          }
+        }
+        const double D = plan.replicas;
+        const double in_flight = std::min<double>(static_cast<double>(bytes), 25.0 * (1 << 20));
+        return link(k, k).ms(static_cast<int64_t>(in_flight * 2 * (D - 1) / D));
+      }
+      default: return 0.0;
+    }
+  };
   const CostFn cost = [&](int k, const Instruction& ins) -> double {
     double t = options.instruction_overhead_ms;
     if (ins.op == Op::kOptimizerStep) {
@@ -184,6 +215,7 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
       return t;
     }
     if (ins.op == Op::kRecvActivation || ins.op == Op::kRecvGradient) return t;
+    if (is_collective(ins.op)) return t + collective_ms(k, ins);
     const int m = ins.micro_batch, c = s.cell(k, ins.chunk);
     const int64_t n = plan.micro_batch_sizes[m];
     const StageSpec& cell = plan.cells[c];
@@ -232,7 +264,10 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
         case Op::kBackwardWeight: st.weight_ms += d; st.backward_ms += d; break;
         case Op::kOptimizerStep: st.optimizer_ms += d; break;
         case Op::kSendActivation:
-        case Op::kSendGradient: st.comm_ms += d; break;
+        case Op::kSendGradient:
+        case Op::kReduceGradients:
+        case Op::kTiedGradients:
+        case Op::kGradientNorm: st.comm_ms += d; break;
         default: break;
       }
       if (ti.ins.op != Op::kOptimizerStep) out.span_ms = std::max(out.span_ms, ti.end);

@@ -56,6 +56,19 @@ void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool ti
       if (op.op != Op::kOptimizerStep) span = std::max(span, op.end_ms);
     }
   }
+  // A collective among stages (TIE, NORM) lasts, on each, from its arrival until the
+  // last one arrived plus the collective's own time: the quickest stage's duration
+  // (the last to arrive waits for no one). The rest is waiting, idle as in a receive.
+  // RG's partners are the replicas, whose timings are not here: all of it counts.
+  std::map<std::pair<int, int>, double> own_time;  // (op, tie or -1) -> the quickest duration
+  for (const auto& st : r.stages) {
+    for (const auto& op : st.ops) {
+      if (op.op != Op::kTiedGradients && op.op != Op::kGradientNorm) continue;
+      const double d = op.end_ms - op.start_ms;
+      auto [it, fresh] = own_time.emplace(std::make_pair(static_cast<int>(op.op), op.micro_batch), d);
+      if (!fresh) it->second = std::min(it->second, d);
+    }
+  }
   for (size_t k = 0; k < acc_.size() && k < r.stages.size(); ++k) {
     StageSummary& s = acc_[k];
     const StageTrace& trace = r.stages[k];
@@ -70,10 +83,18 @@ void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool ti
         case Op::kRecompute: s.recompute_ms += d; busy += d; break;
         case Op::kBackward: s.backward_ms += d; busy += d; break;
         case Op::kBackwardWeight: s.weight_ms += d; s.backward_ms += d; busy += d; break;
-        case Op::kOptimizerStep:
-          s.optimizer_ms += d;
-          s.reduce_ms += std::max(0.0, op.reduce_ms);
+        case Op::kOptimizerStep: s.optimizer_ms += d; break;
+        case Op::kReduceGradients:
+          s.reduce_ms += d;
+          comm += d;
           break;
+        case Op::kTiedGradients:
+        case Op::kGradientNorm: {
+          const double own = std::min(d, own_time.at({static_cast<int>(op.op), op.micro_batch}));
+          s.reduce_ms += own;
+          comm += own;
+          break;
+        }
         case Op::kSendActivation:
         case Op::kSendGradient: comm += d; break;
         case Op::kRecvActivation:
@@ -290,6 +311,19 @@ Simulation ReportBuilder::measured_simulation() const {
                  : 0.0;
     }
     if (ins.op == Op::kOptimizerStep) return 0.0;
+    if (ins.op == Op::kTiedGradients || ins.op == Op::kGradientNorm) {
+      // Its own time, without the wait for the others (which the simulation adds): the
+      // quickest stage's mean, that of the one that arrived last.
+      double quickest = -1;
+      for (const auto& times : op_time_) {
+        auto it = times.find({static_cast<int>(ins.op), ins.chunk});
+        if (it != times.end()) {
+          const double mean = it->second.first / it->second.second;
+          quickest = quickest < 0 ? mean : std::min(quickest, mean);
+        }
+      }
+      return std::max(0.0, quickest);
+    }
     auto it = op_time_[stage].find({static_cast<int>(ins.op), ins.chunk});
     return it == op_time_[stage].end() ? 0.0 : it->second.first / it->second.second;
   };
@@ -446,7 +480,8 @@ nlohmann::json ReportBuilder::json() const {
                            {"backward_ms", st.backward_ms},
                            {"weight_ms", st.weight_ms},
                            {"optimizer_ms", st.optimizer_ms},
-                           {"optimizer_reduce_ms", st.reduce_ms},
+                           {"collective_ms", st.reduce_ms},
+                           {"optimizer_reduce_ms", st.reduce_ms},  // the old name, for one release
                            {"delivery_ms", st.delivery_ms},
                            {"comm_ms", st.comm_ms},
                            {"idle_ms", st.idle_ms},

@@ -32,7 +32,10 @@ struct StageSummary {
   std::string device;
   double forward_ms = 0, recompute_ms = 0, backward_ms = 0, optimizer_ms = 0;
   double weight_ms = 0;  // W: deferred weight gradients (zero-bubble schedules); in backward_ms too
-  double reduce_ms = 0;  // summing gradients with peers (replicas, tied copies); in optimizer_ms too
+  // The collectives (RG, TIE, NORM: summing gradients or the gradient norm with peers);
+  // in comm_ms too, not in optimizer_ms. A TIE's or NORM's wait for the other stages is
+  // idle, as a receive's; RG's wait for the other replicas counts here.
+  double reduce_ms = 0;
   // Mean time from a send's end to the end of its receive, over the receives of this
   // stage that were waiting for their message (a thread's wake-up, a transfer); -1: none.
   double delivery_ms = -1;

@@ -55,6 +55,9 @@ const char* colour(Op op) {
     case Op::kSendGradient: return "#555555";
     case Op::kRecvActivation:
     case Op::kRecvGradient: return "#d4d4d4";
+    case Op::kReduceGradients:
+    case Op::kTiedGradients:
+    case Op::kGradientNorm: return "#b07aa1";
   }
   return "#000";
 }
@@ -95,7 +98,7 @@ std::string timeline_svg(const Schedule& s, const std::vector<std::vector<Block>
     o << "<rect x=\"" << kLeft << "\" y=\"" << y << "\" width=\"" << kWidth << "\" height=\"" << kLane + kCommLane
       << "\" class=\"lane\"/>\n";
     for (const Block& b : rows[k]) {
-      const bool comm = is_communication(b.ins.op);
+      const bool comm = is_communication(b.ins.op) || is_collective(b.ins.op);
       const double x = kLeft + b.start * px;
       const double w = std::max(0.0, (b.end - b.start) * px);
       if (w <= 0 && comm) continue;
@@ -106,7 +109,7 @@ std::string timeline_svg(const Schedule& s, const std::vector<std::vector<Block>
         << bh << "\" fill=\"" << colour(b.ins.op) << "\"><title>" << esc(name) << " (" << op_name(b.ins.op)
         << "), stage " << k << ": " << num(b.start, 3) << " to " << num(b.end, 3) << " ms (" << num(b.end - b.start, 3)
         << " ms)</title></rect>\n";
-      if (!comm && b.ins.micro_batch >= 0 && w >= 12) {
+      if (has_cell(b.ins.op) && !comm && b.ins.micro_batch >= 0 && w >= 12) {
         o << "<text x=\"" << num(x + w / 2, 2) << "\" y=\"" << y + kLane / 2 + 4 << "\" class=\"mb\">"
           << b.ins.micro_batch << "</text>\n";
       }
@@ -123,7 +126,8 @@ std::string legend() {
       {Op::kForward, "forward"},           {Op::kRecompute, "recompute"},
       {Op::kBackward, "backward"},         {Op::kBackwardWeight, "weight gradient (W)"},
       {Op::kOptimizerStep, "optimizer"},   {Op::kSendActivation, "send"},
-      {Op::kRecvActivation, "receive (waiting for the neighbour)"}};
+      {Op::kRecvActivation, "receive (waiting for the neighbour)"},
+      {Op::kReduceGradients, "collective (replicas' gradient sum, tied weight, gradient norm)"}};
   for (const auto& [op, text] : items) {
     o << "<span><i style=\"background:" << colour(op) << "\"></i>" << text << "</span>";
   }

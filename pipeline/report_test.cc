@@ -94,6 +94,32 @@ TEST_CASE("one timed step: every figure from the hand-written timings") {
   CHECK(s.ideal_bubble == doctest::Approx(1.0 / 3));           // (K-1)/(M+K-1) = 1/3
 }
 
+TEST_CASE("a collective is communication, its wait for the other stages idle, never optimizer time") {
+  // The hand-written step with a NORM before each OPT: stage 0 arrives at 16 and it ends
+  // at 16.5; stage 1 arrives at 12 and waits for stage 0 until 16 (idle), the norm's
+  // own 0.5 ms (the quickest stage's duration) is communication.
+  StepResult r = hand_step(1.0, 1000, 3000);
+  auto with_norm = [](std::vector<TimedOp>& ops, double arrive, double opt_ms) {
+    ops.back() = TimedOp{Op::kGradientNorm, -1, arrive, 16.5};
+    ops.push_back(TimedOp{Op::kOptimizerStep, -1, 16.5, 16.5 + opt_ms});
+  };
+  with_norm(r.stages[0].ops, 16, 1);
+  with_norm(r.stages[1].ops, 12, 3.5);
+  ReportBuilder b = builder();
+  b.add_step(0, 2.5, r, true);
+  const RunSummary s = b.summary();
+  CHECK(s.span_ms == 16.5);  // the collectives are inside the span, the optimizer steps are not
+  const StageSummary &a = s.stages[0], &c = s.stages[1];
+  CHECK(a.comm_ms == 1.5);
+  CHECK(a.reduce_ms == 0.5);
+  CHECK(a.idle_ms == 5.0);  // 16.5 - busy 10 - comm 1.5
+  CHECK(a.optimizer_ms == 1.0);
+  CHECK(c.comm_ms == 1.5);
+  CHECK(c.reduce_ms == 0.5);
+  CHECK(c.idle_ms == 6.5);  // 16.5 - busy 8.5 - comm 1.5: its 4 ms wait for stage 0 is idle
+  CHECK(c.optimizer_ms == 3.5);
+}
+
 TEST_CASE("several steps: warm-up left out, the rest averaged, peaks kept") {
   ReportBuilder b = builder();
   b.add_step(0, 3.0, hand_step(100.0, 99999, 99999), /*timed=*/false);  // a slow warm-up: loss only

@@ -21,6 +21,9 @@ const char* op_name(Op op) {
     case Op::kBackwardWeight: return "weight_gradient";
     case Op::kSendGradient: return "send_gradient";
     case Op::kOptimizerStep: return "optimizer_step";
+    case Op::kReduceGradients: return "reduce_gradients";
+    case Op::kTiedGradients: return "tied_gradients";
+    case Op::kGradientNorm: return "gradient_norm";
   }
   return "?";
 }
@@ -36,6 +39,9 @@ const char* op_short_name(Op op) {
     case Op::kBackwardWeight: return "W";
     case Op::kSendGradient: return "sG";
     case Op::kOptimizerStep: return "OPT";
+    case Op::kReduceGradients: return "RG";
+    case Op::kTiedGradients: return "TIE";
+    case Op::kGradientNorm: return "NORM";
   }
   return "?";
 }
@@ -44,6 +50,12 @@ bool is_communication(Op op) {
   return op == Op::kRecvActivation || op == Op::kSendActivation || op == Op::kRecvGradient ||
          op == Op::kSendGradient;
 }
+
+bool is_collective(Op op) {
+  return op == Op::kReduceGradients || op == Op::kTiedGradients || op == Op::kGradientNorm;
+}
+
+bool has_cell(Op op) { return is_compute(op) || is_communication(op); }
 
 bool is_compute(Op op) {
   return op == Op::kForward || op == Op::kRecompute || op == Op::kBackward || op == Op::kBackwardWeight;
@@ -170,7 +182,7 @@ std::vector<Instruction> lower_in_steps(const Schedule& s, int stage, bool merge
     size_t j = i;
     int f = -1;  // the step's forward micro-batch
     bool b = false;
-    while (j < prog.size() && prog[j].op != Op::kOptimizerStep) {
+    while (j < prog.size() && has_cell(prog[j].op)) {
       const Op op = prog[j].op;
       if ((op == Op::kForward && (f >= 0 || (b && !merge))) || (op == Op::kBackward && (b || (f >= 0 && !merge))) ||
           (op == Op::kRecompute && b)) {
@@ -184,7 +196,7 @@ std::vector<Instruction> lower_in_steps(const Schedule& s, int stage, bool merge
       b = b || op == Op::kBackward;
       ++j;
     }
-    if (j == i) ++j;  // an optimizer step is a step of its own
+    if (j == i) ++j;  // an optimizer step (or a collective) is a step of its own
     steps.emplace_back(i, j);
     i = j;
   }
@@ -269,9 +281,51 @@ void lower_communication(Schedule& s, CommModel comm) {
   s = std::move(merged);  // fine, or its check names the problem
 }
 
+void lower_collectives(Schedule& s, const Schedule::Collectives& c) {
+  if (s.collectives_lowered) {
+    if (s.collectives == c) return;
+    throw Error("schedule '" + s.name + "' already holds other collectives than this run needs");
+  }
+  for (size_t k = 0; k < s.stages.size(); ++k) {
+    std::vector<Instruction> mine;
+    if (c.replicas) mine.push_back({Op::kReduceGradients, -1, 0});
+    for (size_t i = 0; i < c.ties.size(); ++i) {
+      const int a = s.stage_of_cell(c.ties[i].first), b = s.stage_of_cell(c.ties[i].second);
+      if (a != b && (a == static_cast<int>(k) || b == static_cast<int>(k))) {
+        mine.push_back({Op::kTiedGradients, static_cast<int>(i), 0});
+      }
+    }
+    if (c.gradient_norm) mine.push_back({Op::kGradientNorm, -1, 0});
+    auto& prog = s.stages[k];
+    auto at = std::find_if(prog.begin(), prog.end(), [](const Instruction& i) { return i.op == Op::kOptimizerStep; });
+    const size_t pos = static_cast<size_t>(at - prog.begin());
+    prog.insert(at, mine.begin(), mine.end());
+    if (!s.lines.empty()) s.lines[k].insert(s.lines[k].begin() + static_cast<long>(pos), mine.size(), 0);
+  }
+  s.collectives = c;
+  s.collectives_lowered = true;
+}
+
+std::vector<int> collective_stages(const Schedule& s, int stage, const Instruction& ins) {
+  switch (ins.op) {
+    case Op::kTiedGradients: {
+      const auto& tie = s.collectives.ties.at(static_cast<size_t>(ins.micro_batch));
+      std::vector<int> out{s.stage_of_cell(tie.first), s.stage_of_cell(tie.second)};
+      std::sort(out.begin(), out.end());
+      return out;
+    }
+    case Op::kGradientNorm: {
+      std::vector<int> out;
+      for (int k = 0; k < s.num_stages; ++k) out.push_back(k);
+      return out;
+    }
+    default: return {stage};
+  }
+}
+
 std::string instruction_str(const Schedule& s, int stage, const Instruction& ins) {
   std::string out;
-  if (s.num_chunks() > 1 && ins.op != Op::kOptimizerStep && ins.chunk >= 0 && ins.chunk < s.num_chunks()) {
+  if (s.num_chunks() > 1 && has_cell(ins.op) && ins.chunk >= 0 && ins.chunk < s.num_chunks()) {
     out += std::to_string(s.cell(stage, ins.chunk));
   }
   out += op_short_name(ins.op);

@@ -26,6 +26,7 @@
 #include <functional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace gpipe {
@@ -40,13 +41,23 @@ enum class Op {
   kBackward,        // the input gradient; also the weight gradients unless a W follows
   kBackwardWeight,  // W: the cell's deferred weight gradients of m
   kSendGradient,    // send the gradient of the cell's input of m to the previous cell's stage
-  kOptimizerStep,   // one optimizer step on the stage's parameters (m = -1)
+  kOptimizerStep,   // one optimizer step on the stage's parameters (m = -1); local
+  // Collectives (m = -1 unless said), after the stage's last backward and before its
+  // optimizer step; lower_collectives() inserts them from the run's facts (Collectives).
+  kReduceGradients,  // RG: the stage's gradients summed over the data-parallel replicas
+                     // (buckets start during backward; this waits for the rest), and the
+                     // layers' statistics folded over them (Layer::end_step)
+  kTiedGradients,    // TIE: a weight tied across two stages gets the sum of both copies'
+                     // gradients; micro_batch holds the tie's index in Collectives::ties
+  kGradientNorm,     // NORM: the global gradient norm, its square summed over every stage
 };
 
 const char* op_name(Op op);        // "forward", ...
 const char* op_short_name(Op op);  // "F", "B", "W", "R", "sA", "rA", "sG", "rG", "OPT"
-bool is_communication(Op op);      // sends and receives
+bool is_communication(Op op);      // point-to-point sends and receives
+bool is_collective(Op op);         // RG, TIE, NORM: stages (or replicas) wait for each other
 bool is_compute(Op op);            // F, R, B, W
+bool has_cell(Op op);              // runs on one of the stage's cells (compute and point-to-point)
 
 struct Instruction {
   Op op;
@@ -73,6 +84,18 @@ struct Schedule {
   // appears once. One cell per stage (cells[k] = {k}) unless the schedule interleaves.
   std::vector<std::vector<int>> cells;
   std::vector<std::vector<Instruction>> stages;  // per stage, in execution order
+  // The collectives lowered into the program (lower_collectives), for the checker.
+  struct Collectives {
+    bool replicas = false;  // gradients are summed over data-parallel replicas (RG)
+    // Per tied weight: the cells holding its owner and its copy. A tie within one
+    // stage is summed locally in the optimizer step; one across stages is a TIE on both.
+    std::vector<std::pair<int, int>> ties;
+    bool gradient_norm = false;  // the global gradient norm is needed (clipping): NORM
+    bool operator==(const Collectives& o) const {
+      return replicas == o.replicas && ties == o.ties && gradient_norm == o.gradient_norm;
+    }
+  } collectives;
+  bool collectives_lowered = false;
   // Schedule files: the file line of each instruction (0 for lowered communication),
   // so that errors name it; empty for generated schedules.
   std::vector<std::vector<int>> lines;
@@ -153,6 +176,16 @@ void insert_recompute(Schedule& s, CheckpointMode mode);
 // join the sends before it in one group.
 void lower_communication(Schedule& s, CommModel comm = CommModel::kBuffered);
 
+// Inserts the step's collectives before each stage's optimizer step, in the same order
+// on every stage: RG (with replicas), one TIE per tie across stages on its two stages
+// (in tie order), NORM on every stage (clipping). Idempotent: lowering the same facts
+// again changes nothing; different facts throw Error.
+void lower_collectives(Schedule& s, const Schedule::Collectives& collectives);
+// The stages taking part in a collective instruction of stage `stage`: itself for RG
+// (its partners are the replicas, running the same program), the tie's two stages for
+// TIE, every stage for NORM.
+std::vector<int> collective_stages(const Schedule& s, int stage, const Instruction& ins);
+
 // ---- The checker and simulator (schedule_check.cc).
 
 
@@ -188,7 +221,8 @@ struct Simulation {
 Simulation simulate(const Schedule& s, const CostFn& cost, CommModel comm = CommModel::kBuffered);
 // Unit costs per instruction kind, the same for every stage and cell.
 struct OpCosts {
-  double forward = 1.0, backward = 2.0, weight = 0.0, recompute = 1.0, send = 0.0, optimizer = 0.0;
+  double forward = 1.0, backward = 2.0, weight = 0.0, recompute = 1.0, send = 0.0, optimizer = 0.0,
+         collective = 0.0;
 };
 Simulation simulate(const Schedule& s, const OpCosts& costs);
 

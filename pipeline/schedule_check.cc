@@ -42,7 +42,27 @@ struct StageState {
   double clock = 0, busy = 0;
   std::vector<ChunkState> chunks;
   int opt = 0;
+  int collectives_expected = 0, collectives_done = 0;
 };
+
+// A collective instruction's identity: (op, tie index or -1).
+using CollectiveKey = std::pair<int, int>;
+struct CollectiveState {
+  std::map<int, double> arrived;  // stage -> when it reached the collective
+  std::set<int> done;             // stages that ran it
+};
+
+// How many collective instructions lower_collectives() gives stage k.
+int collectives_of_stage(const Schedule& s, int k) {
+  if (!s.collectives_lowered) return 0;
+  const auto& c = s.collectives;
+  int n = (c.replicas ? 1 : 0) + (c.gradient_norm ? 1 : 0);
+  for (const auto& tie : c.ties) {
+    const int a = s.stage_of_cell(tie.first), b = s.stage_of_cell(tie.second);
+    if (a != b && (a == k || b == k)) ++n;
+  }
+  return n;
+}
 
 class Interpreter {
  public:
@@ -55,6 +75,7 @@ class Interpreter {
     sim_.timeline.assign(K, {});
     for (int k = 0; k < K; ++k) {
       st_[k].chunks.assign(v, ChunkState(M));
+      st_[k].collectives_expected = collectives_of_stage(s_, k);
       for (size_t i = 0; i < s_.stages[k].size(); ++i) {
         const Instruction& ins = s_.stages[k][i];
         validate_indices(k, i);
@@ -98,7 +119,7 @@ class Interpreter {
   std::string where(int k, size_t pc) const {
     const Instruction& ins = s_.stages[k][pc];
     std::string out = instruction_str(s_, k, ins);
-    if (ins.op != Op::kOptimizerStep && s_.num_chunks() > 1) out += " (chunk " + std::to_string(ins.chunk) + ")";
+    if (has_cell(ins.op) && s_.num_chunks() > 1) out += " (chunk " + std::to_string(ins.chunk) + ")";
     if (!s_.lines.empty() && s_.lines[k][pc] > 0) {
       out += " at " + s_.source + ":" + std::to_string(s_.lines[k][pc]);
     }
@@ -144,6 +165,20 @@ class Interpreter {
   void validate_indices(int k, size_t pc) const {
     const Instruction& ins = s_.stages[k][pc];
     if (ins.op == Op::kOptimizerStep) return;
+    if (is_collective(ins.op)) {
+      const auto& c = s_.collectives;
+      if (!s_.collectives_lowered) fail(k, pc, "collectives are inserted by lower_collectives, not written");
+      if (ins.op == Op::kReduceGradients && !c.replicas) fail(k, pc, "the run has no data-parallel replicas");
+      if (ins.op == Op::kGradientNorm && !c.gradient_norm) fail(k, pc, "the run does not need the gradient norm");
+      if (ins.op == Op::kTiedGradients) {
+        if (ins.micro_batch < 0 || ins.micro_batch >= static_cast<int>(c.ties.size())) fail(k, pc, "no such tied weight");
+        const auto who = collective_stages(s_, k, ins);
+        if (who[0] == who[1] || std::find(who.begin(), who.end(), k) == who.end()) {
+          fail(k, pc, "the tied weight has no copy on another stage than this one");
+        }
+      }
+      return;
+    }
     if (ins.chunk < 0 || ins.chunk >= s_.num_chunks()) fail(k, pc, "the stage has no such chunk");
     if (ins.micro_batch < 0 || ins.micro_batch >= s_.num_micro_batches) fail(k, pc, "no such micro-batch");
   }
@@ -185,14 +220,9 @@ class Interpreter {
     const Instruction& ins = s_.stages[k][pc];
     StageState& S = st_[k];
     if (ins.op == Op::kOptimizerStep) {
-      for (int j = 0; j < s_.num_chunks(); ++j) {
-        for (int m = 0; m < s_.num_micro_batches; ++m) {
-          const ChunkState& x = S.chunks[j];
-          if (!x.bwd[m] || (x.has_w[m] && !x.wgt[m])) {
-            fail(k, pc, "optimizer step before the " + std::string(x.bwd[m] ? "weight gradient" : "backward") +
-                            " of micro-batch " + std::to_string(m) + (s_.num_chunks() > 1 ? " of chunk " + std::to_string(j) : ""));
-          }
-        }
+      check_gradients_final(k, pc, "optimizer step");
+      if (S.collectives_done < S.collectives_expected) {
+        fail(k, pc, "optimizer step before the stage's collectives (RG, TIE, NORM) have run");
       }
       if (S.opt++) fail(k, pc, "optimizer step twice");
       return cost_(k, ins);
@@ -240,6 +270,47 @@ class Interpreter {
     return d;
   }
 
+  // Every backward and weight gradient of the stage has run: its gradients are final.
+  void check_gradients_final(int k, size_t pc, const std::string& what) const {
+    const StageState& S = st_[k];
+    for (int j = 0; j < s_.num_chunks(); ++j) {
+      for (int m = 0; m < s_.num_micro_batches; ++m) {
+        const ChunkState& x = S.chunks[j];
+        if (!x.bwd[m] || (x.has_w[m] && !x.wgt[m])) {
+          fail(k, pc, what + " before the " + std::string(x.bwd[m] ? "weight gradient" : "backward") +
+                          " of micro-batch " + std::to_string(m) + (s_.num_chunks() > 1 ? " of chunk " + std::to_string(j) : ""));
+        }
+      }
+    }
+  }
+
+  // A collective: the stage waits until every stage taking part has reached it (a
+  // stage that waits elsewhere meanwhile deadlocks them, as on a real transport); it
+  // ends its cost after the last one arrived. Returns 0 while waiting.
+  size_t collective(int k) {
+    StageState& S = st_[k];
+    const size_t pc = S.pc;
+    const Instruction& ins = s_.stages[k][pc];
+    CollectiveState& c = collectives_[{static_cast<int>(ins.op), ins.micro_batch}];
+    if (c.done.count(k)) fail(k, pc, "the collective runs twice");
+    if (!c.arrived.count(k)) {
+      check_gradients_final(k, pc, "collective");
+      if (S.opt) fail(k, pc, "collective after the optimizer step");
+      c.arrived[k] = S.clock;
+    }
+    double last = 0;
+    for (int other : collective_stages(s_, k, ins)) {
+      auto it = c.arrived.find(other);
+      if (it == c.arrived.end()) return 0;  // wait for it
+      last = std::max(last, it->second);
+    }
+    record(k, pc, S.clock, last + cost_(k, ins));
+    c.done.insert(k);
+    ++S.collectives_done;
+    ++S.pc;
+    return 1;
+  }
+
   void record(int k, size_t pc, double start, double end) {
     sim_.timeline[k].push_back({s_.stages[k][pc], start, end});
     st_[k].clock = end;
@@ -251,6 +322,7 @@ class Interpreter {
     StageState& S = st_[k];
     const auto& prog = s_.stages[k];
     const Instruction& ins = prog[S.pc];
+    if (is_collective(ins.op)) return collective(k);
     if (!is_communication(ins.op)) {
       const double start = S.clock;
       const double d = run_compute(k, S.pc);
@@ -300,6 +372,11 @@ class Interpreter {
         }
       }
       if (!st_[k].opt) throw UserError("schedule '" + s_.name + "': stage " + std::to_string(k) + " has no optimizer step");
+      if (st_[k].collectives_done != st_[k].collectives_expected) {
+        throw UserError("schedule '" + s_.name + "': stage " + std::to_string(k) + " runs " +
+                        std::to_string(st_[k].collectives_done) + " collectives (RG, TIE, NORM) where the run needs " +
+                        std::to_string(st_[k].collectives_expected));
+      }
     }
     for (const auto& kv : arrived_) {
       if (!consumed_.count(kv.first)) {
@@ -315,6 +392,7 @@ class Interpreter {
   std::vector<StageState> st_;
   std::map<MessageKey, double> arrived_;  // arrival time of sent messages
   std::set<MessageKey> consumed_;
+  std::map<CollectiveKey, CollectiveState> collectives_;
   Simulation sim_;
 };
 
@@ -354,6 +432,9 @@ class RendezvousRun {
           stuck += "\n  stage " + std::to_string(k) + ": the group {";
           for (size_t i : x.groups[x.gpc]) stuck += " " + instruction_str(s_, k, s_.stages[k][i]);
           stuck += " } waits for its partners";
+        } else if (x.cpc < x.compute.size() && is_collective(s_.stages[k][x.compute[x.cpc]].op)) {
+          stuck += "\n  stage " + std::to_string(k) + ": " + instruction_str(s_, k, s_.stages[k][x.compute[x.cpc]]) +
+                   " waits for the other stages taking part";
         }
       }
       throw UserError("schedule '" + s_.name + "' deadlocks on a transport whose sends wait for their receive "
@@ -426,6 +507,30 @@ class RendezvousRun {
       const Instruction& ins = s_.stages[k][i];
       const double d = cost_(k, ins);
       x.start[i] = std::max(x.compute_clock, r >= 0 ? x.end[r] : 0.0);
+      if (is_collective(ins.op)) {
+        // After everything before it on the stage (its messages included), once every
+        // stage taking part has arrived.
+        double arrival = x.start[i];
+        for (size_t j = 0; j < i; ++j) {
+          if (!x.done[j]) return n;
+          arrival = std::max(arrival, x.end[j]);
+        }
+        auto& arrived = collective_arrivals_[{static_cast<int>(ins.op), ins.micro_batch}];
+        arrived.emplace(k, arrival);
+        double last = arrival;
+        for (int other : collective_stages(s_, k, ins)) {
+          auto it = arrived.find(other);
+          if (it == arrived.end()) return n;
+          last = std::max(last, it->second);
+        }
+        x.start[i] = arrival;
+        x.end[i] = last + d;
+        x.compute_clock = x.end[i];
+        x.done[i] = 1;
+        ++x.cpc;
+        ++n;
+        continue;
+      }
       x.end[i] = x.start[i] + d;
       x.compute_clock = x.end[i];
       if (is_compute(ins.op)) x.busy += d;
@@ -483,6 +588,7 @@ class RendezvousRun {
   const CostFn& cost_;
   std::vector<Stage> st_;
   std::map<MessageKey, double> posted_sends_, posted_recvs_;
+  std::map<CollectiveKey, std::map<int, double>> collective_arrivals_;
 };
 
 }  // namespace
@@ -510,6 +616,9 @@ Simulation simulate(const Schedule& s, const OpCosts& c) {
       case Op::kSendActivation:
       case Op::kSendGradient: return c.send;
       case Op::kOptimizerStep: return c.optimizer;
+      case Op::kReduceGradients:
+      case Op::kTiedGradients:
+      case Op::kGradientNorm: return c.collective;
       default: return 0.0;
     }
   };

@@ -2,6 +2,7 @@
 // broken schedules, for both transport models), schedule files, and the simulator.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <string>
 
 #include "pipeline/schedule.h"
@@ -292,4 +293,106 @@ TEST_CASE("1F1B keeps at most K - k micro-batches in flight on stage k; GPipe ke
       CHECK(in_flight(f, k) == K - k);
     }
   }
+}
+
+// ---- Collectives as instructions (RG, TIE, NORM).
+
+namespace {
+Schedule::Collectives collectives(bool replicas, std::vector<std::pair<int, int>> ties, bool norm) {
+  Schedule::Collectives c;
+  c.replicas = replicas;
+  c.ties = std::move(ties);
+  c.gradient_norm = norm;
+  return c;
+}
+}  // namespace
+
+TEST_CASE("collectives are lowered before each stage's optimizer step, in one order on every stage") {
+  Schedule s = gpipe_schedule(3, 2, CheckpointMode::kNever);
+  // Tie 0 joins cells 0 and 2 (stages 0 and 2), tie 1 lies within cell 1.
+  lower_collectives(s, collectives(true, {{0, 2}, {1, 1}}, true));
+  CHECK(schedule_table(s) ==
+        "stage 0: F0 sA0 F1 sA1 rG1 B1 rG0 B0 RG TIE0 NORM OPT\n"
+        "stage 1: rA0 F0 sA0 rA1 F1 sA1 rG1 B1 sG1 rG0 B0 sG0 RG NORM OPT\n"
+        "stage 2: rA0 F0 rA1 F1 B1 sG1 B0 sG0 RG TIE0 NORM OPT\n");
+  check_schedule(s);
+  check_schedule(s, CommModel::kRendezvous);
+  CHECK(collective_stages(s, 0, {Op::kTiedGradients, 0, 0}) == std::vector<int>{0, 2});
+  CHECK(collective_stages(s, 1, {Op::kGradientNorm, -1, 0}) == std::vector<int>{0, 1, 2});
+  CHECK(collective_stages(s, 1, {Op::kReduceGradients, -1, 0}) == std::vector<int>{1});
+  // The same facts again change nothing; other facts are refused.
+  const Schedule before = s;
+  lower_collectives(s, collectives(true, {{0, 2}, {1, 1}}, true));
+  CHECK(s.stages == before.stages);
+  CHECK_THROWS_AS(lower_collectives(s, collectives(false, {}, true)), Error);
+}
+
+TEST_CASE("the checker proves collectives: order, placement, and that every stage takes part") {
+  Schedule base = one_f_one_b_schedule(2, 2, CheckpointMode::kNever);
+  lower_collectives(base, collectives(false, {{0, 1}, {1, 0}}, true));
+  check_schedule(base);
+  check_schedule(base, CommModel::kRendezvous);
+  auto fails = [](const Schedule& s, CommModel comm, const std::string& what) {
+    try {
+      check_schedule(s, comm);
+      FAIL("no error for " << what);
+    } catch (const UserError& e) {
+      INFO(e.what());
+      CHECK(std::string(e.what()).find(what) != std::string::npos);
+    }
+  };
+  // The two ties in opposite orders on the two stages: each waits for the other.
+  Schedule swapped = base;
+  auto& prog = swapped.stages[1];
+  auto tie0 = std::find(prog.begin(), prog.end(), Instruction{Op::kTiedGradients, 0, 0});
+  std::iter_swap(tie0, tie0 + 1);
+  fails(swapped, CommModel::kBuffered, "deadlocks");
+  fails(swapped, CommModel::kRendezvous, "deadlocks");
+  // A stage that skips the gradient norm: the others wait for it forever.
+  Schedule missing = base;
+  missing.stages[0].erase(std::find(missing.stages[0].begin(), missing.stages[0].end(),
+                                    Instruction{Op::kGradientNorm, -1, 0}));
+  fails(missing, CommModel::kBuffered, "NORM");
+  // A collective before the last backward reads gradients that are not final.
+  Schedule early = base;
+  auto& p0 = early.stages[0];
+  auto norm = std::find(p0.begin(), p0.end(), Instruction{Op::kGradientNorm, -1, 0});
+  const Instruction n = *norm;
+  p0.erase(norm);
+  p0.insert(p0.begin() + 2, n);
+  fails(early, CommModel::kBuffered, "collective before the backward");
+  // The optimizer step before the stage's collectives.
+  Schedule late = base;
+  auto& p1 = late.stages[1];
+  std::rotate(p1.end() - 4, p1.end() - 1, p1.end());  // OPT moved before TIE0 TIE1 NORM
+  fails(late, CommModel::kBuffered, "optimizer step before the stage's collectives");
+  // A collective the run does not have.
+  Schedule stray = one_f_one_b_schedule(2, 2, CheckpointMode::kNever);
+  lower_collectives(stray, collectives(false, {}, false));
+  stray.stages[0].insert(stray.stages[0].end() - 1, Instruction{Op::kGradientNorm, -1, 0});
+  fails(stray, CommModel::kBuffered, "does not need the gradient norm");
+}
+
+TEST_CASE("the simulator prices a collective after the last stage arrives") {
+  Schedule s = gpipe_schedule(2, 1, CheckpointMode::kNever);
+  lower_collectives(s, collectives(false, {}, true));
+  OpCosts c;
+  c.forward = 1;
+  c.backward = 2;
+  c.collective = 0.5;
+  const Simulation sim = simulate(s, c);
+  // Stage 1's backward ends at 4 (F0 on 0 at 0-1, F0 on 1 at 1-2, B0 2-4); stage 0's at 6.
+  // NORM starts on each at its own arrival and ends 0.5 after the later one, at 6.5.
+  auto norm_of = [&](int k) {
+    for (const TimedInstruction& t : sim.timeline[k]) {
+      if (t.ins.op == Op::kGradientNorm) return t;
+    }
+    FAIL("no NORM on stage " << k);
+    return TimedInstruction{};
+  };
+  CHECK(norm_of(1).start == doctest::Approx(4.0));
+  CHECK(norm_of(1).end == doctest::Approx(6.5));
+  CHECK(norm_of(0).start == doctest::Approx(6.0));
+  CHECK(norm_of(0).end == doctest::Approx(6.5));
+  CHECK(sim.makespan == doctest::Approx(6.5));
 }

@@ -107,34 +107,21 @@ nlohmann::json chrome_trace(const Schedule& s, const std::vector<TraceProcess>& 
         step_end = std::max(step_end, ts + dur);
         nlohmann::json args = {{"step", step.step}};
         if (op.micro_batch >= 0) args["micro_batch"] = op.micro_batch;
-        if (op.op != Op::kOptimizerStep) {
+        if (has_cell(op.op)) {
           args["chunk"] = op.chunk;
           args["cell"] = s.cell(k, op.chunk);
         }
-        if (comm) {
-          args["bytes"] = op.bytes;
-          args["peer"] = op.peer;
-        }
+        if (comm || is_collective(op.op)) args["bytes"] = op.bytes;
+        if (op.peer >= 0) args["peer"] = op.peer;
         args["activation_bytes"] = op.live_bytes;
         events.push_back({{"ph", "X"},
                           {"name", instruction_str(s, k, prog[i])},
                           {"cat", op_name(op.op)},
                           {"pid", k},
-                          {"tid", comm ? kCommTrack : kComputeTrack},
+                          {"tid", comm || is_collective(op.op) ? kCommTrack : kComputeTrack},
                           {"ts", ts},
                           {"dur", dur},
                           {"args", std::move(args)}});
-        if (op.op == Op::kOptimizerStep && op.reduce_ms >= 0) {
-          // The gradient sums with peers at the step's start, on the communication track.
-          events.push_back({{"ph", "X"},
-                            {"name", "all-reduce (gradients)"},
-                            {"cat", "all_reduce"},
-                            {"pid", k},
-                            {"tid", kCommTrack},
-                            {"ts", ts},
-                            {"dur", std::min(dur, std::round(op.reduce_ms * 1e3 * 1e3) / 1e3)},
-                            {"args", {{"step", step.step}}}});
-        }
         if (comm) {
           const bool send = op.op == Op::kSendActivation || op.op == Op::kSendGradient;
           (send ? sent : received)[message_key(s, k, prog[i])] = {k, std::round((ts + dur / 2) * 1e3) / 1e3};

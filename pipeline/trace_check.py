@@ -5,15 +5,16 @@
     STEPS   the recorded steps, "first,last" (as trace.steps)
     COUNTS  instructions per stage and step, "20,28,20" (one slice per instruction)
     --all-reduce  every stage sums gradients with peers (replicas): each has one
-                  all-reduce slice per step
+                  reduce_gradients (RG) slice per step, counted in COUNTS
 
 Checks: the file is JSON with traceEvents; every stage has a named process with a
 compute and a communication track; on every track the slices nest (none overlaps
 another partially); every flow has one start and one end, each inside a slice of its
 track (the send's and the receive's); every stage has COUNTS[k] instruction slices per
 recorded step, and every send one flow to its receive; timestamps are finite and the
-activation counter never goes negative; an all-reduce slice lies inside its stage's
-optimizer step of the same step. Exits non-zero naming the first problem.
+activation counter never goes negative; a collective (RG, TIE, NORM) is a slice of the
+communication track that ends before its stage's optimizer step of the same step
+begins. Exits non-zero naming the first problem.
 """
 import collections
 import json
@@ -114,8 +115,6 @@ def main():
         per_step = collections.Counter()
         for key in ((k, 0), (k, 1)):
             for _, _, e in slices[key]:
-                if e["cat"] == "all_reduce":
-                    continue  # inside the optimizer step, checked below
                 per_step[e["args"]["step"]] += 1
                 if e["cat"].startswith("send"):
                     sends += 1
@@ -125,18 +124,25 @@ def main():
         extra = set(per_step) - set(steps)
         if extra:
             fail("stage %d has slices of unrecorded steps %r" % (k, sorted(extra)))
-    # All-reduce slices (communication track) inside the optimizer step (compute track).
+    # Collectives: on the communication track, before the optimizer step (compute track).
+    collective_cats = ("reduce_gradients", "tied_gradients", "gradient_norm")
     for k in range(K):
         opt = {e["args"]["step"]: (ts, end) for ts, end, e in slices[(k, 0)] if e["cat"] == "optimizer_step"}
-        reduces = [(ts, end, e) for ts, end, e in slices[(k, 1)] if e["cat"] == "all_reduce"]
-        for ts, end, e in reduces:
+        for tid in (0, 1):
+            for ts, end, e in slices[(k, tid)]:
+                if e["cat"] in collective_cats and tid != 1:
+                    fail("stage %d's %s of step %d is not on the communication track" % (k, e["name"], e["args"]["step"]))
+        coll = [(ts, end, e) for ts, end, e in slices[(k, 1)] if e["cat"] in collective_cats]
+        for ts, end, e in coll:
             o = opt.get(e["args"]["step"])
-            if o is None or ts < o[0] - eps or end > o[1] + eps:
-                fail("stage %d's all-reduce of step %d [%g, %g] is not inside its optimizer step %r" % (
-                    k, e["args"]["step"], ts, end, o))
-        got = sorted(e["args"]["step"] for _, _, e in reduces)
+            if o is None or end > o[0] + eps:
+                fail("stage %d's %s of step %d [%g, %g] does not end before its optimizer step %r" % (
+                    k, e["name"], e["args"]["step"], ts, end, o))
+        got = sorted(e["args"]["step"] for _, _, e in coll if e["cat"] == "reduce_gradients")
         if want_reduce and got != steps:
-            fail("stage %d has all-reduce slices for steps %r, not one per step %r" % (k, got, steps))
+            fail("stage %d has reduce_gradients slices for steps %r, not one per step %r" % (k, got, steps))
+        if not want_reduce and got:
+            fail("stage %d has reduce_gradients slices without replicas" % k)
     if sends != len(flows):
         fail("%d sends but %d flows" % (sends, len(flows)))
     step_slices = [e for _, _, e in slices[(K, 0)]]

@@ -51,12 +51,22 @@ check interleaved 2 47,47
 run mpi_1f1b 2 --set pipeline.schedule=1f1b
 check mpi_1f1b 2 20,20
 # Two replicas of a 2-stage pipeline on four processes: every stage's gradient
-# all-reduce is a slice inside its optimizer step.
+# all-reduce is an instruction of its own (RG, one more per stage), a slice of the
+# communication track before its optimizer step.
 run mpi_dp 4 --set pipeline.replicas=2
-python3 "$trace_check" "$tmp/mpi_dp/trace.json" 2,5 20,20 --all-reduce || { echo "FAIL: mpi_dp's trace"; exit 1; }
+python3 "$trace_check" "$tmp/mpi_dp/trace.json" 2,5 21,21 --all-reduce || { echo "FAIL: mpi_dp's trace"; exit 1; }
 python3 "$report_check" "$tmp/mpi_dp/report.html" 2 2,5 || { echo "FAIL: mpi_dp's page"; exit 1; }
 grep -q '"rank 1' "$tmp/mpi_1f1b/trace.json" || grep -q 'rank 1 ' "$tmp/mpi_1f1b/trace.json" ||
   { echo "FAIL: the merged trace does not name rank 1"; exit 1; }
+
+# Clipping: every stage's gradient-norm all-reduce (NORM) is an instruction of its own.
+run clip_k2 1 --set optimizer.clip_grad_norm=1.0
+check clip_k2 2 21,21
+python3 - "$tmp/clip_k2/trace.json" <<'PY' || { echo "FAIL: clip_k2's trace has no NORM slice per stage and step"; exit 1; }
+import json, sys
+ev = [e for e in json.load(open(sys.argv[1]))["traceEvents"] if e.get("cat") == "gradient_norm"]
+assert sorted((e["pid"], e["args"]["step"]) for e in ev) == [(k, s) for k in (0, 1) for s in range(2, 6)], ev
+PY
 
 run no_trace 1 --set output.trace=false
 [ ! -e "$tmp/no_trace/trace.json" ] || { echo "FAIL: output.trace=false wrote trace.json"; exit 1; }
