@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 
+#include "layers/loss.h"
 #include "pipeline/held_bytes.h"
 #include "runtime/device_binding.h"
 #include "runtime/error.h"
@@ -93,6 +94,14 @@ struct Executor::MicroBatch {
   Tensor loss;                        // likewise
   Tensor grad_output, grad_input;     // received (or handed over) / to be sent
   int64_t held_bytes = 0;             // activations held, for the memory meter
+  int64_t correct = 0;                // evaluation, the model's last cell: correct argmax predictions
+};
+
+// Evaluation's program and, per stage, which of its instructions open and close a group
+// of messages.
+struct Executor::EvalProgram {
+  Schedule schedule;
+  std::vector<std::vector<char>> group_begins, group_ends;
 };
 
 // A stage: a worker thread with its cells on one device.
@@ -378,8 +387,10 @@ void Executor::forward(StageRuntime& rt, const Instruction& ins, bool recompute)
   if (c == 0 && !recompute) mb.input = to_device(rt, cur_.inputs.narrow_rows(cur_.offsets[m], cur_.sizes[m]));
   GPIPE_CHECK(mb.input.defined(), "forward of micro-batch " + std::to_string(m) + " of cell " + std::to_string(c) +
                                       " without its input");
-  const bool keep = recompute || !rt.checkpointed[ins.chunk][m];
+  const bool eval = cur_.eval != nullptr;
+  const bool keep = !eval && (recompute || !rt.checkpointed[ins.chunk][m]);
   layers::ForwardArgs args;
+  args.training = !eval;
   args.step = cur_.step;
   args.sample_offset = options_.sample_offset + cur_.offsets[m];
   args.recompute = recompute;
@@ -392,6 +403,12 @@ void Executor::forward(StageRuntime& rt, const Instruction& ins, bool recompute)
     if (!mb.targets.defined()) mb.targets = to_device(rt, cur_.targets.narrow_rows(cur_.offsets[m], cur_.sizes[m]));
     Tensor l = model_.loss().forward(be, h, mb.targets, cur_.scale, keep ? &mb.loss_ctx : nullptr);
     if (!recompute) mb.loss = l;
+    if (eval) {  // on the logits' device: only the count comes back
+      const int64_t classes = h.shape().back(), rows = h.numel() / classes;
+      auto* xent = dynamic_cast<layers::SoftmaxCrossEntropy*>(&model_.loss());
+      const int ignore = xent != nullptr ? xent->ignore_index() : -100;
+      mb.correct = be.argmax_correct(h.reshape({rows, classes}), mb.targets.reshape({rows}), ignore);
+    }
   } else if (!recompute) {
     if (schedule_.stage_of_cell(c + 1) == rt.index) {
       rt.mbs[schedule_.chunk_of_cell(c + 1)][m].input = h;  // the next cell is ours
@@ -400,8 +417,8 @@ void Executor::forward(StageRuntime& rt, const Instruction& ins, bool recompute)
     }
   }
   // A checkpointed micro-batch keeps only its input; otherwise the contexts hold
-  // whatever backward needs and the input may go.
-  if (!recompute && keep) mb.input = Tensor();
+  // whatever backward needs and the input may go. Evaluation keeps nothing.
+  if (!recompute && (keep || eval)) mb.input = Tensor();
 }
 
 // The cell's backward, from the loss (the model's last cell) or the output gradient:
@@ -536,7 +553,7 @@ void Executor::optimizer_step(StageRuntime& rt) {
 int64_t Executor::run_instruction(StageRuntime& rt, size_t pc) {
   heartbeat();  // progress, for a supervisor watching this process (runtime/heartbeat.h)
   const int k = rt.index;
-  const Instruction& ins = schedule_.stages[k][pc];
+  const Instruction& ins = program(k)[pc];
   const int m = ins.micro_batch;
   const int c = has_cell(ins.op) ? rt.cells[ins.chunk] : -1;
   switch (ins.op) {
@@ -599,9 +616,13 @@ int64_t Executor::run_instruction(StageRuntime& rt, size_t pc) {
 
 void Executor::run_stage(int k) {
   StageRuntime& rt = *runtimes_[k];
-  const auto& prog = schedule_.stages[k];
+  const auto& prog = program(k);
+  const EvalProgram* eval = cur_.eval;
+  const auto& group_begins = eval != nullptr ? eval->group_begins[k] : rt.group_begins;
+  const auto& group_ends = eval != nullptr ? eval->group_ends[k] : rt.group_ends;
   rt.trace = StageTrace{};
-  rt.mbs.assign(schedule_.num_chunks(), std::vector<MicroBatch>(schedule_.num_micro_batches));
+  rt.mbs.assign(schedule_.num_chunks(),
+                std::vector<MicroBatch>(eval != nullptr ? eval->schedule.num_micro_batches : schedule_.num_micro_batches));
   rt.trace.ops.reserve(prog.size());
   rt.live_bytes = 0;
   rt.error = nullptr;
@@ -625,17 +646,17 @@ void Executor::run_stage(int k) {
       auto turn = device_turn(k);
       rt.clock->start_step(rt.backend->stream(), now_ms());
     }
-    if (rt.grads_dirty) {
+    if (rt.grads_dirty && eval == nullptr) {
       auto turn = device_turn(k);
       zero_grads(rt);
     }
-    rt.grads_dirty = true;
+    if (eval == nullptr) rt.grads_dirty = true;
     for (size_t pc = 0; pc < prog.size(); ++pc) {
       const Instruction& ins = prog[pc];
       const double t0 = now_ms();
-      if (rt.group_begins[pc]) transport_.begin_group(k);
+      if (group_begins[pc]) transport_.begin_group(k);
       const int64_t bytes = run_instruction(rt, pc);
-      if (rt.group_ends[pc]) transport_.end_group(k);
+      if (group_ends[pc]) transport_.end_group(k);
       TimedOp op{ins.op, ins.micro_batch, t0, 0.0, ins.chunk};
       if (is_collective(ins.op)) {
         op.bytes = bytes;
@@ -872,6 +893,47 @@ int64_t Executor::reduce_gradient_norm(StageRuntime& rt) {
   return static_cast<int64_t>(sizeof(double));
 }
 
+void Executor::run_workers() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    running_ = static_cast<int>(workers_.size());
+    ++generation_;
+  }
+  cv_start_.notify_all();
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_done_.wait(lock, [&] { return running_ == 0; });
+  }
+  // The first real failure wins; the others were told to stop because of it.
+  for (auto& rt : runtimes_) {
+    if (rt->error && !rt->error_is_abort) {
+      failed_ = true;
+      std::string where;
+      for (int c : rt->cells) where += (where.empty() ? "" : ", ") + layer_range(cells_[c]);
+      const std::string msg = "stage " + std::to_string(rt->index) + " (layers " + where + " on " +
+                              rt->device.str() + ") failed: " + rt->error_text;
+      for (auto& other : runtimes_) other->mbs.clear();
+      try {
+        std::rethrow_exception(rt->error);
+      } catch (const UserError&) {
+        throw UserError(msg);
+      } catch (...) {
+        throw Error(msg);
+      }
+    }
+  }
+  for (auto& rt : runtimes_) {
+    if (rt->error) {
+      failed_ = true;
+      throw Error("stage " + std::to_string(rt->index) + " stopped: " + rt->error_text);
+    }
+  }
+}
+
+const std::vector<Instruction>& Executor::program(int k) const {
+  return cur_.eval != nullptr ? cur_.eval->schedule.stages[k] : schedule_.stages[k];
+}
+
 StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool apply_optimizer) {
   if (failed_) throw Error("the pipeline stopped after an earlier failure; start a new run");
   const int M = schedule_.num_micro_batches;
@@ -897,45 +959,12 @@ StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool appl
   cur_.scale = counted > 0 ? 1.0 / static_cast<double>(counted) : 0.0;
   cur_.apply_optimizer = apply_optimizer;
   cur_.step = steps_done_++;
+  cur_.eval = nullptr;
   cur_.epoch = std::chrono::steady_clock::now();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    running_ = static_cast<int>(workers_.size());
-    ++generation_;
-  }
-  cv_start_.notify_all();
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_done_.wait(lock, [&] { return running_ == 0; });
-  }
+  run_workers();
   StepResult result;
   result.wall_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - cur_.epoch).count();
-
-  // The first real failure wins; the others were told to stop because of it.
-  for (auto& rt : runtimes_) {
-    if (rt->error && !rt->error_is_abort) {
-      failed_ = true;
-      std::string where;
-      for (int c : rt->cells) where += (where.empty() ? "" : ", ") + layer_range(cells_[c]);
-      const std::string msg = "stage " + std::to_string(rt->index) + " (layers " + where + " on " +
-                              rt->device.str() + ") failed: " + rt->error_text;
-      for (auto& other : runtimes_) other->mbs.clear();
-      try {
-        std::rethrow_exception(rt->error);
-      } catch (const UserError&) {
-        throw UserError(msg);
-      } catch (...) {
-        throw Error(msg);
-      }
-    }
-  }
-  for (auto& rt : runtimes_) {
-    if (rt->error) {
-      failed_ = true;
-      throw Error("stage " + std::to_string(rt->index) + " stopped: " + rt->error_text);
-    }
-  }
   const int last_stage = schedule_.stage_of_cell(schedule_.num_cells() - 1);
   StageRuntime& last = *runtimes_[last_stage];
   if (last.local) {
@@ -958,6 +987,80 @@ StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool appl
     rt->mbs.clear();
   }
   return result;
+}
+
+EvalResult Executor::evaluate(const Tensor& inputs, const Tensor& targets, int64_t micro_batch_rows,
+                              EvalResult sum) {
+  if (failed_) throw Error("the pipeline stopped after an earlier failure; start a new run");
+  if (!inputs.device().is_cpu() || !targets.device().is_cpu()) throw Error("evaluate() takes host tensors");
+  if (inputs.dim() < 1 || targets.dim() < 1 || inputs.size(0) != targets.size(0) || inputs.size(0) < 1) {
+    throw UserError("inputs " + inputs.str() + " and targets " + targets.str() +
+                    " must have the same batch size, at least 1");
+  }
+  GPIPE_CHECK(micro_batch_rows >= 1, "evaluate() needs micro-batches of at least one row");
+  const int64_t n = inputs.size(0);
+  const int64_t count = (n + micro_batch_rows - 1) / micro_batch_rows;
+  if (count > schedule_.num_micro_batches) {
+    throw Error("evaluate() got " + std::to_string(count) + " micro-batches of " + std::to_string(micro_batch_rows) +
+                " rows; the schedule runs at most " + std::to_string(schedule_.num_micro_batches));
+  }
+  const int M = static_cast<int>(count);
+  std::unique_ptr<EvalProgram>& program = eval_programs_[M];
+  if (!program) {
+    const CommModel comm = transport_.sends_wait_for_receiver() ? CommModel::kRendezvous : CommModel::kBuffered;
+    auto p = std::make_unique<EvalProgram>();
+    p->schedule = forward_only_program(schedule_, M, comm);
+    check_schedule(p->schedule, comm);
+    for (const auto& prog : p->schedule.stages) {
+      std::vector<char> begins, ends;
+      for (size_t i = 0; i < prog.size(); ++i) {
+        const bool comm_op = is_communication(prog[i].op);
+        begins.push_back(comm_op && (i == 0 || !is_communication(prog[i - 1].op)));
+        ends.push_back(comm_op && (i + 1 == prog.size() || !is_communication(prog[i + 1].op)));
+      }
+      p->group_begins.push_back(std::move(begins));
+      p->group_ends.push_back(std::move(ends));
+    }
+    program = std::move(p);
+  }
+  cur_.inputs = inputs;
+  cur_.targets = targets;
+  cur_.sizes.assign(M, micro_batch_rows);
+  cur_.sizes.back() = n - (M - 1) * micro_batch_rows;
+  cur_.offsets.assign(M, 0);
+  for (int m = 1; m < M; ++m) cur_.offsets[m] = cur_.offsets[m - 1] + cur_.sizes[m - 1];
+  cur_.scale = 1.0;  // the loss summed over the counted targets
+  cur_.apply_optimizer = false;
+  cur_.step = steps_done_;  // evaluation is no step
+  cur_.eval = program.get();
+  cur_.epoch = std::chrono::steady_clock::now();
+  run_workers();
+  const int C = schedule_.num_cells();
+  StageRuntime& last = *runtimes_[schedule_.stage_of_cell(C - 1)];
+  if (last.local) {
+    // Micro-batch by micro-batch, in order: sums come out the same however a pass is
+    // cut into calls. Means are over the counted targets (PyTorch's ignore_index with
+    // reduction 'mean'), not over every row; the targets are on the host.
+    auto& mbs = last.mbs[schedule_.chunk_of_cell(C - 1)];
+    for (int m = 0; m < M; ++m) {
+      sum.loss_sum += last.backend->item(mbs[m].loss);
+      sum.correct += static_cast<double>(mbs[m].correct);
+      sum.counted += static_cast<double>(
+          model_.loss().counted_targets(targets.narrow_rows(cur_.offsets[m], cur_.sizes[m])));
+    }
+  }
+  for (auto& rt : runtimes_) rt->mbs.clear();
+  return sum;
+}
+
+EvalResult Executor::all_reduce_scores(EvalResult r) {
+  if (options_.local_stage >= 0) {  // only the last cell's process has them
+    for (double* v : {&r.loss_sum, &r.correct, &r.counted}) *v = transport_.all_reduce_sum(options_.local_stage, *v);
+  }
+  if (options_.replicas != nullptr && options_.replicas->size() > 1) {
+    for (double* v : {&r.loss_sum, &r.correct, &r.counted}) *v = options_.replicas->all_reduce_sum(*v);
+  }
+  return r;
 }
 
 }  // namespace pipeline

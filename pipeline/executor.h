@@ -116,6 +116,13 @@ struct StepResult {
   std::vector<StageTrace> stages;
 };
 
+// What evaluation scores: the loss summed over the counted targets (the loss at scale
+// 1), correct argmax predictions (ignore_index left out), and the targets the loss
+// counts. Means divide the first two by the third.
+struct EvalResult {
+  double loss_sum = 0, correct = 0, counted = 0;
+};
+
 // A stage's share of a checkpoint (pipeline/checkpoint.h), as host tensors by stable
 // names that do not depend on the partition: the parameters and buffers of its layers as
 // "<layer name>.<name>" ("layers.3.attn.qkv.weight", "layers.2.running_mean", or with
@@ -152,6 +159,20 @@ class Executor {
   // skipped, leaving the accumulated gradients in Parameter::grad for inspection.
   StepResult step(const Tensor& inputs, const Tensor& targets, bool apply_optimizer = true);
 
+  // Evaluation: the schedule's forward-only program (forward_only_program) on the same
+  // workers and transport, in evaluation mode, keeping no contexts; parameters,
+  // gradients and the step count stay as they are. inputs (N, *input_shape) and int32
+  // targets (N) on the host are cut into micro-batches of micro_batch_rows rows, the
+  // last taking the rest, at most the schedule's M of them. Each micro-batch's scores
+  // are added to `sum` in micro-batch order (a pass over many calls sums as one long
+  // one would), which is returned. Only the process of the model's last cell scores:
+  // after a pass, all_reduce_scores gives every process the totals.
+  EvalResult evaluate(const Tensor& inputs, const Tensor& targets, int64_t micro_batch_rows, EvalResult sum = {});
+  // A pass's scores summed over this pipeline's processes and the data-parallel
+  // replicas (collective: every process of the job calls it); as given in one process
+  // without replicas.
+  EvalResult all_reduce_scores(EvalResult local);
+
   const Schedule& schedule() const { return schedule_; }
   // The cells, in model order (one per stage unless the schedule interleaves).
   const std::vector<StageSpec>& stages() const { return cells_; }
@@ -172,7 +193,13 @@ class Executor {
  private:
   struct StageRuntime;
   struct MicroBatch;
+  struct EvalProgram;
   void worker_main(int k);
+  // Wakes the workers on cur_, waits for them, and rethrows the first real failure.
+  void run_workers();
+  // The instructions stage k runs this time: the schedule's, or the forward-only
+  // program's when evaluating.
+  const std::vector<Instruction>& program(int k) const;
   void run_stage(int k);
   // One handler per instruction kind; run_stage times, meters and dispatches. Returns
   // the bytes a send or receive moved.
@@ -208,7 +235,13 @@ class Executor {
     bool apply_optimizer = true;
     uint64_t step = 0;  // how many steps ran before this one
     std::chrono::steady_clock::time_point epoch;
+    // Evaluation (evaluate()): this forward-only program instead of the schedule, in
+    // evaluation mode; no context is kept (no backward comes), the model's last cell
+    // scores its output instead of keeping a loss for backward, gradients are left alone.
+    const EvalProgram* eval = nullptr;
   } cur_;
+  // Forward-only programs by number of micro-batches, built on first use.
+  std::map<int, std::unique_ptr<EvalProgram>> eval_programs_;
 
   std::mutex mu_;
   std::condition_variable cv_start_, cv_done_;

@@ -301,6 +301,74 @@ TEST_CASE("sequence targets: a loss per position, averaged over all positions") 
   for (size_t i = 0; i < a.size(); ++i) GPIPE_EXPECT_CLOSE(a[i].second->grad, b[i].second->grad, 1e-10, 1e-12);
 }
 
+// Evaluation is a forward-only program on the same executor: in evaluation mode (the
+// dropout does nothing), its summed loss, correct predictions and counted targets equal
+// the unpartitioned model's forward on the whole batch, for 1F1B and interleaved
+// schedules, however the batch is cut into micro-batches and calls; it leaves the
+// gradients and the step count alone.
+TEST_CASE("evaluation scores what the unpartitioned model's forward scores") {
+  layers::ModelSpec spec = mlp_spec(DType::kF64);
+  spec.layers.insert(spec.layers.begin() + 2, {"dropout", {{"p", "0.5"}}, {}, ""});
+  spec.loss = {"softmax_cross_entropy", {{"ignore_index", "3"}}, {}, ""};
+  const int64_t N = 11;
+  Tensor x = gpipe::testing::random_tensor({N, 6}, DType::kF64, 31);
+  Tensor y = gpipe::testing::random_labels(N, 4, 32);
+  int ignored = 0;
+  for (int32_t t : y.to_vector<int32_t>()) ignored += t == 3;
+  REQUIRE(ignored > 0);
+  REQUIRE(ignored < N);
+
+  Backend& be = backend_for(Device::cpu());
+  auto reference = layers::build_model(spec);
+  layers::ForwardArgs eval_mode;
+  eval_mode.training = false;
+  Tensor h = x;
+  for (int i = 0; i < reference->size(); ++i) h = reference->layer(i).forward(be, h, nullptr, eval_mode);
+  const double ref_loss = be.item(reference->loss().forward(be, h, y, 1.0, nullptr));
+  const double ref_correct = static_cast<double>(be.argmax_correct(h, y, 3));
+
+  for (const std::pair<std::string, int>& named : {std::pair<std::string, int>{"1f1b", 1}, {"interleaved_1f1b", 2}}) {
+    const std::string name = named.first;
+    const int v = named.second, K = 2, M = 4;
+    CAPTURE(name);
+    auto model = layers::build_model(spec);
+    InProcessTransport transport(K);
+    const Schedule schedule = make_schedule(ScheduleRequest{name, K, v, M, CheckpointMode::kExceptLast});
+    REQUIRE(schedule.num_chunks() == v);
+    Executor ex(*model, make_cells(even_balance(model->size(), K * v), schedule, cpu_devices(K)), schedule, transport,
+                {});
+    ex.step(x, y, /*apply_optimizer=*/false);  // gradients to leave alone
+    std::vector<std::vector<double>> grads;
+    for (auto& p : model->named_parameters()) grads.push_back(to_doubles(p.second->grad));
+    for (int64_t rows : {3, 4, 11}) {  // 4 micro-batches (3 3 3 2), 3 (4 4 3), 1
+      CAPTURE(rows);
+      const EvalResult r = ex.evaluate(x, y, rows);
+      CHECK(r.loss_sum == doctest::Approx(ref_loss).epsilon(1e-12));
+      CHECK(r.correct == ref_correct);
+      CHECK(r.counted == N - ignored);
+      CHECK(transport.pending() == 0);
+    }
+    // A pass cut into calls sums as one call.
+    EvalResult parts = ex.evaluate(x.narrow_rows(0, 6), y.narrow_rows(0, 6), 3);
+    parts = ex.evaluate(x.narrow_rows(6, 5), y.narrow_rows(6, 5), 3, parts);
+    const EvalResult whole = ex.evaluate(x, y, 3);
+    CHECK(parts.loss_sum == whole.loss_sum);
+    CHECK(parts.correct == whole.correct);
+    CHECK(parts.counted == whole.counted);
+    // One process without replicas: the totals are already everyone's.
+    const EvalResult reduced = ex.all_reduce_scores(whole);
+    CHECK(reduced.loss_sum == whole.loss_sum);
+    CHECK(reduced.counted == whole.counted);
+    CHECK_THROWS_WITH_AS(ex.evaluate(x, y, 2), doctest::Contains("at most 4"), Error);
+    CHECK(ex.next_step() == 1);
+    auto params = model->named_parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      INFO("gradient of ", params[i].first);
+      CHECK(to_doubles(params[i].second->grad) == grads[i]);
+    }
+  }
+}
+
 TEST_CASE("a pipelined GPT with dropout equals the unpartitioned model") {
   // Dropout masks are keyed by (seed, step, layer, sample), so they do not depend on the
   // micro-batch split: loss and gradients match exactly, rematerialization included.

@@ -4,8 +4,8 @@
 # sends in schedule order): 1F1B and interleaved 1F1B at K = 2 and at K = 2 x D = 2,
 # zero bubble in one process. The model is a float64 language model with dropout and a
 # head tied to its embedding, so every random stream and the tied gradient's exchange
-# must not depend on the schedule, the split or the process. Per-step losses are
-# compared at full precision from report.json.
+# must not depend on the schedule, the split or the process. Per-step losses and the
+# validation loss and accuracy are compared at full precision from report.json.
 set -uo pipefail
 gpipe="$1"
 tmp="${TEST_TMPDIR:-/tmp}"
@@ -38,16 +38,21 @@ run() {  # name, processes, then --set overrides
   "${cmd[@]}" > "$tmp/$name.log" 2>&1 || { cat "$tmp/$name.log"; echo "FAIL: $name"; exit 1; }
 }
 
-same_losses() {  # reference run, other run: six per-step losses equal to 1e-10 relative
+same_losses() {  # reference run, other run: six per-step losses and the validation equal to 1e-10 relative
   python3 - "$tmp/$1/report.json" "$tmp/$2/report.json" <<'PY' || { echo "FAIL: $2's losses differ from $1's"; exit 1; }
 import json, sys
-a = [s["loss"] for s in json.load(open(sys.argv[1]))["steps"]]
-b = [s["loss"] for s in json.load(open(sys.argv[2]))["steps"]]
+ra, rb = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+a = [s["loss"] for s in ra["steps"]]
+b = [s["loss"] for s in rb["steps"]]
 assert len(a) == 6 and len(b) == 6, (a, b)
 for i, (x, y) in enumerate(zip(a, b)):
     assert abs(x - y) <= 1e-10 * abs(x), f"step {i}: {x!r} vs {y!r}"
+# Validation runs each schedule's forward-only program on the executor.
+for key in ("loss", "accuracy"):
+    x, y = ra["eval"][key], rb["eval"][key]
+    assert abs(x - y) <= 1e-10 * abs(x), f"validation {key}: {x!r} vs {y!r}"
 PY
-  echo "ok: $2 gives $1's six losses"
+  echo "ok: $2 gives $1's six losses and validation"
 }
 
 run gpipe 1

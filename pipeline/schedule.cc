@@ -247,8 +247,8 @@ Schedule lowered(const Schedule& s, CommModel comm, bool merge) {
     std::vector<int> lines;
     out.stages[k] = comm == CommModel::kBuffered ? lower_in_place(s, static_cast<int>(k), lines)
                                                  : lower_in_steps(s, static_cast<int>(k), merge, lines);
-    if (std::none_of(out.stages[k].begin(), out.stages[k].end(),
-                     [](const Instruction& i) { return i.op == Op::kOptimizerStep; })) {
+    if (!s.forward_only && std::none_of(out.stages[k].begin(), out.stages[k].end(),
+                                        [](const Instruction& i) { return i.op == Op::kOptimizerStep; })) {
       out.stages[k].push_back({Op::kOptimizerStep, -1, 0});
       lines.push_back(0);
     }
@@ -321,6 +321,31 @@ std::vector<int> collective_stages(const Schedule& s, int stage, const Instructi
     }
     default: return {stage};
   }
+}
+
+Schedule forward_only_program(const Schedule& s, int num_micro_batches, CommModel comm) {
+  if (num_micro_batches < 1 || num_micro_batches > s.num_micro_batches) {
+    throw Error("a forward-only program of schedule '" + s.name + "' takes 1 to " +
+                std::to_string(s.num_micro_batches) + " micro-batches, not " + std::to_string(num_micro_batches));
+  }
+  Schedule out = s;
+  out.name = s.name + " (forward only)";
+  out.num_micro_batches = num_micro_batches;
+  out.forward_only = true;
+  out.collectives = {};  // no gradients: no collectives
+  out.collectives_lowered = false;
+  for (size_t k = 0; k < s.stages.size(); ++k) {
+    out.stages[k].clear();
+    if (!s.lines.empty()) out.lines[k].clear();
+    for (size_t i = 0; i < s.stages[k].size(); ++i) {
+      const Instruction& ins = s.stages[k][i];
+      if (ins.op != Op::kForward || ins.micro_batch >= num_micro_batches) continue;
+      out.stages[k].push_back(ins);
+      if (!s.lines.empty()) out.lines[k].push_back(s.lines[k][i]);
+    }
+  }
+  lower_communication(out, comm);
+  return out;
 }
 
 std::string instruction_str(const Schedule& s, int stage, const Instruction& ins) {

@@ -100,6 +100,9 @@ struct Schedule {
   // so that errors name it; empty for generated schedules.
   std::vector<std::vector<int>> lines;
   std::string source;  // the file, for messages
+  // A forward-only program (forward_only_program): forwards and their activation
+  // messages only, no optimizer step; the checker holds it to that.
+  bool forward_only = false;
 
   int num_chunks() const { return cells.empty() ? 1 : static_cast<int>(cells[0].size()); }
   int num_cells() const;
@@ -166,12 +169,20 @@ Schedule parse_schedule_text(const std::string& text, const std::string& source,
 Schedule load_schedule_file(const std::string& path, int num_stages, int num_chunks, int num_micro_batches,
                             CheckpointMode mode, CommModel comm = CommModel::kBuffered);
 
+// Evaluation's program, derived from a training schedule: each stage's forwards in the
+// schedule's order (which the checker already proved pipelines without deadlock) for
+// micro-batches 0 .. num_micro_batches - 1 (at most the schedule's M), with their
+// activation sends and receives lowered for `comm`; no recompute, no backward, no
+// optimizer step. Same stages and cells as `s`; forward_only is set.
+Schedule forward_only_program(const Schedule& s, int num_micro_batches, CommModel comm = CommModel::kBuffered);
+
 // ---- Building blocks of the generators.
 
 // Puts R(j, m) right before B(j, m) for every checkpointed micro-batch.
 void insert_recompute(Schedule& s, CheckpointMode mode);
 // Inserts every send and receive between stages (cells on the same stage hand over
-// directly), then an optimizer step at the end of each stage if it has none. For a
+// directly), then an optimizer step at the end of each stage if it has none (unless the
+// program is forward_only). For a
 // rendezvous transport a receive is moved up past recomputes and weight gradients to
 // join the sends before it in one group.
 void lower_communication(Schedule& s, CommModel comm = CommModel::kBuffered);

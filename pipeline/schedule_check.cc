@@ -196,6 +196,7 @@ class Interpreter {
     if (peer < 0) fail(k, pc, act ? (ins.op == Op::kSendActivation ? "the model's last cell has no next cell" : "the model's first cell has no previous cell")
                                   : (ins.op == Op::kSendGradient ? "the model's first cell has no previous cell" : "the model's last cell has no next cell"));
     if (peer == k) fail(k, pc, "the neighbouring cell is on this stage: it hands over directly, without a message");
+    if (s_.forward_only && !act) fail(k, pc, "a forward-only program sends and receives activations only");
     switch (ins.op) {
       case Op::kSendActivation:
         if (!x.fwd[m]) fail(k, pc, "sent before the forward that produces it");
@@ -219,6 +220,7 @@ class Interpreter {
   double run_compute(int k, size_t pc) {
     const Instruction& ins = s_.stages[k][pc];
     StageState& S = st_[k];
+    if (s_.forward_only && ins.op != Op::kForward) fail(k, pc, "a forward-only program runs forwards only");
     if (ins.op == Op::kOptimizerStep) {
       check_gradients_final(k, pc, "optimizer step");
       if (S.collectives_done < S.collectives_expected) {
@@ -366,12 +368,12 @@ class Interpreter {
                             " of micro-batch " + std::to_string(m) + " for cell " + std::to_string(c));
           };
           if (!x.fwd[m]) missing("the forward");
-          if (!x.bwd[m]) missing("the backward");
+          if (!x.bwd[m] && !s_.forward_only) missing("the backward");
           if (c + 1 < C && s_.stage_of_cell(c + 1) != k && !x.sent_act[m]) missing("the activation send");
-          if (c > 0 && s_.stage_of_cell(c - 1) != k && !x.sent_grad[m]) missing("the gradient send");
+          if (c > 0 && s_.stage_of_cell(c - 1) != k && !x.sent_grad[m] && !s_.forward_only) missing("the gradient send");
         }
       }
-      if (!st_[k].opt) throw UserError("schedule '" + s_.name + "': stage " + std::to_string(k) + " has no optimizer step");
+      if (!st_[k].opt && !s_.forward_only) throw UserError("schedule '" + s_.name + "': stage " + std::to_string(k) + " has no optimizer step");
       if (st_[k].collectives_done != st_[k].collectives_expected) {
         throw UserError("schedule '" + s_.name + "': stage " + std::to_string(k) + " runs " +
                         std::to_string(st_[k].collectives_done) + " collectives (RG, TIE, NORM) where the run needs " +

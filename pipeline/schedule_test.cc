@@ -130,6 +130,83 @@ TEST_CASE("every generated schedule passes the checker, or is refused for a stat
   CHECK(built > 1000);
 }
 
+// Evaluation's program: the schedule's forwards and their activation messages, no
+// recompute, backward or optimizer step, for any number of micro-batches up to M.
+TEST_CASE("a forward-only program keeps the schedule's forwards in order and passes the checker") {
+  CHECK(schedule_table(forward_only_program(one_f_one_b_schedule(2, 3, CheckpointMode::kAlways), 3)) ==
+        "stage 0: F0 sA0 F1 sA1 F2 sA2\n"
+        "stage 1: rA0 F0 rA1 F1 rA2 F2\n");
+  CHECK(schedule_table(forward_only_program(one_f_one_b_schedule(2, 3, CheckpointMode::kNever), 2)) ==
+        "stage 0: F0 sA0 F1 sA1\n"
+        "stage 1: rA0 F0 rA1 F1\n");
+  // Interleaved, K=2, v=2: cells 0 and 2 on stage 0, 1 and 3 on stage 1, in the
+  // schedule's rounds.
+  CHECK(schedule_table(forward_only_program(interleaved_1f1b_schedule(2, 2, 2, CheckpointMode::kNever), 2)) ==
+        "stage 0: 0F0 0sA0 0F1 0sA1 2rA0 2F0 2sA0 2rA1 2F1 2sA1\n"
+        "stage 1: 1rA0 1F0 1sA0 1rA1 1F1 1sA1 3rA0 3F0 3rA1 3F1\n");
+  int built = 0;
+  for (const std::string& name : schedule_names()) {
+    for (int v = 1; v <= 3; ++v) {
+      for (int K = 1; K <= 4; ++K) {
+        for (int M = 1; M <= 6; ++M) {
+          for (auto comm : {CommModel::kBuffered, CommModel::kRendezvous}) {
+            Schedule s;
+            try {
+              s = make_schedule({name, K, v, M, CheckpointMode::kExceptLast, "", comm});
+            } catch (const UserError&) {
+              continue;  // sizes the schedule refuses (the test above says which)
+            }
+            for (int n = 1; n <= M; ++n) {
+              INFO(name << " v=" << v << " K=" << K << " M=" << M << " n=" << n
+                        << " rendezvous=" << (comm == CommModel::kRendezvous));
+              const Schedule f = forward_only_program(s, n, comm);
+              CHECK(f.forward_only);
+              CHECK(f.num_micro_batches == n);
+              CHECK(f.cells == s.cells);
+              size_t forwards = 0;
+              for (const auto& prog : f.stages) {
+                for (const Instruction& ins : prog) {
+                  CHECK((ins.op == Op::kForward || ins.op == Op::kSendActivation || ins.op == Op::kRecvActivation));
+                  forwards += ins.op == Op::kForward;
+                }
+              }
+              CHECK(forwards == static_cast<size_t>(n * s.num_cells()));
+              CHECK_NOTHROW(check_schedule(f, comm));
+              ++built;
+            }
+          }
+        }
+      }
+    }
+  }
+  CHECK(built > 500);
+  CHECK_THROWS_AS(forward_only_program(gpipe_schedule(2, 2, CheckpointMode::kNever), 3), Error);
+}
+
+TEST_CASE("the checker holds a forward-only program to forwards and activations") {
+  Schedule f = forward_only_program(gpipe_schedule(2, 2, CheckpointMode::kNever), 2);
+  SUBCASE("no backward") {
+    f.stages[1].push_back({Op::kBackward, 1});
+    CHECK_THROWS_WITH_AS(check_schedule(f), doctest::Contains("a forward-only program runs forwards only"), UserError);
+  }
+  SUBCASE("no optimizer step") {
+    f.stages[0].push_back({Op::kOptimizerStep, -1});
+    CHECK_THROWS_WITH_AS(check_schedule(f), doctest::Contains("a forward-only program runs forwards only"), UserError);
+  }
+  SUBCASE("no gradient message") {
+    f.stages[1].push_back({Op::kSendGradient, 0});
+    CHECK_THROWS_WITH_AS(check_schedule(f), doctest::Contains("activations only"), UserError);
+  }
+  SUBCASE("every forward still runs") {
+    f.stages[1].pop_back();  // F1
+    CHECK_THROWS_WITH_AS(check_schedule(f), doctest::Contains("never runs the forward of micro-batch 1"), UserError);
+  }
+  SUBCASE("a training schedule still needs its backwards and optimizer step") {
+    f.forward_only = false;
+    CHECK_THROWS_WITH_AS(check_schedule(f), doctest::Contains("never runs the backward"), UserError);
+  }
+}
+
 TEST_CASE("the checker finds broken schedules") {
   Schedule s = gpipe_schedule(2, 2, CheckpointMode::kNever);
   SUBCASE("a receive without a send deadlocks") {

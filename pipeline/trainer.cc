@@ -26,90 +26,46 @@ namespace pipeline {
 
 namespace {
 
-// Loss (summed over targets), correct argmax predictions and counted (not ignored)
-// targets of one chunk's logits.
-struct Score {
-  double loss_sum = 0;
-  double correct = 0, counted = 0;
-};
-
-Score score_chunk(layers::Sequential& model, Backend& be, const Tensor& h, const Tensor& y) {
-  Score s;
-  Tensor targets = y;
-  if (!be.device().is_cpu()) {
-    targets = be.empty(y.shape(), y.dtype());
-    be.copy(y, targets);
+// Rows of host tensors, one after the other.
+Tensor concat_rows(const std::vector<Tensor>& parts) {
+  if (parts.size() == 1) return parts[0];
+  Shape shape = parts[0].shape();
+  shape[0] = 0;
+  for (const Tensor& t : parts) shape[0] += t.size(0);
+  Tensor out = Tensor::empty(shape, parts[0].dtype(), Device::cpu());
+  int64_t row = 0;
+  for (const Tensor& t : parts) {
+    Tensor into = out.narrow_rows(row, t.size(0));
+    copy_tensor(t, into);
+    row += t.size(0);
   }
-  // Scaled by 1: the sum of per-target losses of this chunk.
-  s.loss_sum = be.item(model.loss().forward(be, h, targets, 1.0, nullptr));
-  // On the logits' device: only the count comes back.
-  const int64_t classes = h.shape().back();
-  const int64_t rows = h.numel() / classes;
-  auto* xent = dynamic_cast<layers::SoftmaxCrossEntropy*>(&model.loss());
-  const int ignore = xent != nullptr ? xent->ignore_index() : -100;
-  s.correct = static_cast<double>(be.argmax_correct(h.reshape({rows, classes}), targets.reshape({rows}), ignore));
-  // Both means are over the targets the loss counts (PyTorch's ignore_index, reduction
-  // 'mean'), not over every row: y is on the host.
-  s.counted = static_cast<double>(model.loss().counted_targets(y));
-  return s;
+  return out;
 }
 
 // Mean loss and accuracy (argmax over the classes, per target; both over the targets
-// the loss counts, ignore_index left out) of the model on
-// validation samples [0, n), in chunks, cell by cell on each cell's device. In a
-// multi-process run each process runs its own cells and passes the activations on
-// through the transport; replica d takes chunks d, d + D, ... Every process gets the
-// totals.
-std::pair<double, double> evaluate(layers::Sequential& model, const Plan& plan, const Dataset& data, int64_t n,
-                                   int64_t chunk, const Launch& launch) {
-  const Schedule& sched = plan.schedule;
-  const int C = sched.num_cells();
-  const bool multi = launch.size > 1;
+// the loss counts, ignore_index left out) of the model on validation samples [0, n),
+// in chunks of `chunk` samples (the last may be shorter). Each chunk is one micro-batch
+// of the executor's forward-only program (Executor::evaluate), M chunks per call;
+// replica d takes chunks d, d + D, ... Every process gets the totals.
+std::pair<double, double> evaluate(Executor& executor, const Dataset& data, int64_t n, int64_t chunk,
+                                   const Launch& launch) {
   const int D = launch.replicas != nullptr ? launch.replicas->size() : 1;
-  const int me = launch.rank;
-  Score total;
-  layers::ForwardArgs args;
-  args.training = false;
-  for (int64_t c = launch.replica; c * chunk < n; c += D) {
+  const int M = executor.schedule().num_micro_batches;
+  std::vector<int64_t> mine;  // this replica's chunks
+  for (int64_t c = launch.replica; c * chunk < n; c += D) mine.push_back(c);
+  EvalResult total;
+  for (size_t first = 0; first < mine.size(); first += M) {
     heartbeat();
-    const int64_t start = c * chunk, len = std::min(chunk, n - start);
-    auto [x, y] = data.validation(start, len);
-    Tensor h = x;
-    for (int cell = 0; cell < C; ++cell) {
-      const int stage = sched.stage_of_cell(cell);
-      if (multi && stage != me) continue;
-      const StageSpec& s = plan.cells[cell];
-      Backend& be = backend_for(s.device);
-      if (multi && cell > 0 && sched.stage_of_cell(cell - 1) != me) {
-        h = launch.transport->recv(me, sched.stage_of_cell(cell - 1),
-                                   {MessageKind::kEvalActivation, static_cast<int>(c), cell}, s.device);
-      }
-      if (!(h.device() == s.device || (h.device().is_cpu() && s.device.is_cpu()))) {
-        Tensor moved = be.empty(h.shape(), h.dtype());
-        be.copy(h, moved);
-        h = moved;
-      }
-      for (int i = s.first_layer; i < s.first_layer + s.num_layers; ++i) h = model.layer(i).forward(be, h, nullptr, args);
-      if (multi && cell + 1 < C && sched.stage_of_cell(cell + 1) != me) {
-        launch.transport->send(me, sched.stage_of_cell(cell + 1),
-                               {MessageKind::kEvalActivation, static_cast<int>(c), cell + 1}, h);
-      }
+    std::vector<Tensor> xs, ys;
+    for (size_t i = first; i < std::min(mine.size(), first + M); ++i) {
+      const int64_t start = mine[i] * chunk;
+      auto [x, y] = data.validation(start, std::min(chunk, n - start));
+      xs.push_back(x);
+      ys.push_back(y);
     }
-    if (!multi || sched.stage_of_cell(C - 1) == me) {
-      if (multi) launch.transport->flush(me);  // the scores wait for the device, not for a peer
-      const Score part = score_chunk(model, backend_for(plan.cells.back().device), h, y);
-      total.loss_sum += part.loss_sum;
-      total.correct += part.correct;
-      total.counted += part.counted;
-    }
+    total = executor.evaluate(concat_rows(xs), concat_rows(ys), chunk, total);
   }
-  if (multi) {
-    launch.transport->flush(me);
-    for (double* v : {&total.loss_sum, &total.correct, &total.counted}) *v = launch.transport->all_reduce_sum(me, *v);
-  }
-  if (D > 1) {
-    for (double* v : {&total.loss_sum, &total.correct, &total.counted}) *v = launch.replicas->all_reduce_sum(*v);
-  }
+  total = executor.all_reduce_scores(total);
   const double counted = std::max(total.counted, 1.0);
   return {total.loss_sum / counted, total.correct / counted};
 }
@@ -254,7 +210,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
 
   const int64_t eval_n = c.train.eval_samples > 0 ? std::min(c.train.eval_samples, data->validation_size())
                                                   : data->validation_size();
-  auto validate = [&] { return evaluate(*model, plan, *data, eval_n, c.train.batch_size, launch); };
+  auto validate = [&] { return evaluate(executor, *data, eval_n, c.train.batch_size, launch); };
 
   // The whole pipeline's report, kept by its first stage (in a multi-process run, the
   // other processes send it their timings every step); written by replica 0's.
