@@ -259,6 +259,7 @@ TEST_CASE("schedule files: CSV lines and PyTorch's action notation, errors with 
   CHECK(error_of("0F0\nrA0\n").find("mine.csv:2: 'rA' (recv_activation) is an instruction gpipe inserts itself") !=
         std::string::npos);
   CHECK(error_of("0F0\nOPT\n").find("mine.csv:2: 'OPT' (optimizer_step)") != std::string::npos);
+  CHECK(error_of("0F0\n0?1\n").find("mine.csv:2: cannot read '0?1'") != std::string::npos);
   CHECK(error_of("F3\n").find("mine.csv:1: 'F3' has no cell (the log form leaves it out); an action names it first, "
                               "e.g. 0F3") != std::string::npos);
   CHECK(error_of("stage 0: F0 sA0 F1\n").find("mine.csv:1: 'stage 0: F0 sA0 ...' is a line of the log form") !=

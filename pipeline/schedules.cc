@@ -209,7 +209,7 @@ std::string log_form_op(const std::string& token) {
   const std::string name = token.substr(b, e - b);
   for (int i = 0; i < 64; ++i) {  // far more than Op has; op_short_name gives "?" past its end
     const Op op = static_cast<Op>(i);
-    if (name == op_short_name(op) && !is_compute(op)) {
+    if (name == op_short_name(op) && name != "?" && !is_compute(op)) {
       return "'" + name + "' (" + op_name(op) + ") is an instruction gpipe inserts itself when it loads the file";
     }
   }
