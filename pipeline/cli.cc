@@ -24,6 +24,7 @@
 #include "pipeline/supervisor.h"
 #include "pipeline/trainer.h"
 #include "runtime/device_binding.h"
+#include "runtime/atomic_file.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
 
@@ -120,8 +121,25 @@ int run_train(Invocation& inv) {
   return 0;
 }
 
-// How a config would be partitioned and scheduled, without training.
-int run_plan(Invocation& inv) {
+// The config's schedule as a schedule file (pipeline.schedule_file) to start one's own
+// from: CSV for a path ending in .csv, PyTorch's action notation otherwise.
+void write_schedule_file(const Invocation& inv, const pipeline::Plan& p, const std::string& path) {
+  const bool csv = path.size() >= 4 && path.compare(path.size() - 4, 4, ".csv") == 0;
+  std::string command = inv.invoked_as + " plan";
+  if (inv.have_config) command += " " + inv.config;
+  for (const auto& o : inv.overrides) command += " --set " + o;
+  const std::string comment = "From `" + command + "`, pipeline.recompute: " +
+                              pipeline::checkpoint_mode_name(p.recompute) + ".";
+  write_file_atomically(path, pipeline::schedule_file_text(
+                                  p.schedule, csv ? pipeline::ScheduleNotation::kCsv : pipeline::ScheduleNotation::kActions,
+                                  comment));
+  std::printf("wrote the schedule to %s (%s); edit it and run it with --set pipeline.schedule_file=%s\n", path.c_str(),
+              csv ? "stage,op,micro_batch lines" : "PyTorch's action notation", pipeline::shell_quote(path).c_str());
+}
+
+// How a config would be partitioned and scheduled, without training; with
+// `schedule_out`, the schedule also written there as a schedule file.
+int run_plan(Invocation& inv, const std::string& schedule_out = "") {
   const pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);
   pipeline::RunModel run = pipeline::build_run_model(config);
   const pipeline::Config& c = run.config;
@@ -152,6 +170,7 @@ int run_plan(Invocation& inv) {
   std::printf("schedule %s, recompute %s (formula bubble %.3f):\n%s\n%s", p.schedule.name.c_str(),
               pipeline::checkpoint_mode_name(p.recompute), pipeline::formula_bubble(p.schedule),
               pipeline::schedule_chart(p.schedule).c_str(), pipeline::schedule_table(p.schedule).c_str());
+  if (!schedule_out.empty()) write_schedule_file(inv, p, schedule_out);
   std::fflush(stdout);
   pipeline::print_prediction(c, model, p, std::cout);
   return 0;
@@ -197,7 +216,16 @@ int option_int(const Invocation& inv, const std::string& name, int fallback) {
 
 // `plan` with --sweep, --devices or --device-spec: beyond the config as written.
 int run_plan_command(Invocation& inv) {
-  if (inv.options.empty()) return run_plan(inv);
+  std::string schedule_out;
+  if (inv.options.count("schedule-file-out")) {
+    schedule_out = inv.options.at("schedule-file-out");
+    inv.options.erase("schedule-file-out");
+  }
+  if (inv.options.empty()) return run_plan(inv, schedule_out);
+  if (!schedule_out.empty()) {
+    throw UserError("--schedule-file-out writes the schedule of the config as it is; give it without --sweep, "
+                    "--rows, --devices and --device-spec (use --set to change the config's schedule or sizes)");
+  }
   const pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);
   pipeline::RunModel run = pipeline::build_run_model(config);
   pipeline::PlanCommandOptions o;
@@ -263,8 +291,12 @@ const Command kCommands[] = {
      "train, and after a failure or a frozen process restart from the newest intact checkpoint (mpirun -np P for "
      "P > 1)",
      nullptr, run_run},
-    {"plan", "[CONFIG.yaml] [--set key=value ...] [--sweep] [--rows N] [--devices N] [--device-spec FILE]",
-     "predict step time, bubble and memory per stage; --sweep ranks the ways to run it", nullptr, run_plan_command},
+    {"plan",
+     "[CONFIG.yaml] [--set key=value ...] [--sweep] [--rows N] [--devices N] [--device-spec FILE] "
+     "[--schedule-file-out FILE]",
+     "predict step time, bubble and memory per stage; --sweep ranks the ways to run it; --schedule-file-out writes "
+     "the schedule as a pipeline.schedule_file to start your own from (CSV for FILE.csv, else PyTorch's notation)",
+     nullptr, run_plan_command},
     {"profile",
      "[CONFIG.yaml] [--set key=value ...] [--micro-batches N,N,...] [--sweep] [--concurrency N,N] [--repeats N] "
      "[--warmup N] [--seconds N]",

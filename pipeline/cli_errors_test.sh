@@ -67,6 +67,18 @@ for h in help --help -h; do
   expect 0 "gpipe plan [CONFIG.yaml]" -- "$gpipe" "$h"
 done
 expect 0 "schedule gpipe, recompute except_last" -- "$gpipe" plan small.yaml --set=pipeline.micro_batches=4  # the --set= form works
+# A built-in schedule written as a schedule file, in either notation, runs as itself.
+expect 0 "wrote the schedule to zb.csv" -- "$gpipe" plan small.yaml --set pipeline.schedule=zero_bubble --schedule-file-out zb.csv
+grep -qx "1,W,1" zb.csv || { cat zb.csv; echo "FAIL: zb.csv has no line 1,W,1"; exit 1; }
+"$gpipe" plan small.yaml --set pipeline.schedule=zero_bubble | grep "^stage [01]: [rF]" > builtin.txt
+for f in zb.csv zb.txt; do
+  [ -e "$f" ] || expect 0 "wrote the schedule to $f" -- "$gpipe" plan small.yaml --set pipeline.schedule=zero_bubble --schedule-file-out "$f"
+  expect 0 "schedule file, recompute except_last" -- "$gpipe" plan small.yaml --set pipeline.schedule_file="$f"
+  grep "^stage [01]: [rF]" out.log | diff - builtin.txt || { echo "FAIL: $f does not run as zero_bubble"; exit 1; }
+done
+grep -qx "1I1" zb.txt || { cat zb.txt; echo "FAIL: zb.txt is not in PyTorch's notation"; exit 1; }
+expect 2 "gpipe: error: --schedule-file-out writes the schedule of the config as it is" -- \
+  "$gpipe" plan small.yaml --sweep --schedule-file-out x.csv
 echo "ok: $n command lines, each refused (or served) with its message"
 
 # Under mpirun: every rank reads the same mistake; the job ends with it.

@@ -3,7 +3,9 @@
 #include "pipeline/schedule.h"
 
 #include <algorithm>
+#include <set>
 #include <sstream>
+#include <utility>
 
 #include "runtime/error.h"
 
@@ -346,6 +348,71 @@ Schedule forward_only_program(const Schedule& s, int num_micro_batches, CommMode
   }
   lower_communication(out, comm);
   return out;
+}
+
+namespace {
+
+// One compute instruction as a file line.
+std::string file_line(const Schedule& s, int stage, const Instruction& ins, ScheduleNotation notation,
+                      bool weight_follows) {
+  const std::string m = std::to_string(ins.micro_batch);
+  if (notation == ScheduleNotation::kActions) {
+    const char* op = ins.op == Op::kBackward && weight_follows ? "I" : op_short_name(ins.op);
+    return std::to_string(s.cell(stage, ins.chunk)) + op + m;
+  }
+  std::string out = std::to_string(stage) + "," + op_short_name(ins.op) + "," + m;
+  if (s.num_chunks() > 1) out += "," + std::to_string(ins.chunk);
+  return out;
+}
+
+}  // namespace
+
+std::string schedule_file_text(const Schedule& s, ScheduleNotation notation, const std::string& comment) {
+  const int K = s.num_stages, v = s.num_chunks(), M = s.num_micro_batches;
+  if (s.cells != interleaved_cells(K, v)) {
+    throw Error("schedule '" + s.name + "' does not place cell j K + k on stage k, the only placement a schedule "
+                "file can express; it has no file form");
+  }
+  bool any_recompute = false;
+  for (const auto& prog : s.stages) {
+    for (const Instruction& ins : prog) any_recompute = any_recompute || ins.op == Op::kRecompute;
+  }
+  std::ostringstream os;
+  os << "# schedule '" << s.name << "' for " << K << " stage" << (K == 1 ? "" : "s") << ", " << v << " cell"
+     << (v == 1 ? "" : "s") << " per stage, " << M << " micro-batch" << (M == 1 ? "" : "es")
+     << ", written by gpipe (schedule_file_text).\n"
+     << "# Load it with pipeline.schedule_file and the same pipeline.partitions (" << K << "), virtual_stages (" << v
+     << ") and micro_batches (" << M << ").\n";
+  std::istringstream extra(comment);
+  for (std::string line; std::getline(extra, line);) os << "# " << line << "\n";
+  os << (any_recompute ? "# The R lines place the recomputes; pipeline.recompute is not applied to this file.\n"
+                       : "# No R lines: pipeline.recompute decides which micro-batches recompute (never keeps this "
+                         "schedule as it is).\n")
+     << "# Each stage runs its lines in file order; gpipe inserts the sends, receives and optimizer step.\n"
+     << (notation == ScheduleNotation::kCsv
+             ? "# stage,op,micro_batch" + std::string(v > 1 ? ",chunk" : "") +
+                   "   (op F forward, B backward, W weight gradient, R recompute)\n"
+             : std::string("# <cell><op><micro-batch>   (op F forward, B backward, I backward whose weight gradient "
+                           "is a later W, W weight gradient, R recompute") +
+                   (v > 1 ? "; cell = chunk x " + std::to_string(K) + " + stage" : "") + ")\n");
+  for (int k = 0; k < K; ++k) {
+    const auto& prog = s.stages[k];
+    os << "\n# stage " << k;
+    if (v > 1) {
+      os << ": cells";
+      for (int c : s.cells[k]) os << " " << c;
+    }
+    os << "\n";
+    std::set<std::pair<int, int>> split;  // (chunk, micro-batch) whose weight gradient is a W
+    for (const Instruction& ins : prog) {
+      if (ins.op == Op::kBackwardWeight) split.insert({ins.chunk, ins.micro_batch});
+    }
+    for (const Instruction& ins : prog) {
+      if (!is_compute(ins.op)) continue;  // derived again when the file is loaded
+      os << file_line(s, k, ins, notation, split.count({ins.chunk, ins.micro_batch}) > 0) << "\n";
+    }
+  }
+  return os.str();
 }
 
 std::string instruction_str(const Schedule& s, int stage, const Instruction& ins) {

@@ -9,6 +9,16 @@
 // schedules.cc (the generators and schedule files) and schedule_check.cc (the checker
 // and simulator, one abstract interpreter).
 //
+// Text. A schedule has two written forms. The file form, printed by
+// schedule_file_text() and read by parse_schedule_text(), holds each stage's compute
+// instructions (F, B, W, R) in CSV (`1,F,3`) or PyTorch's action notation (`1F3`);
+// everything else (sends, receives, the optimizer step and any other op that
+// is_compute() excludes) is derived again on load, so parse(print(s)) == s for every
+// generated schedule (schedule_test.cc checks them all). The log form,
+// instruction_str() and schedule_table() (`stage 0: F0 sA0 ... OPT`), shows the
+// lowered program, messages included, for logs, traces and checker errors; it is not
+// a file form, and the parser says so when given it.
+//
 // The model is cut into C contiguous cells, run in order 0..C-1. Stage k holds v
 // cells (its chunks); with v = 1 cell k is stage k. GPipe's fill-drain schedule for
 // K = 3 stages and M = 4 micro-batches (F = forward, B = backward):
@@ -51,6 +61,7 @@ enum class Op {
                      // gradients; micro_batch holds the tie's index in Collectives::ties
   kGradientNorm,     // NORM: the global gradient norm, its square summed over every stage
 };
+constexpr int kNumOps = static_cast<int>(Op::kGradientNorm) + 1;  // keep with the last Op
 
 const char* op_name(Op op);        // "forward", ...
 const char* op_short_name(Op op);  // "F", "B", "W", "R", "sA", "rA", "sG", "rG", "OPT"
@@ -163,7 +174,9 @@ std::vector<std::string> schedule_names();
 // PyTorch's input-gradient action). Blank lines and `#` comments are skipped; each
 // stage runs its lines in file order. Without any R line, `mode` decides which
 // micro-batches recompute. Communication is inserted by lower_communication(). Errors
-// name the file, the line and the broken rule.
+// name the file, the line and the broken rule; a line in the log form (`F3`, `rA0`,
+// `OPT`, `stage 0: ...`) is refused with what to write instead. schedule_file_text()
+// prints a schedule in this form.
 Schedule parse_schedule_text(const std::string& text, const std::string& source, int num_stages, int num_chunks,
                              int num_micro_batches, CheckpointMode mode, CommModel comm = CommModel::kBuffered);
 Schedule load_schedule_file(const std::string& path, int num_stages, int num_chunks, int num_micro_batches,
@@ -205,8 +218,8 @@ std::vector<int> collective_stages(const Schedule& s, int stage, const Instructi
 // dependency order; each send has exactly one matching receive on the right stage;
 // and executing it with blocking receives (and, for rendezvous transports, blocking
 // sends) cannot deadlock. Throws UserError describing the first problem, naming the
-// file line for schedule files and showing the stage's program with the instruction
-// marked.
+// file line for schedule files, then showing every stage's program (schedule_table)
+// with the failing instruction, or each stage's waiting one, marked `<-- HERE`.
 void check_schedule(const Schedule& s, CommModel comm = CommModel::kBuffered);
 
 // A message's identity, the same for its send and its receive: (receiving stage,
@@ -239,10 +252,27 @@ Simulation simulate(const Schedule& s, const OpCosts& costs);
 
 // ---- Text.
 
-// "F3", "rA0", "OPT"; with several chunks per stage the cell comes first ("2F3"),
-// as in PyTorch's action notation.
+// The file form's two notations (see parse_schedule_text).
+enum class ScheduleNotation {
+  kCsv,      // stage,op,micro_batch[,chunk]: 1,F,3 (the chunk only where v > 1)
+  kActions,  // PyTorch's <cell><op><micro-batch>: 1F3; a backward whose weight
+             // gradient follows as a W is written I, as PyTorch's BACKWARD_INPUT
+};
+// The schedule as a schedule file that parse_schedule_text() reads back to the same
+// lowered schedule, given the same K, v, M, recompute mode and transport: a header
+// of `#` comments saying what wrote it (with `comment`, if given, as more comment
+// lines), then each stage's compute instructions (is_compute) in program order, stage
+// after stage. The schedule's cells must be interleaved_cells(K, v), the only
+// placement a file can express.
+std::string schedule_file_text(const Schedule& s, ScheduleNotation notation, const std::string& comment = "");
+
+// The log form, not a file form (schedule_file_text is that): "F3", "rA0", "OPT";
+// with several chunks per stage the cell comes first ("2F3"), as in PyTorch's action
+// notation. Compute instructions of one-cell stages leave the cell out, since the
+// stage names it.
 std::string instruction_str(const Schedule& s, int stage, const Instruction& ins);
-// One line per stage: "stage 0: rA0 F0 sA0 ...", for tests and logs.
+// One line per stage: "stage 0: rA0 F0 sA0 ...", the lowered program in the log form,
+// for tests, logs and checker errors.
 std::string schedule_table(const Schedule& s);
 // The stages' compute instructions as a time chart, one row per stage and one column
 // per time slot ('.' where the stage waits), simulated with a unit cost per compute

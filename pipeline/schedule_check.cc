@@ -29,6 +29,21 @@ MessageKey message_key(const Schedule& s, int k, const Instruction& ins, int* pe
 
 namespace {
 
+// Every stage's program in the log form (schedule_table), one indented line each, with
+// the instruction at marks[k] (if >= 0) marked: the whole picture for an error.
+std::string marked_table(const Schedule& s, const std::vector<long>& marks) {
+  std::string out = "\n  every stage's program";
+  out += s.lines.empty() ? ":" : " (the file's lines, with the sends and receives gpipe inserts):";
+  for (size_t k = 0; k < s.stages.size(); ++k) {
+    out += "\n  stage " + std::to_string(k) + ":";
+    for (size_t i = 0; i < s.stages[k].size(); ++i) {
+      out += " " + instruction_str(s, static_cast<int>(k), s.stages[k][i]);
+      if (k < marks.size() && marks[k] == static_cast<long>(i)) out += " <-- HERE";
+    }
+  }
+  return out;
+}
+
 bool is_send(Op op) { return op == Op::kSendActivation || op == Op::kSendGradient; }
 
 struct ChunkState {
@@ -98,10 +113,14 @@ class Interpreter {
     }
     if (done < total) {
       std::string stuck;
+      std::vector<long> marks(K, -1);
       for (int k = 0; k < K; ++k) {
-        if (st_[k].pc < s_.stages[k].size()) stuck += "\n  stage " + std::to_string(k) + " waits at " + where(k, st_[k].pc);
+        if (st_[k].pc < s_.stages[k].size()) {
+          stuck += "\n  stage " + std::to_string(k) + " waits at " + where(k, st_[k].pc);
+          marks[k] = static_cast<long>(st_[k].pc);
+        }
       }
-      throw UserError("schedule '" + s_.name + "' deadlocks:" + stuck);
+      throw UserError("schedule '" + s_.name + "' deadlocks:" + stuck + marked_table(s_, marks));
     }
     check_complete();
     double total_busy = 0;
@@ -126,22 +145,11 @@ class Interpreter {
     return out;
   }
 
-  // The stage's program around the failing instruction, marked.
-  std::string program(int k, size_t pc) const {
-    std::string out = "\n  stage " + std::to_string(k) + ":";
-    const size_t from = pc > 8 ? pc - 8 : 0, to = std::min(s_.stages[k].size(), pc + 9);
-    if (from > 0) out += " ...";
-    for (size_t i = from; i < to; ++i) {
-      out += " " + instruction_str(s_, k, s_.stages[k][i]);
-      if (i == pc) out += " <-- HERE";
-    }
-    if (to < s_.stages[k].size()) out += " ...";
-    return out;
-  }
-
   [[noreturn]] void fail(int k, size_t pc, const std::string& why) const {
+    std::vector<long> marks(s_.stages.size(), -1);
+    marks[k] = static_cast<long>(pc);
     throw UserError("schedule '" + s_.name + "' stage " + std::to_string(k) + ": " + where(k, pc) + ": " + why +
-                    program(k, pc));
+                    marked_table(s_, marks));
   }
 
   void check_shape() const {
@@ -365,7 +373,8 @@ class Interpreter {
         for (int m = 0; m < M; ++m) {
           auto missing = [&](const char* what) {
             throw UserError("schedule '" + s_.name + "': stage " + std::to_string(k) + " never runs " + what +
-                            " of micro-batch " + std::to_string(m) + " for cell " + std::to_string(c));
+                            " of micro-batch " + std::to_string(m) + " for cell " + std::to_string(c) +
+                            marked_table(s_, {}));
           };
           if (!x.fwd[m]) missing("the forward");
           if (!x.bwd[m] && !s_.forward_only) missing("the backward");
@@ -373,18 +382,21 @@ class Interpreter {
           if (c > 0 && s_.stage_of_cell(c - 1) != k && !x.sent_grad[m] && !s_.forward_only) missing("the gradient send");
         }
       }
-      if (!st_[k].opt && !s_.forward_only) throw UserError("schedule '" + s_.name + "': stage " + std::to_string(k) + " has no optimizer step");
+      if (!st_[k].opt && !s_.forward_only) {
+        throw UserError("schedule '" + s_.name + "': stage " + std::to_string(k) + " has no optimizer step" +
+                        marked_table(s_, {}));
+      }
       if (st_[k].collectives_done != st_[k].collectives_expected) {
         throw UserError("schedule '" + s_.name + "': stage " + std::to_string(k) + " runs " +
                         std::to_string(st_[k].collectives_done) + " collectives (RG, TIE, NORM) where the run needs " +
-                        std::to_string(st_[k].collectives_expected));
+                        std::to_string(st_[k].collectives_expected) + marked_table(s_, {}));
       }
     }
     for (const auto& kv : arrived_) {
       if (!consumed_.count(kv.first)) {
         throw UserError("schedule '" + s_.name + "': a message to stage " + std::to_string(std::get<0>(kv.first)) +
                         " (micro-batch " + std::to_string(std::get<2>(kv.first)) + ", cell " +
-                        std::to_string(std::get<3>(kv.first)) + ") is never received");
+                        std::to_string(std::get<3>(kv.first)) + ") is never received" + marked_table(s_, {}));
       }
     }
   }
@@ -428,19 +440,22 @@ class RendezvousRun {
     }
     if (left > 0) {
       std::string stuck;
+      std::vector<long> marks(K, -1);
       for (int k = 0; k < K; ++k) {
         Stage& x = st_[k];
         if (x.gpc < x.groups.size()) {
           stuck += "\n  stage " + std::to_string(k) + ": the group {";
           for (size_t i : x.groups[x.gpc]) stuck += " " + instruction_str(s_, k, s_.stages[k][i]);
           stuck += " } waits for its partners";
+          marks[k] = static_cast<long>(x.groups[x.gpc].front());
         } else if (x.cpc < x.compute.size() && is_collective(s_.stages[k][x.compute[x.cpc]].op)) {
           stuck += "\n  stage " + std::to_string(k) + ": " + instruction_str(s_, k, s_.stages[k][x.compute[x.cpc]]) +
                    " waits for the other stages taking part";
+          marks[k] = static_cast<long>(x.compute[x.cpc]);
         }
       }
       throw UserError("schedule '" + s_.name + "' deadlocks on a transport whose sends wait for their receive "
-                      "(NCCL between GPU processes):" + stuck);
+                      "(NCCL between GPU processes):" + stuck + marked_table(s_, marks));
     }
     Simulation sim;
     sim.timeline.assign(K, {});

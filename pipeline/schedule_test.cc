@@ -240,6 +240,41 @@ TEST_CASE("the checker finds broken schedules") {
   SUBCASE("the error shows the program with the instruction marked") {
     std::swap(s.stages[0][0], s.stages[0][5]);  // B1 first
     CHECK_THROWS_WITH(check_schedule(s), doctest::Contains("stage 0: B1 <-- HERE sA0 F1"));
+    // The whole table, every stage's whole program, with only the failing instruction marked.
+    try {
+      check_schedule(s);
+      FAIL("no error");
+    } catch (const UserError& e) {
+      const std::string what = e.what();
+      CHECK(what.rfind("schedule 'gpipe' stage 0: B1: backward before forward\n", 0) == 0);
+      CHECK(what.find("\n  stage 0: B1 <-- HERE sA0 F1 sA1 rG1 F0 rG0 B0 OPT") != std::string::npos);
+      CHECK(what.find("\n  stage 1: rA0 F0 rA1 F1 B1 sG1 B0 sG0 OPT") != std::string::npos);
+      CHECK(what.find("<-- HERE") == what.rfind("<-- HERE"));
+    }
+  }
+  SUBCASE("a deadlock marks where every stage waits") {
+    auto& st = s.stages[0];
+    st.erase(st.begin() + 1);  // drop sA0: stage 1 waits at rA0, stage 0 at rG1
+    try {
+      check_schedule(s);
+      FAIL("no error");
+    } catch (const UserError& e) {
+      const std::string what = e.what();
+      CHECK(what.find("\n  stage 0: F0 F1 sA1 rG1 <-- HERE B1") != std::string::npos);
+      CHECK(what.find("\n  stage 1: rA0 <-- HERE F0") != std::string::npos);
+    }
+  }
+  SUBCASE("a missing instruction shows the table without a mark") {
+    s.stages[1].pop_back();
+    try {
+      check_schedule(s);
+      FAIL("no error");
+    } catch (const UserError& e) {
+      const std::string what = e.what();
+      CHECK(what.find("stage 1 has no optimizer step") != std::string::npos);
+      CHECK(what.find("\n  stage 1: rA0 F0 rA1 F1 B1 sG1 B0 sG0") != std::string::npos);
+      CHECK(what.find("HERE") == std::string::npos);
+    }
   }
 }
 
@@ -296,6 +331,18 @@ TEST_CASE("schedule files: CSV lines and PyTorch's action notation, errors with 
   CHECK(error_of("2,F,0\n").find("mine.csv:1: stage 2 does not exist") != std::string::npos);
   CHECK(error_of("0,F\n").find("mine.csv:1: expected 3 or 4") != std::string::npos);
   CHECK(error_of("0,F,0\n").find("gives stage 1 no instructions") != std::string::npos);
+  // The log form (schedule_table, instruction_str) is refused with what to write instead.
+  CHECK(error_of("0,F,0\n0,sA,0\n").find("mine.csv:2: op 'sA' is not F, B, W or R: 'sA' (send_activation) is an "
+                                        "instruction gpipe inserts itself") != std::string::npos);
+  CHECK(error_of("0F0\nrA0\n").find("mine.csv:2: 'rA' (recv_activation) is an instruction gpipe inserts itself") !=
+        std::string::npos);
+  CHECK(error_of("0F0\nOPT\n").find("mine.csv:2: 'OPT' (optimizer_step)") != std::string::npos);
+  CHECK(error_of("0F0\n0?1\n").find("mine.csv:2: cannot read '0?1'") != std::string::npos);
+  CHECK(error_of("F3\n").find("mine.csv:1: 'F3' has no cell (the log form leaves it out); an action names it first, "
+                              "e.g. 0F3") != std::string::npos);
+  CHECK(error_of("stage 0: F0 sA0 F1\n").find("mine.csv:1: 'stage 0: F0 sA0 ...' is a line of the log form") !=
+        std::string::npos);
+  CHECK(error_of("stage 0: F0 sA0 F1\n").find("--schedule-file-out") != std::string::npos);
   // A backward before its forward names the file line.
   const std::string backwards = "0,B,0\n0,F,0\n0,F,1\n0,B,1\n1,F,0\n1,B,0\n1,F,1\n1,B,1\n";
   // Stage 0 waits for the gradient of a backward placed before its forward.
@@ -472,4 +519,74 @@ TEST_CASE("the simulator prices a collective after the last stage arrives") {
   CHECK(norm_of(0).start == doctest::Approx(6.0));
   CHECK(norm_of(0).end == doctest::Approx(6.5));
   CHECK(sim.makespan == doctest::Approx(6.5));
+
+TEST_CASE("the file form: both notations, compute instructions only, a header saying what wrote it") {
+  const Schedule z = zero_bubble_schedule(2, 1, 2, CheckpointMode::kExceptLast);
+  const std::string csv = schedule_file_text(z, ScheduleNotation::kCsv, "from test.yaml");
+  CHECK(csv.rfind("# schedule 'zero_bubble' for 2 stages, 1 cell per stage, 2 micro-batches, written by gpipe", 0) == 0);
+  CHECK(csv.find("\n# from test.yaml\n") != std::string::npos);
+  CHECK(csv.find("# The R lines place the recomputes") != std::string::npos);
+  // Each stage's F, R, B, W in program order; no sends, receives or optimizer step.
+  CHECK(csv.find("\n# stage 0\n0,F,0\n0,F,1\n0,R,0\n0,B,0\n0,W,0\n0,B,1\n0,W,1\n"
+                 "\n# stage 1\n1,F,0\n1,R,0\n1,B,0\n1,F,1\n1,B,1\n1,W,0\n1,W,1\n") != std::string::npos);
+  CHECK(csv.find("sA") == std::string::npos);
+  CHECK(csv.find("OPT") == std::string::npos);
+  // PyTorch's notation writes a backward whose weight gradient is a W as I (BACKWARD_INPUT).
+  const std::string actions = schedule_file_text(z, ScheduleNotation::kActions);
+  CHECK(actions.find("\n# stage 1\n1F0\n1R0\n1I0\n1F1\n1I1\n1W0\n1W1\n") != std::string::npos);
+  CHECK(schedule_file_text(gpipe_schedule(2, 1, CheckpointMode::kNever), ScheduleNotation::kActions)
+            .find("\n# stage 0\n0F0\n0B0\n") != std::string::npos);
+  // With interleaving, the chunk in CSV and the cell in actions.
+  const Schedule i = interleaved_1f1b_schedule(2, 2, 2, CheckpointMode::kNever);
+  CHECK(schedule_file_text(i, ScheduleNotation::kCsv).find("\n# stage 1: cells 1 3\n1,F,0,0\n1,F,1,0\n1,F,0,1\n") !=
+        std::string::npos);
+  CHECK(schedule_file_text(i, ScheduleNotation::kActions).find("\n# stage 1: cells 1 3\n1F0\n1F1\n3F0\n") !=
+        std::string::npos);
+  // Without R lines the header says the recompute mode decides on load.
+  CHECK(schedule_file_text(gpipe_schedule(2, 1, CheckpointMode::kNever), ScheduleNotation::kCsv)
+            .find("# No R lines: pipeline.recompute decides") != std::string::npos);
+  // Cells placed otherwise than interleaved_cells have no file form.
+  Schedule odd = gpipe_schedule(2, 1, CheckpointMode::kNever);
+  odd.cells = {{1}, {0}};
+  CHECK_THROWS_WITH(schedule_file_text(odd, ScheduleNotation::kCsv), doctest::Contains("has no file form"));
+}
+
+// parse(print(s)) == s: every built-in schedule, printed in either notation and read
+// back with the same sizes, recompute mode and transport, is the same lowered schedule.
+TEST_CASE("every built-in schedule survives its file form, in both notations") {
+  int round_trips = 0;
+  for (const std::string& name : schedule_names()) {
+    for (int v = 1; v <= 3; ++v) {
+      for (int K = 1; K <= 4; ++K) {
+        for (int M : {1, 2, 3, 4, 6, 8}) {
+          for (auto mode : {CheckpointMode::kAlways, CheckpointMode::kExceptLast, CheckpointMode::kNever}) {
+            for (auto comm : {CommModel::kBuffered, CommModel::kRendezvous}) {
+              ScheduleRequest r{name, K, v, M, mode, "", comm};
+              Schedule s;
+              try {
+                s = make_schedule(r);
+              } catch (const UserError&) {
+                continue;  // sizes the schedule refuses (the test above says which and why)
+              }
+              for (auto notation : {ScheduleNotation::kCsv, ScheduleNotation::kActions}) {
+                const std::string text = schedule_file_text(s, notation);
+                INFO(name << " v=" << v << " K=" << K << " M=" << M << " mode=" << checkpoint_mode_name(mode)
+                          << " rendezvous=" << (comm == CommModel::kRendezvous) << "\n" << text);
+                const Schedule back = parse_schedule_text(text, "printed.csv", K, v, M, mode, comm);
+                CHECK(back.cells == s.cells);
+                CHECK(back.stages == s.stages);
+                CHECK(schedule_table(back) == schedule_table(s));
+                CHECK_NOTHROW(check_schedule(back, comm));
+                // And printing it again gives the same instructions.
+                const std::string again = schedule_file_text(back, notation);
+                CHECK(again.substr(again.find("\n# stage 0")) == text.substr(text.find("\n# stage 0")));
+                ++round_trips;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  CHECK(round_trips > 1000);
 }

@@ -199,6 +199,23 @@ bool parse_op(const std::string& text, Op* op) {
   return true;
 }
 
+// Why a token of the log form (instruction_str: "rA0", "OPT", "2sG1") is not a file
+// line, or "" if it is none of those. Every op that is not compute counts, those
+// added to Op later included: their short names are looked up, not listed here.
+std::string log_form_op(const std::string& token) {
+  size_t b = 0, e = token.size();
+  while (b < e && std::isdigit(static_cast<unsigned char>(token[b]))) ++b;
+  while (e > b && std::isdigit(static_cast<unsigned char>(token[e - 1]))) --e;
+  const std::string name = token.substr(b, e - b);
+  for (int i = 0; i < kNumOps; ++i) {
+    const Op op = static_cast<Op>(i);
+    if (name == op_short_name(op) && name != "?" && !is_compute(op)) {
+      return "'" + name + "' (" + op_name(op) + ") is an instruction gpipe inserts itself when it loads the file";
+    }
+  }
+  return "";
+}
+
 }  // namespace
 
 Schedule parse_schedule_text(const std::string& text, const std::string& source, int K, int v, int M,
@@ -224,11 +241,22 @@ Schedule parse_schedule_text(const std::string& text, const std::string& source,
     while (std::getline(ss, f, ',')) fields.push_back(trim(f));
     int stage = 0, mb = 0, chunk = 0;
     Op op = Op::kForward;
+    if (line.rfind("stage ", 0) == 0) {
+      fail("'" + line.substr(0, 16) + "...' is a line of the log form (schedule_table), not of a schedule file; "
+           "write one compute instruction per line (`gpipe plan CONFIG --schedule-file-out FILE` writes a "
+           "schedule in this form to start from)");
+    }
     if (fields.size() == 1) {  // PyTorch's action notation: <cell><op><micro-batch>
       const std::string& a = fields[0];
       size_t i = 0;
       while (i < a.size() && std::isdigit(static_cast<unsigned char>(a[i]))) ++i;
       int cell = 0;
+      const std::string inserted = log_form_op(a);
+      if (!inserted.empty()) fail(inserted + "; a file holds only F, B, W and R");
+      if (i == 0 && parse_op(a.substr(0, 1), &op)) {
+        fail("'" + a + "' has no cell (the log form leaves it out); an action names it first, e.g. 0" + a +
+             " for cell 0");
+      }
       if (i == 0 || i >= a.size() || !parse_int(a.substr(0, i), &cell) || !parse_op(a.substr(i, 1), &op) ||
           !parse_int(a.substr(i + 1), &mb)) {
         fail("cannot read '" + a + "'");
@@ -241,7 +269,10 @@ Schedule parse_schedule_text(const std::string& text, const std::string& source,
       chunk = s.chunk_of_cell(cell);
     } else if (fields.size() == 3 || fields.size() == 4) {
       if (!parse_int(fields[0], &stage)) fail("stage '" + fields[0] + "' is not a number");
-      if (!parse_op(fields[1], &op)) fail("op '" + fields[1] + "' is not F, B, W or R");
+      if (!parse_op(fields[1], &op)) {
+        const std::string inserted = log_form_op(fields[1]);
+        fail("op '" + fields[1] + "' is not F, B, W or R" + (inserted.empty() ? "" : ": " + inserted));
+      }
       if (!parse_int(fields[2], &mb)) fail("micro-batch '" + fields[2] + "' is not a number");
       if (fields.size() == 4 && !parse_int(fields[3], &chunk)) fail("chunk '" + fields[3] + "' is not a number");
     } else {
