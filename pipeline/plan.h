@@ -9,7 +9,7 @@
 
 #include "layers/sequential.h"
 #include "pipeline/config.h"
-#include "pipeline/executor.h"
+#include "pipeline/cell.h"
 #include "pipeline/schedule.h"
 
 namespace gpipe {
