@@ -275,10 +275,8 @@ int stages_at_once(const Plan& plan) {
 
 PlannedRun predict_config(const Config& c, const layers::Sequential& model, const Plan& plan, bool across_processes) {
   const ProfileStore store = load_profile(c.pipeline.profile);
-  std::vector<std::optional<double>> overrides;
-  for (const auto& l : c.model.layers) overrides.push_back(l.cost);
   const CostSource costs(model, store, c.pipeline.profile, plan.devices.front(), c.train.blas_threads,
-                         partition::CostModel{}, overrides, c.optimizer.optimizer, 1.0, stages_at_once(plan));
+                         partition::CostModel{}, cost_overrides(c), c.optimizer.optimizer, 1.0, stages_at_once(plan));
   const LinkCost link = local_link(store, across_processes);
   PlannedRun run = predict(plan, model, costs, [link](int, int) { return link; }, c.optimizer.optimizer);
   run.source += "; messages: " + link.kind;

@@ -32,9 +32,9 @@ std::string describe_layers(const layers::Sequential& model, int first, int coun
 }
 
 ReportBuilder::ReportBuilder(std::vector<std::string> stage_layers, std::vector<std::string> stage_devices,
-                             int micro_batches, std::string checkpoint, std::string schedule, int64_t batch_size)
+                             int micro_batches, CheckpointMode recompute, std::string schedule, int64_t batch_size)
     : layers_(std::move(stage_layers)), devices_(std::move(stage_devices)), micro_batches_(micro_batches),
-      checkpoint_(std::move(checkpoint)), schedule_(std::move(schedule)), batch_size_(batch_size),
+      recompute_(recompute), schedule_(std::move(schedule)), batch_size_(batch_size),
       launch_first_{0}, acc_(layers_.size()), op_time_(layers_.size()) {
   for (size_t k = 0; k < acc_.size(); ++k) {
     acc_[k].stage = static_cast<int>(k);
@@ -302,7 +302,7 @@ RunSummary ReportBuilder::summary() const {
   out.plan = plan_;
   out.partitions = static_cast<int>(acc_.size());
   out.micro_batches = micro_batches_;
-  out.checkpoint = checkpoint_;
+  out.recompute = recompute_;
   out.schedule = schedule_;
   out.batch_size = batch_size_;
   out.timed_steps = timed_;
@@ -345,7 +345,7 @@ std::string ReportBuilder::table() const {
   std::ostringstream os;
   char line[512];
   std::snprintf(line, sizeof line, "Pipeline: K=%d stages, M=%d micro-batches, checkpoint=%s, schedule=%s, batch=%lld\n",
-                s.partitions, s.micro_batches, s.checkpoint.c_str(), s.schedule.c_str(),
+                s.partitions, s.micro_batches, checkpoint_mode_name(s.recompute), s.schedule.c_str(),
                 static_cast<long long>(s.batch_size));
   os << line;
   if (s.launches.size() > 1 && !losses_.empty()) {
@@ -414,7 +414,7 @@ nlohmann::json ReportBuilder::json() const {
   nlohmann::json j;
   j["partitions"] = s.partitions;
   j["micro_batches"] = s.micro_batches;
-  j["checkpoint"] = s.checkpoint;
+  j["checkpoint"] = checkpoint_mode_name(s.recompute);
   j["schedule"] = s.schedule;
   j["batch_size"] = s.batch_size;
   j["timed_steps"] = s.timed_steps;

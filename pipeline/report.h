@@ -52,7 +52,8 @@ struct LaunchSummary {
 
 struct RunSummary {
   int partitions = 0, micro_batches = 0;
-  std::string checkpoint, schedule;
+  CheckpointMode recompute = CheckpointMode::kExceptLast;  // "checkpoint" in report.json (checkpoint_mode_name)
+  std::string schedule;
   int64_t batch_size = 0;
   int timed_steps = 0;
   double span_ms = 0;  // per step, averaged
@@ -77,7 +78,7 @@ class ReportBuilder {
   // One entry per stage of the pipeline (a multi-process run gathers every stage's
   // timings into its first stage's process, see trainer.cc).
   ReportBuilder(std::vector<std::string> stage_layers, std::vector<std::string> stage_devices, int micro_batches,
-                std::string checkpoint, std::string schedule, int64_t batch_size);
+                CheckpointMode recompute, std::string schedule, int64_t batch_size);
   // Timings of a step; steps before `timed` (warm-up) only contribute their loss.
   void add_step(int step, double loss, const StepResult& r, bool timed);
   void set_eval(double loss, double accuracy);
@@ -126,7 +127,8 @@ class ReportBuilder {
 
   std::vector<std::string> layers_, devices_;
   int micro_batches_;
-  std::string checkpoint_, schedule_;
+  CheckpointMode recompute_;
+  std::string schedule_;
   int64_t batch_size_;
   std::vector<std::pair<int, double>> losses_;
   std::vector<Validation> validations_;
