@@ -50,43 +50,25 @@ void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool ti
   }
   losses_.emplace_back(step, loss);
   if (!timed) return;
-  double span = 0;
-  for (const auto& st : r.stages) {
-    for (const auto& op : st.ops) {
-      if (op.op != Op::kOptimizerStep) span = std::max(span, op.end_ms);
-    }
+  std::vector<std::vector<OpSpan>> spans(r.stages.size());
+  for (size_t k = 0; k < r.stages.size(); ++k) {
+    for (const TimedOp& op : r.stages[k].ops) spans[k].push_back({op.op, op.start_ms, op.end_ms});
   }
+  const StepTime time = account_step(spans);
   for (size_t k = 0; k < acc_.size() && k < r.stages.size(); ++k) {
     StageSummary& s = acc_[k];
     const StageTrace& trace = r.stages[k];
-    double busy = 0, comm = 0;
+    s.add(time.stages[k]);
     for (const auto& op : trace.ops) {
-      const double d = op.end_ms - op.start_ms;
       auto& t = op_time_[k][{static_cast<int>(op.op), op.chunk}];
-      t.first += d;
+      t.first += op.end_ms - op.start_ms;
       ++t.second;
-      switch (op.op) {
-        case Op::kForward: s.forward_ms += d; busy += d; break;
-        case Op::kRecompute: s.recompute_ms += d; busy += d; break;
-        case Op::kBackward: s.backward_ms += d; busy += d; break;
-        case Op::kBackwardWeight: s.weight_ms += d; s.backward_ms += d; busy += d; break;
-        case Op::kOptimizerStep:
-          s.optimizer_ms += d;
-          s.reduce_ms += std::max(0.0, op.reduce_ms);
-          break;
-        case Op::kSendActivation:
-        case Op::kSendGradient: comm += d; break;
-        case Op::kRecvActivation:
-        case Op::kRecvGradient: break;  // waiting for the neighbour: idle
-      }
+      if (op.op == Op::kOptimizerStep) s.reduce_ms += std::max(0.0, op.reduce_ms);
     }
-    s.busy_ms += busy;
-    s.comm_ms += comm;
-    s.idle_ms += std::max(0.0, span - busy - comm);
     s.peak_activation_bytes = std::max(s.peak_activation_bytes, trace.peak_activation_bytes);
   }
   add_deliveries(r);
-  span_total_ += span;
+  span_total_ += time.span_ms;
   wall_total_ += r.wall_ms;
   ++timed_;
 }

@@ -22,22 +22,21 @@
 
 #include "pipeline/executor.h"
 #include "pipeline/prediction.h"
+#include "pipeline/time_accounting.h"
 
 namespace gpipe {
 namespace pipeline {
 
-struct StageSummary {
+// A stage's measured time per step, averaged over the timed steps (time_accounting.h,
+// the planner's accounting of predicted steps), and what only a measurement has.
+struct StageSummary : StageTime {
   int stage = 0;
   std::string layers;  // "0-15 linear x8, relu x8"
   std::string device;
-  double forward_ms = 0, recompute_ms = 0, backward_ms = 0, optimizer_ms = 0;
-  double weight_ms = 0;  // W: deferred weight gradients (zero-bubble schedules); in backward_ms too
   double reduce_ms = 0;  // summing gradients with peers (replicas, tied copies); in optimizer_ms too
   // Mean time from a send's end to the end of its receive, over the receives of this
   // stage that were waiting for their message (a thread's wake-up, a transfer); -1: none.
   double delivery_ms = -1;
-  double comm_ms = 0, idle_ms = 0, busy_ms = 0;
-  double utilization = 0;  // busy / span
   int64_t peak_activation_bytes = 0;
 };
 
