@@ -146,7 +146,7 @@ int run_plan(Invocation& inv, const std::string& schedule_out = "") {
   layers::Sequential& model = *run.model;
   const pipeline::Plan p = pipeline::make_plan(c, model);
   const int64_t micro = p.largest_micro_batch();
-  const auto costs = partition::layer_costs(model, micro, p.recompute != pipeline::CheckpointMode::kNever,
+  const auto costs = partition::layer_costs(model, micro, pipeline::recomputes(p.recompute),
                                             pipeline::cost_overrides(c));
   std::printf("model: %d layers, %lld parameters, input %s; a checkpoint takes %.1f MB\n", model.size(),
               static_cast<long long>(model.parameter_count()), shape_str(model.input_shape()).c_str(),

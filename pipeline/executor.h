@@ -25,6 +25,7 @@
 
 #include "layers/optimizer.h"
 #include "layers/sequential.h"
+#include "pipeline/cell.h"
 #include "pipeline/grad_reducer.h"
 #include "pipeline/op_clock.h"
 #include "pipeline/schedule.h"
@@ -32,28 +33,6 @@
 
 namespace gpipe {
 namespace pipeline {
-
-// A cell: a contiguous range of the model's layers, and the device of the stage that
-// runs it. With one cell per stage (every schedule but the interleaved ones) cell k
-// is stage k.
-struct StageSpec {
-  int first_layer = 0;
-  int num_layers = 0;
-  Device device;
-};
-
-// Cell specs from per-cell layer counts, with cell k on devices[k] (one cell per stage).
-std::vector<StageSpec> make_stages(const std::vector<int>& balance, const std::vector<Device>& devices);
-// The same for a schedule that may place several cells on a stage: balance has one
-// entry per cell, devices one per stage, and each cell goes to its stage's device.
-std::vector<StageSpec> make_cells(const std::vector<int>& balance, const Schedule& schedule,
-                                  const std::vector<Device>& devices);
-
-// The collectives a run of this model on these cells needs (Schedule::Collectives):
-// the replicas' gradient sum, the ties' cells, the global gradient norm for clipping.
-// The plan lowers them into its schedule; the executor into one made by hand.
-Schedule::Collectives run_collectives(const layers::Sequential& model, const std::vector<StageSpec>& cells,
-                                      bool replicas, bool gradient_norm);
 
 struct ExecutorOptions {
   layers::OptimizerConfig optimizer;
@@ -139,10 +118,6 @@ struct StageStateNames {
 };
 // "layers.3.weight", or with the layer named "h.0.attn.qkv.weight" (Sequential::layer_name).
 std::string state_name(const layers::Sequential& model, int layer, const std::string& name);
-
-// Sizes of M micro-batches of an N-sample batch: as even as possible, larger first
-// (10 into 4 -> 3 3 2 2). Throws UserError when N < M.
-std::vector<int64_t> split_sizes(int64_t n, int m);
 
 class Executor {
  public:

@@ -49,19 +49,26 @@ std::vector<int> plan_balance(const Config& c, const layers::Sequential& model, 
     partition::validate_balance(c.pipeline.balance, model.size(), cells);
     return c.pipeline.balance;
   }
-  const bool recompute = c.pipeline.recompute != CheckpointMode::kNever;
+  const bool recompute = recomputes(c.pipeline.recompute);
   if (c.pipeline.balance_by == "profile") {  // torchgpipe's balance by time
-    const Device device = c.pipeline.devices.empty() ? Device::cpu() : parse_device(c.pipeline.devices[0]);
     const ProfileEntry e =
-        require_profile(c.pipeline.profile, profile_key(model, micro, device, c.train.blas_threads));
+        require_profile(c.pipeline.profile, profile_key(model, micro, first_device(c), c.train.blas_threads));
     return partition::balance_by_cost(profile_layer_costs(e, recompute), cells);
   }
-  std::vector<std::optional<double>> overrides;
-  for (const auto& l : c.model.layers) overrides.push_back(l.cost);
-  return partition::balance_by_cost(partition::layer_costs(model, micro, recompute, overrides), cells);
+  return partition::balance_by_cost(partition::layer_costs(model, micro, recompute, cost_overrides(c)), cells);
 }
 
-Plan make_plan(const Config& c, const layers::Sequential& model, const PlanOptions& options) {
+Device first_device(const Config& c) {
+  return c.pipeline.devices.empty() ? Device::cpu() : parse_device(c.pipeline.devices[0]);
+}
+
+std::vector<std::optional<double>> cost_overrides(const Config& c) {
+  std::vector<std::optional<double>> out;
+  for (const auto& l : c.model.layers) out.push_back(l.cost);
+  return out;
+}
+
+Plan plan_sizes(const Config& c) {
   Plan p;
   p.stages = c.pipeline.partitions;
   p.virtual_stages = c.pipeline.virtual_stages;
@@ -75,6 +82,11 @@ Plan make_plan(const Config& c, const layers::Sequential& model, const PlanOptio
   }
   p.replica_batch = p.batch_size / p.replicas;
   p.micro_batch_sizes = split_sizes(p.replica_batch, p.micro_batches);  // validates N >= M
+  return p;
+}
+
+Plan make_plan(const Config& c, const layers::Sequential& model, const PlanOptions& options) {
+  Plan p = plan_sizes(c);
   const int cells = p.stages * p.virtual_stages;
   if (cells > model.size()) {
     throw UserError("the model has only " + std::to_string(model.size()) + " layers but the pipeline has " +

@@ -5,11 +5,12 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "layers/sequential.h"
 #include "pipeline/config.h"
-#include "pipeline/executor.h"
+#include "pipeline/cell.h"
 #include "pipeline/schedule.h"
 
 namespace gpipe {
@@ -31,6 +32,23 @@ struct Plan {
   int num_cells() const { return static_cast<int>(balance.size()); }
   int64_t largest_micro_batch() const { return micro_batch_sizes.empty() ? 0 : micro_batch_sizes.front(); }
 };
+
+// Whether a recompute mode rematerializes any micro-batch (the balancer then counts
+// each layer's recompute time too).
+inline bool recomputes(CheckpointMode mode) { return mode != CheckpointMode::kNever; }
+
+// The device of the pipeline's first stage: pipeline.devices[0], or the CPU when the
+// config names none. Costs are measured and looked up on it (profile, planner, sweep).
+Device first_device(const Config& config);
+
+// The per-layer `cost:` overrides of a config's YAML layers (none for a C++ model).
+std::vector<std::optional<double>> cost_overrides(const Config& config);
+
+// A plan's sizes only (stages, cells per stage, micro-batches, replicas, batch and
+// micro-batch sizes, recompute mode): no schedule, balance or devices. Validates them
+// (UserError naming the key and the fix). make_plan starts from it; `gpipe profile`
+// and the sweep, which need the micro-batch sizes without a whole plan, call it alone.
+Plan plan_sizes(const Config& config);
 
 struct PlanOptions {
   int local_stage = -1;  // a multi-process run's own stage: only its device must exist here

@@ -110,7 +110,7 @@ int plan_beyond(const Config& config, layers::Sequential& model, const PlanComma
   const CostSource costs(model, ProfileStore{}, "", Device::cuda(0), 0, cm, {}, c.optimizer.optimizer);
   // The balancer's split by the spec's roofline.
   c.pipeline.balance = partition::balance_by_cost(
-      partition::layer_costs(model, plan.largest_micro_batch(), plan.recompute != CheckpointMode::kNever, {}, cm),
+      partition::layer_costs(model, plan.largest_micro_batch(), recomputes(plan.recompute), {}, cm),
       plan.num_cells());
   const Plan spec_plan = make_plan(c, model);
   const PlannedRun run =
@@ -135,8 +135,7 @@ int profile_command(const Config& config, const ProfileOptions& o, const Launch&
   }
   if (launch.size > 1) {  // the MPI transport between ranks 0 and 1
     if (launch.transport == nullptr || launch.rank > 1) return 0;
-    const Device device = c.pipeline.devices.empty() ? Device::cpu() : parse_device(c.pipeline.devices[0]);
-    if (!device.is_cpu()) throw UserError("gpipe profile under mpirun measures the MPI transport of CPU stages only");
+    if (!first_device(c).is_cpu()) throw UserError("gpipe profile under mpirun measures the MPI transport of CPU stages only");
     const LinkCost l = measure_link(*launch.transport, "mpi", launch.rank, o.repeats);
     if (launch.rank == 0) {
       ProfileStore store = load_profile(c.pipeline.profile);
@@ -150,14 +149,14 @@ int profile_command(const Config& config, const ProfileOptions& o, const Launch&
     return 0;
   }
   set_cpu_blas_threads(c.train.blas_threads);
-  const Device device = c.pipeline.devices.empty() ? Device::cpu() : parse_device(c.pipeline.devices[0]);
+  const Device device = first_device(c);
   std::set<int64_t> sizes(o.micro_batches.begin(), o.micro_batches.end());
-  const int64_t replica = c.train.batch_size / std::max(1, c.pipeline.replicas);
-  const int64_t own = (replica + c.pipeline.micro_batches - 1) / c.pipeline.micro_batches;  // the largest micro-batch
+  const Plan run_sizes = plan_sizes(c);  // the run's own micro-batches
+  const int64_t own = run_sizes.largest_micro_batch();
   if (sizes.empty()) sizes.insert(own);
   if (o.sweep) {
     for (int m : SweepOptions{}.micro_batches) {
-      if (m <= replica) sizes.insert((replica + m - 1) / m);
+      if (m <= run_sizes.replica_batch) sizes.insert(split_sizes(run_sizes.replica_batch, m).front());
     }
   }
   const std::unique_ptr<Dataset> data = make_dataset(c);

@@ -252,33 +252,18 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
   out.source = costs.describe();
   out.timeline = sim.timeline;
   out.step_ms = sim.makespan;
-  out.stages.assign(K, {});
+  // Where the time goes: the report's accounting, of the simulated step.
+  std::vector<std::vector<OpSpan>> spans(K);
   for (int k = 0; k < K; ++k) {
-    PlannedStage& st = out.stages[k];
-    for (const TimedInstruction& ti : sim.timeline[k]) {
-      const double d = ti.end - ti.start;
-      switch (ti.ins.op) {
-        case Op::kForward: st.forward_ms += d; break;
-        case Op::kRecompute: st.recompute_ms += d; break;
-        case Op::kBackward: st.backward_ms += d; break;
-        case Op::kBackwardWeight: st.weight_ms += d; st.backward_ms += d; break;
-        case Op::kOptimizerStep: st.optimizer_ms += d; break;
-        case Op::kSendActivation:
-        case Op::kSendGradient:
-        case Op::kReduceGradients:
-        case Op::kTiedGradients:
-        case Op::kGradientNorm: st.comm_ms += d; break;
-        default: break;
-      }
-      if (ti.ins.op != Op::kOptimizerStep) out.span_ms = std::max(out.span_ms, ti.end);
-    }
-    st.busy_ms = sim.busy[k];
+    for (const TimedInstruction& ti : sim.timeline[k]) spans[k].push_back({ti.ins.op, ti.start, ti.end, ti.ins.micro_batch});
   }
+  const StepTime time = account_step(spans);
+  out.span_ms = time.span_ms;
+  out.stages.assign(K, {});
   double busy = 0;
-  for (PlannedStage& st : out.stages) {
-    st.idle_ms = std::max(0.0, out.span_ms - st.busy_ms - st.comm_ms);
-    st.utilization = out.span_ms > 0 ? st.busy_ms / out.span_ms : 0;
-    busy += st.busy_ms;
+  for (int k = 0; k < K; ++k) {
+    static_cast<StageTime&>(out.stages[k]) = time.stages[k];
+    busy += out.stages[k].busy_ms;
   }
   out.bubble = out.span_ms > 0 ? 1.0 - busy / (K * out.span_ms) : 0;
   out.samples_per_second = out.step_ms > 0 ? static_cast<double>(plan.batch_size) / (out.step_ms / 1e3) : 0;
@@ -310,10 +295,8 @@ int stages_at_once(const Plan& plan) {
 
 PlannedRun predict_config(const Config& c, const layers::Sequential& model, const Plan& plan, bool across_processes) {
   const ProfileStore store = load_profile(c.pipeline.profile);
-  std::vector<std::optional<double>> overrides;
-  for (const auto& l : c.model.layers) overrides.push_back(l.cost);
   const CostSource costs(model, store, c.pipeline.profile, plan.devices.front(), c.train.blas_threads,
-                         partition::CostModel{}, overrides, c.optimizer.optimizer, 1.0, stages_at_once(plan));
+                         partition::CostModel{}, cost_overrides(c), c.optimizer.optimizer, 1.0, stages_at_once(plan));
   const LinkCost link = local_link(store, across_processes);
   PlannedRun run = predict(plan, model, costs, [link](int, int) { return link; }, c.optimizer.optimizer);
   run.source += "; messages: " + link.kind;

@@ -8,14 +8,14 @@
 #include <vector>
 
 #include "pipeline/schedule.h"
+#include "pipeline/time_accounting.h"
 
 namespace gpipe {
 namespace pipeline {
 
-struct PlannedStage {
-  double forward_ms = 0, recompute_ms = 0, backward_ms = 0, weight_ms = 0;  // weight_ms: W, also in backward_ms
-  double comm_ms = 0, idle_ms = 0, optimizer_ms = 0, busy_ms = 0;
-  double utilization = 0;  // busy / span
+// Where the stage's time goes in the simulated step (time_accounting.h, the report's
+// accounting of measured steps), and its memory.
+struct PlannedStage : StageTime {
   // Memory at the stage's peak: parameters, their gradients, optimizer state, and the
   // activations the schedule keeps (estimate_memory in plan.h).
   int64_t weight_bytes = 0, gradient_bytes = 0, optimizer_bytes = 0, activation_bytes = 0;

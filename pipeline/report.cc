@@ -32,9 +32,9 @@ std::string describe_layers(const layers::Sequential& model, int first, int coun
 }
 
 ReportBuilder::ReportBuilder(std::vector<std::string> stage_layers, std::vector<std::string> stage_devices,
-                             int micro_batches, std::string checkpoint, std::string schedule, int64_t batch_size)
+                             int micro_batches, CheckpointMode recompute, std::string schedule, int64_t batch_size)
     : layers_(std::move(stage_layers)), devices_(std::move(stage_devices)), micro_batches_(micro_batches),
-      checkpoint_(std::move(checkpoint)), schedule_(std::move(schedule)), batch_size_(batch_size),
+      recompute_(recompute), schedule_(std::move(schedule)), batch_size_(batch_size),
       launch_first_{0}, acc_(layers_.size()), op_time_(layers_.size()) {
   for (size_t k = 0; k < acc_.size(); ++k) {
     acc_[k].stage = static_cast<int>(k);
@@ -50,64 +50,24 @@ void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool ti
   }
   losses_.emplace_back(step, loss);
   if (!timed) return;
-  double span = 0;
-  for (const auto& st : r.stages) {
-    for (const auto& op : st.ops) {
-      if (op.op != Op::kOptimizerStep) span = std::max(span, op.end_ms);
-    }
+  std::vector<std::vector<OpSpan>> spans(r.stages.size());
+  for (size_t k = 0; k < r.stages.size(); ++k) {
+    for (const TimedOp& op : r.stages[k].ops) spans[k].push_back({op.op, op.start_ms, op.end_ms, op.micro_batch});
   }
-  // A collective among stages (TIE, NORM) lasts, on each, from its arrival until the
-  // last one arrived plus the collective's own time: the quickest stage's duration
-  // (the last to arrive waits for no one). The rest is waiting, idle as in a receive.
-  // RG's partners are the replicas, whose timings are not here: all of it counts.
-  std::map<std::pair<int, int>, double> own_time;  // (op, tie or -1) -> the quickest duration
-  for (const auto& st : r.stages) {
-    for (const auto& op : st.ops) {
-      if (op.op != Op::kTiedGradients && op.op != Op::kGradientNorm) continue;
-      const double d = op.end_ms - op.start_ms;
-      auto [it, fresh] = own_time.emplace(std::make_pair(static_cast<int>(op.op), op.micro_batch), d);
-      if (!fresh) it->second = std::min(it->second, d);
-    }
-  }
+  const StepTime time = account_step(spans);
   for (size_t k = 0; k < acc_.size() && k < r.stages.size(); ++k) {
     StageSummary& s = acc_[k];
     const StageTrace& trace = r.stages[k];
-    double busy = 0, comm = 0;
+    s.add(time.stages[k]);
     for (const auto& op : trace.ops) {
-      const double d = op.end_ms - op.start_ms;
       auto& t = op_time_[k][{static_cast<int>(op.op), op.chunk}];
-      t.first += d;
+      t.first += op.end_ms - op.start_ms;
       ++t.second;
-      switch (op.op) {
-        case Op::kForward: s.forward_ms += d; busy += d; break;
-        case Op::kRecompute: s.recompute_ms += d; busy += d; break;
-        case Op::kBackward: s.backward_ms += d; busy += d; break;
-        case Op::kBackwardWeight: s.weight_ms += d; s.backward_ms += d; busy += d; break;
-        case Op::kOptimizerStep: s.optimizer_ms += d; break;
-        case Op::kReduceGradients:
-          s.reduce_ms += d;
-          comm += d;
-          break;
-        case Op::kTiedGradients:
-        case Op::kGradientNorm: {
-          const double own = std::min(d, own_time.at({static_cast<int>(op.op), op.micro_batch}));
-          s.reduce_ms += own;
-          comm += own;
-          break;
-        }
-        case Op::kSendActivation:
-        case Op::kSendGradient: comm += d; break;
-        case Op::kRecvActivation:
-        case Op::kRecvGradient: break;  // waiting for the neighbour: idle
-      }
     }
-    s.busy_ms += busy;
-    s.comm_ms += comm;
-    s.idle_ms += std::max(0.0, span - busy - comm);
     s.peak_activation_bytes = std::max(s.peak_activation_bytes, trace.peak_activation_bytes);
   }
   add_deliveries(r);
-  span_total_ += span;
+  span_total_ += time.span_ms;
   wall_total_ += r.wall_ms;
   ++timed_;
 }
@@ -336,7 +296,7 @@ RunSummary ReportBuilder::summary() const {
   out.plan = plan_;
   out.partitions = static_cast<int>(acc_.size());
   out.micro_batches = micro_batches_;
-  out.checkpoint = checkpoint_;
+  out.recompute = recompute_;
   out.schedule = schedule_;
   out.batch_size = batch_size_;
   out.timed_steps = timed_;
@@ -361,7 +321,7 @@ RunSummary ReportBuilder::summary() const {
     s.backward_ms /= timed_;
     s.weight_ms /= timed_;
     s.optimizer_ms /= timed_;
-    s.reduce_ms /= timed_;
+    s.collective_ms /= timed_;
     const size_t k = &s - out.stages.data();
     if (k < delivery_.size() && delivery_[k].second > 0) s.delivery_ms = delivery_[k].first / delivery_[k].second;
     s.comm_ms /= timed_;
@@ -379,7 +339,7 @@ std::string ReportBuilder::table() const {
   std::ostringstream os;
   char line[512];
   std::snprintf(line, sizeof line, "Pipeline: K=%d stages, M=%d micro-batches, checkpoint=%s, schedule=%s, batch=%lld\n",
-                s.partitions, s.micro_batches, s.checkpoint.c_str(), s.schedule.c_str(),
+                s.partitions, s.micro_batches, checkpoint_mode_name(s.recompute), s.schedule.c_str(),
                 static_cast<long long>(s.batch_size));
   os << line;
   if (s.launches.size() > 1 && !losses_.empty()) {
@@ -448,7 +408,7 @@ nlohmann::json ReportBuilder::json() const {
   nlohmann::json j;
   j["partitions"] = s.partitions;
   j["micro_batches"] = s.micro_batches;
-  j["checkpoint"] = s.checkpoint;
+  j["checkpoint"] = checkpoint_mode_name(s.recompute);
   j["schedule"] = s.schedule;
   j["batch_size"] = s.batch_size;
   j["timed_steps"] = s.timed_steps;
@@ -480,8 +440,8 @@ nlohmann::json ReportBuilder::json() const {
                            {"backward_ms", st.backward_ms},
                            {"weight_ms", st.weight_ms},
                            {"optimizer_ms", st.optimizer_ms},
-                           {"collective_ms", st.reduce_ms},
-                           {"optimizer_reduce_ms", st.reduce_ms},  // the old name, for one release
+                           {"collective_ms", st.collective_ms},
+                           {"optimizer_reduce_ms", st.collective_ms},  // the old name, for one release
                            {"delivery_ms", st.delivery_ms},
                            {"comm_ms", st.comm_ms},
                            {"idle_ms", st.idle_ms},

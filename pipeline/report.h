@@ -22,25 +22,20 @@
 
 #include "pipeline/executor.h"
 #include "pipeline/prediction.h"
+#include "pipeline/time_accounting.h"
 
 namespace gpipe {
 namespace pipeline {
 
-struct StageSummary {
+// A stage's measured time per step, averaged over the timed steps (time_accounting.h,
+// the planner's accounting of predicted steps), and what only a measurement has.
+struct StageSummary : StageTime {
   int stage = 0;
   std::string layers;  // "0-15 linear x8, relu x8"
   std::string device;
-  double forward_ms = 0, recompute_ms = 0, backward_ms = 0, optimizer_ms = 0;
-  double weight_ms = 0;  // W: deferred weight gradients (zero-bubble schedules); in backward_ms too
-  // The collectives (RG, TIE, NORM: summing gradients or the gradient norm with peers);
-  // in comm_ms too, not in optimizer_ms. A TIE's or NORM's wait for the other stages is
-  // idle, as a receive's; RG's wait for the other replicas counts here.
-  double reduce_ms = 0;
   // Mean time from a send's end to the end of its receive, over the receives of this
   // stage that were waiting for their message (a thread's wake-up, a transfer); -1: none.
   double delivery_ms = -1;
-  double comm_ms = 0, idle_ms = 0, busy_ms = 0;
-  double utilization = 0;  // busy / span
   int64_t peak_activation_bytes = 0;
 };
 
@@ -55,7 +50,8 @@ struct LaunchSummary {
 
 struct RunSummary {
   int partitions = 0, micro_batches = 0;
-  std::string checkpoint, schedule;
+  CheckpointMode recompute = CheckpointMode::kExceptLast;  // "checkpoint" in report.json (checkpoint_mode_name)
+  std::string schedule;
   int64_t batch_size = 0;
   int timed_steps = 0;
   double span_ms = 0;  // per step, averaged
@@ -80,7 +76,7 @@ class ReportBuilder {
   // One entry per stage of the pipeline (a multi-process run gathers every stage's
   // timings into its first stage's process, see trainer.cc).
   ReportBuilder(std::vector<std::string> stage_layers, std::vector<std::string> stage_devices, int micro_batches,
-                std::string checkpoint, std::string schedule, int64_t batch_size);
+                CheckpointMode recompute, std::string schedule, int64_t batch_size);
   // Timings of a step; steps before `timed` (warm-up) only contribute their loss.
   void add_step(int step, double loss, const StepResult& r, bool timed);
   void set_eval(double loss, double accuracy);
@@ -129,7 +125,8 @@ class ReportBuilder {
 
   std::vector<std::string> layers_, devices_;
   int micro_batches_;
-  std::string checkpoint_, schedule_;
+  CheckpointMode recompute_;
+  std::string schedule_;
   int64_t batch_size_;
   std::vector<std::pair<int, double>> losses_;
   std::vector<Validation> validations_;

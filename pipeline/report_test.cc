@@ -54,7 +54,7 @@ StepResult hand_step(double scale, int64_t peak0, int64_t peak1) {
 }
 
 ReportBuilder builder() {
-  return ReportBuilder({"0-1 linear, relu", "2-3 linear x2"}, {"cpu:0", "cpu:1"}, 2, "except_last", "gpipe", 8);
+  return ReportBuilder({"0-1 linear, relu", "2-3 linear x2"}, {"cpu:0", "cpu:1"}, 2, CheckpointMode::kExceptLast, "gpipe", 8);
 }
 
 }  // namespace
@@ -111,11 +111,11 @@ TEST_CASE("a collective is communication, its wait for the other stages idle, ne
   CHECK(s.span_ms == 16.5);  // the collectives are inside the span, the optimizer steps are not
   const StageSummary &a = s.stages[0], &c = s.stages[1];
   CHECK(a.comm_ms == 1.5);
-  CHECK(a.reduce_ms == 0.5);
+  CHECK(a.collective_ms == 0.5);
   CHECK(a.idle_ms == 5.0);  // 16.5 - busy 10 - comm 1.5
   CHECK(a.optimizer_ms == 1.0);
   CHECK(c.comm_ms == 1.5);
-  CHECK(c.reduce_ms == 0.5);
+  CHECK(c.collective_ms == 0.5);
   CHECK(c.idle_ms == 6.5);  // 16.5 - busy 8.5 - comm 1.5: its 4 ms wait for stage 0 is idle
   CHECK(c.optimizer_ms == 3.5);
 }
@@ -211,7 +211,7 @@ TEST_CASE("the simulation charges each receive the delivery time measured when i
   s1.ops = {{Op::kRecvActivation, 0, -0.5, 1.6}, {Op::kForward, 0, 1.6, 3.6}, {Op::kBackward, 0, 3.6, 6.6},
             {Op::kSendGradient, 0, 6.6, 6.6}, {Op::kOptimizerStep, -1, 6.6, 7}};
   r.stages = {s0, s1};
-  ReportBuilder b({"0 linear", "1 linear"}, {"cpu:0", "cpu:1"}, 1, "never", "gpipe", 8);
+  ReportBuilder b({"0 linear", "1 linear"}, {"cpu:0", "cpu:1"}, 1, CheckpointMode::kNever, "gpipe", 8);
   b.set_schedule(sched);
   b.add_step(0, 1.0, r, true);
   const RunSummary s = b.summary();

@@ -24,11 +24,5 @@ RunModel build_run_model(const Config& config, const MakeModel& make_model) {
   return run;
 }
 
-std::vector<std::optional<double>> cost_overrides(const Config& config) {
-  std::vector<std::optional<double>> out;
-  for (const auto& l : config.model.layers) out.push_back(l.cost);
-  return out;
-}
-
 }  // namespace pipeline
 }  // namespace gpipe

@@ -5,7 +5,6 @@
 
 #include <functional>
 #include <memory>
-#include <optional>
 #include <vector>
 
 #include "layers/sequential.h"
@@ -28,9 +27,6 @@ struct RunModel {
 // From `make_model` when it is set (config.model is then ignored), else from
 // config.model (layers::build_model: YAML layers or model.cpp).
 RunModel build_run_model(const Config& config, const MakeModel& make_model = {});
-
-// The per-layer `cost:` overrides of a config's YAML layers (none for a C++ model).
-std::vector<std::optional<double>> cost_overrides(const Config& config);
 
 }  // namespace pipeline
 }  // namespace gpipe

@@ -93,7 +93,7 @@ std::string why_lost(const Candidate& c, const Candidate& best) {
 
 SweepResult sweep(const Config& base, const layers::Sequential& model, const SweepOptions& o) {
   SweepResult out;
-  const bool cpu = base.pipeline.devices.empty() || parse_device(base.pipeline.devices[0]).is_cpu();
+  const bool cpu = first_device(base).is_cpu();
   int n = o.devices;
   if (n <= 0) n = o.spec != nullptr ? 1 : (cpu ? static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))
                                              : std::max(1, cuda_device_count()));
@@ -103,9 +103,8 @@ SweepResult sweep(const Config& base, const layers::Sequential& model, const Swe
                      : o.spec != nullptr ? o.spec->memory_bytes
                                          : 0;
   const ProfileStore store = load_profile(base.pipeline.profile);
-  std::vector<std::optional<double>> overrides;
-  for (const auto& l : base.model.layers) overrides.push_back(l.cost);
-  const Device device = o.spec != nullptr ? Device::cuda(0) : cpu ? Device::cpu() : parse_device(base.pipeline.devices[0]);
+  const std::vector<std::optional<double>> overrides = cost_overrides(base);
+  const Device device = o.spec != nullptr ? Device::cuda(0) : first_device(base);
   const partition::CostModel cm = o.spec != nullptr ? o.spec->cost_model(dtype_name(model.output_dtype()))
                                                     : partition::CostModel{};
   // On a device description there is no profile: the spec's roofline.
@@ -183,10 +182,10 @@ SweepResult sweep(const Config& base, const layers::Sequential& model, const Swe
         cand.schedule = sh.schedule;
         try {
           // Balance by the costs the prediction uses, at this micro-batch size.
-          const CostTable& t = src.at((batch + m - 1) / m);
+          const CostTable& t = src.at(plan_sizes(c).largest_micro_batch());
           std::vector<double> per_layer;
           for (const LayerTimes& l : t.layers) {
-            per_layer.push_back(l.forward + l.backward + (mode != CheckpointMode::kNever ? l.recompute : 0.0));
+            per_layer.push_back(l.forward + l.backward + (recomputes(mode) ? l.recompute : 0.0));
           }
           per_layer.back() += t.loss_forward + t.loss_backward;
           c.pipeline.balance = partition::balance_by_cost(per_layer, sh.k * sh.v);

@@ -216,7 +216,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   // other processes send it their timings every step); written by replica 0's.
   const bool reports = launch.rank == 0;
   const bool writes = reports && launch.replica == 0;
-  ReportBuilder report(stage_layers, stage_devices, M, checkpoint_mode_name(plan.recompute), plan.schedule.name,
+  ReportBuilder report(stage_layers, stage_devices, M, plan.recompute, plan.schedule.name,
                        c.train.batch_size);
   report.set_schedule(plan.schedule);
   // Saved state: resume where a checkpoint left off, save every checkpoint.every steps,
