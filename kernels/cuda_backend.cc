@@ -15,6 +15,7 @@
 #include "kernels/op_checks.h"
 #include "kernels/transformer_checks.h"
 #include "runtime/cuda_check.h"
+#include "runtime/cuda_allocator.h"
 #include "runtime/cuda_runtime.h"
 #include "runtime/error.h"
 

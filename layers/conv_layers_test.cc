@@ -1,7 +1,12 @@
 // The convolutional layers: every backward against central finite differences in
 // float64, exact costs, batch norm's running statistics (deferred over micro-batches,
 // untouched by recomputation, used in evaluation), and the registry names.
-#include "layers/conv_layers.h"
+#include "layers/avgpool2d.h"
+#include "layers/basic_block.h"
+#include "layers/batchnorm2d.h"
+#include "layers/conv2d.h"
+#include "layers/flatten.h"
+#include "layers/maxpool2d.h"
 
 #include <doctest/doctest.h>
 

@@ -1,10 +1,18 @@
-// Config names for the convolutional layers (layers/conv_layers.h). Kept apart from
-// registry.cc so that the registry's core does not depend on every layer family;
-// registry.cc adds them to its built-in types once.
+// Config names for the convolutional layers (conv2d.h, batchnorm2d.h, maxpool2d.h,
+// avgpool2d.h, flatten.h, basic_block.h). Kept apart from registry.cc so that the
+// registry's core does not depend on every layer family; registry.cc adds them to its
+// built-in types once.
+#include "layers/conv_registry.h"
+
 #include <climits>
 #include <functional>
 
-#include "layers/conv_layers.h"
+#include "layers/avgpool2d.h"
+#include "layers/basic_block.h"
+#include "layers/batchnorm2d.h"
+#include "layers/conv2d.h"
+#include "layers/flatten.h"
+#include "layers/maxpool2d.h"
 #include "layers/registry.h"
 #include "runtime/error.h"
 

@@ -6,8 +6,8 @@
 #include <mutex>
 
 #include "layers/activation.h"
-#include "layers/conv_layers.h"
 #include "layers/attention.h"
+#include "layers/conv_registry.h"
 #include "layers/dropout.h"
 #include "layers/embedding.h"
 #include "layers/layernorm.h"

@@ -9,7 +9,7 @@
 
 #include "layers/activation.h"
 #include "layers/attention.h"
-#include "layers/conv_layers.h"
+#include "layers/conv2d.h"
 #include "layers/linear.h"
 #include "layers/transformer.h"
 #include "tests/testing.h"

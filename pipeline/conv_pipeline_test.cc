@@ -12,7 +12,8 @@
 //      at once (and with M = 1, everything does).
 #include <doctest/doctest.h>
 
-#include "layers/conv_layers.h"
+#include "layers/basic_block.h"
+#include "layers/batchnorm2d.h"
 #include "layers/registry.h"
 #include "partition/balance.h"
 #include "pipeline/executor.h"

@@ -9,7 +9,7 @@
 #include <thread>
 
 #include "layers/loss.h"
-#include "pipeline/output_file.h"
+#include "runtime/atomic_file.h"
 #include "runtime/error.h"
 
 namespace gpipe {
@@ -227,7 +227,7 @@ void save_profile(const std::string& path, const ProfileStore& store) {
   for (const auto& l : store.links) {
     j["links"].push_back({{"kind", l.kind}, {"latency_ms", l.latency_ms}, {"bytes_per_ms", l.bytes_per_ms}});
   }
-  write_text_atomically(path, j.dump(1) + "\n");
+  write_file_atomically(path, j.dump(1) + "\n");
 }
 
 ProfileEntry require_profile(const std::string& path, const ProfileKey& key) {

@@ -3,9 +3,9 @@
 #include <chrono>
 #include <ostream>
 
-#include "pipeline/output_file.h"
 #include "pipeline/planner.h"
 #include "pipeline/report_html.h"
+#include "runtime/atomic_file.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
 
@@ -50,7 +50,7 @@ void RunArtifacts::write(const std::filesystem::path& dir, const ReportBuilder& 
     trace_name = "trace.json";
     nlohmann::json trace = chrome_trace(schedule_, processes_, recorder_.steps(), epoch_ms_);
     trace["otherData"]["launch"] = report.launch();  // its steps are this launch's (report.json "launches")
-    write_text_atomically((dir / trace_name).string(), trace.dump() + "\n");
+    write_file_atomically((dir / trace_name).string(), trace.dump() + "\n");
     j["trace"] = {{"file", trace_name},
                   {"steps", {recorder_.steps().front().step, recorder_.steps().back().step}}};
     out << "Trace: " << (dir / trace_name).string() << " (open it in Perfetto, ui.perfetto.dev)" << std::endl;
@@ -67,7 +67,7 @@ void RunArtifacts::write(const std::filesystem::path& dir, const ReportBuilder& 
   in.losses = report.losses();
   in.validations = report.validations();
   in.trace_file = trace_name;
-  write_text_atomically((dir / "report.html").string(), render_report_html(in));
+  write_file_atomically((dir / "report.html").string(), render_report_html(in));
   j["html"] = "report.html";
   out << "Page: " << (dir / "report.html").string() << std::endl;
 }

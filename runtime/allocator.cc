@@ -8,7 +8,8 @@
 #include "runtime/error.h"
 
 #ifdef GPIPE_WITH_CUDA
-#include "runtime/cuda_runtime.h"
+#include "runtime/cuda_allocator.h"
+#include "runtime/cuda_device.h"
 #endif
 
 namespace gpipe {

@@ -1,4 +1,5 @@
-// Files a user depends on (checkpoints, reports, traces) are written atomically: under a
+// Files a user depends on (checkpoints, report.json and report.html, trace.json, profiles)
+// are written atomically, all by this one writer: under a
 // temporary name in the same directory, flushed to disk (fsync), renamed over the final
 // name, and the directory flushed too, so a crash at any instant leaves either the old
 // file or the new one, never a torn one.

@@ -3,6 +3,7 @@
 #include "runtime/atomic_file.h"
 
 #include <doctest/doctest.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -67,6 +68,24 @@ TEST_CASE("atomic_file: a missing directory is an error naming the path") {
   CHECK(parent_directory("a/b/c") == "a/b");
   CHECK(parent_directory("c") == ".");
   CHECK(parent_directory("/c") == "/");
+}
+
+// A full disk is the user's to fix (gpipe run does not restart a UserError), and the
+// message names the file, the bytes already written and what to do. /dev/full fails
+// every write with ENOSPC.
+TEST_CASE("atomic_file: a full disk is a UserError naming the file and the fix") {
+  const int fd = ::open("/dev/full", O_WRONLY | O_CLOEXEC);
+  if (fd < 0) {
+    MESSAGE("skipped: no /dev/full on this machine");
+    return;
+  }
+  FileSink sink(fd, "out/report.html");
+  CHECK_THROWS_WITH_AS(sink.write(std::string(4096, 'x')),
+                       doctest::Contains("cannot write 'out/report.html'"), UserError);
+  CHECK_THROWS_WITH_AS(sink.write(std::string("y")), doctest::Contains("the disk is full"), UserError);
+  CHECK_THROWS_WITH_AS(sink.write(std::string("y")), doctest::Contains("free space there or write elsewhere"),
+                       UserError);
+  ::close(fd);
 }
 
 TEST_CASE("atomic_file: a writer killed by SIGKILL in the middle leaves the old contents") {

@@ -1,6 +1,9 @@
 // GPU memory and pinned staging memory: BlockPool (runtime/block_pool.h) over cudaMalloc
 // and cudaHostAlloc, with events recorded on the streams that use a block. CUDA builds
-// only. The pool decides; this file only talks to CUDA.
+// only. The pool decides; this file only talks to CUDA. It builds on cuda_device.h and
+// never on cuda_runtime.h, whose copies use stage_to_device from here.
+#include "runtime/cuda_allocator.h"
+
 #include <cuda_runtime.h>
 #include <spdlog/spdlog.h>
 
@@ -13,8 +16,9 @@
 
 #include "runtime/block_pool.h"
 #include "runtime/cuda_check.h"
-#include "runtime/cuda_runtime.h"
+#include "runtime/cuda_device.h"
 #include "runtime/error.h"
+#include "runtime/stream.h"
 
 namespace gpipe {
 
