@@ -176,9 +176,9 @@ int run_plan(Invocation& inv, const std::string& schedule_out = "") {
   return 0;
 }
 
-// The restart loop: the job (this program's train, or mpirun -np P of it) relaunched
+// `gpipe run`: the restart loop. The job (this program's train, or mpirun -np P of it) is relaunched
 // with --resume after a failure, up to --max-restarts times.
-int run_run(Invocation& inv) {
+int run_train_under_supervisor(Invocation& inv) {
   check_start_flags(inv);
   const pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);  // a bad config fails here, once
   pipeline::SupervisorOptions o;
@@ -290,7 +290,7 @@ const Command kCommands[] = {
     {"run", "[--np P] [--max-restarts N] [CONFIG.yaml] [--set key=value ...] [--resume] [--start-over]",
      "train, and after a failure or a frozen process restart from the newest intact checkpoint (mpirun -np P for "
      "P > 1)",
-     nullptr, run_run},
+     nullptr, run_train_under_supervisor},
     {"plan",
      "[CONFIG.yaml] [--set key=value ...] [--sweep] [--rows N] [--devices N] [--device-spec FILE] "
      "[--schedule-file-out FILE]",

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <tuple>
@@ -313,40 +314,21 @@ std::string byte_size_help(const std::string& text) {
          "(units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)";
 }
 
-}  // namespace
+// ---- One decoder per section, called by parse_config in this order (a later section may
+// read an earlier one: the trace window needs train.steps).
 
-Config parse_config(const std::string& text, const std::string& source, const std::vector<std::string>& overrides) {
-  Decoder dec(source);
-  YAML::Node root;
-  try {
-    root = YAML::Load(text);
-  } catch (const YAML::ParserException& e) {
-    throw UserError("config error at " + source + ":" + std::to_string(e.mark.line + 1) + ":" +
-                    std::to_string(e.mark.column + 1) + ": invalid YAML: " + e.msg);
-  }
-  if (!root || root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
-  if (!root.IsMap()) throw UserError("config error at " + source + ": the top level must be a mapping of sections");
-  for (const auto& o : overrides) apply_override(root, o, dec);
-
-  Config c;
-  c.source = source;
-  c.name = stem(source);
-  {
-    YAML::Emitter emitted;
-    emitted << root;
-    c.effective = std::string(emitted.c_str()) + "\n";
-  }
-  dec.check_map(root, "", {"model", "data", "pipeline", "optimizer", "train", "output", "checkpoint", "trace"});
-
-  // model
+// model: a list of layers, or the name of a C++ model (model.cpp).
+void decode_model(Decoder& dec, const YAML::Node& root, Config& c) {
   const YAML::Node model = dec.required(root, "model", "");
   if (model.IsMap() && model["cpp"]) {
     c.model.cpp = dec.cpp_model(model);
   } else {
     dec.yaml_model(model, c.model);
   }
+}
 
-  // data
+// data: the data set and its sizes.
+void decode_data(Decoder& dec, const YAML::Node& root, Config& c) {
   if (const YAML::Node data = root["data"]) {
     dec.check_map(data, "data", {"type", "path", "seq_len", "vocab", "validation_fraction", "classes",
                                  "teacher_hidden", "teacher_scale", "seed", "eval_samples"});
@@ -379,8 +361,10 @@ Config parse_config(const std::string& text, const std::string& source, const st
       }
     }
   }
+}
 
-  // pipeline
+// pipeline: partitions, replicas, micro-batches, recompute, schedule, placement.
+void decode_pipeline(Decoder& dec, const YAML::Node& root, Config& c) {
   if (const YAML::Node p = root["pipeline"]) {
     dec.check_map(p, "pipeline", {"partitions", "replicas", "micro_batches", "recompute", "checkpoint", "schedule",
                                   "virtual_stages", "schedule_file", "balance", "devices", "pin_threads",
@@ -457,8 +441,10 @@ Config parse_config(const std::string& text, const std::string& source, const st
     }
     if (p["pin_threads"]) c.pipeline.pin_threads = dec.boolean(p["pin_threads"], "pipeline.pin_threads");
   }
+}
 
-  // optimizer
+// optimizer: its type, hyperparameters and the learning-rate schedule.
+void decode_optimizer(Decoder& dec, const YAML::Node& root, Config& c) {
   if (const YAML::Node o = root["optimizer"]) {
     dec.check_map(o, "optimizer", {"type", "lr", "momentum", "weight_decay", "nesterov", "beta1", "beta2", "eps",
                                    "schedule", "warmup_steps", "min_lr", "clip_grad_norm"});
@@ -531,8 +517,10 @@ Config parse_config(const std::string& text, const std::string& source, const st
       if (c.optimizer.clip_grad_norm < 0) dec.out_of_range(o["clip_grad_norm"], "optimizer.clip_grad_norm", ">= 0 (0 = off)");
     }
   }
+}
 
-  // train
+// train: steps, batch size, seed, logging and evaluation intervals.
+void decode_train(Decoder& dec, const YAML::Node& root, Config& c) {
   const YAML::Node t = dec.required(root, "train", "");
   dec.check_map(t, "train", {"steps", "batch_size", "seed", "log_interval", "eval_interval", "eval_samples",
                              "blas_threads", "log_level"});
@@ -558,23 +546,23 @@ Config parse_config(const std::string& text, const std::string& source, const st
                "unknown level '" + c.train.log_level + "'; valid: trace, debug, info, warn, error, critical, off");
     }
   }
+}
 
-  // output
-  YAML::Node trace_flag;
-  bool has_trace_flag = false;
+// output: the run folder. Returns output.trace, which decode_trace applies last.
+std::optional<YAML::Node> decode_output(Decoder& dec, const YAML::Node& root, Config& c) {
+  std::optional<YAML::Node> trace_flag;
   if (const YAML::Node o = root["output"]) {
     dec.check_map(o, "output", {"dir", "trace"});
     if (o["dir"]) c.output.dir = dec.str(o["dir"], "output.dir");
-    if (o["trace"]) {
-      trace_flag.reset(o["trace"]);
-      has_trace_flag = true;
-    }
+    if (o["trace"]) trace_flag = o["trace"];
   }
   if (c.output.dir.empty()) c.output.dir = "runs/" + c.name;
+  return trace_flag;
+}
 
-  if (c.pipeline.profile.empty()) c.pipeline.profile = c.output.dir + "/profile.json";
-
-  // trace: which steps; output.trace: whether to write trace.json (see TraceConfig).
+// trace: which steps are traced; output.trace: whether trace.json is written (see
+// TraceConfig). Needs train.steps.
+void decode_trace(Decoder& dec, const YAML::Node& root, const std::optional<YAML::Node>& trace_flag, Config& c) {
   const int last = c.train.steps - 1;
   c.trace = default_trace_window(0, c.train.steps);
   c.output.trace = c.train.steps <= kTraceDefaultMaxSteps;
@@ -596,9 +584,11 @@ Config parse_config(const std::string& text, const std::string& source, const st
     }
   }
   // output.trace: false wins over trace.steps, which still picks report.html's step.
-  if (has_trace_flag) c.output.trace = dec.boolean(trace_flag, "output.trace");
+  if (trace_flag) c.output.trace = dec.boolean(*trace_flag, "output.trace");
+}
 
-  // checkpoint (saved training state; pipeline.recompute is rematerialization)
+// checkpoint: saved training state (pipeline.recompute is rematerialization).
+void decode_checkpoint(Decoder& dec, const YAML::Node& root, Config& c) {
   if (const YAML::Node k = root["checkpoint"]) {
     dec.check_map(k, "checkpoint", {"every", "keep", "dir", "async", "resume", "allow_changes"});
     if (k["every"]) {
@@ -622,6 +612,42 @@ Config parse_config(const std::string& text, const std::string& source, const st
       }
     }
   }
+}
+
+}  // namespace
+
+Config parse_config(const std::string& text, const std::string& source, const std::vector<std::string>& overrides) {
+  Decoder dec(source);
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::ParserException& e) {
+    throw UserError("config error at " + source + ":" + std::to_string(e.mark.line + 1) + ":" +
+                    std::to_string(e.mark.column + 1) + ": invalid YAML: " + e.msg);
+  }
+  if (!root || root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
+  if (!root.IsMap()) throw UserError("config error at " + source + ": the top level must be a mapping of sections");
+  for (const auto& o : overrides) apply_override(root, o, dec);
+
+  Config c;
+  c.source = source;
+  c.name = stem(source);
+  {
+    YAML::Emitter emitted;
+    emitted << root;
+    c.effective = std::string(emitted.c_str()) + "\n";
+  }
+  dec.check_map(root, "", {"model", "data", "pipeline", "optimizer", "train", "output", "checkpoint", "trace"});
+
+  decode_model(dec, root, c);
+  decode_data(dec, root, c);
+  decode_pipeline(dec, root, c);
+  decode_optimizer(dec, root, c);
+  decode_train(dec, root, c);
+  const std::optional<YAML::Node> trace_flag = decode_output(dec, root, c);
+  if (c.pipeline.profile.empty()) c.pipeline.profile = c.output.dir + "/profile.json";
+  decode_trace(dec, root, trace_flag, c);
+  decode_checkpoint(dec, root, c);
   c.checkpoint.dir = checkpoint_dir(c);
   return c;
 }

@@ -519,6 +519,7 @@ TEST_CASE("the simulator prices a collective after the last stage arrives") {
   CHECK(norm_of(0).start == doctest::Approx(6.0));
   CHECK(norm_of(0).end == doctest::Approx(6.5));
   CHECK(sim.makespan == doctest::Approx(6.5));
+}
 
 TEST_CASE("the file form: both notations, compute instructions only, a header saying what wrote it") {
   const Schedule z = zero_bubble_schedule(2, 1, 2, CheckpointMode::kExceptLast);
