@@ -42,7 +42,7 @@ bool pin_this_thread(int core) {
   return pthread_setaffinity_np(pthread_self(), sizeof(set), &set) == 0;
 }
 
-DirectRunner::DirectRunner(layers::Sequential& model, std::vector<pipeline::StageSpec> stages,
+DirectRunner::DirectRunner(layers::Sequential& model, std::vector<pipeline::CellSpec> stages,
                            pipeline::Schedule schedule, const SgdParams& sgd, bool pin_stages)
     : model_(model), stages_(std::move(stages)), schedule_(std::move(schedule)), pin_stages_(pin_stages) {
   GPIPE_CHECK(static_cast<int>(stages_.size()) == schedule_.num_stages, "one stage spec per schedule stage");
@@ -76,7 +76,7 @@ DirectStep DirectRunner::step(const Tensor& inputs, const Tensor& targets, bool 
   for (int k = 0; k < K; ++k) {
     move_to(k);
     const Clock::time_point t0 = Clock::now();
-    const pipeline::StageSpec& s = stages_[k];
+    const pipeline::CellSpec& s = stages_[k];
     for (int i = s.first_layer; i < s.first_layer + s.num_layers; ++i) {
       for (layers::Parameter* p : model_.layer(i).parameters()) be.fill(p->grad, 0.0);
     }
@@ -99,7 +99,7 @@ DirectStep DirectRunner::step(const Tensor& inputs, const Tensor& targets, bool 
   std::map<std::tuple<int, int, int>, Tensor> mail;
 
   auto cell_forward = [&](int k, Slot& mb, int m, bool keep, bool recompute) {
-    const pipeline::StageSpec& s = stages_[k];
+    const pipeline::CellSpec& s = stages_[k];
     Tensor h = mb.input;
     if (keep) mb.ctx.assign(s.num_layers, {});
     for (int i = 0; i < s.num_layers; ++i) {
@@ -151,7 +151,7 @@ DirectStep DirectRunner::step(const Tensor& inputs, const Tensor& targets, bool 
             break;
           case Op::kBackward: {
             Slot& mb = slots[k][m];
-            const pipeline::StageSpec& s = stages_[k];
+            const pipeline::CellSpec& s = stages_[k];
             Tensor g = k == K - 1 ? loss.backward(be, mb.loss_ctx) : mb.grad_output;
             for (int i = s.num_layers - 1; i >= 0; --i) {
               g = model_.layer(s.first_layer + i).backward(be, g, mb.ctx[i], i > 0 || k > 0);

@@ -34,13 +34,13 @@ class DirectRunner {
   // With pin_stages (and K > 1), the calling thread moves to core k while it runs
   // stage k's instructions, so each stage's costs are measured on the core the
   // executor pins that stage to; its original affinity is restored afterwards.
-  DirectRunner(layers::Sequential& model, std::vector<pipeline::StageSpec> stages, pipeline::Schedule schedule,
+  DirectRunner(layers::Sequential& model, std::vector<pipeline::CellSpec> stages, pipeline::Schedule schedule,
                const SgdParams& sgd, bool pin_stages = false);
   DirectStep step(const Tensor& inputs, const Tensor& targets, bool apply_optimizer = true);
 
  private:
   layers::Sequential& model_;
-  std::vector<pipeline::StageSpec> stages_;
+  std::vector<pipeline::CellSpec> stages_;
   pipeline::Schedule schedule_;
   std::vector<std::unique_ptr<layers::Sgd>> optimizers_;  // one per stage, like the executor's
   bool pin_stages_;

@@ -191,13 +191,13 @@ int main(int argc, char** argv) {
     set_cpu_blas_threads(f.blas_threads);
     const layers::ModelSpec spec = mlp_spec(f);
     auto model = layers::build_model(spec);
-    const CheckpointMode mode = parse_checkpoint_mode(f.checkpoint);
+    const RecomputeMode mode = parse_recompute_mode(f.checkpoint);
 
     std::vector<int> balance = f.balance;
     if (balance.empty()) {
       const int64_t micro = (f.batch + f.m - 1) / f.m;
       balance = partition::balance_by_cost(
-          partition::layer_costs(*model, micro, mode != CheckpointMode::kNever), f.k);
+          partition::layer_costs(*model, micro, mode != RecomputeMode::kNever), f.k);
     } else {
       partition::validate_balance(balance, model->size(), f.k);
     }
@@ -206,7 +206,7 @@ int main(int argc, char** argv) {
     // machine; the per-instruction timings then measure the host's queuing, and only
     // step_ms (which waits for the device) is the GPU's time.
     for (int k = 0; k < f.k; ++k) devices.push_back(f.device == "cpu" ? Device::cpu(k) : parse_device(f.device));
-    const std::vector<StageSpec> stages = make_stages(balance, devices);
+    const std::vector<CellSpec> stages = make_stages(balance, devices);
     const Schedule schedule = gpipe_schedule(f.k, f.m, mode);
 
     // A fixed synthetic batch: inputs (N, input) ~ N(0, 1), labels uniform in [0, classes).

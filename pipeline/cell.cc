@@ -7,9 +7,9 @@
 namespace gpipe {
 namespace pipeline {
 
-std::vector<StageSpec> make_stages(const std::vector<int>& balance, const std::vector<Device>& devices) {
+std::vector<CellSpec> make_stages(const std::vector<int>& balance, const std::vector<Device>& devices) {
   GPIPE_CHECK(balance.size() == devices.size(), "one device per stage");
-  std::vector<StageSpec> out;
+  std::vector<CellSpec> out;
   int first = 0;
   for (size_t k = 0; k < balance.size(); ++k) {
     out.push_back({first, balance[k], devices[k]});
@@ -18,11 +18,11 @@ std::vector<StageSpec> make_stages(const std::vector<int>& balance, const std::v
   return out;
 }
 
-std::vector<StageSpec> make_cells(const std::vector<int>& balance, const Schedule& schedule,
+std::vector<CellSpec> make_cells(const std::vector<int>& balance, const Schedule& schedule,
                                   const std::vector<Device>& devices) {
   GPIPE_CHECK(static_cast<int>(balance.size()) == schedule.num_cells(), "one balance entry per cell");
   GPIPE_CHECK(static_cast<int>(devices.size()) == schedule.num_stages, "one device per stage");
-  std::vector<StageSpec> out;
+  std::vector<CellSpec> out;
   int first = 0;
   for (size_t c = 0; c < balance.size(); ++c) {
     out.push_back({first, balance[c], devices[schedule.stage_of_cell(static_cast<int>(c))]});
@@ -43,7 +43,7 @@ std::vector<int64_t> split_sizes(int64_t n, int m) {
   return sizes;
 }
 
-int cell_of_layer(const std::vector<StageSpec>& cells, int layer) {
+int cell_of_layer(const std::vector<CellSpec>& cells, int layer) {
   for (size_t c = 0; c < cells.size(); ++c) {
     if (layer >= cells[c].first_layer && layer < cells[c].first_layer + cells[c].num_layers) {
       return static_cast<int>(c);
@@ -52,7 +52,7 @@ int cell_of_layer(const std::vector<StageSpec>& cells, int layer) {
   throw Error("layer " + std::to_string(layer) + " is in no cell");
 }
 
-Schedule::Collectives run_collectives(const layers::Sequential& model, const std::vector<StageSpec>& cells,
+Schedule::Collectives run_collectives(const layers::Sequential& model, const std::vector<CellSpec>& cells,
                                       bool replicas, bool gradient_norm) {
   Schedule::Collectives out;
   out.replicas = replicas;

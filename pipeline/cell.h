@@ -17,26 +17,28 @@ namespace pipeline {
 // A cell: a contiguous range of the model's layers, and the device of the stage that
 // runs it. With one cell per stage (every schedule but the interleaved ones) cell k
 // is stage k.
-struct StageSpec {
+struct CellSpec {
   int first_layer = 0;
   int num_layers = 0;
   Device device;
 };
 
+using StageSpec [[deprecated("CellSpec: a stage is a device's worker, a cell its piece of the model")]] = CellSpec;
+
 // Cell specs from per-cell layer counts, with cell k on devices[k] (one cell per stage).
-std::vector<StageSpec> make_stages(const std::vector<int>& balance, const std::vector<Device>& devices);
+std::vector<CellSpec> make_stages(const std::vector<int>& balance, const std::vector<Device>& devices);
 // The same for a schedule that may place several cells on a stage: balance has one
 // entry per cell, devices one per stage, and each cell goes to its stage's device.
-std::vector<StageSpec> make_cells(const std::vector<int>& balance, const Schedule& schedule,
+std::vector<CellSpec> make_cells(const std::vector<int>& balance, const Schedule& schedule,
                                   const std::vector<Device>& devices);
 
 // The cell holding a layer (Error if none does).
-int cell_of_layer(const std::vector<StageSpec>& cells, int layer);
+int cell_of_layer(const std::vector<CellSpec>& cells, int layer);
 
 // The collectives a run of this model on these cells needs (Schedule::Collectives):
 // the replicas' gradient sum, the ties' cells, the global gradient norm for clipping.
 // The plan lowers them into its schedule; the executor into one made by hand.
-Schedule::Collectives run_collectives(const layers::Sequential& model, const std::vector<StageSpec>& cells,
+Schedule::Collectives run_collectives(const layers::Sequential& model, const std::vector<CellSpec>& cells,
                                       bool replicas, bool gradient_norm);
 
 // Sizes of M micro-batches of an N-sample batch: as even as possible, larger first

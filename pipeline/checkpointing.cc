@@ -189,7 +189,7 @@ void RunCheckpoints::after_step(int64_t done, double lr) {
                    (done % config_.checkpoint.every == 0 || done == config_.train.steps);
   if (due || asked || stop) save(done, lr);
   if (stop) {
-    finish();
+    wait_for_last_save();
     const int sig = g_stop_signal != 0 ? static_cast<int>(g_stop_signal) : SIGTERM;
     const std::string& again = config_.run.resume_command;
     const char* name = sig == SIGINT ? "SIGINT" : sig == SIGUSR2 ? "SIGUSR2 (a stop request)" : "SIGTERM";
@@ -201,7 +201,7 @@ void RunCheckpoints::after_step(int64_t done, double lr) {
   }
 }
 
-void RunCheckpoints::finish() {
+void RunCheckpoints::wait_for_last_save() {
   if (multi_) {
     finalize_pending();
   } else if (writer_) {

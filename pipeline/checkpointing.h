@@ -64,7 +64,7 @@ class RunCheckpoints {
   // SIGUSR1, or before stopping; throws RunStopped after a stop signal's save.
   void after_step(int64_t done, double lr);
   // At the end of the run: the last async save is complete and finalized.
-  void finish();
+  void wait_for_last_save();
   const std::string& last_saved() const { return last_saved_; }
 
  private:

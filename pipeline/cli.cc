@@ -129,7 +129,7 @@ void write_schedule_file(const Invocation& inv, const pipeline::Plan& p, const s
   if (inv.have_config) command += " " + inv.config;
   for (const auto& o : inv.overrides) command += " --set " + o;
   const std::string comment = "From `" + command + "`, pipeline.recompute: " +
-                              pipeline::checkpoint_mode_name(p.recompute) + ".";
+                              pipeline::recompute_mode_name(p.recompute) + ".";
   write_file_atomically(path, pipeline::schedule_file_text(
                                   p.schedule, csv ? pipeline::ScheduleNotation::kCsv : pipeline::ScheduleNotation::kActions,
                                   comment));
@@ -157,7 +157,7 @@ int run_plan(Invocation& inv, const std::string& schedule_out = "") {
                 p.devices[k].str().c_str(), memory[k].total() / 1e6, memory[k].parameter_bytes / 1e6,
                 memory[k].activation_bytes / 1e6);
     for (int cell : p.schedule.cells[k]) {
-      const pipeline::StageSpec& s = p.cells[cell];
+      const pipeline::CellSpec& s = p.cells[cell];
       double total = 0;
       for (int i = s.first_layer; i < s.first_layer + s.num_layers; ++i) total += costs[i];
       std::printf("  cell %d: layers %d-%d, estimated %.3f ms per micro-batch of %lld\n", cell, s.first_layer,
@@ -168,7 +168,7 @@ int run_plan(Invocation& inv, const std::string& schedule_out = "") {
     }
   }
   std::printf("schedule %s, recompute %s (formula bubble %.3f):\n%s\n%s", p.schedule.name.c_str(),
-              pipeline::checkpoint_mode_name(p.recompute), pipeline::formula_bubble(p.schedule),
+              pipeline::recompute_mode_name(p.recompute), pipeline::formula_bubble(p.schedule),
               pipeline::schedule_chart(p.schedule).c_str(), pipeline::schedule_table(p.schedule).c_str());
   if (!schedule_out.empty()) write_schedule_file(inv, p, schedule_out);
   std::fflush(stdout);
@@ -233,7 +233,7 @@ int run_plan_command(Invocation& inv) {
   o.devices = option_int(inv, "devices", 0);
   if (inv.options.count("device-spec")) o.device_spec = inv.options.at("device-spec");
   o.rows = option_int(inv, "rows", o.rows);
-  return pipeline::plan_beyond(run.config, *run.model, o, std::cout);
+  return pipeline::plan_other_runs(run.config, *run.model, o, std::cout);
 }
 
 // "8,16,32" -> {8, 16, 32}, each at least 1.

@@ -411,7 +411,7 @@ void decode_pipeline(Decoder& dec, const YAML::Node& root, Config& c) {
       if (mode != "always" && mode != "except_last" && mode != "never") {
         dec.fail(p[key], what, "unknown mode '" + mode + "'; use always, except_last or never");
       }
-      c.pipeline.recompute = parse_checkpoint_mode(mode);
+      c.pipeline.recompute = parse_recompute_mode(mode);
     }
     if (p["schedule"]) {
       c.pipeline.schedule = dec.str(p["schedule"], "pipeline.schedule");

@@ -40,7 +40,7 @@ struct PipelineConfig {
   int micro_batches = 1;    // M
   // Rematerialization: pipeline.recompute, or torchgpipe's name pipeline.checkpoint
   // (saved training state is the top-level checkpoint section).
-  CheckpointMode recompute = CheckpointMode::kExceptLast;
+  RecomputeMode recompute = RecomputeMode::kExceptLast;
   std::string schedule = "gpipe";  // see schedule_names()
   int virtual_stages = 1;          // v: cells per stage, for interleaved schedules
   std::string schedule_file;       // a schedule of the user's own (overrides schedule)

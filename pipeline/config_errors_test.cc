@@ -260,7 +260,7 @@ TEST_CASE("the executor refuses stages that do not fit the schedule or the model
   auto model = layers::build_model(spec);
   const std::vector<Device> two = {Device::cpu(0), Device::cpu(1)};
   InProcessTransport transport(2);
-  auto error = [&](std::vector<StageSpec> stages, Schedule s, ExecutorOptions o) -> std::string {
+  auto error = [&](std::vector<CellSpec> stages, Schedule s, ExecutorOptions o) -> std::string {
     try {
       Executor ex(*model, std::move(stages), std::move(s), transport, o);
     } catch (const UserError& e) {
@@ -268,7 +268,7 @@ TEST_CASE("the executor refuses stages that do not fit the schedule or the model
     }
     return "no error";
   };
-  const Schedule g2 = gpipe_schedule(2, 2, CheckpointMode::kNever);
+  const Schedule g2 = gpipe_schedule(2, 2, RecomputeMode::kNever);
   CHECK(error(make_stages({1, 1, 1}, {Device::cpu(0), Device::cpu(1), Device::cpu(0)}), g2, {}) ==
         "the schedule runs 2 cells on 2 stages but 3 cells were given");
   CHECK(error({{0, 2, Device::cpu(0)}, {1, 2, Device::cpu(1)}}, g2, {}) ==

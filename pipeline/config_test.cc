@@ -54,7 +54,7 @@ TEST_CASE("repeats expand, costs and defaults are kept") {
   CHECK(c.model.layers[2].cost.value() == 2.5);
   CHECK(!c.model.layers[0].cost.has_value());
   CHECK(c.model.loss.type == "softmax_cross_entropy");
-  CHECK(c.pipeline.recompute == CheckpointMode::kExceptLast);
+  CHECK(c.pipeline.recompute == RecomputeMode::kExceptLast);
   CHECK(c.output.dir == "runs/small");
   CHECK(c.model.layers[0].where == "configs/small.yaml:4:7");
 }

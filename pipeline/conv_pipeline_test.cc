@@ -1,5 +1,5 @@
 // The defining test for convolutional models: a small ResNet run through the
-// executor, for K = 1..3, M in {1, 2, 4} and every checkpoint mode.
+// executor, for K = 1..3, M in {1, 2, 4} and every recompute mode.
 //
 // Batch norm normalises each micro-batch with its own statistics, so with BN the
 // pipelined outputs depend on the split by design. Hence:
@@ -50,8 +50,8 @@ layers::ModelSpec resnet_spec(bool batchnorm) {
 }
 
 // The balancer's split from the layers' own costs, as the trainer would choose it.
-std::vector<int> balance_for(const layers::Sequential& model, int64_t n, int k, int m, CheckpointMode mode) {
-  return partition::balance_by_cost(partition::layer_costs(model, n / m, mode != CheckpointMode::kNever), k);
+std::vector<int> balance_for(const layers::Sequential& model, int64_t n, int k, int m, RecomputeMode mode) {
+  return partition::balance_by_cost(partition::layer_costs(model, n / m, mode != RecomputeMode::kNever), k);
 }
 
 // Every batch norm's running mean and variance, in layer order.
@@ -79,7 +79,7 @@ void expect_same_gradients(layers::Sequential& a, layers::Sequential& b) {
   }
 }
 
-const CheckpointMode kModes[] = {CheckpointMode::kAlways, CheckpointMode::kExceptLast, CheckpointMode::kNever};
+const RecomputeMode kModes[] = {RecomputeMode::kAlways, RecomputeMode::kExceptLast, RecomputeMode::kNever};
 
 }  // namespace
 
@@ -93,10 +93,10 @@ TEST_CASE("without batch norm, the pipelined ResNet's loss and gradients equal t
 
   for (int K = 1; K <= 3; ++K) {
     for (int M : {1, 2, 4}) {
-      for (CheckpointMode mode : kModes) {
+      for (RecomputeMode mode : kModes) {
         CAPTURE(K);
         CAPTURE(M);
-        CAPTURE(checkpoint_mode_name(mode));
+        CAPTURE(recompute_mode_name(mode));
         auto model = layers::build_model(resnet_spec(false));
         InProcessTransport transport(K);
         Executor ex(*model, make_stages(balance_for(*model, N, K, M, mode), cpu_devices(K)), gpipe_schedule(K, M, mode),
@@ -141,10 +141,10 @@ TEST_CASE("with batch norm, the pipelined ResNet equals the model run micro-batc
     const auto ref_stats = running_stats(*reference);
 
     for (int K = 1; K <= 3; ++K) {
-      for (CheckpointMode mode : kModes) {
+      for (RecomputeMode mode : kModes) {
         CAPTURE(K);
         CAPTURE(M);
-        CAPTURE(checkpoint_mode_name(mode));
+        CAPTURE(recompute_mode_name(mode));
         auto model = layers::build_model(resnet_spec(true));
         InProcessTransport transport(K);
         Executor ex(*model, make_stages(balance_for(*model, N, K, M, mode), cpu_devices(K)), gpipe_schedule(K, M, mode),

@@ -125,13 +125,13 @@ void pin_to_core(int core) {
   }
 }
 
-std::string layer_range(const StageSpec& c) {
+std::string layer_range(const CellSpec& c) {
   return std::to_string(c.first_layer) + ".." + std::to_string(c.first_layer + c.num_layers - 1);
 }
 
 }  // namespace
 
-Executor::Executor(layers::Sequential& model, std::vector<StageSpec> cells, Schedule schedule, Transport& transport,
+Executor::Executor(layers::Sequential& model, std::vector<CellSpec> cells, Schedule schedule, Transport& transport,
                    ExecutorOptions options)
     : model_(model), cells_(std::move(cells)), schedule_(std::move(schedule)), transport_(transport),
       options_(options) {
@@ -142,7 +142,7 @@ Executor::Executor(layers::Sequential& model, std::vector<StageSpec> cells, Sche
   }
   int expect_first = 0;
   for (int c = 0; c < C; ++c) {
-    const StageSpec& s = cells_[c];
+    const CellSpec& s = cells_[c];
     if (s.first_layer != expect_first || s.num_layers < 1) {
       throw UserError("cell " + std::to_string(c) + " must start at layer " + std::to_string(expect_first) +
                       " and hold at least one layer");
@@ -222,7 +222,7 @@ Executor::Executor(layers::Sequential& model, std::vector<StageSpec> cells, Sche
     }
     rt->final_layers.assign(prog.size(), {});
     for (int j = 0; j < v; ++j) {
-      const StageSpec& cell = cells_[rt->cells[j]];
+      const CellSpec& cell = cells_[rt->cells[j]];
       for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) {
         const long at = model_.layer(i).splits_backward() ? last_weights[j] : last_b[j];
         if (at >= 0) rt->final_layers[at].push_back(i);
@@ -325,7 +325,7 @@ void Executor::zero_grads(StageRuntime& rt) {
 // out for sending.
 void Executor::forward(StageRuntime& rt, const Instruction& ins, bool recompute) {
   const int m = ins.micro_batch, c = rt.cells[ins.chunk], C = schedule_.num_cells();
-  const StageSpec& cell = cells_[c];
+  const CellSpec& cell = cells_[c];
   Backend& be = *rt.backend;
   MicroBatch& mb = rt.mbs[ins.chunk][m];
   if (c == 0 && !recompute) mb.input = to_device(rt, cur_.inputs.narrow_rows(cur_.offsets[m], cur_.sizes[m]));
@@ -370,7 +370,7 @@ void Executor::forward(StageRuntime& rt, const Instruction& ins, bool recompute)
 // for it. With replicas, each layer whose gradients are now final joins a bucket.
 void Executor::backward(StageRuntime& rt, const Instruction& ins, size_t pc) {
   const int m = ins.micro_batch, c = rt.cells[ins.chunk], C = schedule_.num_cells();
-  const StageSpec& cell = cells_[c];
+  const CellSpec& cell = cells_[c];
   Backend& be = *rt.backend;
   MicroBatch& mb = rt.mbs[ins.chunk][m];
   GPIPE_CHECK(static_cast<int>(mb.ctx.size()) == cell.num_layers,
@@ -412,7 +412,7 @@ void Executor::backward(StageRuntime& rt, const Instruction& ins, size_t pc) {
 // The weight gradients a split backward deferred, layer by layer as backward would.
 void Executor::weight_gradient(StageRuntime& rt, const Instruction& ins, size_t pc) {
   const int m = ins.micro_batch, c = rt.cells[ins.chunk];
-  const StageSpec& cell = cells_[c];
+  const CellSpec& cell = cells_[c];
   MicroBatch& mb = rt.mbs[ins.chunk][m];
   GPIPE_CHECK(static_cast<int>(mb.ctx.size()) == cell.num_layers,
               "weight gradient of micro-batch " + std::to_string(m) + " of cell " + std::to_string(c) +

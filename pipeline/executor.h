@@ -123,7 +123,7 @@ class Executor {
  public:
   // Moves each cell's parameters to its stage's device. The model must outlive the
   // executor; the transport too.
-  Executor(layers::Sequential& model, std::vector<StageSpec> stages, Schedule schedule, Transport& transport,
+  Executor(layers::Sequential& model, std::vector<CellSpec> stages, Schedule schedule, Transport& transport,
            ExecutorOptions options);
   ~Executor();
   Executor(const Executor&) = delete;
@@ -150,7 +150,7 @@ class Executor {
 
   const Schedule& schedule() const { return schedule_; }
   // The cells, in model order (one per stage unless the schedule interleaves).
-  const std::vector<StageSpec>& stages() const { return cells_; }
+  const std::vector<CellSpec>& cells() const { return cells_; }
   void set_lr(double lr);
   // The optimizer step the next step() is (dropout keys its masks on it); a resumed
   // run continues the count. Starts at 0 and counts up with every step().
@@ -195,7 +195,7 @@ class Executor {
   Tensor to_device(StageRuntime& rt, const Tensor& host);
 
   layers::Sequential& model_;
-  std::vector<StageSpec> cells_;
+  std::vector<CellSpec> cells_;
   Schedule schedule_;
   Transport& transport_;
   ExecutorOptions options_;

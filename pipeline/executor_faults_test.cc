@@ -101,7 +101,7 @@ TEST_CASE("a failure in backward, recompute or the optimizer step names its stag
       ExecutorOptions opts;
       opts.clip_grad_norm = 1e9;  // every stage meets the others in the norm's all-reduce
       Executor ex(model, make_stages(balance, {Device::cpu(0), Device::cpu(1), Device::cpu(2)}),
-                  gpipe_schedule(3, 4, CheckpointMode::kAlways), transport, opts);
+                  gpipe_schedule(3, 4, RecomputeMode::kAlways), transport, opts);
       Tensor x = gpipe::testing::random_tensor({8, 6}, DType::kF64, 1);
       Tensor y = gpipe::testing::random_labels(8, 4, 2);
       const std::string message = within_a_minute([&]() -> std::string {
@@ -142,7 +142,7 @@ TEST_CASE("the recompute failure comes from the recompute: without checkpoints t
   model.emplace<layers::Linear>(linear(6, 4, 4));
   model.set_loss(std::make_unique<layers::SoftmaxCrossEntropy>(4, DType::kF64));
   InProcessTransport transport(2);
-  Executor ex(model, make_stages({2, 1}, {Device::cpu(0), Device::cpu(1)}), gpipe_schedule(2, 4, CheckpointMode::kNever),
+  Executor ex(model, make_stages({2, 1}, {Device::cpu(0), Device::cpu(1)}), gpipe_schedule(2, 4, RecomputeMode::kNever),
               transport, {});
   Tensor x = gpipe::testing::random_tensor({8, 6}, DType::kF64, 1);
   Tensor y = gpipe::testing::random_labels(8, 4, 2);

@@ -1,6 +1,6 @@
 // The defining test: the pipelined model's loss and every parameter gradient equal the
 // unpartitioned model's on the same batch, for K in 1..4, M in {1, 2, 4, 8} and every
-// checkpoint mode. Also: the optimizer step, failure propagation, memory accounting.
+// recompute mode. Also: the optimizer step, failure propagation, memory accounting.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -53,10 +53,10 @@ TEST_CASE("pipelined loss and gradients equal the unpartitioned model's") {
 
   for (int K = 1; K <= 4; ++K) {
     for (int M : {1, 2, 4, 8}) {
-      for (auto mode : {CheckpointMode::kAlways, CheckpointMode::kExceptLast, CheckpointMode::kNever}) {
+      for (auto mode : {RecomputeMode::kAlways, RecomputeMode::kExceptLast, RecomputeMode::kNever}) {
         CAPTURE(K);
         CAPTURE(M);
-        CAPTURE(checkpoint_mode_name(mode));
+        CAPTURE(recompute_mode_name(mode));
         auto model = layers::build_model(mlp_spec(DType::kF64));
         InProcessTransport transport(K);
         Executor ex(*model, make_stages(even_balance(model->size(), K), cpu_devices(K)),
@@ -85,7 +85,7 @@ TEST_CASE("float32 pipelines agree with the reference to float32 rounding") {
   const double ref_loss = reference->forward_backward(backend_for(Device::cpu()), x, y, 1.0 / N);
   auto model = layers::build_model(mlp_spec(DType::kF32));
   InProcessTransport transport(3);
-  Executor ex(*model, make_stages({3, 2, 2}, cpu_devices(3)), gpipe_schedule(3, 4, CheckpointMode::kExceptLast),
+  Executor ex(*model, make_stages({3, 2, 2}, cpu_devices(3)), gpipe_schedule(3, 4, RecomputeMode::kExceptLast),
               transport, {});
   const StepResult r = ex.step(x, y, false);
   CHECK(r.loss == doctest::Approx(ref_loss).epsilon(1e-5));
@@ -114,7 +114,7 @@ TEST_CASE("one pipelined step equals one SGD step on the whole batch") {
   opts.optimizer.lr = sgd.lr;
   opts.optimizer.momentum = sgd.momentum;
   opts.optimizer.weight_decay = sgd.weight_decay;
-  Executor ex(*model, make_stages({4, 3}, cpu_devices(2)), gpipe_schedule(2, 4, CheckpointMode::kAlways), transport,
+  Executor ex(*model, make_stages({4, 3}, cpu_devices(2)), gpipe_schedule(2, 4, RecomputeMode::kAlways), transport,
               opts);
   for (int step = 0; step < 3; ++step) {
     reference->zero_grad();
@@ -133,7 +133,7 @@ TEST_CASE("rematerialization lowers the activation memory a stage holds") {
   Tensor y = gpipe::testing::random_labels(N, 4, 4);
   int64_t peak[2];
   int i = 0;
-  for (auto mode : {CheckpointMode::kNever, CheckpointMode::kAlways}) {
+  for (auto mode : {RecomputeMode::kNever, RecomputeMode::kAlways}) {
     auto model = layers::build_model(mlp_spec(DType::kF32));
     InProcessTransport transport(2);
     Executor ex(*model, make_stages({4, 3}, cpu_devices(2)), gpipe_schedule(2, 8, mode), transport, {});
@@ -146,7 +146,7 @@ TEST_CASE("rematerialization lowers the activation memory a stage holds") {
 TEST_CASE("every instruction is timed, in order, within the step") {
   auto model = layers::build_model(mlp_spec(DType::kF32));
   InProcessTransport transport(2);
-  Executor ex(*model, make_stages({4, 3}, cpu_devices(2)), gpipe_schedule(2, 4, CheckpointMode::kExceptLast),
+  Executor ex(*model, make_stages({4, 3}, cpu_devices(2)), gpipe_schedule(2, 4, RecomputeMode::kExceptLast),
               transport, {});
   Tensor x = gpipe::testing::random_tensor({16, 6}, DType::kF32, 1);
   Tensor y = gpipe::testing::random_labels(16, 4, 2);
@@ -218,7 +218,7 @@ TEST_CASE("a failure inside one stage stops every stage with that stage's messag
     std::vector<int> balance = {1, 1, 1};
     balance[bad_stage] = 2;
     InProcessTransport transport(3);
-    Executor ex(model, make_stages(balance, cpu_devices(3)), gpipe_schedule(3, 4, CheckpointMode::kNever), transport,
+    Executor ex(model, make_stages(balance, cpu_devices(3)), gpipe_schedule(3, 4, RecomputeMode::kNever), transport,
                 {});
     Tensor x = gpipe::testing::random_tensor({8, 6}, DType::kF32, 1);
     Tensor y = gpipe::testing::random_labels(8, 4, 2);
@@ -269,7 +269,7 @@ TEST_CASE("gradient clipping uses the global norm over all stages") {
   ExecutorOptions opts;
   opts.optimizer.lr = 0.1;
   opts.clip_grad_norm = max_norm;
-  Executor ex(*model, make_stages({3, 2, 2}, cpu_devices(3)), gpipe_schedule(3, 4, CheckpointMode::kExceptLast),
+  Executor ex(*model, make_stages({3, 2, 2}, cpu_devices(3)), gpipe_schedule(3, 4, RecomputeMode::kExceptLast),
               transport, opts);
   const StepResult r = ex.step(x, y);
   CHECK(r.grad_norm == doctest::Approx(norm).epsilon(1e-10));
@@ -293,7 +293,7 @@ TEST_CASE("sequence targets: a loss per position, averaged over all positions") 
   const double ref_loss = reference->forward_backward(backend_for(Device::cpu()), x, y, 1.0 / (N * 3 - 1));
   auto model = layers::build_model(spec);
   InProcessTransport transport(2);
-  Executor ex(*model, make_stages({2, 1}, cpu_devices(2)), gpipe_schedule(2, 3, CheckpointMode::kAlways), transport,
+  Executor ex(*model, make_stages({2, 1}, cpu_devices(2)), gpipe_schedule(2, 3, RecomputeMode::kAlways), transport,
               {});
   const StepResult r = ex.step(x, y, false);
   CHECK(r.loss == doctest::Approx(ref_loss).epsilon(1e-12));
@@ -333,7 +333,7 @@ TEST_CASE("evaluation scores what the unpartitioned model's forward scores") {
     CAPTURE(name);
     auto model = layers::build_model(spec);
     InProcessTransport transport(K);
-    const Schedule schedule = make_schedule(ScheduleRequest{name, K, v, M, CheckpointMode::kExceptLast});
+    const Schedule schedule = make_schedule(ScheduleRequest{name, K, v, M, RecomputeMode::kExceptLast});
     REQUIRE(schedule.num_chunks() == v);
     Executor ex(*model, make_cells(even_balance(model->size(), K * v), schedule, cpu_devices(K)), schedule, transport,
                 {});
@@ -393,10 +393,10 @@ TEST_CASE("a pipelined GPT with dropout equals the unpartitioned model") {
   auto ref_params = reference->named_parameters();
   for (int K = 1; K <= 3; ++K) {
     for (int M : {1, 2, 4}) {
-      for (auto mode : {CheckpointMode::kAlways, CheckpointMode::kExceptLast, CheckpointMode::kNever}) {
+      for (auto mode : {RecomputeMode::kAlways, RecomputeMode::kExceptLast, RecomputeMode::kNever}) {
         CAPTURE(K);
         CAPTURE(M);
-        CAPTURE(checkpoint_mode_name(mode));
+        CAPTURE(recompute_mode_name(mode));
         auto model = layers::build_model(spec);
         InProcessTransport transport(K);
         Executor ex(*model, make_stages(even_balance(model->size(), K), cpu_devices(K)), gpipe_schedule(K, M, mode),
@@ -478,7 +478,7 @@ TEST_CASE("a head tied to the embedding: gradients summed across stages, copies 
       Executor ex(*model,
                   make_stages(even_balance(model->size(), K),
                               shared ? std::vector<Device>(K, Device::cpu(0)) : cpu_devices(K)),
-                  gpipe_schedule(K, M, CheckpointMode::kExceptLast), transport, opts);
+                  gpipe_schedule(K, M, RecomputeMode::kExceptLast), transport, opts);
       const StepResult r = ex.step(x, y, false);
       CHECK(r.loss == doctest::Approx(ref_loss).epsilon(1e-12));
       auto params = model->named_parameters();

@@ -371,7 +371,7 @@ TEST_CASE("K stages x D replicas in one process equal the unpartitioned model") 
           std::vector<Device> devices;
           for (int s = 0; s < l.K; ++s) devices.push_back(Device::cpu(s));
           Executor ex(*models[rank], make_stages(l.balance, devices),
-                      make_schedule(ScheduleRequest{schedule, l.K, 1, 2, CheckpointMode::kExceptLast}), *pipes[d], opts);
+                      make_schedule(ScheduleRequest{schedule, l.K, 1, 2, RecomputeMode::kExceptLast}), *pipes[d], opts);
           const int64_t rows = N / l.D;
           for (int t = 0; t < steps; ++t) {
             auto [x, y] = batch(t);
@@ -411,7 +411,7 @@ TEST_CASE("replicas need each stage on its own device") {
   ExecutorOptions opts;
   opts.replicas = &group;
   CHECK_THROWS_WITH_AS(Executor(*model, make_stages({3, 2}, {Device::cpu(0), Device::cpu(0)}),
-                                gpipe_schedule(2, 2, CheckpointMode::kNever), transport, opts),
+                                gpipe_schedule(2, 2, RecomputeMode::kNever), transport, opts),
                        doctest::Contains("data-parallel replicas need each stage on its own device; pipeline.devices "
                                          "gives stage 0's device to another stage too"),
                        UserError);

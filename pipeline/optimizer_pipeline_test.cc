@@ -133,7 +133,7 @@ TEST_CASE("every optimizer through the pipeline equals the unpartitioned model, 
         opts.clip_grad_norm = c.clip;
         Executor ex(*model,
                     make_stages(partition::balance_by_cost(std::vector<double>(model->size(), 1.0), K), cpu_devices(K)),
-                    gpipe_schedule(K, M, CheckpointMode::kExceptLast), transport, opts);
+                    gpipe_schedule(K, M, RecomputeMode::kExceptLast), transport, opts);
         for (int t = 0; t < kSteps; ++t) {
           CAPTURE(t);
           ex.set_lr(lr.at(t));
@@ -164,7 +164,7 @@ TEST_CASE("the reference comparison notices a different optimizer") {
     InProcessTransport transport(2);
     ExecutorOptions opts;
     opts.optimizer = o;
-    Executor ex(*model, make_stages({4, 3}, cpu_devices(2)), gpipe_schedule(2, 2, CheckpointMode::kAlways), transport,
+    Executor ex(*model, make_stages({4, 3}, cpu_devices(2)), gpipe_schedule(2, 2, RecomputeMode::kAlways), transport,
                 opts);
     for (int t = 0; t < 3; ++t) ex.step(inputs(t), labels(t));
     return to_doubles(model->named_parameters()[0].second->value);

@@ -121,15 +121,15 @@ int64_t LayerActivation::own(int64_t batch) const {
 namespace {
 
 // A layer's (or the loss's) context: bytes besides `in` and `out`, and which of them it keeps.
-struct Kept {
+struct ContextBytes {
   int64_t own = 0;
   bool input = false, output = false;
 };
-Kept kept(const layers::Context& ctx, const Tensor& in, const Tensor& out) {
+ContextBytes context_bytes(const layers::Context& ctx, const Tensor& in, const Tensor& out) {
   BufferList all;
   add_buffers(ctx, all);
   BufferList rest;
-  Kept k;
+  ContextBytes k;
   for (const auto& b : all) {
     if (in.defined() && b.first == in.raw_data()) {
       k.input = true;
@@ -184,8 +184,8 @@ ActivationLayout probe_layers(const layers::Sequential& model_in) {
   const int L = model.size();
   ActivationLayout out;
   out.layers.resize(L);
-  std::vector<Kept> at[2];
-  Kept loss_at[2];
+  std::vector<ContextBytes> at[2];
+  ContextBytes loss_at[2];
   for (int b = 0; b < 2; ++b) {
     const int64_t n = b + 1;
     Shape shape{n};
@@ -203,7 +203,7 @@ ActivationLayout probe_layers(const layers::Sequential& model_in) {
       }
       layers::Context ctx;
       Tensor y = model.layer(i).forward(*be, h, &ctx, args);
-      at[b].push_back(kept(ctx, h, y));
+      at[b].push_back(context_bytes(ctx, h, y));
       h = y;
     }
     if (model.has_loss()) {
@@ -211,10 +211,10 @@ ActivationLayout probe_layers(const layers::Sequential& model_in) {
       const Tensor targets = be->zeros(target_shape, DType::kI32);
       layers::Context lctx;
       model.loss().forward(*be, h, targets, 1.0, &lctx);
-      loss_at[b] = kept(lctx, h, Tensor());
+      loss_at[b] = context_bytes(lctx, h, Tensor());
     }
   }
-  auto fit = [](const Kept& one, const Kept& two) {
+  auto fit = [](const ContextBytes& one, const ContextBytes& two) {
     LayerActivation a;
     a.own_per_sample = static_cast<double>(two.own - one.own);
     a.own_base = static_cast<double>(one.own) - a.own_per_sample;
@@ -256,7 +256,7 @@ std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequent
   auto cell_bytes = [&](int c, int m) {
     const int64_t n = plan.micro_batch_sizes[m];
     const auto& per_layer = costs.at(n);
-    const StageSpec& cell = plan.cells[c];
+    const CellSpec& cell = plan.cells[c];
     const int first = cell.first_layer, last = first + cell.num_layers - 1;
     CellBytes b;
     b.input = input_bytes(first, n);
@@ -284,7 +284,7 @@ std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequent
   const auto& any_costs = costs.begin()->second;
   for (int k = 0; k < K; ++k) {
     for (int c : s.cells[k]) {
-      const StageSpec& cell = plan.cells[c];
+      const CellSpec& cell = plan.cells[c];
       for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) {
         out[k].weight_bytes += any_costs[i].param_bytes;
         out[k].gradient_bytes += any_costs[i].param_bytes;

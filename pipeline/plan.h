@@ -24,18 +24,18 @@ struct Plan {
   int64_t batch_size = 0;     // the whole mini-batch, over every replica
   int64_t replica_batch = 0;  // the rows one pipeline runs per step
   std::vector<int64_t> micro_batch_sizes;  // split_sizes(replica_batch, M)
-  CheckpointMode recompute = CheckpointMode::kExceptLast;
+  RecomputeMode recompute = RecomputeMode::kExceptLast;
   Schedule schedule;
   std::vector<int> balance;     // layers per cell, v K of them
   std::vector<Device> devices;  // per stage
-  std::vector<StageSpec> cells;  // per cell, on its stage's device
+  std::vector<CellSpec> cells;  // per cell, on its stage's device
   int num_cells() const { return static_cast<int>(balance.size()); }
   int64_t largest_micro_batch() const { return micro_batch_sizes.empty() ? 0 : micro_batch_sizes.front(); }
 };
 
 // Whether a recompute mode rematerializes any micro-batch (the balancer then counts
 // each layer's recompute time too).
-inline bool recomputes(CheckpointMode mode) { return mode != CheckpointMode::kNever; }
+inline bool recomputes(RecomputeMode mode) { return mode != RecomputeMode::kNever; }
 
 // The device of the pipeline's first stage: pipeline.devices[0], or the CPU when the
 // config names none. Costs are measured and looked up on it (profile, planner, sweep).

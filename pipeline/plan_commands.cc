@@ -78,17 +78,17 @@ void print_prediction(const Config& c, const layers::Sequential& model, const Pl
   print_planned(plan, predict_config(c, model, plan), c.pipeline.memory_limit, out);
 }
 
-int plan_beyond(const Config& config, layers::Sequential& model, const PlanCommandOptions& o, std::ostream& out) {
+int plan_other_runs(const Config& config, layers::Sequential& model, const PlanCommandOptions& o, std::ostream& out) {
   DeviceSpec spec;
   const bool has_spec = !o.device_spec.empty();
   if (has_spec) spec = load_device_spec(o.device_spec);
   if (o.sweep) {
-    SweepOptions so;
-    so.devices = o.devices;
-    so.spec = has_spec ? &spec : nullptr;
+    SweepOptions sweep_options;
+    sweep_options.devices = o.devices;
+    sweep_options.spec = has_spec ? &spec : nullptr;
     const bool cpu = config.pipeline.devices.empty() || parse_device(config.pipeline.devices[0]).is_cpu();
-    if (!has_spec && cpu) so.host_available = std::max<int64_t>(0, host_available_bytes());
-    out << sweep_table(sweep(config, model, so), o.rows);
+    if (!has_spec && cpu) sweep_options.host_available = std::max<int64_t>(0, host_available_bytes());
+    out << sweep_table(sweep(config, model, sweep_options), o.rows);
     return 0;
   }
   Config c = config;

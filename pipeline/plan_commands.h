@@ -28,7 +28,7 @@ struct PlanCommandOptions {
 void print_prediction(const Config& config, const layers::Sequential& model, const Plan& plan, std::ostream& out);
 
 // `gpipe plan` with --sweep, --devices or --device-spec; returns the exit status.
-int plan_beyond(const Config& config, layers::Sequential& model, const PlanCommandOptions& options, std::ostream& out);
+int plan_other_runs(const Config& config, layers::Sequential& model, const PlanCommandOptions& options, std::ostream& out);
 
 struct ProfileOptions {
   std::vector<int64_t> micro_batches;  // sizes to measure; empty: the config's

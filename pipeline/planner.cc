@@ -218,7 +218,7 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
     if (is_collective(ins.op)) return t + collective_ms(k, ins);
     const int m = ins.micro_batch, c = s.cell(k, ins.chunk);
     const int64_t n = plan.micro_batch_sizes[m];
-    const StageSpec& cell = plan.cells[c];
+    const CellSpec& cell = plan.cells[c];
     const CostTable& table = costs.at(n);
     const bool last = c == C - 1;
     switch (ins.op) {

@@ -32,7 +32,7 @@ std::string describe_layers(const layers::Sequential& model, int first, int coun
 }
 
 ReportBuilder::ReportBuilder(std::vector<std::string> stage_layers, std::vector<std::string> stage_devices,
-                             int micro_batches, CheckpointMode recompute, std::string schedule, int64_t batch_size)
+                             int micro_batches, RecomputeMode recompute, std::string schedule, int64_t batch_size)
     : layers_(std::move(stage_layers)), devices_(std::move(stage_devices)), micro_batches_(micro_batches),
       recompute_(recompute), schedule_(std::move(schedule)), batch_size_(batch_size),
       launch_first_{0}, acc_(layers_.size()), op_time_(layers_.size()) {
@@ -338,8 +338,8 @@ std::string ReportBuilder::table() const {
   const RunSummary s = summary();
   std::ostringstream os;
   char line[512];
-  std::snprintf(line, sizeof line, "Pipeline: K=%d stages, M=%d micro-batches, checkpoint=%s, schedule=%s, batch=%lld\n",
-                s.partitions, s.micro_batches, checkpoint_mode_name(s.recompute), s.schedule.c_str(),
+  std::snprintf(line, sizeof line, "Pipeline: K=%d stages, M=%d micro-batches, recompute=%s, schedule=%s, batch=%lld\n",
+                s.partitions, s.micro_batches, recompute_mode_name(s.recompute), s.schedule.c_str(),
                 static_cast<long long>(s.batch_size));
   os << line;
   if (s.launches.size() > 1 && !losses_.empty()) {
@@ -406,9 +406,12 @@ std::string ReportBuilder::table() const {
 nlohmann::json ReportBuilder::json() const {
   const RunSummary s = summary();
   nlohmann::json j;
-  j["partitions"] = s.partitions;
+  j["num_stages"] = s.partitions;  // K, pipeline.partitions
   j["micro_batches"] = s.micro_batches;
-  j["checkpoint"] = checkpoint_mode_name(s.recompute);
+  j["recompute"] = recompute_mode_name(s.recompute);
+  // The old names of these two, for one release: "checkpoint" now means saved state only.
+  j["partitions"] = s.partitions;
+  j["checkpoint"] = recompute_mode_name(s.recompute);
   j["schedule"] = s.schedule;
   j["batch_size"] = s.batch_size;
   j["timed_steps"] = s.timed_steps;

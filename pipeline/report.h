@@ -50,7 +50,7 @@ struct LaunchSummary {
 
 struct RunSummary {
   int partitions = 0, micro_batches = 0;
-  CheckpointMode recompute = CheckpointMode::kExceptLast;  // "checkpoint" in report.json (checkpoint_mode_name)
+  RecomputeMode recompute = RecomputeMode::kExceptLast;  // "checkpoint" in report.json (recompute_mode_name)
   std::string schedule;
   int64_t batch_size = 0;
   int timed_steps = 0;
@@ -76,7 +76,7 @@ class ReportBuilder {
   // One entry per stage of the pipeline (a multi-process run gathers every stage's
   // timings into its first stage's process, see trainer.cc).
   ReportBuilder(std::vector<std::string> stage_layers, std::vector<std::string> stage_devices, int micro_batches,
-                CheckpointMode recompute, std::string schedule, int64_t batch_size);
+                RecomputeMode recompute, std::string schedule, int64_t batch_size);
   // Timings of a step; steps before `timed` (warm-up) only contribute their loss.
   void add_step(int step, double loss, const StepResult& r, bool timed);
   void set_eval(double loss, double accuracy);
@@ -125,7 +125,7 @@ class ReportBuilder {
 
   std::vector<std::string> layers_, devices_;
   int micro_batches_;
-  CheckpointMode recompute_;
+  RecomputeMode recompute_;
   std::string schedule_;
   int64_t batch_size_;
   std::vector<std::pair<int, double>> losses_;

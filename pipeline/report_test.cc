@@ -54,7 +54,7 @@ StepResult hand_step(double scale, int64_t peak0, int64_t peak1) {
 }
 
 ReportBuilder builder() {
-  return ReportBuilder({"0-1 linear, relu", "2-3 linear x2"}, {"cpu:0", "cpu:1"}, 2, CheckpointMode::kExceptLast, "gpipe", 8);
+  return ReportBuilder({"0-1 linear, relu", "2-3 linear x2"}, {"cpu:0", "cpu:1"}, 2, RecomputeMode::kExceptLast, "gpipe", 8);
 }
 
 }  // namespace
@@ -151,7 +151,10 @@ TEST_CASE("several steps: warm-up left out, the rest averaged, peaks kept") {
   CHECK(j["stages"][1]["recompute_ms"].get<double>() == doctest::Approx(2.0));
   CHECK(j["stages"][1]["layers"] == "2-3 linear x2");
   CHECK(j["stages"][1]["device"] == "cpu:1");
-  CHECK(j["checkpoint"] == "except_last");
+  CHECK(j["recompute"] == "except_last");
+  CHECK(j["checkpoint"] == "except_last");  // the old name, kept one release
+  CHECK(j["num_stages"] == 2);
+  CHECK(j["partitions"] == 2);
   CHECK(j["batch_size"] == 8);
   CHECK(!j.contains("eval"));
 }
@@ -163,7 +166,7 @@ TEST_CASE("the table and report.json show the same figures, and the scores") {
   b.set_eval(1.5, 0.625);
   const std::string t = b.table();
   CAPTURE(t);
-  CHECK(t.find("K=2 stages, M=2 micro-batches, checkpoint=except_last, schedule=gpipe, batch=8") != std::string::npos);
+  CHECK(t.find("K=2 stages, M=2 micro-batches, recompute=except_last, schedule=gpipe, batch=8") != std::string::npos);
   CHECK(t.find("averaged over 1 timed steps (span 16.00 ms, wall 20.50 ms)") != std::string::npos);
   // stage 0: fwd 4, recomp 0, bwd 6, comm 1, idle 5, opt 1, util 62.5%, 2 MB
   CHECK(t.find("cpu:0        4.00      0.00      6.00     1.00     5.00     1.00  62.5%    2.00 MB") != std::string::npos);
@@ -192,7 +195,7 @@ TEST_CASE("a run with no timed step reports zeros, not NaN") {
 
 TEST_CASE("the simulation charges each receive the delivery time measured when it waited") {
   // GPipe, K = 2, M = 1, no recompute: stage 0 F0 sA0 rG0 B0 OPT, stage 1 rA0 F0 B0 sG0 OPT.
-  const Schedule sched = gpipe_schedule(2, 1, CheckpointMode::kNever);
+  const Schedule sched = gpipe_schedule(2, 1, RecomputeMode::kNever);
   REQUIRE(sched.stages[0].size() == 5);
   REQUIRE(sched.stages[1].size() == 5);
   REQUIRE(sched.stages[0][2].op == Op::kRecvGradient);
@@ -211,7 +214,7 @@ TEST_CASE("the simulation charges each receive the delivery time measured when i
   s1.ops = {{Op::kRecvActivation, 0, -0.5, 1.6}, {Op::kForward, 0, 1.6, 3.6}, {Op::kBackward, 0, 3.6, 6.6},
             {Op::kSendGradient, 0, 6.6, 6.6}, {Op::kOptimizerStep, -1, 6.6, 7}};
   r.stages = {s0, s1};
-  ReportBuilder b({"0 linear", "1 linear"}, {"cpu:0", "cpu:1"}, 1, CheckpointMode::kNever, "gpipe", 8);
+  ReportBuilder b({"0 linear", "1 linear"}, {"cpu:0", "cpu:1"}, 1, RecomputeMode::kNever, "gpipe", 8);
   b.set_schedule(sched);
   b.add_step(0, 1.0, r, true);
   const RunSummary s = b.summary();

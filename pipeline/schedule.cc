@@ -63,27 +63,27 @@ bool is_compute(Op op) {
   return op == Op::kForward || op == Op::kRecompute || op == Op::kBackward || op == Op::kBackwardWeight;
 }
 
-CheckpointMode parse_checkpoint_mode(const std::string& name) {
-  if (name == "always") return CheckpointMode::kAlways;
-  if (name == "except_last") return CheckpointMode::kExceptLast;
-  if (name == "never") return CheckpointMode::kNever;
+RecomputeMode parse_recompute_mode(const std::string& name) {
+  if (name == "always") return RecomputeMode::kAlways;
+  if (name == "except_last") return RecomputeMode::kExceptLast;
+  if (name == "never") return RecomputeMode::kNever;
   throw UserError("pipeline.recompute: unknown mode '" + name + "'; use always, except_last or never");
 }
 
-const char* checkpoint_mode_name(CheckpointMode mode) {
+const char* recompute_mode_name(RecomputeMode mode) {
   switch (mode) {
-    case CheckpointMode::kAlways: return "always";
-    case CheckpointMode::kExceptLast: return "except_last";
-    case CheckpointMode::kNever: return "never";
+    case RecomputeMode::kAlways: return "always";
+    case RecomputeMode::kExceptLast: return "except_last";
+    case RecomputeMode::kNever: return "never";
   }
   return "?";
 }
 
-bool is_checkpointed(CheckpointMode mode, int m, int num_micro_batches) {
+bool is_recomputed(RecomputeMode mode, int m, int num_micro_batches) {
   switch (mode) {
-    case CheckpointMode::kAlways: return true;
-    case CheckpointMode::kExceptLast: return m != num_micro_batches - 1;
-    case CheckpointMode::kNever: return false;
+    case RecomputeMode::kAlways: return true;
+    case RecomputeMode::kExceptLast: return m != num_micro_batches - 1;
+    case RecomputeMode::kNever: return false;
   }
   return false;
 }
@@ -114,14 +114,14 @@ std::vector<std::vector<int>> interleaved_cells(int K, int v) {
   return out;
 }
 
-void insert_recompute(Schedule& s, CheckpointMode mode) {
+void insert_recompute(Schedule& s, RecomputeMode mode) {
   for (size_t k = 0; k < s.stages.size(); ++k) {
     std::vector<Instruction> out;
     std::vector<int> lines;
     for (size_t i = 0; i < s.stages[k].size(); ++i) {
       const Instruction& ins = s.stages[k][i];
       const int line = s.lines.empty() ? 0 : s.lines[k][i];
-      if (ins.op == Op::kBackward && is_checkpointed(mode, ins.micro_batch, s.num_micro_batches)) {
+      if (ins.op == Op::kBackward && is_recomputed(mode, ins.micro_batch, s.num_micro_batches)) {
         out.push_back({Op::kRecompute, ins.micro_batch, ins.chunk});
         lines.push_back(line);
       }

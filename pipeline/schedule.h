@@ -81,11 +81,12 @@ struct Instruction {
 
 // Rematerialization: which micro-batches keep only their cell input during forward
 // and recompute the rest before backward (torchgpipe's `checkpoint`).
-enum class CheckpointMode { kAlways, kExceptLast, kNever };
-CheckpointMode parse_checkpoint_mode(const std::string& name);  // "always", "except_last", "never"
-const char* checkpoint_mode_name(CheckpointMode mode);
+enum class RecomputeMode { kAlways, kExceptLast, kNever };
+RecomputeMode parse_recompute_mode(const std::string& name);  // "always", "except_last", "never"
+const char* recompute_mode_name(RecomputeMode mode);
 // Whether micro-batch m of M keeps only its stage input and recomputes during backward.
-bool is_checkpointed(CheckpointMode mode, int micro_batch, int num_micro_batches);
+bool is_recomputed(RecomputeMode mode, int micro_batch, int num_micro_batches);
+using CheckpointMode [[deprecated("RecomputeMode: checkpoint now means saved state only")]] = RecomputeMode;
 
 struct Schedule {
   std::string name;
@@ -137,34 +138,34 @@ enum class CommModel { kBuffered, kRendezvous };
 
 // GPipe: all forwards, then all backwards in reverse micro-batch order; recompute is
 // issued before the gradient is received, so it can overlap the wait.
-Schedule gpipe_schedule(int num_stages, int num_micro_batches, CheckpointMode mode,
+Schedule gpipe_schedule(int num_stages, int num_micro_batches, RecomputeMode mode,
                         CommModel comm = CommModel::kBuffered);
 // 1F1B (PipeDream-Flush): min(K-1-k, M) forwards of warm-up on stage k, then one
 // forward and one backward in turn, then the remaining backwards.
-Schedule one_f_one_b_schedule(int num_stages, int num_micro_batches, CheckpointMode mode,
+Schedule one_f_one_b_schedule(int num_stages, int num_micro_batches, RecomputeMode mode,
                               CommModel comm = CommModel::kBuffered);
 // Interleaved 1F1B (Megatron-LM; PyTorch's flexible variant): stage k holds cells k,
 // k + K, ..., micro-batches go round in rounds of M / max(1, M / K), which must divide M.
-Schedule interleaved_1f1b_schedule(int num_stages, int num_chunks, int num_micro_batches, CheckpointMode mode,
+Schedule interleaved_1f1b_schedule(int num_stages, int num_chunks, int num_micro_batches, RecomputeMode mode,
                                    CommModel comm = CommModel::kBuffered);
 // Zero bubble (ZB-H1, and ZB-1P for num_chunks > 1; Qi et al. 2024): 1F1B's order with
 // the backward split into B and W; stage k defers its first k weight gradients into
 // the cool-down bubble.
-Schedule zero_bubble_schedule(int num_stages, int num_chunks, int num_micro_batches, CheckpointMode mode,
+Schedule zero_bubble_schedule(int num_stages, int num_chunks, int num_micro_batches, RecomputeMode mode,
                               CommModel comm = CommModel::kBuffered);
 
 // What a config asks for.
 struct ScheduleRequest {
   std::string name = "gpipe";  // gpipe (fill_drain), 1f1b, interleaved_1f1b, zero_bubble, file
   int num_stages = 1, num_chunks = 1, num_micro_batches = 1;
-  CheckpointMode mode = CheckpointMode::kExceptLast;
+  RecomputeMode mode = RecomputeMode::kExceptLast;
   std::string file;  // pipeline.schedule_file
   CommModel comm = CommModel::kBuffered;  // the transport's, so the checker models it
 };
 // Builds and checks the named schedule; an unknown name lists the valid ones, a
 // schedule that cannot take these K, v, M says what it needs and why.
 Schedule make_schedule(const ScheduleRequest& request);
-Schedule make_schedule(const std::string& name, int num_stages, int num_micro_batches, CheckpointMode mode);
+Schedule make_schedule(const std::string& name, int num_stages, int num_micro_batches, RecomputeMode mode);
 std::vector<std::string> schedule_names();
 
 // A schedule of the user's own, one compute instruction per line:
@@ -178,9 +179,9 @@ std::vector<std::string> schedule_names();
 // `OPT`, `stage 0: ...`) is refused with what to write instead. schedule_file_text()
 // prints a schedule in this form.
 Schedule parse_schedule_text(const std::string& text, const std::string& source, int num_stages, int num_chunks,
-                             int num_micro_batches, CheckpointMode mode, CommModel comm = CommModel::kBuffered);
+                             int num_micro_batches, RecomputeMode mode, CommModel comm = CommModel::kBuffered);
 Schedule load_schedule_file(const std::string& path, int num_stages, int num_chunks, int num_micro_batches,
-                            CheckpointMode mode, CommModel comm = CommModel::kBuffered);
+                            RecomputeMode mode, CommModel comm = CommModel::kBuffered);
 
 // Evaluation's program, derived from a training schedule: each stage's forwards in the
 // schedule's order (which the checker already proved pipelines without deadlock) for
@@ -192,7 +193,7 @@ Schedule forward_only_program(const Schedule& s, int num_micro_batches, CommMode
 // ---- Building blocks of the generators.
 
 // Puts R(j, m) right before B(j, m) for every checkpointed micro-batch.
-void insert_recompute(Schedule& s, CheckpointMode mode);
+void insert_recompute(Schedule& s, RecomputeMode mode);
 // Inserts every send and receive between stages (cells on the same stage hand over
 // directly), then an optimizer step at the end of each stage if it has none (unless the
 // program is forward_only). For a

@@ -52,7 +52,7 @@ struct ChunkState {
       : fwd(M), rcmp(M), bwd(M), wgt(M), recv_act(M), recv_grad(M), sent_act(M), sent_grad(M), has_r(M), has_w(M) {}
 };
 
-struct StageState {
+struct StageProgress {
   size_t pc = 0;
   double clock = 0, busy = 0;
   std::vector<ChunkState> chunks;
@@ -227,7 +227,7 @@ class Interpreter {
   // Runs the compute or optimizer instruction at pc; returns its cost.
   double run_compute(int k, size_t pc) {
     const Instruction& ins = s_.stages[k][pc];
-    StageState& S = st_[k];
+    StageProgress& S = st_[k];
     if (s_.forward_only && ins.op != Op::kForward) fail(k, pc, "a forward-only program runs forwards only");
     if (ins.op == Op::kOptimizerStep) {
       check_gradients_final(k, pc, "optimizer step");
@@ -282,7 +282,7 @@ class Interpreter {
 
   // Every backward and weight gradient of the stage has run: its gradients are final.
   void check_gradients_final(int k, size_t pc, const std::string& what) const {
-    const StageState& S = st_[k];
+    const StageProgress& S = st_[k];
     for (int j = 0; j < s_.num_chunks(); ++j) {
       for (int m = 0; m < s_.num_micro_batches; ++m) {
         const ChunkState& x = S.chunks[j];
@@ -298,7 +298,7 @@ class Interpreter {
   // stage that waits elsewhere meanwhile deadlocks them, as on a real transport); it
   // ends its cost after the last one arrived. Returns 0 while waiting.
   size_t collective(int k) {
-    StageState& S = st_[k];
+    StageProgress& S = st_[k];
     const size_t pc = S.pc;
     const Instruction& ins = s_.stages[k][pc];
     CollectiveState& c = collectives_[{static_cast<int>(ins.op), ins.micro_batch}];
@@ -329,7 +329,7 @@ class Interpreter {
   // Advances stage k by one instruction (or one communication group); returns how
   // many instructions ran, 0 when blocked.
   size_t step(int k) {
-    StageState& S = st_[k];
+    StageProgress& S = st_[k];
     const auto& prog = s_.stages[k];
     const Instruction& ins = prog[S.pc];
     if (is_collective(ins.op)) return collective(k);
@@ -403,7 +403,7 @@ class Interpreter {
 
   const Schedule& s_;
   const CostFn& cost_;
-  std::vector<StageState> st_;
+  std::vector<StageProgress> st_;
   std::map<MessageKey, double> arrived_;  // arrival time of sent messages
   std::set<MessageKey> consumed_;
   std::map<CollectiveKey, CollectiveState> collectives_;

@@ -12,40 +12,40 @@ using namespace gpipe;
 using namespace gpipe::pipeline;
 
 TEST_CASE("GPipe, K=2, M=2, checkpoint except_last") {
-  CHECK(schedule_table(gpipe_schedule(2, 2, CheckpointMode::kExceptLast)) ==
+  CHECK(schedule_table(gpipe_schedule(2, 2, RecomputeMode::kExceptLast)) ==
         "stage 0: F0 sA0 F1 sA1 rG1 B1 R0 rG0 B0 OPT\n"
         "stage 1: rA0 F0 rA1 F1 B1 sG1 R0 B0 sG0 OPT\n");
 }
 
 TEST_CASE("GPipe, K=3, M=2, checkpoint always") {
-  CHECK(schedule_table(gpipe_schedule(3, 2, CheckpointMode::kAlways)) ==
+  CHECK(schedule_table(gpipe_schedule(3, 2, RecomputeMode::kAlways)) ==
         "stage 0: F0 sA0 F1 sA1 R1 rG1 B1 R0 rG0 B0 OPT\n"
         "stage 1: rA0 F0 sA0 rA1 F1 sA1 R1 rG1 B1 sG1 R0 rG0 B0 sG0 OPT\n"
         "stage 2: rA0 F0 rA1 F1 R1 B1 sG1 R0 B0 sG0 OPT\n");
 }
 
 TEST_CASE("GPipe, K=1, M=3, checkpoint never") {
-  CHECK(schedule_table(gpipe_schedule(1, 3, CheckpointMode::kNever)) == "stage 0: F0 F1 F2 B2 B1 B0 OPT\n");
+  CHECK(schedule_table(gpipe_schedule(1, 3, RecomputeMode::kNever)) == "stage 0: F0 F1 F2 B2 B1 B0 OPT\n");
 }
 
 TEST_CASE("1F1B, K=2, M=3: a warm-up of K-1-k forwards, then one forward and one backward in turn") {
-  CHECK(schedule_table(one_f_one_b_schedule(2, 3, CheckpointMode::kNever)) ==
+  CHECK(schedule_table(one_f_one_b_schedule(2, 3, RecomputeMode::kNever)) ==
         "stage 0: F0 sA0 F1 sA1 rG0 B0 F2 sA2 rG1 B1 rG2 B2 OPT\n"
         "stage 1: rA0 F0 B0 sG0 rA1 F1 B1 sG1 rA2 F2 B2 sG2 OPT\n");
   // Recompute right before its backward, the gradient received after it.
-  CHECK(schedule_table(one_f_one_b_schedule(2, 2, CheckpointMode::kExceptLast)) ==
+  CHECK(schedule_table(one_f_one_b_schedule(2, 2, RecomputeMode::kExceptLast)) ==
         "stage 0: F0 sA0 F1 sA1 R0 rG0 B0 rG1 B1 OPT\n"
         "stage 1: rA0 F0 R0 B0 sG0 rA1 F1 B1 sG1 OPT\n");
 }
 
 TEST_CASE("zero bubble (ZB-H1), K=2, M=3: stage k defers its first k weight gradients") {
-  CHECK(schedule_table(zero_bubble_schedule(2, 1, 3, CheckpointMode::kNever)) ==
+  CHECK(schedule_table(zero_bubble_schedule(2, 1, 3, RecomputeMode::kNever)) ==
         "stage 0: F0 sA0 F1 sA1 rG0 B0 W0 F2 sA2 rG1 B1 W1 rG2 B2 W2 OPT\n"
         "stage 1: rA0 F0 B0 sG0 rA1 F1 B1 sG1 W0 rA2 F2 B2 sG2 W1 W2 OPT\n");
 }
 
 TEST_CASE("interleaved 1F1B, K=2, v=2, M=2: stage k holds cells k and k+2, named first") {
-  const Schedule s = interleaved_1f1b_schedule(2, 2, 2, CheckpointMode::kNever);
+  const Schedule s = interleaved_1f1b_schedule(2, 2, 2, RecomputeMode::kNever);
   CHECK(s.cells == std::vector<std::vector<int>>{{0, 2}, {1, 3}});
   CHECK(schedule_table(s) ==
         "stage 0: 0F0 0sA0 0F1 0sA1 2rA0 2F0 2sA0 2rA1 2F1 2sA1 2rG0 2B0 2sG0 2rG1 2B1 2sG1 0rG0 0B0 0rG1 0B1 OPT\n"
@@ -55,7 +55,7 @@ TEST_CASE("interleaved 1F1B, K=2, v=2, M=2: stage k holds cells k and k+2, named
 }
 
 TEST_CASE("the chart of GPipe's schedule is the picture in schedule.h") {
-  CHECK(schedule_chart(gpipe_schedule(3, 4, CheckpointMode::kNever)) ==
+  CHECK(schedule_chart(gpipe_schedule(3, 4, RecomputeMode::kNever)) ==
         "stage 0: F0 F1 F2 F3 .  .  .  .  B3 B2 B1 B0\n"
         "stage 1: .  F0 F1 F2 F3 .  .  B3 B2 B1 B0 . \n"
         "stage 2: .  .  F0 F1 F2 F3 B3 B2 B1 B0 .  . \n");
@@ -64,25 +64,25 @@ TEST_CASE("the chart of GPipe's schedule is the picture in schedule.h") {
 TEST_CASE("a rendezvous transport gets steps of one forward and one backward, one group between them") {
   // As Megatron-LM's send_forward_backward_recv_forward_backward: the sends of a step
   // and the receives of the next travel in one group.
-  const Schedule s = one_f_one_b_schedule(2, 3, CheckpointMode::kNever, CommModel::kRendezvous);
+  const Schedule s = one_f_one_b_schedule(2, 3, RecomputeMode::kNever, CommModel::kRendezvous);
   CHECK(schedule_table(s) ==
         "stage 0: F0 sA0 rG0 F1 B0 sA1 rG1 F2 B1 sA2 rG2 B2 OPT\n"
         "stage 1: rA0 F0 B0 sG0 rA1 F1 B1 sG1 rA2 F2 B2 sG2 OPT\n");
   CHECK_NOTHROW(check_schedule(s, CommModel::kRendezvous));
 }
 
-TEST_CASE("checkpoint modes") {
-  CHECK(is_checkpointed(CheckpointMode::kAlways, 3, 4));
-  CHECK(!is_checkpointed(CheckpointMode::kExceptLast, 3, 4));
-  CHECK(is_checkpointed(CheckpointMode::kExceptLast, 2, 4));
-  CHECK(!is_checkpointed(CheckpointMode::kNever, 0, 4));
-  CHECK(parse_checkpoint_mode("except_last") == CheckpointMode::kExceptLast);
-  CHECK_THROWS_WITH_AS(parse_checkpoint_mode("sometimes"), doctest::Contains("always, except_last or never"),
+TEST_CASE("recompute modes") {
+  CHECK(is_recomputed(RecomputeMode::kAlways, 3, 4));
+  CHECK(!is_recomputed(RecomputeMode::kExceptLast, 3, 4));
+  CHECK(is_recomputed(RecomputeMode::kExceptLast, 2, 4));
+  CHECK(!is_recomputed(RecomputeMode::kNever, 0, 4));
+  CHECK(parse_recompute_mode("except_last") == RecomputeMode::kExceptLast);
+  CHECK_THROWS_WITH_AS(parse_recompute_mode("sometimes"), doctest::Contains("always, except_last or never"),
                        UserError);
 }
 
 TEST_CASE("make_schedule names what it cannot do") {
-  CHECK_THROWS_WITH_AS(make_schedule("looped", 2, 2, CheckpointMode::kNever),
+  CHECK_THROWS_WITH_AS(make_schedule("looped", 2, 2, RecomputeMode::kNever),
                        doctest::Contains("valid schedules: gpipe, 1f1b, interleaved_1f1b, zero_bubble"), UserError);
   ScheduleRequest r;
   r.name = "1f1b";
@@ -105,7 +105,7 @@ TEST_CASE("every generated schedule passes the checker, or is refused for a stat
     for (int v = 1; v <= 3; ++v) {
       for (int K = 1; K <= 4; ++K) {
         for (int M = 1; M <= 8; ++M) {
-          for (auto mode : {CheckpointMode::kAlways, CheckpointMode::kExceptLast, CheckpointMode::kNever}) {
+          for (auto mode : {RecomputeMode::kAlways, RecomputeMode::kExceptLast, RecomputeMode::kNever}) {
             for (auto comm : {CommModel::kBuffered, CommModel::kRendezvous}) {
               ScheduleRequest r{name, K, v, M, mode, "", comm};
               INFO(name << " v=" << v << " K=" << K << " M=" << M << " rendezvous=" << (comm == CommModel::kRendezvous));
@@ -133,15 +133,15 @@ TEST_CASE("every generated schedule passes the checker, or is refused for a stat
 // Evaluation's program: the schedule's forwards and their activation messages, no
 // recompute, backward or optimizer step, for any number of micro-batches up to M.
 TEST_CASE("a forward-only program keeps the schedule's forwards in order and passes the checker") {
-  CHECK(schedule_table(forward_only_program(one_f_one_b_schedule(2, 3, CheckpointMode::kAlways), 3)) ==
+  CHECK(schedule_table(forward_only_program(one_f_one_b_schedule(2, 3, RecomputeMode::kAlways), 3)) ==
         "stage 0: F0 sA0 F1 sA1 F2 sA2\n"
         "stage 1: rA0 F0 rA1 F1 rA2 F2\n");
-  CHECK(schedule_table(forward_only_program(one_f_one_b_schedule(2, 3, CheckpointMode::kNever), 2)) ==
+  CHECK(schedule_table(forward_only_program(one_f_one_b_schedule(2, 3, RecomputeMode::kNever), 2)) ==
         "stage 0: F0 sA0 F1 sA1\n"
         "stage 1: rA0 F0 rA1 F1\n");
   // Interleaved, K=2, v=2: cells 0 and 2 on stage 0, 1 and 3 on stage 1, in the
   // schedule's rounds.
-  CHECK(schedule_table(forward_only_program(interleaved_1f1b_schedule(2, 2, 2, CheckpointMode::kNever), 2)) ==
+  CHECK(schedule_table(forward_only_program(interleaved_1f1b_schedule(2, 2, 2, RecomputeMode::kNever), 2)) ==
         "stage 0: 0F0 0sA0 0F1 0sA1 2rA0 2F0 2sA0 2rA1 2F1 2sA1\n"
         "stage 1: 1rA0 1F0 1sA0 1rA1 1F1 1sA1 3rA0 3F0 3rA1 3F1\n");
   int built = 0;
@@ -152,7 +152,7 @@ TEST_CASE("a forward-only program keeps the schedule's forwards in order and pas
           for (auto comm : {CommModel::kBuffered, CommModel::kRendezvous}) {
             Schedule s;
             try {
-              s = make_schedule({name, K, v, M, CheckpointMode::kExceptLast, "", comm});
+              s = make_schedule({name, K, v, M, RecomputeMode::kExceptLast, "", comm});
             } catch (const UserError&) {
               continue;  // sizes the schedule refuses (the test above says which)
             }
@@ -180,11 +180,11 @@ TEST_CASE("a forward-only program keeps the schedule's forwards in order and pas
     }
   }
   CHECK(built > 500);
-  CHECK_THROWS_AS(forward_only_program(gpipe_schedule(2, 2, CheckpointMode::kNever), 3), Error);
+  CHECK_THROWS_AS(forward_only_program(gpipe_schedule(2, 2, RecomputeMode::kNever), 3), Error);
 }
 
 TEST_CASE("the checker holds a forward-only program to forwards and activations") {
-  Schedule f = forward_only_program(gpipe_schedule(2, 2, CheckpointMode::kNever), 2);
+  Schedule f = forward_only_program(gpipe_schedule(2, 2, RecomputeMode::kNever), 2);
   SUBCASE("no backward") {
     f.stages[1].push_back({Op::kBackward, 1});
     CHECK_THROWS_WITH_AS(check_schedule(f), doctest::Contains("a forward-only program runs forwards only"), UserError);
@@ -208,7 +208,7 @@ TEST_CASE("the checker holds a forward-only program to forwards and activations"
 }
 
 TEST_CASE("the checker finds broken schedules") {
-  Schedule s = gpipe_schedule(2, 2, CheckpointMode::kNever);
+  Schedule s = gpipe_schedule(2, 2, RecomputeMode::kNever);
   SUBCASE("a receive without a send deadlocks") {
     auto& st = s.stages[0];
     st.erase(st.begin() + 1);  // drop sA0
@@ -227,7 +227,7 @@ TEST_CASE("the checker finds broken schedules") {
     CHECK_THROWS_WITH(check_schedule(s), doctest::Contains("no optimizer step"));
   }
   SUBCASE("a weight gradient before its backward, or twice") {
-    Schedule z = zero_bubble_schedule(2, 1, 2, CheckpointMode::kNever);
+    Schedule z = zero_bubble_schedule(2, 1, 2, RecomputeMode::kNever);
     auto& st = z.stages[0];
     auto w = std::find(st.begin(), st.end(), Instruction{Op::kBackwardWeight, 0});
     auto b = std::find(st.begin(), st.end(), Instruction{Op::kBackward, 0});
@@ -311,16 +311,16 @@ TEST_CASE("schedule files: CSV lines and PyTorch's action notation, errors with 
       "1F1\n"  // cell 1 = stage 1
       "1B1\n"
       "0B1   # stage 0's last backward\n";
-  const Schedule s = parse_schedule_text(one_f_one_b, "mine.csv", 2, 1, 2, CheckpointMode::kNever);
-  CHECK(schedule_table(s) == schedule_table(one_f_one_b_schedule(2, 2, CheckpointMode::kNever)));
+  const Schedule s = parse_schedule_text(one_f_one_b, "mine.csv", 2, 1, 2, RecomputeMode::kNever);
+  CHECK(schedule_table(s) == schedule_table(one_f_one_b_schedule(2, 2, RecomputeMode::kNever)));
   CHECK_NOTHROW(check_schedule(s));
   // The recompute mode applies when the file has no R lines.
-  const Schedule r = parse_schedule_text(one_f_one_b, "mine.csv", 2, 1, 2, CheckpointMode::kAlways);
-  CHECK(schedule_table(r) == schedule_table(one_f_one_b_schedule(2, 2, CheckpointMode::kAlways)));
+  const Schedule r = parse_schedule_text(one_f_one_b, "mine.csv", 2, 1, 2, RecomputeMode::kAlways);
+  CHECK(schedule_table(r) == schedule_table(one_f_one_b_schedule(2, 2, RecomputeMode::kAlways)));
 
   auto error_of = [](const std::string& text) {
     try {
-      check_schedule(parse_schedule_text(text, "mine.csv", 2, 1, 2, CheckpointMode::kNever));
+      check_schedule(parse_schedule_text(text, "mine.csv", 2, 1, 2, RecomputeMode::kNever));
     } catch (const UserError& e) {
       return std::string(e.what());
     }
@@ -351,7 +351,7 @@ TEST_CASE("schedule files: CSV lines and PyTorch's action notation, errors with 
   CHECK(e.find("stage 0 waits at rG0 at mine.csv:1") != std::string::npos);
   // On one stage, the same mistake is a backward before its forward.
   try {
-    check_schedule(parse_schedule_text("0,B,0\n0,F,0\n", "one.csv", 1, 1, 1, CheckpointMode::kNever));
+    check_schedule(parse_schedule_text("0,B,0\n0,F,0\n", "one.csv", 1, 1, 1, RecomputeMode::kNever));
     FAIL("no error");
   } catch (const UserError& err) {
     CHECK(std::string(err.what()).find("B0 at one.csv:1: backward before forward") != std::string::npos);
@@ -365,10 +365,10 @@ TEST_CASE("the simulated bubble equals each schedule's formula with balanced cel
   for (int K = 1; K <= 4; ++K) {
     for (int M : {1, 2, 4, 8, 16}) {
       OpCosts c;  // forward 1, backward 2, no recompute
-      const Simulation g = simulate(gpipe_schedule(K, M, CheckpointMode::kNever), c);
+      const Simulation g = simulate(gpipe_schedule(K, M, RecomputeMode::kNever), c);
       CHECK(g.makespan == doctest::Approx(3.0 * (M + K - 1)));
       CHECK(g.bubble == doctest::Approx(ideal_bubble(K, M)));
-      const Simulation f = simulate(one_f_one_b_schedule(K, M, CheckpointMode::kNever), c);
+      const Simulation f = simulate(one_f_one_b_schedule(K, M, RecomputeMode::kNever), c);
       CHECK(f.bubble == doctest::Approx(ideal_bubble(K, M)));
     }
   }
@@ -378,7 +378,7 @@ TEST_CASE("the simulated bubble equals each schedule's formula with balanced cel
         OpCosts c;
         c.forward = 1.0 / v;  // a cell is 1/v of the stage's work
         c.backward = 2.0 / v;
-        const Schedule s = interleaved_1f1b_schedule(K, v, M, CheckpointMode::kNever);
+        const Schedule s = interleaved_1f1b_schedule(K, v, M, RecomputeMode::kNever);
         CHECK(simulate(s, c).bubble == doctest::Approx(formula_bubble(s)));
         CHECK(formula_bubble(s) == doctest::Approx(static_cast<double>(K - 1) / (v * M + K - 1)));
       }
@@ -392,8 +392,8 @@ TEST_CASE("zero bubble fills 1F1B's bubble with weight gradients") {
   split.weight = 1.0;
   for (int K : {2, 3, 4}) {
     for (int M : {4, 8}) {
-      const Simulation one = simulate(one_f_one_b_schedule(K, M, CheckpointMode::kNever), OpCosts{});
-      const Simulation zb = simulate(zero_bubble_schedule(K, 1, M, CheckpointMode::kNever), split);
+      const Simulation one = simulate(one_f_one_b_schedule(K, M, RecomputeMode::kNever), OpCosts{});
+      const Simulation zb = simulate(zero_bubble_schedule(K, 1, M, RecomputeMode::kNever), split);
       CHECK(zb.makespan < one.makespan);
       CHECK(zb.bubble < one.bubble / 2);
     }
@@ -410,8 +410,8 @@ TEST_CASE("1F1B keeps at most K - k micro-batches in flight on stage k; GPipe ke
     return peak;
   };
   for (int K = 1; K <= 4; ++K) {
-    const Schedule g = gpipe_schedule(K, 16, CheckpointMode::kNever);
-    const Schedule f = one_f_one_b_schedule(K, 16, CheckpointMode::kNever);
+    const Schedule g = gpipe_schedule(K, 16, RecomputeMode::kNever);
+    const Schedule f = one_f_one_b_schedule(K, 16, RecomputeMode::kNever);
     for (int k = 0; k < K; ++k) {
       CHECK(in_flight(g, k) == 16);
       CHECK(in_flight(f, k) == K - k);
@@ -432,7 +432,7 @@ Schedule::Collectives collectives(bool replicas, std::vector<std::pair<int, int>
 }  // namespace
 
 TEST_CASE("collectives are lowered before each stage's optimizer step, in one order on every stage") {
-  Schedule s = gpipe_schedule(3, 2, CheckpointMode::kNever);
+  Schedule s = gpipe_schedule(3, 2, RecomputeMode::kNever);
   // Tie 0 joins cells 0 and 2 (stages 0 and 2), tie 1 lies within cell 1.
   lower_collectives(s, collectives(true, {{0, 2}, {1, 1}}, true));
   CHECK(schedule_table(s) ==
@@ -452,7 +452,7 @@ TEST_CASE("collectives are lowered before each stage's optimizer step, in one or
 }
 
 TEST_CASE("the checker proves collectives: order, placement, and that every stage takes part") {
-  Schedule base = one_f_one_b_schedule(2, 2, CheckpointMode::kNever);
+  Schedule base = one_f_one_b_schedule(2, 2, RecomputeMode::kNever);
   lower_collectives(base, collectives(false, {{0, 1}, {1, 0}}, true));
   check_schedule(base);
   check_schedule(base, CommModel::kRendezvous);
@@ -491,14 +491,14 @@ TEST_CASE("the checker proves collectives: order, placement, and that every stag
   std::rotate(p1.end() - 4, p1.end() - 1, p1.end());  // OPT moved before TIE0 TIE1 NORM
   fails(late, CommModel::kBuffered, "optimizer step before the stage's collectives");
   // A collective the run does not have.
-  Schedule stray = one_f_one_b_schedule(2, 2, CheckpointMode::kNever);
+  Schedule stray = one_f_one_b_schedule(2, 2, RecomputeMode::kNever);
   lower_collectives(stray, collectives(false, {}, false));
   stray.stages[0].insert(stray.stages[0].end() - 1, Instruction{Op::kGradientNorm, -1, 0});
   fails(stray, CommModel::kBuffered, "does not need the gradient norm");
 }
 
 TEST_CASE("the simulator prices a collective after the last stage arrives") {
-  Schedule s = gpipe_schedule(2, 1, CheckpointMode::kNever);
+  Schedule s = gpipe_schedule(2, 1, RecomputeMode::kNever);
   lower_collectives(s, collectives(false, {}, true));
   OpCosts c;
   c.forward = 1;
@@ -522,7 +522,7 @@ TEST_CASE("the simulator prices a collective after the last stage arrives") {
 }
 
 TEST_CASE("the file form: both notations, compute instructions only, a header saying what wrote it") {
-  const Schedule z = zero_bubble_schedule(2, 1, 2, CheckpointMode::kExceptLast);
+  const Schedule z = zero_bubble_schedule(2, 1, 2, RecomputeMode::kExceptLast);
   const std::string csv = schedule_file_text(z, ScheduleNotation::kCsv, "from test.yaml");
   CHECK(csv.rfind("# schedule 'zero_bubble' for 2 stages, 1 cell per stage, 2 micro-batches, written by gpipe", 0) == 0);
   CHECK(csv.find("\n# from test.yaml\n") != std::string::npos);
@@ -535,19 +535,19 @@ TEST_CASE("the file form: both notations, compute instructions only, a header sa
   // PyTorch's notation writes a backward whose weight gradient is a W as I (BACKWARD_INPUT).
   const std::string actions = schedule_file_text(z, ScheduleNotation::kActions);
   CHECK(actions.find("\n# stage 1\n1F0\n1R0\n1I0\n1F1\n1I1\n1W0\n1W1\n") != std::string::npos);
-  CHECK(schedule_file_text(gpipe_schedule(2, 1, CheckpointMode::kNever), ScheduleNotation::kActions)
+  CHECK(schedule_file_text(gpipe_schedule(2, 1, RecomputeMode::kNever), ScheduleNotation::kActions)
             .find("\n# stage 0\n0F0\n0B0\n") != std::string::npos);
   // With interleaving, the chunk in CSV and the cell in actions.
-  const Schedule i = interleaved_1f1b_schedule(2, 2, 2, CheckpointMode::kNever);
+  const Schedule i = interleaved_1f1b_schedule(2, 2, 2, RecomputeMode::kNever);
   CHECK(schedule_file_text(i, ScheduleNotation::kCsv).find("\n# stage 1: cells 1 3\n1,F,0,0\n1,F,1,0\n1,F,0,1\n") !=
         std::string::npos);
   CHECK(schedule_file_text(i, ScheduleNotation::kActions).find("\n# stage 1: cells 1 3\n1F0\n1F1\n3F0\n") !=
         std::string::npos);
   // Without R lines the header says the recompute mode decides on load.
-  CHECK(schedule_file_text(gpipe_schedule(2, 1, CheckpointMode::kNever), ScheduleNotation::kCsv)
+  CHECK(schedule_file_text(gpipe_schedule(2, 1, RecomputeMode::kNever), ScheduleNotation::kCsv)
             .find("# No R lines: pipeline.recompute decides") != std::string::npos);
   // Cells placed otherwise than interleaved_cells have no file form.
-  Schedule odd = gpipe_schedule(2, 1, CheckpointMode::kNever);
+  Schedule odd = gpipe_schedule(2, 1, RecomputeMode::kNever);
   odd.cells = {{1}, {0}};
   CHECK_THROWS_WITH(schedule_file_text(odd, ScheduleNotation::kCsv), doctest::Contains("has no file form"));
 }
@@ -560,7 +560,7 @@ TEST_CASE("every built-in schedule survives its file form, in both notations") {
     for (int v = 1; v <= 3; ++v) {
       for (int K = 1; K <= 4; ++K) {
         for (int M : {1, 2, 3, 4, 6, 8}) {
-          for (auto mode : {CheckpointMode::kAlways, CheckpointMode::kExceptLast, CheckpointMode::kNever}) {
+          for (auto mode : {RecomputeMode::kAlways, RecomputeMode::kExceptLast, RecomputeMode::kNever}) {
             for (auto comm : {CommModel::kBuffered, CommModel::kRendezvous}) {
               ScheduleRequest r{name, K, v, M, mode, "", comm};
               Schedule s;
@@ -571,7 +571,7 @@ TEST_CASE("every built-in schedule survives its file form, in both notations") {
               }
               for (auto notation : {ScheduleNotation::kCsv, ScheduleNotation::kActions}) {
                 const std::string text = schedule_file_text(s, notation);
-                INFO(name << " v=" << v << " K=" << K << " M=" << M << " mode=" << checkpoint_mode_name(mode)
+                INFO(name << " v=" << v << " K=" << K << " M=" << M << " mode=" << recompute_mode_name(mode)
                           << " rendezvous=" << (comm == CommModel::kRendezvous) << "\n" << text);
                 const Schedule back = parse_schedule_text(text, "printed.csv", K, v, M, mode, comm);
                 CHECK(back.cells == s.cells);

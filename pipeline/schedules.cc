@@ -32,7 +32,7 @@ Schedule empty_schedule(const std::string& name, int K, int v, int M) {
   return s;
 }
 
-Schedule finish(Schedule s, CheckpointMode mode, CommModel comm) {
+Schedule insert_recompute_and_messages(Schedule s, RecomputeMode mode, CommModel comm) {
   insert_recompute(s, mode);
   lower_communication(s, comm);
   return s;
@@ -92,7 +92,7 @@ int micro_batches_per_round(const std::string& name, int K, int v, int M) {
   return M / rounds;
 }
 
-Schedule interleaved_family(const std::string& name, int K, int v, int M, CheckpointMode mode, CommModel comm,
+Schedule interleaved_family(const std::string& name, int K, int v, int M, RecomputeMode mode, CommModel comm,
                             bool zero_bubble) {
   Schedule s = empty_schedule(name, K, v, M);
   const int per_round = micro_batches_per_round(name, K, v, M);
@@ -107,29 +107,29 @@ Schedule interleaved_family(const std::string& name, int K, int v, int M, Checkp
     auto bwd_chunk = [&](int op) { return v - 1 - ((op - warmup) / per_round) % v; };
     s.stages[k] = one_f_one_b_ops(v, M, warmup, fwd_chunk, bwd_chunk, zero_bubble, k);
   }
-  return finish(std::move(s), mode, comm);
+  return insert_recompute_and_messages(std::move(s), mode, comm);
 }
 
 }  // namespace
 
-Schedule gpipe_schedule(int K, int M, CheckpointMode mode, CommModel comm) {
+Schedule gpipe_schedule(int K, int M, RecomputeMode mode, CommModel comm) {
   Schedule s = empty_schedule("gpipe", K, 1, M);
   for (int k = 0; k < K; ++k) {
     for (int m = 0; m < M; ++m) s.stages[k].push_back({Op::kForward, m, 0});
     for (int m = M - 1; m >= 0; --m) s.stages[k].push_back({Op::kBackward, m, 0});
   }
-  return finish(std::move(s), mode, comm);
+  return insert_recompute_and_messages(std::move(s), mode, comm);
 }
 
-Schedule one_f_one_b_schedule(int K, int M, CheckpointMode mode, CommModel comm) {
+Schedule one_f_one_b_schedule(int K, int M, RecomputeMode mode, CommModel comm) {
   return interleaved_family("1f1b", K, 1, M, mode, comm, /*zero_bubble=*/false);
 }
 
-Schedule interleaved_1f1b_schedule(int K, int v, int M, CheckpointMode mode, CommModel comm) {
+Schedule interleaved_1f1b_schedule(int K, int v, int M, RecomputeMode mode, CommModel comm) {
   return interleaved_family("interleaved_1f1b", K, v, M, mode, comm, /*zero_bubble=*/false);
 }
 
-Schedule zero_bubble_schedule(int K, int v, int M, CheckpointMode mode, CommModel comm) {
+Schedule zero_bubble_schedule(int K, int v, int M, RecomputeMode mode, CommModel comm) {
   return interleaved_family("zero_bubble", K, v, M, mode, comm, /*zero_bubble=*/true);
 }
 
@@ -161,7 +161,7 @@ Schedule make_schedule(const ScheduleRequest& r) {
   return s;
 }
 
-Schedule make_schedule(const std::string& name, int K, int M, CheckpointMode mode) {
+Schedule make_schedule(const std::string& name, int K, int M, RecomputeMode mode) {
   ScheduleRequest r;
   r.name = name;
   r.num_stages = K;
@@ -219,7 +219,7 @@ std::string log_form_op(const std::string& token) {
 }  // namespace
 
 Schedule parse_schedule_text(const std::string& text, const std::string& source, int K, int v, int M,
-                             CheckpointMode mode, CommModel comm) {
+                             RecomputeMode mode, CommModel comm) {
   Schedule s = empty_schedule("file", K, v, M);
   s.source = source;
   s.lines.assign(K, {});
@@ -300,7 +300,7 @@ Schedule parse_schedule_text(const std::string& text, const std::string& source,
   return s;
 }
 
-Schedule load_schedule_file(const std::string& path, int K, int v, int M, CheckpointMode mode, CommModel comm) {
+Schedule load_schedule_file(const std::string& path, int K, int v, int M, RecomputeMode mode, CommModel comm) {
   std::ifstream f(path);
   if (!f) throw UserError("pipeline.schedule_file: cannot read '" + path + "'; check the path");
   std::stringstream ss;

@@ -1,6 +1,6 @@
 // The defining test for every schedule: loss and every parameter gradient of the
 // pipelined model equal the unpartitioned model's (float64), for K in 1..4, several M
-// (some that K does not divide), every checkpoint mode, with dropout and a head tied to
+// (some that K does not divide), every recompute mode, with dropout and a head tied to
 // the embedding; interleaved with v = 2 and 3. Also: the executor's activation meter
 // shows what 1F1B and zero bubble save over GPipe.
 #include <doctest/doctest.h>
@@ -63,12 +63,12 @@ TEST_CASE("every schedule: pipelined loss and gradients equal the unpartitioned 
                          Case{"interleaved_1f1b", 3}, Case{"zero_bubble", 2}}) {
     for (int K = 1; K <= 4; ++K) {
       for (int M : {1, 3, 4, 6}) {
-        for (auto mode : {CheckpointMode::kAlways, CheckpointMode::kExceptLast, CheckpointMode::kNever}) {
+        for (auto mode : {RecomputeMode::kAlways, RecomputeMode::kExceptLast, RecomputeMode::kNever}) {
           CAPTURE(sc.name);
           CAPTURE(sc.v);
           CAPTURE(K);
           CAPTURE(M);
-          CAPTURE(checkpoint_mode_name(mode));
+          CAPTURE(recompute_mode_name(mode));
           ScheduleRequest request{sc.name, K, sc.v, M, mode};
           Schedule schedule;
           try {
@@ -112,7 +112,7 @@ TEST_CASE("every schedule trains: three optimizer steps equal GPipe's") {
   opts.clip_grad_norm = 0.5;
   auto run = [&](const std::string& name, int v) {
     auto model = layers::build_model(spec);
-    const Schedule s = make_schedule(ScheduleRequest{name, 2, v, 4, CheckpointMode::kExceptLast});
+    const Schedule s = make_schedule(ScheduleRequest{name, 2, v, 4, RecomputeMode::kExceptLast});
     InProcessTransport transport(2);
     Executor ex(*model, make_cells(partition::balance_by_cost(std::vector<double>(model->size(), 1.0), 2 * v), s,
                                    cpu_devices(2)),
@@ -154,7 +154,7 @@ TEST_CASE("the executor's meter: 1F1B and zero bubble hold K micro-batches on st
     Tensor x = gpipe::testing::random_tensor({N, 32}, DType::kF64, 1);
     Tensor y = gpipe::testing::random_labels(N, 4, 2);
     auto model = layers::build_model(spec);
-    const Schedule s = make_schedule(ScheduleRequest{name, K, 1, M, CheckpointMode::kNever});
+    const Schedule s = make_schedule(ScheduleRequest{name, K, 1, M, RecomputeMode::kNever});
     InProcessTransport transport(K);
     Executor ex(*model, make_stages({5, 4}, cpu_devices(K)), s, transport, {});
     const StepResult r = ex.step(x, y, false);
@@ -196,7 +196,7 @@ TEST_CASE("the executor's meter: 1F1B and zero bubble hold K micro-batches on st
 TEST_CASE("a schedule file runs as its generated twin") {
   // 1F1B for K = 2, M = 2 written by hand, with W split off for zero bubble's order.
   const std::string text = "0F0\n0F1\n1F0\n1B0\n1W0\n0B0\n0W0\n1F1\n1B1\n1W1\n0B1\n0W1\n";
-  const Schedule file = parse_schedule_text(text, "zb.csv", 2, 1, 2, CheckpointMode::kExceptLast);
+  const Schedule file = parse_schedule_text(text, "zb.csv", 2, 1, 2, RecomputeMode::kExceptLast);
   layers::ModelSpec spec = gpt_spec();
   const int64_t N = 4;
   Tensor x = gpipe::testing::random_labels(N * 6, 16, 71).reshape({N, 6});

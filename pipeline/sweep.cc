@@ -18,7 +18,7 @@ namespace pipeline {
 std::string Candidate::label() const {
   std::string s = "K=" + std::to_string(stages);
   if (virtual_stages > 1) s += " v=" + std::to_string(virtual_stages);
-  s += " M=" + std::to_string(micro_batches) + " " + schedule + " recompute=" + checkpoint_mode_name(recompute);
+  s += " M=" + std::to_string(micro_batches) + " " + schedule + " recompute=" + recompute_mode_name(recompute);
   if (blas_threads > 1) s += " blas_threads=" + std::to_string(blas_threads);
   return s;
 }
@@ -26,7 +26,7 @@ std::string Candidate::label() const {
 std::string Candidate::overrides() const {
   std::string s = "--set pipeline.partitions=" + std::to_string(stages) +
                   " --set pipeline.micro_batches=" + std::to_string(micro_batches) +
-                  " --set pipeline.recompute=" + checkpoint_mode_name(recompute) + " --set pipeline.schedule=" + schedule;
+                  " --set pipeline.recompute=" + recompute_mode_name(recompute) + " --set pipeline.schedule=" + schedule;
   if (virtual_stages > 1) s += " --set pipeline.virtual_stages=" + std::to_string(virtual_stages);
   if (blas_threads > 1) s += " --set train.blas_threads=" + std::to_string(blas_threads);
   return s;
@@ -68,7 +68,7 @@ std::string why_lost(const Candidate& c, const Candidate& best) {
   char buf[160];
   if (work >= devices && work >= idle) {
     std::string what;
-    if (c.recompute != best.recompute) what = "recompute " + std::string(checkpoint_mode_name(c.recompute));
+    if (c.recompute != best.recompute) what = "recompute " + std::string(recompute_mode_name(c.recompute));
     if (c.micro_batches > best.micro_batches) {
       what += (what.empty() ? "" : ", ") + std::string("thinner micro-batches");
     }
@@ -159,7 +159,7 @@ SweepResult sweep(const Config& base, const layers::Sequential& model, const Swe
   for (const Shape& sh : shapes) {
     for (int m : o.micro_batches) {
       if (m > batch) continue;
-      for (CheckpointMode mode : {CheckpointMode::kNever, CheckpointMode::kExceptLast, CheckpointMode::kAlways}) {
+      for (RecomputeMode mode : {RecomputeMode::kNever, RecomputeMode::kExceptLast, RecomputeMode::kAlways}) {
         if (sh.k == 1 && sh.schedule != "gpipe") continue;  // one stage: every schedule is the same
         Config c = base;
         c.pipeline.partitions = sh.k;

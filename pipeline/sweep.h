@@ -32,7 +32,7 @@ struct SweepOptions {
 
 struct Candidate {
   int stages = 1, virtual_stages = 1, micro_batches = 1, blas_threads = 1;
-  CheckpointMode recompute = CheckpointMode::kNever;
+  RecomputeMode recompute = RecomputeMode::kNever;
   std::string schedule;
   std::vector<int> balance;
   PlannedRun run;

@@ -34,7 +34,7 @@ layers::ModelSpec mlp_spec() {
 
 StepResult run_step(bool device_clock, Schedule* schedule_out) {
   auto model = layers::build_model(mlp_spec());
-  const Schedule s = make_schedule("1f1b", 2, 4, CheckpointMode::kExceptLast);
+  const Schedule s = make_schedule("1f1b", 2, 4, RecomputeMode::kExceptLast);
   *schedule_out = s;
   InProcessTransport transport(2);
   ExecutorOptions o;

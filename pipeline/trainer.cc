@@ -171,7 +171,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   for (int k = 0; k < K; ++k) {
     std::string layers_text;
     for (int cell : plan.schedule.cells[k]) {
-      const StageSpec& s = plan.cells[cell];
+      const CellSpec& s = plan.cells[cell];
       layers_text += (layers_text.empty() ? "" : " | ") + describe_layers(*model, s.first_layer, s.num_layers);
     }
     stage_layers.push_back(layers_text);
@@ -182,7 +182,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   spdlog::info("data: {}", data->describe());
   spdlog::info("model: {} layers, {} parameters; {} stages, balance [{}], {} micro-batches, schedule {}, recompute {}",
                model->size(), model->parameter_count(), K, balance_text, M, plan.schedule.name,
-               checkpoint_mode_name(plan.recompute));
+               recompute_mode_name(plan.recompute));
   for (int k = 0; k < K; ++k) spdlog::info("stage {} on {}: layers {}", k, stage_devices[k], stage_layers[k]);
 
   // The plan's prediction, the recorded steps and one clock for all ranks (collective).
@@ -234,7 +234,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
       out << "The checkpoint at step " << start << " already reached train.steps = " << c.train.steps
           << ": nothing to train (raise train.steps to go on); " << c.output.dir << " is left as it was." << std::endl;
     }
-    checkpoints.finish();
+    checkpoints.wait_for_last_save();
     result.checkpoint_path = checkpoints.last_saved();
     return result;
   }
@@ -292,7 +292,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
     }
     checkpoints.after_step(step + 1, lr.at(step));
   }
-  checkpoints.finish();
+  checkpoints.wait_for_last_save();
   result.checkpoint_path = checkpoints.last_saved();
   if (eval_n > 0) {
     std::tie(result.eval_loss, result.eval_accuracy) = validate();

@@ -453,7 +453,7 @@ TEST_CASE("the shipped configs parse, build and balance") {
     for (const auto& l : c.model.layers) overrides.push_back(l.cost);
     const int64_t micro = (c.train.batch_size + c.pipeline.micro_batches - 1) / c.pipeline.micro_batches;
     const auto costs =
-        partition::layer_costs(*model, micro, c.pipeline.recompute != CheckpointMode::kNever, overrides);
+        partition::layer_costs(*model, micro, c.pipeline.recompute != RecomputeMode::kNever, overrides);
     double best = 1e300;
     for (int first = 1; first < model->size(); ++first) {
       best = std::min(best, partition::max_cell_cost(costs, {first, model->size() - first}));

@@ -32,7 +32,7 @@ TEST_CASE("the README's C++ example trains") {
   options.optimizer.lr = 0.05;
   options.optimizer.momentum = 0.9;
   pipeline::Executor executor(model, stages,
-                              pipeline::gpipe_schedule(K, M, pipeline::CheckpointMode::kExceptLast),
+                              pipeline::gpipe_schedule(K, M, pipeline::RecomputeMode::kExceptLast),
                               transport, options);
 
   pipeline::TeacherData data(/*input*/ 32, /*classes*/ 4, /*hidden*/ 16, /*scale*/ 1.0, /*seed*/ 1, DType::kF32);

@@ -75,7 +75,7 @@ Run run(const layers::ModelSpec& spec, const std::vector<Device>& devices, int M
   opts.clip_grad_norm = 1.0;
   opts.pin_threads = false;
   const std::vector<int> balance = partition::balance_by_cost(std::vector<double>(model->size(), 1.0), K);
-  Executor ex(*model, make_stages(balance, devices), gpipe_schedule(K, M, CheckpointMode::kExceptLast), transport,
+  Executor ex(*model, make_stages(balance, devices), gpipe_schedule(K, M, RecomputeMode::kExceptLast), transport,
               opts);
   Run r;
   r.first_loss = ex.step(x, y, /*apply_optimizer=*/false).loss;

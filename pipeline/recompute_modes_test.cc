@@ -1,5 +1,5 @@
 // The defining equality in the corners the older tests left out: float32 models, and a
-// language model whose head is tied to its embedding, each in every checkpoint mode
+// language model whose head is tied to its embedding, each in every recompute mode
 // (always, except_last, never) at several K and M, over a few training steps.
 #include <doctest/doctest.h>
 
@@ -22,7 +22,7 @@ namespace {
 
 using gpipe::testing::cpu_devices;
 
-constexpr CheckpointMode kModes[] = {CheckpointMode::kAlways, CheckpointMode::kExceptLast, CheckpointMode::kNever};
+constexpr RecomputeMode kModes[] = {RecomputeMode::kAlways, RecomputeMode::kExceptLast, RecomputeMode::kNever};
 
 std::vector<int> even_balance(int layers, int k) {
   return partition::balance_by_cost(std::vector<double>(layers, 1.0), k);
@@ -93,7 +93,7 @@ struct Reference {
 
 }  // namespace
 
-TEST_CASE("float32: every checkpoint mode, K = 2 and 3, M = 2 and 4, equals the reference") {
+TEST_CASE("float32: every recompute mode, K = 2 and 3, M = 2 and 4, equals the reference") {
   const int64_t N = 11;
   const Tensor x = gpipe::testing::random_tensor({N, 6}, DType::kF32, 51, -2, 2);
   const Tensor y = gpipe::testing::random_labels(N, 5, 52);
@@ -103,10 +103,10 @@ TEST_CASE("float32: every checkpoint mode, K = 2 and 3, M = 2 and 4, equals the 
   auto ref_params = reference->named_parameters();
   for (int K : {2, 3}) {
     for (int M : {2, 4}) {
-      for (CheckpointMode mode : kModes) {
+      for (RecomputeMode mode : kModes) {
         CAPTURE(K);
         CAPTURE(M);
-        CAPTURE(checkpoint_mode_name(mode));
+        CAPTURE(recompute_mode_name(mode));
         auto model = layers::build_model(mlp_spec());
         InProcessTransport transport(K);
         Executor ex(*model, make_stages(even_balance(model->size(), K), cpu_devices(K)), gpipe_schedule(K, M, mode),
@@ -124,16 +124,16 @@ TEST_CASE("float32: every checkpoint mode, K = 2 and 3, M = 2 and 4, equals the 
   }
 }
 
-TEST_CASE("float32 training steps stay with the reference in every checkpoint mode") {
+TEST_CASE("float32 training steps stay with the reference in every recompute mode") {
   const int64_t N = 12;
   layers::OptimizerConfig oc;
   oc.type = "sgd";
   oc.lr = 0.1;
   oc.momentum = 0.9;
-  for (CheckpointMode mode : kModes) {
+  for (RecomputeMode mode : kModes) {
     for (int K : {2, 3}) {
       const int M = K == 2 ? 3 : 4;
-      CAPTURE(checkpoint_mode_name(mode));
+      CAPTURE(recompute_mode_name(mode));
       CAPTURE(K);
       Reference ref{layers::build_model(mlp_spec()), nullptr};
       ref.opt = layers::make_optimizer(all_params(*ref.model), oc);
@@ -160,7 +160,7 @@ TEST_CASE("float32 training steps stay with the reference in every checkpoint mo
   }
 }
 
-TEST_CASE("a tied head in every checkpoint mode, K = 2 and 3, M = 2 and 3, over training steps") {
+TEST_CASE("a tied head in every recompute mode, K = 2 and 3, M = 2 and 3, over training steps") {
   // float64, AdamW with clipping that bites: each step the tied pair must get the
   // summed gradient (or the two copies drift apart and the loss leaves the
   // reference's), the norm must count it once (or every clip is off), and a recompute
@@ -173,10 +173,10 @@ TEST_CASE("a tied head in every checkpoint mode, K = 2 and 3, M = 2 and 3, over 
   const double clip = 0.5;
   for (int K : {2, 3}) {
     for (int M : {2, 3}) {
-      for (CheckpointMode mode : kModes) {
+      for (RecomputeMode mode : kModes) {
         CAPTURE(K);
         CAPTURE(M);
-        CAPTURE(checkpoint_mode_name(mode));
+        CAPTURE(recompute_mode_name(mode));
         Reference ref{layers::build_model(tied_lm_spec(DType::kF64)), nullptr, clip};
         REQUIRE(ref.model->ties().size() == 1);
         ref.opt = layers::make_optimizer(all_params(*ref.model), oc);
@@ -232,7 +232,7 @@ TEST_CASE("a tied head in every checkpoint mode, K = 2 and 3, M = 2 and 3, over 
   }
 }
 
-TEST_CASE("a float32 tied head in every checkpoint mode") {
+TEST_CASE("a float32 tied head in every recompute mode") {
   const int64_t N = 6;
   const Tensor x = gpipe::testing::random_labels(N * 5, 12, 101).reshape({N, 5});
   const Tensor y = gpipe::testing::random_labels(N * 5, 12, 102).reshape({N, 5});
@@ -241,9 +241,9 @@ TEST_CASE("a float32 tied head in every checkpoint mode") {
   const double ref_loss = reference->forward_backward(backend_for(Device::cpu()), x, y, 1.0 / (N * 5));
   reference->sum_tied_gradients(backend_for(Device::cpu()));
   auto ref_params = reference->named_parameters();
-  for (CheckpointMode mode : kModes) {
+  for (RecomputeMode mode : kModes) {
     for (int K : {2, 3}) {
-      CAPTURE(checkpoint_mode_name(mode));
+      CAPTURE(recompute_mode_name(mode));
       CAPTURE(K);
       auto model = layers::build_model(tied_lm_spec(DType::kF32));
       InProcessTransport transport(K);
