@@ -125,6 +125,18 @@ void pin_to_core(int core) {
   }
 }
 
+// Which instructions open and close a group of messages: each maximal run of
+// consecutive sends and receives (one ncclGroupStart/End on a GPU transport).
+void message_groups(const std::vector<Instruction>& prog, std::vector<char>& begins, std::vector<char>& ends) {
+  begins.clear();
+  ends.clear();
+  for (size_t i = 0; i < prog.size(); ++i) {
+    const bool comm = is_communication(prog[i].op);
+    begins.push_back(comm && (i == 0 || !is_communication(prog[i - 1].op)));
+    ends.push_back(comm && (i + 1 == prog.size() || !is_communication(prog[i + 1].op)));
+  }
+}
+
 std::string layer_range(const CellSpec& c) {
   return std::to_string(c.first_layer) + ".." + std::to_string(c.first_layer + c.num_layers - 1);
 }
@@ -216,10 +228,8 @@ Executor::Executor(layers::Sequential& model, std::vector<CellSpec> cells, Sched
       if (ins.op == Op::kBackwardWeight || (ins.op == Op::kBackward && !rt->split[ins.chunk][ins.micro_batch])) {
         last_weights[ins.chunk] = static_cast<long>(i);
       }
-      const bool comm = is_communication(ins.op);
-      rt->group_begins.push_back(comm && (i == 0 || !is_communication(prog[i - 1].op)));
-      rt->group_ends.push_back(comm && (i + 1 == prog.size() || !is_communication(prog[i + 1].op)));
     }
+    message_groups(prog, rt->group_begins, rt->group_ends);
     rt->final_layers.assign(prog.size(), {});
     for (int j = 0; j < v; ++j) {
       const CellSpec& cell = cells_[rt->cells[j]];
@@ -956,14 +966,9 @@ EvalResult Executor::evaluate(const Tensor& inputs, const Tensor& targets, int64
     p->schedule = forward_only_program(schedule_, M, comm);
     check_schedule(p->schedule, comm);
     for (const auto& prog : p->schedule.stages) {
-      std::vector<char> begins, ends;
-      for (size_t i = 0; i < prog.size(); ++i) {
-        const bool comm_op = is_communication(prog[i].op);
-        begins.push_back(comm_op && (i == 0 || !is_communication(prog[i - 1].op)));
-        ends.push_back(comm_op && (i + 1 == prog.size() || !is_communication(prog[i + 1].op)));
-      }
-      p->group_begins.push_back(std::move(begins));
-      p->group_ends.push_back(std::move(ends));
+      p->group_begins.emplace_back();
+      p->group_ends.emplace_back();
+      message_groups(prog, p->group_begins.back(), p->group_ends.back());
     }
     program = std::move(p);
   }
