@@ -197,7 +197,7 @@ int main(int argc, char** argv) {
     if (balance.empty()) {
       const int64_t micro = (f.batch + f.m - 1) / f.m;
       balance = partition::balance_by_cost(
-          partition::layer_costs(*model, micro, mode != RecomputeMode::kNever), f.k);
+          partition::layer_costs(*model, micro, recomputes(mode)), f.k);
     } else {
       partition::validate_balance(balance, model->size(), f.k);
     }

@@ -51,7 +51,7 @@ layers::ModelSpec resnet_spec(bool batchnorm) {
 
 // The balancer's split from the layers' own costs, as the trainer would choose it.
 std::vector<int> balance_for(const layers::Sequential& model, int64_t n, int k, int m, RecomputeMode mode) {
-  return partition::balance_by_cost(partition::layer_costs(model, n / m, mode != RecomputeMode::kNever), k);
+  return partition::balance_by_cost(partition::layer_costs(model, n / m, recomputes(mode)), k);
 }
 
 // Every batch norm's running mean and variance, in layer order.

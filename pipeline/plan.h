@@ -33,9 +33,6 @@ struct Plan {
   int64_t largest_micro_batch() const { return micro_batch_sizes.empty() ? 0 : micro_batch_sizes.front(); }
 };
 
-// Whether a recompute mode rematerializes any micro-batch (the balancer then counts
-// each layer's recompute time too).
-inline bool recomputes(RecomputeMode mode) { return mode != RecomputeMode::kNever; }
 
 // The device of the pipeline's first stage: pipeline.devices[0], or the CPU when the
 // config names none. Costs are measured and looked up on it (profile, planner, sweep).

@@ -86,6 +86,9 @@ RecomputeMode parse_recompute_mode(const std::string& name);  // "always", "exce
 const char* recompute_mode_name(RecomputeMode mode);
 // Whether micro-batch m of M keeps only its stage input and recomputes during backward.
 bool is_recomputed(RecomputeMode mode, int micro_batch, int num_micro_batches);
+// Whether a recompute mode rematerializes any micro-batch (the balancer then counts
+// each layer's recompute time too).
+inline bool recomputes(RecomputeMode mode) { return mode != RecomputeMode::kNever; }
 using CheckpointMode [[deprecated("RecomputeMode: checkpoint now means saved state only")]] = RecomputeMode;
 
 struct Schedule {
