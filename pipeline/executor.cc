@@ -147,6 +147,25 @@ Executor::Executor(layers::Sequential& model, std::vector<CellSpec> cells, Sched
                    ExecutorOptions options)
     : model_(model), cells_(std::move(cells)), schedule_(std::move(schedule)), transport_(transport),
       options_(options) {
+  const int K = schedule_.num_stages;
+  check_cells();
+  // The collectives this run needs (the plan's schedule holds them already; a schedule
+  // made by hand gets them here), then the whole program is checked.
+  lower_collectives(schedule_, run_collectives(model_, cells_, options_.replicas != nullptr && options_.replicas->size() > 1,
+                                               options_.clip_grad_norm > 0));
+  check_schedule(schedule_, transport_.sends_wait_for_receiver() ? CommModel::kRendezvous : CommModel::kBuffered);
+  model_.loss();  // the last cell needs one: fail now, not in a worker
+  if (options_.local_stage >= K) {
+    throw UserError("this process was asked to run stage " + std::to_string(options_.local_stage) + " of a " +
+                    std::to_string(K) + "-stage pipeline");
+  }
+  for (int k = 0; k < K; ++k) runtimes_.push_back(make_stage(k));
+  share_devices();
+  start_workers();
+}
+
+// The cells cover the model's layers in order, one cell per cell of the schedule.
+void Executor::check_cells() const {
   const int K = schedule_.num_stages, C = schedule_.num_cells();
   if (static_cast<int>(cells_.size()) != C) {
     throw UserError("the schedule runs " + std::to_string(C) + " cells on " + std::to_string(K) + " stages but " +
@@ -165,82 +184,86 @@ Executor::Executor(layers::Sequential& model, std::vector<CellSpec> cells, Sched
     throw UserError("the cells hold " + std::to_string(expect_first) + " layers but the model has " +
                     std::to_string(model_.size()));
   }
-  // The collectives this run needs (the plan's schedule holds them already; a schedule
-  // made by hand gets them here), then the whole program is checked.
-  lower_collectives(schedule_, run_collectives(model_, cells_, options_.replicas != nullptr && options_.replicas->size() > 1,
-                                               options_.clip_grad_norm > 0));
-  check_schedule(schedule_, transport_.sends_wait_for_receiver() ? CommModel::kRendezvous : CommModel::kBuffered);
-  model_.loss();  // the last cell needs one: fail now, not in a worker
-  if (options_.local_stage >= K) {
-    throw UserError("this process was asked to run stage " + std::to_string(options_.local_stage) + " of a " +
-                    std::to_string(K) + "-stage pipeline");
+}
+
+// Stage k's runtime: its cells' device, and on this process its backend, clock,
+// optimizer and replicas' reducer; then what its program says (read_program).
+std::unique_ptr<Executor::StageRuntime> Executor::make_stage(int k) {
+  auto rt = std::make_unique<StageRuntime>();
+  rt->index = k;
+  rt->cells = schedule_.cells[k];
+  rt->device = cells_[rt->cells[0]].device;
+  for (int c : rt->cells) {
+    if (!(cells_[c].device == rt->device)) {
+      throw UserError("stage " + std::to_string(k) + " runs cells on " + rt->device.str() + " and " +
+                      cells_[c].device.str() + "; the cells of one stage share its device");
+    }
   }
-  for (int k = 0; k < K; ++k) {
-    auto rt = std::make_unique<StageRuntime>();
-    rt->index = k;
-    rt->cells = schedule_.cells[k];
-    rt->device = cells_[rt->cells[0]].device;
+  rt->local = options_.local_stage < 0 || options_.local_stage == k;
+  if (rt->local) {
+    rt->backend = &backend_for(rt->device);
+    rt->clock = std::make_unique<OpClock>(rt->device, options_.device_clock_on_cpu);
+    std::vector<layers::Parameter*> params;
     for (int c : rt->cells) {
-      if (!(cells_[c].device == rt->device)) {
-        throw UserError("stage " + std::to_string(k) + " runs cells on " + rt->device.str() + " and " +
-                        cells_[c].device.str() + "; the cells of one stage share its device");
+      for (int i = cells_[c].first_layer; i < cells_[c].first_layer + cells_[c].num_layers; ++i) {
+        model_.layer(i).to(rt->device);
+        for (auto* p : model_.layer(i).parameters()) params.push_back(p);
       }
     }
-    rt->local = options_.local_stage < 0 || options_.local_stage == k;
-    if (rt->local) {
-      rt->backend = &backend_for(rt->device);
-      rt->clock = std::make_unique<OpClock>(rt->device, options_.device_clock_on_cpu);
-      std::vector<layers::Parameter*> params;
-      for (int c : rt->cells) {
-        for (int i = cells_[c].first_layer; i < cells_[c].first_layer + cells_[c].num_layers; ++i) {
-          model_.layer(i).to(rt->device);
-          for (auto* p : model_.layer(i).parameters()) params.push_back(p);
-        }
-      }
-      rt->optimizer = layers::make_optimizer(params, options_.optimizer);
-      if (options_.replicas != nullptr && options_.replicas->size() > 1) {
-        ReplicaGroup* group = options_.replicas;
-        rt->reducer = std::make_unique<GradReducer>(*group, *rt->backend, options_.bucket_bytes);
-        rt->replica_sum = [group](std::vector<double>& v) {
-          Tensor t = Tensor::empty({static_cast<int64_t>(v.size())}, DType::kF64, Device::cpu());
-          std::copy(v.begin(), v.end(), t.data<double>());
-          group->all_reduce_sum(t);
-          std::copy(t.data<double>(), t.data<double>() + v.size(), v.begin());
-        };
-      }
+    rt->optimizer = layers::make_optimizer(params, options_.optimizer);
+    if (options_.replicas != nullptr && options_.replicas->size() > 1) {
+      ReplicaGroup* group = options_.replicas;
+      rt->reducer = std::make_unique<GradReducer>(*group, *rt->backend, options_.bucket_bytes);
+      rt->replica_sum = [group](std::vector<double>& v) {
+        Tensor t = Tensor::empty({static_cast<int64_t>(v.size())}, DType::kF64, Device::cpu());
+        std::copy(v.begin(), v.end(), t.data<double>());
+        group->all_reduce_sum(t);
+        std::copy(t.data<double>(), t.data<double>() + v.size(), v.begin());
+      };
     }
-    // What the program says, once.
-    const auto& prog = schedule_.stages[k];
-    const int v = schedule_.num_chunks(), M = schedule_.num_micro_batches;
-    rt->checkpointed.assign(v, std::vector<char>(M, 0));
-    rt->split.assign(v, std::vector<char>(M, 0));
-    for (const Instruction& ins : prog) {
-      if (ins.op == Op::kRecompute) rt->checkpointed[ins.chunk][ins.micro_batch] = 1;
-      if (ins.op == Op::kBackwardWeight) rt->split[ins.chunk][ins.micro_batch] = 1;
-    }
-    // A layer's gradients are final after the last instruction that adds to them: the
-    // chunk's last backward, or for a layer that splits its backward, the last weight
-    // gradient or whole backward (one without a W) of the chunk.
-    std::vector<long> last_b(v, -1), last_weights(v, -1);
-    for (size_t i = 0; i < prog.size(); ++i) {
-      const Instruction& ins = prog[i];
-      if (ins.op == Op::kBackward) last_b[ins.chunk] = static_cast<long>(i);
-      if (ins.op == Op::kBackwardWeight || (ins.op == Op::kBackward && !rt->split[ins.chunk][ins.micro_batch])) {
-        last_weights[ins.chunk] = static_cast<long>(i);
-      }
-    }
-    message_groups(prog, rt->group_begins, rt->group_ends);
-    rt->final_layers.assign(prog.size(), {});
-    for (int j = 0; j < v; ++j) {
-      const CellSpec& cell = cells_[rt->cells[j]];
-      for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) {
-        const long at = model_.layer(i).splits_backward() ? last_weights[j] : last_b[j];
-        if (at >= 0) rt->final_layers[at].push_back(i);
-      }
-    }
-    runtimes_.push_back(std::move(rt));
   }
-  // Stages of this process that share a device take turns on its backend.
+  read_program(*rt);
+  return rt;
+}
+
+// What the stage's program says, once: which (chunk, micro-batch) recompute and which
+// split into B and W, after which instruction each layer's gradients are final, and
+// which instructions open and close a group of messages.
+void Executor::read_program(StageRuntime& rt) {
+  const int k = rt.index;
+  const auto& prog = schedule_.stages[k];
+  const int v = schedule_.num_chunks(), M = schedule_.num_micro_batches;
+  rt.checkpointed.assign(v, std::vector<char>(M, 0));
+  rt.split.assign(v, std::vector<char>(M, 0));
+  for (const Instruction& ins : prog) {
+    if (ins.op == Op::kRecompute) rt.checkpointed[ins.chunk][ins.micro_batch] = 1;
+    if (ins.op == Op::kBackwardWeight) rt.split[ins.chunk][ins.micro_batch] = 1;
+  }
+  // A layer's gradients are final after the last instruction that adds to them: the
+  // chunk's last backward, or for a layer that splits its backward, the last weight
+  // gradient or whole backward (one without a W) of the chunk.
+  std::vector<long> last_b(v, -1), last_weights(v, -1);
+  for (size_t i = 0; i < prog.size(); ++i) {
+    const Instruction& ins = prog[i];
+    if (ins.op == Op::kBackward) last_b[ins.chunk] = static_cast<long>(i);
+    if (ins.op == Op::kBackwardWeight || (ins.op == Op::kBackward && !rt.split[ins.chunk][ins.micro_batch])) {
+      last_weights[ins.chunk] = static_cast<long>(i);
+    }
+  }
+  message_groups(prog, rt.group_begins, rt.group_ends);
+  rt.final_layers.assign(prog.size(), {});
+  for (int j = 0; j < v; ++j) {
+    const CellSpec& cell = cells_[rt.cells[j]];
+    for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) {
+      const long at = model_.layer(i).splits_backward() ? last_weights[j] : last_b[j];
+      if (at >= 0) rt.final_layers[at].push_back(i);
+    }
+  }
+}
+
+// Stages of this process that share a device take turns on its backend.
+void Executor::share_devices() {
+  const int K = schedule_.num_stages;
   for (int k = 0; k < K; ++k) {
     if (!runtimes_[k]->local) continue;
     for (int j = 0; j < k; ++j) {
@@ -262,6 +285,11 @@ Executor::Executor(layers::Sequential& model, std::vector<CellSpec> cells, Sched
                       std::to_string(rt->index) + "'s device to another stage too");
     }
   }
+}
+
+// One worker thread per local stage, bound to its device (and pinned to a core).
+void Executor::start_workers() {
+  const int K = schedule_.num_stages;
   // Threads per process: K in one process, or one stage per process (one per core).
   const int threads = options_.local_stage < 0 ? K : 1;
   const bool pin = options_.pin_threads && static_cast<unsigned>(threads) <= std::thread::hardware_concurrency();

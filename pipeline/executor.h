@@ -169,6 +169,12 @@ class Executor {
   struct StageRuntime;
   struct MicroBatch;
   struct EvalProgram;
+  // The constructor's steps.
+  void check_cells() const;
+  std::unique_ptr<StageRuntime> make_stage(int k);
+  void read_program(StageRuntime& rt);
+  void share_devices();
+  void start_workers();
   void worker_main(int k);
   // Wakes the workers on cur_, waits for them, and rethrows the first real failure.
   void run_workers();
