@@ -283,21 +283,24 @@ void lower_communication(Schedule& s, CommModel comm) {
   s = std::move(merged);  // fine, or its check names the problem
 }
 
+std::vector<Instruction> stage_collectives(const Schedule& s, const Schedule::Collectives& c, int stage) {
+  std::vector<Instruction> out;
+  if (c.replicas) out.push_back({Op::kReduceGradients, -1, 0});
+  for (size_t i = 0; i < c.ties.size(); ++i) {
+    const int a = s.stage_of_cell(c.ties[i].first), b = s.stage_of_cell(c.ties[i].second);
+    if (a != b && (a == stage || b == stage)) out.push_back({Op::kTiedGradients, static_cast<int>(i), 0});
+  }
+  if (c.gradient_norm) out.push_back({Op::kGradientNorm, -1, 0});
+  return out;
+}
+
 void lower_collectives(Schedule& s, const Schedule::Collectives& c) {
   if (s.collectives_lowered) {
     if (s.collectives == c) return;
     throw Error("schedule '" + s.name + "' already holds other collectives than this run needs");
   }
   for (size_t k = 0; k < s.stages.size(); ++k) {
-    std::vector<Instruction> mine;
-    if (c.replicas) mine.push_back({Op::kReduceGradients, -1, 0});
-    for (size_t i = 0; i < c.ties.size(); ++i) {
-      const int a = s.stage_of_cell(c.ties[i].first), b = s.stage_of_cell(c.ties[i].second);
-      if (a != b && (a == static_cast<int>(k) || b == static_cast<int>(k))) {
-        mine.push_back({Op::kTiedGradients, static_cast<int>(i), 0});
-      }
-    }
-    if (c.gradient_norm) mine.push_back({Op::kGradientNorm, -1, 0});
+    const std::vector<Instruction> mine = stage_collectives(s, c, static_cast<int>(k));
     auto& prog = s.stages[k];
     auto at = std::find_if(prog.begin(), prog.end(), [](const Instruction& i) { return i.op == Op::kOptimizerStep; });
     const size_t pos = static_cast<size_t>(at - prog.begin());

@@ -209,6 +209,9 @@ void lower_communication(Schedule& s, CommModel comm = CommModel::kBuffered);
 // (in tie order), NORM on every stage (clipping). Idempotent: lowering the same facts
 // again changes nothing; different facts throw Error.
 void lower_collectives(Schedule& s, const Schedule::Collectives& collectives);
+// The collectives stage `stage` runs for these facts, in their order (what
+// lower_collectives inserts there, and what the checker expects).
+std::vector<Instruction> stage_collectives(const Schedule& s, const Schedule::Collectives& collectives, int stage);
 // The stages taking part in a collective instruction of stage `stage`: itself for RG
 // (its partners are the replicas, running the same program), the tie's two stages for
 // TIE, every stage for NORM.

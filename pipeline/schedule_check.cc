@@ -69,14 +69,7 @@ struct CollectiveState {
 
 // How many collective instructions lower_collectives() gives stage k.
 int collectives_of_stage(const Schedule& s, int k) {
-  if (!s.collectives_lowered) return 0;
-  const auto& c = s.collectives;
-  int n = (c.replicas ? 1 : 0) + (c.gradient_norm ? 1 : 0);
-  for (const auto& tie : c.ties) {
-    const int a = s.stage_of_cell(tie.first), b = s.stage_of_cell(tie.second);
-    if (a != b && (a == k || b == k)) ++n;
-  }
-  return n;
+  return s.collectives_lowered ? static_cast<int>(stage_collectives(s, s.collectives, k).size()) : 0;
 }
 
 class Interpreter {
