@@ -23,12 +23,12 @@
 
 #include <nlohmann/json.hpp>
 
-#include "pipeline/checkpoint.h"
-#include "pipeline/checkpoint_writer.h"
-#include "pipeline/config.h"
-#include "pipeline/executor.h"
-#include "pipeline/plan.h"
-#include "pipeline/run_model.h"
+#include "pipeline/checkpoint/checkpoint.h"
+#include "pipeline/checkpoint/checkpoint_writer.h"
+#include "pipeline/config/config.h"
+#include "pipeline/config/run_model.h"
+#include "pipeline/executor/executor.h"
+#include "pipeline/planning/plan.h"
 #include "runtime/inprocess_transport.h"
 #include "tests/testing.h"
 

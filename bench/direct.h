@@ -10,8 +10,8 @@
 
 #include "layers/optimizer.h"
 #include "layers/sequential.h"
-#include "pipeline/executor.h"
-#include "pipeline/schedule.h"
+#include "pipeline/executor/executor.h"
+#include "pipeline/schedule/schedule.h"
 
 namespace gpipe {
 namespace bench {

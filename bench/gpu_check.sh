@@ -18,7 +18,7 @@
 #         nccl      with mpirun and two GPUs: the NCCL transport test (its cases, a
 #                   grouped exchange both ways, and waits on a stuck peer ending the
 #                   job at the deadline; runtime/nccl_transport_test.sh) and an NCCL
-#                   training run against threads (pipeline/nccl_train_test.sh)
+#                   training run against threads (pipeline/cli/nccl_train_test.sh)
 #         bench     the GPU benchmarks (block_bench, pipeline_bench K = 1, 2, 4)
 #       Full logs under $OUT (or /tmp/gpu_check); the table is printed last. A step that
 #       the machine cannot run (one GPU, no mpirun, no compute-sanitizer) is reported as
@@ -49,7 +49,7 @@ prepare() {
       esac
     done
   done
-  cp bench/torch_block.py configs/default.yaml configs/mlp.yaml pipeline/nccl_train_test.sh \
+  cp bench/torch_block.py configs/default.yaml configs/mlp.yaml pipeline/cli/nccl_train_test.sh \
     runtime/nccl_transport_test.sh "$carry/"
   cp /usr/share/common-licenses/GPL-3 "$carry/GPL-3"
   du -sh "$carry" >&2

@@ -7,7 +7,7 @@ checks it against what gpipe saved.
 Reads model.safetensors.index.json and optimizer.safetensors.index.json, loads every shard
 with safetensors.torch.load_file (or safetensors.numpy.load_file where PyTorch is not
 installed), and checks that the names, dtypes and shapes match the index and, with
-EXPECTED_JSON (written by //pipeline:checkpoint_torch_fixture), the names, dtypes, shapes,
+EXPECTED_JSON (written by //pipeline/checkpoint:checkpoint_torch_fixture), the names, dtypes, shapes,
 first values and sums gpipe wrote. Without the safetensors package it prints a
 GPIPE_TEST_SKIPPED line and exits 0. Exits 1 on any mismatch.
 """

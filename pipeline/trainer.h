@@ -1,42 +1,5 @@
-// A training run from a Config (and, for a model built in C++, a factory): builds the
-// model, balances it into cells, runs the schedule step by step, logs, evaluates, and
-// writes the report.
+// A training run from a Config without the command line, pipeline::train: a public entry
+// point of pipeline/ (target //pipeline:trainer). It lives in pipeline/train/trainer.h.
 #pragma once
 
-#include <iosfwd>
-#include <string>
-#include <vector>
-
-#include "pipeline/config.h"
-#include "pipeline/launch.h"
-#include "pipeline/report.h"
-#include "pipeline/run_model.h"
-#include "runtime/transport.h"
-
-namespace gpipe {
-namespace pipeline {
-
-struct TrainResult {
-  RunSummary summary;
-  std::vector<double> losses;  // per step
-  double eval_loss = 0, eval_accuracy = 0;
-  std::vector<int> balance;
-  std::string report_path;
-  int start_step = 0;           // where the run began: a resumed run's checkpoint step
-  std::string checkpoint_path;  // the last checkpoint saved, if any
-};
-
-// Runs the whole job; progress lines and the final table go to `out`.
-TrainResult train(const Config& config, std::ostream& out, const Launch& launch = {});
-// The same for a model built in C++ by `make_model` (called once in every process),
-// with everything else from `config` (data, pipeline, optimizer, train, output; from
-// YAML or filled in C++): config.model is ignored, the data takes the model's input
-// shape and dtypes, and there are no per-layer `cost:` overrides.
-TrainResult train(const Config& config, const MakeModel& make_model, std::ostream& out,
-                  const Launch& launch = {});
-
-// The cells a config asks for: its balance, or the balancer's from layer costs.
-std::vector<int> plan_balance(const Config& config, const layers::Sequential& model);
-
-}  // namespace pipeline
-}  // namespace gpipe
+#include "pipeline/train/trainer.h"

@@ -27,7 +27,7 @@
 // unless each puts its sends and receives in one ncclGroupStart/End, whose operations
 // progress together (NCCL user guide, "Point-to-point communication"). So
 // sends_wait_for_receiver() is true, the schedule is lowered and checked for a
-// rendezvous transport (pipeline/schedule.h, CommModel::kRendezvous), and the executor
+// rendezvous transport (pipeline/schedule/schedule.h, CommModel::kRendezvous), and the executor
 // brackets each run of consecutive sends and receives with begin_group/end_group. Inside
 // a group NCCL only enqueues its operations at ncclGroupEnd, so:
 //   - send() and recv() post their ncclSend/ncclRecv into the open group; the `sent` and

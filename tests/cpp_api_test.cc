@@ -7,8 +7,8 @@
 #include "layers/loss.h"
 #include "layers/sequential.h"
 #include "partition/balance.h"
-#include "pipeline/data.h"
 #include "pipeline/executor.h"
+#include "pipeline/train/data.h"
 #include "runtime/inprocess_transport.h"
 
 TEST_CASE("the README's C++ example trains") {

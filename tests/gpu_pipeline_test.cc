@@ -14,7 +14,7 @@
 
 #include "layers/registry.h"
 #include "partition/balance.h"
-#include "pipeline/executor.h"
+#include "pipeline/executor/executor.h"
 #include "runtime/device.h"
 #include "runtime/inprocess_transport.h"
 #include "tests/testing.h"

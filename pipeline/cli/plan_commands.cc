@@ -1,0 +1,244 @@
+#include "pipeline/cli/plan_commands.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <exception>
+#include <thread>
+#include <filesystem>
+#include <ostream>
+#include <set>
+
+#include "pipeline/config/run_model.h"
+#include "pipeline/planning/device_spec.h"
+#include "pipeline/planning/planner.h"
+#include "pipeline/planning/profile.h"
+#include "pipeline/planning/sweep.h"
+#include "pipeline/train/datasets.h"
+#include "runtime/error.h"
+#include "runtime/inprocess_transport.h"
+
+namespace gpipe {
+namespace pipeline {
+
+namespace {
+
+void pin_to_core(int core) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(core, &set);
+  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort, as the executor's
+}
+
+std::string mb(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f", bytes / 1e6);
+  return buf;
+}
+
+void print_planned(const Plan& plan, const PlannedRun& run, int64_t memory_limit, std::ostream& out) {
+  char line[512];
+  out << "Prediction (costs: " << run.source << "):\n";
+  std::snprintf(line, sizeof line, "%-5s %8s %9s %8s %7s %8s %8s %7s %6s | %9s %9s %9s %11s %9s\n", "stage", "fwd ms",
+                "recomp ms", "bwd ms", "W ms", "comm ms", "idle ms", "opt ms", "util", "weights", "grads", "opt state",
+                "activations", "total MB");
+  out << line;
+  int64_t peak = 0;
+  int peak_stage = 0;
+  for (size_t k = 0; k < run.stages.size(); ++k) {
+    const PlannedStage& s = run.stages[k];
+    std::snprintf(line, sizeof line, "%-5zu %8.2f %9.2f %8.2f %7.2f %8.2f %8.2f %7.2f %5.1f%% | %9s %9s %9s %11s %9s\n",
+                  k, s.forward_ms, s.recompute_ms, s.backward_ms, s.weight_ms, s.comm_ms, s.idle_ms, s.optimizer_ms,
+                  100 * s.utilization, mb(s.weight_bytes).c_str(), mb(s.gradient_bytes).c_str(),
+                  mb(s.optimizer_bytes).c_str(), mb(s.activation_bytes).c_str(), mb(s.total_bytes()).c_str());
+    out << line;
+    if (s.total_bytes() > peak) {
+      peak = s.total_bytes();
+      peak_stage = static_cast<int>(k);
+    }
+  }
+  std::snprintf(line, sizeof line,
+                "step %.2f ms (span %.2f ms), bubble %.3f (the schedule's formula %.3f), %.1f samples/s; the fullest "
+                "device holds %s MB (stage %d)",
+                run.step_ms, run.span_ms, run.bubble, formula_bubble(plan.schedule), run.samples_per_second,
+                mb(peak).c_str(), peak_stage);
+  out << line;
+  if (memory_limit > 0) {
+    out << (peak <= memory_limit ? ", within " : ", OVER ") << "the limit of " << mb(memory_limit) << " MB";
+  }
+  out << "\n";
+}
+
+}  // namespace
+
+void print_prediction(const Config& c, const layers::Sequential& model, const Plan& plan, std::ostream& out) {
+  print_planned(plan, predict_config(c, model, plan), c.pipeline.memory_limit, out);
+}
+
+int plan_other_runs(const Config& config, layers::Sequential& model, const PlanCommandOptions& o, std::ostream& out) {
+  DeviceSpec spec;
+  const bool has_spec = !o.device_spec.empty();
+  if (has_spec) spec = load_device_spec(o.device_spec);
+  if (o.sweep) {
+    SweepOptions sweep_options;
+    sweep_options.devices = o.devices;
+    sweep_options.spec = has_spec ? &spec : nullptr;
+    const bool cpu = config.pipeline.devices.empty() || parse_device(config.pipeline.devices[0]).is_cpu();
+    if (!has_spec && cpu) sweep_options.host_available = std::max<int64_t>(0, host_available_bytes());
+    out << sweep_table(sweep(config, model, sweep_options), o.rows);
+    return 0;
+  }
+  Config c = config;
+  const int n = o.devices > 0 ? o.devices : c.pipeline.partitions;
+  c.pipeline.partitions = n;
+  c.pipeline.replicas = 1;
+  c.pipeline.devices.clear();  // labels only: the devices are not this machine's
+  c.pipeline.balance.clear();
+  if (c.pipeline.balance_by == "profile" && has_spec) c.pipeline.balance_by = "estimate";
+  const Plan plan = make_plan(c, model);
+  if (!has_spec) {
+    out << "Plan for " << n << " device" << (n == 1 ? "" : "s") << " like this machine's (balance";
+    for (int b : plan.balance) out << " " << b;
+    out << "):\n";
+    print_prediction(c, model, plan, out);
+    return 0;
+  }
+  const partition::CostModel cm = spec.cost_model(dtype_name(model.output_dtype()));
+  const CostSource costs(model, ProfileStore{}, "", Device::cuda(0), 0, cm, {}, c.optimizer.optimizer);
+  // The balancer's split by the spec's roofline.
+  c.pipeline.balance = partition::balance_by_cost(
+      partition::layer_costs(model, plan.largest_micro_batch(), recomputes(plan.recompute), {}, cm),
+      plan.num_cells());
+  const Plan spec_plan = make_plan(c, model);
+  const PlannedRun run =
+      predict(spec_plan, model, costs, [&spec](int a, int b) { return spec.link(a, b); }, c.optimizer.optimizer);
+  out << "Plan for " << n << " x " << spec.name << " (" << spec.source << "; " << spec.devices_per_node
+      << " per node, " << spec.intra_node.kind << " within, " << spec.inter_node.kind << " between nodes), balance";
+  for (int b : spec_plan.balance) out << " " << b;
+  out << ":\n";
+  print_planned(spec_plan, run, c.pipeline.memory_limit > 0 ? c.pipeline.memory_limit : spec.memory_bytes, out);
+  return 0;
+}
+
+int profile_command(const Config& config, const ProfileOptions& o, const Launch& launch, std::ostream& out) {
+  RunModel run = build_run_model(config);
+  const Config c = run.config;
+  const std::string hash = model_hash(*run.model);
+  const std::filesystem::path path(c.pipeline.profile);
+  if (path.has_parent_path()) {
+    std::error_code ec;
+    std::filesystem::create_directories(path.parent_path(), ec);
+    if (ec) throw UserError("cannot create the directory of pipeline.profile '" + path.string() + "': " + ec.message());
+  }
+  if (launch.size > 1) {  // the MPI transport between ranks 0 and 1
+    if (launch.transport == nullptr || launch.rank > 1) return 0;
+    if (!first_device(c).is_cpu()) throw UserError("gpipe profile under mpirun measures the MPI transport of CPU stages only");
+    const LinkCost l = measure_link(*launch.transport, "mpi", launch.rank, o.repeats);
+    if (launch.rank == 0) {
+      ProfileStore store = load_profile(c.pipeline.profile);
+      store.put(l);
+      save_profile(c.pipeline.profile, store);
+      char line[200];
+      std::snprintf(line, sizeof line, "mpi: latency %.1f us, bandwidth %.2f GB/s -> %s\n", l.latency_ms * 1e3,
+                    l.bytes_per_ms / 1e6, c.pipeline.profile.c_str());
+      out << line;
+    }
+    return 0;
+  }
+  set_cpu_blas_threads(c.train.blas_threads);
+  const Device device = first_device(c);
+  std::set<int64_t> sizes(o.micro_batches.begin(), o.micro_batches.end());
+  const Plan run_sizes = plan_sizes(c);  // the run's own micro-batches
+  const int64_t own = run_sizes.largest_micro_batch();
+  if (sizes.empty()) sizes.insert(own);
+  if (o.sweep) {
+    for (int m : SweepOptions{}.micro_batches) {
+      if (m <= run_sizes.replica_batch) sizes.insert(split_sizes(run_sizes.replica_batch, m).front());
+    }
+  }
+  const std::unique_ptr<Dataset> data = make_dataset(c);
+  ProfileStore store = load_profile(c.pipeline.profile);
+  std::vector<int> levels = o.concurrency;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (levels.empty()) {
+    levels.push_back(1);
+    if (device.is_cpu() && cores > 1) levels.push_back(cores);
+  }
+  // One copy of the model per stage computing at once (gradients must not be shared).
+  std::vector<std::unique_ptr<layers::Sequential>> copies;
+  copies.push_back(std::move(run.model));
+  char line[300];
+  for (int at_once : levels) {
+    if (at_once < 1 || (device.is_cpu() && at_once > cores) || (!device.is_cpu() && at_once != 1)) {
+      throw UserError("--concurrency " + std::to_string(at_once) + ": give 1 to " + std::to_string(cores) +
+                      " stages at once (one per core) on CPUs, 1 on GPUs");
+    }
+    while (static_cast<int>(copies.size()) < at_once) copies.push_back(build_run_model(config).model);
+    for (int64_t n : sizes) {
+      if (n < 1) throw UserError("--micro-batches: sizes must be at least 1, got " + std::to_string(n));
+      auto [x, y] = data->batch(batch_key(c.train.seed, 0), n);
+      // Every copy on its own core, started together (they do the same work, so they
+      // stay together); the first one's times are kept.
+      std::vector<ProfileEntry> entries(at_once);
+      std::vector<std::exception_ptr> errors(at_once);
+      std::atomic<int> ready{0};
+      std::vector<std::thread> threads;
+      for (int i = 0; i < at_once; ++i) {
+        threads.emplace_back([&, i] {
+          try {
+            if (device.is_cpu() && c.pipeline.pin_threads) pin_to_core(i);
+            ready.fetch_add(1);
+            while (ready.load() < at_once) std::this_thread::yield();
+            entries[i] = measure_layers(*copies[i], x, y, device, c.optimizer.optimizer, o.warmup, o.repeats,
+                                        c.train.blas_threads, at_once, o.min_seconds);
+          } catch (...) {
+            errors[i] = std::current_exception();
+            ready.fetch_add(at_once);  // release the others
+          }
+        });
+      }
+      for (auto& t : threads) t.join();
+      for (auto& e : errors) {
+        if (e) std::rethrow_exception(e);
+      }
+      ProfileEntry& e = entries[0];
+      double f = 0, b = 0, r = 0, opt = 0;
+      for (const auto& l : e.layers) {
+        f += l.forward_ms;
+        b += l.backward_ms;
+        r += l.recompute_ms;
+        opt += l.optimizer_ms;
+      }
+      std::snprintf(line, sizeof line,
+                    "micro-batch %4lld on %s, %d at once: forward %.3f ms, backward %.3f ms, recompute %.3f ms, loss "
+                    "%.3f + %.3f ms, optimizer %.3f ms (medians of %d after %d warm-up)\n",
+                    static_cast<long long>(n), e.key.device.c_str(), at_once, f, b, r, e.loss_forward_ms,
+                    e.loss_backward_ms, opt, e.repeats, o.warmup);
+      out << line;
+      if (n == own && at_once == 1) {
+        for (size_t i = 0; i < e.layers.size(); ++i) {
+          const LayerProfile& l = e.layers[i];
+          std::snprintf(line, sizeof line, "  %3zu %-34s fwd %8.3f  bwd %8.3f (B %8.3f W %8.3f)  opt %7.3f ms\n", i,
+                        l.describe.substr(0, 34).c_str(), l.forward_ms, l.backward_ms, l.backward_input_ms,
+                        l.backward_weight_ms, l.optimizer_ms);
+          out << line;
+        }
+      }
+      store.put(std::move(e));
+    }
+  }
+  InProcessTransport pair(2);
+  const LinkCost l = measure_link(pair, "inprocess", -1, o.repeats);
+  store.put(l);
+  std::snprintf(line, sizeof line, "in-process hand-over: %.1f us\n", l.latency_ms * 1e3);
+  out << line;
+  save_profile(c.pipeline.profile, store);
+  out << "Profile: " << c.pipeline.profile << " (model " << hash << ")\n";
+  return 0;
+}
+
+}  // namespace pipeline
+}  // namespace gpipe

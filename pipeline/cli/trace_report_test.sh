@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# trace.json and report.html of real runs, checked as Perfetto and a browser need them
+# (pipeline/report/trace_check.py, pipeline/report/report_check.py): one process at K=2 (GPipe) and
+# K=3 (zero bubble, one slice per instruction including W), interleaved 1F1B (two cells
+# per stage), two processes under mpirun (1F1B, clocks aligned by ping-pongs), K=2 x D=2
+# on four processes (the replicas' all-reduce slices), and
+# output.trace: false (no trace, still a page). Instruction counts per stage and step
+# are the programs' lengths, counted by hand from each schedule (M=4, except_last).
+set -uo pipefail
+gpipe="$1" trace_check="$2" report_check="$3"
+tmp="${TEST_TMPDIR:-/tmp}/trace_report_test"
+rm -rf "$tmp" && mkdir -p "$tmp"
+mpirun=(timeout 300 mpirun --allow-run-as-root --oversubscribe)
+
+cat > "$tmp/mlp.yaml" <<YAML
+model:
+  input: [32]
+  layers:
+    - {type: linear, out: 64}
+    - repeat: 4
+      layers:
+        - {type: relu}
+        - {type: linear, out: 64}
+    - {type: linear, out: 10}
+  loss: {type: softmax_cross_entropy}
+data: {type: teacher, classes: 10, eval_samples: 64}
+pipeline: {partitions: 2, micro_batches: 4, recompute: except_last}
+optimizer: {type: sgd, lr: 0.05, momentum: 0.9}
+train: {steps: 7, batch_size: 32, log_interval: 10}
+trace: {steps: [2, 5]}
+YAML
+
+run() {  # name, processes, then --set overrides
+  local name="$1" np="$2"
+  shift 2
+  local cmd=("$gpipe" train "$tmp/mlp.yaml" --set output.dir="$tmp/$name" "$@")
+  if [ "$np" -gt 1 ]; then cmd=("${mpirun[@]}" -np "$np" "${cmd[@]}"); fi
+  "${cmd[@]}" > "$tmp/$name.log" 2>&1 || { cat "$tmp/$name.log"; echo "FAIL: $name did not run"; exit 1; }
+}
+check() {  # name, stages, instructions per stage
+  python3 "$trace_check" "$tmp/$1/trace.json" 2,5 "$3" || { echo "FAIL: $1's trace"; exit 1; }
+  python3 "$report_check" "$tmp/$1/report.html" "$2" 2,5 || { echo "FAIL: $1's page"; exit 1; }
+}
+
+run gpipe_k2 1
+check gpipe_k2 2 20,20
+run zb_k3 1 --set pipeline.partitions=3 --set pipeline.schedule=zero_bubble
+check zb_k3 3 24,32,24
+run interleaved 1 --set pipeline.schedule=interleaved_1f1b --set pipeline.virtual_stages=2
+check interleaved 2 47,47
+run mpi_1f1b 2 --set pipeline.schedule=1f1b
+check mpi_1f1b 2 20,20
+# Two replicas of a 2-stage pipeline on four processes: every stage's gradient
+# all-reduce is an instruction of its own (RG, one more per stage), a slice of the
+# communication track before its optimizer step.
+run mpi_dp 4 --set pipeline.replicas=2
+python3 "$trace_check" "$tmp/mpi_dp/trace.json" 2,5 21,21 --all-reduce || { echo "FAIL: mpi_dp's trace"; exit 1; }
+python3 "$report_check" "$tmp/mpi_dp/report.html" 2 2,5 || { echo "FAIL: mpi_dp's page"; exit 1; }
+grep -q '"rank 1' "$tmp/mpi_1f1b/trace.json" || grep -q 'rank 1 ' "$tmp/mpi_1f1b/trace.json" ||
+  { echo "FAIL: the merged trace does not name rank 1"; exit 1; }
+
+# Clipping: every stage's gradient-norm all-reduce (NORM) is an instruction of its own.
+run clip_k2 1 --set optimizer.clip_grad_norm=1.0
+check clip_k2 2 21,21
+python3 - "$tmp/clip_k2/trace.json" <<'PY' || { echo "FAIL: clip_k2's trace has no NORM slice per stage and step"; exit 1; }
+import json, sys
+ev = [e for e in json.load(open(sys.argv[1]))["traceEvents"] if e.get("cat") == "gradient_norm"]
+assert sorted((e["pid"], e["args"]["step"]) for e in ev) == [(k, s) for k in (0, 1) for s in range(2, 6)], ev
+PY
+
+run no_trace 1 --set output.trace=false
+[ ! -e "$tmp/no_trace/trace.json" ] || { echo "FAIL: output.trace=false wrote trace.json"; exit 1; }
+[ -s "$tmp/no_trace/report.html" ] || { echo "FAIL: no report.html without a trace"; exit 1; }
+ls "$tmp"/*/ | grep -q '\.tmp' && { echo "FAIL: a temporary file was left behind"; exit 1; }
+echo "all traces and pages check out"

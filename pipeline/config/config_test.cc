@@ -1,0 +1,145 @@
+// Config decoding: defaults, repeats, overrides, and errors that name the key with
+// its line and column.
+#include <doctest/doctest.h>
+
+#include <string>
+
+#include "pipeline/config/config.h"
+#include "runtime/error.h"
+
+using namespace gpipe;
+using namespace gpipe::pipeline;
+
+namespace {
+const char* kBase = R"(model:
+  input: [8]
+  layers:
+    - {type: linear, out: 16}
+    - repeat: 3
+      layers:
+        - {type: relu}
+        - {type: linear, out: 16, cost: 2.5}
+    - {type: linear, out: 4}
+  loss: softmax_cross_entropy
+train:
+  steps: 5
+  batch_size: 32
+)";
+
+std::string error_of(const std::string& text, const std::vector<std::string>& overrides = {}) {
+  try {
+    parse_config(text, "t.yaml", overrides);
+  } catch (const UserError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+}  // namespace
+
+TEST_CASE("the default config loads") {
+  const Config c = load_config("configs/default.yaml");
+  CHECK(c.name == "default");
+  CHECK(c.pipeline.partitions == 2);
+  CHECK(c.pipeline.micro_batches == 4);
+  CHECK(c.output.dir == "runs/default");
+  CHECK(c.model.layers.size() == 7);  // embedding, 4 blocks, layernorm, tied head
+  CHECK(c.model.layers.back().args.at("tied") == "true");
+}
+
+TEST_CASE("repeats expand, costs and defaults are kept") {
+  const Config c = parse_config(kBase, "configs/small.yaml");
+  REQUIRE(c.model.layers.size() == 8);
+  CHECK(c.model.layers[1].type == "relu");
+  CHECK(c.model.layers[2].args.at("out") == "16");
+  CHECK(c.model.layers[2].cost.value() == 2.5);
+  CHECK(!c.model.layers[0].cost.has_value());
+  CHECK(c.model.loss.type == "softmax_cross_entropy");
+  CHECK(c.pipeline.recompute == RecomputeMode::kExceptLast);
+  CHECK(c.output.dir == "runs/small");
+  CHECK(c.model.layers[0].where == "configs/small.yaml:4:7");
+}
+
+TEST_CASE("--set overrides any field, including lists and new keys") {
+  const Config c = parse_config(kBase, "t.yaml",
+                                {"pipeline.partitions=2", "pipeline.balance=[4,4]", "train.steps=7",
+                                 "model.layers.0.out=12", "optimizer.lr=0.5"});
+  CHECK(c.pipeline.partitions == 2);
+  CHECK(c.pipeline.balance == std::vector<int>{4, 4});
+  CHECK(c.train.steps == 7);
+  CHECK(c.model.layers[0].args.at("out") == "12");
+  CHECK(c.optimizer.optimizer.lr == 0.5);
+}
+
+TEST_CASE("an unknown key names itself, its place and the valid keys") {
+  const std::string e = error_of(std::string(kBase) + "  stepz: 4\n");
+  CHECK(e.find("t.yaml:14:3") != std::string::npos);
+  CHECK(e.find("train.stepz") != std::string::npos);
+  CHECK(e.find("valid keys in train: steps, batch_size") != std::string::npos);
+  CHECK(error_of(std::string(kBase) + "trian: {}\n").find("unknown key 'trian'") != std::string::npos);
+}
+
+TEST_CASE("a wrong type names the key with line and column") {
+  std::string text = kBase;
+  text.replace(text.find("steps: 5"), 8, "steps: five");
+  const std::string e = error_of(text);
+  CHECK(e.find("t.yaml:12:10") != std::string::npos);
+  CHECK(e.find("train.steps: expected an integer, got 'five'") != std::string::npos);
+  CHECK(error_of(kBase, {"pipeline.checkpoint=sometimes"}).find("--set pipeline.checkpoint=sometimes") !=
+        std::string::npos);
+  CHECK(error_of(kBase, {"pipeline.micro_batches=0"}).find("must be at least 1") != std::string::npos);
+  CHECK(error_of(kBase, {"pipeline.bucket_mb=-1"}).find("pipeline.bucket_mb: must be at least 0") !=
+        std::string::npos);
+  CHECK(parse_config(kBase, "t.yaml", {"pipeline.bucket_mb=0.5"}).pipeline.bucket_mb == 0.5);
+}
+
+TEST_CASE("pipeline.timeout_s: a default for real jobs, 0 for none, never negative") {
+  CHECK(parse_config(kBase, "t.yaml").pipeline.timeout_s == 600);
+  CHECK(parse_config(kBase, "t.yaml", {"pipeline.timeout_s=2.5"}).pipeline.timeout_s == 2.5);
+  CHECK(parse_config(kBase, "t.yaml", {"pipeline.timeout_s=0"}).pipeline.timeout_s == 0);
+  CHECK(error_of(kBase, {"pipeline.timeout_s=-1"}).find("pipeline.timeout_s: must be a number of seconds > 0") !=
+        std::string::npos);
+  CHECK(error_of(kBase, {"pipeline.timeout_s=soon"}).find("expected a number, got 'soon'") != std::string::npos);
+}
+
+TEST_CASE("a missing field is named") {
+  std::string text = kBase;
+  text.erase(text.find("  batch_size: 32\n"));
+  const std::string e = error_of(text);
+  CHECK(e.find("train.batch_size: missing") != std::string::npos);
+  CHECK(error_of("train: {steps: 1, batch_size: 1}\n").find("model: missing") != std::string::npos);
+}
+
+TEST_CASE("malformed YAML and bad overrides are clear errors") {
+  CHECK(error_of("model: [1, 2\n").find("t.yaml:2:1: invalid YAML") != std::string::npos);
+  CHECK(error_of(kBase, {"pipeline.partitions"}).find("expected KEY=VALUE") != std::string::npos);
+  CHECK(error_of(kBase, {"train.steps.x=1"}).find("holds a single value") != std::string::npos);
+  CHECK_THROWS_WITH_AS(load_config("no/such/file.yaml"), doctest::Contains("cannot read config file"), UserError);
+}
+
+TEST_CASE("trace and planner keys: defaults, values and errors naming the key") {
+  const Config c = parse_config(kBase, "t.yaml");
+  CHECK(c.output.trace);  // 5 steps: a short run
+  CHECK(c.trace.first_step == 1);
+  CHECK(c.trace.last_step == 4);  // clipped to the run
+  CHECK(c.pipeline.balance_by == "estimate");
+  CHECK(c.pipeline.profile == "runs/t/profile.json");
+  CHECK(c.pipeline.memory_limit == 0);
+  CHECK_FALSE(parse_config(kBase, "t.yaml", {"train.steps=5000"}).output.trace);  // long: off unless asked
+  const Config asked = parse_config(kBase, "t.yaml", {"train.steps=5000", "trace.steps=[100, 120]"});
+  CHECK(asked.output.trace);
+  CHECK(asked.trace.first_step == 100);
+  CHECK(asked.trace.last_step == 120);
+  CHECK_FALSE(parse_config(kBase, "t.yaml", {"trace.steps=[1, 2]", "output.trace=false"}).output.trace);
+  CHECK(parse_config(kBase, "t.yaml", {"train.steps=1"}).trace.first_step == 0);
+  CHECK(parse_config(kBase, "t.yaml", {"pipeline.memory_limit=20GiB"}).pipeline.memory_limit == (int64_t{20} << 30));
+  CHECK(parse_config(kBase, "t.yaml", {"pipeline.memory_limit=1.5 GB"}).pipeline.memory_limit == 1500000000);
+  CHECK(parse_config(kBase, "t.yaml", {"pipeline.memory_limit=4096"}).pipeline.memory_limit == 4096);
+  CHECK(error_of(kBase, {"trace.steps=[3, 9]"}).find("trace.steps: [3, 9] is not a range of this run's steps 0..4") !=
+        std::string::npos);
+  CHECK(error_of(kBase, {"trace.steps=[2]"}).find("expected [first, last]") != std::string::npos);
+  CHECK(error_of(kBase, {"output.trace=maybe"}).find("output.trace: expected true or false") != std::string::npos);
+  CHECK(error_of(kBase, {"pipeline.memory_limit=20 gigs"}).find("pipeline.memory_limit: '20 gigs' is not a byte size") !=
+        std::string::npos);
+  CHECK(error_of(kBase, {"pipeline.balance_by=time"}).find("pipeline.balance_by: unknown 'time'") != std::string::npos);
+  CHECK(error_of(kBase, {"trace.every=3"}).find("unknown key 'every'") != std::string::npos);
+}

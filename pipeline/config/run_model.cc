@@ -1,0 +1,28 @@
+#include "pipeline/config/run_model.h"
+
+#include "layers/registry.h"
+#include "runtime/error.h"
+
+namespace gpipe {
+namespace pipeline {
+
+RunModel build_run_model(const Config& config, const MakeModel& make_model) {
+  RunModel run;
+  run.model = make_model ? make_model() : layers::build_model(config.model);
+  if (run.model == nullptr || run.model->size() == 0) {
+    throw UserError("the model factory returned " + std::string(run.model ? "a model without layers" : "no model") +
+                    "; return a layers::Sequential with its layers and loss");
+  }
+  run.config = config;
+  if (make_model || config.model.cpp) {
+    layers::ModelSpec& m = run.config.model;
+    m.layers.clear();
+    m.input = run.model->input_shape();
+    m.dtype = run.model->dtype();
+    m.input_dtype = run.model->input_dtype();
+  }
+  return run;
+}
+
+}  // namespace pipeline
+}  // namespace gpipe

@@ -1,0 +1,32 @@
+// The model a run trains, from one of three places: YAML layers in the config, a model
+// built in C++ and registered by name (model: {cpp: NAME}), or a factory handed to the
+// trainer in C++. Every process of a multi-process run builds it the same way.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "layers/sequential.h"
+#include "pipeline/config/config.h"
+
+namespace gpipe {
+namespace pipeline {
+
+// Builds the whole model (layers, loss, ties); called once in every process.
+using MakeModel = std::function<std::unique_ptr<layers::Sequential>()>;
+
+struct RunModel {
+  std::unique_ptr<layers::Sequential> model;
+  // The config as the run sees it. For a model built in C++, its model section is
+  // rewritten to describe that model (input shape and dtypes, which the data follows)
+  // and has no layers, so no per-layer `cost:` overrides.
+  Config config;
+};
+
+// From `make_model` when it is set (config.model is then ignored), else from
+// config.model (layers::build_model: YAML layers or model.cpp).
+RunModel build_run_model(const Config& config, const MakeModel& make_model = {});
+
+}  // namespace pipeline
+}  // namespace gpipe

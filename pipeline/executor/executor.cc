@@ -1,0 +1,1044 @@
+#include "pipeline/executor/executor.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "layers/loss.h"
+#include "pipeline/executor/held_bytes.h"
+#include "runtime/device_binding.h"
+#include "runtime/error.h"
+#include "runtime/heartbeat.h"
+#include "runtime/logging.h"
+
+namespace gpipe {
+namespace pipeline {
+
+namespace {
+constexpr size_t kOpFields = 8;  // op, micro-batch, start, end, chunk, bytes, peer, live bytes
+}  // namespace
+
+std::vector<double> encode_trace(const StageTrace& t) {
+  std::vector<double> v{static_cast<double>(t.peak_activation_bytes), t.start_ms};
+  v.reserve(2 + kOpFields * t.ops.size());
+  for (const TimedOp& op : t.ops) {
+    v.insert(v.end(), {static_cast<double>(op.op), static_cast<double>(op.micro_batch), op.start_ms, op.end_ms,
+                       static_cast<double>(op.chunk), static_cast<double>(op.bytes), static_cast<double>(op.peer),
+                       static_cast<double>(op.live_bytes)});
+  }
+  return v;
+}
+
+StageTrace decode_trace(const std::vector<double>& v, int stage) {
+  GPIPE_CHECK(v.size() >= 2 && (v.size() - 2) % kOpFields == 0, "malformed timings from stage " + std::to_string(stage));
+  StageTrace t;
+  t.peak_activation_bytes = static_cast<int64_t>(v[0]);
+  t.start_ms = v[1];
+  for (size_t i = 2; i < v.size(); i += kOpFields) {
+    TimedOp op{static_cast<Op>(static_cast<int>(v[i])), static_cast<int>(v[i + 1]), v[i + 2], v[i + 3]};
+    op.chunk = static_cast<int>(v[i + 4]);
+    op.bytes = static_cast<int64_t>(v[i + 5]);
+    op.peer = static_cast<int>(v[i + 6]);
+    op.live_bytes = static_cast<int64_t>(v[i + 7]);
+    t.ops.push_back(op);
+  }
+  return t;
+}
+
+// What one stage keeps between instructions, per cell and micro-batch.
+struct Executor::MicroBatch {
+  Tensor input;                       // cell input; kept while the micro-batch is checkpointed
+  Tensor output;                      // cell output awaiting its send
+  std::vector<layers::Context> ctx;   // per layer; empty while checkpointed
+  layers::Context loss_ctx;           // the model's last cell only
+  Tensor targets;                     // likewise
+  Tensor loss;                        // likewise
+  Tensor grad_output, grad_input;     // received (or handed over) / to be sent
+  int64_t held_bytes = 0;             // activations held, for the memory meter
+  int64_t correct = 0;                // evaluation, the model's last cell: correct argmax predictions
+};
+
+// Evaluation's program and, per stage, which of its instructions open and close a group
+// of messages.
+struct Executor::EvalProgram {
+  Schedule schedule;
+  std::vector<std::vector<char>> group_begins, group_ends;
+};
+
+// A stage: a worker thread with its cells on one device.
+struct Executor::StageRuntime {
+  int index = 0;
+  bool local = true;  // executed by this process
+  Device device;
+  std::vector<int> cells;  // global cell index per chunk
+  Backend* backend = nullptr;
+  std::unique_ptr<layers::Optimizer> optimizer;
+  // Shared with the other local stages on the same device, whose backend (its stream,
+  // BLAS and cuDNN handles, error checks) they also use: a stage queues work on the
+  // device only while it holds it, and never while it waits for a message.
+  std::mutex* device_turn = nullptr;
+  std::unique_ptr<GradReducer> reducer;  // with data-parallel replicas
+  layers::ReplicaSum replica_sum;        // likewise, for BatchNorm's statistics
+  // This step so far: the ties within the stage summed (before NORM or OPT reads the
+  // gradients), the layers' statistics folded (by RG, over the replicas).
+  bool local_ties_summed = false, statistics_folded = false;
+  // From the program, once: which (chunk, micro-batch) recompute (checkpointed) and
+  // which defer their weight gradients to a W; per instruction, the layers whose
+  // gradients are final once it ends (for the replicas' bucketed reduction); and
+  // which instructions open and close a group of messages.
+  std::vector<std::vector<char>> checkpointed, split;
+  std::vector<std::vector<int>> final_layers;
+  std::vector<char> group_begins, group_ends;
+  double grad_norm = -1;
+  std::vector<std::vector<MicroBatch>> mbs;  // [chunk][micro-batch]
+  StageTrace trace;
+  std::unique_ptr<OpClock> clock;  // device times of compute instructions (GPU stages)
+  int64_t live_bytes = 0;
+  bool grads_dirty = true;  // gradients hold values from an earlier step
+  std::exception_ptr error;
+  bool error_is_abort = false;
+  std::string error_text;
+};
+
+namespace {
+
+// Bytes of the distinct buffers a micro-batch holds (held_bytes.h: the planner counts
+// the same way).
+template <typename MB>
+int64_t held_bytes(const MB& mb) {
+  BufferList held;
+  for (const Tensor* t : {&mb.input, &mb.output, &mb.grad_output, &mb.grad_input}) add_buffer(*t, held);
+  for (const auto& c : mb.ctx) add_buffers(c, held);
+  add_buffers(mb.loss_ctx, held);
+  return distinct_bytes(std::move(held));
+}
+
+void pin_to_core(int core) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(core, &set);
+  if (pthread_setaffinity_np(pthread_self(), sizeof(set), &set) != 0) {
+    spdlog::debug("could not pin the stage thread to core {}", core);
+  }
+}
+
+// Which instructions open and close a group of messages: each maximal run of
+// consecutive sends and receives (one ncclGroupStart/End on a GPU transport).
+void message_groups(const std::vector<Instruction>& prog, std::vector<char>& begins, std::vector<char>& ends) {
+  begins.clear();
+  ends.clear();
+  for (size_t i = 0; i < prog.size(); ++i) {
+    const bool comm = is_communication(prog[i].op);
+    begins.push_back(comm && (i == 0 || !is_communication(prog[i - 1].op)));
+    ends.push_back(comm && (i + 1 == prog.size() || !is_communication(prog[i + 1].op)));
+  }
+}
+
+std::string layer_range(const CellSpec& c) {
+  return std::to_string(c.first_layer) + ".." + std::to_string(c.first_layer + c.num_layers - 1);
+}
+
+}  // namespace
+
+Executor::Executor(layers::Sequential& model, std::vector<CellSpec> cells, Schedule schedule, Transport& transport,
+                   ExecutorOptions options)
+    : model_(model), cells_(std::move(cells)), schedule_(std::move(schedule)), transport_(transport),
+      options_(options) {
+  const int K = schedule_.num_stages;
+  check_cells();
+  // The collectives this run needs (the plan's schedule holds them already; a schedule
+  // made by hand gets them here), then the whole program is checked.
+  lower_collectives(schedule_, run_collectives(model_, cells_, options_.replicas != nullptr && options_.replicas->size() > 1,
+                                               options_.clip_grad_norm > 0));
+  check_schedule(schedule_, transport_.sends_wait_for_receiver() ? CommModel::kRendezvous : CommModel::kBuffered);
+  model_.loss();  // the last cell needs one: fail now, not in a worker
+  if (options_.local_stage >= K) {
+    throw UserError("this process was asked to run stage " + std::to_string(options_.local_stage) + " of a " +
+                    std::to_string(K) + "-stage pipeline");
+  }
+  for (int k = 0; k < K; ++k) runtimes_.push_back(make_stage(k));
+  share_devices();
+  start_workers();
+}
+
+// The cells cover the model's layers in order, one cell per cell of the schedule.
+void Executor::check_cells() const {
+  const int K = schedule_.num_stages, C = schedule_.num_cells();
+  if (static_cast<int>(cells_.size()) != C) {
+    throw UserError("the schedule runs " + std::to_string(C) + " cells on " + std::to_string(K) + " stages but " +
+                    std::to_string(cells_.size()) + " cells were given");
+  }
+  int expect_first = 0;
+  for (int c = 0; c < C; ++c) {
+    const CellSpec& s = cells_[c];
+    if (s.first_layer != expect_first || s.num_layers < 1) {
+      throw UserError("cell " + std::to_string(c) + " must start at layer " + std::to_string(expect_first) +
+                      " and hold at least one layer");
+    }
+    expect_first += s.num_layers;
+  }
+  if (expect_first != model_.size()) {
+    throw UserError("the cells hold " + std::to_string(expect_first) + " layers but the model has " +
+                    std::to_string(model_.size()));
+  }
+}
+
+// Stage k's runtime: its cells' device, and on this process its backend, clock,
+// optimizer and replicas' reducer; then what its program says (read_program).
+std::unique_ptr<Executor::StageRuntime> Executor::make_stage(int k) {
+  auto rt = std::make_unique<StageRuntime>();
+  rt->index = k;
+  rt->cells = schedule_.cells[k];
+  rt->device = cells_[rt->cells[0]].device;
+  for (int c : rt->cells) {
+    if (!(cells_[c].device == rt->device)) {
+      throw UserError("stage " + std::to_string(k) + " runs cells on " + rt->device.str() + " and " +
+                      cells_[c].device.str() + "; the cells of one stage share its device");
+    }
+  }
+  rt->local = options_.local_stage < 0 || options_.local_stage == k;
+  if (rt->local) {
+    rt->backend = &backend_for(rt->device);
+    rt->clock = std::make_unique<OpClock>(rt->device, options_.device_clock_on_cpu);
+    std::vector<layers::Parameter*> params;
+    for (int c : rt->cells) {
+      for (int i = cells_[c].first_layer; i < cells_[c].first_layer + cells_[c].num_layers; ++i) {
+        model_.layer(i).to(rt->device);
+        for (auto* p : model_.layer(i).parameters()) params.push_back(p);
+      }
+    }
+    rt->optimizer = layers::make_optimizer(params, options_.optimizer);
+    if (options_.replicas != nullptr && options_.replicas->size() > 1) {
+      ReplicaGroup* group = options_.replicas;
+      rt->reducer = std::make_unique<GradReducer>(*group, *rt->backend, options_.bucket_bytes);
+      rt->replica_sum = [group](std::vector<double>& v) {
+        Tensor t = Tensor::empty({static_cast<int64_t>(v.size())}, DType::kF64, Device::cpu());
+        std::copy(v.begin(), v.end(), t.data<double>());
+        group->all_reduce_sum(t);
+        std::copy(t.data<double>(), t.data<double>() + v.size(), v.begin());
+      };
+    }
+  }
+  read_program(*rt);
+  return rt;
+}
+
+// What the stage's program says, once: which (chunk, micro-batch) recompute and which
+// split into B and W, after which instruction each layer's gradients are final, and
+// which instructions open and close a group of messages.
+void Executor::read_program(StageRuntime& rt) {
+  const int k = rt.index;
+  const auto& prog = schedule_.stages[k];
+  const int v = schedule_.num_chunks(), M = schedule_.num_micro_batches;
+  rt.checkpointed.assign(v, std::vector<char>(M, 0));
+  rt.split.assign(v, std::vector<char>(M, 0));
+  for (const Instruction& ins : prog) {
+    if (ins.op == Op::kRecompute) rt.checkpointed[ins.chunk][ins.micro_batch] = 1;
+    if (ins.op == Op::kBackwardWeight) rt.split[ins.chunk][ins.micro_batch] = 1;
+  }
+  // A layer's gradients are final after the last instruction that adds to them: the
+  // chunk's last backward, or for a layer that splits its backward, the last weight
+  // gradient or whole backward (one without a W) of the chunk.
+  std::vector<long> last_b(v, -1), last_weights(v, -1);
+  for (size_t i = 0; i < prog.size(); ++i) {
+    const Instruction& ins = prog[i];
+    if (ins.op == Op::kBackward) last_b[ins.chunk] = static_cast<long>(i);
+    if (ins.op == Op::kBackwardWeight || (ins.op == Op::kBackward && !rt.split[ins.chunk][ins.micro_batch])) {
+      last_weights[ins.chunk] = static_cast<long>(i);
+    }
+  }
+  message_groups(prog, rt.group_begins, rt.group_ends);
+  rt.final_layers.assign(prog.size(), {});
+  for (int j = 0; j < v; ++j) {
+    const CellSpec& cell = cells_[rt.cells[j]];
+    for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) {
+      const long at = model_.layer(i).splits_backward() ? last_weights[j] : last_b[j];
+      if (at >= 0) rt.final_layers[at].push_back(i);
+    }
+  }
+}
+
+// Stages of this process that share a device take turns on its backend.
+void Executor::share_devices() {
+  const int K = schedule_.num_stages;
+  for (int k = 0; k < K; ++k) {
+    if (!runtimes_[k]->local) continue;
+    for (int j = 0; j < k; ++j) {
+      if (runtimes_[j]->local && runtimes_[j]->device == runtimes_[k]->device) {
+        if (runtimes_[j]->device_turn == nullptr) {
+          device_turns_.push_back(std::make_unique<std::mutex>());
+          runtimes_[j]->device_turn = device_turns_.back().get();
+        }
+        runtimes_[k]->device_turn = runtimes_[j]->device_turn;
+        break;
+      }
+    }
+  }
+  for (const auto& rt : runtimes_) {
+    // A replica's collectives block; a stage must not block while other stages wait for
+    // their turn on its device.
+    if (rt->reducer && rt->device_turn != nullptr) {
+      throw UserError("data-parallel replicas need each stage on its own device; pipeline.devices gives stage " +
+                      std::to_string(rt->index) + "'s device to another stage too");
+    }
+  }
+}
+
+// One worker thread per local stage, bound to its device (and pinned to a core).
+void Executor::start_workers() {
+  const int K = schedule_.num_stages;
+  // Threads per process: K in one process, or one stage per process (one per core).
+  const int threads = options_.local_stage < 0 ? K : 1;
+  const bool pin = options_.pin_threads && static_cast<unsigned>(threads) <= std::thread::hardware_concurrency();
+  for (int k = 0; k < K; ++k) {
+    if (!runtimes_[k]->local) continue;
+    const int core = options_.local_stage < 0 ? k : 0;
+    workers_.emplace_back([this, k, pin, core] {
+      bind_thread_to_device(runtimes_[k]->device);  // before any CUDA call: its own GPU, never GPU 0 by default
+      set_thread_context(options_.rank, k);
+      if (pin && options_.local_stage < 0) pin_to_core(core);
+      worker_main(k);
+    });
+  }
+}
+
+Executor::~Executor() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    shutdown_ = true;
+  }
+  cv_start_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+void Executor::set_lr(double lr) {
+  for (auto& rt : runtimes_) {
+    if (rt->optimizer) rt->optimizer->set_lr(lr);
+  }
+}
+
+void Executor::worker_main(int k) {
+  uint64_t seen = 0;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_start_.wait(lock, [&] { return shutdown_ || generation_ != seen; });
+      if (shutdown_) return;
+      seen = generation_;
+    }
+    run_stage(k);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--running_ == 0) cv_done_.notify_all();
+    }
+  }
+}
+
+std::unique_lock<std::mutex> Executor::device_turn(int k) {
+  std::mutex* m = runtimes_[k]->device_turn;
+  return m != nullptr ? std::unique_lock<std::mutex>(*m) : std::unique_lock<std::mutex>();
+}
+
+Tensor Executor::to_device(StageRuntime& rt, const Tensor& host) {
+  if (host.device() == rt.device || (host.device().is_cpu() && rt.device.is_cpu())) return host;
+  Tensor t = rt.backend->empty(host.shape(), host.dtype());
+  rt.backend->copy(host, t);
+  return t;
+}
+
+// Each stage clears its own gradients, on its own device, in parallel: right after
+// its optimizer step (so the next step starts at once), or at the start of a step when
+// the previous one kept its gradients for inspection.
+void Executor::zero_grads(StageRuntime& rt) {
+  for (auto* p : rt.optimizer->params()) rt.backend->fill(p->grad, 0.0);
+  rt.grads_dirty = false;
+}
+
+// The cell's forward; a first forward keeps what backward needs (or, for a
+// checkpointed micro-batch, only the cell's input), a recompute rebuilds the contexts
+// from that input. The output goes to the next cell: into its input on this stage, or
+// out for sending.
+void Executor::forward(StageRuntime& rt, const Instruction& ins, bool recompute) {
+  const int m = ins.micro_batch, c = rt.cells[ins.chunk], C = schedule_.num_cells();
+  const CellSpec& cell = cells_[c];
+  Backend& be = *rt.backend;
+  MicroBatch& mb = rt.mbs[ins.chunk][m];
+  if (c == 0 && !recompute) mb.input = to_device(rt, cur_.inputs.narrow_rows(cur_.offsets[m], cur_.sizes[m]));
+  GPIPE_CHECK(mb.input.defined(), "forward of micro-batch " + std::to_string(m) + " of cell " + std::to_string(c) +
+                                      " without its input");
+  const bool eval = cur_.eval != nullptr;
+  const bool keep = !eval && (recompute || !rt.checkpointed[ins.chunk][m]);
+  layers::ForwardArgs args;
+  args.training = !eval;
+  args.step = cur_.step;
+  args.sample_offset = options_.sample_offset + cur_.offsets[m];
+  args.recompute = recompute;
+  if (keep) mb.ctx.assign(cell.num_layers, {});
+  Tensor h = mb.input;
+  for (int i = 0; i < cell.num_layers; ++i) {
+    h = model_.layer(cell.first_layer + i).forward(be, h, keep ? &mb.ctx[i] : nullptr, args);
+  }
+  if (c == C - 1) {
+    if (!mb.targets.defined()) mb.targets = to_device(rt, cur_.targets.narrow_rows(cur_.offsets[m], cur_.sizes[m]));
+    Tensor l = model_.loss().forward(be, h, mb.targets, cur_.scale, keep ? &mb.loss_ctx : nullptr);
+    if (!recompute) mb.loss = l;
+    if (eval) {  // on the logits' device: only the count comes back
+      const int64_t classes = h.shape().back(), rows = h.numel() / classes;
+      auto* xent = dynamic_cast<layers::SoftmaxCrossEntropy*>(&model_.loss());
+      const int ignore = xent != nullptr ? xent->ignore_index() : -100;
+      mb.correct = be.argmax_correct(h.reshape({rows, classes}), mb.targets.reshape({rows}), ignore);
+    }
+  } else if (!recompute) {
+    if (schedule_.stage_of_cell(c + 1) == rt.index) {
+      rt.mbs[schedule_.chunk_of_cell(c + 1)][m].input = h;  // the next cell is ours
+    } else {
+      mb.output = h;
+    }
+  }
+  // A checkpointed micro-batch keeps only its input; otherwise the contexts hold
+  // whatever backward needs and the input may go. Evaluation keeps nothing.
+  if (!recompute && (keep || eval)) mb.input = Tensor();
+}
+
+// The cell's backward, from the loss (the model's last cell) or the output gradient:
+// the whole backward, or with a W to come only the input gradient, the contexts kept
+// for it. With replicas, each layer whose gradients are now final joins a bucket.
+void Executor::backward(StageRuntime& rt, const Instruction& ins, size_t pc) {
+  const int m = ins.micro_batch, c = rt.cells[ins.chunk], C = schedule_.num_cells();
+  const CellSpec& cell = cells_[c];
+  Backend& be = *rt.backend;
+  MicroBatch& mb = rt.mbs[ins.chunk][m];
+  GPIPE_CHECK(static_cast<int>(mb.ctx.size()) == cell.num_layers,
+              "backward of micro-batch " + std::to_string(m) + " of cell " + std::to_string(c) +
+                  " without its forward contexts");
+  const bool split = rt.split[ins.chunk][m];
+  Tensor g = c == C - 1 ? model_.loss().backward(be, mb.loss_ctx) : mb.grad_output;
+  GPIPE_CHECK(g.defined(), "backward of micro-batch " + std::to_string(m) + " of cell " + std::to_string(c) +
+                               " without its output gradient");
+  const auto& final_layers = rt.final_layers[pc];
+  for (int i = cell.num_layers - 1; i >= 0; --i) {
+    const bool need_dx = i > 0 || c > 0;
+    const int index = cell.first_layer + i;
+    layers::Layer& layer = model_.layer(index);
+    if (split) {
+      g = layer.backward_input(be, g, mb.ctx[i], need_dx);
+      if (!layer.splits_backward()) mb.ctx[i] = {};  // its W does nothing: nothing to keep
+    } else {
+      g = layer.backward(be, g, mb.ctx[i], need_dx);
+    }
+    if (rt.reducer && std::find(final_layers.begin(), final_layers.end(), index) != final_layers.end()) {
+      for (layers::Parameter* p : layer.parameters()) rt.reducer->ready(p);
+      rt.reducer->progress();
+    }
+  }
+  if (c > 0 && schedule_.stage_of_cell(c - 1) == rt.index) {
+    rt.mbs[schedule_.chunk_of_cell(c - 1)][m].grad_output = g;  // the previous cell is ours
+  } else {
+    mb.grad_input = g;
+  }
+  // Everything but the gradient to send (and the loss value) is released here, unless
+  // a weight gradient still needs the contexts.
+  if (!split) mb.ctx.clear();
+  mb.loss_ctx = {};
+  mb.input = Tensor();
+  mb.grad_output = Tensor();
+}
+
+// The weight gradients a split backward deferred, layer by layer as backward would.
+void Executor::weight_gradient(StageRuntime& rt, const Instruction& ins, size_t pc) {
+  const int m = ins.micro_batch, c = rt.cells[ins.chunk];
+  const CellSpec& cell = cells_[c];
+  MicroBatch& mb = rt.mbs[ins.chunk][m];
+  GPIPE_CHECK(static_cast<int>(mb.ctx.size()) == cell.num_layers,
+              "weight gradient of micro-batch " + std::to_string(m) + " of cell " + std::to_string(c) +
+                  " without its backward");
+  const auto& final_layers = rt.final_layers[pc];
+  for (int i = cell.num_layers - 1; i >= 0; --i) {
+    const int index = cell.first_layer + i;
+    layers::Layer& layer = model_.layer(index);
+    layer.backward_weight(*rt.backend, mb.ctx[i]);
+    if (rt.reducer && std::find(final_layers.begin(), final_layers.end(), index) != final_layers.end()) {
+      for (layers::Parameter* p : layer.parameters()) rt.reducer->ready(p);
+      rt.reducer->progress();
+    }
+  }
+  mb.ctx.clear();
+}
+
+// The replicas' sum (RG): waits for the gradient buckets still in flight (the others
+// were summed during the backwards) and, in a step that applies the optimizer, folds
+// the layers' statistics over the replicas. Returns the bytes of gradients summed.
+int64_t Executor::reduce_gradients(StageRuntime& rt) {
+  GPIPE_CHECK(rt.reducer != nullptr, "RG on a stage without replicas");
+  rt.reducer->finish(rt.optimizer->params());  // its device is not shared (checked)
+  int64_t bytes = 0;
+  for (auto* p : rt.optimizer->params()) bytes += static_cast<int64_t>(p->grad.nbytes());
+  if (cur_.apply_optimizer) fold_statistics(rt);
+  return bytes;
+}
+
+void Executor::fold_statistics(StageRuntime& rt) {
+  for (int c : rt.cells) {
+    for (int i = cells_[c].first_layer; i < cells_[c].first_layer + cells_[c].num_layers; ++i) {
+      model_.layer(i).end_step(*rt.backend, rt.replica_sum);
+    }
+  }
+  rt.statistics_folded = true;
+}
+
+// The ties whose two copies are both on this stage: each gets the sum, locally.
+void Executor::sum_local_ties(StageRuntime& rt) {
+  if (rt.local_ties_summed) return;
+  for (const layers::Tie& t : model_.ties()) {
+    if (stage_of_layer(t.owner_layer) == rt.index && stage_of_layer(t.copy_layer) == rt.index) {
+      auto turn = device_turn(rt.index);
+      layers::Sequential::sum_tied_gradient(*rt.backend, t);
+    }
+  }
+  rt.local_ties_summed = true;
+}
+
+// The optimizer step, local: the collectives before it (RG, TIE, NORM) have finished
+// the gradients. Waits for the device, clips by the norm NORM found, steps, clears the
+// gradients and lets layers fold their statistics (unless RG did, over the replicas).
+void Executor::optimizer_step(StageRuntime& rt) {
+  const int k = rt.index;
+  sum_local_ties(rt);
+  if (!cur_.apply_optimizer) return;  // the gradients stay for inspection
+  // A GPU transport's transfers, waited for under its deadline: the wait below then
+  // waits for no peer.
+  transport_.flush(k);
+  {
+    // A device backend reports bad data (a token id, a label) at its next wait: wait
+    // here, once per step, so that such an error stops the step before this stage's
+    // weights change.
+    auto turn = device_turn(k);
+    rt.backend->synchronize();
+  }
+  if (options_.clip_grad_norm > 0 && rt.grad_norm >= 0) {
+    // As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when above.
+    const double coef = options_.clip_grad_norm / (rt.grad_norm + 1e-6);
+    if (coef < 1.0) {
+      auto turn = device_turn(k);
+      for (layers::Parameter* p : rt.optimizer->params()) rt.backend->scale(p->grad, coef);
+    }
+  }
+  auto turn = device_turn(k);
+  rt.optimizer->step();
+  zero_grads(rt);
+  if (!rt.statistics_folded) fold_statistics(rt);
+}
+
+int64_t Executor::run_instruction(StageRuntime& rt, size_t pc) {
+  heartbeat();  // progress, for a supervisor watching this process (runtime/heartbeat.h)
+  const int k = rt.index;
+  const Instruction& ins = program(k)[pc];
+  const int m = ins.micro_batch;
+  const int c = has_cell(ins.op) ? rt.cells[ins.chunk] : -1;
+  switch (ins.op) {
+    case Op::kRecvActivation: {
+      Tensor& in = rt.mbs[ins.chunk][m].input;
+      in = transport_.recv(k, schedule_.stage_of_cell(c - 1), {MessageKind::kActivation, m, c}, rt.device);
+      return static_cast<int64_t>(in.nbytes());
+    }
+    case Op::kSendActivation: {
+      Tensor out = rt.mbs[ins.chunk][m].output;
+      rt.mbs[ins.chunk][m].output = Tensor();
+      transport_.send(k, schedule_.stage_of_cell(c + 1), {MessageKind::kActivation, m, c + 1}, out);
+      return static_cast<int64_t>(out.nbytes());
+    }
+    case Op::kRecvGradient: {
+      Tensor& g = rt.mbs[ins.chunk][m].grad_output;
+      g = transport_.recv(k, schedule_.stage_of_cell(c + 1), {MessageKind::kGradient, m, c}, rt.device);
+      return static_cast<int64_t>(g.nbytes());
+    }
+    case Op::kSendGradient: {
+      Tensor g = rt.mbs[ins.chunk][m].grad_input;
+      rt.mbs[ins.chunk][m].grad_input = Tensor();
+      transport_.send(k, schedule_.stage_of_cell(c - 1), {MessageKind::kGradient, m, c - 1}, g);
+      return static_cast<int64_t>(g.nbytes());
+    }
+    case Op::kForward:
+    case Op::kRecompute: {
+      auto turn = device_turn(k);
+      rt.clock->before(rt.backend->stream(), rt.trace.ops.size());
+      forward(rt, ins, ins.op == Op::kRecompute);
+      rt.clock->after(rt.backend->stream(), rt.trace.ops.size());
+      break;
+    }
+    case Op::kBackward: {
+      auto turn = device_turn(k);
+      rt.clock->before(rt.backend->stream(), rt.trace.ops.size());
+      backward(rt, ins, pc);
+      rt.clock->after(rt.backend->stream(), rt.trace.ops.size());
+      break;
+    }
+    case Op::kBackwardWeight: {
+      auto turn = device_turn(k);
+      rt.clock->before(rt.backend->stream(), rt.trace.ops.size());
+      weight_gradient(rt, ins, pc);
+      rt.clock->after(rt.backend->stream(), rt.trace.ops.size());
+      break;
+    }
+    case Op::kOptimizerStep:
+      optimizer_step(rt);
+      break;
+    case Op::kReduceGradients:
+      return reduce_gradients(rt);
+    case Op::kTiedGradients:
+      return exchange_tied_gradient(rt, ins.micro_batch);
+    case Op::kGradientNorm:
+      return reduce_gradient_norm(rt);
+  }
+  return 0;
+}
+
+void Executor::run_stage(int k) {
+  StageRuntime& rt = *runtimes_[k];
+  const auto& prog = program(k);
+  const EvalProgram* eval = cur_.eval;
+  const auto& group_begins = eval != nullptr ? eval->group_begins[k] : rt.group_begins;
+  const auto& group_ends = eval != nullptr ? eval->group_ends[k] : rt.group_ends;
+  rt.trace = StageTrace{};
+  rt.mbs.assign(schedule_.num_chunks(),
+                std::vector<MicroBatch>(eval != nullptr ? eval->schedule.num_micro_batches : schedule_.num_micro_batches));
+  rt.trace.ops.reserve(prog.size());
+  rt.live_bytes = 0;
+  rt.error = nullptr;
+  rt.error_is_abort = false;
+  rt.grad_norm = -1;
+  rt.local_ties_summed = rt.statistics_folded = false;
+  auto now_ms = [&] {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - cur_.epoch).count();
+  };
+  // The activation meter: what (chunk, m) holds now, folded into the stage's total.
+  auto meter = [&](int chunk, int m) {
+    MicroBatch& mb = rt.mbs[chunk][m];
+    const int64_t now_held = held_bytes(mb);
+    rt.live_bytes += now_held - mb.held_bytes;
+    mb.held_bytes = now_held;
+  };
+  rt.trace.start_ms =
+      std::chrono::duration<double, std::milli>(cur_.epoch.time_since_epoch()).count() - options_.clock_offset_ms;
+  try {
+    {
+      auto turn = device_turn(k);
+      rt.clock->start_step(rt.backend->stream(), now_ms());
+    }
+    if (rt.grads_dirty && eval == nullptr) {
+      auto turn = device_turn(k);
+      zero_grads(rt);
+    }
+    if (eval == nullptr) rt.grads_dirty = true;
+    for (size_t pc = 0; pc < prog.size(); ++pc) {
+      const Instruction& ins = prog[pc];
+      const double t0 = now_ms();
+      if (group_begins[pc]) transport_.begin_group(k);
+      const int64_t bytes = run_instruction(rt, pc);
+      if (group_ends[pc]) transport_.end_group(k);
+      TimedOp op{ins.op, ins.micro_batch, t0, 0.0, ins.chunk};
+      if (is_collective(ins.op)) {
+        op.bytes = bytes;
+        if (ins.op == Op::kTiedGradients) {
+          const std::vector<int> who = collective_stages(schedule_, k, ins);
+          op.peer = who[0] == k ? who[1] : who[0];
+        }
+      }
+      if (has_cell(ins.op)) {
+        meter(ins.chunk, ins.micro_batch);
+        // A hand-over to a neighbouring cell of this stage changed its holdings too.
+        const int c = rt.cells[ins.chunk];
+        if (ins.op == Op::kForward && c + 1 < schedule_.num_cells() && schedule_.stage_of_cell(c + 1) == k) {
+          meter(schedule_.chunk_of_cell(c + 1), ins.micro_batch);
+        }
+        if (ins.op == Op::kBackward && c > 0 && schedule_.stage_of_cell(c - 1) == k) {
+          meter(schedule_.chunk_of_cell(c - 1), ins.micro_batch);
+        }
+        rt.trace.peak_activation_bytes = std::max(rt.trace.peak_activation_bytes, rt.live_bytes);
+        if (is_communication(ins.op)) {
+          // Activations go to the next cell and come from the previous one; gradients
+          // the other way.
+          const bool act = ins.op == Op::kRecvActivation || ins.op == Op::kSendActivation;
+          const bool send = ins.op == Op::kSendActivation || ins.op == Op::kSendGradient;
+          op.peer = schedule_.stage_of_cell(act == send ? c + 1 : c - 1);
+          op.bytes = bytes;
+        }
+      }
+      op.live_bytes = rt.live_bytes;
+      op.end_ms = now_ms();
+      rt.trace.ops.push_back(op);
+    }
+    transport_.flush(k);
+    auto turn = device_turn(k);
+    rt.backend->synchronize();
+    for (const OpClock::Span& span : rt.clock->resolve()) {  // device times replace the host's
+      rt.trace.ops[span.index].start_ms = span.start_ms;
+      rt.trace.ops[span.index].end_ms = span.end_ms;
+    }
+  } catch (const Aborted& e) {
+    rt.error = std::current_exception();
+    rt.error_is_abort = true;
+    rt.error_text = e.what();
+  } catch (const std::exception& e) {
+    rt.error = std::current_exception();
+    rt.error_text = e.what();
+    transport_.abort("stage " + std::to_string(k) + " failed: " + rt.error_text);
+  }
+}
+
+std::string state_name(const layers::Sequential& model, int layer, const std::string& name) {
+  return model.layer_name(layer) + "." + name;
+}
+
+namespace {
+
+// The name a parameter is saved under: its own, or a tied copy's owner's.
+std::string parameter_name(layers::Sequential& model, int layer, const layers::Parameter* p) {
+  for (const layers::Tie& t : model.ties()) {
+    if (t.copy == p) return state_name(model, t.owner_layer, t.owner->name);
+  }
+  return state_name(model, layer, p->name);
+}
+
+Tensor host_copy(const Tensor& t) {
+  Tensor out = Tensor::empty(t.shape(), t.dtype(), Device::cpu());
+  copy_tensor(t, out);
+  return out;
+}
+
+// Copies a checkpoint's host tensor into a tensor of the model, on its device.
+void restore_into(const std::string& name, const Tensor& saved, Tensor& into, const std::string& what) {
+  if (!into.defined()) {
+    into = host_copy(saved);
+    return;
+  }
+  if (saved.shape() != into.shape() || saved.dtype() != into.dtype()) {
+    throw UserError("the checkpoint's " + what + " " + name + " is " + saved.str() + " but the model's is " +
+                    into.str() + "; resume with the config the checkpoint was saved with");
+  }
+  copy_tensor(saved, into);
+}
+
+const Tensor& find_state(const std::map<std::string, Tensor>& m, const std::string& name, const std::string& what) {
+  auto it = m.find(name);
+  if (it == m.end()) {
+    throw UserError("the checkpoint has no " + what + " " + name + "; it was saved from another model (or another "
+                    "optimizer.type); resume with the config it was saved with");
+  }
+  return it->second;
+}
+
+}  // namespace
+
+StageStateNames Executor::state_names(int k) const {
+  StageStateNames out;
+  const auto suffixes = layers::optimizer_slot_suffixes(options_.optimizer);
+  for (int c : schedule_.cells.at(k)) {
+    for (int i = cells_[c].first_layer; i < cells_[c].first_layer + cells_[c].num_layers; ++i) {
+      for (layers::Parameter* p : model_.layer(i).parameters()) {
+        const std::string name = parameter_name(model_, i, p);
+        std::vector<std::string> opt{name + ".step"};
+        for (const auto& s : suffixes) opt.push_back(name + s);
+        out.model_needed.push_back(name);
+        out.optimizer_needed.insert(out.optimizer_needed.end(), opt.begin(), opt.end());
+        if (model_.is_tied_copy(p)) continue;  // its owner's stage saves it
+        out.model.push_back(name);
+        out.optimizer.insert(out.optimizer.end(), opt.begin(), opt.end());
+      }
+      for (const layers::Buffer& b : model_.layer(i).buffers()) {
+        out.model.push_back(state_name(model_, i, b.name));
+        out.model_needed.push_back(state_name(model_, i, b.name));
+      }
+    }
+  }
+  return out;
+}
+
+StageState Executor::save_state(int k) {
+  StageRuntime& rt = *runtimes_.at(k);
+  GPIPE_CHECK(rt.local, "stage " + std::to_string(k) + " runs in another process");
+  rt.backend->synchronize();  // between steps: no worker holds the device
+  StageState out;
+  const auto& params = rt.optimizer->params();
+  const Tensor steps = Tensor::from_vector<double>({static_cast<double>(rt.optimizer->steps())}, {});
+  size_t index = 0;
+  for (int c : rt.cells) {
+    for (int i = cells_[c].first_layer; i < cells_[c].first_layer + cells_[c].num_layers; ++i) {
+      for (layers::Parameter* p : model_.layer(i).parameters()) {
+        GPIPE_CHECK(index < params.size() && params[index] == p, "optimizer parameters out of layer order");
+        const size_t slot_of = index++;
+        if (model_.is_tied_copy(p)) continue;
+        const std::string name = parameter_name(model_, i, p);
+        out.model[name] = host_copy(p->value);
+        out.optimizer[name + ".step"] = steps;
+        for (const layers::OptimizerSlot& s : rt.optimizer->slots(slot_of)) {
+          out.optimizer[name + s.suffix] = host_copy(*s.value);
+        }
+      }
+      for (const layers::Buffer& b : model_.layer(i).buffers()) out.model[state_name(model_, i, b.name)] = host_copy(*b.value);
+    }
+  }
+  return out;
+}
+
+void Executor::restore_state(int k, const std::map<std::string, Tensor>& model,
+                             const std::map<std::string, Tensor>& optimizer) {
+  StageRuntime& rt = *runtimes_.at(k);
+  GPIPE_CHECK(rt.local, "stage " + std::to_string(k) + " runs in another process");
+  const auto& params = rt.optimizer->params();
+  size_t index = 0;
+  int64_t steps = -1;
+  for (int c : rt.cells) {
+    for (int i = cells_[c].first_layer; i < cells_[c].first_layer + cells_[c].num_layers; ++i) {
+      for (layers::Parameter* p : model_.layer(i).parameters()) {
+        const size_t slot_of = index++;
+        const std::string name = parameter_name(model_, i, p);
+        restore_into(name, find_state(model, name, "parameter"), p->value, "parameter");
+        const Tensor& s = find_state(optimizer, name + ".step", "optimizer step count");
+        const int64_t n = s.numel() == 1 && s.dtype() == DType::kF64 ? static_cast<int64_t>(s.data<double>()[0]) : -1;
+        if (n < 0 || (steps >= 0 && n != steps)) {
+          throw UserError("the checkpoint's optimizer step count " + name + ".step is " + s.str() +
+                          (steps >= 0 ? " where the stage's other parameters have " + std::to_string(steps) : "") +
+                          "; the checkpoint is corrupt or mixes runs");
+        }
+        steps = n;
+        for (const layers::OptimizerSlot& slot : rt.optimizer->slots(slot_of)) {
+          restore_into(name + slot.suffix, find_state(optimizer, name + slot.suffix, "optimizer state"), *slot.value,
+                       "optimizer state");
+        }
+      }
+      for (const layers::Buffer& b : model_.layer(i).buffers()) {
+        restore_into(state_name(model_, i, b.name), find_state(model, state_name(model_, i, b.name), "buffer"), *b.value, "buffer");
+      }
+    }
+  }
+  GPIPE_CHECK(index == params.size(), "optimizer parameters out of layer order");
+  if (steps >= 0) rt.optimizer->set_steps(steps);
+  rt.grads_dirty = true;  // fresh gradients for the next step
+}
+
+
+int Executor::stage_of_layer(int layer) const { return schedule_.stage_of_cell(cell_of_layer(cells_, layer)); }
+
+// TIE: both copies of a tied weight on two stages get the sum of their gradients: the
+// copy's stage sends its gradient to the owner's, which adds it and sends the sum back.
+// Both send copies: a send may still read its tensor when the sender overwrites or
+// clears its gradient. Returns the bytes this stage sent.
+int64_t Executor::exchange_tied_gradient(StageRuntime& rt, int tie) {
+  const int k = rt.index;
+  Backend& be = *rt.backend;
+  const layers::Tie& t = model_.ties().at(static_cast<size_t>(tie));
+  const int owner_stage = stage_of_layer(t.owner_layer), copy_stage = stage_of_layer(t.copy_layer);
+  const MessageTag tag{MessageKind::kTiedGradient, tie};
+  if (copy_stage == k) {
+    Tensor mine = be.empty(t.copy->grad.shape(), t.copy->grad.dtype());  // the send may outlive the next line
+    {
+      auto turn = device_turn(k);
+      be.copy(t.copy->grad, mine);
+    }
+    transport_.send(k, owner_stage, tag, mine);
+    Tensor sum = transport_.recv(k, owner_stage, tag, rt.device);
+    auto turn = device_turn(k);
+    be.copy(sum, t.copy->grad);
+    return static_cast<int64_t>(mine.nbytes());
+  }
+  GPIPE_CHECK(owner_stage == k, "TIE on a stage holding neither copy");
+  Tensor other = transport_.recv(k, copy_stage, tag, rt.device);
+  Tensor sum = be.empty(t.owner->grad.shape(), t.owner->grad.dtype());
+  {
+    auto turn = device_turn(k);
+    be.axpy(1.0, other, t.owner->grad);
+    be.copy(t.owner->grad, sum);
+  }
+  transport_.send(k, copy_stage, tag, sum);
+  return static_cast<int64_t>(sum.nbytes());
+}
+
+// NORM: the global gradient norm, the squares of every stage's gradients summed over
+// the stages (a tied weight counted once), for clipping in the optimizer step. Skipped
+// by every stage alike in a step that keeps its gradients for inspection.
+int64_t Executor::reduce_gradient_norm(StageRuntime& rt) {
+  if (!cur_.apply_optimizer) return 0;
+  const int k = rt.index;
+  sum_local_ties(rt);
+  double local = 0;
+  {
+    auto turn = device_turn(k);
+    for (layers::Parameter* p : rt.optimizer->params()) {
+      if (!model_.is_tied_copy(p)) local += rt.backend->sum_squares(p->grad);  // a tied weight counts once
+    }
+  }
+  rt.grad_norm = std::sqrt(transport_.all_reduce_sum(k, local));
+  return static_cast<int64_t>(sizeof(double));
+}
+
+void Executor::run_workers() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    running_ = static_cast<int>(workers_.size());
+    ++generation_;
+  }
+  cv_start_.notify_all();
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_done_.wait(lock, [&] { return running_ == 0; });
+  }
+  // The first real failure wins; the others were told to stop because of it.
+  for (auto& rt : runtimes_) {
+    if (rt->error && !rt->error_is_abort) {
+      failed_ = true;
+      std::string where;
+      for (int c : rt->cells) where += (where.empty() ? "" : ", ") + layer_range(cells_[c]);
+      const std::string msg = "stage " + std::to_string(rt->index) + " (layers " + where + " on " +
+                              rt->device.str() + ") failed: " + rt->error_text;
+      for (auto& other : runtimes_) other->mbs.clear();
+      try {
+        std::rethrow_exception(rt->error);
+      } catch (const UserError&) {
+        throw UserError(msg);
+      } catch (...) {
+        throw Error(msg);
+      }
+    }
+  }
+  for (auto& rt : runtimes_) {
+    if (rt->error) {
+      failed_ = true;
+      throw Error("stage " + std::to_string(rt->index) + " stopped: " + rt->error_text);
+    }
+  }
+}
+
+const std::vector<Instruction>& Executor::program(int k) const {
+  return cur_.eval != nullptr ? cur_.eval->schedule.stages[k] : schedule_.stages[k];
+}
+
+StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool apply_optimizer) {
+  if (failed_) throw Error("the pipeline stopped after an earlier failure; start a new run");
+  const int M = schedule_.num_micro_batches;
+  if (!inputs.device().is_cpu() || !targets.device().is_cpu()) throw Error("step() takes host tensors");
+  if (inputs.dim() < 1 || targets.dim() < 1 || inputs.size(0) != targets.size(0)) {
+    throw UserError("inputs " + inputs.str() + " and targets " + targets.str() + " must have the same batch size");
+  }
+  const int64_t n = inputs.size(0);
+  cur_.inputs = inputs;
+  cur_.targets = targets;
+  cur_.sizes = split_sizes(n, M);
+  cur_.offsets.assign(M, 0);
+  for (int m = 1; m < M; ++m) cur_.offsets[m] = cur_.offsets[m - 1] + cur_.sizes[m - 1];
+  // The loss of a mini-batch is a mean over its counted targets, however the batch is
+  // split: each micro-batch's summed loss is scaled by 1 / (targets counted in the
+  // whole mini-batch), so the micro-batches' losses and gradients add up to the
+  // mini-batch's. With replicas the count is over every replica's rows, so each
+  // replica's share is already scaled for the sum over replicas.
+  int64_t counted = model_.loss().counted_targets(targets);
+  if (options_.replicas != nullptr && options_.replicas->size() > 1) {
+    counted = static_cast<int64_t>(options_.replicas->all_reduce_sum(static_cast<double>(counted)));
+  }
+  cur_.scale = counted > 0 ? 1.0 / static_cast<double>(counted) : 0.0;
+  cur_.apply_optimizer = apply_optimizer;
+  cur_.step = steps_done_++;
+  cur_.eval = nullptr;
+  cur_.epoch = std::chrono::steady_clock::now();
+  run_workers();
+  StepResult result;
+  result.wall_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - cur_.epoch).count();
+  const int last_stage = schedule_.stage_of_cell(schedule_.num_cells() - 1);
+  StageRuntime& last = *runtimes_[last_stage];
+  if (last.local) {
+    for (auto& mb : last.mbs[schedule_.chunk_of_cell(schedule_.num_cells() - 1)]) {
+      result.loss += last.backend->item(mb.loss);
+    }
+  }
+  if (options_.local_stage >= 0) {
+    // Only the last cell's process has the loss; every process learns it.
+    result.loss = transport_.all_reduce_sum(options_.local_stage, result.loss);
+    result.grad_norm = runtimes_[options_.local_stage]->grad_norm;
+  } else {
+    result.grad_norm = last.grad_norm;
+  }
+  if (options_.replicas != nullptr && options_.replicas->size() > 1) {
+    result.loss = options_.replicas->all_reduce_sum(result.loss);
+  }
+  for (auto& rt : runtimes_) {
+    result.stages.push_back(std::move(rt->trace));  // empty for stages of other processes
+    rt->mbs.clear();
+  }
+  return result;
+}
+
+EvalResult Executor::evaluate(const Tensor& inputs, const Tensor& targets, int64_t micro_batch_rows,
+                              EvalResult sum) {
+  if (failed_) throw Error("the pipeline stopped after an earlier failure; start a new run");
+  if (!inputs.device().is_cpu() || !targets.device().is_cpu()) throw Error("evaluate() takes host tensors");
+  if (inputs.dim() < 1 || targets.dim() < 1 || inputs.size(0) != targets.size(0) || inputs.size(0) < 1) {
+    throw UserError("inputs " + inputs.str() + " and targets " + targets.str() +
+                    " must have the same batch size, at least 1");
+  }
+  GPIPE_CHECK(micro_batch_rows >= 1, "evaluate() needs micro-batches of at least one row");
+  const int64_t n = inputs.size(0);
+  const int64_t count = (n + micro_batch_rows - 1) / micro_batch_rows;
+  if (count > schedule_.num_micro_batches) {
+    throw Error("evaluate() got " + std::to_string(count) + " micro-batches of " + std::to_string(micro_batch_rows) +
+                " rows; the schedule runs at most " + std::to_string(schedule_.num_micro_batches));
+  }
+  const int M = static_cast<int>(count);
+  std::unique_ptr<EvalProgram>& program = eval_programs_[M];
+  if (!program) {
+    const CommModel comm = transport_.sends_wait_for_receiver() ? CommModel::kRendezvous : CommModel::kBuffered;
+    auto p = std::make_unique<EvalProgram>();
+    p->schedule = forward_only_program(schedule_, M, comm);
+    check_schedule(p->schedule, comm);
+    for (const auto& prog : p->schedule.stages) {
+      p->group_begins.emplace_back();
+      p->group_ends.emplace_back();
+      message_groups(prog, p->group_begins.back(), p->group_ends.back());
+    }
+    program = std::move(p);
+  }
+  cur_.inputs = inputs;
+  cur_.targets = targets;
+  cur_.sizes.assign(M, micro_batch_rows);
+  cur_.sizes.back() = n - (M - 1) * micro_batch_rows;
+  cur_.offsets.assign(M, 0);
+  for (int m = 1; m < M; ++m) cur_.offsets[m] = cur_.offsets[m - 1] + cur_.sizes[m - 1];
+  cur_.scale = 1.0;  // the loss summed over the counted targets
+  cur_.apply_optimizer = false;
+  cur_.step = steps_done_;  // evaluation is no step
+  cur_.eval = program.get();
+  cur_.epoch = std::chrono::steady_clock::now();
+  run_workers();
+  const int C = schedule_.num_cells();
+  StageRuntime& last = *runtimes_[schedule_.stage_of_cell(C - 1)];
+  if (last.local) {
+    // Micro-batch by micro-batch, in order: sums come out the same however a pass is
+    // cut into calls. Means are over the counted targets (PyTorch's ignore_index with
+    // reduction 'mean'), not over every row; the targets are on the host.
+    auto& mbs = last.mbs[schedule_.chunk_of_cell(C - 1)];
+    for (int m = 0; m < M; ++m) {
+      sum.loss_sum += last.backend->item(mbs[m].loss);
+      sum.correct += static_cast<double>(mbs[m].correct);
+      sum.counted += static_cast<double>(
+          model_.loss().counted_targets(targets.narrow_rows(cur_.offsets[m], cur_.sizes[m])));
+    }
+  }
+  for (auto& rt : runtimes_) rt->mbs.clear();
+  return sum;
+}
+
+EvalResult Executor::all_reduce_scores(EvalResult r) {
+  if (options_.local_stage >= 0) {  // only the last cell's process has them
+    for (double* v : {&r.loss_sum, &r.correct, &r.counted}) *v = transport_.all_reduce_sum(options_.local_stage, *v);
+  }
+  if (options_.replicas != nullptr && options_.replicas->size() > 1) {
+    for (double* v : {&r.loss_sum, &r.correct, &r.counted}) *v = options_.replicas->all_reduce_sum(*v);
+  }
+  return r;
+}
+
+}  // namespace pipeline
+}  // namespace gpipe

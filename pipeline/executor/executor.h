@@ -1,0 +1,238 @@
+// The executor: runs a schedule with one worker thread per stage in this process.
+// Each stage owns one or more cells (contiguous ranges of the model's layers; several
+// for interleaved schedules) on its device and interprets its instruction list, the
+// same interpreter for every schedule; boundary activations and gradients travel
+// through a Transport (or hand over directly between cells of one stage). Gradients of
+// all micro-batches accumulate into the parameters' grads and one optimizer step per
+// stage ends the mini-batch, so a step equals one step on the whole mini-batch on one
+// device.
+//
+// A worker never throws across threads: it records its error, aborts the transport so
+// its neighbours stop waiting, and the driver rethrows the first real failure after
+// every worker has stopped.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "layers/optimizer.h"
+#include "layers/sequential.h"
+#include "pipeline/executor/cell.h"
+#include "pipeline/executor/grad_reducer.h"
+#include "pipeline/executor/op_clock.h"
+#include "pipeline/schedule/schedule.h"
+#include "runtime/transport.h"
+
+namespace gpipe {
+namespace pipeline {
+
+struct ExecutorOptions {
+  layers::OptimizerConfig optimizer;
+  // Scale all gradients so that their global norm (over every stage) is at most this;
+  // 0 turns clipping off.
+  double clip_grad_norm = 0.0;
+  // Pin stage k's thread to core k when there are at least as many cores as stages
+  // (K = 1 included: a CPU device is one core).
+  bool pin_threads = true;
+  // Multi-process runs: the one stage this process executes (its rank's), or -1 for all
+  // stages as threads of this process. With a local stage, the transport must connect
+  // the processes (MpiTransport) and the loss is summed across them through it.
+  int local_stage = -1;
+  int rank = 0;  // shown in log lines
+  // Data parallelism: the other replicas of this process's stage. The stage's
+  // gradients are averaged over them (GradReducer: in buckets of bucket_bytes that
+  // start during the last backward), BatchNorm statistics summed, the loss averaged;
+  // not owned.
+  ReplicaGroup* replicas = nullptr;
+  int64_t bucket_bytes = int64_t{25} << 20;  // PyTorch DDP's default bucket
+  // Index of this process's first row in the whole mini-batch (a replica's share
+  // starts at replica x rows per replica): dropout keys its masks on the sample's
+  // place in the mini-batch, so every split draws the same masks.
+  int64_t sample_offset = 0;
+  // This process's steady clock minus the job clock (the first stage's process's), in
+  // ms (Transport::clock_offset_to_first); StageTrace::start_ms is on the job clock.
+  double clock_offset_ms = 0;
+  // Time compute instructions with device events even on CPU devices (tests of the
+  // GPU path's bookkeeping; CUDA devices always use them, see op_clock.h).
+  bool device_clock_on_cpu = false;
+};
+
+struct TimedOp {
+  Op op;
+  int micro_batch;
+  double start_ms, end_ms;  // since the step began
+  int chunk = 0;
+  // Sends and receives: the message's size; collectives: the bytes this stage
+  // contributed (RG: its gradients, TIE: the weight's gradient, NORM: one double).
+  int64_t bytes = 0;
+  int peer = -1;           // sends, receives and TIE: the other stage
+  int64_t live_bytes = 0;  // activations the stage holds after the instruction
+};
+
+struct StageTrace {
+  std::vector<TimedOp> ops;
+  int64_t peak_activation_bytes = 0;  // largest sum of activations held at once
+  // When the step started, on the job clock: ms of std::chrono::steady_clock since its
+  // epoch, minus ExecutorOptions::clock_offset_ms. Op times are relative to it.
+  double start_ms = 0;
+};
+// A stage's timings as numbers, and back, for gathering them across processes.
+std::vector<double> encode_trace(const StageTrace& t);
+StageTrace decode_trace(const std::vector<double>& v, int stage);
+
+struct StepResult {
+  double loss = 0;  // mean over the mini-batch (sum of the micro-batches' scaled losses)
+  double grad_norm = -1;  // global gradient norm before clipping; -1 when not computed
+  double wall_ms = 0;
+  std::vector<StageTrace> stages;
+};
+
+// What evaluation scores: the loss summed over the counted targets (the loss at scale
+// 1), correct argmax predictions (ignore_index left out), and the targets the loss
+// counts. Means divide the first two by the third.
+struct EvalResult {
+  double loss_sum = 0, correct = 0, counted = 0;
+};
+
+// A stage's share of a checkpoint (pipeline/checkpoint/checkpoint.h), as host tensors by stable
+// names that do not depend on the partition: the parameters and buffers of its layers as
+// "<layer name>.<name>" ("layers.3.attn.qkv.weight", "layers.2.running_mean", or with
+// a named layer "h.0.attn.qkv.weight"), and its
+// optimizer's state as "<parameter name><suffix>" (".exp_avg", ".momentum_buffer") and
+// "<parameter name>.step". A tied copy is its owner's weight: only the owner's stage saves
+// it, and the copy's stage restores it from the owner's name.
+struct StageState {
+  std::map<std::string, Tensor> model, optimizer;
+};
+struct StageStateNames {
+  std::vector<std::string> model, optimizer;  // what the stage saves
+  std::vector<std::string> model_needed, optimizer_needed;  // what it restores (its tied copies' owners too)
+};
+// "layers.3.weight", or with the layer named "h.0.attn.qkv.weight" (Sequential::layer_name).
+std::string state_name(const layers::Sequential& model, int layer, const std::string& name);
+
+class Executor {
+ public:
+  // Moves each cell's parameters to its stage's device. The model must outlive the
+  // executor; the transport too.
+  Executor(layers::Sequential& model, std::vector<CellSpec> stages, Schedule schedule, Transport& transport,
+           ExecutorOptions options);
+  ~Executor();
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  // One mini-batch: inputs (N, *input_shape) and int32 targets (N) on the host.
+  // Gradients start from zero; with apply_optimizer = false the optimizer steps are
+  // skipped, leaving the accumulated gradients in Parameter::grad for inspection.
+  StepResult step(const Tensor& inputs, const Tensor& targets, bool apply_optimizer = true);
+
+  // Evaluation: the schedule's forward-only program (forward_only_program) on the same
+  // workers and transport, in evaluation mode, keeping no contexts; parameters,
+  // gradients and the step count stay as they are. inputs (N, *input_shape) and int32
+  // targets (N) on the host are cut into micro-batches of micro_batch_rows rows, the
+  // last taking the rest, at most the schedule's M of them. Each micro-batch's scores
+  // are added to `sum` in micro-batch order (a pass over many calls sums as one long
+  // one would), which is returned. Only the process of the model's last cell scores:
+  // after a pass, all_reduce_scores gives every process the totals.
+  EvalResult evaluate(const Tensor& inputs, const Tensor& targets, int64_t micro_batch_rows, EvalResult sum = {});
+  // A pass's scores summed over this pipeline's processes and the data-parallel
+  // replicas (collective: every process of the job calls it); as given in one process
+  // without replicas.
+  EvalResult all_reduce_scores(EvalResult local);
+
+  const Schedule& schedule() const { return schedule_; }
+  // The cells, in model order (one per stage unless the schedule interleaves).
+  const std::vector<CellSpec>& cells() const { return cells_; }
+  void set_lr(double lr);
+  // The optimizer step the next step() is (dropout keys its masks on it); a resumed
+  // run continues the count. Starts at 0 and counts up with every step().
+  void set_step(uint64_t step) { steps_done_ = step; }
+  uint64_t next_step() const { return steps_done_; }
+
+  // Checkpoints, between steps. state_names works for any stage (the names follow from
+  // the model, the cells and the optimizer's config); save and restore for this
+  // process's stages. restore checks every name, shape and dtype (UserError).
+  StageStateNames state_names(int stage) const;
+  StageState save_state(int stage);
+  void restore_state(int stage, const std::map<std::string, Tensor>& model,
+                     const std::map<std::string, Tensor>& optimizer);
+
+ private:
+  struct StageRuntime;
+  struct MicroBatch;
+  struct EvalProgram;
+  // The constructor's steps.
+  void check_cells() const;
+  std::unique_ptr<StageRuntime> make_stage(int k);
+  void read_program(StageRuntime& rt);
+  void share_devices();
+  void start_workers();
+  void worker_main(int k);
+  // Wakes the workers on cur_, waits for them, and rethrows the first real failure.
+  void run_workers();
+  // The instructions stage k runs this time: the schedule's, or the forward-only
+  // program's when evaluating.
+  const std::vector<Instruction>& program(int k) const;
+  void run_stage(int k);
+  // One handler per instruction kind; run_stage times, meters and dispatches. Returns
+  // the bytes a send or receive moved.
+  int64_t run_instruction(StageRuntime& rt, size_t pc);
+  void forward(StageRuntime& rt, const Instruction& ins, bool recompute);
+  void backward(StageRuntime& rt, const Instruction& ins, size_t pc);
+  void weight_gradient(StageRuntime& rt, const Instruction& ins, size_t pc);
+  void optimizer_step(StageRuntime& rt);
+  int64_t reduce_gradients(StageRuntime& rt);
+  int64_t exchange_tied_gradient(StageRuntime& rt, int tie);
+  int64_t reduce_gradient_norm(StageRuntime& rt);
+  void sum_local_ties(StageRuntime& rt);
+  void fold_statistics(StageRuntime& rt);
+  void zero_grads(StageRuntime& rt);
+  // Stage k's turn on its device's backend (no-op unless it shares the device).
+  std::unique_lock<std::mutex> device_turn(int k);
+  int stage_of_layer(int layer) const;
+  Tensor to_device(StageRuntime& rt, const Tensor& host);
+
+  layers::Sequential& model_;
+  std::vector<CellSpec> cells_;
+  Schedule schedule_;
+  Transport& transport_;
+  ExecutorOptions options_;
+  std::vector<std::unique_ptr<StageRuntime>> runtimes_;
+  std::vector<std::unique_ptr<std::mutex>> device_turns_;  // one per device shared by local stages
+
+  // The current step, shared with the workers.
+  struct StepInputs {
+    Tensor inputs, targets;
+    std::vector<int64_t> offsets, sizes;
+    double scale = 1.0;
+    bool apply_optimizer = true;
+    uint64_t step = 0;  // how many steps ran before this one
+    std::chrono::steady_clock::time_point epoch;
+    // Evaluation (evaluate()): this forward-only program instead of the schedule, in
+    // evaluation mode; no context is kept (no backward comes), the model's last cell
+    // scores its output instead of keeping a loss for backward, gradients are left alone.
+    const EvalProgram* eval = nullptr;
+  } cur_;
+  // Forward-only programs by number of micro-batches, built on first use.
+  std::map<int, std::unique_ptr<EvalProgram>> eval_programs_;
+
+  std::mutex mu_;
+  std::condition_variable cv_start_, cv_done_;
+  uint64_t generation_ = 0;
+  uint64_t steps_done_ = 0;
+  int running_ = 0;
+  bool shutdown_ = false;
+  bool failed_ = false;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace pipeline
+}  // namespace gpipe

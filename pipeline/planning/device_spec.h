@@ -1,0 +1,37 @@
+// A description of devices this machine does not have, for planning a pipeline before
+// the GPUs are there (`gpipe plan CONFIG --devices N --device-spec FILE`): the device's
+// peak rates and memory, how much of the peak a layer reaches, and the links within a
+// node and between nodes. configs/devices/ holds one for an H100 node.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "partition/balance.h"
+#include "pipeline/planning/profile.h"
+
+namespace gpipe {
+namespace pipeline {
+
+struct DeviceSpec {
+  std::string name;
+  std::string source;                        // the file, for messages
+  std::map<std::string, double> peak_flops;  // per dtype ("float32"), dense, per device
+  double memory_bandwidth = 0;               // bytes/s
+  int64_t memory_bytes = 0;
+  double efficiency = 0.5;  // the fraction of peak FLOP/s and bandwidth a layer reaches
+  int devices_per_node = 1;
+  LinkCost intra_node, inter_node;
+
+  // The roofline of one device for `dtype`; throws UserError if the spec has no peak for it.
+  partition::CostModel cost_model(const std::string& dtype) const;
+  // The link between devices a and b (0-based, devices_per_node to a node).
+  const LinkCost& link(int a, int b) const;
+};
+
+// Reads a YAML device description; every error names the file, the key and the fix.
+DeviceSpec load_device_spec(const std::string& path);
+
+}  // namespace pipeline
+}  // namespace gpipe

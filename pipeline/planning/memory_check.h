@@ -1,0 +1,40 @@
+// Whether a run fits in host memory, checked twice so that each refusal gives the
+// advice that helps: the weights with their gradients and optimizer state from the
+// config alone, before any is allocated (they do not depend on micro-batches), then,
+// once the run is planned, those and the activations its schedule keeps (which do).
+#pragma once
+
+#include <cstdint>
+
+#include "layers/sequential.h"
+#include "pipeline/config/config.h"
+#include "pipeline/planning/plan.h"
+
+namespace gpipe {
+namespace pipeline {
+
+// What a model's parameters hold in host memory before the first step.
+struct WeightBytes {
+  int64_t weights = 0, gradients = 0, optimizer = 0;  // optimizer: its state (optimizer_slots per weight)
+  int64_t total() const { return weights + gradients + optimizer; }
+};
+
+// Refuses a YAML model whose parameters cannot fit in `available` bytes of host memory
+// (host_available_bytes(); <= 0 where unknown: no check), before it is built: every
+// process builds the whole model on the host, each weight with its gradient, and a run
+// of one process on CPU devices also keeps the optimizer's state there. The weights are
+// counted from the spec (layers::measure_parameters), so nothing is allocated here. A
+// model built in C++ or with a layer type of one's own is checked once it is built, by
+// check_run_fits. Throws UserError with the bytes and the advice for weights.
+void check_weights_fit(const Config& config, int64_t available, int processes = 1);
+
+// Refuses a planned run whose host footprint (estimate_memory: the parameters with
+// their gradients and optimizer state, and the peak of the activations, of the stages
+// on CPU devices) cannot fit in `available` bytes (host_available_bytes(), measured
+// after the model was built) plus what the built model holds on the host already. The
+// message says how much is weights and how much activations, and advises on the part
+// that does not fit: micro-batches for activations, the model for weights.
+void check_run_fits(const Config& config, layers::Sequential& model, const Plan& plan, int64_t available);
+
+}  // namespace pipeline
+}  // namespace gpipe

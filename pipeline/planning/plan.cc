@@ -1,0 +1,366 @@
+#include "pipeline/planning/plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <string>
+
+#include "kernels/backend.h"
+#include "partition/balance.h"
+#include "pipeline/executor/held_bytes.h"
+#include "pipeline/planning/profile.h"
+#include "runtime/error.h"
+
+namespace gpipe {
+namespace pipeline {
+
+namespace {
+
+// The stages' devices. In a multi-process run only this process's stage (local_stage)
+// must exist here; the others are on other nodes.
+std::vector<Device> plan_devices(const Config& c, int local_stage) {
+  const int K = c.pipeline.partitions;
+  std::vector<Device> out;
+  if (c.pipeline.devices.empty()) {
+    for (int k = 0; k < K; ++k) out.push_back(Device::cpu(k));
+    return out;
+  }
+  if (static_cast<int>(c.pipeline.devices.size()) != K) {
+    throw UserError("pipeline.devices lists " + std::to_string(c.pipeline.devices.size()) +
+                    " devices but pipeline.partitions is " + std::to_string(K) + "; give one device per partition");
+  }
+  for (const auto& d : c.pipeline.devices) {
+    Device dev = parse_device(d);
+    const bool here = local_stage < 0 || static_cast<int>(out.size()) == local_stage;
+    if (here && dev.is_cuda() && dev.index >= cuda_device_count()) {
+      throw UserError("pipeline.devices names " + dev.str() + " but this machine has " +
+                      std::to_string(cuda_device_count()) + " visible CUDA devices; use cpu:N devices instead");
+    }
+    out.push_back(dev);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<int> plan_balance(const Config& c, const layers::Sequential& model, int cells, int64_t micro) {
+  if (!c.pipeline.balance.empty()) {
+    partition::validate_balance(c.pipeline.balance, model.size(), cells);
+    return c.pipeline.balance;
+  }
+  const bool recompute = recomputes(c.pipeline.recompute);
+  if (c.pipeline.balance_by == "profile") {  // torchgpipe's balance by time
+    const ProfileEntry e =
+        require_profile(c.pipeline.profile, profile_key(model, micro, first_device(c), c.train.blas_threads));
+    return partition::balance_by_cost(profile_layer_costs(e, recompute), cells);
+  }
+  return partition::balance_by_cost(partition::layer_costs(model, micro, recompute, cost_overrides(c)), cells);
+}
+
+Device first_device(const Config& c) {
+  return c.pipeline.devices.empty() ? Device::cpu() : parse_device(c.pipeline.devices[0]);
+}
+
+std::vector<std::optional<double>> cost_overrides(const Config& c) {
+  std::vector<std::optional<double>> out;
+  for (const auto& l : c.model.layers) out.push_back(l.cost);
+  return out;
+}
+
+Plan plan_sizes(const Config& c) {
+  Plan p;
+  p.stages = c.pipeline.partitions;
+  p.virtual_stages = c.pipeline.virtual_stages;
+  p.micro_batches = c.pipeline.micro_batches;
+  p.replicas = c.pipeline.replicas;
+  p.batch_size = c.train.batch_size;
+  p.recompute = c.pipeline.recompute;
+  if (p.replicas > 1 && p.batch_size % p.replicas != 0) {
+    throw UserError("train.batch_size = " + std::to_string(p.batch_size) + " does not split evenly over " +
+                    std::to_string(p.replicas) + " replicas; make it a multiple of pipeline.replicas");
+  }
+  p.replica_batch = p.batch_size / p.replicas;
+  p.micro_batch_sizes = split_sizes(p.replica_batch, p.micro_batches);  // validates N >= M
+  return p;
+}
+
+Plan make_plan(const Config& c, const layers::Sequential& model, const PlanOptions& options) {
+  Plan p = plan_sizes(c);
+  const int cells = p.stages * p.virtual_stages;
+  if (cells > model.size()) {
+    throw UserError("the model has only " + std::to_string(model.size()) + " layers but the pipeline has " +
+                    std::to_string(cells) + " cells (pipeline.partitions x pipeline.virtual_stages); every cell "
+                    "needs a layer: lower pipeline.partitions or pipeline.virtual_stages");
+  }
+  ScheduleRequest request;
+  request.name = c.pipeline.schedule;
+  request.num_stages = p.stages;
+  request.num_chunks = p.virtual_stages;
+  request.num_micro_batches = p.micro_batches;
+  request.mode = p.recompute;
+  request.file = c.pipeline.schedule_file;
+  request.comm = options.comm;
+  p.schedule = make_schedule(request);
+  p.balance = plan_balance(c, model, cells, p.largest_micro_batch());
+  p.devices = plan_devices(c, options.local_stage);
+  p.cells = make_cells(p.balance, p.schedule, p.devices);
+  lower_collectives(p.schedule, run_collectives(model, p.cells, p.replicas > 1, c.optimizer.clip_grad_norm > 0));
+  return p;
+}
+
+int optimizer_slots(const layers::OptimizerConfig& o) {
+  if (o.type == "adam" || o.type == "adamw") return 2;
+  return o.momentum != 0.0 ? 1 : 0;
+}
+
+int64_t LayerActivation::own(int64_t batch) const {
+  return static_cast<int64_t>(std::llround(std::max(0.0, own_base + own_per_sample * static_cast<double>(batch))));
+}
+
+namespace {
+
+// A layer's (or the loss's) context: bytes besides `in` and `out`, and which of them it keeps.
+struct ContextBytes {
+  int64_t own = 0;
+  bool input = false, output = false;
+};
+ContextBytes context_bytes(const layers::Context& ctx, const Tensor& in, const Tensor& out) {
+  BufferList all;
+  add_buffers(ctx, all);
+  BufferList rest;
+  ContextBytes k;
+  for (const auto& b : all) {
+    if (in.defined() && b.first == in.raw_data()) {
+      k.input = true;
+    } else if (out.defined() && b.first == out.raw_data()) {
+      k.output = true;
+    } else {
+      rest.push_back(b);
+    }
+  }
+  k.own = distinct_bytes(std::move(rest));
+  return k;
+}
+
+}  // namespace
+
+namespace {
+
+// The layout from the layers' cost() counts, where a probe cannot run: each layer's
+// saved bytes as its own, nothing shared (an overestimate where layers share buffers).
+ActivationLayout layout_from_costs(const layers::Sequential& model) {
+  const auto one = model.costs(1), two = model.costs(2);
+  ActivationLayout out;
+  for (size_t i = 0; i < one.size(); ++i) {
+    LayerActivation a;
+    a.own_per_sample = static_cast<double>(two[i].saved_bytes - one[i].saved_bytes);
+    a.own_base = static_cast<double>(one[i].saved_bytes) - a.own_per_sample;
+    out.layers.push_back(a);
+  }
+  return out;
+}
+
+ActivationLayout probe_layers(const layers::Sequential& model_in);
+
+}  // namespace
+
+ActivationLayout probe_activations(const layers::Sequential& model) {
+  try {
+    return probe_layers(model);
+  } catch (const std::exception&) {
+    // A layer that fails on a batch of zeros fails in the run too, where its error
+    // names the real batch; the estimate falls back to the cost counts meanwhile.
+    return layout_from_costs(model);
+  }
+}
+
+namespace {
+
+ActivationLayout probe_layers(const layers::Sequential& model_in) {
+  // Recompute mode changes no layer state (BatchNorm counts no statistics), so probing
+  // leaves the model as it was; forward is not const only because layers may cache.
+  auto& model = const_cast<layers::Sequential&>(model_in);
+  const int L = model.size();
+  ActivationLayout out;
+  out.layers.resize(L);
+  std::vector<ContextBytes> at[2];
+  ContextBytes loss_at[2];
+  for (int b = 0; b < 2; ++b) {
+    const int64_t n = b + 1;
+    Shape shape{n};
+    for (int64_t d : model.input_shape()) shape.push_back(d);
+    Backend* be = &backend_for(model.layer(0).device());
+    Tensor h = be->zeros(shape, model.input_dtype());
+    layers::ForwardArgs args;
+    args.recompute = true;
+    for (int i = 0; i < L; ++i) {
+      be = &backend_for(model.layer(i).device());
+      if (!(h.device() == be->device())) {
+        Tensor moved = be->empty(h.shape(), h.dtype());
+        be->copy(h, moved);
+        h = moved;
+      }
+      layers::Context ctx;
+      Tensor y = model.layer(i).forward(*be, h, &ctx, args);
+      at[b].push_back(context_bytes(ctx, h, y));
+      h = y;
+    }
+    if (model.has_loss()) {
+      Shape target_shape(h.shape().begin(), h.shape().end() - 1);
+      const Tensor targets = be->zeros(target_shape, DType::kI32);
+      layers::Context lctx;
+      model.loss().forward(*be, h, targets, 1.0, &lctx);
+      loss_at[b] = context_bytes(lctx, h, Tensor());
+    }
+  }
+  auto fit = [](const ContextBytes& one, const ContextBytes& two) {
+    LayerActivation a;
+    a.own_per_sample = static_cast<double>(two.own - one.own);
+    a.own_base = static_cast<double>(one.own) - a.own_per_sample;
+    a.keeps_input = one.input || two.input;
+    a.keeps_output = one.output || two.output;
+    return a;
+  };
+  for (int i = 0; i < L; ++i) out.layers[i] = fit(at[0][i], at[1][i]);
+  out.loss = fit(loss_at[0], loss_at[1]);
+  return out;
+}
+
+}  // namespace
+
+std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequential& model,
+                                         const layers::OptimizerConfig& optimizer) {
+  return estimate_memory(plan, model, optimizer, probe_activations(model));
+}
+
+std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequential& model,
+                                         const layers::OptimizerConfig& optimizer, const ActivationLayout& layout) {
+  const Schedule& s = plan.schedule;
+  const int K = s.num_stages, M = s.num_micro_batches, C = s.num_cells();
+  GPIPE_CHECK(static_cast<int>(layout.layers.size()) == model.size(), "estimate_memory: a layout of another model");
+  // Per cell and micro-batch: what a forward keeps (each buffer once), what W's
+  // contexts keep, the cell's input and output, and whether the contexts hold them.
+  struct CellBytes {
+    int64_t saved = 0, for_w = 0, input = 0, output = 0;
+    bool keeps_input = false, keeps_output = false;
+  };
+  std::map<int64_t, std::vector<layers::LayerCost>> costs;  // by micro-batch size
+  for (int64_t n : plan.micro_batch_sizes) {
+    if (!costs.count(n)) costs[n] = model.costs(n);
+  }
+  auto input_bytes = [&](int layer, int64_t n) {
+    const layers::Layer& l = model.layer(layer);
+    return n * shape_numel(l.input_shape()) * static_cast<int64_t>(dtype_size(l.input_dtype()));
+  };
+  auto cell_bytes = [&](int c, int m) {
+    const int64_t n = plan.micro_batch_sizes[m];
+    const auto& per_layer = costs.at(n);
+    const CellSpec& cell = plan.cells[c];
+    const int first = cell.first_layer, last = first + cell.num_layers - 1;
+    CellBytes b;
+    b.input = input_bytes(first, n);
+    b.output = per_layer[last].output_bytes;
+    for (int i = first; i <= last; ++i) {
+      const LayerActivation& a = layout.layers[i];
+      b.saved += a.own(n);
+      // The buffer between layer i-1 and i, once, if either context keeps it.
+      if (a.keeps_input || (i > first && layout.layers[i - 1].keeps_output)) b.saved += input_bytes(i, n);
+      if (model.layer(i).splits_backward()) {  // what W needs: about the input, the output gradient and its own
+        b.for_w += a.own(n) + input_bytes(i, n) + per_layer[i].output_bytes;
+      }
+    }
+    b.keeps_input = layout.layers[first].keeps_input;
+    b.keeps_output = layout.layers[last].keeps_output;
+    if (c == C - 1) {
+      b.saved += layout.loss.own(n);
+      b.keeps_output = b.keeps_output || layout.loss.keeps_input;
+    }
+    if (b.keeps_output) b.saved += b.output;
+    return b;
+  };
+  std::vector<StageMemory> out(K);
+  const int slots = optimizer_slots(optimizer);  // state per parameter, besides value and gradient
+  const auto& any_costs = costs.begin()->second;
+  for (int k = 0; k < K; ++k) {
+    for (int c : s.cells[k]) {
+      const CellSpec& cell = plan.cells[c];
+      for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) {
+        out[k].weight_bytes += any_costs[i].param_bytes;
+        out[k].gradient_bytes += any_costs[i].param_bytes;
+        out[k].optimizer_bytes += slots * any_costs[i].param_bytes;
+      }
+    }
+    out[k].parameter_bytes = out[k].weight_bytes + out[k].gradient_bytes + out[k].optimizer_bytes;
+    // Walk the program: held[(chunk, m)] is what that micro-batch keeps on this stage.
+    std::vector<std::vector<int64_t>> held(s.num_chunks(), std::vector<int64_t>(M, 0));
+    std::vector<std::vector<char>> checkpointed(s.num_chunks(), std::vector<char>(M, 0)), split = checkpointed;
+    for (const Instruction& ins : s.stages[k]) {
+      if (ins.op == Op::kRecompute) checkpointed[ins.chunk][ins.micro_batch] = 1;
+      if (ins.op == Op::kBackwardWeight) split[ins.chunk][ins.micro_batch] = 1;
+    }
+    int64_t live = 0, peak = 0;
+    for (const Instruction& ins : s.stages[k]) {
+      if (!has_cell(ins.op)) continue;  // the optimizer step and the collectives hold no activations
+      const int c = s.cell(k, ins.chunk), m = ins.micro_batch;
+      const CellBytes b = cell_bytes(c, m);
+      int64_t& h = held[ins.chunk][m];
+      const int64_t before = h;
+      const bool sends_output = c + 1 < C && s.stage_of_cell(c + 1) != k;
+      const bool ckpt = checkpointed[ins.chunk][m];
+      switch (ins.op) {
+        case Op::kRecvActivation: h += b.input; break;
+        case Op::kForward:
+          if (ckpt) {
+            h = b.input + (sends_output ? b.output : 0);
+          } else {
+            h = b.saved + (sends_output && !b.keeps_output ? b.output : 0);
+          }
+          break;
+        case Op::kSendActivation:
+          if (ckpt || !b.keeps_output) h -= b.output;
+          break;
+        case Op::kRecompute: h = b.saved + (b.keeps_input ? 0 : b.input); break;  // the input stays until backward
+        case Op::kRecvGradient: h += b.output; break;
+        case Op::kBackward:
+          // The input gradient, until sent (a first cell's, or one handed to a cell of this
+          // stage, is not held here); the contexts a W still needs.
+          h = (c == 0 || s.stage_of_cell(c - 1) == k) ? 0 : b.input;
+          if (split[ins.chunk][m]) h += b.for_w;
+          break;
+        case Op::kBackwardWeight: h -= b.for_w; break;
+        case Op::kSendGradient: h -= b.input; break;
+        default: break;
+      }
+      h = std::max<int64_t>(h, 0);
+      live += h - before;
+      peak = std::max(peak, live);
+    }
+    out[k].activation_bytes = peak;
+  }
+  return out;
+}
+
+int64_t host_available_bytes() {
+  std::ifstream f("/proc/meminfo");
+  std::string key, unit;
+  int64_t kb = 0;
+  while (f >> key >> kb >> unit) {
+    if (key == "MemAvailable:") return kb * 1024;
+  }
+  return -1;
+}
+
+int64_t checkpoint_bytes(layers::Sequential& model, const layers::OptimizerConfig& optimizer) {
+  int64_t params = 0, buffers = 0;
+  for (const auto& [name, p] : model.named_parameters()) {
+    if (!model.is_tied_copy(p)) params += static_cast<int64_t>(p->value.nbytes());
+  }
+  for (int i = 0; i < model.size(); ++i) {
+    for (const layers::Buffer& b : model.layer(i).buffers()) buffers += static_cast<int64_t>(b.value->nbytes());
+  }
+  return params * (1 + optimizer_slots(optimizer)) + buffers;
+}
+
+}  // namespace pipeline
+}  // namespace gpipe

@@ -1,0 +1,114 @@
+// One plan of a run, computed once from the config and the model and read by the
+// trainer, `gpipe plan` and the report: how many stages, cells, micro-batches and
+// replicas, how big each micro-batch is, which schedule, where the model is cut and
+// which device runs each stage, and what each stage will hold in memory.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "layers/sequential.h"
+#include "pipeline/config/config.h"
+#include "pipeline/executor/cell.h"
+#include "pipeline/schedule/schedule.h"
+
+namespace gpipe {
+namespace pipeline {
+
+struct Plan {
+  int stages = 1;          // K
+  int virtual_stages = 1;  // v: cells per stage
+  int micro_batches = 1;   // M
+  int replicas = 1;        // D
+  int64_t batch_size = 0;     // the whole mini-batch, over every replica
+  int64_t replica_batch = 0;  // the rows one pipeline runs per step
+  std::vector<int64_t> micro_batch_sizes;  // split_sizes(replica_batch, M)
+  RecomputeMode recompute = RecomputeMode::kExceptLast;
+  Schedule schedule;
+  std::vector<int> balance;     // layers per cell, v K of them
+  std::vector<Device> devices;  // per stage
+  std::vector<CellSpec> cells;  // per cell, on its stage's device
+  int num_cells() const { return static_cast<int>(balance.size()); }
+  int64_t largest_micro_batch() const { return micro_batch_sizes.empty() ? 0 : micro_batch_sizes.front(); }
+};
+
+
+// The device of the pipeline's first stage: pipeline.devices[0], or the CPU when the
+// config names none. Costs are measured and looked up on it (profile, planner, sweep).
+Device first_device(const Config& config);
+
+// The per-layer `cost:` overrides of a config's YAML layers (none for a C++ model).
+std::vector<std::optional<double>> cost_overrides(const Config& config);
+
+// A plan's sizes only (stages, cells per stage, micro-batches, replicas, batch and
+// micro-batch sizes, recompute mode): no schedule, balance or devices. Validates them
+// (UserError naming the key and the fix). make_plan starts from it; `gpipe profile`
+// and the sweep, which need the micro-batch sizes without a whole plan, call it alone.
+Plan plan_sizes(const Config& config);
+
+struct PlanOptions {
+  int local_stage = -1;  // a multi-process run's own stage: only its device must exist here
+  CommModel comm = CommModel::kBuffered;  // the transport's, for the schedule's lowering and check
+};
+
+// Validates the config against the model (sizes, balance, devices, schedule) and plans
+// the run. Throws UserError naming the key and the fix.
+Plan make_plan(const Config& config, const layers::Sequential& model, const PlanOptions& options = {});
+
+// The layers per cell the config asks for: its balance, or the balancer's split of the
+// layer cost estimates at the plan's micro-batch size into the plan's cells.
+std::vector<int> plan_balance(const Config& config, const layers::Sequential& model, int cells,
+                              int64_t micro_batch_size);
+
+// What each layer's forward keeps for its backward, measured once per model by running
+// every layer on a one- and a two-sample batch of zeros (in recompute mode, so that no
+// layer's state changes; on the layers' devices) and counting the buffers of its context
+// as the executor's meter does (held_bytes.h): the bytes besides its input and output,
+// linear in the batch size, and whether it keeps its input and its output. A layer's
+// output is often the next one's saved input; counting each buffer once is what makes
+// the estimate agree with the meter.
+struct LayerActivation {
+  double own_base = 0, own_per_sample = 0;
+  bool keeps_input = false, keeps_output = false;
+  int64_t own(int64_t batch) const;
+};
+struct ActivationLayout {
+  std::vector<LayerActivation> layers;
+  LayerActivation loss;  // the loss's context (keeps_input: it keeps the logits)
+};
+ActivationLayout probe_activations(const layers::Sequential& model);
+
+// What a stage holds at its peak: parameters with their gradients and optimizer state,
+// and the activations the schedule keeps alive, after each instruction as the executor
+// meters them (walked instruction by instruction: a forward keeps its cell's contexts,
+// or only its input when checkpointed, and the output until it is sent; a recompute
+// rebuilds the contexts and keeps the input; a backward frees them, or keeps the
+// splitting layers' for a later W, and holds the input gradient until it is sent).
+// The trainer's fit check and the planner both call it.
+struct StageMemory {
+  int64_t parameter_bytes = 0;  // parameters, gradients and optimizer state: the three below
+  int64_t weight_bytes = 0, gradient_bytes = 0, optimizer_bytes = 0;
+  int64_t activation_bytes = 0;  // the peak of the activations held
+  int64_t total() const { return parameter_bytes + activation_bytes; }
+};
+std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequential& model,
+                                         const layers::OptimizerConfig& optimizer);
+// The same with a layout probed before (the sweep estimates many plans of one model).
+std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequential& model,
+                                         const layers::OptimizerConfig& optimizer, const ActivationLayout& layout);
+
+// Bytes of host memory available now (MemAvailable), or -1 where unknown: CPU stages
+// share it (the trainer's fit check, the sweep).
+int64_t host_available_bytes();
+
+// Bytes of a checkpoint of the model and its optimizer state (parameters once, tied
+// copies and buffers included).
+int64_t checkpoint_bytes(layers::Sequential& model, const layers::OptimizerConfig& optimizer);
+
+// Optimizer state per parameter element, in parameter-sized slots: SGD with momentum
+// keeps one buffer, Adam and AdamW two.
+int optimizer_slots(const layers::OptimizerConfig& optimizer);
+
+}  // namespace pipeline
+}  // namespace gpipe

@@ -1,0 +1,307 @@
+#include "pipeline/planning/planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <thread>
+
+#include "runtime/error.h"
+
+namespace gpipe {
+namespace pipeline {
+
+CostTable estimate_costs(const layers::Sequential& model, int64_t micro, const partition::CostModel& cm,
+                         const std::vector<std::optional<double>>& overrides, const layers::OptimizerConfig& opt) {
+  auto counts = model.costs(micro);
+  CostTable t;
+  t.source = "estimate";
+  t.micro_batch = micro;
+  const double slots = optimizer_slots(opt);
+  for (size_t i = 0; i < counts.size(); ++i) {
+    layers::LayerCost c = counts[i];
+    if (i == 0) {  // nothing needs the model input's gradient (partition::layer_costs does the same)
+      const double share = c.backward_flops > 0 ? c.input_grad_flops / c.backward_flops : 0.0;
+      c.backward_bytes *= 1.0 - share;
+      c.backward_flops -= c.input_grad_flops;
+      c.input_grad_flops = 0;
+    }
+    LayerTimes l;
+    const double fwd = std::max(c.forward_flops / cm.flops_per_second, c.forward_bytes / cm.bytes_per_second) * 1e3;
+    const double bwd = std::max(c.backward_flops / cm.flops_per_second, c.backward_bytes / cm.bytes_per_second) * 1e3;
+    const double input_share = c.backward_flops > 0 ? c.input_grad_flops / c.backward_flops : 1.0;
+    l.forward = l.forward_nograd = l.recompute = fwd;
+    l.backward = bwd;
+    const bool splits = model.layer(static_cast<int>(i)).splits_backward();
+    l.backward_input = splits ? bwd * input_share : bwd;
+    l.backward_weight = splits ? bwd * (1 - input_share) : 0.0;
+    if (i < overrides.size() && overrides[i]) {  // the user's seconds for forward + backward
+      const double total = *overrides[i] * 1e3;
+      l.forward = l.forward_nograd = l.recompute = total / 3;
+      l.backward = l.backward_input = 2 * total / 3;
+      l.backward_weight = 0;
+    }
+    // The update reads the value, the gradient and each state slot and writes the value
+    // and the slots.
+    l.optimizer = (3 + 2 * slots) * static_cast<double>(c.param_bytes) / cm.bytes_per_second * 1e3;
+    t.layers.push_back(l);
+  }
+  return t;
+}
+
+CostTable profile_costs(const ProfileEntry& e) {
+  CostTable t;
+  t.source = "profile";
+  t.micro_batch = e.key.micro_batch;
+  for (const LayerProfile& p : e.layers) {
+    t.layers.push_back({p.forward_ms, p.forward_nograd_ms, p.recompute_ms, p.backward_ms, p.backward_input_ms,
+                        p.backward_weight_ms, p.optimizer_ms});
+  }
+  t.loss_forward = e.loss_forward_ms;
+  t.loss_backward = e.loss_backward_ms;
+  return t;
+}
+
+CostSource::CostSource(const layers::Sequential& model, ProfileStore profile, std::string profile_path, Device device,
+                       int blas_threads, partition::CostModel cm, std::vector<std::optional<double>> overrides,
+                       layers::OptimizerConfig optimizer, double compute_scale, int concurrency)
+    : model_(model), profile_(std::move(profile)), path_(std::move(profile_path)),
+      base_key_(profile_key(model, 0, device, blas_threads, concurrency)), cm_(cm), overrides_(std::move(overrides)),
+      optimizer_(std::move(optimizer)), compute_scale_(compute_scale) {}
+
+std::vector<const ProfileEntry*> CostSource::family() const {
+  auto of = [&](int concurrency) {
+    std::vector<const ProfileEntry*> out;
+    for (const auto& e : profile_.entries) {
+      const ProfileKey& k = e.key;
+      if (k.model_hash == base_key_.model_hash && k.dtype == base_key_.dtype && k.device == base_key_.device &&
+          k.blas_threads == base_key_.blas_threads && k.concurrency == concurrency) {
+        out.push_back(&e);
+      }
+    }
+    return out;
+  };
+  auto out = of(base_key_.concurrency);
+  return out.empty() && base_key_.concurrency > 1 ? of(1) : out;
+}
+
+bool CostSource::has_profile() const { return !family().empty(); }
+
+const CostTable& CostSource::at(int64_t micro) const {
+  auto it = cache_.find(micro);
+  if (it != cache_.end()) return it->second;
+  // The profiled size nearest to this one (on a log scale); the same size is exact.
+  const ProfileEntry* near = nullptr;
+  for (const ProfileEntry* e : family()) {
+    auto dist = [&](int64_t n) { return std::abs(std::log(static_cast<double>(n) / static_cast<double>(micro))); };
+    if (near == nullptr || dist(e->key.micro_batch) < dist(near->key.micro_batch)) near = e;
+  }
+  CostTable t;
+  if (near != nullptr && near->key.micro_batch == micro) {
+    t = profile_costs(*near);
+  } else {
+    const CostTable est = estimate_costs(model_, micro, cm_, overrides_, optimizer_);
+    if (near == nullptr) {
+      t = est;
+    } else {  // scaled per layer by the cost model's ratio between the two sizes
+      const CostTable base = estimate_costs(model_, near->key.micro_batch, cm_, overrides_, optimizer_);
+      t = profile_costs(*near);
+      auto ratio = [](double a, double b) { return b > 0 ? a / b : 1.0; };
+      for (size_t i = 0; i < t.layers.size(); ++i) {
+        LayerTimes& l = t.layers[i];
+        const LayerTimes &num = est.layers[i], &den = base.layers[i];
+        l.forward *= ratio(num.forward, den.forward);
+        l.forward_nograd *= ratio(num.forward, den.forward);
+        l.recompute *= ratio(num.forward, den.forward);
+        l.backward *= ratio(num.backward, den.backward);
+        l.backward_input *= ratio(num.backward, den.backward);
+        l.backward_weight *= ratio(num.backward, den.backward);
+      }
+      const double rows = static_cast<double>(micro) / static_cast<double>(near->key.micro_batch);
+      t.loss_forward *= rows;
+      t.loss_backward *= rows;
+      t.source = "profile at micro-batch " + std::to_string(near->key.micro_batch) + ", scaled";
+    }
+  }
+  if (compute_scale_ != 1.0) {
+    for (LayerTimes& l : t.layers) {
+      for (double* x : {&l.forward, &l.forward_nograd, &l.recompute, &l.backward, &l.backward_input, &l.backward_weight}) {
+        *x *= compute_scale_;
+      }
+    }
+    t.loss_forward *= compute_scale_;
+    t.loss_backward *= compute_scale_;
+  }
+  return cache_.emplace(micro, std::move(t)).first->second;
+}
+
+std::string CostSource::describe() const {
+  const std::string scaled =
+      compute_scale_ != 1.0 ? " (times x " + std::to_string(compute_scale_).substr(0, 5) + ": perfect BLAS scaling assumed)" : "";
+  return describe_sources() + scaled;
+}
+
+std::string CostSource::describe_sources() const {
+  char rates[128];
+  std::snprintf(rates, sizeof rates, "the cost model (%.0f GFLOP/s, %.0f GB/s per device)", cm_.flops_per_second / 1e9,
+                cm_.bytes_per_second / 1e9);
+  if (path_.empty()) return rates;  // a device description: nothing was measured
+  const auto entries = family();
+  if (entries.empty()) return std::string(rates) + "; no profile in " + path_ + " for this model and device";
+  std::string sizes;
+  for (const ProfileEntry* e : entries) sizes += (sizes.empty() ? "" : ", ") + std::to_string(e->key.micro_batch);
+  const int measured = entries.front()->key.concurrency;
+  std::string at_once = measured > 1 ? ", " + std::to_string(measured) + " stages at once"
+                        : base_key_.concurrency > 1 ? ", measured alone" : "";
+  return "profile " + path_ + " (micro-batch " + sizes + at_once + "; other sizes scaled by " + rates + ")";
+}
+
+PlannedRun predict(const Plan& plan, const layers::Sequential& model, const CostSource& costs, const LinkFn& link,
+                   const layers::OptimizerConfig& optimizer, const PredictOptions& options) {
+  const Schedule& s = plan.schedule;
+  const int K = s.num_stages, M = s.num_micro_batches, C = s.num_cells(), v = s.num_chunks();
+  // Which (stage, chunk, micro-batch) recompute, and which defer their weight gradients.
+  std::vector<std::vector<std::vector<char>>> ckpt(K, std::vector<std::vector<char>>(v, std::vector<char>(M, 0)));
+  auto split = ckpt;
+  for (int k = 0; k < K; ++k) {
+    for (const Instruction& ins : s.stages[k]) {
+      if (ins.op == Op::kRecompute) ckpt[k][ins.chunk][ins.micro_batch] = 1;
+      if (ins.op == Op::kBackwardWeight) split[k][ins.chunk][ins.micro_batch] = 1;
+    }
+  }
+  std::map<int64_t, std::vector<layers::LayerCost>> counts;  // bytes of messages, by micro-batch size
+  for (int64_t n : plan.micro_batch_sizes) {
+    if (!counts.count(n)) counts[n] = model.costs(n);
+  }
+  // A collective's own time once every stage taking part has arrived (the simulator
+  // adds the wait). TIE: the copy's gradient there and the sum back. NORM: one number
+  // to a neighbour and back. RG: the buckets still in flight when the stage's last
+  // backward ends, at most one bucket (PyTorch DDP's 25 MB; the others overlap the
+  // backwards), over a ring of the replicas: 2 (D-1)/D of its bytes each way, on the
+  // link between processes of this machine.
+  const CostFn collective_ms = [&](int k, const Instruction& ins) -> double {
+    switch (ins.op) {
+      case Op::kTiedGradients: {
+        const auto& tie = s.collectives.ties.at(static_cast<size_t>(ins.micro_batch));
+        const layers::Tie& t = model.ties().at(static_cast<size_t>(ins.micro_batch));
+        const int64_t bytes = static_cast<int64_t>(t.copy->value.nbytes());
+        return 2 * link(s.stage_of_cell(tie.first), s.stage_of_cell(tie.second)).ms(bytes);
+      }
+      case Op::kGradientNorm:
+        return K > 1 ? 2 * link(k, k == 0 ? 1 : k - 1).ms(static_cast<int64_t>(sizeof(double))) : 0.0;
+      case Op::kReduceGradients: {
+        const auto& layer_costs = counts.at(plan.micro_batch_sizes.front());
+        int64_t bytes = 0;
+        for (int c : s.cells[k]) {
+          for (int i = plan.cells[c].first_layer; i < plan.cells[c].first_layer + plan.cells[c].num_layers; ++i) {
+            bytes += layer_costs[i].param_bytes;
+          }
+        }
+        const double D = plan.replicas;
+        const double in_flight = std::min<double>(static_cast<double>(bytes), 25.0 * (1 << 20));
+        return link(k, k).ms(static_cast<int64_t>(in_flight * 2 * (D - 1) / D));
+      }
+      default: return 0.0;
+    }
+  };
+  const CostFn cost = [&](int k, const Instruction& ins) -> double {
+    double t = options.instruction_overhead_ms;
+    if (ins.op == Op::kOptimizerStep) {
+      const CostTable& table = costs.at(plan.micro_batch_sizes.front());
+      for (int c : s.cells[k]) {
+        for (int i = plan.cells[c].first_layer; i < plan.cells[c].first_layer + plan.cells[c].num_layers; ++i) {
+          t += table.layers[i].optimizer;
+        }
+      }
+      return t;
+    }
+    if (ins.op == Op::kRecvActivation || ins.op == Op::kRecvGradient) return t;
+    if (is_collective(ins.op)) return t + collective_ms(k, ins);
+    const int m = ins.micro_batch, c = s.cell(k, ins.chunk);
+    const int64_t n = plan.micro_batch_sizes[m];
+    const CellSpec& cell = plan.cells[c];
+    const CostTable& table = costs.at(n);
+    const bool last = c == C - 1;
+    switch (ins.op) {
+      case Op::kSendActivation: {
+        const int64_t bytes = counts.at(n)[cell.first_layer + cell.num_layers - 1].output_bytes;
+        return t + link(k, s.stage_of_cell(c + 1)).ms(bytes);
+      }
+      case Op::kSendGradient: {
+        const layers::Layer& first = model.layer(cell.first_layer);
+        const int64_t bytes = n * shape_numel(first.input_shape()) * static_cast<int64_t>(dtype_size(first.dtype()));
+        return t + link(k, s.stage_of_cell(c - 1)).ms(bytes);
+      }
+      default: break;
+    }
+    for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) {
+      const LayerTimes& l = table.layers[i];
+      switch (ins.op) {
+        case Op::kForward: t += ckpt[k][ins.chunk][m] ? l.forward_nograd : l.forward; break;
+        case Op::kRecompute: t += l.recompute; break;
+        case Op::kBackward: t += split[k][ins.chunk][m] ? l.backward_input : l.backward; break;
+        case Op::kBackwardWeight: t += l.backward_weight; break;
+        default: break;
+      }
+    }
+    if (last && (ins.op == Op::kForward || ins.op == Op::kRecompute)) t += table.loss_forward;
+    if (last && ins.op == Op::kBackward) t += table.loss_backward;
+    return t;
+  };
+  const Simulation sim = simulate(s, cost);
+  PlannedRun out;
+  out.source = costs.describe();
+  out.timeline = sim.timeline;
+  out.step_ms = sim.makespan;
+  // Where the time goes: the report's accounting, of the simulated step.
+  std::vector<std::vector<OpSpan>> spans(K);
+  for (int k = 0; k < K; ++k) {
+    for (const TimedInstruction& ti : sim.timeline[k]) spans[k].push_back({ti.ins.op, ti.start, ti.end, ti.ins.micro_batch});
+  }
+  const StepTime time = account_step(spans);
+  out.span_ms = time.span_ms;
+  out.stages.assign(K, {});
+  double busy = 0;
+  for (int k = 0; k < K; ++k) {
+    static_cast<StageTime&>(out.stages[k]) = time.stages[k];
+    busy += out.stages[k].busy_ms;
+  }
+  out.bubble = out.span_ms > 0 ? 1.0 - busy / (K * out.span_ms) : 0;
+  out.samples_per_second = out.step_ms > 0 ? static_cast<double>(plan.batch_size) / (out.step_ms / 1e3) : 0;
+  const auto memory = options.layout != nullptr ? estimate_memory(plan, model, optimizer, *options.layout)
+                                                : estimate_memory(plan, model, optimizer);
+  for (int k = 0; k < K; ++k) {
+    out.stages[k].weight_bytes = memory[k].weight_bytes;
+    out.stages[k].gradient_bytes = memory[k].gradient_bytes;
+    out.stages[k].optimizer_bytes = memory[k].optimizer_bytes;
+    out.stages[k].activation_bytes = memory[k].activation_bytes;
+  }
+  return out;
+}
+
+LinkCost local_link(const ProfileStore& profile, bool across_processes) {
+  // When not measured: the figures of bench/RESULTS.md (transport_bench, 2-vCPU VM): the
+  // in-process hand-over is the receiving thread's wake-up, 6 to 7 us whatever the size;
+  // MPI over shared memory 3 us and about 8 GB/s.
+  const LinkCost fallback = across_processes ? LinkCost{"mpi (not measured: bench/RESULTS.md figures)", 0.003, 8e6}
+                                             : LinkCost{"inprocess (not measured: bench/RESULTS.md figures)", 0.006, 0};
+  const LinkCost* measured = profile.link(across_processes ? "mpi" : "inprocess");
+  return measured != nullptr ? *measured : fallback;
+}
+
+int stages_at_once(const Plan& plan) {
+  if (!plan.devices.front().is_cpu()) return 1;
+  return std::max(1, std::min(plan.stages, static_cast<int>(std::thread::hardware_concurrency())));
+}
+
+PlannedRun predict_config(const Config& c, const layers::Sequential& model, const Plan& plan, bool across_processes) {
+  const ProfileStore store = load_profile(c.pipeline.profile);
+  const CostSource costs(model, store, c.pipeline.profile, plan.devices.front(), c.train.blas_threads,
+                         partition::CostModel{}, cost_overrides(c), c.optimizer.optimizer, 1.0, stages_at_once(plan));
+  const LinkCost link = local_link(store, across_processes);
+  PlannedRun run = predict(plan, model, costs, [link](int, int) { return link; }, c.optimizer.optimizer);
+  run.source += "; messages: " + link.kind;
+  return run;
+}
+
+}  // namespace pipeline
+}  // namespace gpipe

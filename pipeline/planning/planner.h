@@ -1,0 +1,115 @@
+// The planner: predicts a plan's step time, bubble, throughput and memory per stage
+// before anything trains, by simulating its schedule (schedule.h's simulate) with a
+// cost per instruction: the layers' measured times from a profile (profile.h) when
+// there is one for the model, micro-batch size and device, and the roofline cost
+// model (partition/balance.h) otherwise; sends cost the transport's latency plus bytes
+// over its bandwidth. Memory is estimate_memory (plan.h), the function the trainer's
+// fit check calls too.
+//
+// Why a profile per micro-batch size: splitting a batch into thinner micro-batches
+// makes every GEMM slower per row (on one CPU core, 32-row GEMMs run at ~75% of the
+// rate of 256-row ones), which can cost more than the bubble it saves. A cost model
+// that is linear in rows cannot see that; measured times at each size can.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "layers/optimizer.h"
+#include "layers/sequential.h"
+#include "partition/balance.h"
+#include "pipeline/planning/plan.h"
+#include "pipeline/planning/prediction.h"
+#include "pipeline/planning/profile.h"
+
+namespace gpipe {
+namespace pipeline {
+
+// One layer's times at one micro-batch size, in ms.
+struct LayerTimes {
+  double forward = 0, forward_nograd = 0, recompute = 0;
+  double backward = 0, backward_input = 0, backward_weight = 0;
+  double optimizer = 0;
+};
+
+struct CostTable {
+  std::string source;  // "profile", "estimate", "profile at micro-batch 8, scaled"
+  int64_t micro_batch = 0;
+  std::vector<LayerTimes> layers;
+  double loss_forward = 0, loss_backward = 0;  // ms; estimates count the loss in the last layer
+};
+
+// From the cost model: forward max(FLOPs / rate, bytes / bandwidth), backward likewise
+// (the model's first layer without its input gradient), B and W split by the layer's
+// input-gradient FLOPs, the optimizer by the bytes it reads and writes. A layer's
+// `cost:` (seconds of forward + backward) is split one third forward.
+CostTable estimate_costs(const layers::Sequential& model, int64_t micro_batch, const partition::CostModel& cm,
+                         const std::vector<std::optional<double>>& overrides, const layers::OptimizerConfig& optimizer);
+CostTable profile_costs(const ProfileEntry& entry);
+
+// The cost tables a plan's micro-batch sizes get: the profile's entry at that size;
+// else the nearest profiled size of this model and device, scaled per layer by the
+// cost model's ratio between the two sizes; else the cost model alone.
+class CostSource {
+ public:
+  // concurrency: stages computing at once (the profile's entries measured so, else
+  // those measured alone). compute_scale multiplies every layer time (the sweep's guess
+  // for more BLAS threads than were profiled: 1 / threads, perfect scaling).
+  CostSource(const layers::Sequential& model, ProfileStore profile, std::string profile_path, Device device,
+             int blas_threads, partition::CostModel cm, std::vector<std::optional<double>> overrides,
+             layers::OptimizerConfig optimizer, double compute_scale = 1.0, int concurrency = 1);
+  const CostTable& at(int64_t micro_batch) const;
+  bool has_profile() const;  // some size of this model and device was measured
+  std::string describe() const;  // for the plan's and the report's "costs from" line
+
+ private:
+  std::string describe_sources() const;
+  // The profile's entries of this model, dtype, device, threads and concurrency (or,
+  // with none at this concurrency, measured alone).
+  std::vector<const ProfileEntry*> family() const;
+  const layers::Sequential& model_;
+  ProfileStore profile_;
+  std::string path_;
+  ProfileKey base_key_;
+  partition::CostModel cm_;
+  std::vector<std::optional<double>> overrides_;
+  layers::OptimizerConfig optimizer_;
+  double compute_scale_ = 1.0;
+  mutable std::map<int64_t, CostTable> cache_;
+};
+
+// Cost of a message from stage src to stage dst.
+using LinkFn = std::function<LinkCost(int src, int dst)>;
+
+struct PredictOptions {
+  // The executor's own cost per instruction (timing, the activation meter, dispatch):
+  // 4 to 5 us on the 2-vCPU machine of bench/RESULTS.md (pipeline_bench --direct).
+  double instruction_overhead_ms = 0.005;
+  // The model's activation layout, probed once for many predictions (nullptr: probe).
+  const ActivationLayout* layout = nullptr;
+};
+
+// Simulates the plan's schedule with these costs. Deterministic: the same inputs give
+// the same prediction.
+PlannedRun predict(const Plan& plan, const layers::Sequential& model, const CostSource& costs, const LinkFn& link,
+                   const layers::OptimizerConfig& optimizer, const PredictOptions& options = {});
+
+// A message between stages on this machine: the in-process hand-over (no bytes move
+// between CPU stages), or MPI between processes; the profile's measured figures
+// (`gpipe profile`, `mpirun -np 2 gpipe profile`) when it has them.
+LinkCost local_link(const ProfileStore& profile, bool across_processes);
+
+// How many of a plan's stages compute at once on their own cores: K on CPUs (at most
+// the cores), 1 on GPUs (each its own device).
+int stages_at_once(const Plan& plan);
+
+// The run's prediction as `train` and `gpipe plan` make it: the config's profile file
+// when it has entries for this model, the cost model otherwise.
+PlannedRun predict_config(const Config& config, const layers::Sequential& model, const Plan& plan,
+                          bool across_processes = false);
+
+}  // namespace pipeline
+}  // namespace gpipe

@@ -1,0 +1,269 @@
+#include "pipeline/planning/sweep.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <thread>
+
+#include "pipeline/planning/plan.h"
+#include "pipeline/planning/planner.h"
+#include "runtime/error.h"
+
+namespace gpipe {
+namespace pipeline {
+
+std::string Candidate::label() const {
+  std::string s = "K=" + std::to_string(stages);
+  if (virtual_stages > 1) s += " v=" + std::to_string(virtual_stages);
+  s += " M=" + std::to_string(micro_batches) + " " + schedule + " recompute=" + recompute_mode_name(recompute);
+  if (blas_threads > 1) s += " blas_threads=" + std::to_string(blas_threads);
+  return s;
+}
+
+std::string Candidate::overrides() const {
+  std::string s = "--set pipeline.partitions=" + std::to_string(stages) +
+                  " --set pipeline.micro_batches=" + std::to_string(micro_batches) +
+                  " --set pipeline.recompute=" + recompute_mode_name(recompute) + " --set pipeline.schedule=" + schedule;
+  if (virtual_stages > 1) s += " --set pipeline.virtual_stages=" + std::to_string(virtual_stages);
+  if (blas_threads > 1) s += " --set train.blas_threads=" + std::to_string(blas_threads);
+  return s;
+}
+
+namespace {
+
+std::string mb(int64_t bytes) {
+  char buf[32];
+  if (bytes >= (int64_t{1} << 30)) {
+    std::snprintf(buf, sizeof buf, "%.2f GiB", bytes / 1073741824.0);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.1f MiB", bytes / 1048576.0);
+  }
+  return buf;
+}
+
+// Device time of the compute in a step: a stage's busy time keeps each of its BLAS
+// threads' cores busy.
+double total_busy(const Candidate& c) {
+  double b = 0;
+  for (const auto& s : c.run.stages) b += s.busy_ms;
+  return b * c.blas_threads;
+}
+
+int devices_used(const Candidate& c) { return c.stages * c.blas_threads; }
+
+// Why `c` predicts fewer samples/s than `best`: the largest of three factors of the
+// ratio of their step times per sample.
+std::string why_lost(const Candidate& c, const Candidate& best) {
+  const double slower = best.run.samples_per_second / c.run.samples_per_second;
+  if (slower < 1.01) return "as fast (within 1%)";
+  const double work = total_busy(c) / total_busy(best);  // compute per step: same batch
+  const double devices = static_cast<double>(devices_used(best)) / devices_used(c);
+  auto inefficiency = [](const Candidate& x) {  // step time x devices / device compute: 1 with no idle time
+    return x.run.step_ms * devices_used(x) / std::max(1e-12, total_busy(x));
+  };
+  const double idle = inefficiency(c) / inefficiency(best);
+  char buf[160];
+  if (work >= devices && work >= idle) {
+    std::string what;
+    if (c.recompute != best.recompute) what = "recompute " + std::string(recompute_mode_name(c.recompute));
+    if (c.micro_batches > best.micro_batches) {
+      what += (what.empty() ? "" : ", ") + std::string("thinner micro-batches");
+    }
+    if (c.blas_threads > best.blas_threads) {
+      what += (what.empty() ? "" : ", ") + std::to_string(c.blas_threads) + " BLAS threads per stage";
+    }
+    std::snprintf(buf, sizeof buf, "slower ops: +%.0f%% compute per sample%s%s%s", 100 * (work - 1),
+                  what.empty() ? "" : " (", what.c_str(), what.empty() ? "" : ")");
+  } else if (devices >= idle) {
+    std::snprintf(buf, sizeof buf, "uses %d of %d devices", devices_used(c), devices_used(best));
+  } else if (c.run.bubble > best.run.bubble) {
+    std::snprintf(buf, sizeof buf, "bubble %.2f vs %.2f", c.run.bubble, best.run.bubble);
+  } else {
+    // Idle, but not in the pipeline's bubble: the optimizer step, which runs on one thread.
+    auto outside = [](const Candidate& x) { return x.run.step_ms - total_busy(x) / devices_used(x); };
+    std::snprintf(buf, sizeof buf, "time outside compute %.1f vs %.1f ms a step", outside(c), outside(best));
+  }
+  return buf;
+}
+
+}  // namespace
+
+SweepResult sweep(const Config& base, const layers::Sequential& model, const SweepOptions& o) {
+  SweepResult out;
+  const bool cpu = first_device(base).is_cpu();
+  int n = o.devices;
+  if (n <= 0) n = o.spec != nullptr ? 1 : (cpu ? static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))
+                                             : std::max(1, cuda_device_count()));
+  out.devices = n;
+  out.memory_limit = o.memory_limit > 0 ? o.memory_limit
+                     : base.pipeline.memory_limit > 0 ? base.pipeline.memory_limit
+                     : o.spec != nullptr ? o.spec->memory_bytes
+                                         : 0;
+  const ProfileStore store = load_profile(base.pipeline.profile);
+  const std::vector<std::optional<double>> overrides = cost_overrides(base);
+  const Device device = o.spec != nullptr ? Device::cuda(0) : first_device(base);
+  const partition::CostModel cm = o.spec != nullptr ? o.spec->cost_model(dtype_name(model.output_dtype()))
+                                                    : partition::CostModel{};
+  // On a device description there is no profile: the spec's roofline.
+  const ProfileStore none;
+  // Per number of stages computing at once (CPU stages slow each other down).
+  std::map<int, std::unique_ptr<CostSource>> by_concurrency;
+  auto costs_for = [&](int k) -> const CostSource& {
+    const int at_once = cpu && o.spec == nullptr ? std::min(k, static_cast<int>(std::thread::hardware_concurrency())) : 1;
+    auto& slot = by_concurrency[at_once];
+    if (!slot) {
+      slot = std::make_unique<CostSource>(model, o.spec != nullptr ? none : store,
+                                          o.spec != nullptr ? "" : base.pipeline.profile, device, base.train.blas_threads,
+                                          cm, overrides, base.optimizer.optimizer, 1.0, at_once);
+    }
+    return *slot;
+  };
+  const CostSource& costs = costs_for(std::min(n, model.size()));
+  out.costs = o.spec != nullptr ? o.spec->name + " (" + o.spec->source + "): " + costs.describe() : costs.describe();
+  const LinkCost local = local_link(store, false);
+  const LinkFn link = o.spec != nullptr ? LinkFn([&](int a, int b) { return o.spec->link(a, b); })
+                                        : LinkFn([local](int, int) { return local; });
+
+  struct Shape {
+    int k, v, threads;
+    std::string schedule;
+  };
+  std::vector<Shape> shapes;
+  const std::vector<std::string> flat = {"gpipe", "1f1b", "zero_bubble"};
+  for (int k = 1; k <= std::min(n, model.size()); ++k) {
+    if (o.spec != nullptr && k > 1 && (k & (k - 1)) != 0 && k != n) continue;  // powers of two and N
+    for (const auto& s : flat) shapes.push_back({k, 1, 1, s});
+    if (k > 1 && 2 * k <= model.size()) shapes.push_back({k, 2, 1, "interleaved_1f1b"});
+  }
+  if (cpu && o.spec == nullptr && n > 1) {
+    for (const auto& s : flat) shapes.push_back({1, 1, n, s});  // one stage, every core's BLAS threads
+  }
+  std::unique_ptr<CostSource> threaded;
+  if (cpu && o.spec == nullptr && n > 1) {
+    // Measured with n BLAS threads (gpipe profile --set train.blas_threads=N), or the
+    // single-thread costs over n.
+    const CostSource probe(model, store, base.pipeline.profile, device, n, cm, overrides, base.optimizer.optimizer);
+    threaded = probe.has_profile()
+                   ? std::make_unique<CostSource>(model, store, base.pipeline.profile, device, n, cm, overrides,
+                                                  base.optimizer.optimizer)
+                   : std::make_unique<CostSource>(model, store, base.pipeline.profile, device, base.train.blas_threads,
+                                                  cm, overrides, base.optimizer.optimizer, 1.0 / n);
+  }
+  const int64_t batch = base.train.batch_size;
+  PredictOptions po;
+  const ActivationLayout layout = probe_activations(model);
+  po.layout = &layout;
+  for (const Shape& sh : shapes) {
+    for (int m : o.micro_batches) {
+      if (m > batch) continue;
+      for (RecomputeMode mode : {RecomputeMode::kNever, RecomputeMode::kExceptLast, RecomputeMode::kAlways}) {
+        if (sh.k == 1 && sh.schedule != "gpipe") continue;  // one stage: every schedule is the same
+        Config c = base;
+        c.pipeline.partitions = sh.k;
+        c.pipeline.virtual_stages = sh.v;
+        c.pipeline.micro_batches = m;
+        c.pipeline.recompute = mode;
+        c.pipeline.schedule = sh.schedule;
+        c.pipeline.schedule_file.clear();
+        c.pipeline.replicas = 1;
+        c.pipeline.devices.clear();
+        c.pipeline.balance_by = "estimate";
+        c.train.blas_threads = sh.threads;
+        const CostSource& src = sh.threads > 1 ? *threaded : costs_for(sh.k);
+        Candidate cand;
+        cand.stages = sh.k;
+        cand.virtual_stages = sh.v;
+        cand.micro_batches = m;
+        cand.blas_threads = sh.threads;
+        cand.recompute = mode;
+        cand.schedule = sh.schedule;
+        try {
+          // Balance by the costs the prediction uses, at this micro-batch size.
+          const CostTable& t = src.at(plan_sizes(c).largest_micro_batch());
+          std::vector<double> per_layer;
+          for (const LayerTimes& l : t.layers) {
+            per_layer.push_back(l.forward + l.backward + (recomputes(mode) ? l.recompute : 0.0));
+          }
+          per_layer.back() += t.loss_forward + t.loss_backward;
+          c.pipeline.balance = partition::balance_by_cost(per_layer, sh.k * sh.v);
+          const Plan plan = make_plan(c, model);
+          cand.balance = plan.balance;
+          cand.run = predict(plan, model, src, link, c.optimizer.optimizer, po);
+        } catch (const UserError&) {
+          continue;  // this schedule cannot take these K, v, M
+        }
+        for (const PlannedStage& s : cand.run.stages) {
+          cand.peak_device_bytes = std::max(cand.peak_device_bytes, s.total_bytes());
+          cand.total_bytes += s.total_bytes();
+        }
+        cand.fits = (out.memory_limit <= 0 || cand.peak_device_bytes <= out.memory_limit) &&
+                    (o.host_available <= 0 || o.spec != nullptr || cand.total_bytes <= o.host_available);
+        out.candidates.push_back(std::move(cand));
+      }
+    }
+  }
+  if (out.candidates.empty()) {
+    throw UserError("no way to run this config could be planned (the model has " + std::to_string(model.size()) +
+                    " layers, train.batch_size " + std::to_string(batch) + ")");
+  }
+  std::stable_sort(out.candidates.begin(), out.candidates.end(), [](const Candidate& a, const Candidate& b) {
+    if (a.fits != b.fits) return a.fits;
+    return a.run.samples_per_second > b.run.samples_per_second;
+  });
+  if (out.candidates.front().fits) out.recommended = 0;
+  for (size_t i = 0; i < out.candidates.size(); ++i) {
+    Candidate& c = out.candidates[i];
+    if (static_cast<int>(i) == out.recommended) {
+      c.verdict = "recommended";
+    } else if (!c.fits) {
+      c.verdict = "memory: " + mb(out.memory_limit > 0 && c.peak_device_bytes > out.memory_limit ? c.peak_device_bytes
+                                                                                                 : c.total_bytes) +
+                  (out.memory_limit > 0 && c.peak_device_bytes > out.memory_limit ? " on a device > " + mb(out.memory_limit)
+                                                                                   : " in all > " + mb(o.host_available) + " available");
+    } else {
+      c.verdict = why_lost(c, out.candidates[out.recommended]);
+    }
+  }
+  return out;
+}
+
+std::string sweep_table(const SweepResult& r, int max_rows) {
+  std::ostringstream os;
+  int fitting = 0;
+  for (const auto& c : r.candidates) fitting += c.fits;
+  os << "Sweep: " << r.candidates.size() << " candidates on " << r.devices << " device" << (r.devices == 1 ? "" : "s")
+     << ", " << fitting << " within the memory limit"
+     << (r.memory_limit > 0 ? " of " + mb(r.memory_limit) + " per device" : "") << "\n";
+  os << "costs: " << r.costs << "\n";
+  char line[400];
+  std::snprintf(line, sizeof line, "%4s  %-52s %9s %10s %6s %12s  %s\n", "rank", "candidate", "step ms", "samples/s",
+                "bubble", "peak/device", "verdict");
+  os << line;
+  int shown = 0;
+  for (size_t i = 0; i < r.candidates.size(); ++i) {
+    const Candidate& c = r.candidates[i];
+    if (shown >= max_rows && static_cast<int>(i) != r.recommended) continue;
+    ++shown;
+    std::snprintf(line, sizeof line, "%4zu  %-52s %9.2f %10.1f %6.3f %12s  %s\n", i + 1, c.label().c_str(), c.run.step_ms,
+                  c.run.samples_per_second, c.run.bubble, mb(c.peak_device_bytes).c_str(),
+                  (static_cast<int>(i) == r.recommended ? "<< recommended" : c.verdict).c_str());
+    os << line;
+  }
+  if (shown < static_cast<int>(r.candidates.size())) {
+    os << "  (" << r.candidates.size() - shown << " more not shown)\n";
+  }
+  if (r.recommended >= 0) {
+    os << "Recommended: " << r.candidates[r.recommended].label() << "\n  " << r.candidates[r.recommended].overrides()
+       << "\n";
+  } else {
+    os << "No candidate fits the memory limit: raise pipeline.memory_limit, use more devices, or shrink "
+          "train.batch_size\n";
+  }
+  return os.str();
+}
+
+}  // namespace pipeline
+}  // namespace gpipe

@@ -1,0 +1,61 @@
+// `gpipe plan CONFIG --sweep`: tries the ways to run a config (stages K, micro-batches
+// M, recompute mode, schedule, virtual stages, and on CPUs one stage with every core's
+// BLAS threads), predicts each with the planner, drops those over the memory limit
+// per device, and ranks the rest by predicted samples/s, saying why each lost to the
+// one it recommends: memory, the bubble (idle time), slower ops (more recompute,
+// thinner micro-batches whose GEMMs run slower), or fewer devices.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "layers/sequential.h"
+#include "pipeline/config/config.h"
+#include "pipeline/planning/device_spec.h"
+#include "pipeline/planning/prediction.h"
+
+namespace gpipe {
+namespace pipeline {
+
+struct SweepOptions {
+  // Devices to plan for: 0 means this machine's (its cores for CPU configs, its GPUs
+  // for CUDA configs). With `spec`, devices of that description instead.
+  int devices = 0;
+  const DeviceSpec* spec = nullptr;
+  // Bytes per device a candidate may hold; 0 takes pipeline.memory_limit, then the
+  // spec's memory; on this machine's CPUs the stages also share its available memory.
+  int64_t memory_limit = 0;
+  int64_t host_available = 0;  // bytes the CPU stages share (0: not checked)
+  std::vector<int> micro_batches = {1, 2, 4, 8, 16, 32};
+};
+
+struct Candidate {
+  int stages = 1, virtual_stages = 1, micro_batches = 1, blas_threads = 1;
+  RecomputeMode recompute = RecomputeMode::kNever;
+  std::string schedule;
+  std::vector<int> balance;
+  PlannedRun run;
+  int64_t peak_device_bytes = 0;  // the largest stage's total
+  int64_t total_bytes = 0;        // over all stages
+  bool fits = true;
+  std::string verdict;  // "recommended", or why it lost
+  std::string label() const;      // "K=2 M=8 1f1b recompute=never"
+  std::string overrides() const;  // "--set pipeline.partitions=2 --set ..."
+};
+
+struct SweepResult {
+  std::vector<Candidate> candidates;  // the fitting ones by predicted samples/s, then the rest
+  int recommended = -1;               // index into candidates, -1 if none fits
+  int devices = 0;
+  int64_t memory_limit = 0;
+  std::string costs;  // where the costs came from
+};
+
+// Throws UserError when no candidate can even be built (e.g. a one-layer model).
+SweepResult sweep(const Config& config, const layers::Sequential& model, const SweepOptions& options);
+// The ranked table, at most max_rows candidates (the recommendation always shown).
+std::string sweep_table(const SweepResult& result, int max_rows = 30);
+
+}  // namespace pipeline
+}  // namespace gpipe

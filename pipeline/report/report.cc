@@ -1,0 +1,490 @@
+#include "pipeline/report/report.h"
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <map>
+#include <sstream>
+
+#include "runtime/error.h"
+
+namespace gpipe {
+namespace pipeline {
+
+std::string describe_layers(const layers::Sequential& model, int first, int count) {
+  std::vector<std::pair<std::string, int>> kinds;
+  for (int i = first; i < first + count; ++i) {
+    const std::string t = model.layer(i).type();
+    auto it = std::find_if(kinds.begin(), kinds.end(), [&](auto& kv) { return kv.first == t; });
+    if (it == kinds.end()) {
+      kinds.emplace_back(t, 1);
+    } else {
+      ++it->second;
+    }
+  }
+  std::string out = std::to_string(first) + "-" + std::to_string(first + count - 1) + " ";
+  for (size_t i = 0; i < kinds.size(); ++i) {
+    out += (i ? ", " : "") + kinds[i].first + (kinds[i].second > 1 ? " x" + std::to_string(kinds[i].second) : "");
+  }
+  return out;
+}
+
+ReportBuilder::ReportBuilder(std::vector<std::string> stage_layers, std::vector<std::string> stage_devices,
+                             int micro_batches, RecomputeMode recompute, std::string schedule, int64_t batch_size)
+    : layers_(std::move(stage_layers)), devices_(std::move(stage_devices)), micro_batches_(micro_batches),
+      recompute_(recompute), schedule_(std::move(schedule)), batch_size_(batch_size),
+      launch_first_{0}, acc_(layers_.size()), op_time_(layers_.size()) {
+  for (size_t k = 0; k < acc_.size(); ++k) {
+    acc_[k].stage = static_cast<int>(k);
+    acc_[k].layers = layers_[k];
+    acc_[k].device = devices_[k];
+  }
+}
+
+void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool timed) {
+  if (!first_step_known_) {  // no history carried over: this launch starts at its first step (0 when fresh)
+    launch_first_.back() = step;
+    first_step_known_ = true;
+  }
+  losses_.emplace_back(step, loss);
+  if (!timed) return;
+  std::vector<std::vector<OpSpan>> spans(r.stages.size());
+  for (size_t k = 0; k < r.stages.size(); ++k) {
+    for (const TimedOp& op : r.stages[k].ops) spans[k].push_back({op.op, op.start_ms, op.end_ms, op.micro_batch});
+  }
+  const StepTime time = account_step(spans);
+  for (size_t k = 0; k < acc_.size() && k < r.stages.size(); ++k) {
+    StageSummary& s = acc_[k];
+    const StageTrace& trace = r.stages[k];
+    s.add(time.stages[k]);
+    for (const auto& op : trace.ops) {
+      auto& t = op_time_[k][{static_cast<int>(op.op), op.chunk}];
+      t.first += op.end_ms - op.start_ms;
+      ++t.second;
+    }
+    s.peak_activation_bytes = std::max(s.peak_activation_bytes, trace.peak_activation_bytes);
+  }
+  add_deliveries(r);
+  span_total_ += time.span_ms;
+  wall_total_ += r.wall_ms;
+  ++timed_;
+}
+
+void ReportBuilder::add_deliveries(const StepResult& r) {
+  const int K = program_.num_stages;
+  if (!has_schedule_ || static_cast<int>(r.stages.size()) != K) return;
+  for (int k = 0; k < K; ++k) {
+    if (r.stages[k].ops.size() != program_.stages[k].size()) return;  // not this schedule's timings
+  }
+  if (delivery_.empty()) delivery_.assign(K, {0.0, 0});
+  // On the job clock: each stage's op times are relative to its own step start.
+  std::map<MessageKey, double> sent;
+  for (int k = 0; k < K; ++k) {
+    for (size_t i = 0; i < program_.stages[k].size(); ++i) {
+      const Op op = program_.stages[k][i].op;
+      if (op == Op::kSendActivation || op == Op::kSendGradient) {
+        sent[message_key(program_, k, program_.stages[k][i])] = r.stages[k].start_ms + r.stages[k].ops[i].end_ms;
+      }
+    }
+  }
+  for (int k = 0; k < K; ++k) {
+    for (size_t i = 0; i < program_.stages[k].size(); ++i) {
+      const Op op = program_.stages[k][i].op;
+      if (op != Op::kRecvActivation && op != Op::kRecvGradient) continue;
+      auto it = sent.find(message_key(program_, k, program_.stages[k][i]));
+      const TimedOp& t = r.stages[k].ops[i];
+      if (it == sent.end() || r.stages[k].start_ms + t.start_ms >= it->second) continue;  // it was there already
+      delivery_[k].first += std::max(0.0, r.stages[k].start_ms + t.end_ms - it->second);
+      ++delivery_[k].second;
+    }
+  }
+}
+
+void ReportBuilder::add_validation(int step, double loss, double accuracy) {
+  validations_.push_back({step, loss, accuracy});
+}
+
+// ---- The run's history across launches (resumes, restarts).
+
+namespace {
+
+constexpr int kHistoryVersion = 1;
+
+Error malformed(const std::string& what) {
+  return Error("malformed report history (saved with the checkpoint in trainer_state.json): " + what +
+               "; the checkpoint's weights do not depend on it: remove the history from trainer_state.json to resume "
+               "with a report of this launch only");
+}
+
+// A step index: an integer in [0, INT_MAX].
+int step_of(const nlohmann::json& v, const std::string& where) {
+  if (!v.is_number_integer()) throw malformed(where + " is " + v.dump() + ", not an integer step");
+  if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(INT_MAX)
+                             : (v.get<int64_t>() < 0 || v.get<int64_t>() > INT_MAX)) {
+    throw malformed(where + " is " + v.dump() + ", not a step from 0 to " + std::to_string(INT_MAX));
+  }
+  return static_cast<int>(v.get<int64_t>());
+}
+
+// A loss or an accuracy. Training losses are finite (the trainer stops at a NaN); a
+// validation score may not be, and JSON writes a NaN as null.
+double value_of(const nlohmann::json& v, const std::string& where, bool may_be_nan) {
+  if (may_be_nan && v.is_null()) return std::numeric_limits<double>::quiet_NaN();
+  if (!v.is_number()) throw malformed(where + " is " + v.dump() + ", not a number");
+  const double d = v.get<double>();
+  if (!std::isfinite(d) && !may_be_nan) throw malformed(where + " is " + v.dump() + ", not finite");
+  return d;
+}
+
+const nlohmann::json& array_at(const nlohmann::json& h, const char* key) {
+  if (!h.contains(key)) throw malformed(std::string("no \"") + key + "\"");
+  const nlohmann::json& a = h[key];
+  if (!a.is_array()) throw malformed(std::string("\"") + key + "\" is " + a.type_name() + ", not an array");
+  return a;
+}
+
+}  // namespace
+
+nlohmann::json ReportBuilder::history(int up_to_step) const {
+  nlohmann::json h = {{"version", kHistoryVersion},
+                      {"launches", nlohmann::json::array()},
+                      {"steps", nlohmann::json::array()},
+                      {"validations", nlohmann::json::array()}};
+  for (size_t i = 0; i < launch_first_.size(); ++i) {
+    if (launch_first_[i] > up_to_step) break;  // none of its steps is in the history
+    h["launches"].push_back({{"launch", static_cast<int>(i) + 1}, {"first_step", launch_first_[i]}});
+  }
+  for (const auto& [step, loss] : losses_) {
+    if (step <= up_to_step) h["steps"].push_back({step, loss});
+  }
+  for (const auto& v : validations_) {
+    if (v.step <= up_to_step) h["validations"].push_back({v.step, v.loss, v.accuracy});
+  }
+  return h;
+}
+
+void ReportBuilder::carry_over(const nlohmann::json& h, int first_step) {
+  GPIPE_CHECK(!first_step_known_ && losses_.empty() && validations_.empty(),
+              "carry_over() comes before the launch's first step or validation, once");
+  GPIPE_CHECK(first_step >= 0, "a launch's first step is not negative");
+  if (!h.is_object()) throw malformed("it is " + std::string(h.type_name()) + ", not an object");
+  if (!h.contains("version") || !h["version"].is_number_integer()) throw malformed("no integer \"version\"");
+  if (h["version"].get<int64_t>() != kHistoryVersion) {
+    throw malformed("version " + h["version"].dump() + ", this gpipe reads version " +
+                    std::to_string(kHistoryVersion) + " (a newer gpipe wrote it?)");
+  }
+  // Launches: numbered 1, 2, ... in order, each starting after the one before and before this one.
+  std::vector<int> firsts;
+  for (const nlohmann::json& l : array_at(h, "launches")) {
+    const std::string where = "launch " + std::to_string(firsts.size() + 1);
+    if (!l.is_object() || !l.contains("launch") || !l.contains("first_step")) {
+      throw malformed(where + " is " + l.dump() + ", not {\"launch\": N, \"first_step\": S}");
+    }
+    if (!l["launch"].is_number_integer() || l["launch"].get<int64_t>() != static_cast<int64_t>(firsts.size()) + 1) {
+      throw malformed(where + " is numbered " + l["launch"].dump());
+    }
+    const int f = step_of(l["first_step"], where + "'s first_step");
+    if (!firsts.empty() && f <= firsts.back()) {
+      throw malformed(where + " starts at step " + std::to_string(f) + ", not after launch " +
+                      std::to_string(firsts.size()) + "'s " + std::to_string(firsts.back()));
+    }
+    if (f >= first_step) {
+      throw malformed(where + " starts at step " + std::to_string(f) + ", not before this launch's first step " +
+                      std::to_string(first_step));
+    }
+    firsts.push_back(f);
+  }
+  const nlohmann::json& steps = array_at(h, "steps");
+  const nlohmann::json& vals = array_at(h, "validations");
+  if (firsts.empty() && (!steps.empty() || !vals.empty())) throw malformed("steps without a launch");
+  // Steps and validations: in order, each in a launch and before this one.
+  const int lo = firsts.empty() ? 0 : firsts.front();
+  auto in_range = [&](int step, const std::string& where) {
+    if (step < lo || step >= first_step) {
+      throw malformed(where + " is at step " + std::to_string(step) + ", outside the history's steps " +
+                      std::to_string(lo) + " to " + std::to_string(first_step - 1));
+    }
+  };
+  std::vector<std::pair<int, double>> losses;
+  for (const nlohmann::json& e : steps) {
+    const std::string where = "steps[" + std::to_string(losses.size()) + "]";
+    if (!e.is_array() || e.size() != 2) throw malformed(where + " is " + e.dump() + ", not [step, loss]");
+    const int step = step_of(e[0], where + "'s step");
+    in_range(step, where);
+    if (!losses.empty() && step <= losses.back().first) {
+      throw malformed(where + " is step " + std::to_string(step) + ", not after step " +
+                      std::to_string(losses.back().first));
+    }
+    losses.emplace_back(step, value_of(e[1], where + "'s loss", false));
+  }
+  std::vector<Validation> validations;
+  for (const nlohmann::json& e : vals) {
+    const std::string where = "validations[" + std::to_string(validations.size()) + "]";
+    if (!e.is_array() || e.size() != 3) throw malformed(where + " is " + e.dump() + ", not [step, loss, accuracy]");
+    const int step = step_of(e[0], where + "'s step");
+    in_range(step, where);
+    if (!validations.empty() && step < validations.back().step) {
+      throw malformed(where + " is step " + std::to_string(step) + ", before step " +
+                      std::to_string(validations.back().step));
+    }
+    validations.push_back({step, value_of(e[1], where + "'s loss", true), value_of(e[2], where + "'s accuracy", true)});
+  }
+  firsts.push_back(first_step);
+  launch_first_ = std::move(firsts);
+  first_step_known_ = true;
+  losses_ = std::move(losses);
+  validations_ = std::move(validations);
+}
+
+int ReportBuilder::launch_of(int step) const {
+  const auto it = std::upper_bound(launch_first_.begin(), launch_first_.end(), step);
+  return std::max(1, static_cast<int>(it - launch_first_.begin()));
+}
+
+std::vector<LaunchSummary> ReportBuilder::launches() const {
+  std::vector<LaunchSummary> out;
+  for (size_t i = 0; i < launch_first_.size(); ++i) {
+    out.push_back({static_cast<int>(i) + 1, launch_first_[i], launch_first_[i] - 1, 0});
+  }
+  for (const auto& [step, loss] : losses_) {
+    LaunchSummary& l = out[launch_of(step) - 1];
+    l.last_step = std::max(l.last_step, step);
+    ++l.steps;
+  }
+  return out;
+}
+
+void ReportBuilder::set_eval(double loss, double accuracy) {
+  has_eval_ = true;
+  eval_loss_ = loss;
+  eval_accuracy_ = accuracy;
+}
+
+Simulation ReportBuilder::measured_simulation() const {
+  if (!has_schedule_ || timed_ == 0 || static_cast<int>(op_time_.size()) != program_.num_stages) return {};
+  const CostFn cost = [&](int stage, const Instruction& ins) {
+    if (ins.op == Op::kRecvActivation || ins.op == Op::kRecvGradient) {  // the measured delivery
+      return stage < static_cast<int>(delivery_.size()) && delivery_[stage].second > 0
+                 ? delivery_[stage].first / delivery_[stage].second
+                 : 0.0;
+    }
+    if (ins.op == Op::kOptimizerStep) return 0.0;
+    if (ins.op == Op::kTiedGradients || ins.op == Op::kGradientNorm) {
+      // Its own time, without the wait for the others (which the simulation adds): the
+      // quickest stage's mean, that of the one that arrived last.
+      double quickest = -1;
+      for (const auto& times : op_time_) {
+        auto it = times.find({static_cast<int>(ins.op), ins.chunk});
+        if (it != times.end()) {
+          const double mean = it->second.first / it->second.second;
+          quickest = quickest < 0 ? mean : std::min(quickest, mean);
+        }
+      }
+      return std::max(0.0, quickest);
+    }
+    auto it = op_time_[stage].find({static_cast<int>(ins.op), ins.chunk});
+    return it == op_time_[stage].end() ? 0.0 : it->second.first / it->second.second;
+  };
+  return simulate(program_, cost);
+}
+
+RunSummary ReportBuilder::summary() const {
+  RunSummary out;
+  out.has_plan = has_plan_;
+  out.plan = plan_;
+  out.partitions = static_cast<int>(acc_.size());
+  out.micro_batches = micro_batches_;
+  out.recompute = recompute_;
+  out.schedule = schedule_;
+  out.batch_size = batch_size_;
+  out.timed_steps = timed_;
+  out.ideal_bubble = ideal_bubble(out.partitions, micro_batches_);
+  out.formula_bubble = has_schedule_ ? formula_bubble(program_) : out.ideal_bubble;
+  out.stages = acc_;
+  out.launches = launches();
+  out.timed_launch = launch();
+  if (timed_ == 0) return out;
+  if (has_schedule_ && static_cast<int>(op_time_.size()) == program_.num_stages) {
+    const Simulation sim = measured_simulation();
+    out.predicted_bubble = sim.bubble;
+    out.predicted_span_ms = sim.makespan;
+  }
+  out.span_ms = span_total_ / timed_;
+  out.step_ms = wall_total_ / timed_;
+  out.samples_per_second = wall_total_ > 0 ? batch_size_ * timed_ / (wall_total_ / 1000.0) : 0;
+  double busy = 0;
+  for (auto& s : out.stages) {
+    s.forward_ms /= timed_;
+    s.recompute_ms /= timed_;
+    s.backward_ms /= timed_;
+    s.weight_ms /= timed_;
+    s.optimizer_ms /= timed_;
+    s.collective_ms /= timed_;
+    const size_t k = &s - out.stages.data();
+    if (k < delivery_.size() && delivery_[k].second > 0) s.delivery_ms = delivery_[k].first / delivery_[k].second;
+    s.comm_ms /= timed_;
+    s.idle_ms /= timed_;
+    s.busy_ms /= timed_;
+    s.utilization = out.span_ms > 0 ? s.busy_ms / out.span_ms : 0;
+    busy += s.busy_ms;
+  }
+  out.measured_bubble = out.span_ms > 0 ? 1.0 - busy / (static_cast<double>(acc_.size()) * out.span_ms) : 0;
+  return out;
+}
+
+std::string ReportBuilder::table() const {
+  const RunSummary s = summary();
+  std::ostringstream os;
+  char line[512];
+  std::snprintf(line, sizeof line, "Pipeline: K=%d stages, M=%d micro-batches, recompute=%s, schedule=%s, batch=%lld\n",
+                s.partitions, s.micro_batches, recompute_mode_name(s.recompute), s.schedule.c_str(),
+                static_cast<long long>(s.batch_size));
+  os << line;
+  if (s.launches.size() > 1 && !losses_.empty()) {
+    // Numbered from 1, as the progress lines above the table are.
+    const LaunchSummary& now = s.launches.back();
+    std::snprintf(line, sizeof line, "Run: steps %d-%d in %zu launches; timings are from launch %d (steps %d-%d)\n",
+                  losses_.front().first + 1, losses_.back().first + 1, s.launches.size(), s.timed_launch,
+                  now.first_step + 1, now.last_step + 1);
+    os << line;
+  }
+  std::snprintf(line, sizeof line, "Per step, averaged over %d timed steps (span %.2f ms, wall %.2f ms):\n",
+                s.timed_steps, s.span_ms, s.step_ms);
+  os << line;
+  std::snprintf(line, sizeof line, "%-5s %-28s %-7s %9s %9s %9s %8s %8s %8s %6s %10s\n", "stage", "layers", "device",
+                "fwd ms", "recomp ms", "bwd ms", "comm ms", "idle ms", "opt ms", "util", "peak act");
+  os << line;
+  for (const auto& st : s.stages) {
+    std::snprintf(line, sizeof line, "%-5d %-28s %-7s %9.2f %9.2f %9.2f %8.2f %8.2f %8.2f %5.1f%% %7.2f MB\n",
+                  st.stage, st.layers.substr(0, 28).c_str(), st.device.c_str(), st.forward_ms, st.recompute_ms,
+                  st.backward_ms, st.comm_ms, st.idle_ms, st.optimizer_ms, 100 * st.utilization,
+                  st.peak_activation_bytes / 1e6);
+    os << line;
+  }
+  if (s.predicted_bubble >= 0) {
+    std::snprintf(line, sizeof line,
+                  "Bubble: measured %.3f, predicted %.3f (the schedule simulated with the measured op and delivery times), "
+                  "formula %.3f\n",
+                  s.measured_bubble, s.predicted_bubble, s.formula_bubble);
+  } else {
+    std::snprintf(line, sizeof line, "Bubble: measured %.3f, ideal (K-1)/(M+K-1) = %.3f\n", s.measured_bubble,
+                  s.ideal_bubble);
+  }
+  os << line;
+  std::snprintf(line, sizeof line, "Throughput: %.1f samples/s\n", s.samples_per_second);
+  os << line;
+  if (s.has_plan && s.plan.stages.size() == s.stages.size()) {
+    const PlannedRun& p = s.plan;
+    os << "Planned vs measured (the plan's costs: " << p.source << "):\n";
+    std::snprintf(line, sizeof line, "%-5s %21s %21s %21s %21s\n", "stage", "busy ms plan/meas", "idle ms plan/meas",
+                  "util plan/meas", "peak act MB plan/meas");
+    os << line;
+    for (size_t k = 0; k < s.stages.size(); ++k) {
+      const StageSummary& m = s.stages[k];
+      const PlannedStage& q = p.stages[k];
+      std::snprintf(line, sizeof line, "%-5zu %10.2f / %8.2f %10.2f / %8.2f %9.1f%% / %7.1f%% %10.2f / %8.2f\n", k,
+                    q.busy_ms, m.busy_ms, q.idle_ms, m.idle_ms, 100 * q.utilization, 100 * m.utilization,
+                    q.activation_bytes / 1e6, m.peak_activation_bytes / 1e6);
+      os << line;
+    }
+    std::snprintf(line, sizeof line,
+                  "Step: planned %.2f ms, measured %.2f ms (%+.1f%%); bubble planned %.3f, measured %.3f; "
+                  "%.1f samples/s planned\n",
+                  p.step_ms, s.step_ms, s.step_ms > 0 ? 100 * (p.step_ms - s.step_ms) / s.step_ms : 0.0, p.bubble,
+                  s.measured_bubble, p.samples_per_second);
+    os << line;
+  }
+  if (has_eval_) {
+    std::snprintf(line, sizeof line, "Validation: loss %.4f, accuracy %.2f%%\n", eval_loss_, 100 * eval_accuracy_);
+    os << line;
+  }
+  return os.str();
+}
+
+nlohmann::json ReportBuilder::json() const {
+  const RunSummary s = summary();
+  nlohmann::json j;
+  j["num_stages"] = s.partitions;  // K, pipeline.partitions
+  j["micro_batches"] = s.micro_batches;
+  j["recompute"] = recompute_mode_name(s.recompute);
+  // The old names of these two, for one release: "checkpoint" now means saved state only.
+  j["partitions"] = s.partitions;
+  j["checkpoint"] = recompute_mode_name(s.recompute);
+  j["schedule"] = s.schedule;
+  j["batch_size"] = s.batch_size;
+  j["timed_steps"] = s.timed_steps;
+  j["timed_launch"] = s.timed_launch;  // every timing figure is this launch's; steps and validation span all
+  j["span_ms"] = s.span_ms;
+  j["step_ms"] = s.step_ms;
+  j["samples_per_second"] = s.samples_per_second;
+  j["bubble"] = {{"measured", s.measured_bubble},
+                 {"theoretical", s.ideal_bubble},
+                 {"formula", s.formula_bubble},
+                 {"predicted", s.predicted_bubble}};
+  j["predicted_span_ms"] = s.predicted_span_ms;
+  j["steps"] = nlohmann::json::array();
+  for (const auto& [step, loss] : losses_) {
+    j["steps"].push_back({{"step", step}, {"loss", loss}, {"launch", launch_of(step)}});
+  }
+  j["launches"] = nlohmann::json::array();
+  for (const LaunchSummary& l : s.launches) {
+    j["launches"].push_back(
+        {{"launch", l.launch}, {"first_step", l.first_step}, {"last_step", l.last_step}, {"steps", l.steps}});
+  }
+  j["stages"] = nlohmann::json::array();
+  for (const auto& st : s.stages) {
+    j["stages"].push_back({{"stage", st.stage},
+                           {"layers", st.layers},
+                           {"device", st.device},
+                           {"forward_ms", st.forward_ms},
+                           {"recompute_ms", st.recompute_ms},
+                           {"backward_ms", st.backward_ms},
+                           {"weight_ms", st.weight_ms},
+                           {"optimizer_ms", st.optimizer_ms},
+                           {"collective_ms", st.collective_ms},
+                           {"optimizer_reduce_ms", st.collective_ms},  // the old name, for one release
+                           {"delivery_ms", st.delivery_ms},
+                           {"comm_ms", st.comm_ms},
+                           {"idle_ms", st.idle_ms},
+                           {"busy_ms", st.busy_ms},
+                           {"utilization", st.utilization},
+                           {"peak_activation_bytes", st.peak_activation_bytes}});
+  }
+  if (has_eval_) j["eval"] = {{"loss", eval_loss_}, {"accuracy", eval_accuracy_}};
+  if (s.has_plan) {
+    nlohmann::json stages = nlohmann::json::array();  // in stage order
+    for (size_t k = 0; k < s.plan.stages.size(); ++k) {
+      const PlannedStage& q = s.plan.stages[k];
+      stages.push_back({{"forward_ms", q.forward_ms},
+                        {"recompute_ms", q.recompute_ms},
+                        {"backward_ms", q.backward_ms},
+                        {"weight_ms", q.weight_ms},
+                        {"optimizer_ms", q.optimizer_ms},
+                        {"comm_ms", q.comm_ms},
+                        {"idle_ms", q.idle_ms},
+                        {"busy_ms", q.busy_ms},
+                        {"utilization", q.utilization},
+                        {"weight_bytes", q.weight_bytes},
+                        {"gradient_bytes", q.gradient_bytes},
+                        {"optimizer_bytes", q.optimizer_bytes},
+                        {"activation_bytes", q.activation_bytes}});
+    }
+    j["prediction"] = {{"source", s.plan.source},
+                       {"step_ms", s.plan.step_ms},
+                       {"span_ms", s.plan.span_ms},
+                       {"bubble", s.plan.bubble},
+                       {"samples_per_second", s.plan.samples_per_second},
+                       {"stages", stages}};
+  }
+  j["validation"] = nlohmann::json::array();
+  for (const auto& v : validations_) {
+    j["validation"].push_back(
+        {{"step", v.step}, {"loss", v.loss}, {"accuracy", v.accuracy}, {"launch", launch_of(v.step)}});
+  }
+  return j;
+}
+
+}  // namespace pipeline
+}  // namespace gpipe

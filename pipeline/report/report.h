@@ -1,0 +1,153 @@
+// Bubble and utilization reports: where each stage's time went, against the schedule's
+// formula (GPipe's (K-1)/(M+K-1)) and against the simulator's prediction from the
+// measured per-instruction times. Built from the executor's per-instruction timings.
+//
+// Per step, the pipeline span is from the step's start to the end of the last
+// backward on any stage (the optimizer steps after it are reported on their own).
+// Within the span a stage is busy (forward, recompute, backward, weight gradient),
+// communicating (sends), or idle (waiting for a neighbour at a receive, or with
+// nothing to do: the bubble).
+//
+// A run may span several launches (a resume, a supervisor restart): the steps' losses and
+// the validation scores cover the whole run (history() goes into each checkpoint,
+// carry_over() takes it back), while the timings are always this launch's own.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "pipeline/executor/executor.h"
+#include "pipeline/planning/prediction.h"
+#include "pipeline/schedule/time_accounting.h"
+
+namespace gpipe {
+namespace pipeline {
+
+// A stage's measured time per step, averaged over the timed steps (time_accounting.h,
+// the planner's accounting of predicted steps), and what only a measurement has.
+struct StageSummary : StageTime {
+  int stage = 0;
+  std::string layers;  // "0-15 linear x8, relu x8"
+  std::string device;
+  // Mean time from a send's end to the end of its receive, over the receives of this
+  // stage that were waiting for their message (a thread's wake-up, a transfer); -1: none.
+  double delivery_ms = -1;
+  int64_t peak_activation_bytes = 0;
+};
+
+// One launch of the run as the report shows it: its steps are [first_step, last_step]
+// (0-based; last_step = first_step - 1 and steps = 0 when none of its steps is kept).
+struct LaunchSummary {
+  int launch = 1;
+  int first_step = 0;
+  int last_step = -1;
+  int steps = 0;  // the steps of the report that ran in it
+};
+
+struct RunSummary {
+  int partitions = 0, micro_batches = 0;
+  RecomputeMode recompute = RecomputeMode::kExceptLast;  // "checkpoint" in report.json (recompute_mode_name)
+  std::string schedule;
+  int64_t batch_size = 0;
+  int timed_steps = 0;
+  double span_ms = 0;  // per step, averaged
+  double step_ms = 0;  // wall time per step, averaged
+  double samples_per_second = 0;
+  double measured_bubble = 0, ideal_bubble = 0;
+  double formula_bubble = 0;    // the schedule's own formula (interleaving divides GPipe's by v)
+  double predicted_bubble = -1;  // simulate() of the schedule with the measured mean time of each
+                                 // instruction kind per stage; -1 without a schedule
+  double predicted_span_ms = 0;
+  std::vector<StageSummary> stages;
+  // Every launch of the run (one for a fresh run); the timings above are timed_launch's only.
+  std::vector<LaunchSummary> launches;
+  int timed_launch = 1;
+  // The planner's prediction made before the run (planner.h), when it was given one.
+  bool has_plan = false;
+  PlannedRun plan;
+};
+
+class ReportBuilder {
+ public:
+  // One entry per stage of the pipeline (a multi-process run gathers every stage's
+  // timings into its first stage's process, see trainer.cc).
+  ReportBuilder(std::vector<std::string> stage_layers, std::vector<std::string> stage_devices, int micro_batches,
+                RecomputeMode recompute, std::string schedule, int64_t batch_size);
+  // Timings of a step; steps before `timed` (warm-up) only contribute their loss.
+  void add_step(int step, double loss, const StepResult& r, bool timed);
+  void set_eval(double loss, double accuracy);
+  // The schedule that ran, for the predicted bubble.
+  void set_schedule(Schedule schedule) { program_ = std::move(schedule); has_schedule_ = true; }
+  // What the planner predicted for this run, shown beside the measurements.
+  void set_prediction(PlannedRun plan) { plan_ = std::move(plan); has_plan_ = true; }
+  // A validation score taken after `step`.
+  void add_validation(int step, double loss, double accuracy);
+  RunSummary summary() const;
+  // The schedule simulated with the measured mean time of each instruction kind per
+  // stage (the predicted bubble's source); an empty Simulation before any timed step.
+  Simulation measured_simulation() const;
+  const std::vector<std::pair<int, double>>& losses() const { return losses_; }
+  struct Validation {
+    int step;
+    double loss, accuracy;
+  };
+  const std::vector<Validation>& validations() const { return validations_; }
+
+  // The run's history so far, for a checkpoint's trainer_state.json: every launch, and every
+  // step's loss and validation up to and including `up_to_step` (0-based step index; steps after it are left out).
+  //   {"version": 1, "launches": [{"launch": 1, "first_step": 0}, ...],
+  //    "steps": [[step, loss], ...], "validations": [[step, loss, accuracy], ...]}
+  // A launch that starts after `up_to_step` is left out too (it has no step in the history).
+  nlohmann::json history(int up_to_step) const;
+  // A resumed launch: the history saved with its checkpoint (steps and validations before
+  // `first_step`, the launches before this one); this launch is numbered after them and starts at first_step.
+  // Throws gpipe::Error on a malformed history. A run that starts fresh calls nothing and is launch 1 starting at step 0.
+  // Call it before this launch's first add_step or add_validation.
+  void carry_over(const nlohmann::json& history, int first_step);
+  // This launch's number (1 for a fresh run): the one the timings come from.
+  int launch() const { return static_cast<int>(launch_first_.size()); }
+  // The launch step `step` ran in: the last one that started at or before it.
+  int launch_of(int step) const;
+  // Every launch, with the steps of the report that ran in it.
+  std::vector<LaunchSummary> launches() const;
+
+  // The table printed at the end of a run.
+  std::string table() const;
+  nlohmann::json json() const;
+
+ private:
+  // Folds the step's waiting receives into delivery_ (by the schedule's message keys).
+  void add_deliveries(const StepResult& r);
+
+  std::vector<std::string> layers_, devices_;
+  int micro_batches_;
+  RecomputeMode recompute_;
+  std::string schedule_;
+  int64_t batch_size_;
+  std::vector<std::pair<int, double>> losses_;
+  std::vector<Validation> validations_;
+  std::vector<int> launch_first_;  // launch i+1's first step; the last is this launch's
+  bool first_step_known_ = false;  // carry_over() set it; otherwise this launch's first add_step does
+  std::vector<StageSummary> acc_;
+  // Per stage: total time and count of each (instruction kind, chunk).
+  std::vector<std::map<std::pair<int, int>, std::pair<double, int>>> op_time_;
+  std::vector<std::pair<double, int>> delivery_;  // per stage: sum and count of waiting receives' delivery times
+  Schedule program_;
+  bool has_schedule_ = false;
+  PlannedRun plan_;
+  bool has_plan_ = false;
+  int timed_ = 0;
+  double span_total_ = 0, wall_total_ = 0;
+  bool has_eval_ = false;
+  double eval_loss_ = 0, eval_accuracy_ = 0;
+};
+
+// "linear x8, relu x8" for a cell.
+std::string describe_layers(const layers::Sequential& model, int first, int count);
+
+}  // namespace pipeline
+}  // namespace gpipe

@@ -1,0 +1,489 @@
+// The report's accounting on timings written by hand: every number the table and
+// report.json show (busy, communication, idle, utilization, span, measured and ideal
+// bubble, throughput, peak memory) is worked out below from a two-stage schedule whose
+// instruction times are known, so a wrong sum or a wrong denominator fails here. Then the
+// run's history across launches: saved, carried over exactly, refused when malformed.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "pipeline/report/report.h"
+#include "pipeline/report/report_html.h"
+#include "pipeline/schedule/schedule.h"
+#include "runtime/error.h"
+
+using namespace gpipe;
+using namespace gpipe::pipeline;
+
+namespace {
+
+// K = 2, M = 2, stage 0 recomputes nothing, stage 1 recomputes micro-batch 0. Times in
+// ms since the step began:
+//
+//   stage 0: F0 [0,2] sA0 [2,2.5] F1 [2.5,4.5] sA1 [4.5,5] rG1 [5,9] B1 [9,12] rG0 [12,13] B0 [13,16] OPT [16,17]
+//   stage 1: rA0 [0,2.5] F0 [2.5,5] rA1 [5,5] F1 [5,7.5] B1 [7.5,9] sG1 [9,9.5] R0 [9.5,10.5] B0 [10.5,11.5]
+//            sG0 [11.5,12] OPT [12,20]
+//
+// The span is the last non-optimizer end, 16 (stage 0's B0): the optimizer steps are
+// reported on their own.
+//   stage 0: forward 4, recompute 0, backward 6, busy 10, comm 1, idle 16 - 11 = 5, opt 1
+//   stage 1: forward 5, recompute 1, backward 2.5, busy 8.5, comm 1, idle 16 - 9.5 = 6.5, opt 8
+StepResult hand_step(double scale, int64_t peak0, int64_t peak1) {
+  auto op = [&](Op o, int m, double a, double b) { return TimedOp{o, m, a * scale, b * scale}; };
+  StepResult r;
+  r.loss = 1.0;
+  r.wall_ms = 20.5 * scale;
+  StageTrace s0, s1;
+  s0.ops = {op(Op::kForward, 0, 0, 2),         op(Op::kSendActivation, 0, 2, 2.5), op(Op::kForward, 1, 2.5, 4.5),
+            op(Op::kSendActivation, 1, 4.5, 5), op(Op::kRecvGradient, 1, 5, 9),     op(Op::kBackward, 1, 9, 12),
+            op(Op::kRecvGradient, 0, 12, 13),   op(Op::kBackward, 0, 13, 16),       op(Op::kOptimizerStep, -1, 16, 17)};
+  s0.peak_activation_bytes = peak0;
+  s1.ops = {op(Op::kRecvActivation, 0, 0, 2.5), op(Op::kForward, 0, 2.5, 5),       op(Op::kRecvActivation, 1, 5, 5),
+            op(Op::kForward, 1, 5, 7.5),         op(Op::kBackward, 1, 7.5, 9),     op(Op::kSendGradient, 1, 9, 9.5),
+            op(Op::kRecompute, 0, 9.5, 10.5),    op(Op::kBackward, 0, 10.5, 11.5), op(Op::kSendGradient, 0, 11.5, 12),
+            op(Op::kOptimizerStep, -1, 12, 20)};
+  s1.peak_activation_bytes = peak1;
+  r.stages = {s0, s1};
+  return r;
+}
+
+ReportBuilder builder() {
+  return ReportBuilder({"0-1 linear, relu", "2-3 linear x2"}, {"cpu:0", "cpu:1"}, 2, RecomputeMode::kExceptLast, "gpipe", 8);
+}
+
+}  // namespace
+
+TEST_CASE("one timed step: every figure from the hand-written timings") {
+  ReportBuilder b = builder();
+  b.add_step(0, 2.5, hand_step(1.0, 1000, 3000), /*timed=*/true);
+  const RunSummary s = b.summary();
+  CHECK(s.partitions == 2);
+  CHECK(s.micro_batches == 2);
+  CHECK(s.timed_steps == 1);
+  CHECK(s.span_ms == 16.0);
+  CHECK(s.step_ms == 20.5);
+  CHECK(s.samples_per_second == doctest::Approx(8 / 0.0205));
+  REQUIRE(s.stages.size() == 2);
+  const StageSummary& a = s.stages[0];
+  CHECK(a.forward_ms == 4.0);
+  CHECK(a.recompute_ms == 0.0);
+  CHECK(a.backward_ms == 6.0);
+  CHECK(a.busy_ms == 10.0);
+  CHECK(a.comm_ms == 1.0);
+  CHECK(a.idle_ms == 5.0);  // rG1 4 + rG0 1: the waits for stage 1
+  CHECK(a.optimizer_ms == 1.0);
+  CHECK(a.utilization == doctest::Approx(10.0 / 16));
+  CHECK(a.peak_activation_bytes == 1000);
+  const StageSummary& c = s.stages[1];
+  CHECK(c.forward_ms == 5.0);
+  CHECK(c.recompute_ms == 1.0);
+  CHECK(c.backward_ms == 2.5);
+  CHECK(c.busy_ms == 8.5);
+  CHECK(c.comm_ms == 1.0);
+  CHECK(c.idle_ms == 6.5);  // rA0 2.5 and the 4 ms after its last send, before the span ends
+  CHECK(c.optimizer_ms == 8.0);
+  CHECK(c.utilization == doctest::Approx(8.5 / 16));
+  CHECK(c.peak_activation_bytes == 3000);
+  CHECK(s.measured_bubble == doctest::Approx(1 - 18.5 / 32));  // 1 - total busy / (K x span)
+  CHECK(s.ideal_bubble == doctest::Approx(1.0 / 3));           // (K-1)/(M+K-1) = 1/3
+}
+
+TEST_CASE("a collective is communication, its wait for the other stages idle, never optimizer time") {
+  // The hand-written step with a NORM before each OPT: stage 0 arrives at 16 and it ends
+  // at 16.5; stage 1 arrives at 12 and waits for stage 0 until 16 (idle), the norm's
+  // own 0.5 ms (the quickest stage's duration) is communication.
+  StepResult r = hand_step(1.0, 1000, 3000);
+  auto with_norm = [](std::vector<TimedOp>& ops, double arrive, double opt_ms) {
+    ops.back() = TimedOp{Op::kGradientNorm, -1, arrive, 16.5};
+    ops.push_back(TimedOp{Op::kOptimizerStep, -1, 16.5, 16.5 + opt_ms});
+  };
+  with_norm(r.stages[0].ops, 16, 1);
+  with_norm(r.stages[1].ops, 12, 3.5);
+  ReportBuilder b = builder();
+  b.add_step(0, 2.5, r, true);
+  const RunSummary s = b.summary();
+  CHECK(s.span_ms == 16.5);  // the collectives are inside the span, the optimizer steps are not
+  const StageSummary &a = s.stages[0], &c = s.stages[1];
+  CHECK(a.comm_ms == 1.5);
+  CHECK(a.collective_ms == 0.5);
+  CHECK(a.idle_ms == 5.0);  // 16.5 - busy 10 - comm 1.5
+  CHECK(a.optimizer_ms == 1.0);
+  CHECK(c.comm_ms == 1.5);
+  CHECK(c.collective_ms == 0.5);
+  CHECK(c.idle_ms == 6.5);  // 16.5 - busy 8.5 - comm 1.5: its 4 ms wait for stage 0 is idle
+  CHECK(c.optimizer_ms == 3.5);
+}
+
+TEST_CASE("several steps: warm-up left out, the rest averaged, peaks kept") {
+  ReportBuilder b = builder();
+  b.add_step(0, 3.0, hand_step(100.0, 99999, 99999), /*timed=*/false);  // a slow warm-up: loss only
+  b.add_step(1, 2.0, hand_step(1.0, 1000, 3000), true);
+  b.add_step(2, 1.0, hand_step(3.0, 2000, 2500), true);  // every time x3
+  const RunSummary s = b.summary();
+  CHECK(s.timed_steps == 2);
+  CHECK(s.span_ms == doctest::Approx((16 + 48) / 2.0));
+  CHECK(s.step_ms == doctest::Approx((20.5 + 61.5) / 2.0));
+  CHECK(s.samples_per_second == doctest::Approx(8 * 2 / ((20.5 + 61.5) / 1000)));
+  CHECK(s.stages[0].busy_ms == doctest::Approx(20.0));  // (10 + 30) / 2
+  CHECK(s.stages[0].idle_ms == doctest::Approx(10.0));
+  CHECK(s.stages[1].idle_ms == doctest::Approx(13.0));
+  CHECK(s.stages[1].optimizer_ms == doctest::Approx(16.0));
+  CHECK(s.stages[0].utilization == doctest::Approx(10.0 / 16));  // scaling every time keeps the ratios
+  CHECK(s.measured_bubble == doctest::Approx(1 - 18.5 / 32));
+  CHECK(s.stages[0].peak_activation_bytes == 2000);  // the most of any timed step
+  CHECK(s.stages[1].peak_activation_bytes == 3000);
+
+  const nlohmann::json j = b.json();
+  REQUIRE(j["steps"].size() == 3);  // every step's loss, the warm-up's too
+  CHECK(j["steps"][0]["loss"] == 3.0);
+  CHECK(j["steps"][2]["step"] == 2);
+  CHECK(j["timed_steps"] == 2);
+  CHECK(j["span_ms"].get<double>() == doctest::Approx(32.0));
+  CHECK(j["bubble"]["measured"].get<double>() == doctest::Approx(1 - 18.5 / 32));
+  CHECK(j["bubble"]["theoretical"].get<double>() == doctest::Approx(1.0 / 3));
+  CHECK(j["stages"][1]["idle_ms"].get<double>() == doctest::Approx(13.0));
+  CHECK(j["stages"][1]["recompute_ms"].get<double>() == doctest::Approx(2.0));
+  CHECK(j["stages"][1]["layers"] == "2-3 linear x2");
+  CHECK(j["stages"][1]["device"] == "cpu:1");
+  CHECK(j["recompute"] == "except_last");
+  CHECK(j["checkpoint"] == "except_last");  // the old name, kept one release
+  CHECK(j["num_stages"] == 2);
+  CHECK(j["partitions"] == 2);
+  CHECK(j["batch_size"] == 8);
+  CHECK(!j.contains("eval"));
+}
+
+TEST_CASE("the table and report.json show the same figures, and the scores") {
+  ReportBuilder b = builder();
+  b.add_step(0, 2.0, hand_step(1.0, 2000000, 3000000), true);
+  b.add_validation(0, 1.75, 0.5);
+  b.set_eval(1.5, 0.625);
+  const std::string t = b.table();
+  CAPTURE(t);
+  CHECK(t.find("K=2 stages, M=2 micro-batches, recompute=except_last, schedule=gpipe, batch=8") != std::string::npos);
+  CHECK(t.find("averaged over 1 timed steps (span 16.00 ms, wall 20.50 ms)") != std::string::npos);
+  // stage 0: fwd 4, recomp 0, bwd 6, comm 1, idle 5, opt 1, util 62.5%, 2 MB
+  CHECK(t.find("cpu:0        4.00      0.00      6.00     1.00     5.00     1.00  62.5%    2.00 MB") != std::string::npos);
+  CHECK(t.find("cpu:1        5.00      1.00      2.50     1.00     6.50     8.00  53.1%    3.00 MB") != std::string::npos);
+  CHECK(t.find("Bubble: measured 0.422, ideal (K-1)/(M+K-1) = 0.333") != std::string::npos);
+  CHECK(t.find("Throughput: 390.2 samples/s") != std::string::npos);
+  CHECK(t.find("Validation: loss 1.5000, accuracy 62.50%") != std::string::npos);
+  const nlohmann::json j = b.json();
+  CHECK(j["eval"]["loss"] == 1.5);
+  CHECK(j["eval"]["accuracy"] == 0.625);
+  REQUIRE(j["validation"].size() == 1);
+  CHECK(j["validation"][0]["loss"] == 1.75);
+}
+
+TEST_CASE("a run with no timed step reports zeros, not NaN") {
+  ReportBuilder b = builder();
+  b.add_step(0, 2.0, hand_step(1.0, 1, 1), false);
+  const RunSummary s = b.summary();
+  CHECK(s.timed_steps == 0);
+  CHECK(s.span_ms == 0);
+  CHECK(s.samples_per_second == 0);
+  CHECK(s.measured_bubble == 0);
+  CHECK(s.stages[0].utilization == 0);
+  CHECK(s.ideal_bubble == doctest::Approx(1.0 / 3));
+}
+
+TEST_CASE("the simulation charges each receive the delivery time measured when it waited") {
+  // GPipe, K = 2, M = 1, no recompute: stage 0 F0 sA0 rG0 B0 OPT, stage 1 rA0 F0 B0 sG0 OPT.
+  const Schedule sched = gpipe_schedule(2, 1, RecomputeMode::kNever);
+  REQUIRE(sched.stages[0].size() == 5);
+  REQUIRE(sched.stages[1].size() == 5);
+  REQUIRE(sched.stages[0][2].op == Op::kRecvGradient);
+  REQUIRE(sched.stages[1][0].op == Op::kRecvActivation);
+  // Stage 1 waits for activation 0 from 0 ms and takes it 0.1 ms after stage 0's send
+  // ends at 2; stage 0 waits for the gradient from 2 ms and takes it 0.3 ms after stage
+  // 1's send ends at 7.1. Stage 1's clock starts 0.5 ms later than stage 0's (its times
+  // are relative to its own start).
+  StepResult r;
+  r.loss = 1.0;
+  r.wall_ms = 10;
+  StageTrace s0, s1;
+  s0.ops = {{Op::kForward, 0, 0, 2}, {Op::kSendActivation, 0, 2, 2}, {Op::kRecvGradient, 0, 2, 7.4},
+            {Op::kBackward, 0, 7.4, 9.4}, {Op::kOptimizerStep, -1, 9.4, 9.5}};
+  s1.start_ms = 0.5;
+  s1.ops = {{Op::kRecvActivation, 0, -0.5, 1.6}, {Op::kForward, 0, 1.6, 3.6}, {Op::kBackward, 0, 3.6, 6.6},
+            {Op::kSendGradient, 0, 6.6, 6.6}, {Op::kOptimizerStep, -1, 6.6, 7}};
+  r.stages = {s0, s1};
+  ReportBuilder b({"0 linear", "1 linear"}, {"cpu:0", "cpu:1"}, 1, RecomputeMode::kNever, "gpipe", 8);
+  b.set_schedule(sched);
+  b.add_step(0, 1.0, r, true);
+  const RunSummary s = b.summary();
+  CHECK(s.stages[1].delivery_ms == doctest::Approx(0.1));
+  CHECK(s.stages[0].delivery_ms == doctest::Approx(0.3));
+  // F0 [0,2] on 0; delivered at 2.1, F0 [2.1,4.1] B0 [4.1,7.1] on 1; delivered at 7.4,
+  // B0 [7.4,9.4] on 0: a span of 9.4 where free messages would give 9.
+  CHECK(s.predicted_span_ms == doctest::Approx(9.4));
+  CHECK(s.predicted_bubble == doctest::Approx(1 - 9.0 / (2 * 9.4)));
+  CHECK(b.json()["stages"][0]["delivery_ms"].get<double>() == doctest::Approx(0.3));
+}
+
+// ---- A run across launches: history() saved with a checkpoint, carry_over() on resume.
+//
+// The losses below are chosen to be hard to print: random bit patterns, a denormal, -0,
+// 1/3, values one ulp apart. The expected steps, launches and positions are worked out
+// from the launches' first steps by hand, not with the builder's own launch_of().
+
+namespace {
+
+uint64_t bits(double d) {
+  uint64_t u;
+  std::memcpy(&u, &d, sizeof u);
+  return u;
+}
+
+// n losses that are hard to print; another seed gives other ones (a redone step's loss differs).
+std::vector<double> awkward_losses(int n, uint64_t seed) {
+  std::vector<double> out = {5.59, 0.1, 1.0 / 3, -0.0, 4.9e-324, 2.2250738585072014e-308, 1e300,
+                             std::nextafter(1.0, 2.0), 1.0, std::nextafter(1.0, 0.0)};
+  std::mt19937_64 rng(seed);
+  while (static_cast<int>(out.size()) < n) {
+    const uint64_t u = rng();
+    double d;
+    std::memcpy(&d, &u, sizeof d);
+    if (std::isfinite(d)) out.push_back(d);
+  }
+  out.resize(n);
+  return out;
+}
+
+// Through text, as trainer_state.json carries it.
+nlohmann::json through_file(const nlohmann::json& h) { return nlohmann::json::parse(h.dump()); }
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const gpipe::Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+}  // namespace
+
+TEST_CASE("a fresh run is launch 1 from step 0, and its history is compact JSON") {
+  ReportBuilder b = builder();
+  b.add_step(0, 0.5, hand_step(1.0, 1, 1), false);
+  b.add_step(1, 0.25, hand_step(1.0, 1, 1), true);
+  b.add_validation(1, 0.75, 0.5);
+  CHECK(b.history(1).dump() ==
+        R"({"launches":[{"first_step":0,"launch":1}],"steps":[[0,0.5],[1,0.25]],"validations":[[1,0.75,0.5]],"version":1})");
+  CHECK(b.history(0).dump() ==
+        R"({"launches":[{"first_step":0,"launch":1}],"steps":[[0,0.5]],"validations":[],"version":1})");
+  const nlohmann::json j = b.json();
+  CHECK(j["timed_launch"] == 1);
+  CHECK(j["launches"] == nlohmann::json::parse(R"([{"launch":1,"first_step":0,"last_step":1,"steps":2}])"));
+  CHECK(j["steps"][1] == nlohmann::json::parse(R"({"step":1,"loss":0.25,"launch":1})"));
+  CHECK(j["validation"][0]["launch"] == 1);
+  CHECK(b.table().find("Run:") == std::string::npos);  // one launch: nothing to say
+}
+
+TEST_CASE("every double survives the history's text exactly") {
+  const std::vector<double> l = awkward_losses(20000, 7);
+  ReportBuilder a = builder();
+  for (int i = 0; i < static_cast<int>(l.size()); ++i) a.add_step(i, l[i], hand_step(1.0, 1, 1), false);
+  ReportBuilder b = builder();
+  b.carry_over(through_file(a.history(static_cast<int>(l.size()) - 1)), static_cast<int>(l.size()));
+  REQUIRE(b.losses().size() == l.size());
+  int differ = 0;
+  for (size_t i = 0; i < l.size(); ++i) differ += bits(b.losses()[i].second) != bits(l[i]);
+  CHECK(differ == 0);
+}
+
+TEST_CASE("history, carry_over: three launches, the third redoing steps after a crash") {
+  // Launch 1: steps 0-29, validations after 9, 19 and 29, checkpoint after step 29.
+  // Launch 2: resumes at 30, runs 30-49 with a validation after 39, checkpoint after step 44, crashes after 49.
+  // Launch 3: resumes at 45 from that checkpoint, runs 45-59.
+  const std::vector<double> l1 = awkward_losses(30, 1), l2 = awkward_losses(20, 2), l3 = awkward_losses(15, 3);
+  ReportBuilder first = builder();
+  for (int s = 0; s < 30; ++s) first.add_step(s, l1[s], hand_step(1.0, 1, 1), s > 0);
+  for (int s : {9, 19, 29}) first.add_validation(s, 2.0 + s, 0.01 * s);
+  const nlohmann::json h1 = through_file(first.history(29));
+
+  ReportBuilder second = builder();
+  second.carry_over(h1, 30);
+  CHECK(second.launch() == 2);
+  for (int s = 30; s < 50; ++s) second.add_step(s, l2[s - 30], hand_step(1.0, 1, 1), s > 30);
+  second.add_validation(39, 1.5, 0.4);
+  second.add_validation(49, 1.25, 0.45);  // after the checkpoint: lost with the crash
+  const nlohmann::json h2 = through_file(second.history(44));
+  CHECK(h2["launches"] == nlohmann::json::parse(R"([{"launch":1,"first_step":0},{"launch":2,"first_step":30}])"));
+  REQUIRE(h2["steps"].size() == 45);  // 0..44; 45..49 are left out
+  CHECK(h2["steps"].back()[0] == 44);
+  REQUIRE(h2["validations"].size() == 4);  // 9, 19, 29, 39
+  CHECK(h2["validations"][3] == nlohmann::json::parse("[39, 1.5, 0.4]"));
+
+  ReportBuilder third = builder();
+  third.carry_over(h2, 45);
+  CHECK(third.launch() == 3);
+  for (int s = 45; s < 60; ++s) third.add_step(s, l3[s - 45], hand_step(2.0, 1, 1), s > 45);
+  third.add_validation(59, 1.0, 0.5);
+
+  // Every step once, with its loss bit for bit: launch 1's, launch 2's up to 44, launch 3's.
+  const nlohmann::json j = third.json();
+  REQUIRE(j["steps"].size() == 60);
+  for (int s = 0; s < 60; ++s) {
+    CAPTURE(s);
+    const double want = s < 30 ? l1[s] : s < 45 ? l2[s - 30] : l3[s - 45];
+    const int launch = s < 30 ? 1 : s < 45 ? 2 : 3;
+    CHECK(j["steps"][s]["step"] == s);
+    CHECK(bits(j["steps"][s]["loss"].get<double>()) == bits(want));
+    CHECK(bits(third.losses()[s].second) == bits(want));
+    CHECK(j["steps"][s]["launch"] == launch);
+  }
+  CHECK(j["launches"] == nlohmann::json::parse(R"([{"launch":1,"first_step":0,"last_step":29,"steps":30},
+                                                   {"launch":2,"first_step":30,"last_step":44,"steps":15},
+                                                   {"launch":3,"first_step":45,"last_step":59,"steps":15}])"));
+  REQUIRE(j["validation"].size() == 5);
+  const int vsteps[] = {9, 19, 29, 39, 59}, vlaunch[] = {1, 1, 1, 2, 3};
+  for (int i = 0; i < 5; ++i) {
+    CHECK(j["validation"][i]["step"] == vsteps[i]);
+    CHECK(j["validation"][i]["launch"] == vlaunch[i]);
+  }
+  CHECK(j["validation"][1]["loss"] == 21.0);
+  CHECK(j["validation"][1]["accuracy"] == 0.01 * 19);  // as it went in
+  // The timings are launch 3's own: 14 timed steps of hand_step at x2 (span 32 ms).
+  CHECK(j["timed_launch"] == 3);
+  CHECK(j["timed_steps"] == 14);
+  CHECK(j["span_ms"].get<double>() == doctest::Approx(32.0));
+  const std::string t = third.table();
+  CAPTURE(t);
+  CHECK(t.find("Run: steps 1-60 in 3 launches; timings are from launch 3 (steps 46-60)\n") != std::string::npos);
+  CHECK(t.find("averaged over 14 timed steps") != std::string::npos);
+}
+
+TEST_CASE("a launch that starts after up_to_step is left out of the history") {
+  ReportBuilder a = builder();
+  a.carry_over(nlohmann::json::parse(R"({"version":1,"launches":[{"launch":1,"first_step":0}],
+                                         "steps":[[0,3.0],[1,2.0]],"validations":[]})"),
+               2);
+  // A checkpoint saved again at step 2 before this launch ran a step: resuming from it is launch 2 again.
+  const nlohmann::json h = a.history(1);
+  CHECK(h["launches"].size() == 1);
+  ReportBuilder b = builder();
+  b.carry_over(through_file(h), 2);
+  CHECK(b.launch() == 2);
+}
+
+TEST_CASE("a malformed history throws, naming what is wrong, and leaves the builder as it was") {
+  const std::string good = R"({"version":1,"launches":[{"launch":1,"first_step":0},{"launch":2,"first_step":3}],
+                               "steps":[[0,1.0],[1,0.9],[2,0.8],[3,0.7],[4,0.6]],"validations":[[4,0.5,0.25]]})";
+  struct Case {
+    const char* history;
+    const char* says;
+  };
+  const Case cases[] = {
+      {"[]", "not an object"},
+      {R"({"launches":[],"steps":[],"validations":[]})", "\"version\""},
+      {R"({"version":2,"launches":[],"steps":[],"validations":[]})", "version 2"},
+      {R"({"version":"1","launches":[],"steps":[],"validations":[]})", "\"version\""},
+      {R"({"version":1,"steps":[],"validations":[]})", "no \"launches\""},
+      {R"({"version":1,"launches":{},"steps":[],"validations":[]})", "\"launches\" is object"},
+      {R"({"version":1,"launches":[{"launch":2,"first_step":0}],"steps":[],"validations":[]})", "numbered 2"},
+      {R"({"version":1,"launches":[{"launch":1}],"steps":[],"validations":[]})", "not {\"launch\""},
+      {R"({"version":1,"launches":[{"launch":1,"first_step":-1}],"steps":[],"validations":[]})", "not a step from 0"},
+      {R"({"version":1,"launches":[{"launch":1,"first_step":1.5}],"steps":[],"validations":[]})", "not an integer"},
+      {R"({"version":1,"launches":[{"launch":1,"first_step":0},{"launch":2,"first_step":0}],"steps":[],
+           "validations":[]})", "not after launch 1's 0"},
+      {R"({"version":1,"launches":[{"launch":1,"first_step":10}],"steps":[],"validations":[]})",
+       "not before this launch's first step 10"},
+      {R"({"version":1,"launches":[],"steps":[[0,1.0]],"validations":[]})", "steps without a launch"},
+      {R"({"version":1,"launches":[{"launch":1,"first_step":0}],"steps":[[0]],"validations":[]})",
+       "not [step, loss]"},
+      {R"({"version":1,"launches":[{"launch":1,"first_step":0}],"steps":[[0,"x"]],"validations":[]})",
+       "steps[0]'s loss"},
+      {R"({"version":1,"launches":[{"launch":1,"first_step":0}],"steps":[[0,null]],"validations":[]})",
+       "steps[0]'s loss"},
+      {R"({"version":1,"launches":[{"launch":1,"first_step":0}],"steps":[[10,1.0]],"validations":[]})",
+       "outside the history's steps 0 to 9"},
+      {R"({"version":1,"launches":[{"launch":1,"first_step":2}],"steps":[[1,1.0]],"validations":[]})",
+       "outside the history's steps 2 to 9"},
+      {R"({"version":1,"launches":[{"launch":1,"first_step":0}],"steps":[[1,1.0],[1,0.5]],"validations":[]})",
+       "not after step 1"},
+      {R"({"version":1,"launches":[{"launch":1,"first_step":0}],"steps":[[18446744073709551615,1.0]],
+           "validations":[]})", "not a step from 0"},
+      {R"({"version":1,"launches":[{"launch":1,"first_step":0}],"steps":[],"validations":[[3,1.0]]})",
+       "not [step, loss, accuracy]"},
+      {R"({"version":1,"launches":[{"launch":1,"first_step":0}],"steps":[],"validations":[[5,1,1],[4,1,1]]})",
+       "before step 5"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.history);
+    ReportBuilder b = builder();
+    const std::string what = error_of([&] { b.carry_over(nlohmann::json::parse(c.history), 10); });
+    CAPTURE(what);
+    CHECK(what.find("malformed report history") != std::string::npos);
+    CHECK(what.find(c.says) != std::string::npos);
+    // Nothing was taken: the good history still goes in.
+    CHECK(b.launch() == 1);
+    CHECK(b.losses().empty());
+    b.carry_over(nlohmann::json::parse(good), 5);
+    CHECK(b.launch() == 3);
+    CHECK(b.losses().size() == 5);
+  }
+  // A validation whose score was NaN (written as null) is kept, as NaN.
+  ReportBuilder b = builder();
+  b.carry_over(nlohmann::json::parse(R"({"version":1,"launches":[{"launch":1,"first_step":0}],"steps":[[0,1.0]],
+                                         "validations":[[0,null,0.5]]})"),
+               1);
+  REQUIRE(b.validations().size() == 1);
+  CHECK(std::isnan(b.validations()[0].loss));
+  // Once is all: carry_over after the launch's first step is the caller's mistake.
+  ReportBuilder late = builder();
+  late.add_step(0, 1.0, hand_step(1.0, 1, 1), false);
+  CHECK(error_of([&] { late.carry_over(nlohmann::json::parse(good), 5); }).find("carry_over") != std::string::npos);
+}
+
+TEST_CASE("the page charts every launch's losses with a marker where each later one began") {
+  ReportBuilder b = builder();
+  nlohmann::json h = {{"version", 1},
+                      {"launches", {{{"launch", 1}, {"first_step", 0}}, {{"launch", 2}, {"first_step", 30}}}},
+                      {"steps", nlohmann::json::array()},
+                      {"validations", {{9, 2.5, 0.25}}}};
+  for (int s = 0; s < 45; ++s) h["steps"].push_back({s, 3.0 - 0.01 * s});
+  b.carry_over(h, 45);
+  for (int s = 45; s < 60; ++s) b.add_step(s, 2.0 - 0.01 * s, hand_step(1.0, 1, 1), s > 45);
+  HtmlReportInput in;
+  in.title = "t";
+  in.summary = b.summary();
+  in.losses = b.losses();
+  in.validations = b.validations();
+  const std::string page = render_report_html(in);
+  auto count = [&](const std::string& what) {
+    int n = 0;
+    for (size_t at = page.find(what); at != std::string::npos; at = page.find(what, at + 1)) ++n;
+    return n;
+  };
+  CHECK(count("class=\"launchmark\"") == 2);
+  // The chart is 720 px wide with 56 px left and 16 px right of the plot: step s is at
+  // 56 + 648 s / 59 (the last step is 59).
+  CHECK(page.find("<line x1=\"385.5\" x2=\"385.5\"") != std::string::npos);  // step 30
+  CHECK(page.find("<line x1=\"550.2\" x2=\"550.2\"") != std::string::npos);  // step 45
+  CHECK(page.find(">launch 2: resumed at step 30<title>") != std::string::npos);
+  CHECK(page.find(">launch 3: resumed at step 45<title>") != std::string::npos);
+  // Labels are about 6 px a character (28 here). Launch 2's runs right of its marker,
+  // from 389.5 to 557.5. Launch 3's would end at 550.2 + 4 + 168 = 722.2, past the chart's
+  // 720: it ends at its marker instead, from 378.2, under launch 2's: the second row, and
+  // the plot moves down for both rows.
+  CHECK(page.find("<text x=\"389.5\" y=\"22\" class=\"launchlabel\">launch 2") != std::string::npos);
+  CHECK(page.find("<text x=\"546.2\" y=\"36\" class=\"launchlabel end\">launch 3") != std::string::npos);
+  CHECK(page.find("height=\"288\" viewBox=\"0 0 720 288\"") != std::string::npos);
+  // One loss point per step of the whole run.
+  const size_t poly = page.find("<polyline class=\"loss\" points=\"");
+  REQUIRE(poly != std::string::npos);
+  const std::string points = page.substr(poly + 32, page.find('"', poly + 32) - poly - 32);
+  CHECK(std::count(points.begin(), points.end(), ',') == 60);
+  CHECK(page.find("14 timed steps of launch 3 (steps 45 to 59); the loss chart covers all 3 launches") !=
+        std::string::npos);
+  CHECK(page.find("launch 1, steps 0 to 29 (30 steps); launch 2, steps 30 to 44 (15 steps); launch 3, steps 45 to 59 "
+                  "(15 steps)") != std::string::npos);
+}

@@ -1,0 +1,343 @@
+#include "pipeline/train/checkpointing.h"
+
+#include <fcntl.h>
+
+#include <cmath>
+#include <csignal>
+#include <cstring>
+#include <set>
+
+#include "pipeline/train/run_directory.h"
+#include "runtime/logging.h"
+
+namespace gpipe {
+namespace pipeline {
+
+namespace {
+
+// What the signal handlers saw; read after each step.
+volatile std::sig_atomic_t g_save_requested = 0;
+volatile std::sig_atomic_t g_stop_signal = 0;
+
+extern "C" void on_save_signal(int) { g_save_requested = 1; }
+
+// Set in a multi-process run.
+volatile std::sig_atomic_t g_under_mpi = 0;
+
+extern "C" void on_stop_signal(int sig) {
+  if (g_stop_signal != 0) {  // a second one: stop at once
+    std::signal(sig, SIG_DFL);
+    std::raise(sig);
+    return;
+  }
+  g_stop_signal = sig;
+  // mpirun, once signalled itself (SIGTERM reaches the ranks only after its
+  // odls_base_sigkill_timeout), no longer reads the ranks' output: a rank blocked writing
+  // to a full pipe would never reach its save. Non-blocking, such a write fails and the
+  // rank goes on to save; what it prints from here on may be lost, its checkpoint is not.
+  if (g_under_mpi && sig != SIGUSR2) {
+    for (int fd : {1, 2}) {
+      const int flags = ::fcntl(fd, F_GETFL);
+      if (flags >= 0) ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+    }
+  }
+}
+
+struct sigaction install(int sig, void (*handler)(int)) {
+  struct sigaction now {}, before {};
+  now.sa_handler = handler;
+  sigemptyset(&now.sa_mask);
+  now.sa_flags = SA_RESTART;
+  sigaction(sig, &now, &before);
+  return before;
+}
+
+// SIGUSR2 stops like SIGTERM: it is what `gpipe run` sends mpirun, which forwards it to
+// every rank and, unlike SIGINT and SIGTERM, does not kill them a second later.
+constexpr int kSignals[] = {SIGUSR1, SIGINT, SIGTERM, SIGUSR2};
+constexpr int kNumSignals = sizeof kSignals / sizeof kSignals[0];
+struct sigaction g_before[kNumSignals];
+
+}  // namespace
+
+nlohmann::json model_fingerprint(const layers::Sequential& model) {
+  nlohmann::json layers = nlohmann::json::array();
+  for (int i = 0; i < model.size(); ++i) layers.push_back(model.layer(i).describe());
+  return {{"layers", layers}, {"input", shape_str(model.input_shape())}, {"dtype", dtype_name(model.dtype())}};
+}
+
+RunCheckpoints::RunCheckpoints(const Config& config, const Plan& plan, layers::Sequential& model, Executor& executor,
+                               const Launch& launch, Transport& transport)
+    : config_(config), plan_(plan), model_(model), executor_(executor), launch_(launch), transport_(transport),
+      store_(checkpoint_dir(config), config.checkpoint.keep, config.run.id), run_id_(config.run.id) {
+  // Several processes: stages (K > 1), or replicas of a one-stage pipeline (K = 1 x D).
+  multi_ = launch.size > 1 || (launch.replicas != nullptr && launch.replicas->size() > 1);
+  writes_ = launch.replica == 0;                // replica 0 writes the shards of its stages
+  finalizes_ = writes_ && launch.rank == 0;     // its rank 0 the index and the trainer state
+  if (config.checkpoint.async) writer_ = std::make_unique<AsyncCheckpointWriter>(store_);
+  g_save_requested = 0;
+  g_stop_signal = 0;
+  g_under_mpi = multi_;
+  for (int i = 0; i < kNumSignals; ++i) g_before[i] = install(kSignals[i], i == 0 ? on_save_signal : on_stop_signal);
+}
+
+RunCheckpoints::~RunCheckpoints() {
+  for (int i = 0; i < kNumSignals; ++i) sigaction(kSignals[i], &g_before[i], nullptr);
+}
+
+double RunCheckpoints::sum_over_job(double value) {
+  if (!multi_) return value;
+  value = transport_.all_reduce_sum(launch_.rank, value);
+  if (launch_.replicas != nullptr && launch_.replicas->size() > 1) value = launch_.replicas->all_reduce_sum(value);
+  return value;
+}
+
+nlohmann::json RunCheckpoints::trainer_state(int64_t done, double lr) const {
+  return {{"step", done},
+          {"next_step", done},
+          {"learning_rate", lr},
+          {"model", model_fingerprint(model_)},
+          {"optimizer", config_.optimizer.optimizer.type},
+          {"saved_with", {{"partitions", plan_.stages},
+                          {"virtual_stages", plan_.virtual_stages},
+                          {"micro_batches", plan_.micro_batches},
+                          {"replicas", plan_.replicas},
+                          {"schedule", plan_.schedule.name}}},
+          // Every random stream is a function of these and of the step: the batches of
+          // step s (train.seed, data.seed) and dropout's masks (model.seed, s, sample).
+          {"rng", {{"train_seed", config_.train.seed}, {"data_seed", config_.data.seed},
+                   {"model_seed", config_.model.seed}}},
+          {"config", config_.source},
+          // The run as configured (YAML after --set) and the fields a resume compares.
+          {"effective_config", config_.effective},
+          {"identity", run_identity(config_)},
+          {"history", history_ ? history_(done) : nlohmann::json()}};
+}
+
+void RunCheckpoints::save(int64_t done, double lr) {
+  const int K = plan_.stages;
+  std::vector<ShardTensors> shards;
+  if (writes_) {
+    for (int k = 0; k < K; ++k) {
+      if (multi_ && k != launch_.rank) continue;
+      StageState s = executor_.save_state(k);  // host copies
+      shards.push_back({std::move(s.model), std::move(s.optimizer)});
+    }
+  }
+  const nlohmann::json state = trainer_state(done, lr);
+  std::vector<ShardNames> names;
+  for (int k = 0; k < K; ++k) {
+    const StageStateNames n = executor_.state_names(k);
+    names.push_back({n.model, n.optimizer});
+  }
+  if (!multi_) {
+    if (writer_) {
+      writer_->save(done, std::move(shards), state);
+    } else {
+      store_.save(done, shards, state);
+      last_saved_ = store_.step_path(done);
+      spdlog::info("saved checkpoint {}", last_saved_);
+    }
+    return;
+  }
+  if (writer_) {
+    finalize_pending();  // one save at a time
+    if (writes_) writer_->save_shard(done, launch_.rank, K, std::move(shards.front()));
+    pending_ = done;
+    pending_state_ = state;
+    return;
+  }
+  if (writes_) store_.write_shard(done, launch_.rank, K, shards.front().model, shards.front().optimizer);
+  sum_over_job(0.0);  // every shard is durable
+  if (finalizes_) store_.finalize(done, K, names, state);
+  sum_over_job(0.0);  // the checkpoint is complete before anyone goes on
+  last_saved_ = store_.step_path(done);
+  if (finalizes_) spdlog::info("saved checkpoint {}", last_saved_);
+}
+
+// A multi-process async save is finalized once every writer has finished.
+void RunCheckpoints::finalize_pending() {
+  if (pending_ < 0) return;
+  if (writer_) writer_->wait();
+  sum_over_job(0.0);
+  if (finalizes_) {
+    std::vector<ShardNames> names;
+    for (int k = 0; k < plan_.stages; ++k) {
+      const StageStateNames n = executor_.state_names(k);
+      names.push_back({n.model, n.optimizer});
+    }
+    store_.finalize(pending_, plan_.stages, names, pending_state_);
+    spdlog::info("saved checkpoint {}", store_.step_path(pending_));
+  }
+  sum_over_job(0.0);
+  last_saved_ = store_.step_path(pending_);
+  pending_ = -1;
+}
+
+void RunCheckpoints::after_step(int64_t done, double lr) {
+  // The flags of every process, in one sum: stop signals count 1e6, save requests 1e3,
+  // writers still busy with an async save 1.
+  const bool busy = pending_ >= 0 && writer_ && !writer_->idle();
+  const double flags = sum_over_job((g_stop_signal != 0 ? 1e6 : 0.0) + (g_save_requested != 0 ? 1e3 : 0.0) +
+                                    (busy ? 1.0 : 0.0));
+  g_save_requested = 0;
+  const bool stop = flags >= 1e6;
+  const bool asked = std::fmod(flags, 1e6) >= 1e3;
+  if (pending_ >= 0 && std::fmod(flags, 1e3) == 0) finalize_pending();  // every writer is done
+  // Every N steps, and at the end of the run.
+  const bool due = config_.checkpoint.every > 0 &&
+                   (done % config_.checkpoint.every == 0 || done == config_.train.steps);
+  if (due || asked || stop) save(done, lr);
+  if (stop) {
+    wait_for_last_save();
+    const int sig = g_stop_signal != 0 ? static_cast<int>(g_stop_signal) : SIGTERM;
+    const std::string& again = config_.run.resume_command;
+    const char* name = sig == SIGINT ? "SIGINT" : sig == SIGUSR2 ? "SIGUSR2 (a stop request)" : "SIGTERM";
+    throw RunStopped(sig, std::string("stopped by ") + name + " after step " +
+                              std::to_string(done) + "; saved " + last_saved_ +
+                              (!again.empty()             ? "; continue it with: " + again
+                               : config_.run.id_given ? std::string()  // its supervisor says how
+                                                      : std::string("; continue it with checkpoint.resume: auto")));
+  }
+}
+
+void RunCheckpoints::wait_for_last_save() {
+  if (multi_) {
+    finalize_pending();
+  } else if (writer_) {
+    writer_->wait();
+  }
+  if (writer_ && !multi_ && last_saved_.empty()) {
+    if (auto ref = find_latest_complete(store_.dir())) last_saved_ = ref->path;
+  }
+}
+
+LoadedCheckpoint RunCheckpoints::load_first_intact(const std::vector<CheckpointRef>& candidates,
+                                                  const LoadFilter& filter) {
+  std::string tried;
+  for (const CheckpointRef& c : candidates) {
+    LoadedCheckpoint loaded;
+    std::string problem;
+    try {
+      loaded = load_checkpoint(c.path, filter);
+    } catch (const CheckpointDamaged& e) {
+      problem = e.what();
+    }
+    // Every process reads its own stages' tensors: all of them must find theirs intact.
+    const double damaged = sum_over_job(problem.empty() ? 0.0 : 1.0);
+    if (damaged == 0) {
+      if (!tried.empty()) {
+        spdlog::warn("resuming from {}, the newest intact checkpoint (the newer ones above are damaged)", loaded.path);
+      }
+      return loaded;
+    }
+    if (problem.empty()) problem = "a shard another process reads is damaged (see its message)";
+    spdlog::warn("checkpoint {} cannot be used: {}; trying an older one", c.path, problem);
+    tried += (tried.empty() ? "" : "; ") + c.path + ": " + problem;
+  }
+  throw CheckpointDamaged("no intact checkpoint to resume from (" + tried +
+                          "). Resume from a copy you trust (checkpoint.resume=PATH), or start afresh with --start-over");
+}
+
+// A checkpoint of another run, or one whose config decides another result, is refused.
+void RunCheckpoints::check_same_run(const LoadedCheckpoint& loaded) const {
+  const nlohmann::json& state = loaded.trainer_state;
+  const std::string theirs = state.value("run_id", std::string());
+  if (config_.run.id_given && !theirs.empty() && theirs != config_.run.id) {
+    throw UserError("checkpoint " + loaded.path + " belongs to run " + theirs + ", not to this run " + config_.run.id +
+                    ": a job resumes only its own checkpoints. Continue that run with --resume (without --run-id), or "
+                    "give this one another output.dir");
+  }
+  const nlohmann::json want_model = model_fingerprint(model_);
+  if (!state.contains("model") || state["model"] != want_model) {
+    std::string why = "its model differs";
+    if (state.contains("model") && state["model"].contains("layers")) {
+      const auto& saved = state["model"]["layers"];
+      const auto& ours = want_model["layers"];
+      for (size_t i = 0; i < std::max(saved.size(), ours.size()); ++i) {
+        const std::string a = i < saved.size() ? saved[i].get<std::string>() : "(none)";
+        const std::string b = i < ours.size() ? ours[i].get<std::string>() : "(none)";
+        if (a != b) {
+          why = "its layer " + std::to_string(i) + " is " + a + " but this model's is " + b;
+          break;
+        }
+      }
+    }
+    throw UserError("checkpoint " + loaded.path + " was saved from another model: " + why +
+                    "; resume with the config it was saved with, or point checkpoint.dir elsewhere");
+  }
+  if (state.value("optimizer", std::string()) != config_.optimizer.optimizer.type) {
+    throw UserError("checkpoint " + loaded.path + " holds the state of optimizer " +
+                    state.value("optimizer", std::string("?")) + " but optimizer.type is " +
+                    config_.optimizer.optimizer.type + "; resume with the optimizer it was saved with");
+  }
+  if (state.contains("identity") && state["identity"].is_object()) {
+    const auto changes = identity_changes(state["identity"], run_identity(config_), config_.checkpoint.allow_changes);
+    if (!changes.empty()) {
+      std::string list, keys;
+      for (const auto& ch : changes) {
+        list += (list.empty() ? "" : "; ") + ch;
+        keys += (keys.empty() ? "" : ",") + ch.substr(0, ch.find(':'));
+      }
+      throw UserError("resuming " + loaded.path + " with a config that makes it another run: " + list +
+                      ". Resume with the values it was saved with (its config is in trainer_state.json), or say the "
+                      "change is meant: --set checkpoint.allow_changes=[" + keys + "]");
+    }
+  }
+}
+
+int64_t RunCheckpoints::resume() {
+  const std::string& want = config_.checkpoint.resume;
+  if (want.empty()) return 0;
+  std::vector<CheckpointRef> candidates;
+  if (want == "auto") {
+    // The one `latest` names (or the newest complete), then the older complete ones.
+    const auto first = find_latest_complete(store_.dir());
+    if (!first) {
+      spdlog::info("no complete checkpoint in {}: starting from step 0", store_.dir());
+      return 0;
+    }
+    candidates.push_back(*first);
+    const CheckpointListing listing = list_checkpoints(store_.dir());
+    for (auto it = listing.complete.rbegin(); it != listing.complete.rend(); ++it) {
+      if (it->step < first->step) candidates.push_back(*it);
+    }
+  } else {
+    candidates.push_back({-1, want});
+  }
+  // This process reads what its stages restore: their parameters, buffers and
+  // optimizer state, a tied copy from its owner's name.
+  std::set<std::string> model_names, optimizer_names;
+  for (int k = 0; k < plan_.stages; ++k) {
+    if (multi_ && k != launch_.rank) continue;
+    const StageStateNames n = executor_.state_names(k);
+    model_names.insert(n.model_needed.begin(), n.model_needed.end());
+    optimizer_names.insert(n.optimizer_needed.begin(), n.optimizer_needed.end());
+  }
+  LoadFilter filter;
+  filter.model = [&](const std::string& n) { return model_names.count(n) > 0; };
+  filter.optimizer = [&](const std::string& n) { return optimizer_names.count(n) > 0; };
+  LoadedCheckpoint loaded = load_first_intact(candidates, filter);
+  check_same_run(loaded);
+  const nlohmann::json& state = loaded.trainer_state;
+  // Saves from here on belong to the run it continues.
+  const std::string theirs = state.value("run_id", std::string());
+  if (!theirs.empty() && theirs != run_id_) {
+    run_id_ = theirs;
+    store_ = CheckpointStore(store_.dir(), store_.keep(), run_id_);
+    if (writer_) writer_ = std::make_unique<AsyncCheckpointWriter>(store_);
+  }
+  if (state.contains("history")) resumed_history_ = state["history"];
+  std::map<std::string, Tensor> model(loaded.model.begin(), loaded.model.end());
+  std::map<std::string, Tensor> optimizer(loaded.optimizer.begin(), loaded.optimizer.end());
+  for (int k = 0; k < plan_.stages; ++k) {
+    if (multi_ && k != launch_.rank) continue;
+    executor_.restore_state(k, model, optimizer);
+  }
+  executor_.set_step(static_cast<uint64_t>(loaded.step));
+  spdlog::info("resumed from {} at step {} (run {})", loaded.path, loaded.step, run_id_.empty() ? "?" : run_id_);
+  return loaded.step;
+}
+
+}  // namespace pipeline
+}  // namespace gpipe

@@ -1,0 +1,76 @@
+#include "pipeline/train/run_artifacts.h"
+
+#include <chrono>
+#include <ostream>
+
+#include "pipeline/planning/planner.h"
+#include "pipeline/report/report_html.h"
+#include "runtime/atomic_file.h"
+#include "runtime/error.h"
+#include "runtime/logging.h"
+
+namespace gpipe {
+namespace pipeline {
+
+RunArtifacts::RunArtifacts(const Config& c, const layers::Sequential& model, const Plan& plan, const Launch& launch,
+                           std::vector<std::string> stage_layers, std::vector<std::string> stage_devices)
+    : config_(c), schedule_(plan.schedule), recorder_(c.trace.first_step, c.trace.last_step) {
+  const bool multi = launch.size > 1;
+  if (multi) clock_offset_ms_ = launch.transport->clock_offset_to_first(launch.rank);
+  epoch_ms_ = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count() -
+              clock_offset_ms_;
+  for (int k = 0; k < plan.stages; ++k) {
+    const int rank = launch.replica * launch.size + (multi ? k : 0);
+    processes_.push_back({k, rank, stage_devices.at(k), stage_layers.at(k)});
+  }
+  try {
+    prediction_ = predict_config(c, model, plan, multi);
+    has_prediction_ = true;
+  } catch (const UserError& e) {
+    spdlog::warn("no prediction for this run: {}", e.what());
+  }
+}
+
+void RunArtifacts::starts_at(int step) {
+  if (step == 0) return;
+  if (!config_.trace.given) {
+    const TraceConfig w = default_trace_window(step, config_.train.steps);
+    recorder_ = StepRecorder(w.first_step, w.last_step);
+  } else if (config_.trace.last_step < step) {
+    spdlog::warn("trace.steps [{}, {}] came before this run's first step, {} (resumed): no steps are recorded; set "
+                 "trace.steps to steps from {} on",
+                 config_.trace.first_step, config_.trace.last_step, step, step);
+  }
+}
+
+void RunArtifacts::write(const std::filesystem::path& dir, const ReportBuilder& report, nlohmann::json& j,
+                         std::ostream& out) const {
+  std::string trace_name;
+  if (config_.output.trace && !recorder_.steps().empty()) {
+    trace_name = "trace.json";
+    nlohmann::json trace = chrome_trace(schedule_, processes_, recorder_.steps(), epoch_ms_);
+    trace["otherData"]["launch"] = report.launch();  // its steps are this launch's (report.json "launches")
+    write_file_atomically((dir / trace_name).string(), trace.dump() + "\n");
+    j["trace"] = {{"file", trace_name},
+                  {"steps", {recorder_.steps().front().step, recorder_.steps().back().step}}};
+    out << "Trace: " << (dir / trace_name).string() << " (open it in Perfetto, ui.perfetto.dev)" << std::endl;
+  }
+  HtmlReportInput in;
+  in.title = config_.name;
+  in.config = config_.source;
+  in.summary = report.summary();
+  in.schedule = schedule_;
+  in.step = recorder_.median_step();
+  in.recorded_first = recorder_.steps().empty() ? 0 : recorder_.steps().front().step;
+  in.recorded_last = recorder_.steps().empty() ? -1 : recorder_.steps().back().step;
+  in.measured_simulation = report.measured_simulation();
+  in.losses = report.losses();
+  in.validations = report.validations();
+  in.trace_file = trace_name;
+  write_file_atomically((dir / "report.html").string(), render_report_html(in));
+  j["html"] = "report.html";
+  out << "Page: " << (dir / "report.html").string() << std::endl;
+}
+
+}  // namespace pipeline
+}  // namespace gpipe

@@ -1,0 +1,327 @@
+#include "pipeline/train/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <ostream>
+
+#include "partition/balance.h"
+#include "pipeline/executor/executor.h"
+#include "pipeline/planning/memory_check.h"
+#include "pipeline/planning/plan.h"
+#include "pipeline/train/checkpointing.h"
+#include "pipeline/train/datasets.h"
+#include "pipeline/train/run_artifacts.h"
+#include "pipeline/train/run_directory.h"
+#include "runtime/atomic_file.h"
+#include "runtime/error.h"
+#include "runtime/heartbeat.h"
+#include "runtime/inprocess_transport.h"
+#include "runtime/logging.h"
+
+namespace gpipe {
+namespace pipeline {
+
+namespace {
+
+// Rows of host tensors, one after the other.
+Tensor concat_rows(const std::vector<Tensor>& parts) {
+  if (parts.size() == 1) return parts[0];
+  Shape shape = parts[0].shape();
+  shape[0] = 0;
+  for (const Tensor& t : parts) shape[0] += t.size(0);
+  Tensor out = Tensor::empty(shape, parts[0].dtype(), Device::cpu());
+  int64_t row = 0;
+  for (const Tensor& t : parts) {
+    Tensor into = out.narrow_rows(row, t.size(0));
+    copy_tensor(t, into);
+    row += t.size(0);
+  }
+  return out;
+}
+
+// Mean loss and accuracy (argmax over the classes, per target; both over the targets
+// the loss counts, ignore_index left out) of the model on validation samples [0, n),
+// in chunks of `chunk` samples (the last may be shorter). Each chunk is one micro-batch
+// of the executor's forward-only program (Executor::evaluate), M chunks per call;
+// replica d takes chunks d, d + D, ... Every process gets the totals.
+std::pair<double, double> evaluate(Executor& executor, const Dataset& data, int64_t n, int64_t chunk,
+                                   const Launch& launch) {
+  const int D = launch.replicas != nullptr ? launch.replicas->size() : 1;
+  const int M = executor.schedule().num_micro_batches;
+  std::vector<int64_t> mine;  // this replica's chunks
+  for (int64_t c = launch.replica; c * chunk < n; c += D) mine.push_back(c);
+  EvalResult total;
+  for (size_t first = 0; first < mine.size(); first += M) {
+    heartbeat();
+    std::vector<Tensor> xs, ys;
+    for (size_t i = first; i < std::min(mine.size(), first + M); ++i) {
+      const int64_t start = mine[i] * chunk;
+      auto [x, y] = data.validation(start, std::min(chunk, n - start));
+      xs.push_back(x);
+      ys.push_back(y);
+    }
+    total = executor.evaluate(concat_rows(xs), concat_rows(ys), chunk, total);
+  }
+  total = executor.all_reduce_scores(total);
+  const double counted = std::max(total.counted, 1.0);
+  return {total.loss_sum / counted, total.correct / counted};
+}
+
+// A multi-process step's timings, each process holding only its own stage's: stage 0
+// receives every stage's, so that it reports the whole pipeline as one process would.
+// Every process times from its own step start; they start together (the previous
+// step ended in a collective), to within a transport latency.
+StepResult gather_timings(StepResult r, const Launch& launch) {
+  const int me = launch.rank;
+  const std::vector<std::vector<double>> all = launch.transport->gather_to_first(me, encode_trace(r.stages.at(me)));
+  for (size_t k = 0; k < all.size(); ++k) r.stages.at(k) = decode_trace(all[k], static_cast<int>(k));
+  return r;
+}
+
+// The model must read what the data gives and predict what it asks for.
+void check_model_fits_data(const layers::Sequential& model, const Dataset& data) {
+  if (model.input_shape() != data.input_shape() || model.input_dtype() != data.input_dtype()) {
+    throw UserError("the data gives " + std::string(dtype_name(data.input_dtype())) + shape_str(data.input_shape()) +
+                    " per sample but the model takes " + dtype_name(model.input_dtype()) +
+                    shape_str(model.input_shape()) + "; set model.input (and data.seq_len for text) to match");
+  }
+  Shape want = data.target_shape();
+  want.push_back(data.classes());
+  if (model.output_shape() != want) {
+    throw UserError("the model's last layer produces " + shape_str(model.output_shape()) + " per sample but the data needs " +
+                    shape_str(want) + " (" + std::to_string(data.classes()) + " classes" +
+                    (data.target_shape().empty() ? std::string() : " per position") +
+                    "); make the last layer's out equal to data.classes (or the vocabulary)");
+  }
+}
+
+}  // namespace
+
+std::vector<int> plan_balance(const Config& c, const layers::Sequential& model) {
+  return make_plan(c, model).balance;
+}
+
+TrainResult train(const Config& config, std::ostream& out, const Launch& launch) {
+  return train(config, MakeModel{}, out, launch);
+}
+
+TrainResult train(const Config& config, const MakeModel& make_model, std::ostream& out, const Launch& launch) {
+  // One run per directory: the job's first process holds its directories' lock for the
+  // run, and a fresh run does not write where another run's checkpoints or reports are.
+  const bool owner = launch.rank == 0 && launch.replica == 0;
+  Config identified = config;
+  if (identified.run.id.empty()) identified.run.id = new_run_id();  // mpirun: MpiLaunch::join gave every rank one
+  // `gpipe run` watches this process's progress (runtime/heartbeat.h).
+  std::unique_ptr<HeartbeatWriter> beats;
+  if (!identified.run.heartbeat_dir.empty()) {
+    beats = std::make_unique<HeartbeatWriter>(identified.run.heartbeat_dir + "/rank-" +
+                                              std::to_string(launch.replica * launch.size + launch.rank));
+  }
+  std::unique_ptr<DirectoryLock> lock;
+  if (owner) {
+    lock = std::make_unique<DirectoryLock>(run_directories(identified), identified.run.id);
+    const std::string& resume = identified.checkpoint.resume;
+    if (resume.empty() || resume == "auto") claim_directories(identified);
+  }
+  // Weights that cannot fit are refused before any is allocated (memory_check.h).
+  if (!make_model) check_weights_fit(identified, host_available_bytes(), launch.size * config.pipeline.replicas);
+  // The model: YAML layers, a registered C++ model, or make_model (run_model.h); `c`
+  // describes it.
+  RunModel run = build_run_model(identified, make_model);
+  const Config& c = run.config;
+  const bool multi = launch.size > 1;
+  const int D = c.pipeline.replicas;
+  if (D > 1 && (launch.replicas == nullptr || launch.replicas->size() != D)) {
+    throw UserError("pipeline.replicas = " + std::to_string(D) + " needs " + std::to_string(D) +
+                    " copies of the pipeline: launch mpirun -np " + std::to_string(D * c.pipeline.partitions) +
+                    " (pipeline.partitions x pipeline.replicas)");
+  }
+  if (multi && launch.size != c.pipeline.partitions) {
+    throw UserError("launched as " + std::to_string(launch.size * D) + " processes but pipeline.partitions x "
+                    "pipeline.replicas is " + std::to_string(c.pipeline.partitions * D) +
+                    "; run one process per stage and replica: mpirun -np " + std::to_string(c.pipeline.partitions * D));
+  }
+  GPIPE_CHECK(!multi || launch.transport != nullptr, "a multi-process launch needs a transport");
+  init_logging(c.train.log_level);
+  set_cpu_blas_threads(c.train.blas_threads);
+  std::unique_ptr<layers::Sequential>& model = run.model;
+  const std::unique_ptr<Dataset> data = make_dataset(c);
+  check_model_fits_data(*model, *data);
+  PlanOptions plan_options;
+  plan_options.local_stage = multi ? launch.rank : -1;
+  if (multi && launch.transport->sends_wait_for_receiver()) plan_options.comm = CommModel::kRendezvous;
+  Plan plan = make_plan(c, *model, plan_options);
+  const int K = plan.stages, M = plan.micro_batches;
+  const int64_t replica_batch = plan.replica_batch;
+  TrainResult result;
+  result.balance = plan.balance;
+  check_run_fits(c, *model, plan, host_available_bytes());
+  // Saves must not be the first to find a read-only or full disk: with periodic saves,
+  // room for one more checkpoint; always, a writable folder (a stop signal saves too).
+  if (owner) {
+    check_checkpoint_room(checkpoint_dir(c),
+                          c.checkpoint.every > 0 ? checkpoint_bytes(*model, c.optimizer.optimizer) : 0);
+  }
+
+  // Per stage: its cells' layers, and its device.
+  std::vector<std::string> stage_layers, stage_devices;
+  for (int k = 0; k < K; ++k) {
+    std::string layers_text;
+    for (int cell : plan.schedule.cells[k]) {
+      const CellSpec& s = plan.cells[cell];
+      layers_text += (layers_text.empty() ? "" : " | ") + describe_layers(*model, s.first_layer, s.num_layers);
+    }
+    stage_layers.push_back(layers_text);
+    stage_devices.push_back(plan.devices[k].str());
+  }
+  std::string balance_text;
+  for (size_t i = 0; i < result.balance.size(); ++i) balance_text += (i ? ", " : "") + std::to_string(result.balance[i]);
+  spdlog::info("data: {}", data->describe());
+  spdlog::info("model: {} layers, {} parameters; {} stages, balance [{}], {} micro-batches, schedule {}, recompute {}",
+               model->size(), model->parameter_count(), K, balance_text, M, plan.schedule.name,
+               recompute_mode_name(plan.recompute));
+  for (int k = 0; k < K; ++k) spdlog::info("stage {} on {}: layers {}", k, stage_devices[k], stage_layers[k]);
+
+  // The plan's prediction, the recorded steps and one clock for all ranks (collective).
+  RunArtifacts artifacts(c, *model, plan, launch, stage_layers, stage_devices);
+
+  InProcessTransport in_process(K, c.pipeline.timeout_s);
+  Transport& transport = multi ? *launch.transport : static_cast<Transport&>(in_process);
+  ExecutorOptions opts;
+  opts.optimizer = c.optimizer.optimizer;
+  opts.clip_grad_norm = c.optimizer.clip_grad_norm;
+  opts.pin_threads = c.pipeline.pin_threads;
+  opts.local_stage = multi ? launch.rank : -1;
+  opts.rank = launch.replica * launch.size + launch.rank;
+  opts.replicas = D > 1 ? launch.replicas : nullptr;
+  opts.bucket_bytes = static_cast<int64_t>(c.pipeline.bucket_mb * (1 << 20));
+  opts.sample_offset = launch.replica * replica_batch;
+  opts.clock_offset_ms = artifacts.clock_offset_ms();
+  Executor executor(*model, plan.cells, plan.schedule, transport, opts);
+  layers::LrSchedule lr;
+  lr.kind = c.optimizer.schedule;
+  lr.base_lr = c.optimizer.optimizer.lr;
+  lr.warmup_steps = c.optimizer.warmup_steps;
+  lr.total_steps = c.train.steps;
+  lr.min_lr = c.optimizer.min_lr;
+
+  const int64_t eval_n = c.train.eval_samples > 0 ? std::min(c.train.eval_samples, data->validation_size())
+                                                  : data->validation_size();
+  auto validate = [&] { return evaluate(executor, *data, eval_n, c.train.batch_size, launch); };
+
+  // The whole pipeline's report, kept by its first stage (in a multi-process run, the
+  // other processes send it their timings every step); written by replica 0's.
+  const bool reports = launch.rank == 0;
+  const bool writes = reports && launch.replica == 0;
+  ReportBuilder report(stage_layers, stage_devices, M, plan.recompute, plan.schedule.name,
+                       c.train.batch_size);
+  report.set_schedule(plan.schedule);
+  // Saved state: resume where a checkpoint left off, save every checkpoint.every steps,
+  // on SIGUSR1, and before stopping on SIGINT or SIGTERM.
+  RunCheckpoints checkpoints(c, plan, *model, executor, launch, transport);
+  if (reports) checkpoints.set_history([&](int64_t done) { return report.history(static_cast<int>(done) - 1); });
+  const int start = static_cast<int>(checkpoints.resume());
+  result.start_step = start;
+  if (reports && start > 0 && !checkpoints.resumed_history().is_null()) {
+    report.carry_over(checkpoints.resumed_history(), start);
+  }
+  if (start >= c.train.steps) {
+    // A finished run resumed (a restart after its last checkpoint): its reports stay.
+    if (writes) {
+      out << "The checkpoint at step " << start << " already reached train.steps = " << c.train.steps
+          << ": nothing to train (raise train.steps to go on); " << c.output.dir << " is left as it was." << std::endl;
+    }
+    checkpoints.wait_for_last_save();
+    result.checkpoint_path = checkpoints.last_saved();
+    return result;
+  }
+  artifacts.starts_at(start);
+  if (artifacts.has_prediction()) report.set_prediction(artifacts.prediction());
+  double window_ms = 0;
+  int window_steps = 0;
+  for (int step = start; step < c.train.steps; ++step) {
+    heartbeat();
+    transport.set_step(step);
+    if (D > 1) launch.replicas->set_step(step);
+    auto [x, y] = data->batch(batch_key(c.train.seed, step), c.train.batch_size);
+    if (D > 1) {  // each replica takes its own rows of the mini-batch
+      x = x.narrow_rows(launch.replica * replica_batch, replica_batch);
+      y = y.narrow_rows(launch.replica * replica_batch, replica_batch);
+    }
+    executor.set_lr(lr.at(step));
+    StepResult r = executor.step(x, y);
+    if (multi) r = gather_timings(std::move(r), launch);
+    if (!std::isfinite(r.loss)) {
+      char now[32];
+      std::snprintf(now, sizeof now, "%g", lr.at(step));  // std::to_string(1e300) has 300 digits
+      throw UserError("the loss became " + std::string(std::isnan(r.loss) ? "NaN" : "infinite") + " at step " +
+                      std::to_string(step) + "; lower optimizer.lr (now " + now +
+                      "), set optimizer.clip_grad_norm, or check the data. Nothing was written for this step.");
+    }
+    result.losses.push_back(r.loss);
+    // The first step warms caches and allocators; it is left out of the timings.
+    if (reports) report.add_step(step, r.loss, r, c.train.steps - start == 1 || step > start);
+    if (reports) artifacts.add_step(step, r.loss, r);
+    window_ms += r.wall_ms;
+    ++window_steps;
+    const bool last = step + 1 == c.train.steps;
+    const bool eval_now = eval_n > 0 && c.train.eval_interval > 0 && (step + 1) % c.train.eval_interval == 0 && !last;
+    if ((step + 1) % c.train.log_interval == 0 || last || step == 0 || eval_now) {
+      char line[256];
+      size_t len = 0;
+      // snprintf returns the length it wanted, not what it wrote: a diverging float64
+      // loss printed with %.4f has hundreds of digits, and must cut the line short
+      // rather than write past it.
+      auto append = [&](const char* format, auto... args) {
+        if (len < sizeof line) len += static_cast<size_t>(std::snprintf(line + len, sizeof line - len, format, args...));
+      };
+      append("step %5d/%d  loss %.4f", step + 1, c.train.steps, r.loss);
+      if (eval_now) {
+        const auto [vl, va] = validate();
+        report.add_validation(step, vl, va);
+        append("  val_loss %.4f", vl);
+      }
+      if (r.grad_norm >= 0) append("  grad_norm %.3f", r.grad_norm);
+      append("  lr %.3g  %.1f samples/s", lr.at(step), c.train.batch_size * window_steps / (window_ms / 1000.0));
+      if (writes) out << line << std::endl;
+      window_ms = 0;
+      window_steps = 0;
+    }
+    checkpoints.after_step(step + 1, lr.at(step));
+  }
+  checkpoints.wait_for_last_save();
+  result.checkpoint_path = checkpoints.last_saved();
+  if (eval_n > 0) {
+    std::tie(result.eval_loss, result.eval_accuracy) = validate();
+    report.add_validation(c.train.steps - 1, result.eval_loss, result.eval_accuracy);
+    report.set_eval(result.eval_loss, result.eval_accuracy);
+  }
+  if (!reports) return result;  // stage 0 of the pipeline reports for it
+  result.summary = report.summary();
+  if (!writes) return result;
+  out << "\n" << report.table();
+
+  std::filesystem::path dir(c.output.dir);
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) throw UserError("cannot create output.dir '" + dir.string() + "': " + ec.message());
+  nlohmann::json j = report.json();
+  j["run_id"] = checkpoints.run_id();
+  j["config"] = c.source;
+  j["effective_config"] = c.effective;
+  j["data"] = data->describe();
+  j["balance"] = result.balance;
+  if (D > 1) j["replicas"] = D;
+  artifacts.write(dir, report, j, out);  // trace.json, report.html
+  const auto path = dir / "report.json";
+  write_file_atomically(path.string(), j.dump(2) + "\n");
+  result.report_path = path.string();
+  out << "Report: " << result.report_path << std::endl;
+  return result;
+}
+
+}  // namespace pipeline
+}  // namespace gpipe

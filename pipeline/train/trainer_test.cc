@@ -1,0 +1,520 @@
+// End to end: a small config trains (the loss falls), K=2 gives the same losses as
+// K=1, validation scores what the unpartitioned model scores on the same samples,
+// report.json has its fields, and a diverging run stops with a clear error.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "kernels/backend.h"
+#include "layers/registry.h"
+#include "partition/balance.h"
+#include "pipeline/config/config.h"
+#include "pipeline/planning/memory_check.h"
+#include "pipeline/planning/plan.h"
+#include "pipeline/train/datasets.h"
+#include "pipeline/train/trainer.h"
+#include "runtime/device.h"
+#include "runtime/error.h"
+
+using namespace gpipe;
+using namespace gpipe::pipeline;
+
+namespace {
+const char* kSmall = R"(model:
+  input: [16]
+  layers:
+    - {type: linear, out: 32}
+    - {type: relu}
+    - {type: linear, out: 32}
+    - {type: gelu}
+    - {type: linear, out: 4}
+  loss: {type: softmax_cross_entropy}
+data: {classes: 4, teacher_hidden: 8, eval_samples: 256}
+pipeline: {partitions: 1, micro_batches: 4}
+optimizer: {lr: 0.1, momentum: 0.9}
+train: {steps: 60, batch_size: 32, log_interval: 20}
+)";
+
+std::string out_dir(const std::string& name) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  return std::string(tmp ? tmp : "/tmp") + "/" + name;
+}
+
+TrainResult run(const std::vector<std::string>& overrides) {
+  std::ostringstream out;
+  return train(parse_config(kSmall, "small.yaml", overrides), out);
+}
+}  // namespace
+
+TEST_CASE("a small MLP learns the teacher task") {
+  const TrainResult r = run({"output.dir=" + out_dir("learn")});
+  REQUIRE(r.losses.size() == 60);
+  double first = 0, last = 0;
+  for (int i = 0; i < 10; ++i) first += r.losses[i] / 10;
+  for (int i = 50; i < 60; ++i) last += r.losses[i] / 10;
+  CHECK(last < 0.7 * first);
+  CHECK(r.eval_accuracy > 0.5);  // chance is 0.25
+}
+
+TEST_CASE("K=2 and K=3 train exactly like K=1 up to float32 rounding") {
+  const TrainResult one = run({"output.dir=" + out_dir("k1"), "train.steps=10"});
+  for (const char* k : {"2", "3"}) {
+    for (const char* mode : {"always", "never"}) {
+      const TrainResult many = run({"output.dir=" + out_dir(std::string("k") + k + mode), "train.steps=10",
+                                    std::string("pipeline.partitions=") + k, std::string("pipeline.checkpoint=") + mode});
+      REQUIRE(many.losses.size() == one.losses.size());
+      for (size_t i = 0; i < one.losses.size(); ++i) CHECK(many.losses[i] == doctest::Approx(one.losses[i]).epsilon(1e-4));
+    }
+  }
+}
+
+TEST_CASE("report.json carries steps, stages and the bubble") {
+  const TrainResult r = run({"output.dir=" + out_dir("report"), "pipeline.partitions=2", "train.steps=5"});
+  std::ifstream f(r.report_path);
+  REQUIRE(f.good());
+  const nlohmann::json j = nlohmann::json::parse(f);
+  REQUIRE(j["steps"].size() == 5);
+  for (int i = 0; i < 5; ++i) {
+    CHECK(j["steps"][i]["step"] == i);
+    CHECK(j["steps"][i]["loss"].get<double>() == r.losses[i]);  // every step's loss, as trained
+  }
+  CHECK(j["timed_steps"] == 4);  // the first step is a warm-up
+  const double span = j["span_ms"].get<double>(), step_ms = j["step_ms"].get<double>();
+  CHECK(span > 0);
+  CHECK(span <= step_ms);  // the span ends inside the step
+  CHECK(j["samples_per_second"].get<double>() == doctest::Approx(32 / (step_ms / 1000)).epsilon(1e-9));
+  REQUIRE(j["stages"].size() == 2);
+  double util_sum = 0;
+  for (const auto& s : j["stages"]) {
+    CAPTURE(s.dump());
+    const double busy = s["busy_ms"].get<double>(), idle = s["idle_ms"].get<double>(), comm = s["comm_ms"].get<double>();
+    // Busy is exactly the compute: forward, recompute (3 of the 4 micro-batches are
+    // checkpointed with except_last) and backward.
+    CHECK(s["recompute_ms"].get<double>() > 0);
+    CHECK(busy == doctest::Approx(s["forward_ms"].get<double>() + s["recompute_ms"].get<double>() +
+                                  s["backward_ms"].get<double>()).epsilon(1e-9));
+    CHECK(s["utilization"].get<double>() == doctest::Approx(busy / span).epsilon(1e-9));
+    // Busy, communication and idle fill the span (idle is clamped at 0 per step, so at
+    // least the span), and idle is never more than the span.
+    CHECK(busy + comm + idle >= span * (1 - 1e-9));
+    CHECK(idle <= span);
+    CHECK(s["optimizer_ms"].get<double>() > 0);
+    CHECK(s["peak_activation_bytes"].get<int64_t>() > 0);
+    util_sum += s["utilization"].get<double>();
+  }
+  CHECK(j["bubble"]["measured"].get<double>() == doctest::Approx(1 - util_sum / 2).epsilon(1e-9));
+  CHECK(j["bubble"]["theoretical"].get<double>() == doctest::Approx(1.0 / 5));  // (K-1)/(M+K-1), K=2, M=4
+  CHECK(j["balance"] == nlohmann::json(r.balance));
+  CHECK(r.balance == std::vector<int>{2, 3});
+  CHECK(j["stages"][0]["layers"] == "0-1 linear, relu");
+  CHECK(!std::filesystem::exists(r.report_path + ".tmp"));
+}
+
+namespace {
+// The unpartitioned model as the config builds it (its weights seeded per layer),
+// scored in one batch on validation samples [0, n), in evaluation mode: the mean
+// negative log-likelihood and the accuracy over the targets other than
+// `ignore_index`, from the logits on the host in double precision.
+std::pair<double, double> direct_validation(const Config& c, int64_t n, int ignore_index = -100) {
+  auto model = layers::build_model(c.model);
+  const auto data = make_dataset(c);
+  auto [x, y] = data->validation(0, n);
+  layers::ForwardArgs args;
+  args.training = false;
+  Backend& be = backend_for(Device::cpu());
+  Tensor h = x;
+  for (int i = 0; i < model->size(); ++i) h = model->layer(i).forward(be, h, nullptr, args);
+  const int64_t classes = h.shape().back(), rows = h.numel() / classes;
+  const std::vector<float> logits = h.to_vector<float>();
+  const std::vector<int32_t> targets = y.to_vector<int32_t>();
+  REQUIRE(static_cast<int64_t>(targets.size()) == rows);
+  double loss = 0, correct = 0, counted = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (targets[r] == ignore_index) continue;
+    const float* row = logits.data() + r * classes;
+    int64_t best = 0;
+    double top = row[0];
+    for (int64_t j = 1; j < classes; ++j) {
+      if (row[j] > row[best]) best = j;
+      top = std::max(top, static_cast<double>(row[j]));
+    }
+    double sum = 0;
+    for (int64_t j = 0; j < classes; ++j) sum += std::exp(row[j] - top);
+    loss += top + std::log(sum) - row[targets[r]];
+    correct += best == targets[r];
+    counted += 1;
+  }
+  return {loss / counted, correct / counted};
+}
+}  // namespace
+
+TEST_CASE("validation over a partial last chunk scores exactly eval_samples samples") {
+  // 67 = 2 * 32 + 3: chunks of 32, 32 and 3, through K=2. One step at a learning rate
+  // far too small to move a float32 weight keeps the initial weights, so the
+  // unpartitioned model built from the same config, run on the same 67 samples in one
+  // batch, must score the same.
+  for (const char* k : {"1", "2"}) {
+    CAPTURE(k);
+    const Config c = parse_config(kSmall, "small.yaml",
+                                  {"output.dir=" + out_dir(std::string("eval_partial_k") + k), "train.steps=1",
+                                   "optimizer.lr=1e-30", "train.eval_samples=67", std::string("pipeline.partitions=") + k});
+    std::ostringstream log;
+    const TrainResult r = train(c, log);
+    const auto [loss, accuracy] = direct_validation(c, 67);
+    CHECK(r.eval_loss == doctest::Approx(loss).epsilon(1e-5));
+    CHECK(r.eval_accuracy == doctest::Approx(accuracy).epsilon(1e-12));
+    // A count of correct samples over 67, not over 64 or 96.
+    CHECK(r.eval_accuracy * 67 == doctest::Approx(std::round(r.eval_accuracy * 67)).epsilon(1e-9));
+  }
+}
+
+TEST_CASE("a diverging run stops with a message naming the fix") {
+  // The config reader refuses a learning rate above 10; set in C++, one diverges.
+  Config c = parse_config(kSmall, "small.yaml", {"output.dir=" + out_dir("nan"), "train.steps=20"});
+  c.optimizer.optimizer.lr = 1e30;
+  std::ostringstream out;
+  CHECK_THROWS_WITH_AS(train(c, out), doctest::Contains("lower optimizer.lr"), UserError);
+  CHECK(!std::filesystem::exists(out_dir("nan") + "/report.json"));
+}
+
+TEST_CASE("a float64 loss that grows huge before it overflows still ends with the message") {
+  // With lr 5e299 (warm-up) step 2's loss is finite with over 200 digits, which the
+  // progress line must survive (it used to write past its buffer and crash), and step
+  // 3's is NaN. The config reader refuses such a learning rate; it is set in C++.
+  const char* wide = R"(model:
+  input: [32]
+  dtype: float64
+  layers:
+    - {type: linear, out: 64}
+    - {type: gelu}
+    - {type: linear, out: 64}
+    - {type: relu}
+    - {type: linear, out: 64}
+    - {type: gelu}
+    - {type: linear, out: 64}
+    - {type: relu}
+    - {type: linear, out: 6}
+  loss: {type: softmax_cross_entropy}
+data: {type: teacher, classes: 6, teacher_hidden: 16, seed: 3, eval_samples: 96}
+pipeline: {partitions: 2, micro_batches: 2}
+optimizer: {type: sgd, lr: 0.1, weight_decay: 0.01, warmup_steps: 2}
+train: {steps: 6, batch_size: 24, log_interval: 1}
+)";
+  std::ostringstream log;
+  Config c = parse_config(wide, "wide.yaml", {"output.dir=" + out_dir("huge")});
+  c.optimizer.optimizer.lr = 1e300;
+  CHECK_THROWS_WITH_AS(train(c, log), doctest::Contains("the loss became NaN at step 2; lower optimizer.lr (now 1e+300)"),
+                       UserError);
+  CAPTURE(log.str());
+  CHECK(log.str().find("step     2/6  loss 888") != std::string::npos);
+  CHECK(!std::filesystem::exists(out_dir("huge") + "/report.json"));
+}
+
+TEST_CASE("requests that cannot work are refused before training") {
+  CHECK_THROWS_WITH_AS(run({"pipeline.partitions=6"}), doctest::Contains("only 5 layers"), UserError);
+  CHECK_THROWS_WITH_AS(run({"pipeline.partitions=2", "pipeline.balance=[2,2]"}), doctest::Contains("sums to 4"),
+                       UserError);
+  CHECK_THROWS_WITH_AS(run({"pipeline.micro_batches=64"}), doctest::Contains("raise train.batch_size"), UserError);
+  CHECK_THROWS_WITH_AS(run({"data.classes=5"}), doctest::Contains("the data needs (5) (5 classes)"), UserError);
+  // 2^20-wide layers at batch 2^16: terabytes of activations, refused before anything is
+  // allocated.
+  CHECK_THROWS_WITH_AS(run({"model.layers.0.out=1048576", "train.batch_size=65536", "pipeline.checkpoint=never"}),
+                       doctest::Contains("for the activations its schedule keeps at their peak"), UserError);
+  // One GPU more than this machine has (cuda:0 on a machine without any): refused on any machine.
+  const std::string missing = "cuda:" + std::to_string(cuda_device_count());
+  CHECK_THROWS_WITH_AS(run({"pipeline.partitions=2", "pipeline.devices=[cpu:0, " + missing + "]"}),
+                       doctest::Contains(("pipeline.devices names " + missing + " but this machine has").c_str()), UserError);
+}
+
+namespace {
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const UserError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+}  // namespace
+
+TEST_CASE("weights that cannot fit are refused before any is allocated, with the advice for weights") {
+  // 200000 x 200000 float64: 320 GB of weights, as many of gradients, and with Adam
+  // twice as many of optimizer state; 64 GiB available.
+  const int64_t gib = int64_t{1} << 30;
+  const Config c = parse_config(kSmall, "small.yaml",
+                                {"model.dtype=float64", "model.input=[200000]", "model.layers.0.out=200000",
+                                 "optimizer.type=adam"});
+  Allocator& host = allocator_for(Device::cpu());
+  host.reset_peak();
+  const int64_t before = host.stats().in_use;
+  const std::string e = error_of([&] { check_weights_fit(c, 64 * gib); });
+  CHECK(host.stats().peak - before < (1 << 20));
+  CAPTURE(e);
+  CHECK(e.find("the model's weights cannot fit in host memory: with their gradients and optimizer state they need "
+               "1192.3 GiB (weights 298.1 GiB, gradients 298.1 GiB, adam state 596.1 GiB (2 values per weight)); the largest is "
+               "layer 0, linear(200000 -> 200000) at small.yaml:4:7, with 298.0 GiB of weights, but only 64.0 GiB is "
+               "available. Weights do not depend on pipeline.micro_batches or train.batch_size: use a smaller model "
+               "(fewer or narrower layers), set model.dtype: float32 instead of float64 (half the bytes), or use "
+               "optimizer.type: sgd without momentum") == 0);
+  CHECK(e.find("More pipeline.partitions do not help either: every process builds the whole model in host memory") !=
+        std::string::npos);
+  CHECK(e.find("micro_batches") == e.find("micro_batches or train.batch_size"));  // not advised to raise them
+  // Under mpirun (or on GPUs) the optimizer's state is not all this process's: weights and
+  // gradients only, which every process builds whole.
+  const std::string two = error_of([&] { check_weights_fit(c, 64 * gib, 2); });
+  CHECK(two.find("with their gradients they need 596.1 GiB (weights 298.1 GiB, gradients 298.1 GiB);") !=
+        std::string::npos);
+  // Fits: 1.3 TiB available. Unknown availability (-1): no check.
+  CHECK(error_of([&] { check_weights_fit(c, 1300 * gib); }) == "no error");
+  CHECK(error_of([&] { check_weights_fit(c, -1); }) == "no error");
+  // SGD without momentum keeps no state; float32 halves the rest.
+  const Config sgd = parse_config(kSmall, "small.yaml",
+                                  {"model.input=[200000]", "model.layers.0.out=200000", "optimizer.momentum=0"});
+  const std::string s = error_of([&] { check_weights_fit(sgd, 64 * gib); });
+  CHECK(s.find("they need 298.1 GiB (weights 149.0 GiB, gradients 149.0 GiB)") != std::string::npos);
+  CHECK(s.find("float64") == std::string::npos);
+  CHECK(s.find("optimizer") == std::string::npos);
+}
+
+TEST_CASE("a planned run that does not fit says how much is weights and how much activations") {
+  Config c = parse_config(kSmall, "small.yaml", {"model.layers.0.out=1024", "train.batch_size=65536"});
+  auto model = layers::build_model(c.model);
+  const Plan plan = make_plan(c, *model);
+  const auto mem = estimate_memory(plan, *model, c.optimizer.optimizer);
+  REQUIRE(mem.size() == 1);
+  // The model holds its weights and gradients already: `available` is what is left.
+  const int64_t held = 2 * mem[0].weight_bytes;
+  const int64_t weights = mem[0].parameter_bytes, activations = mem[0].activation_bytes;
+  REQUIRE(activations > weights);
+  CHECK(error_of([&] { check_run_fits(c, *model, plan, weights + activations - held); }) == "no error");
+  // Weights fit, activations do not: the micro-batch advice, with both parts.
+  const std::string a = error_of([&] { check_run_fits(c, *model, plan, weights + activations / 2 - held); });
+  CAPTURE(a);
+  CHECK(a.find("the run needs about ") == 0);
+  CHECK(a.find(" for the weights with their gradients and optimizer state and ") != std::string::npos);
+  CHECK(a.find(" for the activations its schedule keeps at their peak, but only ") != std::string::npos);
+  CHECK(a.find("the built model holds)") != std::string::npos);
+  CHECK(a.find("lower train.batch_size, raise pipeline.micro_batches, set pipeline.recompute: always") !=
+        std::string::npos);
+  // Not even the weights fit (a model built in C++ is checked only here): the advice for
+  // weights, not for micro-batches.
+  const std::string w = error_of([&] { check_run_fits(c, *model, plan, 1000); });
+  CAPTURE(w);
+  CHECK(w.find("the model's weights cannot fit in host memory") == 0);
+  CHECK(w.find("raise pipeline.micro_batches") == std::string::npos);
+}
+
+namespace {
+std::string write_text(const std::string& name, int repeats) {
+  const std::string path = out_dir(name);
+  std::ofstream f(path);
+  for (int i = 0; i < repeats; ++i) f << "the quick brown fox jumps over the lazy dog. ";
+  return path;
+}
+
+const char* kTinyGpt = R"(model:
+  input: [16]
+  layers:
+    - {type: embedding, vocab: 256, dim: 32}
+    - {type: transformer_block, heads: 2, dropout: 0.1}
+    - {type: transformer_block, heads: 2}
+    - {type: layernorm}
+    - {type: linear, out: 256}
+  loss: softmax_cross_entropy
+data: {type: text, seq_len: 16, validation_fraction: 0.2}
+pipeline: {partitions: 2, micro_batches: 4, checkpoint: except_last}
+optimizer: {type: adamw, lr: 0.01, weight_decay: 0.01, schedule: cosine, warmup_steps: 5, clip_grad_norm: 1.0}
+train: {steps: 60, batch_size: 8, log_interval: 20, eval_interval: 30, eval_samples: 16}
+)";
+}  // namespace
+
+TEST_CASE("a tiny GPT learns a text file through the pipeline, with validation") {
+  const std::string text = write_text("fox.txt", 60);
+  std::ostringstream log;
+  const Config c = parse_config(kTinyGpt, "tiny_gpt.yaml", {"data.path=" + text, "output.dir=" + out_dir("gpt")});
+  const TrainResult r = train(c, log);
+  REQUIRE(r.losses.size() == 60);
+  CHECK(r.losses.front() > 4.0);  // about log(256) at the start
+  CHECK(r.losses.back() < 0.5 * r.losses.front());
+  CHECK(r.eval_loss < 0.6 * r.losses.front());
+  CHECK(log.str().find("val_loss") != std::string::npos);
+  std::ifstream f(r.report_path);
+  const nlohmann::json j = nlohmann::json::parse(f);
+  CHECK(j["validation"].size() == 2);  // step 30 and the end
+}
+
+TEST_CASE("validation runs without dropout: dropout 0.5 or 0 on the same weights scores the same") {
+  // One step at a learning rate far too small to move a float32 weight, so both runs
+  // keep the initial weights (seeded per layer; dropout has none). Training draws
+  // masks, so the step's losses differ; validation is in evaluation mode, so its
+  // scores must not.
+  const std::string text = write_text("fox_eval.txt", 60);
+  auto run_with = [&](const std::string& p) {
+    std::ostringstream log;
+    const Config c = parse_config(kTinyGpt, "tiny_gpt.yaml",
+                                  {"data.path=" + text, "output.dir=" + out_dir("eval_dropout_" + p), "train.steps=1",
+                                   "optimizer.lr=1e-30", "optimizer.warmup_steps=0", "model.layers.1.dropout=" + p});
+    return train(c, log);
+  };
+  const TrainResult with = run_with("0.5"), without = run_with("0");
+  REQUIRE(with.losses.size() == 1);
+  CHECK(std::abs(with.losses[0] - without.losses[0]) > 1e-3 * without.losses[0]);
+  CHECK(with.eval_loss == doctest::Approx(without.eval_loss).epsilon(1e-6));
+  CHECK(with.eval_accuracy == without.eval_accuracy);
+}
+
+TEST_CASE("validation's means are over the targets the loss counts, as PyTorch's ignore_index") {
+  // Spaces (byte 32) are ignored: they add nothing to the loss sum, so the mean loss and
+  // the accuracy divide by the other targets only (CrossEntropyLoss(ignore_index=32,
+  // reduction='mean')), not by every target. 19 = 2 * 8 + 3 windows, a partial chunk too.
+  const char* gpt = R"(model:
+  input: [16]
+  layers:
+    - {type: embedding, vocab: 256, dim: 32}
+    - {type: transformer_block, heads: 2}
+    - {type: layernorm}
+    - {type: linear, out: 256}
+  loss: {type: softmax_cross_entropy, ignore_index: 32}
+data: {type: text, seq_len: 16, validation_fraction: 0.2}
+pipeline: {partitions: 2, micro_batches: 2}
+optimizer: {type: sgd, lr: 1e-30}
+train: {steps: 1, batch_size: 8, eval_samples: 19}
+)";
+  const std::string text = write_text("fox_ignore.txt", 60);
+  const Config c = parse_config(gpt, "ignore.yaml", {"data.path=" + text, "output.dir=" + out_dir("eval_ignore")});
+  const auto data = make_dataset(c);
+  const std::vector<int32_t> targets = data->validation(0, 19).second.to_vector<int32_t>();
+  const auto spaces = std::count(targets.begin(), targets.end(), 32);
+  REQUIRE(spaces > 0);  // about one target in five
+  REQUIRE(spaces < static_cast<int64_t>(targets.size()));
+  std::ostringstream log;
+  const TrainResult r = train(c, log);
+  const auto [loss, accuracy] = direct_validation(c, 19, 32);
+  CHECK(r.eval_loss == doctest::Approx(loss).epsilon(1e-5));
+  CHECK(r.eval_accuracy == doctest::Approx(accuracy).epsilon(1e-12));
+
+  // The untrained byte model gets next to nothing right; on the teacher task a quarter
+  // of its guesses are, so its accuracy shows the denominator too. Class 0 is ignored.
+  std::string small = kSmall;
+  const std::string plain = "loss: {type: softmax_cross_entropy}";
+  small.replace(small.find(plain), plain.size(), "loss: {type: softmax_cross_entropy, ignore_index: 0}");
+  const Config t = parse_config(small, "small.yaml",
+                                {"output.dir=" + out_dir("eval_ignore_teacher"), "train.steps=1", "optimizer.lr=1e-30",
+                                 "train.eval_samples=67", "pipeline.partitions=2"});
+  const std::vector<int32_t> classes = make_dataset(t)->validation(0, 67).second.to_vector<int32_t>();
+  const auto zeros = std::count(classes.begin(), classes.end(), 0);
+  REQUIRE(zeros > 0);
+  REQUIRE(zeros < 67);
+  const TrainResult rt = train(t, log);
+  const auto [t_loss, t_accuracy] = direct_validation(t, 67, 0);
+  REQUIRE(t_accuracy > 0);
+  CHECK(rt.eval_loss == doctest::Approx(t_loss).epsilon(1e-5));
+  CHECK(rt.eval_accuracy == doctest::Approx(t_accuracy).epsilon(1e-12));
+  CHECK(rt.eval_accuracy * (67 - zeros) == doctest::Approx(std::round(rt.eval_accuracy * (67 - zeros))));
+}
+
+TEST_CASE("data and model must agree, and files must exist") {
+  const std::string text = write_text("fox2.txt", 10);
+  std::ostringstream log;
+  CHECK_THROWS_WITH_AS(
+      train(parse_config(kTinyGpt, "t.yaml", {"data.path=" + text, "data.seq_len=8"}), log),
+      doctest::Contains("the data gives int32(8) per sample but the model takes int32(16)"), UserError);
+  CHECK_THROWS_WITH_AS(train(parse_config(kTinyGpt, "t.yaml", {"data.path=/no/such.txt"}), log),
+                       doctest::Contains("'/no/such.txt' cannot be read"), UserError);
+  CHECK_THROWS_WITH_AS(parse_config(kTinyGpt, "t.yaml"), doctest::Contains("set data.path"), UserError);
+}
+
+TEST_CASE("the shipped configs parse, build and balance") {
+  // Per config: the balance it gets (the README's `./gpipe plan` shows the same), which
+  // must be optimal for the layer-cost estimates (checked against every split), and
+  // the memory estimate, whose parameter part is the stage's own parameters with their
+  // gradients and the optimizer's state (AdamW two buffers, SGD with momentum one).
+  struct Expect {
+    const char* path;
+    std::vector<int> balance;
+    int state_buffers;
+  };
+  for (const Expect& e : {Expect{"configs/default.yaml", {3, 4}, 2}, Expect{"configs/mlp.yaml", {7, 8}, 1},
+                          Expect{"configs/gpt.yaml", {5, 6}, 2}, Expect{"configs/resnet.yaml", {5, 6}, 1}}) {
+    CAPTURE(e.path);
+    const Config c = load_config(e.path);
+    auto model = layers::build_model(c.model);
+    const auto balance = plan_balance(c, *model);
+    CHECK(balance == e.balance);
+    REQUIRE(c.pipeline.partitions == 2);
+    std::vector<std::optional<double>> overrides;
+    for (const auto& l : c.model.layers) overrides.push_back(l.cost);
+    const int64_t micro = (c.train.batch_size + c.pipeline.micro_batches - 1) / c.pipeline.micro_batches;
+    const auto costs =
+        partition::layer_costs(*model, micro, c.pipeline.recompute != RecomputeMode::kNever, overrides);
+    double best = 1e300;
+    for (int first = 1; first < model->size(); ++first) {
+      best = std::min(best, partition::max_cell_cost(costs, {first, model->size() - first}));
+    }
+    CHECK(partition::max_cell_cost(costs, balance) == doctest::Approx(best).epsilon(1e-12));
+
+    const auto mem = estimate_memory(make_plan(c, *model), *model, c.optimizer.optimizer);
+    REQUIRE(mem.size() == 2);
+    int first = 0;
+    for (int k = 0; k < 2; ++k) {
+      CAPTURE(k);
+      int64_t param_bytes = 0;
+      for (int i = first; i < first + balance[k]; ++i) {
+        for (auto* p : model->layer(i).parameters()) param_bytes += static_cast<int64_t>(p->value.nbytes());
+      }
+      CHECK(mem[k].parameter_bytes == (2 + e.state_buffers) * param_bytes);
+      // Checkpointed (except_last): at least the stage input of every micro-batch.
+      const auto& in = model->layer(first).input_shape();
+      const int64_t input_bytes = micro * shape_numel(in) * dtype_size(model->layer(first).input_dtype());
+      CHECK(mem[k].activation_bytes > c.pipeline.micro_batches * input_bytes);
+      first += balance[k];
+    }
+  }
+}
+
+namespace {
+// 64 CIFAR-10 records whose image is a function of the label: learnable in a few steps.
+std::string write_cifar(const std::string& name) {
+  const std::string path = out_dir(name);
+  std::ofstream f(path, std::ios::binary);
+  for (int r = 0; r < 64; ++r) {
+    f.put(static_cast<char>(r % 10));
+    for (int p = 0; p < 3072; ++p) f.put(static_cast<char>((p * (r % 10 + 1)) % 251));
+  }
+  return path;
+}
+}  // namespace
+
+TEST_CASE("the ResNet config trains on a CIFAR-10 binary file, as one stage would") {
+  const std::string path = write_cifar("cifar_batch.bin");
+  auto train_resnet = [&](const std::string& partitions) {
+    std::ostringstream log;
+    const Config c = load_config("configs/resnet.yaml",
+                                 {"data.path=" + path, "train.steps=10", "train.batch_size=16", "train.eval_samples=8",
+                                  "optimizer.warmup_steps=0", "optimizer.schedule=constant",
+                                  "pipeline.partitions=" + partitions,
+                                  "output.dir=" + out_dir("resnet" + partitions)});
+    return train(c, log);
+  };
+  const TrainResult two = train_resnet("2");
+  const TrainResult one = train_resnet("1");
+  REQUIRE(two.losses.size() == 10);
+  CHECK(two.balance == std::vector<int>{5, 6});
+  // The same micro-batches (M = 4) through two stages or one: the same losses, batch
+  // norm and all, to float32 rounding.
+  for (size_t i = 0; i < 10; ++i) {
+    CAPTURE(i);
+    CHECK(two.losses[i] == doctest::Approx(one.losses[i]).epsilon(1e-5));
+  }
+  CHECK(two.eval_loss == doctest::Approx(one.eval_loss).epsilon(1e-5));
+  // And it learns: the image determines the label.
+  CHECK(two.losses.front() > 1.5);  // about ln 10 = 2.3 at the start
+  CHECK((two.losses[7] + two.losses[8] + two.losses[9]) / 3 < 0.5 * (two.losses[0] + two.losses[1] + two.losses[2]) / 3);
+}
