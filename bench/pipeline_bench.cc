@@ -230,7 +230,7 @@ int main(int argc, char** argv) {
       stage_layers.push_back(describe_layers(*model, s.first_layer, s.num_layers));
       stage_devices.push_back(s.device.str());
     }
-    ReportBuilder report(stage_layers, stage_devices, f.m, mode, schedule.name, f.batch);
+    ReportBuilder report(stage_layers, stage_devices, schedule, mode, f.batch);
 
     // The direct baseline runs on its own copy of the model (same seed, same weights).
     std::unique_ptr<layers::Sequential> direct_model;

@@ -72,7 +72,6 @@ Plan plan_sizes(const Config& c) {
   Plan p;
   p.stages = c.pipeline.partitions;
   p.virtual_stages = c.pipeline.virtual_stages;
-  p.micro_batches = c.pipeline.micro_batches;
   p.replicas = c.pipeline.replicas;
   p.batch_size = c.train.batch_size;
   p.recompute = c.pipeline.recompute;
@@ -81,7 +80,7 @@ Plan plan_sizes(const Config& c) {
                     std::to_string(p.replicas) + " replicas; make it a multiple of pipeline.replicas");
   }
   p.replica_batch = p.batch_size / p.replicas;
-  p.micro_batch_sizes = split_sizes(p.replica_batch, p.micro_batches);  // validates N >= M
+  p.micro_batch_sizes = split_sizes(p.replica_batch, c.pipeline.micro_batches);  // validates N >= M
   return p;
 }
 
@@ -97,7 +96,7 @@ Plan make_plan(const Config& c, const layers::Sequential& model, const PlanOptio
   request.name = c.pipeline.schedule;
   request.num_stages = p.stages;
   request.num_chunks = p.virtual_stages;
-  request.num_micro_batches = p.micro_batches;
+  request.num_micro_batches = p.micro_batches();
   request.mode = p.recompute;
   request.file = c.pipeline.schedule_file;
   request.comm = options.comm;

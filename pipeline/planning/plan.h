@@ -19,16 +19,16 @@ namespace pipeline {
 struct Plan {
   int stages = 1;          // K
   int virtual_stages = 1;  // v: cells per stage
-  int micro_batches = 1;   // M
   int replicas = 1;        // D
   int64_t batch_size = 0;     // the whole mini-batch, over every replica
   int64_t replica_batch = 0;  // the rows one pipeline runs per step
-  std::vector<int64_t> micro_batch_sizes;  // split_sizes(replica_batch, M)
+  std::vector<int64_t> micro_batch_sizes;  // split_sizes(replica_batch, M): M of them
   RecomputeMode recompute = RecomputeMode::kExceptLast;
   Schedule schedule;
   std::vector<int> balance;     // layers per cell, v K of them
   std::vector<Device> devices;  // per stage
   std::vector<CellSpec> cells;  // per cell, on its stage's device
+  int micro_batches() const { return static_cast<int>(micro_batch_sizes.size()); }  // M
   int num_cells() const { return static_cast<int>(balance.size()); }
   int64_t largest_micro_batch() const { return micro_batch_sizes.empty() ? 0 : micro_batch_sizes.front(); }
 };

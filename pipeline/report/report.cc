@@ -32,10 +32,15 @@ std::string describe_layers(const layers::Sequential& model, int first, int coun
 }
 
 ReportBuilder::ReportBuilder(std::vector<std::string> stage_layers, std::vector<std::string> stage_devices,
-                             int micro_batches, RecomputeMode recompute, std::string schedule, int64_t batch_size)
-    : layers_(std::move(stage_layers)), devices_(std::move(stage_devices)), micro_batches_(micro_batches),
-      recompute_(recompute), schedule_(std::move(schedule)), batch_size_(batch_size),
-      launch_first_{0}, acc_(layers_.size()), op_time_(layers_.size()) {
+                             Schedule program, RecomputeMode recompute, int64_t batch_size)
+    : layers_(std::move(stage_layers)), devices_(std::move(stage_devices)), program_(std::move(program)),
+      recompute_(recompute), batch_size_(batch_size), launch_first_{0}, acc_(layers_.size()),
+      op_time_(layers_.size()) {
+  if (static_cast<int>(layers_.size()) != program_.num_stages || devices_.size() != layers_.size()) {
+    throw Error("ReportBuilder: " + std::to_string(layers_.size()) + " stage descriptions and " +
+                std::to_string(devices_.size()) + " devices for a program of " + std::to_string(program_.num_stages) +
+                " stages");
+  }
   for (size_t k = 0; k < acc_.size(); ++k) {
     acc_[k].stage = static_cast<int>(k);
     acc_[k].layers = layers_[k];
@@ -74,7 +79,7 @@ void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool ti
 
 void ReportBuilder::add_deliveries(const StepResult& r) {
   const int K = program_.num_stages;
-  if (!has_schedule_ || static_cast<int>(r.stages.size()) != K) return;
+  if (static_cast<int>(r.stages.size()) != K) return;
   for (int k = 0; k < K; ++k) {
     if (r.stages[k].ops.size() != program_.stages[k].size()) return;  // not this schedule's timings
   }
@@ -263,7 +268,7 @@ void ReportBuilder::set_eval(double loss, double accuracy) {
 }
 
 Simulation ReportBuilder::measured_simulation() const {
-  if (!has_schedule_ || timed_ == 0 || static_cast<int>(op_time_.size()) != program_.num_stages) return {};
+  if (timed_ == 0) return {};
   const CostFn cost = [&](int stage, const Instruction& ins) {
     if (ins.op == Op::kRecvActivation || ins.op == Op::kRecvGradient) {  // the measured delivery
       return stage < static_cast<int>(delivery_.size()) && delivery_[stage].second > 0
@@ -295,22 +300,20 @@ RunSummary ReportBuilder::summary() const {
   out.has_plan = has_plan_;
   out.plan = plan_;
   out.partitions = static_cast<int>(acc_.size());
-  out.micro_batches = micro_batches_;
+  out.micro_batches = program_.num_micro_batches;
   out.recompute = recompute_;
-  out.schedule = schedule_;
+  out.schedule = program_.name;
   out.batch_size = batch_size_;
   out.timed_steps = timed_;
-  out.ideal_bubble = ideal_bubble(out.partitions, micro_batches_);
-  out.formula_bubble = has_schedule_ ? formula_bubble(program_) : out.ideal_bubble;
+  out.ideal_bubble = ideal_bubble(out.partitions, out.micro_batches);
+  out.formula_bubble = formula_bubble(program_);
   out.stages = acc_;
   out.launches = launches();
   out.timed_launch = launch();
   if (timed_ == 0) return out;
-  if (has_schedule_ && static_cast<int>(op_time_.size()) == program_.num_stages) {
-    const Simulation sim = measured_simulation();
-    out.predicted_bubble = sim.bubble;
-    out.predicted_span_ms = sim.makespan;
-  }
+  const Simulation sim = measured_simulation();
+  out.predicted_bubble = sim.bubble;
+  out.predicted_span_ms = sim.makespan;
   out.span_ms = span_total_ / timed_;
   out.step_ms = wall_total_ / timed_;
   out.samples_per_second = wall_total_ > 0 ? batch_size_ * timed_ / (wall_total_ / 1000.0) : 0;

@@ -75,13 +75,14 @@ class ReportBuilder {
  public:
   // One entry per stage of the pipeline (a multi-process run gathers every stage's
   // timings into its first stage's process, see trainer.cc).
-  ReportBuilder(std::vector<std::string> stage_layers, std::vector<std::string> stage_devices, int micro_batches,
-                RecomputeMode recompute, std::string schedule, int64_t batch_size);
+  // The run's facts come from its Plan: the program that runs (its stages, micro-batches
+  // and name; the predicted bubble simulates it), the recompute mode and the mini-batch.
+  // stage_layers and stage_devices describe the program's stages, one entry each.
+  ReportBuilder(std::vector<std::string> stage_layers, std::vector<std::string> stage_devices, Schedule program,
+                RecomputeMode recompute, int64_t batch_size);
   // Timings of a step; steps before `timed` (warm-up) only contribute their loss.
   void add_step(int step, double loss, const StepResult& r, bool timed);
   void set_eval(double loss, double accuracy);
-  // The schedule that ran, for the predicted bubble.
-  void set_schedule(Schedule schedule) { program_ = std::move(schedule); has_schedule_ = true; }
   // What the planner predicted for this run, shown beside the measurements.
   void set_prediction(PlannedRun plan) { plan_ = std::move(plan); has_plan_ = true; }
   // A validation score taken after `step`.
@@ -124,9 +125,8 @@ class ReportBuilder {
   void add_deliveries(const StepResult& r);
 
   std::vector<std::string> layers_, devices_;
-  int micro_batches_;
+  Schedule program_;  // the run's program: K, M and the schedule's name are its
   RecomputeMode recompute_;
-  std::string schedule_;
   int64_t batch_size_;
   std::vector<std::pair<int, double>> losses_;
   std::vector<Validation> validations_;
@@ -136,8 +136,6 @@ class ReportBuilder {
   // Per stage: total time and count of each (instruction kind, chunk).
   std::vector<std::map<std::pair<int, int>, std::pair<double, int>>> op_time_;
   std::vector<std::pair<double, int>> delivery_;  // per stage: sum and count of waiting receives' delivery times
-  Schedule program_;
-  bool has_schedule_ = false;
   PlannedRun plan_;
   bool has_plan_ = false;
   int timed_ = 0;

@@ -53,8 +53,24 @@ StepResult hand_step(double scale, int64_t peak0, int64_t peak1) {
   return r;
 }
 
+// The program hand_step's timings come from (in a run, the Plan's schedule).
+Schedule hand_program() {
+  Schedule s;
+  s.name = "gpipe";
+  s.num_stages = 2;
+  s.num_micro_batches = 2;
+  s.cells = {{0}, {1}};
+  for (const StageTrace& stage : hand_step(1.0, 0, 0).stages) {
+    std::vector<Instruction> program;
+    for (const TimedOp& t : stage.ops) program.push_back({t.op, t.micro_batch, t.chunk});
+    s.stages.push_back(program);
+  }
+  return s;
+}
+
 ReportBuilder builder() {
-  return ReportBuilder({"0-1 linear, relu", "2-3 linear x2"}, {"cpu:0", "cpu:1"}, 2, RecomputeMode::kExceptLast, "gpipe", 8);
+  return ReportBuilder({"0-1 linear, relu", "2-3 linear x2"}, {"cpu:0", "cpu:1"}, hand_program(),
+                       RecomputeMode::kExceptLast, 8);
 }
 
 }  // namespace
@@ -171,7 +187,13 @@ TEST_CASE("the table and report.json show the same figures, and the scores") {
   // stage 0: fwd 4, recomp 0, bwd 6, comm 1, idle 5, opt 1, util 62.5%, 2 MB
   CHECK(t.find("cpu:0        4.00      0.00      6.00     1.00     5.00     1.00  62.5%    2.00 MB") != std::string::npos);
   CHECK(t.find("cpu:1        5.00      1.00      2.50     1.00     6.50     8.00  53.1%    3.00 MB") != std::string::npos);
-  CHECK(t.find("Bubble: measured 0.422, ideal (K-1)/(M+K-1) = 0.333") != std::string::npos);
+  // The predicted bubble, by hand: no receive waited past its send's end, so every
+  // delivery is 0; the mean op times are stage 0 F 2, sA 0.5, B 3 and stage 1 F 2.5,
+  // B 1.25, R 1, sG 0.5 (OPT counts 0). Stage 1 runs F0 2.5-5, F1 5-7.5, B1 7.5-8.75,
+  // sG1 -9.25, R0 -10.25, B0 -11.5, sG0 -12; stage 0 F0 0-2, F1 2.5-4.5, B1 9.25-12.25,
+  // B0 12.25-15.25. Busy 10 + 8.5 over 2 x 15.25: 1 - 18.5 / 30.5 = 0.393.
+  CHECK(t.find("Bubble: measured 0.422, predicted 0.393 (the schedule simulated with the measured op and delivery "
+               "times), formula 0.333") != std::string::npos);
   CHECK(t.find("Throughput: 390.2 samples/s") != std::string::npos);
   CHECK(t.find("Validation: loss 1.5000, accuracy 62.50%") != std::string::npos);
   const nlohmann::json j = b.json();
@@ -179,6 +201,11 @@ TEST_CASE("the table and report.json show the same figures, and the scores") {
   CHECK(j["eval"]["accuracy"] == 0.625);
   REQUIRE(j["validation"].size() == 1);
   CHECK(j["validation"][0]["loss"] == 1.75);
+}
+
+TEST_CASE("the report describes the stages of the program it is given") {
+  CHECK_THROWS_WITH_AS(ReportBuilder({"0-3 linear x4"}, {"cpu:0"}, hand_program(), RecomputeMode::kNever, 8),
+                       "ReportBuilder: 1 stage descriptions and 1 devices for a program of 2 stages", Error);
 }
 
 TEST_CASE("a run with no timed step reports zeros, not NaN") {
@@ -191,6 +218,7 @@ TEST_CASE("a run with no timed step reports zeros, not NaN") {
   CHECK(s.measured_bubble == 0);
   CHECK(s.stages[0].utilization == 0);
   CHECK(s.ideal_bubble == doctest::Approx(1.0 / 3));
+  CHECK(b.table().find("Bubble: measured 0.000, ideal (K-1)/(M+K-1) = 0.333") != std::string::npos);
 }
 
 TEST_CASE("the simulation charges each receive the delivery time measured when it waited") {
@@ -214,8 +242,7 @@ TEST_CASE("the simulation charges each receive the delivery time measured when i
   s1.ops = {{Op::kRecvActivation, 0, -0.5, 1.6}, {Op::kForward, 0, 1.6, 3.6}, {Op::kBackward, 0, 3.6, 6.6},
             {Op::kSendGradient, 0, 6.6, 6.6}, {Op::kOptimizerStep, -1, 6.6, 7}};
   r.stages = {s0, s1};
-  ReportBuilder b({"0 linear", "1 linear"}, {"cpu:0", "cpu:1"}, 1, RecomputeMode::kNever, "gpipe", 8);
-  b.set_schedule(sched);
+  ReportBuilder b({"0 linear", "1 linear"}, {"cpu:0", "cpu:1"}, sched, RecomputeMode::kNever, 8);
   b.add_step(0, 1.0, r, true);
   const RunSummary s = b.summary();
   CHECK(s.stages[1].delivery_ms == doctest::Approx(0.1));

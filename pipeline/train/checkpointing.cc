@@ -100,7 +100,7 @@ nlohmann::json RunCheckpoints::trainer_state(int64_t done, double lr) const {
           {"optimizer", config_.optimizer.optimizer.type},
           {"saved_with", {{"partitions", plan_.stages},
                           {"virtual_stages", plan_.virtual_stages},
-                          {"micro_batches", plan_.micro_batches},
+                          {"micro_batches", plan_.micro_batches()},
                           {"replicas", plan_.replicas},
                           {"schedule", plan_.schedule.name}}},
           // Every random stream is a function of these and of the step: the batches of

@@ -154,7 +154,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   plan_options.local_stage = multi ? launch.rank : -1;
   if (multi && launch.transport->sends_wait_for_receiver()) plan_options.comm = CommModel::kRendezvous;
   Plan plan = make_plan(c, *model, plan_options);
-  const int K = plan.stages, M = plan.micro_batches;
+  const int K = plan.stages, M = plan.micro_batches();
   const int64_t replica_batch = plan.replica_batch;
   TrainResult result;
   result.balance = plan.balance;
@@ -216,9 +216,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   // other processes send it their timings every step); written by replica 0's.
   const bool reports = launch.rank == 0;
   const bool writes = reports && launch.replica == 0;
-  ReportBuilder report(stage_layers, stage_devices, M, plan.recompute, plan.schedule.name,
-                       c.train.batch_size);
-  report.set_schedule(plan.schedule);
+  ReportBuilder report(stage_layers, stage_devices, plan.schedule, plan.recompute, plan.batch_size);
   // Saved state: resume where a checkpoint left off, save every checkpoint.every steps,
   // on SIGUSR1, and before stopping on SIGINT or SIGTERM.
   RunCheckpoints checkpoints(c, plan, *model, executor, launch, transport);
