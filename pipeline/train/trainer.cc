@@ -98,40 +98,35 @@ void check_model_fits_data(const layers::Sequential& model, const Dataset& data)
   }
 }
 
-}  // namespace
-
-std::vector<int> plan_balance(const Config& c, const layers::Sequential& model) {
-  return make_plan(c, model).balance;
-}
-
-TrainResult train(const Config& config, std::ostream& out, const Launch& launch) {
-  return train(config, MakeModel{}, out, launch);
-}
-
-TrainResult train(const Config& config, const MakeModel& make_model, std::ostream& out, const Launch& launch) {
-  // One run per directory: the job's first process holds its directories' lock for the
-  // run, and a fresh run does not write where another run's checkpoints or reports are.
-  const bool owner = launch.rank == 0 && launch.replica == 0;
-  Config identified = config;
-  if (identified.run.id.empty()) identified.run.id = new_run_id();  // mpirun: MpiLaunch::join gave every rank one
-  // `gpipe run` watches this process's progress (runtime/heartbeat.h).
+// This process's claim on the run: a run id (a fresh one unless mpirun or gpipe run gave
+// one), its heartbeat for gpipe run (runtime/heartbeat.h), and, on the job's first
+// process, the lock on the run's directories; a fresh run does not write where another
+// run's checkpoints or reports are.
+struct RunClaim {
+  Config config;  // with its run id
   std::unique_ptr<HeartbeatWriter> beats;
-  if (!identified.run.heartbeat_dir.empty()) {
-    beats = std::make_unique<HeartbeatWriter>(identified.run.heartbeat_dir + "/rank-" +
-                                              std::to_string(launch.replica * launch.size + launch.rank));
-  }
   std::unique_ptr<DirectoryLock> lock;
-  if (owner) {
-    lock = std::make_unique<DirectoryLock>(run_directories(identified), identified.run.id);
-    const std::string& resume = identified.checkpoint.resume;
-    if (resume.empty() || resume == "auto") claim_directories(identified);
+};
+
+RunClaim claim_run(const Config& config, const Launch& launch) {
+  RunClaim claim{config, nullptr, nullptr};
+  Config& c = claim.config;
+  if (c.run.id.empty()) c.run.id = new_run_id();  // mpirun: MpiLaunch::join gave every rank one
+  if (!c.run.heartbeat_dir.empty()) {
+    claim.beats = std::make_unique<HeartbeatWriter>(c.run.heartbeat_dir + "/rank-" +
+                                                    std::to_string(launch.replica * launch.size + launch.rank));
   }
-  // Weights that cannot fit are refused before any is allocated (memory_check.h).
-  if (!make_model) check_weights_fit(identified, host_available_bytes(), launch.size * config.pipeline.replicas);
-  // The model: YAML layers, a registered C++ model, or make_model (run_model.h); `c`
-  // describes it.
-  RunModel run = build_run_model(identified, make_model);
-  const Config& c = run.config;
+  if (launch.rank == 0 && launch.replica == 0) {
+    claim.lock = std::make_unique<DirectoryLock>(run_directories(c), c.run.id);
+    const std::string& resume = c.checkpoint.resume;
+    if (resume.empty() || resume == "auto") claim_directories(c);
+  }
+  return claim;
+}
+
+// One process per stage and replica, as the config asks: otherwise a UserError naming
+// the mpirun command that fits.
+void check_launch(const Config& c, const Launch& launch) {
   const bool multi = launch.size > 1;
   const int D = c.pipeline.replicas;
   if (D > 1 && (launch.replicas == nullptr || launch.replicas->size() != D)) {
@@ -145,6 +140,142 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
                     "; run one process per stage and replica: mpirun -np " + std::to_string(c.pipeline.partitions * D));
   }
   GPIPE_CHECK(!multi || launch.transport != nullptr, "a multi-process launch needs a transport");
+}
+
+// What the log, the report and the trace call each stage: its cells' layers, and its
+// device.
+struct StageNames {
+  std::vector<std::string> layers, devices;
+};
+
+StageNames stage_names(const Plan& plan, const layers::Sequential& model) {
+  StageNames names;
+  for (int k = 0; k < plan.stages; ++k) {
+    std::string layers_text;
+    for (int cell : plan.schedule.cells[k]) {
+      const CellSpec& s = plan.cells[cell];
+      layers_text += (layers_text.empty() ? "" : " | ") + describe_layers(model, s.first_layer, s.num_layers);
+    }
+    names.layers.push_back(layers_text);
+    names.devices.push_back(plan.devices[k].str());
+  }
+  return names;
+}
+
+void log_run(const Dataset& data, layers::Sequential& model, const Plan& plan, const StageNames& names) {
+  std::string balance_text;
+  for (size_t i = 0; i < plan.balance.size(); ++i) balance_text += (i ? ", " : "") + std::to_string(plan.balance[i]);
+  spdlog::info("data: {}", data.describe());
+  spdlog::info("model: {} layers, {} parameters; {} stages, balance [{}], {} micro-batches, schedule {}, recompute {}",
+               model.size(), model.parameter_count(), plan.stages, balance_text, plan.micro_batches(),
+               plan.schedule.name, recompute_mode_name(plan.recompute));
+  for (int k = 0; k < plan.stages; ++k) {
+    spdlog::info("stage {} on {}: layers {}", k, names.devices[k], names.layers[k]);
+  }
+}
+
+// The executor's settings: the optimizer, this process's stage and rank, its replicas,
+// its rows of the mini-batch, and the job's clock.
+ExecutorOptions executor_options(const Config& c, const Launch& launch, const Plan& plan, double clock_offset_ms) {
+  const bool multi = launch.size > 1;
+  ExecutorOptions opts;
+  opts.optimizer = c.optimizer.optimizer;
+  opts.clip_grad_norm = c.optimizer.clip_grad_norm;
+  opts.pin_threads = c.pipeline.pin_threads;
+  opts.local_stage = multi ? launch.rank : -1;
+  opts.rank = launch.replica * launch.size + launch.rank;
+  opts.replicas = plan.replicas > 1 ? launch.replicas : nullptr;
+  opts.bucket_bytes = static_cast<int64_t>(c.pipeline.bucket_mb * (1 << 20));
+  opts.sample_offset = launch.replica * plan.replica_batch;
+  opts.clock_offset_ms = clock_offset_ms;
+  return opts;
+}
+
+layers::LrSchedule lr_schedule(const Config& c) {
+  layers::LrSchedule lr;
+  lr.kind = c.optimizer.schedule;
+  lr.base_lr = c.optimizer.optimizer.lr;
+  lr.warmup_steps = c.optimizer.warmup_steps;
+  lr.total_steps = c.train.steps;
+  lr.min_lr = c.optimizer.min_lr;
+  return lr;
+}
+
+// A step whose loss is not finite ends the run before anything of it is written.
+void check_loss_finite(double loss, int step, double lr) {
+  if (std::isfinite(loss)) return;
+  char now[32];
+  std::snprintf(now, sizeof now, "%g", lr);  // std::to_string(1e300) has 300 digits
+  throw UserError("the loss became " + std::string(std::isnan(loss) ? "NaN" : "infinite") + " at step " +
+                  std::to_string(step) + "; lower optimizer.lr (now " + now +
+                  "), set optimizer.clip_grad_norm, or check the data. Nothing was written for this step.");
+}
+
+// The progress line of step `step` (0-based; printed from 1): its loss, the validation
+// loss when one was taken (val_loss >= 0), the gradient norm when clipping measured it,
+// the learning rate and the speed since the last line.
+std::string progress_line(int step, int steps, double loss, double val_loss, double grad_norm, double lr,
+                          double samples_per_second) {
+  char line[256];
+  size_t len = 0;
+  // snprintf returns the length it wanted, not what it wrote: a diverging float64
+  // loss printed with %.4f has hundreds of digits, and must cut the line short
+  // rather than write past it.
+  auto append = [&](const char* format, auto... args) {
+    if (len < sizeof line) len += static_cast<size_t>(std::snprintf(line + len, sizeof line - len, format, args...));
+  };
+  append("step %5d/%d  loss %.4f", step + 1, steps, loss);
+  if (val_loss >= 0) append("  val_loss %.4f", val_loss);
+  if (grad_norm >= 0) append("  grad_norm %.3f", grad_norm);
+  append("  lr %.3g  %.1f samples/s", lr, samples_per_second);
+  return line;
+}
+
+// report.json in output.dir, with trace.json and report.html beside it (RunArtifacts);
+// returns report.json's path.
+std::string write_reports(const Config& c, const ReportBuilder& report, RunArtifacts& artifacts,
+                          const std::string& run_id, const Dataset& data, const Plan& plan, std::ostream& out) {
+  std::filesystem::path dir(c.output.dir);
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) throw UserError("cannot create output.dir '" + dir.string() + "': " + ec.message());
+  nlohmann::json j = report.json();
+  j["run_id"] = run_id;
+  j["config"] = c.source;
+  j["effective_config"] = c.effective;
+  j["data"] = data.describe();
+  j["balance"] = plan.balance;
+  if (plan.replicas > 1) j["replicas"] = plan.replicas;
+  artifacts.write(dir, report, j, out);  // trace.json, report.html
+  const auto path = dir / "report.json";
+  write_file_atomically(path.string(), j.dump(2) + "\n");
+  return path.string();
+}
+
+}  // namespace
+
+std::vector<int> plan_balance(const Config& c, const layers::Sequential& model) {
+  return make_plan(c, model).balance;
+}
+
+TrainResult train(const Config& config, std::ostream& out, const Launch& launch) {
+  return train(config, MakeModel{}, out, launch);
+}
+
+TrainResult train(const Config& config, const MakeModel& make_model, std::ostream& out, const Launch& launch) {
+  // One run per directory: the job's first process holds its directories' lock.
+  const bool owner = launch.rank == 0 && launch.replica == 0;
+  const RunClaim claim = claim_run(config, launch);
+  const Config& identified = claim.config;
+  // Weights that cannot fit are refused before any is allocated (memory_check.h).
+  if (!make_model) check_weights_fit(identified, host_available_bytes(), launch.size * config.pipeline.replicas);
+  // The model: YAML layers, a registered C++ model, or make_model (run_model.h); `c`
+  // describes it.
+  RunModel run = build_run_model(identified, make_model);
+  const Config& c = run.config;
+  check_launch(c, launch);
+  const bool multi = launch.size > 1;
+  const int D = c.pipeline.replicas;
   init_logging(c.train.log_level);
   set_cpu_blas_threads(c.train.blas_threads);
   std::unique_ptr<layers::Sequential>& model = run.model;
@@ -154,7 +285,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   plan_options.local_stage = multi ? launch.rank : -1;
   if (multi && launch.transport->sends_wait_for_receiver()) plan_options.comm = CommModel::kRendezvous;
   Plan plan = make_plan(c, *model, plan_options);
-  const int K = plan.stages, M = plan.micro_batches();
+  const int K = plan.stages;
   const int64_t replica_batch = plan.replica_batch;
   TrainResult result;
   result.balance = plan.balance;
@@ -166,47 +297,17 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
                           c.checkpoint.every > 0 ? checkpoint_bytes(*model, c.optimizer.optimizer) : 0);
   }
 
-  // Per stage: its cells' layers, and its device.
-  std::vector<std::string> stage_layers, stage_devices;
-  for (int k = 0; k < K; ++k) {
-    std::string layers_text;
-    for (int cell : plan.schedule.cells[k]) {
-      const CellSpec& s = plan.cells[cell];
-      layers_text += (layers_text.empty() ? "" : " | ") + describe_layers(*model, s.first_layer, s.num_layers);
-    }
-    stage_layers.push_back(layers_text);
-    stage_devices.push_back(plan.devices[k].str());
-  }
-  std::string balance_text;
-  for (size_t i = 0; i < result.balance.size(); ++i) balance_text += (i ? ", " : "") + std::to_string(result.balance[i]);
-  spdlog::info("data: {}", data->describe());
-  spdlog::info("model: {} layers, {} parameters; {} stages, balance [{}], {} micro-batches, schedule {}, recompute {}",
-               model->size(), model->parameter_count(), K, balance_text, M, plan.schedule.name,
-               recompute_mode_name(plan.recompute));
-  for (int k = 0; k < K; ++k) spdlog::info("stage {} on {}: layers {}", k, stage_devices[k], stage_layers[k]);
+  const StageNames names = stage_names(plan, *model);
+  log_run(*data, *model, plan, names);
 
   // The plan's prediction, the recorded steps and one clock for all ranks (collective).
-  RunArtifacts artifacts(c, *model, plan, launch, stage_layers, stage_devices);
+  RunArtifacts artifacts(c, *model, plan, launch, names.layers, names.devices);
 
   InProcessTransport in_process(K, c.pipeline.timeout_s);
   Transport& transport = multi ? *launch.transport : static_cast<Transport&>(in_process);
-  ExecutorOptions opts;
-  opts.optimizer = c.optimizer.optimizer;
-  opts.clip_grad_norm = c.optimizer.clip_grad_norm;
-  opts.pin_threads = c.pipeline.pin_threads;
-  opts.local_stage = multi ? launch.rank : -1;
-  opts.rank = launch.replica * launch.size + launch.rank;
-  opts.replicas = D > 1 ? launch.replicas : nullptr;
-  opts.bucket_bytes = static_cast<int64_t>(c.pipeline.bucket_mb * (1 << 20));
-  opts.sample_offset = launch.replica * replica_batch;
-  opts.clock_offset_ms = artifacts.clock_offset_ms();
-  Executor executor(*model, plan.cells, plan.schedule, transport, opts);
-  layers::LrSchedule lr;
-  lr.kind = c.optimizer.schedule;
-  lr.base_lr = c.optimizer.optimizer.lr;
-  lr.warmup_steps = c.optimizer.warmup_steps;
-  lr.total_steps = c.train.steps;
-  lr.min_lr = c.optimizer.min_lr;
+  Executor executor(*model, plan.cells, plan.schedule, transport,
+                    executor_options(c, launch, plan, artifacts.clock_offset_ms()));
+  const layers::LrSchedule lr = lr_schedule(c);
 
   const int64_t eval_n = c.train.eval_samples > 0 ? std::min(c.train.eval_samples, data->validation_size())
                                                   : data->validation_size();
@@ -216,7 +317,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   // other processes send it their timings every step); written by replica 0's.
   const bool reports = launch.rank == 0;
   const bool writes = reports && launch.replica == 0;
-  ReportBuilder report(stage_layers, stage_devices, plan.schedule, plan.recompute, plan.batch_size);
+  ReportBuilder report(names.layers, names.devices, plan.schedule, plan.recompute, plan.batch_size);
   // Saved state: resume where a checkpoint left off, save every checkpoint.every steps,
   // on SIGUSR1, and before stopping on SIGINT or SIGTERM.
   RunCheckpoints checkpoints(c, plan, *model, executor, launch, transport);
@@ -252,13 +353,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
     executor.set_lr(lr.at(step));
     StepResult r = executor.step(x, y);
     if (multi) r = gather_timings(std::move(r), launch);
-    if (!std::isfinite(r.loss)) {
-      char now[32];
-      std::snprintf(now, sizeof now, "%g", lr.at(step));  // std::to_string(1e300) has 300 digits
-      throw UserError("the loss became " + std::string(std::isnan(r.loss) ? "NaN" : "infinite") + " at step " +
-                      std::to_string(step) + "; lower optimizer.lr (now " + now +
-                      "), set optimizer.clip_grad_norm, or check the data. Nothing was written for this step.");
-    }
+    check_loss_finite(r.loss, step, lr.at(step));
     result.losses.push_back(r.loss);
     // The first step warms caches and allocators; it is left out of the timings.
     if (reports) report.add_step(step, r.loss, r, c.train.steps - start == 1 || step > start);
@@ -268,22 +363,14 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
     const bool last = step + 1 == c.train.steps;
     const bool eval_now = eval_n > 0 && c.train.eval_interval > 0 && (step + 1) % c.train.eval_interval == 0 && !last;
     if ((step + 1) % c.train.log_interval == 0 || last || step == 0 || eval_now) {
-      char line[256];
-      size_t len = 0;
-      // snprintf returns the length it wanted, not what it wrote: a diverging float64
-      // loss printed with %.4f has hundreds of digits, and must cut the line short
-      // rather than write past it.
-      auto append = [&](const char* format, auto... args) {
-        if (len < sizeof line) len += static_cast<size_t>(std::snprintf(line + len, sizeof line - len, format, args...));
-      };
-      append("step %5d/%d  loss %.4f", step + 1, c.train.steps, r.loss);
+      double val_loss = -1;
       if (eval_now) {
         const auto [vl, va] = validate();
         report.add_validation(step, vl, va);
-        append("  val_loss %.4f", vl);
+        val_loss = vl;
       }
-      if (r.grad_norm >= 0) append("  grad_norm %.3f", r.grad_norm);
-      append("  lr %.3g  %.1f samples/s", lr.at(step), c.train.batch_size * window_steps / (window_ms / 1000.0));
+      const std::string line = progress_line(step, c.train.steps, r.loss, val_loss, r.grad_norm, lr.at(step),
+                                             c.train.batch_size * window_steps / (window_ms / 1000.0));
       if (writes) out << line << std::endl;
       window_ms = 0;
       window_steps = 0;
@@ -301,22 +388,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   result.summary = report.summary();
   if (!writes) return result;
   out << "\n" << report.table();
-
-  std::filesystem::path dir(c.output.dir);
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) throw UserError("cannot create output.dir '" + dir.string() + "': " + ec.message());
-  nlohmann::json j = report.json();
-  j["run_id"] = checkpoints.run_id();
-  j["config"] = c.source;
-  j["effective_config"] = c.effective;
-  j["data"] = data->describe();
-  j["balance"] = result.balance;
-  if (D > 1) j["replicas"] = D;
-  artifacts.write(dir, report, j, out);  // trace.json, report.html
-  const auto path = dir / "report.json";
-  write_file_atomically(path.string(), j.dump(2) + "\n");
-  result.report_path = path.string();
+  result.report_path = write_reports(c, report, artifacts, checkpoints.run_id(), *data, plan, out);
   out << "Report: " << result.report_path << std::endl;
   return result;
 }
