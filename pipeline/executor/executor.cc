@@ -155,6 +155,11 @@ Executor::Executor(layers::Sequential& model, std::vector<CellSpec> cells, Sched
                                                options_.clip_grad_norm > 0));
   check_schedule(schedule_, transport_.sends_wait_for_receiver() ? CommModel::kRendezvous : CommModel::kBuffered);
   model_.loss();  // the last cell needs one: fail now, not in a worker
+  if (!options_.micro_batch_sizes.empty() &&
+      static_cast<int>(options_.micro_batch_sizes.size()) != schedule_.num_micro_batches) {
+    throw Error("the plan has " + std::to_string(options_.micro_batch_sizes.size()) + " micro-batch sizes for a " +
+                std::to_string(schedule_.num_micro_batches) + "-micro-batch schedule");
+  }
   if (options_.local_stage >= K) {
     throw UserError("this process was asked to run stage " + std::to_string(options_.local_stage) + " of a " +
                     std::to_string(K) + "-stage pipeline");
@@ -926,7 +931,17 @@ StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool appl
   const int64_t n = inputs.size(0);
   cur_.inputs = inputs;
   cur_.targets = targets;
-  cur_.sizes = split_sizes(n, M);
+  if (options_.micro_batch_sizes.empty()) {
+    cur_.sizes = split_sizes(n, M);
+  } else {
+    int64_t planned = 0;
+    for (int64_t rows : options_.micro_batch_sizes) planned += rows;
+    if (n != planned) {
+      throw UserError("step() got a batch of " + std::to_string(n) + " rows; the plan's " + std::to_string(M) +
+                      " micro-batches take " + std::to_string(planned) + " (train.batch_size / pipeline.replicas)");
+    }
+    cur_.sizes = options_.micro_batch_sizes;
+  }
   cur_.offsets.assign(M, 0);
   for (int m = 1; m < M; ++m) cur_.offsets[m] = cur_.offsets[m - 1] + cur_.sizes[m - 1];
   // The loss of a mini-batch is a mean over its counted targets, however the batch is

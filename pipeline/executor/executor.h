@@ -57,6 +57,10 @@ struct ExecutorOptions {
   // starts at replica x rows per replica): dropout keys its masks on the sample's
   // place in the mini-batch, so every split draws the same masks.
   int64_t sample_offset = 0;
+  // The Plan's micro-batch sizes (Plan::micro_batch_sizes, one per micro-batch of the
+  // schedule): each step's batch must have their sum of rows and is split by them.
+  // Empty: step() splits whatever batch it gets with split_sizes (cell.h).
+  std::vector<int64_t> micro_batch_sizes;
   // This process's steady clock minus the job clock (the first stage's process's), in
   // ms (Transport::clock_offset_to_first); StageTrace::start_ms is on the job clock.
   double clock_offset_ms = 0;

@@ -240,6 +240,40 @@ TEST_CASE("micro-batch sizes") {
   CHECK_THROWS_WITH_AS(split_sizes(3, 4), doctest::Contains("raise train.batch_size"), UserError);
 }
 
+TEST_CASE("a step runs the plan's micro-batch sizes, and refuses a batch of another size") {
+  const int64_t N = 13;
+  Tensor x = gpipe::testing::random_tensor({N, 6}, DType::kF64, 21);
+  Tensor y = gpipe::testing::random_labels(N, 4, 22);
+  auto reference = layers::build_model(mlp_spec(DType::kF64));
+  reference->zero_grad();
+  const double ref_loss = reference->forward_backward(backend_for(Device::cpu()), x, y, 1.0 / N);
+  auto model = layers::build_model(mlp_spec(DType::kF64));
+  InProcessTransport transport(2);
+  ExecutorOptions opts;
+  opts.micro_batch_sizes = {1, 5, 7};  // not split_sizes(13, 3) = {5, 4, 4}
+  Executor ex(*model, make_stages(even_balance(model->size(), 2), cpu_devices(2)),
+              gpipe_schedule(2, 3, RecomputeMode::kNever), transport, opts);
+  const StepResult r = ex.step(x, y, /*apply_optimizer=*/false);
+  CHECK(r.loss == doctest::Approx(ref_loss).epsilon(1e-12));
+  // Stage 0 sends each micro-batch's activation: rows x the boundary's 8 float64 values.
+  std::vector<int64_t> sent;
+  for (const TimedOp& op : r.stages[0].ops) {
+    if (op.op == Op::kSendActivation) sent.push_back(op.bytes);
+  }
+  CHECK(sent == std::vector<int64_t>{1 * 8 * 8, 5 * 8 * 8, 7 * 8 * 8});
+  CHECK_THROWS_WITH_AS(ex.step(x.narrow_rows(0, 12), y.narrow_rows(0, 12), false),
+                       "step() got a batch of 12 rows; the plan's 3 micro-batches take 13 "
+                       "(train.batch_size / pipeline.replicas)",
+                       UserError);
+  auto other = layers::build_model(mlp_spec(DType::kF64));
+  InProcessTransport transport2(2);
+  ExecutorOptions two;
+  two.micro_batch_sizes = {6, 7};
+  CHECK_THROWS_WITH_AS(Executor(*other, make_stages(even_balance(other->size(), 2), cpu_devices(2)),
+                                gpipe_schedule(2, 3, RecomputeMode::kNever), transport2, two),
+                       "the plan has 2 micro-batch sizes for a 3-micro-batch schedule", Error);
+}
+
 TEST_CASE("gradient clipping uses the global norm over all stages") {
   const int64_t N = 12;
   Tensor x = gpipe::testing::random_tensor({N, 6}, DType::kF64, 8, -3, 3);
