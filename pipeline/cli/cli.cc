@@ -145,31 +145,8 @@ int run_plan(Invocation& inv, const std::string& schedule_out = "") {
   const pipeline::Config& c = run.config;
   layers::Sequential& model = *run.model;
   const pipeline::Plan p = pipeline::make_plan(c, model);
-  const int64_t micro = p.largest_micro_batch();
-  const auto costs = partition::layer_costs(model, micro, pipeline::recomputes(p.recompute),
-                                            pipeline::cost_overrides(c));
-  std::printf("model: %d layers, %lld parameters, input %s; a checkpoint takes %.1f MB\n", model.size(),
-              static_cast<long long>(model.parameter_count()), shape_str(model.input_shape()).c_str(),
-              pipeline::checkpoint_bytes(model, c.optimizer.optimizer) / 1e6);
-  const auto memory = pipeline::estimate_memory(p, model, c.optimizer.optimizer);
-  for (int k = 0; k < p.stages; ++k) {
-    std::printf("stage %d on %s: memory %.1f MB (parameters+state %.1f, activations %.1f)\n", k,
-                p.devices[k].str().c_str(), memory[k].total() / 1e6, memory[k].parameter_bytes / 1e6,
-                memory[k].activation_bytes / 1e6);
-    for (int cell : p.schedule.cells[k]) {
-      const pipeline::CellSpec& s = p.cells[cell];
-      double total = 0;
-      for (int i = s.first_layer; i < s.first_layer + s.num_layers; ++i) total += costs[i];
-      std::printf("  cell %d: layers %d-%d, estimated %.3f ms per micro-batch of %lld\n", cell, s.first_layer,
-                  s.first_layer + s.num_layers - 1, total * 1e3, static_cast<long long>(micro));
-      for (int i = s.first_layer; i < s.first_layer + s.num_layers; ++i) {
-        std::printf("    %3d %-28s %10.3f ms\n", i, model.layer(i).describe().c_str(), costs[i] * 1e3);
-      }
-    }
-  }
-  std::printf("schedule %s, recompute %s (formula bubble %.3f):\n%s\n%s", p.schedule.name.c_str(),
-              pipeline::recompute_mode_name(p.recompute), pipeline::formula_bubble(p.schedule),
-              pipeline::schedule_chart(p.schedule).c_str(), pipeline::schedule_table(p.schedule).c_str());
+  pipeline::print_plan(c, model, p, std::cout);
+  std::cout.flush();
   if (!schedule_out.empty()) write_schedule_file(inv, p, schedule_out);
   std::fflush(stdout);
   pipeline::print_prediction(c, model, p, std::cout);

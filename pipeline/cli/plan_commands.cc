@@ -12,6 +12,7 @@
 #include <ostream>
 #include <set>
 
+#include "partition/balance.h"
 #include "pipeline/config/run_model.h"
 #include "pipeline/planning/device_spec.h"
 #include "pipeline/planning/planner.h"
@@ -72,7 +73,45 @@ void print_planned(const Plan& plan, const PlannedRun& run, int64_t memory_limit
   out << "\n";
 }
 
+// printf's formatting into a string of any length.
+template <typename... Args>
+std::string format(const char* fmt, Args... args) {
+  const int n = std::snprintf(nullptr, 0, fmt, args...);
+  std::string s(static_cast<size_t>(std::max(n, 0)) + 1, '\0');
+  std::snprintf(s.data(), s.size(), fmt, args...);
+  s.pop_back();
+  return s;
+}
+
 }  // namespace
+
+void print_plan(const Config& c, layers::Sequential& model, const Plan& p, std::ostream& out) {
+  const int64_t micro = p.largest_micro_batch();
+  const auto costs = partition::layer_costs(model, micro, recomputes(p.recompute), cost_overrides(c));
+  out << format("model: %d layers, %lld parameters, input %s; a checkpoint takes %.1f MB\n", model.size(),
+                static_cast<long long>(model.parameter_count()), shape_str(model.input_shape()).c_str(),
+                checkpoint_bytes(model, c.optimizer.optimizer) / 1e6);
+  const auto memory = estimate_memory(p, model, c.optimizer.optimizer);
+  for (int k = 0; k < p.stages; ++k) {
+    out << format("stage %d on %s: memory %.1f MB (parameters+state %.1f, activations %.1f)\n", k,
+                  p.devices[k].str().c_str(), memory[k].total() / 1e6, memory[k].parameter_bytes / 1e6,
+                  memory[k].activation_bytes / 1e6);
+    for (int cell : p.schedule.cells[k]) {
+      const CellSpec& s = p.cells[cell];
+      double total = 0;
+      for (int i = s.first_layer; i < s.first_layer + s.num_layers; ++i) total += costs[i];
+      out << format("  cell %d: layers %d-%d, estimated %.3f ms per micro-batch of %lld\n", cell, s.first_layer,
+                    s.first_layer + s.num_layers - 1, total * 1e3, static_cast<long long>(micro));
+      for (int i = s.first_layer; i < s.first_layer + s.num_layers; ++i) {
+        out << format("    %3d %-28s %10.3f ms\n", i, model.layer(i).describe().c_str(), costs[i] * 1e3);
+      }
+    }
+  }
+  out << format("schedule %s, recompute %s (formula bubble %.3f):\n", p.schedule.name.c_str(),
+                recompute_mode_name(p.recompute), formula_bubble(p.schedule))
+      << schedule_chart(p.schedule) << "\n"
+      << schedule_table(p.schedule);
+}
 
 void print_prediction(const Config& c, const layers::Sequential& model, const Plan& plan, std::ostream& out) {
   print_planned(plan, predict_config(c, model, plan), c.pipeline.memory_limit, out);

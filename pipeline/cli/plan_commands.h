@@ -23,6 +23,10 @@ struct PlanCommandOptions {
   int rows = 30;            // sweep rows shown
 };
 
+// How `plan` partitions and schedules the model, as `gpipe plan` prints it first: the
+// model, each stage's memory, cells and layer costs, and the schedule's chart and table.
+void print_plan(const Config& config, layers::Sequential& model, const Plan& plan, std::ostream& out);
+
 // The prediction of `plan` (step time, bubble, samples/s; per stage time and memory)
 // as `gpipe plan` prints it.
 void print_prediction(const Config& config, const layers::Sequential& model, const Plan& plan, std::ostream& out);
