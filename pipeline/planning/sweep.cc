@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -89,131 +90,173 @@ std::string why_lost(const Candidate& c, const Candidate& best) {
   return buf;
 }
 
-}  // namespace
+// ---- The sweep's steps, in the order sweep() takes them.
 
-SweepResult sweep(const Config& base, const layers::Sequential& model, const SweepOptions& o) {
-  SweepResult out;
-  const bool cpu = first_device(base).is_cpu();
+// Devices to plan for: the option's, else one of the spec's, else this machine's cores (CPU configs) or GPUs.
+int device_count(const SweepOptions& o, bool cpu) {
   int n = o.devices;
   if (n <= 0) n = o.spec != nullptr ? 1 : (cpu ? static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))
                                              : std::max(1, cuda_device_count()));
-  out.devices = n;
-  out.memory_limit = o.memory_limit > 0 ? o.memory_limit
-                     : base.pipeline.memory_limit > 0 ? base.pipeline.memory_limit
-                     : o.spec != nullptr ? o.spec->memory_bytes
-                                         : 0;
-  const ProfileStore store = load_profile(base.pipeline.profile);
-  const std::vector<std::optional<double>> overrides = cost_overrides(base);
-  const Device device = o.spec != nullptr ? Device::cuda(0) : first_device(base);
-  const partition::CostModel cm = o.spec != nullptr ? o.spec->cost_model(dtype_name(model.output_dtype()))
-                                                    : partition::CostModel{};
-  // On a device description there is no profile: the spec's roofline.
-  const ProfileStore none;
-  // Per number of stages computing at once (CPU stages slow each other down).
-  std::map<int, std::unique_ptr<CostSource>> by_concurrency;
-  auto costs_for = [&](int k) -> const CostSource& {
-    const int at_once = cpu && o.spec == nullptr ? std::min(k, static_cast<int>(std::thread::hardware_concurrency())) : 1;
-    auto& slot = by_concurrency[at_once];
+  return n;
+}
+
+// Bytes per device a candidate may hold: the option's, else pipeline.memory_limit, else the spec's memory (0: none).
+int64_t memory_limit_per_device(const Config& base, const SweepOptions& o) {
+  return o.memory_limit > 0 ? o.memory_limit
+         : base.pipeline.memory_limit > 0 ? base.pipeline.memory_limit
+         : o.spec != nullptr ? o.spec->memory_bytes
+                             : 0;
+}
+
+// The op costs the candidates are predicted with: the config's profile, or on a device description the spec's
+// roofline; one CostSource per number of stages computing at once, made when first asked for.
+class SweepCosts {
+ public:
+  SweepCosts(const Config& base, const layers::Sequential& model, const SweepOptions& o, bool cpu)
+      : base_(base),
+        model_(model),
+        o_(o),
+        cpu_(cpu),
+        store_(load_profile(base.pipeline.profile)),
+        overrides_(cost_overrides(base)),
+        device_(o.spec != nullptr ? Device::cuda(0) : first_device(base)),
+        cm_(o.spec != nullptr ? o.spec->cost_model(dtype_name(model.output_dtype())) : partition::CostModel{}) {}
+
+  const ProfileStore& store() const { return store_; }
+
+  // The costs of k stages (CPU stages computing at once slow each other down).
+  const CostSource& for_stages(int k) {
+    const int at_once =
+        cpu_ && o_.spec == nullptr ? std::min(k, static_cast<int>(std::thread::hardware_concurrency())) : 1;
+    auto& slot = by_concurrency_[at_once];
     if (!slot) {
-      slot = std::make_unique<CostSource>(model, o.spec != nullptr ? none : store,
-                                          o.spec != nullptr ? "" : base.pipeline.profile, device, base.train.blas_threads,
-                                          cm, overrides, base.optimizer.optimizer, 1.0, at_once);
+      slot = std::make_unique<CostSource>(model_, o_.spec != nullptr ? none_ : store_,
+                                          o_.spec != nullptr ? "" : base_.pipeline.profile, device_,
+                                          base_.train.blas_threads, cm_, overrides_, base_.optimizer.optimizer, 1.0,
+                                          at_once);
     }
     return *slot;
-  };
-  const CostSource& costs = costs_for(std::min(n, model.size()));
-  out.costs = o.spec != nullptr ? o.spec->name + " (" + o.spec->source + "): " + costs.describe() : costs.describe();
-  const LinkCost local = local_link(store, false);
-  const LinkFn link = o.spec != nullptr ? LinkFn([&](int a, int b) { return o.spec->link(a, b); })
-                                        : LinkFn([local](int, int) { return local; });
+  }
 
-  struct Shape {
-    int k, v, threads;
-    std::string schedule;
-  };
+  // The costs of one stage with n BLAS threads, on CPUs with no spec and n > 1 (nullptr otherwise): measured so
+  // (gpipe profile --set train.blas_threads=N), or the single-thread costs over n.
+  std::unique_ptr<CostSource> threaded(int n) const {
+    if (!(cpu_ && o_.spec == nullptr && n > 1)) return nullptr;
+    const CostSource probe(model_, store_, base_.pipeline.profile, device_, n, cm_, overrides_,
+                           base_.optimizer.optimizer);
+    return probe.has_profile()
+               ? std::make_unique<CostSource>(model_, store_, base_.pipeline.profile, device_, n, cm_, overrides_,
+                                              base_.optimizer.optimizer)
+               : std::make_unique<CostSource>(model_, store_, base_.pipeline.profile, device_,
+                                              base_.train.blas_threads, cm_, overrides_, base_.optimizer.optimizer,
+                                              1.0 / n);
+  }
+
+ private:
+  const Config& base_;
+  const layers::Sequential& model_;
+  const SweepOptions& o_;
+  const bool cpu_;
+  const ProfileStore store_;
+  const std::vector<std::optional<double>> overrides_;
+  const Device device_;
+  const partition::CostModel cm_;
+  // On a device description there is no profile: the spec's roofline.
+  const ProfileStore none_;
+  std::map<int, std::unique_ptr<CostSource>> by_concurrency_;
+};
+
+// A way to split the model: stages, virtual stages per stage, BLAS threads per stage, schedule.
+struct Shape {
+  int k, v, threads;
+  std::string schedule;
+};
+
+// Every shape the sweep tries on n devices: each number of stages (on a device description only powers of two and
+// n) with each flat schedule and, with layers enough, interleaved; on CPUs also one stage with every core's BLAS
+// threads.
+std::vector<Shape> candidate_shapes(int n, int layers, bool cpu, const SweepOptions& o) {
   std::vector<Shape> shapes;
   const std::vector<std::string> flat = {"gpipe", "1f1b", "zero_bubble"};
-  for (int k = 1; k <= std::min(n, model.size()); ++k) {
+  for (int k = 1; k <= std::min(n, layers); ++k) {
     if (o.spec != nullptr && k > 1 && (k & (k - 1)) != 0 && k != n) continue;  // powers of two and N
     for (const auto& s : flat) shapes.push_back({k, 1, 1, s});
-    if (k > 1 && 2 * k <= model.size()) shapes.push_back({k, 2, 1, "interleaved_1f1b"});
+    if (k > 1 && 2 * k <= layers) shapes.push_back({k, 2, 1, "interleaved_1f1b"});
   }
   if (cpu && o.spec == nullptr && n > 1) {
     for (const auto& s : flat) shapes.push_back({1, 1, n, s});  // one stage, every core's BLAS threads
   }
-  std::unique_ptr<CostSource> threaded;
-  if (cpu && o.spec == nullptr && n > 1) {
-    // Measured with n BLAS threads (gpipe profile --set train.blas_threads=N), or the
-    // single-thread costs over n.
-    const CostSource probe(model, store, base.pipeline.profile, device, n, cm, overrides, base.optimizer.optimizer);
-    threaded = probe.has_profile()
-                   ? std::make_unique<CostSource>(model, store, base.pipeline.profile, device, n, cm, overrides,
-                                                  base.optimizer.optimizer)
-                   : std::make_unique<CostSource>(model, store, base.pipeline.profile, device, base.train.blas_threads,
-                                                  cm, overrides, base.optimizer.optimizer, 1.0 / n);
-  }
-  const int64_t batch = base.train.batch_size;
-  PredictOptions po;
-  const ActivationLayout layout = probe_activations(model);
-  po.layout = &layout;
-  for (const Shape& sh : shapes) {
-    for (int m : o.micro_batches) {
-      if (m > batch) continue;
-      for (RecomputeMode mode : {RecomputeMode::kNever, RecomputeMode::kExceptLast, RecomputeMode::kAlways}) {
-        if (sh.k == 1 && sh.schedule != "gpipe") continue;  // one stage: every schedule is the same
-        Config c = base;
-        c.pipeline.partitions = sh.k;
-        c.pipeline.virtual_stages = sh.v;
-        c.pipeline.micro_batches = m;
-        c.pipeline.recompute = mode;
-        c.pipeline.schedule = sh.schedule;
-        c.pipeline.schedule_file.clear();
-        c.pipeline.replicas = 1;
-        c.pipeline.devices.clear();
-        c.pipeline.balance_by = "estimate";
-        c.train.blas_threads = sh.threads;
-        const CostSource& src = sh.threads > 1 ? *threaded : costs_for(sh.k);
-        Candidate cand;
-        cand.stages = sh.k;
-        cand.virtual_stages = sh.v;
-        cand.micro_batches = m;
-        cand.blas_threads = sh.threads;
-        cand.recompute = mode;
-        cand.schedule = sh.schedule;
-        try {
-          // Balance by the costs the prediction uses, at this micro-batch size.
-          const CostTable& t = src.at(plan_sizes(c).largest_micro_batch());
-          std::vector<double> per_layer;
-          for (const LayerTimes& l : t.layers) {
-            per_layer.push_back(l.forward + l.backward + (recomputes(mode) ? l.recompute : 0.0));
-          }
-          per_layer.back() += t.loss_forward + t.loss_backward;
-          c.pipeline.balance = partition::balance_by_cost(per_layer, sh.k * sh.v);
-          const Plan plan = make_plan(c, model);
-          cand.balance = plan.balance;
-          cand.run = predict(plan, model, src, link, c.optimizer.optimizer, po);
-        } catch (const UserError&) {
-          continue;  // this schedule cannot take these K, v, M
-        }
-        for (const PlannedStage& s : cand.run.stages) {
-          cand.peak_device_bytes = std::max(cand.peak_device_bytes, s.total_bytes());
-          cand.total_bytes += s.total_bytes();
-        }
-        cand.fits = (out.memory_limit <= 0 || cand.peak_device_bytes <= out.memory_limit) &&
-                    (o.host_available <= 0 || o.spec != nullptr || cand.total_bytes <= o.host_available);
-        out.candidates.push_back(std::move(cand));
-      }
+  return shapes;
+}
+
+// The config of one candidate: the base config run in this shape, with m micro-batches and this recompute mode,
+// balanced by estimate on one replica.
+Config candidate_config(const Config& base, const Shape& sh, int m, RecomputeMode mode) {
+  Config c = base;
+  c.pipeline.partitions = sh.k;
+  c.pipeline.virtual_stages = sh.v;
+  c.pipeline.micro_batches = m;
+  c.pipeline.recompute = mode;
+  c.pipeline.schedule = sh.schedule;
+  c.pipeline.schedule_file.clear();
+  c.pipeline.replicas = 1;
+  c.pipeline.devices.clear();
+  c.pipeline.balance_by = "estimate";
+  c.train.blas_threads = sh.threads;
+  return c;
+}
+
+// The candidate config `c` describes, its stages balanced by the costs the prediction uses and its step predicted
+// with them; none when its schedule cannot take its K, v, M.
+std::optional<Candidate> predict_candidate(Config c, const layers::Sequential& model, const CostSource& src,
+                                           const LinkFn& link, const PredictOptions& po) {
+  Candidate cand;
+  cand.stages = c.pipeline.partitions;
+  cand.virtual_stages = c.pipeline.virtual_stages;
+  cand.micro_batches = c.pipeline.micro_batches;
+  cand.blas_threads = c.train.blas_threads;
+  cand.recompute = c.pipeline.recompute;
+  cand.schedule = c.pipeline.schedule;
+  try {
+    // Balance by the costs the prediction uses, at this micro-batch size.
+    const CostTable& t = src.at(plan_sizes(c).largest_micro_batch());
+    std::vector<double> per_layer;
+    for (const LayerTimes& l : t.layers) {
+      per_layer.push_back(l.forward + l.backward + (recomputes(cand.recompute) ? l.recompute : 0.0));
     }
+    per_layer.back() += t.loss_forward + t.loss_backward;
+    c.pipeline.balance = partition::balance_by_cost(per_layer, cand.stages * cand.virtual_stages);
+    const Plan plan = make_plan(c, model);
+    cand.balance = plan.balance;
+    cand.run = predict(plan, model, src, link, c.optimizer.optimizer, po);
+  } catch (const UserError&) {
+    return std::nullopt;  // this schedule cannot take these K, v, M
   }
-  if (out.candidates.empty()) {
-    throw UserError("no way to run this config could be planned (the model has " + std::to_string(model.size()) +
-                    " layers, train.batch_size " + std::to_string(batch) + ")");
+  return cand;
+}
+
+// Weighs a predicted candidate's memory: its fullest device against the limit per device, and on this machine's
+// CPUs all its stages against the memory they share.
+void weigh_memory(Candidate& cand, int64_t memory_limit, const SweepOptions& o) {
+  for (const PlannedStage& s : cand.run.stages) {
+    cand.peak_device_bytes = std::max(cand.peak_device_bytes, s.total_bytes());
+    cand.total_bytes += s.total_bytes();
   }
+  cand.fits = (memory_limit <= 0 || cand.peak_device_bytes <= memory_limit) &&
+              (o.host_available <= 0 || o.spec != nullptr || cand.total_bytes <= o.host_available);
+}
+
+// Puts the fitting candidates first, each group by predicted samples/s, and recommends the first if it fits.
+void rank(SweepResult& out) {
   std::stable_sort(out.candidates.begin(), out.candidates.end(), [](const Candidate& a, const Candidate& b) {
     if (a.fits != b.fits) return a.fits;
     return a.run.samples_per_second > b.run.samples_per_second;
   });
   if (out.candidates.front().fits) out.recommended = 0;
+}
+
+// Gives each candidate its verdict: "recommended", over which memory limit, or why it lost to the recommended one.
+void give_verdicts(SweepResult& out, const SweepOptions& o) {
   for (size_t i = 0; i < out.candidates.size(); ++i) {
     Candidate& c = out.candidates[i];
     if (static_cast<int>(i) == out.recommended) {
@@ -227,6 +270,48 @@ SweepResult sweep(const Config& base, const layers::Sequential& model, const Swe
       c.verdict = why_lost(c, out.candidates[out.recommended]);
     }
   }
+}
+
+}  // namespace
+
+SweepResult sweep(const Config& base, const layers::Sequential& model, const SweepOptions& o) {
+  SweepResult out;
+  const bool cpu = first_device(base).is_cpu();
+  const int n = device_count(o, cpu);
+  out.devices = n;
+  out.memory_limit = memory_limit_per_device(base, o);
+  SweepCosts costs(base, model, o, cpu);
+  const CostSource& first = costs.for_stages(std::min(n, model.size()));
+  out.costs = o.spec != nullptr ? o.spec->name + " (" + o.spec->source + "): " + first.describe() : first.describe();
+  const LinkCost local = local_link(costs.store(), false);
+  const LinkFn link = o.spec != nullptr ? LinkFn([&](int a, int b) { return o.spec->link(a, b); })
+                                        : LinkFn([local](int, int) { return local; });
+
+  const std::vector<Shape> shapes = candidate_shapes(n, model.size(), cpu, o);
+  const std::unique_ptr<CostSource> threaded = costs.threaded(n);
+  const int64_t batch = base.train.batch_size;
+  PredictOptions po;
+  const ActivationLayout layout = probe_activations(model);
+  po.layout = &layout;
+  for (const Shape& sh : shapes) {
+    for (int m : o.micro_batches) {
+      if (m > batch) continue;
+      for (RecomputeMode mode : {RecomputeMode::kNever, RecomputeMode::kExceptLast, RecomputeMode::kAlways}) {
+        if (sh.k == 1 && sh.schedule != "gpipe") continue;  // one stage: every schedule is the same
+        const CostSource& src = sh.threads > 1 ? *threaded : costs.for_stages(sh.k);
+        std::optional<Candidate> cand = predict_candidate(candidate_config(base, sh, m, mode), model, src, link, po);
+        if (!cand) continue;
+        weigh_memory(*cand, out.memory_limit, o);
+        out.candidates.push_back(std::move(*cand));
+      }
+    }
+  }
+  if (out.candidates.empty()) {
+    throw UserError("no way to run this config could be planned (the model has " + std::to_string(model.size()) +
+                    " layers, train.batch_size " + std::to_string(batch) + ")");
+  }
+  rank(out);
+  give_verdicts(out, o);
   return out;
 }
 

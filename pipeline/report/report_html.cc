@@ -300,18 +300,19 @@ svg text { font: 11px system-ui, sans-serif; }
 code { background: #f3f3f3; padding: 0 3px; border-radius: 3px; }
 )";
 
-}  // namespace
+// ---- The page's sections, in the order render_report_html writes them.
 
-std::string render_report_html(const HtmlReportInput& in) {
+// Whether the page shows the plan beside the measurements: one made for this run's stages.
+bool shows_plan(const RunSummary& s) { return s.has_plan && static_cast<int>(s.plan.stages.size()) == s.partitions; }
+
+// Writes the document's head (title, style) and the page's heading with the run's config and shape.
+void write_heading(std::ostream& o, const HtmlReportInput& in) {
   const RunSummary& s = in.summary;
-  const Schedule& sched = in.schedule;
-  const int K = s.partitions;
-  const bool plan = s.has_plan && static_cast<int>(s.plan.stages.size()) == K;
-  std::ostringstream o;
   o << "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>gpipe report: "
     << esc(in.title) << "</title>\n<style>" << kStyle << "</style>\n</head>\n<body>\n";
   o << "<h1>gpipe run report: " << esc(in.title) << "</h1>\n<div class=\"sub\">" << esc(in.config) << " &middot; K="
-    << K << " stages, M=" << s.micro_batches << " micro-batches, schedule " << esc(s.schedule) << ", recompute "
+    << s.partitions << " stages, M=" << s.micro_batches << " micro-batches, schedule " << esc(s.schedule)
+    << ", recompute "
     << esc(recompute_mode_name(s.recompute)) << ", batch " << s.batch_size << " &middot; " << s.timed_steps << " timed steps";
   if (s.launches.size() > 1) {
     const LaunchSummary& now = s.launches.back();
@@ -319,34 +320,39 @@ std::string render_report_html(const HtmlReportInput& in) {
       << "); the loss chart covers all " << s.launches.size() << " launches";
   }
   o << "</div>\n";
+}
 
-  // Headline figures, measured against the plan.
-  auto card = [&](const std::string& k, const std::string& v, const std::string& p) {
-    o << "<div class=\"card\"><div class=\"k\">" << k << "</div><div class=\"v\">" << v << "</div><div class=\"p\">" << p
-      << "</div></div>\n";
-  };
+// Writes one headline figure: what it is, its value, and the plan's under it.
+void write_card(std::ostream& o, const std::string& k, const std::string& v, const std::string& p) {
+  o << "<div class=\"card\"><div class=\"k\">" << k << "</div><div class=\"v\">" << v << "</div><div class=\"p\">" << p
+    << "</div></div>\n";
+}
+
+// Writes the headline figures (step time, throughput, bubble, peak activations), measured against the plan.
+void write_cards(std::ostream& o, const RunSummary& s, bool plan) {
   o << "<div class=\"cards\">\n";
-  card("step time (measured)", num(s.step_ms) + " ms",
-       plan ? "planned " + num(s.plan.step_ms) + " ms (" + signed_pct(s.plan.step_ms, s.step_ms) + ")" : "no plan");
-  card("throughput (measured)", num(s.samples_per_second, 1) + " samples/s",
-       plan ? "planned " + num(s.plan.samples_per_second, 1) + " samples/s" : "");
-  card("bubble (measured)", num(s.measured_bubble, 3),
-       "formula " + num(s.formula_bubble, 3) + (plan ? " &middot; planned " + num(s.plan.bubble, 3) : "") +
-           (s.predicted_bubble >= 0 ? " &middot; simulated " + num(s.predicted_bubble, 3) : ""));
+  write_card(
+      o, "step time (measured)", num(s.step_ms) + " ms",
+      plan ? "planned " + num(s.plan.step_ms) + " ms (" + signed_pct(s.plan.step_ms, s.step_ms) + ")" : "no plan");
+  write_card(o, "throughput (measured)", num(s.samples_per_second, 1) + " samples/s",
+             plan ? "planned " + num(s.plan.samples_per_second, 1) + " samples/s" : "");
+  write_card(o, "bubble (measured)", num(s.measured_bubble, 3),
+             "formula " + num(s.formula_bubble, 3) + (plan ? " &middot; planned " + num(s.plan.bubble, 3) : "") +
+                 (s.predicted_bubble >= 0 ? " &middot; simulated " + num(s.predicted_bubble, 3) : ""));
   int64_t peak = 0;
   for (const auto& st : s.stages) peak = std::max(peak, st.peak_activation_bytes);
   int64_t planned_peak = 0;
   if (plan) {
     for (const auto& st : s.plan.stages) planned_peak = std::max(planned_peak, st.activation_bytes);
   }
-  card("peak activations (largest stage)", mb(static_cast<double>(peak)),
-       plan ? "planned " + mb(static_cast<double>(planned_peak)) : "");
+  write_card(o, "peak activations (largest stage)", mb(static_cast<double>(peak)),
+             plan ? "planned " + mb(static_cast<double>(planned_peak)) : "");
   o << "</div>\n";
+}
 
-  // The timelines, on one time scale.
-  o << "<h2>Timeline</h2>\n";
-  std::vector<std::string> names;
-  for (const auto& st : s.stages) names.push_back("stage " + std::to_string(st.stage) + " · " + st.device);
+// The recorded step's blocks, on the earliest stage's clock; none without a recorded step of this run's stages.
+std::vector<std::vector<Block>> measured_rows(const HtmlReportInput& in) {
+  const int K = in.summary.partitions;
   std::vector<std::vector<Block>> measured;
   if (in.step != nullptr && static_cast<int>(in.step->stages.size()) == K) {
     double t0 = 1e300;
@@ -354,12 +360,23 @@ std::string render_report_html(const HtmlReportInput& in) {
     for (int k = 0; k < K; ++k) {
       measured.emplace_back();
       const StageTrace& t = in.step->stages[k];
-      for (size_t i = 0; i < t.ops.size() && i < sched.stages[k].size(); ++i) {
+      for (size_t i = 0; i < t.ops.size() && i < in.schedule.stages[k].size(); ++i) {
         const double shift = t.start_ms - t0;
-        measured.back().push_back({sched.stages[k][i], shift + t.ops[i].start_ms, shift + t.ops[i].end_ms});
+        measured.back().push_back({in.schedule.stages[k][i], shift + t.ops[i].start_ms, shift + t.ops[i].end_ms});
       }
     }
   }
+  return measured;
+}
+
+// Writes the timelines (measured, simulated, planned) on one time scale, with their legend and a note on reading them.
+void write_timelines(std::ostream& o, const HtmlReportInput& in, bool plan) {
+  const RunSummary& s = in.summary;
+  const Schedule& sched = in.schedule;
+  o << "<h2>Timeline</h2>\n";
+  std::vector<std::string> names;
+  for (const auto& st : s.stages) names.push_back("stage " + std::to_string(st.stage) + " · " + st.device);
+  const std::vector<std::vector<Block>> measured = measured_rows(in);
   const auto simulated = from_simulation(in.measured_simulation.timeline);
   const auto planned = plan ? from_simulation(s.plan.timeline) : std::vector<std::vector<Block>>{};
   const double scale = std::max({extent(measured), extent(simulated), extent(planned), 1e-6}) * 1.01;
@@ -388,8 +405,10 @@ std::string render_report_html(const HtmlReportInput& in) {
       << "</code>: open it in Perfetto (ui.perfetto.dev) or chrome://tracing.";
   }
   o << "</p>\n";
+}
 
-  // Per stage.
+// Writes the per-stage table: where each stage's span went and its times, measured and planned.
+void write_stage_table(std::ostream& o, const RunSummary& s, bool plan) {
   o << "<h2>Stages</h2>\n<div class=\"legend\"><span><i style=\"background:" << colour(Op::kBackward)
     << "\"></i>compute (forward, backward, W)</span><span><i style=\"background:" << colour(Op::kRecompute)
     << "\"></i>recompute</span><span><i style=\"background:" << colour(Op::kSendActivation)
@@ -397,7 +416,7 @@ std::string render_report_html(const HtmlReportInput& in) {
   o << "<table>\n<tr><th class=\"l\">stage</th><th class=\"l\">layers</th><th class=\"l\"></th><th "
        "class=\"l\">where the span went</th><th>fwd ms</th><th>recomp ms</th><th>bwd ms</th><th>comm ms</th><th>idle "
        "ms</th><th>opt ms</th><th>util</th><th>peak act</th></tr>\n";
-  for (int k = 0; k < K; ++k) {
+  for (int k = 0; k < s.partitions; ++k) {
     const StageSummary& m = s.stages[k];
     o << "<tr><td class=\"l\" rowspan=\"" << (plan ? 2 : 1) << "\">" << k << " &middot; " << esc(m.device)
       << "</td><td class=\"l\" rowspan=\"" << (plan ? 2 : 1) << "\">" << esc(m.layers.size() > 40 ? m.layers.substr(0, 38) + "…" : m.layers) << "</td><td class=\"l\">measured</td><td class=\"l\">"
@@ -415,21 +434,25 @@ std::string render_report_html(const HtmlReportInput& in) {
     }
   }
   o << "</table>\n";
-  if (plan) {
-    o << "<h3>Planned memory per stage</h3>\n<table><tr><th class=\"l\">stage</th><th>weights</th><th>gradients</th>"
-         "<th>optimizer state</th><th>activations (peak)</th><th>total</th><th>activations measured</th></tr>\n";
-    for (int k = 0; k < K; ++k) {
-      const PlannedStage& p = s.plan.stages[k];
-      o << "<tr><td class=\"l\">" << k << "</td><td>" << mb(static_cast<double>(p.weight_bytes)) << "</td><td>"
-        << mb(static_cast<double>(p.gradient_bytes)) << "</td><td>" << mb(static_cast<double>(p.optimizer_bytes))
-        << "</td><td>" << mb(static_cast<double>(p.activation_bytes)) << "</td><td>"
-        << mb(static_cast<double>(p.total_bytes())) << "</td><td>"
-        << mb(static_cast<double>(s.stages[k].peak_activation_bytes)) << "</td></tr>\n";
-    }
-    o << "</table>\n";
-  }
+}
 
-  // The step as a whole.
+// Writes the plan's memory per stage (weights, gradients, optimizer state, activations) and the activations measured.
+void write_planned_memory(std::ostream& o, const RunSummary& s) {
+  o << "<h3>Planned memory per stage</h3>\n<table><tr><th class=\"l\">stage</th><th>weights</th><th>gradients</th>"
+       "<th>optimizer state</th><th>activations (peak)</th><th>total</th><th>activations measured</th></tr>\n";
+  for (int k = 0; k < s.partitions; ++k) {
+    const PlannedStage& p = s.plan.stages[k];
+    o << "<tr><td class=\"l\">" << k << "</td><td>" << mb(static_cast<double>(p.weight_bytes)) << "</td><td>"
+      << mb(static_cast<double>(p.gradient_bytes)) << "</td><td>" << mb(static_cast<double>(p.optimizer_bytes))
+      << "</td><td>" << mb(static_cast<double>(p.activation_bytes)) << "</td><td>"
+      << mb(static_cast<double>(p.total_bytes())) << "</td><td>"
+      << mb(static_cast<double>(s.stages[k].peak_activation_bytes)) << "</td></tr>\n";
+  }
+  o << "</table>\n";
+}
+
+// Writes the step as a whole: step time, span, bubble and samples/s, measured, planned, simulated and by formula.
+void write_step_table(std::ostream& o, const RunSummary& s, bool plan) {
   o << "<h2>Step</h2>\n<table>\n<tr><th class=\"l\"></th><th>measured</th><th>planned</th><th>simulated from "
        "measured op times</th><th>schedule's formula</th></tr>\n";
   o << "<tr><td class=\"l\">step time</td><td>" << num(s.step_ms) << " ms</td><td>"
@@ -442,12 +465,30 @@ std::string render_report_html(const HtmlReportInput& in) {
     << "</td></tr>\n";
   o << "<tr><td class=\"l\">samples/s</td><td>" << num(s.samples_per_second, 1) << "</td><td>"
     << (plan ? num(s.plan.samples_per_second, 1) : "") << "</td><td></td><td></td></tr>\n</table>\n";
+}
 
-  o << "<h2>Loss</h2>\n" << loss_svg(in.losses, in.validations, s.launches);
+// Writes the loss chart of the whole run, the note on how the page's figures were made, and the document's end.
+void write_loss_and_end(std::ostream& o, const HtmlReportInput& in) {
+  o << "<h2>Loss</h2>\n" << loss_svg(in.losses, in.validations, in.summary.launches);
   o << "<p class=\"note\">Written by gpipe with report.json beside it. Bubble: 1 - (sum of the stages' busy time) / "
        "(K x span); measured from the timed steps, planned by simulating the schedule with the plan's op costs, "
        "simulated with the measured mean op times, and by the schedule's formula (K-1)/(vM+K-1).</p>\n";
   o << "</body>\n</html>\n";
+}
+
+}  // namespace
+
+std::string render_report_html(const HtmlReportInput& in) {
+  const RunSummary& s = in.summary;
+  const bool plan = shows_plan(s);
+  std::ostringstream o;
+  write_heading(o, in);
+  write_cards(o, s, plan);
+  write_timelines(o, in, plan);
+  write_stage_table(o, s, plan);
+  if (plan) write_planned_memory(o, s);
+  write_step_table(o, s, plan);
+  write_loss_and_end(o, in);
   return o.str();
 }
 
