@@ -237,13 +237,10 @@ std::unique_ptr<Executor::StageRuntime> Executor::make_stage(int k) {
 void Executor::read_program(StageRuntime& rt) {
   const int k = rt.index;
   const auto& prog = schedule_.stages[k];
-  const int v = schedule_.num_chunks(), M = schedule_.num_micro_batches;
-  rt.checkpointed.assign(v, std::vector<char>(M, 0));
-  rt.split.assign(v, std::vector<char>(M, 0));
-  for (const Instruction& ins : prog) {
-    if (ins.op == Op::kRecompute) rt.checkpointed[ins.chunk][ins.micro_batch] = 1;
-    if (ins.op == Op::kBackwardWeight) rt.split[ins.chunk][ins.micro_batch] = 1;
-  }
+  const int v = schedule_.num_chunks();
+  MicroBatchRoles roles = micro_batch_roles(schedule_, k);
+  rt.checkpointed = std::move(roles.recomputed);
+  rt.split = std::move(roles.split);
   // A layer's gradients are final after the last instruction that adds to them: the
   // chunk's last backward, or for a layer that splits its backward, the last weight
   // gradient or whole backward (one without a W) of the chunk.

@@ -293,11 +293,9 @@ std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequent
     out[k].parameter_bytes = out[k].weight_bytes + out[k].gradient_bytes + out[k].optimizer_bytes;
     // Walk the program: held[(chunk, m)] is what that micro-batch keeps on this stage.
     std::vector<std::vector<int64_t>> held(s.num_chunks(), std::vector<int64_t>(M, 0));
-    std::vector<std::vector<char>> checkpointed(s.num_chunks(), std::vector<char>(M, 0)), split = checkpointed;
-    for (const Instruction& ins : s.stages[k]) {
-      if (ins.op == Op::kRecompute) checkpointed[ins.chunk][ins.micro_batch] = 1;
-      if (ins.op == Op::kBackwardWeight) split[ins.chunk][ins.micro_batch] = 1;
-    }
+    const MicroBatchRoles roles = micro_batch_roles(s, k);
+    const auto& checkpointed = roles.recomputed;
+    const auto& split = roles.split;
     int64_t live = 0, peak = 0;
     for (const Instruction& ins : s.stages[k]) {
       if (!has_cell(ins.op)) continue;  // the optimizer step and the collectives hold no activations

@@ -158,15 +158,13 @@ std::string CostSource::describe_sources() const {
 PlannedRun predict(const Plan& plan, const layers::Sequential& model, const CostSource& costs, const LinkFn& link,
                    const layers::OptimizerConfig& optimizer, const PredictOptions& options) {
   const Schedule& s = plan.schedule;
-  const int K = s.num_stages, M = s.num_micro_batches, C = s.num_cells(), v = s.num_chunks();
+  const int K = s.num_stages, C = s.num_cells();
   // Which (stage, chunk, micro-batch) recompute, and which defer their weight gradients.
-  std::vector<std::vector<std::vector<char>>> ckpt(K, std::vector<std::vector<char>>(v, std::vector<char>(M, 0)));
-  auto split = ckpt;
+  std::vector<std::vector<std::vector<char>>> ckpt, split;
   for (int k = 0; k < K; ++k) {
-    for (const Instruction& ins : s.stages[k]) {
-      if (ins.op == Op::kRecompute) ckpt[k][ins.chunk][ins.micro_batch] = 1;
-      if (ins.op == Op::kBackwardWeight) split[k][ins.chunk][ins.micro_batch] = 1;
-    }
+    MicroBatchRoles roles = micro_batch_roles(s, k);
+    ckpt.push_back(std::move(roles.recomputed));
+    split.push_back(std::move(roles.split));
   }
   std::map<int64_t, std::vector<layers::LayerCost>> counts;  // bytes of messages, by micro-batch size
   for (int64_t n : plan.micro_batch_sizes) {

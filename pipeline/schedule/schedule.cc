@@ -465,6 +465,18 @@ std::string schedule_chart(const Schedule& s) {
 
 double ideal_bubble(int K, int M) { return static_cast<double>(K - 1) / (M + K - 1); }
 
+MicroBatchRoles micro_batch_roles(const Schedule& s, int stage) {
+  const int v = s.num_chunks(), M = s.num_micro_batches;
+  MicroBatchRoles roles;
+  roles.recomputed.assign(v, std::vector<char>(M, 0));
+  roles.split.assign(v, std::vector<char>(M, 0));
+  for (const Instruction& ins : s.stages.at(stage)) {
+    if (ins.op == Op::kRecompute) roles.recomputed[ins.chunk][ins.micro_batch] = 1;
+    if (ins.op == Op::kBackwardWeight) roles.split[ins.chunk][ins.micro_batch] = 1;
+  }
+  return roles;
+}
+
 double formula_bubble(const Schedule& s) {
   const int K = s.num_stages, M = s.num_micro_batches, v = s.num_chunks();
   return static_cast<double>(K - 1) / (static_cast<double>(v) * M + K - 1);

@@ -137,6 +137,16 @@ std::vector<std::vector<int>> interleaved_cells(int num_stages, int num_chunks);
 // operations progress together.
 enum class CommModel { kBuffered, kRendezvous };
 
+// What one stage's program says about each (chunk, micro-batch): whether it is recomputed
+// (the program has an R for it) and whether its backward splits into B and W (it has a
+// W). Read from the instructions once, here, by the executor, the planner, the memory
+// estimate and the bench's direct runner.
+struct MicroBatchRoles {
+  std::vector<std::vector<char>> recomputed;  // [chunk][micro-batch]
+  std::vector<std::vector<char>> split;       // [chunk][micro-batch]
+};
+MicroBatchRoles micro_batch_roles(const Schedule& s, int stage);
+
 // ---- Generators. Each returns a lowered schedule, ready to check and run.
 
 // GPipe: all forwards, then all backwards in reverse micro-batch order; recompute is

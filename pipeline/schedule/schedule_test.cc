@@ -591,3 +591,25 @@ TEST_CASE("every built-in schedule survives its file form, in both notations") {
   }
   CHECK(round_trips > 1000);
 }
+
+TEST_CASE("micro_batch_roles reads which micro-batches recompute and which split B and W") {
+  // GPipe with except_last: every micro-batch but the last recomputes, on every stage;
+  // nothing splits.
+  const Schedule g = gpipe_schedule(2, 3, RecomputeMode::kExceptLast);
+  for (int k = 0; k < 2; ++k) {
+    const MicroBatchRoles r = micro_batch_roles(g, k);
+    CHECK(r.recomputed == std::vector<std::vector<char>>{{1, 1, 0}});
+    CHECK(r.split == std::vector<std::vector<char>>{{0, 0, 0}});
+  }
+  // Interleaved, v = 2, always: both chunks of every micro-batch recompute.
+  const Schedule il = interleaved_1f1b_schedule(2, 2, 2, RecomputeMode::kAlways);
+  CHECK(micro_batch_roles(il, 1).recomputed == std::vector<std::vector<char>>{{1, 1}, {1, 1}});
+  // Zero bubble, no recompute: every backward splits into B and W.
+  const Schedule zb = zero_bubble_schedule(2, 1, 3, RecomputeMode::kNever);
+  for (int k = 0; k < 2; ++k) {
+    const MicroBatchRoles r = micro_batch_roles(zb, k);
+    CHECK(r.recomputed == std::vector<std::vector<char>>{{0, 0, 0}});
+    CHECK(r.split == std::vector<std::vector<char>>{{1, 1, 1}});
+  }
+  CHECK_THROWS(micro_batch_roles(zb, 2));
+}
