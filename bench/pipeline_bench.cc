@@ -182,6 +182,266 @@ CpuSample sample_cpu() {
   return c;
 }
 
+// The stages' layer counts: --balance as given (checked against the model), or by cost as the trainer balances.
+std::vector<int> stage_balance(const Flags& f, const layers::Sequential& model, RecomputeMode mode) {
+  std::vector<int> balance = f.balance;
+  if (balance.empty()) {
+    const int64_t micro = (f.batch + f.m - 1) / f.m;
+    balance = partition::balance_by_cost(partition::layer_costs(model, micro, recomputes(mode)), f.k);
+  } else {
+    partition::validate_balance(balance, model.size(), f.k);
+  }
+  return balance;
+}
+
+// Stage k's device: cpu:k, or with --device every stage on that one device.
+std::vector<Device> stage_placement(const Flags& f) {
+  std::vector<Device> devices;
+  // On one GPU the stages share it (taking turns on its stream), as on a single-GPU
+  // machine; the per-instruction timings then measure the host's queuing, and only
+  // step_ms (which waits for the device) is the GPU's time.
+  for (int k = 0; k < f.k; ++k) devices.push_back(f.device == "cpu" ? Device::cpu(k) : parse_device(f.device));
+  return devices;
+}
+
+// The batch every step trains on.
+struct Batch {
+  Tensor x, y;
+};
+
+// A fixed synthetic batch: inputs (N, input) ~ N(0, 1), labels uniform in [0, classes).
+Batch synthetic_batch(const Flags& f) {
+  Tensor x = Tensor::empty({f.batch, f.input}, DType::kF32, Device::cpu());
+  Tensor y = Tensor::empty({f.batch}, DType::kI32, Device::cpu());
+  Rng rng(f.seed * 7919 + 1);
+  for (int64_t i = 0; i < x.numel(); ++i) x.data<float>()[i] = static_cast<float>(rng.normal());
+  for (int64_t i = 0; i < f.batch; ++i) y.data<int32_t>()[i] = static_cast<int32_t>(rng.next() % f.classes);
+  return {x, y};
+}
+
+// The report's stage columns: each stage's layers and device.
+ReportBuilder make_report(const Flags& f, const layers::Sequential& model, const std::vector<CellSpec>& stages,
+                          const Schedule& schedule, RecomputeMode mode) {
+  std::vector<std::string> stage_layers, stage_devices;
+  for (const auto& s : stages) {
+    stage_layers.push_back(describe_layers(model, s.first_layer, s.num_layers));
+    stage_devices.push_back(s.device.str());
+  }
+  return ReportBuilder(stage_layers, stage_devices, schedule, mode, f.batch);
+}
+
+// The direct baseline and the model it runs: its own copy (same seed, same weights).
+struct Direct {
+  std::unique_ptr<layers::Sequential> model;
+  std::unique_ptr<bench::DirectRunner> runner;
+};
+
+// With --direct, the baseline on the executor's stages and schedule; otherwise none.
+Direct make_direct(const Flags& f, const layers::ModelSpec& spec, const std::vector<CellSpec>& stages,
+                   const Schedule& schedule) {
+  Direct direct;
+  if (f.direct) {
+    direct.model = layers::build_model(spec);
+    SgdParams sgd;
+    sgd.lr = f.lr;
+    direct.runner = std::make_unique<bench::DirectRunner>(*direct.model, stages, schedule, sgd, f.pin);
+  }
+  return direct;
+}
+
+// What the timed steps measured: the executor's step times and each stage's time outside and inside its
+// instructions, with --direct the baseline's, and the last loss and (with --trace) the last step.
+struct Measurements {
+  std::vector<double> exec_ms, direct_ms, ideal_ms;
+  std::vector<std::vector<double>> exec_prologue_ms, exec_gap_ms, exec_compute_ms, direct_compute_ms,
+      direct_zero_grad_ms;
+  double last_loss = 0, max_loss_rel_diff = 0;
+  StepResult last_step;
+  CpuSample cpu_begin;
+};
+
+// Records each stage's time of a timed executor step outside and inside its instructions.
+void record_exec_stages(const StepResult& r, int K, Measurements& out) {
+  for (int k = 0; k < K; ++k) {
+    // Time on stage k outside any instruction: from the step's start to its first
+    // instruction (thread wake-up, clearing its gradients: the prologue) and
+    // between consecutive instructions (the interpreter's bookkeeping).
+    const auto& ops = r.stages[k].ops;
+    double gap = 0, compute = 0;
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (i > 0) gap += ops[i].start_ms - ops[i - 1].end_ms;
+      if (is_compute(ops[i].op)) compute += ops[i].end_ms - ops[i].start_ms;
+    }
+    out.exec_prologue_ms[k].push_back(ops.empty() ? 0.0 : ops.front().start_ms);
+    out.exec_gap_ms[k].push_back(gap);
+    out.exec_compute_ms[k].push_back(compute);
+  }
+}
+
+// Checks that the direct step computed the executor's loss (the same weights, data and operations), or it is not
+// measuring the same work; keeps the largest relative difference.
+void check_direct_loss(const bench::DirectStep& d, const StepResult& r, int s, Measurements& out) {
+  const double rel = std::abs(d.loss - r.loss) / std::max(1e-12, std::abs(r.loss));
+  out.max_loss_rel_diff = std::max(out.max_loss_rel_diff, rel);
+  if (rel > 1e-4) {
+    throw Error("the direct baseline's loss " + std::to_string(d.loss) + " differs from the executor's " +
+                std::to_string(r.loss) + " at step " + std::to_string(s));
+  }
+}
+
+// Records a timed direct step: its time, the ideal pipelined makespan of its costs and each stage's compute and
+// gradient clearing.
+void record_direct_step(const bench::DirectStep& d, const Schedule& schedule, int K, Measurements& out) {
+  out.direct_ms.push_back(d.total_ms);
+  out.ideal_ms.push_back(bench::ideal_makespan_ms(schedule, d.zero_grad_ms, d.cost_ms));
+  for (int k = 0; k < K; ++k) {
+    double compute = 0;
+    for (size_t i = 0; i < schedule.stages[k].size(); ++i) {
+      if (is_compute(schedule.stages[k][i].op)) compute += d.cost_ms[k][i];
+    }
+    out.direct_compute_ms[k].push_back(compute);
+    out.direct_zero_grad_ms[k].push_back(d.zero_grad_ms[k]);
+  }
+}
+
+// The warm-up and timed steps. Executor and direct steps alternate, so a drift in machine load hits both alike.
+Measurements run_steps(const Flags& f, Executor& ex, bench::DirectRunner* direct, const Schedule& schedule,
+                       ReportBuilder& report, const Batch& batch) {
+  Measurements out;
+  out.exec_prologue_ms.resize(f.k);
+  out.exec_gap_ms.resize(f.k);
+  out.exec_compute_ms.resize(f.k);
+  out.direct_compute_ms.resize(f.k);
+  out.direct_zero_grad_ms.resize(f.k);
+  for (int s = 0; s < f.warmup + f.steps; ++s) {
+    const bool timed = s >= f.warmup;
+    if (s == f.warmup) out.cpu_begin = sample_cpu();
+    const auto t0 = std::chrono::steady_clock::now();
+    const StepResult r = ex.step(batch.x, batch.y);
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    report.add_step(s, r.loss, r, timed);
+    out.last_loss = r.loss;
+    if (f.trace && s + 1 == f.warmup + f.steps) out.last_step = r;
+    if (!std::isfinite(r.loss)) throw Error("the loss became non-finite at step " + std::to_string(s));
+    if (timed) {
+      out.exec_ms.push_back(ms);
+      record_exec_stages(r, f.k, out);
+    }
+    if (direct) {
+      const bench::DirectStep d = direct->step(batch.x, batch.y);
+      check_direct_loss(d, r, s, out);
+      if (timed) record_direct_step(d, schedule, f.k, out);
+    }
+  }
+  return out;
+}
+
+// Stage k's entry of the JSON line: the report's time breakdown, the medians of its time outside and inside its
+// instructions, and with --direct the baseline's.
+nlohmann::json stage_json(const StageSummary& s, int k, const Measurements& ms, bool direct) {
+  nlohmann::json e = {{"stage", k},
+                      {"layers", s.layers},
+                      {"forward_ms", s.forward_ms},
+                      {"recompute_ms", s.recompute_ms},
+                      {"backward_ms", s.backward_ms},
+                      {"optimizer_ms", s.optimizer_ms},
+                      {"comm_ms", s.comm_ms},
+                      {"idle_ms", s.idle_ms},
+                      {"busy_ms", s.busy_ms},
+                      {"utilization", s.utilization},
+                      {"prologue_ms", median(ms.exec_prologue_ms[k])},
+                      {"gap_ms", median(ms.exec_gap_ms[k])},
+                      {"compute_ms_median", median(ms.exec_compute_ms[k])}};
+  if (direct) {
+    e["direct_compute_ms"] = median(ms.direct_compute_ms[k]);
+    e["direct_zero_grad_ms"] = ms.direct_zero_grad_ms[k].empty() ? 0.0 : median(ms.direct_zero_grad_ms[k]);
+  }
+  return e;
+}
+
+// The run's settings: the flags and the balance they gave.
+nlohmann::json settings_json(const Flags& f, const std::vector<int>& balance) {
+  nlohmann::json j;
+  j["impl"] = "gpipe";
+  j["k"] = f.k;
+  j["m"] = f.m;
+  j["checkpoint"] = f.checkpoint;
+  j["device"] = f.device;
+  j["width"] = f.width;
+  j["depth"] = f.depth;
+  j["lead_relu"] = f.lead_relu;
+  j["input"] = f.input;
+  j["classes"] = f.classes;
+  j["batch"] = f.batch;
+  j["blas_threads"] = f.blas_threads;
+  j["pinned"] = f.pin;
+  j["core"] = f.core;
+  j["balance"] = balance;
+  j["warmup"] = f.warmup;
+  j["steps"] = f.steps;
+  return j;
+}
+
+// With --direct: the baseline's step time and the runtime's own cost, the executor's step time less the ideal
+// makespan of the baseline's instruction costs, in all and per instruction.
+void add_direct_overhead(nlohmann::json& j, const std::vector<int>& instructions, const Measurements& ms) {
+  const int per_stage = *std::max_element(instructions.begin(), instructions.end());
+  int total = 0;
+  for (int n : instructions) total += n;
+  const double overhead = median(ms.exec_ms) - median(ms.ideal_ms);
+  j["direct_step_ms"] = median(ms.direct_ms);
+  j["direct_loss_max_rel_diff"] = ms.max_loss_rel_diff;
+  j["ideal_ms"] = median(ms.ideal_ms);
+  j["overhead_ms"] = overhead;
+  // Per stage-step: the stages run concurrently, so each stage's runtime cost lies
+  // on the step's critical path once per instruction of that stage.
+  j["overhead_us_per_instruction"] = 1000.0 * overhead / per_stage;
+  j["overhead_us_per_instruction_total"] = 1000.0 * overhead / total;
+}
+
+// The run's JSON line: its settings, the other programs' CPU use, step times, bubble, the stages and with
+// --direct the runtime's cost per instruction.
+nlohmann::json result_json(const Flags& f, const std::vector<int>& balance, const Schedule& schedule,
+                           const RunSummary& sum, const Measurements& ms, const CpuSample& cpu_end) {
+  const CpuSample& cpu_begin = ms.cpu_begin;
+  const double cpu_wall_s = std::chrono::duration<double>(cpu_end.when - cpu_begin.when).count();
+  const std::vector<double>& exec_ms = ms.exec_ms;
+  nlohmann::json j = settings_json(f, balance);
+  j["loss"] = ms.last_loss;
+  // Cores' worth of CPU that other programs used (and the hypervisor stole) while
+  // this run was timing its steps.
+  j["foreign_cores"] = std::max(0.0, (cpu_end.machine_busy_s - cpu_begin.machine_busy_s) -
+                                         (cpu_end.self_s - cpu_begin.self_s)) / cpu_wall_s;
+  j["steal_cores"] = (cpu_end.steal_s - cpu_begin.steal_s) / cpu_wall_s;
+  j["step_ms"] = median(exec_ms);
+  j["step_ms_min"] = *std::min_element(exec_ms.begin(), exec_ms.end());
+  j["step_ms_max"] = *std::max_element(exec_ms.begin(), exec_ms.end());
+  j["span_ms_mean"] = sum.span_ms;
+  j["measured_bubble"] = sum.measured_bubble;
+  j["ideal_bubble"] = sum.ideal_bubble;
+  j["bubble_rel_diff"] = sum.ideal_bubble > 0 ? (sum.measured_bubble - sum.ideal_bubble) / sum.ideal_bubble : 0.0;
+  std::vector<int> instructions;
+  for (const auto& prog : schedule.stages) instructions.push_back(static_cast<int>(prog.size()));
+  j["instructions_per_stage"] = instructions;
+  nlohmann::json st = nlohmann::json::array();
+  for (int k = 0; k < f.k; ++k) st.push_back(stage_json(sum.stages[k], k, ms, f.direct));
+  j["stages"] = st;
+  if (f.direct) add_direct_overhead(j, instructions, ms);
+  return j;
+}
+
+// The last step's timeline on stderr, one line per instruction: stage, op, micro-batch, start and end (ms since the
+// step began).
+void print_trace(const StepResult& last_step) {
+  std::fprintf(stderr, "trace of the last step (wall %.3f ms):\n", last_step.wall_ms);
+  for (size_t k = 0; k < last_step.stages.size(); ++k) {
+    for (const TimedOp& op : last_step.stages[k].ops) {
+      std::fprintf(stderr, "  stage %zu %-3s %2d %9.3f %9.3f\n", k, op_short_name(op.op), op.micro_batch, op.start_ms,
+                   op.end_ms);
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -192,29 +452,10 @@ int main(int argc, char** argv) {
     const layers::ModelSpec spec = mlp_spec(f);
     auto model = layers::build_model(spec);
     const RecomputeMode mode = parse_recompute_mode(f.checkpoint);
-
-    std::vector<int> balance = f.balance;
-    if (balance.empty()) {
-      const int64_t micro = (f.batch + f.m - 1) / f.m;
-      balance = partition::balance_by_cost(
-          partition::layer_costs(*model, micro, recomputes(mode)), f.k);
-    } else {
-      partition::validate_balance(balance, model->size(), f.k);
-    }
-    std::vector<Device> devices;
-    // On one GPU the stages share it (taking turns on its stream), as on a single-GPU
-    // machine; the per-instruction timings then measure the host's queuing, and only
-    // step_ms (which waits for the device) is the GPU's time.
-    for (int k = 0; k < f.k; ++k) devices.push_back(f.device == "cpu" ? Device::cpu(k) : parse_device(f.device));
-    const std::vector<CellSpec> stages = make_stages(balance, devices);
+    const std::vector<int> balance = stage_balance(f, *model, mode);
+    const std::vector<CellSpec> stages = make_stages(balance, stage_placement(f));
     const Schedule schedule = gpipe_schedule(f.k, f.m, mode);
-
-    // A fixed synthetic batch: inputs (N, input) ~ N(0, 1), labels uniform in [0, classes).
-    Tensor x = Tensor::empty({f.batch, f.input}, DType::kF32, Device::cpu());
-    Tensor y = Tensor::empty({f.batch}, DType::kI32, Device::cpu());
-    Rng rng(f.seed * 7919 + 1);
-    for (int64_t i = 0; i < x.numel(); ++i) x.data<float>()[i] = static_cast<float>(rng.normal());
-    for (int64_t i = 0; i < f.batch; ++i) y.data<int32_t>()[i] = static_cast<int32_t>(rng.next() % f.classes);
+    const Batch batch = synthetic_batch(f);
 
     // The driver thread runs on one core (--core, default 0); the executor pins stage k
     // to core k (K = 1 included), and the direct baseline of a K = 1 run shares core 0.
@@ -224,169 +465,14 @@ int main(int argc, char** argv) {
     opts.optimizer.lr = f.lr;
     opts.pin_threads = f.pin;
     Executor ex(*model, stages, schedule, transport, opts);
+    ReportBuilder report = make_report(f, *model, stages, schedule, mode);
+    const Direct direct = make_direct(f, spec, stages, schedule);
 
-    std::vector<std::string> stage_layers, stage_devices;
-    for (const auto& s : stages) {
-      stage_layers.push_back(describe_layers(*model, s.first_layer, s.num_layers));
-      stage_devices.push_back(s.device.str());
-    }
-    ReportBuilder report(stage_layers, stage_devices, schedule, mode, f.batch);
-
-    // The direct baseline runs on its own copy of the model (same seed, same weights).
-    std::unique_ptr<layers::Sequential> direct_model;
-    std::unique_ptr<bench::DirectRunner> direct;
-    if (f.direct) {
-      direct_model = layers::build_model(spec);
-      SgdParams sgd;
-      sgd.lr = f.lr;
-      direct = std::make_unique<bench::DirectRunner>(*direct_model, stages, schedule, sgd, f.pin);
-    }
-
-    // Executor and direct steps alternate, so a drift in machine load hits both alike.
-    std::vector<double> exec_ms, direct_ms, ideal_ms;
-    std::vector<std::vector<double>> exec_prologue_ms(f.k), exec_gap_ms(f.k), exec_compute_ms(f.k),
-        direct_compute_ms(f.k), direct_zero_grad_ms(f.k);
-    double last_loss = 0, max_loss_rel_diff = 0;
-    StepResult last_step;
-    CpuSample cpu_begin;
-    for (int s = 0; s < f.warmup + f.steps; ++s) {
-      const bool timed = s >= f.warmup;
-      if (s == f.warmup) cpu_begin = sample_cpu();
-      const auto t0 = std::chrono::steady_clock::now();
-      const StepResult r = ex.step(x, y);
-      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-      report.add_step(s, r.loss, r, timed);
-      last_loss = r.loss;
-      if (f.trace && s + 1 == f.warmup + f.steps) last_step = r;
-      if (!std::isfinite(r.loss)) throw Error("the loss became non-finite at step " + std::to_string(s));
-      if (timed) {
-        exec_ms.push_back(ms);
-        for (int k = 0; k < f.k; ++k) {
-          // Time on stage k outside any instruction: from the step's start to its first
-          // instruction (thread wake-up, clearing its gradients: the prologue) and
-          // between consecutive instructions (the interpreter's bookkeeping).
-          const auto& ops = r.stages[k].ops;
-          double gap = 0, compute = 0;
-          for (size_t i = 0; i < ops.size(); ++i) {
-            if (i > 0) gap += ops[i].start_ms - ops[i - 1].end_ms;
-            if (is_compute(ops[i].op)) compute += ops[i].end_ms - ops[i].start_ms;
-          }
-          exec_prologue_ms[k].push_back(ops.empty() ? 0.0 : ops.front().start_ms);
-          exec_gap_ms[k].push_back(gap);
-          exec_compute_ms[k].push_back(compute);
-        }
-      }
-      if (direct) {
-        const bench::DirectStep d = direct->step(x, y);
-        // Same weights, data and operations: the baseline must compute the same loss,
-        // or it is not measuring the same work.
-        const double rel = std::abs(d.loss - r.loss) / std::max(1e-12, std::abs(r.loss));
-        max_loss_rel_diff = std::max(max_loss_rel_diff, rel);
-        if (rel > 1e-4) {
-          throw Error("the direct baseline's loss " + std::to_string(d.loss) + " differs from the executor's " +
-                      std::to_string(r.loss) + " at step " + std::to_string(s));
-        }
-        if (timed) {
-          direct_ms.push_back(d.total_ms);
-          ideal_ms.push_back(bench::ideal_makespan_ms(schedule, d.zero_grad_ms, d.cost_ms));
-          for (int k = 0; k < f.k; ++k) {
-            double compute = 0;
-            for (size_t i = 0; i < schedule.stages[k].size(); ++i) {
-              if (is_compute(schedule.stages[k][i].op)) compute += d.cost_ms[k][i];
-            }
-            direct_compute_ms[k].push_back(compute);
-            direct_zero_grad_ms[k].push_back(d.zero_grad_ms[k]);
-          }
-        }
-      }
-    }
-
+    const Measurements ms = run_steps(f, ex, direct.runner.get(), schedule, report, batch);
     const CpuSample cpu_end = sample_cpu();
-    const double cpu_wall_s = std::chrono::duration<double>(cpu_end.when - cpu_begin.when).count();
-    const RunSummary sum = report.summary();
-    nlohmann::json j;
-    j["impl"] = "gpipe";
-    j["k"] = f.k;
-    j["m"] = f.m;
-    j["checkpoint"] = f.checkpoint;
-    j["device"] = f.device;
-    j["width"] = f.width;
-    j["depth"] = f.depth;
-    j["lead_relu"] = f.lead_relu;
-    j["input"] = f.input;
-    j["classes"] = f.classes;
-    j["batch"] = f.batch;
-    j["blas_threads"] = f.blas_threads;
-    j["pinned"] = f.pin;
-    j["core"] = f.core;
-    j["balance"] = balance;
-    j["warmup"] = f.warmup;
-    j["steps"] = f.steps;
-    j["loss"] = last_loss;
-    // Cores' worth of CPU that other programs used (and the hypervisor stole) while
-    // this run was timing its steps.
-    j["foreign_cores"] = std::max(0.0, (cpu_end.machine_busy_s - cpu_begin.machine_busy_s) -
-                                           (cpu_end.self_s - cpu_begin.self_s)) / cpu_wall_s;
-    j["steal_cores"] = (cpu_end.steal_s - cpu_begin.steal_s) / cpu_wall_s;
-    j["step_ms"] = median(exec_ms);
-    j["step_ms_min"] = *std::min_element(exec_ms.begin(), exec_ms.end());
-    j["step_ms_max"] = *std::max_element(exec_ms.begin(), exec_ms.end());
-    j["span_ms_mean"] = sum.span_ms;
-    j["measured_bubble"] = sum.measured_bubble;
-    j["ideal_bubble"] = sum.ideal_bubble;
-    j["bubble_rel_diff"] = sum.ideal_bubble > 0 ? (sum.measured_bubble - sum.ideal_bubble) / sum.ideal_bubble : 0.0;
-    std::vector<int> instructions;
-    for (const auto& prog : schedule.stages) instructions.push_back(static_cast<int>(prog.size()));
-    j["instructions_per_stage"] = instructions;
-    nlohmann::json st = nlohmann::json::array();
-    for (int k = 0; k < f.k; ++k) {
-      const StageSummary& s = sum.stages[k];
-      nlohmann::json e = {{"stage", k},
-                          {"layers", s.layers},
-                          {"forward_ms", s.forward_ms},
-                          {"recompute_ms", s.recompute_ms},
-                          {"backward_ms", s.backward_ms},
-                          {"optimizer_ms", s.optimizer_ms},
-                          {"comm_ms", s.comm_ms},
-                          {"idle_ms", s.idle_ms},
-                          {"busy_ms", s.busy_ms},
-                          {"utilization", s.utilization},
-                          {"prologue_ms", median(exec_prologue_ms[k])},
-                          {"gap_ms", median(exec_gap_ms[k])},
-                          {"compute_ms_median", median(exec_compute_ms[k])}};
-      if (direct) {
-        e["direct_compute_ms"] = median(direct_compute_ms[k]);
-        e["direct_zero_grad_ms"] = direct_zero_grad_ms[k].empty() ? 0.0 : median(direct_zero_grad_ms[k]);
-      }
-      st.push_back(e);
-    }
-    j["stages"] = st;
-    if (direct) {
-      const int per_stage = *std::max_element(instructions.begin(), instructions.end());
-      int total = 0;
-      for (int n : instructions) total += n;
-      const double overhead = median(exec_ms) - median(ideal_ms);
-      j["direct_step_ms"] = median(direct_ms);
-      j["direct_loss_max_rel_diff"] = max_loss_rel_diff;
-      j["ideal_ms"] = median(ideal_ms);
-      j["overhead_ms"] = overhead;
-      // Per stage-step: the stages run concurrently, so each stage's runtime cost lies
-      // on the step's critical path once per instruction of that stage.
-      j["overhead_us_per_instruction"] = 1000.0 * overhead / per_stage;
-      j["overhead_us_per_instruction_total"] = 1000.0 * overhead / total;
-    }
-    std::cout << j.dump() << std::endl;
+    std::cout << result_json(f, balance, schedule, report.summary(), ms, cpu_end).dump() << std::endl;
     if (f.table) std::cerr << report.table();
-    if (f.trace) {
-      // One line per instruction: stage, op, micro-batch, start and end (ms since the step began).
-      std::fprintf(stderr, "trace of the last step (wall %.3f ms):\n", last_step.wall_ms);
-      for (size_t k = 0; k < last_step.stages.size(); ++k) {
-        for (const TimedOp& op : last_step.stages[k].ops) {
-          std::fprintf(stderr, "  stage %zu %-3s %2d %9.3f %9.3f\n", k, op_short_name(op.op), op.micro_batch, op.start_ms,
-                       op.end_ms);
-        }
-      }
-    }
+    if (f.trace) print_trace(ms.last_step);
   } catch (const std::exception& e) {
     std::cerr << "pipeline_bench: " << e.what() << "\n";
     return 1;
