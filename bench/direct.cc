@@ -99,12 +99,9 @@ std::vector<int64_t> micro_batch_offsets(const std::vector<int64_t>& sizes, int 
 // checkpointed[k][m]: whether stage k's program recomputes micro-batch m's forward (so its forward keeps no
 // contexts).
 std::vector<std::vector<char>> checkpointed_micro_batches(const pipeline::Schedule& schedule) {
-  const int K = schedule.num_stages, M = schedule.num_micro_batches;
-  std::vector<std::vector<char>> checkpointed(K, std::vector<char>(M, 0));
-  for (int k = 0; k < K; ++k) {
-    for (const Instruction& ins : schedule.stages[k]) {
-      if (ins.op == Op::kRecompute) checkpointed[k][ins.micro_batch] = 1;
-    }
+  std::vector<std::vector<char>> checkpointed;
+  for (int k = 0; k < schedule.num_stages; ++k) {
+    checkpointed.push_back(pipeline::micro_batch_roles(schedule, k).recomputed.at(0));  // one cell per stage
   }
   return checkpointed;
 }
