@@ -1,0 +1,88 @@
+// The collectives of a step, instructions of the program before OPT: RG (the replicas'
+// gradient sum and their statistics), TIE (a tied weight's gradient across two stages)
+// and NORM (the global gradient norm for clipping).
+#include "pipeline/executor/executor.h"
+
+#include <cmath>
+
+#include "pipeline/executor/stage_runtime.h"
+#include "runtime/error.h"
+
+namespace gpipe {
+namespace pipeline {
+
+// The replicas' sum (RG): waits for the gradient buckets still in flight (the others
+// were summed during the backwards) and, in a step that applies the optimizer, folds
+// the layers' statistics over the replicas. Returns the bytes of gradients summed.
+int64_t Executor::reduce_gradients(StageRuntime& rt) {
+  GPIPE_CHECK(rt.reducer != nullptr, "RG on a stage without replicas");
+  rt.reducer->finish(rt.optimizer->params());  // its device is not shared (checked)
+  int64_t bytes = 0;
+  for (auto* p : rt.optimizer->params()) bytes += static_cast<int64_t>(p->grad.nbytes());
+  if (cur_.apply_optimizer) fold_statistics(rt);
+  return bytes;
+}
+
+void Executor::fold_statistics(StageRuntime& rt) {
+  for (int c : rt.cells) {
+    for (int i = cells_[c].first_layer; i < cells_[c].first_layer + cells_[c].num_layers; ++i) {
+      model_.layer(i).end_step(*rt.backend, rt.replica_sum);
+    }
+  }
+  rt.statistics_folded = true;
+}
+
+// TIE: both copies of a tied weight on two stages get the sum of their gradients: the
+// copy's stage sends its gradient to the owner's, which adds it and sends the sum back.
+// Both send copies: a send may still read its tensor when the sender overwrites or
+// clears its gradient. Returns the bytes this stage sent.
+int64_t Executor::exchange_tied_gradient(StageRuntime& rt, int tie) {
+  const int k = rt.index;
+  Backend& be = *rt.backend;
+  const layers::Tie& t = model_.ties().at(static_cast<size_t>(tie));
+  const int owner_stage = stage_of_layer(t.owner_layer), copy_stage = stage_of_layer(t.copy_layer);
+  const MessageTag tag{MessageKind::kTiedGradient, tie};
+  if (copy_stage == k) {
+    Tensor mine = be.empty(t.copy->grad.shape(), t.copy->grad.dtype());  // the send may outlive the next line
+    {
+      auto turn = device_turn(k);
+      be.copy(t.copy->grad, mine);
+    }
+    transport_.send(k, owner_stage, tag, mine);
+    Tensor sum = transport_.recv(k, owner_stage, tag, rt.device);
+    auto turn = device_turn(k);
+    be.copy(sum, t.copy->grad);
+    return static_cast<int64_t>(mine.nbytes());
+  }
+  GPIPE_CHECK(owner_stage == k, "TIE on a stage holding neither copy");
+  Tensor other = transport_.recv(k, copy_stage, tag, rt.device);
+  Tensor sum = be.empty(t.owner->grad.shape(), t.owner->grad.dtype());
+  {
+    auto turn = device_turn(k);
+    be.axpy(1.0, other, t.owner->grad);
+    be.copy(t.owner->grad, sum);
+  }
+  transport_.send(k, copy_stage, tag, sum);
+  return static_cast<int64_t>(sum.nbytes());
+}
+
+// NORM: the global gradient norm, the squares of every stage's gradients summed over
+// the stages (a tied weight counted once), for clipping in the optimizer step. Skipped
+// by every stage alike in a step that keeps its gradients for inspection.
+int64_t Executor::reduce_gradient_norm(StageRuntime& rt) {
+  if (!cur_.apply_optimizer) return 0;
+  const int k = rt.index;
+  sum_local_ties(rt);
+  double local = 0;
+  {
+    auto turn = device_turn(k);
+    for (layers::Parameter* p : rt.optimizer->params()) {
+      if (!model_.is_tied_copy(p)) local += rt.backend->sum_squares(p->grad);  // a tied weight counts once
+    }
+  }
+  rt.grad_norm = std::sqrt(transport_.all_reduce_sum(k, local));
+  return static_cast<int64_t>(sizeof(double));
+}
+
+}  // namespace pipeline
+}  // namespace gpipe

@@ -1,0 +1,143 @@
+// A stage's state saved and restored by name (Executor::state_names, save_state,
+// restore_state): the names checkpoints use, and the checks of a restore.
+#include "pipeline/executor/executor.h"
+
+#include "pipeline/executor/stage_runtime.h"
+#include "runtime/error.h"
+
+namespace gpipe {
+namespace pipeline {
+
+std::string state_name(const layers::Sequential& model, int layer, const std::string& name) {
+  return model.layer_name(layer) + "." + name;
+}
+
+namespace {
+
+// The name a parameter is saved under: its own, or a tied copy's owner's.
+std::string parameter_name(layers::Sequential& model, int layer, const layers::Parameter* p) {
+  for (const layers::Tie& t : model.ties()) {
+    if (t.copy == p) return state_name(model, t.owner_layer, t.owner->name);
+  }
+  return state_name(model, layer, p->name);
+}
+
+Tensor host_copy(const Tensor& t) {
+  Tensor out = Tensor::empty(t.shape(), t.dtype(), Device::cpu());
+  copy_tensor(t, out);
+  return out;
+}
+
+// Copies a checkpoint's host tensor into a tensor of the model, on its device.
+void restore_into(const std::string& name, const Tensor& saved, Tensor& into, const std::string& what) {
+  if (!into.defined()) {
+    into = host_copy(saved);
+    return;
+  }
+  if (saved.shape() != into.shape() || saved.dtype() != into.dtype()) {
+    throw UserError("the checkpoint's " + what + " " + name + " is " + saved.str() + " but the model's is " +
+                    into.str() + "; resume with the config the checkpoint was saved with");
+  }
+  copy_tensor(saved, into);
+}
+
+const Tensor& find_state(const std::map<std::string, Tensor>& m, const std::string& name, const std::string& what) {
+  auto it = m.find(name);
+  if (it == m.end()) {
+    throw UserError("the checkpoint has no " + what + " " + name + "; it was saved from another model (or another "
+                    "optimizer.type); resume with the config it was saved with");
+  }
+  return it->second;
+}
+
+}  // namespace
+
+StageStateNames Executor::state_names(int k) const {
+  StageStateNames out;
+  const auto suffixes = layers::optimizer_slot_suffixes(options_.optimizer);
+  for (int c : schedule_.cells.at(k)) {
+    for (int i = cells_[c].first_layer; i < cells_[c].first_layer + cells_[c].num_layers; ++i) {
+      for (layers::Parameter* p : model_.layer(i).parameters()) {
+        const std::string name = parameter_name(model_, i, p);
+        std::vector<std::string> opt{name + ".step"};
+        for (const auto& s : suffixes) opt.push_back(name + s);
+        out.model_needed.push_back(name);
+        out.optimizer_needed.insert(out.optimizer_needed.end(), opt.begin(), opt.end());
+        if (model_.is_tied_copy(p)) continue;  // its owner's stage saves it
+        out.model.push_back(name);
+        out.optimizer.insert(out.optimizer.end(), opt.begin(), opt.end());
+      }
+      for (const layers::Buffer& b : model_.layer(i).buffers()) {
+        out.model.push_back(state_name(model_, i, b.name));
+        out.model_needed.push_back(state_name(model_, i, b.name));
+      }
+    }
+  }
+  return out;
+}
+
+StageState Executor::save_state(int k) {
+  StageRuntime& rt = *runtimes_.at(k);
+  GPIPE_CHECK(rt.local, "stage " + std::to_string(k) + " runs in another process");
+  rt.backend->synchronize();  // between steps: no worker holds the device
+  StageState out;
+  const auto& params = rt.optimizer->params();
+  const Tensor steps = Tensor::from_vector<double>({static_cast<double>(rt.optimizer->steps())}, {});
+  size_t index = 0;
+  for (int c : rt.cells) {
+    for (int i = cells_[c].first_layer; i < cells_[c].first_layer + cells_[c].num_layers; ++i) {
+      for (layers::Parameter* p : model_.layer(i).parameters()) {
+        GPIPE_CHECK(index < params.size() && params[index] == p, "optimizer parameters out of layer order");
+        const size_t slot_of = index++;
+        if (model_.is_tied_copy(p)) continue;
+        const std::string name = parameter_name(model_, i, p);
+        out.model[name] = host_copy(p->value);
+        out.optimizer[name + ".step"] = steps;
+        for (const layers::OptimizerSlot& s : rt.optimizer->slots(slot_of)) {
+          out.optimizer[name + s.suffix] = host_copy(*s.value);
+        }
+      }
+      for (const layers::Buffer& b : model_.layer(i).buffers()) out.model[state_name(model_, i, b.name)] = host_copy(*b.value);
+    }
+  }
+  return out;
+}
+
+void Executor::restore_state(int k, const std::map<std::string, Tensor>& model,
+                             const std::map<std::string, Tensor>& optimizer) {
+  StageRuntime& rt = *runtimes_.at(k);
+  GPIPE_CHECK(rt.local, "stage " + std::to_string(k) + " runs in another process");
+  const auto& params = rt.optimizer->params();
+  size_t index = 0;
+  int64_t steps = -1;
+  for (int c : rt.cells) {
+    for (int i = cells_[c].first_layer; i < cells_[c].first_layer + cells_[c].num_layers; ++i) {
+      for (layers::Parameter* p : model_.layer(i).parameters()) {
+        const size_t slot_of = index++;
+        const std::string name = parameter_name(model_, i, p);
+        restore_into(name, find_state(model, name, "parameter"), p->value, "parameter");
+        const Tensor& s = find_state(optimizer, name + ".step", "optimizer step count");
+        const int64_t n = s.numel() == 1 && s.dtype() == DType::kF64 ? static_cast<int64_t>(s.data<double>()[0]) : -1;
+        if (n < 0 || (steps >= 0 && n != steps)) {
+          throw UserError("the checkpoint's optimizer step count " + name + ".step is " + s.str() +
+                          (steps >= 0 ? " where the stage's other parameters have " + std::to_string(steps) : "") +
+                          "; the checkpoint is corrupt or mixes runs");
+        }
+        steps = n;
+        for (const layers::OptimizerSlot& slot : rt.optimizer->slots(slot_of)) {
+          restore_into(name + slot.suffix, find_state(optimizer, name + slot.suffix, "optimizer state"), *slot.value,
+                       "optimizer state");
+        }
+      }
+      for (const layers::Buffer& b : model_.layer(i).buffers()) {
+        restore_into(state_name(model_, i, b.name), find_state(model, state_name(model_, i, b.name), "buffer"), *b.value, "buffer");
+      }
+    }
+  }
+  GPIPE_CHECK(index == params.size(), "optimizer parameters out of layer order");
+  if (steps >= 0) rt.optimizer->set_steps(steps);
+  rt.grads_dirty = true;  // fresh gradients for the next step
+}
+
+}  // namespace pipeline
+}  // namespace gpipe

@@ -1,0 +1,42 @@
+// A stage's step timings as numbers, to gather them into the first stage's process
+// (encode_trace, decode_trace in executor.h): the trace's wire format.
+#include "pipeline/executor/executor.h"
+
+#include "runtime/error.h"
+
+namespace gpipe {
+namespace pipeline {
+
+namespace {
+constexpr size_t kOpFields = 8;  // op, micro-batch, start, end, chunk, bytes, peer, live bytes
+}  // namespace
+
+std::vector<double> encode_trace(const StageTrace& t) {
+  std::vector<double> v{static_cast<double>(t.peak_activation_bytes), t.start_ms};
+  v.reserve(2 + kOpFields * t.ops.size());
+  for (const TimedOp& op : t.ops) {
+    v.insert(v.end(), {static_cast<double>(op.op), static_cast<double>(op.micro_batch), op.start_ms, op.end_ms,
+                       static_cast<double>(op.chunk), static_cast<double>(op.bytes), static_cast<double>(op.peer),
+                       static_cast<double>(op.live_bytes)});
+  }
+  return v;
+}
+
+StageTrace decode_trace(const std::vector<double>& v, int stage) {
+  GPIPE_CHECK(v.size() >= 2 && (v.size() - 2) % kOpFields == 0, "malformed timings from stage " + std::to_string(stage));
+  StageTrace t;
+  t.peak_activation_bytes = static_cast<int64_t>(v[0]);
+  t.start_ms = v[1];
+  for (size_t i = 2; i < v.size(); i += kOpFields) {
+    TimedOp op{static_cast<Op>(static_cast<int>(v[i])), static_cast<int>(v[i + 1]), v[i + 2], v[i + 3]};
+    op.chunk = static_cast<int>(v[i + 4]);
+    op.bytes = static_cast<int64_t>(v[i + 5]);
+    op.peer = static_cast<int>(v[i + 6]);
+    op.live_bytes = static_cast<int64_t>(v[i + 7]);
+    t.ops.push_back(op);
+  }
+  return t;
+}
+
+}  // namespace pipeline
+}  // namespace gpipe

@@ -1,0 +1,74 @@
+// The executor's private state per stage (StageRuntime) and per micro-batch
+// (MicroBatch), shared by the files that implement the Executor: executor.cc (the
+// interpreter), executor_collectives.cc (RG, TIE, NORM) and executor_state.cc (a stage's
+// state saved and restored by name). Not part of the executor's interface.
+#pragma once
+
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "pipeline/executor/executor.h"
+
+namespace gpipe {
+namespace pipeline {
+
+// What one stage keeps between instructions, per cell and micro-batch.
+struct Executor::MicroBatch {
+  Tensor input;                       // cell input; kept while the micro-batch is checkpointed
+  Tensor output;                      // cell output awaiting its send
+  std::vector<layers::Context> ctx;   // per layer; empty while checkpointed
+  layers::Context loss_ctx;           // the model's last cell only
+  Tensor targets;                     // likewise
+  Tensor loss;                        // likewise
+  Tensor grad_output, grad_input;     // received (or handed over) / to be sent
+  int64_t held_bytes = 0;             // activations held, for the memory meter
+  int64_t correct = 0;                // evaluation, the model's last cell: correct argmax predictions
+};
+
+// Evaluation's program and, per stage, which of its instructions open and close a group
+// of messages.
+struct Executor::EvalProgram {
+  Schedule schedule;
+  std::vector<std::vector<char>> group_begins, group_ends;
+};
+
+// A stage: a worker thread with its cells on one device.
+struct Executor::StageRuntime {
+  int index = 0;
+  bool local = true;  // executed by this process
+  Device device;
+  std::vector<int> cells;  // global cell index per chunk
+  Backend* backend = nullptr;
+  std::unique_ptr<layers::Optimizer> optimizer;
+  // Shared with the other local stages on the same device, whose backend (its stream,
+  // BLAS and cuDNN handles, error checks) they also use: a stage queues work on the
+  // device only while it holds it, and never while it waits for a message.
+  std::mutex* device_turn = nullptr;
+  std::unique_ptr<GradReducer> reducer;  // with data-parallel replicas
+  layers::ReplicaSum replica_sum;        // likewise, for BatchNorm's statistics
+  // This step so far: the ties within the stage summed (before NORM or OPT reads the
+  // gradients), the layers' statistics folded (by RG, over the replicas).
+  bool local_ties_summed = false, statistics_folded = false;
+  // From the program, once: which (chunk, micro-batch) recompute (checkpointed) and
+  // which defer their weight gradients to a W; per instruction, the layers whose
+  // gradients are final once it ends (for the replicas' bucketed reduction); and
+  // which instructions open and close a group of messages.
+  std::vector<std::vector<char>> checkpointed, split;
+  std::vector<std::vector<int>> final_layers;
+  std::vector<char> group_begins, group_ends;
+  double grad_norm = -1;
+  std::vector<std::vector<MicroBatch>> mbs;  // [chunk][micro-batch]
+  StageTrace trace;
+  std::unique_ptr<OpClock> clock;  // device times of compute instructions (GPU stages)
+  int64_t live_bytes = 0;
+  bool grads_dirty = true;  // gradients hold values from an earlier step
+  std::exception_ptr error;
+  bool error_is_abort = false;
+  std::string error_text;
+};
+
+}  // namespace pipeline
+}  // namespace gpipe
