@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -212,6 +213,80 @@ std::string resume_point(const std::string& checkpoint_dir) {
          "; the launch checks it and goes back to an older one if it is damaged)";
 }
 
+// ---- supervise's pieces. None of them blocks or unblocks a signal, nor sets g_child:
+// supervise does that, in its order.
+
+// Refuses options that cannot make a job.
+void check_options(const SupervisorOptions& o) {
+  if (o.program.empty()) throw UserError("gpipe run: no program to run");
+  if (o.processes < 1) throw UserError("gpipe run: --np must be at least 1, got " + std::to_string(o.processes));
+  if (o.max_restarts < 0) {
+    throw UserError("gpipe run: --max-restarts must be 0 or more, got " + std::to_string(o.max_restarts));
+  }
+}
+
+// Logs the launch's number and command line.
+void log_launch(const SupervisorOptions& o, int launch_no, const std::vector<std::string>& argv) {
+  std::string line;
+  for (const auto& a : argv) line += (line.empty() ? "" : " ") + a;
+  spdlog::info("gpipe run: launch {} of at most {}: {}", launch_no + 1, o.max_restarts + 1, line);
+}
+
+// The launch's own, empty heartbeat directory (the previous launches' are removed), or ""
+// when progress is not watched.
+std::string make_heartbeat_dir(const SupervisorOptions& o, int launch_no) {
+  std::string watched;
+  if (!o.heartbeat_dir.empty() && o.stall_s > 0) {
+    watched = heartbeat_launch_dir(o, launch_no);
+    std::error_code ec;
+    std::filesystem::remove_all(o.heartbeat_dir, ec);  // the previous launches' files
+    std::filesystem::create_directories(watched, ec);
+    if (ec) throw UserError("gpipe run: cannot create '" + watched + "': " + ec.message());
+  }
+  return watched;
+}
+
+// After a launch ended with `status`: the job's exit code when it is over (finished, stopped
+// by a signal, refused its input, or out of restarts), or none when it restarts; says which.
+std::optional<int> end_of_launch(const SupervisorOptions& o, int launch_no, int status, const std::string& stall) {
+  const int last = exit_code_of(status);
+  if (status == 0 && WIFEXITED(status)) {
+    spdlog::info("gpipe run: the job finished{}",
+                 launch_no > 0 ? " after " + std::to_string(launch_no) + " restart(s)" : "");
+    return 0;
+  }
+  const std::string what = stall.empty() ? describe_wait_status(status) : "no progress from " + stall;
+  if (g_stop_signal != 0) {
+    spdlog::warn("gpipe run: stopped by signal {} ({}); the job ended with {}; not restarting{}", int(g_stop_signal),
+                 ::strsignal(g_stop_signal), what,
+                 o.resume_hint.empty() ? std::string() : ". Continue it with: " + o.resume_hint);
+    return 128 + g_stop_signal;
+  }
+  if (WIFEXITED(status) && std::find(o.no_restart_exit_codes.begin(), o.no_restart_exit_codes.end(), last) !=
+                               o.no_restart_exit_codes.end()) {
+    spdlog::error("gpipe run: the job failed with {}, which means it refused its input (a config, checkpoint or disk "
+                  "error, see above); a restart would fail the same way, so there is none",
+                  what);
+    return last;
+  }
+  if (launch_no >= o.max_restarts) {
+    spdlog::error("gpipe run: the job failed {} time(s), the last with {}; giving up (--max-restarts {})",
+                  launch_no + 1, what, o.max_restarts);
+    return last;
+  }
+  spdlog::warn("gpipe run: the job failed with {}; restart {} of {} {}", what, launch_no + 1, o.max_restarts,
+               resume_point(o.checkpoint_dir));
+  return std::nullopt;
+}
+
+// Sleeps for `seconds`, or until a stop signal comes.
+void pause_unless_stopped(double seconds) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (g_stop_signal == 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
 }  // namespace
 
 std::string describe_wait_status(int status) {
@@ -250,11 +325,7 @@ std::vector<std::string> child_command(const SupervisorOptions& o, bool resume, 
 }
 
 int supervise(const SupervisorOptions& o) {
-  if (o.program.empty()) throw UserError("gpipe run: no program to run");
-  if (o.processes < 1) throw UserError("gpipe run: --np must be at least 1, got " + std::to_string(o.processes));
-  if (o.max_restarts < 0) {
-    throw UserError("gpipe run: --max-restarts must be 0 or more, got " + std::to_string(o.max_restarts));
-  }
+  check_options(o);
   SignalForwarding forwarding;
   g_under_mpirun = o.processes > 1;
   // Signals wait while a child is being started, so none is lost between fork and
@@ -279,18 +350,8 @@ int supervise(const SupervisorOptions& o) {
   int last = 0;
   for (int launch_no = 0;; ++launch_no) {
     const std::vector<std::string> argv = child_command(o, launch_no > 0 || o.resume_first, launch_no);
-    std::string line;
-    for (const auto& a : argv) line += (line.empty() ? "" : " ") + a;
-    spdlog::info("gpipe run: launch {} of at most {}: {}", launch_no + 1, o.max_restarts + 1, line);
-    std::string watched;
-    if (!o.heartbeat_dir.empty() && o.stall_s > 0) {
-      watched = heartbeat_launch_dir(o, launch_no);
-      std::error_code ec;
-      std::filesystem::remove_all(o.heartbeat_dir, ec);  // the previous launches' files
-      std::filesystem::create_directories(watched, ec);
-      if (ec) throw UserError("gpipe run: cannot create '" + watched + "': " + ec.message());
-    }
-    ProgressWatch watch(watched, o.stall_s);
+    log_launch(o, launch_no, argv);
+    ProgressWatch watch(make_heartbeat_dir(o, launch_no), o.stall_s);
     std::string stall;
     const pid_t pid = launch(argv, previous);
     g_child = pid;
@@ -299,37 +360,10 @@ int supervise(const SupervisorOptions& o) {
     ::sigprocmask(SIG_BLOCK, &forwarded, nullptr);
     g_child = 0;
     last = exit_code_of(status);
-    if (status == 0 && WIFEXITED(status)) {
-      spdlog::info("gpipe run: the job finished{}", launch_no > 0 ? " after " + std::to_string(launch_no) + " restart(s)" : "");
-      return 0;
-    }
-    const std::string what = stall.empty() ? describe_wait_status(status) : "no progress from " + stall;
-    if (g_stop_signal != 0) {
-      spdlog::warn("gpipe run: stopped by signal {} ({}); the job ended with {}; not restarting{}", int(g_stop_signal),
-                   ::strsignal(g_stop_signal), what,
-                   o.resume_hint.empty() ? std::string() : ". Continue it with: " + o.resume_hint);
-      return 128 + g_stop_signal;
-    }
-    if (WIFEXITED(status) &&
-        std::find(o.no_restart_exit_codes.begin(), o.no_restart_exit_codes.end(), last) != o.no_restart_exit_codes.end()) {
-      spdlog::error("gpipe run: the job failed with {}, which means it refused its input (a config, checkpoint or disk "
-                    "error, see above); a restart would fail the same way, so there is none",
-                    what);
-      return last;
-    }
-    if (launch_no >= o.max_restarts) {
-      spdlog::error("gpipe run: the job failed {} time(s), the last with {}; giving up (--max-restarts {})",
-                    launch_no + 1, what, o.max_restarts);
-      return last;
-    }
-    spdlog::warn("gpipe run: the job failed with {}; restart {} of {} {}", what, launch_no + 1, o.max_restarts,
-                 resume_point(o.checkpoint_dir));
+    if (const std::optional<int> code = end_of_launch(o, launch_no, status, stall)) return *code;
     // The pause before relaunching can be cut short by SIGINT/SIGTERM.
     ::sigprocmask(SIG_SETMASK, &previous, nullptr);
-    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(o.restart_delay_s);
-    while (g_stop_signal == 0 && std::chrono::steady_clock::now() < until) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
+    pause_unless_stopped(o.restart_delay_s);
     ::sigprocmask(SIG_BLOCK, &forwarded, nullptr);
     if (g_stop_signal != 0) {
       spdlog::warn("gpipe run: stopped by signal {} before restarting", int(g_stop_signal));

@@ -406,6 +406,61 @@ std::string ReportBuilder::table() const {
   return os.str();
 }
 
+// ---- report.json
+
+namespace {
+
+// A stage's measured times (per step) and peak activations, as report.json's "stages" show them.
+nlohmann::json stage_json(const StageSummary& st) {
+  return {{"stage", st.stage},
+          {"layers", st.layers},
+          {"device", st.device},
+          {"forward_ms", st.forward_ms},
+          {"recompute_ms", st.recompute_ms},
+          {"backward_ms", st.backward_ms},
+          {"weight_ms", st.weight_ms},
+          {"optimizer_ms", st.optimizer_ms},
+          {"collective_ms", st.collective_ms},
+          {"optimizer_reduce_ms", st.collective_ms},  // the old name, for one release
+          {"delivery_ms", st.delivery_ms},
+          {"comm_ms", st.comm_ms},
+          {"idle_ms", st.idle_ms},
+          {"busy_ms", st.busy_ms},
+          {"utilization", st.utilization},
+          {"peak_activation_bytes", st.peak_activation_bytes}};
+}
+
+// A stage's predicted times and memory, as report.json's "prediction" shows them.
+nlohmann::json planned_stage_json(const PlannedStage& q) {
+  return {{"forward_ms", q.forward_ms},
+          {"recompute_ms", q.recompute_ms},
+          {"backward_ms", q.backward_ms},
+          {"weight_ms", q.weight_ms},
+          {"optimizer_ms", q.optimizer_ms},
+          {"comm_ms", q.comm_ms},
+          {"idle_ms", q.idle_ms},
+          {"busy_ms", q.busy_ms},
+          {"utilization", q.utilization},
+          {"weight_bytes", q.weight_bytes},
+          {"gradient_bytes", q.gradient_bytes},
+          {"optimizer_bytes", q.optimizer_bytes},
+          {"activation_bytes", q.activation_bytes}};
+}
+
+// The planner's prediction of the run: its step, span, bubble and throughput, and its stages.
+nlohmann::json prediction_json(const PlannedRun& plan) {
+  nlohmann::json stages = nlohmann::json::array();  // in stage order
+  for (const PlannedStage& q : plan.stages) stages.push_back(planned_stage_json(q));
+  return {{"source", plan.source},
+          {"step_ms", plan.step_ms},
+          {"span_ms", plan.span_ms},
+          {"bubble", plan.bubble},
+          {"samples_per_second", plan.samples_per_second},
+          {"stages", stages}};
+}
+
+}  // namespace
+
 nlohmann::json ReportBuilder::json() const {
   const RunSummary s = summary();
   nlohmann::json j;
@@ -437,50 +492,9 @@ nlohmann::json ReportBuilder::json() const {
         {{"launch", l.launch}, {"first_step", l.first_step}, {"last_step", l.last_step}, {"steps", l.steps}});
   }
   j["stages"] = nlohmann::json::array();
-  for (const auto& st : s.stages) {
-    j["stages"].push_back({{"stage", st.stage},
-                           {"layers", st.layers},
-                           {"device", st.device},
-                           {"forward_ms", st.forward_ms},
-                           {"recompute_ms", st.recompute_ms},
-                           {"backward_ms", st.backward_ms},
-                           {"weight_ms", st.weight_ms},
-                           {"optimizer_ms", st.optimizer_ms},
-                           {"collective_ms", st.collective_ms},
-                           {"optimizer_reduce_ms", st.collective_ms},  // the old name, for one release
-                           {"delivery_ms", st.delivery_ms},
-                           {"comm_ms", st.comm_ms},
-                           {"idle_ms", st.idle_ms},
-                           {"busy_ms", st.busy_ms},
-                           {"utilization", st.utilization},
-                           {"peak_activation_bytes", st.peak_activation_bytes}});
-  }
+  for (const auto& st : s.stages) j["stages"].push_back(stage_json(st));
   if (has_eval_) j["eval"] = {{"loss", eval_loss_}, {"accuracy", eval_accuracy_}};
-  if (s.has_plan) {
-    nlohmann::json stages = nlohmann::json::array();  // in stage order
-    for (size_t k = 0; k < s.plan.stages.size(); ++k) {
-      const PlannedStage& q = s.plan.stages[k];
-      stages.push_back({{"forward_ms", q.forward_ms},
-                        {"recompute_ms", q.recompute_ms},
-                        {"backward_ms", q.backward_ms},
-                        {"weight_ms", q.weight_ms},
-                        {"optimizer_ms", q.optimizer_ms},
-                        {"comm_ms", q.comm_ms},
-                        {"idle_ms", q.idle_ms},
-                        {"busy_ms", q.busy_ms},
-                        {"utilization", q.utilization},
-                        {"weight_bytes", q.weight_bytes},
-                        {"gradient_bytes", q.gradient_bytes},
-                        {"optimizer_bytes", q.optimizer_bytes},
-                        {"activation_bytes", q.activation_bytes}});
-    }
-    j["prediction"] = {{"source", s.plan.source},
-                       {"step_ms", s.plan.step_ms},
-                       {"span_ms", s.plan.span_ms},
-                       {"bubble", s.plan.bubble},
-                       {"samples_per_second", s.plan.samples_per_second},
-                       {"stages", stages}};
-  }
+  if (s.has_plan) j["prediction"] = prediction_json(s.plan);
   j["validation"] = nlohmann::json::array();
   for (const auto& v : validations_) {
     j["validation"].push_back(
