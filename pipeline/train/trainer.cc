@@ -212,6 +212,26 @@ void check_loss_finite(double loss, int step, double lr) {
                   "), set optimizer.clip_grad_norm, or check the data. Nothing was written for this step.");
 }
 
+// Step `step`: this replica's rows of the mini-batch through the executor at learning
+// rate `lr`, with every stage's timings gathered into the first stage's process; a loss
+// that is not finite ends the run.
+StepResult run_step(Executor& executor, Transport& transport, const Dataset& data, const Config& c, const Plan& plan,
+                    const Launch& launch, int step, double lr) {
+  heartbeat();
+  transport.set_step(step);
+  if (plan.replicas > 1) launch.replicas->set_step(step);
+  auto [x, y] = data.batch(batch_key(c.train.seed, step), c.train.batch_size);
+  if (plan.replicas > 1) {  // each replica takes its own rows of the mini-batch
+    x = x.narrow_rows(launch.replica * plan.replica_batch, plan.replica_batch);
+    y = y.narrow_rows(launch.replica * plan.replica_batch, plan.replica_batch);
+  }
+  executor.set_lr(lr);
+  StepResult r = executor.step(x, y);
+  if (launch.size > 1) r = gather_timings(std::move(r), launch);
+  check_loss_finite(r.loss, step, lr);
+  return r;
+}
+
 // The progress line of step `step` (0-based; printed from 1): its loss, the validation
 // loss when one was taken (val_loss >= 0), the gradient norm when clipping measured it,
 // the learning rate and the speed since the last line.
@@ -276,7 +296,6 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   const Config& c = run.config;
   check_launch(c, launch);
   const bool multi = launch.size > 1;
-  const int D = c.pipeline.replicas;
   init_logging(c.train.log_level);
   set_cpu_blas_threads(c.train.blas_threads);
   std::unique_ptr<layers::Sequential>& model = run.model;
@@ -287,7 +306,6 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   if (multi && launch.transport->sends_wait_for_receiver()) plan_options.comm = CommModel::kRendezvous;
   Plan plan = make_plan(c, *model, plan_options);
   const int K = plan.stages;
-  const int64_t replica_batch = plan.replica_batch;
   TrainResult result;
   result.balance = plan.balance;
   check_run_fits(c, *model, plan, host_available_bytes());
@@ -343,18 +361,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   double window_ms = 0;
   int window_steps = 0;
   for (int step = start; step < c.train.steps; ++step) {
-    heartbeat();
-    transport.set_step(step);
-    if (D > 1) launch.replicas->set_step(step);
-    auto [x, y] = data->batch(batch_key(c.train.seed, step), c.train.batch_size);
-    if (D > 1) {  // each replica takes its own rows of the mini-batch
-      x = x.narrow_rows(launch.replica * replica_batch, replica_batch);
-      y = y.narrow_rows(launch.replica * replica_batch, replica_batch);
-    }
-    executor.set_lr(lr.at(step));
-    StepResult r = executor.step(x, y);
-    if (multi) r = gather_timings(std::move(r), launch);
-    check_loss_finite(r.loss, step, lr.at(step));
+    const StepResult r = run_step(executor, transport, *data, c, plan, launch, step, lr.at(step));
     result.losses.push_back(r.loss);
     // The first step warms caches and allocators; it is left out of the timings.
     if (reports) report.add_step(step, r.loss, r, c.train.steps - start == 1 || step > start);
