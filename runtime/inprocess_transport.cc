@@ -12,11 +12,9 @@ std::string tag_str(const MessageTag& tag) {
     case MessageKind::kGradient:
       return "gradient of micro-batch " + std::to_string(tag.micro_batch) + cell;
     case MessageKind::kTiedGradient:
-      return "gradient of tied weight " + std::to_string(tag.micro_batch);
-    case MessageKind::kEvalActivation:
       break;
   }
-  return "validation activation of chunk " + std::to_string(tag.micro_batch) + cell;
+  return "gradient of tied weight " + std::to_string(tag.micro_batch);
 }
 
 InProcessTransport::InProcessTransport(int num_stages, double timeout_s)

@@ -12,11 +12,11 @@
 
 namespace gpipe {
 
-// kEvalActivation: a validation forward's activation, numbered by validation chunk.
 // kTiedGradient: a tied weight's gradient between the stages holding its copies,
-// numbered by tie.
-enum class MessageKind { kActivation, kGradient, kEvalActivation, kTiedGradient };
-constexpr int kMessageKinds = 4;
+// numbered by tie. (Validation's forwards send kActivation: evaluation is a
+// forward-only program of the same schedule.)
+enum class MessageKind { kActivation, kGradient, kTiedGradient };
+constexpr int kMessageKinds = 3;
 
 // cell: the model cell the message is for (its receiver), which tells apart the
 // messages of one micro-batch between two stages that hold several cells each
