@@ -66,10 +66,10 @@ nlohmann::json chrome_trace(const Schedule& s, const std::vector<TraceProcess>& 
     GPIPE_CHECK(static_cast<int>(step.stages.size()) == K,
                 "chrome_trace: step " + std::to_string(step.step) + " has timings of " +
                     std::to_string(step.stages.size()) + " stages, the schedule " + std::to_string(K));
-    // Where each message's flow starts (its send slice) and ends (its receive slice).
+    // Each message's send and receive slices, for its flow arrow.
     struct End {
       int pid = -1;
-      double ts = 0;
+      double ts = 0, end = 0;  // the slice's start and end, us
     };
     std::map<MessageKey, End> sent, received;
     double step_start = 1e300, step_end = -1e300;
@@ -124,7 +124,7 @@ nlohmann::json chrome_trace(const Schedule& s, const std::vector<TraceProcess>& 
                           {"args", std::move(args)}});
         if (comm) {
           const bool send = op.op == Op::kSendActivation || op.op == Op::kSendGradient;
-          (send ? sent : received)[message_key(s, k, prog[i])] = {k, std::round((ts + dur / 2) * 1e3) / 1e3};
+          (send ? sent : received)[message_key(s, k, prog[i])] = {k, ts, ts + dur};
         }
         counter(ts + dur, op.live_bytes);
       }
@@ -134,10 +134,16 @@ nlohmann::json chrome_trace(const Schedule& s, const std::vector<TraceProcess>& 
       if (to == received.end()) continue;
       const char* name = std::get<1>(key) == 0 ? "activation" : "gradient";
       const nlohmann::json id = next_flow++;
+      // The arrow leaves when the send ended (a message cannot leave after it arrived:
+      // a sender may note its end after the receiver took the message) and arrives when
+      // the receive completed, each 1 ns inside its slice so that it binds to it.
+      const End& at = to->second;
+      const double arrive = std::max(at.ts, at.end - 0.001);
+      const double leave = std::max(from.ts, std::min(from.end, at.end) - 0.001);
       events.push_back({{"ph", "s"}, {"name", name}, {"cat", "message"}, {"id", id}, {"pid", from.pid},
-                        {"tid", kCommTrack}, {"ts", from.ts}});
+                        {"tid", kCommTrack}, {"ts", std::round(leave * 1e3) / 1e3}});
       events.push_back({{"ph", "f"}, {"bp", "e"}, {"name", name}, {"cat", "message"}, {"id", id},
-                        {"pid", to->second.pid}, {"tid", kCommTrack}, {"ts", to->second.ts}});
+                        {"pid", at.pid}, {"tid", kCommTrack}, {"ts", std::round(arrive * 1e3) / 1e3}});
     }
     if (step_end > step_start) {
       events.push_back({{"ph", "X"},

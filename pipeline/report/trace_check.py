@@ -109,6 +109,17 @@ def main():
             fail("flow %r joins %s on stage %d and %s on stage %d" % (fid, a["name"], a["pid"], b["name"], b["pid"]))
         if pair["f"].get("bp") != "e":
             fail("flow %r's end does not bind to its enclosing slice" % fid)
+        # The arrow leaves at the send's end (or, a sender noting its end late, when the
+        # receive completed) and arrives when the receive completed: never back in time.
+        if pair["f"]["ts"] < pair["s"]["ts"]:
+            fail("flow %r goes back in time: leaves %s at %.3f us, arrives in %s at %.3f us" %
+                 (fid, a["name"], pair["s"]["ts"], b["name"], pair["f"]["ts"]))
+        if abs(pair["f"]["ts"] - (b["ts"] + b["dur"])) > 0.0015:
+            fail("flow %r arrives at %.3f us, not when %s completed (%.3f us)" %
+                 (fid, pair["f"]["ts"], b["name"], b["ts"] + b["dur"]))
+        send_end = a["ts"] + a["dur"]
+        if abs(pair["s"]["ts"] - min(send_end, b["ts"] + b["dur"])) > 0.0015 and pair["s"]["ts"] != a["ts"]:
+            fail("flow %r leaves at %.3f us, not when %s ended (%.3f us)" % (fid, pair["s"]["ts"], a["name"], send_end))
 
     steps = list(range(first, last + 1))
     for k in range(K):
