@@ -74,7 +74,7 @@ child="$(pgrep -f "gpipe train lm.yaml --set output.dir=sup" | head -1)"
 kill -9 "$child"
 wait $sup || { cat sup.log; fail "gpipe run did not finish the job after the kill"; }
 grep -q "killed by signal 9" sup.log || { cat sup.log; fail "the supervisor's restart line"; }
-resumed_at="$(grep -oE 'resumed from [^ ]+step-[0-9]+ at step [0-9]+' sup.log | tail -1 | grep -oE '[0-9]+$')"
+resumed_at="$(grep -oE 'resumed from [^ ]+step-[0-9]+ after step [0-9]+' sup.log | tail -1 | grep -oE '[0-9]+$')"
 [ -n "$resumed_at" ] || { cat sup.log; fail "no resume line"; }
 if [ ! -e sup/checkpoints/step-6/COMPLETE ] || [ "$resumed_at" -eq 3 ]; then
   grep -q "step-6" sup.log || { cat sup.log; fail "the torn step-6 save is not named"; }
@@ -87,23 +87,23 @@ echo "ok: kill -9 in the middle of a save; the supervisor resumed at step $resum
 "$gpipe" train lm.yaml --set output.dir=save6 --set checkpoint.every=6 > save6.log 2>&1 || { cat save6.log; fail "save at 6"; }
 "$gpipe" train lm.yaml --set output.dir=k3 --set pipeline.partitions=3 --set pipeline.micro_batches=6 \
   --set checkpoint.resume=save6/checkpoints/step-6 > k3.log 2>&1 || { cat k3.log; fail "resume at K=3, M=6"; }
-close k3/report.json ref/report.json 6
+close k3/report.json ref/report.json 7
 "${mpirun[@]}" -np 4 "$gpipe" train lm.yaml --set output.dir=dp --set pipeline.replicas=2 \
   --set checkpoint.resume=save6/checkpoints/step-6 > dp.log 2>&1 || { cat dp.log; fail "resume at K=2 x D=2"; }
-close dp/report.json ref/report.json 6
+close dp/report.json ref/report.json 7
 echo "ok: resumed at K=3, M=6 and at K=2 x D=2 (mpirun) to the uninterrupted losses within 1e-12"
 # A resumed run traces the steps after its checkpoint (trace.steps not given), one
 # process and mpirun alike.
 for r in k3 dp; do
-  python3 -c "import json, sys; t = json.load(open(sys.argv[1]))['trace']; assert t['steps'] == [7, 11], t" \
-    "$r/report.json" || fail "$r: the resumed run's trace does not hold steps 7..11"
+  python3 -c "import json, sys; t = json.load(open(sys.argv[1]))['trace']; assert t['steps'] == [8, 12], t" \
+    "$r/report.json" || fail "$r: the resumed run's trace does not hold steps 8..12 (7, its first, warms up)"
 done
 # Resuming a finished run trains nothing and leaves its reports as they were.
 before="$(md5sum save6/report.json save6/report.html)"
 "$gpipe" train lm.yaml --set output.dir=save6 --resume > again.log 2>&1 || { cat again.log; fail "resume of a finished run"; }
 grep -q "already reached train.steps = 12: nothing to train" again.log || { cat again.log; fail "no 'nothing to train'"; }
 [ "$(md5sum save6/report.json save6/report.html)" = "$before" ] || fail "resuming a finished run rewrote its reports"
-echo "ok: resumed runs trace steps 7..11; resuming a finished run trains nothing and keeps its reports"
+echo "ok: resumed runs trace steps 8..12; resuming a finished run trains nothing and keeps its reports"
 
 # Async saves, in one process and on two: complete checkpoints that resume bit for bit.
 "$gpipe" train lm.yaml --set output.dir=async1 --set checkpoint.every=3 --set checkpoint.keep=0 --set checkpoint.async=true \

@@ -65,7 +65,7 @@ for o in sys.argv[2:]: b[len(b) - int(o)] ^= 0xFF
 open(p, "wb").write(b)
 PY
 }
-resumed_from() { grep -oE 'resumed from [^ ]+step-[0-9]+ at step [0-9]+' "$1" | tail -1 | grep -oE '[0-9]+$'; }
+resumed_from() { grep -oE 'resumed from [^ ]+step-[0-9]+ after step [0-9]+' "$1" | tail -1 | grep -oE '[0-9]+$'; }
 
 "$gpipe" train mlp.yaml --set output.dir=ref > ref.log 2>&1 || { cat ref.log; fail "the uninterrupted run"; }
 
@@ -93,7 +93,7 @@ new_id="$(python3 -c "import json; print(json.load(open('old/report.json'))['run
 expect 2 changed.log $? "optimizer.lr: 0.01 -> 0.02" "checkpoint.allow_changes=[optimizer.lr]"
 "$gpipe" train mlp.yaml --set output.dir=old/previous/$old_id --set train.steps=14 --set optimizer.lr=0.02 --resume \
   --set checkpoint.allow_changes=[optimizer.lr] > allowed.log 2>&1
-expect 0 allowed.log $? "resumed from old/previous/$old_id/checkpoints/step-12 at step 12 (run $old_id)"
+expect 0 allowed.log $? "resumed from old/previous/$old_id/checkpoints/step-12 after step 12 (run $old_id)"
 # A run that saved no checkpoint leaves reports only: --resume would start from step 0
 # over them, and is refused; the fresh-run message does not offer --resume.
 "$gpipe" train mlp.yaml --set output.dir=nockpt --set train.steps=3 > nockpt.log 2>&1 || { cat nockpt.log; fail "nockpt"; }
@@ -123,7 +123,7 @@ eval "exec $again" > hint2.log 2>&1 &  # exec: the signal goes to gpipe, not to 
 job=$!
 for _ in $(seq 600); do grep -q '^step ' hint2.log && break; sleep 0.1; done
 kill -INT $job; wait $job
-expect 130 hint2.log $? "resumed from hint/checkpoints/step-$stopped at step $stopped"
+expect 130 hint2.log $? "resumed from hint/checkpoints/step-$stopped after step $stopped"
 echo "ok: the hint after Ctrl-C, pasted, resumed the same run at step $stopped"
 
 # 2. Damaged and mixed-up checkpoints are named and skipped.
@@ -180,7 +180,7 @@ for sig in INT TERM INT; do
   [ -n "$step0" ] && [ "$step0" = "$step1" ] || { cat sig.log; fail "SIG$sig: the ranks stopped after steps $step0 and $step1"; }
   [ -e "sig/checkpoints/step-$step0/COMPLETE" ] || { cat sig.log; fail "SIG$sig: step-$step0 is not complete"; }
   "$gpipe" train mlp.yaml --set output.dir=sig --set train.steps=$((step0 + 1)) --resume > sig2.log 2>&1
-  expect 0 sig2.log $? "resumed from sig/checkpoints/step-$step0 at step $step0"
+  expect 0 sig2.log $? "resumed from sig/checkpoints/step-$step0 after step $step0"
   echo "ok: SIG$sig to gpipe run --np 2: exit $want, both ranks saved step $step0, which resumes"
 done
 # Replicas of a one-stage pipeline (K = 1 x D = 2) save once, through replica 0 (both
@@ -191,7 +191,7 @@ expect 0 k1d2.log $? "saved checkpoint k1d2/checkpoints/step-12"
 "${mpirun[@]}" -np 2 "$gpipe" train mlp.yaml --set output.dir=k1d2 --set pipeline.partitions=1 \
   --set pipeline.replicas=2 --set checkpoint.resume=k1d2/checkpoints/step-8 \
   > k1d2b.log 2>&1
-expect 0 k1d2b.log $? "resumed from k1d2/checkpoints/step-8 at step 8"
+expect 0 k1d2b.log $? "resumed from k1d2/checkpoints/step-8 after step 8"
 echo "ok: K=1 x D=2 saves each checkpoint once and resumes"
 # Plain mpirun: SIGTERM reaches the ranks after odls_base_sigkill_timeout seconds and
 # SIGKILL after twice that (mpirun itself exits 1); SIGUSR2 is forwarded at once.
@@ -251,7 +251,7 @@ at="$(resumed_from frozen.log)"
 python3 -c "
 import json, sys
 steps = [s['step'] for s in json.load(open('frozen/report.json'))['steps']]
-assert steps == list(range(60)), steps" || fail "frozen: report.json does not hold steps 0..59"
+assert steps == list(range(1, 61)), steps" || fail "frozen: report.json does not hold steps 1..60"
 echo "ok: kill -STOP of the child: killed after 2 x pipeline.timeout_s without progress, resumed at step $at, finished"
 # Both ranks of a two-process job frozen (so no transport deadline fires): the
 # supervisor kills the ranks and mpirun, and restarts the job.
@@ -299,10 +299,10 @@ fi
 python3 - <<'PY' || fail "the resumed run's report.json does not hold the whole run"
 import json
 r = json.load(open("hist/report.json")); ref = json.load(open("ref/report.json"))
-assert [s["step"] for s in r["steps"]] == list(range(12)), r["steps"]
+assert [s["step"] for s in r["steps"]] == list(range(1, 13)), r["steps"]
 assert [s["loss"] for s in r["steps"]] == [s["loss"] for s in ref["steps"]]
 assert [s["launch"] for s in r["steps"]] == [1] * 5 + [2] * 7, r["steps"]
-assert [(l["launch"], l["first_step"]) for l in r["launches"]] == [(1, 0), (2, 5)], r["launches"]
+assert [(l["launch"], l["first_step"]) for l in r["launches"]] == [(1, 1), (2, 6)], r["launches"]
 PY
 echo "ok: a resumed run's report.json holds all 12 steps, in 2 launches, with the uninterrupted losses"
 echo "PASS"

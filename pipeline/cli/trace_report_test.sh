@@ -42,8 +42,30 @@ check() {  # name, stages, instructions per stage
   python3 "$report_check" "$tmp/$1/report.html" "$2" 2,5 || { echo "FAIL: $1's page"; exit 1; }
 }
 
-run gpipe_k2 1
+run gpipe_k2 1 --set train.log_interval=2 --set train.eval_interval=3
 check gpipe_k2 2 20,20
+# One step numbering everywhere, the terminal's (from 1): each progress line's step and
+# loss is report.json's step of that number, the trace's step slices carry the numbers
+# of trace.steps with report.json's losses, and the validations sit at the steps the
+# terminal printed them after (3, 6) and at the last (7).
+python3 - "$tmp/gpipe_k2.log" "$tmp/gpipe_k2/report.json" "$tmp/gpipe_k2/trace.json" <<'PY' ||
+import json, re, sys
+log, report, trace = open(sys.argv[1]).read(), json.load(open(sys.argv[2])), json.load(open(sys.argv[3]))
+printed = [(int(m[1]), float(m[2]), m[3]) for m in re.finditer(r"step +(\d+)/7  loss (\S+)(  val_loss \S+)?", log)]
+assert [p[0] for p in printed] == [1, 2, 3, 4, 6, 7], printed
+steps = {s["step"]: s["loss"] for s in report["steps"]}
+assert sorted(steps) == list(range(1, 8)), sorted(steps)
+for n, loss, _ in printed:
+    assert abs(steps[n] - loss) <= 5e-5 * max(1, abs(loss)), (n, loss, steps[n])
+assert [v["step"] for v in report["validation"]] == [3, 6, 7], report["validation"]
+assert [p[0] for p in printed if p[2]] == [3, 6], printed
+assert report["trace"]["steps"] == [2, 5], report["trace"]
+traced = {e["args"]["step"]: e["args"]["loss"] for e in trace["traceEvents"] if e.get("cat") == "step"}
+assert sorted(traced) == [2, 3, 4, 5], sorted(traced)
+assert all(traced[n] == steps[n] for n in traced), (traced, steps)
+assert [l["first_step"] for l in report["launches"]] == [1], report["launches"]
+PY
+  { echo "FAIL: the terminal, report.json and the trace number steps differently"; exit 1; }
 run zb_k3 1 --set pipeline.partitions=3 --set pipeline.schedule=zero_bubble
 check zb_k3 3 24,32,24
 run interleaved 1 --set pipeline.schedule=interleaved_1f1b --set pipeline.virtual_stages=2

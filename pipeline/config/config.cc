@@ -563,19 +563,19 @@ std::optional<YAML::Node> decode_output(Decoder& dec, const YAML::Node& root, Co
 // trace: which steps are traced; output.trace: whether trace.json is written (see
 // TraceConfig). Needs train.steps.
 void decode_trace(Decoder& dec, const YAML::Node& root, const std::optional<YAML::Node>& trace_flag, Config& c) {
-  const int last = c.train.steps - 1;
-  c.trace = default_trace_window(0, c.train.steps);
+  const int last = c.train.steps;
+  c.trace = default_trace_window(1, c.train.steps);
   c.output.trace = c.train.steps <= kTraceDefaultMaxSteps;
   if (const YAML::Node tr = root["trace"]) {
     dec.check_map(tr, "trace", {"steps"});
     if (const YAML::Node st = tr["steps"]) {
       const std::vector<int64_t> v = dec.int_list(st, "trace.steps");
-      if (v.size() != 2) dec.fail(st, "trace.steps", "expected [first, last], e.g. [1, 10]");
-      if (v[0] < 0 || v[1] < v[0] || v[1] > last) {
+      if (v.size() != 2) dec.fail(st, "trace.steps", "expected [first, last], e.g. [2, 11]");
+      if (v[0] < 1 || v[1] < v[0] || v[1] > last) {
         dec.fail(st, "trace.steps",
-                 "[" + std::to_string(v[0]) + ", " + std::to_string(v[1]) + "] is not a range of this run's steps 0.." +
-                     std::to_string(last) + " (0-based, first <= last); e.g. [1, " + std::to_string(std::min(10, last)) +
-                     "]");
+                 "[" + std::to_string(v[0]) + ", " + std::to_string(v[1]) + "] is not a range of this run's steps 1.." +
+                     std::to_string(last) + " (numbered from 1, as the progress lines are; first <= last); e.g. [" +
+                     std::to_string(std::min(2, last)) + ", " + std::to_string(std::min(11, last)) + "]");
       }
       c.trace.first_step = static_cast<int>(v[0]);
       c.trace.last_step = static_cast<int>(v[1]);
@@ -654,8 +654,8 @@ Config parse_config(const std::string& text, const std::string& source, const st
 
 TraceConfig default_trace_window(int first, int steps) {
   TraceConfig w;
-  w.first_step = std::min(first + 1, steps - 1);
-  w.last_step = std::min(first + kTraceDefaultSteps, steps - 1);
+  w.first_step = std::min(first + 1, steps);  // the launch's first step warms up
+  w.last_step = std::min(first + kTraceDefaultSteps, steps);
   return w;
 }
 

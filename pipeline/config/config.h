@@ -116,18 +116,18 @@ struct RunOptions {
 };
 
 // Which steps the trace (and report.html's timeline, which shows the median one) records:
-// [first_step, last_step], 0-based as in report.json. Default: steps 1 .. 10 (step 0
-// warms up), clipped to the run; a one-step run records step 0. A window, so that a
-// long run's trace stays small.
+// [first_step, last_step], numbered from 1 as in the terminal and report.json. Default:
+// steps 2 .. 11 (step 1 warms up), clipped to the run; a one-step run records step 1. A
+// window, so that a long run's trace stays small.
 struct TraceConfig {
-  int first_step = 1, last_step = 10;
+  int first_step = 2, last_step = 11;
   bool given = false;  // trace.steps written in the config (a resumed run keeps it)
 };
 constexpr int kTraceDefaultMaxSteps = 1000;
 constexpr int kTraceDefaultSteps = 10;
-// The default window of a run of `steps` steps that starts at `first` (0, or a resumed
-// run's checkpoint step): the kTraceDefaultSteps steps after `first` (which warms up),
-// clipped to the run.
+// The default window of a launch of a run of `steps` steps whose first step is number
+// `first` (1, or a resumed run's checkpoint step + 1): the kTraceDefaultSteps steps after
+// `first` (which warms up), clipped to the run.
 TraceConfig default_trace_window(int first, int steps);
 
 struct Config {

@@ -119,8 +119,8 @@ TEST_CASE("malformed YAML and bad overrides are clear errors") {
 TEST_CASE("trace and planner keys: defaults, values and errors naming the key") {
   const Config c = parse_config(kBase, "t.yaml");
   CHECK(c.output.trace);  // 5 steps: a short run
-  CHECK(c.trace.first_step == 1);
-  CHECK(c.trace.last_step == 4);  // clipped to the run
+  CHECK(c.trace.first_step == 2);  // steps are numbered from 1, and step 1 warms up
+  CHECK(c.trace.last_step == 5);   // clipped to the run
   CHECK(c.pipeline.balance_by == "estimate");
   CHECK(c.pipeline.profile == "runs/t/profile.json");
   CHECK(c.pipeline.memory_limit == 0);
@@ -130,11 +130,15 @@ TEST_CASE("trace and planner keys: defaults, values and errors naming the key") 
   CHECK(asked.trace.first_step == 100);
   CHECK(asked.trace.last_step == 120);
   CHECK_FALSE(parse_config(kBase, "t.yaml", {"trace.steps=[1, 2]", "output.trace=false"}).output.trace);
-  CHECK(parse_config(kBase, "t.yaml", {"train.steps=1"}).trace.first_step == 0);
+  CHECK(parse_config(kBase, "t.yaml", {"train.steps=1"}).trace.first_step == 1);
+  CHECK(parse_config(kBase, "t.yaml", {"train.steps=1"}).trace.last_step == 1);
+  CHECK(parse_config(kBase, "t.yaml", {"trace.steps=[5, 5]"}).trace.last_step == 5);  // the last step, 5 of 5
   CHECK(parse_config(kBase, "t.yaml", {"pipeline.memory_limit=20GiB"}).pipeline.memory_limit == (int64_t{20} << 30));
   CHECK(parse_config(kBase, "t.yaml", {"pipeline.memory_limit=1.5 GB"}).pipeline.memory_limit == 1500000000);
   CHECK(parse_config(kBase, "t.yaml", {"pipeline.memory_limit=4096"}).pipeline.memory_limit == 4096);
-  CHECK(error_of(kBase, {"trace.steps=[3, 9]"}).find("trace.steps: [3, 9] is not a range of this run's steps 0..4") !=
+  CHECK(error_of(kBase, {"trace.steps=[3, 9]"}).find("trace.steps: [3, 9] is not a range of this run's steps 1..5") !=
+        std::string::npos);
+  CHECK(error_of(kBase, {"trace.steps=[0, 2]"}).find("not a range of this run's steps 1..5 (numbered from 1") !=
         std::string::npos);
   CHECK(error_of(kBase, {"trace.steps=[2]"}).find("expected [first, last]") != std::string::npos);
   CHECK(error_of(kBase, {"output.trace=maybe"}).find("output.trace: expected true or false") != std::string::npos);

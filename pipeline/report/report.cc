@@ -34,7 +34,7 @@ std::string describe_layers(const layers::Sequential& model, int first, int coun
 ReportBuilder::ReportBuilder(std::vector<std::string> stage_layers, std::vector<std::string> stage_devices,
                              Schedule program, RecomputeMode recompute, int64_t batch_size)
     : layers_(std::move(stage_layers)), devices_(std::move(stage_devices)), program_(std::move(program)),
-      recompute_(recompute), batch_size_(batch_size), launch_first_{0}, acc_(layers_.size()),
+      recompute_(recompute), batch_size_(batch_size), launch_first_{1}, acc_(layers_.size()),
       op_time_(layers_.size()) {
   if (static_cast<int>(layers_.size()) != program_.num_stages || devices_.size() != layers_.size()) {
     throw Error("ReportBuilder: " + std::to_string(layers_.size()) + " stage descriptions and " +
@@ -49,7 +49,7 @@ ReportBuilder::ReportBuilder(std::vector<std::string> stage_layers, std::vector<
 }
 
 void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool timed) {
-  if (!first_step_known_) {  // no history carried over: this launch starts at its first step (0 when fresh)
+  if (!first_step_known_) {  // no history carried over: this launch starts at its first step (1 when fresh)
     launch_first_.back() = step;
     first_step_known_ = true;
   }
@@ -115,7 +115,11 @@ void ReportBuilder::add_validation(int step, double loss, double accuracy) {
 
 namespace {
 
-constexpr int kHistoryVersion = 1;
+// Version 2 numbers steps from 1, as every output does; version 1 (gpipe before
+// 2026-11-26) numbered them from 0 and is read by adding 1.
+constexpr int kHistoryVersion = 2;
+
+constexpr double kMiB = 1024.0 * 1024.0;  // memory is shown in MiB everywhere (the planner's tables too)
 
 Error malformed(const std::string& what) {
   return Error("malformed report history (saved with the checkpoint in trainer_state.json): " + what +
@@ -123,12 +127,15 @@ Error malformed(const std::string& what) {
                "with a report of this launch only");
 }
 
-// A step index: an integer in [0, INT_MAX].
-int step_of(const nlohmann::json& v, const std::string& where) {
+// A step number: an integer in [first, INT_MAX - 1] (first: 1, or 0 in a version-1 history).
+int step_of(const nlohmann::json& v, const std::string& where, int first) {
   if (!v.is_number_integer()) throw malformed(where + " is " + v.dump() + ", not an integer step");
-  if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(INT_MAX)
-                             : (v.get<int64_t>() < 0 || v.get<int64_t>() > INT_MAX)) {
-    throw malformed(where + " is " + v.dump() + ", not a step from 0 to " + std::to_string(INT_MAX));
+  // JSON's non-negative integers are unsigned: 0 is one, and still below a first step of 1.
+  if (v.is_number_unsigned() ? (v.get<uint64_t>() >= static_cast<uint64_t>(INT_MAX) ||
+                                v.get<uint64_t>() < static_cast<uint64_t>(first))
+                             : (v.get<int64_t>() < first || v.get<int64_t>() >= INT_MAX)) {
+    throw malformed(where + " is " + v.dump() + ", not a step from " + std::to_string(first) + " to " +
+                    std::to_string(INT_MAX - 1));
   }
   return static_cast<int>(v.get<int64_t>());
 }
@@ -173,13 +180,16 @@ nlohmann::json ReportBuilder::history(int up_to_step) const {
 void ReportBuilder::carry_over(const nlohmann::json& h, int first_step) {
   GPIPE_CHECK(!first_step_known_ && losses_.empty() && validations_.empty(),
               "carry_over() comes before the launch's first step or validation, once");
-  GPIPE_CHECK(first_step >= 0, "a launch's first step is not negative");
+  GPIPE_CHECK(first_step >= 1, "a launch's first step is step 1 or later");
   if (!h.is_object()) throw malformed("it is " + std::string(h.type_name()) + ", not an object");
   if (!h.contains("version") || !h["version"].is_number_integer()) throw malformed("no integer \"version\"");
-  if (h["version"].get<int64_t>() != kHistoryVersion) {
-    throw malformed("version " + h["version"].dump() + ", this gpipe reads version " +
+  const int64_t version = h["version"].get<int64_t>();
+  if (version != kHistoryVersion && version != 1) {
+    throw malformed("version " + h["version"].dump() + ", this gpipe reads versions 1 and " +
                     std::to_string(kHistoryVersion) + " (a newer gpipe wrote it?)");
   }
+  const int shift = version == 1 ? 1 : 0;  // version 1 counted steps from 0
+  auto step_at = [&](const nlohmann::json& v, const std::string& where) { return step_of(v, where, 1 - shift) + shift; };
   // Launches: numbered 1, 2, ... in order, each starting after the one before and before this one.
   std::vector<int> firsts;
   for (const nlohmann::json& l : array_at(h, "launches")) {
@@ -190,7 +200,7 @@ void ReportBuilder::carry_over(const nlohmann::json& h, int first_step) {
     if (!l["launch"].is_number_integer() || l["launch"].get<int64_t>() != static_cast<int64_t>(firsts.size()) + 1) {
       throw malformed(where + " is numbered " + l["launch"].dump());
     }
-    const int f = step_of(l["first_step"], where + "'s first_step");
+    const int f = step_at(l["first_step"], where + "'s first_step");
     if (!firsts.empty() && f <= firsts.back()) {
       throw malformed(where + " starts at step " + std::to_string(f) + ", not after launch " +
                       std::to_string(firsts.size()) + "'s " + std::to_string(firsts.back()));
@@ -205,7 +215,7 @@ void ReportBuilder::carry_over(const nlohmann::json& h, int first_step) {
   const nlohmann::json& vals = array_at(h, "validations");
   if (firsts.empty() && (!steps.empty() || !vals.empty())) throw malformed("steps without a launch");
   // Steps and validations: in order, each in a launch and before this one.
-  const int lo = firsts.empty() ? 0 : firsts.front();
+  const int lo = firsts.empty() ? 1 : firsts.front();
   auto in_range = [&](int step, const std::string& where) {
     if (step < lo || step >= first_step) {
       throw malformed(where + " is at step " + std::to_string(step) + ", outside the history's steps " +
@@ -216,7 +226,7 @@ void ReportBuilder::carry_over(const nlohmann::json& h, int first_step) {
   for (const nlohmann::json& e : steps) {
     const std::string where = "steps[" + std::to_string(losses.size()) + "]";
     if (!e.is_array() || e.size() != 2) throw malformed(where + " is " + e.dump() + ", not [step, loss]");
-    const int step = step_of(e[0], where + "'s step");
+    const int step = step_at(e[0], where + "'s step");
     in_range(step, where);
     if (!losses.empty() && step <= losses.back().first) {
       throw malformed(where + " is step " + std::to_string(step) + ", not after step " +
@@ -228,7 +238,7 @@ void ReportBuilder::carry_over(const nlohmann::json& h, int first_step) {
   for (const nlohmann::json& e : vals) {
     const std::string where = "validations[" + std::to_string(validations.size()) + "]";
     if (!e.is_array() || e.size() != 3) throw malformed(where + " is " + e.dump() + ", not [step, loss, accuracy]");
-    const int step = step_of(e[0], where + "'s step");
+    const int step = step_at(e[0], where + "'s step");
     in_range(step, where);
     if (!validations.empty() && step < validations.back().step) {
       throw malformed(where + " is step " + std::to_string(step) + ", before step " +
@@ -346,11 +356,10 @@ std::string ReportBuilder::table() const {
                 static_cast<long long>(s.batch_size));
   os << line;
   if (s.launches.size() > 1 && !losses_.empty()) {
-    // Numbered from 1, as the progress lines above the table are.
     const LaunchSummary& now = s.launches.back();
     std::snprintf(line, sizeof line, "Run: steps %d-%d in %zu launches; timings are from launch %d (steps %d-%d)\n",
-                  losses_.front().first + 1, losses_.back().first + 1, s.launches.size(), s.timed_launch,
-                  now.first_step + 1, now.last_step + 1);
+                  losses_.front().first, losses_.back().first, s.launches.size(), s.timed_launch, now.first_step,
+                  now.last_step);
     os << line;
   }
   std::snprintf(line, sizeof line, "Per step, averaged over %d timed steps (span %.2f ms, wall %.2f ms):\n",
@@ -359,12 +368,18 @@ std::string ReportBuilder::table() const {
   std::snprintf(line, sizeof line, "%-5s %-28s %-7s %9s %9s %9s %8s %8s %8s %6s %10s\n", "stage", "layers", "device",
                 "fwd ms", "recomp ms", "bwd ms", "comm ms", "idle ms", "opt ms", "util", "peak act");
   os << line;
+  bool cut = false;  // a stage's layers longer than their column: listed in full under the table
   for (const auto& st : s.stages) {
-    std::snprintf(line, sizeof line, "%-5d %-28s %-7s %9.2f %9.2f %9.2f %8.2f %8.2f %8.2f %5.1f%% %7.2f MB\n",
-                  st.stage, st.layers.substr(0, 28).c_str(), st.device.c_str(), st.forward_ms, st.recompute_ms,
-                  st.backward_ms, st.comm_ms, st.idle_ms, st.optimizer_ms, 100 * st.utilization,
-                  st.peak_activation_bytes / 1e6);
+    const bool fits = st.layers.size() <= 28;
+    cut = cut || !fits;
+    std::snprintf(line, sizeof line, "%-5d %-28s %-7s %9.2f %9.2f %9.2f %8.2f %8.2f %8.2f %5.1f%% %6.2f MiB\n",
+                  st.stage, fits ? st.layers.c_str() : (st.layers.substr(0, 25) + "...").c_str(), st.device.c_str(),
+                  st.forward_ms, st.recompute_ms, st.backward_ms, st.comm_ms, st.idle_ms, st.optimizer_ms,
+                  100 * st.utilization, st.peak_activation_bytes / kMiB);
     os << line;
+  }
+  if (cut) {
+    for (const auto& st : s.stages) os << "  stage " << st.stage << " layers: " << st.layers << "\n";
   }
   if (s.predicted_bubble >= 0) {
     std::snprintf(line, sizeof line,
@@ -382,14 +397,14 @@ std::string ReportBuilder::table() const {
     const PlannedRun& p = s.plan;
     os << "Planned vs measured (the plan's costs: " << p.source << "):\n";
     std::snprintf(line, sizeof line, "%-5s %21s %21s %21s %21s\n", "stage", "busy ms plan/meas", "idle ms plan/meas",
-                  "util plan/meas", "peak act MB plan/meas");
+                  "util plan/meas", "peak act MiB plan/meas");
     os << line;
     for (size_t k = 0; k < s.stages.size(); ++k) {
       const StageSummary& m = s.stages[k];
       const PlannedStage& q = p.stages[k];
       std::snprintf(line, sizeof line, "%-5zu %10.2f / %8.2f %10.2f / %8.2f %9.1f%% / %7.1f%% %10.2f / %8.2f\n", k,
                     q.busy_ms, m.busy_ms, q.idle_ms, m.idle_ms, 100 * q.utilization, 100 * m.utilization,
-                    q.activation_bytes / 1e6, m.peak_activation_bytes / 1e6);
+                    q.activation_bytes / kMiB, m.peak_activation_bytes / kMiB);
       os << line;
     }
     std::snprintf(line, sizeof line,

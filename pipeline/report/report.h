@@ -40,11 +40,12 @@ struct StageSummary : StageTime {
 };
 
 // One launch of the run as the report shows it: its steps are [first_step, last_step]
-// (0-based; last_step = first_step - 1 and steps = 0 when none of its steps is kept).
+// (numbered from 1, as in the terminal; last_step = first_step - 1 and steps = 0 when none
+// of its steps is kept).
 struct LaunchSummary {
   int launch = 1;
-  int first_step = 0;
-  int last_step = -1;
+  int first_step = 1;
+  int last_step = 0;
   int steps = 0;  // the steps of the report that ran in it
 };
 
@@ -80,12 +81,13 @@ class ReportBuilder {
   // stage_layers and stage_devices describe the program's stages, one entry each.
   ReportBuilder(std::vector<std::string> stage_layers, std::vector<std::string> stage_devices, Schedule program,
                 RecomputeMode recompute, int64_t batch_size);
-  // Timings of a step; steps before `timed` (warm-up) only contribute their loss.
+  // Step number `step` (from 1, as every output numbers steps) and its timings; a step
+  // that is not `timed` (the warm-up) only contributes its loss.
   void add_step(int step, double loss, const StepResult& r, bool timed);
   void set_eval(double loss, double accuracy);
   // What the planner predicted for this run, shown beside the measurements.
   void set_prediction(PlannedRun plan) { plan_ = std::move(plan); has_plan_ = true; }
-  // A validation score taken after `step`.
+  // A validation score taken after step number `step`.
   void add_validation(int step, double loss, double accuracy);
   RunSummary summary() const;
   // The schedule simulated with the measured mean time of each instruction kind per
@@ -99,14 +101,16 @@ class ReportBuilder {
   const std::vector<Validation>& validations() const { return validations_; }
 
   // The run's history so far, for a checkpoint's trainer_state.json: every launch, and every
-  // step's loss and validation up to and including `up_to_step` (0-based step index; steps after it are left out).
-  //   {"version": 1, "launches": [{"launch": 1, "first_step": 0}, ...],
+  // step's loss and validation up to and including step number `up_to_step` (the number of steps
+  // done; steps after it are left out).
+  //   {"version": 2, "launches": [{"launch": 1, "first_step": 1}, ...],
   //    "steps": [[step, loss], ...], "validations": [[step, loss, accuracy], ...]}
   // A launch that starts after `up_to_step` is left out too (it has no step in the history).
   nlohmann::json history(int up_to_step) const;
   // A resumed launch: the history saved with its checkpoint (steps and validations before
   // `first_step`, the launches before this one); this launch is numbered after them and starts at first_step.
-  // Throws gpipe::Error on a malformed history. A run that starts fresh calls nothing and is launch 1 starting at step 0.
+  // Throws gpipe::Error on a malformed history. A run that starts fresh calls nothing and is launch 1 starting at step 1.
+  // Reads version 1 too (steps numbered from 0) and renumbers it.
   // Call it before this launch's first add_step or add_validation.
   void carry_over(const nlohmann::json& history, int first_step);
   // This launch's number (1 for a fresh run): the one the timings come from.

@@ -98,6 +98,8 @@ def check_launches(j, labels):
     if [l["launch"] for l in launches] != list(range(1, len(launches) + 1)):
         fail("launches numbered %r" % [l["launch"] for l in launches])
     firsts = [l["first_step"] for l in launches]
+    if any(f < 1 for f in firsts) or any(s["step"] < 1 for s in j["steps"]):
+        fail("steps numbered from 0; the terminal numbers them from 1 (launches start at %r)" % firsts)
     if firsts != sorted(set(firsts)):
         fail("launches start at %r, not increasing" % firsts)
     if j["timed_launch"] != len(launches):
@@ -122,7 +124,7 @@ def check_launches(j, labels):
                 l["launch"], (l["first_step"], l["last_step"], l["steps"]), want))
     last = max(s["step"] for s in j["steps"]) if j["steps"] else -1
     want = ["launch %d: resumed at step %d" % (l["launch"], l["first_step"])
-            for l in launches[1:] if 0 <= l["first_step"] <= last]
+            for l in launches[1:] if 1 <= l["first_step"] <= last]
     if sorted(labels) != sorted(want):
         fail("the loss chart marks %r, want %r" % (labels, want))
 

@@ -335,7 +335,7 @@ int64_t RunCheckpoints::resume() {
     executor_.restore_state(k, model, optimizer);
   }
   executor_.set_step(static_cast<uint64_t>(loaded.step));
-  spdlog::info("resumed from {} at step {} (run {})", loaded.path, loaded.step, run_id_.empty() ? "?" : run_id_);
+  spdlog::info("resumed from {} after step {} (run {})", loaded.path, loaded.step, run_id_.empty() ? "?" : run_id_);
   return loaded.step;
 }
 

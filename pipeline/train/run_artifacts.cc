@@ -32,7 +32,7 @@ RunArtifacts::RunArtifacts(const Config& c, const layers::Sequential& model, con
 }
 
 void RunArtifacts::starts_at(int step) {
-  if (step == 0) return;
+  if (step == 1) return;  // a fresh run: the configured window stands
   if (!config_.trace.given) {
     const TraceConfig w = default_trace_window(step, config_.train.steps);
     recorder_ = StepRecorder(w.first_step, w.last_step);

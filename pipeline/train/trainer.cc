@@ -203,12 +203,12 @@ layers::LrSchedule lr_schedule(const Config& c) {
 }
 
 // A step whose loss is not finite ends the run before anything of it is written.
-void check_loss_finite(double loss, int step, double lr) {
+void check_loss_finite(double loss, int number, double lr) {
   if (std::isfinite(loss)) return;
   char now[32];
   std::snprintf(now, sizeof now, "%g", lr);  // std::to_string(1e300) has 300 digits
   throw UserError("the loss became " + std::string(std::isnan(loss) ? "NaN" : "infinite") + " at step " +
-                  std::to_string(step) + "; lower optimizer.lr (now " + now +
+                  std::to_string(number) + "; lower optimizer.lr (now " + now +
                   "), set optimizer.clip_grad_norm, or check the data. Nothing was written for this step.");
 }
 
@@ -228,14 +228,14 @@ StepResult run_step(Executor& executor, Transport& transport, const Dataset& dat
   executor.set_lr(lr);
   StepResult r = executor.step(x, y);
   if (launch.size > 1) r = gather_timings(std::move(r), launch);
-  check_loss_finite(r.loss, step, lr);
+  check_loss_finite(r.loss, step + 1, lr);  // the step's number, as the progress lines print it
   return r;
 }
 
-// The progress line of step `step` (0-based; printed from 1): its loss, the validation
+// The progress line of step number `number` (from 1): its loss, the validation
 // loss when one was taken (val_loss >= 0), the gradient norm when clipping measured it,
 // the learning rate and the speed since the last line.
-std::string progress_line(int step, int steps, double loss, double val_loss, double grad_norm, double lr,
+std::string progress_line(int number, int steps, double loss, double val_loss, double grad_norm, double lr,
                           double samples_per_second) {
   char line[256];
   size_t len = 0;
@@ -245,7 +245,7 @@ std::string progress_line(int step, int steps, double loss, double val_loss, dou
   auto append = [&](const char* format, auto... args) {
     if (len < sizeof line) len += static_cast<size_t>(std::snprintf(line + len, sizeof line - len, format, args...));
   };
-  append("step %5d/%d  loss %.4f", step + 1, steps, loss);
+  append("step %5d/%d  loss %.4f", number, steps, loss);
   if (val_loss >= 0) append("  val_loss %.4f", val_loss);
   if (grad_norm >= 0) append("  grad_norm %.3f", grad_norm);
   append("  lr %.3g  %.1f samples/s", lr, samples_per_second);
@@ -340,11 +340,11 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   // Saved state: resume where a checkpoint left off, save every checkpoint.every steps,
   // on SIGUSR1, and before stopping on SIGINT or SIGTERM.
   RunCheckpoints checkpoints(c, plan, *model, executor, launch, transport);
-  if (reports) checkpoints.set_history([&](int64_t done) { return report.history(static_cast<int>(done) - 1); });
+  if (reports) checkpoints.set_history([&](int64_t done) { return report.history(static_cast<int>(done)); });
   const int start = static_cast<int>(checkpoints.resume());
   result.start_step = start;
   if (reports && start > 0 && !checkpoints.resumed_history().is_null()) {
-    report.carry_over(checkpoints.resumed_history(), start);
+    report.carry_over(checkpoints.resumed_history(), start + 1);
   }
   if (start >= c.train.steps) {
     // A finished run resumed (a restart after its last checkpoint): its reports stay.
@@ -356,16 +356,17 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
     result.checkpoint_path = checkpoints.last_saved();
     return result;
   }
-  artifacts.starts_at(start);
+  artifacts.starts_at(start + 1);
   if (artifacts.has_prediction()) report.set_prediction(artifacts.prediction());
   double window_ms = 0;
   int window_steps = 0;
   for (int step = start; step < c.train.steps; ++step) {
+    const int number = step + 1;  // the step's number in every output (terminal, report, trace, page): from 1
     const StepResult r = run_step(executor, transport, *data, c, plan, launch, step, lr.at(step));
     result.losses.push_back(r.loss);
     // The first step warms caches and allocators; it is left out of the timings.
-    if (reports) report.add_step(step, r.loss, r, c.train.steps - start == 1 || step > start);
-    if (reports) artifacts.add_step(step, r.loss, r);
+    if (reports) report.add_step(number, r.loss, r, c.train.steps - start == 1 || step > start);
+    if (reports) artifacts.add_step(number, r.loss, r);
     window_ms += r.wall_ms;
     ++window_steps;
     const bool last = step + 1 == c.train.steps;
@@ -374,22 +375,22 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
       double val_loss = -1;
       if (eval_now) {
         const auto [vl, va] = validate();
-        report.add_validation(step, vl, va);
+        report.add_validation(number, vl, va);
         val_loss = vl;
       }
-      const std::string line = progress_line(step, c.train.steps, r.loss, val_loss, r.grad_norm, lr.at(step),
+      const std::string line = progress_line(number, c.train.steps, r.loss, val_loss, r.grad_norm, lr.at(step),
                                              c.train.batch_size * window_steps / (window_ms / 1000.0));
       if (writes) out << line << std::endl;
       window_ms = 0;
       window_steps = 0;
     }
-    checkpoints.after_step(step + 1, lr.at(step));
+    checkpoints.after_step(number, lr.at(step));
   }
   checkpoints.wait_for_last_save();
   result.checkpoint_path = checkpoints.last_saved();
   if (eval_n > 0) {
     std::tie(result.eval_loss, result.eval_accuracy) = validate();
-    report.add_validation(c.train.steps - 1, result.eval_loss, result.eval_accuracy);
+    report.add_validation(c.train.steps, result.eval_loss, result.eval_accuracy);
     report.set_eval(result.eval_loss, result.eval_accuracy);
   }
   if (!reports) return result;  // stage 0 of the pipeline reports for it

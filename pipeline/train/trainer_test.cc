@@ -82,7 +82,7 @@ TEST_CASE("report.json carries steps, stages and the bubble") {
   const nlohmann::json j = nlohmann::json::parse(f);
   REQUIRE(j["steps"].size() == 5);
   for (int i = 0; i < 5; ++i) {
-    CHECK(j["steps"][i]["step"] == i);
+    CHECK(j["steps"][i]["step"] == i + 1);  // numbered from 1, as the progress lines are
     CHECK(j["steps"][i]["loss"].get<double>() == r.losses[i]);  // every step's loss, as trained
   }
   CHECK(j["timed_steps"] == 4);  // the first step is a warm-up
@@ -210,7 +210,7 @@ train: {steps: 6, batch_size: 24, log_interval: 1}
   std::ostringstream log;
   Config c = parse_config(wide, "wide.yaml", {"output.dir=" + out_dir("huge")});
   c.optimizer.optimizer.lr = 1e300;
-  CHECK_THROWS_WITH_AS(train(c, log), doctest::Contains("the loss became NaN at step 2; lower optimizer.lr (now 1e+300)"),
+  CHECK_THROWS_WITH_AS(train(c, log), doctest::Contains("the loss became NaN at step 3; lower optimizer.lr (now 1e+300)"),
                        UserError);
   CAPTURE(log.str());
   CHECK(log.str().find("step     2/6  loss 888") != std::string::npos);
