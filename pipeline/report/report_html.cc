@@ -41,7 +41,11 @@ std::string signed_pct(double planned, double measured) {
   return (d >= 0 ? "+" : "") + num(d, 1) + "%";
 }
 
-std::string mb(double bytes) { return num(bytes / 1e6, bytes < 1e7 ? 2 : 1) + " MB"; }
+// Memory in MiB (2^20 bytes), as the terminal and the planner show it.
+std::string mb(double bytes) {
+  const double mib = bytes / (1024.0 * 1024.0);
+  return num(mib, mib < 10 ? 2 : 1) + " MiB";
+}
 
 // The same colour for an instruction kind everywhere on the page (and the legend).
 const char* colour(Op op) {
@@ -70,7 +74,12 @@ struct Block {
 
 // ---- The timeline: one row per stage (compute lane, communication lane under it).
 
-constexpr double kLeft = 150, kWidth = 1000, kLane = 24, kCommLane = 9, kRowGap = 10;
+// The SVG is drawn in these units and scaled to the page's width by the style sheet
+// (svg.timeline), so that it fits a 800 px window as well as a 1400 px one.
+constexpr double kLeft = 118, kWidth = 800, kRight = 34, kLane = 24, kCommLane = 9, kRowGap = 10;
+
+// A stage's chunk (virtual stage) as the page names it: a, b, c, ...
+std::string chunk_letter(int chunk) { return std::string(1, static_cast<char>('a' + chunk % 26)); }
 
 std::string timeline_svg(const Schedule& s, const std::vector<std::vector<Block>>& rows, double scale_ms,
                          const std::vector<std::string>& names) {
@@ -79,18 +88,23 @@ std::string timeline_svg(const Schedule& s, const std::vector<std::vector<Block>
   const double height = 22 + K * row_h + 6;
   const double px = kWidth / std::max(scale_ms, 1e-9);
   std::ostringstream o;
-  o << "<svg class=\"timeline\" width=\"" << kLeft + kWidth + 20 << "\" height=\"" << height << "\" viewBox=\"0 0 "
-    << kLeft + kWidth + 20 << " " << height << "\" role=\"img\">\n";
+  const double total_w = kLeft + kWidth + kRight;
+  o << "<svg class=\"timeline\" width=\"" << total_w << "\" height=\"" << height << "\" viewBox=\"0 0 " << total_w
+    << " " << height << "\" role=\"img\">\n";
   // Time axis: about ten ticks at a round step.
   const double raw = scale_ms / 10;
   const double mag = std::pow(10.0, std::floor(std::log10(std::max(raw, 1e-9))));
   const double step = raw / mag < 2 ? 2 * mag : raw / mag < 5 ? 5 * mag : 10 * mag;
   for (double t = 0; t <= scale_ms + 1e-9; t += step) {
     const double x = kLeft + t * px;
+    const std::string label = num(t, step < 1 ? 1 : 0) + " ms";
+    // A label is centred on its tick unless that would run past the drawing's right edge.
+    const bool at_end = x + 3.5 * static_cast<double>(label.size()) > total_w;
     o << "<line x1=\"" << x << "\" y1=\"14\" x2=\"" << x << "\" y2=\"" << height - 6
-      << "\" class=\"grid\"/><text x=\"" << x << "\" y=\"11\" class=\"tick\">" << num(t, step < 1 ? 1 : 0)
-      << " ms</text>\n";
+      << "\" class=\"grid\"/><text x=\"" << (at_end ? total_w - 1 : x) << "\" y=\"11\" class=\"tick"
+      << (at_end ? " end" : "") << "\">" << label << "</text>\n";
   }
+  const bool chunks = s.num_chunks() > 1;
   for (int k = 0; k < K; ++k) {
     const double y = 20 + k * row_h;
     o << "<text x=\"" << kLeft - 8 << "\" y=\"" << y + kLane / 2 + 4 << "\" class=\"rowname\">" << esc(names[k])
@@ -105,13 +119,19 @@ std::string timeline_svg(const Schedule& s, const std::vector<std::vector<Block>
       const double by = comm ? y + kLane + 1 : y;
       const double bh = comm ? kCommLane - 2 : kLane;
       const std::string name = instruction_str(s, k, b.ins);
+      // With several chunks per stage, a later chunk's blocks are a lighter shade and
+      // their labels carry the chunk's letter: "3a" is micro-batch 3 in chunk a.
+      const bool later_chunk = chunks && is_compute(b.ins.op) && b.ins.chunk > 0;
       o << "<rect x=\"" << num(x, 2) << "\" y=\"" << by << "\" width=\"" << num(std::max(w, 0.6), 2) << "\" height=\""
-        << bh << "\" fill=\"" << colour(b.ins.op) << "\"><title>" << esc(name) << " (" << op_name(b.ins.op)
+        << bh << "\" fill=\"" << colour(b.ins.op) << "\"" << (later_chunk ? " class=\"later\"" : "") << "><title>"
+        << esc(name) << " (" << op_name(b.ins.op) << (chunks && has_cell(b.ins.op) ? ", chunk " + chunk_letter(b.ins.chunk) : "")
         << "), stage " << k << ": " << num(b.start, 3) << " to " << num(b.end, 3) << " ms (" << num(b.end - b.start, 3)
         << " ms)</title></rect>\n";
-      if (has_cell(b.ins.op) && !comm && b.ins.micro_batch >= 0 && w >= 12) {
-        o << "<text x=\"" << num(x + w / 2, 2) << "\" y=\"" << y + kLane / 2 + 4 << "\" class=\"mb\">"
-          << b.ins.micro_batch << "</text>\n";
+      const std::string label =
+          std::to_string(b.ins.micro_batch) + (chunks && has_cell(b.ins.op) ? chunk_letter(b.ins.chunk) : "");
+      if (has_cell(b.ins.op) && !comm && b.ins.micro_batch >= 0 && w >= 5 + 7 * static_cast<double>(label.size())) {
+        o << "<text x=\"" << num(x + w / 2, 2) << "\" y=\"" << y + kLane / 2 + 4 << "\" class=\"mb\">" << label
+          << "</text>\n";
       }
     }
   }
@@ -119,7 +139,7 @@ std::string timeline_svg(const Schedule& s, const std::vector<std::vector<Block>
   return o.str();
 }
 
-std::string legend() {
+std::string legend(int num_chunks) {
   std::ostringstream o;
   o << "<div class=\"legend\">";
   const std::pair<Op, const char*> items[] = {
@@ -131,7 +151,12 @@ std::string legend() {
   for (const auto& [op, text] : items) {
     o << "<span><i style=\"background:" << colour(op) << "\"></i>" << text << "</span>";
   }
-  o << "<span><i class=\"gap\"></i>idle (gap)</span></div>\n";
+  o << "<span><i class=\"gap\"></i>idle (gap)</span>";
+  if (num_chunks > 1) {
+    o << "<span>3a, 3b: micro-batch 3 in the stage's chunk a or b (virtual stages; see Stages); a later chunk's "
+         "blocks are lighter</span>";
+  }
+  o << "</div>\n";
   return o.str();
 }
 
@@ -156,7 +181,7 @@ double extent(const std::vector<std::vector<Block>>& rows) {
 
 std::string stage_bar(double compute, double recompute, double comm, double idle, double span) {
   std::ostringstream o;
-  const double w = 220;
+  const double w = 110;
   const double total = std::max(span, compute + recompute + comm + idle);
   double x = 0;
   o << "<svg width=\"" << w << "\" height=\"14\" class=\"bar\">";
@@ -184,7 +209,7 @@ std::string loss_svg(const std::vector<std::pair<int, double>>& losses,
   int marker_rows = 0;  // worked out below, before the plot's top is known
   std::vector<std::pair<const LaunchSummary*, int>> markers;  // launch, label row
   double lo = 1e300, hi = -1e300;
-  int last_step = 0;
+  int last_step = 1;  // steps are numbered from 1; the x axis runs from step 1 to the last
   for (const auto& [s, v] : losses) {
     lo = std::min(lo, v);
     hi = std::max(hi, v);
@@ -201,7 +226,7 @@ std::string loss_svg(const std::vector<std::pair<int, double>>& losses,
   const double pad = 0.05 * (hi - lo);
   lo -= pad;
   hi += pad;
-  auto X = [&](double s) { return l + (last_step > 0 ? s / last_step : 0.5) * (w - l - r); };
+  auto X = [&](double s) { return l + (last_step > 1 ? (s - 1) / (last_step - 1) : 0.5) * (w - l - r); };
   // Marker labels sit above the plot, about 6 px a character; each row keeps its rightmost end.
   std::vector<double> row_end;
   auto label = [](const LaunchSummary& ls) {
@@ -209,7 +234,7 @@ std::string loss_svg(const std::vector<std::pair<int, double>>& losses,
   };
   for (size_t i = 1; i < launches.size(); ++i) {
     const LaunchSummary& ls = launches[i];
-    if (ls.first_step < 0 || ls.first_step > last_step) continue;
+    if (ls.first_step < 1 || ls.first_step > last_step) continue;
     const double x = X(ls.first_step), len = 6.0 * static_cast<double>(label(ls).size());
     const bool left = x + 4 + len > w;  // no room to the right: the label ends at the marker
     const double a = left ? x - 4 - len : x + 4 - 2, e = left ? x - 4 + 2 : x + 4 + len;
@@ -232,7 +257,7 @@ std::string loss_svg(const std::vector<std::pair<int, double>>& losses,
       << "\" class=\"grid\"/><text x=\"" << l - 6 << "\" y=\"" << num(Y(v) + 4, 1) << "\" class=\"ytick\">"
       << num(v, 3) << "</text>\n";
   }
-  o << "<text x=\"" << l << "\" y=\"" << height - 8 << "\" class=\"tick\">step 0</text><text x=\"" << w - r
+  o << "<text x=\"" << l << "\" y=\"" << height - 8 << "\" class=\"tick\">step 1</text><text x=\"" << w - r
     << "\" y=\"" << height - 8 << "\" class=\"ytick\">step " << last_step << "</text>\n";
   for (const auto& [ls, row] : markers) {
     const double x = X(ls->first_step);
@@ -273,16 +298,27 @@ std::string loss_svg(const std::vector<std::pair<int, double>>& losses,
 
 const char* kStyle = R"(
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 24px 32px; color: #222; max-width: 1240px; }
+@media (max-width: 900px) {
+  body { margin: 12px; } th, td { padding: 3px 4px; }
+  .barcell { display: none; }  /* the bar repeats its row's figures; a narrow window keeps the figures */
+}
+.wide { overflow-x: auto; max-width: 100%; }
+h1, h3, .sub, .note, .stages li { overflow-wrap: anywhere; }  /* a long path or name wraps instead of widening the page */
+svg.timeline { width: 100%; height: auto; max-width: 1240px; display: block; }
+svg.chart { width: 100%; height: auto; max-width: 720px; display: block; }
+.later { fill-opacity: 0.6; }
+.stages { margin: 4px 0 8px; padding-left: 18px; font-size: 13px; } .stages li { margin: 2px 0; }
 h1 { font-size: 22px; margin: 0 0 4px; } h2 { font-size: 17px; margin: 28px 0 8px; border-bottom: 1px solid #ddd; padding-bottom: 4px; }
 h3 { font-size: 14px; margin: 14px 0 4px; font-weight: 600; }
 .sub { color: #555; margin-bottom: 14px; }
 .cards { display: flex; flex-wrap: wrap; gap: 12px; }
 .card { border: 1px solid #ddd; border-radius: 6px; padding: 8px 14px; min-width: 170px; }
 .card .k { color: #666; font-size: 12px; } .card .v { font-size: 20px; font-weight: 600; } .card .p { color: #555; font-size: 12px; }
-table { border-collapse: collapse; margin: 6px 0; font-size: 13px; } th, td { padding: 3px 7px; text-align: right; border-bottom: 1px solid #eee; white-space: nowrap; }
+table { border-collapse: collapse; margin: 6px 0; font-size: 12.5px; } th, td { padding: 3px 6px; text-align: right; border-bottom: 1px solid #eee; white-space: nowrap; }
+th { white-space: normal; vertical-align: bottom; }
 th { background: #f6f6f6; font-weight: 600; } td.l, th.l { text-align: left; }
 svg text { font: 11px system-ui, sans-serif; }
-.tick { fill: #666; text-anchor: middle; } .ytick { fill: #666; text-anchor: end; }
+.tick { fill: #666; text-anchor: middle; } .ytick { fill: #666; text-anchor: end; } .tick.end { text-anchor: end; }
 .rowname { fill: #222; text-anchor: end; font-size: 12px; }
 .mb { fill: #fff; text-anchor: middle; font-weight: 600; }
 .grid { stroke: #e8e8e8; stroke-width: 1; } .lane { fill: #fafafa; stroke: #e2e2e2; }
@@ -339,14 +375,30 @@ void write_cards(std::ostream& o, const RunSummary& s, bool plan) {
   write_card(o, "bubble (measured)", num(s.measured_bubble, 3),
              "formula " + num(s.formula_bubble, 3) + (plan ? " &middot; planned " + num(s.plan.bubble, 3) : "") +
                  (s.predicted_bubble >= 0 ? " &middot; simulated " + num(s.predicted_bubble, 3) : ""));
-  int64_t peak = 0;
-  for (const auto& st : s.stages) peak = std::max(peak, st.peak_activation_bytes);
-  int64_t planned_peak = 0;
-  if (plan) {
-    for (const auto& st : s.plan.stages) planned_peak = std::max(planned_peak, st.activation_bytes);
+  // The stage that held the most activations, measured, beside the plan for that same
+  // stage (and the plan's own largest, where that is another stage).
+  int top = 0;
+  for (int k = 0; k < static_cast<int>(s.stages.size()); ++k) {
+    if (s.stages[k].peak_activation_bytes > s.stages[top].peak_activation_bytes) top = k;
   }
-  write_card(o, "peak activations (largest stage)", mb(static_cast<double>(peak)),
-             plan ? "planned " + mb(static_cast<double>(planned_peak)) : "");
+  std::string planned_text;
+  if (plan && !s.stages.empty()) {
+    int plan_top = 0;
+    for (int k = 0; k < static_cast<int>(s.plan.stages.size()); ++k) {
+      if (s.plan.stages[k].activation_bytes > s.plan.stages[plan_top].activation_bytes) plan_top = k;
+    }
+    const double want = static_cast<double>(s.plan.stages[top].activation_bytes);
+    planned_text = "planned " + mb(want) + " for stage " + std::to_string(top) + " (" +
+                   signed_pct(want, static_cast<double>(s.stages[top].peak_activation_bytes)) + ")";
+    if (s.plan.stages[plan_top].activation_bytes > s.plan.stages[top].activation_bytes) {
+      planned_text += " &middot; the plan's largest: stage " + std::to_string(plan_top) + ", " +
+                      mb(static_cast<double>(s.plan.stages[plan_top].activation_bytes));
+    }
+  }
+  if (!s.stages.empty()) {
+    write_card(o, "peak activations (stage " + std::to_string(top) + ", the largest)",
+               mb(static_cast<double>(s.stages[top].peak_activation_bytes)), planned_text);
+  }
   o << "</div>\n";
 }
 
@@ -380,7 +432,7 @@ void write_timelines(std::ostream& o, const HtmlReportInput& in, bool plan) {
   const auto simulated = from_simulation(in.measured_simulation.timeline);
   const auto planned = plan ? from_simulation(s.plan.timeline) : std::vector<std::vector<Block>>{};
   const double scale = std::max({extent(measured), extent(simulated), extent(planned), 1e-6}) * 1.01;
-  o << legend();
+  o << legend(sched.num_chunks());
   if (!measured.empty()) {
     o << "<h3>Measured: step " << in.step->step << " (the median wall time of steps " << in.recorded_first << " to "
       << in.recorded_last << "), " << num(in.step->wall_ms) << " ms</h3>\n"
@@ -407,53 +459,90 @@ void write_timelines(std::ostream& o, const HtmlReportInput& in, bool plan) {
   o << "</p>\n";
 }
 
-// Writes the per-stage table: where each stage's span went and its times, measured and planned.
-void write_stage_table(std::ostream& o, const RunSummary& s, bool plan) {
-  o << "<h2>Stages</h2>\n<div class=\"legend\"><span><i style=\"background:" << colour(Op::kBackward)
-    << "\"></i>compute (forward, backward, W)</span><span><i style=\"background:" << colour(Op::kRecompute)
-    << "\"></i>recompute</span><span><i style=\"background:" << colour(Op::kSendActivation)
-    << "\"></i>communication (sends)</span><span><i class=\"gap\"></i>idle</span></div>\n";
-  o << "<table>\n<tr><th class=\"l\">stage</th><th class=\"l\">layers</th><th class=\"l\"></th><th "
-       "class=\"l\">where the span went</th><th>fwd ms</th><th>recomp ms</th><th>bwd ms</th><th>comm ms</th><th>idle "
-       "ms</th><th>opt ms</th><th>util</th><th>peak act</th></tr>\n";
-  for (int k = 0; k < s.partitions; ++k) {
-    const StageSummary& m = s.stages[k];
-    o << "<tr><td class=\"l\" rowspan=\"" << (plan ? 2 : 1) << "\">" << k << " &middot; " << esc(m.device)
-      << "</td><td class=\"l\" rowspan=\"" << (plan ? 2 : 1) << "\">" << esc(m.layers.size() > 40 ? m.layers.substr(0, 38) + "…" : m.layers) << "</td><td class=\"l\">measured</td><td class=\"l\">"
-      << stage_bar(m.busy_ms - m.recompute_ms, m.recompute_ms, m.comm_ms, m.idle_ms, s.span_ms) << "</td><td>"
-      << num(m.forward_ms) << "</td><td>" << num(m.recompute_ms) << "</td><td>" << num(m.backward_ms) << "</td><td>"
-      << num(m.comm_ms) << "</td><td>" << num(m.idle_ms) << "</td><td>" << num(m.optimizer_ms) << "</td><td>"
-      << pct(m.utilization) << "</td><td>" << mb(static_cast<double>(m.peak_activation_bytes)) << "</td></tr>\n";
-    if (plan) {
-      const PlannedStage& p = s.plan.stages[k];
-      o << "<tr><td class=\"l\">planned</td><td class=\"l\">"
-        << stage_bar(p.busy_ms - p.recompute_ms, p.recompute_ms, p.comm_ms, p.idle_ms, s.plan.span_ms) << "</td><td>"
-        << num(p.forward_ms) << "</td><td>" << num(p.recompute_ms) << "</td><td>" << num(p.backward_ms) << "</td><td>"
-        << num(p.comm_ms) << "</td><td>" << num(p.idle_ms) << "</td><td>" << num(p.optimizer_ms) << "</td><td>"
-        << pct(p.utilization) << "</td><td>" << mb(static_cast<double>(p.activation_bytes)) << "</td></tr>\n";
+// Writes what each stage runs: its device and its layers in full, chunk by chunk (the
+// stage's layer text separates its cells with " | ").
+void write_stage_list(std::ostream& o, const RunSummary& s) {
+  o << "<h2>Stages</h2>\n<ul class=\"stages\">\n";
+  for (const StageSummary& m : s.stages) {
+    std::vector<std::string> parts;
+    for (size_t at = 0;;) {
+      const size_t bar = m.layers.find(" | ", at);
+      parts.push_back(m.layers.substr(at, bar == std::string::npos ? std::string::npos : bar - at));
+      if (bar == std::string::npos) break;
+      at = bar + 3;
     }
+    o << "<li><b>stage " << m.stage << "</b> &middot; " << esc(m.device) << ": ";
+    for (size_t j = 0; j < parts.size(); ++j) {
+      o << (j ? "; " : "") << (parts.size() > 1 ? "chunk " + chunk_letter(static_cast<int>(j)) + ": layers " : "layers ")
+        << esc(parts[j]);
+    }
+    o << "</li>\n";
   }
-  o << "</table>\n";
+  o << "</ul>\n";
 }
 
-// Writes the plan's memory per stage (weights, gradients, optimizer state, activations) and the activations measured.
-void write_planned_memory(std::ostream& o, const RunSummary& s) {
-  o << "<h3>Planned memory per stage</h3>\n<table><tr><th class=\"l\">stage</th><th>weights</th><th>gradients</th>"
-       "<th>optimizer state</th><th>activations (peak)</th><th>total</th><th>activations measured</th></tr>\n";
+// One row of the stage table: a stage's times, measured or planned.
+void write_stage_times(std::ostream& o, const StageTime& t, double span_ms) {
+  o << "<td class=\"l barcell\">" << stage_bar(t.busy_ms - t.recompute_ms, t.recompute_ms, t.comm_ms, t.idle_ms, span_ms)
+    << "</td><td>" << num(t.forward_ms) << "</td><td>" << num(t.recompute_ms) << "</td><td>"
+    << num(t.backward_ms - t.weight_ms) << "</td><td>" << num(t.weight_ms) << "</td><td>"
+    << num(t.comm_ms - t.collective_ms) << "</td><td>" << num(t.collective_ms) << "</td><td>" << num(t.idle_ms)
+    << "</td><td>" << num(t.optimizer_ms) << "</td><td>" << pct(t.utilization) << "</td></tr>\n";
+}
+
+// Writes the per-stage table: where each stage's span went and its times, measured and planned.
+void write_stage_table(std::ostream& o, const RunSummary& s, bool plan) {
+  o << "<h3>Where each stage's time went, per step (ms)</h3>\n<div class=\"legend barcell\"><span><i style=\"background:"
+    << colour(Op::kBackward) << "\"></i>compute (forward, backward, W)</span><span><i style=\"background:"
+    << colour(Op::kRecompute) << "\"></i>recompute</span><span><i style=\"background:"
+    << colour(Op::kSendActivation) << "\"></i>communication (sends, collectives)</span><span><i "
+    << "class=\"gap\"></i>idle</span></div>\n";
+  o << "<div class=\"wide\"><table>\n<tr><th class=\"l\">stage</th><th class=\"l\"></th><th class=\"l barcell\">where "
+       "the span went</th><th>forward</th><th>recompute</th><th>backward (B)</th><th>weight grad (W)</th><th>sends</th>"
+       "<th>collectives</th><th>idle</th><th>optimizer</th><th>util</th></tr>\n";
   for (int k = 0; k < s.partitions; ++k) {
-    const PlannedStage& p = s.plan.stages[k];
-    o << "<tr><td class=\"l\">" << k << "</td><td>" << mb(static_cast<double>(p.weight_bytes)) << "</td><td>"
-      << mb(static_cast<double>(p.gradient_bytes)) << "</td><td>" << mb(static_cast<double>(p.optimizer_bytes))
-      << "</td><td>" << mb(static_cast<double>(p.activation_bytes)) << "</td><td>"
-      << mb(static_cast<double>(p.total_bytes())) << "</td><td>"
-      << mb(static_cast<double>(s.stages[k].peak_activation_bytes)) << "</td></tr>\n";
+    const StageSummary& m = s.stages[k];
+    o << "<tr><td class=\"l\" rowspan=\"" << (plan ? 2 : 1) << "\">" << k << "</td><td class=\"l\">measured</td>";
+    write_stage_times(o, m, s.span_ms);
+    if (plan) {
+      o << "<tr><td class=\"l\">planned</td>";
+      write_stage_times(o, s.plan.stages[k], s.plan.span_ms);
+    }
   }
-  o << "</table>\n";
+  o << "</table></div>\n<p class=\"note\">backward (B) is the input gradient; W, the weight gradient, is its own "
+       "instruction under zero bubble and part of B otherwise. Collectives (the replicas' gradient sum, a tied weight's "
+       "two gradients, the gradient norm): their own time; a stage's wait for the others to arrive is idle.</p>\n";
+}
+
+// Writes each stage's memory: the activations measured at their peak beside the plan's
+// prediction, and the plan's weights, gradients and optimizer state.
+void write_memory_table(std::ostream& o, const RunSummary& s, bool plan) {
+  o << "<h3>Memory per stage</h3>\n<div class=\"wide\"><table><tr><th class=\"l\">stage</th><th>activations "
+       "measured (peak)</th>";
+  if (plan) {
+    o << "<th>activations planned</th><th>planned vs measured</th><th>weights</th><th>gradients</th><th>optimizer "
+         "state</th><th>total planned</th>";
+  }
+  o << "</tr>\n";
+  for (int k = 0; k < s.partitions; ++k) {
+    const double measured = static_cast<double>(s.stages[k].peak_activation_bytes);
+    o << "<tr><td class=\"l\">" << k << "</td><td>" << mb(measured) << "</td>";
+    if (plan) {
+      const PlannedStage& p = s.plan.stages[k];
+      o << "<td>" << mb(static_cast<double>(p.activation_bytes)) << "</td><td>"
+        << signed_pct(static_cast<double>(p.activation_bytes), measured) << "</td><td>"
+        << mb(static_cast<double>(p.weight_bytes)) << "</td><td>" << mb(static_cast<double>(p.gradient_bytes))
+        << "</td><td>" << mb(static_cast<double>(p.optimizer_bytes)) << "</td><td>"
+        << mb(static_cast<double>(p.total_bytes())) << "</td>";
+    }
+    o << "</tr>\n";
+  }
+  o << "</table></div>\n";
 }
 
 // Writes the step as a whole: step time, span, bubble and samples/s, measured, planned, simulated and by formula.
 void write_step_table(std::ostream& o, const RunSummary& s, bool plan) {
-  o << "<h2>Step</h2>\n<table>\n<tr><th class=\"l\"></th><th>measured</th><th>planned</th><th>simulated from "
+  o << "<h2>Step</h2>\n<div class=\"wide\"><table>\n<tr><th class=\"l\"></th><th>measured</th><th>planned</th><th>simulated from "
        "measured op times</th><th>schedule's formula</th></tr>\n";
   o << "<tr><td class=\"l\">step time</td><td>" << num(s.step_ms) << " ms</td><td>"
     << (plan ? num(s.plan.step_ms) + " ms" : "") << "</td><td></td><td></td></tr>\n";
@@ -464,7 +553,7 @@ void write_step_table(std::ostream& o, const RunSummary& s, bool plan) {
     << (s.predicted_bubble >= 0 ? num(s.predicted_bubble, 3) : "") << "</td><td>" << num(s.formula_bubble, 3)
     << "</td></tr>\n";
   o << "<tr><td class=\"l\">samples/s</td><td>" << num(s.samples_per_second, 1) << "</td><td>"
-    << (plan ? num(s.plan.samples_per_second, 1) : "") << "</td><td></td><td></td></tr>\n</table>\n";
+    << (plan ? num(s.plan.samples_per_second, 1) : "") << "</td><td></td><td></td></tr>\n</table></div>\n";
 }
 
 // Writes the loss chart of the whole run, the note on how the page's figures were made, and the document's end.
@@ -485,8 +574,9 @@ std::string render_report_html(const HtmlReportInput& in) {
   write_heading(o, in);
   write_cards(o, s, plan);
   write_timelines(o, in, plan);
+  write_stage_list(o, s);
   write_stage_table(o, s, plan);
-  if (plan) write_planned_memory(o, s);
+  write_memory_table(o, s, plan);
   write_step_table(o, s, plan);
   write_loss_and_end(o, in);
   return o.str();

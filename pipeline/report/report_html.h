@@ -1,13 +1,14 @@
 // report.html: one self-contained page per run (inline SVG and CSS, no script, nothing
 // fetched from the network) that shows where each stage's time went: the measured
 // timeline of one step (the median of the recorded ones), one row per stage, coloured
-// by instruction with micro-batch numbers, idle time as gaps; under it the same step as
-// the simulator plans it from the measured mean op times and from the plan's own costs;
-// per stage, busy, recompute, communication and idle bars with utilization and peak
-// activation memory, measured and planned; the bubble measured, by the schedule's
-// formula and as planned; samples/s; the loss and validation curves of the whole run,
-// with a marker where each later launch (a resume, a restart) began. Every timing is
-// the last launch's (RunSummary::timed_launch).
+// by instruction with micro-batch numbers (and chunk letters: 3a, 3b), idle time as
+// gaps; under it the same step as the simulator plans it from the measured mean op
+// times and from the plan's own costs; each stage's layers in full; per stage forward,
+// recompute, B, W, sends, collectives, idle and optimizer time, measured and planned;
+// activation memory per stage measured beside planned (MiB); the bubble measured, by the
+// schedule's formula and as planned; samples/s; the loss and validation curves of the
+// whole run, with a marker where each later launch (a resume, a restart) began. Every
+// timing is the last launch's (RunSummary::timed_launch). It reads from 800 px wide up.
 #pragma once
 
 #include <string>

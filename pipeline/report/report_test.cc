@@ -77,7 +77,7 @@ ReportBuilder builder() {
 
 TEST_CASE("one timed step: every figure from the hand-written timings") {
   ReportBuilder b = builder();
-  b.add_step(0, 2.5, hand_step(1.0, 1000, 3000), /*timed=*/true);
+  b.add_step(1, 2.5, hand_step(1.0, 1000, 3000), /*timed=*/true);
   const RunSummary s = b.summary();
   CHECK(s.partitions == 2);
   CHECK(s.micro_batches == 2);
@@ -122,7 +122,7 @@ TEST_CASE("a collective is communication, its wait for the other stages idle, ne
   with_norm(r.stages[0].ops, 16, 1);
   with_norm(r.stages[1].ops, 12, 3.5);
   ReportBuilder b = builder();
-  b.add_step(0, 2.5, r, true);
+  b.add_step(1, 2.5, r, true);
   const RunSummary s = b.summary();
   CHECK(s.span_ms == 16.5);  // the collectives are inside the span, the optimizer steps are not
   const StageSummary &a = s.stages[0], &c = s.stages[1];
@@ -138,9 +138,9 @@ TEST_CASE("a collective is communication, its wait for the other stages idle, ne
 
 TEST_CASE("several steps: warm-up left out, the rest averaged, peaks kept") {
   ReportBuilder b = builder();
-  b.add_step(0, 3.0, hand_step(100.0, 99999, 99999), /*timed=*/false);  // a slow warm-up: loss only
-  b.add_step(1, 2.0, hand_step(1.0, 1000, 3000), true);
-  b.add_step(2, 1.0, hand_step(3.0, 2000, 2500), true);  // every time x3
+  b.add_step(1, 3.0, hand_step(100.0, 99999, 99999), /*timed=*/false);  // a slow warm-up: loss only
+  b.add_step(2, 2.0, hand_step(1.0, 1000, 3000), true);
+  b.add_step(3, 1.0, hand_step(3.0, 2000, 2500), true);  // every time x3
   const RunSummary s = b.summary();
   CHECK(s.timed_steps == 2);
   CHECK(s.span_ms == doctest::Approx((16 + 48) / 2.0));
@@ -158,7 +158,7 @@ TEST_CASE("several steps: warm-up left out, the rest averaged, peaks kept") {
   const nlohmann::json j = b.json();
   REQUIRE(j["steps"].size() == 3);  // every step's loss, the warm-up's too
   CHECK(j["steps"][0]["loss"] == 3.0);
-  CHECK(j["steps"][2]["step"] == 2);
+  CHECK(j["steps"][2]["step"] == 3);  // numbered from 1, as the terminal numbers them
   CHECK(j["timed_steps"] == 2);
   CHECK(j["span_ms"].get<double>() == doctest::Approx(32.0));
   CHECK(j["bubble"]["measured"].get<double>() == doctest::Approx(1 - 18.5 / 32));
@@ -177,16 +177,17 @@ TEST_CASE("several steps: warm-up left out, the rest averaged, peaks kept") {
 
 TEST_CASE("the table and report.json show the same figures, and the scores") {
   ReportBuilder b = builder();
-  b.add_step(0, 2.0, hand_step(1.0, 2000000, 3000000), true);
-  b.add_validation(0, 1.75, 0.5);
+  b.add_step(1, 2.0, hand_step(1.0, 2 << 20, 3 << 20), true);
+  b.add_validation(1, 1.75, 0.5);
   b.set_eval(1.5, 0.625);
   const std::string t = b.table();
   CAPTURE(t);
   CHECK(t.find("K=2 stages, M=2 micro-batches, recompute=except_last, schedule=gpipe, batch=8") != std::string::npos);
   CHECK(t.find("averaged over 1 timed steps (span 16.00 ms, wall 20.50 ms)") != std::string::npos);
-  // stage 0: fwd 4, recomp 0, bwd 6, comm 1, idle 5, opt 1, util 62.5%, 2 MB
-  CHECK(t.find("cpu:0        4.00      0.00      6.00     1.00     5.00     1.00  62.5%    2.00 MB") != std::string::npos);
-  CHECK(t.find("cpu:1        5.00      1.00      2.50     1.00     6.50     8.00  53.1%    3.00 MB") != std::string::npos);
+  // stage 0: fwd 4, recomp 0, bwd 6, comm 1, idle 5, opt 1, util 62.5%, 2 MiB
+  CHECK(t.find("cpu:0        4.00      0.00      6.00     1.00     5.00     1.00  62.5%   2.00 MiB") != std::string::npos);
+  CHECK(t.find("cpu:1        5.00      1.00      2.50     1.00     6.50     8.00  53.1%   3.00 MiB") != std::string::npos);
+  CHECK(t.find("layers:") == std::string::npos);  // every stage's layers fit their column
   // The predicted bubble, by hand: no receive waited past its send's end, so every
   // delivery is 0; the mean op times are stage 0 F 2, sA 0.5, B 3 and stage 1 F 2.5,
   // B 1.25, R 1, sG 0.5 (OPT counts 0). Stage 1 runs F0 2.5-5, F1 5-7.5, B1 7.5-8.75,
@@ -210,7 +211,7 @@ TEST_CASE("the report describes the stages of the program it is given") {
 
 TEST_CASE("a run with no timed step reports zeros, not NaN") {
   ReportBuilder b = builder();
-  b.add_step(0, 2.0, hand_step(1.0, 1, 1), false);
+  b.add_step(1, 2.0, hand_step(1.0, 1, 1), false);
   const RunSummary s = b.summary();
   CHECK(s.timed_steps == 0);
   CHECK(s.span_ms == 0);
@@ -243,7 +244,7 @@ TEST_CASE("the simulation charges each receive the delivery time measured when i
             {Op::kSendGradient, 0, 6.6, 6.6}, {Op::kOptimizerStep, -1, 6.6, 7}};
   r.stages = {s0, s1};
   ReportBuilder b({"0 linear", "1 linear"}, {"cpu:0", "cpu:1"}, sched, RecomputeMode::kNever, 8);
-  b.add_step(0, 1.0, r, true);
+  b.add_step(1, 1.0, r, true);
   const RunSummary s = b.summary();
   CHECK(s.stages[1].delivery_ms == doctest::Approx(0.1));
   CHECK(s.stages[0].delivery_ms == doctest::Approx(0.3));
@@ -297,19 +298,19 @@ std::string error_of(const std::function<void()>& f) {
 
 }  // namespace
 
-TEST_CASE("a fresh run is launch 1 from step 0, and its history is compact JSON") {
+TEST_CASE("a fresh run is launch 1 from step 1, and its history is compact JSON") {
   ReportBuilder b = builder();
-  b.add_step(0, 0.5, hand_step(1.0, 1, 1), false);
-  b.add_step(1, 0.25, hand_step(1.0, 1, 1), true);
-  b.add_validation(1, 0.75, 0.5);
+  b.add_step(1, 0.5, hand_step(1.0, 1, 1), false);
+  b.add_step(2, 0.25, hand_step(1.0, 1, 1), true);
+  b.add_validation(2, 0.75, 0.5);
+  CHECK(b.history(2).dump() ==
+        R"({"launches":[{"first_step":1,"launch":1}],"steps":[[1,0.5],[2,0.25]],"validations":[[2,0.75,0.5]],"version":2})");
   CHECK(b.history(1).dump() ==
-        R"({"launches":[{"first_step":0,"launch":1}],"steps":[[0,0.5],[1,0.25]],"validations":[[1,0.75,0.5]],"version":1})");
-  CHECK(b.history(0).dump() ==
-        R"({"launches":[{"first_step":0,"launch":1}],"steps":[[0,0.5]],"validations":[],"version":1})");
+        R"({"launches":[{"first_step":1,"launch":1}],"steps":[[1,0.5]],"validations":[],"version":2})");
   const nlohmann::json j = b.json();
   CHECK(j["timed_launch"] == 1);
-  CHECK(j["launches"] == nlohmann::json::parse(R"([{"launch":1,"first_step":0,"last_step":1,"steps":2}])"));
-  CHECK(j["steps"][1] == nlohmann::json::parse(R"({"step":1,"loss":0.25,"launch":1})"));
+  CHECK(j["launches"] == nlohmann::json::parse(R"([{"launch":1,"first_step":1,"last_step":2,"steps":2}])"));
+  CHECK(j["steps"][1] == nlohmann::json::parse(R"({"step":2,"loss":0.25,"launch":1})"));
   CHECK(j["validation"][0]["launch"] == 1);
   CHECK(b.table().find("Run:") == std::string::npos);  // one launch: nothing to say
 }
@@ -317,9 +318,9 @@ TEST_CASE("a fresh run is launch 1 from step 0, and its history is compact JSON"
 TEST_CASE("every double survives the history's text exactly") {
   const std::vector<double> l = awkward_losses(20000, 7);
   ReportBuilder a = builder();
-  for (int i = 0; i < static_cast<int>(l.size()); ++i) a.add_step(i, l[i], hand_step(1.0, 1, 1), false);
+  for (int i = 0; i < static_cast<int>(l.size()); ++i) a.add_step(i + 1, l[i], hand_step(1.0, 1, 1), false);
   ReportBuilder b = builder();
-  b.carry_over(through_file(a.history(static_cast<int>(l.size()) - 1)), static_cast<int>(l.size()));
+  b.carry_over(through_file(a.history(static_cast<int>(l.size()))), static_cast<int>(l.size()) + 1);
   REQUIRE(b.losses().size() == l.size());
   int differ = 0;
   for (size_t i = 0; i < l.size(); ++i) differ += bits(b.losses()[i].second) != bits(l[i]);
@@ -327,57 +328,57 @@ TEST_CASE("every double survives the history's text exactly") {
 }
 
 TEST_CASE("history, carry_over: three launches, the third redoing steps after a crash") {
-  // Launch 1: steps 0-29, validations after 9, 19 and 29, checkpoint after step 29.
-  // Launch 2: resumes at 30, runs 30-49 with a validation after 39, checkpoint after step 44, crashes after 49.
-  // Launch 3: resumes at 45 from that checkpoint, runs 45-59.
+  // Launch 1: steps 1-30, validations after 10, 20 and 30, checkpoint after step 30.
+  // Launch 2: resumes at 31, runs 31-50 with a validation after 40, checkpoint after step 45, crashes after 50.
+  // Launch 3: resumes at 46 from that checkpoint, runs 46-60.
   const std::vector<double> l1 = awkward_losses(30, 1), l2 = awkward_losses(20, 2), l3 = awkward_losses(15, 3);
   ReportBuilder first = builder();
-  for (int s = 0; s < 30; ++s) first.add_step(s, l1[s], hand_step(1.0, 1, 1), s > 0);
-  for (int s : {9, 19, 29}) first.add_validation(s, 2.0 + s, 0.01 * s);
-  const nlohmann::json h1 = through_file(first.history(29));
+  for (int s = 1; s <= 30; ++s) first.add_step(s, l1[s - 1], hand_step(1.0, 1, 1), s > 1);
+  for (int s : {10, 20, 30}) first.add_validation(s, 2.0 + s, 0.01 * s);
+  const nlohmann::json h1 = through_file(first.history(30));
 
   ReportBuilder second = builder();
-  second.carry_over(h1, 30);
+  second.carry_over(h1, 31);
   CHECK(second.launch() == 2);
-  for (int s = 30; s < 50; ++s) second.add_step(s, l2[s - 30], hand_step(1.0, 1, 1), s > 30);
-  second.add_validation(39, 1.5, 0.4);
-  second.add_validation(49, 1.25, 0.45);  // after the checkpoint: lost with the crash
-  const nlohmann::json h2 = through_file(second.history(44));
-  CHECK(h2["launches"] == nlohmann::json::parse(R"([{"launch":1,"first_step":0},{"launch":2,"first_step":30}])"));
-  REQUIRE(h2["steps"].size() == 45);  // 0..44; 45..49 are left out
-  CHECK(h2["steps"].back()[0] == 44);
-  REQUIRE(h2["validations"].size() == 4);  // 9, 19, 29, 39
-  CHECK(h2["validations"][3] == nlohmann::json::parse("[39, 1.5, 0.4]"));
+  for (int s = 31; s <= 50; ++s) second.add_step(s, l2[s - 31], hand_step(1.0, 1, 1), s > 31);
+  second.add_validation(40, 1.5, 0.4);
+  second.add_validation(50, 1.25, 0.45);  // after the checkpoint: lost with the crash
+  const nlohmann::json h2 = through_file(second.history(45));
+  CHECK(h2["launches"] == nlohmann::json::parse(R"([{"launch":1,"first_step":1},{"launch":2,"first_step":31}])"));
+  REQUIRE(h2["steps"].size() == 45);  // 1..45; 46..50 are left out
+  CHECK(h2["steps"].back()[0] == 45);
+  REQUIRE(h2["validations"].size() == 4);  // 10, 20, 30, 40
+  CHECK(h2["validations"][3] == nlohmann::json::parse("[40, 1.5, 0.4]"));
 
   ReportBuilder third = builder();
-  third.carry_over(h2, 45);
+  third.carry_over(h2, 46);
   CHECK(third.launch() == 3);
-  for (int s = 45; s < 60; ++s) third.add_step(s, l3[s - 45], hand_step(2.0, 1, 1), s > 45);
-  third.add_validation(59, 1.0, 0.5);
+  for (int s = 46; s <= 60; ++s) third.add_step(s, l3[s - 46], hand_step(2.0, 1, 1), s > 46);
+  third.add_validation(60, 1.0, 0.5);
 
-  // Every step once, with its loss bit for bit: launch 1's, launch 2's up to 44, launch 3's.
+  // Every step once, with its loss bit for bit: launch 1's, launch 2's up to 45, launch 3's.
   const nlohmann::json j = third.json();
   REQUIRE(j["steps"].size() == 60);
-  for (int s = 0; s < 60; ++s) {
+  for (int s = 1; s <= 60; ++s) {
     CAPTURE(s);
-    const double want = s < 30 ? l1[s] : s < 45 ? l2[s - 30] : l3[s - 45];
-    const int launch = s < 30 ? 1 : s < 45 ? 2 : 3;
-    CHECK(j["steps"][s]["step"] == s);
-    CHECK(bits(j["steps"][s]["loss"].get<double>()) == bits(want));
-    CHECK(bits(third.losses()[s].second) == bits(want));
-    CHECK(j["steps"][s]["launch"] == launch);
+    const double want = s <= 30 ? l1[s - 1] : s <= 45 ? l2[s - 31] : l3[s - 46];
+    const int launch = s <= 30 ? 1 : s <= 45 ? 2 : 3;
+    CHECK(j["steps"][s - 1]["step"] == s);
+    CHECK(bits(j["steps"][s - 1]["loss"].get<double>()) == bits(want));
+    CHECK(bits(third.losses()[s - 1].second) == bits(want));
+    CHECK(j["steps"][s - 1]["launch"] == launch);
   }
-  CHECK(j["launches"] == nlohmann::json::parse(R"([{"launch":1,"first_step":0,"last_step":29,"steps":30},
-                                                   {"launch":2,"first_step":30,"last_step":44,"steps":15},
-                                                   {"launch":3,"first_step":45,"last_step":59,"steps":15}])"));
+  CHECK(j["launches"] == nlohmann::json::parse(R"([{"launch":1,"first_step":1,"last_step":30,"steps":30},
+                                                   {"launch":2,"first_step":31,"last_step":45,"steps":15},
+                                                   {"launch":3,"first_step":46,"last_step":60,"steps":15}])"));
   REQUIRE(j["validation"].size() == 5);
-  const int vsteps[] = {9, 19, 29, 39, 59}, vlaunch[] = {1, 1, 1, 2, 3};
+  const int vsteps[] = {10, 20, 30, 40, 60}, vlaunch[] = {1, 1, 1, 2, 3};
   for (int i = 0; i < 5; ++i) {
     CHECK(j["validation"][i]["step"] == vsteps[i]);
     CHECK(j["validation"][i]["launch"] == vlaunch[i]);
   }
-  CHECK(j["validation"][1]["loss"] == 21.0);
-  CHECK(j["validation"][1]["accuracy"] == 0.01 * 19);  // as it went in
+  CHECK(j["validation"][1]["loss"] == 22.0);
+  CHECK(j["validation"][1]["accuracy"] == 0.01 * 20);  // as it went in
   // The timings are launch 3's own: 14 timed steps of hand_step at x2 (span 32 ms).
   CHECK(j["timed_launch"] == 3);
   CHECK(j["timed_steps"] == 14);
@@ -390,20 +391,20 @@ TEST_CASE("history, carry_over: three launches, the third redoing steps after a 
 
 TEST_CASE("a launch that starts after up_to_step is left out of the history") {
   ReportBuilder a = builder();
-  a.carry_over(nlohmann::json::parse(R"({"version":1,"launches":[{"launch":1,"first_step":0}],
-                                         "steps":[[0,3.0],[1,2.0]],"validations":[]})"),
-               2);
-  // A checkpoint saved again at step 2 before this launch ran a step: resuming from it is launch 2 again.
-  const nlohmann::json h = a.history(1);
+  a.carry_over(nlohmann::json::parse(R"({"version":2,"launches":[{"launch":1,"first_step":1}],
+                                         "steps":[[1,3.0],[2,2.0]],"validations":[]})"),
+               3);
+  // A checkpoint saved again after step 2 before this launch ran a step: resuming from it is launch 2 again.
+  const nlohmann::json h = a.history(2);
   CHECK(h["launches"].size() == 1);
   ReportBuilder b = builder();
-  b.carry_over(through_file(h), 2);
+  b.carry_over(through_file(h), 3);
   CHECK(b.launch() == 2);
 }
 
 TEST_CASE("a malformed history throws, naming what is wrong, and leaves the builder as it was") {
-  const std::string good = R"({"version":1,"launches":[{"launch":1,"first_step":0},{"launch":2,"first_step":3}],
-                               "steps":[[0,1.0],[1,0.9],[2,0.8],[3,0.7],[4,0.6]],"validations":[[4,0.5,0.25]]})";
+  const std::string good = R"({"version":2,"launches":[{"launch":1,"first_step":1},{"launch":2,"first_step":4}],
+                               "steps":[[1,1.0],[2,0.9],[3,0.8],[4,0.7],[5,0.6]],"validations":[[5,0.5,0.25]]})";
   struct Case {
     const char* history;
     const char* says;
@@ -411,36 +412,37 @@ TEST_CASE("a malformed history throws, naming what is wrong, and leaves the buil
   const Case cases[] = {
       {"[]", "not an object"},
       {R"({"launches":[],"steps":[],"validations":[]})", "\"version\""},
-      {R"({"version":2,"launches":[],"steps":[],"validations":[]})", "version 2"},
-      {R"({"version":"1","launches":[],"steps":[],"validations":[]})", "\"version\""},
-      {R"({"version":1,"steps":[],"validations":[]})", "no \"launches\""},
-      {R"({"version":1,"launches":{},"steps":[],"validations":[]})", "\"launches\" is object"},
-      {R"({"version":1,"launches":[{"launch":2,"first_step":0}],"steps":[],"validations":[]})", "numbered 2"},
-      {R"({"version":1,"launches":[{"launch":1}],"steps":[],"validations":[]})", "not {\"launch\""},
+      {R"({"version":3,"launches":[],"steps":[],"validations":[]})", "version 3"},
+      {R"({"version":"2","launches":[],"steps":[],"validations":[]})", "\"version\""},
+      {R"({"version":2,"steps":[],"validations":[]})", "no \"launches\""},
+      {R"({"version":2,"launches":{},"steps":[],"validations":[]})", "\"launches\" is object"},
+      {R"({"version":2,"launches":[{"launch":2,"first_step":1}],"steps":[],"validations":[]})", "numbered 2"},
+      {R"({"version":2,"launches":[{"launch":1}],"steps":[],"validations":[]})", "not {\"launch\""},
+      {R"({"version":2,"launches":[{"launch":1,"first_step":0}],"steps":[],"validations":[]})", "not a step from 1"},
       {R"({"version":1,"launches":[{"launch":1,"first_step":-1}],"steps":[],"validations":[]})", "not a step from 0"},
-      {R"({"version":1,"launches":[{"launch":1,"first_step":1.5}],"steps":[],"validations":[]})", "not an integer"},
-      {R"({"version":1,"launches":[{"launch":1,"first_step":0},{"launch":2,"first_step":0}],"steps":[],
-           "validations":[]})", "not after launch 1's 0"},
-      {R"({"version":1,"launches":[{"launch":1,"first_step":10}],"steps":[],"validations":[]})",
+      {R"({"version":2,"launches":[{"launch":1,"first_step":1.5}],"steps":[],"validations":[]})", "not an integer"},
+      {R"({"version":2,"launches":[{"launch":1,"first_step":1},{"launch":2,"first_step":1}],"steps":[],
+           "validations":[]})", "not after launch 1's 1"},
+      {R"({"version":2,"launches":[{"launch":1,"first_step":10}],"steps":[],"validations":[]})",
        "not before this launch's first step 10"},
-      {R"({"version":1,"launches":[],"steps":[[0,1.0]],"validations":[]})", "steps without a launch"},
-      {R"({"version":1,"launches":[{"launch":1,"first_step":0}],"steps":[[0]],"validations":[]})",
+      {R"({"version":2,"launches":[],"steps":[[1,1.0]],"validations":[]})", "steps without a launch"},
+      {R"({"version":2,"launches":[{"launch":1,"first_step":1}],"steps":[[1]],"validations":[]})",
        "not [step, loss]"},
-      {R"({"version":1,"launches":[{"launch":1,"first_step":0}],"steps":[[0,"x"]],"validations":[]})",
+      {R"({"version":2,"launches":[{"launch":1,"first_step":1}],"steps":[[1,"x"]],"validations":[]})",
        "steps[0]'s loss"},
-      {R"({"version":1,"launches":[{"launch":1,"first_step":0}],"steps":[[0,null]],"validations":[]})",
+      {R"({"version":2,"launches":[{"launch":1,"first_step":1}],"steps":[[1,null]],"validations":[]})",
        "steps[0]'s loss"},
-      {R"({"version":1,"launches":[{"launch":1,"first_step":0}],"steps":[[10,1.0]],"validations":[]})",
-       "outside the history's steps 0 to 9"},
-      {R"({"version":1,"launches":[{"launch":1,"first_step":2}],"steps":[[1,1.0]],"validations":[]})",
-       "outside the history's steps 2 to 9"},
-      {R"({"version":1,"launches":[{"launch":1,"first_step":0}],"steps":[[1,1.0],[1,0.5]],"validations":[]})",
-       "not after step 1"},
-      {R"({"version":1,"launches":[{"launch":1,"first_step":0}],"steps":[[18446744073709551615,1.0]],
-           "validations":[]})", "not a step from 0"},
-      {R"({"version":1,"launches":[{"launch":1,"first_step":0}],"steps":[],"validations":[[3,1.0]]})",
+      {R"({"version":2,"launches":[{"launch":1,"first_step":1}],"steps":[[10,1.0]],"validations":[]})",
+       "outside the history's steps 1 to 9"},
+      {R"({"version":2,"launches":[{"launch":1,"first_step":3}],"steps":[[2,1.0]],"validations":[]})",
+       "outside the history's steps 3 to 9"},
+      {R"({"version":2,"launches":[{"launch":1,"first_step":1}],"steps":[[2,1.0],[2,0.5]],"validations":[]})",
+       "not after step 2"},
+      {R"({"version":2,"launches":[{"launch":1,"first_step":1}],"steps":[[18446744073709551615,1.0]],
+           "validations":[]})", "not a step from 1"},
+      {R"({"version":2,"launches":[{"launch":1,"first_step":1}],"steps":[],"validations":[[3,1.0]]})",
        "not [step, loss, accuracy]"},
-      {R"({"version":1,"launches":[{"launch":1,"first_step":0}],"steps":[],"validations":[[5,1,1],[4,1,1]]})",
+      {R"({"version":2,"launches":[{"launch":1,"first_step":1}],"steps":[],"validations":[[5,1,1],[4,1,1]]})",
        "before step 5"},
   };
   for (const Case& c : cases) {
@@ -453,32 +455,53 @@ TEST_CASE("a malformed history throws, naming what is wrong, and leaves the buil
     // Nothing was taken: the good history still goes in.
     CHECK(b.launch() == 1);
     CHECK(b.losses().empty());
-    b.carry_over(nlohmann::json::parse(good), 5);
+    b.carry_over(nlohmann::json::parse(good), 6);
     CHECK(b.launch() == 3);
     CHECK(b.losses().size() == 5);
   }
   // A validation whose score was NaN (written as null) is kept, as NaN.
   ReportBuilder b = builder();
-  b.carry_over(nlohmann::json::parse(R"({"version":1,"launches":[{"launch":1,"first_step":0}],"steps":[[0,1.0]],
-                                         "validations":[[0,null,0.5]]})"),
-               1);
+  b.carry_over(nlohmann::json::parse(R"({"version":2,"launches":[{"launch":1,"first_step":1}],"steps":[[1,1.0]],
+                                         "validations":[[1,null,0.5]]})"),
+               2);
   REQUIRE(b.validations().size() == 1);
   CHECK(std::isnan(b.validations()[0].loss));
   // Once is all: carry_over after the launch's first step is the caller's mistake.
   ReportBuilder late = builder();
-  late.add_step(0, 1.0, hand_step(1.0, 1, 1), false);
-  CHECK(error_of([&] { late.carry_over(nlohmann::json::parse(good), 5); }).find("carry_over") != std::string::npos);
+  late.add_step(1, 1.0, hand_step(1.0, 1, 1), false);
+  CHECK(error_of([&] { late.carry_over(nlohmann::json::parse(good), 6); }).find("carry_over") != std::string::npos);
+}
+
+TEST_CASE("a version-1 history (steps from 0, before 2026-11-26) is read and renumbered from 1") {
+  ReportBuilder b = builder();
+  b.carry_over(nlohmann::json::parse(R"({"version":1,"launches":[{"launch":1,"first_step":0},{"launch":2,"first_step":3}],
+                                         "steps":[[0,1.0],[1,0.9],[2,0.8],[3,0.7],[4,0.6]],
+                                         "validations":[[4,0.5,0.25]]})"),
+               6);
+  REQUIRE(b.losses().size() == 5);
+  CHECK(b.losses().front() == std::make_pair(1, 1.0));
+  CHECK(b.losses().back() == std::make_pair(5, 0.6));
+  REQUIRE(b.validations().size() == 1);
+  CHECK(b.validations()[0].step == 5);
+  const auto launches = b.launches();
+  REQUIRE(launches.size() == 3);
+  CHECK(launches[0].first_step == 1);
+  CHECK(launches[1].first_step == 4);
+  CHECK(launches[1].last_step == 5);
+  CHECK(launches[2].first_step == 6);
+  CHECK(b.history(5)["version"] == 2);  // saved again in the current numbering
+  CHECK(b.history(5)["steps"][0][0] == 1);
 }
 
 TEST_CASE("the page charts every launch's losses with a marker where each later one began") {
   ReportBuilder b = builder();
-  nlohmann::json h = {{"version", 1},
-                      {"launches", {{{"launch", 1}, {"first_step", 0}}, {{"launch", 2}, {"first_step", 30}}}},
+  nlohmann::json h = {{"version", 2},
+                      {"launches", {{{"launch", 1}, {"first_step", 1}}, {{"launch", 2}, {"first_step", 31}}}},
                       {"steps", nlohmann::json::array()},
-                      {"validations", {{9, 2.5, 0.25}}}};
-  for (int s = 0; s < 45; ++s) h["steps"].push_back({s, 3.0 - 0.01 * s});
-  b.carry_over(h, 45);
-  for (int s = 45; s < 60; ++s) b.add_step(s, 2.0 - 0.01 * s, hand_step(1.0, 1, 1), s > 45);
+                      {"validations", {{10, 2.5, 0.25}}}};
+  for (int s = 1; s <= 45; ++s) h["steps"].push_back({s, 3.0 - 0.01 * s});
+  b.carry_over(h, 46);
+  for (int s = 46; s <= 60; ++s) b.add_step(s, 2.0 - 0.01 * s, hand_step(1.0, 1, 1), s > 46);
   HtmlReportInput in;
   in.title = "t";
   in.summary = b.summary();
@@ -492,11 +515,11 @@ TEST_CASE("the page charts every launch's losses with a marker where each later 
   };
   CHECK(count("class=\"launchmark\"") == 2);
   // The chart is 720 px wide with 56 px left and 16 px right of the plot: step s is at
-  // 56 + 648 s / 59 (the last step is 59).
-  CHECK(page.find("<line x1=\"385.5\" x2=\"385.5\"") != std::string::npos);  // step 30
-  CHECK(page.find("<line x1=\"550.2\" x2=\"550.2\"") != std::string::npos);  // step 45
-  CHECK(page.find(">launch 2: resumed at step 30<title>") != std::string::npos);
-  CHECK(page.find(">launch 3: resumed at step 45<title>") != std::string::npos);
+  // 56 + 648 (s - 1) / 59 (steps 1 to 60).
+  CHECK(page.find("<line x1=\"385.5\" x2=\"385.5\"") != std::string::npos);  // step 31
+  CHECK(page.find("<line x1=\"550.2\" x2=\"550.2\"") != std::string::npos);  // step 46
+  CHECK(page.find(">launch 2: resumed at step 31<title>") != std::string::npos);
+  CHECK(page.find(">launch 3: resumed at step 46<title>") != std::string::npos);
   // Labels are about 6 px a character (28 here). Launch 2's runs right of its marker,
   // from 389.5 to 557.5. Launch 3's would end at 550.2 + 4 + 168 = 722.2, past the chart's
   // 720: it ends at its marker instead, from 378.2, under launch 2's: the second row, and
@@ -509,8 +532,105 @@ TEST_CASE("the page charts every launch's losses with a marker where each later 
   REQUIRE(poly != std::string::npos);
   const std::string points = page.substr(poly + 32, page.find('"', poly + 32) - poly - 32);
   CHECK(std::count(points.begin(), points.end(), ',') == 60);
-  CHECK(page.find("14 timed steps of launch 3 (steps 45 to 59); the loss chart covers all 3 launches") !=
+  CHECK(page.find("14 timed steps of launch 3 (steps 46 to 60); the loss chart covers all 3 launches") !=
         std::string::npos);
-  CHECK(page.find("launch 1, steps 0 to 29 (30 steps); launch 2, steps 30 to 44 (15 steps); launch 3, steps 45 to 59 "
+  CHECK(page.find("launch 1, steps 1 to 30 (30 steps); launch 2, steps 31 to 45 (15 steps); launch 3, steps 46 to 60 "
                   "(15 steps)") != std::string::npos);
+}
+
+// ---- The page: every kind of work in a column of its own, whole layer names, chunks told apart.
+
+namespace {
+
+// hand_step with stage 0's B1 [9,12] split into B1 [9,11] and W1 [11,12].
+StepResult split_step() {
+  StepResult r = hand_step(1.0, 2 << 20, 3 << 20);
+  auto& ops = r.stages[0].ops;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (ops[i].op == Op::kBackward && ops[i].micro_batch == 1) {
+      ops[i].end_ms = 11;
+      ops.insert(ops.begin() + static_cast<long>(i) + 1, TimedOp{Op::kBackwardWeight, 1, 11, 12});
+      break;
+    }
+  }
+  return r;
+}
+
+int count_of(const std::string& page, const std::string& what) {
+  int n = 0;
+  for (size_t at = page.find(what); at != std::string::npos; at = page.find(what, at + 1)) ++n;
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("the page shows B, W, sends and collectives apart, and the peak card one stage measured and planned") {
+  const StepResult r = split_step();
+  Schedule program = hand_program();
+  program.stages[0].clear();
+  for (const TimedOp& t : r.stages[0].ops) program.stages[0].push_back({t.op, t.micro_batch, t.chunk});
+  ReportBuilder b({"0-1 linear, relu", "2-3 linear x2"}, {"cpu:0", "cpu:1"}, program, RecomputeMode::kExceptLast, 8);
+  PlannedRun plan;
+  plan.source = "test";
+  plan.stages.resize(2);
+  plan.stages[0].activation_bytes = 4 << 20;  // the plan's largest is stage 0; the measured largest, stage 1
+  plan.stages[1].activation_bytes = 5 << 19;  // 2.5 MiB
+  b.set_prediction(plan);
+  b.add_step(1, 2.0, r, true);
+  HtmlReportInput in;
+  in.title = "t";
+  in.summary = b.summary();
+  in.schedule = program;
+  in.losses = b.losses();
+  const std::string page = render_report_html(in);
+  CAPTURE(page);
+  // Stage 0 by hand: forward 4, recompute 0, B 3 + 2 = 5, W 1, sends 1, collectives 0,
+  // idle 16 - 10 - 1 = 5, optimizer 1, util 10 / 16.
+  CHECK(page.find("<td>4.00</td><td>0.00</td><td>5.00</td><td>1.00</td><td>1.00</td><td>0.00</td><td>5.00</td>"
+                  "<td>1.00</td><td>62.5%</td>") != std::string::npos);
+  CHECK(page.find("<th>backward (B)</th><th>weight grad (W)</th><th>sends</th><th>collectives</th>") !=
+        std::string::npos);
+  CHECK(page.find("peak activations (stage 1, the largest)</div><div class=\"v\">3.00 MiB</div>") != std::string::npos);
+  CHECK(page.find("planned 2.50 MiB for stage 1 (-16.7%) &middot; the plan's largest: stage 0, 4.00 MiB") !=
+        std::string::npos);
+  // Memory per stage: measured beside planned, stage by stage.
+  CHECK(page.find("<td class=\"l\">0</td><td>2.00 MiB</td><td>4.00 MiB</td><td>+100.0%</td>") != std::string::npos);
+}
+
+TEST_CASE("the page lists each stage's layers in full, chunk by chunk, and labels interleaved blocks by chunk") {
+  const std::string long0 = "0-3 embedding, transformer_block x3, layernorm";
+  const std::string long1 = "12-15 transformer_block x4";
+  ReportBuilder b({long0 + " | " + long1, "4-11 transformer_block x8 | 16-17 layernorm, linear"}, {"cpu:0", "cpu:1"},
+                  interleaved_1f1b_schedule(2, 2, 4, RecomputeMode::kNever), RecomputeMode::kNever, 8);
+  HtmlReportInput in;
+  in.title = "t";
+  in.summary = b.summary();
+  in.schedule = interleaved_1f1b_schedule(2, 2, 4, RecomputeMode::kNever);
+  OpCosts costs;
+  costs.forward = 10;
+  costs.backward = 20;
+  in.measured_simulation = simulate(in.schedule, costs);
+  const std::string page = render_report_html(in);
+  CHECK(page.find("<li><b>stage 0</b> &middot; cpu:0: chunk a: layers " + long0 + "; chunk b: layers " + long1 +
+                  "</li>") != std::string::npos);
+  // Every compute block of the simulated step is labelled: micro-batch and chunk.
+  for (const char* label : {">0a</text>", ">3a</text>", ">0b</text>", ">3b</text>"}) {
+    CAPTURE(label);
+    CHECK(page.find(label) != std::string::npos);
+  }
+  // Chunk b's blocks are drawn lighter: its forwards and backwards on both stages, 2 x 2 x 4.
+  CHECK(count_of(page, "class=\"later\"") == 16);
+  CHECK(page.find("chunk a or b") != std::string::npos);  // the legend says what the letters mean
+  // The time axis's labels stay inside the drawing (118 + 800 + 34 units wide).
+  size_t at = 0;
+  while ((at = page.find("class=\"tick", at)) != std::string::npos) {
+    const size_t x = page.rfind("<text x=\"", at) + 9;
+    const double pos = std::stod(page.substr(x, page.find('"', x) - x));
+    const bool end = page.compare(at, 16, "class=\"tick end\"") == 0;
+    const size_t text = page.find('>', at) + 1;
+    const double chars = static_cast<double>(page.find('<', text) - text);
+    CAPTURE(page.substr(text, page.find('<', text) - text));
+    CHECK((end ? pos : pos + 3.5 * chars) <= 952.0);  // about 7 units a character, centred unless at the end
+    ++at;
+  }
 }
