@@ -113,27 +113,34 @@ int optimizer_slots(const layers::OptimizerConfig& o) {
   return o.momentum != 0.0 ? 1 : 0;
 }
 
-int64_t LayerActivation::own(int64_t batch) const {
+int64_t ContextKeeps::own(int64_t batch) const {
   return static_cast<int64_t>(std::llround(std::max(0.0, own_base + own_per_sample * static_cast<double>(batch))));
 }
 
 namespace {
 
-// A layer's (or the loss's) context: bytes besides `in` and `out`, and which of them it keeps.
+// A layer's (or the loss's) context: bytes besides its input x and output y (and after
+// B, the output gradient dy and the input gradient dx), and which of those it keeps.
 struct ContextBytes {
   int64_t own = 0;
-  bool input = false, output = false;
+  bool input = false, output = false, grad_output = false, grad_input = false;
 };
-ContextBytes context_bytes(const layers::Context& ctx, const Tensor& in, const Tensor& out) {
+ContextBytes context_bytes(const layers::Context& ctx, const Tensor& in, const Tensor& out, const Tensor& dy = {},
+                           const Tensor& dx = {}) {
   BufferList all;
   add_buffers(ctx, all);
   BufferList rest;
   ContextBytes k;
+  auto is = [](const Tensor& t, const void* data) { return t.defined() && t.raw_data() == data; };
   for (const auto& b : all) {
-    if (in.defined() && b.first == in.raw_data()) {
+    if (is(in, b.first)) {
       k.input = true;
-    } else if (out.defined() && b.first == out.raw_data()) {
+    } else if (is(out, b.first)) {
       k.output = true;
+    } else if (is(dy, b.first)) {
+      k.grad_output = true;
+    } else if (is(dx, b.first)) {
+      k.grad_input = true;
     } else {
       rest.push_back(b);
     }
@@ -147,14 +154,19 @@ ContextBytes context_bytes(const layers::Context& ctx, const Tensor& in, const T
 namespace {
 
 // The layout from the layers' cost() counts, where a probe cannot run: each layer's
-// saved bytes as its own, nothing shared (an overestimate where layers share buffers).
+// saved bytes as its own, nothing shared (an overestimate where layers share buffers);
+// a splitting layer's W keeps as much again, its input and its output gradient.
 ActivationLayout layout_from_costs(const layers::Sequential& model) {
   const auto one = model.costs(1), two = model.costs(2);
   ActivationLayout out;
   for (size_t i = 0; i < one.size(); ++i) {
     LayerActivation a;
-    a.own_per_sample = static_cast<double>(two[i].saved_bytes - one[i].saved_bytes);
-    a.own_base = static_cast<double>(one[i].saved_bytes) - a.own_per_sample;
+    a.forward.own_per_sample = static_cast<double>(two[i].saved_bytes - one[i].saved_bytes);
+    a.forward.own_base = static_cast<double>(one[i].saved_bytes) - a.forward.own_per_sample;
+    if (model.layer(static_cast<int>(i)).splits_backward()) {
+      a.weight = a.forward;
+      a.weight.keeps_input = a.weight.keeps_grad_output = true;
+    }
     out.layers.push_back(a);
   }
   return out;
@@ -183,7 +195,7 @@ ActivationLayout probe_layers(const layers::Sequential& model_in) {
   const int L = model.size();
   ActivationLayout out;
   out.layers.resize(L);
-  std::vector<ContextBytes> at[2];
+  std::vector<ContextBytes> at[2], for_w[2];
   ContextBytes loss_at[2];
   for (int b = 0; b < 2; ++b) {
     const int64_t n = b + 1;
@@ -200,9 +212,19 @@ ActivationLayout probe_layers(const layers::Sequential& model_in) {
         be->copy(h, moved);
         h = moved;
       }
+      layers::Layer& layer = model.layer(i);
       layers::Context ctx;
-      Tensor y = model.layer(i).forward(*be, h, &ctx, args);
+      Tensor y = layer.forward(*be, h, &ctx, args);
       at[b].push_back(context_bytes(ctx, h, y));
+      // B of a split backward on this context, as the executor runs it (need_dx on every
+      // layer but the model's first): what stays is W's. Zero gradients add nothing.
+      ContextBytes w;
+      if (layer.splits_backward()) {
+        const Tensor dy = be->zeros(y.shape(), y.dtype());
+        const Tensor dx = layer.backward_input(*be, dy, ctx, i > 0);
+        w = context_bytes(ctx, h, y, dy, dx);
+      }
+      for_w[b].push_back(w);
       h = y;
     }
     if (model.has_loss()) {
@@ -214,14 +236,16 @@ ActivationLayout probe_layers(const layers::Sequential& model_in) {
     }
   }
   auto fit = [](const ContextBytes& one, const ContextBytes& two) {
-    LayerActivation a;
+    ContextKeeps a;
     a.own_per_sample = static_cast<double>(two.own - one.own);
     a.own_base = static_cast<double>(one.own) - a.own_per_sample;
     a.keeps_input = one.input || two.input;
     a.keeps_output = one.output || two.output;
+    a.keeps_grad_output = one.grad_output || two.grad_output;
+    a.keeps_grad_input = one.grad_input || two.grad_input;
     return a;
   };
-  for (int i = 0; i < L; ++i) out.layers[i] = fit(at[0][i], at[1][i]);
+  for (int i = 0; i < L; ++i) out.layers[i] = {fit(at[0][i], at[1][i]), fit(for_w[0][i], for_w[1][i])};
   out.loss = fit(loss_at[0], loss_at[1]);
   return out;
 }
@@ -239,10 +263,12 @@ std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequent
   const int K = s.num_stages, M = s.num_micro_batches, C = s.num_cells();
   GPIPE_CHECK(static_cast<int>(layout.layers.size()) == model.size(), "estimate_memory: a layout of another model");
   // Per cell and micro-batch: what a forward keeps (each buffer once), what W's
-  // contexts keep, the cell's input and output, and whether the contexts hold them.
+  // contexts keep after B (each buffer once), the cell's input and output, and whether
+  // the contexts hold them.
   struct CellBytes {
     int64_t saved = 0, for_w = 0, input = 0, output = 0;
     bool keeps_input = false, keeps_output = false;
+    bool w_keeps_grad_input = false;  // W's contexts hold the input gradient B sends
   };
   std::map<int64_t, std::vector<layers::LayerCost>> costs;  // by micro-batch size
   for (int64_t n : plan.micro_batch_sizes) {
@@ -261,16 +287,25 @@ std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequent
     b.input = input_bytes(first, n);
     b.output = per_layer[last].output_bytes;
     for (int i = first; i <= last; ++i) {
-      const LayerActivation& a = layout.layers[i];
+      const ContextKeeps& a = layout.layers[i].forward;
       b.saved += a.own(n);
       // The buffer between layer i-1 and i, once, if either context keeps it.
-      if (a.keeps_input || (i > first && layout.layers[i - 1].keeps_output)) b.saved += input_bytes(i, n);
-      if (model.layer(i).splits_backward()) {  // what W needs: about the input, the output gradient and its own
-        b.for_w += a.own(n) + input_bytes(i, n) + per_layer[i].output_bytes;
+      if (a.keeps_input || (i > first && layout.layers[i - 1].forward.keeps_output)) b.saved += input_bytes(i, n);
+      // After B, only W's contexts (the splitting layers') remain: their own bytes, the
+      // activation between layer i-1 and i and the gradient between i and i+1 (dy of i,
+      // dx of i+1; the received one, or the loss's, above the last layer), each once.
+      const ContextKeeps& w = layout.layers[i].weight;
+      b.for_w += w.own(n);
+      if (w.keeps_input || (i > first && layout.layers[i - 1].weight.keeps_output)) b.for_w += input_bytes(i, n);
+      if (w.keeps_grad_output || (i < last && layout.layers[i + 1].weight.keeps_grad_input)) {
+        b.for_w += per_layer[i].output_bytes;
       }
     }
-    b.keeps_input = layout.layers[first].keeps_input;
-    b.keeps_output = layout.layers[last].keeps_output;
+    b.keeps_input = layout.layers[first].forward.keeps_input;
+    b.keeps_output = layout.layers[last].forward.keeps_output;
+    if (layout.layers[last].weight.keeps_output) b.for_w += b.output;
+    b.w_keeps_grad_input = layout.layers[first].weight.keeps_grad_input;
+    if (b.w_keeps_grad_input) b.for_w += b.input;
     if (c == C - 1) {
       b.saved += layout.loss.own(n);
       b.keeps_output = b.keeps_output || layout.loss.keeps_input;
@@ -317,20 +352,35 @@ std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequent
         case Op::kSendActivation:
           if (ckpt || !b.keeps_output) h -= b.output;
           break;
-        case Op::kRecompute: h = b.saved + (b.keeps_input ? 0 : b.input); break;  // the input stays until backward
+        case Op::kRecompute:  // the contexts join the input, which stays until backward (and a gradient handed over)
+          h += b.saved - (b.keeps_input ? b.input : 0);
+          break;
         case Op::kRecvGradient: h += b.output; break;
         case Op::kBackward:
           // The input gradient, until sent (a first cell's, or one handed to a cell of this
-          // stage, is not held here); the contexts a W still needs.
+          // stage, is not held here); the contexts a W still needs (once, should they keep
+          // the input gradient too).
           h = (c == 0 || s.stage_of_cell(c - 1) == k) ? 0 : b.input;
-          if (split[ins.chunk][m]) h += b.for_w;
+          if (split[ins.chunk][m]) h = b.for_w + (b.w_keeps_grad_input ? 0 : h);
           break;
-        case Op::kBackwardWeight: h -= b.for_w; break;
-        case Op::kSendGradient: h -= b.input; break;
+        case Op::kBackwardWeight: h -= b.for_w; break;  // after B's send, which follows B at once
+        case Op::kSendGradient:
+          if (!(split[ins.chunk][m] && b.w_keeps_grad_input)) h -= b.input;
+          break;
         default: break;
       }
       h = std::max<int64_t>(h, 0);
       live += h - before;
+      // A hand-over to the neighbouring cell on this stage (chunks of one stage, K = 1):
+      // that cell's micro-batch holds the activation, or the gradient, from now on.
+      if (ins.op == Op::kForward && c + 1 < C && s.stage_of_cell(c + 1) == k) {
+        held[s.chunk_of_cell(c + 1)][m] += b.output;
+        live += b.output;
+      }
+      if (ins.op == Op::kBackward && c > 0 && s.stage_of_cell(c - 1) == k) {
+        held[s.chunk_of_cell(c - 1)][m] += b.input;
+        live += b.input;
+      }
       peak = std::max(peak, live);
     }
     out[k].activation_bytes = peak;

@@ -68,14 +68,21 @@ std::vector<int> plan_balance(const Config& config, const layers::Sequential& mo
 // linear in the batch size, and whether it keeps its input and its output. A layer's
 // output is often the next one's saved input; counting each buffer once is what makes
 // the estimate agree with the meter.
-struct LayerActivation {
-  double own_base = 0, own_per_sample = 0;
+struct ContextKeeps {
+  double own_base = 0, own_per_sample = 0;  // bytes besides the four buffers below
   bool keeps_input = false, keeps_output = false;
+  bool keeps_grad_output = false, keeps_grad_input = false;  // dy, and the dx it returned (after B)
   int64_t own(int64_t batch) const;
+};
+// A layer's context after its forward, and for a layer that splits its backward, after
+// B (backward_input, probed on that context with a zero output gradient): what it keeps
+// for W (a Linear its input and dy; nothing for a layer that does not split).
+struct LayerActivation {
+  ContextKeeps forward, weight;
 };
 struct ActivationLayout {
   std::vector<LayerActivation> layers;
-  LayerActivation loss;  // the loss's context (keeps_input: it keeps the logits)
+  ContextKeeps loss;  // the loss's context (keeps_input: it keeps the logits)
 };
 ActivationLayout probe_activations(const layers::Sequential& model);
 
@@ -83,8 +90,8 @@ ActivationLayout probe_activations(const layers::Sequential& model);
 // and the activations the schedule keeps alive, after each instruction as the executor
 // meters them (walked instruction by instruction: a forward keeps its cell's contexts,
 // or only its input when checkpointed, and the output until it is sent; a recompute
-// rebuilds the contexts and keeps the input; a backward frees them, or keeps the
-// splitting layers' for a later W, and holds the input gradient until it is sent).
+// rebuilds the contexts and keeps the input; a backward frees them, or keeps what the
+// splitting layers' W needs, as probed, and holds the input gradient until it is sent).
 // The trainer's fit check and the planner both call it.
 struct StageMemory {
   int64_t parameter_bytes = 0;  // parameters, gradients and optimizer state: the three below

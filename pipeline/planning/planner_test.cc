@@ -1,17 +1,19 @@
 // The planner and what it stands on: its prediction equals a hand-computed makespan on
-// a synthetic profile; estimate_memory equals the executor's activation meter for every
-// schedule and recompute mode; the sweep never recommends a plan over the memory limit;
-// balance by profile follows the measured times and refuses a profile of something
-// else; the profile file round-trips.
+// a synthetic profile; estimate_memory equals the executor's activation meter, to the
+// byte, for every schedule (zero bubble's W contexts included) and recompute mode; the
+// sweep never recommends a plan over the memory limit; balance by profile follows the
+// measured times and refuses a profile of something else; the profile file round-trips.
 #include <doctest/doctest.h>
 
 #include <cstdio>
 #include <filesystem>
 #include <string>
 
+#include "layers/layer.h"
 #include "pipeline/config/config.h"
 #include "pipeline/config/run_model.h"
 #include "pipeline/executor/executor.h"
+#include "pipeline/planning/device_spec.h"
 #include "pipeline/planning/plan.h"
 #include "pipeline/planning/planner.h"
 #include "pipeline/planning/profile.h"
@@ -138,12 +140,14 @@ train: {steps: 1, batch_size: 10}
     int v;
   };
   for (const char* text : {mlp, gpt}) {
-    for (const Case sc : {Case{"gpipe", 1}, Case{"1f1b", 1}, Case{"interleaved_1f1b", 2}, Case{"zero_bubble", 1}}) {
+    for (const Case sc : {Case{"gpipe", 1}, Case{"1f1b", 1}, Case{"interleaved_1f1b", 2}, Case{"zero_bubble", 1},
+                          Case{"zero_bubble", 2}}) {
       for (const char* mode : {"never", "except_last", "always"}) {
         for (int K : {1, 2, 3}) {
-          if (sc.v > 1 && K == 1) continue;
-          CAPTURE(sc.schedule);
-          CAPTURE(mode);
+          // v = 2 at K = 1: two chunks on one stage, handing over without messages.
+          const std::string schedule = sc.schedule, recompute = mode;
+          CAPTURE(schedule);
+          CAPTURE(recompute);
           CAPTURE(K);
           const Config c = parse_config(
               text, "t.yaml",
@@ -166,13 +170,7 @@ train: {steps: 1, batch_size: 10}
           const StepResult r = ex.step(x, y);
           for (int k = 0; k < K; ++k) {
             CAPTURE(k);
-            if (std::string(sc.schedule) == "zero_bubble") {
-              // W's contexts are estimated, not probed: within 25% of the meter.
-              CHECK(estimate[k].activation_bytes ==
-                    doctest::Approx(static_cast<double>(r.stages[k].peak_activation_bytes)).epsilon(0.25));
-            } else {
-              CHECK(estimate[k].activation_bytes == r.stages[k].peak_activation_bytes);
-            }
+            CHECK(estimate[k].activation_bytes == r.stages[k].peak_activation_bytes);
           }
         }
       }
@@ -327,4 +325,49 @@ TEST_CASE("a K-stage plan takes the profile measured with K stages at once, else
   CHECK(forward(1) == 1.0);
   CHECK(forward(2) == 1.5);
   CHECK(forward(3) == 1.0);  // not measured with 3: alone
+}
+
+// GPipe's Table 2 (Huang et al. 2019, arXiv:1811.06965v5): the training throughput of
+// Transformer-48 under GPipe (with re-materialization) on TPUs, K partitions by M
+// micro-batches, each relative to K = 2, M = 1. The planner predicts the same runs on
+// the H100 description (configs/gpipe_transformer48.yaml: the paper's layer shape, batch
+// 32). The paper adjusted the batch "to fit memory if necessary", which its M = 1 and 4
+// rows show (K = 8, M = 4 at 4.8 is more than a bubble of 7/11 allows at a fixed batch),
+// so only M = 32 is checked, within 15%: the planner comes out lower everywhere, most at
+// K = 8, where 48 blocks, the embedding and a 32k-word head (1.2 blocks' work) leave the
+// fullest stage 7 blocks against 6.2 on average (bench/RESULTS.md, issue 20).
+TEST_CASE("the planner's GPipe speedups against GPipe's Table 2 (Transformer-48, normalised to K=2, M=1)") {
+  const int Ks[3] = {2, 4, 8}, Ms[3] = {1, 4, 32};
+  const double paper[3][3] = {{1.0, 1.07, 1.3}, {1.7, 3.2, 4.8}, {1.8, 3.4, 6.3}};  // [M][K]
+  const Config base = load_config("configs/gpipe_transformer48.yaml");
+  layers::ParametersWithoutStorage planned_only;  // 2.5 billion parameters: counted, never allocated
+  RunModel run = build_run_model(base);
+  const DeviceSpec spec = load_device_spec("configs/devices/h100_nvlink_ib.yaml");
+  SweepOptions o;
+  o.devices = 8;
+  o.spec = &spec;
+  o.micro_batches = {1, 4, 32};
+  const SweepResult r = sweep(run.config, *run.model, o);
+  auto gpipe_at = [&](int K, int M) -> const Candidate& {
+    for (const Candidate& c : r.candidates) {
+      if (c.stages == K && c.virtual_stages == 1 && c.micro_batches == M && c.schedule == "gpipe" &&
+          c.recompute == RecomputeMode::kAlways) {
+        return c;
+      }
+    }
+    FAIL("no GPipe candidate at K=" << K << " M=" << M);
+    return r.candidates.front();
+  };
+  const double one = gpipe_at(2, 1).run.samples_per_second;
+  for (int i = 0; i < 3; ++i) {
+    for (int j = 0; j < 3; ++j) {
+      const Candidate& c = gpipe_at(Ks[j], Ms[i]);
+      const double planned = c.run.samples_per_second / one;
+      std::string balance;
+      for (int b : c.balance) balance += " " + std::to_string(b);
+      MESSAGE("Table 2, K=" << Ks[j] << " M=" << Ms[i] << ": paper " << paper[i][j] << ", planned " << planned
+                            << " (balance" << balance << ", bubble " << c.run.bubble << ")");
+      if (Ms[i] == 32) CHECK(planned == doctest::Approx(paper[i][j]).epsilon(0.15));
+    }
+  }
 }
