@@ -9,6 +9,7 @@
 #include <sstream>
 #include <thread>
 
+#include "pipeline/planning/byte_units.h"
 #include "pipeline/planning/plan.h"
 #include "pipeline/planning/planner.h"
 #include "runtime/error.h"
@@ -34,16 +35,6 @@ std::string Candidate::overrides() const {
 }
 
 namespace {
-
-std::string mb(int64_t bytes) {
-  char buf[32];
-  if (bytes >= (int64_t{1} << 30)) {
-    std::snprintf(buf, sizeof buf, "%.2f GiB", bytes / 1073741824.0);
-  } else {
-    std::snprintf(buf, sizeof buf, "%.1f MiB", bytes / 1048576.0);
-  }
-  return buf;
-}
 
 // Device time of the compute in a step: a stage's busy time keeps each of its BLAS
 // threads' cores busy.
@@ -262,10 +253,10 @@ void give_verdicts(SweepResult& out, const SweepOptions& o) {
     if (static_cast<int>(i) == out.recommended) {
       c.verdict = "recommended";
     } else if (!c.fits) {
-      c.verdict = "memory: " + mb(out.memory_limit > 0 && c.peak_device_bytes > out.memory_limit ? c.peak_device_bytes
-                                                                                                 : c.total_bytes) +
-                  (out.memory_limit > 0 && c.peak_device_bytes > out.memory_limit ? " on a device > " + mb(out.memory_limit)
-                                                                                   : " in all > " + mb(o.host_available) + " available");
+      const bool over_device = out.memory_limit > 0 && c.peak_device_bytes > out.memory_limit;
+      c.verdict = over_device
+                      ? "memory: " + bytes_str(c.peak_device_bytes) + " on a device > " + bytes_str(out.memory_limit)
+                      : "memory: " + bytes_str(c.total_bytes) + " in all > " + bytes_str(o.host_available) + " available";
     } else {
       c.verdict = why_lost(c, out.candidates[out.recommended]);
     }
@@ -321,22 +312,31 @@ std::string sweep_table(const SweepResult& r, int max_rows) {
   for (const auto& c : r.candidates) fitting += c.fits;
   os << "Sweep: " << r.candidates.size() << " candidates on " << r.devices << " device" << (r.devices == 1 ? "" : "s")
      << ", " << fitting << " within the memory limit"
-     << (r.memory_limit > 0 ? " of " + mb(r.memory_limit) + " per device" : "") << "\n";
+     << (r.memory_limit > 0 ? " of " + bytes_str(r.memory_limit) + " per device"
+                            : " (none per device; give one with --set pipeline.memory_limit=8GiB)")
+     << "\n";
   os << "costs: " << r.costs << "\n";
+  // The rows shown, and the one unit of their peak column.
+  std::vector<size_t> rows;
+  int64_t largest = 0;
+  for (size_t i = 0; i < r.candidates.size(); ++i) {
+    if (static_cast<int>(rows.size()) >= max_rows && static_cast<int>(i) != r.recommended) continue;
+    rows.push_back(i);
+    largest = std::max(largest, r.candidates[i].peak_device_bytes);
+  }
+  const ByteUnit unit = byte_unit_for(largest);
   char line[400];
   std::snprintf(line, sizeof line, "%4s  %-52s %9s %10s %6s %12s  %s\n", "rank", "candidate", "step ms", "samples/s",
-                "bubble", "peak/device", "verdict");
+                "bubble", (std::string("peak ") + unit.name).c_str(), "verdict");
   os << line;
-  int shown = 0;
-  for (size_t i = 0; i < r.candidates.size(); ++i) {
+  for (size_t i : rows) {
     const Candidate& c = r.candidates[i];
-    if (shown >= max_rows && static_cast<int>(i) != r.recommended) continue;
-    ++shown;
     std::snprintf(line, sizeof line, "%4zu  %-52s %9.2f %10.1f %6.3f %12s  %s\n", i + 1, c.label().c_str(), c.run.step_ms,
-                  c.run.samples_per_second, c.run.bubble, mb(c.peak_device_bytes).c_str(),
+                  c.run.samples_per_second, c.run.bubble, in_unit(c.peak_device_bytes, unit).c_str(),
                   (static_cast<int>(i) == r.recommended ? "<< recommended" : c.verdict).c_str());
     os << line;
   }
+  const int shown = static_cast<int>(rows.size());
   if (shown < static_cast<int>(r.candidates.size())) {
     os << "  (" << r.candidates.size() - shown << " more not shown)\n";
   }
