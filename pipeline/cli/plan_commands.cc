@@ -259,6 +259,7 @@ int plan_other_runs(const Config& config, layers::Sequential& model, const PlanC
     SweepOptions sweep_options;
     sweep_options.devices = o.devices;
     sweep_options.spec = has_spec ? &spec : nullptr;
+    sweep_options.micro_batches = micro_batch_counts(o.max_micro_batches);
     const bool cpu = config.pipeline.devices.empty() || parse_device(config.pipeline.devices[0]).is_cpu();
     if (!has_spec && cpu) sweep_options.host_available = std::max<int64_t>(0, host_available_bytes());
     out << sweep_table(sweep(config, model, sweep_options), o.rows);

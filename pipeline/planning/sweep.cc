@@ -263,7 +263,46 @@ void give_verdicts(SweepResult& out, const SweepOptions& o) {
   }
 }
 
+// Where `best` sits at the edge of what the sweep tried, each with how to look further: the most micro-batches tried
+// (when the batch allows more), every device it planned for (when the model could be split further), the most
+// virtual stages it tries (when the layers allow more).
+std::vector<std::string> edge_notes(const Candidate& best, const SweepOptions& o, int devices, bool cpu,
+                                    int most_m, int layers, int64_t batch) {
+  std::vector<std::string> notes;
+  if (best.micro_batches == most_m && most_m < batch) {
+    const int64_t next = std::min<int64_t>(2 * int64_t{most_m}, batch);
+    notes.push_back("M=" + std::to_string(most_m) + " is the most micro-batches the sweep tried (train.batch_size " +
+                    std::to_string(batch) + " allows up to " + std::to_string(batch) +
+                    "); more may be faster still: add --max-micro-batches " + std::to_string(next) + " to try up to " +
+                    std::to_string(next));
+  }
+  if (devices_used(best) == devices && !(best.stages == layers && best.blas_threads == 1)) {
+    const std::string which = o.devices > 0      ? "--devices " + std::to_string(devices)
+                              : o.spec != nullptr ? "one " + o.spec->name
+                              : cpu               ? "this machine's " + std::to_string(devices) + " cores"
+                                                  : "this machine's " + std::to_string(devices) + " GPUs";
+    notes.push_back(best.label() + " uses every device the sweep planned for (" + which +
+                    "); more devices may be faster: --devices " + std::to_string(2 * devices) + " plans for " +
+                    std::to_string(2 * devices) +
+                    (o.spec != nullptr ? "" : " (with --device-spec FILE for devices this machine does not have)"));
+  }
+  if (best.virtual_stages == 2 && 4 * best.stages <= layers) {
+    Candidate v4 = best;
+    v4.virtual_stages = 4;
+    notes.push_back("v=2 is the most virtual stages the sweep tries; to compare v=4: gpipe plan CONFIG " +
+                    v4.overrides());
+  }
+  return notes;
+}
+
 }  // namespace
+
+std::vector<int> micro_batch_counts(int most) {
+  std::vector<int> counts;
+  for (int m = 1; m < most; m *= 2) counts.push_back(m);
+  counts.push_back(most);
+  return counts;
+}
 
 SweepResult sweep(const Config& base, const layers::Sequential& model, const SweepOptions& o) {
   SweepResult out;
@@ -303,6 +342,13 @@ SweepResult sweep(const Config& base, const layers::Sequential& model, const Swe
   }
   rank(out);
   give_verdicts(out, o);
+  if (out.recommended >= 0) {
+    int most_m = 0;
+    for (int m : o.micro_batches) {
+      if (m <= batch) most_m = std::max(most_m, m);
+    }
+    out.edges = edge_notes(out.candidates[out.recommended], o, n, cpu, most_m, model.size(), batch);
+  }
   return out;
 }
 
@@ -343,6 +389,8 @@ std::string sweep_table(const SweepResult& r, int max_rows) {
   if (r.recommended >= 0) {
     os << "Recommended: " << r.candidates[r.recommended].label() << "\n  " << r.candidates[r.recommended].overrides()
        << "\n";
+    if (!r.edges.empty()) os << "At the edge of the search:\n";
+    for (const std::string& e : r.edges) os << "  " << e << "\n";
   } else {
     os << "No candidate fits the memory limit: raise pipeline.memory_limit, use more devices, or shrink "
           "train.batch_size\n";
