@@ -37,9 +37,9 @@ expect() {
 
 expect 2 "gpipe: error: no command given" -- "$gpipe"
 grep -q "usage:" out.log || { cat out.log; echo "FAIL: no usage after 'no command given'"; exit 1; }
-expect 2 "gpipe: error: unknown command 'trian'" -- "$gpipe" trian small.yaml
 expect 2 "gpipe: error: --set needs KEY=VALUE, e.g. --set train.steps=10" -- "$gpipe" train small.yaml --set
-expect 2 "gpipe: error: unknown option '--steps'" -- "$gpipe" train small.yaml --steps 3
+expect 2 "gpipe: error: unknown option '--steps' for train; it has no such flag (a config field is set with --set KEY=VALUE)." -- \
+  "$gpipe" train small.yaml --steps 3
 expect 2 "gpipe: error: unexpected argument 'other.yaml' for plan (one config file at most)" -- "$gpipe" plan small.yaml other.yaml
 expect 2 "gpipe: error: cannot read config file 'no/such.yaml'; check the path" -- "$gpipe" plan no/such.yaml
 expect 2 "gpipe: error: config error at --set train.steps=many: train.steps: expected an integer, got 'many'" -- \
@@ -79,6 +79,50 @@ done
 grep -qx "1I1" zb.txt || { cat zb.txt; echo "FAIL: zb.txt is not in PyTorch's notation"; exit 1; }
 expect 2 "gpipe: error: --schedule-file-out writes the schedule of the config as it is" -- \
   "$gpipe" plan small.yaml --sweep --schedule-file-out x.csv
+# Flags: each command takes its own, spelled out. A mistyped, shortened or inapplicable
+# one is refused (exit 2) by name, with what was probably meant, before anything runs.
+expect 2 "gpipe: error: unknown command 'trian'; did you mean train?" -- "$gpipe" trian small.yaml
+expect 2 "gpipe: error: unknown option '--swee' for plan; did you mean --sweep? (\`gpipe help plan\` lists its flags)" -- \
+  "$gpipe" plan small.yaml --swee
+expect 2 "gpipe: error: unknown option '--sw' for plan; did you mean --sweep?" -- "$gpipe" plan small.yaml --sw
+expect 2 "gpipe: error: unknown option '--swep' for plan; did you mean --sweep?" -- "$gpipe" plan small.yaml --swep
+expect 2 "gpipe: error: unknown option '--device' for plan; did you mean --devices or --device-spec?" -- \
+  "$gpipe" plan small.yaml --device 8
+expect 2 "gpipe: error: unknown option '--device' for plan; did you mean --devices" -- "$gpipe" plan --device 8
+expect 2 "gpipe: error: --rows applies only with --sweep: add --sweep, or drop --rows" -- "$gpipe" plan small.yaml --rows 3
+expect 2 "gpipe: error: --max-micro-batches applies only with --sweep" -- "$gpipe" plan small.yaml --max-micro-batches 64
+expect 2 "gpipe: error: unknown option '--resume' for plan; --resume is an option of train and run, not of plan." -- \
+  "$gpipe" plan small.yaml --resume
+expect 2 "gpipe: error: unknown option '--np' for train; --np is an option of run, not of train." -- \
+  "$gpipe" train small.yaml --np 2
+expect 2 "gpipe: error: unknown option '--sweep' for train; --sweep is an option of plan and profile, not of train." -- \
+  "$gpipe" train small.yaml --sweep=yes
+expect 2 "gpipe: error: --devices needs a value: --devices N" -- "$gpipe" plan small.yaml --devices
+expect 2 "gpipe: error: --rows takes a positive integer, got 'many'" -- "$gpipe" plan small.yaml --sweep --rows many
+expect 2 "gpipe: error: --np 0: expected a whole number of at least 1" -- "$gpipe" run --np 0 small.yaml
+expect 2 "gpipe: error: unknown option '--swee' for plan" -- "$gpipe" plan small.yaml --rows 3 --swee  # the typo first
+# Help for one command: each flag explained, and for plan how the sweep gets its memory limit.
+expect 0 "Usage: gpipe plan [OPTIONS] [CONFIG.yaml]" -- "$gpipe" help plan
+cp out.log help_plan.log
+for word in "--sweep" "--rows N" "--max-micro-batches N" "--devices N" "--device-spec FILE" "--schedule-file-out FILE" \
+    "--set KEY=VALUE" "--set pipeline.memory_limit=8GiB" "(with --sweep)"; do
+  grep -qF -- "$word" help_plan.log || { cat help_plan.log; echo "FAIL: gpipe help plan does not explain $word"; exit 1; }
+done
+for h in --help -h; do
+  expect 0 "Usage: gpipe plan [OPTIONS] [CONFIG.yaml]" -- "$gpipe" plan small.yaml "$h"
+  diff help_plan.log out.log || { echo "FAIL: gpipe plan $h is not gpipe help plan"; exit 1; }
+done
+expect 0 "Usage: gpipe run [OPTIONS] [CONFIG.yaml]" -- "$gpipe" run --help
+grep -qF -- "--max-restarts N" out.log && ! grep -qF -- "--run-id" out.log || { cat out.log; echo "FAIL: gpipe run --help"; exit 1; }
+expect 0 "gpipe help COMMAND (or gpipe COMMAND --help) explains each flag of COMMAND" -- "$gpipe" help
+expect 2 "gpipe: error: unknown command 'plam'; did you mean plan?" -- "$gpipe" help plam
+# Bytes in binary units, the unit over each column; the sweep says where it ran out of range.
+expect 0 "| memory per stage, MiB" -- "$gpipe" plan small.yaml
+! grep -E "[0-9] MB|total MB" out.log || { echo "FAIL: gpipe plan prints MB (10^6)"; exit 1; }
+expect 0 "At the edge of the search:" -- "$gpipe" plan small.yaml --sweep --max-micro-batches 1
+grep -qF "M=1 is the most micro-batches the sweep tried (train.batch_size 8 allows up to 8); more may be faster still: add --max-micro-batches 2" out.log &&
+  grep -qF "peak MiB" out.log && grep -qF "none per device; give one with --set pipeline.memory_limit=8GiB" out.log ||
+  { cat out.log; echo "FAIL: the sweep's edge, unit or memory limit"; exit 1; }
 echo "ok: $n command lines, each refused (or served) with its message"
 
 # Under mpirun: every rank reads the same mistake; the job ends with it.

@@ -14,6 +14,7 @@
 
 #include "partition/balance.h"
 #include "pipeline/config/run_model.h"
+#include "pipeline/planning/byte_units.h"
 #include "pipeline/planning/device_spec.h"
 #include "pipeline/planning/planner.h"
 #include "pipeline/planning/profile.h"
@@ -34,41 +35,42 @@ void pin_to_core(int core) {
   pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort, as the executor's
 }
 
-std::string mb(int64_t bytes) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.1f", bytes / 1e6);
-  return buf;
-}
-
 void print_planned(const Plan& plan, const PlannedRun& run, int64_t memory_limit, std::ostream& out) {
   char line[512];
-  out << "Prediction (costs: " << run.source << "):\n";
-  std::snprintf(line, sizeof line, "%-5s %8s %9s %8s %7s %8s %8s %7s %6s | %9s %9s %9s %11s %9s\n", "stage", "fwd ms",
-                "recomp ms", "bwd ms", "W ms", "comm ms", "idle ms", "opt ms", "util", "weights", "grads", "opt state",
-                "activations", "total MB");
-  out << line;
   int64_t peak = 0;
   int peak_stage = 0;
+  for (size_t k = 0; k < run.stages.size(); ++k) {
+    if (run.stages[k].total_bytes() > peak) {
+      peak = run.stages[k].total_bytes();
+      peak_stage = static_cast<int>(k);
+    }
+  }
+  const ByteUnit unit = byte_unit_for(peak);  // one unit for the memory columns, named over them
+  out << "Prediction (costs: " << run.source << "):\n";
+  std::snprintf(line, sizeof line, "%76s| memory per stage, %s\n", "", unit.name);
+  out << line;
+  std::snprintf(line, sizeof line, "%-5s %8s %9s %8s %7s %8s %8s %7s %6s | %9s %9s %9s %11s %9s\n", "stage", "fwd ms",
+                "recomp ms", "bwd ms", "W ms", "comm ms", "idle ms", "opt ms", "util", "weights", "grads", "opt state",
+                "activations", "total");
+  out << line;
   for (size_t k = 0; k < run.stages.size(); ++k) {
     const PlannedStage& s = run.stages[k];
     std::snprintf(line, sizeof line, "%-5zu %8.2f %9.2f %8.2f %7.2f %8.2f %8.2f %7.2f %5.1f%% | %9s %9s %9s %11s %9s\n",
                   k, s.forward_ms, s.recompute_ms, s.backward_ms, s.weight_ms, s.comm_ms, s.idle_ms, s.optimizer_ms,
-                  100 * s.utilization, mb(s.weight_bytes).c_str(), mb(s.gradient_bytes).c_str(),
-                  mb(s.optimizer_bytes).c_str(), mb(s.activation_bytes).c_str(), mb(s.total_bytes()).c_str());
+                  100 * s.utilization, in_unit(s.weight_bytes, unit).c_str(), in_unit(s.gradient_bytes, unit).c_str(),
+                  in_unit(s.optimizer_bytes, unit).c_str(), in_unit(s.activation_bytes, unit).c_str(),
+                  in_unit(s.total_bytes(), unit).c_str());
     out << line;
-    if (s.total_bytes() > peak) {
-      peak = s.total_bytes();
-      peak_stage = static_cast<int>(k);
-    }
   }
   std::snprintf(line, sizeof line,
                 "step %.2f ms (span %.2f ms), bubble %.3f (the schedule's formula %.3f), %.1f samples/s; the fullest "
-                "device holds %s MB (stage %d)",
+                "device holds %s (stage %d)",
                 run.step_ms, run.span_ms, run.bubble, formula_bubble(plan.schedule), run.samples_per_second,
-                mb(peak).c_str(), peak_stage);
+                bytes_str(peak).c_str(), peak_stage);
   out << line;
   if (memory_limit > 0) {
-    out << (peak <= memory_limit ? ", within " : ", OVER ") << "the limit of " << mb(memory_limit) << " MB";
+    out << (peak <= memory_limit ? ", within " : ", OVER ") << "the limit of " << bytes_str(memory_limit)
+        << " (pipeline.memory_limit)";
   }
   out << "\n";
 }
@@ -220,14 +222,14 @@ void profile_in_process_link(ProfileStore& store, int repeats, std::ostream& out
 void print_plan(const Config& c, layers::Sequential& model, const Plan& p, std::ostream& out) {
   const int64_t micro = p.largest_micro_batch();
   const auto costs = partition::layer_costs(model, micro, recomputes(p.recompute), cost_overrides(c));
-  out << format("model: %d layers, %lld parameters, input %s; a checkpoint takes %.1f MB\n", model.size(),
+  out << format("model: %d layers, %lld parameters, input %s; a checkpoint takes %s\n", model.size(),
                 static_cast<long long>(model.parameter_count()), shape_str(model.input_shape()).c_str(),
-                checkpoint_bytes(model, c.optimizer.optimizer) / 1e6);
+                bytes_str(checkpoint_bytes(model, c.optimizer.optimizer)).c_str());
   const auto memory = estimate_memory(p, model, c.optimizer.optimizer);
   for (int k = 0; k < p.stages; ++k) {
-    out << format("stage %d on %s: memory %.1f MB (parameters+state %.1f, activations %.1f)\n", k,
-                  p.devices[k].str().c_str(), memory[k].total() / 1e6, memory[k].parameter_bytes / 1e6,
-                  memory[k].activation_bytes / 1e6);
+    out << format("stage %d on %s: memory %s (parameters+state %s, activations %s)\n", k, p.devices[k].str().c_str(),
+                  bytes_str(memory[k].total()).c_str(), bytes_str(memory[k].parameter_bytes).c_str(),
+                  bytes_str(memory[k].activation_bytes).c_str());
     for (int cell : p.schedule.cells[k]) {
       const CellSpec& s = p.cells[cell];
       double total = 0;
@@ -257,6 +259,7 @@ int plan_other_runs(const Config& config, layers::Sequential& model, const PlanC
     SweepOptions sweep_options;
     sweep_options.devices = o.devices;
     sweep_options.spec = has_spec ? &spec : nullptr;
+    sweep_options.micro_batches = micro_batch_counts(o.max_micro_batches);
     const bool cpu = config.pipeline.devices.empty() || parse_device(config.pipeline.devices[0]).is_cpu();
     if (!has_spec && cpu) sweep_options.host_available = std::max<int64_t>(0, host_available_bytes());
     out << sweep_table(sweep(config, model, sweep_options), o.rows);

@@ -21,6 +21,7 @@ struct PlanCommandOptions {
   int devices = 0;          // --devices N: plan for N devices (0: the config's K, or this machine)
   std::string device_spec;  // --device-spec FILE: devices this machine does not have
   int rows = 30;            // sweep rows shown
+  int max_micro_batches = 32;  // the sweep tries M = 1, 2, 4, ... up to this
 };
 
 // How `plan` partitions and schedules the model, as `gpipe plan` prints it first: the

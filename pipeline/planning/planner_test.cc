@@ -1,8 +1,9 @@
 // The planner and what it stands on: its prediction equals a hand-computed makespan on
 // a synthetic profile; estimate_memory equals the executor's activation meter, to the
 // byte, for every schedule (zero bubble's W contexts included) and recompute mode; the
-// sweep never recommends a plan over the memory limit; balance by profile follows the
-// measured times and refuses a profile of something else; the profile file round-trips.
+// sweep never recommends a plan over the memory limit, and says when its choice sits at
+// the edge of what it tried; balance by profile follows the measured times and refuses a
+// profile of something else; the profile file round-trips.
 #include <doctest/doctest.h>
 
 #include <cstdio>
@@ -218,6 +219,35 @@ TEST_CASE("the sweep never recommends a plan over the memory limit") {
   const SweepResult none = sweep(run.config, *run.model, o);
   CHECK(none.recommended == -1);
   CHECK(sweep_table(none).find("No candidate fits") != std::string::npos);
+}
+
+TEST_CASE("the sweep says when its choice sits at the edge of what it tried, and how to look further") {
+  const Config c = parse_config(kLinear4, "t.yaml", {"pipeline.profile=" + tmp_path("none.json")});
+  RunModel run = build_run_model(c);
+  SweepOptions o;
+  o.devices = 1;           // K = 1 only: the choice uses every device
+  o.micro_batches = {1};   // M = 1 only, of a batch of 8: the choice has the most micro-batches tried
+  const SweepResult edge = sweep(run.config, *run.model, o);
+  REQUIRE(edge.recommended == 0);
+  CHECK(edge.candidates[0].micro_batches == 1);
+  CHECK(edge.candidates[0].stages == 1);
+  REQUIRE(edge.edges.size() == 2);
+  const std::string table = sweep_table(edge);
+  INFO(table);
+  CHECK(table.find("At the edge of the search:\n") != std::string::npos);
+  CHECK(table.find("  M=1 is the most micro-batches the sweep tried (train.batch_size 8 allows up to 8); more may be "
+                   "faster still: add --max-micro-batches 2 to try up to 2\n") != std::string::npos);
+  CHECK(table.find(" uses every device the sweep planned for (--devices 1); more devices may be faster: --devices 2 "
+                   "plans for 2") != std::string::npos);
+  // M up to the batch itself: no M could be tried beyond it, so none is an edge to widen.
+  o.micro_batches = micro_batch_counts(8);
+  CHECK(o.micro_batches == std::vector<int>{1, 2, 4, 8});
+  o.devices = 4;  // one layer per stage at most
+  const SweepResult inside = sweep(run.config, *run.model, o);
+  REQUIRE(inside.recommended == 0);
+  for (const std::string& e : inside.edges) CHECK(e.find("micro-batches") == std::string::npos);
+  CHECK(micro_batch_counts(48) == std::vector<int>{1, 2, 4, 8, 16, 32, 48});
+  CHECK(micro_batch_counts(1) == std::vector<int>{1});
 }
 
 TEST_CASE("balance by profile follows the measured times and refuses a profile of something else") {

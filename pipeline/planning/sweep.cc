@@ -9,6 +9,7 @@
 #include <sstream>
 #include <thread>
 
+#include "pipeline/planning/byte_units.h"
 #include "pipeline/planning/plan.h"
 #include "pipeline/planning/planner.h"
 #include "runtime/error.h"
@@ -34,16 +35,6 @@ std::string Candidate::overrides() const {
 }
 
 namespace {
-
-std::string mb(int64_t bytes) {
-  char buf[32];
-  if (bytes >= (int64_t{1} << 30)) {
-    std::snprintf(buf, sizeof buf, "%.2f GiB", bytes / 1073741824.0);
-  } else {
-    std::snprintf(buf, sizeof buf, "%.1f MiB", bytes / 1048576.0);
-  }
-  return buf;
-}
 
 // Device time of the compute in a step: a stage's busy time keeps each of its BLAS
 // threads' cores busy.
@@ -262,17 +253,56 @@ void give_verdicts(SweepResult& out, const SweepOptions& o) {
     if (static_cast<int>(i) == out.recommended) {
       c.verdict = "recommended";
     } else if (!c.fits) {
-      c.verdict = "memory: " + mb(out.memory_limit > 0 && c.peak_device_bytes > out.memory_limit ? c.peak_device_bytes
-                                                                                                 : c.total_bytes) +
-                  (out.memory_limit > 0 && c.peak_device_bytes > out.memory_limit ? " on a device > " + mb(out.memory_limit)
-                                                                                   : " in all > " + mb(o.host_available) + " available");
+      const bool over_device = out.memory_limit > 0 && c.peak_device_bytes > out.memory_limit;
+      c.verdict = over_device
+                      ? "memory: " + bytes_str(c.peak_device_bytes) + " on a device > " + bytes_str(out.memory_limit)
+                      : "memory: " + bytes_str(c.total_bytes) + " in all > " + bytes_str(o.host_available) + " available";
     } else {
       c.verdict = why_lost(c, out.candidates[out.recommended]);
     }
   }
 }
 
+// Where `best` sits at the edge of what the sweep tried, each with how to look further: the most micro-batches tried
+// (when the batch allows more), every device it planned for (when the model could be split further), the most
+// virtual stages it tries (when the layers allow more).
+std::vector<std::string> edge_notes(const Candidate& best, const SweepOptions& o, int devices, bool cpu,
+                                    int most_m, int layers, int64_t batch) {
+  std::vector<std::string> notes;
+  if (best.micro_batches == most_m && most_m < batch) {
+    const int64_t next = std::min<int64_t>(2 * int64_t{most_m}, batch);
+    notes.push_back("M=" + std::to_string(most_m) + " is the most micro-batches the sweep tried (train.batch_size " +
+                    std::to_string(batch) + " allows up to " + std::to_string(batch) +
+                    "); more may be faster still: add --max-micro-batches " + std::to_string(next) + " to try up to " +
+                    std::to_string(next));
+  }
+  if (devices_used(best) == devices && !(best.stages == layers && best.blas_threads == 1)) {
+    const std::string which = o.devices > 0      ? "--devices " + std::to_string(devices)
+                              : o.spec != nullptr ? "one " + o.spec->name
+                              : cpu               ? "this machine's " + std::to_string(devices) + " cores"
+                                                  : "this machine's " + std::to_string(devices) + " GPUs";
+    notes.push_back(best.label() + " uses every device the sweep planned for (" + which +
+                    "); more devices may be faster: --devices " + std::to_string(2 * devices) + " plans for " +
+                    std::to_string(2 * devices) +
+                    (o.spec != nullptr ? "" : " (with --device-spec FILE for devices this machine does not have)"));
+  }
+  if (best.virtual_stages == 2 && 4 * best.stages <= layers) {
+    Candidate v4 = best;
+    v4.virtual_stages = 4;
+    notes.push_back("v=2 is the most virtual stages the sweep tries; to compare v=4: gpipe plan CONFIG " +
+                    v4.overrides());
+  }
+  return notes;
+}
+
 }  // namespace
+
+std::vector<int> micro_batch_counts(int most) {
+  std::vector<int> counts;
+  for (int m = 1; m < most; m *= 2) counts.push_back(m);
+  counts.push_back(most);
+  return counts;
+}
 
 SweepResult sweep(const Config& base, const layers::Sequential& model, const SweepOptions& o) {
   SweepResult out;
@@ -312,6 +342,13 @@ SweepResult sweep(const Config& base, const layers::Sequential& model, const Swe
   }
   rank(out);
   give_verdicts(out, o);
+  if (out.recommended >= 0) {
+    int most_m = 0;
+    for (int m : o.micro_batches) {
+      if (m <= batch) most_m = std::max(most_m, m);
+    }
+    out.edges = edge_notes(out.candidates[out.recommended], o, n, cpu, most_m, model.size(), batch);
+  }
   return out;
 }
 
@@ -321,28 +358,39 @@ std::string sweep_table(const SweepResult& r, int max_rows) {
   for (const auto& c : r.candidates) fitting += c.fits;
   os << "Sweep: " << r.candidates.size() << " candidates on " << r.devices << " device" << (r.devices == 1 ? "" : "s")
      << ", " << fitting << " within the memory limit"
-     << (r.memory_limit > 0 ? " of " + mb(r.memory_limit) + " per device" : "") << "\n";
+     << (r.memory_limit > 0 ? " of " + bytes_str(r.memory_limit) + " per device"
+                            : " (none per device; give one with --set pipeline.memory_limit=8GiB)")
+     << "\n";
   os << "costs: " << r.costs << "\n";
+  // The rows shown, and the one unit of their peak column.
+  std::vector<size_t> rows;
+  int64_t largest = 0;
+  for (size_t i = 0; i < r.candidates.size(); ++i) {
+    if (static_cast<int>(rows.size()) >= max_rows && static_cast<int>(i) != r.recommended) continue;
+    rows.push_back(i);
+    largest = std::max(largest, r.candidates[i].peak_device_bytes);
+  }
+  const ByteUnit unit = byte_unit_for(largest);
   char line[400];
   std::snprintf(line, sizeof line, "%4s  %-52s %9s %10s %6s %12s  %s\n", "rank", "candidate", "step ms", "samples/s",
-                "bubble", "peak/device", "verdict");
+                "bubble", (std::string("peak ") + unit.name).c_str(), "verdict");
   os << line;
-  int shown = 0;
-  for (size_t i = 0; i < r.candidates.size(); ++i) {
+  for (size_t i : rows) {
     const Candidate& c = r.candidates[i];
-    if (shown >= max_rows && static_cast<int>(i) != r.recommended) continue;
-    ++shown;
     std::snprintf(line, sizeof line, "%4zu  %-52s %9.2f %10.1f %6.3f %12s  %s\n", i + 1, c.label().c_str(), c.run.step_ms,
-                  c.run.samples_per_second, c.run.bubble, mb(c.peak_device_bytes).c_str(),
+                  c.run.samples_per_second, c.run.bubble, in_unit(c.peak_device_bytes, unit).c_str(),
                   (static_cast<int>(i) == r.recommended ? "<< recommended" : c.verdict).c_str());
     os << line;
   }
+  const int shown = static_cast<int>(rows.size());
   if (shown < static_cast<int>(r.candidates.size())) {
     os << "  (" << r.candidates.size() - shown << " more not shown)\n";
   }
   if (r.recommended >= 0) {
     os << "Recommended: " << r.candidates[r.recommended].label() << "\n  " << r.candidates[r.recommended].overrides()
        << "\n";
+    if (!r.edges.empty()) os << "At the edge of the search:\n";
+    for (const std::string& e : r.edges) os << "  " << e << "\n";
   } else {
     os << "No candidate fits the memory limit: raise pipeline.memory_limit, use more devices, or shrink "
           "train.batch_size\n";

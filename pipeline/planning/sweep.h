@@ -27,6 +27,8 @@ struct SweepOptions {
   // spec's memory; on this machine's CPUs the stages also share its available memory.
   int64_t memory_limit = 0;
   int64_t host_available = 0;  // bytes the CPU stages share (0: not checked)
+  // Micro-batch counts M to try (those up to train.batch_size). `gpipe plan --sweep
+  // --max-micro-batches N` sets them to the powers of two below N, and N.
   std::vector<int> micro_batches = {1, 2, 4, 8, 16, 32};
 };
 
@@ -50,7 +52,14 @@ struct SweepResult {
   int devices = 0;
   int64_t memory_limit = 0;
   std::string costs;  // where the costs came from
+  // Where the recommended candidate sits at the edge of what was tried (the most
+  // micro-batches, every device, the most virtual stages), each with how to look
+  // further; empty when it sits inside.
+  std::vector<std::string> edges;
 };
+
+// The micro-batch counts the sweep tries up to `most`: the powers of two below it, and it.
+std::vector<int> micro_batch_counts(int most);
 
 // Throws UserError when no candidate can even be built (e.g. a one-layer model).
 SweepResult sweep(const Config& config, const layers::Sequential& model, const SweepOptions& options);
