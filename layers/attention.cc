@@ -92,7 +92,8 @@ LayerCost CausalSelfAttention::cost(int64_t batch) const {
   c += proj_.cost(batch);
   c += drop_.cost(batch);
   // Only the qkv projection's dx is skipped without need_dx: everything else feeds
-  // the parameter gradients too.
+  // the parameter gradients too. W is the two projections' weight gradients (summed
+  // above); the core's backward and the projections' dx are B.
   c.input_grad_flops = qkv_.cost(batch).input_grad_flops;
   c.output_bytes = drop_.cost(batch).output_bytes;
   return c;

@@ -55,11 +55,14 @@ LayerCost Conv2d::cost(int64_t batch) const {
   const double in = N * C * H * W, out = N * K * P * Q, w = K * C * R * S, b = opts_.bias ? K : 0;
   LayerCost c;
   c.forward_flops = conv + (opts_.bias ? out : 0);
-  // dx (conv) and dw (conv, plus adding into the running dw), db (a sum per output).
-  c.backward_flops = 2 * conv + w + (opts_.bias ? out : 0);
+  // B: dx (conv). W: dw (conv, plus adding into the running dw) and db (a sum per output).
   c.input_grad_flops = conv;
+  c.weight_grad_flops = conv + w + (opts_.bias ? out : 0);
+  c.backward_flops = c.input_grad_flops + c.weight_grad_flops;
   c.forward_bytes = es * (in + w + b + out);
-  c.backward_bytes = es * (2 * out + 2 * in + 3 * w + 2 * b);  // dy twice, x and dx, w with dw read and written
+  // B reads dy and w and writes dx; W reads dy and x, and reads and writes dw and db.
+  c.weight_grad_bytes = es * (out + in + 2 * w + 2 * b);
+  c.backward_bytes = es * (out + w + in) + c.weight_grad_bytes;
   c.param_bytes = static_cast<int64_t>(es * (w + b));
   c.output_bytes = static_cast<int64_t>(es * out);
   c.saved_bytes = static_cast<int64_t>(es * in);  // x

@@ -10,6 +10,15 @@
 namespace gpipe {
 namespace layers {
 
+LayerCost without_input_grad(LayerCost c) {
+  const double input_flops = c.backward_flops - c.weight_grad_flops;  // B's
+  const double share = input_flops > 0 ? c.input_grad_flops / input_flops : 0.0;
+  c.backward_bytes = c.weight_grad_bytes + (c.backward_bytes - c.weight_grad_bytes) * (1.0 - share);
+  c.backward_flops -= c.input_grad_flops;
+  c.input_grad_flops = 0;
+  return c;
+}
+
 Shape batched(int64_t batch, const Shape& sample) {
   Shape s{batch};
   s.insert(s.end(), sample.begin(), sample.end());
@@ -83,8 +92,10 @@ std::string cost_mistake(Layer& layer, int64_t batch, const LayerCost& c) {
       {"forward_flops", c.forward_flops},
       {"backward_flops", c.backward_flops},
       {"input_grad_flops", c.input_grad_flops},
+      {"weight_grad_flops", c.weight_grad_flops},
       {"forward_bytes", c.forward_bytes},
       {"backward_bytes", c.backward_bytes},
+      {"weight_grad_bytes", c.weight_grad_bytes},
       {"param_bytes", static_cast<double>(c.param_bytes)},
       {"output_bytes", static_cast<double>(c.output_bytes)},
       {"saved_bytes", static_cast<double>(c.saved_bytes)}};
@@ -117,6 +128,23 @@ std::string cost_mistake(Layer& layer, int64_t batch, const LayerCost& c) {
   if (c.input_grad_flops > c.backward_flops) {
     return "input_grad_flops = " + num(c.input_grad_flops) + " exceeds backward_flops = " + num(c.backward_flops) +
            " (it is the part of backward that computes dx)";
+  }
+  if (!layer.splits_backward() && (c.weight_grad_flops > 0 || c.weight_grad_bytes > 0)) {
+    return "weight_grad_flops = " + num(c.weight_grad_flops) + " and weight_grad_bytes = " + num(c.weight_grad_bytes) +
+           " but it does not split its backward (splits_backward() is false), so its W does nothing; count 0";
+  }
+  if (layer.splits_backward() && param_bytes > 0 && c.weight_grad_flops <= 0) {
+    return "it splits its backward but counts weight_grad_flops = 0; count what backward_weight_impl does (its "
+           "weight gradients), or the planner takes W for free";
+  }
+  if (c.input_grad_flops + c.weight_grad_flops > c.backward_flops) {
+    return "input_grad_flops + weight_grad_flops = " + num(c.input_grad_flops) + " + " + num(c.weight_grad_flops) +
+           " exceeds backward_flops = " + num(c.backward_flops) +
+           " (dx is computed in B and the weight gradients in W, two parts of backward)";
+  }
+  if (c.weight_grad_bytes > c.backward_bytes) {
+    return "weight_grad_bytes = " + num(c.weight_grad_bytes) + " exceeds backward_bytes = " + num(c.backward_bytes) +
+           " (it is the part of backward's memory traffic that W moves)";
   }
   return "";
 }

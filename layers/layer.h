@@ -36,8 +36,13 @@ struct LayerCost {
   double forward_flops = 0;
   double backward_flops = 0;  // input and parameter gradients
   double input_grad_flops = 0;  // the part of backward_flops that computes dx (skipped for the model's first layer)
+  // The part of backward that a layer splitting its backward does in W
+  // (backward_weight_impl: its weight gradients); B does the rest. 0 for a layer that
+  // does not split.
+  double weight_grad_flops = 0;
   double forward_bytes = 0;   // memory traffic: inputs, outputs and parameters read/written
   double backward_bytes = 0;
+  double weight_grad_bytes = 0;  // the part of backward_bytes that W moves
   int64_t param_bytes = 0;
   int64_t output_bytes = 0;  // the activation this layer produces
   int64_t saved_bytes = 0;   // what forward keeps for backward without rematerialization
@@ -49,13 +54,20 @@ inline LayerCost& operator+=(LayerCost& total, const LayerCost& part) {
   total.forward_flops += part.forward_flops;
   total.backward_flops += part.backward_flops;
   total.input_grad_flops += part.input_grad_flops;
+  total.weight_grad_flops += part.weight_grad_flops;
   total.forward_bytes += part.forward_bytes;
   total.backward_bytes += part.backward_bytes;
+  total.weight_grad_bytes += part.weight_grad_bytes;
   total.param_bytes += part.param_bytes;
   total.output_bytes += part.output_bytes;
   total.saved_bytes += part.saved_bytes;
   return total;
 }
+
+// The cost of a backward that need not compute dx (the model's first layer): its
+// input_grad_flops come out of B, where dx is computed, and B's bytes shrink in the
+// same proportion; W is unchanged.
+LayerCost without_input_grad(LayerCost c);
 
 // What forward keeps for backward; a composite layer keeps one child per sub-layer.
 struct Context {
@@ -181,7 +193,10 @@ class ParametersWithoutStorage {
 // UserError naming the layer, the count and the fix otherwise. The rule: every count is
 // finite and non-negative; param_bytes equals the bytes of parameters(); output_bytes
 // equals batch x output elements x the dtype's size; a layer with parameters counts
-// forward and backward FLOPs (> 0); input_grad_flops <= backward_flops.
+// forward and backward FLOPs (> 0); input_grad_flops <= backward_flops; a layer that
+// does not split its backward counts no weight_grad_flops or weight_grad_bytes, one
+// with parameters that splits counts weight_grad_flops > 0, and input_grad_flops +
+// weight_grad_flops <= backward_flops, weight_grad_bytes <= backward_bytes.
 void check_cost(Layer& layer, int64_t batch, const LayerCost& cost);
 
 // (batch, *sample): the shape of a batch of samples.

@@ -22,7 +22,7 @@ namespace {
 Backend& cpu() { return backend_for(Device::cpu()); }
 
 enum class Mistake { kNone, kForwardShape, kForwardDtype, kBackwardShape, kNegativeCost, kNanCost, kNoFlops,
-                     kParamBytes, kOutputBytes };
+                     kParamBytes, kOutputBytes, kWeightGradWithoutSplit };
 
 // y = w * x elementwise over C features, with one chosen mistake.
 class Broken : public Layer {
@@ -42,6 +42,7 @@ class Broken : public Layer {
     c.param_bytes = m_ == Mistake::kParamBytes ? 0 : static_cast<int64_t>(w_.value.nbytes());
     c.output_bytes = static_cast<int64_t>(4 * n) * (m_ == Mistake::kOutputBytes ? 2 : 1);
     c.saved_bytes = static_cast<int64_t>(4 * n);
+    if (m_ == Mistake::kWeightGradWithoutSplit) c.weight_grad_flops = n;  // but its W does nothing
     return c;
   }
 
@@ -119,7 +120,9 @@ TEST_CASE("a cost the balancer cannot trust is named when the model's costs are 
                  Case{Mistake::kNoFlops, "it has parameters but counts forward_flops = 0 and backward_flops = 0"},
                  Case{Mistake::kParamBytes, "param_bytes = 0 but its parameters() hold 16 bytes"},
                  Case{Mistake::kOutputBytes,
-                      "output_bytes = 256 but its output for this batch, 8 x float32(4), is 128 bytes"}}) {
+                      "output_bytes = 256 but its output for this batch, 8 x float32(4), is 128 bytes"},
+                 Case{Mistake::kWeightGradWithoutSplit,
+                      "weight_grad_flops = 32 and weight_grad_bytes = 0 but it does not split its backward"}}) {
     CAPTURE(c.says);
     Sequential m = model_with(c.m);
     const std::string says = std::string("layer 1 (broken(4), type 'broken'): cost(8) is wrong: ") + c.says;

@@ -41,11 +41,15 @@ LayerCost Linear::cost(int64_t batch) const {
   const double es = static_cast<double>(dtype_size(dtype_));
   LayerCost c;
   c.forward_flops = 2 * b * in * out + (opts_.bias ? b * out : 0);
-  // dx = dy W (2 b in out) and dW += dy^T x (2 b in out, plus the accumulation), db.
-  c.backward_flops = 4 * b * in * out + in * out + (opts_.bias ? b * out : 0);
+  // B: dx = dy W (2 b in out). W: dW += dy^T x (2 b in out, plus the accumulation)
+  // and db += the column sums of dy (b out).
   c.input_grad_flops = 2 * b * in * out;
+  c.weight_grad_flops = 2 * b * in * out + in * out + (opts_.bias ? b * out : 0);
+  c.backward_flops = c.input_grad_flops + c.weight_grad_flops;
   c.forward_bytes = es * (b * in + in * out + b * out);
-  c.backward_bytes = es * (2 * b * out + 2 * b * in + 3 * in * out);
+  // B reads dy and W and writes dx; W reads dy and x and reads and writes dW.
+  c.weight_grad_bytes = es * (b * out + b * in + 2 * in * out);
+  c.backward_bytes = es * (b * out + in * out + b * in) + c.weight_grad_bytes;
   c.param_bytes = static_cast<int64_t>(es * (in * out + (opts_.bias ? out : 0)));
   c.output_bytes = static_cast<int64_t>(es * b * out);
   c.saved_bytes = static_cast<int64_t>(es * b * in);  // x

@@ -2,6 +2,8 @@
 // (backward_weight). For every layer that splits, the two halves give exactly the
 // whole backward's input gradient and parameter gradients, whichever order other
 // micro-batches' halves run in; a layer that does not split does everything in B.
+// The counts the planner splits backward's time by (weight_grad_flops for W, the
+// rest of backward for B) equal a hand count of what each half runs.
 #include <doctest/doctest.h>
 
 #include <memory>
@@ -120,4 +122,50 @@ TEST_CASE("a layer that does not split does all its work in B") {
   const auto whole = to_doubles(r.backward(be, dy, c1));
   CHECK(to_doubles(r.backward_input(be, dy, c2)) == whole);
   r.backward_weight(be, c2);  // nothing to do
+}
+
+// What each half asks of the backend, counted by hand from backward_input_impl and
+// backward_weight_impl: a matrix product (R, k) x (k, n) is 2 R k n flops, plus k n
+// when it accumulates into a gradient; a bias gradient is R n adds.
+TEST_CASE("linear: B and W flops and bytes, counted by hand") {
+  const double R = 3 * 2, in = 5, out = 4;  // 3 samples of 2 rows
+  for (bool bias : {true, false}) {
+    CAPTURE(bias);
+    LinearOptions o(5, 4);
+    o.leading = {2};
+    o.bias = bias;
+    const LayerCost c = Linear(o).cost(3);
+    const double b_flops = 2 * R * out * in;                                // dx = dy W
+    const double w_flops = 2 * R * out * in + out * in + (bias ? R * out : 0);  // dW += dy^T x; db += sum dy
+    CHECK(c.weight_grad_flops == w_flops);
+    CHECK(c.backward_flops - c.weight_grad_flops == b_flops);
+    CHECK(c.input_grad_flops == b_flops);  // B is all dx, skipped for the model's first layer
+    // B reads dy and W and writes dx; W reads dy and x and reads and writes dW (float32).
+    CHECK(c.weight_grad_bytes == 4 * (R * out + R * in + 2 * out * in));
+    CHECK(c.backward_bytes - c.weight_grad_bytes == 4 * (R * out + out * in + R * in));
+  }
+}
+
+TEST_CASE("transformer block: B and W flops, counted by hand") {
+  // 3 samples of T = 4 positions, C = 8 channels, 2 heads of D = 4, MLP 4C wide.
+  const double Bs = 3, T = 4, C = 8, H = 2, D = 4, R = Bs * T, n = R * C;
+  TransformerBlockOptions o(8, 2, 4);
+  o.dropout = 0.25;
+  const LayerCost c = TransformerBlock(o).cost(3);
+  // W: the weight gradients of qkv (C -> 3C), proj (C -> C), fc1 (C -> 4C), fc2 (4C -> C).
+  auto dw = [&](double in, double out) { return 2 * R * in * out + in * out + R * out; };
+  const double w = dw(C, 3 * C) + dw(C, C) + dw(C, 4 * C) + dw(4 * C, C);
+  CHECK(w == 20064);
+  CHECK(c.weight_grad_flops == w);
+  // B: the four linear layers' dx, attention's core (four T x T x D products per head
+  // and 4 flops per unmasked score), the two layer norms' whole backward (their
+  // dgamma and dbeta included: they do not split), GELU (30 per element), the two
+  // dropouts (1 per element) and the two residual adds.
+  const double dx = 2 * R * (C * 3 * C + C * C + C * 4 * C + 4 * C * C);
+  const double core = Bs * H * (8 * T * T * D + 4 * T * (T + 1) / 2);
+  const double norms = 2 * (R * (16 * C + 2) + 2 * C);
+  const double b = dx + core + norms + 30 * R * 4 * C + 2 * n + 2 * n;
+  CHECK(b == 36800);
+  CHECK(c.backward_flops - c.weight_grad_flops == b);
+  CHECK(c.weight_grad_flops / c.backward_flops == doctest::Approx(0.3528).epsilon(1e-3));  // not ~1
 }

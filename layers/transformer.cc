@@ -101,7 +101,8 @@ LayerCost TransformerBlock::cost(int64_t batch) const {
   // The two residual adds, each a copy and an axpy; backward adds the residual's
   // gradient twice. Only the last of those is skipped without need_dx: the
   // sub-layers' dx all feed parameter gradients (ln1's dx comes out of its
-  // parameter pass anyway).
+  // parameter pass anyway). W is the weight gradients of attention's projections and
+  // of fc1 and fc2 (summed above); the layer norms take theirs in B.
   c.forward_flops += 2 * n;
   c.backward_flops += 2 * n;
   c.input_grad_flops = n;

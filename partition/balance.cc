@@ -101,10 +101,7 @@ std::vector<double> layer_costs(const layers::Sequential& model, int64_t micro_b
   if (!counts.empty()) {
     // Nothing upstream of the model's first layer needs its input gradient, so the
     // executor never computes it.
-    layers::LayerCost& first = counts.front();
-    const double share = first.backward_flops > 0 ? first.input_grad_flops / first.backward_flops : 0.0;
-    first.backward_bytes *= 1.0 - share;
-    first.backward_flops -= first.input_grad_flops;
+    counts.front() = layers::without_input_grad(counts.front());
   }
   std::vector<double> out(counts.size());
   for (size_t i = 0; i < counts.size(); ++i) {

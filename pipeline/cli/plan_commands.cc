@@ -222,6 +222,8 @@ void profile_in_process_link(ProfileStore& store, int repeats, std::ostream& out
 void print_plan(const Config& c, layers::Sequential& model, const Plan& p, std::ostream& out) {
   const int64_t micro = p.largest_micro_batch();
   const auto costs = partition::layer_costs(model, micro, recomputes(p.recompute), cost_overrides(c));
+  // Each layer's backward and its B and W halves as the planner estimates them.
+  const CostTable times = estimate_costs(model, micro, partition::CostModel{}, cost_overrides(c), c.optimizer.optimizer);
   out << format("model: %d layers, %lld parameters, input %s; a checkpoint takes %s\n", model.size(),
                 static_cast<long long>(model.parameter_count()), shape_str(model.input_shape()).c_str(),
                 bytes_str(checkpoint_bytes(model, c.optimizer.optimizer)).c_str());
@@ -232,12 +234,20 @@ void print_plan(const Config& c, layers::Sequential& model, const Plan& p, std::
                   bytes_str(memory[k].activation_bytes).c_str());
     for (int cell : p.schedule.cells[k]) {
       const CellSpec& s = p.cells[cell];
-      double total = 0;
-      for (int i = s.first_layer; i < s.first_layer + s.num_layers; ++i) total += costs[i];
-      out << format("  cell %d: layers %d-%d, estimated %.3f ms per micro-batch of %lld\n", cell, s.first_layer,
-                    s.first_layer + s.num_layers - 1, total * 1e3, static_cast<long long>(micro));
+      double total = 0, input = 0, weight = 0;
       for (int i = s.first_layer; i < s.first_layer + s.num_layers; ++i) {
-        out << format("    %3d %-28s %10.3f ms\n", i, model.layer(i).describe().c_str(), costs[i] * 1e3);
+        total += costs[i];
+        input += times.layers[i].backward_input;
+        weight += times.layers[i].backward_weight;
+      }
+      out << format("  cell %d: layers %d-%d, estimated %.3f ms per micro-batch of %lld (backward: B %.3f + W %.3f ms)\n",
+                    cell, s.first_layer, s.first_layer + s.num_layers - 1, total * 1e3, static_cast<long long>(micro),
+                    input, weight);
+      for (int i = s.first_layer; i < s.first_layer + s.num_layers; ++i) {
+        const LayerTimes& l = times.layers[i];
+        out << format("    %3d %-28s %10.3f ms  (backward %.3f: B %.3f + W %.3f)\n", i,
+                      model.layer(i).describe().c_str(), costs[i] * 1e3, l.backward, l.backward_input,
+                      l.backward_weight);
       }
     }
   }

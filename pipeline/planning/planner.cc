@@ -18,22 +18,23 @@ CostTable estimate_costs(const layers::Sequential& model, int64_t micro, const p
   t.micro_batch = micro;
   const double slots = optimizer_slots(opt);
   for (size_t i = 0; i < counts.size(); ++i) {
-    layers::LayerCost c = counts[i];
-    if (i == 0) {  // nothing needs the model input's gradient (partition::layer_costs does the same)
-      const double share = c.backward_flops > 0 ? c.input_grad_flops / c.backward_flops : 0.0;
-      c.backward_bytes *= 1.0 - share;
-      c.backward_flops -= c.input_grad_flops;
-      c.input_grad_flops = 0;
-    }
+    // Nothing needs the model input's gradient (partition::layer_costs does the same).
+    const layers::LayerCost c = i == 0 ? layers::without_input_grad(counts[i]) : counts[i];
+    auto ms = [&](double flops, double bytes) {
+      return std::max(flops / cm.flops_per_second, bytes / cm.bytes_per_second) * 1e3;
+    };
     LayerTimes l;
-    const double fwd = std::max(c.forward_flops / cm.flops_per_second, c.forward_bytes / cm.bytes_per_second) * 1e3;
-    const double bwd = std::max(c.backward_flops / cm.flops_per_second, c.backward_bytes / cm.bytes_per_second) * 1e3;
-    const double input_share = c.backward_flops > 0 ? c.input_grad_flops / c.backward_flops : 1.0;
+    const double fwd = ms(c.forward_flops, c.forward_bytes);
+    const double bwd = ms(c.backward_flops, c.backward_bytes);
     l.forward = l.forward_nograd = l.recompute = fwd;
     l.backward = bwd;
-    const bool splits = model.layer(static_cast<int>(i)).splits_backward();
-    l.backward_input = splits ? bwd * input_share : bwd;
-    l.backward_weight = splits ? bwd * (1 - input_share) : 0.0;
+    // B and W share the whole backward's time as their own counts' roofline times do:
+    // W does the weight gradients (the linear layers' dW GEMMs and bias sums), B the rest.
+    const double input_ms = ms(c.backward_flops - c.weight_grad_flops, c.backward_bytes - c.weight_grad_bytes);
+    const double weight_ms = ms(c.weight_grad_flops, c.weight_grad_bytes);
+    const double input_share = input_ms + weight_ms > 0 ? input_ms / (input_ms + weight_ms) : 1.0;
+    l.backward_input = bwd * input_share;
+    l.backward_weight = bwd - l.backward_input;
     if (i < overrides.size() && overrides[i]) {  // the user's seconds for forward + backward
       const double total = *overrides[i] * 1e3;
       l.forward = l.forward_nograd = l.recompute = total / 3;

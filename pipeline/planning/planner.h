@@ -43,8 +43,9 @@ struct CostTable {
 };
 
 // From the cost model: forward max(FLOPs / rate, bytes / bandwidth), backward likewise
-// (the model's first layer without its input gradient), B and W split by the layer's
-// input-gradient FLOPs, the optimizer by the bytes it reads and writes. A layer's
+// (the model's first layer without its input gradient), shared by B and W as the same
+// roofline of their own counts (W: weight_grad_flops and weight_grad_bytes; B: the
+// rest of backward), the optimizer by the bytes it reads and writes. A layer's
 // `cost:` (seconds of forward + backward) is split one third forward.
 CostTable estimate_costs(const layers::Sequential& model, int64_t micro_batch, const partition::CostModel& cm,
                          const std::vector<std::optional<double>>& overrides, const layers::OptimizerConfig& optimizer);

@@ -3,7 +3,8 @@
 // byte, for every schedule (zero bubble's W contexts included) and recompute mode; the
 // sweep never recommends a plan over the memory limit, and says when its choice sits at
 // the edge of what it tried; balance by profile follows the measured times and refuses a
-// profile of something else; the profile file round-trips.
+// profile of something else; the profile file round-trips; the estimate splits backward
+// into B and W as a hand count of their FLOPs does.
 #include <doctest/doctest.h>
 
 #include <cstdio>
@@ -399,5 +400,55 @@ TEST_CASE("the planner's GPipe speedups against GPipe's Table 2 (Transformer-48,
                             << " (balance" << balance << ", bubble " << c.run.bubble << ")");
       if (Ms[i] == 32) CHECK(planned == doctest::Approx(paper[i][j]).epsilon(0.15));
     }
+  }
+
+TEST_CASE("the estimate splits a transformer block's backward into B and W as their FLOPs do") {
+  // gpt.yaml's shape, smaller: micro-batches of 4 samples, T = 32, C = 64, 4 heads.
+  const char* gpt = R"(model:
+  input: [32]
+  dtype: float32
+  layers:
+    - {type: embedding, vocab: 64, dim: 64}
+    - repeat: 2
+      layers:
+        - {type: transformer_block, heads: 4, dropout: 0.1}
+    - {type: layernorm}
+    - {type: linear, out: 64}
+  loss: softmax_cross_entropy
+train: {steps: 1, batch_size: 8}
+)";
+  const Config c = parse_config(gpt, "t.yaml");
+  RunModel run = build_run_model(c);
+  const double Bs = 4, T = 32, C = 64, H = 4, D = 16, R = Bs * T, n = R * C;
+  // W: the dW products and bias sums of qkv, proj, fc1 and fc2. B: their dx, the
+  // attention core, the layer norms, GELU, the dropouts and the residual adds.
+  auto dw = [&](double in, double out) { return 2 * R * in * out + in * out + R * out; };
+  const double w = dw(C, 3 * C) + dw(C, C) + dw(C, 4 * C) + dw(4 * C, C);
+  const double b = 2 * R * 12 * C * C + Bs * H * (8 * T * T * D + 4 * T * (T + 1) / 2) +
+                   2 * (R * (16 * C + 2) + 2 * C) + 30 * R * 4 * C + 4 * n;
+  const double hand_share = w / (w + b);  // 0.4427
+  CHECK(hand_share == doctest::Approx(0.4427).epsilon(1e-3));
+  SUBCASE("on a device of FLOPs only, W's share is the hand count's") {
+    partition::CostModel flops_only;
+    flops_only.bytes_per_second = 1e30;
+    const CostTable t = estimate_costs(*run.model, 4, flops_only, {}, c.optimizer.optimizer);
+    for (int i : {1, 2}) {
+      const LayerTimes& l = t.layers[i];
+      CHECK(l.backward == doctest::Approx((w + b) / flops_only.flops_per_second * 1e3));
+      CHECK(l.backward_weight / l.backward == doctest::Approx(hand_share));
+      CHECK(l.backward_input + l.backward_weight == doctest::Approx(l.backward));
+    }
+  }
+  SUBCASE("with the default rates W stays near the hand count's share, well under all of backward") {
+    const CostTable t = estimate_costs(*run.model, 4, partition::CostModel{}, {}, c.optimizer.optimizer);
+    for (int i : {1, 2}) {
+      const LayerTimes& l = t.layers[i];
+      CHECK(l.backward_weight / l.backward == doctest::Approx(hand_share).epsilon(0.05));
+      CHECK(l.backward_input + l.backward_weight == doctest::Approx(l.backward));
+    }
+    // Layers that do not split do everything in B; the head's W is its dW and db.
+    for (int i : {0, 3}) CHECK(t.layers[i].backward_weight == 0);
+    CHECK(t.layers[4].backward_weight > 0);
+    CHECK(t.layers[4].backward_input > 0);  // its dx and the loss's backward
   }
 }
