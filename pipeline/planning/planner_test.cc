@@ -401,6 +401,7 @@ TEST_CASE("the planner's GPipe speedups against GPipe's Table 2 (Transformer-48,
       if (Ms[i] == 32) CHECK(planned == doctest::Approx(paper[i][j]).epsilon(0.15));
     }
   }
+}
 
 TEST_CASE("the estimate splits a transformer block's backward into B and W as their FLOPs do") {
   // gpt.yaml's shape, smaller: micro-batches of 4 samples, T = 32, C = 64, 4 heads.
