@@ -425,41 +425,34 @@ std::string ReportBuilder::table() const {
 
 namespace {
 
+// The times of one stage's step, measured or planned (one accounting, StageTime).
+nlohmann::json stage_time_json(const StageTime& t) {
+  return {{"forward_ms", t.forward_ms}, {"recompute_ms", t.recompute_ms}, {"backward_ms", t.backward_ms},
+          {"weight_ms", t.weight_ms},   {"optimizer_ms", t.optimizer_ms}, {"comm_ms", t.comm_ms},
+          {"idle_ms", t.idle_ms},       {"busy_ms", t.busy_ms},           {"utilization", t.utilization}};
+}
+
 // A stage's measured times (per step) and peak activations, as report.json's "stages" show them.
 nlohmann::json stage_json(const StageSummary& st) {
-  return {{"stage", st.stage},
-          {"layers", st.layers},
-          {"device", st.device},
-          {"forward_ms", st.forward_ms},
-          {"recompute_ms", st.recompute_ms},
-          {"backward_ms", st.backward_ms},
-          {"weight_ms", st.weight_ms},
-          {"optimizer_ms", st.optimizer_ms},
-          {"collective_ms", st.collective_ms},
-          {"optimizer_reduce_ms", st.collective_ms},  // the old name, for one release
-          {"delivery_ms", st.delivery_ms},
-          {"comm_ms", st.comm_ms},
-          {"idle_ms", st.idle_ms},
-          {"busy_ms", st.busy_ms},
-          {"utilization", st.utilization},
-          {"peak_activation_bytes", st.peak_activation_bytes}};
+  nlohmann::json j = stage_time_json(st);
+  j.update({{"stage", st.stage},
+            {"layers", st.layers},
+            {"device", st.device},
+            {"collective_ms", st.collective_ms},
+            {"optimizer_reduce_ms", st.collective_ms},  // the old name, for one release
+            {"delivery_ms", st.delivery_ms},
+            {"peak_activation_bytes", st.peak_activation_bytes}});
+  return j;
 }
 
 // A stage's predicted times and memory, as report.json's "prediction" shows them.
 nlohmann::json planned_stage_json(const PlannedStage& q) {
-  return {{"forward_ms", q.forward_ms},
-          {"recompute_ms", q.recompute_ms},
-          {"backward_ms", q.backward_ms},
-          {"weight_ms", q.weight_ms},
-          {"optimizer_ms", q.optimizer_ms},
-          {"comm_ms", q.comm_ms},
-          {"idle_ms", q.idle_ms},
-          {"busy_ms", q.busy_ms},
-          {"utilization", q.utilization},
-          {"weight_bytes", q.weight_bytes},
-          {"gradient_bytes", q.gradient_bytes},
-          {"optimizer_bytes", q.optimizer_bytes},
-          {"activation_bytes", q.activation_bytes}};
+  nlohmann::json j = stage_time_json(q);
+  j.update({{"weight_bytes", q.weight_bytes},
+            {"gradient_bytes", q.gradient_bytes},
+            {"optimizer_bytes", q.optimizer_bytes},
+            {"activation_bytes", q.activation_bytes}});
+  return j;
 }
 
 // The planner's prediction of the run: its step, span, bubble and throughput, and its stages.

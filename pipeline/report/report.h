@@ -151,5 +151,9 @@ class ReportBuilder {
 // "linear x8, relu x8" for a cell.
 std::string describe_layers(const layers::Sequential& model, int first, int count);
 
+// Between the cells of one stage's layer text (its chunks, with virtual stages):
+// "0-1 embedding, transformer_block | 4-5 transformer_block x2". The page splits on it.
+constexpr const char* kChunkSeparator = " | ";
+
 }  // namespace pipeline
 }  // namespace gpipe

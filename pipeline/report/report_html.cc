@@ -460,16 +460,17 @@ void write_timelines(std::ostream& o, const HtmlReportInput& in, bool plan) {
 }
 
 // Writes what each stage runs: its device and its layers in full, chunk by chunk (the
-// stage's layer text separates its cells with " | ").
+// stage's layer text separates its cells with kChunkSeparator).
 void write_stage_list(std::ostream& o, const RunSummary& s) {
   o << "<h2>Stages</h2>\n<ul class=\"stages\">\n";
   for (const StageSummary& m : s.stages) {
     std::vector<std::string> parts;
+    const std::string separator = kChunkSeparator;
     for (size_t at = 0;;) {
-      const size_t bar = m.layers.find(" | ", at);
+      const size_t bar = m.layers.find(separator, at);
       parts.push_back(m.layers.substr(at, bar == std::string::npos ? std::string::npos : bar - at));
       if (bar == std::string::npos) break;
-      at = bar + 3;
+      at = bar + separator.size();
     }
     o << "<li><b>stage " << m.stage << "</b> &middot; " << esc(m.device) << ": ";
     for (size_t j = 0; j < parts.size(); ++j) {

@@ -154,7 +154,7 @@ StageNames stage_names(const Plan& plan, const layers::Sequential& model) {
     std::string layers_text;
     for (int cell : plan.schedule.cells[k]) {
       const CellSpec& s = plan.cells[cell];
-      layers_text += (layers_text.empty() ? "" : " | ") + describe_layers(model, s.first_layer, s.num_layers);
+      layers_text += (layers_text.empty() ? "" : kChunkSeparator) + describe_layers(model, s.first_layer, s.num_layers);
     }
     names.layers.push_back(layers_text);
     names.devices.push_back(plan.devices[k].str());
