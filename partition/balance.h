@@ -17,6 +17,7 @@ namespace partition {
 struct CostModel {
   double flops_per_second = 5e10;  // one core's matrix-product rate, roughly
   double bytes_per_second = 1e10;  // one core's memory bandwidth, roughly
+  bool probed = false;  // flops_per_second is the device's measured peak (pipeline/planning/device_peak.h)
   double seconds(const layers::LayerCost& c, bool recompute) const;
 };
 

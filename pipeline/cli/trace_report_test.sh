@@ -4,13 +4,15 @@
 # K=3 (zero bubble, one slice per instruction including W), interleaved 1F1B (two cells
 # per stage), two processes under mpirun (1F1B, clocks aligned by ping-pongs), K=2 x D=2
 # on four processes (the replicas' all-reduce slices), and
-# output.trace: false (no trace, still a page). Instruction counts per stage and step
+# output.trace: false (no trace, still a page); MFU against a hand count of the FLOPs.
+# Instruction counts per stage and step
 # are the programs' lengths, counted by hand from each schedule (M=4, except_last).
 set -uo pipefail
 gpipe="$1" trace_check="$2" report_check="$3"
 tmp="${TEST_TMPDIR:-/tmp}/trace_report_test"
 rm -rf "$tmp" && mkdir -p "$tmp"
 mpirun=(timeout 300 mpirun --allow-run-as-root --oversubscribe)
+export GPIPE_PEAK_CACHE="$tmp/peaks.json"  # the device peaks' cache (MFU), the test's own
 
 cat > "$tmp/mlp.yaml" <<YAML
 model:
@@ -66,12 +68,57 @@ assert all(traced[n] == steps[n] for n in traced), (traced, steps)
 assert [l["first_step"] for l in report["launches"]] == [1], report["launches"]
 PY
   { echo "FAIL: the terminal, report.json and the trace number steps differently"; exit 1; }
+# MFU: the useful FLOPs per stage are the forward and backward of its layers, counted here
+# by hand from the layers' formulas (a linear layer: forward 2bio + bo, dW 2bio + io + bo,
+# dx 2bio except the first layer's; a ReLU 1 per element each way; the softmax
+# cross-entropy 5 per logit forward and 2 back; recompute left out),
+# over the stages' peaks in the cache file, per second of report.json's step; the terminal
+# and the page show the same percentages.
+python3 - "$tmp/gpipe_k2.log" "$tmp/gpipe_k2/report.json" "$tmp/gpipe_k2/report.html" "$GPIPE_PEAK_CACHE" <<'PY' ||
+import json, re, sys
+log, report, page = open(sys.argv[1]).read(), json.load(open(sys.argv[2])), open(sys.argv[3]).read()
+cache = json.load(open(sys.argv[4]))["peaks"]
+layers = [(32, 64)] + [64, (64, 64)] * 4 + [(64, 10)]
+def flops(layer, b, first, last):
+    if isinstance(layer, int):
+        return 2 * b * layer
+    i, o = layer
+    loss = 7 * b * o if last else 0
+    return (2 * b * i * o + b * o) + (2 * b * i * o + i * o + b * o) + (0 if first else 2 * b * i * o) + loss
+micro = [8] * 4
+want, first = [], 0
+for n in report["balance"]:
+    want.append(sum(flops(layers[j], b, j == 0, j == 9) for j in range(first, first + n) for b in micro))
+    first += n
+assert [s["useful_flops"] for s in report["stages"]] == want, (want, report["stages"])
+assert report["useful_flops"] == sum(want)
+peaks = [s["peak_flops_per_second"] for s in report["stages"]]
+assert len(cache) == 1 and all(p == list(cache.values())[0] for p in peaks), (cache, peaks)
+assert abs(report["peak_flops_per_second"] - sum(peaks)) <= 1e-9 * sum(peaks)
+seconds = report["step_ms"] / 1e3
+mfu = sum(want) / seconds / sum(peaks)
+assert abs(report["mfu"] - mfu) <= 1e-9, (report["mfu"], mfu)
+stage_mfu = [w / seconds / p for w, p in zip(want, peaks)]
+for s, m in zip(report["stages"], stage_mfu):
+    assert abs(s["mfu"] - m) <= 1e-9, (s["mfu"], m)
+printed = re.search(r"^MFU: (\S+)%", log, re.M)
+assert printed and printed[1] == "%.1f" % (100 * mfu), (printed, mfu)
+rows = re.findall(r"^(\d) .* (\S+)% +(\S+)% +\S+ MiB$", log, re.M)
+assert [r[2] for r in rows] == ["%.1f" % (100 * m) for m in stage_mfu], (rows, stage_mfu)
+assert ">%.1f%%<" % (100 * mfu) in page, "the page's MFU card"
+for k, m in enumerate(stage_mfu):
+    assert "stage %d %.1f%% of" % (k, 100 * m) in page, ("the page's stage MFU", k)
+PY
+  { echo "FAIL: MFU in the terminal, report.json or the page is not the FLOPs counted by hand over the peaks"; exit 1; }
 run zb_k3 1 --set pipeline.partitions=3 --set pipeline.schedule=zero_bubble
 check zb_k3 3 24,32,24
 run interleaved 1 --set pipeline.schedule=interleaved_1f1b --set pipeline.virtual_stages=2
 check interleaved 2 47,47
 run mpi_1f1b 2 --set pipeline.schedule=1f1b
 check mpi_1f1b 2 20,20
+# Both processes' peaks reach the report (gathered to the first stage).
+python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); assert r["mfu"] > 0 and all(s["peak_flops_per_second"] > 0 for s in r["stages"]), r["stages"]' \
+  "$tmp/mpi_1f1b/report.json" || { echo "FAIL: the two-process run's report has no peak for every stage"; exit 1; }
 # Two replicas of a 2-stage pipeline on four processes: every stage's gradient
 # all-reduce is an instruction of its own (RG, one more per stage), a slice of the
 # communication track before its optimizer step.

@@ -105,7 +105,27 @@ Plan make_plan(const Config& c, const layers::Sequential& model, const PlanOptio
   p.devices = plan_devices(c, options.local_stage);
   p.cells = make_cells(p.balance, p.schedule, p.devices);
   lower_collectives(p.schedule, run_collectives(model, p.cells, p.replicas > 1, c.optimizer.clip_grad_norm > 0));
+  p.stage_flops = useful_flops(model, p);
   return p;
+}
+
+std::vector<double> useful_flops(const layers::Sequential& model, const Plan& p) {
+  std::vector<double> out(p.stages, 0.0);
+  std::map<int64_t, std::vector<layers::LayerCost>> at;  // per micro-batch size
+  for (int64_t rows : p.micro_batch_sizes) {
+    auto it = at.find(rows);
+    if (it == at.end()) it = at.emplace(rows, model.costs(rows)).first;
+    const std::vector<layers::LayerCost>& costs = it->second;
+    for (int cell = 0; cell < p.num_cells(); ++cell) {
+      const int stage = p.schedule.stage_of_cell(cell);
+      const CellSpec& s = p.cells[cell];
+      for (int l = s.first_layer; l < s.first_layer + s.num_layers; ++l) {
+        const layers::LayerCost c = l == 0 ? layers::without_input_grad(costs[l]) : costs[l];
+        out[stage] += c.forward_flops + c.backward_flops;
+      }
+    }
+  }
+  return out;
 }
 
 int optimizer_slots(const layers::OptimizerConfig& o) {

@@ -28,6 +28,11 @@ struct Plan {
   std::vector<int> balance;     // layers per cell, v K of them
   std::vector<Device> devices;  // per stage
   std::vector<CellSpec> cells;  // per cell, on its stage's device
+  // Useful FLOPs of one step of one pipeline, per stage: the forward and backward of its
+  // layers over the M micro-batches (exact counts, LayerCost; the loss's with the last
+  // layer, as Sequential::costs counts it). Not counted: recompute, and the model input's
+  // gradient, which nothing computes. MFU's numerator.
+  std::vector<double> stage_flops;
   int micro_batches() const { return static_cast<int>(micro_batch_sizes.size()); }  // M
   int num_cells() const { return static_cast<int>(balance.size()); }
   int64_t largest_micro_batch() const { return micro_batch_sizes.empty() ? 0 : micro_batch_sizes.front(); }
@@ -55,6 +60,9 @@ struct PlanOptions {
 // Validates the config against the model (sizes, balance, devices, schedule) and plans
 // the run. Throws UserError naming the key and the fix.
 Plan make_plan(const Config& config, const layers::Sequential& model, const PlanOptions& options = {});
+
+// Plan::stage_flops of a plan whose sizes, schedule and cells are set.
+std::vector<double> useful_flops(const layers::Sequential& model, const Plan& plan);
 
 // The layers per cell the config asks for: its balance, or the balancer's split of the
 // layer cost estimates at the plan's micro-batch size into the plan's cells.

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <thread>
 
+#include "pipeline/planning/device_peak.h"
 #include "runtime/error.h"
 
 namespace gpipe {
@@ -143,8 +144,8 @@ std::string CostSource::describe() const {
 
 std::string CostSource::describe_sources() const {
   char rates[128];
-  std::snprintf(rates, sizeof rates, "the cost model (%.0f GFLOP/s, %.0f GB/s per device)", cm_.flops_per_second / 1e9,
-                cm_.bytes_per_second / 1e9);
+  std::snprintf(rates, sizeof rates, "the cost model (%.0f GFLOP/s%s, %.0f GB/s per device)",
+                cm_.flops_per_second / 1e9, cm_.probed ? " probed" : "", cm_.bytes_per_second / 1e9);
   if (path_.empty()) return rates;  // a device description: nothing was measured
   const auto entries = family();
   if (entries.empty()) return std::string(rates) + "; no profile in " + path_ + " for this model and device";
@@ -292,10 +293,28 @@ int stages_at_once(const Plan& plan) {
   return std::max(1, std::min(plan.stages, static_cast<int>(std::thread::hardware_concurrency())));
 }
 
-PlannedRun predict_config(const Config& c, const layers::Sequential& model, const Plan& plan, bool across_processes) {
+partition::CostModel probed_cost_model(const Plan& plan, DType dtype, int blas_threads, double flops_per_second) {
+  partition::CostModel cm;
+  if (flops_per_second <= 0) {
+    flops_per_second = 0;
+    for (const DevicePeak& p : device_peaks(plan.devices, dtype, blas_threads)) {
+      flops_per_second = flops_per_second > 0 ? std::min(flops_per_second, p.flops_per_second) : p.flops_per_second;
+    }
+  }
+  if (flops_per_second > 0) {
+    cm.flops_per_second = flops_per_second;
+    cm.probed = true;
+  }
+  return cm;
+}
+
+PlannedRun predict_config(const Config& c, const layers::Sequential& model, const Plan& plan, bool across_processes,
+                          double flops_per_second) {
   const ProfileStore store = load_profile(c.pipeline.profile);
-  const CostSource costs(model, store, c.pipeline.profile, plan.devices.front(), c.train.blas_threads,
-                         partition::CostModel{}, cost_overrides(c), c.optimizer.optimizer, 1.0, stages_at_once(plan));
+  const partition::CostModel cm =
+      probed_cost_model(plan, model.output_dtype(), c.train.blas_threads, flops_per_second);
+  const CostSource costs(model, store, c.pipeline.profile, plan.devices.front(), c.train.blas_threads, cm,
+                         cost_overrides(c), c.optimizer.optimizer, 1.0, stages_at_once(plan));
   const LinkCost link = local_link(store, across_processes);
   PlannedRun run = predict(plan, model, costs, [link](int, int) { return link; }, c.optimizer.optimizer);
   run.source += "; messages: " + link.kind;

@@ -37,17 +37,6 @@ uint64_t fnv1a(const std::string& s, uint64_t h = 1469598103934665603ULL) {
   return h;
 }
 
-std::string host_name() {
-  std::ifstream f("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(f, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      const auto colon = line.find(':');
-      if (colon != std::string::npos) return line.substr(line.find_first_not_of(' ', colon + 1));
-    }
-  }
-  return "unknown CPU";
-}
 
 std::string utc_now() {
   const std::time_t t = std::time(nullptr);
@@ -186,6 +175,18 @@ std::string model_hash(const layers::Sequential& model) {
   char hex[17];
   std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(fnv1a(os.str())));
   return hex;
+}
+
+std::string processor_name() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      const auto colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(line.find_first_not_of(' ', colon + 1));
+    }
+  }
+  return "unknown CPU";
 }
 
 ProfileKey profile_key(const layers::Sequential& model, int64_t micro_batch, Device device, int blas_threads,
@@ -377,7 +378,7 @@ ProfileEntry measure_layers(layers::Sequential& model, const Tensor& inputs, con
   }
   ProfileEntry e;
   e.key = profile_key(model, n, device, blas_threads, concurrency);
-  e.host = device.is_cpu() ? host_name() : device.str();
+  e.host = device.is_cpu() ? processor_name() : device.str();
   e.optimizer = optimizer.type;
   e.created = utc_now();
   e.warmup = warmup;

@@ -91,6 +91,8 @@ std::vector<double> profile_layer_costs(const ProfileEntry& entry, bool recomput
 
 // The model part of a key: a hash of its input, dtypes, layer descriptions and loss.
 std::string model_hash(const layers::Sequential& model);
+// The CPU's model name (/proc/cpuinfo), "unknown CPU" where it has none.
+std::string processor_name();
 ProfileKey profile_key(const layers::Sequential& model, int64_t micro_batch, Device device, int blas_threads,
                        int concurrency = 1);
 

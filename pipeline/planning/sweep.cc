@@ -111,7 +111,7 @@ class SweepCosts {
         store_(load_profile(base.pipeline.profile)),
         overrides_(cost_overrides(base)),
         device_(o.spec != nullptr ? Device::cuda(0) : first_device(base)),
-        cm_(o.spec != nullptr ? o.spec->cost_model(dtype_name(model.output_dtype())) : partition::CostModel{}) {}
+        spec_cm_(o.spec != nullptr ? o.spec->cost_model(dtype_name(model.output_dtype())) : partition::CostModel{}) {}
 
   const ProfileStore& store() const { return store_; }
 
@@ -123,8 +123,8 @@ class SweepCosts {
     if (!slot) {
       slot = std::make_unique<CostSource>(model_, o_.spec != nullptr ? none_ : store_,
                                           o_.spec != nullptr ? "" : base_.pipeline.profile, device_,
-                                          base_.train.blas_threads, cm_, overrides_, base_.optimizer.optimizer, 1.0,
-                                          at_once);
+                                          base_.train.blas_threads, cost_model(at_once), overrides_,
+                                          base_.optimizer.optimizer, 1.0, at_once);
     }
     return *slot;
   }
@@ -133,17 +133,27 @@ class SweepCosts {
   // (gpipe profile --set train.blas_threads=N), or the single-thread costs over n.
   std::unique_ptr<CostSource> threaded(int n) const {
     if (!(cpu_ && o_.spec == nullptr && n > 1)) return nullptr;
-    const CostSource probe(model_, store_, base_.pipeline.profile, device_, n, cm_, overrides_,
+    const partition::CostModel cm = cost_model(1);
+    const CostSource probe(model_, store_, base_.pipeline.profile, device_, n, cm, overrides_,
                            base_.optimizer.optimizer);
     return probe.has_profile()
-               ? std::make_unique<CostSource>(model_, store_, base_.pipeline.profile, device_, n, cm_, overrides_,
+               ? std::make_unique<CostSource>(model_, store_, base_.pipeline.profile, device_, n, cm, overrides_,
                                               base_.optimizer.optimizer)
                : std::make_unique<CostSource>(model_, store_, base_.pipeline.profile, device_,
-                                              base_.train.blas_threads, cm_, overrides_, base_.optimizer.optimizer,
+                                              base_.train.blas_threads, cm, overrides_, base_.optimizer.optimizer,
                                               1.0 / n);
   }
 
  private:
+  // The spec's roofline on a device description; on this machine's devices the probed
+  // peak of one of `at_once` stages computing together (device_peak.h).
+  partition::CostModel cost_model(int at_once) const {
+    if (o_.spec != nullptr) return spec_cm_;
+    Plan stages;
+    stages.devices.assign(at_once, device_);
+    return probed_cost_model(stages, model_.output_dtype(), base_.train.blas_threads);
+  }
+
   const Config& base_;
   const layers::Sequential& model_;
   const SweepOptions& o_;
@@ -151,7 +161,7 @@ class SweepCosts {
   const ProfileStore store_;
   const std::vector<std::optional<double>> overrides_;
   const Device device_;
-  const partition::CostModel cm_;
+  const partition::CostModel spec_cm_;
   // On a device description there is no profile: the spec's roofline.
   const ProfileStore none_;
   std::map<int, std::unique_ptr<CostSource>> by_concurrency_;

@@ -121,6 +121,14 @@ constexpr int kHistoryVersion = 2;
 
 constexpr double kMiB = 1024.0 * 1024.0;  // memory is shown in MiB everywhere (the planner's tables too)
 
+// "41.3%", or "-" for an unknown share (negative).
+std::string percent(double share) {
+  if (share < 0) return "-";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f%%", 100 * share);
+  return buf;
+}
+
 Error malformed(const std::string& what) {
   return Error("malformed report history (saved with the checkpoint in trainer_state.json): " + what +
                "; the checkpoint's weights do not depend on it: remove the history from trainer_state.json to resume "
@@ -344,7 +352,25 @@ RunSummary ReportBuilder::summary() const {
     busy += s.busy_ms;
   }
   out.measured_bubble = out.span_ms > 0 ? 1.0 - busy / (static_cast<double>(acc_.size()) * out.span_ms) : 0;
+  if (stage_flops_.size() == out.stages.size() && stage_peaks_.size() == out.stages.size() && out.step_ms > 0) {
+    const double seconds = out.step_ms / 1e3;
+    out.mfu = 0;
+    for (size_t k = 0; k < out.stages.size(); ++k) {
+      StageSummary& st = out.stages[k];
+      st.useful_flops = stage_flops_[k];
+      st.peak_flops_per_second = stage_peaks_[k];
+      st.mfu = st.peak_flops_per_second > 0 ? st.useful_flops / seconds / st.peak_flops_per_second : -1;
+      out.useful_flops += st.useful_flops;
+      out.peak_flops_per_second += st.peak_flops_per_second;
+    }
+    out.mfu = out.peak_flops_per_second > 0 ? out.useful_flops / seconds / out.peak_flops_per_second : -1;
+  }
   return out;
+}
+
+void ReportBuilder::set_flops(std::vector<double> stage_flops, std::vector<double> stage_peaks) {
+  stage_flops_ = std::move(stage_flops);
+  stage_peaks_ = std::move(stage_peaks);
 }
 
 std::string ReportBuilder::table() const {
@@ -365,17 +391,17 @@ std::string ReportBuilder::table() const {
   std::snprintf(line, sizeof line, "Per step, averaged over %d timed steps (span %.2f ms, wall %.2f ms):\n",
                 s.timed_steps, s.span_ms, s.step_ms);
   os << line;
-  std::snprintf(line, sizeof line, "%-5s %-28s %-7s %9s %9s %9s %8s %8s %8s %6s %10s\n", "stage", "layers", "device",
-                "fwd ms", "recomp ms", "bwd ms", "comm ms", "idle ms", "opt ms", "util", "peak act");
+  std::snprintf(line, sizeof line, "%-5s %-28s %-7s %9s %9s %9s %8s %8s %8s %6s %6s %10s\n", "stage", "layers",
+                "device", "fwd ms", "recomp ms", "bwd ms", "comm ms", "idle ms", "opt ms", "util", "MFU", "peak act");
   os << line;
   bool cut = false;  // a stage's layers longer than their column: listed in full under the table
   for (const auto& st : s.stages) {
     const bool fits = st.layers.size() <= 28;
     cut = cut || !fits;
-    std::snprintf(line, sizeof line, "%-5d %-28s %-7s %9.2f %9.2f %9.2f %8.2f %8.2f %8.2f %5.1f%% %6.2f MiB\n",
+    std::snprintf(line, sizeof line, "%-5d %-28s %-7s %9.2f %9.2f %9.2f %8.2f %8.2f %8.2f %5.1f%% %6s %6.2f MiB\n",
                   st.stage, fits ? st.layers.c_str() : (st.layers.substr(0, 25) + "...").c_str(), st.device.c_str(),
                   st.forward_ms, st.recompute_ms, st.backward_ms, st.comm_ms, st.idle_ms, st.optimizer_ms,
-                  100 * st.utilization, st.peak_activation_bytes / kMiB);
+                  100 * st.utilization, percent(st.mfu).c_str(), st.peak_activation_bytes / kMiB);
     os << line;
   }
   if (cut) {
@@ -393,6 +419,14 @@ std::string ReportBuilder::table() const {
   os << line;
   std::snprintf(line, sizeof line, "Throughput: %.1f samples/s\n", s.samples_per_second);
   os << line;
+  if (s.mfu >= 0) {
+    std::snprintf(line, sizeof line,
+                  "MFU: %.1f%% (%.2f GFLOP of forward and backward per step in %.2f ms: %.1f GFLOP/s of the "
+                  "devices' %.1f GFLOP/s peak)\n",
+                  100 * s.mfu, s.useful_flops / 1e9, s.step_ms, s.useful_flops / (s.step_ms / 1e3) / 1e9,
+                  s.peak_flops_per_second / 1e9);
+    os << line;
+  }
   if (s.has_plan && s.plan.stages.size() == s.stages.size()) {
     const PlannedRun& p = s.plan;
     os << "Planned vs measured (the plan's costs: " << p.source << "):\n";
@@ -442,6 +476,9 @@ nlohmann::json stage_json(const StageSummary& st) {
             {"optimizer_reduce_ms", st.collective_ms},  // the old name, for one release
             {"delivery_ms", st.delivery_ms},
             {"peak_activation_bytes", st.peak_activation_bytes}});
+  if (st.mfu >= 0) {
+    j.update({{"mfu", st.mfu}, {"useful_flops", st.useful_flops}, {"peak_flops_per_second", st.peak_flops_per_second}});
+  }
   return j;
 }
 
@@ -485,6 +522,13 @@ nlohmann::json ReportBuilder::json() const {
   j["span_ms"] = s.span_ms;
   j["step_ms"] = s.step_ms;
   j["samples_per_second"] = s.samples_per_second;
+  if (s.mfu >= 0) {
+    // Model FLOPs utilization: useful_flops (forward and backward of the model per step, no
+    // recompute) per second of step_ms, over the stages' summed peak_flops_per_second.
+    j["mfu"] = s.mfu;
+    j["useful_flops"] = s.useful_flops;
+    j["peak_flops_per_second"] = s.peak_flops_per_second;
+  }
   j["bubble"] = {{"measured", s.measured_bubble},
                  {"theoretical", s.ideal_bubble},
                  {"formula", s.formula_bubble},

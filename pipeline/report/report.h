@@ -37,6 +37,11 @@ struct StageSummary : StageTime {
   // stage that were waiting for their message (a thread's wake-up, a transfer); -1: none.
   double delivery_ms = -1;
   int64_t peak_activation_bytes = 0;
+  // Model FLOPs utilization: the stage's useful FLOPs per step (Plan::stage_flops) per
+  // second of step, over its device's peak (device_peak.h); -1 when unknown.
+  double useful_flops = 0;      // per step
+  double peak_flops_per_second = 0;
+  double mfu = -1;
 };
 
 // One launch of the run as the report shows it: its steps are [first_step, last_step]
@@ -58,6 +63,11 @@ struct RunSummary {
   double span_ms = 0;  // per step, averaged
   double step_ms = 0;  // wall time per step, averaged
   double samples_per_second = 0;
+  // The whole pipeline's MFU: its useful FLOPs per second over the sum of its stages'
+  // peaks (-1 when unknown). With replicas, one pipeline's: every replica runs the same.
+  double useful_flops = 0;  // per step
+  double peak_flops_per_second = 0;
+  double mfu = -1;
   double measured_bubble = 0, ideal_bubble = 0;
   double formula_bubble = 0;    // the schedule's own formula (interleaving divides GPipe's by v)
   double predicted_bubble = -1;  // simulate() of the schedule with the measured mean time of each
@@ -85,6 +95,9 @@ class ReportBuilder {
   // that is not `timed` (the warm-up) only contributes its loss.
   void add_step(int step, double loss, const StepResult& r, bool timed);
   void set_eval(double loss, double accuracy);
+  // MFU's inputs, per stage: useful FLOPs per step (Plan::stage_flops) and the device's
+  // peak FLOP/s (device_peaks). Without them the report shows no MFU.
+  void set_flops(std::vector<double> stage_flops, std::vector<double> stage_peaks);
   // What the planner predicted for this run, shown beside the measurements.
   void set_prediction(PlannedRun plan) { plan_ = std::move(plan); has_plan_ = true; }
   // A validation score taken after step number `step`.
@@ -144,6 +157,7 @@ class ReportBuilder {
   bool has_plan_ = false;
   int timed_ = 0;
   double span_total_ = 0, wall_total_ = 0;
+  std::vector<double> stage_flops_, stage_peaks_;
   bool has_eval_ = false;
   double eval_loss_ = 0, eval_accuracy_ = 0;
 };

@@ -364,7 +364,7 @@ void write_card(std::ostream& o, const std::string& k, const std::string& v, con
     << "</div></div>\n";
 }
 
-// Writes the headline figures (step time, throughput, bubble, peak activations), measured against the plan.
+// Writes the headline figures (step time, throughput, bubble, MFU, peak activations), measured against the plan.
 void write_cards(std::ostream& o, const RunSummary& s, bool plan) {
   o << "<div class=\"cards\">\n";
   write_card(
@@ -375,6 +375,16 @@ void write_cards(std::ostream& o, const RunSummary& s, bool plan) {
   write_card(o, "bubble (measured)", num(s.measured_bubble, 3),
              "formula " + num(s.formula_bubble, 3) + (plan ? " &middot; planned " + num(s.plan.bubble, 3) : "") +
                  (s.predicted_bubble >= 0 ? " &middot; simulated " + num(s.predicted_bubble, 3) : ""));
+  if (s.mfu >= 0) {  // report.json's mfu; per stage below it
+    std::string per_stage;
+    for (const StageSummary& st : s.stages) {
+      per_stage += (per_stage.empty() ? "" : " &middot; ") + std::string("stage ") + std::to_string(st.stage) + " " +
+                   pct(st.mfu) + " of " + num(st.peak_flops_per_second / 1e9, 1) + " GFLOP/s";
+    }
+    write_card(o, "MFU (model FLOPs utilization)", pct(s.mfu),
+               num(s.useful_flops / (s.step_ms / 1e3) / 1e9, 1) + " of " + num(s.peak_flops_per_second / 1e9, 1) +
+                   " GFLOP/s peak<br>" + per_stage);
+  }
   // The stage that held the most activations, measured, beside the plan for that same
   // stage (and the plan's own largest, where that is another stage).
   int top = 0;

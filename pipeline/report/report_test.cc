@@ -184,9 +184,10 @@ TEST_CASE("the table and report.json show the same figures, and the scores") {
   CAPTURE(t);
   CHECK(t.find("K=2 stages, M=2 micro-batches, recompute=except_last, schedule=gpipe, batch=8") != std::string::npos);
   CHECK(t.find("averaged over 1 timed steps (span 16.00 ms, wall 20.50 ms)") != std::string::npos);
-  // stage 0: fwd 4, recomp 0, bwd 6, comm 1, idle 5, opt 1, util 62.5%, 2 MiB
-  CHECK(t.find("cpu:0        4.00      0.00      6.00     1.00     5.00     1.00  62.5%   2.00 MiB") != std::string::npos);
-  CHECK(t.find("cpu:1        5.00      1.00      2.50     1.00     6.50     8.00  53.1%   3.00 MiB") != std::string::npos);
+  // stage 0: fwd 4, recomp 0, bwd 6, comm 1, idle 5, opt 1, util 62.5%, no MFU (no FLOPs given), 2 MiB
+  CHECK(t.find("cpu:0        4.00      0.00      6.00     1.00     5.00     1.00  62.5%      -   2.00 MiB") != std::string::npos);
+  CHECK(t.find("cpu:1        5.00      1.00      2.50     1.00     6.50     8.00  53.1%      -   3.00 MiB") != std::string::npos);
+  CHECK(t.find("MFU:") == std::string::npos);
   CHECK(t.find("layers:") == std::string::npos);  // every stage's layers fit their column
   // The predicted bubble, by hand: no receive waited past its send's end, so every
   // delivery is 0; the mean op times are stage 0 F 2, sA 0.5, B 3 and stage 1 F 2.5,
@@ -202,6 +203,30 @@ TEST_CASE("the table and report.json show the same figures, and the scores") {
   CHECK(j["eval"]["accuracy"] == 0.625);
   REQUIRE(j["validation"].size() == 1);
   CHECK(j["validation"][0]["loss"] == 1.75);
+}
+
+TEST_CASE("MFU: each stage's useful FLOPs per second of step over its peak, and the pipeline's over their sum") {
+  ReportBuilder b = builder();
+  b.add_step(1, 2.0, hand_step(1.0, 1, 1), true);  // a step of 20.5 ms wall
+  // 0.41 and 0.205 GFLOP per step over 100 and 50 GFLOP/s peaks: 0.41 / 0.0205 s = 20
+  // GFLOP/s, 20% of stage 0's peak; 10 GFLOP/s, 20% of stage 1's; 30 of 150 overall.
+  b.set_flops({0.41e9, 0.205e9}, {100e9, 50e9});
+  const RunSummary s = b.summary();
+  CHECK(s.stages[0].mfu == doctest::Approx(0.2));
+  CHECK(s.stages[1].mfu == doctest::Approx(0.2));
+  CHECK(s.mfu == doctest::Approx(30.0 / 150));
+  CHECK(s.useful_flops == doctest::Approx(0.615e9));
+  CHECK(s.peak_flops_per_second == doctest::Approx(150e9));
+  const std::string t = b.table();
+  CAPTURE(t);
+  CHECK(t.find("  62.5%  20.0%   0.00 MiB") != std::string::npos);
+  CHECK(t.find("MFU: 20.0% (0.61 GFLOP of forward and backward per step in 20.50 ms: 30.0 GFLOP/s of the devices' "
+               "150.0 GFLOP/s peak)") != std::string::npos);
+  const nlohmann::json j = b.json();
+  CHECK(j["mfu"].get<double>() == doctest::Approx(0.2));
+  CHECK(j["peak_flops_per_second"].get<double>() == doctest::Approx(150e9));
+  CHECK(j["stages"][1]["mfu"].get<double>() == doctest::Approx(0.2));
+  CHECK(j["stages"][1]["useful_flops"].get<double>() == doctest::Approx(0.205e9));
 }
 
 TEST_CASE("the report describes the stages of the program it is given") {

@@ -1,8 +1,11 @@
 #include "pipeline/train/run_artifacts.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <ostream>
 
+#include "pipeline/planning/device_peak.h"
 #include "pipeline/planning/planner.h"
 #include "pipeline/report/report_html.h"
 #include "runtime/atomic_file.h"
@@ -19,15 +22,46 @@ RunArtifacts::RunArtifacts(const Config& c, const layers::Sequential& model, con
   if (multi) clock_offset_ms_ = launch.transport->clock_offset_to_first(launch.rank);
   epoch_ms_ = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count() -
               clock_offset_ms_;
+  probe_peaks(c, model, plan, launch);
   for (int k = 0; k < plan.stages; ++k) {
     const int rank = launch.replica * launch.size + (multi ? k : 0);
     processes_.push_back({k, rank, stage_devices.at(k), stage_layers.at(k)});
   }
   try {
-    prediction_ = predict_config(c, model, plan, multi);
+    // The planner's device speed where nothing is measured: the slowest stage's peak (this
+    // process's own on the others, whose prediction is not shown).
+    prediction_ = predict_config(c, model, plan, multi, planning_peak_);
     has_prediction_ = true;
   } catch (const UserError& e) {
     spdlog::warn("no prediction for this run: {}", e.what());
+  }
+}
+
+void RunArtifacts::probe_peaks(const Config& c, const layers::Sequential& model, const Plan& plan,
+                               const Launch& launch) {
+  const DType dtype = model.output_dtype();
+  std::string how;
+  if (launch.size > 1) {
+    // Every process of the job on this machine probes now (they just met at the clock's
+    // collective): Open MPI says how many there are.
+    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    const int processes = local != nullptr ? std::max(1, std::atoi(local)) : launch.size * c.pipeline.replicas;
+    const DevicePeak mine = device_peaks({plan.devices.at(launch.rank)}, dtype, c.train.blas_threads, processes).at(0);
+    planning_peak_ = mine.flops_per_second;
+    for (const auto& v : launch.transport->gather_to_first(launch.rank, {mine.flops_per_second})) {
+      stage_peaks_.push_back(v.at(0));
+    }
+    how = mine.cached ? "cached" : "probed";
+  } else {
+    for (const DevicePeak& p : device_peaks(plan.devices, dtype, c.train.blas_threads)) {
+      stage_peaks_.push_back(p.flops_per_second);
+      how = p.cached ? "cached" : "probed";
+    }
+  }
+  if (!stage_peaks_.empty()) planning_peak_ = *std::min_element(stage_peaks_.begin(), stage_peaks_.end());
+  for (size_t k = 0; k < stage_peaks_.size(); ++k) {
+    spdlog::info("stage {} device peak: {:.1f} GFLOP/s ({} matrix products, {}; {})", k, stage_peaks_[k] / 1e9,
+                 dtype_name(dtype), how, peak_cache_path());
   }
 }
 

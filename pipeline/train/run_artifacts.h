@@ -26,7 +26,8 @@ namespace pipeline {
 class RunArtifacts {
  public:
   // In a multi-process run every rank of the pipeline constructs it at the same point,
-  // before its executor: it measures the rank's clock offset (a collective).
+  // before its executor: it measures the rank's clock offset and its device's peak (two
+// collectives).
   RunArtifacts(const Config& config, const layers::Sequential& model, const Plan& plan, const Launch& launch,
                std::vector<std::string> stage_layers, std::vector<std::string> stage_devices);
 
@@ -36,6 +37,9 @@ class RunArtifacts {
   // (a profile file that cannot be read: the run goes on, with a warning).
   bool has_prediction() const { return has_prediction_; }
   const PlannedRun& prediction() const { return prediction_; }
+  // Every stage's device peak in FLOP/s (device_peak.h), probed with all of the job's
+  // stages at once; on the reporting process (stage 0) only, empty elsewhere.
+  const std::vector<double>& stage_peaks() const { return stage_peaks_; }
 
   // A resumed run starts at `step`: the default trace window (trace.steps not given)
   // moves to the steps after it; a given window that ended before it records nothing.
@@ -50,6 +54,8 @@ class RunArtifacts {
              std::ostream& out) const;
 
  private:
+  void probe_peaks(const Config& c, const layers::Sequential& model, const Plan& plan, const Launch& launch);
+
   const Config& config_;
   Schedule schedule_;
   std::vector<TraceProcess> processes_;
@@ -58,6 +64,8 @@ class RunArtifacts {
   double epoch_ms_ = 0;  // the job's time zero on the job clock: when this object was made
   bool has_prediction_ = false;
   PlannedRun prediction_;
+  std::vector<double> stage_peaks_;
+  double planning_peak_ = 0;  // the planner's FLOP/s without a profile
 };
 
 }  // namespace pipeline

@@ -358,6 +358,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   }
   artifacts.starts_at(start + 1);
   if (artifacts.has_prediction()) report.set_prediction(artifacts.prediction());
+  if (reports) report.set_flops(plan.stage_flops, artifacts.stage_peaks());
   double window_ms = 0;
   int window_steps = 0;
   for (int step = start; step < c.train.steps; ++step) {

@@ -1,0 +1,172 @@
+#include "pipeline/planning/device_peak.h"
+
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <cstdlib>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "kernels/backend.h"
+#include "pipeline/planning/profile.h"
+#include "runtime/atomic_file.h"
+#include "runtime/logging.h"
+
+namespace gpipe {
+namespace pipeline {
+
+namespace {
+
+// Bumped when the probe measures differently, so older entries are not read.
+constexpr int kProbeVersion = 1;
+
+std::string host() {
+  char name[256] = {0};
+  ::gethostname(name, sizeof name - 1);
+  return name;
+}
+
+std::string gemm_path() {
+  const char* v = std::getenv("GPIPE_GEMM");
+  return v != nullptr && *v != '\0' ? v : "default";
+}
+
+// The matrix side: large enough that the product runs at the BLAS's full rate, small
+// enough that a probe takes a fraction of a second (2 x 1024^3 = 2.1 GFLOP on a CPU).
+int64_t probe_side(Device d) { return d.is_cpu() ? 1024 : 4096; }
+
+// The best rate of a few square products on `d`, after one to warm up; `start` holds
+// every caller back until all are ready, so they run at once.
+double probe(Device d, DType dtype, const std::function<void()>& start) {
+  Backend& be = backend_for(d);
+  const int64_t n = probe_side(d);
+  Tensor a = be.empty({n, n}, dtype), b = be.empty({n, n}, dtype), c = be.empty({n, n}, dtype);
+  be.fill(a, 0.5);
+  be.fill(b, 0.25);
+  be.matmul(a, false, b, true, c);  // warm-up: the BLAS's threads, its buffers, the GPU's clocks
+  be.synchronize();
+  start();
+  const double flops = 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n);
+  double best = 0;
+  const auto t_end = std::chrono::steady_clock::now() + std::chrono::milliseconds(250);
+  for (int i = 0; i < 12 && (i < 3 || std::chrono::steady_clock::now() < t_end); ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    be.matmul(a, false, b, true, c);
+    be.synchronize();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, flops / s);
+  }
+  return best;
+}
+
+nlohmann::json read_cache(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) return nlohmann::json::object();
+  try {
+    nlohmann::json j = nlohmann::json::parse(f);
+    if (j.is_object() && j.value("version", 0) == kProbeVersion && j.contains("peaks") && j["peaks"].is_object()) {
+      return j["peaks"];
+    }
+    spdlog::warn("{}: not a peak cache of this gpipe (version {}); probing again and rewriting it", path,
+                 kProbeVersion);
+  } catch (const std::exception& e) {
+    spdlog::warn("{}: damaged ({}); probing again and rewriting it", path, e.what());
+  }
+  return nlohmann::json::object();
+}
+
+}  // namespace
+
+std::string peak_key(Device device, DType dtype, int blas_threads, int concurrent) {
+  std::string k = host() + "|" + (device.is_cpu() ? processor_name() : device.str()) + "|" + dtype_name(dtype);
+  if (device.is_cpu()) k += "|threads=" + std::to_string(blas_threads);
+  return k + "|concurrent=" + std::to_string(concurrent) + "|gemm=" + gemm_path();
+}
+
+std::string peak_cache_path() {
+  if (const char* p = std::getenv("GPIPE_PEAK_CACHE"); p != nullptr && *p != '\0') return p;
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x != nullptr && *x != '\0') {
+    return (std::filesystem::path(x) / "gpipe" / "peaks.json").string();
+  }
+  const char* home = std::getenv("HOME");
+  return (std::filesystem::path(home != nullptr ? home : "/tmp") / ".cache" / "gpipe" / "peaks.json").string();
+}
+
+std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType dtype, int blas_threads, int processes) {
+  // CPU stages share the machine, so they are probed together and keyed by how many
+  // ran at once; each GPU is its own and is probed alone.
+  const int cpus = static_cast<int>(std::count_if(devices.begin(), devices.end(), [](Device d) { return d.is_cpu(); }));
+  std::vector<std::string> keys;
+  for (Device d : devices) keys.push_back(peak_key(d, dtype, blas_threads, d.is_cpu() ? cpus * processes : 1));
+
+  const std::string path = peak_cache_path();
+  nlohmann::json cache = read_cache(path);
+  std::vector<DevicePeak> out(devices.size());
+  std::vector<size_t> todo;
+  for (size_t i = 0; i < devices.size(); ++i) {
+    const auto it = cache.find(keys[i]);
+    if (it != cache.end() && it->is_number() && it->get<double>() > 0) {
+      out[i] = {it->get<double>(), true};
+    } else {
+      todo.push_back(i);
+    }
+  }
+  if (todo.empty()) return out;
+
+  // All callers start their timed products together (a countdown of those still warming up).
+  std::mutex m;
+  std::condition_variable cv;
+  size_t waiting = todo.size();
+  auto start = [&] {
+    std::unique_lock<std::mutex> lock(m);
+    if (--waiting == 0) cv.notify_all();
+    cv.wait(lock, [&] { return waiting == 0; });
+  };
+  std::vector<double> rate(todo.size(), 0);
+  std::vector<std::exception_ptr> error(todo.size());
+  std::vector<std::thread> threads;
+  for (size_t j = 0; j < todo.size(); ++j) {
+    threads.emplace_back([&, j] {
+      try {
+        rate[j] = probe(devices[todo[j]], dtype, start);
+      } catch (...) {
+        error[j] = std::current_exception();
+        start();  // the others do not wait for it
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& e : error) {
+    if (e) std::rethrow_exception(e);
+  }
+  // CPU callers that ran together each get their mean: one stage's share of the machine.
+  double cpu_sum = 0;
+  int cpu_n = 0;
+  for (size_t j = 0; j < todo.size(); ++j) {
+    if (devices[todo[j]].is_cpu()) cpu_sum += rate[j], ++cpu_n;
+  }
+  for (size_t j = 0; j < todo.size(); ++j) {
+    const size_t i = todo[j];
+    out[i] = {devices[i].is_cpu() ? cpu_sum / cpu_n : rate[j], false};
+    cache[keys[i]] = out[i].flops_per_second;
+  }
+  try {
+    std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+    write_file_atomically(path, nlohmann::json{{"version", kProbeVersion}, {"peaks", cache}}.dump(2) + "\n");
+  } catch (const std::exception& e) {
+    spdlog::debug("peak cache not written ({}): the next run probes again", e.what());
+  }
+  return out;
+}
+
+}  // namespace pipeline
+}  // namespace gpipe

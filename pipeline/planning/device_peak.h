@@ -1,0 +1,44 @@
+// The matrix-product rate each stage's device reaches: the denominator of model FLOPs
+// utilization (MFU) in the report, and the planner's device speed where it has no
+// profile and no device description. Measured by a short probe (square matrix products
+// through the stage's backend, the same call the layers make) with every stage of the
+// process probing at once, as they will run; cached per machine so a second run does
+// not probe again.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "runtime/device.h"
+#include "runtime/tensor.h"
+
+namespace gpipe {
+namespace pipeline {
+
+struct DevicePeak {
+  double flops_per_second = 0;
+  bool cached = false;  // read from the cache file instead of measured now
+};
+
+// What identifies a probe's result on this machine: host, processor (or GPU), dtype,
+// BLAS threads per caller, how many callers probed at once and the matrix-product path
+// (GPIPE_GEMM). Cache entries are keyed by it.
+std::string peak_key(Device device, DType dtype, int blas_threads, int concurrent);
+
+// The cache file: $GPIPE_PEAK_CACHE, else $XDG_CACHE_HOME/gpipe/peaks.json, else
+// ~/.cache/gpipe/peaks.json. A damaged or unreadable file is probed over (with a
+// warning); one that cannot be written only costs the next run a probe.
+std::string peak_cache_path();
+
+// The peak of each device in `devices` (one per stage of this process), probed with all
+// of them calling at once: CPU stages share the machine's cores, so each one's peak is
+// its share (two stages of one thread each on two cores: one core each). A CPU caller
+// uses the BLAS threads set before (set_cpu_blas_threads(blas_threads)). Results come from the cache
+// where it has this key; otherwise probed (about 0.3 s) and stored. `processes`: how many
+// processes of the job on this machine probe at the same time (each with its own
+// devices), for the key.
+std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType dtype, int blas_threads,
+                                     int processes = 1);
+
+}  // namespace pipeline
+}  // namespace gpipe

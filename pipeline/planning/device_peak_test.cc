@@ -1,0 +1,69 @@
+// The devices' peaks (MFU's denominator): a real probe of this machine's CPU gives a
+// finite positive rate and stores it in the cache file under its key; the next call reads
+// it back instead of probing; an entry put there by hand is what is returned for its key
+// (the cache is read, not only written); a damaged file is probed over and rewritten.
+#include <doctest/doctest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "kernels/backend.h"
+#include "pipeline/planning/device_peak.h"
+
+using namespace gpipe;
+using namespace gpipe::pipeline;
+
+namespace {
+
+std::string tmp_path(const std::string& name) {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  return std::string(dir != nullptr ? dir : "/tmp") + "/" + name;
+}
+
+nlohmann::json read_json(const std::string& path) {
+  std::ifstream f(path);
+  return nlohmann::json::parse(f);
+}
+
+}  // namespace
+
+TEST_CASE("a probed peak is cached under its key, read back, and a damaged cache is probed over") {
+  const std::string path = tmp_path("peaks.json");
+  std::filesystem::remove(path);
+  ::setenv("GPIPE_PEAK_CACHE", path.c_str(), 1);
+  CHECK(peak_cache_path() == path);
+  set_cpu_blas_threads(1);
+  const std::vector<Device> two = {Device::cpu(), Device::cpu()};
+
+  const std::vector<DevicePeak> probed = device_peaks(two, DType::kF32, 1);
+  REQUIRE(probed.size() == 2);
+  CHECK(!probed[0].cached);
+  CHECK(std::isfinite(probed[0].flops_per_second));
+  CHECK(probed[0].flops_per_second > 1e8);  // any CPU of this decade multiplies faster than 0.1 GFLOP/s
+  CHECK(probed[1].flops_per_second == probed[0].flops_per_second);  // each of two at once gets their mean
+  const std::string key = peak_key(Device::cpu(), DType::kF32, 1, 2);
+  CHECK(key.find("|float32|threads=1|concurrent=2|") != std::string::npos);
+  nlohmann::json file = read_json(path);
+  CHECK(file["peaks"][key].get<double>() == probed[0].flops_per_second);
+
+  const std::vector<DevicePeak> again = device_peaks(two, DType::kF32, 1);
+  CHECK(again[0].cached);
+  CHECK(again[0].flops_per_second == probed[0].flops_per_second);
+
+  // An entry of its own for one stage alone: read as it is.
+  file["peaks"][peak_key(Device::cpu(), DType::kF32, 1, 1)] = 123e9;
+  std::ofstream(path) << file.dump();
+  const DevicePeak alone = device_peaks({Device::cpu()}, DType::kF32, 1).at(0);
+  CHECK(alone.cached);
+  CHECK(alone.flops_per_second == 123e9);
+
+  std::ofstream(path) << "{\"version\": 1, \"peaks\": {";  // torn
+  const DevicePeak reprobed = device_peaks({Device::cpu()}, DType::kF32, 1).at(0);
+  CHECK(!reprobed.cached);
+  CHECK(reprobed.flops_per_second > 1e8);
+  CHECK(read_json(path)["peaks"].size() == 1);  // rewritten whole, with this probe only
+}
