@@ -17,6 +17,8 @@
 #include "partition/balance.h"
 #include "pipeline/cli/mpi_launch.h"
 #include "pipeline/cli/plan_commands.h"
+#include "pipeline/train/auto_plan.h"
+#include "pipeline/train/profiling.h"
 #include "pipeline/cli/supervisor.h"
 #include "pipeline/config/config.h"
 #include "pipeline/config/run_model.h"
@@ -117,6 +119,7 @@ void write_schedule_file(const Invocation& inv, const pipeline::Plan& p, const s
 int run_plan(Invocation& inv, const std::string& schedule_out = "") {
   const pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);
   pipeline::RunModel run = pipeline::build_run_model(config);
+  run.config = pipeline::resolve_auto(run.config, *run.model, {}, std::cout);  // the plan a run would choose
   const pipeline::Config& c = run.config;
   layers::Sequential& model = *run.model;
   const pipeline::Plan p = pipeline::make_plan(c, model);

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "pipeline/train/auto_plan.h"
 #include "pipeline/train/run_directory.h"
 #include "runtime/device.h"
 #include "runtime/device_binding.h"
@@ -99,6 +100,7 @@ MpiLaunch::~MpiLaunch() {
 
 Launch MpiLaunch::join(Config& config) {
   GPIPE_CHECK(transport_ == nullptr, "MpiLaunch::join called twice");
+  check_auto_launch(config, size_);
   const int K = config.pipeline.partitions, D = config.pipeline.replicas;
   if (size_ != K * D) {
     throw UserError("launched as " + std::to_string(size_) + " processes but pipeline.partitions x "

@@ -1,6 +1,6 @@
-// The planning commands behind `gpipe plan` (the prediction and the sweep) and
-// `gpipe profile` (measuring layers and transports into the profile file), as
-// functions of a config, so that the command line stays a table of subcommands.
+// The planning commands behind `gpipe plan` (the prediction and the sweep), as functions
+// of a config, so that the command line stays a table of subcommands (`gpipe profile` is
+// pipeline/train/profiling.h).
 #pragma once
 
 #include <cstdint>
@@ -34,23 +34,6 @@ void print_prediction(const Config& config, const layers::Sequential& model, con
 
 // `gpipe plan` with --sweep, --devices or --device-spec; returns the exit status.
 int plan_other_runs(const Config& config, layers::Sequential& model, const PlanCommandOptions& options, std::ostream& out);
-
-struct ProfileOptions {
-  std::vector<int64_t> micro_batches;  // sizes to measure; empty: the config's
-  bool sweep = false;                  // every size the sweep tries (batch / M for M = 1, 2, 4, ...)
-  int warmup = 3, repeats = 10;
-  double min_seconds = 3;  // per size and concurrency: repetitions go on at least this long
-  // Stages computing at once while measuring (each a copy of the model on its own core);
-  // empty: 1 and, on CPUs, every core.
-  std::vector<int> concurrency;
-};
-
-// `gpipe profile`: measures every layer at each size on the config's first device (on
-// CPUs alone and with every core running a copy, as K stages do), and the in-process
-// transport, and stores them in pipeline.profile. Under mpirun
-// (`launch.size` > 1, CPU stages) it measures the MPI transport between ranks 0 and 1
-// instead. Returns the exit status.
-int profile_command(const Config& config, const ProfileOptions& options, const Launch& launch, std::ostream& out);
 
 }  // namespace pipeline
 }  // namespace gpipe

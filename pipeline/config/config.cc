@@ -363,6 +363,9 @@ void decode_data(Decoder& dec, const YAML::Node& root, Config& c) {
   }
 }
 
+// `auto`: a key left to the sweep (AutoKeys).
+bool is_auto(const YAML::Node& n) { return n && n.IsScalar() && n.Scalar() == "auto"; }
+
 // pipeline: partitions, replicas, micro-batches, recompute, schedule, placement.
 void decode_pipeline(Decoder& dec, const YAML::Node& root, Config& c) {
   if (const YAML::Node p = root["pipeline"]) {
@@ -398,8 +401,16 @@ void decode_pipeline(Decoder& dec, const YAML::Node& root, Config& c) {
       }
     }
     if (p["replicas"]) c.pipeline.replicas = dec.small_int(p["replicas"], "pipeline.replicas", 1, "");
-    if (p["partitions"]) c.pipeline.partitions = dec.small_int(p["partitions"], "pipeline.partitions", 1, "");
-    if (p["micro_batches"]) c.pipeline.micro_batches = dec.small_int(p["micro_batches"], "pipeline.micro_batches", 1, "");
+    if (is_auto(p["partitions"])) {
+      c.autos.partitions = true;
+    } else if (p["partitions"]) {
+      c.pipeline.partitions = dec.small_int(p["partitions"], "pipeline.partitions", 1, " (or auto)");
+    }
+    if (is_auto(p["micro_batches"])) {
+      c.autos.micro_batches = true;
+    } else if (p["micro_batches"]) {
+      c.pipeline.micro_batches = dec.small_int(p["micro_batches"], "pipeline.micro_batches", 1, " (or auto)");
+    }
     if (p["recompute"] && p["checkpoint"]) {
       dec.fail(p["checkpoint"], "pipeline.checkpoint",
                "pipeline.recompute is set too; pipeline.checkpoint is its other name, give one of them");
@@ -413,7 +424,9 @@ void decode_pipeline(Decoder& dec, const YAML::Node& root, Config& c) {
       }
       c.pipeline.recompute = parse_recompute_mode(mode);
     }
-    if (p["schedule"]) {
+    if (is_auto(p["schedule"])) {
+      c.autos.schedule = true;
+    } else if (p["schedule"]) {
       c.pipeline.schedule = dec.str(p["schedule"], "pipeline.schedule");
       const auto names = schedule_names();
       if (std::find(names.begin(), names.end(), c.pipeline.schedule) == names.end() &&
@@ -422,7 +435,7 @@ void decode_pipeline(Decoder& dec, const YAML::Node& root, Config& c) {
         for (const auto& n : names) valid += (valid.empty() ? "" : ", ") + n;
         dec.fail(p["schedule"], "pipeline.schedule",
                  "unknown schedule '" + c.pipeline.schedule + "'; valid: " + valid +
-                     " (or pipeline.schedule_file for a schedule of your own)");
+                     ", auto (the sweep's choice), or pipeline.schedule_file for a schedule of your own");
       }
     }
     if (p["virtual_stages"]) {
@@ -537,7 +550,11 @@ void decode_train(Decoder& dec, const YAML::Node& root, Config& c) {
       dec.out_of_range(t["eval_samples"], "train.eval_samples", "at least 0 (0: the whole validation set)");
     }
   }
-  if (t["blas_threads"]) c.train.blas_threads = dec.small_int(t["blas_threads"], "train.blas_threads", 1, "");
+  if (is_auto(t["blas_threads"])) {
+    c.autos.blas_threads = true;
+  } else if (t["blas_threads"]) {
+    c.train.blas_threads = dec.small_int(t["blas_threads"], "train.blas_threads", 1, " (or auto)");
+  }
   if (t["log_level"]) {
     c.train.log_level = dec.str(t["log_level"], "train.log_level");
     const std::set<std::string> levels = {"trace", "debug", "info", "warn", "warning", "error", "err", "critical", "off"};

@@ -130,6 +130,14 @@ constexpr int kTraceDefaultSteps = 10;
 // `first` (which warms up), clipped to the run.
 TraceConfig default_trace_window(int first, int steps);
 
+// The keys a config leaves to gpipe with `auto`: the trainer takes the sweep's fastest
+// plan that fits for them (pipeline/train/auto_plan.h). Until then the values beside them
+// are the defaults.
+struct AutoKeys {
+  bool partitions = false, micro_batches = false, schedule = false, blas_threads = false;
+  bool any() const { return partitions || micro_batches || schedule || blas_threads; }
+};
+
 struct Config {
   std::string name;  // the file's stem, "default"
   std::string source;
@@ -143,6 +151,7 @@ struct Config {
   CheckpointConfig checkpoint;
   TraceConfig trace;
   RunOptions run;
+  AutoKeys autos;
 };
 
 // The checkpoints folder: checkpoint.dir, or <output.dir>/checkpoints.

@@ -13,6 +13,7 @@
 #include "pipeline/planning/plan.h"
 #include "pipeline/train/checkpointing.h"
 #include "pipeline/train/datasets.h"
+#include "pipeline/train/auto_plan.h"
 #include "pipeline/train/run_artifacts.h"
 #include "pipeline/train/run_directory.h"
 #include "runtime/atomic_file.h"
@@ -293,6 +294,13 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   // The model: YAML layers, a registered C++ model, or make_model (run_model.h); `c`
   // describes it.
   RunModel run = build_run_model(identified, make_model);
+  if (make_model && run.config.autos.any()) {
+    throw UserError("auto (pipeline.partitions, pipeline.micro_batches, pipeline.schedule, train.blas_threads) measures "
+                    "the model the config describes; for a model built in C++ give the values (`gpipe plan "
+                    "CONFIG --sweep` on a config naming it recommends them)");
+  }
+  // `auto` keys: the sweep's choice, said on `out` (auto_plan.h).
+  run.config = resolve_auto(run.config, *run.model, launch, out);
   const Config& c = run.config;
   check_launch(c, launch);
   const bool multi = launch.size > 1;

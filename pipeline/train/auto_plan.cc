@@ -1,0 +1,140 @@
+#include "pipeline/train/auto_plan.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <ostream>
+#include <string>
+
+#include "pipeline/planning/plan.h"
+#include "pipeline/planning/profile.h"
+#include "pipeline/planning/sweep.h"
+#include "pipeline/train/profiling.h"
+#include "runtime/error.h"
+
+namespace gpipe {
+namespace pipeline {
+
+namespace {
+
+// "pipeline.partitions and train.blas_threads"
+std::string auto_key_names(const AutoKeys& a) {
+  std::vector<std::string> names;
+  if (a.partitions) names.push_back("pipeline.partitions");
+  if (a.micro_batches) names.push_back("pipeline.micro_batches");
+  if (a.schedule) names.push_back("pipeline.schedule");
+  if (a.blas_threads) names.push_back("train.blas_threads");
+  std::string s;
+  for (size_t i = 0; i < names.size(); ++i) {
+    s += (i == 0 ? "" : i + 1 == names.size() ? " and " : ", ") + names[i];
+  }
+  return s;
+}
+
+bool keeps_named_keys(const Candidate& k, const Config& c) {
+  const AutoKeys& a = c.autos;
+  const std::string schedule = c.pipeline.schedule == "fill_drain" ? "gpipe" : c.pipeline.schedule;
+  return k.fits && k.recompute == c.pipeline.recompute && (a.partitions || k.stages == c.pipeline.partitions) &&
+         (a.micro_batches || k.micro_batches == c.pipeline.micro_batches) &&
+         (a.schedule || (k.schedule == schedule && k.virtual_stages == c.pipeline.virtual_stages)) &&
+         (a.blas_threads || k.blas_threads == c.train.blas_threads);
+}
+
+bool has_profile_of(const std::string& path, const layers::Sequential& model) {
+  const std::string hash = model_hash(model);
+  const ProfileStore store = load_profile(path);
+  return std::any_of(store.entries.begin(), store.entries.end(),
+                     [&](const ProfileEntry& e) { return e.key.model_hash == hash; });
+}
+
+}  // namespace
+
+void check_auto_launch(const Config& config, int processes) {
+  if (config.autos.any() && (processes > 1 || config.pipeline.replicas > 1)) {
+    throw UserError(auto_key_names(config.autos) +
+                    ": auto chooses in one process, and every process of this run would choose on its own; give "
+                    "the values (`gpipe plan CONFIG --sweep` recommends them)");
+  }
+}
+
+Config resolve_auto(const Config& config, const layers::Sequential& model, const Launch& launch, std::ostream& out) {
+  if (!config.autos.any()) return config;
+  const std::string keys = auto_key_names(config.autos);
+  check_auto_launch(config, launch.size);
+  if (config.autos.partitions && !config.pipeline.balance.empty()) {
+    throw UserError("pipeline.balance fixes the number of stages but pipeline.partitions is auto: remove "
+                    "pipeline.balance (the sweep balances each plan) or give pipeline.partitions");
+  }
+  if (config.autos.schedule && !config.pipeline.schedule_file.empty()) {
+    throw UserError("pipeline.schedule_file is a schedule of your own but pipeline.schedule is auto: remove one");
+  }
+  if (!has_profile_of(config.pipeline.profile, model)) {
+    // A short one (a second per size and concurrency, about half a minute in all): `gpipe
+    // profile CONFIG --sweep` takes a longer one, which the next run reuses.
+    out << "auto: no profile of this model in " << config.pipeline.profile
+        << "; measuring one first (`gpipe profile CONFIG --sweep --seconds 1`; a longer profile, e.g. --seconds 5, "
+           "chooses more surely)" << std::endl;
+    ProfileOptions po;
+    po.sweep = true;
+    po.min_seconds = 1;
+    profile_command(config, po, Launch{}, out);
+  }
+  SweepOptions so;  // as `gpipe plan CONFIG --sweep` runs it
+  so.devices = static_cast<int>(config.pipeline.devices.size());
+  so.micro_batches = micro_batch_counts(32);
+  if (first_device(config).is_cpu()) so.host_available = std::max<int64_t>(0, host_available_bytes());
+  const SweepResult r = sweep(config, model, so);
+  const Candidate* best = nullptr;
+  const Candidate* next = nullptr;
+  int considered = 0;
+  for (const Candidate& k : r.candidates) {
+    if (!keeps_named_keys(k, config)) continue;
+    ++considered;
+    if (best == nullptr) {
+      best = &k;
+    } else if (next == nullptr) {
+      next = &k;
+    }
+  }
+  if (best == nullptr) {
+    throw UserError(keys + " = auto: no plan that fits keeps the config's other keys (recompute " +
+                    recompute_mode_name(config.pipeline.recompute) + ") within " +
+                    (r.memory_limit > 0 ? "the memory limit" : "this machine's memory") +
+                    "; see `gpipe plan CONFIG --sweep` and give the values");
+  }
+  Config c = config;
+  c.pipeline.partitions = best->stages;
+  c.pipeline.micro_batches = best->micro_batches;
+  c.pipeline.schedule = best->schedule;
+  c.pipeline.virtual_stages = best->virtual_stages;
+  c.train.blas_threads = best->blas_threads;
+  c.pipeline.balance = best->balance;
+  if (static_cast<int>(c.pipeline.devices.size()) > best->stages) c.pipeline.devices.resize(best->stages);
+  c.autos = AutoKeys{};
+
+  std::string chose;
+  auto add = [&](bool on, const std::string& key, const std::string& value) {
+    if (on) chose += (chose.empty() ? "" : ", ") + key + "=" + value;
+  };
+  add(config.autos.partitions, "pipeline.partitions", std::to_string(best->stages));
+  add(config.autos.micro_batches, "pipeline.micro_batches", std::to_string(best->micro_batches));
+  add(config.autos.schedule, "pipeline.schedule",
+      best->schedule + (best->virtual_stages > 1 ? " (virtual_stages=" + std::to_string(best->virtual_stages) + ")" : ""));
+  add(config.autos.blas_threads, "train.blas_threads", std::to_string(best->blas_threads));
+  char line[400];
+  std::snprintf(line, sizeof line,
+                "auto: %s: the fastest of %d plans that fit and keep the config's other keys, %s, predicted "
+                "%.2f ms a step, %.1f samples/s, bubble %.3f",
+                chose.c_str(), considered, best->label().c_str(), best->run.step_ms, best->run.samples_per_second,
+                best->run.bubble);
+  out << line;
+  if (next != nullptr) {
+    std::snprintf(line, sizeof line, "; the next, %s, %.1f samples/s (%s)", next->label().c_str(),
+                  next->run.samples_per_second, next->verdict.c_str());
+    out << line;
+  }
+  out << "; costs: " << r.costs << std::endl;
+  return c;
+}
+
+}  // namespace pipeline
+}  // namespace gpipe
