@@ -79,6 +79,11 @@ memory::desc plain(int rows, int cols, bool trans, int ld) {
   return memory::desc({rows, cols}, memory::data_type::f32, trans ? memory::dims{1, ld} : memory::dims{ld, 1});
 }
 
+// A layout with inner blocks (e.g. BA16a64b): oneDNN's packed weights.
+bool blocked(const memory::desc& md) {
+  return md.data.format_kind == dnnl_blocked && md.data.format_desc.blocking.inner_nblks > 0;
+}
+
 const Primitive& primitive(ThreadState& s, const PrimitiveKey& key) {
   auto it = s.primitives.find(key);
   if (it != s.primitives.end()) return it->second;
@@ -93,14 +98,22 @@ const Primitive& primitive(ThreadState& s, const PrimitiveKey& key) {
     po.append_sum(key.beta);
     attr.set_post_ops(po);
   }
-  const memory::desc b_want =
-      key.any_b ? memory::desc({key.k, key.n}, memory::data_type::f32, memory::format_tag::any) : b_plain;
-  dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(p.a_md, b_want, p.c_md), attr, engine());
-  if (key.always_pack && pd.weights_desc() == b_plain) {
-    // B (k x n) dense in the other order than the weight's own storage.
-    const memory::desc other = memory::desc({key.k, key.n}, memory::data_type::f32,
-                                            key.tb ? memory::dims{key.n, 1} : memory::dims{1, key.k});
-    pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(p.a_md, other, p.c_md), attr, engine());
+  dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(p.a_md, b_plain, p.c_md), attr, engine());
+  if (key.any_b) {
+    // The weight layout oneDNN's kernels for this CPU prefer. Only a blocked one (its
+    // AVX-512 kernels) is worth a copy: on AVX2 it asks for a plain row-major B, and
+    // reading a transposed weight through such a copy measured slower than reading it
+    // in place (bench/RESULTS.md, issue 21).
+    const memory::desc any({key.k, key.n}, memory::data_type::f32, memory::format_tag::any);
+    dnnl::matmul::primitive_desc pd_any(dnnl::matmul::desc(p.a_md, any, p.c_md), attr, engine());
+    if (blocked(pd_any.weights_desc())) {
+      pd = pd_any;
+    } else if (key.always_pack) {
+      // B (k x n) dense in the other order than the weight's own storage.
+      const memory::desc other = memory::desc({key.k, key.n}, memory::data_type::f32,
+                                              key.tb ? memory::dims{key.n, 1} : memory::dims{1, key.k});
+      pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(p.a_md, other, p.c_md), attr, engine());
+    }
   }
   p.b_md = pd.weights_desc();
   p.packed = p.b_md != b_plain;
