@@ -17,7 +17,18 @@ declared already is left as it is.
 load("//build_defs:cuda_configure.bzl", "cuda_configure")
 
 # Libraries from the machine's packages: repository name -> its BUILD file in third_party/.
-_SYSTEM_LIBRARIES = ["yaml_cpp", "spdlog", "doctest", "openblas", "mpi", "nlohmann_json", "xxhash", "cli11"]
+_SYSTEM_LIBRARIES = [
+    "yaml_cpp",
+    "spdlog",
+    "doctest",
+    "openblas",
+    "onednn",
+    "libxsmm",
+    "mpi",
+    "nlohmann_json",
+    "xxhash",
+    "cli11",
+]
 
 # Offline stand-ins for rules that Bazel 4's WORKSPACE suffix would otherwise download
 # (Debian's bazel-bootstrap embeds no copies): directories of third_party/.

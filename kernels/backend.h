@@ -45,6 +45,14 @@ class Backend {
   //   a: (M, K) or (K, M) if trans_a;  b: (K, N) or (N, K) if trans_b;  c: (M, N)
   virtual void matmul(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c,
                       double alpha = 1.0, double beta = 0.0) = 0;
+  // The same product with b a layer's weight (a parameter, contiguous). Inside a
+  // FrozenWeights window on the calling thread, a backend may reuse a copy of b in the
+  // layout its matrix library prefers (the CPU backend's oneDNN path), made by an
+  // earlier call in the window.
+  virtual void matmul_weight(const Tensor& a, bool trans_a, const Tensor& w, bool trans_w, Tensor& c,
+                             double alpha = 1.0, double beta = 0.0) {
+    matmul(a, trans_a, w, trans_w, c, alpha, beta);
+  }
   // y: (R, C) += bias: (C) broadcast over rows.
   virtual void add_bias(Tensor& y, const Tensor& bias) = 0;
   // db: (C) = beta * db + sum over rows of dy: (R, C).
@@ -198,7 +206,24 @@ class Backend {
 Backend& backend_for(Device device);
 
 // Limits the BLAS library to `threads` threads per call (1 = the calling thread only,
-// so one pipeline stage uses one core).
+// so one pipeline stage uses one core): OpenBLAS, and oneDNN's OpenMP team on every
+// thread that calls it. Also checks GPIPE_GEMM (kernels/cpu_gemm.h), so that a bad value
+// stops a run before it starts.
 void set_cpu_blas_threads(int threads);
+
+// A promise, for as long as it lives, that no parameter changes: while one is alive on
+// a thread, matmul_weight on that thread may keep copies of the weights it reads (in
+// oneDNN's packed layout) and reuse them. They are freed when the last one on the thread
+// ends. The pipeline executor holds one around each stage's instructions except the
+// optimizer step; code that writes a parameter (an optimizer step, a checkpoint load,
+// a finite-difference probe) must run with none alive on any thread that computes with
+// that parameter. Without one nothing is cached, so a stale copy cannot exist.
+class FrozenWeights {
+ public:
+  FrozenWeights();
+  ~FrozenWeights();
+  FrozenWeights(const FrozenWeights&) = delete;
+  FrozenWeights& operator=(const FrozenWeights&) = delete;
+};
 
 }  // namespace gpipe

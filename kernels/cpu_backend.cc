@@ -103,6 +103,18 @@ void CpuBackend::matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tens
   });
 }
 
+void CpuBackend::matmul_weight(const Tensor& a, bool ta, const Tensor& w, bool tw, Tensor& c, double alpha,
+                               double beta) {
+  const auto d = ops::check_matmul(a, ta, w, tw, c);
+  if (a.dtype() == DType::kF32 && d.m > 0 && d.n > 0 && d.k > 0 &&
+      cpu_blas::gemm_weight(ta, static_cast<int>(d.m), static_cast<int>(d.n), static_cast<int>(d.k),
+                            static_cast<float>(alpha), a.data<float>(), static_cast<int>(a.size(1)), w, tw,
+                            static_cast<float>(beta), c.data<float>(), static_cast<int>(c.size(1)))) {
+    return;
+  }
+  matmul(a, ta, w, tw, c, alpha, beta);
+}
+
 void CpuBackend::add_bias(Tensor& y, const Tensor& bias) {
   ops::check_matrix(y, "add_bias");
   ops::check_float(bias, "add_bias");
@@ -363,6 +375,9 @@ Backend& backend_for(Device device) {
   return *slot;
 }
 
-void set_cpu_blas_threads(int threads) { openblas_set_num_threads(threads); }
+void set_cpu_blas_threads(int threads) {
+  cpu_blas::library();
+  cpu_blas::set_threads(threads);
+}
 
 }  // namespace gpipe

@@ -14,6 +14,8 @@ class CpuBackend : public Backend {
 
   void matmul(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c, double alpha,
               double beta) override;
+  void matmul_weight(const Tensor& a, bool trans_a, const Tensor& w, bool trans_w, Tensor& c, double alpha,
+                     double beta) override;
   void add_bias(Tensor& y, const Tensor& bias) override;
   void bias_grad(const Tensor& dy, Tensor& db, double beta) override;
   void relu(const Tensor& x, Tensor& y) override;

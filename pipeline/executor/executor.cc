@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <optional>
 
 #include "layers/loss.h"
 #include "pipeline/executor/held_bytes.h"
@@ -530,8 +531,18 @@ void Executor::run_stage(int k) {
       zero_grads(rt);
     }
     if (eval == nullptr) rt.grads_dirty = true;
+    // No instruction but the optimizer step writes this stage's parameters (the
+    // collectives write gradients): the weights stay frozen from one step to the next, so
+    // a CPU stage's packed copies of them (kernels/cpu_gemm.h) serve every micro-batch.
+    // The window closes before the step and whenever this function leaves.
+    std::optional<FrozenWeights> frozen;
     for (size_t pc = 0; pc < prog.size(); ++pc) {
       const Instruction& ins = prog[pc];
+      if (ins.op == Op::kOptimizerStep) {
+        frozen.reset();
+      } else if (!frozen) {
+        frozen.emplace();
+      }
       const double t0 = now_ms();
       if (group_begins[pc]) transport_.begin_group(k);
       const int64_t bytes = run_instruction(rt, pc);
