@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "kernels/backend.h"
+#include "kernels/cpu_gemm.h"
 #include "pipeline/planning/profile.h"
 #include "runtime/atomic_file.h"
 #include "runtime/logging.h"
@@ -27,7 +28,7 @@ namespace pipeline {
 namespace {
 
 // Bumped when the probe measures differently, so older entries are not read.
-constexpr int kProbeVersion = 1;
+constexpr int kProbeVersion = 2;
 
 std::string host() {
   char name[256] = {0};
@@ -35,10 +36,8 @@ std::string host() {
   return name;
 }
 
-std::string gemm_path() {
-  const char* v = std::getenv("GPIPE_GEMM");
-  return v != nullptr && *v != '\0' ? v : "default";
-}
+// The CPU's matrix library choice (GPIPE_GEMM: auto, openblas, onednn), which changes the rate.
+std::string gemm_path() { return cpu_blas::library_name(cpu_blas::library()); }
 
 // The matrix side: large enough that the product runs at the BLAS's full rate, small
 // enough that a probe takes a fraction of a second (2 x 1024^3 = 2.1 GFLOP on a CPU).
@@ -52,7 +51,10 @@ double probe(Device d, DType dtype, const std::function<void()>& start) {
   Tensor a = be.empty({n, n}, dtype), b = be.empty({n, n}, dtype), c = be.empty({n, n}, dtype);
   be.fill(a, 0.5);
   be.fill(b, 0.25);
-  be.matmul(a, false, b, true, c);  // warm-up: the BLAS's threads, its buffers, the GPU's clocks
+  // b is used as the layers use a weight: through matmul_weight inside a FrozenWeights
+  // window, so a CPU whose oneDNN packs weights is probed at that rate.
+  FrozenWeights frozen;
+  be.matmul_weight(a, false, b, true, c);  // warm-up: the BLAS's threads, its buffers, the GPU's clocks
   be.synchronize();
   start();
   const double flops = 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n);
@@ -60,7 +62,7 @@ double probe(Device d, DType dtype, const std::function<void()>& start) {
   const auto t_end = std::chrono::steady_clock::now() + std::chrono::milliseconds(250);
   for (int i = 0; i < 12 && (i < 3 || std::chrono::steady_clock::now() < t_end); ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    be.matmul(a, false, b, true, c);
+    be.matmul_weight(a, false, b, true, c);
     be.synchronize();
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     best = std::max(best, flops / s);

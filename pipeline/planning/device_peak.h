@@ -1,7 +1,7 @@
 // The matrix-product rate each stage's device reaches: the denominator of model FLOPs
 // utilization (MFU) in the report, and the planner's device speed where it has no
 // profile and no device description. Measured by a short probe (square matrix products
-// through the stage's backend, the same call the layers make) with every stage of the
+// through the stage's backend, the call the layers make with a weight) with every stage of the
 // process probing at once, as they will run; cached per machine so a second run does
 // not probe again.
 #pragma once
@@ -21,8 +21,8 @@ struct DevicePeak {
 };
 
 // What identifies a probe's result on this machine: host, processor (or GPU), dtype,
-// BLAS threads per caller, how many callers probed at once and the matrix-product path
-// (GPIPE_GEMM). Cache entries are keyed by it.
+// BLAS threads per caller, how many callers probed at once and the CPU's matrix library
+// (GPIPE_GEMM, kernels/cpu_gemm.h). Cache entries are keyed by it.
 std::string peak_key(Device device, DType dtype, int blas_threads, int concurrent);
 
 // The cache file: $GPIPE_PEAK_CACHE, else $XDG_CACHE_HOME/gpipe/peaks.json, else
