@@ -193,9 +193,11 @@ TEST_CASE("transformer block: backward's kernels, counted by hand") {
     want.push_back({false, n, 4 * 3 * n});                                                // residual axpy
   }
   want.push_back({false, 78 * 4 * n, 4 * 3 * 4 * n});  // GELU: reads x and dy, writes dx
-  // Attention's core, one kernel: four (T, T, D) products per (batch, head) and the
-  // softmax Jacobian; it reads dout, qkv and probs and writes dqkv.
-  want.push_back({false, bh * (8 * T * T * D + 4 * kept), 4 * (7 * n + bh * T * T)});
+  // Attention's core per (batch, head): four (T, T, D) products, each reading two
+  // operands and writing one (two of (T, D) and one of (T, T), or the reverse), and
+  // the softmax Jacobian reading probs and dprobs where unmasked, writing all of ds.
+  want.push_back({false, bh * 4 * 2 * T * T * D, 4 * bh * 4 * (2 * T * D + T * T)});
+  want.push_back({false, bh * 4 * kept, 4 * bh * (2 * kept + T * T)});
   std::vector<P> got;
   for (const CostPart& p : c.backward_parts) got.push_back({p.weight, p.flops, p.bytes});
   std::sort(want.begin(), want.end());
