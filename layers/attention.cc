@@ -80,11 +80,19 @@ LayerCost CausalSelfAttention::cost(int64_t batch) const {
   // triangle too (one GEMM per head beats T small ones), so it is counted. Softmax:
   // max, subtract, exp, sum and scale per kept score, one reciprocal per row.
   core.forward_flops = bh * (2 * T * T * D + 5 * kept + T + 2 * T * T * D);
-  // dprobs = dout v^T, dq = ds k, dk = ds^T q, dv = probs^T dout (four full GEMMs),
-  // and the softmax Jacobian: a dot product and p (dp - dot) per kept score.
-  core.backward_flops = bh * (8 * T * T * D + 4 * kept);
+  // Backward, per (batch, head), as kernels/cpu_transformer_ops.cc runs it: four full
+  // products, dprobs = dout v^T, dq = ds k, dk = ds^T q and dv = probs^T dout, each
+  // reading its two operands and writing its result (an operand of (T, D) or (T, T));
+  // between them the softmax Jacobian, a dot product and p (dp - dot) per kept score,
+  // which reads probs and dprobs there and writes the whole (T, T) row of ds, zeros
+  // included. Two parts: the products are bound by their flops, the Jacobian by its
+  // bytes, and a roofline over their sum would hide the second (see CostPart).
+  const CostPart products{false, bh * 8 * T * T * D, es * bh * (8 * T * D + 4 * T * T)};
+  const CostPart jacobian{false, bh * 4 * kept, es * bh * (2 * kept + T * T)};
+  core.backward_flops = products.flops + jacobian.flops;
   core.forward_bytes = es * (3 * B * T * C + bh * T * T + B * T * C);
-  core.backward_bytes = es * (B * T * C + 3 * B * T * C + bh * T * T + 3 * B * T * C);
+  core.backward_bytes = products.bytes + jacobian.bytes;
+  core.backward_parts = {products, jacobian};
   core.saved_bytes = static_cast<int64_t>(es * (3 * B * T * C + bh * T * T));  // qkv, probs
   LayerCost c;
   c += qkv_.cost(batch);

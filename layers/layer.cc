@@ -1,5 +1,6 @@
 #include "layers/layer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <utility>
@@ -10,12 +11,28 @@
 namespace gpipe {
 namespace layers {
 
+std::vector<CostPart> backward_parts(const LayerCost& c) {
+  if (!c.backward_parts.empty()) return c.backward_parts;
+  std::vector<CostPart> parts;
+  const CostPart b{false, c.backward_flops - c.weight_grad_flops, c.backward_bytes - c.weight_grad_bytes};
+  const CostPart w{true, c.weight_grad_flops, c.weight_grad_bytes};
+  for (const CostPart& p : {b, w}) {
+    if (p.flops > 0 || p.bytes > 0) parts.push_back(p);
+  }
+  return parts;
+}
+
 LayerCost without_input_grad(LayerCost c) {
   const double input_flops = c.backward_flops - c.weight_grad_flops;  // B's
   const double share = input_flops > 0 ? c.input_grad_flops / input_flops : 0.0;
   c.backward_bytes = c.weight_grad_bytes + (c.backward_bytes - c.weight_grad_bytes) * (1.0 - share);
   c.backward_flops -= c.input_grad_flops;
   c.input_grad_flops = 0;
+  for (CostPart& p : c.backward_parts) {
+    if (p.weight) continue;
+    p.flops *= 1.0 - share;
+    p.bytes *= 1.0 - share;
+  }
   return c;
 }
 
@@ -86,6 +103,41 @@ Tensor Layer::backward(Backend& be, const Tensor& dy, const Context& ctx, bool n
 
 namespace {
 
+// What is wrong with a cost's listed backward_parts, or "": each is finite and
+// non-negative, and they sum to the totals (to rounding: a composite adds them in
+// another order than its totals).
+std::string parts_mistake(const LayerCost& c) {
+  if (c.backward_parts.empty()) return "";
+  double sums[4] = {0, 0, 0, 0};  // flops, bytes, W's flops, W's bytes
+  for (const CostPart& p : c.backward_parts) {
+    if (!(p.flops >= 0) || !(p.bytes >= 0) || !std::isfinite(p.flops) || !std::isfinite(p.bytes)) {
+      return "a backward part counts flops = " + num(p.flops) + " and bytes = " + num(p.bytes) +
+             "; every count must be finite and non-negative";
+    }
+    sums[0] += p.flops;
+    sums[1] += p.bytes;
+    if (p.weight) {
+      sums[2] += p.flops;
+      sums[3] += p.bytes;
+    }
+  }
+  const std::pair<const char*, double> totals[] = {{"backward_flops", c.backward_flops},
+                                                   {"backward_bytes", c.backward_bytes},
+                                                   {"weight_grad_flops", c.weight_grad_flops},
+                                                   {"weight_grad_bytes", c.weight_grad_bytes}};
+  const char* of[] = {"flops of its backward_parts", "bytes of its backward_parts", "flops of its W parts",
+                      "bytes of its W parts"};
+  for (int i = 0; i < 4; ++i) {
+    const double total = totals[i].second;
+    if (std::abs(sums[i] - total) > 1e-9 * std::max(1.0, std::abs(total))) {
+      return std::string("the ") + of[i] + " sum to " + num(sums[i]) + " but " + totals[i].first + " = " + num(total) +
+             "; every kernel of backward is one part (a composite adds a part for its own work beside its "
+             "sub-layers')";
+    }
+  }
+  return "";
+}
+
 // What is wrong with a layer's cost(batch), or "" (the rule is check_cost's, layer.h).
 std::string cost_mistake(Layer& layer, int64_t batch, const LayerCost& c) {
   const std::pair<const char*, double> counts[] = {
@@ -146,7 +198,7 @@ std::string cost_mistake(Layer& layer, int64_t batch, const LayerCost& c) {
     return "weight_grad_bytes = " + num(c.weight_grad_bytes) + " exceeds backward_bytes = " + num(c.backward_bytes) +
            " (it is the part of backward's memory traffic that W moves)";
   }
-  return "";
+  return parts_mistake(c);
 }
 
 }  // namespace

@@ -31,6 +31,17 @@ struct Buffer {
   Tensor* value = nullptr;
 };
 
+// One kernel of a layer's backward (a matrix product, a layer norm's pass, an
+// elementwise map), with its own counts. The planner charges each part its own roofline
+// time, max(flops / rate, bytes / bandwidth), to split backward's time between B and W:
+// a roofline over a composite layer's sums would charge the bytes-bound work at the
+// large products' rate. Device-independent, like the totals.
+struct CostPart {
+  bool weight = false;  // W's (a weight gradient, backward_weight_impl) or B's
+  double flops = 0;
+  double bytes = 0;
+};
+
 // Exact counts for one call with a batch of `batch` samples.
 struct LayerCost {
   double forward_flops = 0;
@@ -46,11 +57,25 @@ struct LayerCost {
   int64_t param_bytes = 0;
   int64_t output_bytes = 0;  // the activation this layer produces
   int64_t saved_bytes = 0;   // what forward keeps for backward without rematerialization
+  // Backward's kernels one by one; their flops and bytes sum to backward_flops and
+  // backward_bytes, the W parts' to weight_grad_flops and weight_grad_bytes (check_cost
+  // checks). Empty means one kernel per phase: the totals' B and W (backward_parts below),
+  // which is what a leaf layer whose backward is one pass per phase lists. A composite
+  // layer gets its sub-layers' parts from operator+= and adds a part for its own work.
+  std::vector<CostPart> backward_parts;
 };
 
+// c.backward_parts, or for a cost that lists none, B's totals and W's as one part each
+// (a phase with no flops and no bytes has no part).
+std::vector<CostPart> backward_parts(const LayerCost& c);
+
 // Adds every count of `part` into `total`: the cost of a composite layer is the sum of
-// its sub-layers' and its own.
+// its sub-layers' and its own. The backward parts are concatenated (a side that lists
+// none contributes its totals' parts), so a composite keeps its sub-layers' kernels.
 inline LayerCost& operator+=(LayerCost& total, const LayerCost& part) {
+  std::vector<CostPart> parts = backward_parts(total);
+  for (const CostPart& p : backward_parts(part)) parts.push_back(p);
+  total.backward_parts = std::move(parts);
   total.forward_flops += part.forward_flops;
   total.backward_flops += part.backward_flops;
   total.input_grad_flops += part.input_grad_flops;
@@ -66,7 +91,8 @@ inline LayerCost& operator+=(LayerCost& total, const LayerCost& part) {
 
 // The cost of a backward that need not compute dx (the model's first layer): its
 // input_grad_flops come out of B, where dx is computed, and B's bytes shrink in the
-// same proportion; W is unchanged.
+// same proportion; W is unchanged. Every B part shrinks in that proportion too (which
+// kernel the skipped dx was is not recorded), so the parts still sum to the totals.
 LayerCost without_input_grad(LayerCost c);
 
 // What forward keeps for backward; a composite layer keeps one child per sub-layer.
@@ -196,7 +222,9 @@ class ParametersWithoutStorage {
 // forward and backward FLOPs (> 0); input_grad_flops <= backward_flops; a layer that
 // does not split its backward counts no weight_grad_flops or weight_grad_bytes, one
 // with parameters that splits counts weight_grad_flops > 0, and input_grad_flops +
-// weight_grad_flops <= backward_flops, weight_grad_bytes <= backward_bytes.
+// weight_grad_flops <= backward_flops, weight_grad_bytes <= backward_bytes; listed
+// backward_parts are finite and non-negative and sum to backward_flops and
+// backward_bytes, the W parts to weight_grad_flops and weight_grad_bytes.
 void check_cost(Layer& layer, int64_t batch, const LayerCost& cost);
 
 // (batch, *sample): the shape of a batch of samples.

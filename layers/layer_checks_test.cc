@@ -22,7 +22,7 @@ namespace {
 Backend& cpu() { return backend_for(Device::cpu()); }
 
 enum class Mistake { kNone, kForwardShape, kForwardDtype, kBackwardShape, kNegativeCost, kNanCost, kNoFlops,
-                     kParamBytes, kOutputBytes, kWeightGradWithoutSplit };
+                     kParamBytes, kOutputBytes, kWeightGradWithoutSplit, kPartsShort };
 
 // y = w * x elementwise over C features, with one chosen mistake.
 class Broken : public Layer {
@@ -43,6 +43,7 @@ class Broken : public Layer {
     c.output_bytes = static_cast<int64_t>(4 * n) * (m_ == Mistake::kOutputBytes ? 2 : 1);
     c.saved_bytes = static_cast<int64_t>(4 * n);
     if (m_ == Mistake::kWeightGradWithoutSplit) c.weight_grad_flops = n;  // but its W does nothing
+    if (m_ == Mistake::kPartsShort) c.backward_parts = {{false, 2 * n, 16 * n}};  // 2n of its 3n flops
     return c;
   }
 
@@ -122,7 +123,10 @@ TEST_CASE("a cost the balancer cannot trust is named when the model's costs are 
                  Case{Mistake::kOutputBytes,
                       "output_bytes = 256 but its output for this batch, 8 x float32(4), is 128 bytes"},
                  Case{Mistake::kWeightGradWithoutSplit,
-                      "weight_grad_flops = 32 and weight_grad_bytes = 0 but it does not split its backward"}}) {
+                      "weight_grad_flops = 32 and weight_grad_bytes = 0 but it does not split its backward"},
+                 Case{Mistake::kPartsShort,
+                      "the flops of its backward_parts sum to 64 but backward_flops = 96; every kernel of backward "
+                      "is one part"}}) {
     CAPTURE(c.says);
     Sequential m = model_with(c.m);
     const std::string says = std::string("layer 1 (broken(4), type 'broken'): cost(8) is wrong: ") + c.says;

@@ -69,6 +69,8 @@ std::vector<LayerCost> Sequential::costs(int64_t batch) const {
       }
     }
     LayerCost& last = out.back();
+    last.backward_parts = backward_parts(last);
+    last.backward_parts.push_back({false, lc.backward_flops, lc.backward_bytes});  // in B: it makes dy
     last.forward_flops += lc.forward_flops;
     last.backward_flops += lc.backward_flops;
     last.forward_bytes += lc.forward_bytes;

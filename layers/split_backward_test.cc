@@ -6,7 +6,10 @@
 // rest of backward for B) equal a hand count of what each half runs.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <memory>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "layers/activation.h"
@@ -159,13 +162,74 @@ TEST_CASE("transformer block: B and W flops, counted by hand") {
   CHECK(c.weight_grad_flops == w);
   // B: the four linear layers' dx, attention's core (four T x T x D products per head
   // and 4 flops per unmasked score), the two layer norms' whole backward (their
-  // dgamma and dbeta included: they do not split), GELU (30 per element), the two
+  // dgamma and dbeta included: they do not split), GELU (78 per element), the two
   // dropouts (1 per element) and the two residual adds.
   const double dx = 2 * R * (C * 3 * C + C * C + C * 4 * C + 4 * C * C);
   const double core = Bs * H * (8 * T * T * D + 4 * T * (T + 1) / 2);
   const double norms = 2 * (R * (16 * C + 2) + 2 * C);
-  const double b = dx + core + norms + 30 * R * 4 * C + 2 * n + 2 * n;
-  CHECK(b == 36800);
+  const double b = dx + core + norms + 78 * R * 4 * C + 2 * n + 2 * n;
+  CHECK(b == 55232);
   CHECK(c.backward_flops - c.weight_grad_flops == b);
-  CHECK(c.weight_grad_flops / c.backward_flops == doctest::Approx(0.3528).epsilon(1e-3));  // not ~1
+  CHECK(c.weight_grad_flops / c.backward_flops == doctest::Approx(0.2665).epsilon(1e-3));  // not ~1
+}
+
+// The kernels the planner charges one roofline each (LayerCost::backward_parts), as
+// {W?, flops, bytes}, from backward_input_impl and backward_weight_impl of every
+// sub-layer; float32. Compared as sets: the order of the list does not matter.
+TEST_CASE("transformer block: backward's kernels, counted by hand") {
+  const double Bs = 3, T = 4, C = 8, H = 2, D = 4, R = Bs * T, n = R * C, bh = Bs * H, kept = T * (T + 1) / 2;
+  TransformerBlockOptions o(8, 2, 4);
+  o.dropout = 0.25;
+  const LayerCost c = TransformerBlock(o).cost(3);
+  using P = std::tuple<bool, double, double>;
+  std::vector<P> want;
+  for (auto [in, out] : {std::pair<double, double>{C, 3 * C}, {C, C}, {C, 4 * C}, {4 * C, C}}) {
+    want.push_back({false, 2 * R * in * out, 4 * (R * out + in * out + R * in)});                    // dx = dy W
+    want.push_back({true, 2 * R * in * out + in * out + R * out, 4 * (R * out + R * in + 2 * in * out)});  // dW, db
+  }
+  for (int i = 0; i < 2; ++i) {
+    want.push_back({false, R * (16 * C + 2) + 2 * C, 4 * (3 * R * C + 2 * R + 5 * C)});  // layer norm
+    want.push_back({false, n, 4 * 2 * n});                                                // dropout
+    want.push_back({false, n, 4 * 3 * n});                                                // residual axpy
+  }
+  want.push_back({false, 78 * 4 * n, 4 * 3 * 4 * n});  // GELU: reads x and dy, writes dx
+  // Attention's core per (batch, head): four (T, T, D) products, each reading two
+  // operands and writing one (two of (T, D) and one of (T, T), or the reverse), and
+  // the softmax Jacobian reading probs and dprobs where unmasked, writing all of ds.
+  want.push_back({false, bh * 4 * 2 * T * T * D, 4 * bh * 4 * (2 * T * D + T * T)});
+  want.push_back({false, bh * 4 * kept, 4 * bh * (2 * kept + T * T)});
+  std::vector<P> got;
+  for (const CostPart& p : c.backward_parts) got.push_back({p.weight, p.flops, p.bytes});
+  std::sort(want.begin(), want.end());
+  std::sort(got.begin(), got.end());
+  CHECK(got == want);
+  double flops = 0, w_bytes = 0;
+  for (const CostPart& p : c.backward_parts) {
+    flops += p.flops;
+    if (p.weight) w_bytes += p.bytes;
+  }
+  CHECK(flops == c.backward_flops);  // the totals are the parts' sums
+  CHECK(w_bytes == c.weight_grad_bytes);
+}
+
+TEST_CASE("a layer that lists no kernels is one part per phase, and the first layer's B parts shrink with B") {
+  LinearOptions o(5, 4);
+  const LayerCost c = Linear(o).cost(3);
+  CHECK(c.backward_parts.empty());
+  const std::vector<CostPart> parts = backward_parts(c);
+  REQUIRE(parts.size() == 2);
+  CHECK((!parts[0].weight && parts[0].flops == c.backward_flops - c.weight_grad_flops &&
+         parts[0].bytes == c.backward_bytes - c.weight_grad_bytes));
+  CHECK((parts[1].weight && parts[1].flops == c.weight_grad_flops && parts[1].bytes == c.weight_grad_bytes));
+  CHECK(backward_parts(Relu({4}, DType::kF32).cost(3)).size() == 1);  // no W part: it has nothing there
+  // A composite's first layer: B loses its dx, every B part in proportion; W keeps all.
+  TransformerBlockOptions t(8, 2, 4);
+  const LayerCost block = TransformerBlock(t).cost(3);
+  const LayerCost first = without_input_grad(block);
+  double b_flops = 0, b_bytes = 0, w_flops = 0;
+  for (const CostPart& p : first.backward_parts) (p.weight ? w_flops : b_flops) += p.flops;
+  for (const CostPart& p : first.backward_parts) b_bytes += p.weight ? 0 : p.bytes;
+  CHECK(b_flops == doctest::Approx(first.backward_flops - first.weight_grad_flops));
+  CHECK(b_bytes == doctest::Approx(first.backward_bytes - first.weight_grad_bytes));
+  CHECK(w_flops == block.weight_grad_flops);
 }

@@ -108,6 +108,7 @@ LayerCost TransformerBlock::cost(int64_t batch) const {
   c.input_grad_flops = n;
   c.forward_bytes += 2 * (2 * es * n + 3 * es * n);
   c.backward_bytes += 2 * 3 * es * n;
+  for (int add = 0; add < 2; ++add) c.backward_parts.push_back({false, n, 3 * es * n});  // B's two axpys
   c.output_bytes = static_cast<int64_t>(es * n);
   return c;
 }

@@ -29,10 +29,18 @@ CostTable estimate_costs(const layers::Sequential& model, int64_t micro, const p
     const double bwd = ms(c.backward_flops, c.backward_bytes);
     l.forward = l.forward_nograd = l.recompute = fwd;
     l.backward = bwd;
-    // B and W share the whole backward's time as their own counts' roofline times do:
-    // W does the weight gradients (the linear layers' dW GEMMs and bias sums), B the rest.
-    const double input_ms = ms(c.backward_flops - c.weight_grad_flops, c.backward_bytes - c.weight_grad_bytes);
-    const double weight_ms = ms(c.weight_grad_flops, c.weight_grad_bytes);
+    // B and W share the whole backward's time as their kernels' roofline times do: W
+    // does the weight gradients (the linear layers' dW GEMMs and bias sums), B the rest.
+    // Each kernel is charged on its own counts, so B's bytes-bound work (layer norms,
+    // GELU's gradient, dropout, the residual adds, the softmax gradient) is not charged
+    // at the large products' flop rate, as a roofline over B's sums would. Only the
+    // ratio is per kernel: backward's time stays the roofline of the layer's totals
+    // (bwd above), which the balancer (partition::CostModel) and the step-time checks
+    // against measurement rest on.
+    double input_ms = 0, weight_ms = 0;
+    for (const layers::CostPart& p : layers::backward_parts(c)) {
+      (p.weight ? weight_ms : input_ms) += ms(p.flops, p.bytes);
+    }
     const double input_share = input_ms + weight_ms > 0 ? input_ms / (input_ms + weight_ms) : 1.0;
     l.backward_input = bwd * input_share;
     l.backward_weight = bwd - l.backward_input;
