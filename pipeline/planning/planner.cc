@@ -7,6 +7,7 @@
 
 #include "pipeline/planning/device_peak.h"
 #include "runtime/error.h"
+#include "runtime/logging.h"
 
 namespace gpipe {
 namespace pipeline {
@@ -305,8 +306,14 @@ partition::CostModel probed_cost_model(const Plan& plan, DType dtype, int blas_t
   partition::CostModel cm;
   if (flops_per_second <= 0) {
     flops_per_second = 0;
-    for (const DevicePeak& p : device_peaks(plan.devices, dtype, blas_threads)) {
-      flops_per_second = flops_per_second > 0 ? std::min(flops_per_second, p.flops_per_second) : p.flops_per_second;
+    try {
+      for (const DevicePeak& p : device_peaks(plan.devices, dtype, blas_threads)) {
+        flops_per_second = flops_per_second > 0 ? std::min(flops_per_second, p.flops_per_second) : p.flops_per_second;
+      }
+    } catch (const std::exception& e) {  // the fixed rate instead
+      spdlog::warn("the devices' peak could not be probed ({}); the planner assumes {:.0f} GFLOP/s", e.what(),
+                   cm.flops_per_second / 1e9);
+      flops_per_second = 0;
     }
   }
   if (flops_per_second > 0) {

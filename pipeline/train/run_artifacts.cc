@@ -40,23 +40,37 @@ RunArtifacts::RunArtifacts(const Config& c, const layers::Sequential& model, con
 void RunArtifacts::probe_peaks(const Config& c, const layers::Sequential& model, const Plan& plan,
                                const Launch& launch) {
   const DType dtype = model.output_dtype();
+  // A probe that fails (a device out of memory) costs the report its MFU, not the run;
+  // under mpirun every rank still takes part in the gather, with 0 for "unknown".
+  auto probe = [&](const std::vector<Device>& devices, int processes) {
+    try {
+      return device_peaks(devices, dtype, c.train.blas_threads, processes);
+    } catch (const std::exception& e) {
+      spdlog::warn("the devices' peak could not be probed ({}): no MFU in this run's report", e.what());
+      return std::vector<DevicePeak>(devices.size());
+    }
+  };
   std::string how;
   if (launch.size > 1) {
     // Every process of the job on this machine probes now (they just met at the clock's
     // collective): Open MPI says how many there are.
     const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
     const int processes = local != nullptr ? std::max(1, std::atoi(local)) : launch.size * c.pipeline.replicas;
-    const DevicePeak mine = device_peaks({plan.devices.at(launch.rank)}, dtype, c.train.blas_threads, processes).at(0);
+    const DevicePeak mine = probe({plan.devices.at(launch.rank)}, processes).at(0);
     planning_peak_ = mine.flops_per_second;
     for (const auto& v : launch.transport->gather_to_first(launch.rank, {mine.flops_per_second})) {
       stage_peaks_.push_back(v.at(0));
     }
     how = mine.cached ? "cached" : "probed";
   } else {
-    for (const DevicePeak& p : device_peaks(plan.devices, dtype, c.train.blas_threads)) {
+    for (const DevicePeak& p : probe(plan.devices, 1)) {
       stage_peaks_.push_back(p.flops_per_second);
       how = p.cached ? "cached" : "probed";
     }
+  }
+  if (std::any_of(stage_peaks_.begin(), stage_peaks_.end(), [](double p) { return !(p > 0); })) {
+    stage_peaks_.clear();  // some stage's is unknown: no MFU
+    return;
   }
   if (!stage_peaks_.empty()) planning_peak_ = *std::min_element(stage_peaks_.begin(), stage_peaks_.end());
   for (size_t k = 0; k < stage_peaks_.size(); ++k) {
