@@ -115,23 +115,24 @@ LayerCost TransformerBlock::cost(int64_t batch) const {
 
 Tensor TransformerBlock::forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) {
   if (ctx != nullptr) ctx->children.assign(kChildren, Context{});
-  // h = x + attn(ln1(x)). The sum goes into a fresh tensor: x is saved by ln1's
-  // context (and maybe by the previous layer's), so it is never written.
+  // h = x + attn(ln1(x)), summed into the attention branch's output: x is saved by
+  // ln1's context (and maybe by the previous layer's), so it is never written, while
+  // the branch's output (the projection's, or its dropout's) is a fresh tensor no
+  // context keeps. One pass (an axpy) instead of a copy of x and an axpy; the sum is
+  // the same bit for bit (x + a = a + x).
   Tensor a = ln1_.forward(be, x, child(ctx, kLn1), args);  // (B, T, C)
   a = attn_.forward(be, a, child(ctx, kAttn), args);        // (B, T, C)
-  Tensor h = be.empty(x.shape(), dtype_);                   // (B, T, C)
-  be.copy(x, h);
-  be.axpy(1.0, a, h);
-  // y = h + drop(fc2(gelu(fc1(ln2(h))))); h is saved by ln2's context, so again a copy.
+  be.axpy(1.0, x, a);
+  const Tensor h = a;                                       // (B, T, C)
+  // y = h + drop(fc2(gelu(fc1(ln2(h))))), likewise into the MLP branch's fresh output
+  // (h is saved by ln2's context).
   Tensor m = ln2_.forward(be, h, child(ctx, kLn2), args);  // (B, T, C)
   m = fc1_.forward(be, m, child(ctx, kFc1), args);         // (B, T, 4C)
   m = gelu_.forward(be, m, child(ctx, kGelu), args);       // (B, T, 4C)
   m = fc2_.forward(be, m, child(ctx, kFc2), args);         // (B, T, C)
   m = drop_.forward(be, m, child(ctx, kDrop), args);       // (B, T, C)
-  Tensor y = be.empty(x.shape(), dtype_);                  // (B, T, C)
-  be.copy(h, y);
-  be.axpy(1.0, m, y);
-  return y;
+  be.axpy(1.0, h, m);
+  return m;                                                // (B, T, C)
 }
 
 Tensor TransformerBlock::backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) {

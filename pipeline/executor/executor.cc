@@ -53,6 +53,23 @@ void message_groups(const std::vector<Instruction>& prog, std::vector<char>& beg
   }
 }
 
+// Where a training step clears the gradients: before the program's first receive
+// (GPipe's last stage waits there for the first activation, its first stage for the
+// last gradient, 1F1B's first stage for the first gradient), unless an instruction
+// that adds to the gradients or reads them (B, W, a collective, OPT) comes first.
+// Clearing them inside that wait takes the pass over every gradient off the step's
+// critical path; clearing them right after OPT, as before, put it at the step's end.
+size_t first_gradient_wait(const std::vector<Instruction>& prog) {
+  for (size_t i = 0; i < prog.size(); ++i) {
+    const Op op = prog[i].op;
+    if (op == Op::kRecvActivation || op == Op::kRecvGradient || op == Op::kBackward || op == Op::kBackwardWeight ||
+        op == Op::kOptimizerStep || is_collective(op)) {
+      return i;
+    }
+  }
+  return prog.size();
+}
+
 std::string layer_range(const CellSpec& c) {
   return std::to_string(c.first_layer) + ".." + std::to_string(c.first_layer + c.num_layers - 1);
 }
@@ -169,6 +186,7 @@ void Executor::read_program(StageRuntime& rt) {
     }
   }
   message_groups(prog, rt.group_begins, rt.group_ends);
+  rt.zero_at = first_gradient_wait(prog);
   rt.final_layers.assign(prog.size(), {});
   for (int j = 0; j < v; ++j) {
     const CellSpec& cell = cells_[rt.cells[j]];
@@ -267,12 +285,11 @@ Tensor Executor::to_device(StageRuntime& rt, const Tensor& host) {
   return t;
 }
 
-// Each stage clears its own gradients, on its own device, in parallel: right after
-// its optimizer step (so the next step starts at once), or at the start of a step when
-// the previous one kept its gradients for inspection.
+// Each stage clears its own gradients, on its own device, in parallel, once per
+// training step, before its program's first receive (first_gradient_wait): after a
+// step they hold what the optimizer applied (or, without it, what was accumulated).
 void Executor::zero_grads(StageRuntime& rt) {
   for (auto* p : rt.optimizer->params()) rt.backend->fill(p->grad, 0.0);
-  rt.grads_dirty = false;
 }
 
 // The cell's forward; a first forward keeps what backward needs (or, for a
@@ -426,7 +443,6 @@ void Executor::optimizer_step(StageRuntime& rt) {
   }
   auto turn = device_turn(k);
   rt.optimizer->step();
-  zero_grads(rt);
   if (!rt.statistics_folded) fold_statistics(rt);
 }
 
@@ -526,11 +542,6 @@ void Executor::run_stage(int k) {
       auto turn = device_turn(k);
       rt.clock->start_step(rt.backend->stream(), now_ms());
     }
-    if (rt.grads_dirty && eval == nullptr) {
-      auto turn = device_turn(k);
-      zero_grads(rt);
-    }
-    if (eval == nullptr) rt.grads_dirty = true;
     // No instruction but the optimizer step writes this stage's parameters (the
     // collectives write gradients): the weights stay frozen from one step to the next, so
     // a CPU stage's packed copies of them (kernels/cpu_gemm.h) serve every micro-batch.
@@ -544,6 +555,10 @@ void Executor::run_stage(int k) {
         frozen.emplace();
       }
       const double t0 = now_ms();
+      if (pc == rt.zero_at && eval == nullptr) {  // inside the receive's slot: its wait, usually
+        auto turn = device_turn(k);
+        zero_grads(rt);
+      }
       if (group_begins[pc]) transport_.begin_group(k);
       const int64_t bytes = run_instruction(rt, pc);
       if (group_ends[pc]) transport_.end_group(k);

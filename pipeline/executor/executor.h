@@ -134,8 +134,10 @@ class Executor {
   Executor& operator=(const Executor&) = delete;
 
   // One mini-batch: inputs (N, *input_shape) and int32 targets (N) on the host.
-  // Gradients start from zero; with apply_optimizer = false the optimizer steps are
-  // skipped, leaving the accumulated gradients in Parameter::grad for inspection.
+  // Gradients start from zero (each stage clears them at its first receive); with
+  // apply_optimizer = false the optimizer steps are skipped, leaving the accumulated
+  // gradients in Parameter::grad for inspection. After a step that applied the
+  // optimizer they hold the gradients it applied (clipped, where clipping applies).
   StepResult step(const Tensor& inputs, const Tensor& targets, bool apply_optimizer = true);
 
   // Evaluation: the schedule's forward-only program (forward_only_program) on the same

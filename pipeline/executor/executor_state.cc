@@ -136,7 +136,6 @@ void Executor::restore_state(int k, const std::map<std::string, Tensor>& model,
   }
   GPIPE_CHECK(index == params.size(), "optimizer parameters out of layer order");
   if (steps >= 0) rt.optimizer->set_steps(steps);
-  rt.grads_dirty = true;  // fresh gradients for the next step
 }
 
 }  // namespace pipeline

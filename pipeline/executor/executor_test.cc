@@ -127,6 +127,52 @@ TEST_CASE("one pipelined step equals one SGD step on the whole batch") {
   for (size_t i = 0; i < a.size(); ++i) GPIPE_EXPECT_CLOSE(a[i].second->value, b[i].second->value, 1e-12, 1e-12);
 }
 
+// The gradients are cleared at each stage's first receive (or first backward), inside
+// the wait, not after the optimizer step: after an applied step they still hold what
+// the optimizer applied, and the next step's are its own, for a stage that waits
+// first for an activation (GPipe's last), for a gradient (GPipe's first, 1F1B's) and
+// one that never receives (K = 1).
+TEST_CASE("after an applied step the gradients are that step's; the next step starts from zero") {
+  const int64_t N = 10;
+  SgdParams sgd;
+  sgd.lr = 0.3;
+  sgd.momentum = 0.9;
+  for (int K : {1, 2, 3}) {
+    for (bool one_f_one_b : {false, true}) {
+      CAPTURE(K);
+      CAPTURE(one_f_one_b);
+      auto reference = layers::build_model(mlp_spec(DType::kF64));
+      std::vector<layers::Parameter*> ref_params;
+      for (auto& np : reference->named_parameters()) ref_params.push_back(np.second);
+      layers::Sgd ref_opt(ref_params, sgd);
+      auto model = layers::build_model(mlp_spec(DType::kF64));
+      InProcessTransport transport(K);
+      ExecutorOptions opts;
+      opts.optimizer.type = "sgd";
+      opts.optimizer.lr = sgd.lr;
+      opts.optimizer.momentum = sgd.momentum;
+      Executor ex(*model, make_stages(even_balance(model->size(), K), cpu_devices(K)),
+                  one_f_one_b ? one_f_one_b_schedule(K, 4, RecomputeMode::kNever)
+                              : gpipe_schedule(K, 4, RecomputeMode::kNever),
+                  transport, opts);
+      for (int step = 0; step < 3; ++step) {
+        CAPTURE(step);
+        Tensor x = gpipe::testing::random_tensor({N, 6}, DType::kF64, 40 + step);
+        Tensor y = gpipe::testing::random_labels(N, 4, 50 + step);
+        reference->zero_grad();
+        reference->forward_backward(backend_for(Device::cpu()), x, y, 1.0 / N);
+        ex.step(x, y);  // applies the optimizer
+        auto a = model->named_parameters(), b = reference->named_parameters();
+        for (size_t i = 0; i < a.size(); ++i) {
+          INFO("gradient of ", a[i].first);
+          GPIPE_EXPECT_CLOSE(a[i].second->grad, b[i].second->grad, 1e-11, 1e-12);
+        }
+        ref_opt.step();
+      }
+    }
+  }
+}
+
 TEST_CASE("rematerialization lowers the activation memory a stage holds") {
   const int64_t N = 64;
   Tensor x = gpipe::testing::random_tensor({N, 6}, DType::kF32, 3);

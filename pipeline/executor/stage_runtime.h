@@ -59,12 +59,15 @@ struct Executor::StageRuntime {
   std::vector<std::vector<char>> checkpointed, split;
   std::vector<std::vector<int>> final_layers;
   std::vector<char> group_begins, group_ends;
+  // The instruction before which a training step clears the gradients: the first
+  // receive, where the stage usually waits anyway, or else the first that adds to or
+  // reads the gradients (zero_grads).
+  size_t zero_at = 0;
   double grad_norm = -1;
   std::vector<std::vector<MicroBatch>> mbs;  // [chunk][micro-batch]
   StageTrace trace;
   std::unique_ptr<OpClock> clock;  // device times of compute instructions (GPU stages)
   int64_t live_bytes = 0;
-  bool grads_dirty = true;  // gradients hold values from an earlier step
   std::exception_ptr error;
   bool error_is_abort = false;
   std::string error_text;
