@@ -29,7 +29,7 @@ output: {dir: $tmp/run}
 EOF
 
 "$gpipe" train small.yaml > auto.log 2>&1 || { cat auto.log; echo "FAIL: the auto run did not train"; exit 1; }
-grep -q "auto: no profile of this model in $tmp/profile.json; measuring one first" auto.log ||
+grep -q "auto: no profile of this model in $tmp/profile.json; measuring a short one first" auto.log ||
   { cat auto.log; echo "FAIL: the auto run did not say it measured a profile first"; exit 1; }
 [ -s profile.json ] || { echo "FAIL: no profile written"; exit 1; }
 "$gpipe" plan small.yaml --sweep --rows 200 > sweep.log 2>&1 || { cat sweep.log; echo "FAIL: the sweep"; exit 1; }
@@ -54,7 +54,7 @@ PY
 # The profile is reused; a key the config names is kept (K=2 here).
 "$gpipe" train small.yaml --set pipeline.partitions=2 --set output.dir="$tmp/run2" > fixed.log 2>&1 ||
   { cat fixed.log; echo "FAIL: the run with partitions 2 did not train"; exit 1; }
-grep -q "measuring one first" fixed.log && { echo "FAIL: the profile was measured again"; exit 1; }
+grep -q "measuring a short one first" fixed.log && { echo "FAIL: the profile was measured again"; exit 1; }
 grep -q "^Pipeline: K=2 stages" fixed.log || { cat fixed.log; echo "FAIL: pipeline.partitions=2 not kept"; exit 1; }
 grep -q "^auto: pipeline.micro_batches=" fixed.log || { cat fixed.log; echo "FAIL: no auto line without partitions"; exit 1; }
 

@@ -68,14 +68,17 @@ Config resolve_auto(const Config& config, const layers::Sequential& model, const
     throw UserError("pipeline.schedule_file is a schedule of your own but pipeline.schedule is auto: remove one");
   }
   if (!has_profile_of(config.pipeline.profile, model)) {
-    // A short one (a second per size and concurrency, about half a minute in all): `gpipe
-    // profile CONFIG --sweep` takes a longer one, which the next run reuses.
+    // A short one: each micro-batch size the sweep tries, alone, with every core busy and
+    // with every core's BLAS threads, one warm-up and at least three timed passes or a
+    // second; `gpipe profile CONFIG --sweep` takes a longer one, which the next run reuses.
     out << "auto: no profile of this model in " << config.pipeline.profile
-        << "; measuring one first (`gpipe profile CONFIG --sweep --seconds 1`; a longer profile, e.g. --seconds 5, "
-           "chooses more surely)" << std::endl;
+        << "; measuring a short one first (each micro-batch size the sweep tries, 1 warm-up and 3 timed passes or "
+           "at least a second each; `gpipe profile CONFIG --sweep` measures a longer one)" << std::endl;
     ProfileOptions po;
     po.sweep = true;
     po.min_seconds = 1;
+    po.warmup = 1;
+    po.repeats = 3;
     profile_command(config, po, Launch{}, out);
   }
   SweepOptions so;  // as `gpipe plan CONFIG --sweep` runs it
