@@ -73,10 +73,11 @@ std::string format(const char* fmt, Args... args) {
 
 void print_plan(const Config& c, layers::Sequential& model, const Plan& p, std::ostream& out) {
   const int64_t micro = p.largest_micro_batch();
-  const auto costs = partition::layer_costs(model, micro, recomputes(p.recompute), cost_overrides(c));
+  // One cost model for every figure below: the probed device speed (probed_cost_model).
+  const partition::CostModel cm = probed_cost_model(p, model.output_dtype(), c.train.blas_threads);
+  const auto costs = partition::layer_costs(model, micro, recomputes(p.recompute), cost_overrides(c), cm);
   // Each layer's backward and its B and W halves as the planner estimates them.
-  const CostTable times = estimate_costs(model, micro, probed_cost_model(p, model.output_dtype(), c.train.blas_threads),
-                                         cost_overrides(c), c.optimizer.optimizer);
+  const CostTable times = estimate_costs(model, micro, cm, cost_overrides(c), c.optimizer.optimizer);
   out << format("model: %d layers, %lld parameters, input %s; a checkpoint takes %s\n", model.size(),
                 static_cast<long long>(model.parameter_count()), shape_str(model.input_shape()).c_str(),
                 bytes_str(checkpoint_bytes(model, c.optimizer.optimizer)).c_str());
