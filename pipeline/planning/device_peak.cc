@@ -123,6 +123,9 @@ std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType d
     }
   }
   if (todo.empty()) return out;
+  // The BLAS's threads per call as the key says (a command that probes before its run
+  // sets them, such as `gpipe plan`, would otherwise probe at the library's default).
+  set_cpu_blas_threads(blas_threads);
 
   // All callers start their timed products together (a countdown of those still warming up).
   std::mutex m;

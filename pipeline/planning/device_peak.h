@@ -32,8 +32,8 @@ std::string peak_cache_path();
 
 // The peak of each device in `devices` (one per stage of this process), probed with all
 // of them calling at once: CPU stages share the machine's cores, so each one's peak is
-// its share (two stages of one thread each on two cores: one core each). A CPU caller
-// uses the BLAS threads set before (set_cpu_blas_threads(blas_threads)). Results come from the cache
+// its share (two stages of one thread each on two cores: one core each). A probe sets
+// the BLAS's threads per call to `blas_threads` (set_cpu_blas_threads) and leaves them so. Results come from the cache
 // where it has this key; otherwise probed (about 0.3 s) and stored. `processes`: how many
 // processes of the job on this machine probe at the same time (each with its own
 // devices), for the key.

@@ -27,7 +27,7 @@ class RunArtifacts {
  public:
   // In a multi-process run every rank of the pipeline constructs it at the same point,
   // before its executor: it measures the rank's clock offset and its device's peak (two
-// collectives).
+  // collectives).
   RunArtifacts(const Config& config, const layers::Sequential& model, const Plan& plan, const Launch& launch,
                std::vector<std::string> stage_layers, std::vector<std::string> stage_devices);
 
