@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
@@ -28,6 +29,12 @@ std::vector<double> to_doubles(const Tensor& t);
 // A CPU tensor of the given dtype with values uniform in [lo, hi), seeded.
 Tensor random_tensor(const Shape& shape, DType dtype, uint64_t seed, double lo = -1.0, double hi = 1.0);
 Tensor random_labels(int64_t n, int classes, uint64_t seed);
+
+// A path for a test's own file: under $TEST_TMPDIR (Bazel's per-test folder), else /tmp.
+inline std::string tmp_path(const std::string& name) {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  return std::string(dir != nullptr ? dir : "/tmp") + "/" + name;
+}
 
 // cpu:0 .. cpu:k-1, one device per stage.
 inline std::vector<Device> cpu_devices(int k) {

@@ -113,16 +113,16 @@ std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType d
   const std::string path = peak_cache_path();
   nlohmann::json cache = read_cache(path);
   std::vector<DevicePeak> out(devices.size());
-  std::vector<size_t> todo;
+  std::vector<size_t> to_probe;
   for (size_t i = 0; i < devices.size(); ++i) {
     const auto it = cache.find(keys[i]);
     if (it != cache.end() && it->is_number() && it->get<double>() > 0) {
       out[i] = {it->get<double>(), true};
     } else {
-      todo.push_back(i);
+      to_probe.push_back(i);
     }
   }
-  if (todo.empty()) return out;
+  if (to_probe.empty()) return out;
   // The BLAS's threads per call as the key says (a command that probes before its run
   // sets them, such as `gpipe plan`, would otherwise probe at the library's default).
   set_cpu_blas_threads(blas_threads);
@@ -130,19 +130,19 @@ std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType d
   // All callers start their timed products together (a countdown of those still warming up).
   std::mutex m;
   std::condition_variable cv;
-  size_t waiting = todo.size();
+  size_t waiting = to_probe.size();
   auto start = [&] {
     std::unique_lock<std::mutex> lock(m);
     if (--waiting == 0) cv.notify_all();
     cv.wait(lock, [&] { return waiting == 0; });
   };
-  std::vector<double> rate(todo.size(), 0);
-  std::vector<std::exception_ptr> error(todo.size());
+  std::vector<double> rate(to_probe.size(), 0);
+  std::vector<std::exception_ptr> error(to_probe.size());
   std::vector<std::thread> threads;
-  for (size_t j = 0; j < todo.size(); ++j) {
+  for (size_t j = 0; j < to_probe.size(); ++j) {
     threads.emplace_back([&, j] {
       try {
-        rate[j] = probe(devices[todo[j]], dtype, start);
+        rate[j] = probe(devices[to_probe[j]], dtype, start);
       } catch (...) {
         error[j] = std::current_exception();
         start();  // the others do not wait for it
@@ -156,11 +156,11 @@ std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType d
   // CPU callers that ran together each get their mean: one stage's share of the machine.
   double cpu_sum = 0;
   int cpu_n = 0;
-  for (size_t j = 0; j < todo.size(); ++j) {
-    if (devices[todo[j]].is_cpu()) cpu_sum += rate[j], ++cpu_n;
+  for (size_t j = 0; j < to_probe.size(); ++j) {
+    if (devices[to_probe[j]].is_cpu()) cpu_sum += rate[j], ++cpu_n;
   }
-  for (size_t j = 0; j < todo.size(); ++j) {
-    const size_t i = todo[j];
+  for (size_t j = 0; j < to_probe.size(); ++j) {
+    const size_t i = to_probe[j];
     out[i] = {devices[i].is_cpu() ? cpu_sum / cpu_n : rate[j], false};
     cache[keys[i]] = out[i].flops_per_second;
   }

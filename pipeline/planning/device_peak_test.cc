@@ -13,16 +13,14 @@
 
 #include "kernels/backend.h"
 #include "pipeline/planning/device_peak.h"
+#include "tests/testing.h"
 
 using namespace gpipe;
 using namespace gpipe::pipeline;
 
 namespace {
 
-std::string tmp_path(const std::string& name) {
-  const char* dir = std::getenv("TEST_TMPDIR");
-  return std::string(dir != nullptr ? dir : "/tmp") + "/" + name;
-}
+using gpipe::testing::tmp_path;
 
 nlohmann::json read_json(const std::string& path) {
   std::ifstream f(path);

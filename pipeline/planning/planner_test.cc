@@ -33,10 +33,7 @@ using namespace gpipe::pipeline;
 
 namespace {
 
-std::string tmp_path(const std::string& name) {
-  const char* dir = std::getenv("TEST_TMPDIR");
-  return std::string(dir != nullptr ? dir : "/tmp") + "/" + name;
-}
+using gpipe::testing::tmp_path;
 
 // Four linear layers of width 4 (each its own cost), 8 samples.
 const char* kLinear4 = R"(model:
