@@ -4,8 +4,13 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <iterator>
 #include <limits>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
 
 #include "runtime/error.h"
 #include "runtime/logging.h"
@@ -236,6 +241,24 @@ void MpiTransport::abort(const std::string& why) {
 
 // ---- Clock offsets (for traces that merge several processes' timings).
 
+namespace {
+
+constexpr int kClockIdSize = 128;
+
+// What names this process's steady clock: the kernel's boot id and the time namespace
+// (which can shift CLOCK_MONOTONIC), or "" where either cannot be read.
+std::string monotonic_clock_id() {
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  if (!(boot >> id) || id.empty()) return "";
+  char ns[64] = {};
+  const ssize_t n = ::readlink("/proc/self/ns/time", ns, sizeof(ns) - 1);
+  // A kernel without time namespaces (before 5.6) has one monotonic clock per boot.
+  return id + "|" + (n > 0 ? std::string(ns, static_cast<size_t>(n)) : std::string("no-time-ns"));
+}
+
+}  // namespace
+
 double MpiTransport::clock_offset_to_first(int stage) {
   GPIPE_CHECK(stage == rank_, "rank " + std::to_string(rank_) + " measuring its clock as stage " + std::to_string(stage));
   constexpr int kRounds = 10;
@@ -244,9 +267,27 @@ double MpiTransport::clock_offset_to_first(int stage) {
   };
   MPI_Comm comm = MPI_COMM_NULL;
   GPIPE_MPI_CHECK(MPI_Comm_dup(comm_, &comm));
+  // Processes of one kernel boot in one time namespace read one CLOCK_MONOTONIC (which
+  // steady_clock is on Linux): their offset is exactly 0, where a measured one would be
+  // off by up to half a round trip (tens of microseconds with more ranks than cores,
+  // enough to draw a message arriving before it left).
+  const std::string mine = monotonic_clock_id();
+  std::array<char, kClockIdSize> key{};
+  std::memcpy(key.data(), mine.data(), std::min(mine.size(), key.size() - 1));
+  std::vector<char> keys(static_cast<size_t>(size_) * kClockIdSize);
+  GPIPE_MPI_CHECK(MPI_Allgather(key.data(), kClockIdSize, MPI_CHAR, keys.data(), kClockIdSize, MPI_CHAR, comm));
+  auto shares_first = [&](int r) {
+    const char* theirs = keys.data() + static_cast<size_t>(r) * kClockIdSize;
+    return theirs[0] != 0 && std::strncmp(theirs, keys.data(), kClockIdSize) == 0;
+  };
   double offset = 0;
+  if (rank_ != 0 && shares_first(rank_)) {
+    GPIPE_MPI_CHECK(MPI_Comm_free(&comm));
+    return 0.0;
+  }
   if (rank_ == 0) {
     for (int r = 1; r < size_; ++r) {
+      if (shares_first(r)) continue;
       double best_rtt = -1;
       for (int i = 0; i < kRounds; ++i) {
         const double t0 = now_ms();

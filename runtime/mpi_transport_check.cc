@@ -1,7 +1,7 @@
 // Exercises MpiTransport across two ranks (run under mpirun -np 2 by
 // mpi_transport_test.sh): tensors and their shapes arrive intact, messages are matched
 // by kind and micro-batch whatever the order they were sent in, all_reduce_sum sums
-// over the ranks. Prints "mpi_transport_check: rank R ok" per rank; exits non-zero on
+// over the ranks, and two processes of one machine share one clock (offset 0). Prints "mpi_transport_check: rank R ok" per rank; exits non-zero on
 // any mismatch.
 #include <mpi.h>
 
@@ -53,6 +53,11 @@ int main(int argc, char** argv) {
     }
     const double total = tr.all_reduce_sum(r, r + 1.0);
     expect(total == 3.0, "all_reduce_sum", r);
+    // Both ranks run on this machine: one monotonic clock, so the offset is exactly 0,
+    // not a round trip's estimate.
+    const double offset = tr.clock_offset_to_first(r);
+    if (offset != 0.0) std::fprintf(stderr, "mpi_transport_check: rank %d: clock offset %.9f ms\n", r, offset);
+    expect(offset == 0.0, "the clock offset between two processes of one machine", r);
     bool threw = false;
     try {
       tr.mpi_tag({MessageKind::kGradient, -1});

@@ -52,7 +52,8 @@ class Transport {
   // std::chrono::steady_clock (time since its epoch), so that timings taken in several
   // processes can be put on one clock. Measured with a few ping-pongs between stage 0
   // and each stage, keeping the one with the shortest round trip (the offset is then
-  // known to within half of it). Stages of one process share one clock: 0.
+  // known to within half of it). Stages of one process, and processes of one kernel boot
+  // and time namespace, share one clock: exactly 0, not measured.
   virtual double clock_offset_to_first(int /*stage*/) { return 0.0; }
   // Waits until every send this stage started has left its buffer (a non-blocking
   // transport finishes its sends here; the others return at once), and on a GPU
