@@ -138,5 +138,10 @@ void CausalSelfAttention::backward_weight_impl(Backend& be, Context& ctx) {
   qkv_.backward_weight(be, ctx.children.at(kQkv));
 }
 
+void CausalSelfAttention::backward_weight_batch_impl(Backend& be, const std::vector<Context*>& ctxs) {
+  proj_.backward_weight(be, children_at(ctxs, kProj));
+  qkv_.backward_weight(be, children_at(ctxs, kQkv));
+}
+
 }  // namespace layers
 }  // namespace gpipe

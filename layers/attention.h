@@ -33,6 +33,7 @@ class CausalSelfAttention : public Layer {
   Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
   Tensor backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) override;
   void backward_weight_impl(Backend& be, Context& ctx) override;
+  void backward_weight_batch_impl(Backend& be, const std::vector<Context*>& ctxs) override;
   AttentionOptions opts_;
   Linear qkv_;    // (T, C) -> (T, 3C)
   Linear proj_;   // (T, C) -> (T, C)

@@ -42,6 +42,7 @@ class Conv2d : public Layer {
   Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
   Tensor backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) override;
   void backward_weight_impl(Backend& be, Context& ctx) override;
+  void backward_weight_batch_impl(Backend& be, const std::vector<Context*>& ctxs) override;
   Conv2dOptions opts_;
   Parameter weight_;  // (K, C, R, S)
   Parameter bias_;    // (K)

@@ -224,6 +224,44 @@ Tensor Layer::backward_impl(Backend& be, const Tensor& dy, const Context& ctx, b
   return dx;
 }
 
+void Layer::backward_weight(Backend& be, const std::vector<Context*>& ctxs) {
+  GPIPE_CHECK(!ctxs.empty(), describe() + ": a batched weight gradient of no micro-batch");
+  if (ctxs.size() == 1) {
+    backward_weight_impl(be, *ctxs[0]);
+  } else {
+    backward_weight_batch_impl(be, ctxs);
+  }
+}
+
+std::vector<Context*> children_at(const std::vector<Context*>& ctxs, size_t index) {
+  std::vector<Context*> out;
+  out.reserve(ctxs.size());
+  for (Context* c : ctxs) out.push_back(&c->children.at(index));
+  return out;
+}
+
+Tensor concat_batch(Backend& be, const std::vector<const Tensor*>& parts) {
+  GPIPE_CHECK(!parts.empty() && parts[0]->dim() >= 1, "concat_batch: nothing to stack");
+  const Tensor& first = *parts[0];
+  Shape shape = first.shape();
+  int64_t rows = 0;
+  for (const Tensor* t : parts) {
+    GPIPE_CHECK(t->dim() == first.dim() && t->dtype() == first.dtype() && t->device() == first.device() &&
+                    std::equal(t->shape().begin() + 1, t->shape().end(), first.shape().begin() + 1),
+                "concat_batch: parts of different shapes, dtypes or devices");
+    rows += t->size(0);
+  }
+  shape[0] = rows;
+  Tensor out = be.empty(shape, first.dtype());
+  int64_t at = 0;
+  for (const Tensor* t : parts) {
+    Tensor slot = out.narrow_rows(at, t->size(0));
+    be.copy(*t, slot);
+    at += t->size(0);
+  }
+  return out;
+}
+
 void Layer::to(Device device) {
   for (Parameter* p : parameters()) {
     if (p->value.device() != device) {

@@ -101,6 +101,12 @@ struct Context {
   std::vector<Context> children;
 };
 
+// The contexts' children at `index`, for a composite layer's batched weight gradient.
+std::vector<Context*> children_at(const std::vector<Context*>& ctxs, size_t index);
+// The tensors stacked along their first (batch) dimension into one new contiguous
+// tensor; all of one dtype and device, with equal trailing dimensions.
+Tensor concat_batch(Backend& be, const std::vector<const Tensor*>& parts);
+
 // What a forward may need besides its input. Dropout keys its mask on (seed, step)
 // and counts samples from the first sample of the mini-batch, so masks do not depend
 // on the micro-batch split and a recompute reproduces them.
@@ -136,6 +142,13 @@ class Layer {
   // nothing in backward_weight, so every layer runs under every schedule.
   Tensor backward_input(Backend& be, const Tensor& dy, Context& ctx, bool need_dx = true);
   void backward_weight(Backend& be, Context& ctx) { backward_weight_impl(be, ctx); }
+  // W over several micro-batches at once (a batched weight gradient): the same sums as
+  // backward_weight on each context in turn, in as few kernels as the layer can. Linear
+  // and Conv2d concatenate the micro-batches' inputs and output gradients along the
+  // batch and take one product (one GEMM over all their rows instead of one per
+  // micro-batch); the layers built of them pass their children's contexts down; any
+  // other layer runs its backward_weight_impl on each.
+  void backward_weight(Backend& be, const std::vector<Context*>& ctxs);
   virtual bool splits_backward() const { return false; }
 
   // "linear", "relu", ... as named in configs.
@@ -175,6 +188,10 @@ class Layer {
     return backward_impl(be, dy, ctx, need_dx);
   }
   virtual void backward_weight_impl(Backend&, Context&) {}
+  // Called with two or more contexts; the default runs backward_weight_impl on each.
+  virtual void backward_weight_batch_impl(Backend& be, const std::vector<Context*>& ctxs) {
+    for (Context* c : ctxs) backward_weight_impl(be, *c);
+  }
   virtual void end_step_impl(Backend&, const ReplicaSum&) {}
   // Creates a parameter on the CPU, initialised uniform in [-bound, bound], with a zero
   // gradient; under a ParametersWithoutStorage, one without storage.

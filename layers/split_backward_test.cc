@@ -36,18 +36,22 @@ void zero(Layer& l) {
   for (Parameter* p : l.parameters()) backend_for(Device::cpu()).fill(p->grad, 0.0);
 }
 
-// Two micro-batches: the whole backward of each, against B of both then W of both.
+// Two micro-batches (of 3 and 2 samples): the whole backward of each, against B of
+// both then W of both, and against B of both then one batched W of both.
 // all_deferred: every parameter gradient waits for W (a composite layer may take
 // some in B: layer norms do).
 void check_split(Layer& l, const Shape& sample, bool all_deferred) {
   Backend& be = backend_for(Device::cpu());
   CHECK(l.splits_backward());
-  Shape shape{3};
-  shape.insert(shape.end(), sample.begin(), sample.end());
-  Shape out_shape{3};
-  out_shape.insert(out_shape.end(), l.output_shape().begin(), l.output_shape().end());
-  Tensor x[2] = {random_tensor(shape, DType::kF64, 1), random_tensor(shape, DType::kF64, 2)};
-  Tensor dy[2] = {random_tensor(out_shape, DType::kF64, 3), random_tensor(out_shape, DType::kF64, 4)};
+  auto batch_of = [](int64_t n, const Shape& per_sample) {
+    Shape s{n};
+    s.insert(s.end(), per_sample.begin(), per_sample.end());
+    return s;
+  };
+  Tensor x[2] = {random_tensor(batch_of(3, sample), DType::kF64, 1),
+                 random_tensor(batch_of(2, sample), DType::kF64, 2)};
+  Tensor dy[2] = {random_tensor(batch_of(3, l.output_shape()), DType::kF64, 3),
+                  random_tensor(batch_of(2, l.output_shape()), DType::kF64, 4)};
   ForwardArgs args;
   Context ctx[2];
   std::vector<double> dx_whole[2], dx_split[2];
@@ -79,6 +83,19 @@ void check_split(Layer& l, const Shape& sample, bool all_deferred) {
   const auto split = grads_of(l);
   REQUIRE(split.size() == whole.size());
   for (size_t i = 0; i < split.size(); ++i) GPIPE_EXPECT_CLOSE(split[i], whole[i], 1e-14, 1e-15);
+
+  // A batched W: one product over both micro-batches' rows, the same sums.
+  zero(l);
+  for (int i = 0; i < 2; ++i) {
+    Context c;
+    l.forward(be, x[i], &c, args);
+    ctx[i] = c;
+    CHECK(to_doubles(l.backward_input(be, dy[i], ctx[i])) == dx_whole[i]);
+  }
+  l.backward_weight(be, std::vector<Context*>{&ctx[0], &ctx[1]});
+  const auto batched = grads_of(l);
+  REQUIRE(batched.size() == whole.size());
+  for (size_t i = 0; i < batched.size(); ++i) GPIPE_EXPECT_CLOSE(batched[i], whole[i], 1e-12, 1e-14);
 }
 
 }  // namespace

@@ -163,5 +163,11 @@ void TransformerBlock::backward_weight_impl(Backend& be, Context& ctx) {
   attn_.backward_weight(be, ch.at(kAttn));
 }
 
+void TransformerBlock::backward_weight_batch_impl(Backend& be, const std::vector<Context*>& ctxs) {
+  fc2_.backward_weight(be, children_at(ctxs, kFc2));
+  fc1_.backward_weight(be, children_at(ctxs, kFc1));
+  attn_.backward_weight(be, children_at(ctxs, kAttn));
+}
+
 }  // namespace layers
 }  // namespace gpipe

@@ -41,6 +41,7 @@ class TransformerBlock : public Layer {
   Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
   Tensor backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) override;
   void backward_weight_impl(Backend& be, Context& ctx) override;
+  void backward_weight_batch_impl(Backend& be, const std::vector<Context*>& ctxs) override;
   TransformerBlockOptions opts_;
   LayerNorm ln1_;             // (T, C)
   CausalSelfAttention attn_;  // (T, C)

@@ -112,6 +112,18 @@ PY
   { echo "FAIL: MFU in the terminal, report.json or the page is not the FLOPs counted by hand over the peaks"; exit 1; }
 run zb_k3 1 --set pipeline.partitions=3 --set pipeline.schedule=zero_bubble
 check zb_k3 3 24,32,24
+# Weight gradients batched: one W over the drain's four micro-batches per stage and step,
+# named for them in the trace and on the page.
+run batched_w 1 --set pipeline.batch_weight_gradients=true
+check batched_w 2 21,21
+python3 - "$tmp/batched_w/trace.json" "$tmp/batched_w/report.html" <<'PY' ||
+import json, sys
+ev = [e for e in json.load(open(sys.argv[1]))["traceEvents"] if e.get("cat") == "weight_gradient"]
+assert sorted((e["pid"], e["args"]["step"]) for e in ev) == [(k, s) for k in (0, 1) for s in range(2, 6)], ev
+assert all(e["name"] == "W0-3" and e["args"]["micro_batch"] == 0 and e["args"]["micro_batches"] == 4 for e in ev), ev
+assert "<title>W0-3 (weight_gradient)" in open(sys.argv[2]).read()
+PY
+  { echo "FAIL: batched_w's trace or page does not show one W over micro-batches 0-3"; exit 1; }
 run interleaved 1 --set pipeline.schedule=interleaved_1f1b --set pipeline.virtual_stages=2
 check interleaved 2 47,47
 run mpi_1f1b 2 --set pipeline.schedule=1f1b

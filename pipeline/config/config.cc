@@ -371,7 +371,8 @@ void decode_pipeline(Decoder& dec, const YAML::Node& root, Config& c) {
   if (const YAML::Node p = root["pipeline"]) {
     dec.check_map(p, "pipeline", {"partitions", "replicas", "micro_batches", "recompute", "checkpoint", "schedule",
                                   "virtual_stages", "schedule_file", "balance", "devices", "pin_threads",
-                                  "bucket_mb", "timeout_s", "balance_by", "profile", "memory_limit"});
+                                  "bucket_mb", "timeout_s", "balance_by", "profile", "memory_limit",
+                                  "batch_weight_gradients"});
     if (p["timeout_s"]) {
       c.pipeline.timeout_s = dec.number(p["timeout_s"], "pipeline.timeout_s");
       if (c.pipeline.timeout_s < 0) {
@@ -453,6 +454,9 @@ void decode_pipeline(Decoder& dec, const YAML::Node& root, Config& c) {
       for (size_t i = 0; i < d.size(); ++i) c.pipeline.devices.push_back(dec.str(d[i], "pipeline.devices"));
     }
     if (p["pin_threads"]) c.pipeline.pin_threads = dec.boolean(p["pin_threads"], "pipeline.pin_threads");
+    if (p["batch_weight_gradients"]) {
+      c.pipeline.batch_weight_gradients = dec.boolean(p["batch_weight_gradients"], "pipeline.batch_weight_gradients");
+    }
   }
 }
 

@@ -44,6 +44,9 @@ struct PipelineConfig {
   std::string schedule = "gpipe";  // see schedule_names()
   int virtual_stages = 1;          // v: cells per stage, for interleaved schedules
   std::string schedule_file;       // a schedule of the user's own (overrides schedule)
+  // Weight gradients batched across micro-batches (batch_weight_gradients() in
+  // pipeline/schedule/schedule.h): the drain's, and each run of W's, as one product.
+  bool batch_weight_gradients = false;
   std::vector<int> balance;          // layers per partition; empty = balance automatically
   std::vector<std::string> devices;  // one per partition; empty = cpu:0 .. cpu:K-1
   bool pin_threads = true;

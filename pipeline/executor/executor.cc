@@ -383,24 +383,32 @@ void Executor::backward(StageRuntime& rt, const Instruction& ins, size_t pc) {
 }
 
 // The weight gradients a split backward deferred, layer by layer as backward would.
+// W of one micro-batch, or a batched W of several: each layer's weight gradients over
+// all of them at once (Layer::backward_weight of their contexts).
 void Executor::weight_gradient(StageRuntime& rt, const Instruction& ins, size_t pc) {
-  const int m = ins.micro_batch, c = rt.cells[ins.chunk];
+  const int c = rt.cells[ins.chunk];
   const CellSpec& cell = cells_[c];
-  MicroBatch& mb = rt.mbs[ins.chunk][m];
-  GPIPE_CHECK(static_cast<int>(mb.ctx.size()) == cell.num_layers,
-              "weight gradient of micro-batch " + std::to_string(m) + " of cell " + std::to_string(c) +
-                  " without its backward");
+  std::vector<MicroBatch*> mbs;
+  for (int m : ins.micro_batches()) {
+    MicroBatch& mb = rt.mbs[ins.chunk][m];
+    GPIPE_CHECK(static_cast<int>(mb.ctx.size()) == cell.num_layers,
+                "weight gradient of micro-batch " + std::to_string(m) + " of cell " + std::to_string(c) +
+                    " without its backward");
+    mbs.push_back(&mb);
+  }
   const auto& final_layers = rt.final_layers[pc];
+  std::vector<layers::Context*> ctxs(mbs.size());
   for (int i = cell.num_layers - 1; i >= 0; --i) {
     const int index = cell.first_layer + i;
     layers::Layer& layer = model_.layer(index);
-    layer.backward_weight(*rt.backend, mb.ctx[i]);
+    for (size_t j = 0; j < mbs.size(); ++j) ctxs[j] = &mbs[j]->ctx[i];
+    layer.backward_weight(*rt.backend, ctxs);
     if (rt.reducer && std::find(final_layers.begin(), final_layers.end(), index) != final_layers.end()) {
       for (layers::Parameter* p : layer.parameters()) rt.reducer->ready(p);
       rt.reducer->progress();
     }
   }
-  mb.ctx.clear();
+  for (MicroBatch* mb : mbs) mb->ctx.clear();
 }
 
 
@@ -571,7 +579,7 @@ void Executor::run_stage(int k) {
         }
       }
       if (has_cell(ins.op)) {
-        meter(ins.chunk, ins.micro_batch);
+        for (int m : ins.micro_batches()) meter(ins.chunk, m);
         // A hand-over to a neighbouring cell of this stage changed its holdings too.
         const int c = rt.cells[ins.chunk];
         if (ins.op == Op::kForward && c + 1 < schedule_.num_cells() && schedule_.stage_of_cell(c + 1) == k) {

@@ -100,6 +100,7 @@ Plan make_plan(const Config& c, const layers::Sequential& model, const PlanOptio
   request.mode = p.recompute;
   request.file = c.pipeline.schedule_file;
   request.comm = options.comm;
+  request.batch_weights = c.pipeline.batch_weight_gradients;
   p.schedule = make_schedule(request);
   p.balance = plan_balance(c, model, cells, p.largest_micro_batch());
   p.devices = plan_devices(c, options.local_stage);
@@ -354,6 +355,15 @@ std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequent
     int64_t live = 0, peak = 0;
     for (const Instruction& ins : s.stages[k]) {
       if (!has_cell(ins.op)) continue;  // the optimizer step and the collectives hold no activations
+      if (ins.op == Op::kBackwardWeight && ins.count > 1) {  // a batched W frees what each of its B's kept
+        for (int m : ins.micro_batches()) {
+          int64_t& h = held[ins.chunk][m];
+          const int64_t before = h;
+          h = std::max<int64_t>(h - cell_bytes(s.cell(k, ins.chunk), m).for_w, 0);
+          live += h - before;
+        }
+        continue;
+      }
       const int c = s.cell(k, ins.chunk), m = ins.micro_batch;
       const CellBytes b = cell_bytes(c, m);
       int64_t& h = held[ins.chunk][m];

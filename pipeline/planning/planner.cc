@@ -212,7 +212,8 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
       default: return 0.0;
     }
   };
-  const CostFn cost = [&](int k, const Instruction& ins) -> double {
+  std::function<double(int, const Instruction&)> cost_of;
+  const CostFn cost = cost_of = [&](int k, const Instruction& ins) -> double {
     double t = options.instruction_overhead_ms;
     if (ins.op == Op::kOptimizerStep) {
       const CostTable& table = costs.at(plan.micro_batch_sizes.front());
@@ -225,6 +226,17 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
     }
     if (ins.op == Op::kRecvActivation || ins.op == Op::kRecvGradient) return t;
     if (is_collective(ins.op)) return t + collective_ms(k, ins);
+    if (ins.op == Op::kBackwardWeight && ins.count > 1) {
+      // A batched W: the W of each micro-batch it covers, at its size (the table times W
+      // per micro-batch: the fewer, larger products it runs as are not priced lower).
+      for (int m : ins.micro_batches()) {
+        Instruction one = ins;
+        one.micro_batch = m;
+        one.count = 1;
+        t += cost_of(k, one) - options.instruction_overhead_ms;
+      }
+      return t;
+    }
     const int m = ins.micro_batch, c = s.cell(k, ins.chunk);
     const int64_t n = plan.micro_batch_sizes[m];
     const CellSpec& cell = plan.cells[c];

@@ -147,16 +147,19 @@ train: {steps: 1, batch_size: 10}
                           Case{"zero_bubble", 2}}) {
       for (const char* mode : {"never", "except_last", "always"}) {
         for (int K : {1, 2, 3}) {
+         for (const char* batched : {"false", "true"}) {  // pipeline.batch_weight_gradients
           // v = 2 at K = 1: two chunks on one stage, handing over without messages.
-          const std::string schedule = sc.schedule, recompute = mode;
+          const std::string schedule = sc.schedule, recompute = mode, batch_w = batched;
           CAPTURE(schedule);
           CAPTURE(recompute);
           CAPTURE(K);
+          CAPTURE(batch_w);
           const Config c = parse_config(
               text, "t.yaml",
               {"pipeline.partitions=" + std::to_string(K), "pipeline.micro_batches=4",
                std::string("pipeline.recompute=") + mode, std::string("pipeline.schedule=") + sc.schedule,
-               "pipeline.virtual_stages=" + std::to_string(sc.v)});
+               "pipeline.virtual_stages=" + std::to_string(sc.v),
+               std::string("pipeline.batch_weight_gradients=") + batched});
           RunModel run = build_run_model(c);
           const Plan plan = make_plan(run.config, *run.model);
           const auto estimate = estimate_memory(plan, *run.model, run.config.optimizer.optimizer);
@@ -175,6 +178,7 @@ train: {steps: 1, batch_size: 10}
             CAPTURE(k);
             CHECK(estimate[k].activation_bytes == r.stages[k].peak_activation_bytes);
           }
+         }
         }
       }
     }

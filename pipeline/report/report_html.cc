@@ -128,7 +128,9 @@ std::string timeline_svg(const Schedule& s, const std::vector<std::vector<Block>
         << "), stage " << k << ": " << num(b.start, 3) << " to " << num(b.end, 3) << " ms (" << num(b.end - b.start, 3)
         << " ms)</title></rect>\n";
       const std::string label =
-          std::to_string(b.ins.micro_batch) + (chunks && has_cell(b.ins.op) ? chunk_letter(b.ins.chunk) : "");
+          std::to_string(b.ins.micro_batch) +
+          (b.ins.count > 1 ? "-" + std::to_string(b.ins.micro_batch + b.ins.count - 1) : "") +  // a batched W
+          (chunks && has_cell(b.ins.op) ? chunk_letter(b.ins.chunk) : "");
       if (has_cell(b.ins.op) && !comm && b.ins.micro_batch >= 0 && w >= 5 + 7 * static_cast<double>(label.size())) {
         o << "<text x=\"" << num(x + w / 2, 2) << "\" y=\"" << y + kLane / 2 + 4 << "\" class=\"mb\">" << label
           << "</text>\n";

@@ -1,5 +1,5 @@
 // The schedule's data types, their text forms, and the passes every generator shares:
-// recompute insertion and communication lowering.
+// recompute insertion, communication lowering, and batching of weight gradients.
 #include "pipeline/schedule/schedule.h"
 
 #include <algorithm>
@@ -88,6 +88,13 @@ bool is_recomputed(RecomputeMode mode, int m, int num_micro_batches) {
   return false;
 }
 
+std::vector<int> Instruction::micro_batches() const {
+  std::vector<int> out;
+  if (micro_batch < 0) return out;
+  for (int i = 0; i < count; ++i) out.push_back(micro_batch + i);
+  return out;
+}
+
 int Schedule::num_cells() const {
   int n = 0;
   for (const auto& c : cells) n += static_cast<int>(c.size());
@@ -130,6 +137,103 @@ void insert_recompute(Schedule& s, RecomputeMode mode) {
     }
     s.stages[k] = std::move(out);
     if (!s.lines.empty()) s.lines[k] = std::move(lines);
+  }
+}
+
+namespace {
+
+// Whether the micro-batches are consecutive numbers (in any order), none repeated.
+bool consecutive(std::vector<int> ms) {
+  std::sort(ms.begin(), ms.end());
+  for (size_t i = 0; i < ms.size(); ++i) {
+    if (ms[i] != ms[0] + static_cast<int>(i)) return false;
+  }
+  return !ms.empty();
+}
+
+}  // namespace
+
+void batch_weight_gradients(Schedule& s, CommModel comm) {
+  const int v = s.num_chunks();
+  for (size_t k = 0; k < s.stages.size(); ++k) {
+    std::vector<Instruction>& prog = s.stages[k];
+    std::vector<int> no_lines(prog.size(), 0);
+    std::vector<int>& lines = s.lines.empty() ? no_lines : s.lines[k];
+    for (int j = 0; j < v; ++j) {
+      // 1. The drain: the chunk's backwards after its last forward that have no W.
+      std::set<int> has_w;
+      long last_forward = -1;
+      for (size_t i = 0; i < prog.size(); ++i) {
+        if (prog[i].chunk != j) continue;
+        if (prog[i].op == Op::kForward) last_forward = static_cast<long>(i);
+        if (prog[i].op == Op::kBackwardWeight) {
+          for (int m : prog[i].micro_batches()) has_w.insert(m);
+        }
+      }
+      std::vector<size_t> drain;
+      std::vector<int> drained;
+      for (size_t i = static_cast<size_t>(last_forward + 1); i < prog.size(); ++i) {
+        if (prog[i].op == Op::kBackward && prog[i].chunk == j && !has_w.count(prog[i].micro_batch)) {
+          drain.push_back(i);
+          drained.push_back(prog[i].micro_batch);
+        }
+      }
+      if (drain.size() >= 2 && consecutive(drained)) {
+        // After the last backward and its sends (on a rendezvous transport, after the
+        // group of messages it ends in, which progresses as one), before any receive, so
+        // that the W fills the wait for it.
+        auto is_send = [](Op op) { return op == Op::kSendActivation || op == Op::kSendGradient; };
+        size_t at = drain.back() + 1;
+        while (at < prog.size() && (comm == CommModel::kRendezvous ? is_communication(prog[at].op) : is_send(prog[at].op))) {
+          ++at;
+        }
+        const int line = lines[drain.back()];
+        for (size_t n = 0; n < drain.size(); ++n) {
+          prog.insert(prog.begin() + static_cast<long>(at + n), Instruction{Op::kBackwardWeight, drained[n], j});
+          lines.insert(lines.begin() + static_cast<long>(at + n), line);
+        }
+      }
+      // 2. Runs of the chunk's W's with only messages between them.
+      std::vector<Instruction> out;
+      std::vector<int> out_lines;
+      for (size_t i = 0; i < prog.size(); ++i) {
+        if (prog[i].op != Op::kBackwardWeight || prog[i].chunk != j) {
+          out.push_back(prog[i]);
+          out_lines.push_back(lines[i]);
+          continue;
+        }
+        std::vector<size_t> run{i};
+        for (size_t p = i + 1; p < prog.size(); ++p) {
+          if (prog[p].op == Op::kBackwardWeight && prog[p].chunk == j) {
+            run.push_back(p);
+          } else if (!is_communication(prog[p].op)) {
+            break;
+          }
+        }
+        std::vector<int> ms;
+        for (size_t r : run) {
+          for (int m : prog[r].micro_batches()) ms.push_back(m);
+        }
+        if (run.size() < 2 || !consecutive(ms)) {
+          out.push_back(prog[i]);
+          out_lines.push_back(lines[i]);
+          continue;
+        }
+        // The messages between the run's W's keep their places; the W comes last.
+        for (size_t p = i + 1; p < run.back(); ++p) {
+          if (prog[p].op == Op::kBackwardWeight) continue;
+          out.push_back(prog[p]);
+          out_lines.push_back(lines[p]);
+        }
+        Instruction w{Op::kBackwardWeight, *std::min_element(ms.begin(), ms.end()), j};
+        w.count = static_cast<int>(ms.size());
+        out.push_back(w);
+        out_lines.push_back(lines[run.back()]);
+        i = run.back();
+      }
+      prog = std::move(out);
+      lines = std::move(out_lines);
+    }
   }
 }
 
@@ -358,6 +462,16 @@ namespace {
 // One compute instruction as a file line.
 std::string file_line(const Schedule& s, int stage, const Instruction& ins, ScheduleNotation notation,
                       bool weight_follows) {
+  if (ins.count > 1) {  // a batched W: its micro-batches' W's, in a run that loading batches again
+    std::string out;
+    for (int m : ins.micro_batches()) {
+      Instruction one = ins;
+      one.micro_batch = m;
+      one.count = 1;
+      out += (out.empty() ? "" : "\n") + file_line(s, stage, one, notation, false);
+    }
+    return out;
+  }
   const std::string m = std::to_string(ins.micro_batch);
   if (notation == ScheduleNotation::kActions) {
     const char* op = ins.op == Op::kBackward && weight_follows ? "I" : op_short_name(ins.op);
@@ -408,7 +522,8 @@ std::string schedule_file_text(const Schedule& s, ScheduleNotation notation, con
     os << "\n";
     std::set<std::pair<int, int>> split;  // (chunk, micro-batch) whose weight gradient is a W
     for (const Instruction& ins : prog) {
-      if (ins.op == Op::kBackwardWeight) split.insert({ins.chunk, ins.micro_batch});
+      if (ins.op != Op::kBackwardWeight) continue;
+      for (int m : ins.micro_batches()) split.insert({ins.chunk, m});
     }
     for (const Instruction& ins : prog) {
       if (!is_compute(ins.op)) continue;  // derived again when the file is loaded
@@ -425,6 +540,7 @@ std::string instruction_str(const Schedule& s, int stage, const Instruction& ins
   }
   out += op_short_name(ins.op);
   if (ins.micro_batch >= 0) out += std::to_string(ins.micro_batch);
+  if (ins.count > 1) out += "-" + std::to_string(ins.micro_batch + ins.count - 1);  // W0-7
   return out;
 }
 
@@ -472,7 +588,9 @@ MicroBatchRoles micro_batch_roles(const Schedule& s, int stage) {
   roles.split.assign(v, std::vector<char>(M, 0));
   for (const Instruction& ins : s.stages.at(stage)) {
     if (ins.op == Op::kRecompute) roles.recomputed[ins.chunk][ins.micro_batch] = 1;
-    if (ins.op == Op::kBackwardWeight) roles.split[ins.chunk][ins.micro_batch] = 1;
+    if (ins.op == Op::kBackwardWeight) {
+      for (int m : ins.micro_batches()) roles.split[ins.chunk][m] = 1;
+    }
   }
   return roles;
 }

@@ -49,7 +49,8 @@ enum class Op {
   kRecompute,       // rerun the forward of a checkpointed m, keeping what backward needs
   kRecvGradient,    // receive the gradient of the cell's output of m
   kBackward,        // the input gradient; also the weight gradients unless a W follows
-  kBackwardWeight,  // W: the cell's deferred weight gradients of m
+  kBackwardWeight,  // W: the cell's deferred weight gradients of m (of m .. m + count - 1
+                    // when batched: one product over those micro-batches' rows)
   kSendGradient,    // send the gradient of the cell's input of m to the previous cell's stage
   kOptimizerStep,   // one optimizer step on the stage's parameters (m = -1); local
   // Collectives (m = -1 unless said), after the stage's last backward and before its
@@ -74,9 +75,15 @@ struct Instruction {
   Op op;
   int micro_batch = -1;
   int chunk = 0;  // which of the stage's cells (0 .. v-1); cells[stage][chunk] is its index
+  // A batched weight gradient (W only; batch_weight_gradients): it covers micro-batches
+  // micro_batch .. micro_batch + count - 1, in one product over their rows. 1 otherwise.
+  int count = 1;
   bool operator==(const Instruction& o) const {
-    return op == o.op && micro_batch == o.micro_batch && chunk == o.chunk;
+    return op == o.op && micro_batch == o.micro_batch && chunk == o.chunk && count == o.count;
   }
+  // The micro-batches the instruction is about: {micro_batch} (none for m = -1), or a
+  // batched W's range.
+  std::vector<int> micro_batches() const;
 };
 
 // Rematerialization: which micro-batches keep only their cell input during forward
@@ -174,6 +181,7 @@ struct ScheduleRequest {
   RecomputeMode mode = RecomputeMode::kExceptLast;
   std::string file;  // pipeline.schedule_file
   CommModel comm = CommModel::kBuffered;  // the transport's, so the checker models it
+  bool batch_weights = false;  // pipeline.batch_weight_gradients: batch_weight_gradients()
 };
 // Builds and checks the named schedule; an unknown name lists the valid ones, a
 // schedule that cannot take these K, v, M says what it needs and why.
@@ -207,6 +215,20 @@ Schedule forward_only_program(const Schedule& s, int num_micro_batches, CommMode
 
 // Puts R(j, m) right before B(j, m) for every checkpointed micro-batch.
 void insert_recompute(Schedule& s, RecomputeMode mode);
+// Weight gradients batched across micro-batches (pipeline.batch_weight_gradients), on a
+// lowered program, stage by stage and chunk by chunk:
+//  1. The drain: the backwards after the chunk's last forward that do all their work in
+//     B (GPipe's, 1F1B's cool-down) split into B and W, their W's placed after the last
+//     of them and its sends, when there are two or more and their micro-batches are
+//     consecutive numbers (the drain holds their inputs anyway; their weight gradients
+//     wait for the last one instead of being taken one by one). The W follows the last
+//     backward's sends (for `comm` rendezvous, its whole group of messages).
+//  2. Every run of a chunk's W's with nothing but messages between them (zero bubble's
+//     cool-down, and step 1's) whose micro-batches are consecutive numbers becomes one W
+//     with that count, where the run's last W was.
+// Nothing moves earlier, so what the checker proved of the program still holds;
+// check_schedule proves the result again.
+void batch_weight_gradients(Schedule& s, CommModel comm = CommModel::kBuffered);
 // Inserts every send and receive between stages (cells on the same stage hand over
 // directly), then an optimizer step at the end of each stage if it has none (unless the
 // program is forward_only). For a

@@ -88,7 +88,9 @@ class Interpreter {
         const Instruction& ins = s_.stages[k][i];
         validate_indices(k, i);
         if (ins.op == Op::kRecompute) st_[k].chunks[ins.chunk].has_r[ins.micro_batch] = 1;
-        if (ins.op == Op::kBackwardWeight) st_[k].chunks[ins.chunk].has_w[ins.micro_batch] = 1;
+        if (ins.op == Op::kBackwardWeight) {
+          for (int m : ins.micro_batches()) st_[k].chunks[ins.chunk].has_w[m] = 1;
+        }
       }
     }
     size_t done = 0, total = 0;
@@ -182,6 +184,10 @@ class Interpreter {
     }
     if (ins.chunk < 0 || ins.chunk >= s_.num_chunks()) fail(k, pc, "the stage has no such chunk");
     if (ins.micro_batch < 0 || ins.micro_batch >= s_.num_micro_batches) fail(k, pc, "no such micro-batch");
+    if (ins.count < 1 || (ins.count > 1 && ins.op != Op::kBackwardWeight)) {
+      fail(k, pc, "only a weight gradient covers several micro-batches");
+    }
+    if (ins.micro_batch + ins.count > s_.num_micro_batches) fail(k, pc, "no such micro-batch");
   }
 
   MessageKey key_of(int k, const Instruction& ins, int* peer) const { return message_key(s_, k, ins, peer); }
@@ -263,8 +269,13 @@ class Interpreter {
         x.bwd[m] = 1;
         break;
       case Op::kBackwardWeight:
-        if (!x.bwd[m]) fail(k, pc, "weight gradient before the backward");
-        if (x.wgt[m]++) fail(k, pc, "weight gradient twice");
+        for (int w : ins.micro_batches()) {  // a batched W waits for the last backward it covers
+          if (!x.bwd[w]) {
+            fail(k, pc, "weight gradient before the backward" +
+                            (ins.count > 1 ? " of micro-batch " + std::to_string(w) : std::string()));
+          }
+          if (x.wgt[w]++) fail(k, pc, "weight gradient twice");
+        }
         break;
       default: break;
     }
@@ -621,7 +632,7 @@ Simulation simulate(const Schedule& s, const OpCosts& c) {
     switch (ins.op) {
       case Op::kForward: return c.forward;
       case Op::kBackward: return c.backward;
-      case Op::kBackwardWeight: return c.weight;
+      case Op::kBackwardWeight: return c.weight * ins.count;
       case Op::kRecompute: return c.recompute;
       case Op::kSendActivation:
       case Op::kSendGradient: return c.send;

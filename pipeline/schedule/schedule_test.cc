@@ -613,3 +613,88 @@ TEST_CASE("micro_batch_roles reads which micro-batches recompute and which split
   }
   CHECK_THROWS(micro_batch_roles(zb, 2));
 }
+
+TEST_CASE("batched weight gradients: the drain's and each run of W's become one W over their micro-batches") {
+  auto batched = [](const std::string& name, int K, int v, int M, RecomputeMode mode) {
+    ScheduleRequest r{name, K, v, M, mode};
+    r.batch_weights = true;
+    return make_schedule(r);
+  };
+  // GPipe: every backward is the drain's; one W over all of them, after the last and its send.
+  CHECK(schedule_table(batched("gpipe", 2, 1, 3, RecomputeMode::kNever)) ==
+        "stage 0: F0 sA0 F1 sA1 F2 sA2 rG2 B2 rG1 B1 rG0 B0 W0-2 OPT\n"
+        "stage 1: rA0 F0 rA1 F1 rA2 F2 B2 sG2 B1 sG1 B0 sG0 W0-2 OPT\n");
+  CHECK(schedule_table(batched("gpipe", 2, 1, 2, RecomputeMode::kExceptLast)) ==
+        "stage 0: F0 sA0 F1 sA1 rG1 B1 R0 rG0 B0 W0-1 OPT\n"
+        "stage 1: rA0 F0 rA1 F1 B1 sG1 R0 B0 sG0 W0-1 OPT\n");
+  // 1F1B: the cool-down's backwards only (stage 1 has one, which stays whole).
+  CHECK(schedule_table(batched("1f1b", 2, 1, 3, RecomputeMode::kNever)) ==
+        "stage 0: F0 sA0 F1 sA1 rG0 B0 F2 sA2 rG1 B1 rG2 B2 W1-2 OPT\n"
+        "stage 1: rA0 F0 B0 sG0 rA1 F1 B1 sG1 rA2 F2 B2 sG2 OPT\n");
+  // Zero bubble: stage 1's deferred W1 W2 run back to back; stage 0's W's are apart.
+  CHECK(schedule_table(batched("zero_bubble", 2, 1, 3, RecomputeMode::kNever)) ==
+        "stage 0: F0 sA0 F1 sA1 rG0 B0 W0 F2 sA2 rG1 B1 W1 rG2 B2 W2 OPT\n"
+        "stage 1: rA0 F0 B0 sG0 rA1 F1 B1 sG1 W0 rA2 F2 B2 sG2 W1-2 OPT\n");
+  // Interleaved: each chunk's drain on its own (stage 1's last cell has one backward
+  // after its last forward); a W goes before the next receive, to fill its wait.
+  CHECK(schedule_table(batched("interleaved_1f1b", 2, 2, 2, RecomputeMode::kNever)) ==
+        "stage 0: 0F0 0sA0 0F1 0sA1 2rA0 2F0 2sA0 2rA1 2F1 2sA1 2rG0 2B0 2sG0 2rG1 2B1 2sG1 2W0-1 0rG0 0B0 0rG1 0B1 "
+        "0W0-1 OPT\n"
+        "stage 1: 1rA0 1F0 1sA0 1rA1 1F1 1sA1 3rA0 3F0 3B0 3sG0 3rA1 3F1 3B1 3sG1 1rG0 1B0 1sG0 1rG1 1B1 1sG1 "
+        "1W0-1 OPT\n");
+  // A rendezvous transport: the W waits until the last backward's group of messages is posted.
+  ScheduleRequest rz{"gpipe", 2, 1, 2, RecomputeMode::kNever};
+  rz.comm = CommModel::kRendezvous;
+  rz.batch_weights = true;
+  CHECK_NOTHROW(make_schedule(rz));
+
+  // What each batched W covers: every micro-batch's backward splits.
+  const Schedule g = batched("gpipe", 2, 1, 3, RecomputeMode::kNever);
+  CHECK(micro_batch_roles(g, 0).split == std::vector<std::vector<char>>{{1, 1, 1}});
+  const Instruction w = g.stages[1][12];
+  CHECK(w.op == Op::kBackwardWeight);
+  CHECK(w.micro_batches() == std::vector<int>{0, 1, 2});
+  // The simulator charges a batched W as its micro-batches' W's.
+  OpCosts unit;
+  unit.forward = unit.backward = 1;
+  unit.weight = 0.5;
+  CHECK(simulate(g, unit).busy[1] == doctest::Approx(3 + 3 + 1.5));
+
+  // The file form lists the W's one by one; loaded and batched again, the same program.
+  for (ScheduleNotation notation : {ScheduleNotation::kCsv, ScheduleNotation::kActions}) {
+    const std::string text = schedule_file_text(g, notation);
+    CHECK(text.find(notation == ScheduleNotation::kCsv ? "\n1,W,0\n1,W,1\n1,W,2\n" : "\n1W0\n1W1\n1W2\n") !=
+          std::string::npos);
+    Schedule back = parse_schedule_text(text, "batched.txt", 2, 1, 3, RecomputeMode::kNever);
+    batch_weight_gradients(back);
+    CHECK(back.stages == g.stages);
+  }
+}
+
+TEST_CASE("the checker refuses a batched W before the last backward it covers") {
+  ScheduleRequest r{"gpipe", 2, 1, 3, RecomputeMode::kNever};
+  r.batch_weights = true;
+  Schedule s = make_schedule(r);
+  auto& st = s.stages[0];  // ... rG0 B0 W0-2 OPT
+  auto w = std::find_if(st.begin(), st.end(), [](const Instruction& i) { return i.op == Op::kBackwardWeight; });
+  REQUIRE(w != st.end());
+  SUBCASE("before B0") {
+    std::iter_swap(w, w - 1);
+    CHECK_THROWS_WITH_AS(check_schedule(s), doctest::Contains("weight gradient before the backward of micro-batch 0"),
+                         UserError);
+  }
+  SUBCASE("past the last micro-batch") {
+    w->count = 4;
+    CHECK_THROWS_WITH_AS(check_schedule(s), doctest::Contains("no such micro-batch"), UserError);
+  }
+  SUBCASE("twice over one micro-batch") {
+    st.insert(w + 1, Instruction{Op::kBackwardWeight, 2});
+    CHECK_THROWS_WITH_AS(check_schedule(s), doctest::Contains("weight gradient twice"), UserError);
+  }
+  SUBCASE("only a W covers several") {
+    Instruction b = *(w - 1);
+    REQUIRE(b.op == Op::kBackward);
+    (w - 1)->count = 2;
+    CHECK_THROWS_WITH_AS(check_schedule(s), doctest::Contains("only a weight gradient covers several"), UserError);
+  }
+}

@@ -157,6 +157,10 @@ Schedule make_schedule(const ScheduleRequest& r) {
     throw UserError("pipeline.schedule: unknown schedule '" + r.name + "'; valid schedules: " + names +
                     " (gpipe is also called fill_drain), or pipeline.schedule_file for one of your own");
   }
+  if (r.batch_weights) {
+    check_schedule(s, r.comm);  // a mistake of a schedule file is told of as written
+    batch_weight_gradients(s, r.comm);
+  }
   check_schedule(s, r.comm);
   return s;
 }
