@@ -187,6 +187,7 @@ ExecutorOptions executor_options(const Config& c, const Launch& launch, const Pl
   opts.rank = launch.replica * launch.size + launch.rank;
   opts.replicas = plan.replicas > 1 ? launch.replicas : nullptr;
   opts.bucket_bytes = static_cast<int64_t>(c.pipeline.bucket_mb * (1 << 20));
+  opts.shard_optimizer = plan.shard_optimizer;
   opts.sample_offset = launch.replica * plan.replica_batch;
   opts.micro_batch_sizes = plan.micro_batch_sizes;
   opts.clock_offset_ms = clock_offset_ms;
