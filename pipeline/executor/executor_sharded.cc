@@ -116,10 +116,10 @@ int64_t Executor::gather_parameters(StageRuntime& rt) {
   }
   options_.replicas->all_gather(sh.value_block, sh.flat);
   auto turn = device_turn(rt.index);
-  for (size_t d = 0; d < sh.pieces.size(); ++d) {
-    for (const ShardPiece& piece : sh.pieces[d]) {
+  for (size_t from = 0; from < sh.pieces.size(); ++from) {  // every replica's shard (its own included: unchanged)
+    for (const ShardPiece& piece : sh.pieces[from]) {
       Tensor into = flat_view(rt.params[piece.param]->value).narrow_rows(piece.param_offset, piece.length);
-      rt.backend->copy(sh.flat.narrow_rows(static_cast<int64_t>(d) * B + piece.shard_offset, piece.length), into);
+      rt.backend->copy(sh.flat.narrow_rows(static_cast<int64_t>(from) * B + piece.shard_offset, piece.length), into);
     }
   }
   return static_cast<int64_t>(sh.value_block.nbytes());
