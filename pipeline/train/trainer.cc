@@ -335,6 +335,14 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   Transport& transport = multi ? *launch.transport : static_cast<Transport&>(in_process);
   Executor executor(*model, plan.cells, plan.schedule, transport,
                     executor_options(c, launch, plan, artifacts.clock_offset_ms()));
+  if (plan.replicas > 1) {  // what the device holds of the optimizer's state, measured (planned: report.json)
+    for (int k = 0; k < K; ++k) {
+      if (multi && k != launch.rank) continue;
+      spdlog::info("stage {} replica {}: optimizer state {} bytes on this device ({})", k, launch.replica,
+                   executor.optimizer_state_bytes(k),
+                   plan.shard_optimizer ? "its shard, 1/" + std::to_string(plan.replicas) : std::string("not sharded"));
+    }
+  }
   const layers::LrSchedule lr = lr_schedule(c);
 
   const int64_t eval_n = c.train.eval_samples > 0 ? std::min(c.train.eval_samples, data->validation_size())
