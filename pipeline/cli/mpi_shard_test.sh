@@ -4,7 +4,8 @@
 #  1. K=2 x D=2 and K=1 x D=3 (uneven shards) sharded give the one-process losses to
 #     1e-12 with AdamW, warm-up, cosine decay and clipping, and K=1 x D=3 with
 #     SGD-momentum; a tied head on another process than its embedding, sharded at
-#     K=2 x D=2, likewise; the trace shows RS and AG;
+#     K=2 x D=2, likewise; the trace shows RS and AG; each rank holds its shard's
+#     optimizer state and report.json plans the largest shard's per device;
 #  2. a checkpoint saved sharded at K=1 x D=4 resumes sharded at D=2, unsharded in one
 #     process, and at K=2 x D=2 unsharded, to the uninterrupted run's losses (1e-12);
 #  3. pipeline.shard_optimizer: gradients (ZeRO-2, not built) is refused, naming itself.
@@ -54,6 +55,25 @@ run k2d2 4 mlp64.yaml --set pipeline.partitions=2 --set pipeline.replicas=2 "${s
 same s1 k2d2 "K=2 x D=2 sharded, AdamW with clipping"
 run k1d3 3 mlp64.yaml --set pipeline.replicas=3 "${shard[@]}"
 same s1 k1d3 "K=1 x D=3 sharded (923 parameters: shards of 308, 308, 307)"
+# The optimizer state each rank holds (its executor's count, logged) is its shard's, and
+# report.json's planned figure per device is the largest shard's: 2 slots x 8 bytes x
+# ceil(N / D) of each stage's N parameters.
+python3 - k2d2/report.json k2d2.log 2 k1d3/report.json k1d3.log 3 <<'PY' || fail "optimizer state per device"
+import json, re, sys
+args = sys.argv[1:]
+for report, log, d in zip(args[0::3], args[1::3], args[2::3]):
+    planned = [s["optimizer_bytes"] for s in json.load(open(report))["prediction"]["stages"]]
+    held = {}
+    for m in re.finditer(r"stage (\d+) replica (\d+): optimizer state (\d+) bytes", open(log).read()):
+        held[(int(m.group(1)), int(m.group(2)))] = int(m.group(3))
+    assert len(held) == len(planned) * int(d), (log, held)
+    for k, p in enumerate(planned):
+        mine = [held[(k, r)] for r in range(int(d))]
+        whole = sum(mine)  # every parameter's two moments, once
+        assert max(mine) == p, (log, k, mine, p)
+        assert p == 16 * -(-(whole // 16) // int(d)), (log, k, whole, p)
+PY
+echo "ok: each rank holds its shard's optimizer state; report.json plans the largest shard's per device"
 sgd=(--set optimizer.type=sgd --set optimizer.momentum=0.9 --set optimizer.lr=0.1)
 run s1sgd 1 mlp64.yaml "${sgd[@]}"
 run k1d3sgd 3 mlp64.yaml --set pipeline.replicas=3 "${shard[@]}" "${sgd[@]}"
