@@ -200,6 +200,8 @@ bool run_instruction(StepState& st, int k, const Instruction& ins,
     case Op::kReduceGradients:
     case Op::kTiedGradients:
     case Op::kGradientNorm:
+    case Op::kReduceScatterGradients:
+    case Op::kGatherParameters:
       throw Error("the direct runner runs one replica of a model without ties or clipping; a schedule with "
                   "collectives needs the executor");
     case Op::kBackwardWeight:

@@ -181,6 +181,7 @@ MpiReplicaGroup::MpiReplicaGroup(MPI_Comm comm, double timeout_s) : comm_(comm),
   Deadline check(timeout_s);
   GPIPE_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_));
   GPIPE_MPI_CHECK(MPI_Comm_size(comm_, &size_));
+  GPIPE_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
 }
 
 void MpiReplicaGroup::await(int n, MPI_Request* requests, const std::string& awaited) {
@@ -224,6 +225,30 @@ void MpiReplicaGroup::wait_all() {
         std::to_string(requests_.size()) + " started gradient all-reduce(s) over the stage's " +
             std::to_string(size_) + " replicas (wait_all)");
   requests_.clear();
+}
+
+// The sharded optimizer's collectives: blocks of equal size (the shard partition pads
+// the last ones), so the _block and plain forms serve; non-blocking, under the deadline.
+void MpiReplicaGroup::reduce_scatter_sum(Tensor& full, Tensor& block) {
+  const MPI_Datatype type = reducible_type(full);
+  GPIPE_CHECK(block.device().is_cpu() && block.is_contiguous() && block.dtype() == full.dtype() &&
+                  full.numel() == block.numel() * size_,
+              "reduce_scatter_sum: " + full.str() + " is not " + std::to_string(size_) + " blocks of " + block.str());
+  MPI_Request r;
+  GPIPE_MPI_CHECK(MPI_Ireduce_scatter_block(full.raw_data(), block.raw_data(), static_cast<int>(block.numel()), type,
+                                            MPI_SUM, comm_, &r));
+  await(1, &r, "the reduce-scatter of a " + full.str() + " over the stage's " + std::to_string(size_) + " replicas");
+}
+
+void MpiReplicaGroup::all_gather(const Tensor& block, Tensor& full) {
+  const MPI_Datatype type = reducible_type(full);
+  GPIPE_CHECK(block.device().is_cpu() && block.is_contiguous() && block.dtype() == full.dtype() &&
+                  full.numel() == block.numel() * size_,
+              "all_gather: " + full.str() + " is not " + std::to_string(size_) + " blocks of " + block.str());
+  MPI_Request r;
+  GPIPE_MPI_CHECK(MPI_Iallgather(block.raw_data(), static_cast<int>(block.numel()), type, full.raw_data(),
+                                 static_cast<int>(block.numel()), type, comm_, &r));
+  await(1, &r, "the all-gather of a " + full.str() + " over the stage's " + std::to_string(size_) + " replicas");
 }
 
 double MpiReplicaGroup::all_reduce_sum(double value) {

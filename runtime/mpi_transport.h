@@ -82,12 +82,15 @@ class MpiReplicaGroup : public ReplicaGroup {
   void start_all_reduce_sum(Tensor& t) override;  // MPI_Iallreduce
   void progress() override;
   void wait_all() override;
+  int rank() const override { return rank_; }
+  void reduce_scatter_sum(Tensor& full, Tensor& block) override;  // MPI_Ireduce_scatter_block
+  void all_gather(const Tensor& block, Tensor& full) override;     // MPI_Iallgather
 
  private:
   void await(int n, MPI_Request* requests, const std::string& awaited);
   std::vector<MPI_Request> requests_;
   MPI_Comm comm_;
-  int size_ = 1, world_rank_ = 0;
+  int size_ = 1, rank_ = 0, world_rank_ = 0;
   double timeout_s_;
   int64_t step_ = -1;
 };

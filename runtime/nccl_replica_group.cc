@@ -117,6 +117,58 @@ void NcclReplicaGroup::wait_all() {
   in_flight_.clear();
 }
 
+ncclDataType_t NcclReplicaGroup::nccl_type(const Tensor& t) const {
+  if (t.dtype() == DType::kF64) return ncclFloat64;
+  if (t.dtype() != DType::kF32) throw Error("NcclReplicaGroup: cannot reduce " + t.str() + "; float32 and float64 only");
+  return ncclFloat32;
+}
+
+template <typename Call>
+void NcclReplicaGroup::enqueue_sharded(const Tensor& a, const Tensor& b, Call call) {
+  for (const Tensor* t : {&a, &b}) {
+    GPIPE_CHECK(t->device() == device_ && t->is_contiguous(),
+                "NcclReplicaGroup on " + device_.str() + " shards contiguous tensors on that device, not " + t->str());
+  }
+  GPIPE_CHECK(nccl_ != nullptr, "NcclReplicaGroup: the communicator was aborted");
+  nccl_detail::check_async_error(nccl_, "NcclReplicaGroup");
+  DeviceGuard guard(device_.index);
+  if (pipeline_ != nullptr) pipeline_->nccl_before(reduce_stream());
+  order_after(reduce_stream(), compute_stream(), *ready_);
+  call();
+  GPIPE_CUDA_CHECK(cudaEventRecord(last_done_->get(), reduce_stream()));
+  ++queued_;
+  if (pipeline_ != nullptr) pipeline_->nccl_after(reduce_stream());
+  order_after(compute_stream(), reduce_stream(), *reduced_);
+}
+
+void NcclReplicaGroup::reduce_scatter_sum(Tensor& full, Tensor& block) {
+  if (full.device().is_cpu()) {
+    host_.reduce_scatter_sum(full, block);
+    return;
+  }
+  GPIPE_CHECK(full.dtype() == block.dtype() && full.numel() == block.numel() * size(),
+              "reduce_scatter_sum: " + full.str() + " is not " + std::to_string(size()) + " blocks of " + block.str());
+  const ncclDataType_t type = nccl_type(full);
+  enqueue_sharded(full, block, [&] {
+    GPIPE_NCCL_CHECK(ncclReduceScatter(full.raw_data(), block.raw_data(), static_cast<size_t>(block.numel()), type,
+                                       ncclSum, nccl_, reduce_stream()));
+  });
+}
+
+void NcclReplicaGroup::all_gather(const Tensor& block, Tensor& full) {
+  if (full.device().is_cpu()) {
+    host_.all_gather(block, full);
+    return;
+  }
+  GPIPE_CHECK(full.dtype() == block.dtype() && full.numel() == block.numel() * size(),
+              "all_gather: " + full.str() + " is not " + std::to_string(size()) + " blocks of " + block.str());
+  const ncclDataType_t type = nccl_type(full);
+  enqueue_sharded(block, full, [&] {
+    GPIPE_NCCL_CHECK(ncclAllGather(block.raw_data(), full.raw_data(), static_cast<size_t>(block.numel()), type, nccl_,
+                                   reduce_stream()));
+  });
+}
+
 void NcclReplicaGroup::await_reductions() {
   if (queued_ == 0) return;
   DeviceGuard guard(device_.index);

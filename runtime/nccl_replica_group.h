@@ -52,6 +52,15 @@ class NcclReplicaGroup : public ReplicaGroup {
   // The compute stream waits for the started all-reduces; the host does not.
   void wait_all() override;
   void set_step(int64_t step) override;
+  // Sharded optimizer state (ZeRO-1): ncclReduceScatter and ncclAllGather of device
+  // tensors, each one call over the stage's whole flat buffer (so one operation, no
+  // group to form), ordered as the all-reduce: on the reduction stream after the compute
+  // stream and the pipeline's queued transfers, the compute stream waiting for the
+  // result. The executor keeps both buffers for the run, so their blocks are never
+  // recycled under NCCL. Host tensors go through MPI. Compiled, not yet run on a GPU.
+  int rank() const override { return host_.rank(); }
+  void reduce_scatter_sum(Tensor& full, Tensor& block) override;
+  void all_gather(const Tensor& block, Tensor& full) override;
   // The host waits, under the deadline and watching both communicators for
   // asynchronous errors, until every all-reduce queued so far on the device is done;
   // ends the job if it cannot finish (runtime/nccl_comm.h). The attached transport's
@@ -62,6 +71,10 @@ class NcclReplicaGroup : public ReplicaGroup {
   friend class NcclTransport;  // aborts this communicator with its own
 
   void enqueue(const Tensor& t);
+  ncclDataType_t nccl_type(const Tensor& t) const;
+  // Both sharded collectives: checks, the ordering before and after, the call itself.
+  template <typename Call>
+  void enqueue_sharded(const Tensor& a, const Tensor& b, Call call);
   std::vector<nccl_detail::WatchedComm> watched();
   cudaStream_t compute_stream() const { return static_cast<cudaStream_t>(compute_.native()); }
   cudaStream_t reduce_stream() const { return static_cast<cudaStream_t>(reduce_stream_->native()); }

@@ -2,9 +2,10 @@
 // mpirun -np 2 by nccl_transport_test.sh): tensors and their shapes arrive intact both
 // ways, out-of-order messages are matched by kind and micro-batch, a grouped exchange
 // in both directions completes, bad messages raise errors that name them without
-// hanging either rank, and replicas sum device tensors. Every test case is collective:
-// both ranks run them all, in order. With fewer than two visible GPUs it prints the
-// skip marker and passes.
+// hanging either rank, and replicas sum, reduce-scatter and all-gather device tensors
+// (the last two compiled only so far: no two-GPU machine has run them). Every test case
+// is collective: both ranks run them all, in order. With fewer than two visible GPUs it
+// prints the skip marker and passes.
 //   nccl_transport_check                         the test cases
 //   nccl_transport_check --stuck=send|recv|replica
 //       rank 1 stops taking part (alive, posting nothing more); rank 0's wait on NCCL
@@ -271,6 +272,33 @@ TEST_CASE("a replica group sums device tensors in place") {
   CHECK(g.all_reduce_sum(w.rank + 0.5) == 2.0);
   Tensor ints = to_device(Tensor::from_vector<int32_t>({1, 2}, {2}));
   CHECK_THROWS_AS(g.all_reduce_sum(ints), Error);
+}
+
+TEST_CASE("a replica group reduce-scatters and all-gathers device tensors (sharded optimizer state)") {
+  World& w = world();
+  NcclReplicaGroup& g = *w.replicas;
+  CHECK(g.rank() == w.rank);  // the group is MPI_COMM_WORLD's two ranks
+  for (DType dt : {DType::kF32, DType::kF64}) {
+    // Two blocks of 5; rank r gives pattern(r + 1) and keeps block r of the sum.
+    Tensor full = to_device(pattern({10}, dt, w.rank + 1));
+    Tensor block = to_device(pattern({5}, dt, 0));
+    g.reduce_scatter_sum(full, block);
+    std::vector<double> sum = values(pattern({10}, dt, 1));
+    const std::vector<double> other = values(pattern({10}, dt, 2));
+    for (size_t i = 0; i < sum.size(); ++i) sum[i] += other[i];
+    CHECK(device_values(block) == std::vector<double>(sum.begin() + 5 * w.rank, sum.begin() + 5 * w.rank + 5));
+    // Block r of the gathered tensor is rank r's.
+    Tensor mine = to_device(pattern({5}, dt, w.rank + 1));
+    Tensor gathered = to_device(pattern({10}, dt, 0));
+    g.all_gather(mine, gathered);
+    std::vector<double> want = values(pattern({5}, dt, 1));
+    const std::vector<double> second = values(pattern({5}, dt, 2));
+    want.insert(want.end(), second.begin(), second.end());
+    CHECK(device_values(gathered) == want);
+  }
+  Tensor wrong = to_device(pattern({9}, DType::kF64, 1));
+  Tensor five = to_device(pattern({5}, DType::kF64, 1));
+  CHECK_THROWS_AS(g.reduce_scatter_sum(wrong, five), Error);  // 9 is not 2 blocks of 5
 }
 
 // Run with --stuck=MODE: rank 1 stops taking part, rank 0 waits on NCCL work that

@@ -95,6 +95,19 @@ class ReplicaGroup {
   virtual void wait_all() {}
   // The training step under way, named when a wait times out.
   virtual void set_step(int64_t /*step*/) {}
+
+  // Sharded optimizer state (ZeRO-1). This replica's place in the group, 0 .. size()-1:
+  // the block of a reduce-scatter it keeps and of an all-gather it gives.
+  virtual int rank() const;
+  // `full` holds size() blocks of block.numel() elements each (contiguous); on return
+  // `block` holds the sum over the replicas of their block rank() of `full`
+  // (MPI_Reduce_scatter_block, ncclReduceScatter). `full` is left as it was, or used as
+  // scratch (unspecified afterwards). The default all-reduces a copy of `full`.
+  virtual void reduce_scatter_sum(Tensor& full, Tensor& block);
+  // The reverse: block r of `full` gets replica r's `block` (MPI_Allgather,
+  // ncclAllGather). The default all-reduces `full` zeroed but for its own block, which
+  // is exact: every element is one replica's value plus zeros.
+  virtual void all_gather(const Tensor& block, Tensor& full);
 };
 
 }  // namespace gpipe

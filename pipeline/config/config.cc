@@ -372,7 +372,22 @@ void decode_pipeline(Decoder& dec, const YAML::Node& root, Config& c) {
     dec.check_map(p, "pipeline", {"partitions", "replicas", "micro_batches", "recompute", "checkpoint", "schedule",
                                   "virtual_stages", "schedule_file", "balance", "devices", "pin_threads",
                                   "bucket_mb", "timeout_s", "balance_by", "profile", "memory_limit",
-                                  "batch_weight_gradients"});
+                                  "batch_weight_gradients", "shard_optimizer"});
+    if (p["shard_optimizer"]) {
+      const std::string mode = dec.str(p["shard_optimizer"], "pipeline.shard_optimizer");
+      if (mode == "gradients") {
+        dec.fail(p["shard_optimizer"], "pipeline.shard_optimizer",
+                 "gradients (ZeRO-2) is not implemented: a pipeline accumulates each stage's gradients over its M "
+                 "micro-batches in full, and gpipe does not yet reduce-scatter them per micro-batch; use optimizer "
+                 "(ZeRO-1: optimizer state sharded over the replicas) or none");
+      }
+      if (mode != "none" && mode != "optimizer") {
+        dec.fail(p["shard_optimizer"], "pipeline.shard_optimizer",
+                 "unknown '" + mode + "'; use none, or optimizer (ZeRO-1: each of the pipeline.replicas keeps 1/D of "
+                 "the optimizer state)");
+      }
+      c.pipeline.shard_optimizer = mode;
+    }
     if (p["timeout_s"]) {
       c.pipeline.timeout_s = dec.number(p["timeout_s"], "pipeline.timeout_s");
       if (c.pipeline.timeout_s < 0) {

@@ -37,6 +37,10 @@ struct PipelineConfig {
   int partitions = 1;       // K
   int replicas = 1;         // D: data-parallel copies of the pipeline (multi-process runs)
   double bucket_mb = 25;    // with replicas: gradients reduced in buckets of this many MiB
+  // With replicas: "none", or "optimizer" (ZeRO-1: each replica keeps and updates 1/D of
+  // each stage's optimizer state, gradients reduce-scattered, parameters all-gathered).
+  // "gradients" (ZeRO-2) is a reserved name, refused until it is built.
+  std::string shard_optimizer = "none";
   int micro_batches = 1;    // M
   // Rematerialization: pipeline.recompute, or torchgpipe's name pipeline.checkpoint
   // (saved training state is the top-level checkpoint section).

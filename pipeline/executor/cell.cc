@@ -53,13 +53,14 @@ int cell_of_layer(const std::vector<CellSpec>& cells, int layer) {
 }
 
 Schedule::Collectives run_collectives(const layers::Sequential& model, const std::vector<CellSpec>& cells,
-                                      bool replicas, bool gradient_norm) {
+                                      bool replicas, bool gradient_norm, bool shard_optimizer) {
   Schedule::Collectives out;
   out.replicas = replicas;
   for (const layers::Tie& t : model.ties()) {
     out.ties.emplace_back(cell_of_layer(cells, t.owner_layer), cell_of_layer(cells, t.copy_layer));
   }
   out.gradient_norm = gradient_norm;
+  out.shard_optimizer = replicas && shard_optimizer;  // one replica keeps all of it: nothing to shard
   return out;
 }
 

@@ -38,8 +38,9 @@ int cell_of_layer(const std::vector<CellSpec>& cells, int layer);
 // The collectives a run of this model on these cells needs (Schedule::Collectives):
 // the replicas' gradient sum, the ties' cells, the global gradient norm for clipping.
 // The plan lowers them into its schedule; the executor into one made by hand.
+// shard_optimizer: with replicas, the optimizer state sharded over them (RS, AG).
 Schedule::Collectives run_collectives(const layers::Sequential& model, const std::vector<CellSpec>& cells,
-                                      bool replicas, bool gradient_norm);
+                                      bool replicas, bool gradient_norm, bool shard_optimizer = false);
 
 // Sizes of M micro-batches of an N-sample batch: as even as possible, larger first
 // (10 into 4 -> 3 3 2 2). Throws UserError when N < M.

@@ -85,7 +85,7 @@ Executor::Executor(layers::Sequential& model, std::vector<CellSpec> cells, Sched
   // The collectives this run needs (the plan's schedule holds them already; a schedule
   // made by hand gets them here), then the whole program is checked.
   lower_collectives(schedule_, run_collectives(model_, cells_, options_.replicas != nullptr && options_.replicas->size() > 1,
-                                               options_.clip_grad_norm > 0));
+                                               options_.clip_grad_norm > 0, options_.shard_optimizer));
   check_schedule(schedule_, transport_.sends_wait_for_receiver() ? CommModel::kRendezvous : CommModel::kBuffered);
   model_.loss();  // the last cell needs one: fail now, not in a worker
   if (!options_.micro_batch_sizes.empty() &&
@@ -148,10 +148,15 @@ std::unique_ptr<Executor::StageRuntime> Executor::make_stage(int k) {
         for (auto* p : model_.layer(i).parameters()) params.push_back(p);
       }
     }
-    rt->optimizer = layers::make_optimizer(params, options_.optimizer);
+    rt->params = params;
+    if (schedule_.collectives.replicas && schedule_.collectives.shard_optimizer) {
+      make_sharding(*rt);  // the optimizer over this replica's shard
+    } else {
+      rt->optimizer = layers::make_optimizer(params, options_.optimizer);
+    }
     if (options_.replicas != nullptr && options_.replicas->size() > 1) {
       ReplicaGroup* group = options_.replicas;
-      rt->reducer = std::make_unique<GradReducer>(*group, *rt->backend, options_.bucket_bytes);
+      if (!rt->sharding) rt->reducer = std::make_unique<GradReducer>(*group, *rt->backend, options_.bucket_bytes);
       rt->replica_sum = [group](std::vector<double>& v) {
         Tensor t = Tensor::empty({static_cast<int64_t>(v.size())}, DType::kF64, Device::cpu());
         std::copy(v.begin(), v.end(), t.data<double>());
@@ -216,7 +221,7 @@ void Executor::share_devices() {
   for (const auto& rt : runtimes_) {
     // A replica's collectives block; a stage must not block while other stages wait for
     // their turn on its device.
-    if (rt->reducer && rt->device_turn != nullptr) {
+    if ((rt->reducer || rt->sharding) && rt->device_turn != nullptr) {
       throw UserError("data-parallel replicas need each stage on its own device; pipeline.devices gives stage " +
                       std::to_string(rt->index) + "'s device to another stage too");
     }
@@ -289,7 +294,7 @@ Tensor Executor::to_device(StageRuntime& rt, const Tensor& host) {
 // training step, before its program's first receive (first_gradient_wait): after a
 // step they hold what the optimizer applied (or, without it, what was accumulated).
 void Executor::zero_grads(StageRuntime& rt) {
-  for (auto* p : rt.optimizer->params()) rt.backend->fill(p->grad, 0.0);
+  for (auto* p : rt.params) rt.backend->fill(p->grad, 0.0);
 }
 
 // The cell's forward; a first forward keeps what backward needs (or, for a
@@ -514,6 +519,10 @@ int64_t Executor::run_instruction(StageRuntime& rt, size_t pc) {
       return exchange_tied_gradient(rt, ins.micro_batch);
     case Op::kGradientNorm:
       return reduce_gradient_norm(rt);
+    case Op::kReduceScatterGradients:
+      return reduce_scatter_gradients(rt);
+    case Op::kGatherParameters:
+      return gather_parameters(rt);
   }
   return 0;
 }
@@ -557,7 +566,7 @@ void Executor::run_stage(int k) {
     std::optional<FrozenWeights> frozen;
     for (size_t pc = 0; pc < prog.size(); ++pc) {
       const Instruction& ins = prog[pc];
-      if (ins.op == Op::kOptimizerStep) {
+      if (ins.op == Op::kOptimizerStep || after_optimizer(ins.op)) {  // they write the parameters
         frozen.reset();
       } else if (!frozen) {
         frozen.emplace();

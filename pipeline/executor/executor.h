@@ -53,6 +53,11 @@ struct ExecutorOptions {
   // not owned.
   ReplicaGroup* replicas = nullptr;
   int64_t bucket_bytes = int64_t{25} << 20;  // PyTorch DDP's default bucket
+  // With replicas: shard the optimizer state over them (ZeRO-1, Plan::shard_optimizer):
+  // each replica updates 1/D of the stage's flattened parameters (shard_partition.h);
+  // the program reduce-scatters the gradients (RS) and all-gathers the parameters after
+  // the step (AG). The replica group must know its rank.
+  bool shard_optimizer = false;
   // Index of this process's first row in the whole mini-batch (a replica's share
   // starts at replica x rows per replica): dropout keys its masks on the sample's
   // place in the mini-batch, so every split draws the same masks.
@@ -167,6 +172,9 @@ class Executor {
   // the model, the cells and the optimizer's config); save and restore for this
   // process's stages. restore checks every name, shape and dtype (UserError).
   StageStateNames state_names(int stage) const;
+  // Bytes of optimizer state this process keeps for a local stage (its slots: SGD's
+  // momentum, Adam's moments): the whole stage's, or with a sharded optimizer its shard's.
+  int64_t optimizer_state_bytes(int stage);
   StageState save_state(int stage);
   void restore_state(int stage, const std::map<std::string, Tensor>& model,
                      const std::map<std::string, Tensor>& optimizer);
@@ -198,6 +206,14 @@ class Executor {
   int64_t reduce_gradients(StageRuntime& rt);
   int64_t exchange_tied_gradient(StageRuntime& rt, int tie);
   int64_t reduce_gradient_norm(StageRuntime& rt);
+  // Sharded optimizer state (executor_sharded.cc).
+  void make_sharding(StageRuntime& rt);
+  int64_t reduce_scatter_gradients(StageRuntime& rt);
+  int64_t gather_parameters(StageRuntime& rt);
+  double shard_sum_squares(StageRuntime& rt);
+  void save_sharded_optimizer(StageRuntime& rt, const std::vector<std::string>& names, StageState& out);
+  void restore_sharded_optimizer(StageRuntime& rt, const std::vector<std::string>& names,
+                                 const std::map<std::string, Tensor>& optimizer);
   void sum_local_ties(StageRuntime& rt);
   void fold_statistics(StageRuntime& rt);
   void zero_grads(StageRuntime& rt);

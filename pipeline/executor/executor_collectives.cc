@@ -16,9 +16,9 @@ namespace pipeline {
 // the layers' statistics over the replicas. Returns the bytes of gradients summed.
 int64_t Executor::reduce_gradients(StageRuntime& rt) {
   GPIPE_CHECK(rt.reducer != nullptr, "RG on a stage without replicas");
-  rt.reducer->finish(rt.optimizer->params());  // its device is not shared (checked)
+  rt.reducer->finish(rt.params);  // its device is not shared (checked)
   int64_t bytes = 0;
-  for (auto* p : rt.optimizer->params()) bytes += static_cast<int64_t>(p->grad.nbytes());
+  for (auto* p : rt.params) bytes += static_cast<int64_t>(p->grad.nbytes());
   if (cur_.apply_optimizer) fold_statistics(rt);
   return bytes;
 }
@@ -74,9 +74,13 @@ int64_t Executor::reduce_gradient_norm(StageRuntime& rt) {
   const int k = rt.index;
   sum_local_ties(rt);
   double local = 0;
-  {
+  if (rt.sharding) {
+    // Each replica holds its shard of the summed gradients: the squares over the
+    // replicas, then over the stages.
+    local = options_.replicas->all_reduce_sum(shard_sum_squares(rt));
+  } else {
     auto turn = device_turn(k);
-    for (layers::Parameter* p : rt.optimizer->params()) {
+    for (layers::Parameter* p : rt.params) {
       if (!model_.is_tied_copy(p)) local += rt.backend->sum_squares(p->grad);  // a tied weight counts once
     }
   }

@@ -81,18 +81,21 @@ StageState Executor::save_state(int k) {
   GPIPE_CHECK(rt.local, "stage " + std::to_string(k) + " runs in another process");
   rt.backend->synchronize();  // between steps: no worker holds the device
   StageState out;
-  const auto& params = rt.optimizer->params();
+  const auto& params = rt.params;
   const Tensor steps = Tensor::from_vector<double>({static_cast<double>(rt.optimizer->steps())}, {});
+  std::vector<std::string> names(params.size());  // per parameter, for a sharded optimizer's slots
   size_t index = 0;
   for (int c : rt.cells) {
     for (int i = cells_[c].first_layer; i < cells_[c].first_layer + cells_[c].num_layers; ++i) {
       for (layers::Parameter* p : model_.layer(i).parameters()) {
         GPIPE_CHECK(index < params.size() && params[index] == p, "optimizer parameters out of layer order");
         const size_t slot_of = index++;
+        names[slot_of] = parameter_name(model_, i, p);
         if (model_.is_tied_copy(p)) continue;
         const std::string name = parameter_name(model_, i, p);
         out.model[name] = host_copy(p->value);
         out.optimizer[name + ".step"] = steps;
+        if (rt.sharding) continue;  // its slots whole, below
         for (const layers::OptimizerSlot& s : rt.optimizer->slots(slot_of)) {
           out.optimizer[name + s.suffix] = host_copy(*s.value);
         }
@@ -100,6 +103,7 @@ StageState Executor::save_state(int k) {
       for (const layers::Buffer& b : model_.layer(i).buffers()) out.model[state_name(model_, i, b.name)] = host_copy(*b.value);
     }
   }
+  if (rt.sharding) save_sharded_optimizer(rt, names, out);  // a collective over the replicas
   return out;
 }
 
@@ -107,7 +111,8 @@ void Executor::restore_state(int k, const std::map<std::string, Tensor>& model,
                              const std::map<std::string, Tensor>& optimizer) {
   StageRuntime& rt = *runtimes_.at(k);
   GPIPE_CHECK(rt.local, "stage " + std::to_string(k) + " runs in another process");
-  const auto& params = rt.optimizer->params();
+  const auto& params = rt.params;
+  std::vector<std::string> names(params.size());
   size_t index = 0;
   int64_t steps = -1;
   for (int c : rt.cells) {
@@ -124,6 +129,8 @@ void Executor::restore_state(int k, const std::map<std::string, Tensor>& model,
                           "; the checkpoint is corrupt or mixes runs");
         }
         steps = n;
+        names[slot_of] = name;
+        if (rt.sharding) continue;  // this replica's pieces, below
         for (const layers::OptimizerSlot& slot : rt.optimizer->slots(slot_of)) {
           restore_into(name + slot.suffix, find_state(optimizer, name + slot.suffix, "optimizer state"), *slot.value,
                        "optimizer state");
@@ -135,6 +142,7 @@ void Executor::restore_state(int k, const std::map<std::string, Tensor>& model,
     }
   }
   GPIPE_CHECK(index == params.size(), "optimizer parameters out of layer order");
+  if (rt.sharding) restore_sharded_optimizer(rt, names, optimizer);
   if (steps >= 0) rt.optimizer->set_steps(steps);
 }
 

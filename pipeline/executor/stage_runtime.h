@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "pipeline/executor/executor.h"
+#include "pipeline/executor/shard_partition.h"
 
 namespace gpipe {
 namespace pipeline {
@@ -47,7 +48,23 @@ struct Executor::StageRuntime {
   // BLAS and cuDNN handles, error checks) they also use: a stage queues work on the
   // device only while it holds it, and never while it waits for a message.
   std::mutex* device_turn = nullptr;
-  std::unique_ptr<GradReducer> reducer;  // with data-parallel replicas
+  // The stage's parameters, in layer order (the optimizer's too, unless it is sharded).
+  std::vector<layers::Parameter*> params;
+  // Sharded optimizer state (ZeRO-1, executor_sharded.cc): this replica's shard of the
+  // stage's flattened parameters, which its optimizer updates, and the two buffers of
+  // the collectives, kept for the run.
+  struct Sharding {
+    ShardPartition partition;
+    int replica = 0;
+    std::vector<std::vector<ShardPiece>> pieces;  // per replica's shard
+    // The optimizer's parameters: per piece of this replica's shard, a view of the
+    // parameter's elements and of the summed gradient's in `grad_block`.
+    std::vector<layers::Parameter> views;
+    Tensor flat;                    // (D x block): packed gradients for RS, gathered parameters from AG
+    Tensor grad_block, value_block;  // (block): this replica's summed gradients, its updated parameters
+  };
+  std::unique_ptr<Sharding> sharding;
+  std::unique_ptr<GradReducer> reducer;  // with data-parallel replicas, unsharded
   layers::ReplicaSum replica_sum;        // likewise, for BatchNorm's statistics
   // This step so far: the ties within the stage summed (before NORM or OPT reads the
   // gradients), the layers' statistics folded (by RG, over the replicas).

@@ -73,6 +73,7 @@ Plan plan_sizes(const Config& c) {
   p.stages = c.pipeline.partitions;
   p.virtual_stages = c.pipeline.virtual_stages;
   p.replicas = c.pipeline.replicas;
+  p.shard_optimizer = c.pipeline.shard_optimizer == "optimizer" && p.replicas > 1;
   p.batch_size = c.train.batch_size;
   p.recompute = c.pipeline.recompute;
   if (p.replicas > 1 && p.batch_size % p.replicas != 0) {
@@ -105,7 +106,8 @@ Plan make_plan(const Config& c, const layers::Sequential& model, const PlanOptio
   p.balance = plan_balance(c, model, cells, p.largest_micro_batch());
   p.devices = plan_devices(c, options.local_stage);
   p.cells = make_cells(p.balance, p.schedule, p.devices);
-  lower_collectives(p.schedule, run_collectives(model, p.cells, p.replicas > 1, c.optimizer.clip_grad_norm > 0));
+  lower_collectives(p.schedule, run_collectives(model, p.cells, p.replicas > 1, c.optimizer.clip_grad_norm > 0,
+                                                p.shard_optimizer));
   p.stage_flops = useful_flops(model, p);
   return p;
 }
@@ -345,6 +347,13 @@ std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequent
         out[k].gradient_bytes += any_costs[i].param_bytes;
         out[k].optimizer_bytes += slots * any_costs[i].param_bytes;
       }
+    }
+    if (plan.shard_optimizer) {
+      // ZeRO-1: a replica keeps its shard's state, at most ceil(N / D) of the stage's N
+      // elements (shard_partition.h; shard 0 is the largest).
+      const int64_t elem = static_cast<int64_t>(dtype_size(model.dtype()));
+      const int64_t n = out[k].weight_bytes / elem, D = plan.replicas;
+      out[k].optimizer_bytes = slots * elem * ((n + D - 1) / D);
     }
     out[k].parameter_bytes = out[k].weight_bytes + out[k].gradient_bytes + out[k].optimizer_bytes;
     // Walk the program: held[(chunk, m)] is what that micro-batch keeps on this stage.

@@ -20,6 +20,9 @@ struct Plan {
   int stages = 1;          // K
   int virtual_stages = 1;  // v: cells per stage
   int replicas = 1;        // D
+  // pipeline.shard_optimizer: optimizer with D > 1 (ZeRO-1): each replica keeps 1/D of
+  // its stage's optimizer state (shard_partition.h); the schedule holds RS and AG.
+  bool shard_optimizer = false;
   int64_t batch_size = 0;     // the whole mini-batch, over every replica
   int64_t replica_batch = 0;  // the rows one pipeline runs per step
   std::vector<int64_t> micro_batch_sizes;  // split_sizes(replica_batch, M): M of them
@@ -101,6 +104,9 @@ ActivationLayout probe_activations(const layers::Sequential& model);
 // rebuilds the contexts and keeps the input; a backward frees them, or keeps what the
 // splitting layers' W needs, as probed, and holds the input gradient until it is sent).
 // The trainer's fit check and the planner both call it.
+// With a sharded optimizer (Plan::shard_optimizer) the optimizer state is one replica's
+// shard. Not counted, sharded or not: the replicas' reduction buffers (the buckets, or
+// the flat buffer of RS and AG: one gradient's worth).
 struct StageMemory {
   int64_t parameter_bytes = 0;  // parameters, gradients and optimizer state: the three below
   int64_t weight_bytes = 0, gradient_bytes = 0, optimizer_bytes = 0;

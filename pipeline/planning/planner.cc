@@ -197,6 +197,21 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
       }
       case Op::kGradientNorm:
         return K > 1 ? 2 * link(k, k == 0 ? 1 : k - 1).ms(static_cast<int64_t>(sizeof(double))) : 0.0;
+      case Op::kReduceScatterGradients:
+      case Op::kGatherParameters: {
+        // Sharded optimizer state: all of the stage's gradients reduce-scattered after
+        // its last backward (nothing overlaps), then the parameters all-gathered after
+        // OPT; each, over a ring of the replicas, moves (D-1)/D of the stage's bytes.
+        const auto& layer_costs = counts.at(plan.micro_batch_sizes.front());
+        int64_t bytes = 0;
+        for (int c : s.cells[k]) {
+          for (int i = plan.cells[c].first_layer; i < plan.cells[c].first_layer + plan.cells[c].num_layers; ++i) {
+            bytes += layer_costs[i].param_bytes;
+          }
+        }
+        const double D = plan.replicas;
+        return link(k, k).ms(static_cast<int64_t>(static_cast<double>(bytes) * (D - 1) / D));
+      }
       case Op::kReduceGradients: {
         const auto& layer_costs = counts.at(plan.micro_batch_sizes.front());
         int64_t bytes = 0;

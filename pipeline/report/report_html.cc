@@ -61,7 +61,9 @@ const char* colour(Op op) {
     case Op::kRecvGradient: return "#d4d4d4";
     case Op::kReduceGradients:
     case Op::kTiedGradients:
-    case Op::kGradientNorm: return "#b07aa1";
+    case Op::kGradientNorm:
+    case Op::kReduceScatterGradients:
+    case Op::kGatherParameters: return "#b07aa1";
   }
   return "#000";
 }
@@ -149,7 +151,7 @@ std::string legend(int num_chunks) {
       {Op::kBackward, "backward"},         {Op::kBackwardWeight, "weight gradient (W)"},
       {Op::kOptimizerStep, "optimizer"},   {Op::kSendActivation, "send"},
       {Op::kRecvActivation, "receive (waiting for the neighbour)"},
-      {Op::kReduceGradients, "collective (replicas' gradient sum, tied weight, gradient norm)"}};
+      {Op::kReduceGradients, "collective (replicas' gradient sum or RS/AG, tied weight, gradient norm)"}};
   for (const auto& [op, text] : items) {
     o << "<span><i style=\"background:" << colour(op) << "\"></i>" << text << "</span>";
   }

@@ -26,6 +26,8 @@ const char* op_name(Op op) {
     case Op::kReduceGradients: return "reduce_gradients";
     case Op::kTiedGradients: return "tied_gradients";
     case Op::kGradientNorm: return "gradient_norm";
+    case Op::kReduceScatterGradients: return "reduce_scatter_gradients";
+    case Op::kGatherParameters: return "gather_parameters";
   }
   return "?";
 }
@@ -44,6 +46,8 @@ const char* op_short_name(Op op) {
     case Op::kReduceGradients: return "RG";
     case Op::kTiedGradients: return "TIE";
     case Op::kGradientNorm: return "NORM";
+    case Op::kReduceScatterGradients: return "RS";
+    case Op::kGatherParameters: return "AG";
   }
   return "?";
 }
@@ -54,8 +58,11 @@ bool is_communication(Op op) {
 }
 
 bool is_collective(Op op) {
-  return op == Op::kReduceGradients || op == Op::kTiedGradients || op == Op::kGradientNorm;
+  return op == Op::kReduceGradients || op == Op::kTiedGradients || op == Op::kGradientNorm ||
+         op == Op::kReduceScatterGradients || op == Op::kGatherParameters;
 }
+
+bool after_optimizer(Op op) { return op == Op::kGatherParameters; }
 
 bool has_cell(Op op) { return is_compute(op) || is_communication(op); }
 
@@ -389,12 +396,15 @@ void lower_communication(Schedule& s, CommModel comm) {
 
 std::vector<Instruction> stage_collectives(const Schedule& s, const Schedule::Collectives& c, int stage) {
   std::vector<Instruction> out;
-  if (c.replicas) out.push_back({Op::kReduceGradients, -1, 0});
+  const bool sharded = c.replicas && c.shard_optimizer;
+  if (c.replicas && !sharded) out.push_back({Op::kReduceGradients, -1, 0});
   for (size_t i = 0; i < c.ties.size(); ++i) {
     const int a = s.stage_of_cell(c.ties[i].first), b = s.stage_of_cell(c.ties[i].second);
     if (a != b && (a == stage || b == stage)) out.push_back({Op::kTiedGradients, static_cast<int>(i), 0});
   }
+  if (sharded) out.push_back({Op::kReduceScatterGradients, -1, 0});
   if (c.gradient_norm) out.push_back({Op::kGradientNorm, -1, 0});
+  if (sharded) out.push_back({Op::kGatherParameters, -1, 0});  // after OPT (after_optimizer)
   return out;
 }
 
@@ -404,12 +414,19 @@ void lower_collectives(Schedule& s, const Schedule::Collectives& c) {
     throw Error("schedule '" + s.name + "' already holds other collectives than this run needs");
   }
   for (size_t k = 0; k < s.stages.size(); ++k) {
-    const std::vector<Instruction> mine = stage_collectives(s, c, static_cast<int>(k));
+    std::vector<Instruction> before, after;
+    for (const Instruction& i : stage_collectives(s, c, static_cast<int>(k))) {
+      (after_optimizer(i.op) ? after : before).push_back(i);
+    }
     auto& prog = s.stages[k];
     auto at = std::find_if(prog.begin(), prog.end(), [](const Instruction& i) { return i.op == Op::kOptimizerStep; });
     const size_t pos = static_cast<size_t>(at - prog.begin());
-    prog.insert(at, mine.begin(), mine.end());
-    if (!s.lines.empty()) s.lines[k].insert(s.lines[k].begin() + static_cast<long>(pos), mine.size(), 0);
+    prog.insert(at, before.begin(), before.end());
+    if (!s.lines.empty()) s.lines[k].insert(s.lines[k].begin() + static_cast<long>(pos), before.size(), 0);
+    const size_t opt = pos + before.size();
+    GPIPE_CHECK(after.empty() || opt < prog.size(), "a collective after the optimizer step of a program without one");
+    prog.insert(prog.begin() + static_cast<long>(opt) + 1, after.begin(), after.end());
+    if (!s.lines.empty()) s.lines[k].insert(s.lines[k].begin() + static_cast<long>(opt) + 1, after.size(), 0);
   }
   s.collectives = c;
   s.collectives_lowered = true;

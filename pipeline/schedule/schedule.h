@@ -61,13 +61,21 @@ enum class Op {
   kTiedGradients,    // TIE: a weight tied across two stages gets the sum of both copies'
                      // gradients; micro_batch holds the tie's index in Collectives::ties
   kGradientNorm,     // NORM: the global gradient norm, its square summed over every stage
+  // Sharded optimizer state (pipeline.shard_optimizer, ZeRO-1): RS replaces RG and AG
+  // follows OPT, the one collective after it.
+  kReduceScatterGradients,  // RS: the stage's flattened gradients reduce-scattered over
+                            // the replicas: each keeps the sum of its own shard
+                            // (shard_partition.h), and the statistics folded as RG does
+  kGatherParameters,        // AG: after OPT, each replica's updated shard all-gathered
+                            // so that every replica holds the whole stage's parameters
 };
-constexpr int kNumOps = static_cast<int>(Op::kGradientNorm) + 1;  // keep with the last Op
+constexpr int kNumOps = static_cast<int>(Op::kGatherParameters) + 1;  // keep with the last Op
 
 const char* op_name(Op op);        // "forward", ...
 const char* op_short_name(Op op);  // "F", "B", "W", "R", "sA", "rA", "sG", "rG", "OPT"
 bool is_communication(Op op);      // point-to-point sends and receives
-bool is_collective(Op op);         // RG, TIE, NORM: stages (or replicas) wait for each other
+bool is_collective(Op op);         // RG, TIE, NORM, RS, AG: stages (or replicas) wait for each other
+bool after_optimizer(Op op);       // AG: the one collective that runs after OPT
 bool is_compute(Op op);            // F, R, B, W
 bool has_cell(Op op);              // runs on one of the stage's cells (compute and point-to-point)
 
@@ -113,8 +121,13 @@ struct Schedule {
     // stage is summed locally in the optimizer step; one across stages is a TIE on both.
     std::vector<std::pair<int, int>> ties;
     bool gradient_norm = false;  // the global gradient norm is needed (clipping): NORM
+    // With replicas, the optimizer state sharded over them (ZeRO-1): RS instead of RG,
+    // the ties' TIE before RS (a sum is linear: the copies' unsummed gradients add up
+    // the same), and AG after OPT.
+    bool shard_optimizer = false;
     bool operator==(const Collectives& o) const {
-      return replicas == o.replicas && ties == o.ties && gradient_norm == o.gradient_norm;
+      return replicas == o.replicas && ties == o.ties && gradient_norm == o.gradient_norm &&
+             shard_optimizer == o.shard_optimizer;
     }
   } collectives;
   bool collectives_lowered = false;
@@ -238,14 +251,15 @@ void lower_communication(Schedule& s, CommModel comm = CommModel::kBuffered);
 
 // Inserts the step's collectives before each stage's optimizer step, in the same order
 // on every stage: RG (with replicas), one TIE per tie across stages on its two stages
-// (in tie order), NORM on every stage (clipping). Idempotent: lowering the same facts
+// (in tie order), NORM on every stage (clipping). With sharded optimizer state: the
+// TIEs, RS, NORM before OPT, and AG right after it. Idempotent: lowering the same facts
 // again changes nothing; different facts throw Error.
 void lower_collectives(Schedule& s, const Schedule::Collectives& collectives);
 // The collectives stage `stage` runs for these facts, in their order (what
 // lower_collectives inserts there, and what the checker expects).
 std::vector<Instruction> stage_collectives(const Schedule& s, const Schedule::Collectives& collectives, int stage);
 // The stages taking part in a collective instruction of stage `stage`: itself for RG
-// (its partners are the replicas, running the same program), the tie's two stages for
+// (and RS, AG; its partners are the replicas, running the same program), the tie's two stages for
 // TIE, every stage for NORM.
 std::vector<int> collective_stages(const Schedule& s, int stage, const Instruction& ins);
 

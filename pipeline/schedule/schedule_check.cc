@@ -58,6 +58,7 @@ struct StageProgress {
   std::vector<ChunkState> chunks;
   int opt = 0;
   int collectives_expected = 0, collectives_done = 0;
+  int collectives_after_opt = 0;  // of the expected ones, those after OPT (AG)
 };
 
 // A collective instruction's identity: (op, tie index or -1).
@@ -84,6 +85,9 @@ class Interpreter {
     for (int k = 0; k < K; ++k) {
       st_[k].chunks.assign(v, ChunkState(M));
       st_[k].collectives_expected = collectives_of_stage(s_, k);
+      if (s_.collectives_lowered) {
+        for (const Instruction& i : stage_collectives(s_, s_.collectives, k)) st_[k].collectives_after_opt += after_optimizer(i.op);
+      }
       for (size_t i = 0; i < s_.stages[k].size(); ++i) {
         const Instruction& ins = s_.stages[k][i];
         validate_indices(k, i);
@@ -172,6 +176,11 @@ class Interpreter {
       const auto& c = s_.collectives;
       if (!s_.collectives_lowered) fail(k, pc, "collectives are inserted by lower_collectives, not written");
       if (ins.op == Op::kReduceGradients && !c.replicas) fail(k, pc, "the run has no data-parallel replicas");
+      if ((ins.op == Op::kReduceScatterGradients || ins.op == Op::kGatherParameters) &&
+          !(c.replicas && c.shard_optimizer)) {
+        fail(k, pc, "the run does not shard its optimizer state over data-parallel replicas");
+      }
+      if (ins.op == Op::kReduceGradients && c.shard_optimizer) fail(k, pc, "a sharded run reduce-scatters (RS), it does not all-reduce");
       if (ins.op == Op::kGradientNorm && !c.gradient_norm) fail(k, pc, "the run does not need the gradient norm");
       if (ins.op == Op::kTiedGradients) {
         if (ins.micro_batch < 0 || ins.micro_batch >= static_cast<int>(c.ties.size())) fail(k, pc, "no such tied weight");
@@ -230,8 +239,8 @@ class Interpreter {
     if (s_.forward_only && ins.op != Op::kForward) fail(k, pc, "a forward-only program runs forwards only");
     if (ins.op == Op::kOptimizerStep) {
       check_gradients_final(k, pc, "optimizer step");
-      if (S.collectives_done < S.collectives_expected) {
-        fail(k, pc, "optimizer step before the stage's collectives (RG, TIE, NORM) have run");
+      if (S.collectives_done < S.collectives_expected - S.collectives_after_opt) {
+        fail(k, pc, "optimizer step before the stage's collectives (RG, TIE, NORM, RS) have run");
       }
       if (S.opt++) fail(k, pc, "optimizer step twice");
       return cost_(k, ins);
@@ -309,7 +318,11 @@ class Interpreter {
     if (c.done.count(k)) fail(k, pc, "the collective runs twice");
     if (!c.arrived.count(k)) {
       check_gradients_final(k, pc, "collective");
-      if (S.opt) fail(k, pc, "collective after the optimizer step");
+      if (after_optimizer(ins.op)) {
+        if (!S.opt) fail(k, pc, "the parameters' all-gather before the optimizer step that updates them");
+      } else if (S.opt) {
+        fail(k, pc, "collective after the optimizer step");
+      }
       c.arrived[k] = S.clock;
     }
     double last = 0;
@@ -392,7 +405,7 @@ class Interpreter {
       }
       if (st_[k].collectives_done != st_[k].collectives_expected) {
         throw UserError("schedule '" + s_.name + "': stage " + std::to_string(k) + " runs " +
-                        std::to_string(st_[k].collectives_done) + " collectives (RG, TIE, NORM) where the run needs " +
+                        std::to_string(st_[k].collectives_done) + " collectives (RG, TIE, NORM, RS, AG) where the run needs " +
                         std::to_string(st_[k].collectives_expected) + marked_table(s_, {}));
       }
     }
@@ -639,7 +652,9 @@ Simulation simulate(const Schedule& s, const OpCosts& c) {
       case Op::kOptimizerStep: return c.optimizer;
       case Op::kReduceGradients:
       case Op::kTiedGradients:
-      case Op::kGradientNorm: return c.collective;
+      case Op::kGradientNorm:
+      case Op::kReduceScatterGradients:
+      case Op::kGatherParameters: return c.collective;
       default: return 0.0;
     }
   };

@@ -44,6 +44,9 @@ StepTime account_step(const std::vector<std::vector<OpSpan>>& stages) {
   out.stages.assign(stages.size(), {});
   for (size_t k = 0; k < stages.size(); ++k) {
     StageTime& s = out.stages[k];
+    double opt_in_span = 0;  // counted only where a collective follows OPT
+    bool gathers = false;
+    for (const OpSpan& op : stages[k]) gathers = gathers || after_optimizer(op.op);
     for (const OpSpan& op : stages[k]) {
       const double d = op.end_ms - op.start_ms;
       switch (time_category(op.op)) {
@@ -65,11 +68,17 @@ StepTime account_step(const std::vector<std::vector<OpSpan>>& stages) {
           if (is_collective(op.op)) s.collective_ms += own;
           break;
         }
-        case TimeCategory::kOptimizer: s.optimizer_ms += d; break;
+        case TimeCategory::kOptimizer:
+          s.optimizer_ms += d;
+          // Where a collective follows it (AG, sharded optimizer state) it is inside
+          // the span, and not idle time. (An OPT that merely ends before another
+          // stage's last instruction stays idle time, as the bubble's tail.)
+          opt_in_span += d;
+          break;
         case TimeCategory::kWaiting: break;  // idle: counted as what the span leaves
       }
     }
-    s.idle_ms = std::max(0.0, out.span_ms - s.busy_ms - s.comm_ms);
+    s.idle_ms = std::max(0.0, out.span_ms - s.busy_ms - s.comm_ms - (gathers ? opt_in_span : 0.0));
     s.utilization = out.span_ms > 0 ? s.busy_ms / out.span_ms : 0;
   }
   return out;

@@ -3,14 +3,16 @@
 // planner.h), so that the report's measured and predicted columns mean the same thing.
 //
 // The step's span runs from its start to the end of the last instruction on any stage
-// other than the optimizer step (reported on its own, after the span). Within the span
+// other than the optimizer step (reported on its own, after the span; with sharded
+// optimizer state the parameters' all-gather AG follows it, so the span takes the step
+// in, and its time is the optimizer's, not idle). Within the span
 // a stage computes (forward, recompute, backward, weight gradient: busy), communicates
 // (sends, and the collectives' own time), or is idle: waiting at a receive for its
 // neighbour, at a collective for the other stages taking part, or with nothing to do
 // (the bubble). A collective among stages (TIE, NORM) lasts, on each, from its arrival
 // until the last one arrived plus the collective's own time, which is the quickest
 // stage's duration (the last to arrive waits for no one); RG's partners are replicas,
-// whose timings are not in this step's: all of its time counts.
+// whose timings are not in this step's: all of its time counts, as all of RS's and AG's.
 #pragma once
 
 #include <vector>

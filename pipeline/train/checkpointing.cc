@@ -117,11 +117,13 @@ nlohmann::json RunCheckpoints::trainer_state(int64_t done, double lr) const {
 void RunCheckpoints::save(int64_t done, double lr) {
   const int K = plan_.stages;
   std::vector<ShardTensors> shards;
-  if (writes_) {
+  // Sharded optimizer state: every replica takes part in the save (its slots are
+  // gathered whole), replica 0 writes.
+  if (writes_ || plan_.shard_optimizer) {
     for (int k = 0; k < K; ++k) {
       if (multi_ && k != launch_.rank) continue;
       StageState s = executor_.save_state(k);  // host copies
-      shards.push_back({std::move(s.model), std::move(s.optimizer)});
+      if (writes_) shards.push_back({std::move(s.model), std::move(s.optimizer)});
     }
   }
   const nlohmann::json state = trainer_state(done, lr);

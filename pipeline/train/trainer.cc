@@ -187,6 +187,7 @@ ExecutorOptions executor_options(const Config& c, const Launch& launch, const Pl
   opts.rank = launch.replica * launch.size + launch.rank;
   opts.replicas = plan.replicas > 1 ? launch.replicas : nullptr;
   opts.bucket_bytes = static_cast<int64_t>(c.pipeline.bucket_mb * (1 << 20));
+  opts.shard_optimizer = plan.shard_optimizer;
   opts.sample_offset = launch.replica * plan.replica_batch;
   opts.micro_batch_sizes = plan.micro_batch_sizes;
   opts.clock_offset_ms = clock_offset_ms;
@@ -334,6 +335,14 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   Transport& transport = multi ? *launch.transport : static_cast<Transport&>(in_process);
   Executor executor(*model, plan.cells, plan.schedule, transport,
                     executor_options(c, launch, plan, artifacts.clock_offset_ms()));
+  if (plan.replicas > 1) {  // what the device holds of the optimizer's state, measured (planned: report.json)
+    for (int k = 0; k < K; ++k) {
+      if (multi && k != launch.rank) continue;
+      spdlog::info("stage {} replica {}: optimizer state {} bytes on this device ({})", k, launch.replica,
+                   executor.optimizer_state_bytes(k),
+                   plan.shard_optimizer ? "its shard, 1/" + std::to_string(plan.replicas) : std::string("not sharded"));
+    }
+  }
   const layers::LrSchedule lr = lr_schedule(c);
 
   const int64_t eval_n = c.train.eval_samples > 0 ? std::min(c.train.eval_samples, data->validation_size())
