@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdio>
 #include <sstream>
+#include <thread>
 
 #include "runtime/error.h"
 #include "runtime/random.h"
@@ -91,6 +92,22 @@ double dot(const Tensor& a, const Tensor& b) {
 void report_skipped(const std::string& why) {
   std::printf("GPIPE_TEST_SKIPPED: %s\n", why.c_str());
   std::fflush(stdout);
+}
+
+std::vector<std::string> on_threads(int n, const std::function<void(int)>& f) {
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    threads.emplace_back([&, i] {
+      try {
+        f(i);
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(i)] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errors;
 }
 
 }  // namespace testing

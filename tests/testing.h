@@ -51,6 +51,10 @@ std::vector<double> numeric_gradient(Tensor& t, const std::function<double()>& f
 // Sum of a[i] * b[i] over all elements, in double, for f(x) = <layer(x), r> objectives.
 double dot(const Tensor& a, const Tensor& b);
 
+// Runs f(i) for i in 0 .. n-1, each on a thread of its own (replicas, stages), and
+// returns what each threw ("" for none), for the caller to CHECK.
+std::vector<std::string> on_threads(int n, const std::function<void(int)>& f);
+
 // Prints the marker that `./gpipe test` counts as "skipped" (a doctest binary that has
 // nothing to run here, e.g. GPU tests on a machine without a GPU, exits 0 after it).
 void report_skipped(const std::string& why);

@@ -130,18 +130,7 @@ class ThreadReplicaGroup : public ReplicaGroup {
 
 // Runs f(d) for every replica d in its own thread.
 void on_replicas(int D, const std::function<void(int)>& f) {
-  std::vector<std::thread> threads;
-  std::vector<std::string> errors(D);
-  for (int d = 0; d < D; ++d) {
-    threads.emplace_back([&, d] {
-      try {
-        f(d);
-      } catch (const std::exception& e) {
-        errors[d] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  const std::vector<std::string> errors = gpipe::testing::on_threads(D, f);
   for (int d = 0; d < D; ++d) {
     INFO("replica ", d, ": ", errors[d]);
     CHECK(errors[d].empty());

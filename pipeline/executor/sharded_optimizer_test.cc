@@ -66,18 +66,7 @@ TEST_CASE("the shard partition: balanced, contiguous, a parameter split across s
 namespace {
 
 void on_threads(int n, const std::function<void(int)>& f) {
-  std::vector<std::thread> threads;
-  std::vector<std::string> errors(n);
-  for (int i = 0; i < n; ++i) {
-    threads.emplace_back([&, i] {
-      try {
-        f(i);
-      } catch (const std::exception& e) {
-        errors[i] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  const std::vector<std::string> errors = gpipe::testing::on_threads(n, f);
   for (int i = 0; i < n; ++i) {
     INFO("thread ", i, ": ", errors[i]);
     CHECK(errors[i].empty());

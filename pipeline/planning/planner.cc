@@ -181,6 +181,17 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
   for (int64_t n : plan.micro_batch_sizes) {
     if (!counts.count(n)) counts[n] = model.costs(n);
   }
+  // The bytes of stage k's parameters (and so of its gradients): what RG, RS and AG move.
+  auto stage_param_bytes = [&](int k) {
+    const auto& layer_costs = counts.at(plan.micro_batch_sizes.front());
+    int64_t bytes = 0;
+    for (int c : s.cells[k]) {
+      for (int i = plan.cells[c].first_layer; i < plan.cells[c].first_layer + plan.cells[c].num_layers; ++i) {
+        bytes += layer_costs[i].param_bytes;
+      }
+    }
+    return bytes;
+  };
   // A collective's own time once every stage taking part has arrived (the simulator
   // adds the wait). TIE: the copy's gradient there and the sum back. NORM: one number
   // to a neighbour and back. RG: the buckets still in flight when the stage's last
@@ -202,24 +213,11 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
         // Sharded optimizer state: all of the stage's gradients reduce-scattered after
         // its last backward (nothing overlaps), then the parameters all-gathered after
         // OPT; each, over a ring of the replicas, moves (D-1)/D of the stage's bytes.
-        const auto& layer_costs = counts.at(plan.micro_batch_sizes.front());
-        int64_t bytes = 0;
-        for (int c : s.cells[k]) {
-          for (int i = plan.cells[c].first_layer; i < plan.cells[c].first_layer + plan.cells[c].num_layers; ++i) {
-            bytes += layer_costs[i].param_bytes;
-          }
-        }
         const double D = plan.replicas;
-        return link(k, k).ms(static_cast<int64_t>(static_cast<double>(bytes) * (D - 1) / D));
+        return link(k, k).ms(static_cast<int64_t>(static_cast<double>(stage_param_bytes(k)) * (D - 1) / D));
       }
       case Op::kReduceGradients: {
-        const auto& layer_costs = counts.at(plan.micro_batch_sizes.front());
-        int64_t bytes = 0;
-        for (int c : s.cells[k]) {
-          for (int i = plan.cells[c].first_layer; i < plan.cells[c].first_layer + plan.cells[c].num_layers; ++i) {
-            bytes += layer_costs[i].param_bytes;
-          }
-        }
+        const int64_t bytes = stage_param_bytes(k);
         const double D = plan.replicas;
         const double in_flight = std::min<double>(static_cast<double>(bytes), 25.0 * (1 << 20));
         return link(k, k).ms(static_cast<int64_t>(in_flight * 2 * (D - 1) / D));
