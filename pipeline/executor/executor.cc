@@ -588,7 +588,7 @@ void Executor::run_stage(int k) {
         }
       }
       if (has_cell(ins.op)) {
-        for (int m : ins.micro_batches()) meter(ins.chunk, m);
+        for (int m = ins.micro_batch; m < ins.micro_batch + ins.count; ++m) meter(ins.chunk, m);  // a batched W's all
         // A hand-over to a neighbouring cell of this stage changed its holdings too.
         const int c = rt.cells[ins.chunk];
         if (ins.op == Op::kForward && c + 1 < schedule_.num_cells() && schedule_.stage_of_cell(c + 1) == k) {

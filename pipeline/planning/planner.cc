@@ -225,8 +225,7 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
       default: return 0.0;
     }
   };
-  std::function<double(int, const Instruction&)> cost_of;
-  const CostFn cost = cost_of = [&](int k, const Instruction& ins) -> double {
+  const CostFn cost = [&](int k, const Instruction& ins) -> double {
     double t = options.instruction_overhead_ms;
     if (ins.op == Op::kOptimizerStep) {
       const CostTable& table = costs.at(plan.micro_batch_sizes.front());
@@ -239,14 +238,13 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
     }
     if (ins.op == Op::kRecvActivation || ins.op == Op::kRecvGradient) return t;
     if (is_collective(ins.op)) return t + collective_ms(k, ins);
-    if (ins.op == Op::kBackwardWeight && ins.count > 1) {
-      // A batched W: the W of each micro-batch it covers, at its size (the table times W
-      // per micro-batch: the fewer, larger products it runs as are not priced lower).
+    if (ins.op == Op::kBackwardWeight) {
+      // The W of each micro-batch it covers (several for a batched W), each at its size:
+      // the table times W per micro-batch, so a batched W's larger product is not priced lower.
+      const CellSpec& cell = plan.cells[s.cell(k, ins.chunk)];
       for (int m : ins.micro_batches()) {
-        Instruction one = ins;
-        one.micro_batch = m;
-        one.count = 1;
-        t += cost_of(k, one) - options.instruction_overhead_ms;
+        const CostTable& table = costs.at(plan.micro_batch_sizes[m]);
+        for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) t += table.layers[i].backward_weight;
       }
       return t;
     }
@@ -273,7 +271,6 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
         case Op::kForward: t += ckpt[k][ins.chunk][m] ? l.forward_nograd : l.forward; break;
         case Op::kRecompute: t += l.recompute; break;
         case Op::kBackward: t += split[k][ins.chunk][m] ? l.backward_input : l.backward; break;
-        case Op::kBackwardWeight: t += l.backward_weight; break;
         default: break;
       }
     }
