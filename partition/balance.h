@@ -18,6 +18,7 @@ struct CostModel {
   double flops_per_second = 5e10;  // one core's matrix-product rate, roughly
   double bytes_per_second = 1e10;  // one core's memory bandwidth, roughly
   bool probed = false;  // flops_per_second is the device's measured peak (pipeline/planning/device_peak.h)
+  bool bytes_probed = false;  // bytes_per_second is a GPU's measured copy rate (ditto)
   double seconds(const layers::LayerCost& c, bool recompute) const;
 };
 

@@ -70,6 +70,27 @@ double probe(Device d, DType dtype, const std::function<void()>& start) {
   return best;
 }
 
+// A GPU's memory rate for the cost model's byte term: the best of a few device-to-device
+// copies of 256 MiB, counting the bytes read and written. Not taken on a CPU, whose cost
+// model keeps its fixed rate (partition::CostModel).
+double probe_copy(Device d) {
+  Backend& be = backend_for(d);
+  const int64_t n = int64_t{64} << 20;  // floats: 256 MiB
+  Tensor a = be.empty({n}, DType::kF32), c = be.empty({n}, DType::kF32);
+  be.fill(a, 0.5);
+  copy_tensor(a, c);  // warm-up
+  be.synchronize();
+  double best = 0;
+  for (int i = 0; i < 5; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    copy_tensor(a, c);
+    be.synchronize();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, 2.0 * static_cast<double>(a.nbytes()) / s);
+  }
+  return best;
+}
+
 nlohmann::json read_cache(const std::string& path) {
   std::ifstream f(path);
   if (!f) return nlohmann::json::object();
@@ -105,23 +126,50 @@ std::string peak_cache_path() {
 
 std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType dtype, int blas_threads, int processes) {
   // CPU stages share the machine, so they are probed together and keyed by how many
-  // ran at once; each GPU is its own and is probed alone.
+  // ran at once. A GPU is probed once, alone, whatever the number of stages on it; each
+  // of those stages then gets its share, so that the shares add up to the GPU's rate.
   const int cpus = static_cast<int>(std::count_if(devices.begin(), devices.end(), [](Device d) { return d.is_cpu(); }));
+  std::vector<size_t> first(devices.size());  // the first stage on the same GPU (itself for a CPU)
+  std::vector<int> sharing(devices.size(), 1);
+  for (size_t i = 0; i < devices.size(); ++i) {
+    first[i] = i;
+    if (devices[i].is_cpu()) continue;
+    first[i] = static_cast<size_t>(std::find(devices.begin(), devices.end(), devices[i]) - devices.begin());
+    sharing[i] = static_cast<int>(std::count(devices.begin(), devices.end(), devices[i]));
+  }
   std::vector<std::string> keys;
   for (Device d : devices) keys.push_back(peak_key(d, dtype, blas_threads, d.is_cpu() ? cpus * processes : 1));
+  auto copy_key = [&](size_t i) { return keys[i] + "|copy"; };
 
   const std::string path = peak_cache_path();
   nlohmann::json cache = read_cache(path);
   std::vector<DevicePeak> out(devices.size());
+  // Every stage's share of its device once `out` holds the devices' whole rates.
+  auto shares = [&] {
+    std::vector<DevicePeak> each(devices.size());
+    for (size_t i = 0; i < devices.size(); ++i) {
+      each[i] = out[first[i]];
+      each[i].flops_per_second /= sharing[i];
+      each[i].bytes_per_second /= sharing[i];
+    }
+    return each;
+  };
+  auto cached = [&](const std::string& key) {
+    const auto it = cache.find(key);
+    return it != cache.end() && it->is_number() && it->get<double>() > 0 ? it->get<double>() : 0.0;
+  };
   std::vector<size_t> to_probe;
   for (size_t i = 0; i < devices.size(); ++i) {
-    const auto it = cache.find(keys[i]);
-    if (it != cache.end() && it->is_number() && it->get<double>() > 0) {
-      out[i] = {it->get<double>(), true};
+    if (first[i] != i) continue;
+    const double flops = cached(keys[i]);
+    const double bytes = devices[i].is_cpu() ? 0.0 : cached(copy_key(i));
+    if (flops > 0 && (devices[i].is_cpu() || bytes > 0)) {
+      out[i] = {flops, bytes, true};
     } else {
       to_probe.push_back(i);
     }
   }
+  if (to_probe.empty()) return shares();
   if (to_probe.empty()) return out;
   // The BLAS's threads per call as the key says (a command that probes before its run
   // sets them, such as `gpipe plan`, would otherwise probe at the library's default).
@@ -136,13 +184,14 @@ std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType d
     if (--waiting == 0) cv.notify_all();
     cv.wait(lock, [&] { return waiting == 0; });
   };
-  std::vector<double> rate(to_probe.size(), 0);
+  std::vector<double> rate(to_probe.size(), 0), copy_rate(to_probe.size(), 0);
   std::vector<std::exception_ptr> error(to_probe.size());
   std::vector<std::thread> threads;
   for (size_t j = 0; j < to_probe.size(); ++j) {
     threads.emplace_back([&, j] {
       try {
         rate[j] = probe(devices[to_probe[j]], dtype, start);
+        if (!devices[to_probe[j]].is_cpu()) copy_rate[j] = probe_copy(devices[to_probe[j]]);
       } catch (...) {
         error[j] = std::current_exception();
         start();  // the others do not wait for it
@@ -161,8 +210,9 @@ std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType d
   }
   for (size_t j = 0; j < to_probe.size(); ++j) {
     const size_t i = to_probe[j];
-    out[i] = {devices[i].is_cpu() ? cpu_sum / cpu_n : rate[j], false};
+    out[i] = {devices[i].is_cpu() ? cpu_sum / cpu_n : rate[j], copy_rate[j], false};
     cache[keys[i]] = out[i].flops_per_second;
+    if (!devices[i].is_cpu()) cache[copy_key(i)] = out[i].bytes_per_second;
   }
   try {
     std::filesystem::create_directories(std::filesystem::path(path).parent_path());
@@ -170,7 +220,7 @@ std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType d
   } catch (const std::exception& e) {
     spdlog::debug("peak cache not written ({}): the next run probes again", e.what());
   }
-  return out;
+  return shares();
 }
 
 }  // namespace pipeline

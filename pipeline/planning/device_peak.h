@@ -17,6 +17,9 @@ namespace pipeline {
 
 struct DevicePeak {
   double flops_per_second = 0;
+  // A GPU's device-to-device copy rate (bytes read and written per second), the cost
+  // model's byte term there; 0 on a CPU, whose cost model keeps its fixed rate.
+  double bytes_per_second = 0;
   bool cached = false;  // read from the cache file instead of measured now
 };
 
@@ -32,7 +35,9 @@ std::string peak_cache_path();
 
 // The peak of each device in `devices` (one per stage of this process), probed with all
 // of them calling at once: CPU stages share the machine's cores, so each one's peak is
-// its share (two stages of one thread each on two cores: one core each). A probe sets
+// its share (two stages of one thread each on two cores: one core each). A GPU is probed
+// alone, once, and each of the stages on it gets its share (two stages on cuda:0: half
+// each), so that MFU's denominator counts each device once. A probe sets
 // the BLAS's threads per call to `blas_threads` (set_cpu_blas_threads) and leaves them so. Results come from the cache
 // where it has this key; otherwise probed (about 0.3 s) and stored. `processes`: how many
 // processes of the job on this machine probe at the same time (each with its own

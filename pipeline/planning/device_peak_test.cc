@@ -65,3 +65,28 @@ TEST_CASE("a probed peak is cached under its key, read back, and a damaged cache
   CHECK(reprobed.flops_per_second > 1e8);
   CHECK(read_json(path)["peaks"].size() == 1);  // rewritten whole, with this probe only
 }
+
+TEST_CASE("stages sharing a GPU share its rates, so MFU's denominator counts the GPU once") {
+  // The cache's entries stand for a probe of each GPU alone (no GPU is needed to read them).
+  const std::string path = tmp_path("gpu_peaks.json");
+  ::setenv("GPIPE_PEAK_CACHE", path.c_str(), 1);
+  nlohmann::json peaks;
+  for (int g : {0, 1}) {
+    const std::string key = peak_key(Device::cuda(g), DType::kF32, 1, 1);
+    peaks[key] = 40e12 + g * 1e12;
+    peaks[key + "|copy"] = 3e12;
+  }
+  std::ofstream(path) << nlohmann::json{{"version", 2}, {"peaks", peaks}}.dump();
+  const std::vector<DevicePeak> p =
+      device_peaks({Device::cuda(0), Device::cuda(0), Device::cuda(1), Device::cuda(0)}, DType::kF32, 1);
+  REQUIRE(p.size() == 4);
+  for (int i : {0, 1, 3}) {
+    CHECK(p[i].cached);
+    CHECK(p[i].flops_per_second == doctest::Approx(40e12 / 3));
+    CHECK(p[i].bytes_per_second == doctest::Approx(1e12));
+  }
+  CHECK(p[2].flops_per_second == 41e12);  // alone on cuda:1: all of it
+  CHECK(p[2].bytes_per_second == 3e12);
+  const DevicePeak cpu = device_peaks({Device::cpu()}, DType::kF32, 1).at(0);
+  CHECK(cpu.bytes_per_second == 0);  // a CPU's byte rate is the cost model's fixed one
+}

@@ -153,8 +153,9 @@ std::string CostSource::describe() const {
 
 std::string CostSource::describe_sources() const {
   char rates[128];
-  std::snprintf(rates, sizeof rates, "the cost model (%.0f GFLOP/s%s, %.0f GB/s per device)",
-                cm_.flops_per_second / 1e9, cm_.probed ? " probed" : "", cm_.bytes_per_second / 1e9);
+  std::snprintf(rates, sizeof rates, "the cost model (%.0f GFLOP/s%s, %.0f GB/s%s per device)",
+                cm_.flops_per_second / 1e9, cm_.probed ? " probed" : "", cm_.bytes_per_second / 1e9,
+                cm_.bytes_probed ? " probed" : "");
   if (path_.empty()) return rates;  // a device description: nothing was measured
   const auto entries = family();
   if (entries.empty()) return std::string(rates) + "; no profile in " + path_ + " for this model and device";
@@ -326,21 +327,32 @@ int stages_at_once(const Plan& plan) {
 
 partition::CostModel probed_cost_model(const Plan& plan, DType dtype, int blas_threads, double flops_per_second) {
   partition::CostModel cm;
-  if (flops_per_second <= 0) {
-    flops_per_second = 0;
-    try {
-      for (const DevicePeak& p : device_peaks(plan.devices, dtype, blas_threads)) {
-        flops_per_second = flops_per_second > 0 ? std::min(flops_per_second, p.flops_per_second) : p.flops_per_second;
+  // The slowest stage's rates (each stage's share of its device).
+  double bytes_per_second = 0;
+  try {
+    double flops = 0;
+    for (const DevicePeak& p : device_peaks(plan.devices, dtype, blas_threads)) {
+      flops = flops > 0 ? std::min(flops, p.flops_per_second) : p.flops_per_second;
+      if (p.bytes_per_second > 0) {
+        bytes_per_second = bytes_per_second > 0 ? std::min(bytes_per_second, p.bytes_per_second) : p.bytes_per_second;
       }
-    } catch (const std::exception& e) {  // the fixed rate instead
+    }
+    if (flops_per_second <= 0) flops_per_second = flops;
+  } catch (const std::exception& e) {  // the fixed rates instead
+    if (flops_per_second <= 0) {
       spdlog::warn("the devices' peak could not be probed ({}); the planner assumes {:.0f} GFLOP/s", e.what(),
                    cm.flops_per_second / 1e9);
-      flops_per_second = 0;
     }
   }
   if (flops_per_second > 0) {
     cm.flops_per_second = flops_per_second;
     cm.probed = true;
+  }
+  // A GPU's memory is probed (a CPU's fixed rate stays: its figures in bench/RESULTS.md
+  // were measured against it).
+  if (bytes_per_second > 0) {
+    cm.bytes_per_second = bytes_per_second;
+    cm.bytes_probed = true;
   }
   return cm;
 }
