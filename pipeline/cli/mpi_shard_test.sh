@@ -57,12 +57,14 @@ run k1d3 3 mlp64.yaml --set pipeline.replicas=3 "${shard[@]}"
 same s1 k1d3 "K=1 x D=3 sharded (923 parameters: shards of 308, 308, 307)"
 # The optimizer state each rank holds (its executor's count, logged) is its shard's, and
 # report.json's planned figure per device is the largest shard's: 2 slots x 8 bytes x
-# ceil(N / D) of each stage's N parameters.
+# ceil(N / D) of each stage's N parameters; its measured one is replica 0's.
 python3 - k2d2/report.json k2d2.log 2 k1d3/report.json k1d3.log 3 <<'PY' || fail "optimizer state per device"
 import json, re, sys
 args = sys.argv[1:]
 for report, log, d in zip(args[0::3], args[1::3], args[2::3]):
-    planned = [s["optimizer_bytes"] for s in json.load(open(report))["prediction"]["stages"]]
+    j = json.load(open(report))
+    planned = [s["optimizer_bytes"] for s in j["prediction"]["stages"]]
+    measured = [s["optimizer_bytes"] for s in j["stages"]]  # replica 0's, from its trace
     held = {}
     for m in re.finditer(r"stage (\d+) replica (\d+): optimizer state (\d+) bytes", open(log).read()):
         held[(int(m.group(1)), int(m.group(2)))] = int(m.group(3))
@@ -71,6 +73,7 @@ for report, log, d in zip(args[0::3], args[1::3], args[2::3]):
         mine = [held[(k, r)] for r in range(int(d))]
         whole = sum(mine)  # every parameter's two moments, once
         assert max(mine) == p, (log, k, mine, p)
+        assert measured[k] == mine[0], (report, k, measured, mine)
         assert p == 16 * -(-(whole // 16) // int(d)), (log, k, whole, p)
 PY
 echo "ok: each rank holds its shard's optimizer state; report.json plans the largest shard's per device"

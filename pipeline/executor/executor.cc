@@ -462,6 +462,7 @@ void Executor::optimizer_step(StageRuntime& rt) {
   rt.optimizer->step();
   if (!rt.statistics_folded) fold_statistics(rt);
   rt.clock->after(rt.backend->stream(), rt.trace.ops.size());
+  rt.trace.optimizer_bytes = state_bytes(*rt.optimizer);
 }
 
 int64_t Executor::run_instruction(StageRuntime& rt, size_t pc) {

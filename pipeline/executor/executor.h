@@ -89,6 +89,9 @@ struct TimedOp {
 struct StageTrace {
   std::vector<TimedOp> ops;
   int64_t peak_activation_bytes = 0;  // largest sum of activations held at once
+  // The optimizer state this stage's replica holds after its step (its shard's, when
+  // sharded): the bytes of every slot, measured; 0 in a step without an update.
+  int64_t optimizer_bytes = 0;
   // When the step started, on the job clock: ms of std::chrono::steady_clock since its
   // epoch, minus ExecutorOptions::clock_offset_ms. Op times are relative to it.
   double start_ms = 0;
@@ -96,6 +99,9 @@ struct StageTrace {
 // A stage's timings as numbers, and back, for gathering them across processes.
 std::vector<double> encode_trace(const StageTrace& t);
 StageTrace decode_trace(const std::vector<double>& v, int stage);
+
+// The bytes of an optimizer's state: every slot of every parameter it updates.
+int64_t state_bytes(layers::Optimizer& optimizer);
 
 struct StepResult {
   double loss = 0;  // mean over the mini-batch (sum of the micro-batches' scaled losses)

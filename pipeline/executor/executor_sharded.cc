@@ -125,16 +125,20 @@ int64_t Executor::gather_parameters(StageRuntime& rt) {
   return static_cast<int64_t>(sh.value_block.nbytes());
 }
 
-int64_t Executor::optimizer_state_bytes(int k) {
-  StageRuntime& rt = *runtimes_.at(k);
-  GPIPE_CHECK(rt.local, "stage " + std::to_string(k) + " runs in another process");
+int64_t state_bytes(layers::Optimizer& optimizer) {
   int64_t bytes = 0;
-  for (size_t i = 0; i < rt.optimizer->params().size(); ++i) {
-    for (const layers::OptimizerSlot& s : rt.optimizer->slots(i)) {
+  for (size_t i = 0; i < optimizer.params().size(); ++i) {
+    for (const layers::OptimizerSlot& s : optimizer.slots(i)) {
       if (s.value->defined()) bytes += static_cast<int64_t>(s.value->nbytes());
     }
   }
   return bytes;
+}
+
+int64_t Executor::optimizer_state_bytes(int k) {
+  StageRuntime& rt = *runtimes_.at(k);
+  GPIPE_CHECK(rt.local, "stage " + std::to_string(k) + " runs in another process");
+  return state_bytes(*rt.optimizer);
 }
 
 // Each slot of the optimizer, whole: this replica's pieces packed into its block,

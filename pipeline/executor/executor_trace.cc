@@ -8,12 +8,14 @@ namespace gpipe {
 namespace pipeline {
 
 namespace {
+constexpr size_t kHeader = 3;    // peak activation bytes, start, optimizer bytes
 constexpr size_t kOpFields = 8;  // op, micro-batch, start, end, chunk, bytes, peer, live bytes
 }  // namespace
 
 std::vector<double> encode_trace(const StageTrace& t) {
-  std::vector<double> v{static_cast<double>(t.peak_activation_bytes), t.start_ms};
-  v.reserve(2 + kOpFields * t.ops.size());
+  std::vector<double> v{static_cast<double>(t.peak_activation_bytes), t.start_ms,
+                        static_cast<double>(t.optimizer_bytes)};
+  v.reserve(kHeader + kOpFields * t.ops.size());
   for (const TimedOp& op : t.ops) {
     v.insert(v.end(), {static_cast<double>(op.op), static_cast<double>(op.micro_batch), op.start_ms, op.end_ms,
                        static_cast<double>(op.chunk), static_cast<double>(op.bytes), static_cast<double>(op.peer),
@@ -23,11 +25,13 @@ std::vector<double> encode_trace(const StageTrace& t) {
 }
 
 StageTrace decode_trace(const std::vector<double>& v, int stage) {
-  GPIPE_CHECK(v.size() >= 2 && (v.size() - 2) % kOpFields == 0, "malformed timings from stage " + std::to_string(stage));
+  GPIPE_CHECK(v.size() >= kHeader && (v.size() - kHeader) % kOpFields == 0,
+              "malformed timings from stage " + std::to_string(stage));
   StageTrace t;
   t.peak_activation_bytes = static_cast<int64_t>(v[0]);
   t.start_ms = v[1];
-  for (size_t i = 2; i < v.size(); i += kOpFields) {
+  t.optimizer_bytes = static_cast<int64_t>(v[2]);
+  for (size_t i = kHeader; i < v.size(); i += kOpFields) {
     TimedOp op{static_cast<Op>(static_cast<int>(v[i])), static_cast<int>(v[i + 1]), v[i + 2], v[i + 3]};
     op.chunk = static_cast<int>(v[i + 4]);
     op.bytes = static_cast<int64_t>(v[i + 5]);

@@ -121,6 +121,7 @@ struct Outcome {
   std::vector<std::vector<double>> loss, norm;
   std::vector<std::vector<std::vector<double>>> params;
   std::vector<int64_t> state_bytes;
+  std::vector<int64_t> traced_bytes;  // what the last step's trace says (the report's figure)
   std::vector<StageState> saved;  // per stage, from replica 0
 };
 
@@ -135,6 +136,7 @@ Outcome train(const layers::ModelSpec& spec, bool tokens, const Run& run, const 
   out.norm.resize(P);
   out.params.resize(P);
   out.state_bytes.resize(P);
+  out.traced_bytes.resize(P);
   out.saved.resize(run.K);
   std::vector<std::unique_ptr<InProcessReplicaHub>> hubs;  // one group per stage
   for (int k = 0; k < run.K; ++k) hubs.push_back(std::make_unique<InProcessReplicaHub>(run.D, 20));
@@ -165,6 +167,7 @@ Outcome train(const layers::ModelSpec& spec, bool tokens, const Run& run, const 
       const StepResult r = ex.step(b.x.narrow_rows(d * rows, rows), b.y.narrow_rows(d * rows, rows));
       out.loss[rank].push_back(r.loss);
       out.norm[rank].push_back(r.grad_norm);
+      out.traced_bytes[rank] = r.stages.at(k).optimizer_bytes;
       if (t + 1 - first_step == save_after) {
         StageState s = ex.save_state(k);  // every replica takes part when sharded
         if (d == 0) out.saved[k] = std::move(s);
@@ -233,6 +236,15 @@ TEST_CASE("sharded optimizer state equals the unsharded run: K x D, Adam and SGD
         // Each replica keeps its shard's state: 1/D of the stage's, give or take the
         // one element a balanced partition adds (slots x 8 bytes).
         const int slots = type == "adam" ? 2 : 1;
+        for (int rank = 0; rank < c.run.K * c.run.D; ++rank) {
+          CHECK(got.traced_bytes[rank] == got.state_bytes[rank]);  // the report's figure is the state held
+          CHECK(want.traced_bytes[rank] == want.state_bytes[rank]);
+          if (rank < c.run.K) {  // unsharded: every parameter's slots, float64
+            int64_t elements = 0;
+            for (const auto& p : want.params[rank]) elements += static_cast<int64_t>(p.size());
+            CHECK(want.state_bytes[rank] == elements * slots * 8);
+          }
+        }
         for (int k = 0; k < c.run.K; ++k) {
           int64_t sum = 0;
           for (int d = 0; d < c.run.D; ++d) {

@@ -235,7 +235,9 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
           t += table.layers[i].optimizer;
         }
       }
-      return t;
+      // Sharded optimizer state: each replica updates its 1/D of the stage.
+      return plan.shard_optimizer ? options.instruction_overhead_ms + (t - options.instruction_overhead_ms) / plan.replicas
+                                  : t;
     }
     if (ins.op == Op::kRecvActivation || ins.op == Op::kRecvGradient) return t;
     if (is_collective(ins.op)) return t + collective_ms(k, ins);

@@ -1,9 +1,11 @@
 // The Plan of a run with sharded optimizer state (pipeline.shard_optimizer: optimizer):
 // the schedule holds RS and AG, estimate_memory counts one shard's optimizer state per
 // device (1/D of the stage's, rounded up to whole elements), and the prediction prices
-// RS and AG as (D-1)/D of the stage's bytes over the link, AG after OPT.
+// RS and AG as (D-1)/D of the stage's bytes over the link, AG after OPT, and one shard's
+// update; the sweep tries each shape with the state sharded and not.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -12,9 +14,12 @@
 #include "pipeline/planning/plan.h"
 #include "pipeline/planning/planner.h"
 #include "pipeline/planning/profile.h"
+#include "pipeline/planning/sweep.h"
+#include "tests/testing.h"
 
 using namespace gpipe;
 using namespace gpipe::pipeline;
+using gpipe::testing::tmp_path;
 
 namespace {
 
@@ -98,4 +103,63 @@ TEST_CASE("the prediction prices RS and AG over the replicas' link, AG after OPT
     }
   }
   CHECK(rs);
+  // Each replica updates half of the stage: OPT is priced at half the unsharded one.
+  RunModel whole;
+  const Plan unsharded = plan_of({"pipeline.replicas=2", "train.batch_size=16"}, whole);
+  const PlannedRun q = predict(unsharded, *whole.model, costs, [&](int, int) { return link; },
+                               whole.config.optimizer.optimizer, o);
+  double unsharded_opt = 0;
+  for (const TimedInstruction& x : q.timeline.at(0)) {
+    if (x.ins.op == Op::kOptimizerStep) unsharded_opt = x.end - x.start;
+  }
+  CHECK(unsharded_opt > 0);
+  CHECK(opt.end - opt.start == doctest::Approx(unsharded_opt / 2));
+}
+
+TEST_CASE("the sweep tries each shape with the optimizer state sharded over the replicas and not") {
+  RunModel run;
+  plan_of({"pipeline.replicas=2", "train.batch_size=16", "pipeline.profile=" + tmp_path("none.json")}, run);
+  SweepOptions o;
+  o.devices = 4;
+  o.micro_batches = {1, 2};
+  const SweepResult all = sweep(run.config, *run.model, o);
+  int sharded = 0;
+  int64_t least_unsharded = -1;
+  for (const Candidate& c : all.candidates) {
+    INFO(c.label());
+    CHECK(c.replicas == 2);
+    CHECK(c.stages * c.blas_threads <= 2);  // each replica has 2 of the 4 devices
+    CHECK(c.label().find(c.shard_optimizer ? "D=2 sharded" : "D=2") != std::string::npos);
+    CHECK(c.overrides().find(std::string("--set pipeline.shard_optimizer=") +
+                             (c.shard_optimizer ? "optimizer" : "none")) != std::string::npos);
+    if (c.shard_optimizer) {
+      ++sharded;
+      // Its twin without sharding: the same shape, each device holding twice the optimizer state.
+      const auto twin = std::find_if(all.candidates.begin(), all.candidates.end(), [&](const Candidate& u) {
+        return !u.shard_optimizer && u.stages == c.stages && u.virtual_stages == c.virtual_stages &&
+               u.micro_batches == c.micro_batches && u.recompute == c.recompute && u.schedule == c.schedule &&
+               u.blas_threads == c.blas_threads;
+      });
+      REQUIRE(twin != all.candidates.end());
+      for (size_t k = 0; k < c.run.stages.size(); ++k) {
+        CHECK(2 * c.run.stages[k].optimizer_bytes == twin->run.stages[k].optimizer_bytes);
+      }
+    } else {
+      least_unsharded = least_unsharded < 0 ? c.peak_device_bytes : std::min(least_unsharded, c.peak_device_bytes);
+    }
+  }
+  CHECK(sharded * 2 == static_cast<int>(all.candidates.size()));
+  // Under a limit no unsharded plan fits: the recommendation is sharded.
+  o.memory_limit = least_unsharded - 1;
+  const SweepResult tight = sweep(run.config, *run.model, o);
+  REQUIRE(tight.recommended >= 0);
+  CHECK(tight.candidates[tight.recommended].shard_optimizer);
+  for (const Candidate& c : tight.candidates) {
+    if (!c.shard_optimizer) CHECK(c.verdict.rfind("memory", 0) == 0);
+  }
+  // Plain SGD has no state to shard: nothing sharded is tried.
+  RunModel sgd;
+  plan_of({"pipeline.replicas=2", "train.batch_size=16", "optimizer.type=sgd",
+           "pipeline.profile=" + tmp_path("none.json")}, sgd);
+  for (const Candidate& c : sweep(sgd.config, *sgd.model, o).candidates) CHECK(!c.shard_optimizer);
 }

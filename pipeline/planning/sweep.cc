@@ -22,6 +22,7 @@ std::string Candidate::label() const {
   if (virtual_stages > 1) s += " v=" + std::to_string(virtual_stages);
   s += " M=" + std::to_string(micro_batches) + " " + schedule + " recompute=" + recompute_mode_name(recompute);
   if (blas_threads > 1) s += " blas_threads=" + std::to_string(blas_threads);
+  if (replicas > 1) s += " D=" + std::to_string(replicas) + (shard_optimizer ? " sharded" : "");
   return s;
 }
 
@@ -31,6 +32,7 @@ std::string Candidate::overrides() const {
                   " --set pipeline.recompute=" + recompute_mode_name(recompute) + " --set pipeline.schedule=" + schedule;
   if (virtual_stages > 1) s += " --set pipeline.virtual_stages=" + std::to_string(virtual_stages);
   if (blas_threads > 1) s += " --set train.blas_threads=" + std::to_string(blas_threads);
+  if (replicas > 1) s += std::string(" --set pipeline.shard_optimizer=") + (shard_optimizer ? "optimizer" : "none");
   return s;
 }
 
@@ -44,7 +46,7 @@ double total_busy(const Candidate& c) {
   return b * c.blas_threads;
 }
 
-int devices_used(const Candidate& c) { return c.stages * c.blas_threads; }
+int devices_used(const Candidate& c) { return c.stages * c.blas_threads * c.replicas; }
 
 // Why `c` predicts fewer samples/s than `best`: the largest of three factors of the
 // ratio of their step times per sample.
@@ -75,8 +77,13 @@ std::string why_lost(const Candidate& c, const Candidate& best) {
     std::snprintf(buf, sizeof buf, "bubble %.2f vs %.2f", c.run.bubble, best.run.bubble);
   } else {
     // Idle, but not in the pipeline's bubble: the optimizer step, which runs on one thread.
+    // With sharded optimizer state: the reduce-scatter and all-gather instead of the
+    // all-reduce, and one shard's update.
     auto outside = [](const Candidate& x) { return x.run.step_ms - total_busy(x) / devices_used(x); };
-    std::snprintf(buf, sizeof buf, "time outside compute %.1f vs %.1f ms a step", outside(c), outside(best));
+    const char* why = c.shard_optimizer == best.shard_optimizer ? ""
+                      : c.shard_optimizer ? " (sharded optimizer: RS and AG, not overlapped with backward)"
+                                          : " (unsharded optimizer: every replica updates all of it)";
+    std::snprintf(buf, sizeof buf, "time outside compute %.1f vs %.1f ms a step%s", outside(c), outside(best), why);
   }
   return buf;
 }
@@ -190,9 +197,9 @@ std::vector<Shape> candidate_shapes(int n, int layers, bool cpu, const SweepOpti
   return shapes;
 }
 
-// The config of one candidate: the base config run in this shape, with m micro-batches and this recompute mode,
-// balanced by estimate on one replica.
-Config candidate_config(const Config& base, const Shape& sh, int m, RecomputeMode mode) {
+// The config of one candidate: the base config run in this shape, with m micro-batches, this recompute mode and
+// the optimizer state sharded over the config's replicas or not, balanced by estimate.
+Config candidate_config(const Config& base, const Shape& sh, int m, RecomputeMode mode, bool shard) {
   Config c = base;
   c.pipeline.partitions = sh.k;
   c.pipeline.virtual_stages = sh.v;
@@ -200,7 +207,7 @@ Config candidate_config(const Config& base, const Shape& sh, int m, RecomputeMod
   c.pipeline.recompute = mode;
   c.pipeline.schedule = sh.schedule;
   c.pipeline.schedule_file.clear();
-  c.pipeline.replicas = 1;
+  c.pipeline.shard_optimizer = shard ? "optimizer" : "none";
   c.pipeline.devices.clear();
   c.pipeline.balance_by = "estimate";
   c.train.blas_threads = sh.threads;
@@ -218,6 +225,8 @@ std::optional<Candidate> predict_candidate(Config c, const layers::Sequential& m
   cand.blas_threads = c.train.blas_threads;
   cand.recompute = c.pipeline.recompute;
   cand.schedule = c.pipeline.schedule;
+  cand.replicas = c.pipeline.replicas;
+  cand.shard_optimizer = c.pipeline.shard_optimizer == "optimizer";
   try {
     // Balance by the costs the prediction uses, at this micro-batch size.
     const CostTable& t = src.at(plan_sizes(c).largest_micro_batch());
@@ -319,16 +328,25 @@ SweepResult sweep(const Config& base, const layers::Sequential& model, const Swe
   const bool cpu = first_device(base).is_cpu();
   const int n = device_count(o, cpu);
   out.devices = n;
+  // D replicas of each candidate, each with 1/D of the devices.
+  const int D = std::max(1, base.pipeline.replicas);
+  if (D > n) {
+    throw UserError("pipeline.replicas is " + std::to_string(D) + " but the sweep plans for " + std::to_string(n) +
+                    " devices: each replica needs one at least; plan for more (--devices N) or fewer replicas");
+  }
+  const int per_replica = n / D;
+  std::vector<bool> shard_modes = {false};
+  if (D > 1 && optimizer_slots(base.optimizer.optimizer) > 0) shard_modes.push_back(true);
   out.memory_limit = memory_limit_per_device(base, o);
   SweepCosts costs(base, model, o, cpu);
-  const CostSource& first = costs.for_stages(std::min(n, model.size()));
+  const CostSource& first = costs.for_stages(std::min(per_replica, model.size()) * D);
   out.costs = o.spec != nullptr ? o.spec->name + " (" + o.spec->source + "): " + first.describe() : first.describe();
   const LinkCost local = local_link(costs.store(), false);
   const LinkFn link = o.spec != nullptr ? LinkFn([&](int a, int b) { return o.spec->link(a, b); })
                                         : LinkFn([local](int, int) { return local; });
 
-  const std::vector<Shape> shapes = candidate_shapes(n, model.size(), cpu, o);
-  const std::unique_ptr<CostSource> threaded = costs.threaded(n);
+  const std::vector<Shape> shapes = candidate_shapes(per_replica, model.size(), cpu, o);
+  const std::unique_ptr<CostSource> threaded = costs.threaded(per_replica);
   const int64_t batch = base.train.batch_size;
   PredictOptions po;
   const ActivationLayout layout = probe_activations(model);
@@ -338,11 +356,14 @@ SweepResult sweep(const Config& base, const layers::Sequential& model, const Swe
       if (m > batch) continue;
       for (RecomputeMode mode : {RecomputeMode::kNever, RecomputeMode::kExceptLast, RecomputeMode::kAlways}) {
         if (sh.k == 1 && sh.schedule != "gpipe") continue;  // one stage: every schedule is the same
-        const CostSource& src = sh.threads > 1 ? *threaded : costs.for_stages(sh.k);
-        std::optional<Candidate> cand = predict_candidate(candidate_config(base, sh, m, mode), model, src, link, po);
-        if (!cand) continue;
-        weigh_memory(*cand, out.memory_limit, o);
-        out.candidates.push_back(std::move(*cand));
+        const CostSource& src = sh.threads > 1 ? *threaded : costs.for_stages(sh.k * D);
+        for (bool shard : shard_modes) {
+          std::optional<Candidate> cand =
+              predict_candidate(candidate_config(base, sh, m, mode, shard), model, src, link, po);
+          if (!cand) continue;
+          weigh_memory(*cand, out.memory_limit, o);
+          out.candidates.push_back(std::move(*cand));
+        }
       }
     }
   }

@@ -1,6 +1,7 @@
 // `gpipe plan CONFIG --sweep`: tries the ways to run a config (stages K, micro-batches
-// M, recompute mode, schedule, virtual stages, and on CPUs one stage with every core's
-// BLAS threads), predicts each with the planner, drops those over the memory limit
+// M, recompute mode, schedule, virtual stages, on CPUs one stage with every core's
+// BLAS threads, and with pipeline.replicas D > 1 the optimizer state sharded or not;
+// each replica gets 1/D of the devices), predicts each with the planner, drops those over the memory limit
 // per device, and ranks the rest by predicted samples/s, saying why each lost to the
 // one it recommends: memory, the bubble (idle time), slower ops (more recompute,
 // thinner micro-batches whose GEMMs run slower), or fewer devices.
@@ -34,6 +35,10 @@ struct SweepOptions {
 
 struct Candidate {
   int stages = 1, virtual_stages = 1, micro_batches = 1, blas_threads = 1;
+  // The config's pipeline.replicas (D), kept; with D > 1 and an optimizer that has state,
+  // each shape is tried with its state sharded over the replicas (ZeRO-1) and not.
+  int replicas = 1;
+  bool shard_optimizer = false;
   RecomputeMode recompute = RecomputeMode::kNever;
   std::string schedule;
   std::vector<int> balance;

@@ -70,6 +70,7 @@ void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool ti
       ++t.second;
     }
     s.peak_activation_bytes = std::max(s.peak_activation_bytes, trace.peak_activation_bytes);
+    s.optimizer_bytes = std::max(s.optimizer_bytes, trace.optimizer_bytes);
   }
   add_deliveries(r);
   span_total_ += time.span_ms;
@@ -430,15 +431,17 @@ std::string ReportBuilder::table() const {
   if (s.has_plan && s.plan.stages.size() == s.stages.size()) {
     const PlannedRun& p = s.plan;
     os << "Planned vs measured (the plan's costs: " << p.source << "):\n";
-    std::snprintf(line, sizeof line, "%-5s %21s %21s %21s %21s\n", "stage", "busy ms plan/meas", "idle ms plan/meas",
-                  "util plan/meas", "peak act MiB plan/meas");
+    std::snprintf(line, sizeof line, "%-5s %21s %21s %21s %21s %21s\n", "stage", "busy ms plan/meas",
+                  "idle ms plan/meas", "util plan/meas", "peak act MiB plan/meas", "opt state MiB plan/meas");
     os << line;
     for (size_t k = 0; k < s.stages.size(); ++k) {
       const StageSummary& m = s.stages[k];
       const PlannedStage& q = p.stages[k];
-      std::snprintf(line, sizeof line, "%-5zu %10.2f / %8.2f %10.2f / %8.2f %9.1f%% / %7.1f%% %10.2f / %8.2f\n", k,
+      std::snprintf(line, sizeof line,
+                    "%-5zu %10.2f / %8.2f %10.2f / %8.2f %9.1f%% / %7.1f%% %10.2f / %8.2f %10.2f / %8.2f\n", k,
                     q.busy_ms, m.busy_ms, q.idle_ms, m.idle_ms, 100 * q.utilization, 100 * m.utilization,
-                    q.activation_bytes / kMiB, m.peak_activation_bytes / kMiB);
+                    q.activation_bytes / kMiB, m.peak_activation_bytes / kMiB, q.optimizer_bytes / kMiB,
+                    m.optimizer_bytes / kMiB);
       os << line;
     }
     std::snprintf(line, sizeof line,
@@ -475,7 +478,8 @@ nlohmann::json stage_json(const StageSummary& st) {
             {"collective_ms", st.collective_ms},
             {"optimizer_reduce_ms", st.collective_ms},  // the old name, for one release
             {"delivery_ms", st.delivery_ms},
-            {"peak_activation_bytes", st.peak_activation_bytes}});
+            {"peak_activation_bytes", st.peak_activation_bytes},
+            {"optimizer_bytes", st.optimizer_bytes}});
   if (st.mfu >= 0) {
     j.update({{"mfu", st.mfu}, {"useful_flops", st.useful_flops}, {"peak_flops_per_second", st.peak_flops_per_second}});
   }

@@ -37,6 +37,9 @@ struct StageSummary : StageTime {
   // stage that were waiting for their message (a thread's wake-up, a transfer); -1: none.
   double delivery_ms = -1;
   int64_t peak_activation_bytes = 0;
+  // The optimizer state the stage's device holds (one replica's; its shard's, when
+  // sharded), measured after each step: the most of any timed step.
+  int64_t optimizer_bytes = 0;
   // Model FLOPs utilization: the stage's useful FLOPs per step (Plan::stage_flops) per
   // second of step, over its device's peak (device_peak.h); -1 when unknown.
   double useful_flops = 0;      // per step

@@ -530,14 +530,17 @@ void write_stage_table(std::ostream& o, const RunSummary& s, bool plan) {
 }
 
 // Writes each stage's memory: the activations measured at their peak beside the plan's
-// prediction, and the plan's weights, gradients and optimizer state.
+// prediction, the plan's weights, gradients and optimizer state, and the optimizer state
+// measured (one replica's).
 void write_memory_table(std::ostream& o, const RunSummary& s, bool plan) {
   o << "<h3>Memory per stage</h3>\n<div class=\"wide\"><table><tr><th class=\"l\">stage</th><th>activations "
        "measured (peak)</th>";
   if (plan) {
     o << "<th>activations planned</th><th>planned vs measured</th><th>weights</th><th>gradients</th><th>optimizer "
-         "state</th><th>total planned</th>";
+         "state planned</th>";
   }
+  o << "<th>optimizer state measured</th>";
+  if (plan) o << "<th>total planned</th>";
   o << "</tr>\n";
   for (int k = 0; k < s.partitions; ++k) {
     const double measured = static_cast<double>(s.stages[k].peak_activation_bytes);
@@ -547,9 +550,10 @@ void write_memory_table(std::ostream& o, const RunSummary& s, bool plan) {
       o << "<td>" << mb(static_cast<double>(p.activation_bytes)) << "</td><td>"
         << signed_pct(static_cast<double>(p.activation_bytes), measured) << "</td><td>"
         << mb(static_cast<double>(p.weight_bytes)) << "</td><td>" << mb(static_cast<double>(p.gradient_bytes))
-        << "</td><td>" << mb(static_cast<double>(p.optimizer_bytes)) << "</td><td>"
-        << mb(static_cast<double>(p.total_bytes())) << "</td>";
+        << "</td><td>" << mb(static_cast<double>(p.optimizer_bytes)) << "</td>";
     }
+    o << "<td>" << mb(static_cast<double>(s.stages[k].optimizer_bytes)) << "</td>";
+    if (plan) o << "<td>" << mb(static_cast<double>(s.plan.stages[k].total_bytes())) << "</td>";
     o << "</tr>\n";
   }
   o << "</table></div>\n";
