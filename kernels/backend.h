@@ -194,6 +194,11 @@ class Backend {
   // device returns once queued (src may change afterwards: it went through a staging
   // buffer); a copy to the host returns once the data is there.
   virtual void copy(const Tensor& src, Tensor& dst) = 0;
+  // dst = src in dst's element type: float32, float64 and bfloat16 in any pair, the same
+  // element count, both contiguous and on this backend's device. Into bfloat16: rounded
+  // to nearest, ties to even, once (also from float64; runtime/bf16.h); out of it: exact;
+  // float64 to float32: to nearest. The same dtype: a copy.
+  virtual void cast(const Tensor& src, Tensor& dst) = 0;
   // The value of a one-element tensor, on the host (waits for queued work).
   virtual double item(const Tensor& x) = 0;
   // Waits for all work queued on this backend's stream.

@@ -11,6 +11,7 @@
 
 #include "kernels/cpu_blas.h"
 #include "kernels/op_checks.h"
+#include "runtime/bf16.h"
 #include "runtime/error.h"
 
 #ifdef GPIPE_WITH_CUDA
@@ -342,6 +343,34 @@ void CpuBackend::sgd_step(Tensor& param, const Tensor& grad, Tensor& buf, const 
 }
 
 void CpuBackend::copy(const Tensor& src, Tensor& dst) { copy_tensor(src, dst); }
+
+void CpuBackend::cast(const Tensor& src, Tensor& dst) {
+  ops::check_cast(src, dst);
+  GPIPE_CHECK(src.device().is_cpu() && dst.device().is_cpu(), "cast " + src.str() + " -> " + dst.str() + " off the host");
+  if (src.dtype() == dst.dtype()) return copy_tensor(src, dst);
+  const int64_t n = src.numel();
+  auto from = [&](auto* s_tag, auto* d_tag, auto convert) {
+    using S = std::remove_pointer_t<decltype(s_tag)>;
+    using D = std::remove_pointer_t<decltype(d_tag)>;
+    const S* s = src.data<S>();
+    D* d = dst.data<D>();
+    for (int64_t i = 0; i < n; ++i) d[i] = convert(s[i]);
+  };
+  const DType a = src.dtype(), b = dst.dtype();
+  if (a == DType::kF32 && b == DType::kBF16) {
+    from((float*)nullptr, (BFloat16*)nullptr, [](float x) { return float_to_bf16(x); });
+  } else if (a == DType::kF64 && b == DType::kBF16) {
+    from((double*)nullptr, (BFloat16*)nullptr, [](double x) { return double_to_bf16(x); });
+  } else if (a == DType::kBF16 && b == DType::kF32) {
+    from((BFloat16*)nullptr, (float*)nullptr, [](BFloat16 x) { return bf16_to_float(x); });
+  } else if (a == DType::kBF16 && b == DType::kF64) {
+    from((BFloat16*)nullptr, (double*)nullptr, [](BFloat16 x) { return static_cast<double>(bf16_to_float(x)); });
+  } else if (a == DType::kF32 && b == DType::kF64) {
+    from((float*)nullptr, (double*)nullptr, [](float x) { return static_cast<double>(x); });
+  } else {
+    from((double*)nullptr, (float*)nullptr, [](double x) { return static_cast<float>(x); });
+  }
+}
 
 double CpuBackend::item(const Tensor& x) {
   GPIPE_CHECK(x.numel() == 1, "item() of " + x.str());

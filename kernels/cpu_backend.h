@@ -70,6 +70,7 @@ class CpuBackend : public Backend {
   void row_dot(const Tensor& a, const Tensor& b, double alpha, Tensor& out) override;
   void row_inverse_rms(const Tensor& x, double eps, Tensor& out) override;
   void copy(const Tensor& src, Tensor& dst) override;
+  void cast(const Tensor& src, Tensor& dst) override;
   double item(const Tensor& x) override;
   void synchronize() override {}
 

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "kernels/backend.h"
+#include "runtime/bf16.h"
 #include "runtime/error.h"
 #include "tests/testing.h"
 
@@ -211,4 +212,34 @@ TEST_CASE("generic row ops reject factors of the wrong size or type") {
   Tensor out = cpu().empty({3}, DType::kF32);
   CHECK_THROWS_WITH(cpu().row_inverse_rms(x, 1e-5, out), doctest::Contains("with 4 contiguous elements"));
   CHECK_THROWS_WITH(cpu().mul(x, random_tensor({3, 4}, DType::kF32, 3), y), doctest::Contains("differ in dtype or shape"));
+}
+
+TEST_CASE("cast between float32, float64 and bfloat16 converts each element as runtime/bf16.h does") {
+  Backend& be = cpu();
+  Tensor f32 = random_tensor({3, 257}, DType::kF32, 31);
+  Tensor f64 = random_tensor({3, 257}, DType::kF64, 32);
+  Tensor b16 = be.empty({3, 257}, DType::kBF16);
+  be.cast(f32, b16);
+  const float* pf = f32.data<float>();
+  const BFloat16* pb = b16.data<BFloat16>();
+  for (int64_t i = 0; i < f32.numel(); ++i) REQUIRE(pb[i].bits == float_to_bf16(pf[i]).bits);
+  Tensor back = be.empty({3, 257}, DType::kF32);
+  be.cast(b16, back);
+  for (int64_t i = 0; i < back.numel(); ++i) {
+    REQUIRE(back.data<float>()[i] == bf16_to_float(pb[i]));
+    CHECK(std::fabs(back.data<float>()[i] - pf[i]) <= std::ldexp(std::fabs(pf[i]), -8));  // half an ulp of 8 bits
+  }
+  be.cast(f64, b16);
+  for (int64_t i = 0; i < f64.numel(); ++i) REQUIRE(pb[i].bits == double_to_bf16(f64.data<double>()[i]).bits);
+  Tensor wide = be.empty({3, 257}, DType::kF64);
+  be.cast(b16, wide);
+  for (int64_t i = 0; i < wide.numel(); ++i) REQUIRE(wide.data<double>()[i] == bf16_to_float(pb[i]));
+  Tensor narrow = be.empty({3, 257}, DType::kF32);
+  be.cast(f64, narrow);
+  for (int64_t i = 0; i < f64.numel(); ++i) REQUIRE(narrow.data<float>()[i] == static_cast<float>(f64.data<double>()[i]));
+  // Refused: labels, and sizes that differ.
+  Tensor labels = be.empty({3, 257}, DType::kI32);
+  CHECK_THROWS_WITH_AS(be.cast(labels, b16), doctest::Contains("float32, float64 and bfloat16 only"), Error);
+  Tensor short_one = be.empty({3, 256}, DType::kBF16);
+  CHECK_THROWS_WITH_AS(be.cast(f32, short_one), doctest::Contains("differ in size"), Error);
 }

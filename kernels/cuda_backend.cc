@@ -700,6 +700,15 @@ void CudaBackend::dropout_impl(const Tensor& in, double p, uint64_t key, int64_t
   });
 }
 
+void CudaBackend::cast(const Tensor& src, Tensor& dst) {
+  ops::check_cast(src, dst);
+  check_on_device(src, "cast");
+  check_on_device(dst, "cast");
+  if (src.dtype() == dst.dtype()) return copy(src, dst);
+  DeviceGuard guard(device_.index);
+  cuda::cast(src.raw_data(), src.dtype(), dst.raw_data(), dst.dtype(), src.numel(), cuda_stream());
+}
+
 void CudaBackend::copy(const Tensor& src, Tensor& dst) {
   GPIPE_CHECK(src.dtype() == dst.dtype(), "copy " + src.str() + " -> " + dst.str());
   GPIPE_CHECK(src.numel() == dst.numel(), "copy " + src.str() + " -> " + dst.str());

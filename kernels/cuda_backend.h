@@ -108,6 +108,7 @@ class CudaBackend : public Backend {
   void row_dot(const Tensor& a, const Tensor& b, double alpha, Tensor& out) override;
   void row_inverse_rms(const Tensor& x, double eps, Tensor& out) override;
   void copy(const Tensor& src, Tensor& dst) override;
+  void cast(const Tensor& src, Tensor& dst) override;
   double item(const Tensor& x) override;
   // Waits for all work queued on this backend's stream, then throws the error of the
   // first bad label, token id or argmax that an op of the calling thread flagged.

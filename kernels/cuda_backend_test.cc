@@ -9,6 +9,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <future>
 #include <limits>
 #include <mutex>
@@ -20,6 +21,7 @@
 #include "runtime/allocator.h"
 #include "runtime/cuda_runtime.h"
 #include "runtime/device.h"
+#include "runtime/bf16.h"
 #include "runtime/error.h"
 #include "runtime/stream.h"
 #include "runtime/tensor.h"
@@ -1259,6 +1261,37 @@ TEST_CASE("dropout: the mask and the output are the CPU's bit for bit, forward a
     CHECK(gpu_msg == cpu_msg);
   }
   CHECK_THROWS_AS(gpu().dropout(x, 0.5, key, -1, whole), Error);
+}
+
+
+TEST_CASE("cast to and from bfloat16 on the GPU equals the CPU's bit for bit, every bfloat16 included") {
+  // Every bfloat16 pattern to float32 and float64 and back; random float32 and float64
+  // values (and values on bfloat16 ties) to bfloat16.
+  Tensor patterns = cpu().empty({0x10000}, DType::kBF16);
+  for (int b = 0; b < 0x10000; ++b) patterns.data<BFloat16>()[b].bits = static_cast<uint16_t>(b);
+  Tensor f32 = random_tensor({1 << 16}, DType::kF32, 41), f64 = random_tensor({1 << 16}, DType::kF64, 42);
+  for (int i = 0; i < (1 << 16); i += 3) {  // ties: a bfloat16 plus half its ulp, exactly
+    const uint16_t b = static_cast<uint16_t>((i * 7919) % 0x7f7f);
+    const double lo = bf16_to_float({b}), hi = bf16_to_float({static_cast<uint16_t>(b + 1)});
+    f32.data<float>()[i] = static_cast<float>(lo + (hi - lo) / 2);
+    f64.data<double>()[i] = lo + (hi - lo) / 2 + (i % 2 ? 1 : -1) * std::ldexp(lo, -40);
+  }
+  struct Case {
+    Tensor src;
+    DType to;
+  };
+  for (const Case& c : {Case{patterns, DType::kF32}, Case{patterns, DType::kF64}, Case{f32, DType::kBF16},
+                        Case{f64, DType::kBF16}, Case{f64, DType::kF32}, Case{f32, DType::kF64}}) {
+    CAPTURE(c.src.str());
+    CAPTURE(dtype_name(c.to));
+    Tensor want = cpu().empty(c.src.shape(), c.to);
+    cpu().cast(c.src, want);
+    Tensor dev = gpu().empty(c.src.shape(), c.to);
+    gpu().cast(to_gpu(c.src), dev);
+    Tensor got = cpu().empty(c.src.shape(), c.to);
+    gpu().copy(dev, got);
+    CHECK(std::memcmp(got.raw_data(), want.raw_data(), want.nbytes()) == 0);
+  }
 }
 
 }  // namespace

@@ -25,6 +25,7 @@
 
 #include <cub/device/device_radix_sort.cuh>
 
+#include "runtime/bf16.h"
 #include "runtime/cuda_check.h"
 #include "runtime/error.h"
 #include "runtime/philox.h"
@@ -735,6 +736,20 @@ __global__ void dropout_kernel(const T* x, T* y, int64_t rows, int64_t per_row, 
   }
 }
 
+// ---- cast (Backend::cast): the host's conversions of runtime/bf16.h, compiled for the GPU.
+
+__device__ inline void convert(float x, BFloat16& y) { y = float_to_bf16(x); }
+__device__ inline void convert(double x, BFloat16& y) { y = double_to_bf16(x); }
+__device__ inline void convert(BFloat16 x, float& y) { y = bf16_to_float(x); }
+__device__ inline void convert(BFloat16 x, double& y) { y = static_cast<double>(bf16_to_float(x)); }
+__device__ inline void convert(float x, double& y) { y = static_cast<double>(x); }
+__device__ inline void convert(double x, float& y) { y = __double2float_rn(x); }
+
+template <typename S, typename D>
+__global__ void cast_kernel(const S* src, D* dst, int64_t n) {
+  GRID_STRIDE_LOOP(i, n) { convert(src[i], dst[i]); }
+}
+
 #undef GRID_STRIDE_LOOP
 
 // ---------------------------------------------------------------------------------
@@ -1086,6 +1101,12 @@ void launch_dropout(const T* x, T* y, int64_t rows, int64_t per_row, double p, u
   GPIPE_CHECK_LAUNCH();
 }
 
+template <typename S, typename D>
+void launch_cast(const void* src, void* dst, int64_t n, cudaStream_t stream) {
+  cast_kernel<S, D><<<elementwise_blocks(n), kThreads, 0, stream>>>(static_cast<const S*>(src), static_cast<D*>(dst), n);
+  GPIPE_CHECK_LAUNCH();
+}
+
 #undef GPIPE_CHECK_LAUNCH
 
 }  // namespace
@@ -1271,6 +1292,17 @@ void dropout(const float* x, float* y, int64_t rows, int64_t per_row, double p, 
 void dropout(const double* x, double* y, int64_t rows, int64_t per_row, double p, uint64_t key,
              int64_t sample_offset, cudaStream_t stream) {
   launch_dropout(x, y, rows, per_row, p, key, sample_offset, stream);
+}
+
+void cast(const void* src, DType from, void* dst, DType to, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  if (from == DType::kF32 && to == DType::kBF16) return launch_cast<float, BFloat16>(src, dst, n, stream);
+  if (from == DType::kF64 && to == DType::kBF16) return launch_cast<double, BFloat16>(src, dst, n, stream);
+  if (from == DType::kBF16 && to == DType::kF32) return launch_cast<BFloat16, float>(src, dst, n, stream);
+  if (from == DType::kBF16 && to == DType::kF64) return launch_cast<BFloat16, double>(src, dst, n, stream);
+  if (from == DType::kF32 && to == DType::kF64) return launch_cast<float, double>(src, dst, n, stream);
+  if (from == DType::kF64 && to == DType::kF32) return launch_cast<double, float>(src, dst, n, stream);
+  throw Error(std::string("cast from ") + dtype_name(from) + " to " + dtype_name(to) + " on a GPU");
 }
 
 }  // namespace cuda

@@ -20,9 +20,14 @@
 #include <cstdint>
 
 #include "kernels/deferred_checks.h"  // cuda::ErrorSlot
+#include "runtime/dtype.h"
 
 namespace gpipe {
 namespace cuda {
+
+// dst[i] = src[i] converted: float32, float64 and bfloat16 (runtime/bf16.h) in any pair
+// of different types, with the CPU reference's rounding (Backend::cast).
+void cast(const void* src, DType from, void* dst, DType to, int64_t n, cudaStream_t stream);
 
 // y: (rows, cols) += bias: (cols), broadcast over rows.
 void add_bias(float* y, const float* bias, int64_t rows, int64_t cols, cudaStream_t stream);

@@ -30,6 +30,17 @@ inline void check_float(const Tensor& t, const char* op) {
   if (!t.is_contiguous()) throw Error(std::string(op) + ": " + t.str() + " must be contiguous");
 }
 
+inline void check_cast(const Tensor& src, const Tensor& dst) {
+  auto castable = [](DType t) { return t == DType::kF32 || t == DType::kF64 || t == DType::kBF16; };
+  if (!castable(src.dtype()) || !castable(dst.dtype())) {
+    throw Error("cast: " + src.str() + " -> " + dst.str() + ": float32, float64 and bfloat16 only");
+  }
+  if (src.numel() != dst.numel()) throw Error("cast: " + src.str() + " -> " + dst.str() + " differ in size");
+  if (!src.is_contiguous() || !dst.is_contiguous()) {
+    throw Error("cast: " + src.str() + " -> " + dst.str() + " must be contiguous");
+  }
+}
+
 inline void check_same(const Tensor& a, const Tensor& b, const char* op) {
   if (a.dtype() != b.dtype() || a.shape() != b.shape()) {
     throw Error(std::string(op) + ": operands " + a.str() + " and " + b.str() + " differ in dtype or shape");

@@ -1,6 +1,7 @@
 // Element types. float32 is the training type; float64 exists so that finite-difference
 // checks and exact-equality tests can run in double precision on the reference backend;
-// bf16 is reserved for the CUDA backend; int32 holds labels.
+// bfloat16 is a storage type (runtime/bf16.h: its element type and conversions; a
+// backend's cast converts tensors); int32 holds labels.
 #pragma once
 
 #include <cstddef>
