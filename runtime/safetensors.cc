@@ -220,11 +220,12 @@ DType safetensors_dtype(const std::string& name, const std::string& what) {
   if (name == "F32") return DType::kF32;
   if (name == "F64") return DType::kF64;
   if (name == "I32") return DType::kI32;
-  if (name == "BF16" || name == "F16") {
-    throw UserError(what + ": dtype " + name + " is not supported yet; gpipe reads F32, F64 and I32 "
+  if (name == "BF16") return DType::kBF16;
+  if (name == "F16") {
+    throw UserError(what + ": dtype " + name + " is not supported yet; gpipe reads F32, F64, BF16 and I32 "
                     "(convert the tensor to float32, e.g. tensor.float() in PyTorch, and save again)");
   }
-  throw UserError(what + ": unknown or unsupported dtype '" + name + "'; gpipe reads F32, F64 and I32");
+  throw UserError(what + ": unknown or unsupported dtype '" + name + "'; gpipe reads F32, F64, BF16 and I32");
 }
 
 const char* safetensors_dtype_name(DType dtype) {
@@ -232,9 +233,9 @@ const char* safetensors_dtype_name(DType dtype) {
     case DType::kF32: return "F32";
     case DType::kF64: return "F64";
     case DType::kI32: return "I32";
-    case DType::kBF16: break;
+    case DType::kBF16: return "BF16";
   }
-  throw UserError("cannot write a bfloat16 tensor to safetensors: not supported yet (F32, F64 and I32 are)");
+  throw Error("safetensors: no name for dtype " + std::to_string(static_cast<int>(dtype)));
 }
 
 void write_safetensors(FileSink& sink, const TensorMap& tensors, const StringMap& metadata) {
@@ -246,7 +247,6 @@ void write_safetensors(FileSink& sink, const TensorMap& tensors, const StringMap
       throw Error("safetensors '" + sink.path() + "': tensor '" + kv.first + "' is " + t.str() +
                   "; copy it to a contiguous host tensor first");
     }
-    safetensors_dtype_name(t.dtype());  // refuses bf16 before anything is written
     order.emplace_back(&kv.first, &t);
   }
   // Largest elements first, then by name: every tensor's data starts at a multiple of

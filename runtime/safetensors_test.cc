@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/bf16.h"
 #include "runtime/error.h"
 #include "tests/temp_dir.h"
 
@@ -74,6 +75,11 @@ TEST_CASE("safetensors: round trip of every supported dtype, a scalar, an empty 
   in["ids"] = Tensor::from_vector<int32_t>({7, -8, 9, 2147483647}, {1, 2, 2});
   in["step"] = Tensor::from_vector<double>({12345}, {});
   in["empty"] = Tensor::zeros_cpu({0, 3}, DType::kF32);
+  Tensor half = Tensor::empty({3}, DType::kBF16, Device::cpu());  // 1.0, -2.5, NaN
+  half.data<BFloat16>()[0] = float_to_bf16(1.0f);
+  half.data<BFloat16>()[1] = float_to_bf16(-2.5f);
+  half.data<BFloat16>()[2] = {0x7fc1};
+  in["half"] = half;
   const std::string path = dir / "m.safetensors";
   save_safetensors(path, in, {{"format", "pt"}, {"note", "héllo"}});
 
@@ -227,9 +233,9 @@ TEST_CASE("safetensors: every rule broken once is refused with the file and the 
   SUBCASE("negative dimension") {
     CHECK_REFUSED(handmade(R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", two), "non-negative integer");
   }
-  SUBCASE("bf16") {
-    CHECK_REFUSED(handmade(R"({"w":{"dtype":"BF16","shape":[4],"data_offsets":[0,8]}})", two),
-                  "dtype BF16 is not supported yet");
+  SUBCASE("bf16 whose size does not fit its shape") {
+    CHECK_REFUSED(handmade(R"({"w":{"dtype":"BF16","shape":[3],"data_offsets":[0,8]}})", two),
+                  "need 6 bytes, but data_offsets [0,8] hold 8");
   }
   SUBCASE("f16") {
     CHECK_REFUSED(handmade(R"({"w":{"dtype":"F16","shape":[4],"data_offsets":[0,8]}})", two), "not supported yet");
@@ -249,11 +255,34 @@ TEST_CASE("safetensors: every rule broken once is refused with the file and the 
   }
 }
 
-TEST_CASE("safetensors: a missing file and a bf16 tensor to write are clear errors") {
+TEST_CASE("safetensors: a missing file is a clear error") {
   TempDir dir;
   CHECK_THROWS_WITH_AS(load_safetensors(dir / "nope.safetensors"),
                        doctest::Contains("nope.safetensors': cannot open: No such file"), UserError);
-  TensorMap bf;
-  bf["x"] = Tensor::empty({2}, DType::kBF16, Device::cpu());
-  CHECK_THROWS_WITH_AS(save_safetensors(dir / "bf.safetensors", bf), doctest::Contains("not supported yet"), UserError);
+}
+
+TEST_CASE("safetensors: a BF16 tensor as the format writes it: 2 bytes each, little-endian, dtype \"BF16\"") {
+  TempDir dir;
+  // Two elements, 1.0 (0x3f80) and -2.0 (0xc000), written by hand from the format.
+  const std::string header = R"({"w":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]}})";
+  std::string file(8, '\0');
+  const uint64_t n = header.size();
+  for (int i = 0; i < 8; ++i) file[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  file += header + std::string("\x80\x3f\x00\xc0", 4);
+  const std::string path = dir / "hand.safetensors";
+  std::ofstream(path, std::ios::binary) << file;
+  const Tensor w = load_safetensors(path).tensors.at("w");
+  REQUIRE(w.dtype() == DType::kBF16);
+  CHECK(bf16_to_float(w.data<BFloat16>()[0]) == 1.0f);
+  CHECK(bf16_to_float(w.data<BFloat16>()[1]) == -2.0f);
+  // Written back: the same bytes after the header.
+  TensorMap out;
+  out["w"] = w;
+  save_safetensors(dir / "again.safetensors", out);
+  const SafetensorsHeader h = read_safetensors_header(dir / "again.safetensors");
+  CHECK(h.find("w")->dtype == DType::kBF16);
+  std::ifstream in(dir / "again.safetensors", std::ios::binary);
+  const std::string again((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  CHECK(again.find("\"dtype\":\"BF16\"") != std::string::npos);
+  CHECK(again.substr(again.size() - 4) == std::string("\x80\x3f\x00\xc0", 4));
 }
