@@ -197,7 +197,9 @@ class Backend {
   // dst = src in dst's element type: float32, float64 and bfloat16 in any pair, the same
   // element count, both contiguous and on this backend's device. Into bfloat16: rounded
   // to nearest, ties to even, once (also from float64; runtime/bf16.h); out of it: exact;
-  // float64 to float32: to nearest. The same dtype: a copy.
+  // float64 to float32: to nearest. A NaN stays a NaN; into and out of bfloat16 its sign
+  // and payload are kept (quieted) by bits, between float32 and float64 they are the
+  // hardware's. The same dtype: a copy.
   virtual void cast(const Tensor& src, Tensor& dst) = 0;
   // The value of a one-element tensor, on the host (waits for queued work).
   virtual double item(const Tensor& x) = 0;

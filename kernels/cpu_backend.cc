@@ -364,7 +364,7 @@ void CpuBackend::cast(const Tensor& src, Tensor& dst) {
   } else if (a == DType::kBF16 && b == DType::kF32) {
     from((BFloat16*)nullptr, (float*)nullptr, [](BFloat16 x) { return bf16_to_float(x); });
   } else if (a == DType::kBF16 && b == DType::kF64) {
-    from((BFloat16*)nullptr, (double*)nullptr, [](BFloat16 x) { return static_cast<double>(bf16_to_float(x)); });
+    from((BFloat16*)nullptr, (double*)nullptr, [](BFloat16 x) { return bf16_to_double(x); });
   } else if (a == DType::kF32 && b == DType::kF64) {
     from((float*)nullptr, (double*)nullptr, [](float x) { return static_cast<double>(x); });
   } else {

@@ -1276,12 +1276,27 @@ TEST_CASE("cast to and from bfloat16 on the GPU equals the CPU's bit for bit, ev
     f32.data<float>()[i] = static_cast<float>(lo + (hi - lo) / 2);
     f64.data<double>()[i] = lo + (hi - lo) / 2 + (i % 2 ? 1 : -1) * std::ldexp(lo, -40);
   }
+  // Edges: NaNs of both signs and payloads, infinities, subnormals, values next to the
+  // largest finite bfloat16 and past it.
+  const float edges32[] = {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN(),
+                           std::numeric_limits<float>::infinity(),  -std::numeric_limits<float>::infinity(),
+                           std::numeric_limits<float>::denorm_min(), -1e-40f, 3.3895e38f, 3.3896e38f,
+                           std::numeric_limits<float>::max(), -0.0f};
+  for (size_t i = 0; i < sizeof edges32 / sizeof edges32[0]; ++i) {
+    f32.data<float>()[i + 1] = edges32[i];
+    f64.data<double>()[i + 1] = static_cast<double>(edges32[i]);
+  }
+  f64.data<double>()[20] = 1e300;
+  f64.data<double>()[21] = -1e-300;
   struct Case {
     Tensor src;
     DType to;
   };
+  // float64 to float32 and back without NaNs: their payloads through a float conversion
+  // are the hardware's (Backend::cast).
+  Tensor f64_finite = random_tensor({1 << 16}, DType::kF64, 43);
   for (const Case& c : {Case{patterns, DType::kF32}, Case{patterns, DType::kF64}, Case{f32, DType::kBF16},
-                        Case{f64, DType::kBF16}, Case{f64, DType::kF32}, Case{f32, DType::kF64}}) {
+                        Case{f64, DType::kBF16}, Case{f64_finite, DType::kF32}, Case{random_tensor({1 << 16}, DType::kF32, 44), DType::kF64}}) {
     CAPTURE(c.src.str());
     CAPTURE(dtype_name(c.to));
     Tensor want = cpu().empty(c.src.shape(), c.to);

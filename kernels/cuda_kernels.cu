@@ -741,7 +741,7 @@ __global__ void dropout_kernel(const T* x, T* y, int64_t rows, int64_t per_row, 
 __device__ inline void convert(float x, BFloat16& y) { y = float_to_bf16(x); }
 __device__ inline void convert(double x, BFloat16& y) { y = double_to_bf16(x); }
 __device__ inline void convert(BFloat16 x, float& y) { y = bf16_to_float(x); }
-__device__ inline void convert(BFloat16 x, double& y) { y = static_cast<double>(bf16_to_float(x)); }
+__device__ inline void convert(BFloat16 x, double& y) { y = bf16_to_double(x); }
 __device__ inline void convert(float x, double& y) { y = static_cast<double>(x); }
 __device__ inline void convert(double x, float& y) { y = __double2float_rn(x); }
 

@@ -12,10 +12,11 @@
 
 #include "runtime/dtype.h"
 
+// Its own name: runtime/philox.h defines GPIPE_HOST_DEVICE differently.
 #if defined(__CUDACC__)
-#define GPIPE_HOST_DEVICE __host__ __device__
+#define GPIPE_BF16_FN __host__ __device__ inline
 #else
-#define GPIPE_HOST_DEVICE
+#define GPIPE_BF16_FN inline
 #endif
 
 namespace gpipe {
@@ -29,14 +30,14 @@ struct DTypeOf<BFloat16> {
   static constexpr DType value = DType::kBF16;
 };
 
-GPIPE_HOST_DEVICE inline float bf16_to_float(BFloat16 b) {
+GPIPE_BF16_FN float bf16_to_float(BFloat16 b) {
   const uint32_t u = static_cast<uint32_t>(b.bits) << 16;
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
 
-GPIPE_HOST_DEVICE inline BFloat16 float_to_bf16(float f) {
+GPIPE_BF16_FN BFloat16 float_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
   if ((u & 0x7fffffffu) > 0x7f800000u) return {static_cast<uint16_t>((u >> 16) | 0x0040u)};  // NaN: quiet it
@@ -44,14 +45,35 @@ GPIPE_HOST_DEVICE inline BFloat16 float_to_bf16(float f) {
   return {static_cast<uint16_t>(u >> 16)};
 }
 
+// Exactly, by bits, so that a NaN keeps its sign and payload (quieted) on the host and on
+// a GPU alike (a GPU's float-to-double conversion may return its canonical NaN).
+GPIPE_BF16_FN double bf16_to_double(BFloat16 b) {
+  uint64_t u;
+  if ((b.bits & 0x7fffu) > 0x7f80u) {
+    u = (static_cast<uint64_t>(b.bits & 0x8000u) << 48) | 0x7ff8000000000000ull |
+        (static_cast<uint64_t>(b.bits & 0x007fu) << 45);
+  } else {
+    const double d = static_cast<double>(bf16_to_float(b));
+    std::memcpy(&u, &d, sizeof u);
+  }
+  double d;
+  std::memcpy(&d, &u, sizeof d);
+  return d;
+}
+
 // float64 straight to bfloat16, rounded once: through float32 rounded to odd (an inexact
 // result gets its last bit set), which keeps the second rounding from landing on a tie
 // the first one made (1 + 2^-8 + 2^-30 must round up; through a nearest float32 it
 // becomes the tie 1 + 2^-8 and rounds down).
-GPIPE_HOST_DEVICE inline BFloat16 double_to_bf16(double d) {
+GPIPE_BF16_FN BFloat16 double_to_bf16(double d) {
+  if (d != d) {  // NaN: the quiet NaN of its sign and the top of its payload, by bits
+    uint64_t u;
+    std::memcpy(&u, &d, sizeof u);
+    return {static_cast<uint16_t>(((u >> 48) & 0x8000u) | 0x7fc0u | ((u >> 45) & 0x7fu))};
+  }
   float f = static_cast<float>(d);
   const double back = static_cast<double>(f);
-  if (back != d && back - back == 0.0 && d == d) {  // inexact, finite, not NaN
+  if (back != d && back - back == 0.0) {  // inexact and finite
     uint32_t u;
     std::memcpy(&u, &f, sizeof u);
     if ((u & 1u) == 0) {

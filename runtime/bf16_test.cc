@@ -52,7 +52,11 @@ TEST_CASE("every bfloat16 converts to float32 and back to itself; NaN stays NaN"
       CHECK(is_nan(float_to_bf16(f)));
       CHECK(std::signbit(bf16_to_float(float_to_bf16(f))) == std::signbit(f));
       CHECK(is_nan(double_to_bf16(f)));
+      // Through float64 by bits: sign and payload kept, quieted.
+      CHECK(std::isnan(bf16_to_double(x)));
+      CHECK(double_to_bf16(bf16_to_double(x)).bits == (b | 0x0040));
     } else {
+      CHECK(bf16_to_double(x) == static_cast<double>(f));
       CHECK(float_to_bf16(f).bits == b);
       CHECK(double_to_bf16(static_cast<double>(f)).bits == b);
     }

@@ -289,7 +289,11 @@ void check_tensors_fit(const TensorMap& loaded, const std::map<std::string, Tens
     } else if (it->second.shape() != spec.shape || it->second.dtype() != spec.dtype) {
       mismatched.push_back(name + " is " + dtype_name(it->second.dtype()) + shape_str(it->second.shape()) +
                            " in the checkpoint but " + dtype_name(spec.dtype) + shape_str(spec.shape) +
-                           " in the model");
+                           " in the model" +
+                           (it->second.dtype() == DType::kBF16 && spec.dtype != DType::kBF16
+                                ? std::string(" (a bfloat16 tensor: convert it, e.g. tensor.float() in PyTorch, and "
+                                              "save again)")
+                                : std::string()));
     }
   }
   for (const auto& kv : loaded) {

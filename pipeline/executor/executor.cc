@@ -439,26 +439,24 @@ void Executor::optimizer_step(StageRuntime& rt) {
   // A GPU transport's transfers, waited for under its deadline: the wait below then
   // waits for no peer.
   transport_.flush(k);
-  {
-    // A device backend reports bad data (a token id, a label) at its next wait: wait
-    // here, once per step, so that such an error stops the step before this stage's
-    // weights change.
-    auto turn = device_turn(k);
-    rt.backend->synchronize();
-    // On a device the step's time is its own kernels', from here: the wait above is the
-    // last backward's, already in that instruction's span (the first H100 run showed a
-    // host-timed OPT of 35 ms in a 62 ms step whose update takes about 1 ms).
-    rt.clock->before(rt.backend->stream(), rt.trace.ops.size());
-  }
+  // One turn on the device for the whole step, so that on a GPU shared by stages no other
+  // stage's kernels fall inside the events that time it.
+  auto turn = device_turn(k);
+  // A device backend reports bad data (a token id, a label) at its next wait: wait here,
+  // once per step, so that such an error stops the step before this stage's weights
+  // change.
+  rt.backend->synchronize();
+  // On a device the step's time is its own kernels', from here: the wait above is the
+  // last backward's, already in that instruction's span (the first H100 run showed a
+  // host-timed OPT of 35 ms in a 62 ms step whose update takes about 1 ms).
+  rt.clock->before(rt.backend->stream(), rt.trace.ops.size());
   if (options_.clip_grad_norm > 0 && rt.grad_norm >= 0) {
     // As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when above.
     const double coef = options_.clip_grad_norm / (rt.grad_norm + 1e-6);
     if (coef < 1.0) {
-      auto turn = device_turn(k);
       for (layers::Parameter* p : rt.optimizer->params()) rt.backend->scale(p->grad, coef);
     }
   }
-  auto turn = device_turn(k);
   rt.optimizer->step();
   if (!rt.statistics_folded) fold_statistics(rt);
   rt.clock->after(rt.backend->stream(), rt.trace.ops.size());

@@ -216,8 +216,12 @@ TEST_CASE("every instruction is timed, in order, within the step") {
       CHECK(ops[j].bytes == (is_communication(ins.op) ? 4 * 8 * 4 : 0));
     }
     // Stages of other processes send their trace as numbers: it comes back whole.
-    const StageTrace back = decode_trace(encode_trace(r.stages[k]), k);
+    StageTrace sent = r.stages[k];
+    sent.optimizer_bytes = 12345 + k;  // whatever the optimizer holds, it travels
+    const StageTrace back = decode_trace(encode_trace(sent), k);
     CHECK(back.peak_activation_bytes == r.stages[k].peak_activation_bytes);
+    CHECK(back.optimizer_bytes == 12345 + k);
+    CHECK(back.start_ms == r.stages[k].start_ms);
     REQUIRE(back.ops.size() == ops.size());
     for (size_t j = 0; j < ops.size(); ++j) {
       CAPTURE(j);

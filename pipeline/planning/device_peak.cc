@@ -170,7 +170,6 @@ std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType d
     }
   }
   if (to_probe.empty()) return shares();
-  if (to_probe.empty()) return out;
   // The BLAS's threads per call as the key says (a command that probes before its run
   // sets them, such as `gpipe plan`, would otherwise probe at the library's default).
   set_cpu_blas_threads(blas_threads);
@@ -189,12 +188,16 @@ std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType d
   std::vector<std::thread> threads;
   for (size_t j = 0; j < to_probe.size(); ++j) {
     threads.emplace_back([&, j] {
+      bool started = false;  // start() counts each caller once
       try {
-        rate[j] = probe(devices[to_probe[j]], dtype, start);
+        rate[j] = probe(devices[to_probe[j]], dtype, [&] {
+          started = true;
+          start();
+        });
         if (!devices[to_probe[j]].is_cpu()) copy_rate[j] = probe_copy(devices[to_probe[j]]);
       } catch (...) {
         error[j] = std::current_exception();
-        start();  // the others do not wait for it
+        if (!started) start();  // the others do not wait for it
       }
     });
   }

@@ -327,23 +327,23 @@ int stages_at_once(const Plan& plan) {
   return std::max(1, std::min(plan.stages, static_cast<int>(std::thread::hardware_concurrency())));
 }
 
-partition::CostModel probed_cost_model(const Plan& plan, DType dtype, int blas_threads, double flops_per_second) {
+partition::CostModel probed_cost_model(const Plan& plan, DType dtype, int blas_threads, double flops_per_second,
+                                       double bytes_per_second) {
   partition::CostModel cm;
-  // The slowest stage's rates (each stage's share of its device).
-  double bytes_per_second = 0;
-  try {
-    double flops = 0;
-    for (const DevicePeak& p : device_peaks(plan.devices, dtype, blas_threads)) {
-      flops = flops > 0 ? std::min(flops, p.flops_per_second) : p.flops_per_second;
-      if (p.bytes_per_second > 0) {
-        bytes_per_second = bytes_per_second > 0 ? std::min(bytes_per_second, p.bytes_per_second) : p.bytes_per_second;
+  if (flops_per_second == 0) {  // probe (or read the cache): the slowest stage's rates, each its device's share
+    try {
+      for (const DevicePeak& p : device_peaks(plan.devices, dtype, blas_threads)) {
+        flops_per_second = flops_per_second > 0 ? std::min(flops_per_second, p.flops_per_second) : p.flops_per_second;
+        if (p.bytes_per_second > 0) {
+          bytes_per_second =
+              bytes_per_second > 0 ? std::min(bytes_per_second, p.bytes_per_second) : p.bytes_per_second;
+        }
       }
-    }
-    if (flops_per_second <= 0) flops_per_second = flops;
-  } catch (const std::exception& e) {  // the fixed rates instead
-    if (flops_per_second <= 0) {
+    } catch (const std::exception& e) {  // the fixed rates instead
       spdlog::warn("the devices' peak could not be probed ({}); the planner assumes {:.0f} GFLOP/s", e.what(),
                    cm.flops_per_second / 1e9);
+      flops_per_second = 0;
+      bytes_per_second = 0;
     }
   }
   if (flops_per_second > 0) {
@@ -360,10 +360,10 @@ partition::CostModel probed_cost_model(const Plan& plan, DType dtype, int blas_t
 }
 
 PlannedRun predict_config(const Config& c, const layers::Sequential& model, const Plan& plan, bool across_processes,
-                          double flops_per_second) {
+                          double flops_per_second, double bytes_per_second) {
   const ProfileStore store = load_profile(c.pipeline.profile);
   const partition::CostModel cm =
-      probed_cost_model(plan, model.output_dtype(), c.train.blas_threads, flops_per_second);
+      probed_cost_model(plan, model.output_dtype(), c.train.blas_threads, flops_per_second, bytes_per_second);
   const CostSource costs(model, store, c.pipeline.profile, plan.devices.front(), c.train.blas_threads, cm,
                          cost_overrides(c), c.optimizer.optimizer, 1.0, stages_at_once(plan));
   const LinkCost link = local_link(store, across_processes);

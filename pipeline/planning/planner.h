@@ -109,15 +109,18 @@ int stages_at_once(const Plan& plan);
 
 // The cost model of a plan's devices where nothing was measured of the model: their
 // matrix-product peak as a run probes it (device_peaks with all of the plan's stages at
-// once, the slowest stage's) and the fixed 10 GB/s. `flops_per_second` > 0: that rate
-// instead (a run that probed already).
-partition::CostModel probed_cost_model(const Plan& plan, DType dtype, int blas_threads, double flops_per_second = 0);
+// once, the slowest stage's share of its device) and, on GPUs, their probed copy rate
+// (the CPU's fixed 10 GB/s otherwise). `flops_per_second` > 0: that rate and
+// `bytes_per_second` (when > 0) instead, probing nothing (a run that probed already:
+// under mpirun a rank must not probe the other ranks' devices); < 0: the fixed rates.
+partition::CostModel probed_cost_model(const Plan& plan, DType dtype, int blas_threads, double flops_per_second = 0,
+                                       double bytes_per_second = 0);
 
 // The run's prediction as `train` and `gpipe plan` make it: the config's profile file
 // when it has entries for this model, the cost model otherwise (probed_cost_model, at
-// `flops_per_second` when given).
+// `flops_per_second` and `bytes_per_second` when given).
 PlannedRun predict_config(const Config& config, const layers::Sequential& model, const Plan& plan,
-                          bool across_processes = false, double flops_per_second = 0);
+                          bool across_processes = false, double flops_per_second = 0, double bytes_per_second = 0);
 
 }  // namespace pipeline
 }  // namespace gpipe

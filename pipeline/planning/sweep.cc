@@ -79,7 +79,9 @@ std::string why_lost(const Candidate& c, const Candidate& best) {
     // Idle, but not in the pipeline's bubble: the optimizer step, which runs on one thread.
     // With sharded optimizer state: the reduce-scatter and all-gather instead of the
     // all-reduce, and one shard's update.
-    auto outside = [](const Candidate& x) { return x.run.step_ms - total_busy(x) / devices_used(x); };
+    auto outside = [](const Candidate& x) {  // total_busy is one replica's
+      return x.run.step_ms - total_busy(x) / (x.stages * x.blas_threads);
+    };
     const char* why = c.shard_optimizer == best.shard_optimizer ? ""
                       : c.shard_optimizer ? " (sharded optimizer: RS and AG, not overlapped with backward)"
                                           : " (unsharded optimizer: every replica updates all of it)";
@@ -252,6 +254,7 @@ void weigh_memory(Candidate& cand, int64_t memory_limit, const SweepOptions& o) 
     cand.peak_device_bytes = std::max(cand.peak_device_bytes, s.total_bytes());
     cand.total_bytes += s.total_bytes();
   }
+  cand.total_bytes *= cand.replicas;  // every replica's stages (on CPUs they share the host)
   cand.fits = (memory_limit <= 0 || cand.peak_device_bytes <= memory_limit) &&
               (o.host_available <= 0 || o.spec != nullptr || cand.total_bytes <= o.host_available);
 }
@@ -290,7 +293,8 @@ std::vector<std::string> edge_notes(const Candidate& best, const SweepOptions& o
   std::vector<std::string> notes;
   if (best.micro_batches == most_m && most_m < batch) {
     const int64_t next = std::min<int64_t>(2 * int64_t{most_m}, batch);
-    notes.push_back("M=" + std::to_string(most_m) + " is the most micro-batches the sweep tried (train.batch_size " +
+    const std::string of = best.replicas > 1 ? "a replica's batch (train.batch_size / pipeline.replicas) " : "train.batch_size ";
+    notes.push_back("M=" + std::to_string(most_m) + " is the most micro-batches the sweep tried (" + of +
                     std::to_string(batch) + " allows up to " + std::to_string(batch) +
                     "); more may be faster still: add --max-micro-batches " + std::to_string(next) + " to try up to " +
                     std::to_string(next));
@@ -326,15 +330,25 @@ std::vector<int> micro_batch_counts(int most) {
 SweepResult sweep(const Config& base, const layers::Sequential& model, const SweepOptions& o) {
   SweepResult out;
   const bool cpu = first_device(base).is_cpu();
-  const int n = device_count(o, cpu);
+  int n = device_count(o, cpu);
   out.devices = n;
-  // D replicas of each candidate, each with 1/D of the devices.
+  // D replicas of each candidate, each with 1/D of the devices (one each at least) and
+  // 1/D of the batch.
   const int D = std::max(1, base.pipeline.replicas);
-  if (D > n) {
-    throw UserError("pipeline.replicas is " + std::to_string(D) + " but the sweep plans for " + std::to_string(n) +
-                    " devices: each replica needs one at least; plan for more (--devices N) or fewer replicas");
+  if (D > n && o.devices > 0) {
+    throw UserError("pipeline.replicas is " + std::to_string(D) + " but --devices is " + std::to_string(n) +
+                    ": each replica needs one device at least; give --devices " + std::to_string(D) +
+                    " or more, or fewer replicas");
   }
-  const int per_replica = n / D;
+  if (base.train.batch_size % D != 0) {
+    throw UserError("train.batch_size " + std::to_string(base.train.batch_size) + " does not split over " +
+                    std::to_string(D) + " replicas (pipeline.replicas); give a multiple of " + std::to_string(D));
+  }
+  const int per_replica = std::max(1, n / D);
+  if (D > n) {
+    n = D;
+    out.devices = n;
+  }
   std::vector<bool> shard_modes = {false};
   if (D > 1 && optimizer_slots(base.optimizer.optimizer) > 0) shard_modes.push_back(true);
   out.memory_limit = memory_limit_per_device(base, o);
@@ -347,7 +361,7 @@ SweepResult sweep(const Config& base, const layers::Sequential& model, const Swe
 
   const std::vector<Shape> shapes = candidate_shapes(per_replica, model.size(), cpu, o);
   const std::unique_ptr<CostSource> threaded = costs.threaded(per_replica);
-  const int64_t batch = base.train.batch_size;
+  const int64_t batch = base.train.batch_size / D;  // each replica's
   PredictOptions po;
   const ActivationLayout layout = probe_activations(model);
   po.layout = &layout;
@@ -369,7 +383,8 @@ SweepResult sweep(const Config& base, const layers::Sequential& model, const Swe
   }
   if (out.candidates.empty()) {
     throw UserError("no way to run this config could be planned (the model has " + std::to_string(model.size()) +
-                    " layers, train.batch_size " + std::to_string(batch) + ")");
+                    " layers, train.batch_size " + std::to_string(base.train.batch_size) +
+                    (D > 1 ? " over " + std::to_string(D) + " replicas" : std::string()) + ")");
   }
   rank(out);
   give_verdicts(out, o);

@@ -431,14 +431,14 @@ std::string ReportBuilder::table() const {
   if (s.has_plan && s.plan.stages.size() == s.stages.size()) {
     const PlannedRun& p = s.plan;
     os << "Planned vs measured (the plan's costs: " << p.source << "):\n";
-    std::snprintf(line, sizeof line, "%-5s %21s %21s %21s %21s %21s\n", "stage", "busy ms plan/meas",
+    std::snprintf(line, sizeof line, "%-5s %21s %21s %21s %23s %23s\n", "stage", "busy ms plan/meas",
                   "idle ms plan/meas", "util plan/meas", "peak act MiB plan/meas", "opt state MiB plan/meas");
     os << line;
     for (size_t k = 0; k < s.stages.size(); ++k) {
       const StageSummary& m = s.stages[k];
       const PlannedStage& q = p.stages[k];
       std::snprintf(line, sizeof line,
-                    "%-5zu %10.2f / %8.2f %10.2f / %8.2f %9.1f%% / %7.1f%% %10.2f / %8.2f %10.2f / %8.2f\n", k,
+                    "%-5zu %10.2f / %8.2f %10.2f / %8.2f %9.1f%% / %7.1f%% %12.2f / %8.2f %12.2f / %8.2f\n", k,
                     q.busy_ms, m.busy_ms, q.idle_ms, m.idle_ms, 100 * q.utilization, 100 * m.utilization,
                     q.activation_bytes / kMiB, m.peak_activation_bytes / kMiB, q.optimizer_bytes / kMiB,
                     m.optimizer_bytes / kMiB);

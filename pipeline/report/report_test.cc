@@ -154,6 +154,7 @@ TEST_CASE("several steps: warm-up left out, the rest averaged, peaks kept") {
   CHECK(s.measured_bubble == doctest::Approx(1 - 18.5 / 32));
   CHECK(s.stages[0].peak_activation_bytes == 2000);  // the most of any timed step
   CHECK(s.stages[1].peak_activation_bytes == 3000);
+  CHECK(s.stages[0].optimizer_bytes == 0);  // hand_step's optimizer holds no state
 
   const nlohmann::json j = b.json();
   REQUIRE(j["steps"].size() == 3);  // every step's loss, the warm-up's too
@@ -600,8 +601,12 @@ TEST_CASE("the page shows B, W, sends and collectives apart, and the peak card o
   plan.stages.resize(2);
   plan.stages[0].activation_bytes = 4 << 20;  // the plan's largest is stage 0; the measured largest, stage 1
   plan.stages[1].activation_bytes = 5 << 19;  // 2.5 MiB
+  plan.stages[0].optimizer_bytes = 3 << 20;   // a plan of 3 MiB of optimizer state
   b.set_prediction(plan);
-  b.add_step(1, 2.0, r, true);
+  StepResult with_state = r;
+  with_state.stages[0].optimizer_bytes = 3 << 20;  // and the step's trace measuring 3 MiB
+  with_state.stages[1].optimizer_bytes = 1 << 20;
+  b.add_step(1, 2.0, with_state, true);
   HtmlReportInput in;
   in.title = "t";
   in.summary = b.summary();
@@ -618,8 +623,17 @@ TEST_CASE("the page shows B, W, sends and collectives apart, and the peak card o
   CHECK(page.find("peak activations (stage 1, the largest)</div><div class=\"v\">3.00 MiB</div>") != std::string::npos);
   CHECK(page.find("planned 2.50 MiB for stage 1 (-16.7%) &middot; the plan's largest: stage 0, 4.00 MiB") !=
         std::string::npos);
-  // Memory per stage: measured beside planned, stage by stage.
-  CHECK(page.find("<td class=\"l\">0</td><td>2.00 MiB</td><td>4.00 MiB</td><td>+100.0%</td>") != std::string::npos);
+  // Memory per stage: measured beside planned, stage by stage; the optimizer state planned
+  // (weights and gradients 0 here), then measured.
+  CHECK(page.find("<td class=\"l\">0</td><td>2.00 MiB</td><td>4.00 MiB</td><td>+100.0%</td><td>0.00 MiB</td>"
+                  "<td>0.00 MiB</td><td>3.00 MiB</td><td>3.00 MiB</td>") != std::string::npos);
+  CHECK(page.find("<th>optimizer state planned</th><th>optimizer state measured</th>") != std::string::npos);
+  // report.json and the terminal's table carry the measured figure too.
+  CHECK(b.json()["stages"][1]["optimizer_bytes"] == (1 << 20));
+  CHECK(b.summary().stages[1].optimizer_bytes == (1 << 20));
+  const std::string table = b.table();
+  CHECK(table.find("opt state MiB plan/meas") != std::string::npos);
+  CHECK(table.find("        3.00 /     3.00\n") != std::string::npos);  // stage 0: plan / measured
 }
 
 TEST_CASE("the page lists each stage's layers in full, chunk by chunk, and labels interleaved blocks by chunk") {

@@ -30,7 +30,8 @@ RunArtifacts::RunArtifacts(const Config& c, const layers::Sequential& model, con
   try {
     // The planner's device speed where nothing is measured: the slowest stage's peak (this
     // process's own on the others, whose prediction is not shown).
-    prediction_ = predict_config(c, model, plan, multi, planning_peak_);
+    // Rates this process probed already (a failed probe: the fixed rates, not another probe).
+    prediction_ = predict_config(c, model, plan, multi, planning_peak_ > 0 ? planning_peak_ : -1, planning_bytes_);
     has_prediction_ = true;
   } catch (const UserError& e) {
     spdlog::warn("no prediction for this run: {}", e.what());
@@ -58,6 +59,7 @@ void RunArtifacts::probe_peaks(const Config& c, const layers::Sequential& model,
     const int processes = local != nullptr ? std::max(1, std::atoi(local)) : launch.size * c.pipeline.replicas;
     const DevicePeak mine = probe({plan.devices.at(launch.rank)}, processes).at(0);
     planning_peak_ = mine.flops_per_second;
+    planning_bytes_ = mine.bytes_per_second;
     for (const auto& v : launch.transport->gather_to_first(launch.rank, {mine.flops_per_second})) {
       stage_peaks_.push_back(v.at(0));
     }
@@ -65,6 +67,9 @@ void RunArtifacts::probe_peaks(const Config& c, const layers::Sequential& model,
   } else {
     for (const DevicePeak& p : probe(plan.devices, 1)) {
       stage_peaks_.push_back(p.flops_per_second);
+      if (p.bytes_per_second > 0) {
+        planning_bytes_ = planning_bytes_ > 0 ? std::min(planning_bytes_, p.bytes_per_second) : p.bytes_per_second;
+      }
       how = p.cached ? "cached" : "probed";
     }
   }

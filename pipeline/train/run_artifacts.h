@@ -65,7 +65,8 @@ class RunArtifacts {
   bool has_prediction_ = false;
   PlannedRun prediction_;
   std::vector<double> stage_peaks_;
-  double planning_peak_ = 0;  // the planner's FLOP/s without a profile
+  double planning_peak_ = 0;   // the planner's FLOP/s without a profile
+  double planning_bytes_ = 0;  // and its bytes/s (GPUs; 0: the CPU's fixed rate)
 };
 
 }  // namespace pipeline
