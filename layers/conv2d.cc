@@ -99,14 +99,8 @@ void Conv2d::backward_weight_impl(Backend& be, Context& ctx) {
 }
 
 void Conv2d::backward_weight_batch_impl(Backend& be, const std::vector<Context*>& ctxs) {
-  std::vector<const Tensor*> xs, dys;
-  for (Context* c : ctxs) {
-    GPIPE_CHECK(c->saved.size() == 2, describe() + ": weight gradient without its backward_input");
-    xs.push_back(&c->saved[0]);
-    dys.push_back(&c->saved[1]);
-  }
-  const Tensor x = concat_batch(be, xs);    // (sum N, C, H, W)
-  const Tensor dy = concat_batch(be, dys);  // (sum N, K, P, Q)
+  const Tensor x = concat_saved(be, ctxs, 0, describe());   // (sum N, C, H, W)
+  const Tensor dy = concat_saved(be, ctxs, 1, describe());  // (sum N, K, P, Q)
   Tensor no_dx;
   be.conv2d_backward(dy, x, weight_.value, opts_.stride, opts_.pad, no_dx, weight_.grad);
   if (opts_.bias) be.channel_bias_grad(dy, bias_.grad);

@@ -240,15 +240,20 @@ std::vector<Context*> children_at(const std::vector<Context*>& ctxs, size_t inde
   return out;
 }
 
-Tensor concat_batch(Backend& be, const std::vector<const Tensor*>& parts) {
-  GPIPE_CHECK(!parts.empty() && parts[0]->dim() >= 1, "concat_batch: nothing to stack");
+Tensor concat_saved(Backend& be, const std::vector<Context*>& ctxs, size_t i, const std::string& who) {
+  std::vector<const Tensor*> parts;
+  for (const Context* c : ctxs) {
+    GPIPE_CHECK(c->saved.size() > i, who + ": weight gradient without its backward_input");
+    parts.push_back(&c->saved[i]);
+  }
+  GPIPE_CHECK(!parts.empty() && parts[0]->dim() >= 1, "concat_saved: nothing to stack");
   const Tensor& first = *parts[0];
   Shape shape = first.shape();
   int64_t rows = 0;
   for (const Tensor* t : parts) {
     GPIPE_CHECK(t->dim() == first.dim() && t->dtype() == first.dtype() && t->device() == first.device() &&
                     std::equal(t->shape().begin() + 1, t->shape().end(), first.shape().begin() + 1),
-                "concat_batch: parts of different shapes, dtypes or devices");
+                "concat_saved: parts of different shapes, dtypes or devices");
     rows += t->size(0);
   }
   shape[0] = rows;

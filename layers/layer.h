@@ -103,9 +103,11 @@ struct Context {
 
 // The contexts' children at `index`, for a composite layer's batched weight gradient.
 std::vector<Context*> children_at(const std::vector<Context*>& ctxs, size_t index);
-// The tensors stacked along their first (batch) dimension into one new contiguous
-// tensor; all of one dtype and device, with equal trailing dimensions.
-Tensor concat_batch(Backend& be, const std::vector<const Tensor*>& parts);
+// A batched W's operand: every context's saved[i] stacked along the first (batch)
+// dimension into one new contiguous tensor; all of one dtype and device, with equal
+// trailing dimensions. A context without it is a W before its backward_input: an
+// error naming `who`.
+Tensor concat_saved(Backend& be, const std::vector<Context*>& ctxs, size_t i, const std::string& who);
 
 // What a forward may need besides its input. Dropout keys its mask on (seed, step)
 // and counts samples from the first sample of the mini-batch, so masks do not depend

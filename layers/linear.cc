@@ -90,14 +90,8 @@ void Linear::backward_weight_impl(Backend& be, Context& ctx) {
 }
 
 void Linear::backward_weight_batch_impl(Backend& be, const std::vector<Context*>& ctxs) {
-  std::vector<const Tensor*> xs, dys;
-  for (Context* c : ctxs) {
-    GPIPE_CHECK(c->saved.size() == 2, describe() + ": weight gradient without its backward_input");
-    xs.push_back(&c->saved[0]);
-    dys.push_back(&c->saved[1]);
-  }
-  const Tensor x = concat_batch(be, xs);    // (sum R, in)
-  const Tensor dy = concat_batch(be, dys);  // (sum R, out)
+  const Tensor x = concat_saved(be, ctxs, 0, describe());   // (sum R, in)
+  const Tensor dy = concat_saved(be, ctxs, 1, describe());  // (sum R, out)
   be.matmul(dy, true, x, false, weight_.grad, 1.0, 1.0);
   if (opts_.bias) be.bias_grad(dy, bias_.grad, 1.0);
 }
