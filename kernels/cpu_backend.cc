@@ -11,6 +11,7 @@
 
 #include "kernels/cpu_blas.h"
 #include "kernels/op_checks.h"
+#include "kernels/widening_backend.h"
 #include "runtime/bf16.h"
 #include "runtime/error.h"
 
@@ -391,10 +392,10 @@ Backend& backend_for(Device device) {
   auto& slot = table[device.index];
   if (!slot) {
     if (device.is_cpu()) {
-      slot = std::make_unique<CpuBackend>(device);
+      slot = std::make_unique<WideningBackend>(std::make_unique<CpuBackend>(device));
     } else {
 #ifdef GPIPE_WITH_CUDA
-      slot = make_cuda_backend(device);
+      slot = std::make_unique<WideningBackend>(make_cuda_backend(device));
 #else
       throw UserError("device " + device.str() +
                       " requested, but this build has no CUDA support; use cpu devices or build where nvcc exists");

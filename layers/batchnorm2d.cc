@@ -61,8 +61,8 @@ BatchNorm2d::BatchNorm2d(const BatchNorm2dOptions& opts)
   Backend& host = backend_for(Device::cpu());
   gamma_ = constant_parameter("weight", {C}, 1.0);
   beta_ = constant_parameter("bias", {C}, 0.0);
-  running_mean_ = host.zeros({C}, dtype_);
-  running_var_ = host.empty({C}, dtype_);
+  running_mean_ = host.zeros({C}, master_dtype(dtype_));  // float32 in a bfloat16 model
+  running_var_ = host.empty({C}, master_dtype(dtype_));
   host.fill(running_var_, 1.0);
 }
 
@@ -95,19 +95,20 @@ Tensor BatchNorm2d::forward_impl(Backend& be, const Tensor& x, Context* ctx, con
   Tensor y = be.empty(x.shape(), dtype_);  // (N, C, H, W)
   if (!args.training) {
     place_running_stats(be.device());
-    be.batchnorm_eval(x, gamma_.value, beta_.value, running_mean_, running_var_, opts_.eps, y);
+    be.batchnorm_eval(x, gamma_.compute(), beta_.compute(), running_mean_, running_var_, opts_.eps, y);
     if (ctx != nullptr) ctx->saved.clear();  // backward refuses: see backward_impl
     return y;
   }
-  Tensor mean = be.empty({C}, dtype_), var = be.empty({C}, dtype_);  // (C), biased var
-  be.batchnorm_train(x, gamma_.value, beta_.value, opts_.eps, y, mean, var);
+  const DType stats = master_dtype(dtype_);  // float32 in a bfloat16 model
+  Tensor mean = be.empty({C}, stats), var = be.empty({C}, stats);  // (C), biased var
+  be.batchnorm_train(x, gamma_.compute(), beta_.compute(), opts_.eps, y, mean, var);
   // A recompute sees the same micro-batch again: counting it twice would skew the
   // running statistics.
   if (!args.recompute) {
     if (!kept_.empty() && kept_step_ != args.step) kept_.clear();  // left over from a step without end_step
     kept_step_ = args.step;
     // Copies, so that nothing that later reuses the context's buffers can change them.
-    Kept k{be.empty({C}, dtype_), be.empty({C}, dtype_), x.size(0) * input_shape_[1] * input_shape_[2]};
+    Kept k{be.empty({C}, stats), be.empty({C}, stats), x.size(0) * input_shape_[1] * input_shape_[2]};
     be.copy(mean, k.mean);
     be.copy(var, k.var);
     kept_.push_back(std::move(k));
@@ -124,7 +125,7 @@ Tensor BatchNorm2d::backward_impl(Backend& be, const Tensor& dy, const Context& 
   }
   const Tensor& x = ctx.saved[0];
   Tensor dx = be.empty(x.shape(), dtype_);  // the op always writes it: dgamma and dbeta come from the same sums
-  be.batchnorm_backward(dy, x, gamma_.value, ctx.saved[1], ctx.saved[2], opts_.eps, dx, gamma_.grad, beta_.grad);
+  be.batchnorm_backward(dy, x, gamma_.compute(), ctx.saved[1], ctx.saved[2], opts_.eps, dx, gamma_.grad, beta_.grad);
   return need_dx ? dx : Tensor();
 }
 

@@ -71,8 +71,8 @@ LayerCost Conv2d::cost(int64_t batch) const {
 
 Tensor Conv2d::forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs&) {
   Tensor y = be.empty(batched(x.size(0), output_shape_), dtype_);  // (N, K, P, Q)
-  be.conv2d(x, weight_.value, opts_.stride, opts_.pad, y);
-  if (opts_.bias) be.add_channel_bias(y, bias_.value);
+  be.conv2d(x, weight_.compute(), opts_.stride, opts_.pad, y);
+  if (opts_.bias) be.add_channel_bias(y, bias_.compute());
   if (ctx != nullptr) ctx->saved = {x};  // (N, C, H, W)
   return y;
 }
@@ -84,7 +84,7 @@ Tensor Conv2d::backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, 
   if (!need_dx) return Tensor();
   Tensor dx = be.empty(x.shape(), dtype_);
   Tensor no_dw;  // undefined: the op skips the weight gradient
-  be.conv2d_backward(dy, x, weight_.value, opts_.stride, opts_.pad, dx, no_dw);
+  be.conv2d_backward(dy, x, weight_.compute(), opts_.stride, opts_.pad, dx, no_dw);
   return dx;
 }
 
@@ -94,7 +94,7 @@ void Conv2d::backward_weight_impl(Backend& be, Context& ctx) {
   const Tensor& x = ctx.saved[0];   // (N, C, H, W)
   const Tensor& dy = ctx.saved[1];  // (N, K, P, Q)
   Tensor no_dx;
-  be.conv2d_backward(dy, x, weight_.value, opts_.stride, opts_.pad, no_dx, weight_.grad);
+  be.conv2d_backward(dy, x, weight_.compute(), opts_.stride, opts_.pad, no_dx, weight_.grad);
   if (opts_.bias) be.channel_bias_grad(dy, bias_.grad);
 }
 
@@ -102,7 +102,7 @@ void Conv2d::backward_weight_batch_impl(Backend& be, const std::vector<Context*>
   const Tensor x = concat_saved(be, ctxs, 0, describe());   // (sum N, C, H, W)
   const Tensor dy = concat_saved(be, ctxs, 1, describe());  // (sum N, K, P, Q)
   Tensor no_dx;
-  be.conv2d_backward(dy, x, weight_.value, opts_.stride, opts_.pad, no_dx, weight_.grad);
+  be.conv2d_backward(dy, x, weight_.compute(), opts_.stride, opts_.pad, no_dx, weight_.grad);
   if (opts_.bias) be.channel_bias_grad(dy, bias_.grad);
 }
 

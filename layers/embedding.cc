@@ -61,7 +61,7 @@ LayerCost Embedding::cost(int64_t batch) const {
 
 Tensor Embedding::forward_impl(Backend& be, const Tensor& ids, Context* ctx, const ForwardArgs&) {
   Tensor out = be.empty({ids.size(0), opts_.seq_len, opts_.dim}, dtype_);  // (B, T, C)
-  be.embedding(ids, token_.value, position_.value, out);                   // ids (B, T) int32
+  be.embedding(ids, token_.compute(), position_.compute(), out);                   // ids (B, T) int32
   if (ctx != nullptr) ctx->saved = {ids};
   return out;
 }

@@ -159,7 +159,7 @@ std::string cost_mistake(Layer& layer, int64_t batch, const LayerCost& c) {
   int64_t param_bytes = 0;
   bool stored = true;  // a model built under ParametersWithoutStorage, for planning only, has nothing to hold
   for (Parameter* p : layer.parameters()) {
-    param_bytes += static_cast<int64_t>(p->value.nbytes());
+    param_bytes += static_cast<int64_t>(p->compute().nbytes());  // as the layer computes with them
     stored = stored && p->value.defined();
   }
   if (stored && c.param_bytes != param_bytes) {
@@ -275,6 +275,10 @@ void Layer::to(Device device) {
       p->value = moved;
     }
     p->grad = backend_for(device).zeros(p->value.shape(), p->value.dtype());
+    if (p->working.defined()) {  // made again from value: a layer may have set value since
+      p->working = Tensor::empty(p->value.shape(), p->working.dtype(), device);
+      p->refresh(backend_for(device));
+    }
   }
   device_ = device;
 }
@@ -292,30 +296,39 @@ ParametersWithoutStorage::~ParametersWithoutStorage() { parameters_without_stora
 bool ParametersWithoutStorage::active() { return parameters_without_storage; }
 
 Parameter Layer::make_parameter(const std::string& name, const Shape& shape, double bound, uint64_t seed) {
-  if (dtype_ != DType::kF32 && dtype_ != DType::kF64) {
+  if (dtype_ != DType::kF32 && dtype_ != DType::kF64 && !is_narrow(dtype_)) {
     throw UserError(std::string("parameters in ") + dtype_name(dtype_) +
-                    " are not supported yet; use model.dtype: float32");
+                    " are not supported; use model.dtype: float32, float64 or bf16");
   }
   Parameter p;
   p.name = name;
   if (parameters_without_storage) return p;
   Rng rng(seed);
-  p.value = Tensor::empty(shape, dtype_, Device::cpu());
+  const DType master = master_dtype(dtype_);
+  p.value = Tensor::empty(shape, master, Device::cpu());
   const int64_t n = p.value.numel();
-  if (dtype_ == DType::kF32) {
+  if (master == DType::kF32) {
     float* d = p.value.data<float>();
     for (int64_t i = 0; i < n; ++i) d[i] = static_cast<float>(rng.uniform(-bound, bound));
   } else {
     double* d = p.value.data<double>();
     for (int64_t i = 0; i < n; ++i) d[i] = rng.uniform(-bound, bound);
   }
-  p.grad = backend_for(Device::cpu()).zeros(shape, dtype_);
+  Backend& be = backend_for(Device::cpu());
+  p.grad = be.zeros(shape, master);
+  if (is_narrow(dtype_)) {
+    p.working = be.empty(shape, dtype_);
+    p.refresh(be);
+  }
   return p;
 }
 
 Parameter Layer::constant_parameter(const std::string& name, const Shape& shape, double value) {
   Parameter p = make_parameter(name, shape, 0.0, 0);  // uniform in [0, 0]: the dtype checks and a zero gradient
-  if (p.value.defined()) backend_for(Device::cpu()).fill(p.value, value);
+  if (p.value.defined()) {
+    backend_for(Device::cpu()).fill(p.value, value);
+    p.refresh(backend_for(Device::cpu()));
+  }
   return p;
 }
 

@@ -19,8 +19,20 @@ namespace layers {
 
 struct Parameter {
   std::string name;  // "weight", "bias"; the model prefixes the layer index
+  // The parameter itself: what the optimizer steps and checkpoints keep. float32 in a
+  // model of a narrow storage type (bfloat16): the master weights.
   Tensor value;
-  Tensor grad;  // same shape, device and dtype; accumulated by backward
+  Tensor grad;  // shaped and typed like value; accumulated by backward (in float32 for a bfloat16 model)
+  // In a model of a narrow storage type: value rounded to it, which forward and backward
+  // read. Whoever changes value calls refresh() (the executor after each optimizer step
+  // and checkpoint load). Undefined otherwise.
+  Tensor working;
+  // What a layer computes with: the working copy, or value itself.
+  const Tensor& compute() const { return working.defined() ? working : value; }
+  // Rounds value into the working copy (nothing without one), on `be`'s stream.
+  void refresh(Backend& be) {
+    if (working.defined()) be.cast(value, working);
+  }
 };
 
 // State a layer keeps that nothing trains but the model needs (BatchNorm's running
@@ -54,7 +66,7 @@ struct LayerCost {
   double forward_bytes = 0;   // memory traffic: inputs, outputs and parameters read/written
   double backward_bytes = 0;
   double weight_grad_bytes = 0;  // the part of backward_bytes that W moves
-  int64_t param_bytes = 0;
+  int64_t param_bytes = 0;  // as forward reads them: a bfloat16 layer's working copies (master_param_bytes)
   int64_t output_bytes = 0;  // the activation this layer produces
   int64_t saved_bytes = 0;   // what forward keeps for backward without rematerialization
   // Backward's kernels one by one; their flops and bytes sum to backward_flops and
@@ -64,6 +76,13 @@ struct LayerCost {
   // layer gets its sub-layers' parts from operator+= and adds a part for its own work.
   std::vector<CostPart> backward_parts;
 };
+
+// The bytes of a layer's parameters in their master type (float32 for a bfloat16 layer,
+// whose param_bytes count its working copies): what its gradients, its optimizer state
+// and its checkpoint hold, and what replicas reduce.
+inline int64_t master_param_bytes(const LayerCost& c, DType dtype) {
+  return c.param_bytes / static_cast<int64_t>(dtype_size(dtype)) * static_cast<int64_t>(dtype_size(master_dtype(dtype)));
+}
 
 // c.backward_parts, or for a cost that lists none, B's totals and W's as one part each
 // (a phase with no flops and no bytes has no part).
@@ -196,7 +215,9 @@ class Layer {
   }
   virtual void end_step_impl(Backend&, const ReplicaSum&) {}
   // Creates a parameter on the CPU, initialised uniform in [-bound, bound], with a zero
-  // gradient; under a ParametersWithoutStorage, one without storage.
+  // gradient; under a ParametersWithoutStorage, one without storage. In a layer of a
+  // narrow storage type (bfloat16) value and gradient are float32, initialised as a
+  // float32 layer's, and the working copy is value rounded.
   Parameter make_parameter(const std::string& name, const Shape& shape, double bound, uint64_t seed);
   // The same, every element `value` (a norm's scale 1 or shift 0).
   Parameter constant_parameter(const std::string& name, const Shape& shape, double value);

@@ -43,9 +43,10 @@ LayerCost LayerNorm::cost(int64_t batch) const {
 Tensor LayerNorm::forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs&) {
   const int64_t rows = x.numel() / channels_;
   Tensor y = be.empty(x.shape(), dtype_);   // (B, ..., C)
-  Tensor mean = be.empty({rows}, dtype_);   // (R)
-  Tensor rstd = be.empty({rows}, dtype_);   // (R)
-  be.layernorm(x, weight_.value, bias_.value, opts_.eps, y, mean, rstd);
+  // The statistics in float32 in a bfloat16 model (master_dtype): kept for backward.
+  Tensor mean = be.empty({rows}, master_dtype(dtype_));  // (R)
+  Tensor rstd = be.empty({rows}, master_dtype(dtype_));  // (R)
+  be.layernorm(x, weight_.compute(), bias_.compute(), opts_.eps, y, mean, rstd);
   if (ctx != nullptr) ctx->saved = {x, mean, rstd};
   return y;
 }
@@ -53,7 +54,7 @@ Tensor LayerNorm::forward_impl(Backend& be, const Tensor& x, Context* ctx, const
 Tensor LayerNorm::backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) {
   const Tensor& x = ctx.saved.at(0);
   Tensor dx = be.empty(x.shape(), dtype_);  // always written by the op; dropped if not needed
-  be.layernorm_backward(dy, x, weight_.value, ctx.saved.at(1), ctx.saved.at(2), dx, weight_.grad, bias_.grad);
+  be.layernorm_backward(dy, x, weight_.compute(), ctx.saved.at(1), ctx.saved.at(2), dx, weight_.grad, bias_.grad);
   return need_dx ? dx : Tensor();
 }
 

@@ -59,8 +59,8 @@ LayerCost Linear::cost(int64_t batch) const {
 Tensor Linear::forward_impl(Backend& be, const Tensor& xin, Context* ctx, const ForwardArgs&) {
   const Tensor x = xin.reshape({xin.numel() / opts_.in, opts_.in});  // (R, in)
   Tensor y = be.empty({x.size(0), opts_.out}, dtype_);               // (R, out)
-  be.matmul_weight(x, false, weight_.value, true, y);                // x (R, in) @ W^T (in, out)
-  if (opts_.bias) be.add_bias(y, bias_.value);
+  be.matmul_weight(x, false, weight_.compute(), true, y);                // x (R, in) @ W^T (in, out)
+  if (opts_.bias) be.add_bias(y, bias_.compute());
   if (ctx != nullptr) ctx->saved = {x};
   Shape out{xin.size(0)};
   out.insert(out.end(), output_shape_.begin(), output_shape_.end());
@@ -74,7 +74,7 @@ Tensor Linear::backward_input_impl(Backend& be, const Tensor& dyin, Context& ctx
   ctx.saved.push_back(dy);
   if (!need_dx) return Tensor();
   Tensor dx = be.empty({dy.size(0), opts_.in}, dtype_);  // (R, in)
-  be.matmul_weight(dy, false, weight_.value, false, dx); // dy (R, out) @ W (out, in)
+  be.matmul_weight(dy, false, weight_.compute(), false, dx); // dy (R, out) @ W (out, in)
   Shape in{dyin.size(0)};
   in.insert(in.end(), input_shape_.begin(), input_shape_.end());
   return dx.reshape(in);

@@ -24,8 +24,10 @@ Tensor SoftmaxCrossEntropy::forward(Backend& be, const Tensor& logits_in, const 
   }
   const Tensor logits = logits_in.reshape({logits_in.numel() / classes_, classes_});  // (R, C)
   const Tensor targets = targets_in.reshape({logits.size(0)});                        // (R)
-  Tensor probs = be.empty(logits.shape(), dtype_);                                    // (R, C)
-  Tensor loss = be.empty({1}, dtype_);
+  // The softmax and the loss in float32 in a bfloat16 model (master_dtype); the logits'
+  // gradient in the model's type.
+  Tensor probs = be.empty(logits.shape(), master_dtype(dtype_));                      // (R, C)
+  Tensor loss = be.empty({1}, master_dtype(dtype_));
   be.softmax_xent(logits, targets, scale, ignore_index_, probs, loss);
   if (ctx != nullptr) {
     // saved: probs, targets, and the scale as a one-element host tensor.
@@ -54,7 +56,7 @@ LayerCost SoftmaxCrossEntropy::cost(int64_t batch) const {
   c.forward_bytes = 2 * es * n;
   c.backward_bytes = 2 * es * n;
   c.output_bytes = static_cast<int64_t>(es);
-  c.saved_bytes = static_cast<int64_t>(es * n + 4 * rows);
+  c.saved_bytes = static_cast<int64_t>(static_cast<double>(dtype_size(master_dtype(dtype_))) * n + 4 * rows);  // probs, labels
   return c;
 }
 

@@ -112,6 +112,7 @@ void Sequential::tie(int owner_layer, Parameter& owner, int copy_layer, Paramete
     }
   }
   backend_for(copy.value.device()).copy(owner.value, copy.value);
+  copy.refresh(backend_for(copy.value.device()));
   ties_.push_back({owner_layer, &owner, copy_layer, &copy});
 }
 

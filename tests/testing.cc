@@ -5,6 +5,7 @@
 #include <sstream>
 #include <thread>
 
+#include "runtime/bf16.h"
 #include "runtime/error.h"
 #include "runtime/random.h"
 
@@ -47,6 +48,9 @@ std::vector<double> to_doubles(const Tensor& t) {
   } else if (host.dtype() == DType::kF64) {
     const double* p = host.data<double>();
     for (size_t i = 0; i < out.size(); ++i) out[i] = p[i];
+  } else if (host.dtype() == DType::kBF16) {
+    const BFloat16* p = host.data<BFloat16>();
+    for (size_t i = 0; i < out.size(); ++i) out[i] = bf16_to_double(p[i]);
   } else if (host.dtype() == DType::kI32) {
     const int32_t* p = host.data<int32_t>();
     for (size_t i = 0; i < out.size(); ++i) out[i] = p[i];
@@ -63,6 +67,9 @@ Tensor random_tensor(const Shape& shape, DType dtype, uint64_t seed, double lo, 
   if (dtype == DType::kF32) {
     float* p = t.data<float>();
     for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(rng.uniform(lo, hi));
+  } else if (dtype == DType::kBF16) {  // float32's values, rounded
+    BFloat16* p = t.data<BFloat16>();
+    for (int64_t i = 0; i < n; ++i) p[i] = float_to_bf16(static_cast<float>(rng.uniform(lo, hi)));
   } else {
     double* p = t.data<double>();
     for (int64_t i = 0; i < n; ++i) p[i] = rng.uniform(lo, hi);

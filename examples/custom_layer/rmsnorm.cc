@@ -53,7 +53,7 @@ Tensor RmsNorm::forward_impl(Backend& be, const Tensor& x, Context* ctx, const F
   be.row_inverse_rms(x, eps_, rstd);
   Tensor y = be.empty(x.shape(), dtype_);  // (B, ..., C)
   be.scale_rows(x, rstd, y);               // xhat = x * rstd
-  be.scale_columns(y, weight_.value, y);   // y = xhat * g
+  be.scale_columns(y, weight_.compute(), y);   // y = xhat * g
   if (ctx != nullptr) ctx->saved = {x, rstd};  // exactly what backward needs
   return y;
 }
@@ -73,7 +73,7 @@ Tensor RmsNorm::backward_impl(Backend& be, const Tensor& dy, const Context& ctx,
   be.bias_grad(t.reshape({rows, channels_}), weight_.grad, /*beta=*/1.0);
   if (!need_dx) return Tensor();
   Tensor gdy = be.empty(x.shape(), dtype_);  // (B, ..., C)
-  be.scale_columns(dy, weight_.value, gdy);
+  be.scale_columns(dy, weight_.compute(), gdy);
   Tensor dot = be.empty({rows}, dtype_);  // (R): mean_c(gdy * xhat)
   be.row_dot(gdy, xhat, 1.0 / static_cast<double>(channels_), dot);
   be.scale_rows(xhat, dot, t);

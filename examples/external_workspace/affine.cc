@@ -32,9 +32,9 @@ gpipe::layers::LayerCost Affine::cost(int64_t batch) const {
 Tensor Affine::forward_impl(gpipe::Backend& be, const Tensor& x, gpipe::layers::Context* ctx,
                             const gpipe::layers::ForwardArgs&) {
   Tensor y = be.empty(x.shape(), dtype_);
-  be.scale_columns(x, scale_.value, y);
+  be.scale_columns(x, scale_.compute(), y);
   Tensor rows = y.reshape({x.numel() / channels_, channels_});  // (R, C), a view of y
-  be.add_bias(rows, shift_.value);
+  be.add_bias(rows, shift_.compute());
   if (ctx != nullptr) ctx->saved = {x};
   return y;
 }
@@ -47,7 +47,7 @@ Tensor Affine::backward_impl(gpipe::Backend& be, const Tensor& dy, const gpipe::
   be.bias_grad(t.reshape({rows, channels_}), scale_.grad, /*beta=*/1.0);   // dg += sum_r dy x
   be.bias_grad(dy.reshape({rows, channels_}), shift_.grad, /*beta=*/1.0);  // db += sum_r dy
   if (!need_dx) return Tensor();
-  be.scale_columns(dy, scale_.value, t);  // dx = dy g
+  be.scale_columns(dy, scale_.compute(), t);  // dx = dy g
   return t;
 }
 

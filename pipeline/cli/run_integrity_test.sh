@@ -94,6 +94,27 @@ expect 2 changed.log $? "optimizer.lr: 0.01 -> 0.02" "checkpoint.allow_changes=[
 "$gpipe" train mlp.yaml --set output.dir=old/previous/$old_id --set train.steps=14 --set optimizer.lr=0.02 --resume \
   --set checkpoint.allow_changes=[optimizer.lr] > allowed.log 2>&1
 expect 0 allowed.log $? "resumed from old/previous/$old_id/checkpoints/step-12 after step 12 (run $old_id)"
+# A bfloat16 run's checkpoint holds float32 master weights and names its precision: a
+# float32 run resumes it once model.dtype may change, and a bfloat16 run resumes that.
+"$gpipe" train mlp.yaml --set output.dir=b16 --set model.dtype=bf16 --set checkpoint.every=4 > b16.log 2>&1 ||
+  { cat b16.log; fail "bf16 run"; }
+python3 - b16/checkpoints/step-12 <<'PY' || fail "the bf16 checkpoint is not float32 masters named bfloat16"
+import json, struct, sys, glob
+d = sys.argv[1]
+assert json.load(open(d + "/trainer_state.json"))["precision"] == "bfloat16"
+for f in glob.glob(d + "/*.safetensors"):
+    raw = open(f, "rb").read(); n = struct.unpack("<Q", raw[:8])[0]
+    for k, v in json.loads(raw[8:8 + n]).items():
+        assert k == "__metadata__" or v["dtype"] in ("F32", "F64"), (f, k, v["dtype"])
+PY
+"$gpipe" train mlp.yaml --set output.dir=b16 --set model.dtype=float32 --set train.steps=14 --resume > b16f.log 2>&1
+expect 2 b16f.log $? 'model.dtype: "bfloat16" -> "float32"' "checkpoint.allow_changes=[model.dtype]"
+"$gpipe" train mlp.yaml --set output.dir=b16 --set model.dtype=float32 --set train.steps=14 --resume \
+  --set checkpoint.allow_changes=[model.dtype] --set checkpoint.every=2 > b16f2.log 2>&1
+expect 0 b16f2.log $? "after step 12"
+"$gpipe" train mlp.yaml --set output.dir=b16 --set model.dtype=bf16 --set train.steps=16 --resume \
+  --set checkpoint.allow_changes=[model.dtype] > b16b.log 2>&1
+expect 0 b16b.log $? "after step 14"
 # A run that saved no checkpoint leaves reports only: --resume would start from step 0
 # over them, and is refused; the fresh-run message does not offer --resume.
 "$gpipe" train mlp.yaml --set output.dir=nockpt --set train.steps=3 > nockpt.log 2>&1 || { cat nockpt.log; fail "nockpt"; }

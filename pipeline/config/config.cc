@@ -191,7 +191,14 @@ class Decoder {
     }
     if (model["dtype"]) {
       const std::string dt = str(model["dtype"], "model.dtype");
-      if (dt != "float32" && dt != "float64") fail(model["dtype"], "model.dtype", "use float32 or float64, got '" + dt + "'");
+      if (dt == "fp16" || dt == "float16") {
+        fail(model["dtype"], "model.dtype",
+             "fp16 (with loss scaling) is not built yet; use bf16: the same memory and messages, with float32's "
+             "range, so it needs no loss scaling");
+      }
+      if (dt != "float32" && dt != "float64" && dt != "bf16" && dt != "bfloat16") {
+        fail(model["dtype"], "model.dtype", "use float32, float64 or bf16 (bfloat16 with float32 master weights), got '" + dt + "'");
+      }
       m.dtype = parse_dtype(dt);
     }
     if (model["input_dtype"]) {

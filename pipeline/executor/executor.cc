@@ -283,6 +283,16 @@ std::unique_lock<std::mutex> Executor::device_turn(int k) {
   return m != nullptr ? std::unique_lock<std::mutex>(*m) : std::unique_lock<std::mutex>();
 }
 
+// Float data for a model of a narrow storage type (bfloat16) is rounded to it once per
+// batch, on the host: as a first layer's output would be.
+Tensor Executor::model_input(const Tensor& inputs) const {
+  const DType want = model_.input_dtype();
+  if (!is_narrow(want) || inputs.dtype() == want) return inputs;
+  Tensor narrow = Tensor::empty(inputs.shape(), want, Device::cpu());
+  backend_for(Device::cpu()).cast(inputs, narrow);
+  return narrow;
+}
+
 Tensor Executor::to_device(StageRuntime& rt, const Tensor& host) {
   if (host.device() == rt.device || (host.device().is_cpu() && rt.device.is_cpu())) return host;
   Tensor t = rt.backend->empty(host.shape(), host.dtype());
@@ -458,6 +468,11 @@ void Executor::optimizer_step(StageRuntime& rt) {
     }
   }
   rt.optimizer->step();
+  // The working copies of a bfloat16 model, from the stepped masters (a sharded
+  // optimizer's after AG has gathered them).
+  if (!rt.sharding) {
+    for (layers::Parameter* p : rt.params) p->refresh(*rt.backend);
+  }
   if (!rt.statistics_folded) fold_statistics(rt);
   rt.clock->after(rt.backend->stream(), rt.trace.ops.size());
   rt.trace.optimizer_bytes = state_bytes(*rt.optimizer);
@@ -685,7 +700,7 @@ StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool appl
     throw UserError("inputs " + inputs.str() + " and targets " + targets.str() + " must have the same batch size");
   }
   const int64_t n = inputs.size(0);
-  cur_.inputs = inputs;
+  cur_.inputs = model_input(inputs);
   cur_.targets = targets;
   if (options_.micro_batch_sizes.empty()) {
     cur_.sizes = split_sizes(n, M);
@@ -771,7 +786,7 @@ EvalResult Executor::evaluate(const Tensor& inputs, const Tensor& targets, int64
     }
     program = std::move(p);
   }
-  cur_.inputs = inputs;
+  cur_.inputs = model_input(inputs);
   cur_.targets = targets;
   cur_.sizes.assign(M, micro_batch_rows);
   cur_.sizes.back() = n - (M - 1) * micro_batch_rows;

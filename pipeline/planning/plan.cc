@@ -343,16 +343,20 @@ std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequent
     for (int c : s.cells[k]) {
       const CellSpec& cell = plan.cells[c];
       for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) {
-        out[k].weight_bytes += any_costs[i].param_bytes;
-        out[k].gradient_bytes += any_costs[i].param_bytes;
-        out[k].optimizer_bytes += slots * any_costs[i].param_bytes;
+        // A bfloat16 layer: float32 master weights, gradients and state, and its working
+        // copies (param_bytes) beside the masters.
+        const DType dt = model.layer(i).dtype();
+        const int64_t master = layers::master_param_bytes(any_costs[i], dt);
+        out[k].weight_bytes += master + (is_narrow(dt) ? any_costs[i].param_bytes : 0);
+        out[k].gradient_bytes += master;
+        out[k].optimizer_bytes += slots * master;
       }
     }
     if (plan.shard_optimizer) {
       // ZeRO-1: a replica keeps its shard's state, at most ceil(N / D) of the stage's N
       // elements (shard_partition.h; shard 0 is the largest).
-      const int64_t elem = static_cast<int64_t>(dtype_size(model.dtype()));
-      const int64_t n = out[k].weight_bytes / elem, D = plan.replicas;
+      const int64_t elem = static_cast<int64_t>(dtype_size(master_dtype(model.dtype())));
+      const int64_t n = out[k].gradient_bytes / elem, D = plan.replicas;
       out[k].optimizer_bytes = slots * elem * ((n + D - 1) / D);
     }
     out[k].parameter_bytes = out[k].weight_bytes + out[k].gradient_bytes + out[k].optimizer_bytes;

@@ -52,8 +52,11 @@ CostTable estimate_costs(const layers::Sequential& model, int64_t micro, const p
       l.backward_weight = 0;
     }
     // The update reads the value, the gradient and each state slot and writes the value
-    // and the slots.
-    l.optimizer = (3 + 2 * slots) * static_cast<double>(c.param_bytes) / cm.bytes_per_second * 1e3;
+    // and the slots; a bfloat16 model's then writes its working copies.
+    const DType dt = model.layer(static_cast<int>(i)).dtype();
+    const double master = static_cast<double>(layers::master_param_bytes(c, dt));
+    l.optimizer = ((3 + 2 * slots) * master + (is_narrow(dt) ? static_cast<double>(c.param_bytes) : 0.0)) /
+                  cm.bytes_per_second * 1e3;
     t.layers.push_back(l);
   }
   return t;
@@ -182,13 +185,14 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
   for (int64_t n : plan.micro_batch_sizes) {
     if (!counts.count(n)) counts[n] = model.costs(n);
   }
-  // The bytes of stage k's parameters (and so of its gradients): what RG, RS and AG move.
+  // The bytes of stage k's parameters (and so of its gradients), in their master type:
+  // what RG, RS and AG move.
   auto stage_param_bytes = [&](int k) {
     const auto& layer_costs = counts.at(plan.micro_batch_sizes.front());
     int64_t bytes = 0;
     for (int c : s.cells[k]) {
       for (int i = plan.cells[c].first_layer; i < plan.cells[c].first_layer + plan.cells[c].num_layers; ++i) {
-        bytes += layer_costs[i].param_bytes;
+        bytes += layers::master_param_bytes(layer_costs[i], model.layer(i).dtype());
       }
     }
     return bytes;

@@ -63,7 +63,9 @@ struct sigaction g_before[kNumSignals];
 nlohmann::json model_fingerprint(const layers::Sequential& model) {
   nlohmann::json layers = nlohmann::json::array();
   for (int i = 0; i < model.size(); ++i) layers.push_back(model.layer(i).describe());
-  return {{"layers", layers}, {"input", shape_str(model.input_shape())}, {"dtype", dtype_name(model.dtype())}};
+  // The dtype of what the checkpoint holds: a bfloat16 model's float32 master weights
+  // (its precision, a setting of the run, is in run_identity and "precision").
+  return {{"layers", layers}, {"input", shape_str(model.input_shape())}, {"dtype", dtype_name(master_dtype(model.dtype()))}};
 }
 
 RunCheckpoints::RunCheckpoints(const Config& config, const Plan& plan, layers::Sequential& model, Executor& executor,
@@ -98,6 +100,9 @@ nlohmann::json RunCheckpoints::trainer_state(int64_t done, double lr) const {
           {"learning_rate", lr},
           {"model", model_fingerprint(model_)},
           {"optimizer", config_.optimizer.optimizer.type},
+          // The training precision: the tensors are float32 (master weights) for float32
+          // and bf16 alike, so either resumes the other (with checkpoint.allow_changes).
+          {"precision", dtype_name(model_.dtype())},
           {"saved_with", {{"partitions", plan_.stages},
                           {"virtual_stages", plan_.virtual_stages},
                           {"micro_batches", plan_.micro_batches()},

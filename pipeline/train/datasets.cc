@@ -261,7 +261,7 @@ std::unique_ptr<Dataset> make_dataset(const Config& c) {
       throw UserError("data.type teacher makes flat inputs: model.input must have one dimension, got " +
                       shape_str(c.model.input));
     }
-    return make_teacher_data(c.model.input[0], d.classes, d.teacher_hidden, d.teacher_scale, d.seed, c.model.dtype,
+    return make_teacher_data(c.model.input[0], d.classes, d.teacher_hidden, d.teacher_scale, d.seed, master_dtype(c.model.dtype),
                              d.eval_samples);
   }
   if (d.type == "text") {

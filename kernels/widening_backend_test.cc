@@ -1,0 +1,183 @@
+// Mixed precision's ops (kernels/widening_backend.h): an op with bfloat16 operands gives,
+// bit for bit, the float32 op on those operands widened, with what it writes rounded
+// once: each operand read, written or added into is handled as its role says.
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "kernels/cpu_backend.h"
+#include "kernels/cpu_gemm.h"
+#include "tests/testing.h"
+
+using namespace gpipe;
+using gpipe::testing::random_tensor;
+
+namespace {
+
+CpuBackend& reference() {
+  static CpuBackend be(Device::cpu());  // unwrapped: float32 and float64 only
+  return be;
+}
+
+Tensor as(const Tensor& t, DType dtype) {
+  Tensor out = Tensor::empty(t.shape(), dtype, Device::cpu());
+  reference().cast(t, out);
+  return out;
+}
+
+Tensor bf16(const Shape& shape, uint64_t seed) { return random_tensor(shape, DType::kBF16, seed); }
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  return a.dtype() == b.dtype() && a.shape() == b.shape() &&
+         std::memcmp(a.raw_data(), b.raw_data(), a.nbytes()) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("a product of bfloat16 operands is float32's product of their values, rounded once") {
+  Backend& be = backend_for(Device::cpu());
+  const Tensor a = bf16({5, 7}, 1), b = bf16({7, 3}, 2);
+  SUBCASE("overwritten") {
+    Tensor c = be.empty({5, 3}, DType::kBF16);
+    be.matmul(a, false, b, false, c, 0.5, 0.0);
+    Tensor want = reference().empty({5, 3}, DType::kF32);
+    reference().matmul(as(a, DType::kF32), false, as(b, DType::kF32), false, want, 0.5, 0.0);
+    CHECK(same_bits(c, as(want, DType::kBF16)));
+  }
+  SUBCASE("added into a bfloat16 output: its old values count") {
+    const Tensor c0 = bf16({5, 3}, 3);
+    Tensor c = as(as(c0, DType::kF32), DType::kBF16);
+    be.matmul(a, false, b, false, c, 1.0, 1.0);
+    Tensor want = as(c0, DType::kF32);
+    reference().matmul(as(a, DType::kF32), false, as(b, DType::kF32), false, want, 1.0, 1.0);
+    CHECK(same_bits(c, as(want, DType::kBF16)));
+  }
+  SUBCASE("accumulated into a float32 gradient, not rounded") {
+    const Tensor g0 = random_tensor({7, 3}, DType::kF32, 4);
+    Tensor g = as(g0, DType::kF32);
+    const Tensor dy = bf16({5, 3}, 5);
+    be.matmul(bf16({5, 7}, 6), true, dy, false, g, 1.0, 1.0);  // dW += x^T dy
+    Tensor want = as(g0, DType::kF32);
+    reference().matmul(as(bf16({5, 7}, 6), DType::kF32), true, as(dy, DType::kF32), false, want, 1.0, 1.0);
+    CHECK(same_bits(g, want));
+  }
+}
+
+TEST_CASE("a layer's weight in bfloat16 is never served from a packed copy of a temporary") {
+  // matmul_weight may keep a packed copy of its weight keyed on where it lives; the
+  // widened weight is a temporary, and the next one may live at the same address.
+  const auto saved = cpu_blas::library();
+  cpu_blas::set_library(cpu_blas::Library::kOnednn);
+  cpu_blas::set_always_pack(true);
+  Backend& be = backend_for(Device::cpu());
+  const Tensor x = bf16({4, 8}, 7), w1 = bf16({6, 8}, 8), w2 = bf16({6, 8}, 9);
+  Tensor y1 = be.empty({4, 6}, DType::kBF16), y2 = be.empty({4, 6}, DType::kBF16);
+  {
+    FrozenWeights frozen;
+    be.matmul_weight(x, false, w1, true, y1, 1.0, 0.0);
+    be.matmul_weight(x, false, w2, true, y2, 1.0, 0.0);
+    CHECK(cpu_blas::packed_weights_held() == 0);
+  }
+  cpu_blas::set_always_pack(false);
+  cpu_blas::set_library(saved);
+  for (auto [w, y] : {std::pair<Tensor, Tensor>{w1, y1}, {w2, y2}}) {
+    Tensor want = reference().empty({4, 6}, DType::kF32);
+    reference().matmul(as(x, DType::kF32), false, as(w, DType::kF32), true, want, 1.0, 0.0);
+    CHECK(same_bits(y, as(want, DType::kBF16)));
+  }
+}
+
+TEST_CASE("layer norm on bfloat16: statistics in float32, outputs rounded, float32 gradients accumulated") {
+  Backend& be = backend_for(Device::cpu());
+  const Tensor x = bf16({6, 16}, 10), gamma = bf16({16}, 11), beta = bf16({16}, 12), dy = bf16({6, 16}, 13);
+  Tensor y = be.empty({6, 16}, DType::kBF16), mean = be.empty({6}, DType::kF32), rstd = be.empty({6}, DType::kF32);
+  be.layernorm(x, gamma, beta, 1e-5, y, mean, rstd);
+  Tensor wy = reference().empty({6, 16}, DType::kF32), wmean = reference().empty({6}, DType::kF32),
+         wrstd = reference().empty({6}, DType::kF32);
+  reference().layernorm(as(x, DType::kF32), as(gamma, DType::kF32), as(beta, DType::kF32), 1e-5, wy, wmean, wrstd);
+  CHECK(same_bits(y, as(wy, DType::kBF16)));
+  CHECK(same_bits(mean, wmean));
+  CHECK(same_bits(rstd, wrstd));
+
+  const Tensor g0 = random_tensor({16}, DType::kF32, 14), b0 = random_tensor({16}, DType::kF32, 15);
+  Tensor dx = be.empty({6, 16}, DType::kBF16), dgamma = as(g0, DType::kF32), dbeta = as(b0, DType::kF32);
+  be.layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta);
+  Tensor wdx = reference().empty({6, 16}, DType::kF32), wdg = as(g0, DType::kF32), wdb = as(b0, DType::kF32);
+  reference().layernorm_backward(as(dy, DType::kF32), as(x, DType::kF32), as(gamma, DType::kF32), wmean, wrstd, wdx,
+                                 wdg, wdb);
+  CHECK(same_bits(dx, as(wdx, DType::kBF16)));
+  CHECK(same_bits(dgamma, wdg));
+  CHECK(same_bits(dbeta, wdb));
+}
+
+TEST_CASE("softmax cross-entropy of bfloat16 logits: probabilities and loss in float32") {
+  Backend& be = backend_for(Device::cpu());
+  const Tensor logits = random_tensor({5, 9}, DType::kBF16, 16, -4, 4);
+  const Tensor labels = gpipe::testing::random_labels(5, 9, 17);
+  Tensor probs = be.empty({5, 9}, DType::kF32), loss = be.empty({1}, DType::kF32);
+  be.softmax_xent(logits, labels, 0.2, -100, probs, loss);
+  Tensor wp = reference().empty({5, 9}, DType::kF32), wl = reference().empty({1}, DType::kF32);
+  reference().softmax_xent(as(logits, DType::kF32), labels, 0.2, -100, wp, wl);
+  CHECK(same_bits(probs, wp));
+  CHECK(same_bits(loss, wl));
+  Tensor dlogits = be.empty({5, 9}, DType::kBF16), wd = reference().empty({5, 9}, DType::kF32);
+  be.softmax_xent_backward(probs, labels, 0.2, -100, dlogits);
+  reference().softmax_xent_backward(wp, labels, 0.2, -100, wd);
+  CHECK(same_bits(dlogits, as(wd, DType::kBF16)));
+}
+
+TEST_CASE("attention, in-place scaling, an aliased product and a skipped output on bfloat16") {
+  Backend& be = backend_for(Device::cpu());
+  SUBCASE("attention and its backward") {
+    const Tensor qkv = bf16({2, 4, 12}, 18), dout = bf16({2, 4, 4}, 19);
+    Tensor probs = be.empty({2, 2, 4, 4}, DType::kBF16), out = be.empty({2, 4, 4}, DType::kBF16);
+    be.attention(qkv, 2, probs, out);
+    Tensor wp = reference().empty({2, 2, 4, 4}, DType::kF32), wo = reference().empty({2, 4, 4}, DType::kF32);
+    reference().attention(as(qkv, DType::kF32), 2, wp, wo);
+    CHECK(same_bits(probs, as(wp, DType::kBF16)));
+    CHECK(same_bits(out, as(wo, DType::kBF16)));
+    Tensor dqkv = be.empty(qkv.shape(), DType::kBF16), wd = reference().empty(qkv.shape(), DType::kF32);
+    be.attention_backward(dout, qkv, probs, 2, dqkv);
+    reference().attention_backward(as(dout, DType::kF32), as(qkv, DType::kF32), as(probs, DType::kF32), 2, wd);
+    CHECK(same_bits(dqkv, as(wd, DType::kBF16)));
+  }
+  SUBCASE("scale reads what it overwrites") {
+    const Tensor x0 = bf16({10}, 20);
+    Tensor x = as(as(x0, DType::kF32), DType::kBF16);
+    be.scale(x, 3.0);
+    Tensor want = as(x0, DType::kF32);
+    reference().scale(want, 3.0);
+    CHECK(same_bits(x, as(want, DType::kBF16)));
+  }
+  SUBCASE("y = a * b with y the storage of a") {
+    Tensor a = bf16({3, 5}, 21);
+    const Tensor b = bf16({3, 5}, 22);
+    Tensor want = reference().empty({3, 5}, DType::kF32);
+    reference().mul(as(a, DType::kF32), as(b, DType::kF32), want);
+    be.mul(a, b, a);
+    CHECK(same_bits(a, as(want, DType::kBF16)));
+  }
+  SUBCASE("a convolution's weight gradient alone, added into float32") {
+    const Tensor x = bf16({2, 3, 5, 5}, 23), w = bf16({4, 3, 3, 3}, 24), dy = bf16({2, 4, 5, 5}, 25);
+    const Tensor g0 = random_tensor(w.shape(), DType::kF32, 26);
+    Tensor dx, dw = as(g0, DType::kF32);
+    be.conv2d_backward(dy, x, w, 1, 1, dx, dw);
+    CHECK_FALSE(dx.defined());
+    Tensor wdx, wdw = as(g0, DType::kF32);
+    reference().conv2d_backward(as(dy, DType::kF32), as(x, DType::kF32), as(w, DType::kF32), 1, 1, wdx, wdw);
+    CHECK(same_bits(dw, wdw));
+  }
+}
+
+TEST_CASE("an op without bfloat16 operands is the wrapped backend's") {
+  Backend& be = backend_for(Device::cpu());
+  const Tensor a = random_tensor({4, 6}, DType::kF64, 27), b = random_tensor({6, 2}, DType::kF64, 28);
+  Tensor c = be.empty({4, 2}, DType::kF64), want = reference().empty({4, 2}, DType::kF64);
+  be.matmul(a, false, b, false, c, 1.0, 0.0);
+  reference().matmul(a, false, b, false, want, 1.0, 0.0);
+  CHECK(same_bits(c, want));
+  Tensor y = bf16({3}, 30);
+  CHECK_THROWS_AS(reference().relu(bf16({3}, 29), y), Error);  // the wrapped backend itself takes no bfloat16
+}
