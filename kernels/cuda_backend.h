@@ -1,7 +1,8 @@
 // The CUDA backend: cuBLAS for matrix products, the kernels of kernels/cuda_kernels.cu
 // for everything else, all queued on one non-blocking stream per backend. Same
 // semantics as the CPU reference (kernels/cpu_backend.cc) for float32 and float64;
-// bfloat16 is rejected for now.
+// bfloat16 operands are widened around it by the WideningBackend that backend_for()
+// wraps it in (kernels/widening_backend.h), as the CPU backend's are.
 //
 // Every op returns as soon as its work is queued, copies from the host included (they
 // go through pinned staging buffers). The backend waits for its stream only where the

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/widening_backend.h"
 #include "runtime/allocator.h"
 #include "runtime/cuda_runtime.h"
 #include "runtime/device.h"
@@ -375,11 +376,27 @@ TEST_CASE("operands on the wrong device and bfloat16 are rejected, not crashed o
   Tensor c = gpu().empty({4, 4}, DType::kF32);
   CHECK_THROWS_AS(gpu().matmul(host, false, dev, true, c, 1.0, 0.0), Error);
   Tensor bf = Tensor::empty({4}, DType::kBF16, kGpu);
-  CHECK_THROWS_AS(gpu().fill(bf, 1.0), Error);
-  CHECK_THROWS_AS(gpu().scale(bf, 2.0), Error);
+  Backend& bare = static_cast<WideningBackend&>(gpu()).inner();  // the CUDA backend itself: float32 and float64
+  CHECK_THROWS_AS(bare.fill(bf, 1.0), Error);
+  CHECK_THROWS_AS(bare.scale(bf, 2.0), Error);
   // The backend is still usable.
   gpu().relu(dev, dev);
   gpu().synchronize();
+}
+
+TEST_CASE("bfloat16 operands on the GPU: widened, computed in float32, rounded, as on the CPU") {
+  Tensor bf = Tensor::empty({4}, DType::kBF16, kGpu);
+  gpu().fill(bf, 1.5);
+  gpu().scale(bf, 2.0);
+  CHECK(to_doubles(bf) == std::vector<double>(4, 3.0));
+  // A product: the CPU's and the GPU's float32 sums differ in order, so the rounded
+  // results may differ by one bfloat16 step (2^-8 relative) where a sum lands near a tie.
+  const Tensor a = random_tensor({16, 32}, DType::kBF16, 31), b = random_tensor({32, 8}, DType::kBF16, 32);
+  Tensor c_cpu = Tensor::empty({16, 8}, DType::kBF16, Device::cpu());
+  backend_for(Device::cpu()).matmul(a, false, b, false, c_cpu, 1.0, 0.0);
+  Tensor c_gpu = gpu().empty({16, 8}, DType::kBF16);
+  gpu().matmul(to_gpu(a), false, to_gpu(b), false, c_gpu, 1.0, 0.0);
+  GPIPE_EXPECT_CLOSE(c_gpu, c_cpu, std::ldexp(1.0, -7), 1e-6);
 }
 
 // ---------------------------------------------------------------------------------

@@ -36,7 +36,8 @@ LayerCost LayerNorm::cost(int64_t batch) const {
   c.backward_bytes = es * (3 * R * C + 2 * R + 5 * C);
   c.param_bytes = static_cast<int64_t>(es * 2 * C);
   c.output_bytes = static_cast<int64_t>(es * R * C);
-  c.saved_bytes = static_cast<int64_t>(es * (R * C + 2 * R));  // x, mean, rstd
+  const double stats = static_cast<double>(dtype_size(master_dtype(dtype_)));  // float32 in a bfloat16 model
+  c.saved_bytes = static_cast<int64_t>(es * R * C + stats * 2 * R);  // x, mean, rstd
   return c;
 }
 

@@ -55,7 +55,7 @@ LayerCost SoftmaxCrossEntropy::cost(int64_t batch) const {
   c.backward_flops = 2 * n;
   c.forward_bytes = 2 * es * n;
   c.backward_bytes = 2 * es * n;
-  c.output_bytes = static_cast<int64_t>(es);
+  c.output_bytes = static_cast<int64_t>(dtype_size(master_dtype(dtype_)));  // the loss, float32 in a bfloat16 model
   c.saved_bytes = static_cast<int64_t>(static_cast<double>(dtype_size(master_dtype(dtype_))) * n + 4 * rows);  // probs, labels
   return c;
 }

@@ -152,5 +152,13 @@ double Sequential::forward_backward(Backend& be, const Tensor& x, const Tensor& 
   return be.item(loss);
 }
 
+Tensor model_input(const Sequential& model, const Tensor& data) {
+  const DType want = model.input_dtype();
+  if (!is_narrow(want) || data.dtype() == want) return data;
+  Tensor narrow = Tensor::empty(data.shape(), want, Device::cpu());
+  backend_for(Device::cpu()).cast(data, narrow);
+  return narrow;
+}
+
 }  // namespace layers
 }  // namespace gpipe

@@ -96,5 +96,10 @@ class Sequential {
   std::vector<Tie> ties_;
 };
 
+// The model's input made from data: float data for a model whose input is a narrow type
+// (bfloat16) rounded to it, on the host, as a first layer's output would be; anything
+// else as it is. The executor and the profiler feed the model through this.
+Tensor model_input(const Sequential& model, const Tensor& data);
+
 }  // namespace layers
 }  // namespace gpipe

@@ -19,8 +19,7 @@ RmsNorm::RmsNorm(const RmsNormOptions& opts)
   }
   if (!(eps_ > 0)) throw gpipe::UserError("rmsnorm: eps must be positive, got " + std::to_string(eps_));
   // Parameters are created on the CPU; the executor moves them to the stage's device.
-  weight_ = make_parameter("weight", {channels_}, /*bound=*/0.0, /*seed=*/0);
-  gpipe::backend_for(gpipe::Device::cpu()).fill(weight_.value, 1.0);
+  weight_ = constant_parameter("weight", {channels_}, 1.0);
 }
 
 std::string RmsNorm::describe() const { return "rmsnorm" + gpipe::shape_str(input_shape_); }
@@ -49,7 +48,7 @@ LayerCost RmsNorm::cost(int64_t batch) const {
 
 Tensor RmsNorm::forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs&) {
   const int64_t rows = x.numel() / channels_;
-  Tensor rstd = be.empty({rows}, dtype_);  // (R): 1 / sqrt(mean(x^2) + eps)
+  Tensor rstd = be.empty({rows}, gpipe::master_dtype(dtype_));  // (R): 1 / sqrt(mean(x^2) + eps), float32 in a bf16 model
   be.row_inverse_rms(x, eps_, rstd);
   Tensor y = be.empty(x.shape(), dtype_);  // (B, ..., C)
   be.scale_rows(x, rstd, y);               // xhat = x * rstd
@@ -74,7 +73,7 @@ Tensor RmsNorm::backward_impl(Backend& be, const Tensor& dy, const Context& ctx,
   if (!need_dx) return Tensor();
   Tensor gdy = be.empty(x.shape(), dtype_);  // (B, ..., C)
   be.scale_columns(dy, weight_.compute(), gdy);
-  Tensor dot = be.empty({rows}, dtype_);  // (R): mean_c(gdy * xhat)
+  Tensor dot = be.empty({rows}, gpipe::master_dtype(dtype_));  // (R): mean_c(gdy * xhat)
   be.row_dot(gdy, xhat, 1.0 / static_cast<double>(channels_), dot);
   be.scale_rows(xhat, dot, t);
   be.axpy(-1.0, t, gdy);

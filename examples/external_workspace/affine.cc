@@ -9,9 +9,8 @@ using gpipe::Tensor;
 Affine::Affine(gpipe::Shape shape, gpipe::DType dtype)
     : Layer(shape, shape, dtype), channels_(shape.empty() ? 0 : shape.back()) {
   if (channels_ <= 0) throw gpipe::UserError("affine: needs a feature dimension, got " + gpipe::shape_str(shape));
-  scale_ = make_parameter("scale", {channels_}, 0.0, 0);
-  shift_ = make_parameter("shift", {channels_}, 0.0, 0);
-  gpipe::backend_for(gpipe::Device::cpu()).fill(scale_.value, 1.0);
+  scale_ = constant_parameter("scale", {channels_}, 1.0);
+  shift_ = constant_parameter("shift", {channels_}, 0.0);
 }
 
 gpipe::layers::LayerCost Affine::cost(int64_t batch) const {

@@ -283,16 +283,6 @@ std::unique_lock<std::mutex> Executor::device_turn(int k) {
   return m != nullptr ? std::unique_lock<std::mutex>(*m) : std::unique_lock<std::mutex>();
 }
 
-// Float data for a model of a narrow storage type (bfloat16) is rounded to it once per
-// batch, on the host: as a first layer's output would be.
-Tensor Executor::model_input(const Tensor& inputs) const {
-  const DType want = model_.input_dtype();
-  if (!is_narrow(want) || inputs.dtype() == want) return inputs;
-  Tensor narrow = Tensor::empty(inputs.shape(), want, Device::cpu());
-  backend_for(Device::cpu()).cast(inputs, narrow);
-  return narrow;
-}
-
 Tensor Executor::to_device(StageRuntime& rt, const Tensor& host) {
   if (host.device() == rt.device || (host.device().is_cpu() && rt.device.is_cpu())) return host;
   Tensor t = rt.backend->empty(host.shape(), host.dtype());
@@ -700,7 +690,7 @@ StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool appl
     throw UserError("inputs " + inputs.str() + " and targets " + targets.str() + " must have the same batch size");
   }
   const int64_t n = inputs.size(0);
-  cur_.inputs = model_input(inputs);
+  cur_.inputs = layers::model_input(model_, inputs);  // bfloat16 data for a bfloat16 model
   cur_.targets = targets;
   if (options_.micro_batch_sizes.empty()) {
     cur_.sizes = split_sizes(n, M);
@@ -786,7 +776,7 @@ EvalResult Executor::evaluate(const Tensor& inputs, const Tensor& targets, int64
     }
     program = std::move(p);
   }
-  cur_.inputs = model_input(inputs);
+  cur_.inputs = layers::model_input(model_, inputs);  // bfloat16 data for a bfloat16 model
   cur_.targets = targets;
   cur_.sizes.assign(M, micro_batch_rows);
   cur_.sizes.back() = n - (M - 1) * micro_batch_rows;

@@ -227,7 +227,6 @@ class Executor {
   std::unique_lock<std::mutex> device_turn(int k);
   int stage_of_layer(int layer) const;
   Tensor to_device(StageRuntime& rt, const Tensor& host);
-  Tensor model_input(const Tensor& inputs) const;
 
   layers::Sequential& model_;
   std::vector<CellSpec> cells_;

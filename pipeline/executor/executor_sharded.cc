@@ -28,7 +28,7 @@ void Executor::make_sharding(StageRuntime& rt) {
   ReplicaGroup& group = *options_.replicas;
   auto sh = std::make_unique<StageRuntime::Sharding>();
   std::vector<int64_t> numels;
-  DType dtype = model_.dtype();
+  DType dtype = master_dtype(model_.dtype());  // what the optimizer steps: a bfloat16 model's float32 masters
   for (const layers::Parameter* p : rt.params) {
     GPIPE_CHECK(p->value.is_contiguous() && p->grad.is_contiguous(), "parameter " + p->name + " is not contiguous");
     if (p->value.dtype() != dtype) {
@@ -151,7 +151,7 @@ void Executor::save_sharded_optimizer(StageRuntime& rt, const std::vector<std::s
   const auto suffixes = layers::optimizer_slot_suffixes(options_.optimizer);
   Backend& be = *rt.backend;
   for (size_t j = 0; j < suffixes.size(); ++j) {
-    Tensor block = be.zeros({B}, model_.dtype());
+    Tensor block = be.zeros({B}, master_dtype(model_.dtype()));
     for (size_t i = 0; i < mine.size(); ++i) {
       const std::vector<layers::OptimizerSlot> slots = rt.optimizer->slots(i);
       GPIPE_CHECK(j < slots.size() && slots[j].suffix == suffixes[j], "optimizer slots out of order");
@@ -159,7 +159,7 @@ void Executor::save_sharded_optimizer(StageRuntime& rt, const std::vector<std::s
       Tensor into = block.narrow_rows(mine[i].shard_offset, mine[i].length);
       be.copy(slots[j].value->reshape({mine[i].length}), into);
     }
-    Tensor flat = be.empty({B * sh.partition.replicas}, model_.dtype());
+    Tensor flat = be.empty({B * sh.partition.replicas}, master_dtype(model_.dtype()));
     options_.replicas->all_gather(block, flat);
     Tensor host = Tensor::empty(flat.shape(), flat.dtype(), Device::cpu());
     copy_tensor(flat, host);
@@ -167,7 +167,7 @@ void Executor::save_sharded_optimizer(StageRuntime& rt, const std::vector<std::s
     for (size_t d = 0; d < sh.pieces.size(); ++d) {
       for (const ShardPiece& piece : sh.pieces[d]) {
         Tensor& w = whole[piece.param];
-        if (!w.defined()) w = Tensor::empty(rt.params[piece.param]->value.shape(), model_.dtype(), Device::cpu());
+        if (!w.defined()) w = Tensor::empty(rt.params[piece.param]->value.shape(), master_dtype(model_.dtype()), Device::cpu());
         Tensor into = flat_view(w).narrow_rows(piece.param_offset, piece.length);
         copy_tensor(host.narrow_rows(static_cast<int64_t>(d) * B + piece.shard_offset, piece.length), into);
       }
@@ -175,7 +175,7 @@ void Executor::save_sharded_optimizer(StageRuntime& rt, const std::vector<std::s
     for (size_t i = 0; i < rt.params.size(); ++i) {
       if (model_.is_tied_copy(rt.params[i])) continue;  // its owner's stage saves it
       out.optimizer[names[i] + suffixes[j]] = whole[i].defined() ? whole[i]
-                                                                 : Tensor::zeros_cpu(rt.params[i]->value.shape(), model_.dtype());
+                                                                 : Tensor::zeros_cpu(rt.params[i]->value.shape(), master_dtype(model_.dtype()));
     }
   }
 }

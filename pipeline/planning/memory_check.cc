@@ -65,15 +65,22 @@ void check_weights_fit(const Config& c, int64_t available, int processes) {
   if (!layers || layers->empty()) return;  // checked once built (check_run_fits)
   WeightBytes w;
   size_t largest = 0;
+  // measure_parameters counts what the layers read: a bfloat16 model's working copies,
+  // beside which it keeps float32 masters, gradients and optimizer state.
+  int64_t master = 0;
   for (size_t i = 0; i < layers->size(); ++i) {
-    w.weights += (*layers)[i].bytes;
+    const int64_t working = (*layers)[i].bytes;
+    const int64_t m = working / static_cast<int64_t>(dtype_size(c.model.dtype)) *
+                      static_cast<int64_t>(dtype_size(master_dtype(c.model.dtype)));
+    master += m;
+    w.weights += m + (is_narrow(c.model.dtype) ? working : 0);
     if ((*layers)[i].bytes > (*layers)[largest].bytes) largest = i;
   }
-  w.gradients = w.weights;  // made with each weight
+  w.gradients = master;  // made with each weight
   // The optimizer's state is on the host when this one process runs every stage there.
   bool state_on_host = processes <= 1;
   for (const std::string& d : c.pipeline.devices) state_on_host = state_on_host && parse_device(d).is_cpu();
-  if (state_on_host) w.optimizer = optimizer_slots(c.optimizer.optimizer) * w.weights;
+  if (state_on_host) w.optimizer = optimizer_slots(c.optimizer.optimizer) * master;
   if (w.total() <= available) return;
   const layers::LayerWeights& big = (*layers)[largest];
   refuse_weights(c, w,
@@ -100,7 +107,7 @@ void check_run_fits(const Config& c, layers::Sequential& model, const Plan& plan
   int64_t held = 0;
   for (int i = 0; i < model.size(); ++i) {
     for (const layers::Parameter* p : model.layer(i).parameters()) {
-      for (const Tensor* t : {&p->value, &p->grad}) {
+      for (const Tensor* t : {&p->value, &p->grad, &p->working}) {
         if (t->defined() && t->device().is_cpu()) held += static_cast<int64_t>(t->nbytes());
       }
     }

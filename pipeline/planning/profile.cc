@@ -281,7 +281,7 @@ ProfileEntry measure_layers(layers::Sequential& model, const Tensor& inputs, con
     be.copy(host, t);
     return t;
   };
-  const Tensor x = on_device(inputs), y = on_device(targets);
+  const Tensor x = on_device(layers::model_input(model, inputs)), y = on_device(targets);
   std::vector<std::unique_ptr<layers::Optimizer>> optimizers(L);
   for (int i = 0; i < L; ++i) {
     if (model.layer(i).parameters().empty()) continue;

@@ -74,6 +74,24 @@ TEST_CASE("a sharded plan: RS and AG in the program, one shard's optimizer state
   }
 }
 
+TEST_CASE("a bfloat16 plan counts float32 masters, gradients and state, and bfloat16 working copies") {
+  // 2 layers of 20 parameters per stage at K = 2: masters 4 bytes each and working copies
+  // 2 (weights 240), gradients 4 (160), Adam's two slots 4 each (320; sharded over D = 2:
+  // 2 x 4 x 20 = 160).
+  for (bool shard : {false, true}) {
+    CAPTURE(shard);
+    RunModel run;
+    const Plan plan = plan_of({"model.dtype=bf16", "pipeline.partitions=2", "pipeline.replicas=2", "train.batch_size=16",
+                               std::string("pipeline.shard_optimizer=") + (shard ? "optimizer" : "none")},
+                              run);
+    for (const StageMemory& m : estimate_memory(plan, *run.model, run.config.optimizer.optimizer)) {
+      CHECK(m.weight_bytes == 240);
+      CHECK(m.gradient_bytes == 160);
+      CHECK(m.optimizer_bytes == (shard ? 160 : 320));
+    }
+  }
+}
+
 TEST_CASE("the prediction prices RS and AG over the replicas' link, AG after OPT") {
   RunModel run;
   const Plan plan = plan_of({"pipeline.replicas=2", "train.batch_size=16", "pipeline.shard_optimizer=optimizer"}, run);

@@ -120,7 +120,8 @@ class SweepCosts {
         store_(load_profile(base.pipeline.profile)),
         overrides_(cost_overrides(base)),
         device_(o.spec != nullptr ? Device::cuda(0) : first_device(base)),
-        spec_cm_(o.spec != nullptr ? o.spec->cost_model(dtype_name(model.output_dtype())) : partition::CostModel{}) {}
+        spec_cm_(o.spec != nullptr ? o.spec->cost_model(dtype_name(master_dtype(model.output_dtype())))  // bfloat16 computes in float32
+                                  : partition::CostModel{}) {}
 
   const ProfileStore& store() const { return store_; }
 
