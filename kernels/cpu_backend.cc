@@ -13,6 +13,7 @@
 #include "kernels/op_checks.h"
 #include "kernels/widening_backend.h"
 #include "runtime/bf16.h"
+#include "runtime/fp16.h"
 #include "runtime/error.h"
 
 #ifdef GPIPE_WITH_CUDA
@@ -366,6 +367,16 @@ void CpuBackend::cast(const Tensor& src, Tensor& dst) {
     from((BFloat16*)nullptr, (float*)nullptr, [](BFloat16 x) { return bf16_to_float(x); });
   } else if (a == DType::kBF16 && b == DType::kF64) {
     from((BFloat16*)nullptr, (double*)nullptr, [](BFloat16 x) { return bf16_to_double(x); });
+  } else if (a == DType::kF32 && b == DType::kF16) {
+    from((float*)nullptr, (Half*)nullptr, [](float x) { return float_to_half(x); });
+  } else if (a == DType::kF64 && b == DType::kF16) {
+    from((double*)nullptr, (Half*)nullptr, [](double x) { return double_to_half(x); });
+  } else if (a == DType::kF16 && b == DType::kF32) {
+    from((Half*)nullptr, (float*)nullptr, [](Half x) { return half_to_float(x); });
+  } else if (a == DType::kF16 && b == DType::kF64) {
+    from((Half*)nullptr, (double*)nullptr, [](Half x) { return half_to_double(x); });
+  } else if ((a == DType::kBF16 && b == DType::kF16) || (a == DType::kF16 && b == DType::kBF16)) {
+    throw Error("cast " + src.str() + " -> " + dst.str() + ": between the two narrow types, go through float32");
   } else if (a == DType::kF32 && b == DType::kF64) {
     from((float*)nullptr, (double*)nullptr, [](float x) { return static_cast<double>(x); });
   } else {

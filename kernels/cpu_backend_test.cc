@@ -239,7 +239,7 @@ TEST_CASE("cast between float32, float64 and bfloat16 converts each element as r
   for (int64_t i = 0; i < f64.numel(); ++i) REQUIRE(narrow.data<float>()[i] == static_cast<float>(f64.data<double>()[i]));
   // Refused: labels, and sizes that differ.
   Tensor labels = be.empty({3, 257}, DType::kI32);
-  CHECK_THROWS_WITH_AS(be.cast(labels, b16), doctest::Contains("float32, float64 and bfloat16 only"), Error);
+  CHECK_THROWS_WITH_AS(be.cast(labels, b16), doctest::Contains("float32, float64, bfloat16 and float16 only"), Error);
   Tensor short_one = be.empty({3, 256}, DType::kBF16);
   CHECK_THROWS_WITH_AS(be.cast(f32, short_one), doctest::Contains("differ in size"), Error);
 }

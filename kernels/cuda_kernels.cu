@@ -26,6 +26,7 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include "runtime/bf16.h"
+#include "runtime/fp16.h"
 #include "runtime/cuda_check.h"
 #include "runtime/error.h"
 #include "runtime/philox.h"
@@ -736,7 +737,7 @@ __global__ void dropout_kernel(const T* x, T* y, int64_t rows, int64_t per_row, 
   }
 }
 
-// ---- cast (Backend::cast): the host's conversions of runtime/bf16.h, compiled for the GPU.
+// ---- cast (Backend::cast): the host's conversions of runtime/bf16.h and fp16.h, compiled for the GPU.
 
 __device__ inline void convert(float x, BFloat16& y) { y = float_to_bf16(x); }
 __device__ inline void convert(double x, BFloat16& y) { y = double_to_bf16(x); }
@@ -744,6 +745,10 @@ __device__ inline void convert(BFloat16 x, float& y) { y = bf16_to_float(x); }
 __device__ inline void convert(BFloat16 x, double& y) { y = bf16_to_double(x); }
 __device__ inline void convert(float x, double& y) { y = static_cast<double>(x); }
 __device__ inline void convert(double x, float& y) { y = __double2float_rn(x); }
+__device__ inline void convert(float x, Half& y) { y = float_to_half(x); }
+__device__ inline void convert(double x, Half& y) { y = double_to_half(x); }
+__device__ inline void convert(Half x, float& y) { y = half_to_float(x); }
+__device__ inline void convert(Half x, double& y) { y = half_to_double(x); }
 
 template <typename S, typename D>
 __global__ void cast_kernel(const S* src, D* dst, int64_t n) {
@@ -1300,6 +1305,10 @@ void cast(const void* src, DType from, void* dst, DType to, int64_t n, cudaStrea
   if (from == DType::kF64 && to == DType::kBF16) return launch_cast<double, BFloat16>(src, dst, n, stream);
   if (from == DType::kBF16 && to == DType::kF32) return launch_cast<BFloat16, float>(src, dst, n, stream);
   if (from == DType::kBF16 && to == DType::kF64) return launch_cast<BFloat16, double>(src, dst, n, stream);
+  if (from == DType::kF32 && to == DType::kF16) return launch_cast<float, Half>(src, dst, n, stream);
+  if (from == DType::kF64 && to == DType::kF16) return launch_cast<double, Half>(src, dst, n, stream);
+  if (from == DType::kF16 && to == DType::kF32) return launch_cast<Half, float>(src, dst, n, stream);
+  if (from == DType::kF16 && to == DType::kF64) return launch_cast<Half, double>(src, dst, n, stream);
   if (from == DType::kF32 && to == DType::kF64) return launch_cast<float, double>(src, dst, n, stream);
   if (from == DType::kF64 && to == DType::kF32) return launch_cast<double, float>(src, dst, n, stream);
   throw Error(std::string("cast from ") + dtype_name(from) + " to " + dtype_name(to) + " on a GPU");

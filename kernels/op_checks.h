@@ -31,9 +31,12 @@ inline void check_float(const Tensor& t, const char* op) {
 }
 
 inline void check_cast(const Tensor& src, const Tensor& dst) {
-  auto castable = [](DType t) { return t == DType::kF32 || t == DType::kF64 || t == DType::kBF16; };
+  auto castable = [](DType t) { return t == DType::kF32 || t == DType::kF64 || is_narrow(t); };
   if (!castable(src.dtype()) || !castable(dst.dtype())) {
-    throw Error("cast: " + src.str() + " -> " + dst.str() + ": float32, float64 and bfloat16 only");
+    throw Error("cast: " + src.str() + " -> " + dst.str() + ": float32, float64, bfloat16 and float16 only");
+  }
+  if (is_narrow(src.dtype()) && is_narrow(dst.dtype()) && src.dtype() != dst.dtype()) {
+    throw Error("cast: " + src.str() + " -> " + dst.str() + ": between bfloat16 and float16, go through float32");
   }
   if (src.numel() != dst.numel()) throw Error("cast: " + src.str() + " -> " + dst.str() + " differ in size");
   if (!src.is_contiguous() || !dst.is_contiguous()) {

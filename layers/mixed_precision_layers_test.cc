@@ -61,8 +61,12 @@ struct Case {
 
 }  // namespace
 
-TEST_CASE("every built-in layer in bfloat16 stays within bfloat16's rounding of float32") {
-  const double u = std::ldexp(1.0, -8);
+TEST_CASE("every built-in layer in bfloat16 and float16 stays within their rounding of float32") {
+ for (const DType narrow : {DType::kBF16, DType::kF16}) {
+  const std::string precision = dtype_name(narrow);
+  CAPTURE(precision);
+  // float16 keeps 11 significant bits: u = 2^-11; its range (65504) is far above these values.
+  const double u = std::ldexp(1.0, narrow == DType::kBF16 ? -8 : -11);
   const std::vector<Case> cases = {
       {"linear", {{"out", "24"}}, {32}},
       {"relu", {}, {40}},
@@ -83,14 +87,14 @@ TEST_CASE("every built-in layer in bfloat16 stays within bfloat16's rounding of 
     CAPTURE(c.type);
     LayerSpec spec{c.type, c.args, {}, "", ""};
     auto f32 = make_layer(spec, c.input, DType::kF32, 7);
-    auto b16 = make_layer(spec, c.input, DType::kBF16, 7);
+    auto b16 = make_layer(spec, c.input, narrow, 7);
     Backend& be = backend_for(Device::cpu());
     // The same weights: bfloat16's masters are float32's values.
     auto pf = f32->parameters(), pb = b16->parameters();
     REQUIRE(pf.size() == pb.size());
     for (size_t i = 0; i < pf.size(); ++i) {
       CHECK(pb[i]->value.dtype() == DType::kF32);
-      CHECK(pb[i]->working.dtype() == DType::kBF16);
+      CHECK(pb[i]->working.dtype() == narrow);
       CHECK(rel_error(pb[i]->value, pf[i]->value) == 0.0);
       CHECK(rel_error(pb[i]->working, pf[i]->value) <= u);  // each element within u of it
     }
@@ -100,29 +104,29 @@ TEST_CASE("every built-in layer in bfloat16 stays within bfloat16's rounding of 
     if (c.input_dtype == DType::kI32) {
       x32 = x16 = gpipe::testing::random_labels(shape_numel(shape), 20, 1).reshape(shape);
     } else {
-      x32 = as(random_tensor(shape, DType::kBF16, 1), DType::kF32);  // representable: the input is not rounded
-      x16 = as(x32, DType::kBF16);
+      x32 = as(random_tensor(shape, DType::kBF16, 1), DType::kF32);  // representable in both: the input is not rounded
+      x16 = as(x32, narrow);
     }
     ForwardArgs args;
     args.step = 3;
     Context cf, cb;
     const Tensor y32 = f32->forward(be, x32, &cf, args), y16 = b16->forward(be, x16, &cb, args);
-    CHECK(y16.dtype() == DType::kBF16);
+    CHECK(y16.dtype() == narrow);
     if (c.type == "layernorm" || c.type == "batchnorm2d") {  // the statistics kept in float32
       REQUIRE(cb.saved.size() == 3);
-      CHECK(cb.saved[0].dtype() == DType::kBF16);
+      CHECK(cb.saved[0].dtype() == narrow);
       CHECK(cb.saved[1].dtype() == DType::kF32);
       CHECK(cb.saved[2].dtype() == DType::kF32);
     }
     Shape out{N};
     out.insert(out.end(), f32->output_shape().begin(), f32->output_shape().end());
-    const Tensor dy16 = random_tensor(out, DType::kBF16, 2), dy32 = as(dy16, DType::kF32);
+    const Tensor dy32 = as(random_tensor(out, DType::kBF16, 2), DType::kF32), dy16 = as(dy32, narrow);
     const Tensor dx32 = f32->backward(be, dy32, cf), dx16 = b16->backward(be, dy16, cb);
     const double fwd = rel_error(y16, y32), tol_fwd = 2 * u * (1 + c.stages);
     MESSAGE(c.type, ": forward ", fwd / u, " u");
     CHECK(fwd <= tol_fwd);
     if (dx32.defined()) {
-      CHECK(dx16.dtype() == DType::kBF16);
+      CHECK(dx16.dtype() == narrow);
       const double bwd = rel_error(dx16, dx32), tol_bwd = 3 * u * (1 + c.stages);
       MESSAGE(c.type, ": input gradient ", bwd / u, " u");
       CHECK(bwd <= tol_bwd);
@@ -135,4 +139,5 @@ TEST_CASE("every built-in layer in bfloat16 stays within bfloat16's rounding of 
       CHECK(g <= tol_g);
     }
   }
+ }
 }

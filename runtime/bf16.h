@@ -61,16 +61,12 @@ GPIPE_BF16_FN double bf16_to_double(BFloat16 b) {
   return d;
 }
 
-// float64 straight to bfloat16, rounded once: through float32 rounded to odd (an inexact
-// result gets its last bit set), which keeps the second rounding from landing on a tie
-// the first one made (1 + 2^-8 + 2^-30 must round up; through a nearest float32 it
-// becomes the tie 1 + 2^-8 and rounds down).
-GPIPE_BF16_FN BFloat16 double_to_bf16(double d) {
-  if (d != d) {  // NaN: the quiet NaN of its sign and the top of its payload, by bits
-    uint64_t u;
-    std::memcpy(&u, &d, sizeof u);
-    return {static_cast<uint16_t>(((u >> 48) & 0x8000u) | 0x7fc0u | ((u >> 45) & 0x7fu))};
-  }
+// float64 to float32 rounded to odd: an inexact result gets its last bit set (the odd one
+// of the two neighbours of d). Rounding that once more, to bfloat16 or float16, rounds d
+// once: the first rounding cannot land on a tie the second would then break wrongly
+// (1 + 2^-8 + 2^-30 must round up to bfloat16; through the nearest float32 it becomes the
+// tie 1 + 2^-8 and rounds down). For finite and infinite d; NaN is the caller's.
+GPIPE_BF16_FN float double_to_float_odd(double d) {
   float f = static_cast<float>(d);
   const double back = static_cast<double>(f);
   if (back != d && back - back == 0.0) {  // inexact and finite
@@ -82,7 +78,17 @@ GPIPE_BF16_FN BFloat16 double_to_bf16(double d) {
       std::memcpy(&f, &u, sizeof f);
     }
   }
-  return float_to_bf16(f);
+  return f;
+}
+
+// float64 straight to bfloat16, rounded once (double_to_float_odd).
+GPIPE_BF16_FN BFloat16 double_to_bf16(double d) {
+  if (d != d) {  // NaN: the quiet NaN of its sign and the top of its payload, by bits
+    uint64_t u;
+    std::memcpy(&u, &d, sizeof u);
+    return {static_cast<uint16_t>(((u >> 48) & 0x8000u) | 0x7fc0u | ((u >> 45) & 0x7fu))};
+  }
+  return float_to_bf16(double_to_float_odd(d));
 }
 
 }  // namespace gpipe

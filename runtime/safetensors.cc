@@ -221,11 +221,8 @@ DType safetensors_dtype(const std::string& name, const std::string& what) {
   if (name == "F64") return DType::kF64;
   if (name == "I32") return DType::kI32;
   if (name == "BF16") return DType::kBF16;
-  if (name == "F16") {
-    throw UserError(what + ": dtype " + name + " is not supported yet; gpipe reads F32, F64, BF16 and I32 "
-                    "(convert the tensor to float32, e.g. tensor.float() in PyTorch, and save again)");
-  }
-  throw UserError(what + ": unknown or unsupported dtype '" + name + "'; gpipe reads F32, F64, BF16 and I32");
+  if (name == "F16") return DType::kF16;
+  throw UserError(what + ": unknown or unsupported dtype '" + name + "'; gpipe reads F32, F64, BF16, F16 and I32");
 }
 
 const char* safetensors_dtype_name(DType dtype) {
@@ -234,6 +231,7 @@ const char* safetensors_dtype_name(DType dtype) {
     case DType::kF64: return "F64";
     case DType::kI32: return "I32";
     case DType::kBF16: return "BF16";
+    case DType::kF16: return "F16";
   }
   throw Error("safetensors: no name for dtype " + std::to_string(static_cast<int>(dtype)));
 }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "runtime/bf16.h"
+#include "runtime/fp16.h"
 #include "runtime/error.h"
 #include "tests/temp_dir.h"
 
@@ -237,8 +238,9 @@ TEST_CASE("safetensors: every rule broken once is refused with the file and the 
     CHECK_REFUSED(handmade(R"({"w":{"dtype":"BF16","shape":[3],"data_offsets":[0,8]}})", two),
                   "need 6 bytes, but data_offsets [0,8] hold 8");
   }
-  SUBCASE("f16") {
-    CHECK_REFUSED(handmade(R"({"w":{"dtype":"F16","shape":[4],"data_offsets":[0,8]}})", two), "not supported yet");
+  SUBCASE("f16 whose size does not fit its shape") {
+    CHECK_REFUSED(handmade(R"({"w":{"dtype":"F16","shape":[3],"data_offsets":[0,8]}})", two),
+                  "need 6 bytes, but data_offsets [0,8] hold 8");
   }
   SUBCASE("unknown dtype") {
     CHECK_REFUSED(handmade(R"({"w":{"dtype":"Q7","shape":[2],"data_offsets":[0,8]}})", two), "unknown or unsupported dtype 'Q7'");
@@ -285,4 +287,30 @@ TEST_CASE("safetensors: a BF16 tensor as the format writes it: 2 bytes each, lit
   const std::string again((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   CHECK(again.find("\"dtype\":\"BF16\"") != std::string::npos);
   CHECK(again.substr(again.size() - 4) == std::string("\x80\x3f\x00\xc0", 4));
+}
+
+TEST_CASE("safetensors: an F16 tensor as the format writes it: 2 bytes each, little-endian, dtype \"F16\"") {
+  TempDir dir;
+  // Two elements, 1.0 (0x3c00) and -2.0 (0xc000), written by hand from the format.
+  const std::string header = R"({"w":{"dtype":"F16","shape":[2],"data_offsets":[0,4]}})";
+  std::string file(8, '\0');
+  const uint64_t n = header.size();
+  for (int i = 0; i < 8; ++i) file[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  file += header + std::string("\x00\x3c\x00\xc0", 4);
+  const std::string path = dir / "hand.safetensors";
+  std::ofstream(path, std::ios::binary) << file;
+  const Tensor w = load_safetensors(path).tensors.at("w");
+  REQUIRE(w.dtype() == DType::kF16);
+  CHECK(half_to_float(w.data<Half>()[0]) == 1.0f);
+  CHECK(half_to_float(w.data<Half>()[1]) == -2.0f);
+  // Written back: the same bytes after the header.
+  TensorMap out;
+  out["w"] = w;
+  save_safetensors(dir / "again.safetensors", out);
+  const SafetensorsHeader h = read_safetensors_header(dir / "again.safetensors");
+  CHECK(h.find("w")->dtype == DType::kF16);
+  std::ifstream in(dir / "again.safetensors", std::ios::binary);
+  const std::string again((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  CHECK(again.find("\"dtype\":\"F16\"") != std::string::npos);
+  CHECK(again.substr(again.size() - 4) == std::string("\x00\x3c\x00\xc0", 4));
 }

@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "runtime/bf16.h"
+#include "runtime/fp16.h"
 #include "runtime/error.h"
 #include "runtime/random.h"
 
@@ -51,6 +52,9 @@ std::vector<double> to_doubles(const Tensor& t) {
   } else if (host.dtype() == DType::kBF16) {
     const BFloat16* p = host.data<BFloat16>();
     for (size_t i = 0; i < out.size(); ++i) out[i] = bf16_to_double(p[i]);
+  } else if (host.dtype() == DType::kF16) {
+    const Half* p = host.data<Half>();
+    for (size_t i = 0; i < out.size(); ++i) out[i] = half_to_double(p[i]);
   } else if (host.dtype() == DType::kI32) {
     const int32_t* p = host.data<int32_t>();
     for (size_t i = 0; i < out.size(); ++i) out[i] = p[i];

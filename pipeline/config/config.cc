@@ -191,13 +191,9 @@ class Decoder {
     }
     if (model["dtype"]) {
       const std::string dt = str(model["dtype"], "model.dtype");
-      if (dt == "fp16" || dt == "float16") {
+      if (dt != "float32" && dt != "float64" && dt != "bf16" && dt != "bfloat16" && dt != "fp16" && dt != "float16") {
         fail(model["dtype"], "model.dtype",
-             "fp16 (with loss scaling) is not built yet; use bf16: the same memory and messages, with float32's "
-             "range, so it needs no loss scaling");
-      }
-      if (dt != "float32" && dt != "float64" && dt != "bf16" && dt != "bfloat16") {
-        fail(model["dtype"], "model.dtype", "use float32, float64 or bf16 (bfloat16 with float32 master weights), got '" + dt + "'");
+             "use float32, float64, bf16 or fp16 (bfloat16 or float16 with float32 master weights), got '" + dt + "'");
       }
       m.dtype = parse_dtype(dt);
     }
@@ -486,7 +482,8 @@ void decode_pipeline(Decoder& dec, const YAML::Node& root, Config& c) {
 void decode_optimizer(Decoder& dec, const YAML::Node& root, Config& c) {
   if (const YAML::Node o = root["optimizer"]) {
     dec.check_map(o, "optimizer", {"type", "lr", "momentum", "weight_decay", "nesterov", "beta1", "beta2", "eps",
-                                   "schedule", "warmup_steps", "min_lr", "clip_grad_norm"});
+                                   "schedule", "warmup_steps", "min_lr", "clip_grad_norm", "loss_scale",
+                                   "loss_scale_window"});
     layers::OptimizerConfig& oc = c.optimizer.optimizer;
     if (o["type"]) {
       oc.type = dec.str(o["type"], "optimizer.type");
@@ -555,6 +552,30 @@ void decode_optimizer(Decoder& dec, const YAML::Node& root, Config& c) {
       c.optimizer.clip_grad_norm = dec.number(o["clip_grad_norm"], "optimizer.clip_grad_norm");
       if (c.optimizer.clip_grad_norm < 0) dec.out_of_range(o["clip_grad_norm"], "optimizer.clip_grad_norm", ">= 0 (0 = off)");
     }
+  }
+  // Loss scaling is fp16's: on by default there, refused elsewhere (bfloat16 has float32's
+  // range, so nothing underflows that scaling would save).
+  const bool fp16 = c.model.dtype == DType::kF16;
+  c.optimizer.loss_scale = fp16 ? 65536.0 : 0.0;
+  const YAML::Node o = root["optimizer"];
+  for (const char* key : {"loss_scale", "loss_scale_window"}) {
+    if (o && o[key] && !fp16) {
+      dec.out_of_range(o[key], std::string("optimizer.") + key,
+                       "given only with model.dtype: fp16 (loss scaling keeps float16's small gradients from "
+                       "flushing to zero; float32 and bf16 need none)");
+    }
+  }
+  if (o && o["loss_scale"]) {
+    const double s = dec.number(o["loss_scale"], "optimizer.loss_scale");
+    if (s != 0 && !(s >= 1 && s <= 16777216)) {
+      dec.out_of_range(o["loss_scale"], "optimizer.loss_scale", "0 (off) or in [1, 2^24], e.g. 65536");
+    }
+    c.optimizer.loss_scale = s;
+  }
+  if (o && o["loss_scale_window"]) {
+    const int64_t w = dec.integer(o["loss_scale_window"], "optimizer.loss_scale_window");
+    if (w < 1 || w > 1000000) dec.out_of_range(o["loss_scale_window"], "optimizer.loss_scale_window", "in [1, 1000000]");
+    c.optimizer.loss_scale_window = static_cast<int>(w);
   }
 }
 

@@ -70,6 +70,11 @@ struct OptimizerConfig {
   int warmup_steps = 0;
   double min_lr = 0.0;                // where cosine decay ends
   double clip_grad_norm = 0.0;        // 0: no clipping
+  // fp16's dynamic loss scaling (pipeline::ExecutorOptions::loss_scale): the initial
+  // scale (65536 for an fp16 model unless given; 0 turns it off) and the clean steps
+  // after which it doubles. Only an fp16 model scales its loss.
+  double loss_scale = 0.0;
+  int loss_scale_window = 2000;
 };
 
 struct TrainConfig {

@@ -85,7 +85,8 @@ Executor::Executor(layers::Sequential& model, std::vector<CellSpec> cells, Sched
   // The collectives this run needs (the plan's schedule holds them already; a schedule
   // made by hand gets them here), then the whole program is checked.
   lower_collectives(schedule_, run_collectives(model_, cells_, options_.replicas != nullptr && options_.replicas->size() > 1,
-                                               options_.clip_grad_norm > 0, options_.shard_optimizer));
+                                               options_.clip_grad_norm > 0 || options_.loss_scale > 0,
+                                               options_.shard_optimizer));
   check_schedule(schedule_, transport_.sends_wait_for_receiver() ? CommModel::kRendezvous : CommModel::kBuffered);
   model_.loss();  // the last cell needs one: fail now, not in a worker
   if (!options_.micro_batch_sizes.empty() &&
@@ -97,6 +98,10 @@ Executor::Executor(layers::Sequential& model, std::vector<CellSpec> cells, Sched
     throw UserError("this process was asked to run stage " + std::to_string(options_.local_stage) + " of a " +
                     std::to_string(K) + "-stage pipeline");
   }
+  if (options_.loss_scale < 0 || !std::isfinite(options_.loss_scale) || options_.loss_scale_window < 1) {
+    throw UserError("loss scaling needs a positive, finite initial scale and a window of at least 1 step");
+  }
+  loss_scale_ = options_.loss_scale;
   for (int k = 0; k < K; ++k) runtimes_.push_back(make_stage(k));
   share_devices();
   start_workers();
@@ -283,6 +288,16 @@ std::unique_lock<std::mutex> Executor::device_turn(int k) {
   return m != nullptr ? std::unique_lock<std::mutex>(*m) : std::unique_lock<std::mutex>();
 }
 
+void Executor::set_loss_scale(double scale, int clean_steps) {
+  if (options_.loss_scale <= 0) return;  // off: nothing to carry
+  if (!(scale >= 1.0) || !std::isfinite(scale) || clean_steps < 0) {
+    throw UserError("a loss scale of " + std::to_string(scale) + " after " + std::to_string(clean_steps) +
+                    " clean steps cannot be resumed; it must be at least 1");
+  }
+  loss_scale_ = scale;
+  clean_steps_ = clean_steps;
+}
+
 Tensor Executor::to_device(StageRuntime& rt, const Tensor& host) {
   if (host.device() == rt.device || (host.device().is_cpu() && rt.device.is_cpu())) return host;
   Tensor t = rt.backend->empty(host.shape(), host.dtype());
@@ -450,18 +465,26 @@ void Executor::optimizer_step(StageRuntime& rt) {
   // last backward's, already in that instruction's span (the first H100 run showed a
   // host-timed OPT of 35 ms in a 62 ms step whose update takes about 1 ms).
   rt.clock->before(rt.backend->stream(), rt.trace.ops.size());
-  if (options_.clip_grad_norm > 0 && rt.grad_norm >= 0) {
-    // As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when above.
-    const double coef = options_.clip_grad_norm / (rt.grad_norm + 1e-6);
-    if (coef < 1.0) {
+  // Loss scaling: NORM found the global norm of the scaled gradients; an overflow
+  // anywhere made it infinite or NaN on every stage alike, and every stage skips.
+  const bool overflow = options_.loss_scale > 0 && !std::isfinite(rt.grad_norm);
+  if (!overflow) {
+    double coef = 1.0 / cur_.loss_scale;  // exact: a power of two
+    if (options_.clip_grad_norm > 0 && rt.grad_norm >= 0) {
+      // As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when above,
+      // on the unscaled norm.
+      const double clip = options_.clip_grad_norm / (rt.grad_norm * coef + 1e-6);
+      if (clip < 1.0) coef *= clip;
+    }
+    if (coef != 1.0) {
       for (layers::Parameter* p : rt.optimizer->params()) rt.backend->scale(p->grad, coef);
     }
-  }
-  rt.optimizer->step();
-  // The working copies of a bfloat16 model, from the stepped masters (a sharded
-  // optimizer's after AG has gathered them).
-  if (!rt.sharding) {
-    for (layers::Parameter* p : rt.params) p->refresh(*rt.backend);
+    rt.optimizer->step();
+    // The working copies of a narrow model, from the stepped masters (a sharded
+    // optimizer's after AG has gathered them).
+    if (!rt.sharding) {
+      for (layers::Parameter* p : rt.params) p->refresh(*rt.backend);
+    }
   }
   if (!rt.statistics_folded) fold_statistics(rt);
   rt.clock->after(rt.backend->stream(), rt.trace.ops.size());
@@ -714,7 +737,8 @@ StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool appl
   if (options_.replicas != nullptr && options_.replicas->size() > 1) {
     counted = static_cast<int64_t>(options_.replicas->all_reduce_sum(static_cast<double>(counted)));
   }
-  cur_.scale = counted > 0 ? 1.0 / static_cast<double>(counted) : 0.0;
+  cur_.loss_scale = loss_scale_ > 0 ? loss_scale_ : 1.0;
+  cur_.scale = counted > 0 ? cur_.loss_scale / static_cast<double>(counted) : 0.0;
   cur_.apply_optimizer = apply_optimizer;
   cur_.step = steps_done_++;
   cur_.eval = nullptr;
@@ -739,6 +763,23 @@ StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool appl
   }
   if (options_.replicas != nullptr && options_.replicas->size() > 1) {
     result.loss = options_.replicas->all_reduce_sum(result.loss);
+  }
+  if (loss_scale_ > 0) {
+    // The loss and the norm as without scaling (dividing by a power of two is exact), and
+    // the scale's next value: every process sees the same norm, so all agree.
+    result.loss /= cur_.loss_scale;
+    result.loss_scale = cur_.loss_scale;
+    if (apply_optimizer) {
+      result.skipped = !std::isfinite(result.grad_norm);
+      if (result.skipped) {
+        loss_scale_ = std::max(loss_scale_ / 2, 1.0);
+        clean_steps_ = 0;
+      } else if (++clean_steps_ >= options_.loss_scale_window) {
+        loss_scale_ = std::min(loss_scale_ * 2, 1.0 * (1 << 24));
+        clean_steps_ = 0;
+      }
+    }
+    if (result.grad_norm >= 0) result.grad_norm /= cur_.loss_scale;
   }
   for (auto& rt : runtimes_) {
     result.stages.push_back(std::move(rt->trace));  // empty for stages of other processes
@@ -783,6 +824,7 @@ EvalResult Executor::evaluate(const Tensor& inputs, const Tensor& targets, int64
   cur_.offsets.assign(M, 0);
   for (int m = 1; m < M; ++m) cur_.offsets[m] = cur_.offsets[m - 1] + cur_.sizes[m - 1];
   cur_.scale = 1.0;  // the loss summed over the counted targets
+  cur_.loss_scale = 1.0;
   cur_.apply_optimizer = false;
   cur_.step = steps_done_;  // evaluation is no step
   cur_.eval = program.get();

@@ -39,6 +39,14 @@ struct ExecutorOptions {
   // Scale all gradients so that their global norm (over every stage) is at most this;
   // 0 turns clipping off.
   double clip_grad_norm = 0.0;
+  // Dynamic loss scaling, for float16 models (model.dtype: fp16), as PyTorch's GradScaler:
+  // the loss's gradient is multiplied by the current scale (this, at first), so that
+  // small gradients do not flush to zero in float16; a step whose gradients overflow (a
+  // global norm that is not finite) is skipped by every stage and the scale halved;
+  // after loss_scale_window steps without one it doubles. The gradients are divided by
+  // the scale before clipping and the step. 0 turns it off.
+  double loss_scale = 0.0;
+  int loss_scale_window = 2000;
   // Pin stage k's thread to core k when there are at least as many cores as stages
   // (K = 1 included: a CPU device is one core).
   bool pin_threads = true;
@@ -106,6 +114,10 @@ int64_t state_bytes(layers::Optimizer& optimizer);
 struct StepResult {
   double loss = 0;  // mean over the mini-batch (sum of the micro-batches' scaled losses)
   double grad_norm = -1;  // global gradient norm before clipping; -1 when not computed
+  // Dynamic loss scaling (ExecutorOptions::loss_scale): the scale this step's backward
+  // used (0 when off), and whether its gradients overflowed, so that no stage stepped.
+  double loss_scale = 0;
+  bool skipped = false;
   double wall_ms = 0;
   std::vector<StageTrace> stages;
 };
@@ -172,6 +184,11 @@ class Executor {
   // The optimizer step the next step() is (dropout keys its masks on it); a resumed
   // run continues the count. Starts at 0 and counts up with every step().
   void set_step(uint64_t step) { steps_done_ = step; }
+  // The loss scale the next step uses, and the steps since the last overflow (0 for
+  // both when loss scaling is off); set them back when resuming.
+  double loss_scale() const { return loss_scale_; }
+  int clean_steps() const { return clean_steps_; }
+  void set_loss_scale(double scale, int clean_steps);
   uint64_t next_step() const { return steps_done_; }
 
   // Checkpoints, between steps. state_names works for any stage (the names follow from
@@ -240,7 +257,8 @@ class Executor {
   struct StepInputs {
     Tensor inputs, targets;
     std::vector<int64_t> offsets, sizes;
-    double scale = 1.0;
+    double scale = 1.0;       // the loss's factor: 1 / targets counted, times the loss scale
+    double loss_scale = 1.0;  // this step's loss scale (1 without loss scaling)
     bool apply_optimizer = true;
     uint64_t step = 0;  // how many steps ran before this one
     std::chrono::steady_clock::time_point epoch;
@@ -256,6 +274,8 @@ class Executor {
   std::condition_variable cv_start_, cv_done_;
   uint64_t generation_ = 0;
   uint64_t steps_done_ = 0;
+  double loss_scale_ = 0;  // dynamic loss scaling's current scale (0: off)
+  int clean_steps_ = 0;    // steps since the scale last changed
   int running_ = 0;
   bool shutdown_ = false;
   bool failed_ = false;

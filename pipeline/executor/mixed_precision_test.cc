@@ -200,3 +200,113 @@ TEST_CASE("a bfloat16 step stays within bfloat16's rounding of the float32 step"
   MESSAGE("loss f32 ", f32.losses[0], " bf16 ", b16.losses[0], "; gradient relative error ", std::sqrt(diff / nf),
           " = ", std::sqrt(diff / nf) / u, " u");
 }
+
+namespace {
+
+// A float16 MLP on two stages with dynamic loss scaling from `scale`, window `window`.
+struct Fp16Run {
+  std::unique_ptr<layers::Sequential> model;
+  std::unique_ptr<InProcessTransport> transport;
+  std::unique_ptr<Executor> ex;
+};
+Fp16Run fp16_run(double scale, int window) {
+  layers::ModelSpec spec;
+  spec.input = {8};
+  spec.dtype = DType::kF16;
+  spec.seed = 5;
+  spec.layers = {{"linear", {{"out", "16"}}, {}, ""}, {"gelu", {}, {}, ""}, {"linear", {{"out", "16"}}, {}, ""},
+                 {"layernorm", {}, {}, ""},          {"linear", {{"out", "4"}}, {}, ""}};
+  spec.loss = {"softmax_cross_entropy", {}, {}, ""};
+  Fp16Run r;
+  r.model = layers::build_model(spec);
+  r.transport = std::make_unique<InProcessTransport>(2);
+  ExecutorOptions o;
+  o.optimizer.type = "adam";
+  o.optimizer.lr = 0.01;
+  o.loss_scale = scale;
+  o.loss_scale_window = window;
+  const Schedule s = make_schedule(ScheduleRequest{"1f1b", 2, 1, 2, RecomputeMode::kExceptLast});
+  r.ex = std::make_unique<Executor>(*r.model, make_cells({3, 2}, s, cpu_devices(2)), s, *r.transport, o);
+  return r;
+}
+
+std::vector<std::vector<double>> masters(layers::Sequential& model) {
+  std::vector<std::vector<double>> out;
+  for (auto& [name, p] : model.named_parameters()) out.push_back(gpipe::testing::to_doubles(p->value));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("float16 loss scaling: an overflow skips the step everywhere and halves the scale; clean steps double it") {
+  const int64_t N = 16;
+  const Tensor x = gpipe::testing::random_tensor({N, 8}, DType::kF32, 61, -2, 2);
+  const Tensor y = gpipe::testing::random_labels(N, 4, 62);
+  // 2^24 / 16 rows puts the loss's gradient far above float16's largest value (65504):
+  // the first steps overflow, until the scale has come down far enough.
+  Fp16Run r = fp16_run(16777216.0, 2);
+  auto before = masters(*r.model);
+  std::vector<double> scales;
+  std::vector<bool> skipped;
+  for (int step = 0; step < 9; ++step) {
+    const StepResult s = r.ex->step(x, y);
+    scales.push_back(s.loss_scale);
+    skipped.push_back(s.skipped);
+    CHECK(std::isfinite(s.loss));  // the loss itself is float32's, unscaled
+    const auto now = masters(*r.model);
+    if (s.skipped) {
+      CHECK(now == before);  // no stage stepped
+      CHECK(r.ex->loss_scale() == s.loss_scale / 2);
+    } else {
+      CHECK(now != before);
+      CHECK(std::isfinite(s.grad_norm));
+    }
+    before = now;
+  }
+  CHECK(skipped[0]);
+  CHECK(scales[0] == 16777216.0);
+  int first_clean = 0;
+  while (first_clean < 9 && skipped[first_clean]) ++first_clean;
+  REQUIRE(first_clean < 7);  // it recovers
+  CHECK(first_clean >= 2);
+  CHECK(scales[first_clean] == 16777216.0 / (1 << first_clean));
+  // Window 2: after two clean steps the scale doubles (unless an overflow came first).
+  if (!skipped[first_clean + 1]) CHECK(scales[first_clean + 2] == 2 * scales[first_clean]);
+  for (const auto& p : before) {
+    for (double v : p) REQUIRE(std::isfinite(v));
+  }
+}
+
+TEST_CASE("float16 with loss scaling equals one stage bit for bit, and the loss is the unscaled one") {
+  const int64_t N = 16;
+  const Tensor x = gpipe::testing::random_tensor({N, 8}, DType::kF32, 63, -2, 2);
+  const Tensor y = gpipe::testing::random_labels(N, 4, 64);
+  Fp16Run two = fp16_run(1024.0, 3);
+  // The same model on one stage.
+  auto model = layers::build_model([] {
+    layers::ModelSpec spec;
+    spec.input = {8};
+    spec.dtype = DType::kF16;
+    spec.seed = 5;
+    spec.layers = {{"linear", {{"out", "16"}}, {}, ""}, {"gelu", {}, {}, ""}, {"linear", {{"out", "16"}}, {}, ""},
+                   {"layernorm", {}, {}, ""},          {"linear", {{"out", "4"}}, {}, ""}};
+    spec.loss = {"softmax_cross_entropy", {}, {}, ""};
+    return spec;
+  }());
+  InProcessTransport t1(1);
+  ExecutorOptions o;
+  o.optimizer.type = "adam";
+  o.optimizer.lr = 0.01;
+  o.loss_scale = 1024.0;
+  o.loss_scale_window = 3;
+  const Schedule s1 = make_schedule(ScheduleRequest{"1f1b", 1, 1, 2, RecomputeMode::kExceptLast});
+  Executor one(*model, make_cells({5}, s1, cpu_devices(1)), s1, t1, o);
+  for (int step = 0; step < 5; ++step) {
+    const StepResult a = two.ex->step(x, y), b = one.step(x, y);
+    CHECK(a.loss == b.loss);
+    CHECK(a.loss_scale == b.loss_scale);
+    CHECK(a.skipped == b.skipped);
+  }
+  CHECK(masters(*two.model) == masters(*model));
+  CHECK(two.ex->loss_scale() == 2048.0);  // doubled after 3 clean steps
+}

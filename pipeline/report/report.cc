@@ -54,6 +54,10 @@ void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool ti
     first_step_known_ = true;
   }
   losses_.emplace_back(step, loss);
+  if (r.loss_scale > 0) {
+    last_loss_scale_ = r.loss_scale;
+    if (r.skipped) skipped_steps_.push_back(step);
+  }
   if (!timed) return;
   std::vector<std::vector<OpSpan>> spans(r.stages.size());
   for (size_t k = 0; k < r.stages.size(); ++k) {
@@ -455,6 +459,15 @@ std::string ReportBuilder::table() const {
     std::snprintf(line, sizeof line, "Validation: loss %.4f, accuracy %.2f%%\n", eval_loss_, 100 * eval_accuracy_);
     os << line;
   }
+  if (last_loss_scale_ > 0) {
+    std::string which;
+    for (size_t i = 0; i < skipped_steps_.size() && i < 10; ++i) which += (i ? ", " : "") + std::to_string(skipped_steps_[i]);
+    if (skipped_steps_.size() > 10) which += ", ...";
+    std::snprintf(line, sizeof line, "Loss scaling (fp16): %zu of %zu steps skipped on overflow%s%s%s; the last step's scale %.0f\n",
+                  skipped_steps_.size(), losses_.size(), which.empty() ? "" : " (steps ", which.c_str(),
+                  which.empty() ? "" : ")", last_loss_scale_);
+    os << line;
+  }
   return os.str();
 }
 
@@ -550,6 +563,7 @@ nlohmann::json ReportBuilder::json() const {
   j["stages"] = nlohmann::json::array();
   for (const auto& st : s.stages) j["stages"].push_back(stage_json(st));
   if (has_eval_) j["eval"] = {{"loss", eval_loss_}, {"accuracy", eval_accuracy_}};
+  if (last_loss_scale_ > 0) j["loss_scaling"] = {{"skipped_steps", skipped_steps_}, {"last_scale", last_loss_scale_}};
   if (s.has_plan) j["prediction"] = prediction_json(s.plan);
   j["validation"] = nlohmann::json::array();
   for (const auto& v : validations_) {

@@ -163,6 +163,10 @@ class ReportBuilder {
   std::vector<double> stage_flops_, stage_peaks_;
   bool has_eval_ = false;
   double eval_loss_ = 0, eval_accuracy_ = 0;
+  // fp16's loss scaling (this launch's steps): the steps skipped on overflow, and the
+  // scale the last step used (0: no loss scaling).
+  std::vector<int> skipped_steps_;
+  double last_loss_scale_ = 0;
 };
 
 // "linear x8, relu x8" for a cell.

@@ -116,6 +116,8 @@ nlohmann::json RunCheckpoints::trainer_state(int64_t done, double lr) const {
           // The run as configured (YAML after --set) and the fields a resume compares.
           {"effective_config", config_.effective},
           {"identity", run_identity(config_)},
+          // fp16's dynamic loss scale, to go on from (0 and 0 without loss scaling).
+          {"loss_scale", {{"scale", executor_.loss_scale()}, {"clean_steps", executor_.clean_steps()}}},
           {"history", history_ ? history_(done) : nlohmann::json()}};
 }
 
@@ -342,6 +344,17 @@ int64_t RunCheckpoints::resume() {
     executor_.restore_state(k, model, optimizer);
   }
   executor_.set_step(static_cast<uint64_t>(loaded.step));
+  // fp16's loss scale goes on where it was (a checkpoint of another precision has none:
+  // the scale starts afresh).
+  if (state.contains("loss_scale") && state["loss_scale"].is_object()) {
+    const auto& ls = state["loss_scale"];
+    if (!ls.contains("scale") || !ls["scale"].is_number() || !ls.contains("clean_steps") ||
+        !ls["clean_steps"].is_number_integer()) {
+      throw CheckpointDamaged("checkpoint " + loaded.path + ": trainer_state.json's loss_scale is malformed (" +
+                              ls.dump() + "); resume from another checkpoint, or remove loss_scale to start the scale afresh");
+    }
+    executor_.set_loss_scale(ls["scale"].get<double>(), ls["clean_steps"].get<int>());
+  }
   spdlog::info("resumed from {} after step {} (run {})", loaded.path, loaded.step, run_id_.empty() ? "?" : run_id_);
   return loaded.step;
 }

@@ -74,9 +74,8 @@ TEST_CASE("each config mistake given with --set names the --set, the key and the
       {"pipeline.balance=[2, x]", {"pipeline.balance[1]: expected an integer, got 'x'"}},
       // model
       {"model.input=[4, 0]", {"model.input: dimensions must be positive"}},
-      {"model.dtype=float16", {"model.dtype: fp16 (with loss scaling) is not built yet; use bf16"}},
-      {"model.dtype=fp16", {"model.dtype: fp16 (with loss scaling) is not built yet; use bf16"}},
-      {"model.dtype=int32", {"model.dtype: use float32, float64 or bf16 (bfloat16 with float32 master weights), got 'int32'"}},
+      {"model.dtype=int32", {"model.dtype: use float32, float64, bf16 or fp16 (bfloat16 or float16 with float32 master weights), got 'int32'"}},
+      {"optimizer.loss_scale=1024", {"optimizer.loss_scale: must be given only with model.dtype: fp16"}},
       {"model.input_dtype=int8", {"model.input_dtype: use int32 (token ids), float32 or float64, got 'int8'"}},
       {"model.layers=5", {"model.layers: expected a list of layers, e.g. [{type: linear, out: 1024}]"}},
       {"model.layers=[]", {"model.layers: is empty; list at least one layer"}},
@@ -165,7 +164,7 @@ TEST_CASE("the same mistakes written in the file give file:line:column") {
     std::string says;      // "line:col: key: problem"
   };
   const std::vector<FileRow> rows = {
-      {"  input: [8]\n", "  input: [8]\n  dtype: half\n", "t.yaml:3:10: model.dtype: use float32, float64 or bf16 (bfloat16 with float32 master weights), got 'half'"},
+      {"  input: [8]\n", "  input: [8]\n  dtype: half\n", "t.yaml:3:10: model.dtype: use float32, float64, bf16 or fp16 (bfloat16 or float16 with float32 master weights), got 'half'"},
       {"  input: [8]\n", "  input: [8, -1]\n", "t.yaml:2:10: model.input: dimensions must be positive"},
       {"    - {type: linear, out: 4}\n", "    - {type: linear, out: 4, cost: -2}\n",
        "t.yaml:9:36: model.layers[2].cost: must be non-negative"},

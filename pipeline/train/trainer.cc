@@ -184,6 +184,8 @@ ExecutorOptions executor_options(const Config& c, const Launch& launch, const Pl
   ExecutorOptions opts;
   opts.optimizer = c.optimizer.optimizer;
   opts.clip_grad_norm = c.optimizer.clip_grad_norm;
+  opts.loss_scale = c.optimizer.loss_scale;
+  opts.loss_scale_window = c.optimizer.loss_scale_window;
   opts.pin_threads = c.pipeline.pin_threads;
   opts.local_stage = multi ? launch.rank : -1;
   opts.rank = launch.replica * launch.size + launch.rank;
@@ -384,6 +386,11 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
     const int number = step + 1;  // the step's number in every output (terminal, report, trace, page): from 1
     const StepResult r = run_step(executor, transport, *data, c, plan, launch, step, lr.at(step));
     result.losses.push_back(r.loss);
+    if (r.skipped && writes) {
+      out << "step " << number << ": the gradients overflowed float16 at loss scale "
+          << static_cast<long long>(r.loss_scale) << "; the step was skipped and the scale is now "
+          << static_cast<long long>(executor.loss_scale()) << std::endl;
+    }
     // The first step warms caches and allocators; it is left out of the timings.
     if (reports) report.add_step(number, r.loss, r, c.train.steps - start == 1 || step > start);
     if (reports) artifacts.add_step(number, r.loss, r);
