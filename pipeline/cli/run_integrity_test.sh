@@ -115,6 +115,25 @@ expect 0 b16f2.log $? "after step 12"
 "$gpipe" train mlp.yaml --set output.dir=b16 --set model.dtype=bf16 --set train.steps=16 --resume \
   --set checkpoint.allow_changes=[model.dtype] > b16b.log 2>&1
 expect 0 b16b.log $? "after step 14"
+# fp16's loss scale goes on where it was: a scale too large for float16 comes down over the
+# first steps (each skipped), and a resume starts from the saved scale, not from the config's.
+"$gpipe" train mlp.yaml --set output.dir=f16 --set model.dtype=fp16 --set optimizer.loss_scale=16777216 \
+  --set checkpoint.every=4 > f16.log 2>&1 || { cat f16.log; fail "fp16 run"; }
+expect 0 f16.log 0 "step 1: the gradients overflowed float16 at loss scale 16777216; the step was skipped" \
+  "Loss scaling (fp16): "
+saved_scale="$(python3 -c "import json; print(json.load(open('f16/checkpoints/step-12/trainer_state.json'))['loss_scale']['scale'])")"
+python3 -c "import sys; s = float(sys.argv[1]); assert 1 <= s < 16777216, s" "$saved_scale" ||
+  fail "the fp16 checkpoint's loss scale is $saved_scale, not lowered"
+python3 - f16/report.json <<'PY' || fail "report.json's loss_scaling disagrees with the log"
+import json, sys
+ls = json.load(open(sys.argv[1]))["loss_scaling"]
+log = open("f16.log").read()
+assert ls["skipped_steps"] == [n for n in range(1, 13) if f"step {n}: the gradients overflowed" in log], ls
+PY
+"$gpipe" train mlp.yaml --set output.dir=f16 --set model.dtype=fp16 --set optimizer.loss_scale=16777216 \
+  --set train.steps=14 --resume > f16r.log 2>&1
+expect 0 f16r.log $? "after step 12"
+! grep -q "overflowed float16 at loss scale 16777216" f16r.log || fail "the resumed run started from the config's scale"
 # A run that saved no checkpoint leaves reports only: --resume would start from step 0
 # over them, and is refused; the fresh-run message does not offer --resume.
 "$gpipe" train mlp.yaml --set output.dir=nockpt --set train.steps=3 > nockpt.log 2>&1 || { cat nockpt.log; fail "nockpt"; }

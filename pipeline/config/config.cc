@@ -567,8 +567,9 @@ void decode_optimizer(Decoder& dec, const YAML::Node& root, Config& c) {
   }
   if (o && o["loss_scale"]) {
     const double s = dec.number(o["loss_scale"], "optimizer.loss_scale");
-    if (s != 0 && !(s >= 1 && s <= 16777216)) {
-      dec.out_of_range(o["loss_scale"], "optimizer.loss_scale", "0 (off) or in [1, 2^24], e.g. 65536");
+    if (s != 0 && !(s >= 1 && s <= 16777216 && std::exp2(std::round(std::log2(s))) == s)) {
+      dec.out_of_range(o["loss_scale"], "optimizer.loss_scale",
+                       "0 (off) or a power of two in [1, 2^24], e.g. 65536 (so that scaling and unscaling are exact)");
     }
     c.optimizer.loss_scale = s;
   }

@@ -469,7 +469,7 @@ void Executor::optimizer_step(StageRuntime& rt) {
   // anywhere made it infinite or NaN on every stage alike, and every stage skips.
   const bool overflow = options_.loss_scale > 0 && !std::isfinite(rt.grad_norm);
   if (!overflow) {
-    double coef = 1.0 / cur_.loss_scale;  // exact: a power of two
+    double coef = 1.0 / cur_.loss_scale;  // exact for a power of two
     if (options_.clip_grad_norm > 0 && rt.grad_norm >= 0) {
       // As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when above,
       // on the unscaled norm.

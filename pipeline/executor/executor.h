@@ -44,7 +44,9 @@ struct ExecutorOptions {
   // small gradients do not flush to zero in float16; a step whose gradients overflow (a
   // global norm that is not finite) is skipped by every stage and the scale halved;
   // after loss_scale_window steps without one it doubles. The gradients are divided by
-  // the scale before clipping and the step. 0 turns it off.
+  // the scale before clipping and the step (exactly, for a power of two, which the config
+  // requires). 0 turns it off. A step without the update (apply_optimizer false) leaves
+  // the gradients scaled.
   double loss_scale = 0.0;
   int loss_scale_window = 2000;
   // Pin stage k's thread to core k when there are at least as many cores as stages

@@ -209,7 +209,7 @@ struct Fp16Run {
   std::unique_ptr<InProcessTransport> transport;
   std::unique_ptr<Executor> ex;
 };
-Fp16Run fp16_run(double scale, int window) {
+layers::ModelSpec fp16_spec() {
   layers::ModelSpec spec;
   spec.input = {8};
   spec.dtype = DType::kF16;
@@ -217,8 +217,12 @@ Fp16Run fp16_run(double scale, int window) {
   spec.layers = {{"linear", {{"out", "16"}}, {}, ""}, {"gelu", {}, {}, ""}, {"linear", {{"out", "16"}}, {}, ""},
                  {"layernorm", {}, {}, ""},          {"linear", {{"out", "4"}}, {}, ""}};
   spec.loss = {"softmax_cross_entropy", {}, {}, ""};
+  return spec;
+}
+
+Fp16Run fp16_run(double scale, int window) {
   Fp16Run r;
-  r.model = layers::build_model(spec);
+  r.model = layers::build_model(fp16_spec());
   r.transport = std::make_unique<InProcessTransport>(2);
   ExecutorOptions o;
   o.optimizer.type = "adam";
@@ -283,16 +287,7 @@ TEST_CASE("float16 with loss scaling equals one stage bit for bit, and the loss 
   const Tensor y = gpipe::testing::random_labels(N, 4, 64);
   Fp16Run two = fp16_run(1024.0, 3);
   // The same model on one stage.
-  auto model = layers::build_model([] {
-    layers::ModelSpec spec;
-    spec.input = {8};
-    spec.dtype = DType::kF16;
-    spec.seed = 5;
-    spec.layers = {{"linear", {{"out", "16"}}, {}, ""}, {"gelu", {}, {}, ""}, {"linear", {{"out", "16"}}, {}, ""},
-                   {"layernorm", {}, {}, ""},          {"linear", {{"out", "4"}}, {}, ""}};
-    spec.loss = {"softmax_cross_entropy", {}, {}, ""};
-    return spec;
-  }());
+  auto model = layers::build_model(fp16_spec());
   InProcessTransport t1(1);
   ExecutorOptions o;
   o.optimizer.type = "adam";

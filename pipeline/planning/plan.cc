@@ -106,7 +106,9 @@ Plan make_plan(const Config& c, const layers::Sequential& model, const PlanOptio
   p.balance = plan_balance(c, model, cells, p.largest_micro_batch());
   p.devices = plan_devices(c, options.local_stage);
   p.cells = make_cells(p.balance, p.schedule, p.devices);
-  lower_collectives(p.schedule, run_collectives(model, p.cells, p.replicas > 1, c.optimizer.clip_grad_norm > 0,
+  // NORM: clipping's global norm, and fp16 loss scaling's overflow check.
+  lower_collectives(p.schedule, run_collectives(model, p.cells, p.replicas > 1,
+                                                c.optimizer.clip_grad_norm > 0 || c.optimizer.loss_scale > 0,
                                                 p.shard_optimizer));
   p.stage_flops = useful_flops(model, p);
   return p;

@@ -239,6 +239,7 @@ TEST_CASE("mistakes only the trainer can see name their key and the fix") {
       {{"model.layers.0.type=linearr"}, "unknown layer type 'linearr'"},
       {{"model.layers.0.outt=3"}, "unknown option 'outt'"},
       {{"model.loss=mse"}, "unknown loss type 'mse'"},
+      {{"model.dtype=fp16", "optimizer.loss_scale=1000"}, "optimizer.loss_scale: must be 0 (off) or a power of two"},
       // 10^6 x 10^6 float64 weights (8 TB, more than any host has), refused before any is
       // allocated, with the advice for weights (memory_check.h has the exact message).
       {{"model.dtype=float64", "model.input=[1000000]", "model.layers.0.out=1000000"},
