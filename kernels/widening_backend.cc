@@ -13,9 +13,9 @@ bool any_narrow(const Ts&... t) {
   return (is_narrow(t.dtype()) || ...);
 }
 
-// The float32 stand-ins of one op's bfloat16 operands: in() widens one the op reads,
+// The float32 stand-ins of one op's narrow operands: in() widens one the op reads,
 // out() gives a fresh one the op writes, inout() widens one the op adds into; store()
-// rounds what was written back into the bfloat16 operands. Other operands (float32,
+// rounds what was written back into the narrow operands. Other operands (float32,
 // int32, undefined) pass through as they are.
 class Widen {
  public:

@@ -1,20 +1,21 @@
 // Mixed precision for every backend: a Backend that runs ops whose operands include
-// bfloat16 tensors on a backend that computes in float32 and float64.
+// narrow tensors (bfloat16, float16: is_narrow) on a backend that computes in float32
+// and float64.
 //
-// An op with no bfloat16 operand goes straight to the wrapped backend. Otherwise each
-// bfloat16 operand is widened into a float32 temporary (exact), the wrapped backend's
-// float32 op runs on the temporaries and the float32 operands, and each bfloat16 operand
+// An op with no narrow operand goes straight to the wrapped backend. Otherwise each
+// narrow operand is widened into a float32 temporary (exact), the wrapped backend's
+// float32 op runs on the temporaries and the float32 operands, and each narrow operand
 // the op writes is rounded back (to nearest, ties to even: Backend::cast). An operand
 // the op accumulates into (matmul with beta != 0, add_bias, dW +=) is widened before and
 // rounded after. So, as the backend's documentation of each op says for float32, sums
 // and products accumulate in float32 and statistics (a layer norm's, a softmax's) are
 // computed in float32; what is rounded is only what the op stores.
 //
-// A bfloat16 model keeps its gradients, master weights and optimizer state in float32
-// and its activations, messages and kept tensors in bfloat16: its ops mix the two types,
-// and every mix is widened the same way. backend_for() returns every backend wrapped in
-// one of these. The widening costs a pass over each bfloat16 operand per op; measured in
-// bench/RESULTS.md ("Mixed precision").
+// A bf16 or fp16 model keeps its gradients, master weights and optimizer state in
+// float32 and its activations, messages and kept tensors narrow: its ops mix the two
+// types, and every mix is widened the same way. backend_for() returns every backend
+// wrapped in one of these. The widening costs a pass over each narrow operand per op;
+// measured in bench/RESULTS.md ("Mixed precision").
 #pragma once
 
 #include <memory>

@@ -61,7 +61,7 @@ BatchNorm2d::BatchNorm2d(const BatchNorm2dOptions& opts)
   Backend& host = backend_for(Device::cpu());
   gamma_ = constant_parameter("weight", {C}, 1.0);
   beta_ = constant_parameter("bias", {C}, 0.0);
-  running_mean_ = host.zeros({C}, master_dtype(dtype_));  // float32 in a bfloat16 model
+  running_mean_ = host.zeros({C}, master_dtype(dtype_));  // float32 in a bf16 or fp16 model
   running_var_ = host.empty({C}, master_dtype(dtype_));
   host.fill(running_var_, 1.0);
 }
@@ -99,7 +99,7 @@ Tensor BatchNorm2d::forward_impl(Backend& be, const Tensor& x, Context* ctx, con
     if (ctx != nullptr) ctx->saved.clear();  // backward refuses: see backward_impl
     return y;
   }
-  const DType stats = master_dtype(dtype_);  // float32 in a bfloat16 model
+  const DType stats = master_dtype(dtype_);  // float32 in a bf16 or fp16 model
   Tensor mean = be.empty({C}, stats), var = be.empty({C}, stats);  // (C), biased var
   be.batchnorm_train(x, gamma_.compute(), beta_.compute(), opts_.eps, y, mean, var);
   // A recompute sees the same micro-batch again: counting it twice would skew the

@@ -298,7 +298,7 @@ bool ParametersWithoutStorage::active() { return parameters_without_storage; }
 Parameter Layer::make_parameter(const std::string& name, const Shape& shape, double bound, uint64_t seed) {
   if (dtype_ != DType::kF32 && dtype_ != DType::kF64 && !is_narrow(dtype_)) {
     throw UserError(std::string("parameters in ") + dtype_name(dtype_) +
-                    " are not supported; use model.dtype: float32, float64 or bf16");
+                    " are not supported; use model.dtype: float32, float64, bf16 or fp16");
   }
   Parameter p;
   p.name = name;

@@ -20,9 +20,9 @@ namespace layers {
 struct Parameter {
   std::string name;  // "weight", "bias"; the model prefixes the layer index
   // The parameter itself: what the optimizer steps and checkpoints keep. float32 in a
-  // model of a narrow storage type (bfloat16): the master weights.
+  // model of a narrow storage type (bfloat16, float16): the master weights.
   Tensor value;
-  Tensor grad;  // shaped and typed like value; accumulated by backward (in float32 for a bfloat16 model)
+  Tensor grad;  // shaped and typed like value; accumulated by backward (in float32 for a narrow model)
   // In a model of a narrow storage type: value rounded to it, which forward and backward
   // read. Whoever changes value calls refresh() (the executor after each optimizer step
   // and checkpoint load). Undefined otherwise.
@@ -216,7 +216,7 @@ class Layer {
   virtual void end_step_impl(Backend&, const ReplicaSum&) {}
   // Creates a parameter on the CPU, initialised uniform in [-bound, bound], with a zero
   // gradient; under a ParametersWithoutStorage, one without storage. In a layer of a
-  // narrow storage type (bfloat16) value and gradient are float32, initialised as a
+  // narrow storage type (bfloat16, float16) value and gradient are float32, initialised as a
   // float32 layer's, and the working copy is value rounded.
   Parameter make_parameter(const std::string& name, const Shape& shape, double bound, uint64_t seed);
   // The same, every element `value` (a norm's scale 1 or shift 0).

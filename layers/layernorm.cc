@@ -36,7 +36,7 @@ LayerCost LayerNorm::cost(int64_t batch) const {
   c.backward_bytes = es * (3 * R * C + 2 * R + 5 * C);
   c.param_bytes = static_cast<int64_t>(es * 2 * C);
   c.output_bytes = static_cast<int64_t>(es * R * C);
-  const double stats = static_cast<double>(dtype_size(master_dtype(dtype_)));  // float32 in a bfloat16 model
+  const double stats = static_cast<double>(dtype_size(master_dtype(dtype_)));  // float32 in a bf16 or fp16 model
   c.saved_bytes = static_cast<int64_t>(es * R * C + stats * 2 * R);  // x, mean, rstd
   return c;
 }
@@ -44,7 +44,7 @@ LayerCost LayerNorm::cost(int64_t batch) const {
 Tensor LayerNorm::forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs&) {
   const int64_t rows = x.numel() / channels_;
   Tensor y = be.empty(x.shape(), dtype_);   // (B, ..., C)
-  // The statistics in float32 in a bfloat16 model (master_dtype): kept for backward.
+  // The statistics in float32 in a bf16 or fp16 model (master_dtype): kept for backward.
   Tensor mean = be.empty({rows}, master_dtype(dtype_));  // (R)
   Tensor rstd = be.empty({rows}, master_dtype(dtype_));  // (R)
   be.layernorm(x, weight_.compute(), bias_.compute(), opts_.eps, y, mean, rstd);

@@ -24,7 +24,7 @@ Tensor SoftmaxCrossEntropy::forward(Backend& be, const Tensor& logits_in, const 
   }
   const Tensor logits = logits_in.reshape({logits_in.numel() / classes_, classes_});  // (R, C)
   const Tensor targets = targets_in.reshape({logits.size(0)});                        // (R)
-  // The softmax and the loss in float32 in a bfloat16 model (master_dtype); the logits'
+  // The softmax and the loss in float32 in a bf16 or fp16 model (master_dtype); the logits'
   // gradient in the model's type.
   Tensor probs = be.empty(logits.shape(), master_dtype(dtype_));                      // (R, C)
   Tensor loss = be.empty({1}, master_dtype(dtype_));
@@ -55,7 +55,7 @@ LayerCost SoftmaxCrossEntropy::cost(int64_t batch) const {
   c.backward_flops = 2 * n;
   c.forward_bytes = 2 * es * n;
   c.backward_bytes = 2 * es * n;
-  c.output_bytes = static_cast<int64_t>(dtype_size(master_dtype(dtype_)));  // the loss, float32 in a bfloat16 model
+  c.output_bytes = static_cast<int64_t>(dtype_size(master_dtype(dtype_)));  // the loss, float32 in a bf16 or fp16 model
   c.saved_bytes = static_cast<int64_t>(static_cast<double>(dtype_size(master_dtype(dtype_))) * n + 4 * rows);  // probs, labels
   return c;
 }

@@ -144,7 +144,7 @@ int plan_other_runs(const Config& config, layers::Sequential& model, const PlanC
     print_prediction(c, model, plan, out);
     return 0;
   }
-  const partition::CostModel cm = spec.cost_model(dtype_name(master_dtype(model.output_dtype())));  // a bfloat16 model computes in float32
+  const partition::CostModel cm = spec.cost_model(dtype_name(master_dtype(model.output_dtype())));  // a bf16 or fp16 model computes in float32
   const CostSource costs(model, ProfileStore{}, "", Device::cuda(0), 0, cm, {}, c.optimizer.optimizer);
   // The balancer's split by the spec's roofline.
   c.pipeline.balance = partition::balance_by_cost(

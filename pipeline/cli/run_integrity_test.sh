@@ -113,8 +113,12 @@ expect 2 b16f.log $? 'model.dtype: "bfloat16" -> "float32"' "checkpoint.allow_ch
   --set checkpoint.allow_changes=[model.dtype] --set checkpoint.every=2 > b16f2.log 2>&1
 expect 0 b16f2.log $? "after step 12"
 "$gpipe" train mlp.yaml --set output.dir=b16 --set model.dtype=bf16 --set train.steps=16 --resume \
-  --set checkpoint.allow_changes=[model.dtype] > b16b.log 2>&1
+  --set checkpoint.allow_changes=[model.dtype] --set checkpoint.every=2 > b16b.log 2>&1
 expect 0 b16b.log $? "after step 14"
+# ... and in fp16, whose loss scale then starts from the config's (the checkpoint has none).
+"$gpipe" train mlp.yaml --set output.dir=b16 --set model.dtype=fp16 --set train.steps=18 --resume \
+  --set checkpoint.allow_changes=[model.dtype] > b16h.log 2>&1
+expect 0 b16h.log $? "after step 16" "Loss scaling (fp16): "
 # fp16's loss scale goes on where it was: a scale too large for float16 comes down over the
 # first steps (each skipped), and a resume starts from the saved scale, not from the config's.
 "$gpipe" train mlp.yaml --set output.dir=f16 --set model.dtype=fp16 --set optimizer.loss_scale=16777216 \

@@ -290,6 +290,7 @@ std::unique_lock<std::mutex> Executor::device_turn(int k) {
 
 void Executor::set_loss_scale(double scale, int clean_steps) {
   if (options_.loss_scale <= 0) return;  // off: nothing to carry
+  if (scale == 0) return;  // saved without loss scaling (a float32 or bf16 run): start from the configured scale
   if (!(scale >= 1.0) || !std::isfinite(scale) || clean_steps < 0) {
     throw UserError("a loss scale of " + std::to_string(scale) + " after " + std::to_string(clean_steps) +
                     " clean steps cannot be resumed; it must be at least 1");
@@ -713,7 +714,7 @@ StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool appl
     throw UserError("inputs " + inputs.str() + " and targets " + targets.str() + " must have the same batch size");
   }
   const int64_t n = inputs.size(0);
-  cur_.inputs = layers::model_input(model_, inputs);  // bfloat16 data for a bfloat16 model
+  cur_.inputs = layers::model_input(model_, inputs);  // narrow data for a bf16 or fp16 model
   cur_.targets = targets;
   if (options_.micro_batch_sizes.empty()) {
     cur_.sizes = split_sizes(n, M);
@@ -817,7 +818,7 @@ EvalResult Executor::evaluate(const Tensor& inputs, const Tensor& targets, int64
     }
     program = std::move(p);
   }
-  cur_.inputs = layers::model_input(model_, inputs);  // bfloat16 data for a bfloat16 model
+  cur_.inputs = layers::model_input(model_, inputs);  // narrow data for a bf16 or fp16 model
   cur_.targets = targets;
   cur_.sizes.assign(M, micro_batch_rows);
   cur_.sizes.back() = n - (M - 1) * micro_batch_rows;

@@ -187,7 +187,8 @@ class Executor {
   // run continues the count. Starts at 0 and counts up with every step().
   void set_step(uint64_t step) { steps_done_ = step; }
   // The loss scale the next step uses, and the steps since the last overflow (0 for
-  // both when loss scaling is off); set them back when resuming.
+  // both when loss scaling is off); set them back when resuming (a saved scale of 0, from
+  // a run without loss scaling, keeps this run's initial scale).
   double loss_scale() const { return loss_scale_; }
   int clean_steps() const { return clean_steps_; }
   void set_loss_scale(double scale, int clean_steps);

@@ -28,7 +28,7 @@ void Executor::make_sharding(StageRuntime& rt) {
   ReplicaGroup& group = *options_.replicas;
   auto sh = std::make_unique<StageRuntime::Sharding>();
   std::vector<int64_t> numels;
-  DType dtype = master_dtype(model_.dtype());  // what the optimizer steps: a bfloat16 model's float32 masters
+  DType dtype = master_dtype(model_.dtype());  // what the optimizer steps: a bf16 or fp16 model's float32 masters
   for (const layers::Parameter* p : rt.params) {
     GPIPE_CHECK(p->value.is_contiguous() && p->grad.is_contiguous(), "parameter " + p->name + " is not contiguous");
     if (p->value.dtype() != dtype) {
@@ -122,7 +122,7 @@ int64_t Executor::gather_parameters(StageRuntime& rt) {
       rt.backend->copy(sh.flat.narrow_rows(static_cast<int64_t>(from) * B + piece.shard_offset, piece.length), into);
     }
   }
-  for (layers::Parameter* p : rt.params) p->refresh(*rt.backend);  // a bfloat16 model's working copies
+  for (layers::Parameter* p : rt.params) p->refresh(*rt.backend);  // a bf16 or fp16 model's working copies
   return static_cast<int64_t>(sh.value_block.nbytes());
 }
 

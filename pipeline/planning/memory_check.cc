@@ -65,7 +65,7 @@ void check_weights_fit(const Config& c, int64_t available, int processes) {
   if (!layers || layers->empty()) return;  // checked once built (check_run_fits)
   WeightBytes w;
   size_t largest = 0;
-  // measure_parameters counts what the layers read: a bfloat16 model's working copies,
+  // measure_parameters counts what the layers read: a bf16 or fp16 model's working copies,
   // beside which it keeps float32 masters, gradients and optimizer state.
   int64_t master = 0;
   for (size_t i = 0; i < layers->size(); ++i) {

@@ -52,7 +52,7 @@ CostTable estimate_costs(const layers::Sequential& model, int64_t micro, const p
       l.backward_weight = 0;
     }
     // The update reads the value, the gradient and each state slot and writes the value
-    // and the slots; a bfloat16 model's then writes its working copies.
+    // and the slots; a bf16 or fp16 model's then writes its working copies.
     const DType dt = model.layer(static_cast<int>(i)).dtype();
     const double master = static_cast<double>(layers::master_param_bytes(c, dt));
     l.optimizer = ((3 + 2 * slots) * master + (is_narrow(dt) ? static_cast<double>(c.param_bytes) : 0.0)) /

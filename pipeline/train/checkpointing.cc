@@ -63,7 +63,7 @@ struct sigaction g_before[kNumSignals];
 nlohmann::json model_fingerprint(const layers::Sequential& model) {
   nlohmann::json layers = nlohmann::json::array();
   for (int i = 0; i < model.size(); ++i) layers.push_back(model.layer(i).describe());
-  // The dtype of what the checkpoint holds: a bfloat16 model's float32 master weights
+  // The dtype of what the checkpoint holds: a bf16 or fp16 model's float32 master weights
   // (its precision, a setting of the run, is in run_identity and "precision").
   return {{"layers", layers}, {"input", shape_str(model.input_shape())}, {"dtype", dtype_name(master_dtype(model.dtype()))}};
 }
@@ -344,8 +344,8 @@ int64_t RunCheckpoints::resume() {
     executor_.restore_state(k, model, optimizer);
   }
   executor_.set_step(static_cast<uint64_t>(loaded.step));
-  // fp16's loss scale goes on where it was (a checkpoint of another precision has none:
-  // the scale starts afresh).
+  // fp16's loss scale goes on where it was (a checkpoint of another precision saved 0:
+  // the scale starts from optimizer.loss_scale).
   if (state.contains("loss_scale") && state["loss_scale"].is_object()) {
     const auto& ls = state["loss_scale"];
     if (!ls.contains("scale") || !ls["scale"].is_number() || !ls.contains("clean_steps") ||

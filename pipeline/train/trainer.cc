@@ -84,7 +84,7 @@ StepResult gather_timings(StepResult r, const Launch& launch) {
 
 // The model must read what the data gives and predict what it asks for.
 void check_model_fits_data(const layers::Sequential& model, const Dataset& data) {
-  // Float data goes into a bfloat16 model rounded (layers::model_input).
+  // Float data goes into a bf16 or fp16 model rounded (layers::model_input).
   const bool rounded = is_narrow(model.input_dtype()) && data.input_dtype() == master_dtype(model.input_dtype());
   if (model.input_shape() != data.input_shape() || (model.input_dtype() != data.input_dtype() && !rounded)) {
     throw UserError("the data gives " + std::string(dtype_name(data.input_dtype())) + shape_str(data.input_shape()) +
