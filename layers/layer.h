@@ -77,11 +77,16 @@ struct LayerCost {
   std::vector<CostPart> backward_parts;
 };
 
-// The bytes of a layer's parameters in their master type (float32 for a bfloat16 layer,
-// whose param_bytes count its working copies): what its gradients, its optimizer state
-// and its checkpoint hold, and what replicas reduce.
-inline int64_t master_param_bytes(const LayerCost& c, DType dtype) {
-  return c.param_bytes / static_cast<int64_t>(dtype_size(dtype)) * static_cast<int64_t>(dtype_size(master_dtype(dtype)));
+// The bytes of a layer's parameters in their master type, from `param_bytes`
+// (LayerCost::param_bytes: what a layer of `dtype` reads, a bf16 or fp16 layer's working
+// copies): what its gradients, its optimizer state and its checkpoint hold, and what
+// replicas reduce. float32 for a narrow layer.
+inline int64_t master_param_bytes(int64_t param_bytes, DType dtype) {
+  return param_bytes / static_cast<int64_t>(dtype_size(dtype)) * static_cast<int64_t>(dtype_size(master_dtype(dtype)));
+}
+// What a layer's weights hold: the masters, and beside them a narrow layer's working copies.
+inline int64_t weight_bytes(int64_t param_bytes, DType dtype) {
+  return master_param_bytes(param_bytes, dtype) + (is_narrow(dtype) ? param_bytes : 0);
 }
 
 // c.backward_parts, or for a cost that lists none, B's totals and W's as one part each

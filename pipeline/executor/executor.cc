@@ -466,10 +466,7 @@ void Executor::optimizer_step(StageRuntime& rt) {
   // last backward's, already in that instruction's span (the first H100 run showed a
   // host-timed OPT of 35 ms in a 62 ms step whose update takes about 1 ms).
   rt.clock->before(rt.backend->stream(), rt.trace.ops.size());
-  // Loss scaling: NORM found the global norm of the scaled gradients; an overflow
-  // anywhere made it infinite or NaN on every stage alike, and every stage skips.
-  const bool overflow = options_.loss_scale > 0 && !std::isfinite(rt.grad_norm);
-  if (!overflow) {
+  if (!overflowed(rt.grad_norm)) {  // loss scaling: every stage skips an overflowed step alike
     double coef = 1.0 / cur_.loss_scale;  // exact for a power of two
     if (options_.clip_grad_norm > 0 && rt.grad_norm >= 0) {
       // As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when above,
@@ -771,7 +768,7 @@ StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool appl
     result.loss /= cur_.loss_scale;
     result.loss_scale = cur_.loss_scale;
     if (apply_optimizer) {
-      result.skipped = !std::isfinite(result.grad_norm);
+      result.skipped = overflowed(result.grad_norm);
       if (result.skipped) {
         loss_scale_ = std::max(loss_scale_ / 2, 1.0);
         clean_steps_ = 0;

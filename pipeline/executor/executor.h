@@ -13,6 +13,7 @@
 #pragma once
 
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -247,6 +248,9 @@ class Executor {
   std::unique_lock<std::mutex> device_turn(int k);
   int stage_of_layer(int layer) const;
   Tensor to_device(StageRuntime& rt, const Tensor& host);
+  // Loss scaling's verdict on a step, from NORM's global norm of the scaled gradients:
+  // an overflow anywhere made it infinite or NaN on every stage alike.
+  bool overflowed(double grad_norm) const { return options_.loss_scale > 0 && !std::isfinite(grad_norm); }
 
   layers::Sequential& model_;
   std::vector<CellSpec> cells_;

@@ -69,11 +69,8 @@ void check_weights_fit(const Config& c, int64_t available, int processes) {
   // beside which it keeps float32 masters, gradients and optimizer state.
   int64_t master = 0;
   for (size_t i = 0; i < layers->size(); ++i) {
-    const int64_t working = (*layers)[i].bytes;
-    const int64_t m = working / static_cast<int64_t>(dtype_size(c.model.dtype)) *
-                      static_cast<int64_t>(dtype_size(master_dtype(c.model.dtype)));
-    master += m;
-    w.weights += m + (is_narrow(c.model.dtype) ? working : 0);
+    master += layers::master_param_bytes((*layers)[i].bytes, c.model.dtype);
+    w.weights += layers::weight_bytes((*layers)[i].bytes, c.model.dtype);
     if ((*layers)[i].bytes > (*layers)[largest].bytes) largest = i;
   }
   w.gradients = master;  // made with each weight

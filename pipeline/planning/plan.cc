@@ -345,11 +345,11 @@ std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequent
     for (int c : s.cells[k]) {
       const CellSpec& cell = plan.cells[c];
       for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) {
-        // A bfloat16 layer: float32 master weights, gradients and state, and its working
-        // copies (param_bytes) beside the masters.
+        // A bf16 or fp16 layer: float32 master weights, gradients and state, and its
+        // working copies beside the masters.
         const DType dt = model.layer(i).dtype();
-        const int64_t master = layers::master_param_bytes(any_costs[i], dt);
-        out[k].weight_bytes += master + (is_narrow(dt) ? any_costs[i].param_bytes : 0);
+        const int64_t master = layers::master_param_bytes(any_costs[i].param_bytes, dt);
+        out[k].weight_bytes += layers::weight_bytes(any_costs[i].param_bytes, dt);
         out[k].gradient_bytes += master;
         out[k].optimizer_bytes += slots * master;
       }

@@ -54,7 +54,7 @@ CostTable estimate_costs(const layers::Sequential& model, int64_t micro, const p
     // The update reads the value, the gradient and each state slot and writes the value
     // and the slots; a bf16 or fp16 model's then writes its working copies.
     const DType dt = model.layer(static_cast<int>(i)).dtype();
-    const double master = static_cast<double>(layers::master_param_bytes(c, dt));
+    const double master = static_cast<double>(layers::master_param_bytes(c.param_bytes, dt));
     l.optimizer = ((3 + 2 * slots) * master + (is_narrow(dt) ? static_cast<double>(c.param_bytes) : 0.0)) /
                   cm.bytes_per_second * 1e3;
     t.layers.push_back(l);
@@ -192,7 +192,7 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
     int64_t bytes = 0;
     for (int c : s.cells[k]) {
       for (int i = plan.cells[c].first_layer; i < plan.cells[c].first_layer + plan.cells[c].num_layers; ++i) {
-        bytes += layers::master_param_bytes(layer_costs[i], model.layer(i).dtype());
+        bytes += layers::master_param_bytes(layer_costs[i].param_bytes, model.layer(i).dtype());
       }
     }
     return bytes;
