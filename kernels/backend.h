@@ -53,6 +53,20 @@ class Backend {
                              double alpha = 1.0, double beta = 0.0) {
     matmul(a, trans_a, w, trans_w, c, alpha, beta);
   }
+  // The ops a backend computes itself on narrow operands (bfloat16, float16: is_narrow):
+  // it loads them into float32, computes in float32 and rounds what it stores once, to
+  // nearest even, which is what WideningBackend does around the float32 op, less the
+  // float32 temporaries. WideningBackend hands such a call to the backend as it is.
+  //   kMatmul (matmul, matmul_weight): a and b of type t, c of type t or float32;
+  //   the others: every floating-point operand of type t.
+  // The CPU reference computes none (the widening is the reference); the CUDA backend
+  // computes the products (cublasGemmEx) and the elementwise ops below.
+  enum class NarrowOp { kMatmul, kAddBias, kRelu, kReluBackward, kGelu, kGeluBackward };
+  virtual bool computes_narrow(NarrowOp op, DType t) const {
+    (void)op;
+    (void)t;
+    return false;
+  }
   // y: (R, C) += bias: (C) broadcast over rows.
   virtual void add_bias(Tensor& y, const Tensor& bias) = 0;
   // db: (C) = beta * db + sum over rows of dy: (R, C).

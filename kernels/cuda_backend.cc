@@ -14,10 +14,12 @@
 #include "kernels/cuda_kernels.h"
 #include "kernels/op_checks.h"
 #include "kernels/transformer_checks.h"
+#include "runtime/bf16.h"
 #include "runtime/cuda_check.h"
 #include "runtime/cuda_allocator.h"
 #include "runtime/cuda_runtime.h"
 #include "runtime/error.h"
+#include "runtime/fp16.h"
 
 namespace gpipe {
 
@@ -50,6 +52,43 @@ void gemm_batched(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, 
                   double* c, int ldc, long long sc, int batch) {
   GPIPE_CUBLAS_CHECK(
       cublasDgemmStridedBatched(h, ta, tb, m, n, k, &alpha, a, lda, sa, b, ldb, sb, &beta, c, ldc, sc, batch));
+}
+
+// ---- Narrow storage (Backend::computes_narrow).
+
+// The element types of the ops that take bfloat16 and float16 operands as they are:
+// f(T*) with T the storage type (runtime/bf16.h, fp16.h for the 16-bit ones).
+template <typename F>
+void dispatch_storage(const Tensor& t, F&& f) {
+  switch (t.dtype()) {
+    case DType::kF32: return f(static_cast<float*>(nullptr));
+    case DType::kF64: return f(static_cast<double*>(nullptr));
+    case DType::kBF16: return f(static_cast<BFloat16*>(nullptr));
+    case DType::kF16: return f(static_cast<Half*>(nullptr));
+    default: throw Error("expected a float32, float64, bfloat16 or float16 tensor, got " + t.str());
+  }
+}
+
+void check_storage(const Tensor& t, const char* op) {
+  if (t.dtype() != DType::kF32 && t.dtype() != DType::kF64 && !is_narrow(t.dtype())) {
+    throw Error(std::string(op) + ": " + t.str() + " must be float32, float64, bfloat16 or float16");
+  }
+  if (!t.is_contiguous()) throw Error(std::string(op) + ": " + t.str() + " must be contiguous");
+}
+
+cudaDataType narrow_type(DType t) { return t == DType::kBF16 ? CUDA_R_16BF : CUDA_R_16F; }
+
+// A product of 16-bit a and b into c of their type or float32 (cublasGemmEx's
+// combinations for CUBLAS_COMPUTE_32F); returns its dimensions.
+ops::GemmDims check_narrow_matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& c) {
+  for (const Tensor* t : {&a, &b, &c}) {
+    check_storage(*t, "matmul");
+    if (t->dim() != 2) throw Error("matmul: " + t->str() + " must be 2-D");
+  }
+  if (b.dtype() != a.dtype() || (c.dtype() != a.dtype() && c.dtype() != DType::kF32)) {
+    throw Error("matmul: " + a.str() + " @ " + b.str() + " -> " + c.str() + ": a 16-bit product needs a and b of one type and c of theirs or float32");
+  }
+  return ops::matmul_dims(a, ta, b, tb, c);
 }
 
 int to_int(int64_t v, const char* what, const char* op = "matmul") {
@@ -183,21 +222,44 @@ void CudaBackend::check_on_device(const Tensor& t, const char* op) const {
   }
 }
 
+bool CudaBackend::computes_narrow(NarrowOp op, DType t) const {
+  (void)op;  // every NarrowOp: the products and the elementwise ops below
+  return is_narrow(t);
+}
+
 void CudaBackend::matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, double alpha,
                          double beta) {
-  const auto d = ops::check_matmul(a, ta, b, tb, c);
+  const bool narrow = is_narrow(a.dtype());
+  const auto d = narrow ? check_narrow_matmul(a, ta, b, tb, c) : ops::check_matmul(a, ta, b, tb, c);
   check_on_device(a, "matmul");
   check_on_device(b, "matmul");
   check_on_device(c, "matmul");
   if (d.m == 0 || d.n == 0) return;
   if (d.k == 0) {  // cuBLAS leaves c untouched when k == 0; the definition says beta * c.
-    scale(c, beta);
+    if (!is_narrow(c.dtype())) return scale(c, beta);
+    Tensor wide = empty(c.shape(), DType::kF32);  // scale has no 16-bit kernel: widen, scale, round
+    cast(c, wide);
+    scale(wide, beta);
+    cast(wide, c);
     return;
   }
   const int m = to_int(d.m, "M"), n = to_int(d.n, "N"), k = to_int(d.k, "K");
   const int lda = to_int(a.size(1), "a's row length"), ldb = to_int(b.size(1), "b's row length");
   const int ldc = to_int(c.size(1), "c's row length");
   DeviceGuard guard(device_.index);
+  if (narrow) {
+    // 16-bit a and b, float32 products and sums (CUBLAS_COMPUTE_32F; alpha and beta are
+    // then float), c read and written in its own type: alpha op(a) op(b) + beta c is
+    // formed in float32 and rounded once into a 16-bit c, as the widening reference
+    // does. The operand order and transposes are those of the float32 call below.
+    const float al = static_cast<float>(alpha), be = static_cast<float>(beta);
+    const cudaDataType ab = narrow_type(a.dtype());
+    const cudaDataType ct = c.dtype() == DType::kF32 ? CUDA_R_32F : ab;
+    GPIPE_CUBLAS_CHECK(cublasGemmEx(blas_, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k,
+                                    &al, b.raw_data(), ab, ldb, a.raw_data(), ab, lda, &be, c.raw_data(), ct, ldc,
+                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    return;
+  }
   dispatch_float(a, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     // cuBLAS is column-major. A row-major (r, s) array with row length s is, read
@@ -212,14 +274,15 @@ void CudaBackend::matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Ten
 }
 
 void CudaBackend::add_bias(Tensor& y, const Tensor& bias) {
-  ops::check_matrix(y, "add_bias");
-  ops::check_float(bias, "add_bias");
+  check_storage(y, "add_bias");
+  if (y.dim() != 2) throw Error("add_bias: " + y.str() + " must be 2-D");
+  check_storage(bias, "add_bias");
   GPIPE_CHECK(bias.dtype() == y.dtype() && bias.numel() == y.size(1),
               "add_bias: bias " + bias.str() + " for " + y.str());
   check_on_device(y, "add_bias");
   check_on_device(bias, "add_bias");
   DeviceGuard guard(device_.index);
-  dispatch_float(y, [&](auto* tag) {
+  dispatch_storage(y, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     cuda::add_bias(y.data<T>(), bias.data<T>(), y.size(0), y.size(1), cuda_stream());
   });
@@ -242,52 +305,52 @@ void CudaBackend::bias_grad(const Tensor& dy, Tensor& db, double beta) {
 }
 
 void CudaBackend::relu(const Tensor& x, Tensor& y) {
-  ops::check_float(x, "relu");
+  check_storage(x, "relu");
   ops::check_same(x, y, "relu");
   check_on_device(x, "relu");
   check_on_device(y, "relu");
   DeviceGuard guard(device_.index);
-  dispatch_float(x, [&](auto* tag) {
+  dispatch_storage(x, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     cuda::relu(x.data<T>(), y.data<T>(), x.numel(), cuda_stream());
   });
 }
 
 void CudaBackend::relu_backward(const Tensor& y, const Tensor& dy, Tensor& dx) {
-  ops::check_float(y, "relu_backward");
+  check_storage(y, "relu_backward");
   ops::check_same(y, dy, "relu_backward");
   ops::check_same(y, dx, "relu_backward");
   check_on_device(y, "relu_backward");
   check_on_device(dy, "relu_backward");
   check_on_device(dx, "relu_backward");
   DeviceGuard guard(device_.index);
-  dispatch_float(y, [&](auto* tag) {
+  dispatch_storage(y, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     cuda::relu_backward(y.data<T>(), dy.data<T>(), dx.data<T>(), y.numel(), cuda_stream());
   });
 }
 
 void CudaBackend::gelu(const Tensor& x, Tensor& y) {
-  ops::check_float(x, "gelu");
+  check_storage(x, "gelu");
   ops::check_same(x, y, "gelu");
   check_on_device(x, "gelu");
   check_on_device(y, "gelu");
   DeviceGuard guard(device_.index);
-  dispatch_float(x, [&](auto* tag) {
+  dispatch_storage(x, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     cuda::gelu(x.data<T>(), y.data<T>(), x.numel(), cuda_stream());
   });
 }
 
 void CudaBackend::gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {
-  ops::check_float(x, "gelu_backward");
+  check_storage(x, "gelu_backward");
   ops::check_same(x, dy, "gelu_backward");
   ops::check_same(x, dx, "gelu_backward");
   check_on_device(x, "gelu_backward");
   check_on_device(dy, "gelu_backward");
   check_on_device(dx, "gelu_backward");
   DeviceGuard guard(device_.index);
-  dispatch_float(x, [&](auto* tag) {
+  dispatch_storage(x, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     cuda::gelu_backward(x.data<T>(), dy.data<T>(), dx.data<T>(), x.numel(), cuda_stream());
   });

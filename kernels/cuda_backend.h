@@ -1,8 +1,12 @@
 // The CUDA backend: cuBLAS for matrix products, the kernels of kernels/cuda_kernels.cu
 // for everything else, all queued on one non-blocking stream per backend. Same
-// semantics as the CPU reference (kernels/cpu_backend.cc) for float32 and float64;
-// bfloat16 operands are widened around it by the WideningBackend that backend_for()
-// wraps it in (kernels/widening_backend.h), as the CPU backend's are.
+// semantics as the CPU reference (kernels/cpu_backend.cc) for float32 and float64.
+// bfloat16 and float16: the matrix products (cublasGemmEx, 16-bit inputs, float32
+// compute, c in the 16-bit type or float32) and the elementwise ops add_bias, relu, gelu
+// and their backwards (kernels templated on the storage type: load into float32,
+// compute, round once on store) take them as they are (computes_narrow); the other
+// ops' narrow operands are widened around the backend by the WideningBackend that
+// backend_for() wraps it in (kernels/widening_backend.h), as the CPU backend's are.
 //
 // Every op returns as soon as its work is queued, copies from the host included (they
 // go through pinned staging buffers). The backend waits for its stream only where the
@@ -51,6 +55,7 @@ class CudaBackend : public Backend {
   Device device() const override { return device_; }
   Stream& stream() override { return *stream_; }
 
+  bool computes_narrow(NarrowOp op, DType t) const override;
   void matmul(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c, double alpha,
               double beta) override;
   void add_bias(Tensor& y, const Tensor& bias) override;

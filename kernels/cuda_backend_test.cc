@@ -399,6 +399,92 @@ TEST_CASE("bfloat16 operands on the GPU: widened, computed in float32, rounded, 
   GPIPE_EXPECT_CLOSE(c_gpu, c_cpu, std::ldexp(1.0, -7), 1e-6);
 }
 
+// The ops the CUDA backend computes on 16-bit operands itself (computes_narrow:
+// cublasGemmEx with float32 compute; kernels templated on the storage type), called on
+// the bare backend so that nothing is widened around them, against the CPU reference,
+// which widens (kernels/widening_backend.h). Both compute in float32 and round once on
+// store, so what may differ is float32's own: the order of a product's sums and erf's
+// last bit, which the rounding to 16 bits hides except near a tie, where the results
+// differ by one step of the 16-bit type (u = 2^-8 for bfloat16, 2^-11 for float16).
+TEST_CASE("16-bit products and elementwise ops on the GPU itself equal the widened CPU reference") {
+  Backend& bare = static_cast<WideningBackend&>(gpu()).inner();
+  Backend& cpu = backend_for(Device::cpu());
+  uint64_t seed = 700;
+  for (DType t : {DType::kBF16, DType::kF16}) {
+    CAPTURE(dtype_name(t));
+    const double step = std::ldexp(1.0, t == DType::kBF16 ? -7 : -10);  // two units of rounding
+    for (Backend::NarrowOp op : {Backend::NarrowOp::kMatmul, Backend::NarrowOp::kAddBias, Backend::NarrowOp::kRelu,
+                                 Backend::NarrowOp::kReluBackward, Backend::NarrowOp::kGelu,
+                                 Backend::NarrowOp::kGeluBackward}) {
+      CHECK(bare.computes_narrow(op, t));
+    }
+    CHECK_FALSE(bare.computes_narrow(Backend::NarrowOp::kMatmul, DType::kF32));
+    // Products: every transpose, beta 0 and 1/2, c in the 16-bit type and in float32
+    // (a weight gradient accumulated in float32 from 16-bit activations).
+    for (DType ct : {t, DType::kF32}) {
+      for (int ta = 0; ta < 2; ++ta) {
+        for (int tb = 0; tb < 2; ++tb) {
+          for (double beta : {0.0, 0.5}) {
+            CAPTURE(dtype_name(ct));
+            CAPTURE(ta);
+            CAPTURE(tb);
+            CAPTURE(beta);
+            const int64_t m = 37, n = 19, k = 67;
+            const Tensor a = random_tensor(ta ? Shape{k, m} : Shape{m, k}, t, ++seed);
+            const Tensor b = random_tensor(tb ? Shape{n, k} : Shape{k, n}, t, ++seed);
+            const Tensor c0 = random_tensor({m, n}, ct, ++seed);
+            Tensor c_cpu = Tensor::empty({m, n}, ct, Device::cpu());
+            cpu.copy(c0, c_cpu);
+            cpu.matmul(a, ta, b, tb, c_cpu, -0.75, beta);
+            Tensor c_gpu = to_gpu(c0);
+            bare.matmul(to_gpu(a), ta, to_gpu(b), tb, c_gpu, -0.75, beta);
+            // The float32 sums' own difference, |c| <= k here: k 2^-24 per element.
+            GPIPE_EXPECT_CLOSE(c_gpu, c_cpu, ct == DType::kF32 ? 1e-5 : step, 1e-4);
+          }
+        }
+      }
+    }
+    // Mixed 16-bit and float32 inputs are not cuBLAS's: the bare backend refuses them,
+    // the wrapped one widens them.
+    {
+      const Tensor a = to_gpu(random_tensor({4, 8}, t, ++seed));
+      const Tensor b = to_gpu(random_tensor({8, 3}, DType::kF32, ++seed));
+      Tensor c = gpu().empty({4, 3}, t);
+      CHECK_THROWS_AS(bare.matmul(a, false, b, false, c, 1.0, 0.0), Error);
+      gpu().matmul(a, false, b, false, c, 1.0, 0.0);
+      gpu().synchronize();
+    }
+    // Elementwise: relu and add_bias are exact in float32 (a max, one sum of two 16-bit
+    // values), so they equal the reference bit for bit; gelu's erf may differ in
+    // float32's last bit.
+    const Tensor x = random_tensor({33, 70}, t, ++seed, -4.0, 4.0);
+    const Tensor dy = random_tensor({33, 70}, t, ++seed);
+    const Tensor bias = random_tensor({70}, t, ++seed);
+    auto both = [&](auto&& f) {  // f(backend, x, dy, out) on each side; returns (gpu, cpu)
+      Tensor out_cpu = Tensor::empty(x.shape(), t, Device::cpu());
+      f(cpu, x, dy, out_cpu);
+      Tensor out_gpu = bare.empty(x.shape(), t);
+      f(bare, to_gpu(x), to_gpu(dy), out_gpu);
+      return std::make_pair(to_doubles(out_gpu), to_doubles(out_cpu));
+    };
+    const auto relu = both([](Backend& be, const Tensor& x, const Tensor&, Tensor& y) { be.relu(x, y); });
+    CHECK(relu.first == relu.second);
+    const auto relu_back = both(
+        [](Backend& be, const Tensor& x, const Tensor& dy, Tensor& dx) { be.relu_backward(x, dy, dx); });
+    CHECK(relu_back.first == relu_back.second);
+    const auto biased = both([&](Backend& be, const Tensor& x, const Tensor&, Tensor& y) {
+      be.copy(x, y);
+      be.add_bias(y, be.device().is_cpu() ? bias : to_gpu(bias));
+    });
+    CHECK(biased.first == biased.second);
+    const auto gelu = both([](Backend& be, const Tensor& x, const Tensor&, Tensor& y) { be.gelu(x, y); });
+    GPIPE_EXPECT_CLOSE(gelu.first, gelu.second, step, 1e-6);
+    const auto gelu_back = both(
+        [](Backend& be, const Tensor& x, const Tensor& dy, Tensor& dx) { be.gelu_backward(x, dy, dx); });
+    GPIPE_EXPECT_CLOSE(gelu_back.first, gelu_back.second, step, 1e-6);
+  }
+}
+
 // ---------------------------------------------------------------------------------
 // Ops against the CPU reference
 

@@ -134,6 +134,45 @@ __device__ __forceinline__ T gelu_slope(T x) {
   return cdf + x * pdf;
 }
 
+// Storage types (Backend::computes_narrow): a kernel templated on its storage type S
+// loads each element into Wide<S> (float32 for bfloat16 and float16, else S itself),
+// computes there and rounds once on store, with the host's conversions (runtime/bf16.h,
+// fp16.h: to nearest, ties to even), as the widening reference does around the float32
+// kernel. For float32 and float64, load and store are the identity.
+template <typename S>
+struct WideOf {
+  using type = S;
+};
+template <>
+struct WideOf<BFloat16> {
+  using type = float;
+};
+template <>
+struct WideOf<Half> {
+  using type = float;
+};
+template <typename S>
+using Wide = typename WideOf<S>::type;
+
+template <typename S>
+__device__ __forceinline__ S load(S x) {
+  return x;
+}
+__device__ __forceinline__ float load(BFloat16 x) { return bf16_to_float(x); }
+__device__ __forceinline__ float load(Half x) { return half_to_float(x); }
+template <typename S>
+__device__ __forceinline__ S store_as(Wide<S> x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ BFloat16 store_as<BFloat16>(float x) {
+  return float_to_bf16(x);
+}
+template <>
+__device__ __forceinline__ Half store_as<Half>(float x) {
+  return float_to_half(x);
+}
+
 #define GRID_STRIDE_LOOP(i, n)                                                              \
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (n); \
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
@@ -144,14 +183,14 @@ __device__ __forceinline__ T gelu_slope(T x) {
 // y: (rows, cols) += bias: (cols). Block (kTileCols, kAddBiasTileRows): threadIdx.x is
 // the column within the block's tile (a warp touches 32 consecutive elements of a row),
 // threadIdx.y walks rows with a stride of gridDim.y * kAddBiasTileRows.
-template <typename T>
-__global__ void add_bias_kernel(T* y, const T* bias, int64_t rows, int64_t cols) {
+template <typename S>
+__global__ void add_bias_kernel(S* y, const S* bias, int64_t rows, int64_t cols) {
   const int64_t col = static_cast<int64_t>(blockIdx.x) * kTileCols + threadIdx.x;
   if (col >= cols) return;
-  const T b = bias[col];
+  const Wide<S> b = load(bias[col]);
   const int64_t stride = static_cast<int64_t>(gridDim.y) * kAddBiasTileRows;
   for (int64_t r = static_cast<int64_t>(blockIdx.y) * kAddBiasTileRows + threadIdx.y; r < rows; r += stride) {
-    y[r * cols + col] += b;
+    y[r * cols + col] = store_as<S>(load(y[r * cols + col]) + b);
   }
 }
 
@@ -194,24 +233,29 @@ __global__ void bias_grad_final_kernel(const double* partial, T* db, int64_t chu
   }
 }
 
-template <typename T>
-__global__ void relu_kernel(const T* x, T* y, int64_t n) {
-  GRID_STRIDE_LOOP(i, n) { y[i] = x[i] > T(0) ? x[i] : T(0); }
+template <typename S>
+__global__ void relu_kernel(const S* x, S* y, int64_t n) {
+  using T = Wide<S>;
+  GRID_STRIDE_LOOP(i, n) {
+    const T v = load(x[i]);
+    y[i] = store_as<S>(v > T(0) ? v : T(0));
+  }
 }
 
-template <typename T>
-__global__ void relu_backward_kernel(const T* y, const T* dy, T* dx, int64_t n) {
-  GRID_STRIDE_LOOP(i, n) { dx[i] = y[i] > T(0) ? dy[i] : T(0); }
+template <typename S>
+__global__ void relu_backward_kernel(const S* y, const S* dy, S* dx, int64_t n) {
+  using T = Wide<S>;
+  GRID_STRIDE_LOOP(i, n) { dx[i] = store_as<S>(load(y[i]) > T(0) ? load(dy[i]) : T(0)); }
 }
 
-template <typename T>
-__global__ void gelu_kernel(const T* x, T* y, int64_t n) {
-  GRID_STRIDE_LOOP(i, n) { y[i] = gelu_value(x[i]); }
+template <typename S>
+__global__ void gelu_kernel(const S* x, S* y, int64_t n) {
+  GRID_STRIDE_LOOP(i, n) { y[i] = store_as<S>(gelu_value(load(x[i]))); }
 }
 
-template <typename T>
-__global__ void gelu_backward_kernel(const T* x, const T* dy, T* dx, int64_t n) {
-  GRID_STRIDE_LOOP(i, n) { dx[i] = dy[i] * gelu_slope(x[i]); }
+template <typename S>
+__global__ void gelu_backward_kernel(const S* x, const S* dy, S* dx, int64_t n) {
+  GRID_STRIDE_LOOP(i, n) { dx[i] = store_as<S>(load(dy[i]) * gelu_slope(load(x[i]))); }
 }
 
 // One block per row r of logits: (rows, cols), blockDim.x a multiple of 32.
@@ -1136,8 +1180,17 @@ void bias_grad(const double* dy, double* db, int64_t rows, int64_t cols, double 
   launch_bias_grad(dy, db, rows, cols, beta, workspace, stream);
 }
 
+void add_bias(BFloat16* y, const BFloat16* bias, int64_t rows, int64_t cols, cudaStream_t stream) {
+  launch_add_bias(y, bias, rows, cols, stream);
+}
+void add_bias(Half* y, const Half* bias, int64_t rows, int64_t cols, cudaStream_t stream) {
+  launch_add_bias(y, bias, rows, cols, stream);
+}
+
 void relu(const float* x, float* y, int64_t n, cudaStream_t stream) { launch_relu(x, y, n, stream); }
 void relu(const double* x, double* y, int64_t n, cudaStream_t stream) { launch_relu(x, y, n, stream); }
+void relu(const BFloat16* x, BFloat16* y, int64_t n, cudaStream_t stream) { launch_relu(x, y, n, stream); }
+void relu(const Half* x, Half* y, int64_t n, cudaStream_t stream) { launch_relu(x, y, n, stream); }
 
 void relu_backward(const float* y, const float* dy, float* dx, int64_t n, cudaStream_t stream) {
   launch_relu_backward(y, dy, dx, n, stream);
@@ -1145,14 +1198,28 @@ void relu_backward(const float* y, const float* dy, float* dx, int64_t n, cudaSt
 void relu_backward(const double* y, const double* dy, double* dx, int64_t n, cudaStream_t stream) {
   launch_relu_backward(y, dy, dx, n, stream);
 }
+void relu_backward(const BFloat16* y, const BFloat16* dy, BFloat16* dx, int64_t n, cudaStream_t stream) {
+  launch_relu_backward(y, dy, dx, n, stream);
+}
+void relu_backward(const Half* y, const Half* dy, Half* dx, int64_t n, cudaStream_t stream) {
+  launch_relu_backward(y, dy, dx, n, stream);
+}
 
 void gelu(const float* x, float* y, int64_t n, cudaStream_t stream) { launch_gelu(x, y, n, stream); }
 void gelu(const double* x, double* y, int64_t n, cudaStream_t stream) { launch_gelu(x, y, n, stream); }
+void gelu(const BFloat16* x, BFloat16* y, int64_t n, cudaStream_t stream) { launch_gelu(x, y, n, stream); }
+void gelu(const Half* x, Half* y, int64_t n, cudaStream_t stream) { launch_gelu(x, y, n, stream); }
 
 void gelu_backward(const float* x, const float* dy, float* dx, int64_t n, cudaStream_t stream) {
   launch_gelu_backward(x, dy, dx, n, stream);
 }
 void gelu_backward(const double* x, const double* dy, double* dx, int64_t n, cudaStream_t stream) {
+  launch_gelu_backward(x, dy, dx, n, stream);
+}
+void gelu_backward(const BFloat16* x, const BFloat16* dy, BFloat16* dx, int64_t n, cudaStream_t stream) {
+  launch_gelu_backward(x, dy, dx, n, stream);
+}
+void gelu_backward(const Half* x, const Half* dy, Half* dx, int64_t n, cudaStream_t stream) {
   launch_gelu_backward(x, dy, dx, n, stream);
 }
 

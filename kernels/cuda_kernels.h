@@ -20,7 +20,9 @@
 #include <cstdint>
 
 #include "kernels/deferred_checks.h"  // cuda::ErrorSlot
+#include "runtime/bf16.h"
 #include "runtime/dtype.h"
+#include "runtime/fp16.h"
 
 namespace gpipe {
 namespace cuda {
@@ -29,9 +31,14 @@ namespace cuda {
 // of different types, with the CPU reference's rounding (Backend::cast).
 void cast(const void* src, DType from, void* dst, DType to, int64_t n, cudaStream_t stream);
 
+// The 16-bit overloads below (bfloat16, float16) load into float32, compute there and
+// round once on store, to nearest even (Backend::computes_narrow).
+
 // y: (rows, cols) += bias: (cols), broadcast over rows.
 void add_bias(float* y, const float* bias, int64_t rows, int64_t cols, cudaStream_t stream);
 void add_bias(double* y, const double* bias, int64_t rows, int64_t cols, cudaStream_t stream);
+void add_bias(BFloat16* y, const BFloat16* bias, int64_t rows, int64_t cols, cudaStream_t stream);
+void add_bias(Half* y, const Half* bias, int64_t rows, int64_t cols, cudaStream_t stream);
 
 // db: (cols) = (beta == 0 ? 0 : beta * db) + sum over rows of dy: (rows, cols).
 // beta == 0 ignores db's old contents (NaN included). Deterministic (no atomics): the
@@ -46,16 +53,24 @@ void bias_grad(const double* dy, double* db, int64_t rows, int64_t cols, double 
 // y = max(x, 0); x, y: (n). y may alias x.
 void relu(const float* x, float* y, int64_t n, cudaStream_t stream);
 void relu(const double* x, double* y, int64_t n, cudaStream_t stream);
+void relu(const BFloat16* x, BFloat16* y, int64_t n, cudaStream_t stream);
+void relu(const Half* x, Half* y, int64_t n, cudaStream_t stream);
 // dx = y > 0 ? dy : 0; y, dy, dx: (n).
 void relu_backward(const float* y, const float* dy, float* dx, int64_t n, cudaStream_t stream);
 void relu_backward(const double* y, const double* dy, double* dx, int64_t n, cudaStream_t stream);
+void relu_backward(const BFloat16* y, const BFloat16* dy, BFloat16* dx, int64_t n, cudaStream_t stream);
+void relu_backward(const Half* y, const Half* dy, Half* dx, int64_t n, cudaStream_t stream);
 
 // y = 0.5 x (1 + erf(x / sqrt 2)); x, y: (n).
 void gelu(const float* x, float* y, int64_t n, cudaStream_t stream);
 void gelu(const double* x, double* y, int64_t n, cudaStream_t stream);
+void gelu(const BFloat16* x, BFloat16* y, int64_t n, cudaStream_t stream);
+void gelu(const Half* x, Half* y, int64_t n, cudaStream_t stream);
 // dx = dy * (Phi(x) + x phi(x)); x, dy, dx: (n).
 void gelu_backward(const float* x, const float* dy, float* dx, int64_t n, cudaStream_t stream);
 void gelu_backward(const double* x, const double* dy, double* dx, int64_t n, cudaStream_t stream);
+void gelu_backward(const BFloat16* x, const BFloat16* dy, BFloat16* dx, int64_t n, cudaStream_t stream);
+void gelu_backward(const Half* x, const Half* dy, Half* dx, int64_t n, cudaStream_t stream);
 
 // ---- Deferred input errors. What a user can get wrong in the data (a label, a token
 // id; in kernels/cuda_conv_kernels.h a max-pool argmax) is found by the kernel that uses

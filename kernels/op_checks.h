@@ -60,11 +60,8 @@ inline void check_matrix(const Tensor& t, const char* op) {
 struct GemmDims {
   int64_t m, n, k;
 };
-inline GemmDims check_matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& c) {
-  check_matrix(a, "matmul");
-  check_matrix(b, "matmul");
-  check_matrix(c, "matmul");
-  if (a.dtype() != b.dtype() || a.dtype() != c.dtype()) throw Error("matmul: mixed dtypes");
+// The dimensions alone, for operands already checked to be 2-D.
+inline GemmDims matmul_dims(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& c) {
   const int64_t m = ta ? a.size(1) : a.size(0);
   const int64_t k = ta ? a.size(0) : a.size(1);
   const int64_t kb = tb ? b.size(1) : b.size(0);
@@ -74,6 +71,14 @@ inline GemmDims check_matmul(const Tensor& a, bool ta, const Tensor& b, bool tb,
                 shape_str(b.shape()) + (tb ? "^T" : "") + " -> " + shape_str(c.shape()));
   }
   return {m, n, k};
+}
+
+inline GemmDims check_matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& c) {
+  check_matrix(a, "matmul");
+  check_matrix(b, "matmul");
+  check_matrix(c, "matmul");
+  if (a.dtype() != b.dtype() || a.dtype() != c.dtype()) throw Error("matmul: mixed dtypes");
+  return matmul_dims(a, ta, b, tb, c);
 }
 
 inline void check_xent(const Tensor& logits, const Tensor& labels, const Tensor& probs) {

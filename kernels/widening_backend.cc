@@ -48,11 +48,26 @@ class Widen {
   std::vector<std::pair<Tensor*, Tensor*>> stores_;
 };
 
+// Whether the wrapped backend computes this call itself (Backend::computes_narrow):
+// every operand of one narrow type t, and the backend says it computes `op` in t.
+template <typename... Ts>
+bool native(const Backend& inner, Backend::NarrowOp op, const Tensor& first, const Ts&... rest) {
+  const DType t = first.dtype();
+  return is_narrow(t) && ((rest.dtype() == t) && ...) && inner.computes_narrow(op, t);
+}
+
+// The same for a product: a and b of one narrow type t, c of type t or float32.
+bool native_matmul(const Backend& inner, const Tensor& a, const Tensor& b, const Tensor& c) {
+  const DType t = a.dtype();
+  return is_narrow(t) && b.dtype() == t && (c.dtype() == t || c.dtype() == DType::kF32) &&
+         inner.computes_narrow(Backend::NarrowOp::kMatmul, t);
+}
+
 }  // namespace
 
 void WideningBackend::matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, double alpha,
                              double beta) {
-  if (!any_narrow(a, b, c)) return inner_->matmul(a, ta, b, tb, c, alpha, beta);
+  if (!any_narrow(a, b, c) || native_matmul(*inner_, a, b, c)) return inner_->matmul(a, ta, b, tb, c, alpha, beta);
   Widen w(*inner_);
   inner_->matmul(w.in(a), ta, w.in(b), tb, beta != 0.0 ? w.inout(c) : w.out(c), alpha, beta);
   w.store();
@@ -60,14 +75,16 @@ void WideningBackend::matmul(const Tensor& a, bool ta, const Tensor& b, bool tb,
 
 void WideningBackend::matmul_weight(const Tensor& a, bool ta, const Tensor& wt, bool tw, Tensor& c, double alpha,
                                     double beta) {
-  if (!any_narrow(a, wt, c)) return inner_->matmul_weight(a, ta, wt, tw, c, alpha, beta);
+  if (!any_narrow(a, wt, c) || native_matmul(*inner_, a, wt, c)) {
+    return inner_->matmul_weight(a, ta, wt, tw, c, alpha, beta);
+  }
   // Not matmul_weight: a backend may keep a copy of its weight operand keyed on where it
   // lives, and the widened weight is a temporary.
   matmul(a, ta, wt, tw, c, alpha, beta);
 }
 
 void WideningBackend::add_bias(Tensor& y, const Tensor& bias) {
-  if (!any_narrow(y, bias)) return inner_->add_bias(y, bias);
+  if (!any_narrow(y, bias) || native(*inner_, NarrowOp::kAddBias, y, bias)) return inner_->add_bias(y, bias);
   Widen w(*inner_);
   inner_->add_bias(w.inout(y), w.in(bias));
   w.store();
@@ -81,28 +98,32 @@ void WideningBackend::bias_grad(const Tensor& dy, Tensor& db, double beta) {
 }
 
 void WideningBackend::relu(const Tensor& x, Tensor& y) {
-  if (!any_narrow(x, y)) return inner_->relu(x, y);
+  if (!any_narrow(x, y) || native(*inner_, NarrowOp::kRelu, x, y)) return inner_->relu(x, y);
   Widen w(*inner_);
   inner_->relu(w.in(x), w.out(y));
   w.store();
 }
 
 void WideningBackend::relu_backward(const Tensor& y, const Tensor& dy, Tensor& dx) {
-  if (!any_narrow(y, dy, dx)) return inner_->relu_backward(y, dy, dx);
+  if (!any_narrow(y, dy, dx) || native(*inner_, NarrowOp::kReluBackward, y, dy, dx)) {
+    return inner_->relu_backward(y, dy, dx);
+  }
   Widen w(*inner_);
   inner_->relu_backward(w.in(y), w.in(dy), w.out(dx));
   w.store();
 }
 
 void WideningBackend::gelu(const Tensor& x, Tensor& y) {
-  if (!any_narrow(x, y)) return inner_->gelu(x, y);
+  if (!any_narrow(x, y) || native(*inner_, NarrowOp::kGelu, x, y)) return inner_->gelu(x, y);
   Widen w(*inner_);
   inner_->gelu(w.in(x), w.out(y));
   w.store();
 }
 
 void WideningBackend::gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {
-  if (!any_narrow(x, dy, dx)) return inner_->gelu_backward(x, dy, dx);
+  if (!any_narrow(x, dy, dx) || native(*inner_, NarrowOp::kGeluBackward, x, dy, dx)) {
+    return inner_->gelu_backward(x, dy, dx);
+  }
   Widen w(*inner_);
   inner_->gelu_backward(w.in(x), w.in(dy), w.out(dx));
   w.store();

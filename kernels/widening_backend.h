@@ -2,7 +2,10 @@
 // narrow tensors (bfloat16, float16: is_narrow) on a backend that computes in float32
 // and float64.
 //
-// An op with no narrow operand goes straight to the wrapped backend. Otherwise each
+// An op with no narrow operand goes straight to the wrapped backend, and so does one the
+// wrapped backend computes itself in the narrow type (Backend::computes_narrow: the CUDA
+// backend's products and elementwise ops, which do the same float32 arithmetic and the
+// same single rounding without the temporaries). Otherwise each
 // narrow operand is widened into a float32 temporary (exact), the wrapped backend's
 // float32 op runs on the temporaries and the float32 operands, and each narrow operand
 // the op writes is rounded back (to nearest, ties to even: Backend::cast). An operand

@@ -4,11 +4,13 @@
 #include <doctest/doctest.h>
 
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "kernels/backend.h"
 #include "kernels/cpu_backend.h"
 #include "kernels/cpu_gemm.h"
+#include "kernels/widening_backend.h"
 #include "tests/testing.h"
 
 using namespace gpipe;
@@ -180,4 +182,82 @@ TEST_CASE("an op without bfloat16 operands is the wrapped backend's") {
   CHECK(same_bits(c, want));
   Tensor y = bf16({3}, 30);
   CHECK_THROWS_AS(reference().relu(bf16({3}, 29), y), Error);  // the wrapped backend itself takes no bfloat16
+}
+
+namespace {
+
+// A CPU backend that says it computes bfloat16 products and relu itself
+// (Backend::computes_narrow, as the CUDA backend does) and records the operand types
+// each call reaches it with; it computes them through a widening of its own, so its
+// results are the reference's.
+class ClaimsBf16 : public CpuBackend {
+ public:
+  ClaimsBf16() : CpuBackend(Device::cpu()) {}
+  bool computes_narrow(NarrowOp op, DType t) const override {
+    return t == DType::kBF16 && (op == NarrowOp::kMatmul || op == NarrowOp::kRelu);
+  }
+  void matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, double alpha, double beta) override {
+    seen.push_back({a.dtype(), b.dtype(), c.dtype()});
+    computing().matmul(a, ta, b, tb, c, alpha, beta);
+  }
+  void matmul_weight(const Tensor& a, bool ta, const Tensor& w, bool tw, Tensor& c, double alpha,
+                     double beta) override {
+    seen.push_back({a.dtype(), w.dtype(), c.dtype()});
+    computing().matmul(a, ta, w, tw, c, alpha, beta);
+  }
+  void relu(const Tensor& x, Tensor& y) override {
+    seen.push_back({x.dtype(), y.dtype()});
+    computing().relu(x, y);
+  }
+  std::vector<std::vector<DType>> seen;
+
+ private:
+  static Backend& computing() {
+    static WideningBackend be(std::make_unique<CpuBackend>(Device::cpu()));
+    return be;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("an op the backend computes in 16 bits itself reaches it unwidened; any other is widened") {
+  WideningBackend be(std::make_unique<ClaimsBf16>());
+  auto& inner = static_cast<ClaimsBf16&>(be.inner());
+  Backend& ref = backend_for(Device::cpu());
+  constexpr DType B = DType::kBF16, F = DType::kF32, H = DType::kF16;
+  struct Case {
+    DType a, b, c;
+    std::vector<DType> seen;  // what the backend's matmul receives
+  };
+  for (const Case& k : {Case{B, B, B, {B, B, B}}, Case{B, B, F, {B, B, F}}, Case{B, F, B, {F, F, F}},
+                        Case{F, B, F, {F, F, F}}, Case{H, H, H, {F, F, F}}, Case{F, F, F, {F, F, F}}}) {
+    CAPTURE(dtype_name(k.a));
+    CAPTURE(dtype_name(k.b));
+    CAPTURE(dtype_name(k.c));
+    const Tensor a = random_tensor({6, 9}, k.a, 11), w = random_tensor({4, 9}, k.b, 12);
+    const Tensor c0 = random_tensor({6, 4}, k.c, 13);
+    for (bool weight : {false, true}) {
+      inner.seen.clear();
+      Tensor got = as(c0, k.c), want = as(c0, k.c);
+      if (weight) {
+        be.matmul_weight(a, false, w, true, got, 0.5, 1.0);
+      } else {
+        be.matmul(a, false, w, true, got, 0.5, 1.0);
+      }
+      ref.matmul(a, false, w, true, want, 0.5, 1.0);
+      REQUIRE(inner.seen.size() == 1);
+      CHECK(inner.seen[0] == k.seen);
+      CHECK(same_bits(got, want));
+    }
+  }
+  const Tensor x = random_tensor({5, 8}, B, 14);
+  inner.seen.clear();
+  Tensor y = be.empty(x.shape(), B), want = be.empty(x.shape(), B);
+  be.relu(x, y);
+  ref.relu(x, want);
+  CHECK(inner.seen == std::vector<std::vector<DType>>{{B, B}});
+  CHECK(same_bits(y, want));
+  inner.seen.clear();
+  be.relu(x, y = be.empty(x.shape(), F));  // mixed: widened
+  CHECK(inner.seen == std::vector<std::vector<DType>>{{F, F}});
 }

@@ -74,6 +74,9 @@ Tensor random_tensor(const Shape& shape, DType dtype, uint64_t seed, double lo, 
   } else if (dtype == DType::kBF16) {  // float32's values, rounded
     BFloat16* p = t.data<BFloat16>();
     for (int64_t i = 0; i < n; ++i) p[i] = float_to_bf16(static_cast<float>(rng.uniform(lo, hi)));
+  } else if (dtype == DType::kF16) {  // float32's values, rounded
+    Half* p = t.data<Half>();
+    for (int64_t i = 0; i < n; ++i) p[i] = float_to_half(static_cast<float>(rng.uniform(lo, hi)));
   } else {
     double* p = t.data<double>();
     for (int64_t i = 0; i < n; ++i) p[i] = rng.uniform(lo, hi);
