@@ -178,6 +178,41 @@ int run_plan_command(Invocation& inv) {
   if (inv.options.count("device-spec")) o.device_spec = inv.options.at("device-spec");
   o.rows = option_int(inv, "rows", o.rows);
   o.max_micro_batches = option_int(inv, "max-micro-batches", o.max_micro_batches);
+  // --precisions: the config and its model in each model.dtype, kept alive for the sweep.
+  std::vector<pipeline::RunModel> precision_runs;
+  if (inv.options.count("precisions")) {
+    const std::string list = inv.options.at("precisions");
+    for (size_t start = 0; start <= list.size();) {
+      const size_t comma = std::min(list.find(',', start), list.size());
+      const std::string name = list.substr(start, comma - start);
+      start = comma + 1;
+      std::vector<std::string> overrides = inv.overrides;
+      overrides.push_back("model.dtype=" + name);
+      pipeline::Config c;
+      try {
+        c = pipeline::load_config(inv.config, overrides);
+      } catch (const UserError& e) {
+        throw UserError("--precisions " + list + ": '" + name + "' does not make a config: " + e.what());
+      }
+      pipeline::RunModel r = pipeline::build_run_model(c);
+      if (r.model->dtype() != c.model.dtype) {
+        throw UserError("--precisions: this config's model is built in C++ (model: {cpp: ...}) in " +
+                        std::string(dtype_name(r.model->dtype())) +
+                        " whatever model.dtype says; compare precisions by building it in each");
+      }
+      for (const pipeline::RunModel& seen : precision_runs) {
+        if (seen.model->dtype() == r.model->dtype()) {
+          throw UserError("--precisions " + list + " names " + dtype_name(r.model->dtype()) + " twice");
+        }
+      }
+      precision_runs.push_back(std::move(r));
+      o.precisions.push_back({name, nullptr, nullptr});
+    }
+    for (size_t i = 0; i < precision_runs.size(); ++i) {  // the vector has stopped moving
+      o.precisions[i].config = &precision_runs[i].config;
+      o.precisions[i].model = precision_runs[i].model.get();
+    }
+  }
   return pipeline::plan_other_runs(run.config, *run.model, o, std::cout);
 }
 
@@ -274,6 +309,10 @@ const std::vector<Command>& commands() {
         {"--rows", "N", "rows of the sweep's table to show (default 30; the recommendation is always shown)",
          "--sweep"},
         {"--max-micro-batches", "N", "the sweep tries M = 1, 2, 4, ... up to N micro-batches (default 32)",
+         "--sweep"},
+        {"--precisions", "LIST",
+         "the sweep also tries these model.dtype values, e.g. float32,bf16 (default: the config's alone; a precision "
+         "changes the numbers a run computes, so the sweep tries one only when asked)",
          "--sweep"},
         {"--devices", "N",
          "plan for N devices (default: pipeline.partitions; with --sweep, this machine's cores or GPUs)"},

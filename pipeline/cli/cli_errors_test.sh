@@ -104,7 +104,7 @@ expect 2 "gpipe: error: unknown option '--swee' for plan" -- "$gpipe" plan small
 # Help for one command: each flag explained, and for plan how the sweep gets its memory limit.
 expect 0 "Usage: gpipe plan [OPTIONS] [CONFIG.yaml]" -- "$gpipe" help plan
 cp out.log help_plan.log
-for word in "--sweep" "--rows N" "--max-micro-batches N" "--devices N" "--device-spec FILE" "--schedule-file-out FILE" \
+for word in "--sweep" "--rows N" "--max-micro-batches N" "--precisions LIST" "--devices N" "--device-spec FILE" "--schedule-file-out FILE" \
     "--set KEY=VALUE" "--set pipeline.memory_limit=8GiB" "(with --sweep)"; do
   grep -qF -- "$word" help_plan.log || { cat help_plan.log; echo "FAIL: gpipe help plan does not explain $word"; exit 1; }
 done
@@ -119,6 +119,17 @@ expect 2 "gpipe: error: unknown command 'plam'; did you mean plan?" -- "$gpipe" 
 # Bytes in binary units, the unit over each column; the sweep says where it ran out of range.
 expect 0 "| memory per stage, MiB" -- "$gpipe" plan small.yaml
 ! grep -E "[0-9] MB|total MB" out.log || { echo "FAIL: gpipe plan prints MB (10^6)"; exit 1; }
+# Precisions in the sweep: only when asked, each named once, each a model.dtype.
+expect 2 "gpipe: error: --precisions applies only with --sweep" -- "$gpipe" plan small.yaml --precisions float32,bf16
+expect 2 "gpipe: error: --precisions float32,bfloat16,bf16 names bfloat16 twice" -- \
+  "$gpipe" plan small.yaml --sweep --precisions float32,bfloat16,bf16
+expect 2 "gpipe: error: --precisions float32,int8: 'int8' does not make a config:" -- \
+  "$gpipe" plan small.yaml --sweep --precisions float32,int8
+grep -qF "use float32, float64, bf16 or fp16" out.log || { cat out.log; echo "FAIL: --precisions int8 names the values"; exit 1; }
+expect 0 "Recommended: " -- "$gpipe" plan small.yaml --sweep --precisions float32,bf16 --rows 400
+grep -qF "costs: float32: " out.log && grep -qF "       bf16: " out.log && grep -qE "^ +[0-9]+ +K=.* bf16 " out.log &&
+  grep -qE "^ +[0-9]+ +K=.* float32 " out.log && grep -qE "^  --set .* --set model.dtype=(float32|bf16)$" out.log ||
+  { cat out.log; echo "FAIL: the sweep over precisions shows each precision's candidates and costs"; exit 1; }
 expect 0 "At the edge of the search:" -- "$gpipe" plan small.yaml --sweep --max-micro-batches 1
 grep -qF "M=1 is the most micro-batches the sweep tried (train.batch_size 8 allows up to 8); more may be faster still: add --max-micro-batches 2" out.log &&
   grep -qF "peak MiB" out.log && grep -qF "none per device; give one with --set pipeline.memory_limit=8GiB" out.log ||

@@ -126,7 +126,8 @@ int plan_other_runs(const Config& config, layers::Sequential& model, const PlanC
     sweep_options.micro_batches = micro_batch_counts(o.max_micro_batches);
     const bool cpu = config.pipeline.devices.empty() || parse_device(config.pipeline.devices[0]).is_cpu();
     if (!has_spec && cpu) sweep_options.host_available = std::max<int64_t>(0, host_available_bytes());
-    out << sweep_table(sweep(config, model, sweep_options), o.rows);
+    out << sweep_table(o.precisions.empty() ? sweep(config, model, sweep_options) : sweep(o.precisions, sweep_options),
+                       o.rows);
     return 0;
   }
   Config c = config;

@@ -11,6 +11,7 @@
 #include "layers/sequential.h"
 #include "pipeline/config/config.h"
 #include "pipeline/planning/plan.h"
+#include "pipeline/planning/sweep.h"
 #include "pipeline/train/launch.h"
 
 namespace gpipe {
@@ -22,6 +23,9 @@ struct PlanCommandOptions {
   std::string device_spec;  // --device-spec FILE: devices this machine does not have
   int rows = 30;            // sweep rows shown
   int max_micro_batches = 32;  // the sweep tries M = 1, 2, 4, ... up to this
+  // --precisions: the sweep tries each (the config and its model in each model.dtype);
+  // empty: the config's precision alone.
+  std::vector<SweptPrecision> precisions;
 };
 
 // How `plan` partitions and schedules the model, as `gpipe plan` prints it first: the

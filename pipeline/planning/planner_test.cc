@@ -227,6 +227,74 @@ TEST_CASE("the sweep never recommends a plan over the memory limit") {
   CHECK(sweep_table(none).find("No candidate fits") != std::string::npos);
 }
 
+TEST_CASE("a sweep over precisions ranks each precision's candidates together, each as its own sweep predicts it") {
+  const std::string none = "pipeline.profile=" + tmp_path("none.json");
+  RunModel f32 = build_run_model(load_config("configs/mlp.yaml", {none}));
+  RunModel bf16 = build_run_model(load_config("configs/mlp.yaml", {none, "model.dtype=bf16"}));
+  REQUIRE(bf16.model->dtype() == DType::kBF16);
+  SweepOptions o;
+  o.devices = 2;
+  o.micro_batches = {1, 2, 4};
+  const std::vector<SweptPrecision> both = {{"float32", &f32.config, f32.model.get()},
+                                            {"bf16", &bf16.config, bf16.model.get()}};
+  for (int round : {0, 1}) {  // round 1 under the memory limit that round 0 sets at its end
+    const SweepResult alone_f = sweep(f32.config, *f32.model, o);
+    const SweepResult alone_b = sweep(bf16.config, *bf16.model, o);
+    const SweepResult merged = sweep(both, o);
+    CAPTURE(round);
+    REQUIRE(merged.candidates.size() == alone_f.candidates.size() + alone_b.candidates.size());
+    // Each precision's candidates, in the merged order, are its own sweep's in its order,
+    // with its predictions, labelled with the precision.
+    for (const auto& [name, alone] : {std::pair{"float32", &alone_f}, std::pair{"bf16", &alone_b}}) {
+      size_t i = 0;
+      for (const Candidate& c : merged.candidates) {
+        if (c.precision != name) continue;
+        REQUIRE(i < alone->candidates.size());
+        const Candidate& a = alone->candidates[i++];
+        CHECK(c.label() == a.label() + " " + name);
+        CHECK(c.overrides() == a.overrides() + " --set model.dtype=" + name);
+        CHECK(c.run.step_ms == a.run.step_ms);
+        CHECK(c.peak_device_bytes == a.peak_device_bytes);
+        CHECK(c.fits == a.fits);
+      }
+      CHECK(i == alone->candidates.size());
+    }
+    // The recommendation is the better of the two sweeps' own.
+    const auto best_of = [](const SweepResult& r) {
+      return r.recommended < 0 ? 0.0 : r.candidates[r.recommended].run.samples_per_second;
+    };
+    REQUIRE(merged.recommended == 0);
+    const Candidate& best = merged.candidates[0];
+    CHECK(best.run.samples_per_second == std::max(best_of(alone_f), best_of(alone_b)));
+    CHECK(best.precision == (best_of(alone_f) >= best_of(alone_b) ? "float32" : "bf16"));
+    // A candidate that loses on its ops in the other precision names that precision.
+    for (const Candidate& c : merged.candidates) {
+      if (c.precision != best.precision && c.verdict.rfind("slower ops", 0) == 0) {
+        INFO(c.label(), ": ", c.verdict);
+        CHECK(c.verdict.find(c.precision) != std::string::npos);
+      }
+    }
+    if (round == 0) {
+      // Under a limit between the two precisions' smallest fullest devices, only the
+      // precision with the smaller one fits, and it is recommended.
+      auto smallest = [](const SweepResult& r) {
+        int64_t m = INT64_MAX;
+        for (const Candidate& c : r.candidates) m = std::min(m, c.peak_device_bytes);
+        return m;
+      };
+      const int64_t sf = smallest(alone_f), sb = smallest(alone_b);
+      REQUIRE(sf != sb);
+      o.memory_limit = std::max(sf, sb) - 1;
+      const SweepResult tight = sweep(both, o);
+      REQUIRE(tight.recommended == 0);
+      CHECK(tight.candidates[0].precision == (sb < sf ? "bf16" : "float32"));
+      for (const Candidate& c : tight.candidates) {
+        if (c.precision != tight.candidates[0].precision) CHECK(c.verdict.rfind("memory", 0) == 0);
+      }
+    }
+  }
+}
+
 TEST_CASE("the sweep says when its choice sits at the edge of what it tried, and how to look further") {
   const Config c = parse_config(kLinear4, "t.yaml", {"pipeline.profile=" + tmp_path("none.json")});
   RunModel run = build_run_model(c);

@@ -23,6 +23,7 @@ std::string Candidate::label() const {
   s += " M=" + std::to_string(micro_batches) + " " + schedule + " recompute=" + recompute_mode_name(recompute);
   if (blas_threads > 1) s += " blas_threads=" + std::to_string(blas_threads);
   if (replicas > 1) s += " D=" + std::to_string(replicas) + (shard_optimizer ? " sharded" : "");
+  if (!precision.empty()) s += " " + precision;
   return s;
 }
 
@@ -33,6 +34,7 @@ std::string Candidate::overrides() const {
   if (virtual_stages > 1) s += " --set pipeline.virtual_stages=" + std::to_string(virtual_stages);
   if (blas_threads > 1) s += " --set train.blas_threads=" + std::to_string(blas_threads);
   if (replicas > 1) s += std::string(" --set pipeline.shard_optimizer=") + (shard_optimizer ? "optimizer" : "none");
+  if (!precision.empty()) s += " --set model.dtype=" + precision;
   return s;
 }
 
@@ -62,7 +64,10 @@ std::string why_lost(const Candidate& c, const Candidate& best) {
   char buf[160];
   if (work >= devices && work >= idle) {
     std::string what;
-    if (c.recompute != best.recompute) what = "recompute " + std::string(recompute_mode_name(c.recompute));
+    if (c.precision != best.precision) what = c.precision;
+    if (c.recompute != best.recompute) {
+      what += (what.empty() ? "" : ", ") + std::string("recompute ") + recompute_mode_name(c.recompute);
+    }
     if (c.micro_batches > best.micro_batches) {
       what += (what.empty() ? "" : ", ") + std::string("thinner micro-batches");
     }
@@ -319,6 +324,18 @@ std::vector<std::string> edge_notes(const Candidate& best, const SweepOptions& o
   return notes;
 }
 
+// edge_notes of the recommended candidate of `out`, a sweep of `base` and its model.
+std::vector<std::string> recommended_edges(const SweepResult& out, const Config& base,
+                                           const layers::Sequential& model, const SweepOptions& o) {
+  const int64_t batch = base.train.batch_size / std::max(1, base.pipeline.replicas);  // each replica's
+  int most_m = 0;
+  for (int m : o.micro_batches) {
+    if (m <= batch) most_m = std::max(most_m, m);
+  }
+  return edge_notes(out.candidates[out.recommended], o, out.devices, first_device(base).is_cpu(), most_m,
+                    model.size(), batch);
+}
+
 }  // namespace
 
 std::vector<int> micro_batch_counts(int most) {
@@ -389,12 +406,31 @@ SweepResult sweep(const Config& base, const layers::Sequential& model, const Swe
   }
   rank(out);
   give_verdicts(out, o);
-  if (out.recommended >= 0) {
-    int most_m = 0;
-    for (int m : o.micro_batches) {
-      if (m <= batch) most_m = std::max(most_m, m);
+  if (out.recommended >= 0) out.edges = recommended_edges(out, base, model, o);
+  return out;
+}
+
+SweepResult sweep(const std::vector<SweptPrecision>& precisions, const SweepOptions& o) {
+  GPIPE_CHECK(!precisions.empty(), "sweep: no precision to try");
+  if (precisions.size() == 1) return sweep(*precisions[0].config, *precisions[0].model, o);
+  SweepResult out;
+  std::vector<SweepResult> each;
+  for (const SweptPrecision& p : precisions) {
+    each.push_back(sweep(*p.config, *p.model, o));
+    for (Candidate& c : each.back().candidates) {
+      c.precision = p.name;
+      out.candidates.push_back(c);
     }
-    out.edges = edge_notes(out.candidates[out.recommended], o, n, cpu, most_m, model.size(), batch);
+    out.costs += (out.costs.empty() ? "" : "\n       ") + p.name + ": " + each.back().costs;
+  }
+  out.devices = each.front().devices;  // the same options: the same devices and limit
+  out.memory_limit = each.front().memory_limit;
+  rank(out);
+  give_verdicts(out, o);
+  if (out.recommended >= 0) {
+    for (const SweptPrecision& p : precisions) {
+      if (p.name == out.candidates[out.recommended].precision) out.edges = recommended_edges(out, *p.config, *p.model, o);
+    }
   }
   return out;
 }
@@ -419,12 +455,12 @@ std::string sweep_table(const SweepResult& r, int max_rows) {
   }
   const ByteUnit unit = byte_unit_for(largest);
   char line[400];
-  std::snprintf(line, sizeof line, "%4s  %-52s %9s %10s %6s %12s  %s\n", "rank", "candidate", "step ms", "samples/s",
+  std::snprintf(line, sizeof line, "%4s  %-57s %9s %10s %6s %12s  %s\n", "rank", "candidate", "step ms", "samples/s",
                 "bubble", (std::string("peak ") + unit.name).c_str(), "verdict");
   os << line;
   for (size_t i : rows) {
     const Candidate& c = r.candidates[i];
-    std::snprintf(line, sizeof line, "%4zu  %-52s %9.2f %10.1f %6.3f %12s  %s\n", i + 1, c.label().c_str(), c.run.step_ms,
+    std::snprintf(line, sizeof line, "%4zu  %-57s %9.2f %10.1f %6.3f %12s  %s\n", i + 1, c.label().c_str(), c.run.step_ms,
                   c.run.samples_per_second, c.run.bubble, in_unit(c.peak_device_bytes, unit).c_str(),
                   (static_cast<int>(i) == r.recommended ? "<< recommended" : c.verdict).c_str());
     os << line;

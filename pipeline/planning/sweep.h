@@ -41,6 +41,8 @@ struct Candidate {
   bool shard_optimizer = false;
   RecomputeMode recompute = RecomputeMode::kNever;
   std::string schedule;
+  // model.dtype, when the sweep tried several precisions (empty: the config's alone).
+  std::string precision;
   std::vector<int> balance;
   PlannedRun run;
   int64_t peak_device_bytes = 0;  // the largest stage's total
@@ -68,6 +70,18 @@ std::vector<int> micro_batch_counts(int most);
 
 // Throws UserError when no candidate can even be built (e.g. a one-layer model).
 SweepResult sweep(const Config& config, const layers::Sequential& model, const SweepOptions& options);
+
+// One precision the sweep may try (`gpipe plan --sweep --precisions float32,bf16`): the
+// config with model.dtype set to it, and its model built in it.
+struct SweptPrecision {
+  std::string name;  // as model.dtype spells it
+  const Config* config = nullptr;
+  const layers::Sequential* model = nullptr;
+};
+// Every candidate of sweep() in each precision, ranked together: each labelled with its
+// precision, and a candidate that loses to one in another precision says so. One
+// precision alone is sweep() as it is.
+SweepResult sweep(const std::vector<SweptPrecision>& precisions, const SweepOptions& options);
 // The ranked table, at most max_rows candidates (the recommendation always shown).
 std::string sweep_table(const SweepResult& result, int max_rows = 30);
 
