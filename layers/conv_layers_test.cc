@@ -353,7 +353,7 @@ TEST_CASE("the registry builds convolutional models and reports mistakes with th
   CHECK(model->output_shape() == Shape{5});
   const int64_t params = (4 * 3 * 9 + 4) + 2 * 4 + (8 * 4 * 9 + 8 * 8 * 9 + 8 * 4 + 3 * 2 * 8) + 8 * 5 + 5;
   CHECK(model->parameter_count() == params);
-  CHECK(model->named_parameters()[4].first == "4.conv1.weight");
+  CHECK(model->named_parameters()[4].first == "layers.4.conv1.weight");  // the checkpoint's name
 
   spec.layers[5] = {"global_avgpool", {}, {}, ""};
   CHECK(build_model(spec)->layer(5).output_shape() == Shape{8, 1, 1});

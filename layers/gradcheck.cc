@@ -276,7 +276,7 @@ GradCheckReport check_model_gradients(Sequential& model, const Tensor& input, co
     for (const Tie& t : model.ties()) {
       if (t.owner == p) {
         together.push_back(t.copy->value);
-        name += " (tied with " + std::to_string(t.copy_layer) + "." + t.copy->name + ")";
+        name += " (tied with " + model.qualified_name(t.copy_layer, t.copy->name) + ")";
       }
     }
     add(report, compare(name, p->grad, p->value.shape(), numeric_gradient_tied(together, f, options.eps), 0, options));

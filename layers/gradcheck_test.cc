@@ -170,17 +170,20 @@ TEST_CASE("a model with a tied head passes, the tied pair checked as one weight"
   spec.layers = {{"embedding", {{"vocab", "5"}, {"dim", "4"}}, {}, ""},
                  {"gelu", {}, {}, ""},
                  {"linear", {{"out", "5"}, {"bias", "false"}, {"tied", "true"}}, {}, ""}};
+  spec.layers[0].name = "wte";  // named as in a config (name: wte); the others keep layers.<i>
   spec.loss = {"softmax_cross_entropy", {}, {}, ""};
   auto model = build_model(spec);
   GradCheckOptions opts;
   opts.vocab = 5;
   const GradCheckReport r = check_model_gradients(*model, 2, opts);
   CHECK_MESSAGE(r.ok, r.str());
-  CHECK(entry(r, "0.token (tied with 2.weight)").ok);
-  for (const auto& e : r.entries) CHECK(e.name != "2.weight");
+  // The names are the checkpoint's (Sequential::qualified_name, as Executor::state_names has them).
+  CHECK(entry(r, "wte.token (tied with layers.2.weight)").ok);
+  for (const auto& e : r.entries) CHECK(e.name != "layers.2.weight");
+  CHECK(r.str().find("wte.token") != std::string::npos);
 }
 
-TEST_CASE("a broken layer inside a model is named by its index") {
+TEST_CASE("a broken layer inside a model is named by its checkpoint name") {
   Sequential model({4}, DType::kF64);
   LinearOptions o(4, 4);
   o.dtype = DType::kF64;
@@ -190,7 +193,7 @@ TEST_CASE("a broken layer inside a model is named by its index") {
   const GradCheckReport r = check_model_gradients(model, 3);
   CHECK_FALSE(r.ok);
   CHECK(entry(r, "input").ok);
-  CHECK(entry(r, "0.weight").ok);
-  CHECK_FALSE(entry(r, "1.weight").ok);
-  CHECK(entry(r, "1.weight").worst == std::vector<int64_t>{2});
+  CHECK(entry(r, "layers.0.weight").ok);
+  CHECK_FALSE(entry(r, "layers.1.weight").ok);
+  CHECK(entry(r, "layers.1.weight").worst == std::vector<int64_t>{2});
 }

@@ -65,8 +65,8 @@ std::string num(double v) {
 }  // namespace
 
 std::string Layer::name_for_errors() const {
-  return (index_ >= 0 ? "layer " + std::to_string(index_) + " (" : std::string("layer (")) + describe() +
-         ", type '" + type() + "')";
+  return (index_ >= 0 ? "layer " + std::to_string(index_) : std::string("layer")) +
+         (name_.empty() ? "" : " '" + name_ + "'") + " (" + describe() + ", type '" + type() + "')";
 }
 
 Tensor Layer::forward(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) {

@@ -235,10 +235,12 @@ class Layer {
  private:
   friend class Sequential;
   friend void check_cost(Layer& layer, int64_t batch, const LayerCost& cost);
-  // "layer 3 (rmsnorm(64), type 'rmsnorm')"; the index is the layer's place in its
-  // model, set by Sequential::add (absent for a sub-layer or a layer on its own).
+  // "layer 3 'norm.1' (rmsnorm(64), type 'rmsnorm')"; the index is the layer's place in
+  // its model and the name the one it was given there (Sequential::add,
+  // set_layer_name), each absent where there is none (a sub-layer, a layer on its own).
   std::string name_for_errors() const;
   int index_ = -1;
+  std::string name_;
 };
 
 // While one is alive on its thread, layers are built without storage for their

@@ -91,6 +91,11 @@ TEST_CASE("a layer whose forward returns the wrong shape or dtype is named with 
   Sequential dtype = model_with(Mistake::kForwardDtype);
   CHECK_THROWS_WITH_AS(dtype.layer(1).forward(cpu(), x, nullptr), doctest::Contains("forward returned float64(3, 4)"),
                        UserError);
+  // A layer named in its model carries the name into its errors.
+  Sequential named = model_with(Mistake::kForwardShape);
+  named.set_layer_name(1, "ffn.1");
+  CHECK_THROWS_WITH_AS(named.layer(1).forward(cpu(), x, nullptr),
+                       doctest::Contains("layer 1 'ffn.1' (broken(4), type 'broken'): forward returned"), UserError);
   // A layer on its own has no index.
   Broken alone(4, Mistake::kForwardShape);
   CHECK_THROWS_WITH_AS(alone.forward(cpu(), x, nullptr), doctest::Contains("layer (broken(4), type 'broken')"),

@@ -110,9 +110,22 @@ TEST_CASE("layer inputs of the wrong shape are rejected with the layer's name") 
   Linear l(LinearOptions(4, 2));
   Tensor x = random_tensor({3, 5}, DType::kF32, 1);
   CHECK_THROWS_WITH_AS(l.forward(cpu(), x, nullptr), doctest::Contains("linear(4 -> 2)"), UserError);
+  // A layer that does not fit what it receives: both named, by the names the user gave them.
   Sequential m({4}, DType::kF32);
-  m.emplace<Linear>(LinearOptions(4, 8));
-  CHECK_THROWS_WITH_AS(m.emplace<Linear>(LinearOptions(7, 2)), doctest::Contains("receives float32(8)"), UserError);
+  CHECK_THROWS_WITH_AS(m.add(std::make_unique<Linear>(LinearOptions(5, 8)), "proj"),
+                       "layer 0 'proj' (linear(5 -> 8), type 'linear') takes float32(5) per sample, but the model's "
+                       "input is float32(4); fix its input size or type",
+                       UserError);
+  m.add(std::make_unique<Linear>(LinearOptions(4, 8)), "proj");
+  CHECK_THROWS_WITH_AS(m.add(std::make_unique<Linear>(LinearOptions(7, 2)), "ffn.1"),
+                       "layer 1 'ffn.1' (linear(7 -> 2), type 'linear') takes float32(7) per sample, but layer 0 'proj' "
+                       "(linear(4 -> 8), type 'linear') outputs float32(8); fix its input size or type",
+                       UserError);
+  m.emplace<Relu>(Shape{8});  // unnamed: its index alone
+  CHECK_THROWS_WITH_AS(m.emplace<Linear>(LinearOptions(7, 2)),
+                       doctest::Contains("layer 2 (linear(7 -> 2), type 'linear') takes float32(7) per sample, but "
+                                         "layer 1 (relu"),
+                       UserError);
 }
 
 TEST_CASE("the registry builds models and names unknown types and options") {
@@ -132,9 +145,19 @@ TEST_CASE("the registry builds models and names unknown types and options") {
   for (const char* t : {"linear", "relu", "gelu", "embedding", "transformer_block", "conv2d", "basic_block"}) {
     CHECK(valid.find(t) != std::string::npos);
   }
+  // What was meant, every valid type, and (no type of this program's own is registered
+  // here) where a type of one's own is registered.
   CHECK_THROWS_WITH_AS(build_model(spec),
-                       doctest::Contains(("unknown layer type 'relux' (at cfg.yaml:4:7); valid types: " + valid).c_str()),
+                       doctest::Contains(("unknown layer type 'relux' (at cfg.yaml:4:7); did you mean relu? valid types: " +
+                                          valid + ". A layer type of your own is registered in your own program "
+                                                  "(layers::register_layer before gpipe::cli::main)")
+                                             .c_str()),
                        UserError);
+  spec.layers[1] = {"layer_norm", {}, {}, "cfg.yaml:4:7"};
+  CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("'layer_norm' (at cfg.yaml:4:7); did you mean layernorm?"),
+                       UserError);
+  spec.layers[1] = {"swiglu", {}, {}, "cfg.yaml:4:7"};  // nothing close: no guess
+  CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("'swiglu' (at cfg.yaml:4:7); valid types: "), UserError);
   spec.layers[1] = {"linear", {{"out", "4"}, {"outs", "3"}}, {}, "cfg.yaml:5:7"};
   CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("unknown option 'outs'"), UserError);
   spec.layers[1] = {"linear", {}, {}, "cfg.yaml:5:7"};

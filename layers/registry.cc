@@ -264,14 +264,22 @@ std::vector<std::string> loss_types() {
 
 std::unique_ptr<Layer> make_layer(const LayerSpec& spec, const Shape& input, DType dtype, uint64_t seed) {
   LayerFactory f;
+  bool own_types = false;  // whether this program registered layer types of its own
   {
     Registry& r = registry();
     std::lock_guard<std::mutex> lock(r.mu);
     auto it = r.layers.find(spec.type);
     if (it != r.layers.end()) f = it->second;
+    own_types = r.layers.size() > r.builtin_layers.size();
   }
   if (!f) {
-    throw UserError("unknown layer type '" + spec.type + "'" + at(spec) + "; valid types: " + join(layer_types()));
+    const std::vector<std::string> types = layer_types();
+    throw UserError("unknown layer type '" + spec.type + "'" + at(spec) + ";" + did_you_mean(spec.type, types) +
+                    " valid types: " + join(types) +
+                    (own_types ? std::string()
+                               : ". A layer type of your own is registered in your own program "
+                                 "(layers::register_layer before gpipe::cli::main), which then runs this config: "
+                                 "docs/WRITING_LAYERS.md, \"4. Register it and train it\""));
   }
   LayerArgs args(spec);
   auto layer = f(args, input, dtype, seed);
@@ -288,7 +296,9 @@ std::unique_ptr<Loss> make_loss(const LayerSpec& spec, const Shape& input, DType
     if (it != r.losses.end()) f = it->second;
   }
   if (!f) {
-    throw UserError("unknown loss type '" + spec.type + "'" + at(spec) + "; valid types: " + join(loss_types()));
+    const std::vector<std::string> types = loss_types();
+    throw UserError("unknown loss type '" + spec.type + "'" + at(spec) + ";" + did_you_mean(spec.type, types) +
+                    " valid types: " + join(types));
   }
   LayerArgs args(spec);
   auto loss = f(args, input, dtype);

@@ -29,13 +29,19 @@ void Sequential::set_layer_name(int i, const std::string& name) {
     }
   }
   names_.at(i) = name;
+  layers_.at(i)->name_ = name;
 }
 
 Layer& Sequential::add(std::unique_ptr<Layer> layer, const std::string& name) {
   const Shape& want = output_shape();
   if (layer->input_shape() != want || layer->input_dtype() != output_dtype()) {
-    throw UserError("layer " + std::to_string(layers_.size()) + " (" + layer->describe() + ") takes " +
-                    dtype_name(layer->input_dtype()) + shape_str(layer->input_shape()) + " per sample, but receives " +
+    // Both ends by the names the user gave them: this layer, and the one whose output it receives.
+    const std::string producer =
+        layers_.empty() ? "the model's input is"
+                        : layers_.back()->name_for_errors() + " outputs";
+    throw UserError("layer " + std::to_string(layers_.size()) + (name.empty() ? "" : " '" + name + "'") + " (" +
+                    layer->describe() + ", type '" + layer->type() + "') takes " + dtype_name(layer->input_dtype()) +
+                    shape_str(layer->input_shape()) + " per sample, but " + producer + " " +
                     dtype_name(output_dtype()) + shape_str(want) + "; fix its input size or type");
   }
   layer->index_ = static_cast<int>(layers_.size());
@@ -83,7 +89,7 @@ std::vector<LayerCost> Sequential::costs(int64_t batch) const {
 std::vector<std::pair<std::string, Parameter*>> Sequential::named_parameters() {
   std::vector<std::pair<std::string, Parameter*>> out;
   for (size_t i = 0; i < layers_.size(); ++i) {
-    for (Parameter* p : layers_[i]->parameters()) out.emplace_back(std::to_string(i) + "." + p->name, p);
+    for (Parameter* p : layers_[i]->parameters()) out.emplace_back(qualified_name(static_cast<int>(i), p->name), p);
   }
   return out;
 }
@@ -100,8 +106,8 @@ void Sequential::tie(int owner_layer, Parameter& owner, int copy_layer, Paramete
   GPIPE_CHECK(owner_layer >= 0 && owner_layer < size() && copy_layer >= 0 && copy_layer < size(),
               "tie: layer index outside the model");
   if (owner.value.shape() != copy.value.shape() || owner.value.dtype() != copy.value.dtype()) {
-    throw UserError("cannot tie " + std::to_string(copy_layer) + "." + copy.name + " " + copy.value.str() + " to " +
-                    std::to_string(owner_layer) + "." + owner.name + " " + owner.value.str() +
+    throw UserError("cannot tie " + qualified_name(copy_layer, copy.name) + " " + copy.value.str() + " to " +
+                    qualified_name(owner_layer, owner.name) + " " + owner.value.str() +
                     ": a tied weight needs the same shape and type in both layers");
   }
   for (const Tie& t : ties_) {

@@ -48,6 +48,9 @@ class Sequential {
   int size() const { return static_cast<int>(layers_.size()); }
   // The layer's name in checkpoints: its own, or "layers.<i>".
   std::string layer_name(int i) const;
+  // "<layer_name(i)>.<name>": a parameter's or buffer's name in checkpoints, in the
+  // gradient checks and in named_parameters.
+  std::string qualified_name(int i, const std::string& name) const { return layer_name(i) + "." + name; }
   // Names layer i (see add).
   void set_layer_name(int i, const std::string& name);
   Layer& layer(int i) { return *layers_.at(i); }
@@ -63,7 +66,7 @@ class Sequential {
   // Per-layer costs for a batch; the loss is counted with the last layer. Each layer's
   // is checked first (check_cost in layer.h): a wrong one is a UserError naming it.
   std::vector<LayerCost> costs(int64_t batch) const;
-  // ("3.weight", parameter) in layer order.
+  // ("layers.3.weight" or "lm_head.weight": qualified_name, parameter) in layer order.
   std::vector<std::pair<std::string, Parameter*>> named_parameters();
   int64_t parameter_count();  // tied copies counted once
   void zero_grad();

@@ -4,6 +4,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace gpipe {
 
@@ -30,6 +31,11 @@ class Aborted : public Error {
 // "file:line" prefix for checked calls; includes the rank and stage of the calling
 // thread (see logging.h) so a message from a multi-stage run says who failed.
 std::string error_location(const char* file, int line);
+
+// What `word` may have meant among `known`, for a message: the names it begins ("--sw" of
+// "--sweep"), else the nearest within a third of its letters ("--device" of "--devices",
+// "layer_norm" of "layernorm"), as " did you mean X?"; "" when none is close.
+std::string did_you_mean(const std::string& word, const std::vector<std::string>& known);
 
 }  // namespace gpipe
 

@@ -68,11 +68,6 @@ int option_int(const Invocation& inv, const std::string& name, int fallback);
 // --np P, --max-restarts N: a count of at least `least`, or `fallback` when not given.
 int option_count(const Invocation& inv, const std::string& name, int least, int fallback);
 
-// What `word` may have meant among `known`: the names it begins ("--sw" of "--sweep"), else
-// the nearest within a third of its letters ("--device" of "--devices"), as " did you mean
-// X?"; "" when none is close.
-std::string did_you_mean(const std::string& word, const std::vector<std::string>& known);
-
 // `cmd`'s help, as `help COMMAND` and `COMMAND --help` print it.
 std::string command_help(const Command& cmd, const std::string& program);
 

@@ -9,7 +9,7 @@ namespace gpipe {
 namespace pipeline {
 
 std::string state_name(const layers::Sequential& model, int layer, const std::string& name) {
-  return model.layer_name(layer) + "." + name;
+  return model.qualified_name(layer, name);
 }
 
 namespace {

@@ -237,8 +237,10 @@ TEST_CASE("mistakes only the trainer can see name their key and the fix") {
       {{"train.batch_size=1"}, "raise train.batch_size to at least 2 or lower pipeline.micro_batches"},
       {{"pipeline.replicas=2"}, "pipeline.replicas = 2 needs 2 copies of the pipeline: launch mpirun -np 4"},
       {{"model.layers.0.type=linearr"}, "unknown layer type 'linearr'"},
+      {{"model.layers.0.type=linearr"}, "; did you mean linear? valid types: "},
       {{"model.layers.0.outt=3"}, "unknown option 'outt'"},
       {{"model.loss=mse"}, "unknown loss type 'mse'"},
+      {{"model.loss=softmax_cross_entropi"}, "; did you mean softmax_cross_entropy? valid types: "},
       {{"model.dtype=fp16", "optimizer.loss_scale=1000"}, "optimizer.loss_scale: must be 0 (off) or a power of two"},
       // 10^6 x 10^6 float64 weights (8 TB, more than any host has), refused before any is
       // allocated, with the advice for weights (memory_check.h has the exact message).
