@@ -11,6 +11,7 @@
 
 #include <memory>
 
+#include "kernels/unary.h"
 #include "runtime/device.h"
 #include "runtime/stream.h"
 #include "runtime/tensor.h"
@@ -71,6 +72,26 @@ class Backend {
   virtual void add_bias(Tensor& y, const Tensor& bias) = 0;
   // db: (C) = beta * db + sum over rows of dy: (R, C).
   virtual void bias_grad(const Tensor& dy, Tensor& db, double beta) = 0;
+
+  // Elementwise functions with their derivatives (kernels/unary.h lists them, with f and
+  // f'; kernels/unary_math.h has the formulas both backends compute):
+  //   unary:          y = f(x)
+  //   unary_backward: dx = dy * f'(x), from the input x (keep x for backward)
+  // x, y, dy, dx: one float type and shape; y may be x, dx may be dy. kRelu and kGelu are
+  // the relu and gelu ops below (relu_backward from x: x > 0 exactly where relu(x) > 0).
+  void unary(Unary f, const Tensor& x, Tensor& y) {
+    if (f == Unary::kRelu) return relu(x, y);
+    if (f == Unary::kGelu) return gelu(x, y);
+    unary_impl(f, x, y);
+  }
+  void unary_backward(Unary f, const Tensor& x, const Tensor& dy, Tensor& dx) {
+    if (f == Unary::kRelu) return relu_backward(x, dy, dx);
+    if (f == Unary::kGelu) return gelu_backward(x, dy, dx);
+    unary_backward_impl(f, x, dy, dx);
+  }
+  // What unary and unary_backward call for the other functions.
+  virtual void unary_impl(Unary f, const Tensor& x, Tensor& y) = 0;
+  virtual void unary_backward_impl(Unary f, const Tensor& x, const Tensor& dy, Tensor& dx) = 0;
 
   // y = max(x, 0); dx = dy * (y > 0). x, y, dy, dx: same shape.
   virtual void relu(const Tensor& x, Tensor& y) = 0;

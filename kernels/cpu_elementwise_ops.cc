@@ -3,14 +3,44 @@
 // twins are in kernels/cuda_elementwise.cu. Row sums accumulate in double, so float32
 // rows of any width keep their precision.
 #include <cmath>
+#include <string>
 #include <type_traits>
 
 #include "kernels/cpu_backend.h"
 #include "kernels/row_checks.h"
+#include "kernels/unary_math.h"
 
 namespace gpipe {
 
 using ops::dispatch_float;
+
+void CpuBackend::unary_impl(Unary f, const Tensor& x, Tensor& y) {
+  const std::string op = std::string("unary ") + unary_name(f);
+  ops::check_float(x, op.c_str());
+  ops::check_same(x, y, op.c_str());
+  dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* px = x.data<T>();
+    T* py = y.data<T>();
+    const int64_t n = x.numel();
+    for (int64_t i = 0; i < n; ++i) py[i] = ops::unary_value(f, px[i]);
+  });
+}
+
+void CpuBackend::unary_backward_impl(Unary f, const Tensor& x, const Tensor& dy, Tensor& dx) {
+  const std::string op = std::string("unary_backward ") + unary_name(f);
+  ops::check_float(x, op.c_str());
+  ops::check_same(x, dy, op.c_str());
+  ops::check_same(x, dx, op.c_str());
+  dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* px = x.data<T>();
+    const T* pdy = dy.data<T>();
+    T* pdx = dx.data<T>();
+    const int64_t n = x.numel();
+    for (int64_t i = 0; i < n; ++i) pdx[i] = pdy[i] * ops::unary_slope(f, px[i]);
+  });
+}
 
 void CpuBackend::mul(const Tensor& a, const Tensor& b, Tensor& y) {
   ops::check_float(a, "mul");

@@ -154,8 +154,12 @@ CudaBackend::CudaBackend(Device device) : device_(device) {
     GPIPE_CUBLAS_CHECK(cublasCreate(&blas_));
     GPIPE_CUBLAS_CHECK(cublasSetStream(blas_, cuda_stream()));
     // Full float32 precision: no TF32 tensor-core rounding, so results match the CPU
-    // reference to float32 accuracy (CUBLAS_DEFAULT_MATH never lowers precision).
-    GPIPE_CUBLAS_CHECK(cublasSetMathMode(blas_, CUBLAS_DEFAULT_MATH));
+    // reference to float32 accuracy; and no reductions in a 16-bit output's type (a
+    // split-K product of bfloat16 into bfloat16 would otherwise be allowed to add its
+    // partial sums in bfloat16), so a 16-bit product is rounded once, as the widening
+    // reference's.
+    GPIPE_CUBLAS_CHECK(cublasSetMathMode(
+        blas_, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
     const size_t slot_bytes = kMaxDeferredChecks * sizeof(cuda::ErrorSlot);
     GPIPE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&slots_), slot_bytes));
     // All slots free (kNoError), ordered before every kernel that may flag one.
@@ -844,6 +848,34 @@ std::unique_ptr<Backend> make_cuda_backend(Device device) { return std::make_uni
 #include "kernels/row_checks.h"
 
 namespace gpipe {
+
+void CudaBackend::unary_impl(Unary f, const Tensor& x, Tensor& y) {
+  const std::string op = std::string("unary ") + unary_name(f);
+  ops::check_float(x, op.c_str());
+  ops::check_same(x, y, op.c_str());
+  check_on_device(x, op.c_str());
+  check_on_device(y, op.c_str());
+  DeviceGuard guard(device_.index);
+  ops::dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda::unary(f, x.data<T>(), y.data<T>(), x.numel(), cuda_stream());
+  });
+}
+
+void CudaBackend::unary_backward_impl(Unary f, const Tensor& x, const Tensor& dy, Tensor& dx) {
+  const std::string op = std::string("unary_backward ") + unary_name(f);
+  ops::check_float(x, op.c_str());
+  ops::check_same(x, dy, op.c_str());
+  ops::check_same(x, dx, op.c_str());
+  check_on_device(x, op.c_str());
+  check_on_device(dy, op.c_str());
+  check_on_device(dx, op.c_str());
+  DeviceGuard guard(device_.index);
+  ops::dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda::unary_backward(f, x.data<T>(), dy.data<T>(), dx.data<T>(), x.numel(), cuda_stream());
+  });
+}
 
 void CudaBackend::mul(const Tensor& a, const Tensor& b, Tensor& y) {
   ops::check_float(a, "mul");

@@ -108,6 +108,8 @@ class CudaBackend : public Backend {
   void avgpool2d_backward(const Tensor& dy, int kernel, int stride, Tensor& dx) override;
   // Generic elementwise and row ops: kernels/cuda_elementwise.cu, called from the
   // block at the end of kernels/cuda_backend.cc.
+  void unary_impl(Unary f, const Tensor& x, Tensor& y) override;
+  void unary_backward_impl(Unary f, const Tensor& x, const Tensor& dy, Tensor& dx) override;
   void mul(const Tensor& a, const Tensor& b, Tensor& y) override;
   void scale_rows(const Tensor& x, const Tensor& s, Tensor& y) override;
   void scale_columns(const Tensor& x, const Tensor& s, Tensor& y) override;

@@ -9,6 +9,7 @@
 #include <climits>
 #include <string>
 
+#include "kernels/unary_math.h"
 #include "runtime/cuda_check.h"
 #include "runtime/error.h"
 
@@ -55,6 +56,20 @@ __device__ double block_sum(double v, double* shared) {
 // Kernels
 
 template <typename T>
+__global__ void unary_kernel(Unary f, const T* x, T* y, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    y[i] = ops::unary_value(f, x[i]);
+  }
+}
+
+template <typename T>
+__global__ void unary_backward_kernel(Unary f, const T* x, const T* dy, T* dx, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    dx[i] = dy[i] * ops::unary_slope(f, x[i]);
+  }
+}
+
+template <typename T>
 __global__ void mul_kernel(const T* a, const T* b, T* y, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     y[i] = a[i] * b[i];
@@ -90,6 +105,20 @@ __global__ void row_reduce_kernel(const T* a, const T* b, double alpha_or_eps, T
 // Launchers
 
 template <typename T>
+void unary_impl(Unary f, const T* x, T* y, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  unary_kernel<T><<<elementwise_blocks(n), kThreads, 0, stream>>>(f, x, y, n);
+  GPIPE_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void unary_backward_impl(Unary f, const T* x, const T* dy, T* dx, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  unary_backward_kernel<T><<<elementwise_blocks(n), kThreads, 0, stream>>>(f, x, dy, dx, n);
+  GPIPE_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
 void mul_impl(const T* a, const T* b, T* y, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
   mul_kernel<T><<<elementwise_blocks(n), kThreads, 0, stream>>>(a, b, y, n);
@@ -115,6 +144,15 @@ void row_reduce_impl(const T* a, const T* b, double alpha_or_eps, T* out, int64_
 }
 
 }  // namespace
+
+void unary(Unary f, const float* x, float* y, int64_t n, cudaStream_t stream) { unary_impl(f, x, y, n, stream); }
+void unary(Unary f, const double* x, double* y, int64_t n, cudaStream_t stream) { unary_impl(f, x, y, n, stream); }
+void unary_backward(Unary f, const float* x, const float* dy, float* dx, int64_t n, cudaStream_t stream) {
+  unary_backward_impl(f, x, dy, dx, n, stream);
+}
+void unary_backward(Unary f, const double* x, const double* dy, double* dx, int64_t n, cudaStream_t stream) {
+  unary_backward_impl(f, x, dy, dx, n, stream);
+}
 
 void mul(const float* a, const float* b, float* y, int64_t n, cudaStream_t stream) { mul_impl(a, b, y, n, stream); }
 void mul(const double* a, const double* b, double* y, int64_t n, cudaStream_t stream) {

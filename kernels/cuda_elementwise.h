@@ -9,9 +9,17 @@
 
 #include <cstdint>
 
+#include "kernels/unary.h"
+
 namespace gpipe {
 namespace cuda {
 
+// y = f(x) and dx = dy * f'(x) (Backend::unary, kernels/unary_math.h's formulas, which
+// the CPU reference compiles too); f neither kRelu nor kGelu. x, y, dy, dx: (n).
+void unary(Unary f, const float* x, float* y, int64_t n, cudaStream_t stream);
+void unary(Unary f, const double* x, double* y, int64_t n, cudaStream_t stream);
+void unary_backward(Unary f, const float* x, const float* dy, float* dx, int64_t n, cudaStream_t stream);
+void unary_backward(Unary f, const double* x, const double* dy, double* dx, int64_t n, cudaStream_t stream);
 // y = a * b; a, b, y: (n).
 void mul(const float* a, const float* b, float* y, int64_t n, cudaStream_t stream);
 void mul(const double* a, const double* b, double* y, int64_t n, cudaStream_t stream);

@@ -339,6 +339,20 @@ void WideningBackend::avgpool2d_backward(const Tensor& dy, int kernel, int strid
   w.store();
 }
 
+void WideningBackend::unary_impl(Unary f, const Tensor& x, Tensor& y) {
+  if (!any_narrow(x, y)) return inner_->unary_impl(f, x, y);
+  Widen w(*inner_);
+  inner_->unary_impl(f, w.in(x), w.out(y));
+  w.store();
+}
+
+void WideningBackend::unary_backward_impl(Unary f, const Tensor& x, const Tensor& dy, Tensor& dx) {
+  if (!any_narrow(x, dy, dx)) return inner_->unary_backward_impl(f, x, dy, dx);
+  Widen w(*inner_);
+  inner_->unary_backward_impl(f, w.in(x), w.in(dy), w.out(dx));
+  w.store();
+}
+
 void WideningBackend::mul(const Tensor& a, const Tensor& b, Tensor& y) {
   if (!any_narrow(a, b, y)) return inner_->mul(a, b, y);
   Widen w(*inner_);

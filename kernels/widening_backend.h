@@ -83,6 +83,8 @@ class WideningBackend : public Backend {
   void maxpool2d_backward(const Tensor& dy, const Tensor& argmax, Tensor& dx) override;
   void avgpool2d(const Tensor& x, int kernel, int stride, Tensor& y) override;
   void avgpool2d_backward(const Tensor& dy, int kernel, int stride, Tensor& dx) override;
+  void unary_impl(Unary f, const Tensor& x, Tensor& y) override;
+  void unary_backward_impl(Unary f, const Tensor& x, const Tensor& dy, Tensor& dx) override;
   void mul(const Tensor& a, const Tensor& b, Tensor& y) override;
   void scale_rows(const Tensor& x, const Tensor& s, Tensor& y) override;
   void scale_columns(const Tensor& x, const Tensor& s, Tensor& y) override;

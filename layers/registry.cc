@@ -325,14 +325,14 @@ std::unique_ptr<Sequential> build_model(const ModelSpec& spec) {
       tied = it->second == "true";
       ls.args.erase(it);
     }
-    Layer& layer = model->add(make_layer(ls, model->output_shape(), spec.dtype, mix_seed(spec.seed, i)));
-    if (!ls.name.empty()) {
-      try {
-        model->set_layer_name(static_cast<int>(i), ls.name);
-      } catch (const UserError& e) {
-        throw UserError(std::string(e.what()) + at(ls));
-      }
+    std::unique_ptr<Layer> made = make_layer(ls, model->output_shape(), spec.dtype, mix_seed(spec.seed, i));
+    Layer* added = nullptr;
+    try {  // with its name, so that a layer of one's own that does not fit is named as the config names it
+      added = &model->add(std::move(made), ls.name);
+    } catch (const UserError& e) {
+      throw UserError(std::string(e.what()) + at(ls));
     }
+    Layer& layer = *added;
     if (!tied) continue;
     auto* head = dynamic_cast<Linear*>(&layer);
     if (head == nullptr) throw UserError("tied" + at(ls) + ": only a linear layer can be tied to an embedding");

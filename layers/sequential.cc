@@ -112,8 +112,8 @@ void Sequential::tie(int owner_layer, Parameter& owner, int copy_layer, Paramete
   }
   for (const Tie& t : ties_) {
     if (t.owner == &owner || t.copy == &owner || t.copy == &copy) {
-      throw UserError("cannot tie " + std::to_string(copy_layer) + "." + copy.name + " to " +
-                      std::to_string(owner_layer) + "." + owner.name + ": one of them is tied already; a weight "
+      throw UserError("cannot tie " + qualified_name(copy_layer, copy.name) + " to " +
+                      qualified_name(owner_layer, owner.name) + ": one of them is tied already; a weight "
                       "can be shared by two layers only");
     }
   }

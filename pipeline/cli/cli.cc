@@ -194,7 +194,12 @@ int run_plan_command(Invocation& inv) {
       } catch (const UserError& e) {
         throw UserError("--precisions " + list + ": '" + name + "' does not make a config: " + e.what());
       }
-      pipeline::RunModel r = pipeline::build_run_model(c);
+      pipeline::RunModel r;
+      try {
+        r = pipeline::build_run_model(c);
+      } catch (const UserError& e) {
+        throw UserError("--precisions: the model in " + name + ": " + e.what());
+      }
       if (r.model->dtype() != c.model.dtype) {
         throw UserError("--precisions: this config's model is built in C++ (model: {cpp: ...}) in " +
                         std::string(dtype_name(r.model->dtype())) +

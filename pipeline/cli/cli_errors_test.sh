@@ -130,6 +130,10 @@ expect 0 "Recommended: " -- "$gpipe" plan small.yaml --sweep --precisions float3
 grep -qF "costs: float32: " out.log && grep -qF "       bf16: " out.log && grep -qE "^ +[0-9]+ +K=.* bf16 " out.log &&
   grep -qE "^ +[0-9]+ +K=.* float32 " out.log && grep -qE "^  --set .* --set model.dtype=(float32|bf16)$" out.log ||
   { cat out.log; echo "FAIL: the sweep over precisions shows each precision's candidates and costs"; exit 1; }
+# One precision other than the config's: its commands say so, or they would run in the config's.
+expect 0 "Recommended: " -- "$gpipe" plan small.yaml --sweep --precisions bf16
+grep -qE "^  --set .* --set model.dtype=bf16$" out.log && ! grep -qE " float32 " out.log ||
+  { cat out.log; echo "FAIL: a sweep in bf16 alone prints commands that set model.dtype=bf16"; exit 1; }
 expect 0 "At the edge of the search:" -- "$gpipe" plan small.yaml --sweep --max-micro-batches 1
 grep -qF "M=1 is the most micro-batches the sweep tried (train.batch_size 8 allows up to 8); more may be faster still: add --max-micro-batches 2" out.log &&
   grep -qF "peak MiB" out.log && grep -qF "none per device; give one with --set pipeline.memory_limit=8GiB" out.log ||

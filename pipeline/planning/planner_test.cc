@@ -268,12 +268,15 @@ TEST_CASE("a sweep over precisions ranks each precision's candidates together, e
     CHECK(best.run.samples_per_second == std::max(best_of(alone_f), best_of(alone_b)));
     CHECK(best.precision == (best_of(alone_f) >= best_of(alone_b) ? "float32" : "bf16"));
     // A candidate that loses on its ops in the other precision names that precision.
+    int named = 0;
     for (const Candidate& c : merged.candidates) {
       if (c.precision != best.precision && c.verdict.rfind("slower ops", 0) == 0) {
         INFO(c.label(), ": ", c.verdict);
         CHECK(c.verdict.find(c.precision) != std::string::npos);
+        ++named;
       }
     }
+    if (round == 0) CHECK(named > 0);
     if (round == 0) {
       // Under a limit between the two precisions' smallest fullest devices, only the
       // precision with the smaller one fits, and it is recommended.

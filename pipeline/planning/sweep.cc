@@ -125,7 +125,9 @@ class SweepCosts {
         store_(load_profile(base.pipeline.profile)),
         overrides_(cost_overrides(base)),
         device_(o.spec != nullptr ? Device::cuda(0) : first_device(base)),
-        spec_cm_(o.spec != nullptr ? o.spec->cost_model(dtype_name(master_dtype(model.output_dtype())))  // bfloat16 computes in float32
+        // A 16-bit model at the spec's float32 peak: its products' 16-bit tensor-core
+        // speed is not priced (only its bytes differ).
+        spec_cm_(o.spec != nullptr ? o.spec->cost_model(dtype_name(master_dtype(model.output_dtype())))
                                   : partition::CostModel{}) {}
 
   const ProfileStore& store() const { return store_; }
@@ -412,8 +414,7 @@ SweepResult sweep(const Config& base, const layers::Sequential& model, const Swe
 
 SweepResult sweep(const std::vector<SweptPrecision>& precisions, const SweepOptions& o) {
   GPIPE_CHECK(!precisions.empty(), "sweep: no precision to try");
-  if (precisions.size() == 1) return sweep(*precisions[0].config, *precisions[0].model, o);
-  SweepResult out;
+  SweepResult out;  // one precision too: its candidates then carry --set model.dtype, which may not be the config's
   std::vector<SweepResult> each;
   for (const SweptPrecision& p : precisions) {
     each.push_back(sweep(*p.config, *p.model, o));

@@ -79,8 +79,8 @@ struct SweptPrecision {
   const layers::Sequential* model = nullptr;
 };
 // Every candidate of sweep() in each precision, ranked together: each labelled with its
-// precision, and a candidate that loses to one in another precision says so. One
-// precision alone is sweep() as it is.
+// precision (its overrides set model.dtype), and a candidate that loses to one in another
+// precision says so.
 SweepResult sweep(const std::vector<SweptPrecision>& precisions, const SweepOptions& options);
 // The ranked table, at most max_rows candidates (the recommendation always shown).
 std::string sweep_table(const SweepResult& result, int max_rows = 30);
