@@ -156,8 +156,8 @@ TEST_CASE("the registry builds models and names unknown types and options") {
   spec.layers[1] = {"layer_norm", {}, {}, "cfg.yaml:4:7"};
   CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("'layer_norm' (at cfg.yaml:4:7); did you mean layernorm?"),
                        UserError);
-  spec.layers[1] = {"swiglu", {}, {}, "cfg.yaml:4:7"};  // nothing close: no guess
-  CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("'swiglu' (at cfg.yaml:4:7); valid types: "), UserError);
+  spec.layers[1] = {"rope", {}, {}, "cfg.yaml:4:7"};  // nothing close: no guess
+  CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("'rope' (at cfg.yaml:4:7); valid types: "), UserError);
   spec.layers[1] = {"linear", {{"out", "4"}, {"outs", "3"}}, {}, "cfg.yaml:5:7"};
   CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("unknown option 'outs'"), UserError);
   spec.layers[1] = {"linear", {}, {}, "cfg.yaml:5:7"};

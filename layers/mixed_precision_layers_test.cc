@@ -76,6 +76,7 @@ TEST_CASE("every built-in layer in bfloat16 and float16 stays within their round
       {"embedding", {{"vocab", "20"}, {"dim", "16"}}, {6}, DType::kI32},
       {"attention", {{"heads", "2"}}, {6, 16}, DType::kF32, 2},
       {"transformer_block", {{"heads", "2"}}, {6, 16}, DType::kF32, 6},
+      {"swiglu", {{"hidden", "24"}}, {6, 16}, DType::kF32, 3},  // a, b and the gated product rounded
       {"conv2d", {{"out", "6"}, {"kernel", "3"}}, {3, 6, 6}},
       {"batchnorm2d", {}, {3, 6, 6}},
       {"maxpool2d", {{"kernel", "2"}}, {3, 6, 6}},

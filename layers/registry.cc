@@ -11,6 +11,7 @@
 #include "layers/dropout.h"
 #include "layers/embedding.h"
 #include "layers/layernorm.h"
+#include "layers/swiglu.h"
 #include "layers/linear.h"
 #include "layers/transformer.h"
 #include "runtime/error.h"
@@ -63,6 +64,14 @@ Registry& registry() {
       o.dtype = dtype;
       o.seed = seed;
       return std::make_unique<Linear>(o);
+    });
+    layer("swiglu", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
+      if (in.empty()) throw UserError("swiglu" + at(a.spec()) + ": needs an input with a feature dimension");
+      SwiGLUOptions o(in.back(), a.get_int("hidden"));
+      o.leading.assign(in.begin(), in.end() - 1);
+      o.dtype = dtype;
+      o.seed = seed;
+      return std::make_unique<SwiGLU>(o);
     });
     layer("relu", [](LayerArgs&, const Shape& in, DType dtype, uint64_t) -> std::unique_ptr<Layer> {
       return std::make_unique<Relu>(in, dtype);

@@ -16,6 +16,7 @@
 #include "layers/attention.h"
 #include "layers/conv2d.h"
 #include "layers/linear.h"
+#include "layers/swiglu.h"
 #include "layers/transformer.h"
 #include "tests/testing.h"
 
@@ -121,6 +122,14 @@ TEST_CASE("transformer block: B then W equals the whole backward") {
   o.dropout = 0.25;
   TransformerBlock l(o);
   check_split(l, {4, 8}, false);
+}
+
+TEST_CASE("swiglu: B then W equals the whole backward") {
+  SwiGLUOptions o(8, 12);
+  o.leading = {4};
+  o.dtype = DType::kF64;
+  SwiGLU l(o);
+  check_split(l, {4, 8}, true);  // all three weight gradients wait for W
 }
 
 TEST_CASE("conv2d: B then W equals the whole backward") {

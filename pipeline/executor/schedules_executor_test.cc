@@ -32,7 +32,13 @@ layers::ModelSpec gpt_spec() {
   spec.layers = {{"embedding", {{"vocab", "16"}, {"dim", "8"}}, {}, ""}};
   for (int i = 0; i < 5; ++i) {
     spec.layers.push_back({"transformer_block", {{"heads", "2"}, {"dropout", "0.2"}}, {}, ""});
-    spec.layers.push_back({"dropout", {{"p", "0.1"}}, {}, ""});
+    // One SwiGLU feed-forward in place of a dropout: a second composite layer whose
+    // weight gradients W defers (and batches), with the backend's unary silu inside.
+    if (i == 2) {
+      spec.layers.push_back({"swiglu", {{"hidden", "12"}}, {}, ""});
+    } else {
+      spec.layers.push_back({"dropout", {{"p", "0.1"}}, {}, ""});
+    }
   }
   spec.layers.push_back({"layernorm", {}, {}, ""});
   spec.layers.push_back({"linear", {{"out", "16"}, {"bias", "false"}, {"tied", "true"}}, {}, ""});

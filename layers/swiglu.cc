@@ -1,0 +1,133 @@
+#include "layers/swiglu.h"
+
+#include "runtime/error.h"
+#include "runtime/random.h"
+
+namespace gpipe {
+namespace layers {
+
+namespace {
+
+// Children of the layer's Context, in forward order; its own saved: {a, b}.
+enum Child { kGate, kUp, kDown, kChildren };
+
+Context* child(Context* ctx, Child i) { return ctx != nullptr ? &ctx->children[i] : nullptr; }
+
+LinearOptions projection(const SwiGLUOptions& o, int64_t in, int64_t out, uint64_t seed) {
+  if (o.dim <= 0 || o.hidden <= 0) {
+    throw UserError("swiglu: dim and hidden must be positive, got dim=" + std::to_string(o.dim) +
+                    ", hidden=" + std::to_string(o.hidden));
+  }
+  LinearOptions l(in, out);
+  l.leading = o.leading;
+  l.bias = false;
+  l.dtype = o.dtype;
+  l.seed = seed;
+  return l;
+}
+
+Shape with_last(Shape leading, int64_t last) {
+  leading.push_back(last);
+  return leading;
+}
+
+// The gating's operations per element, as the elementwise layers count theirs
+// (layers/activation.cc): the exponential as 25 (fast_expf's count; the unary kernels
+// call the math library's), sigmoid 1 / (1 + e) or e / (1 + e) with its branch 28, silu's
+// product 1, the gate's product 1: forward 30. Backward: silu recomputed (29), its slope
+// s (1 + x (1 - s)) 4 more and times ds 1, ds = dg * b 1, db = dg * s 1: 36; plus the
+// sum of the two input gradients, 1 (only with dx).
+constexpr double kGateForwardFlops = 30, kGateBackwardFlops = 36;
+
+}  // namespace
+
+SwiGLU::SwiGLU(const SwiGLUOptions& opts)
+    : Layer(with_last(opts.leading, opts.dim), with_last(opts.leading, opts.dim), opts.dtype),
+      opts_(opts),
+      gate_(projection(opts, opts.dim, opts.hidden, mix_seed(opts.seed, 1))),
+      up_(projection(opts, opts.dim, opts.hidden, mix_seed(opts.seed, 2))),
+      down_(projection(opts, opts.hidden, opts.dim, mix_seed(opts.seed, 3))) {
+  gate_.weight().name = "gate.weight";
+  up_.weight().name = "up.weight";
+  down_.weight().name = "down.weight";
+}
+
+std::string SwiGLU::describe() const {
+  return "swiglu(" + std::to_string(opts_.dim) + ", hidden " + std::to_string(opts_.hidden) + ")";
+}
+
+std::vector<Parameter*> SwiGLU::parameters() { return {&gate_.weight(), &up_.weight(), &down_.weight()}; }
+
+LayerCost SwiGLU::cost(int64_t batch) const {
+  const double rows = static_cast<double>(batch * shape_numel(opts_.leading));
+  const double h = rows * static_cast<double>(opts_.hidden), n = rows * static_cast<double>(opts_.dim);
+  const double es = static_cast<double>(dtype_size(dtype_));
+  LayerCost c;
+  c += gate_.cost(batch);
+  c += up_.cost(batch);
+  c += down_.cost(batch);
+  // Forward: s = silu(a) reads a, writes s; g = s * b reads both, writes g.
+  c.forward_flops += kGateForwardFlops * h;
+  c.forward_bytes += es * (2 * h + 3 * h);
+  // B: s = silu(a) again (2 h), ds = dg * b (3 h), db = dg * s (3 h), da from a and ds
+  // (3 h); then dx = the gate's dx + the up's dx (an axpy: 3 n).
+  c.backward_flops += kGateBackwardFlops * h + n;
+  // Without dx (the model's first layer) the gate's and the up's dx and their sum are
+  // skipped; the down projection's dx and the gating feed the weight gradients.
+  c.input_grad_flops = gate_.cost(batch).input_grad_flops + up_.cost(batch).input_grad_flops + n;
+  c.backward_bytes += es * 11 * h + es * 3 * n;
+  c.backward_parts.push_back({false, kGateBackwardFlops * h, es * 11 * h});
+  c.backward_parts.push_back({false, n, es * 3 * n});
+  c.output_bytes = static_cast<int64_t>(es * n);
+  c.saved_bytes += static_cast<int64_t>(es * 2 * h);  // a and b, beside the projections' inputs
+  return c;
+}
+
+Tensor SwiGLU::forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) {
+  if (ctx != nullptr) ctx->children.assign(kChildren, Context{});
+  const Tensor a = gate_.forward(be, x, child(ctx, kGate), args);  // (B, *leading, hidden)
+  const Tensor b = up_.forward(be, x, child(ctx, kUp), args);      // (B, *leading, hidden)
+  Tensor g = be.empty(a.shape(), dtype_);
+  be.unary(Unary::kSilu, a, g);  // s
+  be.mul(g, b, g);               // g = s * b
+  if (ctx != nullptr) ctx->saved = {a, b};
+  return down_.forward(be, g, child(ctx, kDown), args);  // (B, *leading, dim)
+}
+
+// B: dg = down's dx; ds = dg * b, db = dg * s, da = silu'(a) ds; dx = gate's dx + up's dx.
+Tensor SwiGLU::backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) {
+  std::vector<Context>& ch = ctx.children;
+  GPIPE_CHECK(ctx.saved.size() == 2 && ch.size() == kChildren, describe() + ": backward without its forward");
+  const Tensor& a = ctx.saved[0];
+  const Tensor& b = ctx.saved[1];
+  const Tensor dg = down_.backward_input(be, dy, ch[kDown]);  // (B, *leading, hidden)
+  Tensor s = be.empty(a.shape(), dtype_);
+  be.unary(Unary::kSilu, a, s);
+  Tensor db = be.empty(a.shape(), dtype_);
+  be.mul(dg, s, db);
+  Tensor da = s;  // s is not needed any more: its storage takes ds, then da
+  be.mul(dg, b, da);
+  be.unary_backward(Unary::kSilu, a, da, da);
+  Tensor dx = gate_.backward_input(be, da, ch[kGate], need_dx);
+  const Tensor dx_up = up_.backward_input(be, db, ch[kUp], need_dx);
+  ctx.saved.clear();  // W needs only the projections' contexts
+  if (!need_dx) return Tensor();
+  be.axpy(1.0, dx_up, dx);
+  return dx;
+}
+
+void SwiGLU::backward_weight_impl(Backend& be, Context& ctx) {
+  std::vector<Context>& ch = ctx.children;
+  down_.backward_weight(be, ch.at(kDown));
+  up_.backward_weight(be, ch.at(kUp));
+  gate_.backward_weight(be, ch.at(kGate));
+}
+
+void SwiGLU::backward_weight_batch_impl(Backend& be, const std::vector<Context*>& ctxs) {
+  down_.backward_weight(be, children_at(ctxs, kDown));
+  up_.backward_weight(be, children_at(ctxs, kUp));
+  gate_.backward_weight(be, children_at(ctxs, kGate));
+}
+
+}  // namespace layers
+}  // namespace gpipe

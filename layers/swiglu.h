@@ -1,0 +1,44 @@
+// The SwiGLU feed-forward block of LLaMA-style models (Shazeer, "GLU Variants Improve
+// Transformer"): y = down(silu(gate(x)) * up(x)) over the last dimension, with gate and
+// up (dim -> hidden) and down (hidden -> dim) linear layers without biases; parameters
+// "gate.weight", "up.weight", "down.weight" (LLaMA's w1, w3, w2). Inputs (batch,
+// *leading, dim) are treated as rows of dim, as Linear's. Backward splits into B (input
+// gradients, the gating's) and W (the three weight gradients), so zero bubble defers W.
+// Written from backend ops (Backend::unary for silu, mul), so it runs on every backend.
+#pragma once
+
+#include "layers/linear.h"
+
+namespace gpipe {
+namespace layers {
+
+struct SwiGLUOptions {
+  SwiGLUOptions(int64_t dim, int64_t hidden) : dim(dim), hidden(hidden) {}
+  int64_t dim, hidden;
+  Shape leading;  // per-sample dimensions before the features, e.g. {T} for (T, C) inputs
+  DType dtype = DType::kF32;
+  uint64_t seed = 0;
+};
+
+class SwiGLU : public Layer {
+ public:
+  explicit SwiGLU(const SwiGLUOptions& opts);
+  std::string type() const override { return "swiglu"; }
+  std::string describe() const override;
+  LayerCost cost(int64_t batch) const override;
+  std::vector<Parameter*> parameters() override;  // gate.weight, up.weight, down.weight
+  bool splits_backward() const override { return true; }
+
+ private:
+  Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
+  Tensor backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) override;
+  void backward_weight_impl(Backend& be, Context& ctx) override;
+  void backward_weight_batch_impl(Backend& be, const std::vector<Context*>& ctxs) override;
+  SwiGLUOptions opts_;
+  Linear gate_;  // (*leading, dim) -> (*leading, hidden)
+  Linear up_;    // (*leading, dim) -> (*leading, hidden)
+  Linear down_;  // (*leading, hidden) -> (*leading, dim)
+};
+
+}  // namespace layers
+}  // namespace gpipe
