@@ -316,8 +316,9 @@ const std::vector<Command>& commands() {
         {"--max-micro-batches", "N", "the sweep tries M = 1, 2, 4, ... up to N micro-batches (default 32)",
          "--sweep"},
         {"--precisions", "LIST",
-         "the sweep also tries these model.dtype values, e.g. float32,bf16 (default: the config's alone; a precision "
-         "changes the numbers a run computes, so the sweep tries one only when asked)",
+         "the sweep tries the config in each of these model.dtype values and ranks them together, e.g. float32,bf16 "
+         "(default: the config's alone; a precision changes the numbers a run computes, so the sweep tries one only "
+         "when asked)",
          "--sweep"},
         {"--devices", "N",
          "plan for N devices (default: pipeline.partitions; with --sweep, this machine's cores or GPUs)"},
