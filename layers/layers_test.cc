@@ -159,7 +159,8 @@ TEST_CASE("the registry builds models and names unknown types and options") {
   spec.layers[1] = {"rope", {}, {}, "cfg.yaml:4:7"};  // nothing close: no guess
   CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("'rope' (at cfg.yaml:4:7); valid types: "), UserError);
   spec.layers[1] = {"linear", {{"out", "4"}, {"outs", "3"}}, {}, "cfg.yaml:5:7"};
-  CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("unknown option 'outs'"), UserError);
+  CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("unknown option 'outs'; did you mean out? valid options: "),
+                       UserError);
   spec.layers[1] = {"linear", {}, {}, "cfg.yaml:5:7"};
   CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("needs the option 'out'"), UserError);
 }
@@ -212,7 +213,9 @@ TEST_CASE("a model registered in C++ is built by name with its options") {
   CHECK(m->layer(0).output_shape() == Shape{6});
   spec.cpp->args["hiden"] = "5";
   CHECK_THROWS_WITH_AS(build_model(spec),
-                       "model 'test_mlp' (at m.yaml:2:3): unknown option 'hiden'; valid options: hidden", UserError);
+                       "model 'test_mlp' (at m.yaml:2:3): unknown option 'hiden'; did you mean hidden? valid options: "
+                       "hidden",
+                       UserError);
   spec.cpp->args.clear();
   CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("needs the option 'hidden', e.g. {cpp: test_mlp, hidden:"),
                        UserError);

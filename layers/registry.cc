@@ -219,7 +219,8 @@ void LayerArgs::finish() const {
     if (!used_.count(kv.first)) {
       std::vector<std::string> known(used_.begin(), used_.end());
       throw UserError(what_ + " '" + spec_.type + "'" + at(spec_) + ": unknown option '" + kv.first + "'" +
-                      (known.empty() ? std::string("; it takes no options") : "; valid options: " + join(known)));
+                      (known.empty() ? std::string("; it takes no options")
+                                     : ";" + did_you_mean(kv.first, known) + " valid options: " + join(known)));
     }
   }
 }

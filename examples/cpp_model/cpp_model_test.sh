@@ -49,7 +49,7 @@ echo "ok: the config filled in C++ is the same run, with one process and with tw
 
 "$tiny_gpt" train "$config" --set model.dims=64 > "$tmp/bad.log" 2>&1
 rc=$?
-[ "$rc" -eq 2 ] && grep -q "model 'tiny_gpt' (at .*tiny_gpt.yaml:7:8): unknown option 'dims'; valid options: .*dim" \
+[ "$rc" -eq 2 ] && grep -q "model 'tiny_gpt' (at .*tiny_gpt.yaml:7:8): unknown option 'dims'; did you mean dim? valid options: .*dim" \
   "$tmp/bad.log" || fail "a mistyped model option (rc=$rc)" "$tmp/bad.log"
 echo "ok: a mistyped model option is refused with the valid ones"
 

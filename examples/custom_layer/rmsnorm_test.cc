@@ -63,6 +63,6 @@ TEST_CASE("rmsnorm is registered under its own name, with its cost accepted by t
   CHECK_NOTHROW(model->costs(4));  // layers/layer.h check_cost: exact param and output bytes
   CHECK_THROWS_WITH_AS(example::register_rmsnorm(), doctest::Contains("'rmsnorm' is registered already"), UserError);
   spec.layers[1].args["epz"] = "1";
-  CHECK_THROWS_WITH_AS(layers::build_model(spec), doctest::Contains("unknown option 'epz'; valid options: eps"),
+  CHECK_THROWS_WITH_AS(layers::build_model(spec), doctest::Contains("unknown option 'epz'; did you mean eps? valid options: eps"),
                        UserError);
 }
