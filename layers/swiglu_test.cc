@@ -16,6 +16,7 @@
 using namespace gpipe;
 using namespace gpipe::layers;
 using gpipe::testing::random_tensor;
+using gpipe::testing::context_bytes;
 using gpipe::testing::to_doubles;
 
 namespace {
@@ -28,13 +29,6 @@ SwiGLU make(DType dtype, int64_t dim = 6, int64_t hidden = 10) {
   o.dtype = dtype;
   o.seed = 7;
   return SwiGLU(o);
-}
-
-int64_t context_bytes(const Context& ctx) {
-  int64_t n = 0;
-  for (const Tensor& t : ctx.saved) n += static_cast<int64_t>(t.nbytes());
-  for (const Context& c : ctx.children) n += context_bytes(c);
-  return n;
 }
 
 }  // namespace

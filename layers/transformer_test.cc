@@ -22,6 +22,7 @@
 using namespace gpipe;
 using namespace gpipe::layers;
 using gpipe::testing::random_tensor;
+using gpipe::testing::context_bytes;
 using gpipe::testing::to_doubles;
 
 namespace {
@@ -42,14 +43,6 @@ void check_gradients(Layer& layer, const Tensor& x, const ForwardArgs& args = {}
   GradCheckOptions o;
   o.args = args;
   GPIPE_EXPECT_GRADIENTS(check_layer_gradients(layer, x, o));
-}
-
-// Bytes of every tensor a context (and its children) keeps.
-int64_t context_bytes(const Context& ctx) {
-  int64_t n = 0;
-  for (const Tensor& t : ctx.saved) n += static_cast<int64_t>(t.nbytes());
-  for (const Context& c : ctx.children) n += context_bytes(c);
-  return n;
 }
 
 int64_t param_bytes(Layer& layer) {

@@ -48,6 +48,15 @@ inline std::vector<Device> cpu_devices(int k) {
 // public checker's (layers/gradcheck.h), for the op tests' own objectives.
 std::vector<double> numeric_gradient(Tensor& t, const std::function<double()>& f, double eps = 1e-6);
 
+// Bytes of every tensor a layer's context (and its children) keeps, counted per tensor:
+// what LayerCost::saved_bytes counts.
+inline int64_t context_bytes(const layers::Context& ctx) {
+  int64_t n = 0;
+  for (const Tensor& t : ctx.saved) n += static_cast<int64_t>(t.nbytes());
+  for (const layers::Context& c : ctx.children) n += context_bytes(c);
+  return n;
+}
+
 // Sum of a[i] * b[i] over all elements, in double, for f(x) = <layer(x), r> objectives.
 double dot(const Tensor& a, const Tensor& b);
 
