@@ -11,6 +11,7 @@
 
 #include <memory>
 
+#include "kernels/broadcast.h"
 #include "kernels/unary.h"
 #include "runtime/device.h"
 #include "runtime/stream.h"
@@ -224,6 +225,29 @@ class Backend {
   virtual void row_dot(const Tensor& a, const Tensor& b, double alpha, Tensor& out) = 0;
   // out[r] = 1 / sqrt(mean_c x[r, c]^2 + eps); out: R elements.
   virtual void row_inverse_rms(const Tensor& x, double eps, Tensor& out) = 0;
+
+  // ---- Broadcasting binary ops, reductions over the last axis and softmax: what a layer
+  // written as forward only composes (layers/derived.h), each with what its gradient
+  // needs. Shapes and names: kernels/broadcast.h. One float dtype throughout, contiguous;
+  // sums accumulate in double.
+
+  // y = a op b with NumPy broadcasting (shapes aligned at the last dimension, each size
+  // equal or 1); y has the broadcast shape and may alias an operand of that shape.
+  virtual void binary(Binary op, const Tensor& a, const Tensor& b, Tensor& y) = 0;
+  // y = x summed over every dimension along which y's shape broadcasts to x's (the
+  // gradient of an operand that was broadcast): x (4, 3, 5) into y (3, 1) sums over the
+  // first and the last dimension.
+  virtual void sum_to(const Tensor& x, Tensor& y) = 0;
+  // y[r] = op over c of x[r, c], x viewed as (R, C); y: R elements (any shape).
+  virtual void reduce_rows(Reduce op, const Tensor& x, Tensor& y) = 0;
+  // dx[r, c] = dy[r] * d y[r] / d x[r, c], from x and the forward's y: sum 1, mean 1 / C,
+  // max 1 at the first largest entry of the row and 0 elsewhere, norm x / y (0 where
+  // y is 0). dx is overwritten.
+  virtual void reduce_rows_backward(Reduce op, const Tensor& x, const Tensor& y, const Tensor& dy, Tensor& dx) = 0;
+  // y = softmax of each row of x (R, C): exp(x - max) / sum exp(x - max); y may be x.
+  virtual void softmax(const Tensor& x, Tensor& y) = 0;
+  // dx = y * (dy - sum_c dy * y), from the forward's y; dx may be dy.
+  virtual void softmax_backward(const Tensor& y, const Tensor& dy, Tensor& dx) = 0;
 
   // dst = src; either may live on the host or on this backend's device. A copy to the
   // device returns once queued (src may change afterwards: it went through a staging

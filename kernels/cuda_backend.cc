@@ -945,4 +945,80 @@ void CudaBackend::row_inverse_rms(const Tensor& x, double eps, Tensor& out) {
   });
 }
 
+void CudaBackend::binary(Binary op, const Tensor& a, const Tensor& b, Tensor& y) {
+  const std::string name = std::string("binary ") + binary_name(op);
+  const ops::Broadcast p = ops::check_binary(a, b, y, name.c_str());
+  check_on_device(a, name.c_str());
+  check_on_device(b, name.c_str());
+  check_on_device(y, name.c_str());
+  DeviceGuard guard(device_.index);
+  ops::dispatch_float(y, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda::binary<T>(op, p, a.data<T>(), b.data<T>(), y.data<T>(), cuda_stream());
+  });
+}
+
+void CudaBackend::sum_to(const Tensor& x, Tensor& y) {
+  const ops::Broadcast p = ops::check_sum_to(x, y);
+  check_on_device(x, "sum_to");
+  check_on_device(y, "sum_to");
+  DeviceGuard guard(device_.index);
+  ops::dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda::sum_to<T>(p, x.data<T>(), y.data<T>(), y.numel(), cuda_stream());
+  });
+}
+
+void CudaBackend::reduce_rows(Reduce op, const Tensor& x, Tensor& y) {
+  const std::string name = std::string("reduce_rows ") + reduce_name(op);
+  const ops::RowView d = ops::check_rows(x, name.c_str());
+  ops::check_factor(y, d.rows, x.dtype(), name.c_str(), "y");
+  check_on_device(x, name.c_str());
+  check_on_device(y, name.c_str());
+  DeviceGuard guard(device_.index);
+  ops::dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda::reduce_rows<T>(op, x.data<T>(), y.data<T>(), d.rows, d.cols, cuda_stream());
+  });
+}
+
+void CudaBackend::reduce_rows_backward(Reduce op, const Tensor& x, const Tensor& y, const Tensor& dy, Tensor& dx) {
+  const std::string name = std::string("reduce_rows_backward ") + reduce_name(op);
+  const ops::RowView d = ops::check_rows(x, name.c_str());
+  ops::check_factor(y, d.rows, x.dtype(), name.c_str(), "y");
+  ops::check_factor(dy, d.rows, x.dtype(), name.c_str(), "dy");
+  ops::check_same(x, dx, name.c_str());
+  for (const Tensor* t : {&x, &y, &dy, static_cast<const Tensor*>(&dx)}) check_on_device(*t, name.c_str());
+  DeviceGuard guard(device_.index);
+  ops::dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda::reduce_rows_backward<T>(op, x.data<T>(), y.data<T>(), dy.data<T>(), dx.data<T>(), d.rows, d.cols,
+                                  cuda_stream());
+  });
+}
+
+void CudaBackend::softmax(const Tensor& x, Tensor& y) {
+  const ops::RowView d = ops::check_rows(x, "softmax");
+  ops::check_same(x, y, "softmax");
+  check_on_device(x, "softmax");
+  check_on_device(y, "softmax");
+  DeviceGuard guard(device_.index);
+  ops::dispatch_float(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda::softmax<T>(x.data<T>(), y.data<T>(), d.rows, d.cols, cuda_stream());
+  });
+}
+
+void CudaBackend::softmax_backward(const Tensor& y, const Tensor& dy, Tensor& dx) {
+  const ops::RowView d = ops::check_rows(y, "softmax_backward");
+  ops::check_same(y, dy, "softmax_backward");
+  ops::check_same(y, dx, "softmax_backward");
+  for (const Tensor* t : {&y, &dy, static_cast<const Tensor*>(&dx)}) check_on_device(*t, "softmax_backward");
+  DeviceGuard guard(device_.index);
+  ops::dispatch_float(y, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda::softmax_backward<T>(y.data<T>(), dy.data<T>(), dx.data<T>(), d.rows, d.cols, cuda_stream());
+  });
+}
+
 }  // namespace gpipe

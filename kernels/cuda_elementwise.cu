@@ -9,6 +9,7 @@
 #include <climits>
 #include <string>
 
+#include "kernels/broadcast.h"
 #include "kernels/unary_math.h"
 #include "runtime/cuda_check.h"
 #include "runtime/error.h"
@@ -101,6 +102,166 @@ __global__ void row_reduce_kernel(const T* a, const T* b, double alpha_or_eps, T
   }
 }
 
+
+// Element i of a broadcast result: the offsets it reads in a and b.
+__device__ void broadcast_offsets(const ops::Broadcast& p, int64_t i, int64_t* a, int64_t* b) {
+  int64_t oa = 0, ob = 0;
+  for (int k = p.dims - 1; k >= 0; --k) {
+    const int64_t c = i % p.size[k];
+    i /= p.size[k];
+    oa += c * p.a_stride[k];
+    ob += c * p.b_stride[k];
+  }
+  *a = oa;
+  *b = ob;
+}
+
+template <typename T>
+__global__ void binary_kernel(Binary op, ops::Broadcast p, const T* a, const T* b, T* y) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < p.numel; i += int64_t(gridDim.x) * blockDim.x) {
+    int64_t oa, ob;
+    broadcast_offsets(p, i, &oa, &ob);
+    y[i] = binary_value(op, a[oa], b[ob]);
+  }
+}
+
+// One thread per element j of y: the sum, in double, of the x elements that broadcast
+// from it, in x's index order (the CPU's order, so the sums are the same). p as planned
+// by check_sum_to: x's sizes, x's strides (a) and y's (b, 0 along summed dimensions).
+template <typename T>
+__global__ void sum_to_kernel(ops::Broadcast p, const T* x, T* y, int64_t y_numel) {
+  for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < y_numel; j += int64_t(gridDim.x) * blockDim.x) {
+    int64_t base = 0, rest = j, count = 1;
+    for (int k = p.dims - 1; k >= 0; --k) {  // j's coordinates along the kept dimensions
+      if (p.b_stride[k] == 0) {
+        count *= p.size[k];
+        continue;
+      }
+      base += (rest % p.size[k]) * p.a_stride[k];
+      rest /= p.size[k];
+    }
+    double acc = 0.0;
+    for (int64_t r = 0; r < count; ++r) {  // r's coordinates along the summed dimensions
+      int64_t off = base, q = r;
+      for (int k = p.dims - 1; k >= 0; --k) {
+        if (p.b_stride[k] != 0) continue;
+        off += (q % p.size[k]) * p.a_stride[k];
+        q /= p.size[k];
+      }
+      acc += static_cast<double>(x[off]);
+    }
+    y[j] = static_cast<T>(acc);
+  }
+}
+
+// The largest of v over a 1-D block (a NaN wins), valid in thread 0; shared: one T per
+// thread.
+template <typename T>
+__device__ T block_max(T v, T* shared) {
+  shared[threadIdx.x] = v;
+  __syncthreads();
+  for (unsigned s = 1; s < blockDim.x; s <<= 1) {  // pairs at distance s; any block size
+    if (threadIdx.x % (2 * s) == 0 && threadIdx.x + s < blockDim.x) {
+      const T o = shared[threadIdx.x + s];
+      if (o > shared[threadIdx.x] || isnan(o)) shared[threadIdx.x] = o;
+    }
+    __syncthreads();
+  }
+  return shared[0];
+}
+
+// One block per row: y[r] = op over the row (sums in double).
+template <typename T>
+__global__ void reduce_rows_kernel(Reduce op, const T* x, T* y, int64_t cols) {
+  __shared__ double shared[32];
+  __shared__ T shared_max[kMaxRowThreads];
+  const T* row = x + blockIdx.x * cols;
+  if (op == Reduce::kMax) {
+    T m = -INFINITY;
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+      if (row[c] > m || isnan(row[c])) m = row[c];
+    }
+    m = block_max(m, shared_max);
+    if (threadIdx.x == 0) y[blockIdx.x] = m;
+    return;
+  }
+  double acc = 0.0;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    acc += op == Reduce::kNorm ? static_cast<double>(row[c]) * row[c] : static_cast<double>(row[c]);
+  }
+  acc = block_sum(acc, shared);
+  if (threadIdx.x == 0) {
+    if (op == Reduce::kMean) acc /= static_cast<double>(cols);
+    if (op == Reduce::kNorm) acc = sqrt(acc);
+    y[blockIdx.x] = static_cast<T>(acc);
+  }
+}
+
+// One thread per row, as the CPU's loop: max's gradient goes to the first largest entry.
+template <typename T>
+__global__ void reduce_rows_backward_kernel(Reduce op, const T* x, const T* y, const T* dy, T* dx, int64_t rows,
+                                            int64_t cols) {
+  for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
+    const T* row = x + r * cols;
+    T* out = dx + r * cols;
+    const T g = dy[r];
+    const T m = y[r];
+    bool found = false;
+    for (int64_t c = 0; c < cols; ++c) {
+      switch (op) {
+        case Reduce::kSum: out[c] = g; break;
+        case Reduce::kMean: out[c] = static_cast<T>(static_cast<double>(g) / static_cast<double>(cols)); break;
+        case Reduce::kMax: {
+          const bool at = !found && (row[c] == m || (isnan(m) && isnan(row[c])));
+          out[c] = at ? g : T(0);
+          found = found || at;
+          break;
+        }
+        case Reduce::kNorm: out[c] = m == T(0) ? T(0) : g * row[c] / m; break;
+      }
+    }
+  }
+}
+
+// One block per row: y = exp(x - max) / sum exp(x - max), the sum in double.
+template <typename T>
+__global__ void softmax_kernel(const T* x, T* y, int64_t cols) {
+  __shared__ double shared[32];
+  __shared__ T shared_max[kMaxRowThreads];
+  __shared__ T inv;
+  const T* row = x + blockIdx.x * cols;
+  T* out = y + blockIdx.x * cols;
+  T m = -INFINITY;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) m = row[c] > m ? row[c] : m;
+  m = block_max(m, shared_max);
+  double acc = 0.0;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const T e = exp(row[c] - m);
+    out[c] = e;
+    acc += static_cast<double>(e);
+  }
+  acc = block_sum(acc, shared);
+  if (threadIdx.x == 0) inv = static_cast<T>(1.0 / acc);
+  __syncthreads();
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) out[c] *= inv;
+}
+
+// One block per row: dx = y * (dy - sum_c dy y), the sum in double.
+template <typename T>
+__global__ void softmax_backward_kernel(const T* y, const T* dy, T* dx, int64_t cols) {
+  __shared__ double shared[32];
+  __shared__ T dot;
+  const T* yr = y + blockIdx.x * cols;
+  const T* g = dy + blockIdx.x * cols;
+  T* out = dx + blockIdx.x * cols;
+  double acc = 0.0;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) acc += static_cast<double>(g[c]) * yr[c];
+  acc = block_sum(acc, shared);
+  if (threadIdx.x == 0) dot = static_cast<T>(acc);
+  __syncthreads();
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) out[c] = yr[c] * (g[c] - dot);
+}
+
 // ---------------------------------------------------------------------------------
 // Launchers
 
@@ -188,6 +349,64 @@ void row_inverse_rms(const float* x, double eps, float* out, int64_t rows, int64
 void row_inverse_rms(const double* x, double eps, double* out, int64_t rows, int64_t cols, cudaStream_t stream) {
   row_reduce_impl<double, true>(x, x, eps, out, rows, cols, stream, "row_inverse_rms");
 }
+
+
+template <typename T>
+void binary(Binary op, const ops::Broadcast& p, const T* a, const T* b, T* y, cudaStream_t stream) {
+  if (p.numel == 0) return;
+  binary_kernel<T><<<elementwise_blocks(p.numel), kThreads, 0, stream>>>(op, p, a, b, y);
+  GPIPE_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void sum_to(const ops::Broadcast& p, const T* x, T* y, int64_t y_numel, cudaStream_t stream) {
+  if (y_numel == 0) return;
+  sum_to_kernel<T><<<elementwise_blocks(y_numel), kThreads, 0, stream>>>(p, x, y, y_numel);
+  GPIPE_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void reduce_rows(Reduce op, const T* x, T* y, int64_t rows, int64_t cols, cudaStream_t stream) {
+  if (rows == 0) return;
+  check_rows(rows, "reduce_rows");
+  reduce_rows_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(op, x, y, cols);
+  GPIPE_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void reduce_rows_backward(Reduce op, const T* x, const T* y, const T* dy, T* dx, int64_t rows, int64_t cols,
+                          cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return;
+  reduce_rows_backward_kernel<T><<<elementwise_blocks(rows), kThreads, 0, stream>>>(op, x, y, dy, dx, rows, cols);
+  GPIPE_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void softmax(const T* x, T* y, int64_t rows, int64_t cols, cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return;
+  check_rows(rows, "softmax");
+  softmax_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(x, y, cols);
+  GPIPE_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void softmax_backward(const T* y, const T* dy, T* dx, int64_t rows, int64_t cols, cudaStream_t stream) {
+  if (rows == 0 || cols == 0) return;
+  check_rows(rows, "softmax_backward");
+  softmax_backward_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(y, dy, dx, cols);
+  GPIPE_CUDA_CHECK(cudaGetLastError());
+}
+
+#define GPIPE_TENSOR_OPS(T)                                                                                     \
+  template void binary<T>(Binary, const ops::Broadcast&, const T*, const T*, T*, cudaStream_t);                 \
+  template void sum_to<T>(const ops::Broadcast&, const T*, T*, int64_t, cudaStream_t);                          \
+  template void reduce_rows<T>(Reduce, const T*, T*, int64_t, int64_t, cudaStream_t);                           \
+  template void reduce_rows_backward<T>(Reduce, const T*, const T*, const T*, T*, int64_t, int64_t, cudaStream_t); \
+  template void softmax<T>(const T*, T*, int64_t, int64_t, cudaStream_t);                                       \
+  template void softmax_backward<T>(const T*, const T*, T*, int64_t, int64_t, cudaStream_t);
+GPIPE_TENSOR_OPS(float)
+GPIPE_TENSOR_OPS(double)
+#undef GPIPE_TENSOR_OPS
 
 }  // namespace cuda
 }  // namespace gpipe

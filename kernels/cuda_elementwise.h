@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "kernels/broadcast.h"
 #include "kernels/unary.h"
 
 namespace gpipe {
@@ -37,6 +38,26 @@ void row_dot(const double* a, const double* b, double alpha, double* out, int64_
 // out[r] = 1 / sqrt(sum_c x[r, c]^2 / cols + eps), summed in double; out: (rows).
 void row_inverse_rms(const float* x, double eps, float* out, int64_t rows, int64_t cols, cudaStream_t stream);
 void row_inverse_rms(const double* x, double eps, double* out, int64_t rows, int64_t cols, cudaStream_t stream);
+
+
+// The broadcasting binary ops, last-axis reductions and softmax (Backend::binary, sum_to,
+// reduce_rows, reduce_rows_backward, softmax, softmax_backward), T float or double.
+// binary: y (p.numel) = a op b as planned by ops::check_binary. sum_to: y (y_numel) = x
+// summed as planned by ops::check_sum_to. The row ops: x, dx (rows, cols); y, dy (rows)
+// for the reductions, (rows, cols) for softmax.
+template <typename T>
+void binary(Binary op, const ops::Broadcast& p, const T* a, const T* b, T* y, cudaStream_t stream);
+template <typename T>
+void sum_to(const ops::Broadcast& p, const T* x, T* y, int64_t y_numel, cudaStream_t stream);
+template <typename T>
+void reduce_rows(Reduce op, const T* x, T* y, int64_t rows, int64_t cols, cudaStream_t stream);
+template <typename T>
+void reduce_rows_backward(Reduce op, const T* x, const T* y, const T* dy, T* dx, int64_t rows, int64_t cols,
+                          cudaStream_t stream);
+template <typename T>
+void softmax(const T* x, T* y, int64_t rows, int64_t cols, cudaStream_t stream);
+template <typename T>
+void softmax_backward(const T* y, const T* dy, T* dx, int64_t rows, int64_t cols, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace gpipe

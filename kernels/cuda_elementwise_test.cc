@@ -80,6 +80,69 @@ TEST_CASE("row_dot and row_inverse_rms match the CPU") {
   }
 }
 
+// The broadcasting, reduction and softmax ops (kernels/broadcast.h): binary equals the
+// CPU bit for bit (one operation per element), sum_to too (the same order of additions);
+// the row reductions and softmax within a reduction's rounding (a tree, not a scan).
+TEST_CASE("binary, sum_to, reduce_rows and softmax match the CPU") {
+  struct Pair {
+    Shape a, b, out;
+  };
+  const Pair pairs[] = {{{4, 3, 5}, {5}, {4, 3, 5}}, {{4, 3, 5}, {4, 3, 1}, {4, 3, 5}}, {{3, 1}, {4, 1, 5}, {4, 3, 5}},
+                        {{7, 700}, {7, 700}, {7, 700}}};
+  for (DType dt : kFloatTypes) {
+    CAPTURE(dtype_name(dt));
+    for (const Pair& p : pairs) {
+      CAPTURE(shape_str(p.a));
+      CAPTURE(shape_str(p.b));
+      const Tensor a = random_tensor(p.a, dt, 1, 0.5, 2), b = random_tensor(p.b, dt, 2, 0.5, 2);
+      for (Binary op : {Binary::kAdd, Binary::kSub, Binary::kMul, Binary::kDiv}) {
+        Tensor want = cpu().empty(p.out, dt), got = gpu().empty(p.out, dt), host = cpu().empty(p.out, dt);
+        cpu().binary(op, a, b, want);
+        gpu().binary(op, to_gpu(a), to_gpu(b), got);
+        gpu().copy(got, host);
+        EXPECT_CLOSE_TOL(host, want, (Tol{0, 0}));
+      }
+      const Tensor x = random_tensor(p.out, dt, 3);
+      for (const Shape& target : {p.a, p.b}) {
+        Tensor want = cpu().empty(target, dt), got = gpu().empty(target, dt), host = cpu().empty(target, dt);
+        cpu().sum_to(x, want);
+        gpu().sum_to(to_gpu(x), got);
+        gpu().copy(got, host);
+        EXPECT_CLOSE_TOL(host, want, (Tol{0, 0}));
+      }
+    }
+    for (Shape shape : {Shape{3, 2, 5}, Shape{7, 700}, Shape{1, 1}}) {
+      CAPTURE(shape_str(shape));
+      const int64_t C = shape.back(), R = shape_numel(shape) / C;
+      const Tensor x = random_tensor(shape, dt, 4, -3, 3), dy = random_tensor({R}, dt, 5), dys = random_tensor(shape, dt, 6);
+      for (Reduce op : {Reduce::kSum, Reduce::kMean, Reduce::kMax, Reduce::kNorm}) {
+        CAPTURE(reduce_name(op));
+        Tensor want = cpu().empty({R}, dt), got = gpu().empty({R}, dt), host = cpu().empty({R}, dt);
+        cpu().reduce_rows(op, x, want);
+        gpu().reduce_rows(op, to_gpu(x), got);
+        gpu().copy(got, host);
+        EXPECT_CLOSE_TOL(host, want, reduction_tol(dt, C));
+        Tensor dwant = cpu().empty(shape, dt), dgot = gpu().empty(shape, dt), dhost = cpu().empty(shape, dt);
+        cpu().reduce_rows_backward(op, x, want, dy, dwant);
+        gpu().reduce_rows_backward(op, to_gpu(x), to_gpu(want), to_gpu(dy), dgot);
+        gpu().copy(dgot, dhost);
+        EXPECT_CLOSE_TOL(dhost, dwant, elementwise_tol(dt));
+      }
+      Tensor want = cpu().empty(shape, dt), host = cpu().empty(shape, dt);
+      cpu().softmax(x, want);
+      Tensor gx = to_gpu(x);
+      gpu().softmax(gx, gx);  // in place
+      gpu().copy(gx, host);
+      EXPECT_CLOSE_TOL(host, want, reduction_tol(dt, C));
+      Tensor dwant = cpu().empty(shape, dt), dgot = gpu().empty(shape, dt);
+      cpu().softmax_backward(want, dys, dwant);
+      gpu().softmax_backward(to_gpu(want), to_gpu(dys), dgot);
+      gpu().copy(dgot, host);
+      EXPECT_CLOSE_TOL(host, dwant, reduction_tol(dt, C));
+    }
+  }
+}
+
 TEST_CASE("the CUDA ops reject what the CPU rejects") {
   Tensor x = to_gpu(random_tensor({4, 3}, DType::kF32, 1)), y = gpu().empty({4, 3}, DType::kF32);
   CHECK_THROWS_WITH(gpu().scale_rows(x, to_gpu(random_tensor({3}, DType::kF32, 2)), y),

@@ -388,6 +388,49 @@ void WideningBackend::row_inverse_rms(const Tensor& x, double eps, Tensor& out) 
   w.store();
 }
 
+void WideningBackend::binary(Binary op, const Tensor& a, const Tensor& b, Tensor& y) {
+  if (!any_narrow(a, b, y)) return inner_->binary(op, a, b, y);
+  Widen w(*inner_);
+  inner_->binary(op, w.in(a), w.in(b), w.out(y));
+  w.store();
+}
+
+void WideningBackend::sum_to(const Tensor& x, Tensor& y) {
+  if (!any_narrow(x, y)) return inner_->sum_to(x, y);
+  Widen w(*inner_);
+  inner_->sum_to(w.in(x), w.out(y));
+  w.store();
+}
+
+void WideningBackend::reduce_rows(Reduce op, const Tensor& x, Tensor& y) {
+  if (!any_narrow(x, y)) return inner_->reduce_rows(op, x, y);
+  Widen w(*inner_);
+  inner_->reduce_rows(op, w.in(x), w.out(y));
+  w.store();
+}
+
+void WideningBackend::reduce_rows_backward(Reduce op, const Tensor& x, const Tensor& y, const Tensor& dy,
+                                           Tensor& dx) {
+  if (!any_narrow(x, y, dy, dx)) return inner_->reduce_rows_backward(op, x, y, dy, dx);
+  Widen w(*inner_);
+  inner_->reduce_rows_backward(op, w.in(x), w.in(y), w.in(dy), w.out(dx));
+  w.store();
+}
+
+void WideningBackend::softmax(const Tensor& x, Tensor& y) {
+  if (!any_narrow(x, y)) return inner_->softmax(x, y);
+  Widen w(*inner_);
+  inner_->softmax(w.in(x), w.out(y));
+  w.store();
+}
+
+void WideningBackend::softmax_backward(const Tensor& y, const Tensor& dy, Tensor& dx) {
+  if (!any_narrow(y, dy, dx)) return inner_->softmax_backward(y, dy, dx);
+  Widen w(*inner_);
+  inner_->softmax_backward(w.in(y), w.in(dy), w.out(dx));
+  w.store();
+}
+
 double WideningBackend::item(const Tensor& x) {
   if (!any_narrow(x)) return inner_->item(x);
   Widen w(*inner_);

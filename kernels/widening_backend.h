@@ -90,6 +90,12 @@ class WideningBackend : public Backend {
   void scale_columns(const Tensor& x, const Tensor& s, Tensor& y) override;
   void row_dot(const Tensor& a, const Tensor& b, double alpha, Tensor& out) override;
   void row_inverse_rms(const Tensor& x, double eps, Tensor& out) override;
+  void binary(Binary op, const Tensor& a, const Tensor& b, Tensor& y) override;
+  void sum_to(const Tensor& x, Tensor& y) override;
+  void reduce_rows(Reduce op, const Tensor& x, Tensor& y) override;
+  void reduce_rows_backward(Reduce op, const Tensor& x, const Tensor& y, const Tensor& dy, Tensor& dx) override;
+  void softmax(const Tensor& x, Tensor& y) override;
+  void softmax_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override;
   void copy(const Tensor& src, Tensor& dst) override { inner_->copy(src, dst); }
   void cast(const Tensor& src, Tensor& dst) override { inner_->cast(src, dst); }
   double item(const Tensor& x) override;
