@@ -119,10 +119,13 @@ inline LayerCost& operator+=(LayerCost& total, const LayerCost& part) {
 // kernel the skipped dx was is not recorded), so the parts still sum to the totals.
 LayerCost without_input_grad(LayerCost c);
 
+struct Tape;  // a derived layer's record of its forward (layers/derived.h)
+
 // What forward keeps for backward; a composite layer keeps one child per sub-layer.
 struct Context {
   std::vector<Tensor> saved;
   std::vector<Context> children;
+  std::shared_ptr<const Tape> tape;  // a derived layer's: which op each saved tensor serves
 };
 
 // The contexts' children at `index`, for a composite layer's batched weight gradient.
