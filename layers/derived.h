@@ -106,15 +106,17 @@ class Graph {
 
 class DerivedLayer : public Layer {
  public:
+  // The names a layer written outside gpipe's namespace uses, first in the class.
+  using Var = layers::Var;
+  using Graph = layers::Graph;
+  using Parameter = layers::Parameter;
+
   std::string type() const override { return type_; }
   std::string describe() const override;  // "my_rmsnorm(64 -> 64)"
   LayerCost cost(int64_t batch) const override;
   std::vector<Parameter*> parameters() override;
   // B and W apart when the layer has parameters (their gradients are W's).
   bool splits_backward() const override { return !params_.empty(); }
-
-  using Var = layers::Var;
-  using Graph = layers::Graph;
 
  protected:
   // type: the name in configs and messages; shapes per sample; seed: dropout's masks.
