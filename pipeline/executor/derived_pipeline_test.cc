@@ -70,7 +70,7 @@ layers::ModelSpec spec_with_derived_layers() {
   spec.layers = {{"embedding", {{"vocab", "16"}, {"dim", "8"}}, {}, ""}};
   for (int i = 0; i < 3; ++i) {
     spec.layers.push_back({"transformer_block", {{"heads", "2"}}, {}, ""});
-    spec.layers.push_back({"test_feed_forward", {{"hidden", "12"}, {"dropout", "0.2"}}, {}, "ffn." + std::to_string(i)});
+    spec.layers.push_back({"test_feed_forward", {{"hidden", "12"}, {"dropout", "0.2"}}, {}, "", "ffn." + std::to_string(i)});
   }
   spec.layers.push_back({"layernorm", {}, {}, ""});
   spec.layers.push_back({"linear", {{"out", "16"}}, {}, ""});
