@@ -3,10 +3,10 @@
 // schedules, its batched weight gradient and its exact cost are derived from that
 // record:
 //
-//   class MyRmsNorm : public gpipe::layers::DerivedLayer {
+//   class DerivedRmsNorm : public gpipe::layers::DerivedLayer {
 //    public:
-//     explicit MyRmsNorm(int64_t dim) : DerivedLayer("my_rmsnorm", {dim}, {dim}),
-//                                       g_(add_constant_parameter("weight", {dim}, 1.0)) {}
+//     explicit DerivedRmsNorm(int64_t dim) : DerivedLayer("derived_rmsnorm", {dim}, {dim}),
+//                                            g_(add_constant_parameter("weight", {dim}, 1.0)) {}
 //     Var define(Graph& g, Var x) const override {
 //       Var inv = g.rsqrt(g.add(g.mean(g.square(x)), 1e-6));  // (..., 1)
 //       return g.mul(g.mul(x, inv), g.param(g_));             // broadcast over the last axis
@@ -112,7 +112,7 @@ class DerivedLayer : public Layer {
   using Parameter = layers::Parameter;
 
   std::string type() const override { return type_; }
-  std::string describe() const override;  // "my_rmsnorm(64 -> 64)"
+  std::string describe() const override;  // "derived_rmsnorm(64) -> (64)"
   LayerCost cost(int64_t batch) const override;
   std::vector<Parameter*> parameters() override;
   // B and W apart when the layer has parameters (their gradients are W's).

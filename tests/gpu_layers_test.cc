@@ -5,9 +5,11 @@
 #include "tests/gpu_testing.h"
 
 #include "kernels/backend.h"
+#include "layers/derived.h"
 #include "layers/optimizer.h"
 #include "layers/registry.h"
 #include "runtime/device.h"
+#include "runtime/random.h"
 #include "tests/testing.h"
 
 using namespace gpipe;
@@ -64,7 +66,46 @@ void compare_models(const layers::ModelSpec& spec, const Tensor& x, const Tensor
   cpu_model->end_step(backend_for(Device::cpu()));
 }
 
+// A layer written as forward only (layers/derived.h) that calls every kind of op the
+// Graph has: on a CUDA stage its forward, derived backward and dropout run the CUDA
+// backend's binary, sum_to, reduce_rows, softmax and unary kernels.
+class DerivedEveryOp : public layers::DerivedLayer {
+ public:
+  DerivedEveryOp(const Shape& shape, DType dtype, uint64_t seed)
+      : DerivedLayer("gpu_test_every_op", shape, shape, dtype, seed),
+        w_(add_parameter("w", {shape.back(), shape.back()}, 0.3, mix_seed(seed, 1))),
+        p_(add_parameter("p", {shape.back()}, 1.0, mix_seed(seed, 2))) {}
+  Var define(Graph& g, Var x) const override {
+    Var n = g.mul(g.mul(x, g.rsqrt(g.add(g.mean(g.square(x)), 1e-6))), g.param(p_));
+    Var a = g.linear(n, w_);
+    Var s = g.softmax(g.sub(a, g.max(a)));
+    Var d = g.div(g.silu(a), g.add(g.exp(g.mul(s, 0.5)), g.norm(x)));
+    return g.add(x, g.dropout(g.add(d, g.mul(g.tanh(s), g.sum(g.sigmoid(n)))), 0.1));
+  }
+
+ private:
+  Parameter &w_, &p_;
+};
+
 }  // namespace
+
+TEST_CASE("a model of forward-only layers agrees on CPU and CUDA, dropout included") {
+  static const bool registered = [] {
+    layers::register_layer("gpu_test_every_op", [](layers::LayerArgs&, const Shape& input, DType dtype, uint64_t seed) {
+      return std::unique_ptr<layers::Layer>(std::make_unique<DerivedEveryOp>(input, dtype, seed));
+    });
+    return true;
+  }();
+  (void)registered;
+  layers::ModelSpec spec;
+  spec.input = {8, 24};
+  spec.seed = 6;
+  spec.layers = {{"gpu_test_every_op", {}, {}, ""}, {"gpu_test_every_op", {}, {}, ""}, {"flatten", {}, {}, ""},
+                 {"linear", {{"out", "10"}}, {}, ""}};
+  spec.loss = {"softmax_cross_entropy", {}, {}, ""};
+  compare_models(spec, random_tensor({6, 8, 24}, DType::kF32, 3), random_labels(6, 10, 4), 1e-3, 1e-5);
+}
+
 
 TEST_CASE("a small GPT agrees on CPU and CUDA, dropout included") {
   layers::ModelSpec spec;
