@@ -11,6 +11,7 @@
 #include "layers/dropout.h"
 #include "layers/embedding.h"
 #include "layers/layernorm.h"
+#include "layers/rmsnorm.h"
 #include "layers/swiglu.h"
 #include "layers/linear.h"
 #include "layers/transformer.h"
@@ -95,6 +96,13 @@ Registry& registry() {
       LayerNormOptions o(in);
       o.dtype = dtype;
       return std::make_unique<LayerNorm>(o);
+    });
+    layer("rmsnorm", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t) -> std::unique_ptr<Layer> {
+      if (in.empty()) throw UserError("rmsnorm" + at(a.spec()) + ": needs an input with a feature dimension");
+      RmsNormOptions o(in);
+      o.eps = a.get_double("eps", 1e-6);
+      o.dtype = dtype;
+      return std::make_unique<RmsNorm>(o);
     });
     layer("attention", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
       check_sequence_input(a, in);
@@ -229,7 +237,7 @@ void register_layer(const std::string& type, LayerFactory factory) {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   check_new_name("register_layer", "layer", type, factory != nullptr, r.builtin_layers, r.layers.count(type) > 0,
-                 "rmsnorm");
+                 "my_rmsnorm");
   r.layers[type] = std::move(factory);
 }
 
