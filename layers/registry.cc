@@ -10,7 +10,9 @@
 #include "layers/conv_registry.h"
 #include "layers/dropout.h"
 #include "layers/embedding.h"
+#include "layers/gqa_attention.h"
 #include "layers/layernorm.h"
+#include "layers/llama_block.h"
 #include "layers/rmsnorm.h"
 #include "layers/swiglu.h"
 #include "layers/linear.h"
@@ -126,6 +128,26 @@ Registry& registry() {
       o.dtype = dtype;
       o.seed = seed;
       return std::make_unique<TransformerBlock>(o);
+    });
+    layer("gqa_attention", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
+      check_sequence_input(a, in);
+      GqaAttentionOptions o(in[1], a.get_int("heads"), in[0]);
+      o.kv_heads = a.get_int("kv_heads", o.heads);
+      o.rope = a.get_bool("rope", true);
+      o.rope_base = a.get_double("rope_base", 10000.0);
+      o.dtype = dtype;
+      o.seed = seed;
+      return std::make_unique<GqaAttention>(o);
+    });
+    layer("llama_block", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
+      check_sequence_input(a, in);
+      LlamaBlockOptions o(in[1], a.get_int("heads"), a.get_int("hidden"), in[0]);
+      o.kv_heads = a.get_int("kv_heads", o.heads);
+      o.rope_base = a.get_double("rope_base", 10000.0);
+      o.eps = a.get_double("eps", 1e-6);
+      o.dtype = dtype;
+      o.seed = seed;
+      return std::make_unique<LlamaBlock>(o);
     });
     add_conv_layer_types(layer);
     reg->losses["softmax_cross_entropy"] = [](LayerArgs& a, const Shape& in, DType dtype) -> std::unique_ptr<Loss> {
