@@ -302,7 +302,9 @@ TEST_CASE("gqa_attention and llama_block from a config, and the mistakes a confi
     s.layers[1].args[key] = value;
     CHECK_THROWS_WITH_AS(build_model(s), doctest::Contains(what.c_str()), UserError);
   };
-  refused("kv_heads", "3", "kv_heads=3 does not divide heads=4; each key/value head serves an equal group");
+  refused("kv_heads", "3",
+          "llama_block (at cfg.yaml:4:7): gqa_attention: kv_heads=3 does not divide heads=4; each key/value head "
+          "serves an equal group");
   refused("heads", "5", "16 channels do not split into 5 heads; choose heads that divide the embedding dim");
   refused("hidden", "0", "swiglu: dim and hidden must be positive");
   refused("eps", "0", "rmsnorm: eps must be positive");

@@ -42,6 +42,19 @@ void check_sequence_input(const LayerArgs& a, const Shape& in) {
   }
 }
 
+// Builds a layer whose options are checked by its constructor (or its sub-layers'), and
+// says where in the config the refused layer is: "llama_block (at cfg.yaml:9:7):
+// gqa_attention: kv_heads=3 does not divide heads=4; ...".
+template <typename L, typename Options>
+std::unique_ptr<Layer> built_at(const LayerArgs& a, const Options& o) {
+  try {
+    return std::make_unique<L>(o);
+  } catch (const UserError& e) {
+    if (a.spec().where.empty()) throw;
+    throw UserError(a.spec().type + at(a.spec()) + ": " + e.what());
+  }
+}
+
 struct Registry {
   std::mutex mu;
   std::map<std::string, LayerFactory> layers;
@@ -104,7 +117,7 @@ Registry& registry() {
       RmsNormOptions o(in);
       o.eps = a.get_double("eps", 1e-6);
       o.dtype = dtype;
-      return std::make_unique<RmsNorm>(o);
+      return built_at<RmsNorm>(a, o);
     });
     layer("attention", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
       check_sequence_input(a, in);
@@ -137,7 +150,7 @@ Registry& registry() {
       o.rope_base = a.get_double("rope_base", 10000.0);
       o.dtype = dtype;
       o.seed = seed;
-      return std::make_unique<GqaAttention>(o);
+      return built_at<GqaAttention>(a, o);
     });
     layer("llama_block", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
       check_sequence_input(a, in);
@@ -147,7 +160,7 @@ Registry& registry() {
       o.eps = a.get_double("eps", 1e-6);
       o.dtype = dtype;
       o.seed = seed;
-      return std::make_unique<LlamaBlock>(o);
+      return built_at<LlamaBlock>(a, o);
     });
     add_conv_layer_types(layer);
     reg->losses["softmax_cross_entropy"] = [](LayerArgs& a, const Shape& in, DType dtype) -> std::unique_ptr<Loss> {
