@@ -54,7 +54,7 @@ inline PackDims check_pack_qkv(const Tensor& q, const Tensor& k, const Tensor& v
     }
   }
   const int64_t B = q.size(0), T = q.size(1), C = q.size(2), KC = k.size(2);
-  if (heads <= 0 || C % heads != 0) {
+  if (heads <= 0 || C <= 0 || C % heads != 0) {
     throw UserError(std::string(op) + ": " + std::to_string(C) + " channels do not split into " +
                     std::to_string(heads) + " heads; choose heads that divide the width");
   }
