@@ -213,7 +213,8 @@ TEST_CASE("every schedule on a LLaMA-style model: pipelined loss and gradients e
 }
 
 TEST_CASE("every schedule trains: three optimizer steps equal GPipe's") {
-  const layers::ModelSpec spec = gpt_spec();
+ for (const layers::ModelSpec& spec : {gpt_spec(), llama_spec()}) {
+  CAPTURE(spec.layers[1].type);
   const int64_t N = 8;
   Tensor x = gpipe::testing::random_labels(N * 6, 16, 61).reshape({N, 6});
   Tensor y = gpipe::testing::random_labels(N * 6, 16, 62).reshape({N, 6});
@@ -244,6 +245,7 @@ TEST_CASE("every schedule trains: three optimizer steps equal GPipe's") {
     GPIPE_EXPECT_CLOSE(other.first, gpipe.first, 1e-12, 1e-12);
     GPIPE_EXPECT_CLOSE(other.second, gpipe.second, 1e-10, 1e-12);
   }
+ }
 }
 
 TEST_CASE("the executor's meter: 1F1B and zero bubble hold K micro-batches on stage 0 whatever M, GPipe M") {
