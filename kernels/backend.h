@@ -175,6 +175,26 @@ class Backend {
   // dx = dy * mask / (1 - p), regenerating the same mask.
   virtual void dropout_backward(const Tensor& dy, double p, uint64_t key, int64_t sample_offset, Tensor& dx) = 0;
 
+  // ---- LLaMA ops: rotary position embeddings and grouped-query attention's keys and
+  // values. x viewed as (B, T, H, D) with H = heads and D = C / H, which must be even.
+
+  // Rotary position embeddings in Hugging Face LLaMA's rotate_half convention: in each
+  // head, element i < D/2 pairs with i + D/2 and the pair turns by angle t theta_i,
+  // theta_i = base^(-2i/D), t the row's index within T (kernels/llama_math.h):
+  //   y_i = x_i cos - x_{i+D/2} sin,   y_{i+D/2} = x_{i+D/2} cos + x_i sin.
+  // Angles and products in double. x, y (B, T, H D); y may be x.
+  virtual void rope(const Tensor& x, int heads, double base, Tensor& y) = 0;
+  // dx = the inverse rotation of dy (the same with -sin). dy, dx (B, T, H D); dx may be dy.
+  virtual void rope_backward(const Tensor& dy, int heads, double base, Tensor& dx) = 0;
+  // The fused (B, T, 3C) operand of attention() from separate projections with fewer key
+  // and value heads: q (B, T, H D) goes to columns [0, C); k and v (B, T, KV D), KV
+  // dividing H, go to [C, 2C) and [2C, 3C) with key/value head j repeated for query heads
+  // j H/KV .. (j + 1) H/KV - 1. KV == H is a plain concatenation.
+  virtual void pack_qkv(const Tensor& q, const Tensor& k, const Tensor& v, int heads, Tensor& qkv) = 0;
+  // The gradients through pack_qkv, overwritten: dq = dqkv's q columns; dk and dv sum
+  // their key/value head's H/KV copies.
+  virtual void pack_qkv_backward(const Tensor& dqkv, int heads, Tensor& dq, Tensor& dk, Tensor& dv) = 0;
+
   // ---- Convolution ops, on NCHW images: x (N, C, H, W), weights (K, C, R, S), outputs
   // (N, K, P, Q) with P = (H + 2 pad - R) / stride + 1 and Q likewise.
 

@@ -86,6 +86,10 @@ class CudaBackend : public Backend {
   void attention(const Tensor& qkv, int heads, Tensor& probs, Tensor& out) override;
   void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs, int heads,
                           Tensor& dqkv) override;
+  void rope(const Tensor& x, int heads, double base, Tensor& y) override;
+  void rope_backward(const Tensor& dy, int heads, double base, Tensor& dx) override;
+  void pack_qkv(const Tensor& q, const Tensor& k, const Tensor& v, int heads, Tensor& qkv) override;
+  void pack_qkv_backward(const Tensor& dqkv, int heads, Tensor& dq, Tensor& dk, Tensor& dv) override;
   void dropout(const Tensor& x, double p, uint64_t key, int64_t sample_offset, Tensor& y) override;
   void dropout_backward(const Tensor& dy, double p, uint64_t key, int64_t sample_offset, Tensor& dx) override;
   // Convolution ops: kernels/cuda_conv_ops.cc (cuDNN for convolutions, batch norm and

@@ -438,3 +438,38 @@ double WideningBackend::item(const Tensor& x) {
 }
 
 }  // namespace gpipe
+
+// ==== LLaMA ops: the float32 op on the widened operands, rounded once. A separate
+// block, so that it merges apart from the rest.
+
+namespace gpipe {
+
+void WideningBackend::rope(const Tensor& x, int heads, double base, Tensor& y) {
+  if (!any_narrow(x, y)) return inner_->rope(x, heads, base, y);
+  Widen w(*inner_);
+  inner_->rope(w.in(x), heads, base, w.out(y));
+  w.store();
+}
+
+void WideningBackend::rope_backward(const Tensor& dy, int heads, double base, Tensor& dx) {
+  if (!any_narrow(dy, dx)) return inner_->rope_backward(dy, heads, base, dx);
+  Widen w(*inner_);
+  inner_->rope_backward(w.in(dy), heads, base, w.out(dx));
+  w.store();
+}
+
+void WideningBackend::pack_qkv(const Tensor& q, const Tensor& k, const Tensor& v, int heads, Tensor& qkv) {
+  if (!any_narrow(q, k, v, qkv)) return inner_->pack_qkv(q, k, v, heads, qkv);
+  Widen w(*inner_);
+  inner_->pack_qkv(w.in(q), w.in(k), w.in(v), heads, w.out(qkv));
+  w.store();
+}
+
+void WideningBackend::pack_qkv_backward(const Tensor& dqkv, int heads, Tensor& dq, Tensor& dk, Tensor& dv) {
+  if (!any_narrow(dqkv, dq, dk, dv)) return inner_->pack_qkv_backward(dqkv, heads, dq, dk, dv);
+  Widen w(*inner_);
+  inner_->pack_qkv_backward(w.in(dqkv), heads, w.out(dq), w.out(dk), w.out(dv));
+  w.store();
+}
+
+}  // namespace gpipe

@@ -69,10 +69,10 @@ std::vector<Parameter*> CausalSelfAttention::parameters() {
   return out;
 }
 
-LayerCost CausalSelfAttention::cost(int64_t batch) const {
-  const double B = static_cast<double>(batch), T = static_cast<double>(opts_.seq_len);
-  const double C = static_cast<double>(opts_.dim), H = static_cast<double>(opts_.heads), D = C / H;
-  const double es = static_cast<double>(dtype_size(dtype_));
+LayerCost attention_core_cost(int64_t batch, int64_t seq_len, int64_t dim, int64_t heads, DType dtype) {
+  const double B = static_cast<double>(batch), T = static_cast<double>(seq_len);
+  const double C = static_cast<double>(dim), H = static_cast<double>(heads), D = C / H;
+  const double es = static_cast<double>(dtype_size(dtype));
   const double bh = B * H;
   const double kept = T * (T + 1) / 2;  // unmasked scores per (batch, head)
   LayerCost core;
@@ -94,6 +94,11 @@ LayerCost CausalSelfAttention::cost(int64_t batch) const {
   core.backward_bytes = products.bytes + jacobian.bytes;
   core.backward_parts = {products, jacobian};
   core.saved_bytes = static_cast<int64_t>(es * (3 * B * T * C + bh * T * T));  // qkv, probs
+  return core;
+}
+
+LayerCost CausalSelfAttention::cost(int64_t batch) const {
+  const LayerCost core = attention_core_cost(batch, opts_.seq_len, opts_.dim, opts_.heads, dtype_);
   LayerCost c;
   c += qkv_.cost(batch);
   c += core;

@@ -19,6 +19,11 @@ struct AttentionOptions {
   uint64_t seed = 0;
 };
 
+// The counts of Backend::attention and attention_backward on a (B, T, 3C) fused
+// operand with `heads` heads: their FLOPs and bytes, backward's two kernels, and the
+// qkv and probs a context keeps. Shared by the attention layers.
+LayerCost attention_core_cost(int64_t batch, int64_t seq_len, int64_t dim, int64_t heads, DType dtype);
+
 class CausalSelfAttention : public Layer {
  public:
   explicit CausalSelfAttention(const AttentionOptions& opts);

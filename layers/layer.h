@@ -269,7 +269,8 @@ class ParametersWithoutStorage {
 // UserError naming the layer, the count and the fix otherwise. The rule: every count is
 // finite and non-negative; param_bytes equals the bytes of parameters(); output_bytes
 // equals batch x output elements x the dtype's size; a layer with parameters counts
-// forward and backward FLOPs (> 0); input_grad_flops <= backward_flops; a layer that
+// forward and backward FLOPs (> 0; a forward that only moves data, a table lookup, may
+// count 0 FLOPs and its bytes, at least twice output_bytes); input_grad_flops <= backward_flops; a layer that
 // does not split its backward counts no weight_grad_flops or weight_grad_bytes, one
 // with parameters that splits counts weight_grad_flops > 0, and input_grad_flops +
 // weight_grad_flops <= backward_flops, weight_grad_bytes <= backward_bytes; listed

@@ -22,7 +22,8 @@ namespace {
 Backend& cpu() { return backend_for(Device::cpu()); }
 
 enum class Mistake { kNone, kForwardShape, kForwardDtype, kBackwardShape, kNegativeCost, kNanCost, kNoFlops,
-                     kParamBytes, kOutputBytes, kWeightGradWithoutSplit, kPartsShort };
+                     kParamBytes, kOutputBytes, kWeightGradWithoutSplit, kPartsShort, kNoForwardFlops,
+                     kLookup };
 
 // y = w * x elementwise over C features, with one chosen mistake.
 class Broken : public Layer {
@@ -34,10 +35,16 @@ class Broken : public Layer {
   LayerCost cost(int64_t batch) const override {
     const double n = static_cast<double>(batch * input_shape()[0]);
     LayerCost c;
-    c.forward_flops = m_ == Mistake::kNoFlops ? 0 : n;
+    // kNoForwardFlops counts no forward arithmetic and only its output's bytes; kLookup
+    // counts none either but reads as much as it writes (as a table lookup would).
+    const bool no_forward = m_ == Mistake::kNoFlops || m_ == Mistake::kNoForwardFlops || m_ == Mistake::kLookup;
+    c.forward_flops = no_forward ? 0 : n;
     c.backward_flops = m_ == Mistake::kNoFlops ? 0 : 3 * n;
     c.input_grad_flops = m_ == Mistake::kNoFlops ? 0 : n;
-    c.forward_bytes = m_ == Mistake::kNegativeCost ? -1 : 12 * n;
+    c.forward_bytes = m_ == Mistake::kNegativeCost     ? -1
+                      : m_ == Mistake::kNoForwardFlops ? 4 * n
+                      : m_ == Mistake::kLookup         ? 8 * n
+                                                       : 12 * n;
     c.backward_bytes = m_ == Mistake::kNanCost ? std::numeric_limits<double>::quiet_NaN() : 16 * n;
     c.param_bytes = m_ == Mistake::kParamBytes ? 0 : static_cast<int64_t>(w_.value.nbytes());
     c.output_bytes = static_cast<int64_t>(4 * n) * (m_ == Mistake::kOutputBytes ? 2 : 1);
@@ -117,6 +124,7 @@ TEST_CASE("a layer whose backward returns a misshapen input gradient is named") 
 
 TEST_CASE("a cost the balancer cannot trust is named when the model's costs are taken") {
   CHECK(model_with(Mistake::kNone).costs(8).size() == 2);
+  CHECK(model_with(Mistake::kLookup).costs(8).size() == 2);  // moves data only: no forward FLOPs to count
   struct Case {
     Mistake m;
     const char* says;
@@ -124,6 +132,7 @@ TEST_CASE("a cost the balancer cannot trust is named when the model's costs are 
   for (Case c : {Case{Mistake::kNegativeCost, "forward_bytes = -1; every count must be finite and non-negative"},
                  Case{Mistake::kNanCost, "backward_bytes = nan; every count must be finite and non-negative"},
                  Case{Mistake::kNoFlops, "it has parameters but counts forward_flops = 0 and backward_flops = 0"},
+                 Case{Mistake::kNoForwardFlops, "it has parameters but counts forward_flops = 0 and backward_flops = 96"},
                  Case{Mistake::kParamBytes, "param_bytes = 0 but its parameters() hold 16 bytes"},
                  Case{Mistake::kOutputBytes,
                       "output_bytes = 256 but its output for this batch, 8 x float32(4), is 128 bytes"},

@@ -77,6 +77,11 @@ TEST_CASE("every built-in layer in bfloat16 and float16 stays within their round
       {"attention", {{"heads", "2"}}, {6, 16}, DType::kF32, 2},
       {"transformer_block", {{"heads", "2"}}, {6, 16}, DType::kF32, 6},
       {"swiglu", {{"hidden", "24"}}, {6, 16}, DType::kF32, 3},  // a, b and the gated product rounded
+      {"rmsnorm", {}, {4, 32}, DType::kF32, 1},  // xhat rounded before the scale
+      // q, k, v; their rotations; the probabilities and the heads' outputs.
+      {"gqa_attention", {{"heads", "2"}, {"kv_heads", "1"}}, {6, 16}, DType::kF32, 4},
+      // Two norms, the attention's 4, SwiGLU's 3, the first residual sum.
+      {"llama_block", {{"heads", "2"}, {"kv_heads", "1"}, {"hidden", "24"}}, {6, 16}, DType::kF32, 10},
       {"conv2d", {{"out", "6"}, {"kernel", "3"}}, {3, 6, 6}},
       {"batchnorm2d", {}, {3, 6, 6}},
       {"maxpool2d", {{"kernel", "2"}}, {3, 6, 6}},

@@ -10,7 +10,10 @@
 #include "layers/conv_registry.h"
 #include "layers/dropout.h"
 #include "layers/embedding.h"
+#include "layers/gqa_attention.h"
 #include "layers/layernorm.h"
+#include "layers/llama_block.h"
+#include "layers/rmsnorm.h"
 #include "layers/swiglu.h"
 #include "layers/linear.h"
 #include "layers/transformer.h"
@@ -36,6 +39,19 @@ void check_sequence_input(const LayerArgs& a, const Shape& in) {
   if (in.size() != 2) {
     throw UserError(a.spec().type + at(a.spec()) + ": takes a sequence (T, C) per sample, got " + shape_str(in) +
                     "; put an embedding layer before it");
+  }
+}
+
+// Builds a layer whose options are checked by its constructor (or its sub-layers'), and
+// says where in the config the refused layer is: "llama_block (at cfg.yaml:9:7):
+// gqa_attention: kv_heads=3 does not divide heads=4; ...".
+template <typename L, typename Options>
+std::unique_ptr<Layer> built_at(const LayerArgs& a, const Options& o) {
+  try {
+    return std::make_unique<L>(o);
+  } catch (const UserError& e) {
+    if (a.spec().where.empty()) throw;
+    throw UserError(a.spec().type + at(a.spec()) + ": " + e.what());
   }
 }
 
@@ -96,6 +112,13 @@ Registry& registry() {
       o.dtype = dtype;
       return std::make_unique<LayerNorm>(o);
     });
+    layer("rmsnorm", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t) -> std::unique_ptr<Layer> {
+      if (in.empty()) throw UserError("rmsnorm" + at(a.spec()) + ": needs an input with a feature dimension");
+      RmsNormOptions o(in);
+      o.eps = a.get_double("eps", 1e-6);
+      o.dtype = dtype;
+      return built_at<RmsNorm>(a, o);
+    });
     layer("attention", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
       check_sequence_input(a, in);
       AttentionOptions o(in[1], a.get_int("heads"), in[0]);
@@ -118,6 +141,26 @@ Registry& registry() {
       o.dtype = dtype;
       o.seed = seed;
       return std::make_unique<TransformerBlock>(o);
+    });
+    layer("gqa_attention", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
+      check_sequence_input(a, in);
+      GqaAttentionOptions o(in[1], a.get_int("heads"), in[0]);
+      o.kv_heads = a.get_int("kv_heads", o.heads);
+      o.rope = a.get_bool("rope", true);
+      o.rope_base = a.get_double("rope_base", 10000.0);
+      o.dtype = dtype;
+      o.seed = seed;
+      return built_at<GqaAttention>(a, o);
+    });
+    layer("llama_block", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
+      check_sequence_input(a, in);
+      LlamaBlockOptions o(in[1], a.get_int("heads"), a.get_int("hidden"), in[0]);
+      o.kv_heads = a.get_int("kv_heads", o.heads);
+      o.rope_base = a.get_double("rope_base", 10000.0);
+      o.eps = a.get_double("eps", 1e-6);
+      o.dtype = dtype;
+      o.seed = seed;
+      return built_at<LlamaBlock>(a, o);
     });
     add_conv_layer_types(layer);
     reg->losses["softmax_cross_entropy"] = [](LayerArgs& a, const Shape& in, DType dtype) -> std::unique_ptr<Loss> {
@@ -229,7 +272,7 @@ void register_layer(const std::string& type, LayerFactory factory) {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   check_new_name("register_layer", "layer", type, factory != nullptr, r.builtin_layers, r.layers.count(type) > 0,
-                 "rmsnorm");
+                 "my_rmsnorm");
   r.layers[type] = std::move(factory);
 }
 

@@ -16,6 +16,9 @@
 #include "layers/attention.h"
 #include "layers/conv2d.h"
 #include "layers/linear.h"
+#include "layers/gqa_attention.h"
+#include "layers/llama_block.h"
+#include "layers/rmsnorm.h"
 #include "layers/swiglu.h"
 #include "layers/transformer.h"
 #include "tests/testing.h"
@@ -130,6 +133,29 @@ TEST_CASE("swiglu: B then W equals the whole backward") {
   o.dtype = DType::kF64;
   SwiGLU l(o);
   check_split(l, {4, 8}, true);  // all three weight gradients wait for W
+}
+
+TEST_CASE("rmsnorm: B then W equals the whole backward") {
+  RmsNormOptions o({4, 8});
+  o.dtype = DType::kF64;
+  RmsNorm l(o);
+  check_split(l, {4, 8}, true);  // dg waits for W
+}
+
+TEST_CASE("gqa_attention: B then W equals the whole backward") {
+  GqaAttentionOptions o(8, 4, 4);
+  o.kv_heads = 2;
+  o.dtype = DType::kF64;
+  GqaAttention l(o);
+  check_split(l, {4, 8}, true);  // the four projections' weight gradients wait for W
+}
+
+TEST_CASE("llama_block: B then W equals the whole backward") {
+  LlamaBlockOptions o(8, 4, 12, 4);
+  o.kv_heads = 2;
+  o.dtype = DType::kF64;
+  LlamaBlock l(o);
+  check_split(l, {4, 8}, true);  // the norms' scales too
 }
 
 TEST_CASE("conv2d: B then W equals the whole backward") {

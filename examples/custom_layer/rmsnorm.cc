@@ -14,15 +14,15 @@ using gpipe::layers::LayerCost;
 RmsNorm::RmsNorm(const RmsNormOptions& opts)
     : Layer(opts.shape, opts.shape, opts.dtype), eps_(opts.eps), channels_(opts.shape.empty() ? 0 : opts.shape.back()) {
   if (channels_ <= 0) {
-    throw gpipe::UserError("rmsnorm: needs an input with a feature dimension, got " + gpipe::shape_str(opts.shape) +
+    throw gpipe::UserError("my_rmsnorm: needs an input with a feature dimension, got " + gpipe::shape_str(opts.shape) +
                            " per sample");
   }
-  if (!(eps_ > 0)) throw gpipe::UserError("rmsnorm: eps must be positive, got " + std::to_string(eps_));
+  if (!(eps_ > 0)) throw gpipe::UserError("my_rmsnorm: eps must be positive, got " + std::to_string(eps_));
   // Parameters are created on the CPU; the executor moves them to the stage's device.
   weight_ = constant_parameter("weight", {channels_}, 1.0);
 }
 
-std::string RmsNorm::describe() const { return "rmsnorm" + gpipe::shape_str(input_shape_); }
+std::string RmsNorm::describe() const { return "my_rmsnorm" + gpipe::shape_str(input_shape_); }
 
 // Exact counts of what forward_impl and backward_impl below ask the backend to do, with
 // R = rows normalised and C = channels. The balancer splits the model by these.
@@ -82,7 +82,7 @@ Tensor RmsNorm::backward_impl(Backend& be, const Tensor& dy, const Context& ctx,
 }
 
 void register_rmsnorm() {
-  gpipe::layers::register_layer("rmsnorm", [](gpipe::layers::LayerArgs& args, const gpipe::Shape& input,
+  gpipe::layers::register_layer("my_rmsnorm", [](gpipe::layers::LayerArgs& args, const gpipe::Shape& input,
                                               gpipe::DType dtype, uint64_t /*seed*/) {
     RmsNormOptions o(input);
     o.eps = args.get_double("eps", 1e-6);

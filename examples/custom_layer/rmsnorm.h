@@ -1,5 +1,7 @@
 // An example of a layer of one's own: RMSNorm (Zhang & Sennrich, 2019), the normaliser
-// of LLaMA-style transformers, which gpipe does not have. Over the last dimension:
+// of LLaMA-style transformers. gpipe has it built in (layers/rmsnorm.h, type rmsnorm);
+// this copy shows how a user writes one, registered as type my_rmsnorm since a built-in
+// type name cannot be registered again. Over the last dimension:
 //
 //   y = x / sqrt(mean(x^2) + eps) * g        g: (C), learned, starts at ones
 //
@@ -22,7 +24,7 @@ struct RmsNormOptions {
 class RmsNorm : public gpipe::layers::Layer {
  public:
   explicit RmsNorm(const RmsNormOptions& opts);
-  std::string type() const override { return "rmsnorm"; }
+  std::string type() const override { return "my_rmsnorm"; }
   std::string describe() const override;
   gpipe::layers::LayerCost cost(int64_t batch) const override;
   std::vector<gpipe::layers::Parameter*> parameters() override { return {&weight_}; }
@@ -38,7 +40,7 @@ class RmsNorm : public gpipe::layers::Layer {
   gpipe::layers::Parameter weight_;  // (C), g
 };
 
-// Makes `type: rmsnorm` (option `eps`) available to YAML configs. Call once, at start.
+// Makes `type: my_rmsnorm` (option `eps`) available to YAML configs. Call once, at start.
 void register_rmsnorm();
 
 }  // namespace example

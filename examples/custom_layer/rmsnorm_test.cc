@@ -56,12 +56,12 @@ TEST_CASE("rmsnorm is registered under its own name, with its cost accepted by t
   example::register_rmsnorm();
   layers::ModelSpec spec;
   spec.input = {8, 16};
-  spec.layers = {{"linear", {{"out", "16"}}, {}, ""}, {"rmsnorm", {{"eps", "1e-5"}}, {}, ""}};
+  spec.layers = {{"linear", {{"out", "16"}}, {}, ""}, {"my_rmsnorm", {{"eps", "1e-5"}}, {}, ""}};
   spec.loss = {"softmax_cross_entropy", {}, {}, ""};
   auto model = layers::build_model(spec);
-  CHECK(model->layer(1).describe() == "rmsnorm(8, 16)");
+  CHECK(model->layer(1).describe() == "my_rmsnorm(8, 16)");
   CHECK_NOTHROW(model->costs(4));  // layers/layer.h check_cost: exact param and output bytes
-  CHECK_THROWS_WITH_AS(example::register_rmsnorm(), doctest::Contains("'rmsnorm' is registered already"), UserError);
+  CHECK_THROWS_WITH_AS(example::register_rmsnorm(), doctest::Contains("'my_rmsnorm' is registered already"), UserError);
   spec.layers[1].args["epz"] = "1";
   CHECK_THROWS_WITH_AS(layers::build_model(spec), doctest::Contains("unknown option 'epz'; did you mean eps? valid options: eps"),
                        UserError);

@@ -9,10 +9,10 @@ tmp="${TEST_TMPDIR:-/tmp}"
 fail() { [ -n "${2:-}" ] && cat "$2"; echo "FAIL: $1"; exit 1; }
 
 "$my_gpipe" help > "$tmp/help.log" 2>&1 || fail "my_gpipe help" "$tmp/help.log"
-grep -q "^layer types: .*rmsnorm" "$tmp/help.log" || fail "help does not list rmsnorm" "$tmp/help.log"
+grep -q "^layer types: .*my_rmsnorm" "$tmp/help.log" || fail "help does not list my_rmsnorm" "$tmp/help.log"
 "$my_gpipe" plan "$config" > "$tmp/plan.log" 2>&1 || fail "my_gpipe plan" "$tmp/plan.log"
-grep -q "rmsnorm(128)" "$tmp/plan.log" || fail "plan does not show the rmsnorm layers" "$tmp/plan.log"
-echo "ok: help lists rmsnorm and plan balances a model with it"
+grep -q "my_rmsnorm(128)" "$tmp/plan.log" || fail "plan does not show the my_rmsnorm layers" "$tmp/plan.log"
+echo "ok: help lists my_rmsnorm and plan balances a model with it"
 
 "$my_gpipe" train "$config" --set train.steps=60 --set train.log_interval=10 --set output.dir="$tmp/run" \
   > "$tmp/train.log" 2>&1 || fail "my_gpipe train" "$tmp/train.log"
@@ -25,5 +25,5 @@ echo "ok: trained 60 steps on 2 stages, loss $first -> $last, report written"
 
 "$my_gpipe" train "$config" --set model.layers.1.epz=1 > "$tmp/bad.log" 2>&1
 rc=$?
-[ "$rc" -eq 2 ] && grep -q "layer 'rmsnorm' (at .*rmsnorm.yaml:9:7): unknown option 'epz'; did you mean eps? valid options: eps" "$tmp/bad.log" || fail "a mistyped rmsnorm option (rc=$rc)" "$tmp/bad.log"
+[ "$rc" -eq 2 ] && grep -q "layer 'my_rmsnorm' (at .*rmsnorm.yaml:9:7): unknown option 'epz'; did you mean eps? valid options: eps" "$tmp/bad.log" || fail "a mistyped rmsnorm option (rc=$rc)" "$tmp/bad.log"
 echo "ok: a mistyped rmsnorm option is refused with the valid ones"

@@ -6,7 +6,7 @@
 //   #include "pipeline/cli.h"
 //
 //   int main(int argc, char** argv) {
-//     gpipe::layers::register_layer("rmsnorm", make_rmsnorm);  // type: rmsnorm in YAML
+//     gpipe::layers::register_layer("my_rmsnorm", make_rmsnorm);  // type: my_rmsnorm in YAML
 //     gpipe::layers::register_model("my_model", make_model);    // model: {cpp: my_model}
 //     return gpipe::cli::main(argc, argv);
 //   }

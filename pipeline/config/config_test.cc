@@ -4,6 +4,8 @@
 
 #include <string>
 
+#include "layers/registry.h"
+#include "layers/sequential.h"
 #include "pipeline/config/config.h"
 #include "runtime/error.h"
 
@@ -44,6 +46,27 @@ TEST_CASE("the default config loads") {
   CHECK(c.output.dir == "runs/default");
   CHECK(c.model.layers.size() == 7);  // embedding, 4 blocks, layernorm, tied head
   CHECK(c.model.layers.back().args.at("tied") == "true");
+}
+
+TEST_CASE("the LLaMA config loads: no learned positions, llama_blocks with their options, rmsnorm") {
+  const Config c = load_config("configs/llama.yaml");
+  CHECK(c.name == "llama");
+  CHECK(c.output.dir == "runs/llama");
+  REQUIRE(c.model.layers.size() == 7);  // embedding, 4 blocks, rmsnorm, head
+  CHECK(c.model.layers[0].args.at("positions") == "0");
+  for (int i = 1; i <= 4; ++i) {
+    CAPTURE(i);
+    CHECK(c.model.layers[i].type == "llama_block");
+    CHECK(c.model.layers[i].args.at("kv_heads") == "2");
+    CHECK(c.model.layers[i].args.at("hidden") == "352");
+  }
+  CHECK(c.model.layers[5].type == "rmsnorm");
+  auto model = layers::build_model(c.model);
+  CHECK(model->layer(1).describe() == "llama_block(128, 4 heads, 2 kv heads, hidden 352)");
+  // An embedding with no position table, grouped k and v: 256 x 128 + 4 x (2 x 128 + 128^2 x 2
+  // + 2 x 64 x 128 + 3 x 128 x 352) + 128 + 128 x 256.
+  CHECK(model->parameter_count() == 256 * 128 + 4 * (2 * 128 + 2 * 128 * 128 + 2 * 64 * 128 + 3 * 128 * 352) +
+                                        128 + 128 * 256);
 }
 
 TEST_CASE("repeats expand, costs and defaults are kept") {

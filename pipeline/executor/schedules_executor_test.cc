@@ -46,6 +46,27 @@ layers::ModelSpec gpt_spec() {
   return spec;
 }
 
+// A LLaMA-style model of 8 layers: token embedding without learned positions (rotary
+// embeddings inside the attention instead), blocks with grouped-query attention
+// (kv_heads 1 and 2) and SwiGLU, a bare attention layer, RMSNorm and the tied head.
+layers::ModelSpec llama_spec() {
+  layers::ModelSpec spec;
+  spec.input = {6};
+  spec.input_dtype = DType::kI32;
+  spec.dtype = DType::kF64;
+  spec.seed = 23;
+  spec.layers = {{"embedding", {{"vocab", "16"}, {"dim", "8"}, {"positions", "0"}}, {}, ""}};
+  for (const char* kv : {"1", "2", "2"}) {
+    spec.layers.push_back({"llama_block", {{"heads", "2"}, {"kv_heads", kv}, {"hidden", "12"}}, {}, ""});
+  }
+  spec.layers.push_back({"gqa_attention", {{"heads", "4"}, {"kv_heads", "2"}, {"rope_base", "100"}}, {}, ""});
+  spec.layers.push_back({"llama_block", {{"heads", "4"}, {"kv_heads", "1"}, {"hidden", "16"}}, {}, ""});
+  spec.layers.push_back({"rmsnorm", {}, {}, ""});
+  spec.layers.push_back({"linear", {{"out", "16"}, {"bias", "false"}, {"tied", "true"}}, {}, ""});
+  spec.loss = {"softmax_cross_entropy", {}, {}, ""};
+  return spec;
+}
+
 struct Case {
   std::string name;
   int v;
@@ -123,8 +144,77 @@ TEST_CASE("every schedule: pipelined loss and gradients equal the unpartitioned 
   CHECK(batched_ran > 100);
 }
 
+// The same equality for the LLaMA-style model over the same grid, where its 8 layers
+// give every cell one (K v <= 8), and with batched weight gradients.
+TEST_CASE("every schedule on a LLaMA-style model: pipelined loss and gradients equal the unpartitioned model's") {
+  const layers::ModelSpec spec = llama_spec();
+  const int64_t N = 7;
+  Tensor x = gpipe::testing::random_labels(N * 6, 16, 53).reshape({N, 6});
+  Tensor y = gpipe::testing::random_labels(N * 6, 16, 54).reshape({N, 6});
+  auto reference = layers::build_model(spec);
+  reference->zero_grad();
+  const double ref_loss = reference->forward_backward(backend_for(Device::cpu()), x, y, 1.0 / (N * 6));
+  reference->sum_tied_gradients(backend_for(Device::cpu()));
+  auto ref_params = reference->named_parameters();
+
+  int ran = 0, batched_ran = 0;
+  for (const Case& sc : {Case{"gpipe", 1}, Case{"1f1b", 1}, Case{"zero_bubble", 1}, Case{"interleaved_1f1b", 2},
+                         Case{"interleaved_1f1b", 3}, Case{"zero_bubble", 2}}) {
+    for (int K = 1; K * sc.v <= static_cast<int>(spec.layers.size()) && K <= 4; ++K) {
+      for (int M : {1, 3, 4, 6}) {
+        for (auto mode : {RecomputeMode::kAlways, RecomputeMode::kExceptLast, RecomputeMode::kNever}) {
+          CAPTURE(sc.name);
+          CAPTURE(sc.v);
+          CAPTURE(K);
+          CAPTURE(M);
+          CAPTURE(recompute_mode_name(mode));
+          ScheduleRequest request{sc.name, K, sc.v, M, mode};
+          Schedule schedule;
+          try {
+            schedule = make_schedule(request);
+          } catch (const UserError& e) {
+            CHECK(std::string(e.what()).find("multiple of pipeline.partitions") != std::string::npos);
+            continue;
+          }
+          auto model = layers::build_model(spec);
+          const std::vector<int> balance =
+              partition::balance_by_cost(std::vector<double>(model->size(), 1.0), K * sc.v);
+          InProcessTransport transport(K);
+          Executor ex(*model, make_cells(balance, schedule, cpu_devices(K)), schedule, transport, {});
+          const StepResult r = ex.step(x, y, /*apply_optimizer=*/false);
+          CHECK(r.loss == doctest::Approx(ref_loss).epsilon(1e-12));
+          auto params = model->named_parameters();
+          REQUIRE(params.size() == ref_params.size());
+          for (size_t i = 0; i < params.size(); ++i) {
+            INFO("gradient of ", params[i].first);
+            GPIPE_EXPECT_CLOSE(params[i].second->grad, ref_params[i].second->grad, 1e-9, 1e-12);
+          }
+          CHECK(transport.pending() == 0);
+          ++ran;
+          request.batch_weights = true;
+          const Schedule batched = make_schedule(request);
+          if (batched.stages == schedule.stages) continue;
+          auto model_b = layers::build_model(spec);
+          InProcessTransport transport_b(K);
+          Executor ex_b(*model_b, make_cells(balance, batched, cpu_devices(K)), batched, transport_b, {});
+          CHECK(ex_b.step(x, y, /*apply_optimizer=*/false).loss == r.loss);
+          auto params_b = model_b->named_parameters();
+          for (size_t i = 0; i < params.size(); ++i) {
+            INFO("batched W: gradient of ", params[i].first);
+            GPIPE_EXPECT_CLOSE(params_b[i].second->grad, params[i].second->grad, 1e-12, 1e-15);
+          }
+          ++batched_ran;
+        }
+      }
+    }
+  }
+  CHECK(ran > 150);
+  CHECK(batched_ran > 70);
+}
+
 TEST_CASE("every schedule trains: three optimizer steps equal GPipe's") {
-  const layers::ModelSpec spec = gpt_spec();
+ for (const layers::ModelSpec& spec : {gpt_spec(), llama_spec()}) {
+  CAPTURE(spec.layers[1].type);
   const int64_t N = 8;
   Tensor x = gpipe::testing::random_labels(N * 6, 16, 61).reshape({N, 6});
   Tensor y = gpipe::testing::random_labels(N * 6, 16, 62).reshape({N, 6});
@@ -155,6 +245,7 @@ TEST_CASE("every schedule trains: three optimizer steps equal GPipe's") {
     GPIPE_EXPECT_CLOSE(other.first, gpipe.first, 1e-12, 1e-12);
     GPIPE_EXPECT_CLOSE(other.second, gpipe.second, 1e-10, 1e-12);
   }
+ }
 }
 
 TEST_CASE("the executor's meter: 1F1B and zero bubble hold K micro-batches on stage 0 whatever M, GPipe M") {

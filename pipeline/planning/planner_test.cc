@@ -124,6 +124,20 @@ TEST_CASE("estimate_memory equals the executor's activation meter") {
   loss: softmax_cross_entropy
 train: {steps: 1, batch_size: 10}
 )";
+  // The LLaMA layers keep more between B and W (RMSNorm's dy, four projections' dy).
+  const char* llama = R"(model:
+  input: [6]
+  dtype: float64
+  layers:
+    - {type: embedding, vocab: 16, dim: 8, positions: 0}
+    - repeat: 3
+      layers:
+        - {type: llama_block, heads: 2, kv_heads: 1, hidden: 12}
+    - {type: rmsnorm}
+    - {type: linear, out: 16}
+  loss: softmax_cross_entropy
+train: {steps: 1, batch_size: 10}
+)";
   const char* mlp = R"(model:
   input: [12]
   dtype: float64
@@ -142,7 +156,7 @@ train: {steps: 1, batch_size: 10}
     const char* schedule;
     int v;
   };
-  for (const char* text : {mlp, gpt}) {
+  for (const char* text : {mlp, gpt, llama}) {
     for (const Case sc : {Case{"gpipe", 1}, Case{"1f1b", 1}, Case{"interleaved_1f1b", 2}, Case{"zero_bubble", 1},
                           Case{"zero_bubble", 2}}) {
       for (const char* mode : {"never", "except_last", "always"}) {

@@ -442,7 +442,8 @@ TEST_CASE("the shipped configs parse, build and balance") {
     int state_buffers;
   };
   for (const Expect& e : {Expect{"configs/default.yaml", {3, 4}, 2}, Expect{"configs/mlp.yaml", {7, 8}, 1},
-                          Expect{"configs/gpt.yaml", {5, 6}, 2}, Expect{"configs/resnet.yaml", {5, 6}, 1}}) {
+                          Expect{"configs/gpt.yaml", {5, 6}, 2}, Expect{"configs/resnet.yaml", {5, 6}, 1},
+                          Expect{"configs/llama.yaml", {3, 4}, 2}}) {
     CAPTURE(e.path);
     const Config c = load_config(e.path);
     auto model = layers::build_model(c.model);

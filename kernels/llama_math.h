@@ -1,0 +1,39 @@
+// Rotary position embeddings (Su et al., "RoFormer"; Backend::rope), one formula for
+// both backends: the CPU reference (kernels/cpu_llama_ops.cc) and the CUDA kernels
+// (kernels/cuda_llama.cu) compile these same lines. The angles and the rotation are in
+// double whatever the element type, so float32 results differ between the backends only
+// where the two math libraries' sin, cos and pow differ in the last bit of a double.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define GPIPE_ROPE_FN __host__ __device__ inline
+#else
+#define GPIPE_ROPE_FN inline
+#endif
+
+namespace gpipe {
+namespace ops {
+
+// The angle of pair i (0 <= i < D/2) at position t: t * base^(-2i/D), Hugging Face
+// LLaMA's inv_freq, in double.
+GPIPE_ROPE_FN double rope_angle(int64_t t, int64_t i, int64_t head_dim, double base) {
+  return static_cast<double>(t) * pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
+}
+
+// HF's rotate_half convention: element i of a head pairs with element i + D/2,
+//   y_i = x_i cos - x_{i+D/2} sin,   y_{i+D/2} = x_{i+D/2} cos + x_i sin.
+// The backward is the inverse rotation (the transpose): the same with -sin, which
+// `sign` = -1 selects. Reads both inputs before writing, so y may be x.
+template <typename T>
+GPIPE_ROPE_FN void rope_pair(const T* x, T* y, int64_t i, int64_t half, double angle, double sign) {
+  const double c = cos(angle), s = sign * sin(angle);
+  const double a = static_cast<double>(x[i]), b = static_cast<double>(x[i + half]);
+  y[i] = static_cast<T>(a * c - b * s);
+  y[i + half] = static_cast<T>(b * c + a * s);
+}
+
+}  // namespace ops
+}  // namespace gpipe

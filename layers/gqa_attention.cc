@@ -1,0 +1,193 @@
+#include "layers/gqa_attention.h"
+
+#include <sstream>
+
+#include "layers/attention.h"
+#include "runtime/error.h"
+#include "runtime/random.h"
+
+namespace gpipe {
+namespace layers {
+
+namespace {
+
+// Children of the layer's Context, in forward order; its own saved: {qkv, probs}.
+enum Child { kQ, kK, kV, kO, kChildren };
+
+Context* child(Context* ctx, Child i) { return ctx != nullptr ? &ctx->children[i] : nullptr; }
+
+const GqaAttentionOptions& checked(const GqaAttentionOptions& o) {
+  const std::string what = "gqa_attention: ";
+  if (o.dim <= 0 || o.heads <= 0 || o.kv_heads <= 0 || o.seq_len <= 0) {
+    throw UserError(what + "dim, heads, kv_heads and the sequence length must be positive, got dim=" +
+                    std::to_string(o.dim) + ", heads=" + std::to_string(o.heads) + ", kv_heads=" +
+                    std::to_string(o.kv_heads) + ", seq_len=" + std::to_string(o.seq_len));
+  }
+  if (o.dim % o.heads != 0) {
+    throw UserError(what + std::to_string(o.dim) + " channels do not split into " + std::to_string(o.heads) +
+                    " heads; choose heads that divide the embedding dim");
+  }
+  if (o.heads % o.kv_heads != 0) {
+    throw UserError(what + "kv_heads=" + std::to_string(o.kv_heads) + " does not divide heads=" +
+                    std::to_string(o.heads) + "; each key/value head serves an equal group of query heads, so "
+                    "choose kv_heads dividing heads (heads for multi-head attention, 1 for multi-query)");
+  }
+  if (o.rope && (o.dim / o.heads) % 2 != 0) {
+    throw UserError(what + "rotary embeddings rotate pairs of a head's channels, and the head width " +
+                    std::to_string(o.dim / o.heads) + " (dim " + std::to_string(o.dim) + " / " +
+                    std::to_string(o.heads) + " heads) is odd; choose dim and heads with an even dim / heads");
+  }
+  if (o.rope && !(o.rope_base > 1.0)) {
+    throw UserError(what + "rope_base must be greater than 1, got " + std::to_string(o.rope_base) +
+                    "; LLaMA uses 10000");
+  }
+  return o;
+}
+
+LinearOptions projection(const GqaAttentionOptions& o, int64_t out, uint64_t seed) {
+  LinearOptions l(o.dim, out);
+  l.leading = {o.seq_len};
+  l.bias = false;
+  l.dtype = o.dtype;
+  l.seed = seed;
+  return l;
+}
+
+int64_t kv_width(const GqaAttentionOptions& o) { return o.heads > 0 ? o.kv_heads * (o.dim / o.heads) : 0; }
+
+// Per rotated pair: the angle t base^(-2i/D) (a power, and a sine and a cosine of it,
+// each counted as 25 like the exponential in layers/swiglu.cc's count, and the product
+// by t) and the rotation (4 products, 2 sums): 82, i.e. 41 per element.
+constexpr double kRopeFlopsPerElement = 41;
+
+}  // namespace
+
+GqaAttention::GqaAttention(const GqaAttentionOptions& opts)
+    : Layer({opts.seq_len, opts.dim}, {opts.seq_len, opts.dim}, opts.dtype),
+      opts_(checked(opts)),
+      q_(projection(opts, opts.dim, mix_seed(opts.seed, 1))),
+      k_(projection(opts, kv_width(opts), mix_seed(opts.seed, 2))),
+      v_(projection(opts, kv_width(opts), mix_seed(opts.seed, 3))),
+      o_(projection(opts, opts.dim, mix_seed(opts.seed, 4))) {
+  q_.weight().name = "q.weight";
+  k_.weight().name = "k.weight";
+  v_.weight().name = "v.weight";
+  o_.weight().name = "o.weight";
+}
+
+std::string GqaAttention::describe() const {
+  std::ostringstream os;
+  os << "gqa_attention(" << opts_.dim << ", " << opts_.heads << " heads, " << opts_.kv_heads << " kv heads";
+  if (!opts_.rope) os << ", no rope";
+  if (opts_.rope && opts_.rope_base != 10000.0) os << ", rope base " << opts_.rope_base;
+  os << ")";
+  return os.str();
+}
+
+std::vector<Parameter*> GqaAttention::parameters() {
+  return {&q_.weight(), &k_.weight(), &v_.weight(), &o_.weight()};
+}
+
+LayerCost GqaAttention::cost(int64_t batch) const {
+  const double rows = static_cast<double>(batch * opts_.seq_len);
+  const double C = static_cast<double>(opts_.dim), KC = static_cast<double>(kv_width(opts_));
+  const double es = static_cast<double>(dtype_size(dtype_));
+  const double n = rows * C;  // elements of x
+  LayerCost c;
+  c += q_.cost(batch);
+  c += k_.cost(batch);
+  c += v_.cost(batch);
+  // The core: the fused operand's pack and its gradients' group sums around attention.
+  c += attention_core_cost(batch, opts_.seq_len, opts_.dim, opts_.heads, dtype_);
+  c += o_.cost(batch);
+  // Forward: rope on q and k in place (read, write), pack_qkv (reads q, k, v, writes qkv).
+  const double rotated = opts_.rope ? rows * (C + KC) : 0;
+  c.forward_flops += kRopeFlopsPerElement * rotated;
+  c.forward_bytes += 2 * es * rotated + es * (rows * (C + 2 * KC) + 3 * n);
+  // B: pack_qkv_backward (reads dqkv, writes dq, dk, dv; H/KV - 1 sums per element of dk
+  // and dv), rope_backward on dq and dk in place, then dx = the q projection's dx plus
+  // k's and v's (two axpys, only with dx).
+  const CostPart unpack{false, 2 * (n - rows * KC), es * (3 * n + rows * (C + 2 * KC))};
+  const CostPart unrope{false, kRopeFlopsPerElement * rotated, 2 * es * rotated};
+  const CostPart sums{false, 2 * n, 2 * 3 * es * n};
+  c.backward_parts = backward_parts(c);
+  for (const CostPart& p : {unpack, unrope, sums}) {
+    if (p.flops == 0 && p.bytes == 0) continue;
+    c.backward_parts.push_back(p);
+    c.backward_flops += p.flops;
+    c.backward_bytes += p.bytes;
+  }
+  // Without dx the three input projections' dx and their sum are skipped; the output
+  // projection's dx, the core's backward, the unpacking and the rotation feed the
+  // weight gradients. W is the four weight gradients (summed above).
+  c.input_grad_flops =
+      q_.cost(batch).input_grad_flops + k_.cost(batch).input_grad_flops + v_.cost(batch).input_grad_flops + 2 * n;
+  c.output_bytes = static_cast<int64_t>(es * n);
+  return c;
+}
+
+Tensor GqaAttention::forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) {
+  const int64_t B = x.size(0), T = opts_.seq_len, C = opts_.dim;
+  const int H = static_cast<int>(opts_.heads), KV = static_cast<int>(opts_.kv_heads);
+  if (ctx != nullptr) ctx->children.assign(kChildren, Context{});
+  Tensor q = q_.forward(be, x, child(ctx, kQ), args);  // (B, T, C)
+  Tensor k = k_.forward(be, x, child(ctx, kK), args);  // (B, T, KV D)
+  const Tensor v = v_.forward(be, x, child(ctx, kV), args);  // (B, T, KV D)
+  if (opts_.rope) {
+    be.rope(q, H, opts_.rope_base, q);  // fresh outputs no context keeps: in place
+    be.rope(k, KV, opts_.rope_base, k);
+  }
+  Tensor qkv = be.empty({B, T, 3 * C}, dtype_);  // (B, T, 3C), key/value heads repeated
+  be.pack_qkv(q, k, v, H, qkv);
+  Tensor probs = be.empty({B, opts_.heads, T, T}, dtype_);  // (B, H, T, T)
+  Tensor att = be.empty({B, T, C}, dtype_);                 // (B, T, C), heads side by side
+  be.attention(qkv, H, probs, att);
+  if (ctx != nullptr) ctx->saved = {qkv, probs};
+  return o_.forward(be, att, child(ctx, kO), args);  // (B, T, C)
+}
+
+Tensor GqaAttention::backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) {
+  std::vector<Context>& ch = ctx.children;
+  GPIPE_CHECK(ctx.saved.size() == 2 && ch.size() == kChildren, describe() + ": backward without its forward");
+  const Tensor& qkv = ctx.saved[0];    // (B, T, 3C)
+  const Tensor& probs = ctx.saved[1];  // (B, H, T, T)
+  const int H = static_cast<int>(opts_.heads), KV = static_cast<int>(opts_.kv_heads);
+  const int64_t B = qkv.size(0), T = opts_.seq_len, C = opts_.dim, KC = kv_width(opts_);
+  const Tensor datt = o_.backward_input(be, dy, ch[kO]);  // (B, T, C)
+  Tensor dqkv = be.empty(qkv.shape(), dtype_);           // (B, T, 3C)
+  be.attention_backward(datt, qkv, probs, H, dqkv);
+  Tensor dq = be.empty({B, T, C}, dtype_);   // (B, T, C)
+  Tensor dk = be.empty({B, T, KC}, dtype_);  // (B, T, KV D): each group's sum
+  Tensor dv = be.empty({B, T, KC}, dtype_);  // (B, T, KV D)
+  be.pack_qkv_backward(dqkv, H, dq, dk, dv);
+  ctx.saved.clear();  // W needs only the projections' contexts: the scores can go now
+  if (opts_.rope) {
+    be.rope_backward(dq, H, opts_.rope_base, dq);
+    be.rope_backward(dk, KV, opts_.rope_base, dk);
+  }
+  Tensor dx = q_.backward_input(be, dq, ch[kQ], need_dx);
+  const Tensor dx_k = k_.backward_input(be, dk, ch[kK], need_dx);
+  const Tensor dx_v = v_.backward_input(be, dv, ch[kV], need_dx);
+  if (!need_dx) return Tensor();
+  be.axpy(1.0, dx_k, dx);
+  be.axpy(1.0, dx_v, dx);
+  return dx;
+}
+
+void GqaAttention::backward_weight_impl(Backend& be, Context& ctx) {
+  std::vector<Context>& ch = ctx.children;
+  o_.backward_weight(be, ch.at(kO));
+  v_.backward_weight(be, ch.at(kV));
+  k_.backward_weight(be, ch.at(kK));
+  q_.backward_weight(be, ch.at(kQ));
+}
+
+void GqaAttention::backward_weight_batch_impl(Backend& be, const std::vector<Context*>& ctxs) {
+  o_.backward_weight(be, children_at(ctxs, kO));
+  v_.backward_weight(be, children_at(ctxs, kV));
+  k_.backward_weight(be, children_at(ctxs, kK));
+  q_.backward_weight(be, children_at(ctxs, kQ));
+}
+
+}  // namespace layers
+}  // namespace gpipe

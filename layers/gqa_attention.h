@@ -1,0 +1,49 @@
+// Causal grouped-query self-attention as in LLaMA 2/3 (Ainslie et al., "GQA"): q, k, v
+// and output projections without biases, rotary position embeddings on q and k
+// (Backend::rope), and kv_heads key/value heads, each shared by heads / kv_heads query
+// heads (kv_heads == heads: multi-head attention; 1: multi-query). The core is the fused
+// Backend::attention on q and the key/value heads repeated (Backend::pack_qkv), whose
+// backward sums each group's gradient. Input and output are (T, dim) per sample;
+// parameters "q.weight" (dim, dim), "k.weight", "v.weight" (kv_heads dim/heads, dim),
+// "o.weight" (dim, dim). Backward splits into B and W (the four weight gradients).
+#pragma once
+
+#include "layers/layer.h"
+#include "layers/linear.h"
+
+namespace gpipe {
+namespace layers {
+
+struct GqaAttentionOptions {
+  GqaAttentionOptions(int64_t dim, int64_t heads, int64_t seq_len)
+      : dim(dim), heads(heads), kv_heads(heads), seq_len(seq_len) {}
+  int64_t dim, heads, kv_heads, seq_len;
+  bool rope = true;            // rotary embeddings on q and k; false: none (no positions at all)
+  double rope_base = 10000.0;  // theta_i = rope_base^(-2i/D)
+  DType dtype = DType::kF32;
+  uint64_t seed = 0;
+};
+
+class GqaAttention : public Layer {
+ public:
+  explicit GqaAttention(const GqaAttentionOptions& opts);
+  std::string type() const override { return "gqa_attention"; }
+  std::string describe() const override;
+  LayerCost cost(int64_t batch) const override;
+  std::vector<Parameter*> parameters() override;  // q.weight, k.weight, v.weight, o.weight
+  bool splits_backward() const override { return true; }
+
+ private:
+  Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
+  Tensor backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) override;
+  void backward_weight_impl(Backend& be, Context& ctx) override;
+  void backward_weight_batch_impl(Backend& be, const std::vector<Context*>& ctxs) override;
+  GqaAttentionOptions opts_;
+  Linear q_;  // (T, C) -> (T, C)
+  Linear k_;  // (T, C) -> (T, KV D)
+  Linear v_;  // (T, C) -> (T, KV D)
+  Linear o_;  // (T, C) -> (T, C)
+};
+
+}  // namespace layers
+}  // namespace gpipe
