@@ -1,17 +1,20 @@
 // The defining test for every schedule: loss and every parameter gradient of the
 // pipelined model equal the unpartitioned model's (float64), for K in 1..4, several M
 // (some that K does not divide), every recompute mode, with dropout and a head tied to
-// the embedding; interleaved with v = 2 and 3. Also: the executor's activation meter
-// shows what 1F1B and zero bubble save over GPipe.
+// the embedding; interleaved with v = 2 and 3; on three models: a GPT, a LLaMA-style
+// model and a GPT whose feed-forward layers are written as forward only (layers/derived.h).
+// Also: the executor's activation meter shows what 1F1B and zero bubble save over GPipe.
 #include <doctest/doctest.h>
 
 #include <string>
 
+#include "layers/derived.h"
 #include "layers/registry.h"
 #include "partition/balance.h"
 #include "pipeline/executor/executor.h"
 #include "runtime/error.h"
 #include "runtime/inprocess_transport.h"
+#include "runtime/random.h"
 #include "tests/testing.h"
 
 using namespace gpipe;
@@ -67,90 +70,70 @@ layers::ModelSpec llama_spec() {
   return spec;
 }
 
+// x + dropout(down(silu(gate(n)) * up(n))), n = rmsnorm(x): LLaMA's feed-forward half
+// written as forward only and registered as a type of one's own; its backward, B/W split,
+// batched W, dropout keys under recompute and cost (the balancer's input) are derived.
+class DerivedFeedForward : public layers::DerivedLayer {
+ public:
+  DerivedFeedForward(const Shape& shape, int64_t hidden, double p, DType dtype, uint64_t seed)
+      : DerivedLayer("test_feed_forward", shape, shape, dtype, seed),
+        norm_(add_constant_parameter("norm.weight", {shape.back()}, 1.0)),
+        gate_(add_parameter("gate.weight", {hidden, shape.back()}, 0.5, mix_seed(seed, 1))),
+        up_(add_parameter("up.weight", {hidden, shape.back()}, 0.5, mix_seed(seed, 2))),
+        down_(add_parameter("down.weight", {shape.back(), hidden}, 0.5, mix_seed(seed, 3))),
+        p_(p) {}
+  Var define(Graph& g, Var x) const override {
+    Var n = g.mul(g.mul(x, g.rsqrt(g.add(g.mean(g.square(x)), 1e-6))), g.param(norm_));
+    Var h = g.linear(g.mul(g.silu(g.linear(n, gate_)), g.linear(n, up_)), down_);
+    return g.add(x, g.dropout(h, p_));
+  }
+
+ private:
+  Parameter &norm_, &gate_, &up_, &down_;
+  double p_;
+};
+
+// A GPT whose feed-forward blocks are DerivedFeedForward, named (their checkpoint names).
+layers::ModelSpec derived_spec() {
+  static const bool registered = [] {
+    layers::register_layer("test_feed_forward", [](layers::LayerArgs& args, const Shape& input, DType dtype,
+                                                   uint64_t seed) {
+      return std::unique_ptr<layers::Layer>(std::make_unique<DerivedFeedForward>(
+          input, args.get_int("hidden"), args.get_double("dropout", 0.0), dtype, seed));
+    });
+    return true;
+  }();
+  (void)registered;
+  layers::ModelSpec spec;
+  spec.input = {6};
+  spec.input_dtype = DType::kI32;
+  spec.dtype = DType::kF64;
+  spec.seed = 23;
+  spec.layers = {{"embedding", {{"vocab", "16"}, {"dim", "8"}}, {}, ""}};
+  for (int i = 0; i < 3; ++i) {
+    spec.layers.push_back({"transformer_block", {{"heads", "2"}}, {}, ""});
+    spec.layers.push_back({"test_feed_forward", {{"hidden", "12"}, {"dropout", "0.2"}}, {}, "", "ffn." + std::to_string(i)});
+  }
+  spec.layers.push_back({"layernorm", {}, {}, ""});
+  spec.layers.push_back({"linear", {{"out", "16"}}, {}, ""});
+  spec.loss = {"softmax_cross_entropy", {}, {}, ""};
+  return spec;
+}
+
 struct Case {
   std::string name;
   int v;
 };
 
-}  // namespace
-
-TEST_CASE("every schedule: pipelined loss and gradients equal the unpartitioned model's") {
-  const layers::ModelSpec spec = gpt_spec();
+// Loss and every parameter gradient of `spec` pipelined under every schedule (gpipe,
+// 1F1B, zero bubble, interleaved with v = 2 and 3, zero bubble with v = 2), K = 1..4 where
+// the model has K v layers, M in {1, 3, 4, 6} and every recompute mode, against the
+// unpartitioned model on the same batch of N samples of 6 tokens; where batching the
+// weight gradients changes the program, that too. Returns how many runs of each kind.
+std::pair<int, int> check_every_schedule(const layers::ModelSpec& spec, uint64_t seed) {
   const int64_t N = 7;
-  Tensor x = gpipe::testing::random_labels(N * 6, 16, 51).reshape({N, 6});
-  Tensor y = gpipe::testing::random_labels(N * 6, 16, 52).reshape({N, 6});
-  auto reference = layers::build_model(spec);
-  reference->zero_grad();
-  const double ref_loss = reference->forward_backward(backend_for(Device::cpu()), x, y, 1.0 / (N * 6));
-  reference->sum_tied_gradients(backend_for(Device::cpu()));
-  auto ref_params = reference->named_parameters();
-
-  int ran = 0, batched_ran = 0;
-  for (const Case& sc : {Case{"gpipe", 1}, Case{"1f1b", 1}, Case{"zero_bubble", 1}, Case{"interleaved_1f1b", 2},
-                         Case{"interleaved_1f1b", 3}, Case{"zero_bubble", 2}}) {
-    for (int K = 1; K <= 4; ++K) {
-      for (int M : {1, 3, 4, 6}) {
-        for (auto mode : {RecomputeMode::kAlways, RecomputeMode::kExceptLast, RecomputeMode::kNever}) {
-          CAPTURE(sc.name);
-          CAPTURE(sc.v);
-          CAPTURE(K);
-          CAPTURE(M);
-          CAPTURE(recompute_mode_name(mode));
-          ScheduleRequest request{sc.name, K, sc.v, M, mode};
-          Schedule schedule;
-          try {
-            schedule = make_schedule(request);
-          } catch (const UserError& e) {
-            // Only interleaving refuses sizes: micro-batches in rounds that do not divide M.
-            CHECK(std::string(e.what()).find("multiple of pipeline.partitions") != std::string::npos);
-            continue;
-          }
-          auto model = layers::build_model(spec);
-          const std::vector<int> balance =
-              partition::balance_by_cost(std::vector<double>(model->size(), 1.0), K * sc.v);
-          InProcessTransport transport(K);
-          Executor ex(*model, make_cells(balance, schedule, cpu_devices(K)), schedule, transport, {});
-          const StepResult r = ex.step(x, y, /*apply_optimizer=*/false);
-          CHECK(r.loss == doctest::Approx(ref_loss).epsilon(1e-12));
-          auto params = model->named_parameters();
-          REQUIRE(params.size() == ref_params.size());
-          for (size_t i = 0; i < params.size(); ++i) {
-            INFO("gradient of ", params[i].first);
-            GPIPE_EXPECT_CLOSE(params[i].second->grad, ref_params[i].second->grad, 1e-9, 1e-12);
-          }
-          CHECK(transport.pending() == 0);
-          ++ran;
-          // The same with the weight gradients batched across micro-batches, where that
-          // changes the program: the same gradients but for the order of the sums.
-          request.batch_weights = true;
-          const Schedule batched = make_schedule(request);
-          if (batched.stages == schedule.stages) continue;
-          auto model_b = layers::build_model(spec);
-          InProcessTransport transport_b(K);
-          Executor ex_b(*model_b, make_cells(balance, batched, cpu_devices(K)), batched, transport_b, {});
-          CHECK(ex_b.step(x, y, /*apply_optimizer=*/false).loss == r.loss);
-          auto params_b = model_b->named_parameters();
-          for (size_t i = 0; i < params.size(); ++i) {
-            INFO("batched W: gradient of ", params[i].first);
-            GPIPE_EXPECT_CLOSE(params_b[i].second->grad, params[i].second->grad, 1e-12, 1e-15);
-          }
-          CHECK(transport_b.pending() == 0);
-          ++batched_ran;
-        }
-      }
-    }
-  }
-  CHECK(ran > 200);
-  CHECK(batched_ran > 100);
-}
-
-// The same equality for the LLaMA-style model over the same grid, where its 8 layers
-// give every cell one (K v <= 8), and with batched weight gradients.
-TEST_CASE("every schedule on a LLaMA-style model: pipelined loss and gradients equal the unpartitioned model's") {
-  const layers::ModelSpec spec = llama_spec();
-  const int64_t N = 7;
-  Tensor x = gpipe::testing::random_labels(N * 6, 16, 53).reshape({N, 6});
-  Tensor y = gpipe::testing::random_labels(N * 6, 16, 54).reshape({N, 6});
+  Tensor x = gpipe::testing::random_labels(N * 6, 16, seed).reshape({N, 6});
+  Tensor y = gpipe::testing::random_labels(N * 6, 16, seed + 1).reshape({N, 6});
   auto reference = layers::build_model(spec);
   reference->zero_grad();
   const double ref_loss = reference->forward_backward(backend_for(Device::cpu()), x, y, 1.0 / (N * 6));
@@ -208,6 +191,25 @@ TEST_CASE("every schedule on a LLaMA-style model: pipelined loss and gradients e
       }
     }
   }
+  return {ran, batched_ran};
+}
+
+}  // namespace
+
+TEST_CASE("every schedule: pipelined loss and gradients equal the unpartitioned model's") {
+  const auto [ran, batched_ran] = check_every_schedule(gpt_spec(), 51);
+  CHECK(ran > 200);
+  CHECK(batched_ran > 100);
+}
+
+TEST_CASE("every schedule on a LLaMA-style model: pipelined loss and gradients equal the unpartitioned model's") {
+  const auto [ran, batched_ran] = check_every_schedule(llama_spec(), 53);
+  CHECK(ran > 150);
+  CHECK(batched_ran > 70);
+}
+
+TEST_CASE("every schedule on a model of layers written as forward only (layers/derived.h)") {
+  const auto [ran, batched_ran] = check_every_schedule(derived_spec(), 55);
   CHECK(ran > 150);
   CHECK(batched_ran > 70);
 }
