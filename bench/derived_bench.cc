@@ -86,7 +86,7 @@ int main(int argc, char** argv) {
   example::MySwiGLU dswiglu({dim}, hidden, DType::kF32, 1);
   SwiGLUOptions so(dim, hidden);
   SwiGLU swiglu(so);
-  example::DerivedRmsNorm dnorm({dim}, 1e-6, DType::kF32);
+  example::DerivedRmsNorm dnorm({dim}, 1e-6, DType::kF32, 1);
   example::RmsNorm norm(example::RmsNormOptions({dim}));
 
   nlohmann::json out = {{"rows", rows}, {"dim", dim}, {"hidden", hidden}, {"reps", reps}, {"threads", 1}};

@@ -27,7 +27,7 @@ struct Node {
   uint64_t key = 0;   // kDropout: the mask's key and the batch's first sample
   int64_t offset = 0;
   Shape shape;              // (batch, ...)
-  bool needs_grad = false;  // depends on the input or a parameter
+  bool reaches_param = false;  // computed from a parameter: its gradient flows on to W
   int saved = -1;           // the value's index in Context::saved; -1: not kept
 };
 
@@ -44,6 +44,20 @@ bool reads_parameter(const Tape& t, const Node& n) {
   if (n.kind == OpKind::kLinear) return true;
   auto is_param = [&](int v) { return v >= 0 && t.nodes[v].kind == OpKind::kParam; };
   return is_param(n.a) || is_param(n.b);
+}
+
+// Whether two tapes are the same program op for op (one define run on two micro-batches),
+// so that a batched W may read the same saved slots in both.
+bool same_program(const Tape& a, const Tape& b) {
+  if (a.nodes.size() != b.nodes.size() || a.forward_saved != b.forward_saved || a.output != b.output) return false;
+  for (size_t i = 0; i < a.nodes.size(); ++i) {
+    const Node &x = a.nodes[i], &y = b.nodes[i];
+    if (x.kind != y.kind || x.a != y.a || x.b != y.b || x.param != y.param || x.bias != y.bias ||
+        x.saved != y.saved) {
+      return false;
+    }
+  }
+  return true;
 }
 
 // A value as the kernels see it: its shape and type always, its tensor when running.
@@ -174,7 +188,7 @@ struct Graph::Impl {
   // A reduction over the last axis must not reduce over the batch: samples stay apart,
   // so that any micro-batch split computes the same.
   void check_per_sample(Var v, const char* op) const {
-    if (tape.nodes[v.id()].shape.size() < 2) {
+    if (tape.nodes[v.id()].kind != OpKind::kParam && tape.nodes[v.id()].shape.size() < 2) {
       throw UserError(who() + ": " + op + " over the last axis of " + shape_str(tape.nodes[v.id()].shape) +
                       " would reduce over the batch; a value needs a dimension per sample");
     }
@@ -186,8 +200,8 @@ struct Graph::Impl {
   }
   Var add_node(Node n, Val y) {
     n.shape = y.shape;
-    n.needs_grad = n.kind == OpKind::kInput || n.kind == OpKind::kParam || n.kind == OpKind::kLinear ||
-                   (n.a >= 0 && tape.nodes[n.a].needs_grad) || (n.b >= 0 && tape.nodes[n.b].needs_grad);
+    n.reaches_param = n.kind == OpKind::kParam || n.kind == OpKind::kLinear ||
+                      (n.a >= 0 && tape.nodes[n.a].reaches_param) || (n.b >= 0 && tape.nodes[n.b].reaches_param);
     tape.nodes.push_back(std::move(n));
     values.push_back(std::move(y));
     kept.push_back(false);
@@ -217,6 +231,7 @@ Var Graph::param(Parameter& p) {
 
 Var Graph::linear(Var x, Parameter& w, Parameter* bias) {
   impl_.check(x, "linear");
+  impl_.check_per_sample(x, "linear");
   const Shape& ws = impl_.param_shape(w, "linear");
   const Val vx = impl_.value(x.id());
   if (ws.size() != 2 || vx.shape.back() != ws[1]) {
@@ -260,14 +275,14 @@ Var binary_op(Graph::Impl& g, Binary op, Var a, Var b) {
   n.a = a.id();
   n.b = b.id();
   const Val y = g.run([&] { return g.exec.binary(op, g.value(a.id()), g.value(b.id()), g.dtype); });
-  const bool ga = g.tape.nodes[a.id()].needs_grad, gb = g.tape.nodes[b.id()].needs_grad;
+  // Every value depends on the input or a parameter, so both sides get gradients.
   if (op == Binary::kMul) {
-    if (gb) g.keep_value(a.id());
-    if (ga) g.keep_value(b.id());
+    g.keep_value(a.id());  // b's gradient: dy a
+    g.keep_value(b.id());  // a's: dy b
   }
-  if (op == Binary::kDiv && (ga || gb)) g.keep_value(b.id());
+  if (op == Binary::kDiv) g.keep_value(b.id());  // a's: dy / b
   Var v = g.add_node(n, y);
-  if (op == Binary::kDiv && gb) g.keep_value(v.id());  // d(a/b)/db = -y / b
+  if (op == Binary::kDiv) g.keep_value(v.id());  // b's: -dy y / b
   return v;
 }
 }  // namespace
@@ -283,7 +298,7 @@ Var Graph::add(Var a, double c) {
   n.kind = OpKind::kAddScalar;
   n.a = a.id();
   n.scalar = c;
-  return impl_.add_node(n, impl_.exec.binary_scalar(Binary::kAdd, impl_.value(a.id()), c, impl_.dtype));
+  return impl_.add_node(n, impl_.run([&] { return impl_.exec.binary_scalar(Binary::kAdd, impl_.value(a.id()), c, impl_.dtype); }));
 }
 
 Var Graph::mul(Var a, double c) {
@@ -292,7 +307,7 @@ Var Graph::mul(Var a, double c) {
   n.kind = OpKind::kMulScalar;
   n.a = a.id();
   n.scalar = c;
-  return impl_.add_node(n, impl_.exec.binary_scalar(Binary::kMul, impl_.value(a.id()), c, impl_.dtype));
+  return impl_.add_node(n, impl_.run([&] { return impl_.exec.binary_scalar(Binary::kMul, impl_.value(a.id()), c, impl_.dtype); }));
 }
 
 namespace {
@@ -326,8 +341,11 @@ Var Graph::unary(Unary f, Var x) {
   const Val vx = impl_.value(x.id());
   Val y = e.make(vx.shape, impl_.dtype);
   e.count(unary_flops(f).first * Exec::n(y), Exec::bytes(vx) + Exec::bytes(y));
-  if (e.be != nullptr) e.be->unary(f, vx.t, y.t);
-  if (impl_.tape.nodes[x.id()].needs_grad) impl_.keep_value(x.id());
+  impl_.run([&] {
+    if (e.be != nullptr) e.be->unary(f, vx.t, y.t);
+    return y;
+  });
+  impl_.keep_value(x.id());  // dx = dy f'(x)
   return impl_.add_node(n, y);
 }
 
@@ -344,9 +362,12 @@ Var Graph::reduce(Reduce op, Var x) {
   ys.back() = 1;
   Val y = e.make(ys, impl_.dtype);
   e.count((op == Reduce::kNorm ? 2 : 1) * Exec::n(vx), Exec::bytes(vx) + Exec::bytes(y));
-  if (e.be != nullptr) e.be->reduce_rows(op, vx.t, y.t);
+  impl_.run([&] {
+    if (e.be != nullptr) e.be->reduce_rows(op, vx.t, y.t);
+    return y;
+  });
   Var v = impl_.add_node(n, y);
-  if (impl_.tape.nodes[x.id()].needs_grad) {
+  if (op == Reduce::kMax || op == Reduce::kNorm) {  // sum's and mean's gradients need neither
     impl_.keep_value(x.id());
     impl_.keep_value(v.id());
   }
@@ -364,9 +385,12 @@ Var Graph::softmax(Var x) {
   Val y = e.make(vx.shape, impl_.dtype);
   // max, exp (25) and its sum, the scaling: 28 per element.
   e.count(28 * Exec::n(y), Exec::bytes(vx) + Exec::bytes(y));
-  if (e.be != nullptr) e.be->softmax(vx.t, y.t);
+  impl_.run([&] {
+    if (e.be != nullptr) e.be->softmax(vx.t, y.t);
+    return y;
+  });
   Var v = impl_.add_node(n, y);
-  if (impl_.tape.nodes[x.id()].needs_grad) impl_.keep_value(v.id());
+  impl_.keep_value(v.id());  // dx from y
   return v;
 }
 
@@ -387,7 +411,10 @@ Var Graph::dropout(Var x, double p) {
   const Val vx = impl_.value(x.id());
   Val y = e.make(vx.shape, impl_.dtype);
   e.count(Exec::n(y), Exec::bytes(vx) + Exec::bytes(y));
-  if (e.be != nullptr) e.be->dropout(vx.t, p, n.key, n.offset, y.t);
+  impl_.run([&] {
+    if (e.be != nullptr) e.be->dropout(vx.t, p, n.key, n.offset, y.t);
+    return y;
+  });
   return impl_.add_node(n, y);
 }
 
@@ -463,7 +490,13 @@ Val input_grad(Exec& e, const Tape& t, const Values& val, int i, int slot, const
     case OpKind::kReduce: {
       Val dx = e.make(target, dt);
       e.count(Exec::n(dx), 2 * Exec::bytes(dx) + 2 * Exec::bytes(dy));
-      if (e.be != nullptr) e.be->reduce_rows_backward(n.reduce, val(n.a).t, val(i).t, dy.t, dx.t);
+      if (e.be != nullptr) {
+        if (n.reduce == Reduce::kSum || n.reduce == Reduce::kMean) {
+          e.be->reduce_rows_backward(n.reduce, dx.t, dy.t, dy.t, dx.t);  // their values are not read: not kept
+        } else {
+          e.be->reduce_rows_backward(n.reduce, val(n.a).t, val(i).t, dy.t, dx.t);
+        }
+      }
       return dx;
     }
     case OpKind::kSoftmax: {
@@ -499,14 +532,18 @@ Val derived_backward_input(Exec& e, const Tape& t, const Values& val, const Val&
     if (!g.present) continue;
     for (int slot = 0; slot < 2; ++slot) {
       const int v = slot == 0 ? n.a : n.b;
-      if (v < 0 || !t.nodes[v].needs_grad || t.nodes[v].kind == OpKind::kParam) continue;
-      if (v == 0 && !need_dx) continue;
-      e.into_input = v == 0;
+      if (v < 0 || t.nodes[v].kind == OpKind::kParam) continue;
+      // A value not computed from a parameter passes its gradient on to x alone: dx's
+      // work, skipped for the model's first layer.
+      const bool only_dx = !t.nodes[v].reaches_param;
+      if (only_dx && !need_dx) continue;
+      e.into_input = only_dx;
       Val d = input_grad(e, t, val, i, slot, g, dtype);
       Val& acc = grads[static_cast<size_t>(v)];
       acc = acc.present ? e.binary(Binary::kAdd, acc, d, dtype) : d;  // never in place: d may be another's
       e.into_input = false;
     }
+    grads[static_cast<size_t>(i)] = Val();  // W has what it needs in `kept`
   }
   return grads[0];
 }
@@ -610,14 +647,35 @@ Tensor DerivedLayer::forward_impl(Backend& be, const Tensor& x, Context* ctx, co
   return y;
 }
 
+Tensor DerivedLayer::backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) {
+  // B then W on a copy of the context, with or without parameters (Layer's default
+  // asks for splits_backward(), which a layer without parameters does not claim).
+  Context copy = ctx;
+  Tensor dx = backward_input_impl(be, dy, copy, need_dx);
+  backward_weight_impl(be, copy);
+  return dx;
+}
+
 Tensor DerivedLayer::backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) {
   GPIPE_CHECK(ctx.tape != nullptr, describe() + ": backward without a recorded forward");
   const Tape& t = *ctx.tape;
-  ctx.saved.resize(t.forward_saved);  // a B run again (a retried step) keeps W's gradients afresh
+  GPIPE_CHECK(ctx.saved.size() == t.forward_saved, describe() + ": backward_input twice on one context");
   Exec e{&be, nullptr, Exec::kB};
   const Values val{t, &ctx, dtype_};
   std::vector<Tensor> kept;
   const Val dx = derived_backward_input(e, t, val, Val{t.nodes[t.output].shape, dtype_, dy, true}, need_dx, dtype_, &kept);
+  // Until W the context holds only what W reads (the tensors of the ops that read a
+  // parameter) and the kept output gradients: what only B read is freed now.
+  std::vector<bool> for_w(t.nodes.size(), false);
+  for (const Node& n : t.nodes) {
+    if (n.kind == OpKind::kInput || !reads_parameter(t, n)) continue;
+    for (int v : {n.a, n.b, static_cast<int>(&n - t.nodes.data())}) {
+      if (v >= 0) for_w[static_cast<size_t>(v)] = true;
+    }
+  }
+  for (size_t v = 0; v < t.nodes.size(); ++v) {
+    if (t.nodes[v].saved >= 0 && !for_w[v]) ctx.saved[static_cast<size_t>(t.nodes[v].saved)] = Tensor();
+  }
   for (Tensor& k : kept) ctx.saved.push_back(std::move(k));
   if (!need_dx) return Tensor();
   if (!dx.present) return be.zeros(t.nodes[0].shape, dtype_);  // a forward whose output does not depend on x
@@ -625,6 +683,7 @@ Tensor DerivedLayer::backward_input_impl(Backend& be, const Tensor& dy, Context&
 }
 
 void DerivedLayer::backward_weight_impl(Backend& be, Context& ctx) {
+  if (params_.empty()) return;  // nothing to do (and the executor may have dropped the context)
   GPIPE_CHECK(ctx.tape != nullptr, describe() + ": weight gradient without a recorded forward");
   const Tape& t = *ctx.tape;
   Exec e{&be, nullptr, Exec::kW};
@@ -643,10 +702,13 @@ void DerivedLayer::backward_weight_batch_impl(Backend& be, const std::vector<Con
   // One product per linear weight over all the micro-batches' rows; every other W node
   // context by context. The tapes are the same op for op (one forward, run once per
   // micro-batch); where they are not (a forward that branched), each context alone.
-  const Tape& first = *ctxs.front()->tape;
+  if (params_.empty()) return;
   for (const Context* c : ctxs) {
     GPIPE_CHECK(c->tape != nullptr, describe() + ": weight gradient without a recorded forward");
-    if (c->tape->nodes.size() != first.nodes.size() || c->tape->forward_saved != first.forward_saved) {
+  }
+  const Tape& first = *ctxs.front()->tape;
+  for (const Context* c : ctxs) {
+    if (!same_program(*c->tape, first)) {
       for (Context* each : ctxs) backward_weight_impl(be, *each);
       return;
     }

@@ -5,8 +5,9 @@
 //
 //   class DerivedRmsNorm : public gpipe::layers::DerivedLayer {
 //    public:
-//     explicit DerivedRmsNorm(int64_t dim) : DerivedLayer("derived_rmsnorm", {dim}, {dim}),
-//                                            g_(add_constant_parameter("weight", {dim}, 1.0)) {}
+//     DerivedRmsNorm(int64_t dim, DType dtype, uint64_t seed)
+//         : DerivedLayer("derived_rmsnorm", {dim}, {dim}, dtype, seed),
+//           g_(add_constant_parameter("weight", {dim}, 1.0)) {}
 //     Var define(Graph& g, Var x) const override {
 //       Var inv = g.rsqrt(g.add(g.mean(g.square(x)), 1e-6));  // (..., 1)
 //       return g.mul(g.mul(x, inv), g.param(g_));             // broadcast over the last axis
@@ -119,9 +120,10 @@ class DerivedLayer : public Layer {
   bool splits_backward() const override { return !params_.empty(); }
 
  protected:
-  // type: the name in configs and messages; shapes per sample; seed: dropout's masks.
-  DerivedLayer(std::string type, Shape input_shape, Shape output_shape, DType dtype = DType::kF32,
-               uint64_t seed = 0);
+  // type: the name in configs and messages; shapes per sample; dtype: the layer's (a
+  // factory's `dtype`); seed: the factory's `seed`, from which dropout draws its masks
+  // (two layers of one seed would draw the same).
+  DerivedLayer(std::string type, Shape input_shape, Shape output_shape, DType dtype, uint64_t seed);
   // The layer's forward, written once (named define so that it does not hide
   // Layer::forward); x is (batch, *input_shape()) and what it returns
   // must be (batch, *output_shape()).
@@ -134,6 +136,7 @@ class DerivedLayer : public Layer {
 
  private:
   Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
+  Tensor backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) override;
   Tensor backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) override;
   void backward_weight_impl(Backend& be, Context& ctx) override;
   void backward_weight_batch_impl(Backend& be, const std::vector<Context*>& ctxs) override;

@@ -30,7 +30,7 @@ Backend& cpu() { return backend_for(Device::cpu()); }
 class MySwiGLU : public DerivedLayer {
  public:
   MySwiGLU(int64_t dim, int64_t hidden, DType dtype, uint64_t seed)
-      : DerivedLayer("my_swiglu", {3, dim}, {3, dim}, dtype),
+      : DerivedLayer("my_swiglu", {3, dim}, {3, dim}, dtype, seed),
         gate_(add_parameter("gate.weight", {hidden, dim}, 1 / std::sqrt(dim), mix_seed(seed, 0))),
         up_(add_parameter("up.weight", {hidden, dim}, 1 / std::sqrt(dim), mix_seed(seed, 1))),
         down_(add_parameter("down.weight", {dim, hidden}, 1 / std::sqrt(hidden), mix_seed(seed, 2))) {}
@@ -46,7 +46,7 @@ class MySwiGLU : public DerivedLayer {
 class MyRmsNorm : public DerivedLayer {
  public:
   explicit MyRmsNorm(int64_t dim, DType dtype = DType::kF64)
-      : DerivedLayer("my_rmsnorm", {dim}, {dim}, dtype), g_(add_parameter("weight", {dim}, 1.0, 5)) {}
+      : DerivedLayer("my_rmsnorm", {dim}, {dim}, dtype, 0), g_(add_parameter("weight", {dim}, 1.0, 5)) {}
   Var define(Graph& g, Var x) const override {
     Var inv = g.rsqrt(g.add(g.mean(g.square(x)), 1e-6));
     return g.mul(g.mul(x, inv), g.param(g_));
@@ -191,6 +191,31 @@ TEST_CASE("the derived SwiGLU's cost is the hand-written one's products and its 
   CHECK(c.saved_bytes == context_bytes(ctx));
 }
 
+TEST_CASE("a derived layer without parameters: its whole backward, B then an empty W, and the first layer") {
+  class Mix : public DerivedLayer {
+   public:
+    Mix() : DerivedLayer("mix", {2, 5}, {2, 5}, DType::kF64, 3) {}
+    Var define(Graph& g, Var x) const override { return g.add(x, g.mul(g.softmax(x), g.max(x))); }
+  };
+  Mix l;
+  CHECK_FALSE(l.splits_backward());
+  GPIPE_EXPECT_GRADIENTS(check_layer_gradients(l, 3));
+  check_cost(l, 3, l.cost(3));
+  const Tensor x = random_tensor({3, 2, 5}, DType::kF64, 8), dy = random_tensor({3, 2, 5}, DType::kF64, 9);
+  Context whole, split;
+  l.forward(cpu(), x, &whole);
+  l.forward(cpu(), x, &split);
+  const auto dx = to_doubles(l.backward(cpu(), dy, whole));
+  CHECK(to_doubles(l.backward_input(cpu(), dy, split)) == dx);
+  l.backward_weight(cpu(), split);
+  Context dropped;  // the executor drops a context whose layer does not split before W
+  l.backward_weight(cpu(), dropped);
+  std::vector<Context*> none = {&dropped, &dropped};
+  l.backward_weight(cpu(), none);
+  CHECK_FALSE(l.backward(cpu(), dy, whole, /*need_dx=*/false).defined());
+  CHECK(l.cost(3).input_grad_flops == l.cost(3).backward_flops);  // all of it is dx's
+}
+
 TEST_CASE("an RMSNorm written forward-only: its definition and finite differences") {
   MyRmsNorm l(7);
   const Tensor x = random_tensor({5, 7}, DType::kF64, 4);
@@ -206,6 +231,26 @@ TEST_CASE("an RMSNorm written forward-only: its definition and finite difference
   const LayerCost c = l.cost(5);
   check_cost(l, 5, c);
   CHECK(c.saved_bytes == context_bytes(ctx));
+  // It keeps x (square's gradient), x / rms (the scale's), 1 / rms (x's) and rsqrt's
+  // input; the mean's gradient needs neither its input nor its output.
+  CHECK(c.saved_bytes == 8 * (2 * 5 * 7 + 2 * 5));
+  // After B the context holds what W reads, x / rms, and the output gradient W needs.
+  const Tensor dy = random_tensor({5, 7}, DType::kF64, 6);
+  zero_grads(l);
+  l.backward_input(cpu(), dy, ctx);
+  CHECK(context_bytes(ctx) == 8 * (5 * 7 + 5 * 7));
+  l.backward_weight(cpu(), ctx);
+  const auto g_whole = grads_of(l);
+  // The first layer: no dx, and none of the chain that leads only to x runs, which its
+  // cost counts as dx's.
+  zero_grads(l);
+  Context first;
+  l.forward(cpu(), x, &first);
+  CHECK_FALSE(l.backward(cpu(), dy, first, /*need_dx=*/false).defined());
+  CHECK(grads_of(l) == g_whole);
+  // W: dy * (x / rms), its sum over the rows and the accumulation; without dx, that is all.
+  CHECK(c.weight_grad_flops == doctest::Approx(5 * 7 + 5 * 7 + 2 * 7));
+  CHECK(without_input_grad(c).backward_flops == doctest::Approx(c.weight_grad_flops));
 }
 
 TEST_CASE("every op's derived gradient against finite differences in float64, with dropout's mask") {
@@ -276,7 +321,7 @@ TEST_CASE("in bfloat16 the derived SwiGLU computes what the hand-written one doe
 TEST_CASE("a derived layer's mistakes name the layer and the op") {
   class Bad : public DerivedLayer {
    public:
-    explicit Bad(int which) : DerivedLayer("bad", {4}, {4}, DType::kF64), which_(which), p_(add_parameter("p", {3}, 1, 1)) {}
+    explicit Bad(int which) : DerivedLayer("bad", {4}, {4}, DType::kF64, 0), which_(which), p_(add_parameter("p", {3}, 1, 1)) {}
     Var define(Graph& g, Var x) const override {
       if (which_ == 0) return g.mul(x, g.param(p_));  // (B, 4) * (3)
       if (which_ == 1) return g.sum(x);               // (B, 1), not (B, 4)

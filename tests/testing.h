@@ -52,7 +52,7 @@ std::vector<double> numeric_gradient(Tensor& t, const std::function<double()>& f
 // what LayerCost::saved_bytes counts.
 inline int64_t context_bytes(const layers::Context& ctx) {
   int64_t n = 0;
-  for (const Tensor& t : ctx.saved) n += static_cast<int64_t>(t.nbytes());
+  for (const Tensor& t : ctx.saved) n += t.defined() ? static_cast<int64_t>(t.nbytes()) : 0;
   for (const layers::Context& c : ctx.children) n += context_bytes(c);
   return n;
 }

@@ -14,9 +14,9 @@ void register_derived_layers() {
         std::make_unique<MySwiGLU>(input, args.get_int("hidden"), dtype, seed));
   });
   gpipe::layers::register_layer("derived_rmsnorm", [](LayerArgs& args, const gpipe::Shape& input, gpipe::DType dtype,
-                                                      uint64_t /*seed*/) {
+                                                      uint64_t seed) {
     return std::unique_ptr<gpipe::layers::Layer>(
-        std::make_unique<DerivedRmsNorm>(input, args.get_double("eps", 1e-6), dtype));
+        std::make_unique<DerivedRmsNorm>(input, args.get_double("eps", 1e-6), dtype, seed));
   });
 }
 

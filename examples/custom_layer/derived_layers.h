@@ -14,7 +14,7 @@ namespace example {
 class MySwiGLU : public gpipe::layers::DerivedLayer {
  public:
   MySwiGLU(const gpipe::Shape& shape, int64_t hidden, gpipe::DType dtype, uint64_t seed)
-      : DerivedLayer("my_swiglu", shape, shape, dtype),
+      : DerivedLayer("my_swiglu", shape, shape, dtype, seed),
         gate_(add_parameter("gate.weight", {hidden, shape.back()}, 1 / std::sqrt(shape.back()), gpipe::mix_seed(seed, 0))),
         up_(add_parameter("up.weight", {hidden, shape.back()}, 1 / std::sqrt(shape.back()), gpipe::mix_seed(seed, 1))),
         down_(add_parameter("down.weight", {shape.back(), hidden}, 1 / std::sqrt(hidden), gpipe::mix_seed(seed, 2))) {}
@@ -29,8 +29,8 @@ class MySwiGLU : public gpipe::layers::DerivedLayer {
 // RMSNorm, x / sqrt(mean(x^2) + eps) * g, over the last axis.
 class DerivedRmsNorm : public gpipe::layers::DerivedLayer {
  public:
-  DerivedRmsNorm(const gpipe::Shape& shape, double eps, gpipe::DType dtype)
-      : DerivedLayer("derived_rmsnorm", shape, shape, dtype), eps_(eps),
+  DerivedRmsNorm(const gpipe::Shape& shape, double eps, gpipe::DType dtype, uint64_t seed)
+      : DerivedLayer("derived_rmsnorm", shape, shape, dtype, seed), eps_(eps),
         g_(add_constant_parameter("weight", {shape.back()}, 1.0)) {}
   Var define(Graph& g, Var x) const override {
     Var inv = g.rsqrt(g.add(g.mean(g.square(x)), eps_));  // (..., 1)

@@ -12,7 +12,7 @@ TEST_CASE("the derived SwiGLU and RMSNorm pass the gradient checker and the cost
   layers::GradCheckReport r = layers::check_layer_gradients(swiglu, 4);
   CHECK_MESSAGE(r.ok, r.str());
   layers::check_cost(swiglu, 4, swiglu.cost(4));
-  example::DerivedRmsNorm norm({3, 6}, 1e-5, DType::kF64);
+  example::DerivedRmsNorm norm({3, 6}, 1e-5, DType::kF64, 2);
   r = layers::check_layer_gradients(norm, 4);
   CHECK_MESSAGE(r.ok, r.str());
   layers::check_cost(norm, 4, norm.cost(4));

@@ -93,13 +93,25 @@ class DerivedFeedForward : public layers::DerivedLayer {
   double p_;
 };
 
-// A GPT whose feed-forward blocks are DerivedFeedForward, named (their checkpoint names).
+// x + softmax(x) * max(x), written as forward only, with no parameters: all of its
+// backward is B's, and W has nothing to do.
+class DerivedMix : public layers::DerivedLayer {
+ public:
+  DerivedMix(const Shape& shape, DType dtype, uint64_t seed) : DerivedLayer("test_mix", shape, shape, dtype, seed) {}
+  Var define(Graph& g, Var x) const override { return g.add(x, g.mul(g.softmax(x), g.max(x))); }
+};
+
+// A GPT whose feed-forward blocks are DerivedFeedForward, named (their checkpoint names),
+// with a DerivedMix after the first.
 layers::ModelSpec derived_spec() {
   static const bool registered = [] {
     layers::register_layer("test_feed_forward", [](layers::LayerArgs& args, const Shape& input, DType dtype,
                                                    uint64_t seed) {
       return std::unique_ptr<layers::Layer>(std::make_unique<DerivedFeedForward>(
           input, args.get_int("hidden"), args.get_double("dropout", 0.0), dtype, seed));
+    });
+    layers::register_layer("test_mix", [](layers::LayerArgs&, const Shape& input, DType dtype, uint64_t seed) {
+      return std::unique_ptr<layers::Layer>(std::make_unique<DerivedMix>(input, dtype, seed));
     });
     return true;
   }();
@@ -113,6 +125,7 @@ layers::ModelSpec derived_spec() {
   for (int i = 0; i < 3; ++i) {
     spec.layers.push_back({"transformer_block", {{"heads", "2"}}, {}, ""});
     spec.layers.push_back({"test_feed_forward", {{"hidden", "12"}, {"dropout", "0.2"}}, {}, "", "ffn." + std::to_string(i)});
+    if (i == 0) spec.layers.push_back({"test_mix", {}, {}, ""});
   }
   spec.layers.push_back({"layernorm", {}, {}, ""});
   spec.layers.push_back({"linear", {{"out", "16"}}, {}, ""});
