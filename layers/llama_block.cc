@@ -12,7 +12,7 @@ namespace layers {
 namespace {
 
 // Children of the block's Context, in forward order.
-enum Child { kNorm1, kAttn, kNorm2, kFfn, kChildren };
+enum Child { kNorm1, kAttn, kNorm2, kFfn, kDropAttn, kDropFfn, kChildren };
 
 Context* child(Context* ctx, Child i) { return ctx != nullptr ? &ctx->children[i] : nullptr; }
 
@@ -40,6 +40,13 @@ SwiGLUOptions ffn(const LlamaBlockOptions& o) {
   return f;
 }
 
+DropoutOptions dropout(const LlamaBlockOptions& o, uint64_t branch) {
+  DropoutOptions d({o.seq_len, o.dim}, o.dropout);
+  d.dtype = o.dtype;
+  d.seed = mix_seed(o.seed, branch);
+  return d;
+}
+
 void prefix(const std::vector<Parameter*>& params, const std::string& name) {
   for (Parameter* p : params) p->name = name + "." + p->name;
 }
@@ -54,7 +61,9 @@ LlamaBlock::LlamaBlock(const LlamaBlockOptions& opts)
       norm1_(norm(opts)),
       attn_(attention(opts)),
       norm2_(norm(opts)),
-      ffn_(ffn(opts)) {
+      ffn_(ffn(opts)),
+      drop_attn_(dropout(opts, 3)),
+      drop_ffn_(dropout(opts, 4)) {
   prefix(norm1_.parameters(), "norm1");
   prefix(attn_.parameters(), "attn");
   prefix(norm2_.parameters(), "norm2");
@@ -64,7 +73,9 @@ LlamaBlock::LlamaBlock(const LlamaBlockOptions& opts)
 std::string LlamaBlock::describe() const {
   std::ostringstream os;
   os << "llama_block(" << opts_.dim << ", " << opts_.heads << " heads, " << opts_.kv_heads << " kv heads, hidden "
-     << opts_.hidden << ")";
+     << opts_.hidden;
+  if (opts_.dropout > 0) os << ", dropout " << opts_.dropout;
+  os << ")";
   return os.str();
 }
 
@@ -80,7 +91,9 @@ LayerCost LlamaBlock::cost(int64_t batch) const {
   const double n = static_cast<double>(batch * opts_.seq_len * opts_.dim);  // elements of x
   const double es = static_cast<double>(dtype_size(dtype_));
   LayerCost c;
-  for (const Layer* l : std::initializer_list<const Layer*>{&norm1_, &attn_, &norm2_, &ffn_}) c += l->cost(batch);
+  for (const Layer* l : std::initializer_list<const Layer*>{&norm1_, &attn_, &norm2_, &ffn_, &drop_attn_, &drop_ffn_}) {
+    c += l->cost(batch);
+  }
   // The two residual adds, each an axpy into the branch's fresh output (reads both,
   // writes one); backward adds the residual's gradient twice. Only the last of those
   // is skipped without need_dx, with norm1's dx: the other sub-layers' dx feed
@@ -90,22 +103,24 @@ LayerCost LlamaBlock::cost(int64_t batch) const {
   c.backward_flops += 2 * n;
   c.backward_bytes += 2 * 3 * es * n;
   for (int add = 0; add < 2; ++add) c.backward_parts.push_back({false, n, 3 * es * n});
-  c.input_grad_flops = norm1_.cost(batch).input_grad_flops + n;
+  c.input_grad_flops = norm1_.cost(batch).input_grad_flops + n;  // the dropouts' dx feed parameter gradients
   c.output_bytes = static_cast<int64_t>(es * n);
   return c;
 }
 
 Tensor LlamaBlock::forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) {
   if (ctx != nullptr) ctx->children.assign(kChildren, Context{});
-  // h = x + attn(norm1(x)), summed into the attention's fresh output (x is kept by
-  // norm1's context, so it is never written).
+  // h = x + drop(attn(norm1(x))), summed into the branch's fresh output (the
+  // projection's, or its dropout's; x is kept by norm1's context, so it is never written).
   Tensor a = norm1_.forward(be, x, child(ctx, kNorm1), args);  // (B, T, C)
   a = attn_.forward(be, a, child(ctx, kAttn), args);            // (B, T, C)
+  a = drop_attn_.forward(be, a, child(ctx, kDropAttn), args);   // (B, T, C)
   be.axpy(1.0, x, a);
   const Tensor h = a;  // (B, T, C)
   // y = h + ffn(norm2(h)), likewise into the feed-forward's fresh output.
   Tensor m = norm2_.forward(be, h, child(ctx, kNorm2), args);  // (B, T, C)
   m = ffn_.forward(be, m, child(ctx, kFfn), args);              // (B, T, C)
+  m = drop_ffn_.forward(be, m, child(ctx, kDropFfn), args);     // (B, T, C)
   be.axpy(1.0, h, m);
   return m;  // (B, T, C)
 }
@@ -115,11 +130,13 @@ Tensor LlamaBlock::backward_input_impl(Backend& be, const Tensor& dy, Context& c
   GPIPE_CHECK(ch.size() == kChildren, describe() + ": backward without its forward");
   // dh = dy + d(ffn branch). norm2's dx is a fresh tensor owned here (kept by no
   // context), so the residual's gradient is added into it in place.
-  Tensor g = ffn_.backward_input(be, dy, ch[kFfn]);        // (B, T, C)
+  Tensor g = drop_ffn_.backward_input(be, dy, ch[kDropFfn]);  // (B, T, C)
+  g = ffn_.backward_input(be, g, ch[kFfn]);                     // (B, T, C)
   Tensor dh = norm2_.backward_input(be, g, ch[kNorm2]);    // (B, T, C)
   be.axpy(1.0, dy, dh);
   // dx = dh + d(attention branch).
-  g = attn_.backward_input(be, dh, ch[kAttn]);                       // (B, T, C)
+  g = drop_attn_.backward_input(be, dh, ch[kDropAttn]);             // (B, T, C)
+  g = attn_.backward_input(be, g, ch[kAttn]);                        // (B, T, C)
   Tensor dx = norm1_.backward_input(be, g, ch[kNorm1], need_dx);    // (B, T, C), fresh
   if (!need_dx) return Tensor();
   be.axpy(1.0, dh, dx);

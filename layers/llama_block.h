@@ -2,14 +2,15 @@
 // blocks: pre-RMSNorm residual grouped-query attention with rotary embeddings, then a
 // pre-RMSNorm residual SwiGLU feed-forward,
 //
-//   h = x + attn(norm1(x))          attn: GqaAttention (q, k, v, o without biases, RoPE)
-//   y = h + ffn(norm2(h))           ffn: SwiGLU, dim -> hidden -> dim
+//   h = x + drop(attn(norm1(x)))    attn: GqaAttention (q, k, v, o without biases, RoPE)
+//   y = h + drop(ffn(norm2(h)))     ffn: SwiGLU, dim -> hidden -> dim
 //
 // Input and output are (T, dim) per sample; each sub-layer keeps its context in
 // Context::children. Backward splits: W is the norms' scales and every projection's
 // weight gradient, so zero bubble defers them all.
 #pragma once
 
+#include "layers/dropout.h"
 #include "layers/gqa_attention.h"
 #include "layers/layer.h"
 #include "layers/rmsnorm.h"
@@ -24,6 +25,7 @@ struct LlamaBlockOptions {
   int64_t dim, heads, kv_heads, hidden, seq_len;
   double rope_base = 10000.0;
   double eps = 1e-6;  // the norms'
+  double dropout = 0.0;  // on each branch's output, before its residual add
   DType dtype = DType::kF32;
   uint64_t seed = 0;
 };
@@ -48,6 +50,8 @@ class LlamaBlock : public Layer {
   GqaAttention attn_;  // (T, C)
   RmsNorm norm2_;      // (T, C)
   SwiGLU ffn_;         // (T, C) -> (T, hidden) -> (T, C)
+  Dropout drop_attn_;  // (T, C), the attention branch's
+  Dropout drop_ffn_;   // (T, C), the feed-forward branch's
 };
 
 }  // namespace layers

@@ -194,6 +194,12 @@ TEST_CASE("gqa_attention's and llama_block's gradients equal finite differences"
     }
   }
   GPIPE_EXPECT_GRADIENTS(check_layer_gradients(block, random_tensor({2, 4, 8}, DType::kF64, 7)));
+  // With dropout on both branches (the checker's forwards share one step: one mask).
+  o.dropout = 0.3;
+  LlamaBlock dropped(o);
+  CHECK(dropped.describe() == "llama_block(8, 4 heads, 2 kv heads, hidden 12, dropout 0.3)");
+  GPIPE_EXPECT_GRADIENTS(check_layer_gradients(dropped, random_tensor({2, 4, 8}, DType::kF64, 8)));
+  check_cost(dropped, 2, dropped.cost(2));
 }
 
 TEST_CASE("llama_block is x + attn(norm1(x)), then h + ffn(norm2(h)), from separately built sub-layers") {

@@ -158,6 +158,7 @@ Registry& registry() {
       o.kv_heads = a.get_int("kv_heads", o.heads);
       o.rope_base = a.get_double("rope_base", 10000.0);
       o.eps = a.get_double("eps", 1e-6);
+      o.dropout = a.get_double("dropout", 0.0);
       o.dtype = dtype;
       o.seed = seed;
       return built_at<LlamaBlock>(a, o);

@@ -156,6 +156,9 @@ TEST_CASE("llama_block: B then W equals the whole backward") {
   o.dtype = DType::kF64;
   LlamaBlock l(o);
   check_split(l, {4, 8}, true);  // the norms' scales too
+  o.dropout = 0.25;
+  LlamaBlock dropped(o);
+  check_split(dropped, {4, 8}, true);
 }
 
 TEST_CASE("conv2d: B then W equals the whole backward") {

@@ -51,7 +51,8 @@ layers::ModelSpec gpt_spec() {
 
 // A LLaMA-style model of 8 layers: token embedding without learned positions (rotary
 // embeddings inside the attention instead), blocks with grouped-query attention
-// (kv_heads 1 and 2) and SwiGLU, a bare attention layer, RMSNorm and the tied head.
+// (kv_heads 1 and 2) and SwiGLU, dropout on the branches of two of them, a bare attention
+// layer, RMSNorm and the tied head.
 layers::ModelSpec llama_spec() {
   layers::ModelSpec spec;
   spec.input = {6};
@@ -60,7 +61,8 @@ layers::ModelSpec llama_spec() {
   spec.seed = 23;
   spec.layers = {{"embedding", {{"vocab", "16"}, {"dim", "8"}, {"positions", "0"}}, {}, ""}};
   for (const char* kv : {"1", "2", "2"}) {
-    spec.layers.push_back({"llama_block", {{"heads", "2"}, {"kv_heads", kv}, {"hidden", "12"}}, {}, ""});
+    spec.layers.push_back(
+        {"llama_block", {{"heads", "2"}, {"kv_heads", kv}, {"hidden", "12"}, {"dropout", kv[0] == '2' ? "0.2" : "0"}}, {}, ""});
   }
   spec.layers.push_back({"gqa_attention", {{"heads", "4"}, {"kv_heads", "2"}, {"rope_base", "100"}}, {}, ""});
   spec.layers.push_back({"llama_block", {{"heads", "4"}, {"kv_heads", "1"}, {"hidden", "16"}}, {}, ""});
