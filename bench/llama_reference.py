@@ -8,21 +8,16 @@ attention with repeat_kv, SwiGLU), independent of gpipe's code.
 
 EXPECTED_JSON is written by //pipeline/checkpoint:llama_reference_fixture. The
 safetensors files are read with the standard library (an 8-byte header length, a JSON
-header, then the raw little-endian tensors), and the model runs in plain Python floats
-(IEEE double, like gpipe's float64 model), so neither torch nor numpy is needed. With
-python3 older than 3.6 it prints a GPIPE_TEST_SKIPPED line and exits 0. Exits 1 on any
-mismatch.
+header, then the raw little-endian tensors), each weight is found by its checkpoint name
+and its shape checked against the model's sizes (as a loader of the files would), and the
+model runs in plain Python floats (IEEE double, like gpipe's float64 model), so neither
+torch nor numpy is needed (python3 >= 3.6). Exits 1 on any mismatch.
 """
 import json
 import math
 import os
 import struct
 import sys
-
-if sys.version_info < (3, 6):
-    print("GPIPE_TEST_SKIPPED: python3 >= 3.6 is needed")
-    sys.exit(0)
-
 
 def load_safetensors(path):
     """{name: (shape, [values])} of a safetensors file of F64 tensors."""
@@ -120,16 +115,40 @@ def main():
     if sorted(tensors) != sorted(names):
         print(f"llama_reference: the checkpoint holds {sorted(tensors)}, gpipe's model {sorted(names)}", file=sys.stderr)
         return 1
-    # gpipe's names in model order: the embedding's table, per block norm1, q, k, v, o,
-    # norm2, gate, up, down, then the final norm's scale and the head.
-    values = [tensors[n][1] for n in names]
-    table = values[0]
-    blocks = []
-    for b in range(cfg["blocks"]):
-        w = values[1 + 9 * b:1 + 9 * (b + 1)]
-        blocks.append(dict(zip(["norm1", "q", "k", "v", "o", "norm2", "gate", "up", "down"], w)))
-    final_norm, head = values[1 + 9 * cfg["blocks"]], values[2 + 9 * cfg["blocks"]]
     dim, vocab, seq, eps = cfg["dim"], cfg["vocab"], cfg["seq_len"], cfg["eps"]
+    kv_dim, hidden = cfg["kv_heads"] * (dim // cfg["heads"]), cfg["hidden"]
+
+    # Each weight by its checkpoint name (layer i of the model: layers.<i>.<parameter>),
+    # in PyTorch's (out, in) layout, its shape checked.
+    def weight(name, shape):
+        if name not in tensors:
+            raise KeyError(f"no tensor '{name}' in the checkpoint")
+        got, values = tensors[name]
+        if list(got) != list(shape):
+            raise ValueError(f"'{name}' has shape {got}, a LLaMA of these sizes needs {shape}")
+        return values
+
+    try:
+        table = weight("layers.0.token", [vocab, dim])
+        blocks = []
+        for b in range(cfg["blocks"]):
+            pre = f"layers.{b + 1}."
+            blocks.append({
+                "norm1": weight(pre + "norm1.weight", [dim]),
+                "q": weight(pre + "attn.q.weight", [dim, dim]),
+                "k": weight(pre + "attn.k.weight", [kv_dim, dim]),
+                "v": weight(pre + "attn.v.weight", [kv_dim, dim]),
+                "o": weight(pre + "attn.o.weight", [dim, dim]),
+                "norm2": weight(pre + "norm2.weight", [dim]),
+                "gate": weight(pre + "ffn.gate.weight", [hidden, dim]),
+                "up": weight(pre + "ffn.up.weight", [hidden, dim]),
+                "down": weight(pre + "ffn.down.weight", [dim, hidden]),
+            })
+        final_norm = weight(f"layers.{cfg['blocks'] + 1}.weight", [dim])
+        head = weight(f"layers.{cfg['blocks'] + 2}.weight", [vocab, dim])
+    except (KeyError, ValueError) as e:
+        print(f"llama_reference: {e}", file=sys.stderr)
+        return 1
 
     ids, targets = expected["ids"], expected["targets"]
     logits, loss = [], 0.0

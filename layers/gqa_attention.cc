@@ -149,8 +149,8 @@ Tensor GqaAttention::forward_impl(Backend& be, const Tensor& x, Context* ctx, co
 Tensor GqaAttention::backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) {
   std::vector<Context>& ch = ctx.children;
   GPIPE_CHECK(ctx.saved.size() == 2 && ch.size() == kChildren, describe() + ": backward without its forward");
-  const Tensor& qkv = ctx.saved[0];    // (B, T, 3C)
-  const Tensor& probs = ctx.saved[1];  // (B, H, T, T)
+  const Tensor qkv = ctx.saved[0];    // (B, T, 3C); handles, not references: saved is cleared below
+  const Tensor probs = ctx.saved[1];  // (B, H, T, T)
   const int H = static_cast<int>(opts_.heads), KV = static_cast<int>(opts_.kv_heads);
   const int64_t B = qkv.size(0), T = opts_.seq_len, C = opts_.dim, KC = kv_width(opts_);
   const Tensor datt = o_.backward_input(be, dy, ch[kO]);  // (B, T, C)

@@ -1,11 +1,14 @@
-// Causal grouped-query self-attention as in LLaMA 2/3 (Ainslie et al., "GQA"): q, k, v
+// Causal grouped-query self-attention as in LLaMA 2 and 3.0 (Ainslie et al., "GQA"; no
+// rope scaling, which LLaMA 3.1 adds): q, k, v
 // and output projections without biases, rotary position embeddings on q and k
 // (Backend::rope), and kv_heads key/value heads, each shared by heads / kv_heads query
 // heads (kv_heads == heads: multi-head attention; 1: multi-query). The core is the fused
 // Backend::attention on q and the key/value heads repeated (Backend::pack_qkv), whose
 // backward sums each group's gradient. Input and output are (T, dim) per sample;
 // parameters "q.weight" (dim, dim), "k.weight", "v.weight" (kv_heads dim/heads, dim),
-// "o.weight" (dim, dim). Backward splits into B and W (the four weight gradients).
+// "o.weight" (dim, dim). Backward splits into B and W (the four weight gradients). The
+// grouping saves projection weights and products, not activation memory: the repeated
+// heads and the scores are kept per query head.
 #pragma once
 
 #include "layers/layer.h"

@@ -173,10 +173,11 @@ std::string cost_mistake(Layer& layer, int64_t batch, const LayerCost& c) {
            std::to_string(batch) + " x " + dtype_name(layer.dtype()) + shape_str(layer.output_shape()) + ", is " +
            std::to_string(output_bytes) + " bytes";
   }
-  // A forward without arithmetic is allowed where it only moves data, which it then
-  // counts in bytes (at least its output, read and written): a table lookup, as an
-  // embedding without learned positions is.
-  const bool moves_only = c.forward_flops == 0 && c.forward_bytes >= 2.0 * static_cast<double>(output_bytes);
+  // A forward without arithmetic is allowed for a table lookup (its input is int32 ids, as
+  // an embedding without learned positions), which then counts its moves in bytes (at
+  // least its output, read and written).
+  const bool moves_only = layer.input_dtype() == DType::kI32 && c.forward_flops == 0 &&
+                          c.forward_bytes >= 2.0 * static_cast<double>(output_bytes);
   if (param_bytes > 0 && ((c.forward_flops <= 0 && !moves_only) || c.backward_flops <= 0)) {
     return "it has parameters but counts forward_flops = " + num(c.forward_flops) + " and backward_flops = " +
            num(c.backward_flops) + "; count the arithmetic its forward and backward do";

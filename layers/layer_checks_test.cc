@@ -36,7 +36,8 @@ class Broken : public Layer {
     const double n = static_cast<double>(batch * input_shape()[0]);
     LayerCost c;
     // kNoForwardFlops counts no forward arithmetic and only its output's bytes; kLookup
-    // counts none either but reads as much as it writes (as a table lookup would).
+    // counts none either but reads as much as it writes (as a table lookup would, which
+    // a layer of float input is not).
     const bool no_forward = m_ == Mistake::kNoFlops || m_ == Mistake::kNoForwardFlops || m_ == Mistake::kLookup;
     c.forward_flops = no_forward ? 0 : n;
     c.backward_flops = m_ == Mistake::kNoFlops ? 0 : 3 * n;
@@ -124,7 +125,10 @@ TEST_CASE("a layer whose backward returns a misshapen input gradient is named") 
 
 TEST_CASE("a cost the balancer cannot trust is named when the model's costs are taken") {
   CHECK(model_with(Mistake::kNone).costs(8).size() == 2);
-  CHECK(model_with(Mistake::kLookup).costs(8).size() == 2);  // moves data only: no forward FLOPs to count
+  // No forward arithmetic passes only for a lookup of int32 ids (an embedding without
+  // positions, llama_test): a float layer that counts none forgot its arithmetic, even where
+  // it counts as many bytes as a lookup moves.
+  CHECK_THROWS_WITH_AS(model_with(Mistake::kLookup).costs(8), doctest::Contains("counts forward_flops = 0"), UserError);
   struct Case {
     Mistake m;
     const char* says;

@@ -107,6 +107,22 @@ TEST_CASE("a model of forward-only layers agrees on CPU and CUDA, dropout includ
 }
 
 
+TEST_CASE("a small LLaMA-style model agrees on CPU and CUDA: rmsnorm, gqa_attention, llama_block, dropout") {
+  layers::ModelSpec spec;
+  spec.input = {16};
+  spec.input_dtype = DType::kI32;
+  spec.seed = 5;
+  spec.layers = {{"embedding", {{"vocab", "64"}, {"dim", "32"}, {"positions", "0"}}, {}, ""},
+                 {"llama_block", {{"heads", "4"}, {"kv_heads", "2"}, {"hidden", "48"}, {"dropout", "0.1"}}, {}, ""},
+                 {"gqa_attention", {{"heads", "4"}, {"kv_heads", "1"}}, {}, ""},
+                 {"rmsnorm", {}, {}, ""},
+                 {"linear", {{"out", "64"}, {"bias", "false"}}, {}, ""}};
+  spec.loss = {"softmax_cross_entropy", {}, {}, ""};
+  Tensor x = random_labels(4 * 16, 64, 5).reshape({4, 16});
+  Tensor y = random_labels(4 * 16, 64, 6).reshape({4, 16});
+  compare_models(spec, x, y, 2e-3, 1e-5);
+}
+
 TEST_CASE("a small GPT agrees on CPU and CUDA, dropout included") {
   layers::ModelSpec spec;
   spec.input = {16};

@@ -62,7 +62,7 @@ TEST_CASE("the LLaMA config loads: no learned positions, llama_blocks with their
   }
   CHECK(c.model.layers[5].type == "rmsnorm");
   auto model = layers::build_model(c.model);
-  CHECK(model->layer(1).describe() == "llama_block(128, 4 heads, 2 kv heads, hidden 352)");
+  CHECK(model->layer(1).describe() == "llama_block(128, 4 heads, 2 kv heads, hidden 352, dropout 0.1)");
   // An embedding with no position table, grouped k and v: 256 x 128 + 4 x (2 x 128 + 128^2 x 2
   // + 2 x 64 x 128 + 3 x 128 x 352) + 128 + 128 x 256.
   CHECK(model->parameter_count() == 256 * 128 + 4 * (2 * 128 + 2 * 128 * 128 + 2 * 64 * 128 + 3 * 128 * 352) +
