@@ -15,9 +15,9 @@
 #endif
 
 #if defined(__CUDACC__)
-#define GPIPE_HOST_DEVICE __host__ __device__
+#define GPIPE_BROADCAST_FN __host__ __device__ inline
 #else
-#define GPIPE_HOST_DEVICE
+#define GPIPE_BROADCAST_FN inline
 #endif
 
 namespace gpipe {
@@ -48,7 +48,7 @@ inline const char* reduce_name(Reduce op) {
 }
 
 template <typename T>
-GPIPE_HOST_DEVICE inline T binary_value(Binary op, T a, T b) {
+GPIPE_BROADCAST_FN T binary_value(Binary op, T a, T b) {
   switch (op) {
     case Binary::kAdd: return a + b;
     case Binary::kSub: return a - b;
