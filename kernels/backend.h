@@ -262,7 +262,8 @@ class Backend {
   virtual void reduce_rows(Reduce op, const Tensor& x, Tensor& y) = 0;
   // dx[r, c] = dy[r] * d y[r] / d x[r, c], from x and the forward's y: sum 1, mean 1 / C,
   // max 1 at the first largest entry of the row and 0 elsewhere, norm x / y (0 where
-  // y is 0). dx is overwritten.
+  // y is 0). dx is overwritten. Sum and mean read only x's and y's shapes, not their
+  // values (a caller that kept neither may pass dx and dy in their places).
   virtual void reduce_rows_backward(Reduce op, const Tensor& x, const Tensor& y, const Tensor& dy, Tensor& dx) = 0;
   // y = softmax of each row of x (R, C): exp(x - max) / sum exp(x - max); y may be x.
   virtual void softmax(const Tensor& x, Tensor& y) = 0;

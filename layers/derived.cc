@@ -292,23 +292,20 @@ Var Graph::sub(Var a, Var b) { return binary_op(impl_, Binary::kSub, a, b); }
 Var Graph::mul(Var a, Var b) { return binary_op(impl_, Binary::kMul, a, b); }
 Var Graph::div(Var a, Var b) { return binary_op(impl_, Binary::kDiv, a, b); }
 
-Var Graph::add(Var a, double c) {
-  impl_.check(a, "add");
+namespace {
+// a op c for a constant c (add or mul): kAddScalar or kMulScalar.
+Var scalar_op(Graph::Impl& g, OpKind kind, Binary op, Var a, double c) {
+  g.check(a, binary_name(op));
   Node n;
-  n.kind = OpKind::kAddScalar;
+  n.kind = kind;
   n.a = a.id();
   n.scalar = c;
-  return impl_.add_node(n, impl_.run([&] { return impl_.exec.binary_scalar(Binary::kAdd, impl_.value(a.id()), c, impl_.dtype); }));
+  return g.add_node(n, g.run([&] { return g.exec.binary_scalar(op, g.value(a.id()), c, g.dtype); }));
 }
+}  // namespace
 
-Var Graph::mul(Var a, double c) {
-  impl_.check(a, "mul");
-  Node n;
-  n.kind = OpKind::kMulScalar;
-  n.a = a.id();
-  n.scalar = c;
-  return impl_.add_node(n, impl_.run([&] { return impl_.exec.binary_scalar(Binary::kMul, impl_.value(a.id()), c, impl_.dtype); }));
-}
+Var Graph::add(Var a, double c) { return scalar_op(impl_, OpKind::kAddScalar, Binary::kAdd, a, c); }
+Var Graph::mul(Var a, double c) { return scalar_op(impl_, OpKind::kMulScalar, Binary::kMul, a, c); }
 
 namespace {
 
@@ -492,7 +489,7 @@ Val input_grad(Exec& e, const Tape& t, const Values& val, int i, int slot, const
       e.count(Exec::n(dx), 2 * Exec::bytes(dx) + 2 * Exec::bytes(dy));
       if (e.be != nullptr) {
         if (n.reduce == Reduce::kSum || n.reduce == Reduce::kMean) {
-          e.be->reduce_rows_backward(n.reduce, dx.t, dy.t, dy.t, dx.t);  // their values are not read: not kept
+          e.be->reduce_rows_backward(n.reduce, dx.t, dy.t, dy.t, dx.t);  // x and y not kept, nor read
         } else {
           e.be->reduce_rows_backward(n.reduce, val(n.a).t, val(i).t, dy.t, dx.t);
         }
