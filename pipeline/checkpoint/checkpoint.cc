@@ -192,6 +192,14 @@ void CheckpointStore::write_shard(int64_t step, int shard, int num_shards, const
     fsync_directory(dir_);
   } else if (errno != EEXIST) {
     throw UserError("cannot create '" + sd + "': " + std::strerror(errno));
+  } else if (!run_id_.empty()) {
+    const std::string theirs = checkpoint_run_id(sd);
+    if (!theirs.empty() && theirs != run_id_) {
+      throw UserError("cannot save step " + std::to_string(step) + ": " + sd + " holds a checkpoint of another run (" +
+                      theirs + "), not of this run " + run_id_ + ", and gpipe never overwrites another run's "
+                      "checkpoint. Move it out of " + dir_ + " (mv " + sd + " <elsewhere>), then continue this run "
+                      "with --resume");
+    }
   }
   // Saving a step again (after a resume from an older checkpoint): it is not complete
   // until finalize has checked the new shards.
@@ -288,15 +296,25 @@ void CheckpointStore::save(int64_t step, const std::vector<ShardTensors>& shards
 
 void CheckpointStore::rotate(int64_t saved_step) const {
   const CheckpointListing listing = list_checkpoints(dir_);
+  // Another run's step directory is never deleted (nor counted): only this run's are ours.
+  const auto ours = [&](const CheckpointRef& c) {
+    if (run_id_.empty()) return true;
+    const std::string theirs = checkpoint_run_id(c.path);
+    if (theirs.empty() || theirs == run_id_) return true;
+    spdlog::warn("checkpoint: {} belongs to another run ({}); left as it is", c.path, theirs);
+    return false;
+  };
   // Torn saves older than this one: nothing writes them any more (saves are in order).
   for (const CheckpointRef& c : listing.incomplete) {
-    if (c.step < saved_step) remove_checkpoint_dir(c.path, "an interrupted save, older than " + step_dir_name(saved_step));
+    if (c.step < saved_step && ours(c)) {
+      remove_checkpoint_dir(c.path, "an interrupted save, older than " + step_dir_name(saved_step));
+    }
   }
   if (keep_ == 0) return;
   // Newer complete ones belong to a run that was resumed from an older checkpoint: left alone.
   int kept = 0;
   for (auto it = listing.complete.rbegin(); it != listing.complete.rend(); ++it) {
-    if (it->step > saved_step) continue;
+    if (it->step > saved_step || !ours(*it)) continue;
     if (++kept > keep_) remove_checkpoint_dir(it->path, "checkpoint.keep is " + std::to_string(keep_));
   }
 }

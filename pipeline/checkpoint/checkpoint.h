@@ -85,7 +85,8 @@ class CheckpointStore {
 
   // Writes one stage's model and optimizer shard of `step` durably. If step-N was
   // complete already (a step saved again), it stops counting as complete here and counts
-  // again when finalize has run.
+  // again when finalize has run. A step directory of another run (checkpoint_run_id) is
+  // never written into: UserError naming it and its run.
   void write_shard(int64_t step, int shard, int num_shards, const TensorMap& model, const TensorMap& optimizer) const;
   // After every shard is durable: checks each shard file against `names` (one entry per
   // shard; a missing file, a missing or extra tensor, a tensor in two shards is an Error),
@@ -114,6 +115,11 @@ struct CheckpointListing {
   std::vector<CheckpointRef> complete, incomplete;
 };
 CheckpointListing list_checkpoints(const std::string& dir);
+
+// The run a step directory belongs to: its trainer_state.json's run_id, or for a torn save
+// without one, the run_id in the metadata of its first readable shard; "" when nothing in
+// it names a run (an empty torn save, a store given no run id). Never throws.
+std::string checkpoint_run_id(const std::string& step_dir);
 
 // The checkpoint to resume from: the one `latest` names if it is complete, else the
 // newest complete one (a warning says why `latest` was not used). Every torn step-*

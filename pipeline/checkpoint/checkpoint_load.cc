@@ -1,5 +1,6 @@
 // Reading checkpoints: finding the newest complete one, loading it with every file
 // checked against its index, and checking that it fits the model.
+#include <algorithm>
 #include <charconv>
 #include <filesystem>
 #include <set>
@@ -164,6 +165,31 @@ CheckpointListing list_checkpoints(const std::string& dir) {
   std::sort(out.complete.begin(), out.complete.end(), by_step);
   std::sort(out.incomplete.begin(), out.incomplete.end(), by_step);
   return out;
+}
+
+std::string checkpoint_run_id(const std::string& step_dir) {
+  try {
+    const json st = json::parse(read_file(step_dir + "/trainer_state.json"));
+    if (st.is_object() && st.contains("run_id") && st["run_id"].is_string()) return st["run_id"].get<std::string>();
+    if (st.is_object()) return "";  // a trainer state without a run: a store given none
+  } catch (const std::exception&) {  // none yet (a torn save) or unreadable: ask the shards
+  }
+  std::error_code ec;
+  std::vector<std::string> shards;
+  for (const auto& entry : fs::directory_iterator(step_dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() > 12 && name.compare(name.size() - 12, 12, ".safetensors") == 0) shards.push_back(name);
+  }
+  std::sort(shards.begin(), shards.end());
+  for (const std::string& name : shards) {
+    try {
+      const SafetensorsHeader h = read_safetensors_header(step_dir + "/" + name);
+      const auto run = h.metadata.find("run_id");
+      return run == h.metadata.end() ? "" : run->second;
+    } catch (const std::exception&) {  // a torn or damaged shard: the next one
+    }
+  }
+  return "";
 }
 
 std::optional<CheckpointRef> find_latest_complete(const std::string& dir) {

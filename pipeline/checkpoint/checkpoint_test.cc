@@ -181,6 +181,23 @@ TEST_CASE("checkpoint: keep rotates old checkpoints out only after the new one i
   CHECK(fs::exists(dir / "ckpt/step-3/COMPLETE"));
 }
 
+TEST_CASE("checkpoint: keep neither deletes nor counts another run's step directories") {
+  TempDir dir;
+  CheckpointStore other(dir / "ckpt", 0, "run-b");
+  other.save(1, make_shards(1), state_of(1));
+  other.write_shard(2, 0, 2, make_shards(2)[0].model, make_shards(2)[0].optimizer);  // its torn save
+  CheckpointStore store(dir / "ckpt", /*keep=*/1, "run-a");
+  for (int64_t step : {3, 4, 5}) store.save(step, make_shards(step), state_of(step));
+  CHECK(checkpoint_run_id(dir / "ckpt/step-1") == "run-b");
+  CHECK(checkpoint_run_id(dir / "ckpt/step-5") == "run-a");
+  CHECK(fs::exists(dir / "ckpt/step-1/COMPLETE"));
+  CHECK(fs::exists(dir / "ckpt/step-2/model-00001-of-00002.safetensors"));
+  CHECK_FALSE(fs::exists(dir / "ckpt/step-3"));
+  CHECK_FALSE(fs::exists(dir / "ckpt/step-4"));
+  CHECK(fs::exists(dir / "ckpt/step-5/COMPLETE"));
+  CHECK(checkpoint_run_id(dir / "nothing-here") == "");
+}
+
 TEST_CASE("checkpoint: a saved step saved again is incomplete until finalized, and leftovers are removed") {
   TempDir dir;
   CheckpointStore store(dir / "ckpt");
@@ -322,10 +339,20 @@ TEST_CASE("checkpoint: every tensor's checksum and every shard's step and run ar
     save_safetensors(shard1, f.tensors, meta);
     CHECK(load_error(sd).find("has no readable \"checksums\"") != std::string::npos);
   }
-  SUBCASE("finalize refuses a shard another run wrote") {
+  SUBCASE("a save never writes into another run's step, and finalize refuses a shard another run wrote") {
     CheckpointStore(dir / "ckpt", 0, "run-b").write_shard(7, 0, 2, make_shards(7)[0].model, {});
     CheckpointStore b(dir / "ckpt", 0, "run-a");
+    CHECK(checkpoint_run_id(dir / "ckpt/step-7") == "run-b");  // a torn save: its shard says its run
+    CHECK_THROWS_WITH_AS(b.write_shard(7, 1, 2, make_shards(7)[1].model, {}),
+                         doctest::Contains("ckpt/step-7 holds a checkpoint of another run (run-b), not of this run "
+                                           "run-a, and gpipe never overwrites another run's checkpoint"),
+                         UserError);
+    CHECK(fs::exists(dir / "ckpt/step-7/model-00001-of-00002.safetensors"));
+    // A shard of another run copied in after this run's first shard: refused by finalize.
+    fs::remove_all(dir / "ckpt/step-7");
     b.write_shard(7, 1, 2, make_shards(7)[1].model, {});
+    CheckpointStore(dir / "other", 0, "run-b").write_shard(7, 0, 2, make_shards(7)[0].model, {});
+    fs::copy_file(dir / "other/step-7/model-00001-of-00002.safetensors", dir / "ckpt/step-7/model-00001-of-00002.safetensors");
     CHECK_THROWS_WITH_AS(b.finalize(7, 2, {{{"layers.0.weight", "layers.0.bias"}, {}}, {{"layers.1.weight", "layers.1.table"}, {}}}, {}),
                          doctest::Contains("was written by run run-b, not by this run run-a"), Error);
   }

@@ -135,15 +135,23 @@ int run_plan(Invocation& inv, const std::string& schedule_out = "") {
 // with --resume after a failure, up to --max-restarts times.
 int run_train_under_supervisor(Invocation& inv) {
   check_start_flags(inv);
-  const pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);  // a bad config fails here, once
+  pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);  // a bad config fails here, once
+  if (inv.resume && config.checkpoint.resume.empty()) config.checkpoint.resume = "auto";  // as train reads it
+  if (inv.start_over && !config.checkpoint.resume.empty()) {
+    throw UserError("--start-over starts a new run, but checkpoint.resume is '" + config.checkpoint.resume +
+                    "'; drop one of them");
+  }
   pipeline::SupervisorOptions o;
-  // The job's run: a new one, or with --resume the one its checkpoints belong to.
-  const auto prior = pipeline::find_prior_run(config);
-  o.run_id = inv.resume && prior && !prior->run_id.empty() ? prior->run_id : pipeline::new_run_id();
-  // Its directories are this job's for all its launches; a fresh job does not mix with
-  // an earlier run's files (refused here, before any launch, unless --start-over).
-  pipeline::DirectoryLock lock(pipeline::run_directories(config), o.run_id);
-  if (!inv.resume && !inv.start_over && prior) pipeline::claim_directories(config);
+  // The job's run: a new one, or with --resume the one its folder belongs to.
+  const std::string owner = pipeline::folder_run_id(config);
+  o.run_id = inv.resume && !owner.empty() ? owner : pipeline::new_run_id();
+  config.run.id = o.run_id;
+  config.run.id_given = true;
+  // Its directories are this job's for all its launches; the launches claim them as
+  // train does (whose run, a fork, another run's files refused); the job checks the same
+  // here, writing nothing, so that what its first launch would refuse is refused at once.
+  pipeline::DirectoryLock lock(pipeline::run_directories(config), o.run_id, /*supervisor=*/true);
+  o.run_id = pipeline::claim_directories(config, /*record=*/false).run_id;
   o.start_over = inv.start_over;
   o.heartbeat_dir = config.output.dir + "/.heartbeat";
   o.stall_s = 2 * config.pipeline.timeout_s;

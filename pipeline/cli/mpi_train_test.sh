@@ -23,6 +23,11 @@ common=(--set train.steps=12 --set train.log_interval=1 --set train.eval_interva
 losses() { grep -E '^step ' | awk '{print $2, $4}'; }
 # "step 6/12 ... val_loss X" and the final "Validation: loss X, accuracy Y%".
 validation() { grep -oE 'val_loss [0-9.]+|Validation: .*'; }
+close_validation() {  # the same numbers within 1e-3, and the same count of them
+  paste <(validation < "$1" | grep -oE '[0-9]+\.[0-9]+' ) <(validation < "$2" | grep -oE '[0-9]+\.[0-9]+') |
+    awk 'NF != 2 { bad = 1 } { d = $1 - $2; if (d < 0) d = -d; if (d > 1e-3) bad = 1 } END { exit bad }' &&
+    [ "$(validation < "$2" | wc -l)" -eq 2 ] || { cat "$2"; echo "FAIL: validation differs between $1 and $2"; exit 1; }
+}
 same_validation() {
   if ! diff <(validation < "$1") <(validation < "$2") || [ "$(validation < "$2" | wc -l)" -ne 2 ]; then
     cat "$2"; echo "FAIL: validation differs between $1 and $2"; exit 1
@@ -54,8 +59,11 @@ if ! awk '{ d = $2 - $4; if (d < 0) d = -d; if ($1 != $3 || d > 1e-3) { print "s
   echo "FAIL: per-step losses differ between one process and K=2 x D=2"; exit 1
 fi
 echo "ok: K=2 x D=2 (4 processes) gives the single-process losses"
-same_validation "$tmp/single.log" "$tmp/dp.log"
-echo "ok: K=2 x D=2 gives the single-process validation"
+# Within the losses' 1e-3: the replicas' gradient sum adds in another order, so float32
+# weights drift apart in the last bits over 12 steps (2.1936 against 2.1929 on an AVX2
+# EPYC, identical on others).
+close_validation "$tmp/single.log" "$tmp/dp.log"
+echo "ok: K=2 x D=2 gives the single-process validation (within 1e-3)"
 
 # 1b. BatchNorm across replicas: one process with M = 4 sees the same micro-batches as
 # two replicas with M = 2 each (rows 0-7 and 8-15 of every batch of 16).

@@ -58,6 +58,10 @@ constexpr int kSignals[] = {SIGUSR1, SIGINT, SIGTERM, SIGUSR2};
 constexpr int kNumSignals = sizeof kSignals / sizeof kSignals[0];
 struct sigaction g_before[kNumSignals];
 
+const char* signal_name(int sig) {
+  return sig == SIGINT ? "SIGINT" : sig == SIGUSR2 ? "SIGUSR2 (a stop request)" : sig == SIGTERM ? "SIGTERM" : "a signal";
+}
+
 }  // namespace
 
 nlohmann::json model_fingerprint(const layers::Sequential& model) {
@@ -84,7 +88,15 @@ RunCheckpoints::RunCheckpoints(const Config& config, const Plan& plan, layers::S
 }
 
 RunCheckpoints::~RunCheckpoints() {
-  for (int i = 0; i < kNumSignals; ++i) sigaction(kSignals[i], &g_before[i], nullptr);
+  for (int i = 0; i < kNumSignals; ++i) {
+    // A stop request (gpipe run's SIGUSR2 through mpirun) that comes while a finished run
+    // exits must not kill it by SIGUSR2's default action: its work is done and written.
+    if (kSignals[i] == SIGUSR2 && g_before[i].sa_handler == SIG_DFL) {
+      std::signal(SIGUSR2, SIG_IGN);
+      continue;
+    }
+    sigaction(kSignals[i], &g_before[i], nullptr);
+  }
 }
 
 double RunCheckpoints::sum_over_job(double value) {
@@ -118,10 +130,13 @@ nlohmann::json RunCheckpoints::trainer_state(int64_t done, double lr) const {
           {"identity", run_identity(config_)},
           // fp16's dynamic loss scale, to go on from (0 and 0 without loss scaling).
           {"loss_scale", {{"scale", executor_.loss_scale()}, {"clean_steps", executor_.clean_steps()}}},
-          {"history", history_ ? history_(done) : nlohmann::json()}};
+          {"history", history_ ? history_(done) : nlohmann::json()},
+          // A fork: the run and step it went on from (null for a run of its own).
+          {"parent", parent_}};
 }
 
 void RunCheckpoints::save(int64_t done, double lr) {
+  saved_step_ = done;
   const int K = plan_.stages;
   std::vector<ShardTensors> shards;
   // Sharded optimizer state: every replica takes part in the save (its slots are
@@ -199,15 +214,36 @@ void RunCheckpoints::after_step(int64_t done, double lr) {
   if (due || asked || stop) save(done, lr);
   if (stop) {
     wait_for_last_save();
-    const int sig = g_stop_signal != 0 ? static_cast<int>(g_stop_signal) : SIGTERM;
+    stopped_by_ = g_stop_signal != 0 ? static_cast<int>(g_stop_signal) : SIGTERM;
+    // In the last step the run is complete: it goes on to its validation and reports,
+    // and stops after them (finish).
+    if (done >= config_.train.steps) return;
     const std::string& again = config_.run.resume_command;
-    const char* name = sig == SIGINT ? "SIGINT" : sig == SIGUSR2 ? "SIGUSR2 (a stop request)" : "SIGTERM";
-    throw RunStopped(sig, std::string("stopped by ") + name + " after step " +
-                              std::to_string(done) + "; saved " + last_saved_ +
-                              (!again.empty()             ? "; continue it with: " + again
-                               : config_.run.id_given ? std::string()  // its supervisor says how
-                                                      : std::string("; continue it with checkpoint.resume: auto")));
+    throw RunStopped(stopped_by_, std::string("stopped by ") + signal_name(stopped_by_) + " after step " +
+                                      std::to_string(done) + "; saved " + last_saved_ +
+                                      (!again.empty()             ? "; continue it with: " + again
+                                       : config_.run.id_given ? std::string()  // its supervisor says how
+                                                              : std::string("; continue it with checkpoint.resume: auto")));
   }
+}
+
+void RunCheckpoints::finish(int64_t done, double lr, const std::string& reports) {
+  // A stop signal after the last step's flags were summed (during the validation, the
+  // last save or the reports): the run is complete; it saves its last step if it has not,
+  // so that its continue command finds it, and stops like any stopped run.
+  if (stopped_by_ == 0 && sum_over_job(g_stop_signal != 0 ? 1.0 : 0.0) > 0) {
+    stopped_by_ = g_stop_signal != 0 ? static_cast<int>(g_stop_signal) : SIGTERM;
+    if (saved_step_ != done) save(done, lr);
+    wait_for_last_save();
+  }
+  if (stopped_by_ == 0) return;
+  const std::string& again = config_.run.resume_command;
+  throw RunStopped(stopped_by_, std::string("stopped by ") + signal_name(stopped_by_) +
+                                    " at the end of the run: its " + std::to_string(done) +
+                                    " steps are done; saved " + last_saved_ +
+                                    (reports.empty() ? "" : "; its report: " + reports) +
+                                    (again.empty() ? "" : "; continue it with: " + again +
+                                                              " (it trains on once train.steps is raised)"));
 }
 
 void RunCheckpoints::wait_for_last_save() {
@@ -251,11 +287,15 @@ LoadedCheckpoint RunCheckpoints::load_first_intact(const std::vector<CheckpointR
 // A checkpoint of another run, or one whose config decides another result, is refused.
 void RunCheckpoints::check_same_run(const LoadedCheckpoint& loaded) const {
   const nlohmann::json& state = loaded.trainer_state;
+  // This run's own checkpoint, or a fork's parent (claim_directories allowed it).
   const std::string theirs = state.value("run_id", std::string());
-  if (config_.run.id_given && !theirs.empty() && theirs != config_.run.id) {
-    throw UserError("checkpoint " + loaded.path + " belongs to run " + theirs + ", not to this run " + config_.run.id +
-                    ": a job resumes only its own checkpoints. Continue that run with --resume (without --run-id), or "
-                    "give this one another output.dir");
+  const bool parent = parent_.is_object() && parent_.value("run_id", std::string()) == theirs &&
+                      parent_.value("step", int64_t{-1}) == loaded.step;
+  if (!theirs.empty() && theirs != run_id_ && !parent) {
+    throw UserError("checkpoint " + loaded.path + " belongs to run " + theirs + ", not to this run " + run_id_ +
+                    ": a run resumes only its own checkpoints. Continue that run in its own output.dir with "
+                    "--resume, or fork it into a fresh one (--set checkpoint.resume=" + loaded.path +
+                    " --set output.dir=<a new folder>)");
   }
   const nlohmann::json want_model = model_fingerprint(model_);
   if (!state.contains("model") || state["model"] != want_model) {
@@ -295,24 +335,47 @@ void RunCheckpoints::check_same_run(const LoadedCheckpoint& loaded) const {
   }
 }
 
+// This run's complete checkpoints, newest first: the one `latest` names (or the newest),
+// then the older ones; another run's are never among them.
+std::vector<CheckpointRef> own_checkpoints(const std::string& dir, const std::string& run_id) {
+  std::vector<CheckpointRef> out;
+  const auto ours = [&](const CheckpointRef& c) {
+    const std::string theirs = checkpoint_run_id(c.path);
+    return theirs.empty() || theirs == run_id;
+  };
+  const auto first = find_latest_complete(dir);
+  if (!first) return out;
+  if (ours(*first)) out.push_back(*first);
+  const CheckpointListing listing = list_checkpoints(dir);
+  for (auto it = listing.complete.rbegin(); it != listing.complete.rend(); ++it) {
+    if (it->step < first->step && ours(*it)) out.push_back(*it);
+  }
+  return out;
+}
+
 int64_t RunCheckpoints::resume() {
   const std::string& want = config_.checkpoint.resume;
   if (want.empty()) return 0;
-  std::vector<CheckpointRef> candidates;
-  if (want == "auto") {
-    // The one `latest` names (or the newest complete), then the older complete ones.
-    const auto first = find_latest_complete(store_.dir());
-    if (!first) {
-      spdlog::info("no complete checkpoint in {}: starting from step 0", store_.dir());
-      return 0;
-    }
-    candidates.push_back(*first);
-    const CheckpointListing listing = list_checkpoints(store_.dir());
-    for (auto it = listing.complete.rbegin(); it != listing.complete.rend(); ++it) {
-      if (it->step < first->step) candidates.push_back(*it);
-    }
-  } else {
-    candidates.push_back({-1, want});
+  // The job's first process has claimed the folder (claim_directories): whose run this
+  // is, and a fork's parent, are in its run.json from here on.
+  sum_over_job(0.0);
+  const ClaimedRun claimed = claimed_run(config_);
+  parent_ = claimed.parent;
+  if (claimed.run_id != run_id_) {  // saves from here on belong to the run it continues
+    run_id_ = claimed.run_id;
+    store_ = CheckpointStore(store_.dir(), store_.keep(), run_id_);
+    if (writer_) writer_ = std::make_unique<AsyncCheckpointWriter>(store_);
+  }
+  std::vector<CheckpointRef> candidates = own_checkpoints(store_.dir(), run_id_);
+  if (want != "auto") {
+    const std::string step_dir = resume_step_dir(want);
+    // A fork's own checkpoints, once it has saved some, come before its parent's.
+    const std::string theirs = checkpoint_run_id(step_dir);
+    if (theirs == run_id_ || theirs.empty() || candidates.empty()) candidates = {{-1, step_dir}};
+  }
+  if (candidates.empty()) {
+    spdlog::info("no complete checkpoint in {} (of run {}): starting from step 0", store_.dir(), run_id_);
+    return 0;
   }
   // This process reads what its stages restore: their parameters, buffers and
   // optimizer state, a tied copy from its owner's name.
@@ -329,13 +392,6 @@ int64_t RunCheckpoints::resume() {
   LoadedCheckpoint loaded = load_first_intact(candidates, filter);
   check_same_run(loaded);
   const nlohmann::json& state = loaded.trainer_state;
-  // Saves from here on belong to the run it continues.
-  const std::string theirs = state.value("run_id", std::string());
-  if (!theirs.empty() && theirs != run_id_) {
-    run_id_ = theirs;
-    store_ = CheckpointStore(store_.dir(), store_.keep(), run_id_);
-    if (writer_) writer_ = std::make_unique<AsyncCheckpointWriter>(store_);
-  }
   if (state.contains("history")) resumed_history_ = state["history"];
   std::map<std::string, Tensor> model(loaded.model.begin(), loaded.model.end());
   std::map<std::string, Tensor> optimizer(loaded.optimizer.begin(), loaded.optimizer.end());

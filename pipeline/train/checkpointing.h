@@ -46,16 +46,18 @@ class RunCheckpoints {
   RunCheckpoints(const RunCheckpoints&) = delete;
   RunCheckpoints& operator=(const RunCheckpoints&) = delete;
 
-  // With checkpoint.resume: loads the checkpoint, checks that it is intact (a damaged
-  // one is named and skipped for the newest intact one before it, on every process
-  // alike), that it is this run's (its run id, when this launch was given one) and that
-  // it fits this model and config (run_identity, unless checkpoint.allow_changes says
-  // so), and restores this process's stages. Returns the step to continue at (0 for a
-  // fresh run). A resumed run takes on its checkpoint's run id.
+  // With checkpoint.resume: takes on the run that claim_directories recorded for the
+  // folder (run.json; collective), loads the checkpoint, checks that it is intact (a
+  // damaged one is named and skipped for the newest intact one before it, on every
+  // process alike), that it is this run's (or, for a fork, its parent's) and that it fits
+  // this model and config (run_identity, unless checkpoint.allow_changes says so), and
+  // restores this process's stages. Returns the step to continue at (0 for a fresh run).
   int64_t resume();
   // The run's id: the config's (a new run's or its supervisor's), or after resume() the
-  // checkpoint's.
+  // folder's run (a fork's own new id).
   const std::string& run_id() const { return run_id_; }
+  // A fork's parent ({"run_id", "step", "checkpoint"}), null otherwise; after resume().
+  const nlohmann::json& parent() const { return parent_; }
   // The history the resumed checkpoint carried (ReportBuilder::history); null if none.
   const nlohmann::json& resumed_history() const { return resumed_history_; }
   // What each save stores as the run's history: called with the step count saved.
@@ -65,6 +67,11 @@ class RunCheckpoints {
   void after_step(int64_t done, double lr);
   // At the end of the run: the last async save is complete and finalized.
   void wait_for_last_save();
+  // After the run's `done` steps and its reports (`reports`: their path, for the
+  // message); collective. RunStopped when a stop signal came in the last step (whose save
+  // after_step made) or after it (saved here, if the last step was not). The run is
+  // complete either way; it exits with 128 + the signal like any stopped run.
+  void finish(int64_t done, double lr, const std::string& reports);
   const std::string& last_saved() const { return last_saved_; }
 
  private:
@@ -87,9 +94,12 @@ class RunCheckpoints {
   std::unique_ptr<AsyncCheckpointWriter> writer_;
   bool multi_ = false, writes_ = false, finalizes_ = false;
   int64_t pending_ = -1;  // an async multi-process save whose shards may still be writing
+  int stopped_by_ = 0;    // the stop signal every process agreed on in the last step
+  int64_t saved_step_ = -1;
   nlohmann::json pending_state_;
   std::string last_saved_;
   std::string run_id_;
+  nlohmann::json parent_;
   nlohmann::json resumed_history_;
   std::function<nlohmann::json(int64_t)> history_;
 };

@@ -64,22 +64,107 @@ std::string own_command() {
   return cmd;
 }
 
-// The run id a checkpoint folder or a report names, "" when none does.
-std::string run_id_in(const std::string& output_dir, const std::string& checkpoint_dir) {
-  const CheckpointListing listing = list_checkpoints(checkpoint_dir);
-  for (auto it = listing.complete.rbegin(); it != listing.complete.rend(); ++it) {
-    try {
-      const json st = json::parse(read_file(it->path + "/trainer_state.json"));
-      if (st.contains("run_id") && st["run_id"].is_string()) return st["run_id"].get<std::string>();
-    } catch (const std::exception&) {
-    }
-  }
+fs::path normal(const std::string& p) { return fs::absolute(p).lexically_normal(); }
+
+// The run id report.json in `dir` names; "" when none does.
+std::string report_run_id(const std::string& dir) {
   try {
-    const json r = json::parse(read_file(output_dir + "/report.json"));
-    if (r.contains("run_id") && r["run_id"].is_string()) return r["run_id"].get<std::string>();
+    const json r = json::parse(read_file(dir + "/report.json"));
+    if (r.is_object() && r.contains("run_id") && r["run_id"].is_string()) return r["run_id"].get<std::string>();
   } catch (const std::exception&) {
   }
   return "";
+}
+
+// The run a folder belongs to by its record, else by its report; "" when neither names one.
+std::string recorded_run_id(const std::string& dir) {
+  if (const auto record = read_run_record(dir)) return record->run_id;
+  return report_run_id(dir);
+}
+
+void write_run_record(const std::string& dir, const ClaimedRun& run) {
+  json j = {{"run_id", run.run_id}, {"created", utc_now("%Y-%m-%d %H:%M:%S UTC")}};
+  if (const auto before = read_run_record(dir); before && before->run_id == run.run_id) {
+    try {  // the same run claims its folder again: it keeps its date of birth
+      const json old = json::parse(read_file(dir + "/" + kRunRecordFile));
+      if (old.contains("created")) j["created"] = old["created"];
+    } catch (const std::exception&) {
+    }
+  }
+  if (!run.parent.is_null()) j["parent"] = run.parent;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  write_file_atomically(dir + "/" + kRunRecordFile, j.dump(2) + "\n");
+}
+
+// Step directories (complete or torn) of `dir` that belong to a run other than `run_id`,
+// as "path (run X)"; a step that names no run counts as the folder's.
+std::vector<std::pair<std::string, std::string>> foreign_steps(const std::string& dir, const std::string& run_id) {
+  std::vector<std::pair<std::string, std::string>> out;
+  const CheckpointListing listing = list_checkpoints(dir);
+  for (const auto* list : {&listing.complete, &listing.incomplete}) {
+    for (const CheckpointRef& c : *list) {
+      const std::string theirs = checkpoint_run_id(c.path);
+      if (!theirs.empty() && theirs != run_id) out.push_back({c.path, theirs});
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Another run's step directories in this run's checkpoint folder: refused, naming each and
+// its run, with how to move them. `doing` says what was asked ("--resume continues run X").
+void refuse_foreign_steps(const std::string& dir, const std::string& run_id, const std::string& doing) {
+  const auto foreign = foreign_steps(dir, run_id);
+  if (foreign.empty()) return;
+  std::string listed;
+  for (size_t i = 0; i < foreign.size() && i < 4; ++i) {
+    listed += (i ? ", " : "") + foreign[i].first + " (run " + foreign[i].second + ")";
+  }
+  if (foreign.size() > 4) listed += " and " + std::to_string(foreign.size() - 4) + " more";
+  const std::string& first = foreign.front().first;
+  throw UserError(dir + " holds checkpoints of another run: " + listed + ". " + doing + " (run " +
+                  (run_id.empty() ? std::string("?") : run_id) + "), and gpipe never resumes, deletes or overwrites "
+                  "another run's checkpoint. Move them out of the folder (e.g. mv " + shell_quote(first) +
+                  " <elsewhere>), then run this again; to go on from one of them as a new run, fork it into a fresh "
+                  "directory: --set checkpoint.resume=<its new path> --set output.dir=<a new folder>");
+}
+
+// A checkpoint.dir outside output.dir must not be another run's folder, nor lie inside one
+// (its run.json or report.json names another run than `run_id`).
+void refuse_anothers_checkpoint_dir(const Config& config, const std::string& run_id) {
+  const fs::path ck = normal(checkpoint_dir(config));
+  if (is_within(ck, config.output.dir)) return;
+  for (fs::path dir = ck; !dir.empty(); dir = dir.parent_path()) {
+    const std::string theirs = recorded_run_id(dir.string());
+    if (!theirs.empty() && theirs != run_id) {
+      throw UserError("checkpoint.dir " + checkpoint_dir(config) + (dir == ck ? " is" : " lies inside " + dir.string() +
+                      ", which is") + " the folder of another run (" + theirs + "); a run keeps its checkpoints in a "
+                      "folder of its own. Set checkpoint.dir elsewhere (or leave it out: <output.dir>/checkpoints)");
+    }
+    if (dir == dir.root_path()) break;
+  }
+}
+
+// The last step report.json in `dir` holds; 0 when there is none.
+int64_t reported_steps(const std::string& dir) {
+  try {
+    const json r = json::parse(read_file(dir + "/report.json"));
+    int64_t last = 0;
+    for (const json& s : r.at("steps")) last = std::max<int64_t>(last, s.at("step").get<int64_t>());
+    return last;
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
+int64_t step_of(const std::string& step_dir) {
+  try {
+    const json st = json::parse(read_file(step_dir + "/trainer_state.json"));
+    if (st.contains("step") && st["step"].is_number_integer()) return st["step"].get<int64_t>();
+  } catch (const std::exception&) {
+  }
+  return -1;
 }
 
 }  // namespace
@@ -133,7 +218,7 @@ std::vector<std::string> identity_changes(const json& saved, const json& now, co
   return out;
 }
 
-DirectoryLock::DirectoryLock(const std::vector<std::string>& dirs, const std::string& run_id) {
+DirectoryLock::DirectoryLock(const std::vector<std::string>& dirs, const std::string& run_id, bool supervisor) {
   for (const std::string& dir : dirs) {
     std::error_code ec;
     fs::create_directories(dir, ec);
@@ -157,7 +242,8 @@ DirectoryLock::DirectoryLock(const std::vector<std::string>& dirs, const std::st
         h = json::parse(holder);
       } catch (const json::exception&) {
       }
-      if (err == EWOULDBLOCK && h.is_object() && !run_id.empty() && h.value("run_id", std::string()) == run_id) {
+      if (err == EWOULDBLOCK && !supervisor && h.is_object() && !run_id.empty() &&
+          h.value("run_id", std::string()) == run_id && h.value("supervisor", false)) {
         continue;  // this run's own supervisor holds it for the job
       }
       if (err != EWOULDBLOCK) throw UserError("cannot lock '" + path + "': " + std::strerror(err));
@@ -176,7 +262,8 @@ DirectoryLock::DirectoryLock(const std::vector<std::string>& dirs, const std::st
                                   {"run_id", run_id},
                                   {"started", utc_now("%Y-%m-%d %H:%M:%S UTC")},
                                   {"host", host},
-                                  {"command", own_command()}}
+                                  {"command", own_command()},
+                                  {"supervisor", supervisor}}
                                  .dump() +
                              "\n";
     if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size())) {
@@ -191,10 +278,57 @@ DirectoryLock::~DirectoryLock() {
 }
 
 std::vector<std::string> run_directories(const Config& config) {
-  std::vector<std::string> dirs = {config.output.dir};
-  const std::string ck = checkpoint_dir(config);
-  if (!is_within(ck, config.output.dir)) dirs.push_back(ck);
+  std::vector<std::string> dirs = {config.output.dir, checkpoint_dir(config)};
+  const auto by_path = [](const std::string& a, const std::string& b) { return normal(a) < normal(b); };
+  std::sort(dirs.begin(), dirs.end(), by_path);
+  dirs.erase(std::unique(dirs.begin(), dirs.end(), [](const std::string& a, const std::string& b) {
+               return normal(a) == normal(b);
+             }),
+             dirs.end());
   return dirs;
+}
+
+std::optional<RunRecord> read_run_record(const std::string& dir) {
+  const std::string path = dir + "/" + kRunRecordFile;
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return std::nullopt;
+  json j;
+  try {
+    j = json::parse(read_file(path));
+  } catch (const std::exception& e) {
+    throw UserError(path + " (the record of the run this folder belongs to) cannot be read: " + e.what() +
+                    "; restore it, or move the folder's files aside and start afresh there with --start-over");
+  }
+  if (!j.is_object() || !j.contains("run_id") || !j["run_id"].is_string() || j["run_id"].get<std::string>().empty()) {
+    throw UserError(path + " (the record of the run this folder belongs to) has no run_id: " + j.dump() +
+                    "; restore it, or move the folder's files aside and start afresh there with --start-over");
+  }
+  RunRecord r;
+  r.run_id = j["run_id"].get<std::string>();
+  if (j.contains("parent")) r.parent = j["parent"];
+  return r;
+}
+
+std::string folder_run_id(const Config& config) {
+  const std::string id = recorded_run_id(config.output.dir);
+  if (!id.empty()) return id;
+  // A checkpoint.dir outside output.dir that is a run's folder or lies in one says that
+  // run, which need not be this folder's (refuse_anothers_checkpoint_dir).
+  const std::string ck = checkpoint_dir(config);
+  if (!is_within(ck, config.output.dir)) {
+    for (fs::path dir = normal(ck); !dir.empty(); dir = dir.parent_path()) {
+      if (!recorded_run_id(dir.string()).empty()) return "";
+      if (dir == dir.root_path()) break;
+    }
+  }
+  const CheckpointListing listing = list_checkpoints(ck);
+  for (const auto* list : {&listing.complete, &listing.incomplete}) {
+    for (const CheckpointRef& c : *list) {  // oldest first: a step copied in is usually newer
+      const std::string theirs = checkpoint_run_id(c.path);
+      if (!theirs.empty()) return theirs;
+    }
+  }
+  return "";
 }
 
 std::vector<std::string> PriorRun::found() const {
@@ -217,7 +351,13 @@ std::optional<PriorRun> find_prior_run(const Config& config) {
   }
   if (fs::exists(ck + "/latest", ec)) prior.checkpoints.push_back(ck + "/latest");
   if (prior.reports.empty() && prior.checkpoints.empty()) return std::nullopt;
-  prior.run_id = run_id_in(config.output.dir, ck);
+  for (const std::string& dir : {config.output.dir, ck}) {
+    const std::string p = dir + "/" + kRunRecordFile;
+    if (fs::exists(p, ec) && std::find(prior.records.begin(), prior.records.end(), p) == prior.records.end()) {
+      prior.records.push_back(p);
+    }
+  }
+  prior.run_id = folder_run_id(config);
   return prior;
 }
 
@@ -230,9 +370,12 @@ std::string move_prior_run_aside(const Config& config, const PriorRun& prior) {
   fs::create_directories(to / "checkpoints", ec);
   if (ec) throw UserError("cannot create '" + to.string() + "' to move the earlier run aside: " + ec.message());
   const std::string ck = checkpoint_dir(config);
-  for (const std::string& p : prior.found()) {
-    const bool report = std::find(prior.reports.begin(), prior.reports.end(), p) != prior.reports.end();
+  std::vector<std::string> moved = prior.found();
+  moved.insert(moved.end(), prior.records.begin(), prior.records.end());
+  for (const std::string& p : moved) {
     const fs::path from(p);
+    const bool report = std::find(prior.reports.begin(), prior.reports.end(), p) != prior.reports.end() ||
+                        p == config.output.dir + "/" + kRunRecordFile;
     const fs::path dest = (report ? to : to / "checkpoints") / from.filename();
     fs::rename(from, dest, ec);
     if (ec) {
@@ -247,36 +390,150 @@ std::string move_prior_run_aside(const Config& config, const PriorRun& prior) {
   return to.string();
 }
 
-void claim_directories(const Config& config) {
-  const auto prior = find_prior_run(config);
-  if (!prior) return;
-  const bool resuming = config.checkpoint.resume == "auto";
-  if (resuming) {
-    // Its checkpoints are what --resume continues; reports with none would be overwritten
-    // by a run that starts from step 0.
-    if (!prior->checkpoints.empty()) return;
-    throw UserError(config.output.dir + " holds another run's reports (" + prior->reports.front() +
-                    ") but no checkpoint to resume from (it saved none: checkpoint.every was 0 and it was not "
-                    "stopped by a signal). Start a new run there with --start-over (the earlier one moves to " +
-                    config.output.dir + "/previous/), or give this one another directory (--set output.dir=...)");
-  }
+namespace {
+
+// A fresh run (no checkpoint.resume) where `prior` was found: refused, or with
+// --start-over that run's own files moved aside.
+void claim_for_fresh_run(const Config& config, const PriorRun& prior) {
   if (config.run.start_over) {
-    const std::string to = move_prior_run_aside(config, *prior);
+    refuse_foreign_steps(checkpoint_dir(config), prior.run_id,
+                         "--start-over moves the folder's own run aside");
+    const std::string to = move_prior_run_aside(config, prior);
     spdlog::warn("--start-over: the earlier run{} in {} ({} report file(s), {} checkpoint entries) was moved to {}",
-                 prior->run_id.empty() ? "" : " " + prior->run_id, config.output.dir, prior->reports.size(),
-                 prior->checkpoints.size(), to);
+                 prior.run_id.empty() ? "" : " " + prior.run_id, config.output.dir, prior.reports.size(),
+                 prior.checkpoints.size(), to);
     return;
   }
-  const std::vector<std::string> found = prior->found();
+  const std::vector<std::string> found = prior.found();
   std::string listed;
   for (size_t i = 0; i < found.size() && i < 4; ++i) listed += (i ? ", " : "") + found[i];
   if (found.size() > 4) listed += " and " + std::to_string(found.size() - 4) + " more";
   throw UserError(config.output.dir + " holds another run" +
-                  (prior->run_id.empty() ? std::string() : " (" + prior->run_id + ")") + ": " + listed +
+                  (prior.run_id.empty() ? std::string() : " (" + prior.run_id + ")") + ": " + listed +
                   ". A new run there would mix with it. " +
-                  (prior->checkpoints.empty() ? std::string() : "Continue that run with --resume, ") +
+                  (prior.checkpoints.empty() ? std::string() : "Continue that run with --resume, ") +
                   "give this one another directory (--set output.dir=...), or add --start-over to move the earlier "
                   "run to " + config.output.dir + "/previous/ and start afresh");
+}
+
+// Is `parent` (a run record's) the checkpoint `step_dir` of run `theirs`?
+bool is_parent(const json& parent, const std::string& step_dir, const std::string& theirs) {
+  if (!parent.is_object()) return false;
+  const json run = parent.value("run_id", json());
+  const json step = parent.value("step", json());
+  return run == json(theirs) && step == json(step_of(step_dir)) &&
+         normal(parent.value("checkpoint", std::string())) == normal(step_dir);
+}
+
+}  // namespace
+
+std::string resume_step_dir(const std::string& path) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) {
+    throw UserError("checkpoint '" + path + "' does not exist or is not a directory (checkpoint.resume); give a "
+                    "checkpoint's step directory (<checkpoint.dir>/step-N) or its checkpoints folder");
+  }
+  if (fs::exists(path + "/trainer_state.json", ec) || fs::exists(path + "/COMPLETE", ec)) return path;
+  const CheckpointListing listing = list_checkpoints(path);
+  if (listing.complete.empty() && listing.incomplete.empty()) return path;  // load_checkpoint names what is missing
+  if (const auto latest = find_latest_complete(path)) return latest->path;
+  throw UserError("checkpoint.resume=" + path + " holds no complete checkpoint (only interrupted saves); give "
+                  "another step directory");
+}
+
+ClaimedRun claim_directories(const Config& config, bool record_it) {
+  const std::string ck = checkpoint_dir(config);
+  const std::optional<RunRecord> record = read_run_record(config.output.dir);
+  const std::optional<PriorRun> prior = find_prior_run(config);
+  const std::string owner = folder_run_id(config);
+  const std::string& resume = config.checkpoint.resume;
+  const bool fresh_folder = !record && !prior;
+  ClaimedRun run{config.run.id, nullptr};
+  // gpipe run names the run its launches continue: the folder must be that run's.
+  if (config.run.id_given && !fresh_folder && !owner.empty() && owner != config.run.id && !resume.empty()) {
+    throw UserError(config.output.dir + " belongs to run " + owner + ", not to this run " + config.run.id +
+                    ": a job resumes only its own checkpoints. Continue that run with --resume (without --run-id), "
+                    "or give this one another output.dir");
+  }
+  // Before anything is moved or written: a checkpoint.dir that is another run's folder.
+  refuse_anothers_checkpoint_dir(config, owner.empty() ? config.run.id : owner);
+  if (resume.empty()) {
+    if (prior && !(config.run.start_over && !record_it)) claim_for_fresh_run(config, *prior);
+  } else if (resume == "auto") {
+    if (prior && prior->checkpoints.empty()) {
+      // Its reports with no checkpoint would be overwritten by a run that starts at step 0.
+      const int64_t reported = reported_steps(config.output.dir);
+      if (reported > 0 && reported >= config.train.steps) {
+        throw UserError(config.output.dir + " holds a finished run (its report.json covers all " +
+                        std::to_string(reported) + " steps) that saved no checkpoint, so there is nothing to continue. "
+                        "To train on from where a run ends, give it checkpoint.every (it then saves its last step); "
+                        "to run this config again, give another directory (--set output.dir=...) or add --start-over "
+                        "(the earlier run moves to " + config.output.dir + "/previous/)");
+      }
+      throw UserError(config.output.dir + " holds another run's reports (" + prior->reports.front() +
+                      ") but no checkpoint to resume from (it saved none: checkpoint.every was 0 and it was not "
+                      "stopped by a signal). Start a new run there with --start-over (the earlier one moves to " +
+                      config.output.dir + "/previous/), or give this one another directory (--set output.dir=...)");
+    }
+    if (!owner.empty()) run.run_id = owner;
+    if (record) run.parent = record->parent;
+    refuse_foreign_steps(ck, run.run_id, "--resume continues the run this folder belongs to");
+  } else {
+    const std::string step_dir = resume_step_dir(resume);
+    const std::string theirs = checkpoint_run_id(step_dir);
+    if (fresh_folder) {
+      if (!theirs.empty() && theirs == run.run_id) {
+        run.parent = nullptr;  // its own checkpoint, copied elsewhere: the same run goes on here
+      } else {
+        run.parent = {{"run_id", theirs}, {"step", step_of(step_dir)}, {"checkpoint", normal(step_dir).string()}};
+        spdlog::info("forking run {} at step {} ({}) into a new run {} in {}", theirs.empty() ? "?" : theirs,
+                     step_of(step_dir), step_dir, run.run_id, config.output.dir);
+      }
+    } else if (!theirs.empty() && theirs == owner) {
+      run.run_id = owner;  // the folder's own run, from a checkpoint named by its path
+      if (record) run.parent = record->parent;
+      refuse_foreign_steps(ck, owner, "Resuming " + step_dir + " continues the run this folder belongs to");
+    } else if (record && is_parent(record->parent, step_dir, theirs)) {
+      run.run_id = owner;  // a fork resumed with the checkpoint it forked from: the fork goes on
+      run.parent = record->parent;
+      refuse_foreign_steps(ck, owner, "Resuming continues the run this folder belongs to");
+    } else {
+      throw UserError("checkpoint " + step_dir + " belongs to run " + (theirs.empty() ? "?" : theirs) + ", but " +
+                      config.output.dir + " holds run " + (owner.empty() ? "?" : owner) +
+                      (prior ? " (" + prior->found().front() + (prior->found().size() > 1 ? ", ..." : "") + ")" : "") +
+                      ": resuming it there would mix the two runs. To go on from it as a new run (a fork that records "
+                      "its parent), give a fresh directory: --set output.dir=<a new folder>; to continue " +
+                      config.output.dir + "'s own run, drop checkpoint.resume and use --resume");
+    }
+  }
+  if (!record_it) return run;
+  write_run_record(config.output.dir, run);
+  if (!is_within(ck, config.output.dir)) write_run_record(ck, run);
+  return run;
+}
+
+
+ClaimedRun claimed_run(const Config& config) {
+  const auto record = read_run_record(config.output.dir);
+  if (!record) {
+    throw UserError(config.output.dir + "/" + kRunRecordFile + " is missing: the folder was not claimed by this "
+                    "run's first process (was it removed while the run started?); run the command again");
+  }
+  return {record->run_id, record->parent};
+}
+
+void remove_torn_saves(const std::string& dir, const std::string& run_id) {
+  for (const CheckpointRef& c : list_checkpoints(dir).incomplete) {
+    const std::string theirs = checkpoint_run_id(c.path);
+    if (!theirs.empty() && theirs != run_id) continue;
+    std::error_code ec;
+    fs::remove_all(c.path, ec);
+    if (ec) {
+      spdlog::warn("could not remove {}, an interrupted save of this run: {}", c.path, ec.message());
+    } else {
+      spdlog::info("removed {}, an interrupted save of this run (it was never complete)", c.path);
+    }
+  }
 }
 
 void check_checkpoint_room(const std::string& dir, int64_t checkpoint_bytes) {
@@ -299,10 +556,17 @@ void check_checkpoint_room(const std::string& dir, int64_t checkpoint_bytes) {
   const int64_t free_bytes = static_cast<int64_t>(vfs.f_bavail) * static_cast<int64_t>(vfs.f_frsize);
   if (free_bytes < checkpoint_bytes) {
     auto mb = [](int64_t b) { return std::to_string((b + 999999) / 1000000) + " MB"; };
+    const CheckpointListing listing = list_checkpoints(dir);
+    std::string held;
+    if (!listing.complete.empty()) {
+      held = " It holds " + std::to_string(listing.complete.size()) + " complete checkpoint(s) (" +
+             listing.complete.front().path + (listing.complete.size() > 1 ? " to " + listing.complete.back().path : "") +
+             "); delete those you no longer need, keeping the newest, which a resume reads.";
+    }
     throw UserError("the checkpoint folder '" + dir + "' has " + mb(free_bytes) + " free but a checkpoint of this "
-                    "model needs " + mb(checkpoint_bytes) + " (weights and optimizer state; older checkpoints are "
-                    "deleted only after a new one is complete); free space there, lower checkpoint.keep, or set "
-                    "checkpoint.dir elsewhere");
+                    "model needs " + mb(checkpoint_bytes) + " (weights and optimizer state; the newest checkpoint is "
+                    "deleted only after the next one is complete, so both must fit)." + held + " Free space there, or "
+                    "set checkpoint.dir elsewhere");
   }
 }
 

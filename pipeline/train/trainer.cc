@@ -109,10 +109,19 @@ struct RunClaim {
   Config config;  // with its run id
   std::unique_ptr<HeartbeatWriter> beats;
   std::unique_ptr<DirectoryLock> lock;
+  std::vector<std::string> new_records;  // the run.json files this launch wrote where there were none
+  bool trained = false;                   // the first step has started: the claim stands
+  // A launch that fails before its first step in a folder it claimed afresh (a
+  // checkpoint refused, a model that does not fit) leaves no run.json behind.
+  ~RunClaim() {
+    if (trained || std::uncaught_exceptions() == 0) return;
+    for (const std::string& p : new_records) std::remove(p.c_str());
+  }
+  RunClaim(Config c) : config(std::move(c)) {}
+  RunClaim(RunClaim&&) = delete;
 };
 
-RunClaim claim_run(const Config& config, const Launch& launch) {
-  RunClaim claim{config, nullptr, nullptr};
+void claim_run(RunClaim& claim, const Launch& launch) {
   Config& c = claim.config;
   if (c.run.id.empty()) c.run.id = new_run_id();  // mpirun: MpiLaunch::join gave every rank one
   if (!c.run.heartbeat_dir.empty()) {
@@ -121,10 +130,18 @@ RunClaim claim_run(const Config& config, const Launch& launch) {
   }
   if (launch.rank == 0 && launch.replica == 0) {
     claim.lock = std::make_unique<DirectoryLock>(run_directories(c), c.run.id);
-    const std::string& resume = c.checkpoint.resume;
-    if (resume.empty() || resume == "auto") claim_directories(c);
+    // Whose run this is (a fresh one, the folder's, or a fork), recorded in run.json,
+    // which every process reads back when it resumes (RunCheckpoints::resume).
+    std::vector<std::string> records;
+    for (const std::string& dir : run_directories(c)) {
+      const std::string p = dir + "/" + kRunRecordFile;
+      if (!std::filesystem::exists(p)) records.push_back(p);
+    }
+    c.run.id = claim_directories(c).run_id;
+    for (const std::string& p : records) {
+      if (std::filesystem::exists(p)) claim.new_records.push_back(p);
+    }
   }
-  return claim;
 }
 
 // One process per stage and replica, as the config asks: otherwise a UserError naming
@@ -261,13 +278,16 @@ std::string progress_line(int number, int steps, double loss, double val_loss, d
 // report.json in output.dir, with trace.json and report.html beside it (RunArtifacts);
 // returns report.json's path.
 std::string write_reports(const Config& c, const ReportBuilder& report, RunArtifacts& artifacts,
-                          const std::string& run_id, const Dataset& data, const Plan& plan, std::ostream& out) {
+                          const RunCheckpoints& checkpoints, const Dataset& data, const Plan& plan, std::ostream& out,
+                          const std::string& regenerated = "") {
   std::filesystem::path dir(c.output.dir);
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) throw UserError("cannot create output.dir '" + dir.string() + "': " + ec.message());
   nlohmann::json j = report.json();
-  j["run_id"] = run_id;
+  j["run_id"] = checkpoints.run_id();
+  if (!checkpoints.parent().is_null()) j["parent"] = checkpoints.parent();  // a fork: what it went on from
+  if (!regenerated.empty()) j["regenerated"] = regenerated;
   j["config"] = c.source;
   j["effective_config"] = c.effective;
   j["data"] = data.describe();
@@ -292,7 +312,8 @@ TrainResult train(const Config& config, std::ostream& out, const Launch& launch)
 TrainResult train(const Config& config, const MakeModel& make_model, std::ostream& out, const Launch& launch) {
   // One run per directory: the job's first process holds its directories' lock.
   const bool owner = launch.rank == 0 && launch.replica == 0;
-  const RunClaim claim = claim_run(config, launch);
+  RunClaim claim(config);
+  claim_run(claim, launch);
   const Config& identified = claim.config;
   // Weights that cannot fit are refused before any is allocated (memory_check.h).
   if (!make_model) check_weights_fit(identified, host_available_bytes(), launch.size * config.pipeline.replicas);
@@ -325,6 +346,9 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   // Saves must not be the first to find a read-only or full disk: with periodic saves,
   // room for one more checkpoint; always, a writable folder (a stop signal saves too).
   if (owner) {
+    // A torn save of this run (a save that failed, e.g. on a full disk) holds space that
+    // no resume can use: freed before the room is counted.
+    remove_torn_saves(checkpoint_dir(c), c.run.id);
     check_checkpoint_room(checkpoint_dir(c),
                           c.checkpoint.every > 0 ? checkpoint_bytes(*model, c.optimizer.optimizer) : 0);
   }
@@ -368,15 +392,35 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
     report.carry_over(checkpoints.resumed_history(), start + 1);
   }
   if (start >= c.train.steps) {
-    // A finished run resumed (a restart after its last checkpoint): its reports stay.
+    // A finished run resumed (a restart after its last checkpoint, the continue command
+    // after a stop): its reports stay; a report.json that is missing (the launch that
+    // ran the last step was killed before writing it) is written again from the history
+    // its checkpoint carries: the losses and validations, not the lost launch's timings.
+    const bool missing = !std::filesystem::exists(std::filesystem::path(c.output.dir) / "report.json");
     if (writes) {
       out << "The checkpoint at step " << start << " already reached train.steps = " << c.train.steps
-          << ": nothing to train (raise train.steps to go on); " << c.output.dir << " is left as it was." << std::endl;
+          << ": nothing to train (raise train.steps to go on); "
+          << (missing ? "writing its missing report from the checkpoint's history." : c.output.dir + " is left as it was.")
+          << std::endl;
     }
     checkpoints.wait_for_last_save();
     result.checkpoint_path = checkpoints.last_saved();
+    if (missing) {
+      if (eval_n > 0) {
+        std::tie(result.eval_loss, result.eval_accuracy) = validate();
+        report.set_eval(result.eval_loss, result.eval_accuracy);
+      }
+      if (writes) {
+        result.report_path = write_reports(
+            c, report, artifacts, checkpoints, *data, plan, out,
+            "written again by a resume after the run had finished (report.json was missing): its steps' losses and "
+            "validations come from the checkpoint's history; the timings of the launch that ran them were lost");
+        out << "Report: " << result.report_path << std::endl;
+      }
+    }
     return result;
   }
+  claim.trained = true;
   artifacts.starts_at(start + 1);
   if (artifacts.has_prediction()) report.set_prediction(artifacts.prediction());
   if (reports) report.set_flops(plan.stage_flops, artifacts.stage_peaks());
@@ -420,12 +464,14 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
     report.add_validation(c.train.steps, result.eval_loss, result.eval_accuracy);
     report.set_eval(result.eval_loss, result.eval_accuracy);
   }
-  if (!reports) return result;  // stage 0 of the pipeline reports for it
-  result.summary = report.summary();
-  if (!writes) return result;
-  out << "\n" << report.table();
-  result.report_path = write_reports(c, report, artifacts, checkpoints.run_id(), *data, plan, out);
-  out << "Report: " << result.report_path << std::endl;
+  if (reports) result.summary = report.summary();  // stage 0 of the pipeline reports for it
+  if (writes) {
+    out << "\n" << report.table();
+    result.report_path = write_reports(c, report, artifacts, checkpoints, *data, plan, out);
+    out << "Report: " << result.report_path << std::endl;
+  }
+  // A stop signal in the last step (or after it) ends the run here, its reports written.
+  checkpoints.finish(c.train.steps, lr.at(c.train.steps - 1), result.report_path);
   return result;
 }
 
