@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <string>
+#include <vector>
 
 #include "layers/registry.h"
 #include "layers/sequential.h"
@@ -169,4 +170,31 @@ TEST_CASE("trace and planner keys: defaults, values and errors naming the key") 
         std::string::npos);
   CHECK(error_of(kBase, {"pipeline.balance_by=time"}).find("pipeline.balance_by: unknown 'time'") != std::string::npos);
   CHECK(error_of(kBase, {"trace.every=3"}).find("unknown key 'every'") != std::string::npos);
+}
+
+TEST_CASE("checkpoint.allow_changes takes the identity's keys or all, and refuses any other key by name") {
+  using V = std::vector<std::string>;
+  CHECK(parse_config(kBase, "t.yaml").checkpoint.allow_changes.empty());
+  CHECK(parse_config(kBase, "t.yaml", {"checkpoint.allow_changes=all"}).checkpoint.allow_changes == V{"all"});
+  CHECK(parse_config(kBase, "t.yaml", {"checkpoint.allow_changes=[optimizer.lr, data.path]"}).checkpoint.allow_changes ==
+        V{"optimizer.lr", "data.path"});
+  for (const std::string& key : identity_keys()) {
+    CAPTURE(key);
+    CHECK(parse_config(kBase, "t.yaml", {"checkpoint.allow_changes=[" + key + "]"}).checkpoint.allow_changes ==
+          V{key});
+  }
+  // A misspelt key would allow nothing and say nothing: refused, with its place, the
+  // nearest key and every valid one.
+  const std::string e = error_of(kBase, {"checkpoint.allow_changes=[optimizer.lr, nosuch.key]"});
+  CHECK(e.rfind("config error at --set checkpoint.allow_changes=[optimizer.lr, nosuch.key]: "
+                "checkpoint.allow_changes[1]: unknown key 'nosuch.key'; valid keys: all, model.seed, model.dtype, ",
+                0) == 0);
+  CHECK(e.find("optimizer.clip_grad_norm, train.seed, train.batch_size (the run's identity") != std::string::npos);
+  CHECK(error_of(kBase, {"checkpoint.allow_changes=optimizer.betta"})
+            .find("checkpoint.allow_changes: unknown key 'optimizer.betta'; did you mean optimizer.betas? valid keys") !=
+        std::string::npos);
+  const std::string in_file = error_of(std::string(kBase) + "checkpoint:\n  allow_changes: [model.sead]\n");
+  CHECK(in_file.rfind("config error at t.yaml:15:19: checkpoint.allow_changes[0]: unknown key 'model.sead'; did you "
+                      "mean model.seed?",
+                      0) == 0);
 }

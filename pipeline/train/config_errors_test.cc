@@ -137,6 +137,14 @@ TEST_CASE("each config mistake given with --set names the --set, the key and the
        {"train.log_level: unknown level 'verbose'; valid: trace, debug, info, warn, error, critical, off"}},
       {"data.eval_samples=-16", {"data.eval_samples: must be at least 0", "got -16"}},
       {"pipeline.micro_batches=4294967297", {"pipeline.micro_batches: must be at most 2147483647, got 4294967297"}},
+      // checkpoint
+      {"checkpoint.allow_changes=[nosuch.key]",
+       {"checkpoint.allow_changes[0]: unknown key 'nosuch.key'; valid keys: all, model.seed, model.dtype, data.type",
+        "train.seed, train.batch_size (the run's identity; anything else, such as train.steps or the pipeline, may "
+        "change on resume without being listed)"}},
+      {"checkpoint.allow_changes=[optimizer.lr, optimiser.lr]",
+       {"checkpoint.allow_changes[1]: unknown key 'optimiser.lr'; did you mean optimizer.lr? valid keys: all, "}},
+      {"checkpoint.allow_changes=al", {"checkpoint.allow_changes: unknown key 'al'; did you mean all? valid keys: "}},
       // The overrides themselves.
       {"pipeline.partitions", {"--set pipeline.partitions: expected KEY=VALUE, e.g. --set pipeline.micro_batches=8"}},
       {"=3", {"--set =3: expected KEY=VALUE"}},
@@ -189,6 +197,8 @@ TEST_CASE("the same mistakes written in the file give file:line:column") {
        "t.yaml:13:49: optimizer.clip_grad_norm: must be >= 0"},
       {"  batch_size: 8\n", "  batch_size: 8\n  log_level: [debug]\n", "t.yaml:17:14: train.log_level: expected a single value"},
       {"  steps: 2\n", "  steps: 2\n  log_interval: 0\n", "t.yaml:16:17: train.log_interval: must be at least 1, got 0"},
+      {"  batch_size: 8\n", "  batch_size: 8\ncheckpoint: {allow_changes: [optimizer.lr, data.sed]}\n",
+       "t.yaml:17:44: checkpoint.allow_changes[1]: unknown key 'data.sed'; did you mean data.seed? valid keys: all, "},
   };
   for (const FileRow& row : rows) {
     std::string text = kBase;
