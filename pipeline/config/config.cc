@@ -420,6 +420,16 @@ void decode_pipeline(Decoder& dec, const YAML::Node& root, Config& c) {
       }
     }
     if (p["replicas"]) c.pipeline.replicas = dec.small_int(p["replicas"], "pipeline.replicas", 1, "");
+    // Both are known here, after every --set: one replica has nothing to shard its
+    // optimizer state over, and a run asking for it would silently not shard.
+    if (c.pipeline.shard_optimizer == "optimizer" && c.pipeline.replicas < 2) {
+      dec.fail(p["shard_optimizer"], "pipeline.shard_optimizer",
+               "optimizer shards the optimizer state over pipeline.replicas, which is " +
+                   std::to_string(c.pipeline.replicas) +
+                   ": one replica has nothing to shard; set pipeline.replicas to 2 or more (with "
+                   "pipeline.partitions x pipeline.replicas processes under mpirun), or drop shard_optimizer "
+                   "(or set it to none)");
+    }
     if (is_auto(p["partitions"])) {
       c.autos.partitions = true;
     } else if (p["partitions"]) {

@@ -198,3 +198,29 @@ TEST_CASE("checkpoint.allow_changes takes the identity's keys or all, and refuse
                       "mean model.seed?",
                       0) == 0);
 }
+
+TEST_CASE("pipeline.shard_optimizer: optimizer needs pipeline.replicas >= 2, however the two are given") {
+  auto sharded = [](const std::vector<std::string>& sets) {
+    return parse_config(kBase, "t.yaml", sets).pipeline.shard_optimizer;
+  };
+  CHECK(sharded({"pipeline.replicas=2", "pipeline.shard_optimizer=optimizer"}) == "optimizer");
+  CHECK(sharded({"pipeline.shard_optimizer=none"}) == "none");  // one replica, nothing asked
+  const std::string fix = "pipeline.shard_optimizer: optimizer shards the optimizer state over pipeline.replicas, "
+                          "which is 1: one replica has nothing to shard; set pipeline.replicas to 2 or more (with "
+                          "pipeline.partitions x pipeline.replicas processes under mpirun), or drop shard_optimizer "
+                          "(or set it to none)";
+  // One replica by default, or named: refused where shard_optimizer was written.
+  CHECK(error_of(kBase, {"pipeline.shard_optimizer=optimizer"}) ==
+        "config error at --set pipeline.shard_optimizer=optimizer: " + fix);
+  CHECK(error_of(kBase, {"pipeline.shard_optimizer=optimizer", "pipeline.replicas=1"}) ==
+        "config error at --set pipeline.shard_optimizer=optimizer: " + fix);
+  // The file asks for two replicas and a --set lowers them to one: the check sees the
+  // value after every --set.
+  const std::string two = std::string(kBase) + "pipeline: {replicas: 2, shard_optimizer: optimizer}\n";
+  CHECK(parse_config(two, "t.yaml").pipeline.shard_optimizer == "optimizer");
+  CHECK(error_of(two, {"pipeline.replicas=1"}) == "config error at t.yaml:14:42: " + fix);
+  // And the other way: a file with one replica, raised on the command line.
+  const std::string one = std::string(kBase) + "pipeline: {shard_optimizer: optimizer}\n";
+  CHECK(error_of(one).rfind("config error at t.yaml:14:29: " + fix, 0) == 0);
+  CHECK(parse_config(one, "t.yaml", {"pipeline.replicas=4"}).pipeline.shard_optimizer == "optimizer");
+}

@@ -102,6 +102,10 @@ TEST_CASE("each config mistake given with --set names the --set, the key and the
       {"pipeline.bucket_mb=2e6", {"pipeline.bucket_mb: must be at least 0 (0: one reduction per parameter) and at most 1e6"}},
       {"pipeline.devices=cpu:0", {"pipeline.devices: expected a list such as [cpu:0, cpu:1]"}},
       {"pipeline.devices=[[cpu:0]]", {"pipeline.devices: expected a single value"}},
+      {"pipeline.shard_optimizer=optimizer",
+       {"pipeline.shard_optimizer: optimizer shards the optimizer state over pipeline.replicas, which is 1: one replica "
+        "has nothing to shard; set pipeline.replicas to 2 or more",
+        "or drop shard_optimizer (or set it to none)"}},
       // optimizer
       {"optimizer.type=lamb", {"optimizer.type: unknown optimizer 'lamb'; valid: sgd, adam, adamw"}},
       {"optimizer.lr=0", {"optimizer.lr: must be > 0 and at most 10 (typical: 1e-4 to 1e-3 for adam", "got 0"}},
@@ -180,6 +184,9 @@ TEST_CASE("the same mistakes written in the file give file:line:column") {
       {"data: {classes: 4, eval_samples: 16}", "data: {type: csv}", "t.yaml:11:14: data.type: unknown data type 'csv'"},
       {"pipeline: {partitions: 2, micro_batches: 2}", "pipeline: {partitions: 2, devices: cpu}",
        "t.yaml:12:36: pipeline.devices: expected a list such as [cpu:0, cpu:1]"},
+      {"pipeline: {partitions: 2, micro_batches: 2}", "pipeline: {partitions: 2, shard_optimizer: optimizer}",
+       "t.yaml:12:44: pipeline.shard_optimizer: optimizer shards the optimizer state over pipeline.replicas, which is "
+       "1: one replica has nothing to shard; set pipeline.replicas to 2 or more"},
       {"optimizer: {type: sgd, lr: 0.1}", "optimizer: {type: sgd, lr: 0.1, nesterov: true}",
        "t.yaml:13:43: optimizer.nesterov: needs optimizer.momentum > 0"},
       {"optimizer: {type: sgd, lr: 0.1}", "optimizer: {type: rmsprop, lr: 0.1}",
