@@ -272,6 +272,55 @@ TEST_CASE("mistakes only the trainer can see name their key and the fix") {
   }
 }
 
+TEST_CASE("a layer's own refusal of its options names the layer's file:line:column or --set") {
+  // What the layer's constructor says, after the type and where the config wrote the
+  // layer; the trainer builds the model (and measures its weights) from the config.
+  auto error_in = [](const std::string& from, const std::string& to, const std::vector<std::string>& sets = {}) {
+    std::string text = kBase;
+    REQUIRE(text.find(from) != std::string::npos);
+    text.replace(text.find(from), from.size(), to);
+    std::ostringstream out;
+    try {
+      train(parse_config(text, "t.yaml", sets), out);
+    } catch (const UserError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::vector<std::pair<std::string, std::string>> rows = {
+      {error_in("    - {type: linear, out: 4}\n", "    - {type: linear, out: -1}\n"),
+       "linear (at t.yaml:9:7): in and out must be positive, got in=16, out=-1"},
+      {error_in("    - {type: linear, out: 16}\n", "    - {type: embedding, vocab: 32, dim: 0}\n",
+                {"model.input_dtype=int32"}),
+       "embedding (at t.yaml:4:7): vocab, dim and the sequence length must be positive, got vocab=32, dim=0, seq_len=8"},
+      {error_in("    - {type: linear, out: 16}\n", "    - {type: embedding, vocab: 32, dim: 16, positions: 4}\n",
+                {"model.input_dtype=int32"}),
+       "embedding (at t.yaml:4:7): positions=4 is shorter than the sequence (8 tokens); use at least 8, or 0 for no "
+       "learned positions"},
+      {error_in("        - {type: relu}\n", "        - {type: dropout, p: 1.5}\n"),
+       "dropout (at t.yaml:7:11): p=1.5 must be in [0, 1); use 0 to disable dropout"},
+      {error_in("    - {type: linear, out: 4}\n", "    - {type: swiglu, hidden: 0}\n"),
+       "swiglu (at t.yaml:9:7): dim and hidden must be positive, got dim=16, hidden=0"},
+      {error_in("  input: [8]\n", "  input: [3, 8, 8]\n", {"model.layers.0={type: conv2d, out: 4, kernel: 0}"}),
+       "conv2d (at --set model.layers.0={type: conv2d, out: 4, kernel: 0}): conv2d(3 -> 4, "},
+      {error_in("    - {type: linear, out: 16}\n", "    - {type: conv2d, out: 4, kernel: 9, pad: 0}\n",
+                {"model.input=[3, 8, 8]"}),
+       "conv2d (at t.yaml:4:7): conv2d(3 -> 4, "},
+      // A --set of one option: the layer is still the one written at its line (a --set
+      // that writes the whole layer names the --set, as conv2d's above).
+      {error_in("", "", {"model.layers.0.out=-1"}),
+       "linear (at t.yaml:4:7): in and out must be positive, got in=8, out=-1"},
+      // A message that names its place already keeps it once.
+      {error_in("", "", {"model.layers.0.out=many"}),
+       "layer 'linear' (at t.yaml:4:7): option 'out' must be an integer, got 'many'"},
+  };
+  for (const auto& [e, says] : rows) {
+    CAPTURE(e);
+    CHECK(e.rfind(says, 0) == 0);
+    CHECK(e.find("(at ") == e.rfind("(at "));  // one place, not two
+  }
+}
+
 TEST_CASE("the executor refuses stages that do not fit the schedule or the model") {
   layers::ModelSpec spec;
   spec.input = {4};
