@@ -31,10 +31,13 @@ def main():
         with open(sys.argv[2]) as f:
             expected = json.load(f)
 
+    # What to install, where: `./gpipe test` installs safetensors and numpy for its tests
+    # (Debian's python3-numpy, safetensors from PyPI into ~/.cache/gpipe/python).
+    how = "./gpipe test installs them, or: pip install safetensors numpy"
     try:
         import safetensors  # noqa: F401
     except ImportError:
-        skip("the Python package 'safetensors' is not installed (pip install safetensors numpy torch)")
+        skip(f"the Python package 'safetensors' is not installed for {sys.executable} ({how})")
     try:
         import torch
         from safetensors.torch import load_file
@@ -49,7 +52,7 @@ def main():
             import numpy as np
             from safetensors.numpy import load_file
         except ImportError:
-            skip("neither torch nor numpy is installed for safetensors to load into")
+            skip(f"neither torch nor numpy is installed for {sys.executable}, for safetensors to load into ({how})")
         flavour = f"numpy {np.__version__} (torch not installed)"
         dtypes = {"F32": np.dtype(np.float32), "F64": np.dtype(np.float64), "I32": np.dtype(np.int32)}
 

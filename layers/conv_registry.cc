@@ -32,16 +32,6 @@ int small_int(LayerArgs& a, const std::string& key, int64_t value) {
   return static_cast<int>(value);
 }
 
-// Layer constructors name the layer but cannot know where it was written; this adds
-// the config location to their messages.
-std::unique_ptr<Layer> located(LayerArgs& a, const std::function<std::unique_ptr<Layer>()>& make) {
-  try {
-    return make();
-  } catch (const UserError& e) {
-    throw UserError(std::string(e.what()) + at(a.spec()));
-  }
-}
-
 }  // namespace
 
 void add_conv_layer_types(const std::function<void(const std::string&, LayerFactory)>& register_layer) {
@@ -53,12 +43,12 @@ void add_conv_layer_types(const std::function<void(const std::string&, LayerFact
     o.bias = a.get_bool("bias", true);
     o.dtype = dtype;
     o.seed = seed;
-    return located(a, [&] { return std::make_unique<Conv2d>(o); });
+    return std::make_unique<Conv2d>(o);
   });
-  register_layer("batchnorm2d", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t) {
+  register_layer("batchnorm2d", [](LayerArgs&, const Shape& in, DType dtype, uint64_t) {
     BatchNorm2dOptions o(in);
     o.dtype = dtype;
-    return located(a, [&] { return std::make_unique<BatchNorm2d>(o); });
+    return std::make_unique<BatchNorm2d>(o);
   });
   register_layer("maxpool2d", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t) {
     const int kernel = small_int(a, "kernel", a.get_int("kernel"));
@@ -66,22 +56,22 @@ void add_conv_layer_types(const std::function<void(const std::string&, LayerFact
     o.stride = small_int(a, "stride", a.get_int("stride", kernel));
     o.pad = small_int(a, "pad", a.get_int("pad", 0));
     o.dtype = dtype;
-    return located(a, [&] { return std::make_unique<MaxPool2d>(o); });
+    return std::make_unique<MaxPool2d>(o);
   });
   register_layer("avgpool2d", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t) {
     const int kernel = small_int(a, "kernel", a.get_int("kernel"));
     AvgPool2dOptions o(in, kernel);
     o.stride = small_int(a, "stride", a.get_int("stride", kernel));
     o.dtype = dtype;
-    return located(a, [&] { return std::make_unique<AvgPool2d>(o); });
+    return std::make_unique<AvgPool2d>(o);
   });
-  register_layer("global_avgpool", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t) {
+  register_layer("global_avgpool", [](LayerArgs&, const Shape& in, DType dtype, uint64_t) {
     AvgPool2dOptions o = AvgPool2dOptions::global_pool(in);
     o.dtype = dtype;
-    return located(a, [&] { return std::make_unique<AvgPool2d>(o); });
+    return std::make_unique<AvgPool2d>(o);
   });
-  register_layer("flatten", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t) {
-    return located(a, [&] { return std::make_unique<Flatten>(in, dtype); });
+  register_layer("flatten", [](LayerArgs&, const Shape& in, DType dtype, uint64_t) {
+    return std::make_unique<Flatten>(in, dtype);
   });
   register_layer("basic_block", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) {
     BasicBlockOptions o(in, a.get_int("out"));
@@ -89,7 +79,7 @@ void add_conv_layer_types(const std::function<void(const std::string&, LayerFact
     o.batchnorm = a.get_bool("batchnorm", true);
     o.dtype = dtype;
     o.seed = seed;
-    return located(a, [&] { return std::make_unique<BasicBlock>(o); });
+    return std::make_unique<BasicBlock>(o);
   });
 }
 

@@ -42,16 +42,20 @@ void check_sequence_input(const LayerArgs& a, const Shape& in) {
   }
 }
 
-// Builds a layer whose options are checked by its constructor (or its sub-layers'), and
-// says where in the config the refused layer is: "llama_block (at cfg.yaml:9:7):
-// gqa_attention: kv_heads=3 does not divide heads=4; ...".
-template <typename L, typename Options>
-std::unique_ptr<Layer> built_at(const LayerArgs& a, const Options& o) {
+// Runs `make`, which builds the layer or loss `spec` names, and puts where the config
+// wrote it into a UserError that does not say so yet: constructors name their layer
+// but cannot know its place. The place follows the type, as in the registry's own
+// messages: "linear (at cfg.yaml:9:7): in and out must be positive, got in=512, out=-1",
+// "llama_block (at cfg.yaml:9:7): gqa_attention: kv_heads=3 does not divide heads=4".
+template <typename Make>
+auto located(const LayerSpec& spec, const Make& make) -> decltype(make()) {
   try {
-    return std::make_unique<L>(o);
+    return make();
   } catch (const UserError& e) {
-    if (a.spec().where.empty()) throw;
-    throw UserError(a.spec().type + at(a.spec()) + ": " + e.what());
+    const std::string msg = e.what();
+    if (spec.where.empty() || msg.find(at(spec)) != std::string::npos) throw;
+    const std::string own = spec.type + ": ";  // the constructor's own "linear: "
+    throw UserError(spec.type + at(spec) + ": " + (msg.rfind(own, 0) == 0 ? msg.substr(own.size()) : msg));
   }
 }
 
@@ -117,7 +121,7 @@ Registry& registry() {
       RmsNormOptions o(in);
       o.eps = a.get_double("eps", 1e-6);
       o.dtype = dtype;
-      return built_at<RmsNorm>(a, o);
+      return std::make_unique<RmsNorm>(o);
     });
     layer("attention", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
       check_sequence_input(a, in);
@@ -150,7 +154,7 @@ Registry& registry() {
       o.rope_base = a.get_double("rope_base", 10000.0);
       o.dtype = dtype;
       o.seed = seed;
-      return built_at<GqaAttention>(a, o);
+      return std::make_unique<GqaAttention>(o);
     });
     layer("llama_block", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
       check_sequence_input(a, in);
@@ -161,7 +165,7 @@ Registry& registry() {
       o.dropout = a.get_double("dropout", 0.0);
       o.dtype = dtype;
       o.seed = seed;
-      return built_at<LlamaBlock>(a, o);
+      return std::make_unique<LlamaBlock>(o);
     });
     add_conv_layer_types(layer);
     reg->losses["softmax_cross_entropy"] = [](LayerArgs& a, const Shape& in, DType dtype) -> std::unique_ptr<Loss> {
@@ -336,9 +340,11 @@ std::unique_ptr<Layer> make_layer(const LayerSpec& spec, const Shape& input, DTy
                                  "docs/WRITING_LAYERS.md, \"4. Register it and train it\""));
   }
   LayerArgs args(spec);
-  auto layer = f(args, input, dtype, seed);
-  args.finish();
-  return layer;
+  return located(spec, [&] {
+    auto layer = f(args, input, dtype, seed);
+    args.finish();
+    return layer;
+  });
 }
 
 std::unique_ptr<Loss> make_loss(const LayerSpec& spec, const Shape& input, DType dtype) {
@@ -355,9 +361,11 @@ std::unique_ptr<Loss> make_loss(const LayerSpec& spec, const Shape& input, DType
                     " valid types: " + join(types));
   }
   LayerArgs args(spec);
-  auto loss = f(args, input, dtype);
-  args.finish();
-  return loss;
+  return located(spec, [&] {
+    auto loss = f(args, input, dtype);
+    args.finish();
+    return loss;
+  });
 }
 
 std::unique_ptr<Sequential> build_model(const ModelSpec& spec) {

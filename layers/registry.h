@@ -83,6 +83,9 @@ std::vector<std::string> model_names();
 // The registered model spec.type with options spec.args; UserError if none is.
 std::unique_ptr<Sequential> build_cpp_model(const LayerSpec& spec);
 
+// The layer or loss `spec` names, from its type's factory. A UserError of the factory or
+// of the constructor it calls gets the spec's place in the config (spec.where) after the
+// type, unless it names it already: "linear (at cfg.yaml:4:7): in and out must be positive".
 std::unique_ptr<Layer> make_layer(const LayerSpec& spec, const Shape& input, DType dtype, uint64_t seed);
 std::unique_ptr<Loss> make_loss(const LayerSpec& spec, const Shape& input, DType dtype);
 // The whole model; layer i is seeded with mix_seed(spec.seed, i), so the weights do

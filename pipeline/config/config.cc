@@ -420,6 +420,16 @@ void decode_pipeline(Decoder& dec, const YAML::Node& root, Config& c) {
       }
     }
     if (p["replicas"]) c.pipeline.replicas = dec.small_int(p["replicas"], "pipeline.replicas", 1, "");
+    // Both are known here, after every --set: one replica has nothing to shard its
+    // optimizer state over, and a run asking for it would silently not shard.
+    if (c.pipeline.shard_optimizer == "optimizer" && c.pipeline.replicas < 2) {
+      dec.fail(p["shard_optimizer"], "pipeline.shard_optimizer",
+               "optimizer shards the optimizer state over pipeline.replicas, which is " +
+                   std::to_string(c.pipeline.replicas) +
+                   ": one replica has nothing to shard; set pipeline.replicas to 2 or more (with "
+                   "pipeline.partitions x pipeline.replicas processes under mpirun), or drop shard_optimizer "
+                   "(or set it to none)");
+    }
     if (is_auto(p["partitions"])) {
       c.autos.partitions = true;
     } else if (p["partitions"]) {
@@ -668,10 +678,24 @@ void decode_checkpoint(Decoder& dec, const YAML::Node& root, Config& c) {
     if (k["async"]) c.checkpoint.async = dec.boolean(k["async"], "checkpoint.async");
     if (k["resume"] && !k["resume"].IsNull()) c.checkpoint.resume = dec.str(k["resume"], "checkpoint.resume");
     if (const YAML::Node a = k["allow_changes"]) {
+      // Each entry is a key of the run's identity, or "all"; a misspelt one would allow
+      // nothing and say nothing.
+      auto allow = [&](const YAML::Node& e, const std::string& path) {
+        const std::string key = dec.str(e, path);
+        std::vector<std::string> valid = {"all"};
+        valid.insert(valid.end(), identity_keys().begin(), identity_keys().end());
+        if (std::find(valid.begin(), valid.end(), key) == valid.end()) {
+          dec.fail(e, path,
+                   "unknown key '" + key + "';" + did_you_mean(key, valid) + " valid keys: " + join(valid) +
+                       " (the run's identity; anything else, such as train.steps or the pipeline, may change on "
+                       "resume without being listed)");
+        }
+        c.checkpoint.allow_changes.push_back(key);
+      };
       if (a.IsScalar()) {
-        c.checkpoint.allow_changes.push_back(dec.str(a, "checkpoint.allow_changes"));
+        allow(a, "checkpoint.allow_changes");
       } else if (a.IsSequence()) {
-        for (const YAML::Node& e : a) c.checkpoint.allow_changes.push_back(dec.str(e, "checkpoint.allow_changes"));
+        for (size_t i = 0; i < a.size(); ++i) allow(a[i], "checkpoint.allow_changes[" + std::to_string(i) + "]");
       } else if (!a.IsNull()) {
         dec.fail(a, "checkpoint.allow_changes", "must be a list of keys such as [optimizer.lr, data.path], or all");
       }
@@ -715,6 +739,17 @@ Config parse_config(const std::string& text, const std::string& source, const st
   decode_checkpoint(dec, root, c);
   c.checkpoint.dir = checkpoint_dir(c);
   return c;
+}
+
+const std::vector<std::string>& identity_keys() {
+  static const std::vector<std::string> keys = {
+      "model.seed", "model.dtype",
+      "data.type", "data.path", "data.seq_len", "data.vocab", "data.validation_fraction", "data.classes",
+      "data.teacher_hidden", "data.teacher_scale", "data.seed",
+      "optimizer.type", "optimizer.lr", "optimizer.weight_decay", "optimizer.momentum", "optimizer.nesterov",
+      "optimizer.betas", "optimizer.eps", "optimizer.schedule", "optimizer.min_lr", "optimizer.clip_grad_norm",
+      "train.seed", "train.batch_size"};
+  return keys;
 }
 
 TraceConfig default_trace_window(int first, int steps) {

@@ -108,8 +108,15 @@ struct CheckpointConfig {
   // Fields of the run's identity (run_identity in run_directory.h: model, data, seeds,
   // batch, optimizer) that a resume may change from what the checkpoint was saved with,
   // by their keys ("optimizer.lr"), or "all". Anything else that differs is refused.
+  // A key that is not in identity_keys() (nor "all") is refused when the config loads.
   std::vector<std::string> allow_changes;
 };
+
+// The keys of a run's identity, in run_identity's order (pipeline/train/run_directory.h
+// builds the identity; the config reader, below it, refuses any other key in
+// checkpoint.allow_changes). Listed once here: run_directory_test checks that
+// run_identity has exactly these keys, so the two cannot drift apart.
+const std::vector<std::string>& identity_keys();
 
 // How this process was asked to run, from the command line (not YAML).
 struct RunOptions {

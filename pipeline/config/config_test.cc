@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <string>
+#include <vector>
 
 #include "layers/registry.h"
 #include "layers/sequential.h"
@@ -169,4 +170,57 @@ TEST_CASE("trace and planner keys: defaults, values and errors naming the key") 
         std::string::npos);
   CHECK(error_of(kBase, {"pipeline.balance_by=time"}).find("pipeline.balance_by: unknown 'time'") != std::string::npos);
   CHECK(error_of(kBase, {"trace.every=3"}).find("unknown key 'every'") != std::string::npos);
+}
+
+TEST_CASE("checkpoint.allow_changes takes the identity's keys or all, and refuses any other key by name") {
+  using V = std::vector<std::string>;
+  CHECK(parse_config(kBase, "t.yaml").checkpoint.allow_changes.empty());
+  CHECK(parse_config(kBase, "t.yaml", {"checkpoint.allow_changes=all"}).checkpoint.allow_changes == V{"all"});
+  CHECK(parse_config(kBase, "t.yaml", {"checkpoint.allow_changes=[optimizer.lr, data.path]"}).checkpoint.allow_changes ==
+        V{"optimizer.lr", "data.path"});
+  for (const std::string& key : identity_keys()) {
+    CAPTURE(key);
+    CHECK(parse_config(kBase, "t.yaml", {"checkpoint.allow_changes=[" + key + "]"}).checkpoint.allow_changes ==
+          V{key});
+  }
+  // A misspelt key would allow nothing and say nothing: refused, with its place, the
+  // nearest key and every valid one.
+  const std::string e = error_of(kBase, {"checkpoint.allow_changes=[optimizer.lr, nosuch.key]"});
+  CHECK(e.rfind("config error at --set checkpoint.allow_changes=[optimizer.lr, nosuch.key]: "
+                "checkpoint.allow_changes[1]: unknown key 'nosuch.key'; valid keys: all, model.seed, model.dtype, ",
+                0) == 0);
+  CHECK(e.find("optimizer.clip_grad_norm, train.seed, train.batch_size (the run's identity") != std::string::npos);
+  CHECK(error_of(kBase, {"checkpoint.allow_changes=optimizer.betta"})
+            .find("checkpoint.allow_changes: unknown key 'optimizer.betta'; did you mean optimizer.betas? valid keys") !=
+        std::string::npos);
+  const std::string in_file = error_of(std::string(kBase) + "checkpoint:\n  allow_changes: [model.sead]\n");
+  CHECK(in_file.rfind("config error at t.yaml:15:19: checkpoint.allow_changes[0]: unknown key 'model.sead'; did you "
+                      "mean model.seed?",
+                      0) == 0);
+}
+
+TEST_CASE("pipeline.shard_optimizer: optimizer needs pipeline.replicas >= 2, however the two are given") {
+  auto sharded = [](const std::vector<std::string>& sets) {
+    return parse_config(kBase, "t.yaml", sets).pipeline.shard_optimizer;
+  };
+  CHECK(sharded({"pipeline.replicas=2", "pipeline.shard_optimizer=optimizer"}) == "optimizer");
+  CHECK(sharded({"pipeline.shard_optimizer=none"}) == "none");  // one replica, nothing asked
+  const std::string fix = "pipeline.shard_optimizer: optimizer shards the optimizer state over pipeline.replicas, "
+                          "which is 1: one replica has nothing to shard; set pipeline.replicas to 2 or more (with "
+                          "pipeline.partitions x pipeline.replicas processes under mpirun), or drop shard_optimizer "
+                          "(or set it to none)";
+  // One replica by default, or named: refused where shard_optimizer was written.
+  CHECK(error_of(kBase, {"pipeline.shard_optimizer=optimizer"}) ==
+        "config error at --set pipeline.shard_optimizer=optimizer: " + fix);
+  CHECK(error_of(kBase, {"pipeline.shard_optimizer=optimizer", "pipeline.replicas=1"}) ==
+        "config error at --set pipeline.shard_optimizer=optimizer: " + fix);
+  // The file asks for two replicas and a --set lowers them to one: the check sees the
+  // value after every --set.
+  const std::string two = std::string(kBase) + "pipeline: {replicas: 2, shard_optimizer: optimizer}\n";
+  CHECK(parse_config(two, "t.yaml").pipeline.shard_optimizer == "optimizer");
+  CHECK(error_of(two, {"pipeline.replicas=1"}) == "config error at t.yaml:14:42: " + fix);
+  // And the other way: a file with one replica, raised on the command line.
+  const std::string one = std::string(kBase) + "pipeline: {shard_optimizer: optimizer}\n";
+  CHECK(error_of(one).rfind("config error at t.yaml:14:29: " + fix, 0) == 0);
+  CHECK(parse_config(one, "t.yaml", {"pipeline.replicas=4"}).pipeline.shard_optimizer == "optimizer");
 }

@@ -3,11 +3,15 @@
 // and every recompute mode, over optimizer steps; its messages and kept activations are
 // bfloat16 (half of float32's bytes) while its gradients, master weights and optimizer
 // state are float32; and it stays within bfloat16's rounding of the float32 model.
+// A float16 model with dynamic loss scaling: an overflow skips the step, K stages equal
+// one, and clipping uses the unscaled norm (a float64 reference of clip_grad_norm_).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "layers/registry.h"
 #include "partition/balance.h"
@@ -304,4 +308,101 @@ TEST_CASE("float16 with loss scaling equals one stage bit for bit, and the loss 
   }
   CHECK(masters(*two.model) == masters(*model));
   CHECK(two.ex->loss_scale() == 2048.0);  // doubled after 3 clean steps
+}
+
+TEST_CASE("float16 loss scaling with clipping: the step clips by the unscaled norm, as clip_grad_norm_ does") {
+  // One SGD step of the float16 MLP on two stages with loss scale 2^16 and clipping that
+  // is active (max_norm a quarter of the gradient's norm), against an independent
+  // float64 computation: the same weights (the float32 masters) in a float64 model, its
+  // unscaled gradient of the whole batch (Sequential::forward_backward, no loss scaling),
+  // clipped by the formula of torch.nn.utils.clip_grad_norm_
+  //   total_norm = sqrt(sum of g^2 over every parameter's gradient)
+  //   clip_coef  = max_norm / (total_norm + 1e-6);  g *= min(clip_coef, 1)
+  // and stepped by hand: w -= lr g. Clipping by the scaled norm (2^16 times the
+  // unscaled one) would make the update 2^16 times too small; no clipping, 4 times too
+  // large.
+  const int64_t N = 16;
+  const double lr = 0.1;
+  Backend& be = backend_for(Device::cpu());
+  // Inputs float16 holds exactly, so that both models read the same numbers.
+  Tensor x16 = Tensor::empty({N, 8}, DType::kF16, Device::cpu());
+  be.cast(gpipe::testing::random_tensor({N, 8}, DType::kF32, 65, -2, 2), x16);
+  const std::vector<double> xs = gpipe::testing::to_doubles(x16);
+  Tensor x32 = Tensor::empty({N, 8}, DType::kF32, Device::cpu());
+  Tensor x64 = Tensor::empty({N, 8}, DType::kF64, Device::cpu());
+  for (size_t i = 0; i < xs.size(); ++i) {
+    x32.data<float>()[i] = static_cast<float>(xs[i]);
+    x64.data<double>()[i] = xs[i];
+  }
+  const Tensor y = gpipe::testing::random_labels(N, 4, 66);
+
+  auto model = layers::build_model(fp16_spec());
+  const auto start = masters(*model);
+
+  // The reference, in float64 from the same (float32 master) weights.
+  layers::ModelSpec spec64 = fp16_spec();
+  spec64.dtype = DType::kF64;
+  auto ref = layers::build_model(spec64);
+  auto p64 = ref->named_parameters();
+  REQUIRE(p64.size() == start.size());
+  for (size_t i = 0; i < p64.size(); ++i) {
+    REQUIRE(static_cast<size_t>(p64[i].second->value.numel()) == start[i].size());
+    for (size_t j = 0; j < start[i].size(); ++j) p64[i].second->value.data<double>()[j] = start[i][j];
+  }
+  ref->zero_grad();
+  ref->forward_backward(be, x64, y, 1.0 / N);
+  std::vector<std::vector<double>> g;
+  double sq = 0;
+  for (auto& [name, p] : p64) {
+    g.push_back(gpipe::testing::to_doubles(p->grad));
+    for (double v : g.back()) sq += v * v;
+  }
+  const double total_norm = std::sqrt(sq);
+  const double max_norm = total_norm / 4;
+  const double clip_coef = std::min(max_norm / (total_norm + 1e-6), 1.0);
+  REQUIRE(clip_coef < 0.3);  // clipping is active
+  double ref_sq = 0;
+  std::vector<double> want_update;  // every parameter's, flattened
+  for (const auto& gi : g) {
+    for (double v : gi) {
+      want_update.push_back(-lr * clip_coef * v);
+      ref_sq += want_update.back() * want_update.back();
+    }
+  }
+
+  // The pipeline: float16, loss scaling, clipping, SGD without momentum.
+  InProcessTransport transport(2);
+  ExecutorOptions o;
+  o.optimizer.type = "sgd";
+  o.optimizer.lr = lr;
+  o.clip_grad_norm = max_norm;
+  o.loss_scale = 65536.0;
+  const Schedule s = make_schedule(ScheduleRequest{"1f1b", 2, 1, 2, RecomputeMode::kExceptLast});
+  Executor ex(*model, make_cells({3, 2}, s, cpu_devices(2)), s, transport, o);
+  const StepResult r = ex.step(x32, y);
+  REQUIRE_FALSE(r.skipped);
+  CHECK(r.loss_scale == 65536.0);
+  const auto now = masters(*model);
+  double err_sq = 0;
+  size_t at = 0;
+  for (size_t i = 0; i < now.size(); ++i) {
+    for (size_t j = 0; j < now[i].size(); ++j, ++at) {
+      const double d = (now[i][j] - start[i][j]) - want_update[at];
+      err_sq += d * d;
+    }
+  }
+  REQUIRE(at == want_update.size());
+  // float16 rounds each stored value (weights, activations, their gradients) with
+  // relative error at most u = 2^-11; through this short chain (3 linear layers, gelu, a
+  // layer norm, forward and back) the errors add up to a few u: measured, 1.4u on the
+  // update's normwise relative error and 0.07u on the norm (the float32 masters' own
+  // rounding, 2^-24 of each weight, is far below). Bounds: 8u on both, while a clip by
+  // the wrong norm, or none, is off by a factor of 4 or more (relative error >= 0.75).
+  const double u = std::ldexp(1.0, -11);
+  const double rel = std::sqrt(err_sq / ref_sq);
+  CHECK(std::abs(r.grad_norm - total_norm) <= 8 * u * total_norm);
+  CHECK(std::sqrt(ref_sq) == doctest::Approx(lr * max_norm).epsilon(1e-5));  // the update's norm: lr x max_norm
+  CHECK(rel < 8 * u);
+  MESSAGE("unscaled norm ", total_norm, " (pipeline: ", r.grad_norm, "), max_norm ", max_norm,
+          "; update's normwise relative error ", rel, " = ", rel / u, " u");
 }

@@ -102,6 +102,10 @@ TEST_CASE("each config mistake given with --set names the --set, the key and the
       {"pipeline.bucket_mb=2e6", {"pipeline.bucket_mb: must be at least 0 (0: one reduction per parameter) and at most 1e6"}},
       {"pipeline.devices=cpu:0", {"pipeline.devices: expected a list such as [cpu:0, cpu:1]"}},
       {"pipeline.devices=[[cpu:0]]", {"pipeline.devices: expected a single value"}},
+      {"pipeline.shard_optimizer=optimizer",
+       {"pipeline.shard_optimizer: optimizer shards the optimizer state over pipeline.replicas, which is 1: one replica "
+        "has nothing to shard; set pipeline.replicas to 2 or more",
+        "or drop shard_optimizer (or set it to none)"}},
       // optimizer
       {"optimizer.type=lamb", {"optimizer.type: unknown optimizer 'lamb'; valid: sgd, adam, adamw"}},
       {"optimizer.lr=0", {"optimizer.lr: must be > 0 and at most 10 (typical: 1e-4 to 1e-3 for adam", "got 0"}},
@@ -137,6 +141,14 @@ TEST_CASE("each config mistake given with --set names the --set, the key and the
        {"train.log_level: unknown level 'verbose'; valid: trace, debug, info, warn, error, critical, off"}},
       {"data.eval_samples=-16", {"data.eval_samples: must be at least 0", "got -16"}},
       {"pipeline.micro_batches=4294967297", {"pipeline.micro_batches: must be at most 2147483647, got 4294967297"}},
+      // checkpoint
+      {"checkpoint.allow_changes=[nosuch.key]",
+       {"checkpoint.allow_changes[0]: unknown key 'nosuch.key'; valid keys: all, model.seed, model.dtype, data.type",
+        "train.seed, train.batch_size (the run's identity; anything else, such as train.steps or the pipeline, may "
+        "change on resume without being listed)"}},
+      {"checkpoint.allow_changes=[optimizer.lr, optimiser.lr]",
+       {"checkpoint.allow_changes[1]: unknown key 'optimiser.lr'; did you mean optimizer.lr? valid keys: all, "}},
+      {"checkpoint.allow_changes=al", {"checkpoint.allow_changes: unknown key 'al'; did you mean all? valid keys: "}},
       // The overrides themselves.
       {"pipeline.partitions", {"--set pipeline.partitions: expected KEY=VALUE, e.g. --set pipeline.micro_batches=8"}},
       {"=3", {"--set =3: expected KEY=VALUE"}},
@@ -172,6 +184,9 @@ TEST_CASE("the same mistakes written in the file give file:line:column") {
       {"data: {classes: 4, eval_samples: 16}", "data: {type: csv}", "t.yaml:11:14: data.type: unknown data type 'csv'"},
       {"pipeline: {partitions: 2, micro_batches: 2}", "pipeline: {partitions: 2, devices: cpu}",
        "t.yaml:12:36: pipeline.devices: expected a list such as [cpu:0, cpu:1]"},
+      {"pipeline: {partitions: 2, micro_batches: 2}", "pipeline: {partitions: 2, shard_optimizer: optimizer}",
+       "t.yaml:12:44: pipeline.shard_optimizer: optimizer shards the optimizer state over pipeline.replicas, which is "
+       "1: one replica has nothing to shard; set pipeline.replicas to 2 or more"},
       {"optimizer: {type: sgd, lr: 0.1}", "optimizer: {type: sgd, lr: 0.1, nesterov: true}",
        "t.yaml:13:43: optimizer.nesterov: needs optimizer.momentum > 0"},
       {"optimizer: {type: sgd, lr: 0.1}", "optimizer: {type: rmsprop, lr: 0.1}",
@@ -189,6 +204,8 @@ TEST_CASE("the same mistakes written in the file give file:line:column") {
        "t.yaml:13:49: optimizer.clip_grad_norm: must be >= 0"},
       {"  batch_size: 8\n", "  batch_size: 8\n  log_level: [debug]\n", "t.yaml:17:14: train.log_level: expected a single value"},
       {"  steps: 2\n", "  steps: 2\n  log_interval: 0\n", "t.yaml:16:17: train.log_interval: must be at least 1, got 0"},
+      {"  batch_size: 8\n", "  batch_size: 8\ncheckpoint: {allow_changes: [optimizer.lr, data.sed]}\n",
+       "t.yaml:17:44: checkpoint.allow_changes[1]: unknown key 'data.sed'; did you mean data.seed? valid keys: all, "},
   };
   for (const FileRow& row : rows) {
     std::string text = kBase;
@@ -252,6 +269,55 @@ TEST_CASE("mistakes only the trainer can see name their key and the fix") {
     const std::string e = train_error(sets);
     CAPTURE(e);
     CHECK(e.find(says) != std::string::npos);
+  }
+}
+
+TEST_CASE("a layer's own refusal of its options names the layer's file:line:column or --set") {
+  // What the layer's constructor says, after the type and where the config wrote the
+  // layer; the trainer builds the model (and measures its weights) from the config.
+  auto error_in = [](const std::string& from, const std::string& to, const std::vector<std::string>& sets = {}) {
+    std::string text = kBase;
+    REQUIRE(text.find(from) != std::string::npos);
+    text.replace(text.find(from), from.size(), to);
+    std::ostringstream out;
+    try {
+      train(parse_config(text, "t.yaml", sets), out);
+    } catch (const UserError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::vector<std::pair<std::string, std::string>> rows = {
+      {error_in("    - {type: linear, out: 4}\n", "    - {type: linear, out: -1}\n"),
+       "linear (at t.yaml:9:7): in and out must be positive, got in=16, out=-1"},
+      {error_in("    - {type: linear, out: 16}\n", "    - {type: embedding, vocab: 32, dim: 0}\n",
+                {"model.input_dtype=int32"}),
+       "embedding (at t.yaml:4:7): vocab, dim and the sequence length must be positive, got vocab=32, dim=0, seq_len=8"},
+      {error_in("    - {type: linear, out: 16}\n", "    - {type: embedding, vocab: 32, dim: 16, positions: 4}\n",
+                {"model.input_dtype=int32"}),
+       "embedding (at t.yaml:4:7): positions=4 is shorter than the sequence (8 tokens); use at least 8, or 0 for no "
+       "learned positions"},
+      {error_in("        - {type: relu}\n", "        - {type: dropout, p: 1.5}\n"),
+       "dropout (at t.yaml:7:11): p=1.5 must be in [0, 1); use 0 to disable dropout"},
+      {error_in("    - {type: linear, out: 4}\n", "    - {type: swiglu, hidden: 0}\n"),
+       "swiglu (at t.yaml:9:7): dim and hidden must be positive, got dim=16, hidden=0"},
+      {error_in("  input: [8]\n", "  input: [3, 8, 8]\n", {"model.layers.0={type: conv2d, out: 4, kernel: 0}"}),
+       "conv2d (at --set model.layers.0={type: conv2d, out: 4, kernel: 0}): conv2d(3 -> 4, "},
+      {error_in("    - {type: linear, out: 16}\n", "    - {type: conv2d, out: 4, kernel: 9, pad: 0}\n",
+                {"model.input=[3, 8, 8]"}),
+       "conv2d (at t.yaml:4:7): conv2d(3 -> 4, "},
+      // A --set of one option: the layer is still the one written at its line (a --set
+      // that writes the whole layer names the --set, as conv2d's above).
+      {error_in("", "", {"model.layers.0.out=-1"}),
+       "linear (at t.yaml:4:7): in and out must be positive, got in=8, out=-1"},
+      // A message that names its place already keeps it once.
+      {error_in("", "", {"model.layers.0.out=many"}),
+       "layer 'linear' (at t.yaml:4:7): option 'out' must be an integer, got 'many'"},
+  };
+  for (const auto& [e, says] : rows) {
+    CAPTURE(e);
+    CHECK(e.rfind(says, 0) == 0);
+    CHECK(e.find("(at ") == e.rfind("(at "));  // one place, not two
   }
 }
 
