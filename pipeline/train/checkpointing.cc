@@ -335,6 +335,8 @@ void RunCheckpoints::check_same_run(const LoadedCheckpoint& loaded) const {
   }
 }
 
+namespace {
+
 // This run's complete checkpoints, newest first: the one `latest` names (or the newest),
 // then the older ones; another run's are never among them.
 std::vector<CheckpointRef> own_checkpoints(const std::string& dir, const std::string& run_id) {
@@ -352,6 +354,8 @@ std::vector<CheckpointRef> own_checkpoints(const std::string& dir, const std::st
   }
   return out;
 }
+
+}  // namespace
 
 int64_t RunCheckpoints::resume() {
   const std::string& want = config_.checkpoint.resume;
@@ -372,6 +376,10 @@ int64_t RunCheckpoints::resume() {
     // A fork's own checkpoints, once it has saved some, come before its parent's.
     const std::string theirs = checkpoint_run_id(step_dir);
     if (theirs == run_id_ || theirs.empty() || candidates.empty()) candidates = {{-1, step_dir}};
+  }
+  // A fork that has saved nothing of its own yet goes on from its parent.
+  if (candidates.empty() && parent_.is_object() && parent_.value("checkpoint", std::string()) != "") {
+    candidates = {{-1, parent_.value("checkpoint", std::string())}};
   }
   if (candidates.empty()) {
     spdlog::info("no complete checkpoint in {} (of run {}): starting from step 0", store_.dir(), run_id_);
