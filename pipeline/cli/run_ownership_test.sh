@@ -194,10 +194,11 @@ pipeline: {partitions: 2, micro_batches: 2}
 optimizer: {type: adam, lr: 0.001}
 train: {steps: 4, batch_size: 1024, log_interval: 1}
 YAML
-last_step() {  # name, launcher...: SIGTERM once step 3 of 4 is printed
-  local name="$1"; shift
+sed 's/^train:/checkpoint: {async: true}\ntrain:/' slow.yaml > slow-async.yaml
+last_step() {  # name, config, launcher...: SIGTERM once step 3 of 4 is printed
+  local name="$1" config="$2"; shift 2
   rm -rf "$name" "$name.log"
-  "$@" slow.yaml --set output.dir="$name" > "$name.log" 2>&1 &
+  "$@" "$config" --set output.dir="$name" > "$name.log" 2>&1 &
   local job=$!
   for _ in $(seq 6000); do grep -q '^step *3/4' "$name.log" && break; sleep 0.01; done
   kill -TERM $job; wait $job
@@ -208,7 +209,7 @@ last_step() {  # name, launcher...: SIGTERM once step 3 of 4 is printed
   python3 -c "import json, sys; assert [s['step'] for s in json.load(open(sys.argv[1]))['steps']] == [1, 2, 3, 4]" \
     "$name/report.json" || fail "$name/report.json does not hold steps 1-4"
 }
-last_step last "${g[@]}" train
+last_step last slow.yaml "${g[@]}" train
 grep -qF "stopped by SIGTERM at the end of the run: its 4 steps are done; saved last/checkpoints/step-4" last.log ||
   { cat last.log; fail "the stop's message does not say the run is complete"; }
 again="$(grep -oE 'continue it with: .*' last.log | sed 's/^continue it with: //; s/ (it trains on .*//')"
@@ -222,10 +223,13 @@ expect 0 again2.log $? "writing its missing report from the checkpoint's history
 diff <(losses last-report.json 1 4) <(losses last/report.json 1 4) > /dev/null ||
   fail "the report written again has other losses than the run's"
 [ -n "$(json_get last/report.json "['regenerated']")" ] || fail "the report written again does not say so"
-last_step lastmp "${g[@]}" run --np 2
+last_step lastasync slow-async.yaml "${g[@]}" train
+grep -q "async: true" <(json_get lastasync/report.json "['effective_config']") ||
+  fail "the async case did not run with checkpoint.async"
+last_step lastmp slow.yaml "${g[@]}" run --np 2
 grep -qF "gpipe on rank 0: stopped by SIGUSR2 (a stop request) at the end of the run" lastmp.log ||
   { cat lastmp.log; fail "rank 0 did not stop at the end of the run"; }
-echo "ok: SIGTERM in the last step (train, and run --np 2) leaves the reports and the checkpoint; the continue command works"
+echo "ok: SIGTERM in the last step (train, train with async saves, run --np 2) leaves the reports and the checkpoint; the continue command works"
 
 # 5. Ctrl-C to the README's multi-process command while another job loads the machine.
 "${g[@]}" train mlp.yaml --set output.dir=load --set train.steps=100000000 > load.log 2>&1 &
