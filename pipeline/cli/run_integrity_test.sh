@@ -14,7 +14,8 @@
 #  5. a damaged newest checkpoint under the supervisor: it falls back to the older one
 #     and finishes with the uninterrupted losses;
 #  6. kill -STOP of the single-process child of `gpipe run`: killed and restarted;
-#  7. a tmpfs too small for a checkpoint, one that fills up mid-run, a read-only one:
+#  7. a tmpfs too small for a checkpoint, one with room for one checkpoint but not the
+#     next beside it, one that fills up mid-run, a read-only one:
 #     exit 2 with the path and the size, no restart;
 #  8. a resumed run's report.json holds the whole run, each launch marked.
 # Judged by exit status, files and messages, never by wall time (outer timeouts only
@@ -320,6 +321,8 @@ if unshare -m --propagation private true 2>/dev/null; then
   unshare -m --propagation private bash -c "
     mount -t tmpfs -o size=30k tmpfs small || exit 99
     '$gpipe' train mlp.yaml --set output.dir=small/o --set checkpoint.every=4 > tiny.log 2>&1; echo \$? > tiny.rc
+    umount small; mount -t tmpfs -o size=64k tmpfs small
+    '$gpipe' train mlp.yaml --set output.dir=small/one --set checkpoint.every=4 > one.log 2>&1; echo \$? > one.rc
     umount small; mount -t tmpfs -o size=120k tmpfs small
     '$gpipe' run mlp.yaml --set output.dir=small/o --set checkpoint.every=1 --set checkpoint.keep=0 > full.log 2>&1
     echo \$? > full.rc
@@ -328,6 +331,14 @@ if unshare -m --propagation private true 2>/dev/null; then
   [ $? -ne 99 ] || fail "could not mount a tmpfs"
   expect 2 tiny.log "$(cat tiny.rc)" "the checkpoint folder 'small/o/checkpoints' has" "a checkpoint of this model needs"
   ! grep -q '^step ' tiny.log || fail "a run without room for a checkpoint trained"
+  # Room for one checkpoint but not for two: the first save's checkpoint is kept until the
+  # second is complete, so this is refused before step 1 too. A checkpoint: the float64
+  # weights and Adam's two moments of the 16-32-32-4 MLP, in kB rounded up.
+  one_kb="$(python3 -c "import math; print(math.ceil((16*32+32 + 32*32+32 + 32*4+4) * 8 * 3 / 1000))")"
+  two_kb="$(python3 -c "import math; print(math.ceil((16*32+32 + 32*32+32 + 32*4+4) * 8 * 3 * 2 / 1000))")"
+  expect 2 one.log "$(cat one.rc)" "the checkpoint folder 'small/one/checkpoints' has" \
+    "a checkpoint of this model needs $one_kb kB (weights and optimizer state), and this run needs room for 2, $two_kb kB"
+  ! grep -q '^step ' one.log || fail "a run with room for one checkpoint only trained"
   expect 2 full.log "$(cat full.rc)" "No space left on device" "a restart would fail the same way"
   [ "$(grep -c 'launch [0-9] of at most' full.log)" -eq 1 ] || { cat full.log; fail "a full disk was restarted"; }
   expect 2 ro.log "$(cat ro.rc)" "small/p" "Read-only file system"

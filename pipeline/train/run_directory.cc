@@ -536,7 +536,17 @@ void remove_torn_saves(const std::string& dir, const std::string& run_id) {
   }
 }
 
-void check_checkpoint_room(const std::string& dir, int64_t checkpoint_bytes) {
+int checkpoints_to_fit(const std::string& dir, const std::string& run_id, int64_t saves) {
+  if (saves <= 0) return 0;
+  int own = 0;
+  for (const CheckpointRef& c : list_checkpoints(dir).complete) {
+    const std::string theirs = checkpoint_run_id(c.path);
+    if (theirs.empty() || theirs == run_id) ++own;
+  }
+  return static_cast<int>(std::min<int64_t>(saves, own > 0 ? 1 : 2));
+}
+
+void check_checkpoint_room(const std::string& dir, int64_t checkpoint_bytes, int count) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) {
@@ -554,8 +564,10 @@ void check_checkpoint_room(const std::string& dir, int64_t checkpoint_bytes) {
   struct statvfs vfs {};
   if (::statvfs(dir.c_str(), &vfs) != 0) return;
   const int64_t free_bytes = static_cast<int64_t>(vfs.f_bavail) * static_cast<int64_t>(vfs.f_frsize);
-  if (free_bytes < checkpoint_bytes) {
-    auto mb = [](int64_t b) { return std::to_string((b + 999999) / 1000000) + " MB"; };
+  if (free_bytes < checkpoint_bytes * count) {
+    auto mb = [](int64_t b) {  // rounded up, so that what it says is enough is
+      return b < 1000000 ? std::to_string((b + 999) / 1000) + " kB" : std::to_string((b + 999999) / 1000000) + " MB";
+    };
     const CheckpointListing listing = list_checkpoints(dir);
     std::string held;
     if (!listing.complete.empty()) {
@@ -564,9 +576,10 @@ void check_checkpoint_room(const std::string& dir, int64_t checkpoint_bytes) {
              "); delete those you no longer need, keeping the newest, which a resume reads.";
     }
     throw UserError("the checkpoint folder '" + dir + "' has " + mb(free_bytes) + " free but a checkpoint of this "
-                    "model needs " + mb(checkpoint_bytes) + " (weights and optimizer state; the newest checkpoint is "
-                    "deleted only after the next one is complete, so both must fit)." + held + " Free space there, or "
-                    "set checkpoint.dir elsewhere");
+                    "model needs " + mb(checkpoint_bytes) + " (weights and optimizer state), and this run needs room "
+                    "for " + (count == 1 ? std::string("one more") : std::to_string(count) + ", " +
+                    mb(checkpoint_bytes * count)) + " (the newest checkpoint is deleted only after the next one is "
+                    "complete, so both must fit)." + held + " Free space there, or set checkpoint.dir elsewhere");
   }
 }
 

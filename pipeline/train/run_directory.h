@@ -133,9 +133,16 @@ std::string resume_step_dir(const std::string& path);
 void remove_torn_saves(const std::string& dir, const std::string& run_id);
 
 // Before the first step: the checkpoint folder can be created and written, and its file
-// system has room for one more checkpoint of `checkpoint_bytes` (the older ones stay until
-// it is complete). UserError naming the path, the bytes needed and the bytes free.
-void check_checkpoint_room(const std::string& dir, int64_t checkpoint_bytes);
+// system has room for what this run's next saves add, `count` checkpoints of
+// `checkpoint_bytes` (checkpoints_to_fit). UserError naming the path, the bytes needed and
+// free, and the checkpoints that hold the space.
+void check_checkpoint_room(const std::string& dir, int64_t checkpoint_bytes, int count = 1);
+// How many checkpoints of run `run_id` must fit beside what `dir` holds before its next
+// saves rotate anything: the newest is deleted only once the next is complete, so a run
+// with no complete checkpoint of its own yet needs room for two (its first, and the second
+// while the first is kept), one with some needs room for one; `saves` (the saves the run
+// will make, e.g. 1 when it saves only at its end) caps it; 0 without periodic saves.
+int checkpoints_to_fit(const std::string& dir, const std::string& run_id, int64_t saves);
 
 // The current shell-quoted form of a word for a command a user may paste.
 std::string shell_quote(const std::string& word);

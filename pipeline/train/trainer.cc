@@ -344,13 +344,17 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   result.balance = plan.balance;
   check_run_fits(c, *model, plan, host_available_bytes());
   // Saves must not be the first to find a read-only or full disk: with periodic saves,
-  // room for one more checkpoint; always, a writable folder (a stop signal saves too).
+  // room for the next ones while the newest is kept (checkpoints_to_fit); always, a
+  // writable folder (a stop signal saves too).
   if (owner) {
     // A torn save of this run (a save that failed, e.g. on a full disk) holds space that
     // no resume can use: freed before the room is counted.
-    remove_torn_saves(checkpoint_dir(c), c.run.id);
-    check_checkpoint_room(checkpoint_dir(c),
-                          c.checkpoint.every > 0 ? checkpoint_bytes(*model, c.optimizer.optimizer) : 0);
+    const std::string ck = checkpoint_dir(c);
+    remove_torn_saves(ck, c.run.id);
+    const int64_t every = c.checkpoint.every;
+    const int64_t saves = every > 0 ? (c.train.steps + every - 1) / every : 0;  // from step 0: at most this many
+    check_checkpoint_room(ck, checkpoint_bytes(*model, c.optimizer.optimizer),
+                          checkpoints_to_fit(ck, c.run.id, saves));
   }
 
   const StageNames names = stage_names(plan, *model);
