@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "runtime/error.h"
+#include "runtime/heartbeat.h"
 #include "runtime/random.h"
 
 namespace gpipe {
@@ -319,6 +320,7 @@ Parameter Layer::make_parameter(const std::string& name, const Shape& shape, dou
     double* d = p.value.data<double>();
     for (int64_t i = 0; i < n; ++i) d[i] = rng.uniform(-bound, bound);
   }
+  heartbeat();  // building a large model is progress (runtime/heartbeat.h)
   Backend& be = backend_for(Device::cpu());
   p.grad = be.zeros(shape, master);
   if (is_narrow(dtype_)) {

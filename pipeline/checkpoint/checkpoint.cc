@@ -210,7 +210,10 @@ void CheckpointStore::write_shard(int64_t step, int shard, int num_shards, const
   }
   for (const auto& [kind, tensors] : {std::make_pair("model", &model), std::make_pair("optimizer", &optimizer)}) {
     json sums = json::object();
-    for (const auto& [name, t] : *tensors) sums[name] = tensor_checksum(t);
+    for (const auto& [name, t] : *tensors) {
+      heartbeat();
+      sums[name] = tensor_checksum(t);
+    }
     StringMap meta = {{"format", "pt"},
                       {"step", std::to_string(step)},
                       {"shard", std::to_string(shard + 1) + "/" + std::to_string(num_shards)},

@@ -9,6 +9,7 @@
 #include "pipeline/checkpoint/checkpoint.h"
 #include "runtime/atomic_file.h"
 #include "runtime/error.h"
+#include "runtime/heartbeat.h"
 #include "runtime/logging.h"
 
 namespace gpipe {
@@ -96,6 +97,7 @@ void verify_checksums(const std::string& path, const SafetensorsHeader& h, const
     if (want == sums.end() || !want->is_string()) {
       throw CheckpointDamaged("checkpoint shard '" + path + "' lists no checksum for tensor '" + name + "'");
     }
+    heartbeat();
     const std::string got = tensor_checksum(t);
     if (got != want->get<std::string>()) {
       throw CheckpointDamaged("checkpoint shard '" + path + "': tensor '" + name + "' does not match its checksum (" +
@@ -137,6 +139,7 @@ void load_kind(const std::string& dir, const std::string& kind, const std::funct
     detail::check_shard_names(path, h, names, index_name);
     check_shard_identity(path, h, expect);
     for (const SafetensorsEntry& e : h.entries) total += e.end - e.begin;
+    heartbeat();  // loading a checkpoint is progress, for gpipe run (runtime/heartbeat.h)
     SafetensorsFile f = load_safetensors(path, [&](const std::string& n) { return !want || want(n); });
     if (expect.checksums) verify_checksums(path, h, f.tensors);
     for (auto& kv : f.tensors) out.emplace(kv.first, std::move(kv.second));

@@ -147,10 +147,12 @@ int run_train_under_supervisor(Invocation& inv) {
     throw UserError("--start-over starts a new run, but checkpoint.resume is '" + config.checkpoint.resume +
                     "'; drop one of them");
   }
+  config.run.start_over = inv.start_over;
   pipeline::SupervisorOptions o;
-  // The job's run: a new one, or with --resume the one its folder belongs to.
+  // The job's run: a new one, or when it resumes (--resume, checkpoint.resume) the one its
+  // folder belongs to.
   const std::string owner = pipeline::folder_run_id(config);
-  o.run_id = inv.resume && !owner.empty() ? owner : pipeline::new_run_id();
+  o.run_id = !config.checkpoint.resume.empty() && !owner.empty() ? owner : pipeline::new_run_id();
   config.run.id = o.run_id;
   config.run.id_given = true;
   // Its directories are this job's for all its launches; the launches claim them as

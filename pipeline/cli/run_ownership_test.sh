@@ -102,6 +102,23 @@ expect 0 fork2.log $? "resumed from fork/checkpoints/step-45 after step 45 (run 
   --set train.steps=45 > forkrun.log 2>&1
 expect 0 forkrun.log $? "forking run $D at step 30"
 [ "$(json_get forkrun/report.json "['parent']['run_id']")" = "$D" ] || fail "gpipe run's fork does not name its parent"
+# A fork's continue command goes on with the fork after its parent trained on (its
+# checkpoints folder's latest moved), and after the parent was deleted.
+cp -a d dlive
+"${g[@]}" train mlp.yaml --set output.dir=fork3 --set checkpoint.resume=dlive/checkpoints --set train.steps=50 \
+  > fork3.log 2>&1
+expect 0 fork3.log $? "forking run $D at step 45"
+"${g[@]}" train mlp.yaml --set output.dir=dlive --resume --set train.steps=60 > dlive.log 2>&1 || { cat dlive.log; fail "dlive"; }
+"${g[@]}" train mlp.yaml --set output.dir=fork3 --set checkpoint.resume=dlive/checkpoints --set train.steps=55 \
+  --resume > fork3b.log 2>&1
+expect 0 fork3b.log $? "resumed from fork3/checkpoints/step-50 after step 50 (run $(run_of fork3))"
+rm -rf dlive
+"${g[@]}" run mlp.yaml --set output.dir=fork3 --set checkpoint.resume=dlive/checkpoints --set train.steps=58 \
+  --resume > fork3c.log 2>&1
+expect 0 fork3c.log $? "resumed from fork3/checkpoints/step-55 after step 55 (run $(run_of fork3))"
+# gpipe run reads checkpoint.resume: auto as train does.
+"${g[@]}" run mlp.yaml --set output.dir=c2 --set checkpoint.resume=auto --set train.steps=45 > c2auto.log 2>&1
+expect 0 c2auto.log $? "resumed from c2/checkpoints/step-40 after step 40 (run $C)"
 echo "ok: another run's checkpoint into a used folder is refused (train and run); into a fresh one it forks run $D exactly"
 
 # 2. A whole step directory of another run in a run's folder.
@@ -124,6 +141,17 @@ for other in d e; do
   [ "$(sums a)" = "$before" ] || fail "a refused resume changed run A's folder"
 done
 mv a/checkpoints/step-40 moved-40
+# A folder from before run.json (no run.json, no report) whose checkpoints name two runs:
+# whose it is cannot be told, so nothing is resumed.
+cp -a a legacy; rm legacy/run.json legacy/report.json legacy/report.html legacy/trace.json
+cp -a moved-40 legacy/checkpoints/step-10
+before="$(sums legacy)"
+"${g[@]}" train mlp.yaml --set output.dir=legacy --resume --set train.steps=45 > legacy.log 2>&1
+expect 2 legacy.log $? "legacy/checkpoints holds checkpoints of more than one run" "run $A: " "run $E: step-10"
+[ "$(sums legacy)" = "$before" ] || fail "a refused legacy resume changed the folder"
+rm -r legacy/checkpoints/step-10
+"${g[@]}" train mlp.yaml --set output.dir=legacy --resume --set train.steps=45 > legacy2.log 2>&1
+expect 0 legacy2.log $? "resumed from legacy/checkpoints/step-30 after step 30 (run $A)"
 "${g[@]}" train mlp.yaml --set output.dir=a --resume --set train.steps=45 > adopt-ok.log 2>&1
 expect 0 adopt-ok.log $? "resumed from a/checkpoints/step-30 after step 30 (run $A)"
 [ "$(json_get moved-40/trainer_state.json "['run_id']")" = "$E" ] || fail "the moved step changed"
@@ -175,6 +203,24 @@ job=$!
 for _ in $(seq 600); do grep -q 'resumed from' x1b.log && break; sleep 0.1; done
 kill -TERM $job; wait $job
 expect 143 x1b.log $? "resumed from shared/ck/step-" "(run $X1)"
+# An output.dir that is another run's checkpoint folder, or lies inside another run's folder.
+before="$(sums x1 shared a)"
+"${g[@]}" train mlp.yaml --set output.dir=shared/ck > out-ck.log 2>&1
+expect 2 out-ck.log $? "output.dir shared/ck holds checkpoints itself" "of run $X1"
+"${g[@]}" train mlp.yaml --set output.dir=a/checkpoints > out-ck2.log 2>&1
+expect 2 out-ck2.log $? "output.dir a/checkpoints holds checkpoints itself" "of run $A"
+"${g[@]}" train mlp.yaml --set output.dir=a/sub > out-in.log 2>&1
+expect 2 out-in.log $? "output.dir a/sub lies inside $tmp/a, the folder of run $A"
+[ "$(sums x1 shared a)" = "$before" ] || fail "a refused run changed another run's files"
+# One folder by two names (a symbolic link) is one folder, locked once.
+mkdir real; ln -s real alias
+"${g[@]}" train mlp.yaml --set output.dir=real --set checkpoint.dir=alias --set train.steps=10 > alias.log 2>&1
+expect 0 alias.log $? "saved checkpoint alias/step-10"
+# gpipe run --start-over moves the folder's own run aside, as train --start-over does.
+"${g[@]}" run mlp.yaml --set output.dir=x1 --set checkpoint.dir=shared/ck --start-over --set train.steps=10 \
+  > x1over.log 2>&1
+expect 0 x1over.log $? "was moved to x1/previous/$X1"
+[ -e "x1/previous/$X1/checkpoints/run.json" ] && [ "$(run_of x1)" != "$X1" ] || fail "gpipe run --start-over"
 echo "ok: one checkpoint.dir for two jobs, and another run's checkpoint folder, are refused; nothing moved"
 
 # 4. A stop signal in the last step. Steps long enough (about a tenth of a second or more
@@ -223,6 +269,12 @@ expect 0 again2.log $? "writing its missing report from the checkpoint's history
 diff <(losses last-report.json 1 4) <(losses last/report.json 1 4) > /dev/null ||
   fail "the report written again has other losses than the run's"
 [ -n "$(json_get last/report.json "['regenerated']")" ] || fail "the report written again does not say so"
+json_sum="$(md5sum < last/report.json)"
+rm last/report.html
+eval "$again" > again3.log 2>&1
+expect 0 again3.log $? "writing its missing report from the checkpoint's history" "Page: last/report.html"
+[ -e last/report.html ] && [ "$(md5sum < last/report.json)" = "$json_sum" ] ||
+  fail "a missing report.html was not written again, or report.json was rewritten with it"
 last_step lastasync slow-async.yaml "${g[@]}" train
 grep -q "async: true" <(json_get lastasync/report.json "['effective_config']") ||
   fail "the async case did not run with checkpoint.async"

@@ -1,3 +1,4 @@
+#include "runtime/heartbeat.h"
 #include "pipeline/planning/plan.h"
 
 #include <algorithm>
@@ -239,6 +240,7 @@ ActivationLayout probe_layers(const layers::Sequential& model_in) {
       }
       layers::Layer& layer = model.layer(i);
       layers::Context ctx;
+      heartbeat();  // probing is progress, for gpipe run (runtime/heartbeat.h)
       Tensor y = layer.forward(*be, h, &ctx, args);
       at[b].push_back(context_bytes(ctx, h, y));
       // B of a split backward on this context, as the executor runs it (need_dx on every

@@ -1,3 +1,4 @@
+#include "runtime/heartbeat.h"
 #include "pipeline/planning/profile.h"
 
 #include <algorithm>
@@ -56,6 +57,7 @@ double median(std::vector<double> v) {
 // after, so a GPU's queued work is counted, not its launch.
 template <typename Fn>
 double timed(Backend& be, Fn&& fn) {
+  heartbeat();  // each measured piece is progress, for gpipe run (runtime/heartbeat.h)
   be.synchronize();
   const auto t0 = std::chrono::steady_clock::now();
   fn();

@@ -371,12 +371,9 @@ int64_t RunCheckpoints::resume() {
     if (writer_) writer_ = std::make_unique<AsyncCheckpointWriter>(store_);
   }
   std::vector<CheckpointRef> candidates = own_checkpoints(store_.dir(), run_id_);
-  if (want != "auto") {
-    const std::string step_dir = resume_step_dir(want);
-    // A fork's own checkpoints, once it has saved some, come before its parent's.
-    const std::string theirs = checkpoint_run_id(step_dir);
-    if (theirs == run_id_ || theirs.empty() || candidates.empty()) candidates = {{-1, step_dir}};
-  }
+  // checkpoint.resume=PATH: that checkpoint, unless PATH is the fork's parent, whose own
+  // checkpoints (once it has saved some) come first, as with auto.
+  if (want != "auto" && !names_fork_parent(parent_, want)) candidates = {{-1, resume_step_dir(want)}};
   // A fork that has saved nothing of its own yet goes on from its parent.
   if (candidates.empty() && parent_.is_object() && parent_.value("checkpoint", std::string()) != "") {
     candidates = {{-1, parent_.value("checkpoint", std::string())}};

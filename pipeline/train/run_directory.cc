@@ -13,6 +13,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
 
@@ -41,9 +42,18 @@ std::string utc_now(const char* format) {
   return buf;
 }
 
-// "a" is "b" itself or lies under it (both made absolute and normal).
+// A path made absolute, with the symbolic links of its existing part resolved, so that two
+// names of one folder compare equal.
+fs::path normal(const std::string& p) {
+  std::error_code ec;
+  const fs::path real = fs::weakly_canonical(fs::absolute(p), ec);
+  return ec ? fs::absolute(p).lexically_normal() : real.lexically_normal();
+}
+
+// "a" is "b" itself or lies under it (both as normal() makes them).
+
 bool is_within(const fs::path& a, const fs::path& b) {
-  const fs::path x = fs::absolute(a).lexically_normal(), y = fs::absolute(b).lexically_normal();
+  const fs::path x = normal(a.string()), y = normal(b.string());
   auto xi = x.begin(), yi = y.begin();
   for (; yi != y.end(); ++xi, ++yi) {
     if (yi->empty()) continue;  // a trailing separator
@@ -64,7 +74,6 @@ std::string own_command() {
   return cmd;
 }
 
-fs::path normal(const std::string& p) { return fs::absolute(p).lexically_normal(); }
 
 // The run id report.json in `dir` names; "" when none does.
 std::string report_run_id(const std::string& dir) {
@@ -158,6 +167,34 @@ int64_t reported_steps(const std::string& dir) {
   }
 }
 
+// An output.dir that holds step directories itself (another run's checkpoint.dir), or that
+// has no run.json of its own and lies inside a folder that names a run (say another run's
+// <output.dir>/checkpoints): refused. A folder with a record of its own is a run's own
+// (<output.dir>/previous/<run>/ is one, resumed where --start-over moved it).
+void refuse_anothers_output_dir(const Config& config, bool has_record) {
+  const std::string& out = config.output.dir;
+  const fs::path mine = normal(out), ck = normal(checkpoint_dir(config));
+  if (mine != ck) {
+    const CheckpointListing steps = list_checkpoints(out);
+    if (!steps.complete.empty() || !steps.incomplete.empty()) {
+      const std::string& first = (steps.complete.empty() ? steps.incomplete : steps.complete).front().path;
+      const std::string theirs = checkpoint_run_id(first);
+      throw UserError("output.dir " + out + " holds checkpoints itself (" + first + ", of run " +
+                      (theirs.empty() ? std::string("?") : theirs) + "): it is a run's checkpoint folder, not an "
+                      "output folder. Give this run a folder of its own (--set output.dir=...)");
+    }
+  }
+  if (has_record) return;
+  for (fs::path dir = mine.parent_path(); !dir.empty(); dir = dir.parent_path()) {
+    const std::string theirs = recorded_run_id(dir.string());
+    if (!theirs.empty()) {
+      throw UserError("output.dir " + out + " lies inside " + dir.string() + ", the folder of run " + theirs +
+                      "; a run writes into a folder of its own. Give it one outside (--set output.dir=...)");
+    }
+    if (dir == dir.root_path()) break;
+  }
+}
+
 int64_t step_of(const std::string& step_dir) {
   try {
     const json st = json::parse(read_file(step_dir + "/trainer_state.json"));
@@ -222,12 +259,12 @@ DirectoryLock::DirectoryLock(const std::vector<std::string>& dirs, const std::st
   for (const std::string& dir : dirs) {
     std::error_code ec;
     fs::create_directories(dir, ec);
-    if (ec) throw UserError("cannot create '" + dir + "': " + ec.message() + "; choose another output.dir");
+    if (ec) throw UserError("cannot create '" + dir + "': " + ec.message() + "; choose another folder (output.dir, or checkpoint.dir where you set it)");
     const std::string path = dir + "/" + kLockFile;
     const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (fd < 0) {
       throw UserError("cannot open the lock file '" + path + "': " + std::strerror(errno) +
-                      "; is the directory writable? choose another output.dir");
+                      "; is the directory writable? choose another folder (output.dir, or checkpoint.dir where you set it)");
     }
     if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
       const int err = errno;
@@ -254,7 +291,8 @@ DirectoryLock::DirectoryLock(const std::vector<std::string>& dirs, const std::st
               ": " + h.value("command", std::string("?")) + ")";
       }
       throw UserError(dir + " is in use by " + who + "; two runs must not write to one directory. Wait for it to "
-                      "end, or give this run another output.dir (--set output.dir=...)");
+                      "end, or give this run folders of its own (--set output.dir=..., and checkpoint.dir where you "
+                      "set it)");
     }
     char host[256] = "?";
     ::gethostname(host, sizeof host - 1);
@@ -297,11 +335,11 @@ std::optional<RunRecord> read_run_record(const std::string& dir) {
     j = json::parse(read_file(path));
   } catch (const std::exception& e) {
     throw UserError(path + " (the record of the run this folder belongs to) cannot be read: " + e.what() +
-                    "; restore it, or move the folder's files aside and start afresh there with --start-over");
+                    "; restore it, or delete it: the folder's run is then read from its report.json and checkpoints");
   }
   if (!j.is_object() || !j.contains("run_id") || !j["run_id"].is_string() || j["run_id"].get<std::string>().empty()) {
     throw UserError(path + " (the record of the run this folder belongs to) has no run_id: " + j.dump() +
-                    "; restore it, or move the folder's files aside and start afresh there with --start-over");
+                    "; restore it, or delete it: the folder's run is then read from its report.json and checkpoints");
   }
   RunRecord r;
   r.run_id = j["run_id"].get<std::string>();
@@ -321,14 +359,26 @@ std::string folder_run_id(const Config& config) {
       if (dir == dir.root_path()) break;
     }
   }
+  // A folder written before run.json existed: its checkpoints' run, when they name one.
   const CheckpointListing listing = list_checkpoints(ck);
+  std::map<std::string, std::vector<std::string>> runs;
   for (const auto* list : {&listing.complete, &listing.incomplete}) {
-    for (const CheckpointRef& c : *list) {  // oldest first: a step copied in is usually newer
+    for (const CheckpointRef& c : *list) {
       const std::string theirs = checkpoint_run_id(c.path);
-      if (!theirs.empty()) return theirs;
+      if (!theirs.empty()) runs[theirs].push_back(fs::path(c.path).filename().string());
     }
   }
-  return "";
+  if (runs.size() > 1) {
+    std::string listed;
+    for (const auto& [run, steps] : runs) {
+      listed += (listed.empty() ? "" : "; ") + std::string("run ") + run + ": ";
+      for (size_t i = 0; i < steps.size(); ++i) listed += (i ? ", " : "") + steps[i];
+    }
+    throw UserError(ck + " holds checkpoints of more than one run (" + listed + ") and " + config.output.dir +
+                    " has no run.json or report.json saying whose folder it is. Move the steps that are not this "
+                    "folder's run out of it (mv " + ck + "/step-N <elsewhere>), then run this again");
+  }
+  return runs.empty() ? "" : runs.begin()->first;
 }
 
 std::vector<std::string> PriorRun::found() const {
@@ -416,16 +466,14 @@ void claim_for_fresh_run(const Config& config, const PriorRun& prior) {
                   "run to " + config.output.dir + "/previous/ and start afresh");
 }
 
-// Is `parent` (a run record's) the checkpoint `step_dir` of run `theirs`?
-bool is_parent(const json& parent, const std::string& step_dir, const std::string& theirs) {
-  if (!parent.is_object()) return false;
-  const json run = parent.value("run_id", json());
-  const json step = parent.value("step", json());
-  return run == json(theirs) && step == json(step_of(step_dir)) &&
-         normal(parent.value("checkpoint", std::string())) == normal(step_dir);
-}
-
 }  // namespace
+
+bool names_fork_parent(const json& parent, const std::string& path) {
+  if (!parent.is_object() || !parent.contains("checkpoint") || !parent["checkpoint"].is_string()) return false;
+  const fs::path step_dir = normal(parent["checkpoint"].get<std::string>());
+  const fs::path given = normal(path);
+  return given == step_dir || given == step_dir.parent_path();
+}
 
 std::string resume_step_dir(const std::string& path) {
   std::error_code ec;
@@ -455,7 +503,9 @@ ClaimedRun claim_directories(const Config& config, bool record_it) {
                     ": a job resumes only its own checkpoints. Continue that run with --resume (without --run-id), "
                     "or give this one another output.dir");
   }
-  // Before anything is moved or written: a checkpoint.dir that is another run's folder.
+  // Before anything is moved or written: an output.dir or a checkpoint.dir that is another
+  // run's folder.
+  refuse_anothers_output_dir(config, record.has_value());
   refuse_anothers_checkpoint_dir(config, owner.empty() ? config.run.id : owner);
   if (resume.empty()) {
     if (prior && !(config.run.start_over && !record_it)) claim_for_fresh_run(config, *prior);
@@ -478,6 +528,13 @@ ClaimedRun claim_directories(const Config& config, bool record_it) {
     if (!owner.empty()) run.run_id = owner;
     if (record) run.parent = record->parent;
     refuse_foreign_steps(ck, run.run_id, "--resume continues the run this folder belongs to");
+  } else if (record && names_fork_parent(record->parent, resume)) {
+    // A fork resumed with the checkpoint.resume it was forked with (its continue command,
+    // gpipe run's restarts): the fork goes on, from its own newest checkpoint, else its
+    // parent's step, whatever that path holds now.
+    run.run_id = record->run_id;
+    run.parent = record->parent;
+    refuse_foreign_steps(ck, run.run_id, "Resuming continues the fork this folder belongs to");
   } else {
     const std::string step_dir = resume_step_dir(resume);
     const std::string theirs = checkpoint_run_id(step_dir);
@@ -493,10 +550,6 @@ ClaimedRun claim_directories(const Config& config, bool record_it) {
       run.run_id = owner;  // the folder's own run, from a checkpoint named by its path
       if (record) run.parent = record->parent;
       refuse_foreign_steps(ck, owner, "Resuming " + step_dir + " continues the run this folder belongs to");
-    } else if (record && is_parent(record->parent, step_dir, theirs)) {
-      run.run_id = owner;  // a fork resumed with the checkpoint it forked from: the fork goes on
-      run.parent = record->parent;
-      refuse_foreign_steps(ck, owner, "Resuming continues the run this folder belongs to");
     } else {
       throw UserError("checkpoint " + step_dir + " belongs to run " + (theirs.empty() ? "?" : theirs) + ", but " +
                       config.output.dir + " holds run " + (owner.empty() ? "?" : owner) +

@@ -124,6 +124,10 @@ ClaimedRun claim_directories(const Config& config, bool record = true);
 // folder's run.json (UserError when there is none: claim_directories did not run).
 ClaimedRun claimed_run(const Config& config);
 
+// Does checkpoint.resume=`path` name a fork's parent (`parent`, a run record's): its step
+// directory, or the checkpoints folder it was in? Then resuming continues the fork.
+bool names_fork_parent(const nlohmann::json& parent, const std::string& path);
+
 // The step directory a checkpoint.resume=PATH names: PATH itself, or for a checkpoints
 // folder its latest complete checkpoint. UserError when it is neither.
 std::string resume_step_dir(const std::string& path);

@@ -276,10 +276,11 @@ std::string progress_line(int number, int steps, double loss, double val_loss, d
 }
 
 // report.json in output.dir, with trace.json and report.html beside it (RunArtifacts);
-// returns report.json's path.
+// returns report.json's path. `regenerated`: why they are written again (a finished run's
+// resume), and then report.json only if `json_file`.
 std::string write_reports(const Config& c, const ReportBuilder& report, RunArtifacts& artifacts,
                           const RunCheckpoints& checkpoints, const Dataset& data, const Plan& plan, std::ostream& out,
-                          const std::string& regenerated = "") {
+                          const std::string& regenerated = "", bool json_file = true) {
   std::filesystem::path dir(c.output.dir);
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
@@ -295,7 +296,7 @@ std::string write_reports(const Config& c, const ReportBuilder& report, RunArtif
   if (plan.replicas > 1) j["replicas"] = plan.replicas;
   artifacts.write(dir, report, j, out);  // trace.json, report.html
   const auto path = dir / "report.json";
-  write_file_atomically(path.string(), j.dump(2) + "\n");
+  if (json_file) write_file_atomically(path.string(), j.dump(2) + "\n");
   return path.string();
 }
 
@@ -397,10 +398,13 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   }
   if (start >= c.train.steps) {
     // A finished run resumed (a restart after its last checkpoint, the continue command
-    // after a stop): its reports stay; a report.json that is missing (the launch that
-    // ran the last step was killed before writing it) is written again from the history
-    // its checkpoint carries: the losses and validations, not the lost launch's timings.
-    const bool missing = !std::filesystem::exists(std::filesystem::path(c.output.dir) / "report.json");
+    // after a stop): its reports stay; a report.json or report.html that is missing (the
+    // launch that ran the last step was killed before writing it) is written again from
+    // the history its checkpoint carries: the losses and validations, not the lost
+    // launch's timings (nor its trace.json, which holds nothing else).
+    const std::filesystem::path dir(c.output.dir);
+    const bool missing_json = !std::filesystem::exists(dir / "report.json");
+    const bool missing = missing_json || !std::filesystem::exists(dir / "report.html");
     if (writes) {
       out << "The checkpoint at step " << start << " already reached train.steps = " << c.train.steps
           << ": nothing to train (raise train.steps to go on); "
@@ -418,7 +422,8 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
         result.report_path = write_reports(
             c, report, artifacts, checkpoints, *data, plan, out,
             "written again by a resume after the run had finished (report.json was missing): its steps' losses and "
-            "validations come from the checkpoint's history; the timings of the launch that ran them were lost");
+            "validations come from the checkpoint's history; the timings of the launch that ran them were lost",
+            missing_json);
         out << "Report: " << result.report_path << std::endl;
       }
     }
