@@ -20,4 +20,21 @@ grep -q "auto: no profile of this model" auto.log || { cat auto.log; fail "the s
 ! grep -q "made no progress" auto.log || { cat auto.log; fail "gpipe run took the profiling start-up for a stall"; }
 [ "$(grep -c 'gpipe run: launch [0-9]* of at most' auto.log)" -eq 1 ] || { cat auto.log; fail "the job was relaunched"; }
 echo "ok: a start-up that profiles under pipeline.timeout_s=1 is progress: one launch, finished"
+# The start-up's phases, logged once before the first step: every phase there, and the
+# total the sum of the phases as printed (each rounded to 0.01 s).
+python3 - auto.log <<'PY' || { cat auto.log; fail "the start-up line"; }
+import re, sys
+lines = [l for l in open(sys.argv[1]) if "start-up: " in l]
+assert len(lines) == 1, lines
+m = re.search(r"start-up: ([0-9.]+) s to the first step: (.*)$", lines[0])
+total, parts = float(m.group(1)), re.findall(r"([a-z][^,]*?) ([0-9.]+) s", m.group(2))
+names = [n for n, _ in parts]
+for want in ["launch", "claim", "model build+init", "auto profile+sweep", "data", "plan+memory check",
+             "prediction+peaks", "weights to devices"]:
+    assert want in names, (want, names)
+s = sum(float(v) for _, v in parts)
+assert abs(s - total) <= 0.01 * (len(parts) + 1), (s, total)
+assert float(dict(parts)["auto profile+sweep"]) > 0, parts
+PY
+echo "ok: the start-up's phases are logged once, and add up to its total"
 echo "PASS"

@@ -6,6 +6,8 @@
 #include <filesystem>
 #include <fstream>
 #include <ostream>
+#include <utility>
+#include <vector>
 
 #include "partition/balance.h"
 #include "pipeline/executor/executor.h"
@@ -100,6 +102,39 @@ void check_model_fits_data(const layers::Sequential& model, const Dataset& data)
                     "); make the last layer's out equal to data.classes (or the vocabulary)");
   }
 }
+
+// The process's start, as the static initialisation of this library sees it: where the
+// start-up's first phase begins.
+const auto g_process_start = std::chrono::steady_clock::now();
+
+// Where the time from launch to the first step went, by phase, logged once before the
+// first step (issue 36: a start-up must not cost in proportion to the model's FLOPs).
+class StartupPhases {
+ public:
+  // The phase that ends now, named.
+  void end(const char* name) {
+    const auto now = std::chrono::steady_clock::now();
+    phases_.emplace_back(name, std::chrono::duration<double>(now - last_).count());
+    last_ = now;
+  }
+  // "start-up: 3.21 s to the first step: launch 0.12 s, model 1.02 s, ..."
+  std::string line() const {
+    double total = 0;
+    std::string parts;
+    char buf[96];
+    for (const auto& [name, s] : phases_) {
+      total += s;
+      std::snprintf(buf, sizeof buf, "%s%s %.2f s", parts.empty() ? "" : ", ", name, s);
+      parts += buf;
+    }
+    std::snprintf(buf, sizeof buf, "start-up: %.2f s to the first step: ", total);
+    return buf + parts;
+  }
+
+ private:
+  std::chrono::steady_clock::time_point last_ = g_process_start;
+  std::vector<std::pair<const char*, double>> phases_;
+};
 
 // This process's claim on the run: a run id (a fresh one unless mpirun or gpipe run gave
 // one), its heartbeat for gpipe run (runtime/heartbeat.h), and, on the job's first
@@ -313,21 +348,28 @@ TrainResult train(const Config& config, std::ostream& out, const Launch& launch)
 TrainResult train(const Config& config, const MakeModel& make_model, std::ostream& out, const Launch& launch) {
   // One run per directory: the job's first process holds its directories' lock.
   const bool owner = launch.rank == 0 && launch.replica == 0;
+  StartupPhases startup;
+  startup.end("launch");  // the config read, MPI joined
   RunClaim claim(config);
   claim_run(claim, launch);
+  startup.end("claim");
   const Config& identified = claim.config;
   // Weights that cannot fit are refused before any is allocated (memory_check.h).
   if (!make_model) check_weights_fit(identified, host_available_bytes(), launch.size * config.pipeline.replicas);
   // The model: YAML layers, a registered C++ model, or make_model (run_model.h); `c`
   // describes it.
   RunModel run = build_run_model(identified, make_model);
+  startup.end("model build+init");
   if (make_model && run.config.autos.any()) {
     throw UserError("auto (pipeline.partitions, pipeline.micro_batches, pipeline.schedule, train.blas_threads) measures "
                     "the model the config describes; for a model built in C++ give the values (`gpipe plan "
                     "CONFIG --sweep` on a config naming it recommends them)");
   }
   // `auto` keys: the sweep's choice, said on `out` (auto_plan.h).
-  run.config = resolve_auto(run.config, *run.model, launch, out);
+  if (run.config.autos.any()) {
+    run.config = resolve_auto(run.config, *run.model, launch, out);
+    startup.end("auto profile+sweep");
+  }
   const Config& c = run.config;
   check_launch(c, launch);
   const bool multi = launch.size > 1;
@@ -336,6 +378,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   std::unique_ptr<layers::Sequential>& model = run.model;
   const std::unique_ptr<Dataset> data = make_dataset(c);
   check_model_fits_data(*model, *data);
+  startup.end("data");
   PlanOptions plan_options;
   plan_options.local_stage = multi ? launch.rank : -1;
   if (multi && launch.transport->sends_wait_for_receiver()) plan_options.comm = CommModel::kRendezvous;
@@ -344,6 +387,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   TrainResult result;
   result.balance = plan.balance;
   check_run_fits(c, *model, plan, host_available_bytes());
+  startup.end("plan+memory check");
   // Saves must not be the first to find a read-only or full disk: with periodic saves,
   // room for the next ones while the newest is kept (checkpoints_to_fit); always, a
   // writable folder (a stop signal saves too).
@@ -363,6 +407,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
 
   // The plan's prediction, the recorded steps and one clock for all ranks (collective).
   RunArtifacts artifacts(c, *model, plan, launch, names.layers, names.devices);
+  startup.end("prediction+peaks");
 
   InProcessTransport in_process(K, c.pipeline.timeout_s);
   Transport& transport = multi ? *launch.transport : static_cast<Transport&>(in_process);
@@ -391,7 +436,9 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   // on SIGUSR1, and before stopping on SIGINT or SIGTERM.
   RunCheckpoints checkpoints(c, plan, *model, executor, launch, transport);
   if (reports) checkpoints.set_history([&](int64_t done) { return report.history(static_cast<int>(done)); });
+  startup.end("weights to devices");
   const int start = static_cast<int>(checkpoints.resume());
+  if (!c.checkpoint.resume.empty()) startup.end("checkpoint load+verify");
   result.start_step = start;
   if (reports && start > 0 && !checkpoints.resumed_history().is_null()) {
     report.carry_over(checkpoints.resumed_history(), start + 1);
@@ -430,6 +477,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
     return result;
   }
   claim.trained = true;
+  spdlog::info("{}", startup.line());
   artifacts.starts_at(start + 1);
   if (artifacts.has_prediction()) report.set_prediction(artifacts.prediction());
   if (reports) report.set_flops(plan.stage_flops, artifacts.stage_peaks());
