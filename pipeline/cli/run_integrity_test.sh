@@ -22,28 +22,13 @@
 # keep a broken run from hanging the suite).
 set -uo pipefail
 gpipe="$(readlink -f "$1")"
+source "$(dirname "$(readlink -f "$0")")/run_test_lib.sh"  # fail, expect, write_mlp_yaml
 tmp="${TEST_TMPDIR:-/tmp}/integrity"
 rm -rf "$tmp"; mkdir -p "$tmp"; cd "$tmp" || exit 1
 mpirun=(timeout 300 mpirun --allow-run-as-root --oversubscribe)
 
-cat > mlp.yaml <<YAML
-model:
-  input: [16]
-  dtype: float64
-  layers:
-    - {type: linear, out: 32}
-    - {type: relu}
-    - {type: linear, out: 32}
-    - {type: relu}
-    - {type: linear, out: 4}
-  loss: {type: softmax_cross_entropy}
-data: {classes: 4, eval_samples: 64}
-pipeline: {partitions: 2, micro_batches: 2}
-optimizer: {type: adam, lr: 0.01}
-train: {steps: 12, batch_size: 16, log_interval: 1}
-YAML
+write_mlp_yaml mlp.yaml 12 1
 
-fail() { echo "FAIL: $*"; exit 1; }
 # Every step's loss of report.json from `first` on, as exact JSON text.
 losses() { python3 -c "
 import json, sys
@@ -52,11 +37,6 @@ for s in json.load(open(sys.argv[1]))['steps']:
 same_losses() {  # report, first step, log to show on failure
   diff <(losses ref/report.json "$2") <(losses "$1" "$2") > /dev/null ||
     { cat "$3"; diff <(losses ref/report.json "$2") <(losses "$1" "$2"); fail "$1: losses from step $2 differ from the uninterrupted run's"; }
-}
-expect() {  # rc, log, message...: exit status and every message in the log
-  local want="$1" log="$2" rc="$3"; shift 3
-  [ "$rc" -eq "$want" ] || { cat "$log"; fail "$log: exit $rc, want $want"; }
-  for m in "$@"; do grep -qF -- "$m" "$log" || { cat "$log"; fail "$log lacks: $m"; }; done
 }
 flip() {  # file, offsets from the end: flips those bytes of a shard's tensor data
   python3 - "$@" <<'PY'

@@ -24,34 +24,13 @@
 set -uo pipefail
 gpipe="$(readlink -f "$1")"
 default_yaml="$(readlink -f "$2")"  # configs/default.yaml, the README's own
+source "$(dirname "$(readlink -f "$0")")/run_test_lib.sh"  # fail, expect, write_mlp_yaml
 tmp="${TEST_TMPDIR:-/tmp}/ownership"
 rm -rf "$tmp"; mkdir -p "$tmp"; cd "$tmp" || exit 1
-g=(timeout 300 "$gpipe")
+g=(timeout 300 "$gpipe")  # not for a job that is sent a signal: timeout passes it on a second time
 
-cat > mlp.yaml <<YAML
-model:
-  input: [16]
-  dtype: float64
-  layers:
-    - {type: linear, out: 32}
-    - {type: relu}
-    - {type: linear, out: 32}
-    - {type: relu}
-    - {type: linear, out: 4}
-  loss: {type: softmax_cross_entropy}
-data: {classes: 4, eval_samples: 64}
-pipeline: {partitions: 2, micro_batches: 2}
-optimizer: {type: adam, lr: 0.01}
-train: {steps: 40, batch_size: 16, log_interval: 10}
-checkpoint: {every: 10}
-YAML
+write_mlp_yaml mlp.yaml 40 10 "checkpoint: {every: 10}"
 
-fail() { echo "FAIL: $*"; exit 1; }
-expect() {  # want, log, rc, message...: exit status and every message in the log
-  local want="$1" log="$2" rc="$3"; shift 3
-  [ "$rc" -eq "$want" ] || { cat "$log"; fail "$log: exit $rc, want $want"; }
-  for m in "$@"; do grep -qF -- "$m" "$log" || { cat "$log"; fail "$log lacks: $m"; }; done
-}
 sums() { find "$@" -type f ! -name .gpipe.lock -print0 | sort -z | xargs -0 md5sum; }
 json_get() { python3 -c "import json, sys; v = json.load(open(sys.argv[1])); print(eval('v' + sys.argv[2]))" "$@"; }
 run_of() { json_get "$1/run.json" "['run_id']"; }
@@ -197,7 +176,7 @@ done
 expect 2 own-ck-run.log $? "checkpoint.dir shared/ck is the folder of another run ($X1)"
 [ "$(sums x1 shared a)" = "$before" ] || fail "a refused run changed another run's files"
 [ ! -e x2/previous ] && [ ! -e x3/previous ] || fail "--start-over moved another run's files"
-"${g[@]}" train mlp.yaml --set output.dir=x1 --set checkpoint.dir=shared/ck --resume --set train.steps=1000000 \
+"$gpipe" train mlp.yaml --set output.dir=x1 --set checkpoint.dir=shared/ck --resume --set train.steps=1000000 \
   > x1b.log 2>&1 &
 job=$!
 for _ in $(seq 600); do grep -q 'resumed from' x1b.log && break; sleep 0.1; done
@@ -255,7 +234,7 @@ last_step() {  # name, config, launcher...: SIGTERM once step 3 of 4 is printed
   python3 -c "import json, sys; assert [s['step'] for s in json.load(open(sys.argv[1]))['steps']] == [1, 2, 3, 4]" \
     "$name/report.json" || fail "$name/report.json does not hold steps 1-4"
 }
-last_step last slow.yaml "${g[@]}" train
+last_step last slow.yaml "$gpipe" train
 grep -qF "stopped by SIGTERM at the end of the run: its 4 steps are done; saved last/checkpoints/step-4" last.log ||
   { cat last.log; fail "the stop's message does not say the run is complete"; }
 again="$(grep -oE 'continue it with: .*' last.log | sed 's/^continue it with: //; s/ (it trains on .*//')"
@@ -275,10 +254,10 @@ eval "$again" > again3.log 2>&1
 expect 0 again3.log $? "writing its missing report from the checkpoint's history" "Page: last/report.html"
 [ -e last/report.html ] && [ "$(md5sum < last/report.json)" = "$json_sum" ] ||
   fail "a missing report.html was not written again, or report.json was rewritten with it"
-last_step lastasync slow-async.yaml "${g[@]}" train
+last_step lastasync slow-async.yaml "$gpipe" train
 grep -q "async: true" <(json_get lastasync/report.json "['effective_config']") ||
   fail "the async case did not run with checkpoint.async"
-last_step lastmp slow.yaml "${g[@]}" run --np 2
+last_step lastmp slow.yaml "$gpipe" run --np 2
 grep -qF "gpipe on rank 0: stopped by SIGUSR2 (a stop request) at the end of the run" lastmp.log ||
   { cat lastmp.log; fail "rank 0 did not stop at the end of the run"; }
 echo "ok: SIGTERM in the last step (train, train with async saves, run --np 2) leaves the reports and the checkpoint; the continue command works"
