@@ -168,9 +168,10 @@ int64_t reported_steps(const std::string& dir) {
 }
 
 // An output.dir that holds step directories itself (another run's checkpoint.dir), or that
-// has no run.json of its own and lies inside a folder that names a run (say another run's
-// <output.dir>/checkpoints): refused. A folder with a record of its own is a run's own
-// (<output.dir>/previous/<run>/ is one, resumed where --start-over moved it).
+// is no run's folder of its own and lies inside a folder that names a run (say another
+// run's <output.dir>/checkpoints): refused. A folder with a record, a report or checkpoints
+// of its own is a run's own (<output.dir>/previous/<run>/ is one, resumed where
+// --start-over moved it).
 void refuse_anothers_output_dir(const Config& config, bool has_record) {
   const std::string& out = config.output.dir;
   const fs::path mine = normal(out), ck = normal(checkpoint_dir(config));
@@ -184,7 +185,10 @@ void refuse_anothers_output_dir(const Config& config, bool has_record) {
                       "output folder. Give this run a folder of its own (--set output.dir=...)");
     }
   }
-  if (has_record) return;
+  // A run's own folder: its record, or (written before run.json) its report or checkpoints.
+  const CheckpointListing own = list_checkpoints(checkpoint_dir(config));
+  std::error_code ec;
+  if (has_record || fs::exists(out + "/report.json", ec) || !own.complete.empty() || !own.incomplete.empty()) return;
   for (fs::path dir = mine.parent_path(); !dir.empty(); dir = dir.parent_path()) {
     const std::string theirs = recorded_run_id(dir.string());
     if (!theirs.empty()) {
