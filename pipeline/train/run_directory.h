@@ -38,7 +38,8 @@ std::string new_run_id();
 // The layers themselves are compared by model_fingerprint (checkpointing.h). What may
 // change: train.steps and the warm-up (the lr schedule's length), logging and
 // evaluation, the pipeline (K, M, schedule, recompute, devices, replicas), output and
-// checkpoint settings.
+// checkpoint settings. Its keys are identity_keys() (config.h), which checkpoint.allow_changes
+// is checked against; run_directory_test keeps the two equal.
 nlohmann::json run_identity(const Config& config);
 // The keys whose values differ between a saved identity and this run's, as
 // "optimizer.lr: 0.003 -> 0.01", leaving out those `allowed` lists ("all": every one).
