@@ -569,7 +569,6 @@ ClaimedRun claim_directories(const Config& config, bool record_it) {
   return run;
 }
 
-
 ClaimedRun claimed_run(const Config& config) {
   const auto record = read_run_record(config.output.dir);
   if (!record) {
