@@ -198,7 +198,7 @@ void CheckpointStore::write_shard(int64_t step, int shard, int num_shards, const
       throw UserError("cannot save step " + std::to_string(step) + ": " + sd + " holds a checkpoint of another run (" +
                       theirs + "), not of this run " + run_id_ + ", and gpipe never overwrites another run's "
                       "checkpoint. Move it out of " + dir_ + " (mv " + sd + " <elsewhere>), then continue this run "
-                      "with --resume");
+                      "(the same command with --resume)");
     }
   }
   // Saving a step again (after a resume from an older checkpoint): it is not complete

@@ -145,7 +145,8 @@ cp -a moved-40 live/checkpoints/step-80
 foreign="$(sums live/checkpoints/step-5 live/checkpoints/step-80)"
 wait $job
 expect 2 live.log $? "cannot save step 80: live/checkpoints/step-80 holds a checkpoint of another run ($E)" \
-  "never overwrites another run's checkpoint" "belongs to another run ($E); left as it is"
+  "never overwrites another run's checkpoint" "belongs to another run ($E); left as it is" \
+  "then continue this run with: $gpipe train mlp.yaml --set output.dir=live --set train.steps=100000"
 [ "$(sums live/checkpoints/step-5 live/checkpoints/step-80)" = "$foreign" ] || fail "a foreign step was changed"
 [ ! -e live/checkpoints/step-60 ] && [ -e live/checkpoints/step-70/COMPLETE ] ||
   fail "checkpoint.keep=1 did not rotate the run's own checkpoints around the foreign one"

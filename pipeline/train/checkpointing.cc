@@ -136,6 +136,18 @@ nlohmann::json RunCheckpoints::trainer_state(int64_t done, double lr) const {
 }
 
 void RunCheckpoints::save(int64_t done, double lr) {
+  try {
+    write_checkpoint(done, lr);
+  } catch (const CheckpointDamaged&) {
+    throw;
+  } catch (const UserError& e) {  // a full disk, another run's step in the way: what to run once it is fixed
+    const std::string& again = config_.run.resume_command;
+    if (again.empty()) throw;
+    throw UserError(std::string(e.what()) + "; then continue this run with: " + again);
+  }
+}
+
+void RunCheckpoints::write_checkpoint(int64_t done, double lr) {
   saved_step_ = done;
   const int K = plan_.stages;
   std::vector<ShardTensors> shards;

@@ -80,7 +80,10 @@ class RunCheckpoints {
   // (naming each one tried) when none is.
   LoadedCheckpoint load_first_intact(const std::vector<CheckpointRef>& candidates, const LoadFilter& filter);
   void check_same_run(const LoadedCheckpoint& loaded) const;
+  // Saves after `done` steps; a UserError (a full disk, another run's step in the way)
+  // says the command that continues the run once it is fixed.
   void save(int64_t done, double lr);
+  void write_checkpoint(int64_t done, double lr);
   void finalize_pending();
   double sum_over_job(double value);
 
