@@ -192,14 +192,11 @@ void CheckpointStore::write_shard(int64_t step, int shard, int num_shards, const
     fsync_directory(dir_);
   } else if (errno != EEXIST) {
     throw UserError("cannot create '" + sd + "': " + std::strerror(errno));
-  } else if (!run_id_.empty()) {
-    const std::string theirs = checkpoint_run_id(sd);
-    if (!theirs.empty() && theirs != run_id_) {
-      throw UserError("cannot save step " + std::to_string(step) + ": " + sd + " holds a checkpoint of another run (" +
-                      theirs + "), not of this run " + run_id_ + ", and gpipe never overwrites another run's "
-                      "checkpoint. Move it out of " + dir_ + " (mv " + sd + " <elsewhere>), then continue this run "
-                      "(the same command with --resume)");
-    }
+  } else if (!belongs_to_run(sd, run_id_)) {
+    throw UserError("cannot save step " + std::to_string(step) + ": " + sd + " holds a checkpoint of another run (" +
+                    checkpoint_run_id(sd) + "), not of this run " + run_id_ + ", and gpipe never overwrites another "
+                    "run's checkpoint. Move it out of " + dir_ + " (mv " + sd + " <elsewhere>), then continue this run "
+                    "(the same command with --resume)");
   }
   // Saving a step again (after a resume from an older checkpoint): it is not complete
   // until finalize has checked the new shards.
@@ -301,15 +298,15 @@ void CheckpointStore::rotate(int64_t saved_step) const {
   const CheckpointListing listing = list_checkpoints(dir_);
   // Another run's step directory is never deleted (nor counted): only this run's are ours.
   const auto ours = [&](const CheckpointRef& c) {
-    if (run_id_.empty()) return true;
-    const std::string theirs = checkpoint_run_id(c.path);
-    if (theirs.empty() || theirs == run_id_) return true;
-    spdlog::warn("checkpoint: {} belongs to another run ({}); left as it is", c.path, theirs);
+    if (belongs_to_run(c.path, run_id_)) return true;
+    spdlog::warn("checkpoint: {} belongs to another run ({}); left as it is", c.path, checkpoint_run_id(c.path));
     return false;
   };
-  // Torn saves older than this one: nothing writes them any more (saves are in order).
+  // Torn saves older than this one: nothing of this run writes them any more (saves are in
+  // order). Only those that say they are this run's: one that names no run yet may be a
+  // step directory being copied in (the next launch clears this run's, remove_torn_saves).
   for (const CheckpointRef& c : listing.incomplete) {
-    if (c.step < saved_step && ours(c)) {
+    if (c.step < saved_step && (run_id_.empty() || checkpoint_run_id(c.path) == run_id_)) {
       remove_checkpoint_dir(c.path, "an interrupted save, older than " + step_dir_name(saved_step));
     }
   }

@@ -92,7 +92,9 @@ class CheckpointStore {
   // shard; a missing file, a missing or extra tensor, a tensor in two shards is an Error),
   // writes both indexes and trainer_state.json, removes stray files (temporaries of a
   // torn save, shards of another count), writes COMPLETE, then `latest`, then deletes
-  // checkpoints beyond `keep` and torn saves older than this one.
+  // checkpoints beyond `keep` and torn saves older than this one, of this run only: a step
+  // directory of another run is left as it is and does not count towards `keep`, and a torn
+  // one that names no run yet (perhaps still being copied in) is left too.
   void finalize(int64_t step, int num_shards, const std::vector<ShardNames>& names,
                 const nlohmann::json& trainer_state) const;
   // Every shard, then finalize: single-process runs.
@@ -120,6 +122,9 @@ CheckpointListing list_checkpoints(const std::string& dir);
 // without one, the run_id in the metadata of its first readable shard; "" when nothing in
 // it names a run (an empty torn save, a store given no run id). Never throws.
 std::string checkpoint_run_id(const std::string& step_dir);
+// Does step directory `step_dir` belong to run `run_id`? A step that names no run counts as
+// the folder's, and with no `run_id` (a store given none) every step does.
+bool belongs_to_run(const std::string& step_dir, const std::string& run_id);
 
 // The checkpoint to resume from: the one `latest` names if it is complete, else the
 // newest complete one (a warning says why `latest` was not used). Every torn step-*

@@ -195,6 +195,12 @@ std::string checkpoint_run_id(const std::string& step_dir) {
   return "";
 }
 
+bool belongs_to_run(const std::string& step_dir, const std::string& run_id) {
+  if (run_id.empty()) return true;
+  const std::string theirs = checkpoint_run_id(step_dir);
+  return theirs.empty() || theirs == run_id;
+}
+
 std::optional<CheckpointRef> find_latest_complete(const std::string& dir) {
   const CheckpointListing listing = list_checkpoints(dir);
   for (const CheckpointRef& c : listing.incomplete) {

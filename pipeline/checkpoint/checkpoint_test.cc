@@ -186,6 +186,7 @@ TEST_CASE("checkpoint: keep neither deletes nor counts another run's step direct
   CheckpointStore other(dir / "ckpt", 0, "run-b");
   other.save(1, make_shards(1), state_of(1));
   other.write_shard(2, 0, 2, make_shards(2)[0].model, make_shards(2)[0].optimizer);  // its torn save
+  fs::create_directories(dir / "ckpt/step-0");  // torn, naming no run yet: a copy in progress, perhaps
   CheckpointStore store(dir / "ckpt", /*keep=*/1, "run-a");
   for (int64_t step : {3, 4, 5}) store.save(step, make_shards(step), state_of(step));
   CHECK(checkpoint_run_id(dir / "ckpt/step-1") == "run-b");
@@ -195,6 +196,7 @@ TEST_CASE("checkpoint: keep neither deletes nor counts another run's step direct
   CHECK_FALSE(fs::exists(dir / "ckpt/step-3"));
   CHECK_FALSE(fs::exists(dir / "ckpt/step-4"));
   CHECK(fs::exists(dir / "ckpt/step-5/COMPLETE"));
+  CHECK(fs::exists(dir / "ckpt/step-0"));
   CHECK(checkpoint_run_id(dir / "nothing-here") == "");
 }
 

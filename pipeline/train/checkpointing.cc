@@ -353,16 +353,12 @@ namespace {
 // then the older ones; another run's are never among them.
 std::vector<CheckpointRef> own_checkpoints(const std::string& dir, const std::string& run_id) {
   std::vector<CheckpointRef> out;
-  const auto ours = [&](const CheckpointRef& c) {
-    const std::string theirs = checkpoint_run_id(c.path);
-    return theirs.empty() || theirs == run_id;
-  };
   const auto first = find_latest_complete(dir);
   if (!first) return out;
-  if (ours(*first)) out.push_back(*first);
+  if (belongs_to_run(first->path, run_id)) out.push_back(*first);
   const CheckpointListing listing = list_checkpoints(dir);
   for (auto it = listing.complete.rbegin(); it != listing.complete.rend(); ++it) {
-    if (it->step < first->step && ours(*it)) out.push_back(*it);
+    if (it->step < first->step && belongs_to_run(it->path, run_id)) out.push_back(*it);
   }
   return out;
 }

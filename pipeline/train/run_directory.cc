@@ -91,19 +91,34 @@ std::string recorded_run_id(const std::string& dir) {
   return report_run_id(dir);
 }
 
-void write_run_record(const std::string& dir, const ClaimedRun& run) {
+// The nearest folder at or above `from` whose run.json (or report.json) names a run, with
+// that run; an empty id when none does.
+std::pair<fs::path, std::string> enclosing_run(const fs::path& from) {
+  for (fs::path dir = from; !dir.empty(); dir = dir.parent_path()) {
+    std::string id = recorded_run_id(dir.string());
+    if (!id.empty()) return {dir, std::move(id)};
+    if (dir == dir.root_path()) break;
+  }
+  return {};
+}
+
+// Writes <dir>/run.json for `run`; true when there was none before.
+bool write_run_record(const std::string& dir, const ClaimedRun& run) {
+  const std::string path = dir + "/" + kRunRecordFile;
   json j = {{"run_id", run.run_id}, {"created", utc_now("%Y-%m-%d %H:%M:%S UTC")}};
-  if (const auto before = read_run_record(dir); before && before->run_id == run.run_id) {
+  std::error_code ec;
+  const bool existed = fs::exists(path, ec);
+  if (existed) {
     try {  // the same run claims its folder again: it keeps its date of birth
-      const json old = json::parse(read_file(dir + "/" + kRunRecordFile));
-      if (old.contains("created")) j["created"] = old["created"];
+      const json old = json::parse(read_file(path));
+      if (old.value("run_id", std::string()) == run.run_id && old.contains("created")) j["created"] = old["created"];
     } catch (const std::exception&) {
     }
   }
   if (!run.parent.is_null()) j["parent"] = run.parent;
-  std::error_code ec;
   fs::create_directories(dir, ec);
-  write_file_atomically(dir + "/" + kRunRecordFile, j.dump(2) + "\n");
+  write_file_atomically(path, j.dump(2) + "\n");
+  return !existed;
 }
 
 // Step directories (complete or torn) of `dir` that belong to a run other than `run_id`,
@@ -113,8 +128,7 @@ std::vector<std::pair<std::string, std::string>> foreign_steps(const std::string
   const CheckpointListing listing = list_checkpoints(dir);
   for (const auto* list : {&listing.complete, &listing.incomplete}) {
     for (const CheckpointRef& c : *list) {
-      const std::string theirs = checkpoint_run_id(c.path);
-      if (!theirs.empty() && theirs != run_id) out.push_back({c.path, theirs});
+      if (!belongs_to_run(c.path, run_id)) out.push_back({c.path, checkpoint_run_id(c.path)});
     }
   }
   std::sort(out.begin(), out.end());
@@ -144,14 +158,11 @@ void refuse_foreign_steps(const std::string& dir, const std::string& run_id, con
 void refuse_anothers_checkpoint_dir(const Config& config, const std::string& run_id) {
   const fs::path ck = normal(checkpoint_dir(config));
   if (is_within(ck, config.output.dir)) return;
-  for (fs::path dir = ck; !dir.empty(); dir = dir.parent_path()) {
-    const std::string theirs = recorded_run_id(dir.string());
-    if (!theirs.empty() && theirs != run_id) {
-      throw UserError("checkpoint.dir " + checkpoint_dir(config) + (dir == ck ? " is" : " lies inside " + dir.string() +
-                      ", which is") + " the folder of another run (" + theirs + "); a run keeps its checkpoints in a "
-                      "folder of its own. Set checkpoint.dir elsewhere (or leave it out: <output.dir>/checkpoints)");
-    }
-    if (dir == dir.root_path()) break;
+  const auto [dir, theirs] = enclosing_run(ck);
+  if (!theirs.empty() && theirs != run_id) {
+    throw UserError("checkpoint.dir " + checkpoint_dir(config) + (dir == ck ? " is" : " lies inside " + dir.string() +
+                    ", which is") + " the folder of another run (" + theirs + "); a run keeps its checkpoints in a "
+                    "folder of its own. Set checkpoint.dir elsewhere (or leave it out: <output.dir>/checkpoints)");
   }
 }
 
@@ -189,13 +200,10 @@ void refuse_anothers_output_dir(const Config& config, bool has_record) {
   const CheckpointListing own = list_checkpoints(checkpoint_dir(config));
   std::error_code ec;
   if (has_record || fs::exists(out + "/report.json", ec) || !own.complete.empty() || !own.incomplete.empty()) return;
-  for (fs::path dir = mine.parent_path(); !dir.empty(); dir = dir.parent_path()) {
-    const std::string theirs = recorded_run_id(dir.string());
-    if (!theirs.empty()) {
-      throw UserError("output.dir " + out + " lies inside " + dir.string() + ", the folder of run " + theirs +
-                      "; a run writes into a folder of its own. Give it one outside (--set output.dir=...)");
-    }
-    if (dir == dir.root_path()) break;
+  const auto [dir, theirs] = enclosing_run(mine.parent_path());
+  if (!theirs.empty()) {
+    throw UserError("output.dir " + out + " lies inside " + dir.string() + ", the folder of run " + theirs +
+                    "; a run writes into a folder of its own. Give it one outside (--set output.dir=...)");
   }
 }
 
@@ -357,12 +365,7 @@ std::string folder_run_id(const Config& config) {
   // A checkpoint.dir outside output.dir that is a run's folder or lies in one says that
   // run, which need not be this folder's (refuse_anothers_checkpoint_dir).
   const std::string ck = checkpoint_dir(config);
-  if (!is_within(ck, config.output.dir)) {
-    for (fs::path dir = normal(ck); !dir.empty(); dir = dir.parent_path()) {
-      if (!recorded_run_id(dir.string()).empty()) return "";
-      if (dir == dir.root_path()) break;
-    }
-  }
+  if (!is_within(ck, config.output.dir) && !enclosing_run(normal(ck)).second.empty()) return "";
   // A folder written before run.json existed: its checkpoints' run, when they name one.
   const CheckpointListing listing = list_checkpoints(ck);
   std::map<std::string, std::vector<std::string>> runs;
@@ -564,8 +567,10 @@ ClaimedRun claim_directories(const Config& config, bool record_it) {
     }
   }
   if (!record_it) return run;
-  write_run_record(config.output.dir, run);
-  if (!is_within(ck, config.output.dir)) write_run_record(ck, run);
+  if (write_run_record(config.output.dir, run)) run.created_records.push_back(config.output.dir + "/" + kRunRecordFile);
+  if (!is_within(ck, config.output.dir) && write_run_record(ck, run)) {
+    run.created_records.push_back(ck + "/" + kRunRecordFile);
+  }
   return run;
 }
 
@@ -580,8 +585,7 @@ ClaimedRun claimed_run(const Config& config) {
 
 void remove_torn_saves(const std::string& dir, const std::string& run_id) {
   for (const CheckpointRef& c : list_checkpoints(dir).incomplete) {
-    const std::string theirs = checkpoint_run_id(c.path);
-    if (!theirs.empty() && theirs != run_id) continue;
+    if (!belongs_to_run(c.path, run_id)) continue;
     std::error_code ec;
     fs::remove_all(c.path, ec);
     if (ec) {
@@ -595,10 +599,7 @@ void remove_torn_saves(const std::string& dir, const std::string& run_id) {
 int checkpoints_to_fit(const std::string& dir, const std::string& run_id, int64_t saves) {
   if (saves <= 0) return 0;
   int own = 0;
-  for (const CheckpointRef& c : list_checkpoints(dir).complete) {
-    const std::string theirs = checkpoint_run_id(c.path);
-    if (theirs.empty() || theirs == run_id) ++own;
-  }
+  for (const CheckpointRef& c : list_checkpoints(dir).complete) own += belongs_to_run(c.path, run_id);
   return static_cast<int>(std::min<int64_t>(saves, own > 0 ? 1 : 2));
 }
 

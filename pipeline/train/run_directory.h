@@ -66,6 +66,9 @@ std::string folder_run_id(const Config& config);
 struct ClaimedRun {
   std::string run_id;
   nlohmann::json parent;  // a fork's (RunRecord::parent); null otherwise
+  // The run.json files claim_directories wrote where there were none: a launch that fails
+  // before its first step removes them, so that a refused run leaves no claim behind.
+  std::vector<std::string> created_records;
 };
 
 // An exclusive advisory lock (flock) on <dir>/.gpipe.lock for each directory, held for

@@ -167,15 +167,9 @@ void claim_run(RunClaim& claim, const Launch& launch) {
     claim.lock = std::make_unique<DirectoryLock>(run_directories(c), c.run.id);
     // Whose run this is (a fresh one, the folder's, or a fork), recorded in run.json,
     // which every process reads back when it resumes (RunCheckpoints::resume).
-    std::vector<std::string> records;
-    for (const std::string& dir : run_directories(c)) {
-      const std::string p = dir + "/" + kRunRecordFile;
-      if (!std::filesystem::exists(p)) records.push_back(p);
-    }
-    c.run.id = claim_directories(c).run_id;
-    for (const std::string& p : records) {
-      if (std::filesystem::exists(p)) claim.new_records.push_back(p);
-    }
+    ClaimedRun claimed = claim_directories(c);
+    c.run.id = claimed.run_id;
+    claim.new_records = std::move(claimed.created_records);
   }
 }
 
