@@ -249,6 +249,8 @@ expect 0 again2.log $? "writing its missing report from the checkpoint's history
 diff <(losses last-report.json 1 4) <(losses last/report.json 1 4) > /dev/null ||
   fail "the report written again has other losses than the run's"
 [ -n "$(json_get last/report.json "['regenerated']")" ] || fail "the report written again does not say so"
+grep -q 'id="no-timings"' last/report.html && ! grep -q "step time (measured)" last/report.html ||
+  fail "the page written again shows times it never measured"
 json_sum="$(md5sum < last/report.json)"
 rm last/report.html
 eval "$again" > again3.log 2>&1

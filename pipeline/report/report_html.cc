@@ -591,6 +591,16 @@ std::string render_report_html(const HtmlReportInput& in) {
   const bool plan = shows_plan(s);
   std::ostringstream o;
   write_heading(o, in);
+  if (s.timed_steps == 0 && in.step == nullptr && in.measured_simulation.timeline.empty()) {
+    // No step of this launch was timed (a finished run's resume writes its page again from
+    // the checkpoint's history): no figure of time or memory to show, not zeros.
+    o << "<p class=\"note\" id=\"no-timings\">No step of this launch was timed, so this page shows no times, "
+         "memory or bubble: it holds the run's losses and validations, from its checkpoint's history. The "
+         "launch that ran the steps ended before it wrote its report.</p>\n";
+    write_stage_list(o, s);
+    write_loss_and_end(o, in);
+    return o.str();
+  }
   write_cards(o, s, plan);
   write_timelines(o, in, plan);
   write_stage_list(o, s);
