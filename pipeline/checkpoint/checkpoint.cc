@@ -298,6 +298,15 @@ void CheckpointStore::rotate(int64_t saved_step) const {
   const CheckpointListing listing = list_checkpoints(dir_);
   // Another run's step directory is never deleted (nor counted): only this run's are ours.
   const auto ours = [&](const CheckpointRef& c) {
+    // A COMPLETE marker without a readable trainer state is no save of this store's (each
+    // writes the state first): a step directory being copied in, or a damaged one.
+    try {
+      if (!json::parse(read_file(c.path + "/" + kTrainerState)).is_object()) throw Error("not an object");
+    } catch (const std::exception&) {
+      spdlog::warn("checkpoint: {} has a COMPLETE marker but no readable trainer_state.json (being copied in, or "
+                   "damaged): whose it is cannot be told, so it is left as it is", c.path);
+      return false;
+    }
     if (belongs_to_run(c.path, run_id_)) return true;
     spdlog::warn("checkpoint: {} belongs to another run ({}); left as it is", c.path, checkpoint_run_id(c.path));
     return false;

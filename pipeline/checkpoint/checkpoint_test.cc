@@ -200,6 +200,24 @@ TEST_CASE("checkpoint: keep neither deletes nor counts another run's step direct
   CHECK(checkpoint_run_id(dir / "nothing-here") == "");
 }
 
+TEST_CASE("checkpoint: keep leaves a step whose COMPLETE marker came before its trainer state (a copy in progress)") {
+  TempDir dir;
+  CheckpointStore store(dir / "ckpt", /*keep=*/1, "run-a");
+  store.save(3, make_shards(3), state_of(3));
+  // cp copies in directory order: the marker and a shard, but no trainer_state.json yet.
+  fs::create_directories(dir / "ckpt/step-2");
+  fs::copy_file(dir / "ckpt/step-3/COMPLETE", dir / "ckpt/step-2/COMPLETE");
+  // And one whose trainer_state.json is half written.
+  fs::create_directories(dir / "ckpt/step-1");
+  fs::copy_file(dir / "ckpt/step-3/COMPLETE", dir / "ckpt/step-1/COMPLETE");
+  std::ofstream(dir / "ckpt/step-1/trainer_state.json") << "{\"step\": 1, \"run_";
+  store.save(4, make_shards(4), state_of(4));
+  CHECK(fs::exists(dir / "ckpt/step-2/COMPLETE"));
+  CHECK(fs::exists(dir / "ckpt/step-1/trainer_state.json"));
+  CHECK_FALSE(fs::exists(dir / "ckpt/step-3"));
+  CHECK(fs::exists(dir / "ckpt/step-4/COMPLETE"));
+}
+
 TEST_CASE("checkpoint: a saved step saved again is incomplete until finalized, and leftovers are removed") {
   TempDir dir;
   CheckpointStore store(dir / "ckpt");

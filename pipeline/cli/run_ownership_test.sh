@@ -140,8 +140,8 @@ GPIPE_CHECKPOINT_PAUSE_MS=20 "${g[@]}" train mlp.yaml --set output.dir=live --se
   --set checkpoint.keep=1 --set train.log_interval=1 > live.log 2>&1 &
 job=$!
 for _ in $(seq 600); do [ -e live/checkpoints/step-10/COMPLETE ] && break; sleep 0.05; done
-cp -a moved-40 live/checkpoints/step-5
-cp -a moved-40 live/checkpoints/step-80
+cp -a moved-40 live/checkpoints/step-5  # copied in while the run rotates around it
+cp -a moved-40 staged-80 && mv staged-80 live/checkpoints/step-80  # whole before the run gets there
 foreign="$(sums live/checkpoints/step-5 live/checkpoints/step-80)"
 wait $job
 expect 2 live.log $? "cannot save step 80: live/checkpoints/step-80 holds a checkpoint of another run ($E)" \
