@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/meta_backend.h"
 #include "layers/image_shape.h"
 #include "runtime/error.h"
 
@@ -58,7 +59,7 @@ const Shape& checked_bn_input(const BatchNorm2dOptions& o) {
 BatchNorm2d::BatchNorm2d(const BatchNorm2dOptions& opts)
     : Layer(checked_bn_input(opts), opts.input, opts.dtype), opts_(opts) {
   const int64_t C = opts.input[0];
-  Backend& host = backend_for(Device::cpu());
+  Backend& host = ShapesOnly::active() ? meta_backend(Device::cpu()) : backend_for(Device::cpu());
   gamma_ = constant_parameter("weight", {C}, 1.0);
   beta_ = constant_parameter("bias", {C}, 0.0);
   running_mean_ = host.zeros({C}, master_dtype(dtype_));  // float32 in a bf16 or fp16 model

@@ -275,6 +275,13 @@ Tensor concat_saved(Backend& be, const std::vector<Context*>& ctxs, size_t i, co
 
 void Layer::to(Device device) {
   for (Parameter* p : parameters()) {
+    if (p->value.is_meta()) {  // planning on shapes: the same tensors without data, on `device`
+      const ShapesOnly shapes;
+      p->value = Tensor::empty(p->value.shape(), p->value.dtype(), device);
+      p->grad = Tensor::empty(p->value.shape(), p->value.dtype(), device);
+      if (p->working.defined()) p->working = Tensor::empty(p->value.shape(), p->working.dtype(), device);
+      continue;
+    }
     if (p->value.device() != device) {
       Tensor moved = Tensor::empty(p->value.shape(), p->value.dtype(), device);
       copy_tensor(p->value, moved);
@@ -309,8 +316,14 @@ Parameter Layer::make_parameter(const std::string& name, const Shape& shape, dou
   Parameter p;
   p.name = name;
   if (parameters_without_storage) return p;
-  Rng rng(seed);
   const DType master = master_dtype(dtype_);
+  if (ShapesOnly::active()) {  // planning on shapes: the tensors, without data or values
+    p.value = Tensor::empty(shape, master, Device::cpu());
+    p.grad = Tensor::empty(shape, master, Device::cpu());
+    if (is_narrow(dtype_)) p.working = Tensor::empty(shape, dtype_, Device::cpu());
+    return p;
+  }
+  Rng rng(seed);
   p.value = Tensor::empty(shape, master, Device::cpu());
   const int64_t n = p.value.numel();
   if (master == DType::kF32) {
@@ -332,7 +345,7 @@ Parameter Layer::make_parameter(const std::string& name, const Shape& shape, dou
 
 Parameter Layer::constant_parameter(const std::string& name, const Shape& shape, double value) {
   Parameter p = make_parameter(name, shape, 0.0, 0);  // uniform in [0, 0]: the dtype checks and a zero gradient
-  if (p.value.defined()) {
+  if (p.value.defined() && !p.value.is_meta()) {
     backend_for(Device::cpu()).fill(p.value, value);
     p.refresh(backend_for(Device::cpu()));
   }

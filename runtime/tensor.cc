@@ -1,6 +1,9 @@
 #include "runtime/tensor.h"
 
+#include <atomic>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <sstream>
 
 #include "runtime/error.h"
@@ -32,6 +35,55 @@ Storage::Storage(Allocator& alloc, size_t bytes, Stream* stream)
 Storage::~Storage() { alloc_->deallocate(ptr_, bytes_); }
 
 namespace {
+
+thread_local bool shapes_only = false;
+
+// The allocator of tensors without data (ShapesOnly): each block gets addresses of its
+// own from a range no process maps (non-canonical on x86-64 and AArch64, so a stray
+// read faults at once), never handed out twice. Nothing is counted as in use.
+class MetaAllocator final : public Allocator {
+ public:
+  explicit MetaAllocator(Device device) : device_(device) {}
+  void* allocate(size_t bytes) override {
+    static std::atomic<uint64_t> next{uint64_t{1} << 62};
+    const uint64_t size = (static_cast<uint64_t>(bytes) + 255) / 256 * 256 + 256;  // a gap between blocks
+    return reinterpret_cast<void*>(next.fetch_add(size));
+  }
+  void deallocate(void*, size_t) override {}
+  Device device() const override { return device_; }
+  void release_cache() override {}
+
+ private:
+  Device device_;
+};
+
+Allocator& meta_allocator(Device device) {
+  static std::mutex mu;
+  static std::map<std::pair<int, int>, std::unique_ptr<MetaAllocator>> table;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& slot = table[{static_cast<int>(device.kind), device.index}];
+  if (!slot) slot = std::make_unique<MetaAllocator>(device);
+  return *slot;
+}
+
+}  // namespace
+
+ShapesOnly::ShapesOnly() : outer_(shapes_only) { shapes_only = true; }
+
+ShapesOnly::~ShapesOnly() { shapes_only = outer_; }
+
+bool ShapesOnly::active() { return shapes_only; }
+
+bool Tensor::is_meta() const { return storage_ && dynamic_cast<MetaAllocator*>(&storage_->allocator()) != nullptr; }
+
+void Tensor::check_has_data() const {
+  if (is_meta()) {
+    throw Error("the data of " + str() + " was read, but it was made for planning on shapes (ShapesOnly) and has "
+                "none; a layer's forward or backward must not read tensor data on the host");
+  }
+}
+
+namespace {
 std::vector<int64_t> contiguous_strides(const Shape& shape) {
   std::vector<int64_t> st(shape.size());
   int64_t s = 1;
@@ -44,6 +96,22 @@ std::vector<int64_t> contiguous_strides(const Shape& shape) {
 }  // namespace
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device, Stream* stream) {
+  if (shapes_only) {
+    for (int64_t d : shape) {
+      if (d < 0) throw UserError("negative dimension in shape " + shape_str(shape));
+    }
+    Tensor t;
+    t.shape_ = shape;
+    t.strides_ = contiguous_strides(shape);
+    t.dtype_ = dtype;
+    t.device_ = device;
+    t.storage_ = std::make_shared<Storage>(meta_allocator(device), shape_numel(shape) * dtype_size(dtype));
+    return t;
+  }
+  return empty_with_data(shape, dtype, device, stream);
+}
+
+Tensor Tensor::empty_with_data(const Shape& shape, DType dtype, Device device, Stream* stream) {
   for (int64_t d : shape) {
     if (d < 0) throw UserError("negative dimension in shape " + shape_str(shape));
   }
@@ -60,7 +128,7 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, Device device, Stream* str
 
 Tensor Tensor::zeros_cpu(const Shape& shape, DType dtype, Device device) {
   GPIPE_CHECK(device.is_cpu(), "zeros_cpu on " + device.str());
-  Tensor t = empty(shape, dtype, device);
+  Tensor t = empty_with_data(shape, dtype, device);
   std::memset(t.raw_data(), 0, t.nbytes());
   return t;
 }
@@ -70,7 +138,7 @@ Tensor Tensor::from_vector(const std::vector<T>& v, const Shape& shape, Device d
   GPIPE_CHECK(device.is_cpu(), "from_vector on " + device.str());
   GPIPE_CHECK(static_cast<int64_t>(v.size()) == shape_numel(shape),
               std::to_string(v.size()) + " values for shape " + shape_str(shape));
-  Tensor t = empty(shape, DTypeOf<T>::value, device);
+  Tensor t = empty_with_data(shape, DTypeOf<T>::value, device);
   std::memcpy(t.raw_data(), v.data(), v.size() * sizeof(T));
   return t;
 }
@@ -140,6 +208,11 @@ void copy_tensor(const Tensor& src, Tensor& dst) {
   GPIPE_CHECK(src.numel() == dst.numel(), "copy " + src.str() + " -> " + dst.str());
   GPIPE_CHECK(src.is_contiguous() && dst.is_contiguous(), "copy of non-contiguous tensors");
   if (src.nbytes() == 0) return;
+  if (src.is_meta() || dst.is_meta()) {  // planning on shapes: nothing to copy
+    GPIPE_CHECK(src.is_meta() && dst.is_meta(), "copy between a tensor with data and one without: " + src.str() +
+                                                    " -> " + dst.str());
+    return;
+  }
   if (src.device().is_cpu() && dst.device().is_cpu()) {
     std::memcpy(dst.raw_data(), src.raw_data(), src.nbytes());
     return;
@@ -156,13 +229,17 @@ void copy_tensor(const Tensor& src, Tensor& dst) {
 }
 
 void record_stream(const Tensor& t, Stream& stream) {
-  if (!t.defined() || t.device().is_cpu()) return;
+  if (!t.defined() || t.device().is_cpu() || t.is_meta()) return;
   GPIPE_CHECK(stream.device().is_cuda(), "record_stream of " + t.str() + " on a stream of " + stream.device().str());
   t.storage()->allocator().record_stream(t.storage()->data(), stream);
 }
 
 Tensor transfer_tensor(const Tensor& src, Device device, Event* ready) {
   if (src.device() == device || (src.device().is_cpu() && device.is_cpu())) return src;
+  if (src.is_meta()) {
+    const ShapesOnly shapes;
+    return Tensor::empty(src.shape(), src.dtype(), device);
+  }
 #ifdef GPIPE_WITH_CUDA
   if (src.device().is_cuda() && device.is_cuda()) return cuda_transfer(src, device, ready);
 #endif

@@ -39,6 +39,24 @@ class Storage {
   size_t bytes_;
 };
 
+// While one is alive on its thread, Tensor::empty (and so every Backend::empty and
+// zeros) returns a tensor of shape, dtype and device without data: its storage has an
+// address of its own, never mapped and never reused, so that buffers can be told apart
+// and views matched (held_bytes.h), but no memory. Planning on shapes (a model built and
+// run under it by kernels/meta_backend.h) allocates nothing in proportion to the model.
+// from_vector and zeros_cpu, whose callers write the data at once, stay real.
+class ShapesOnly {
+ public:
+  ShapesOnly();
+  ~ShapesOnly();
+  ShapesOnly(const ShapesOnly&) = delete;
+  ShapesOnly& operator=(const ShapesOnly&) = delete;
+  static bool active();
+
+ private:
+  bool outer_;  // an enclosing one's state, restored on destruction
+};
+
 class Tensor {
  public:
   Tensor() = default;
@@ -51,6 +69,9 @@ class Tensor {
   static Tensor from_vector(const std::vector<T>& v, const Shape& shape, Device device = Device::cpu());
 
   bool defined() const { return storage_ != nullptr; }
+  // Made under ShapesOnly: no data. raw_data() is its address (for identity only) and
+  // data<T>() throws.
+  bool is_meta() const;
   DType dtype() const { return dtype_; }
   Device device() const { return device_; }
   const Shape& shape() const { return shape_; }
@@ -65,6 +86,7 @@ class Tensor {
   template <typename T>
   T* data() const {
     check_dtype(DTypeOf<T>::value);
+    check_has_data();
     return static_cast<T*>(raw_data());
   }
 
@@ -85,6 +107,8 @@ class Tensor {
 
  private:
   void check_dtype(DType want) const;
+  void check_has_data() const;  // throws for a meta tensor
+  static Tensor empty_with_data(const Shape& shape, DType dtype, Device device, Stream* stream = nullptr);
   std::shared_ptr<Storage> storage_;
   int64_t offset_ = 0;  // in elements
   Shape shape_;

@@ -1,17 +1,20 @@
-#include "runtime/heartbeat.h"
 #include "pipeline/planning/plan.h"
 
 #include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <string>
 
 #include "kernels/backend.h"
+#include "kernels/meta_backend.h"
 #include "partition/balance.h"
 #include "pipeline/executor/held_bytes.h"
 #include "pipeline/planning/profile.h"
 #include "runtime/error.h"
+#include "runtime/heartbeat.h"
+#include "runtime/logging.h"
 
 namespace gpipe {
 namespace pipeline {
@@ -198,13 +201,22 @@ ActivationLayout layout_from_costs(const layers::Sequential& model) {
   return out;
 }
 
-ActivationLayout probe_layers(const layers::Sequential& model_in);
+ActivationLayout probe_layers(const layers::Sequential& model_in, bool on_shapes);
 
 }  // namespace
 
 ActivationLayout probe_activations(const layers::Sequential& model) {
   try {
-    return probe_layers(model);
+    return probe_layers(model, /*on_shapes=*/true);
+  } catch (const std::exception& e) {
+    // A layer of one's own that reads tensor data on the host cannot run on shapes: the
+    // probe computes instead (costing a forward at batch 1 and 2), and says so.
+    spdlog::warn("planning: the model cannot run on shapes ({}); its activations are probed by computing on its "
+                 "devices instead, which takes as long as a forward and backward of two samples",
+                 e.what());
+  }
+  try {
+    return probe_layers(model, /*on_shapes=*/false);
   } catch (const std::exception&) {
     // A layer that fails on a batch of zeros fails in the run too, where its error
     // names the real batch; the estimate falls back to the cost counts meanwhile.
@@ -212,12 +224,20 @@ ActivationLayout probe_activations(const layers::Sequential& model) {
   }
 }
 
+ActivationLayout probe_activations_on_devices(const layers::Sequential& model) {
+  return probe_layers(model, /*on_shapes=*/false);
+}
+
 namespace {
 
-ActivationLayout probe_layers(const layers::Sequential& model_in) {
+ActivationLayout probe_layers(const layers::Sequential& model_in, bool on_shapes) {
   // Recompute mode changes no layer state (BatchNorm counts no statistics), so probing
   // leaves the model as it was; forward is not const only because layers may cache.
   auto& model = const_cast<layers::Sequential&>(model_in);
+  // On shapes: tensors without data on the meta backend of each layer's device.
+  std::optional<ShapesOnly> shapes;
+  if (on_shapes) shapes.emplace();
+  auto backend = [&](Device d) -> Backend& { return on_shapes ? meta_backend(d) : backend_for(d); };
   const int L = model.size();
   ActivationLayout out;
   out.layers.resize(L);
@@ -227,12 +247,12 @@ ActivationLayout probe_layers(const layers::Sequential& model_in) {
     const int64_t n = b + 1;
     Shape shape{n};
     for (int64_t d : model.input_shape()) shape.push_back(d);
-    Backend* be = &backend_for(model.layer(0).device());
+    Backend* be = &backend(model.layer(0).device());
     Tensor h = be->zeros(shape, model.input_dtype());
     layers::ForwardArgs args;
     args.recompute = true;
     for (int i = 0; i < L; ++i) {
-      be = &backend_for(model.layer(i).device());
+      be = &backend(model.layer(i).device());
       if (!(h.device() == be->device())) {
         Tensor moved = be->empty(h.shape(), h.dtype());
         be->copy(h, moved);

@@ -72,10 +72,11 @@ std::vector<double> useful_flops(const layers::Sequential& model, const Plan& pl
 std::vector<int> plan_balance(const Config& config, const layers::Sequential& model, int cells,
                               int64_t micro_batch_size);
 
-// What each layer's forward keeps for its backward, measured once per model by running
-// every layer on a one- and a two-sample batch of zeros (in recompute mode, so that no
-// layer's state changes; on the layers' devices) and counting the buffers of its context
-// as the executor's meter does (held_bytes.h): the bytes besides its input and output,
+// What each layer's forward keeps for its backward, read once per model by running every
+// layer on shapes (kernels/meta_backend.h: tensors without data, ops that compute
+// nothing; microseconds a layer, no memory, no device touched) at a batch of one and of
+// two samples (in recompute mode, so that no layer's state changes) and counting the
+// buffers of its context as the executor's meter does (held_bytes.h): the bytes besides its input and output,
 // linear in the batch size, and whether it keeps its input and its output. A layer's
 // output is often the next one's saved input; counting each buffer once is what makes
 // the estimate agree with the meter.
@@ -96,6 +97,9 @@ struct ActivationLayout {
   ContextKeeps loss;  // the loss's context (keeps_input: it keeps the logits)
 };
 ActivationLayout probe_activations(const layers::Sequential& model);
+// The same probe with data, on the layers' own devices (forward and backward computed on
+// batches of zeros): the oracle that probe_activations is tested against.
+ActivationLayout probe_activations_on_devices(const layers::Sequential& model);
 
 // What a stage holds at its peak: parameters with their gradients and optimizer state,
 // and the activations the schedule keeps alive, after each instruction as the executor
