@@ -124,7 +124,7 @@ void write_schedule_file(const Invocation& inv, const pipeline::Plan& p, const s
 // `schedule_out`, the schedule also written there as a schedule file.
 int run_plan(Invocation& inv, const std::string& schedule_out = "") {
   const pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);
-  pipeline::RunModel run = pipeline::build_run_model(config);
+  pipeline::RunModel run = pipeline::build_run_model_on_shapes(config);  // planning allocates no weights
   run.config = pipeline::resolve_auto(run.config, *run.model, {}, std::cout);  // the plan a run would choose
   const pipeline::Config& c = run.config;
   layers::Sequential& model = *run.model;
@@ -187,7 +187,7 @@ int run_plan_command(Invocation& inv) {
                     "--devices and --device-spec (use --set to change the config's schedule or sizes)");
   }
   const pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);
-  pipeline::RunModel run = pipeline::build_run_model(config);
+  pipeline::RunModel run = pipeline::build_run_model_on_shapes(config);
   pipeline::PlanCommandOptions o;
   o.sweep = inv.options.count("sweep") > 0;
   o.devices = option_int(inv, "devices", 0);
@@ -212,7 +212,7 @@ int run_plan_command(Invocation& inv) {
       }
       pipeline::RunModel r;
       try {
-        r = pipeline::build_run_model(c);
+        r = pipeline::build_run_model_on_shapes(c);
       } catch (const UserError& e) {
         throw UserError("--precisions: the model in " + name + ": " + e.what());
       }

@@ -81,7 +81,7 @@ void print_plan(const Config& c, layers::Sequential& model, const Plan& p, std::
   out << format("model: %d layers, %lld parameters, input %s; a checkpoint takes %s\n", model.size(),
                 static_cast<long long>(model.parameter_count()), shape_str(model.input_shape()).c_str(),
                 bytes_str(checkpoint_bytes(model, c.optimizer.optimizer)).c_str());
-  const auto memory = estimate_memory(p, model, c.optimizer.optimizer);
+  const std::vector<StageMemory>& memory = p.memory;
   for (int k = 0; k < p.stages; ++k) {
     out << format("stage %d on %s: memory %s (parameters+state %s, activations %s)\n", k, p.devices[k].str().c_str(),
                   bytes_str(memory[k].total()).c_str(), bytes_str(memory[k].parameter_bytes).c_str(),

@@ -24,5 +24,10 @@ RunModel build_run_model(const Config& config, const MakeModel& make_model) {
   return run;
 }
 
+RunModel build_run_model_on_shapes(const Config& config, const MakeModel& make_model) {
+  const ShapesOnly shapes;
+  return build_run_model(config, make_model);
+}
+
 }  // namespace pipeline
 }  // namespace gpipe

@@ -27,6 +27,11 @@ struct RunModel {
 // From `make_model` when it is set (config.model is then ignored), else from
 // config.model (layers::build_model: YAML layers or model.cpp).
 RunModel build_run_model(const Config& config, const MakeModel& make_model = {});
+// The same model built on shapes (runtime/tensor.h: ShapesOnly): its layers, shapes,
+// costs and parameter counts, and parameters without data, neither allocated nor
+// initialised. What planning reads (gpipe plan, the sweep): a 7B-parameter config plans
+// in megabytes. It cannot train; reading a parameter's data throws.
+RunModel build_run_model_on_shapes(const Config& config, const MakeModel& make_model = {});
 
 }  // namespace pipeline
 }  // namespace gpipe

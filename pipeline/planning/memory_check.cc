@@ -89,7 +89,7 @@ void check_weights_fit(const Config& c, int64_t available, int processes) {
 
 void check_run_fits(const Config& c, layers::Sequential& model, const Plan& plan, int64_t available) {
   if (available <= 0) return;
-  const auto mem = estimate_memory(plan, model, c.optimizer.optimizer);
+  const std::vector<StageMemory>& mem = plan.memory;
   WeightBytes w;
   int64_t activations = 0;
   for (size_t k = 0; k < mem.size(); ++k) {

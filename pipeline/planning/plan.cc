@@ -115,6 +115,8 @@ Plan make_plan(const Config& c, const layers::Sequential& model, const PlanOptio
                                                 c.optimizer.clip_grad_norm > 0 || c.optimizer.loss_scale > 0,
                                                 p.shard_optimizer));
   p.stage_flops = useful_flops(model, p);
+  p.memory = options.layout != nullptr ? estimate_memory(p, model, c.optimizer.optimizer, *options.layout)
+                                       : estimate_memory(p, model, c.optimizer.optimizer);
   return p;
 }
 

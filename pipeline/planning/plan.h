@@ -16,62 +16,6 @@
 namespace gpipe {
 namespace pipeline {
 
-struct Plan {
-  int stages = 1;          // K
-  int virtual_stages = 1;  // v: cells per stage
-  int replicas = 1;        // D
-  // pipeline.shard_optimizer: optimizer with D > 1 (ZeRO-1): each replica keeps 1/D of
-  // its stage's optimizer state (shard_partition.h); the schedule holds RS and AG.
-  bool shard_optimizer = false;
-  int64_t batch_size = 0;     // the whole mini-batch, over every replica
-  int64_t replica_batch = 0;  // the rows one pipeline runs per step
-  std::vector<int64_t> micro_batch_sizes;  // split_sizes(replica_batch, M): M of them
-  RecomputeMode recompute = RecomputeMode::kExceptLast;
-  Schedule schedule;
-  std::vector<int> balance;     // layers per cell, v K of them
-  std::vector<Device> devices;  // per stage
-  std::vector<CellSpec> cells;  // per cell, on its stage's device
-  // Useful FLOPs of one step of one pipeline, per stage: the forward and backward of its
-  // layers over the M micro-batches (exact counts, LayerCost; the loss's with the last
-  // layer, as Sequential::costs counts it). Not counted: recompute, and the model input's
-  // gradient, which nothing computes. MFU's numerator.
-  std::vector<double> stage_flops;
-  int micro_batches() const { return static_cast<int>(micro_batch_sizes.size()); }  // M
-  int num_cells() const { return static_cast<int>(balance.size()); }
-  int64_t largest_micro_batch() const { return micro_batch_sizes.empty() ? 0 : micro_batch_sizes.front(); }
-};
-
-
-// The device of the pipeline's first stage: pipeline.devices[0], or the CPU when the
-// config names none. Costs are measured and looked up on it (profile, planner, sweep).
-Device first_device(const Config& config);
-
-// The per-layer `cost:` overrides of a config's YAML layers (none for a C++ model).
-std::vector<std::optional<double>> cost_overrides(const Config& config);
-
-// A plan's sizes only (stages, cells per stage, micro-batches, replicas, batch and
-// micro-batch sizes, recompute mode): no schedule, balance or devices. Validates them
-// (UserError naming the key and the fix). make_plan starts from it; `gpipe profile`
-// and the sweep, which need the micro-batch sizes without a whole plan, call it alone.
-Plan plan_sizes(const Config& config);
-
-struct PlanOptions {
-  int local_stage = -1;  // a multi-process run's own stage: only its device must exist here
-  CommModel comm = CommModel::kBuffered;  // the transport's, for the schedule's lowering and check
-};
-
-// Validates the config against the model (sizes, balance, devices, schedule) and plans
-// the run. Throws UserError naming the key and the fix.
-Plan make_plan(const Config& config, const layers::Sequential& model, const PlanOptions& options = {});
-
-// Plan::stage_flops of a plan whose sizes, schedule and cells are set.
-std::vector<double> useful_flops(const layers::Sequential& model, const Plan& plan);
-
-// The layers per cell the config asks for: its balance, or the balancer's split of the
-// layer cost estimates at the plan's micro-batch size into the plan's cells.
-std::vector<int> plan_balance(const Config& config, const layers::Sequential& model, int cells,
-                              int64_t micro_batch_size);
-
 // What each layer's forward keeps for its backward, read once per model by running every
 // layer on shapes (kernels/meta_backend.h: tensors without data, ops that compute
 // nothing; microseconds a layer, no memory, no device touched) at a batch of one and of
@@ -96,18 +40,14 @@ struct ActivationLayout {
   std::vector<LayerActivation> layers;
   ContextKeeps loss;  // the loss's context (keeps_input: it keeps the logits)
 };
-ActivationLayout probe_activations(const layers::Sequential& model);
-// The same probe with data, on the layers' own devices (forward and backward computed on
-// batches of zeros): the oracle that probe_activations is tested against.
-ActivationLayout probe_activations_on_devices(const layers::Sequential& model);
-
 // What a stage holds at its peak: parameters with their gradients and optimizer state,
 // and the activations the schedule keeps alive, after each instruction as the executor
 // meters them (walked instruction by instruction: a forward keeps its cell's contexts,
 // or only its input when checkpointed, and the output until it is sent; a recompute
 // rebuilds the contexts and keeps the input; a backward frees them, or keeps what the
 // splitting layers' W needs, as probed, and holds the input gradient until it is sent).
-// The trainer's fit check and the planner both call it.
+// make_plan computes it once (Plan::memory); the fit check, the report's prediction,
+// the sweep, auto and `gpipe plan` read it there.
 // With a sharded optimizer (Plan::shard_optimizer) the optimizer state is one replica's
 // shard. Not counted, sharded or not: the replicas' reduction buffers (the buckets, or
 // the flat buffer of RS and AG: one gradient's worth).
@@ -117,6 +57,73 @@ struct StageMemory {
   int64_t activation_bytes = 0;  // the peak of the activations held
   int64_t total() const { return parameter_bytes + activation_bytes; }
 };
+
+struct Plan {
+  int stages = 1;          // K
+  int virtual_stages = 1;  // v: cells per stage
+  int replicas = 1;        // D
+  // pipeline.shard_optimizer: optimizer with D > 1 (ZeRO-1): each replica keeps 1/D of
+  // its stage's optimizer state (shard_partition.h); the schedule holds RS and AG.
+  bool shard_optimizer = false;
+  int64_t batch_size = 0;     // the whole mini-batch, over every replica
+  int64_t replica_batch = 0;  // the rows one pipeline runs per step
+  std::vector<int64_t> micro_batch_sizes;  // split_sizes(replica_batch, M): M of them
+  RecomputeMode recompute = RecomputeMode::kExceptLast;
+  Schedule schedule;
+  std::vector<int> balance;     // layers per cell, v K of them
+  std::vector<Device> devices;  // per stage
+  std::vector<CellSpec> cells;  // per cell, on its stage's device
+  // Useful FLOPs of one step of one pipeline, per stage: the forward and backward of its
+  // layers over the M micro-batches (exact counts, LayerCost; the loss's with the last
+  // layer, as Sequential::costs counts it). Not counted: recompute, and the model input's
+  // gradient, which nothing computes. MFU's numerator.
+  std::vector<double> stage_flops;
+  // What each stage holds at its peak (estimate_memory, from the model's activation
+  // layout probed on shapes): computed once, here, and read by everything that shows
+  // or checks memory.
+  std::vector<StageMemory> memory;
+  int micro_batches() const { return static_cast<int>(micro_batch_sizes.size()); }  // M
+  int num_cells() const { return static_cast<int>(balance.size()); }
+  int64_t largest_micro_batch() const { return micro_batch_sizes.empty() ? 0 : micro_batch_sizes.front(); }
+};
+
+// The device of the pipeline's first stage: pipeline.devices[0], or the CPU when the
+// config names none. Costs are measured and looked up on it (profile, planner, sweep).
+Device first_device(const Config& config);
+
+// The per-layer `cost:` overrides of a config's YAML layers (none for a C++ model).
+std::vector<std::optional<double>> cost_overrides(const Config& config);
+
+// A plan's sizes only (stages, cells per stage, micro-batches, replicas, batch and
+// micro-batch sizes, recompute mode): no schedule, balance or devices. Validates them
+// (UserError naming the key and the fix). make_plan starts from it; `gpipe profile`
+// and the sweep, which need the micro-batch sizes without a whole plan, call it alone.
+Plan plan_sizes(const Config& config);
+
+struct PlanOptions {
+  int local_stage = -1;  // a multi-process run's own stage: only its device must exist here
+  CommModel comm = CommModel::kBuffered;  // the transport's, for the schedule's lowering and check
+  // The model's activation layout, probed once for many plans (the sweep); nullptr: probe.
+  const ActivationLayout* layout = nullptr;
+};
+
+// Validates the config against the model (sizes, balance, devices, schedule) and plans
+// the run. Throws UserError naming the key and the fix.
+Plan make_plan(const Config& config, const layers::Sequential& model, const PlanOptions& options = {});
+
+// Plan::stage_flops of a plan whose sizes, schedule and cells are set.
+std::vector<double> useful_flops(const layers::Sequential& model, const Plan& plan);
+
+// The layers per cell the config asks for: its balance, or the balancer's split of the
+// layer cost estimates at the plan's micro-batch size into the plan's cells.
+std::vector<int> plan_balance(const Config& config, const layers::Sequential& model, int cells,
+                              int64_t micro_batch_size);
+
+ActivationLayout probe_activations(const layers::Sequential& model);
+// The same probe with data, on the layers' own devices (forward and backward computed on
+// batches of zeros): the oracle that probe_activations is tested against.
+ActivationLayout probe_activations_on_devices(const layers::Sequential& model);
+
 std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequential& model,
                                          const layers::OptimizerConfig& optimizer);
 // The same with a layout probed before (the sweep estimates many plans of one model).

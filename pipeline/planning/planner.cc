@@ -305,8 +305,11 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
   }
   out.bubble = out.span_ms > 0 ? 1.0 - busy / (K * out.span_ms) : 0;
   out.samples_per_second = out.step_ms > 0 ? static_cast<double>(plan.batch_size) / (out.step_ms / 1e3) : 0;
-  const auto memory = options.layout != nullptr ? estimate_memory(plan, model, optimizer, *options.layout)
-                                                : estimate_memory(plan, model, optimizer);
+  // The plan's own figures (make_plan); a plan put together by hand has none yet.
+  const std::vector<StageMemory> memory = !plan.memory.empty() ? plan.memory
+                                          : options.layout != nullptr
+                                              ? estimate_memory(plan, model, optimizer, *options.layout)
+                                              : estimate_memory(plan, model, optimizer);
   for (int k = 0; k < K; ++k) {
     out.stages[k].weight_bytes = memory[k].weight_bytes;
     out.stages[k].gradient_bytes = memory[k].gradient_bytes;

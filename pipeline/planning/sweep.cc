@@ -246,7 +246,9 @@ std::optional<Candidate> predict_candidate(Config c, const layers::Sequential& m
     }
     per_layer.back() += t.loss_forward + t.loss_backward;
     c.pipeline.balance = partition::balance_by_cost(per_layer, cand.stages * cand.virtual_stages);
-    const Plan plan = make_plan(c, model);
+    PlanOptions plan_options;
+    plan_options.layout = po.layout;  // the model's, probed once for every candidate
+    const Plan plan = make_plan(c, model, plan_options);
     cand.balance = plan.balance;
     cand.run = predict(plan, model, src, link, c.optimizer.optimizer, po);
   } catch (const UserError&) {
