@@ -356,6 +356,54 @@ TEST_CASE("weights do not depend on anything but the seed and position") {
   CHECK(values(*d, 2) == values(*a, 2));
 }
 
+TEST_CASE("a model built with one stage's weights has those of the whole model there, and shapes elsewhere") {
+  // An embedding, a block, a head tied to the embedding: a stage of layers 1-2 gets the
+  // embedding's weights too (the tie), and the filter's other layers only shapes.
+  ModelSpec spec;
+  spec.input = {6};
+  spec.input_dtype = DType::kI32;
+  spec.layers = {{"embedding", {{"vocab", "16"}, {"dim", "8"}}, {}, ""},
+                 {"linear", {{"out", "8"}}, {}, ""},
+                 {"linear", {{"out", "8"}}, {}, ""},
+                 {"linear", {{"out", "16"}, {"bias", "false"}, {"tied", "true"}}, {}, ""}};
+  spec.loss = {"softmax_cross_entropy", {}, {}, ""};
+  spec.seed = 5;
+  Allocator& host = allocator_for(Device::cpu());
+  const int64_t at_start = host.stats().in_use;
+  auto whole = build_model(spec);
+  const int64_t whole_bytes = host.stats().in_use - at_start;
+  auto stage = build_model(spec, [](int i) { return i == 2 || i == 3; });
+  auto early = build_model(spec, [](int i) { return i == 1; });
+  auto none = build_model(spec, [](int) { return false; });
+  const int64_t before_owner = host.stats().in_use;
+  auto owner = build_model(spec, [](int i) { return i == 0; });  // the embedding alone: its head stays shapes
+  const int64_t owner_bytes = host.stats().in_use - before_owner;
+  CHECK_FALSE(owner->layer(0).parameters()[0]->value.is_meta());
+  CHECK(owner->layer(3).parameters()[0]->value.is_meta());
+  // The two stages together hold what the whole model holds (every layer once), and a
+  // model of shapes only holds nothing.
+  CHECK(host.stats().in_use - at_start == 2 * whole_bytes + owner_bytes);
+  CHECK(owner_bytes > 0);
+  CHECK(owner_bytes < whole_bytes / 2);
+  for (int i = 0; i < 4; ++i) {
+    CAPTURE(i);
+    const bool in_stage = i != 1, in_early = i == 1;  // the tie brings layer 0 into the stage of 3
+    const auto& w = whole->layer(i).parameters();
+    const auto& s = stage->layer(i).parameters();
+    const auto& e = early->layer(i).parameters();
+    REQUIRE(w.size() == s.size());
+    for (size_t j = 0; j < w.size(); ++j) {
+      CHECK(s[j]->value.is_meta() == !in_stage);
+      CHECK(e[j]->value.is_meta() == !in_early);
+      CHECK(none->layer(i).parameters()[j]->value.is_meta());
+      CHECK(s[j]->value.shape() == w[j]->value.shape());
+      if (in_stage) CHECK(s[j]->value.to_vector<float>() == w[j]->value.to_vector<float>());
+      if (in_early) CHECK(e[j]->value.to_vector<float>() == w[j]->value.to_vector<float>());
+    }
+  }
+  CHECK(stage->parameter_count() == whole->parameter_count());
+}
+
 TEST_CASE("SGD with momentum and weight decay follows PyTorch's update") {
   Parameter p;
   p.value = Tensor::from_vector<double>({1.0, -2.0}, {2});

@@ -368,11 +368,26 @@ std::unique_ptr<Loss> make_loss(const LayerSpec& spec, const Shape& input, DType
   });
 }
 
-std::unique_ptr<Sequential> build_model(const ModelSpec& spec) {
+std::unique_ptr<Sequential> build_model(const ModelSpec& spec, const LayerFilter& with_data) {
   if (spec.cpp) return build_cpp_model(*spec.cpp);
   if (spec.layers.empty()) {
     throw UserError("the model has no layers; list them in model.layers, or name a model registered in C++ "
                     "with model.cpp (register_model)");
+  }
+  // Which layers get weights: with_data's, and the embedding a head with weights is tied
+  // to (the nearest earlier one, as below), whose values the head starts from.
+  std::vector<bool> data(spec.layers.size(), true);
+  if (with_data) {
+    for (size_t i = 0; i < spec.layers.size(); ++i) data[i] = with_data(static_cast<int>(i));
+    for (size_t i = 0; i < spec.layers.size(); ++i) {
+      const auto it = spec.layers[i].args.find("tied");
+      if (it == spec.layers[i].args.end() || it->second != "true") continue;
+      for (int owner = static_cast<int>(i) - 1; owner >= 0; --owner) {
+        if (spec.layers[owner].type != "embedding") continue;
+        data[owner] = data[owner] || data[i];
+        break;
+      }
+    }
   }
   auto model = std::make_unique<Sequential>(spec.input, spec.dtype, spec.input_dtype.value_or(spec.dtype));
   for (size_t i = 0; i < spec.layers.size(); ++i) {
@@ -387,7 +402,10 @@ std::unique_ptr<Sequential> build_model(const ModelSpec& spec) {
       tied = it->second == "true";
       ls.args.erase(it);
     }
+    std::optional<ShapesOnly> shapes;
+    if (!data[i]) shapes.emplace();  // another process's layer: its shapes only
     std::unique_ptr<Layer> made = make_layer(ls, model->output_shape(), spec.dtype, mix_seed(spec.seed, i));
+    shapes.reset();
     Layer* added = nullptr;
     try {  // with its name, so that a layer of one's own that does not fit is named as the config names it
       added = &model->add(std::move(made), ls.name);

@@ -91,7 +91,14 @@ std::unique_ptr<Loss> make_loss(const LayerSpec& spec, const Shape& input, DType
 // The whole model; layer i is seeded with mix_seed(spec.seed, i), so the weights do
 // not depend on how the model is later partitioned. A spec with `cpp` set builds that
 // registered C++ model instead.
-std::unique_ptr<Sequential> build_model(const ModelSpec& spec);
+// With `with_data`, layer i gets weights (allocated and initialised) only where
+// with_data(i) is true, and the others are built on shapes (ShapesOnly: parameters
+// without data): a process of a multi-process run builds only its stage's weights, with
+// the values the whole model would have. A head with weights tied to an embedding gives
+// the embedding weights too (the head starts from its values). A model registered in C++
+// is built whole.
+using LayerFilter = std::function<bool(int layer)>;
+std::unique_ptr<Sequential> build_model(const ModelSpec& spec, const LayerFilter& with_data = {});
 
 // The bytes of each layer's parameters (LayerCost::param_bytes; a tied head counted as
 // the copy of the embedding's table it keeps), from the spec alone: its layers are

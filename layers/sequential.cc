@@ -117,8 +117,10 @@ void Sequential::tie(int owner_layer, Parameter& owner, int copy_layer, Paramete
                       "can be shared by two layers only");
     }
   }
-  backend_for(copy.value.device()).copy(owner.value, copy.value);
-  copy.refresh(backend_for(copy.value.device()));
+  if (!owner.value.is_meta() && !copy.value.is_meta()) {  // a model built on shapes has no values to tie
+    backend_for(copy.value.device()).copy(owner.value, copy.value);
+    copy.refresh(backend_for(copy.value.device()));
+  }
   ties_.push_back({owner_layer, &owner, copy_layer, &copy});
 }
 

@@ -49,6 +49,16 @@ if [ "$(grep -c '"stage":' "$tmp/multi/report.json")" -ne 2 ] || [ -e "$tmp/mult
   cat "$tmp/multi/report.json"; echo "FAIL: expected one report.json with both stages"; exit 1
 fi
 echo "ok: one report.json with both stages' timings"
+# Each process holds only its stage's weights (and a tied weight's both layers): each
+# less than the model, the two together at least all of it.
+held() { grep -oE "stage $1: this process holds [0-9]+ of the model's [0-9]+ parameters" "${2:-$tmp/multi.log}" |
+  grep -oE '[0-9]+' | sed -n 2,3p | paste -sd' '; }
+read -r h0 all0 <<< "$(held 0)"; read -r h1 all1 <<< "$(held 1)"
+if [ -z "${h0:-}" ] || [ -z "${h1:-}" ] || [ "$all0" != "$all1" ] || [ "$h0" -ge "$all0" ] || [ "$h1" -ge "$all0" ] ||
+   [ $((h0 + h1)) -lt "$all0" ]; then
+  cat "$tmp/multi.log"; echo "FAIL: each process should hold only its stage's weights ($h0 and $h1 of ${all0:-?})"; exit 1
+fi
+echo "ok: each process holds only its stage's weights ($h0 and $h1 of $all0 parameters)"
 
 "${mpirun[@]}" -np 4 "$gpipe" train "$config" "${common[@]}" --set pipeline.replicas=2 --set pipeline.bucket_mb=0.3 \
   --set output.dir="$tmp/dp" \
@@ -131,7 +141,12 @@ if ! diff <(losses < "$tmp/t1.log") <(losses < "$tmp/t2.log") || [ "$(losses < "
   cat "$tmp/t2.log"; echo "FAIL: tied LM losses differ between one process and two"; exit 1
 fi
 same_validation "$tmp/t1.log" "$tmp/t2.log"
-echo "ok: a language model with a tied head across 2 processes gives the single-process losses"
+# Stage 1 holds its head (a tied copy, 256 x 32, which the model's count leaves out) and
+# the embedding it starts from (256 x 32 tokens, 16 x 32 positions); the rest one process.
+read -r h0 all0 <<< "$(held 0 "$tmp/t2.log")"; read -r h1 all1 <<< "$(held 1 "$tmp/t2.log")"
+[ -n "${h0:-}" ] && [ -n "${h1:-}" ] && [ $((h0 + h1)) -eq $((all0 + 256 * 32 + 256 * 32 + 16 * 32)) ] ||
+  { cat "$tmp/t2.log"; echo "FAIL: the tied LM's processes hold $h0 and $h1 of ${all0:-?} parameters"; exit 1; }
+echo "ok: a language model with a tied head across 2 processes gives the single-process losses; each process holds its stage (and stage 1 the embedding its head starts from)"
 
 "${mpirun[@]}" -np 3 "$gpipe" train "$config" "${common[@]}" --set output.dir="$tmp/bad" > "$tmp/bad.log" 2>&1
 rc=$?

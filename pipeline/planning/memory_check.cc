@@ -26,9 +26,8 @@ std::string bytes_str(int64_t b) {
 }
 
 // The refusal of weights that cannot fit, with the advice that helps them: neither
-// micro-batches nor the batch size change them, and neither do more stages, since
-// every process builds the whole model on the host (a multi-process run frees none of
-// the other stages' weights).
+// micro-batches nor the batch size change them, and neither do more stages on one
+// machine, whose memory holds every stage's weights (one process's or several's).
 // `largest` follows the parts, `available_note` the bytes available.
 [[noreturn]] void refuse_weights(const Config& c, const WeightBytes& w, const std::string& largest, int64_t available,
                                  const std::string& available_note) {
@@ -53,13 +52,13 @@ std::string bytes_str(int64_t b) {
                   std::string(w.optimizer > 0 ? " and optimizer state" : "") + " they need " + bytes_str(w.total()) +
                   " (" + parts + ")" + largest + ", but only " + bytes_str(available) +
                   " is available" + available_note + ". Weights do not depend on pipeline.micro_batches or train.batch_size: " + advice +
-                  ". More pipeline.partitions do not help either: every process builds the whole model in host "
-                  "memory");
+                  ". More pipeline.partitions do not help on one machine either: its memory holds every stage's "
+                  "weights");
 }
 
 }  // namespace
 
-void check_weights_fit(const Config& c, int64_t available, int processes) {
+void check_weights_fit(const Config& c, int64_t available) {
   if (available <= 0) return;
   const auto layers = layers::measure_parameters(c.model);
   if (!layers || layers->empty()) return;  // checked once built (check_run_fits)
@@ -74,8 +73,8 @@ void check_weights_fit(const Config& c, int64_t available, int processes) {
     if ((*layers)[i].bytes > (*layers)[largest].bytes) largest = i;
   }
   w.gradients = master;  // made with each weight
-  // The optimizer's state is on the host when this one process runs every stage there.
-  bool state_on_host = processes <= 1;
+  // The optimizer's state is on the host when every stage runs there.
+  bool state_on_host = true;
   for (const std::string& d : c.pipeline.devices) state_on_host = state_on_host && parse_device(d).is_cpu();
   if (state_on_host) w.optimizer = optimizer_slots(c.optimizer.optimizer) * master;
   if (w.total() <= available) return;
@@ -105,7 +104,7 @@ void check_run_fits(const Config& c, layers::Sequential& model, const Plan& plan
   for (int i = 0; i < model.size(); ++i) {
     for (const layers::Parameter* p : model.layer(i).parameters()) {
       for (const Tensor* t : {&p->value, &p->grad, &p->working}) {
-        if (t->defined() && t->device().is_cpu()) held += static_cast<int64_t>(t->nbytes());
+        if (t->defined() && !t->is_meta() && t->device().is_cpu()) held += static_cast<int64_t>(t->nbytes());
       }
     }
   }

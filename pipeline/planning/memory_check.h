@@ -20,13 +20,14 @@ struct WeightBytes {
 };
 
 // Refuses a YAML model whose parameters cannot fit in `available` bytes of host memory
-// (host_available_bytes(); <= 0 where unknown: no check), before it is built: every
-// process builds the whole model on the host, each weight with its gradient, and a run
-// of one process on CPU devices also keeps the optimizer's state there. The weights are
-// counted from the spec (layers::measure_parameters), so nothing is allocated here. A
-// model built in C++ or with a layer type of one's own is checked once it is built, by
-// check_run_fits. Throws UserError with the bytes and the advice for weights.
-void check_weights_fit(const Config& config, int64_t available, int processes = 1);
+// (host_available_bytes(); <= 0 where unknown: no check), before it is built: the job
+// builds every stage's weights on the host once (a process of a multi-process run only
+// its own stage's), each weight with its gradient, and on CPU devices the optimizer's
+// state beside them. The weights are counted from the spec (layers::measure_parameters),
+// so nothing is allocated here. A model built in C++ or with a layer type of one's own
+// is checked once it is built, by check_run_fits. Throws UserError with the bytes and
+// the advice for weights.
+void check_weights_fit(const Config& config, int64_t available);
 
 // Refuses a planned run whose host footprint (estimate_memory: the parameters with
 // their gradients and optimizer state, and the peak of the activations, of the stages

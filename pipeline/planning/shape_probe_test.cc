@@ -39,7 +39,7 @@ const char* kTokens = R"(model:
     - {type: rmsnorm}
     - {type: swiglu, hidden: 12}
     - {type: gelu}
-    - {type: linear, out: 16}
+    - {type: linear, out: 16, tied: true, bias: false}
   loss: softmax_cross_entropy
 train: {steps: 1, batch_size: 4}
 )";

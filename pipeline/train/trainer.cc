@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "layers/registry.h"
 #include "partition/balance.h"
 #include "pipeline/executor/executor.h"
 #include "pipeline/planning/memory_check.h"
@@ -349,11 +350,13 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   startup.end("claim");
   const Config& identified = claim.config;
   // Weights that cannot fit are refused before any is allocated (memory_check.h).
-  if (!make_model) check_weights_fit(identified, host_available_bytes(), launch.size * config.pipeline.replicas);
+  if (!make_model) check_weights_fit(identified, host_available_bytes());
   // The model: YAML layers, a registered C++ model, or make_model (run_model.h); `c`
-  // describes it.
-  RunModel run = build_run_model(identified, make_model);
-  startup.end("model build+init");
+  // describes it. A process of a multi-process run of YAML layers builds it on shapes
+  // first (what planning reads) and then only its own stage's weights, once planned.
+  const bool stage_weights_only = launch.size > 1 && !make_model && !identified.model.cpp;
+  RunModel run = stage_weights_only ? build_run_model_on_shapes(identified) : build_run_model(identified, make_model);
+  startup.end(stage_weights_only ? "model build on shapes" : "model build+init");
   if (make_model && run.config.autos.any()) {
     throw UserError("auto (pipeline.partitions, pipeline.micro_batches, pipeline.schedule, train.blas_threads) measures "
                     "the model the config describes; for a model built in C++ give the values (`gpipe plan "
@@ -382,6 +385,27 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   result.balance = plan.balance;
   check_run_fits(c, *model, plan, host_available_bytes());
   startup.end("plan+memory check");
+  if (stage_weights_only) {
+    // This stage's layers with weights (the values the whole model would have: each
+    // layer is seeded by its index), the others' shapes only.
+    std::vector<bool> mine(model->size(), false);
+    for (int cell : plan.schedule.cells[launch.rank]) {
+      const CellSpec& s = plan.cells[cell];
+      for (int i = s.first_layer; i < s.first_layer + s.num_layers; ++i) mine[i] = true;
+    }
+    model = layers::build_model(c.model, [&](int i) { return mine[i]; });
+    int64_t with_data = 0;
+    for (int i = 0; i < model->size(); ++i) {
+      for (const layers::Parameter* p : model->layer(i).parameters()) {
+        if (!p->value.is_meta()) with_data += p->value.numel();
+      }
+    }
+    spdlog::info("stage {}: this process holds {} of the model's {} parameters (its own layers'{}); the other "
+                 "stages' layers are built on shapes, without weights",
+                 launch.rank, with_data, model->parameter_count(),
+                 model->ties().empty() ? "" : ", and the embedding a head of its own is tied to");
+    startup.end("stage build+init");
+  }
   // Saves must not be the first to find a read-only or full disk: with periodic saves,
   // room for the next ones while the newest is kept (checkpoints_to_fit); always, a
   // writable folder (a stop signal saves too).
