@@ -11,6 +11,7 @@
 #include "pipeline/planning/planner.h"
 #include "pipeline/planning/profile.h"
 #include "pipeline/planning/sweep.h"
+#include "pipeline/train/measured_sweep.h"
 #include "runtime/error.h"
 
 namespace gpipe {
@@ -126,8 +127,21 @@ int plan_other_runs(const Config& config, layers::Sequential& model, const PlanC
     sweep_options.micro_batches = micro_batch_counts(o.max_micro_batches);
     const bool cpu = config.pipeline.devices.empty() || parse_device(config.pipeline.devices[0]).is_cpu();
     if (!has_spec && cpu) sweep_options.host_available = std::max<int64_t>(0, host_available_bytes());
-    out << sweep_table(o.precisions.empty() ? sweep(config, model, sweep_options) : sweep(o.precisions, sweep_options),
-                       o.rows);
+    SweepResult r = o.precisions.empty() ? sweep(config, model, sweep_options) : sweep(o.precisions, sweep_options);
+    // Measured before recommended (measured_sweep.h), where this machine runs the plans.
+    const std::string not_here = why_not_measured(config, r, has_spec);
+    if (o.measure > 0 && r.recommended >= 0 && not_here.empty() && o.precisions.empty()) {
+      MeasureOptions mo;
+      mo.top = o.measure;
+      measure_candidates(config, model, r, mo, out);
+    }
+    out << sweep_table(r, o.rows);
+    if (o.measure > 0 && r.recommended >= 0 && !not_here.empty()) {
+      out << "Not timed (the recommendation is the prediction's): " << not_here << "\n";
+    } else if (o.measure > 0 && r.recommended >= 0 && !o.precisions.empty()) {
+      out << "Not timed (the recommendation is the prediction's): --precisions compares models that compute "
+             "different numbers; time the one you pick with --sweep alone\n";
+    }
     return 0;
   }
   Config c = config;

@@ -29,7 +29,7 @@ assert len(lines) == 1, lines
 m = re.search(r"start-up: ([0-9.]+) s to the first step: (.*)$", lines[0])
 total, parts = float(m.group(1)), re.findall(r"([a-z][^,]*?) ([0-9.]+) s", m.group(2))
 names = [n for n, _ in parts]
-for want in ["launch", "claim", "model build+init", "auto profile+sweep", "data", "plan+memory check",
+for want in ["launch", "claim", "model on shapes", "auto profile+sweep", "data", "plan+memory check", "model build+init",
              "prediction+peaks", "weights to devices"]:
     assert want in names, (want, names)
 s = sum(float(v) for _, v in parts)

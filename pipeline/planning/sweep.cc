@@ -449,28 +449,56 @@ std::string sweep_table(const SweepResult& r, int max_rows) {
      << "\n";
   os << "costs: " << r.costs << "\n";
   // The rows shown, and the one unit of their peak column.
+  // Every timed candidate (and the recommended one) is shown, whatever max_rows says.
   std::vector<size_t> rows;
   int64_t largest = 0;
+  bool timed = false;
   for (size_t i = 0; i < r.candidates.size(); ++i) {
-    if (static_cast<int>(rows.size()) >= max_rows && static_cast<int>(i) != r.recommended) continue;
+    const Candidate& c = r.candidates[i];
+    timed = timed || c.measured_ms > 0;
+    if (static_cast<int>(rows.size()) >= max_rows && static_cast<int>(i) != r.recommended && c.measured_ms <= 0 &&
+        !c.own) {
+      continue;
+    }
     rows.push_back(i);
-    largest = std::max(largest, r.candidates[i].peak_device_bytes);
+    largest = std::max(largest, c.peak_device_bytes);
   }
   const ByteUnit unit = byte_unit_for(largest);
-  char line[400];
-  std::snprintf(line, sizeof line, "%4s  %-57s %9s %10s %6s %12s  %s\n", "rank", "candidate", "step ms", "samples/s",
-                "bubble", (std::string("peak ") + unit.name).c_str(), "verdict");
+  char line[500];
+  std::snprintf(line, sizeof line, "%4s  %-57s %9s %11s %10s %6s %12s  %s\n", "rank", "candidate", "step ms",
+                timed ? "measured ms" : "", "samples/s", "bubble", (std::string("peak ") + unit.name).c_str(), "verdict");
   os << line;
+  int off = 0;  // timed candidates whose prediction is off by more than 15%
   for (size_t i : rows) {
     const Candidate& c = r.candidates[i];
-    std::snprintf(line, sizeof line, "%4zu  %-57s %9.2f %10.1f %6.3f %12s  %s\n", i + 1, c.label().c_str(), c.run.step_ms,
-                  c.run.samples_per_second, c.run.bubble, in_unit(c.peak_device_bytes, unit).c_str(),
-                  (static_cast<int>(i) == r.recommended ? "<< recommended" : c.verdict).c_str());
+    std::string verdict = static_cast<int>(i) == r.recommended
+                              ? (c.measured_ms > 0 ? "<< recommended (measured fastest)" : "<< recommended")
+                              : c.verdict;
+    if (c.own && verdict.find("own plan") == std::string::npos) verdict += " (the config's own plan)";
+    char measured[32] = "";
+    if (c.measured_ms > 0) {
+      std::snprintf(measured, sizeof measured, "%.3f", c.measured_ms);
+      const double ratio = c.measured_ms / c.run.step_ms - 1.0;
+      if (std::fabs(ratio) > 0.15) {
+        ++off;
+        char note[64];
+        std::snprintf(note, sizeof note, "; measured %+.0f%% off the prediction", 100.0 * ratio);
+        verdict += note;
+      }
+    }
+    std::snprintf(line, sizeof line, "%4zu  %-57s %9.2f %11s %10.1f %6.3f %12s  %s\n", i + 1, c.label().c_str(),
+                  c.run.step_ms, measured, c.run.samples_per_second, c.run.bubble,
+                  in_unit(c.peak_device_bytes, unit).c_str(), verdict.c_str());
     os << line;
   }
   const int shown = static_cast<int>(rows.size());
   if (shown < static_cast<int>(r.candidates.size())) {
     os << "  (" << r.candidates.size() - shown << " more not shown)\n";
+  }
+  if (timed) os << "step ms and samples/s: predicted; measured ms: a real step's median, timed here\n";
+  if (off > 0) {
+    os << "The prediction is off by more than 15% for " << off << " of the timed plans: the recommendation follows "
+       << "the measured times (a `gpipe profile CONFIG --sweep` brings the predictions closer)\n";
   }
   if (r.recommended >= 0) {
     os << "Recommended: " << r.candidates[r.recommended].label() << "\n  " << r.candidates[r.recommended].overrides()

@@ -48,6 +48,10 @@ struct Candidate {
   int64_t peak_device_bytes = 0;  // the largest stage's total
   int64_t total_bytes = 0;        // over all stages
   bool fits = true;
+  // A real step's median wall-clock milliseconds where it was timed (measured_sweep.h),
+  // else -1; and whether it is the config's own plan.
+  double measured_ms = -1;
+  bool own = false;
   std::string verdict;  // "recommended", or why it lost
   std::string label() const;      // "K=2 M=8 1f1b recompute=never"
   std::string overrides() const;  // "--set pipeline.partitions=2 --set ..."

@@ -573,6 +573,15 @@ void write_step_table(std::ostream& o, const RunSummary& s, bool plan) {
     << "</td></tr>\n";
   o << "<tr><td class=\"l\">samples/s</td><td>" << num(s.samples_per_second, 1) << "</td><td>"
     << (plan ? num(s.plan.samples_per_second, 1) : "") << "</td><td></td><td></td></tr>\n</table></div>\n";
+  // A measured step more than 15% off the plan's prediction is said, as gpipe plan --sweep says it.
+  if (plan && s.plan.step_ms > 0 && s.step_ms > 0 && std::fabs(s.step_ms / s.plan.step_ms - 1.0) > 0.15) {
+    char pct[32];
+    std::snprintf(pct, sizeof pct, "%+.0f%%", 100.0 * (s.step_ms / s.plan.step_ms - 1.0));
+    o << "<p class=\"note\" id=\"prediction-off\">The measured step time is " << pct << " off the planned "
+      << num(s.plan.step_ms) << " ms (costs: " << esc(s.plan.source) << "): the plan's ranking of other "
+      << "configurations may be off as much; <code>gpipe profile CONFIG --sweep</code> measures the costs, and "
+      << "<code>gpipe plan CONFIG --sweep</code> times its best plans before it recommends one.</p>\n";
+  }
 }
 
 // Writes the loss chart of the whole run, the note on how the page's figures were made, and the document's end.

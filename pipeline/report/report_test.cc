@@ -628,6 +628,16 @@ TEST_CASE("the page shows B, W, sends and collectives apart, and the peak card o
   CHECK(page.find("<td class=\"l\">0</td><td>2.00 MiB</td><td>4.00 MiB</td><td>+100.0%</td><td>0.00 MiB</td>"
                   "<td>0.00 MiB</td><td>3.00 MiB</td><td>3.00 MiB</td>") != std::string::npos);
   CHECK(page.find("<th>optimizer state planned</th><th>optimizer state measured</th>") != std::string::npos);
+  // A measured step more than 15% off the planned one is said; within 15%, nothing.
+  CHECK(page.find("id=\"prediction-off\"") == std::string::npos);  // no planned step time here
+  REQUIRE(in.summary.step_ms > 0);
+  in.summary.plan.step_ms = in.summary.step_ms / 1.5;
+  CHECK(render_report_html(in).find("id=\"prediction-off\">The measured step time is +50% off the planned") !=
+        std::string::npos);
+  in.summary.plan.step_ms = in.summary.step_ms / 0.8;
+  CHECK(render_report_html(in).find("The measured step time is -20% off the planned") != std::string::npos);
+  in.summary.plan.step_ms = in.summary.step_ms / 1.1;
+  CHECK(render_report_html(in).find("id=\"prediction-off\"") == std::string::npos);
   // report.json and the terminal's table carry the measured figure too.
   CHECK(b.json()["stages"][1]["optimizer_bytes"] == (1 << 20));
   CHECK(b.summary().stages[1].optimizer_bytes == (1 << 20));

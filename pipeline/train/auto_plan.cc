@@ -4,10 +4,12 @@
 #include <cstdio>
 #include <ostream>
 #include <string>
+#include <thread>
 
 #include "pipeline/planning/plan.h"
 #include "pipeline/planning/profile.h"
 #include "pipeline/planning/sweep.h"
+#include "pipeline/train/measured_sweep.h"
 #include "pipeline/train/profiling.h"
 #include "runtime/error.h"
 
@@ -44,6 +46,30 @@ bool has_profile_of(const std::string& path, const layers::Sequential& model) {
   const ProfileStore store = load_profile(path);
   return std::any_of(store.entries.begin(), store.entries.end(),
                      [&](const ProfileEntry& e) { return e.key.model_hash == hash; });
+}
+
+// The plain pipeline an `auto` config stands for, which its choice must not lose to:
+// each auto key at its plain value, K = the devices (pipeline.devices, else this
+// machine's cores or GPUs; at most one a layer), M = 8 (at most the batch), GPipe, one
+// BLAS thread a stage.
+Config defaults_for_auto(const Config& config, const layers::Sequential& model) {
+  Config c = config;
+  if (c.autos.partitions) {
+    int devices = static_cast<int>(c.pipeline.devices.size());
+    if (devices == 0) devices = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    c.pipeline.partitions = std::max(1, std::min(devices, model.size()));
+    if (static_cast<int>(c.pipeline.devices.size()) > c.pipeline.partitions) c.pipeline.devices.resize(c.pipeline.partitions);
+  }
+  if (c.autos.micro_batches) {
+    c.pipeline.micro_batches = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(8, c.train.batch_size / c.pipeline.replicas)));
+  }
+  if (c.autos.schedule) {
+    c.pipeline.schedule = "gpipe";
+    c.pipeline.virtual_stages = 1;
+  }
+  if (c.autos.blas_threads) c.train.blas_threads = 1;
+  c.autos = AutoKeys{};
+  return c;
 }
 
 }  // namespace
@@ -85,18 +111,30 @@ Config resolve_auto(const Config& config, const layers::Sequential& model, const
   so.devices = static_cast<int>(config.pipeline.devices.size());
   so.micro_batches = micro_batch_counts(32);
   if (first_device(config).is_cpu()) so.host_available = std::max<int64_t>(0, host_available_bytes());
-  const SweepResult r = sweep(config, model, so);
-  const Candidate* best = nullptr;
+  SweepResult all = sweep(config, model, so);
+  // The candidates that keep the config's named keys, by prediction; then the best few of
+  // them and the config's own plan (its auto keys at their defaults) timed on this
+  // machine, and the measured fastest chosen (measured_sweep.h).
+  SweepResult r = all;
+  r.candidates.clear();
+  for (const Candidate& k : all.candidates) {
+    if (keeps_named_keys(k, config)) r.candidates.push_back(k);
+  }
+  r.recommended = r.candidates.empty() ? -1 : 0;
+  const Config own = defaults_for_auto(config, model);
+  const std::string not_here = why_not_measured(own, r, false);
+  if (r.recommended >= 0 && not_here.empty()) {
+    measure_candidates(own, model, r, MeasureOptions{}, out);
+  } else if (r.recommended >= 0) {
+    out << "auto: not timed (the choice is the prediction's): " << not_here << std::endl;
+  }
+  const Candidate* best = r.recommended >= 0 ? &r.candidates[r.recommended] : nullptr;
   const Candidate* next = nullptr;
   int considered = 0;
   for (const Candidate& k : r.candidates) {
-    if (!keeps_named_keys(k, config)) continue;
+    if (!k.fits || k.own) continue;
     ++considered;
-    if (best == nullptr) {
-      best = &k;
-    } else if (next == nullptr) {
-      next = &k;
-    }
+    if (&k != best && next == nullptr) next = &k;
   }
   if (best == nullptr) {
     throw UserError(keys + " = auto: no plan that fits keeps the config's other keys (recompute " +
@@ -123,12 +161,20 @@ Config resolve_auto(const Config& config, const layers::Sequential& model, const
   add(config.autos.schedule, "pipeline.schedule",
       best->schedule + (best->virtual_stages > 1 ? " (virtual_stages=" + std::to_string(best->virtual_stages) + ")" : ""));
   add(config.autos.blas_threads, "train.blas_threads", std::to_string(best->blas_threads));
-  char line[400];
-  std::snprintf(line, sizeof line,
-                "auto: %s: the fastest of %d plans that fit and keep the config's other keys, %s, predicted "
-                "%.2f ms a step, %.1f samples/s, bubble %.3f",
-                chose.c_str(), considered, best->label().c_str(), best->run.step_ms, best->run.samples_per_second,
-                best->run.bubble);
+  char line[500];
+  if (best->measured_ms > 0) {
+    std::snprintf(line, sizeof line,
+                  "auto: %s: of %d plans that fit and keep the config's other keys, the fastest timed here, %s, "
+                  "measured %.2f ms a step (predicted %.2f ms, %.1f samples/s, bubble %.3f)",
+                  chose.c_str(), considered, best->label().c_str(), best->measured_ms, best->run.step_ms,
+                  best->run.samples_per_second, best->run.bubble);
+  } else {
+    std::snprintf(line, sizeof line,
+                  "auto: %s: the fastest of %d plans that fit and keep the config's other keys, %s, predicted "
+                  "%.2f ms a step, %.1f samples/s, bubble %.3f",
+                  chose.c_str(), considered, best->label().c_str(), best->run.step_ms, best->run.samples_per_second,
+                  best->run.bubble);
+  }
   out << line;
   if (next != nullptr) {
     std::snprintf(line, sizeof line, "; the next, %s, %.1f samples/s (%s)", next->label().c_str(),

@@ -352,11 +352,12 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   // Weights that cannot fit are refused before any is allocated (memory_check.h).
   if (!make_model) check_weights_fit(identified, host_available_bytes());
   // The model: YAML layers, a registered C++ model, or make_model (run_model.h); `c`
-  // describes it. A process of a multi-process run of YAML layers builds it on shapes
-  // first (what planning reads) and then only its own stage's weights, once planned.
-  const bool stage_weights_only = launch.size > 1 && !make_model && !identified.model.cpp;
-  RunModel run = stage_weights_only ? build_run_model_on_shapes(identified) : build_run_model(identified, make_model);
-  startup.end(stage_weights_only ? "model build on shapes" : "model build+init");
+  // describes it. YAML layers are built on shapes first (what auto and the plan read,
+  // without weights), and with their weights once planned: in a process of a
+  // multi-process run, only its own stage's.
+  const bool yaml_layers = !make_model && !identified.model.cpp;
+  RunModel run = yaml_layers ? build_run_model_on_shapes(identified) : build_run_model(identified, make_model);
+  startup.end(yaml_layers ? "model on shapes" : "model build+init");
   if (make_model && run.config.autos.any()) {
     throw UserError("auto (pipeline.partitions, pipeline.micro_batches, pipeline.schedule, train.blas_threads) measures "
                     "the model the config describes; for a model built in C++ give the values (`gpipe plan "
@@ -385,7 +386,10 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   result.balance = plan.balance;
   check_run_fits(c, *model, plan, host_available_bytes());
   startup.end("plan+memory check");
-  if (stage_weights_only) {
+  if (yaml_layers && !multi) {
+    model = layers::build_model(c.model);
+    startup.end("model build+init");
+  } else if (yaml_layers) {
     // This stage's layers with weights (the values the whole model would have: each
     // layer is seeded by its index), the others' shapes only.
     std::vector<bool> mine(model->size(), false);
@@ -404,7 +408,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
                  "stages' layers are built on shapes, without weights",
                  launch.rank, with_data, model->parameter_count(),
                  model->ties().empty() ? "" : ", and the embedding a head of its own is tied to");
-    startup.end("stage build+init");
+    startup.end("model build+init (this stage)");
   }
   // Saves must not be the first to find a read-only or full disk: with periodic saves,
   // room for the next ones while the newest is kept (checkpoints_to_fit); always, a

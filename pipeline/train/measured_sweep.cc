@@ -1,0 +1,207 @@
+#include "pipeline/train/measured_sweep.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <ostream>
+#include <thread>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "pipeline/config/run_model.h"
+#include "pipeline/executor/executor.h"
+#include "pipeline/planning/plan.h"
+#include "pipeline/planning/planner.h"
+#include "pipeline/train/datasets.h"
+#include "runtime/error.h"
+#include "runtime/heartbeat.h"
+#include "runtime/inprocess_transport.h"
+
+namespace gpipe {
+namespace pipeline {
+
+Config candidate_config(const Config& base, const Candidate& k) {
+  Config c = base;
+  c.pipeline.partitions = k.stages;
+  c.pipeline.virtual_stages = k.virtual_stages;
+  c.pipeline.micro_batches = k.micro_batches;
+  c.pipeline.schedule = k.schedule;
+  c.pipeline.recompute = k.recompute;
+  c.pipeline.shard_optimizer = k.shard_optimizer ? "optimizer" : "none";
+  c.pipeline.balance = k.balance;
+  c.train.blas_threads = k.blas_threads;
+  if (!k.precision.empty()) c.model.dtype = parse_dtype(k.precision);
+  if (static_cast<int>(c.pipeline.devices.size()) > k.stages) c.pipeline.devices.resize(k.stages);
+  c.autos = AutoKeys{};
+  return c;
+}
+
+double measure_step_ms(const Config& config, int warmup, int steps) {
+  if (config.pipeline.replicas > 1) {
+    throw UserError("timing a plan with pipeline.replicas > 1 takes one process per replica; time it with gpipe run");
+  }
+  RunModel run = build_run_model(config);  // a model of its own: the run's weights are not touched
+  const Config& c = run.config;
+  set_cpu_blas_threads(c.train.blas_threads);
+  const Plan plan = make_plan(c, *run.model);
+  const std::unique_ptr<Dataset> data = make_dataset(c);
+  InProcessTransport transport(plan.stages, c.pipeline.timeout_s);
+  ExecutorOptions opts;  // as the trainer runs one process (trainer.cc: executor_options)
+  opts.optimizer = c.optimizer.optimizer;
+  opts.clip_grad_norm = c.optimizer.clip_grad_norm;
+  opts.loss_scale = c.optimizer.loss_scale;
+  opts.loss_scale_window = c.optimizer.loss_scale_window;
+  opts.pin_threads = c.pipeline.pin_threads;
+  opts.bucket_bytes = static_cast<int64_t>(c.pipeline.bucket_mb * (1 << 20));
+  opts.micro_batch_sizes = plan.micro_batch_sizes;
+  Executor ex(*run.model, plan.cells, plan.schedule, transport, opts);
+  ex.set_lr(c.optimizer.optimizer.lr);
+  auto [x, y] = data->batch(batch_key(c.train.seed, 0), c.train.batch_size);
+  std::vector<double> ms;
+  for (int i = 0; i < warmup + steps; ++i) {
+    heartbeat();  // timing is progress, for gpipe run (runtime/heartbeat.h)
+    transport.set_step(i);
+    const auto t0 = std::chrono::steady_clock::now();
+    ex.step(x, y);
+    const auto t1 = std::chrono::steady_clock::now();
+    if (i >= warmup) ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+  }
+  set_cpu_blas_threads(config.train.blas_threads);
+  std::sort(ms.begin(), ms.end());
+  return ms.empty() ? 0.0 : ms[ms.size() / 2];
+}
+
+std::string why_not_measured(const Config& config, const SweepResult& r, bool device_spec) {
+  if (device_spec) return "the sweep plans for the devices of a device spec, not this machine's";
+  if (config.pipeline.replicas > 1) return "its plans have replicas (several processes each); time them with gpipe run";
+  const bool cpu = config.pipeline.devices.empty() || parse_device(config.pipeline.devices[0]).is_cpu();
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (cpu && r.devices > cores) {
+    return "it plans for " + std::to_string(r.devices) + " CPU devices and this machine has " + std::to_string(cores) +
+           " cores";
+  }
+  if (!cpu && r.devices > cuda_device_count()) {
+    return "it plans for " + std::to_string(r.devices) + " GPUs and " + std::to_string(cuda_device_count()) +
+           " are visible here";
+  }
+  return "";
+}
+
+namespace {
+
+// Does the config run exactly candidate k's plan?
+bool is_own(const Config& c, const Candidate& k, const std::vector<int>& own_balance) {
+  const std::string schedule = c.pipeline.schedule == "fill_drain" ? "gpipe" : c.pipeline.schedule;
+  return k.stages == c.pipeline.partitions && k.virtual_stages == c.pipeline.virtual_stages &&
+         k.micro_batches == c.pipeline.micro_batches && k.schedule == schedule && k.recompute == c.pipeline.recompute &&
+         k.blas_threads == c.train.blas_threads && k.shard_optimizer == (c.pipeline.shard_optimizer != "none") &&
+         k.balance == own_balance && k.precision.empty();
+}
+
+}  // namespace
+
+void measure_candidates(const Config& config, const layers::Sequential& model, SweepResult& r,
+                        const MeasureOptions& o, std::ostream& out) {
+  // The config's own plan: the candidate that is exactly it, or one of its own.
+  const Plan own_plan = make_plan(config, model);
+  int own = -1;
+  for (size_t i = 0; i < r.candidates.size(); ++i) {
+    if (is_own(config, r.candidates[i], own_plan.balance)) own = static_cast<int>(i);
+  }
+  if (own < 0) {
+    Candidate k;
+    k.stages = config.pipeline.partitions;
+    k.virtual_stages = config.pipeline.virtual_stages;
+    k.micro_batches = config.pipeline.micro_batches;
+    k.schedule = config.pipeline.schedule == "fill_drain" ? "gpipe" : config.pipeline.schedule;
+    k.recompute = config.pipeline.recompute;
+    k.blas_threads = config.train.blas_threads;
+    k.replicas = config.pipeline.replicas;
+    k.shard_optimizer = config.pipeline.shard_optimizer != "none";
+    k.balance = own_plan.balance;
+    k.run = predict_config(config, model, own_plan);
+    for (const StageMemory& m : own_plan.memory) {
+      k.peak_device_bytes = std::max(k.peak_device_bytes, m.total());
+      k.total_bytes += m.total();
+    }
+    k.verdict = "the config's own plan";
+    r.candidates.push_back(k);
+    own = static_cast<int>(r.candidates.size()) - 1;
+  }
+  r.candidates[own].own = true;
+  // The best of each shape: candidates that differ only in recompute mode or sharding
+  // run alike, and timing several of them tells little.
+  auto shape = [](const Candidate& k) {
+    return std::to_string(k.stages) + "/" + std::to_string(k.virtual_stages) + "/" + std::to_string(k.micro_batches) +
+           "/" + k.schedule + "/" + std::to_string(k.blas_threads) + "/" + k.precision;
+  };
+  std::vector<int> timed;
+  std::vector<std::string> shapes;
+  for (size_t i = 0; i < r.candidates.size() && static_cast<int>(timed.size()) < o.top; ++i) {
+    const Candidate& k = r.candidates[i];
+    if (!k.fits || static_cast<int>(i) == own) continue;
+    if (std::find(shapes.begin(), shapes.end(), shape(k)) != shapes.end()) continue;
+    shapes.push_back(shape(k));
+    timed.push_back(static_cast<int>(i));
+  }
+  timed.push_back(own);
+  double predicted_s = 0;
+  for (int i : timed) predicted_s += r.candidates[i].run.step_ms * (o.warmup + o.steps) / 1e3;
+  if (predicted_s > o.max_seconds) {
+    char line[300];
+    std::snprintf(line, sizeof line,
+                  "Not timed (the recommendation is the prediction's): %zu plans for %d steps each would take about "
+                  "%.0f s by the prediction, more than %.0f s\n",
+                  timed.size(), o.warmup + o.steps, predicted_s, o.max_seconds);
+    out << line;
+    return;
+  }
+  out << "Timing " << timed.size() << " plans for " << o.warmup << " + " << o.steps
+      << " real steps each (the planner's best " << timed.size() - 1 << " and the config's own), on models of their "
+      << "own:" << std::endl;
+  for (int i : timed) {
+    Candidate& k = r.candidates[i];
+    const Config c = static_cast<int>(i) == own ? config : candidate_config(config, k);
+    try {
+      k.measured_ms = measure_step_ms(c, o.warmup, o.steps);
+    } catch (const UserError& e) {
+      k.measured_ms = -1;
+      k.verdict = std::string("could not be timed: ") + e.what();
+    }
+    char line[300];
+    std::snprintf(line, sizeof line, "  %-57s predicted %11.3f ms, measured %11.3f ms%s\n", k.label().c_str(),
+                  k.run.step_ms, k.measured_ms, static_cast<int>(i) == own ? "  (the config's own)" : "");
+    out << line << std::flush;
+  }
+  // The measured fastest that fits; the config's own plan when nothing else was timed.
+  int best = -1;
+  for (int i : timed) {
+    const Candidate& k = r.candidates[i];
+    if (k.measured_ms <= 0 || !k.fits) continue;
+    if (best < 0 || k.measured_ms < r.candidates[best].measured_ms) best = i;
+  }
+  if (best < 0) return;  // none could be timed: the planner's choice stands
+  // A change must pay: a plan that beats the config's own by less than 3% (within the
+  // machine's drift from one timing to the next) leaves the config's own recommended.
+  const Candidate& mine = r.candidates[own];
+  if (best != own && mine.measured_ms > 0 && mine.fits && r.candidates[best].measured_ms > 0.97 * mine.measured_ms) {
+    best = own;
+  }
+  // The sweep's notes on where its choice sits at the edge of the search are about the
+  // predicted best; they stand only if it is still the choice.
+  if (best != r.recommended) r.edges.clear();
+  r.recommended = best;
+  const double fastest = r.candidates[best].measured_ms;
+  for (int i : timed) {
+    Candidate& k = r.candidates[i];
+    if (i == best || k.measured_ms <= 0) continue;
+    char v[160];
+    std::snprintf(v, sizeof v, "measured %+.0f%% against it", 100.0 * (k.measured_ms / fastest - 1.0));
+    k.verdict = v;
+  }
+}
+
+}  // namespace pipeline
+}  // namespace gpipe
