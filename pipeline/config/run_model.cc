@@ -2,6 +2,7 @@
 
 #include "layers/registry.h"
 #include "runtime/error.h"
+#include "runtime/logging.h"
 
 namespace gpipe {
 namespace pipeline {
@@ -25,7 +26,16 @@ RunModel build_run_model(const Config& config, const MakeModel& make_model) {
 }
 
 RunModel build_run_model_on_shapes(const Config& config, const MakeModel& make_model) {
-  const ShapesOnly shapes;
+  try {
+    const ShapesOnly shapes;
+    RunModel run = build_run_model(config, make_model);
+    run.on_shapes = true;
+    return run;
+  } catch (const UserError&) {
+    throw;  // the config's mistake, whatever the tensors
+  } catch (const Error& e) {
+    spdlog::warn("the model cannot be built on shapes ({}); it is built with its weights for planning too", e.what());
+  }
   return build_run_model(config, make_model);
 }
 

@@ -22,6 +22,7 @@ struct RunModel {
   // rewritten to describe that model (input shape and dtypes, which the data follows)
   // and has no layers, so no per-layer `cost:` overrides.
   Config config;
+  bool on_shapes = false;  // built without weights (build_run_model_on_shapes)
 };
 
 // From `make_model` when it is set (config.model is then ignored), else from
@@ -30,7 +31,9 @@ RunModel build_run_model(const Config& config, const MakeModel& make_model = {})
 // The same model built on shapes (runtime/tensor.h: ShapesOnly): its layers, shapes,
 // costs and parameter counts, and parameters without data, neither allocated nor
 // initialised. What planning reads (gpipe plan, the sweep): a 7B-parameter config plans
-// in megabytes. It cannot train; reading a parameter's data throws.
+// in megabytes. It cannot train; reading a parameter's data throws. A layer of one's own
+// that writes its weights in its constructor cannot be built so: the model is then built
+// with its weights, with a warning that says why (on_shapes false).
 RunModel build_run_model_on_shapes(const Config& config, const MakeModel& make_model = {});
 
 }  // namespace pipeline

@@ -133,6 +133,59 @@ TEST_CASE("the probe on shapes equals the probe that computes, for every built-i
   }
 }
 
+namespace {
+
+// A layer of one's own that writes a weight in its constructor (a scale starting at 2).
+class WritesInConstructor : public layers::Layer {
+ public:
+  explicit WritesInConstructor(const Shape& shape) : Layer(shape, shape, DType::kF32) {
+    scale_ = make_parameter("scale", {1}, 0.0, 0);
+    scale_.value.data<float>()[0] = 2.0f;
+  }
+  std::string type() const override { return "writes_in_constructor"; }
+  std::string describe() const override { return "writes_in_constructor"; }
+  layers::LayerCost cost(int64_t batch) const override {
+    layers::LayerCost c;
+    c.forward_flops = c.backward_flops = c.input_grad_flops = static_cast<double>(batch * shape_numel(input_shape_));
+    c.param_bytes = 4;
+    c.output_bytes = batch * shape_numel(input_shape_) * 4;
+    return c;
+  }
+  std::vector<layers::Parameter*> parameters() override { return {&scale_}; }
+
+ protected:
+  Tensor forward_impl(Backend& be, const Tensor& x, layers::Context*, const layers::ForwardArgs&) override {
+    Tensor y = be.empty(x.shape(), x.dtype());
+    be.copy(x, y);
+    return y;
+  }
+  Tensor backward_impl(Backend&, const Tensor& dy, const layers::Context&, bool) override { return dy; }
+
+ private:
+  layers::Parameter scale_;
+};
+
+}  // namespace
+
+TEST_CASE("a model whose layer writes its weights in its constructor is built with them, and planned") {
+  layers::register_layer("writes_in_constructor", [](layers::LayerArgs&, const Shape& in, DType, uint64_t) {
+    return std::unique_ptr<layers::Layer>(new WritesInConstructor(in));
+  });
+  const Config c = parse_config(R"(model:
+  input: [4]
+  layers:
+    - {type: writes_in_constructor}
+    - {type: linear, out: 3}
+  loss: softmax_cross_entropy
+data: {classes: 3}
+train: {steps: 1, batch_size: 4}
+)", "t.yaml");
+  const RunModel run = build_run_model_on_shapes(c);
+  CHECK_FALSE(run.on_shapes);
+  CHECK(run.model->layer(0).parameters()[0]->value.to_vector<float>() == std::vector<float>{2.0f});
+  CHECK(build_run_model_on_shapes(parse_config(kTokens, "t.yaml")).on_shapes);
+}
+
 TEST_CASE("a tensor made on shapes has no data to read, and copies between two of them do nothing") {
   Tensor a, b;
   {

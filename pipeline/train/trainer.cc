@@ -355,8 +355,9 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   // describes it. YAML layers are built on shapes first (what auto and the plan read,
   // without weights), and with their weights once planned: in a process of a
   // multi-process run, only its own stage's.
-  const bool yaml_layers = !make_model && !identified.model.cpp;
-  RunModel run = yaml_layers ? build_run_model_on_shapes(identified) : build_run_model(identified, make_model);
+  RunModel run = !make_model && !identified.model.cpp ? build_run_model_on_shapes(identified)
+                                                     : build_run_model(identified, make_model);
+  const bool yaml_layers = run.on_shapes;  // else built with its weights already, whole
   startup.end(yaml_layers ? "model on shapes" : "model build+init");
   if (make_model && run.config.autos.any()) {
     throw UserError("auto (pipeline.partitions, pipeline.micro_batches, pipeline.schedule, train.blas_threads) measures "
