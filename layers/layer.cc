@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "runtime/error.h"
 #include "runtime/heartbeat.h"
@@ -300,6 +302,35 @@ namespace {
 thread_local bool parameters_without_storage = false;
 }  // namespace
 
+void fill_uniform(Tensor& t, double bound, uint64_t seed) {
+  const int64_t n = t.numel();
+  const bool f32 = t.dtype() == DType::kF32;
+  GPIPE_CHECK(f32 || t.dtype() == DType::kF64, "fill_uniform of " + t.str());
+  void* data = t.raw_data();
+  auto fill = [&](int64_t begin, int64_t end) {
+    Rng rng(seed);
+    rng.discard(static_cast<uint64_t>(begin));
+    if (f32) {
+      float* d = static_cast<float*>(data);
+      for (int64_t i = begin; i < end; ++i) d[i] = static_cast<float>(rng.uniform(-bound, bound));
+    } else {
+      double* d = static_cast<double*>(data);
+      for (int64_t i = begin; i < end; ++i) d[i] = rng.uniform(-bound, bound);
+    }
+  };
+  // One stream, cut among the cores for a large tensor: the same values as one thread's.
+  const int64_t chunk = int64_t{1} << 20;
+  const int threads = static_cast<int>(std::min<int64_t>(std::max(1u, std::thread::hardware_concurrency()), n / chunk));
+  if (threads <= 1) {
+    fill(0, n);
+    return;
+  }
+  std::vector<std::thread> workers;
+  for (int w = 1; w < threads; ++w) workers.emplace_back(fill, n * w / threads, n * (w + 1) / threads);
+  fill(0, n / threads);
+  for (std::thread& w : workers) w.join();
+}
+
 ParametersWithoutStorage::ParametersWithoutStorage() : outer_(parameters_without_storage) {
   parameters_without_storage = true;
 }
@@ -323,16 +354,8 @@ Parameter Layer::make_parameter(const std::string& name, const Shape& shape, dou
     if (is_narrow(dtype_)) p.working = Tensor::empty(shape, dtype_, Device::cpu());
     return p;
   }
-  Rng rng(seed);
   p.value = Tensor::empty(shape, master, Device::cpu());
-  const int64_t n = p.value.numel();
-  if (master == DType::kF32) {
-    float* d = p.value.data<float>();
-    for (int64_t i = 0; i < n; ++i) d[i] = static_cast<float>(rng.uniform(-bound, bound));
-  } else {
-    double* d = p.value.data<double>();
-    for (int64_t i = 0; i < n; ++i) d[i] = rng.uniform(-bound, bound);
-  }
+  fill_uniform(p.value, bound, seed);
   heartbeat();  // building a large model is progress (runtime/heartbeat.h)
   Backend& be = backend_for(Device::cpu());
   p.grad = be.zeros(shape, master);

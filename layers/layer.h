@@ -278,6 +278,11 @@ class ParametersWithoutStorage {
 // backward_bytes, the W parts to weight_grad_flops and weight_grad_bytes.
 void check_cost(Layer& layer, int64_t batch, const LayerCost& cost);
 
+// Fills a float32 or float64 host tensor with uniform values in [-bound, bound], element
+// i the i-th draw of Rng(seed), as make_parameter initialises a weight; a large tensor is
+// filled by every core at once (Rng::discard), with the same values.
+void fill_uniform(Tensor& t, double bound, uint64_t seed);
+
 // (batch, *sample): the shape of a batch of samples.
 Shape batched(int64_t batch, const Shape& sample);
 

@@ -13,6 +13,7 @@
 #include "layers/optimizer.h"
 #include "layers/registry.h"
 #include "layers/sequential.h"
+#include "runtime/random.h"
 #include "runtime/error.h"
 #include "tests/testing.h"
 
@@ -354,6 +355,26 @@ TEST_CASE("weights do not depend on anything but the seed and position") {
   auto d = build_model(shifted);
   CHECK(values(*d, 1) == values(*a, 1));
   CHECK(values(*d, 2) == values(*a, 2));
+}
+
+TEST_CASE("a weight filled by every core at once has the values of one thread's draws") {
+  // 3.5 M elements: several chunks of 2^20 on a machine of several cores.
+  const int64_t n = (int64_t{7} << 20) / 2;
+  for (DType dtype : {DType::kF32, DType::kF64}) {
+    Tensor t = Tensor::empty({n}, dtype, Device::cpu());
+    fill_uniform(t, 0.5, 1234);
+    Rng rng(1234);
+    bool same = true;
+    for (int64_t i = 0; i < n && same; ++i) {
+      const double want = rng.uniform(-0.5, 0.5);
+      same = dtype == DType::kF32 ? t.data<float>()[i] == static_cast<float>(want) : t.data<double>()[i] == want;
+    }
+    CHECK(same);
+  }
+  Rng a(7), b(7);
+  b.discard(3);
+  for (int i = 0; i < 3; ++i) a.next();
+  CHECK(a.next() == b.next());
 }
 
 TEST_CASE("a model built with one stage's weights has those of the whole model there, and shapes elsewhere") {

@@ -16,6 +16,10 @@ class Rng {
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
     return z ^ (z >> 31);
   }
+  // Skips the next n values: splitmix64's state advances by a constant per value, so a
+  // generator that discards n draws exactly what this one would after n calls. Parallel
+  // initialisation splits one stream among threads this way, with the same values.
+  void discard(uint64_t n) { state_ += n * 0x9E3779B97F4A7C15ULL; }
   // Uniform in [0, 1) with 53 random bits.
   double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
   double uniform(double lo, double hi) { return lo + (hi - lo) * uniform(); }
