@@ -81,13 +81,13 @@ for label, predicted, measured, own in plans:
 rec = re.search(r"^Recommended: (.+)$", sweep, re.M)[1]
 assert chosen_right(rec, plans), (rec, plans)
 PY
-# Plans for more devices than this machine has are not timed, and say so; --measure 0 times nothing.
+# Plans for more devices than this machine has are not timed, and say so; --time-best 0 times nothing.
 many=$(( $(nproc) + 2 ))
 "$gpipe" plan small.yaml --sweep --devices "$many" > many.log 2>&1 || { cat many.log; echo "FAIL: --devices $many"; exit 1; }
 grep -qF "Not timed (the recommendation is the prediction's): it plans for $many CPU devices and this machine has $(nproc) cores" many.log &&
   ! grep -q "^Timing " many.log || { cat many.log; echo "FAIL: a sweep for devices this machine lacks was timed"; exit 1; }
-"$gpipe" plan small.yaml --sweep --measure 0 > none.log 2>&1 || { cat none.log; echo "FAIL: --measure 0"; exit 1; }
-! grep -q "^Timing \|measured ms" none.log || { cat none.log; echo "FAIL: --measure 0 timed plans"; exit 1; }
+"$gpipe" plan small.yaml --sweep --time-best 0 > none.log 2>&1 || { cat none.log; echo "FAIL: --time-best 0"; exit 1; }
+! grep -q "^Timing \|measured ms" none.log || { cat none.log; echo "FAIL: --time-best 0 timed plans"; exit 1; }
 # The profile is reused; a key the config names is kept (K=2 here).
 "$gpipe" train small.yaml --set pipeline.partitions=2 --set output.dir="$tmp/run2" > fixed.log 2>&1 ||
   { cat fixed.log; echo "FAIL: the run with partitions 2 did not train"; exit 1; }

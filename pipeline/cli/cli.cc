@@ -194,7 +194,7 @@ int run_plan_command(Invocation& inv) {
   if (inv.options.count("device-spec")) o.device_spec = inv.options.at("device-spec");
   o.rows = option_int(inv, "rows", o.rows);
   o.max_micro_batches = option_int(inv, "max-micro-batches", o.max_micro_batches);
-  o.measure = option_count(inv, "measure", 0, o.measure);
+  o.measure = option_count(inv, "time-best", 0, o.measure);
   // --precisions: the config and its model in each model.dtype, kept alive for the sweep.
   std::vector<pipeline::RunModel> precision_runs;
   if (inv.options.count("precisions")) {
@@ -328,7 +328,7 @@ const std::vector<Command>& commands() {
        {{"--sweep", nullptr,
          "rank the ways to run the config (stages K, micro-batches M, recompute, schedule, virtual stages; on CPUs "
          "also one stage with every core's BLAS threads) by predicted samples/s"},
-        {"--measure", "N",
+        {"--time-best", "N",
          "before recommending, time the sweep's best N plans and the config's own for 1 + 3 real steps each on this "
          "machine, and recommend the measured fastest (default 3; 0: recommend by the prediction alone)",
          "--sweep"},

@@ -23,7 +23,7 @@ struct PlanCommandOptions {
   std::string device_spec;  // --device-spec FILE: devices this machine does not have
   int rows = 30;            // sweep rows shown
   int max_micro_batches = 32;  // the sweep tries M = 1, 2, 4, ... up to this
-  int measure = 3;  // --measure N: the sweep's best N plans and the config's own timed before one is recommended
+  int measure = 3;  // --time-best N: the sweep's best N plans and the config's own timed before one is recommended
   // --precisions: the sweep tries each (the config and its model in each model.dtype);
   // empty: the config's precision alone.
   std::vector<SweptPrecision> precisions;
