@@ -134,6 +134,7 @@ int plan_other_runs(const Config& config, layers::Sequential& model, const PlanC
       MeasureOptions mo;
       mo.top = o.measure;
       measure_candidates(config, model, r, mo, out);
+      if (r.recommended >= 0 && r.edges.empty()) r.edges = recommended_edges(r, config, model, sweep_options);
     }
     out << sweep_table(r, o.rows);
     if (o.measure > 0 && r.recommended >= 0 && !not_here.empty()) {

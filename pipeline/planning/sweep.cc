@@ -328,6 +328,8 @@ std::vector<std::string> edge_notes(const Candidate& best, const SweepOptions& o
   return notes;
 }
 
+}  // namespace
+
 // edge_notes of the recommended candidate of `out`, a sweep of `base` and its model.
 std::vector<std::string> recommended_edges(const SweepResult& out, const Config& base,
                                            const layers::Sequential& model, const SweepOptions& o) {
@@ -339,8 +341,6 @@ std::vector<std::string> recommended_edges(const SweepResult& out, const Config&
   return edge_notes(out.candidates[out.recommended], o, out.devices, first_device(base).is_cpu(), most_m,
                     model.size(), batch);
 }
-
-}  // namespace
 
 std::vector<int> micro_batch_counts(int most) {
   std::vector<int> counts;

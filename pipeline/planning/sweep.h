@@ -69,6 +69,11 @@ struct SweepResult {
   std::vector<std::string> edges;
 };
 
+// Where r's recommended candidate sits at the edge of what the sweep tried (SweepResult::edges),
+// for a recommendation made after the sweep (measured_sweep.h).
+std::vector<std::string> recommended_edges(const SweepResult& r, const Config& base, const layers::Sequential& model,
+                                           const SweepOptions& o);
+
 // The micro-batch counts the sweep tries up to `most`: the powers of two below it, and it.
 std::vector<int> micro_batch_counts(int most);
 
