@@ -80,6 +80,15 @@ for label, predicted, measured, own in plans:
     assert row and abs(float(row[1]) - predicted) <= 0.0051 and float(row[2]) == measured, (label, row and row[0])
 rec = re.search(r"^Recommended: (.+)$", sweep, re.M)[1]
 assert chosen_right(rec, plans), (rec, plans)
+# The timings are kept in the profile, one calibration per (stages, BLAS threads) timed, and
+# the next sweep scales its predictions by them.
+calibrations = json.load(open("profile.json"))["calibrations"]
+timed_keys = {(int(re.search(r"K=(\d+)", p[0])[1]), int((re.search(r"blas_threads=(\d+)", p[0]) or [0, 1])[1]))
+              for p in timed(auto) + plans}
+assert calibrations and all((c["stages"], c["blas_threads"]) in timed_keys and c["ratio"] > 0 for c in calibrations), \
+    (calibrations, timed_keys)
+assert "The timings correct the planner from now on" in auto, auto
+assert "step times scaled by" in sweep, sweep
 PY
 # Plans for more devices than this machine has are not timed, and say so; --time-best 0 times nothing.
 many=$(( $(nproc) + 2 ))

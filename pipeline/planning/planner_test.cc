@@ -241,6 +241,52 @@ TEST_CASE("the sweep never recommends a plan over the memory limit") {
   CHECK(sweep_table(none).find("No candidate fits") != std::string::npos);
 }
 
+TEST_CASE("timings kept in the profile scale the sweep's predictions of plans that use the cores alike") {
+  const std::string path = tmp_path("calibrated.json");
+  std::remove(path.c_str());
+  const Config base = load_config("configs/mlp.yaml", {"pipeline.profile=" + path});
+  RunModel run = build_run_model(base);
+  SweepOptions o;
+  o.devices = 2;
+  o.micro_batches = {1, 2, 4};
+  const SweepResult plain = sweep(run.config, *run.model, o);
+  // Two stages at once were measured 1.5 times as slow as predicted; nothing else was timed.
+  ProfileStore store;
+  StepCalibration c;
+  c.model_hash = model_hash(*run.model);
+  c.device = "cpu";
+  c.dtype = dtype_name(run.model->dtype());
+  c.stages = 2;
+  c.blas_threads = 1;
+  c.ratio = 1.5;
+  c.plans = 1;
+  store.put(c);
+  save_profile(path, store);
+  REQUIRE(load_profile(path).calibrations.size() == 1);
+  const SweepResult scaled = sweep(run.config, *run.model, o);
+  CHECK(scaled.costs.find("step times scaled by 1 timing of this model's plans") != std::string::npos);
+  REQUIRE(scaled.candidates.size() == plain.candidates.size());
+  int twos = 0, ones = 0;
+  for (const Candidate& k : plain.candidates) {
+    CAPTURE(k.label());
+    const auto it = std::find_if(scaled.candidates.begin(), scaled.candidates.end(),
+                                 [&](const Candidate& x) { return x.label() == k.label(); });
+    REQUIRE(it != scaled.candidates.end());
+    const bool two = k.stages == 2 && k.blas_threads == 1;
+    CHECK(it->run.step_ms == doctest::Approx(k.run.step_ms * (two ? 1.5 : 1.0)));
+    CHECK(it->correction == (two ? 1.5 : 1.0));
+    (two ? twos : ones) += 1;
+  }
+  CHECK(twos > 0);
+  CHECK(ones > 0);
+  // Another model's timings change nothing.
+  store.calibrations[0].model_hash = "another";
+  save_profile(path, store);
+  const SweepResult other = sweep(run.config, *run.model, o);
+  CHECK(other.costs.find("scaled") == std::string::npos);
+  CHECK(other.candidates.front().run.step_ms == plain.candidates.front().run.step_ms);
+}
+
 TEST_CASE("a sweep over precisions ranks each precision's candidates together, each as its own sweep predicts it") {
   const std::string none = "pipeline.profile=" + tmp_path("none.json");
   RunModel f32 = build_run_model(load_config("configs/mlp.yaml", {none}));

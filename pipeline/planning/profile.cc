@@ -1,8 +1,8 @@
-#include "runtime/heartbeat.h"
 #include "pipeline/planning/profile.h"
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <ctime>
 #include <fstream>
@@ -12,6 +12,7 @@
 #include "layers/loss.h"
 #include "runtime/atomic_file.h"
 #include "runtime/error.h"
+#include "runtime/heartbeat.h"
 
 namespace gpipe {
 namespace pipeline {
@@ -165,6 +166,29 @@ void ProfileStore::put(LinkCost l) {
   links.push_back(l);
 }
 
+const StepCalibration* ProfileStore::calibration(const std::string& model_hash, const std::string& device,
+                                                 const std::string& dtype, int stages, int blas_threads) const {
+  for (const auto& c : calibrations) {
+    if (c.model_hash == model_hash && c.device == device && c.dtype == dtype && c.stages == stages &&
+        c.blas_threads == blas_threads) {
+      return &c;
+    }
+  }
+  return nullptr;
+}
+
+void ProfileStore::put(StepCalibration c) {
+  if (c.created.empty()) c.created = utc_now();
+  for (auto& x : calibrations) {
+    if (x.model_hash == c.model_hash && x.device == c.device && x.dtype == c.dtype && x.stages == c.stages &&
+        x.blas_threads == c.blas_threads) {
+      x = c;
+      return;
+    }
+  }
+  calibrations.push_back(c);
+}
+
 std::string model_hash(const layers::Sequential& model) {
   std::ostringstream os;
   os << shape_str(model.input_shape()) << ' ' << dtype_name(model.input_dtype()) << ';';
@@ -215,6 +239,19 @@ ProfileStore load_profile(const std::string& path) {
       store.links.push_back({l.at("kind").get<std::string>(), l.at("latency_ms").get<double>(),
                              l.at("bytes_per_ms").get<double>()});
     }
+    for (const auto& c : j.value("calibrations", nlohmann::json::array())) {
+      StepCalibration k;
+      k.model_hash = c.at("model").get<std::string>();
+      k.device = c.at("device").get<std::string>();
+      k.dtype = c.at("dtype").get<std::string>();
+      k.stages = c.at("stages").get<int>();
+      k.blas_threads = c.at("blas_threads").get<int>();
+      k.ratio = c.at("ratio").get<double>();
+      k.plans = c.value("plans", 1);
+      k.created = c.value("created", "");
+      if (!(k.ratio > 0) || !std::isfinite(k.ratio)) throw std::runtime_error("a calibration ratio is not positive");
+      store.calibrations.push_back(k);
+    }
   } catch (const std::exception& e) {
     throw UserError("the profile " + path + " cannot be read: " + e.what() +
                     "; delete it and run `gpipe profile CONFIG` again");
@@ -229,6 +266,12 @@ void save_profile(const std::string& path, const ProfileStore& store) {
   j["links"] = nlohmann::json::array();
   for (const auto& l : store.links) {
     j["links"].push_back({{"kind", l.kind}, {"latency_ms", l.latency_ms}, {"bytes_per_ms", l.bytes_per_ms}});
+  }
+  j["calibrations"] = nlohmann::json::array();
+  for (const auto& c : store.calibrations) {
+    j["calibrations"].push_back({{"model", c.model_hash}, {"device", c.device}, {"dtype", c.dtype},
+                                 {"stages", c.stages}, {"blas_threads", c.blas_threads}, {"ratio", c.ratio},
+                                 {"plans", c.plans}, {"created", c.created}});
   }
   write_file_atomically(path, j.dump(1) + "\n");
 }

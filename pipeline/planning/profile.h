@@ -69,14 +69,32 @@ struct LinkCost {
   double ms(int64_t bytes) const { return latency_ms + (bytes_per_ms > 0 ? bytes / bytes_per_ms : 0.0); }
 };
 
+// Real steps of a plan timed against the planner's prediction (measured_sweep.h), per
+// model, device, dtype and the way the plan uses the cores: how many stages compute at
+// once and with how many BLAS threads each (the planner's models of several stages
+// sharing a CPU and of BLAS threading are the least sure). A later sweep scales its
+// predictions of plans that use the cores alike by `ratio`.
+struct StepCalibration {
+  std::string model_hash, device, dtype;
+  int stages = 1, blas_threads = 1;
+  double ratio = 1;  // measured / predicted step time, the prediction before any calibration
+  int plans = 0;     // how many timed plans the ratio is the mean of
+  std::string created;  // UTC time
+};
+
 struct ProfileStore {
   std::vector<ProfileEntry> entries;
   std::vector<LinkCost> links;
+  std::vector<StepCalibration> calibrations;
   const ProfileEntry* find(const ProfileKey& key) const;
   const LinkCost* link(const std::string& kind) const;
-  // Adds or replaces the entry with the same key (the link with the same kind).
+  const StepCalibration* calibration(const std::string& model_hash, const std::string& device, const std::string& dtype,
+                                     int stages, int blas_threads) const;
+  // Adds or replaces the entry with the same key (the link with the same kind, the
+  // calibration of the same model, device, dtype, stages and threads).
   void put(ProfileEntry entry);
   void put(LinkCost link);
+  void put(StepCalibration calibration);
 };
 
 // The entry for `key` in the profile file at `path`, or a UserError that says what is

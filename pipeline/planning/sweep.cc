@@ -257,6 +257,18 @@ std::optional<Candidate> predict_candidate(Config c, const layers::Sequential& m
   return cand;
 }
 
+// Scales a candidate's predicted step by the profile's timings of plans that use the cores
+// alike (StepCalibration), when there are any.
+void calibrate(Candidate& cand, const ProfileStore& store, const std::string& hash, const std::string& device,
+               const std::string& dtype) {
+  const StepCalibration* c = store.calibration(hash, device, dtype, cand.stages, cand.blas_threads);
+  if (c == nullptr) return;
+  cand.correction = c->ratio;
+  cand.run.step_ms *= c->ratio;
+  cand.run.span_ms *= c->ratio;
+  cand.run.samples_per_second /= c->ratio;
+}
+
 // Weighs a predicted candidate's memory: its fullest device against the limit per device, and on this machine's
 // CPUs all its stages against the memory they share.
 void weigh_memory(Candidate& cand, int64_t memory_limit, const SweepOptions& o) {
@@ -387,6 +399,15 @@ SweepResult sweep(const Config& base, const layers::Sequential& model, const Swe
   PredictOptions po;
   const ActivationLayout layout = probe_activations(model);
   po.layout = &layout;
+  const std::string hash = model_hash(model), device = cpu ? "cpu" : "cuda", dtype = dtype_name(model.dtype());
+  int corrected = 0;  // the timings' classes that apply
+  for (const StepCalibration& c : costs.store().calibrations) {
+    corrected += c.model_hash == hash && c.device == device && c.dtype == dtype;
+  }
+  if (corrected > 0 && o.spec == nullptr) {
+    out.costs += "; step times scaled by " + std::to_string(corrected) + " timing" + (corrected == 1 ? "" : "s") +
+                 " of this model's plans (calibrations in " + base.pipeline.profile + ")";
+  }
   for (const Shape& sh : shapes) {
     for (int m : o.micro_batches) {
       if (m > batch) continue;
@@ -397,6 +418,7 @@ SweepResult sweep(const Config& base, const layers::Sequential& model, const Swe
           std::optional<Candidate> cand =
               predict_candidate(candidate_config(base, sh, m, mode, shard), model, src, link, po);
           if (!cand) continue;
+          if (o.spec == nullptr) calibrate(*cand, costs.store(), hash, device, dtype);  // this machine's timings
           weigh_memory(*cand, out.memory_limit, o);
           out.candidates.push_back(std::move(*cand));
         }

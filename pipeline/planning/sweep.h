@@ -52,6 +52,9 @@ struct Candidate {
   // else -1; and whether it is the config's own plan.
   double measured_ms = -1;
   bool own = false;
+  // The factor its predicted times were scaled by: the profile's StepCalibration for
+  // plans that use the cores as it does (1: none).
+  double correction = 1;
   std::string verdict;  // "recommended", or why it lost
   std::string label() const;      // "K=2 M=8 1f1b recompute=never"
   std::string overrides() const;  // "--set pipeline.partitions=2 --set ..."

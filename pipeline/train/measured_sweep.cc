@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <map>
 #include <memory>
 #include <ostream>
 #include <thread>
@@ -14,6 +16,7 @@
 #include "pipeline/executor/executor.h"
 #include "pipeline/planning/plan.h"
 #include "pipeline/planning/planner.h"
+#include "pipeline/planning/profile.h"
 #include "pipeline/train/datasets.h"
 #include "runtime/error.h"
 #include "runtime/heartbeat.h"
@@ -174,6 +177,40 @@ void measure_candidates(const Config& config, const layers::Sequential& model, S
     std::snprintf(line, sizeof line, "  %-57s predicted %11.3f ms, measured %11.3f ms%s\n", k.label().c_str(),
                   k.run.step_ms, k.measured_ms, static_cast<int>(i) == own ? "  (the config's own)" : "");
     out << line << std::flush;
+  }
+  // What the timings say of the planner: per way of using the cores (stages at once, BLAS
+  // threads), measured over predicted (before any earlier correction), kept in the
+  // profile so that later sweeps of this model scale their predictions by it.
+  std::map<std::pair<int, int>, std::vector<double>> ratios;
+  for (int i : timed) {
+    const Candidate& k = r.candidates[i];
+    if (k.measured_ms > 0 && k.run.step_ms > 0) {
+      ratios[{k.stages, k.blas_threads}].push_back(k.measured_ms / (k.run.step_ms / k.correction));
+    }
+  }
+  if (!ratios.empty() && config.pipeline.replicas == 1) {
+    ProfileStore store = load_profile(config.pipeline.profile);
+    const Device device = first_device(config);
+    for (const auto& [key, values] : ratios) {
+      StepCalibration c;
+      c.model_hash = model_hash(model);
+      c.device = device.is_cpu() ? "cpu" : "cuda";
+      c.dtype = dtype_name(model.dtype());
+      c.stages = key.first;
+      c.blas_threads = key.second;
+      double sum = 0;
+      for (double v : values) sum += v;
+      c.ratio = sum / static_cast<double>(values.size());
+      c.plans = static_cast<int>(values.size());
+      store.put(c);
+    }
+    std::error_code ec;
+    const std::filesystem::path dir = std::filesystem::path(config.pipeline.profile).parent_path();
+    if (!dir.empty()) std::filesystem::create_directories(dir, ec);
+    save_profile(config.pipeline.profile, store);
+    out << "The timings correct the planner from now on: " << ratios.size()
+        << " calibration" << (ratios.size() == 1 ? "" : "s") << " (measured / predicted, by stages and BLAS threads) "
+        << "saved in " << config.pipeline.profile << std::endl;
   }
   // The measured fastest that fits; the config's own plan when nothing else was timed.
   int best = -1;
