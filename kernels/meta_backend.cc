@@ -37,7 +37,8 @@ class MetaBackend final : public Backend {
   void embedding(const Tensor&, const Tensor&, const Tensor&, Tensor&) override {}
   void embedding_backward(const Tensor&, const Tensor&, Tensor&, Tensor&) override {}
   void layernorm(const Tensor&, const Tensor&, const Tensor&, double, Tensor&, Tensor&, Tensor&) override {}
-  void layernorm_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&, Tensor&) override {}
+  void layernorm_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&,
+                          Tensor&) override {}
   void attention(const Tensor&, int, Tensor&, Tensor&) override {}
   void attention_backward(const Tensor&, const Tensor&, const Tensor&, int, Tensor&) override {}
   void dropout(const Tensor&, double, uint64_t, int64_t, Tensor&) override {}
@@ -51,8 +52,10 @@ class MetaBackend final : public Backend {
   void add_channel_bias(Tensor&, const Tensor&) override {}
   void channel_bias_grad(const Tensor&, Tensor&) override {}
   void batchnorm_train(const Tensor&, const Tensor&, const Tensor&, double, Tensor&, Tensor&, Tensor&) override {}
-  void batchnorm_eval(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, Tensor&) override {}
-  void batchnorm_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, Tensor&, Tensor&, Tensor&) override {}
+  void batchnorm_eval(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
+                      Tensor&) override {}
+  void batchnorm_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double, Tensor&,
+                          Tensor&, Tensor&) override {}
   void maxpool2d(const Tensor&, int, int, int, Tensor&, Tensor&) override {}
   void maxpool2d_backward(const Tensor&, const Tensor&, Tensor&) override {}
   void avgpool2d(const Tensor&, int, int, Tensor&) override {}
@@ -72,6 +75,7 @@ class MetaBackend final : public Backend {
   void cast(const Tensor&, Tensor&) override {}
   double item(const Tensor&) override { return 0.0; }
   void synchronize() override {}
+
  private:
   Device device_;
   CpuStream stream_;  // never waited on: nothing is queued

@@ -58,10 +58,13 @@ Config defaults_for_auto(const Config& config, const layers::Sequential& model) 
     int devices = static_cast<int>(c.pipeline.devices.size());
     if (devices == 0) devices = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     c.pipeline.partitions = std::max(1, std::min(devices, model.size()));
-    if (static_cast<int>(c.pipeline.devices.size()) > c.pipeline.partitions) c.pipeline.devices.resize(c.pipeline.partitions);
+    if (static_cast<int>(c.pipeline.devices.size()) > c.pipeline.partitions) {
+      c.pipeline.devices.resize(c.pipeline.partitions);
+    }
   }
   if (c.autos.micro_batches) {
-    c.pipeline.micro_batches = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(8, c.train.batch_size / c.pipeline.replicas)));
+    const int64_t rows = c.train.batch_size / std::max(1, c.pipeline.replicas);
+    c.pipeline.micro_batches = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(8, rows)));
   }
   if (c.autos.schedule) {
     c.pipeline.schedule = "gpipe";

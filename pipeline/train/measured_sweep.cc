@@ -130,6 +130,11 @@ void measure_candidates(const Config& config, const layers::Sequential& model, S
       k.total_bytes += m.total();
     }
     k.verdict = "the config's own plan";
+    // As the sweep weighs its candidates: the fullest device against the limit, and on
+    // this machine's CPUs every stage against the memory they share.
+    const int64_t host = first_device(config).is_cpu() ? host_available_bytes() : -1;
+    k.fits = (r.memory_limit <= 0 || k.peak_device_bytes <= r.memory_limit) && (host <= 0 || k.total_bytes <= host);
+    if (!k.fits) k.verdict = "the config's own plan; over the memory limit, not timed";
     r.candidates.push_back(k);
     own = static_cast<int>(r.candidates.size()) - 1;
   }
@@ -149,7 +154,7 @@ void measure_candidates(const Config& config, const layers::Sequential& model, S
     shapes.push_back(shape(k));
     timed.push_back(static_cast<int>(i));
   }
-  timed.push_back(own);
+  if (r.candidates[own].fits) timed.push_back(own);  // a plan that cannot fit is not run
   double predicted_s = 0;
   for (int i : timed) predicted_s += r.candidates[i].run.step_ms * (o.warmup + o.steps) / 1e3;
   if (predicted_s > o.max_seconds) {
@@ -161,9 +166,11 @@ void measure_candidates(const Config& config, const layers::Sequential& model, S
     out << line;
     return;
   }
-  out << "Timing " << timed.size() << " plans for " << o.warmup << " + " << o.steps
-      << " real steps each (the planner's best " << timed.size() - 1 << " and the config's own), on models of their "
-      << "own:" << std::endl;
+  const bool own_timed = r.candidates[own].fits;
+  out << "Timing " << timed.size() << " plans for " << o.warmup << " + " << o.steps << " real steps each (the "
+      << "planner's best " << timed.size() - (own_timed ? 1 : 0)
+      << (own_timed ? " and the config's own" : "; the config's own does not fit") << "), on models of their own:"
+      << std::endl;
   for (int i : timed) {
     Candidate& k = r.candidates[i];
     const Config c = static_cast<int>(i) == own ? config : candidate_config(config, k);
