@@ -96,22 +96,21 @@ std::vector<int64_t> contiguous_strides(const Shape& shape) {
 }  // namespace
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device, Stream* stream) {
-  if (shapes_only) {
-    for (int64_t d : shape) {
-      if (d < 0) throw UserError("negative dimension in shape " + shape_str(shape));
-    }
-    Tensor t;
-    t.shape_ = shape;
-    t.strides_ = contiguous_strides(shape);
-    t.dtype_ = dtype;
-    t.device_ = device;
-    t.storage_ = std::make_shared<Storage>(meta_allocator(device), shape_numel(shape) * dtype_size(dtype));
-    return t;
-  }
-  return empty_with_data(shape, dtype, device, stream);
+  if (!shapes_only) return empty_with_data(shape, dtype, device, stream);
+  Tensor t = unallocated(shape, dtype, device);
+  t.storage_ = std::make_shared<Storage>(meta_allocator(device), t.nbytes());
+  return t;
 }
 
 Tensor Tensor::empty_with_data(const Shape& shape, DType dtype, Device device, Stream* stream) {
+  GPIPE_CHECK(stream == nullptr || stream->device() == device,
+              "a tensor on " + device.str() + " allocated for a stream of " + stream->device().str());
+  Tensor t = unallocated(shape, dtype, device);
+  t.storage_ = std::make_shared<Storage>(allocator_for(device), t.nbytes(), stream);
+  return t;
+}
+
+Tensor Tensor::unallocated(const Shape& shape, DType dtype, Device device) {
   for (int64_t d : shape) {
     if (d < 0) throw UserError("negative dimension in shape " + shape_str(shape));
   }
@@ -120,9 +119,6 @@ Tensor Tensor::empty_with_data(const Shape& shape, DType dtype, Device device, S
   t.strides_ = contiguous_strides(shape);
   t.dtype_ = dtype;
   t.device_ = device;
-  GPIPE_CHECK(stream == nullptr || stream->device() == device,
-              "a tensor on " + device.str() + " allocated for a stream of " + stream->device().str());
-  t.storage_ = std::make_shared<Storage>(allocator_for(device), shape_numel(shape) * dtype_size(dtype), stream);
   return t;
 }
 

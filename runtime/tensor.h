@@ -109,6 +109,7 @@ class Tensor {
   void check_dtype(DType want) const;
   void check_has_data() const;  // throws for a meta tensor
   static Tensor empty_with_data(const Shape& shape, DType dtype, Device device, Stream* stream = nullptr);
+  static Tensor unallocated(const Shape& shape, DType dtype, Device device);  // shape checked, no storage yet
   std::shared_ptr<Storage> storage_;
   int64_t offset_ = 0;  // in elements
   Shape shape_;
