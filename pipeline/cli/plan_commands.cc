@@ -11,6 +11,7 @@
 #include "pipeline/planning/planner.h"
 #include "pipeline/planning/profile.h"
 #include "pipeline/planning/sweep.h"
+#include "pipeline/train/auto_plan.h"
 #include "pipeline/train/measured_sweep.h"
 #include "runtime/error.h"
 
@@ -133,7 +134,7 @@ int plan_other_runs(const Config& config, layers::Sequential& model, const PlanC
     if (o.measure > 0 && r.recommended >= 0 && not_here.empty() && o.precisions.empty()) {
       MeasureOptions mo;
       mo.top = o.measure;
-      measure_candidates(config, model, r, mo, out);
+      measure_candidates(plain_for_auto(config, model), model, r, mo, out);  // an auto config's own: the plain pipeline
       if (r.recommended >= 0 && r.edges.empty()) r.edges = recommended_edges(r, config, model, sweep_options);
     }
     out << sweep_table(r, o.rows);

@@ -48,11 +48,10 @@ bool has_profile_of(const std::string& path, const layers::Sequential& model) {
                      [&](const ProfileEntry& e) { return e.key.model_hash == hash; });
 }
 
-// The plain pipeline an `auto` config stands for, which its choice must not lose to:
-// each auto key at its plain value, K = the devices (pipeline.devices, else this
-// machine's cores or GPUs; at most one a layer), M = 8 (at most the batch), GPipe, one
-// BLAS thread a stage.
-Config defaults_for_auto(const Config& config, const layers::Sequential& model) {
+}  // namespace
+
+// Each auto key at its plain value (auto_plan.h).
+Config plain_for_auto(const Config& config, const layers::Sequential& model) {
   Config c = config;
   if (c.autos.partitions) {
     int devices = static_cast<int>(c.pipeline.devices.size());
@@ -74,8 +73,6 @@ Config defaults_for_auto(const Config& config, const layers::Sequential& model) 
   c.autos = AutoKeys{};
   return c;
 }
-
-}  // namespace
 
 void check_auto_launch(const Config& config, int processes) {
   if (config.autos.any() && (processes > 1 || config.pipeline.replicas > 1)) {
@@ -124,7 +121,7 @@ Config resolve_auto(const Config& config, const layers::Sequential& model, const
     if (keeps_named_keys(k, config)) r.candidates.push_back(k);
   }
   r.recommended = r.candidates.empty() ? -1 : 0;
-  const Config own = defaults_for_auto(config, model);
+  const Config own = plain_for_auto(config, model);
   const std::string not_here = why_not_measured(own, r, false);
   if (r.recommended >= 0 && not_here.empty()) {
     measure_candidates(own, model, r, MeasureOptions{}, out);

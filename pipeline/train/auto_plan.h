@@ -22,6 +22,12 @@ namespace pipeline {
 // that keeps the named keys fits.
 Config resolve_auto(const Config& config, const layers::Sequential& model, const Launch& launch, std::ostream& out);
 
+// The plain pipeline a config with `auto` keys stands for, which auto's choice must not
+// lose to (the plan timed as the config's own): K = the devices (pipeline.devices, else
+// this machine's cores; at most one a layer), M = 8 (at most the batch), GPipe, one BLAS
+// thread a stage. A config without `auto` comes back as it is.
+Config plain_for_auto(const Config& config, const layers::Sequential& model);
+
 // Throws the UserError of `auto` in a run of several processes (each would choose on its
 // own) or with replicas; nothing for a config without `auto`. mpirun's launch checks it
 // before it counts the processes against pipeline.partitions.
