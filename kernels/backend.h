@@ -10,6 +10,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "kernels/broadcast.h"
 #include "kernels/unary.h"
@@ -137,6 +138,10 @@ class Backend {
                          int64_t step) = 0;
   // Sum of the squares of all elements, on the host (waits for queued work).
   virtual double sum_squares(const Tensor& x) = 0;
+  // The sum of sum_squares over `xs` (a stage's gradient norm), read on the host once:
+  // the default adds each tensor's in order; the CUDA backend sums each on the device and
+  // copies one number back, so a stage's norm waits for its device once, not once a tensor.
+  virtual double sum_squares_all(const std::vector<Tensor>& xs);
 
   // ---- Transformer ops. Shapes use B (batch), T (positions), C (channels), V
   // (vocabulary), H (heads), D = C / H (head width).

@@ -91,6 +91,12 @@ Tensor Backend::zeros(const Shape& shape, DType dtype) {
   return t;
 }
 
+double Backend::sum_squares_all(const std::vector<Tensor>& xs) {
+  double total = 0;
+  for (const Tensor& x : xs) total += sum_squares(x);
+  return total;
+}
+
 void CpuBackend::matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, double alpha, double beta) {
   const auto d = ops::check_matmul(a, ta, b, tb, c);
   if (d.m == 0 || d.n == 0) return;

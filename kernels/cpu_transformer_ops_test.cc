@@ -408,4 +408,12 @@ TEST_CASE("sum of squares in double") {
   double s = 0;
   for (double v : to_doubles(y)) s += v * v;
   CHECK(cpu().sum_squares(y) == doctest::Approx(s).epsilon(1e-14));
+  // Over several tensors (a stage's gradients): each one's sum, added in order; nothing is 0.
+  Tensor z = random_tensor({5}, DType::kF64, 4);
+  CHECK(cpu().sum_squares_all({y, z}) == cpu().sum_squares(y) + cpu().sum_squares(z));
+  CHECK(cpu().sum_squares_all({}) == 0.0);
+  // A bfloat16 tensor among them is widened on its own (backend_for's WideningBackend).
+  Tensor h = Tensor::empty({3}, DType::kBF16, Device::cpu());
+  cpu().cast(x, h);  // 1, -2, 3: exact in bfloat16
+  CHECK(cpu().sum_squares_all({x, h}) == 28.0);
 }

@@ -579,6 +579,37 @@ double CudaBackend::sum_squares(const Tensor& x) {
   return *host;
 }
 
+double CudaBackend::sum_squares_all(const std::vector<Tensor>& xs) {
+  std::vector<const Tensor*> live;
+  int64_t partials = 0;  // the workspace of the largest, reused in stream order by each
+  for (const Tensor& x : xs) {
+    ops::check_float(x, "sum_squares");
+    check_on_device(x, "sum_squares");
+    if (x.numel() == 0) continue;
+    live.push_back(&x);
+    partials = std::max(partials, cuda::sum_squares_workspace(x.numel()));
+  }
+  if (live.empty()) return 0.0;
+  DeviceGuard guard(device_.index);
+  const int64_t count = static_cast<int64_t>(live.size());
+  Tensor work = empty({partials + count + 1}, DType::kF64);  // block sums, each tensor's total, the total
+  double* totals = work.data<double>() + partials;
+  double* total = totals + count;
+  cudaStream_t s = cuda_stream();
+  for (int64_t i = 0; i < count; ++i) {
+    const Tensor& x = *live[i];
+    dispatch_float(x, [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      cuda::sum_squares(x.data<T>(), x.numel(), work.data<double>(), totals + i, s);
+    });
+  }
+  cuda::sum_doubles(totals, count, total, s);
+  auto* host = static_cast<double*>(host_staging_);
+  GPIPE_CUDA_CHECK(cudaMemcpyAsync(host, total, sizeof(double), cudaMemcpyDeviceToHost, s));
+  wait();  // and report what earlier ops flagged
+  return *host;
+}
+
 void CudaBackend::embedding(const Tensor& ids, const Tensor& table, const Tensor& pos, Tensor& out) {
   const ops::EmbeddingDims d = ops::check_embedding(ids, table, pos, out, "embedding", "out");
   const int64_t B = d.B, T = d.T, V = d.V, C = d.C;

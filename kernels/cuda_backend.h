@@ -77,6 +77,7 @@ class CudaBackend : public Backend {
   void adam_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamParams& p,
                  int64_t step) override;
   double sum_squares(const Tensor& x) override;
+  double sum_squares_all(const std::vector<Tensor>& xs) override;
   void embedding(const Tensor& ids, const Tensor& table, const Tensor& pos, Tensor& out) override;
   void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable, Tensor& dpos) override;
   void layernorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y, Tensor& mean,

@@ -1062,6 +1062,19 @@ TEST_CASE("sum_squares: double accumulation, deterministic, empty is 0") {
     }
     CHECK(gpu().sum_squares(gpu().empty({0, 4}, dt)) == 0.0);
   }
+  // Over several tensors at once (one wait): the CPU's sum, and the same on a second run.
+  std::vector<Tensor> on_cpu, on_gpu;
+  for (DType dt : kFloatTypes) {
+    for (const Shape& s : kVectorShapes) {
+      on_cpu.push_back(random_tensor(s, dt, seed++));
+      on_gpu.push_back(to_gpu(on_cpu.back()));
+    }
+  }
+  on_gpu.push_back(gpu().empty({0, 4}, DType::kF32));
+  const double all = gpu().sum_squares_all(on_gpu);
+  CHECK(all == doctest::Approx(cpu().sum_squares_all(on_cpu)).epsilon(1e-10));
+  CHECK(gpu().sum_squares_all(on_gpu) == all);
+  CHECK(gpu().sum_squares_all({}) == 0.0);
 }
 
 // ---------------------------------------------------------------------------------

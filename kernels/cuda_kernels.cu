@@ -967,6 +967,11 @@ void launch_sum_squares(const T* x, int64_t n, double* workspace, double* result
   GPIPE_CHECK_LAUNCH();
 }
 
+void launch_sum_doubles(const double* x, int64_t n, double* result, cudaStream_t stream) {
+  sum_partials_kernel<<<1, kThreads, 0, stream>>>(x, n, result);
+  GPIPE_CHECK_LAUNCH();
+}
+
 // Positions are sort values (int32) and error indices (<= kMaxErrorIndex).
 void check_positions(int64_t positions, const char* op) {
   if (positions >= static_cast<int64_t>(INT_MAX)) {
@@ -1295,6 +1300,9 @@ void sum_squares(const float* x, int64_t n, double* workspace, double* result, c
 }
 void sum_squares(const double* x, int64_t n, double* workspace, double* result, cudaStream_t stream) {
   launch_sum_squares(x, n, workspace, result, stream);
+}
+void sum_doubles(const double* x, int64_t n, double* result, cudaStream_t stream) {
+  launch_sum_doubles(x, n, result, stream);
 }
 
 void embedding(const int32_t* ids, const float* table, const float* pos, float* out, int64_t batch,

@@ -163,6 +163,9 @@ void adam_step(double* param, const double* grad, double* m, double* v, int64_t 
 int64_t sum_squares_workspace(int64_t n);
 void sum_squares(const float* x, int64_t n, double* workspace, double* result, cudaStream_t stream);
 void sum_squares(const double* x, int64_t n, double* workspace, double* result, cudaStream_t stream);
+// *result = the sum of x: (n) doubles, in one block (per-thread strided sums, then a
+// tree): in a fixed order, for n up to a few thousand (a stage's tensors' sums).
+void sum_doubles(const double* x, int64_t n, double* result, cudaStream_t stream);
 
 // ---- Transformer ops. B batch, T positions, C channels, V vocabulary; P = B * T
 // positions in all, counted p = b * T + t (P < 2^31 - 1).

@@ -193,6 +193,13 @@ double WideningBackend::sum_squares(const Tensor& x) {
   return inner_->sum_squares(w.in(x));
 }
 
+double WideningBackend::sum_squares_all(const std::vector<Tensor>& xs) {
+  for (const Tensor& x : xs) {
+    if (any_narrow(x)) return Backend::sum_squares_all(xs);  // each widened on its own
+  }
+  return inner_->sum_squares_all(xs);
+}
+
 void WideningBackend::embedding(const Tensor& ids, const Tensor& table, const Tensor& pos, Tensor& out) {
   if (!any_narrow(table, pos, out)) return inner_->embedding(ids, table, pos, out);
   Widen w(*inner_);

@@ -79,10 +79,12 @@ int64_t Executor::reduce_gradient_norm(StageRuntime& rt) {
     // replicas, then over the stages.
     local = options_.replicas->all_reduce_sum(shard_sum_squares(rt));
   } else {
-    auto turn = device_turn(k);
+    std::vector<Tensor> grads;
     for (layers::Parameter* p : rt.params) {
-      if (!model_.is_tied_copy(p)) local += rt.backend->sum_squares(p->grad);  // a tied weight counts once
+      if (!model_.is_tied_copy(p)) grads.push_back(p->grad);  // a tied weight counts once
     }
+    auto turn = device_turn(k);
+    local = rt.backend->sum_squares_all(grads);  // one wait for the device, not one a parameter
   }
   rt.grad_norm = std::sqrt(transport_.all_reduce_sum(k, local));
   return static_cast<int64_t>(sizeof(double));
