@@ -160,12 +160,10 @@ std::string cost_mistake(Layer& layer, int64_t batch, const LayerCost& c) {
     }
   }
   int64_t param_bytes = 0;
-  bool stored = true;  // a model built under ParametersWithoutStorage, for planning only, has nothing to hold
   for (Parameter* p : layer.parameters()) {
     param_bytes += static_cast<int64_t>(p->compute().nbytes());  // as the layer computes with them
-    stored = stored && p->value.defined();
   }
-  if (stored && c.param_bytes != param_bytes) {
+  if (c.param_bytes != param_bytes) {
     return "param_bytes = " + std::to_string(c.param_bytes) + " but its parameters() hold " +
            std::to_string(param_bytes) + " bytes";
   }
@@ -298,10 +296,6 @@ void Layer::to(Device device) {
   device_ = device;
 }
 
-namespace {
-thread_local bool parameters_without_storage = false;
-}  // namespace
-
 void fill_uniform(Tensor& t, double bound, uint64_t seed) {
   const int64_t n = t.numel();
   const bool f32 = t.dtype() == DType::kF32;
@@ -331,14 +325,6 @@ void fill_uniform(Tensor& t, double bound, uint64_t seed) {
   for (std::thread& w : workers) w.join();
 }
 
-ParametersWithoutStorage::ParametersWithoutStorage() : outer_(parameters_without_storage) {
-  parameters_without_storage = true;
-}
-
-ParametersWithoutStorage::~ParametersWithoutStorage() { parameters_without_storage = outer_; }
-
-bool ParametersWithoutStorage::active() { return parameters_without_storage; }
-
 Parameter Layer::make_parameter(const std::string& name, const Shape& shape, double bound, uint64_t seed) {
   if (dtype_ != DType::kF32 && dtype_ != DType::kF64 && !is_narrow(dtype_)) {
     throw UserError(std::string("parameters in ") + dtype_name(dtype_) +
@@ -346,7 +332,6 @@ Parameter Layer::make_parameter(const std::string& name, const Shape& shape, dou
   }
   Parameter p;
   p.name = name;
-  if (parameters_without_storage) return p;
   const DType master = master_dtype(dtype_);
   if (ShapesOnly::active()) {  // planning on shapes: the tensors, without data or values
     p.value = Tensor::empty(shape, master, Device::cpu());

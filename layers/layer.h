@@ -223,7 +223,7 @@ class Layer {
   }
   virtual void end_step_impl(Backend&, const ReplicaSum&) {}
   // Creates a parameter on the CPU, initialised uniform in [-bound, bound], with a zero
-  // gradient; under a ParametersWithoutStorage, one without storage. In a layer of a
+  // gradient; under a ShapesOnly (runtime/tensor.h), one of shapes without data. In a layer of a
   // narrow storage type (bfloat16, float16) value and gradient are float32, initialised as a
   // float32 layer's, and the working copy is value rounded.
   Parameter make_parameter(const std::string& name, const Shape& shape, double bound, uint64_t seed);
@@ -244,25 +244,6 @@ class Layer {
   std::string name_for_errors() const;
   int index_ = -1;
   std::string name_;
-};
-
-// While one is alive on its thread, layers are built without storage for their
-// parameters: make_parameter and constant_parameter return a Parameter whose value and
-// gradient are undefined tensors. Such a layer reports its shapes and cost() (which
-// counts param_bytes from its options) but cannot run, move or be tied: it only
-// measures. layers::measure_parameters (registry.h) counts a model's weights with it
-// before any is allocated. A layer that writes its parameters in its constructor must
-// not be built under it.
-class ParametersWithoutStorage {
- public:
-  ParametersWithoutStorage();
-  ~ParametersWithoutStorage();
-  ParametersWithoutStorage(const ParametersWithoutStorage&) = delete;
-  ParametersWithoutStorage& operator=(const ParametersWithoutStorage&) = delete;
-  static bool active();
-
- private:
-  bool outer_;  // an enclosing one's state, restored on destruction
 };
 
 // Checks a layer's cost(batch) against what can be known exactly, and throws a

@@ -299,7 +299,7 @@ TEST_CASE("measure_parameters counts what build_model makes, without allocating 
   CHECK((*big)[0].bytes == (200000LL * 200000 + 200000) * 8);
   CHECK((*big)[0].describe == "linear(200000 -> 200000)");
   CHECK((*big)[2].bytes == (200000LL * 4 + 4) * 8);
-  CHECK(!ParametersWithoutStorage::active());  // only while measuring
+  CHECK(!ShapesOnly::active());  // only while measuring
 
   // The errors build_model gives, the same.
   huge.layers[2].args["outt"] = "4";

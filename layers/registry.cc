@@ -440,7 +440,7 @@ std::optional<std::vector<LayerWeights>> measure_parameters(const ModelSpec& spe
       if (r.layers.count(ls.type) && !r.builtin_layers.count(ls.type)) return std::nullopt;
     }
   }
-  ParametersWithoutStorage measuring;
+  const ShapesOnly measuring;
   std::vector<LayerWeights> out;
   Shape shape = spec.input;
   DType dtype = spec.input_dtype.value_or(spec.dtype);

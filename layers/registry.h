@@ -102,8 +102,8 @@ std::unique_ptr<Sequential> build_model(const ModelSpec& spec, const LayerFilter
 
 // The bytes of each layer's parameters (LayerCost::param_bytes; a tied head counted as
 // the copy of the embedding's table it keeps), from the spec alone: its layers are
-// built as build_model builds them, with the same errors, but without storage for
-// their parameters (ParametersWithoutStorage), so nothing the size of the weights is
+// built as build_model builds them, with the same errors, but on shapes (ShapesOnly:
+// parameters without data, runtime/tensor.h), so nothing the size of the weights is
 // allocated. std::nullopt for a model registered in C++ and for one with a layer type
 // of one's own (register_layer), whose code may write its parameters as it makes them.
 struct LayerWeights {

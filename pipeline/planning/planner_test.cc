@@ -507,8 +507,7 @@ TEST_CASE("the planner's GPipe speedups against GPipe's Table 2 (Transformer-48,
   const int Ks[3] = {2, 4, 8}, Ms[3] = {1, 4, 32};
   const double paper[3][3] = {{1.0, 1.07, 1.3}, {1.7, 3.2, 4.8}, {1.8, 3.4, 6.3}};  // [M][K]
   const Config base = load_config("configs/gpipe_transformer48.yaml");
-  layers::ParametersWithoutStorage planned_only;  // 2.5 billion parameters: counted, never allocated
-  RunModel run = build_run_model(base);
+  RunModel run = build_run_model_on_shapes(base);  // 2.5 billion parameters: counted, never allocated
   const DeviceSpec spec = load_device_spec("configs/devices/h100_nvlink_ib.yaml");
   SweepOptions o;
   o.devices = 8;
