@@ -37,6 +37,9 @@ class Allocator {
   // it is reused only after that work has finished (PyTorch's record_stream).
   virtual void record_stream(void* /*ptr*/, Stream& /*stream*/) {}
   virtual Device device() const = 0;
+  // Whether its blocks hold data: false for the tensors of planning on shapes (ShapesOnly,
+  // tensor.h), whose blocks are addresses that nothing maps.
+  virtual bool has_data() const { return true; }
   MemoryStats stats() const;
   void reset_peak();
   // Returns every cached block to the system.

@@ -51,6 +51,7 @@ class MetaAllocator final : public Allocator {
   }
   void deallocate(void*, size_t) override {}
   Device device() const override { return device_; }
+  bool has_data() const override { return false; }
   void release_cache() override {}
 
  private:
@@ -74,7 +75,7 @@ ShapesOnly::~ShapesOnly() { shapes_only = outer_; }
 
 bool ShapesOnly::active() { return shapes_only; }
 
-bool Tensor::is_meta() const { return storage_ && dynamic_cast<MetaAllocator*>(&storage_->allocator()) != nullptr; }
+bool Tensor::is_meta() const { return storage_ && !storage_->allocator().has_data(); }
 
 void Tensor::check_has_data() const {
   if (is_meta()) {

@@ -18,6 +18,7 @@
 #include "pipeline/planning/planner.h"
 #include "pipeline/planning/profile.h"
 #include "pipeline/train/datasets.h"
+#include "pipeline/train/trainer.h"
 #include "runtime/error.h"
 #include "runtime/heartbeat.h"
 #include "runtime/inprocess_transport.h"
@@ -51,15 +52,7 @@ double measure_step_ms(const Config& config, int warmup, int steps) {
   const Plan plan = make_plan(c, *run.model);
   const std::unique_ptr<Dataset> data = make_dataset(c);
   InProcessTransport transport(plan.stages, c.pipeline.timeout_s);
-  ExecutorOptions opts;  // as the trainer runs one process (trainer.cc: executor_options)
-  opts.optimizer = c.optimizer.optimizer;
-  opts.clip_grad_norm = c.optimizer.clip_grad_norm;
-  opts.loss_scale = c.optimizer.loss_scale;
-  opts.loss_scale_window = c.optimizer.loss_scale_window;
-  opts.pin_threads = c.pipeline.pin_threads;
-  opts.bucket_bytes = static_cast<int64_t>(c.pipeline.bucket_mb * (1 << 20));
-  opts.micro_batch_sizes = plan.micro_batch_sizes;
-  Executor ex(*run.model, plan.cells, plan.schedule, transport, opts);
+  Executor ex(*run.model, plan.cells, plan.schedule, transport, executor_options(c, Launch{}, plan, 0));
   ex.set_lr(c.optimizer.optimizer.lr);
   auto [x, y] = data->batch(batch_key(c.train.seed, 0), c.train.batch_size);
   std::vector<double> ms;

@@ -224,27 +224,6 @@ void log_run(const Dataset& data, layers::Sequential& model, const Plan& plan, c
   }
 }
 
-// The executor's settings: the optimizer, this process's stage and rank, its replicas,
-// its rows of the mini-batch, and the job's clock.
-ExecutorOptions executor_options(const Config& c, const Launch& launch, const Plan& plan, double clock_offset_ms) {
-  const bool multi = launch.size > 1;
-  ExecutorOptions opts;
-  opts.optimizer = c.optimizer.optimizer;
-  opts.clip_grad_norm = c.optimizer.clip_grad_norm;
-  opts.loss_scale = c.optimizer.loss_scale;
-  opts.loss_scale_window = c.optimizer.loss_scale_window;
-  opts.pin_threads = c.pipeline.pin_threads;
-  opts.local_stage = multi ? launch.rank : -1;
-  opts.rank = launch.replica * launch.size + launch.rank;
-  opts.replicas = plan.replicas > 1 ? launch.replicas : nullptr;
-  opts.bucket_bytes = static_cast<int64_t>(c.pipeline.bucket_mb * (1 << 20));
-  opts.shard_optimizer = plan.shard_optimizer;
-  opts.sample_offset = launch.replica * plan.replica_batch;
-  opts.micro_batch_sizes = plan.micro_batch_sizes;
-  opts.clock_offset_ms = clock_offset_ms;
-  return opts;
-}
-
 layers::LrSchedule lr_schedule(const Config& c) {
   layers::LrSchedule lr;
   lr.kind = c.optimizer.schedule;
@@ -331,6 +310,27 @@ std::string write_reports(const Config& c, const ReportBuilder& report, RunArtif
 }
 
 }  // namespace
+
+// The executor's settings: the optimizer, this process's stage and rank, its replicas,
+// its rows of the mini-batch, and the job's clock.
+ExecutorOptions executor_options(const Config& c, const Launch& launch, const Plan& plan, double clock_offset_ms) {
+  const bool multi = launch.size > 1;
+  ExecutorOptions opts;
+  opts.optimizer = c.optimizer.optimizer;
+  opts.clip_grad_norm = c.optimizer.clip_grad_norm;
+  opts.loss_scale = c.optimizer.loss_scale;
+  opts.loss_scale_window = c.optimizer.loss_scale_window;
+  opts.pin_threads = c.pipeline.pin_threads;
+  opts.local_stage = multi ? launch.rank : -1;
+  opts.rank = launch.replica * launch.size + launch.rank;
+  opts.replicas = plan.replicas > 1 ? launch.replicas : nullptr;
+  opts.bucket_bytes = static_cast<int64_t>(c.pipeline.bucket_mb * (1 << 20));
+  opts.shard_optimizer = plan.shard_optimizer;
+  opts.sample_offset = launch.replica * plan.replica_batch;
+  opts.micro_batch_sizes = plan.micro_batch_sizes;
+  opts.clock_offset_ms = clock_offset_ms;
+  return opts;
+}
 
 std::vector<int> plan_balance(const Config& c, const layers::Sequential& model) {
   return make_plan(c, model).balance;

@@ -9,6 +9,8 @@
 
 #include "pipeline/config/config.h"
 #include "pipeline/config/run_model.h"
+#include "pipeline/executor/executor.h"
+#include "pipeline/planning/plan.h"
 #include "pipeline/report/report.h"
 #include "pipeline/train/launch.h"
 #include "runtime/transport.h"
@@ -34,6 +36,12 @@ TrainResult train(const Config& config, std::ostream& out, const Launch& launch 
 // shape and dtypes, and there are no per-layer `cost:` overrides.
 TrainResult train(const Config& config, const MakeModel& make_model, std::ostream& out,
                   const Launch& launch = {});
+
+// The executor's options for `plan` of `config` run as `launch` (its stage, replicas,
+// rows), with the report clock's offset: what train() builds its Executor with, and
+// what measured_sweep.h times candidate plans with.
+ExecutorOptions executor_options(const Config& config, const Launch& launch, const Plan& plan,
+                                 double clock_offset_ms);
 
 // The cells a config asks for: its balance, or the balancer's from layer costs.
 std::vector<int> plan_balance(const Config& config, const layers::Sequential& model);
