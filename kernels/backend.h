@@ -143,6 +143,24 @@ class Backend {
   // copies one number back, so a stage's norm waits for its device once, not once a tensor.
   virtual double sum_squares_all(const std::vector<Tensor>& xs);
 
+  // ---- Multi-tensor ops: one call over a stage's tensors (its parameters, their
+  // gradients and optimizer state), equal to the single-tensor op on each, in order.
+  // The lists are parallel (entry i of each belongs to tensor i) and of one length; an
+  // SGD step without momentum passes undefined buffers. The defaults loop over the
+  // single-tensor op; the CUDA backend launches one kernel per call for tensors of one
+  // element type, so a stage's optimizer step, clipping, zeroing and refresh cost a
+  // launch each rather than one per parameter, with the single-tensor kernels' element
+  // arithmetic (bit for bit the same results).
+  virtual void sgd_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                            const std::vector<Tensor>& momentum_bufs, const SgdParams& p, bool first_step);
+  virtual void adam_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                             const std::vector<Tensor>& m, const std::vector<Tensor>& v, const AdamParams& p,
+                             int64_t step);
+  // x *= alpha and x = value for each x; dsts[i] = srcs[i] in dsts[i]'s type (cast).
+  virtual void scale_all(const std::vector<Tensor>& xs, double alpha);
+  virtual void fill_all(const std::vector<Tensor>& xs, double value);
+  virtual void cast_all(const std::vector<Tensor>& srcs, const std::vector<Tensor>& dsts);
+
   // ---- Transformer ops. Shapes use B (batch), T (positions), C (channels), V
   // (vocabulary), H (heads), D = C / H (head width).
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -95,6 +96,52 @@ double Backend::sum_squares_all(const std::vector<Tensor>& xs) {
   double total = 0;
   for (const Tensor& x : xs) total += sum_squares(x);
   return total;
+}
+
+namespace {
+void check_lists(size_t n, std::initializer_list<size_t> others, const char* op) {
+  for (size_t m : others) {
+    if (m != n) {
+      throw Error(std::string(op) + ": lists of " + std::to_string(n) + " and " + std::to_string(m) +
+                  " tensors; each list needs one entry per tensor");
+    }
+  }
+}
+}  // namespace
+
+void Backend::sgd_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                           const std::vector<Tensor>& bufs, const SgdParams& p, bool first_step) {
+  check_lists(params.size(), {grads.size(), bufs.size()}, "sgd_step_all");
+  for (size_t i = 0; i < params.size(); ++i) {
+    Tensor param = params[i], buf = bufs[i];  // handles: they write the same storage
+    sgd_step(param, grads[i], buf, p, first_step);
+  }
+}
+
+void Backend::adam_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                            const std::vector<Tensor>& m, const std::vector<Tensor>& v, const AdamParams& p,
+                            int64_t step) {
+  check_lists(params.size(), {grads.size(), m.size(), v.size()}, "adam_step_all");
+  for (size_t i = 0; i < params.size(); ++i) {
+    Tensor param = params[i], mi = m[i], vi = v[i];
+    adam_step(param, grads[i], mi, vi, p, step);
+  }
+}
+
+void Backend::scale_all(const std::vector<Tensor>& xs, double alpha) {
+  for (Tensor x : xs) scale(x, alpha);
+}
+
+void Backend::fill_all(const std::vector<Tensor>& xs, double value) {
+  for (Tensor x : xs) fill(x, value);
+}
+
+void Backend::cast_all(const std::vector<Tensor>& srcs, const std::vector<Tensor>& dsts) {
+  check_lists(srcs.size(), {dsts.size()}, "cast_all");
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    Tensor dst = dsts[i];
+    cast(srcs[i], dst);
+  }
 }
 
 void CpuBackend::matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, double alpha, double beta) {

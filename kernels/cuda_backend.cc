@@ -209,6 +209,7 @@ void CudaBackend::release() noexcept {
     slots_ = nullptr;
   }
   release_cudnn();  // kernels/cuda_conv_ops.cc
+  release_multi_tables();  // kernels/cuda_multi_tensor_ops.cc
   if (blas_ != nullptr) {
     const cublasStatus_t st = cublasDestroy(blas_);
     if (st != CUBLAS_STATUS_SUCCESS) spdlog::warn("cublasDestroy failed: {}", cublas_status_string(st));
@@ -573,37 +574,6 @@ double CudaBackend::sum_squares(const Tensor& x) {
     using T = std::remove_pointer_t<decltype(tag)>;
     cuda::sum_squares(x.data<T>(), n, work.data<double>(), total, s);
   });
-  auto* host = static_cast<double*>(host_staging_);
-  GPIPE_CUDA_CHECK(cudaMemcpyAsync(host, total, sizeof(double), cudaMemcpyDeviceToHost, s));
-  wait();  // and report what earlier ops flagged
-  return *host;
-}
-
-double CudaBackend::sum_squares_all(const std::vector<Tensor>& xs) {
-  std::vector<const Tensor*> live;
-  int64_t partials = 0;  // the workspace of the largest, reused in stream order by each
-  for (const Tensor& x : xs) {
-    ops::check_float(x, "sum_squares");
-    check_on_device(x, "sum_squares");
-    if (x.numel() == 0) continue;
-    live.push_back(&x);
-    partials = std::max(partials, cuda::sum_squares_workspace(x.numel()));
-  }
-  if (live.empty()) return 0.0;
-  DeviceGuard guard(device_.index);
-  const int64_t count = static_cast<int64_t>(live.size());
-  Tensor work = empty({partials + count + 1}, DType::kF64);  // block sums, each tensor's total, the total
-  double* totals = work.data<double>() + partials;
-  double* total = totals + count;
-  cudaStream_t s = cuda_stream();
-  for (int64_t i = 0; i < count; ++i) {
-    const Tensor& x = *live[i];
-    dispatch_float(x, [&](auto* tag) {
-      using T = std::remove_pointer_t<decltype(tag)>;
-      cuda::sum_squares(x.data<T>(), x.numel(), work.data<double>(), totals + i, s);
-    });
-  }
-  cuda::sum_doubles(totals, count, total, s);
   auto* host = static_cast<double*>(host_staging_);
   GPIPE_CUDA_CHECK(cudaMemcpyAsync(host, total, sizeof(double), cudaMemcpyDeviceToHost, s));
   wait();  // and report what earlier ops flagged

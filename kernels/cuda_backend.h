@@ -32,6 +32,7 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -78,6 +79,17 @@ class CudaBackend : public Backend {
                  int64_t step) override;
   double sum_squares(const Tensor& x) override;
   double sum_squares_all(const std::vector<Tensor>& xs) override;
+  // Multi-tensor ops (kernels/cuda_multi_tensor_ops.cc): one launch for the tensors of
+  // one element type (float32 or float64; cast_all: float32 into a 16-bit type), over a
+  // table kept on the device per list of pointers; other calls loop (Backend's default).
+  void sgd_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                    const std::vector<Tensor>& momentum_bufs, const SgdParams& p, bool first_step) override;
+  void adam_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                     const std::vector<Tensor>& m, const std::vector<Tensor>& v, const AdamParams& p,
+                     int64_t step) override;
+  void scale_all(const std::vector<Tensor>& xs, double alpha) override;
+  void fill_all(const std::vector<Tensor>& xs, double value) override;
+  void cast_all(const std::vector<Tensor>& srcs, const std::vector<Tensor>& dsts) override;
   void embedding(const Tensor& ids, const Tensor& table, const Tensor& pos, Tensor& out) override;
   void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable, Tensor& dpos) override;
   void layernorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y, Tensor& mean,
@@ -155,6 +167,12 @@ class CudaBackend : public Backend {
   // dropout and dropout_backward: the same map (dropout is linear and diagonal).
   void dropout_impl(const Tensor& in, double p, uint64_t key, int64_t sample_offset, Tensor& out, const char* op);
   void release() noexcept;
+  // The device table of a multi-tensor launch over `lists` (parallel lists of tensors,
+  // the empty ones left out), built and copied on first use, then kept: a stage's
+  // parameters, gradients and state do not move, so every later step finds it.
+  // nullopt-like: a table with tensors == 0 when every tensor is empty.
+  cuda::MultiTensorTable multi_table(const std::vector<const std::vector<Tensor>*>& lists, const char* op);
+  void release_multi_tables() noexcept;
   // The cuDNN state (handle bound to stream_, descriptors, chosen algorithms), created
   // on first use by a convolution op; kernels/cuda_conv_ops.cc.
   struct CudnnState& cudnn();
@@ -168,6 +186,8 @@ class CudaBackend : public Backend {
   cuda::ErrorSlot* host_slots_ = nullptr;  // then (kMaxDeferredChecks) where slots_ is read back
   DeferredChecks checks_{kMaxDeferredChecks};  // checks queued since the last wait(), in op order
   void* cudnn_ = nullptr;             // CudnnState*, see cudnn()
+  // multi_table's tables: the host image (the key) -> its copy on the device.
+  std::map<std::vector<int64_t>, int64_t*> multi_tables_;
 };
 
 // A CUDA backend for `device` (the registry in backend_for() calls this).

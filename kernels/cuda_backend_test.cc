@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/cuda_kernels.h"
 #include "kernels/widening_backend.h"
 #include "runtime/allocator.h"
 #include "runtime/cuda_runtime.h"
@@ -1075,6 +1076,138 @@ TEST_CASE("sum_squares: double accumulation, deterministic, empty is 0") {
   CHECK(all == doctest::Approx(cpu().sum_squares_all(on_cpu)).epsilon(1e-10));
   CHECK(gpu().sum_squares_all(on_gpu) == all);
   CHECK(gpu().sum_squares_all({}) == 0.0);
+}
+
+// ---------------------------------------------------------------------------------
+// Multi-tensor ops: one launch over many tensors against the single-tensor op on each
+
+// Tensors of every size class of the table: empty (left out of it), one element, inside
+// one chunk, a chunk and a little, several chunks, and a matrix.
+std::vector<Tensor> multi_tensors(DType dt, uint64_t& seed) {
+  const Shape shapes[] = {{0},    {1}, {1000}, {cuda::kMultiTensorChunk + 7}, {3, cuda::kMultiTensorChunk + 1},
+                          {257, 129}};
+  std::vector<Tensor> out;
+  for (const Shape& s : shapes) out.push_back(to_gpu(random_tensor(s, dt, seed++)));
+  return out;
+}
+
+// Device copies of device tensors.
+std::vector<Tensor> copies(const std::vector<Tensor>& xs) {
+  std::vector<Tensor> out;
+  for (const Tensor& x : xs) {
+    out.push_back(gpu().empty(x.shape(), x.dtype()));
+    gpu().copy(x, out.back());
+  }
+  return out;
+}
+
+std::vector<Tensor> zeros_of(const std::vector<Tensor>& xs) {
+  std::vector<Tensor> out;
+  for (const Tensor& x : xs) out.push_back(gpu().zeros(x.shape(), x.dtype()));
+  return out;
+}
+
+void check_bitwise(const std::vector<Tensor>& got, const std::vector<Tensor>& want) {
+  REQUIRE(got.size() == want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    CAPTURE(i);
+    CHECK(to_doubles(got[i]) == to_doubles(want[i]));
+  }
+}
+
+TEST_CASE("multi-tensor adam_step_all and sgd_step_all equal the single-tensor steps bit for bit") {
+  uint64_t seed = 1250;
+  for (DType dt : kFloatTypes) {
+    CAPTURE(dtype_name(dt));
+    for (bool decoupled : {false, true}) {
+      CAPTURE(decoupled);
+      AdamParams p;
+      p.lr = 3e-3;
+      p.weight_decay = 0.05;
+      p.decoupled = decoupled;
+      std::vector<Tensor> w = multi_tensors(dt, seed), m = zeros_of(w), v = zeros_of(w);
+      std::vector<Tensor> w1 = copies(w), m1 = zeros_of(w), v1 = zeros_of(w);
+      for (int64_t step = 1; step <= 3; ++step) {
+        const std::vector<Tensor> g = multi_tensors(dt, seed);
+        gpu().adam_step_all(w, g, m, v, p, step);
+        for (size_t i = 0; i < w.size(); ++i) gpu().adam_step(w1[i], g[i], m1[i], v1[i], p, step);
+      }
+      check_bitwise(w, w1);
+      check_bitwise(m, m1);
+      check_bitwise(v, v1);
+    }
+    for (double momentum : {0.0, 0.9}) {
+      for (bool nesterov : {false, true}) {
+        if (nesterov && momentum == 0.0) continue;
+        CAPTURE(momentum);
+        CAPTURE(nesterov);
+        SgdParams p;
+        p.lr = 0.05;
+        p.momentum = momentum;
+        p.nesterov = nesterov;
+        p.weight_decay = 0.01;
+        std::vector<Tensor> w = multi_tensors(dt, seed), w1 = copies(w);
+        std::vector<Tensor> b = momentum != 0.0 ? zeros_of(w) : std::vector<Tensor>(w.size());
+        std::vector<Tensor> b1 = momentum != 0.0 ? zeros_of(w) : std::vector<Tensor>(w.size());
+        for (int step = 0; step < 3; ++step) {
+          const std::vector<Tensor> g = multi_tensors(dt, seed);
+          gpu().sgd_step_all(w, g, b, p, step == 0);
+          for (size_t i = 0; i < w.size(); ++i) gpu().sgd_step(w1[i], g[i], b1[i], p, step == 0);
+        }
+        check_bitwise(w, w1);
+        if (momentum != 0.0) check_bitwise(b, b1);
+      }
+    }
+  }
+  // Tensors of two types in one call take the loop, with the same results.
+  std::vector<Tensor> w = multi_tensors(DType::kF32, seed), w64 = multi_tensors(DType::kF64, seed);
+  w.insert(w.end(), w64.begin(), w64.end());
+  std::vector<Tensor> w1 = copies(w), g = copies(w), m = zeros_of(w), v = zeros_of(w), m1 = zeros_of(w),
+                      v1 = zeros_of(w);
+  gpu().adam_step_all(w, g, m, v, AdamParams{}, 1);
+  for (size_t i = 0; i < w.size(); ++i) gpu().adam_step(w1[i], g[i], m1[i], v1[i], AdamParams{}, 1);
+  check_bitwise(w, w1);
+  // Lists of different lengths, and a step 0, are errors.
+  CHECK_THROWS_AS(gpu().adam_step_all(w, g, m, {}, AdamParams{}, 1), Error);
+  CHECK_THROWS_AS(gpu().adam_step_all(w1, g, m1, v1, AdamParams{}, 0), Error);
+}
+
+TEST_CASE("multi-tensor scale_all, fill_all, cast_all and sum_squares_all equal their single-tensor ops") {
+  uint64_t seed = 1270;
+  for (DType dt : kFloatTypes) {
+    CAPTURE(dtype_name(dt));
+    std::vector<Tensor> x = multi_tensors(dt, seed), x1 = copies(x);
+    gpu().scale_all(x, 0.37);
+    for (Tensor& t : x1) gpu().scale(t, 0.37);
+    check_bitwise(x, x1);
+    // The same lists again: the kept table, the same results.
+    gpu().scale_all(x, -1.5);
+    for (Tensor& t : x1) gpu().scale(t, -1.5);
+    check_bitwise(x, x1);
+
+    std::vector<Tensor> on_cpu;
+    for (const Tensor& t : x) on_cpu.push_back(clone(t));
+    const double all = gpu().sum_squares_all(x);
+    CHECK(all == doctest::Approx(cpu().sum_squares_all(on_cpu)).epsilon(1e-10));
+    CHECK(gpu().sum_squares_all(x) == all);  // a fixed order: the same bits again
+
+    gpu().fill_all(x, 2.5);
+    for (const Tensor& t : x) CHECK(to_doubles(t) == std::vector<double>(static_cast<size_t>(t.numel()), 2.5));
+  }
+  // float32 masters into bfloat16 and float16 working copies, rounded as cast() rounds.
+  for (DType narrow : {DType::kBF16, DType::kF16}) {
+    CAPTURE(dtype_name(narrow));
+    const std::vector<Tensor> masters = multi_tensors(DType::kF32, seed);
+    std::vector<Tensor> work, work1;
+    for (const Tensor& t : masters) {
+      work.push_back(gpu().empty(t.shape(), narrow));
+      work1.push_back(gpu().empty(t.shape(), narrow));
+    }
+    gpu().cast_all(masters, work);
+    for (size_t i = 0; i < masters.size(); ++i) gpu().cast(masters[i], work1[i]);
+    check_bitwise(work, work1);
+  }
+  CHECK(gpu().sum_squares_all({gpu().empty({0}, DType::kF32)}) == 0.0);
 }
 
 // ---------------------------------------------------------------------------------

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <cub/device/device_radix_sort.cuh>
 
@@ -398,19 +399,29 @@ __global__ void axpy_kernel(T alpha, const T* x, T* y, int64_t n) {
   GRID_STRIDE_LOOP(i, n) { y[i] += alpha * x[i]; }
 }
 
-// buf == nullptr: no momentum.
+// The scalars of one SGD step, converted to the element type once on the host.
 template <typename T>
-__global__ void sgd_step_kernel(T* w, const T* g, T* buf, int64_t n, T lr, T mom, T wd, bool nesterov,
-                                bool first_step) {
-  GRID_STRIDE_LOOP(i, n) {
-    T d = g[i] + wd * w[i];
-    if (buf != nullptr) {
-      const T b = first_step ? d : mom * buf[i] + d;
-      buf[i] = b;
-      d = nesterov ? d + mom * b : b;
-    }
-    w[i] -= lr * d;
+struct SgdScalars {
+  T lr, momentum, weight_decay;
+  bool nesterov, first_step;
+};
+
+// Element i of one SGD step (the single-tensor and the multi-tensor kernel's
+// arithmetic). buf == nullptr: no momentum.
+template <typename T>
+__device__ __forceinline__ void sgd_update(T* w, const T* g, T* buf, int64_t i, const SgdScalars<T>& s) {
+  T d = g[i] + s.weight_decay * w[i];
+  if (buf != nullptr) {
+    const T b = s.first_step ? d : s.momentum * buf[i] + d;
+    buf[i] = b;
+    d = s.nesterov ? d + s.momentum * b : b;
   }
+  w[i] -= s.lr * d;
+}
+
+template <typename T>
+__global__ void sgd_step_kernel(T* w, const T* g, T* buf, int64_t n, SgdScalars<T> s) {
+  GRID_STRIDE_LOOP(i, n) { sgd_update(w, g, buf, i, s); }
 }
 
 // ---------------------------------------------------------------------------------
@@ -427,22 +438,26 @@ struct AdamScalars {
   bool decay_weights;   // decoupled && weight_decay != 0
 };
 
+// Element i of one Adam step (the single-tensor and the multi-tensor kernel's arithmetic).
+template <typename T>
+__device__ __forceinline__ void adam_update(T* w, const T* grad, T* m, T* v, int64_t i, const AdamScalars<T>& s) {
+  T param = w[i];
+  T g = grad[i];
+  if (s.decoupled) {
+    if (s.decay_weights) param *= s.decay;
+  } else {
+    g += s.weight_decay * param;
+  }
+  const T mi = s.beta1 * m[i] + (T(1) - s.beta1) * g;
+  const T vi = s.beta2 * v[i] + (T(1) - s.beta2) * g * g;
+  m[i] = mi;
+  v[i] = vi;
+  w[i] = param - s.lr * (mi / s.bias_correction1) / (dev_sqrt(vi / s.bias_correction2) + s.eps);
+}
+
 template <typename T>
 __global__ void adam_step_kernel(T* w, const T* grad, T* m, T* v, int64_t n, AdamScalars<T> s) {
-  GRID_STRIDE_LOOP(i, n) {
-    T param = w[i];
-    T g = grad[i];
-    if (s.decoupled) {
-      if (s.decay_weights) param *= s.decay;
-    } else {
-      g += s.weight_decay * param;
-    }
-    const T mi = s.beta1 * m[i] + (T(1) - s.beta1) * g;
-    const T vi = s.beta2 * v[i] + (T(1) - s.beta2) * g * g;
-    m[i] = mi;
-    v[i] = vi;
-    w[i] = param - s.lr * (mi / s.bias_correction1) / (dev_sqrt(vi / s.bias_correction2) + s.eps);
-  }
+  GRID_STRIDE_LOOP(i, n) { adam_update(w, grad, m, v, i, s); }
 }
 
 // partial[blockIdx.x] = sum of x[i]^2 (in double) over this block's grid-stride share.
@@ -465,6 +480,86 @@ __global__ void sum_partials_kernel(const double* partial, int64_t count, double
   for (int64_t i = threadIdx.x; i < count; i += blockDim.x) acc += partial[i];
   acc = block_allreduce(acc, SumOp(), 0.0, shared);
   if (threadIdx.x == 0) *result = acc;
+}
+
+// ---- Multi-tensor kernels: block b takes chunks b, b + gridDim.x, ... of the table
+// (kMultiTensorChunk elements of one tensor each, the last of a tensor shorter) and
+// applies the single-tensor kernel's element arithmetic to each element once.
+
+// The tensor of chunk c and the element range [begin, end) it covers.
+__device__ __forceinline__ void multi_chunk(const MultiTensorTable& tab, int64_t c, int64_t& tensor,
+                                            int64_t& begin, int64_t& end) {
+  int64_t lo = 0, hi = tab.tensors - 1;  // the last tensor whose first chunk is <= c
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (tab.chunk_start[mid] <= c) lo = mid;
+    else hi = mid - 1;
+  }
+  tensor = lo;
+  begin = (c - tab.chunk_start[lo]) * kMultiTensorChunk;
+  const int64_t last = tab.numel[lo];
+  end = begin + kMultiTensorChunk < last ? begin + kMultiTensorChunk : last;
+}
+
+template <typename T>
+__device__ __forceinline__ T* multi_ptr(const MultiTensorTable& tab, int list, int64_t tensor) {
+  return static_cast<T*>(tab.ptrs[list * tab.tensors + tensor]);
+}
+
+// Lists: params, grads, momentum buffers (null pointers without momentum).
+template <typename T>
+__global__ void multi_sgd_kernel(MultiTensorTable tab, SgdScalars<T> s) {
+  for (int64_t c = blockIdx.x; c < tab.chunks; c += gridDim.x) {
+    int64_t t, begin, end;
+    multi_chunk(tab, c, t, begin, end);
+    T* w = multi_ptr<T>(tab, 0, t);
+    const T* g = multi_ptr<T>(tab, 1, t);
+    T* buf = multi_ptr<T>(tab, 2, t);
+    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) sgd_update(w, g, buf, i, s);
+  }
+}
+
+// Lists: params, grads, m, v.
+template <typename T>
+__global__ void multi_adam_kernel(MultiTensorTable tab, AdamScalars<T> s) {
+  for (int64_t c = blockIdx.x; c < tab.chunks; c += gridDim.x) {
+    int64_t t, begin, end;
+    multi_chunk(tab, c, t, begin, end);
+    T* w = multi_ptr<T>(tab, 0, t);
+    const T* g = multi_ptr<T>(tab, 1, t);
+    T* m = multi_ptr<T>(tab, 2, t);
+    T* v = multi_ptr<T>(tab, 3, t);
+    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) adam_update(w, g, m, v, i, s);
+  }
+}
+
+// One list: x *= alpha (scale) or x = value (fill).
+template <typename T>
+__global__ void multi_scale_kernel(MultiTensorTable tab, T alpha, bool fill) {
+  for (int64_t c = blockIdx.x; c < tab.chunks; c += gridDim.x) {
+    int64_t t, begin, end;
+    multi_chunk(tab, c, t, begin, end);
+    T* x = multi_ptr<T>(tab, 0, t);
+    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) x[i] = fill ? alpha : x[i] * alpha;
+  }
+}
+
+// partial[blockIdx.x] = the sum of squares (in double) of this block's chunks; one list.
+template <typename T>
+__global__ void multi_sum_squares_kernel(MultiTensorTable tab, double* partial) {
+  __shared__ double shared[32];
+  double acc = 0.0;
+  for (int64_t c = blockIdx.x; c < tab.chunks; c += gridDim.x) {
+    int64_t t, begin, end;
+    multi_chunk(tab, c, t, begin, end);
+    const T* x = multi_ptr<T>(tab, 0, t);
+    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+      const double v = static_cast<double>(x[i]);
+      acc += v * v;
+    }
+  }
+  acc = block_allreduce(acc, SumOp(), 0.0, shared);
+  if (threadIdx.x == 0) partial[blockIdx.x] = acc;
 }
 
 // ---------------------------------------------------------------------------------
@@ -799,6 +894,18 @@ __global__ void cast_kernel(const S* src, D* dst, int64_t n) {
   GRID_STRIDE_LOOP(i, n) { convert(src[i], dst[i]); }
 }
 
+// Lists: sources, destinations (the cast of each element, as cast_kernel).
+template <typename S, typename D>
+__global__ void multi_cast_kernel(MultiTensorTable tab) {
+  for (int64_t c = blockIdx.x; c < tab.chunks; c += gridDim.x) {
+    int64_t t, begin, end;
+    multi_chunk(tab, c, t, begin, end);
+    const S* src = multi_ptr<S>(tab, 0, t);
+    D* dst = multi_ptr<D>(tab, 1, t);
+    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) convert(src[i], dst[i]);
+  }
+}
+
 #undef GRID_STRIDE_LOOP
 
 // ---------------------------------------------------------------------------------
@@ -925,20 +1032,23 @@ void launch_axpy(double alpha, const T* x, T* y, int64_t n, cudaStream_t stream)
 }
 
 template <typename T>
+SgdScalars<T> sgd_scalars(double lr, double momentum, double weight_decay, bool nesterov, bool first_step) {
+  return SgdScalars<T>{static_cast<T>(lr), static_cast<T>(momentum), static_cast<T>(weight_decay), nesterov,
+                       first_step};
+}
+
+template <typename T>
 void launch_sgd_step(T* param, const T* grad, T* buf, int64_t n, double lr, double momentum, double weight_decay,
                      bool nesterov, bool first_step, cudaStream_t stream) {
   if (n == 0) return;
   sgd_step_kernel<T><<<elementwise_blocks(n), kThreads, 0, stream>>>(
-      param, grad, buf, n, static_cast<T>(lr), static_cast<T>(momentum), static_cast<T>(weight_decay), nesterov,
-      first_step);
+      param, grad, buf, n, sgd_scalars<T>(lr, momentum, weight_decay, nesterov, first_step));
   GPIPE_CHECK_LAUNCH();
 }
 
 template <typename T>
-void launch_adam_step(T* param, const T* grad, T* m, T* v, int64_t n, double lr, double beta1, double beta2,
-                      double eps, double weight_decay, bool decoupled, double bias_correction1,
-                      double bias_correction2, cudaStream_t stream) {
-  if (n == 0) return;
+AdamScalars<T> adam_scalars(double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled,
+                            double bias_correction1, double bias_correction2) {
   AdamScalars<T> s;
   s.lr = static_cast<T>(lr);
   s.beta1 = static_cast<T>(beta1);
@@ -950,6 +1060,16 @@ void launch_adam_step(T* param, const T* grad, T* m, T* v, int64_t n, double lr,
   s.bias_correction2 = static_cast<T>(bias_correction2);
   s.decoupled = decoupled;
   s.decay_weights = decoupled && weight_decay != 0.0;
+  return s;
+}
+
+template <typename T>
+void launch_adam_step(T* param, const T* grad, T* m, T* v, int64_t n, double lr, double beta1, double beta2,
+                      double eps, double weight_decay, bool decoupled, double bias_correction1,
+                      double bias_correction2, cudaStream_t stream) {
+  if (n == 0) return;
+  const AdamScalars<T> s =
+      adam_scalars<T>(lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction1, bias_correction2);
   adam_step_kernel<T><<<elementwise_blocks(n), kThreads, 0, stream>>>(param, grad, m, v, n, s);
   GPIPE_CHECK_LAUNCH();
 }
@@ -964,11 +1084,6 @@ void launch_sum_squares(const T* x, int64_t n, double* workspace, double* result
   sum_squares_partial_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, n, workspace);
   GPIPE_CHECK_LAUNCH();
   sum_partials_kernel<<<1, kThreads, 0, stream>>>(workspace, blocks, result);
-  GPIPE_CHECK_LAUNCH();
-}
-
-void launch_sum_doubles(const double* x, int64_t n, double* result, cudaStream_t stream) {
-  sum_partials_kernel<<<1, kThreads, 0, stream>>>(x, n, result);
   GPIPE_CHECK_LAUNCH();
 }
 
@@ -1301,9 +1416,6 @@ void sum_squares(const float* x, int64_t n, double* workspace, double* result, c
 void sum_squares(const double* x, int64_t n, double* workspace, double* result, cudaStream_t stream) {
   launch_sum_squares(x, n, workspace, result, stream);
 }
-void sum_doubles(const double* x, int64_t n, double* result, cudaStream_t stream) {
-  launch_sum_doubles(x, n, result, stream);
-}
 
 void embedding(const int32_t* ids, const float* table, const float* pos, float* out, int64_t batch,
                int64_t seq, int64_t vocab, int64_t channels, ErrorSlot* error, cudaStream_t stream) {
@@ -1387,6 +1499,126 @@ void cast(const void* src, DType from, void* dst, DType to, int64_t n, cudaStrea
   if (from == DType::kF32 && to == DType::kF64) return launch_cast<float, double>(src, dst, n, stream);
   if (from == DType::kF64 && to == DType::kF32) return launch_cast<double, float>(src, dst, n, stream);
   throw Error(std::string("cast from ") + dtype_name(from) + " to " + dtype_name(to) + " on a GPU");
+}
+
+// ---- Multi-tensor launches
+
+std::vector<int64_t> multi_tensor_image(const std::vector<std::vector<const void*>>& lists,
+                                        const std::vector<int64_t>& numel) {
+  const int64_t n = static_cast<int64_t>(numel.size());
+  std::vector<int64_t> image;
+  image.reserve(static_cast<size_t>(2 * n + 1 + static_cast<int64_t>(lists.size()) * n));
+  int64_t chunks = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    GPIPE_CHECK(numel[t] > 0, "multi_tensor_image: tensor " + std::to_string(t) + " is empty");
+    image.push_back(chunks);
+    chunks += (numel[t] + kMultiTensorChunk - 1) / kMultiTensorChunk;
+  }
+  image.push_back(chunks);
+  image.insert(image.end(), numel.begin(), numel.end());
+  for (const std::vector<const void*>& list : lists) {
+    GPIPE_CHECK(static_cast<int64_t>(list.size()) == n, "multi_tensor_image: a list of another length");
+    for (const void* p : list) image.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(p)));
+  }
+  return image;
+}
+
+MultiTensorTable multi_tensor_view(const int64_t* image, const std::vector<int64_t>& host_image, int lists) {
+  MultiTensorTable tab;
+  tab.tensors = (static_cast<int64_t>(host_image.size()) - 1) / (2 + lists);
+  tab.lists = lists;
+  tab.chunks = host_image[static_cast<size_t>(tab.tensors)];
+  tab.chunk_start = image;
+  tab.numel = image + tab.tensors + 1;
+  tab.ptrs = reinterpret_cast<void* const*>(image + 2 * tab.tensors + 1);
+  return tab;
+}
+
+namespace {
+unsigned multi_blocks(const MultiTensorTable& tab, int64_t cap) {
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(tab.chunks, cap)));
+}
+}  // namespace
+
+void multi_sgd_step(const MultiTensorTable& tab, DType t, double lr, double momentum, double weight_decay,
+                    bool nesterov, bool first_step, cudaStream_t stream) {
+  if (tab.chunks == 0) return;
+  if (t == DType::kF32) {
+    multi_sgd_kernel<float><<<multi_blocks(tab, kMaxBlocks), kThreads, 0, stream>>>(
+        tab, sgd_scalars<float>(lr, momentum, weight_decay, nesterov, first_step));
+  } else if (t == DType::kF64) {
+    multi_sgd_kernel<double><<<multi_blocks(tab, kMaxBlocks), kThreads, 0, stream>>>(
+        tab, sgd_scalars<double>(lr, momentum, weight_decay, nesterov, first_step));
+  } else {
+    throw Error(std::string("multi_sgd_step: ") + dtype_name(t) + " tensors; float32 or float64 only");
+  }
+  GPIPE_CUDA_CHECK(cudaGetLastError());
+}
+
+void multi_adam_step(const MultiTensorTable& tab, DType t, double lr, double beta1, double beta2, double eps,
+                     double weight_decay, bool decoupled, double bias_correction1, double bias_correction2,
+                     cudaStream_t stream) {
+  if (tab.chunks == 0) return;
+  if (t == DType::kF32) {
+    multi_adam_kernel<float><<<multi_blocks(tab, kMaxBlocks), kThreads, 0, stream>>>(
+        tab, adam_scalars<float>(lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction1,
+                                 bias_correction2));
+  } else if (t == DType::kF64) {
+    multi_adam_kernel<double><<<multi_blocks(tab, kMaxBlocks), kThreads, 0, stream>>>(
+        tab, adam_scalars<double>(lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction1,
+                                  bias_correction2));
+  } else {
+    throw Error(std::string("multi_adam_step: ") + dtype_name(t) + " tensors; float32 or float64 only");
+  }
+  GPIPE_CUDA_CHECK(cudaGetLastError());
+}
+
+void multi_scale(const MultiTensorTable& tab, DType t, double alpha, bool fill, cudaStream_t stream) {
+  if (tab.chunks == 0) return;
+  if (t == DType::kF32) {
+    multi_scale_kernel<float><<<multi_blocks(tab, kMaxBlocks), kThreads, 0, stream>>>(tab, static_cast<float>(alpha),
+                                                                                    fill);
+  } else if (t == DType::kF64) {
+    multi_scale_kernel<double><<<multi_blocks(tab, kMaxBlocks), kThreads, 0, stream>>>(tab, alpha, fill);
+  } else {
+    throw Error(std::string("multi_scale: ") + dtype_name(t) + " tensors; float32 or float64 only");
+  }
+  GPIPE_CUDA_CHECK(cudaGetLastError());
+}
+
+int64_t multi_sum_squares_workspace(const MultiTensorTable& tab) {
+  return multi_blocks(tab, kSumSquaresMaxBlocks);
+}
+
+void multi_sum_squares(const MultiTensorTable& tab, DType t, double* workspace, double* result,
+                       cudaStream_t stream) {
+  const unsigned blocks = multi_blocks(tab, kSumSquaresMaxBlocks);
+  if (t == DType::kF32) {
+    multi_sum_squares_kernel<float><<<blocks, kThreads, 0, stream>>>(tab, workspace);
+  } else if (t == DType::kF64) {
+    multi_sum_squares_kernel<double><<<blocks, kThreads, 0, stream>>>(tab, workspace);
+  } else {
+    throw Error(std::string("multi_sum_squares: ") + dtype_name(t) + " tensors; float32 or float64 only");
+  }
+  GPIPE_CUDA_CHECK(cudaGetLastError());
+  sum_partials_kernel<<<1, kThreads, 0, stream>>>(workspace, blocks, result);
+  GPIPE_CUDA_CHECK(cudaGetLastError());
+}
+
+bool multi_cast_supported(DType from, DType to) {
+  return from == DType::kF32 && (to == DType::kBF16 || to == DType::kF16);
+}
+
+void multi_cast(const MultiTensorTable& tab, DType from, DType to, cudaStream_t stream) {
+  if (tab.chunks == 0) return;
+  GPIPE_CHECK(multi_cast_supported(from, to),
+              std::string("multi_cast from ") + dtype_name(from) + " to " + dtype_name(to));
+  if (to == DType::kBF16) {
+    multi_cast_kernel<float, BFloat16><<<multi_blocks(tab, kMaxBlocks), kThreads, 0, stream>>>(tab);
+  } else {
+    multi_cast_kernel<float, Half><<<multi_blocks(tab, kMaxBlocks), kThreads, 0, stream>>>(tab);
+  }
+  GPIPE_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace cuda

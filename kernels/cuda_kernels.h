@@ -18,6 +18,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "kernels/deferred_checks.h"  // cuda::ErrorSlot
 #include "runtime/bf16.h"
@@ -163,9 +164,48 @@ void adam_step(double* param, const double* grad, double* m, double* v, int64_t 
 int64_t sum_squares_workspace(int64_t n);
 void sum_squares(const float* x, int64_t n, double* workspace, double* result, cudaStream_t stream);
 void sum_squares(const double* x, int64_t n, double* workspace, double* result, cudaStream_t stream);
-// *result = the sum of x: (n) doubles, in one block (per-thread strided sums, then a
-// tree): in a fixed order, for n up to a few thousand (a stage's tensors' sums).
-void sum_doubles(const double* x, int64_t n, double* result, cudaStream_t stream);
+
+// ---- Multi-tensor launches (the Backend's *_all ops): one kernel over many tensors of
+// one element type. A table in device memory describes them: for each tensor its
+// element count and one pointer per list (params, grads, ...). Its content depends only
+// on those pointers and counts, so a caller builds it once (multi_tensor_image, copied
+// to the device as it is) and reuses it while the tensors live: no upload per step.
+// Each block takes chunks of kMultiTensorChunk elements of one tensor, so a launch
+// spreads over the GPU whatever the tensors' sizes. Element arithmetic: the
+// single-tensor kernels' (bit for bit the same results); sums of squares in another
+// fixed order (one partial sum per block, then one block over them).
+constexpr int64_t kMultiTensorChunk = 65536;
+struct MultiTensorTable {
+  const int64_t* chunk_start = nullptr;  // (tensors + 1): tensor t's first chunk; [tensors] = chunks
+  const int64_t* numel = nullptr;        // (tensors), each > 0
+  void* const* ptrs = nullptr;           // (lists x tensors): list l's tensor t at [l * tensors + t]
+  int64_t tensors = 0, chunks = 0;
+  int lists = 0;
+};
+// The table's words, to be copied to the device as they are: chunk_start, numel, then
+// each list's pointers. numel: every entry > 0 (leave empty tensors out).
+std::vector<int64_t> multi_tensor_image(const std::vector<std::vector<const void*>>& lists,
+                                        const std::vector<int64_t>& numel);
+// The table over `image` (device memory holding host_image's words).
+MultiTensorTable multi_tensor_view(const int64_t* image, const std::vector<int64_t>& host_image, int lists);
+// Lists: params, grads, momentum buffers (nullptr entries without momentum); float32 or float64.
+void multi_sgd_step(const MultiTensorTable& tab, DType t, double lr, double momentum, double weight_decay,
+                    bool nesterov, bool first_step, cudaStream_t stream);
+// Lists: params, grads, m, v; float32 or float64.
+void multi_adam_step(const MultiTensorTable& tab, DType t, double lr, double beta1, double beta2, double eps,
+                     double weight_decay, bool decoupled, double bias_correction1, double bias_correction2,
+                     cudaStream_t stream);
+// One list: x *= alpha, or x = alpha when fill; float32 or float64.
+void multi_scale(const MultiTensorTable& tab, DType t, double alpha, bool fill, cudaStream_t stream);
+// One list: *result (device) = the sum of every element's square, in double.
+// workspace: multi_sum_squares_workspace(tab) doubles.
+int64_t multi_sum_squares_workspace(const MultiTensorTable& tab);
+void multi_sum_squares(const MultiTensorTable& tab, DType t, double* workspace, double* result,
+                       cudaStream_t stream);
+// Lists: sources, destinations; the pairs multi_cast_supported accepts (float32 into
+// bfloat16 or float16: a narrow model's working copies), rounded as cast() rounds.
+bool multi_cast_supported(DType from, DType to);
+void multi_cast(const MultiTensorTable& tab, DType from, DType to, cudaStream_t stream);
 
 // ---- Transformer ops. B batch, T positions, C channels, V vocabulary; P = B * T
 // positions in all, counted p = b * T + t (P < 2^31 - 1).

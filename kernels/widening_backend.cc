@@ -1,5 +1,6 @@
 #include "kernels/widening_backend.h"
 
+#include <algorithm>
 #include <deque>
 #include <utility>
 #include <vector>
@@ -198,6 +199,36 @@ double WideningBackend::sum_squares_all(const std::vector<Tensor>& xs) {
     if (any_narrow(x)) return Backend::sum_squares_all(xs);  // each widened on its own
   }
   return inner_->sum_squares_all(xs);
+}
+
+namespace {
+template <typename... Lists>
+bool any_narrow_in(const Lists&... lists) {
+  return ((std::any_of(lists.begin(), lists.end(), [](const Tensor& t) { return is_narrow(t.dtype()); })) || ...);
+}
+}  // namespace
+
+void WideningBackend::sgd_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                                   const std::vector<Tensor>& bufs, const SgdParams& p, bool first_step) {
+  if (any_narrow_in(params, grads, bufs)) return Backend::sgd_step_all(params, grads, bufs, p, first_step);
+  inner_->sgd_step_all(params, grads, bufs, p, first_step);
+}
+
+void WideningBackend::adam_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                                    const std::vector<Tensor>& m, const std::vector<Tensor>& v, const AdamParams& p,
+                                    int64_t step) {
+  if (any_narrow_in(params, grads, m, v)) return Backend::adam_step_all(params, grads, m, v, p, step);
+  inner_->adam_step_all(params, grads, m, v, p, step);
+}
+
+void WideningBackend::scale_all(const std::vector<Tensor>& xs, double alpha) {
+  if (any_narrow_in(xs)) return Backend::scale_all(xs, alpha);
+  inner_->scale_all(xs, alpha);
+}
+
+void WideningBackend::fill_all(const std::vector<Tensor>& xs, double value) {
+  if (any_narrow_in(xs)) return Backend::fill_all(xs, value);
+  inner_->fill_all(xs, value);
 }
 
 void WideningBackend::embedding(const Tensor& ids, const Tensor& table, const Tensor& pos, Tensor& out) {

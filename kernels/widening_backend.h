@@ -58,6 +58,18 @@ class WideningBackend : public Backend {
                  int64_t step) override;
   double sum_squares(const Tensor& x) override;
   double sum_squares_all(const std::vector<Tensor>& xs) override;
+  // The multi-tensor ops go to the wrapped backend whole when no operand is narrow (a
+  // narrow model's optimizer works on float32 masters), else each tensor is widened.
+  void sgd_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                    const std::vector<Tensor>& momentum_bufs, const SgdParams& p, bool first_step) override;
+  void adam_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                     const std::vector<Tensor>& m, const std::vector<Tensor>& v, const AdamParams& p,
+                     int64_t step) override;
+  void scale_all(const std::vector<Tensor>& xs, double alpha) override;
+  void fill_all(const std::vector<Tensor>& xs, double value) override;
+  void cast_all(const std::vector<Tensor>& srcs, const std::vector<Tensor>& dsts) override {
+    inner_->cast_all(srcs, dsts);
+  }
   void embedding(const Tensor& ids, const Tensor& table, const Tensor& pos, Tensor& out) override;
   void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable, Tensor& dpos) override;
   void layernorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y, Tensor& mean,

@@ -261,3 +261,78 @@ TEST_CASE("an op the backend computes in 16 bits itself reaches it unwidened; an
   be.relu(x, y = be.empty(x.shape(), F));  // mixed: widened
   CHECK(inner.seen == std::vector<std::vector<DType>>{{F, F}});
 }
+
+// The multi-tensor ops (Backend::*_all) through the backend every device gets: float32
+// lists go to the wrapped backend whole, lists with a narrow tensor are widened tensor
+// by tensor; either way each tensor ends as the single-tensor op leaves it.
+TEST_CASE("multi-tensor ops equal the single-tensor op on each tensor, narrow tensors included") {
+  Backend& be = backend_for(Device::cpu());
+  auto list = [](DType dt, uint64_t seed) {
+    std::vector<Tensor> out;
+    for (const Shape& s : {Shape{0}, Shape{1}, Shape{7, 5}, Shape{300}}) out.push_back(random_tensor(s, dt, seed++));
+    return out;
+  };
+  auto copies = [](const std::vector<Tensor>& xs) {
+    std::vector<Tensor> out;
+    for (const Tensor& x : xs) {
+      out.push_back(Tensor::empty(x.shape(), x.dtype(), Device::cpu()));
+      copy_tensor(x, out.back());
+    }
+    return out;
+  };
+  auto same = [](const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
+    REQUIRE(a.size() == b.size());
+    for (size_t i = 0; i < a.size(); ++i) CHECK(same_bits(a[i], b[i]));
+  };
+  for (DType dt : {DType::kF32, DType::kF64, DType::kBF16}) {
+    CAPTURE(dtype_name(dt));
+    AdamParams ap;
+    ap.weight_decay = 0.1;
+    ap.decoupled = true;
+    std::vector<Tensor> w = list(dt, 10), m = list(dt, 20), v = list(dt, 30);
+    for (Tensor& t : v) be.scale(t, 0.0);  // second moments start at 0
+    std::vector<Tensor> w1 = copies(w), m1 = copies(m), v1 = copies(v);
+    const std::vector<Tensor> g = list(dt, 40);
+    be.adam_step_all(w, g, m, v, ap, 2);
+    for (size_t i = 0; i < w.size(); ++i) be.adam_step(w1[i], g[i], m1[i], v1[i], ap, 2);
+    same(w, w1);
+    same(m, m1);
+    same(v, v1);
+
+    SgdParams sp;
+    sp.momentum = 0.9;
+    std::vector<Tensor> b = list(dt, 50), b1 = copies(b), u = copies(w1), u1 = copies(w1);
+    be.sgd_step_all(w, g, b, sp, false);
+    for (size_t i = 0; i < w1.size(); ++i) be.sgd_step(w1[i], g[i], b1[i], sp, false);
+    same(w, w1);
+    same(b, b1);
+    sp.momentum = 0.0;  // no momentum: undefined buffers
+    be.sgd_step_all(u, g, std::vector<Tensor>(u.size()), sp, true);
+    for (size_t i = 0; i < u1.size(); ++i) {
+      Tensor none;
+      be.sgd_step(u1[i], g[i], none, sp, true);
+    }
+    same(u, u1);
+
+    be.scale_all(u, 0.25);
+    for (Tensor& t : u1) be.scale(t, 0.25);
+    same(u, u1);
+    be.fill_all(u, 1.5);
+    for (const Tensor& t : u) CHECK(testing::to_doubles(t) == std::vector<double>(static_cast<size_t>(t.numel()), 1.5));
+  }
+  // Masters into working copies.
+  const std::vector<Tensor> masters = list(DType::kF32, 60);
+  std::vector<Tensor> work, work1;
+  for (const Tensor& t : masters) {
+    work.push_back(Tensor::empty(t.shape(), DType::kBF16, Device::cpu()));
+    work1.push_back(Tensor::empty(t.shape(), DType::kBF16, Device::cpu()));
+  }
+  be.cast_all(masters, work);
+  for (size_t i = 0; i < masters.size(); ++i) be.cast(masters[i], work1[i]);
+  same(work, work1);
+  // One entry per tensor in every list.
+  std::vector<Tensor> w = list(DType::kF32, 70);
+  CHECK_THROWS_WITH_AS(be.adam_step_all(w, w, w, {}, AdamParams{}, 1),
+                       doctest::Contains("each list needs one entry per tensor"), Error);
+  CHECK_THROWS_AS(be.cast_all(masters, {}), Error);
+}

@@ -14,6 +14,16 @@
 namespace gpipe {
 namespace layers {
 
+void refresh_all(Backend& be, const std::vector<Parameter*>& params) {
+  std::vector<Tensor> masters, working;
+  for (Parameter* p : params) {
+    if (!p->working.defined()) continue;
+    masters.push_back(p->value);
+    working.push_back(p->working);
+  }
+  be.cast_all(masters, working);
+}
+
 std::vector<CostPart> backward_parts(const LayerCost& c) {
   if (!c.backward_parts.empty()) return c.backward_parts;
   std::vector<CostPart> parts;

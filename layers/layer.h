@@ -35,6 +35,10 @@ struct Parameter {
   }
 };
 
+// refresh() for each of `params` in one multi-tensor call (one launch on a GPU); those
+// without a working copy are skipped.
+void refresh_all(Backend& be, const std::vector<Parameter*>& params);
+
 // State a layer keeps that nothing trains but the model needs (BatchNorm's running
 // statistics): saved in checkpoints beside the parameters, under names built like
 // theirs ("running_mean", "bn1.running_mean").

@@ -1,6 +1,7 @@
 #include "layers/optimizer.h"
 
 #include <cmath>
+#include <cstddef>
 
 #include "runtime/error.h"
 
@@ -13,6 +14,36 @@ std::vector<Tensor> zeros_like(const std::vector<Parameter*>& params) {
   for (Parameter* p : params) out.push_back(backend_for(p->value.device()).zeros(p->value.shape(), p->value.dtype()));
   return out;
 }
+
+// Calls step(backend, [begin, end)) for each run of consecutive parameters on one device
+// (a stage's parameters are one run): one multi-tensor call per run.
+template <typename F>
+void for_device_runs(const std::vector<Parameter*>& params, F&& step) {
+  for (size_t begin = 0; begin < params.size();) {
+    const Device device = params[begin]->value.device();
+    size_t end = begin + 1;
+    while (end < params.size() && params[end]->value.device() == device) ++end;
+    step(backend_for(device), begin, end);
+    begin = end;
+  }
+}
+
+std::vector<Tensor> values(const std::vector<Parameter*>& params, size_t begin, size_t end) {
+  std::vector<Tensor> out;
+  for (size_t i = begin; i < end; ++i) out.push_back(params[i]->value);
+  return out;
+}
+
+std::vector<Tensor> grads(const std::vector<Parameter*>& params, size_t begin, size_t end) {
+  std::vector<Tensor> out;
+  for (size_t i = begin; i < end; ++i) out.push_back(params[i]->grad);
+  return out;
+}
+
+std::vector<Tensor> slice(const std::vector<Tensor>& xs, size_t begin, size_t end) {
+  return std::vector<Tensor>(xs.begin() + static_cast<std::ptrdiff_t>(begin),
+                             xs.begin() + static_cast<std::ptrdiff_t>(end));
+}
 }  // namespace
 
 Sgd::Sgd(std::vector<Parameter*> params, const SgdParams& p) : Optimizer(std::move(params)), p_(p) {
@@ -21,10 +52,10 @@ Sgd::Sgd(std::vector<Parameter*> params, const SgdParams& p) : Optimizer(std::mo
 }
 
 void Sgd::step() {
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Parameter* prm = params_[i];
-    backend_for(prm->value.device()).sgd_step(prm->value, prm->grad, momentum_[i], p_, steps_ == 0);
-  }
+  for_device_runs(params_, [&](Backend& be, size_t begin, size_t end) {
+    be.sgd_step_all(values(params_, begin, end), grads(params_, begin, end), slice(momentum_, begin, end), p_,
+                    steps_ == 0);
+  });
   ++steps_;
 }
 
@@ -40,10 +71,10 @@ Adam::Adam(std::vector<Parameter*> params, const AdamParams& p)
 
 void Adam::step() {
   ++steps_;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Parameter* prm = params_[i];
-    backend_for(prm->value.device()).adam_step(prm->value, prm->grad, m_[i], v_[i], p_, steps_);
-  }
+  for_device_runs(params_, [&](Backend& be, size_t begin, size_t end) {
+    be.adam_step_all(values(params_, begin, end), grads(params_, begin, end), slice(m_, begin, end),
+                     slice(v_, begin, end), p_, steps_);
+  });
 }
 
 std::unique_ptr<Optimizer> make_optimizer(std::vector<Parameter*> params, const OptimizerConfig& c) {

@@ -310,7 +310,9 @@ Tensor Executor::to_device(StageRuntime& rt, const Tensor& host) {
 // training step, before its program's first receive (first_gradient_wait): after a
 // step they hold what the optimizer applied (or, without it, what was accumulated).
 void Executor::zero_grads(StageRuntime& rt) {
-  for (auto* p : rt.params) rt.backend->fill(p->grad, 0.0);
+  std::vector<Tensor> grads;
+  for (auto* p : rt.params) grads.push_back(p->grad);
+  rt.backend->fill_all(grads, 0.0);  // one launch on a GPU
 }
 
 // The cell's forward; a first forward keeps what backward needs (or, for a
@@ -475,14 +477,14 @@ void Executor::optimizer_step(StageRuntime& rt) {
       if (clip < 1.0) coef *= clip;
     }
     if (coef != 1.0) {
-      for (layers::Parameter* p : rt.optimizer->params()) rt.backend->scale(p->grad, coef);
+      std::vector<Tensor> grads;
+      for (layers::Parameter* p : rt.optimizer->params()) grads.push_back(p->grad);
+      rt.backend->scale_all(grads, coef);
     }
-    rt.optimizer->step();
+    rt.optimizer->step();  // one launch per stage on a GPU (multi-tensor)
     // The working copies of a narrow model, from the stepped masters (a sharded
     // optimizer's after AG has gathered them).
-    if (!rt.sharding) {
-      for (layers::Parameter* p : rt.params) p->refresh(*rt.backend);
-    }
+    if (!rt.sharding) layers::refresh_all(*rt.backend, rt.params);
   }
   if (!rt.statistics_folded) fold_statistics(rt);
   rt.clock->after(rt.backend->stream(), rt.trace.ops.size());

@@ -122,7 +122,7 @@ int64_t Executor::gather_parameters(StageRuntime& rt) {
       rt.backend->copy(sh.flat.narrow_rows(static_cast<int64_t>(from) * B + piece.shard_offset, piece.length), into);
     }
   }
-  for (layers::Parameter* p : rt.params) p->refresh(*rt.backend);  // a bf16 or fp16 model's working copies
+  layers::refresh_all(*rt.backend, rt.params);  // a bf16 or fp16 model's working copies
   return static_cast<int64_t>(sh.value_block.nbytes());
 }
 

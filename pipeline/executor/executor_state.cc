@@ -142,7 +142,7 @@ void Executor::restore_state(int k, const std::map<std::string, Tensor>& model,
     }
   }
   GPIPE_CHECK(index == params.size(), "optimizer parameters out of layer order");
-  for (layers::Parameter* p : params) p->refresh(*rt.backend);  // a bf16 or fp16 model's working copies
+  layers::refresh_all(*rt.backend, params);  // a bf16 or fp16 model's working copies
   if (rt.sharding) restore_sharded_optimizer(rt, names, optimizer);
   if (steps >= 0) rt.optimizer->set_steps(steps);
 }
