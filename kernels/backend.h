@@ -64,7 +64,10 @@ class Backend {
   //   the others: every floating-point operand of type t.
   // The CPU reference computes none (the widening is the reference); the CUDA backend
   // computes the products (cublasGemmEx) and the elementwise ops below.
-  enum class NarrowOp { kMatmul, kAddBias, kRelu, kReluBackward, kGelu, kGeluBackward };
+  //   kAxpy: x and y of type t; the fused ops (kRmsNorm: rmsnorm and its two backward
+  //   ops; kSwiglu: swiglu and swiglu_backward): their activations of type t, their
+  //   per-row statistics and the weight gradient of the master type (float32).
+  enum class NarrowOp { kMatmul, kAddBias, kRelu, kReluBackward, kGelu, kGeluBackward, kAxpy, kRmsNorm, kSwiglu };
   virtual bool computes_narrow(NarrowOp op, DType t) const {
     (void)op;
     (void)t;
@@ -268,6 +271,26 @@ class Backend {
   virtual void row_dot(const Tensor& a, const Tensor& b, double alpha, Tensor& out) = 0;
   // out[r] = 1 / sqrt(mean_c x[r, c]^2 + eps); out: R elements.
   virtual void row_inverse_rms(const Tensor& x, double eps, Tensor& out) = 0;
+
+  // ---- Fused ops of the built-in LLaMA layers (RMSNorm, SwiGLU). A GPU computes each in
+  // one kernel (for bfloat16 and float16 in float32, rounding once on store); the
+  // defaults compose the generic ops above in the order the layers used to call them,
+  // which is the CPU reference, so CPU results are those of the composition bit for bit.
+  // x, dy viewed as (R, C), C the last dimension; g (C) of x's type; rstd (R) and dg (C)
+  // of the master type (master_dtype: float32 for a 16-bit x).
+
+  // rstd[r] = 1 / sqrt(mean_c x[r, c]^2 + eps);  y[r, c] = x[r, c] rstd[r] g[c].
+  virtual void rmsnorm(const Tensor& x, const Tensor& g, double eps, Tensor& y, Tensor& rstd);
+  // The input gradient, from the forward's rstd: with xhat = x rstd and gdy = dy g,
+  //   dx = rstd (gdy - xhat mean_c(gdy xhat)).   dx overwritten; it may not alias.
+  virtual void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& rstd, Tensor& dx);
+  // The weight gradient, accumulated: dg[c] += sum_r dy[r, c] x[r, c] rstd[r].
+  virtual void rmsnorm_weight_grad(const Tensor& dy, const Tensor& x, const Tensor& rstd, Tensor& dg);
+  // SwiGLU's gate: y = silu(a) * b (a, b, y: one shape and type; y may alias a or b).
+  virtual void swiglu(const Tensor& a, const Tensor& b, Tensor& y);
+  // Its gradients, overwritten: da = dy b silu'(a), db = dy silu(a). da and db may not
+  // alias the inputs or each other.
+  virtual void swiglu_backward(const Tensor& dy, const Tensor& a, const Tensor& b, Tensor& da, Tensor& db);
 
   // ---- Broadcasting binary ops, reductions over the last axis and softmax: what a layer
   // written as forward only composes (layers/derived.h), each with what its gradient

@@ -109,6 +109,43 @@ void check_lists(size_t n, std::initializer_list<size_t> others, const char* op)
 }
 }  // namespace
 
+void Backend::rmsnorm(const Tensor& x, const Tensor& g, double eps, Tensor& y, Tensor& rstd) {
+  row_inverse_rms(x, eps, rstd);
+  scale_rows(x, rstd, y);  // xhat = x * rstd
+  scale_columns(y, g, y);  // y = xhat * g
+}
+
+void Backend::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& rstd, Tensor& dx) {
+  const int64_t rows = rstd.numel();
+  Tensor xhat = empty(x.shape(), x.dtype());
+  scale_rows(x, rstd, xhat);
+  scale_columns(dy, g, dx);                  // gdy
+  Tensor dot = empty({rows}, rstd.dtype());  // mean_c(gdy * xhat)
+  row_dot(dx, xhat, 1.0 / static_cast<double>(x.shape().back()), dot);
+  scale_rows(xhat, dot, xhat);
+  axpy(-1.0, xhat, dx);
+  scale_rows(dx, rstd, dx);
+}
+
+void Backend::rmsnorm_weight_grad(const Tensor& dy, const Tensor& x, const Tensor& rstd, Tensor& dg) {
+  Tensor t = empty(x.shape(), x.dtype());
+  scale_rows(x, rstd, t);  // xhat
+  mul(dy, t, t);
+  bias_grad(t.reshape({rstd.numel(), dg.numel()}), dg, /*beta=*/1.0);
+}
+
+void Backend::swiglu(const Tensor& a, const Tensor& b, Tensor& y) {
+  unary(Unary::kSilu, a, y);  // s
+  mul(y, b, y);               // s * b
+}
+
+void Backend::swiglu_backward(const Tensor& dy, const Tensor& a, const Tensor& b, Tensor& da, Tensor& db) {
+  unary(Unary::kSilu, a, da);  // s, in da's storage until da is written
+  mul(dy, da, db);             // db = dy * s
+  mul(dy, b, da);              // dy * b
+  unary_backward(Unary::kSilu, a, da, da);
+}
+
 void Backend::sgd_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                            const std::vector<Tensor>& bufs, const SgdParams& p, bool first_step) {
   check_lists(params.size(), {grads.size(), bufs.size()}, "sgd_step_all");

@@ -11,6 +11,7 @@
 #include <thread>
 #include <type_traits>
 
+#include "kernels/cuda_fused.h"
 #include "kernels/cuda_kernels.h"
 #include "kernels/op_checks.h"
 #include "kernels/transformer_checks.h"
@@ -515,11 +516,17 @@ void CudaBackend::scale(Tensor& x, double alpha) {
 }
 
 void CudaBackend::axpy(double alpha, const Tensor& x, Tensor& y) {
-  ops::check_float(x, "axpy");
+  check_storage(x, "axpy");
   ops::check_same(x, y, "axpy");
   check_on_device(x, "axpy");
   check_on_device(y, "axpy");
   DeviceGuard guard(device_.index);
+  if (x.dtype() == DType::kBF16) {  // a 16-bit model's residual adds (NarrowOp::kAxpy)
+    return cuda::axpy_narrow(alpha, x.data<BFloat16>(), y.data<BFloat16>(), x.numel(), cuda_stream());
+  }
+  if (x.dtype() == DType::kF16) {
+    return cuda::axpy_narrow(alpha, x.data<Half>(), y.data<Half>(), x.numel(), cuda_stream());
+  }
   dispatch_float(x, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     cuda::axpy(alpha, x.data<T>(), y.data<T>(), x.numel(), cuda_stream());

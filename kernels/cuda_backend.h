@@ -2,9 +2,10 @@
 // for everything else, all queued on one non-blocking stream per backend. Same
 // semantics as the CPU reference (kernels/cpu_backend.cc) for float32 and float64.
 // bfloat16 and float16: the matrix products (cublasGemmEx, 16-bit inputs, float32
-// compute, c in the 16-bit type or float32) and the elementwise ops add_bias, relu, gelu
-// and their backwards (kernels templated on the storage type: load into float32,
-// compute, round once on store) take them as they are (computes_narrow); the other
+// compute, c in the 16-bit type or float32), the elementwise ops add_bias, relu, gelu
+// and their backwards, axpy and the fused ops (RMSNorm, SwiGLU: kernels/cuda_fused.cu)
+// (kernels templated on the storage type: load into float32, compute, round once on
+// store) take them as they are (computes_narrow); the other
 // ops' narrow operands are widened around the backend by the WideningBackend that
 // backend_for() wraps it in (kernels/widening_backend.h), as the CPU backend's are.
 //
@@ -79,6 +80,14 @@ class CudaBackend : public Backend {
                  int64_t step) override;
   double sum_squares(const Tensor& x) override;
   double sum_squares_all(const std::vector<Tensor>& xs) override;
+  // Fused ops (kernels/cuda_fused_ops.cc, kernels in kernels/cuda_fused.cu): one kernel
+  // each, float32, float64 and the 16-bit types (rounded once).
+  void rmsnorm(const Tensor& x, const Tensor& g, double eps, Tensor& y, Tensor& rstd) override;
+  void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& rstd,
+                        Tensor& dx) override;
+  void rmsnorm_weight_grad(const Tensor& dy, const Tensor& x, const Tensor& rstd, Tensor& dg) override;
+  void swiglu(const Tensor& a, const Tensor& b, Tensor& y) override;
+  void swiglu_backward(const Tensor& dy, const Tensor& a, const Tensor& b, Tensor& da, Tensor& db) override;
   // Multi-tensor ops (kernels/cuda_multi_tensor_ops.cc): one launch for the tensors of
   // one element type (float32 or float64; cast_all: float32 into a 16-bit type), over a
   // table kept on the device per list of pointers; other calls loop (Backend's default).

@@ -1,7 +1,14 @@
-// The LLaMA ops (rope, rope_backward, pack_qkv, pack_qkv_backward) on cuda:0 against the
-// CPU reference, float32 and float64, in place where the op allows it. Built only with
+// The LLaMA ops (rope, rope_backward, pack_qkv, pack_qkv_backward) and the fused ops of
+// the LLaMA layers (rmsnorm, swiglu and their backward ops; axpy on 16-bit storage) on
+// cuda:0 against the CPU reference, float32 and float64, in place where the op allows it. Built only with
 // --config=cuda; without a GPU it prints the skip marker and passes.
 #include "tests/gpu_testing.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "kernels/widening_backend.h"
 
 using namespace gpipe;
 using namespace gpipe::gpu_testing;
@@ -60,3 +67,145 @@ TEST_CASE("the CUDA LLaMA ops reject what the CPU rejects") {
 }
 
 int main(int argc, char** argv) { return run_gpu_tests(argc, argv); }
+
+// ---------------------------------------------------------------------------------
+// The fused ops of the LLaMA layers (kernels/cuda_fused.cu) against the CPU reference,
+// which composes them of generic ops (Backend::rmsnorm and the others).
+
+namespace {
+
+// Row shapes: one element, odd widths, a row wider than a block (4097 > 256 threads), no rows.
+const std::pair<int64_t, int64_t> kFusedRows[] = {{1, 1}, {3, 7}, {37, 1024}, {5, 4097}, {0, 8}};
+
+Tensor widened(const Tensor& t, DType to) {  // on the host
+  Tensor out = cpu().empty(t.shape(), to);
+  cpu().cast(t, out);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("fused RMSNorm forward, input gradient and weight gradient match the CPU composition") {
+  uint64_t seed = 40;
+  for (DType dt : kFloatTypes) {
+    for (auto [rows, cols] : kFusedRows) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(rows);
+      CAPTURE(cols);
+      const Tensor x = random_tensor({rows, cols}, dt, ++seed), g = random_tensor({cols}, dt, ++seed, 0.5, 1.5);
+      const Tensor dy = random_tensor({rows, cols}, dt, ++seed), dg0 = random_tensor({cols}, dt, ++seed);
+      Tensor y = cpu().empty(x.shape(), dt), rstd = cpu().empty({rows}, dt);
+      cpu().rmsnorm(x, g, 1e-5, y, rstd);
+      Tensor yg = gpu().empty(x.shape(), dt), rstdg = gpu().empty({rows}, dt);
+      const Tensor xg = to_gpu(x), gg = to_gpu(g), dyg = to_gpu(dy);
+      gpu().rmsnorm(xg, gg, 1e-5, yg, rstdg);
+      EXPECT_CLOSE_TOL(rstdg, rstd, reduction_tol(dt, cols));
+      EXPECT_CLOSE_TOL(yg, y, reduction_tol(dt, cols));
+
+      Tensor dx = cpu().empty(x.shape(), dt), dxg = gpu().empty(x.shape(), dt);
+      cpu().rmsnorm_backward(dy, x, g, rstd, dx);
+      gpu().rmsnorm_backward(dyg, xg, gg, rstdg, dxg);
+      EXPECT_CLOSE_TOL(dxg, dx, reduction_tol(dt, cols));
+
+      Tensor dg = clone(dg0), dgg = to_gpu(dg0);  // accumulated into
+      cpu().rmsnorm_weight_grad(dy, x, rstd, dg);
+      gpu().rmsnorm_weight_grad(dyg, xg, rstdg, dgg);
+      EXPECT_CLOSE_TOL(dgg, dg, reduction_tol(dt, rows));
+    }
+  }
+}
+
+TEST_CASE("fused SwiGLU gate and its backward match the CPU composition, in place too") {
+  uint64_t seed = 60;
+  for (DType dt : kFloatTypes) {
+    for (auto [rows, cols] : kFusedRows) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(cols);
+      const Tensor a = random_tensor({rows, cols}, dt, ++seed, -6, 6), b = random_tensor({rows, cols}, dt, ++seed);
+      const Tensor dy = random_tensor({rows, cols}, dt, ++seed);
+      Tensor y = cpu().empty(a.shape(), dt);
+      cpu().swiglu(a, b, y);
+      Tensor ag = to_gpu(a), bg = to_gpu(b), yg = gpu().empty(a.shape(), dt);
+      gpu().swiglu(ag, bg, yg);
+      EXPECT_CLOSE_TOL(yg, y, elementwise_tol(dt));
+      Tensor da = cpu().empty(a.shape(), dt), db = cpu().empty(a.shape(), dt);
+      Tensor dag = gpu().empty(a.shape(), dt), dbg = gpu().empty(a.shape(), dt);
+      cpu().swiglu_backward(dy, a, b, da, db);
+      gpu().swiglu_backward(to_gpu(dy), ag, bg, dag, dbg);
+      EXPECT_CLOSE_TOL(dag, da, elementwise_tol(dt));
+      EXPECT_CLOSE_TOL(dbg, db, elementwise_tol(dt));
+      gpu().swiglu(ag, bg, ag);  // y may alias a
+      EXPECT_CLOSE_TOL(ag, y, elementwise_tol(dt));
+    }
+  }
+}
+
+// 16-bit storage: the GPU computes in float32 and rounds once, so it stays within a unit
+// of the 16-bit type's rounding of the exact (float64) result on the same inputs, where
+// the widening CPU reference rounds every intermediate.
+TEST_CASE("fused ops and axpy on bfloat16 and float16 round the float64 result once") {
+  uint64_t seed = 80;
+  for (DType t : {DType::kBF16, DType::kF16}) {
+    CAPTURE(dtype_name(t));
+    const double unit = std::ldexp(1.0, t == DType::kBF16 ? -8 : -11);
+    const Tol once{2 * unit, 1e-6};  // a unit of rounding, and float32's arithmetic
+    for (auto [rows, cols] : kFusedRows) {
+      CAPTURE(rows);
+      CAPTURE(cols);
+      const Tensor x = random_tensor({rows, cols}, t, ++seed), g = random_tensor({cols}, t, ++seed, 0.5, 1.5);
+      const Tensor dy = random_tensor({rows, cols}, t, ++seed);
+      const Tensor x64 = widened(x, DType::kF64), g64 = widened(g, DType::kF64), dy64 = widened(dy, DType::kF64);
+      Tensor y64 = cpu().empty(x.shape(), DType::kF64), rstd64 = cpu().empty({rows}, DType::kF64);
+      cpu().rmsnorm(x64, g64, 1e-5, y64, rstd64);
+      Tensor yg = gpu().empty(x.shape(), t), rstdg = gpu().empty({rows}, DType::kF32);
+      const Tensor xg = to_gpu(x), gg = to_gpu(g), dyg = to_gpu(dy);
+      gpu().rmsnorm(xg, gg, 1e-5, yg, rstdg);
+      EXPECT_CLOSE_TOL(rstdg, rstd64, (Tol{1e-6, 0}));
+      EXPECT_CLOSE_TOL(yg, y64, once);
+      // The input gradient subtracts two terms of the size of gdy: its float32 error is
+      // relative to them, not to the difference.
+      Tensor dx64 = cpu().empty(x.shape(), DType::kF64), dxg = gpu().empty(x.shape(), t);
+      cpu().rmsnorm_backward(dy64, x64, g64, rstd64, dx64);
+      gpu().rmsnorm_backward(dyg, xg, gg, rstdg, dxg);
+      EXPECT_CLOSE_TOL(dxg, dx64, (Tol{2 * unit, 1e-5}));
+      Tensor dg64 = cpu().zeros({cols}, DType::kF64), dgg = gpu().zeros({cols}, DType::kF32);
+      cpu().rmsnorm_weight_grad(dy64, x64, rstd64, dg64);
+      gpu().rmsnorm_weight_grad(dyg, xg, rstdg, dgg);
+      EXPECT_CLOSE_TOL(dgg, dg64, reduction_tol(DType::kF32, rows));
+
+      const Tensor a = random_tensor({rows, cols}, t, ++seed, -6, 6), b = random_tensor({rows, cols}, t, ++seed);
+      const Tensor a64 = widened(a, DType::kF64), b64 = widened(b, DType::kF64);
+      Tensor s64 = cpu().empty(a.shape(), DType::kF64), sg = gpu().empty(a.shape(), t);
+      cpu().swiglu(a64, b64, s64);
+      gpu().swiglu(to_gpu(a), to_gpu(b), sg);
+      EXPECT_CLOSE_TOL(sg, s64, once);
+      Tensor da64 = cpu().empty(a.shape(), DType::kF64), db64 = cpu().empty(a.shape(), DType::kF64);
+      Tensor dag = gpu().empty(a.shape(), t), dbg = gpu().empty(a.shape(), t);
+      cpu().swiglu_backward(dy64, a64, b64, da64, db64);
+      gpu().swiglu_backward(dyg, to_gpu(a), to_gpu(b), dag, dbg);
+      EXPECT_CLOSE_TOL(dag, da64, once);
+      EXPECT_CLOSE_TOL(dbg, db64, once);
+
+      // The residual add: y + alpha x.
+      Tensor r64 = clone(x64), rg = to_gpu(x);
+      cpu().axpy(-0.75, dy64, r64);
+      gpu().axpy(-0.75, dyg, rg);
+      EXPECT_CLOSE_TOL(rg, r64, once);
+    }
+    Backend& bare = static_cast<WideningBackend&>(gpu()).inner();
+    for (Backend::NarrowOp op : {Backend::NarrowOp::kAxpy, Backend::NarrowOp::kRmsNorm, Backend::NarrowOp::kSwiglu}) {
+      CHECK(bare.computes_narrow(op, t));
+    }
+  }
+}
+
+TEST_CASE("the fused ops reject operands that do not fit") {
+  Tensor x = to_gpu(random_tensor({4, 6}, DType::kF32, 90)), y = gpu().empty({4, 6}, DType::kF32);
+  Tensor g5 = gpu().empty({5}, DType::kF32), rstd = gpu().empty({4}, DType::kF32);
+  CHECK_THROWS_WITH_AS(gpu().rmsnorm(x, g5, 1e-5, y, rstd), doctest::Contains("rmsnorm: g "), Error);
+  Tensor g = gpu().empty({6}, DType::kF32), rstd3 = gpu().empty({3}, DType::kF32);
+  CHECK_THROWS_WITH_AS(gpu().rmsnorm(x, g, 1e-5, y, rstd3), doctest::Contains("rmsnorm: rstd "), Error);
+  Tensor y64 = gpu().empty({4, 6}, DType::kF64);
+  CHECK_THROWS_AS(gpu().swiglu(x, x, y64), Error);
+  CHECK_THROWS_WITH(gpu().swiglu(random_tensor({4, 6}, DType::kF32, 91), x, y), doctest::Contains("is not on cuda:0"));
+}

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <initializer_list>
 #include <utility>
 #include <vector>
 
@@ -167,7 +168,7 @@ void WideningBackend::scale(Tensor& x, double alpha) {
 }
 
 void WideningBackend::axpy(double alpha, const Tensor& x, Tensor& y) {
-  if (!any_narrow(x, y)) return inner_->axpy(alpha, x, y);
+  if (!any_narrow(x, y) || native(*inner_, NarrowOp::kAxpy, x, y)) return inner_->axpy(alpha, x, y);
   Widen w(*inner_);
   inner_->axpy(alpha, w.in(x), w.inout(y));
   w.store();
@@ -199,6 +200,60 @@ double WideningBackend::sum_squares_all(const std::vector<Tensor>& xs) {
     if (any_narrow(x)) return Backend::sum_squares_all(xs);  // each widened on its own
   }
   return inner_->sum_squares_all(xs);
+}
+
+namespace {
+// Whether the wrapped backend computes a fused op itself: its activations `acts` of one
+// narrow type t, its statistics and weight gradients `masters` float32.
+bool native_fused(const Backend& inner, Backend::NarrowOp op, std::initializer_list<const Tensor*> acts,
+                  std::initializer_list<const Tensor*> masters) {
+  const DType t = (*acts.begin())->dtype();
+  if (!is_narrow(t) || !inner.computes_narrow(op, t)) return false;
+  for (const Tensor* a : acts) {
+    if (a->dtype() != t) return false;
+  }
+  for (const Tensor* m : masters) {
+    if (m->dtype() != DType::kF32) return false;
+  }
+  return true;
+}
+}  // namespace
+
+void WideningBackend::rmsnorm(const Tensor& x, const Tensor& g, double eps, Tensor& y, Tensor& rstd) {
+  if (!any_narrow(x, g, y, rstd) || native_fused(*inner_, NarrowOp::kRmsNorm, {&x, &g, &y}, {&rstd})) {
+    return inner_->rmsnorm(x, g, eps, y, rstd);
+  }
+  Backend::rmsnorm(x, g, eps, y, rstd);
+}
+
+void WideningBackend::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& rstd,
+                                       Tensor& dx) {
+  if (!any_narrow(dy, x, g, rstd, dx) ||
+      native_fused(*inner_, NarrowOp::kRmsNorm, {&x, &dy, &g, &dx}, {&rstd})) {
+    return inner_->rmsnorm_backward(dy, x, g, rstd, dx);
+  }
+  Backend::rmsnorm_backward(dy, x, g, rstd, dx);
+}
+
+void WideningBackend::rmsnorm_weight_grad(const Tensor& dy, const Tensor& x, const Tensor& rstd, Tensor& dg) {
+  if (!any_narrow(dy, x, rstd, dg) || native_fused(*inner_, NarrowOp::kRmsNorm, {&x, &dy}, {&rstd, &dg})) {
+    return inner_->rmsnorm_weight_grad(dy, x, rstd, dg);
+  }
+  Backend::rmsnorm_weight_grad(dy, x, rstd, dg);
+}
+
+void WideningBackend::swiglu(const Tensor& a, const Tensor& b, Tensor& y) {
+  if (!any_narrow(a, b, y) || native_fused(*inner_, NarrowOp::kSwiglu, {&a, &b, &y}, {})) {
+    return inner_->swiglu(a, b, y);
+  }
+  Backend::swiglu(a, b, y);
+}
+
+void WideningBackend::swiglu_backward(const Tensor& dy, const Tensor& a, const Tensor& b, Tensor& da, Tensor& db) {
+  if (!any_narrow(dy, a, b, da, db) || native_fused(*inner_, NarrowOp::kSwiglu, {&dy, &a, &b, &da, &db}, {})) {
+    return inner_->swiglu_backward(dy, a, b, da, db);
+  }
+  Backend::swiglu_backward(dy, a, b, da, db);
 }
 
 namespace {

@@ -58,6 +58,15 @@ class WideningBackend : public Backend {
                  int64_t step) override;
   double sum_squares(const Tensor& x) override;
   double sum_squares_all(const std::vector<Tensor>& xs) override;
+  // The fused ops go to the wrapped backend when no operand is narrow or when it computes
+  // them in the narrow type (kRmsNorm, kSwiglu); else they are composed here of widened
+  // generic ops (Backend's defaults), which is the reference.
+  void rmsnorm(const Tensor& x, const Tensor& g, double eps, Tensor& y, Tensor& rstd) override;
+  void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& rstd,
+                        Tensor& dx) override;
+  void rmsnorm_weight_grad(const Tensor& dy, const Tensor& x, const Tensor& rstd, Tensor& dg) override;
+  void swiglu(const Tensor& a, const Tensor& b, Tensor& y) override;
+  void swiglu_backward(const Tensor& dy, const Tensor& a, const Tensor& b, Tensor& da, Tensor& db) override;
   // The multi-tensor ops go to the wrapped backend whole when no operand is narrow (a
   // narrow model's optimizer works on float32 masters), else each tensor is widened.
   void sgd_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,

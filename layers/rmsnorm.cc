@@ -65,10 +65,8 @@ LayerCost RmsNorm::cost(int64_t batch) const {
 Tensor RmsNorm::forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs&) {
   const int64_t rows = x.numel() / channels_;
   Tensor rstd = be.empty({rows}, master_dtype(dtype_));  // (R): 1 / sqrt(mean(x^2) + eps)
-  be.row_inverse_rms(x, opts_.eps, rstd);
-  Tensor y = be.empty(x.shape(), dtype_);     // (B, ..., C)
-  be.scale_rows(x, rstd, y);                  // xhat = x * rstd
-  be.scale_columns(y, weight_.compute(), y);  // y = xhat * g
+  Tensor y = be.empty(x.shape(), dtype_);                // (B, ..., C) = x * rstd * g
+  be.rmsnorm(x, weight_.compute(), opts_.eps, y, rstd);  // one kernel on a GPU
   if (ctx != nullptr) ctx->saved = {x, rstd};
   return y;
 }
@@ -81,17 +79,9 @@ Tensor RmsNorm::backward_input_impl(Backend& be, const Tensor& dy, Context& ctx,
   const Tensor rstd = ctx.saved[1];
   ctx.saved.push_back(dy);
   if (!need_dx) return Tensor();
-  const int64_t rows = x.numel() / channels_;
-  Tensor xhat = be.empty(x.shape(), dtype_);  // (B, ..., C)
-  be.scale_rows(x, rstd, xhat);
-  Tensor gdy = be.empty(x.shape(), dtype_);  // (B, ..., C), becomes dx
-  be.scale_columns(dy, weight_.compute(), gdy);
-  Tensor dot = be.empty({rows}, master_dtype(dtype_));  // (R): mean_c(gdy * xhat)
-  be.row_dot(gdy, xhat, 1.0 / static_cast<double>(channels_), dot);
-  be.scale_rows(xhat, dot, xhat);
-  be.axpy(-1.0, xhat, gdy);
-  be.scale_rows(gdy, rstd, gdy);
-  return gdy;
+  Tensor dx = be.empty(x.shape(), dtype_);  // (B, ..., C)
+  be.rmsnorm_backward(dy, x, weight_.compute(), rstd, dx);
+  return dx;
 }
 
 // dg += sum over rows of dy * xhat (accumulated: the executor sums the micro-batches).
@@ -100,10 +90,7 @@ void RmsNorm::backward_weight_impl(Backend& be, Context& ctx) {
   const Tensor& x = ctx.saved[0];
   const Tensor& rstd = ctx.saved[1];
   const Tensor& dy = ctx.saved[2];
-  Tensor t = be.empty(x.shape(), dtype_);  // (B, ..., C)
-  be.scale_rows(x, rstd, t);               // xhat
-  be.mul(dy, t, t);
-  be.bias_grad(t.reshape({x.numel() / channels_, channels_}), weight_.grad, /*beta=*/1.0);
+  be.rmsnorm_weight_grad(dy, x, rstd, weight_.grad);
   ctx.saved.clear();
 }
 

@@ -88,8 +88,7 @@ Tensor SwiGLU::forward_impl(Backend& be, const Tensor& x, Context* ctx, const Fo
   const Tensor a = gate_.forward(be, x, child(ctx, kGate), args);  // (B, *leading, hidden)
   const Tensor b = up_.forward(be, x, child(ctx, kUp), args);      // (B, *leading, hidden)
   Tensor g = be.empty(a.shape(), dtype_);
-  be.unary(Unary::kSilu, a, g);  // s
-  be.mul(g, b, g);               // g = s * b
+  be.swiglu(a, b, g);  // g = silu(a) * b
   if (ctx != nullptr) ctx->saved = {a, b};
   return down_.forward(be, g, child(ctx, kDown), args);  // (B, *leading, dim)
 }
@@ -101,13 +100,9 @@ Tensor SwiGLU::backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, 
   const Tensor& a = ctx.saved[0];
   const Tensor& b = ctx.saved[1];
   const Tensor dg = down_.backward_input(be, dy, ch[kDown]);  // (B, *leading, hidden)
-  Tensor s = be.empty(a.shape(), dtype_);
-  be.unary(Unary::kSilu, a, s);
+  Tensor da = be.empty(a.shape(), dtype_);
   Tensor db = be.empty(a.shape(), dtype_);
-  be.mul(dg, s, db);
-  Tensor da = s;  // s is not needed any more: its storage takes ds, then da
-  be.mul(dg, b, da);
-  be.unary_backward(Unary::kSilu, a, da, da);
+  be.swiglu_backward(dg, a, b, da, db);
   Tensor dx = gate_.backward_input(be, da, ch[kGate], need_dx);
   const Tensor dx_up = up_.backward_input(be, db, ch[kUp], need_dx);
   ctx.saved.clear();  // W needs only the projections' contexts
