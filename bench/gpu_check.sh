@@ -20,6 +20,14 @@
 #                   job at the deadline; runtime/nccl_transport_test.sh) and an NCCL
 #                   training run against threads (pipeline/cli/nccl_train_test.sh)
 #         bench     the GPU benchmarks (block_bench, pipeline_bench K = 1, 2, 4)
+#         speed     gpipe against PyTorch on the same LLaMA-style models (bench/torch_llama.py;
+#                   bench/configs/llama_95m_speed.yaml, llama_1b_speed.yaml): bf16 and
+#                   float32, gpipe at K = 1, 2, 4 stages on one GPU; one table of step times,
+#                   PyTorch/gpipe ratios, MFU and peak memory, and $OUT/speed.md to paste into
+#                   bench/RESULTS.md. A run that fails is FAIL, a slow one is not. Without
+#                   torch in python3 the PyTorch half is skipped. GPU_CHECK_SPEED_* change it
+#                   (see step_speed); GPU_CHECK_SPEED_DEVICE=cpu:0 GPU_CHECK_SPEED_SIZES=tiny
+#                   is a smoke run on a machine without a GPU
 #       Full logs under $OUT (or /tmp/gpu_check); the table is printed last. A step that
 #       the machine cannot run (one GPU, no mpirun, no compute-sanitizer) is reported as
 #       skipped, never as passed.
@@ -28,17 +36,19 @@
 # binaries are built here; the CUDA libraries themselves are never carried.
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/.."
-carry=.gpu_carry
-tests=(cuda_backend_test cuda_conv_test gpu_layers_test gpu_pipeline_test)
+carry="${GPU_CHECK_CARRY:-.gpu_carry}"  # another folder of prepare's files, e.g. for a smoke run
+tests=(cuda_backend_test cuda_conv_test cuda_elementwise_test cuda_llama_test gpu_layers_test gpu_pipeline_test)
 
 prepare() {
   set -e
   rm -rf "$carry" && mkdir -p "$carry/lib"
-  bazel build --config=cuda //kernels:cuda_backend_test //kernels:cuda_conv_test //tests:gpu_layers_test \
+  bazel build --config=cuda //kernels:cuda_backend_test //kernels:cuda_conv_test //kernels:cuda_elementwise_test \
+    //kernels:cuda_llama_test //tests:gpu_layers_test \
     //tests:gpu_pipeline_test //tests:cuda_devices //runtime:nccl_transport_check //bench:block_bench \
     //bench:pipeline_bench //pipeline:gpipe >&2
   local bin
-  for bin in kernels/cuda_backend_test kernels/cuda_conv_test tests/gpu_layers_test tests/gpu_pipeline_test \
+  for bin in kernels/cuda_backend_test kernels/cuda_conv_test kernels/cuda_elementwise_test kernels/cuda_llama_test \
+             tests/gpu_layers_test tests/gpu_pipeline_test \
              tests/cuda_devices runtime/nccl_transport_check bench/block_bench bench/pipeline_bench pipeline/gpipe; do
     cp -L "bazel-bin/$bin" "$carry/$(basename "$bin")"
     # Every shared library it loads, except the CUDA toolkit's and the C runtime's.
@@ -49,8 +59,10 @@ prepare() {
       esac
     done
   done
-  cp bench/torch_block.py configs/default.yaml configs/mlp.yaml pipeline/cli/nccl_train_test.sh \
-    runtime/nccl_transport_test.sh "$carry/"
+  cp bench/torch_block.py bench/torch_llama.py bench/configs/llama_*_speed.yaml configs/default.yaml configs/mlp.yaml \
+    pipeline/cli/nccl_train_test.sh runtime/nccl_transport_test.sh "$carry/"
+  # What was built, for the speed step's table (the GPU machine has no git).
+  echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . || echo ' with uncommitted changes')" > "$carry/commit.txt"
   cp /usr/share/common-licenses/GPL-3 "$carry/GPL-3"
   # The device call carries 64 MiB at most; OpenBLAS and oneDNN alone are 76 MB, 15 packed.
   tar -C "$carry" -cJf "$carry/lib.tar.xz" lib && rm -rf "$carry/lib"
@@ -256,32 +268,265 @@ PY
   fi
 }
 
+# ---- speed: gpipe against PyTorch on the same LLaMA-style model, on the same GPU.
+# The most memory in use on GPU `gpu` while process `pid` runs, in MiB above `base`:
+# nvidia-smi's whole-GPU figure every 0.2 s, so the runs go one at a time. It counts the
+# CUDA context and what each allocator caches, for both sides alike.
+gpu_used_mib() { nvidia-smi -i "$1" --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | tr -d ' '; }
+gpu_peak_mib() {  # pid gpu base
+  local peak="$3" used
+  while kill -0 "$1" 2>/dev/null; do
+    used="$(gpu_used_mib "$2")"
+    [[ "$used" =~ ^[0-9]+$ ]] && [ "$used" -gt "$peak" ] && peak="$used"
+    sleep 0.2
+  done
+  echo $((peak - $3))
+}
+
+# Runs one timed job (command in "$@", its output to `log`) within `limit` seconds, the
+# GPU's memory sampled while it runs; appends its row to $out/speed.jsonl for the table.
+# A job past its limit is killed outright: gpipe would save a checkpoint on SIGTERM.
+speed_run() {  # json_fields log limit command...
+  local fields="$1" log="$2" limit="$3" base="" mib=null status begin=$SECONDS
+  shift 3
+  [ -n "$speed_gpu" ] && base="$(gpu_used_mib "$speed_gpu")"
+  timeout -s KILL "$limit" "$@" > "$log" 2>&1 &
+  local pid=$!
+  [[ "$base" =~ ^[0-9]+$ ]] && mib="$(gpu_peak_mib "$pid" "$speed_gpu" "$base")"
+  wait "$pid"
+  status=$?
+  printf '{%s, "log": "%s", "status": %d, "seconds": %d, "limit_s": %d, "gpu_mib": %s}\n' \
+    "$fields" "$log" "$status" $((SECONDS - begin)) "$limit" "$mib" >> "$out/speed.jsonl"
+}
+
+# Sizes (llama_<size>_speed.yaml in $carry), precisions, stage counts, steps (the median of
+# the last GPU_CHECK_SPEED_TIMED of them), M (default K), recompute and the device can be
+# changed with GPU_CHECK_SPEED_*. Each run gets GPU_CHECK_SPEED_TIMEOUT seconds at most and
+# the step GPU_CHECK_SPEED_BUDGET in all: a run that the budget leaves no time for is
+# reported as not run (skipped, saying so), a run that outlasts its limit as FAIL.
+step_speed() {
+  local sizes ks precisions size precision k m dir
+  read -ra sizes <<< "${GPU_CHECK_SPEED_SIZES:-95m 1b}"
+  read -ra precisions <<< "${GPU_CHECK_SPEED_PRECISIONS:-bf16 float32}"
+  read -ra ks <<< "${GPU_CHECK_SPEED_KS:-1 2 4}"
+  local steps="${GPU_CHECK_SPEED_STEPS:-12}" timed="${GPU_CHECK_SPEED_TIMED:-8}"
+  local recompute="${GPU_CHECK_SPEED_RECOMPUTE:-never}" per_run="${GPU_CHECK_SPEED_TIMEOUT:-180}"
+  local budget="${GPU_CHECK_SPEED_BUDGET:-360}" started=$SECONDS
+  speed_device="${GPU_CHECK_SPEED_DEVICE:-cuda:0}" speed_gpu=""  # nvidia-smi's index of a cuda device
+  [[ "$speed_device" == cuda* ]] && { speed_gpu="${speed_device#cuda}"; speed_gpu="${speed_gpu#:}"; speed_gpu="${speed_gpu:-0}"; }
+  : > "$out/speed.jsonl"
+  local torch_device="${speed_device%%:*}" torch_why=""
+  [ "$torch_device" = cuda ] && torch_device="$speed_device"
+  if ! torch_why="$(python3 -c "import torch, sys; sys.exit(0 if '$torch_device' == 'cpu' or torch.cuda.is_available()
+                                 else 'torch ' + torch.__version__ + ' sees no CUDA device')" 2>&1)"; then
+    record speed_pytorch skipped "no PyTorch to run in python3 ($(tail -n 1 <<< "$torch_why")): gpipe's runs only"
+    torch_device=""
+  fi
+  # Runs left out when the budget is spent: "size precision what" lines, for the table's notes.
+  : > "$out/speed_not_run.txt"
+  for size in "${sizes[@]}"; do
+    local config="$carry/llama_${size}_speed.yaml"
+    [ -f "$config" ] || { record "speed_$size" FAIL "no $config (run prepare; sizes: GPU_CHECK_SPEED_SIZES)"; continue; }
+    for precision in "${precisions[@]}"; do
+      local label="\"size\": \"$size\", \"config\": \"$config\", \"precision\": \"$precision\""
+      for k in torch "${ks[@]}"; do  # PyTorch first: a budget spent leaves gpipe's last K out
+        [ "$k" = torch ] && [ -z "$torch_device" ] && continue
+        local left=$((budget - (SECONDS - started)))
+        if [ "$left" -lt 30 ]; then
+          echo "$size $precision $([ "$k" = torch ] && echo PyTorch || echo "gpipe K=$k")" >> "$out/speed_not_run.txt"
+          continue
+        fi
+        local limit=$((left < per_run ? left : per_run))
+        if [ "$k" = torch ]; then
+          speed_run "\"impl\": \"pytorch\", $label" "$out/speed_${size}_${precision}_torch.log" "$limit" \
+            python3 "$carry/torch_llama.py" --config "$config" --device "$torch_device" --precision "$precision" \
+            --steps "$steps" --timed "$timed" $([ "$torch_device" = cpu ] && echo --threads 1)  # a CPU stage's one thread
+          continue
+        fi
+        m="${GPU_CHECK_SPEED_M:-$k}"
+        dir="$out/speed_${size}_${precision}_k$k"
+        rm -rf "$dir"
+        speed_run "\"impl\": \"gpipe\", $label, \"k\": $k, \"m\": $m, \"dir\": \"$dir\"" "$dir.log" "$limit" \
+          "$carry/gpipe" train "$config" --set "model.dtype=$precision" --set "pipeline.partitions=$k" \
+          --set "pipeline.micro_batches=$m" --set "pipeline.devices=[$(yes "$speed_device" | head -n "$k" | paste -sd,)]" \
+          --set "pipeline.recompute=$recompute" --set "train.steps=$steps" --set "trace.steps=[1,$steps]" \
+          --set "data.path=$carry/GPL-3" --set "output.dir=$dir"
+      done
+    done
+  done
+  local gpu_name="cpu" driver="" lines
+  if [ -n "$speed_gpu" ]; then
+    gpu_name="$(nvidia-smi -i "$speed_gpu" --query-gpu=name --format=csv,noheader)"
+    driver="$(nvidia-smi -i "$speed_gpu" --query-gpu=driver_version --format=csv,noheader)"
+  fi
+  # The table, the markdown fragment and one record per size and precision ("name|result|detail").
+  if lines="$(python3 - "$out" "$carry" "$steps" "$timed" "$gpu_name" "$driver" "$run_command" "$recompute" \
+                2> "$out/speed_table.err" <<'PY'
+import datetime, json, os, statistics, sys
+out, carry, steps, timed, gpu_name, driver, command, recompute = sys.argv[1:9]
+timed = int(timed)
+sys.path.insert(0, carry)
+from torch_llama import model_flops, parameter_counts, shape_from_config  # no torch needed
+
+# Dense (no sparsity) peaks of the datasheets, by nvidia-smi's name; GPU_CHECK_SPEED_PEAK_TFLOPS
+# ("bf16=989,float32=67") gives others. float32 is the plain one: TF32 is off on both sides.
+PEAKS = [("H100 PCIe", {"bf16": 756e12, "float32": 51e12}), ("H100 NVL", {"bf16": 835e12, "float32": 60e12}),
+         ("H100", {"bf16": 989e12, "float32": 67e12}), ("H200", {"bf16": 989e12, "float32": 67e12})]
+peaks, peak_source = {}, ""
+if os.environ.get("GPU_CHECK_SPEED_PEAK_TFLOPS"):
+    peaks = {k: float(v) * 1e12 for k, v in (p.split("=") for p in os.environ["GPU_CHECK_SPEED_PEAK_TFLOPS"].split(","))}
+    peak_source = "GPU_CHECK_SPEED_PEAK_TFLOPS"
+else:
+    for key, p in PEAKS:
+        if key in gpu_name:
+            peaks, peak_source = p, f"the {key} datasheet's dense figures"
+            break
+
+rows = [json.loads(l) for l in open(os.path.join(out, "speed.jsonl")) if l.strip()]
+def fail_why(r):
+    if r["status"] == 137 and r["seconds"] >= r["limit_s"] - 1:
+        return f"did not finish in {r['limit_s']} s"
+    return f"exit status {r['status']}" if r["status"] else ""
+
+def measure(r):
+    """(step ms, allocator MiB) of a run, or raises ValueError saying why not."""
+    if r["impl"] == "pytorch":
+        found = [json.loads(l) for l in open(r["log"]) if l.startswith('{"bench": "torch_llama"')]
+        if not found:
+            raise ValueError("printed no result")
+        r["torch"] = found[-1]
+        alloc = found[-1].get("max_memory_allocated")
+        return found[-1]["step_ms"], None if alloc is None else alloc / 2**20
+    trace = json.load(open(os.path.join(r["dir"], "trace.json")))
+    walls = {e["args"]["step"]: e["args"]["wall_ms"] for e in trace["traceEvents"] if e.get("cat") == "step"}
+    steps = sorted(walls)
+    if len(steps) < timed:
+        raise ValueError(f"trace.json holds {len(steps)} steps, {timed} wanted")
+    report = json.load(open(os.path.join(r["dir"], "report.json")))
+    own = sum(q["weight_bytes"] + q["gradient_bytes"] + q["optimizer_bytes"] for q in report["prediction"]["stages"]) + \
+        sum(st["peak_activation_bytes"] for st in report["stages"])
+    return statistics.median(walls[s] for s in steps[-timed:]), own / 2**20
+
+groups = {}
+for r in rows:
+    groups.setdefault((r["size"], r["precision"]), []).append(r)
+header = ["model", "parameters", "precision", "run", "K", "M", "step ms", "PyTorch / this", "MFU",
+          "GPU memory MiB (nvidia-smi)", "allocated MiB"]
+table, records, torch_version = [], [], ""
+for (size, precision), rs in groups.items():
+    shape = shape_from_config(rs[0]["config"])
+    shape["precision"] = precision
+    params = parameter_counts(shape)[0]
+    flops = model_flops(shape)
+    problems, times = [], {}
+    for r in rs:
+        what = "PyTorch" if r["impl"] == "pytorch" else f"gpipe K={r['k']}"
+        why = fail_why(r)
+        if not why:
+            try:
+                r["ms"], r["alloc"] = measure(r)
+                times[what] = r["ms"]
+            except (OSError, ValueError, KeyError) as e:
+                why = f"no timings ({e})"
+        if why:
+            problems.append(f"{what}: {why} ({r['log']})")
+    torch_ms = times.get("PyTorch")
+    for r in rs:
+        if "ms" not in r:
+            continue
+        if r["impl"] == "pytorch":
+            torch_version = r["torch"]["torch"]
+        mfu = flops / (r["ms"] / 1e3) / peaks[precision] if precision in peaks else None
+        table.append([f"llama_{size}_speed", f"{params / 1e6:.1f} M", precision,
+                      "PyTorch eager" if r["impl"] == "pytorch" else "gpipe",
+                      "" if r["impl"] == "pytorch" else str(r["k"]), "" if r["impl"] == "pytorch" else str(r["m"]),
+                      f"{r['ms']:.2f}", "" if r["impl"] == "pytorch" or torch_ms is None else f"{torch_ms / r['ms']:.2f}",
+                      "n/a" if mfu is None else f"{100 * mfu:.1f}%",
+                      "n/a" if r["gpu_mib"] is None else str(r["gpu_mib"]),
+                      "n/a" if r["alloc"] is None else f"{r['alloc']:.0f}"])
+    ratios = ", ".join(f"{w} {ms:.2f} ms" + (f" ({torch_ms / ms:.2f})" if torch_ms and w != "PyTorch" else "")
+                       for w, ms in times.items())
+    if problems:
+        records.append(f"speed_{size}_{precision}|FAIL|{'; '.join(problems)}")
+    else:
+        records.append(f"speed_{size}_{precision}|pass|{ratios}" + (" (PyTorch ms / gpipe ms)" if torch_ms else ""))
+
+attention = {r["precision"]: r["torch"]["attention"] for rs in groups.values() for r in rs if "torch" in r}
+not_run = [l.strip() for l in open(os.path.join(out, "speed_not_run.txt")) if l.strip()]
+date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+build = open(os.path.join(carry, "commit.txt")).read().strip() if os.path.exists(os.path.join(carry, "commit.txt")) \
+    else "unknown (no commit.txt from prepare)"
+peak_text = ", ".join(f"{k} {v / 1e12:.0f} TFLOP/s" for k, v in peaks.items()) + f" ({peak_source})" if peaks else \
+    f"none known for '{gpu_name}' (set GPU_CHECK_SPEED_PEAK_TFLOPS=bf16=...,float32=...): no MFU"
+md = [f"## Speed against PyTorch: {gpu_name} ({date})", "",
+      f"`{command}` ({', '.join(f'{k}={v}' for k, v in sorted(os.environ.items()) if k.startswith('GPU_CHECK_SPEED_')) or 'defaults'}). "
+      f"GPU: {gpu_name}" + (f", driver {driver}" if driver else "") +
+      f". PyTorch: {torch_version or 'not run'}. gpipe: built at {build}.", "",
+      "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+md += ["| " + " | ".join(row) + " |" for row in table]
+md += ["", f"Each run trains the config's model for {steps} steps and times the median "
+       f"of the last {timed} (gpipe: trace.json's per-step wall time, which ends when every stage has waited for "
+       "its device; PyTorch: its clock around each step, the device waited for). Both: AdamW (PyTorch's fused=True), clip_grad_norm 1.0; "
+       "bf16 is bfloat16 compute with float32 master weights (PyTorch: autocast), float32 has TF32 off on both. "
+       f"gpipe: recompute {recompute}, M micro-batches, its K stages all on the one GPU. PyTorch: eager, "
+       "F.scaled_dot_product_attention (causal; grouped-query attention by " +
+       ("; ".join(f"{p}: {a}" for p, a in attention.items()) or "not run") +
+       "), random byte tokens (gpipe reads the GPL-3 text; the speed does not depend on the values).",
+       "PyTorch / this: PyTorch's step time over the row's, above 1 when gpipe is faster. "
+       "MFU: model FLOPs per step over the step time over the peak; FLOPs = tokens x (6 N + 12 L T d), N the "
+       "parameters of matrix products (the embedding and the norms left out), L blocks, T the sequence, d the width "
+       f"(PaLM's count: attention not halved for causality, no recompute); peak: {peak_text}.",
+       "GPU memory: nvidia-smi's memory.used every 0.2 s during the run, above what was used before it (CUDA "
+       "context and allocator caches included, alike for both). allocated: PyTorch's "
+       "torch.cuda.max_memory_allocated; gpipe's own count, which it does not measure on the device: the plan's "
+       "weights, gradients and optimizer state plus the measured peak activations, summed over the stages "
+       "(report.json), without workspaces and temporaries."]
+if not_run:
+    md += ["", "Not run, the step's time budget spent: " + "; ".join(not_run) + "."]
+with open(os.path.join(out, "speed.md"), "w") as f:
+    f.write("\n".join(md) + "\n")
+print("\n".join(records))
+PY
+)"; then
+    results+="$lines"$'\n'
+    [ -s "$out/speed_not_run.txt" ] &&
+      record speed_not_run skipped "the step's ${budget} s were spent before: $(paste -sd';' "$out/speed_not_run.txt")"
+  else
+    record speed FAIL "the table could not be made ($out/speed_table.err)"
+  fi
+}
+
 run() {
   out="${OUT:-/tmp/gpu_check}"
   mkdir -p "$out"
   [ -d "$carry/lib" ] || tar -C "$carry" -xJf "$carry/lib.tar.xz" ||
     { echo "gpu_check: cannot unpack $carry/lib.tar.xz; run prepare here first" >&2; exit 2; }
-  local cuda_libs
+  local cuda_libs steps=("$@") s
+  [ "${#steps[@]}" -gt 0 ] || steps=(tests sanitize lm smi nccl bench speed)
+  run_command="bench/gpu_check.sh run $*"
   cuda_libs="$(ls -d /usr/local/cuda*/lib64 2>/dev/null | tr '\n' ':')"
   cuda_libs+="$(ldconfig -p | awk '/libcublas|libnccl|libcudnn/ { sub(/\/[^\/]*$/, "", $NF); print $NF }' | sort -u | tr '\n' ':')"
   # Where the image has them only as Python wheels (nvidia-cudnn-cu13, nvidia-nccl-cu13, ...).
   cuda_libs+="$(find /usr/local /opt /usr/lib -xdev \( -name 'libcudnn.so.9' -o -name 'libnccl.so.2' -o -name 'libcublas.so.13' \
                   -o -name 'libcudart.so.13' \) 2>/dev/null | xargs -r -n1 dirname | sort -u | tr '\n' ':')"
-  export LD_LIBRARY_PATH="$PWD/$carry/lib:${cuda_libs}${LD_LIBRARY_PATH:-}"
+  export LD_LIBRARY_PATH="$(cd "$carry" && pwd)/lib:${cuda_libs}${LD_LIBRARY_PATH:-}"
   export CUDA_DEVICE_ORDER=PCI_BUS_ID  # CUDA's device numbers are nvidia-smi's
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1 ||
-    { echo "gpu_check: nvidia-smi failed; is this the GPU machine?" >&2; exit 2; }
-  [ "$("$carry/cuda_devices")" -ge 1 ] || { echo "gpu_check: no CUDA device visible to the carried binaries" >&2; exit 2; }
-  local steps=("$@") s
-  [ "${#steps[@]}" -gt 0 ] || steps=(tests sanitize lm smi nccl bench)
+  if [ "${steps[*]}" = speed ] && [[ "${GPU_CHECK_SPEED_DEVICE:-cuda:0}" == cpu* ]]; then
+    echo "none: a smoke run of the speed step on CPU stages (GPU_CHECK_SPEED_DEVICE=$GPU_CHECK_SPEED_DEVICE)" > "$out/gpu.txt"
+  else
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1 ||
+      { echo "gpu_check: nvidia-smi failed; is this the GPU machine?" >&2; exit 2; }
+    [ "$("$carry/cuda_devices")" -ge 1 ] || { echo "gpu_check: no CUDA device visible to the carried binaries" >&2; exit 2; }
+  fi
   for s in "${steps[@]}"; do
     case "$s" in
-      tests|sanitize|lm|smi|nccl|bench) "step_$s" ;;
-      *) echo "gpu_check: unknown step '$s'; use tests, sanitize, lm, smi, nccl or bench" >&2; exit 2 ;;
+      tests|sanitize|lm|smi|nccl|bench|speed) "step_$s" ;;
+      *) echo "gpu_check: unknown step '$s'; use tests, sanitize, lm, smi, nccl, bench or speed" >&2; exit 2 ;;
     esac
   done
   echo "GPU: $(tail -n 1 "$out/gpu.txt")"
   [ -f "$out/bench_table.txt" ] && cat "$out/bench_table.txt"
+  [ -f "$out/speed.md" ] && { echo "---- $out/speed.md, for bench/RESULTS.md:"; cat "$out/speed.md"; echo "----"; }
   printf '%s' "$results" | awk -F'|' '{ printf "%-34s %-8s %s\n", $1, $2, $3 }'
   if failed; then echo "gpu_check: FAILED"; exit 1; fi
   echo "gpu_check: all checks passed or were skipped (skips say why)"
@@ -290,5 +535,5 @@ run() {
 case "${1:-}" in
   prepare) prepare ;;
   run) shift; run "$@" ;;
-  *) echo "usage: bench/gpu_check.sh prepare | run [tests|sanitize|lm|smi|nccl|bench]..." >&2; exit 2 ;;
+  *) echo "usage: bench/gpu_check.sh prepare | run [tests|sanitize|lm|smi|nccl|bench|speed]..." >&2; exit 2 ;;
 esac
