@@ -54,7 +54,7 @@ prepare() {
     # Every shared library it loads, except the CUDA toolkit's and the C runtime's.
     ldd "bazel-bin/$bin" | awk '/=> \// { print $3 }' | while read -r lib; do
       case "$lib" in
-        */cuda*/*|*libcuda.so*|*libcudart*|*libnccl*|*libcublas*|*libcudnn*|*/libc.so*|*/libm.so*|*/ld-linux*|*/libpthread*|*/libdl.so*|*/librt.so*) ;;
+        */cuda*/*|*libcuda.so*|*libcudart*|*libnccl*|*libcublas*|*libcudnn*|*libnvrtc*|*/libc.so*|*/libm.so*|*/ld-linux*|*/libpthread*|*/libdl.so*|*/librt.so*) ;;
         *) cp -Ln "$lib" "$carry/lib/" ;;
       esac
     done
@@ -505,10 +505,10 @@ run() {
   [ "${#steps[@]}" -gt 0 ] || steps=(tests sanitize lm smi nccl bench speed)
   run_command="bench/gpu_check.sh run $*"
   cuda_libs="$(ls -d /usr/local/cuda*/lib64 2>/dev/null | tr '\n' ':')"
-  cuda_libs+="$(ldconfig -p | awk '/libcublas|libnccl|libcudnn/ { sub(/\/[^\/]*$/, "", $NF); print $NF }' | sort -u | tr '\n' ':')"
+  cuda_libs+="$(ldconfig -p | awk '/libcublas|libnccl|libcudnn|libnvrtc/ { sub(/\/[^\/]*$/, "", $NF); print $NF }' | sort -u | tr '\n' ':')"
   # Where the image has them only as Python wheels (nvidia-cudnn-cu13, nvidia-nccl-cu13, ...).
   cuda_libs+="$(find /usr/local /opt /usr/lib -xdev \( -name 'libcudnn.so.9' -o -name 'libnccl.so.2' -o -name 'libcublas.so.13' \
-                  -o -name 'libcudart.so.13' \) 2>/dev/null | xargs -r -n1 dirname | sort -u | tr '\n' ':')"
+                  -o -name 'libcudart.so.13' -o -name 'libnvrtc.so.13' \) 2>/dev/null | xargs -r -n1 dirname | sort -u | tr '\n' ':')"
   export LD_LIBRARY_PATH="$(cd "$carry" && pwd)/lib:${cuda_libs}${LD_LIBRARY_PATH:-}"
   export CUDA_DEVICE_ORDER=PCI_BUS_ID  # CUDA's device numbers are nvidia-smi's
   if [ "${steps[*]}" = speed ] && [[ "${GPU_CHECK_SPEED_DEVICE:-cuda:0}" == cpu* ]]; then

@@ -8,13 +8,15 @@ In the depending workspace:
     gpipe_dependencies()
 
 Everything comes from the local machine (Debian's packages under /usr and the CUDA
-toolkit when nvcc exists); nothing is downloaded. Labels below are Label()s, so they
+toolkit when nvcc exists, with cuDNN's frontend headers where ./gpipe fetched them from
+PyPI into a cache outside the tree); Bazel downloads nothing. Labels below are Label()s, so they
 name gpipe's files from whichever workspace calls this. The repository names are fixed:
 gpipe's BUILD files refer to them as @yaml_cpp, @doctest, ...; a name the workspace
 declared already is left as it is.
 """
 
 load("//build_defs:cuda_configure.bzl", "cuda_configure")
+load("//build_defs:cudnn_frontend_configure.bzl", "cudnn_frontend_configure")
 
 # Libraries from the machine's packages: repository name -> its BUILD file in third_party/.
 _SYSTEM_LIBRARIES = [
@@ -60,6 +62,10 @@ def gpipe_dependencies():
     # same target names when nvcc is absent, so everything loads everywhere.
     if not native.existing_rule("local_cuda"):
         cuda_configure(name = "local_cuda")
+
+    # cuDNN's frontend headers, fetched by ./gpipe from PyPI; an empty stand-in where absent.
+    if not native.existing_rule("cudnn_frontend"):
+        cudnn_frontend_configure(name = "cudnn_frontend")
 
     for name in _SYSTEM_LIBRARIES:
         if not native.existing_rule(name):

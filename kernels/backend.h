@@ -193,6 +193,28 @@ class Backend {
   virtual void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs, int heads,
                                   Tensor& dqkv) = 0;
 
+  // Fused causal grouped-query self-attention, as flash attention keeps it: the output
+  // and one log-sum-exp per row and query head, never the (B, H, T, T) probabilities, so
+  // what backward keeps is about T / D times smaller. q (B, T, H D), k and v (B, T, KV D)
+  // with KV dividing H (query head h reads key/value head h / (H / KV), nothing repeated);
+  // out (B, T, H D) = softmax_s(q_t . k_s / sqrt(D), s <= t) v per head; stats (B, H, T)
+  // float32 = log sum_{s <= t} exp(q_t . k_s / sqrt(D)). The same function as pack_qkv
+  // then attention. A backend says which element types and head widths it runs
+  // (has_fused_attention); the CPU reference runs none (a layer then takes pack_qkv and
+  // attention), the CUDA backend bfloat16 and float16 through cuDNN's fused SDPA where
+  // built with cuDNN's frontend (float32 keeps the exact path, the reference).
+  virtual bool has_fused_attention(DType t, int64_t head_dim) const {
+    (void)t;
+    (void)head_dim;
+    return false;
+  }
+  virtual void fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, int heads, Tensor& out,
+                               Tensor& stats);
+  // dq (B, T, H D), dk and dv (B, T, KV D), overwritten, from the forward's out and stats.
+  virtual void fused_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                        const Tensor& out, const Tensor& stats, int heads, Tensor& dq, Tensor& dk,
+                                        Tensor& dv);
+
   // Inverted dropout with a counter-based mask. x, y: (N, ...) with E elements per
   // sample. Element e of row i is kept iff philox_uniform(key, sample_offset + i, e)
   // >= p (runtime/philox.h), and kept values are scaled by 1 / (1 - p); the mask does
@@ -332,6 +354,11 @@ class Backend {
   // Waits for all work queued on this backend's stream.
   virtual void synchronize() = 0;
 };
+
+// Whether backend_for(device) runs fused_attention for element type t and head width
+// head_dim, asked without making that backend (the planner's shape probe asks on a
+// machine that may not have the device).
+bool fused_attention_available(Device device, DType t, int64_t head_dim);
 
 // The backend of a device, created on first use and alive for the process. CPU
 // backends are stateless and thread-safe; a CUDA backend owns its stream and cuBLAS

@@ -146,6 +146,17 @@ void Backend::swiglu_backward(const Tensor& dy, const Tensor& a, const Tensor& b
   unary_backward(Unary::kSilu, a, da, da);
 }
 
+void Backend::fused_attention(const Tensor& q, const Tensor&, const Tensor&, int, Tensor&, Tensor&) {
+  throw Error("fused_attention: the backend of " + device().str() + " has no fused attention for " + q.str() +
+              " (ask has_fused_attention first)");
+}
+
+void Backend::fused_attention_backward(const Tensor&, const Tensor& q, const Tensor&, const Tensor&, const Tensor&,
+                                       const Tensor&, int, Tensor&, Tensor&, Tensor&) {
+  throw Error("fused_attention_backward: the backend of " + device().str() + " has no fused attention for " +
+              q.str() + " (ask has_fused_attention first)");
+}
+
 void Backend::sgd_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                            const std::vector<Tensor>& bufs, const SgdParams& p, bool first_step) {
   check_lists(params.size(), {grads.size(), bufs.size()}, "sgd_step_all");
@@ -504,6 +515,17 @@ Backend& backend_for(Device device) {
     }
   }
   return *slot;
+}
+
+bool fused_attention_available(Device device, DType t, int64_t head_dim) {
+#ifdef GPIPE_WITH_CUDA
+  return device.is_cuda() && cuda_fused_attention_available(t, head_dim);
+#else
+  (void)device;
+  (void)t;
+  (void)head_dim;
+  return false;
+#endif
 }
 
 void set_cpu_blas_threads(int threads) {

@@ -209,6 +209,7 @@ void CudaBackend::release() noexcept {
     if (e != cudaSuccess) spdlog::warn("cudaFree failed: {}", cudaGetErrorString(e));
     slots_ = nullptr;
   }
+  release_attention_graphs();  // kernels/cuda_attention_ops.cc; before the cuDNN handle they were built with
   release_cudnn();  // kernels/cuda_conv_ops.cc
   release_multi_tables();  // kernels/cuda_multi_tensor_ops.cc
   if (blas_ != nullptr) {

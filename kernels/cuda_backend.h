@@ -80,6 +80,15 @@ class CudaBackend : public Backend {
                  int64_t step) override;
   double sum_squares(const Tensor& x) override;
   double sum_squares_all(const std::vector<Tensor>& xs) override;
+  // Fused attention (kernels/cuda_attention_ops.cc): cuDNN's fused SDPA through its
+  // frontend's graph API, one graph per shape, built on first use and kept; bfloat16 and
+  // float16 (cuda_fused_attention_available).
+  bool has_fused_attention(DType t, int64_t head_dim) const override;
+  void fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, int heads, Tensor& out,
+                       Tensor& stats) override;
+  void fused_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                const Tensor& out, const Tensor& stats, int heads, Tensor& dq, Tensor& dk,
+                                Tensor& dv) override;
   // Fused ops (kernels/cuda_fused_ops.cc, kernels in kernels/cuda_fused.cu): one kernel
   // each, float32, float64 and the 16-bit types (rounded once).
   void rmsnorm(const Tensor& x, const Tensor& g, double eps, Tensor& y, Tensor& rstd) override;
@@ -186,6 +195,10 @@ class CudaBackend : public Backend {
   // on first use by a convolution op; kernels/cuda_conv_ops.cc.
   struct CudnnState& cudnn();
   void release_cudnn() noexcept;  // called by release(); the device is already current
+  void* cudnn_handle();            // cudnn()'s cudnnHandle_t, for files that do not see CudnnState
+  // The fused attention's built graphs (struct AttentionGraphs, kernels/cuda_attention_ops.cc).
+  void* attention_graphs_ = nullptr;
+  void release_attention_graphs() noexcept;
 
   Device device_;
   Stream* stream_ = nullptr;          // the device's compute stream (non-blocking; not owned)
@@ -201,5 +214,11 @@ class CudaBackend : public Backend {
 
 // A CUDA backend for `device` (the registry in backend_for() calls this).
 std::unique_ptr<Backend> make_cuda_backend(Device device);
+
+// Whether CudaBackend runs fused_attention for element type t and head width head_dim:
+// built with cuDNN's frontend (GPIPE_WITH_CUDNN_FRONTEND), t bfloat16 or float16, head_dim
+// a multiple of 8 up to 128, a cuDNN of 9.0 or later, and GPIPE_FUSED_ATTENTION not "0"
+// (the way to keep the exact attention). Needs no device.
+bool cuda_fused_attention_available(DType t, int64_t head_dim);
 
 }  // namespace gpipe

@@ -315,6 +315,8 @@ void destroy(CudnnState* st) noexcept {
 
 // ---- cuDNN state
 
+void* CudaBackend::cudnn_handle() { return cudnn().handle; }
+
 CudnnState& CudaBackend::cudnn() {
   if (cudnn_ != nullptr) return *static_cast<CudnnState*>(cudnn_);
   // The caller holds a DeviceGuard: the handle is created on device_.

@@ -7,8 +7,10 @@
 #include <algorithm>
 #include <cmath>
 #include <utility>
+#include <vector>
 
 #include "kernels/widening_backend.h"
+#include "tests/testing.h"
 
 using namespace gpipe;
 using namespace gpipe::gpu_testing;
@@ -208,4 +210,107 @@ TEST_CASE("the fused ops reject operands that do not fit") {
   Tensor y64 = gpu().empty({4, 6}, DType::kF64);
   CHECK_THROWS_AS(gpu().swiglu(x, x, y64), Error);
   CHECK_THROWS_WITH(gpu().swiglu(random_tensor({4, 6}, DType::kF32, 91), x, y), doctest::Contains("is not on cuda:0"));
+}
+
+// ---------------------------------------------------------------------------------
+// Fused attention (cuDNN's SDPA, kernels/cuda_attention_ops.cc) against the exact path
+// (pack_qkv, attention and their backward) on the CPU, in float64 on the same 16-bit
+// inputs. Flash attention rounds the probabilities to the 16-bit type before its second
+// product, so it stays within a few units of that type's rounding, not one.
+
+namespace {
+
+// log sum_{s <= t} exp(q_t . k_s / sqrt(D)) per (b, h, t), in float64, by its definition.
+std::vector<double> log_sum_exp(const Tensor& q, const Tensor& k, int64_t H, int64_t KV) {
+  const int64_t B = q.size(0), T = q.size(1), D = q.size(2) / H;
+  const std::vector<double> qd = testing::to_doubles(q), kd = testing::to_doubles(k);
+  std::vector<double> out;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t j = h / (H / KV);
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<double> scores;
+        double top = -INFINITY;
+        for (int64_t s = 0; s <= t; ++s) {
+          double dot = 0;
+          for (int64_t d = 0; d < D; ++d) dot += qd[(b * T + t) * H * D + h * D + d] * kd[(b * T + s) * KV * D + j * D + d];
+          scores.push_back(dot / std::sqrt(static_cast<double>(D)));
+          top = std::max(top, scores.back());
+        }
+        double sum = 0;
+        for (double x : scores) sum += std::exp(x - top);
+        out.push_back(top + std::log(sum));
+      }
+    }
+  }
+  return out;
+}
+
+double max_abs(const Tensor& t) {
+  double m = 0;
+  for (double x : testing::to_doubles(t)) m = std::max(m, std::fabs(x));
+  return m;
+}
+
+}  // namespace
+
+TEST_CASE("fused attention (cuDNN SDPA) equals the exact attention: output, log-sum-exp and gradients") {
+  if (!gpu().has_fused_attention(DType::kBF16, 64)) {
+    MESSAGE("this build has no fused attention (cuDNN's frontend headers were not there, or GPIPE_FUSED_ATTENTION=0)");
+    return;
+  }
+  CHECK_FALSE(gpu().has_fused_attention(DType::kF32, 64));  // float32 keeps the exact path
+  CHECK_FALSE(gpu().has_fused_attention(DType::kBF16, 60));  // head widths: multiples of 8
+  CHECK(fused_attention_available(kGpu, DType::kBF16, 64));
+  CHECK_FALSE(fused_attention_available(Device::cpu(), DType::kBF16, 64));
+  uint64_t seed = 120;
+  struct Case {
+    int64_t B, T, H, KV, D;
+  };
+  for (DType t : {DType::kBF16, DType::kF16}) {
+    for (const Case& c : {Case{2, 37, 4, 2, 64}, Case{1, 128, 8, 8, 32}, Case{3, 5, 4, 1, 128}}) {
+      CAPTURE(dtype_name(t));
+      CAPTURE(c.T);
+      CAPTURE(c.H);
+      CAPTURE(c.KV);
+      CAPTURE(c.D);
+      const int H = static_cast<int>(c.H);
+      const Tensor q = random_tensor({c.B, c.T, c.H * c.D}, t, ++seed, -2, 2);
+      const Tensor k = random_tensor({c.B, c.T, c.KV * c.D}, t, ++seed, -2, 2);
+      const Tensor v = random_tensor({c.B, c.T, c.KV * c.D}, t, ++seed);
+      const Tensor dout = random_tensor({c.B, c.T, c.H * c.D}, t, ++seed);
+      // The exact path in float64 on the same values.
+      const Tensor q64 = widened(q, DType::kF64), k64 = widened(k, DType::kF64), v64 = widened(v, DType::kF64);
+      Tensor qkv = cpu().empty({c.B, c.T, 3 * c.H * c.D}, DType::kF64);
+      cpu().pack_qkv(q64, k64, v64, H, qkv);
+      Tensor probs = cpu().empty({c.B, c.H, c.T, c.T}, DType::kF64), out64 = cpu().empty(q.shape(), DType::kF64);
+      cpu().attention(qkv, H, probs, out64);
+      Tensor dqkv = cpu().empty(qkv.shape(), DType::kF64);
+      cpu().attention_backward(widened(dout, DType::kF64), qkv, probs, H, dqkv);
+      Tensor dq64 = cpu().empty(q.shape(), DType::kF64), dk64 = cpu().empty(k.shape(), DType::kF64),
+             dv64 = cpu().empty(v.shape(), DType::kF64);
+      cpu().pack_qkv_backward(dqkv, H, dq64, dk64, dv64);
+
+      const Tensor qg = to_gpu(q), kg = to_gpu(k), vg = to_gpu(v);
+      Tensor out = gpu().empty(q.shape(), t), stats = gpu().empty({c.B, c.H, c.T}, DType::kF32);
+      gpu().fused_attention(qg, kg, vg, H, out, stats);
+      const double unit = std::ldexp(1.0, t == DType::kBF16 ? -8 : -11);
+      EXPECT_CLOSE_TOL(out, out64, (Tol{4 * unit, 4 * unit * max_abs(out64)}));
+      EXPECT_CLOSE_TOL(stats, log_sum_exp(q, k, c.H, c.KV), (Tol{1e-5, 1e-4}));
+      Tensor dq = gpu().empty(q.shape(), t), dk = gpu().empty(k.shape(), t), dv = gpu().empty(v.shape(), t);
+      gpu().fused_attention_backward(to_gpu(dout), qg, kg, vg, out, stats, H, dq, dk, dv);
+      EXPECT_CLOSE_TOL(dq, dq64, (Tol{8 * unit, 8 * unit * max_abs(dq64)}));
+      EXPECT_CLOSE_TOL(dk, dk64, (Tol{8 * unit, 8 * unit * max_abs(dk64)}));
+      EXPECT_CLOSE_TOL(dv, dv64, (Tol{8 * unit, 8 * unit * max_abs(dv64)}));
+      // Deterministic: the same bits again.
+      Tensor dq2 = gpu().empty(q.shape(), t), dk2 = gpu().empty(k.shape(), t), dv2 = gpu().empty(v.shape(), t);
+      gpu().fused_attention_backward(to_gpu(dout), qg, kg, vg, out, stats, H, dq2, dk2, dv2);
+      CHECK(testing::to_doubles(dq2) == testing::to_doubles(dq));
+      CHECK(testing::to_doubles(dk2) == testing::to_doubles(dk));
+    }
+  }
+  // A shape that does not fit is an error naming it, not a crash.
+  Tensor q = gpu().empty({1, 4, 64}, DType::kBF16), k3 = gpu().empty({1, 4, 48}, DType::kBF16);
+  Tensor out = gpu().empty({1, 4, 64}, DType::kBF16), stats = gpu().empty({1, 1, 4}, DType::kF32);
+  CHECK_THROWS_WITH_AS(gpu().fused_attention(q, k3, k3, 1, out, stats), doctest::Contains("key/value heads"), Error);
 }

@@ -40,6 +40,13 @@ class MetaBackend final : public Backend {
   void layernorm_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&,
                           Tensor&) override {}
   void attention(const Tensor&, int, Tensor&, Tensor&) override {}
+  // As the device's backend would (what the layer keeps depends on it), asked without it.
+  bool has_fused_attention(DType t, int64_t head_dim) const override {
+    return fused_attention_available(device_, t, head_dim);
+  }
+  void fused_attention(const Tensor&, const Tensor&, const Tensor&, int, Tensor&, Tensor&) override {}
+  void fused_attention_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                const Tensor&, int, Tensor&, Tensor&, Tensor&) override {}
   void attention_backward(const Tensor&, const Tensor&, const Tensor&, int, Tensor&) override {}
   void dropout(const Tensor&, double, uint64_t, int64_t, Tensor&) override {}
   void dropout_backward(const Tensor&, double, uint64_t, int64_t, Tensor&) override {}

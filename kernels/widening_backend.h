@@ -58,6 +58,19 @@ class WideningBackend : public Backend {
                  int64_t step) override;
   double sum_squares(const Tensor& x) override;
   double sum_squares_all(const std::vector<Tensor>& xs) override;
+  // Fused attention: the wrapped backend's, which takes 16-bit operands as they are.
+  bool has_fused_attention(DType t, int64_t head_dim) const override {
+    return inner_->has_fused_attention(t, head_dim);
+  }
+  void fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, int heads, Tensor& out,
+                       Tensor& stats) override {
+    inner_->fused_attention(q, k, v, heads, out, stats);
+  }
+  void fused_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                const Tensor& out, const Tensor& stats, int heads, Tensor& dq, Tensor& dk,
+                                Tensor& dv) override {
+    inner_->fused_attention_backward(dout, q, k, v, out, stats, heads, dq, dk, dv);
+  }
   // The fused ops go to the wrapped backend when no operand is narrow or when it computes
   // them in the narrow type (kRmsNorm, kSwiglu); else they are composed here of widened
   // generic ops (Backend's defaults), which is the reference.

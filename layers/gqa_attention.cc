@@ -137,29 +137,44 @@ Tensor GqaAttention::forward_impl(Backend& be, const Tensor& x, Context* ctx, co
     be.rope(q, H, opts_.rope_base, q);  // fresh outputs no context keeps: in place
     be.rope(k, KV, opts_.rope_base, k);
   }
-  Tensor qkv = be.empty({B, T, 3 * C}, dtype_);  // (B, T, 3C), key/value heads repeated
-  be.pack_qkv(q, k, v, H, qkv);
-  Tensor probs = be.empty({B, opts_.heads, T, T}, dtype_);  // (B, H, T, T)
-  Tensor att = be.empty({B, T, C}, dtype_);                 // (B, T, C), heads side by side
-  be.attention(qkv, H, probs, att);
-  if (ctx != nullptr) ctx->saved = {qkv, probs};
+  Tensor att = be.empty({B, T, C}, dtype_);  // (B, T, C), heads side by side
+  if (be.has_fused_attention(dtype_, C / H)) {
+    // Flash attention (a GPU's cuDNN, 16-bit): keeps q, k, v, the output and one
+    // log-sum-exp per row and head, not the probabilities; k and v are not repeated.
+    Tensor stats = be.empty({B, opts_.heads, T}, DType::kF32);  // (B, H, T)
+    be.fused_attention(q, k, v, H, att, stats);
+    if (ctx != nullptr) ctx->saved = {q, k, v, att, stats};
+  } else {
+    Tensor qkv = be.empty({B, T, 3 * C}, dtype_);  // (B, T, 3C), key/value heads repeated
+    be.pack_qkv(q, k, v, H, qkv);
+    Tensor probs = be.empty({B, opts_.heads, T, T}, dtype_);  // (B, H, T, T)
+    be.attention(qkv, H, probs, att);
+    if (ctx != nullptr) ctx->saved = {qkv, probs};
+  }
   return o_.forward(be, att, child(ctx, kO), args);  // (B, T, C)
 }
 
 Tensor GqaAttention::backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) {
   std::vector<Context>& ch = ctx.children;
-  GPIPE_CHECK(ctx.saved.size() == 2 && ch.size() == kChildren, describe() + ": backward without its forward");
-  const Tensor qkv = ctx.saved[0];    // (B, T, 3C); handles, not references: saved is cleared below
-  const Tensor probs = ctx.saved[1];  // (B, H, T, T)
+  const bool fused = ctx.saved.size() == 5;  // q, k, v, out, stats (forward's fused_attention)
+  GPIPE_CHECK((fused || ctx.saved.size() == 2) && ch.size() == kChildren,
+              describe() + ": backward without its forward");
   const int H = static_cast<int>(opts_.heads), KV = static_cast<int>(opts_.kv_heads);
-  const int64_t B = qkv.size(0), T = opts_.seq_len, C = opts_.dim, KC = kv_width(opts_);
+  const int64_t B = ctx.saved[0].size(0), T = opts_.seq_len, C = opts_.dim, KC = kv_width(opts_);
   const Tensor datt = o_.backward_input(be, dy, ch[kO]);  // (B, T, C)
-  Tensor dqkv = be.empty(qkv.shape(), dtype_);           // (B, T, 3C)
-  be.attention_backward(datt, qkv, probs, H, dqkv);
   Tensor dq = be.empty({B, T, C}, dtype_);   // (B, T, C)
   Tensor dk = be.empty({B, T, KC}, dtype_);  // (B, T, KV D): each group's sum
   Tensor dv = be.empty({B, T, KC}, dtype_);  // (B, T, KV D)
-  be.pack_qkv_backward(dqkv, H, dq, dk, dv);
+  if (fused) {
+    const std::vector<Tensor>& s = ctx.saved;
+    be.fused_attention_backward(datt, s[0], s[1], s[2], s[3], s[4], H, dq, dk, dv);
+  } else {
+    const Tensor& qkv = ctx.saved[0];    // (B, T, 3C)
+    const Tensor& probs = ctx.saved[1];  // (B, H, T, T)
+    Tensor dqkv = be.empty(qkv.shape(), dtype_);  // (B, T, 3C)
+    be.attention_backward(datt, qkv, probs, H, dqkv);
+    be.pack_qkv_backward(dqkv, H, dq, dk, dv);
+  }
   ctx.saved.clear();  // W needs only the projections' contexts: the scores can go now
   if (opts_.rope) {
     be.rope_backward(dq, H, opts_.rope_base, dq);
