@@ -199,6 +199,8 @@ class CudaBackend : public Backend {
   // The fused attention's built graphs (struct AttentionGraphs, kernels/cuda_attention_ops.cc).
   void* attention_graphs_ = nullptr;
   void release_attention_graphs() noexcept;
+  // rope and rope_backward on bfloat16 or float16 (kernels/cuda_llama_ops.cc).
+  void rope_narrow(const Tensor& x, int heads, double base, double sign, Tensor& y, const char* op);
 
   Device device_;
   Stream* stream_ = nullptr;          // the device's compute stream (non-blocking; not owned)

@@ -15,6 +15,7 @@
 #include <climits>
 #include <string>
 
+#include "kernels/llama_math.h"
 #include "kernels/unary_math.h"
 #include "runtime/cuda_check.h"
 #include "runtime/error.h"
@@ -151,6 +152,27 @@ __global__ void swiglu_backward_kernel(const S* dy, const S* a, const S* b, S* d
   }
 }
 
+// One thread per pair: n = B T H D/2 pairs, pair p = ((b T + t) H + h) D/2 + i.
+template <typename S>
+__global__ void rope_narrow_kernel(const S* x, S* y, int64_t n, int64_t seq, int64_t heads, int64_t head_dim,
+                                   double base, double sign) {
+  const int64_t half = head_dim / 2;
+  for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < n; p += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i = p % half;
+    const int64_t head = p / half;  // (b T + t) H + h
+    const int64_t t = (head / heads) % seq;
+    const S* px = x + head * head_dim;
+    S* py = y + head * head_dim;
+    // The pair as the float32 reference holds it, turned by its formula (rope_pair on a
+    // two-element row: element 0 pairs with element 1), then rounded to S.
+    const float in[2] = {load(px[i]), load(px[i + half])};
+    float out[2];
+    ops::rope_pair(in, out, 0, 1, ops::rope_angle(t, i, head_dim, base), sign);
+    store(out[0], py[i]);
+    store(out[1], py[i + half]);
+  }
+}
+
 template <typename S>
 __global__ void axpy_narrow_kernel(float alpha, const S* x, S* y, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
@@ -225,6 +247,17 @@ GPIPE_FUSED_INSTANTIATE(double)
 GPIPE_FUSED_INSTANTIATE(BFloat16)
 GPIPE_FUSED_INSTANTIATE(Half)
 #undef GPIPE_FUSED_INSTANTIATE
+template <typename S>
+void rope_narrow(const S* x, S* y, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, double base,
+                 double sign, cudaStream_t stream) {
+  const int64_t n = batch * seq * heads * (head_dim / 2);
+  if (n == 0) return;
+  rope_narrow_kernel<S><<<elementwise_blocks(n), kThreads, 0, stream>>>(x, y, n, seq, heads, head_dim, base, sign);
+  GPIPE_CUDA_CHECK(cudaGetLastError());
+}
+template void rope_narrow<BFloat16>(const BFloat16*, BFloat16*, int64_t, int64_t, int64_t, int64_t, double, double,
+                                    cudaStream_t);
+template void rope_narrow<Half>(const Half*, Half*, int64_t, int64_t, int64_t, int64_t, double, double, cudaStream_t);
 template void axpy_narrow<BFloat16>(double, const BFloat16*, BFloat16*, int64_t, cudaStream_t);
 template void axpy_narrow<Half>(double, const Half*, Half*, int64_t, cudaStream_t);
 

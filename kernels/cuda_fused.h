@@ -54,6 +54,12 @@ void swiglu(const S* a, const S* b, S* y, int64_t n, cudaStream_t stream);
 // da = dy b silu'(a), db = dy silu(a); (n) elements, da and db not aliasing the inputs.
 template <typename S>
 void swiglu_backward(const S* dy, const S* a, const S* b, S* da, S* db, int64_t n, cudaStream_t stream);
+// Rotary position embeddings on 16-bit storage (S BFloat16 or Half), the rotation of
+// kernels/llama_math.h in double, each result rounded to float32 and then to S: what the
+// widening reference gives (the float32 kernel, then the cast). x, y: (B, T, H D); y may be x.
+template <typename S>
+void rope_narrow(const S* x, S* y, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, double base,
+                 double sign, cudaStream_t stream);
 // y += alpha x on 16-bit storage (S BFloat16 or Half), in float, rounded once.
 template <typename S>
 void axpy_narrow(double alpha, const S* x, S* y, int64_t n, cudaStream_t stream);

@@ -4,13 +4,29 @@
 #include <type_traits>
 
 #include "kernels/cuda_backend.h"
+#include "kernels/cuda_fused.h"
 #include "kernels/cuda_llama.h"
 #include "kernels/llama_checks.h"
 #include "runtime/cuda_device.h"
 
 namespace gpipe {
 
+// 16-bit storage rotated as it is (NarrowOp::kRope), as the widening reference rounds.
+void CudaBackend::rope_narrow(const Tensor& x, int heads, double base, double sign, Tensor& y, const char* op) {
+  const ops::RopeDims d = ops::check_rope_dims(x, y, heads, base, op);
+  check_on_device(x, op);
+  check_on_device(y, op);
+  DeviceGuard guard(device_.index);
+  if (x.dtype() == DType::kBF16) {
+    cuda::rope_narrow(x.data<BFloat16>(), y.data<BFloat16>(), d.batch, d.seq, heads, d.head_dim, base, sign,
+                      cuda_stream());
+  } else {
+    cuda::rope_narrow(x.data<Half>(), y.data<Half>(), d.batch, d.seq, heads, d.head_dim, base, sign, cuda_stream());
+  }
+}
+
 void CudaBackend::rope(const Tensor& x, int heads, double base, Tensor& y) {
+  if (is_narrow(x.dtype())) return rope_narrow(x, heads, base, 1.0, y, "rope");
   const ops::RopeDims d = ops::check_rope(x, y, heads, base, "rope");
   check_on_device(x, "rope");
   check_on_device(y, "rope");
@@ -22,6 +38,7 @@ void CudaBackend::rope(const Tensor& x, int heads, double base, Tensor& y) {
 }
 
 void CudaBackend::rope_backward(const Tensor& dy, int heads, double base, Tensor& dx) {
+  if (is_narrow(dy.dtype())) return rope_narrow(dy, heads, base, -1.0, dx, "rope_backward");
   const ops::RopeDims d = ops::check_rope(dy, dx, heads, base, "rope_backward");
   check_on_device(dy, "rope_backward");
   check_on_device(dx, "rope_backward");

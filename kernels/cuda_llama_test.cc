@@ -145,7 +145,7 @@ TEST_CASE("fused SwiGLU gate and its backward match the CPU composition, in plac
 // 16-bit storage: the GPU computes in float32 and rounds once, so it stays within a unit
 // of the 16-bit type's rounding of the exact (float64) result on the same inputs, where
 // the widening CPU reference rounds every intermediate.
-TEST_CASE("fused ops and axpy on bfloat16 and float16 round the float64 result once") {
+TEST_CASE("fused ops, axpy and rope on bfloat16 and float16 round as their references do") {
   uint64_t seed = 80;
   for (DType t : {DType::kBF16, DType::kF16}) {
     CAPTURE(dtype_name(t));
@@ -194,8 +194,22 @@ TEST_CASE("fused ops and axpy on bfloat16 and float16 round the float64 result o
       gpu().axpy(-0.75, dyg, rg);
       EXPECT_CLOSE_TOL(rg, r64, once);
     }
+    // rope on 16-bit storage: the widened CPU reference's rounding (float32, then the type),
+    // so equal but where CUDA's cos and sin differ from glibc's in the last bit of a double.
+    for (double sign : {1.0, -1.0}) {
+      CAPTURE(sign);
+      const Tensor x = random_tensor({3, 37, 4 * 16}, t, ++seed, -3, 3);
+      Tensor want = cpu().empty(x.shape(), t);
+      if (sign > 0) cpu().rope(x, 4, 10000.0, want);
+      else cpu().rope_backward(x, 4, 10000.0, want);
+      Tensor xg = to_gpu(x);
+      if (sign > 0) gpu().rope(xg, 4, 10000.0, xg);  // in place
+      else gpu().rope_backward(xg, 4, 10000.0, xg);
+      EXPECT_CLOSE_TOL(xg, want, (Tol{2 * unit, 0}));
+    }
     Backend& bare = static_cast<WideningBackend&>(gpu()).inner();
-    for (Backend::NarrowOp op : {Backend::NarrowOp::kAxpy, Backend::NarrowOp::kRmsNorm, Backend::NarrowOp::kSwiglu}) {
+    for (Backend::NarrowOp op : {Backend::NarrowOp::kAxpy, Backend::NarrowOp::kRmsNorm, Backend::NarrowOp::kSwiglu,
+                                 Backend::NarrowOp::kRope}) {
       CHECK(bare.computes_narrow(op, t));
     }
   }

@@ -17,8 +17,8 @@ struct RopeDims {
   int64_t batch, seq, head_dim;
 };
 
-inline RopeDims check_rope(const Tensor& x, const Tensor& y, int heads, double base, const char* op) {
-  check_float(x, op);
+// What check_rope checks but the element type (a GPU rotates 16-bit storage itself).
+inline RopeDims check_rope_dims(const Tensor& x, const Tensor& y, int heads, double base, const char* op) {
   check_same(x, y, op);
   if (!x.is_contiguous()) throw Error(std::string(op) + ": " + x.str() + " must be contiguous");
   if (x.dim() != 3) throw Error(std::string(op) + ": " + x.str() + " must be (B, T, heads * head_dim)");
@@ -38,6 +38,11 @@ inline RopeDims check_rope(const Tensor& x, const Tensor& y, int heads, double b
                     "; LLaMA uses 10000");
   }
   return {x.size(0), x.size(1), D};
+}
+
+inline RopeDims check_rope(const Tensor& x, const Tensor& y, int heads, double base, const char* op) {
+  check_float(x, op);
+  return check_rope_dims(x, y, heads, base, op);
 }
 
 // q (B, T, H D), k and v (B, T, KV D), qkv (B, T, 3 H D): B, T, D, H, KV.

@@ -538,14 +538,14 @@ double WideningBackend::item(const Tensor& x) {
 namespace gpipe {
 
 void WideningBackend::rope(const Tensor& x, int heads, double base, Tensor& y) {
-  if (!any_narrow(x, y)) return inner_->rope(x, heads, base, y);
+  if (!any_narrow(x, y) || native(*inner_, NarrowOp::kRope, x, y)) return inner_->rope(x, heads, base, y);
   Widen w(*inner_);
   inner_->rope(w.in(x), heads, base, w.out(y));
   w.store();
 }
 
 void WideningBackend::rope_backward(const Tensor& dy, int heads, double base, Tensor& dx) {
-  if (!any_narrow(dy, dx)) return inner_->rope_backward(dy, heads, base, dx);
+  if (!any_narrow(dy, dx) || native(*inner_, NarrowOp::kRope, dy, dx)) return inner_->rope_backward(dy, heads, base, dx);
   Widen w(*inner_);
   inner_->rope_backward(w.in(dy), heads, base, w.out(dx));
   w.store();
