@@ -67,7 +67,9 @@ class Backend {
   //   kAxpy, kRope (rope and rope_backward): x and y of type t; the fused ops (kRmsNorm: rmsnorm and its two backward
   //   ops; kSwiglu: swiglu and swiglu_backward): their activations of type t, their
   //   per-row statistics and the weight gradient of the master type (float32).
-  enum class NarrowOp { kMatmul, kAddBias, kRelu, kReluBackward, kGelu, kGeluBackward, kAxpy, kRmsNorm, kSwiglu, kRope };
+  enum class NarrowOp {
+    kMatmul, kAddBias, kRelu, kReluBackward, kGelu, kGeluBackward, kAxpy, kRmsNorm, kSwiglu, kRope
+  };
   virtual bool computes_narrow(NarrowOp op, DType t) const {
     (void)op;
     (void)t;
@@ -199,13 +201,18 @@ class Backend {
   // with KV dividing H (query head h reads key/value head h / (H / KV), nothing repeated);
   // out (B, T, H D) = softmax_s(q_t . k_s / sqrt(D), s <= t) v per head; stats (B, H, T)
   // float32 = log sum_{s <= t} exp(q_t . k_s / sqrt(D)). The same function as pack_qkv
-  // then attention. A backend says which element types and head widths it runs
-  // (has_fused_attention); the CPU reference runs none (a layer then takes pack_qkv and
-  // attention), the CUDA backend bfloat16 and float16 through cuDNN's fused SDPA where
-  // built with cuDNN's frontend (float32 keeps the exact path, the reference).
-  virtual bool has_fused_attention(DType t, int64_t head_dim) const {
+  // then attention. A backend says for which element type and shape it runs it
+  // (has_fused_attention, asked before each use; a GPU prepares the shape's kernels then,
+  // and says no, once with a warning, where it cannot); the CPU reference runs none (a
+  // layer then takes pack_qkv and attention), the CUDA backend bfloat16 and float16
+  // through cuDNN's fused SDPA where built with cuDNN's frontend (float32 keeps the exact
+  // path, the reference).
+  struct AttentionSizes {
+    int64_t batch, seq, heads, kv_heads, head_dim;
+  };
+  virtual bool has_fused_attention(DType t, const AttentionSizes& dims) {
     (void)t;
-    (void)head_dim;
+    (void)dims;
     return false;
   }
   virtual void fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, int heads, Tensor& out,

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <exception>
 #include <string>
 
 #include "kernels/cuda_backend.h"
@@ -22,8 +23,11 @@
 #ifdef GPIPE_WITH_CUDNN_FRONTEND
 #include <cudnn.h>
 
+#include <spdlog/spdlog.h>
+
 #include <map>
 #include <memory>
+#include <set>
 #include <tuple>
 #include <unordered_map>
 
@@ -44,11 +48,11 @@ bool cuda_fused_attention_available(DType t, int64_t head_dim) {
 #endif
 }
 
-bool CudaBackend::has_fused_attention(DType t, int64_t head_dim) const {
-  return cuda_fused_attention_available(t, head_dim);
-}
-
 #ifndef GPIPE_WITH_CUDNN_FRONTEND
+
+bool CudaBackend::has_fused_attention(DType t, const AttentionSizes& dims) {
+  return cuda_fused_attention_available(t, dims.head_dim);  // false: no frontend
+}
 
 void CudaBackend::fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, int heads, Tensor& out,
                                   Tensor& stats) {
@@ -88,6 +92,7 @@ struct BuiltGraph {
 
 struct AttentionGraphs {
   std::map<AttentionShape, BuiltGraph> built;
+  std::set<AttentionShape> refused;  // forward shapes cuDNN could not build (either direction)
 };
 
 // (B, T, heads, D) row-major as cuDNN's (b, h, s, d).
@@ -127,13 +132,18 @@ BuiltGraph build(const AttentionShape& s, cudnnHandle_t handle) {
   auto k = bshd(*g, "k", kK, s.B, s.T, s.KV, s.D);
   auto v = bshd(*g, "v", kV, s.B, s.T, s.KV, s.D);
   if (!s.backward) {
-    auto options =
-        fe::graph::SDPA_attributes().set_name("attention").set_generate_stats(true).set_attn_scale(scale).set_causal_mask(
-            true);
+    auto options = fe::graph::SDPA_attributes()
+                       .set_name("attention")
+                       .set_generate_stats(true)
+                       .set_attn_scale(scale)
+                       .set_causal_mask(true);
     auto [o, stats] = g->sdpa(q, k, v, options);
     set_bshd(*o, kO, s.B, s.T, s.H, s.D);
-    stats->set_output(true).set_uid(kStats).set_data_type(fe::DataType_t::FLOAT).set_dim({s.B, s.H, s.T, 1}).set_stride(
-        {s.H * s.T, s.T, 1, 1});
+    stats->set_output(true)
+        .set_uid(kStats)
+        .set_data_type(fe::DataType_t::FLOAT)
+        .set_dim({s.B, s.H, s.T, 1})
+        .set_stride({s.H * s.T, s.T, 1, 1});
   } else {
     auto o = bshd(*g, "o", kO, s.B, s.T, s.H, s.D);
     auto d_o = bshd(*g, "do", kDO, s.B, s.T, s.H, s.D);
@@ -174,7 +184,9 @@ AttentionShape attention_shape(const Tensor& q, const Tensor& k, const Tensor& v
   if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3) fail("q, k and v must be (B, T, heads x head width)");
   if (!is_narrow(q.dtype()) || k.dtype() != q.dtype() || v.dtype() != q.dtype()) fail("one 16-bit type throughout");
   if (!q.is_contiguous() || !k.is_contiguous() || !v.is_contiguous()) fail("contiguous operands only");
-  if (k.shape() != v.shape() || k.size(0) != q.size(0) || k.size(1) != q.size(1)) fail("k and v must match q's B and T");
+  if (k.shape() != v.shape() || k.size(0) != q.size(0) || k.size(1) != q.size(1)) {
+    fail("k and v must match q's B and T");
+  }
   if (heads <= 0 || q.size(2) % heads != 0) fail("the width is not a multiple of the heads");
   const int64_t D = q.size(2) / heads;
   if (k.size(2) % D != 0 || heads % (k.size(2) / D) != 0) fail("the key/value heads must divide the heads");
@@ -194,10 +206,49 @@ void CudaBackend::release_attention_graphs() noexcept {
   attention_graphs_ = nullptr;
 }
 
+namespace {
+
+// The built graph of `s`, built now if it is not yet (throws Error where cuDNN cannot).
+// The device must be current.
+const BuiltGraph& graph_for(void*& slot, const AttentionShape& s, cudnnHandle_t handle) {
+  if (slot == nullptr) slot = new AttentionGraphs;
+  auto& built = static_cast<AttentionGraphs*>(slot)->built;
+  auto found = built.find(s);
+  if (found == built.end()) found = built.emplace(s, build(s, handle)).first;
+  return found->second;
+}
+
+}  // namespace
+
+// Both directions' graphs are built here, before the layer commits to keeping only the
+// statistics, so that a shape cuDNN refuses takes the exact path from its forward on.
+bool CudaBackend::has_fused_attention(DType t, const AttentionSizes& d) {
+  if (!cuda_fused_attention_available(t, d.head_dim)) return false;
+  if (d.heads <= 0 || d.kv_heads <= 0 || d.heads % d.kv_heads != 0) return false;
+  if (d.batch == 0 || d.seq == 0) return true;  // nothing to compute: the ops return at once
+  const AttentionShape forward{d.batch, d.seq, d.heads, d.kv_heads, d.head_dim, t, false};
+  AttentionShape backward = forward;
+  backward.backward = true;
+  if (attention_graphs_ == nullptr) attention_graphs_ = new AttentionGraphs;
+  std::set<AttentionShape>& refused = static_cast<AttentionGraphs*>(attention_graphs_)->refused;
+  if (refused.count(forward) != 0) return false;
+  DeviceGuard guard(device_.index);
+  auto handle = static_cast<cudnnHandle_t>(cudnn_handle());
+  try {
+    graph_for(attention_graphs_, forward, handle);
+    graph_for(attention_graphs_, backward, handle);
+    return true;
+  } catch (const std::exception& e) {
+    refused.insert(forward);
+    spdlog::warn("{}; this shape takes the exact attention (it keeps the probabilities)", e.what());
+    return false;
+  }
+}
+
 void CudaBackend::fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, int heads, Tensor& out,
                                   Tensor& stats) {
   const AttentionShape s = attention_shape(q, k, v, heads, /*backward=*/false, "fused_attention");
-  if (!has_fused_attention(s.t, s.D)) Backend::fused_attention(q, k, v, heads, out, stats);
+  if (!cuda_fused_attention_available(s.t, s.D)) Backend::fused_attention(q, k, v, heads, out, stats);
   check_like(out, q.shape(), s.t, "out", "fused_attention");
   check_like(stats, {s.B, s.H, s.T}, DType::kF32, "stats", "fused_attention");
   for (const Tensor* t : {&q, &k, &v}) check_on_device(*t, "fused_attention");
@@ -206,24 +257,23 @@ void CudaBackend::fused_attention(const Tensor& q, const Tensor& k, const Tensor
   if (s.B == 0 || s.T == 0) return;
   DeviceGuard guard(device_.index);
   auto handle = static_cast<cudnnHandle_t>(cudnn_handle());
-  if (attention_graphs_ == nullptr) attention_graphs_ = new AttentionGraphs;
-  auto& built = static_cast<AttentionGraphs*>(attention_graphs_)->built;
-  auto found = built.find(s);
-  if (found == built.end()) found = built.emplace(s, build(s, handle)).first;
-  Tensor workspace = empty({std::max<int64_t>(1, (found->second.workspace_bytes + 7) / 8)}, DType::kF64);
+  const BuiltGraph& graph = graph_for(attention_graphs_, s, handle);
+  Tensor workspace = empty({std::max<int64_t>(1, (graph.workspace_bytes + 7) / 8)}, DType::kF64);
   std::unordered_map<int64_t, void*> pack = {{kQ, const_cast<void*>(q.raw_data())},
                                              {kK, const_cast<void*>(k.raw_data())},
                                              {kV, const_cast<void*>(v.raw_data())},
                                              {kO, out.raw_data()},
                                              {kStats, stats.raw_data()}};
-  check_fe(found->second.graph->execute(handle, pack, workspace.raw_data()), s, "execute");
+  check_fe(graph.graph->execute(handle, pack, workspace.raw_data()), s, "execute");
 }
 
 void CudaBackend::fused_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                            const Tensor& out, const Tensor& stats, int heads, Tensor& dq,
                                            Tensor& dk, Tensor& dv) {
   const AttentionShape s = attention_shape(q, k, v, heads, /*backward=*/true, "fused_attention_backward");
-  if (!has_fused_attention(s.t, s.D)) Backend::fused_attention_backward(dout, q, k, v, out, stats, heads, dq, dk, dv);
+  if (!cuda_fused_attention_available(s.t, s.D)) {
+    Backend::fused_attention_backward(dout, q, k, v, out, stats, heads, dq, dk, dv);
+  }
   const char* op = "fused_attention_backward";
   check_like(dout, q.shape(), s.t, "dout", op);
   check_like(out, q.shape(), s.t, "out", op);
@@ -236,18 +286,15 @@ void CudaBackend::fused_attention_backward(const Tensor& dout, const Tensor& q, 
   if (s.B == 0 || s.T == 0) return;
   DeviceGuard guard(device_.index);
   auto handle = static_cast<cudnnHandle_t>(cudnn_handle());
-  if (attention_graphs_ == nullptr) attention_graphs_ = new AttentionGraphs;
-  auto& built = static_cast<AttentionGraphs*>(attention_graphs_)->built;
-  auto found = built.find(s);
-  if (found == built.end()) found = built.emplace(s, build(s, handle)).first;
-  Tensor workspace = empty({std::max<int64_t>(1, (found->second.workspace_bytes + 7) / 8)}, DType::kF64);
+  const BuiltGraph& graph = graph_for(attention_graphs_, s, handle);
+  Tensor workspace = empty({std::max<int64_t>(1, (graph.workspace_bytes + 7) / 8)}, DType::kF64);
   std::unordered_map<int64_t, void*> pack = {
       {kQ, const_cast<void*>(q.raw_data())},     {kK, const_cast<void*>(k.raw_data())},
       {kV, const_cast<void*>(v.raw_data())},     {kO, const_cast<void*>(out.raw_data())},
       {kDO, const_cast<void*>(dout.raw_data())}, {kStats, const_cast<void*>(stats.raw_data())},
       {kDQ, dq.raw_data()},                      {kDK, dk.raw_data()},
       {kDV, dv.raw_data()}};
-  check_fe(found->second.graph->execute(handle, pack, workspace.raw_data()), s, "execute");
+  check_fe(graph.graph->execute(handle, pack, workspace.raw_data()), s, "execute");
 }
 
 #endif  // GPIPE_WITH_CUDNN_FRONTEND

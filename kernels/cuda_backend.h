@@ -83,7 +83,7 @@ class CudaBackend : public Backend {
   // Fused attention (kernels/cuda_attention_ops.cc): cuDNN's fused SDPA through its
   // frontend's graph API, one graph per shape, built on first use and kept; bfloat16 and
   // float16 (cuda_fused_attention_available).
-  bool has_fused_attention(DType t, int64_t head_dim) const override;
+  bool has_fused_attention(DType t, const AttentionSizes& dims) override;
   void fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, int heads, Tensor& out,
                        Tensor& stats) override;
   void fused_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -196,7 +196,8 @@ class CudaBackend : public Backend {
   struct CudnnState& cudnn();
   void release_cudnn() noexcept;  // called by release(); the device is already current
   void* cudnn_handle();            // cudnn()'s cudnnHandle_t, for files that do not see CudnnState
-  // The fused attention's built graphs (struct AttentionGraphs, kernels/cuda_attention_ops.cc).
+  // The fused attention's built graphs and the shapes cuDNN refused (struct AttentionGraphs,
+  // kernels/cuda_attention_ops.cc).
   void* attention_graphs_ = nullptr;
   void release_attention_graphs() noexcept;
   // rope and rope_backward on bfloat16 or float16 (kernels/cuda_llama_ops.cc).

@@ -30,7 +30,9 @@ void dispatch_fused(const Tensor& t, F&& f) {
 
 void CudaBackend::rmsnorm(const Tensor& x, const Tensor& g, double eps, Tensor& y, Tensor& rstd) {
   const ops::RowView d = ops::check_fused(x, {&y}, &g, &rstd, nullptr, "rmsnorm");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&x, &g, &y, &rstd}) check_on_device(*t, "rmsnorm");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&x, &g, &y, &rstd}) {
+    check_on_device(*t, "rmsnorm");
+  }
   DeviceGuard guard(device_.index);
   dispatch_fused(x, [&](auto* tag) {
     using S = std::remove_pointer_t<decltype(tag)>;
@@ -42,7 +44,9 @@ void CudaBackend::rmsnorm(const Tensor& x, const Tensor& g, double eps, Tensor& 
 void CudaBackend::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& rstd,
                                    Tensor& dx) {
   const ops::RowView d = ops::check_fused(x, {&dy, &dx}, &g, &rstd, nullptr, "rmsnorm_backward");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&dy, &x, &g, &rstd, &dx}) check_on_device(*t, "rmsnorm_backward");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&dy, &x, &g, &rstd, &dx}) {
+    check_on_device(*t, "rmsnorm_backward");
+  }
   DeviceGuard guard(device_.index);
   dispatch_fused(x, [&](auto* tag) {
     using S = std::remove_pointer_t<decltype(tag)>;
@@ -54,7 +58,9 @@ void CudaBackend::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tens
 
 void CudaBackend::rmsnorm_weight_grad(const Tensor& dy, const Tensor& x, const Tensor& rstd, Tensor& dg) {
   const ops::RowView d = ops::check_fused(x, {&dy}, nullptr, &rstd, &dg, "rmsnorm_weight_grad");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&dy, &x, &rstd, &dg}) check_on_device(*t, "rmsnorm_weight_grad");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&dy, &x, &rstd, &dg}) {
+    check_on_device(*t, "rmsnorm_weight_grad");
+  }
   Tensor terms = empty({d.rows, d.cols}, master_dtype(x.dtype()));  // dy * xhat, in the master type
   {
     DeviceGuard guard(device_.index);
@@ -70,7 +76,9 @@ void CudaBackend::rmsnorm_weight_grad(const Tensor& dy, const Tensor& x, const T
 
 void CudaBackend::swiglu(const Tensor& a, const Tensor& b, Tensor& y) {
   ops::check_fused(a, {&b, &y}, nullptr, nullptr, nullptr, "swiglu");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&a, &b, &y}) check_on_device(*t, "swiglu");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&a, &b, &y}) {
+    check_on_device(*t, "swiglu");
+  }
   DeviceGuard guard(device_.index);
   dispatch_fused(a, [&](auto* tag) {
     using S = std::remove_pointer_t<decltype(tag)>;
@@ -80,7 +88,9 @@ void CudaBackend::swiglu(const Tensor& a, const Tensor& b, Tensor& y) {
 
 void CudaBackend::swiglu_backward(const Tensor& dy, const Tensor& a, const Tensor& b, Tensor& da, Tensor& db) {
   ops::check_fused(a, {&dy, &b, &da, &db}, nullptr, nullptr, nullptr, "swiglu_backward");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&dy, &a, &b, &da, &db}) check_on_device(*t, "swiglu_backward");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&dy, &a, &b, &da, &db}) {
+    check_on_device(*t, "swiglu_backward");
+  }
   DeviceGuard guard(device_.index);
   dispatch_fused(a, [&](auto* tag) {
     using S = std::remove_pointer_t<decltype(tag)>;

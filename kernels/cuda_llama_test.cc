@@ -247,7 +247,9 @@ std::vector<double> log_sum_exp(const Tensor& q, const Tensor& k, int64_t H, int
         double top = -INFINITY;
         for (int64_t s = 0; s <= t; ++s) {
           double dot = 0;
-          for (int64_t d = 0; d < D; ++d) dot += qd[(b * T + t) * H * D + h * D + d] * kd[(b * T + s) * KV * D + j * D + d];
+          for (int64_t d = 0; d < D; ++d) {
+            dot += qd[(b * T + t) * H * D + h * D + d] * kd[(b * T + s) * KV * D + j * D + d];
+          }
           scores.push_back(dot / std::sqrt(static_cast<double>(D)));
           top = std::max(top, scores.back());
         }
@@ -269,12 +271,13 @@ double max_abs(const Tensor& t) {
 }  // namespace
 
 TEST_CASE("fused attention (cuDNN SDPA) equals the exact attention: output, log-sum-exp and gradients") {
-  if (!gpu().has_fused_attention(DType::kBF16, 64)) {
+  if (!gpu().has_fused_attention(DType::kBF16, {2, 37, 4, 2, 64})) {
     MESSAGE("this build has no fused attention (cuDNN's frontend headers were not there, or GPIPE_FUSED_ATTENTION=0)");
     return;
   }
-  CHECK_FALSE(gpu().has_fused_attention(DType::kF32, 64));  // float32 keeps the exact path
-  CHECK_FALSE(gpu().has_fused_attention(DType::kBF16, 60));  // head widths: multiples of 8
+  CHECK_FALSE(gpu().has_fused_attention(DType::kF32, {2, 37, 4, 2, 64}));  // float32 keeps the exact path
+  CHECK_FALSE(gpu().has_fused_attention(DType::kBF16, {2, 37, 4, 2, 60}));  // head widths: multiples of 8
+  CHECK_FALSE(gpu().has_fused_attention(DType::kBF16, {2, 37, 4, 3, 64}));  // kv heads must divide the heads
   CHECK(fused_attention_available(kGpu, DType::kBF16, 64));
   CHECK_FALSE(fused_attention_available(Device::cpu(), DType::kBF16, 64));
   uint64_t seed = 120;
@@ -289,6 +292,7 @@ TEST_CASE("fused attention (cuDNN SDPA) equals the exact attention: output, log-
       CAPTURE(c.KV);
       CAPTURE(c.D);
       const int H = static_cast<int>(c.H);
+      REQUIRE(gpu().has_fused_attention(t, {c.B, c.T, c.H, c.KV, c.D}));  // builds both directions' graphs
       const Tensor q = random_tensor({c.B, c.T, c.H * c.D}, t, ++seed, -2, 2);
       const Tensor k = random_tensor({c.B, c.T, c.KV * c.D}, t, ++seed, -2, 2);
       const Tensor v = random_tensor({c.B, c.T, c.KV * c.D}, t, ++seed);

@@ -41,8 +41,8 @@ class MetaBackend final : public Backend {
                           Tensor&) override {}
   void attention(const Tensor&, int, Tensor&, Tensor&) override {}
   // As the device's backend would (what the layer keeps depends on it), asked without it.
-  bool has_fused_attention(DType t, int64_t head_dim) const override {
-    return fused_attention_available(device_, t, head_dim);
+  bool has_fused_attention(DType t, const AttentionSizes& dims) override {
+    return fused_attention_available(device_, t, dims.head_dim);
   }
   void fused_attention(const Tensor&, const Tensor&, const Tensor&, int, Tensor&, Tensor&) override {}
   void fused_attention_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,

@@ -545,7 +545,9 @@ void WideningBackend::rope(const Tensor& x, int heads, double base, Tensor& y) {
 }
 
 void WideningBackend::rope_backward(const Tensor& dy, int heads, double base, Tensor& dx) {
-  if (!any_narrow(dy, dx) || native(*inner_, NarrowOp::kRope, dy, dx)) return inner_->rope_backward(dy, heads, base, dx);
+  if (!any_narrow(dy, dx) || native(*inner_, NarrowOp::kRope, dy, dx)) {
+    return inner_->rope_backward(dy, heads, base, dx);
+  }
   Widen w(*inner_);
   inner_->rope_backward(w.in(dy), heads, base, w.out(dx));
   w.store();

@@ -59,8 +59,8 @@ class WideningBackend : public Backend {
   double sum_squares(const Tensor& x) override;
   double sum_squares_all(const std::vector<Tensor>& xs) override;
   // Fused attention: the wrapped backend's, which takes 16-bit operands as they are.
-  bool has_fused_attention(DType t, int64_t head_dim) const override {
-    return inner_->has_fused_attention(t, head_dim);
+  bool has_fused_attention(DType t, const AttentionSizes& dims) override {
+    return inner_->has_fused_attention(t, dims);
   }
   void fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, int heads, Tensor& out,
                        Tensor& stats) override {

@@ -138,7 +138,7 @@ Tensor GqaAttention::forward_impl(Backend& be, const Tensor& x, Context* ctx, co
     be.rope(k, KV, opts_.rope_base, k);
   }
   Tensor att = be.empty({B, T, C}, dtype_);  // (B, T, C), heads side by side
-  if (be.has_fused_attention(dtype_, C / H)) {
+  if (be.has_fused_attention(dtype_, {B, T, H, KV, C / H})) {
     // Flash attention (a GPU's cuDNN, 16-bit): keeps q, k, v, the output and one
     // log-sum-exp per row and head, not the probabilities; k and v are not repeated.
     Tensor stats = be.empty({B, opts_.heads, T}, DType::kF32);  // (B, H, T)
