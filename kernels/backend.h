@@ -64,11 +64,12 @@ class Backend {
   //   the others: every floating-point operand of type t.
   // The CPU reference computes none (the widening is the reference); the CUDA backend
   // computes the products (cublasGemmEx) and the elementwise ops below.
-  //   kAxpy, kRope (rope and rope_backward): x and y of type t; the fused ops (kRmsNorm: rmsnorm and its two backward
+  //   kAxpy, kRope (rope and rope_backward): x and y of type t; kEmbedding (embedding):
+  //   table, pos and out of type t; the fused ops (kRmsNorm: rmsnorm and its two backward
   //   ops; kSwiglu: swiglu and swiglu_backward): their activations of type t, their
   //   per-row statistics and the weight gradient of the master type (float32).
   enum class NarrowOp {
-    kMatmul, kAddBias, kRelu, kReluBackward, kGelu, kGeluBackward, kAxpy, kRmsNorm, kSwiglu, kRope
+    kMatmul, kAddBias, kRelu, kReluBackward, kGelu, kGeluBackward, kAxpy, kRmsNorm, kSwiglu, kRope, kEmbedding
   };
   virtual bool computes_narrow(NarrowOp op, DType t) const {
     (void)op;

@@ -589,7 +589,7 @@ double CudaBackend::sum_squares(const Tensor& x) {
 }
 
 void CudaBackend::embedding(const Tensor& ids, const Tensor& table, const Tensor& pos, Tensor& out) {
-  const ops::EmbeddingDims d = ops::check_embedding(ids, table, pos, out, "embedding", "out");
+  const ops::EmbeddingDims d = ops::check_embedding(ids, table, pos, out, "embedding", "out", /*narrow_ok=*/true);
   const int64_t B = d.B, T = d.T, V = d.V, C = d.C;
   check_on_device(ids, "embedding");
   check_on_device(table, "embedding");
@@ -597,7 +597,7 @@ void CudaBackend::embedding(const Tensor& ids, const Tensor& table, const Tensor
   check_on_device(out, "embedding");
   DeviceGuard guard(device_.index);
   cuda::ErrorSlot* error = defer_check(token_check("embedding", ids, V));
-  dispatch_float(table, [&](auto* tag) {
+  dispatch_storage(table, [&](auto* tag) {
     using Real = std::remove_pointer_t<decltype(tag)>;
     cuda::embedding(ids.data<int32_t>(), table.data<Real>(), pos.defined() ? pos.data<Real>() : nullptr,
                     out.data<Real>(), B, T, V, C, error, cuda_stream());

@@ -580,6 +580,7 @@ __global__ void validate_token_ids_kernel(const int32_t* ids, int64_t positions,
 template <typename T>
 __global__ void embedding_kernel(const int32_t* ids, const T* table, const T* pos, T* out, int64_t positions,
                                  int64_t seq, int64_t vocab, int64_t channels, ErrorSlot* error) {
+  // T: a storage type (Backend::computes_narrow): the sum in Wide<T>, rounded once.
   const int64_t n = positions * channels;
   GRID_STRIDE_LOOP(i, n) {
     const int64_t p = i / channels;
@@ -587,11 +588,11 @@ __global__ void embedding_kernel(const int32_t* ids, const T* table, const T* po
     const int32_t id = ids[p];
     if (id < 0 || id >= vocab) {
       if (c == 0) flag_error(error, p, id);
-      out[i] = T(0);
+      out[i] = store_as<T>(Wide<T>(0));
       continue;
     }
-    const T value = table[static_cast<int64_t>(id) * channels + c];
-    out[i] = pos != nullptr ? value + pos[(p % seq) * channels + c] : value;
+    const Wide<T> value = load(table[static_cast<int64_t>(id) * channels + c]);
+    out[i] = store_as<T>(pos != nullptr ? value + load(pos[(p % seq) * channels + c]) : value);
   }
 }
 
@@ -1423,6 +1424,14 @@ void embedding(const int32_t* ids, const float* table, const float* pos, float* 
 }
 void embedding(const int32_t* ids, const double* table, const double* pos, double* out, int64_t batch,
                int64_t seq, int64_t vocab, int64_t channels, ErrorSlot* error, cudaStream_t stream) {
+  launch_embedding(ids, table, pos, out, batch, seq, vocab, channels, error, stream);
+}
+void embedding(const int32_t* ids, const BFloat16* table, const BFloat16* pos, BFloat16* out, int64_t batch,
+               int64_t seq, int64_t vocab, int64_t channels, ErrorSlot* error, cudaStream_t stream) {
+  launch_embedding(ids, table, pos, out, batch, seq, vocab, channels, error, stream);
+}
+void embedding(const int32_t* ids, const Half* table, const Half* pos, Half* out, int64_t batch, int64_t seq,
+               int64_t vocab, int64_t channels, ErrorSlot* error, cudaStream_t stream) {
   launch_embedding(ids, table, pos, out, batch, seq, vocab, channels, error, stream);
 }
 

@@ -217,6 +217,11 @@ void embedding(const int32_t* ids, const float* table, const float* pos, float* 
                int64_t seq, int64_t vocab, int64_t channels, ErrorSlot* error, cudaStream_t stream);
 void embedding(const int32_t* ids, const double* table, const double* pos, double* out, int64_t batch,
                int64_t seq, int64_t vocab, int64_t channels, ErrorSlot* error, cudaStream_t stream);
+// 16-bit tables (NarrowOp::kEmbedding): the row plus the position in float32, rounded once.
+void embedding(const int32_t* ids, const BFloat16* table, const BFloat16* pos, BFloat16* out, int64_t batch,
+               int64_t seq, int64_t vocab, int64_t channels, ErrorSlot* error, cudaStream_t stream);
+void embedding(const int32_t* ids, const Half* table, const Half* pos, Half* out, int64_t batch, int64_t seq,
+               int64_t vocab, int64_t channels, ErrorSlot* error, cudaStream_t stream);
 
 // Bytes of device workspace embedding_backward needs for B * T = positions ids of a
 // (vocab, channels) table with elements of element_bytes.

@@ -145,7 +145,7 @@ TEST_CASE("fused SwiGLU gate and its backward match the CPU composition, in plac
 // 16-bit storage: the GPU computes in float32 and rounds once, so it stays within a unit
 // of the 16-bit type's rounding of the exact (float64) result on the same inputs, where
 // the widening CPU reference rounds every intermediate.
-TEST_CASE("fused ops, axpy and rope on bfloat16 and float16 round as their references do") {
+TEST_CASE("fused ops, axpy, rope and embedding on bfloat16 and float16 round as their references do") {
   uint64_t seed = 80;
   for (DType t : {DType::kBF16, DType::kF16}) {
     CAPTURE(dtype_name(t));
@@ -207,9 +207,21 @@ TEST_CASE("fused ops, axpy and rope on bfloat16 and float16 round as their refer
       else gpu().rope_backward(xg, 4, 10000.0, xg);
       EXPECT_CLOSE_TOL(xg, want, (Tol{2 * unit, 0}));
     }
+    // The embedding of a 16-bit table: the row plus the position in float32, rounded once,
+    // as the widened reference: equal bit for bit, with and without positions.
+    for (bool with_pos : {true, false}) {
+      CAPTURE(with_pos);
+      const Tensor ids = testing::random_labels(2 * 9, 50, ++seed).reshape({2, 9});
+      const Tensor table = random_tensor({50, 24}, t, ++seed);
+      const Tensor pos = with_pos ? random_tensor({12, 24}, t, ++seed) : Tensor();
+      Tensor want = cpu().empty({2, 9, 24}, t), got = gpu().empty({2, 9, 24}, t);
+      cpu().embedding(ids, table, pos, want);
+      gpu().embedding(to_gpu(ids), to_gpu(table), with_pos ? to_gpu(pos) : Tensor(), got);
+      CHECK(testing::to_doubles(got) == testing::to_doubles(want));
+    }
     Backend& bare = static_cast<WideningBackend&>(gpu()).inner();
     for (Backend::NarrowOp op : {Backend::NarrowOp::kAxpy, Backend::NarrowOp::kRmsNorm, Backend::NarrowOp::kSwiglu,
-                                 Backend::NarrowOp::kRope}) {
+                                 Backend::NarrowOp::kRope, Backend::NarrowOp::kEmbedding}) {
       CHECK(bare.computes_narrow(op, t));
     }
   }

@@ -82,10 +82,17 @@ struct EmbeddingDims {
 };
 
 // embedding (table, out) and embedding_backward (dtable, dout) take the same shapes.
+// narrow_ok: a 16-bit table too (a GPU's embedding reads it as it is).
 inline EmbeddingDims check_embedding(const Tensor& ids, const Tensor& table, const Tensor& pos, const Tensor& out,
-                                     const char* op, const char* out_name) {
+                                     const char* op, const char* out_name, bool narrow_ok = false) {
   check_ids(ids, op);
-  check_matrix(table, op);
+  if (narrow_ok && is_narrow(table.dtype())) {
+    if (table.dim() != 2 || !table.is_contiguous()) {
+      throw Error(std::string(op) + ": " + table.str() + " must be a contiguous 2-D table");
+    }
+  } else {
+    check_matrix(table, op);
+  }
   const EmbeddingDims d{ids.size(0), ids.size(1), table.size(0), table.size(1)};
   check_positions(pos, table, d.T, op);
   check_shape(out, {d.B, d.T, d.C}, table.dtype(), op, out_name);

@@ -287,7 +287,9 @@ void WideningBackend::fill_all(const std::vector<Tensor>& xs, double value) {
 }
 
 void WideningBackend::embedding(const Tensor& ids, const Tensor& table, const Tensor& pos, Tensor& out) {
-  if (!any_narrow(table, pos, out)) return inner_->embedding(ids, table, pos, out);
+  const bool native_here = pos.defined() ? native(*inner_, NarrowOp::kEmbedding, table, pos, out)
+                                         : native(*inner_, NarrowOp::kEmbedding, table, out);
+  if (!any_narrow(table, pos, out) || native_here) return inner_->embedding(ids, table, pos, out);
   Widen w(*inner_);
   inner_->embedding(ids, w.in(table), w.in(pos), w.out(out));
   w.store();
