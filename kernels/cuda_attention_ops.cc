@@ -189,7 +189,9 @@ AttentionShape attention_shape(const Tensor& q, const Tensor& k, const Tensor& v
   }
   if (heads <= 0 || q.size(2) % heads != 0) fail("the width is not a multiple of the heads");
   const int64_t D = q.size(2) / heads;
-  if (k.size(2) % D != 0 || heads % (k.size(2) / D) != 0) fail("the key/value heads must divide the heads");
+  if (k.size(2) == 0 || k.size(2) % D != 0 || heads % (k.size(2) / D) != 0) {
+    fail("the key/value heads must divide the heads");
+  }
   return {q.size(0), q.size(1), heads, k.size(2) / D, D, q.dtype(), backward};
 }
 
@@ -214,8 +216,20 @@ const BuiltGraph& graph_for(void*& slot, const AttentionShape& s, cudnnHandle_t 
   if (slot == nullptr) slot = new AttentionGraphs;
   auto& built = static_cast<AttentionGraphs*>(slot)->built;
   auto found = built.find(s);
-  if (found == built.end()) found = built.emplace(s, build(s, handle)).first;
-  return found->second;
+  if (found != built.end()) return found->second;
+  AttentionShape forward = s;
+  forward.backward = false;
+  if (static_cast<AttentionGraphs*>(slot)->refused.count(forward) != 0) {
+    throw Error("cuDNN fused attention (" + shape_text(s) + ") was refused for this shape; ask has_fused_attention");
+  }
+  try {
+    return built.emplace(s, build(s, handle)).first->second;
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {  // the frontend's own (std::runtime_error)
+    throw Error("cuDNN fused attention (" + shape_text(s) + "): " + e.what() +
+                "; GPIPE_FUSED_ATTENTION=0 keeps the exact attention");
+  }
 }
 
 }  // namespace

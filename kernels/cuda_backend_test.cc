@@ -1193,6 +1193,10 @@ TEST_CASE("multi-tensor scale_all, fill_all, cast_all and sum_squares_all equal 
 
     gpu().fill_all(x, 2.5);
     for (const Tensor& t : x) CHECK(to_doubles(t) == std::vector<double>(static_cast<size_t>(t.numel()), 2.5));
+    // A factor of 0 clears, NaN included, as scale() does.
+    gpu().fill_all(x, std::nan(""));
+    gpu().scale_all(x, 0.0);
+    for (const Tensor& t : x) CHECK(to_doubles(t) == std::vector<double>(static_cast<size_t>(t.numel()), 0.0));
   }
   // float32 masters into bfloat16 and float16 working copies, rounded as cast() rounds.
   for (DType narrow : {DType::kBF16, DType::kF16}) {

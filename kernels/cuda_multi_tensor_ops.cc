@@ -156,6 +156,7 @@ void CudaBackend::adam_step_all(const std::vector<Tensor>& params, const std::ve
 }
 
 void CudaBackend::scale_all(const std::vector<Tensor>& xs, double alpha) {
+  if (alpha == 0.0) return fill_all(xs, 0.0);  // as scale(): 0 clears, NaN and infinities too
   const DType t = common_float({&xs});
   if (t == DType::kI32) return Backend::scale_all(xs, alpha);
   for (const Tensor& x : xs) ops::check_float(x, "scale");
