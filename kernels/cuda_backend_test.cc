@@ -46,8 +46,8 @@ using namespace gpu_testing;
 // check instead of hanging the test.
 class StreamGate {
  public:
-  explicit StreamGate(Stream& s) {
-    GPIPE_CUDA_CHECK(cudaLaunchHostFunc(static_cast<cudaStream_t>(s.native()), &StreamGate::hold, this));
+  explicit StreamGate(Stream& s) : stream_(static_cast<cudaStream_t>(s.native())) {
+    GPIPE_CUDA_CHECK(cudaLaunchHostFunc(stream_, &StreamGate::hold, this));
     watchdog_ = std::thread([this] {
       std::unique_lock<std::mutex> lock(mu_);
       if (!cv_.wait_for(lock, std::chrono::seconds(60), [this] { return released_; })) {
@@ -59,6 +59,10 @@ class StreamGate {
   }
   ~StreamGate() {
     release();
+    // hold() may still be leaving its wait on CUDA's callback thread: the stream is done
+    // only once it has returned, so that it never touches a destroyed mutex (an H200 run
+    // aborted with EINVAL when this waited for the watchdog alone).
+    cudaStreamSynchronize(stream_);
     watchdog_.join();
   }
   void release() {
@@ -77,6 +81,7 @@ class StreamGate {
     std::unique_lock<std::mutex> lock(g->mu_);
     g->cv_.wait(lock, [g] { return g->released_; });
   }
+  cudaStream_t stream_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool released_ = false, by_watchdog_ = false;

@@ -35,7 +35,11 @@ inline void check_ids(const Tensor& ids, const char* op) {
 // pos: (P >= T, C) of the table's dtype, or undefined.
 inline void check_positions(const Tensor& pos, const Tensor& table, int64_t T, const char* op) {
   if (!pos.defined()) return;
-  check_matrix(pos, op);
+  if (is_narrow(pos.dtype())) {  // beside a 16-bit table (check_embedding's narrow_ok); else a mismatch below
+    if (pos.dim() != 2 || !pos.is_contiguous()) throw Error(std::string(op) + ": " + pos.str() + " must be 2-D");
+  } else {
+    check_matrix(pos, op);
+  }
   if (pos.dtype() != table.dtype() || pos.size(1) != table.size(1) || pos.size(0) < T) {
     throw Error(std::string(op) + ": position table " + pos.str() + " must be " + dtype_name(table.dtype()) +
                 " (P >= " + std::to_string(T) + ", " + std::to_string(table.size(1)) + ")");
