@@ -1172,6 +1172,13 @@ TEST_CASE("multi-tensor adam_step_all and sgd_step_all equal the single-tensor s
   gpu().adam_step_all(w, g, m, v, AdamParams{}, 1);
   for (size_t i = 0; i < w.size(); ++i) gpu().adam_step(w1[i], g[i], m1[i], v1[i], AdamParams{}, 1);
   check_bitwise(w, w1);
+  // The same tensor twice takes the loop: scaled twice in turn, not by two blocks at once.
+  Tensor twice = to_gpu(random_tensor({1000}, DType::kF32, seed++));
+  std::vector<Tensor> twice1 = copies({twice});
+  gpu().scale_all({twice, twice}, 0.5);
+  gpu().scale(twice1[0], 0.5);
+  gpu().scale(twice1[0], 0.5);
+  check_bitwise({twice}, twice1);
   // Lists of different lengths, and a step 0, are errors.
   CHECK_THROWS_AS(gpu().adam_step_all(w, g, m, {}, AdamParams{}, 1), Error);
   CHECK_THROWS_AS(gpu().adam_step_all(w1, g, m1, v1, AdamParams{}, 0), Error);

@@ -5,7 +5,10 @@
 // cuda_backend.cc.
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -53,6 +56,23 @@ DType common_float(const std::vector<const std::vector<Tensor>*>& lists) {
     }
   }
   return t;
+}
+
+// Whether no two tensors of `xs` share an element. One launch updates every tensor at
+// once, so a tensor listed twice (or two overlapping views) would be updated by two blocks
+// at the same time, where the loop updates it twice in turn: such a list takes the loop.
+bool disjoint(const std::vector<Tensor>& xs) {
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans;  // [begin, end) in bytes
+  for (const Tensor& x : xs) {
+    if (!x.defined() || x.numel() == 0) continue;
+    const auto begin = reinterpret_cast<uintptr_t>(x.raw_data());
+    spans.emplace_back(begin, begin + static_cast<uintptr_t>(x.nbytes()));
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i) {
+    if (spans[i].first < spans[i - 1].second) return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -124,7 +144,7 @@ void CudaBackend::sgd_step_all(const std::vector<Tensor>& params, const std::vec
   const std::vector<const std::vector<Tensor>*> lists{&params, &grads, &bufs};
   check_lengths(lists, "sgd_step_all");
   const DType t = common_float(lists);
-  if (t == DType::kI32) return Backend::sgd_step_all(params, grads, bufs, p, first_step);
+  if (t == DType::kI32 || !disjoint(params)) return Backend::sgd_step_all(params, grads, bufs, p, first_step);
   const bool momentum = p.momentum != 0.0;
   for (size_t i = 0; i < params.size(); ++i) {  // sgd_step's checks
     ops::check_float(params[i], "sgd_step");
@@ -144,7 +164,7 @@ void CudaBackend::adam_step_all(const std::vector<Tensor>& params, const std::ve
   const std::vector<const std::vector<Tensor>*> lists{&params, &grads, &m, &v};
   check_lengths(lists, "adam_step_all");
   const DType t = common_float(lists);
-  if (t == DType::kI32) return Backend::adam_step_all(params, grads, m, v, p, step);
+  if (t == DType::kI32 || !disjoint(params)) return Backend::adam_step_all(params, grads, m, v, p, step);
   for (size_t i = 0; i < params.size(); ++i) ops::check_adam(params[i], grads[i], m[i], v[i], step);
   // Bias corrections in double on the host, as adam_step and the CPU reference compute them.
   const double bc1 = 1.0 - std::pow(p.beta1, static_cast<double>(step));
@@ -158,7 +178,7 @@ void CudaBackend::adam_step_all(const std::vector<Tensor>& params, const std::ve
 void CudaBackend::scale_all(const std::vector<Tensor>& xs, double alpha) {
   if (alpha == 0.0) return fill_all(xs, 0.0);  // as scale(): 0 clears, NaN and infinities too
   const DType t = common_float({&xs});
-  if (t == DType::kI32) return Backend::scale_all(xs, alpha);
+  if (t == DType::kI32 || !disjoint(xs)) return Backend::scale_all(xs, alpha);
   for (const Tensor& x : xs) ops::check_float(x, "scale");
   DeviceGuard guard(device_.index);
   cuda::multi_scale(multi_table({&xs}, "scale_all"), t, alpha, /*fill=*/false, cuda_stream());
@@ -177,7 +197,8 @@ void CudaBackend::cast_all(const std::vector<Tensor>& srcs, const std::vector<Te
   check_lengths(lists, "cast_all");
   if (srcs.empty()) return;
   const DType from = srcs[0].dtype(), to = dsts[0].dtype();
-  if (!cuda::multi_cast_supported(from, to) || !all_of_type(srcs, from) || !all_of_type(dsts, to)) {
+  if (!cuda::multi_cast_supported(from, to) || !all_of_type(srcs, from) || !all_of_type(dsts, to) ||
+      !disjoint(dsts)) {
     return Backend::cast_all(srcs, dsts);
   }
   for (size_t i = 0; i < srcs.size(); ++i) ops::check_cast(srcs[i], dsts[i]);
