@@ -11,7 +11,7 @@
 #include <thread>
 #include <type_traits>
 
-#include "kernels/cuda_fused.h"
+#include "kernels/cuda_elementwise.h"
 #include "kernels/cuda_kernels.h"
 #include "kernels/op_checks.h"
 #include "kernels/transformer_checks.h"
@@ -27,6 +27,7 @@ namespace gpipe {
 namespace {
 
 using ops::dispatch_float;
+using ops::dispatch_storage;
 
 // Column-major gemm: C (m x n) = alpha * op(A) (m x k) op(B) (k x n) + beta * C.
 void gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, double alpha,
@@ -56,19 +57,6 @@ void gemm_batched(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, 
 }
 
 // ---- Narrow storage (Backend::computes_narrow).
-
-// The element types of the ops that take bfloat16 and float16 operands as they are:
-// f(T*) with T the storage type (runtime/bf16.h, fp16.h for the 16-bit ones).
-template <typename F>
-void dispatch_storage(const Tensor& t, F&& f) {
-  switch (t.dtype()) {
-    case DType::kF32: return f(static_cast<float*>(nullptr));
-    case DType::kF64: return f(static_cast<double*>(nullptr));
-    case DType::kBF16: return f(static_cast<BFloat16*>(nullptr));
-    case DType::kF16: return f(static_cast<Half*>(nullptr));
-    default: throw Error("expected a float32, float64, bfloat16 or float16 tensor, got " + t.str());
-  }
-}
 
 void check_storage(const Tensor& t, const char* op) {
   if (t.dtype() != DType::kF32 && t.dtype() != DType::kF64 && !is_narrow(t.dtype())) {

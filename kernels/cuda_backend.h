@@ -3,7 +3,7 @@
 // semantics as the CPU reference (kernels/cpu_backend.cc) for float32 and float64.
 // bfloat16 and float16: the matrix products (cublasGemmEx, 16-bit inputs, float32
 // compute, c in the 16-bit type or float32), the elementwise ops add_bias, relu, gelu
-// and their backwards, axpy and the fused ops (RMSNorm, SwiGLU: kernels/cuda_fused.cu)
+// and their backwards, axpy and the fused ops (RMSNorm, SwiGLU: kernels/cuda_elementwise.cu)
 // (kernels templated on the storage type: load into float32, compute, round once on
 // store) take them as they are (computes_narrow); the other
 // ops' narrow operands are widened around the backend by the WideningBackend that
@@ -89,7 +89,7 @@ class CudaBackend : public Backend {
   void fused_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                 const Tensor& out, const Tensor& stats, int heads, Tensor& dq, Tensor& dk,
                                 Tensor& dv) override;
-  // Fused ops (kernels/cuda_fused_ops.cc, kernels in kernels/cuda_fused.cu): one kernel
+  // Fused ops (kernels/cuda_fused_ops.cc, kernels in kernels/cuda_elementwise.cu): one kernel
   // each, float32, float64 and the 16-bit types (rounded once).
   void rmsnorm(const Tensor& x, const Tensor& g, double eps, Tensor& y, Tensor& rstd) override;
   void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& rstd,

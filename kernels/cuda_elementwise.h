@@ -1,5 +1,6 @@
 // Raw-pointer launchers of the generic elementwise and row ops (Backend::mul,
-// scale_rows, scale_columns, row_dot, row_inverse_rms), kernels/cuda_elementwise.cu.
+// scale_rows, scale_columns, row_dot, row_inverse_rms) and of the fused ops (RMSNorm,
+// SwiGLU; rope and axpy on 16-bit storage), kernels/cuda_elementwise.cu.
 // Conventions as in kernels/cuda_kernels.h: device pointers on the current device,
 // contiguous row-major (rows, cols) views, enqueued on `stream` without synchronising,
 // the launch checked; n, rows and cols may be 0. Outputs may alias inputs.
@@ -11,6 +12,8 @@
 
 #include "kernels/broadcast.h"
 #include "kernels/unary.h"
+#include "runtime/bf16.h"
+#include "runtime/fp16.h"
 
 namespace gpipe {
 namespace cuda {
@@ -58,6 +61,56 @@ template <typename T>
 void softmax(const T* x, T* y, int64_t rows, int64_t cols, cudaStream_t stream);
 template <typename T>
 void softmax_backward(const T* y, const T* dy, T* dx, int64_t rows, int64_t cols, cudaStream_t stream);
+
+// ---- Fused ops and 16-bit rope and axpy (the CUDA backend's rmsnorm, swiglu and their
+// backward ops; NarrowOp::kRope, kAxpy). S, the storage type, is float, double, BFloat16
+// or Half: a kernel loads its operands into Master<S> (float for the 16-bit types, else
+// S), computes there and rounds what it stores once; per-row statistics (rstd) and weight
+// gradients are of type Master<S>. Row sums accumulate in double, in block_sum's order.
+
+template <typename S>
+struct MasterOf {
+  using type = S;
+};
+template <>
+struct MasterOf<BFloat16> {
+  using type = float;
+};
+template <>
+struct MasterOf<Half> {
+  using type = float;
+};
+template <typename S>
+using Master = typename MasterOf<S>::type;
+
+// x, y: (rows, cols); g: (cols). rstd[r] = 1 / sqrt(mean_c x^2 + eps), y = x rstd g.
+template <typename S>
+void rmsnorm(const S* x, const S* g, double eps, S* y, Master<S>* rstd, int64_t rows, int64_t cols,
+             cudaStream_t stream);
+// dx = rstd (gdy - xhat mean_c(gdy xhat)), xhat = x rstd, gdy = dy g. dx may not alias.
+template <typename S>
+void rmsnorm_backward(const S* dy, const S* x, const S* g, const Master<S>* rstd, S* dx, int64_t rows,
+                      int64_t cols, cudaStream_t stream);
+// terms[r, c] = dy[r, c] x[r, c] rstd[r], the addends of RMSNorm's weight gradient
+// (whose column sums bias_grad adds into dg, in a fixed order).
+template <typename S>
+void rmsnorm_weight_terms(const S* dy, const S* x, const Master<S>* rstd, Master<S>* terms, int64_t rows,
+                          int64_t cols, cudaStream_t stream);
+// y = silu(a) b; (n) elements. y may alias a or b.
+template <typename S>
+void swiglu(const S* a, const S* b, S* y, int64_t n, cudaStream_t stream);
+// da = dy b silu'(a), db = dy silu(a); (n) elements, da and db not aliasing the inputs.
+template <typename S>
+void swiglu_backward(const S* dy, const S* a, const S* b, S* da, S* db, int64_t n, cudaStream_t stream);
+// Rotary position embeddings on 16-bit storage (S BFloat16 or Half), the rotation of
+// kernels/llama_math.h in double, each result rounded to float32 and then to S: what the
+// widening reference gives (the float32 kernel, then the cast). x, y: (B, T, H D); y may be x.
+template <typename S>
+void rope_narrow(const S* x, S* y, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, double base,
+                 double sign, cudaStream_t stream);
+// y += alpha x on 16-bit storage (S BFloat16 or Half), in float, rounded once.
+template <typename S>
+void axpy_narrow(double alpha, const S* x, S* y, int64_t n, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace gpipe

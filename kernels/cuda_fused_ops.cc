@@ -1,32 +1,18 @@
 // The CUDA backend's fused ops (Backend::rmsnorm, rmsnorm_backward, rmsnorm_weight_grad,
 // swiglu, swiglu_backward): the checks of kernels/row_checks.h, one kernel of
-// kernels/cuda_fused.cu each (the weight gradient: its terms, then bias_grad's fixed-order
+// kernels/cuda_elementwise.cu each (the weight gradient: its terms, then bias_grad's fixed-order
 // column sums). A file of its own, so that it merges apart from cuda_backend.cc.
 #include <initializer_list>
 #include <type_traits>
 
 #include "kernels/cuda_backend.h"
-#include "kernels/cuda_fused.h"
+#include "kernels/cuda_elementwise.h"
 #include "kernels/row_checks.h"
 #include "runtime/cuda_device.h"
 
 namespace gpipe {
 
-namespace {
-
-// f(S*) with S the storage type of t: float, double, BFloat16 or Half.
-template <typename F>
-void dispatch_fused(const Tensor& t, F&& f) {
-  switch (t.dtype()) {
-    case DType::kF32: return f(static_cast<float*>(nullptr));
-    case DType::kF64: return f(static_cast<double*>(nullptr));
-    case DType::kBF16: return f(static_cast<BFloat16*>(nullptr));
-    case DType::kF16: return f(static_cast<Half*>(nullptr));
-    default: throw Error("expected a float32, float64, bfloat16 or float16 tensor, got " + t.str());
-  }
-}
-
-}  // namespace
+using ops::dispatch_storage;
 
 void CudaBackend::rmsnorm(const Tensor& x, const Tensor& g, double eps, Tensor& y, Tensor& rstd) {
   const ops::RowView d = ops::check_fused(x, {&y}, &g, &rstd, nullptr, "rmsnorm");
@@ -34,7 +20,7 @@ void CudaBackend::rmsnorm(const Tensor& x, const Tensor& g, double eps, Tensor& 
     check_on_device(*t, "rmsnorm");
   }
   DeviceGuard guard(device_.index);
-  dispatch_fused(x, [&](auto* tag) {
+  dispatch_storage(x, [&](auto* tag) {
     using S = std::remove_pointer_t<decltype(tag)>;
     using M = cuda::Master<S>;
     cuda::rmsnorm(x.data<S>(), g.data<S>(), eps, y.data<S>(), rstd.data<M>(), d.rows, d.cols, cuda_stream());
@@ -48,7 +34,7 @@ void CudaBackend::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tens
     check_on_device(*t, "rmsnorm_backward");
   }
   DeviceGuard guard(device_.index);
-  dispatch_fused(x, [&](auto* tag) {
+  dispatch_storage(x, [&](auto* tag) {
     using S = std::remove_pointer_t<decltype(tag)>;
     using M = cuda::Master<S>;
     cuda::rmsnorm_backward(dy.data<S>(), x.data<S>(), g.data<S>(), rstd.data<M>(), dx.data<S>(), d.rows, d.cols,
@@ -64,7 +50,7 @@ void CudaBackend::rmsnorm_weight_grad(const Tensor& dy, const Tensor& x, const T
   Tensor terms = empty({d.rows, d.cols}, master_dtype(x.dtype()));  // dy * xhat, in the master type
   {
     DeviceGuard guard(device_.index);
-    dispatch_fused(x, [&](auto* tag) {
+    dispatch_storage(x, [&](auto* tag) {
       using S = std::remove_pointer_t<decltype(tag)>;
       using M = cuda::Master<S>;
       cuda::rmsnorm_weight_terms(dy.data<S>(), x.data<S>(), rstd.data<M>(), terms.data<M>(), d.rows, d.cols,
@@ -80,7 +66,7 @@ void CudaBackend::swiglu(const Tensor& a, const Tensor& b, Tensor& y) {
     check_on_device(*t, "swiglu");
   }
   DeviceGuard guard(device_.index);
-  dispatch_fused(a, [&](auto* tag) {
+  dispatch_storage(a, [&](auto* tag) {
     using S = std::remove_pointer_t<decltype(tag)>;
     cuda::swiglu(a.data<S>(), b.data<S>(), y.data<S>(), a.numel(), cuda_stream());
   });
@@ -92,7 +78,7 @@ void CudaBackend::swiglu_backward(const Tensor& dy, const Tensor& a, const Tenso
     check_on_device(*t, "swiglu_backward");
   }
   DeviceGuard guard(device_.index);
-  dispatch_fused(a, [&](auto* tag) {
+  dispatch_storage(a, [&](auto* tag) {
     using S = std::remove_pointer_t<decltype(tag)>;
     cuda::swiglu_backward(dy.data<S>(), a.data<S>(), b.data<S>(), da.data<S>(), db.data<S>(), a.numel(),
                           cuda_stream());

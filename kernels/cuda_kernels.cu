@@ -26,6 +26,8 @@
 
 #include <cub/device/device_radix_sort.cuh>
 
+#include "kernels/cuda_elementwise.h"  // Master
+
 #include "runtime/bf16.h"
 #include "runtime/fp16.h"
 #include "runtime/cuda_check.h"
@@ -141,19 +143,7 @@ __device__ __forceinline__ T gelu_slope(T x) {
 // fp16.h: to nearest, ties to even), as the widening reference does around the float32
 // kernel. For float32 and float64, load and store are the identity.
 template <typename S>
-struct WideOf {
-  using type = S;
-};
-template <>
-struct WideOf<BFloat16> {
-  using type = float;
-};
-template <>
-struct WideOf<Half> {
-  using type = float;
-};
-template <typename S>
-using Wide = typename WideOf<S>::type;
+using Wide = Master<S>;  // kernels/cuda_elementwise.h
 
 template <typename S>
 __device__ __forceinline__ S load(S x) {
@@ -501,6 +491,16 @@ __device__ __forceinline__ void multi_chunk(const MultiTensorTable& tab, int64_t
   end = begin + kMultiTensorChunk < last ? begin + kMultiTensorChunk : last;
 }
 
+// Calls f(tensor, begin, end) for each of this block's chunks: b, b + gridDim.x, ...
+template <typename F>
+__device__ __forceinline__ void for_each_chunk(const MultiTensorTable& tab, F&& f) {
+  for (int64_t c = blockIdx.x; c < tab.chunks; c += gridDim.x) {
+    int64_t t, begin, end;
+    multi_chunk(tab, c, t, begin, end);
+    f(t, begin, end);
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ T* multi_ptr(const MultiTensorTable& tab, int list, int64_t tensor) {
   return static_cast<T*>(tab.ptrs[list * tab.tensors + tensor]);
@@ -509,39 +509,33 @@ __device__ __forceinline__ T* multi_ptr(const MultiTensorTable& tab, int list, i
 // Lists: params, grads, momentum buffers (null pointers without momentum).
 template <typename T>
 __global__ void multi_sgd_kernel(MultiTensorTable tab, SgdScalars<T> s) {
-  for (int64_t c = blockIdx.x; c < tab.chunks; c += gridDim.x) {
-    int64_t t, begin, end;
-    multi_chunk(tab, c, t, begin, end);
+  for_each_chunk(tab, [&](int64_t t, int64_t begin, int64_t end) {
     T* w = multi_ptr<T>(tab, 0, t);
     const T* g = multi_ptr<T>(tab, 1, t);
     T* buf = multi_ptr<T>(tab, 2, t);
     for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) sgd_update(w, g, buf, i, s);
-  }
+  });
 }
 
 // Lists: params, grads, m, v.
 template <typename T>
 __global__ void multi_adam_kernel(MultiTensorTable tab, AdamScalars<T> s) {
-  for (int64_t c = blockIdx.x; c < tab.chunks; c += gridDim.x) {
-    int64_t t, begin, end;
-    multi_chunk(tab, c, t, begin, end);
+  for_each_chunk(tab, [&](int64_t t, int64_t begin, int64_t end) {
     T* w = multi_ptr<T>(tab, 0, t);
     const T* g = multi_ptr<T>(tab, 1, t);
     T* m = multi_ptr<T>(tab, 2, t);
     T* v = multi_ptr<T>(tab, 3, t);
     for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) adam_update(w, g, m, v, i, s);
-  }
+  });
 }
 
 // One list: x *= alpha (scale) or x = value (fill).
 template <typename T>
 __global__ void multi_scale_kernel(MultiTensorTable tab, T alpha, bool fill) {
-  for (int64_t c = blockIdx.x; c < tab.chunks; c += gridDim.x) {
-    int64_t t, begin, end;
-    multi_chunk(tab, c, t, begin, end);
+  for_each_chunk(tab, [&](int64_t t, int64_t begin, int64_t end) {
     T* x = multi_ptr<T>(tab, 0, t);
     for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) x[i] = fill ? alpha : x[i] * alpha;
-  }
+  });
 }
 
 // partial[blockIdx.x] = the sum of squares (in double) of this block's chunks; one list.
@@ -549,15 +543,13 @@ template <typename T>
 __global__ void multi_sum_squares_kernel(MultiTensorTable tab, double* partial) {
   __shared__ double shared[32];
   double acc = 0.0;
-  for (int64_t c = blockIdx.x; c < tab.chunks; c += gridDim.x) {
-    int64_t t, begin, end;
-    multi_chunk(tab, c, t, begin, end);
+  for_each_chunk(tab, [&](int64_t t, int64_t begin, int64_t end) {
     const T* x = multi_ptr<T>(tab, 0, t);
     for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
       const double v = static_cast<double>(x[i]);
       acc += v * v;
     }
-  }
+  });
   acc = block_allreduce(acc, SumOp(), 0.0, shared);
   if (threadIdx.x == 0) partial[blockIdx.x] = acc;
 }
@@ -898,13 +890,11 @@ __global__ void cast_kernel(const S* src, D* dst, int64_t n) {
 // Lists: sources, destinations (the cast of each element, as cast_kernel).
 template <typename S, typename D>
 __global__ void multi_cast_kernel(MultiTensorTable tab) {
-  for (int64_t c = blockIdx.x; c < tab.chunks; c += gridDim.x) {
-    int64_t t, begin, end;
-    multi_chunk(tab, c, t, begin, end);
+  for_each_chunk(tab, [&](int64_t t, int64_t begin, int64_t end) {
     const S* src = multi_ptr<S>(tab, 0, t);
     D* dst = multi_ptr<D>(tab, 1, t);
     for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) convert(src[i], dst[i]);
-  }
+  });
 }
 
 #undef GRID_STRIDE_LOOP

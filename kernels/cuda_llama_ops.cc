@@ -4,7 +4,7 @@
 #include <type_traits>
 
 #include "kernels/cuda_backend.h"
-#include "kernels/cuda_fused.h"
+#include "kernels/cuda_elementwise.h"
 #include "kernels/cuda_llama.h"
 #include "kernels/llama_checks.h"
 #include "runtime/cuda_device.h"

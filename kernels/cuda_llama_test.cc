@@ -73,7 +73,7 @@ TEST_CASE("the CUDA LLaMA ops reject what the CPU rejects") {
 int main(int argc, char** argv) { return run_gpu_tests(argc, argv); }
 
 // ---------------------------------------------------------------------------------
-// The fused ops of the LLaMA layers (kernels/cuda_fused.cu) against the CPU reference,
+// The fused ops of the LLaMA layers (kernels/cuda_elementwise.cu) against the CPU reference,
 // which composes them of generic ops (Backend::rmsnorm and the others).
 
 namespace {

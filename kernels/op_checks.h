@@ -4,7 +4,9 @@
 
 #include <string>
 
+#include "runtime/bf16.h"
 #include "runtime/error.h"
+#include "runtime/fp16.h"
 #include "runtime/tensor.h"
 
 namespace gpipe {
@@ -20,6 +22,20 @@ inline void dispatch_float(const Tensor& t, F&& f) {
     f(static_cast<double*>(nullptr));
   } else {
     throw Error("expected a float32 or float64 tensor, got " + t.str());
+  }
+}
+
+// Calls f(S*) with a null pointer of the tensor's storage type: float, double, BFloat16
+// or Half (runtime/bf16.h, fp16.h), for the ops a GPU computes on 16-bit operands as they
+// are (Backend::computes_narrow).
+template <typename F>
+void dispatch_storage(const Tensor& t, F&& f) {
+  switch (t.dtype()) {
+    case DType::kF32: return f(static_cast<float*>(nullptr));
+    case DType::kF64: return f(static_cast<double*>(nullptr));
+    case DType::kBF16: return f(static_cast<BFloat16*>(nullptr));
+    case DType::kF16: return f(static_cast<Half*>(nullptr));
+    default: throw Error("expected a float32, float64, bfloat16 or float16 tensor, got " + t.str());
   }
 }
 
