@@ -60,108 +60,27 @@ class CudaBackend : public Backend {
   bool computes_narrow(NarrowOp op, DType t) const override;
   void matmul(const Tensor& a, bool trans_a, const Tensor& b, bool trans_b, Tensor& c, double alpha,
               double beta) override;
-  void add_bias(Tensor& y, const Tensor& bias) override;
-  void bias_grad(const Tensor& dy, Tensor& db, double beta) override;
-  void relu(const Tensor& x, Tensor& y) override;
-  void relu_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override;
-  void gelu(const Tensor& x, Tensor& y) override;
-  void gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) override;
-  void softmax_xent(const Tensor& logits, const Tensor& labels, double scale, int ignore_index, Tensor& probs,
-                    Tensor& loss) override;
-  void softmax_xent_backward(const Tensor& probs, const Tensor& labels, double scale, int ignore_index,
-                             Tensor& dlogits) override;
-  int64_t argmax_correct(const Tensor& logits, const Tensor& labels, int ignore_index) override;
-  void fill(Tensor& x, double value) override;
-  void scale(Tensor& x, double alpha) override;
-  void axpy(double alpha, const Tensor& x, Tensor& y) override;
-  void sgd_step(Tensor& param, const Tensor& grad, Tensor& momentum_buf, const SgdParams& p,
-                bool first_step) override;
-  void adam_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamParams& p,
-                 int64_t step) override;
-  double sum_squares(const Tensor& x) override;
-  double sum_squares_all(const std::vector<Tensor>& xs) override;
-  // Fused attention (kernels/cuda_attention_ops.cc): cuDNN's fused SDPA through its
-  // frontend's graph API, one graph per shape, built on first use and kept; bfloat16 and
-  // float16 (cuda_fused_attention_available).
+  // The ops of kernels/backend_ops.inc, all of them on the device (the fused and
+  // multi-tensor ops included). Where they live:
+  //   cuda_backend.cc: elementwise, loss, optimizer, transformer and generic row ops,
+  //     copies and casts (kernels in cuda_kernels.cu and cuda_elementwise.cu);
+  //   cuda_llama_ops.cc: rope, pack_qkv (cuda_llama.cu);
+  //   cuda_attention_ops.cc: fused attention, cuDNN's fused SDPA through its frontend's
+  //     graph API, one graph per shape, built on first use and kept (bfloat16 and
+  //     float16: cuda_fused_attention_available);
+  //   cuda_fused_ops.cc: RMSNorm and SwiGLU, one kernel each (cuda_elementwise.cu);
+  //   cuda_multi_tensor_ops.cc: one launch for the tensors of one element type (float32
+  //     or float64; cast_all: float32 into a 16-bit type), over a table kept on the
+  //     device per list of pointers; other calls loop (Backend's default);
+  //   cuda_conv_ops.cc: cuDNN for convolutions, batch norm and average pooling,
+  //     cuda_conv_kernels.cu for max pooling (maxpool2d_backward checks argmax on the
+  //     device as it scatters; a bad index is reported at the next wait) and channel bias.
+  // synchronize waits for all work queued on this backend's stream, then throws the error
+  // of the first bad label, token id or argmax that an op of the calling thread flagged.
   bool has_fused_attention(DType t, const AttentionSizes& dims) override;
-  void fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, int heads, Tensor& out,
-                       Tensor& stats) override;
-  void fused_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                                const Tensor& out, const Tensor& stats, int heads, Tensor& dq, Tensor& dk,
-                                Tensor& dv) override;
-  // Fused ops (kernels/cuda_fused_ops.cc, kernels in kernels/cuda_elementwise.cu): one kernel
-  // each, float32, float64 and the 16-bit types (rounded once).
-  void rmsnorm(const Tensor& x, const Tensor& g, double eps, Tensor& y, Tensor& rstd) override;
-  void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& rstd,
-                        Tensor& dx) override;
-  void rmsnorm_weight_grad(const Tensor& dy, const Tensor& x, const Tensor& rstd, Tensor& dg) override;
-  void swiglu(const Tensor& a, const Tensor& b, Tensor& y) override;
-  void swiglu_backward(const Tensor& dy, const Tensor& a, const Tensor& b, Tensor& da, Tensor& db) override;
-  // Multi-tensor ops (kernels/cuda_multi_tensor_ops.cc): one launch for the tensors of
-  // one element type (float32 or float64; cast_all: float32 into a 16-bit type), over a
-  // table kept on the device per list of pointers; other calls loop (Backend's default).
-  void sgd_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-                    const std::vector<Tensor>& momentum_bufs, const SgdParams& p, bool first_step) override;
-  void adam_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-                     const std::vector<Tensor>& m, const std::vector<Tensor>& v, const AdamParams& p,
-                     int64_t step) override;
-  void scale_all(const std::vector<Tensor>& xs, double alpha) override;
-  void fill_all(const std::vector<Tensor>& xs, double value) override;
-  void cast_all(const std::vector<Tensor>& srcs, const std::vector<Tensor>& dsts) override;
-  void embedding(const Tensor& ids, const Tensor& table, const Tensor& pos, Tensor& out) override;
-  void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable, Tensor& dpos) override;
-  void layernorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y, Tensor& mean,
-                 Tensor& rstd) override;
-  void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
-                          const Tensor& rstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) override;
-  void attention(const Tensor& qkv, int heads, Tensor& probs, Tensor& out) override;
-  void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs, int heads,
-                          Tensor& dqkv) override;
-  void rope(const Tensor& x, int heads, double base, Tensor& y) override;
-  void rope_backward(const Tensor& dy, int heads, double base, Tensor& dx) override;
-  void pack_qkv(const Tensor& q, const Tensor& k, const Tensor& v, int heads, Tensor& qkv) override;
-  void pack_qkv_backward(const Tensor& dqkv, int heads, Tensor& dq, Tensor& dk, Tensor& dv) override;
-  void dropout(const Tensor& x, double p, uint64_t key, int64_t sample_offset, Tensor& y) override;
-  void dropout_backward(const Tensor& dy, double p, uint64_t key, int64_t sample_offset, Tensor& dx) override;
-  // Convolution ops: kernels/cuda_conv_ops.cc (cuDNN for convolutions, batch norm and
-  // average pooling, kernels/cuda_conv_kernels.cu for max pooling and channel bias). maxpool2d_backward checks
-  // argmax on the device as it scatters; a bad index is reported at the next wait.
-  void conv2d(const Tensor& x, const Tensor& w, int stride, int pad, Tensor& y) override;
-  void conv2d_backward(const Tensor& dy, const Tensor& x, const Tensor& w, int stride, int pad, Tensor& dx,
-                       Tensor& dw) override;
-  void add_channel_bias(Tensor& y, const Tensor& bias) override;
-  void channel_bias_grad(const Tensor& dy, Tensor& db) override;
-  void batchnorm_train(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y, Tensor& mean,
-                       Tensor& var) override;
-  void batchnorm_eval(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& mean, const Tensor& var,
-                      double eps, Tensor& y) override;
-  void batchnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
-                          const Tensor& var, double eps, Tensor& dx, Tensor& dgamma, Tensor& dbeta) override;
-  void maxpool2d(const Tensor& x, int kernel, int stride, int pad, Tensor& y, Tensor& argmax) override;
-  void maxpool2d_backward(const Tensor& dy, const Tensor& argmax, Tensor& dx) override;
-  void avgpool2d(const Tensor& x, int kernel, int stride, Tensor& y) override;
-  void avgpool2d_backward(const Tensor& dy, int kernel, int stride, Tensor& dx) override;
-  // Generic elementwise and row ops: kernels/cuda_elementwise.cu, called from the
-  // block at the end of kernels/cuda_backend.cc.
-  void unary_impl(Unary f, const Tensor& x, Tensor& y) override;
-  void unary_backward_impl(Unary f, const Tensor& x, const Tensor& dy, Tensor& dx) override;
-  void mul(const Tensor& a, const Tensor& b, Tensor& y) override;
-  void scale_rows(const Tensor& x, const Tensor& s, Tensor& y) override;
-  void scale_columns(const Tensor& x, const Tensor& s, Tensor& y) override;
-  void row_dot(const Tensor& a, const Tensor& b, double alpha, Tensor& out) override;
-  void row_inverse_rms(const Tensor& x, double eps, Tensor& out) override;
-  void binary(Binary op, const Tensor& a, const Tensor& b, Tensor& y) override;
-  void sum_to(const Tensor& x, Tensor& y) override;
-  void reduce_rows(Reduce op, const Tensor& x, Tensor& y) override;
-  void reduce_rows_backward(Reduce op, const Tensor& x, const Tensor& y, const Tensor& dy, Tensor& dx) override;
-  void softmax(const Tensor& x, Tensor& y) override;
-  void softmax_backward(const Tensor& y, const Tensor& dy, Tensor& dx) override;
-  void copy(const Tensor& src, Tensor& dst) override;
-  void cast(const Tensor& src, Tensor& dst) override;
-  double item(const Tensor& x) override;
-  // Waits for all work queued on this backend's stream, then throws the error of the
-  // first bad label, token id or argmax that an op of the calling thread flagged.
-  void synchronize() override;
+#define GPIPE_OP(R, name, params, call) R name params override;
+#define GPIPE_FUSED_OP(R, name, params) R name params override;
+#include "kernels/backend_ops.inc"
 
  private:
   // At most this many checks wait for one read-back; the next one waits first (only a

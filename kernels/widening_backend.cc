@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <deque>
 #include <initializer_list>
+#include <optional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -50,19 +52,79 @@ class Widen {
   std::vector<std::pair<Tensor*, Tensor*>> stores_;
 };
 
-// Whether the wrapped backend computes this call itself (Backend::computes_narrow):
-// every operand of one narrow type t, and the backend says it computes `op` in t.
-template <typename... Ts>
-bool native(const Backend& inner, Backend::NarrowOp op, const Tensor& first, const Ts&... rest) {
-  const DType t = first.dtype();
-  return is_narrow(t) && ((rest.dtype() == t) && ...) && inner.computes_narrow(op, t);
-}
-
 // The same for a product: a and b of one narrow type t, c of type t or float32.
 bool native_matmul(const Backend& inner, const Tensor& a, const Tensor& b, const Tensor& c) {
   const DType t = a.dtype();
   return is_narrow(t) && b.dtype() == t && (c.dtype() == t || c.dtype() == DType::kF32) &&
          inner.computes_narrow(Backend::NarrowOp::kMatmul, t);
+}
+
+// The marks of kernels/backend_ops.inc's calls: what an op does with a tensor operand.
+struct In {
+  explicit In(const Tensor& t) : t(t) {}
+  const Tensor& t;
+};
+struct Out {
+  explicit Out(Tensor& t) : t(t) {}
+  Tensor& t;
+};
+struct InOut {
+  explicit InOut(Tensor& t) : t(t) {}
+  Tensor& t;
+};
+
+const Tensor* marked(const In& a) { return &a.t; }
+const Tensor* marked(const Out& a) { return &a.t; }
+const Tensor* marked(const InOut& a) { return &a.t; }
+template <typename A>
+const Tensor* marked(const A&) {
+  return nullptr;
+}
+
+const Tensor& unmarked(const In& a) { return a.t; }
+Tensor& unmarked(const Out& a) { return a.t; }
+Tensor& unmarked(const InOut& a) { return a.t; }
+template <typename A>
+const A& unmarked(const A& a) {
+  return a;
+}
+
+const Tensor& stand_in(Widen& w, const In& a) { return w.in(a.t); }
+Tensor& stand_in(Widen& w, const Out& a) { return w.out(a.t); }
+Tensor& stand_in(Widen& w, const InOut& a) { return w.inout(a.t); }
+template <typename A>
+const A& stand_in(Widen&, const A& a) {
+  return a;
+}
+
+// The body of every generated op: `op` on the wrapped backend with the marked call's
+// arguments. As they are when no marked operand is narrow, or when the wrapped backend
+// computes `narrow` itself in the one narrow type of every defined marked operand;
+// else on float32 stand-ins of the narrow ones (Widen), rounded back after.
+template <typename R, typename... P, typename... A>
+R widening_call(Backend& inner, std::optional<Backend::NarrowOp> narrow, R (Backend::*op)(P...), const A&... args) {
+  const Tensor* operands[] = {marked(args)...};
+  std::vector<const Tensor*> defined;
+  for (const Tensor* t : operands) {
+    if (t != nullptr && t->defined()) defined.push_back(t);
+  }
+  const bool any = std::any_of(defined.begin(), defined.end(), [](const Tensor* t) { return is_narrow(t->dtype()); });
+  bool native = false;
+  if (any && narrow) {
+    const DType t = defined.front()->dtype();
+    native = std::all_of(defined.begin(), defined.end(), [&](const Tensor* x) { return x->dtype() == t; }) &&
+             inner.computes_narrow(*narrow, t);
+  }
+  if (!any || native) return (inner.*op)(unmarked(args)...);
+  Widen w(inner);
+  if constexpr (std::is_void_v<R>) {
+    (inner.*op)(stand_in(w, args)...);
+    w.store();
+  } else {
+    R result = (inner.*op)(stand_in(w, args)...);
+    w.store();
+    return result;
+  }
 }
 
 }  // namespace
@@ -85,114 +147,11 @@ void WideningBackend::matmul_weight(const Tensor& a, bool ta, const Tensor& wt, 
   matmul(a, ta, wt, tw, c, alpha, beta);
 }
 
-void WideningBackend::add_bias(Tensor& y, const Tensor& bias) {
-  if (!any_narrow(y, bias) || native(*inner_, NarrowOp::kAddBias, y, bias)) return inner_->add_bias(y, bias);
-  Widen w(*inner_);
-  inner_->add_bias(w.inout(y), w.in(bias));
-  w.store();
-}
-
 void WideningBackend::bias_grad(const Tensor& dy, Tensor& db, double beta) {
   if (!any_narrow(dy, db)) return inner_->bias_grad(dy, db, beta);
   Widen w(*inner_);
   inner_->bias_grad(w.in(dy), beta != 0.0 ? w.inout(db) : w.out(db), beta);
   w.store();
-}
-
-void WideningBackend::relu(const Tensor& x, Tensor& y) {
-  if (!any_narrow(x, y) || native(*inner_, NarrowOp::kRelu, x, y)) return inner_->relu(x, y);
-  Widen w(*inner_);
-  inner_->relu(w.in(x), w.out(y));
-  w.store();
-}
-
-void WideningBackend::relu_backward(const Tensor& y, const Tensor& dy, Tensor& dx) {
-  if (!any_narrow(y, dy, dx) || native(*inner_, NarrowOp::kReluBackward, y, dy, dx)) {
-    return inner_->relu_backward(y, dy, dx);
-  }
-  Widen w(*inner_);
-  inner_->relu_backward(w.in(y), w.in(dy), w.out(dx));
-  w.store();
-}
-
-void WideningBackend::gelu(const Tensor& x, Tensor& y) {
-  if (!any_narrow(x, y) || native(*inner_, NarrowOp::kGelu, x, y)) return inner_->gelu(x, y);
-  Widen w(*inner_);
-  inner_->gelu(w.in(x), w.out(y));
-  w.store();
-}
-
-void WideningBackend::gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {
-  if (!any_narrow(x, dy, dx) || native(*inner_, NarrowOp::kGeluBackward, x, dy, dx)) {
-    return inner_->gelu_backward(x, dy, dx);
-  }
-  Widen w(*inner_);
-  inner_->gelu_backward(w.in(x), w.in(dy), w.out(dx));
-  w.store();
-}
-
-void WideningBackend::softmax_xent(const Tensor& logits, const Tensor& labels, double scale, int ignore_index,
-                                   Tensor& probs, Tensor& loss) {
-  if (!any_narrow(logits, probs, loss)) return inner_->softmax_xent(logits, labels, scale, ignore_index, probs, loss);
-  Widen w(*inner_);
-  inner_->softmax_xent(w.in(logits), labels, scale, ignore_index, w.out(probs), w.out(loss));
-  w.store();
-}
-
-void WideningBackend::softmax_xent_backward(const Tensor& probs, const Tensor& labels, double scale, int ignore_index,
-                                            Tensor& dlogits) {
-  if (!any_narrow(probs, dlogits)) return inner_->softmax_xent_backward(probs, labels, scale, ignore_index, dlogits);
-  Widen w(*inner_);
-  inner_->softmax_xent_backward(w.in(probs), labels, scale, ignore_index, w.out(dlogits));
-  w.store();
-}
-
-int64_t WideningBackend::argmax_correct(const Tensor& logits, const Tensor& labels, int ignore_index) {
-  if (!any_narrow(logits)) return inner_->argmax_correct(logits, labels, ignore_index);
-  Widen w(*inner_);
-  return inner_->argmax_correct(w.in(logits), labels, ignore_index);
-}
-
-void WideningBackend::fill(Tensor& x, double value) {
-  if (!any_narrow(x)) return inner_->fill(x, value);
-  Widen w(*inner_);
-  inner_->fill(w.out(x), value);
-  w.store();
-}
-
-void WideningBackend::scale(Tensor& x, double alpha) {
-  if (!any_narrow(x)) return inner_->scale(x, alpha);
-  Widen w(*inner_);
-  inner_->scale(w.inout(x), alpha);
-  w.store();
-}
-
-void WideningBackend::axpy(double alpha, const Tensor& x, Tensor& y) {
-  if (!any_narrow(x, y) || native(*inner_, NarrowOp::kAxpy, x, y)) return inner_->axpy(alpha, x, y);
-  Widen w(*inner_);
-  inner_->axpy(alpha, w.in(x), w.inout(y));
-  w.store();
-}
-
-void WideningBackend::sgd_step(Tensor& param, const Tensor& grad, Tensor& buf, const SgdParams& p, bool first_step) {
-  if (!any_narrow(param, grad, buf)) return inner_->sgd_step(param, grad, buf, p, first_step);
-  Widen w(*inner_);
-  inner_->sgd_step(w.inout(param), w.in(grad), w.inout(buf), p, first_step);
-  w.store();
-}
-
-void WideningBackend::adam_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamParams& p,
-                                int64_t step) {
-  if (!any_narrow(param, grad, m, v)) return inner_->adam_step(param, grad, m, v, p, step);
-  Widen w(*inner_);
-  inner_->adam_step(w.inout(param), w.in(grad), w.inout(m), w.inout(v), p, step);
-  w.store();
-}
-
-double WideningBackend::sum_squares(const Tensor& x) {
-  if (!any_narrow(x)) return inner_->sum_squares(x);
-  Widen w(*inner_);
-  return inner_->sum_squares(w.in(x));
 }
 
 double WideningBackend::sum_squares_all(const std::vector<Tensor>& xs) {
@@ -286,287 +245,38 @@ void WideningBackend::fill_all(const std::vector<Tensor>& xs, double value) {
   inner_->fill_all(xs, value);
 }
 
-void WideningBackend::embedding(const Tensor& ids, const Tensor& table, const Tensor& pos, Tensor& out) {
-  const bool native_here = pos.defined() ? native(*inner_, NarrowOp::kEmbedding, table, pos, out)
-                                         : native(*inner_, NarrowOp::kEmbedding, table, out);
-  if (!any_narrow(table, pos, out) || native_here) return inner_->embedding(ids, table, pos, out);
-  Widen w(*inner_);
-  inner_->embedding(ids, w.in(table), w.in(pos), w.out(out));
-  w.store();
-}
+// ---- The generated ops: one definition per line of kernels/backend_ops.inc.
 
-void WideningBackend::embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable, Tensor& dpos) {
-  if (!any_narrow(dout, dtable, dpos)) return inner_->embedding_backward(ids, dout, dtable, dpos);
-  Widen w(*inner_);
-  inner_->embedding_backward(ids, w.in(dout), w.inout(dtable), w.inout(dpos));
-  w.store();
-}
-
-void WideningBackend::layernorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y,
-                                Tensor& mean, Tensor& rstd) {
-  if (!any_narrow(x, gamma, beta, y, mean, rstd)) return inner_->layernorm(x, gamma, beta, eps, y, mean, rstd);
-  Widen w(*inner_);
-  inner_->layernorm(w.in(x), w.in(gamma), w.in(beta), eps, w.out(y), w.out(mean), w.out(rstd));
-  w.store();
-}
-
-void WideningBackend::layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
-                                         const Tensor& rstd, Tensor& dx, Tensor& dgamma, Tensor& dbeta) {
-  if (!any_narrow(dy, x, gamma, mean, rstd, dx, dgamma, dbeta)) {
-    return inner_->layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta);
+#define GPIPE_UNPAREN(...) __VA_ARGS__
+#define GPIPE_OP(R, name, params, call) \
+  R WideningBackend::name params { return widening_call(*inner_, std::nullopt, &Backend::name, GPIPE_UNPAREN call); }
+#define GPIPE_NARROW_OP(R, name, params, call, narrow)                                          \
+  R WideningBackend::name params {                                                              \
+    return widening_call(*inner_, NarrowOp::narrow, &Backend::name, GPIPE_UNPAREN call); \
   }
-  Widen w(*inner_);
-  inner_->layernorm_backward(w.in(dy), w.in(x), w.in(gamma), w.in(mean), w.in(rstd), w.out(dx), w.inout(dgamma),
-                             w.inout(dbeta));
-  w.store();
+#define GPIPE_OWN_OP(R, name, params)
+#include "kernels/backend_ops.inc"
+#undef GPIPE_UNPAREN
+
+// ---- As they are: the wrapped backend takes 16-bit operands of these itself.
+
+void WideningBackend::fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, int heads, Tensor& out,
+                                      Tensor& stats) {
+  inner_->fused_attention(q, k, v, heads, out, stats);
 }
 
-void WideningBackend::attention(const Tensor& qkv, int heads, Tensor& probs, Tensor& out) {
-  if (!any_narrow(qkv, probs, out)) return inner_->attention(qkv, heads, probs, out);
-  Widen w(*inner_);
-  inner_->attention(w.in(qkv), heads, w.out(probs), w.out(out));
-  w.store();
+void WideningBackend::fused_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                               const Tensor& out, const Tensor& stats, int heads, Tensor& dq,
+                                               Tensor& dk, Tensor& dv) {
+  inner_->fused_attention_backward(dout, q, k, v, out, stats, heads, dq, dk, dv);
 }
 
-void WideningBackend::attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs, int heads,
-                                         Tensor& dqkv) {
-  if (!any_narrow(dout, qkv, probs, dqkv)) return inner_->attention_backward(dout, qkv, probs, heads, dqkv);
-  Widen w(*inner_);
-  inner_->attention_backward(w.in(dout), w.in(qkv), w.in(probs), heads, w.out(dqkv));
-  w.store();
+void WideningBackend::cast_all(const std::vector<Tensor>& srcs, const std::vector<Tensor>& dsts) {
+  inner_->cast_all(srcs, dsts);
 }
 
-void WideningBackend::dropout(const Tensor& x, double p, uint64_t key, int64_t sample_offset, Tensor& y) {
-  if (!any_narrow(x, y)) return inner_->dropout(x, p, key, sample_offset, y);
-  Widen w(*inner_);
-  inner_->dropout(w.in(x), p, key, sample_offset, w.out(y));
-  w.store();
-}
-
-void WideningBackend::dropout_backward(const Tensor& dy, double p, uint64_t key, int64_t sample_offset, Tensor& dx) {
-  if (!any_narrow(dy, dx)) return inner_->dropout_backward(dy, p, key, sample_offset, dx);
-  Widen w(*inner_);
-  inner_->dropout_backward(w.in(dy), p, key, sample_offset, w.out(dx));
-  w.store();
-}
-
-void WideningBackend::conv2d(const Tensor& x, const Tensor& wt, int stride, int pad, Tensor& y) {
-  if (!any_narrow(x, wt, y)) return inner_->conv2d(x, wt, stride, pad, y);
-  Widen w(*inner_);
-  inner_->conv2d(w.in(x), w.in(wt), stride, pad, w.out(y));
-  w.store();
-}
-
-void WideningBackend::conv2d_backward(const Tensor& dy, const Tensor& x, const Tensor& wt, int stride, int pad,
-                                      Tensor& dx, Tensor& dw) {
-  if (!any_narrow(dy, x, wt, dx, dw)) return inner_->conv2d_backward(dy, x, wt, stride, pad, dx, dw);
-  Widen w(*inner_);
-  inner_->conv2d_backward(w.in(dy), w.in(x), w.in(wt), stride, pad, w.out(dx), w.inout(dw));
-  w.store();
-}
-
-void WideningBackend::add_channel_bias(Tensor& y, const Tensor& bias) {
-  if (!any_narrow(y, bias)) return inner_->add_channel_bias(y, bias);
-  Widen w(*inner_);
-  inner_->add_channel_bias(w.inout(y), w.in(bias));
-  w.store();
-}
-
-void WideningBackend::channel_bias_grad(const Tensor& dy, Tensor& db) {
-  if (!any_narrow(dy, db)) return inner_->channel_bias_grad(dy, db);
-  Widen w(*inner_);
-  inner_->channel_bias_grad(w.in(dy), w.inout(db));
-  w.store();
-}
-
-void WideningBackend::batchnorm_train(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y,
-                                      Tensor& mean, Tensor& var) {
-  if (!any_narrow(x, gamma, beta, y, mean, var)) return inner_->batchnorm_train(x, gamma, beta, eps, y, mean, var);
-  Widen w(*inner_);
-  inner_->batchnorm_train(w.in(x), w.in(gamma), w.in(beta), eps, w.out(y), w.out(mean), w.out(var));
-  w.store();
-}
-
-void WideningBackend::batchnorm_eval(const Tensor& x, const Tensor& gamma, const Tensor& beta, const Tensor& mean,
-                                     const Tensor& var, double eps, Tensor& y) {
-  if (!any_narrow(x, gamma, beta, mean, var, y)) return inner_->batchnorm_eval(x, gamma, beta, mean, var, eps, y);
-  Widen w(*inner_);
-  inner_->batchnorm_eval(w.in(x), w.in(gamma), w.in(beta), w.in(mean), w.in(var), eps, w.out(y));
-  w.store();
-}
-
-void WideningBackend::batchnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
-                                         const Tensor& var, double eps, Tensor& dx, Tensor& dgamma, Tensor& dbeta) {
-  if (!any_narrow(dy, x, gamma, mean, var, dx, dgamma, dbeta)) {
-    return inner_->batchnorm_backward(dy, x, gamma, mean, var, eps, dx, dgamma, dbeta);
-  }
-  Widen w(*inner_);
-  inner_->batchnorm_backward(w.in(dy), w.in(x), w.in(gamma), w.in(mean), w.in(var), eps, w.out(dx), w.inout(dgamma),
-                             w.inout(dbeta));
-  w.store();
-}
-
-void WideningBackend::maxpool2d(const Tensor& x, int kernel, int stride, int pad, Tensor& y, Tensor& argmax) {
-  if (!any_narrow(x, y)) return inner_->maxpool2d(x, kernel, stride, pad, y, argmax);
-  Widen w(*inner_);
-  inner_->maxpool2d(w.in(x), kernel, stride, pad, w.out(y), argmax);
-  w.store();
-}
-
-void WideningBackend::maxpool2d_backward(const Tensor& dy, const Tensor& argmax, Tensor& dx) {
-  if (!any_narrow(dy, dx)) return inner_->maxpool2d_backward(dy, argmax, dx);
-  Widen w(*inner_);
-  inner_->maxpool2d_backward(w.in(dy), argmax, w.out(dx));
-  w.store();
-}
-
-void WideningBackend::avgpool2d(const Tensor& x, int kernel, int stride, Tensor& y) {
-  if (!any_narrow(x, y)) return inner_->avgpool2d(x, kernel, stride, y);
-  Widen w(*inner_);
-  inner_->avgpool2d(w.in(x), kernel, stride, w.out(y));
-  w.store();
-}
-
-void WideningBackend::avgpool2d_backward(const Tensor& dy, int kernel, int stride, Tensor& dx) {
-  if (!any_narrow(dy, dx)) return inner_->avgpool2d_backward(dy, kernel, stride, dx);
-  Widen w(*inner_);
-  inner_->avgpool2d_backward(w.in(dy), kernel, stride, w.out(dx));
-  w.store();
-}
-
-void WideningBackend::unary_impl(Unary f, const Tensor& x, Tensor& y) {
-  if (!any_narrow(x, y)) return inner_->unary_impl(f, x, y);
-  Widen w(*inner_);
-  inner_->unary_impl(f, w.in(x), w.out(y));
-  w.store();
-}
-
-void WideningBackend::unary_backward_impl(Unary f, const Tensor& x, const Tensor& dy, Tensor& dx) {
-  if (!any_narrow(x, dy, dx)) return inner_->unary_backward_impl(f, x, dy, dx);
-  Widen w(*inner_);
-  inner_->unary_backward_impl(f, w.in(x), w.in(dy), w.out(dx));
-  w.store();
-}
-
-void WideningBackend::mul(const Tensor& a, const Tensor& b, Tensor& y) {
-  if (!any_narrow(a, b, y)) return inner_->mul(a, b, y);
-  Widen w(*inner_);
-  inner_->mul(w.in(a), w.in(b), w.out(y));
-  w.store();
-}
-
-void WideningBackend::scale_rows(const Tensor& x, const Tensor& s, Tensor& y) {
-  if (!any_narrow(x, s, y)) return inner_->scale_rows(x, s, y);
-  Widen w(*inner_);
-  inner_->scale_rows(w.in(x), w.in(s), w.out(y));
-  w.store();
-}
-
-void WideningBackend::scale_columns(const Tensor& x, const Tensor& s, Tensor& y) {
-  if (!any_narrow(x, s, y)) return inner_->scale_columns(x, s, y);
-  Widen w(*inner_);
-  inner_->scale_columns(w.in(x), w.in(s), w.out(y));
-  w.store();
-}
-
-void WideningBackend::row_dot(const Tensor& a, const Tensor& b, double alpha, Tensor& out) {
-  if (!any_narrow(a, b, out)) return inner_->row_dot(a, b, alpha, out);
-  Widen w(*inner_);
-  inner_->row_dot(w.in(a), w.in(b), alpha, w.out(out));
-  w.store();
-}
-
-void WideningBackend::row_inverse_rms(const Tensor& x, double eps, Tensor& out) {
-  if (!any_narrow(x, out)) return inner_->row_inverse_rms(x, eps, out);
-  Widen w(*inner_);
-  inner_->row_inverse_rms(w.in(x), eps, w.out(out));
-  w.store();
-}
-
-void WideningBackend::binary(Binary op, const Tensor& a, const Tensor& b, Tensor& y) {
-  if (!any_narrow(a, b, y)) return inner_->binary(op, a, b, y);
-  Widen w(*inner_);
-  inner_->binary(op, w.in(a), w.in(b), w.out(y));
-  w.store();
-}
-
-void WideningBackend::sum_to(const Tensor& x, Tensor& y) {
-  if (!any_narrow(x, y)) return inner_->sum_to(x, y);
-  Widen w(*inner_);
-  inner_->sum_to(w.in(x), w.out(y));
-  w.store();
-}
-
-void WideningBackend::reduce_rows(Reduce op, const Tensor& x, Tensor& y) {
-  if (!any_narrow(x, y)) return inner_->reduce_rows(op, x, y);
-  Widen w(*inner_);
-  inner_->reduce_rows(op, w.in(x), w.out(y));
-  w.store();
-}
-
-void WideningBackend::reduce_rows_backward(Reduce op, const Tensor& x, const Tensor& y, const Tensor& dy,
-                                           Tensor& dx) {
-  if (!any_narrow(x, y, dy, dx)) return inner_->reduce_rows_backward(op, x, y, dy, dx);
-  Widen w(*inner_);
-  inner_->reduce_rows_backward(op, w.in(x), w.in(y), w.in(dy), w.out(dx));
-  w.store();
-}
-
-void WideningBackend::softmax(const Tensor& x, Tensor& y) {
-  if (!any_narrow(x, y)) return inner_->softmax(x, y);
-  Widen w(*inner_);
-  inner_->softmax(w.in(x), w.out(y));
-  w.store();
-}
-
-void WideningBackend::softmax_backward(const Tensor& y, const Tensor& dy, Tensor& dx) {
-  if (!any_narrow(y, dy, dx)) return inner_->softmax_backward(y, dy, dx);
-  Widen w(*inner_);
-  inner_->softmax_backward(w.in(y), w.in(dy), w.out(dx));
-  w.store();
-}
-
-double WideningBackend::item(const Tensor& x) {
-  if (!any_narrow(x)) return inner_->item(x);
-  Widen w(*inner_);
-  return inner_->item(w.in(x));
-}
-
-}  // namespace gpipe
-
-// ==== LLaMA ops: the float32 op on the widened operands, rounded once. A separate
-// block, so that it merges apart from the rest.
-
-namespace gpipe {
-
-void WideningBackend::rope(const Tensor& x, int heads, double base, Tensor& y) {
-  if (!any_narrow(x, y) || native(*inner_, NarrowOp::kRope, x, y)) return inner_->rope(x, heads, base, y);
-  Widen w(*inner_);
-  inner_->rope(w.in(x), heads, base, w.out(y));
-  w.store();
-}
-
-void WideningBackend::rope_backward(const Tensor& dy, int heads, double base, Tensor& dx) {
-  if (!any_narrow(dy, dx) || native(*inner_, NarrowOp::kRope, dy, dx)) {
-    return inner_->rope_backward(dy, heads, base, dx);
-  }
-  Widen w(*inner_);
-  inner_->rope_backward(w.in(dy), heads, base, w.out(dx));
-  w.store();
-}
-
-void WideningBackend::pack_qkv(const Tensor& q, const Tensor& k, const Tensor& v, int heads, Tensor& qkv) {
-  if (!any_narrow(q, k, v, qkv)) return inner_->pack_qkv(q, k, v, heads, qkv);
-  Widen w(*inner_);
-  inner_->pack_qkv(w.in(q), w.in(k), w.in(v), heads, w.out(qkv));
-  w.store();
-}
-
-void WideningBackend::pack_qkv_backward(const Tensor& dqkv, int heads, Tensor& dq, Tensor& dk, Tensor& dv) {
-  if (!any_narrow(dqkv, dq, dk, dv)) return inner_->pack_qkv_backward(dqkv, heads, dq, dk, dv);
-  Widen w(*inner_);
-  inner_->pack_qkv_backward(w.in(dqkv), heads, w.out(dq), w.out(dk), w.out(dv));
-  w.store();
-}
+void WideningBackend::copy(const Tensor& src, Tensor& dst) { inner_->copy(src, dst); }
+void WideningBackend::cast(const Tensor& src, Tensor& dst) { inner_->cast(src, dst); }
+void WideningBackend::synchronize() { inner_->synchronize(); }
 
 }  // namespace gpipe

@@ -336,3 +336,55 @@ TEST_CASE("multi-tensor ops equal the single-tensor op on each tensor, narrow te
                        doctest::Contains("each list needs one entry per tensor"), Error);
   CHECK_THROWS_AS(be.cast_all(masters, {}), Error);
 }
+
+// WideningBackend's ops are generated from the marks of kernels/backend_ops.inc's calls
+// (In, Out, InOut). What a wrong mark would change, op by op: an operand added into
+// (InOut) keeps its old values, a written one (Out) does not, an int32 output passes
+// through, and a host value is the float32 op's.
+TEST_CASE("the generated wrappers: added-into operands keep their values, int32 outputs pass through") {
+  Backend& be = backend_for(Device::cpu());
+  constexpr DType B = DType::kBF16, F = DType::kF32;
+  SUBCASE("add_bias and axpy add into a bfloat16 y") {
+    const Tensor y0 = bf16({4, 6}, 40), bias = bf16({6}, 41), x = bf16({4, 6}, 42);
+    Tensor y = as(as(y0, F), B);
+    be.add_bias(y, bias);
+    be.axpy(-0.75, x, y);
+    Tensor want = as(y0, F);
+    reference().add_bias(want, as(bias, F));
+    want = as(as(want, B), F);  // each op rounds what it stores
+    reference().axpy(-0.75, as(x, F), want);
+    CHECK(same_bits(y, as(want, B)));
+  }
+  SUBCASE("embedding_backward adds into a bfloat16 table and positions") {
+    const Tensor ids = Tensor::from_vector<int32_t>({3, 0, 3, 1, 2, 3}, {2, 3});
+    const Tensor dout = bf16({2, 3, 4}, 43), t0 = bf16({5, 4}, 44), p0 = bf16({3, 4}, 45);
+    Tensor dtable = as(as(t0, F), B), dpos = as(as(p0, F), B);
+    be.embedding_backward(ids, dout, dtable, dpos);
+    Tensor wt = as(t0, F), wp = as(p0, F);
+    reference().embedding_backward(ids, as(dout, F), wt, wp);
+    CHECK(same_bits(dtable, as(wt, B)));
+    CHECK(same_bits(dpos, as(wp, B)));
+  }
+  SUBCASE("max pooling's int32 argmax passes through, its backward overwrites dx") {
+    const Tensor x = bf16({1, 2, 4, 4}, 46);
+    Tensor y = be.empty({1, 2, 2, 2}, B), argmax = be.empty({1, 2, 2, 2}, DType::kI32);
+    be.maxpool2d(x, 2, 2, 0, y, argmax);
+    Tensor wy = reference().empty({1, 2, 2, 2}, F), wa = reference().empty({1, 2, 2, 2}, DType::kI32);
+    reference().maxpool2d(as(x, F), 2, 2, 0, wy, wa);
+    CHECK(same_bits(y, as(wy, B)));
+    CHECK(same_bits(argmax, wa));
+    const Tensor dy = bf16({1, 2, 2, 2}, 47);
+    Tensor dx = bf16({1, 2, 4, 4}, 48), wdx = reference().empty({1, 2, 4, 4}, F);
+    be.maxpool2d_backward(dy, argmax, dx);
+    reference().maxpool2d_backward(as(dy, F), wa, wdx);
+    CHECK(same_bits(dx, as(wdx, B)));
+  }
+  SUBCASE("host values: sum_squares, item and argmax_correct of bfloat16 operands") {
+    const Tensor x = bf16({3, 7}, 49);
+    CHECK(be.sum_squares(x) == reference().sum_squares(as(x, F)));
+    const Tensor one = as(Tensor::from_vector<float>({2.5f}, {1}), B);
+    CHECK(be.item(one) == 2.5);
+    const Tensor labels = gpipe::testing::random_labels(3, 7, 50);
+    CHECK(be.argmax_correct(x, labels, -100) == reference().argmax_correct(as(x, F), labels, -100));
+  }
+}
