@@ -9,6 +9,8 @@ namespace gpipe {
 
 namespace {
 
+thread_local std::optional<Device> answers_as;  // MetaAnswersAs's device, on this thread
+
 // Every op a no-op: outputs keep the shapes their callers allocated, and no data.
 class MetaBackend final : public Backend {
  public:
@@ -17,9 +19,10 @@ class MetaBackend final : public Backend {
   Stream& stream() override { return stream_; }
   void matmul(const Tensor&, bool, const Tensor&, bool, Tensor&, double, double) override {}
   void matmul_weight(const Tensor&, bool, const Tensor&, bool, Tensor&, double, double) override {}
-  // As the device's backend would (what the layer keeps depends on it), asked without it.
+  // As the device's backend would (what the layer keeps depends on it), asked without it;
+  // as MetaAnswersAs's device's, where one is alive.
   bool has_fused_attention(DType t, const AttentionSizes& dims) override {
-    return fused_attention_available(device_, t, dims.head_dim);
+    return fused_attention_available(answers_as.value_or(device_), t, dims.head_dim);
   }
   // The ops of kernels/backend_ops.inc, fused ones included: nothing computed, a host
   // value 0.
@@ -35,6 +38,9 @@ class MetaBackend final : public Backend {
 };
 
 }  // namespace
+
+MetaAnswersAs::MetaAnswersAs(Device device) : outer_(answers_as) { answers_as = device; }
+MetaAnswersAs::~MetaAnswersAs() { answers_as = outer_; }
 
 Backend& meta_backend(Device device) {
   static std::mutex mu;

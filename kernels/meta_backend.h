@@ -8,6 +8,8 @@
 // so that the layers' device checks hold; nothing on that device is touched.
 #pragma once
 
+#include <optional>
+
 #include "kernels/backend.h"
 
 namespace gpipe {
@@ -15,5 +17,21 @@ namespace gpipe {
 // The meta backend standing for `device`, alive for the process (thread-safe: it has
 // no state). Use it with a ShapesOnly alive on the thread.
 Backend& meta_backend(Device device);
+
+// While one is alive on its thread, every meta backend answers what depends on the kind
+// of device (has_fused_attention, which decides what an attention layer keeps) as
+// `device`'s backend would, whichever device it stands for: planning for a device
+// description (`gpipe plan --device-spec`), whose GPUs this machine may not have while
+// the model it plans lives on the CPU. Nests; the outer one is restored at the end.
+class MetaAnswersAs {
+ public:
+  explicit MetaAnswersAs(Device device);
+  ~MetaAnswersAs();
+  MetaAnswersAs(const MetaAnswersAs&) = delete;
+  MetaAnswersAs& operator=(const MetaAnswersAs&) = delete;
+
+ private:
+  std::optional<Device> outer_;
+};
 
 }  // namespace gpipe

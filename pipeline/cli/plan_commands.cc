@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <optional>
 #include <ostream>
 
+#include "kernels/meta_backend.h"
 #include "partition/balance.h"
 #include "pipeline/config/run_model.h"
 #include "pipeline/planning/byte_units.h"
@@ -121,6 +123,10 @@ int plan_other_runs(const Config& config, layers::Sequential& model, const PlanC
   DeviceSpec spec;
   const bool has_spec = !o.device_spec.empty();
   if (has_spec) spec = load_device_spec(o.device_spec);
+  // The spec's devices are GPUs, which this machine may not have: the shape probe keeps
+  // what a layer keeps on them (bf16 attention: cuDNN's fused path, where this build has it).
+  std::optional<MetaAnswersAs> as_gpu;
+  if (has_spec) as_gpu.emplace(Device::cuda(0));
   if (o.sweep) {
     SweepOptions sweep_options;
     sweep_options.devices = o.devices;
@@ -161,7 +167,7 @@ int plan_other_runs(const Config& config, layers::Sequential& model, const PlanC
     print_prediction(c, model, plan, out);
     return 0;
   }
-  const partition::CostModel cm = spec.cost_model(dtype_name(master_dtype(model.output_dtype())));  // a bf16 or fp16 model computes in float32
+  const partition::CostModel cm = spec.cost_model_for(model.output_dtype());
   const CostSource costs(model, ProfileStore{}, "", Device::cuda(0), 0, cm, {}, c.optimizer.optimizer);
   // The balancer's split by the spec's roofline.
   c.pipeline.balance = partition::balance_by_cost(

@@ -22,6 +22,11 @@ partition::CostModel DeviceSpec::cost_model(const std::string& dtype) const {
   return cm;
 }
 
+partition::CostModel DeviceSpec::cost_model_for(DType t) const {
+  const std::string own = dtype_name(t);
+  return cost_model(peak_flops.count(own) ? own : dtype_name(master_dtype(t)));
+}
+
 const LinkCost& DeviceSpec::link(int a, int b) const {
   return a / devices_per_node == b / devices_per_node ? intra_node : inter_node;
 }

@@ -10,6 +10,7 @@
 
 #include "partition/balance.h"
 #include "pipeline/planning/profile.h"
+#include "runtime/dtype.h"
 
 namespace gpipe {
 namespace pipeline {
@@ -26,6 +27,10 @@ struct DeviceSpec {
 
   // The roofline of one device for `dtype`; throws UserError if the spec has no peak for it.
   partition::CostModel cost_model(const std::string& dtype) const;
+  // The roofline a model of element type t runs at: t's peak where the spec gives one (a
+  // GPU computes a 16-bit model's products in 16 bits, cublasGemmEx with float32
+  // accumulation), else its master type's (float32: what the widening computes in).
+  partition::CostModel cost_model_for(DType t) const;
   // The link between devices a and b (0-based, devices_per_node to a node).
   const LinkCost& link(int a, int b) const;
 };

@@ -648,3 +648,17 @@ train: {steps: 1, batch_size: 4}
   CHECK(l.backward_input + l.backward_weight == doctest::Approx(l.backward).epsilon(1e-9));
   CHECK(sums_share - share > 0.005);  // the old split gave W more: this test tells them apart
 }
+
+// A GPU computes a bf16 model's products in bf16 (cublasGemmEx), so a device
+// description plans it at its BF16 peak, where the description gives one (the H100's
+// datasheet: 989 TFLOP/s dense), and at float32's where it does not.
+TEST_CASE("a device description's roofline for a 16-bit model is its 16-bit peak where it gives one") {
+  const DeviceSpec h100 = load_device_spec("configs/devices/h100_nvlink_ib.yaml");
+  CHECK(h100.cost_model_for(DType::kBF16).flops_per_second == doctest::Approx(989e12 * 0.6));
+  CHECK(h100.cost_model_for(DType::kF16).flops_per_second == doctest::Approx(989e12 * 0.6));
+  CHECK(h100.cost_model_for(DType::kF32).flops_per_second == doctest::Approx(67e12 * 0.6));
+  CHECK(h100.cost_model_for(DType::kBF16).bytes_per_second == doctest::Approx(3350e9 * 0.6));
+  DeviceSpec no_bf16 = h100;
+  no_bf16.peak_flops.erase("bfloat16");
+  CHECK(no_bf16.cost_model_for(DType::kBF16).flops_per_second == doctest::Approx(67e12 * 0.6));
+}

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "examples/custom_layer/derived_layers.h"
+#include "kernels/meta_backend.h"
 #include "layers/layer.h"
 #include "layers/registry.h"
 #include "pipeline/config/config.h"
@@ -209,4 +210,43 @@ TEST_CASE("a tensor made on shapes has no data to read, and copies between two o
   copy_tensor(a, c);
   Tensor real = Tensor::empty({1000, 1000}, DType::kF32, Device::cpu());
   CHECK_THROWS_AS(copy_tensor(a, real), Error);
+}
+
+// `gpipe plan --device-spec` plans GPUs from a machine that may have none, its model on
+// the CPU: under MetaAnswersAs(cuda) the probe keeps what a GPU's layers keep. A bf16
+// grouped-query attention keeps cuDNN's fused operands there (q, k, v, out and a float32
+// log-sum-exp) in place of the packed qkv and the (B, H, T, T) probabilities, where this
+// build has the fused path; the CPU's probe is unchanged either way.
+TEST_CASE("planning for GPUs on the CPU probes what the GPU's attention keeps") {
+  const int64_t T = 32, C = 16, H = 2, KV = 1, D = C / H;
+  const Config c = parse_config(R"(model:
+  input: [32]
+  dtype: bf16
+  layers:
+    - {type: embedding, vocab: 16, dim: 16}
+    - {type: gqa_attention, heads: 2, kv_heads: 1}
+    - {type: linear, out: 16, bias: false}
+  loss: softmax_cross_entropy
+train: {steps: 1, batch_size: 4}
+)",
+                                "t.yaml");
+  RunModel run = build_run_model(c);
+  const ActivationLayout cpu = probe_activations(*run.model);
+  ActivationLayout gpu;
+  {
+    const MetaAnswersAs as_gpu(Device::cuda(0));
+    gpu = probe_activations(*run.model);
+  }
+  check_same(probe_activations(*run.model), cpu);  // restored after
+  const double exact = static_cast<double>(T * 3 * C * 2 + H * T * T * 2);  // qkv and probs, bf16, per sample
+  const double fused_at_most = static_cast<double>(2 * T * C * 2 + 2 * T * KV * D * 2 + H * T * 4);
+  const double saved = cpu.layers[1].forward.own_per_sample - gpu.layers[1].forward.own_per_sample;
+  if (fused_attention_available(Device::cuda(0), DType::kBF16, D)) {
+    CHECK(saved >= exact - fused_at_most);
+    CHECK(saved <= exact);
+    CHECK(saved > 0);
+  } else {
+    CHECK(saved == 0);  // no fused path in this build: a GPU keeps what the CPU keeps
+  }
+  for (int i : {0, 2}) check_same(gpu.layers[i].forward, cpu.layers[i].forward);
 }

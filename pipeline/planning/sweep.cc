@@ -127,7 +127,7 @@ class SweepCosts {
         device_(o.spec != nullptr ? Device::cuda(0) : first_device(base)),
         // A 16-bit model at the spec's float32 peak: its products' 16-bit tensor-core
         // speed is not priced (only its bytes differ).
-        spec_cm_(o.spec != nullptr ? o.spec->cost_model(dtype_name(master_dtype(model.output_dtype())))
+        spec_cm_(o.spec != nullptr ? o.spec->cost_model_for(model.output_dtype())
                                   : partition::CostModel{}) {}
 
   const ProfileStore& store() const { return store_; }
