@@ -9,12 +9,15 @@
 // are skipped with one.
 #include "tests/gpu_testing.h"
 
+#include <chrono>
+#include <cmath>
 #include <string>
 #include <vector>
 
 #include "layers/registry.h"
 #include "partition/balance.h"
 #include "pipeline/executor/executor.h"
+#include "pipeline/planning/profile.h"
 #include "runtime/device.h"
 #include "runtime/inprocess_transport.h"
 #include "tests/testing.h"
@@ -155,3 +158,28 @@ TEST_CASE("stages on two GPUs (peer copies on the transfer stream) equal CPU sta
 }
 
 int main(int argc, char** argv) { return gpipe::gpu_testing::run_gpu_tests(argc, argv); }
+
+// `gpipe profile` on a GPU: every layer timed, by events on the device's stream (device
+// time, pipeline/planning/profile.cc), each time positive and finite, and the whole
+// measurement's sum below the host's wall clock around it.
+TEST_CASE("a profile measured on cuda:0 times every layer with device events") {
+  auto model = layers::build_model(mlp_spec());
+  Tensor x = random_tensor({8, 24}, DType::kF32, 7);
+  Tensor y = random_labels(8, 10, 8);
+  layers::OptimizerConfig adamw;
+  adamw.type = "adamw";
+  const auto t0 = std::chrono::steady_clock::now();
+  const ProfileEntry e = measure_layers(*model, x, y, Device::cuda(0), adamw, 2, 5, 1);
+  const double wall_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(e.key.device == "cuda");
+  REQUIRE(e.layers.size() == static_cast<size_t>(model->size()));
+  double sum = 0;
+  for (const LayerProfile& l : e.layers) {
+    CHECK(l.forward_ms > 0);
+    CHECK(l.backward_ms > 0);
+    CHECK(std::isfinite(l.forward_ms));
+    CHECK(std::isfinite(l.backward_ms));
+    sum += l.forward_ms + l.backward_ms;
+  }
+  CHECK(sum < wall_ms);
+}

@@ -13,6 +13,7 @@
 #include "runtime/atomic_file.h"
 #include "runtime/error.h"
 #include "runtime/heartbeat.h"
+#include "runtime/stream.h"
 
 namespace gpipe {
 namespace pipeline {
@@ -55,15 +56,25 @@ double median(std::vector<double> v) {
 }
 
 // Milliseconds `fn` takes on `be`'s device: the device is idle before and waited for
-// after, so a GPU's queued work is counted, not its launch.
+// after. On a GPU the time is the device's, between two events on its stream around
+// `fn`'s work (what the executor's clock reads for an instruction), not the host's
+// launches and wait; on the CPU, the host clock.
 template <typename Fn>
 double timed(Backend& be, Fn&& fn) {
   heartbeat();  // each measured piece is progress, for gpipe run (runtime/heartbeat.h)
   be.synchronize();
-  const auto t0 = std::chrono::steady_clock::now();
+  if (be.device().is_cpu()) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    be.synchronize();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  }
+  const std::unique_ptr<Event> start = make_event(be.device()), end = make_event(be.device());
+  start->record(be.stream());
   fn();
-  be.synchronize();
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  end->record(be.stream());
+  be.synchronize();  // also reports what the device found wrong in fn's inputs
+  return start->elapsed_ms(*end);
 }
 
 nlohmann::json to_json(const ProfileEntry& e) {
