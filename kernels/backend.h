@@ -64,7 +64,8 @@ class Backend {
   //   kMatmul (matmul, matmul_weight): a and b of type t, c of type t or float32;
   //   the others: every floating-point operand of type t.
   // The CPU reference computes none (the widening is the reference); the CUDA backend
-  // computes the products (cublasGemmEx) and the elementwise ops below.
+  // computes the products (cublasGemmEx) and the elementwise ops of backend_ops.inc
+  // marked GPIPE_NARROW_OP.
   //   kAxpy, kRope (rope and rope_backward): x and y of type t; kEmbedding (embedding):
   //   table, pos and out of type t; the fused ops (kRmsNorm: rmsnorm and its two backward
   //   ops; kSwiglu: swiglu and swiglu_backward): their activations of type t, their
@@ -100,7 +101,8 @@ class Backend {
   };
   // Whether this backend runs fused_attention for element type t and these sizes, asked
   // before each use: a GPU prepares the shape's kernels then, and says no, once with a
-  // warning, where it cannot. The CPU reference runs none.
+  // warning, where it cannot. The CPU runs float32 and float64 (the exact path's bits),
+  // a CUDA build with cuDNN's frontend bfloat16 and float16.
   virtual bool has_fused_attention(DType t, const AttentionSizes& dims) {
     (void)t;
     (void)dims;
@@ -117,6 +119,10 @@ class Backend {
 // head_dim, asked without making that backend (the planner's shape probe asks on a
 // machine that may not have the device).
 bool fused_attention_available(Device device, DType t, int64_t head_dim);
+// Whether a GPU build with cuDNN's frontend runs it (bfloat16 and float16, head_dim a
+// multiple of 8 up to 128, unless GPIPE_FUSED_ATTENTION is "0"), whatever this
+// machine's build: what the planner assumes of the GPUs of a device description.
+bool gpu_fused_attention_expected(DType t, int64_t head_dim);
 
 // The backend of a device, created on first use and alive for the process. CPU
 // backends are stateless and thread-safe; a CUDA backend owns its stream and cuBLAS

@@ -3,6 +3,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
@@ -519,12 +520,17 @@ Backend& backend_for(Device device) {
   return *slot;
 }
 
+bool gpu_fused_attention_expected(DType t, int64_t head_dim) {
+  const char* env = std::getenv("GPIPE_FUSED_ATTENTION");
+  if (env != nullptr && std::string(env) == "0") return false;
+  return is_narrow(t) && head_dim > 0 && head_dim % 8 == 0 && head_dim <= 128;
+}
+
 bool fused_attention_available(Device device, DType t, int64_t head_dim) {
+  if (device.is_cpu()) return cpu_fused_attention_available(t);
 #ifdef GPIPE_WITH_CUDA
   return device.is_cuda() && cuda_fused_attention_available(t, head_dim);
 #else
-  (void)device;
-  (void)t;
   (void)head_dim;
   return false;
 #endif

@@ -16,17 +16,33 @@ class CpuBackend : public Backend {
               double beta) override;
   void matmul_weight(const Tensor& a, bool trans_a, const Tensor& w, bool trans_w, Tensor& c, double alpha,
                      double beta) override;
-  // The ops of kernels/backend_ops.inc: elementwise, loss and optimizer ops in
-  // cpu_backend.cc, the transformer ops in cpu_transformer_ops.cc, LLaMA's in
-  // cpu_llama_ops.cc, convolution ops in cpu_conv_ops.cc, the generic elementwise and
-  // row ops in cpu_elementwise_ops.cc, copies and casts in cpu_tensor_ops.cc. The fused
-  // and multi-tensor ops are Backend's defaults (the composition is the reference).
+  // The ops of kernels/backend_ops.inc: elementwise, loss and SGD ops, copies and casts
+  // in cpu_backend.cc; the transformer ops, Adam and the sum of squares in
+  // cpu_transformer_ops.cc; LLaMA's in cpu_llama_ops.cc; convolution ops in
+  // cpu_conv_ops.cc; the generic elementwise and row ops in cpu_elementwise_ops.cc,
+  // broadcasting, reductions and softmax in cpu_tensor_ops.cc. The fused and
+  // multi-tensor ops are Backend's defaults (the composition is the reference).
 #define GPIPE_OP(R, name, params, call) R name params override;
 #include "kernels/backend_ops.inc"
+  // Fused attention in float32 and float64 (cpu_transformer_ops.cc): the exact path's
+  // per-head code, keeping what a flash kernel keeps; its backward recomputes each
+  // head's probabilities, so outputs and gradients are pack_qkv then attention's, bit
+  // for bit (cpu_fused_attention_available).
+  bool has_fused_attention(DType t, const AttentionSizes& dims) override;
+  void fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, int heads, Tensor& out,
+                       Tensor& stats) override;
+  void fused_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                const Tensor& out, const Tensor& stats, int heads, Tensor& dq, Tensor& dk,
+                                Tensor& dv) override;
 
  private:
   Device device_;
   CpuStream stream_;
 };
+
+// Whether CpuBackend runs fused_attention for element type t: float32 and float64,
+// unless GPIPE_FUSED_ATTENTION is "0" (the way to keep the probabilities, as a GPU's
+// float32 does). bfloat16 and float16 are widened to the exact path.
+bool cpu_fused_attention_available(DType t);
 
 }  // namespace gpipe

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -297,13 +298,68 @@ void CpuBackend::layernorm_backward(const Tensor& dy, const Tensor& x, const Ten
 // The product q k^T is computed over the full (T, T) and the upper triangle is then
 // overwritten with zeros: one BLAS call beats T row-sized ones at these sizes.
 
+namespace {
+
+// One (batch, head) of causal attention, shared by attention() and the fused path so
+// that both compute the same bits: q, k, v (T, D) at leading dimension ld (the fused
+// operand's 3C), p (T, T) receives the probabilities (masked entries 0); out (T, D) at
+// ldo = p v, skipped when null (a recompute); lse (T), when not null, receives each
+// row's log-sum-exp of the scaled scores, max + log(sum), from the softmax's own terms.
+template <typename Real>
+void attention_head(const Real* q, const Real* k, const Real* v, int ld, int64_t T, int64_t D, double scale, Real* p,
+                    Real* out, int ldo, float* lse) {
+  const int iT = static_cast<int>(T), iD = static_cast<int>(D);
+  gemm(false, true, iT, iT, iD, scale, q, ld, k, ld, 0.0, p, iT);  // scores = q k^T / sqrt(D)
+  for (int64_t t = 0; t < T; ++t) {
+    Real* row = p + t * T;
+    Real mx = row[0];
+    for (int64_t s = 1; s <= t; ++s) mx = std::max(mx, row[s]);
+    Real sum = 0;
+    for (int64_t s = 0; s <= t; ++s) {
+      row[s] = std::exp(row[s] - mx);
+      sum += row[s];
+    }
+    const Real inv = Real(1) / sum;
+    for (int64_t s = 0; s <= t; ++s) row[s] *= inv;
+    std::fill(row + t + 1, row + T, Real(0));  // the causal mask
+    if (lse != nullptr) lse[t] = static_cast<float>(static_cast<double>(mx) + std::log(static_cast<double>(sum)));
+  }
+  // out (T, D), ld ldo = probs (T, T) @ v (T, D)
+  if (out != nullptr) gemm(false, false, iT, iD, iT, 1.0, p, iT, v, ld, 0.0, out, ldo);
+}
+
+// Its backward from the probabilities p (T, T): dq, dk, dv (T, D) at ld, overwritten;
+// go (T, D) at ldo is the output's gradient; ds (T, T) is scratch.
+template <typename Real>
+void attention_head_backward(const Real* q, const Real* k, const Real* v, int ld, const Real* p, const Real* go,
+                             int ldo, int64_t T, int64_t D, double scale, Real* dq, Real* dk, Real* dv, Real* ds) {
+  const int iT = static_cast<int>(T), iD = static_cast<int>(D);
+  gemm(false, true, iT, iT, iD, 1.0, go, ldo, v, ld, 0.0, ds, iT);  // dprobs = dout v^T
+  // Softmax Jacobian per row: dscore_s = p_s (dprob_s - sum_s' p_s' dprob_s');
+  // masked entries have p = 0 and get exactly 0.
+  for (int64_t t = 0; t < T; ++t) {
+    const Real* pr = p + t * T;
+    Real* dr = ds + t * T;
+    Real dot = 0;
+    for (int64_t s = 0; s <= t; ++s) dot += pr[s] * dr[s];
+    for (int64_t s = 0; s <= t; ++s) dr[s] = pr[s] * (dr[s] - dot);
+    std::fill(dr + t + 1, dr + T, Real(0));
+  }
+  // scores = scale q k^T, so dq = scale ds k and dk = scale ds^T q.
+  gemm(false, false, iT, iD, iT, scale, ds, iT, k, ld, 0.0, dq, ld);
+  gemm(true, false, iT, iD, iT, scale, ds, iT, q, ld, 0.0, dk, ld);
+  gemm(true, false, iT, iD, iT, 1.0, p, iT, go, ldo, 0.0, dv, ld);  // dv = probs^T dout
+}
+
+}  // namespace
+
 void CpuBackend::attention(const Tensor& qkv, int heads, Tensor& probs, Tensor& out) {
   const AttentionDims d = ops::check_attention_forward(qkv, heads, probs, out);
   check_attention_blas_dims(qkv, "attention");
   const int64_t B = d.B, T = d.T, C = d.C, H = d.H, D = d.D;
   if (B == 0 || T == 0) return;
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  const int iT = static_cast<int>(T), iD = static_cast<int>(D), ld = static_cast<int>(3 * C);
+  const int ld = static_cast<int>(3 * C), ldo = static_cast<int>(C);
   dispatch_float(qkv, [&](auto* tag) {
     using Real = std::remove_pointer_t<decltype(tag)>;
     const Real* pqkv = qkv.data<Real>();  // (B, T, 3C)
@@ -312,25 +368,8 @@ void CpuBackend::attention(const Tensor& qkv, int heads, Tensor& probs, Tensor& 
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < H; ++h) {
         const Real* q = pqkv + b * T * 3 * C + h * D;  // (T, D), ld 3C
-        const Real* k = q + C;
-        const Real* v = q + 2 * C;
-        Real* p = pp + (b * H + h) * T * T;  // (T, T)
-        gemm(false, true, iT, iT, iD, scale, q, ld, k, ld, 0.0, p, iT);  // scores = q k^T / sqrt(D)
-        for (int64_t t = 0; t < T; ++t) {
-          Real* row = p + t * T;
-          Real mx = row[0];
-          for (int64_t s = 1; s <= t; ++s) mx = std::max(mx, row[s]);
-          Real sum = 0;
-          for (int64_t s = 0; s <= t; ++s) {
-            row[s] = std::exp(row[s] - mx);
-            sum += row[s];
-          }
-          const Real inv = Real(1) / sum;
-          for (int64_t s = 0; s <= t; ++s) row[s] *= inv;
-          std::fill(row + t + 1, row + T, Real(0));  // the causal mask
-        }
-        // out_h (T, D), ld C = probs (T, T) @ v (T, D)
-        gemm(false, false, iT, iD, iT, 1.0, p, iT, v, ld, 0.0, po + b * T * C + h * D, static_cast<int>(C));
+        attention_head(q, q + C, q + 2 * C, ld, T, D, scale, pp + (b * H + h) * T * T, po + b * T * C + h * D, ldo,
+                       static_cast<float*>(nullptr));
       }
     }
   });
@@ -343,8 +382,7 @@ void CpuBackend::attention_backward(const Tensor& dout, const Tensor& qkv, const
   const int64_t B = d.B, T = d.T, C = d.C, H = d.H, D = d.D;
   if (B == 0 || T == 0) return;
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  const int iT = static_cast<int>(T), iD = static_cast<int>(D), ld = static_cast<int>(3 * C);
-  const int ldo = static_cast<int>(C);
+  const int ld = static_cast<int>(3 * C), ldo = static_cast<int>(C);
   dispatch_float(qkv, [&](auto* tag) {
     using Real = std::remove_pointer_t<decltype(tag)>;
     const Real* pqkv = qkv.data<Real>();  // (B, T, 3C)
@@ -356,31 +394,112 @@ void CpuBackend::attention_backward(const Tensor& dout, const Tensor& qkv, const
       for (int64_t h = 0; h < H; ++h) {
         const int64_t off = b * T * 3 * C + h * D;
         const Real* q = pqkv + off;  // (T, D), ld 3C
-        const Real* k = q + C;
-        const Real* v = q + 2 * C;
         Real* dq = pdq + off;
-        Real* dk = dq + C;
-        Real* dv = dq + 2 * C;
-        const Real* p = pp + (b * H + h) * T * T;    // (T, T)
-        const Real* go = pdo + b * T * C + h * D;    // (T, D), ld C
-        gemm(false, true, iT, iT, iD, 1.0, go, ldo, v, ld, 0.0, ds.data(), iT);  // dprobs = dout v^T
-        // Softmax Jacobian per row: dscore_s = p_s (dprob_s - sum_s' p_s' dprob_s');
-        // masked entries have p = 0 and get exactly 0.
-        for (int64_t t = 0; t < T; ++t) {
-          const Real* pr = p + t * T;
-          Real* dr = ds.data() + t * T;
-          Real dot = 0;
-          for (int64_t s = 0; s <= t; ++s) dot += pr[s] * dr[s];
-          for (int64_t s = 0; s <= t; ++s) dr[s] = pr[s] * (dr[s] - dot);
-          std::fill(dr + t + 1, dr + T, Real(0));
-        }
-        // scores = scale q k^T, so dq = scale ds k and dk = scale ds^T q.
-        gemm(false, false, iT, iD, iT, scale, ds.data(), iT, k, ld, 0.0, dq, ld);
-        gemm(true, false, iT, iD, iT, scale, ds.data(), iT, q, ld, 0.0, dk, ld);
-        gemm(true, false, iT, iD, iT, 1.0, p, iT, go, ldo, 0.0, dv, ld);  // dv = probs^T dout
+        attention_head_backward(q, q + C, q + 2 * C, ld, pp + (b * H + h) * T * T, pdo + b * T * C + h * D, ldo, T,
+                                D, scale, dq, dq + C, dq + 2 * C, ds.data());
       }
     }
   });
+}
+
+// ---- Fused attention on the CPU (float32, float64): what a flash kernel keeps (the
+// output and one log-sum-exp per row and head), computed by the exact path's own
+// per-head code on the fused operand, so that the output and the gradients are those
+// of pack_qkv then attention bit for bit. The backward recomputes each head's
+// probabilities (the same bits as the forward's) in a (T, T) scratch; nothing of
+// (B, H, T, T) is kept between the two. Key and value heads are repeated only in a
+// temporary (B, T, 3C) operand, which is freed when the op returns.
+
+namespace {
+
+void check_fused_like(const Tensor& t, const Shape& shape, DType dtype, const char* what, const char* op) {
+  if (t.shape() != shape || t.dtype() != dtype || !t.is_contiguous()) {
+    throw Error(std::string(op) + ": " + what + " " + t.str() + " must be contiguous " + shape_str(shape) + " of " +
+                dtype_name(dtype));
+  }
+}
+
+}  // namespace
+
+bool cpu_fused_attention_available(DType t) {
+  const char* env = std::getenv("GPIPE_FUSED_ATTENTION");
+  if (env != nullptr && std::string(env) == "0") return false;
+  return t == DType::kF32 || t == DType::kF64;
+}
+
+bool CpuBackend::has_fused_attention(DType t, const AttentionSizes& dims) {
+  return cpu_fused_attention_available(t) && dims.heads > 0 && dims.kv_heads > 0 && dims.heads % dims.kv_heads == 0;
+}
+
+void CpuBackend::fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, int heads, Tensor& out,
+                                 Tensor& stats) {
+  if (!cpu_fused_attention_available(q.dtype())) Backend::fused_attention(q, k, v, heads, out, stats);  // says none
+  const char* op = "fused_attention";
+  const int64_t B = q.dim() == 3 ? q.size(0) : 0, T = q.dim() == 3 ? q.size(1) : 0, C = q.dim() == 3 ? q.size(2) : 0;
+  Tensor qkv = empty({B, T, 3 * C}, q.dtype());  // (B, T, 3C), key/value heads repeated
+  pack_qkv(q, k, v, heads, qkv);                 // checks q, k and v
+  const int64_t H = heads, D = C / H;
+  check_fused_like(out, q.shape(), q.dtype(), "out", op);
+  check_fused_like(stats, {B, H, T}, DType::kF32, "stats", op);
+  check_attention_blas_dims(qkv, op);
+  if (B == 0 || T == 0) return;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const int ld = static_cast<int>(3 * C), ldo = static_cast<int>(C);
+  dispatch_float(qkv, [&](auto* tag) {
+    using Real = std::remove_pointer_t<decltype(tag)>;
+    const Real* pqkv = qkv.data<Real>();  // (B, T, 3C)
+    Real* po = out.data<Real>();          // (B, T, C)
+    float* pl = stats.data<float>();      // (B, H, T)
+    std::vector<Real> p(T * T);           // (T, T): one head's probabilities
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        const Real* qh = pqkv + b * T * 3 * C + h * D;  // (T, D), ld 3C
+        attention_head(qh, qh + C, qh + 2 * C, ld, T, D, scale, p.data(), po + b * T * C + h * D, ldo,
+                       pl + (b * H + h) * T);
+      }
+    }
+  });
+}
+
+void CpuBackend::fused_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                          const Tensor& out, const Tensor& stats, int heads, Tensor& dq, Tensor& dk,
+                                          Tensor& dv) {
+  if (!cpu_fused_attention_available(q.dtype())) {
+    Backend::fused_attention_backward(dout, q, k, v, out, stats, heads, dq, dk, dv);  // says none
+  }
+  const char* op = "fused_attention_backward";
+  const int64_t B = q.dim() == 3 ? q.size(0) : 0, T = q.dim() == 3 ? q.size(1) : 0, C = q.dim() == 3 ? q.size(2) : 0;
+  Tensor qkv = empty({B, T, 3 * C}, q.dtype());  // (B, T, 3C), as the forward packed it
+  pack_qkv(q, k, v, heads, qkv);
+  const int64_t H = heads, D = C / H;
+  check_fused_like(dout, q.shape(), q.dtype(), "dout", op);
+  check_fused_like(out, q.shape(), q.dtype(), "out", op);
+  check_fused_like(stats, {B, H, T}, DType::kF32, "stats", op);
+  check_attention_blas_dims(qkv, op);
+  Tensor dqkv = empty(qkv.shape(), q.dtype());  // (B, T, 3C)
+  if (B > 0 && T > 0) {
+    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+    const int ld = static_cast<int>(3 * C), ldo = static_cast<int>(C);
+    dispatch_float(qkv, [&](auto* tag) {
+      using Real = std::remove_pointer_t<decltype(tag)>;
+      const Real* pqkv = qkv.data<Real>();  // (B, T, 3C)
+      const Real* pdo = dout.data<Real>();  // (B, T, C)
+      Real* pdq = dqkv.data<Real>();        // (B, T, 3C)
+      std::vector<Real> p(T * T), ds(T * T);  // (T, T): the recomputed probabilities; dscores
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t off = b * T * 3 * C + h * D;
+          const Real* qh = pqkv + off;  // (T, D), ld 3C
+          attention_head(qh, qh + C, qh + 2 * C, ld, T, D, scale, p.data(), static_cast<Real*>(nullptr), ldo,
+                         static_cast<float*>(nullptr));
+          Real* dqh = pdq + off;
+          attention_head_backward(qh, qh + C, qh + 2 * C, ld, p.data(), pdo + b * T * C + h * D, ldo, T, D, scale,
+                                  dqh, dqh + C, dqh + 2 * C, ds.data());
+        }
+      }
+    });
+  }
+  pack_qkv_backward(dqkv, heads, dq, dk, dv);  // each key/value head's group summed; checks dq, dk, dv
 }
 
 // ---- Dropout.

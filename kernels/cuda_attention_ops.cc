@@ -38,9 +38,7 @@ namespace gpipe {
 
 bool cuda_fused_attention_available(DType t, int64_t head_dim) {
 #ifdef GPIPE_WITH_CUDNN_FRONTEND
-  const char* env = std::getenv("GPIPE_FUSED_ATTENTION");
-  if (env != nullptr && std::string(env) == "0") return false;
-  return is_narrow(t) && head_dim > 0 && head_dim % 8 == 0 && head_dim <= 128 && cudnnGetVersion() >= 90000;
+  return gpu_fused_attention_expected(t, head_dim) && cudnnGetVersion() >= 90000;
 #else
   (void)t;
   (void)head_dim;

@@ -8,7 +8,9 @@
 
 #include <cmath>
 #include <complex>
+#include <cstdlib>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -192,4 +194,60 @@ TEST_CASE("rope and pack_qkv name a head width or head count that cannot work, w
                        UserError);
   Tensor wrong = cpu().empty({2, 3, 30}, DType::kF32);
   CHECK_THROWS_AS(cpu().pack_qkv(x, k, k, 6, wrong), Error);
+}
+
+// The CPU's fused attention (float32, float64) keeps what a flash kernel keeps and
+// computes with the exact path's own per-head code: its output and its gradients are
+// pack_qkv then attention's bit for bit (the backward recomputes the probabilities), and
+// its statistics are each row's log-sum-exp, here summed naively in long double.
+TEST_CASE("fused attention on the CPU: the exact path's output and gradients bit for bit, and the log-sum-exp") {
+  Backend& be = backend_for(Device::cpu());
+  const int64_t B = 2, T = 7, D = 8;
+  for (DType dt : {DType::kF32, DType::kF64}) {
+    for (auto [H, KV] : {std::pair<int64_t, int64_t>{4, 2}, {4, 4}, {2, 1}}) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(H);
+      CAPTURE(KV);
+      const int64_t C = H * D, KC = KV * D;
+      REQUIRE(be.has_fused_attention(dt, {B, T, H, KV, D}));
+      const Tensor q = random_tensor({B, T, C}, dt, 60, -2, 2), k = random_tensor({B, T, KC}, dt, 61, -2, 2);
+      const Tensor v = random_tensor({B, T, KC}, dt, 62), dout = random_tensor({B, T, C}, dt, 63);
+      Tensor out = be.empty({B, T, C}, dt), stats = be.empty({B, H, T}, DType::kF32);
+      be.fused_attention(q, k, v, static_cast<int>(H), out, stats);
+      Tensor qkv = be.empty({B, T, 3 * C}, dt), probs = be.empty({B, H, T, T}, dt), want = be.empty({B, T, C}, dt);
+      be.pack_qkv(q, k, v, static_cast<int>(H), qkv);
+      be.attention(qkv, static_cast<int>(H), probs, want);
+      CHECK(same_bits(out, want));
+      const std::vector<double> qd = to_doubles(q), kd = to_doubles(k), lse = to_doubles(stats);
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t j = h / (H / KV);  // its key/value head
+          for (int64_t t = 0; t < T; ++t) {
+            long double sum = 0;
+            for (int64_t s = 0; s <= t; ++s) {
+              long double score = 0;
+              for (int64_t e = 0; e < D; ++e) score += qd[(b * T + t) * C + h * D + e] * kd[(b * T + s) * KC + j * D + e];
+              sum += std::exp(score / std::sqrt(static_cast<long double>(D)));
+            }
+            CHECK(lse[(b * H + h) * T + t] == doctest::Approx(static_cast<double>(std::log(sum))).epsilon(2e-6));
+          }
+        }
+      }
+      Tensor dq = be.empty(q.shape(), dt), dk = be.empty(k.shape(), dt), dv = be.empty(v.shape(), dt);
+      be.fused_attention_backward(dout, q, k, v, out, stats, static_cast<int>(H), dq, dk, dv);
+      Tensor dqkv = be.empty(qkv.shape(), dt), wq = be.empty(q.shape(), dt), wk = be.empty(k.shape(), dt),
+             wv = be.empty(v.shape(), dt);
+      be.attention_backward(dout, qkv, probs, static_cast<int>(H), dqkv);
+      be.pack_qkv_backward(dqkv, static_cast<int>(H), wq, wk, wv);
+      CHECK(same_bits(dq, wq));
+      CHECK(same_bits(dk, wk));
+      CHECK(same_bits(dv, wv));
+    }
+  }
+  CHECK_FALSE(be.has_fused_attention(DType::kBF16, {B, T, 4, 2, D}));  // widened: the exact path
+  setenv("GPIPE_FUSED_ATTENTION", "0", 1);
+  CHECK_FALSE(be.has_fused_attention(DType::kF32, {B, T, 4, 2, D}));
+  CHECK_FALSE(fused_attention_available(Device::cpu(), DType::kF32, D));
+  unsetenv("GPIPE_FUSED_ATTENTION");
+  CHECK(fused_attention_available(Device::cpu(), DType::kF64, D));
 }

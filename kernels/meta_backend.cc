@@ -22,6 +22,7 @@ class MetaBackend final : public Backend {
   // As the device's backend would (what the layer keeps depends on it), asked without it;
   // as MetaAnswersAs's device's, where one is alive.
   bool has_fused_attention(DType t, const AttentionSizes& dims) override {
+    if (answers_as && answers_as->is_cuda()) return gpu_fused_attention_expected(t, dims.head_dim);
     return fused_attention_available(answers_as.value_or(device_), t, dims.head_dim);
   }
   // The ops of kernels/backend_ops.inc, fused ones included: nothing computed, a host

@@ -22,7 +22,9 @@ Backend& meta_backend(Device device);
 // of device (has_fused_attention, which decides what an attention layer keeps) as
 // `device`'s backend would, whichever device it stands for: planning for a device
 // description (`gpipe plan --device-spec`), whose GPUs this machine may not have while
-// the model it plans lives on the CPU. Nests; the outer one is restored at the end.
+// the model it plans lives on the CPU. For a CUDA device the answer is a GPU build's
+// with cuDNN's frontend (gpu_fused_attention_expected), whatever this machine's build.
+// Nests; the outer one is restored at the end.
 class MetaAnswersAs {
  public:
   explicit MetaAnswersAs(Device device);

@@ -1,6 +1,7 @@
 #include "kernels/widening_backend.h"
 
 #include <algorithm>
+#include <array>
 #include <deque>
 #include <initializer_list>
 #include <optional>
@@ -103,16 +104,13 @@ const A& stand_in(Widen&, const A& a) {
 // else on float32 stand-ins of the narrow ones (Widen), rounded back after.
 template <typename R, typename... P, typename... A>
 R widening_call(Backend& inner, std::optional<Backend::NarrowOp> narrow, R (Backend::*op)(P...), const A&... args) {
-  const Tensor* operands[] = {marked(args)...};
-  std::vector<const Tensor*> defined;
-  for (const Tensor* t : operands) {
-    if (t != nullptr && t->defined()) defined.push_back(t);
-  }
-  const bool any = std::any_of(defined.begin(), defined.end(), [](const Tensor* t) { return is_narrow(t->dtype()); });
+  std::array<const Tensor*, sizeof...(A)> defined{marked(args)...};
+  const auto end = std::remove_if(defined.begin(), defined.end(), [](const Tensor* t) { return t == nullptr || !t->defined(); });
+  const bool any = std::any_of(defined.begin(), end, [](const Tensor* t) { return is_narrow(t->dtype()); });
   bool native = false;
   if (any && narrow) {
     const DType t = defined.front()->dtype();
-    native = std::all_of(defined.begin(), defined.end(), [&](const Tensor* x) { return x->dtype() == t; }) &&
+    native = std::all_of(defined.begin(), end, [&](const Tensor* x) { return x->dtype() == t; }) &&
              inner.computes_narrow(*narrow, t);
   }
   if (!any || native) return (inner.*op)(unmarked(args)...);

@@ -97,6 +97,25 @@ LayerCost attention_core_cost(int64_t batch, int64_t seq_len, int64_t dim, int64
   return core;
 }
 
+LayerCost fused_attention_core_cost(int64_t batch, int64_t seq_len, int64_t dim, int64_t heads, int64_t kv_heads,
+                                   DType dtype) {
+  LayerCost core = attention_core_cost(batch, seq_len, dim, heads, dtype);
+  const double B = static_cast<double>(batch), T = static_cast<double>(seq_len);
+  const double C = static_cast<double>(dim), H = static_cast<double>(heads), D = C / H;
+  const double KC = static_cast<double>(kv_heads) * D;
+  const double es = static_cast<double>(dtype_size(dtype));
+  const double bh = B * H, kept = T * (T + 1) / 2;
+  // The backward first recomputes each head's scores and softmax (the probabilities are
+  // not kept): one more (T, T, D) product, and the softmax's terms.
+  core.backward_parts.at(0).flops += bh * 2 * T * T * D;
+  core.backward_parts.at(1).flops += bh * (5 * kept + T);
+  core.backward_flops += bh * (2 * T * T * D + 5 * kept + T);
+  // Kept: q, k, v, the output and one float32 log-sum-exp per row and head (counted per
+  // tensor, as saved_bytes is: the output is also the output projection's input).
+  core.saved_bytes = static_cast<int64_t>(es * (2 * B * T * C + 2 * B * T * KC) + 4 * bh * T);
+  return core;
+}
+
 LayerCost CausalSelfAttention::cost(int64_t batch) const {
   const LayerCost core = attention_core_cost(batch, opts_.seq_len, opts_.dim, opts_.heads, dtype_);
   LayerCost c;

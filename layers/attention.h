@@ -23,6 +23,11 @@ struct AttentionOptions {
 // operand with `heads` heads: their FLOPs and bytes, backward's two kernels, and the
 // qkv and probs a context keeps. Shared by the attention layers.
 LayerCost attention_core_cost(int64_t batch, int64_t seq_len, int64_t dim, int64_t heads, DType dtype);
+// The same core as Backend::fused_attention runs it, with kv_heads key/value heads: the
+// backward recomputes the scores and the softmax, and a context keeps q, k, v, the
+// output and one log-sum-exp per row and head, not qkv and the probabilities.
+LayerCost fused_attention_core_cost(int64_t batch, int64_t seq_len, int64_t dim, int64_t heads, int64_t kv_heads,
+                                   DType dtype);
 
 class CausalSelfAttention : public Layer {
  public:

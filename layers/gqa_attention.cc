@@ -98,7 +98,10 @@ LayerCost GqaAttention::cost(int64_t batch) const {
   c += k_.cost(batch);
   c += v_.cost(batch);
   // The core: the fused operand's pack and its gradients' group sums around attention.
-  c += attention_core_cost(batch, opts_.seq_len, opts_.dim, opts_.heads, dtype_);
+  // Fused where this layer's device runs it for its dtype (as forward_impl asks).
+  c += fused_attention_available(device(), dtype_, C / opts_.heads)
+           ? fused_attention_core_cost(batch, opts_.seq_len, opts_.dim, opts_.heads, opts_.kv_heads, dtype_)
+           : attention_core_cost(batch, opts_.seq_len, opts_.dim, opts_.heads, dtype_);
   c += o_.cost(batch);
   // Forward: rope on q and k in place (read, write), pack_qkv (reads q, k, v, writes qkv).
   const double rotated = opts_.rope ? rows * (C + KC) : 0;

@@ -8,6 +8,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <vector>
 
 #include "layers/attention.h"
@@ -320,4 +321,40 @@ TEST_CASE("gqa_attention and llama_block from a config, and the mistakes a confi
   CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("head width 3 (dim 12 / 4 heads) is odd"), UserError);
   spec.layers[1].args.erase("hidden");
   CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("needs the option 'hidden'"), UserError);
+}
+
+// On the CPU a float32 or float64 gqa_attention takes the fused attention (what a flash
+// kernel keeps), GPIPE_FUSED_ATTENTION=0 the exact one (the probabilities kept): the
+// same output and gradients bit for bit, a context smaller by the probabilities and
+// qkv less q, k, v, the output and the log-sum-exp, and a backward dearer by one
+// recomputation of the scores and softmax per head.
+TEST_CASE("gqa_attention fused or exact on the CPU: the same bits, less kept, one recompute more") {
+  const int64_t batch = 2, T = 5, C = 16, H = 4, KV = 2, D = 4;
+  const double bh = batch * H, kept = T * (T + 1) / 2.0;
+  auto run = [&](bool fused, Context& ctx, std::vector<double>& y, std::vector<double>& dx, LayerCost& cost) {
+    if (!fused) setenv("GPIPE_FUSED_ATTENTION", "0", 1);
+    GqaAttention g = make_gqa(C, H, KV, T, DType::kF64);
+    cost = g.cost(batch);
+    const Tensor x = random_tensor({batch, T, C}, DType::kF64, 20);
+    y = to_doubles(g.forward(cpu(), x, &ctx));
+    const int64_t kept_now = context_bytes(ctx);
+    dx = to_doubles(g.backward(cpu(), random_tensor({batch, T, C}, DType::kF64, 21), ctx, true));
+    unsetenv("GPIPE_FUSED_ATTENTION");
+    return kept_now;
+  };
+  Context fc, ec;
+  std::vector<double> fy, fdx, ey, edx;
+  LayerCost fcost, ecost;
+  const int64_t fused_kept = run(true, fc, fy, fdx, fcost);
+  const int64_t exact_kept = run(false, ec, ey, edx, ecost);
+  CHECK(fy == ey);
+  CHECK(fdx == edx);
+  CHECK(fused_kept == fcost.saved_bytes);
+  CHECK(exact_kept == ecost.saved_bytes);
+  // qkv (B, T, 3C) and probs (B, H, T, T) against q, k, v, the output (B, T, C) and the
+  // log-sum-exp (B, H, T) in float32.
+  CHECK(exact_kept - fused_kept ==
+        8 * (batch * T * 3 * C + batch * H * T * T) - (8 * (2 * batch * T * C + 2 * batch * T * KV * D) + 4 * batch * H * T));
+  CHECK(fcost.backward_flops - ecost.backward_flops == doctest::Approx(bh * (2 * T * T * D + 5 * kept + T)));
+  CHECK(fcost.forward_flops == ecost.forward_flops);
 }

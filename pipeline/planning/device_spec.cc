@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "pipeline/config/config.h"
+#include "runtime/dtype.h"
 #include "runtime/error.h"
 
 namespace gpipe {
@@ -83,8 +84,14 @@ DeviceSpec load_device_spec(const std::string& path) {
   const YAML::Node peak = need(path, d, "peak_flops", "device.peak_flops");
   if (!peak.IsMap()) bad(path, peak, "device.peak_flops", "expected {float32: 67e12, ...}");
   for (auto it = peak.begin(); it != peak.end(); ++it) {
-    const std::string dtype = it->first.as<std::string>();
-    s.peak_flops[dtype] = positive(path, it->second, "device.peak_flops." + dtype);
+    const std::string written = it->first.as<std::string>();
+    std::string dtype;  // the element type's one name: bf16 is bfloat16
+    try {
+      dtype = dtype_name(parse_dtype(written));
+    } catch (const UserError&) {
+      bad(path, it->first, "device.peak_flops." + written, "not an element type; use float32, float64, bfloat16 or float16");
+    }
+    s.peak_flops[dtype] = positive(path, it->second, "device.peak_flops." + written);
   }
   s.memory_bandwidth = positive(path, need(path, d, "memory_bandwidth_gb_per_s", "device.memory_bandwidth_gb_per_s"),
                                 "device.memory_bandwidth_gb_per_s") * 1e9;

@@ -30,6 +30,9 @@ struct DeviceSpec {
   // The roofline a model of element type t runs at: t's peak where the spec gives one (a
   // GPU computes a 16-bit model's products in 16 bits, cublasGemmEx with float32
   // accumulation), else its master type's (float32: what the widening computes in).
+  // One rate for the whole model: right where its work is matrix products and fused
+  // attention (the LLaMA layers), optimistic for layers a GPU widens to float32
+  // (convolutions, the GPT attention's exact core), which a profile measures instead.
   partition::CostModel cost_model_for(DType t) const;
   // The link between devices a and b (0-based, devices_per_node to a node).
   const LinkCost& link(int a, int b) const;

@@ -11,6 +11,8 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <utility>
 #include <vector>
@@ -26,6 +28,7 @@
 #include "pipeline/planning/sweep.h"
 #include "runtime/error.h"
 #include "runtime/inprocess_transport.h"
+#include "tests/temp_dir.h"
 #include "tests/testing.h"
 
 using namespace gpipe;
@@ -661,4 +664,23 @@ TEST_CASE("a device description's roofline for a 16-bit model is its 16-bit peak
   DeviceSpec no_bf16 = h100;
   no_bf16.peak_flops.erase("bfloat16");
   CHECK(no_bf16.cost_model_for(DType::kBF16).flops_per_second == doctest::Approx(67e12 * 0.6));
+  // A key in another of the type's spellings counts; a key that names no type is refused.
+  const gpipe::testing::TempDir dir;
+  std::string text;
+  {
+    std::ifstream in("configs/devices/h100_nvlink_ib.yaml");
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  auto with_peaks = [&](const std::string& peaks) {
+    std::string t = text;
+    const size_t at = t.find("peak_flops: {");
+    REQUIRE(at != std::string::npos);
+    t.replace(at, t.find('}', at) + 1 - at, "peak_flops: {" + peaks + "}");
+    std::ofstream(dir / "spec.yaml") << t;
+    return dir / "spec.yaml";
+  };
+  CHECK(load_device_spec(with_peaks("float32: 67e12, bf16: 500e12")).cost_model_for(DType::kBF16).flops_per_second ==
+        doctest::Approx(500e12 * 0.6));
+  CHECK_THROWS_WITH_AS(load_device_spec(with_peaks("float32: 67e12, tf32: 495e12")),
+                       doctest::Contains("not an element type"), UserError);
 }

@@ -125,8 +125,7 @@ class SweepCosts {
         store_(load_profile(base.pipeline.profile)),
         overrides_(cost_overrides(base)),
         device_(o.spec != nullptr ? Device::cuda(0) : first_device(base)),
-        // A 16-bit model at the spec's float32 peak: its products' 16-bit tensor-core
-        // speed is not priced (only its bytes differ).
+        // A 16-bit model at the spec's 16-bit peak where it gives one (DeviceSpec::cost_model_for).
         spec_cm_(o.spec != nullptr ? o.spec->cost_model_for(model.output_dtype())
                                   : partition::CostModel{}) {}
 
