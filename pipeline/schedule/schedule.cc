@@ -86,11 +86,22 @@ const char* recompute_mode_name(RecomputeMode mode) {
   return "?";
 }
 
-bool is_recomputed(RecomputeMode mode, int m, int num_micro_batches) {
+bool is_recomputed(RecomputeMode mode, const std::vector<Instruction>& program, size_t backward) {
+  const Instruction& b = program.at(backward);
+  GPIPE_CHECK(b.op == Op::kBackward, "is_recomputed: instruction " + std::to_string(backward) + " is not a backward");
   switch (mode) {
     case RecomputeMode::kAlways: return true;
-    case RecomputeMode::kExceptLast: return m != num_micro_batches - 1;
     case RecomputeMode::kNever: return false;
+    case RecomputeMode::kExceptLast: {
+      // The compute instruction before B(c, m): F(c, m) itself means nothing else is
+      // computed while its context lives, so it keeps it.
+      for (size_t i = backward; i-- > 0;) {
+        const Op op = program[i].op;
+        if (op != Op::kForward && op != Op::kBackward && op != Op::kBackwardWeight && op != Op::kRecompute) continue;
+        return !(op == Op::kForward && program[i].micro_batch == b.micro_batch && program[i].chunk == b.chunk);
+      }
+      return true;
+    }
   }
   return false;
 }
@@ -135,7 +146,7 @@ void insert_recompute(Schedule& s, RecomputeMode mode) {
     for (size_t i = 0; i < s.stages[k].size(); ++i) {
       const Instruction& ins = s.stages[k][i];
       const int line = s.lines.empty() ? 0 : s.lines[k][i];
-      if (ins.op == Op::kBackward && is_recomputed(mode, ins.micro_batch, s.num_micro_batches)) {
+      if (ins.op == Op::kBackward && is_recomputed(mode, s.stages[k], i)) {
         out.push_back({Op::kRecompute, ins.micro_batch, ins.chunk});
         lines.push_back(line);
       }

@@ -99,8 +99,15 @@ struct Instruction {
 enum class RecomputeMode { kAlways, kExceptLast, kNever };
 RecomputeMode parse_recompute_mode(const std::string& name);  // "always", "except_last", "never"
 const char* recompute_mode_name(RecomputeMode mode);
-// Whether micro-batch m of M keeps only its stage input and recomputes during backward.
-bool is_recomputed(RecomputeMode mode, int micro_batch, int num_micro_batches);
+// Whether the backward at program[backward] (a stage's compute instructions) is of a
+// micro-batch that keeps only its cell input in forward and recomputes the rest first.
+// always: every one; never: none; except_last: every one but those whose forward is the
+// compute instruction right before their backward, whose context nothing else computed
+// overlaps, so that recomputing would save no memory: GPipe's last micro-batch (on
+// every stage), and every micro-batch of 1F1B's last stage. (A rule by micro-batch
+// number, "all but the last", would keep 1F1B's last micro-batch whole on an early stage
+// while the one before it is recomputed: two whole contexts at once, never's peak.)
+bool is_recomputed(RecomputeMode mode, const std::vector<Instruction>& program, size_t backward);
 // Whether a recompute mode rematerializes any micro-batch (the balancer then counts
 // each layer's recompute time too).
 inline bool recomputes(RecomputeMode mode) { return mode != RecomputeMode::kNever; }

@@ -32,10 +32,12 @@ TEST_CASE("1F1B, K=2, M=3: a warm-up of K-1-k forwards, then one forward and one
   CHECK(schedule_table(one_f_one_b_schedule(2, 3, RecomputeMode::kNever)) ==
         "stage 0: F0 sA0 F1 sA1 rG0 B0 F2 sA2 rG1 B1 rG2 B2 OPT\n"
         "stage 1: rA0 F0 B0 sG0 rA1 F1 B1 sG1 rA2 F2 B2 sG2 OPT\n");
-  // Recompute right before its backward, the gradient received after it.
+  // Recompute right before its backward, the gradient received after it; except_last
+  // recomputes what overlaps another context (all of stage 0's), and nothing on the last
+  // stage, where each backward follows its own forward.
   CHECK(schedule_table(one_f_one_b_schedule(2, 2, RecomputeMode::kExceptLast)) ==
-        "stage 0: F0 sA0 F1 sA1 R0 rG0 B0 rG1 B1 OPT\n"
-        "stage 1: rA0 F0 R0 B0 sG0 rA1 F1 B1 sG1 OPT\n");
+        "stage 0: F0 sA0 F1 sA1 R0 rG0 B0 R1 rG1 B1 OPT\n"
+        "stage 1: rA0 F0 B0 sG0 rA1 F1 B1 sG1 OPT\n");
 }
 
 TEST_CASE("zero bubble (ZB-H1), K=2, M=3: stage k defers its first k weight gradients") {
@@ -72,10 +74,27 @@ TEST_CASE("a rendezvous transport gets steps of one forward and one backward, on
 }
 
 TEST_CASE("recompute modes") {
-  CHECK(is_recomputed(RecomputeMode::kAlways, 3, 4));
-  CHECK(!is_recomputed(RecomputeMode::kExceptLast, 3, 4));
-  CHECK(is_recomputed(RecomputeMode::kExceptLast, 2, 4));
-  CHECK(!is_recomputed(RecomputeMode::kNever, 0, 4));
+  // The micro-batches each stage recomputes ([stage] = micro-batches with an R).
+  auto recomputed = [](const Schedule& s) {
+    std::vector<std::vector<int>> out(s.stages.size());
+    for (size_t k = 0; k < s.stages.size(); ++k) {
+      for (const Instruction& ins : s.stages[k]) {
+        if (ins.op == Op::kRecompute) out[k].push_back(ins.micro_batch);
+      }
+      std::sort(out[k].begin(), out[k].end());
+    }
+    return out;
+  };
+  using V = std::vector<std::vector<int>>;
+  // GPipe: all but the last micro-batch, on every stage.
+  CHECK(recomputed(gpipe_schedule(3, 4, RecomputeMode::kExceptLast)) == V{{0, 1, 2}, {0, 1, 2}, {0, 1, 2}});
+  CHECK(recomputed(gpipe_schedule(3, 4, RecomputeMode::kAlways)) == V{{0, 1, 2, 3}, {0, 1, 2, 3}, {0, 1, 2, 3}});
+  CHECK(recomputed(gpipe_schedule(3, 4, RecomputeMode::kNever)) == V{{}, {}, {}});
+  // 1F1B: the last stage runs each backward right after its forward (nothing to save);
+  // the others hold K - k forwards at once, and recompute every one, the last included
+  // (kept whole, it would overlap the recompute of the one before: never's peak).
+  CHECK(recomputed(one_f_one_b_schedule(3, 4, RecomputeMode::kExceptLast)) == V{{0, 1, 2, 3}, {0, 1, 2, 3}, {}});
+  CHECK(recomputed(one_f_one_b_schedule(3, 4, RecomputeMode::kAlways)) == V{{0, 1, 2, 3}, {0, 1, 2, 3}, {0, 1, 2, 3}});
   CHECK(parse_recompute_mode("except_last") == RecomputeMode::kExceptLast);
   CHECK_THROWS_WITH_AS(parse_recompute_mode("sometimes"), doctest::Contains("always, except_last or never"),
                        UserError);
@@ -528,13 +547,13 @@ TEST_CASE("the file form: both notations, compute instructions only, a header sa
   CHECK(csv.find("\n# from test.yaml\n") != std::string::npos);
   CHECK(csv.find("# The R lines place the recomputes") != std::string::npos);
   // Each stage's F, R, B, W in program order; no sends, receives or optimizer step.
-  CHECK(csv.find("\n# stage 0\n0,F,0\n0,F,1\n0,R,0\n0,B,0\n0,W,0\n0,B,1\n0,W,1\n"
-                 "\n# stage 1\n1,F,0\n1,R,0\n1,B,0\n1,F,1\n1,B,1\n1,W,0\n1,W,1\n") != std::string::npos);
+  CHECK(csv.find("\n# stage 0\n0,F,0\n0,F,1\n0,R,0\n0,B,0\n0,W,0\n0,R,1\n0,B,1\n0,W,1\n"
+                 "\n# stage 1\n1,F,0\n1,B,0\n1,F,1\n1,B,1\n1,W,0\n1,W,1\n") != std::string::npos);
   CHECK(csv.find("sA") == std::string::npos);
   CHECK(csv.find("OPT") == std::string::npos);
   // PyTorch's notation writes a backward whose weight gradient is a W as I (BACKWARD_INPUT).
   const std::string actions = schedule_file_text(z, ScheduleNotation::kActions);
-  CHECK(actions.find("\n# stage 1\n1F0\n1R0\n1I0\n1F1\n1I1\n1W0\n1W1\n") != std::string::npos);
+  CHECK(actions.find("\n# stage 0\n0F0\n0F1\n0R0\n0I0\n0W0\n0R1\n0I1\n0W1\n") != std::string::npos);
   CHECK(schedule_file_text(gpipe_schedule(2, 1, RecomputeMode::kNever), ScheduleNotation::kActions)
             .find("\n# stage 0\n0F0\n0B0\n") != std::string::npos);
   // With interleaving, the chunk in CSV and the cell in actions.
