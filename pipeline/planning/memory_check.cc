@@ -122,5 +122,27 @@ void check_run_fits(const Config& c, layers::Sequential& model, const Plan& plan
   }
 }
 
+void check_memory_limit(const Config& c, const Plan& plan) {
+  const int64_t limit = c.pipeline.memory_limit;
+  if (limit <= 0) return;
+  for (size_t k = 0; k < plan.memory.size(); ++k) {
+    const StageMemory& m = plan.memory[k];
+    if (m.total() <= limit) continue;
+    const std::string parts = "weights " + bytes_str(m.weight_bytes) + ", gradients " + bytes_str(m.gradient_bytes) +
+                              ", optimizer state " + bytes_str(m.optimizer_bytes) + ", activations " +
+                              bytes_str(m.activation_bytes);
+    const std::string fix =
+        m.parameter_bytes > limit
+            ? "its weights, gradients and optimizer state alone are over it, whatever the micro-batches: use more "
+              "pipeline.partitions (fewer layers a stage), pipeline.shard_optimizer: optimizer with replicas, or a "
+              "smaller model"
+            : "set pipeline.recompute: always, raise pipeline.micro_batches, lower train.batch_size or use more "
+              "pipeline.partitions";
+    throw UserError("stage " + std::to_string(k) + " would hold " + bytes_str(m.total()) + " on " +
+                    plan.devices.at(k).str() + " (" + parts + "), over pipeline.memory_limit of " + bytes_str(limit) +
+                    ": " + fix + ", or raise the limit (`gpipe plan CONFIG --sweep` lists the plans that fit)");
+  }
+}
+
 }  // namespace pipeline
 }  // namespace gpipe

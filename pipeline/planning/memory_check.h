@@ -37,5 +37,12 @@ void check_weights_fit(const Config& config, int64_t available);
 // that does not fit: micro-batches for activations, the model for weights.
 void check_run_fits(const Config& config, layers::Sequential& model, const Plan& plan, int64_t available);
 
+// Refuses a planned run one of whose stages would hold more than pipeline.memory_limit
+// (bytes per device; 0: no limit), by the plan's own count (Plan::memory, what `gpipe
+// plan` prints): the limit the sweep and `auto` plan under holds for a run the config
+// fixes too. The message names the stage, its parts and the fix for the part that is
+// over: the weights' (more stages, a sharded optimizer) or the activations'.
+void check_memory_limit(const Config& config, const Plan& plan);
+
 }  // namespace pipeline
 }  // namespace gpipe

@@ -259,6 +259,8 @@ TEST_CASE("mistakes only the trainer can see name their key and the fix") {
       {{"model.loss=mse"}, "unknown loss type 'mse'"},
       {{"model.loss=softmax_cross_entropi"}, "; did you mean softmax_cross_entropy? valid types: "},
       {{"model.dtype=fp16", "optimizer.loss_scale=1000"}, "optimizer.loss_scale: must be 0 (off) or a power of two"},
+      // A plan over the user's memory limit: train refuses it as plan and the sweep do.
+      {{"pipeline.memory_limit=100"}, "over pipeline.memory_limit of 100 bytes"},
       // 10^6 x 10^6 float64 weights (8 TB, more than any host has), refused before any is
       // allocated, with the advice for weights (memory_check.h has the exact message).
       {{"model.dtype=float64", "model.input=[1000000]", "model.layers.0.out=1000000"},

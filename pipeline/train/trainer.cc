@@ -386,6 +386,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   TrainResult result;
   result.balance = plan.balance;
   check_run_fits(c, *model, plan, host_available_bytes());
+  check_memory_limit(c, plan);
   startup.end("plan+memory check");
   if (yaml_layers && !multi) {
     model = layers::build_model(c.model);

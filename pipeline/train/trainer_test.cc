@@ -313,6 +313,32 @@ TEST_CASE("a planned run that does not fit says how much is weights and how much
   CHECK(w.find("raise pipeline.micro_batches") == std::string::npos);
 }
 
+// pipeline.memory_limit holds for a run the config fixes, as for the sweep's: a stage
+// over it is refused, with the advice for the part that is over.
+TEST_CASE("a planned run over pipeline.memory_limit is refused, naming the stage and the part over it") {
+  Config c = parse_config(kSmall, "small.yaml", {"model.layers.0.out=1024", "train.batch_size=65536"});
+  auto model = layers::build_model(c.model);
+  const Plan plan = make_plan(c, *model);
+  REQUIRE(plan.memory.size() == 1);
+  const StageMemory& m = plan.memory[0];
+  REQUIRE(m.activation_bytes > 0);
+  c.pipeline.memory_limit = m.total();
+  CHECK(error_of([&] { check_memory_limit(c, plan); }) == "no error");
+  c.pipeline.memory_limit = 0;  // no limit
+  CHECK(error_of([&] { check_memory_limit(c, plan); }) == "no error");
+  c.pipeline.memory_limit = m.total() - 1;  // the activations do not fit
+  const std::string a = error_of([&] { check_memory_limit(c, plan); });
+  CAPTURE(a);
+  CHECK(a.find("stage 0 would hold ") == 0);
+  CHECK(a.find("over pipeline.memory_limit of ") != std::string::npos);
+  CHECK(a.find("set pipeline.recompute: always, raise pipeline.micro_batches") != std::string::npos);
+  c.pipeline.memory_limit = m.parameter_bytes - 1;  // nor do the weights with their state
+  const std::string w = error_of([&] { check_memory_limit(c, plan); });
+  CAPTURE(w);
+  CHECK(w.find("alone are over it, whatever the micro-batches: use more pipeline.partitions") != std::string::npos);
+  CHECK(w.find("raise pipeline.micro_batches") == std::string::npos);
+}
+
 namespace {
 std::string write_text(const std::string& name, int repeats) {
   const std::string path = out_dir(name);
