@@ -184,7 +184,13 @@ for _ in $(seq 600); do grep -q 'resumed from' x1b.log && break; sleep 0.1; done
 kill -TERM $job; wait $job
 expect 143 x1b.log $? "resumed from shared/ck/step-" "(run $X1)"
 # An output.dir that is another run's checkpoint folder, or lies inside another run's folder.
+# Refused, they leave nothing there: no folder of their own, no lock file, and the lock
+# files they found name their last holder again.
 before="$(sums x1 shared a)"
+folders() { find "$@" -type d | sort; }
+lockfiles() { find "$@" -name .gpipe.lock -print0 | sort -z | xargs -0 md5sum; }
+folders_before="$(folders x1 shared a)"
+locks_before="$(lockfiles x1 shared a)"
 "${g[@]}" train mlp.yaml --set output.dir=shared/ck > out-ck.log 2>&1
 expect 2 out-ck.log $? "output.dir shared/ck holds checkpoints itself" "of run $X1"
 "${g[@]}" train mlp.yaml --set output.dir=a/checkpoints > out-ck2.log 2>&1
@@ -192,6 +198,8 @@ expect 2 out-ck2.log $? "output.dir a/checkpoints holds checkpoints itself" "of 
 "${g[@]}" train mlp.yaml --set output.dir=a/sub > out-in.log 2>&1
 expect 2 out-in.log $? "output.dir a/sub lies inside $tmp/a, the folder of run $A"
 [ "$(sums x1 shared a)" = "$before" ] || fail "a refused run changed another run's files"
+[ "$(folders x1 shared a)" = "$folders_before" ] || fail "a refused run left folders in another run's: $(folders x1 shared a)"
+[ "$(lockfiles x1 shared a)" = "$locks_before" ] || fail "a refused run left lock files, or its name in one, in another run's"
 # One folder by two names (a symbolic link) is one folder, locked once.
 mkdir real; ln -s real alias
 "${g[@]}" train mlp.yaml --set output.dir=real --set checkpoint.dir=alias --set train.steps=10 > alias.log 2>&1

@@ -268,63 +268,102 @@ std::vector<std::string> identity_changes(const json& saved, const json& now, co
 }
 
 DirectoryLock::DirectoryLock(const std::vector<std::string>& dirs, const std::string& run_id, bool supervisor) {
-  for (const std::string& dir : dirs) {
-    std::error_code ec;
-    fs::create_directories(dir, ec);
-    if (ec) throw UserError("cannot create '" + dir + "': " + ec.message() + "; choose another folder (output.dir, or checkpoint.dir where you set it)");
-    const std::string path = dir + "/" + kLockFile;
-    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (fd < 0) {
-      throw UserError("cannot open the lock file '" + path + "': " + std::strerror(errno) +
-                      "; is the directory writable? choose another folder (output.dir, or checkpoint.dir where you set it)");
+  try {
+    for (const std::string& dir : dirs) {
+      std::error_code ec;
+      for (fs::path p = fs::absolute(dir, ec); !p.empty() && !fs::exists(p, ec); p = p.parent_path()) {
+        created_dirs_.push_back(p.string());  // deepest first
+        if (p == p.parent_path()) break;
+      }
+      fs::create_directories(dir, ec);
+      if (ec) throw UserError("cannot create '" + dir + "': " + ec.message() + "; choose another folder (output.dir, or checkpoint.dir where you set it)");
+      const std::string path = dir + "/" + kLockFile;
+      const bool existed = fs::exists(path, ec);
+      const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+      if (fd < 0) {
+        throw UserError("cannot open the lock file '" + path + "': " + std::strerror(errno) +
+                        "; is the directory writable? choose another folder (output.dir, or checkpoint.dir where you set it)");
+      }
+      if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        const int err = errno;
+        std::string holder;
+        try {
+          holder = read_file(path);
+        } catch (const Error&) {
+        }
+        ::close(fd);
+        json h;
+        try {
+          h = json::parse(holder);
+        } catch (const json::exception&) {
+        }
+        if (err == EWOULDBLOCK && !supervisor && h.is_object() && !run_id.empty() &&
+            h.value("run_id", std::string()) == run_id && h.value("supervisor", false)) {
+          continue;  // this run's own supervisor holds it for the job
+        }
+        if (err != EWOULDBLOCK) throw UserError("cannot lock '" + path + "': " + std::strerror(err));
+        std::string who = "another process";
+        if (h.is_object()) {
+          who = "process " + std::to_string(h.value("pid", 0)) + " (run " + h.value("run_id", std::string("?")) +
+                ", started " + h.value("started", std::string("?")) + ", on " + h.value("host", std::string("?")) +
+                ": " + h.value("command", std::string("?")) + ")";
+        }
+        throw UserError(dir + " is in use by " + who + "; two runs must not write to one directory. Wait for it to "
+                        "end, or give this run folders of its own (--set output.dir=..., and checkpoint.dir where you "
+                        "set it)");
+      }
+      Held held{fd, path, !existed, ""};
+      if (existed) {
+        try {
+          held.previous = read_file(path);
+        } catch (const Error&) {
+        }
+      }
+      held_.push_back(held);
+      char host[256] = "?";
+      ::gethostname(host, sizeof host - 1);
+      const std::string text = json{{"pid", ::getpid()},
+                                    {"run_id", run_id},
+                                    {"started", utc_now("%Y-%m-%d %H:%M:%S UTC")},
+                                    {"host", host},
+                                    {"command", own_command()},
+                                    {"supervisor", supervisor}}
+                                   .dump() +
+                               "\n";
+      if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size())) {
+        spdlog::warn("could not write the holder into {}: {}", path, std::strerror(errno));
+      }
     }
-    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-      const int err = errno;
-      std::string holder;
-      try {
-        holder = read_file(path);
-      } catch (const Error&) {
-      }
-      ::close(fd);
-      json h;
-      try {
-        h = json::parse(holder);
-      } catch (const json::exception&) {
-      }
-      if (err == EWOULDBLOCK && !supervisor && h.is_object() && !run_id.empty() &&
-          h.value("run_id", std::string()) == run_id && h.value("supervisor", false)) {
-        continue;  // this run's own supervisor holds it for the job
-      }
-      if (err != EWOULDBLOCK) throw UserError("cannot lock '" + path + "': " + std::strerror(err));
-      std::string who = "another process";
-      if (h.is_object()) {
-        who = "process " + std::to_string(h.value("pid", 0)) + " (run " + h.value("run_id", std::string("?")) +
-              ", started " + h.value("started", std::string("?")) + ", on " + h.value("host", std::string("?")) +
-              ": " + h.value("command", std::string("?")) + ")";
-      }
-      throw UserError(dir + " is in use by " + who + "; two runs must not write to one directory. Wait for it to "
-                      "end, or give this run folders of its own (--set output.dir=..., and checkpoint.dir where you "
-                      "set it)");
-    }
-    char host[256] = "?";
-    ::gethostname(host, sizeof host - 1);
-    const std::string text = json{{"pid", ::getpid()},
-                                  {"run_id", run_id},
-                                  {"started", utc_now("%Y-%m-%d %H:%M:%S UTC")},
-                                  {"host", host},
-                                  {"command", own_command()},
-                                  {"supervisor", supervisor}}
-                                 .dump() +
-                             "\n";
-    if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, text.data(), text.size(), 0) != static_cast<ssize_t>(text.size())) {
-      spdlog::warn("could not write the holder into {}: {}", path, std::strerror(errno));
-    }
-    fds_.push_back(fd);
+  } catch (...) {
+    abandon();
+    throw;
   }
 }
 
 DirectoryLock::~DirectoryLock() {
-  for (int fd : fds_) ::close(fd);  // closing the last descriptor releases the flock
+  for (const Held& h : held_) ::close(h.fd);  // closing the last descriptor releases the flock
+}
+
+void DirectoryLock::abandon() noexcept {
+  for (Held& h : held_) {
+    if (h.created) {
+      ::unlink(h.path.c_str());  // while locked: whoever opened it before fails to lock it
+    } else if (::ftruncate(h.fd, 0) != 0 ||
+               ::pwrite(h.fd, h.previous.data(), h.previous.size(), 0) != static_cast<ssize_t>(h.previous.size())) {
+      spdlog::warn("could not put back the earlier holder of {}: {}", h.path, std::strerror(errno));
+    }
+    ::close(h.fd);
+  }
+  held_.clear();
+  // The deepest first (a longer path), so that a folder made inside another made one goes
+  // before it.
+  std::sort(created_dirs_.begin(), created_dirs_.end(),
+            [](const std::string& a, const std::string& b) { return a.size() > b.size(); });
+  for (const std::string& d : created_dirs_) {
+    std::error_code ec;
+    fs::remove(d, ec);  // only while empty: a directory never holds anything of another's here
+  }
+  created_dirs_.clear();
 }
 
 std::vector<std::string> run_directories(const Config& config) {

@@ -77,15 +77,32 @@ struct ClaimedRun {
 // UserError naming its pid, run, start time and command, unless that holder is this
 // run's own supervisor (a `supervisor` lock of the same run id, which holds it for the
 // job's every launch) and this is not a supervisor itself.
+//
+// A launch that is refused leaves nothing behind: the constructor, when it throws, and
+// abandon(), for a launch that fails before its first step, remove the lock files and
+// the directories it created (each lock file unlinked while still locked, so that no
+// other process can take a lock on the name being removed) and put back the holder a
+// lock file it found held (the last run's pid, run and command).
 class DirectoryLock {
  public:
   DirectoryLock(const std::vector<std::string>& dirs, const std::string& run_id, bool supervisor = false);
   ~DirectoryLock();
   DirectoryLock(const DirectoryLock&) = delete;
   DirectoryLock& operator=(const DirectoryLock&) = delete;
+  // Releases the locks as the destructor does, and first undoes what the constructor
+  // wrote: its lock files and directories, removed (a directory only while empty), and
+  // the earlier holder's text written back into a lock file that existed.
+  void abandon() noexcept;
 
  private:
-  std::vector<int> fds_;
+  struct Held {
+    int fd = -1;
+    std::string path;      // <dir>/.gpipe.lock
+    bool created = false;  // the lock file did not exist before
+    std::string previous;  // its holder text before this lock wrote its own
+  };
+  std::vector<Held> held_;
+  std::vector<std::string> created_dirs_;  // the directories it created
 };
 
 // The directories a run writes to and must hold, each locked: output.dir and

@@ -148,10 +148,12 @@ struct RunClaim {
   std::vector<std::string> new_records;  // the run.json files this launch wrote where there were none
   bool trained = false;                   // the first step has started: the claim stands
   // A launch that fails before its first step in a folder it claimed afresh (a
-  // checkpoint refused, a model that does not fit) leaves no run.json behind.
+  // checkpoint refused, a model that does not fit) leaves no run.json behind, nor the
+  // lock files and folders it made.
   ~RunClaim() {
     if (trained || std::uncaught_exceptions() == 0) return;
     for (const std::string& p : new_records) std::remove(p.c_str());
+    if (lock) lock->abandon();  // its lock files and the folders it made, now empty
   }
   RunClaim(Config c) : config(std::move(c)) {}
   RunClaim(RunClaim&&) = delete;
