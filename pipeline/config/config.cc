@@ -42,10 +42,12 @@ class Decoder {
         dotted += ch;
       }
     }
+    const YAML::Mark m = n.Mark();
     for (const auto& kv : overrides_) {
       if (dotted == kv.first || dotted.rfind(kv.first + ".", 0) == 0) return "--set " + kv.second;
+      // A key the file does not have, made by a --set below it (pipline.partitions=2).
+      if (m.is_null() && kv.first.rfind(dotted + ".", 0) == 0) return "--set " + kv.second;
     }
-    const YAML::Mark m = n.Mark();
     if (m.is_null()) return source_;
     return source_ + ":" + std::to_string(m.line + 1) + ":" + std::to_string(m.column + 1);
   }
@@ -63,8 +65,8 @@ class Decoder {
       for (const auto& a : allowed) ok = ok || a == key;
       if (!ok) {
         const std::string p = path.empty() ? key : path + "." + key;
-        fail(it->first, p, "unknown key '" + key + "'; valid keys" + (path.empty() ? "" : " in " + path) + ": " +
-                               join(allowed));
+        fail(it->first, p, "unknown key '" + key + "';" + did_you_mean(key, allowed) + " valid keys" +
+                               (path.empty() ? "" : " in " + path) + ": " + join(allowed));
       }
     }
   }

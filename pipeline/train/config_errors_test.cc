@@ -63,7 +63,9 @@ TEST_CASE("each config mistake given with --set names the --set, the key and the
       // The shapes of values.
       {"train=5", {"train: expected a mapping of keys (steps, batch_size"}},
       {"output=[a]", {"output: expected a mapping of keys (dir, trace)"}},
-      {"output.dirs=x", {"output.dirs: unknown key 'dirs'; valid keys in output: dir, trace"}},
+      {"output.dirs=x", {"output.dirs: unknown key 'dirs'; did you mean dir? valid keys in output: dir, trace"}},
+      // A misspelt section the file does not have: placed at the --set, with the likely key.
+      {"pipline.partitions=2", {"pipline: unknown key 'pipline'; did you mean pipeline? valid keys: model, data"}},
       {"train.log_level=[a, b]", {"train.log_level: expected a single value"}},
       {"train.eval_interval=often", {"train.eval_interval: expected an integer, got 'often'"}},
       {"data.seq_len=0", {"data.seq_len: must be at least 1, got 0"}},
