@@ -13,6 +13,7 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -39,6 +40,26 @@ std::string host() {
 
 // The CPU's matrix library choice (GPIPE_GEMM: auto, openblas, onednn), which changes the rate.
 std::string gemm_path() { return cpu_blas::library_name(cpu_blas::library()); }
+
+// The widest vector instructions the CPU has (avx512, avx2 or base), from /proc/cpuinfo's
+// flags: a virtual machine may name its processor only "AMD EPYC" whether or not it
+// passes AVX-512 through, and the matrix kernels' rate differs by about 2x between them,
+// so a rate cached on one must not be read on the other.
+std::string cpu_isa() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("flags", 0) != 0) continue;
+    std::istringstream words(line.substr(line.find(':') + 1));
+    bool avx2 = false, avx512 = false;
+    for (std::string w; words >> w;) {
+      avx512 = avx512 || w == "avx512f";
+      avx2 = avx2 || w == "avx2";
+    }
+    return avx512 ? "avx512" : avx2 ? "avx2" : "base";
+  }
+  return "base";
+}
 
 // The matrix side: large enough that the product runs at the BLAS's full rate, small
 // enough that a probe takes a fraction of a second (2 x 1024^3 = 2.1 GFLOP on a CPU).
@@ -112,7 +133,8 @@ nlohmann::json read_cache(const std::string& path) {
 }  // namespace
 
 std::string peak_key(Device device, DType dtype, int blas_threads, int concurrent) {
-  std::string k = host() + "|" + (device.is_cpu() ? processor_name() : device.str()) + "|" + dtype_name(dtype);
+  std::string k = host() + "|" + (device.is_cpu() ? processor_name() + "|" + cpu_isa() : device.str()) + "|" +
+                  dtype_name(dtype);
   if (device.is_cpu()) k += "|threads=" + std::to_string(blas_threads);
   return k + "|concurrent=" + std::to_string(concurrent) + "|gemm=" + gemm_path();
 }

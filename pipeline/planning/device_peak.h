@@ -23,7 +23,8 @@ struct DevicePeak {
   bool cached = false;  // read from the cache file instead of measured now
 };
 
-// What identifies a probe's result on this machine: host, processor (or GPU), dtype,
+// What identifies a probe's result on this machine: host, processor and its widest
+// vector instructions (avx512, avx2; or the GPU), dtype,
 // BLAS threads per caller, how many callers probed at once and the CPU's matrix library
 // (GPIPE_GEMM, kernels/cpu_gemm.h). Cache entries are keyed by it.
 std::string peak_key(Device device, DType dtype, int blas_threads, int concurrent);

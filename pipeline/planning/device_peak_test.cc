@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <string>
 
 #include "kernels/backend.h"
 #include "pipeline/planning/device_peak.h"
@@ -45,6 +47,13 @@ TEST_CASE("a probed peak is cached under its key, read back, and a damaged cache
   CHECK(probed[1].flops_per_second == probed[0].flops_per_second);  // each of two at once gets their mean
   const std::string key = peak_key(Device::cpu(), DType::kF32, 1, 2);
   CHECK(key.find("|float32|threads=1|concurrent=2|") != std::string::npos);
+  // The processor's widest vector instructions, read here independently from the flags.
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string text((std::istreambuf_iterator<char>(cpuinfo)), std::istreambuf_iterator<char>());
+  const std::string isa = text.find(" avx512f") != std::string::npos ? "|avx512|"
+                          : text.find(" avx2") != std::string::npos  ? "|avx2|"
+                                                                     : "|base|";
+  CHECK(key.find(isa) != std::string::npos);
   nlohmann::json file = read_json(path);
   CHECK(file["peaks"][key].get<double>() == probed[0].flops_per_second);
 
