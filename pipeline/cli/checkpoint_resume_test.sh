@@ -134,7 +134,16 @@ grep -qE "stopped by SIGTERM after step [0-9]+; saved .*sig/checkpoints/step-[0-
   { cat sig.log; fail "SIGTERM's message"; }
 saved="$(grep -oE 'after step [0-9]+' sig.log | tail -1 | grep -oE '[0-9]+')"
 [ -e "sig/checkpoints/step-$saved/COMPLETE" ] || fail "SIGTERM's checkpoint step-$saved"
-echo "ok: SIGUSR1 saved a checkpoint and training went on; SIGTERM saved step $saved and exited 143"
+# Resumed to a few more steps without checkpoint.every, the launch saves its last step, so
+# the next --resume goes on from there (not from step $saved, training those steps again).
+"$gpipe" train lm.yaml --set output.dir=sig --set train.steps=$((saved + 2)) --resume > sig2.log 2>&1 ||
+  { cat sig2.log; fail "resuming the stopped run"; }
+[ -e "sig/checkpoints/step-$((saved + 2))/COMPLETE" ] || { cat sig2.log; fail "a resumed launch did not save its last step"; }
+"$gpipe" train lm.yaml --set output.dir=sig --set train.steps=$((saved + 3)) --resume > sig3.log 2>&1 ||
+  { cat sig3.log; fail "resuming the resumed run"; }
+grep -q "resumed from .*step-$((saved + 2)) after step $((saved + 2))" sig3.log ||
+  { cat sig3.log; fail "the second --resume did not go on from the first one's end"; }
+echo "ok: SIGUSR1 saved a checkpoint and training went on; SIGTERM saved step $saved and exited 143; resumed launches go on from each other's end"
 
 # 4. A rank stopped with kill -STOP ends the job within the deadline.
 "${mpirun[@]}" -np 2 "$gpipe" train lm.yaml --set output.dir=stuck --set train.steps=100000 \

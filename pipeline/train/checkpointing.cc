@@ -220,9 +220,11 @@ void RunCheckpoints::after_step(int64_t done, double lr) {
   const bool stop = flags >= 1e6;
   const bool asked = std::fmod(flags, 1e6) >= 1e3;
   if (pending_ >= 0 && std::fmod(flags, 1e3) == 0) finalize_pending();  // every writer is done
-  // Every N steps, and at the end of the run.
-  const bool due = config_.checkpoint.every > 0 &&
-                   (done % config_.checkpoint.every == 0 || done == config_.train.steps);
+  // Every N steps, and at the end of the run; without N, at the end of a resumed launch
+  // (a run that has checkpoints: its next --resume must not train these steps again).
+  const bool due = (config_.checkpoint.every > 0 &&
+                    (done % config_.checkpoint.every == 0 || done == config_.train.steps)) ||
+                   (resumed_ && done == config_.train.steps);
   if (due || asked || stop) save(done, lr);
   if (stop) {
     wait_for_last_save();
@@ -425,6 +427,7 @@ int64_t RunCheckpoints::resume() {
     executor_.set_loss_scale(ls["scale"].get<double>(), ls["clean_steps"].get<int>());
   }
   spdlog::info("resumed from {} after step {} (run {})", loaded.path, loaded.step, run_id_.empty() ? "?" : run_id_);
+  resumed_ = true;
   return loaded.step;
 }
 

@@ -62,8 +62,11 @@ class RunCheckpoints {
   const nlohmann::json& resumed_history() const { return resumed_history_; }
   // What each save stores as the run's history: called with the step count saved.
   void set_history(std::function<nlohmann::json(int64_t)> history) { history_ = std::move(history); }
-  // After `done` steps (collective in a multi-process run): saves when due, asked for by
-  // SIGUSR1, or before stopping; throws RunStopped after a stop signal's save.
+  // After `done` steps (collective in a multi-process run): saves when due (every
+  // checkpoint.every steps and the last step; with checkpoint.every 0, the last step of a
+  // launch that resumed, so that the next --resume goes on from its end, not from the
+  // checkpoint it started at), asked for by SIGUSR1, or before stopping; throws
+  // RunStopped after a stop signal's save.
   void after_step(int64_t done, double lr);
   // At the end of the run: the last async save is complete and finalized.
   void wait_for_last_save();
@@ -104,6 +107,7 @@ class RunCheckpoints {
   std::string run_id_;
   nlohmann::json parent_;
   nlohmann::json resumed_history_;
+  bool resumed_ = false;  // this launch continues from a checkpoint: it saves its last step too
   std::function<nlohmann::json(int64_t)> history_;
 };
 
