@@ -165,10 +165,14 @@ cp swap/checkpoints/step-4/optimizer-00001-of-00002.safetensors swap/checkpoints
 expect 0 swap2.log $? "optimizer-00001-of-00002.safetensors' says it holds step 4 but its checkpoint is of step 8" \
   "resuming from swap/checkpoints/step-4"
 same_losses swap/report.json 4 swap2.log
-# Nothing intact: the run stops and names what it found.
+# The resumed launch saved its last step (checkpoint.every is 0 there: a launch that
+# resumed saves its end). Nothing intact: the run stops and names what it found.
+[ -e dmg/checkpoints/step-12/COMPLETE ] || { cat dmg2.log; fail "the resumed launch did not save its last step"; }
+flip dmg/checkpoints/step-12/model-00002-of-00002.safetensors 8 100 200
 flip dmg/checkpoints/step-4/optimizer-00001-of-00002.safetensors 8  # step-8 is damaged already
 "$gpipe" train mlp.yaml --set output.dir=dmg --resume > dmg3.log 2>&1
-expect 2 dmg3.log $? "no intact checkpoint to resume from (dmg/checkpoints/step-8: " "; dmg/checkpoints/step-4: "
+expect 2 dmg3.log $? "no intact checkpoint to resume from (dmg/checkpoints/step-12: " "; dmg/checkpoints/step-8: " \
+  "; dmg/checkpoints/step-4: "
 echo "ok: a flipped byte and a shard of another step are named and skipped; the resumed losses are the uninterrupted run's"
 
 # 3. Two runs on one directory.
