@@ -88,6 +88,9 @@ expect 2 "gpipe: error: unknown option '--sw' for plan; did you mean --sweep?" -
 expect 2 "gpipe: error: unknown option '--swep' for plan; did you mean --sweep?" -- "$gpipe" plan small.yaml --swep
 expect 2 "gpipe: error: unknown option '--device' for plan; did you mean --devices or --device-spec?" -- \
   "$gpipe" plan small.yaml --device 8
+# More devices than the model has layers: the refusal says that --devices set the stages.
+expect 2 "lower pipeline.partitions or pipeline.virtual_stages (here pipeline.partitions is --devices 4: give fewer devices" -- \
+  "$gpipe" plan small.yaml --devices 4
 expect 2 "gpipe: error: unknown option '--device' for plan; did you mean --devices" -- "$gpipe" plan --device 8
 expect 2 "gpipe: error: --rows applies only with --sweep: add --sweep, or drop --rows" -- "$gpipe" plan small.yaml --rows 3
 expect 2 "gpipe: error: --max-micro-batches applies only with --sweep" -- "$gpipe" plan small.yaml --max-micro-batches 64

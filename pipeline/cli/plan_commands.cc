@@ -159,7 +159,17 @@ int plan_other_runs(const Config& config, layers::Sequential& model, const PlanC
   c.pipeline.devices.clear();  // labels only: the devices are not this machine's
   c.pipeline.balance.clear();
   if (c.pipeline.balance_by == "profile" && has_spec) c.pipeline.balance_by = "estimate";
-  const Plan plan = make_plan(c, model);
+  // --devices N plans N stages: a refusal naming pipeline.partitions means N.
+  auto plan_for = [&](const Config& cfg) {
+    try {
+      return make_plan(cfg, model);
+    } catch (const UserError& e) {
+      if (o.devices <= 0) throw;
+      throw UserError(std::string(e.what()) + " (here pipeline.partitions is --devices " + std::to_string(n) +
+                      ": give fewer devices, or plan them with --sweep, which leaves some idle)");
+    }
+  };
+  const Plan plan = plan_for(c);
   if (!has_spec) {
     out << "Plan for " << n << " device" << (n == 1 ? "" : "s") << " like this machine's (balance";
     for (int b : plan.balance) out << " " << b;
@@ -173,7 +183,7 @@ int plan_other_runs(const Config& config, layers::Sequential& model, const PlanC
   c.pipeline.balance = partition::balance_by_cost(
       partition::layer_costs(model, plan.largest_micro_batch(), recomputes(plan.recompute), {}, cm),
       plan.num_cells());
-  const Plan spec_plan = make_plan(c, model);
+  const Plan spec_plan = plan_for(c);
   const PlannedRun run =
       predict(spec_plan, model, costs, [&spec](int a, int b) { return spec.link(a, b); }, c.optimizer.optimizer);
   out << "Plan for " << n << " x " << spec.name << " (" << spec.source << "; " << spec.devices_per_node
