@@ -16,6 +16,9 @@ std::string in_unit(int64_t bytes, const ByteUnit& unit) {
 }
 
 std::string bytes_str(int64_t bytes) {
+  // Below a MiB, which a MiB column shows as 0.0: KiB, or bytes below a KiB.
+  if (bytes < 1024) return std::to_string(bytes) + " bytes";
+  if (bytes < (int64_t{1} << 20)) return in_unit(bytes, ByteUnit{"KiB", 1024.0, 1}) + " KiB";
   const ByteUnit unit = byte_unit_for(bytes);
   return in_unit(bytes, unit) + " " + unit.name;
 }

@@ -21,7 +21,8 @@ ByteUnit byte_unit_for(int64_t largest);
 // `bytes` in `unit`, without the unit's name: "12.3" (MiB), "1.25" (GiB).
 std::string in_unit(int64_t bytes, const ByteUnit& unit);
 
-// `bytes` with its own unit, for prose: "12.3 MiB", "1.25 GiB".
+// `bytes` with its own unit, for prose: "12.3 MiB", "1.25 GiB"; below a MiB "4.0 KiB",
+// below a KiB "100 bytes".
 std::string bytes_str(int64_t bytes);
 
 }  // namespace pipeline

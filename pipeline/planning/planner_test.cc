@@ -21,6 +21,7 @@
 #include "pipeline/config/config.h"
 #include "pipeline/config/run_model.h"
 #include "pipeline/executor/executor.h"
+#include "pipeline/planning/byte_units.h"
 #include "pipeline/planning/device_spec.h"
 #include "pipeline/planning/plan.h"
 #include "pipeline/planning/planner.h"
@@ -683,4 +684,12 @@ TEST_CASE("a device description's roofline for a 16-bit model is its 16-bit peak
         doctest::Approx(500e12 * 0.6));
   CHECK_THROWS_WITH_AS(load_device_spec(with_peaks("float32: 67e12, tf32: 495e12")),
                        doctest::Contains("not an element type"), UserError);
+}
+
+// Bytes in prose (a limit, a stage's parts): a limit of a KiB is not "0.0 MiB".
+TEST_CASE("bytes in prose take the unit that shows them") {
+  CHECK(bytes_str(100) == "100 bytes");
+  CHECK(bytes_str(1536) == "1.5 KiB");
+  CHECK(bytes_str(int64_t{3} << 20) == "3.0 MiB");
+  CHECK(bytes_str(int64_t{5} << 29) == "2.50 GiB");
 }
