@@ -88,6 +88,9 @@ expect 2 "gpipe: error: unknown option '--sw' for plan; did you mean --sweep?" -
 expect 2 "gpipe: error: unknown option '--swep' for plan; did you mean --sweep?" -- "$gpipe" plan small.yaml --swep
 expect 2 "gpipe: error: unknown option '--device' for plan; did you mean --devices or --device-spec?" -- \
   "$gpipe" plan small.yaml --device 8
+# interleaved_1f1b without virtual stages runs, and says that it is plain 1F1B.
+expect 0 "interleaved_1f1b with pipeline.virtual_stages 1 (the default) is plain 1F1B" -- \
+  "$gpipe" train small.yaml --set pipeline.schedule=interleaved_1f1b --set output.dir="$tmp/interleaved"
 # More devices than the model has layers: the refusal says that --devices set the stages.
 expect 2 "lower pipeline.partitions or pipeline.virtual_stages (here pipeline.partitions is --devices 4: give fewer devices" -- \
   "$gpipe" plan small.yaml --devices 4

@@ -375,6 +375,11 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   check_launch(c, launch);
   const bool multi = launch.size > 1;
   init_logging(c.train.log_level);
+  if (c.pipeline.schedule == "interleaved_1f1b" && c.pipeline.virtual_stages == 1 && launch.rank == 0 &&
+      launch.replica == 0) {
+    spdlog::warn("pipeline.schedule interleaved_1f1b with pipeline.virtual_stages 1 (the default) is plain 1F1B; "
+                 "set pipeline.virtual_stages: 2 or more to interleave (each stage then runs that many cells)");
+  }
   set_cpu_blas_threads(c.train.blas_threads);
   std::unique_ptr<layers::Sequential>& model = run.model;
   const std::unique_ptr<Dataset> data = make_dataset(c);
