@@ -104,12 +104,9 @@ LayerCost fused_attention_core_cost(int64_t batch, int64_t seq_len, int64_t dim,
   const double C = static_cast<double>(dim), H = static_cast<double>(heads), D = C / H;
   const double KC = static_cast<double>(kv_heads) * D;
   const double es = static_cast<double>(dtype_size(dtype));
-  const double bh = B * H, kept = T * (T + 1) / 2;
-  // The backward first recomputes each head's scores and softmax (the probabilities are
-  // not kept): one more (T, T, D) product, and the softmax's terms.
-  core.backward_parts.at(0).flops += bh * 2 * T * T * D;
-  core.backward_parts.at(1).flops += bh * (5 * kept + T);
-  core.backward_flops += bh * (2 * T * T * D + 5 * kept + T);
+  const double bh = B * H;
+  // The FLOPs are the exact path's: the backward's recompute of the scores and softmax
+  // is not useful work (MFU leaves recompute out), and it is not priced either.
   // Kept: q, k, v, the output and one float32 log-sum-exp per row and head (counted per
   // tensor, as saved_bytes is: the output is also the output projection's input).
   core.saved_bytes = static_cast<int64_t>(es * (2 * B * T * C + 2 * B * T * KC) + 4 * bh * T);

@@ -24,8 +24,9 @@ struct AttentionOptions {
 // qkv and probs a context keeps. Shared by the attention layers.
 LayerCost attention_core_cost(int64_t batch, int64_t seq_len, int64_t dim, int64_t heads, DType dtype);
 // The same core as Backend::fused_attention runs it, with kv_heads key/value heads: the
-// backward recomputes the scores and the softmax, and a context keeps q, k, v, the
-// output and one log-sum-exp per row and head, not qkv and the probabilities.
+// exact path's FLOPs (the backward's recompute of the scores and softmax is not counted,
+// as no recompute is), and a context that keeps q, k, v, the output and one log-sum-exp
+// per row and head, not qkv and the probabilities.
 LayerCost fused_attention_core_cost(int64_t batch, int64_t seq_len, int64_t dim, int64_t heads, int64_t kv_heads,
                                    DType dtype);
 

@@ -98,7 +98,9 @@ LayerCost GqaAttention::cost(int64_t batch) const {
   c += k_.cost(batch);
   c += v_.cost(batch);
   // The core: the fused operand's pack and its gradients' group sums around attention.
-  // Fused where this layer's device runs it for its dtype (as forward_impl asks).
+  // What the context keeps: the fused path's where this layer's device runs it for its
+  // dtype (the CPU's while the model is planned, before the executor moves the layer; the
+  // planner's probe answers for the plan's devices itself).
   c += fused_attention_available(device(), dtype_, C / opts_.heads)
            ? fused_attention_core_cost(batch, opts_.seq_len, opts_.dim, opts_.heads, opts_.kv_heads, dtype_)
            : attention_core_cost(batch, opts_.seq_len, opts_.dim, opts_.heads, dtype_);

@@ -326,11 +326,10 @@ TEST_CASE("gqa_attention and llama_block from a config, and the mistakes a confi
 // On the CPU a float32 or float64 gqa_attention takes the fused attention (what a flash
 // kernel keeps), GPIPE_FUSED_ATTENTION=0 the exact one (the probabilities kept): the
 // same output and gradients bit for bit, a context smaller by the probabilities and
-// qkv less q, k, v, the output and the log-sum-exp, and a backward dearer by one
-// recomputation of the scores and softmax per head.
-TEST_CASE("gqa_attention fused or exact on the CPU: the same bits, less kept, one recompute more") {
+// qkv less q, k, v, the output and the log-sum-exp, and the same counted FLOPs (the
+// backward's recompute is not useful work).
+TEST_CASE("gqa_attention fused or exact on the CPU: the same bits, less kept, the same FLOPs") {
   const int64_t batch = 2, T = 5, C = 16, H = 4, KV = 2, D = 4;
-  const double bh = batch * H, kept = T * (T + 1) / 2.0;
   auto run = [&](bool fused, Context& ctx, std::vector<double>& y, std::vector<double>& dx, LayerCost& cost) {
     if (!fused) setenv("GPIPE_FUSED_ATTENTION", "0", 1);
     GqaAttention g = make_gqa(C, H, KV, T, DType::kF64);
@@ -355,6 +354,6 @@ TEST_CASE("gqa_attention fused or exact on the CPU: the same bits, less kept, on
   // log-sum-exp (B, H, T) in float32.
   CHECK(exact_kept - fused_kept ==
         8 * (batch * T * 3 * C + batch * H * T * T) - (8 * (2 * batch * T * C + 2 * batch * T * KV * D) + 4 * batch * H * T));
-  CHECK(fcost.backward_flops - ecost.backward_flops == doctest::Approx(bh * (2 * T * T * D + 5 * kept + T)));
+  CHECK(fcost.backward_flops == ecost.backward_flops);
   CHECK(fcost.forward_flops == ecost.forward_flops);
 }

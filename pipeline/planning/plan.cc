@@ -226,6 +226,17 @@ ActivationLayout probe_activations(const layers::Sequential& model) {
   }
 }
 
+ActivationLayout probe_activations(const layers::Sequential& model, const std::vector<Device>& devices) {
+  std::optional<MetaAnswersAs> as_gpu;
+  for (Device d : devices) {
+    if (!d.is_cpu()) {
+      as_gpu.emplace(d);
+      break;
+    }
+  }
+  return probe_activations(model);
+}
+
 ActivationLayout probe_activations_on_devices(const layers::Sequential& model) {
   return probe_layers(model, /*on_shapes=*/false);
 }
@@ -303,7 +314,7 @@ ActivationLayout probe_layers(const layers::Sequential& model_in, bool on_shapes
 
 std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequential& model,
                                          const layers::OptimizerConfig& optimizer) {
-  return estimate_memory(plan, model, optimizer, probe_activations(model));
+  return estimate_memory(plan, model, optimizer, probe_activations(model, plan.devices));
 }
 
 std::vector<StageMemory> estimate_memory(const Plan& plan, const layers::Sequential& model,

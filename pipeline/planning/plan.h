@@ -120,6 +120,12 @@ std::vector<int> plan_balance(const Config& config, const layers::Sequential& mo
                               int64_t micro_batch_size);
 
 ActivationLayout probe_activations(const layers::Sequential& model);
+// The same probe answering as the first GPU of `devices` would, where there is one
+// (MetaAnswersAs: a bf16 attention keeps cuDNN's fused operands there, a float32 one its
+// probabilities): the model's layers are on the CPU until the executor moves them, and
+// what an attention layer keeps depends on the device. What estimate_memory and the
+// sweep read.
+ActivationLayout probe_activations(const layers::Sequential& model, const std::vector<Device>& devices);
 // The same probe with data, on the layers' own devices (forward and backward computed on
 // batches of zeros): the oracle that probe_activations is tested against.
 ActivationLayout probe_activations_on_devices(const layers::Sequential& model);

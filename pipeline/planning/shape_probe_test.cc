@@ -7,6 +7,7 @@
 // building and probing on shapes allocates no host memory in proportion to the model.
 #include <doctest/doctest.h>
 
+#include <cstdlib>
 #include <set>
 #include <string>
 #include <vector>
@@ -246,4 +247,40 @@ train: {steps: 1, batch_size: 4}
   CHECK(saved >= exact - fused_at_most);
   CHECK(saved <= exact);
   for (int i : {0, 2}) check_same(gpu.layers[i].forward, cpu.layers[i].forward);
+}
+
+// The planner probes before the executor moves the layers to their devices, so it asks
+// for the plan's devices: on a GPU a float32 attention keeps its probabilities (the CPU
+// now keeps the fused operands in float32), a bf16 one cuDNN's operands (the CPU widens
+// bf16 to the exact path).
+TEST_CASE("the planner's probe answers for the plan's devices, not the CPU the layers are built on") {
+  const std::string text = R"(model:
+  input: [32]
+  layers:
+    - {type: embedding, vocab: 16, dim: 16}
+    - {type: gqa_attention, heads: 2, kv_heads: 1}
+    - {type: linear, out: 16, bias: false}
+  loss: softmax_cross_entropy
+train: {steps: 1, batch_size: 4}
+)";
+  const std::vector<Device> cpu{Device::cpu(0)}, gpu{Device::cuda(0)};
+  for (const char* dtype : {"float32", "bf16"}) {
+    CAPTURE(dtype);
+    RunModel run = build_run_model(parse_config(text, "t.yaml", {std::string("model.dtype=") + dtype}));
+    const ActivationLayout on_cpu = probe_activations(*run.model, cpu);
+    const ActivationLayout on_gpu = probe_activations(*run.model, gpu);
+    setenv("GPIPE_FUSED_ATTENTION", "0", 1);  // the exact path everywhere: the probabilities kept
+    const ActivationLayout exact = probe_activations(*run.model, cpu);
+    unsetenv("GPIPE_FUSED_ATTENTION");
+    const double cpu_kept = on_cpu.layers[1].forward.own_per_sample;
+    const double gpu_kept = on_gpu.layers[1].forward.own_per_sample;
+    const double exact_kept = exact.layers[1].forward.own_per_sample;
+    if (std::string(dtype) == "float32") {
+      CHECK(gpu_kept == exact_kept);  // a GPU's float32 keeps the probabilities
+      CHECK(cpu_kept < exact_kept);   // the CPU's fused float32 does not
+    } else {
+      CHECK(cpu_kept == exact_kept);  // the CPU widens bf16 to the exact path
+      CHECK(gpu_kept < exact_kept);   // a GPU's cuDNN keeps its operands
+    }
+  }
 }

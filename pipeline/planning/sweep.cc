@@ -396,7 +396,7 @@ SweepResult sweep(const Config& base, const layers::Sequential& model, const Swe
   const std::unique_ptr<CostSource> threaded = costs.threaded(per_replica);
   const int64_t batch = base.train.batch_size / D;  // each replica's
   PredictOptions po;
-  const ActivationLayout layout = probe_activations(model);
+  const ActivationLayout layout = probe_activations(model, {o.spec != nullptr ? Device::cuda(0) : first_device(base)});
   po.layout = &layout;
   const std::string hash = model_hash(model), device = cpu ? "cpu" : "cuda", dtype = dtype_name(model.dtype());
   int corrected = 0;  // the timings' classes that apply

@@ -271,20 +271,42 @@ DirectoryLock::DirectoryLock(const std::vector<std::string>& dirs, const std::st
   try {
     for (const std::string& dir : dirs) {
       std::error_code ec;
-      for (fs::path p = fs::absolute(dir, ec); !p.empty() && !fs::exists(p, ec); p = p.parent_path()) {
-        created_dirs_.push_back(p.string());  // deepest first
+      // symlink_status: a dangling link on the way is the user's, not a folder to make.
+      for (fs::path p = fs::absolute(dir, ec); !p.empty() && !fs::exists(fs::symlink_status(p, ec));
+           p = p.parent_path()) {
+        created_dirs_.push_back(p.string());
         if (p == p.parent_path()) break;
       }
       fs::create_directories(dir, ec);
       if (ec) throw UserError("cannot create '" + dir + "': " + ec.message() + "; choose another folder (output.dir, or checkpoint.dir where you set it)");
       const std::string path = dir + "/" + kLockFile;
-      const bool existed = fs::exists(path, ec);
-      const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-      if (fd < 0) {
-        throw UserError("cannot open the lock file '" + path + "': " + std::strerror(errno) +
-                        "; is the directory writable? choose another folder (output.dir, or checkpoint.dir where you set it)");
+      bool existed = true;  // unknown counts as found: abandon() never removes what it did not make
+      int fd = -1;
+      int flocked = -1;
+      // A lock file can be removed by a refused launch (abandon) between our open and our
+      // flock: a lock taken on a name that is gone, or that names another file now, is no
+      // lock; take it again on the file the name holds.
+      for (int attempt = 0; attempt < 100; ++attempt) {
+        std::error_code exists_ec;
+        existed = fs::exists(path, exists_ec) || exists_ec;
+        fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+        if (fd < 0) {
+          throw UserError("cannot open the lock file '" + path + "': " + std::strerror(errno) +
+                          "; is the directory writable? choose another folder (output.dir, or checkpoint.dir where you set it)");
+        }
+        flocked = ::flock(fd, LOCK_EX | LOCK_NB);
+        if (flocked != 0) break;
+        struct stat held {}, named {};
+        if (::fstat(fd, &held) == 0 && ::stat(path.c_str(), &named) == 0 && held.st_dev == named.st_dev &&
+            held.st_ino == named.st_ino) {
+          break;
+        }
+        ::close(fd);
+        fd = -1;
+        fs::create_directories(dir, ec);  // the refused launch may have removed the folder too
       }
-      if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      if (fd < 0) throw UserError("cannot lock '" + path + "': its lock file keeps being replaced; try again");
+      if (flocked != 0) {
         const int err = errno;
         std::string holder;
         try {
@@ -347,7 +369,7 @@ DirectoryLock::~DirectoryLock() {
 void DirectoryLock::abandon() noexcept {
   for (Held& h : held_) {
     if (h.created) {
-      ::unlink(h.path.c_str());  // while locked: whoever opened it before fails to lock it
+      ::unlink(h.path.c_str());  // while locked; whoever locks it after sees the name gone and retries
     } else if (::ftruncate(h.fd, 0) != 0 ||
                ::pwrite(h.fd, h.previous.data(), h.previous.size(), 0) != static_cast<ssize_t>(h.previous.size())) {
       spdlog::warn("could not put back the earlier holder of {}: {}", h.path, std::strerror(errno));

@@ -80,9 +80,10 @@ struct ClaimedRun {
 //
 // A launch that is refused leaves nothing behind: the constructor, when it throws, and
 // abandon(), for a launch that fails before its first step, remove the lock files and
-// the directories it created (each lock file unlinked while still locked, so that no
-// other process can take a lock on the name being removed) and put back the holder a
-// lock file it found held (the last run's pid, run and command).
+// the directories it created and put back the holder a lock file it found held (the last
+// run's pid, run and command). A lock file is unlinked while still locked; a process
+// that opened it before and locks it after finds that its file no longer has that name
+// (fstat against stat) and locks the file the name holds then.
 class DirectoryLock {
  public:
   DirectoryLock(const std::vector<std::string>& dirs, const std::string& run_id, bool supervisor = false);

@@ -428,7 +428,9 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
     const std::string ck = checkpoint_dir(c);
     remove_torn_saves(ck, c.run.id);
     const int64_t every = c.checkpoint.every;
-    const int64_t saves = every > 0 ? (c.train.steps + every - 1) / every : 0;  // from step 0: at most this many
+    // From step 0: at most this many; without checkpoint.every, a launch that resumes
+    // saves its last step (RunCheckpoints::after_step).
+    const int64_t saves = every > 0 ? (c.train.steps + every - 1) / every : c.checkpoint.resume.empty() ? 0 : 1;
     check_checkpoint_room(ck, checkpoint_bytes(*model, c.optimizer.optimizer),
                           checkpoints_to_fit(ck, c.run.id, saves));
   }
