@@ -520,10 +520,20 @@ Backend& backend_for(Device device) {
   return *slot;
 }
 
-bool gpu_fused_attention_expected(DType t, int64_t head_dim) {
+namespace {
+// GPIPE_FUSED_ATTENTION=0: the exact attention everywhere (the probabilities kept).
+bool fused_attention_turned_off() {
   const char* env = std::getenv("GPIPE_FUSED_ATTENTION");
-  if (env != nullptr && std::string(env) == "0") return false;
-  return is_narrow(t) && head_dim > 0 && head_dim % 8 == 0 && head_dim <= 128;
+  return env != nullptr && std::string(env) == "0";
+}
+}  // namespace
+
+bool cpu_fused_attention_available(DType t) {
+  return !fused_attention_turned_off() && (t == DType::kF32 || t == DType::kF64);
+}
+
+bool gpu_fused_attention_expected(DType t, int64_t head_dim) {
+  return !fused_attention_turned_off() && is_narrow(t) && head_dim > 0 && head_dim % 8 == 0 && head_dim <= 128;
 }
 
 bool fused_attention_available(Device device, DType t, int64_t head_dim) {

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -419,13 +418,29 @@ void check_fused_like(const Tensor& t, const Shape& shape, DType dtype, const ch
   }
 }
 
-}  // namespace
+// What both directions start from: the fused operand (B, T, 3C) with the key/value heads
+// repeated, as the exact path packs it (pack_qkv checks q, k and v), and its sizes;
+// `out` and `stats` checked against them.
+struct FusedOperand {
+  Tensor qkv;
+  int64_t B = 0, T = 0, C = 0, H = 0, D = 0;
+};
 
-bool cpu_fused_attention_available(DType t) {
-  const char* env = std::getenv("GPIPE_FUSED_ATTENTION");
-  if (env != nullptr && std::string(env) == "0") return false;
-  return t == DType::kF32 || t == DType::kF64;
+FusedOperand pack_fused(Backend& be, const Tensor& q, const Tensor& k, const Tensor& v, int heads, const Tensor& out,
+                        const Tensor& stats, const char* op) {
+  FusedOperand f;
+  if (q.dim() == 3) f.B = q.size(0), f.T = q.size(1), f.C = q.size(2);
+  f.qkv = be.empty({f.B, f.T, 3 * f.C}, q.dtype());
+  be.pack_qkv(q, k, v, heads, f.qkv);
+  f.H = heads;
+  f.D = f.C / f.H;
+  check_fused_like(out, q.shape(), q.dtype(), "out", op);
+  check_fused_like(stats, {f.B, f.H, f.T}, DType::kF32, "stats", op);
+  check_attention_blas_dims(f.qkv, op);
+  return f;
 }
+
+}  // namespace
 
 bool CpuBackend::has_fused_attention(DType t, const AttentionSizes& dims) {
   return cpu_fused_attention_available(t) && dims.heads > 0 && dims.kv_heads > 0 && dims.heads % dims.kv_heads == 0;
@@ -434,14 +449,9 @@ bool CpuBackend::has_fused_attention(DType t, const AttentionSizes& dims) {
 void CpuBackend::fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, int heads, Tensor& out,
                                  Tensor& stats) {
   if (!cpu_fused_attention_available(q.dtype())) Backend::fused_attention(q, k, v, heads, out, stats);  // says none
-  const char* op = "fused_attention";
-  const int64_t B = q.dim() == 3 ? q.size(0) : 0, T = q.dim() == 3 ? q.size(1) : 0, C = q.dim() == 3 ? q.size(2) : 0;
-  Tensor qkv = empty({B, T, 3 * C}, q.dtype());  // (B, T, 3C), key/value heads repeated
-  pack_qkv(q, k, v, heads, qkv);                 // checks q, k and v
-  const int64_t H = heads, D = C / H;
-  check_fused_like(out, q.shape(), q.dtype(), "out", op);
-  check_fused_like(stats, {B, H, T}, DType::kF32, "stats", op);
-  check_attention_blas_dims(qkv, op);
+  const FusedOperand f = pack_fused(*this, q, k, v, heads, out, stats, "fused_attention");
+  const Tensor& qkv = f.qkv;
+  const int64_t B = f.B, T = f.T, C = f.C, H = f.H, D = f.D;
   if (B == 0 || T == 0) return;
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   const int ld = static_cast<int>(3 * C), ldo = static_cast<int>(C);
@@ -468,14 +478,10 @@ void CpuBackend::fused_attention_backward(const Tensor& dout, const Tensor& q, c
     Backend::fused_attention_backward(dout, q, k, v, out, stats, heads, dq, dk, dv);  // says none
   }
   const char* op = "fused_attention_backward";
-  const int64_t B = q.dim() == 3 ? q.size(0) : 0, T = q.dim() == 3 ? q.size(1) : 0, C = q.dim() == 3 ? q.size(2) : 0;
-  Tensor qkv = empty({B, T, 3 * C}, q.dtype());  // (B, T, 3C), as the forward packed it
-  pack_qkv(q, k, v, heads, qkv);
-  const int64_t H = heads, D = C / H;
+  const FusedOperand f = pack_fused(*this, q, k, v, heads, out, stats, op);  // as the forward packed it
+  const Tensor& qkv = f.qkv;
+  const int64_t B = f.B, T = f.T, C = f.C, H = f.H, D = f.D;
   check_fused_like(dout, q.shape(), q.dtype(), "dout", op);
-  check_fused_like(out, q.shape(), q.dtype(), "out", op);
-  check_fused_like(stats, {B, H, T}, DType::kF32, "stats", op);
-  check_attention_blas_dims(qkv, op);
   Tensor dqkv = empty(qkv.shape(), q.dtype());  // (B, T, 3C)
   if (B > 0 && T > 0) {
     const double scale = 1.0 / std::sqrt(static_cast<double>(D));

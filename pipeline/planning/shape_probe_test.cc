@@ -213,6 +213,20 @@ TEST_CASE("a tensor made on shapes has no data to read, and copies between two o
   CHECK_THROWS_AS(copy_tensor(a, real), Error);
 }
 
+namespace {
+// A grouped-query attention of 2 heads of 8 (cuDNN's fused path takes D = 8) on 32
+// positions, between an embedding and a head; model.dtype by --set.
+const char* kGqa = R"(model:
+  input: [32]
+  layers:
+    - {type: embedding, vocab: 16, dim: 16}
+    - {type: gqa_attention, heads: 2, kv_heads: 1}
+    - {type: linear, out: 16, bias: false}
+  loss: softmax_cross_entropy
+train: {steps: 1, batch_size: 4}
+)";
+}  // namespace
+
 // `gpipe plan --device-spec` plans GPUs from a machine that may have none, its model on
 // the CPU: under MetaAnswersAs(cuda) the probe keeps what a GPU's layers keep. A bf16
 // grouped-query attention keeps cuDNN's fused operands there (q, k, v, out and a float32
@@ -221,18 +235,7 @@ TEST_CASE("a tensor made on shapes has no data to read, and copies between two o
 // (bf16: widened, the exact path) is unchanged after.
 TEST_CASE("planning for GPUs on the CPU probes what the GPU's attention keeps") {
   const int64_t T = 32, C = 16, H = 2, KV = 1, D = C / H;
-  const Config c = parse_config(R"(model:
-  input: [32]
-  dtype: bf16
-  layers:
-    - {type: embedding, vocab: 16, dim: 16}
-    - {type: gqa_attention, heads: 2, kv_heads: 1}
-    - {type: linear, out: 16, bias: false}
-  loss: softmax_cross_entropy
-train: {steps: 1, batch_size: 4}
-)",
-                                "t.yaml");
-  RunModel run = build_run_model(c);
+  RunModel run = build_run_model(parse_config(kGqa, "t.yaml", {"model.dtype=bf16"}));
   const ActivationLayout cpu = probe_activations(*run.model);
   ActivationLayout gpu;
   {
@@ -254,19 +257,10 @@ train: {steps: 1, batch_size: 4}
 // now keeps the fused operands in float32), a bf16 one cuDNN's operands (the CPU widens
 // bf16 to the exact path).
 TEST_CASE("the planner's probe answers for the plan's devices, not the CPU the layers are built on") {
-  const std::string text = R"(model:
-  input: [32]
-  layers:
-    - {type: embedding, vocab: 16, dim: 16}
-    - {type: gqa_attention, heads: 2, kv_heads: 1}
-    - {type: linear, out: 16, bias: false}
-  loss: softmax_cross_entropy
-train: {steps: 1, batch_size: 4}
-)";
   const std::vector<Device> cpu{Device::cpu(0)}, gpu{Device::cuda(0)};
   for (const char* dtype : {"float32", "bf16"}) {
     CAPTURE(dtype);
-    RunModel run = build_run_model(parse_config(text, "t.yaml", {std::string("model.dtype=") + dtype}));
+    RunModel run = build_run_model(parse_config(kGqa, "t.yaml", {std::string("model.dtype=") + dtype}));
     const ActivationLayout on_cpu = probe_activations(*run.model, cpu);
     const ActivationLayout on_gpu = probe_activations(*run.model, gpu);
     setenv("GPIPE_FUSED_ATTENTION", "0", 1);  // the exact path everywhere: the probabilities kept
