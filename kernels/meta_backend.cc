@@ -10,6 +10,7 @@ namespace gpipe {
 namespace {
 
 thread_local std::optional<Device> answers_as;  // MetaAnswersAs's device, on this thread
+thread_local int64_t ops_called = 0;            // every meta backend's ops on this thread (MetaOpCount)
 
 // Every op a no-op: outputs keep the shapes their callers allocated, and no data.
 class MetaBackend final : public Backend {
@@ -17,8 +18,8 @@ class MetaBackend final : public Backend {
   explicit MetaBackend(Device device) : device_(device), stream_(device) {}
   Device device() const override { return device_; }
   Stream& stream() override { return stream_; }
-  void matmul(const Tensor&, bool, const Tensor&, bool, Tensor&, double, double) override {}
-  void matmul_weight(const Tensor&, bool, const Tensor&, bool, Tensor&, double, double) override {}
+  void matmul(const Tensor&, bool, const Tensor&, bool, Tensor&, double, double) override { ++ops_called; }
+  void matmul_weight(const Tensor&, bool, const Tensor&, bool, Tensor&, double, double) override { ++ops_called; }
   // As the device's backend would (what the layer keeps depends on it), asked without it;
   // as MetaAnswersAs's device's, where one is alive.
   bool has_fused_attention(DType t, const AttentionSizes& dims) override {
@@ -26,11 +27,17 @@ class MetaBackend final : public Backend {
     return fused_attention_available(answers_as.value_or(device_), t, dims.head_dim);
   }
   // The ops of kernels/backend_ops.inc, fused ones included: nothing computed, a host
-  // value 0.
+  // value 0; each call counted (MetaOpCount).
 #define GPIPE_OP(R, name, params, call) \
-  R name params override { return R(); }
+  R name params override {              \
+    ++ops_called;                       \
+    return R();                         \
+  }
 #define GPIPE_FUSED_OP(R, name, params) \
-  R name params override { return R(); }
+  R name params override {              \
+    ++ops_called;                       \
+    return R();                         \
+  }
 #include "kernels/backend_ops.inc"
 
  private:
@@ -42,6 +49,9 @@ class MetaBackend final : public Backend {
 
 MetaAnswersAs::MetaAnswersAs(Device device) : outer_(answers_as) { answers_as = device; }
 MetaAnswersAs::~MetaAnswersAs() { answers_as = outer_; }
+
+MetaOpCount::MetaOpCount() : start_(ops_called) {}
+int64_t MetaOpCount::count() const { return ops_called - start_; }
 
 Backend& meta_backend(Device device) {
   static std::mutex mu;

@@ -8,6 +8,7 @@
 // so that the layers' device checks hold; nothing on that device is touched.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 
 #include "kernels/backend.h"
@@ -34,6 +35,20 @@ class MetaAnswersAs {
 
  private:
   std::optional<Device> outer_;
+};
+
+// The ops that meta backends were called for on this thread since this was made: the
+// matrix products and every op of kernels/backend_ops.inc, a fused op once (as a GPU
+// backend launches it), nothing for allocation. The planner counts a layer's ops this
+// way (its per-launch term: plan.h, LayerLaunches); on a GPU most ops are one kernel
+// launch, a few (cuBLAS, cuDNN's attention) more than one.
+class MetaOpCount {
+ public:
+  MetaOpCount();
+  int64_t count() const;
+
+ private:
+  int64_t start_;
 };
 
 }  // namespace gpipe

@@ -11,10 +11,18 @@
 namespace gpipe {
 namespace partition {
 
-double CostModel::seconds(const layers::LayerCost& c, bool recompute) const {
-  const double fwd = std::max(c.forward_flops / flops_per_second, c.forward_bytes / bytes_per_second);
-  const double bwd = std::max(c.backward_flops / flops_per_second, c.backward_bytes / bytes_per_second);
+double CostModel::seconds(const layers::LayerCost& c, bool recompute, int layer) const {
+  const LayerLaunches n = launches_of(layer);
+  const double fwd =
+      std::max(c.forward_flops / flops_per_second, c.forward_bytes / bytes_per_second) + launch_time(n.forward);
+  const double bwd =
+      std::max(c.backward_flops / flops_per_second, c.backward_bytes / bytes_per_second) + launch_time(n.backward());
   return (recompute ? 2 : 1) * fwd + bwd;
+}
+
+LayerLaunches CostModel::launches_of(int layer) const {
+  if (launches == nullptr || layer < 0 || layer >= static_cast<int>(launches->size())) return {};
+  return (*launches)[static_cast<size_t>(layer)];
 }
 
 std::vector<int> balance_by_cost(const std::vector<double>& costs, int k) {
@@ -105,7 +113,7 @@ std::vector<double> layer_costs(const layers::Sequential& model, int64_t micro_b
   }
   std::vector<double> out(counts.size());
   for (size_t i = 0; i < counts.size(); ++i) {
-    out[i] = (i < overrides.size() && overrides[i]) ? *overrides[i] : cm.seconds(counts[i], recompute);
+    out[i] = (i < overrides.size() && overrides[i]) ? *overrides[i] : cm.seconds(counts[i], recompute, static_cast<int>(i));
   }
   return out;
 }

@@ -2,6 +2,7 @@
 // as fast as possible. Exact (dynamic programming over split points), not a heuristic.
 #pragma once
 
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -11,15 +12,39 @@
 namespace gpipe {
 namespace partition {
 
+// The ops a layer's phases call, each a kernel launch (or more: cuBLAS, cuDNN's
+// attention) on a GPU, where a launch costs time whatever its size. Counted on shapes
+// by the planner's probe (pipeline/planning/plan.h: probe_activations; MetaOpCount in
+// kernels/meta_backend.h); the model's last layer counts the loss's ops with its own.
+struct LayerLaunches {
+  int64_t forward = 0;         // F, and R (the same forward again)
+  int64_t backward_input = 0;  // B; a layer that does not split its backward: all of it
+  int64_t backward_weight = 0;  // W of one micro-batch (0 for a layer that does not split)
+  int64_t backward() const { return backward_input + backward_weight; }
+};
+
 // Turns a layer's counts into seconds: a roofline-style estimate that charges the
 // larger of compute time and memory time, forward plus backward (plus a second
-// forward when the cell rematerializes).
+// forward when the cell rematerializes), and on a device whose launches cost time, the
+// layer's launches times that cost.
 struct CostModel {
   double flops_per_second = 5e10;  // one core's matrix-product rate, roughly
   double bytes_per_second = 1e10;  // one core's memory bandwidth, roughly
   bool probed = false;  // flops_per_second is the device's measured peak (pipeline/planning/device_peak.h)
   bool bytes_probed = false;  // bytes_per_second is a GPU's measured copy rate (ditto)
-  double seconds(const layers::LayerCost& c, bool recompute) const;
+  // What one launch costs beyond its roofline time: 0 on a CPU (an op is a call); a
+  // GPU's smallest kernel back to back (device_peak.h's probe, or a device
+  // description's launch_overhead_us).
+  double launch_seconds = 0;
+  bool launch_probed = false;  // launch_seconds was measured on this machine's GPU
+  // The model's launches per layer (nullptr: not counted, so no launch term).
+  std::shared_ptr<const std::vector<LayerLaunches>> launches;
+  // Layer `layer`'s seconds (its launch term where launches are counted; -1: none).
+  double seconds(const layers::LayerCost& c, bool recompute, int layer = -1) const;
+  // The seconds of n launches.
+  double launch_time(int64_t n) const { return static_cast<double>(n) * launch_seconds; }
+  // Layer i's counts, or zeros where none were counted.
+  LayerLaunches launches_of(int layer) const;
 };
 
 // Cell sizes (layers per cell) minimising the largest cell cost. Among optimal splits

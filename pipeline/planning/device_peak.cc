@@ -114,6 +114,27 @@ double probe_copy(Device d) {
   return best;
 }
 
+// A GPU's cost of a launch: the best of three runs of 1000 launches of the smallest
+// kernel (a fill of 256 floats) back to back, over their count: the host's enqueue and
+// the device's own time of a kernel, whichever is longer, as a step of many small
+// kernels pays it. Not taken on a CPU.
+double probe_launch(Device d) {
+  Backend& be = backend_for(d);
+  Tensor x = be.empty({256}, DType::kF32);
+  constexpr int kLaunches = 1000;
+  be.fill(x, 0.0);  // warm-up
+  be.synchronize();
+  double best = 0;
+  for (int r = 0; r < 3; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < kLaunches; ++i) be.fill(x, static_cast<double>(i));
+    be.synchronize();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / kLaunches;
+    best = best > 0 ? std::min(best, s) : s;
+  }
+  return best;
+}
+
 nlohmann::json read_cache(const std::string& path) {
   std::ifstream f(path);
   if (!f) return nlohmann::json::object();
@@ -164,6 +185,7 @@ std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType d
   std::vector<std::string> keys;
   for (Device d : devices) keys.push_back(peak_key(d, dtype, blas_threads, d.is_cpu() ? cpus * processes : 1));
   auto copy_key = [&](size_t i) { return keys[i] + "|copy"; };
+  auto launch_key = [&](size_t i) { return keys[i] + "|launch"; };
 
   const std::string path = peak_cache_path();
   nlohmann::json cache = read_cache(path);
@@ -174,7 +196,7 @@ std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType d
     for (size_t i = 0; i < devices.size(); ++i) {
       each[i] = out[first[i]];
       each[i].flops_per_second /= sharing[i];
-      each[i].bytes_per_second /= sharing[i];
+      each[i].bytes_per_second /= sharing[i];  // a launch costs each stage on the GPU the same
     }
     return each;
   };
@@ -187,8 +209,9 @@ std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType d
     if (first[i] != i) continue;
     const double flops = cached(keys[i]);
     const double bytes = devices[i].is_cpu() ? 0.0 : cached(copy_key(i));
-    if (flops > 0 && (devices[i].is_cpu() || bytes > 0)) {
-      out[i] = {flops, bytes, true};
+    const double launch = devices[i].is_cpu() ? 0.0 : cached(launch_key(i));
+    if (flops > 0 && (devices[i].is_cpu() || (bytes > 0 && launch > 0))) {
+      out[i] = {flops, bytes, launch, true};
     } else {
       to_probe.push_back(i);
     }
@@ -207,7 +230,7 @@ std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType d
     if (--waiting == 0) cv.notify_all();
     cv.wait(lock, [&] { return waiting == 0; });
   };
-  std::vector<double> rate(to_probe.size(), 0), copy_rate(to_probe.size(), 0);
+  std::vector<double> rate(to_probe.size(), 0), copy_rate(to_probe.size(), 0), launch(to_probe.size(), 0);
   std::vector<std::exception_ptr> error(to_probe.size());
   std::vector<std::thread> threads;
   for (size_t j = 0; j < to_probe.size(); ++j) {
@@ -218,7 +241,10 @@ std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType d
           started = true;
           start();
         });
-        if (!devices[to_probe[j]].is_cpu()) copy_rate[j] = probe_copy(devices[to_probe[j]]);
+        if (!devices[to_probe[j]].is_cpu()) {
+          copy_rate[j] = probe_copy(devices[to_probe[j]]);
+          launch[j] = probe_launch(devices[to_probe[j]]);
+        }
       } catch (...) {
         error[j] = std::current_exception();
         if (!started) start();  // the others do not wait for it
@@ -237,9 +263,12 @@ std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType d
   }
   for (size_t j = 0; j < to_probe.size(); ++j) {
     const size_t i = to_probe[j];
-    out[i] = {devices[i].is_cpu() ? cpu_sum / cpu_n : rate[j], copy_rate[j], false};
+    out[i] = {devices[i].is_cpu() ? cpu_sum / cpu_n : rate[j], copy_rate[j], launch[j], false};
     cache[keys[i]] = out[i].flops_per_second;
-    if (!devices[i].is_cpu()) cache[copy_key(i)] = out[i].bytes_per_second;
+    if (!devices[i].is_cpu()) {
+      cache[copy_key(i)] = out[i].bytes_per_second;
+      cache[launch_key(i)] = out[i].launch_seconds;
+    }
   }
   try {
     std::filesystem::create_directories(std::filesystem::path(path).parent_path());

@@ -20,6 +20,9 @@ struct DevicePeak {
   // A GPU's device-to-device copy rate (bytes read and written per second), the cost
   // model's byte term there; 0 on a CPU, whose cost model keeps its fixed rate.
   double bytes_per_second = 0;
+  // A GPU's cost of one launch of its smallest kernel, back to back (the cost model's
+  // per-launch term); 0 on a CPU, whose ops are calls.
+  double launch_seconds = 0;
   bool cached = false;  // read from the cache file instead of measured now
 };
 

@@ -20,6 +20,7 @@ partition::CostModel DeviceSpec::cost_model(const std::string& dtype) const {
   partition::CostModel cm;
   cm.flops_per_second = it->second * efficiency;
   cm.bytes_per_second = memory_bandwidth * efficiency;
+  cm.launch_seconds = launch_seconds;
   return cm;
 }
 
@@ -104,6 +105,9 @@ DeviceSpec load_device_spec(const std::string& path) {
   if (d["efficiency"]) {
     s.efficiency = positive(path, d["efficiency"], "device.efficiency");
     if (s.efficiency > 1) bad(path, d["efficiency"], "device.efficiency", "a fraction of the peak: at most 1");
+  }
+  if (d["launch_overhead_us"]) {
+    s.launch_seconds = positive(path, d["launch_overhead_us"], "device.launch_overhead_us") / 1e6;
   }
   s.devices_per_node = static_cast<int>(positive(path, need(path, root, "devices_per_node", "devices_per_node"),
                                                  "devices_per_node"));

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -115,8 +116,12 @@ Plan make_plan(const Config& c, const layers::Sequential& model, const PlanOptio
                                                 c.optimizer.clip_grad_norm > 0 || c.optimizer.loss_scale > 0,
                                                 p.shard_optimizer));
   p.stage_flops = useful_flops(model, p);
-  p.memory = options.layout != nullptr ? estimate_memory(p, model, c.optimizer.optimizer, *options.layout)
-                                       : estimate_memory(p, model, c.optimizer.optimizer);
+  // One probe of the model on shapes (or the sweep's, made once for many plans): what
+  // the stages hold, and each layer's ops.
+  const ActivationLayout probed = options.layout != nullptr ? ActivationLayout{} : probe_activations(model, p.devices);
+  const ActivationLayout& layout = options.layout != nullptr ? *options.layout : probed;
+  p.memory = estimate_memory(p, model, c.optimizer.optimizer, layout);
+  p.launches = layout.launches;
   return p;
 }
 
@@ -209,7 +214,13 @@ ActivationLayout probe_layers(const layers::Sequential& model_in, bool on_shapes
 
 ActivationLayout probe_activations(const layers::Sequential& model) {
   try {
-    return probe_layers(model, /*on_shapes=*/true);
+    ActivationLayout out = probe_layers(model, /*on_shapes=*/true);
+    try {
+      out.launches = std::make_shared<const std::vector<partition::LayerLaunches>>(count_launches(model));
+    } catch (const std::exception& e) {  // a backward that reads data on the host: no launch term
+      spdlog::debug("planning: the model's ops were not counted ({})", e.what());
+    }
+    return out;
   } catch (const std::exception& e) {
     // A layer of one's own that reads tensor data on the host cannot run on shapes: the
     // probe computes instead (costing a forward at batch 1 and 2), and says so.
@@ -239,6 +250,68 @@ ActivationLayout probe_activations(const layers::Sequential& model, const std::v
 
 ActivationLayout probe_activations_on_devices(const layers::Sequential& model) {
   return probe_layers(model, /*on_shapes=*/false);
+}
+
+std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& model_in) {
+  // Recompute mode changes no layer state (as in probe_layers below).
+  auto& model = const_cast<layers::Sequential&>(model_in);
+  ShapesOnly shapes;
+  const int L = model.size();
+  std::vector<partition::LayerLaunches> out(static_cast<size_t>(L));
+  Shape shape{1};
+  for (int64_t d : model.input_shape()) shape.push_back(d);
+  Backend* be = &meta_backend(model.layer(0).device());
+  Tensor h = be->zeros(shape, model.input_dtype());
+  layers::ForwardArgs args;  // training, as F runs: dropout's ops counted
+  args.recompute = true;
+  for (int i = 0; i < L; ++i) {
+    be = &meta_backend(model.layer(i).device());
+    if (!(h.device() == be->device())) {  // the executor's hand-over, not the layer's
+      Tensor moved = be->empty(h.shape(), h.dtype());
+      be->copy(h, moved);
+      h = moved;
+    }
+    layers::Layer& layer = model.layer(i);
+    partition::LayerLaunches& n = out[static_cast<size_t>(i)];
+    layers::Context ctx;
+    Tensor y;
+    {
+      const MetaOpCount ops;
+      y = layer.forward(*be, h, &ctx, args);
+      n.forward = ops.count();
+    }
+    const Tensor dy = be->zeros(y.shape(), y.dtype());
+    if (layer.splits_backward()) {
+      {
+        const MetaOpCount ops;
+        layer.backward_input(*be, dy, ctx, i > 0);
+        n.backward_input = ops.count();
+      }
+      const MetaOpCount ops;
+      layer.backward_weight(*be, ctx);
+      n.backward_weight = ops.count();
+    } else {
+      const MetaOpCount ops;
+      layer.backward(*be, dy, ctx, i > 0);
+      n.backward_input = ops.count();
+    }
+    h = y;
+  }
+  if (model.has_loss() && L > 0) {
+    Shape target_shape(h.shape().begin(), h.shape().end() - 1);
+    const Tensor targets = be->zeros(target_shape, DType::kI32);
+    layers::Context lctx;
+    partition::LayerLaunches& last = out.back();
+    {
+      const MetaOpCount ops;
+      model.loss().forward(*be, h, targets, 1.0, &lctx);
+      last.forward += ops.count();
+    }
+    const MetaOpCount ops;
+    model.loss().backward(*be, lctx);
+    last.backward_input += ops.count();
+  }
+  return out;
 }
 
 namespace {

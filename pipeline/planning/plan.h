@@ -5,10 +5,12 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
 #include "layers/sequential.h"
+#include "partition/balance.h"
 #include "pipeline/config/config.h"
 #include "pipeline/executor/cell.h"
 #include "pipeline/schedule/schedule.h"
@@ -39,6 +41,9 @@ struct LayerActivation {
 struct ActivationLayout {
   std::vector<LayerActivation> layers;
   ContextKeeps loss;  // the loss's context (keeps_input: it keeps the logits)
+  // Each layer's ops per phase, counted on shapes (count_launches); nullptr where the
+  // model cannot run on shapes.
+  std::shared_ptr<const std::vector<partition::LayerLaunches>> launches;
 };
 // What a stage holds at its peak: parameters with their gradients and optimizer state,
 // and the activations the schedule keeps alive, after each instruction as the executor
@@ -82,6 +87,9 @@ struct Plan {
   // layout probed on shapes): computed once, here, and read by everything that shows
   // or checks memory.
   std::vector<StageMemory> memory;
+  // Each layer's ops per phase (ActivationLayout::launches, from the same probe):
+  // the cost model's launch term and the planned launches per step read them here.
+  std::shared_ptr<const std::vector<partition::LayerLaunches>> launches;
   int micro_batches() const { return static_cast<int>(micro_batch_sizes.size()); }  // M
   int num_cells() const { return static_cast<int>(balance.size()); }
   int64_t largest_micro_batch() const { return micro_batch_sizes.empty() ? 0 : micro_batch_sizes.front(); }
@@ -120,6 +128,13 @@ std::vector<int> plan_balance(const Config& config, const layers::Sequential& mo
                               int64_t micro_batch_size);
 
 ActivationLayout probe_activations(const layers::Sequential& model);
+// Each layer's ops (kernels/meta_backend.h: MetaOpCount) on shapes at a batch of one,
+// as the executor calls them: F in training; B on a zero output gradient (with the input
+// gradient on every layer but the first) and W, or the whole backward of a layer that
+// does not split; the loss's forward and backward with the last layer. The counts of
+// the built-in layers do not depend on the batch size. Throws where a layer cannot run
+// on shapes.
+std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& model);
 // The same probe answering as the first GPU of `devices` would, where there is one
 // (MetaAnswersAs: a bf16 attention keeps cuDNN's fused operands there, a float32 one its
 // probabilities): the model's layers are on the CPU until the executor moves them, and

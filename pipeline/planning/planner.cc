@@ -45,6 +45,12 @@ CostTable estimate_costs(const layers::Sequential& model, int64_t micro, const p
     const double input_share = input_ms + weight_ms > 0 ? input_ms / (input_ms + weight_ms) : 1.0;
     l.backward_input = bwd * input_share;
     l.backward_weight = bwd - l.backward_input;
+    // Each launch's cost on top (0 on a CPU): F's, B's and W's own ops.
+    const partition::LayerLaunches n = cm.launches_of(static_cast<int>(i));
+    l.forward = l.forward_nograd = l.recompute = fwd + cm.launch_time(n.forward) * 1e3;
+    l.backward_input += cm.launch_time(n.backward_input) * 1e3;
+    l.backward_weight += cm.launch_time(n.backward_weight) * 1e3;
+    l.backward = l.backward_input + l.backward_weight;
     if (i < overrides.size() && overrides[i]) {  // the user's seconds for forward + backward
       const double total = *overrides[i] * 1e3;
       l.forward = l.forward_nograd = l.recompute = total / 3;
@@ -155,10 +161,15 @@ std::string CostSource::describe() const {
 }
 
 std::string CostSource::describe_sources() const {
-  char rates[128];
-  std::snprintf(rates, sizeof rates, "the cost model (%.0f GFLOP/s%s, %.0f GB/s%s per device)",
+  char rates[192];
+  char launch[64] = "";
+  if (cm_.launch_seconds > 0 && cm_.launches != nullptr) {
+    std::snprintf(launch, sizeof launch, ", %.1f us%s a launch", cm_.launch_seconds * 1e6,
+                  cm_.launch_probed ? " probed" : "");
+  }
+  std::snprintf(rates, sizeof rates, "the cost model (%.0f GFLOP/s%s, %.0f GB/s%s%s per device)",
                 cm_.flops_per_second / 1e9, cm_.probed ? " probed" : "", cm_.bytes_per_second / 1e9,
-                cm_.bytes_probed ? " probed" : "");
+                cm_.bytes_probed ? " probed" : "", launch);
   if (path_.empty()) return rates;  // a device description: nothing was measured
   const auto entries = family();
   if (entries.empty()) return std::string(rates) + "; no profile in " + path_ + " for this model and device";
@@ -304,6 +315,9 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
     busy += out.stages[k].busy_ms;
   }
   out.bubble = out.span_ms > 0 ? 1.0 - busy / (K * out.span_ms) : 0;
+  if (plan.launches != nullptr) {
+    for (int k = 0; k < K; ++k) out.stages[k].launches = stage_launches(plan, k);
+  }
   out.samples_per_second = out.step_ms > 0 ? static_cast<double>(plan.batch_size) / (out.step_ms / 1e3) : 0;
   // The plan's own figures (make_plan); a plan put together by hand has none yet.
   const std::vector<StageMemory> memory = !plan.memory.empty() ? plan.memory
@@ -317,6 +331,30 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
     out.stages[k].activation_bytes = memory[k].activation_bytes;
   }
   return out;
+}
+
+int64_t stage_launches(const Plan& plan, int k) {
+  GPIPE_CHECK(plan.launches != nullptr, "stage_launches: the plan's ops were not counted");
+  const Schedule& s = plan.schedule;
+  const MicroBatchRoles roles = micro_batch_roles(s, k);
+  int64_t n = 0;
+  for (const Instruction& ins : s.stages[k]) {
+    if (!has_cell(ins.op) || is_communication(ins.op)) continue;
+    const CellSpec& cell = plan.cells[s.cell(k, ins.chunk)];
+    for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) {
+      const partition::LayerLaunches& l = plan.launches->at(static_cast<size_t>(i));
+      switch (ins.op) {
+        case Op::kForward:
+        case Op::kRecompute: n += l.forward; break;
+        case Op::kBackward: n += roles.split[ins.chunk][ins.micro_batch] ? l.backward_input : l.backward(); break;
+        // A batched W counted as its micro-batches' W one by one (an upper bound: Linear's
+        // batched product is one launch).
+        case Op::kBackwardWeight: n += l.backward_weight * ins.count; break;
+        default: break;
+      }
+    }
+  }
+  return n;
 }
 
 LinkCost local_link(const ProfileStore& profile, bool across_processes) {
@@ -335,8 +373,9 @@ int stages_at_once(const Plan& plan) {
 }
 
 partition::CostModel probed_cost_model(const Plan& plan, DType dtype, int blas_threads, double flops_per_second,
-                                       double bytes_per_second) {
+                                       double bytes_per_second, double launch_seconds) {
   partition::CostModel cm;
+  cm.launches = plan.launches;
   if (flops_per_second == 0) {  // probe (or read the cache): the slowest stage's rates, each its device's share
     try {
       for (const DevicePeak& p : device_peaks(plan.devices, dtype, blas_threads)) {
@@ -345,12 +384,14 @@ partition::CostModel probed_cost_model(const Plan& plan, DType dtype, int blas_t
           bytes_per_second =
               bytes_per_second > 0 ? std::min(bytes_per_second, p.bytes_per_second) : p.bytes_per_second;
         }
+        launch_seconds = std::max(launch_seconds, p.launch_seconds);  // the slowest device's
       }
     } catch (const std::exception& e) {  // the fixed rates instead
       spdlog::warn("the devices' peak could not be probed ({}); the planner assumes {:.0f} GFLOP/s", e.what(),
                    cm.flops_per_second / 1e9);
       flops_per_second = 0;
       bytes_per_second = 0;
+      launch_seconds = 0;
     }
   }
   if (flops_per_second > 0) {
@@ -363,14 +404,19 @@ partition::CostModel probed_cost_model(const Plan& plan, DType dtype, int blas_t
     cm.bytes_per_second = bytes_per_second;
     cm.bytes_probed = true;
   }
+  // A GPU's launch cost (a CPU's ops are calls: 0).
+  if (launch_seconds > 0) {
+    cm.launch_seconds = launch_seconds;
+    cm.launch_probed = true;
+  }
   return cm;
 }
 
 PlannedRun predict_config(const Config& c, const layers::Sequential& model, const Plan& plan, bool across_processes,
-                          double flops_per_second, double bytes_per_second) {
+                          double flops_per_second, double bytes_per_second, double launch_seconds) {
   const ProfileStore store = load_profile(c.pipeline.profile);
-  const partition::CostModel cm =
-      probed_cost_model(plan, model.output_dtype(), c.train.blas_threads, flops_per_second, bytes_per_second);
+  const partition::CostModel cm = probed_cost_model(plan, model.output_dtype(), c.train.blas_threads,
+                                                    flops_per_second, bytes_per_second, launch_seconds);
   const CostSource costs(model, store, c.pipeline.profile, plan.devices.front(), c.train.blas_threads, cm,
                          cost_overrides(c), c.optimizer.optimizer, 1.0, stages_at_once(plan));
   const LinkCost link = local_link(store, across_processes);

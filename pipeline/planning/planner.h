@@ -93,6 +93,12 @@ struct PredictOptions {
   const ActivationLayout* layout = nullptr;
 };
 
+// The ops stage k's layers call in one step (PlannedStage::launches): F and R a
+// forward's, B its part of the backward (all of it for a micro-batch that does not
+// defer W), W the weight gradient's for each micro-batch it covers. The plan's ops must
+// have been counted (Plan::launches).
+int64_t stage_launches(const Plan& plan, int k);
+
 // Simulates the plan's schedule with these costs. Deterministic: the same inputs give
 // the same prediction.
 PlannedRun predict(const Plan& plan, const layers::Sequential& model, const CostSource& costs, const LinkFn& link,
@@ -113,14 +119,17 @@ int stages_at_once(const Plan& plan);
 // (the CPU's fixed 10 GB/s otherwise). `flops_per_second` > 0: that rate and
 // `bytes_per_second` (when > 0) instead, probing nothing (a run that probed already:
 // under mpirun a rank must not probe the other ranks' devices); < 0: the fixed rates.
+// `launch_seconds` with a given rate: a GPU's measured launch cost (DevicePeak). The
+// model's counted ops (Plan::launches) go with it.
 partition::CostModel probed_cost_model(const Plan& plan, DType dtype, int blas_threads, double flops_per_second = 0,
-                                       double bytes_per_second = 0);
+                                       double bytes_per_second = 0, double launch_seconds = 0);
 
 // The run's prediction as `train` and `gpipe plan` make it: the config's profile file
 // when it has entries for this model, the cost model otherwise (probed_cost_model, at
-// `flops_per_second` and `bytes_per_second` when given).
+// `flops_per_second`, `bytes_per_second` and `launch_seconds` when given).
 PlannedRun predict_config(const Config& config, const layers::Sequential& model, const Plan& plan,
-                          bool across_processes = false, double flops_per_second = 0, double bytes_per_second = 0);
+                          bool across_processes = false, double flops_per_second = 0, double bytes_per_second = 0,
+                          double launch_seconds = 0);
 
 }  // namespace pipeline
 }  // namespace gpipe

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -692,4 +693,109 @@ TEST_CASE("bytes in prose take the unit that shows them") {
   CHECK(bytes_str(1536) == "1.5 KiB");
   CHECK(bytes_str(int64_t{3} << 20) == "3.0 MiB");
   CHECK(bytes_str(int64_t{5} << 29) == "2.50 GiB");
+}
+
+// The planner's per-launch term (issue 37, item 6): each layer's ops counted on shapes,
+// against a hand count of the layers' code (layers/linear.cc, activation.cc, loss.cc);
+// the ops per step of a plan, against the same hand count over its program; and the
+// estimate's times, against the roofline plus the ops times a launch's cost.
+namespace {
+const char* kSmall = R"(model:
+  input: [4]
+  dtype: float64
+  layers:
+    - {type: linear, out: 5}
+    - {type: relu}
+    - {type: linear, out: 3}
+  loss: softmax_cross_entropy
+data: {classes: 3}
+train: {steps: 1, batch_size: 4}
+)";
+}  // namespace
+
+TEST_CASE("a layer's ops are counted on shapes as its code calls them, and a plan's per step over its program") {
+  const Config base = parse_config(kSmall, "t.yaml", {});
+  RunModel run = build_run_model(base);
+  const std::vector<partition::LayerLaunches> n = count_launches(*run.model);
+  REQUIRE(n.size() == 3);
+  // linear, the first layer: F matmul + add_bias; B nothing (no input gradient); W matmul + bias_grad.
+  CHECK(n[0].forward == 2);
+  CHECK(n[0].backward_input == 0);
+  CHECK(n[0].backward_weight == 2);
+  // relu: F relu; B relu_backward (it does not split: all in B).
+  CHECK(n[1].forward == 1);
+  CHECK(n[1].backward_input == 1);
+  CHECK(n[1].backward_weight == 0);
+  // linear, the last layer, with the loss: F matmul + add_bias + softmax_xent; B the loss's
+  // softmax_xent_backward + matmul for dx; W matmul + bias_grad.
+  CHECK(n[2].forward == 3);
+  CHECK(n[2].backward_input == 2);
+  CHECK(n[2].backward_weight == 2);
+  // A micro-batch: F 6 ops, its whole backward 7; a recompute another 6.
+  struct Case {
+    int k;
+    const char* schedule;
+    const char* recompute;
+    int64_t total;
+  };
+  for (const Case& cs : {Case{1, "gpipe", "never", 2 * 13}, Case{1, "gpipe", "except_last", 2 * 13 + 6},
+                         Case{1, "gpipe", "always", 2 * 13 + 2 * 6}, Case{2, "gpipe", "never", 2 * 13},
+                         Case{2, "1f1b", "always", 2 * 13 + 2 * 6}, Case{2, "zero_bubble", "never", 2 * 13}}) {
+    CAPTURE(cs.schedule);
+    CAPTURE(cs.recompute);
+    CAPTURE(cs.k);
+    const Config c = parse_config(kSmall, "t.yaml",
+                                  {"pipeline.partitions=" + std::to_string(cs.k), "pipeline.micro_batches=2",
+                                   std::string("pipeline.schedule=") + cs.schedule,
+                                   std::string("pipeline.recompute=") + cs.recompute});
+    RunModel r = build_run_model(c);
+    const Plan plan = make_plan(r.config, *r.model);
+    REQUIRE(plan.launches != nullptr);
+    int64_t total = 0;
+    for (int k = 0; k < plan.stages; ++k) total += stage_launches(plan, k);
+    CHECK(total == cs.total);
+    // The prediction shows them, stage by stage.
+    const PlannedRun p = predict_config(r.config, *r.model, plan, false, -1);
+    for (int k = 0; k < plan.stages; ++k) CHECK(p.stages[k].launches == stage_launches(plan, k));
+  }
+}
+
+TEST_CASE("the estimate charges each of a layer's ops a launch's cost, and nothing on a CPU") {
+  const Config c = parse_config(kSmall, "t.yaml", {});
+  RunModel run = build_run_model(c);
+  partition::CostModel cpu;
+  cpu.launches = std::make_shared<const std::vector<partition::LayerLaunches>>(count_launches(*run.model));
+  partition::CostModel gpu = cpu;
+  gpu.launch_seconds = 1e-3;  // a millisecond a launch: the term in ms is the count
+  const CostTable a = estimate_costs(*run.model, 4, cpu, {}, c.optimizer.optimizer);
+  const CostTable b = estimate_costs(*run.model, 4, gpu, {}, c.optimizer.optimizer);
+  const std::vector<double> ca = partition::layer_costs(*run.model, 4, true, {}, cpu);
+  const std::vector<double> cb = partition::layer_costs(*run.model, 4, true, {}, gpu);
+  for (int i = 0; i < 3; ++i) {
+    CAPTURE(i);
+    const partition::LayerLaunches& n = (*cpu.launches)[static_cast<size_t>(i)];
+    CHECK(b.layers[i].forward - a.layers[i].forward == doctest::Approx(static_cast<double>(n.forward)));
+    CHECK(b.layers[i].recompute - a.layers[i].recompute == doctest::Approx(static_cast<double>(n.forward)));
+    CHECK(b.layers[i].backward_input - a.layers[i].backward_input ==
+          doctest::Approx(static_cast<double>(n.backward_input)));
+    CHECK(b.layers[i].backward_weight - a.layers[i].backward_weight ==
+          doctest::Approx(static_cast<double>(n.backward_weight)));
+    CHECK(b.layers[i].backward - a.layers[i].backward == doctest::Approx(static_cast<double>(n.backward())));
+    // The balancer's seconds: a recomputing layer pays its forward's launches twice.
+    CHECK((cb[i] - ca[i]) * 1e3 == doctest::Approx(static_cast<double>(2 * n.forward + n.backward())));
+  }
+  // A device description's launch cost reaches the cost model.
+  const DeviceSpec h100 = load_device_spec("configs/devices/h100_nvlink_ib.yaml");
+  CHECK(h100.cost_model_for(DType::kBF16).launch_seconds == doctest::Approx(4e-6));
+  const gpipe::testing::TempDir dir;
+  std::string text;
+  {
+    std::ifstream in("configs/devices/h100_nvlink_ib.yaml");
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  const size_t at = text.find("launch_overhead_us: 4");
+  REQUIRE(at != std::string::npos);
+  text.replace(at, std::string("launch_overhead_us: 4").size(), "launch_overhead_us: -1");
+  std::ofstream(dir / "spec.yaml") << text;
+  CHECK_THROWS_WITH_AS(load_device_spec(dir / "spec.yaml"), doctest::Contains("device.launch_overhead_us"), UserError);
 }

@@ -20,6 +20,10 @@ struct PlannedStage : StageTime {
   // activations the schedule keeps (estimate_memory in plan.h).
   int64_t weight_bytes = 0, gradient_bytes = 0, optimizer_bytes = 0, activation_bytes = 0;
   int64_t total_bytes() const { return weight_bytes + gradient_bytes + optimizer_bytes + activation_bytes; }
+  // The ops its layers call in one step (F, R, B and W over the program; Plan::launches),
+  // each a kernel launch or more on a GPU; not counted: the optimizer step, the
+  // collectives and the messages. -1 where the model's ops could not be counted.
+  int64_t launches = -1;
 };
 
 struct PlannedRun {

@@ -117,7 +117,10 @@ int64_t memory_limit_per_device(const Config& base, const SweepOptions& o) {
 // roofline; one CostSource per number of stages computing at once, made when first asked for.
 class SweepCosts {
  public:
-  SweepCosts(const Config& base, const layers::Sequential& model, const SweepOptions& o, bool cpu)
+  // launches: the model's ops per layer (ActivationLayout::launches), for the cost
+  // model's launch term.
+  SweepCosts(const Config& base, const layers::Sequential& model, const SweepOptions& o, bool cpu,
+             std::shared_ptr<const std::vector<partition::LayerLaunches>> launches)
       : base_(base),
         model_(model),
         o_(o),
@@ -127,7 +130,8 @@ class SweepCosts {
         device_(o.spec != nullptr ? Device::cuda(0) : first_device(base)),
         // A 16-bit model at the spec's 16-bit peak where it gives one (DeviceSpec::cost_model_for).
         spec_cm_(o.spec != nullptr ? o.spec->cost_model_for(model.output_dtype())
-                                  : partition::CostModel{}) {}
+                                  : partition::CostModel{}),
+        launches_(std::move(launches)) {}
 
   const ProfileStore& store() const { return store_; }
 
@@ -164,10 +168,14 @@ class SweepCosts {
   // The spec's roofline on a device description; on this machine's devices the probed
   // peak of one of `at_once` stages computing together (device_peak.h).
   partition::CostModel cost_model(int at_once) const {
-    if (o_.spec != nullptr) return spec_cm_;
-    Plan stages;
-    stages.devices.assign(at_once, device_);
-    return probed_cost_model(stages, model_.output_dtype(), base_.train.blas_threads);
+    partition::CostModel cm = spec_cm_;
+    if (o_.spec == nullptr) {
+      Plan stages;
+      stages.devices.assign(at_once, device_);
+      cm = probed_cost_model(stages, model_.output_dtype(), base_.train.blas_threads);
+    }
+    cm.launches = launches_;
+    return cm;
   }
 
   const Config& base_;
@@ -178,6 +186,7 @@ class SweepCosts {
   const std::vector<std::optional<double>> overrides_;
   const Device device_;
   const partition::CostModel spec_cm_;
+  const std::shared_ptr<const std::vector<partition::LayerLaunches>> launches_;
   // On a device description there is no profile: the spec's roofline.
   const ProfileStore none_;
   std::map<int, std::unique_ptr<CostSource>> by_concurrency_;
@@ -385,7 +394,9 @@ SweepResult sweep(const Config& base, const layers::Sequential& model, const Swe
   std::vector<bool> shard_modes = {false};
   if (D > 1 && optimizer_slots(base.optimizer.optimizer) > 0) shard_modes.push_back(true);
   out.memory_limit = memory_limit_per_device(base, o);
-  SweepCosts costs(base, model, o, cpu);
+  // The model on shapes, once for every candidate: what it keeps, and its ops.
+  const ActivationLayout layout = probe_activations(model, {o.spec != nullptr ? Device::cuda(0) : first_device(base)});
+  SweepCosts costs(base, model, o, cpu, layout.launches);
   const CostSource& first = costs.for_stages(std::min(per_replica, model.size()) * D);
   out.costs = o.spec != nullptr ? o.spec->name + " (" + o.spec->source + "): " + first.describe() : first.describe();
   const LinkCost local = local_link(costs.store(), false);
@@ -396,7 +407,6 @@ SweepResult sweep(const Config& base, const layers::Sequential& model, const Swe
   const std::unique_ptr<CostSource> threaded = costs.threaded(per_replica);
   const int64_t batch = base.train.batch_size / D;  // each replica's
   PredictOptions po;
-  const ActivationLayout layout = probe_activations(model, {o.spec != nullptr ? Device::cuda(0) : first_device(base)});
   po.layout = &layout;
   const std::string hash = model_hash(model), device = cpu ? "cpu" : "cuda", dtype = dtype_name(model.dtype());
   int corrected = 0;  // the timings' classes that apply

@@ -454,6 +454,12 @@ std::string ReportBuilder::table() const {
                   p.step_ms, s.step_ms, s.step_ms > 0 ? 100 * (p.step_ms - s.step_ms) / s.step_ms : 0.0, p.bubble,
                   s.measured_bubble, p.samples_per_second);
     os << line;
+    if (p.stages.front().launches >= 0) {
+      os << "Ops per step, planned (the layers' F, R, B and W counted on shapes; on a GPU each one kernel launch or "
+            "more, not captured in a graph):";
+      for (size_t k = 0; k < p.stages.size(); ++k) os << (k == 0 ? " " : ", ") << "stage " << k << " " << p.stages[k].launches;
+      os << "\n";
+    }
   }
   if (has_eval_) {
     std::snprintf(line, sizeof line, "Validation: loss %.4f, accuracy %.2f%%\n", eval_loss_, 100 * eval_accuracy_);
@@ -506,6 +512,7 @@ nlohmann::json planned_stage_json(const PlannedStage& q) {
             {"gradient_bytes", q.gradient_bytes},
             {"optimizer_bytes", q.optimizer_bytes},
             {"activation_bytes", q.activation_bytes}});
+  if (q.launches >= 0) j["ops_per_step"] = q.launches;
   return j;
 }
 

@@ -31,7 +31,8 @@ RunArtifacts::RunArtifacts(const Config& c, const layers::Sequential& model, con
     // The planner's device speed where nothing is measured: the slowest stage's peak (this
     // process's own on the others, whose prediction is not shown).
     // Rates this process probed already (a failed probe: the fixed rates, not another probe).
-    prediction_ = predict_config(c, model, plan, multi, planning_peak_ > 0 ? planning_peak_ : -1, planning_bytes_);
+    prediction_ = predict_config(c, model, plan, multi, planning_peak_ > 0 ? planning_peak_ : -1, planning_bytes_,
+                                 planning_launch_);
     has_prediction_ = true;
   } catch (const UserError& e) {
     spdlog::warn("no prediction for this run: {}", e.what());
@@ -60,6 +61,7 @@ void RunArtifacts::probe_peaks(const Config& c, const layers::Sequential& model,
     const DevicePeak mine = probe({plan.devices.at(launch.rank)}, processes).at(0);
     planning_peak_ = mine.flops_per_second;
     planning_bytes_ = mine.bytes_per_second;
+    planning_launch_ = mine.launch_seconds;
     for (const auto& v : launch.transport->gather_to_first(launch.rank, {mine.flops_per_second})) {
       stage_peaks_.push_back(v.at(0));
     }
@@ -70,6 +72,7 @@ void RunArtifacts::probe_peaks(const Config& c, const layers::Sequential& model,
       if (p.bytes_per_second > 0) {
         planning_bytes_ = planning_bytes_ > 0 ? std::min(planning_bytes_, p.bytes_per_second) : p.bytes_per_second;
       }
+      planning_launch_ = std::max(planning_launch_, p.launch_seconds);  // the slowest GPU's
       how = p.cached ? "cached" : "probed";
     }
   }
