@@ -22,6 +22,7 @@
 #include "pipeline/cli/supervisor.h"
 #include "pipeline/config/config.h"
 #include "pipeline/config/run_model.h"
+#include "pipeline/planning/memory_check.h"
 #include "pipeline/planning/plan.h"
 #include "pipeline/schedule/schedule.h"
 #include "pipeline/train/checkpointing.h"
@@ -134,6 +135,8 @@ int run_plan(Invocation& inv, const std::string& schedule_out = "") {
   if (!schedule_out.empty()) write_schedule_file(inv, p, schedule_out);
   std::fflush(stdout);
   pipeline::print_prediction(c, model, p, std::cout);
+  std::cout.flush();
+  pipeline::check_memory_limit(c, p);  // a plan over the limit is an error, after it is shown
   return 0;
 }
 

@@ -10,6 +10,7 @@
 #include "pipeline/config/run_model.h"
 #include "pipeline/planning/byte_units.h"
 #include "pipeline/planning/device_spec.h"
+#include "pipeline/planning/memory_check.h"
 #include "pipeline/planning/planner.h"
 #include "pipeline/planning/profile.h"
 #include "pipeline/planning/sweep.h"
@@ -61,6 +62,13 @@ void print_planned(const Plan& plan, const PlannedRun& run, int64_t memory_limit
         << " (pipeline.memory_limit)";
   }
   out << "\n";
+  if (!run.stages.empty() && run.stages.front().launches >= 0) {
+    out << "ops per step (the layers' F, R, B and W, counted on shapes; on a GPU each one kernel launch or more):";
+    for (size_t k = 0; k < run.stages.size(); ++k) {
+      out << (k == 0 ? " " : ", ") << "stage " << k << " " << run.stages[k].launches;
+    }
+    out << "\n";
+  }
 }
 
 // printf's formatting into a string of any length.
@@ -103,9 +111,15 @@ void print_plan(const Config& c, layers::Sequential& model, const Plan& p, std::
                     input, weight);
       for (int i = s.first_layer; i < s.first_layer + s.num_layers; ++i) {
         const LayerTimes& l = times.layers[i];
-        out << format("    %3d %-28s %10.3f ms  (backward %.3f: B %.3f + W %.3f)\n", i,
+        std::string ops;  // the layer's ops per phase, where counted
+        if (p.launches != nullptr) {
+          const partition::LayerLaunches& n = p.launches->at(static_cast<size_t>(i));
+          ops = format("; ops F %lld, B %lld, W %lld", static_cast<long long>(n.forward),
+                       static_cast<long long>(n.backward_input), static_cast<long long>(n.backward_weight));
+        }
+        out << format("    %3d %-28s %10.3f ms all  (backward %.3f: B %.3f + W %.3f%s)\n", i,
                       model.layer(i).describe().c_str(), costs[i] * 1e3, l.backward, l.backward_input,
-                      l.backward_weight);
+                      l.backward_weight, ops.c_str());
       }
     }
   }
@@ -175,9 +189,11 @@ int plan_other_runs(const Config& config, layers::Sequential& model, const PlanC
     for (int b : plan.balance) out << " " << b;
     out << "):\n";
     print_prediction(c, model, plan, out);
+    check_memory_limit(c, plan);  // a plan over the limit is an error, after it is shown
     return 0;
   }
-  const partition::CostModel cm = spec.cost_model_for(model.output_dtype());
+  partition::CostModel cm = spec.cost_model_for(model.output_dtype());
+  cm.launches = plan.launches;  // the model's ops, for the spec's launch cost
   const CostSource costs(model, ProfileStore{}, "", Device::cuda(0), 0, cm, {}, c.optimizer.optimizer);
   // The balancer's split by the spec's roofline.
   c.pipeline.balance = partition::balance_by_cost(
@@ -191,6 +207,9 @@ int plan_other_runs(const Config& config, layers::Sequential& model, const PlanC
   for (int b : spec_plan.balance) out << " " << b;
   out << ":\n";
   print_planned(spec_plan, run, c.pipeline.memory_limit > 0 ? c.pipeline.memory_limit : spec.memory_bytes, out);
+  Plan on_spec = spec_plan;  // its stages on the spec's GPUs, for the refusal's words
+  for (int k = 0; k < on_spec.stages; ++k) on_spec.devices[k] = Device::cuda(k);
+  check_memory_limit(c, on_spec, spec.memory_bytes);
   return 0;
 }
 

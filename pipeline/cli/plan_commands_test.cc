@@ -13,6 +13,7 @@
 #include "pipeline/cli/plan_commands.h"
 #include "pipeline/config/config.h"
 #include "pipeline/config/run_model.h"
+#include "runtime/error.h"
 
 using namespace gpipe;
 using namespace gpipe::pipeline;
@@ -75,4 +76,57 @@ train: {steps: 1, batch_size: 16}
   CHECK(want_gib > 4);
   CHECK(stage0_activations_gib(here_out.str()) - stage0_activations_gib(spec_out.str()) ==
         doctest::Approx(want_gib).epsilon(0.01));
+}
+
+// A plan over the memory limit is printed whole, and then refused (a non-zero exit, as
+// `train` refuses it): on this machine's devices against pipeline.memory_limit, on a
+// device description's against its memory when the config sets no limit.
+TEST_CASE("a plan over the memory limit is shown, then refused with the stage and the fix") {
+  const char* text = R"(model:
+  input: [64]
+  dtype: float32
+  layers:
+    - repeat: 4
+      layers:
+        - {type: linear, out: 64}
+  loss: softmax_cross_entropy
+data: {classes: 64}
+pipeline: {partitions: 1, micro_batches: 1, recompute: never}
+train: {steps: 1, batch_size: 8}
+)";
+  {
+    const Config config = parse_config(text, "t.yaml", {"pipeline.memory_limit=40KiB"});
+    RunModel run = build_run_model_on_shapes(config);
+    PlanCommandOptions o;
+    o.devices = 1;
+    std::ostringstream out;
+    CHECK_THROWS_WITH_AS(plan_other_runs(run.config, *run.model, o, out),
+                         doctest::Contains("over pipeline.memory_limit of 40.0 KiB"), UserError);
+    CHECK(out.str().find("OVER the limit of 40.0 KiB") != std::string::npos);  // the plan was printed first
+    const Config roomy = parse_config(text, "t.yaml", {"pipeline.memory_limit=1GiB"});
+    RunModel fits = build_run_model_on_shapes(roomy);
+    std::ostringstream fine;
+    CHECK(plan_other_runs(fits.config, *fits.model, o, fine) == 0);
+  }
+  {
+    // 2^38 parameters' weights, gradients and Adam state: over an 80 GB H100.
+    const Config config = parse_config(R"(model:
+  input: [524288]
+  dtype: float32
+  layers:
+    - {type: linear, out: 524288, bias: false}
+  loss: softmax_cross_entropy
+data: {classes: 524288}
+pipeline: {partitions: 1, micro_batches: 1, recompute: never}
+train: {steps: 1, batch_size: 1}
+)",
+                                       "t.yaml");
+    RunModel run = build_run_model_on_shapes(config);
+    PlanCommandOptions o;
+    o.devices = 1;
+    o.device_spec = "configs/devices/h100_nvlink_ib.yaml";
+    std::ostringstream out;
+    CHECK_THROWS_WITH_AS(plan_other_runs(run.config, *run.model, o, out),
+                         doctest::Contains("would hold 2048.00 GiB on cuda:0 (weights 1024.00 GiB, gradients 1024.00 GiB, optimizer state 0 bytes, activations 4.0 MiB), over the device description's memory of 74.51 GiB"), UserError);
+  }
 }

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "layers/registry.h"
+#include "pipeline/planning/byte_units.h"
 #include "runtime/device.h"
 #include "runtime/error.h"
 
@@ -12,18 +13,6 @@ namespace gpipe {
 namespace pipeline {
 
 namespace {
-
-std::string bytes_str(int64_t b) {
-  char buf[64];
-  if (b >= (int64_t{1} << 30)) {
-    std::snprintf(buf, sizeof buf, "%.1f GiB", static_cast<double>(b) / (1 << 30));
-  } else if (b >= (int64_t{1} << 20)) {
-    std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(b) / (1 << 20));
-  } else {
-    std::snprintf(buf, sizeof buf, "%lld bytes", static_cast<long long>(b));
-  }
-  return buf;
-}
 
 // The refusal of weights that cannot fit, with the advice that helps them: neither
 // micro-batches nor the batch size change them, and neither do more stages on one
@@ -122,9 +111,11 @@ void check_run_fits(const Config& c, layers::Sequential& model, const Plan& plan
   }
 }
 
-void check_memory_limit(const Config& c, const Plan& plan) {
-  const int64_t limit = c.pipeline.memory_limit;
+void check_memory_limit(const Config& c, const Plan& plan, int64_t device_memory) {
+  const bool own = c.pipeline.memory_limit > 0;
+  const int64_t limit = own ? c.pipeline.memory_limit : device_memory;
   if (limit <= 0) return;
+  const std::string limit_name = own ? "pipeline.memory_limit" : "the device description's memory";
   for (size_t k = 0; k < plan.memory.size(); ++k) {
     const StageMemory& m = plan.memory[k];
     if (m.total() <= limit) continue;
@@ -139,8 +130,9 @@ void check_memory_limit(const Config& c, const Plan& plan) {
             : "set pipeline.recompute: always, raise pipeline.micro_batches, lower train.batch_size or use more "
               "pipeline.partitions";
     throw UserError("stage " + std::to_string(k) + " would hold " + bytes_str(m.total()) + " on " +
-                    plan.devices.at(k).str() + " (" + parts + "), over pipeline.memory_limit of " + bytes_str(limit) +
-                    ": " + fix + ", or raise the limit (`gpipe plan CONFIG --sweep` lists the plans that fit)");
+                    plan.devices.at(k).str() + " (" + parts + "), over " + limit_name + " of " + bytes_str(limit) +
+                    ": " + fix + (own ? ", or raise the limit" : "") +
+                    " (`gpipe plan CONFIG --sweep` lists the plans that fit)");
   }
 }
 

@@ -41,8 +41,10 @@ void check_run_fits(const Config& config, layers::Sequential& model, const Plan&
 // (bytes per device; 0: no limit), by the plan's own count (Plan::memory, what `gpipe
 // plan` prints): the limit the sweep and `auto` plan under holds for a run the config
 // fixes too. The message names the stage, its parts and the fix for the part that is
-// over: the weights' (more stages, a sharded optimizer) or the activations'.
-void check_memory_limit(const Config& config, const Plan& plan);
+// over: the weights' (more stages, a sharded optimizer) or the activations'. `train`
+// and `gpipe plan` call it (plan after printing the plan). With `device_memory` > 0 and
+// no pipeline.memory_limit: that limit instead, named as a device description's memory.
+void check_memory_limit(const Config& config, const Plan& plan, int64_t device_memory = 0);
 
 }  // namespace pipeline
 }  // namespace gpipe

@@ -258,8 +258,8 @@ TEST_CASE("weights that cannot fit are refused before any is allocated, with the
   CHECK(host.stats().peak - before < (1 << 20));
   CAPTURE(e);
   CHECK(e.find("the model's weights cannot fit in host memory: with their gradients and optimizer state they need "
-               "1192.3 GiB (weights 298.1 GiB, gradients 298.1 GiB, adam state 596.1 GiB (2 values per weight)); the largest is "
-               "layer 0, linear(200000 -> 200000) at small.yaml:4:7, with 298.0 GiB of weights, but only 64.0 GiB is "
+               "1192.29 GiB (weights 298.07 GiB, gradients 298.07 GiB, adam state 596.14 GiB (2 values per weight)); the largest is "
+               "layer 0, linear(200000 -> 200000) at small.yaml:4:7, with 298.02 GiB of weights, but only 64.00 GiB is "
                "available. Weights do not depend on pipeline.micro_batches or train.batch_size: use a smaller model "
                "(fewer or narrower layers), set model.dtype: float32 instead of float64 (half the bytes), or use "
                "optimizer.type: sgd without momentum") == 0);
@@ -271,7 +271,7 @@ TEST_CASE("weights that cannot fit are refused before any is allocated, with the
   Config gpu = c;
   gpu.pipeline.devices = {"cuda:0"};
   const std::string two = error_of([&] { check_weights_fit(gpu, 64 * gib); });
-  CHECK(two.find("with their gradients they need 596.1 GiB (weights 298.1 GiB, gradients 298.1 GiB);") !=
+  CHECK(two.find("with their gradients they need 596.14 GiB (weights 298.07 GiB, gradients 298.07 GiB);") !=
         std::string::npos);
   // Fits: 1.3 TiB available. Unknown availability (-1): no check.
   CHECK(error_of([&] { check_weights_fit(c, 1300 * gib); }) == "no error");
@@ -280,7 +280,7 @@ TEST_CASE("weights that cannot fit are refused before any is allocated, with the
   const Config sgd = parse_config(kSmall, "small.yaml",
                                   {"model.input=[200000]", "model.layers.0.out=200000", "optimizer.momentum=0"});
   const std::string s = error_of([&] { check_weights_fit(sgd, 64 * gib); });
-  CHECK(s.find("they need 298.1 GiB (weights 149.0 GiB, gradients 149.0 GiB)") != std::string::npos);
+  CHECK(s.find("they need 298.07 GiB (weights 149.04 GiB, gradients 149.04 GiB)") != std::string::npos);
   CHECK(s.find("float64") == std::string::npos);
   CHECK(s.find("optimizer") == std::string::npos);
 }
