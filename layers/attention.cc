@@ -15,11 +15,12 @@ enum Child { kQkv, kProj, kDrop, kChildren };
 
 Context* child(Context* ctx, Child i) { return ctx != nullptr ? &ctx->children[i] : nullptr; }
 
-LinearOptions projection(const AttentionOptions& o, int64_t out, uint64_t seed) {
+LinearOptions projection(const AttentionOptions& o, int64_t out, uint64_t seed, TensorSplit split) {
   LinearOptions l(o.dim, out);
   l.leading = {o.seq_len};
   l.dtype = o.dtype;
   l.seed = seed;
+  l.split = split;
   return l;
 }
 
@@ -40,6 +41,11 @@ const AttentionOptions& checked(const AttentionOptions& o) {
     throw UserError("attention: " + std::to_string(o.dim) + " channels do not split into " +
                     std::to_string(o.heads) + " heads; choose heads that divide the embedding dim");
   }
+  if (o.shard.rank < 0 || o.shard.rank >= o.shard.size || o.heads % o.shard.size != 0) {
+    throw UserError("attention: " + std::to_string(o.heads) + " heads do not split over a tensor group of " +
+                    std::to_string(o.shard.size) + "; make heads a multiple of the group's size or split over fewer "
+                    "devices");
+  }
   return o;
 }
 
@@ -48,8 +54,9 @@ const AttentionOptions& checked(const AttentionOptions& o) {
 CausalSelfAttention::CausalSelfAttention(const AttentionOptions& opts)
     : Layer({opts.seq_len, opts.dim}, {opts.seq_len, opts.dim}, opts.dtype),
       opts_(checked(opts)),
-      qkv_(projection(opts, 3 * opts.dim, mix_seed(opts.seed, 1))),
-      proj_(projection(opts, opts.dim, mix_seed(opts.seed, 2))),
+      // Split by heads: q, k and v are three parts of the qkv projection's outputs.
+      qkv_(projection(opts, 3 * opts.dim, mix_seed(opts.seed, 1), opts.shard.as(TensorSplitKind::kColumn, 3))),
+      proj_(projection(opts, opts.dim, mix_seed(opts.seed, 2), opts.shard.as(TensorSplitKind::kRow))),
       drop_(dropout_options(opts)) {
   for (Parameter* p : qkv_.parameters()) p->name = "qkv." + p->name;
   for (Parameter* p : proj_.parameters()) p->name = "proj." + p->name;
@@ -59,8 +66,14 @@ std::string CausalSelfAttention::describe() const {
   std::ostringstream os;
   os << "attention(" << opts_.dim << ", " << opts_.heads << " heads";
   if (opts_.dropout > 0) os << ", dropout " << opts_.dropout;
+  if (opts_.shard.split()) os << ", member " << opts_.shard.rank << "/" << opts_.shard.size;
   os << ")";
   return os.str();
+}
+
+void CausalSelfAttention::set_collectives(TensorCollectives* group) {
+  qkv_.set_collectives(group);
+  proj_.set_collectives(group);
 }
 
 std::vector<Parameter*> CausalSelfAttention::parameters() {
@@ -114,7 +127,9 @@ LayerCost fused_attention_core_cost(int64_t batch, int64_t seq_len, int64_t dim,
 }
 
 LayerCost CausalSelfAttention::cost(int64_t batch) const {
-  const LayerCost core = attention_core_cost(batch, opts_.seq_len, opts_.dim, opts_.heads, dtype_);
+  // This member's heads.
+  const LayerCost core = attention_core_cost(batch, opts_.seq_len, opts_.dim / opts_.shard.size,
+                                             opts_.heads / opts_.shard.size, dtype_);
   LayerCost c;
   c += qkv_.cost(batch);
   c += core;
@@ -129,7 +144,8 @@ LayerCost CausalSelfAttention::cost(int64_t batch) const {
 }
 
 Tensor CausalSelfAttention::forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) {
-  const int64_t B = x.size(0), T = opts_.seq_len, C = opts_.dim, H = opts_.heads;
+  // This member's heads and channels (all of them unsplit).
+  const int64_t B = x.size(0), T = opts_.seq_len, C = opts_.dim / opts_.shard.size, H = opts_.heads / opts_.shard.size;
   if (ctx != nullptr) ctx->children.assign(kChildren, Context{});
   Tensor qkv = qkv_.forward(be, x, child(ctx, kQkv), args);  // (B, T, 3C)
   Tensor probs = be.empty({B, H, T, T}, dtype_);             // (B, H, T, T)
@@ -146,7 +162,7 @@ Tensor CausalSelfAttention::backward_input_impl(Backend& be, const Tensor& dy, C
   Tensor g = drop_.backward_input(be, dy, ctx.children.at(kDrop));   // (B, T, C)
   Tensor datt = proj_.backward_input(be, g, ctx.children.at(kProj));  // (B, T, C)
   Tensor dqkv = be.empty(qkv.shape(), dtype_);                        // (B, T, 3C)
-  be.attention_backward(datt, qkv, probs, static_cast<int>(opts_.heads), dqkv);
+  be.attention_backward(datt, qkv, probs, static_cast<int>(opts_.heads / opts_.shard.size), dqkv);
   Tensor dx = qkv_.backward_input(be, dqkv, ctx.children.at(kQkv), need_dx);
   // W needs only the projections' contexts: the scores (B, H, T, T) can go now.
   ctx.saved.clear();

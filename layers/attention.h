@@ -7,6 +7,7 @@
 #include "layers/dropout.h"
 #include "layers/layer.h"
 #include "layers/linear.h"
+#include "layers/tensor_parallel.h"
 
 namespace gpipe {
 namespace layers {
@@ -17,6 +18,11 @@ struct AttentionOptions {
   double dropout = 0.0;  // on the output projection (GPT-2's resid_pdrop)
   DType dtype = DType::kF32;
   uint64_t seed = 0;
+  // Split by heads over a tensor group (Megatron's): member r keeps heads [r H/T,
+  // (r+1) H/T), its blocks of q, k and v (the qkv projection column-parallel) and of the
+  // output projection's inputs (row-parallel: the partial outputs summed, then the bias
+  // and the dropout, whose mask is every member's alike). Input and output are whole.
+  TensorShard shard;
 };
 
 // The counts of Backend::attention and attention_backward on a (B, T, 3C) fused
@@ -39,6 +45,7 @@ class CausalSelfAttention : public Layer {
   // "qkv.weight", "qkv.bias", "proj.weight", "proj.bias".
   std::vector<Parameter*> parameters() override;
   bool splits_backward() const override { return true; }  // the projections' weight gradients
+  void set_collectives(TensorCollectives* group) override;
 
  private:
   Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;

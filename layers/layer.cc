@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "layers/tensor_parallel.h"
 #include "runtime/error.h"
 #include "runtime/heartbeat.h"
 #include "runtime/random.h"
@@ -357,6 +358,56 @@ Parameter Layer::make_parameter(const std::string& name, const Shape& shape, dou
   if (is_narrow(dtype_)) {
     p.working = be.empty(shape, dtype_);
     p.refresh(be);
+  }
+  return p;
+}
+
+// Block `rank` of `count` along `dim` (of each of `groups` parts of it) of the values
+// fill_uniform(whole, bound, seed) draws: each run of the block that is contiguous in
+// the whole tensor, from its place in the stream.
+void fill_uniform_block(Tensor& t, double bound, uint64_t seed, const Shape& whole, int dim, int rank, int count,
+                        int groups) {
+  const bool f32 = t.dtype() == DType::kF32;
+  GPIPE_CHECK(f32 || t.dtype() == DType::kF64, "fill_uniform_block of " + t.str());
+  int64_t outer = 1, inner = 1;
+  for (int d = 0; d < dim; ++d) outer *= whole[d];
+  for (size_t d = static_cast<size_t>(dim) + 1; d < whole.size(); ++d) inner *= whole[d];
+  const int64_t part = whole[dim] / groups;  // a part's extent along dim
+  const int64_t run = part / count * inner;   // the block's contiguous run in each part of each outer slice
+  int64_t i = 0;                              // the next element of t
+  for (int64_t o = 0; o < outer; ++o) {
+    for (int g = 0; g < groups; ++g) {
+      Rng rng(seed);
+      rng.discard(static_cast<uint64_t>((o * whole[dim] + g * part) * inner + rank * run));
+      for (int64_t j = 0; j < run; ++j, ++i) {
+        const double v = rng.uniform(-bound, bound);
+        if (f32) {
+          t.data<float>()[i] = static_cast<float>(v);
+        } else {
+          t.data<double>()[i] = v;
+        }
+      }
+    }
+  }
+}
+
+Parameter Layer::make_parameter_block(const std::string& name, const Shape& whole, int dim, int rank, int count,
+                                      int groups, double bound, uint64_t seed) {
+  GPIPE_CHECK(dim >= 0 && dim < static_cast<int>(whole.size()) && count >= 1 && rank >= 0 && rank < count &&
+                  groups >= 1 && whole[dim] % groups == 0,
+              name + ": no block " + std::to_string(rank) + " of " + std::to_string(count) + " along dimension " +
+                  std::to_string(dim) + " of " + shape_str(whole) + " in " + std::to_string(groups) + " parts");
+  Shape shape = whole;
+  shape[dim] = groups * block_length(whole[dim] / groups, count, "parameter '" + name + "' " + shape_str(whole));
+  Parameter p = make_parameter(name, shape, 0.0, 0);  // the dtype checks, a zero gradient, the working copy
+  p.shard_dim = dim;
+  p.shard_rank = rank;
+  p.shard_count = count;
+  p.shard_groups = groups;
+  p.whole = whole;
+  if (p.value.defined() && !p.value.is_meta()) {
+    fill_uniform_block(p.value, bound, seed, whole, dim, rank, count, groups);
+    p.refresh(backend_for(Device::cpu()));
   }
   return p;
 }

@@ -29,6 +29,16 @@ struct Parameter {
   Tensor working;
   // What a layer computes with: the working copy, or value itself.
   const Tensor& compute() const { return working.defined() ? working : value; }
+  // A tensor-parallel layer's shard of a whole parameter (layers/tensor_parallel.h):
+  // value is block `shard_rank` of `shard_count` equal blocks along dimension
+  // `shard_dim` of a tensor shaped `whole`, initialised as that block of the whole
+  // tensor's values. shard_dim -1: the whole parameter (on every member of a split
+  // layer's group, a replica).
+  // With shard_groups > 1 the dimension is that many equal parts side by side, and value
+  // holds block shard_rank of each part (TensorSplit::groups).
+  int shard_dim = -1;
+  int shard_rank = 0, shard_count = 1, shard_groups = 1;
+  Shape whole;
   // Rounds value into the working copy (nothing without one), on `be`'s stream.
   void refresh(Backend& be) {
     if (working.defined()) be.cast(value, working);
@@ -154,6 +164,8 @@ struct ForwardArgs {
 // replicas.
 using ReplicaSum = std::function<void(std::vector<double>& values)>;
 
+class TensorCollectives;  // layers/tensor_parallel.h
+
 class Layer {
  public:
   virtual ~Layer() = default;
@@ -204,6 +216,10 @@ class Layer {
   void end_step(Backend& be, const ReplicaSum& replicas = {}) { end_step_impl(be, replicas); }
   // Moves parameters (and fresh zero gradients) to `device`.
   void to(Device device);
+  // The tensor group a layer split over its stage's devices sums over (not owned;
+  // layers/tensor_parallel.h). Nothing for a layer that is not split; a composite
+  // layer passes it to its split parts.
+  virtual void set_collectives(TensorCollectives* /*group*/) {}
   Device device() const { return device_; }
   DType dtype() const { return dtype_; }              // parameters and output
   DType input_dtype() const { return input_dtype_; }  // int32 for token ids
@@ -231,6 +247,11 @@ class Layer {
   // narrow storage type (bfloat16, float16) value and gradient are float32, initialised as a
   // float32 layer's, and the working copy is value rounded.
   Parameter make_parameter(const std::string& name, const Shape& shape, double bound, uint64_t seed);
+  // Block `rank` of `count` along dimension `dim` of the parameter make_parameter would
+  // make shaped `whole` (of each of `groups` equal parts of that dimension): the same
+  // values, drawn for this block only (Parameter::shard_dim).
+  Parameter make_parameter_block(const std::string& name, const Shape& whole, int dim, int rank, int count,
+                                 int groups, double bound, uint64_t seed);
   // The same, every element `value` (a norm's scale 1 or shift 0).
   Parameter constant_parameter(const std::string& name, const Shape& shape, double value);
 

@@ -13,21 +13,70 @@ Shape with_last(Shape leading, int64_t last) {
   leading.push_back(last);
   return leading;
 }
+
+// The features a member of a split layer takes in or gives out (checked: positive and,
+// where split, a multiple of the group's size).
+int64_t features_here(const LinearOptions& o, bool input) {
+  if (o.in <= 0 || o.out <= 0) {
+    throw UserError("linear: in and out must be positive, got in=" + std::to_string(o.in) + ", out=" + std::to_string(o.out));
+  }
+  if (!o.split.split()) return input ? o.in : o.out;
+  if (o.split.rank < 0 || o.split.rank >= o.split.size) {
+    throw UserError("linear: member " + std::to_string(o.split.rank) + " of a tensor group of " +
+                    std::to_string(o.split.size));
+  }
+  const bool column = o.split.kind == TensorSplitKind::kColumn;
+  const std::string what = "linear(" + std::to_string(o.in) + " -> " + std::to_string(o.out) + ") split by " +
+                           (column ? "output features (column-parallel)" : "input features (row-parallel)");
+  const int g = o.split.groups;
+  const int64_t split = column ? o.out : o.in;
+  if (g < 1 || split % g != 0) {
+    throw UserError(what + ": " + std::to_string(split) + " features are not " + std::to_string(g) + " equal parts");
+  }
+  const int64_t here = g * block_length(split / g, o.split.size, what);
+  if (column) return input ? o.in : here;
+  return input ? here : o.out;
+}
+
 }  // namespace
 
 Linear::Linear(const LinearOptions& opts)
-    : Layer(with_last(opts.leading, opts.in), with_last(opts.leading, opts.out), opts.dtype), opts_(opts) {
-  if (opts.in <= 0 || opts.out <= 0) {
-    throw UserError("linear: in and out must be positive, got in=" + std::to_string(opts.in) +
-                    ", out=" + std::to_string(opts.out));
-  }
+    : Layer(with_last(opts.leading, features_here(opts, true)), with_last(opts.leading, features_here(opts, false)),
+            opts.dtype),
+      opts_(opts) {
+  // The unsplit layer's bounds and seeds: a member's block holds the whole layer's values.
   const double fan_in = static_cast<double>(opts.in);
-  weight_ = make_parameter("weight", {opts.out, opts.in}, std::sqrt(6.0 / fan_in), mix_seed(opts.seed, 1));
-  if (opts.bias) bias_ = make_parameter("bias", {opts.out}, 1.0 / std::sqrt(fan_in), mix_seed(opts.seed, 2));
+  const double w_bound = std::sqrt(6.0 / fan_in), b_bound = 1.0 / std::sqrt(fan_in);
+  const TensorSplit& s = opts.split;
+  if (!s.split()) {
+    weight_ = make_parameter("weight", {opts.out, opts.in}, w_bound, mix_seed(opts.seed, 1));
+    if (opts.bias) bias_ = make_parameter("bias", {opts.out}, b_bound, mix_seed(opts.seed, 2));
+  } else if (s.kind == TensorSplitKind::kColumn) {  // W's rows and the bias split
+    weight_ = make_parameter_block("weight", {opts.out, opts.in}, 0, s.rank, s.size, s.groups, w_bound, mix_seed(opts.seed, 1));
+    if (opts.bias) bias_ = make_parameter_block("bias", {opts.out}, 0, s.rank, s.size, s.groups, b_bound, mix_seed(opts.seed, 2));
+  } else {  // W's columns split; the bias whole, added once after the sum
+    weight_ = make_parameter_block("weight", {opts.out, opts.in}, 1, s.rank, s.size, s.groups, w_bound, mix_seed(opts.seed, 1));
+    if (opts.bias) bias_ = make_parameter("bias", {opts.out}, b_bound, mix_seed(opts.seed, 2));
+  }
+}
+
+int64_t Linear::in_here() const { return input_shape_.back(); }
+int64_t Linear::out_here() const { return output_shape_.back(); }
+
+TensorCollectives& Linear::group() const {
+  if (group_ == nullptr || group_->size() != opts_.split.size || group_->rank() != opts_.split.rank) {
+    throw Error(describe() + " is split over a tensor group of " + std::to_string(opts_.split.size) +
+                " but was given " +
+                (group_ == nullptr ? std::string("none")
+                                   : "member " + std::to_string(group_->rank()) + " of " + std::to_string(group_->size())) +
+                " (Linear::set_collectives)");
+  }
+  return *group_;
 }
 
 std::string Linear::describe() const {
-  return "linear(" + std::to_string(opts_.in) + " -> " + std::to_string(opts_.out) + ")";
+  const std::string split = opts_.split.split() ? ", " + opts_.split.str() : "";
+  return "linear(" + std::to_string(opts_.in) + " -> " + std::to_string(opts_.out) + split + ")";
 }
 
 std::vector<Parameter*> Linear::parameters() {
@@ -37,7 +86,9 @@ std::vector<Parameter*> Linear::parameters() {
 
 LayerCost Linear::cost(int64_t batch) const {
   // b: rows of the matrix product.
-  const double b = static_cast<double>(batch * shape_numel(opts_.leading)), in = opts_.in, out = opts_.out;
+  // This member's share: its input and output features (all of them unsplit).
+  const double b = static_cast<double>(batch * shape_numel(opts_.leading)), in = static_cast<double>(in_here()),
+               out = static_cast<double>(out_here());
   const double es = static_cast<double>(dtype_size(dtype_));
   LayerCost c;
   c.forward_flops = 2 * b * in * out + (opts_.bias ? b * out : 0);
@@ -57,9 +108,12 @@ LayerCost Linear::cost(int64_t batch) const {
 }
 
 Tensor Linear::forward_impl(Backend& be, const Tensor& xin, Context* ctx, const ForwardArgs&) {
-  const Tensor x = xin.reshape({xin.numel() / opts_.in, opts_.in});  // (R, in)
-  Tensor y = be.empty({x.size(0), opts_.out}, dtype_);               // (R, out)
-  be.matmul_weight(x, false, weight_.compute(), true, y);                // x (R, in) @ W^T (in, out)
+  const int64_t in = in_here();
+  const Tensor x = xin.reshape({xin.numel() / in, in});  // (R, in)
+  Tensor y = be.empty({x.size(0), out_here()}, dtype_);  // (R, out)
+  be.matmul_weight(x, false, weight_.compute(), true, y);    // x (R, in) @ W^T (in, out)
+  // Row-parallel: each member's product is a partial sum over its input features.
+  if (opts_.split.split() && opts_.split.kind == TensorSplitKind::kRow) group().all_reduce_sum(be, y);
   if (opts_.bias) be.add_bias(y, bias_.compute());
   if (ctx != nullptr) ctx->saved = {x};
   Shape out{xin.size(0)};
@@ -70,11 +124,13 @@ Tensor Linear::forward_impl(Backend& be, const Tensor& xin, Context* ctx, const 
 // B: dx = dy W; dy joins the context for W.
 Tensor Linear::backward_input_impl(Backend& be, const Tensor& dyin, Context& ctx, bool need_dx) {
   const int64_t rows = ctx.saved.at(0).size(0);         // x: (R, in)
-  const Tensor dy = dyin.reshape({rows, opts_.out});     // (R, out)
+  const Tensor dy = dyin.reshape({rows, out_here()});    // (R, out)
   ctx.saved.push_back(dy);
   if (!need_dx) return Tensor();
-  Tensor dx = be.empty({dy.size(0), opts_.in}, dtype_);  // (R, in)
+  Tensor dx = be.empty({dy.size(0), in_here()}, dtype_);  // (R, in)
   be.matmul_weight(dy, false, weight_.compute(), false, dx); // dy (R, out) @ W (out, in)
+  // Column-parallel: each member's input gradient is a partial sum over its outputs.
+  if (opts_.split.split() && opts_.split.kind == TensorSplitKind::kColumn) group().all_reduce_sum(be, dx);
   Shape in{dyin.size(0)};
   in.insert(in.end(), input_shape_.begin(), input_shape_.end());
   return dx.reshape(in);

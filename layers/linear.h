@@ -6,6 +6,7 @@
 #pragma once
 
 #include "layers/layer.h"
+#include "layers/tensor_parallel.h"
 
 namespace gpipe {
 namespace layers {
@@ -17,6 +18,11 @@ struct LinearOptions {
   bool bias = true;
   DType dtype = DType::kF32;
   uint64_t seed = 0;
+  // Tensor parallelism (layers/tensor_parallel.h): this member's block of the layer
+  // whose whole sizes are in and out. Column: out / T output features, the whole
+  // input; row: in / T input features, the whole output (the bias whole on every
+  // member). The values are those blocks of the unsplit layer's.
+  TensorSplit split;
 };
 
 class Linear : public Layer {
@@ -29,14 +35,20 @@ class Linear : public Layer {
   bool splits_backward() const override { return true; }
   Parameter& weight() { return weight_; }
   Parameter& bias() { return bias_; }
+  // The group a split layer sums over (not owned; it outlives the layer's calls).
+  void set_collectives(TensorCollectives* group) override { group_ = group; }
 
  private:
   Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
   Tensor backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) override;
   void backward_weight_impl(Backend& be, Context& ctx) override;
   void backward_weight_batch_impl(Backend& be, const std::vector<Context*>& ctxs) override;
+  TensorCollectives& group() const;
+  int64_t in_here() const;   // the input features this member takes
+  int64_t out_here() const;  // the output features it computes
   LinearOptions opts_;
-  Parameter weight_;  // (out, in)
+  TensorCollectives* group_ = nullptr;
+  Parameter weight_;  // (out, in), or this member's block of it
   Parameter bias_;    // (out)
 };
 

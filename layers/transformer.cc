@@ -34,14 +34,16 @@ AttentionOptions attention(const TransformerBlockOptions& o) {
   a.dropout = o.dropout;
   a.dtype = o.dtype;
   a.seed = mix_seed(o.seed, 1);
+  a.shard = o.shard;
   return a;
 }
 
-LinearOptions fc(const TransformerBlockOptions& o, int64_t in, int64_t out, uint64_t seed) {
+LinearOptions fc(const TransformerBlockOptions& o, int64_t in, int64_t out, uint64_t seed, TensorSplitKind split) {
   LinearOptions l(in, out);
   l.leading = {o.seq_len};
   l.dtype = o.dtype;
   l.seed = seed;
+  l.split = o.shard.as(split);
   return l;
 }
 
@@ -64,9 +66,9 @@ TransformerBlock::TransformerBlock(const TransformerBlockOptions& opts)
       ln1_(norm(opts)),
       attn_(attention(opts)),
       ln2_(norm(opts)),
-      fc1_(fc(opts, opts.dim, opts.mlp_ratio * opts.dim, mix_seed(opts.seed, 2))),
-      gelu_({opts.seq_len, opts.mlp_ratio * opts.dim}, opts.dtype),
-      fc2_(fc(opts, opts.mlp_ratio * opts.dim, opts.dim, mix_seed(opts.seed, 3))),
+      fc1_(fc(opts, opts.dim, opts.mlp_ratio * opts.dim, mix_seed(opts.seed, 2), TensorSplitKind::kColumn)),
+      gelu_(fc1_.output_shape(), opts.dtype),  // the member's block of the hidden features
+      fc2_(fc(opts, opts.mlp_ratio * opts.dim, opts.dim, mix_seed(opts.seed, 3), TensorSplitKind::kRow)),
       drop_(dropout(opts)) {
   prefix(ln1_.parameters(), "ln1");
   prefix(attn_.parameters(), "attn");
@@ -79,8 +81,15 @@ std::string TransformerBlock::describe() const {
   std::ostringstream os;
   os << "transformer_block(" << opts_.dim << ", " << opts_.heads << " heads, mlp x" << opts_.mlp_ratio;
   if (opts_.dropout > 0) os << ", dropout " << opts_.dropout;
+  if (opts_.shard.split()) os << ", member " << opts_.shard.rank << "/" << opts_.shard.size;
   os << ")";
   return os.str();
+}
+
+void TransformerBlock::set_collectives(TensorCollectives* group) {
+  attn_.set_collectives(group);
+  fc1_.set_collectives(group);
+  fc2_.set_collectives(group);
 }
 
 std::vector<Parameter*> TransformerBlock::parameters() {

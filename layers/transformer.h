@@ -25,6 +25,11 @@ struct TransformerBlockOptions {
   double dropout = 0.0;  // after the attention projection and after fc2
   DType dtype = DType::kF32;
   uint64_t seed = 0;
+  // Split over a tensor group (Megatron's): the attention by heads, the MLP by its
+  // hidden features (fc1 column-parallel, GELU on the member's block, fc2 row-parallel);
+  // the layer norms and the residual stream whole on every member. Two sums forward
+  // (after attention's projection and after fc2), two backward.
+  TensorShard shard;
 };
 
 class TransformerBlock : public Layer {
@@ -36,6 +41,7 @@ class TransformerBlock : public Layer {
   // "ln1.weight", "attn.qkv.weight", ..., "fc2.bias", in forward order.
   std::vector<Parameter*> parameters() override;
   bool splits_backward() const override { return true; }  // attention's and the MLP's weight gradients
+  void set_collectives(TensorCollectives* group) override;
 
  private:
   Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;

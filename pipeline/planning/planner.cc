@@ -172,7 +172,9 @@ std::string CostSource::describe_sources() const {
                 cm_.bytes_probed ? " probed" : "", launch);
   if (path_.empty()) return rates;  // a device description: nothing was measured
   const auto entries = family();
-  if (entries.empty()) return std::string(rates) + "; no profile in " + path_ + " for this model and device";
+  if (entries.empty()) {
+    return std::string(rates) + "; no layer times in " + path_ + " for this model and device (`gpipe profile` measures them)";
+  }
   std::string sizes;
   for (const ProfileEntry* e : entries) sizes += (sizes.empty() ? "" : ", ") + std::to_string(e->key.micro_batch);
   const int measured = entries.front()->key.concurrency;

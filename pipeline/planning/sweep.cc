@@ -77,7 +77,7 @@ std::string why_lost(const Candidate& c, const Candidate& best) {
     std::snprintf(buf, sizeof buf, "slower ops: +%.0f%% compute per sample%s%s%s", 100 * (work - 1),
                   what.empty() ? "" : " (", what.c_str(), what.empty() ? "" : ")");
   } else if (devices >= idle) {
-    std::snprintf(buf, sizeof buf, "uses %d of %d devices", devices_used(c), devices_used(best));
+    std::snprintf(buf, sizeof buf, "uses %d devices, the recommended plan %d", devices_used(c), devices_used(best));
   } else if (c.run.bubble > best.run.bubble) {
     std::snprintf(buf, sizeof buf, "bubble %.2f vs %.2f", c.run.bubble, best.run.bubble);
   } else {

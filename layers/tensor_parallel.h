@@ -1,0 +1,68 @@
+// Tensor parallelism inside a stage (issue 38), Megatron-LM's way: a layer's weights are
+// split over the T members of its stage's tensor group, each member holding one shard
+// and computing its share; the group sums partial results where the split needs it.
+//
+//   column-parallel linear: W's rows (the output features) split; each member computes
+//     its block of the outputs from the whole input. Backward: each member's input
+//     gradient is a partial sum, added over the group.
+//   row-parallel linear: W's columns (the input features) split; each member takes its
+//     block of the input features and computes a partial output, added over the group
+//     before the (whole, replicated) bias. Backward: no sum (the output gradient is
+//     whole on every member).
+//
+// A column-parallel layer followed by elementwise work and a row-parallel layer (an MLP)
+// needs one sum forward and one backward: the blocks between them never leave their
+// member. The planner, the executor's placement of a stage on T devices and whole-by-name
+// checkpoints of the shards build on this (not yet: see docs/ARCHITECTURE.md).
+#pragma once
+
+#include <string>
+
+#include "kernels/backend.h"
+#include "runtime/tensor.h"
+
+namespace gpipe {
+namespace layers {
+
+enum class TensorSplitKind { kNone, kColumn, kRow };
+
+// How a linear layer is split over its stage's tensor group, and which member builds it.
+struct TensorSplit {
+  TensorSplitKind kind = TensorSplitKind::kNone;
+  int rank = 0;  // this member, 0 .. size - 1
+  int size = 1;  // T
+  // The split features are `groups` equal parts side by side, each split into `size`
+  // blocks; a member holds its block of each part (an attention's q, k and v: 3).
+  int groups = 1;
+  bool split() const { return kind != TensorSplitKind::kNone && size > 1; }
+  // "column 1/4", or "" for a layer that is not split.
+  std::string str() const;
+};
+
+// A composite layer's place in its stage's tensor group (an attention split by heads,
+// an MLP split by its hidden features): member `rank` of `size`; size 1: not split.
+struct TensorShard {
+  int rank = 0;
+  int size = 1;
+  bool split() const { return size > 1; }
+  TensorSplit as(TensorSplitKind kind, int groups = 1) const { return {kind, rank, size, groups}; }
+};
+
+// The sums a split layer asks of its tensor group. Every member calls them in the same
+// order with tensors of the same shape.
+class TensorCollectives {
+ public:
+  virtual ~TensorCollectives() = default;
+  virtual int size() const = 0;
+  virtual int rank() const = 0;
+  // `t` (on be's device) summed in place over the group, in member order: the same
+  // bits on every member whichever arrives first.
+  virtual void all_reduce_sum(Backend& be, Tensor& t) = 0;
+};
+
+// Element range [begin, begin + length) of block `rank` of `count` along a dimension of
+// `extent`: equal blocks; `what` names the split in the error when extent does not divide.
+int64_t block_length(int64_t extent, int count, const std::string& what);
+
+}  // namespace layers
+}  // namespace gpipe

@@ -1,0 +1,319 @@
+// Tensor parallelism inside a stage (issue 38, its first part: the split linear layers).
+// A member's block of a split layer holds exactly that block of the unsplit layer's
+// values; and a Megatron MLP (column-parallel linear, GELU on each member's block,
+// row-parallel linear) run by T threads, each member with its own block and the group's
+// sums between them, gives the unsplit MLP's output and input gradient on every member,
+// and each member's weight gradients are exactly its blocks of the unsplit ones: float64,
+// to 1e-12, for T = 1, 2, 4, with and without biases.
+#include <doctest/doctest.h>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "layers/activation.h"
+#include "layers/attention.h"
+#include "layers/transformer.h"
+#include "layers/linear.h"
+#include "layers/tensor_parallel.h"
+#include "runtime/error.h"
+#include "runtime/inprocess_replica_group.h"
+#include "tests/testing.h"
+
+using namespace gpipe;
+using namespace gpipe::layers;
+using gpipe::testing::compare;
+using gpipe::testing::random_tensor;
+using gpipe::testing::to_doubles;
+
+namespace {
+
+// The group's sums over threads of this process (runtime/inprocess_replica_group.h:
+// added in member order by the last to arrive).
+class ThreadCollectives : public TensorCollectives {
+ public:
+  ThreadCollectives(InProcessReplicaHub& hub, int me) : group_(hub, me) {}
+  int size() const override { return group_.size(); }
+  int rank() const override { return group_.rank(); }
+  void all_reduce_sum(Backend& be, Tensor& t) override {
+    be.synchronize();
+    group_.all_reduce_sum(t);
+  }
+
+ private:
+  InProcessReplicaGroup group_;
+};
+
+// Block `rank` of `count` along dimension `dim` of a 1-D or 2-D tensor (of each of
+// `groups` equal parts of that dimension), as doubles, in row-major order: written out
+// index by index, independently of the layers' block arithmetic.
+std::vector<double> block_of(const Tensor& t, int dim, int rank, int count, int groups = 1) {
+  const std::vector<double> v = to_doubles(t);
+  const int64_t rows = t.dim() == 1 ? t.size(0) : t.size(0), cols = t.dim() == 1 ? 1 : t.size(1);
+  const int64_t extent = dim == 0 ? rows : cols, part = extent / groups, len = part / count;
+  auto mine = [&](int64_t i) { return (i % part) / len == rank; };  // index i along dim
+  std::vector<double> out;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      if (mine(dim == 0 ? r : c)) out.push_back(v[static_cast<size_t>(r * cols + c)]);
+    }
+  }
+  return out;
+}
+
+void check_close(const std::vector<double>& got, const std::vector<double>& want, const std::string& what) {
+  CAPTURE(what);
+  REQUIRE(got.size() == want.size());
+  const auto r = compare(got, want, 1e-12, 1e-12);
+  CHECK_MESSAGE(r.ok, what << ": " << r.detail);
+}
+
+LinearOptions options(int64_t in, int64_t out, bool bias, uint64_t seed, TensorSplit split = {}) {
+  LinearOptions o(in, out);
+  o.leading = {2};  // (batch, 2, features): the rows are batch x 2
+  o.bias = bias;
+  o.dtype = DType::kF64;
+  o.seed = seed;
+  o.split = split;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("a member's block of a split linear layer holds that block of the unsplit layer's values") {
+  Linear whole(options(6, 8, true, 11));
+  for (int T : {2, 4}) {
+    for (int r = 0; r < T; ++r) {
+      CAPTURE(T);
+      CAPTURE(r);
+      Linear column(options(6, 8, true, 11, {TensorSplitKind::kColumn, r, T}));
+      CHECK(column.weight().value.shape() == Shape{8 / T, 6});
+      check_close(to_doubles(column.weight().value), block_of(whole.weight().value, 0, r, T), "column weight");
+      check_close(to_doubles(column.bias().value), block_of(whole.bias().value, 0, r, T), "column bias");
+      CHECK(column.weight().shard_dim == 0);
+      CHECK(column.weight().whole == Shape{8, 6});
+      Linear row(options(8, 6, true, 11, {TensorSplitKind::kRow, r, T}));
+      Linear row_whole(options(8, 6, true, 11));
+      CHECK(row.weight().value.shape() == Shape{6, 8 / T});
+      check_close(to_doubles(row.weight().value), block_of(row_whole.weight().value, 1, r, T), "row weight");
+      check_close(to_doubles(row.bias().value), to_doubles(row_whole.bias().value), "row bias (whole)");
+      CHECK(row.weight().shard_dim == 1);
+      CHECK(row.bias().shard_dim == -1);
+      CHECK(row.input_shape() == Shape{2, 8 / T});
+      CHECK(row.output_shape() == Shape{2, 6});
+      CHECK(row.describe() == "linear(8 -> 6, row " + std::to_string(r) + "/" + std::to_string(T) + ")");
+    }
+  }
+}
+
+TEST_CASE("a column- then row-parallel MLP on T threads equals the unsplit MLP, output and every gradient") {
+  const int64_t batch = 3, in = 6, hidden = 8, out = 5;
+  Backend& be = backend_for(Device::cpu());
+  const Tensor x = random_tensor({batch, 2, in}, DType::kF64, 1);
+  const Tensor dy = random_tensor({batch, 2, out}, DType::kF64, 2);
+  for (bool bias : {true, false}) {
+    // The unsplit MLP.
+    Linear up(options(in, hidden, bias, 21)), down(options(hidden, out, bias, 22));
+    Gelu gelu({2, hidden}, DType::kF64);
+    Context c1, c2, c3;
+    const Tensor h = up.forward(be, x, &c1);
+    const Tensor g = gelu.forward(be, h, &c2);
+    const Tensor y = down.forward(be, g, &c3);
+    const Tensor dg = down.backward(be, dy, c3);
+    const Tensor dh = gelu.backward(be, dg, c2);
+    const Tensor dx = up.backward(be, dh, c1);
+    for (int T : {1, 2, 4}) {
+      CAPTURE(bias);
+      CAPTURE(T);
+      InProcessReplicaHub hub(T, 30.0);
+      struct Member {
+        std::vector<double> y, dx, up_w, up_b, down_w, down_b;
+        std::string error;
+      };
+      std::vector<Member> got(static_cast<size_t>(T));
+      std::vector<std::thread> threads;
+      for (int r = 0; r < T; ++r) {
+        threads.emplace_back([&, r] {
+          Member& m = got[static_cast<size_t>(r)];
+          try {
+            ThreadCollectives group(hub, r);
+            Linear up_r(options(in, hidden, bias, 21, {TensorSplitKind::kColumn, r, T}));
+            Linear down_r(options(hidden, out, bias, 22, {TensorSplitKind::kRow, r, T}));
+            up_r.set_collectives(&group);
+            down_r.set_collectives(&group);
+            Gelu gelu_r({2, hidden / T}, DType::kF64);  // elementwise, on the member's block
+            Context k1, k2, k3;
+            const Tensor hr = up_r.forward(be, x, &k1);
+            const Tensor gr = gelu_r.forward(be, hr, &k2);
+            m.y = to_doubles(down_r.forward(be, gr, &k3));
+            const Tensor dgr = down_r.backward(be, dy, k3);
+            const Tensor dhr = gelu_r.backward(be, dgr, k2);
+            m.dx = to_doubles(up_r.backward(be, dhr, k1));
+            m.up_w = to_doubles(up_r.weight().grad);
+            m.down_w = to_doubles(down_r.weight().grad);
+            if (bias) {
+              m.up_b = to_doubles(up_r.bias().grad);
+              m.down_b = to_doubles(down_r.bias().grad);
+            }
+          } catch (const std::exception& e) {
+            m.error = e.what();
+          }
+        });
+      }
+      for (auto& t : threads) t.join();
+      for (int r = 0; r < T; ++r) {
+        CAPTURE(r);
+        const Member& m = got[static_cast<size_t>(r)];
+        REQUIRE(m.error.empty());
+        check_close(m.y, to_doubles(y), "output (every member: the row layer's sum)");
+        check_close(m.dx, to_doubles(dx), "input gradient (every member: the column layer's sum)");
+        check_close(m.up_w, block_of(up.weight().grad, 0, r, T), "column layer's weight gradient");
+        check_close(m.down_w, block_of(down.weight().grad, 1, r, T), "row layer's weight gradient");
+        if (bias) {
+          check_close(m.up_b, block_of(up.bias().grad, 0, r, T), "column layer's bias gradient");
+          check_close(m.down_b, to_doubles(down.bias().grad), "row layer's bias gradient (whole)");
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("a split that does not divide, and a split layer without its group, are refused by name") {
+  CHECK_THROWS_WITH_AS(Linear(options(6, 7, true, 1, {TensorSplitKind::kColumn, 0, 2})),
+                       doctest::Contains("linear(6 -> 7) split by output features (column-parallel): 7 does not "
+                                         "split into 2 equal blocks"),
+                       UserError);
+  CHECK_THROWS_WITH_AS(Linear(options(6, 8, true, 1, {TensorSplitKind::kRow, 0, 4})),
+                       doctest::Contains("6 does not split into 4 equal blocks"), UserError);
+  Linear row(options(8, 6, true, 1, {TensorSplitKind::kRow, 1, 2}));
+  Backend& be = backend_for(Device::cpu());
+  const Tensor x = random_tensor({1, 2, 4}, DType::kF64, 3);
+  CHECK_THROWS_WITH_AS(row.forward(be, x, nullptr),
+                       doctest::Contains("linear(8 -> 6, row 1/2) is split over a tensor group of 2 but was given none"),
+                       Error);
+}
+
+// T members of a split layer (make(shard)) on threads, each with its own block and the
+// group's sums, against the unsplit layer (make({})) on the same input and output
+// gradient: the output and the input gradient on every member, and each parameter's
+// gradient as its block of the unsplit one (Parameter::shard_dim .. shard_groups: the
+// block's place, which the tests of each layer pin down by name), float64 to 1e-12.
+template <typename Make>
+void check_split_equals_whole(Make make, const Tensor& x, const Tensor& dy, const ForwardArgs& args) {
+  Backend& be = backend_for(Device::cpu());
+  auto whole = make(TensorShard{});
+  Context c;
+  const Tensor y = whole->forward(be, x, &c, args);
+  const Tensor dx = whole->backward(be, dy, c);
+  const std::vector<Parameter*> wp = whole->parameters();
+  for (int T : {1, 2, 4}) {
+    CAPTURE(T);
+    InProcessReplicaHub hub(T, 30.0);
+    struct Member {
+      std::vector<double> y, dx;
+      std::vector<std::vector<double>> grads, want;
+      std::vector<std::string> names;
+      std::string error;
+    };
+    std::vector<Member> got(static_cast<size_t>(T));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < T; ++r) {
+      threads.emplace_back([&, r] {
+        Member& m = got[static_cast<size_t>(r)];
+        try {
+          ThreadCollectives group(hub, r);
+          auto mine = make(TensorShard{r, T});
+          mine->set_collectives(&group);
+          Context k;
+          m.y = to_doubles(mine->forward(be, x, &k, args));
+          m.dx = to_doubles(mine->backward(be, dy, k));
+          const std::vector<Parameter*> ps = mine->parameters();
+          if (ps.size() != wp.size()) throw std::runtime_error("the split layer has other parameters");
+          for (size_t i = 0; i < ps.size(); ++i) {
+            const Parameter& p = *ps[i];
+            m.names.push_back(p.name);
+            m.grads.push_back(to_doubles(p.grad));
+            m.want.push_back(p.shard_dim < 0 ? to_doubles(wp[i]->grad)
+                                             : block_of(wp[i]->grad, p.shard_dim, p.shard_rank, p.shard_count,
+                                                        p.shard_groups));
+          }
+        } catch (const std::exception& e) {
+          m.error = e.what();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < T; ++r) {
+      CAPTURE(r);
+      const Member& m = got[static_cast<size_t>(r)];
+      REQUIRE(m.error.empty());
+      check_close(m.y, to_doubles(y), "output");
+      check_close(m.dx, to_doubles(dx), "input gradient");
+      for (size_t i = 0; i < m.grads.size(); ++i) check_close(m.grads[i], m.want[i], m.names[i] + "'s gradient");
+    }
+  }
+}
+
+// Where each split parameter's block lies, by name: {name, dim, groups}; every other
+// parameter whole.
+void check_blocks(Layer& layer, const std::vector<std::tuple<std::string, int, int>>& split) {
+  for (Parameter* p : layer.parameters()) {
+    CAPTURE(p->name);
+    int dim = -1, groups = 1;
+    for (const auto& [name, d, g] : split) {
+      if (name == p->name) dim = d, groups = g;
+    }
+    CHECK(p->shard_dim == dim);
+    if (dim >= 0) CHECK(p->shard_groups == groups);
+  }
+}
+
+// Attention split by heads (Megatron's ParallelAttention): dropout on, in training, so
+// every member must draw the unsplit layer's mask on the whole output.
+TEST_CASE("attention split by heads on T threads equals the unsplit attention, output and every gradient") {
+  const int64_t batch = 2, seq = 3, dim = 8, heads = 4;
+  ForwardArgs args;
+  args.step = 7;
+  args.sample_offset = 3;
+  auto make = [&](TensorShard shard) {
+    AttentionOptions o(dim, heads, seq);
+    o.dropout = 0.25;
+    o.dtype = DType::kF64;
+    o.seed = 31;
+    o.shard = shard;
+    return std::make_unique<CausalSelfAttention>(o);
+  };
+  check_split_equals_whole(make, random_tensor({batch, seq, dim}, DType::kF64, 4),
+                           random_tensor({batch, seq, dim}, DType::kF64, 5), args);
+  // Its heads' rows of q, k and v; their columns of the output projection; its bias whole.
+  check_blocks(*make({1, 2}), {{"qkv.weight", 0, 3}, {"qkv.bias", 0, 3}, {"proj.weight", 1, 1}});
+  CHECK_THROWS_WITH_AS(make({0, 3}), doctest::Contains("4 heads do not split over a tensor group of 3"), UserError);
+}
+
+// GPT's block (transformer_block): attention by heads, the MLP by its hidden features,
+// the layer norms whole; dropout on.
+TEST_CASE("a transformer block split over T threads equals the unsplit block, output and every gradient") {
+  const int64_t batch = 2, seq = 3, dim = 8, heads = 4;
+  ForwardArgs args;
+  args.step = 3;
+  auto make = [&](TensorShard shard) {
+    TransformerBlockOptions o(dim, heads, seq);
+    o.dropout = 0.1;
+    o.dtype = DType::kF64;
+    o.seed = 41;
+    o.shard = shard;
+    return std::make_unique<TransformerBlock>(o);
+  };
+  check_split_equals_whole(make, random_tensor({batch, seq, dim}, DType::kF64, 6),
+                           random_tensor({batch, seq, dim}, DType::kF64, 7), args);
+  check_blocks(*make({0, 4}), {{"attn.qkv.weight", 0, 3},
+                               {"attn.qkv.bias", 0, 3},
+                               {"attn.proj.weight", 1, 1},
+                               {"fc1.weight", 0, 1},
+                               {"fc1.bias", 0, 1},
+                               {"fc2.weight", 1, 1}});
+}
