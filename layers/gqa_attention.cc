@@ -37,6 +37,14 @@ const GqaAttentionOptions& checked(const GqaAttentionOptions& o) {
                     std::to_string(o.dim / o.heads) + " (dim " + std::to_string(o.dim) + " / " +
                     std::to_string(o.heads) + " heads) is odd; choose dim and heads with an even dim / heads");
   }
+  const int members = o.shard.size;
+  if (o.shard.rank < 0 || o.shard.rank >= members || o.heads % members != 0 || o.kv_heads % members != 0) {
+    throw UserError(what + std::to_string(o.heads) + " heads and " + std::to_string(o.kv_heads) +
+                    " kv heads do not both split over a tensor group of " + std::to_string(members) +
+                    "; each member keeps whole key/value heads and the query heads they serve: make kv_heads a "
+                    "multiple of the group's size (key/value heads replicated over a larger group are not built "
+                    "yet) or split over fewer devices");
+  }
   if (o.rope && !(o.rope_base > 1.0)) {
     throw UserError(what + "rope_base must be greater than 1, got " + std::to_string(o.rope_base) +
                     "; LLaMA uses 10000");
@@ -44,13 +52,19 @@ const GqaAttentionOptions& checked(const GqaAttentionOptions& o) {
   return o;
 }
 
-LinearOptions projection(const GqaAttentionOptions& o, int64_t out, uint64_t seed) {
+LinearOptions projection(const GqaAttentionOptions& o, int64_t out, uint64_t seed, TensorSplit split) {
   LinearOptions l(o.dim, out);
   l.leading = {o.seq_len};
   l.bias = false;
   l.dtype = o.dtype;
   l.seed = seed;
+  l.split = split;
   return l;
+}
+
+// q, k and v: column-parallel by heads, their input gradients summed once by the layer.
+TensorSplit by_heads(const GqaAttentionOptions& o) {
+  return o.shard.as(TensorSplitKind::kColumn, 1, /*sum_input_grad=*/false);
 }
 
 int64_t kv_width(const GqaAttentionOptions& o) { return o.heads > 0 ? o.kv_heads * (o.dim / o.heads) : 0; }
@@ -65,10 +79,10 @@ constexpr double kRopeFlopsPerElement = 41;
 GqaAttention::GqaAttention(const GqaAttentionOptions& opts)
     : Layer({opts.seq_len, opts.dim}, {opts.seq_len, opts.dim}, opts.dtype),
       opts_(checked(opts)),
-      q_(projection(opts, opts.dim, mix_seed(opts.seed, 1))),
-      k_(projection(opts, kv_width(opts), mix_seed(opts.seed, 2))),
-      v_(projection(opts, kv_width(opts), mix_seed(opts.seed, 3))),
-      o_(projection(opts, opts.dim, mix_seed(opts.seed, 4))) {
+      q_(projection(opts, opts.dim, mix_seed(opts.seed, 1), by_heads(opts))),
+      k_(projection(opts, kv_width(opts), mix_seed(opts.seed, 2), by_heads(opts))),
+      v_(projection(opts, kv_width(opts), mix_seed(opts.seed, 3), by_heads(opts))),
+      o_(projection(opts, opts.dim, mix_seed(opts.seed, 4), opts.shard.as(TensorSplitKind::kRow))) {
   q_.weight().name = "q.weight";
   k_.weight().name = "k.weight";
   v_.weight().name = "v.weight";
@@ -80,8 +94,14 @@ std::string GqaAttention::describe() const {
   os << "gqa_attention(" << opts_.dim << ", " << opts_.heads << " heads, " << opts_.kv_heads << " kv heads";
   if (!opts_.rope) os << ", no rope";
   if (opts_.rope && opts_.rope_base != 10000.0) os << ", rope base " << opts_.rope_base;
+  if (opts_.shard.split()) os << ", member " << opts_.shard.rank << "/" << opts_.shard.size;
   os << ")";
   return os.str();
+}
+
+void GqaAttention::set_collectives(TensorCollectives* group) {
+  group_ = group;
+  for (Linear* l : {&q_, &k_, &v_, &o_}) l->set_collectives(group);
 }
 
 std::vector<Parameter*> GqaAttention::parameters() {
@@ -90,9 +110,11 @@ std::vector<Parameter*> GqaAttention::parameters() {
 
 LayerCost GqaAttention::cost(int64_t batch) const {
   const double rows = static_cast<double>(batch * opts_.seq_len);
-  const double C = static_cast<double>(opts_.dim), KC = static_cast<double>(kv_width(opts_));
+  // This member's heads (all of them unsplit).
+  const int64_t members = opts_.shard.size, dim = opts_.dim / members;
+  const double C = static_cast<double>(dim), KC = static_cast<double>(kv_width(opts_) / members);
   const double es = static_cast<double>(dtype_size(dtype_));
-  const double n = rows * C;  // elements of x
+  const double n = rows * C;  // elements of x (of this member's channels, split)
   LayerCost c;
   c += q_.cost(batch);
   c += k_.cost(batch);
@@ -101,9 +123,9 @@ LayerCost GqaAttention::cost(int64_t batch) const {
   // What the context keeps: the fused path's where this layer's device runs it for its
   // dtype (the CPU's while the model is planned, before the executor moves the layer; the
   // planner's probe answers for the plan's devices itself).
-  c += fused_attention_available(device(), dtype_, C / opts_.heads)
-           ? fused_attention_core_cost(batch, opts_.seq_len, opts_.dim, opts_.heads, opts_.kv_heads, dtype_)
-           : attention_core_cost(batch, opts_.seq_len, opts_.dim, opts_.heads, dtype_);
+  c += fused_attention_available(device(), dtype_, opts_.dim / opts_.heads)
+           ? fused_attention_core_cost(batch, opts_.seq_len, dim, heads_here(), kv_heads_here(), dtype_)
+           : attention_core_cost(batch, opts_.seq_len, dim, heads_here(), dtype_);
   c += o_.cost(batch);
   // Forward: rope on q and k in place (read, write), pack_qkv (reads q, k, v, writes qkv).
   const double rotated = opts_.rope ? rows * (C + KC) : 0;
@@ -132,8 +154,9 @@ LayerCost GqaAttention::cost(int64_t batch) const {
 }
 
 Tensor GqaAttention::forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) {
-  const int64_t B = x.size(0), T = opts_.seq_len, C = opts_.dim;
-  const int H = static_cast<int>(opts_.heads), KV = static_cast<int>(opts_.kv_heads);
+  // This member's heads and channels (all of them unsplit).
+  const int64_t B = x.size(0), T = opts_.seq_len, C = opts_.dim / opts_.shard.size;
+  const int H = static_cast<int>(heads_here()), KV = static_cast<int>(kv_heads_here());
   if (ctx != nullptr) ctx->children.assign(kChildren, Context{});
   Tensor q = q_.forward(be, x, child(ctx, kQ), args);  // (B, T, C)
   Tensor k = k_.forward(be, x, child(ctx, kK), args);  // (B, T, KV D)
@@ -146,13 +169,13 @@ Tensor GqaAttention::forward_impl(Backend& be, const Tensor& x, Context* ctx, co
   if (be.has_fused_attention(dtype_, {B, T, H, KV, C / H})) {
     // Flash attention (a GPU's cuDNN, 16-bit): keeps q, k, v, the output and one
     // log-sum-exp per row and head, not the probabilities; k and v are not repeated.
-    Tensor stats = be.empty({B, opts_.heads, T}, DType::kF32);  // (B, H, T)
+    Tensor stats = be.empty({B, H, T}, DType::kF32);  // (B, H, T)
     be.fused_attention(q, k, v, H, att, stats);
     if (ctx != nullptr) ctx->saved = {q, k, v, att, stats};
   } else {
     Tensor qkv = be.empty({B, T, 3 * C}, dtype_);  // (B, T, 3C), key/value heads repeated
     be.pack_qkv(q, k, v, H, qkv);
-    Tensor probs = be.empty({B, opts_.heads, T, T}, dtype_);  // (B, H, T, T)
+    Tensor probs = be.empty({B, H, T, T}, dtype_);  // (B, H, T, T)
     be.attention(qkv, H, probs, att);
     if (ctx != nullptr) ctx->saved = {qkv, probs};
   }
@@ -164,8 +187,9 @@ Tensor GqaAttention::backward_input_impl(Backend& be, const Tensor& dy, Context&
   const bool fused = ctx.saved.size() == 5;  // q, k, v, out, stats (forward's fused_attention)
   GPIPE_CHECK((fused || ctx.saved.size() == 2) && ch.size() == kChildren,
               describe() + ": backward without its forward");
-  const int H = static_cast<int>(opts_.heads), KV = static_cast<int>(opts_.kv_heads);
-  const int64_t B = ctx.saved[0].size(0), T = opts_.seq_len, C = opts_.dim, KC = kv_width(opts_);
+  const int H = static_cast<int>(heads_here()), KV = static_cast<int>(kv_heads_here());
+  const int64_t B = ctx.saved[0].size(0), T = opts_.seq_len, C = opts_.dim / opts_.shard.size,
+                KC = kv_width(opts_) / opts_.shard.size;
   const Tensor datt = o_.backward_input(be, dy, ch[kO]);  // (B, T, C)
   Tensor dq = be.empty({B, T, C}, dtype_);   // (B, T, C)
   Tensor dk = be.empty({B, T, KC}, dtype_);  // (B, T, KV D): each group's sum
@@ -191,6 +215,7 @@ Tensor GqaAttention::backward_input_impl(Backend& be, const Tensor& dy, Context&
   if (!need_dx) return Tensor();
   be.axpy(1.0, dx_k, dx);
   be.axpy(1.0, dx_v, dx);
+  opts_.shard.sum(be, group_, dx, describe());  // split: each member's share of dx, summed once
   return dx;
 }
 

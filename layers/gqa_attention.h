@@ -13,6 +13,7 @@
 
 #include "layers/layer.h"
 #include "layers/linear.h"
+#include "layers/tensor_parallel.h"
 
 namespace gpipe {
 namespace layers {
@@ -25,6 +26,11 @@ struct GqaAttentionOptions {
   double rope_base = 10000.0;  // theta_i = rope_base^(-2i/D)
   DType dtype = DType::kF32;
   uint64_t seed = 0;
+  // Split by heads over a tensor group (Megatron's): member r keeps query heads
+  // [r H/T, (r+1) H/T) and key/value heads [r KV/T, (r+1) KV/T), which serve exactly
+  // those query heads (KV a multiple of T); q, k and v column-parallel, o row-parallel.
+  // One sum forward (o's), one backward (the input gradients of q, k and v, added first).
+  TensorShard shard;
 };
 
 class GqaAttention : public Layer {
@@ -35,6 +41,7 @@ class GqaAttention : public Layer {
   LayerCost cost(int64_t batch) const override;
   std::vector<Parameter*> parameters() override;  // q.weight, k.weight, v.weight, o.weight
   bool splits_backward() const override { return true; }
+  void set_collectives(TensorCollectives* group) override;
 
  private:
   Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
@@ -42,6 +49,9 @@ class GqaAttention : public Layer {
   void backward_weight_impl(Backend& be, Context& ctx) override;
   void backward_weight_batch_impl(Backend& be, const std::vector<Context*>& ctxs) override;
   GqaAttentionOptions opts_;
+  TensorCollectives* group_ = nullptr;
+  int64_t heads_here() const { return opts_.heads / opts_.shard.size; }
+  int64_t kv_heads_here() const { return opts_.kv_heads / opts_.shard.size; }
   Linear q_;  // (T, C) -> (T, C)
   Linear k_;  // (T, C) -> (T, KV D)
   Linear v_;  // (T, C) -> (T, KV D)

@@ -130,7 +130,9 @@ Tensor Linear::backward_input_impl(Backend& be, const Tensor& dyin, Context& ctx
   Tensor dx = be.empty({dy.size(0), in_here()}, dtype_);  // (R, in)
   be.matmul_weight(dy, false, weight_.compute(), false, dx); // dy (R, out) @ W (out, in)
   // Column-parallel: each member's input gradient is a partial sum over its outputs.
-  if (opts_.split.split() && opts_.split.kind == TensorSplitKind::kColumn) group().all_reduce_sum(be, dx);
+  if (opts_.split.split() && opts_.split.kind == TensorSplitKind::kColumn && opts_.split.sum_input_grad) {
+    group().all_reduce_sum(be, dx);
+  }
   Shape in{dyin.size(0)};
   in.insert(in.end(), input_shape_.begin(), input_shape_.end());
   return dx.reshape(in);

@@ -29,6 +29,7 @@ GqaAttentionOptions attention(const LlamaBlockOptions& o) {
   a.rope_base = o.rope_base;
   a.dtype = o.dtype;
   a.seed = mix_seed(o.seed, 1);
+  a.shard = o.shard;
   return a;
 }
 
@@ -37,6 +38,7 @@ SwiGLUOptions ffn(const LlamaBlockOptions& o) {
   f.leading = {o.seq_len};
   f.dtype = o.dtype;
   f.seed = mix_seed(o.seed, 2);
+  f.shard = o.shard;
   return f;
 }
 
@@ -75,8 +77,14 @@ std::string LlamaBlock::describe() const {
   os << "llama_block(" << opts_.dim << ", " << opts_.heads << " heads, " << opts_.kv_heads << " kv heads, hidden "
      << opts_.hidden;
   if (opts_.dropout > 0) os << ", dropout " << opts_.dropout;
+  if (opts_.shard.split()) os << ", member " << opts_.shard.rank << "/" << opts_.shard.size;
   os << ")";
   return os.str();
+}
+
+void LlamaBlock::set_collectives(TensorCollectives* group) {
+  attn_.set_collectives(group);
+  ffn_.set_collectives(group);
 }
 
 std::vector<Parameter*> LlamaBlock::parameters() {

@@ -28,6 +28,10 @@ struct LlamaBlockOptions {
   double dropout = 0.0;  // on each branch's output, before its residual add
   DType dtype = DType::kF32;
   uint64_t seed = 0;
+  // Split over a tensor group (Megatron's): the attention by heads, the SwiGLU by its
+  // hidden features; the norms, the dropouts and the residual stream whole on every
+  // member. Two sums forward, two backward.
+  TensorShard shard;
 };
 
 class LlamaBlock : public Layer {
@@ -39,6 +43,7 @@ class LlamaBlock : public Layer {
   // "norm1.weight", "attn.q.weight", ..., "ffn.down.weight", in forward order.
   std::vector<Parameter*> parameters() override;
   bool splits_backward() const override { return true; }
+  void set_collectives(TensorCollectives* group) override;
 
  private:
   Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;

@@ -13,7 +13,7 @@ enum Child { kGate, kUp, kDown, kChildren };
 
 Context* child(Context* ctx, Child i) { return ctx != nullptr ? &ctx->children[i] : nullptr; }
 
-LinearOptions projection(const SwiGLUOptions& o, int64_t in, int64_t out, uint64_t seed) {
+LinearOptions projection(const SwiGLUOptions& o, int64_t in, int64_t out, uint64_t seed, TensorSplit split) {
   if (o.dim <= 0 || o.hidden <= 0) {
     throw UserError("swiglu: dim and hidden must be positive, got dim=" + std::to_string(o.dim) +
                     ", hidden=" + std::to_string(o.hidden));
@@ -23,6 +23,7 @@ LinearOptions projection(const SwiGLUOptions& o, int64_t in, int64_t out, uint64
   l.bias = false;
   l.dtype = o.dtype;
   l.seed = seed;
+  l.split = split;
   return l;
 }
 
@@ -44,23 +45,33 @@ constexpr double kGateForwardFlops = 30, kGateBackwardFlops = 36;
 SwiGLU::SwiGLU(const SwiGLUOptions& opts)
     : Layer(with_last(opts.leading, opts.dim), with_last(opts.leading, opts.dim), opts.dtype),
       opts_(opts),
-      gate_(projection(opts, opts.dim, opts.hidden, mix_seed(opts.seed, 1))),
-      up_(projection(opts, opts.dim, opts.hidden, mix_seed(opts.seed, 2))),
-      down_(projection(opts, opts.hidden, opts.dim, mix_seed(opts.seed, 3))) {
+      gate_(projection(opts, opts.dim, opts.hidden, mix_seed(opts.seed, 1),
+                       opts.shard.as(TensorSplitKind::kColumn, 1, /*sum_input_grad=*/false))),
+      up_(projection(opts, opts.dim, opts.hidden, mix_seed(opts.seed, 2),
+                     opts.shard.as(TensorSplitKind::kColumn, 1, /*sum_input_grad=*/false))),
+      down_(projection(opts, opts.hidden, opts.dim, mix_seed(opts.seed, 3), opts.shard.as(TensorSplitKind::kRow))) {
   gate_.weight().name = "gate.weight";
   up_.weight().name = "up.weight";
   down_.weight().name = "down.weight";
 }
 
 std::string SwiGLU::describe() const {
-  return "swiglu(" + std::to_string(opts_.dim) + ", hidden " + std::to_string(opts_.hidden) + ")";
+  const std::string member =
+      opts_.shard.split() ? ", member " + std::to_string(opts_.shard.rank) + "/" + std::to_string(opts_.shard.size) : "";
+  return "swiglu(" + std::to_string(opts_.dim) + ", hidden " + std::to_string(opts_.hidden) + member + ")";
+}
+
+void SwiGLU::set_collectives(TensorCollectives* group) {
+  group_ = group;
+  for (Linear* l : {&gate_, &up_, &down_}) l->set_collectives(group);
 }
 
 std::vector<Parameter*> SwiGLU::parameters() { return {&gate_.weight(), &up_.weight(), &down_.weight()}; }
 
 LayerCost SwiGLU::cost(int64_t batch) const {
   const double rows = static_cast<double>(batch * shape_numel(opts_.leading));
-  const double h = rows * static_cast<double>(opts_.hidden), n = rows * static_cast<double>(opts_.dim);
+  // This member's hidden features (all of them unsplit).
+  const double h = rows * static_cast<double>(opts_.hidden / opts_.shard.size), n = rows * static_cast<double>(opts_.dim);
   const double es = static_cast<double>(dtype_size(dtype_));
   LayerCost c;
   c += gate_.cost(batch);
@@ -108,6 +119,7 @@ Tensor SwiGLU::backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, 
   ctx.saved.clear();  // W needs only the projections' contexts
   if (!need_dx) return Tensor();
   be.axpy(1.0, dx_up, dx);
+  opts_.shard.sum(be, group_, dx, describe());  // split: each member's share of dx, summed once
   return dx;
 }
 

@@ -8,6 +8,7 @@
 #pragma once
 
 #include "layers/linear.h"
+#include "layers/tensor_parallel.h"
 
 namespace gpipe {
 namespace layers {
@@ -18,6 +19,10 @@ struct SwiGLUOptions {
   Shape leading;  // per-sample dimensions before the features, e.g. {T} for (T, C) inputs
   DType dtype = DType::kF32;
   uint64_t seed = 0;
+  // Split over a tensor group by the hidden features (Megatron's): gate and up
+  // column-parallel, down row-parallel; one sum forward (down's), one backward (the
+  // gate's and up's input gradients, added first).
+  TensorShard shard;
 };
 
 class SwiGLU : public Layer {
@@ -28,6 +33,7 @@ class SwiGLU : public Layer {
   LayerCost cost(int64_t batch) const override;
   std::vector<Parameter*> parameters() override;  // gate.weight, up.weight, down.weight
   bool splits_backward() const override { return true; }
+  void set_collectives(TensorCollectives* group) override;
 
  private:
   Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
@@ -35,6 +41,7 @@ class SwiGLU : public Layer {
   void backward_weight_impl(Backend& be, Context& ctx) override;
   void backward_weight_batch_impl(Backend& be, const std::vector<Context*>& ctxs) override;
   SwiGLUOptions opts_;
+  TensorCollectives* group_ = nullptr;
   Linear gate_;  // (*leading, dim) -> (*leading, hidden)
   Linear up_;    // (*leading, dim) -> (*leading, hidden)
   Linear down_;  // (*leading, hidden) -> (*leading, dim)

@@ -11,6 +11,17 @@ std::string TensorSplit::str() const {
          std::to_string(size);
 }
 
+void TensorShard::sum(Backend& be, TensorCollectives* group, Tensor& t, const std::string& who) const {
+  if (!split()) return;
+  if (group == nullptr || group->size() != size || group->rank() != rank) {
+    throw Error(who + " is split over a tensor group of " + std::to_string(size) + " but was given " +
+                (group == nullptr ? std::string("none")
+                                  : "member " + std::to_string(group->rank()) + " of " + std::to_string(group->size())) +
+                " (set_collectives)");
+  }
+  group->all_reduce_sum(be, t);
+}
+
 int64_t block_length(int64_t extent, int count, const std::string& what) {
   if (count < 1 || extent % count != 0) {
     throw UserError(what + ": " + std::to_string(extent) + " does not split into " + std::to_string(count) +

@@ -24,6 +24,8 @@
 namespace gpipe {
 namespace layers {
 
+class TensorCollectives;
+
 enum class TensorSplitKind { kNone, kColumn, kRow };
 
 // How a linear layer is split over its stage's tensor group, and which member builds it.
@@ -34,6 +36,10 @@ struct TensorSplit {
   // The split features are `groups` equal parts side by side, each split into `size`
   // blocks; a member holds its block of each part (an attention's q, k and v: 3).
   int groups = 1;
+  // Column-parallel: whether the layer sums its (partial) input gradient over the group
+  // itself; false where its caller adds it to other partial gradients first and sums
+  // once (a SwiGLU's gate and up, an attention's q, k and v).
+  bool sum_input_grad = true;
   bool split() const { return kind != TensorSplitKind::kNone && size > 1; }
   // "column 1/4", or "" for a layer that is not split.
   std::string str() const;
@@ -45,7 +51,12 @@ struct TensorShard {
   int rank = 0;
   int size = 1;
   bool split() const { return size > 1; }
-  TensorSplit as(TensorSplitKind kind, int groups = 1) const { return {kind, rank, size, groups}; }
+  TensorSplit as(TensorSplitKind kind, int groups = 1, bool sum_input_grad = true) const {
+    return {kind, rank, size, groups, sum_input_grad};
+  }
+  // `t`, a partial sum on each member (the inputs' gradient of column-parallel parts
+  // that left it to their caller), summed over the group; nothing when not split.
+  void sum(Backend& be, TensorCollectives* group, Tensor& t, const std::string& who) const;
 };
 
 // The sums a split layer asks of its tensor group. Every member calls them in the same

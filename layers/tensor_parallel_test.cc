@@ -18,6 +18,9 @@
 #include "layers/activation.h"
 #include "layers/attention.h"
 #include "layers/transformer.h"
+#include "layers/gqa_attention.h"
+#include "layers/llama_block.h"
+#include "layers/swiglu.h"
 #include "layers/linear.h"
 #include "layers/tensor_parallel.h"
 #include "runtime/error.h"
@@ -316,4 +319,62 @@ TEST_CASE("a transformer block split over T threads equals the unsplit block, ou
                                {"fc1.weight", 0, 1},
                                {"fc1.bias", 0, 1},
                                {"fc2.weight", 1, 1}});
+}
+
+// The LLaMA layers: grouped-query attention by heads (each member's key/value heads
+// serve exactly its query heads), SwiGLU by its hidden features, and the block with
+// its norms whole; rope on, the block's dropout on.
+TEST_CASE("the LLaMA layers split over T threads equal the unsplit layers, output and every gradient") {
+  const int64_t batch = 2, seq = 4, dim = 16, heads = 8, kv_heads = 4, hidden = 12;
+  ForwardArgs args;
+  args.step = 2;
+  args.sample_offset = 1;
+  const Tensor x = random_tensor({batch, seq, dim}, DType::kF64, 8);
+  const Tensor dy = random_tensor({batch, seq, dim}, DType::kF64, 9);
+  SUBCASE("gqa_attention") {
+    auto make = [&](TensorShard shard) {
+      GqaAttentionOptions o(dim, heads, seq);
+      o.kv_heads = kv_heads;
+      o.dtype = DType::kF64;
+      o.seed = 51;
+      o.shard = shard;
+      return std::make_unique<GqaAttention>(o);
+    };
+    check_split_equals_whole(make, x, dy, args);
+    check_blocks(*make({1, 4}), {{"q.weight", 0, 1}, {"k.weight", 0, 1}, {"v.weight", 0, 1}, {"o.weight", 1, 1}});
+    CHECK_THROWS_WITH_AS(make({0, 8}),
+                         doctest::Contains("8 heads and 4 kv heads do not both split over a tensor group of 8"),
+                         UserError);
+  }
+  SUBCASE("swiglu") {
+    auto make = [&](TensorShard shard) {
+      SwiGLUOptions o(dim, hidden);
+      o.leading = {seq};
+      o.dtype = DType::kF64;
+      o.seed = 52;
+      o.shard = shard;
+      return std::make_unique<SwiGLU>(o);
+    };
+    check_split_equals_whole(make, x, dy, args);
+    check_blocks(*make({0, 2}), {{"gate.weight", 0, 1}, {"up.weight", 0, 1}, {"down.weight", 1, 1}});
+  }
+  SUBCASE("llama_block") {
+    auto make = [&](TensorShard shard) {
+      LlamaBlockOptions o(dim, heads, hidden, seq);
+      o.kv_heads = kv_heads;
+      o.dropout = 0.1;
+      o.dtype = DType::kF64;
+      o.seed = 53;
+      o.shard = shard;
+      return std::make_unique<LlamaBlock>(o);
+    };
+    check_split_equals_whole(make, x, dy, args);
+    check_blocks(*make({3, 4}), {{"attn.q.weight", 0, 1},
+                                 {"attn.k.weight", 0, 1},
+                                 {"attn.v.weight", 0, 1},
+                                 {"attn.o.weight", 1, 1},
+                                 {"ffn.gate.weight", 0, 1},
+                                 {"ffn.up.weight", 0, 1},
+                                 {"ffn.down.weight", 1, 1}});
+  }
 }
