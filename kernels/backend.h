@@ -66,7 +66,7 @@ class Backend {
   // The CPU reference computes none (the widening is the reference); the CUDA backend
   // computes the products (cublasGemmEx) and the elementwise ops of backend_ops.inc
   // marked GPIPE_NARROW_OP.
-  //   kAxpy, kRope (rope and rope_backward): x and y of type t; kEmbedding (embedding):
+  //   kAxpy, kRope (rope and rope_backward): x and y of type t; kEmbedding (embedding, embedding_slice):
   //   table, pos and out of type t; the fused ops (kRmsNorm: rmsnorm and its two backward
   //   ops; kSwiglu: swiglu and swiglu_backward): their activations of type t, their
   //   per-row statistics and the weight gradient of the master type (float32).

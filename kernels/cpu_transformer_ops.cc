@@ -210,6 +210,49 @@ void CpuBackend::embedding_backward(const Tensor& ids, const Tensor& dout, Tenso
   });
 }
 
+void CpuBackend::embedding_slice(const Tensor& ids, const Tensor& table, int64_t first, int64_t vocab, Tensor& out) {
+  const ops::EmbeddingDims d = ops::check_embedding_slice(ids, table, first, vocab, out, "embedding_slice", "out");
+  const int64_t P = d.B * d.T, V = d.V, C = d.C;
+  check_id_range(ids, vocab);
+  dispatch_float(table, [&](auto* tag) {
+    using Real = std::remove_pointer_t<decltype(tag)>;
+    const int32_t* pid = ids.data<int32_t>();  // (B, T)
+    const Real* rows = table.data<Real>();     // (V, C): ids first .. first + V - 1
+    Real* po = out.data<Real>();               // (B, T, C)
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t row = static_cast<int64_t>(pid[p]) - first;
+      Real* o = po + p * C;
+      if (row >= 0 && row < V) {
+        std::copy(rows + row * C, rows + (row + 1) * C, o);
+      } else {
+        std::fill(o, o + C, Real(0));
+      }
+    }
+  });
+}
+
+void CpuBackend::embedding_slice_backward(const Tensor& ids, const Tensor& dout, int64_t first, int64_t vocab,
+                                          Tensor& dtable) {
+  const ops::EmbeddingDims d =
+      ops::check_embedding_slice(ids, dtable, first, vocab, dout, "embedding_slice_backward", "dout");
+  const int64_t P = d.B * d.T, V = d.V, C = d.C;
+  check_id_range(ids, vocab);
+  dispatch_float(dtable, [&](auto* tag) {
+    using Real = std::remove_pointer_t<decltype(tag)>;
+    const int32_t* pid = ids.data<int32_t>();
+    const Real* pd = dout.data<Real>();
+    Real* rows = dtable.data<Real>();
+    // In position order, as embedding_backward: a repeated id accumulates deterministically.
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t row = static_cast<int64_t>(pid[p]) - first;
+      if (row < 0 || row >= V) continue;
+      const Real* g = pd + p * C;
+      Real* dt = rows + row * C;
+      for (int64_t c = 0; c < C; ++c) dt[c] += g[c];
+    }
+  });
+}
+
 // ---- Layer normalisation.
 
 void CpuBackend::layernorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y,

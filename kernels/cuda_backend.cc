@@ -613,6 +613,40 @@ void CudaBackend::embedding_backward(const Tensor& ids, const Tensor& dout, Tens
   });
 }
 
+void CudaBackend::embedding_slice(const Tensor& ids, const Tensor& table, int64_t first, int64_t vocab,
+                                  Tensor& out) {
+  const ops::EmbeddingDims d =
+      ops::check_embedding_slice(ids, table, first, vocab, out, "embedding_slice", "out", /*narrow_ok=*/true);
+  check_on_device(ids, "embedding_slice");
+  check_on_device(table, "embedding_slice");
+  check_on_device(out, "embedding_slice");
+  DeviceGuard guard(device_.index);
+  cuda::ErrorSlot* error = defer_check(token_check("embedding_slice", ids, vocab));
+  dispatch_storage(table, [&](auto* tag) {
+    using Real = std::remove_pointer_t<decltype(tag)>;
+    cuda::embedding_slice(ids.data<int32_t>(), table.data<Real>(), out.data<Real>(), d.B, d.T, d.V, d.C, first, vocab,
+                          error, cuda_stream());
+  });
+}
+
+void CudaBackend::embedding_slice_backward(const Tensor& ids, const Tensor& dout, int64_t first, int64_t vocab,
+                                           Tensor& dtable) {
+  const ops::EmbeddingDims d =
+      ops::check_embedding_slice(ids, dtable, first, vocab, dout, "embedding_slice_backward", "dout");
+  check_on_device(ids, "embedding_slice_backward");
+  check_on_device(dout, "embedding_slice_backward");
+  check_on_device(dtable, "embedding_slice_backward");
+  DeviceGuard guard(device_.index);
+  const size_t bytes = cuda::embedding_backward_workspace_bytes(d.B * d.T, d.V, d.C, dtype_size(dtable.dtype()));
+  Tensor work = empty({static_cast<int64_t>((bytes + 3) / 4)}, DType::kI32);  // as embedding_backward's
+  cuda::ErrorSlot* error = defer_check(token_check("embedding_slice_backward", ids, vocab));
+  dispatch_float(dtable, [&](auto* tag) {
+    using Real = std::remove_pointer_t<decltype(tag)>;
+    cuda::embedding_slice_backward(ids.data<int32_t>(), dout.data<Real>(), dtable.data<Real>(), d.B, d.T, d.V, d.C,
+                                   first, vocab, bytes > 0 ? work.raw_data() : nullptr, bytes, error, cuda_stream());
+  });
+}
+
 void CudaBackend::layernorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, double eps, Tensor& y,
                             Tensor& mean, Tensor& rstd) {
   const ops::RowDims d = ops::check_layernorm(x, gamma, beta, eps, y, mean, rstd);

@@ -1291,6 +1291,40 @@ TEST_CASE("embedding forward equals the CPU bit for bit; backward to rounding (e
   }
 }
 
+// A vocabulary-parallel share (embedding_slice): the ids in rows [first, first + rows)
+// looked up, zeros for the rest; the backward adds only into those rows.
+TEST_CASE("embedding_slice equals the CPU: forward bit for bit, backward to rounding (exactly within a segment)") {
+  uint64_t seed = 1400;
+  for (DType dt : kFloatTypes) {
+    for (const EmbeddingDims& d : kEmbeddingDims) {
+      const int64_t parts = d.V >= 4 ? 4 : 1;
+      const int64_t rows = d.V / parts;
+      for (int64_t first = 0; first + rows <= d.V; first += rows) {
+        CAPTURE(dtype_name(dt));
+        CAPTURE(d.V);
+        CAPTURE(first);
+        Tensor ids = random_ids(d.B, d.T, static_cast<int>(d.V), seed++);
+        Tensor table = random_tensor({rows, d.C}, dt, seed++);
+        Tensor ids_g = to_gpu(ids);
+        Tensor out_c = Tensor::empty({d.B, d.T, d.C}, dt, Device::cpu()), out_g = gpu().empty({d.B, d.T, d.C}, dt);
+        cpu().embedding_slice(ids, table, first, d.V, out_c);
+        gpu().embedding_slice(ids_g, to_gpu(table), first, d.V, out_g);
+        CHECK(to_doubles(out_g) == to_doubles(out_c));
+        Tensor dout = random_tensor({d.B, d.T, d.C}, dt, seed++);
+        Tensor dtable0 = random_tensor({rows, d.C}, dt, seed++);
+        Tensor dtable_c = clone(dtable0), dtable_g = to_gpu(dtable0);
+        cpu().embedding_slice_backward(ids, dout, first, d.V, dtable_c);
+        gpu().embedding_slice_backward(ids_g, to_gpu(dout), first, d.V, dtable_g);
+        if (d.B * d.T <= 32) {
+          CHECK(to_doubles(dtable_g) == to_doubles(dtable_c));
+        } else {
+          EXPECT_CLOSE_TOL(dtable_g, dtable_c, reduction_tol(dt, d.B * d.T));
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("a token id outside the vocabulary is a UserError with the CPU's message, at the next synchronize") {
   const int64_t B = 3, T = 4, V = 5, C = 6;
   for (DType dt : kFloatTypes) {

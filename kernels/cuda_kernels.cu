@@ -566,37 +566,48 @@ __global__ void validate_token_ids_kernel(const int32_t* ids, int64_t positions,
   }
 }
 
-// out: (P, C) = table[ids[p]] + pos[p % seq] (pos may be nullptr), P = positions.
-// Grid-stride over the P * C outputs. An invalid id yields zeros (never a read out of
-// bounds) and is flagged once, by the thread of channel 0.
+// out: (P, C) = table[ids[p] - first] + pos[p % seq] (pos may be nullptr), P = positions;
+// table: rows [first, first + vocab) of a vocabulary of `total` (the whole table: first
+// 0, total vocab). Grid-stride over the P * C outputs. An id outside [0, total) yields
+// zeros (never a read out of bounds) and is flagged once, by the thread of channel 0; a
+// valid id outside the table's rows (embedding_slice) yields zeros.
 template <typename T>
 __global__ void embedding_kernel(const int32_t* ids, const T* table, const T* pos, T* out, int64_t positions,
-                                 int64_t seq, int64_t vocab, int64_t channels, ErrorSlot* error) {
+                                 int64_t seq, int64_t vocab, int64_t channels, int64_t first, int64_t total,
+                                 ErrorSlot* error) {
   // T: a storage type (Backend::computes_narrow): the sum in Wide<T>, rounded once.
   const int64_t n = positions * channels;
   GRID_STRIDE_LOOP(i, n) {
     const int64_t p = i / channels;
     const int64_t c = i - p * channels;
     const int32_t id = ids[p];
-    if (id < 0 || id >= vocab) {
+    if (id < 0 || id >= total) {
       if (c == 0) flag_error(error, p, id);
       out[i] = store_as<T>(Wide<T>(0));
       continue;
     }
-    const Wide<T> value = load(table[static_cast<int64_t>(id) * channels + c]);
+    const int64_t row = static_cast<int64_t>(id) - first;
+    if (row < 0 || row >= vocab) {
+      out[i] = store_as<T>(Wide<T>(0));
+      continue;
+    }
+    const Wide<T> value = load(table[row * channels + c]);
     out[i] = store_as<T>(pos != nullptr ? value + load(pos[(p % seq) * channels + c]) : value);
   }
 }
 
-// Sort input for embedding_backward: keys[p] = ids[p] when valid, else vocab (sorts
-// after every valid id and is skipped; the id is flagged); positions[p] = p.
-__global__ void embedding_sort_input_kernel(const int32_t* ids, int64_t n, int64_t vocab, unsigned* keys,
-                                            int32_t* positions, ErrorSlot* error) {
+// Sort input for embedding_backward: keys[p] = ids[p] - first when that is a row of the
+// table (rows [first, first + vocab) of a vocabulary of `total`), else vocab (sorts after
+// every row and is skipped); an id outside [0, total) is flagged; positions[p] = p.
+__global__ void embedding_sort_input_kernel(const int32_t* ids, int64_t n, int64_t vocab, int64_t first,
+                                            int64_t total, unsigned* keys, int32_t* positions, ErrorSlot* error) {
   GRID_STRIDE_LOOP(p, n) {
     const int32_t id = ids[p];
-    const bool valid = id >= 0 && id < vocab;
+    const bool valid = id >= 0 && id < total;
     if (!valid) flag_error(error, p, id);
-    keys[p] = valid ? static_cast<unsigned>(id) : static_cast<unsigned>(vocab);
+    const int64_t row = static_cast<int64_t>(id) - first;
+    const bool mine = valid && row >= 0 && row < vocab;
+    keys[p] = mine ? static_cast<unsigned>(row) : static_cast<unsigned>(vocab);
     positions[p] = static_cast<int32_t>(p);
   }
 }
@@ -1096,17 +1107,18 @@ void launch_validate_token_ids(const int32_t* ids, int64_t positions, int64_t vo
 
 template <typename T>
 void launch_embedding(const int32_t* ids, const T* table, const T* pos, T* out, int64_t batch, int64_t seq,
-                      int64_t vocab, int64_t channels, ErrorSlot* error, cudaStream_t stream) {
+                      int64_t vocab, int64_t channels, int64_t first, int64_t total, ErrorSlot* error,
+                      cudaStream_t stream) {
   const int64_t positions = batch * seq;
   check_positions(positions, "embedding");
   if (positions == 0) return;
   if (channels == 0) {
-    launch_validate_token_ids(ids, positions, vocab, error, stream);
+    launch_validate_token_ids(ids, positions, total, error, stream);
     return;
   }
   const int64_t n = positions * channels;
   embedding_kernel<T><<<elementwise_blocks(n), kThreads, 0, stream>>>(ids, table, pos, out, positions, seq, vocab,
-                                                                      channels, error);
+                                                                      channels, first, total, error);
   GPIPE_CHECK_LAUNCH();
 }
 
@@ -1143,8 +1155,8 @@ size_t embedding_workspace_bytes(int64_t positions, int64_t vocab, int64_t chann
 
 template <typename T>
 void launch_embedding_backward(const int32_t* ids, const T* dout, T* dtable, T* dpos, int64_t batch, int64_t seq,
-                               int64_t vocab, int64_t channels, void* workspace, size_t workspace_bytes,
-                               ErrorSlot* error, cudaStream_t stream) {
+                               int64_t vocab, int64_t channels, int64_t first, int64_t total, void* workspace,
+                               size_t workspace_bytes, ErrorSlot* error, cudaStream_t stream) {
   const int64_t positions = batch * seq;
   check_positions(positions, "embedding_backward");
   if (vocab >= static_cast<int64_t>(INT_MAX)) {
@@ -1152,7 +1164,7 @@ void launch_embedding_backward(const int32_t* ids, const T* dout, T* dtable, T* 
   }
   if (positions == 0) return;
   if (channels == 0) {
-    launch_validate_token_ids(ids, positions, vocab, error, stream);
+    launch_validate_token_ids(ids, positions, total, error, stream);
     return;
   }
   const size_t need = embedding_workspace_bytes(positions, vocab, channels, sizeof(T));
@@ -1174,8 +1186,8 @@ void launch_embedding_backward(const int32_t* ids, const T* dout, T* dtable, T* 
   T* head = reinterpret_cast<T*>(base + 4 * array + cub_bytes_needed);  // (segments, channels)
   T* cont = reinterpret_cast<T*>(base + 4 * array + cub_bytes_needed + partials);  // (segments, channels)
 
-  embedding_sort_input_kernel<<<elementwise_blocks(positions), kThreads, 0, stream>>>(ids, positions, vocab,
-                                                                                     keys_in, pos_in, error);
+  embedding_sort_input_kernel<<<elementwise_blocks(positions), kThreads, 0, stream>>>(ids, positions, vocab, first,
+                                                                                     total, keys_in, pos_in, error);
   GPIPE_CHECK_LAUNCH();
   // LSD radix sort is stable: equal keys keep their positions in increasing order.
   GPIPE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(cub_temp, cub_bytes, keys_in, keys_out, pos_in, pos_out,
@@ -1410,19 +1422,19 @@ void sum_squares(const double* x, int64_t n, double* workspace, double* result, 
 
 void embedding(const int32_t* ids, const float* table, const float* pos, float* out, int64_t batch,
                int64_t seq, int64_t vocab, int64_t channels, ErrorSlot* error, cudaStream_t stream) {
-  launch_embedding(ids, table, pos, out, batch, seq, vocab, channels, error, stream);
+  launch_embedding(ids, table, pos, out, batch, seq, vocab, channels, 0, vocab, error, stream);
 }
 void embedding(const int32_t* ids, const double* table, const double* pos, double* out, int64_t batch,
                int64_t seq, int64_t vocab, int64_t channels, ErrorSlot* error, cudaStream_t stream) {
-  launch_embedding(ids, table, pos, out, batch, seq, vocab, channels, error, stream);
+  launch_embedding(ids, table, pos, out, batch, seq, vocab, channels, 0, vocab, error, stream);
 }
 void embedding(const int32_t* ids, const BFloat16* table, const BFloat16* pos, BFloat16* out, int64_t batch,
                int64_t seq, int64_t vocab, int64_t channels, ErrorSlot* error, cudaStream_t stream) {
-  launch_embedding(ids, table, pos, out, batch, seq, vocab, channels, error, stream);
+  launch_embedding(ids, table, pos, out, batch, seq, vocab, channels, 0, vocab, error, stream);
 }
 void embedding(const int32_t* ids, const Half* table, const Half* pos, Half* out, int64_t batch, int64_t seq,
                int64_t vocab, int64_t channels, ErrorSlot* error, cudaStream_t stream) {
-  launch_embedding(ids, table, pos, out, batch, seq, vocab, channels, error, stream);
+  launch_embedding(ids, table, pos, out, batch, seq, vocab, channels, 0, vocab, error, stream);
 }
 
 size_t embedding_backward_workspace_bytes(int64_t positions, int64_t vocab, int64_t channels, size_t element_bytes) {
@@ -1431,15 +1443,37 @@ size_t embedding_backward_workspace_bytes(int64_t positions, int64_t vocab, int6
 void embedding_backward(const int32_t* ids, const float* dout, float* dtable, float* dpos, int64_t batch,
                         int64_t seq, int64_t vocab, int64_t channels, void* workspace, size_t workspace_bytes,
                         ErrorSlot* error, cudaStream_t stream) {
-  launch_embedding_backward(ids, dout, dtable, dpos, batch, seq, vocab, channels, workspace, workspace_bytes, error,
-                            stream);
+  launch_embedding_backward(ids, dout, dtable, dpos, batch, seq, vocab, channels, 0, vocab, workspace,
+                            workspace_bytes, error, stream);
 }
 void embedding_backward(const int32_t* ids, const double* dout, double* dtable, double* dpos, int64_t batch,
                         int64_t seq, int64_t vocab, int64_t channels, void* workspace, size_t workspace_bytes,
                         ErrorSlot* error, cudaStream_t stream) {
-  launch_embedding_backward(ids, dout, dtable, dpos, batch, seq, vocab, channels, workspace, workspace_bytes, error,
-                            stream);
+  launch_embedding_backward(ids, dout, dtable, dpos, batch, seq, vocab, channels, 0, vocab, workspace,
+                            workspace_bytes, error, stream);
 }
+
+#define GPIPE_EMBEDDING_SLICE(T)                                                                              \
+  void embedding_slice(const int32_t* ids, const T* table, T* out, int64_t batch, int64_t seq, int64_t rows,     \
+                       int64_t channels, int64_t first, int64_t vocab, ErrorSlot* error, cudaStream_t stream) {  \
+    launch_embedding(ids, table, static_cast<const T*>(nullptr), out, batch, seq, rows, channels, first, vocab, \
+                     error, stream);                                                                             \
+  }
+GPIPE_EMBEDDING_SLICE(float)
+GPIPE_EMBEDDING_SLICE(double)
+GPIPE_EMBEDDING_SLICE(BFloat16)
+GPIPE_EMBEDDING_SLICE(Half)
+#undef GPIPE_EMBEDDING_SLICE
+#define GPIPE_EMBEDDING_SLICE_BACKWARD(T)                                                                        \
+  void embedding_slice_backward(const int32_t* ids, const T* dout, T* dtable, int64_t batch, int64_t seq,        \
+                                int64_t rows, int64_t channels, int64_t first, int64_t vocab, void* workspace,   \
+                                size_t workspace_bytes, ErrorSlot* error, cudaStream_t stream) {                 \
+    launch_embedding_backward(ids, dout, dtable, static_cast<T*>(nullptr), batch, seq, rows, channels, first,   \
+                              vocab, workspace, workspace_bytes, error, stream);                                 \
+  }
+GPIPE_EMBEDDING_SLICE_BACKWARD(float)
+GPIPE_EMBEDDING_SLICE_BACKWARD(double)
+#undef GPIPE_EMBEDDING_SLICE_BACKWARD
 
 void layernorm(const float* x, const float* gamma, const float* beta, double eps, float* y, float* mean,
                float* rstd, int64_t rows, int64_t cols, cudaStream_t stream) {

@@ -242,6 +242,27 @@ void embedding_backward(const int32_t* ids, const double* dout, double* dtable, 
                         int64_t seq, int64_t vocab, int64_t channels, void* workspace, size_t workspace_bytes,
                         ErrorSlot* error, cudaStream_t stream);
 
+// A vocabulary-parallel embedding's share (Backend::embedding_slice): table (rows, C)
+// holds ids [first, first + rows) of a vocabulary of `vocab`; out (B, T, C) gets their
+// rows and zeros for the other ids; ids outside [0, vocab) are flagged as for embedding.
+// The backward adds dout into those rows only, as embedding_backward does (the same
+// workspace: embedding_backward_workspace_bytes(P, rows, C, element bytes)).
+#define GPIPE_EMBEDDING_SLICE(T)                                                                            \
+  void embedding_slice(const int32_t* ids, const T* table, T* out, int64_t batch, int64_t seq, int64_t rows,   \
+                       int64_t channels, int64_t first, int64_t vocab, ErrorSlot* error, cudaStream_t stream);
+GPIPE_EMBEDDING_SLICE(float)
+GPIPE_EMBEDDING_SLICE(double)
+GPIPE_EMBEDDING_SLICE(BFloat16)
+GPIPE_EMBEDDING_SLICE(Half)
+#undef GPIPE_EMBEDDING_SLICE
+#define GPIPE_EMBEDDING_SLICE_BACKWARD(T)                                                                      \
+  void embedding_slice_backward(const int32_t* ids, const T* dout, T* dtable, int64_t batch, int64_t seq,      \
+                                int64_t rows, int64_t channels, int64_t first, int64_t vocab, void* workspace, \
+                                size_t workspace_bytes, ErrorSlot* error, cudaStream_t stream);
+GPIPE_EMBEDDING_SLICE_BACKWARD(float)
+GPIPE_EMBEDDING_SLICE_BACKWARD(double)
+#undef GPIPE_EMBEDDING_SLICE_BACKWARD
+
 // Layer normalisation over the rows of x: (rows, cols); gamma, beta: (cols); y like x;
 // mean, rstd: (rows). Statistics in double, two passes (mean, then the biased variance
 // of x - mean) per row, stored rounded to the element type.

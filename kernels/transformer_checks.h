@@ -103,6 +103,19 @@ inline EmbeddingDims check_embedding(const Tensor& ids, const Tensor& table, con
   return d;
 }
 
+// embedding_slice (table, out) and its backward (dtable, dout): the table is rows
+// [first, first + V) of a vocabulary of `vocab`.
+inline EmbeddingDims check_embedding_slice(const Tensor& ids, const Tensor& table, int64_t first, int64_t vocab,
+                                           const Tensor& out, const char* op, const char* out_name,
+                                           bool narrow_ok = false) {
+  const EmbeddingDims d = check_embedding(ids, table, Tensor(), out, op, out_name, narrow_ok);
+  if (first < 0 || vocab < 1 || first + d.V > vocab || vocab > INT32_MAX) {
+    throw Error(std::string(op) + ": rows [" + std::to_string(first) + ", " + std::to_string(first + d.V) +
+                ") are not inside a vocabulary of " + std::to_string(vocab));
+  }
+  return d;
+}
+
 struct RowDims {
   int64_t R, C;  // rows and channels of x viewed as (R, C)
 };

@@ -24,7 +24,16 @@ Embedding::Embedding(const EmbeddingOptions& opts)
   // GPT-2 draws both tables from N(0, 0.02); uniform with the same standard
   // deviation (bound 0.02 sqrt 3) keeps make_parameter's portable generator.
   const double bound = 0.02 * std::sqrt(3.0);
-  token_ = make_parameter("token", {opts.vocab, opts.dim}, bound, mix_seed(opts.seed, 1));
+  const TensorShard& s = opts.shard;
+  if (s.rank < 0 || s.rank >= s.size || opts.vocab % s.size != 0) {
+    throw UserError("embedding: a vocabulary of " + std::to_string(opts.vocab) +
+                    " tokens does not split over a tensor group of " + std::to_string(s.size) +
+                    "; pad vocab to a multiple of the group's size (ids above the data's are never looked up) or "
+                    "split over fewer devices");
+  }
+  token_ = s.split() ? make_parameter_block("token", {opts.vocab, opts.dim}, 0, s.rank, s.size, 1, bound,
+                                            mix_seed(opts.seed, 1))
+                     : make_parameter("token", {opts.vocab, opts.dim}, bound, mix_seed(opts.seed, 1));
   if (opts.max_positions > 0) {
     position_ = make_parameter("position", {opts.max_positions, opts.dim}, bound, mix_seed(opts.seed, 2));
   }
@@ -32,8 +41,13 @@ Embedding::Embedding(const EmbeddingOptions& opts)
 
 std::string Embedding::describe() const {
   return "embedding(" + std::to_string(opts_.vocab) + " -> " + std::to_string(opts_.dim) +
-         (opts_.max_positions > 0 ? ", " + std::to_string(opts_.max_positions) + " positions" : std::string()) + ")";
+         (opts_.max_positions > 0 ? ", " + std::to_string(opts_.max_positions) + " positions" : std::string()) +
+         (opts_.shard.split() ? ", member " + std::to_string(opts_.shard.rank) + "/" + std::to_string(opts_.shard.size)
+                              : std::string()) +
+         ")";
 }
+
+int64_t Embedding::first_id() const { return opts_.shard.rank * (opts_.vocab / opts_.shard.size); }
 
 std::vector<Parameter*> Embedding::parameters() {
   if (opts_.max_positions > 0) return {&token_, &position_};
@@ -53,7 +67,7 @@ LayerCost Embedding::cost(int64_t batch) const {
   c.input_grad_flops = 0;  // token ids have no gradient
   c.forward_bytes = ids + es * (n /* token rows */ + (pos ? n : 0) /* position rows */ + n /* out */);
   c.backward_bytes = ids + es * (n /* dout */ + 2 * n /* dtable rows, read and written */ + (pos ? 2 * n : 0));
-  c.param_bytes = static_cast<int64_t>(es * (opts_.vocab + opts_.max_positions) * opts_.dim);
+  c.param_bytes = static_cast<int64_t>(es * (opts_.vocab / opts_.shard.size + opts_.max_positions) * opts_.dim);
   c.output_bytes = static_cast<int64_t>(es * n);
   c.saved_bytes = static_cast<int64_t>(ids);  // the ids
   return c;
@@ -61,15 +75,39 @@ LayerCost Embedding::cost(int64_t batch) const {
 
 Tensor Embedding::forward_impl(Backend& be, const Tensor& ids, Context* ctx, const ForwardArgs&) {
   Tensor out = be.empty({ids.size(0), opts_.seq_len, opts_.dim}, dtype_);  // (B, T, C)
-  be.embedding(ids, token_.compute(), position_.compute(), out);                   // ids (B, T) int32
   if (ctx != nullptr) ctx->saved = {ids};
+  if (!opts_.shard.split()) {
+    be.embedding(ids, token_.compute(), position_.compute(), out);  // ids (B, T) int32
+    return out;
+  }
+  // This member's rows, zeros for the others' ids; summed, each position has its one row
+  // (exactly: the rest are zeros), and then its position's, as the whole table's lookup.
+  be.embedding_slice(ids, token_.compute(), first_id(), opts_.vocab, out);
+  opts_.shard.sum(be, group_, out, describe());
+  if (opts_.max_positions > 0) be.binary(Binary::kAdd, out, position_.compute().narrow_rows(0, opts_.seq_len), out);
   return out;
 }
 
 Tensor Embedding::backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool) {
-  // position_.grad is undefined without learned positions, which the op skips.
-  be.embedding_backward(ctx.saved.at(0), dy, token_.grad, position_.grad);
-  return Tensor();  // ids are not differentiable
+  if (!opts_.shard.split()) {
+    // position_.grad is undefined without learned positions, which the op skips.
+    be.embedding_backward(ctx.saved.at(0), dy, token_.grad, position_.grad);
+    return Tensor();  // ids are not differentiable
+  }
+  be.embedding_slice_backward(ctx.saved.at(0), dy, first_id(), opts_.vocab, token_.grad);
+  if (opts_.max_positions > 0) {  // dpos[t] += sum over b of dy[b, t], in the gradient's (master) type
+    const DType master = position_.grad.dtype();
+    Tensor g = dy;
+    if (dy.dtype() != master) {
+      g = be.empty(dy.shape(), master);
+      be.cast(dy, g);
+    }
+    Tensor sum = be.empty({opts_.seq_len, opts_.dim}, master);
+    be.sum_to(g, sum);
+    Tensor rows = position_.grad.narrow_rows(0, opts_.seq_len);
+    be.axpy(1.0, sum, rows);
+  }
+  return Tensor();
 }
 
 }  // namespace layers

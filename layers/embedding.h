@@ -4,6 +4,7 @@
 #pragma once
 
 #include "layers/layer.h"
+#include "layers/tensor_parallel.h"
 
 namespace gpipe {
 namespace layers {
@@ -15,6 +16,11 @@ struct EmbeddingOptions {
   int64_t max_positions;  // rows of the position table (>= seq_len); 0: no learned positions
   DType dtype = DType::kF32;
   uint64_t seed = 0;
+  // Vocabulary-parallel over a tensor group (Megatron's): member r keeps token rows
+  // [r V/T, (r+1) V/T), looks up the ids among them (zeros for the others), and the
+  // group sums the lookups; the position table whole on every member, added after the
+  // sum. One sum forward, none backward.
+  TensorShard shard;
 };
 
 class Embedding : public Layer {
@@ -24,6 +30,7 @@ class Embedding : public Layer {
   std::string describe() const override;
   LayerCost cost(int64_t batch) const override;
   std::vector<Parameter*> parameters() override;
+  void set_collectives(TensorCollectives* group) override { group_ = group; }
   Parameter& token() { return token_; }
   Parameter& position() { return position_; }  // undefined value when max_positions == 0
 
@@ -31,6 +38,8 @@ class Embedding : public Layer {
   Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
   Tensor backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) override;
   EmbeddingOptions opts_;
+  TensorCollectives* group_ = nullptr;
+  int64_t first_id() const;  // the first of this member's token rows
   Parameter token_;     // (vocab, dim)
   Parameter position_;  // (max_positions, dim)
 };
