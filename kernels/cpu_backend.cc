@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cmath>
+#include <climits>
 #include <cstring>
 #include <initializer_list>
 #include <memory>
@@ -13,6 +14,7 @@
 
 #include "kernels/cpu_blas.h"
 #include "kernels/op_checks.h"
+#include "kernels/transformer_checks.h"
 #include "kernels/widening_backend.h"
 #include "runtime/bf16.h"
 #include "runtime/fp16.h"
@@ -359,6 +361,82 @@ void CpuBackend::softmax_xent_backward(const Tensor& probs, const Tensor& labels
       const T* in = pp + r * cols;
       for (int64_t j = 0; j < cols; ++j) out[j] = s * in[j];
       out[py[r]] -= s;
+    }
+  });
+}
+
+void CpuBackend::softmax_xent_slice_sums(const Tensor& logits, const Tensor& labels, int64_t first, int64_t vocab,
+                                         int ignore_index, const Tensor& rowmax, Tensor& sums) {
+  ops::check_xent_slice(logits, labels, first, vocab, rowmax, "softmax_xent_slice_sums");
+  const int64_t rows = logits.size(0), cols = logits.size(1);
+  ops::check_shape(sums, {2 * rows}, logits.dtype(), "softmax_xent_slice_sums", "sums");
+  dispatch_float(logits, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* pl = logits.data<T>();
+    const int32_t* py = labels.data<int32_t>();
+    const T* pm = rowmax.data<T>();
+    T* ps = sums.data<T>();
+    for (int64_t r = 0; r < rows; ++r) check_label(py[r], vocab, ignore_index, r);  // before anything is written
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* in = pl + r * cols;
+      T sum = 0;
+      for (int64_t j = 0; j < cols; ++j) sum += std::exp(in[j] - pm[r]);
+      ps[r] = sum;
+      const int64_t col = static_cast<int64_t>(py[r]) - first;
+      ps[rows + r] = py[r] != ignore_index && col >= 0 && col < cols ? in[col] : T(0);
+    }
+  });
+}
+
+void CpuBackend::softmax_xent_slice_loss(const Tensor& sums, const Tensor& rowmax, const Tensor& labels,
+                                         int ignore_index, double scale, Tensor& lse, Tensor& loss) {
+  const int64_t rows = rowmax.numel();
+  ops::check_float(rowmax, "softmax_xent_slice_loss");
+  ops::check_shape(sums, {2 * rows}, rowmax.dtype(), "softmax_xent_slice_loss", "sums");
+  ops::check_shape(lse, {rows}, rowmax.dtype(), "softmax_xent_slice_loss", "lse");
+  ops::check_shape(loss, {1}, rowmax.dtype(), "softmax_xent_slice_loss", "loss");
+  if (labels.dtype() != DType::kI32 || labels.numel() != rows) {
+    throw Error("softmax_xent_slice_loss: labels " + labels.str() + " must be int32, one per row");
+  }
+  dispatch_float(rowmax, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* ps = sums.data<T>();
+    const T* pm = rowmax.data<T>();
+    const int32_t* py = labels.data<int32_t>();
+    T* pl = lse.data<T>();
+    double total = 0.0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const T log_sum = std::log(ps[r]);
+      pl[r] = pm[r] + log_sum;
+      // max - x[label] first, as softmax_xent: exact for near logits.
+      if (py[r] != ignore_index) total += static_cast<double>(log_sum + (pm[r] - ps[rows + r]));
+    }
+    *loss.data<T>() = static_cast<T>(total * scale);
+  });
+}
+
+void CpuBackend::softmax_xent_slice_backward(const Tensor& logits, const Tensor& labels, int64_t first,
+                                             int ignore_index, const Tensor& lse, double scale, Tensor& dlogits) {
+  ops::check_xent_slice(logits, labels, first, INT32_MAX, lse, "softmax_xent_slice_backward");
+  ops::check_same(logits, dlogits, "softmax_xent_slice_backward");
+  dispatch_float(logits, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const int64_t rows = logits.size(0), cols = logits.size(1);
+    const T* pl = logits.data<T>();
+    const int32_t* py = labels.data<int32_t>();
+    const T* pe = lse.data<T>();
+    T* pd = dlogits.data<T>();
+    const T s = static_cast<T>(scale);
+    for (int64_t r = 0; r < rows; ++r) {
+      T* out = pd + r * cols;
+      if (py[r] == ignore_index) {
+        std::fill(out, out + cols, T(0));
+        continue;
+      }
+      const T* in = pl + r * cols;
+      for (int64_t j = 0; j < cols; ++j) out[j] = s * std::exp(in[j] - pe[r]);
+      const int64_t col = static_cast<int64_t>(py[r]) - first;
+      if (col >= 0 && col < cols) out[col] -= s;
     }
   });
 }

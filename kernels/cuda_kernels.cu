@@ -323,6 +323,71 @@ __global__ void softmax_xent_backward_kernel(const T* probs, const int32_t* labe
   }
 }
 
+// The vocabulary-parallel softmax cross-entropy's share (Backend::softmax_xent_slice_*).
+// One block per row r of logits (rows, cols), columns [first, first + cols) of `vocab`:
+//   sums[r] = sum_j exp(x[j] - rowmax[r]);  sums[rows + r] = x[label - first] when the
+//   label is one of these columns and not ignore_index, else 0. A label outside
+//   [0, vocab) that is not ignore_index is flagged as (r, label).
+template <typename T>
+__global__ void softmax_xent_slice_sums_kernel(const T* logits, const int32_t* labels, int64_t rows, int64_t cols,
+                                               int64_t first, int64_t vocab, int ignore_index, const T* rowmax,
+                                               T* sums, ErrorSlot* error) {
+  __shared__ T shared[32];
+  const int64_t row = blockIdx.x;
+  const T* in = logits + row * cols;
+  const T mx = rowmax[row];
+  T sum = T(0);
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) sum += dev_exp(in[j] - mx);
+  sum = block_allreduce(sum, SumOp(), T(0), shared);
+  if (threadIdx.x == 0) {
+    sums[row] = sum;
+    const int32_t label = labels[row];
+    T target = T(0);
+    if (label != ignore_index) {
+      if (label < 0 || label >= vocab) {
+        flag_error(error, row, label);
+      } else {
+        const int64_t col = static_cast<int64_t>(label) - first;
+        if (col >= 0 && col < cols) target = in[col];
+      }
+    }
+    sums[rows + row] = target;
+  }
+}
+
+// lse[r] = rowmax[r] + log(sums[r]); row_loss[r] = log(sums[r]) + (rowmax[r] - sums[rows + r])
+// (0 for ignore_index), which loss_sum_kernel then sums. Grid-stride over the rows.
+template <typename T>
+__global__ void softmax_xent_slice_rows_kernel(const T* sums, const T* rowmax, const int32_t* labels, int64_t rows,
+                                               int ignore_index, T* lse, T* row_loss) {
+  GRID_STRIDE_LOOP(r, rows) {
+    const T log_sum = dev_log(sums[r]);
+    lse[r] = rowmax[r] + log_sum;
+    row_loss[r] = labels[r] == ignore_index ? T(0) : log_sum + (rowmax[r] - sums[rows + r]);
+  }
+}
+
+// One block per row: dlogits = s * (exp(x - lse[r]) - onehot(label - first)), 0 for ignore_index.
+template <typename T>
+__global__ void softmax_xent_slice_backward_kernel(const T* logits, const int32_t* labels, int64_t cols,
+                                                   int64_t first, int ignore_index, const T* lse, T s, T* dlogits) {
+  const int64_t row = blockIdx.x;
+  const int32_t label = labels[row];
+  const T* in = logits + row * cols;
+  T* out = dlogits + row * cols;
+  if (label == ignore_index) {
+    for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) out[j] = T(0);
+    return;
+  }
+  const int64_t col = static_cast<int64_t>(label) - first;
+  const T e = lse[row];
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+    T v = s * dev_exp(in[j] - e);
+    if (j == col) v -= s;
+    out[j] = v;
+  }
+}
+
 // The better of two (value, column) candidates of one row, as the CPU's scan
 // `if (v[j] > v[best]) best = j` would pick between them: the larger value, the smaller
 // column on ties. column == -1 marks "no candidate" (a thread past the row's end).
@@ -994,6 +1059,41 @@ void launch_softmax_xent_backward(const T* probs, const int32_t* labels, int64_t
 }
 
 template <typename T>
+void launch_softmax_xent_slice_sums(const T* logits, const int32_t* labels, int64_t rows, int64_t cols, int64_t first,
+                                    int64_t vocab, int ignore_index, const T* rowmax, T* sums, ErrorSlot* error,
+                                    cudaStream_t stream) {
+  check_row_grid(rows, "softmax_xent_slice_sums");
+  if (rows == 0) return;
+  softmax_xent_slice_sums_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(
+      logits, labels, rows, cols, first, vocab, ignore_index, rowmax, sums, error);
+  GPIPE_CHECK_LAUNCH();
+}
+
+template <typename T>
+void launch_softmax_xent_slice_loss(const T* sums, const T* rowmax, const int32_t* labels, int64_t rows,
+                                    int ignore_index, double scale, T* lse, T* row_loss, T* loss,
+                                    cudaStream_t stream) {
+  if (rows > 0) {
+    softmax_xent_slice_rows_kernel<T><<<elementwise_blocks(rows), kThreads, 0, stream>>>(sums, rowmax, labels, rows,
+                                                                                         ignore_index, lse, row_loss);
+    GPIPE_CHECK_LAUNCH();
+  }
+  loss_sum_kernel<T><<<1, kLossSumThreads, 0, stream>>>(row_loss, rows, scale, loss);
+  GPIPE_CHECK_LAUNCH();
+}
+
+template <typename T>
+void launch_softmax_xent_slice_backward(const T* logits, const int32_t* labels, int64_t rows, int64_t cols,
+                                        int64_t first, int ignore_index, const T* lse, double scale, T* dlogits,
+                                        cudaStream_t stream) {
+  check_row_grid(rows, "softmax_xent_slice_backward");
+  if (rows == 0) return;
+  softmax_xent_slice_backward_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(
+      logits, labels, cols, first, ignore_index, lse, static_cast<T>(scale), dlogits);
+  GPIPE_CHECK_LAUNCH();
+}
+
+template <typename T>
 void launch_argmax_correct(const T* logits, const int32_t* labels, int64_t rows, int64_t cols, int ignore_index,
                            unsigned long long* count, cudaStream_t stream) {
   check_row_grid(rows, "argmax_correct");
@@ -1345,6 +1445,27 @@ void gelu_backward(const BFloat16* x, const BFloat16* dy, BFloat16* dx, int64_t 
 void gelu_backward(const Half* x, const Half* dy, Half* dx, int64_t n, cudaStream_t stream) {
   launch_gelu_backward(x, dy, dx, n, stream);
 }
+
+#define GPIPE_XENT_SLICE(T)                                                                                     \
+  void softmax_xent_slice_sums(const T* logits, const int32_t* labels, int64_t rows, int64_t cols, int64_t first, \
+                               int64_t vocab, int ignore_index, const T* rowmax, T* sums, ErrorSlot* error,       \
+                               cudaStream_t stream) {                                                             \
+    launch_softmax_xent_slice_sums(logits, labels, rows, cols, first, vocab, ignore_index, rowmax, sums, error,    \
+                                   stream);                                                                       \
+  }                                                                                                               \
+  void softmax_xent_slice_loss(const T* sums, const T* rowmax, const int32_t* labels, int64_t rows,               \
+                               int ignore_index, double scale, T* lse, T* row_loss, T* loss, cudaStream_t stream) { \
+    launch_softmax_xent_slice_loss(sums, rowmax, labels, rows, ignore_index, scale, lse, row_loss, loss, stream); \
+  }                                                                                                               \
+  void softmax_xent_slice_backward(const T* logits, const int32_t* labels, int64_t rows, int64_t cols,            \
+                                   int64_t first, int ignore_index, const T* lse, double scale, T* dlogits,       \
+                                   cudaStream_t stream) {                                                         \
+    launch_softmax_xent_slice_backward(logits, labels, rows, cols, first, ignore_index, lse, scale, dlogits,      \
+                                       stream);                                                                   \
+  }
+GPIPE_XENT_SLICE(float)
+GPIPE_XENT_SLICE(double)
+#undef GPIPE_XENT_SLICE
 
 void softmax_xent(const float* logits, const int32_t* labels, int64_t rows, int64_t cols, double scale,
                   int ignore_index, float* probs, float* row_loss, float* loss, ErrorSlot* error,

@@ -242,6 +242,22 @@ void embedding_backward(const int32_t* ids, const double* dout, double* dtable, 
                         int64_t seq, int64_t vocab, int64_t channels, void* workspace, size_t workspace_bytes,
                         ErrorSlot* error, cudaStream_t stream);
 
+// A vocabulary-parallel softmax cross-entropy's three steps (Backend::softmax_xent_slice_*):
+// logits (rows, cols) are columns [first, first + cols) of `vocab`. sums: (2 rows);
+// the loss step needs a (rows) row_loss workspace; a bad label is flagged as (row, label).
+#define GPIPE_XENT_SLICE(T)                                                                                     \
+  void softmax_xent_slice_sums(const T* logits, const int32_t* labels, int64_t rows, int64_t cols, int64_t first, \
+                               int64_t vocab, int ignore_index, const T* rowmax, T* sums, ErrorSlot* error,       \
+                               cudaStream_t stream);                                                              \
+  void softmax_xent_slice_loss(const T* sums, const T* rowmax, const int32_t* labels, int64_t rows,               \
+                               int ignore_index, double scale, T* lse, T* row_loss, T* loss, cudaStream_t stream); \
+  void softmax_xent_slice_backward(const T* logits, const int32_t* labels, int64_t rows, int64_t cols,            \
+                                   int64_t first, int ignore_index, const T* lse, double scale, T* dlogits,       \
+                                   cudaStream_t stream);
+GPIPE_XENT_SLICE(float)
+GPIPE_XENT_SLICE(double)
+#undef GPIPE_XENT_SLICE
+
 // A vocabulary-parallel embedding's share (Backend::embedding_slice): table (rows, C)
 // holds ids [first, first + rows) of a vocabulary of `vocab`; out (B, T, C) gets their
 // rows and zeros for the other ids; ids outside [0, vocab) are flagged as for embedding.

@@ -116,6 +116,18 @@ inline EmbeddingDims check_embedding_slice(const Tensor& ids, const Tensor& tabl
   return d;
 }
 
+// The vocabulary-parallel softmax cross-entropy's steps (Backend::softmax_xent_slice_*):
+// logits (R, V') columns [first, first + V') of `vocab`, one label and one value per row.
+inline void check_xent_slice(const Tensor& logits, const Tensor& labels, int64_t first, int64_t vocab,
+                             const Tensor& per_row, const char* op) {
+  check_xent(logits, labels, logits);
+  check_shape(per_row, {logits.size(0)}, logits.dtype(), op, "rowmax / lse");
+  if (first < 0 || first + logits.size(1) > vocab || vocab > INT32_MAX) {
+    throw Error(std::string(op) + ": columns [" + std::to_string(first) + ", " +
+                std::to_string(first + logits.size(1)) + ") are not inside a vocabulary of " + std::to_string(vocab));
+  }
+}
+
 struct RowDims {
   int64_t R, C;  // rows and channels of x viewed as (R, C)
 };

@@ -65,5 +65,95 @@ int64_t SoftmaxCrossEntropy::counted_targets(const Tensor& targets) const {
   return std::count_if(t, t + targets.numel(), [&](int32_t v) { return v != ignore_index_; });
 }
 
+VocabParallelCrossEntropy::VocabParallelCrossEntropy(Shape sample_shape, int64_t vocab, TensorShard shard,
+                                                     DType dtype, int ignore_index)
+    : sample_shape_(std::move(sample_shape)), classes_(sample_shape_.empty() ? 0 : sample_shape_.back()), vocab_(vocab),
+      shard_(shard), dtype_(dtype), ignore_index_(ignore_index) {
+  if (classes_ < 1 || shard.size < 1 || shard.rank < 0 || shard.rank >= shard.size ||
+      classes_ * shard.size != vocab) {
+    throw UserError("softmax_cross_entropy split over a tensor group of " + std::to_string(shard.size) + ": " +
+                    std::to_string(classes_) + " logits a member do not make a vocabulary of " +
+                    std::to_string(vocab) + "; make the vocabulary a multiple of the group's size");
+  }
+}
+
+TensorCollectives& VocabParallelCrossEntropy::group() const {
+  if (group_ == nullptr || group_->size() != shard_.size || group_->rank() != shard_.rank) {
+    throw Error("softmax_cross_entropy split over a tensor group of " + std::to_string(shard_.size) +
+                " was not given its member " + std::to_string(shard_.rank) + "'s group (set_collectives)");
+  }
+  return *group_;
+}
+
+Tensor VocabParallelCrossEntropy::forward(Backend& be, const Tensor& logits_in, const Tensor& targets_in,
+                                          double scale, Context* ctx) {
+  check_batch(logits_in, sample_shape_, dtype_, "softmax_cross_entropy", "logits");
+  const Tensor narrow = logits_in.reshape({logits_in.numel() / classes_, classes_});  // (R, V / T)
+  const int64_t rows = narrow.size(0);
+  if (targets_in.dtype() != DType::kI32 || targets_in.numel() != rows) {
+    throw UserError("softmax_cross_entropy: targets " + targets_in.str() + " must be int32, one class per row of the "
+                    "logits " + logits_in.str());
+  }
+  const Tensor targets = targets_in.reshape({rows});
+  // In float32 in a bf16 or fp16 model (master_dtype), as SoftmaxCrossEntropy.
+  const DType master = master_dtype(dtype_);
+  Tensor logits = narrow;
+  if (dtype_ != master) {
+    logits = be.empty(narrow.shape(), master);
+    be.cast(narrow, logits);
+  }
+  const int64_t first = shard_.rank * classes_;
+  Tensor rowmax = be.empty({rows}, master);
+  be.reduce_rows(Reduce::kMax, logits, rowmax);
+  group().all_reduce_max(be, rowmax);
+  Tensor sums = be.empty({2 * rows}, master);  // each row's sum of exponentials, then its label's logit
+  be.softmax_xent_slice_sums(logits, targets, first, vocab_, ignore_index_, rowmax, sums);
+  group().all_reduce_sum(be, sums);
+  Tensor lse = be.empty({rows}, master);
+  Tensor loss = be.empty({1}, master);
+  be.softmax_xent_slice_loss(sums, rowmax, targets, ignore_index_, scale, lse, loss);
+  if (ctx != nullptr) ctx->saved = {logits, targets, lse, Tensor::from_vector<double>({scale}, {1})};
+  return loss;
+}
+
+Tensor VocabParallelCrossEntropy::backward(Backend& be, const Context& ctx) {
+  const Tensor& logits = ctx.saved.at(0);  // (R, V / T), in the master type
+  const double scale = ctx.saved.at(3).data<double>()[0];
+  Tensor d = be.empty(logits.shape(), logits.dtype());
+  be.softmax_xent_slice_backward(logits, ctx.saved.at(1), shard_.rank * classes_, ignore_index_, ctx.saved.at(2), scale,
+                                 d);
+  Tensor dlogits = d;
+  if (dtype_ != logits.dtype()) {  // the gradient in the model's type
+    dlogits = be.empty(d.shape(), dtype_);
+    be.cast(d, dlogits);
+  }
+  Shape out{logits.size(0) / shape_numel(Shape(sample_shape_.begin(), sample_shape_.end() - 1))};
+  out.insert(out.end(), sample_shape_.begin(), sample_shape_.end());
+  return dlogits.reshape(out);
+}
+
+LayerCost VocabParallelCrossEntropy::cost(int64_t batch) const {
+  // This member's columns, as SoftmaxCrossEntropy counts its own; the per-row steps and
+  // the collectives' two values a row are left out.
+  const double n = static_cast<double>(batch * shape_numel(sample_shape_));
+  const int64_t rows = batch * shape_numel(sample_shape_) / classes_;
+  const double es = static_cast<double>(dtype_size(dtype_));
+  LayerCost c;
+  c.forward_flops = 5 * n;
+  c.backward_flops = 3 * n;
+  c.forward_bytes = 2 * es * n;
+  c.backward_bytes = 2 * es * n;
+  c.output_bytes = static_cast<int64_t>(dtype_size(master_dtype(dtype_)));
+  c.saved_bytes = static_cast<int64_t>(static_cast<double>(dtype_size(master_dtype(dtype_))) * (n + rows) + 4 * rows);
+  return c;
+}
+
+int64_t VocabParallelCrossEntropy::counted_targets(const Tensor& targets) const {
+  const int32_t* t = targets.data<int32_t>();
+  int64_t n = 0;
+  for (int64_t i = 0; i < targets.numel(); ++i) n += t[i] != ignore_index_;
+  return n;
+}
+
 }  // namespace layers
 }  // namespace gpipe

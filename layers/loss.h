@@ -7,6 +7,7 @@
 #include <string>
 
 #include "layers/layer.h"
+#include "layers/tensor_parallel.h"
 
 namespace gpipe {
 namespace layers {
@@ -49,6 +50,36 @@ class SoftmaxCrossEntropy : public Loss {
   int64_t classes_;
   DType dtype_;
   int ignore_index_;
+};
+
+// Softmax cross-entropy over logits split by the vocabulary over a tensor group
+// (Megatron's vocab-parallel cross-entropy): each member holds columns [r V/T, (r+1) V/T)
+// of the logits (a column-parallel output projection's), and the loss is computed
+// without gathering them: the rows' largest logits (the group's max), then each row's
+// sum of exponentials and its label's logit (the group's sum: one all-reduce of 2 values
+// a row), then the loss on every member alike. The gradient is each member's columns of
+// softmax - onehot: no collective. Equal to SoftmaxCrossEntropy of the whole logits.
+class VocabParallelCrossEntropy : public Loss {
+ public:
+  // sample_shape: this member's logits per sample, its V/T classes last; vocab: V.
+  VocabParallelCrossEntropy(Shape sample_shape, int64_t vocab, TensorShard shard, DType dtype = DType::kF32,
+                            int ignore_index = -100);
+  std::string type() const override { return "softmax_cross_entropy"; }
+  Tensor forward(Backend& be, const Tensor& logits, const Tensor& targets, double scale, Context* ctx) override;
+  Tensor backward(Backend& be, const Context& ctx) override;
+  LayerCost cost(int64_t batch) const override;
+  int64_t counted_targets(const Tensor& targets) const override;  // those != ignore_index
+  void set_collectives(TensorCollectives* group) { group_ = group; }
+
+ private:
+  TensorCollectives& group() const;
+  Shape sample_shape_;
+  int64_t classes_;  // this member's
+  int64_t vocab_;
+  TensorShard shard_;
+  DType dtype_;
+  int ignore_index_;
+  TensorCollectives* group_ = nullptr;
 };
 
 }  // namespace layers

@@ -69,6 +69,9 @@ class TensorCollectives {
   // `t` (on be's device) summed in place over the group, in member order: the same
   // bits on every member whichever arrives first.
   virtual void all_reduce_sum(Backend& be, Tensor& t) = 0;
+  // `t` in place, each element the largest over the group (a vocabulary-parallel loss's
+  // row maxima).
+  virtual void all_reduce_max(Backend& be, Tensor& t) = 0;
 };
 
 // Element range [begin, begin + length) of block `rank` of `count` along a dimension of

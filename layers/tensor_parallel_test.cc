@@ -21,6 +21,7 @@
 #include "layers/transformer.h"
 #include "layers/gqa_attention.h"
 #include "layers/llama_block.h"
+#include "layers/loss.h"
 #include "layers/swiglu.h"
 #include "layers/linear.h"
 #include "layers/tensor_parallel.h"
@@ -46,6 +47,10 @@ class ThreadCollectives : public TensorCollectives {
   void all_reduce_sum(Backend& be, Tensor& t) override {
     be.synchronize();
     group_.all_reduce_sum(t);
+  }
+  void all_reduce_max(Backend& be, Tensor& t) override {
+    be.synchronize();
+    group_.all_reduce_max(t);
   }
 
  private:
@@ -416,4 +421,98 @@ TEST_CASE("a vocabulary-parallel embedding on T threads equals the unsplit embed
   auto member = make({0, 2});
   CHECK_THROWS_WITH_AS(member->forward(backend_for(Device::cpu()), bad, nullptr),
                        doctest::Contains("token id 12 at (b=0, t=4) is outside the vocabulary [0, 12)"), UserError);
+}
+
+// The vocabulary-parallel head: a column-parallel output projection (each member its
+// block of the vocabulary) and the vocabulary-parallel cross-entropy on its logits, never
+// gathered, against the unsplit projection and SoftmaxCrossEntropy: the loss on every
+// member, the hidden state's gradient and each member's block of the projection's
+// gradient; with ignored targets, and logits far apart (the group's max matters).
+TEST_CASE("a vocabulary-parallel head on T threads equals the unsplit head: loss and every gradient") {
+  const int64_t batch = 3, seq = 4, dim = 6, vocab = 8;
+  Backend& be = backend_for(Device::cpu());
+  const Tensor h = random_tensor({batch, seq, dim}, DType::kF64, 12, -3.0, 3.0);
+  Tensor targets = gpipe::testing::random_labels(batch * seq, static_cast<int>(vocab), 13).reshape({batch, seq});
+  targets.data<int32_t>()[2] = -100;  // ignored
+  targets.data<int32_t>()[7] = -100;
+  auto head = [&](TensorShard shard) {
+    LinearOptions o(dim, vocab);
+    o.leading = {seq};
+    o.bias = false;
+    o.dtype = DType::kF64;
+    o.seed = 71;
+    o.split = shard.as(TensorSplitKind::kColumn);
+    return Linear(o);
+  };
+  Linear whole = head({});
+  SoftmaxCrossEntropy xent(Shape{seq, vocab}, DType::kF64);
+  const double scale = 1.0 / static_cast<double>(xent.counted_targets(targets));
+  Context c1, c2;
+  const Tensor logits = whole.forward(be, h, &c1);
+  const double loss = to_doubles(xent.forward(be, logits, targets, scale, &c2))[0];
+  const Tensor dh = whole.backward(be, xent.backward(be, c2), c1);
+  for (int T : {1, 2, 4}) {
+    CAPTURE(T);
+    InProcessReplicaHub hub(T, 30.0);
+    struct Member {
+      double loss = 0;
+      int64_t counted = 0;
+      std::vector<double> dh, dw;
+      std::string error;
+    };
+    std::vector<Member> got(static_cast<size_t>(T));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < T; ++r) {
+      threads.emplace_back([&, r] {
+        Member& m = got[static_cast<size_t>(r)];
+        try {
+          ThreadCollectives group(hub, r);
+          Linear mine = head({r, T});
+          mine.set_collectives(&group);
+          VocabParallelCrossEntropy loss_r(Shape{seq, vocab / T}, vocab, {r, T}, DType::kF64);
+          loss_r.set_collectives(&group);
+          Context k1, k2;
+          const Tensor part = mine.forward(be, h, &k1);
+          m.loss = to_doubles(loss_r.forward(be, part, targets, scale, &k2))[0];
+          m.counted = loss_r.counted_targets(targets);
+          m.dh = to_doubles(mine.backward(be, loss_r.backward(be, k2), k1));
+          m.dw = to_doubles(mine.weight().grad);
+        } catch (const std::exception& e) {
+          m.error = e.what();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < T; ++r) {
+      CAPTURE(r);
+      const Member& m = got[static_cast<size_t>(r)];
+      REQUIRE(m.error.empty());
+      CHECK(m.counted == 10);
+      CHECK(m.loss == doctest::Approx(loss).epsilon(1e-12));
+      check_close(m.dh, to_doubles(dh), "the hidden state's gradient");
+      check_close(m.dw, block_of(whole.weight().grad, 0, r, T), "the projection's block of the gradient");
+    }
+  }
+  // A label outside the vocabulary is refused by every member, whether or not its column is theirs.
+  InProcessReplicaHub hub(2, 30.0);
+  Tensor bad = Tensor::empty(targets.shape(), DType::kI32, Device::cpu());
+  copy_tensor(targets, bad);
+  bad.data<int32_t>()[5] = static_cast<int32_t>(vocab);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        ThreadCollectives group(hub, r);
+        VocabParallelCrossEntropy loss_r(Shape{seq, vocab / 2}, vocab, {r, 2}, DType::kF64);
+        loss_r.set_collectives(&group);
+        const Tensor part = random_tensor({batch, seq, vocab / 2}, DType::kF64, 14);
+        loss_r.forward(be, part, bad, 1.0, nullptr);
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const std::string& e : errors) CHECK(e.find("label 8 in row 5 is outside [0, 8)") != std::string::npos);
 }

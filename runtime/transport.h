@@ -108,6 +108,10 @@ class ReplicaGroup {
   // ncclAllGather). The default all-reduces `full` zeroed but for its own block, which
   // is exact: every element is one replica's value plus zeros.
   virtual void all_gather(const Tensor& block, Tensor& full);
+  // In place, each element the largest over the members (NaN wins; float32 or float64,
+  // on any device): a vocabulary-parallel loss's row maxima (layers/loss.h). The default
+  // all-gathers a host copy (all_gather) and takes each element's largest, exactly.
+  virtual void all_reduce_max(Tensor& t);
 };
 
 }  // namespace gpipe
