@@ -772,6 +772,44 @@ TEST_CASE("softmax_xent forward and backward, with ignore_index rows") {
   }
 }
 
+// The vocabulary-parallel steps on one member's columns [first, first + cols) of a
+// vocabulary of `parts` x cols, against the CPU: the sums (the row maxima given, as the
+// group's all-reduce leaves them), the loss and lse from them, and the backward.
+TEST_CASE("softmax_xent_slice's three steps equal the CPU's, with ignore_index rows") {
+  const Shape shapes[] = {{1, 1}, {3, 5}, {257, 129}, {4, 5000}};
+  uint64_t seed = 650;
+  for (DType dt : kFloatTypes) {
+    for (const Shape& s : shapes) {
+      for (int64_t member : {0, 2}) {
+        CAPTURE(dtype_name(dt));
+        CAPTURE(shape_str(s));
+        CAPTURE(member);
+        const int64_t rows = s[0], cols = s[1], vocab = 3 * cols, first = member * cols;
+        Tensor logits = random_tensor(s, dt, seed++, -20.0, 20.0);
+        Tensor labels = labels_with_ignored(rows, static_cast<int>(vocab), -100, seed++);
+        Tensor rowmax = random_tensor({rows}, dt, seed++, 20.0, 21.0);  // at least every logit here
+        Tensor sums_c = Tensor::empty({2 * rows}, dt, Device::cpu()), sums_g = gpu().empty({2 * rows}, dt);
+        cpu().softmax_xent_slice_sums(logits, labels, first, vocab, -100, rowmax, sums_c);
+        const Tensor labels_g = to_gpu(labels), logits_g = to_gpu(logits), rowmax_g = to_gpu(rowmax);
+        gpu().softmax_xent_slice_sums(logits_g, labels_g, first, vocab, -100, rowmax_g, sums_g);
+        const Tol sum_tol = dt == DType::kF32 ? Tol{1e-5, 1e-30} : Tol{1e-12, 1e-300};
+        EXPECT_CLOSE_TOL(sums_g, sums_c, sum_tol);
+        Tensor lse_c = Tensor::empty({rows}, dt, Device::cpu()), loss_c = Tensor::empty({1}, dt, Device::cpu());
+        Tensor lse_g = gpu().empty({rows}, dt), loss_g = gpu().empty({1}, dt);
+        cpu().softmax_xent_slice_loss(sums_c, rowmax, labels, -100, 0.5, lse_c, loss_c);
+        gpu().softmax_xent_slice_loss(to_gpu(sums_c), rowmax_g, labels_g, -100, 0.5, lse_g, loss_g);
+        EXPECT_CLOSE_TOL(lse_g, lse_c, elementwise_tol(dt));
+        const Tol loss_tol = dt == DType::kF32 ? Tol{1e-5, 1e-5} : Tol{1e-11, 1e-12};
+        EXPECT_CLOSE_TOL(std::vector<double>{gpu().item(loss_g)}, std::vector<double>{cpu().item(loss_c)}, loss_tol);
+        Tensor d_c = Tensor::empty(s, dt, Device::cpu()), d_g = gpu().empty(s, dt);
+        cpu().softmax_xent_slice_backward(logits, labels, first, -100, lse_c, 0.5, d_c);
+        gpu().softmax_xent_slice_backward(logits_g, labels_g, first, -100, to_gpu(lse_c), 0.5, d_g);
+        EXPECT_CLOSE_TOL(d_g, d_c, elementwise_tol(dt));
+      }
+    }
+  }
+}
+
 TEST_CASE("softmax_xent with no rows writes a zero loss") {
   for (DType dt : kFloatTypes) {
     Tensor logits = gpu().empty({0, 5}, dt), probs = gpu().empty({0, 5}, dt);
