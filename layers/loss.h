@@ -26,6 +26,8 @@ class Loss {
   // How many of the host targets count towards the mean (all, unless some are
   // ignored): the loss of a mini-batch is the sum over them divided by this count.
   virtual int64_t counted_targets(const Tensor& targets) const { return targets.numel(); }
+  // The tensor group a split loss sums over (VocabParallelCrossEntropy); nothing otherwise.
+  virtual void set_collectives(TensorCollectives* /*group*/) {}
 };
 
 // Softmax over the last dimension of the logits, then the negative log-likelihood of
@@ -69,7 +71,7 @@ class VocabParallelCrossEntropy : public Loss {
   Tensor backward(Backend& be, const Context& ctx) override;
   LayerCost cost(int64_t batch) const override;
   int64_t counted_targets(const Tensor& targets) const override;  // those != ignore_index
-  void set_collectives(TensorCollectives* group) { group_ = group; }
+  void set_collectives(TensorCollectives* group) override { group_ = group; }
 
  private:
   TensorCollectives& group() const;

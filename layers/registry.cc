@@ -27,6 +27,13 @@ namespace {
 
 std::string at(const LayerSpec& s) { return s.where.empty() ? "" : " (at " + s.where + ")"; }
 
+// The tensor-group member build_model builds on this thread (ModelSpec::member), read by
+// the built-in layers' factories; size 1 outside build_model.
+thread_local TensorShard building_member;
+// Whether the layer being built is the model's head (its last layer, before
+// softmax_cross_entropy): split by the vocabulary when the model is split.
+thread_local bool building_head = false;
+
 std::string join(const std::vector<std::string>& v) {
   std::string out;
   for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + v[i];
@@ -83,6 +90,16 @@ Registry& registry() {
       o.bias = a.get_bool("bias", true);
       o.dtype = dtype;
       o.seed = seed;
+      const std::string parallel = a.get_string("parallel", building_head ? "column" : "none");
+      if (parallel != "none" && parallel != "column" && parallel != "row") {
+        throw UserError("linear" + at(a.spec()) + ": parallel must be none, column or row, got '" + parallel + "'");
+      }
+      // Row-parallel: `in` is this member's block of the input features (a column-parallel
+      // layer's outputs before it); the whole layer's are T times as many.
+      if (parallel == "row") o.in *= building_member.size;
+      o.split = building_member.as(parallel == "column" ? TensorSplitKind::kColumn
+                                   : parallel == "row"  ? TensorSplitKind::kRow
+                                                        : TensorSplitKind::kNone);
       return std::make_unique<Linear>(o);
     });
     layer("swiglu", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
@@ -91,6 +108,7 @@ Registry& registry() {
       o.leading.assign(in.begin(), in.end() - 1);
       o.dtype = dtype;
       o.seed = seed;
+      o.shard = building_member;
       return std::make_unique<SwiGLU>(o);
     });
     layer("relu", [](LayerArgs&, const Shape& in, DType dtype, uint64_t) -> std::unique_ptr<Layer> {
@@ -108,6 +126,7 @@ Registry& registry() {
       o.max_positions = a.get_int("positions", in[0]);
       o.dtype = dtype;
       o.seed = seed;
+      o.shard = building_member;
       return std::make_unique<Embedding>(o);
     });
     layer("layernorm", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t) -> std::unique_ptr<Layer> {
@@ -129,6 +148,7 @@ Registry& registry() {
       o.dropout = a.get_double("dropout", 0.0);
       o.dtype = dtype;
       o.seed = seed;
+      o.shard = building_member;
       return std::make_unique<CausalSelfAttention>(o);
     });
     layer("dropout", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
@@ -144,6 +164,7 @@ Registry& registry() {
       o.dropout = a.get_double("dropout", 0.0);
       o.dtype = dtype;
       o.seed = seed;
+      o.shard = building_member;
       return std::make_unique<TransformerBlock>(o);
     });
     layer("gqa_attention", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
@@ -154,6 +175,7 @@ Registry& registry() {
       o.rope_base = a.get_double("rope_base", 10000.0);
       o.dtype = dtype;
       o.seed = seed;
+      o.shard = building_member;
       return std::make_unique<GqaAttention>(o);
     });
     layer("llama_block", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
@@ -165,6 +187,7 @@ Registry& registry() {
       o.dropout = a.get_double("dropout", 0.0);
       o.dtype = dtype;
       o.seed = seed;
+      o.shard = building_member;
       return std::make_unique<LlamaBlock>(o);
     });
     add_conv_layer_types(layer);
@@ -260,6 +283,11 @@ bool LayerArgs::get_bool(const std::string& key, bool fallback) {
   if (*v == "false") return false;
   throw UserError(what_ + " '" + spec_.type + "'" + at(spec_) + ": option '" + key + "' must be true or false, got '" +
                   *v + "'");
+}
+
+std::string LayerArgs::get_string(const std::string& key, const std::string& fallback) {
+  const std::string* v = find(key);
+  return v == nullptr ? fallback : *v;
 }
 
 void LayerArgs::finish() const {
@@ -390,7 +418,20 @@ std::unique_ptr<Sequential> build_model(const ModelSpec& spec, const LayerFilter
     }
   }
   auto model = std::make_unique<Sequential>(spec.input, spec.dtype, spec.input_dtype.value_or(spec.dtype));
+  // The member this process or thread builds (ModelSpec::member), for the factories.
+  struct Member {
+    explicit Member(TensorShard m) : outer(building_member) { building_member = m; }
+    ~Member() {
+      building_member = outer;
+      building_head = false;
+    }
+    TensorShard outer;
+  } member(spec.member);
+  const bool split = spec.member.split();
   for (size_t i = 0; i < spec.layers.size(); ++i) {
+    // A split model's head: its last layer, a linear one before softmax_cross_entropy.
+    building_head = split && i + 1 == spec.layers.size() && spec.layers[i].type == "linear" &&
+                    spec.loss.type == "softmax_cross_entropy";
     // `tied: true` on a linear layer: its weight is the nearest earlier embedding's
     // token table (an output head tied to the input embedding, as in GPT-2).
     LayerSpec ls = spec.layers[i];
@@ -427,7 +468,16 @@ std::unique_ptr<Sequential> build_model(const ModelSpec& spec, const LayerFilter
     }
     model->tie(owner, emb.token(), static_cast<int>(i), head->weight());
   }
-  model->set_loss(make_loss(spec.loss, model->output_shape(), spec.dtype));
+  std::unique_ptr<Loss> loss = make_loss(spec.loss, model->output_shape(), spec.dtype);
+  auto* head = split ? dynamic_cast<Linear*>(&model->layer(model->size() - 1)) : nullptr;
+  auto* xent = dynamic_cast<SoftmaxCrossEntropy*>(loss.get());
+  if (head != nullptr && head->weight().shard_dim == 0 && xent != nullptr) {
+    // The head's outputs are this member's block of the vocabulary: the loss is split too.
+    const Shape logits = model->output_shape();
+    loss = std::make_unique<VocabParallelCrossEntropy>(logits, logits.back() * spec.member.size, spec.member,
+                                                       spec.dtype, xent->ignore_index());
+  }
+  model->set_loss(std::move(loss));
   return model;
 }
 

@@ -14,6 +14,7 @@
 #include "layers/layer.h"
 #include "layers/loss.h"
 #include "layers/sequential.h"
+#include "layers/tensor_parallel.h"
 
 namespace gpipe {
 namespace layers {
@@ -36,6 +37,13 @@ struct ModelSpec {
   std::vector<LayerSpec> layers;  // repeats already expanded
   LayerSpec loss;
   uint64_t seed = 0;
+  // Tensor parallelism (layers/tensor_parallel.h): build the model as member `rank` of a
+  // tensor group of `size`. Attention, the transformer and LLaMA blocks, SwiGLU and the
+  // embedding are split Megatron's way; a linear layer as its `parallel:` option says
+  // (column, row, or none: whole on every member), and the model's last layer, a linear
+  // layer before softmax_cross_entropy, column-parallel by the vocabulary with the
+  // vocabulary-parallel loss; every other layer whole. Size 1: the model as written.
+  TensorShard member;
 };
 
 // Typed access to a spec's options; every option must be read or it is reported
@@ -48,6 +56,7 @@ class LayerArgs {
   double get_double(const std::string& key);
   double get_double(const std::string& key, double fallback);
   bool get_bool(const std::string& key, bool fallback);
+  std::string get_string(const std::string& key, const std::string& fallback);
   const LayerSpec& spec() const { return spec_; }
   // Throws UserError for any option not read.
   void finish() const;

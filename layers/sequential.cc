@@ -51,6 +51,11 @@ Layer& Sequential::add(std::unique_ptr<Layer> layer, const std::string& name) {
   return *layers_.back();
 }
 
+void Sequential::set_collectives(TensorCollectives* group) {
+  for (auto& l : layers_) l->set_collectives(group);
+  if (loss_) loss_->set_collectives(group);
+}
+
 Loss& Sequential::loss() {
   if (!loss_) throw UserError("the model has no loss; add one (model.loss in YAML, set_loss in C++)");
   return *loss_;

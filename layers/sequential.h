@@ -44,6 +44,9 @@ class Sequential {
     return static_cast<L&>(add(std::make_unique<L>(std::forward<Args>(args)...)));
   }
   void set_loss(std::unique_ptr<Loss> loss) { loss_ = std::move(loss); }
+  // Every layer's and the loss's tensor group (Layer::set_collectives), for a model built
+  // as one member of a group (layers::ModelSpec::member).
+  void set_collectives(TensorCollectives* group);
 
   int size() const { return static_cast<int>(layers_.size()); }
   // The layer's name in checkpoints: its own, or "layers.<i>".

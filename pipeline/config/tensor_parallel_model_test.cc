@@ -1,0 +1,231 @@
+// Tensor parallelism, whole models (issue 38): a GPT-style and a LLaMA-style config, and
+// an MLP whose linear layers say `parallel:`, built as each member of a tensor group
+// (layers::ModelSpec::member) and run by T threads over an in-process group with the
+// unpartitioned reference (Sequential::forward_backward), equal the model built whole:
+// float64, dropout on, the loss on every member and every parameter's gradient as its
+// block of the whole one's, to 1e-12, for T = 1, 2, 4. Each member holds 1/T of each
+// split weight.
+#include <doctest/doctest.h>
+
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "layers/loss.h"
+#include "layers/registry.h"
+#include "layers/sequential.h"
+#include "layers/tensor_parallel.h"
+#include "pipeline/config/config.h"
+#include "runtime/inprocess_replica_group.h"
+#include "tests/testing.h"
+
+using namespace gpipe;
+using namespace gpipe::layers;
+using gpipe::testing::compare;
+using gpipe::testing::random_labels;
+using gpipe::testing::to_doubles;
+
+namespace {
+
+class ThreadCollectives : public TensorCollectives {
+ public:
+  ThreadCollectives(InProcessReplicaHub& hub, int me) : group_(hub, me) {}
+  int size() const override { return group_.size(); }
+  int rank() const override { return group_.rank(); }
+  void all_reduce_sum(Backend& be, Tensor& t) override {
+    be.synchronize();
+    group_.all_reduce_sum(t);
+  }
+  void all_reduce_max(Backend& be, Tensor& t) override {
+    be.synchronize();
+    group_.all_reduce_max(t);
+  }
+
+ private:
+  InProcessReplicaGroup group_;
+};
+
+// Block `rank` of `count` (of each of `groups` parts) along `dim` of a 1-D or 2-D tensor,
+// written out index by index.
+std::vector<double> block_of(const Tensor& t, int dim, int rank, int count, int groups) {
+  const std::vector<double> v = to_doubles(t);
+  const int64_t rows = t.size(0), cols = t.dim() == 1 ? 1 : t.size(1);
+  const int64_t extent = dim == 0 ? rows : cols, part = extent / groups, len = part / count;
+  std::vector<double> out;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      if (((dim == 0 ? r : c) % part) / len == rank) out.push_back(v[static_cast<size_t>(r * cols + c)]);
+    }
+  }
+  return out;
+}
+
+const char* kGpt = R"(model:
+  input: [6]
+  input_dtype: int32
+  dtype: float64
+  layers:
+    - {type: embedding, vocab: 16, dim: 8}
+    - repeat: 2
+      layers:
+        - {type: transformer_block, heads: 4, dropout: 0.1}
+    - {type: layernorm}
+    - {type: linear, out: 16, tied: true, bias: false}
+  loss: softmax_cross_entropy
+train: {steps: 1, batch_size: 3}
+)";
+
+const char* kLlama = R"(model:
+  input: [6]
+  input_dtype: int32
+  dtype: float64
+  layers:
+    - {type: embedding, vocab: 16, dim: 16, positions: 0}
+    - repeat: 2
+      layers:
+        - {type: llama_block, heads: 8, kv_heads: 4, hidden: 24, dropout: 0.1}
+    - {type: rmsnorm}
+    - {type: linear, out: 16, bias: false}
+  loss: softmax_cross_entropy
+train: {steps: 1, batch_size: 3}
+)";
+
+const char* kMlp = R"(model:
+  input: [12]
+  dtype: float64
+  layers:
+    - {type: linear, out: 16, parallel: column}
+    - {type: gelu}
+    - {type: linear, out: 12, parallel: row}
+    - {type: dropout, p: 0.2}
+    - {type: linear, out: 8, parallel: none}
+  loss: softmax_cross_entropy
+data: {classes: 8}
+train: {steps: 1, batch_size: 4}
+)";
+
+// vocab_parallel: the model's head is split by the vocabulary, with the vocabulary-parallel loss.
+// split: parts of the names of the parameters that must be split at T > 1.
+void check_model(const char* text, const Tensor& x, const Tensor& targets, bool vocab_parallel,
+                 const std::vector<std::string>& split) {
+  Backend& be = backend_for(Device::cpu());
+  const pipeline::Config config = pipeline::parse_config(text, "tp.yaml");
+  ForwardArgs args;
+  args.step = 4;
+  args.sample_offset = 2;
+  auto whole = build_model(config.model);
+  const double scale = 1.0 / static_cast<double>(whole->loss().counted_targets(targets));
+  const double loss = whole->forward_backward(be, x, targets, scale, args);
+  whole->sum_tied_gradients(be);
+  std::vector<Parameter*> wp;
+  for (auto& [name, p] : whole->named_parameters()) wp.push_back(p);
+  for (int T : {1, 2, 4}) {
+    CAPTURE(T);
+    InProcessReplicaHub hub(T, 30.0);
+    struct Member {
+      double loss = 0;
+      std::vector<std::string> names;
+      std::vector<std::vector<double>> grads, want;
+      std::vector<int> shard_dims;
+      int64_t split_elements = 0, whole_elements = 0;
+      bool vocab_parallel_loss = false;
+      std::string error;
+    };
+    std::vector<Member> got(static_cast<size_t>(T));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < T; ++r) {
+      threads.emplace_back([&, r] {
+        Member& m = got[static_cast<size_t>(r)];
+        try {
+          ModelSpec spec = config.model;
+          spec.member = {r, T};
+          auto mine = build_model(spec);
+          ThreadCollectives group(hub, r);
+          mine->set_collectives(&group);
+          m.vocab_parallel_loss = dynamic_cast<VocabParallelCrossEntropy*>(&mine->loss()) != nullptr;
+          m.loss = mine->forward_backward(be, x, targets, scale, args);
+          mine->sum_tied_gradients(be);
+          std::vector<Parameter*> ps;
+          for (auto& [name, p] : mine->named_parameters()) ps.push_back(p);
+          if (ps.size() != wp.size()) throw std::runtime_error("the member has other parameters");
+          for (size_t i = 0; i < ps.size(); ++i) {
+            const Parameter& p = *ps[i];
+            m.names.push_back(mine->named_parameters()[i].first);
+            m.grads.push_back(to_doubles(p.grad));
+            m.shard_dims.push_back(p.shard_dim);
+            m.want.push_back(p.shard_dim < 0 ? to_doubles(wp[i]->grad)
+                                             : block_of(wp[i]->grad, p.shard_dim, p.shard_rank, p.shard_count,
+                                                        p.shard_groups));
+            if (!mine->is_tied_copy(&p)) (p.shard_dim < 0 ? m.whole_elements : m.split_elements) += p.value.numel();
+          }
+        } catch (const std::exception& e) {
+          m.error = e.what();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < T; ++r) {
+      CAPTURE(r);
+      const Member& m = got[static_cast<size_t>(r)];
+      REQUIRE(m.error.empty());
+      CHECK(m.loss == doctest::Approx(loss).epsilon(1e-12));
+      for (size_t i = 0; i < m.grads.size(); ++i) {
+        CAPTURE(m.names[i]);
+        REQUIRE(m.grads[i].size() == m.want[i].size());
+        const auto c = compare(m.grads[i], m.want[i], 1e-12, 1e-12);
+        CHECK_MESSAGE(c.ok, c.detail);
+      }
+      // Each member holds 1/T of the split weights: with the whole ones, the model's count.
+      if (T > 1) CHECK(m.split_elements > 0);
+      CHECK(m.vocab_parallel_loss == (vocab_parallel && T > 1));
+      for (const std::string& part : split) {
+        CAPTURE(part);
+        int named = 0;  // every part names some parameter
+        for (size_t i = 0; i < m.names.size(); ++i) {
+          if (m.names[i].find(part) == std::string::npos) continue;
+          ++named;
+          CAPTURE(m.names[i]);
+          if (T > 1) CHECK(m.shard_dims[i] >= 0);
+        }
+        CHECK(named > 0);
+      }
+      CHECK(m.split_elements * T + m.whole_elements == whole->parameter_count());
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a GPT config split over T threads equals it whole: loss and every gradient, dropout on, tied head") {
+  const Tensor x = random_labels(3 * 6, 16, 1).reshape({3, 6});
+  Tensor targets = random_labels(3 * 6, 16, 2).reshape({3, 6});
+  targets.data<int32_t>()[5] = -100;  // an ignored target
+  check_model(kGpt, x, targets, true, {"token", "qkv.", "attn.proj.weight", "fc1.", "fc2.weight"});
+}
+
+TEST_CASE("a LLaMA config split over T threads equals it whole: loss and every gradient, dropout on") {
+  const Tensor x = random_labels(3 * 6, 16, 3).reshape({3, 6});
+  const Tensor targets = random_labels(3 * 6, 16, 4).reshape({3, 6});
+  check_model(kLlama, x, targets, true,
+              {"token", "q.weight", "k.weight", "v.weight", "o.weight", "gate.", "up.", "down.", "layers.4.weight"});
+}
+
+TEST_CASE("an MLP whose linear layers say parallel: column and row, split over T threads, equals it whole") {
+  const Tensor x = gpipe::testing::random_tensor({4, 12}, DType::kF64, 5);
+  const Tensor targets = random_labels(4, 8, 6);
+  check_model(kMlp, x, targets, false, {"layers.0.", "layers.2.weight"});  // its head is whole: parallel: none
+}
+
+TEST_CASE("a bad parallel option is refused by name") {
+  const char* text = R"(model:
+  input: [4]
+  layers:
+    - {type: linear, out: 4, parallel: diagonal}
+  loss: softmax_cross_entropy
+train: {steps: 1, batch_size: 2}
+)";
+  const pipeline::Config config = pipeline::parse_config(text, "bad.yaml");
+  CHECK_THROWS_WITH_AS(build_model(config.model), doctest::Contains("parallel must be none, column or row, got 'diagonal'"),
+                       UserError);
+}
