@@ -1,5 +1,7 @@
 #include "layers/tensor_parallel.h"
 
+#include <cstring>
+
 #include "runtime/error.h"
 
 namespace gpipe {
@@ -20,6 +22,79 @@ void TensorShard::sum(Backend& be, TensorCollectives* group, Tensor& t, const st
                 " (set_collectives)");
   }
   group->all_reduce_sum(be, t);
+}
+
+namespace {
+
+// The whole's layout around `dim`: outer slices, each `groups` parts of `count` blocks of
+// `run` contiguous elements (a block's extent along dim times the elements after it).
+struct BlockLayout {
+  int64_t outer = 1, run = 1;
+  int groups = 1, count = 1;
+  int64_t element = 1;  // bytes
+};
+
+BlockLayout layout_of(const Shape& whole, int dim, int count, int groups, DType dtype, const std::string& what) {
+  GPIPE_CHECK(dim >= 0 && dim < static_cast<int>(whole.size()) && count >= 1 && groups >= 1 &&
+                  whole[dim] % (static_cast<int64_t>(count) * groups) == 0,
+              what + ": no " + std::to_string(count) + " blocks in " + std::to_string(groups) + " parts along dimension " +
+                  std::to_string(dim) + " of " + shape_str(whole));
+  BlockLayout l;
+  for (int d = 0; d < dim; ++d) l.outer *= whole[d];
+  int64_t inner = 1;
+  for (size_t d = static_cast<size_t>(dim) + 1; d < whole.size(); ++d) inner *= whole[d];
+  l.run = whole[dim] / groups / count * inner;
+  l.groups = groups;
+  l.count = count;
+  l.element = static_cast<int64_t>(dtype_size(dtype));
+  return l;
+}
+
+}  // namespace
+
+Tensor join_blocks(const std::vector<Tensor>& blocks, int dim, int groups, const Shape& whole) {
+  GPIPE_CHECK(!blocks.empty(), "join_blocks: no blocks");
+  const DType dtype = blocks[0].dtype();
+  const int count = static_cast<int>(blocks.size());
+  const BlockLayout l = layout_of(whole, dim, count, groups, dtype, "join_blocks");
+  Tensor out = Tensor::empty(whole, dtype, Device::cpu());
+  char* dst = static_cast<char*>(out.raw_data());
+  const int64_t bytes = l.run * l.element;
+  for (int r = 0; r < count; ++r) {
+    const Tensor& b = blocks[static_cast<size_t>(r)];
+    GPIPE_CHECK(b.device().is_cpu() && b.is_contiguous() && b.dtype() == dtype &&
+                    b.numel() * count == out.numel(),
+                "join_blocks: block " + std::to_string(r) + " " + b.str() + " is not 1/" + std::to_string(count) +
+                    " of " + shape_str(whole));
+    const char* src = static_cast<const char*>(b.raw_data());
+    for (int64_t o = 0; o < l.outer; ++o) {
+      for (int g = 0; g < groups; ++g) {
+        const int64_t at = ((o * groups + g) * count + r) * bytes;  // in the whole
+        const int64_t from = (o * groups + g) * bytes;              // in the block
+        std::memcpy(dst + at, src + from, static_cast<size_t>(bytes));
+      }
+    }
+  }
+  return out;
+}
+
+Tensor cut_block(const Tensor& whole, int dim, int rank, int count, int groups) {
+  GPIPE_CHECK(whole.device().is_cpu() && whole.is_contiguous(), "cut_block: " + whole.str() + " is not a host tensor");
+  const BlockLayout l = layout_of(whole.shape(), dim, count, groups, whole.dtype(), "cut_block");
+  GPIPE_CHECK(rank >= 0 && rank < count, "cut_block: no member " + std::to_string(rank) + " of " + std::to_string(count));
+  Shape shape = whole.shape();
+  shape[dim] /= count;
+  Tensor out = Tensor::empty(shape, whole.dtype(), Device::cpu());
+  const char* src = static_cast<const char*>(whole.raw_data());
+  char* dst = static_cast<char*>(out.raw_data());
+  const int64_t bytes = l.run * l.element;
+  for (int64_t o = 0; o < l.outer; ++o) {
+    for (int g = 0; g < groups; ++g) {
+      std::memcpy(dst + (o * groups + g) * bytes, src + ((o * groups + g) * count + rank) * bytes,
+                  static_cast<size_t>(bytes));
+    }
+  }
+  return out;
 }
 
 int64_t block_length(int64_t extent, int count, const std::string& what) {

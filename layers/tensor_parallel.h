@@ -17,6 +17,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "kernels/backend.h"
 #include "runtime/tensor.h"
@@ -73,6 +74,15 @@ class TensorCollectives {
   // row maxima).
   virtual void all_reduce_max(Backend& be, Tensor& t) = 0;
 };
+
+// Checkpoints keep a split parameter whole, by its name (the layout any T loads): its
+// members' blocks put together, and on load each member's block cut out of it. Both
+// take the block's place as Parameter gives it (shard_dim, shard_count, shard_groups,
+// whole); host tensors, any element type, exactly (copies, no arithmetic).
+// The whole tensor from the members' blocks, in member order.
+Tensor join_blocks(const std::vector<Tensor>& blocks, int dim, int groups, const Shape& whole);
+// Member `rank`'s block of a whole tensor.
+Tensor cut_block(const Tensor& whole, int dim, int rank, int count, int groups);
 
 // Element range [begin, begin + length) of block `rank` of `count` along a dimension of
 // `extent`: equal blocks; `what` names the split in the error when extent does not divide.
