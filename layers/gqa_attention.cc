@@ -114,7 +114,8 @@ LayerCost GqaAttention::cost(int64_t batch) const {
   const int64_t members = opts_.shard.size, dim = opts_.dim / members;
   const double C = static_cast<double>(dim), KC = static_cast<double>(kv_width(opts_) / members);
   const double es = static_cast<double>(dtype_size(dtype_));
-  const double n = rows * C;  // elements of x (of this member's channels, split)
+  const double n = rows * C;  // elements of q, and of the attention's output (this member's channels)
+  const double whole = rows * static_cast<double>(opts_.dim);  // of x and y, whole on every member
   LayerCost c;
   c += q_.cost(batch);
   c += k_.cost(batch);
@@ -136,7 +137,7 @@ LayerCost GqaAttention::cost(int64_t batch) const {
   // k's and v's (two axpys, only with dx).
   const CostPart unpack{false, 2 * (n - rows * KC), es * (3 * n + rows * (C + 2 * KC))};
   const CostPart unrope{false, kRopeFlopsPerElement * rotated, 2 * es * rotated};
-  const CostPart sums{false, 2 * n, 2 * 3 * es * n};
+  const CostPart sums{false, 2 * whole, 2 * 3 * es * whole};  // dx is whole (the group's sum comes after)
   c.backward_parts = backward_parts(c);
   for (const CostPart& p : {unpack, unrope, sums}) {
     if (p.flops == 0 && p.bytes == 0) continue;
@@ -148,8 +149,8 @@ LayerCost GqaAttention::cost(int64_t batch) const {
   // projection's dx, the core's backward, the unpacking and the rotation feed the
   // weight gradients. W is the four weight gradients (summed above).
   c.input_grad_flops =
-      q_.cost(batch).input_grad_flops + k_.cost(batch).input_grad_flops + v_.cost(batch).input_grad_flops + 2 * n;
-  c.output_bytes = static_cast<int64_t>(es * n);
+      q_.cost(batch).input_grad_flops + k_.cost(batch).input_grad_flops + v_.cost(batch).input_grad_flops + 2 * whole;
+  c.output_bytes = static_cast<int64_t>(es * whole);
   return c;
 }
 

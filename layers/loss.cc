@@ -90,9 +90,11 @@ Tensor VocabParallelCrossEntropy::forward(Backend& be, const Tensor& logits_in, 
   check_batch(logits_in, sample_shape_, dtype_, "softmax_cross_entropy", "logits");
   const Tensor narrow = logits_in.reshape({logits_in.numel() / classes_, classes_});  // (R, V / T)
   const int64_t rows = narrow.size(0);
-  if (targets_in.dtype() != DType::kI32 || targets_in.numel() != rows) {
-    throw UserError("softmax_cross_entropy: targets " + targets_in.str() + " must be int32, one class per row of the "
-                    "logits " + logits_in.str());
+  Shape want{logits_in.size(0)};
+  want.insert(want.end(), sample_shape_.begin(), sample_shape_.end() - 1);
+  if (targets_in.dtype() != DType::kI32 || targets_in.shape() != want) {
+    throw UserError("softmax_cross_entropy: targets " + targets_in.str() + " must be int32 " + shape_str(want) +
+                    ", one class per row of the logits " + logits_in.str());
   }
   const Tensor targets = targets_in.reshape({rows});
   // In float32 in a bf16 or fp16 model (master_dtype), as SoftmaxCrossEntropy.

@@ -72,6 +72,7 @@ class VocabParallelCrossEntropy : public Loss {
   LayerCost cost(int64_t batch) const override;
   int64_t counted_targets(const Tensor& targets) const override;  // those != ignore_index
   void set_collectives(TensorCollectives* group) override { group_ = group; }
+  int ignore_index() const { return ignore_index_; }
 
  private:
   TensorCollectives& group() const;

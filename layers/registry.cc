@@ -420,12 +420,13 @@ std::unique_ptr<Sequential> build_model(const ModelSpec& spec, const LayerFilter
   auto model = std::make_unique<Sequential>(spec.input, spec.dtype, spec.input_dtype.value_or(spec.dtype));
   // The member this process or thread builds (ModelSpec::member), for the factories.
   struct Member {
-    explicit Member(TensorShard m) : outer(building_member) { building_member = m; }
+    explicit Member(TensorShard m) : outer(building_member), outer_head(building_head) { building_member = m; }
     ~Member() {
       building_member = outer;
-      building_head = false;
+      building_head = outer_head;
     }
     TensorShard outer;
+    bool outer_head;
   } member(spec.member);
   const bool split = spec.member.split();
   for (size_t i = 0; i < spec.layers.size(); ++i) {

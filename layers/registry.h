@@ -43,6 +43,9 @@ struct ModelSpec {
   // (column, row, or none: whole on every member), and the model's last layer, a linear
   // layer before softmax_cross_entropy, column-parallel by the vocabulary with the
   // vocabulary-parallel loss; every other layer whole. Size 1: the model as written.
+  // A column-parallel linear layer's outputs are the member's block: what follows must
+  // take them so (elementwise layers, then a row-parallel linear layer). A model
+  // registered in C++ (cpp) is built whole whatever the member.
   TensorShard member;
 };
 

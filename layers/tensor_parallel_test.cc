@@ -238,6 +238,8 @@ void check_split_equals_whole(Make make, const Tensor& x, const Tensor& dy, cons
           ThreadCollectives group(hub, r);
           auto mine = make(TensorShard{r, T});
           mine->set_collectives(&group);
+          // Its costs are a member's, and consistent with what it computes (Layer::cost's checks).
+          for (int64_t batch : {int64_t{1}, x.size(0)}) check_cost(*mine, batch, mine->cost(batch));
           Context k;
           m.y = to_doubles(mine->forward(be, x, &k, args));
           m.dx = values(mine->backward(be, dy, k));

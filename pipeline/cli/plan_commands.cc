@@ -189,7 +189,8 @@ int plan_other_runs(const Config& config, layers::Sequential& model, const PlanC
     for (int b : plan.balance) out << " " << b;
     out << "):\n";
     print_prediction(c, model, plan, out);
-    check_memory_limit(c, plan);  // a plan over the limit is an error, after it is shown
+    // A plan over the limit is an error, after it is shown; --devices sets the stages here.
+    check_memory_limit(c, plan, 0, {"--devices", "gpipe plan CONFIG --devices N --sweep"});
     return 0;
   }
   partition::CostModel cm = spec.cost_model_for(model.output_dtype());
@@ -209,7 +210,8 @@ int plan_other_runs(const Config& config, layers::Sequential& model, const PlanC
   print_planned(spec_plan, run, c.pipeline.memory_limit > 0 ? c.pipeline.memory_limit : spec.memory_bytes, out);
   Plan on_spec = spec_plan;  // its stages on the spec's GPUs, for the refusal's words
   for (int k = 0; k < on_spec.stages; ++k) on_spec.devices[k] = Device::cuda(k);
-  check_memory_limit(c, on_spec, spec.memory_bytes);
+  check_memory_limit(c, on_spec, spec.memory_bytes,
+                     {"--devices", "gpipe plan CONFIG --devices N --device-spec " + spec.source + " --sweep"});
   return 0;
 }
 

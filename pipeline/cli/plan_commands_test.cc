@@ -128,5 +128,12 @@ train: {steps: 1, batch_size: 1}
     std::ostringstream out;
     CHECK_THROWS_WITH_AS(plan_other_runs(run.config, *run.model, o, out),
                          doctest::Contains("would hold 2048.00 GiB on cuda:0 (weights 1024.00 GiB, gradients 1024.00 GiB, optimizer state 0 bytes, activations 4.0 MiB), over the device description's memory of 74.51 GiB"), UserError);
+    // Its fix names what sets the stages here, and the sweep over the same devices.
+    CHECK_THROWS_WITH_AS(plan_other_runs(run.config, *run.model, o, out),
+                         doctest::Contains("use more --devices (fewer layers a stage)"), UserError);
+    CHECK_THROWS_WITH_AS(
+        plan_other_runs(run.config, *run.model, o, out),
+        doctest::Contains("`gpipe plan CONFIG --devices N --device-spec configs/devices/h100_nvlink_ib.yaml --sweep`"),
+        UserError);
   }
 }

@@ -196,7 +196,8 @@ std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType d
     for (size_t i = 0; i < devices.size(); ++i) {
       each[i] = out[first[i]];
       each[i].flops_per_second /= sharing[i];
-      each[i].bytes_per_second /= sharing[i];  // a launch costs each stage on the GPU the same
+      each[i].bytes_per_second /= sharing[i];
+      // launch_seconds stays whole: a launch costs each stage on the GPU the same.
     }
     return each;
   };

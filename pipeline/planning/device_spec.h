@@ -22,7 +22,7 @@ struct DeviceSpec {
   double memory_bandwidth = 0;               // bytes/s
   int64_t memory_bytes = 0;
   double efficiency = 0.5;  // the fraction of peak FLOP/s and bandwidth a layer reaches
-  double launch_seconds = 0;  // device.launch_overhead_us: one kernel launch's cost (0: none charged)
+  double launch_seconds = 0;  // device.launch_overhead_us: one kernel launch's cost (absent: none charged)
   int devices_per_node = 1;
   LinkCost intra_node, inter_node;
 

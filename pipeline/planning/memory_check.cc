@@ -111,7 +111,7 @@ void check_run_fits(const Config& c, layers::Sequential& model, const Plan& plan
   }
 }
 
-void check_memory_limit(const Config& c, const Plan& plan, int64_t device_memory) {
+void check_memory_limit(const Config& c, const Plan& plan, int64_t device_memory, const MemoryLimitWords& words) {
   const bool own = c.pipeline.memory_limit > 0;
   const int64_t limit = own ? c.pipeline.memory_limit : device_memory;
   if (limit <= 0) return;
@@ -124,15 +124,14 @@ void check_memory_limit(const Config& c, const Plan& plan, int64_t device_memory
                               bytes_str(m.activation_bytes);
     const std::string fix =
         m.parameter_bytes > limit
-            ? "its weights, gradients and optimizer state alone are over it, whatever the micro-batches: use more "
-              "pipeline.partitions (fewer layers a stage), pipeline.shard_optimizer: optimizer with replicas, or a "
-              "smaller model"
-            : "set pipeline.recompute: always, raise pipeline.micro_batches, lower train.batch_size or use more "
-              "pipeline.partitions";
+            ? "its weights, gradients and optimizer state alone are over it, whatever the micro-batches: use more " +
+                  words.stages + " (fewer layers a stage), pipeline.shard_optimizer: optimizer with replicas, or a smaller model"
+            : "set pipeline.recompute: always, raise pipeline.micro_batches, lower train.batch_size or use more " +
+                  words.stages;
     throw UserError("stage " + std::to_string(k) + " would hold " + bytes_str(m.total()) + " on " +
                     plan.devices.at(k).str() + " (" + parts + "), over " + limit_name + " of " + bytes_str(limit) +
                     ": " + fix + (own ? ", or raise the limit" : "") +
-                    " (`gpipe plan CONFIG --sweep` lists the plans that fit)");
+                    " (`" + words.sweep + "` lists the plans that fit)");
   }
 }
 

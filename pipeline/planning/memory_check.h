@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "layers/sequential.h"
 #include "pipeline/config/config.h"
@@ -44,7 +45,14 @@ void check_run_fits(const Config& config, layers::Sequential& model, const Plan&
 // over: the weights' (more stages, a sharded optimizer) or the activations'. `train`
 // and `gpipe plan` call it (plan after printing the plan). With `device_memory` > 0 and
 // no pipeline.memory_limit: that limit instead, named as a device description's memory.
-void check_memory_limit(const Config& config, const Plan& plan, int64_t device_memory = 0);
+// `stages` and `sweep` name, in the fix, what sets the number of stages and the command
+// that lists the plans that fit (`gpipe plan --devices N` sets the stages itself).
+struct MemoryLimitWords {
+  std::string stages = "pipeline.partitions";
+  std::string sweep = "gpipe plan CONFIG --sweep";
+};
+void check_memory_limit(const Config& config, const Plan& plan, int64_t device_memory = 0,
+                        const MemoryLimitWords& words = {});
 
 }  // namespace pipeline
 }  // namespace gpipe
