@@ -390,14 +390,8 @@ void CpuBackend::softmax_xent_slice_sums(const Tensor& logits, const Tensor& lab
 
 void CpuBackend::softmax_xent_slice_loss(const Tensor& sums, const Tensor& rowmax, const Tensor& labels,
                                          int ignore_index, double scale, Tensor& lse, Tensor& loss) {
+  ops::check_xent_slice_loss(sums, rowmax, labels, lse, loss);
   const int64_t rows = rowmax.numel();
-  ops::check_float(rowmax, "softmax_xent_slice_loss");
-  ops::check_shape(sums, {2 * rows}, rowmax.dtype(), "softmax_xent_slice_loss", "sums");
-  ops::check_shape(lse, {rows}, rowmax.dtype(), "softmax_xent_slice_loss", "lse");
-  ops::check_shape(loss, {1}, rowmax.dtype(), "softmax_xent_slice_loss", "loss");
-  if (labels.dtype() != DType::kI32 || labels.numel() != rows) {
-    throw Error("softmax_xent_slice_loss: labels " + labels.str() + " must be int32, one per row");
-  }
   dispatch_float(rowmax, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     const T* ps = sums.data<T>();

@@ -445,7 +445,9 @@ void CudaBackend::softmax_xent_slice_sums(const Tensor& logits, const Tensor& la
   ops::check_xent_slice(logits, labels, first, vocab, rowmax, "softmax_xent_slice_sums");
   const int64_t rows = logits.size(0), cols = logits.size(1);
   ops::check_shape(sums, {2 * rows}, logits.dtype(), "softmax_xent_slice_sums", "sums");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&logits, &labels, &rowmax, &sums}) check_on_device(*t, "softmax_xent_slice_sums");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&logits, &labels, &rowmax, &sums}) {
+    check_on_device(*t, "softmax_xent_slice_sums");
+  }
   DeviceGuard guard(device_.index);
   cuda::ErrorSlot* error = defer_check(label_check("softmax_xent_slice_sums", rows, vocab));
   dispatch_float(logits, [&](auto* tag) {
@@ -457,15 +459,11 @@ void CudaBackend::softmax_xent_slice_sums(const Tensor& logits, const Tensor& la
 
 void CudaBackend::softmax_xent_slice_loss(const Tensor& sums, const Tensor& rowmax, const Tensor& labels,
                                           int ignore_index, double scale, Tensor& lse, Tensor& loss) {
+  ops::check_xent_slice_loss(sums, rowmax, labels, lse, loss);
   const int64_t rows = rowmax.numel();
-  ops::check_float(rowmax, "softmax_xent_slice_loss");
-  ops::check_shape(sums, {2 * rows}, rowmax.dtype(), "softmax_xent_slice_loss", "sums");
-  ops::check_shape(lse, {rows}, rowmax.dtype(), "softmax_xent_slice_loss", "lse");
-  ops::check_shape(loss, {1}, rowmax.dtype(), "softmax_xent_slice_loss", "loss");
-  if (labels.dtype() != DType::kI32 || labels.numel() != rows) {
-    throw Error("softmax_xent_slice_loss: labels " + labels.str() + " must be int32, one per row");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&sums, &rowmax, &labels, &lse, &loss}) {
+    check_on_device(*t, "softmax_xent_slice_loss");
   }
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&sums, &rowmax, &labels, &lse, &loss}) check_on_device(*t, "softmax_xent_slice_loss");
   DeviceGuard guard(device_.index);
   Tensor row_loss = empty({rows}, rowmax.dtype());  // workspace, back in the stream-ordered cache on return
   dispatch_float(rowmax, [&](auto* tag) {
@@ -479,7 +477,9 @@ void CudaBackend::softmax_xent_slice_backward(const Tensor& logits, const Tensor
                                               int ignore_index, const Tensor& lse, double scale, Tensor& dlogits) {
   ops::check_xent_slice(logits, labels, first, INT32_MAX, lse, "softmax_xent_slice_backward");
   ops::check_same(logits, dlogits, "softmax_xent_slice_backward");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&logits, &labels, &lse, &dlogits}) check_on_device(*t, "softmax_xent_slice_backward");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&logits, &labels, &lse, &dlogits}) {
+    check_on_device(*t, "softmax_xent_slice_backward");
+  }
   DeviceGuard guard(device_.index);
   dispatch_float(logits, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;

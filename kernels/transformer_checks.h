@@ -128,6 +128,21 @@ inline void check_xent_slice(const Tensor& logits, const Tensor& labels, int64_t
   }
 }
 
+// softmax_xent_slice_loss's operands: sums (2R), rowmax, lse (R) and loss (1) of one float
+// type, one int32 label a row.
+inline void check_xent_slice_loss(const Tensor& sums, const Tensor& rowmax, const Tensor& labels, const Tensor& lse,
+                                  const Tensor& loss) {
+  const char* op = "softmax_xent_slice_loss";
+  const int64_t rows = rowmax.numel();
+  check_float(rowmax, op);
+  check_shape(sums, {2 * rows}, rowmax.dtype(), op, "sums");
+  check_shape(lse, {rows}, rowmax.dtype(), op, "lse");
+  check_shape(loss, {1}, rowmax.dtype(), op, "loss");
+  if (labels.dtype() != DType::kI32 || labels.numel() != rows) {
+    throw Error(std::string(op) + ": labels " + labels.str() + " must be int32, one per row");
+  }
+}
+
 struct RowDims {
   int64_t R, C;  // rows and channels of x viewed as (R, C)
 };

@@ -5,12 +5,13 @@
 // sums between them, gives the unsplit MLP's output and input gradient on every member,
 // and each member's weight gradients are exactly its blocks of the unsplit ones: float64,
 // to 1e-12, for T = 1, 2, 4, with and without biases.
+#include "layers/tensor_parallel.h"
+
 #include <doctest/doctest.h>
 
 #include <memory>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -18,61 +19,26 @@
 #include "layers/activation.h"
 #include "layers/attention.h"
 #include "layers/embedding.h"
-#include "layers/transformer.h"
 #include "layers/gqa_attention.h"
+#include "layers/linear.h"
 #include "layers/llama_block.h"
 #include "layers/loss.h"
 #include "layers/swiglu.h"
-#include "layers/linear.h"
-#include "layers/tensor_parallel.h"
+#include "layers/transformer.h"
 #include "runtime/error.h"
 #include "runtime/inprocess_replica_group.h"
+#include "tests/tensor_group.h"
 #include "tests/testing.h"
 
 using namespace gpipe;
 using namespace gpipe::layers;
+using gpipe::testing::block_of;
 using gpipe::testing::compare;
 using gpipe::testing::random_tensor;
+using gpipe::testing::run_members;
 using gpipe::testing::to_doubles;
 
 namespace {
-
-// The group's sums over threads of this process (runtime/inprocess_replica_group.h:
-// added in member order by the last to arrive).
-class ThreadCollectives : public TensorCollectives {
- public:
-  ThreadCollectives(InProcessReplicaHub& hub, int me) : group_(hub, me) {}
-  int size() const override { return group_.size(); }
-  int rank() const override { return group_.rank(); }
-  void all_reduce_sum(Backend& be, Tensor& t) override {
-    be.synchronize();
-    group_.all_reduce_sum(t);
-  }
-  void all_reduce_max(Backend& be, Tensor& t) override {
-    be.synchronize();
-    group_.all_reduce_max(t);
-  }
-
- private:
-  InProcessReplicaGroup group_;
-};
-
-// Block `rank` of `count` along dimension `dim` of a 1-D or 2-D tensor (of each of
-// `groups` equal parts of that dimension), as doubles, in row-major order: written out
-// index by index, independently of the layers' block arithmetic.
-std::vector<double> block_of(const Tensor& t, int dim, int rank, int count, int groups = 1) {
-  const std::vector<double> v = to_doubles(t);
-  const int64_t rows = t.dim() == 1 ? t.size(0) : t.size(0), cols = t.dim() == 1 ? 1 : t.size(1);
-  const int64_t extent = dim == 0 ? rows : cols, part = extent / groups, len = part / count;
-  auto mine = [&](int64_t i) { return (i % part) / len == rank; };  // index i along dim
-  std::vector<double> out;
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      if (mine(dim == 0 ? r : c)) out.push_back(v[static_cast<size_t>(r * cols + c)]);
-    }
-  }
-  return out;
-}
 
 void check_close(const std::vector<double>& got, const std::vector<double>& want, const std::string& what) {
   CAPTURE(what);
@@ -138,46 +104,35 @@ TEST_CASE("a column- then row-parallel MLP on T threads equals the unsplit MLP, 
     for (int T : {1, 2, 4}) {
       CAPTURE(bias);
       CAPTURE(T);
-      InProcessReplicaHub hub(T, 30.0);
       struct Member {
         std::vector<double> y, dx, up_w, up_b, down_w, down_b;
-        std::string error;
       };
       std::vector<Member> got(static_cast<size_t>(T));
-      std::vector<std::thread> threads;
-      for (int r = 0; r < T; ++r) {
-        threads.emplace_back([&, r] {
-          Member& m = got[static_cast<size_t>(r)];
-          try {
-            ThreadCollectives group(hub, r);
-            Linear up_r(options(in, hidden, bias, 21, {TensorSplitKind::kColumn, r, T}));
-            Linear down_r(options(hidden, out, bias, 22, {TensorSplitKind::kRow, r, T}));
-            up_r.set_collectives(&group);
-            down_r.set_collectives(&group);
-            Gelu gelu_r({2, hidden / T}, DType::kF64);  // elementwise, on the member's block
-            Context k1, k2, k3;
-            const Tensor hr = up_r.forward(be, x, &k1);
-            const Tensor gr = gelu_r.forward(be, hr, &k2);
-            m.y = to_doubles(down_r.forward(be, gr, &k3));
-            const Tensor dgr = down_r.backward(be, dy, k3);
-            const Tensor dhr = gelu_r.backward(be, dgr, k2);
-            m.dx = to_doubles(up_r.backward(be, dhr, k1));
-            m.up_w = to_doubles(up_r.weight().grad);
-            m.down_w = to_doubles(down_r.weight().grad);
-            if (bias) {
-              m.up_b = to_doubles(up_r.bias().grad);
-              m.down_b = to_doubles(down_r.bias().grad);
-            }
-          } catch (const std::exception& e) {
-            m.error = e.what();
-          }
-        });
-      }
-      for (auto& t : threads) t.join();
+      const std::vector<std::string> errors = run_members(T, [&](int r, TensorCollectives& group) {
+        Member& m = got[static_cast<size_t>(r)];
+        Linear up_r(options(in, hidden, bias, 21, {TensorSplitKind::kColumn, r, T}));
+        Linear down_r(options(hidden, out, bias, 22, {TensorSplitKind::kRow, r, T}));
+        up_r.set_collectives(&group);
+        down_r.set_collectives(&group);
+        Gelu gelu_r({2, hidden / T}, DType::kF64);  // elementwise, on the member's block
+        Context k1, k2, k3;
+        const Tensor hr = up_r.forward(be, x, &k1);
+        const Tensor gr = gelu_r.forward(be, hr, &k2);
+        m.y = to_doubles(down_r.forward(be, gr, &k3));
+        const Tensor dgr = down_r.backward(be, dy, k3);
+        const Tensor dhr = gelu_r.backward(be, dgr, k2);
+        m.dx = to_doubles(up_r.backward(be, dhr, k1));
+        m.up_w = to_doubles(up_r.weight().grad);
+        m.down_w = to_doubles(down_r.weight().grad);
+        if (bias) {
+          m.up_b = to_doubles(up_r.bias().grad);
+          m.down_b = to_doubles(down_r.bias().grad);
+        }
+      });
       for (int r = 0; r < T; ++r) {
         CAPTURE(r);
         const Member& m = got[static_cast<size_t>(r)];
-        REQUIRE(m.error.empty());
+        REQUIRE_MESSAGE(errors[static_cast<size_t>(r)].empty(), errors[static_cast<size_t>(r)]);
         check_close(m.y, to_doubles(y), "output (every member: the row layer's sum)");
         check_close(m.dx, to_doubles(dx), "input gradient (every member: the column layer's sum)");
         check_close(m.up_w, block_of(up.weight().grad, 0, r, T), "column layer's weight gradient");
@@ -201,9 +156,9 @@ TEST_CASE("a split that does not divide, and a split layer without its group, ar
   Linear row(options(8, 6, true, 1, {TensorSplitKind::kRow, 1, 2}));
   Backend& be = backend_for(Device::cpu());
   const Tensor x = random_tensor({1, 2, 4}, DType::kF64, 3);
-  CHECK_THROWS_WITH_AS(row.forward(be, x, nullptr),
-                       doctest::Contains("linear(8 -> 6, row 1/2) is split over a tensor group of 2 but was given none"),
-                       Error);
+  CHECK_THROWS_WITH_AS(
+      row.forward(be, x, nullptr),
+      doctest::Contains("linear(8 -> 6, row 1/2) is split over a tensor group of 2 but was given none"), Error);
 }
 
 // T members of a split layer (make(shard)) on threads, each with its own block and the
@@ -222,47 +177,36 @@ void check_split_equals_whole(Make make, const Tensor& x, const Tensor& dy, cons
   const std::vector<Parameter*> wp = whole->parameters();
   for (int T : {1, 2, 4}) {
     CAPTURE(T);
-    InProcessReplicaHub hub(T, 30.0);
     struct Member {
       std::vector<double> y, dx;
       std::vector<std::vector<double>> grads, want;
       std::vector<std::string> names;
-      std::string error;
     };
     std::vector<Member> got(static_cast<size_t>(T));
-    std::vector<std::thread> threads;
-    for (int r = 0; r < T; ++r) {
-      threads.emplace_back([&, r] {
-        Member& m = got[static_cast<size_t>(r)];
-        try {
-          ThreadCollectives group(hub, r);
-          auto mine = make(TensorShard{r, T});
-          mine->set_collectives(&group);
-          // Its costs are a member's, and consistent with what it computes (Layer::cost's checks).
-          for (int64_t batch : {int64_t{1}, x.size(0)}) check_cost(*mine, batch, mine->cost(batch));
-          Context k;
-          m.y = to_doubles(mine->forward(be, x, &k, args));
-          m.dx = values(mine->backward(be, dy, k));
-          const std::vector<Parameter*> ps = mine->parameters();
-          if (ps.size() != wp.size()) throw std::runtime_error("the split layer has other parameters");
-          for (size_t i = 0; i < ps.size(); ++i) {
-            const Parameter& p = *ps[i];
-            m.names.push_back(p.name);
-            m.grads.push_back(to_doubles(p.grad));
-            m.want.push_back(p.shard_dim < 0 ? to_doubles(wp[i]->grad)
-                                             : block_of(wp[i]->grad, p.shard_dim, p.shard_rank, p.shard_count,
-                                                        p.shard_groups));
-          }
-        } catch (const std::exception& e) {
-          m.error = e.what();
-        }
-      });
-    }
-    for (auto& t : threads) t.join();
+    const std::vector<std::string> errors = run_members(T, [&](int r, TensorCollectives& group) {
+      Member& m = got[static_cast<size_t>(r)];
+      auto mine = make(TensorShard{r, T});
+      mine->set_collectives(&group);
+      // Its costs are a member's, and consistent with what it computes (Layer::cost's checks).
+      for (int64_t batch : {int64_t{1}, x.size(0)}) check_cost(*mine, batch, mine->cost(batch));
+      Context k;
+      m.y = to_doubles(mine->forward(be, x, &k, args));
+      m.dx = values(mine->backward(be, dy, k));
+      const std::vector<Parameter*> ps = mine->parameters();
+      if (ps.size() != wp.size()) throw std::runtime_error("the split layer has other parameters");
+      for (size_t i = 0; i < ps.size(); ++i) {
+        const Parameter& p = *ps[i];
+        m.names.push_back(p.name);
+        m.grads.push_back(to_doubles(p.grad));
+        m.want.push_back(p.shard_dim < 0
+                             ? to_doubles(wp[i]->grad)
+                             : block_of(wp[i]->grad, p.shard_dim, p.shard_rank, p.shard_count, p.shard_groups));
+      }
+    });
     for (int r = 0; r < T; ++r) {
       CAPTURE(r);
       const Member& m = got[static_cast<size_t>(r)];
-      REQUIRE(m.error.empty());
+      REQUIRE_MESSAGE(errors[static_cast<size_t>(r)].empty(), errors[static_cast<size_t>(r)]);
       check_close(m.y, to_doubles(y), "output");
       check_close(m.dx, values(dx), "input gradient");
       for (size_t i = 0; i < m.grads.size(); ++i) check_close(m.grads[i], m.want[i], m.names[i] + "'s gradient");
@@ -414,8 +358,8 @@ TEST_CASE("a vocabulary-parallel embedding on T threads equals the unsplit embed
     o.shard = shard;
     return std::make_unique<Embedding>(o);
   };
-  CHECK_THROWS_WITH_AS(make({0, 5}), doctest::Contains("a vocabulary of 12 tokens does not split over a tensor group of 5"),
-                       UserError);
+  CHECK_THROWS_WITH_AS(
+      make({0, 5}), doctest::Contains("a vocabulary of 12 tokens does not split over a tensor group of 5"), UserError);
   // An id past the vocabulary: refused by a member whose rows it is not in, too.
   Tensor bad = Tensor::empty(ids.shape(), DType::kI32, Device::cpu());
   copy_tensor(ids, bad);
@@ -455,40 +399,29 @@ TEST_CASE("a vocabulary-parallel head on T threads equals the unsplit head: loss
   const Tensor dh = whole.backward(be, xent.backward(be, c2), c1);
   for (int T : {1, 2, 4}) {
     CAPTURE(T);
-    InProcessReplicaHub hub(T, 30.0);
     struct Member {
       double loss = 0;
       int64_t counted = 0;
       std::vector<double> dh, dw;
-      std::string error;
     };
     std::vector<Member> got(static_cast<size_t>(T));
-    std::vector<std::thread> threads;
-    for (int r = 0; r < T; ++r) {
-      threads.emplace_back([&, r] {
-        Member& m = got[static_cast<size_t>(r)];
-        try {
-          ThreadCollectives group(hub, r);
-          Linear mine = head({r, T});
-          mine.set_collectives(&group);
-          VocabParallelCrossEntropy loss_r(Shape{seq, vocab / T}, vocab, {r, T}, DType::kF64);
-          loss_r.set_collectives(&group);
-          Context k1, k2;
-          const Tensor part = mine.forward(be, h, &k1);
-          m.loss = to_doubles(loss_r.forward(be, part, targets, scale, &k2))[0];
-          m.counted = loss_r.counted_targets(targets);
-          m.dh = to_doubles(mine.backward(be, loss_r.backward(be, k2), k1));
-          m.dw = to_doubles(mine.weight().grad);
-        } catch (const std::exception& e) {
-          m.error = e.what();
-        }
-      });
-    }
-    for (auto& t : threads) t.join();
+    const std::vector<std::string> errors = run_members(T, [&](int r, TensorCollectives& group) {
+      Member& m = got[static_cast<size_t>(r)];
+      Linear mine = head({r, T});
+      mine.set_collectives(&group);
+      VocabParallelCrossEntropy loss_r(Shape{seq, vocab / T}, vocab, {r, T}, DType::kF64);
+      loss_r.set_collectives(&group);
+      Context k1, k2;
+      const Tensor part = mine.forward(be, h, &k1);
+      m.loss = to_doubles(loss_r.forward(be, part, targets, scale, &k2))[0];
+      m.counted = loss_r.counted_targets(targets);
+      m.dh = to_doubles(mine.backward(be, loss_r.backward(be, k2), k1));
+      m.dw = to_doubles(mine.weight().grad);
+    });
     for (int r = 0; r < T; ++r) {
       CAPTURE(r);
       const Member& m = got[static_cast<size_t>(r)];
-      REQUIRE(m.error.empty());
+      REQUIRE_MESSAGE(errors[static_cast<size_t>(r)].empty(), errors[static_cast<size_t>(r)]);
       CHECK(m.counted == 10);
       CHECK(m.loss == doctest::Approx(loss).epsilon(1e-12));
       check_close(m.dh, to_doubles(dh), "the hidden state's gradient");
@@ -496,25 +429,14 @@ TEST_CASE("a vocabulary-parallel head on T threads equals the unsplit head: loss
     }
   }
   // A label outside the vocabulary is refused by every member, whether or not its column is theirs.
-  InProcessReplicaHub hub(2, 30.0);
   Tensor bad = Tensor::empty(targets.shape(), DType::kI32, Device::cpu());
   copy_tensor(targets, bad);
   bad.data<int32_t>()[5] = static_cast<int32_t>(vocab);
-  std::vector<std::string> errors(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        ThreadCollectives group(hub, r);
-        VocabParallelCrossEntropy loss_r(Shape{seq, vocab / 2}, vocab, {r, 2}, DType::kF64);
-        loss_r.set_collectives(&group);
-        const Tensor part = random_tensor({batch, seq, vocab / 2}, DType::kF64, 14);
-        loss_r.forward(be, part, bad, 1.0, nullptr);
-      } catch (const std::exception& e) {
-        errors[static_cast<size_t>(r)] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  const std::vector<std::string> errors = run_members(2, [&](int r, TensorCollectives& group) {
+    VocabParallelCrossEntropy loss_r(Shape{seq, vocab / 2}, vocab, {r, 2}, DType::kF64);
+    loss_r.set_collectives(&group);
+    const Tensor part = random_tensor({batch, seq, vocab / 2}, DType::kF64, 14);
+    loss_r.forward(be, part, bad, 1.0, nullptr);
+  });
   for (const std::string& e : errors) CHECK(e.find("label 8 in row 5 is outside [0, 8)") != std::string::npos);
 }

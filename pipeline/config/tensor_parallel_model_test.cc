@@ -9,7 +9,6 @@
 
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -18,49 +17,18 @@
 #include "layers/sequential.h"
 #include "layers/tensor_parallel.h"
 #include "pipeline/config/config.h"
-#include "runtime/inprocess_replica_group.h"
+#include "tests/tensor_group.h"
 #include "tests/testing.h"
 
 using namespace gpipe;
 using namespace gpipe::layers;
+using gpipe::testing::block_of;
 using gpipe::testing::compare;
 using gpipe::testing::random_labels;
+using gpipe::testing::run_members;
 using gpipe::testing::to_doubles;
 
 namespace {
-
-class ThreadCollectives : public TensorCollectives {
- public:
-  ThreadCollectives(InProcessReplicaHub& hub, int me) : group_(hub, me) {}
-  int size() const override { return group_.size(); }
-  int rank() const override { return group_.rank(); }
-  void all_reduce_sum(Backend& be, Tensor& t) override {
-    be.synchronize();
-    group_.all_reduce_sum(t);
-  }
-  void all_reduce_max(Backend& be, Tensor& t) override {
-    be.synchronize();
-    group_.all_reduce_max(t);
-  }
-
- private:
-  InProcessReplicaGroup group_;
-};
-
-// Block `rank` of `count` (of each of `groups` parts) along `dim` of a 1-D or 2-D tensor,
-// written out index by index.
-std::vector<double> block_of(const Tensor& t, int dim, int rank, int count, int groups) {
-  const std::vector<double> v = to_doubles(t);
-  const int64_t rows = t.size(0), cols = t.dim() == 1 ? 1 : t.size(1);
-  const int64_t extent = dim == 0 ? rows : cols, part = extent / groups, len = part / count;
-  std::vector<double> out;
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      if (((dim == 0 ? r : c) % part) / len == rank) out.push_back(v[static_cast<size_t>(r * cols + c)]);
-    }
-  }
-  return out;
-}
 
 const char* kGpt = R"(model:
   input: [6]
@@ -123,7 +91,6 @@ void check_model(const char* text, const Tensor& x, const Tensor& targets, bool 
   for (auto& [name, p] : whole->named_parameters()) wp.push_back(p);
   for (int T : {1, 2, 4}) {
     CAPTURE(T);
-    InProcessReplicaHub hub(T, 30.0);
     struct Member {
       double loss = 0;
       std::vector<std::string> names;
@@ -131,45 +98,35 @@ void check_model(const char* text, const Tensor& x, const Tensor& targets, bool 
       std::vector<int> shard_dims;
       int64_t split_elements = 0, whole_elements = 0;
       bool vocab_parallel_loss = false;
-      std::string error;
     };
     std::vector<Member> got(static_cast<size_t>(T));
-    std::vector<std::thread> threads;
-    for (int r = 0; r < T; ++r) {
-      threads.emplace_back([&, r] {
-        Member& m = got[static_cast<size_t>(r)];
-        try {
-          ModelSpec spec = config.model;
-          spec.member = {r, T};
-          auto mine = build_model(spec);
-          ThreadCollectives group(hub, r);
-          mine->set_collectives(&group);
-          m.vocab_parallel_loss = dynamic_cast<VocabParallelCrossEntropy*>(&mine->loss()) != nullptr;
-          m.loss = mine->forward_backward(be, x, targets, scale, args);
-          mine->sum_tied_gradients(be);
-          std::vector<Parameter*> ps;
-          for (auto& [name, p] : mine->named_parameters()) ps.push_back(p);
-          if (ps.size() != wp.size()) throw std::runtime_error("the member has other parameters");
-          for (size_t i = 0; i < ps.size(); ++i) {
-            const Parameter& p = *ps[i];
-            m.names.push_back(mine->named_parameters()[i].first);
-            m.grads.push_back(to_doubles(p.grad));
-            m.shard_dims.push_back(p.shard_dim);
-            m.want.push_back(p.shard_dim < 0 ? to_doubles(wp[i]->grad)
-                                             : block_of(wp[i]->grad, p.shard_dim, p.shard_rank, p.shard_count,
-                                                        p.shard_groups));
-            if (!mine->is_tied_copy(&p)) (p.shard_dim < 0 ? m.whole_elements : m.split_elements) += p.value.numel();
-          }
-        } catch (const std::exception& e) {
-          m.error = e.what();
-        }
-      });
-    }
-    for (auto& t : threads) t.join();
+    const std::vector<std::string> errors = run_members(T, [&](int r, TensorCollectives& group) {
+      Member& m = got[static_cast<size_t>(r)];
+      ModelSpec spec = config.model;
+      spec.member = {r, T};
+      auto mine = build_model(spec);
+      mine->set_collectives(&group);
+      m.vocab_parallel_loss = dynamic_cast<VocabParallelCrossEntropy*>(&mine->loss()) != nullptr;
+      m.loss = mine->forward_backward(be, x, targets, scale, args);
+      mine->sum_tied_gradients(be);
+      std::vector<Parameter*> ps;
+      for (auto& [name, p] : mine->named_parameters()) ps.push_back(p);
+      if (ps.size() != wp.size()) throw std::runtime_error("the member has other parameters");
+      for (size_t i = 0; i < ps.size(); ++i) {
+        const Parameter& p = *ps[i];
+        m.names.push_back(mine->named_parameters()[i].first);
+        m.grads.push_back(to_doubles(p.grad));
+        m.shard_dims.push_back(p.shard_dim);
+        m.want.push_back(p.shard_dim < 0
+                             ? to_doubles(wp[i]->grad)
+                             : block_of(wp[i]->grad, p.shard_dim, p.shard_rank, p.shard_count, p.shard_groups));
+        if (!mine->is_tied_copy(&p)) (p.shard_dim < 0 ? m.whole_elements : m.split_elements) += p.value.numel();
+      }
+    });
     for (int r = 0; r < T; ++r) {
       CAPTURE(r);
       const Member& m = got[static_cast<size_t>(r)];
-      REQUIRE(m.error.empty());
+      REQUIRE_MESSAGE(errors[static_cast<size_t>(r)].empty(), errors[static_cast<size_t>(r)]);
       CHECK(m.loss == doctest::Approx(loss).epsilon(1e-12));
       for (size_t i = 0; i < m.grads.size(); ++i) {
         CAPTURE(m.names[i]);
@@ -227,8 +184,8 @@ TEST_CASE("a bad parallel option is refused by name") {
 train: {steps: 1, batch_size: 2}
 )";
   const pipeline::Config config = pipeline::parse_config(text, "bad.yaml");
-  CHECK_THROWS_WITH_AS(build_model(config.model), doctest::Contains("parallel must be none, column or row, got 'diagonal'"),
-                       UserError);
+  CHECK_THROWS_WITH_AS(build_model(config.model),
+                       doctest::Contains("parallel must be none, column or row, got 'diagonal'"), UserError);
 }
 
 // Checkpoints keep split parameters whole by name: the members' blocks joined are the
