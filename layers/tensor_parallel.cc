@@ -24,6 +24,27 @@ void TensorShard::sum(Backend& be, TensorCollectives* group, Tensor& t, const st
   group->all_reduce_sum(be, t);
 }
 
+template <typename F>
+void GroupCollectives::on_host(Backend& be, Tensor& t, F&& reduce) {
+  be.synchronize();
+  if (t.device().is_cpu() || device_native_) {
+    reduce(t);
+    return;
+  }
+  Tensor host = Tensor::empty(t.shape(), t.dtype(), Device::cpu());
+  copy_tensor(t, host);
+  reduce(host);
+  copy_tensor(host, t);
+}
+
+void GroupCollectives::all_reduce_sum(Backend& be, Tensor& t) {
+  on_host(be, t, [&](Tensor& x) { group_.all_reduce_sum(x); });
+}
+
+void GroupCollectives::all_reduce_max(Backend& be, Tensor& t) {
+  on_host(be, t, [&](Tensor& x) { group_.all_reduce_max(x); });
+}
+
 namespace {
 
 // The whole's layout around `dim`: outer slices, each `groups` parts of `count` blocks of

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "runtime/transport.h"
 #include "runtime/tensor.h"
 
 namespace gpipe {
@@ -73,6 +74,26 @@ class TensorCollectives {
   // `t` in place, each element the largest over the group (a vocabulary-parallel loss's
   // row maxima).
   virtual void all_reduce_max(Backend& be, Tensor& t) = 0;
+};
+
+// A tensor group's sums over any ReplicaGroup (runtime/transport.h): threads of one
+// process (InProcessReplicaGroup), processes (MpiReplicaGroup), GPUs (NcclReplicaGroup).
+// The backend's queued work is waited for first. A tensor on a device goes through a
+// host copy unless the group takes device tensors itself (device_native: NCCL's).
+class GroupCollectives : public TensorCollectives {
+ public:
+  explicit GroupCollectives(ReplicaGroup& group, bool device_native = false)
+      : group_(group), device_native_(device_native) {}
+  int size() const override { return group_.size(); }
+  int rank() const override { return group_.rank(); }
+  void all_reduce_sum(Backend& be, Tensor& t) override;
+  void all_reduce_max(Backend& be, Tensor& t) override;
+
+ private:
+  template <typename F>
+  void on_host(Backend& be, Tensor& t, F&& reduce);
+  ReplicaGroup& group_;
+  bool device_native_;
 };
 
 // Checkpoints keep a split parameter whole, by its name (the layout any T loads): its

@@ -1,5 +1,6 @@
 // Test helpers for tensor parallelism (layers/tensor_parallel.h): a tensor group of T
-// members as threads of this process, and a block of a whole tensor written out index by
+// members as threads of this process (GroupCollectives over an InProcessReplicaGroup), the
+// GPT and LLaMA configs the tests split, and a block of a whole tensor written out index by
 // index (independently of the layers' block arithmetic).
 #pragma once
 
@@ -17,26 +18,6 @@
 namespace gpipe {
 namespace testing {
 
-// A member's sums over the group's threads (runtime/inprocess_replica_group.h: added in
-// member order by the last to arrive).
-class ThreadCollectives : public layers::TensorCollectives {
- public:
-  ThreadCollectives(InProcessReplicaHub& hub, int me) : group_(hub, me) {}
-  int size() const override { return group_.size(); }
-  int rank() const override { return group_.rank(); }
-  void all_reduce_sum(Backend& be, Tensor& t) override {
-    be.synchronize();
-    group_.all_reduce_sum(t);
-  }
-  void all_reduce_max(Backend& be, Tensor& t) override {
-    be.synchronize();
-    group_.all_reduce_max(t);
-  }
-
- private:
-  InProcessReplicaGroup group_;
-};
-
 // Runs member(r, group) for r = 0 .. T-1, each on its own thread with its own member of
 // one group; returns each member's error ("" when it finished).
 inline std::vector<std::string> run_members(int T, const std::function<void(int, layers::TensorCollectives&)>& member) {
@@ -46,7 +27,8 @@ inline std::vector<std::string> run_members(int T, const std::function<void(int,
   for (int r = 0; r < T; ++r) {
     threads.emplace_back([&, r] {
       try {
-        ThreadCollectives group(hub, r);
+        InProcessReplicaGroup threads_group(hub, r);
+        layers::GroupCollectives group(threads_group);  // what a run's tensor group uses
         member(r, group);
       } catch (const std::exception& e) {
         errors[static_cast<size_t>(r)] = e.what();
@@ -56,6 +38,38 @@ inline std::vector<std::string> run_members(int T, const std::function<void(int,
   for (auto& t : threads) t.join();
   return errors;
 }
+
+// A GPT-style config (a tied head, dropout) and a LLaMA-style one (grouped-query attention,
+// dropout), float64, small enough for T = 4 members: heads, kv heads, hidden features and
+// the vocabulary all divide by 4.
+inline const char* kTensorParallelGpt = R"(model:
+  input: [6]
+  input_dtype: int32
+  dtype: float64
+  layers:
+    - {type: embedding, vocab: 16, dim: 8}
+    - repeat: 2
+      layers:
+        - {type: transformer_block, heads: 4, dropout: 0.1}
+    - {type: layernorm}
+    - {type: linear, out: 16, tied: true, bias: false}
+  loss: softmax_cross_entropy
+train: {steps: 1, batch_size: 3}
+)";
+inline const char* kTensorParallelLlama = R"(model:
+  input: [6]
+  input_dtype: int32
+  dtype: float64
+  layers:
+    - {type: embedding, vocab: 16, dim: 16, positions: 0}
+    - repeat: 2
+      layers:
+        - {type: llama_block, heads: 8, kv_heads: 4, hidden: 24, dropout: 0.1}
+    - {type: rmsnorm}
+    - {type: linear, out: 16, bias: false}
+  loss: softmax_cross_entropy
+train: {steps: 1, batch_size: 3}
+)";
 
 // Block `rank` of `count` along dimension `dim` of a 1-D or 2-D tensor (of each of
 // `groups` equal parts of that dimension), as doubles, in row-major order.

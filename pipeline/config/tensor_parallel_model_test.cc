@@ -30,35 +30,8 @@ using gpipe::testing::to_doubles;
 
 namespace {
 
-const char* kGpt = R"(model:
-  input: [6]
-  input_dtype: int32
-  dtype: float64
-  layers:
-    - {type: embedding, vocab: 16, dim: 8}
-    - repeat: 2
-      layers:
-        - {type: transformer_block, heads: 4, dropout: 0.1}
-    - {type: layernorm}
-    - {type: linear, out: 16, tied: true, bias: false}
-  loss: softmax_cross_entropy
-train: {steps: 1, batch_size: 3}
-)";
-
-const char* kLlama = R"(model:
-  input: [6]
-  input_dtype: int32
-  dtype: float64
-  layers:
-    - {type: embedding, vocab: 16, dim: 16, positions: 0}
-    - repeat: 2
-      layers:
-        - {type: llama_block, heads: 8, kv_heads: 4, hidden: 24, dropout: 0.1}
-    - {type: rmsnorm}
-    - {type: linear, out: 16, bias: false}
-  loss: softmax_cross_entropy
-train: {steps: 1, batch_size: 3}
-)";
+const char* kGpt = gpipe::testing::kTensorParallelGpt;
+const char* kLlama = gpipe::testing::kTensorParallelLlama;
 
 const char* kMlp = R"(model:
   input: [12]
