@@ -26,6 +26,15 @@ void TensorShard::sum(Backend& be, TensorCollectives* group, Tensor& t, const st
 
 template <typename F>
 void GroupCollectives::on_host(Backend& be, Tensor& t, F&& reduce) {
+  if (is_narrow(t.dtype())) {
+    // A bfloat16 or float16 activation: reduced in float32 and rounded once, the same on
+    // every member whatever the group's transport.
+    Tensor wide = be.empty(t.shape(), DType::kF32);
+    be.cast(t, wide);
+    on_host(be, wide, reduce);
+    be.cast(wide, t);
+    return;
+  }
   be.synchronize();
   if (t.device().is_cpu() || device_native_) {
     reduce(t);

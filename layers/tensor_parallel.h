@@ -79,7 +79,8 @@ class TensorCollectives {
 // A tensor group's sums over any ReplicaGroup (runtime/transport.h): threads of one
 // process (InProcessReplicaGroup), processes (MpiReplicaGroup), GPUs (NcclReplicaGroup).
 // The backend's queued work is waited for first. A tensor on a device goes through a
-// host copy unless the group takes device tensors itself (device_native: NCCL's).
+// host copy unless the group takes device tensors itself (device_native: NCCL's); a
+// bfloat16 or float16 tensor is reduced in float32 and rounded once.
 class GroupCollectives : public TensorCollectives {
  public:
   explicit GroupCollectives(ReplicaGroup& group, bool device_native = false)
