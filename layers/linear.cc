@@ -18,7 +18,8 @@ Shape with_last(Shape leading, int64_t last) {
 // where split, a multiple of the group's size).
 int64_t features_here(const LinearOptions& o, bool input) {
   if (o.in <= 0 || o.out <= 0) {
-    throw UserError("linear: in and out must be positive, got in=" + std::to_string(o.in) + ", out=" + std::to_string(o.out));
+    throw UserError("linear: in and out must be positive, got in=" + std::to_string(o.in) +
+                    ", out=" + std::to_string(o.out));
   }
   if (!o.split.split()) return input ? o.in : o.out;
   if (o.split.rank < 0 || o.split.rank >= o.split.size) {
@@ -52,10 +53,14 @@ Linear::Linear(const LinearOptions& opts)
     weight_ = make_parameter("weight", {opts.out, opts.in}, w_bound, mix_seed(opts.seed, 1));
     if (opts.bias) bias_ = make_parameter("bias", {opts.out}, b_bound, mix_seed(opts.seed, 2));
   } else if (s.kind == TensorSplitKind::kColumn) {  // W's rows and the bias split
-    weight_ = make_parameter_block("weight", {opts.out, opts.in}, 0, s.rank, s.size, s.groups, w_bound, mix_seed(opts.seed, 1));
-    if (opts.bias) bias_ = make_parameter_block("bias", {opts.out}, 0, s.rank, s.size, s.groups, b_bound, mix_seed(opts.seed, 2));
+    weight_ = make_parameter_block("weight", {opts.out, opts.in}, 0, s.rank, s.size, s.groups, w_bound,
+                                   mix_seed(opts.seed, 1));
+    if (opts.bias) {
+      bias_ = make_parameter_block("bias", {opts.out}, 0, s.rank, s.size, s.groups, b_bound, mix_seed(opts.seed, 2));
+    }
   } else {  // W's columns split; the bias whole, added once after the sum
-    weight_ = make_parameter_block("weight", {opts.out, opts.in}, 1, s.rank, s.size, s.groups, w_bound, mix_seed(opts.seed, 1));
+    weight_ = make_parameter_block("weight", {opts.out, opts.in}, 1, s.rank, s.size, s.groups, w_bound,
+                                   mix_seed(opts.seed, 1));
     if (opts.bias) bias_ = make_parameter("bias", {opts.out}, b_bound, mix_seed(opts.seed, 2));
   }
 }
@@ -67,8 +72,9 @@ TensorCollectives& Linear::group() const {
   if (group_ == nullptr || group_->size() != opts_.split.size || group_->rank() != opts_.split.rank) {
     throw Error(describe() + " is split over a tensor group of " + std::to_string(opts_.split.size) +
                 " but was given " +
-                (group_ == nullptr ? std::string("none")
-                                   : "member " + std::to_string(group_->rank()) + " of " + std::to_string(group_->size())) +
+                (group_ == nullptr
+                     ? std::string("none")
+                     : "member " + std::to_string(group_->rank()) + " of " + std::to_string(group_->size())) +
                 " (Linear::set_collectives)");
   }
   return *group_;
