@@ -435,6 +435,28 @@ void CpuBackend::softmax_xent_slice_backward(const Tensor& logits, const Tensor&
   });
 }
 
+void CpuBackend::first_column_equal(const Tensor& logits, const Tensor& value, int64_t first, int64_t none,
+                                    Tensor& index) {
+  ops::check_first_column_equal(logits, value, index);
+  dispatch_float(logits, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const int64_t rows = logits.size(0), cols = logits.size(1);
+    const T* pl = logits.data<T>();
+    const T* pv = value.data<T>();
+    T* pi = index.data<T>();
+    for (int64_t r = 0; r < rows; ++r) {
+      int64_t at = none;
+      for (int64_t j = 0; j < cols; ++j) {
+        if (pl[r * cols + j] == pv[r]) {
+          at = first + j;
+          break;
+        }
+      }
+      pi[r] = static_cast<T>(at);
+    }
+  });
+}
+
 int64_t CpuBackend::argmax_correct(const Tensor& logits, const Tensor& labels, int ignore_index) {
   ops::check_argmax_correct(logits, labels);
   int64_t correct = 0;

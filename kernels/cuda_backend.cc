@@ -488,6 +488,20 @@ void CudaBackend::softmax_xent_slice_backward(const Tensor& logits, const Tensor
   });
 }
 
+void CudaBackend::first_column_equal(const Tensor& logits, const Tensor& value, int64_t first, int64_t none,
+                                     Tensor& index) {
+  ops::check_first_column_equal(logits, value, index);
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&logits, &value, &index}) {
+    check_on_device(*t, "first_column_equal");
+  }
+  DeviceGuard guard(device_.index);
+  dispatch_float(logits, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    cuda::first_column_equal(logits.data<T>(), value.data<T>(), logits.size(0), logits.size(1), first, none,
+                             index.data<T>(), cuda_stream());
+  });
+}
+
 void CudaBackend::softmax_xent_backward(const Tensor& probs, const Tensor& labels, double scale, int ignore_index,
                                         Tensor& dlogits) {
   ops::check_xent(probs, labels, dlogits);

@@ -810,6 +810,27 @@ TEST_CASE("softmax_xent_slice's three steps equal the CPU's, with ignore_index r
   }
 }
 
+TEST_CASE("first_column_equal finds the first column holding each row's value, as the CPU does") {
+  uint64_t seed = 680;
+  for (DType dt : kFloatTypes) {
+    for (const Shape& s : {Shape{1, 1}, Shape{5, 7}, Shape{33, 4097}}) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(shape_str(s));
+      Tensor logits = random_tensor(s, dt, seed++);
+      Tensor value = Tensor::empty({s[0]}, dt, Device::cpu());
+      cpu().reduce_rows(Reduce::kMax, logits, value);
+      if (s[0] > 1) {  // a row whose value no column holds
+        Tensor first_row = value.narrow_rows(0, 1);
+        cpu().fill(first_row, 9.0);
+      }
+      Tensor i_c = Tensor::empty({s[0]}, dt, Device::cpu()), i_g = gpu().empty({s[0]}, dt);
+      cpu().first_column_equal(logits, value, 100, 12345, i_c);
+      gpu().first_column_equal(to_gpu(logits), to_gpu(value), 100, 12345, i_g);
+      CHECK(to_doubles(i_g) == to_doubles(i_c));
+    }
+  }
+}
+
 TEST_CASE("softmax_xent with no rows writes a zero loss") {
   for (DType dt : kFloatTypes) {
     Tensor logits = gpu().empty({0, 5}, dt), probs = gpu().empty({0, 5}, dt);

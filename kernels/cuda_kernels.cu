@@ -388,6 +388,31 @@ __global__ void softmax_xent_slice_backward_kernel(const T* logits, const int32_
   }
 }
 
+struct MinOp {
+  template <typename T>
+  __device__ __forceinline__ T operator()(T a, T b) const { return a < b ? a : b; }
+};
+
+// One block per row: index[r] = first + the first column whose logit equals value[r], or
+// `none` (Backend::first_column_equal).
+template <typename T>
+__global__ void first_column_equal_kernel(const T* logits, const T* value, int64_t cols, int64_t first, int64_t none,
+                                          T* index) {
+  __shared__ long long shared[32];
+  const int64_t row = blockIdx.x;
+  const T* in = logits + row * cols;
+  const T v = value[row];
+  long long at = static_cast<long long>(cols);  // past every column: not found
+  for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
+    if (in[j] == v) {
+      at = static_cast<long long>(j);
+      break;  // this thread's later columns are larger
+    }
+  }
+  at = block_allreduce(at, MinOp(), static_cast<long long>(cols), shared);
+  if (threadIdx.x == 0) index[row] = static_cast<T>(at < cols ? first + at : none);
+}
+
 // The better of two (value, column) candidates of one row, as the CPU's scan
 // `if (v[j] > v[best]) best = j` would pick between them: the larger value, the smaller
 // column on ties. column == -1 marks "no candidate" (a thread past the row's end).
@@ -1094,6 +1119,16 @@ void launch_softmax_xent_slice_backward(const T* logits, const int32_t* labels, 
 }
 
 template <typename T>
+void launch_first_column_equal(const T* logits, const T* value, int64_t rows, int64_t cols, int64_t first,
+                               int64_t none, T* index, cudaStream_t stream) {
+  check_row_grid(rows, "first_column_equal");
+  if (rows == 0) return;
+  first_column_equal_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(logits, value, cols,
+                                                                                              first, none, index);
+  GPIPE_CHECK_LAUNCH();
+}
+
+template <typename T>
 void launch_argmax_correct(const T* logits, const int32_t* labels, int64_t rows, int64_t cols, int ignore_index,
                            unsigned long long* count, cudaStream_t stream) {
   check_row_grid(rows, "argmax_correct");
@@ -1462,6 +1497,10 @@ void gelu_backward(const Half* x, const Half* dy, Half* dx, int64_t n, cudaStrea
                                    cudaStream_t stream) {                                                         \
     launch_softmax_xent_slice_backward(logits, labels, rows, cols, first, ignore_index, lse, scale, dlogits,      \
                                        stream);                                                                   \
+  }                                                                                                               \
+  void first_column_equal(const T* logits, const T* value, int64_t rows, int64_t cols, int64_t first, int64_t none, \
+                          T* index, cudaStream_t stream) {                                                        \
+    launch_first_column_equal(logits, value, rows, cols, first, none, index, stream);                             \
   }
 GPIPE_XENT_SLICE(float)
 GPIPE_XENT_SLICE(double)

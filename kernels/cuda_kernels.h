@@ -253,7 +253,9 @@ void embedding_backward(const int32_t* ids, const double* dout, double* dtable, 
                                int ignore_index, double scale, T* lse, T* row_loss, T* loss, cudaStream_t stream); \
   void softmax_xent_slice_backward(const T* logits, const int32_t* labels, int64_t rows, int64_t cols,            \
                                    int64_t first, int ignore_index, const T* lse, double scale, T* dlogits,       \
-                                   cudaStream_t stream);
+                                   cudaStream_t stream);                                                          \
+  void first_column_equal(const T* logits, const T* value, int64_t rows, int64_t cols, int64_t first, int64_t none, \
+                          T* index, cudaStream_t stream);
 GPIPE_XENT_SLICE(float)
 GPIPE_XENT_SLICE(double)
 #undef GPIPE_XENT_SLICE

@@ -128,6 +128,14 @@ inline void check_xent_slice(const Tensor& logits, const Tensor& labels, int64_t
   }
 }
 
+// first_column_equal's: logits (R, V'), a value and an index a row, of one float type.
+inline void check_first_column_equal(const Tensor& logits, const Tensor& value, const Tensor& index) {
+  const char* op = "first_column_equal";
+  check_matrix(logits, op);
+  check_shape(value, {logits.size(0)}, logits.dtype(), op, "value");
+  check_shape(index, {logits.size(0)}, logits.dtype(), op, "index");
+}
+
 // softmax_xent_slice_loss's operands: sums (2R), rowmax, lse (R) and loss (1) of one float
 // type, one int32 label a row.
 inline void check_xent_slice_loss(const Tensor& sums, const Tensor& rowmax, const Tensor& labels, const Tensor& lse,

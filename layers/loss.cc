@@ -7,6 +7,16 @@
 namespace gpipe {
 namespace layers {
 
+int64_t Loss::correct(Backend& be, const Tensor& logits, const Tensor& targets) {
+  const int64_t classes = logits.shape().back(), rows = logits.numel() / classes;
+  return be.argmax_correct(logits.reshape({rows, classes}), targets.reshape({rows}), -100);
+}
+
+int64_t SoftmaxCrossEntropy::correct(Backend& be, const Tensor& logits, const Tensor& targets) {
+  const int64_t rows = logits.numel() / classes_;
+  return be.argmax_correct(logits.reshape({rows, classes_}), targets.reshape({rows}), ignore_index_);
+}
+
 SoftmaxCrossEntropy::SoftmaxCrossEntropy(Shape sample_shape, DType dtype, int ignore_index)
     : sample_shape_(std::move(sample_shape)), classes_(sample_shape_.empty() ? 0 : sample_shape_.back()),
       dtype_(dtype), ignore_index_(ignore_index) {
@@ -107,7 +117,7 @@ Tensor VocabParallelCrossEntropy::forward(Backend& be, const Tensor& logits_in, 
   const int64_t first = shard_.rank * classes_;
   Tensor rowmax = be.empty({rows}, master);
   be.reduce_rows(Reduce::kMax, logits, rowmax);
-  group().all_reduce_max(be, rowmax);
+  group().all_reduce_max(be, rowmax);  // the shift of every member's exponentials
   Tensor sums = be.empty({2 * rows}, master);  // each row's sum of exponentials, then its label's logit
   be.softmax_xent_slice_sums(logits, targets, first, vocab_, ignore_index_, rowmax, sums);
   group().all_reduce_sum(be, sums);
@@ -148,6 +158,37 @@ LayerCost VocabParallelCrossEntropy::cost(int64_t batch) const {
   c.output_bytes = static_cast<int64_t>(dtype_size(master_dtype(dtype_)));
   c.saved_bytes = static_cast<int64_t>(static_cast<double>(dtype_size(master_dtype(dtype_))) * (n + rows) + 4 * rows);
   return c;
+}
+
+int64_t VocabParallelCrossEntropy::correct(Backend& be, const Tensor& logits_in, const Tensor& targets) {
+  const Tensor narrow = logits_in.reshape({logits_in.numel() / classes_, classes_});  // (R, V / T)
+  const int64_t rows = narrow.size(0);
+  const DType master = master_dtype(dtype_);
+  Tensor logits = narrow;
+  if (dtype_ != master) {
+    logits = be.empty(narrow.shape(), master);
+    be.cast(narrow, logits);
+  }
+  Tensor rowmax = be.empty({rows}, master);
+  be.reduce_rows(Reduce::kMax, logits, rowmax);
+  group().all_reduce_max(be, rowmax);
+  // Each member's first column holding the row's maximum (vocab where none does),
+  // negated so that the group's max is the smallest column: the first, as argmax takes it.
+  Tensor index = be.empty({rows}, master);
+  be.first_column_equal(logits, rowmax, shard_.rank * classes_, vocab_, index);
+  be.scale(index, -1.0);
+  group().all_reduce_max(be, index);
+  Tensor host = Tensor::empty({rows}, master, Device::cpu());
+  copy_tensor(index, host);
+  Tensor labels = Tensor::empty({rows}, DType::kI32, Device::cpu());
+  copy_tensor(targets.reshape({rows}), labels);
+  int64_t n = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const double column = -(master == DType::kF64 ? host.data<double>()[r] : static_cast<double>(host.data<float>()[r]));
+    const int32_t label = labels.data<int32_t>()[r];
+    n += label != ignore_index_ && static_cast<double>(label) == column;
+  }
+  return n;
 }
 
 int64_t VocabParallelCrossEntropy::counted_targets(const Tensor& targets) const {

@@ -28,6 +28,10 @@ class Loss {
   virtual int64_t counted_targets(const Tensor& targets) const { return targets.numel(); }
   // The tensor group a split loss sums over (VocabParallelCrossEntropy); nothing otherwise.
   virtual void set_collectives(TensorCollectives* /*group*/) {}
+  // How many rows of logits have their largest entry (the first on ties) at their
+  // target's column, over the counted targets (evaluation's accuracy); a host value. The
+  // default: Backend::argmax_correct with PyTorch's ignore_index, -100.
+  virtual int64_t correct(Backend& be, const Tensor& logits, const Tensor& targets);
 };
 
 // Softmax over the last dimension of the logits, then the negative log-likelihood of
@@ -45,6 +49,7 @@ class SoftmaxCrossEntropy : public Loss {
   Tensor backward(Backend& be, const Context& ctx) override;
   LayerCost cost(int64_t batch) const override;
   int64_t counted_targets(const Tensor& targets) const override;  // those != ignore_index
+  int64_t correct(Backend& be, const Tensor& logits, const Tensor& targets) override;
   int ignore_index() const { return ignore_index_; }
 
  private:
@@ -72,6 +77,8 @@ class VocabParallelCrossEntropy : public Loss {
   LayerCost cost(int64_t batch) const override;
   int64_t counted_targets(const Tensor& targets) const override;  // those != ignore_index
   void set_collectives(TensorCollectives* group) override { group_ = group; }
+  // The group's argmax: the row maxima's max, then the smallest column holding it.
+  int64_t correct(Backend& be, const Tensor& logits, const Tensor& targets) override;
   int ignore_index() const { return ignore_index_; }
 
  private:

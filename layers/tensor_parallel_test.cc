@@ -440,3 +440,46 @@ TEST_CASE("a vocabulary-parallel head on T threads equals the unsplit head: loss
   });
   for (const std::string& e : errors) CHECK(e.find("label 8 in row 5 is outside [0, 8)") != std::string::npos);
 }
+
+// Evaluation's accuracy under a vocabulary-parallel head: the group's argmax, the first
+// column on ties as the unsplit argmax takes it, whichever member holds it.
+TEST_CASE("a vocabulary-parallel loss counts correct rows as the unsplit loss does, ties across members included") {
+  const int64_t rows = 6, vocab = 8;
+  Backend& be = backend_for(Device::cpu());
+  // Rows 0-2 random; row 3 ties columns 1 and 6 (members 0 and 1 of 2; 1 and 3 of 4), row 4
+  // ties 5 and 7, row 5 is ignored.
+  Tensor logits = random_tensor({rows, vocab}, DType::kF64, 20);
+  double* p = logits.data<double>();
+  p[3 * vocab + 1] = p[3 * vocab + 6] = 5.0;
+  p[4 * vocab + 5] = p[4 * vocab + 7] = 7.0;
+  for (const std::vector<int32_t>& labels : {std::vector<int32_t>{0, 1, 2, 1, 5, -100},
+                                              std::vector<int32_t>{3, 4, 5, 6, 7, 2}}) {
+    Tensor targets = Tensor::from_vector<int32_t>(labels, {rows});
+    const bool first_set = labels[0] == 0;
+    for (int r = 0; first_set && r < 3; ++r) {  // the first set: rows 0-2 labelled with their own argmax
+      int best = 0;
+      for (int j = 1; j < vocab; ++j) best = p[r * vocab + j] > p[r * vocab + best] ? j : best;
+      targets.data<int32_t>()[r] = best;
+    }
+    SoftmaxCrossEntropy whole(Shape{vocab}, DType::kF64);
+    const int64_t want = whole.correct(be, logits, targets);
+    for (int T : {1, 2, 4}) {
+      CAPTURE(T);
+      std::vector<int64_t> got(static_cast<size_t>(T));
+      const std::vector<std::string> errors = run_members(T, [&](int r, TensorCollectives& group) {
+        VocabParallelCrossEntropy mine(Shape{vocab / T}, vocab, {r, T}, DType::kF64);
+        mine.set_collectives(&group);
+        Tensor part = Tensor::empty({rows, vocab / T}, DType::kF64, Device::cpu());
+        for (int64_t i = 0; i < rows; ++i) {
+          for (int64_t j = 0; j < vocab / T; ++j) part.data<double>()[i * (vocab / T) + j] = p[i * vocab + r * (vocab / T) + j];
+        }
+        got[static_cast<size_t>(r)] = mine.correct(be, part, targets);
+      });
+      for (int r = 0; r < T; ++r) {
+        REQUIRE_MESSAGE(errors[static_cast<size_t>(r)].empty(), errors[static_cast<size_t>(r)]);
+        CHECK(got[static_cast<size_t>(r)] == want);
+      }
+    }
+    CHECK(want == (first_set ? 5 : 0));  // the first set: rows 0-2 and the first column of each tie
+  }
+}

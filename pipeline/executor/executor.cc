@@ -343,12 +343,7 @@ void Executor::forward(StageRuntime& rt, const Instruction& ins, bool recompute)
     if (!mb.targets.defined()) mb.targets = to_device(rt, cur_.targets.narrow_rows(cur_.offsets[m], cur_.sizes[m]));
     Tensor l = model_.loss().forward(be, h, mb.targets, cur_.scale, keep ? &mb.loss_ctx : nullptr);
     if (!recompute) mb.loss = l;
-    if (eval) {  // on the logits' device: only the count comes back
-      const int64_t classes = h.shape().back(), rows = h.numel() / classes;
-      auto* xent = dynamic_cast<layers::SoftmaxCrossEntropy*>(&model_.loss());
-      const int ignore = xent != nullptr ? xent->ignore_index() : -100;
-      mb.correct = be.argmax_correct(h.reshape({rows, classes}), mb.targets.reshape({rows}), ignore);
-    }
+    if (eval) mb.correct = model_.loss().correct(be, h, mb.targets);  // on the logits' device: only the count comes back
   } else if (!recompute) {
     if (schedule_.stage_of_cell(c + 1) == rt.index) {
       rt.mbs[schedule_.chunk_of_cell(c + 1)][m].input = h;  // the next cell is ours
