@@ -95,11 +95,23 @@ TensorCollectives& VocabParallelCrossEntropy::group() const {
   return *group_;
 }
 
+VocabParallelCrossEntropy::Rows VocabParallelCrossEntropy::rows_and_maxima(Backend& be, const Tensor& logits_in) {
+  const Tensor narrow = logits_in.reshape({logits_in.numel() / classes_, classes_});  // (R, V / T)
+  const DType master = master_dtype(dtype_);
+  Rows r{narrow, be.empty({narrow.size(0)}, master)};
+  if (dtype_ != master) {
+    r.logits = be.empty(narrow.shape(), master);
+    be.cast(narrow, r.logits);
+  }
+  be.reduce_rows(Reduce::kMax, r.logits, r.rowmax);
+  group().all_reduce_max(be, r.rowmax);  // the shift of every member's exponentials
+  return r;
+}
+
 Tensor VocabParallelCrossEntropy::forward(Backend& be, const Tensor& logits_in, const Tensor& targets_in,
                                           double scale, Context* ctx) {
   check_batch(logits_in, sample_shape_, dtype_, "softmax_cross_entropy", "logits");
-  const Tensor narrow = logits_in.reshape({logits_in.numel() / classes_, classes_});  // (R, V / T)
-  const int64_t rows = narrow.size(0);
+  const int64_t rows = logits_in.numel() / classes_;
   Shape want{logits_in.size(0)};
   want.insert(want.end(), sample_shape_.begin(), sample_shape_.end() - 1);
   if (targets_in.dtype() != DType::kI32 || targets_in.shape() != want) {
@@ -107,17 +119,9 @@ Tensor VocabParallelCrossEntropy::forward(Backend& be, const Tensor& logits_in, 
                     ", one class per row of the logits " + logits_in.str());
   }
   const Tensor targets = targets_in.reshape({rows});
-  // In float32 in a bf16 or fp16 model (master_dtype), as SoftmaxCrossEntropy.
   const DType master = master_dtype(dtype_);
-  Tensor logits = narrow;
-  if (dtype_ != master) {
-    logits = be.empty(narrow.shape(), master);
-    be.cast(narrow, logits);
-  }
+  const auto [logits, rowmax] = rows_and_maxima(be, logits_in);
   const int64_t first = shard_.rank * classes_;
-  Tensor rowmax = be.empty({rows}, master);
-  be.reduce_rows(Reduce::kMax, logits, rowmax);
-  group().all_reduce_max(be, rowmax);  // the shift of every member's exponentials
   Tensor sums = be.empty({2 * rows}, master);  // each row's sum of exponentials, then its label's logit
   be.softmax_xent_slice_sums(logits, targets, first, vocab_, ignore_index_, rowmax, sums);
   group().all_reduce_sum(be, sums);
@@ -161,17 +165,9 @@ LayerCost VocabParallelCrossEntropy::cost(int64_t batch) const {
 }
 
 int64_t VocabParallelCrossEntropy::correct(Backend& be, const Tensor& logits_in, const Tensor& targets) {
-  const Tensor narrow = logits_in.reshape({logits_in.numel() / classes_, classes_});  // (R, V / T)
-  const int64_t rows = narrow.size(0);
   const DType master = master_dtype(dtype_);
-  Tensor logits = narrow;
-  if (dtype_ != master) {
-    logits = be.empty(narrow.shape(), master);
-    be.cast(narrow, logits);
-  }
-  Tensor rowmax = be.empty({rows}, master);
-  be.reduce_rows(Reduce::kMax, logits, rowmax);
-  group().all_reduce_max(be, rowmax);
+  const auto [logits, rowmax] = rows_and_maxima(be, logits_in);
+  const int64_t rows = logits.size(0);
   // Each member's first column holding the row's maximum (vocab where none does),
   // negated so that the group's max is the smallest column: the first, as argmax takes it.
   Tensor index = be.empty({rows}, master);

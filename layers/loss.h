@@ -83,6 +83,12 @@ class VocabParallelCrossEntropy : public Loss {
 
  private:
   TensorCollectives& group() const;
+  // This member's logits as (R, V / T) in the master type (float32 in a bf16 or fp16
+  // model, as SoftmaxCrossEntropy), and each row's largest logit over the group.
+  struct Rows {
+    Tensor logits, rowmax;
+  };
+  Rows rows_and_maxima(Backend& be, const Tensor& logits_in);
   Shape sample_shape_;
   int64_t classes_;  // this member's
   int64_t vocab_;

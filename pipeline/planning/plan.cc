@@ -252,6 +252,17 @@ ActivationLayout probe_activations_on_devices(const layers::Sequential& model) {
   return probe_layers(model, /*on_shapes=*/false);
 }
 
+namespace {
+// `h` on `be`'s device: a copy there when the previous layer's device is another, as the
+// executor hands activations over between stages.
+Tensor handed_over(Backend& be, const Tensor& h) {
+  if (h.device() == be.device()) return h;
+  Tensor moved = be.empty(h.shape(), h.dtype());
+  be.copy(h, moved);
+  return moved;
+}
+}  // namespace
+
 std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& model_in) {
   // Recompute mode changes no layer state (as in probe_layers below).
   auto& model = const_cast<layers::Sequential&>(model_in);
@@ -266,11 +277,7 @@ std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& m
   args.recompute = true;
   for (int i = 0; i < L; ++i) {
     be = &meta_backend(model.layer(i).device());
-    if (!(h.device() == be->device())) {  // the executor's hand-over, not the layer's
-      Tensor moved = be->empty(h.shape(), h.dtype());
-      be->copy(h, moved);
-      h = moved;
-    }
+    h = handed_over(*be, h);  // the executor's hand-over, not the layer's ops
     layers::Layer& layer = model.layer(i);
     partition::LayerLaunches& n = out[static_cast<size_t>(i)];
     layers::Context ctx;
@@ -339,11 +346,7 @@ ActivationLayout probe_layers(const layers::Sequential& model_in, bool on_shapes
     args.recompute = true;
     for (int i = 0; i < L; ++i) {
       be = &backend(model.layer(i).device());
-      if (!(h.device() == be->device())) {
-        Tensor moved = be->empty(h.shape(), h.dtype());
-        be->copy(h, moved);
-        h = moved;
-      }
+      h = handed_over(*be, h);
       layers::Layer& layer = model.layer(i);
       layers::Context ctx;
       heartbeat();  // probing is progress, for gpipe run (runtime/heartbeat.h)
