@@ -24,6 +24,18 @@ void TensorShard::sum(Backend& be, TensorCollectives* group, Tensor& t, const st
   group->all_reduce_sum(be, t);
 }
 
+namespace {
+void check_on_shapes(const Tensor& t) {
+  if (!t.is_meta()) {
+    throw Error("a tensor group's sum on shapes (ShapeCollectives) was given a tensor with data, " + t.str() +
+                "; a run sums over its real group (GroupCollectives)");
+  }
+}
+}  // namespace
+
+void ShapeCollectives::all_reduce_sum(Backend&, Tensor& t) { check_on_shapes(t); }
+void ShapeCollectives::all_reduce_max(Backend&, Tensor& t) { check_on_shapes(t); }
+
 template <typename F>
 void GroupCollectives::on_host(Backend& be, Tensor& t, F&& reduce) {
   if (is_narrow(t.dtype())) {

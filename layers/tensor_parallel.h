@@ -97,6 +97,22 @@ class GroupCollectives : public TensorCollectives {
   bool device_native_;
 };
 
+// A member's place in a tensor group without the group: planning a member's model on
+// shapes (tensors without data, runtime/tensor.h's ShapesOnly), where a sum or a maximum
+// over the group changes no shape. A tensor with data is refused (Error): a run sums
+// over its real group (GroupCollectives).
+class ShapeCollectives : public TensorCollectives {
+ public:
+  ShapeCollectives(int rank, int size) : rank_(rank), size_(size) {}
+  int size() const override { return size_; }
+  int rank() const override { return rank_; }
+  void all_reduce_sum(Backend& be, Tensor& t) override;
+  void all_reduce_max(Backend& be, Tensor& t) override;
+
+ private:
+  int rank_, size_;
+};
+
 // Checkpoints keep a split parameter whole, by its name (the layout any T loads): its
 // members' blocks put together, and on load each member's block cut out of it. Both
 // take the block's place as Parameter gives it (shard_dim, shard_count, shard_groups,

@@ -95,7 +95,7 @@ int run_train(Invocation& inv) {
     if (mine.index < cuda_device_count()) bind_thread_to_device(mine);  // else the trainer says why
   }
   const pipeline::Launch launch = inv.mpi != nullptr ? inv.mpi->join(config) : pipeline::Launch{};
-  if (inv.mpi != nullptr && !config.run.id_given && launch.rank == 0 && launch.replica == 0) {
+  if (inv.mpi != nullptr && !config.run.id_given && launch.first()) {
     spdlog::info("under plain mpirun, a Ctrl-C or SIGTERM gives the ranks 1 s (OpenMPI's odls_base_sigkill_timeout) "
                  "between its SIGTERM and its SIGKILL, which a long step and its save may not fit in: stop with "
                  "`kill -USR2 <mpirun's pid>`, or launch with `gpipe run --np {}`, which does that on Ctrl-C",

@@ -91,21 +91,28 @@ MpiLaunch::MpiLaunch(int* argc, char*** argv) {
 
 MpiLaunch::~MpiLaunch() {
   // The transports use the communicators: they go first.
+  tensor_group_.reset();
   replica_group_.reset();
   transport_.reset();
   if (pipeline_ != MPI_COMM_NULL) MPI_Comm_free(&pipeline_);
   if (replicas_ != MPI_COMM_NULL) MPI_Comm_free(&replicas_);
+  if (tensor_ != MPI_COMM_NULL) MPI_Comm_free(&tensor_);
   MPI_Finalize();
 }
 
 Launch MpiLaunch::join(Config& config) {
   GPIPE_CHECK(transport_ == nullptr, "MpiLaunch::join called twice");
   check_auto_launch(config, size_);
-  const int K = config.pipeline.partitions, D = config.pipeline.replicas;
-  if (size_ != K * D) {
-    throw UserError("launched as " + std::to_string(size_) + " processes but pipeline.partitions x "
-                    "pipeline.replicas is " + std::to_string(K) + " x " + std::to_string(D) +
-                    "; run one process per stage and replica: mpirun -np " + std::to_string(K * D));
+  // The job's layout, from the plan's sizes (validated there: a batch that does not split
+  // over the replicas is named before any communicator exists).
+  const RankLayout layout = plan_sizes(config).ranks();
+  const int K = layout.stages, T = layout.tensor, D = layout.replicas;
+  if (size_ != layout.size()) {
+    const std::string t = T > 1 ? " x pipeline.tensor_parallel" : "";
+    throw UserError("launched as " + std::to_string(size_) + " processes but pipeline.partitions" + t +
+                    " x pipeline.replicas is " + std::to_string(K) + (T > 1 ? " x " + std::to_string(T) : "") + " x " +
+                    std::to_string(D) + "; run one process per stage" + (T > 1 ? ", tensor-group member" : "") +
+                    " and replica: mpirun -np " + std::to_string(layout.size()));
   }
   set_thread_context(rank_, -1);
   // One run id for every rank: the one `gpipe run` gave, else rank 0's new one.
@@ -114,16 +121,23 @@ Launch MpiLaunch::join(Config& config) {
   std::snprintf(id, sizeof id, "%s", config.run.id.c_str());
   GPIPE_MPI_CHECK(MPI_Bcast(id, sizeof id, MPI_CHAR, 0, MPI_COMM_WORLD));
   config.run.id = id;
+  const RankPlace place = layout.place(rank_);
   Launch launch;
-  launch.rank = rank_ % K;
-  launch.replica = rank_ / K;
-  GPIPE_MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, launch.replica, launch.rank, &pipeline_));
-  GPIPE_MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, launch.rank, launch.replica, &replicas_));
+  launch.rank = place.stage;
+  launch.replica = place.replica;
+  launch.member = place.member;
+  launch.tensor = T;
+  // A pipeline per (replica, member), its stages in order; the replicas of a (stage,
+  // member); the tensor group of a (replica, stage), its members in order.
+  GPIPE_MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, place.replica * T + place.member, place.stage, &pipeline_));
+  GPIPE_MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, place.stage * T + place.member, place.replica, &replicas_));
+  GPIPE_MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, place.replica * K + place.stage, place.member, &tensor_));
   launch.size = K;
   const Device device = multi_process_device(config, launch.rank, rank_);
   if (device.is_cpu()) {
     transport_ = std::make_unique<MpiTransport>(pipeline_, config.pipeline.timeout_s);
     replica_group_ = std::make_unique<MpiReplicaGroup>(replicas_, config.pipeline.timeout_s);
+    tensor_group_ = std::make_unique<MpiReplicaGroup>(tensor_, config.pipeline.timeout_s);
   } else {
 #ifdef GPIPE_WITH_CUDA
     // NCCL between the GPUs, ordered with events against the stream the stage's
@@ -142,10 +156,19 @@ Launch MpiLaunch::join(Config& config) {
     } else {
       replica_group_ = std::make_unique<MpiReplicaGroup>(replicas_, config.pipeline.timeout_s);
     }
+    if (T > 1) {
+      // The tensor group's sums between the stage's GPUs, ordered like the replicas'.
+      tensor_group_ =
+          std::make_unique<NcclReplicaGroup>(tensor_, device, compute, pipeline, config.pipeline.timeout_s);
+      launch.tensor_group_on_device = true;
+    } else {
+      tensor_group_ = std::make_unique<MpiReplicaGroup>(tensor_, config.pipeline.timeout_s);
+    }
 #endif
   }
   launch.transport = transport_.get();
   launch.replicas = replica_group_.get();
+  launch.tensor_group = tensor_group_.get();
   return launch;
 }
 

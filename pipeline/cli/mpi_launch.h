@@ -1,6 +1,7 @@
 // How a process joins a multi-process run. Under mpirun (or a PMI launcher such as
-// Slurm's srun), MPI lives as long as the process; the P = K x D ranks split into one
-// communicator per pipeline (its K stages) and one per stage (its D replicas), and the
+// Slurm's srun), MPI lives as long as the process; the P = K x T x D ranks (Plan::ranks)
+// split into one communicator per pipeline (its K stages), one per stage and member (its
+// D replicas) and one per stage of a replica (its tensor group of T members), and the
 // rank's stage talks through MPI (CPU stages) or NCCL (GPU stages in a CUDA build).
 #pragma once
 
@@ -30,7 +31,7 @@ class MpiLaunch {
   int rank() const { return rank_; }  // in MPI_COMM_WORLD
   int size() const { return size_; }
 
-  // This rank's part in `config`'s job: rank r runs stage r % K of replica r / K. Checks
+  // This rank's part in `config`'s job, as Plan::ranks lays it out. Checks
   // the process count, splits the communicators, resolves the stage's device (written
   // back into config.pipeline.devices, so the trainer uses exactly that GPU) and
   // creates the transports, which live as long as this object. Call once.
@@ -42,9 +43,9 @@ class MpiLaunch {
 
  private:
   int rank_ = 0, size_ = 1;
-  MPI_Comm pipeline_ = MPI_COMM_NULL, replicas_ = MPI_COMM_NULL;
+  MPI_Comm pipeline_ = MPI_COMM_NULL, replicas_ = MPI_COMM_NULL, tensor_ = MPI_COMM_NULL;
   std::unique_ptr<Transport> transport_;
-  std::unique_ptr<ReplicaGroup> replica_group_;
+  std::unique_ptr<ReplicaGroup> replica_group_, tensor_group_;
 };
 
 }  // namespace pipeline

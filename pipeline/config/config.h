@@ -36,6 +36,9 @@ struct DataConfig {
 struct PipelineConfig {
   int partitions = 1;       // K
   int replicas = 1;         // D: data-parallel copies of the pipeline (multi-process runs)
+  // T: each stage split over this many processes, its tensor group (Megatron-LM's tensor
+  // parallelism, layers/tensor_parallel.h; multi-process runs, K x T x D ranks).
+  int tensor_parallel = 1;
   double bucket_mb = 25;    // with replicas: gradients reduced in buckets of this many MiB
   // With replicas: "none", or "optimizer" (ZeRO-1: each replica keeps and updates 1/D of
   // each stage's optimizer state, gradients reduce-scattered, parameters all-gathered).

@@ -1,6 +1,7 @@
 #include "pipeline/config/run_model.h"
 
 #include "layers/registry.h"
+#include "layers/tensor_parallel.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
 
@@ -30,6 +31,11 @@ RunModel build_run_model_on_shapes(const Config& config, const MakeModel& make_m
     const ShapesOnly shapes;
     RunModel run = build_run_model(config, make_model);
     run.on_shapes = true;
+    const layers::TensorShard& member = config.model.member;
+    if (member.split() && !make_model) {
+      run.shape_group = std::make_unique<layers::ShapeCollectives>(member.rank, member.size);
+      run.model->set_collectives(run.shape_group.get());
+    }
     return run;
   } catch (const UserError&) {
     throw;  // the config's mistake, whatever the tensors

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "layers/sequential.h"
+#include "layers/tensor_parallel.h"
 #include "pipeline/config/config.h"
 
 namespace gpipe {
@@ -23,6 +24,9 @@ struct RunModel {
   // and has no layers, so no per-layer `cost:` overrides.
   Config config;
   bool on_shapes = false;  // built without weights (build_run_model_on_shapes)
+  // A member of a tensor group built on shapes (config.model.member split): the group's
+  // place its split layers sum over while planning (layers::ShapeCollectives).
+  std::unique_ptr<layers::TensorCollectives> shape_group;
 };
 
 // From `make_model` when it is set (config.model is then ignored), else from

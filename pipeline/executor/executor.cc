@@ -102,6 +102,13 @@ Executor::Executor(layers::Sequential& model, std::vector<CellSpec> cells, Sched
     throw UserError("loss scaling needs a positive, finite initial scale and a window of at least 1 step");
   }
   loss_scale_ = options_.loss_scale;
+  if (options_.tensor_group != nullptr && options_.tensor_group->size() > 1) {
+    // One group per stage: a process (or thread) runs one stage of its tensor group.
+    GPIPE_CHECK(options_.local_stage >= 0, "a tensor group needs its stage local to this executor (local_stage)");
+    tensor_collectives_ =
+        std::make_unique<layers::GroupCollectives>(*options_.tensor_group, options_.tensor_group_on_device);
+    model_.set_collectives(tensor_collectives_.get());  // only the local stage's layers (and loss) run here
+  }
   for (int k = 0; k < K; ++k) runtimes_.push_back(make_stage(k));
   share_devices();
   start_workers();

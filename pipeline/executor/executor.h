@@ -26,6 +26,7 @@
 
 #include "layers/optimizer.h"
 #include "layers/sequential.h"
+#include "layers/tensor_parallel.h"
 #include "pipeline/executor/cell.h"
 #include "pipeline/executor/grad_reducer.h"
 #include "pipeline/executor/op_clock.h"
@@ -80,6 +81,15 @@ struct ExecutorOptions {
   // This process's steady clock minus the job clock (the first stage's process's), in
   // ms (Transport::clock_offset_to_first); StageTrace::start_ms is on the job clock.
   double clock_offset_ms = 0;
+  // Tensor parallelism (layers/tensor_parallel.h): this process's stage is member
+  // tensor_group->rank() of a group of tensor_group->size() processes (or threads), each
+  // holding its block of the stage's split weights (the model built as that member,
+  // layers::ModelSpec::member). The executor gives the stage's layers and the loss this
+  // group for the sums their splits need, and NORM sums the split parameters' squares
+  // over it (the whole ones, equal on every member, counted once). Needs local_stage;
+  // not owned. tensor_group_on_device: the group takes device tensors itself (NCCL's).
+  ReplicaGroup* tensor_group = nullptr;
+  bool tensor_group_on_device = false;
   // Time compute instructions with device events even on CPU devices (tests of the
   // GPU path's bookkeeping; CUDA devices always use them, see op_clock.h).
   bool device_clock_on_cpu = false;
@@ -237,10 +247,18 @@ class Executor {
   void make_sharding(StageRuntime& rt);
   int64_t reduce_scatter_gradients(StageRuntime& rt);
   int64_t gather_parameters(StageRuntime& rt);
-  double shard_sum_squares(StageRuntime& rt);
+  // A stage's squared gradients: of its parameters split over a tensor group (this
+  // member's blocks) and of its whole ones.
+  struct SumSquares {
+    double split = 0, whole = 0;
+  };
+  SumSquares shard_sum_squares(StageRuntime& rt);
   void save_sharded_optimizer(StageRuntime& rt, const std::vector<std::string>& names, StageState& out);
   void restore_sharded_optimizer(StageRuntime& rt, const std::vector<std::string>& names,
                                  const std::map<std::string, Tensor>& optimizer);
+  // Tensor parallelism's whole-by-name checkpoints (executor_state.cc).
+  void join_split_state(StageRuntime& rt, StageState& out);
+  void cut_split_state(StageRuntime& rt, std::map<std::string, Tensor>& model, std::map<std::string, Tensor>& optimizer);
   void sum_local_ties(StageRuntime& rt);
   void fold_statistics(StageRuntime& rt);
   void zero_grads(StageRuntime& rt);
@@ -253,6 +271,7 @@ class Executor {
   bool overflowed(double grad_norm) const { return options_.loss_scale > 0 && !std::isfinite(grad_norm); }
 
   layers::Sequential& model_;
+  std::unique_ptr<layers::TensorCollectives> tensor_collectives_;  // over options_.tensor_group
   std::vector<CellSpec> cells_;
   Schedule schedule_;
   Transport& transport_;

@@ -67,26 +67,34 @@ int64_t Executor::exchange_tied_gradient(StageRuntime& rt, int tie) {
 }
 
 // NORM: the global gradient norm, the squares of every stage's gradients summed over
-// the stages (a tied weight counted once), for clipping in the optimizer step. Skipped
-// by every stage alike in a step that keeps its gradients for inspection.
+// the stages (a tied weight counted once), for clipping in the optimizer step. Under
+// tensor parallelism a split parameter's squares are summed over the stage's tensor
+// group (each member holds its block), a whole one's counted once (every member holds
+// the same gradient). Skipped by every stage alike in a step that keeps its gradients
+// for inspection.
 int64_t Executor::reduce_gradient_norm(StageRuntime& rt) {
   if (!cur_.apply_optimizer) return 0;
   const int k = rt.index;
   sum_local_ties(rt);
-  double local = 0;
+  SumSquares local;
   if (rt.sharding) {
     // Each replica holds its shard of the summed gradients: the squares over the
     // replicas, then over the stages.
-    local = options_.replicas->all_reduce_sum(shard_sum_squares(rt));
+    local = shard_sum_squares(rt);
+    if (tensor_collectives_ != nullptr) local.split = options_.replicas->all_reduce_sum(local.split);
+    local.whole = options_.replicas->all_reduce_sum(local.whole);
   } else {
-    std::vector<Tensor> grads;
+    std::vector<Tensor> split, whole;
     for (layers::Parameter* p : rt.params) {
-      if (!model_.is_tied_copy(p)) grads.push_back(p->grad);  // a tied weight counts once
+      if (model_.is_tied_copy(p)) continue;  // a tied weight counts once
+      (p->shard_count > 1 ? split : whole).push_back(p->grad);
     }
     auto turn = device_turn(k);
-    local = rt.backend->sum_squares_all(grads);  // one wait for the device, not one a parameter
+    local.split = split.empty() ? 0.0 : rt.backend->sum_squares_all(split);  // one wait for the device
+    local.whole = whole.empty() ? 0.0 : rt.backend->sum_squares_all(whole);
   }
-  rt.grad_norm = std::sqrt(transport_.all_reduce_sum(k, local));
+  if (tensor_collectives_ != nullptr) local.split = options_.tensor_group->all_reduce_sum(local.split);
+  rt.grad_norm = std::sqrt(transport_.all_reduce_sum(k, local.split + local.whole));
   return static_cast<int64_t>(sizeof(double));
 }
 

@@ -88,13 +88,14 @@ int64_t Executor::reduce_scatter_gradients(StageRuntime& rt) {
 
 // NORM's share of a replica: the squares of its shard of the summed gradients (a tied
 // copy's pieces left out: its weight counts once, at its owner).
-double Executor::shard_sum_squares(StageRuntime& rt) {
+Executor::SumSquares Executor::shard_sum_squares(StageRuntime& rt) {
   StageRuntime::Sharding& sh = *rt.sharding;
   const std::vector<ShardPiece>& mine = sh.pieces[sh.replica];
-  double local = 0;
+  SumSquares local;
   auto turn = device_turn(rt.index);
   for (size_t i = 0; i < mine.size(); ++i) {
-    if (!model_.is_tied_copy(rt.params[mine[i].param])) local += rt.backend->sum_squares(sh.views[i].grad);
+    const layers::Parameter* p = rt.params[mine[i].param];
+    if (!model_.is_tied_copy(p)) (p->shard_count > 1 ? local.split : local.whole) += rt.backend->sum_squares(sh.views[i].grad);
   }
   return local;
 }

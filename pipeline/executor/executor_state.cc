@@ -2,7 +2,10 @@
 // restore_state): the names checkpoints use, and the checks of a restore.
 #include "pipeline/executor/executor.h"
 
+#include <set>
+
 #include "pipeline/executor/stage_runtime.h"
+#include "layers/tensor_parallel.h"
 #include "runtime/error.h"
 
 namespace gpipe {
@@ -104,13 +107,76 @@ StageState Executor::save_state(int k) {
     }
   }
   if (rt.sharding) save_sharded_optimizer(rt, names, out);  // a collective over the replicas
+  if (tensor_collectives_ != nullptr) join_split_state(rt, out);  // a collective over the tensor group
   return out;
 }
 
-void Executor::restore_state(int k, const std::map<std::string, Tensor>& model,
-                             const std::map<std::string, Tensor>& optimizer) {
+// A stage split over a tensor group saves each split parameter whole, by its name, as
+// the unsplit model would (any T resumes it): every member's block of the value and of
+// each optimizer slot gathered over the group and put together (layers::join_blocks).
+void Executor::join_split_state(StageRuntime& rt, StageState& out) {
+  ReplicaGroup& group = *options_.tensor_group;
+  const int T = group.size();
+  const auto suffixes = layers::optimizer_slot_suffixes(options_.optimizer);
+  auto join = [&](const layers::Parameter& p, Tensor& block) {
+    const int64_t n = block.numel();
+    Tensor mine = block.reshape({n});
+    Tensor all = Tensor::empty({n * T}, block.dtype(), Device::cpu());
+    group.all_gather(mine, all);
+    std::vector<Tensor> blocks;
+    for (int r = 0; r < T; ++r) blocks.push_back(all.narrow_rows(r * n, n).reshape(block.shape()));
+    block = layers::join_blocks(blocks, p.shard_dim, p.shard_groups, p.whole);
+  };
+  for (int c : rt.cells) {
+    for (int i = cells_[c].first_layer; i < cells_[c].first_layer + cells_[c].num_layers; ++i) {
+      for (layers::Parameter* p : model_.layer(i).parameters()) {
+        if (p->shard_count <= 1 || model_.is_tied_copy(p)) continue;
+        const std::string name = parameter_name(model_, i, p);
+        join(*p, out.model.at(name));
+        for (const std::string& suffix : suffixes) join(*p, out.optimizer.at(name + suffix));
+      }
+    }
+  }
+}
+
+// The reverse, on restore: this member's block of each split parameter's whole value and
+// slots (a copy of the maps with those entries cut). A whole tensor of another shape
+// than the model's is named as restore_into names it.
+void Executor::cut_split_state(StageRuntime& rt, std::map<std::string, Tensor>& model,
+                               std::map<std::string, Tensor>& optimizer) {
+  const auto suffixes = layers::optimizer_slot_suffixes(options_.optimizer);
+  std::set<std::string> done;  // a tied weight's owner and copy on one stage: cut once
+  auto cut = [&](const layers::Parameter& p, std::map<std::string, Tensor>& m, const std::string& name,
+                 const char* what) {
+    auto it = m.find(name);
+    if (it == m.end() || !done.insert(name).second) return;  // missing: named by restore's own check
+    if (it->second.shape() != p.whole) {
+      throw UserError("the checkpoint's " + std::string(what) + " " + name + " is " + it->second.str() +
+                      " but the model's (whole, before its split over pipeline.tensor_parallel = " +
+                      std::to_string(p.shard_count) + ") is " + shape_str(p.whole) +
+                      "; resume with the config the checkpoint was saved with");
+    }
+    it->second = layers::cut_block(it->second, p.shard_dim, p.shard_rank, p.shard_count, p.shard_groups);
+  };
+  for (int c : rt.cells) {
+    for (int i = cells_[c].first_layer; i < cells_[c].first_layer + cells_[c].num_layers; ++i) {
+      for (layers::Parameter* p : model_.layer(i).parameters()) {
+        if (p->shard_count <= 1) continue;
+        const std::string name = parameter_name(model_, i, p);  // a tied copy: its owner's, whole
+        cut(*p, model, name, "parameter");
+        for (const std::string& suffix : suffixes) cut(*p, optimizer, name + suffix, "optimizer state");
+      }
+    }
+  }
+}
+
+void Executor::restore_state(int k, const std::map<std::string, Tensor>& whole_model,
+                             const std::map<std::string, Tensor>& whole_optimizer) {
   StageRuntime& rt = *runtimes_.at(k);
   GPIPE_CHECK(rt.local, "stage " + std::to_string(k) + " runs in another process");
+  // Split parameters (a tensor group's member): this member's blocks of the whole ones.
+  std::map<std::string, Tensor> model = whole_model, optimizer = whole_optimizer;
+  cut_split_state(rt, model, optimizer);
   const auto& params = rt.params;
   std::vector<std::string> names(params.size());
   size_t index = 0;

@@ -122,12 +122,16 @@ void check_memory_limit(const Config& c, const Plan& plan, int64_t device_memory
     const std::string parts = "weights " + bytes_str(m.weight_bytes) + ", gradients " + bytes_str(m.gradient_bytes) +
                               ", optimizer state " + bytes_str(m.optimizer_bytes) + ", activations " +
                               bytes_str(m.activation_bytes);
+    // More tensor-group members split a stage's weights and most of its activations.
+    const std::string split = "pipeline.tensor_parallel: " + std::to_string(2 * plan.tensor_parallel) +
+                              " (each of a stage's processes holds 1/T of its split layers)";
     const std::string fix =
         m.parameter_bytes > limit
             ? "its weights, gradients and optimizer state alone are over it, whatever the micro-batches: use more " +
-                  words.stages + " (fewer layers a stage), pipeline.shard_optimizer: optimizer with replicas, or a smaller model"
-            : "set pipeline.recompute: always, raise pipeline.micro_batches, lower train.batch_size or use more " +
-                  words.stages;
+                  words.stages + " (fewer layers a stage), " + split +
+                  ", pipeline.shard_optimizer: optimizer with replicas, or a smaller model"
+            : "set pipeline.recompute: always, raise pipeline.micro_batches, lower train.batch_size, use more " +
+                  words.stages + " or " + split;
     throw UserError("stage " + std::to_string(k) + " would hold " + bytes_str(m.total()) + " on " +
                     plan.devices.at(k).str() + " (" + parts + "), over " + limit_name + " of " + bytes_str(limit) +
                     ": " + fix + (own ? ", or raise the limit" : "") +

@@ -78,6 +78,7 @@ Plan plan_sizes(const Config& c) {
   p.stages = c.pipeline.partitions;
   p.virtual_stages = c.pipeline.virtual_stages;
   p.replicas = c.pipeline.replicas;
+  p.tensor_parallel = c.pipeline.tensor_parallel;
   p.shard_optimizer = c.pipeline.shard_optimizer == "optimizer" && p.replicas > 1;
   p.batch_size = c.train.batch_size;
   p.recompute = c.pipeline.recompute;

@@ -63,10 +63,29 @@ struct StageMemory {
   int64_t total() const { return parameter_bytes + activation_bytes; }
 };
 
+// Where a process sits in a job of K stages x T tensor-group members x D replicas.
+struct RankPlace {
+  int stage = 0, member = 0, replica = 0;
+};
+// The job's processes, numbered rank = (replica K + stage) T + member: a stage's tensor
+// group on adjacent ranks (mpirun fills a node's slots in rank order, so the group that
+// talks at every split layer shares a host, Alpa's close devices), then the stages of a
+// pipeline, then the replicas. T = 1 is the layout without tensor parallelism.
+struct RankLayout {
+  int stages = 1, tensor = 1, replicas = 1;
+  int size() const { return stages * tensor * replicas; }
+  RankPlace place(int rank) const { return {(rank / tensor) % stages, rank % tensor, rank / (tensor * stages)}; }
+  int rank(const RankPlace& p) const { return (p.replica * stages + p.stage) * tensor + p.member; }
+};
+
 struct Plan {
   int stages = 1;          // K
   int virtual_stages = 1;  // v: cells per stage
   int replicas = 1;        // D
+  // T: each stage's split layers (layers/tensor_parallel.h) over this many processes,
+  // each building its member of the model (layers::ModelSpec::member).
+  int tensor_parallel = 1;
+  RankLayout ranks() const { return {stages, tensor_parallel, replicas}; }
   // pipeline.shard_optimizer: optimizer with D > 1 (ZeRO-1): each replica keeps 1/D of
   // its stage's optimizer state (shard_partition.h); the schedule holds RS and AG.
   bool shard_optimizer = false;

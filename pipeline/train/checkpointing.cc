@@ -73,12 +73,16 @@ nlohmann::json model_fingerprint(const layers::Sequential& model) {
 }
 
 RunCheckpoints::RunCheckpoints(const Config& config, const Plan& plan, layers::Sequential& model, Executor& executor,
-                               const Launch& launch, Transport& transport)
-    : config_(config), plan_(plan), model_(model), executor_(executor), launch_(launch), transport_(transport),
+                               const Launch& launch, Transport& transport, const layers::Sequential* whole)
+    : config_(config), plan_(plan), model_(model), whole_(whole != nullptr ? *whole : model), executor_(executor),
+      launch_(launch), transport_(transport),
       store_(checkpoint_dir(config), config.checkpoint.keep, config.run.id), run_id_(config.run.id) {
-  // Several processes: stages (K > 1), or replicas of a one-stage pipeline (K = 1 x D).
-  multi_ = launch.size > 1 || (launch.replicas != nullptr && launch.replicas->size() > 1);
-  writes_ = launch.replica == 0;                // replica 0 writes the shards of its stages
+  // Several processes: stages (K > 1), or replicas or tensor-group members of a
+  // one-stage pipeline (K = 1 x T x D).
+  multi_ = launch.size > 1 || launch.replica_count() > 1 || launch.tensor > 1;
+  // Replica 0 writes the shards of its stages (member 0 of each stage's tensor group:
+  // every member gathers its blocks into the whole tensors, Executor::save_state).
+  writes_ = launch.replica == 0 && launch.member == 0;
   finalizes_ = writes_ && launch.rank == 0;     // its rank 0 the index and the trainer state
   if (config.checkpoint.async) writer_ = std::make_unique<AsyncCheckpointWriter>(store_);
   g_save_requested = 0;
@@ -103,6 +107,7 @@ double RunCheckpoints::sum_over_job(double value) {
   if (!multi_) return value;
   value = transport_.all_reduce_sum(launch_.rank, value);
   if (launch_.replicas != nullptr && launch_.replicas->size() > 1) value = launch_.replicas->all_reduce_sum(value);
+  if (launch_.tensor > 1) value = launch_.tensor_group->all_reduce_sum(value);
   return value;
 }
 
@@ -110,7 +115,7 @@ nlohmann::json RunCheckpoints::trainer_state(int64_t done, double lr) const {
   return {{"step", done},
           {"next_step", done},
           {"learning_rate", lr},
-          {"model", model_fingerprint(model_)},
+          {"model", model_fingerprint(whole_)},
           {"optimizer", config_.optimizer.optimizer.type},
           // The training precision: the tensors are float32 (master weights) for float32
           // and bf16 alike, so either resumes the other (with checkpoint.allow_changes).
@@ -119,6 +124,7 @@ nlohmann::json RunCheckpoints::trainer_state(int64_t done, double lr) const {
                           {"virtual_stages", plan_.virtual_stages},
                           {"micro_batches", plan_.micro_batches()},
                           {"replicas", plan_.replicas},
+                          {"tensor_parallel", plan_.tensor_parallel},
                           {"schedule", plan_.schedule.name}}},
           // Every random stream is a function of these and of the step: the batches of
           // step s (train.seed, data.seed) and dropout's masks (model.seed, s, sample).
@@ -152,8 +158,9 @@ void RunCheckpoints::write_checkpoint(int64_t done, double lr) {
   const int K = plan_.stages;
   std::vector<ShardTensors> shards;
   // Sharded optimizer state: every replica takes part in the save (its slots are
-  // gathered whole), replica 0 writes.
-  if (writes_ || plan_.shard_optimizer) {
+  // gathered whole), replica 0 writes; so does every member of a tensor group (its
+  // blocks are joined whole), member 0 writes.
+  if (writes_ || plan_.shard_optimizer || plan_.tensor_parallel > 1) {
     for (int k = 0; k < K; ++k) {
       if (multi_ && k != launch_.rank) continue;
       StageState s = executor_.save_state(k);  // host copies
@@ -311,7 +318,7 @@ void RunCheckpoints::check_same_run(const LoadedCheckpoint& loaded) const {
                     "--resume, or fork it into a fresh one (--set checkpoint.resume=" + loaded.path +
                     " --set output.dir=<a new folder>)");
   }
-  const nlohmann::json want_model = model_fingerprint(model_);
+  const nlohmann::json want_model = model_fingerprint(whole_);
   if (!state.contains("model") || state["model"] != want_model) {
     std::string why = "its model differs";
     if (state.contains("model") && state["model"].contains("layers")) {

@@ -39,9 +39,12 @@ class RunStopped : public Error {
 class RunCheckpoints {
  public:
   // Installs the signal handlers (restored by the destructor). `transport` connects this
-  // process's stages (in-process or across processes).
+  // process's stages (in-process or across processes). `whole`: the unsplit model (on
+  // shapes) whose layers a checkpoint's fingerprint names, for a member of a tensor
+  // group (pipeline.tensor_parallel > 1, whose checkpoints are whole by name and resume
+  // at any T); nullptr: `model` itself.
   RunCheckpoints(const Config& config, const Plan& plan, layers::Sequential& model, Executor& executor,
-                 const Launch& launch, Transport& transport);
+                 const Launch& launch, Transport& transport, const layers::Sequential* whole = nullptr);
   ~RunCheckpoints();
   RunCheckpoints(const RunCheckpoints&) = delete;
   RunCheckpoints& operator=(const RunCheckpoints&) = delete;
@@ -93,6 +96,7 @@ class RunCheckpoints {
   const Config& config_;
   const Plan& plan_;
   layers::Sequential& model_;
+  const layers::Sequential& whole_;  // what the fingerprint names
   Executor& executor_;
   const Launch& launch_;
   Transport& transport_;

@@ -24,7 +24,7 @@ RunArtifacts::RunArtifacts(const Config& c, const layers::Sequential& model, con
               clock_offset_ms_;
   probe_peaks(c, model, plan, launch);
   for (int k = 0; k < plan.stages; ++k) {
-    const int rank = launch.replica * launch.size + (multi ? k : 0);
+    const int rank = launch.layout().rank({multi ? k : 0, launch.member, launch.replica});
     processes_.push_back({k, rank, stage_devices.at(k), stage_layers.at(k)});
   }
   try {

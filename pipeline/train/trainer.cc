@@ -163,10 +163,9 @@ void claim_run(RunClaim& claim, const Launch& launch) {
   Config& c = claim.config;
   if (c.run.id.empty()) c.run.id = new_run_id();  // mpirun: MpiLaunch::join gave every rank one
   if (!c.run.heartbeat_dir.empty()) {
-    claim.beats = std::make_unique<HeartbeatWriter>(c.run.heartbeat_dir + "/rank-" +
-                                                    std::to_string(launch.replica * launch.size + launch.rank));
+    claim.beats = std::make_unique<HeartbeatWriter>(c.run.heartbeat_dir + "/rank-" + std::to_string(launch.world_rank()));
   }
-  if (launch.rank == 0 && launch.replica == 0) {
+  if (launch.first()) {
     claim.lock = std::make_unique<DirectoryLock>(run_directories(c), c.run.id);
     // Whose run this is (a fresh one, the folder's, or a fork), recorded in run.json,
     // which every process reads back when it resumes (RunCheckpoints::resume).
@@ -176,20 +175,26 @@ void claim_run(RunClaim& claim, const Launch& launch) {
   }
 }
 
-// One process per stage and replica, as the config asks: otherwise a UserError naming
-// the mpirun command that fits.
+// One process per stage, tensor-group member and replica, as the config asks: otherwise
+// a UserError naming the mpirun command that fits.
 void check_launch(const Config& c, const Launch& launch) {
   const bool multi = launch.size > 1;
-  const int D = c.pipeline.replicas;
+  const int D = c.pipeline.replicas, T = c.pipeline.tensor_parallel;
+  const int np = plan_sizes(c).ranks().size();
+  const std::string product = T > 1 ? "pipeline.partitions x pipeline.tensor_parallel x pipeline.replicas"
+                                    : "pipeline.partitions x pipeline.replicas";
   if (D > 1 && (launch.replicas == nullptr || launch.replicas->size() != D)) {
     throw UserError("pipeline.replicas = " + std::to_string(D) + " needs " + std::to_string(D) +
-                    " copies of the pipeline: launch mpirun -np " + std::to_string(D * c.pipeline.partitions) +
-                    " (pipeline.partitions x pipeline.replicas)");
+                    " copies of the pipeline: launch mpirun -np " + std::to_string(np) + " (" + product + ")");
+  }
+  if (T > 1 && (launch.tensor != T || launch.tensor_group == nullptr)) {
+    throw UserError("pipeline.tensor_parallel = " + std::to_string(T) + " splits each stage over " + std::to_string(T) +
+                    " processes: launch mpirun -np " + std::to_string(np) + " (" + product + ")");
   }
   if (multi && launch.size != c.pipeline.partitions) {
-    throw UserError("launched as " + std::to_string(launch.size * D) + " processes but pipeline.partitions x "
-                    "pipeline.replicas is " + std::to_string(c.pipeline.partitions * D) +
-                    "; run one process per stage and replica: mpirun -np " + std::to_string(c.pipeline.partitions * D));
+    throw UserError("launched as " + std::to_string(launch.layout().size()) + " processes but " + product + " is " +
+                    std::to_string(np) + "; run one process per stage" + (T > 1 ? ", tensor-group member" : "") +
+                    " and replica: mpirun -np " + std::to_string(np));
   }
   GPIPE_CHECK(!multi || launch.transport != nullptr, "a multi-process launch needs a transport");
 }
@@ -223,6 +228,12 @@ void log_run(const Dataset& data, layers::Sequential& model, const Plan& plan, c
                plan.schedule.name, recompute_mode_name(plan.recompute));
   for (int k = 0; k < plan.stages; ++k) {
     spdlog::info("stage {} on {}: layers {}", k, names.devices[k], names.layers[k]);
+  }
+  if (plan.tensor_parallel > 1) {
+    const RankLayout r = plan.ranks();
+    spdlog::info("tensor parallelism: each stage on {} processes (its tensor group: ranks (replica x {} + stage) x {} "
+                 "+ member), {} processes in all; the report and checkpoints are member 0's, checkpoints whole by name",
+                 r.tensor, r.stages, r.tensor, r.size());
   }
 }
 
@@ -305,6 +316,7 @@ std::string write_reports(const Config& c, const ReportBuilder& report, RunArtif
   j["data"] = data.describe();
   j["balance"] = plan.balance;
   if (plan.replicas > 1) j["replicas"] = plan.replicas;
+  if (plan.tensor_parallel > 1) j["tensor_parallel"] = plan.tensor_parallel;
   artifacts.write(dir, report, j, out);  // trace.json, report.html
   const auto path = dir / "report.json";
   if (json_file) write_file_atomically(path.string(), j.dump(2) + "\n");
@@ -323,9 +335,11 @@ ExecutorOptions executor_options(const Config& c, const Launch& launch, const Pl
   opts.loss_scale = c.optimizer.loss_scale;
   opts.loss_scale_window = c.optimizer.loss_scale_window;
   opts.pin_threads = c.pipeline.pin_threads;
-  opts.local_stage = multi ? launch.rank : -1;
-  opts.rank = launch.replica * launch.size + launch.rank;
+  opts.local_stage = multi || plan.tensor_parallel > 1 ? launch.rank : -1;
+  opts.rank = launch.world_rank();
   opts.replicas = plan.replicas > 1 ? launch.replicas : nullptr;
+  opts.tensor_group = plan.tensor_parallel > 1 ? launch.tensor_group : nullptr;
+  opts.tensor_group_on_device = launch.tensor_group_on_device;
   opts.bucket_bytes = static_cast<int64_t>(c.pipeline.bucket_mb * (1 << 20));
   opts.shard_optimizer = plan.shard_optimizer;
   opts.sample_offset = launch.replica * plan.replica_batch;
@@ -344,15 +358,29 @@ TrainResult train(const Config& config, std::ostream& out, const Launch& launch)
 
 TrainResult train(const Config& config, const MakeModel& make_model, std::ostream& out, const Launch& launch) {
   // One run per directory: the job's first process holds its directories' lock.
-  const bool owner = launch.rank == 0 && launch.replica == 0;
+  const bool owner = launch.first();
   StartupPhases startup;
   startup.end("launch");  // the config read, MPI joined
   RunClaim claim(config);
   claim_run(claim, launch);
   startup.end("claim");
   const Config& identified = claim.config;
-  // Weights that cannot fit are refused before any is allocated (memory_check.h).
+  // Weights that cannot fit are refused before any is allocated (memory_check.h): all of
+  // them, which this machine holds between its processes.
   if (!make_model) check_weights_fit(identified, host_available_bytes());
+  // Tensor parallelism: this process builds (on shapes, then with its weights) its member
+  // of the model; the unsplit model on shapes is what the data and checkpoints see.
+  std::unique_ptr<layers::Sequential> whole_shapes;
+  if (identified.pipeline.tensor_parallel > 1) {
+    if (make_model || identified.model.cpp) {
+      throw UserError("pipeline.tensor_parallel splits the YAML layers of model.layers (linear, attention, the "
+                      "blocks, the embedding and the head); a model built in C++ is built whole: set "
+                      "pipeline.tensor_parallel: 1, or describe the model in YAML");
+    }
+    check_launch(identified, launch);
+    whole_shapes = std::move(build_run_model_on_shapes(identified).model);
+    claim.config.model.member = layers::TensorShard{launch.member, launch.tensor};
+  }
   // The model: YAML layers, a registered C++ model, or make_model (run_model.h); `c`
   // describes it. YAML layers are built on shapes first (what auto and the plan read,
   // without weights), and with their weights once planned: in a process of a
@@ -375,15 +403,14 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   check_launch(c, launch);
   const bool multi = launch.size > 1;
   init_logging(c.train.log_level);
-  if (c.pipeline.schedule == "interleaved_1f1b" && c.pipeline.virtual_stages == 1 && launch.rank == 0 &&
-      launch.replica == 0) {
+  if (c.pipeline.schedule == "interleaved_1f1b" && c.pipeline.virtual_stages == 1 && launch.first()) {
     spdlog::warn("pipeline.schedule interleaved_1f1b with pipeline.virtual_stages 1 (the default) is plain 1F1B; "
                  "set pipeline.virtual_stages: 2 or more to interleave (each stage then runs that many cells)");
   }
   set_cpu_blas_threads(c.train.blas_threads);
   std::unique_ptr<layers::Sequential>& model = run.model;
   const std::unique_ptr<Dataset> data = make_dataset(c);
-  check_model_fits_data(*model, *data);
+  check_model_fits_data(whole_shapes ? *whole_shapes : *model, *data);
   startup.end("data");
   PlanOptions plan_options;
   plan_options.local_stage = multi ? launch.rank : -1;
@@ -397,10 +424,15 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   startup.end("plan+memory check");
   if (yaml_layers && !multi) {
     model = layers::build_model(c.model);
+    if (plan.tensor_parallel > 1) {
+      spdlog::info("member {}/{}: this process holds {} of the model's {} parameters (its blocks of the split layers, "
+                   "and the layers every member holds whole)",
+                   launch.member, plan.tensor_parallel, model->parameter_count(), whole_shapes->parameter_count());
+    }
     startup.end("model build+init");
   } else if (yaml_layers) {
     // This stage's layers with weights (the values the whole model would have: each
-    // layer is seeded by its index), the others' shapes only.
+    // layer is seeded by its index; a member's blocks of them), the others' shapes only.
     std::vector<bool> mine(model->size(), false);
     for (int cell : plan.schedule.cells[launch.rank]) {
       const CellSpec& s = plan.cells[cell];
@@ -413,9 +445,13 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
         if (!p->value.is_meta()) with_data += p->value.numel();
       }
     }
-    spdlog::info("stage {}: this process holds {} of the model's {} parameters (its own layers'{}); the other "
+    spdlog::info("stage {}{}: this process holds {} of the model's {} parameters (its own layers'{}); the other "
                  "stages' layers are built on shapes, without weights",
-                 launch.rank, with_data, model->parameter_count(),
+                 launch.rank,
+                 plan.tensor_parallel > 1
+                     ? " member " + std::to_string(launch.member) + "/" + std::to_string(plan.tensor_parallel)
+                     : std::string(),
+                 with_data, whole_shapes ? whole_shapes->parameter_count() : model->parameter_count(),
                  model->ties().empty() ? "" : ", and the embedding a head of its own is tied to");
     startup.end("model build+init (this stage)");
   }
@@ -431,7 +467,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
     // From step 0: at most this many; without checkpoint.every, a launch that resumes
     // saves its last step (RunCheckpoints::after_step).
     const int64_t saves = every > 0 ? (c.train.steps + every - 1) / every : c.checkpoint.resume.empty() ? 0 : 1;
-    check_checkpoint_room(ck, checkpoint_bytes(*model, c.optimizer.optimizer),
+    check_checkpoint_room(ck, checkpoint_bytes(whole_shapes ? *whole_shapes : *model, c.optimizer.optimizer),
                           checkpoints_to_fit(ck, c.run.id, saves));
   }
 
@@ -462,12 +498,12 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
 
   // The whole pipeline's report, kept by its first stage (in a multi-process run, the
   // other processes send it their timings every step); written by replica 0's.
-  const bool reports = launch.rank == 0;
+  const bool reports = launch.rank == 0 && launch.member == 0;
   const bool writes = reports && launch.replica == 0;
   ReportBuilder report(names.layers, names.devices, plan.schedule, plan.recompute, plan.batch_size);
   // Saved state: resume where a checkpoint left off, save every checkpoint.every steps,
   // on SIGUSR1, and before stopping on SIGINT or SIGTERM.
-  RunCheckpoints checkpoints(c, plan, *model, executor, launch, transport);
+  RunCheckpoints checkpoints(c, plan, *model, executor, launch, transport, whole_shapes.get());
   if (reports) checkpoints.set_history([&](int64_t done) { return report.history(static_cast<int>(done)); });
   startup.end("weights to devices");
   const int start = static_cast<int>(checkpoints.resume());

@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# Tensor parallelism (pipeline.tensor_parallel: T) under mpirun, K x T x D processes, in
+# float64 at full precision (report.json's losses and evaluation, compare_reports):
+#  1. a GPT config (a tied head, dropout) at K in {1, 2}, T in {2, 4}, D in {1, 2} (the
+#     optimizer sharded at K=2 x T=2 x D=2) and a LLaMA config (grouped-query attention,
+#     dropout) at K=1 x T=2, K=2 x T=2 and K=1 x T=4 x D=2 give the one-process losses
+#     and evaluation to 1e-12 with AdamW and clipping; each process holds its blocks of
+#     the split layers (fewer parameters than the whole model, the log says how many);
+#  2. a checkpoint saved at K=2 x T=2 is whole by name (the unsplit model's shapes,
+#     read with Python's safetensors layout) and resumes in one process (T=1) and at
+#     K=1 x T=4 with the uninterrupted run's losses (1e-12);
+#  3. pipeline.memory_limit: a limit the whole stage is over is refused at T=1 (naming
+#     pipeline.tensor_parallel), and the same run trains at T=2, each process under it;
+#  4. clear errors: T > 1 without mpirun, the wrong process count, a vocabulary T does
+#     not divide.
+set -uo pipefail
+gpipe="$(realpath "$1")"
+compare="$(realpath "$2")"
+tmp="${TEST_TMPDIR:-/tmp}/mpi_tensor"
+rm -rf "$tmp"
+mkdir -p "$tmp"
+cd "$tmp" || exit 1
+mpirun=(timeout 300 mpirun --allow-run-as-root --oversubscribe)
+fail() { echo "FAIL: $*"; exit 1; }
+
+python3 - > text.txt <<'PY'
+import random
+random.seed(1)
+words = ["the", "pipeline", "stage", "tensor", "group", "sum", "split", "model", "layer", "batch"]
+print(" ".join(random.choice(words) for _ in range(3000)))
+PY
+cat > gpt64.yaml <<YAML
+model:
+  input: [16]
+  input_dtype: int32
+  dtype: float64
+  layers:
+    - {type: embedding, vocab: 256, dim: 32}
+    - repeat: 2
+      layers:
+        - {type: transformer_block, heads: 4, dropout: 0.1}
+    - {type: layernorm}
+    - {type: linear, out: 256, tied: true, bias: false}
+  loss: softmax_cross_entropy
+data: {type: text, path: $tmp/text.txt, seq_len: 16, eval_samples: 32}
+pipeline: {partitions: 1, micro_batches: 2}
+optimizer: {type: adamw, lr: 0.01, weight_decay: 0.01, clip_grad_norm: 0.5}
+train: {steps: 4, batch_size: 8, log_interval: 1}
+YAML
+cat > llama64.yaml <<YAML
+model:
+  input: [16]
+  input_dtype: int32
+  dtype: float64
+  layers:
+    - {type: embedding, vocab: 256, dim: 32, positions: 0}
+    - repeat: 2
+      layers:
+        - {type: llama_block, heads: 8, kv_heads: 4, hidden: 48, dropout: 0.1}
+    - {type: rmsnorm}
+    - {type: linear, out: 256, bias: false}
+  loss: softmax_cross_entropy
+data: {type: text, path: $tmp/text.txt, seq_len: 16, eval_samples: 32}
+pipeline: {partitions: 1, micro_batches: 2}
+optimizer: {type: adamw, lr: 0.01, weight_decay: 0.01, clip_grad_norm: 0.5}
+train: {steps: 4, batch_size: 8, log_interval: 1}
+YAML
+
+# run NAME CONFIG K T D [--set ...]: K x T x D processes (1: plainly).
+run() {
+  local name="$1" config="$2" K="$3" T="$4" D="$5"; shift 5
+  local np=$((K * T * D))
+  local cmd=("$gpipe" train "$config" --set output.dir="$tmp/$name" --set pipeline.partitions="$K"
+             --set pipeline.tensor_parallel="$T" --set pipeline.replicas="$D" "$@")
+  if [ "$np" -gt 1 ]; then cmd=("${mpirun[@]}" -np "$np" "${cmd[@]}"); fi
+  "${cmd[@]}" > "$name.log" 2>&1 || { cat "$name.log"; fail "run $name ($np processes)"; }
+}
+# same REFERENCE RUN WHAT: every step's loss and the evaluation within 1e-12.
+same() {
+  "$compare" "$1/report.json" "$2/report.json" 1e-12 > "$2.cmp" || { cat "$2.cmp" "$2.log"; fail "$3 differs from $1"; }
+  echo "ok: $3"
+}
+# held LOG T: every rank logs the parameters it holds, fewer than the whole model's.
+held() {
+  python3 - "$1" "$2" <<'PY' || fail "parameters held per process in $1"
+import re, sys
+log, T = sys.argv[1], int(sys.argv[2])
+found = re.findall(r"(?:member \d+/(\d+)): this process holds (\d+) of the model's (\d+) parameters", open(log).read())
+assert found, "no member says what it holds"
+for t, mine, whole in found:
+    assert int(t) == T and 0 < int(mine) < int(whole), (t, mine, whole)
+PY
+}
+
+# 1. Every layout equals one process.
+run g1 gpt64.yaml 1 1 1
+for layout in "1 2 1" "1 4 1" "2 2 1" "2 4 1" "1 2 2" "2 2 2" "1 4 2"; do
+  read -r K T D <<< "$layout"
+  run "g$K$T$D" gpt64.yaml "$K" "$T" "$D"
+  same g1 "g$K$T$D" "GPT (tied head, dropout) at K=$K x T=$T x D=$D"
+done
+held g121.log 2
+grep -q '"tensor_parallel": 2' g121/report.json || fail "report.json does not say tensor_parallel"
+run g222s gpt64.yaml 2 2 2 --set pipeline.shard_optimizer=optimizer
+same g1 g222s "GPT at K=2 x T=2 x D=2 with the optimizer state sharded"
+run l1 llama64.yaml 1 1 1
+for layout in "1 2 1" "2 2 1" "1 4 2"; do
+  read -r K T D <<< "$layout"
+  run "l$K$T$D" llama64.yaml "$K" "$T" "$D"
+  same l1 "l$K$T$D" "LLaMA (grouped-query attention, dropout) at K=$K x T=$T x D=$D"
+done
+held l142.log 4
+
+# 2. A checkpoint saved split is whole by name and resumes at another T and K.
+run ck gpt64.yaml 2 2 1 --set checkpoint.every=2
+python3 - ck/checkpoints/step-2 <<'PY' || fail "the checkpoint saved at T=2 is not whole by name"
+import json, os, struct, sys
+d = sys.argv[1]
+shapes = {}
+for f in os.listdir(d):
+    if f.startswith("model") and f.endswith(".safetensors"):
+        with open(os.path.join(d, f), "rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0]
+            for k, v in json.loads(fh.read(n)).items():
+                if k != "__metadata__":
+                    shapes[k] = v["shape"]
+want = {"layers.0.token": [256, 32], "layers.1.attn.qkv.weight": [96, 32], "layers.1.attn.proj.weight": [32, 32],
+        "layers.2.fc1.weight": [128, 32], "layers.2.fc2.weight": [32, 128], "layers.2.fc1.bias": [128]}
+for k, s in want.items():
+    assert shapes.get(k) == s, (k, shapes.get(k), s, sorted(shapes))
+PY
+echo "ok: a checkpoint saved at T=2 holds the unsplit model's tensors by name"
+run r111 gpt64.yaml 1 1 1 --set checkpoint.resume="$tmp/ck/checkpoints/step-2"
+same g1 r111 "saved at K=2 x T=2, resumed in one process"
+run r141 gpt64.yaml 1 4 1 --set checkpoint.resume="$tmp/ck/checkpoints/step-2"
+same g1 r141 "saved at K=2 x T=2, resumed at K=1 x T=4"
+
+# 3. The memory limit: over it whole, under it at T=2.
+limit=(--set pipeline.memory_limit=1500KB)
+"$gpipe" train gpt64.yaml --set output.dir="$tmp/m1" "${limit[@]}" > m1.log 2>&1 && fail "a stage over pipeline.memory_limit trained at T=1"
+grep -q "over pipeline.memory_limit" m1.log && grep -q "pipeline.tensor_parallel: 2" m1.log ||
+  { cat m1.log; fail "the refusal at T=1 does not name pipeline.tensor_parallel"; }
+run m2 gpt64.yaml 1 2 1 "${limit[@]}"
+same g1 m2 "over pipeline.memory_limit whole, trained at T=2"
+
+# 4. Clear errors.
+"$gpipe" train gpt64.yaml --set output.dir="$tmp/e1" --set pipeline.tensor_parallel=2 > e1.log 2>&1 && fail "T=2 ran in one process"
+grep -q "pipeline.tensor_parallel = 2 splits each stage over 2 processes: launch mpirun -np 2" e1.log || { cat e1.log; fail "T=2 alone"; }
+"${mpirun[@]}" -np 3 "$gpipe" train gpt64.yaml --set output.dir="$tmp/e2" --set pipeline.tensor_parallel=2 > e2.log 2>&1 &&
+  fail "T=2 ran on 3 processes"
+grep -q "pipeline.partitions x pipeline.tensor_parallel x pipeline.replicas is 1 x 2 x 1.*mpirun -np 2" e2.log ||
+  { cat e2.log; fail "the wrong process count"; }
+"${mpirun[@]}" -np 3 "$gpipe" train gpt64.yaml --set output.dir="$tmp/e3" --set pipeline.tensor_parallel=3 > e3.log 2>&1 &&
+  fail "T=3 split a vocabulary of 256"
+grep -q "a vocabulary of 256 tokens does not split over a tensor group of 3" e3.log || { cat e3.log; fail "T=3"; }
+echo "ok: errors name the fix"
+echo "PASS"

@@ -1,0 +1,317 @@
+// Tensor parallelism placed by the executor (issue 38): each stage of a pipeline run by a
+// tensor group of T executors, one per member (its own model built as that member, its
+// own pipeline transport, ExecutorOptions::tensor_group joining the stage's members), as
+// threads of this process the way mpirun runs them as processes; K stages x T members x D
+// replicas, rank ((d K) + k) T + t. The GPT config (a tied head across the stages, dropout)
+// and the LLaMA config (grouped-query attention, dropout) in float64 equal the
+// unpartitioned model: the first batch's loss and every gradient (each member's block of
+// the whole gradient) against Sequential::forward_backward to 1e-12, then three AdamW
+// steps with clipping (NORM over the group) and the final parameters joined against the
+// same steps at K = T = D = 1; for K in {1, 2}, T in {1, 2, 4}, D in {1, 2}, with the
+// optimizer state sharded over the replicas too. A checkpoint saved split is whole by
+// name and resumes at another T, K and D.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "layers/optimizer.h"
+#include "layers/registry.h"
+#include "layers/tensor_parallel.h"
+#include "pipeline/config/config.h"
+#include "pipeline/executor/executor.h"
+#include "runtime/inprocess_replica_group.h"
+#include "runtime/inprocess_transport.h"
+#include "tests/tensor_group.h"
+#include "tests/testing.h"
+
+using namespace gpipe;
+using namespace gpipe::pipeline;
+using gpipe::testing::on_threads;
+using gpipe::testing::to_doubles;
+
+namespace {
+
+struct Run {
+  int K = 1, T = 1, D = 1;
+  bool shard = false;
+};
+
+// A parameter as one member holds it: its block's place, value and gradient.
+struct Held {
+  int dim = -1, rank = 0, count = 1, groups = 1;
+  Shape whole;
+  Tensor value, grad;
+};
+
+// Per rank: the losses and norms of its steps; the parameters its stage owns by name,
+// after the first call (gradients without a step) and at the end; and the state saved
+// (replica 0, member 0 of each stage: whole by name), all stages' in one map.
+struct Outcome {
+  std::vector<std::vector<double>> loss, norm;
+  std::vector<std::map<std::string, Held>> first, last;
+  StageState saved;
+};
+
+// What a call of train does besides its steps: the first batch's gradients first, a save
+// after `save_after` steps, or a resume from `resume` at step `first_step`.
+struct Extra {
+  bool first_grads = true;
+  int save_after = -1;
+  const StageState* resume = nullptr;
+  int first_step = 0;
+};
+
+const int64_t kRows = 8;  // the mini-batch: 4 rows a replica at D = 2, 2 micro-batches of 2
+
+struct Batch {
+  Tensor x, y;
+};
+Batch batch(int step) {
+  return {gpipe::testing::random_labels(kRows * 6, 16, 700 + step).reshape({kRows, 6}),
+          gpipe::testing::random_labels(kRows * 6, 16, 800 + step).reshape({kRows, 6})};
+}
+
+std::map<std::string, Held> held(layers::Sequential& model, int first, int count) {
+  std::map<std::string, Held> out;
+  std::vector<layers::Parameter*> mine;
+  for (int i = first; i < first + count; ++i) {
+    for (auto* p : model.layer(i).parameters()) mine.push_back(p);
+  }
+  for (auto& [name, p] : model.named_parameters()) {
+    if (model.is_tied_copy(p) || std::find(mine.begin(), mine.end(), p) == mine.end()) continue;
+    // Copies (float64, on the CPU): the executor goes on using the parameter's own.
+    Held h{p->shard_dim, p->shard_rank, p->shard_count, p->shard_groups, p->whole,
+           Tensor::from_vector(to_doubles(p->value), p->value.shape()),
+           Tensor::from_vector(to_doubles(p->grad), p->grad.shape())};
+    if (h.dim < 0) h.whole = p->value.shape();
+    out[name] = h;
+  }
+  return out;
+}
+
+// `steps` training steps (AdamW, clipping at 0.05, so that it applies), after a first
+// call without the optimizer that leaves the first batch's gradients.
+Outcome train(const layers::ModelSpec& whole_spec, const Run& run, int steps, const Extra& extra = {}) {
+  const int P = run.K * run.T * run.D;
+  const std::vector<int> balance = run.K == 1 ? std::vector<int>{5} : std::vector<int>{2, 3};
+  Outcome out;
+  out.loss.resize(P);
+  out.norm.resize(P);
+  out.first.resize(P);
+  out.last.resize(P);
+  // A pipeline per (replica, member); a replica group per (stage, member); a tensor group
+  // per (replica, stage).
+  std::vector<std::unique_ptr<InProcessTransport>> pipes;
+  std::vector<std::unique_ptr<InProcessReplicaHub>> replica_hubs, tensor_hubs;
+  for (int i = 0; i < run.D * run.T; ++i) pipes.push_back(std::make_unique<InProcessTransport>(run.K, 30));
+  for (int i = 0; i < run.K * run.T; ++i) replica_hubs.push_back(std::make_unique<InProcessReplicaHub>(run.D, 30));
+  for (int i = 0; i < run.D * run.K; ++i) tensor_hubs.push_back(std::make_unique<InProcessReplicaHub>(run.T, 30));
+  std::mutex saved_mu;
+  const std::vector<std::string> errors = on_threads(P, [&](int rank) {
+    const int t = rank % run.T, k = (rank / run.T) % run.K, d = rank / (run.T * run.K);
+    layers::ModelSpec spec = whole_spec;
+    spec.member = layers::TensorShard{t, run.T};
+    auto model = layers::build_model(spec);
+    InProcessReplicaGroup replicas(*replica_hubs[k * run.T + t], d);
+    InProcessReplicaGroup tensor(*tensor_hubs[d * run.K + k], t);
+    ExecutorOptions opts;
+    opts.optimizer.type = "adamw";
+    opts.optimizer.lr = 0.01;
+    opts.optimizer.weight_decay = 0.1;
+    opts.clip_grad_norm = 0.05;
+    opts.local_stage = k;
+    opts.rank = rank;
+    opts.replicas = run.D > 1 ? &replicas : nullptr;
+    opts.shard_optimizer = run.shard;
+    opts.tensor_group = run.T > 1 ? &tensor : nullptr;
+    opts.bucket_bytes = 300;
+    opts.pin_threads = false;
+    opts.sample_offset = d * (kRows / run.D);
+    std::vector<Device> devices;
+    for (int s = 0; s < run.K; ++s) devices.push_back(Device::cpu(s));
+    Executor ex(*model, make_stages(balance, devices),
+                make_schedule(ScheduleRequest{"1f1b", run.K, 1, 2, RecomputeMode::kExceptLast}), *pipes[d * run.T + t],
+                opts);
+    const int64_t rows = kRows / run.D;
+    int first = 0;
+    for (int s = 0; s < k; ++s) first += balance[s];
+    if (extra.resume != nullptr) ex.restore_state(k, extra.resume->model, extra.resume->optimizer);
+    if (extra.first_grads) {
+      const Batch b = batch(0);
+      ex.step(b.x.narrow_rows(d * rows, rows), b.y.narrow_rows(d * rows, rows), false);
+      if (!run.shard) out.first[rank] = held(*model, first, balance[k]);
+    }
+    ex.set_step(static_cast<uint64_t>(extra.first_step));
+    for (int step = extra.first_step; step < extra.first_step + steps; ++step) {
+      const Batch b = batch(step);
+      const StepResult r = ex.step(b.x.narrow_rows(d * rows, rows), b.y.narrow_rows(d * rows, rows));
+      out.loss[rank].push_back(r.loss);
+      out.norm[rank].push_back(r.grad_norm);
+      if (step + 1 - extra.first_step == extra.save_after) {
+        StageState saved = ex.save_state(k);  // every member and replica takes part
+        if (d == 0 && t == 0) {
+          std::lock_guard<std::mutex> lock(saved_mu);
+          out.saved.model.insert(saved.model.begin(), saved.model.end());
+          out.saved.optimizer.insert(saved.optimizer.begin(), saved.optimizer.end());
+        }
+      }
+    }
+    out.last[rank] = held(*model, first, balance[k]);
+  });
+  for (const std::string& e : errors) REQUIRE(e == "");
+  return out;
+}
+
+// The whole parameter `name` from the members of replica d's stage that owns it.
+std::map<std::string, std::pair<std::vector<double>, std::vector<double>>> joined(
+    const std::vector<std::map<std::string, Held>>& by_rank, const Run& run, int d) {
+  std::map<std::string, std::pair<std::vector<double>, std::vector<double>>> out;
+  for (int k = 0; k < run.K; ++k) {
+    const int base = (d * run.K + k) * run.T;
+    for (const auto& [name, h0] : by_rank[static_cast<size_t>(base)]) {
+      std::vector<Tensor> values, grads;
+      for (int t = 0; t < run.T; ++t) {
+        const Held& h = by_rank[static_cast<size_t>(base + t)].at(name);
+        CHECK(h.rank == (h.dim < 0 ? 0 : t));
+        values.push_back(h.value);
+        grads.push_back(h.grad);
+      }
+      if (h0.dim < 0) {
+        // A whole parameter: the same on every member.
+        for (int t = 1; t < run.T; ++t) {
+          CHECK(to_doubles(values[t]) == to_doubles(values[0]));
+          CHECK(to_doubles(grads[t]) == to_doubles(grads[0]));
+        }
+        out[name] = {to_doubles(values[0]), to_doubles(grads[0])};
+      } else {
+        CHECK(h0.count == run.T);
+        out[name] = {to_doubles(layers::join_blocks(values, h0.dim, h0.groups, h0.whole)),
+                     to_doubles(layers::join_blocks(grads, h0.dim, h0.groups, h0.whole))};
+      }
+    }
+  }
+  return out;
+}
+
+void check_model(const char* text) {
+  const Config config = parse_config(text, "tp.yaml");
+  // The unpartitioned model's loss and gradients on the first batch.
+  auto whole = layers::build_model(config.model);
+  Backend& be = backend_for(Device::cpu());
+  const Batch b0 = batch(0);
+  layers::ForwardArgs args;
+  const double scale = 1.0 / static_cast<double>(whole->loss().counted_targets(b0.y));
+  whole->forward_backward(be, b0.x, b0.y, scale, args);
+  whole->sum_tied_gradients(be);
+  std::map<std::string, std::vector<double>> want_grad;
+  for (auto& [name, p] : whole->named_parameters()) {
+    if (!whole->is_tied_copy(p)) want_grad[name] = to_doubles(p->grad);
+  }
+  const int steps = 3;
+  const Outcome ref = train(config.model, Run{}, steps);
+  const auto ref_last = joined(ref.last, Run{}, 0);
+  for (int K : {1, 2}) {
+    for (int T : {1, 2, 4}) {
+      for (int D : {1, 2}) {
+        for (bool shard : {false, true}) {
+          if (shard && D == 1) continue;
+          const Run run{K, T, D, shard};
+          CAPTURE(K);
+          CAPTURE(T);
+          CAPTURE(D);
+          CAPTURE(shard);
+          const Outcome got = train(config.model, run, steps);
+          for (int rank = 0; rank < K * T * D; ++rank) {
+            CAPTURE(rank);
+            for (int s = 0; s < steps; ++s) {
+              CHECK(got.loss[rank][s] == doctest::Approx(ref.loss[0][s]).epsilon(1e-12));
+              CHECK(got.norm[rank][s] == doctest::Approx(ref.norm[0][s]).epsilon(1e-12));
+            }
+          }
+          CHECK(ref.norm[0][0] > 0.05);  // the clip applies
+          for (int d = 0; d < D; ++d) {
+            CAPTURE(d);
+            if (!shard) {
+              const auto first = joined(got.first, run, d);
+              REQUIRE(first.size() == want_grad.size());
+              for (const auto& [name, vg] : first) {
+                INFO(name);
+                GPIPE_EXPECT_CLOSE(vg.second, want_grad.at(name), 1e-12, 1e-13);
+              }
+            }
+            const auto last = joined(got.last, run, d);
+            REQUIRE(last.size() == ref_last.size());
+            for (const auto& [name, vg] : last) {
+              INFO(name);
+              // Three Adam steps divide each gradient by its own root mean square: a
+              // rounding of a small gradient (the sums run in another order over T
+              // and D) moves its parameter by ~1e-13 of lr; the values are ~0.1.
+              GPIPE_EXPECT_CLOSE(vg.first, ref_last.at(name).first, 1e-12, 1e-12);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// A checkpoint saved at K = 2, T = 2, D = 2 with the optimizer sharded holds every
+// parameter and slot whole, by name: it resumes at T = 1, at T = 4 (K = 1) and at T = 2
+// (K = 2, D = 1) with the losses and parameters of the run that never stopped.
+void check_resume(const char* text) {
+  const Config config = parse_config(text, "tp.yaml");
+  Extra whole_run;
+  whole_run.first_grads = false;
+  const Outcome ref = train(config.model, Run{}, 4, whole_run);
+  const auto ref_last = joined(ref.last, Run{}, 0);
+  Extra save;
+  save.first_grads = false;
+  save.save_after = 2;
+  const Outcome saved = train(config.model, Run{2, 2, 2, true}, 2, save);
+  // Whole: the unsplit model's shapes, by the unsplit model's names.
+  auto whole = layers::build_model(config.model);
+  for (auto& [name, p] : whole->named_parameters()) {
+    if (whole->is_tied_copy(p)) continue;
+    INFO(name);
+    REQUIRE(saved.saved.model.count(name) == 1);
+    CHECK(saved.saved.model.at(name).shape() == p->value.shape());
+    CHECK(saved.saved.optimizer.at(name + ".exp_avg").shape() == p->value.shape());
+  }
+  for (const Run& run : {Run{1, 1, 1}, Run{1, 4, 1}, Run{2, 2, 1}, Run{2, 1, 2, true}}) {
+    CAPTURE(run.K);
+    CAPTURE(run.T);
+    CAPTURE(run.D);
+    Extra resume;
+    resume.first_grads = false;
+    resume.resume = &saved.saved;
+    resume.first_step = 2;
+    const Outcome got = train(config.model, run, 2, resume);
+    for (int s = 0; s < 2; ++s) CHECK(got.loss[0][s] == doctest::Approx(ref.loss[0][2 + s]).epsilon(1e-12));
+    const auto last = joined(got.last, run, 0);
+    REQUIRE(last.size() == ref_last.size());
+    for (const auto& [name, vg] : last) {
+      INFO(name);
+      GPIPE_EXPECT_CLOSE(vg.first, ref_last.at(name).first, 1e-12, 1e-12);
+    }
+  }
+}
+
+TEST_CASE("a GPT config (a tied head across the stages) on K x T x D executors equals the unpartitioned model") {
+  check_model(gpipe::testing::kTensorParallelGpt);
+}
+
+TEST_CASE("a LLaMA config (grouped-query attention) on K x T x D executors equals the unpartitioned model") {
+  check_model(gpipe::testing::kTensorParallelLlama);
+}
+
+TEST_CASE("a checkpoint saved split (T = 2, sharded over D = 2) is whole by name and resumes at T = 1, 2 and 4") {
+  check_resume(gpipe::testing::kTensorParallelGpt);
+  check_resume(gpipe::testing::kTensorParallelLlama);
+}
