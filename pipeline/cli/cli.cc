@@ -124,13 +124,29 @@ void write_schedule_file(const Invocation& inv, const pipeline::Plan& p, const s
 // How a config would be partitioned and scheduled, without training; with
 // `schedule_out`, the schedule also written there as a schedule file.
 int run_plan(Invocation& inv, const std::string& schedule_out = "") {
-  const pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);
+  pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);
+  const int T = config.pipeline.tensor_parallel;
+  if (T > 1 && config.autos.any()) {
+    throw UserError("auto (pipeline.partitions, pipeline.micro_batches, pipeline.schedule, train.blas_threads) chooses "
+                    "for pipeline.tensor_parallel 1 only (it is " + std::to_string(T) + "); give the values");
+  }
+  std::unique_ptr<layers::Sequential> whole;  // T > 1: the unsplit model, for its size
+  if (T > 1) {
+    whole = std::move(pipeline::build_run_model_on_shapes(config).model);
+    // A stage's members hold blocks of one size: member 0's plan is each member's.
+    config.model.member = layers::TensorShard{0, T};
+    std::cout << "pipeline.tensor_parallel = " << T << ": each stage is split over " << T
+              << " processes (mpirun -np " << pipeline::plan_sizes(config).ranks().size()
+              << "); the plan below is one member's share of each stage (its parameters, memory and compute). The "
+                 "tensor group's sums (two all-reduces a split block, forward and backward) are not priced yet: "
+                 "the step will take longer than planned.\n";
+  }
   pipeline::RunModel run = pipeline::build_run_model_on_shapes(config);  // planning allocates no weights
   run.config = pipeline::resolve_auto(run.config, *run.model, {}, std::cout);  // the plan a run would choose
   const pipeline::Config& c = run.config;
   layers::Sequential& model = *run.model;
   const pipeline::Plan p = pipeline::make_plan(c, model);
-  pipeline::print_plan(c, model, p, std::cout);
+  pipeline::print_plan(c, model, p, std::cout, whole ? whole.get() : nullptr);
   std::cout.flush();
   if (!schedule_out.empty()) write_schedule_file(inv, p, schedule_out);
   std::fflush(stdout);
@@ -190,6 +206,12 @@ int run_plan_command(Invocation& inv) {
                     "--devices and --device-spec (use --set to change the config's schedule or sizes)");
   }
   const pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);
+  if (config.pipeline.tensor_parallel > 1) {
+    throw UserError("gpipe plan --sweep, --devices and --device-spec do not plan pipeline.tensor_parallel yet (it is " +
+                    std::to_string(config.pipeline.tensor_parallel) +
+                    "); plan the config as written (gpipe plan CONFIG), which shows one member's share of each stage, "
+                    "or sweep it with pipeline.tensor_parallel: 1");
+  }
   pipeline::RunModel run = pipeline::build_run_model_on_shapes(config);
   pipeline::PlanCommandOptions o;
   o.sweep = inv.options.count("sweep") > 0;

@@ -111,6 +111,22 @@ for layout in "1 2 1" "2 2 1" "1 4 2"; do
 done
 held l142.log 4
 
+# gpipe plan at T=2: the whole model's parameters and each member's, as the run held them.
+"$gpipe" plan gpt64.yaml --set pipeline.tensor_parallel=2 > plan2.txt 2>&1 || { cat plan2.txt; fail "gpipe plan at T=2"; }
+python3 - plan2.txt g121.log <<'PY' || fail "gpipe plan's parameter counts at T=2"
+import re, sys
+plan, log = open(sys.argv[1]).read(), open(sys.argv[2]).read()
+whole, member = map(int, re.search(r"model: \d+ layers, (\d+) parameters \((\d+) on each of a stage's 2 processes\)", plan).groups())
+held = re.findall(r"member (\d)/2: this process holds (\d+) of the model's (\d+) parameters", log)
+assert len(held) == 2, held
+for m, mine, all_ in held:
+    assert int(mine) == member and int(all_) == whole, (m, mine, all_, member, whole)
+assert "not priced yet" in plan
+PY
+"$gpipe" plan gpt64.yaml --set pipeline.tensor_parallel=2 --sweep > sweep2.txt 2>&1 && fail "the sweep planned T=2"
+grep -q "do not plan pipeline.tensor_parallel yet" sweep2.txt || { cat sweep2.txt; fail "the sweep's refusal"; }
+echo "ok: gpipe plan at T=2 shows the whole model's parameters and each member's, as the run held them"
+
 # 2. A checkpoint saved split is whole by name and resumes at another T and K.
 run ck gpt64.yaml 2 2 1 --set checkpoint.every=2
 python3 - ck/checkpoints/step-2 <<'PY' || fail "the checkpoint saved at T=2 is not whole by name"

@@ -83,16 +83,22 @@ std::string format(const char* fmt, Args... args) {
 
 }  // namespace
 
-void print_plan(const Config& c, layers::Sequential& model, const Plan& p, std::ostream& out) {
+void print_plan(const Config& c, layers::Sequential& model, const Plan& p, std::ostream& out,
+                layers::Sequential* whole) {
   const int64_t micro = p.largest_micro_batch();
   // One cost model for every figure below: the probed device speed (probed_cost_model).
   const partition::CostModel cm = probed_cost_model(p, model.output_dtype(), c.train.blas_threads);
   const auto costs = partition::layer_costs(model, micro, recomputes(p.recompute), cost_overrides(c), cm);
   // Each layer's backward and its B and W halves as the planner estimates them.
   const CostTable times = estimate_costs(model, micro, cm, cost_overrides(c), c.optimizer.optimizer);
-  out << format("model: %d layers, %lld parameters, input %s; a checkpoint takes %s\n", model.size(),
-                static_cast<long long>(model.parameter_count()), shape_str(model.input_shape()).c_str(),
-                bytes_str(checkpoint_bytes(model, c.optimizer.optimizer)).c_str());
+  layers::Sequential& unsplit = whole != nullptr ? *whole : model;
+  const std::string member =
+      whole != nullptr ? format(" (%lld on each of a stage's %d processes)", static_cast<long long>(model.parameter_count()),
+                                p.tensor_parallel)
+                       : "";
+  out << format("model: %d layers, %lld parameters%s, input %s; a checkpoint takes %s\n", unsplit.size(),
+                static_cast<long long>(unsplit.parameter_count()), member.c_str(), shape_str(model.input_shape()).c_str(),
+                bytes_str(checkpoint_bytes(unsplit, c.optimizer.optimizer)).c_str());
   const std::vector<StageMemory>& memory = p.memory;
   for (int k = 0; k < p.stages; ++k) {
     out << format("stage %d on %s: memory %s (parameters+state %s, activations %s)\n", k, p.devices[k].str().c_str(),

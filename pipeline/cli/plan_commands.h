@@ -31,7 +31,10 @@ struct PlanCommandOptions {
 
 // How `plan` partitions and schedules the model, as `gpipe plan` prints it first: the
 // model, each stage's memory, cells and layer costs, and the schedule's chart and table.
-void print_plan(const Config& config, layers::Sequential& model, const Plan& plan, std::ostream& out);
+// `whole`: the unsplit model (on shapes) of a tensor-parallel plan, whose parameters and
+// checkpoint the model line counts beside the member's; nullptr: `model` itself.
+void print_plan(const Config& config, layers::Sequential& model, const Plan& plan, std::ostream& out,
+                layers::Sequential* whole = nullptr);
 
 // The prediction of `plan` (step time, bubble, samples/s; per stage time and memory)
 // as `gpipe plan` prints it.
