@@ -25,13 +25,22 @@ void TensorShard::sum(Backend& be, TensorCollectives* group, Tensor& t, const st
 }
 
 namespace {
+thread_local int64_t g_shape_sums = 0, g_shape_sum_bytes = 0;  // GroupSumCount's
+
 void check_on_shapes(const Tensor& t) {
   if (!t.is_meta()) {
     throw Error("a tensor group's sum on shapes (ShapeCollectives) was given a tensor with data, " + t.str() +
                 "; a run sums over its real group (GroupCollectives)");
   }
+  // A bfloat16 or float16 tensor is summed in float32 (GroupCollectives::on_host).
+  g_shape_sums += 1;
+  g_shape_sum_bytes += t.numel() * static_cast<int64_t>(is_narrow(t.dtype()) ? 4 : dtype_size(t.dtype()));
 }
 }  // namespace
+
+GroupSumCount::GroupSumCount() : sums_(g_shape_sums), bytes_(g_shape_sum_bytes) {}
+int64_t GroupSumCount::sums() const { return g_shape_sums - sums_; }
+int64_t GroupSumCount::bytes() const { return g_shape_sum_bytes - bytes_; }
 
 void ShapeCollectives::all_reduce_sum(Backend&, Tensor& t) { check_on_shapes(t); }
 void ShapeCollectives::all_reduce_max(Backend&, Tensor& t) { check_on_shapes(t); }

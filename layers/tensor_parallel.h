@@ -113,6 +113,19 @@ class ShapeCollectives : public TensorCollectives {
   int rank_, size_;
 };
 
+// The tensor-group sums ShapeCollectives saw on this thread since this object was made
+// (nested counts each see all of theirs): how many, and their bytes. The planner counts
+// a member's sums per layer on shapes with it, and prices them over the group's link.
+class GroupSumCount {
+ public:
+  GroupSumCount();
+  int64_t sums() const;
+  int64_t bytes() const;
+
+ private:
+  int64_t sums_, bytes_;
+};
+
 // Checkpoints keep a split parameter whole, by its name (the layout any T loads): its
 // members' blocks put together, and on load each member's block cut out of it. Both
 // take the block's place as Parameter gives it (shard_dim, shard_count, shard_groups,

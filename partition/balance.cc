@@ -11,12 +11,21 @@
 namespace gpipe {
 namespace partition {
 
-double CostModel::seconds(const layers::LayerCost& c, bool recompute, int layer) const {
+double CostModel::group_time(int64_t sums, double bytes) const {
+  if (tensor_members <= 1 || sums == 0) return 0;
+  const double T = tensor_members, steps = 2 * (T - 1);
+  const double moved = bytes * steps / T;
+  return static_cast<double>(sums) * steps * group_latency_seconds +
+         (group_bytes_per_second > 0 ? moved / group_bytes_per_second : 0.0);
+}
+
+double CostModel::seconds(const layers::LayerCost& c, bool recompute, int layer, int64_t batch) const {
   const LayerLaunches n = launches_of(layer);
-  const double fwd =
-      std::max(c.forward_flops / flops_per_second, c.forward_bytes / bytes_per_second) + launch_time(n.forward);
-  const double bwd =
-      std::max(c.backward_flops / flops_per_second, c.backward_bytes / bytes_per_second) + launch_time(n.backward());
+  const double b = static_cast<double>(batch);
+  const double fwd = std::max(c.forward_flops / flops_per_second, c.forward_bytes / bytes_per_second) +
+                     launch_time(n.forward) + group_time(n.group_sums_forward, b * n.group_bytes_forward);
+  const double bwd = std::max(c.backward_flops / flops_per_second, c.backward_bytes / bytes_per_second) +
+                     launch_time(n.backward()) + group_time(n.group_sums_backward, b * n.group_bytes_backward);
   return (recompute ? 2 : 1) * fwd + bwd;
 }
 
@@ -113,7 +122,7 @@ std::vector<double> layer_costs(const layers::Sequential& model, int64_t micro_b
   }
   std::vector<double> out(counts.size());
   for (size_t i = 0; i < counts.size(); ++i) {
-    out[i] = (i < overrides.size() && overrides[i]) ? *overrides[i] : cm.seconds(counts[i], recompute, static_cast<int>(i));
+    out[i] = (i < overrides.size() && overrides[i]) ? *overrides[i] : cm.seconds(counts[i], recompute, static_cast<int>(i), micro_batch_size);
   }
   return out;
 }

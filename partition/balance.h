@@ -21,6 +21,10 @@ struct LayerLaunches {
   int64_t backward_input = 0;  // B; a layer that does not split its backward: all of it
   int64_t backward_weight = 0;  // W of one micro-batch (0 for a layer that does not split)
   int64_t backward() const { return backward_input + backward_weight; }
+  // A member of a tensor group (layers/tensor_parallel.h): its sums over the group, in F
+  // (and R) and in B, and their bytes at a batch of one sample (they grow with the batch).
+  int64_t group_sums_forward = 0, group_sums_backward = 0;
+  int64_t group_bytes_forward = 0, group_bytes_backward = 0;
 };
 
 // Turns a layer's counts into seconds: a roofline-style estimate that charges the
@@ -39,8 +43,16 @@ struct CostModel {
   bool launch_probed = false;  // launch_seconds was measured on this machine's GPU
   // The model's launches per layer (nullptr: not counted, so no launch term).
   std::shared_ptr<const std::vector<LayerLaunches>> launches;
-  // Layer `layer`'s seconds (its launch term where launches are counted; -1: none).
-  double seconds(const layers::LayerCost& c, bool recompute, int layer = -1) const;
+  // A member of a tensor group of this many (1: not split): each of its layers' sums
+  // (LayerLaunches::group_*) over a ring of the members, NCCL's all-reduce: 2 (T-1)/T of
+  // the bytes each way at group_bytes_per_second, and 2 (T-1) steps of group_latency_seconds.
+  int tensor_members = 1;
+  double group_latency_seconds = 0, group_bytes_per_second = 0;
+  // The seconds of `sums` sums of `bytes` in all over the group (0 when not split).
+  double group_time(int64_t sums, double bytes) const;
+  // Layer `layer`'s seconds at a micro-batch of `batch` samples (its launch term and its
+  // group sums where counted; layer -1: none).
+  double seconds(const layers::LayerCost& c, bool recompute, int layer = -1, int64_t batch = 1) const;
   // The seconds of n launches.
   double launch_time(int64_t n) const { return static_cast<double>(n) * launch_seconds; }
   // Layer i's counts, or zeros where none were counted.

@@ -137,9 +137,9 @@ int run_plan(Invocation& inv, const std::string& schedule_out = "") {
     config.model.member = layers::TensorShard{0, T};
     std::cout << "pipeline.tensor_parallel = " << T << ": each stage is split over " << T
               << " processes (mpirun -np " << pipeline::plan_sizes(config).ranks().size()
-              << "); the plan below is one member's share of each stage (its parameters, memory and compute). The "
-                 "tensor group's sums (two all-reduces a split block, forward and backward) are not priced yet: "
-                 "the step will take longer than planned.\n";
+              << "); the plan below is one member's share of each stage (its parameters, memory and compute, and "
+                 "its sums over the group inside the layers' forward and backward, priced over this machine's "
+                 "MPI link).\n";
   }
   pipeline::RunModel run = pipeline::build_run_model_on_shapes(config);  // planning allocates no weights
   run.config = pipeline::resolve_auto(run.config, *run.model, {}, std::cout);  // the plan a run would choose
@@ -206,11 +206,11 @@ int run_plan_command(Invocation& inv) {
                     "--devices and --device-spec (use --set to change the config's schedule or sizes)");
   }
   const pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);
-  if (config.pipeline.tensor_parallel > 1) {
-    throw UserError("gpipe plan --sweep, --devices and --device-spec do not plan pipeline.tensor_parallel yet (it is " +
+  if (config.pipeline.tensor_parallel > 1 && !inv.options.count("sweep")) {
+    throw UserError("gpipe plan --devices and --device-spec do not plan pipeline.tensor_parallel yet (it is " +
                     std::to_string(config.pipeline.tensor_parallel) +
                     "); plan the config as written (gpipe plan CONFIG), which shows one member's share of each stage, "
-                    "or sweep it with pipeline.tensor_parallel: 1");
+                    "or add --sweep, which tries each T");
   }
   pipeline::RunModel run = pipeline::build_run_model_on_shapes(config);
   pipeline::PlanCommandOptions o;

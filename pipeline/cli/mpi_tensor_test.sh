@@ -12,7 +12,10 @@
 #  3. pipeline.memory_limit: a limit the whole stage is over is refused at T=1 (naming
 #     pipeline.tensor_parallel), and the same run trains at T=2, each process under it;
 #  4. clear errors: T > 1 without mpirun, the wrong process count, a vocabulary T does
-#     not divide.
+#     not divide;
+#  5. gpipe plan at T=2 counts the whole model's parameters and each member's as the run
+#     held them; gpipe plan --sweep tries T and, where no plan fits at T=1 (an MLP whose
+#     layers are each over the limit), recommends T > 1, which trains.
 set -uo pipefail
 gpipe="$(realpath "$1")"
 compare="$(realpath "$2")"
@@ -121,11 +124,49 @@ held = re.findall(r"member (\d)/2: this process holds (\d+) of the model's (\d+)
 assert len(held) == 2, held
 for m, mine, all_ in held:
     assert int(mine) == member and int(all_) == whole, (m, mine, all_, member, whole)
-assert "not priced yet" in plan
+assert "priced over this machine's MPI link" in plan
 PY
-"$gpipe" plan gpt64.yaml --set pipeline.tensor_parallel=2 --sweep > sweep2.txt 2>&1 && fail "the sweep planned T=2"
-grep -q "do not plan pipeline.tensor_parallel yet" sweep2.txt || { cat sweep2.txt; fail "the sweep's refusal"; }
 echo "ok: gpipe plan at T=2 shows the whole model's parameters and each member's, as the run held them"
+
+# The sweep tries T: an MLP whose layers each hold more than the memory limit allows fits
+# no plan at T=1 (whatever K) and is recommended split; its recommendation trains.
+cat > mlp.yaml <<YAML
+model:
+  input: [12]
+  dtype: float64
+  layers:
+    - {type: linear, out: 512, parallel: column}
+    - {type: gelu}
+    - {type: linear, out: 12, parallel: row}
+  loss: softmax_cross_entropy
+data: {type: teacher, classes: 12, teacher_hidden: 8, seed: 3, eval_samples: 48}
+pipeline: {partitions: 1, micro_batches: 2, memory_limit: 150KB}
+optimizer: {type: adamw, lr: 0.01}
+train: {steps: 4, batch_size: 8}
+YAML
+"$gpipe" plan mlp.yaml --sweep --devices 4 --rows 500 > sweep4.txt 2>&1 || { cat sweep4.txt; fail "the sweep over T"; }
+recommended=$(python3 - sweep4.txt <<'PY'
+import re, sys
+rows = [l for l in open(sys.argv[1]) if re.match(r"\s+\d+\s+K=", l)]
+label = lambda l: re.match(r"\s+\d+\s+(K=.*?)\s{2,}", l).group(1)
+whole = [l for l in rows if " T=" not in label(l)]
+split = [l for l in rows if " T=" in label(l)]
+assert whole and split, (len(whole), len(split))
+for l in whole:
+    assert "memory:" in l, l  # no T=1 plan fits
+best = [l for l in rows if "<< recommended" in l]
+assert len(best) == 1 and re.search(r" T=(2|4) ", best[0]), best
+text = open(sys.argv[1]).read()
+print(re.search(r"Recommended: .*\n  (.*)\n", text).group(1))
+PY
+) || { cat sweep4.txt; fail "the sweep does not recommend T > 1 where no T=1 plan fits"; }
+read -r -a sets <<< "$recommended"
+K=$(grep -o "pipeline.partitions=[0-9]*" <<< "$recommended" | cut -d= -f2)
+T=$(grep -o "pipeline.tensor_parallel=[0-9]*" <<< "$recommended" | cut -d= -f2)
+"${mpirun[@]}" -np $((K * T)) "$gpipe" train mlp.yaml --set output.dir="$tmp/sw" "${sets[@]}" > sw.log 2>&1 ||
+  { cat sw.log; fail "the sweep's recommendation ($recommended) does not train"; }
+"$gpipe" train mlp.yaml --set output.dir="$tmp/sw1" > sw1.log 2>&1 && fail "the MLP trained whole over its memory limit"
+echo "ok: the sweep tries T, finds no plan at T=1 under the limit, recommends K=$K x T=$T, which trains"
 
 # 2. A checkpoint saved split is whole by name and resumes at another T and K.
 run ck gpt64.yaml 2 2 1 --set checkpoint.every=2

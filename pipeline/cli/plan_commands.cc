@@ -87,7 +87,8 @@ void print_plan(const Config& c, layers::Sequential& model, const Plan& p, std::
                 layers::Sequential* whole) {
   const int64_t micro = p.largest_micro_batch();
   // One cost model for every figure below: the probed device speed (probed_cost_model).
-  const partition::CostModel cm = probed_cost_model(p, model.output_dtype(), c.train.blas_threads);
+  partition::CostModel cm = probed_cost_model(p, model.output_dtype(), c.train.blas_threads);
+  price_tensor_group(cm, p.tensor_parallel, local_link(load_profile(c.pipeline.profile), /*across_processes=*/true));
   const auto costs = partition::layer_costs(model, micro, recomputes(p.recompute), cost_overrides(c), cm);
   // Each layer's backward and its B and W halves as the planner estimates them.
   const CostTable times = estimate_costs(model, micro, cm, cost_overrides(c), c.optimizer.optimizer);
@@ -154,7 +155,13 @@ int plan_other_runs(const Config& config, layers::Sequential& model, const PlanC
     sweep_options.micro_batches = micro_batch_counts(o.max_micro_batches);
     const bool cpu = config.pipeline.devices.empty() || parse_device(config.pipeline.devices[0]).is_cpu();
     if (!has_spec && cpu) sweep_options.host_available = std::max<int64_t>(0, host_available_bytes());
-    SweepResult r = o.precisions.empty() ? sweep(config, model, sweep_options) : sweep(o.precisions, sweep_options);
+    // The tensor-parallel sizes worth trying (a model of YAML layers: each T's member
+    // built on shapes), each swept and all ranked together; a T the model does not
+    // split into is said and left out.
+    const TensorMembers members = o.precisions.empty() ? tensor_members(config, sweep_options) : TensorMembers{};
+    SweepResult r = !o.precisions.empty()  ? sweep(o.precisions, sweep_options)
+                    : !members.runs.empty() ? sweep(members.swept(), sweep_options)
+                                         : sweep(config, model, sweep_options);
     // Measured before recommended (measured_sweep.h), where this machine runs the plans.
     const std::string not_here = why_not_measured(config, r, has_spec);
     if (o.measure > 0 && r.recommended >= 0 && not_here.empty() && o.precisions.empty()) {
@@ -164,6 +171,7 @@ int plan_other_runs(const Config& config, layers::Sequential& model, const PlanC
       if (r.recommended >= 0 && r.edges.empty()) r.edges = recommended_edges(r, config, model, sweep_options);
     }
     out << sweep_table(r, o.rows);
+    for (const std::string& why : members.unsplit) out << "Not tried: " << why << "\n";
     if (o.measure > 0 && r.recommended >= 0 && !not_here.empty()) {
       out << "Not timed (the recommendation is the prediction's): " << not_here << "\n";
     } else if (o.measure > 0 && r.recommended >= 0 && !o.precisions.empty()) {

@@ -10,6 +10,7 @@
 
 #include "kernels/backend.h"
 #include "kernels/meta_backend.h"
+#include "layers/tensor_parallel.h"
 #include "partition/balance.h"
 #include "pipeline/executor/held_bytes.h"
 #include "pipeline/planning/profile.h"
@@ -285,10 +286,14 @@ std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& m
     Tensor y;
     {
       const MetaOpCount ops;
+      const layers::GroupSumCount sums;
       y = layer.forward(*be, h, &ctx, args);
       n.forward = ops.count();
+      n.group_sums_forward = sums.sums();
+      n.group_bytes_forward = sums.bytes();
     }
     const Tensor dy = be->zeros(y.shape(), y.dtype());
+    const layers::GroupSumCount sums;  // B's (W sums nothing: its weight gradients are the member's)
     if (layer.splits_backward()) {
       {
         const MetaOpCount ops;
@@ -303,6 +308,8 @@ std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& m
       layer.backward(*be, dy, ctx, i > 0);
       n.backward_input = ops.count();
     }
+    n.group_sums_backward = sums.sums();
+    n.group_bytes_backward = sums.bytes();
     h = y;
   }
   if (model.has_loss() && L > 0) {
@@ -312,12 +319,18 @@ std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& m
     partition::LayerLaunches& last = out.back();
     {
       const MetaOpCount ops;
+      const layers::GroupSumCount sums;
       model.loss().forward(*be, h, targets, 1.0, &lctx);
       last.forward += ops.count();
+      last.group_sums_forward += sums.sums();
+      last.group_bytes_forward += sums.bytes();
     }
     const MetaOpCount ops;
+    const layers::GroupSumCount sums;
     model.loss().backward(*be, lctx);
     last.backward_input += ops.count();
+    last.group_sums_backward += sums.sums();
+    last.group_bytes_backward += sums.bytes();
   }
   return out;
 }

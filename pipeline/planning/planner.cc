@@ -46,9 +46,14 @@ CostTable estimate_costs(const layers::Sequential& model, int64_t micro, const p
     l.backward_input = bwd * input_share;
     l.backward_weight = bwd - l.backward_input;
     // Each launch's cost on top (0 on a CPU): F's, B's and W's own ops.
+    // And a tensor-group member's sums over its group (0 when not split), which run inside
+    // F (R too) and B.
     const partition::LayerLaunches n = cm.launches_of(static_cast<int>(i));
-    l.forward = l.forward_nograd = l.recompute = fwd + cm.launch_time(n.forward) * 1e3;
-    l.backward_input += cm.launch_time(n.backward_input) * 1e3;
+    const double b = static_cast<double>(micro);
+    l.forward = l.forward_nograd = l.recompute =
+        fwd + cm.launch_time(n.forward) * 1e3 + cm.group_time(n.group_sums_forward, b * n.group_bytes_forward) * 1e3;
+    l.backward_input += cm.launch_time(n.backward_input) * 1e3 +
+                        cm.group_time(n.group_sums_backward, b * n.group_bytes_backward) * 1e3;
     l.backward_weight += cm.launch_time(n.backward_weight) * 1e3;
     l.backward = l.backward_input + l.backward_weight;
     if (i < overrides.size() && overrides[i]) {  // the user's seconds for forward + backward
@@ -369,6 +374,12 @@ LinkCost local_link(const ProfileStore& profile, bool across_processes) {
   return measured != nullptr ? *measured : fallback;
 }
 
+void price_tensor_group(partition::CostModel& cm, int members, const LinkCost& link) {
+  cm.tensor_members = members;
+  cm.group_latency_seconds = link.latency_ms / 1e3;
+  cm.group_bytes_per_second = link.bytes_per_ms * 1e3;
+}
+
 int stages_at_once(const Plan& plan) {
   if (!plan.devices.front().is_cpu()) return 1;
   return std::max(1, std::min(plan.stages, static_cast<int>(std::thread::hardware_concurrency())));
@@ -417,8 +428,9 @@ partition::CostModel probed_cost_model(const Plan& plan, DType dtype, int blas_t
 PlannedRun predict_config(const Config& c, const layers::Sequential& model, const Plan& plan, bool across_processes,
                           double flops_per_second, double bytes_per_second, double launch_seconds) {
   const ProfileStore store = load_profile(c.pipeline.profile);
-  const partition::CostModel cm = probed_cost_model(plan, model.output_dtype(), c.train.blas_threads,
-                                                    flops_per_second, bytes_per_second, launch_seconds);
+  partition::CostModel cm = probed_cost_model(plan, model.output_dtype(), c.train.blas_threads, flops_per_second,
+                                              bytes_per_second, launch_seconds);
+  price_tensor_group(cm, plan.tensor_parallel, local_link(store, /*across_processes=*/true));  // members: processes
   const CostSource costs(model, store, c.pipeline.profile, plan.devices.front(), c.train.blas_threads, cm,
                          cost_overrides(c), c.optimizer.optimizer, 1.0, stages_at_once(plan));
   const LinkCost link = local_link(store, across_processes);

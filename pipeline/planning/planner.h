@@ -109,6 +109,12 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
 // (`gpipe profile`, `mpirun -np 2 gpipe profile`) when it has them.
 LinkCost local_link(const ProfileStore& profile, bool across_processes);
 
+// A tensor-parallel plan's group sums (Plan::tensor_parallel members, each a process;
+// their sums counted on shapes, Plan::launches) priced over `link`, the link between a
+// stage's members: this machine's MPI (local_link across processes) or a device
+// description's link within a node.
+void price_tensor_group(partition::CostModel& cm, int members, const LinkCost& link);
+
 // How many of a plan's stages compute at once on their own cores: K on CPUs (at most
 // the cores), 1 on GPUs (each its own device).
 int stages_at_once(const Plan& plan);

@@ -23,6 +23,7 @@ std::string Candidate::label() const {
   s += " M=" + std::to_string(micro_batches) + " " + schedule + " recompute=" + recompute_mode_name(recompute);
   if (blas_threads > 1) s += " blas_threads=" + std::to_string(blas_threads);
   if (replicas > 1) s += " D=" + std::to_string(replicas) + (shard_optimizer ? " sharded" : "");
+  if (tensor_parallel > 1) s += " T=" + std::to_string(tensor_parallel);
   if (!precision.empty()) s += " " + precision;
   return s;
 }
@@ -34,6 +35,7 @@ std::string Candidate::overrides() const {
   if (virtual_stages > 1) s += " --set pipeline.virtual_stages=" + std::to_string(virtual_stages);
   if (blas_threads > 1) s += " --set train.blas_threads=" + std::to_string(blas_threads);
   if (replicas > 1) s += std::string(" --set pipeline.shard_optimizer=") + (shard_optimizer ? "optimizer" : "none");
+  if (tensor_parallel > 1 || tensor_swept) s += " --set pipeline.tensor_parallel=" + std::to_string(tensor_parallel);
   if (!precision.empty()) s += " --set model.dtype=" + precision;
   return s;
 }
@@ -41,14 +43,14 @@ std::string Candidate::overrides() const {
 namespace {
 
 // Device time of the compute in a step: a stage's busy time keeps each of its BLAS
-// threads' cores busy.
+// threads' cores busy, and each of its tensor group's devices (a member's time each).
 double total_busy(const Candidate& c) {
   double b = 0;
   for (const auto& s : c.run.stages) b += s.busy_ms;
-  return b * c.blas_threads;
+  return b * c.blas_threads * c.tensor_parallel;
 }
 
-int devices_used(const Candidate& c) { return c.stages * c.blas_threads * c.replicas; }
+int devices_used(const Candidate& c) { return c.stages * c.blas_threads * c.replicas * c.tensor_parallel; }
 
 // Why `c` predicts fewer samples/s than `best`: the largest of three factors of the
 // ratio of their step times per sample.
@@ -74,6 +76,9 @@ std::string why_lost(const Candidate& c, const Candidate& best) {
     if (c.blas_threads > best.blas_threads) {
       what += (what.empty() ? "" : ", ") + std::to_string(c.blas_threads) + " BLAS threads per stage";
     }
+    if (c.tensor_parallel > best.tensor_parallel) {
+      what += (what.empty() ? "" : ", ") + std::string("the tensor group's sums");
+    }
     std::snprintf(buf, sizeof buf, "slower ops: +%.0f%% compute per sample%s%s%s", 100 * (work - 1),
                   what.empty() ? "" : " (", what.c_str(), what.empty() ? "" : ")");
   } else if (devices >= idle) {
@@ -85,7 +90,7 @@ std::string why_lost(const Candidate& c, const Candidate& best) {
     // With sharded optimizer state: the reduce-scatter and all-gather instead of the
     // all-reduce, and one shard's update.
     auto outside = [](const Candidate& x) {  // total_busy is one replica's
-      return x.run.step_ms - total_busy(x) / (x.stages * x.blas_threads);
+      return x.run.step_ms - total_busy(x) / (x.stages * x.blas_threads * x.tensor_parallel);
     };
     const char* why = c.shard_optimizer == best.shard_optimizer ? ""
                       : c.shard_optimizer ? " (sharded optimizer: RS and AG, not overlapped with backward)"
@@ -175,6 +180,10 @@ class SweepCosts {
       cm = probed_cost_model(stages, model_.output_dtype(), base_.train.blas_threads);
     }
     cm.launches = launches_;
+    // A member's sums over its tensor group: processes of this machine (MPI), or devices
+    // of one node of the description.
+    const int T = base_.pipeline.tensor_parallel;
+    if (T > 1) price_tensor_group(cm, T, o_.spec != nullptr ? o_.spec->link(0, 1) : local_link(store_, true));
     return cm;
   }
 
@@ -245,6 +254,7 @@ std::optional<Candidate> predict_candidate(Config c, const layers::Sequential& m
   cand.schedule = c.pipeline.schedule;
   cand.replicas = c.pipeline.replicas;
   cand.shard_optimizer = c.pipeline.shard_optimizer == "optimizer";
+  cand.tensor_parallel = c.pipeline.tensor_parallel;
   try {
     // Balance by the costs the prediction uses, at this micro-batch size.
     const CostTable& t = src.at(plan_sizes(c).largest_micro_batch());
@@ -284,7 +294,7 @@ void weigh_memory(Candidate& cand, int64_t memory_limit, const SweepOptions& o) 
     cand.peak_device_bytes = std::max(cand.peak_device_bytes, s.total_bytes());
     cand.total_bytes += s.total_bytes();
   }
-  cand.total_bytes *= cand.replicas;  // every replica's stages (on CPUs they share the host)
+  cand.total_bytes *= cand.replicas * cand.tensor_parallel;  // every replica's and member's (on CPUs they share the host)
   cand.fits = (memory_limit <= 0 || cand.peak_device_bytes <= memory_limit) &&
               (o.host_available <= 0 || o.spec != nullptr || cand.total_bytes <= o.host_available);
 }
@@ -362,6 +372,41 @@ std::vector<std::string> recommended_edges(const SweepResult& out, const Config&
                     model.size(), batch);
 }
 
+std::vector<int> tensor_sizes(const Config& base, const SweepOptions& o) {
+  const int n = device_count(o, first_device(base).is_cpu());
+  const int per_replica = n / std::max(1, base.pipeline.replicas);
+  const int node = o.spec != nullptr ? std::max(1, o.spec->devices_per_node) : per_replica;
+  std::vector<int> out;
+  for (int t = 1; t <= std::min(per_replica, node); t *= 2) out.push_back(t);
+  if (out.empty()) out.push_back(1);
+  return out;
+}
+
+TensorMembers tensor_members(const Config& base, const SweepOptions& o) {
+  TensorMembers out;
+  const std::vector<int> sizes = tensor_sizes(base, o);
+  if (base.model.cpp || base.model.layers.empty() || (sizes.size() == 1 && base.pipeline.tensor_parallel == 1)) {
+    return out;
+  }
+  for (int T : sizes) {
+    Config member = base;
+    member.pipeline.tensor_parallel = T;
+    member.model.member = layers::TensorShard{0, T};
+    try {
+      out.runs.push_back(build_run_model_on_shapes(member));
+    } catch (const UserError& e) {
+      out.unsplit.push_back("T=" + std::to_string(T) + ": " + e.what());
+    }
+  }
+  return out;
+}
+
+std::vector<SweptPrecision> TensorMembers::swept() const {
+  std::vector<SweptPrecision> out;
+  for (const RunModel& r : runs) out.push_back({"", &r.config, r.model.get()});
+  return out;
+}
+
 std::vector<int> micro_batch_counts(int most) {
   std::vector<int> counts;
   for (int m = 1; m < most; m *= 2) counts.push_back(m);
@@ -386,9 +431,11 @@ SweepResult sweep(const Config& base, const layers::Sequential& model, const Swe
     throw UserError("train.batch_size " + std::to_string(base.train.batch_size) + " does not split over " +
                     std::to_string(D) + " replicas (pipeline.replicas); give a multiple of " + std::to_string(D));
   }
-  const int per_replica = std::max(1, n / D);
-  if (D > n) {
-    n = D;
+  // Each stage on T devices (its tensor group): a replica's devices hold n / (D T) stages.
+  const int T = std::max(1, base.pipeline.tensor_parallel);
+  const int per_replica = std::max(1, n / (D * T));
+  if (D * T > n) {
+    n = D * T;
     out.devices = n;
   }
   std::vector<bool> shard_modes = {false};
@@ -400,7 +447,8 @@ SweepResult sweep(const Config& base, const layers::Sequential& model, const Swe
   const CostSource& first = costs.for_stages(std::min(per_replica, model.size()) * D);
   out.costs = o.spec != nullptr ? o.spec->name + " (" + o.spec->source + "): " + first.describe() : first.describe();
   const LinkCost local = local_link(costs.store(), false);
-  const LinkFn link = o.spec != nullptr ? LinkFn([&](int a, int b) { return o.spec->link(a, b); })
+  // Stage k's first device is k T (a stage's members side by side): the link between stages.
+  const LinkFn link = o.spec != nullptr ? LinkFn([&o, T](int a, int b) { return o.spec->link(a * T, b * T); })
                                         : LinkFn([local](int, int) { return local; });
 
   const std::vector<Shape> shapes = candidate_shapes(per_replica, model.size(), cpu, o);
@@ -422,7 +470,7 @@ SweepResult sweep(const Config& base, const layers::Sequential& model, const Swe
       if (m > batch) continue;
       for (RecomputeMode mode : {RecomputeMode::kNever, RecomputeMode::kExceptLast, RecomputeMode::kAlways}) {
         if (sh.k == 1 && sh.schedule != "gpipe") continue;  // one stage: every schedule is the same
-        const CostSource& src = sh.threads > 1 ? *threaded : costs.for_stages(sh.k * D);
+        const CostSource& src = sh.threads > 1 ? *threaded : costs.for_stages(sh.k * D * T);
         for (bool shard : shard_modes) {
           std::optional<Candidate> cand =
               predict_candidate(candidate_config(base, sh, m, mode, shard), model, src, link, po);
@@ -451,19 +499,26 @@ SweepResult sweep(const std::vector<SweptPrecision>& precisions, const SweepOpti
   std::vector<SweepResult> each;
   for (const SweptPrecision& p : precisions) {
     each.push_back(sweep(*p.config, *p.model, o));
+    const bool tensor = p.name.empty();  // the config's precision at another T
     for (Candidate& c : each.back().candidates) {
       c.precision = p.name;
+      c.tensor_swept = tensor;
       out.candidates.push_back(c);
     }
-    out.costs += (out.costs.empty() ? "" : "\n       ") + p.name + ": " + each.back().costs;
+    const std::string name = tensor ? "T=" + std::to_string(p.config->pipeline.tensor_parallel) : p.name;
+    out.costs += (out.costs.empty() ? "" : "\n       ") + name + ": " + each.back().costs;
   }
-  out.devices = each.front().devices;  // the same options: the same devices and limit
+  out.devices = 0;  // the same options: the same devices (the most any T used) and limit
+  for (const SweepResult& r : each) out.devices = std::max(out.devices, r.devices);
   out.memory_limit = each.front().memory_limit;
   rank(out);
   give_verdicts(out, o);
   if (out.recommended >= 0) {
+    const Candidate& best = out.candidates[out.recommended];
     for (const SweptPrecision& p : precisions) {
-      if (p.name == out.candidates[out.recommended].precision) out.edges = recommended_edges(out, *p.config, *p.model, o);
+      if (p.name == best.precision && p.config->pipeline.tensor_parallel == best.tensor_parallel) {
+        out.edges = recommended_edges(out, *p.config, *p.model, o);
+      }
     }
   }
   return out;

@@ -13,6 +13,7 @@
 
 #include "layers/sequential.h"
 #include "pipeline/config/config.h"
+#include "pipeline/config/run_model.h"
 #include "pipeline/planning/device_spec.h"
 #include "pipeline/planning/prediction.h"
 
@@ -39,6 +40,11 @@ struct Candidate {
   // each shape is tried with its state sharded over the replicas (ZeRO-1) and not.
   int replicas = 1;
   bool shard_optimizer = false;
+  // T: each stage on this many devices, its tensor group (pipeline.tensor_parallel); the
+  // plan's figures per stage are one member's. tensor_swept: the sweep tried several T,
+  // so the overrides set it.
+  int tensor_parallel = 1;
+  bool tensor_swept = false;
   RecomputeMode recompute = RecomputeMode::kNever;
   std::string schedule;
   // model.dtype, when the sweep tried several precisions (empty: the config's alone).
@@ -92,8 +98,28 @@ struct SweptPrecision {
 };
 // Every candidate of sweep() in each precision, ranked together: each labelled with its
 // precision (its overrides set model.dtype), and a candidate that loses to one in another
-// precision says so.
+// precision says so. An entry without a name is the config's precision at another
+// pipeline.tensor_parallel (its config's T, its model that T's member 0: each stage on T
+// devices of each replica's share); the candidates say their T.
 SweepResult sweep(const std::vector<SweptPrecision>& precisions, const SweepOptions& options);
+
+// The tensor-parallel sizes worth sweeping for `base`: T = 1, 2, 4, ... up to each
+// replica's devices, and within one node of a device description (a tensor group sums at
+// every split layer: Alpa's close devices). The caller builds each T's member and drops
+// those the model does not split into.
+std::vector<int> tensor_sizes(const Config& base, const SweepOptions& options);
+
+// The config's model as member 0 of each tensor-parallel size worth sweeping
+// (tensor_sizes), built on shapes, for sweep(std::vector<SweptPrecision>) with empty
+// names; a size the model does not split into (heads, the vocabulary, hidden features
+// that T does not divide) is left out and said in `unsplit` ("T=4: <why>"). Empty when
+// there is only T = 1 to try, or the model is not YAML layers (a C++ model is whole).
+struct TensorMembers {
+  std::vector<RunModel> runs;
+  std::vector<std::string> unsplit;
+  std::vector<SweptPrecision> swept() const;  // pointers into runs
+};
+TensorMembers tensor_members(const Config& base, const SweepOptions& options);
 // The ranked table, at most max_rows candidates (the recommendation always shown).
 std::string sweep_table(const SweepResult& result, int max_rows = 30);
 

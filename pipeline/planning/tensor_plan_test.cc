@@ -2,7 +2,8 @@
 // part of a K x T x D job reads (Plan::ranks), against a table written out by hand; and
 // a member's plan, made on shapes with its place in the group (layers::ShapeCollectives),
 // holding the member's weights: its blocks of the split layers and the whole ones,
-// counted here from the member built with its weights.
+// counted here from the member built with its weights; and a member's sums over its
+// group, counted on shapes and priced over the group's link as the planner prices them.
 #include <doctest/doctest.h>
 
 #include <string>
@@ -11,7 +12,9 @@
 #include "layers/registry.h"
 #include "pipeline/config/config.h"
 #include "pipeline/config/run_model.h"
+#include "partition/balance.h"
 #include "pipeline/planning/plan.h"
+#include "pipeline/planning/planner.h"
 #include "tests/tensor_group.h"
 #include "tests/testing.h"
 
@@ -80,4 +83,66 @@ TEST_CASE("a member's plan, made on shapes, holds the member's weights") {
       }
     }
   }
+}
+
+// An MLP split Megatron's way after a whole layer: the row-parallel layer sums its output
+// forward, the column-parallel one its input gradient backward (each 12 float64 a sample).
+const char* kSplitMlp = R"(model:
+  input: [12]
+  dtype: float64
+  layers:
+    - {type: linear, out: 12}
+    - {type: linear, out: 32, parallel: column}
+    - {type: gelu}
+    - {type: linear, out: 12, parallel: row}
+  loss: softmax_cross_entropy
+data: {classes: 12}
+train: {steps: 1, batch_size: 8}
+)";
+
+TEST_CASE("a member's sums over its group, counted on shapes and priced over the group's link") {
+  Config c = parse_config(kSplitMlp, "t.yaml", {"pipeline.tensor_parallel=2"});
+  c.model.member = layers::TensorShard{1, 2};
+  RunModel run = build_run_model_on_shapes(c);
+  const std::vector<partition::LayerLaunches> n = count_launches(*run.model);
+  REQUIRE(n.size() == 4);
+  const int64_t row = 12 * 8;  // bytes of one sample's 12 float64 features
+  for (int i = 0; i < 4; ++i) {
+    CAPTURE(i);
+    CHECK(n[i].group_sums_forward == (i == 3 ? 1 : 0));
+    CHECK(n[i].group_bytes_forward == (i == 3 ? row : 0));
+    CHECK(n[i].group_sums_backward == (i == 1 ? 1 : 0));
+    CHECK(n[i].group_bytes_backward == (i == 1 ? row : 0));
+  }
+  // The same model whole sums nothing.
+  Config whole_config = parse_config(kSplitMlp, "t.yaml");
+  RunModel whole = build_run_model_on_shapes(whole_config);
+  for (const partition::LayerLaunches& w : count_launches(*whole.model)) {
+    CHECK(w.group_sums_forward + w.group_sums_backward == 0);
+  }
+  // Priced: a ring of T = 2 over a link of 10 us and 1 GB/s; 4 samples a micro-batch.
+  partition::CostModel plain;
+  plain.launches = std::make_shared<const std::vector<partition::LayerLaunches>>(n);
+  partition::CostModel priced = plain;
+  price_tensor_group(priced, 2, LinkCost{"test", 0.01, 1e6});
+  CHECK(priced.group_latency_seconds == doctest::Approx(1e-5));
+  CHECK(priced.group_bytes_per_second == doctest::Approx(1e9));
+  const layers::OptimizerConfig sgd;
+  const CostTable a = estimate_costs(*run.model, 4, plain, {}, sgd);
+  const CostTable b = estimate_costs(*run.model, 4, priced, {}, sgd);
+  // One sum: 2 (T - 1) = 2 latencies, and 2 (T - 1) / T of 4 samples' bytes at 1 GB/s.
+  const double one_sum_ms = (2 * 1e-5 + 4.0 * row * 2 * 1 / 2 / 1e9) * 1e3;
+  for (int i = 0; i < 4; ++i) {
+    CAPTURE(i);
+    CHECK(b.layers[i].forward - a.layers[i].forward == doctest::Approx(i == 3 ? one_sum_ms : 0.0));
+    CHECK(b.layers[i].recompute - a.layers[i].recompute == doctest::Approx(i == 3 ? one_sum_ms : 0.0));
+    CHECK(b.layers[i].backward_input - a.layers[i].backward_input == doctest::Approx(i == 1 ? one_sum_ms : 0.0));
+    CHECK(b.layers[i].backward_weight == doctest::Approx(a.layers[i].backward_weight));
+  }
+  // The balancer's seconds carry the same terms (layer 3: forward; layer 1: backward).
+  const std::vector<double> ca = partition::layer_costs(*run.model, 4, false, {}, plain);
+  const std::vector<double> cb = partition::layer_costs(*run.model, 4, false, {}, priced);
+  CHECK(cb[3] - ca[3] == doctest::Approx(one_sum_ms / 1e3));
+  CHECK(cb[1] - ca[1] == doctest::Approx(one_sum_ms / 1e3));
+  CHECK(cb[0] == doctest::Approx(ca[0]));
 }

@@ -72,6 +72,9 @@ double measure_step_ms(const Config& config, int warmup, int steps) {
 std::string why_not_measured(const Config& config, const SweepResult& r, bool device_spec) {
   if (device_spec) return "the sweep plans for the devices of a device spec, not this machine's";
   if (config.pipeline.replicas > 1) return "its plans have replicas (several processes each); time them with gpipe run";
+  if (config.pipeline.tensor_parallel > 1) {
+    return "its plans split each stage over a tensor group (several processes each); time them with gpipe run";
+  }
   const bool cpu = config.pipeline.devices.empty() || parse_device(config.pipeline.devices[0]).is_cpu();
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   if (cpu && r.devices > cores) {
@@ -95,6 +98,7 @@ bool is_own(const Config& c, const Candidate& k, const std::vector<int>& own_bal
   return k.stages == c.pipeline.partitions && k.virtual_stages == c.pipeline.virtual_stages &&
          k.micro_batches == c.pipeline.micro_batches && k.schedule == schedule && k.recompute == c.pipeline.recompute &&
          k.blas_threads == c.train.blas_threads && k.shard_optimizer == (c.pipeline.shard_optimizer != "none") &&
+         k.tensor_parallel == c.pipeline.tensor_parallel &&
          (c.pipeline.balance.empty() || k.balance == own_balance) && k.precision.empty();
 }
 
@@ -145,6 +149,7 @@ void measure_candidates(const Config& config, const layers::Sequential& model, S
   for (size_t i = 0; i < r.candidates.size() && static_cast<int>(timed.size()) < o.top; ++i) {
     const Candidate& k = r.candidates[i];
     if (!k.fits || static_cast<int>(i) == own) continue;
+    if (k.tensor_parallel > 1) continue;  // several processes a stage: gpipe run times it
     if (std::find(shapes.begin(), shapes.end(), shape(k)) != shapes.end()) continue;
     shapes.push_back(shape(k));
     timed.push_back(static_cast<int>(i));
