@@ -1,5 +1,7 @@
 #include "layers/tensor_parallel.h"
 
+#include <chrono>
+
 #include <cstring>
 
 #include "runtime/error.h"
@@ -68,11 +70,15 @@ void GroupCollectives::on_host(Backend& be, Tensor& t, F&& reduce) {
 }
 
 void GroupCollectives::all_reduce_sum(Backend& be, Tensor& t) {
+  const auto start = std::chrono::steady_clock::now();
   on_host(be, t, [&](Tensor& x) { group_.all_reduce_sum(x); });
+  seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 void GroupCollectives::all_reduce_max(Backend& be, Tensor& t) {
+  const auto start = std::chrono::steady_clock::now();
   on_host(be, t, [&](Tensor& x) { group_.all_reduce_max(x); });
+  seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 namespace {

@@ -89,12 +89,18 @@ class GroupCollectives : public TensorCollectives {
   int rank() const override { return group_.rank(); }
   void all_reduce_sum(Backend& be, Tensor& t) override;
   void all_reduce_max(Backend& be, Tensor& t) override;
+  // Host seconds spent in this group's sums so far (the wait for the device's queued work,
+  // the copies, the wait for the other members and the transfer): the executor's
+  // account of a split layer's communication. Through a device-native group (NCCL) a
+  // sum is queued on the stream: its time is the host's wait, not the device's.
+  double seconds() const { return seconds_; }
 
  private:
   template <typename F>
   void on_host(Backend& be, Tensor& t, F&& reduce);
   ReplicaGroup& group_;
   bool device_native_;
+  double seconds_ = 0;  // one member's thread calls it
 };
 
 // A member's place in a tensor group without the group: planning a member's model on

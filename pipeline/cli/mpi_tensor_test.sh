@@ -103,6 +103,18 @@ for layout in "1 2 1" "1 4 1" "2 2 1" "2 4 1" "1 2 2" "2 2 2" "1 4 2"; do
   same g1 "g$K$T$D" "GPT (tied head, dropout) at K=$K x T=$T x D=$D"
 done
 held g121.log 2
+# The report: each stage's time in its tensor group's sums, measured and planned (0 whole).
+python3 - g221/report.json g1/report.json <<'PY' || fail "report.json's tensor_group_ms"
+import json, sys
+split, whole = (json.load(open(p)) for p in sys.argv[1:])
+for part in (split["stages"], split["prediction"]["stages"]):
+    for s in part:
+        assert 0 < s["tensor_group_ms"] <= s["comm_ms"] + 1e-9, s
+for part in (whole["stages"], whole["prediction"]["stages"]):
+    for s in part:
+        assert s["tensor_group_ms"] == 0, s
+PY
+grep -q "Tensor group's sums (in comm ms, not in fwd, recomp or bwd): stage 0" g221.log || { cat g221.log; fail "the table's tensor group line"; }
 grep -q '"tensor_parallel": 2' g121/report.json || fail "report.json does not say tensor_parallel"
 run g222s gpt64.yaml 2 2 2 --set pipeline.shard_optimizer=optimizer
 same g1 g222s "GPT at K=2 x T=2 x D=2 with the optimizer state sharded"
@@ -154,6 +166,10 @@ split = [l for l in rows if " T=" in label(l)]
 assert whole and split, (len(whole), len(split))
 for l in whole:
     assert "memory:" in l, l  # no T=1 plan fits
+for l in rows:  # every plan within the 4 devices: K x T (one replica)
+    K = int(re.search(r"K=(\d+)", label(l)).group(1))
+    T = int(re.search(r" T=(\d+)", label(l)).group(1)) if " T=" in label(l) else 1
+    assert K * T <= 4, l
 best = [l for l in rows if "<< recommended" in l]
 assert len(best) == 1 and re.search(r" T=(2|4) ", best[0]), best
 text = open(sys.argv[1]).read()

@@ -614,6 +614,7 @@ void Executor::run_stage(int k) {
         rt.backend->synchronize();
       }
       const double t0 = now_ms();
+      const double group_s0 = tensor_collectives_ != nullptr ? tensor_collectives_->seconds() : 0.0;
       if (pc == rt.zero_at && eval == nullptr) {  // inside the receive's slot: its wait, usually
         auto turn = device_turn(k);
         zero_grads(rt);
@@ -650,6 +651,9 @@ void Executor::run_stage(int k) {
         }
       }
       op.live_bytes = rt.live_bytes;
+      if (tensor_collectives_ != nullptr && is_compute(ins.op)) {
+        op.group_ms = (tensor_collectives_->seconds() - group_s0) * 1e3;
+      }
       op.end_ms = now_ms();
       rt.trace.ops.push_back(op);
     }

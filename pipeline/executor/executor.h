@@ -105,6 +105,9 @@ struct TimedOp {
   int64_t bytes = 0;
   int peer = -1;           // sends, receives and TIE: the other stage
   int64_t live_bytes = 0;  // activations the stage holds after the instruction
+  // A compute instruction of a stage split over a tensor group: the part of its time its
+  // layers spent in the group's sums (GroupCollectives::seconds), communication, not compute.
+  double group_ms = 0;
 };
 
 struct StageTrace {
@@ -271,7 +274,7 @@ class Executor {
   bool overflowed(double grad_norm) const { return options_.loss_scale > 0 && !std::isfinite(grad_norm); }
 
   layers::Sequential& model_;
-  std::unique_ptr<layers::TensorCollectives> tensor_collectives_;  // over options_.tensor_group
+  std::unique_ptr<layers::GroupCollectives> tensor_collectives_;  // over options_.tensor_group
   std::vector<CellSpec> cells_;
   Schedule schedule_;
   Transport& transport_;

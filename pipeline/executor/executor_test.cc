@@ -218,6 +218,7 @@ TEST_CASE("every instruction is timed, in order, within the step") {
     // Stages of other processes send their trace as numbers: it comes back whole.
     StageTrace sent = r.stages[k];
     sent.optimizer_bytes = 12345 + k;  // whatever the optimizer holds, it travels
+    sent.ops.front().group_ms = 0.25 + k;  // a tensor group's sums inside a compute op too
     const StageTrace back = decode_trace(encode_trace(sent), k);
     CHECK(back.peak_activation_bytes == r.stages[k].peak_activation_bytes);
     CHECK(back.optimizer_bytes == 12345 + k);
@@ -233,6 +234,7 @@ TEST_CASE("every instruction is timed, in order, within the step") {
       CHECK(back.ops[j].bytes == ops[j].bytes);
       CHECK(back.ops[j].peer == ops[j].peer);
       CHECK(back.ops[j].live_bytes == ops[j].live_bytes);
+      CHECK(back.ops[j].group_ms == (j == 0 ? 0.25 + k : 0.0));
     }
   }
 }

@@ -55,6 +55,10 @@ struct Outcome {
   std::vector<std::vector<double>> loss, norm;
   std::vector<std::map<std::string, Held>> first, last;
   StageState saved;
+  // Per rank, each step: the compute instructions' time in the tensor group's sums
+  // (TimedOp::group_ms), and whether each lies within its instruction.
+  std::vector<std::vector<double>> group_ms;
+  std::vector<int> group_within;
 };
 
 // What a call of train does besides its steps: the first batch's gradients first, a save
@@ -104,6 +108,8 @@ Outcome train(const layers::ModelSpec& whole_spec, const Run& run, int steps, co
   out.norm.resize(P);
   out.first.resize(P);
   out.last.resize(P);
+  out.group_ms.resize(P);
+  out.group_within.assign(P, 1);
   // A pipeline per (replica, member); a replica group per (stage, member); a tensor group
   // per (replica, stage).
   std::vector<std::unique_ptr<InProcessTransport>> pipes;
@@ -152,6 +158,14 @@ Outcome train(const layers::ModelSpec& whole_spec, const Run& run, int steps, co
       const StepResult r = ex.step(b.x.narrow_rows(d * rows, rows), b.y.narrow_rows(d * rows, rows));
       out.loss[rank].push_back(r.loss);
       out.norm[rank].push_back(r.grad_norm);
+      double group = 0;
+      for (const TimedOp& op : r.stages.at(k).ops) {
+        group += op.group_ms;
+        if (op.group_ms < 0 || op.group_ms > op.end_ms - op.start_ms + 1e-9 || (op.group_ms > 0 && !is_compute(op.op))) {
+          out.group_within[rank] = 0;
+        }
+      }
+      out.group_ms[rank].push_back(group);
       if (step + 1 - extra.first_step == extra.save_after) {
         StageState saved = ex.save_state(k);  // every member and replica takes part
         if (d == 0 && t == 0) {
@@ -234,6 +248,12 @@ void check_model(const char* text) {
             }
           }
           CHECK(ref.norm[0][0] > 0.05);  // the clip applies
+          // Each compute instruction's time in the group's sums (every member's stage sums
+          // at every step when split; nothing otherwise), within the instruction.
+          for (int rank = 0; rank < K * T * D; ++rank) {
+            CHECK(got.group_within[rank] == 1);
+            for (double g : got.group_ms[rank]) CHECK((T > 1 ? g > 0 : g == 0));
+          }
           for (int d = 0; d < D; ++d) {
             CAPTURE(d);
             if (!shard) {

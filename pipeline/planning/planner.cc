@@ -50,10 +50,10 @@ CostTable estimate_costs(const layers::Sequential& model, int64_t micro, const p
     // F (R too) and B.
     const partition::LayerLaunches n = cm.launches_of(static_cast<int>(i));
     const double b = static_cast<double>(micro);
-    l.forward = l.forward_nograd = l.recompute =
-        fwd + cm.launch_time(n.forward) * 1e3 + cm.group_time(n.group_sums_forward, b * n.group_bytes_forward) * 1e3;
-    l.backward_input += cm.launch_time(n.backward_input) * 1e3 +
-                        cm.group_time(n.group_sums_backward, b * n.group_bytes_backward) * 1e3;
+    l.forward_group = cm.group_time(n.group_sums_forward, b * n.group_bytes_forward) * 1e3;
+    l.backward_group = cm.group_time(n.group_sums_backward, b * n.group_bytes_backward) * 1e3;
+    l.forward = l.forward_nograd = l.recompute = fwd + cm.launch_time(n.forward) * 1e3 + l.forward_group;
+    l.backward_input += cm.launch_time(n.backward_input) * 1e3 + l.backward_group;
     l.backward_weight += cm.launch_time(n.backward_weight) * 1e3;
     l.backward = l.backward_input + l.backward_weight;
     if (i < overrides.size() && overrides[i]) {  // the user's seconds for forward + backward
@@ -61,6 +61,7 @@ CostTable estimate_costs(const layers::Sequential& model, int64_t micro, const p
       l.forward = l.forward_nograd = l.recompute = total / 3;
       l.backward = l.backward_input = 2 * total / 3;
       l.backward_weight = 0;
+      l.forward_group = l.backward_group = 0;  // what the user's figure holds is not known
     }
     // The update reads the value, the gradient and each state slot and writes the value
     // and the slots; a bf16 or fp16 model's then writes its working copies.
@@ -310,8 +311,21 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
   out.step_ms = sim.makespan;
   // Where the time goes: the report's accounting, of the simulated step.
   std::vector<std::vector<OpSpan>> spans(K);
+  // A split layer's sums over its tensor group, inside F, R and B: communication.
+  auto group_ms = [&](int k, const Instruction& ins) {
+    if (!(ins.op == Op::kForward || ins.op == Op::kRecompute || ins.op == Op::kBackward)) return 0.0;
+    const CellSpec& cell = plan.cells[s.cell(k, ins.chunk)];
+    const CostTable& table = costs.at(plan.micro_batch_sizes[ins.micro_batch]);
+    double g = 0;
+    for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) {
+      g += ins.op == Op::kBackward ? table.layers[i].backward_group : table.layers[i].forward_group;
+    }
+    return g;
+  };
   for (int k = 0; k < K; ++k) {
-    for (const TimedInstruction& ti : sim.timeline[k]) spans[k].push_back({ti.ins.op, ti.start, ti.end, ti.ins.micro_batch});
+    for (const TimedInstruction& ti : sim.timeline[k]) {
+      spans[k].push_back({ti.ins.op, ti.start, ti.end, ti.ins.micro_batch, group_ms(k, ti.ins)});
+    }
   }
   const StepTime time = account_step(spans);
   out.span_ms = time.span_ms;

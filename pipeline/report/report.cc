@@ -61,7 +61,9 @@ void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool ti
   if (!timed) return;
   std::vector<std::vector<OpSpan>> spans(r.stages.size());
   for (size_t k = 0; k < r.stages.size(); ++k) {
-    for (const TimedOp& op : r.stages[k].ops) spans[k].push_back({op.op, op.start_ms, op.end_ms, op.micro_batch});
+    for (const TimedOp& op : r.stages[k].ops) {
+      spans[k].push_back({op.op, op.start_ms, op.end_ms, op.micro_batch, op.group_ms});
+    }
   }
   const StepTime time = account_step(spans);
   for (size_t k = 0; k < acc_.size() && k < r.stages.size(); ++k) {
@@ -348,6 +350,7 @@ RunSummary ReportBuilder::summary() const {
     s.weight_ms /= timed_;
     s.optimizer_ms /= timed_;
     s.collective_ms /= timed_;
+    s.group_ms /= timed_;
     const size_t k = &s - out.stages.data();
     if (k < delivery_.size() && delivery_[k].second > 0) s.delivery_ms = delivery_[k].first / delivery_[k].second;
     s.comm_ms /= timed_;
@@ -412,6 +415,14 @@ std::string ReportBuilder::table() const {
   if (cut) {
     for (const auto& st : s.stages) os << "  stage " << st.stage << " layers: " << st.layers << "\n";
   }
+  std::string group;  // a tensor-parallel run's sums over each stage's group, inside F, R and B
+  for (const auto& st : s.stages) {
+    if (st.group_ms <= 0) continue;
+    std::snprintf(line, sizeof line, "%sstage %d %.2f ms (%.0f%% of its comm)", group.empty() ? "" : ", ", st.stage,
+                  st.group_ms, st.comm_ms > 0 ? 100 * st.group_ms / st.comm_ms : 0.0);
+    group += line;
+  }
+  if (!group.empty()) os << "Tensor group's sums (in comm ms, not in fwd, recomp or bwd): " << group << "\n";
   if (s.predicted_bubble >= 0) {
     std::snprintf(line, sizeof line,
                   "Bubble: measured %.3f, predicted %.3f (the schedule simulated with the measured op and delivery times), "
@@ -485,7 +496,8 @@ namespace {
 nlohmann::json stage_time_json(const StageTime& t) {
   return {{"forward_ms", t.forward_ms}, {"recompute_ms", t.recompute_ms}, {"backward_ms", t.backward_ms},
           {"weight_ms", t.weight_ms},   {"optimizer_ms", t.optimizer_ms}, {"comm_ms", t.comm_ms},
-          {"idle_ms", t.idle_ms},       {"busy_ms", t.busy_ms},           {"utilization", t.utilization}};
+          {"idle_ms", t.idle_ms},       {"busy_ms", t.busy_ms},           {"utilization", t.utilization},
+          {"tensor_group_ms", t.group_ms}};
 }
 
 // A stage's measured times (per step) and peak activations, as report.json's "stages" show them.

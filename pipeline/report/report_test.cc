@@ -136,6 +136,40 @@ TEST_CASE("a collective is communication, its wait for the other stages idle, ne
   CHECK(c.optimizer_ms == 3.5);
 }
 
+TEST_CASE("a tensor group's sums inside F and B: the report's comm, its own figure, report.json and the table") {
+  // Stage 0's F0 [0,2] spent 0.5 ms in its group's sums and B0 [13,16] 1 ms; stage 1's
+  // F1 [5,7.5] 0.25 ms. Two timed steps alike: the averages are the same figures.
+  StepResult r = hand_step(1.0, 1000, 3000);
+  r.stages[0].ops[0].group_ms = 0.5;   // F0
+  r.stages[0].ops[7].group_ms = 1.0;   // B0
+  r.stages[1].ops[3].group_ms = 0.25;  // F1
+  ReportBuilder b = builder();
+  b.add_step(1, 2.5, r, true);
+  b.add_step(2, 2.4, r, true);
+  const RunSummary s = b.summary();
+  const StageSummary &a = s.stages[0], &c = s.stages[1];
+  CHECK(a.group_ms == doctest::Approx(1.5));
+  CHECK(a.forward_ms == doctest::Approx(3.5));   // 4 - 0.5
+  CHECK(a.backward_ms == doctest::Approx(5.0));  // 6 - 1
+  CHECK(a.busy_ms == doctest::Approx(8.5));
+  CHECK(a.comm_ms == doctest::Approx(2.5));  // the sends' 1 and the sums' 1.5
+  CHECK(a.idle_ms == doctest::Approx(5.0));  // 16 - 8.5 - 2.5: unchanged
+  CHECK(c.group_ms == doctest::Approx(0.25));
+  CHECK(c.forward_ms == doctest::Approx(4.75));
+  CHECK(c.comm_ms == doctest::Approx(1.25));
+  const nlohmann::json j = b.json();
+  CHECK(j["stages"][0]["tensor_group_ms"].get<double>() == doctest::Approx(1.5));
+  CHECK(j["stages"][1]["tensor_group_ms"].get<double>() == doctest::Approx(0.25));
+  const std::string table = b.table();
+  CHECK(table.find("Tensor group's sums (in comm ms, not in fwd, recomp or bwd): stage 0 1.50 ms (60% of its comm), "
+                   "stage 1 0.25 ms (20% of its comm)") != std::string::npos);
+  // Without a tensor group: no such line.
+  ReportBuilder plain = builder();
+  plain.add_step(1, 2.5, hand_step(1.0, 1000, 3000), true);
+  CHECK(plain.table().find("Tensor group") == std::string::npos);
+  CHECK(plain.json()["stages"][0]["tensor_group_ms"].get<double>() == 0);
+}
+
 TEST_CASE("several steps: warm-up left out, the rest averaged, peaks kept") {
   ReportBuilder b = builder();
   b.add_step(1, 3.0, hand_step(100.0, 99999, 99999), /*timed=*/false);  // a slow warm-up: loss only

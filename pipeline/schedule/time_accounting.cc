@@ -22,6 +22,7 @@ void StageTime::add(const StageTime& s) {
   optimizer_ms += s.optimizer_ms;
   comm_ms += s.comm_ms;
   collective_ms += s.collective_ms;
+  group_ms += s.group_ms;
   idle_ms += s.idle_ms;
   busy_ms += s.busy_ms;
 }
@@ -48,9 +49,14 @@ StepTime account_step(const std::vector<std::vector<OpSpan>>& stages) {
     bool gathers = false;
     for (const OpSpan& op : stages[k]) gathers = gathers || after_optimizer(op.op);
     for (const OpSpan& op : stages[k]) {
-      const double d = op.end_ms - op.start_ms;
+      double d = op.end_ms - op.start_ms;
       switch (time_category(op.op)) {
-        case TimeCategory::kCompute:
+        case TimeCategory::kCompute: {
+          // A split layer's sums over its tensor group: communication.
+          const double group = std::min(std::max(0.0, op.group_ms), d);
+          s.comm_ms += group;
+          s.group_ms += group;
+          d -= group;
           switch (op.op) {
             case Op::kForward: s.forward_ms += d; break;
             case Op::kRecompute: s.recompute_ms += d; break;
@@ -59,6 +65,7 @@ StepTime account_step(const std::vector<std::vector<OpSpan>>& stages) {
           }
           s.busy_ms += d;
           break;
+        }
         case TimeCategory::kCommunication: {
           double own = d;  // a send's, or RG's
           if (op.op == Op::kTiedGradients || op.op == Op::kGradientNorm) {

@@ -6,8 +6,9 @@
 // other than the optimizer step (reported on its own, after the span; with sharded
 // optimizer state the parameters' all-gather AG follows it, so the span takes the step
 // in, and its time is the optimizer's, not idle). Within the span
-// a stage computes (forward, recompute, backward, weight gradient: busy), communicates
-// (sends, and the collectives' own time), or is idle: waiting at a receive for its
+// a stage computes (forward, recompute, backward, weight gradient: busy, less the time
+// a split layer spends in its tensor group's sums), communicates (sends, the collectives'
+// own time, and those sums), or is idle: waiting at a receive for its
 // neighbour, at a collective for the other stages taking part, or with nothing to do
 // (the bubble). A collective among stages (TIE, NORM) lasts, on each, from its arrival
 // until the last one arrived plus the collective's own time, which is the quickest
@@ -38,6 +39,7 @@ struct StageTime {
   double optimizer_ms = 0;
   double comm_ms = 0;  // communication (sends, collectives' own time)
   double collective_ms = 0;  // the collectives' own time (RG, TIE, NORM); in comm_ms too
+  double group_ms = 0;  // the tensor group's sums inside F, R and B (OpSpan::group_ms); in comm_ms too
   double idle_ms = 0;  // span - busy - comm: waiting at receives, and the bubble
   double busy_ms = 0;  // compute
   double utilization = 0;  // busy / span
@@ -50,6 +52,9 @@ struct OpSpan {
   Op op;
   double start_ms = 0, end_ms = 0;
   int micro_batch = -1;  // the instruction's; a TIE's tie index, which names the collective
+  // A compute instruction's time in its tensor group's sums (a split layer's all-reduces
+  // inside F, R and B): communication, not compute.
+  double group_ms = 0;
 };
 
 struct StepTime {

@@ -70,3 +70,31 @@ TEST_CASE("idle is never negative, and steps add up") {
   CHECK(sum.utilization == 0);  // a ratio: the caller divides the sums
   CHECK(account_step({}).span_ms == 0);
 }
+
+TEST_CASE("a split layer's sums over its tensor group are communication, not compute") {
+  // F0 [0,4] of which 1.5 ms in the group's sums, R0 [4,6] of which 0.5, B0 [6,10] of
+  // which 1, W0 [10,11] none; a sum longer than its op is clipped to the op.
+  const StepTime t = account_step({{{Op::kForward, 0, 4, 0, 1.5},
+                                    {Op::kRecompute, 4, 6, 0, 0.5},
+                                    {Op::kBackward, 6, 10, 0, 1.0},
+                                    {Op::kBackwardWeight, 10, 11, 0, 0.0},
+                                    {Op::kSendGradient, 11, 11.5}},
+                                   {{Op::kForward, 0, 1, 0, 5.0}}});
+  const StageTime& a = t.stages[0];
+  CHECK(a.forward_ms == 2.5);
+  CHECK(a.recompute_ms == 1.5);
+  CHECK(a.backward_ms == 4);  // B 3 + W 1
+  CHECK(a.busy_ms == 8);
+  CHECK(a.group_ms == 3);
+  CHECK(a.comm_ms == 3.5);  // the sums and the send
+  CHECK(a.idle_ms == 0);    // 11.5 - 8 - 3.5
+  CHECK(a.utilization == doctest::Approx(8 / 11.5));
+  const StageTime& b = t.stages[1];
+  CHECK(b.group_ms == 1);
+  CHECK(b.forward_ms == 0);
+  CHECK(b.busy_ms == 0);
+  StageTime sum;
+  sum.add(a);
+  sum.add(b);
+  CHECK(sum.group_ms == 4);
+}
