@@ -38,12 +38,13 @@ const GqaAttentionOptions& checked(const GqaAttentionOptions& o) {
                     std::to_string(o.heads) + " heads) is odd; choose dim and heads with an even dim / heads");
   }
   const int members = o.shard.size;
-  if (o.shard.rank < 0 || o.shard.rank >= members || o.heads % members != 0 || o.kv_heads % members != 0) {
+  if (o.shard.rank < 0 || o.shard.rank >= members || o.heads % members != 0 ||
+      (o.kv_heads % members != 0 && members % o.kv_heads != 0)) {
     throw UserError(what + std::to_string(o.heads) + " heads and " + std::to_string(o.kv_heads) +
                     " kv heads do not both split over a tensor group of " + std::to_string(members) +
-                    "; each member keeps whole key/value heads and the query heads they serve: make kv_heads a "
-                    "multiple of the group's size (key/value heads replicated over a larger group are not built "
-                    "yet) or split over fewer devices");
+                    "; each member keeps the query heads of its share and the key/value heads they use: make heads "
+                    "a multiple of the group's size, and kv_heads a multiple or a divisor of it (then each "
+                    "key/value head is replicated over the members it serves), or split over fewer devices");
   }
   if (o.rope && !(o.rope_base > 1.0)) {
     throw UserError(what + "rope_base must be greater than 1, got " + std::to_string(o.rope_base) +
@@ -67,6 +68,15 @@ TensorSplit by_heads(const GqaAttentionOptions& o) {
   return o.shard.as(TensorSplitKind::kColumn, 1, /*sum_input_grad=*/false);
 }
 
+// k and v: by heads too, or over a group larger than the key/value heads, member r's
+// block r / (T / KV) of KV (each head held by the T / KV members it serves; whole for
+// KV = 1).
+TensorSplit kv_by_heads(const GqaAttentionOptions& o) {
+  const int T = o.shard.size, KV = static_cast<int>(o.kv_heads);
+  if (T <= KV) return by_heads(o);
+  return {TensorSplitKind::kColumn, o.shard.rank / (T / KV), KV, 1, /*sum_input_grad=*/false};
+}
+
 int64_t kv_width(const GqaAttentionOptions& o) { return o.heads > 0 ? o.kv_heads * (o.dim / o.heads) : 0; }
 
 // Per rotated pair: the angle t base^(-2i/D) (a power, and a sine and a cosine of it,
@@ -80,13 +90,14 @@ GqaAttention::GqaAttention(const GqaAttentionOptions& opts)
     : Layer({opts.seq_len, opts.dim}, {opts.seq_len, opts.dim}, opts.dtype),
       opts_(checked(opts)),
       q_(projection(opts, opts.dim, mix_seed(opts.seed, 1), by_heads(opts))),
-      k_(projection(opts, kv_width(opts), mix_seed(opts.seed, 2), by_heads(opts))),
-      v_(projection(opts, kv_width(opts), mix_seed(opts.seed, 3), by_heads(opts))),
+      k_(projection(opts, kv_width(opts), mix_seed(opts.seed, 2), kv_by_heads(opts))),
+      v_(projection(opts, kv_width(opts), mix_seed(opts.seed, 3), kv_by_heads(opts))),
       o_(projection(opts, opts.dim, mix_seed(opts.seed, 4), opts.shard.as(TensorSplitKind::kRow))) {
   q_.weight().name = "q.weight";
   k_.weight().name = "k.weight";
   v_.weight().name = "v.weight";
   o_.weight().name = "o.weight";
+  k_.weight().shard_replicas = v_.weight().shard_replicas = static_cast<int>(kv_replicas());
 }
 
 std::string GqaAttention::describe() const {
@@ -112,7 +123,7 @@ LayerCost GqaAttention::cost(int64_t batch) const {
   const double rows = static_cast<double>(batch * opts_.seq_len);
   // This member's heads (all of them unsplit).
   const int64_t members = opts_.shard.size, dim = opts_.dim / members;
-  const double C = static_cast<double>(dim), KC = static_cast<double>(kv_width(opts_) / members);
+  const double C = static_cast<double>(dim), KC = static_cast<double>(kv_heads_here() * (opts_.dim / opts_.heads));
   const double es = static_cast<double>(dtype_size(dtype_));
   const double n = rows * C;  // elements of q, and of the attention's output (this member's channels)
   const double whole = rows * static_cast<double>(opts_.dim);  // of x and y, whole on every member
@@ -190,7 +201,7 @@ Tensor GqaAttention::backward_input_impl(Backend& be, const Tensor& dy, Context&
               describe() + ": backward without its forward");
   const int H = static_cast<int>(heads_here()), KV = static_cast<int>(kv_heads_here());
   const int64_t B = ctx.saved[0].size(0), T = opts_.seq_len, C = opts_.dim / opts_.shard.size,
-                KC = kv_width(opts_) / opts_.shard.size;
+                KC = kv_heads_here() * (opts_.dim / opts_.heads);
   const Tensor datt = o_.backward_input(be, dy, ch[kO]);  // (B, T, C)
   Tensor dq = be.empty({B, T, C}, dtype_);   // (B, T, C)
   Tensor dk = be.empty({B, T, KC}, dtype_);  // (B, T, KV D): each group's sum
@@ -223,15 +234,43 @@ Tensor GqaAttention::backward_input_impl(Backend& be, const Tensor& dy, Context&
 void GqaAttention::backward_weight_impl(Backend& be, Context& ctx) {
   std::vector<Context>& ch = ctx.children;
   o_.backward_weight(be, ch.at(kO));
-  v_.backward_weight(be, ch.at(kV));
-  k_.backward_weight(be, ch.at(kK));
+  if (kv_replicas() > 1) {
+    sum_replicated_kv(be, [&](Linear& l, int child) { l.backward_weight(be, ch.at(child)); });
+  } else {
+    v_.backward_weight(be, ch.at(kV));
+    k_.backward_weight(be, ch.at(kK));
+  }
   q_.backward_weight(be, ch.at(kQ));
+}
+
+// Each member's k and v weight gradients are its query heads' share of its key/value
+// head's: this W's (weight_gradient(layer, child) adds them), computed apart from what
+// the gradients hold, are summed over the members holding the head (each member's in its
+// head's block of all KV heads, zeros elsewhere, summed over the group: a replicated
+// head's members add up, the others add zeros) and added in.
+void GqaAttention::sum_replicated_kv(Backend& be, const std::function<void(Linear&, int)>& weight_gradient) {
+  const int64_t KV = opts_.kv_heads, g = opts_.shard.rank / kv_replicas();
+  for (auto [layer, child] : {std::pair<Linear*, int>{&v_, kV}, {&k_, kK}}) {
+    Parameter& w = layer->weight();
+    const Tensor held = w.grad;  // the step's gradient so far (a view the optimizer may share: kept, not replaced)
+    const int64_t rows = held.size(0);
+    Tensor all = be.zeros({KV * rows, held.size(1)}, held.dtype());
+    w.grad = all.narrow_rows(g * rows, rows);  // this W's, into its head's block
+    weight_gradient(*layer, child);
+    w.grad = held;
+    opts_.shard.sum(be, group_, all, describe());
+    be.axpy(1.0, all.narrow_rows(g * rows, rows), w.grad);
+  }
 }
 
 void GqaAttention::backward_weight_batch_impl(Backend& be, const std::vector<Context*>& ctxs) {
   o_.backward_weight(be, children_at(ctxs, kO));
-  v_.backward_weight(be, children_at(ctxs, kV));
-  k_.backward_weight(be, children_at(ctxs, kK));
+  if (kv_replicas() > 1) {
+    sum_replicated_kv(be, [&](Linear& l, int child) { l.backward_weight(be, children_at(ctxs, child)); });
+  } else {
+    v_.backward_weight(be, children_at(ctxs, kV));
+    k_.backward_weight(be, children_at(ctxs, kK));
+  }
   q_.backward_weight(be, children_at(ctxs, kQ));
 }
 

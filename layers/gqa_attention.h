@@ -11,6 +11,8 @@
 // heads and the scores are kept per query head.
 #pragma once
 
+#include <functional>
+
 #include "layers/layer.h"
 #include "layers/linear.h"
 #include "layers/tensor_parallel.h"
@@ -30,6 +32,10 @@ struct GqaAttentionOptions {
   // [r H/T, (r+1) H/T) and key/value heads [r KV/T, (r+1) KV/T), which serve exactly
   // those query heads (KV a multiple of T); q, k and v column-parallel, o row-parallel.
   // One sum forward (o's), one backward (the input gradients of q, k and v, added first).
+  // A group larger than KV (T a multiple of KV) replicates each key/value head over the
+  // T / KV members whose query heads it serves: member r keeps head r / (T / KV), and
+  // the layer sums those heads' weight gradients over the members after each W
+  // (Parameter::shard_replicas).
   TensorShard shard;
 };
 
@@ -51,7 +57,12 @@ class GqaAttention : public Layer {
   GqaAttentionOptions opts_;
   TensorCollectives* group_ = nullptr;
   int64_t heads_here() const { return opts_.heads / opts_.shard.size; }
-  int64_t kv_heads_here() const { return opts_.kv_heads / opts_.shard.size; }
+  // Members holding each key/value head: 1, or T / KV where the group is larger.
+  int64_t kv_replicas() const { return opts_.shard.size > opts_.kv_heads ? opts_.shard.size / opts_.kv_heads : 1; }
+  int64_t kv_heads_here() const { return opts_.kv_heads * kv_replicas() / opts_.shard.size; }
+  // The sum of replicated key/value heads' weight gradients over their members, of what
+  // weight_gradient(k or v, its child) adds (one micro-batch's W, or a batch of them).
+  void sum_replicated_kv(Backend& be, const std::function<void(Linear&, int)>& weight_gradient);
   Linear q_;  // (T, C) -> (T, C)
   Linear k_;  // (T, C) -> (T, KV D)
   Linear v_;  // (T, C) -> (T, KV D)

@@ -39,6 +39,11 @@ struct Parameter {
   int shard_dim = -1;
   int shard_rank = 0, shard_count = 1, shard_groups = 1;
   Shape whole;
+  // A block (or a whole parameter) that this many members of the group hold alike: a
+  // grouped-query attention's key/value heads over a group larger than they are. Its
+  // layer sums its gradient over those members; the gradient norm and checkpoints count
+  // it once. 1: held by one member (or, whole, by every member of a split layer alike).
+  int shard_replicas = 1;
   // Rounds value into the working copy (nothing without one), on `be`'s stream.
   void refresh(Backend& be) {
     if (working.defined()) be.cast(value, working);

@@ -59,26 +59,26 @@ void GroupCollectives::on_host(Backend& be, Tensor& t, F&& reduce) {
     return;
   }
   be.synchronize();
+  // Timed from here: the device's queued work (the layer's own kernels, which a GPU's
+  // events time as compute) is done; the copies, the wait for the others and the transfer.
+  const auto start = std::chrono::steady_clock::now();
   if (t.device().is_cpu() || device_native_) {
     reduce(t);
-    return;
+  } else {
+    Tensor host = Tensor::empty(t.shape(), t.dtype(), Device::cpu());
+    copy_tensor(t, host);
+    reduce(host);
+    copy_tensor(host, t);
   }
-  Tensor host = Tensor::empty(t.shape(), t.dtype(), Device::cpu());
-  copy_tensor(t, host);
-  reduce(host);
-  copy_tensor(host, t);
+  seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 void GroupCollectives::all_reduce_sum(Backend& be, Tensor& t) {
-  const auto start = std::chrono::steady_clock::now();
   on_host(be, t, [&](Tensor& x) { group_.all_reduce_sum(x); });
-  seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 void GroupCollectives::all_reduce_max(Backend& be, Tensor& t) {
-  const auto start = std::chrono::steady_clock::now();
   on_host(be, t, [&](Tensor& x) { group_.all_reduce_max(x); });
-  seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 namespace {

@@ -12,8 +12,8 @@
 //
 // A column-parallel layer followed by elementwise work and a row-parallel layer (an MLP)
 // needs one sum forward and one backward: the blocks between them never leave their
-// member. The planner, the executor's placement of a stage on T devices and whole-by-name
-// checkpoints of the shards build on this (not yet: see docs/ARCHITECTURE.md).
+// member. The executor's placement of a stage on T processes, the planner's pricing of the
+// sums and whole-by-name checkpoints of the shards build on this (docs/ARCHITECTURE.md).
 #pragma once
 
 #include <string>
@@ -89,10 +89,11 @@ class GroupCollectives : public TensorCollectives {
   int rank() const override { return group_.rank(); }
   void all_reduce_sum(Backend& be, Tensor& t) override;
   void all_reduce_max(Backend& be, Tensor& t) override;
-  // Host seconds spent in this group's sums so far (the wait for the device's queued work,
-  // the copies, the wait for the other members and the transfer): the executor's
-  // account of a split layer's communication. Through a device-native group (NCCL) a
-  // sum is queued on the stream: its time is the host's wait, not the device's.
+  // Host seconds spent in this group's sums so far, from the moment the device's queued
+  // work is done (which a GPU's events count as the layer's compute): the copies, the
+  // wait for the other members and the transfer. The executor's account of a split
+  // layer's communication. Through a device-native group a sum would be queued on the
+  // stream: its time would be the host's wait, not the device's.
   double seconds() const { return seconds_; }
 
  private:

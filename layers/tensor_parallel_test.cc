@@ -295,9 +295,37 @@ TEST_CASE("the LLaMA layers split over T threads equal the unsplit layers, outpu
     };
     check_split_equals_whole(make, x, dy, args);
     check_blocks(*make({1, 4}), {{"q.weight", 0, 1}, {"k.weight", 0, 1}, {"v.weight", 0, 1}, {"o.weight", 1, 1}});
-    CHECK_THROWS_WITH_AS(make({0, 8}),
-                         doctest::Contains("8 heads and 4 kv heads do not both split over a tensor group of 8"),
+    CHECK_THROWS_WITH_AS(make({0, 3}),
+                         doctest::Contains("8 heads and 4 kv heads do not both split over a tensor group of 3"),
                          UserError);
+  }
+  // Fewer key/value heads than members: each replicated over the members whose query
+  // heads it serves (2 heads over 4 members: member r keeps head r / 2; one head, multi-
+  // query: whole on every member), their weight gradients summed over those members.
+  SUBCASE("gqa_attention with key/value heads replicated over a larger group") {
+    for (int64_t kv : {int64_t{2}, int64_t{1}}) {
+      CAPTURE(kv);
+      auto make = [&](TensorShard shard) {
+        GqaAttentionOptions o(dim, heads, seq);
+        o.kv_heads = kv;
+        o.dtype = DType::kF64;
+        o.seed = 54;
+        o.shard = shard;
+        return std::make_unique<GqaAttention>(o);
+      };
+      check_split_equals_whole(make, x, dy, args);
+      auto member = make({3, 4});
+      for (Parameter* p : member->parameters()) {
+        CAPTURE(p->name);
+        const bool kv_weight = p->name == "k.weight" || p->name == "v.weight";
+        CHECK(p->shard_replicas == (kv_weight ? 4 / kv : 1));
+        if (kv_weight) {
+          CHECK(p->shard_dim == (kv == 2 ? 0 : -1));  // one head: whole on every member
+          if (kv == 2) CHECK(p->shard_rank == 1);     // member 3 of 4: head 3 / 2
+          if (kv == 2) CHECK(p->shard_count == 2);
+        }
+      }
+    }
   }
   SUBCASE("swiglu") {
     auto make = [&](TensorShard shard) {

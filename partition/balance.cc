@@ -25,7 +25,8 @@ double CostModel::seconds(const layers::LayerCost& c, bool recompute, int layer,
   const double fwd = std::max(c.forward_flops / flops_per_second, c.forward_bytes / bytes_per_second) +
                      launch_time(n.forward) + group_time(n.group_sums_forward, b * n.group_bytes_forward);
   const double bwd = std::max(c.backward_flops / flops_per_second, c.backward_bytes / bytes_per_second) +
-                     launch_time(n.backward()) + group_time(n.group_sums_backward, b * n.group_bytes_backward);
+                     launch_time(n.backward()) + group_time(n.group_sums_backward, b * n.group_bytes_backward) +
+                     group_time(n.group_sums_weight, static_cast<double>(n.group_bytes_weight));
   return (recompute ? 2 : 1) * fwd + bwd;
 }
 

@@ -22,9 +22,11 @@ struct LayerLaunches {
   int64_t backward_weight = 0;  // W of one micro-batch (0 for a layer that does not split)
   int64_t backward() const { return backward_input + backward_weight; }
   // A member of a tensor group (layers/tensor_parallel.h): its sums over the group, in F
-  // (and R) and in B, and their bytes at a batch of one sample (they grow with the batch).
-  int64_t group_sums_forward = 0, group_sums_backward = 0;
-  int64_t group_bytes_forward = 0, group_bytes_backward = 0;
+  // (and R) and in B, and their bytes at a batch of one sample (activations: they grow
+  // with the batch); and in W, of weight gradients (replicated key/value heads'), whose
+  // bytes do not.
+  int64_t group_sums_forward = 0, group_sums_backward = 0, group_sums_weight = 0;
+  int64_t group_bytes_forward = 0, group_bytes_backward = 0, group_bytes_weight = 0;
 };
 
 // Turns a layer's counts into seconds: a roofline-style estimate that charges the

@@ -224,6 +224,11 @@ int run_plan_command(Invocation& inv) {
   std::vector<pipeline::RunModel> precision_runs;
   if (inv.options.count("precisions")) {
     const std::string list = inv.options.at("precisions");
+    if (config.pipeline.tensor_parallel > 1) {
+      throw UserError("--precisions compares the whole model in each precision, but pipeline.tensor_parallel is " +
+                      std::to_string(config.pipeline.tensor_parallel) +
+                      "; compare precisions with pipeline.tensor_parallel: 1, or sweep T with --sweep alone");
+    }
     for (size_t start = 0; start <= list.size();) {
       const size_t comma = std::min(list.find(',', start), list.size());
       const std::string name = list.substr(start, comma - start);
@@ -345,7 +350,7 @@ const std::vector<Command>& commands() {
        "train, and after a failure or a frozen process restart from the newest intact checkpoint (mpirun -np P for "
        "P > 1)",
        nullptr,
-       {{"--np", "P", "launch P processes with mpirun -np P, one per stage and replica (default 1: one process)"},
+       {{"--np", "P", "launch P processes with mpirun -np P, one per stage, tensor-group member and replica (default 1: one process)"},
         {"--max-restarts", "N", "relaunch with --resume at most N times (default 3; 0: never)"},
         kResume, kStartOver},
        nullptr, run_train_under_supervisor},
@@ -423,7 +428,7 @@ std::string usage(const std::string& program) {
       synopsis += " [" + std::string(f.name) + (f.value != nullptr ? " " + std::string(f.value) : "") + "]";
     }
     lines.push_back({synopsis, c.summary});
-    if (c.mpirun != nullptr) lines.push_back({"mpirun -np K*D " + program + " " + c.name + " ...", c.mpirun});
+    if (c.mpirun != nullptr) lines.push_back({"mpirun -np K*T*D " + program + " " + c.name + " ...", c.mpirun});
   }
   // Each command's line, and under it what it does.
   std::string out = "usage:\n";

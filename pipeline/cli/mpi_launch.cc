@@ -59,6 +59,12 @@ Device multi_process_device(Config& config, int stage, int world_rank) {
                     "visible on this node (no GPU, no driver, or CUDA_VISIBLE_DEVICES hides them all)");
   }
   Device device = parse_device(text);
+  if (config.pipeline.tensor_parallel > 1 && text.find(':') != std::string::npos) {
+    throw UserError(where + ": pipeline.devices names " + text + " for stage " + std::to_string(stage) +
+                    ", which would put all " + std::to_string(config.pipeline.tensor_parallel) +
+                    " members of its tensor group (pipeline.tensor_parallel) on that one GPU; write `cuda` to give "
+                    "each rank its node's GPU by local rank");
+  }
   if (text.find(':') == std::string::npos) device.index = local_rank % count;
   if (device.index >= count) {
     throw UserError(where + ": pipeline.devices puts the stage on " + text + ", but this node has " +
@@ -156,14 +162,10 @@ Launch MpiLaunch::join(Config& config) {
     } else {
       replica_group_ = std::make_unique<MpiReplicaGroup>(replicas_, config.pipeline.timeout_s);
     }
-    if (T > 1) {
-      // The tensor group's sums between the stage's GPUs, ordered like the replicas'.
-      tensor_group_ =
-          std::make_unique<NcclReplicaGroup>(tensor_, device, compute, pipeline, config.pipeline.timeout_s);
-      launch.tensor_group_on_device = true;
-    } else {
-      tensor_group_ = std::make_unique<MpiReplicaGroup>(tensor_, config.pipeline.timeout_s);
-    }
+    // The tensor group's sums between the stage's GPUs go through host memory over MPI
+    // (layers::GroupCollectives copies them): the pipeline's transport orders one NCCL
+    // group beside its own communicator (the replicas'), not two.
+    tensor_group_ = std::make_unique<MpiReplicaGroup>(tensor_, config.pipeline.timeout_s);
 #endif
   }
   launch.transport = transport_.get();

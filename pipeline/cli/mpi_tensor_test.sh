@@ -3,7 +3,8 @@
 # float64 at full precision (report.json's losses and evaluation, compare_reports):
 #  1. a GPT config (a tied head, dropout) at K in {1, 2}, T in {2, 4}, D in {1, 2} (the
 #     optimizer sharded at K=2 x T=2 x D=2) and a LLaMA config (grouped-query attention,
-#     dropout) at K=1 x T=2, K=2 x T=2 and K=1 x T=4 x D=2 give the one-process losses
+#     dropout) at K=1 x T=2, K=2 x T=2 and K=1 x T=4 x D=2, and with 2 key/value heads
+#     (each replicated over 2 members) at K=2 x T=4, give the one-process losses
 #     and evaluation to 1e-12 with AdamW and clipping; each process holds its blocks of
 #     the split layers (fewer parameters than the whole model, the log says how many);
 #  2. a checkpoint saved at K=2 x T=2 is whole by name (the unsplit model's shapes,
@@ -125,6 +126,11 @@ for layout in "1 2 1" "2 2 1" "1 4 2"; do
   same l1 "l$K$T$D" "LLaMA (grouped-query attention, dropout) at K=$K x T=$T x D=$D"
 done
 held l142.log 4
+# Two key/value heads over four members: each replicated over the two its query heads use.
+sed 's/kv_heads: 4/kv_heads: 2/' llama64.yaml > llama64kv2.yaml
+run k1 llama64kv2.yaml 1 1 1
+run k241 llama64kv2.yaml 2 4 1
+same k1 k241 "LLaMA with 2 key/value heads replicated over pairs of members at K=2 x T=4"
 
 # gpipe plan at T=2: the whole model's parameters and each member's, as the run held them.
 "$gpipe" plan gpt64.yaml --set pipeline.tensor_parallel=2 > plan2.txt 2>&1 || { cat plan2.txt; fail "gpipe plan at T=2"; }

@@ -85,13 +85,20 @@ int64_t Executor::reduce_gradient_norm(StageRuntime& rt) {
     local.whole = options_.replicas->all_reduce_sum(local.whole);
   } else {
     std::vector<Tensor> split, whole;
+    std::vector<layers::Parameter*> replicated;  // blocks several members hold alike
     for (layers::Parameter* p : rt.params) {
       if (model_.is_tied_copy(p)) continue;  // a tied weight counts once
-      (p->shard_count > 1 ? split : whole).push_back(p->grad);
+      if (p->shard_count > 1 && p->shard_replicas > 1) {
+        replicated.push_back(p);
+      } else {
+        (p->shard_count > 1 ? split : whole).push_back(p->grad);
+      }
     }
     auto turn = device_turn(k);
     local.split = split.empty() ? 0.0 : rt.backend->sum_squares_all(split);  // one wait for the device
     local.whole = whole.empty() ? 0.0 : rt.backend->sum_squares_all(whole);
+    // Each of its holders counts 1 / replicas of such a block: once in the group's sum.
+    for (layers::Parameter* p : replicated) local.split += rt.backend->sum_squares(p->grad) / p->shard_replicas;
   }
   if (tensor_collectives_ != nullptr) local.split = options_.tensor_group->all_reduce_sum(local.split);
   rt.grad_norm = std::sqrt(transport_.all_reduce_sum(k, local.split + local.whole));

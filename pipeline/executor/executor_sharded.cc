@@ -95,7 +95,14 @@ Executor::SumSquares Executor::shard_sum_squares(StageRuntime& rt) {
   auto turn = device_turn(rt.index);
   for (size_t i = 0; i < mine.size(); ++i) {
     const layers::Parameter* p = rt.params[mine[i].param];
-    if (!model_.is_tied_copy(p)) (p->shard_count > 1 ? local.split : local.whole) += rt.backend->sum_squares(sh.views[i].grad);
+    if (model_.is_tied_copy(p)) continue;
+    const double squares = rt.backend->sum_squares(sh.views[i].grad);
+    // A block several members hold alike (Parameter::shard_replicas): once in the group's sum.
+    if (p->shard_count > 1) {
+      local.split += squares / p->shard_replicas;
+    } else {
+      local.whole += squares;
+    }
   }
   return local;
 }

@@ -123,8 +123,10 @@ void Executor::join_split_state(StageRuntime& rt, StageState& out) {
     Tensor mine = block.reshape({n});
     Tensor all = Tensor::empty({n * T}, block.dtype(), Device::cpu());
     group.all_gather(mine, all);
+    // The members' blocks, one per distinct block: a block R members hold alike
+    // (Parameter::shard_replicas) is taken from the first of them, members 0, R, 2R, ...
     std::vector<Tensor> blocks;
-    for (int r = 0; r < T; ++r) blocks.push_back(all.narrow_rows(r * n, n).reshape(block.shape()));
+    for (int r = 0; r < T; r += p.shard_replicas) blocks.push_back(all.narrow_rows(r * n, n).reshape(block.shape()));
     block = layers::join_blocks(blocks, p.shard_dim, p.shard_groups, p.whole);
   };
   for (int c : rt.cells) {

@@ -39,11 +39,14 @@ namespace {
 struct Run {
   int K = 1, T = 1, D = 1;
   bool shard = false;
+  // Zero bubble with each drain's weight gradients batched (a layer's W over several
+  // micro-batches at once) instead of 1F1B.
+  bool batched_w = false;
 };
 
 // A parameter as one member holds it: its block's place, value and gradient.
 struct Held {
-  int dim = -1, rank = 0, count = 1, groups = 1;
+  int dim = -1, rank = 0, count = 1, groups = 1, replicas = 1;
   Shape whole;
   Tensor value, grad;
 };
@@ -89,7 +92,7 @@ std::map<std::string, Held> held(layers::Sequential& model, int first, int count
   for (auto& [name, p] : model.named_parameters()) {
     if (model.is_tied_copy(p) || std::find(mine.begin(), mine.end(), p) == mine.end()) continue;
     // Copies (float64, on the CPU): the executor goes on using the parameter's own.
-    Held h{p->shard_dim, p->shard_rank, p->shard_count, p->shard_groups, p->whole,
+    Held h{p->shard_dim, p->shard_rank, p->shard_count, p->shard_groups, p->shard_replicas, p->whole,
            Tensor::from_vector(to_doubles(p->value), p->value.shape()),
            Tensor::from_vector(to_doubles(p->grad), p->grad.shape())};
     if (h.dim < 0) h.whole = p->value.shape();
@@ -140,9 +143,9 @@ Outcome train(const layers::ModelSpec& whole_spec, const Run& run, int steps, co
     opts.sample_offset = d * (kRows / run.D);
     std::vector<Device> devices;
     for (int s = 0; s < run.K; ++s) devices.push_back(Device::cpu(s));
-    Executor ex(*model, make_stages(balance, devices),
-                make_schedule(ScheduleRequest{"1f1b", run.K, 1, 2, RecomputeMode::kExceptLast}), *pipes[d * run.T + t],
-                opts);
+    ScheduleRequest request{run.batched_w ? "zero_bubble" : "1f1b", run.K, 1, 2, RecomputeMode::kExceptLast};
+    request.batch_weights = run.batched_w;
+    Executor ex(*model, make_stages(balance, devices), make_schedule(request), *pipes[d * run.T + t], opts);
     const int64_t rows = kRows / run.D;
     int first = 0;
     for (int s = 0; s < k; ++s) first += balance[s];
@@ -191,19 +194,25 @@ std::map<std::string, std::pair<std::vector<double>, std::vector<double>>> joine
       std::vector<Tensor> values, grads;
       for (int t = 0; t < run.T; ++t) {
         const Held& h = by_rank[static_cast<size_t>(base + t)].at(name);
-        CHECK(h.rank == (h.dim < 0 ? 0 : t));
+        // Member t's block, or the block it holds with the R - 1 members beside it.
+        CHECK(h.rank == (h.dim < 0 ? 0 : t / h.replicas));
+        if (h.dim >= 0 && t % h.replicas != 0) {
+          CHECK(to_doubles(h.value) == to_doubles(values.back()));  // alike on its holders
+          CHECK(to_doubles(h.grad) == to_doubles(grads.back()));
+          continue;
+        }
         values.push_back(h.value);
         grads.push_back(h.grad);
       }
       if (h0.dim < 0) {
         // A whole parameter: the same on every member.
-        for (int t = 1; t < run.T; ++t) {
+        for (int t = 1; t < static_cast<int>(values.size()); ++t) {
           CHECK(to_doubles(values[t]) == to_doubles(values[0]));
           CHECK(to_doubles(grads[t]) == to_doubles(grads[0]));
         }
         out[name] = {to_doubles(values[0]), to_doubles(grads[0])};
       } else {
-        CHECK(h0.count == run.T);
+        CHECK(h0.count * h0.replicas == run.T);
         out[name] = {to_doubles(layers::join_blocks(values, h0.dim, h0.groups, h0.whole)),
                      to_doubles(layers::join_blocks(grads, h0.dim, h0.groups, h0.whole))};
       }
@@ -331,7 +340,26 @@ TEST_CASE("a LLaMA config (grouped-query attention) on K x T x D executors equal
   check_model(gpipe::testing::kTensorParallelLlama);
 }
 
+TEST_CASE("a LLaMA config with 2 key/value heads (replicated over pairs of members at T = 4) equals the unpartitioned model") {
+  check_model(gpipe::testing::kTensorParallelLlamaFewKv);
+  // Their weight gradients summed over the pair after a batched W too (zero bubble, K = 2).
+  const Config config = parse_config(gpipe::testing::kTensorParallelLlamaFewKv, "tp.yaml");
+  Extra steps;
+  steps.first_grads = false;
+  const Outcome ref = train(config.model, Run{}, 3, steps);
+  Run batched{2, 4, 1};
+  batched.batched_w = true;
+  const Outcome got = train(config.model, batched, 3, steps);
+  for (int s = 0; s < 3; ++s) CHECK(got.loss[0][s] == doctest::Approx(ref.loss[0][s]).epsilon(1e-12));
+  const auto want = joined(ref.last, Run{}, 0);
+  for (const auto& [name, vg] : joined(got.last, batched, 0)) {
+    INFO(name);
+    GPIPE_EXPECT_CLOSE(vg.first, want.at(name).first, 1e-12, 1e-12);
+  }
+}
+
 TEST_CASE("a checkpoint saved split (T = 2, sharded over D = 2) is whole by name and resumes at T = 1, 2 and 4") {
   check_resume(gpipe::testing::kTensorParallelGpt);
   check_resume(gpipe::testing::kTensorParallelLlama);
+  check_resume(gpipe::testing::kTensorParallelLlamaFewKv);
 }

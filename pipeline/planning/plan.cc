@@ -293,23 +293,29 @@ std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& m
       n.group_bytes_forward = sums.bytes();
     }
     const Tensor dy = be->zeros(y.shape(), y.dtype());
-    const layers::GroupSumCount sums;  // B's (W sums nothing: its weight gradients are the member's)
     if (layer.splits_backward()) {
       {
         const MetaOpCount ops;
+        const layers::GroupSumCount sums;
         layer.backward_input(*be, dy, ctx, i > 0);
         n.backward_input = ops.count();
+        n.group_sums_backward = sums.sums();
+        n.group_bytes_backward = sums.bytes();
       }
       const MetaOpCount ops;
+      const layers::GroupSumCount sums;  // replicated key/value heads' weight gradients
       layer.backward_weight(*be, ctx);
       n.backward_weight = ops.count();
+      n.group_sums_weight = sums.sums();
+      n.group_bytes_weight = sums.bytes();
     } else {
       const MetaOpCount ops;
+      const layers::GroupSumCount sums;
       layer.backward(*be, dy, ctx, i > 0);
       n.backward_input = ops.count();
+      n.group_sums_backward = sums.sums();
+      n.group_bytes_backward = sums.bytes();
     }
-    n.group_sums_backward = sums.sums();
-    n.group_bytes_backward = sums.bytes();
     h = y;
   }
   if (model.has_loss() && L > 0) {

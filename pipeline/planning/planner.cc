@@ -52,16 +52,17 @@ CostTable estimate_costs(const layers::Sequential& model, int64_t micro, const p
     const double b = static_cast<double>(micro);
     l.forward_group = cm.group_time(n.group_sums_forward, b * n.group_bytes_forward) * 1e3;
     l.backward_group = cm.group_time(n.group_sums_backward, b * n.group_bytes_backward) * 1e3;
+    l.weight_group = cm.group_time(n.group_sums_weight, static_cast<double>(n.group_bytes_weight)) * 1e3;
     l.forward = l.forward_nograd = l.recompute = fwd + cm.launch_time(n.forward) * 1e3 + l.forward_group;
     l.backward_input += cm.launch_time(n.backward_input) * 1e3 + l.backward_group;
-    l.backward_weight += cm.launch_time(n.backward_weight) * 1e3;
+    l.backward_weight += cm.launch_time(n.backward_weight) * 1e3 + l.weight_group;
     l.backward = l.backward_input + l.backward_weight;
     if (i < overrides.size() && overrides[i]) {  // the user's seconds for forward + backward
       const double total = *overrides[i] * 1e3;
       l.forward = l.forward_nograd = l.recompute = total / 3;
       l.backward = l.backward_input = 2 * total / 3;
       l.backward_weight = 0;
-      l.forward_group = l.backward_group = 0;  // what the user's figure holds is not known
+      l.forward_group = l.backward_group = l.weight_group = 0;  // what the user's figure holds is not known
     }
     // The update reads the value, the gradient and each state slot and writes the value
     // and the slots; a bf16 or fp16 model's then writes its working copies.
@@ -313,12 +314,19 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
   std::vector<std::vector<OpSpan>> spans(K);
   // A split layer's sums over its tensor group, inside F, R and B: communication.
   auto group_ms = [&](int k, const Instruction& ins) {
-    if (!(ins.op == Op::kForward || ins.op == Op::kRecompute || ins.op == Op::kBackward)) return 0.0;
+    if (!is_compute(ins.op)) return 0.0;
     const CellSpec& cell = plan.cells[s.cell(k, ins.chunk)];
     const CostTable& table = costs.at(plan.micro_batch_sizes[ins.micro_batch]);
+    const bool split_b = ins.op == Op::kBackward && split[k][ins.chunk][ins.micro_batch];
     double g = 0;
     for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) {
-      g += ins.op == Op::kBackward ? table.layers[i].backward_group : table.layers[i].forward_group;
+      const LayerTimes& l = table.layers[i];
+      switch (ins.op) {
+        case Op::kForward:
+        case Op::kRecompute: g += l.forward_group; break;
+        case Op::kBackward: g += l.backward_group + (split_b ? 0.0 : l.weight_group); break;  // a whole backward: its W's too
+        default: g += l.weight_group * static_cast<double>(ins.micro_batches().size()); break;  // W, as its cost counts it
+      }
     }
     return g;
   };

@@ -33,9 +33,10 @@ struct LayerTimes {
   double forward = 0, forward_nograd = 0, recompute = 0;
   double backward = 0, backward_input = 0, backward_weight = 0;
   double optimizer = 0;
-  // A tensor-group member's sums over its group: the part of forward (recompute too) and
-  // of backward_input that is communication (the report's accounting, OpSpan::group_ms).
-  double forward_group = 0, backward_group = 0;
+  // A tensor-group member's sums over its group: the part of forward (recompute too), of
+  // backward_input and of backward_weight that is communication (the report's
+  // accounting, OpSpan::group_ms).
+  double forward_group = 0, backward_group = 0, weight_group = 0;
 };
 
 struct CostTable {

@@ -146,3 +146,29 @@ TEST_CASE("a member's sums over its group, counted on shapes and priced over the
   CHECK(cb[1] - ca[1] == doctest::Approx(one_sum_ms / 1e3));
   CHECK(cb[0] == doctest::Approx(ca[0]));
 }
+
+TEST_CASE("replicated key/value heads: their weight gradients' sums counted in W, priced whatever the batch") {
+  // 2 key/value heads of width 2 over 4 members: k's and v's weight gradients, each all
+  // KV heads' rows (2 x 2) of 16 float64 columns, summed over the group in each W.
+  Config c = parse_config(gpipe::testing::kTensorParallelLlamaFewKv, "t.yaml", {"pipeline.tensor_parallel=4"});
+  c.model.member = layers::TensorShard{2, 4};
+  RunModel run = build_run_model_on_shapes(c);
+  const std::vector<partition::LayerLaunches> n = count_launches(*run.model);
+  const int64_t kv_grad = 2 * 2 * 16 * 8;
+  for (int i : {1, 2}) {  // the llama blocks
+    CAPTURE(i);
+    CHECK(n[i].group_sums_weight == 2);
+    CHECK(n[i].group_bytes_weight == 2 * kv_grad);
+  }
+  CHECK(n[0].group_sums_weight == 0);
+  partition::CostModel cm;
+  cm.launches = std::make_shared<const std::vector<partition::LayerLaunches>>(n);
+  price_tensor_group(cm, 4, LinkCost{"test", 0.01, 1e6});
+  // 2 sums: 2 x 2 (T - 1) latencies, and 2 (T - 1) / T of their bytes at 1 GB/s.
+  const double w_ms = (2 * 6 * 1e-5 + 2.0 * kv_grad * 6 / 4 / 1e9) * 1e3;
+  for (int64_t micro : {int64_t{1}, int64_t{3}}) {
+    CAPTURE(micro);
+    const CostTable t = estimate_costs(*run.model, micro, cm, {}, layers::OptimizerConfig{});
+    CHECK(t.layers[1].weight_group == doctest::Approx(w_ms));
+  }
+}

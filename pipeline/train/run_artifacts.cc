@@ -57,7 +57,7 @@ void RunArtifacts::probe_peaks(const Config& c, const layers::Sequential& model,
     // Every process of the job on this machine probes now (they just met at the clock's
     // collective): Open MPI says how many there are.
     const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-    const int processes = local != nullptr ? std::max(1, std::atoi(local)) : launch.size * c.pipeline.replicas;
+    const int processes = local != nullptr ? std::max(1, std::atoi(local)) : launch.layout().size();
     const DevicePeak mine = probe({plan.devices.at(launch.rank)}, processes).at(0);
     planning_peak_ = mine.flops_per_second;
     planning_bytes_ = mine.bytes_per_second;

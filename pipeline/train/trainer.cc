@@ -265,6 +265,7 @@ StepResult run_step(Executor& executor, Transport& transport, const Dataset& dat
   heartbeat();
   transport.set_step(step);
   if (plan.replicas > 1) launch.replicas->set_step(step);
+  if (plan.tensor_parallel > 1) launch.tensor_group->set_step(step);
   auto [x, y] = data.batch(batch_key(c.train.seed, step), c.train.batch_size);
   if (plan.replicas > 1) {  // each replica takes its own rows of the mini-batch
     x = x.narrow_rows(launch.replica * plan.replica_batch, plan.replica_batch);
