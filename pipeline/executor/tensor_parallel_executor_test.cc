@@ -291,10 +291,11 @@ void check_model(const char* text) {
 
 }  // namespace
 
-// A checkpoint saved at K = 2, T = 2, D = 2 with the optimizer sharded holds every
-// parameter and slot whole, by name: it resumes at T = 1, at T = 4 (K = 1) and at T = 2
-// (K = 2, D = 1) with the losses and parameters of the run that never stopped.
-void check_resume(const char* text) {
+// A checkpoint saved at K = 2, T = 2, D = 2 with the optimizer sharded (or as save_run
+// says) holds every parameter and slot whole, by name: it resumes at T = 1, at T = 4
+// (K = 1) and at T = 2 (K = 2, D = 1) with the losses and parameters of the run that
+// never stopped.
+void check_resume(const char* text, const Run& save_run = Run{2, 2, 2, true}) {
   const Config config = parse_config(text, "tp.yaml");
   Extra whole_run;
   whole_run.first_grads = false;
@@ -303,7 +304,7 @@ void check_resume(const char* text) {
   Extra save;
   save.first_grads = false;
   save.save_after = 2;
-  const Outcome saved = train(config.model, Run{2, 2, 2, true}, 2, save);
+  const Outcome saved = train(config.model, save_run, 2, save);
   // Whole: the unsplit model's shapes, by the unsplit model's names.
   auto whole = layers::build_model(config.model);
   for (auto& [name, p] : whole->named_parameters()) {
@@ -362,4 +363,6 @@ TEST_CASE("a checkpoint saved split (T = 2, sharded over D = 2) is whole by name
   check_resume(gpipe::testing::kTensorParallelGpt);
   check_resume(gpipe::testing::kTensorParallelLlama);
   check_resume(gpipe::testing::kTensorParallelLlamaFewKv);
+  // Saved at T = 4, where each key/value head is held by two members: once in the checkpoint.
+  check_resume(gpipe::testing::kTensorParallelLlamaFewKv, Run{2, 4, 1});
 }

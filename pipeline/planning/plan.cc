@@ -296,11 +296,11 @@ std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& m
     if (layer.splits_backward()) {
       {
         const MetaOpCount ops;
-        const layers::GroupSumCount sums;
+        const layers::GroupSumCount b_sums;
         layer.backward_input(*be, dy, ctx, i > 0);
         n.backward_input = ops.count();
-        n.group_sums_backward = sums.sums();
-        n.group_bytes_backward = sums.bytes();
+        n.group_sums_backward = b_sums.sums();
+        n.group_bytes_backward = b_sums.bytes();
       }
       const MetaOpCount ops;
       const layers::GroupSumCount sums;  // replicated key/value heads' weight gradients
