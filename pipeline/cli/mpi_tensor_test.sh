@@ -14,7 +14,9 @@
 #     pipeline.tensor_parallel), and the same run trains at T=2, each process under it;
 #  4. clear errors: T > 1 without mpirun, the wrong process count, a vocabulary T does
 #     not divide;
-#  5. gpipe plan at T=2 counts the whole model's parameters and each member's as the run
+#  5. a member killed with kill -9 mid-run: gpipe run restarts the job from its newest
+#     checkpoint and it ends with the losses of the run that was not killed;
+#  6. gpipe plan at T=2 counts the whole model's parameters and each member's as the run
 #     held them; gpipe plan --sweep tries T and, where no plan fits at T=1 (an MLP whose
 #     layers are each over the limit), recommends T > 1, which trains.
 set -uo pipefail
@@ -213,6 +215,28 @@ run r111 gpt64.yaml 1 1 1 --set checkpoint.resume="$tmp/ck/checkpoints/step-2"
 same g1 r111 "saved at K=2 x T=2, resumed in one process"
 run r141 gpt64.yaml 1 4 1 --set checkpoint.resume="$tmp/ck/checkpoints/step-2"
 same g1 r141 "saved at K=2 x T=2, resumed at K=1 x T=4"
+
+# A member killed (kill -9) mid-run: gpipe run restarts the job from its newest checkpoint,
+# and the run ends with the uninterrupted run's losses (at the same T: over 600 AdamW steps
+# the sums' order, T=2 against one process, moves the losses by more than 1e-12).
+run long2 gpt64.yaml 1 2 1 --set train.steps=600
+( "$gpipe" run --np 2 gpt64.yaml --set output.dir="$tmp/killed" --set pipeline.tensor_parallel=2 \
+    --set train.steps=600 --set checkpoint.every=100 > killed.log 2>&1; echo "rc=$?" >> killed.log ) &
+job=$!
+for _ in $(seq 600); do [ -e "$tmp/killed/checkpoints/step-100/COMPLETE" ] && break; sleep 0.1; done
+victim=""
+for pid in $(pgrep -f "gpipe train gpt64.yaml"); do
+  if tr '\0' '\n' < "/proc/$pid/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=1"; then victim=$pid; fi
+done
+[ -n "$victim" ] && kill -9 "$victim"
+wait "$job"
+grep -q "rc=0" killed.log || { cat killed.log; fail "the job with a killed member did not finish"; }
+if [ -n "$victim" ] && ! grep -q "restart 1 of" killed.log; then
+  # Killed after the job's last step had run: nothing to restart (a fast machine).
+  grep -q "step   600/600" killed.log || { cat killed.log; fail "member 1 was killed but nothing restarted"; }
+fi
+same long2 killed "a member killed by kill -9, the job restarted from its checkpoint (T=2)"
+echo "  (member 1 killed: ${victim:-no, the run had ended}; restarts: $(grep -c 'restart 1 of' killed.log))"
 
 # 3. The memory limit: over it whole, under it at T=2.
 limit=(--set pipeline.memory_limit=1500KB)
