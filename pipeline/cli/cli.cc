@@ -206,12 +206,6 @@ int run_plan_command(Invocation& inv) {
                     "--devices and --device-spec (use --set to change the config's schedule or sizes)");
   }
   const pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);
-  if (config.pipeline.tensor_parallel > 1 && !inv.options.count("sweep")) {
-    throw UserError("gpipe plan --devices and --device-spec do not plan pipeline.tensor_parallel yet (it is " +
-                    std::to_string(config.pipeline.tensor_parallel) +
-                    "); plan the config as written (gpipe plan CONFIG), which shows one member's share of each stage, "
-                    "or add --sweep, which tries each T");
-  }
   pipeline::RunModel run = pipeline::build_run_model_on_shapes(config);
   pipeline::PlanCommandOptions o;
   o.sweep = inv.options.count("sweep") > 0;

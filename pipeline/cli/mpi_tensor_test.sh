@@ -147,6 +147,11 @@ for m, mine, all_ in held:
 assert "priced over this machine's MPI link" in plan
 PY
 echo "ok: gpipe plan at T=2 shows the whole model's parameters and each member's, as the run held them"
+"$gpipe" plan gpt64.yaml --set pipeline.tensor_parallel=2 --devices 4 > plan4.txt 2>&1 || { cat plan4.txt; fail "plan --devices 4 at T=2"; }
+grep -q "Plan for 4 devices (2 stages x T = 2) like this machine's" plan4.txt || { cat plan4.txt; fail "plan --devices 4 at T=2"; }
+"$gpipe" plan gpt64.yaml --set pipeline.tensor_parallel=2 --devices 3 > plan3.txt 2>&1 && fail "3 devices planned at T=2"
+grep -q "does not split into stages of pipeline.tensor_parallel = 2 devices each" plan3.txt || { cat plan3.txt; fail "plan --devices 3 at T=2"; }
+echo "ok: gpipe plan --devices N at T=2 plans N / 2 stages, and refuses an N that T does not divide"
 
 # The sweep tries T: an MLP whose layers each hold more than the memory limit allows fits
 # no plan at T=1 (whatever K) and is recommended split; its recommendation trains.

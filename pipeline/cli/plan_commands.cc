@@ -181,49 +181,77 @@ int plan_other_runs(const Config& config, layers::Sequential& model, const PlanC
     return 0;
   }
   Config c = config;
-  const int n = o.devices > 0 ? o.devices : c.pipeline.partitions;
+  // Tensor parallelism: each stage on T devices, planned as its member 0 (on shapes; the
+  // members' blocks are alike), its sums priced over the link within a node.
+  const int T = c.pipeline.tensor_parallel;
+  if (o.devices > 0 && o.devices % T != 0) {
+    throw UserError("--devices " + std::to_string(o.devices) + " does not split into stages of pipeline.tensor_parallel = " +
+                    std::to_string(T) + " devices each; give a multiple of " + std::to_string(T));
+  }
+  RunModel member;
+  if (T > 1) {
+    Config m = c;
+    m.model.member = layers::TensorShard{0, T};
+    member = build_run_model_on_shapes(m);
+  }
+  layers::Sequential& planned = T > 1 ? *member.model : model;
+  const int n = o.devices > 0 ? o.devices / T : c.pipeline.partitions;  // stages
+  const std::string devices_text = T > 1 ? std::to_string(n * T) + " devices (" + std::to_string(n) + " stages x T = " +
+                                               std::to_string(T) + ")"
+                                         : std::to_string(n) + (n == 1 ? " device" : " devices");
   c.pipeline.partitions = n;
   c.pipeline.replicas = 1;
   c.pipeline.devices.clear();  // labels only: the devices are not this machine's
   c.pipeline.balance.clear();
   if (c.pipeline.balance_by == "profile" && has_spec) c.pipeline.balance_by = "estimate";
-  // --devices N plans N stages: a refusal naming pipeline.partitions means N.
+  // --devices N plans N stages (N / T with a tensor group): a refusal naming
+  // pipeline.partitions means that.
   auto plan_for = [&](const Config& cfg) {
     try {
-      return make_plan(cfg, model);
+      return make_plan(cfg, planned);
     } catch (const UserError& e) {
       if (o.devices <= 0) throw;
-      throw UserError(std::string(e.what()) + " (here pipeline.partitions is --devices " + std::to_string(n) +
+      throw UserError(std::string(e.what()) + " (here pipeline.partitions is --devices " + std::to_string(o.devices) +
+                      (T > 1 ? " / pipeline.tensor_parallel " + std::to_string(T) + " = " + std::to_string(n) : "") +
                       ": give fewer devices, or plan them with --sweep, which leaves some idle)");
     }
   };
   const Plan plan = plan_for(c);
   if (!has_spec) {
-    out << "Plan for " << n << " device" << (n == 1 ? "" : "s") << " like this machine's (balance";
+    out << "Plan for " << devices_text << " like this machine's (balance";
     for (int b : plan.balance) out << " " << b;
     out << "):\n";
-    print_prediction(c, model, plan, out);
+    print_prediction(c, planned, plan, out);
     // A plan over the limit is an error, after it is shown; --devices sets the stages here.
     check_memory_limit(c, plan, 0, {"--devices", "gpipe plan CONFIG --devices N --sweep"});
     return 0;
   }
-  partition::CostModel cm = spec.cost_model_for(model.output_dtype());
+  if (T > spec.devices_per_node) {
+    throw UserError("pipeline.tensor_parallel = " + std::to_string(T) + " spreads a stage's tensor group over " +
+                    std::to_string(T) + " devices, but " + spec.name + " has " + std::to_string(spec.devices_per_node) +
+                    " a node: a group sums at every split layer and must sit within a node; lower "
+                    "pipeline.tensor_parallel");
+  }
+  partition::CostModel cm = spec.cost_model_for(planned.output_dtype());
   cm.launches = plan.launches;  // the model's ops, for the spec's launch cost
-  const CostSource costs(model, ProfileStore{}, "", Device::cuda(0), 0, cm, {}, c.optimizer.optimizer);
+  if (T > 1) price_tensor_group(cm, T, spec.link(0, 1));  // a stage's members: one node
+  const CostSource costs(planned, ProfileStore{}, "", Device::cuda(0), 0, cm, {}, c.optimizer.optimizer);
   // The balancer's split by the spec's roofline.
   c.pipeline.balance = partition::balance_by_cost(
-      partition::layer_costs(model, plan.largest_micro_batch(), recomputes(plan.recompute), {}, cm),
+      partition::layer_costs(planned, plan.largest_micro_batch(), recomputes(plan.recompute), {}, cm),
       plan.num_cells());
   const Plan spec_plan = plan_for(c);
-  const PlannedRun run =
-      predict(spec_plan, model, costs, [&spec](int a, int b) { return spec.link(a, b); }, c.optimizer.optimizer);
-  out << "Plan for " << n << " x " << spec.name << " (" << spec.source << "; " << spec.devices_per_node
-      << " per node, " << spec.intra_node.kind << " within, " << spec.inter_node.kind << " between nodes), balance";
+  // Stage k's first device is k T: the link between stages.
+  const PlannedRun run = predict(spec_plan, planned, costs, [&spec, T](int a, int b) { return spec.link(a * T, b * T); },
+                                 c.optimizer.optimizer);
+  out << "Plan for " << (T > 1 ? devices_text + " of " : std::to_string(n) + " x ") << spec.name << " (" << spec.source
+      << "; " << spec.devices_per_node << " per node, " << spec.intra_node.kind << " within, " << spec.inter_node.kind
+      << " between nodes), balance";
   for (int b : spec_plan.balance) out << " " << b;
   out << ":\n";
   print_planned(spec_plan, run, c.pipeline.memory_limit > 0 ? c.pipeline.memory_limit : spec.memory_bytes, out);
   Plan on_spec = spec_plan;  // its stages on the spec's GPUs, for the refusal's words
-  for (int k = 0; k < on_spec.stages; ++k) on_spec.devices[k] = Device::cuda(k);
+  for (int k = 0; k < on_spec.stages; ++k) on_spec.devices[k] = Device::cuda(k * T);
   check_memory_limit(c, on_spec, spec.memory_bytes,
                      {"--devices", "gpipe plan CONFIG --devices N --device-spec " + spec.source + " --sweep"});
   return 0;
