@@ -4,7 +4,9 @@
 #     NCCL between them, warmed-up connections, receives on their own stream) logs the
 #     per-step losses and the validation of one process running the two stages as
 #     threads on cuda:0 and cuda:1 (peer copies), to float32 rounding;
-#  2. with four GPUs, K = 2 x D = 2 (NCCL all-reduce between replicas, ordered against
+#  2. K = 1 x T = 2 (tensor parallelism: each rank a GPU, the head and its loss split by
+#     the classes, the group's sums through host memory) logs one GPU's losses;
+#  3. with four GPUs, K = 2 x D = 2 (NCCL all-reduce between replicas, ordered against
 #     the pipeline's sends and receives) logs the single-process losses too.
 # Prints GPIPE_TEST_SKIPPED (counted as skipped by ./gpipe test) and passes with fewer
 # than two GPUs.
@@ -41,6 +43,19 @@ paste <(validation < "$tmp/threads.log" | nl) <(validation < "$tmp/nccl.log" | n
 [ "$(wc -l < "$tmp/val.txt")" -eq 2 ] && close_enough "$tmp/val.txt" ||
   { cat "$tmp/val.txt"; echo "FAIL: validation differs between threads and NCCL ranks"; exit 1; }
 echo "ok: the same validation loss with threads and with NCCL ranks"
+
+# Tensor parallelism on two GPUs: K=1 x T=2, each rank its GPU, the head and its loss
+# split by the classes, the group's sums through host memory over MPI, against one process
+# on one GPU.
+"$gpipe" train "$config" "${common[@]}" --set 'pipeline.devices=[cuda:0]' --set pipeline.partitions=1 \
+  --set output.dir="$tmp/one" > "$tmp/one.log" 2>&1 || { cat "$tmp/one.log"; echo "FAIL: one process on cuda:0"; exit 1; }
+"${mpirun[@]}" -np 2 "$gpipe" train "$config" "${common[@]}" --set 'pipeline.devices=[cuda]' --set pipeline.partitions=1 \
+  --set pipeline.tensor_parallel=2 --set output.dir="$tmp/tp" > "$tmp/tp.log" 2>&1 ||
+  { cat "$tmp/tp.log"; echo "FAIL: mpirun -np 2 with pipeline.tensor_parallel=2 on two GPUs"; exit 1; }
+paste <(losses < "$tmp/one.log") <(losses < "$tmp/tp.log") > "$tmp/tp_pairs.txt"
+[ "$(wc -l < "$tmp/tp_pairs.txt")" -eq 12 ] || { cat "$tmp/tp.log"; echo "FAIL: expected 12 step lines"; exit 1; }
+close_enough "$tmp/tp_pairs.txt" || { echo "FAIL: per-step losses differ between one GPU and T=2 on two GPUs"; exit 1; }
+echo "ok: K=1 x T=2 on two GPUs gives the one-GPU losses"
 
 if [ "$gpus" -lt 4 ]; then
   echo "ok: K=2 x D=2 skipped: needs four GPUs, $gpus visible"
