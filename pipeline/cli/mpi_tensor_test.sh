@@ -47,11 +47,6 @@ model:
         - {type: transformer_block, heads: 4, dropout: 0.1}
     - {type: layernorm}
     - {type: linear, out: 256, tied: true, bias: false}
-  loss: softmax_cross_entropy
-data: {type: text, path: $tmp/text.txt, seq_len: 16, eval_samples: 32}
-pipeline: {partitions: 1, micro_batches: 2}
-optimizer: {type: adamw, lr: 0.01, weight_decay: 0.01, clip_grad_norm: 0.5}
-train: {steps: 4, batch_size: 8, log_interval: 1}
 YAML
 cat > llama64.yaml <<YAML
 model:
@@ -65,12 +60,17 @@ model:
         - {type: llama_block, heads: 8, kv_heads: 4, hidden: 48, dropout: 0.1}
     - {type: rmsnorm}
     - {type: linear, out: 256, bias: false}
+YAML
+# Both models' loss, data and training: the same text, AdamW with clipping.
+for f in gpt64.yaml llama64.yaml; do
+  cat >> "$f" <<YAML
   loss: softmax_cross_entropy
 data: {type: text, path: $tmp/text.txt, seq_len: 16, eval_samples: 32}
 pipeline: {partitions: 1, micro_batches: 2}
 optimizer: {type: adamw, lr: 0.01, weight_decay: 0.01, clip_grad_norm: 0.5}
 train: {steps: 4, batch_size: 8, log_interval: 1}
 YAML
+done
 
 # run NAME CONFIG K T D [--set ...]: K x T x D processes (1: plainly).
 run() {

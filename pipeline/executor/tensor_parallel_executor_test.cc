@@ -342,7 +342,7 @@ TEST_CASE("a LLaMA config (grouped-query attention) on K x T x D executors equal
 }
 
 TEST_CASE("a LLaMA config with 2 key/value heads (replicated over pairs of members at T = 4) equals the unpartitioned model") {
-  check_model(gpipe::testing::kTensorParallelLlamaFewKv);
+  check_model(gpipe::testing::kTensorParallelLlamaFewKv.c_str());
   // Their weight gradients summed over the pair after a batched W too (zero bubble, K = 2).
   const Config config = parse_config(gpipe::testing::kTensorParallelLlamaFewKv, "tp.yaml");
   Extra steps;
@@ -362,7 +362,7 @@ TEST_CASE("a LLaMA config with 2 key/value heads (replicated over pairs of membe
 TEST_CASE("a checkpoint saved split (T = 2, sharded over D = 2) is whole by name and resumes at T = 1, 2 and 4") {
   check_resume(gpipe::testing::kTensorParallelGpt);
   check_resume(gpipe::testing::kTensorParallelLlama);
-  check_resume(gpipe::testing::kTensorParallelLlamaFewKv);
+  check_resume(gpipe::testing::kTensorParallelLlamaFewKv.c_str());
   // Saved at T = 4, where each key/value head is held by two members: once in the checkpoint.
-  check_resume(gpipe::testing::kTensorParallelLlamaFewKv, Run{2, 4, 1});
+  check_resume(gpipe::testing::kTensorParallelLlamaFewKv.c_str(), Run{2, 4, 1});
 }
