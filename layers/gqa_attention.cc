@@ -255,6 +255,11 @@ void GqaAttention::sum_replicated_kv(Backend& be, const std::function<void(Linea
     const Tensor held = w.grad;  // the step's gradient so far (a view the optimizer may share: kept, not replaced)
     const int64_t rows = held.size(0);
     Tensor all = be.zeros({KV * rows, held.size(1)}, held.dtype());
+    struct Restore {  // the parameter's own gradient back, however weight_gradient leaves
+      Parameter& w;
+      Tensor held;
+      ~Restore() { w.grad = held; }
+    } restore{w, held};
     w.grad = all.narrow_rows(g * rows, rows);  // this W's, into its head's block
     weight_gradient(*layer, child);
     w.grad = held;

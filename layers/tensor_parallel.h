@@ -77,7 +77,9 @@ class TensorCollectives {
 };
 
 // A tensor group's sums over any ReplicaGroup (runtime/transport.h): threads of one
-// process (InProcessReplicaGroup), processes (MpiReplicaGroup), GPUs (NcclReplicaGroup).
+// process (InProcessReplicaGroup) or processes (MpiReplicaGroup, which a run's GPU stages
+// use too, through host copies); a device-native group (NCCL's) is supported here but no
+// run makes one yet.
 // The backend's queued work is waited for first. A tensor on a device goes through a
 // host copy unless the group takes device tensors itself (device_native: NCCL's); a
 // bfloat16 or float16 tensor is reduced in float32 and rounded once.

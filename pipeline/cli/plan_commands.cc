@@ -226,11 +226,11 @@ int plan_other_runs(const Config& config, layers::Sequential& model, const PlanC
     check_memory_limit(c, plan, 0, {"--devices", "gpipe plan CONFIG --devices N --sweep"});
     return 0;
   }
-  if (T > spec.devices_per_node) {
-    throw UserError("pipeline.tensor_parallel = " + std::to_string(T) + " spreads a stage's tensor group over " +
+  if (T > spec.devices_per_node || spec.devices_per_node % T != 0) {
+    throw UserError("pipeline.tensor_parallel = " + std::to_string(T) + " puts a stage's tensor group on " +
                     std::to_string(T) + " devices, but " + spec.name + " has " + std::to_string(spec.devices_per_node) +
-                    " a node: a group sums at every split layer and must sit within a node; lower "
-                    "pipeline.tensor_parallel");
+                    " a node: a group sums at every split layer and must sit within one node, so T must divide "
+                    "the devices of a node; choose such a pipeline.tensor_parallel");
   }
   partition::CostModel cm = spec.cost_model_for(planned.output_dtype());
   cm.launches = plan.launches;  // the model's ops, for the spec's launch cost

@@ -268,11 +268,16 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
     if (ins.op == Op::kBackwardWeight) {
       // The W of each micro-batch it covers (several for a batched W), each at its size:
       // the table times W per micro-batch, so a batched W's larger product is not priced lower.
+      // A member's sums over its group in W (replicated key/value heads) run once per W.
       const CellSpec& cell = plan.cells[s.cell(k, ins.chunk)];
       for (int m : ins.micro_batches()) {
         const CostTable& table = costs.at(plan.micro_batch_sizes[m]);
-        for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) t += table.layers[i].backward_weight;
+        for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) {
+          t += table.layers[i].backward_weight - table.layers[i].weight_group;
+        }
       }
+      const CostTable& first = costs.at(plan.micro_batch_sizes[ins.micro_batch]);
+      for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) t += first.layers[i].weight_group;
       return t;
     }
     const int m = ins.micro_batch, c = s.cell(k, ins.chunk);
@@ -312,7 +317,7 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
   out.step_ms = sim.makespan;
   // Where the time goes: the report's accounting, of the simulated step.
   std::vector<std::vector<OpSpan>> spans(K);
-  // A split layer's sums over its tensor group, inside F, R and B: communication.
+  // A split layer's sums over its tensor group, inside F, R, B and W: communication.
   auto group_ms = [&](int k, const Instruction& ins) {
     if (!is_compute(ins.op)) return 0.0;
     const CellSpec& cell = plan.cells[s.cell(k, ins.chunk)];
@@ -325,7 +330,7 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
         case Op::kForward:
         case Op::kRecompute: g += l.forward_group; break;
         case Op::kBackward: g += l.backward_group + (split_b ? 0.0 : l.weight_group); break;  // a whole backward: its W's too
-        default: g += l.weight_group * static_cast<double>(ins.micro_batches().size()); break;  // W, as its cost counts it
+        default: g += l.weight_group; break;  // W: once, however many micro-batches it covers
       }
     }
     return g;

@@ -415,7 +415,7 @@ std::string ReportBuilder::table() const {
   if (cut) {
     for (const auto& st : s.stages) os << "  stage " << st.stage << " layers: " << st.layers << "\n";
   }
-  std::string group;  // a tensor-parallel run's sums over each stage's group, inside F, R and B
+  std::string group;  // a tensor-parallel run's sums over each stage's group, inside F, R, B and W
   for (const auto& st : s.stages) {
     if (st.group_ms <= 0) continue;
     std::snprintf(line, sizeof line, "%sstage %d %.2f ms (%.0f%% of its comm)", group.empty() ? "" : ", ", st.stage,

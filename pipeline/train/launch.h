@@ -19,12 +19,11 @@ struct Launch {
   int replica = 0;                 // which data-parallel replica this process belongs to
   ReplicaGroup* replicas = nullptr;  // the same stage in the other replicas; required when D > 1
   // Tensor parallelism (pipeline.tensor_parallel = T > 1): this process is member `member`
-  // of its stage's tensor group of T processes, `tensor_group` (required when T > 1;
-  // tensor_group_on_device: it takes device tensors itself, NCCL's).
+  // of its stage's tensor group of T processes, `tensor_group` (required when T > 1; over
+  // MPI, GPU stages' tensors through host memory).
   int member = 0;
   int tensor = 1;
   ReplicaGroup* tensor_group = nullptr;
-  bool tensor_group_on_device = false;
 
   int replica_count() const { return replicas != nullptr ? replicas->size() : 1; }
   // The job's rank layout (Plan::ranks) as this launch joined it, and this process's rank in it.

@@ -340,7 +340,6 @@ ExecutorOptions executor_options(const Config& c, const Launch& launch, const Pl
   opts.rank = launch.world_rank();
   opts.replicas = plan.replicas > 1 ? launch.replicas : nullptr;
   opts.tensor_group = plan.tensor_parallel > 1 ? launch.tensor_group : nullptr;
-  opts.tensor_group_on_device = launch.tensor_group_on_device;
   opts.bucket_bytes = static_cast<int64_t>(c.pipeline.bucket_mb * (1 << 20));
   opts.shard_optimizer = plan.shard_optimizer;
   opts.sample_offset = launch.replica * plan.replica_batch;
