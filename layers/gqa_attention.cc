@@ -149,12 +149,26 @@ LayerCost GqaAttention::cost(int64_t batch) const {
   const CostPart unpack{false, 2 * (n - rows * KC), es * (3 * n + rows * (C + 2 * KC))};
   const CostPart unrope{false, kRopeFlopsPerElement * rotated, 2 * es * rotated};
   const CostPart sums{false, 2 * whole, 2 * 3 * es * whole};  // dx is whole (the group's sum comes after)
+  // Replicated key/value heads (kv_replicas > 1): each W of k and v fills all KV heads'
+  // blocks of its gradient with zeros (writes) and adds its own back (an axpy), in the
+  // gradient's type (sum_replicated_kv).
+  const double kv_block = KC * static_cast<double>(opts_.dim);  // one head's k (or v) weight elements here
+  const double gs = static_cast<double>(dtype_size(master_dtype(dtype_)));
+  const CostPart replicated{true, 2 * kv_block,
+                            2 * gs * (static_cast<double>(opts_.kv_heads) * kv_block + 3 * kv_block)};
   c.backward_parts = backward_parts(c);
   for (const CostPart& p : {unpack, unrope, sums}) {
     if (p.flops == 0 && p.bytes == 0) continue;
     c.backward_parts.push_back(p);
     c.backward_flops += p.flops;
     c.backward_bytes += p.bytes;
+  }
+  if (kv_replicas() > 1) {
+    c.backward_parts.push_back(replicated);
+    c.backward_flops += replicated.flops;
+    c.backward_bytes += replicated.bytes;
+    c.weight_grad_flops += replicated.flops;
+    c.weight_grad_bytes += replicated.bytes;
   }
   // Without dx the three input projections' dx and their sum are skipped; the output
   // projection's dx, the core's backward, the unpacking and the rotation feed the

@@ -73,12 +73,15 @@ train: {steps: 1, batch_size: 3}
 
 // The LLaMA config with fewer key/value heads than a group of 4 members: at T = 4 each of
 // its 2 key/value heads is replicated over the 2 members whose query heads it serves.
-inline const std::string kTensorParallelLlamaFewKv = [] {
+inline std::string tensor_parallel_llama(int kv_heads) {
   std::string text = kTensorParallelLlama;
   const std::string four = "kv_heads: 4";
-  text.replace(text.find(four), four.size(), "kv_heads: 2");
+  text.replace(text.find(four), four.size(), "kv_heads: " + std::to_string(kv_heads));
   return text;
-}();
+}
+inline const std::string kTensorParallelLlamaFewKv = tensor_parallel_llama(2);
+// Multi-query attention (one key/value head): whole on every member, each holding it alike.
+inline const std::string kTensorParallelLlamaMqa = tensor_parallel_llama(1);
 
 // Block `rank` of `count` along dimension `dim` of a 1-D or 2-D tensor (of each of
 // `groups` equal parts of that dimension), as doubles, in row-major order.

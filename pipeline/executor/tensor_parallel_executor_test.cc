@@ -359,6 +359,11 @@ TEST_CASE("a LLaMA config with 2 key/value heads (replicated over pairs of membe
   }
 }
 
+TEST_CASE("a LLaMA config with one key/value head (multi-query: whole, held by every member alike) equals the unpartitioned model") {
+  check_model(gpipe::testing::kTensorParallelLlamaMqa.c_str());
+  check_resume(gpipe::testing::kTensorParallelLlamaMqa.c_str(), Run{1, 4, 2, true});
+}
+
 TEST_CASE("a checkpoint saved split (T = 2, sharded over D = 2) is whole by name and resumes at T = 1, 2 and 4") {
   check_resume(gpipe::testing::kTensorParallelGpt);
   check_resume(gpipe::testing::kTensorParallelLlama);
