@@ -266,17 +266,19 @@ void GqaAttention::sum_replicated_kv(Backend& be, const std::function<void(Linea
   const int64_t KV = opts_.kv_heads, g = opts_.shard.rank / kv_replicas();
   for (auto [layer, child] : {std::pair<Linear*, int>{&v_, kV}, {&k_, kK}}) {
     Parameter& w = layer->weight();
-    const Tensor held = w.grad;  // the step's gradient so far (a view the optimizer may share: kept, not replaced)
-    const int64_t rows = held.size(0);
-    Tensor all = be.zeros({KV * rows, held.size(1)}, held.dtype());
-    struct Restore {  // the parameter's own gradient back, however weight_gradient leaves
-      Parameter& w;
-      Tensor held;
-      ~Restore() { w.grad = held; }
-    } restore{w, held};
-    w.grad = all.narrow_rows(g * rows, rows);  // this W's, into its head's block
-    weight_gradient(*layer, child);
-    w.grad = held;
+    const int64_t rows = w.grad.size(0);
+    Tensor all = be.zeros({KV * rows, w.grad.size(1)}, w.grad.dtype());
+    {
+      // The step's gradient so far (a view the optimizer may share: kept, not replaced),
+      // back in place however weight_gradient leaves.
+      struct Restore {
+        Parameter& w;
+        Tensor held;
+        ~Restore() { w.grad = held; }
+      } restore{w, w.grad};
+      w.grad = all.narrow_rows(g * rows, rows);  // this W's, into its head's block
+      weight_gradient(*layer, child);
+    }
     opts_.shard.sum(be, group_, all, describe());
     be.axpy(1.0, all.narrow_rows(g * rows, rows), w.grad);
   }

@@ -62,7 +62,7 @@ void GroupCollectives::on_host(Backend& be, Tensor& t, F&& reduce) {
   // Timed from here: the device's queued work (the layer's own kernels, which a GPU's
   // events time as compute) is done; the copies, the wait for the others and the transfer.
   const auto start = std::chrono::steady_clock::now();
-  if (t.device().is_cpu() || device_native_) {
+  if (t.device().is_cpu()) {
     reduce(t);
   } else {
     Tensor host = Tensor::empty(t.shape(), t.dtype(), Device::cpu());

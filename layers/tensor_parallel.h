@@ -76,17 +76,14 @@ class TensorCollectives {
   virtual void all_reduce_max(Backend& be, Tensor& t) = 0;
 };
 
-// A tensor group's sums over any ReplicaGroup (runtime/transport.h): threads of one
-// process (InProcessReplicaGroup) or processes (MpiReplicaGroup, which a run's GPU stages
-// use too, through host copies); a device-native group (NCCL's) is supported here but no
-// run makes one yet.
-// The backend's queued work is waited for first. A tensor on a device goes through a
-// host copy unless the group takes device tensors itself (device_native: NCCL's); a
-// bfloat16 or float16 tensor is reduced in float32 and rounded once.
+// A tensor group's sums over any ReplicaGroup (runtime/transport.h) that sums host
+// tensors: threads of one process (InProcessReplicaGroup) or processes (MpiReplicaGroup).
+// The backend's queued work is waited for first; a tensor on a device goes through a
+// host copy (a run's GPU stages); a bfloat16 or float16 tensor is reduced in float32 and
+// rounded once.
 class GroupCollectives : public TensorCollectives {
  public:
-  explicit GroupCollectives(ReplicaGroup& group, bool device_native = false)
-      : group_(group), device_native_(device_native) {}
+  explicit GroupCollectives(ReplicaGroup& group) : group_(group) {}
   int size() const override { return group_.size(); }
   int rank() const override { return group_.rank(); }
   void all_reduce_sum(Backend& be, Tensor& t) override;
@@ -94,15 +91,13 @@ class GroupCollectives : public TensorCollectives {
   // Host seconds spent in this group's sums so far, from the moment the device's queued
   // work is done (which a GPU's events count as the layer's compute): the copies, the
   // wait for the other members and the transfer. The executor's account of a split
-  // layer's communication. Through a device-native group a sum would be queued on the
-  // stream: its time would be the host's wait, not the device's.
+  // layer's communication.
   double seconds() const { return seconds_; }
 
  private:
   template <typename F>
   void on_host(Backend& be, Tensor& t, F&& reduce);
   ReplicaGroup& group_;
-  bool device_native_;
   double seconds_ = 0;  // one member's thread calls it
 };
 

@@ -19,14 +19,21 @@ double CostModel::group_time(int64_t sums, double bytes) const {
          (group_bytes_per_second > 0 ? moved / group_bytes_per_second : 0.0);
 }
 
-double CostModel::seconds(const layers::LayerCost& c, bool recompute, int layer, int64_t batch) const {
+CostModel::GroupSeconds CostModel::group_seconds(int layer, int64_t batch) const {
   const LayerLaunches n = launches_of(layer);
   const double b = static_cast<double>(batch);
+  return {group_time(n.group_sums_forward, b * n.group_bytes_forward),
+          group_time(n.group_sums_backward, b * n.group_bytes_backward),
+          group_time(n.group_sums_weight, static_cast<double>(n.group_bytes_weight))};
+}
+
+double CostModel::seconds(const layers::LayerCost& c, bool recompute, int layer, int64_t batch) const {
+  const LayerLaunches n = launches_of(layer);
+  const GroupSeconds g = group_seconds(layer, batch);
   const double fwd = std::max(c.forward_flops / flops_per_second, c.forward_bytes / bytes_per_second) +
-                     launch_time(n.forward) + group_time(n.group_sums_forward, b * n.group_bytes_forward);
+                     launch_time(n.forward) + g.forward;
   const double bwd = std::max(c.backward_flops / flops_per_second, c.backward_bytes / bytes_per_second) +
-                     launch_time(n.backward()) + group_time(n.group_sums_backward, b * n.group_bytes_backward) +
-                     group_time(n.group_sums_weight, static_cast<double>(n.group_bytes_weight));
+                     launch_time(n.backward()) + g.backward + g.weight;
   return (recompute ? 2 : 1) * fwd + bwd;
 }
 

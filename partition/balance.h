@@ -52,6 +52,12 @@ struct CostModel {
   double group_latency_seconds = 0, group_bytes_per_second = 0;
   // The seconds of `sums` sums of `bytes` in all over the group (0 when not split).
   double group_time(int64_t sums, double bytes) const;
+  // Layer `layer`'s sums over the group at a micro-batch of `batch` samples, in seconds:
+  // in F (and R), in B (their bytes grow with the batch) and in W (they do not).
+  struct GroupSeconds {
+    double forward = 0, backward = 0, weight = 0;
+  };
+  GroupSeconds group_seconds(int layer, int64_t batch) const;
   // Layer `layer`'s seconds at a micro-batch of `batch` samples (its launch term and its
   // group sums where counted; layer -1: none).
   double seconds(const layers::LayerCost& c, bool recompute, int layer = -1, int64_t batch = 1) const;

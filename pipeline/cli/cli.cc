@@ -124,7 +124,7 @@ void write_schedule_file(const Invocation& inv, const pipeline::Plan& p, const s
 // How a config would be partitioned and scheduled, without training; with
 // `schedule_out`, the schedule also written there as a schedule file.
 int run_plan(Invocation& inv, const std::string& schedule_out = "") {
-  pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);
+  const pipeline::Config config = pipeline::load_config(inv.config, inv.overrides);
   const int T = config.pipeline.tensor_parallel;
   if (T > 1 && config.autos.any()) {
     throw UserError("auto (pipeline.partitions, pipeline.micro_batches, pipeline.schedule, train.blas_threads) chooses "
@@ -133,15 +133,16 @@ int run_plan(Invocation& inv, const std::string& schedule_out = "") {
   std::unique_ptr<layers::Sequential> whole;  // T > 1: the unsplit model, for its size
   if (T > 1) {
     whole = std::move(pipeline::build_run_model_on_shapes(config).model);
-    // A stage's members hold blocks of one size: member 0's plan is each member's.
-    config.model.member = layers::TensorShard{0, T};
     std::cout << "pipeline.tensor_parallel = " << T << ": each stage is split over " << T
               << " processes (mpirun -np " << pipeline::plan_sizes(config).ranks().size()
               << "); the plan below is one member's share of each stage (its parameters, memory and compute, and "
                  "its sums over the group inside the layers' forward and backward, priced over this machine's "
                  "MPI link).\n";
   }
-  pipeline::RunModel run = pipeline::build_run_model_on_shapes(config);  // planning allocates no weights
+  // Planning allocates no weights. A stage's members hold blocks of one size: member 0's
+  // plan is each member's.
+  pipeline::RunModel run =
+      T > 1 ? pipeline::build_member_on_shapes(config, 0) : pipeline::build_run_model_on_shapes(config);
   run.config = pipeline::resolve_auto(run.config, *run.model, {}, std::cout);  // the plan a run would choose
   const pipeline::Config& c = run.config;
   layers::Sequential& model = *run.model;

@@ -188,12 +188,7 @@ int plan_other_runs(const Config& config, layers::Sequential& model, const PlanC
     throw UserError("--devices " + std::to_string(o.devices) + " does not split into stages of pipeline.tensor_parallel = " +
                     std::to_string(T) + " devices each; give a multiple of " + std::to_string(T));
   }
-  RunModel member;
-  if (T > 1) {
-    Config m = c;
-    m.model.member = layers::TensorShard{0, T};
-    member = build_run_model_on_shapes(m);
-  }
+  const RunModel member = T > 1 ? build_member_on_shapes(c, 0) : RunModel{};
   layers::Sequential& planned = T > 1 ? *member.model : model;
   const int n = o.devices > 0 ? o.devices / T : c.pipeline.partitions;  // stages
   const std::string devices_text = T > 1 ? std::to_string(n * T) + " devices (" + std::to_string(n) + " stages x T = " +

@@ -45,5 +45,11 @@ RunModel build_run_model_on_shapes(const Config& config, const MakeModel& make_m
   return build_run_model(config, make_model);
 }
 
+RunModel build_member_on_shapes(const Config& config, int rank) {
+  Config member = config;
+  member.model.member = layers::TensorShard{rank, config.pipeline.tensor_parallel};
+  return build_run_model_on_shapes(member);
+}
+
 }  // namespace pipeline
 }  // namespace gpipe

@@ -105,8 +105,7 @@ Executor::Executor(layers::Sequential& model, std::vector<CellSpec> cells, Sched
   if (options_.tensor_group != nullptr && options_.tensor_group->size() > 1) {
     // One group per stage: a process (or thread) runs one stage of its tensor group.
     GPIPE_CHECK(options_.local_stage >= 0, "a tensor group needs its stage local to this executor (local_stage)");
-    tensor_collectives_ =
-        std::make_unique<layers::GroupCollectives>(*options_.tensor_group, options_.tensor_group_on_device);
+    tensor_collectives_ = std::make_unique<layers::GroupCollectives>(*options_.tensor_group);
     model_.set_collectives(tensor_collectives_.get());  // only the local stage's layers (and loss) run here
   }
   for (int k = 0; k < K; ++k) runtimes_.push_back(make_stage(k));

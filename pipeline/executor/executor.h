@@ -87,9 +87,8 @@ struct ExecutorOptions {
   // layers::ModelSpec::member). The executor gives the stage's layers and the loss this
   // group for the sums their splits need, and NORM sums the split parameters' squares
   // over it (the whole ones, equal on every member, counted once). Needs local_stage;
-  // not owned. tensor_group_on_device: the group takes device tensors itself (NCCL's).
+  // not owned. It sums host tensors (a GPU stage's go through host copies).
   ReplicaGroup* tensor_group = nullptr;
-  bool tensor_group_on_device = false;
   // Time compute instructions with device events even on CPU devices (tests of the
   // GPU path's bookkeeping; CUDA devices always use them, see op_clock.h).
   bool device_clock_on_cpu = false;

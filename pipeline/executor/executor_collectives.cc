@@ -4,6 +4,7 @@
 #include "pipeline/executor/executor.h"
 
 #include <cmath>
+#include <map>
 
 #include "pipeline/executor/stage_runtime.h"
 #include "runtime/error.h"
@@ -84,21 +85,22 @@ int64_t Executor::reduce_gradient_norm(StageRuntime& rt) {
     if (tensor_collectives_ != nullptr) local.split = options_.replicas->all_reduce_sum(local.split);
     local.whole = options_.replicas->all_reduce_sum(local.whole);
   } else {
-    std::vector<Tensor> split, whole;
-    std::vector<layers::Parameter*> replicated;  // blocks several members hold alike
+    // Split blocks by how many members hold each alike (Parameter::shard_replicas): each
+    // holder counts 1 / R of such a block's squares, so the group's sum counts it once.
+    std::map<int, std::vector<Tensor>> split;
+    std::vector<Tensor> whole;
     for (layers::Parameter* p : rt.params) {
       if (model_.is_tied_copy(p)) continue;  // a tied weight counts once
-      if (p->shard_count > 1 && p->shard_replicas > 1) {
-        replicated.push_back(p);
+      if (p->shard_count > 1) {
+        split[p->shard_replicas].push_back(p->grad);
       } else {
-        (p->shard_count > 1 ? split : whole).push_back(p->grad);
+        whole.push_back(p->grad);
       }
     }
     auto turn = device_turn(k);
-    local.split = split.empty() ? 0.0 : rt.backend->sum_squares_all(split);  // one wait for the device
+    // One wait for the device per kind, not one a parameter.
+    for (const auto& [replicas, grads] : split) local.split += rt.backend->sum_squares_all(grads) / replicas;
     local.whole = whole.empty() ? 0.0 : rt.backend->sum_squares_all(whole);
-    // Each of its holders counts 1 / replicas of such a block: once in the group's sum.
-    for (layers::Parameter* p : replicated) local.split += rt.backend->sum_squares(p->grad) / p->shard_replicas;
   }
   if (tensor_collectives_ != nullptr) local.split = options_.tensor_group->all_reduce_sum(local.split);
   rt.grad_norm = std::sqrt(transport_.all_reduce_sum(k, local.split + local.whole));

@@ -255,6 +255,18 @@ ActivationLayout probe_activations_on_devices(const layers::Sequential& model) {
 }
 
 namespace {
+// Runs one phase of a layer (or the loss) on shapes and adds its ops and its sums over
+// the tensor group to the counts given.
+template <typename Phase>
+void count_phase(int64_t& ops, int64_t& group_sums, int64_t& group_bytes, Phase&& phase) {
+  const MetaOpCount op_count;
+  const layers::GroupSumCount sum_count;
+  phase();
+  ops += op_count.count();
+  group_sums += sum_count.sums();
+  group_bytes += sum_count.bytes();
+}
+
 // `h` on `be`'s device: a copy there when the previous layer's device is another, as the
 // executor hands activations over between stages.
 Tensor handed_over(Backend& be, const Tensor& h) {
@@ -284,37 +296,18 @@ std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& m
     partition::LayerLaunches& n = out[static_cast<size_t>(i)];
     layers::Context ctx;
     Tensor y;
-    {
-      const MetaOpCount ops;
-      const layers::GroupSumCount sums;
-      y = layer.forward(*be, h, &ctx, args);
-      n.forward = ops.count();
-      n.group_sums_forward = sums.sums();
-      n.group_bytes_forward = sums.bytes();
-    }
+    count_phase(n.forward, n.group_sums_forward, n.group_bytes_forward,
+                [&] { y = layer.forward(*be, h, &ctx, args); });
     const Tensor dy = be->zeros(y.shape(), y.dtype());
+    auto backward_input = [&] { layer.backward_input(*be, dy, ctx, i > 0); };
+    auto whole_backward = [&] { layer.backward(*be, dy, ctx, i > 0); };
     if (layer.splits_backward()) {
-      {
-        const MetaOpCount ops;
-        const layers::GroupSumCount b_sums;
-        layer.backward_input(*be, dy, ctx, i > 0);
-        n.backward_input = ops.count();
-        n.group_sums_backward = b_sums.sums();
-        n.group_bytes_backward = b_sums.bytes();
-      }
-      const MetaOpCount ops;
-      const layers::GroupSumCount sums;  // replicated key/value heads' weight gradients
-      layer.backward_weight(*be, ctx);
-      n.backward_weight = ops.count();
-      n.group_sums_weight = sums.sums();
-      n.group_bytes_weight = sums.bytes();
+      count_phase(n.backward_input, n.group_sums_backward, n.group_bytes_backward, backward_input);
+      // W's sums: replicated key/value heads' weight gradients.
+      count_phase(n.backward_weight, n.group_sums_weight, n.group_bytes_weight,
+                  [&] { layer.backward_weight(*be, ctx); });
     } else {
-      const MetaOpCount ops;
-      const layers::GroupSumCount sums;
-      layer.backward(*be, dy, ctx, i > 0);
-      n.backward_input = ops.count();
-      n.group_sums_backward = sums.sums();
-      n.group_bytes_backward = sums.bytes();
+      count_phase(n.backward_input, n.group_sums_backward, n.group_bytes_backward, whole_backward);
     }
     h = y;
   }
@@ -323,20 +316,10 @@ std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& m
     const Tensor targets = be->zeros(target_shape, DType::kI32);
     layers::Context lctx;
     partition::LayerLaunches& last = out.back();
-    {
-      const MetaOpCount ops;
-      const layers::GroupSumCount sums;
-      model.loss().forward(*be, h, targets, 1.0, &lctx);
-      last.forward += ops.count();
-      last.group_sums_forward += sums.sums();
-      last.group_bytes_forward += sums.bytes();
-    }
-    const MetaOpCount ops;
-    const layers::GroupSumCount sums;
-    model.loss().backward(*be, lctx);
-    last.backward_input += ops.count();
-    last.group_sums_backward += sums.sums();
-    last.group_bytes_backward += sums.bytes();
+    count_phase(last.forward, last.group_sums_forward, last.group_bytes_forward,
+                [&] { model.loss().forward(*be, h, targets, 1.0, &lctx); });
+    count_phase(last.backward_input, last.group_sums_backward, last.group_bytes_backward,
+                [&] { model.loss().backward(*be, lctx); });
   }
   return out;
 }

@@ -45,14 +45,14 @@ CostTable estimate_costs(const layers::Sequential& model, int64_t micro, const p
     const double input_share = input_ms + weight_ms > 0 ? input_ms / (input_ms + weight_ms) : 1.0;
     l.backward_input = bwd * input_share;
     l.backward_weight = bwd - l.backward_input;
-    // Each launch's cost on top (0 on a CPU): F's, B's and W's own ops.
-    // And a tensor-group member's sums over its group (0 when not split), which run inside
-    // F (R too) and B.
+    // Each launch's cost on top (0 on a CPU): F's, B's and W's own ops. And a
+    // tensor-group member's sums over its group (0 when not split), which run inside F
+    // (R too), B and W.
     const partition::LayerLaunches n = cm.launches_of(static_cast<int>(i));
-    const double b = static_cast<double>(micro);
-    l.forward_group = cm.group_time(n.group_sums_forward, b * n.group_bytes_forward) * 1e3;
-    l.backward_group = cm.group_time(n.group_sums_backward, b * n.group_bytes_backward) * 1e3;
-    l.weight_group = cm.group_time(n.group_sums_weight, static_cast<double>(n.group_bytes_weight)) * 1e3;
+    const partition::CostModel::GroupSeconds g = cm.group_seconds(static_cast<int>(i), micro);
+    l.forward_group = g.forward * 1e3;
+    l.backward_group = g.backward * 1e3;
+    l.weight_group = g.weight * 1e3;
     l.forward = l.forward_nograd = l.recompute = fwd + cm.launch_time(n.forward) * 1e3 + l.forward_group;
     l.backward_input += cm.launch_time(n.backward_input) * 1e3 + l.backward_group;
     l.backward_weight += cm.launch_time(n.backward_weight) * 1e3 + l.weight_group;

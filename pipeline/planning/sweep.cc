@@ -389,11 +389,10 @@ TensorMembers tensor_members(const Config& base, const SweepOptions& o) {
     return out;
   }
   for (int T : sizes) {
-    Config member = base;
-    member.pipeline.tensor_parallel = T;
-    member.model.member = layers::TensorShard{0, T};
+    Config at = base;
+    at.pipeline.tensor_parallel = T;
     try {
-      out.runs.push_back(build_run_model_on_shapes(member));
+      out.runs.push_back(build_member_on_shapes(at, 0));
     } catch (const UserError& e) {
       out.unsplit.push_back("T=" + std::to_string(T) + ": " + e.what());
     }
