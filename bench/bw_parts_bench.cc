@@ -71,13 +71,13 @@ int main(int argc, char** argv) {
     std::function<void()> run;
   };
   const std::vector<Part> parts = {
-      {"B", "dropout_backward (mlp)", [&] { be.dropout_backward(dy, 0.1, 7, 0, outC); }},
+      {"B", "dropout_backward (mlp)", [&] { be.dropout_backward(dy, 0.1, 7, 0, 0, outC); }},
       {"B", "fc2 dx (R,C)@(C,4C)", [&] { be.matmul(dy, false, w_fc2, false, out4); }},
       {"B", "gelu_backward (R,4C)", [&] { be.gelu_backward(h4, dy4, out4); }},
       {"B", "fc1 dx (R,4C)@(4C,C)", [&] { be.matmul(dy4, false, w_fc1, false, outC); }},
       {"B", "layernorm_backward (ln2)", [&] { be.layernorm_backward(dy, x, gamma, mean, rstd, outC, dgamma, dbeta); }},
       {"B", "axpy (residual)", [&] { be.axpy(1.0, dy, outC); }},
-      {"B", "dropout_backward (attn)", [&] { be.dropout_backward(dy, 0.1, 7, 0, outC); }},
+      {"B", "dropout_backward (attn)", [&] { be.dropout_backward(dy, 0.1, 7, 0, 0, outC); }},
       {"B", "proj dx (R,C)@(C,C)", [&] { be.matmul(dy, false, w_proj, false, outC); }},
       {"B", "attention_backward", [&] { be.attention_backward(datt, qkv, probs, static_cast<int>(H), dqkv); }},
       {"B", "qkv dx (R,3C)@(3C,C)", [&] { be.matmul(dy3, false, w_qkv, false, outC); }},

@@ -68,36 +68,42 @@ void check_attention_blas_dims(const Tensor& qkv, const char* op) {
 // philox_uniform draws one Philox block for every four consecutive elements and
 // keeps one word; here each block is drawn once and all four words are used, which
 // gives the same values (the test checks element by element) at a quarter of the cost.
+//
+// With an element offset, x's element e is the sample's element element_offset + e:
+// the blocks are those of the whole sample's elements, the first and last maybe in part.
 template <typename Real>
 void apply_dropout(const Real* in, Real* out, int64_t rows, int64_t per_row, double p, uint64_t key,
-                   int64_t sample_offset) {
+                   int64_t sample_offset, int64_t element_offset) {
   const Real scale = static_cast<Real>(1.0 / (1.0 - p));
   const uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
+  const int64_t first = element_offset, last = element_offset + per_row;  // [first, last) of the sample
   for (int64_t i = 0; i < rows; ++i) {
     const uint64_t sample = static_cast<uint64_t>(sample_offset + i);
-    const Real* x = in + i * per_row;
+    const Real* x = in + i * per_row;  // x[e - first]: the sample's element e
     Real* y = out + i * per_row;
-    for (int64_t e0 = 0; e0 < per_row; e0 += 4) {
+    for (int64_t e0 = first & ~int64_t{3}; e0 < last; e0 += 4) {
       const uint64_t block = static_cast<uint64_t>(e0) >> 2;  // the counter layout of philox_uniform
       const Philox4x32 r = philox4x32_10(Philox4x32{{static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
                                                      static_cast<uint32_t>(sample),
                                                      static_cast<uint32_t>(sample >> 32)}},
                                          k0, k1);
-      const int64_t n = std::min<int64_t>(4, per_row - e0);
-      for (int64_t j = 0; j < n; ++j) {
+      for (int64_t j = std::max<int64_t>(0, first - e0); j < 4 && e0 + j < last; ++j) {
         const float u = static_cast<float>(r.v[j] >> 8) * (1.0f / 16777216.0f);
-        y[e0 + j] = static_cast<double>(u) >= p ? x[e0 + j] * scale : Real(0);
+        const int64_t e = e0 + j - first;
+        y[e] = static_cast<double>(u) >= p ? x[e] * scale : Real(0);
       }
     }
   }
 }
 
-void dropout_impl(const Tensor& in, double p, uint64_t key, int64_t sample_offset, Tensor& out, const char* op) {
+void dropout_impl(const Tensor& in, double p, uint64_t key, int64_t sample_offset, int64_t element_offset,
+                  Tensor& out, const char* op) {
   ops::check_float(in, op);
   ops::check_same(in, out, op);
   if (in.dim() < 1) throw Error(std::string(op) + ": " + in.str() + " needs a batch dimension");
   check_dropout_p(p, op);
   if (sample_offset < 0) throw Error(std::string(op) + ": negative sample offset " + std::to_string(sample_offset));
+  if (element_offset < 0) throw Error(std::string(op) + ": negative element offset " + std::to_string(element_offset));
   const int64_t rows = in.size(0);
   if (rows == 0 || in.numel() == 0) return;
   if (p == 0.0) {  // no mask to draw: a plain copy, bit for bit
@@ -106,7 +112,7 @@ void dropout_impl(const Tensor& in, double p, uint64_t key, int64_t sample_offse
   }
   dispatch_float(in, [&](auto* tag) {
     using Real = std::remove_pointer_t<decltype(tag)>;
-    apply_dropout(in.data<Real>(), out.data<Real>(), rows, in.numel() / rows, p, key, sample_offset);
+    apply_dropout(in.data<Real>(), out.data<Real>(), rows, in.numel() / rows, p, key, sample_offset, element_offset);
   });
 }
 
@@ -553,12 +559,14 @@ void CpuBackend::fused_attention_backward(const Tensor& dout, const Tensor& q, c
 
 // ---- Dropout.
 
-void CpuBackend::dropout(const Tensor& x, double p, uint64_t key, int64_t sample_offset, Tensor& y) {
-  dropout_impl(x, p, key, sample_offset, y, "dropout");
+void CpuBackend::dropout(const Tensor& x, double p, uint64_t key, int64_t sample_offset, int64_t element_offset,
+                         Tensor& y) {
+  dropout_impl(x, p, key, sample_offset, element_offset, y, "dropout");
 }
 
-void CpuBackend::dropout_backward(const Tensor& dy, double p, uint64_t key, int64_t sample_offset, Tensor& dx) {
-  dropout_impl(dy, p, key, sample_offset, dx, "dropout_backward");
+void CpuBackend::dropout_backward(const Tensor& dy, double p, uint64_t key, int64_t sample_offset,
+                                  int64_t element_offset, Tensor& dx) {
+  dropout_impl(dy, p, key, sample_offset, element_offset, dx, "dropout_backward");
 }
 
 }  // namespace gpipe

@@ -265,7 +265,7 @@ TEST_CASE("dropout keeps 1 - p of the elements, scaled, with the Philox mask") {
   const int64_t offset = 5;
   Tensor x = random_tensor({N, E}, DType::kF32, 1, 0.5, 1.5);  // no zeros: a zero output means dropped
   Tensor y = cpu().empty({N, E}, DType::kF32);
-  cpu().dropout(x, p, key, offset, y);
+  cpu().dropout(x, p, key, offset, 0, y);
   int64_t kept = 0;
   bool mask_ok = true, scale_ok = true;
   for (int64_t i = 0; i < N; ++i) {
@@ -292,11 +292,11 @@ TEST_CASE("dropout's mask does not depend on the batch split, and backward reuse
     const uint64_t key = 42;
     Tensor x = random_tensor({N, T, C}, dt, 2, 0.5, 1.5);
     Tensor whole = cpu().empty({N, T, C}, dt);
-    cpu().dropout(x, p, key, 0, whole);
+    cpu().dropout(x, p, key, 0, 0, whole);
     // Rows 0..3 and 4..7 as two micro-batches, the second starting at sample 4.
     Tensor a = cpu().empty({4, T, C}, dt), b = cpu().empty({4, T, C}, dt);
-    cpu().dropout(x.narrow_rows(0, 4), p, key, 0, a);
-    cpu().dropout(x.narrow_rows(4, 4), p, key, 4, b);
+    cpu().dropout(x.narrow_rows(0, 4), p, key, 0, 0, a);
+    cpu().dropout(x.narrow_rows(4, 4), p, key, 4, 0, b);
     std::vector<double> split = to_doubles(a);
     const auto second = to_doubles(b);
     split.insert(split.end(), second.begin(), second.end());
@@ -304,14 +304,14 @@ TEST_CASE("dropout's mask does not depend on the batch split, and backward reuse
 
     // A different key draws a different mask.
     Tensor other = cpu().empty({N, T, C}, dt);
-    cpu().dropout(x, p, key + 1, 0, other);
+    cpu().dropout(x, p, key + 1, 0, 0, other);
     CHECK(to_doubles(other) != to_doubles(whole));
 
     // Backward: dx = dy * mask / (1 - p) with the forward's mask, here split as 3 + 5.
     Tensor dy = random_tensor({N, T, C}, dt, 3, 0.5, 1.5);
     Tensor head = cpu().empty({3, T, C}, dt), tail = cpu().empty({5, T, C}, dt);
-    cpu().dropout_backward(dy.narrow_rows(0, 3), p, key, 0, head);
-    cpu().dropout_backward(dy.narrow_rows(3, 5), p, key, 3, tail);
+    cpu().dropout_backward(dy.narrow_rows(0, 3), p, key, 0, 0, head);
+    cpu().dropout_backward(dy.narrow_rows(3, 5), p, key, 3, 0, tail);
     std::vector<double> dx = to_doubles(head);
     const auto dx_tail = to_doubles(tail);
     dx.insert(dx.end(), dx_tail.begin(), dx_tail.end());
@@ -326,6 +326,54 @@ TEST_CASE("dropout's mask does not depend on the batch split, and backward reuse
   }
 }
 
+TEST_CASE("dropout of a part of each sample, at its element offset, is that part of the whole samples' dropout") {
+  // A sequence-parallel member holds positions [r T/n, (r+1) T/n) of each sample: the
+  // elements from r (T/n) C on. Parts starting and ending inside a Philox block of four
+  // (C = 3) and on one (C = 4), forward and backward, both float types: bit for bit.
+  for (DType dt : {DType::kF32, DType::kF64}) {
+    for (int64_t C : {3, 4}) {
+      const int64_t N = 5, T = 8, parts = 4, rows = T / parts;
+      const double p = 0.4;
+      const uint64_t key = 0xFEEDull;
+      Tensor x = random_tensor({N, T, C}, dt, 7, 0.5, 1.5);
+      Tensor whole = cpu().empty({N, T, C}, dt), back = cpu().empty({N, T, C}, dt);
+      cpu().dropout(x, p, key, 3, 0, whole);
+      cpu().dropout_backward(x, p, key, 3, 0, back);
+      const auto w = to_doubles(whole), wb = to_doubles(back);
+      for (int64_t r = 0; r < parts; ++r) {
+        CAPTURE(dtype_name(dt));
+        CAPTURE(C);
+        CAPTURE(r);
+        Tensor part = cpu().empty({N, rows, C}, dt);
+        for (int64_t n = 0; n < N; ++n) {  // the part's rows of each sample
+          for (int64_t e = 0; e < rows * C; ++e) {
+            const int64_t at = n * T * C + r * rows * C + e;
+            if (dt == DType::kF32) {
+              part.data<float>()[n * rows * C + e] = x.data<float>()[at];
+            } else {
+              part.data<double>()[n * rows * C + e] = x.data<double>()[at];
+            }
+          }
+        }
+        Tensor y = cpu().empty({N, rows, C}, dt), dx = cpu().empty({N, rows, C}, dt);
+        cpu().dropout(part, p, key, 3, r * rows * C, y);
+        cpu().dropout_backward(part, p, key, 3, r * rows * C, dx);
+        const auto yv = to_doubles(y), dv = to_doubles(dx);
+        bool same = true;
+        for (int64_t n = 0; n < N; ++n) {
+          for (int64_t e = 0; e < rows * C; ++e) {
+            const int64_t at = n * T * C + r * rows * C + e;
+            same &= yv[n * rows * C + e] == w[at] && dv[n * rows * C + e] == wb[at];
+          }
+        }
+        CHECK(same);
+      }
+    }
+  }
+  Tensor x = random_tensor({2, 3}, DType::kF32, 1), y = cpu().empty({2, 3}, DType::kF32);
+  CHECK_THROWS_WITH_AS(cpu().dropout(x, 0.5, 1, 0, -1, y), doctest::Contains("negative element offset"), Error);
+}
+
 TEST_CASE("dropout backward matches finite differences") {
   const int64_t N = 3, E = 6;
   const double p = 0.4;
@@ -333,24 +381,24 @@ TEST_CASE("dropout backward matches finite differences") {
   Tensor r = random_tensor({N, E}, DType::kF64, 2);
   auto f = [&] {
     Tensor y = cpu().empty({N, E}, DType::kF64);
-    cpu().dropout(x, p, 7, 11, y);
+    cpu().dropout(x, p, 7, 11, 0, y);
     return gpipe::testing::dot(y, r);
   };
   Tensor dx = cpu().empty({N, E}, DType::kF64);
-  cpu().dropout_backward(r, p, 7, 11, dx);
+  cpu().dropout_backward(r, p, 7, 11, 0, dx);
   GPIPE_EXPECT_CLOSE(dx, gpipe::testing::numeric_gradient(x, f), 1e-8, 1e-8);
 }
 
 TEST_CASE("dropout with p = 0 copies, and p outside [0, 1) is a user error") {
   Tensor x = random_tensor({4, 5}, DType::kF32, 1);
   Tensor y = cpu().empty({4, 5}, DType::kF32);
-  cpu().dropout(x, 0.0, 3, 0, y);
+  cpu().dropout(x, 0.0, 3, 0, 0, y);
   CHECK(y.to_vector<float>() == x.to_vector<float>());
-  cpu().dropout_backward(x, 0.0, 3, 0, y);
+  cpu().dropout_backward(x, 0.0, 3, 0, 0, y);
   CHECK(y.to_vector<float>() == x.to_vector<float>());
-  CHECK_THROWS_WITH_AS(cpu().dropout(x, 1.0, 3, 0, y), doctest::Contains("must be in [0, 1)"), UserError);
-  CHECK_THROWS_AS(cpu().dropout(x, -0.1, 3, 0, y), UserError);
-  CHECK_THROWS_AS(cpu().dropout_backward(x, NAN, 3, 0, y), UserError);
+  CHECK_THROWS_WITH_AS(cpu().dropout(x, 1.0, 3, 0, 0, y), doctest::Contains("must be in [0, 1)"), UserError);
+  CHECK_THROWS_AS(cpu().dropout(x, -0.1, 3, 0, 0, y), UserError);
+  CHECK_THROWS_AS(cpu().dropout_backward(x, NAN, 3, 0, 0, y), UserError);
 }
 
 TEST_CASE("Adam and AdamW follow PyTorch's update over two steps") {

@@ -835,21 +835,24 @@ void CudaBackend::attention_backward(const Tensor& dout, const Tensor& qkv, cons
   });
 }
 
-void CudaBackend::dropout(const Tensor& x, double p, uint64_t key, int64_t sample_offset, Tensor& y) {
-  dropout_impl(x, p, key, sample_offset, y, "dropout");
+void CudaBackend::dropout(const Tensor& x, double p, uint64_t key, int64_t sample_offset, int64_t element_offset,
+                          Tensor& y) {
+  dropout_impl(x, p, key, sample_offset, element_offset, y, "dropout");
 }
 
-void CudaBackend::dropout_backward(const Tensor& dy, double p, uint64_t key, int64_t sample_offset, Tensor& dx) {
-  dropout_impl(dy, p, key, sample_offset, dx, "dropout_backward");  // the same linear map as forward
+void CudaBackend::dropout_backward(const Tensor& dy, double p, uint64_t key, int64_t sample_offset,
+                                   int64_t element_offset, Tensor& dx) {
+  dropout_impl(dy, p, key, sample_offset, element_offset, dx, "dropout_backward");  // the same linear map as forward
 }
 
-void CudaBackend::dropout_impl(const Tensor& in, double p, uint64_t key, int64_t sample_offset, Tensor& out,
-                               const char* op) {
+void CudaBackend::dropout_impl(const Tensor& in, double p, uint64_t key, int64_t sample_offset, int64_t element_offset,
+                               Tensor& out, const char* op) {
   ops::check_float(in, op);
   ops::check_same(in, out, op);
   if (in.dim() < 1) throw Error(std::string(op) + ": " + in.str() + " needs a batch dimension");
   check_dropout_p(p, op);
   if (sample_offset < 0) throw Error(std::string(op) + ": negative sample offset " + std::to_string(sample_offset));
+  if (element_offset < 0) throw Error(std::string(op) + ": negative element offset " + std::to_string(element_offset));
   check_on_device(in, op);
   check_on_device(out, op);
   const int64_t rows = in.size(0);
@@ -857,7 +860,8 @@ void CudaBackend::dropout_impl(const Tensor& in, double p, uint64_t key, int64_t
   DeviceGuard guard(device_.index);
   dispatch_float(in, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    cuda::dropout(in.data<T>(), out.data<T>(), rows, in.numel() / rows, p, key, sample_offset, cuda_stream());
+    cuda::dropout(in.data<T>(), out.data<T>(), rows, in.numel() / rows, p, key, sample_offset, element_offset,
+                  cuda_stream());
   });
 }
 

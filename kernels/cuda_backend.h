@@ -102,7 +102,8 @@ class CudaBackend : public Backend {
   // ~CudaBackend: logs what the pending checks flagged instead of throwing.
   void log_unreported_errors() noexcept;
   // dropout and dropout_backward: the same map (dropout is linear and diagonal).
-  void dropout_impl(const Tensor& in, double p, uint64_t key, int64_t sample_offset, Tensor& out, const char* op);
+  void dropout_impl(const Tensor& in, double p, uint64_t key, int64_t sample_offset, int64_t element_offset,
+                    Tensor& out, const char* op);
   void release() noexcept;
   // The device table of a multi-tensor launch over `lists` (parallel lists of tensors,
   // the empty ones left out), built and copied on first use, then kept: a stage's

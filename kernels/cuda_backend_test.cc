@@ -1567,7 +1567,7 @@ TEST_CASE("attention forward and backward (strided-batched cuBLAS, causal softma
   CHECK_THROWS_AS(gpu().attention(qkv, 4, probs, out), Error);  // 6 channels, 4 heads
 }
 
-TEST_CASE("dropout: the mask and the output are the CPU's bit for bit, forward and backward") {
+TEST_CASE("dropout: the mask and the output are the CPU's bit for bit, forward and backward, element offsets too") {
   const Shape shapes[] = {{1, 1}, {3, 5}, {7, 33, 3}, {64, 1000}, {5, 1}, {2, 3, 4, 5}, {4, 100003}};
   const uint64_t key = 0x0123456789ABCDEFull;
   uint64_t seed = 1700;
@@ -1575,25 +1575,29 @@ TEST_CASE("dropout: the mask and the output are the CPU's bit for bit, forward a
     for (const Shape& s : shapes) {
       for (double p : {0.1, 0.5, 0.0}) {
         for (int64_t offset : {int64_t(0), int64_t(5), (int64_t(1) << 33) + 7}) {
+          // Where the rows start in their samples: whole samples, and parts of them
+          // starting inside a Philox block (a sequence-parallel member's positions).
+          const int64_t eoff = offset == 0 ? 0 : offset == 5 ? 3 : (int64_t(1) << 20) + 2;
+          CAPTURE(eoff);
           CAPTURE(dtype_name(dt));
           CAPTURE(shape_str(s));
           CAPTURE(p);
           CAPTURE(offset);
           Tensor x = random_tensor(s, dt, seed++);
           Tensor y_c = Tensor::empty(s, dt, Device::cpu()), y_g = gpu().empty(s, dt);
-          cpu().dropout(x, p, key, offset, y_c);
+          cpu().dropout(x, p, key, offset, eoff, y_c);
           Tensor x_g = to_gpu(x);
-          gpu().dropout(x_g, p, key, offset, y_g);
+          gpu().dropout(x_g, p, key, offset, eoff, y_g);
           CHECK(to_doubles(y_g) == to_doubles(y_c));
 
           Tensor dy = random_tensor(s, dt, seed++);
           Tensor dx_c = Tensor::empty(s, dt, Device::cpu()), dx_g = gpu().empty(s, dt);
-          cpu().dropout_backward(dy, p, key, offset, dx_c);
-          gpu().dropout_backward(to_gpu(dy), p, key, offset, dx_g);
+          cpu().dropout_backward(dy, p, key, offset, eoff, dx_c);
+          gpu().dropout_backward(to_gpu(dy), p, key, offset, eoff, dx_g);
           CHECK(to_doubles(dx_g) == to_doubles(dx_c));
 
           // In place.
-          gpu().dropout(x_g, p, key, offset, x_g);
+          gpu().dropout(x_g, p, key, offset, eoff, x_g);
           CHECK(to_doubles(x_g) == to_doubles(y_c));
         }
       }
@@ -1602,10 +1606,10 @@ TEST_CASE("dropout: the mask and the output are the CPU's bit for bit, forward a
   // Split into two micro-batches, the mask is the same.
   Tensor x = to_gpu(random_tensor({8, 3, 5}, DType::kF32, 1750));
   Tensor whole = gpu().empty({8, 3, 5}, DType::kF32);
-  gpu().dropout(x, 0.5, key, 0, whole);
+  gpu().dropout(x, 0.5, key, 0, 0, whole);
   Tensor a = gpu().empty({3, 3, 5}, DType::kF32), b = gpu().empty({5, 3, 5}, DType::kF32);
-  gpu().dropout(x.narrow_rows(0, 3), 0.5, key, 0, a);
-  gpu().dropout(x.narrow_rows(3, 5), 0.5, key, 3, b);
+  gpu().dropout(x.narrow_rows(0, 3), 0.5, key, 0, 0, a);
+  gpu().dropout(x.narrow_rows(3, 5), 0.5, key, 3, 0, b);
   std::vector<double> split = to_doubles(a);
   const std::vector<double> second = to_doubles(b);
   split.insert(split.end(), second.begin(), second.end());
@@ -1618,19 +1622,19 @@ TEST_CASE("dropout: the mask and the output are the CPU's bit for bit, forward a
     Tensor hx = random_tensor({2, 3}, DType::kF32, 1760), hy = Tensor::empty({2, 3}, DType::kF32, Device::cpu());
     Tensor gx = to_gpu(hx), gy = gpu().empty({2, 3}, DType::kF32);
     try {
-      cpu().dropout(hx, p, key, 0, hy);
+      cpu().dropout(hx, p, key, 0, 0, hy);
     } catch (const UserError& e) {
       cpu_msg = e.what();
     }
     try {
-      gpu().dropout(gx, p, key, 0, gy);
+      gpu().dropout(gx, p, key, 0, 0, gy);
     } catch (const UserError& e) {
       gpu_msg = e.what();
     }
     CHECK(!cpu_msg.empty());
     CHECK(gpu_msg == cpu_msg);
   }
-  CHECK_THROWS_AS(gpu().dropout(x, 0.5, key, -1, whole), Error);
+  CHECK_THROWS_AS(gpu().dropout(x, 0.5, key, -1, 0, whole), Error);
 }
 
 

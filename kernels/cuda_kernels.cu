@@ -943,26 +943,30 @@ __global__ void causal_softmax_backward_kernel(const T* probs, T* d, int64_t seq
   for (int64_t s = t + 1 + threadIdx.x; s < seq; s += blockDim.x) g[s] = T(0);
 }
 
-// Inverted dropout over x: (rows, per_row). One thread per group of four consecutive
-// elements 4k .. 4k + 3 of a row: they share one Philox block (counter (k, sample)),
-// computed once; lane j of the block is the value philox_uniform(key, sample, 4k + j)
-// returns, by the same expression (runtime/philox.h).
+// Inverted dropout over x: (rows, per_row), row i's elements the sample's elements
+// first .. first + per_row - 1. One thread per group of four consecutive sample
+// elements 4k .. 4k + 3 (k from first / 4): they share one Philox block (counter
+// (k, sample)), computed once; lane j of the block is the value
+// philox_uniform(key, sample, 4k + j) returns, by the same expression
+// (runtime/philox.h). The first and last groups of a row may lie partly outside it.
 template <typename T>
 __global__ void dropout_kernel(const T* x, T* y, int64_t rows, int64_t per_row, int64_t groups_per_row, double p,
-                               T scale, uint64_t key, uint64_t sample_offset) {
+                               T scale, uint64_t key, uint64_t sample_offset, int64_t first) {
   const int64_t n = rows * groups_per_row;
+  const int64_t first_group = first / 4, last = first + per_row;
   GRID_STRIDE_LOOP(idx, n) {
     const int64_t i = idx / groups_per_row;
-    const int64_t group = idx - i * groups_per_row;
+    const int64_t group = first_group + (idx - i * groups_per_row);  // of the sample's elements
     const uint64_t sample = sample_offset + static_cast<uint64_t>(i);
     const uint64_t k = static_cast<uint64_t>(group);  // == element >> 2
     const Philox4x32 counter{{static_cast<uint32_t>(k), static_cast<uint32_t>(k >> 32),
                               static_cast<uint32_t>(sample), static_cast<uint32_t>(sample >> 32)}};
     const Philox4x32 r = philox4x32_10(counter, static_cast<uint32_t>(key), static_cast<uint32_t>(key >> 32));
-    const int64_t base = i * per_row + group * 4;
+    const int64_t base = i * per_row - first + group * 4;  // x's index of the sample's element 4k
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      if (group * 4 + j < per_row) {
+      const int64_t e = group * 4 + j;
+      if (e >= first && e < last) {
         const float u = static_cast<float>(r.v[j] >> 8) * (1.0f / 16777216.0f);
         y[base + j] = static_cast<double>(u) >= p ? x[base + j] * scale : T(0);
       }
@@ -1392,7 +1396,7 @@ void launch_causal_softmax_backward(const T* probs, T* dprobs, int64_t rows, int
 
 template <typename T>
 void launch_dropout(const T* x, T* y, int64_t rows, int64_t per_row, double p, uint64_t key, int64_t sample_offset,
-                    cudaStream_t stream) {
+                    int64_t element_offset, cudaStream_t stream) {
   if (rows == 0 || per_row == 0) return;
   if (p == 0.0) {  // no mask to draw: a plain copy, bit for bit (as the CPU reference)
     if (y != x) {
@@ -1401,10 +1405,11 @@ void launch_dropout(const T* x, T* y, int64_t rows, int64_t per_row, double p, u
     }
     return;
   }
-  const int64_t groups_per_row = (per_row + 3) / 4;
+  // The groups of four sample elements that [element_offset, element_offset + per_row) touches.
+  const int64_t groups_per_row = (element_offset + per_row + 3) / 4 - element_offset / 4;
   const T scale = static_cast<T>(1.0 / (1.0 - p));
   dropout_kernel<T><<<elementwise_blocks(rows * groups_per_row), kThreads, 0, stream>>>(
-      x, y, rows, per_row, groups_per_row, p, scale, key, static_cast<uint64_t>(sample_offset));
+      x, y, rows, per_row, groups_per_row, p, scale, key, static_cast<uint64_t>(sample_offset), element_offset);
   GPIPE_CHECK_LAUNCH();
 }
 
@@ -1671,12 +1676,12 @@ void causal_softmax_backward(const double* probs, double* dprobs, int64_t rows, 
 }
 
 void dropout(const float* x, float* y, int64_t rows, int64_t per_row, double p, uint64_t key,
-             int64_t sample_offset, cudaStream_t stream) {
-  launch_dropout(x, y, rows, per_row, p, key, sample_offset, stream);
+             int64_t sample_offset, int64_t element_offset, cudaStream_t stream) {
+  launch_dropout(x, y, rows, per_row, p, key, sample_offset, element_offset, stream);
 }
 void dropout(const double* x, double* y, int64_t rows, int64_t per_row, double p, uint64_t key,
-             int64_t sample_offset, cudaStream_t stream) {
-  launch_dropout(x, y, rows, per_row, p, key, sample_offset, stream);
+             int64_t sample_offset, int64_t element_offset, cudaStream_t stream) {
+  launch_dropout(x, y, rows, per_row, p, key, sample_offset, element_offset, stream);
 }
 
 void cast(const void* src, DType from, void* dst, DType to, int64_t n, cudaStream_t stream) {

@@ -316,13 +316,14 @@ void causal_softmax_backward(const double* probs, double* dprobs, int64_t rows, 
                              cudaStream_t stream);
 
 // Inverted dropout, the mask of Backend::dropout: x, y: (rows, per_row); element e of
-// row i is kept iff double(philox_uniform(key, sample_offset + i, e)) >= p, and kept
-// values are multiplied by T(1 / (1 - p)); p == 0 copies. Bit for bit the CPU
-// reference's output. p in [0, 1), sample_offset >= 0 (the caller checks). y may alias x.
+// row i is kept iff double(philox_uniform(key, sample_offset + i, element_offset + e))
+// >= p, and kept values are multiplied by T(1 / (1 - p)); p == 0 copies. Bit for bit
+// the CPU reference's output. p in [0, 1), sample_offset, element_offset >= 0 (the
+// caller checks). y may alias x.
 void dropout(const float* x, float* y, int64_t rows, int64_t per_row, double p, uint64_t key,
-             int64_t sample_offset, cudaStream_t stream);
+             int64_t sample_offset, int64_t element_offset, cudaStream_t stream);
 void dropout(const double* x, double* y, int64_t rows, int64_t per_row, double p, uint64_t key,
-             int64_t sample_offset, cudaStream_t stream);
+             int64_t sample_offset, int64_t element_offset, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace gpipe

@@ -24,10 +24,15 @@ LinearOptions projection(const AttentionOptions& o, int64_t out, uint64_t seed, 
   return l;
 }
 
+// The positions a member holds between the split regions: all, or under sequence
+// parallelism its share (layers/tensor_parallel.h).
+int64_t positions(const AttentionOptions& o) { return o.shard.positions(o.seq_len, "attention"); }
+
 DropoutOptions dropout_options(const AttentionOptions& o) {
-  DropoutOptions d({o.seq_len, o.dim}, o.dropout);
+  DropoutOptions d({positions(o), o.dim}, o.dropout);  // on the projection's output
   d.dtype = o.dtype;
   d.seed = mix_seed(o.seed, 3);
+  d.element_offset = o.shard.first_position(o.seq_len, "attention") * o.dim;
   return d;
 }
 
@@ -52,8 +57,8 @@ const AttentionOptions& checked(const AttentionOptions& o) {
 }  // namespace
 
 CausalSelfAttention::CausalSelfAttention(const AttentionOptions& opts)
-    : Layer({opts.seq_len, opts.dim}, {opts.seq_len, opts.dim}, opts.dtype),
-      opts_(checked(opts)),
+    : Layer({positions(checked(opts)), opts.dim}, {positions(opts), opts.dim}, opts.dtype),
+      opts_(opts),
       // Split by heads: q, k and v are three parts of the qkv projection's outputs.
       qkv_(projection(opts, 3 * opts.dim, mix_seed(opts.seed, 1), opts.shard.as(TensorSplitKind::kColumn, 3))),
       proj_(projection(opts, opts.dim, mix_seed(opts.seed, 2), opts.shard.as(TensorSplitKind::kRow))),

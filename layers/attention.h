@@ -21,7 +21,10 @@ struct AttentionOptions {
   // Split by heads over a tensor group (Megatron's): member r keeps heads [r H/T,
   // (r+1) H/T), its blocks of q, k and v (the qkv projection column-parallel) and of the
   // output projection's inputs (row-parallel: the partial outputs summed, then the bias
-  // and the dropout, whose mask is every member's alike). Input and output are whole.
+  // and the dropout, whose mask is every member's alike). Input and output are whole;
+  // under sequence parallelism (shard.sequence) they are the member's positions
+  // (S/T, dim): qkv all-gathers them, proj reduce-scatters to them, and the dropout
+  // draws the unsplit mask's share there.
   TensorShard shard;
 };
 

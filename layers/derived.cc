@@ -409,7 +409,7 @@ Var Graph::dropout(Var x, double p) {
   Val y = e.make(vx.shape, impl_.dtype);
   e.count(Exec::n(y), Exec::bytes(vx) + Exec::bytes(y));
   impl_.run([&] {
-    if (e.be != nullptr) e.be->dropout(vx.t, p, n.key, n.offset, y.t);
+    if (e.be != nullptr) e.be->dropout(vx.t, p, n.key, n.offset, 0, y.t);
     return y;
   });
   return impl_.add_node(n, y);
@@ -505,7 +505,7 @@ Val input_grad(Exec& e, const Tape& t, const Values& val, int i, int slot, const
     case OpKind::kDropout: {
       Val dx = e.make(target, dt);
       e.count(Exec::n(dx), Exec::bytes(dy) + Exec::bytes(dx));
-      if (e.be != nullptr) e.be->dropout_backward(dy.t, n.scalar, n.key, n.offset, dx.t);
+      if (e.be != nullptr) e.be->dropout_backward(dy.t, n.scalar, n.key, n.offset, 0, dx.t);
       return dx;
     }
     case OpKind::kInput:

@@ -70,7 +70,7 @@ Tensor Dropout::forward_impl(Backend& be, const Tensor& x, Context* ctx, const F
   if (!args.training || opts_.p == 0.0) return x;
   const uint64_t k = key(args.step);
   Tensor y = be.empty(x.shape(), dtype_);
-  be.dropout(x, opts_.p, k, args.sample_offset, y);
+  be.dropout(x, opts_.p, k, args.sample_offset, opts_.element_offset, y);
   if (ctx != nullptr) ctx->saved = {pack_state(k, args.sample_offset)};
   return y;
 }
@@ -82,7 +82,7 @@ Tensor Dropout::backward_impl(Backend& be, const Tensor& dy, const Context& ctx,
   int64_t offset = 0;
   unpack_state(ctx.saved.at(0), &k, &offset);
   Tensor dx = be.empty(dy.shape(), dtype_);
-  be.dropout_backward(dy, opts_.p, k, offset, dx);
+  be.dropout_backward(dy, opts_.p, k, offset, opts_.element_offset, dx);
   return dx;
 }
 

@@ -15,6 +15,10 @@ struct DropoutOptions {
   double p;     // probability of dropping an element, in [0, 1)
   DType dtype = DType::kF32;
   uint64_t seed = 0;
+  // Where this layer's elements start in the whole sample: 0, or for a
+  // sequence-parallel member's positions (layers/tensor_parallel.h) the first of them
+  // times the features. The mask is the unsplit sample's there.
+  int64_t element_offset = 0;
 };
 
 class Dropout : public Layer {

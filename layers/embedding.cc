@@ -9,7 +9,7 @@ namespace gpipe {
 namespace layers {
 
 Embedding::Embedding(const EmbeddingOptions& opts)
-    : Layer({opts.seq_len}, {opts.seq_len, opts.dim}, opts.dtype), opts_(opts) {
+    : Layer({opts.seq_len}, {opts.shard.positions(opts.seq_len, "embedding"), opts.dim}, opts.dtype), opts_(opts) {
   if (opts.vocab <= 0 || opts.dim <= 0 || opts.seq_len <= 0) {
     throw UserError("embedding: vocab, dim and the sequence length must be positive, got vocab=" +
                     std::to_string(opts.vocab) + ", dim=" + std::to_string(opts.dim) +
@@ -36,6 +36,8 @@ Embedding::Embedding(const EmbeddingOptions& opts)
                      : make_parameter("token", {opts.vocab, opts.dim}, bound, mix_seed(opts.seed, 1));
   if (opts.max_positions > 0) {
     position_ = make_parameter("position", {opts.max_positions, opts.dim}, bound, mix_seed(opts.seed, 2));
+    // Under sequence parallelism a member adds (and its gradient takes) its positions' rows only.
+    position_.sequence_partial = s.sequence_split();
   }
 }
 
@@ -68,7 +70,7 @@ LayerCost Embedding::cost(int64_t batch) const {
   c.forward_bytes = ids + es * (n /* token rows */ + (pos ? n : 0) /* position rows */ + n /* out */);
   c.backward_bytes = ids + es * (n /* dout */ + 2 * n /* dtable rows, read and written */ + (pos ? 2 * n : 0));
   c.param_bytes = static_cast<int64_t>(es * (opts_.vocab / opts_.shard.size + opts_.max_positions) * opts_.dim);
-  c.output_bytes = static_cast<int64_t>(es * n);
+  c.output_bytes = static_cast<int64_t>(es * static_cast<double>(batch * shape_numel(output_shape_)));
   c.saved_bytes = static_cast<int64_t>(ids);  // the ids
   return c;
 }
@@ -82,10 +84,16 @@ Tensor Embedding::forward_impl(Backend& be, const Tensor& ids, Context* ctx, con
   }
   // This member's rows, zeros for the others' ids; summed, each position has its one row
   // (exactly: the rest are zeros), and then its position's, as the whole table's lookup.
+  // Under sequence parallelism, the sum at this member's positions (a reduce-scatter),
+  // and their rows of the position table.
   be.embedding_slice(ids, token_.compute(), first_id(), opts_.vocab, out);
-  opts_.shard.sum(be, group_, out, describe());
-  if (opts_.max_positions > 0) be.binary(Binary::kAdd, out, position_.compute().narrow_rows(0, opts_.seq_len), out);
-  return out;
+  Tensor y = opts_.shard.sum_to_positions(be, group_, out, describe());  // (B, T or T / members, C)
+  if (opts_.max_positions > 0) be.binary(Binary::kAdd, y, position_rows(position_.compute()), y);
+  return y;
+}
+
+Tensor Embedding::position_rows(const Tensor& table) const {
+  return table.narrow_rows(opts_.shard.first_position(opts_.seq_len, "embedding"), output_shape_[0]);
 }
 
 Tensor Embedding::backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool) {
@@ -94,7 +102,9 @@ Tensor Embedding::backward_impl(Backend& be, const Tensor& dy, const Context& ct
     be.embedding_backward(ctx.saved.at(0), dy, token_.grad, position_.grad);
     return Tensor();  // ids are not differentiable
   }
-  be.embedding_slice_backward(ctx.saved.at(0), dy, first_id(), opts_.vocab, token_.grad);
+  // The token rows' gradient takes every position's (all-gathered under sequence parallelism).
+  be.embedding_slice_backward(ctx.saved.at(0), opts_.shard.gather_positions(be, group_, dy, describe()), first_id(),
+                              opts_.vocab, token_.grad);
   if (opts_.max_positions > 0) {  // dpos[t] += sum over b of dy[b, t], in the gradient's (master) type
     const DType master = position_.grad.dtype();
     Tensor g = dy;
@@ -102,9 +112,9 @@ Tensor Embedding::backward_impl(Backend& be, const Tensor& dy, const Context& ct
       g = be.empty(dy.shape(), master);
       be.cast(dy, g);
     }
-    Tensor sum = be.empty({opts_.seq_len, opts_.dim}, master);
+    Tensor sum = be.empty({output_shape_[0], opts_.dim}, master);
     be.sum_to(g, sum);
-    Tensor rows = position_.grad.narrow_rows(0, opts_.seq_len);
+    Tensor rows = position_rows(position_.grad);  // this member's positions' (partial: summed over the group later)
     be.axpy(1.0, sum, rows);
   }
   return Tensor();

@@ -19,7 +19,9 @@ struct EmbeddingOptions {
   // Vocabulary-parallel over a tensor group (Megatron's): member r keeps token rows
   // [r V/T, (r+1) V/T), looks up the ids among them (zeros for the others), and the
   // group sums the lookups; the position table whole on every member, added after the
-  // sum. One sum forward, none backward.
+  // sum. One sum forward, none backward. Under sequence parallelism (shard.sequence) the
+  // sum is a reduce-scatter to the member's positions (S/T, dim), which take their rows
+  // of the position table; backward all-gathers the output gradient for the token rows.
   TensorShard shard;
 };
 
@@ -40,6 +42,8 @@ class Embedding : public Layer {
   EmbeddingOptions opts_;
   TensorCollectives* group_ = nullptr;
   int64_t first_id() const;  // the first of this member's token rows
+  // The rows of a position table (or its gradient) for the positions this member holds.
+  Tensor position_rows(const Tensor& table) const;
   Parameter token_;     // (vocab, dim)
   Parameter position_;  // (max_positions, dim)
 };

@@ -86,9 +86,13 @@ constexpr double kRopeFlopsPerElement = 41;
 
 }  // namespace
 
+// The positions a member holds outside the split core: all, or under sequence
+// parallelism its share (layers/tensor_parallel.h).
+static int64_t positions(const GqaAttentionOptions& o) { return o.shard.positions(o.seq_len, "gqa_attention"); }
+
 GqaAttention::GqaAttention(const GqaAttentionOptions& opts)
-    : Layer({opts.seq_len, opts.dim}, {opts.seq_len, opts.dim}, opts.dtype),
-      opts_(checked(opts)),
+    : Layer({positions(checked(opts)), opts.dim}, {positions(opts), opts.dim}, opts.dtype),
+      opts_(opts),
       q_(projection(opts, opts.dim, mix_seed(opts.seed, 1), by_heads(opts))),
       k_(projection(opts, kv_width(opts), mix_seed(opts.seed, 2), kv_by_heads(opts))),
       v_(projection(opts, kv_width(opts), mix_seed(opts.seed, 3), kv_by_heads(opts))),
@@ -175,7 +179,7 @@ LayerCost GqaAttention::cost(int64_t batch) const {
   // weight gradients. W is the four weight gradients (summed above).
   c.input_grad_flops =
       q_.cost(batch).input_grad_flops + k_.cost(batch).input_grad_flops + v_.cost(batch).input_grad_flops + 2 * whole;
-  c.output_bytes = static_cast<int64_t>(es * whole);
+  c.output_bytes = static_cast<int64_t>(es * static_cast<double>(batch * positions(opts_) * opts_.dim));
   return c;
 }
 
@@ -184,9 +188,12 @@ Tensor GqaAttention::forward_impl(Backend& be, const Tensor& x, Context* ctx, co
   const int64_t B = x.size(0), T = opts_.seq_len, C = opts_.dim / opts_.shard.size;
   const int H = static_cast<int>(heads_here()), KV = static_cast<int>(kv_heads_here());
   if (ctx != nullptr) ctx->children.assign(kChildren, Context{});
-  Tensor q = q_.forward(be, x, child(ctx, kQ), args);  // (B, T, C)
-  Tensor k = k_.forward(be, x, child(ctx, kK), args);  // (B, T, KV D)
-  const Tensor v = v_.forward(be, x, child(ctx, kV), args);  // (B, T, KV D)
+  // Under sequence parallelism x is this member's positions: all of them, gathered once
+  // for the three projections.
+  const Tensor xw = opts_.shard.gather_positions(be, group_, x, describe());  // (B, T, dim)
+  Tensor q = q_.forward(be, xw, child(ctx, kQ), args);  // (B, T, C)
+  Tensor k = k_.forward(be, xw, child(ctx, kK), args);  // (B, T, KV D)
+  const Tensor v = v_.forward(be, xw, child(ctx, kV), args);  // (B, T, KV D)
   if (opts_.rope) {
     be.rope(q, H, opts_.rope_base, q);  // fresh outputs no context keeps: in place
     be.rope(k, KV, opts_.rope_base, k);
@@ -241,8 +248,9 @@ Tensor GqaAttention::backward_input_impl(Backend& be, const Tensor& dy, Context&
   if (!need_dx) return Tensor();
   be.axpy(1.0, dx_k, dx);
   be.axpy(1.0, dx_v, dx);
-  opts_.shard.sum(be, group_, dx, describe());  // split: each member's share of dx, summed once
-  return dx;
+  // Split: each member's share of dx, summed once (at this member's positions under
+  // sequence parallelism).
+  return opts_.shard.sum_to_positions(be, group_, dx, describe());
 }
 
 void GqaAttention::backward_weight_impl(Backend& be, Context& ctx) {

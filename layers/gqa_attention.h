@@ -35,7 +35,9 @@ struct GqaAttentionOptions {
   // A group larger than KV (T a multiple of KV) replicates each key/value head over the
   // T / KV members whose query heads it serves: member r keeps head r / (T / KV), and
   // the layer sums those heads' weight gradients over the members after each W
-  // (Parameter::shard_replicas).
+  // (Parameter::shard_replicas). Under sequence parallelism (shard.sequence) input and
+  // output are the member's positions (S/T, dim): gathered once before q, k and v,
+  // and o reduce-scatters to them.
   TensorShard shard;
 };
 

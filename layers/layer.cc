@@ -15,6 +15,10 @@
 namespace gpipe {
 namespace layers {
 
+void mark_sequence_partial(const std::vector<Parameter*>& params, bool partial) {
+  for (Parameter* p : params) p->sequence_partial = partial;
+}
+
 void refresh_all(Backend& be, const std::vector<Parameter*>& params) {
   std::vector<Tensor> masters, working;
   for (Parameter* p : params) {

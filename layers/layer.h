@@ -44,11 +44,20 @@ struct Parameter {
   // layer sums its gradient over those members; the gradient norm and checkpoints count
   // it once. 1: held by one member (or, whole, by every member of a split layer alike).
   int shard_replicas = 1;
+  // A whole parameter of a layer that holds only its member's positions under sequence
+  // parallelism (a norm's weight, a position table; layers/tensor_parallel.h): its
+  // gradient here is a partial sum over the member's positions, and the executor adds
+  // it over the tensor group once it is final, before anything reads it.
+  bool sequence_partial = false;
   // Rounds value into the working copy (nothing without one), on `be`'s stream.
   void refresh(Backend& be) {
     if (working.defined()) be.cast(value, working);
   }
 };
+
+// Marks `params` sequence_partial (above) when `partial`: the parameters of a layer
+// that runs on a member's positions.
+void mark_sequence_partial(const std::vector<Parameter*>& params, bool partial);
 
 // refresh() for each of `params` in one multi-tensor call (one launch on a GPU); those
 // without a working copy are skipped.

@@ -14,6 +14,25 @@ Shape with_last(Shape leading, int64_t last) {
   return leading;
 }
 
+// A sequence-parallel split's place as a TensorShard (its gathers and scatters).
+TensorShard by_positions(const TensorSplit& s) { return {s.rank, s.size, true}; }
+
+// The per-sample leading dimensions of the input (or the output): under sequence
+// parallelism a column-parallel layer's input and a row-parallel layer's output are
+// this member's positions, 1/T of the first.
+Shape leading_here(const LinearOptions& o, bool input) {
+  const TensorSplit& s = o.split;
+  const bool column = s.kind == TensorSplitKind::kColumn;
+  if (!s.sequence_split() || column != input) return o.leading;
+  if (o.leading.empty()) {
+    throw UserError("linear: sequence parallelism splits the positions, and this layer's input has none "
+                    "(leading dimensions); set pipeline.sequence_parallel: false");
+  }
+  Shape l = o.leading;
+  l[0] = by_positions(s).positions(l[0], "linear");
+  return l;
+}
+
 // The features a member of a split layer takes in or gives out (checked: positive and,
 // where split, a multiple of the group's size).
 int64_t features_here(const LinearOptions& o, bool input) {
@@ -42,8 +61,8 @@ int64_t features_here(const LinearOptions& o, bool input) {
 }  // namespace
 
 Linear::Linear(const LinearOptions& opts)
-    : Layer(with_last(opts.leading, features_here(opts, true)), with_last(opts.leading, features_here(opts, false)),
-            opts.dtype),
+    : Layer(with_last(leading_here(opts, true), features_here(opts, true)),
+            with_last(leading_here(opts, false), features_here(opts, false)), opts.dtype),
       opts_(opts) {
   // The unsplit layer's bounds and seeds: a member's block holds the whole layer's values.
   const double fan_in = static_cast<double>(opts.in);
@@ -81,7 +100,8 @@ TensorCollectives& Linear::group() const {
 }
 
 std::string Linear::describe() const {
-  const std::string split = opts_.split.split() ? ", " + opts_.split.str() : "";
+  const std::string split =
+      opts_.split.split() ? ", " + opts_.split.str() + (opts_.split.sequence_split() ? ", by positions" : "") : "";
   return "linear(" + std::to_string(opts_.in) + " -> " + std::to_string(opts_.out) + split + ")";
 }
 
@@ -108,39 +128,71 @@ LayerCost Linear::cost(int64_t batch) const {
   c.weight_grad_bytes = es * (b * out + b * in + 2 * in * out);
   c.backward_bytes = es * (b * out + in * out + b * in) + c.weight_grad_bytes;
   c.param_bytes = static_cast<int64_t>(es * (in * out + (opts_.bias ? out : 0)));
-  c.output_bytes = static_cast<int64_t>(es * b * out);
-  c.saved_bytes = static_cast<int64_t>(es * b * in);  // x
+  // Under sequence parallelism a row-parallel layer's output is this member's positions.
+  c.output_bytes = static_cast<int64_t>(es * static_cast<double>(batch * shape_numel(output_shape_)));
+  c.saved_bytes = static_cast<int64_t>(es * b * in);  // x (a sequence-parallel column's: gathered)
   return c;
 }
 
+// The whole sequence's (B, S, features) from rows of (B S, features).
+static Shape whole_positions(int64_t batch, const Shape& leading, int64_t features) {
+  Shape s{batch};
+  s.insert(s.end(), leading.begin(), leading.end());
+  s.push_back(features);
+  return s;
+}
+
 Tensor Linear::forward_impl(Backend& be, const Tensor& xin, Context* ctx, const ForwardArgs&) {
-  const int64_t in = in_here();
-  const Tensor x = xin.reshape({xin.numel() / in, in});  // (R, in)
+  const int64_t in = in_here(), B = xin.size(0);
+  const TensorSplit& s = opts_.split;
+  const bool column = s.kind == TensorSplitKind::kColumn, row = s.split() && s.kind == TensorSplitKind::kRow;
+  // Sequence-parallel column: every member's positions, gathered.
+  const Tensor xs = s.sequence_split() && column ? by_positions(s).gather_positions(be, group_, xin, describe()) : xin;
+  const Tensor x = xs.reshape({xs.numel() / in, in});  // (R, in)
   Tensor y = be.empty({x.size(0), out_here()}, dtype_);  // (R, out)
   be.matmul_weight(x, false, weight_.compute(), true, y);    // x (R, in) @ W^T (in, out)
-  // Row-parallel: each member's product is a partial sum over its input features.
-  if (opts_.split.split() && opts_.split.kind == TensorSplitKind::kRow) group().all_reduce_sum(be, y);
-  if (opts_.bias) be.add_bias(y, bias_.compute());
   if (ctx != nullptr) ctx->saved = {x};
-  Shape out{xin.size(0)};
+  Shape out{B};
   out.insert(out.end(), output_shape_.begin(), output_shape_.end());
+  if (row && s.sequence_split()) {
+    // Row-parallel: each member's product is a partial sum over its input features; the
+    // group's sum at this member's positions, then the bias there.
+    Tensor whole = y.reshape(whole_positions(B, opts_.leading, out_here()));
+    y = by_positions(s).sum_to_positions(be, group_, whole, describe());
+    y = y.reshape({y.numel() / out_here(), out_here()});
+  } else if (row) {
+    group().all_reduce_sum(be, y);  // the partial sums, whole
+  }
+  if (opts_.bias) be.add_bias(y, bias_.compute());
   return y.reshape(out);
 }
 
 // B: dx = dy W; dy joins the context for W.
 Tensor Linear::backward_input_impl(Backend& be, const Tensor& dyin, Context& ctx, bool need_dx) {
-  const int64_t rows = ctx.saved.at(0).size(0);         // x: (R, in)
-  const Tensor dy = dyin.reshape({rows, out_here()});    // (R, out)
+  const TensorSplit& s = opts_.split;
+  const bool column = s.kind == TensorSplitKind::kColumn;
+  const int64_t rows = ctx.saved.at(0).size(0);  // x: (R, in), the whole positions'
+  // Sequence-parallel row: the output gradient at every member's positions, gathered
+  // (W's dy, the bias's included, is then the whole sequence's on every member).
+  const Tensor dys = s.sequence_split() && !column
+                         ? by_positions(s).gather_positions(be, group_, dyin, describe())
+                         : dyin;
+  const Tensor dy = dys.reshape({rows, out_here()});  // (R, out)
   ctx.saved.push_back(dy);
   if (!need_dx) return Tensor();
   Tensor dx = be.empty({dy.size(0), in_here()}, dtype_);  // (R, in)
   be.matmul_weight(dy, false, weight_.compute(), false, dx); // dy (R, out) @ W (out, in)
-  // Column-parallel: each member's input gradient is a partial sum over its outputs.
-  if (opts_.split.split() && opts_.split.kind == TensorSplitKind::kColumn && opts_.split.sum_input_grad) {
-    group().all_reduce_sum(be, dx);
-  }
   Shape in{dyin.size(0)};
   in.insert(in.end(), input_shape_.begin(), input_shape_.end());
+  // Column-parallel: each member's input gradient is a partial sum over its outputs;
+  // summed whole, or under sequence parallelism at this member's positions.
+  if (s.split() && column && s.sum_input_grad) {
+    if (s.sequence_split()) {
+      Tensor whole = dx.reshape(whole_positions(dyin.size(0), opts_.leading, in_here()));
+        return by_positions(s).sum_to_positions(be, group_, whole, describe()).reshape(in);
+    }
+    group().all_reduce_sum(be, dx);
+  }
   return dx.reshape(in);
 }
 

@@ -16,8 +16,12 @@ enum Child { kNorm1, kAttn, kNorm2, kFfn, kDropAttn, kDropFfn, kChildren };
 
 Context* child(Context* ctx, Child i) { return ctx != nullptr ? &ctx->children[i] : nullptr; }
 
+// The positions a member holds between the split regions: all, or under sequence
+// parallelism its share (layers/tensor_parallel.h).
+int64_t positions(const LlamaBlockOptions& o) { return o.shard.positions(o.seq_len, "llama_block"); }
+
 RmsNormOptions norm(const LlamaBlockOptions& o) {
-  RmsNormOptions n({o.seq_len, o.dim});
+  RmsNormOptions n({positions(o), o.dim});
   n.eps = o.eps;
   n.dtype = o.dtype;
   return n;
@@ -43,9 +47,10 @@ SwiGLUOptions ffn(const LlamaBlockOptions& o) {
 }
 
 DropoutOptions dropout(const LlamaBlockOptions& o, uint64_t branch) {
-  DropoutOptions d({o.seq_len, o.dim}, o.dropout);
+  DropoutOptions d({positions(o), o.dim}, o.dropout);
   d.dtype = o.dtype;
   d.seed = mix_seed(o.seed, branch);
+  d.element_offset = o.shard.first_position(o.seq_len, "llama_block") * o.dim;
   return d;
 }
 
@@ -58,7 +63,7 @@ void prefix(const std::vector<Parameter*>& params, const std::string& name) {
 // dim, heads, kv_heads, hidden and eps are checked by the sub-layers, whose messages
 // name the option.
 LlamaBlock::LlamaBlock(const LlamaBlockOptions& opts)
-    : Layer({opts.seq_len, opts.dim}, {opts.seq_len, opts.dim}, opts.dtype),
+    : Layer({positions(opts), opts.dim}, {positions(opts), opts.dim}, opts.dtype),
       opts_(opts),
       norm1_(norm(opts)),
       attn_(attention(opts)),
@@ -70,6 +75,9 @@ LlamaBlock::LlamaBlock(const LlamaBlockOptions& opts)
   prefix(attn_.parameters(), "attn");
   prefix(norm2_.parameters(), "norm2");
   prefix(ffn_.parameters(), "ffn");
+  // The norms run on the member's positions: their gradients are partial sums.
+  mark_sequence_partial(norm1_.parameters(), opts.shard.sequence_split());
+  mark_sequence_partial(norm2_.parameters(), opts.shard.sequence_split());
 }
 
 std::string LlamaBlock::describe() const {
@@ -96,7 +104,7 @@ std::vector<Parameter*> LlamaBlock::parameters() {
 }
 
 LayerCost LlamaBlock::cost(int64_t batch) const {
-  const double n = static_cast<double>(batch * opts_.seq_len * opts_.dim);  // elements of x
+  const double n = static_cast<double>(batch * positions(opts_) * opts_.dim);  // elements of x (its positions here)
   const double es = static_cast<double>(dtype_size(dtype_));
   LayerCost c;
   for (const Layer* l : std::initializer_list<const Layer*>{&norm1_, &attn_, &norm2_, &ffn_, &drop_attn_, &drop_ffn_}) {

@@ -30,7 +30,10 @@ struct LlamaBlockOptions {
   uint64_t seed = 0;
   // Split over a tensor group (Megatron's): the attention by heads, the SwiGLU by its
   // hidden features; the norms, the dropouts and the residual stream whole on every
-  // member. Two sums forward, two backward.
+  // member. Two sums forward, two backward. Under sequence parallelism (shard.sequence)
+  // the norms, the dropouts and the residual stream hold the member's positions
+  // (S/T, dim), input and output too; the attention and the SwiGLU all-gather them and
+  // reduce-scatter back (seq_len is the whole's).
   TensorShard shard;
 };
 

@@ -49,6 +49,22 @@ void check_sequence_input(const LayerArgs& a, const Shape& in) {
   }
 }
 
+// The whole sequence's positions of an input (T, ...) per sample: under sequence
+// parallelism the member holds 1/T of them (layers/tensor_parallel.h).
+int64_t whole_positions(const Shape& in) {
+  return in.at(0) * (building_member.sequence_split() ? building_member.size : 1);
+}
+
+// The layer types a sequence-parallel model may hold: those that keep each position's
+// features to itself (norms, dropout, activations, an unsplit linear) or that gather
+// the positions they mix (attention, the blocks, the split linears).
+bool runs_on_positions(const std::string& type) {
+  static const std::set<std::string> ok = {"embedding", "transformer_block", "llama_block", "attention",
+                                           "gqa_attention", "swiglu", "linear", "layernorm", "rmsnorm",
+                                           "dropout", "relu", "gelu"};
+  return ok.count(type) > 0;
+}
+
 // Runs `make`, which builds the layer or loss `spec` names, and puts where the config
 // wrote it into a UserError that does not say so yet: constructors name their layer
 // but cannot know its place. The place follows the type, as in the registry's own
@@ -100,12 +116,20 @@ Registry& registry() {
       o.split = building_member.as(parallel == "column" ? TensorSplitKind::kColumn
                                    : parallel == "row"  ? TensorSplitKind::kRow
                                                         : TensorSplitKind::kNone);
-      return std::make_unique<Linear>(o);
+      // Under sequence parallelism a column-parallel layer takes the member's positions
+      // and gathers them (its leading dimensions are the whole sequence's); a
+      // row-parallel one takes every position (a column-parallel one's output).
+      if (o.split.sequence_split() && parallel == "column" && !o.leading.empty()) o.leading[0] = whole_positions(in);
+      auto layer = std::make_unique<Linear>(o);
+      // An unsplit one between them sees the member's positions: partial gradients.
+      mark_sequence_partial(layer->parameters(), building_member.sequence_split() && parallel == "none");
+      return layer;
     });
     layer("swiglu", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
       if (in.empty()) throw UserError("swiglu" + at(a.spec()) + ": needs an input with a feature dimension");
       SwiGLUOptions o(in.back(), a.get_int("hidden"));
       o.leading.assign(in.begin(), in.end() - 1);
+      if (building_member.sequence_split() && !o.leading.empty()) o.leading[0] = whole_positions(in);
       o.dtype = dtype;
       o.seed = seed;
       o.shard = building_member;
@@ -133,18 +157,22 @@ Registry& registry() {
       if (in.empty()) throw UserError("layernorm" + at(a.spec()) + ": needs an input with a feature dimension");
       LayerNormOptions o(in);
       o.dtype = dtype;
-      return std::make_unique<LayerNorm>(o);
+      auto layer = std::make_unique<LayerNorm>(o);
+      mark_sequence_partial(layer->parameters(), building_member.sequence_split());  // on the member's positions
+      return layer;
     });
     layer("rmsnorm", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t) -> std::unique_ptr<Layer> {
       if (in.empty()) throw UserError("rmsnorm" + at(a.spec()) + ": needs an input with a feature dimension");
       RmsNormOptions o(in);
       o.eps = a.get_double("eps", 1e-6);
       o.dtype = dtype;
-      return std::make_unique<RmsNorm>(o);
+      auto layer = std::make_unique<RmsNorm>(o);
+      mark_sequence_partial(layer->parameters(), building_member.sequence_split());  // on the member's positions
+      return layer;
     });
     layer("attention", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
       check_sequence_input(a, in);
-      AttentionOptions o(in[1], a.get_int("heads"), in[0]);
+      AttentionOptions o(in[1], a.get_int("heads"), whole_positions(in));
       o.dropout = a.get_double("dropout", 0.0);
       o.dtype = dtype;
       o.seed = seed;
@@ -155,11 +183,13 @@ Registry& registry() {
       DropoutOptions o(in, a.get_double("p"));
       o.dtype = dtype;
       o.seed = seed;
+      // On the member's positions: its share of the unsplit sample's mask.
+      if (building_member.sequence_split()) o.element_offset = building_member.rank * shape_numel(in);
       return std::make_unique<Dropout>(o);
     });
     layer("transformer_block", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
       check_sequence_input(a, in);
-      TransformerBlockOptions o(in[1], a.get_int("heads"), in[0]);
+      TransformerBlockOptions o(in[1], a.get_int("heads"), whole_positions(in));
       o.mlp_ratio = a.get_int("mlp_ratio", 4);
       o.dropout = a.get_double("dropout", 0.0);
       o.dtype = dtype;
@@ -169,7 +199,7 @@ Registry& registry() {
     });
     layer("gqa_attention", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
       check_sequence_input(a, in);
-      GqaAttentionOptions o(in[1], a.get_int("heads"), in[0]);
+      GqaAttentionOptions o(in[1], a.get_int("heads"), whole_positions(in));
       o.kv_heads = a.get_int("kv_heads", o.heads);
       o.rope = a.get_bool("rope", true);
       o.rope_base = a.get_double("rope_base", 10000.0);
@@ -180,7 +210,7 @@ Registry& registry() {
     });
     layer("llama_block", [](LayerArgs& a, const Shape& in, DType dtype, uint64_t seed) -> std::unique_ptr<Layer> {
       check_sequence_input(a, in);
-      LlamaBlockOptions o(in[1], a.get_int("heads"), a.get_int("hidden"), in[0]);
+      LlamaBlockOptions o(in[1], a.get_int("heads"), a.get_int("hidden"), whole_positions(in));
       o.kv_heads = a.get_int("kv_heads", o.heads);
       o.rope_base = a.get_double("rope_base", 10000.0);
       o.eps = a.get_double("eps", 1e-6);
@@ -429,6 +459,31 @@ std::unique_ptr<Sequential> build_model(const ModelSpec& spec, const LayerFilter
     bool outer_head;
   } member(spec.member);
   const bool split = spec.member.split();
+  if (spec.member.sequence_split()) {
+    // Sequence parallelism: the embedding scatters each sample's positions over the
+    // group, the head gathers them back; every layer between runs on a member's share.
+    const LayerSpec& first = spec.layers.front();
+    const LayerSpec& last = spec.layers.back();
+    const std::string fix = "; or set pipeline.sequence_parallel: false";
+    if (first.type != "embedding") {
+      throw UserError("pipeline.sequence_parallel splits each sample's positions over the tensor group from the "
+                      "model's embedding on, but its first layer is " + first.type + at(first) +
+                      "; start the model with an embedding layer (token ids)" + fix);
+    }
+    if (last.type != "linear" || spec.loss.type != "softmax_cross_entropy") {
+      throw UserError("pipeline.sequence_parallel gathers the positions back in the model's output head, a linear "
+                      "layer before softmax_cross_entropy, but the model ends with " + last.type + at(last) +
+                      " and " + spec.loss.type + "; end it with such a head" + fix);
+    }
+    for (const LayerSpec& ls : spec.layers) {
+      if (!runs_on_positions(ls.type)) {
+        throw UserError(ls.type + at(ls) + ": sequence parallelism runs each layer on a member's share of the "
+                        "positions, and " + ls.type + " mixes positions without gathering them; use the sequence "
+                        "layers (embedding, transformer_block, llama_block, attention, gqa_attention, swiglu, linear, "
+                        "layernorm, rmsnorm, dropout, relu, gelu)" + fix);
+      }
+    }
+  }
   for (size_t i = 0; i < spec.layers.size(); ++i) {
     // A split model's head: its last layer, a linear one before softmax_cross_entropy.
     building_head = split && i + 1 == spec.layers.size() && spec.layers[i].type == "linear" &&

@@ -32,6 +32,20 @@ Shape with_last(Shape leading, int64_t last) {
   return leading;
 }
 
+// The input's and output's leading dimensions: under sequence parallelism this member's
+// share of the positions (the first).
+Shape leading_here(const SwiGLUOptions& o) {
+  Shape l = o.leading;
+  if (o.shard.sequence_split()) {
+    if (l.empty()) {
+      throw UserError("swiglu: sequence parallelism splits the positions, and this layer's input has none; set "
+                      "pipeline.sequence_parallel: false");
+    }
+    l[0] = o.shard.positions(l[0], "swiglu");
+  }
+  return l;
+}
+
 // The gating's operations per element, as the elementwise layers count theirs
 // (layers/activation.cc): the exponential as 25 (fast_expf's count; the unary kernels
 // call the math library's), sigmoid 1 / (1 + e) or e / (1 + e) with its branch 28, silu's
@@ -43,7 +57,7 @@ constexpr double kGateForwardFlops = 30, kGateBackwardFlops = 36;
 }  // namespace
 
 SwiGLU::SwiGLU(const SwiGLUOptions& opts)
-    : Layer(with_last(opts.leading, opts.dim), with_last(opts.leading, opts.dim), opts.dtype),
+    : Layer(with_last(leading_here(opts), opts.dim), with_last(leading_here(opts), opts.dim), opts.dtype),
       opts_(opts),
       gate_(projection(opts, opts.dim, opts.hidden, mix_seed(opts.seed, 1),
                        opts.shard.as(TensorSplitKind::kColumn, 1, /*sum_input_grad=*/false))),
@@ -89,15 +103,17 @@ LayerCost SwiGLU::cost(int64_t batch) const {
   c.backward_bytes += es * 11 * h + es * 3 * n;
   c.backward_parts.push_back({false, kGateBackwardFlops * h, es * 11 * h});
   c.backward_parts.push_back({false, n, es * 3 * n});
-  c.output_bytes = static_cast<int64_t>(es * n);
+  c.output_bytes = static_cast<int64_t>(es * static_cast<double>(batch * shape_numel(leading_here(opts_)) * opts_.dim));
   c.saved_bytes += static_cast<int64_t>(es * 2 * h);  // a and b, beside the projections' inputs
   return c;
 }
 
 Tensor SwiGLU::forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) {
   if (ctx != nullptr) ctx->children.assign(kChildren, Context{});
-  const Tensor a = gate_.forward(be, x, child(ctx, kGate), args);  // (B, *leading, hidden)
-  const Tensor b = up_.forward(be, x, child(ctx, kUp), args);      // (B, *leading, hidden)
+  // Under sequence parallelism x is this member's positions: all of them, gathered once.
+  const Tensor xw = opts_.shard.gather_positions(be, group_, x, describe());
+  const Tensor a = gate_.forward(be, xw, child(ctx, kGate), args);  // (B, *leading, hidden)
+  const Tensor b = up_.forward(be, xw, child(ctx, kUp), args);      // (B, *leading, hidden)
   Tensor g = be.empty(a.shape(), dtype_);
   be.swiglu(a, b, g);  // g = silu(a) * b
   if (ctx != nullptr) ctx->saved = {a, b};
@@ -119,8 +135,8 @@ Tensor SwiGLU::backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, 
   ctx.saved.clear();  // W needs only the projections' contexts
   if (!need_dx) return Tensor();
   be.axpy(1.0, dx_up, dx);
-  opts_.shard.sum(be, group_, dx, describe());  // split: each member's share of dx, summed once
-  return dx;
+  // Split: each member's share of dx, summed once (at its positions under sequence parallelism).
+  return opts_.shard.sum_to_positions(be, group_, dx, describe());
 }
 
 void SwiGLU::backward_weight_impl(Backend& be, Context& ctx) {

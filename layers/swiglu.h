@@ -21,7 +21,9 @@ struct SwiGLUOptions {
   uint64_t seed = 0;
   // Split over a tensor group by the hidden features (Megatron's): gate and up
   // column-parallel, down row-parallel; one sum forward (down's), one backward (the
-  // gate's and up's input gradients, added first).
+  // gate's and up's input gradients, added first). Under sequence parallelism
+  // (shard.sequence) leading is the whole sequence's and input and output are this
+  // member's positions: gathered once before gate and up, down reduce-scatters to them.
   TensorShard shard;
 };
 

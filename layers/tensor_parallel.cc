@@ -15,37 +15,105 @@ std::string TensorSplit::str() const {
          std::to_string(size);
 }
 
-void TensorShard::sum(Backend& be, TensorCollectives* group, Tensor& t, const std::string& who) const {
-  if (!split()) return;
+TensorCollectives& TensorShard::checked(TensorCollectives* group, const std::string& who) const {
   if (group == nullptr || group->size() != size || group->rank() != rank) {
     throw Error(who + " is split over a tensor group of " + std::to_string(size) + " but was given " +
                 (group == nullptr ? std::string("none")
                                   : "member " + std::to_string(group->rank()) + " of " + std::to_string(group->size())) +
                 " (set_collectives)");
   }
-  group->all_reduce_sum(be, t);
+  return *group;
+}
+
+void TensorShard::sum(Backend& be, TensorCollectives* group, Tensor& t, const std::string& who) const {
+  if (!split()) return;
+  checked(group, who).all_reduce_sum(be, t);
+}
+
+int64_t TensorShard::positions(int64_t seq_len, const std::string& who) const {
+  if (!sequence_split()) return seq_len;
+  if (seq_len % size != 0) {
+    throw UserError(who + ": a sequence of " + std::to_string(seq_len) + " positions does not split into " +
+                    std::to_string(size) + " equal shares over a tensor group of " + std::to_string(size) +
+                    " (pipeline.sequence_parallel); make the sequence length a multiple of the group's size, or set "
+                    "pipeline.sequence_parallel: false");
+  }
+  return seq_len / size;
+}
+
+Tensor TensorShard::sum_to_positions(Backend& be, TensorCollectives* group, Tensor& t, const std::string& who) const {
+  if (!sequence_split()) {
+    sum(be, group, t, who);
+    return t;
+  }
+  GPIPE_CHECK(t.dim() >= 2 && t.size(1) % size == 0, who + ": no " + std::to_string(size) + " shares of positions in " +
+                                                          t.str());
+  Shape shape = t.shape();
+  shape[1] /= size;
+  Tensor shard = be.empty(shape, t.dtype());
+  checked(group, who).reduce_scatter_positions(be, t, shard);
+  return shard;
+}
+
+Tensor TensorShard::gather_positions(Backend& be, TensorCollectives* group, const Tensor& x,
+                                     const std::string& who) const {
+  if (!sequence_split()) return x;
+  GPIPE_CHECK(x.dim() >= 2, who + ": no positions in " + x.str());
+  Shape shape = x.shape();
+  shape[1] *= size;
+  Tensor whole = be.empty(shape, x.dtype());
+  checked(group, who).all_gather_positions(be, x, whole);
+  return whole;
 }
 
 namespace {
-thread_local int64_t g_shape_sums = 0, g_shape_sum_bytes = 0;  // GroupSumCount's
+// GroupSumCount's.
+thread_local int64_t g_shape_sums = 0, g_shape_sum_bytes = 0, g_shape_gathers = 0, g_shape_gather_bytes = 0;
+
+// The bytes a group moves for `t`: a bfloat16 or float16 tensor goes as float32
+// (GroupCollectives::on_host).
+int64_t group_bytes(const Tensor& t) {
+  return t.numel() * static_cast<int64_t>(is_narrow(t.dtype()) ? 4 : dtype_size(t.dtype()));
+}
 
 void check_on_shapes(const Tensor& t) {
   if (!t.is_meta()) {
-    throw Error("a tensor group's sum on shapes (ShapeCollectives) was given a tensor with data, " + t.str() +
+    throw Error("a tensor group's collective on shapes (ShapeCollectives) was given a tensor with data, " + t.str() +
                 "; a run sums over its real group (GroupCollectives)");
   }
-  // A bfloat16 or float16 tensor is summed in float32 (GroupCollectives::on_host).
+}
+
+void count_sum(const Tensor& t) {
+  check_on_shapes(t);
   g_shape_sums += 1;
-  g_shape_sum_bytes += t.numel() * static_cast<int64_t>(is_narrow(t.dtype()) ? 4 : dtype_size(t.dtype()));
+  g_shape_sum_bytes += group_bytes(t);
+}
+
+void count_gather(const Tensor& shard, const Tensor& whole, int size) {
+  check_on_shapes(shard);
+  check_on_shapes(whole);
+  GPIPE_CHECK(whole.numel() == shard.numel() * size && whole.dim() >= 2 && whole.size(0) == shard.size(0),
+              "a sequence collective of " + shard.str() + " and " + whole.str() + " over " + std::to_string(size));
+  g_shape_gathers += 1;
+  g_shape_gather_bytes += group_bytes(whole);
 }
 }  // namespace
 
-GroupSumCount::GroupSumCount() : sums_(g_shape_sums), bytes_(g_shape_sum_bytes) {}
+GroupSumCount::GroupSumCount()
+    : sums_(g_shape_sums), bytes_(g_shape_sum_bytes), gathers_(g_shape_gathers), gather_bytes_(g_shape_gather_bytes) {}
 int64_t GroupSumCount::sums() const { return g_shape_sums - sums_; }
 int64_t GroupSumCount::bytes() const { return g_shape_sum_bytes - bytes_; }
+int64_t GroupSumCount::gathers() const { return g_shape_gathers - gathers_; }
+int64_t GroupSumCount::gather_bytes() const { return g_shape_gather_bytes - gather_bytes_; }
 
-void ShapeCollectives::all_reduce_sum(Backend&, Tensor& t) { check_on_shapes(t); }
-void ShapeCollectives::all_reduce_max(Backend&, Tensor& t) { check_on_shapes(t); }
+void ShapeCollectives::all_reduce_sum(Backend&, Tensor& t) { count_sum(t); }
+void ShapeCollectives::all_reduce_max(Backend&, Tensor& t) { count_sum(t); }
+void ShapeCollectives::all_gather_positions(Backend&, const Tensor& shard, Tensor& whole) {
+  count_gather(shard, whole, size_);
+}
+void ShapeCollectives::reduce_scatter_positions(Backend&, const Tensor& whole, Tensor& shard) {
+  count_gather(shard, whole, size_);
+}
 
 template <typename F>
 void GroupCollectives::on_host(Backend& be, Tensor& t, F&& reduce) {
@@ -71,6 +139,75 @@ void GroupCollectives::on_host(Backend& be, Tensor& t, F&& reduce) {
     copy_tensor(host, t);
   }
   seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+template <typename F>
+void GroupCollectives::on_host(Backend& be, const Tensor& in, Tensor& out, F&& move) {
+  if (is_narrow(in.dtype())) {  // as above: in float32 (an all-gather is exact either way)
+    Tensor wide_in = be.empty(in.shape(), DType::kF32), wide_out = be.empty(out.shape(), DType::kF32);
+    be.cast(in, wide_in);
+    on_host(be, wide_in, wide_out, move);
+    be.cast(wide_out, out);
+    return;
+  }
+  be.synchronize();
+  const auto start = std::chrono::steady_clock::now();
+  const bool host = in.device().is_cpu() && in.is_contiguous();
+  Tensor hin = in;
+  if (!host) {
+    hin = Tensor::empty(in.shape(), in.dtype(), Device::cpu());
+    copy_tensor(in, hin);
+  }
+  Tensor hout = out.device().is_cpu() ? out : Tensor::empty(out.shape(), out.dtype(), Device::cpu());
+  move(hin, hout);
+  if (!out.device().is_cpu()) copy_tensor(hout, out);
+  seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+namespace {
+// `from` (B, T, run) to `to` (T, B, run), or back (member_major false): the members'
+// shares of each sample's positions, batch-major as a layer holds them, member-major as
+// a group's all-gather and reduce-scatter take their blocks. Host tensors, copies.
+void regroup(const Tensor& from, Tensor& to, int64_t batch, int members, bool member_major) {
+  GPIPE_CHECK(from.nbytes() == to.nbytes() && from.is_contiguous() && to.is_contiguous(),
+              "regroup: " + from.str() + " and " + to.str());
+  const int64_t run = static_cast<int64_t>(from.nbytes()) / (batch * members);
+  const char* src = static_cast<const char*>(from.raw_data());
+  char* dst = static_cast<char*>(to.raw_data());
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int r = 0; r < members; ++r) {
+      const int64_t batch_at = (b * members + r) * run, member_at = (r * batch + b) * run;
+      std::memcpy(dst + (member_major ? member_at : batch_at), src + (member_major ? batch_at : member_at),
+                  static_cast<size_t>(run));
+    }
+  }
+}
+}  // namespace
+
+void GroupCollectives::all_gather_positions(Backend& be, const Tensor& shard, Tensor& whole) {
+  const int T = group_.size();
+  GPIPE_CHECK(whole.numel() == shard.numel() * T && whole.dim() >= 2 && whole.size(0) == shard.size(0) &&
+                  whole.dtype() == shard.dtype(),
+              "all_gather_positions: " + whole.str() + " is not " + std::to_string(T) + " shares of " + shard.str());
+  on_host(be, shard, whole, [&](const Tensor& in, Tensor& out) {
+    Tensor blocks = Tensor::empty({T * in.numel()}, in.dtype(), Device::cpu());  // member-major
+    group_.all_gather(in.reshape({in.numel()}), blocks);
+    regroup(blocks, out, in.size(0), T, /*member_major=*/false);
+  });
+}
+
+void GroupCollectives::reduce_scatter_positions(Backend& be, const Tensor& whole, Tensor& shard) {
+  const int T = group_.size();
+  GPIPE_CHECK(whole.numel() == shard.numel() * T && whole.dim() >= 2 && whole.size(0) == shard.size(0) &&
+                  whole.dtype() == shard.dtype(),
+              "reduce_scatter_positions: " + whole.str() + " is not " + std::to_string(T) + " shares of " +
+                  shard.str());
+  on_host(be, whole, shard, [&](const Tensor& in, Tensor& out) {
+    Tensor blocks = Tensor::empty({in.numel()}, in.dtype(), Device::cpu());  // member-major
+    regroup(in, blocks, in.size(0), T, /*member_major=*/true);
+    Tensor mine = out.reshape({out.numel()});
+    group_.reduce_scatter_sum(blocks, mine);
+  });
 }
 
 void GroupCollectives::all_reduce_sum(Backend& be, Tensor& t) {

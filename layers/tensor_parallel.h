@@ -12,7 +12,19 @@
 //
 // A column-parallel layer followed by elementwise work and a row-parallel layer (an MLP)
 // needs one sum forward and one backward: the blocks between them never leave their
-// member. The executor's placement of a stage on T processes, the planner's pricing of the
+// member.
+//
+// Sequence parallelism (Korthikanti et al., Megatron-LM's --sequence-parallel): between
+// the split regions (the norms, the dropouts, the residual stream) each member holds
+// only its share of the positions, (B, S/T, C): positions [r S/T, (r+1) S/T). A
+// column-parallel layer all-gathers its input along the positions first (and
+// reduce-scatters its input gradient back, in place of the all-reduce); a row-parallel
+// layer reduce-scatters its partial output to the member's positions (in place of the
+// all-reduce; its output gradient is all-gathered). The same bytes move as without it,
+// and the activations between the regions are 1/T of theirs. The parameters of a layer
+// between the regions (a norm's weight, a position table) see only the member's
+// positions: their gradients are partial sums, which the executor adds over the group
+// once they are final (Parameter::sequence_partial). The executor's placement of a stage on T processes, the planner's pricing of the
 // sums and whole-by-name checkpoints of the shards build on this (docs/ARCHITECTURE.md).
 #pragma once
 
@@ -42,7 +54,13 @@ struct TensorSplit {
   // itself; false where its caller adds it to other partial gradients first and sums
   // once (a SwiGLU's gate and up, an attention's q, k and v).
   bool sum_input_grad = true;
+  // Sequence parallelism: column-parallel (with sum_input_grad), the input is this
+  // member's positions, all-gathered first, and its gradient reduce-scattered back;
+  // row-parallel, the output is reduce-scattered to this member's positions. Over
+  // the first per-sample dimension (LinearOptions::leading, the whole sequence's).
+  bool sequence = false;
   bool split() const { return kind != TensorSplitKind::kNone && size > 1; }
+  bool sequence_split() const { return sequence && split(); }
   // "column 1/4", or "" for a layer that is not split.
   std::string str() const;
 };
@@ -52,13 +70,35 @@ struct TensorSplit {
 struct TensorShard {
   int rank = 0;
   int size = 1;
+  // Sequence parallelism (above): the layer's input and output are this member's
+  // positions, (B, S/T, ...).
+  bool sequence = false;
   bool split() const { return size > 1; }
+  bool sequence_split() const { return sequence && split(); }
+  // A linear part's split. Column-parallel parts that leave their input gradient to the
+  // caller (sum_input_grad false) take the whole positions the caller gathered.
   TensorSplit as(TensorSplitKind kind, int groups = 1, bool sum_input_grad = true) const {
-    return {kind, rank, size, groups, sum_input_grad};
+    return {kind, rank, size, groups, sum_input_grad, sequence && (kind == TensorSplitKind::kRow || sum_input_grad)};
+  }
+  // The positions this member holds of a sequence of `seq_len`: all of them, or under
+  // sequence parallelism seq_len / size (a UserError naming `who` where it does not
+  // divide), from first_position.
+  int64_t positions(int64_t seq_len, const std::string& who) const;
+  int64_t first_position(int64_t seq_len, const std::string& who) const {
+    return sequence_split() ? rank * positions(seq_len, who) : 0;
   }
   // `t`, a partial sum on each member (the inputs' gradient of column-parallel parts
   // that left it to their caller), summed over the group; nothing when not split.
   void sum(Backend& be, TensorCollectives* group, Tensor& t, const std::string& who) const;
+  // The same partial sum, returned: whole (sum), or under sequence parallelism this
+  // member's positions of it (a reduce-scatter along dimension 1, (B, S, ...) to
+  // (B, S/T, ...)).
+  Tensor sum_to_positions(Backend& be, TensorCollectives* group, Tensor& t, const std::string& who) const;
+  // `x`: under sequence parallelism this member's positions (B, S/T, ...), returned
+  // all-gathered to (B, S, ...); otherwise x itself.
+  Tensor gather_positions(Backend& be, TensorCollectives* group, const Tensor& x, const std::string& who) const;
+  // The group, checked to be this shard's (an Error naming `who` and set_collectives).
+  TensorCollectives& checked(TensorCollectives* group, const std::string& who) const;
 };
 
 // The sums a split layer asks of its tensor group. Every member calls them in the same
@@ -74,6 +114,12 @@ class TensorCollectives {
   // `t` in place, each element the largest over the group (a vocabulary-parallel loss's
   // row maxima).
   virtual void all_reduce_max(Backend& be, Tensor& t) = 0;
+  // Sequence parallelism: `shard` (B, S/T, ...) is this member's positions; `whole`
+  // (B, S, ...) gets every member's in member order (exact: copies).
+  virtual void all_gather_positions(Backend& be, const Tensor& shard, Tensor& whole) = 0;
+  // `whole` (B, S, ...), a partial sum on each member; `shard` (B, S/T, ...) gets the
+  // group's sum at this member's positions.
+  virtual void reduce_scatter_positions(Backend& be, const Tensor& whole, Tensor& shard) = 0;
 };
 
 // A tensor group's sums over any ReplicaGroup (runtime/transport.h) that sums host
@@ -88,6 +134,8 @@ class GroupCollectives : public TensorCollectives {
   int rank() const override { return group_.rank(); }
   void all_reduce_sum(Backend& be, Tensor& t) override;
   void all_reduce_max(Backend& be, Tensor& t) override;
+  void all_gather_positions(Backend& be, const Tensor& shard, Tensor& whole) override;
+  void reduce_scatter_positions(Backend& be, const Tensor& whole, Tensor& shard) override;
   // Host seconds spent in this group's sums so far, from the moment the device's queued
   // work is done (which a GPU's events count as the layer's compute): the copies, the
   // wait for the other members and the transfer. The executor's account of a split
@@ -97,6 +145,10 @@ class GroupCollectives : public TensorCollectives {
  private:
   template <typename F>
   void on_host(Backend& be, Tensor& t, F&& reduce);
+  // `in` to `out` through host copies by `move` (host in, host out), timed as on_host;
+  // narrow types in float32.
+  template <typename F>
+  void on_host(Backend& be, const Tensor& in, Tensor& out, F&& move);
   ReplicaGroup& group_;
   double seconds_ = 0;  // one member's thread calls it
 };
@@ -112,22 +164,29 @@ class ShapeCollectives : public TensorCollectives {
   int rank() const override { return rank_; }
   void all_reduce_sum(Backend& be, Tensor& t) override;
   void all_reduce_max(Backend& be, Tensor& t) override;
+  void all_gather_positions(Backend& be, const Tensor& shard, Tensor& whole) override;
+  void reduce_scatter_positions(Backend& be, const Tensor& whole, Tensor& shard) override;
 
  private:
   int rank_, size_;
 };
 
 // The tensor-group sums ShapeCollectives saw on this thread since this object was made
-// (nested counts each see all of theirs): how many, and their bytes. The planner counts
-// a member's sums per layer on shapes with it, and prices them over the group's link.
+// (nested counts each see all of theirs): how many, and their bytes; and the
+// all-gathers and reduce-scatters of sequence parallelism, each one pass of a ring
+// (half an all-reduce), and the bytes of their whole (B, S, ...) tensors. The planner
+// counts a member's collectives per layer on shapes with it, and prices them over the
+// group's link.
 class GroupSumCount {
  public:
   GroupSumCount();
   int64_t sums() const;
   int64_t bytes() const;
+  int64_t gathers() const;
+  int64_t gather_bytes() const;
 
  private:
-  int64_t sums_, bytes_;
+  int64_t sums_, bytes_, gathers_, gather_bytes_;
 };
 
 // Checkpoints keep a split parameter whole, by its name (the layout any T loads): its

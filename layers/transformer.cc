@@ -23,8 +23,12 @@ const TransformerBlockOptions& checked(const TransformerBlockOptions& o) {
   return o;  // dim, heads and dropout are checked by the sub-layers
 }
 
+// The positions a member holds between the split regions: all, or under sequence
+// parallelism its share (layers/tensor_parallel.h).
+int64_t positions(const TransformerBlockOptions& o) { return o.shard.positions(o.seq_len, "transformer_block"); }
+
 LayerNormOptions norm(const TransformerBlockOptions& o) {
-  LayerNormOptions n({o.seq_len, o.dim});
+  LayerNormOptions n({positions(o), o.dim});
   n.dtype = o.dtype;
   return n;
 }
@@ -48,9 +52,10 @@ LinearOptions fc(const TransformerBlockOptions& o, int64_t in, int64_t out, uint
 }
 
 DropoutOptions dropout(const TransformerBlockOptions& o) {
-  DropoutOptions d({o.seq_len, o.dim}, o.dropout);
+  DropoutOptions d({positions(o), o.dim}, o.dropout);
   d.dtype = o.dtype;
   d.seed = mix_seed(o.seed, 4);
+  d.element_offset = o.shard.first_position(o.seq_len, "transformer_block") * o.dim;
   return d;
 }
 
@@ -61,7 +66,7 @@ void prefix(const std::vector<Parameter*>& params, const std::string& name) {
 }  // namespace
 
 TransformerBlock::TransformerBlock(const TransformerBlockOptions& opts)
-    : Layer({opts.seq_len, opts.dim}, {opts.seq_len, opts.dim}, opts.dtype),
+    : Layer({positions(opts), opts.dim}, {positions(opts), opts.dim}, opts.dtype),
       opts_(checked(opts)),
       ln1_(norm(opts)),
       attn_(attention(opts)),
@@ -75,6 +80,9 @@ TransformerBlock::TransformerBlock(const TransformerBlockOptions& opts)
   prefix(ln2_.parameters(), "ln2");
   prefix(fc1_.parameters(), "fc1");
   prefix(fc2_.parameters(), "fc2");
+  // The norms run on the member's positions: their gradients are partial sums.
+  mark_sequence_partial(ln1_.parameters(), opts.shard.sequence_split());
+  mark_sequence_partial(ln2_.parameters(), opts.shard.sequence_split());
 }
 
 std::string TransformerBlock::describe() const {
@@ -101,7 +109,7 @@ std::vector<Parameter*> TransformerBlock::parameters() {
 }
 
 LayerCost TransformerBlock::cost(int64_t batch) const {
-  const double n = static_cast<double>(batch * opts_.seq_len * opts_.dim);  // elements of x
+  const double n = static_cast<double>(batch * positions(opts_) * opts_.dim);  // elements of x (its positions here)
   const double es = static_cast<double>(dtype_size(dtype_));
   LayerCost c;
   for (const Layer* l : std::initializer_list<const Layer*>{&ln1_, &attn_, &ln2_, &fc1_, &gelu_, &fc2_, &drop_}) {

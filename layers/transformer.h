@@ -28,7 +28,10 @@ struct TransformerBlockOptions {
   // Split over a tensor group (Megatron's): the attention by heads, the MLP by its
   // hidden features (fc1 column-parallel, GELU on the member's block, fc2 row-parallel);
   // the layer norms and the residual stream whole on every member. Two sums forward
-  // (after attention's projection and after fc2), two backward.
+  // (after attention's projection and after fc2), two backward. Under sequence
+  // parallelism (shard.sequence) the norms, the dropouts and the residual stream hold
+  // the member's positions (S/T, dim), input and output too: attention's qkv and fc1
+  // all-gather them, its projection and fc2 reduce-scatter back (seq_len is the whole's).
   TensorShard shard;
 };
 

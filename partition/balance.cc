@@ -11,19 +11,21 @@
 namespace gpipe {
 namespace partition {
 
-double CostModel::group_time(int64_t sums, double bytes) const {
-  if (tensor_members <= 1 || sums == 0) return 0;
-  const double T = tensor_members, steps = 2 * (T - 1);
-  const double moved = bytes * steps / T;
-  return static_cast<double>(sums) * steps * group_latency_seconds +
-         (group_bytes_per_second > 0 ? moved / group_bytes_per_second : 0.0);
+double CostModel::group_time(int64_t sums, double bytes, int64_t gathers, double gather_bytes) const {
+  if (tensor_members <= 1 || (sums == 0 && gathers == 0)) return 0;
+  const double T = tensor_members, pass = T - 1;  // one pass of the ring: T - 1 steps
+  const double passes = 2 * static_cast<double>(sums) + static_cast<double>(gathers);
+  const double moved = (2 * bytes + gather_bytes) * pass / T;
+  return passes * pass * group_latency_seconds + (group_bytes_per_second > 0 ? moved / group_bytes_per_second : 0.0);
 }
 
 CostModel::GroupSeconds CostModel::group_seconds(int layer, int64_t batch) const {
   const LayerLaunches n = launches_of(layer);
   const double b = static_cast<double>(batch);
-  return {group_time(n.group_sums_forward, b * n.group_bytes_forward),
-          group_time(n.group_sums_backward, b * n.group_bytes_backward),
+  return {group_time(n.group_sums_forward, b * n.group_bytes_forward, n.group_gathers_forward,
+                     b * n.group_gather_bytes_forward),
+          group_time(n.group_sums_backward, b * n.group_bytes_backward, n.group_gathers_backward,
+                     b * n.group_gather_bytes_backward),
           group_time(n.group_sums_weight, static_cast<double>(n.group_bytes_weight))};
 }
 

@@ -27,6 +27,11 @@ struct LayerLaunches {
   // bytes do not.
   int64_t group_sums_forward = 0, group_sums_backward = 0, group_sums_weight = 0;
   int64_t group_bytes_forward = 0, group_bytes_backward = 0, group_bytes_weight = 0;
+  // Under sequence parallelism: its all-gathers and reduce-scatters of positions in F
+  // and in B, each one pass of a ring, and the bytes of their whole tensors at a batch
+  // of one sample.
+  int64_t group_gathers_forward = 0, group_gathers_backward = 0;
+  int64_t group_gather_bytes_forward = 0, group_gather_bytes_backward = 0;
 };
 
 // Turns a layer's counts into seconds: a roofline-style estimate that charges the
@@ -47,11 +52,15 @@ struct CostModel {
   std::shared_ptr<const std::vector<LayerLaunches>> launches;
   // A member of a tensor group of this many (1: not split): each of its layers' sums
   // (LayerLaunches::group_*) over a ring of the members, NCCL's all-reduce: 2 (T-1)/T of
-  // the bytes each way at group_bytes_per_second, and 2 (T-1) steps of group_latency_seconds.
+  // the bytes each way at group_bytes_per_second, and 2 (T-1) steps of group_latency_seconds;
+  // an all-gather or a reduce-scatter half of that: (T-1)/T of its whole tensor's bytes,
+  // T-1 steps.
   int tensor_members = 1;
   double group_latency_seconds = 0, group_bytes_per_second = 0;
-  // The seconds of `sums` sums of `bytes` in all over the group (0 when not split).
-  double group_time(int64_t sums, double bytes) const;
+  // The seconds of `sums` sums of `bytes` in all, and `gathers` all-gathers or
+  // reduce-scatters of whole tensors of `gather_bytes` in all, over the group (0 when
+  // not split).
+  double group_time(int64_t sums, double bytes, int64_t gathers = 0, double gather_bytes = 0) const;
   // Layer `layer`'s sums over the group at a micro-batch of `batch` samples, in seconds:
   // in F (and R), in B (their bytes grow with the batch) and in W (they do not).
   struct GroupSeconds {

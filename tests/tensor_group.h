@@ -71,6 +71,15 @@ inline const char* kTensorParallelLlama = R"(model:
 train: {steps: 1, batch_size: 3}
 )";
 
+// A config of the above with samples of `positions` tokens (for sequence parallelism, a
+// multiple of T).
+inline std::string with_positions(const std::string& text, int positions) {
+  std::string out = text;
+  const std::string six = "input: [6]";
+  out.replace(out.find(six), six.size(), "input: [" + std::to_string(positions) + "]");
+  return out;
+}
+
 // The LLaMA config with fewer key/value heads than a group of 4 members: at T = 4 each of
 // its 2 key/value heads is replicated over the 2 members whose query heads it serves.
 inline std::string tensor_parallel_llama(int kv_heads) {

@@ -7,6 +7,8 @@
 #     (each replicated over 2 members) at K=2 x T=4, give the one-process losses
 #     and evaluation to 1e-12 with AdamW and clipping; each process holds its blocks of
 #     the split layers (fewer parameters than the whole model, the log says how many);
+#     with sequence parallelism (pipeline.sequence_parallel) GPT at K=1 x T=2, K=2 x T=4
+#     and K=2 x T=2 x D=2 sharded, LLaMA at K=1 x T=4 x D=2, the same;
 #  2. a checkpoint saved at K=2 x T=2 is whole by name (the unsplit model's shapes,
 #     read with Python's safetensors layout) and resumes in one process (T=1) and at
 #     K=1 x T=4 with the uninterrupted run's losses (1e-12);
@@ -133,6 +135,25 @@ sed 's/kv_heads: 4/kv_heads: 2/' llama64.yaml > llama64kv2.yaml
 run k1 llama64kv2.yaml 1 1 1
 run k241 llama64kv2.yaml 2 4 1
 same k1 k241 "LLaMA with 2 key/value heads replicated over pairs of members at K=2 x T=4"
+# Sequence parallelism: each member holds its share of the positions between the split
+# layers (its messages to the next stage too), the same losses and evaluation.
+seq=(--set pipeline.sequence_parallel=true)
+for layout in "1 2 1" "2 4 1"; do
+  read -r K T D <<< "$layout"
+  run "gs$K$T$D" gpt64.yaml "$K" "$T" "$D" "${seq[@]}"
+  same g1 "gs$K$T$D" "GPT with sequence parallelism at K=$K x T=$T x D=$D"
+done
+run gs222 gpt64.yaml 2 2 2 --set pipeline.shard_optimizer=optimizer "${seq[@]}"
+same g1 gs222 "GPT with sequence parallelism at K=2 x T=2 x D=2, the optimizer state sharded"
+run ls142 llama64.yaml 1 4 2 "${seq[@]}"
+same l1 ls142 "LLaMA with sequence parallelism at K=1 x T=4 x D=2"
+grep -q "sequence parallelism: member 0 holds positions 0 to 3 of each sample's 16" ls142.log ||
+  { cat ls142.log; fail "the log does not say which positions a member holds"; }
+grep -q '"sequence_parallel": true' gs121/report.json || fail "report.json does not say sequence_parallel"
+# A sequence T does not divide: named, with its fix.
+"${mpirun[@]}" -np 3 "$gpipe" train gpt64.yaml --set output.dir="$tmp/es1" --set pipeline.tensor_parallel=3 \
+  "${seq[@]}" > es1.log 2>&1 && fail "16 positions split over 3"
+grep -q "positions does not split into 3 equal shares" es1.log || { cat es1.log; fail "the message for 16 positions over 3"; }
 
 # gpipe plan at T=2: the whole model's parameters and each member's, as the run held them.
 "$gpipe" plan gpt64.yaml --set pipeline.tensor_parallel=2 > plan2.txt 2>&1 || { cat plan2.txt; fail "gpipe plan at T=2"; }

@@ -377,7 +377,8 @@ void decode_pipeline(Decoder& dec, const YAML::Node& root, Config& c) {
     dec.check_map(p, "pipeline", {"partitions", "replicas", "micro_batches", "recompute", "checkpoint", "schedule",
                                   "virtual_stages", "schedule_file", "balance", "devices", "pin_threads",
                                   "bucket_mb", "timeout_s", "balance_by", "profile", "memory_limit",
-                                  "batch_weight_gradients", "shard_optimizer", "tensor_parallel"});
+                                  "batch_weight_gradients", "shard_optimizer", "tensor_parallel",
+                                  "sequence_parallel"});
     if (p["shard_optimizer"]) {
       const std::string mode = dec.str(p["shard_optimizer"], "pipeline.shard_optimizer");
       if (mode == "gradients") {
@@ -424,6 +425,9 @@ void decode_pipeline(Decoder& dec, const YAML::Node& root, Config& c) {
     if (p["replicas"]) c.pipeline.replicas = dec.small_int(p["replicas"], "pipeline.replicas", 1, "");
     if (p["tensor_parallel"]) {
       c.pipeline.tensor_parallel = dec.small_int(p["tensor_parallel"], "pipeline.tensor_parallel", 1, "");
+    }
+    if (p["sequence_parallel"]) {
+      c.pipeline.sequence_parallel = dec.boolean(p["sequence_parallel"], "pipeline.sequence_parallel");
     }
     // Both are known here, after every --set: one replica has nothing to shard its
     // optimizer state over, and a run asking for it would silently not shard.

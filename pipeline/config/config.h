@@ -39,6 +39,11 @@ struct PipelineConfig {
   // T: each stage split over this many processes, its tensor group (Megatron-LM's tensor
   // parallelism, layers/tensor_parallel.h; multi-process runs, K x T x D ranks).
   int tensor_parallel = 1;
+  // With T > 1: Megatron-LM's sequence parallelism (layers/tensor_parallel.h): between
+  // the split layers each member holds 1/T of each sample's positions, the norms' and
+  // dropouts' activations included; all-gathers and reduce-scatters replace the
+  // all-reduces. Nothing changes at T = 1.
+  bool sequence_parallel = false;
   double bucket_mb = 25;    // with replicas: gradients reduced in buckets of this many MiB
   // With replicas: "none", or "optimizer" (ZeRO-1: each replica keeps and updates 1/D of
   // each stage's optimizer state, gradients reduce-scattered, parameters all-gathered).

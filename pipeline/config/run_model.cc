@@ -47,7 +47,7 @@ RunModel build_run_model_on_shapes(const Config& config, const MakeModel& make_m
 
 RunModel build_member_on_shapes(const Config& config, int rank) {
   Config member = config;
-  member.model.member = layers::TensorShard{rank, config.pipeline.tensor_parallel};
+  member.model.member = layers::TensorShard{rank, config.pipeline.tensor_parallel, config.pipeline.sequence_parallel};
   return build_run_model_on_shapes(member);
 }
 

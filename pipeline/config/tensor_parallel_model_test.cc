@@ -52,8 +52,12 @@ train: {steps: 1, batch_size: 4}
 
 // vocab_parallel: the model's head is split by the vocabulary, with the vocabulary-parallel loss.
 // split: parts of the names of the parameters that must be split at T > 1.
+// sequence: with sequence parallelism (T = 2 and 4): the parameters that saw a member's
+// positions only (Parameter::sequence_partial) are summed over the group after
+// backward, as the executor sums them; `partial` names parts of their names.
 void check_model(const char* text, const Tensor& x, const Tensor& targets, bool vocab_parallel,
-                 const std::vector<std::string>& split) {
+                 const std::vector<std::string>& split, bool sequence = false,
+                 const std::vector<std::string>& partial = {}) {
   Backend& be = backend_for(Device::cpu());
   const pipeline::Config config = pipeline::parse_config(text, "tp.yaml");
   ForwardArgs args;
@@ -66,12 +70,14 @@ void check_model(const char* text, const Tensor& x, const Tensor& targets, bool 
   std::vector<Parameter*> wp;
   for (auto& [name, p] : whole->named_parameters()) wp.push_back(p);
   for (int T : {1, 2, 4}) {
+    if (sequence && T == 1) continue;
     CAPTURE(T);
     struct Member {
       double loss = 0;
       std::vector<std::string> names;
       std::vector<std::vector<double>> grads, want;
       std::vector<int> shard_dims;
+      std::vector<bool> partial;
       int64_t split_elements = 0, whole_elements = 0;
       bool vocab_parallel_loss = false;
     };
@@ -79,11 +85,14 @@ void check_model(const char* text, const Tensor& x, const Tensor& targets, bool 
     const std::vector<std::string> errors = run_members(T, [&](int r, TensorCollectives& group) {
       Member& m = got[static_cast<size_t>(r)];
       ModelSpec spec = config.model;
-      spec.member = {r, T};
+      spec.member = {r, T, sequence};
       auto mine = build_model(spec);
       mine->set_collectives(&group);
       m.vocab_parallel_loss = dynamic_cast<VocabParallelCrossEntropy*>(&mine->loss()) != nullptr;
       m.loss = mine->forward_backward(be, x, targets, scale, args);
+      for (auto& [name, p] : mine->named_parameters()) {
+        if (p->sequence_partial) group.all_reduce_sum(be, p->grad);  // the executor's sum (gradients_final)
+      }
       mine->sum_tied_gradients(be);
       std::vector<Parameter*> ps;
       for (auto& [name, p] : mine->named_parameters()) ps.push_back(p);
@@ -93,6 +102,7 @@ void check_model(const char* text, const Tensor& x, const Tensor& targets, bool 
         m.names.push_back(mine->named_parameters()[i].first);
         m.grads.push_back(to_doubles(p.grad));
         m.shard_dims.push_back(p.shard_dim);
+        m.partial.push_back(p.sequence_partial);
         m.want.push_back(p.shard_dim < 0
                              ? to_doubles(wp[i]->grad)
                              : block_of(wp[i]->grad, p.shard_dim, p.shard_rank, p.shard_count, p.shard_groups));
@@ -124,6 +134,12 @@ void check_model(const char* text, const Tensor& x, const Tensor& targets, bool 
         }
         CHECK(named > 0);
       }
+      for (size_t i = 0; i < m.names.size(); ++i) {  // exactly those named partial are
+        CAPTURE(m.names[i]);
+        bool named = false;
+        for (const std::string& part : partial) named = named || m.names[i].find(part) != std::string::npos;
+        CHECK(m.partial[i] == named);
+      }
       CHECK(m.split_elements * T + m.whole_elements == whole->parameter_count());
     }
   }
@@ -149,6 +165,43 @@ TEST_CASE("an MLP whose linear layers say parallel: column and row, split over T
   const Tensor x = gpipe::testing::random_tensor({4, 12}, DType::kF64, 5);
   const Tensor targets = random_labels(4, 8, 6);
   check_model(kMlp, x, targets, false, {"layers.0.", "layers.2.weight"});  // its head is whole: parallel: none
+}
+
+TEST_CASE("sequence parallelism: the GPT and LLaMA configs split over T threads, each holding its share of the positions, equal them whole") {
+  const std::string gpt = gpipe::testing::with_positions(kGpt, 8), llama = gpipe::testing::with_positions(kLlama, 8);
+  const Tensor x = random_labels(3 * 8, 16, 11).reshape({3, 8});
+  Tensor targets = random_labels(3 * 8, 16, 12).reshape({3, 8});
+  targets.data<int32_t>()[5] = -100;  // an ignored target
+  // The norms and the position table see a member's positions; the blocks' biases after a
+  // reduce-scatter take their gradient from every position (gathered).
+  check_model(gpt.c_str(), x, targets, true, {"token", "qkv.", "attn.proj.weight", "fc1.", "fc2.weight"}, true,
+              {"ln1.", "ln2.", "layers.0.position", "layers.3."});
+  check_model(llama.c_str(), x, targets, true, {"token", "q.weight", "o.weight", "gate.", "down."}, true,
+              {"norm1.", "norm2.", "layers.3."});
+}
+
+TEST_CASE("sequence parallelism refuses a model it cannot split by positions, and positions the group does not divide") {
+  auto build = [](const std::string& text, int T) {
+    pipeline::Config config = pipeline::parse_config(text, "sp.yaml");
+    config.model.member = TensorShard{0, T, true};
+    return build_model(config.model);
+  };
+  // An MLP: no embedding to scatter the positions, no head to gather them.
+  CHECK_THROWS_WITH_AS(build(kMlp, 2), doctest::Contains("start the model with an embedding layer"), UserError);
+  CHECK_THROWS_WITH_AS(build(kMlp, 2), doctest::Contains("pipeline.sequence_parallel: false"), UserError);
+  // Without the head: the layer norm is last.
+  std::string headless = gpipe::testing::with_positions(kGpt, 8);
+  headless.erase(headless.find("    - {type: linear, out: 16"), std::string("    - {type: linear, out: 16, tied: true, bias: false}\n").size());
+  CHECK_THROWS_WITH_AS(build(headless, 2), doctest::Contains("but the model ends with layernorm"), UserError);
+  // A layer that mixes positions without gathering them.
+  std::string pooled = gpipe::testing::with_positions(kGpt, 8);
+  pooled.replace(pooled.find("    - {type: layernorm}"), std::string("    - {type: layernorm}").size(),
+                 "    - {type: flatten}");
+  CHECK_THROWS_WITH_AS(build(pooled, 2), doctest::Contains("flatten (at sp.yaml"), UserError);
+  // 6 positions over 4 members.
+  CHECK_THROWS_WITH_AS(build(kGpt, 4), doctest::Contains("a sequence of 6 positions does not split into 4 equal shares"),
+                       UserError);
+  CHECK_NOTHROW(build(kGpt, 2));
 }
 
 TEST_CASE("a bad parallel option is refused by name") {

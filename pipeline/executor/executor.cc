@@ -388,10 +388,7 @@ void Executor::backward(StageRuntime& rt, const Instruction& ins, size_t pc) {
     } else {
       g = layer.backward(be, g, mb.ctx[i], need_dx);
     }
-    if (rt.reducer && std::find(final_layers.begin(), final_layers.end(), index) != final_layers.end()) {
-      for (layers::Parameter* p : layer.parameters()) rt.reducer->ready(p);
-      rt.reducer->progress();
-    }
+    if (std::find(final_layers.begin(), final_layers.end(), index) != final_layers.end()) gradients_final(rt, layer);
   }
   if (c > 0 && schedule_.stage_of_cell(c - 1) == rt.index) {
     rt.mbs[schedule_.chunk_of_cell(c - 1)][m].grad_output = g;  // the previous cell is ours
@@ -427,14 +424,26 @@ void Executor::weight_gradient(StageRuntime& rt, const Instruction& ins, size_t 
     layers::Layer& layer = model_.layer(index);
     for (size_t j = 0; j < mbs.size(); ++j) ctxs[j] = &mbs[j]->ctx[i];
     layer.backward_weight(*rt.backend, ctxs);
-    if (rt.reducer && std::find(final_layers.begin(), final_layers.end(), index) != final_layers.end()) {
-      for (layers::Parameter* p : layer.parameters()) rt.reducer->ready(p);
-      rt.reducer->progress();
-    }
+    if (std::find(final_layers.begin(), final_layers.end(), index) != final_layers.end()) gradients_final(rt, layer);
   }
   for (MicroBatch* mb : mbs) mb->ctx.clear();
 }
 
+
+// A layer's gradients are final for this step: under sequence parallelism those that saw
+// only this member's positions (Parameter::sequence_partial) are summed over the tensor
+// group first, in the same order on every member (they run the same program); then with
+// replicas the layer's parameters join a bucket.
+void Executor::gradients_final(StageRuntime& rt, layers::Layer& layer) {
+  if (tensor_collectives_ != nullptr) {
+    for (layers::Parameter* p : layer.parameters()) {
+      if (p->sequence_partial) tensor_collectives_->all_reduce_sum(*rt.backend, p->grad);
+    }
+  }
+  if (!rt.reducer) return;
+  for (layers::Parameter* p : layer.parameters()) rt.reducer->ready(p);
+  rt.reducer->progress();
+}
 
 // The ties whose two copies are both on this stage: each gets the sum, locally.
 void Executor::sum_local_ties(StageRuntime& rt) {

@@ -261,6 +261,9 @@ class Executor {
   // Tensor parallelism's whole-by-name checkpoints (executor_state.cc).
   void join_split_state(StageRuntime& rt, StageState& out);
   void cut_split_state(StageRuntime& rt, std::map<std::string, Tensor>& model, std::map<std::string, Tensor>& optimizer);
+  // After the instruction that makes `layer`'s gradients final (StageRuntime::final_layers):
+  // its sequence-partial ones summed over the tensor group, then its replicas' bucket.
+  void gradients_final(StageRuntime& rt, layers::Layer& layer);
   void sum_local_ties(StageRuntime& rt);
   void fold_statistics(StageRuntime& rt);
   void zero_grads(StageRuntime& rt);

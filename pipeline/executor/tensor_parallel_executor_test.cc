@@ -42,6 +42,9 @@ struct Run {
   // Zero bubble with each drain's weight gradients batched (a layer's W over several
   // micro-batches at once) instead of 1F1B.
   bool batched_w = false;
+  // Sequence parallelism (TensorShard::sequence): each member holds 1/T of the positions
+  // between the split layers.
+  bool sequence = false;
 };
 
 // A parameter as one member holds it: its block's place, value and gradient.
@@ -78,9 +81,10 @@ const int64_t kRows = 8;  // the mini-batch: 4 rows a replica at D = 2, 2 micro-
 struct Batch {
   Tensor x, y;
 };
-Batch batch(int step) {
-  return {gpipe::testing::random_labels(kRows * 6, 16, 700 + step).reshape({kRows, 6}),
-          gpipe::testing::random_labels(kRows * 6, 16, 800 + step).reshape({kRows, 6})};
+// Step `step`'s token ids and targets, for samples of `positions` tokens.
+Batch batch(int step, int64_t positions) {
+  return {gpipe::testing::random_labels(kRows * positions, 16, 700 + step).reshape({kRows, positions}),
+          gpipe::testing::random_labels(kRows * positions, 16, 800 + step).reshape({kRows, positions})};
 }
 
 std::map<std::string, Held> held(layers::Sequential& model, int first, int count) {
@@ -124,8 +128,13 @@ Outcome train(const layers::ModelSpec& whole_spec, const Run& run, int steps, co
   const std::vector<std::string> errors = on_threads(P, [&](int rank) {
     const int t = rank % run.T, k = (rank / run.T) % run.K, d = rank / (run.T * run.K);
     layers::ModelSpec spec = whole_spec;
-    spec.member = layers::TensorShard{t, run.T};
+    spec.member = layers::TensorShard{t, run.T, run.sequence};
     auto model = layers::build_model(spec);
+    // Under sequence parallelism the embedding gives the member its share of the positions.
+    const int64_t positions = whole_spec.input.at(0);
+    if (model->layer(0).output_shape().at(0) != (run.sequence && run.T > 1 ? positions / run.T : positions)) {
+      throw Error("the embedding's output " + shape_str(model->layer(0).output_shape()) + " is not the member's positions");
+    }
     InProcessReplicaGroup replicas(*replica_hubs[k * run.T + t], d);
     InProcessReplicaGroup tensor(*tensor_hubs[d * run.K + k], t);
     ExecutorOptions opts;
@@ -151,13 +160,13 @@ Outcome train(const layers::ModelSpec& whole_spec, const Run& run, int steps, co
     for (int s = 0; s < k; ++s) first += balance[s];
     if (extra.resume != nullptr) ex.restore_state(k, extra.resume->model, extra.resume->optimizer);
     if (extra.first_grads) {
-      const Batch b = batch(0);
+      const Batch b = batch(0, whole_spec.input.at(0));
       ex.step(b.x.narrow_rows(d * rows, rows), b.y.narrow_rows(d * rows, rows), false);
       if (!run.shard) out.first[rank] = held(*model, first, balance[k]);
     }
     ex.set_step(static_cast<uint64_t>(extra.first_step));
     for (int step = extra.first_step; step < extra.first_step + steps; ++step) {
-      const Batch b = batch(step);
+      const Batch b = batch(step, whole_spec.input.at(0));
       const StepResult r = ex.step(b.x.narrow_rows(d * rows, rows), b.y.narrow_rows(d * rows, rows));
       out.loss[rank].push_back(r.loss);
       out.norm[rank].push_back(r.grad_norm);
@@ -221,12 +230,13 @@ std::map<std::string, std::pair<std::vector<double>, std::vector<double>>> joine
   return out;
 }
 
-void check_model(const char* text) {
+// Sequence parallelism (sequence true) runs T = 2 and 4 (at T = 1 it changes nothing).
+void check_model(const char* text, bool sequence = false) {
   const Config config = parse_config(text, "tp.yaml");
   // The unpartitioned model's loss and gradients on the first batch.
   auto whole = layers::build_model(config.model);
   Backend& be = backend_for(Device::cpu());
-  const Batch b0 = batch(0);
+  const Batch b0 = batch(0, config.model.input.at(0));
   layers::ForwardArgs args;
   const double scale = 1.0 / static_cast<double>(whole->loss().counted_targets(b0.y));
   whole->forward_backward(be, b0.x, b0.y, scale, args);
@@ -240,10 +250,12 @@ void check_model(const char* text) {
   const auto ref_last = joined(ref.last, Run{}, 0);
   for (int K : {1, 2}) {
     for (int T : {1, 2, 4}) {
+      if (sequence && T == 1) continue;
       for (int D : {1, 2}) {
         for (bool shard : {false, true}) {
           if (shard && D == 1) continue;
-          const Run run{K, T, D, shard};
+          Run run{K, T, D, shard};
+          run.sequence = sequence;
           CAPTURE(K);
           CAPTURE(T);
           CAPTURE(D);
@@ -295,7 +307,8 @@ void check_model(const char* text) {
 // says) holds every parameter and slot whole, by name: it resumes at T = 1, at T = 4
 // (K = 1) and at T = 2 (K = 2, D = 1) with the losses and parameters of the run that
 // never stopped.
-void check_resume(const char* text, const Run& save_run = Run{2, 2, 2, true}) {
+// resume_sequence: the resumed runs split over T > 1 with sequence parallelism.
+void check_resume(const char* text, const Run& save_run = Run{2, 2, 2, true}, bool resume_sequence = false) {
   const Config config = parse_config(text, "tp.yaml");
   Extra whole_run;
   whole_run.first_grads = false;
@@ -314,10 +327,12 @@ void check_resume(const char* text, const Run& save_run = Run{2, 2, 2, true}) {
     CHECK(saved.saved.model.at(name).shape() == p->value.shape());
     CHECK(saved.saved.optimizer.at(name + ".exp_avg").shape() == p->value.shape());
   }
-  for (const Run& run : {Run{1, 1, 1}, Run{1, 4, 1}, Run{2, 2, 1}, Run{2, 1, 2, true}}) {
+  for (Run run : {Run{1, 1, 1}, Run{1, 4, 1}, Run{2, 2, 1}, Run{2, 1, 2, true}}) {
+    run.sequence = resume_sequence && run.T > 1;
     CAPTURE(run.K);
     CAPTURE(run.T);
     CAPTURE(run.D);
+    CAPTURE(run.sequence);
     Extra resume;
     resume.first_grads = false;
     resume.resume = &saved.saved;
@@ -370,4 +385,26 @@ TEST_CASE("a checkpoint saved split (T = 2, sharded over D = 2) is whole by name
   check_resume(gpipe::testing::kTensorParallelLlamaFewKv.c_str());
   // Saved at T = 4, where each key/value head is held by two members: once in the checkpoint.
   check_resume(gpipe::testing::kTensorParallelLlamaFewKv.c_str(), Run{2, 4, 1});
+}
+
+// Sequence parallelism: the samples' 8 positions split over the members between the split
+// layers (the norms, the dropouts with their share of the unsplit mask, the residual
+// stream), gathered and scattered around them.
+TEST_CASE("sequence parallelism: a GPT config (learned positions, a tied head) on K x T x D executors equals the unpartitioned model") {
+  check_model(gpipe::testing::with_positions(gpipe::testing::kTensorParallelGpt, 8).c_str(), /*sequence=*/true);
+}
+
+TEST_CASE("sequence parallelism: a LLaMA config (grouped-query attention, key/value heads replicated at T = 4) equals the unpartitioned model") {
+  check_model(gpipe::testing::with_positions(gpipe::testing::kTensorParallelLlama, 8).c_str(), /*sequence=*/true);
+  check_model(gpipe::testing::with_positions(gpipe::testing::kTensorParallelLlamaFewKv.c_str(), 8).c_str(),
+              /*sequence=*/true);
+}
+
+TEST_CASE("sequence parallelism: a checkpoint saved with it (T = 2, sharded over D = 2) resumes without it, and the reverse") {
+  const std::string gpt = gpipe::testing::with_positions(gpipe::testing::kTensorParallelGpt, 8);
+  Run saved{2, 2, 2, true};
+  saved.sequence = true;
+  check_resume(gpt.c_str(), saved);
+  check_resume(gpipe::testing::with_positions(gpipe::testing::kTensorParallelLlama, 8).c_str(), Run{2, 2, 2, true},
+               /*resume_sequence=*/true);
 }

@@ -80,6 +80,7 @@ Plan plan_sizes(const Config& c) {
   p.virtual_stages = c.pipeline.virtual_stages;
   p.replicas = c.pipeline.replicas;
   p.tensor_parallel = c.pipeline.tensor_parallel;
+  p.sequence_parallel = c.pipeline.sequence_parallel && p.tensor_parallel > 1;
   p.shard_optimizer = c.pipeline.shard_optimizer == "optimizer" && p.replicas > 1;
   p.batch_size = c.train.batch_size;
   p.recompute = c.pipeline.recompute;
@@ -255,16 +256,20 @@ ActivationLayout probe_activations_on_devices(const layers::Sequential& model) {
 }
 
 namespace {
-// Runs one phase of a layer (or the loss) on shapes and adds its ops and its sums over
-// the tensor group to the counts given.
+// Runs one phase of a layer (or the loss) on shapes and adds its ops and its
+// collectives over the tensor group (sums; all-gathers and reduce-scatters) to the
+// counts given.
 template <typename Phase>
-void count_phase(int64_t& ops, int64_t& group_sums, int64_t& group_bytes, Phase&& phase) {
+void count_phase(int64_t& ops, int64_t& group_sums, int64_t& group_bytes, int64_t& gathers, int64_t& gather_bytes,
+                 Phase&& phase) {
   const MetaOpCount op_count;
   const layers::GroupSumCount sum_count;
   phase();
   ops += op_count.count();
   group_sums += sum_count.sums();
   group_bytes += sum_count.bytes();
+  gathers += sum_count.gathers();
+  gather_bytes += sum_count.gather_bytes();
 }
 
 // `h` on `be`'s device: a copy there when the previous layer's device is another, as the
@@ -296,18 +301,23 @@ std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& m
     partition::LayerLaunches& n = out[static_cast<size_t>(i)];
     layers::Context ctx;
     Tensor y;
-    count_phase(n.forward, n.group_sums_forward, n.group_bytes_forward,
-                [&] { y = layer.forward(*be, h, &ctx, args); });
+    count_phase(n.forward, n.group_sums_forward, n.group_bytes_forward, n.group_gathers_forward,
+                n.group_gather_bytes_forward, [&] { y = layer.forward(*be, h, &ctx, args); });
     const Tensor dy = be->zeros(y.shape(), y.dtype());
     auto backward_input = [&] { layer.backward_input(*be, dy, ctx, i > 0); };
     auto whole_backward = [&] { layer.backward(*be, dy, ctx, i > 0); };
     if (layer.splits_backward()) {
-      count_phase(n.backward_input, n.group_sums_backward, n.group_bytes_backward, backward_input);
-      // W's sums: replicated key/value heads' weight gradients.
-      count_phase(n.backward_weight, n.group_sums_weight, n.group_bytes_weight,
+      count_phase(n.backward_input, n.group_sums_backward, n.group_bytes_backward, n.group_gathers_backward,
+                  n.group_gather_bytes_backward, backward_input);
+      // W's sums: replicated key/value heads' weight gradients (W gathers nothing: B kept
+      // what it gathered).
+      int64_t gathers = 0, gather_bytes = 0;
+      count_phase(n.backward_weight, n.group_sums_weight, n.group_bytes_weight, gathers, gather_bytes,
                   [&] { layer.backward_weight(*be, ctx); });
+      GPIPE_CHECK(gathers == 0, "layer " + std::to_string(i) + "'s W gathers positions");
     } else {
-      count_phase(n.backward_input, n.group_sums_backward, n.group_bytes_backward, whole_backward);
+      count_phase(n.backward_input, n.group_sums_backward, n.group_bytes_backward, n.group_gathers_backward,
+                  n.group_gather_bytes_backward, whole_backward);
     }
     h = y;
   }
@@ -316,10 +326,10 @@ std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& m
     const Tensor targets = be->zeros(target_shape, DType::kI32);
     layers::Context lctx;
     partition::LayerLaunches& last = out.back();
-    count_phase(last.forward, last.group_sums_forward, last.group_bytes_forward,
-                [&] { model.loss().forward(*be, h, targets, 1.0, &lctx); });
-    count_phase(last.backward_input, last.group_sums_backward, last.group_bytes_backward,
-                [&] { model.loss().backward(*be, lctx); });
+    count_phase(last.forward, last.group_sums_forward, last.group_bytes_forward, last.group_gathers_forward,
+                last.group_gather_bytes_forward, [&] { model.loss().forward(*be, h, targets, 1.0, &lctx); });
+    count_phase(last.backward_input, last.group_sums_backward, last.group_bytes_backward, last.group_gathers_backward,
+                last.group_gather_bytes_backward, [&] { model.loss().backward(*be, lctx); });
   }
   return out;
 }

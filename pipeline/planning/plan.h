@@ -85,6 +85,9 @@ struct Plan {
   // T: each stage's split layers (layers/tensor_parallel.h) over this many processes,
   // each building its member of the model (layers::ModelSpec::member).
   int tensor_parallel = 1;
+  // pipeline.sequence_parallel at T > 1: between the split layers each member holds 1/T
+  // of each sample's positions (the member's model, layers::TensorShard::sequence).
+  bool sequence_parallel = false;
   RankLayout ranks() const { return {stages, tensor_parallel, replicas}; }
   // pipeline.shard_optimizer: optimizer with D > 1 (ZeRO-1): each replica keeps 1/D of
   // its stage's optimizer state (shard_partition.h); the schedule holds RS and AG.

@@ -172,3 +172,57 @@ TEST_CASE("replicated key/value heads: their weight gradients' sums counted in W
     CHECK(t.layers[1].weight_group == doctest::Approx(w_ms));
   }
 }
+
+TEST_CASE("sequence parallelism: a member's all-gathers and reduce-scatters, counted on shapes, priced as half a sum each") {
+  // The GPT config with 8 positions of 8 float64 features: a whole (S, C) sample is 512
+  // bytes. Layers: the embedding, two blocks, the final norm, the head (with the loss).
+  const std::string text = gpipe::testing::with_positions(gpipe::testing::kTensorParallelGpt, 8);
+  Config plain_config = parse_config(text, "t.yaml", {"pipeline.tensor_parallel=2"});
+  Config seq_config = parse_config(text, "t.yaml", {"pipeline.tensor_parallel=2", "pipeline.sequence_parallel=true"});
+  CHECK(seq_config.pipeline.sequence_parallel);
+  CHECK_FALSE(plain_config.pipeline.sequence_parallel);
+  plain_config.model.member = layers::TensorShard{1, 2};
+  seq_config.model.member = layers::TensorShard{1, 2, true};
+  RunModel plain = build_run_model_on_shapes(plain_config);
+  RunModel seq = build_run_model_on_shapes(seq_config);
+  // The member holds half the positions between the split layers, all of them at the head.
+  CHECK(seq.model->layer(0).output_shape() == Shape{4, 8});
+  CHECK(seq.model->layer(3).output_shape() == Shape{4, 8});
+  CHECK(seq.model->layer(4).output_shape() == Shape{8, 8});  // the head's: its half of the vocabulary
+  const std::vector<partition::LayerLaunches> p = count_launches(*plain.model);
+  const std::vector<partition::LayerLaunches> s = count_launches(*seq.model);
+  REQUIRE(s.size() == 5);
+  const int64_t sample = 8 * 8 * 8;
+  // Embedding: its sum becomes a reduce-scatter, and B all-gathers the token rows' gradient.
+  // A block: qkv and fc1 gather, the projection and fc2 scatter (F); B the reverse.
+  // Head: gathers its input (F), scatters its input's gradient (B); the loss's sums stay.
+  const int64_t want_f[5] = {1, 4, 4, 0, 1}, want_b[5] = {1, 4, 4, 0, 1};
+  for (int i = 0; i < 5; ++i) {
+    CAPTURE(i);
+    CHECK(s[i].group_gathers_forward == want_f[i]);
+    CHECK(s[i].group_gathers_backward == want_b[i]);
+    CHECK(s[i].group_gather_bytes_forward == want_f[i] * sample);
+    CHECK(s[i].group_gather_bytes_backward == want_b[i] * sample);
+    CHECK(p[i].group_gathers_forward + p[i].group_gathers_backward == 0);
+    // The all-reduces they replace: the embedding's (F), two a block each way, the head's
+    // input gradient's (B); the loss's stay.
+    const int64_t replaced_f = i == 0 ? 1 : (i == 1 || i == 2) ? 2 : 0;
+    const int64_t replaced_b = (i == 1 || i == 2) ? 2 : i == 4 ? 1 : 0;
+    CHECK(s[i].group_sums_forward == p[i].group_sums_forward - replaced_f);
+    CHECK(s[i].group_sums_backward == p[i].group_sums_backward - replaced_b);
+  }
+  // Priced over a ring of T = 2 (10 us, 1 GB/s), 4 samples: one gather is T - 1 = 1
+  // latency and (T - 1) / T of its whole tensor's bytes.
+  partition::CostModel cm;
+  cm.launches = std::make_shared<const std::vector<partition::LayerLaunches>>(s);
+  price_tensor_group(cm, 2, LinkCost{"test", 0.01, 1e6});
+  const double one_gather = 1e-5 + 4.0 * sample / 2 / 1e9;
+  CHECK(cm.group_seconds(1, 4).forward == doctest::Approx(4 * one_gather));
+  CHECK(cm.group_seconds(1, 4).backward == doctest::Approx(4 * one_gather));
+  CHECK(cm.group_seconds(0, 4).forward == doctest::Approx(one_gather));
+  CHECK(cm.group_seconds(3, 4).forward == 0);
+  // A block moves the bytes of the two all-reduces it replaces, at the same count of ring steps.
+  partition::CostModel cp = cm;
+  cp.launches = std::make_shared<const std::vector<partition::LayerLaunches>>(p);
+  CHECK(cm.group_seconds(1, 4).forward == doctest::Approx(cp.group_seconds(1, 4).forward));
+}

@@ -318,6 +318,7 @@ std::string write_reports(const Config& c, const ReportBuilder& report, RunArtif
   j["balance"] = plan.balance;
   if (plan.replicas > 1) j["replicas"] = plan.replicas;
   if (plan.tensor_parallel > 1) j["tensor_parallel"] = plan.tensor_parallel;
+  if (plan.sequence_parallel) j["sequence_parallel"] = true;
   artifacts.write(dir, report, j, out);  // trace.json, report.html
   const auto path = dir / "report.json";
   if (json_file) write_file_atomically(path.string(), j.dump(2) + "\n");
@@ -379,7 +380,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
     }
     check_launch(identified, launch);
     whole_shapes = std::move(build_run_model_on_shapes(identified).model);
-    claim.config.model.member = layers::TensorShard{launch.member, launch.tensor};
+    claim.config.model.member = layers::TensorShard{launch.member, launch.tensor, claim.config.pipeline.sequence_parallel};
   }
   // The model: YAML layers, a registered C++ model, or make_model (run_model.h); `c`
   // describes it. YAML layers are built on shapes first (what auto and the plan read,
@@ -454,6 +455,13 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
                  with_data, whole_shapes ? whole_shapes->parameter_count() : model->parameter_count(),
                  model->ties().empty() ? "" : ", and the embedding a head of its own is tied to");
     startup.end("model build+init (this stage)");
+  }
+  if (plan.sequence_parallel && yaml_layers) {
+    const int64_t mine = model->layer(0).output_shape().at(0), whole = whole_shapes->layer(0).output_shape().at(0);
+    spdlog::info("sequence parallelism: member {} holds positions {} to {} of each sample's {} between the split "
+                 "layers (the norms, the dropouts, the residual stream and the stages' messages); the split layers "
+                 "all-gather them and reduce-scatter back",
+                 launch.member, launch.member * mine, (launch.member + 1) * mine - 1, whole);
   }
   // Saves must not be the first to find a read-only or full disk: with periodic saves,
   // room for the next ones while the newest is kept (checkpoints_to_fit); always, a
