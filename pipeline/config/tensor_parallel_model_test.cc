@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -261,7 +262,12 @@ TEST_CASE("a split model's blocks join into the whole model's parameters, and cu
 // split's own came to 2 to 3.2 times it here; a wrong sum or block is many times more).
 TEST_CASE("the GPT and LLaMA configs in bf16 split over 2 threads are as close to float32 as they are whole") {
   Backend& be = backend_for(Device::cpu());
-  for (const char* text : {kGpt, kLlama}) {
+  // Sequence parallelism too: the positions' all-gathers and reduce-scatters in float32.
+  const std::vector<std::pair<const char*, bool>> runs = {{kGpt, false}, {kLlama, false}, {kGpt, true}, {kLlama, true}};
+  for (const auto& run : runs) {
+    const char* text = run.first;
+    const bool sequence = run.second;
+    CAPTURE(sequence);
     const Tensor x = random_labels(3 * 6, 16, 7).reshape({3, 6});
     const Tensor targets = random_labels(3 * 6, 16, 8).reshape({3, 6});
     // The model whole, in float32 and in bf16: loss and each parameter's gradient.
@@ -283,10 +289,13 @@ TEST_CASE("the GPT and LLaMA configs in bf16 split over 2 threads are as close t
     std::vector<std::vector<std::vector<double>>> got(2), want32(2), want16(2);
     const std::vector<std::string> errors = run_members(2, [&](int r, TensorCollectives& group) {
       ModelSpec spec = config.model;
-      spec.member = {r, 2};
+      spec.member = {r, 2, sequence};
       auto mine = build_model(spec);
       mine->set_collectives(&group);
       losses[static_cast<size_t>(r)] = mine->forward_backward(be, x, targets, scale);
+      for (auto& [name, p] : mine->named_parameters()) {
+        if (p->sequence_partial) group.all_reduce_sum(be, p->grad);  // the executor's sum
+      }
       mine->sum_tied_gradients(be);
       const auto mp = mine->named_parameters();
       for (size_t i = 0; i < mp.size(); ++i) {

@@ -125,6 +125,7 @@ nlohmann::json RunCheckpoints::trainer_state(int64_t done, double lr) const {
                           {"micro_batches", plan_.micro_batches()},
                           {"replicas", plan_.replicas},
                           {"tensor_parallel", plan_.tensor_parallel},
+                          {"sequence_parallel", plan_.sequence_parallel},
                           {"schedule", plan_.schedule.name}}},
           // Every random stream is a function of these and of the step: the batches of
           // step s (train.seed, data.seed) and dropout's masks (model.seed, s, sample).
