@@ -470,9 +470,13 @@ std::unique_ptr<Sequential> build_model(const ModelSpec& spec, const LayerFilter
                       "model's embedding on, but its first layer is " + first.type + at(first) +
                       "; start the model with an embedding layer (token ids)" + fix);
     }
-    if (last.type != "linear" || spec.loss.type != "softmax_cross_entropy") {
+    const auto head_split = last.args.find("parallel");
+    if (last.type != "linear" || spec.loss.type != "softmax_cross_entropy" ||
+        (head_split != last.args.end() && head_split->second != "column")) {
       throw UserError("pipeline.sequence_parallel gathers the positions back in the model's output head, a linear "
-                      "layer before softmax_cross_entropy, but the model ends with " + last.type + at(last) +
+                      "layer before softmax_cross_entropy split by the vocabulary (parallel: column, its default), "
+                      "but the model ends with " + last.type + at(last) +
+                      (head_split != last.args.end() ? " (parallel: " + head_split->second + ")" : std::string()) +
                       " and " + spec.loss.type + "; end it with such a head" + fix);
     }
     for (const LayerSpec& ls : spec.layers) {
@@ -481,6 +485,26 @@ std::unique_ptr<Sequential> build_model(const ModelSpec& spec, const LayerFilter
                         "positions, and " + ls.type + " mixes positions without gathering them; use the sequence "
                         "layers (embedding, transformer_block, llama_block, attention, gqa_attention, swiglu, linear, "
                         "layernorm, rmsnorm, dropout, relu, gelu)" + fix);
+      }
+    }
+  }
+  if (split) {
+    // Between a column-parallel linear layer and the row-parallel one after it each member
+    // holds a block of the features: a norm there would normalise its block alone, and a
+    // dropout draw another mask than the unsplit model's. Refused (relu and gelu are
+    // elementwise, and fine).
+    bool inside = false;
+    for (const LayerSpec& ls : spec.layers) {
+      const auto parallel = ls.args.find("parallel");
+      if (ls.type == "linear" && parallel != ls.args.end() && (parallel->second == "column" || parallel->second == "row")) {
+        inside = parallel->second == "column";
+        continue;
+      }
+      if (inside && (ls.type == "dropout" || ls.type == "layernorm" || ls.type == "rmsnorm" || ls.type == "linear")) {
+        throw UserError(ls.type + at(ls) + ": between a column-parallel linear layer and its row-parallel one each "
+                        "member of the tensor group holds a block of the features, and " + ls.type +
+                        " would not compute the unsplit model's result there; move it after the row-parallel layer, "
+                        "or set pipeline.tensor_parallel: 1");
       }
     }
   }

@@ -152,9 +152,10 @@ void GroupCollectives::on_host(Backend& be, const Tensor& in, Tensor& out, F&& m
   }
   be.synchronize();
   const auto start = std::chrono::steady_clock::now();
-  const bool host = in.device().is_cpu() && in.is_contiguous();
+  GPIPE_CHECK(in.is_contiguous() && out.is_contiguous(), "a tensor group's collective of " + in.str() + " into " +
+                                                             out.str() + ": contiguous tensors");
   Tensor hin = in;
-  if (!host) {
+  if (!in.device().is_cpu()) {
     hin = Tensor::empty(in.shape(), in.dtype(), Device::cpu());
     copy_tensor(in, hin);
   }

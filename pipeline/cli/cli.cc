@@ -138,6 +138,11 @@ int run_plan(Invocation& inv, const std::string& schedule_out = "") {
               << "); the plan below is one member's share of each stage (its parameters, memory and compute, and "
                  "its sums over the group inside the layers' forward and backward, priced over this machine's "
                  "MPI link).\n";
+    if (config.pipeline.sequence_parallel) {
+      std::cout << "pipeline.sequence_parallel: between the split layers each member holds 1/" << T
+                << " of each sample's positions (its norms', dropouts' and messages' activations); the split layers "
+                   "all-gather them and reduce-scatter back, in place of their sums.\n";
+    }
   }
   // Planning allocates no weights. A stage's members hold blocks of one size: member 0's
   // plan is each member's.

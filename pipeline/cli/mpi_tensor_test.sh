@@ -150,6 +150,19 @@ same l1 ls142 "LLaMA with sequence parallelism at K=1 x T=4 x D=2"
 grep -q "sequence parallelism: member 0 holds positions 0 to 3 of each sample's 16" ls142.log ||
   { cat ls142.log; fail "the log does not say which positions a member holds"; }
 grep -q '"sequence_parallel": true' gs121/report.json || fail "report.json does not say sequence_parallel"
+# gpipe plan plans a member's share of the positions: less activation memory than without.
+"$gpipe" plan gpt64.yaml --set pipeline.tensor_parallel=2 > planT.txt 2>&1 || { cat planT.txt; fail "gpipe plan at T=2"; }
+"$gpipe" plan gpt64.yaml --set pipeline.tensor_parallel=2 "${seq[@]}" > planS.txt 2>&1 ||
+  { cat planS.txt; fail "gpipe plan with sequence parallelism"; }
+grep -q "each member holds 1/2 of each sample's positions" planS.txt || { cat planS.txt; fail "plan: no sequence parallelism"; }
+python3 - planT.txt planS.txt <<'PY' || fail "sequence parallelism plans no less activation memory"
+import re, sys
+def activations(path):
+    return float(re.search(r"stage 0 on \S+: memory [0-9.]+ KiB \(parameters\+state [0-9.]+ KiB, activations ([0-9.]+) KiB\)",
+                           open(path).read()).group(1))
+plain, seq = activations(sys.argv[1]), activations(sys.argv[2])
+assert seq < plain, (seq, plain)
+PY
 # A sequence T does not divide: named, with its fix.
 "${mpirun[@]}" -np 3 "$gpipe" train gpt64.yaml --set output.dir="$tmp/es1" --set pipeline.tensor_parallel=3 \
   "${seq[@]}" > es1.log 2>&1 && fail "16 positions split over 3"

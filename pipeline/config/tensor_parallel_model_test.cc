@@ -199,6 +199,11 @@ TEST_CASE("sequence parallelism refuses a model it cannot split by positions, an
   pooled.replace(pooled.find("    - {type: layernorm}"), std::string("    - {type: layernorm}").size(),
                  "    - {type: flatten}");
   CHECK_THROWS_WITH_AS(build(pooled, 2), doctest::Contains("flatten (at sp.yaml"), UserError);
+  // A head that is not split by the vocabulary gathers nothing.
+  std::string unsplit_head = gpipe::testing::with_positions(kGpt, 8);
+  unsplit_head.replace(unsplit_head.find("tied: true, bias: false}"), std::string("tied: true, bias: false}").size(),
+                       "bias: false, parallel: none}");
+  CHECK_THROWS_WITH_AS(build(unsplit_head, 2), doctest::Contains("(parallel: none)"), UserError);
   // 6 positions over 4 members.
   CHECK_THROWS_WITH_AS(build(kGpt, 4), doctest::Contains("a sequence of 6 positions does not split into 4 equal shares"),
                        UserError);
@@ -216,6 +221,20 @@ train: {steps: 1, batch_size: 2}
   const pipeline::Config config = pipeline::parse_config(text, "bad.yaml");
   CHECK_THROWS_WITH_AS(build_model(config.model),
                        doctest::Contains("parallel must be none, column or row, got 'diagonal'"), UserError);
+}
+
+TEST_CASE("a norm, a dropout or an unsplit linear layer between a column- and a row-parallel layer is refused by name") {
+  for (const std::string layer : {"{type: dropout, p: 0.1}", "{type: layernorm}", "{type: rmsnorm}",
+                                  "{type: linear, out: 16, parallel: none}"}) {
+    CAPTURE(layer);
+    std::string text = kMlp;
+    text.replace(text.find("{type: gelu}"), std::string("{type: gelu}").size(), layer);
+    pipeline::Config config = pipeline::parse_config(text, "region.yaml");
+    CHECK_NOTHROW(build_model(config.model));  // whole: nothing is split
+    config.model.member = TensorShard{1, 2};
+    CHECK_THROWS_WITH_AS(build_model(config.model),
+                         doctest::Contains("between a column-parallel linear layer and its row-parallel one"), UserError);
+  }
 }
 
 // Checkpoints keep split parameters whole by name: the members' blocks joined are the

@@ -436,13 +436,44 @@ void Executor::weight_gradient(StageRuntime& rt, const Instruction& ins, size_t 
 // replicas the layer's parameters join a bucket.
 void Executor::gradients_final(StageRuntime& rt, layers::Layer& layer) {
   if (tensor_collectives_ != nullptr) {
+    std::vector<layers::Parameter*> partial;
     for (layers::Parameter* p : layer.parameters()) {
-      if (p->sequence_partial) tensor_collectives_->all_reduce_sum(*rt.backend, p->grad);
+      if (p->sequence_partial) partial.push_back(p);
     }
+    sum_over_tensor_group(*rt.backend, partial);
   }
   if (!rt.reducer) return;
   for (layers::Parameter* p : layer.parameters()) rt.reducer->ready(p);
   rt.reducer->progress();
+}
+
+// The gradients of `params` summed over the tensor group in one collective (a layer's
+// norm weight and bias: small, and each sum waits for the device and the other members).
+void Executor::sum_over_tensor_group(Backend& be, const std::vector<layers::Parameter*>& params) {
+  if (params.empty()) return;
+  if (params.size() == 1) {
+    tensor_collectives_->all_reduce_sum(be, params[0]->grad);
+    return;
+  }
+  int64_t n = 0;
+  for (const layers::Parameter* p : params) {
+    GPIPE_CHECK(p->grad.dtype() == params[0]->grad.dtype(), "sequence-partial gradients of two types in one layer");
+    n += p->grad.numel();
+  }
+  Tensor flat = be.empty({n}, params[0]->grad.dtype());
+  int64_t at = 0;
+  for (layers::Parameter* p : params) {
+    Tensor part = flat.narrow_rows(at, p->grad.numel());
+    be.copy(p->grad.reshape({p->grad.numel()}), part);
+    at += p->grad.numel();
+  }
+  tensor_collectives_->all_reduce_sum(be, flat);
+  at = 0;
+  for (layers::Parameter* p : params) {
+    Tensor grad = p->grad.reshape({p->grad.numel()});
+    be.copy(flat.narrow_rows(at, p->grad.numel()), grad);
+    at += p->grad.numel();
+  }
 }
 
 // The ties whose two copies are both on this stage: each gets the sum, locally.

@@ -264,6 +264,7 @@ class Executor {
   // After the instruction that makes `layer`'s gradients final (StageRuntime::final_layers):
   // its sequence-partial ones summed over the tensor group, then its replicas' bucket.
   void gradients_final(StageRuntime& rt, layers::Layer& layer);
+  void sum_over_tensor_group(Backend& be, const std::vector<layers::Parameter*>& params);
   void sum_local_ties(StageRuntime& rt);
   void fold_statistics(StageRuntime& rt);
   void zero_grads(StageRuntime& rt);
