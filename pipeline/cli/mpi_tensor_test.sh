@@ -158,8 +158,10 @@ grep -q "each member holds 1/2 of each sample's positions" planS.txt || { cat pl
 python3 - planT.txt planS.txt <<'PY' || fail "sequence parallelism plans no less activation memory"
 import re, sys
 def activations(path):
-    return float(re.search(r"stage 0 on \S+: memory [0-9.]+ KiB \(parameters\+state [0-9.]+ KiB, activations ([0-9.]+) KiB\)",
-                           open(path).read()).group(1))
+    text = open(path).read()
+    m = re.search(r"stage 0 on \S+: memory .*activations ([0-9.]+) (B|KiB|MiB|GiB)\)", text)
+    assert m, text
+    return float(m.group(1)) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[m.group(2)]
 plain, seq = activations(sys.argv[1]), activations(sys.argv[2])
 assert seq < plain, (seq, plain)
 PY
