@@ -165,6 +165,27 @@ def activations(path):
 plain, seq = activations(sys.argv[1]), activations(sys.argv[2])
 assert seq < plain, (seq, plain)
 PY
+# The sweep tries each T > 1 with sequence parallelism too ("T=2 seq"): the same plan
+# with it holds no more than without it (here, with 16 positions, less).
+"$gpipe" plan gpt64.yaml --sweep --devices 4 --rows 2000 > sweepS.txt 2>&1 || { cat sweepS.txt; fail "the sweep at 4 devices"; }
+python3 - sweepS.txt <<'PY' || { cat sweepS.txt; fail "the sweep's sequence-parallel candidates"; }
+import re, sys
+rows = {}
+for line in open(sys.argv[1]):
+    m = re.match(r"\s+\d+\s+(K=.*?)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s", line)
+    if m:
+        rows[m.group(1)] = float(m.group(5))
+seq = {k: v for k, v in rows.items() if k.endswith(" seq")}
+assert any(" T=2 seq" in k for k in seq) and any(" T=4 seq" in k for k in seq), sorted(rows)[:10]
+smaller = 0
+for k, peak in seq.items():
+    plain = k[: -len(" seq")]
+    assert plain in rows, plain
+    assert peak <= rows[plain], (k, peak, rows[plain])
+    smaller += peak < rows[plain]
+assert smaller > 0, "no sequence-parallel plan holds less"
+PY
+grep -q "T=2 seq: " sweepS.txt || fail "the sweep's costs do not name T=2 with sequence parallelism"
 # A sequence T does not divide: named, with its fix.
 "${mpirun[@]}" -np 3 "$gpipe" train gpt64.yaml --set output.dir="$tmp/es1" --set pipeline.tensor_parallel=3 \
   "${seq[@]}" > es1.log 2>&1 && fail "16 positions split over 3"

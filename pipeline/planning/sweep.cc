@@ -23,7 +23,7 @@ std::string Candidate::label() const {
   s += " M=" + std::to_string(micro_batches) + " " + schedule + " recompute=" + recompute_mode_name(recompute);
   if (blas_threads > 1) s += " blas_threads=" + std::to_string(blas_threads);
   if (replicas > 1) s += " D=" + std::to_string(replicas) + (shard_optimizer ? " sharded" : "");
-  if (tensor_parallel > 1) s += " T=" + std::to_string(tensor_parallel);
+  if (tensor_parallel > 1) s += " T=" + std::to_string(tensor_parallel) + (sequence_parallel ? " seq" : "");
   if (!precision.empty()) s += " " + precision;
   return s;
 }
@@ -36,6 +36,9 @@ std::string Candidate::overrides() const {
   if (blas_threads > 1) s += " --set train.blas_threads=" + std::to_string(blas_threads);
   if (replicas > 1) s += std::string(" --set pipeline.shard_optimizer=") + (shard_optimizer ? "optimizer" : "none");
   if (tensor_parallel > 1 || tensor_swept) s += " --set pipeline.tensor_parallel=" + std::to_string(tensor_parallel);
+  if (tensor_parallel > 1 && tensor_swept) {
+    s += std::string(" --set pipeline.sequence_parallel=") + (sequence_parallel ? "true" : "false");
+  }
   if (!precision.empty()) s += " --set model.dtype=" + precision;
   return s;
 }
@@ -255,6 +258,7 @@ std::optional<Candidate> predict_candidate(Config c, const layers::Sequential& m
   cand.replicas = c.pipeline.replicas;
   cand.shard_optimizer = c.pipeline.shard_optimizer == "optimizer";
   cand.tensor_parallel = c.pipeline.tensor_parallel;
+  cand.sequence_parallel = c.pipeline.sequence_parallel && cand.tensor_parallel > 1;
   try {
     // Balance by the costs the prediction uses, at this micro-batch size.
     const CostTable& t = src.at(plan_sizes(c).largest_micro_batch());
@@ -389,12 +393,21 @@ TensorMembers tensor_members(const Config& base, const SweepOptions& o) {
     return out;
   }
   for (int T : sizes) {
-    Config at = base;
-    at.pipeline.tensor_parallel = T;
-    try {
-      out.runs.push_back(build_member_on_shapes(at, 0));
-    } catch (const UserError& e) {
-      out.unsplit.push_back("T=" + std::to_string(T) + ": " + e.what());
+    for (bool sequence : {false, true}) {
+      if (T == 1 && sequence) continue;  // nothing to split
+      Config at = base;
+      at.pipeline.tensor_parallel = T;
+      at.pipeline.sequence_parallel = sequence;
+      try {
+        out.runs.push_back(build_member_on_shapes(at, 0));
+      } catch (const UserError& e) {
+        // A model that does not split by positions: said only where the config asks for it.
+        if (!sequence || base.pipeline.sequence_parallel) {
+          out.unsplit.push_back("T=" + std::to_string(T) + (sequence ? " with sequence parallelism" : "") + ": " +
+                                e.what());
+        }
+        if (!sequence) break;  // nor by positions, then
+      }
     }
   }
   return out;
@@ -504,7 +517,9 @@ SweepResult sweep(const std::vector<SweptPrecision>& precisions, const SweepOpti
       c.tensor_swept = tensor;
       out.candidates.push_back(c);
     }
-    const std::string name = tensor ? "T=" + std::to_string(p.config->pipeline.tensor_parallel) : p.name;
+    const int T = p.config->pipeline.tensor_parallel;
+    const std::string name =
+        tensor ? "T=" + std::to_string(T) + (T > 1 && p.config->pipeline.sequence_parallel ? " seq" : "") : p.name;
     out.costs += (out.costs.empty() ? "" : "\n       ") + name + ": " + each.back().costs;
   }
   out.devices = 0;  // the same options: the same devices (the most any T used) and limit
@@ -515,7 +530,8 @@ SweepResult sweep(const std::vector<SweptPrecision>& precisions, const SweepOpti
   if (out.recommended >= 0) {
     const Candidate& best = out.candidates[out.recommended];
     for (const SweptPrecision& p : precisions) {
-      if (p.name == best.precision && p.config->pipeline.tensor_parallel == best.tensor_parallel) {
+      if (p.name == best.precision && p.config->pipeline.tensor_parallel == best.tensor_parallel &&
+          (p.config->pipeline.sequence_parallel && p.config->pipeline.tensor_parallel > 1) == best.sequence_parallel) {
         out.edges = recommended_edges(out, *p.config, *p.model, o);
       }
     }

@@ -45,6 +45,10 @@ struct Candidate {
   // so the overrides set it.
   int tensor_parallel = 1;
   bool tensor_swept = false;
+  // pipeline.sequence_parallel at T > 1 (each member holds 1/T of the positions between
+  // the split layers: less activation memory). The sweep tries each T > 1 with and
+  // without it where the model allows it; then the overrides set it.
+  bool sequence_parallel = false;
   RecomputeMode recompute = RecomputeMode::kNever;
   std::string schedule;
   // model.dtype, when the sweep tried several precisions (empty: the config's alone).
@@ -112,8 +116,10 @@ std::vector<int> tensor_sizes(const Config& base, const SweepOptions& options);
 // The config's model as member 0 of each tensor-parallel size worth sweeping
 // (tensor_sizes), built on shapes, for sweep(std::vector<SweptPrecision>) with empty
 // names; a size the model does not split into (heads, the vocabulary, hidden features
-// that T does not divide) is left out and said in `unsplit` ("T=4: <why>"). Empty when
-// there is only T = 1 to try, or the model is not YAML layers (a C++ model is whole).
+// that T does not divide) is left out and said in `unsplit` ("T=4: <why>"). Each T > 1
+// without sequence parallelism and, where the model splits by positions at that T, with
+// it (said in `unsplit` only when the config asks for it). Empty when there is only
+// T = 1 to try, or the model is not YAML layers (a C++ model is whole).
 struct TensorMembers {
   std::vector<RunModel> runs;
   std::vector<std::string> unsplit;

@@ -99,6 +99,7 @@ bool is_own(const Config& c, const Candidate& k, const std::vector<int>& own_bal
          k.micro_batches == c.pipeline.micro_batches && k.schedule == schedule && k.recompute == c.pipeline.recompute &&
          k.blas_threads == c.train.blas_threads && k.shard_optimizer == (c.pipeline.shard_optimizer != "none") &&
          k.tensor_parallel == c.pipeline.tensor_parallel &&
+         k.sequence_parallel == (c.pipeline.sequence_parallel && c.pipeline.tensor_parallel > 1) &&
          (c.pipeline.balance.empty() || k.balance == own_balance) && k.precision.empty();
 }
 
