@@ -120,6 +120,18 @@ for part in (whole["stages"], whole["prediction"]["stages"]):
         assert s["tensor_group_ms"] == 0, s
 PY
 grep -q "Tensor group's sums (in comm ms, not in fwd, recomp or bwd): stage 0" g221.log || { cat g221.log; fail "the table's tensor group line"; }
+# The trace: each compute slice's time in the group's collectives, within the slice; the
+# page: a tensor group column.
+python3 - g221/trace.json <<'PY' || fail "trace.json's tensor_group_ms"
+import json, sys
+events = [e for e in json.load(open(sys.argv[1]))["traceEvents"] if e.get("ph") == "X"]
+grouped = [e for e in events if "tensor_group_ms" in e.get("args", {})]
+assert grouped, "no slice says its tensor group time"
+for e in grouped:
+    assert e["cat"] in ("forward", "recompute", "backward", "weight_gradient"), e
+    assert 0 < e["args"]["tensor_group_ms"] * 1e3 <= e["dur"] + 1, e
+PY
+grep -q "<th>tensor group</th>" g221/report.html || fail "the page has no tensor group column"
 grep -q '"tensor_parallel": 2' g121/report.json || fail "report.json does not say tensor_parallel"
 run g222s gpt64.yaml 2 2 2 --set pipeline.shard_optimizer=optimizer
 same g1 g222s "GPT at K=2 x T=2 x D=2 with the optimizer state sharded"

@@ -501,7 +501,8 @@ void write_stage_times(std::ostream& o, const StageTime& t, double span_ms) {
   o << "<td class=\"l barcell\">" << stage_bar(t.busy_ms - t.recompute_ms, t.recompute_ms, t.comm_ms, t.idle_ms, span_ms)
     << "</td><td>" << num(t.forward_ms) << "</td><td>" << num(t.recompute_ms) << "</td><td>"
     << num(t.backward_ms - t.weight_ms) << "</td><td>" << num(t.weight_ms) << "</td><td>"
-    << num(t.comm_ms - t.collective_ms) << "</td><td>" << num(t.collective_ms) << "</td><td>" << num(t.idle_ms)
+    << num(t.comm_ms - t.collective_ms - t.group_ms) << "</td><td>" << num(t.collective_ms) << "</td><td>"
+    << num(t.group_ms) << "</td><td>" << num(t.idle_ms)
     << "</td><td>" << num(t.optimizer_ms) << "</td><td>" << pct(t.utilization) << "</td></tr>\n";
 }
 
@@ -514,7 +515,7 @@ void write_stage_table(std::ostream& o, const RunSummary& s, bool plan) {
     << "class=\"gap\"></i>idle</span></div>\n";
   o << "<div class=\"wide\"><table>\n<tr><th class=\"l\">stage</th><th class=\"l\"></th><th class=\"l barcell\">where "
        "the span went</th><th>forward</th><th>recompute</th><th>backward (B)</th><th>weight grad (W)</th><th>sends</th>"
-       "<th>collectives</th><th>idle</th><th>optimizer</th><th>util</th></tr>\n";
+       "<th>collectives</th><th>tensor group</th><th>idle</th><th>optimizer</th><th>util</th></tr>\n";
   for (int k = 0; k < s.partitions; ++k) {
     const StageSummary& m = s.stages[k];
     o << "<tr><td class=\"l\" rowspan=\"" << (plan ? 2 : 1) << "\">" << k << "</td><td class=\"l\">measured</td>";

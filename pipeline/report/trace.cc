@@ -115,6 +115,8 @@ nlohmann::json chrome_trace(const Schedule& s, const std::vector<TraceProcess>& 
         if (comm || is_collective(op.op)) args["bytes"] = op.bytes;
         if (op.peer >= 0) args["peer"] = op.peer;
         args["activation_bytes"] = op.live_bytes;
+        // A split layer's collectives over its tensor group inside this F, R, B or W.
+        if (op.group_ms > 0) args["tensor_group_ms"] = op.group_ms;
         events.push_back({{"ph", "X"},
                           {"name", instruction_str(s, k, prog[i])},
                           {"cat", op_name(op.op)},
