@@ -189,7 +189,7 @@ Tensor Linear::backward_input_impl(Backend& be, const Tensor& dyin, Context& ctx
   if (s.split() && column && s.sum_input_grad) {
     if (s.sequence_split()) {
       Tensor whole = dx.reshape(whole_positions(dyin.size(0), opts_.leading, in_here()));
-        return by_positions(s).sum_to_positions(be, group_, whole, describe()).reshape(in);
+      return by_positions(s).sum_to_positions(be, group_, whole, describe()).reshape(in);
     }
     group().all_reduce_sum(be, dx);
   }

@@ -496,13 +496,14 @@ void write_stage_list(std::ostream& o, const RunSummary& s) {
   o << "</ul>\n";
 }
 
-// One row of the stage table: a stage's times, measured or planned.
-void write_stage_times(std::ostream& o, const StageTime& t, double span_ms) {
+// One row of the stage table: a stage's times, measured or planned; `group`: with the
+// tensor group's column.
+void write_stage_times(std::ostream& o, const StageTime& t, double span_ms, bool group) {
   o << "<td class=\"l barcell\">" << stage_bar(t.busy_ms - t.recompute_ms, t.recompute_ms, t.comm_ms, t.idle_ms, span_ms)
     << "</td><td>" << num(t.forward_ms) << "</td><td>" << num(t.recompute_ms) << "</td><td>"
     << num(t.backward_ms - t.weight_ms) << "</td><td>" << num(t.weight_ms) << "</td><td>"
     << num(t.comm_ms - t.collective_ms - t.group_ms) << "</td><td>" << num(t.collective_ms) << "</td><td>"
-    << num(t.group_ms) << "</td><td>" << num(t.idle_ms)
+    << (group ? num(t.group_ms) + "</td><td>" : std::string()) << num(t.idle_ms)
     << "</td><td>" << num(t.optimizer_ms) << "</td><td>" << pct(t.utilization) << "</td></tr>\n";
 }
 
@@ -513,16 +514,23 @@ void write_stage_table(std::ostream& o, const RunSummary& s, bool plan) {
     << colour(Op::kRecompute) << "\"></i>recompute</span><span><i style=\"background:"
     << colour(Op::kSendActivation) << "\"></i>communication (sends, collectives)</span><span><i "
     << "class=\"gap\"></i>idle</span></div>\n";
+  // A tensor-parallel run's stages spend time in their tensor group's collectives (inside
+  // F, R, B and W, counted as communication): a column of its own, apart from the sends.
+  bool group = false;
+  for (int k = 0; k < s.partitions; ++k) {
+    group = group || s.stages[k].group_ms > 0 || (plan && s.plan.stages[k].group_ms > 0);
+  }
   o << "<div class=\"wide\"><table>\n<tr><th class=\"l\">stage</th><th class=\"l\"></th><th class=\"l barcell\">where "
        "the span went</th><th>forward</th><th>recompute</th><th>backward (B)</th><th>weight grad (W)</th><th>sends</th>"
-       "<th>collectives</th><th>tensor group</th><th>idle</th><th>optimizer</th><th>util</th></tr>\n";
+       "<th>collectives</th>"
+    << (group ? "<th>tensor group</th>" : "") << "<th>idle</th><th>optimizer</th><th>util</th></tr>\n";
   for (int k = 0; k < s.partitions; ++k) {
     const StageSummary& m = s.stages[k];
     o << "<tr><td class=\"l\" rowspan=\"" << (plan ? 2 : 1) << "\">" << k << "</td><td class=\"l\">measured</td>";
-    write_stage_times(o, m, s.span_ms);
+    write_stage_times(o, m, s.span_ms, group);
     if (plan) {
       o << "<tr><td class=\"l\">planned</td>";
-      write_stage_times(o, s.plan.stages[k], s.plan.span_ms);
+      write_stage_times(o, s.plan.stages[k], s.plan.span_ms, group);
     }
   }
   o << "</table></div>\n<p class=\"note\">backward (B) is the input gradient; W, the weight gradient, is its own "
