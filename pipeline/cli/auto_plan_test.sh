@@ -38,7 +38,8 @@ grep -q "auto: no profile of this model in $tmp/profile.json; measuring a short 
 python3 - auto.log sweep.log run/report.json <<'PY' || { cat auto.log sweep.log; echo "FAIL: auto did not take the measured choice"; exit 1; }
 import json, re, sys
 auto, sweep, report = open(sys.argv[1]).read(), open(sys.argv[2]).read(), json.load(open(sys.argv[3]))
-label_re = r"K=\d+(?: v=\d+)? M=\d+ \S+ recompute=\S+(?: blas_threads=\d+)?"
+# (a sweep tries tensor-parallel plans too, and times them: " T=2")
+label_re = r"K=\d+(?: v=\d+)? M=\d+ \S+ recompute=\S+(?: blas_threads=\d+)?(?: T=\d+(?: seq)?)?"
 def timed(log):
     """The plans a log timed: (label, predicted ms, measured ms, the config's own?), as printed."""
     return [(m[1], float(m[2]), float(m[3]), bool(m[4])) for m in re.finditer(

@@ -238,6 +238,20 @@ pipeline: {partitions: 1, micro_batches: 2, memory_limit: 150KB}
 optimizer: {type: adamw, lr: 0.01}
 train: {steps: 4, batch_size: 8}
 YAML
+# On 2 devices, under a limit only T=2 plans meet: the sweep times them here, each member
+# of the tensor group a thread, and recommends the measured fastest.
+"$gpipe" plan mlp.yaml --sweep --devices 2 --set pipeline.memory_limit=240KB > sweep2.txt 2>&1 ||
+  { cat sweep2.txt; fail "the sweep at 2 devices"; }
+python3 - sweep2.txt <<'PY' || { cat sweep2.txt; fail "the sweep did not time its T=2 plans"; }
+import re, sys
+text = open(sys.argv[1]).read()
+timed = re.findall(r"^  (K=\S+ M=\d+ .*? T=2)\s+predicted\s+([0-9.]+) ms, measured\s+([0-9.]+) ms", text, re.M)
+assert timed, "no T=2 plan timed"
+assert all(float(m) > 0 for _, _, m in timed), timed
+best = re.search(r"^\s+\d+\s+(K=.*?)\s{2,}.*<< recommended \(measured fastest\)", text, re.M)
+assert best and " T=2" in best.group(1), best
+PY
+echo "ok: the sweep times T=2 plans as threads and recommends the measured fastest"
 "$gpipe" plan mlp.yaml --sweep --devices 4 --rows 500 > sweep4.txt 2>&1 || { cat sweep4.txt; fail "the sweep over T"; }
 recommended=$(python3 - sweep4.txt <<'PY'
 import re, sys

@@ -21,6 +21,7 @@
 #include "pipeline/train/trainer.h"
 #include "runtime/error.h"
 #include "runtime/heartbeat.h"
+#include "runtime/inprocess_replica_group.h"
 #include "runtime/inprocess_transport.h"
 
 namespace gpipe {
@@ -36,16 +37,96 @@ Config candidate_config(const Config& base, const Candidate& k) {
   c.pipeline.shard_optimizer = k.shard_optimizer ? "optimizer" : "none";
   c.pipeline.balance = k.balance;
   c.train.blas_threads = k.blas_threads;
+  c.pipeline.tensor_parallel = k.tensor_parallel;
+  c.pipeline.sequence_parallel = k.sequence_parallel;
   if (!k.precision.empty()) c.model.dtype = parse_dtype(k.precision);
   if (static_cast<int>(c.pipeline.devices.size()) > k.stages) c.pipeline.devices.resize(k.stages);
   c.autos = AutoKeys{};
   return c;
 }
 
+namespace {
+
+// A tensor-parallel plan (T > 1) timed as threads of this process: each (stage, member)
+// an executor of its own, with its member's model (its stage's blocks with their
+// weights, the rest on shapes), the member's pipeline (an in-process transport) and the
+// stage's tensor group (an in-process group), as the executor's tests place them. A
+// step's time is its slowest thread's; the figure, the median over the timed steps.
+double measure_tensor_parallel_step_ms(const Config& config, int warmup, int steps) {
+  const int T = config.pipeline.tensor_parallel;
+  RunModel shapes = build_member_on_shapes(config, 0);
+  const Config& c = shapes.config;
+  set_cpu_blas_threads(c.train.blas_threads);
+  const Plan plan = make_plan(c, *shapes.model);
+  const int K = plan.stages;
+  const std::unique_ptr<Dataset> data = make_dataset(c);
+  auto [x, y] = data->batch(batch_key(c.train.seed, 0), c.train.batch_size);
+  std::vector<std::unique_ptr<InProcessTransport>> pipes;
+  std::vector<std::unique_ptr<InProcessReplicaHub>> hubs;
+  for (int t = 0; t < T; ++t) pipes.push_back(std::make_unique<InProcessTransport>(K, c.pipeline.timeout_s));
+  for (int k = 0; k < K; ++k) hubs.push_back(std::make_unique<InProcessReplicaHub>(T, c.pipeline.timeout_s));
+  std::vector<std::vector<double>> ms(static_cast<size_t>(K * T));
+  std::vector<std::string> errors(static_cast<size_t>(K * T));
+  std::vector<std::thread> threads;
+  for (int k = 0; k < K; ++k) {
+    for (int t = 0; t < T; ++t) {
+      threads.emplace_back([&, k, t] {
+        const size_t at = static_cast<size_t>(k * T + t);
+        try {
+          Config member = c;
+          member.model.member = layers::TensorShard{t, T, c.pipeline.sequence_parallel};
+          std::vector<bool> mine(static_cast<size_t>(shapes.model->size()), false);
+          for (int cell : plan.schedule.cells[k]) {
+            const CellSpec& s = plan.cells[cell];
+            for (int i = s.first_layer; i < s.first_layer + s.num_layers; ++i) mine[static_cast<size_t>(i)] = true;
+          }
+          auto model = layers::build_model(member.model, [&](int i) { return mine[static_cast<size_t>(i)]; });
+          InProcessReplicaGroup group(*hubs[static_cast<size_t>(k)], t);
+          Launch launch;
+          launch.rank = k;
+          launch.size = K;
+          launch.transport = pipes[static_cast<size_t>(t)].get();
+          launch.member = t;
+          launch.tensor = T;
+          launch.tensor_group = &group;
+          ExecutorOptions opts = executor_options(c, launch, plan, 0);
+          opts.pin_threads = false;  // K x T threads: stage k's core is not one member's
+          Executor ex(*model, plan.cells, plan.schedule, *pipes[static_cast<size_t>(t)], opts);
+          ex.set_lr(c.optimizer.optimizer.lr);
+          for (int i = 0; i < warmup + steps; ++i) {
+            if (at == 0) heartbeat();
+            const auto t0 = std::chrono::steady_clock::now();
+            ex.step(x, y);
+            const auto t1 = std::chrono::steady_clock::now();
+            if (i >= warmup) ms[at].push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+          }
+        } catch (const std::exception& e) {
+          errors[at] = e.what();
+          for (auto& p : pipes) p->abort(e.what());  // no thread waits for this one
+        }
+      });
+    }
+  }
+  for (std::thread& th : threads) th.join();
+  set_cpu_blas_threads(config.train.blas_threads);
+  for (const std::string& e : errors) {
+    if (!e.empty()) throw UserError("timing the plan at pipeline.tensor_parallel = " + std::to_string(T) + ": " + e);
+  }
+  std::vector<double> slowest(static_cast<size_t>(steps), 0.0);
+  for (const std::vector<double>& m : ms) {
+    for (size_t i = 0; i < m.size() && i < slowest.size(); ++i) slowest[i] = std::max(slowest[i], m[i]);
+  }
+  std::sort(slowest.begin(), slowest.end());
+  return slowest.empty() ? 0.0 : slowest[slowest.size() / 2];
+}
+
+}  // namespace
+
 double measure_step_ms(const Config& config, int warmup, int steps) {
   if (config.pipeline.replicas > 1) {
     throw UserError("timing a plan with pipeline.replicas > 1 takes one process per replica; time it with gpipe run");
   }
+  if (config.pipeline.tensor_parallel > 1) return measure_tensor_parallel_step_ms(config, warmup, steps);
   RunModel run = build_run_model(config);  // a model of its own: the run's weights are not touched
   const Config& c = run.config;
   set_cpu_blas_threads(c.train.blas_threads);
@@ -143,14 +224,17 @@ void measure_candidates(const Config& config, const layers::Sequential& model, S
   // run alike, and timing several of them tells little.
   auto shape = [](const Candidate& k) {
     return std::to_string(k.stages) + "/" + std::to_string(k.virtual_stages) + "/" + std::to_string(k.micro_batches) +
-           "/" + k.schedule + "/" + std::to_string(k.blas_threads) + "/" + k.precision;
+           "/" + k.schedule + "/" + std::to_string(k.blas_threads) + "/" + k.precision + "/" +
+           std::to_string(k.tensor_parallel) + (k.sequence_parallel ? "s" : "");
   };
   std::vector<int> timed;
   std::vector<std::string> shapes;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   for (size_t i = 0; i < r.candidates.size() && static_cast<int>(timed.size()) < o.top; ++i) {
     const Candidate& k = r.candidates[i];
     if (!k.fits || static_cast<int>(i) == own) continue;
-    if (k.tensor_parallel > 1) continue;  // several processes a stage: gpipe run times it
+    // A tensor group's members are timed as threads: K x T x BLAS threads within the cores.
+    if (k.tensor_parallel > 1 && k.stages * k.tensor_parallel * k.blas_threads > cores) continue;
     if (std::find(shapes.begin(), shapes.end(), shape(k)) != shapes.end()) continue;
     shapes.push_back(shape(k));
     timed.push_back(static_cast<int>(i));
@@ -192,7 +276,8 @@ void measure_candidates(const Config& config, const layers::Sequential& model, S
   std::map<std::pair<int, int>, std::vector<double>> ratios;
   for (int i : timed) {
     const Candidate& k = r.candidates[i];
-    if (k.measured_ms > 0 && k.run.step_ms > 0) {
+    // A tensor-parallel plan's timing (threads standing in for processes) calibrates nothing.
+    if (k.measured_ms > 0 && k.run.step_ms > 0 && k.tensor_parallel == 1) {
       ratios[{k.stages, k.blas_threads}].push_back(k.measured_ms / (k.run.step_ms / k.correction));
     }
   }

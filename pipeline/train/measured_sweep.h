@@ -25,13 +25,16 @@ struct MeasureOptions {
 };
 
 // The config as candidate `k` runs it: its stages, micro-batches, schedule, virtual
-// stages, recompute mode, BLAS threads, optimizer sharding and balance.
+// stages, recompute mode, BLAS threads, optimizer sharding, balance, tensor group and
+// sequence parallelism.
 Config candidate_config(const Config& base, const Candidate& k);
 
 // The median wall-clock milliseconds of `steps` training steps of `config` (optimizer
 // step included) after `warmup` untimed ones, on a model of its own (built from the
 // config, with the run's initial weights) and the mini-batch of the config's step 0.
-// One process: a config with pipeline.replicas > 1 is a UserError.
+// One process: a config with pipeline.replicas > 1 is a UserError. With
+// pipeline.tensor_parallel = T > 1, K x T executors on threads (each (stage, member) the
+// member's model with its stage's weights), a step's time its slowest thread's.
 double measure_step_ms(const Config& config, int warmup, int steps);
 
 // Why this sweep's candidates cannot be timed here ("" when they can): they plan for
