@@ -68,6 +68,12 @@ void InProcessReplicaHub::finish(Round& r) {
   }
 }
 
+void InProcessReplicaHub::abort(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (aborted_.empty()) aborted_ = why.empty() ? std::string("aborted") : why;
+  cv_.notify_all();
+}
+
 void InProcessReplicaHub::run(int me, Kind kind, const Tensor& in, Tensor& out) {
   if (kind == Kind::kReduceScatter) {
     GPIPE_CHECK(in.numel() == out.numel() * members_, "reduce_scatter_sum: " + in.str() + " is not " +
@@ -78,6 +84,7 @@ void InProcessReplicaHub::run(int me, Kind kind, const Tensor& in, Tensor& out) 
                                                           std::to_string(members_) + " blocks of " + in.str());
   }
   std::unique_lock<std::mutex> lock(mu_);
+  if (!aborted_.empty()) throw Aborted(aborted_);
   const int64_t number = next_.at(static_cast<size_t>(me))++;
   while (first_round_ + static_cast<int64_t>(rounds_.size()) <= number) {
     rounds_.emplace_back();
@@ -99,10 +106,11 @@ void InProcessReplicaHub::run(int me, Kind kind, const Tensor& in, Tensor& out) 
     cv_.notify_all();
   } else {
     const Deadline deadline(timeout_s_);
-    if (!wait_until(cv_, lock, deadline, [&] { return r.done; })) {
+    if (!wait_until(cv_, lock, deadline, [&] { return r.done || !aborted_.empty(); })) {
       throw Error(timeout_message("replica " + std::to_string(me), "collective " + std::to_string(number) +
                                       " of its " + std::to_string(members_) + " replicas", timeout_s_, -1));
     }
+    if (!r.done) throw Aborted(aborted_);
   }
   const std::string error = r.error;
   // The last member to leave drops the finished rounds at the front.

@@ -26,6 +26,9 @@ class InProcessReplicaHub {
   // Member `me`'s next collective: `in` is what it gives, `out` where its result goes
   // (the same tensor for an all-reduce). Returns once every member has taken part.
   void run(int me, Kind kind, const Tensor& in, Tensor& out);
+  // Wakes every member waiting in run(), and fails every later call, with Aborted(why):
+  // a member that failed does not leave the others waiting for it. Idempotent.
+  void abort(const std::string& why);
 
  private:
   struct Round {
@@ -45,6 +48,7 @@ class InProcessReplicaHub {
   std::deque<Round> rounds_;
   int64_t first_round_ = 0;    // rounds_[0]'s number (finished rounds are dropped)
   std::vector<int> left_;      // per live round: members yet to leave it
+  std::string aborted_;        // abort()'s reason; empty while the group runs
 };
 
 class InProcessReplicaGroup : public ReplicaGroup {

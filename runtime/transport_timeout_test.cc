@@ -8,6 +8,7 @@
 
 #include "runtime/deadline.h"
 #include "runtime/error.h"
+#include "runtime/inprocess_replica_group.h"
 #include "runtime/inprocess_transport.h"
 
 using namespace gpipe;
@@ -54,6 +55,19 @@ TEST_CASE("in-process transport: abort wakes a waiting receiver with Aborted, no
   });
   CHECK_THROWS_WITH_AS(tr.recv(1, 0, {MessageKind::kActivation, 0}, Device::cpu()), "stage 0 failed", Aborted);
   aborter.join();
+}
+
+TEST_CASE("in-process replica group: abort wakes a member waiting for the others with Aborted, and fails later calls") {
+  InProcessReplicaHub hub(2, 30.0);
+  InProcessReplicaGroup member(hub, 0);
+  std::thread aborter([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    hub.abort("member 1 failed");
+  });
+  Tensor t = Tensor::from_vector<double>({1.0, 2.0}, {2});
+  CHECK_THROWS_WITH_AS(member.all_reduce_sum(t), "member 1 failed", Aborted);  // not the 30 s timeout
+  aborter.join();
+  CHECK_THROWS_WITH_AS(member.all_reduce_sum(t), "member 1 failed", Aborted);
 }
 
 TEST_CASE("deadline: validation and polling") {

@@ -66,7 +66,8 @@ double measure_tensor_parallel_step_ms(const Config& config, int warmup, int ste
   for (int t = 0; t < T; ++t) pipes.push_back(std::make_unique<InProcessTransport>(K, c.pipeline.timeout_s));
   for (int k = 0; k < K; ++k) hubs.push_back(std::make_unique<InProcessReplicaHub>(T, c.pipeline.timeout_s));
   std::vector<std::vector<double>> ms(static_cast<size_t>(K * T));
-  std::vector<std::string> errors(static_cast<size_t>(K * T));
+  // Each thread's failure; a thread woken by another's abort says so apart (the cause is the other's).
+  std::vector<std::string> errors(static_cast<size_t>(K * T)), aborted(static_cast<size_t>(K * T));
   std::vector<std::thread> threads;
   for (int k = 0; k < K; ++k) {
     for (int t = 0; t < T; ++t) {
@@ -100,17 +101,22 @@ double measure_tensor_parallel_step_ms(const Config& config, int warmup, int ste
             const auto t1 = std::chrono::steady_clock::now();
             if (i >= warmup) ms[at].push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
           }
+        } catch (const Aborted& e) {
+          aborted[at] = e.what();
         } catch (const std::exception& e) {
           errors[at] = e.what();
           for (auto& p : pipes) p->abort(e.what());  // no thread waits for this one
+          for (auto& h : hubs) h->abort(e.what());
         }
       });
     }
   }
   for (std::thread& th : threads) th.join();
   set_cpu_blas_threads(config.train.blas_threads);
-  for (const std::string& e : errors) {
-    if (!e.empty()) throw UserError("timing the plan at pipeline.tensor_parallel = " + std::to_string(T) + ": " + e);
+  for (const std::vector<std::string>* list : {&errors, &aborted}) {
+    for (const std::string& e : *list) {
+      if (!e.empty()) throw UserError("timing the plan at pipeline.tensor_parallel = " + std::to_string(T) + ": " + e);
+    }
   }
   std::vector<double> slowest(static_cast<size_t>(steps), 0.0);
   for (const std::vector<double>& m : ms) {
