@@ -7,8 +7,10 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <ostream>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -60,14 +62,19 @@ double measure_tensor_parallel_step_ms(const Config& config, int warmup, int ste
   const Plan plan = make_plan(c, *shapes.model);
   const int K = plan.stages;
   const std::unique_ptr<Dataset> data = make_dataset(c);
-  auto [x, y] = data->batch(batch_key(c.train.seed, 0), c.train.batch_size);
+  // Not a structured binding: C++17 lambdas cannot capture one.
+  const std::pair<Tensor, Tensor> batch = data->batch(batch_key(c.train.seed, 0), c.train.batch_size);
+  const Tensor& x = batch.first;
+  const Tensor& y = batch.second;
   std::vector<std::unique_ptr<InProcessTransport>> pipes;
   std::vector<std::unique_ptr<InProcessReplicaHub>> hubs;
   for (int t = 0; t < T; ++t) pipes.push_back(std::make_unique<InProcessTransport>(K, c.pipeline.timeout_s));
   for (int k = 0; k < K; ++k) hubs.push_back(std::make_unique<InProcessReplicaHub>(T, c.pipeline.timeout_s));
   std::vector<std::vector<double>> ms(static_cast<size_t>(K * T));
-  // Each thread's failure; a thread woken by another's abort says so apart (the cause is the other's).
-  std::vector<std::string> errors(static_cast<size_t>(K * T)), aborted(static_cast<size_t>(K * T));
+  // The first failure, the cause: the threads it wakes (their pipes and groups aborted)
+  // fail after it, with messages that only repeat it.
+  std::mutex failed_mu;
+  std::string failed;
   std::vector<std::thread> threads;
   for (int k = 0; k < K; ++k) {
     for (int t = 0; t < T; ++t) {
@@ -101,10 +108,11 @@ double measure_tensor_parallel_step_ms(const Config& config, int warmup, int ste
             const auto t1 = std::chrono::steady_clock::now();
             if (i >= warmup) ms[at].push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
           }
-        } catch (const Aborted& e) {
-          aborted[at] = e.what();
         } catch (const std::exception& e) {
-          errors[at] = e.what();
+          {
+            std::lock_guard<std::mutex> lock(failed_mu);
+            if (failed.empty()) failed = e.what();
+          }
           for (auto& p : pipes) p->abort(e.what());  // no thread waits for this one
           for (auto& h : hubs) h->abort(e.what());
         }
@@ -113,10 +121,8 @@ double measure_tensor_parallel_step_ms(const Config& config, int warmup, int ste
   }
   for (std::thread& th : threads) th.join();
   set_cpu_blas_threads(config.train.blas_threads);
-  for (const std::vector<std::string>* list : {&errors, &aborted}) {
-    for (const std::string& e : *list) {
-      if (!e.empty()) throw UserError("timing the plan at pipeline.tensor_parallel = " + std::to_string(T) + ": " + e);
-    }
+  if (!failed.empty()) {
+    throw UserError("timing the plan at pipeline.tensor_parallel = " + std::to_string(T) + ": " + failed);
   }
   std::vector<double> slowest(static_cast<size_t>(steps), 0.0);
   for (const std::vector<double>& m : ms) {
@@ -236,11 +242,14 @@ void measure_candidates(const Config& config, const layers::Sequential& model, S
   std::vector<int> timed;
   std::vector<std::string> shapes;
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const bool cpu = first_device(config).is_cpu();
   for (size_t i = 0; i < r.candidates.size() && static_cast<int>(timed.size()) < o.top; ++i) {
     const Candidate& k = r.candidates[i];
     if (!k.fits || static_cast<int>(i) == own) continue;
-    // A tensor group's members are timed as threads: K x T x BLAS threads within the cores.
-    if (k.tensor_parallel > 1 && k.stages * k.tensor_parallel * k.blas_threads > cores) continue;
+    // A tensor group's members are timed as threads of this process on its CPU cores:
+    // K x T x BLAS threads within the cores. On GPUs each member would need its own GPU
+    // (a plan per member's devices): not timed here, gpipe run times it.
+    if (k.tensor_parallel > 1 && (!cpu || k.stages * k.tensor_parallel * k.blas_threads > cores)) continue;
     if (std::find(shapes.begin(), shapes.end(), shape(k)) != shapes.end()) continue;
     shapes.push_back(shape(k));
     timed.push_back(static_cast<int>(i));
