@@ -301,6 +301,25 @@ void check_model(const char* text, bool sequence = false) {
   }
 }
 
+// Three steps of zero bubble with each drain's W batched, at K = 2 x T = 4 (with sequence
+// parallelism or not), equal K = T = D = 1: losses and the final parameters.
+void check_batched_w(const char* text, bool sequence = false) {
+  const Config config = parse_config(text, "tp.yaml");
+  Extra steps;
+  steps.first_grads = false;
+  const Outcome ref = train(config.model, Run{}, 3, steps);
+  Run batched{2, 4, 1};
+  batched.batched_w = true;
+  batched.sequence = sequence;
+  const Outcome got = train(config.model, batched, 3, steps);
+  for (int s = 0; s < 3; ++s) CHECK(got.loss[0][s] == doctest::Approx(ref.loss[0][s]).epsilon(1e-12));
+  const auto want = joined(ref.last, Run{}, 0);
+  for (const auto& [name, vg] : joined(got.last, batched, 0)) {
+    INFO(name);
+    GPIPE_EXPECT_CLOSE(vg.first, want.at(name).first, 1e-12, 1e-12);
+  }
+}
+
 }  // namespace
 
 // A checkpoint saved at K = 2, T = 2, D = 2 with the optimizer sharded (or as save_run
@@ -359,19 +378,7 @@ TEST_CASE("a LLaMA config (grouped-query attention) on K x T x D executors equal
 TEST_CASE("a LLaMA config with 2 key/value heads (replicated over pairs of members at T = 4) equals the unpartitioned model") {
   check_model(gpipe::testing::kTensorParallelLlamaFewKv.c_str());
   // Their weight gradients summed over the pair after a batched W too (zero bubble, K = 2).
-  const Config config = parse_config(gpipe::testing::kTensorParallelLlamaFewKv, "tp.yaml");
-  Extra steps;
-  steps.first_grads = false;
-  const Outcome ref = train(config.model, Run{}, 3, steps);
-  Run batched{2, 4, 1};
-  batched.batched_w = true;
-  const Outcome got = train(config.model, batched, 3, steps);
-  for (int s = 0; s < 3; ++s) CHECK(got.loss[0][s] == doctest::Approx(ref.loss[0][s]).epsilon(1e-12));
-  const auto want = joined(ref.last, Run{}, 0);
-  for (const auto& [name, vg] : joined(got.last, batched, 0)) {
-    INFO(name);
-    GPIPE_EXPECT_CLOSE(vg.first, want.at(name).first, 1e-12, 1e-12);
-  }
+  check_batched_w(gpipe::testing::kTensorParallelLlamaFewKv.c_str());
 }
 
 TEST_CASE("a LLaMA config with one key/value head (multi-query: whole, held by every member alike) equals the unpartitioned model") {
@@ -400,20 +407,7 @@ TEST_CASE("sequence parallelism: a LLaMA config (grouped-query attention, key/va
   check_model(few_kv.c_str(), /*sequence=*/true);
   // Zero bubble with batched W (K = 2, T = 4): the row-parallel layers' gathered output
   // gradients and the norms' partial gradients over several micro-batches at once.
-  const Config config = parse_config(few_kv, "tp.yaml");
-  Extra steps;
-  steps.first_grads = false;
-  const Outcome ref = train(config.model, Run{}, 3, steps);
-  Run batched{2, 4, 1};
-  batched.batched_w = true;
-  batched.sequence = true;
-  const Outcome got = train(config.model, batched, 3, steps);
-  for (int s = 0; s < 3; ++s) CHECK(got.loss[0][s] == doctest::Approx(ref.loss[0][s]).epsilon(1e-12));
-  const auto want = joined(ref.last, Run{}, 0);
-  for (const auto& [name, vg] : joined(got.last, batched, 0)) {
-    INFO(name);
-    GPIPE_EXPECT_CLOSE(vg.first, want.at(name).first, 1e-12, 1e-12);
-  }
+  check_batched_w(few_kv.c_str(), /*sequence=*/true);
 }
 
 TEST_CASE("sequence parallelism: a checkpoint saved with it (T = 2, sharded over D = 2) resumes without it, and the reverse") {
