@@ -88,15 +88,7 @@ int64_t Linear::in_here() const { return input_shape_.back(); }
 int64_t Linear::out_here() const { return output_shape_.back(); }
 
 TensorCollectives& Linear::group() const {
-  if (group_ == nullptr || group_->size() != opts_.split.size || group_->rank() != opts_.split.rank) {
-    throw Error(describe() + " is split over a tensor group of " + std::to_string(opts_.split.size) +
-                " but was given " +
-                (group_ == nullptr
-                     ? std::string("none")
-                     : "member " + std::to_string(group_->rank()) + " of " + std::to_string(group_->size())) +
-                " (Linear::set_collectives)");
-  }
-  return *group_;
+  return TensorShard{opts_.split.rank, opts_.split.size}.checked(group_, describe());
 }
 
 std::string Linear::describe() const {

@@ -116,41 +116,21 @@ void ShapeCollectives::reduce_scatter_positions(Backend&, const Tensor& whole, T
 }
 
 template <typename F>
-void GroupCollectives::on_host(Backend& be, Tensor& t, F&& reduce) {
-  if (is_narrow(t.dtype())) {
-    // A bfloat16 or float16 activation: reduced in float32 and rounded once, the same on
-    // every member whatever the group's transport.
-    Tensor wide = be.empty(t.shape(), DType::kF32);
-    be.cast(t, wide);
-    on_host(be, wide, reduce);
-    be.cast(wide, t);
-    return;
-  }
-  be.synchronize();
-  // Timed from here: the device's queued work (the layer's own kernels, which a GPU's
-  // events time as compute) is done; the copies, the wait for the others and the transfer.
-  const auto start = std::chrono::steady_clock::now();
-  if (t.device().is_cpu()) {
-    reduce(t);
-  } else {
-    Tensor host = Tensor::empty(t.shape(), t.dtype(), Device::cpu());
-    copy_tensor(t, host);
-    reduce(host);
-    copy_tensor(host, t);
-  }
-  seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
-template <typename F>
 void GroupCollectives::on_host(Backend& be, const Tensor& in, Tensor& out, F&& move) {
-  if (is_narrow(in.dtype())) {  // as above: in float32 (an all-gather is exact either way)
-    Tensor wide_in = be.empty(in.shape(), DType::kF32), wide_out = be.empty(out.shape(), DType::kF32);
+  const bool in_place = in.raw_data() == out.raw_data();  // a sum or maximum: `out` is `in`
+  if (is_narrow(in.dtype())) {
+    // A bfloat16 or float16 activation: reduced in float32 and rounded once, the same on
+    // every member whatever the group's transport (an all-gather is exact either way).
+    Tensor wide_in = be.empty(in.shape(), DType::kF32);
     be.cast(in, wide_in);
+    Tensor wide_out = in_place ? wide_in : be.empty(out.shape(), DType::kF32);
     on_host(be, wide_in, wide_out, move);
     be.cast(wide_out, out);
     return;
   }
   be.synchronize();
+  // Timed from here: the device's queued work (the layer's own kernels, which a GPU's
+  // events time as compute) is done; the copies, the wait for the others and the transfer.
   const auto start = std::chrono::steady_clock::now();
   GPIPE_CHECK(in.is_contiguous() && out.is_contiguous(), "a tensor group's collective of " + in.str() + " into " +
                                                              out.str() + ": contiguous tensors");
@@ -159,7 +139,7 @@ void GroupCollectives::on_host(Backend& be, const Tensor& in, Tensor& out, F&& m
     hin = Tensor::empty(in.shape(), in.dtype(), Device::cpu());
     copy_tensor(in, hin);
   }
-  Tensor hout = out.device().is_cpu() ? out : Tensor::empty(out.shape(), out.dtype(), Device::cpu());
+  Tensor hout = out.device().is_cpu() ? out : in_place ? hin : Tensor::empty(out.shape(), out.dtype(), Device::cpu());
   move(hin, hout);
   if (!out.device().is_cpu()) copy_tensor(hout, out);
   seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -212,11 +192,11 @@ void GroupCollectives::reduce_scatter_positions(Backend& be, const Tensor& whole
 }
 
 void GroupCollectives::all_reduce_sum(Backend& be, Tensor& t) {
-  on_host(be, t, [&](Tensor& x) { group_.all_reduce_sum(x); });
+  on_host(be, t, t, [&](const Tensor&, Tensor& x) { group_.all_reduce_sum(x); });
 }
 
 void GroupCollectives::all_reduce_max(Backend& be, Tensor& t) {
-  on_host(be, t, [&](Tensor& x) { group_.all_reduce_max(x); });
+  on_host(be, t, t, [&](const Tensor&, Tensor& x) { group_.all_reduce_max(x); });
 }
 
 namespace {

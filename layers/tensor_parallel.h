@@ -143,10 +143,8 @@ class GroupCollectives : public TensorCollectives {
   double seconds() const { return seconds_; }
 
  private:
-  template <typename F>
-  void on_host(Backend& be, Tensor& t, F&& reduce);
-  // `in` to `out` through host copies by `move` (host in, host out), timed as on_host;
-  // narrow types in float32.
+  // `in` to `out` (the same tensor for a sum or a maximum, in place) by `move` on host
+  // copies (host in, host out), after the backend's queued work; narrow types in float32.
   template <typename F>
   void on_host(Backend& be, const Tensor& in, Tensor& out, F&& move);
   ReplicaGroup& group_;

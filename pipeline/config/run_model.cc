@@ -45,9 +45,13 @@ RunModel build_run_model_on_shapes(const Config& config, const MakeModel& make_m
   return build_run_model(config, make_model);
 }
 
+layers::TensorShard tensor_member(const Config& config, int rank) {
+  return {rank, config.pipeline.tensor_parallel, config.pipeline.sequence_parallel};
+}
+
 RunModel build_member_on_shapes(const Config& config, int rank) {
   Config member = config;
-  member.model.member = layers::TensorShard{rank, config.pipeline.tensor_parallel, config.pipeline.sequence_parallel};
+  member.model.member = tensor_member(config, rank);
   return build_run_model_on_shapes(member);
 }
 

@@ -39,6 +39,9 @@ RunModel build_run_model(const Config& config, const MakeModel& make_model = {})
 // that writes its weights in its constructor cannot be built so: the model is then built
 // with its weights, with a warning that says why (on_shapes false).
 RunModel build_run_model_on_shapes(const Config& config, const MakeModel& make_model = {});
+// Member `rank`'s place in the config's tensor group: of pipeline.tensor_parallel = T
+// members, by positions where pipeline.sequence_parallel says (layers::ModelSpec::member).
+layers::TensorShard tensor_member(const Config& config, int rank);
 // Member `rank` of the config's model split over pipeline.tensor_parallel = T members
 // (layers::ModelSpec::member), on shapes: its config says which member it is.
 RunModel build_member_on_shapes(const Config& config, int rank);

@@ -82,7 +82,7 @@ double measure_tensor_parallel_step_ms(const Config& config, int warmup, int ste
         const size_t at = static_cast<size_t>(k * T + t);
         try {
           Config member = c;
-          member.model.member = layers::TensorShard{t, T, c.pipeline.sequence_parallel};
+          member.model.member = tensor_member(c, t);
           std::vector<bool> mine(static_cast<size_t>(shapes.model->size()), false);
           for (int cell : plan.schedule.cells[k]) {
             const CellSpec& s = plan.cells[cell];

@@ -380,7 +380,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
     }
     check_launch(identified, launch);
     whole_shapes = std::move(build_run_model_on_shapes(identified).model);
-    claim.config.model.member = layers::TensorShard{launch.member, launch.tensor, claim.config.pipeline.sequence_parallel};
+    claim.config.model.member = tensor_member(claim.config, launch.member);  // check_launch: launch.tensor is T
   }
   // The model: YAML layers, a registered C++ model, or make_model (run_model.h); `c`
   // describes it. YAML layers are built on shapes first (what auto and the plan read,
