@@ -2,7 +2,9 @@
 # report.html read as a person reads it, at 800 px and at 1400 px: headless Chromium
 # (Debian's chromium, which `./gpipe test` installs) lays out the pages of real runs
 # (interleaved 1F1B with two chunks per stage and long layer names; zero bubble on three
-# stages with the gradient norm's collective) and a script measures the result: nothing
+# stages with the gradient norm's collective; a stage split over a tensor group of two
+# processes under mpirun, whose table has a tensor group column) and a script measures
+# the result: nothing
 # wider than the window (no horizontal scrolling, no cut table column), every label of
 # a chart inside its drawing, the timeline's text no smaller than 80% of its size, and
 # every stage's layers in full on the page.
@@ -104,7 +106,12 @@ PY
 run interleaved --set pipeline.profile="$tmp/a-rather-long-directory-name-without-any-spaces-in-it-at-all/$(printf 'x%.0s' {1..80})/profile.json"
 run zero_bubble --set pipeline.schedule=zero_bubble --set pipeline.virtual_stages=1 --set pipeline.partitions=3 \
   --set pipeline.micro_batches=6
-for name in interleaved zero_bubble; do
+# A tensor group: K=2 x T=2 under mpirun, with sequence parallelism.
+timeout 300 mpirun --allow-run-as-root --oversubscribe -np 4 "$gpipe" train "$tmp/lm.yaml" --set output.dir="$tmp/tensor" \
+  --set pipeline.schedule=1f1b --set pipeline.virtual_stages=1 --set pipeline.tensor_parallel=2 \
+  --set pipeline.sequence_parallel=true > "$tmp/tensor.log" 2>&1 || { cat "$tmp/tensor.log"; fail "tensor did not run"; }
+grep -q "<th>tensor group</th>" "$tmp/tensor/report.html" || fail "the tensor group's page has no tensor group column"
+for name in interleaved zero_bubble tensor; do
   for width in 800 1400; do look "$name" "$width"; done
 done
 # Every stage's layers in full (the second chunk's too), as the log names them.

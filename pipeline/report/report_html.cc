@@ -302,10 +302,6 @@ std::string loss_svg(const std::vector<std::pair<int, double>>& losses,
 
 const char* kStyle = R"(
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 24px 32px; color: #222; max-width: 1240px; }
-@media (max-width: 900px) {
-  body { margin: 12px; } th, td { padding: 3px 4px; }
-  .barcell { display: none; }  /* the bar repeats its row's figures; a narrow window keeps the figures */
-}
 .wide { overflow-x: auto; max-width: 100%; }
 h1, h3, .sub, .note, .stages li { overflow-wrap: anywhere; }  /* a long path or name wraps instead of widening the page */
 svg.timeline { width: 100%; height: auto; max-width: 1240px; display: block; }
@@ -338,6 +334,11 @@ svg text { font: 11px system-ui, sans-serif; }
 .legend i.mark { width: 0; border: 0; border-left: 1px dashed #6b6b6b; height: 12px; }
 .note { color: #555; font-size: 12.5px; max-width: 1100px; }
 code { background: #f3f3f3; padding: 0 3px; border-radius: 3px; }
+/* Last, so that it overrides the rules above in a narrow window (the same specificity). */
+@media (max-width: 900px) {
+  body { margin: 12px; } th, td { padding: 3px 4px; }
+  .barcell { display: none; }  /* the bar repeats its row's figures; a narrow window keeps the figures */
+}
 )";
 
 // ---- The page's sections, in the order render_report_html writes them.
