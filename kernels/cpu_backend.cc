@@ -542,6 +542,20 @@ void CpuBackend::sgd_step(Tensor& param, const Tensor& grad, Tensor& buf, const 
 
 void CpuBackend::copy(const Tensor& src, Tensor& dst) { copy_tensor(src, dst); }
 
+void CpuBackend::transpose_blocks(const Tensor& src, int64_t rows, int64_t cols, Tensor& dst) {
+  const int64_t block = ops::check_transpose_blocks(src, rows, cols, dst);
+  GPIPE_CHECK(src.device().is_cpu() && dst.device().is_cpu(),
+              "transpose_blocks of " + src.str() + " into " + dst.str() + " off the host");
+  GPIPE_CHECK(src.raw_data() != dst.raw_data() || src.nbytes() == 0, "transpose_blocks in place");
+  const char* from = static_cast<const char*>(src.raw_data());
+  char* to = static_cast<char*>(dst.raw_data());
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      std::memcpy(to + (c * rows + r) * block, from + (r * cols + c) * block, static_cast<size_t>(block));
+    }
+  }
+}
+
 void CpuBackend::cast(const Tensor& src, Tensor& dst) {
   ops::check_cast(src, dst);
   GPIPE_CHECK(src.device().is_cpu() && dst.device().is_cpu(), "cast " + src.str() + " -> " + dst.str() + " off the host");

@@ -907,6 +907,24 @@ void CudaBackend::copy(const Tensor& src, Tensor& dst) {
   GPIPE_CUDA_CHECK(cudaMemcpyAsync(dst.raw_data(), src.raw_data(), src.nbytes(), cudaMemcpyDeviceToDevice, s));
 }
 
+void CudaBackend::transpose_blocks(const Tensor& src, int64_t rows, int64_t cols, Tensor& dst) {
+  const int64_t block = ops::check_transpose_blocks(src, rows, cols, dst);
+  check_on_device(src, "transpose_blocks");
+  check_on_device(dst, "transpose_blocks");
+  GPIPE_CHECK(src.raw_data() != dst.raw_data() || src.nbytes() == 0, "transpose_blocks in place");
+  if (src.nbytes() == 0) return;
+  DeviceGuard guard(device_.index);
+  // Row r of src's blocks is one strided column of dst's: a 2-D copy of `cols` rows of
+  // one block each, from pitch `block` to pitch `rows` blocks; queued on the stream.
+  const char* from = static_cast<const char*>(src.raw_data());
+  char* to = static_cast<char*>(dst.raw_data());
+  const auto b = static_cast<size_t>(block);
+  for (int64_t r = 0; r < rows; ++r) {
+    GPIPE_CUDA_CHECK(cudaMemcpy2DAsync(to + r * block, b * static_cast<size_t>(rows), from + r * cols * block, b, b,
+                                       static_cast<size_t>(cols), cudaMemcpyDeviceToDevice, cuda_stream()));
+  }
+}
+
 double CudaBackend::item(const Tensor& x) {
   GPIPE_CHECK(x.numel() == 1, "item() of " + x.str());
   if (x.dtype() != DType::kF32 && x.dtype() != DType::kF64 && x.dtype() != DType::kI32) {

@@ -358,6 +358,27 @@ TEST_CASE("backend copy: host to device, device to device, device to host") {
   gpu().copy(empty_host, empty_dev);
 }
 
+TEST_CASE("transpose_blocks on the GPU equals the CPU's bit for bit, any element type") {
+  const int64_t cases[][3] = {{16, 2, 257}, {4, 4096, 1}, {2, 3, 5}, {1, 3, 4}, {4, 1, 2}};
+  for (DType dt : {DType::kF64, DType::kF32, DType::kBF16, DType::kI32}) {
+    for (const auto& c : cases) {
+      const int64_t rows = c[0], cols = c[1], block = c[2];
+      INFO(dtype_name(dt) << " " << rows << " x " << cols << " blocks of " << block);
+      Tensor host = Tensor::empty({rows * cols * block}, dt, Device::cpu());
+      auto* bytes = static_cast<uint8_t*>(host.raw_data());
+      for (size_t i = 0; i < host.nbytes(); ++i) bytes[i] = static_cast<uint8_t>((i * 37 + 11) % 251);
+      Tensor want = Tensor::empty({cols, rows, block}, dt, Device::cpu());
+      backend_for(Device::cpu()).transpose_blocks(host, rows, cols, want);
+      Tensor src = gpu().empty(host.shape(), dt), dst = gpu().empty(want.shape(), dt);
+      gpu().copy(host, src);
+      gpu().transpose_blocks(src, rows, cols, dst);
+      Tensor got = Tensor::empty(want.shape(), dt, Device::cpu());
+      gpu().copy(dst, got);
+      CHECK(std::memcmp(got.raw_data(), want.raw_data(), want.nbytes()) == 0);
+    }
+  }
+}
+
 TEST_CASE("item reads one element of each dtype") {
   Tensor f = gpu().empty({1}, DType::kF32);
   gpu().fill(f, 1.25);

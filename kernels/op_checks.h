@@ -115,5 +115,15 @@ inline void check_argmax_correct(const Tensor& logits, const Tensor& labels) {
   }
 }
 
+// transpose_blocks' operands (kernels/backend_ops.inc): returns the bytes of one block.
+inline int64_t check_transpose_blocks(const Tensor& src, int64_t rows, int64_t cols, const Tensor& dst) {
+  const std::string what = "transpose_blocks of " + src.str() + " into " + dst.str();
+  GPIPE_CHECK(src.dtype() == dst.dtype() && src.numel() == dst.numel(), what + ": one dtype and size");
+  GPIPE_CHECK(src.is_contiguous() && dst.is_contiguous(), what + ": contiguous tensors");
+  GPIPE_CHECK(rows >= 1 && cols >= 1 && src.numel() % (rows * cols) == 0,
+              what + ": no " + std::to_string(rows) + " x " + std::to_string(cols) + " equal blocks");
+  return static_cast<int64_t>(src.nbytes()) / (rows * cols);
+}
+
 }  // namespace ops
 }  // namespace gpipe

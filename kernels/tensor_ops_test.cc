@@ -309,3 +309,37 @@ TEST_CASE("shapes that do not broadcast and results of the wrong shape are refus
   const Tensor d = random_tensor({4, 3}, DType::kF64, 17);
   CHECK_THROWS_WITH_AS(cpu().binary(Binary::kSub, a, d, y), doctest::Contains("differ in dtype"), Error);
 }
+
+TEST_CASE("transpose_blocks moves block [r, c] to [c, r] exactly, any element type; bad sizes are refused") {
+  // (rows, cols, block elements): a tensor group's shares of positions (B, T, run), a
+  // row maximum's gathered members (T, n, 1), and one-row and one-column cases.
+  const int64_t cases[][3] = {{3, 2, 5}, {2, 4, 1}, {1, 3, 4}, {4, 1, 2}, {2, 3, 0}};
+  for (DType dt : {DType::kF64, DType::kF32, DType::kBF16, DType::kI32}) {
+    for (const auto& c : cases) {
+      const int64_t rows = c[0], cols = c[1], block = c[2];
+      INFO(dtype_name(dt) << " " << rows << " x " << cols << " blocks of " << block);
+      Tensor src = cpu().empty({rows * cols * block}, dt);
+      std::vector<uint8_t> bytes(src.nbytes());
+      for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>((i * 37 + 11) % 251);
+      if (!bytes.empty()) std::memcpy(src.raw_data(), bytes.data(), bytes.size());
+      Tensor dst = cpu().empty({cols, rows, block}, dt);
+      cpu().transpose_blocks(src, rows, cols, dst);
+      const size_t es = dtype_size(dt), bb = static_cast<size_t>(block) * es;
+      const auto* out = static_cast<const uint8_t*>(dst.raw_data());
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t k = 0; k < cols; ++k) {
+          CHECK(std::memcmp(out + (k * rows + r) * bb, bytes.data() + (r * cols + k) * bb, bb) == 0);
+        }
+      }
+      // Back again: the identity.
+      Tensor again = cpu().empty(src.shape(), dt);
+      cpu().transpose_blocks(dst, cols, rows, again);
+      CHECK(std::memcmp(again.raw_data(), src.raw_data(), src.nbytes()) == 0);
+    }
+  }
+  Tensor a = cpu().empty({12}, DType::kF32), b = cpu().empty({12}, DType::kF32);
+  CHECK_THROWS_WITH_AS(cpu().transpose_blocks(a, 5, 2, b), doctest::Contains("no 5 x 2 equal blocks"), Error);
+  Tensor d = cpu().empty({12}, DType::kF64);
+  CHECK_THROWS_WITH_AS(cpu().transpose_blocks(a, 3, 2, d), doctest::Contains("one dtype and size"), Error);
+  CHECK_THROWS_WITH_AS(cpu().transpose_blocks(a, 3, 2, a), doctest::Contains("in place"), Error);
+}

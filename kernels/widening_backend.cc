@@ -275,6 +275,9 @@ void WideningBackend::cast_all(const std::vector<Tensor>& srcs, const std::vecto
 
 void WideningBackend::copy(const Tensor& src, Tensor& dst) { inner_->copy(src, dst); }
 void WideningBackend::cast(const Tensor& src, Tensor& dst) { inner_->cast(src, dst); }
+void WideningBackend::transpose_blocks(const Tensor& src, int64_t rows, int64_t cols, Tensor& dst) {
+  inner_->transpose_blocks(src, rows, cols, dst);
+}
 void WideningBackend::synchronize() { inner_->synchronize(); }
 
 }  // namespace gpipe

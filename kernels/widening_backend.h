@@ -44,7 +44,7 @@ class WideningBackend : public Backend {
   }
   // The ops of kernels/backend_ops.inc. GPIPE_OP and GPIPE_NARROW_OP ops: generated from
   // their marked calls (widening_backend.cc). By hand: bias_grad (db is added into only
-  // when beta != 0); copy, cast, synchronize and fused attention go to the wrapped
+  // when beta != 0); copy, cast, transpose_blocks, synchronize and fused attention go to the wrapped
   // backend as they are; the fused ops go to the wrapped backend when no operand is
   // narrow or when it computes them in the narrow type (kRmsNorm, kSwiglu), else they
   // are composed here of widened generic ops (Backend's defaults), which is the

@@ -1,7 +1,5 @@
 #include "layers/tensor_parallel.h"
 
-#include <chrono>
-
 #include <cstring>
 
 #include "runtime/error.h"
@@ -115,8 +113,34 @@ void ShapeCollectives::reduce_scatter_positions(Backend&, const Tensor& whole, T
   count_gather(shard, whole, size_);
 }
 
+Event& GroupCollectives::next_event(Device device) {
+  if (!pool_device_) pool_device_ = device;
+  GPIPE_CHECK(device == *pool_device_, "a tensor group's collectives on " + device.str() + " after " +
+                                           pool_device_->str() + ": one member, one device");
+  if (used_ == pool_.size()) pool_.push_back(make_event(device));
+  return *pool_[used_++];
+}
+
+void GroupCollectives::clear_spans() {
+  spans_.clear();
+  used_ = 0;
+}
+
+double GroupCollectives::span_ms(size_t from, size_t to) const {
+  GPIPE_CHECK(from <= to && to <= spans_.size(), "span_ms: spans " + std::to_string(from) + " to " +
+                                                     std::to_string(to) + " of " + std::to_string(spans_.size()));
+  double ms = 0;
+  for (size_t i = from; i < to; ++i) {
+    const auto& [before, after] = spans_[i];
+    if (after == nullptr) continue;
+    after->synchronize();
+    ms += before->elapsed_ms(*after);
+  }
+  return ms;
+}
+
 template <typename F>
-void GroupCollectives::on_host(Backend& be, const Tensor& in, Tensor& out, F&& move) {
+void GroupCollectives::run(Backend& be, const Tensor& in, Tensor& out, F&& move) {
   const bool in_place = in.raw_data() == out.raw_data();  // a sum or maximum: `out` is `in`
   if (is_narrow(in.dtype())) {
     // A bfloat16 or float16 activation: reduced in float32 and rounded once, the same on
@@ -124,56 +148,47 @@ void GroupCollectives::on_host(Backend& be, const Tensor& in, Tensor& out, F&& m
     Tensor wide_in = be.empty(in.shape(), DType::kF32);
     be.cast(in, wide_in);
     Tensor wide_out = in_place ? wide_in : be.empty(out.shape(), DType::kF32);
-    on_host(be, wide_in, wide_out, move);
+    run(be, wide_in, wide_out, move);
     be.cast(wide_out, out);
     return;
   }
-  be.synchronize();
-  // Timed from here: the device's queued work (the layer's own kernels, which a GPU's
-  // events time as compute) is done; the copies, the wait for the others and the transfer.
-  const auto start = std::chrono::steady_clock::now();
   GPIPE_CHECK(in.is_contiguous() && out.is_contiguous(), "a tensor group's collective of " + in.str() + " into " +
                                                              out.str() + ": contiguous tensors");
-  Tensor hin = in;
-  if (!in.device().is_cpu()) {
-    hin = Tensor::empty(in.shape(), in.dtype(), Device::cpu());
-    copy_tensor(in, hin);
-  }
-  Tensor hout = out.device().is_cpu() ? out : in_place ? hin : Tensor::empty(out.shape(), out.dtype(), Device::cpu());
-  move(hin, hout);
-  if (!out.device().is_cpu()) copy_tensor(hout, out);
-  seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
-namespace {
-// `from` (B, T, run) to `to` (T, B, run), or back (member_major false): the members'
-// shares of each sample's positions, batch-major as a layer holds them, member-major as
-// a group's all-gather and reduce-scatter take their blocks. Host tensors, copies.
-void regroup(const Tensor& from, Tensor& to, int64_t batch, int members, bool member_major) {
-  GPIPE_CHECK(from.nbytes() == to.nbytes() && from.is_contiguous() && to.is_contiguous(),
-              "regroup: " + from.str() + " and " + to.str());
-  const int64_t run = static_cast<int64_t>(from.nbytes()) / (batch * members);
-  const char* src = static_cast<const char*>(from.raw_data());
-  char* dst = static_cast<char*>(to.raw_data());
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int r = 0; r < members; ++r) {
-      const int64_t batch_at = (b * members + r) * run, member_at = (r * batch + b) * run;
-      std::memcpy(dst + (member_major ? member_at : batch_at), src + (member_major ? batch_at : member_at),
-                  static_cast<size_t>(run));
+  Event& before = next_event(be.device());
+  before.record(be.stream());
+  spans_.push_back({&before, nullptr});
+  const size_t span = spans_.size() - 1;
+  if (group_.takes(in.device()) && group_.takes(out.device())) {
+    move(be, in, out);  // queued on a GPU, done on return on a CPU
+  } else {
+    // The group sums host memory only: after the device's queued work, through host copies.
+    be.synchronize();
+    Backend& host = backend_for(Device::cpu());
+    Tensor hin = in;
+    if (!in.device().is_cpu()) {
+      hin = Tensor::empty(in.shape(), in.dtype(), Device::cpu());
+      copy_tensor(in, hin);
     }
+    Tensor hout = out.device().is_cpu() ? out : in_place ? hin : Tensor::empty(out.shape(), out.dtype(), Device::cpu());
+    move(host, hin, hout);
+    if (!out.device().is_cpu()) copy_tensor(hout, out);
   }
+  Event& after = next_event(be.device());
+  after.record(be.stream());
+  spans_[span].second = &after;
 }
-}  // namespace
 
 void GroupCollectives::all_gather_positions(Backend& be, const Tensor& shard, Tensor& whole) {
   const int T = group_.size();
   GPIPE_CHECK(whole.numel() == shard.numel() * T && whole.dim() >= 2 && whole.size(0) == shard.size(0) &&
                   whole.dtype() == shard.dtype(),
               "all_gather_positions: " + whole.str() + " is not " + std::to_string(T) + " shares of " + shard.str());
-  on_host(be, shard, whole, [&](const Tensor& in, Tensor& out) {
-    Tensor blocks = Tensor::empty({T * in.numel()}, in.dtype(), Device::cpu());  // member-major
-    group_.all_gather(in.reshape({in.numel()}), blocks);
-    regroup(blocks, out, in.size(0), T, /*member_major=*/false);
+  run(be, shard, whole, [&](Backend& b, const Tensor& in, Tensor& out) {
+    // The members' shares member-major, (T, B, run), as the group gathers them; then
+    // each sample's positions in member order, (B, T, run).
+    Tensor members = b.empty({T * in.numel()}, in.dtype());
+    group_.all_gather(in.reshape({in.numel()}), members);
+    b.transpose_blocks(members, T, in.size(0), out);
   });
 }
 
@@ -183,20 +198,32 @@ void GroupCollectives::reduce_scatter_positions(Backend& be, const Tensor& whole
                   whole.dtype() == shard.dtype(),
               "reduce_scatter_positions: " + whole.str() + " is not " + std::to_string(T) + " shares of " +
                   shard.str());
-  on_host(be, whole, shard, [&](const Tensor& in, Tensor& out) {
-    Tensor blocks = Tensor::empty({in.numel()}, in.dtype(), Device::cpu());  // member-major
-    regroup(in, blocks, in.size(0), T, /*member_major=*/true);
+  run(be, whole, shard, [&](Backend& b, const Tensor& in, Tensor& out) {
+    // (B, T, run) to the member-major blocks the group scatters, (T, B, run).
+    Tensor members = b.empty({in.numel()}, in.dtype());
+    b.transpose_blocks(in, in.size(0), T, members);
     Tensor mine = out.reshape({out.numel()});
-    group_.reduce_scatter_sum(blocks, mine);
+    group_.reduce_scatter_sum(members, mine);
   });
 }
 
 void GroupCollectives::all_reduce_sum(Backend& be, Tensor& t) {
-  on_host(be, t, t, [&](const Tensor&, Tensor& x) { group_.all_reduce_sum(x); });
+  run(be, t, t, [&](Backend&, const Tensor&, Tensor& x) { group_.all_reduce_sum(x); });
 }
 
 void GroupCollectives::all_reduce_max(Backend& be, Tensor& t) {
-  on_host(be, t, t, [&](const Tensor&, Tensor& x) { group_.all_reduce_max(x); });
+  const int T = group_.size();
+  run(be, t, t, [&](Backend& b, const Tensor&, Tensor& x) {
+    // Every member's values, member-major (T, n); each element's T values as a row
+    // (n, T); the row's largest, the first NaN if it holds one.
+    const int64_t n = x.numel();
+    Tensor members = b.empty({T * n}, x.dtype());
+    group_.all_gather(x.reshape({n}), members);
+    Tensor rows = b.empty({n, T}, x.dtype());
+    b.transpose_blocks(members, T, n, rows);
+    Tensor largest = x.reshape({n});
+    b.reduce_rows(Reduce::kMax, rows, largest);
+  });
 }
 
 namespace {

@@ -28,10 +28,14 @@
 // sums and whole-by-name checkpoints of the shards build on this (docs/ARCHITECTURE.md).
 #pragma once
 
+#include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/backend.h"
+#include "runtime/stream.h"
 #include "runtime/transport.h"
 #include "runtime/tensor.h"
 
@@ -122,11 +126,22 @@ class TensorCollectives {
   virtual void reduce_scatter_positions(Backend& be, const Tensor& whole, Tensor& shard) = 0;
 };
 
-// A tensor group's sums over any ReplicaGroup (runtime/transport.h) that sums host
-// tensors: threads of one process (InProcessReplicaGroup) or processes (MpiReplicaGroup).
-// The backend's queued work is waited for first; a tensor on a device goes through a
-// host copy (a run's GPU stages); a bfloat16 or float16 tensor is reduced in float32 and
-// rounded once.
+// A tensor group's sums over any ReplicaGroup (runtime/transport.h): threads of one
+// process (InProcessReplicaGroup), processes (MpiReplicaGroup) or GPUs (NcclReplicaGroup).
+// A group that takes the tensor's device (ReplicaGroup::takes: every group a host
+// tensor, an NCCL group its GPU's) is handed the tensor where it is: on a GPU the
+// collective is queued, ordered with the compute stream, and the host does not wait.
+// Over a group that does not (a GPU's tensor over MPI), the backend's queued work is
+// waited for and the tensor goes through a host copy. A bfloat16 or float16 tensor is
+// reduced in float32 and rounded once. The members' shares of positions go member-major
+// and back with Backend::transpose_blocks; a maximum is an all-gather and each element's
+// largest (reduce_rows: a NaN wins), exact over any group.
+//
+// Each collective's time is a span between two events recorded on the backend's stream
+// before and after it: on a GPU the device's time (from the moment its queued work
+// reached the collective until the result was there for the next kernel), on a CPU the
+// host's. The executor reads each compute instruction's spans once its stream has
+// synchronised: the split layer's communication.
 class GroupCollectives : public TensorCollectives {
  public:
   explicit GroupCollectives(ReplicaGroup& group) : group_(group) {}
@@ -136,19 +151,27 @@ class GroupCollectives : public TensorCollectives {
   void all_reduce_max(Backend& be, Tensor& t) override;
   void all_gather_positions(Backend& be, const Tensor& shard, Tensor& whole) override;
   void reduce_scatter_positions(Backend& be, const Tensor& whole, Tensor& shard) override;
-  // Host seconds spent in this group's sums so far, from the moment the device's queued
-  // work is done (which a GPU's events count as the layer's compute): the copies, the
-  // wait for the other members and the transfer. The executor's account of a split
-  // layer's communication.
-  double seconds() const { return seconds_; }
+  // The spans recorded since clear_spans(), one per collective.
+  size_t spans() const { return spans_.size(); }
+  // Milliseconds of spans [from, to) (waiting for their events; call it once the stream
+  // has synchronised). A span whose collective failed half-way counts nothing.
+  double span_ms(size_t from, size_t to) const;
+  // Forgets the spans and reuses their events: at the start of each program.
+  void clear_spans();
 
  private:
-  // `in` to `out` (the same tensor for a sum or a maximum, in place) by `move` on host
-  // copies (host in, host out), after the backend's queued work; narrow types in float32.
+  // `in` to `out` (the same tensor for a sum or a maximum, in place) by move(backend,
+  // in, out), on the tensors' device or through host copies (above); narrow types in
+  // float32; timed as one span.
   template <typename F>
-  void on_host(Backend& be, const Tensor& in, Tensor& out, F&& move);
+  void run(Backend& be, const Tensor& in, Tensor& out, F&& move);
+  Event& next_event(Device device);
   ReplicaGroup& group_;
-  double seconds_ = 0;  // one member's thread calls it
+  // Events reused from step to step, on one device (the member's).
+  std::vector<std::unique_ptr<Event>> pool_;
+  size_t used_ = 0;
+  std::optional<Device> pool_device_;
+  std::vector<std::pair<Event*, Event*>> spans_;  // (before, after); after null: failed half-way
 };
 
 // A member's place in a tensor group without the group: planning a member's model on

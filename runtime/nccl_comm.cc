@@ -100,12 +100,12 @@ std::string async_failure(const std::vector<WatchedComm>& comms) {
     ncclResult_t state = ncclSuccess;
     const ncclResult_t r = ncclCommGetAsyncError(*w.comm, &state);
     if (r != ncclSuccess) {
-      return std::string(w.name) + ": ncclCommGetAsyncError itself failed: " + ncclGetErrorString(r);
+      return w.name + ": ncclCommGetAsyncError itself failed: " + ncclGetErrorString(r);
     }
     // ncclInProgress: a non-blocking communicator still working (ours block).
     if (state != ncclSuccess && state != ncclInProgress) {
       const char* last = ncclGetLastError(*w.comm);
-      return std::string(w.name) + ": NCCL reported an asynchronous error: " + ncclGetErrorString(state) +
+      return w.name + ": NCCL reported an asynchronous error: " + ncclGetErrorString(state) +
              (last != nullptr && *last != '\0' ? std::string(" (") + last + ")" : std::string());
     }
   }

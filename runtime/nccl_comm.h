@@ -59,7 +59,7 @@ void check_compute_stream(const Stream& compute, Device device, const char* owne
 // "the pipeline's communicator".
 struct WatchedComm {
   ncclComm_t* comm;
-  const char* name;
+  std::string name;
 };
 
 // Aborts every watched communicator (kernels waiting for a peer stop) without throwing.

@@ -2,6 +2,7 @@
 // and MPI call is checked; the destructor only logs.
 #include "runtime/nccl_replica_group.h"
 
+#include <algorithm>
 #include <exception>
 #include <string>
 #include <utility>
@@ -18,13 +19,16 @@ using nccl_detail::new_event;
 using nccl_detail::order_after;
 
 NcclReplicaGroup::NcclReplicaGroup(MPI_Comm comm, Device device, Stream& compute, NcclTransport* pipeline,
-                                   double timeout_s)
-    : device_(device), compute_(compute), pipeline_(pipeline), host_(comm, timeout_s), timeout_s_(timeout_s) {
+                                   double timeout_s, std::string what)
+    : device_(device),
+      compute_(compute),
+      pipeline_(pipeline),
+      what_(std::move(what)),
+      host_(comm, timeout_s),
+      timeout_s_(timeout_s) {
   GPIPE_CHECK(pipeline == nullptr || pipeline->device() == device,
               "NcclReplicaGroup on " + device.str() + " ordered against a transport on " +
                   (pipeline ? pipeline->device().str() : std::string()));
-  GPIPE_CHECK(pipeline == nullptr || pipeline->replicas_ == nullptr,
-              "NcclReplicaGroup: the transport on " + device.str() + " already has a replica group");
   GPIPE_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_));
   nccl_detail::check_compute_stream(compute, device, "NcclReplicaGroup");
   nccl_ = nccl_detail::make_nccl_comm(comm, device, "NcclReplicaGroup");
@@ -37,19 +41,23 @@ NcclReplicaGroup::NcclReplicaGroup(MPI_Comm comm, Device device, Stream& compute
     nccl_detail::release_nccl_comm(std::exchange(nccl_, nullptr), /*abandon=*/true, "NcclReplicaGroup");
     throw;
   }
-  if (pipeline_ != nullptr) pipeline_->replicas_ = this;
+  if (pipeline_ != nullptr) pipeline_->groups_.push_back(this);
 }
 
 NcclReplicaGroup::~NcclReplicaGroup() {
-  if (pipeline_ != nullptr && pipeline_->replicas_ == this) pipeline_->replicas_ = nullptr;
+  if (pipeline_ != nullptr) {
+    auto& groups = pipeline_->groups_;
+    groups.erase(std::remove(groups.begin(), groups.end(), this), groups.end());
+  }
   nccl_detail::release_nccl_comm(std::exchange(nccl_, nullptr),
                                  !in_flight_.empty() || std::uncaught_exceptions() > 0, "~NcclReplicaGroup");
 }
 
 std::vector<nccl_detail::WatchedComm> NcclReplicaGroup::watched() {
-  std::vector<nccl_detail::WatchedComm> out{{&nccl_, "the replicas' NCCL communicator"}};
-  if (pipeline_ != nullptr) out.push_back({&pipeline_->nccl_, "the pipeline's NCCL communicator"});
-  return out;
+  // Attached: the pipeline's and every attached group's (this one's among them), all of
+  // which a failure here stops.
+  if (pipeline_ != nullptr) return pipeline_->watched();
+  return {own()};
 }
 
 void NcclReplicaGroup::set_step(int64_t step) {
@@ -176,8 +184,8 @@ void NcclReplicaGroup::await_reductions() {
   nccl_detail::await_nccl_work(
       watched(), [&] { return cuda_event_done(last_done_->get()); },
       {"rank " + std::to_string(world_rank_), timeout_s_, step_},
-      "the last of " + std::to_string(queued_) + " all-reduce(s) over the stage's " + std::to_string(size()) +
-          " replicas (ncclAllReduce)");
+      "the last of " + std::to_string(queued_) + " collective(s) over " + what_ + " (" + std::to_string(size()) +
+          " ranks; ncclAllReduce, ncclReduceScatter or ncclAllGather)");
   queued_ = 0;
 }
 

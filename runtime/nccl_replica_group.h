@@ -1,6 +1,8 @@
-// The data-parallel replicas of a stage on GPUs, one per rank: ncclAllReduce of device
-// tensors, ordered against the stage's compute stream and its pipeline transport with
-// events, so the host does not wait for the GPU. Built only with --config=cuda.
+// A group of a stage's ranks on GPUs, one GPU per rank, summing device tensors with
+// NCCL: the data-parallel replicas of a stage (gradient buckets, ZeRO-1's sharded state)
+// and the tensor group of a stage's members (a split layer's sums, layers/tensor_parallel.h).
+// Ordered against the stage's compute stream and its pipeline transport with events, so
+// the host does not wait for the GPU. Built only with --config=cuda.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -25,18 +27,22 @@ class NcclTransport;
 // ncclAllReduce of device tensors on a reduction stream ordered after the compute
 // stream, and the compute stream ordered after the result (no host wait). Host tensors
 // and scalars go through MPI, as MpiReplicaGroup. With the stage's pipeline transport
-// given, each all-reduce also comes after the pipeline's sends and receives queued
-// before it and before those queued after it (NcclTransport::nccl_before/after), so the
-// two communicators' kernels never run at once on this GPU and every replica orders
-// them alike; and the group attaches itself to the transport, whose flush() then also
-// waits for the all-reduces, and whose waits and aborts cover both communicators.
+// given, each collective also comes after the pipeline's sends and receives queued
+// before it and before those queued after it (NcclTransport::nccl_before/after). Every
+// group attached to the transport does the same, so all of this GPU's NCCL work (the
+// pipeline's, the replicas', the tensor group's) runs as one chain in program order:
+// no two communicators' kernels at once on this GPU, and every rank orders them alike
+// (NCCL user guide, "Using multiple NCCL communicators concurrently"). The group
+// attaches itself to the transport, whose flush() then also waits for its collectives,
+// and whose waits and aborts cover every attached communicator.
 class NcclReplicaGroup : public ReplicaGroup {
  public:
-  // comm: the stage's replicas (not owned). device, compute, timeout_s: as
-  // NcclTransport's. pipeline: this rank's NcclTransport, or nullptr (not owned;
-  // outlives the group).
+  // comm: the group's ranks (not owned), in the order of their place in the group.
+  // device, compute, timeout_s: as NcclTransport's. pipeline: this rank's
+  // NcclTransport, or nullptr (not owned; outlives the group). what: the group in
+  // messages, "the stage's replicas" or "the stage's tensor group".
   NcclReplicaGroup(MPI_Comm comm, Device device, Stream& compute, NcclTransport* pipeline = nullptr,
-                   double timeout_s = kDefaultTimeoutS);
+                   double timeout_s = kDefaultTimeoutS, std::string what = "the stage's replicas");
   ~NcclReplicaGroup() override;
   NcclReplicaGroup(const NcclReplicaGroup&) = delete;
   NcclReplicaGroup& operator=(const NcclReplicaGroup&) = delete;
@@ -61,14 +67,19 @@ class NcclReplicaGroup : public ReplicaGroup {
   int rank() const override { return host_.rank(); }
   void reduce_scatter_sum(Tensor& full, Tensor& block) override;
   void all_gather(const Tensor& block, Tensor& full) override;
-  // The host waits, under the deadline and watching both communicators for
-  // asynchronous errors, until every all-reduce queued so far on the device is done;
-  // ends the job if it cannot finish (runtime/nccl_comm.h). The attached transport's
-  // flush() calls it.
+  // Host tensors, and tensors on this group's GPU (queued, the compute stream ordered
+  // after the result).
+  bool takes(Device device) const override { return device.is_cpu() || device == device_; }
+  // The host waits, under the deadline and watching every communicator of the pipeline
+  // for asynchronous errors, until every collective queued so far on the device is
+  // done; ends the job if it cannot finish (runtime/nccl_comm.h). The attached
+  // transport's flush() calls it.
   void await_reductions();
 
  private:
   friend class NcclTransport;  // aborts this communicator with its own
+  // This communicator, named for messages.
+  nccl_detail::WatchedComm own() { return {&nccl_, "the NCCL communicator of " + what_}; }
 
   void enqueue(const Tensor& t);
   ncclDataType_t nccl_type(const Tensor& t) const;
@@ -82,6 +93,7 @@ class NcclReplicaGroup : public ReplicaGroup {
   Device device_;
   Stream& compute_;
   NcclTransport* pipeline_;
+  std::string what_;
   MpiReplicaGroup host_;
   double timeout_s_;
   int world_rank_ = 0;
@@ -89,7 +101,7 @@ class NcclReplicaGroup : public ReplicaGroup {
   ncclComm_t nccl_ = nullptr;
   std::unique_ptr<Stream> reduce_stream_;
   std::unique_ptr<nccl_detail::EventHandle> ready_, reduced_;
-  // Recorded after each all-reduce; `queued` of them since await_reductions() last ran.
+  // Recorded after each collective; `queued` of them since await_reductions() last ran.
   std::unique_ptr<nccl_detail::EventHandle> last_done_;
   int queued_ = 0;
   std::vector<Tensor> in_flight_;  // started on the device, not yet waited for

@@ -93,7 +93,7 @@ void NcclTransport::check_stage(int stage, const char* what) const {
 
 std::vector<nccl_detail::WatchedComm> NcclTransport::watched() {
   std::vector<nccl_detail::WatchedComm> out{{&nccl_, "the pipeline's NCCL communicator"}};
-  if (replicas_ != nullptr) out.push_back({&replicas_->nccl_, "the replicas' NCCL communicator"});
+  for (NcclReplicaGroup* g : groups_) out.push_back(g->own());
   return out;
 }
 
@@ -379,7 +379,7 @@ void NcclTransport::flush(int stage) {
   DeviceGuard guard(device_.index);
   retire_sends(/*wait=*/true);
   retire_receives(/*wait=*/true);
-  if (replicas_ != nullptr) replicas_->await_reductions();
+  for (NcclReplicaGroup* g : groups_) g->await_reductions();
 }
 
 void NcclTransport::abort(const std::string& why) {

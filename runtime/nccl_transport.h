@@ -47,16 +47,16 @@
 // Outside a group (tied gradients, validation) each call is a group of its own.
 //
 // Deadlines. The host does wait for NCCL work in flush() (called by the executor before
-// the stage's own host waits on its device: at the optimizer step and at the end of its
-// program, so that the backend's synchronize() after it waits only for compute that no
-// longer depends on a peer), in the start-up warm-up, and for the replica group's
-// all-reduces. None of these blocks: each polls its event and ncclCommGetAsyncError on
-// the pipeline's and the replicas' communicators until the work is done or
-// pipeline.timeout_s passes (runtime/nccl_comm.h). A wait that cannot finish logs what it
-// waited for (the message, its peer, the step), aborts both communicators
-// (ncclCommAbort: kernels waiting for a peer stop) and ends the job with
-// MPI_Abort(kTimeoutExitCode). The MPI header waits use mpi_await, with the same
-// deadline.
+// the stage's own host waits on its device: at the gradient norm, at the optimizer step
+// and at the end of its program, so that the backend's synchronize() after it waits only
+// for compute that no longer depends on a peer), in the start-up warm-up, and for the
+// attached groups' collectives. None of these blocks: each polls its event and
+// ncclCommGetAsyncError on the pipeline's and the attached groups' communicators until
+// the work is done or pipeline.timeout_s passes (runtime/nccl_comm.h). A wait that
+// cannot finish logs what it waited for (the message, its peer, the step), aborts every
+// one of those communicators (ncclCommAbort: kernels waiting for a peer stop) and ends
+// the job with MPI_Abort(kTimeoutExitCode). The MPI header waits use mpi_await, with the
+// same deadline.
 //
 // NCCL connects two ranks lazily, on their first send/receive, and allocates its
 // buffers then; the constructor exchanges a few bytes both ways with every peer this
@@ -127,11 +127,11 @@ class NcclTransport : public Transport {
   std::vector<std::vector<double>> gather_to_first(int stage, const std::vector<double>& values) override;
   double clock_offset_to_first(int stage) override { return host_.clock_offset_to_first(stage); }
   // Waits, under the deadline, until every send has left its buffer, every receive
-  // posted has arrived and the attached replica group's all-reduces are done: the
-  // compute stream then depends on no peer. Not inside a group.
+  // posted has arrived and the attached groups' collectives (the replicas', the tensor
+  // group's) are done: the compute stream then depends on no peer. Not inside a group.
   void flush(int stage) override;
-  // Logs, aborts the NCCL communicators (the replicas' too: kernels waiting for a peer
-  // stop), then ends the whole job with MPI_Abort, as MpiTransport does, so no rank
+  // Logs, aborts the NCCL communicators (the attached groups' too: kernels waiting for a
+  // peer stop), then ends the whole job with MPI_Abort, as MpiTransport does, so no rank
   // waits forever.
   void abort(const std::string& why) override;
   bool sends_wait_for_receiver() const override { return true; }
@@ -140,12 +140,15 @@ class NcclTransport : public Transport {
   void end_group(int stage) override;
   void set_step(int64_t step) override;
 
-  // Ordering against another NCCL communicator on this GPU (NcclReplicaGroup's): two
-  // communicators' kernels in flight at once, in no fixed order, can deadlock
-  // (NCCL user guide, "Using multiple NCCL communicators concurrently"). So the other
-  // stream waits for the sends and receives queued here so far (before), and the sends
-  // and receives queued here from now on wait for the other stream's work so far
-  // (after). Called in program order, the same on every rank.
+  // Ordering against the other NCCL communicators on this GPU (the attached
+  // NcclReplicaGroups': the replicas', the tensor group's): two communicators' kernels in
+  // flight at once, in no fixed order, can deadlock (NCCL user guide, "Using multiple
+  // NCCL communicators concurrently"). So the other stream waits for the sends and
+  // receives queued here so far (before), and the sends and receives queued here from
+  // now on wait for the other stream's work so far (after). Called around each of a
+  // group's collectives, in program order, the same on every rank: a group's
+  // collective waits for the send stream, which waited for every earlier collective of
+  // any group, so all of this GPU's NCCL work forms one chain.
   void nccl_before(cudaStream_t other);
   void nccl_after(cudaStream_t other);
 
@@ -157,7 +160,7 @@ class NcclTransport : public Transport {
   size_t receives_in_flight() const { return receiving_.size(); }
 
  private:
-  friend class NcclReplicaGroup;  // attaches itself; its waits watch this communicator too
+  friend class NcclReplicaGroup;  // attaches itself; its waits watch every communicator here
 
   struct PendingSend {
     Tensor tensor;                                   // alive until NCCL has read it
@@ -193,7 +196,7 @@ class NcclTransport : public Transport {
   // A few bytes both ways with each peer this stage talks to (see above).
   void warm_up();
   std::unique_ptr<nccl_detail::EventHandle> take_event();
-  // The communicators a wait watches and aborts: this one and the attached replicas'.
+  // The communicators a wait watches and aborts: this one and the attached groups'.
   std::vector<nccl_detail::WatchedComm> watched();
   nccl_detail::WaitContext wait_context() const;
   // await_nccl_work for `done`, naming `awaited` if it cannot finish.
@@ -210,7 +213,7 @@ class NcclTransport : public Transport {
   int rank_ = 0, size_ = 1, world_rank_ = 0;
   int64_t step_ = -1;
   ncclComm_t nccl_ = nullptr;
-  NcclReplicaGroup* replicas_ = nullptr;  // attached by the stage's replica group
+  std::vector<NcclReplicaGroup*> groups_;  // attached: the stage's replicas, its tensor group
   std::unique_ptr<Stream> send_stream_, recv_stream_;
   // Reused for each "this stream after that one" edge: a wait takes the event's state
   // at the time of the call, so re-recording it later is safe.

@@ -2,12 +2,14 @@
 // mpirun -np 2 by nccl_transport_test.sh): tensors and their shapes arrive intact both
 // ways, out-of-order messages are matched by kind and micro-batch, a grouped exchange
 // in both directions completes, bad messages raise errors that name them without
-// hanging either rank, and replicas sum, reduce-scatter and all-gather device tensors
-// (the last two compiled only so far: no two-GPU machine has run them). Every test case
+// hanging either rank, replicas sum, reduce-scatter and all-gather device tensors, and
+// a second group attached to the same transport (a stage's tensor group) does the same
+// interleaved with the pipeline's transfers and the replicas' sums (compiled only so
+// far: no two-GPU machine has run this file). Every test case
 // is collective: both ranks run them all, in order. With fewer than two visible GPUs it
 // prints the skip marker and passes.
 //   nccl_transport_check                         the test cases
-//   nccl_transport_check --stuck=send|recv|replica
+//   nccl_transport_check --stuck=send|recv|replica|tensor
 //       rank 1 stops taking part (alive, posting nothing more); rank 0's wait on NCCL
 //       work must end the job after pipeline.timeout_s (2 s) with what it waited for
 //       and exit status kTimeoutExitCode
@@ -41,6 +43,7 @@ struct World {
   Stream* compute = nullptr;  // the device's compute stream, as the CUDA backend's
   std::unique_ptr<NcclTransport> transport;
   std::unique_ptr<NcclReplicaGroup> replicas;
+  std::unique_ptr<NcclReplicaGroup> tensor;  // a second group on the same transport
 };
 
 World& world() {
@@ -301,6 +304,58 @@ TEST_CASE("a replica group reduce-scatters and all-gathers device tensors (shard
   CHECK_THROWS_AS(g.reduce_scatter_sum(wrong, five), Error);  // 9 is not 2 blocks of 5
 }
 
+TEST_CASE("a tensor group beside the replicas: both groups' collectives and the pipeline's transfers in one chain") {
+  World& w = world();
+  NcclTransport& tr = *w.transport;
+  NcclReplicaGroup& g = *w.tensor;
+  CHECK(g.takes(w.device));
+  CHECK(g.takes(Device::cpu()));
+  CHECK_FALSE(g.takes(Device::cuda(w.device.index + 1)));
+  CHECK(g.rank() == w.rank);
+  for (DType dt : {DType::kF32, DType::kF64}) {
+    // Program order, the same on both ranks: a transfer each way, a tensor-group sum, a
+    // replica sum started, a tensor-group all-gather and reduce-scatter, the replica
+    // sum waited for. Each NCCL call comes after the ones queued before it.
+    Tensor sent = to_device(pattern({64}, dt, 10 + w.rank));
+    if (w.rank == 0) {
+      tr.send(0, 1, {kAct, 40}, sent);
+    } else {
+      tr.send(1, 0, {kGrad, 40}, sent);
+    }
+    Tensor got = w.rank == 0 ? tr.recv(0, 1, {kGrad, 40}, w.device) : tr.recv(1, 0, {kAct, 40}, w.device);
+    Tensor t = to_device(pattern({1000}, dt, w.rank + 1));
+    g.all_reduce_sum(t);
+    Tensor r = to_device(pattern({300}, dt, 3 * w.rank));
+    w.replicas->start_all_reduce_sum(r);
+    Tensor mine = to_device(pattern({6}, dt, w.rank + 1));
+    Tensor gathered = to_device(pattern({12}, dt, 0));
+    g.all_gather(mine, gathered);
+    Tensor full = to_device(pattern({12}, dt, w.rank + 1));
+    Tensor block = to_device(pattern({6}, dt, 0));
+    g.reduce_scatter_sum(full, block);
+    w.replicas->wait_all();
+    tr.flush(w.rank);  // waits for both groups' collectives too
+
+    CHECK(device_values(got) == values(pattern({64}, dt, 10 + (1 - w.rank))));
+    auto sum_of = [&](const Shape& s, double b0, double b1) {
+      std::vector<double> want = values(pattern(s, dt, b0));
+      const std::vector<double> other = values(pattern(s, dt, b1));
+      for (size_t i = 0; i < want.size(); ++i) want[i] += other[i];
+      return want;
+    };
+    CHECK(device_values(t) == sum_of({1000}, 1, 2));
+    CHECK(device_values(r) == sum_of({300}, 0, 3));
+    std::vector<double> want = values(pattern({6}, dt, 1));
+    const std::vector<double> second = values(pattern({6}, dt, 2));
+    want.insert(want.end(), second.begin(), second.end());
+    CHECK(device_values(gathered) == want);
+    const std::vector<double> sum = sum_of({12}, 1, 2);
+    CHECK(device_values(block) == std::vector<double>(sum.begin() + 6 * w.rank, sum.begin() + 6 * w.rank + 6));
+  }
+  CHECK(tr.sends_in_flight() == 0);
+  CHECK(tr.receives_in_flight() == 0);
+}
+
 // Run with --stuck=MODE: rank 1 stops taking part, rank 0 waits on NCCL work that
 // needs it. Returns only if rank 0's wait ended without it (a failure).
 int run_stuck(const std::string& mode) {
@@ -308,6 +363,7 @@ int run_stuck(const std::string& mode) {
   NcclTransport& tr = *w.transport;
   tr.set_step(12);
   w.replicas->set_step(12);
+  w.tensor->set_step(12);
   std::printf("nccl_transport_check: rank %d pid %d ready\n", w.rank, static_cast<int>(::getpid()));
   std::fflush(stdout);
   if (w.rank == 1) {
@@ -330,8 +386,15 @@ int run_stuck(const std::string& mode) {
     w.replicas->start_all_reduce_sum(g);
     w.replicas->wait_all();
     tr.flush(0);
+  } else if (mode == "tensor") {
+    // A tensor group's sum as a split layer queues it: the host goes on, the transport's
+    // flush waits for it.
+    Tensor t = to_device(pattern({1000}, DType::kF32, 0));
+    w.tensor->all_reduce_sum(t);
+    tr.flush(0);
   } else {
-    std::fprintf(stderr, "nccl_transport_check: unknown --stuck mode '%s' (send, recv or replica)\n", mode.c_str());
+    std::fprintf(stderr, "nccl_transport_check: unknown --stuck mode '%s' (send, recv, replica or tensor)\n",
+                 mode.c_str());
     return 2;
   }
   std::fprintf(stderr, "nccl_transport_check: the stuck %s finished without rank 1\n", mode.c_str());
@@ -377,6 +440,9 @@ int main(int argc, char** argv) {
       // Its all-reduces ordered against the transport's sends and receives.
       w.replicas =
           std::make_unique<NcclReplicaGroup>(MPI_COMM_WORLD, w.device, *w.compute, w.transport.get(), timeout_s);
+      // A second group attached to the same transport, as a stage's tensor group is.
+      w.tensor = std::make_unique<NcclReplicaGroup>(MPI_COMM_WORLD, w.device, *w.compute, w.transport.get(),
+                                                    timeout_s, "the stage's tensor group");
       if (!stuck.empty()) {
         rc = run_stuck(stuck);
         MPI_Abort(MPI_COMM_WORLD, rc);
@@ -384,6 +450,7 @@ int main(int argc, char** argv) {
       doctest::Context context;
       context.applyCommandLine(argc, argv);
       rc = context.run();
+      w.tensor.reset();
       w.replicas.reset();
       w.transport.reset();
     } catch (const std::exception& e) {

@@ -108,10 +108,13 @@ class ReplicaGroup {
   // ncclAllGather). The default all-reduces `full` zeroed but for its own block, which
   // is exact: every element is one replica's value plus zeros.
   virtual void all_gather(const Tensor& block, Tensor& full);
-  // In place, each element the largest over the members (NaN wins; float32 or float64,
-  // on any device): a vocabulary-parallel loss's row maxima (layers/loss.h). The default
-  // all-gathers a host copy (all_gather) and takes each element's largest, exactly.
-  virtual void all_reduce_max(Tensor& t);
+
+  // Whether the tensor collectives above take tensors on `device` where they are,
+  // queued in order with that device's compute stream, no host copy and no host wait:
+  // every group takes host tensors, an NCCL group its GPU's (NcclReplicaGroup). A
+  // tensor group's sums move a tensor on any other device through host memory
+  // (layers::GroupCollectives).
+  virtual bool takes(Device device) const { return device.is_cpu(); }
 };
 
 }  // namespace gpipe

@@ -162,10 +162,15 @@ Launch MpiLaunch::join(Config& config) {
     } else {
       replica_group_ = std::make_unique<MpiReplicaGroup>(replicas_, config.pipeline.timeout_s);
     }
-    // The tensor group's sums between the stage's GPUs go through host memory over MPI
-    // (layers::GroupCollectives copies them): the pipeline's transport orders one NCCL
-    // group beside its own communicator (the replicas'), not two.
-    tensor_group_ = std::make_unique<MpiReplicaGroup>(tensor_, config.pipeline.timeout_s);
+    // The tensor group's sums on the stage's GPUs by NCCL, queued on the device in the
+    // same chain as the pipeline's transfers and the replicas' buckets (its split layers'
+    // collectives: layers::GroupCollectives hands it the tensors where they are).
+    if (T > 1) {
+      tensor_group_ = std::make_unique<NcclReplicaGroup>(tensor_, device, compute, pipeline,
+                                                         config.pipeline.timeout_s, "the stage's tensor group");
+    } else {
+      tensor_group_ = std::make_unique<MpiReplicaGroup>(tensor_, config.pipeline.timeout_s);
+    }
 #endif
   }
   launch.transport = transport_.get();

@@ -632,6 +632,13 @@ void Executor::run_stage(int k) {
       auto turn = device_turn(k);
       rt.clock->start_step(rt.backend->stream(), now_ms());
     }
+    // The tensor group's collectives of each compute instruction: (trace index, its
+    // first span, past its last), read once the stream has synchronised.
+    struct GroupSpans {
+      size_t op, from, to;
+    };
+    std::vector<GroupSpans> group_spans;
+    if (tensor_collectives_ != nullptr) tensor_collectives_->clear_spans();
     // No instruction but the optimizer step writes this stage's parameters (the
     // collectives write gradients): the weights stay frozen from one step to the next, so
     // a CPU stage's packed copies of them (kernels/cpu_gemm.h) serve every micro-batch.
@@ -648,12 +655,15 @@ void Executor::run_stage(int k) {
         // NORM reads a sum back from the device, so its call waits for every kernel queued
         // before it: the backward's, which their own events time. Wait before NORM's clock
         // starts, so that its time is its own (the H200 run's report gave NORM 31 ms of a
-        // 37 ms step, the backward counted twice).
+        // 37 ms step, the backward counted twice). The compute stream may wait for a
+        // peer (a replica's bucket, a tensor group's sum on NCCL): the transport's
+        // transfers and its groups' collectives first, under its deadline.
+        transport_.flush(k);
         auto turn = device_turn(k);
         rt.backend->synchronize();
       }
       const double t0 = now_ms();
-      const double group_s0 = tensor_collectives_ != nullptr ? tensor_collectives_->seconds() : 0.0;
+      const size_t span0 = tensor_collectives_ != nullptr ? tensor_collectives_->spans() : 0;
       if (pc == rt.zero_at && eval == nullptr) {  // inside the receive's slot: its wait, usually
         auto turn = device_turn(k);
         zero_grads(rt);
@@ -691,7 +701,7 @@ void Executor::run_stage(int k) {
       }
       op.live_bytes = rt.live_bytes;
       if (tensor_collectives_ != nullptr && is_compute(ins.op)) {
-        op.group_ms = (tensor_collectives_->seconds() - group_s0) * 1e3;
+        group_spans.push_back({rt.trace.ops.size(), span0, tensor_collectives_->spans()});
       }
       op.end_ms = now_ms();
       rt.trace.ops.push_back(op);
@@ -702,6 +712,9 @@ void Executor::run_stage(int k) {
     for (const OpClock::Span& span : rt.clock->resolve()) {  // device times replace the host's
       rt.trace.ops[span.index].start_ms = span.start_ms;
       rt.trace.ops[span.index].end_ms = span.end_ms;
+    }
+    for (const GroupSpans& g : group_spans) {  // inside their instruction's, on the same stream
+      rt.trace.ops[g.op].group_ms = tensor_collectives_->span_ms(g.from, g.to);
     }
   } catch (const Aborted& e) {
     rt.error = std::current_exception();

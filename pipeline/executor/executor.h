@@ -105,7 +105,8 @@ struct TimedOp {
   int peer = -1;           // sends, receives and TIE: the other stage
   int64_t live_bytes = 0;  // activations the stage holds after the instruction
   // A compute instruction of a stage split over a tensor group: the part of its time its
-  // layers spent in the group's sums (GroupCollectives::seconds), communication, not compute.
+  // layers spent in the group's collectives (GroupCollectives' spans: the device's time
+  // on a GPU), communication, not compute.
   double group_ms = 0;
 };
 

@@ -20,7 +20,7 @@ struct Launch {
   ReplicaGroup* replicas = nullptr;  // the same stage in the other replicas; required when D > 1
   // Tensor parallelism (pipeline.tensor_parallel = T > 1): this process is member `member`
   // of its stage's tensor group of T processes, `tensor_group` (required when T > 1; over
-  // MPI, GPU stages' tensors through host memory).
+  // MPI between CPU stages, NCCL between GPU stages).
   int member = 0;
   int tensor = 1;
   ReplicaGroup* tensor_group = nullptr;
