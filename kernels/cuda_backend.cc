@@ -911,17 +911,33 @@ void CudaBackend::transpose_blocks(const Tensor& src, int64_t rows, int64_t cols
   const int64_t block = ops::check_transpose_blocks(src, rows, cols, dst);
   check_on_device(src, "transpose_blocks");
   check_on_device(dst, "transpose_blocks");
-  GPIPE_CHECK(src.raw_data() != dst.raw_data() || src.nbytes() == 0, "transpose_blocks in place");
   if (src.nbytes() == 0) return;
   DeviceGuard guard(device_.index);
-  // Row r of src's blocks is one strided column of dst's: a 2-D copy of `cols` rows of
-  // one block each, from pitch `block` to pitch `rows` blocks; queued on the stream.
   const char* from = static_cast<const char*>(src.raw_data());
   char* to = static_cast<char*>(dst.raw_data());
   const auto b = static_cast<size_t>(block);
-  for (int64_t r = 0; r < rows; ++r) {
-    GPIPE_CUDA_CHECK(cudaMemcpy2DAsync(to + r * block, b * static_cast<size_t>(rows), from + r * cols * block, b, b,
-                                       static_cast<size_t>(cols), cudaMemcpyDeviceToDevice, cuda_stream()));
+  // 2-D copies queued on the stream, along the shorter side (fewer calls, the smaller
+  // pitch): row r of src's blocks is column r of dst's (`cols` blocks from pitch `block`
+  // to pitch `rows` blocks), or column c of src's is row c of dst's. A pitch past what
+  // cudaMemcpy2D takes (2^31 - 1 bytes) falls back to one copy a block.
+  const int64_t shorter = std::min(rows, cols);
+  if (shorter * block > static_cast<int64_t>(INT_MAX)) {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        GPIPE_CUDA_CHECK(cudaMemcpyAsync(to + (c * rows + r) * block, from + (r * cols + c) * block, b,
+                                         cudaMemcpyDeviceToDevice, cuda_stream()));
+      }
+    }
+  } else if (rows <= cols) {
+    for (int64_t r = 0; r < rows; ++r) {
+      GPIPE_CUDA_CHECK(cudaMemcpy2DAsync(to + r * block, b * static_cast<size_t>(rows), from + r * cols * block, b, b,
+                                         static_cast<size_t>(cols), cudaMemcpyDeviceToDevice, cuda_stream()));
+    }
+  } else {
+    for (int64_t c = 0; c < cols; ++c) {
+      GPIPE_CUDA_CHECK(cudaMemcpy2DAsync(to + c * rows * block, b, from + c * block, b * static_cast<size_t>(cols), b,
+                                         static_cast<size_t>(rows), cudaMemcpyDeviceToDevice, cuda_stream()));
+    }
   }
 }
 

@@ -122,7 +122,11 @@ inline int64_t check_transpose_blocks(const Tensor& src, int64_t rows, int64_t c
   GPIPE_CHECK(src.is_contiguous() && dst.is_contiguous(), what + ": contiguous tensors");
   GPIPE_CHECK(rows >= 1 && cols >= 1 && src.numel() % (rows * cols) == 0,
               what + ": no " + std::to_string(rows) + " x " + std::to_string(cols) + " equal blocks");
-  return static_cast<int64_t>(src.nbytes()) / (rows * cols);
+  const auto* s = static_cast<const char*>(src.raw_data());
+  const auto* d = static_cast<const char*>(dst.raw_data());
+  const size_t n = src.nbytes();
+  GPIPE_CHECK(n == 0 || s + n <= d || d + n <= s, what + ": the two overlap (not in place)");
+  return static_cast<int64_t>(n) / (rows * cols);
 }
 
 }  // namespace ops

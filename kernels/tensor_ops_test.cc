@@ -341,5 +341,8 @@ TEST_CASE("transpose_blocks moves block [r, c] to [c, r] exactly, any element ty
   CHECK_THROWS_WITH_AS(cpu().transpose_blocks(a, 5, 2, b), doctest::Contains("no 5 x 2 equal blocks"), Error);
   Tensor d = cpu().empty({12}, DType::kF64);
   CHECK_THROWS_WITH_AS(cpu().transpose_blocks(a, 3, 2, d), doctest::Contains("one dtype and size"), Error);
-  CHECK_THROWS_WITH_AS(cpu().transpose_blocks(a, 3, 2, a), doctest::Contains("in place"), Error);
+  CHECK_THROWS_WITH_AS(cpu().transpose_blocks(a, 3, 2, a), doctest::Contains("overlap"), Error);
+  Tensor wide = cpu().empty({18}, DType::kF32);
+  Tensor front = wide.narrow_rows(0, 12), back = wide.narrow_rows(6, 12);
+  CHECK_THROWS_WITH_AS(cpu().transpose_blocks(front, 3, 2, back), doctest::Contains("overlap"), Error);
 }

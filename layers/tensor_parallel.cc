@@ -69,7 +69,7 @@ namespace {
 thread_local int64_t g_shape_sums = 0, g_shape_sum_bytes = 0, g_shape_gathers = 0, g_shape_gather_bytes = 0;
 
 // The bytes a group moves for `t`: a bfloat16 or float16 tensor goes as float32
-// (GroupCollectives::on_host).
+// (GroupCollectives::run).
 int64_t group_bytes(const Tensor& t) {
   return t.numel() * static_cast<int64_t>(is_narrow(t.dtype()) ? 4 : dtype_size(t.dtype()));
 }

@@ -124,6 +124,10 @@ class TensorCollectives {
   // `whole` (B, S, ...), a partial sum on each member; `shard` (B, S/T, ...) gets the
   // group's sum at this member's positions.
   virtual void reduce_scatter_positions(Backend& be, const Tensor& whole, Tensor& shard) = 0;
+  // Before the host reads back a result of these in the middle of a step: waits, under
+  // the group's deadline, for the collectives the group queued on the device (NCCL),
+  // so that a member that is gone ends the job with a message instead of a hang.
+  virtual void await_queued() {}
 };
 
 // A tensor group's sums over any ReplicaGroup (runtime/transport.h): threads of one
@@ -151,7 +155,9 @@ class GroupCollectives : public TensorCollectives {
   void all_reduce_max(Backend& be, Tensor& t) override;
   void all_gather_positions(Backend& be, const Tensor& shard, Tensor& whole) override;
   void reduce_scatter_positions(Backend& be, const Tensor& whole, Tensor& shard) override;
-  // The spans recorded since clear_spans(), one per collective.
+  void await_queued() override { group_.await_device(); }
+  // The spans recorded since clear_spans(), one per collective (the executor clears them
+  // at each program's start; another caller clears them itself).
   size_t spans() const { return spans_.size(); }
   // Milliseconds of spans [from, to) (waiting for their events; call it once the stream
   // has synchronised). A span whose collective failed half-way counts nothing.

@@ -38,10 +38,7 @@ void InProcessTransport::send(int src, int dst, const MessageTag& tag, const Ten
   if (aborted_) throw Aborted(why_);
   Mailbox& box = boxes_[dst];
   const Key key{src, static_cast<int>(tag.kind), tag.micro_batch, tag.cell};
-  GPIPE_CHECK(box.messages.find(key) == box.messages.end(),
-              "stage " + std::to_string(src) + " sent the " + tag_str(tag) + " to stage " +
-                  std::to_string(dst) + " twice");
-  box.messages.emplace(key, std::move(message));
+  box.messages.emplace(key, std::move(message));  // after any of the same key: first in, first out
   box.cv.notify_all();
 }
 
@@ -52,9 +49,10 @@ Tensor InProcessTransport::recv(int dst, int src, const MessageTag& tag, Device 
     std::unique_lock<std::mutex> lock(mu_);
     Mailbox& box = boxes_[dst];
     const Key key{src, static_cast<int>(tag.kind), tag.micro_batch, tag.cell};
-    std::map<Key, Message>::iterator it;
+    std::multimap<Key, Message>::iterator it;
     const bool arrived = wait_until(box.cv, lock, Deadline(timeout_s_), [&] {
-      return aborted_ || (it = box.messages.find(key)) != box.messages.end();
+      // The first of the key's messages (lower_bound: the earliest sent).
+      return aborted_ || ((it = box.messages.lower_bound(key)) != box.messages.end() && it->first == key);
     });
     if (aborted_) throw Aborted(why_);
     if (!arrived) expire(dst, "the " + tag_str(tag) + " from stage " + std::to_string(src));

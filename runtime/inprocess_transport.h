@@ -6,7 +6,11 @@
 // event on its compute stream (what produced the tensor), and the receiver copies on
 // its device's transfer stream after that event, with its compute stream waiting for
 // the copy: no host wait, and the copy of micro-batch m + 1 overlaps the receiver's
-// forward of m (runtime/tensor.h, transfer_tensor).
+// forward of m (runtime/tensor.h, transfer_tensor). A message sent again under the same
+// kind, micro-batch and cell before the first one was received waits behind it, in
+// order, as MPI's do: the stages of separate executors (a job's ranks as threads of one
+// process) may start their next program (the next evaluation chunk) before a
+// neighbour has finished this one.
 #pragma once
 
 #include <atomic>
@@ -43,7 +47,7 @@ class InProcessTransport : public Transport {
     std::shared_ptr<Event> ready;  // GPU tensors: recorded on the sender's compute stream at the send
   };
   struct Mailbox {
-    std::map<Key, Message> messages;
+    std::multimap<Key, Message> messages;  // a key's messages in sending order
     std::condition_variable cv;
   };
   [[noreturn]] void expire(int stage, const std::string& awaited) const;

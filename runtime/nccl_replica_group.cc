@@ -49,8 +49,14 @@ NcclReplicaGroup::~NcclReplicaGroup() {
     auto& groups = pipeline_->groups_;
     groups.erase(std::remove(groups.begin(), groups.end(), this), groups.end());
   }
-  nccl_detail::release_nccl_comm(std::exchange(nccl_, nullptr),
-                                 !in_flight_.empty() || std::uncaught_exceptions() > 0, "~NcclReplicaGroup");
+  // Abandoned (aborted, not destroyed, which would wait for a peer that may be gone)
+  // while a collective is still queued or unfinished.
+  bool unfinished = !in_flight_.empty() || std::uncaught_exceptions() > 0;
+  if (!unfinished && queued_ > 0 && nccl_ != nullptr) {
+    DeviceGuard guard(device_.index);
+    unfinished = !cuda_event_done(last_done_->get());
+  }
+  nccl_detail::release_nccl_comm(std::exchange(nccl_, nullptr), unfinished, "~NcclReplicaGroup");
 }
 
 std::vector<nccl_detail::WatchedComm> NcclReplicaGroup::watched() {

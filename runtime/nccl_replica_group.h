@@ -70,6 +70,7 @@ class NcclReplicaGroup : public ReplicaGroup {
   // Host tensors, and tensors on this group's GPU (queued, the compute stream ordered
   // after the result).
   bool takes(Device device) const override { return device.is_cpu() || device == device_; }
+  void await_device() override { await_reductions(); }
   // The host waits, under the deadline and watching every communicator of the pipeline
   // for asynchronous errors, until every collective queued so far on the device is
   // done; ends the job if it cannot finish (runtime/nccl_comm.h). The attached

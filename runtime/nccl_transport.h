@@ -15,7 +15,10 @@
 // waited for in flush()), so its block is not recycled while NCCL still reads it.
 // recv: the buffer is a block of the receive stream's own (the allocator reuses a
 // block for another stream only after an event, runtime/block_pool.h), so the receive
-// does not wait for the compute work queued before it. Each receive records its own
+// does not wait for the compute work queued before it (unless an attached group's
+// collective was queued in between: see nccl_before/after, which chain every NCCL
+// operation of this GPU, so a receive then follows the compute that collective waited
+// for). Each receive records its own
 // `arrived` event; the compute stream waits for it when the tensor is asked for, and
 // the block is marked as used by the compute stream (record_stream), so it returns to
 // the receive stream only once compute is done with it.

@@ -59,7 +59,8 @@ class Transport {
   // transport finishes its sends here; the others return at once), and on a GPU
   // transport until every transfer it queued is done, under its deadline, so that a
   // host wait on the compute stream after it waits for no peer. Called before a stage's
-  // host waits for its device: at its optimizer step and at the end of its program.
+  // host waits for its device: at its gradient norm (on a GPU), at its optimizer step and
+  // at the end of its program.
   virtual void flush(int /*stage*/) {}
   // Wakes every waiting receiver with Aborted(why). Idempotent.
   virtual void abort(const std::string& why) = 0;
@@ -115,6 +116,10 @@ class ReplicaGroup {
   // tensor group's sums move a tensor on any other device through host memory
   // (layers::GroupCollectives).
   virtual bool takes(Device device) const { return device.is_cpu(); }
+  // Waits on the host, under the group's deadline, until every collective it queued on a
+  // device is done (an NCCL group's; the others finish theirs before returning): before
+  // the host reads a result back in the middle of a step.
+  virtual void await_device() {}
 };
 
 }  // namespace gpipe

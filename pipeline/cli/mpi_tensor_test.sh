@@ -14,13 +14,15 @@
 #     K=1 x T=4 with the uninterrupted run's losses (1e-12);
 #  3. pipeline.memory_limit: a limit the whole stage is over is refused at T=1 (naming
 #     pipeline.tensor_parallel), and the same run trains at T=2, each process under it;
-#  4. clear errors: T > 1 without mpirun, the wrong process count, a vocabulary T does
-#     not divide;
+#  4. clear errors: T > 1 with D > 1 without mpirun, T > 1 on GPUs in one process, the
+#     wrong process count, a vocabulary T does not divide;
 #  5. a member killed with kill -9 mid-run: gpipe run restarts the job from its newest
 #     checkpoint and it ends with the losses of the run that was not killed;
 #  6. gpipe plan at T=2 counts the whole model's parameters and each member's as the run
 #     held them; gpipe plan --sweep tries T and, where no plan fits at T=1 (an MLP whose
-#     layers are each over the limit), recommends T > 1, which trains.
+#     layers are each over the limit), recommends T > 1, which trains;
+#  7. without mpirun, T > 1 runs the job's ranks as threads of one process (GPT at K=1 x
+#     T=4 and K=2 x T=2, with sequence parallelism at K=2 x T=2): the same losses.
 set -uo pipefail
 gpipe="$(realpath "$1")"
 compare="$(realpath "$2")"
@@ -335,8 +337,13 @@ run m2 gpt64.yaml 1 2 1 "${limit[@]}"
 same g1 m2 "over pipeline.memory_limit whole, trained at T=2"
 
 # 4. Clear errors.
-"$gpipe" train gpt64.yaml --set output.dir="$tmp/e1" --set pipeline.tensor_parallel=2 > e1.log 2>&1 && fail "T=2 ran in one process"
-grep -q "pipeline.tensor_parallel = 2 splits each stage over 2 processes: launch mpirun -np 2" e1.log || { cat e1.log; fail "T=2 alone"; }
+"$gpipe" train gpt64.yaml --set output.dir="$tmp/e1" --set pipeline.tensor_parallel=2 --set pipeline.replicas=2 \
+  > e1.log 2>&1 && fail "T=2 x D=2 ran in one process"
+grep -q "pipeline.replicas = 2 needs 2 copies of the pipeline: launch mpirun -np 4" e1.log || { cat e1.log; fail "T=2 x D=2 alone"; }
+"$gpipe" train gpt64.yaml --set output.dir="$tmp/e4" --set pipeline.tensor_parallel=2 --set 'pipeline.devices=[cuda]' \
+  > e4.log 2>&1 && fail "T=2 on a GPU ran in one process"
+grep -q "pipeline.tensor_parallel = 2 on GPUs runs one process per GPU (NCCL between them): launch mpirun -np 2" e4.log ||
+  { cat e4.log; fail "T=2 on GPUs alone"; }
 "${mpirun[@]}" -np 3 "$gpipe" train gpt64.yaml --set output.dir="$tmp/e2" --set pipeline.tensor_parallel=2 > e2.log 2>&1 &&
   fail "T=2 ran on 3 processes"
 grep -q "pipeline.partitions x pipeline.tensor_parallel x pipeline.replicas is 1 x 2 x 1.*mpirun -np 2" e2.log ||
@@ -345,4 +352,21 @@ grep -q "pipeline.partitions x pipeline.tensor_parallel x pipeline.replicas is 1
   fail "T=3 split a vocabulary of 256"
 grep -q "a vocabulary of 256 tokens does not split over a tensor group of 3" e3.log || { cat e3.log; fail "T=3"; }
 echo "ok: errors name the fix"
+
+# 7. Without mpirun: the ranks as threads of this process, the same losses.
+threads() {
+  local name="$1" K="$2" T="$3"; shift 3
+  "$gpipe" train gpt64.yaml --set output.dir="$tmp/$name" --set pipeline.partitions="$K" \
+    --set pipeline.tensor_parallel="$T" "$@" > "$name.log" 2>&1 || { cat "$name.log"; fail "run $name (threads)"; }
+  grep -q "pipeline.tensor_parallel = $T: $((K * T)) ranks as threads of this process" "$name.log" ||
+    { cat "$name.log"; fail "$name: not run as threads"; }
+}
+threads t14 1 4
+same g1 t14 "GPT at K=1 x T=4 as threads of one process"
+held t14.log 4
+threads t22 2 2
+same g1 t22 "GPT at K=2 x T=2 as threads of one process"
+grep -q "<th>tensor group</th>" t22/report.html || fail "the threads' page has no tensor group column"
+threads ts22 2 2 "${seq[@]}"
+same g1 ts22 "GPT with sequence parallelism at K=2 x T=2 as threads of one process"
 echo "PASS"

@@ -5,9 +5,10 @@
 #     per-step losses and the validation of one process running the two stages as
 #     threads on cuda:0 and cuda:1 (peer copies), to float32 rounding;
 #  2. K = 1 x T = 2 (tensor parallelism: each rank a GPU, the head and its loss split by
-#     the classes, the group's sums through host memory) logs one GPU's losses;
+#     the classes, the group's sums by NCCL on the devices) logs one GPU's losses;
 #  3. with four GPUs, K = 2 x D = 2 (NCCL all-reduce between replicas, ordered against
-#     the pipeline's sends and receives) logs the single-process losses too.
+#     the pipeline's sends and receives) and K = 2 x T = 2 (each stage's tensor group on
+#     NCCL beside the pipeline's transfers) log the single-process losses too.
 # Prints GPIPE_TEST_SKIPPED (counted as skipped by ./gpipe test) and passes with fewer
 # than two GPUs.
 set -uo pipefail
@@ -45,8 +46,8 @@ paste <(validation < "$tmp/threads.log" | nl) <(validation < "$tmp/nccl.log" | n
 echo "ok: the same validation loss with threads and with NCCL ranks"
 
 # Tensor parallelism on two GPUs: K=1 x T=2, each rank its GPU, the head and its loss
-# split by the classes, the group's sums through host memory over MPI, against one process
-# on one GPU.
+# split by the classes, the group's sums by NCCL on the devices, against one process on
+# one GPU.
 "$gpipe" train "$config" "${common[@]}" --set 'pipeline.devices=[cuda:0]' --set pipeline.partitions=1 \
   --set output.dir="$tmp/one" > "$tmp/one.log" 2>&1 || { cat "$tmp/one.log"; echo "FAIL: one process on cuda:0"; exit 1; }
 "${mpirun[@]}" -np 2 "$gpipe" train "$config" "${common[@]}" --set 'pipeline.devices=[cuda]' --set pipeline.partitions=1 \
@@ -71,3 +72,13 @@ if ! awk '{ d = $2 - $4; if (d < 0) d = -d; if ($1 != $3 || d > 1e-3) { print "s
   echo "FAIL: per-step losses differ between one process and K=2 x D=2 over NCCL"; exit 1
 fi
 echo "ok: K=2 x D=2 over NCCL gives the single-process losses"
+
+# Both levels on NCCL: K=2 x T=2, each stage's two members summing on their GPUs in one
+# chain with the pipeline's transfers, against the two stages as threads of one process.
+"${mpirun[@]}" -np 4 "$gpipe" train "$config" "${common[@]}" --set 'pipeline.devices=[cuda,cuda]' \
+  --set pipeline.tensor_parallel=2 --set output.dir="$tmp/tp2" > "$tmp/tp2.log" 2>&1 ||
+  { cat "$tmp/tp2.log"; echo "FAIL: mpirun -np 4 with K=2 x T=2 over NCCL"; exit 1; }
+paste <(losses < "$tmp/threads.log") <(losses < "$tmp/tp2.log") > "$tmp/tp2_pairs.txt"
+[ "$(wc -l < "$tmp/tp2_pairs.txt")" -eq 12 ] || { cat "$tmp/tp2.log"; echo "FAIL: expected 12 step lines"; exit 1; }
+close_enough "$tmp/tp2_pairs.txt" || { echo "FAIL: per-step losses differ between one process and K=2 x T=2 over NCCL"; exit 1; }
+echo "ok: K=2 x T=2 over NCCL gives the single-process losses"

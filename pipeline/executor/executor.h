@@ -87,7 +87,8 @@ struct ExecutorOptions {
   // layers::ModelSpec::member). The executor gives the stage's layers and the loss this
   // group for the sums their splits need, and NORM sums the split parameters' squares
   // over it (the whole ones, equal on every member, counted once). Needs local_stage;
-  // not owned. It sums host tensors (a GPU stage's go through host copies).
+  // not owned. A group that takes the stage's device (ReplicaGroup::takes: NCCL's on a
+  // GPU) gets its tensors there; another, a GPU stage's through host copies.
   ReplicaGroup* tensor_group = nullptr;
   // Time compute instructions with device events even on CPU devices (tests of the
   // GPU path's bookkeeping; CUDA devices always use them, see op_clock.h).

@@ -453,11 +453,12 @@ partition::CostModel probed_cost_model(const Plan& plan, DType dtype, int blas_t
 }
 
 PlannedRun predict_config(const Config& c, const layers::Sequential& model, const Plan& plan, bool across_processes,
-                          double flops_per_second, double bytes_per_second, double launch_seconds) {
+                          double flops_per_second, double bytes_per_second, double launch_seconds,
+                          bool group_across_processes) {
   const ProfileStore store = load_profile(c.pipeline.profile);
   partition::CostModel cm = probed_cost_model(plan, model.output_dtype(), c.train.blas_threads, flops_per_second,
                                               bytes_per_second, launch_seconds);
-  price_tensor_group(cm, plan.tensor_parallel, local_link(store, /*across_processes=*/true));  // members: processes
+  price_tensor_group(cm, plan.tensor_parallel, local_link(store, group_across_processes));
   const CostSource costs(model, store, c.pipeline.profile, plan.devices.front(), c.train.blas_threads, cm,
                          cost_overrides(c), c.optimizer.optimizer, 1.0, stages_at_once(plan));
   const LinkCost link = local_link(store, across_processes);

@@ -136,10 +136,12 @@ partition::CostModel probed_cost_model(const Plan& plan, DType dtype, int blas_t
 
 // The run's prediction as `train` and `gpipe plan` make it: the config's profile file
 // when it has entries for this model, the cost model otherwise (probed_cost_model, at
-// `flops_per_second`, `bytes_per_second` and `launch_seconds` when given).
+// `flops_per_second`, `bytes_per_second` and `launch_seconds` when given). Messages
+// between stages cross processes when `across_processes`; a tensor group's members are
+// processes unless `group_across_processes` is false (threads of one process).
 PlannedRun predict_config(const Config& config, const layers::Sequential& model, const Plan& plan,
                           bool across_processes = false, double flops_per_second = 0, double bytes_per_second = 0,
-                          double launch_seconds = 0);
+                          double launch_seconds = 0, bool group_across_processes = true);
 
 }  // namespace pipeline
 }  // namespace gpipe

@@ -10,8 +10,8 @@ namespace gpipe {
 namespace pipeline {
 
 // Alone (all stages as threads), or as rank `rank` of `size` processes that each run
-// one stage, connected by `transport`; the job's processes are laid out as Plan::ranks
-// says (RankLayout).
+// one stage, connected by `transport` (or threads standing for them: `threads`); the
+// job's processes are laid out as Plan::ranks says (RankLayout).
 struct Launch {
   int rank = 0;  // this process's stage: its rank within its pipeline
   int size = 1;  // processes per pipeline (K when size > 1)
@@ -24,6 +24,9 @@ struct Launch {
   int member = 0;
   int tensor = 1;
   ReplicaGroup* tensor_group = nullptr;
+  // The job's ranks are threads of one process (train without mpirun at T > 1): the
+  // transport and the groups are in-process, and the planner prices them so.
+  bool threads = false;
 
   int replica_count() const { return replicas != nullptr ? replicas->size() : 1; }
   // The job's rank layout (Plan::ranks) as this launch joined it, and this process's rank in it.

@@ -31,8 +31,8 @@ RunArtifacts::RunArtifacts(const Config& c, const layers::Sequential& model, con
     // The planner's device speed where nothing is measured: the slowest stage's peak (this
     // process's own on the others, whose prediction is not shown).
     // Rates this process probed already (a failed probe: the fixed rates, not another probe).
-    prediction_ = predict_config(c, model, plan, multi, planning_peak_ > 0 ? planning_peak_ : -1, planning_bytes_,
-                                 planning_launch_);
+    prediction_ = predict_config(c, model, plan, multi && !launch.threads, planning_peak_ > 0 ? planning_peak_ : -1,
+                                 planning_bytes_, planning_launch_, /*group_across_processes=*/!launch.threads);
     has_prediction_ = true;
   } catch (const UserError& e) {
     spdlog::warn("no prediction for this run: {}", e.what());
@@ -53,11 +53,12 @@ void RunArtifacts::probe_peaks(const Config& c, const layers::Sequential& model,
     }
   };
   std::string how;
+  // Every process of the job on this machine probes now, at once (or every thread that
+  // stands for one): Open MPI says how many there are; the cache keys a peak by it, so a
+  // share of the machine is never stored as its whole.
+  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  const int processes = local != nullptr ? std::max(1, std::atoi(local)) : launch.layout().size();
   if (launch.size > 1) {
-    // Every process of the job on this machine probes now (they just met at the clock's
-    // collective): Open MPI says how many there are.
-    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-    const int processes = local != nullptr ? std::max(1, std::atoi(local)) : launch.layout().size();
     const DevicePeak mine = probe({plan.devices.at(launch.rank)}, processes).at(0);
     planning_peak_ = mine.flops_per_second;
     planning_bytes_ = mine.bytes_per_second;
@@ -67,7 +68,9 @@ void RunArtifacts::probe_peaks(const Config& c, const layers::Sequential& model,
     }
     how = mine.cached ? "cached" : "probed";
   } else {
-    for (const DevicePeak& p : probe(plan.devices, 1)) {
+    // One stage a process: alone (1), or the members or replicas of a one-stage job, each
+    // its own process (or thread) probing beside the others.
+    for (const DevicePeak& p : probe(plan.devices, processes)) {
       stage_peaks_.push_back(p.flops_per_second);
       if (p.bytes_per_second > 0) {
         planning_bytes_ = planning_bytes_ > 0 ? std::min(planning_bytes_, p.bytes_per_second) : p.bytes_per_second;

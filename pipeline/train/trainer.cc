@@ -4,8 +4,12 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <exception>
 #include <fstream>
+#include <memory>
+#include <mutex>
 #include <ostream>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -22,6 +26,7 @@
 #include "runtime/atomic_file.h"
 #include "runtime/error.h"
 #include "runtime/heartbeat.h"
+#include "runtime/inprocess_replica_group.h"
 #include "runtime/inprocess_transport.h"
 #include "runtime/logging.h"
 
@@ -357,7 +362,85 @@ TrainResult train(const Config& config, std::ostream& out, const Launch& launch)
   return train(config, MakeModel{}, out, launch);
 }
 
+namespace {
+
+// pipeline.tensor_parallel = T > 1 in one process (no mpirun): the job's K x T ranks as
+// threads, laid out as Plan::ranks lays out processes (D = 1), each running train() as
+// its rank would under mpirun: an in-process transport per member (its pipeline of K
+// stages), an in-process group per stage (its T members), one run id. Only the first
+// rank writes (to `out`, the reports, the checkpoints' index). The first failure wakes
+// the others (their transports and groups aborted) and is rethrown, its cause first.
+TrainResult train_tensor_threads(const Config& config, const MakeModel& make_model, std::ostream& out) {
+  check_auto_launch(config, config.pipeline.tensor_parallel);  // each rank would choose on its own
+  const RankLayout layout = plan_sizes(config).ranks();
+  const int K = layout.stages, T = layout.tensor;
+  for (const std::string& d : config.pipeline.devices) {
+    if (parse_device(d).is_cuda()) {
+      throw UserError("pipeline.tensor_parallel = " + std::to_string(T) + " on GPUs runs one process per GPU (NCCL "
+                      "between them): launch mpirun -np " + std::to_string(layout.size()) +
+                      " (pipeline.partitions x pipeline.tensor_parallel x pipeline.replicas); in one process a "
+                      "tensor group's members are threads on CPU stages");
+    }
+  }
+  Config c = config;
+  if (c.run.id.empty()) c.run.id = new_run_id();  // one run, as MpiLaunch::join gives every rank
+  // K x T threads share the cores: stage k's core is not one member's.
+  c.pipeline.pin_threads = false;
+  spdlog::info("pipeline.tensor_parallel = {}: {} ranks as threads of this process ({} stage(s) x {} members; "
+               "mpirun runs them as processes)",
+               T, layout.size(), K, T);
+  std::vector<std::unique_ptr<InProcessTransport>> pipes;
+  std::vector<std::unique_ptr<InProcessReplicaHub>> hubs;
+  for (int t = 0; t < T; ++t) pipes.push_back(std::make_unique<InProcessTransport>(K, c.pipeline.timeout_s));
+  for (int k = 0; k < K; ++k) hubs.push_back(std::make_unique<InProcessReplicaHub>(T, c.pipeline.timeout_s));
+  std::vector<TrainResult> results(static_cast<size_t>(K * T));
+  std::mutex failed_mu;
+  std::exception_ptr failed;  // the first failure that was not a wake-up (Aborted), else the first
+  bool failed_is_abort = false;
+  std::vector<std::thread> threads;
+  for (int k = 0; k < K; ++k) {
+    for (int t = 0; t < T; ++t) {
+      threads.emplace_back([&, k, t] {
+        const int rank = layout.rank({k, t, 0});
+        set_thread_context(rank, -1);
+        try {
+          InProcessReplicaGroup group(*hubs[static_cast<size_t>(k)], t);
+          Launch launch;
+          launch.rank = k;
+          launch.size = K;
+          launch.transport = K > 1 ? pipes[static_cast<size_t>(t)].get() : nullptr;
+          launch.member = t;
+          launch.tensor = T;
+          launch.tensor_group = &group;
+          launch.threads = true;
+          results[static_cast<size_t>(rank)] = train(c, make_model, out, launch);
+        } catch (const std::exception& e) {
+          const bool abort = dynamic_cast<const Aborted*>(&e) != nullptr;
+          {
+            std::lock_guard<std::mutex> lock(failed_mu);
+            if (!failed || (failed_is_abort && !abort)) {
+              failed = std::current_exception();
+              failed_is_abort = abort;
+            }
+          }
+          for (auto& p : pipes) p->abort("rank " + std::to_string(rank) + " failed: " + e.what());
+          for (auto& h : hubs) h->abort("rank " + std::to_string(rank) + " failed: " + e.what());
+        }
+      });
+    }
+  }
+  for (std::thread& th : threads) th.join();
+  if (failed) std::rethrow_exception(failed);
+  return results[0];
+}
+
+}  // namespace
+
 TrainResult train(const Config& config, const MakeModel& make_model, std::ostream& out, const Launch& launch) {
+  if (launch.transport == nullptr && launch.size == 1 && launch.tensor == 1 && config.pipeline.tensor_parallel > 1 &&
+      config.pipeline.replicas == 1) {
+    return train_tensor_threads(config, make_model, out);  // they come back here, one per rank
+  }
   // One run per directory: the job's first process holds its directories' lock.
   const bool owner = launch.first();
   StartupPhases startup;
