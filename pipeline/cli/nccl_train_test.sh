@@ -5,7 +5,8 @@
 #     per-step losses and the validation of one process running the two stages as
 #     threads on cuda:0 and cuda:1 (peer copies), to float32 rounding;
 #  2. K = 1 x T = 2 (tensor parallelism: each rank a GPU, the head and its loss split by
-#     the classes, the group's sums by NCCL on the devices) logs one GPU's losses;
+#     the classes, the group's sums by NCCL on the devices) logs one GPU's losses, and so
+#     does configs/gpt.yaml at K = 1 x T = 2 with sequence parallelism;
 #  3. with four GPUs, K = 2 x D = 2 (NCCL all-reduce between replicas, ordered against
 #     the pipeline's sends and receives) and K = 2 x T = 2 (each stage's tensor group on
 #     NCCL beside the pipeline's transfers) log the single-process losses too.
@@ -57,6 +58,21 @@ paste <(losses < "$tmp/one.log") <(losses < "$tmp/tp.log") > "$tmp/tp_pairs.txt"
 [ "$(wc -l < "$tmp/tp_pairs.txt")" -eq 12 ] || { cat "$tmp/tp.log"; echo "FAIL: expected 12 step lines"; exit 1; }
 close_enough "$tmp/tp_pairs.txt" || { echo "FAIL: per-step losses differ between one GPU and T=2 on two GPUs"; exit 1; }
 echo "ok: K=1 x T=2 on two GPUs gives the one-GPU losses"
+
+# Sequence parallelism on two GPUs (a language model: its positions split between the
+# members, all-gathered and reduce-scattered by NCCL, the shares moved by
+# transpose_blocks on the devices), against the whole model on one GPU.
+gpt="$(dirname "$config")/gpt.yaml"
+lm=(--set train.steps=6 --set train.log_interval=1 --set train.eval_interval=0 --set pipeline.partitions=1)
+"$gpipe" train "$gpt" "${lm[@]}" --set 'pipeline.devices=[cuda:0]' --set output.dir="$tmp/lm1" > "$tmp/lm1.log" 2>&1 ||
+  { cat "$tmp/lm1.log"; echo "FAIL: the language model on cuda:0"; exit 1; }
+"${mpirun[@]}" -np 2 "$gpipe" train "$gpt" "${lm[@]}" --set 'pipeline.devices=[cuda]' --set pipeline.tensor_parallel=2 \
+  --set pipeline.sequence_parallel=true --set output.dir="$tmp/lmsp" > "$tmp/lmsp.log" 2>&1 ||
+  { cat "$tmp/lmsp.log"; echo "FAIL: mpirun -np 2 with sequence parallelism on two GPUs"; exit 1; }
+paste <(losses < "$tmp/lm1.log") <(losses < "$tmp/lmsp.log") > "$tmp/lmsp_pairs.txt"
+[ "$(wc -l < "$tmp/lmsp_pairs.txt")" -eq 6 ] || { cat "$tmp/lmsp.log"; echo "FAIL: expected 6 step lines"; exit 1; }
+close_enough "$tmp/lmsp_pairs.txt" || { echo "FAIL: per-step losses differ between one GPU and T=2 with sequence parallelism"; exit 1; }
+echo "ok: K=1 x T=2 with sequence parallelism on two GPUs gives the one-GPU losses"
 
 if [ "$gpus" -lt 4 ]; then
   echo "ok: K=2 x D=2 skipped: needs four GPUs, $gpus visible"
