@@ -5,6 +5,7 @@
 #include <cmath>
 #include <csignal>
 #include <cstring>
+#include <mutex>
 #include <set>
 
 #include "pipeline/train/run_directory.h"
@@ -57,6 +58,10 @@ struct sigaction install(int sig, void (*handler)(int)) {
 constexpr int kSignals[] = {SIGUSR1, SIGINT, SIGTERM, SIGUSR2};
 constexpr int kNumSignals = sizeof kSignals / sizeof kSignals[0];
 struct sigaction g_before[kNumSignals];
+// The RunCheckpoints alive in this process (several: a job's ranks as threads, each its
+// own): the first installs the handlers, the last puts the ones before back.
+std::mutex g_signals_mu;
+int g_signal_users = 0;
 
 const char* signal_name(int sig) {
   return sig == SIGINT ? "SIGINT" : sig == SIGUSR2 ? "SIGUSR2 (a stop request)" : sig == SIGTERM ? "SIGTERM" : "a signal";
@@ -85,13 +90,17 @@ RunCheckpoints::RunCheckpoints(const Config& config, const Plan& plan, layers::S
   writes_ = launch.replica == 0 && launch.member == 0;
   finalizes_ = writes_ && launch.rank == 0;     // its rank 0 the index and the trainer state
   if (config.checkpoint.async) writer_ = std::make_unique<AsyncCheckpointWriter>(store_);
+  g_under_mpi = multi_;
+  std::lock_guard<std::mutex> lock(g_signals_mu);
+  if (g_signal_users++ > 0) return;
   g_save_requested = 0;
   g_stop_signal = 0;
-  g_under_mpi = multi_;
   for (int i = 0; i < kNumSignals; ++i) g_before[i] = install(kSignals[i], i == 0 ? on_save_signal : on_stop_signal);
 }
 
 RunCheckpoints::~RunCheckpoints() {
+  std::lock_guard<std::mutex> lock(g_signals_mu);
+  if (--g_signal_users > 0) return;
   for (int i = 0; i < kNumSignals; ++i) {
     // A stop request (gpipe run's SIGUSR2 through mpirun) that comes while a finished run
     // exits must not kill it by SIGUSR2's default action: its work is done and written.
