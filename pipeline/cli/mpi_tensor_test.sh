@@ -366,6 +366,10 @@ same g1 t14 "GPT at K=1 x T=4 as threads of one process"
 held t14.log 4
 threads t22 2 2
 same g1 t22 "GPT at K=2 x T=2 as threads of one process"
+# The log's model line counts the whole model's parameters, as one process does.
+whole_line() { grep -oE "model: [0-9]+ layers, [0-9]+ parameters" "$1" | sort -u; }
+[ "$(whole_line t22.log)" = "$(whole_line g1.log)" ] && [ -n "$(whole_line g1.log)" ] ||
+  { whole_line t22.log; whole_line g1.log; fail "the model line of a split run does not count the whole model"; }
 grep -q "<th>tensor group</th>" t22/report.html || fail "the threads' page has no tensor group column"
 threads ts22 2 2 "${seq[@]}"
 same g1 ts22 "GPT with sequence parallelism at K=2 x T=2 as threads of one process"

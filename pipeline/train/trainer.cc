@@ -224,12 +224,15 @@ StageNames stage_names(const Plan& plan, const layers::Sequential& model) {
   return names;
 }
 
-void log_run(const Dataset& data, layers::Sequential& model, const Plan& plan, const StageNames& names) {
+// `whole`: the unsplit model (on shapes) when this process holds a member of it.
+void log_run(const Dataset& data, layers::Sequential& model, layers::Sequential* whole, const Plan& plan,
+             const StageNames& names) {
   std::string balance_text;
   for (size_t i = 0; i < plan.balance.size(); ++i) balance_text += (i ? ", " : "") + std::to_string(plan.balance[i]);
   spdlog::info("data: {}", data.describe());
   spdlog::info("model: {} layers, {} parameters; {} stages, balance [{}], {} micro-batches, schedule {}, recompute {}",
-               model.size(), model.parameter_count(), plan.stages, balance_text, plan.micro_batches(),
+               model.size(), (whole != nullptr ? *whole : model).parameter_count(), plan.stages, balance_text,
+               plan.micro_batches(),
                plan.schedule.name, recompute_mode_name(plan.recompute));
   for (int k = 0; k < plan.stages; ++k) {
     spdlog::info("stage {} on {}: layers {}", k, names.devices[k], names.layers[k]);
@@ -384,8 +387,6 @@ TrainResult train_tensor_threads(const Config& config, const MakeModel& make_mod
   }
   Config c = config;
   if (c.run.id.empty()) c.run.id = new_run_id();  // one run, as MpiLaunch::join gives every rank
-  // K x T threads share the cores: stage k's core is not one member's.
-  c.pipeline.pin_threads = false;
   spdlog::info("pipeline.tensor_parallel = {}: {} ranks as threads of this process ({} stage(s) x {} members; "
                "mpirun runs them as processes)",
                T, layout.size(), K, T);
@@ -563,7 +564,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   }
 
   const StageNames names = stage_names(plan, *model);
-  log_run(*data, *model, plan, names);
+  log_run(*data, *model, whole_shapes.get(), plan, names);
 
   // The plan's prediction, the recorded steps and one clock for all ranks (collective).
   RunArtifacts artifacts(c, *model, plan, launch, names.layers, names.devices);
