@@ -135,9 +135,9 @@ int run_plan(Invocation& inv, const std::string& schedule_out = "") {
     whole = std::move(pipeline::build_run_model_on_shapes(config).model);
     std::cout << "pipeline.tensor_parallel = " << T << ": each stage is split over " << T
               << " processes (mpirun -np " << pipeline::plan_sizes(config).ranks().size()
-              << "); the plan below is one member's share of each stage (its parameters, memory and compute, and "
-                 "its sums over the group inside the layers' forward and backward, priced over this machine's "
-                 "MPI link).\n";
+              << "; without mpirun, gpipe train runs them as threads of one process on CPU stages); the plan below "
+                 "is one member's share of each stage (its parameters, memory and compute, and its sums over the "
+                 "group inside the layers' forward and backward, priced over this machine's MPI link).\n";
     if (config.pipeline.sequence_parallel) {
       std::cout << "pipeline.sequence_parallel: between the split layers each member holds 1/" << T
                 << " of each sample's positions (its norms', dropouts' and messages' activations); the split layers "

@@ -85,8 +85,12 @@ void RunArtifacts::probe_peaks(const Config& c, const layers::Sequential& model,
   }
   if (!stage_peaks_.empty()) planning_peak_ = *std::min_element(stage_peaks_.begin(), stage_peaks_.end());
   for (size_t k = 0; k < stage_peaks_.size(); ++k) {
-    spdlog::info("stage {} device peak: {:.1f} GFLOP/s ({} matrix products, {}; {})", k, stage_peaks_[k] / 1e9,
-                 dtype_name(dtype), how, peak_cache_path());
+    spdlog::info("stage {} device peak: {:.1f} GFLOP/s ({} matrix products, {}{}; {})", k, stage_peaks_[k] / 1e9,
+                 dtype_name(dtype), how,
+                 processes > 1 && plan.devices.at(k).is_cpu()
+                     ? ", its share with " + std::to_string(processes) + " ranks on this machine computing at once"
+                     : std::string(),
+                 peak_cache_path());
   }
 }
 
