@@ -50,9 +50,11 @@ void finish_on_host(InProcessReplicaHub::Kind kind, const std::vector<Tensor>& i
     return;
   }
   std::vector<T> sum(static_cast<size_t>(n));
+  std::vector<const T*> from(D);
+  for (size_t d = 0; d < D; ++d) from[d] = in[d].data<T>();
   for (int64_t i = 0; i < n; ++i) {
-    T acc = in[0].data<T>()[i];
-    for (size_t d = 1; d < D; ++d) acc = acc + in[d].data<T>()[i];  // replica order, rounded at each add
+    T acc = from[0][i];
+    for (size_t d = 1; d < D; ++d) acc = acc + from[d][i];  // replica order, rounded at each add
     sum[static_cast<size_t>(i)] = acc;
   }
   for (size_t d = 0; d < D; ++d) {

@@ -17,8 +17,8 @@ std::string tag_str(const MessageTag& tag) {
   return "gradient of tied weight " + std::to_string(tag.micro_batch);
 }
 
-InProcessTransport::InProcessTransport(int num_stages, double timeout_s)
-    : timeout_s_(timeout_s), boxes_(num_stages) {
+InProcessTransport::InProcessTransport(int num_stages, double timeout_s, bool ordered_repeats)
+    : timeout_s_(timeout_s), ordered_repeats_(ordered_repeats), boxes_(num_stages) {
   Deadline check(timeout_s);  // refuses a negative or non-finite value
 }
 
@@ -38,6 +38,9 @@ void InProcessTransport::send(int src, int dst, const MessageTag& tag, const Ten
   if (aborted_) throw Aborted(why_);
   Mailbox& box = boxes_[dst];
   const Key key{src, static_cast<int>(tag.kind), tag.micro_batch, tag.cell};
+  GPIPE_CHECK(ordered_repeats_ || box.messages.find(key) == box.messages.end(),
+              "stage " + std::to_string(src) + " sent the " + tag_str(tag) + " to stage " + std::to_string(dst) +
+                  " twice");
   box.messages.emplace(key, std::move(message));  // after any of the same key: first in, first out
   box.cv.notify_all();
 }

@@ -6,11 +6,12 @@
 // event on its compute stream (what produced the tensor), and the receiver copies on
 // its device's transfer stream after that event, with its compute stream waiting for
 // the copy: no host wait, and the copy of micro-batch m + 1 overlaps the receiver's
-// forward of m (runtime/tensor.h, transfer_tensor). A message sent again under the same
-// kind, micro-batch and cell before the first one was received waits behind it, in
-// order, as MPI's do: the stages of separate executors (a job's ranks as threads of one
-// process) may start their next program (the next evaluation chunk) before a
-// neighbour has finished this one.
+// forward of m (runtime/tensor.h, transfer_tensor). A message sent twice under the same
+// kind, micro-batch and cell before the first was received is a schedule's bug among
+// the stages of one executor (refused); between separate executors (a job's ranks as
+// threads of one process, `ordered_repeats`), a stage may start its next program (the
+// next evaluation chunk) before its neighbour has finished this one, and the second
+// waits behind the first, in order, as MPI's messages do.
 #pragma once
 
 #include <atomic>
@@ -29,7 +30,8 @@ namespace gpipe {
 class InProcessTransport : public Transport {
  public:
   // timeout_s: how long a receive or collective may wait (0 = no deadline).
-  explicit InProcessTransport(int num_stages, double timeout_s = kDefaultTimeoutS);
+  // ordered_repeats: queue a repeated key's messages in order (above) instead of refusing.
+  explicit InProcessTransport(int num_stages, double timeout_s = kDefaultTimeoutS, bool ordered_repeats = false);
   // The step the stages are in, for the messages of expired waits.
   void set_step(int64_t step) override { step_.store(step); }
   void send(int src, int dst, const MessageTag& tag, const Tensor& t) override;
@@ -52,6 +54,7 @@ class InProcessTransport : public Transport {
   };
   [[noreturn]] void expire(int stage, const std::string& awaited) const;
   double timeout_s_;
+  bool ordered_repeats_;
   std::atomic<int64_t> step_{-1};
   mutable std::mutex mu_;
   std::vector<Mailbox> boxes_;  // one per destination stage

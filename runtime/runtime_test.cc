@@ -97,13 +97,23 @@ TEST_CASE("messages are matched by kind and micro-batch, not by arrival order") 
   tr.send(1, 0, {MessageKind::kGradient, 0}, Tensor::from_vector<float>({0}, {1}));
   CHECK(tr.recv(0, 1, {MessageKind::kGradient, 0}, Device::cpu()).to_vector<float>()[0] == 0.0f);
   CHECK(tr.recv(0, 1, {MessageKind::kGradient, 1}, Device::cpu()).to_vector<float>()[0] == 1.0f);
-  // The same key again before the first was received (a stage a program ahead of its
-  // neighbour): they wait in sending order, as MPI's messages do.
-  for (float v : {5.0f, 6.0f, 7.0f}) tr.send(0, 1, {MessageKind::kActivation, 0}, Tensor::from_vector<float>({v}, {1}));
+  // The same key twice among one executor's stages: a schedule's bug, refused.
+  CHECK_THROWS_AS(
+      [&] {
+        tr.send(0, 1, {MessageKind::kActivation, 0}, Tensor::from_vector<float>({1}, {1}));
+        tr.send(0, 1, {MessageKind::kActivation, 0}, Tensor::from_vector<float>({1}, {1}));
+      }(),
+      Error);
+  // Between separate executors (ranks as threads): a stage a program ahead of its
+  // neighbour sends the same key again, and they wait in sending order, as MPI's do.
+  InProcessTransport ranks(2, kDefaultTimeoutS, /*ordered_repeats=*/true);
   for (float v : {5.0f, 6.0f, 7.0f}) {
-    CHECK(tr.recv(1, 0, {MessageKind::kActivation, 0}, Device::cpu()).to_vector<float>()[0] == v);
+    ranks.send(0, 1, {MessageKind::kActivation, 0}, Tensor::from_vector<float>({v}, {1}));
   }
-  CHECK(tr.pending() == 0);
+  for (float v : {5.0f, 6.0f, 7.0f}) {
+    CHECK(ranks.recv(1, 0, {MessageKind::kActivation, 0}, Device::cpu()).to_vector<float>()[0] == v);
+  }
+  CHECK(ranks.pending() == 0);
 }
 
 TEST_CASE("abort wakes a blocked receiver") {

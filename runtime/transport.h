@@ -107,7 +107,8 @@ class ReplicaGroup {
   virtual void reduce_scatter_sum(Tensor& full, Tensor& block);
   // The reverse: block r of `full` gets replica r's `block` (MPI_Allgather,
   // ncclAllGather). The default all-reduces `full` zeroed but for its own block, which
-  // is exact: every element is one replica's value plus zeros.
+  // is exact: every element is one replica's value plus zeros. `block` may lie inside
+  // `full` only as its own block rank() (in place, as MPI_IN_PLACE), nowhere else.
   virtual void all_gather(const Tensor& block, Tensor& full);
 
   // Whether the tensor collectives above take tensors on `device` where they are,

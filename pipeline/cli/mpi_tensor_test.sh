@@ -356,7 +356,7 @@ echo "ok: errors name the fix"
 # 7. Without mpirun: the ranks as threads of this process, the same losses.
 threads() {
   local name="$1" K="$2" T="$3"; shift 3
-  "$gpipe" train gpt64.yaml --set output.dir="$tmp/$name" --set pipeline.partitions="$K" \
+  timeout 300 "$gpipe" train gpt64.yaml --set output.dir="$tmp/$name" --set pipeline.partitions="$K" \
     --set pipeline.tensor_parallel="$T" "$@" > "$name.log" 2>&1 || { cat "$name.log"; fail "run $name (threads)"; }
   grep -q "pipeline.tensor_parallel = $T: $((K * T)) ranks as threads of this process" "$name.log" ||
     { cat "$name.log"; fail "$name: not run as threads"; }
@@ -370,6 +370,17 @@ same g1 t22 "GPT at K=2 x T=2 as threads of one process"
 whole_line() { grep -oE "model: [0-9]+ layers, [0-9]+ parameters" "$1" | sort -u; }
 [ "$(whole_line t22.log)" = "$(whole_line g1.log)" ] && [ -n "$(whole_line g1.log)" ] ||
   { whole_line t22.log; whole_line g1.log; fail "the model line of a split run does not count the whole model"; }
+# Only the first rank writes: the progress lines once each, as one process prints them.
+[ "$(grep -c '^step ' t22.log)" -eq "$(grep -c '^step ' g1.log)" ] || { cat t22.log; fail "the threads print more than one rank's lines"; }
+# The prediction prices the messages as in-process hand-overs.
+grep -q '"source": ".*messages: inprocess' t22/report.json || fail "the threads' prediction does not price in-process messages"
+# A rank that fails (the first, refusing a folder another run holds) ends every thread
+# with its message, no hang.
+timeout 300 "$gpipe" train gpt64.yaml --set output.dir="$tmp/t22" --set pipeline.partitions=2 \
+  --set pipeline.tensor_parallel=2 --set train.seed=5 > t22again.log 2>&1
+rc=$?
+[ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] || { cat t22again.log; fail "threads into a folder another run holds: status $rc"; }
+grep -q "holds another run" t22again.log || { cat t22again.log; fail "threads into a used folder: no message naming it"; }
 grep -q "<th>tensor group</th>" t22/report.html || fail "the threads' page has no tensor group column"
 threads ts22 2 2 "${seq[@]}"
 same g1 ts22 "GPT with sequence parallelism at K=2 x T=2 as threads of one process"

@@ -418,12 +418,16 @@ partition::CostModel probed_cost_model(const Plan& plan, DType dtype, int blas_t
   cm.launches = plan.launches;
   if (flops_per_second == 0) {  // probe (or read the cache): the slowest stage's rates, each its device's share
     // CPU stages: each stage's T x D members and replicas are processes (or threads)
-    // computing at once on this machine's cores, as a run's ranks probe (run_artifacts.cc).
-    const int processes = plan.devices.empty() || !plan.devices.front().is_cpu()
-                              ? 1
-                              : std::max(1, plan.tensor_parallel) * std::max(1, plan.replicas);
+    // computing at once on this machine's cores, as a run's ranks probe them
+    // (run_artifacts.cc): probe that many at once (the cache keys a rate by how many ran).
+    std::vector<Device> probing = plan.devices;
+    if (!plan.devices.empty() && plan.devices.front().is_cpu()) {
+      for (int copy = 1; copy < std::max(1, plan.tensor_parallel) * std::max(1, plan.replicas); ++copy) {
+        probing.insert(probing.end(), plan.devices.begin(), plan.devices.end());
+      }
+    }
     try {
-      for (const DevicePeak& p : device_peaks(plan.devices, dtype, blas_threads, processes)) {
+      for (const DevicePeak& p : device_peaks(probing, dtype, blas_threads)) {
         flops_per_second = flops_per_second > 0 ? std::min(flops_per_second, p.flops_per_second) : p.flops_per_second;
         if (p.bytes_per_second > 0) {
           bytes_per_second =

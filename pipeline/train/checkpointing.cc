@@ -90,8 +90,8 @@ RunCheckpoints::RunCheckpoints(const Config& config, const Plan& plan, layers::S
   writes_ = launch.replica == 0 && launch.member == 0;
   finalizes_ = writes_ && launch.rank == 0;     // its rank 0 the index and the trainer state
   if (config.checkpoint.async) writer_ = std::make_unique<AsyncCheckpointWriter>(store_);
-  g_under_mpi = multi_;
   std::lock_guard<std::mutex> lock(g_signals_mu);
+  g_under_mpi = multi_ && !launch.threads;  // mpirun's ranks, not threads standing for them
   if (g_signal_users++ > 0) return;
   g_save_requested = 0;
   g_stop_signal = 0;

@@ -68,7 +68,9 @@ double measure_tensor_parallel_step_ms(const Config& config, int warmup, int ste
   const Tensor& y = batch.second;
   std::vector<std::unique_ptr<InProcessTransport>> pipes;
   std::vector<std::unique_ptr<InProcessReplicaHub>> hubs;
-  for (int t = 0; t < T; ++t) pipes.push_back(std::make_unique<InProcessTransport>(K, c.pipeline.timeout_s));
+  for (int t = 0; t < T; ++t) {
+    pipes.push_back(std::make_unique<InProcessTransport>(K, c.pipeline.timeout_s, /*ordered_repeats=*/true));
+  }
   for (int k = 0; k < K; ++k) hubs.push_back(std::make_unique<InProcessReplicaHub>(T, c.pipeline.timeout_s));
   std::vector<std::vector<double>> ms(static_cast<size_t>(K * T));
   // The first failure, the cause: the threads it wakes (their pipes and groups aborted)

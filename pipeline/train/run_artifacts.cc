@@ -53,6 +53,14 @@ void RunArtifacts::probe_peaks(const Config& c, const layers::Sequential& model,
     }
   };
   std::string how;
+  // The job's ranks start probing together: they meet here first (under mpirun the
+  // clock's collective met them already when K > 1; threads, and a one-stage job's
+  // members and replicas, had not met).
+  if (launch.layout().size() > 1) {
+    if (launch.size > 1) launch.transport->all_reduce_sum(launch.rank, 0.0);
+    if (launch.tensor > 1) launch.tensor_group->all_reduce_sum(0.0);
+    if (launch.replica_count() > 1) launch.replicas->all_reduce_sum(0.0);
+  }
   // Every process of the job on this machine probes now, at once (or every thread that
   // stands for one): Open MPI says how many there are; the cache keys a peak by it, so a
   // share of the machine is never stored as its whole.

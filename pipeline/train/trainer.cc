@@ -392,7 +392,11 @@ TrainResult train_tensor_threads(const Config& config, const MakeModel& make_mod
                T, layout.size(), K, T);
   std::vector<std::unique_ptr<InProcessTransport>> pipes;
   std::vector<std::unique_ptr<InProcessReplicaHub>> hubs;
-  for (int t = 0; t < T; ++t) pipes.push_back(std::make_unique<InProcessTransport>(K, c.pipeline.timeout_s));
+  for (int t = 0; t < T; ++t) {
+    // Stages of separate executors: one may start its next program (an evaluation chunk)
+    // before its neighbour ends this one.
+    pipes.push_back(std::make_unique<InProcessTransport>(K, c.pipeline.timeout_s, /*ordered_repeats=*/true));
+  }
   for (int k = 0; k < K; ++k) hubs.push_back(std::make_unique<InProcessReplicaHub>(T, c.pipeline.timeout_s));
   std::vector<TrainResult> results(static_cast<size_t>(K * T));
   std::mutex failed_mu;
