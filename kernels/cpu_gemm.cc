@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <map>
+#include <mutex>
 #include <tuple>
 #include <vector>
 
@@ -192,7 +193,18 @@ Library library() {
 void set_library(Library l) { g_library.store(static_cast<int>(l)); }
 
 void set_threads(int threads) {
-  openblas_set_num_threads(threads);
+  {
+    // OpenBLAS's setting is the process's, and changing it while another thread is inside
+    // a product is not promised safe: set it only when it changes (a job's ranks as
+    // threads each set the same value at their start).
+    static std::mutex mu;
+    static int applied = 0;
+    static bool set = false;
+    std::lock_guard<std::mutex> lock(mu);
+    if (!set || applied != threads) openblas_set_num_threads(threads);
+    applied = threads;
+    set = true;
+  }
   g_threads.store(threads);
   // Applies to the calling thread now; every other thread at its next oneDNN call.
   if (threads > 0) {
