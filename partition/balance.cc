@@ -26,7 +26,8 @@ CostModel::GroupSeconds CostModel::group_seconds(int layer, int64_t batch) const
                      b * n.group_gather_bytes_forward),
           group_time(n.group_sums_backward, b * n.group_bytes_backward, n.group_gathers_backward,
                      b * n.group_gather_bytes_backward),
-          group_time(n.group_sums_weight, static_cast<double>(n.group_bytes_weight))};
+          group_time(n.group_sums_weight, static_cast<double>(n.group_bytes_weight)),
+          group_time(n.group_sums_step, static_cast<double>(n.group_bytes_step))};
 }
 
 double CostModel::seconds(const layers::LayerCost& c, bool recompute, int layer, int64_t batch) const {

@@ -32,6 +32,10 @@ struct LayerLaunches {
   // of one sample.
   int64_t group_gathers_forward = 0, group_gathers_backward = 0;
   int64_t group_gather_bytes_forward = 0, group_gather_bytes_backward = 0;
+  // Once a step, where its gradients become final (its stage's last B or W of the
+  // cell): its sequence-partial gradients (Parameter::sequence_partial: a norm's weight,
+  // a position table) summed over the group, one collective a layer, and their bytes.
+  int64_t group_sums_step = 0, group_bytes_step = 0;
 };
 
 // Turns a layer's counts into seconds: a roofline-style estimate that charges the
@@ -65,6 +69,7 @@ struct CostModel {
   // in F (and R), in B (their bytes grow with the batch) and in W (they do not).
   struct GroupSeconds {
     double forward = 0, backward = 0, weight = 0;
+    double step = 0;  // once a step: LayerLaunches::group_sums_step
   };
   GroupSeconds group_seconds(int layer, int64_t batch) const;
   // Layer `layer`'s seconds at a micro-batch of `batch` samples (its launch term and its

@@ -319,6 +319,13 @@ std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& m
       count_phase(n.backward_input, n.group_sums_backward, n.group_bytes_backward, n.group_gathers_backward,
                   n.group_gather_bytes_backward, whole_backward);
     }
+    // Once a step: its sequence-partial gradients summed over the group in one collective
+    // (Executor::gradients_final), a narrow one as float32 (GroupCollectives).
+    for (const layers::Parameter* p : layer.parameters()) {
+      if (!p->sequence_partial) continue;
+      n.group_sums_step = 1;
+      n.group_bytes_step += p->value.numel() * static_cast<int64_t>(is_narrow(p->value.dtype()) ? 4 : dtype_size(p->value.dtype()));
+    }
     h = y;
   }
   if (model.has_loss() && L > 0) {

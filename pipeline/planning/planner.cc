@@ -53,6 +53,7 @@ CostTable estimate_costs(const layers::Sequential& model, int64_t micro, const p
     l.forward_group = g.forward * 1e3;
     l.backward_group = g.backward * 1e3;
     l.weight_group = g.weight * 1e3;
+    l.step_group = g.step * 1e3;
     l.forward = l.forward_nograd = l.recompute = fwd + cm.launch_time(n.forward) * 1e3 + l.forward_group;
     l.backward_input += cm.launch_time(n.backward_input) * 1e3 + l.backward_group;
     l.backward_weight += cm.launch_time(n.backward_weight) * 1e3 + l.weight_group;
@@ -62,7 +63,7 @@ CostTable estimate_costs(const layers::Sequential& model, int64_t micro, const p
       l.forward = l.forward_nograd = l.recompute = total / 3;
       l.backward = l.backward_input = 2 * total / 3;
       l.backward_weight = 0;
-      l.forward_group = l.backward_group = l.weight_group = 0;  // what the user's figure holds is not known
+      l.forward_group = l.backward_group = l.weight_group = l.step_group = 0;  // what the user's figure holds is not known
     }
     // The update reads the value, the gradient and each state slot and writes the value
     // and the slots; a bf16 or fp16 model's then writes its working copies.
@@ -250,8 +251,28 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
       default: return 0.0;
     }
   };
+  // Where each cell's gradients become final on its stage: its last B or W of the step,
+  // which also sums the cell's sequence-partial gradients over the tensor group
+  // (Executor::gradients_final; LayerTimes::step_group).
+  std::vector<std::vector<const Instruction*>> finals(static_cast<size_t>(K));
+  for (int k = 0; k < K; ++k) {
+    finals[static_cast<size_t>(k)].assign(static_cast<size_t>(s.num_chunks()), nullptr);
+    for (const Instruction& ins : s.stages[static_cast<size_t>(k)]) {
+      if (ins.op == Op::kBackward || ins.op == Op::kBackwardWeight) finals[k][static_cast<size_t>(ins.chunk)] = &ins;
+    }
+  }
+  auto step_group_ms = [&](int k, const Instruction& ins) {
+    if (ins.op != Op::kBackward && ins.op != Op::kBackwardWeight) return 0.0;
+    const Instruction* f = finals[static_cast<size_t>(k)][static_cast<size_t>(ins.chunk)];
+    if (f == nullptr || f->op != ins.op || f->micro_batch != ins.micro_batch) return 0.0;
+    const CellSpec& cell = plan.cells[s.cell(k, ins.chunk)];
+    const CostTable& table = costs.at(plan.micro_batch_sizes[ins.micro_batch]);
+    double ms = 0;
+    for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) ms += table.layers[i].step_group;
+    return ms;
+  };
   const CostFn cost = [&](int k, const Instruction& ins) -> double {
-    double t = options.instruction_overhead_ms;
+    double t = options.instruction_overhead_ms + step_group_ms(k, ins);
     if (ins.op == Op::kOptimizerStep) {
       const CostTable& table = costs.at(plan.micro_batch_sizes.front());
       for (int c : s.cells[k]) {
@@ -333,7 +354,7 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
         default: g += l.weight_group; break;  // W: once, however many micro-batches it covers
       }
     }
-    return g;
+    return g + step_group_ms(k, ins);
   };
   for (int k = 0; k < K; ++k) {
     for (const TimedInstruction& ti : sim.timeline[k]) {

@@ -37,6 +37,9 @@ struct LayerTimes {
   // backward_input and of backward_weight that is communication (the report's
   // accounting, OpSpan::group_ms).
   double forward_group = 0, backward_group = 0, weight_group = 0;
+  // Once a step, in the instruction where the layer's gradients become final (its
+  // stage's last B or W of its cell): its sequence-partial gradients' sum over the group.
+  double step_group = 0;
 };
 
 struct CostTable {

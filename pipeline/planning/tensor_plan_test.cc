@@ -226,3 +226,66 @@ TEST_CASE("sequence parallelism: a member's all-gathers and reduce-scatters, cou
   cp.launches = std::make_shared<const std::vector<partition::LayerLaunches>>(p);
   CHECK(cm.group_seconds(1, 4).forward == doctest::Approx(cp.group_seconds(1, 4).forward));
 }
+
+TEST_CASE("sequence parallelism: the partial gradients' sums, once a step where the gradients become final") {
+  // The GPT config with 8 positions of 8 float64 features. Partial under sequence
+  // parallelism: the position table (8 x 8), each block's two layer norms (weight and
+  // bias, 8 each), the final norm; the head's gradient is whole.
+  const std::string text = gpipe::testing::with_positions(gpipe::testing::kTensorParallelGpt, 8);
+  Config seq_config = parse_config(text, "t.yaml", {"pipeline.tensor_parallel=2", "pipeline.sequence_parallel=true",
+                                                    "pipeline.partitions=1", "pipeline.micro_batches=2"});
+  Config plain_config = parse_config(text, "t.yaml", {"pipeline.tensor_parallel=2", "pipeline.partitions=1",
+                                                      "pipeline.micro_batches=2"});
+  seq_config.model.member = layers::TensorShard{1, 2, true};
+  plain_config.model.member = layers::TensorShard{1, 2};
+  RunModel seq = build_run_model_on_shapes(seq_config);
+  RunModel plain = build_run_model_on_shapes(plain_config);
+  const std::vector<partition::LayerLaunches> s = count_launches(*seq.model);
+  const std::vector<partition::LayerLaunches> p = count_launches(*plain.model);
+  REQUIRE(s.size() == 5);
+  const int64_t want_bytes[5] = {8 * 8 * 8, 4 * 8 * 8, 4 * 8 * 8, 2 * 8 * 8, 0};
+  for (int i = 0; i < 5; ++i) {
+    CAPTURE(i);
+    CHECK(s[i].group_sums_step == (want_bytes[i] > 0 ? 1 : 0));
+    CHECK(s[i].group_bytes_step == want_bytes[i]);
+    CHECK(p[i].group_sums_step + p[i].group_bytes_step == 0);
+  }
+  // Priced as one all-reduce each over a ring of T = 2 (10 us, 1 GB/s), whatever the batch.
+  partition::CostModel cm;
+  cm.launches = std::make_shared<const std::vector<partition::LayerLaunches>>(s);
+  price_tensor_group(cm, 2, LinkCost{"test", 0.01, 1e6});
+  double step_ms = 0;
+  for (int i = 0; i < 5; ++i) {
+    const double want = want_bytes[i] > 0 ? (2 * 1e-5 + want_bytes[i] * 2.0 * 1 / 2 / 1e9) * 1e3 : 0.0;
+    CHECK(cm.group_seconds(i, 3).step * 1e3 == doctest::Approx(want));
+    step_ms += want;
+  }
+  // In the simulated step: the stage's last backward (where the executor sums them) is
+  // longer by those sums than with them left out, and the other backward is not.
+  std::vector<partition::LayerLaunches> none = s;
+  for (partition::LayerLaunches& n : none) n.group_sums_step = n.group_bytes_step = 0;
+  partition::CostModel cm0 = cm;
+  cm0.launches = std::make_shared<const std::vector<partition::LayerLaunches>>(none);
+  const Plan plan = make_plan(seq.config, *seq.model);
+  PredictOptions o;
+  o.instruction_overhead_ms = 0;
+  const LinkCost link{"test", 0.0, 0.0};
+  auto backwards = [&](const partition::CostModel& m) {
+    const CostSource costs(*seq.model, ProfileStore{}, "none", Device::cpu(), 1, m, {}, seq.config.optimizer.optimizer);
+    const PlannedRun run =
+        predict(plan, *seq.model, costs, [&](int, int) { return link; }, seq.config.optimizer.optimizer, o);
+    std::vector<double> out;
+    for (const TimedInstruction& x : run.timeline.at(0)) {
+      if (x.ins.op == Op::kBackward) out.push_back(x.end - x.start);
+    }
+    out.push_back(run.stages.at(0).group_ms);  // the planned tensor-group time
+    return out;
+  };
+  const std::vector<double> with = backwards(cm), without = backwards(cm0);
+  REQUIRE(with.size() == 3);
+  REQUIRE(without.size() == 3);
+  CHECK(with[0] == doctest::Approx(without[0]));
+  CHECK(with[1] - without[1] == doctest::Approx(step_ms));
+  CHECK(with[2] - without[2] == doctest::Approx(step_ms));
+  CHECK(step_ms > 0);
+}
