@@ -254,6 +254,16 @@ best = re.search(r"^\s+\d+\s+(K=.*?)\s{2,}.*<< recommended \(measured fastest\)"
 assert best and " T=2" in best.group(1), best
 PY
 echo "ok: the sweep times T=2 plans as threads and recommends the measured fastest"
+# A config that sets T=2 itself: its own plan is timed too (as threads), not left to gpipe run.
+"$gpipe" plan gpt64.yaml --sweep --devices 2 --set pipeline.tensor_parallel=2 > sweepOwn.txt 2>&1 ||
+  { cat sweepOwn.txt; fail "the sweep of a T=2 config"; }
+python3 - sweepOwn.txt <<'PY' || { cat sweepOwn.txt; fail "the sweep did not time a T=2 config's own plan"; }
+import re, sys
+text = open(sys.argv[1]).read()
+own = re.search(r"^\s+\d+\s+(K=\S+ .*? T=2)\s+[0-9.]+\s+([0-9.]+)\s+[0-9.]+\s+.*the config's own plan", text, re.M)
+assert own and float(own.group(2)) > 0, own
+PY
+echo "ok: a T=2 config's own plan is timed by the sweep"
 "$gpipe" plan mlp.yaml --sweep --devices 4 --rows 500 > sweep4.txt 2>&1 || { cat sweep4.txt; fail "the sweep over T"; }
 recommended=$(python3 - sweep4.txt <<'PY'
 import re, sys

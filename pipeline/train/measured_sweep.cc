@@ -167,9 +167,6 @@ double measure_step_ms(const Config& config, int warmup, int steps) {
 std::string why_not_measured(const Config& config, const SweepResult& r, bool device_spec) {
   if (device_spec) return "the sweep plans for the devices of a device spec, not this machine's";
   if (config.pipeline.replicas > 1) return "its plans have replicas (several processes each); time them with gpipe run";
-  if (config.pipeline.tensor_parallel > 1) {
-    return "its plans split each stage over a tensor group (several processes each); time them with gpipe run";
-  }
   const bool cpu = config.pipeline.devices.empty() || parse_device(config.pipeline.devices[0]).is_cpu();
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   if (cpu && r.devices > cores) {
