@@ -31,15 +31,20 @@ validation() { grep -oE 'val_loss [0-9.]+|Validation: loss [0-9.]+' | awk '{prin
 close_enough() {
   awk '{ d = $2 - $4; if (d < 0) d = -d; if ($1 != $3 || d > 1e-4 * ($2 < 0 ? -$2 : $2) + 1e-6) { print "step " $1 ": " $2 " vs " $4; bad = 1 } } END { exit bad }' "$1"
 }
+# same_losses REF RUN STEPS WHAT: RUN's log has STEPS step lines, each within float32
+# rounding of REF's.
+same_losses() {
+  paste <(losses < "$tmp/$1.log") <(losses < "$tmp/$2.log") > "$tmp/$2_pairs.txt"
+  [ "$(wc -l < "$tmp/$2_pairs.txt")" -eq "$3" ] || { cat "$tmp/$2.log"; echo "FAIL: expected $3 step lines"; exit 1; }
+  close_enough "$tmp/$2_pairs.txt" || { echo "FAIL: per-step losses differ: $4"; exit 1; }
+}
 
 "$gpipe" train "$config" "${common[@]}" --set 'pipeline.devices=[cuda:0,cuda:1]' --set output.dir="$tmp/threads" \
   > "$tmp/threads.log" 2>&1 || { cat "$tmp/threads.log"; echo "FAIL: one process, stages on cuda:0 and cuda:1"; exit 1; }
 "${mpirun[@]}" -np 2 "$gpipe" train "$config" "${common[@]}" --set 'pipeline.devices=[cuda,cuda]' \
   --set output.dir="$tmp/nccl" > "$tmp/nccl.log" 2>&1 ||
   { cat "$tmp/nccl.log"; echo "FAIL: mpirun -np 2 with NCCL"; exit 1; }
-paste <(losses < "$tmp/threads.log") <(losses < "$tmp/nccl.log") > "$tmp/pairs.txt"
-[ "$(wc -l < "$tmp/pairs.txt")" -eq 12 ] || { cat "$tmp/nccl.log"; echo "FAIL: expected 12 step lines"; exit 1; }
-close_enough "$tmp/pairs.txt" || { echo "FAIL: per-step losses differ between threads and NCCL ranks"; exit 1; }
+same_losses threads nccl 12 "between threads and NCCL ranks"
 echo "ok: 12 per-step losses agree between 2 threads on 2 GPUs and 2 NCCL ranks"
 paste <(validation < "$tmp/threads.log" | nl) <(validation < "$tmp/nccl.log" | nl) > "$tmp/val.txt"
 [ "$(wc -l < "$tmp/val.txt")" -eq 2 ] && close_enough "$tmp/val.txt" ||
@@ -54,9 +59,7 @@ echo "ok: the same validation loss with threads and with NCCL ranks"
 "${mpirun[@]}" -np 2 "$gpipe" train "$config" "${common[@]}" --set 'pipeline.devices=[cuda]' --set pipeline.partitions=1 \
   --set pipeline.tensor_parallel=2 --set output.dir="$tmp/tp" > "$tmp/tp.log" 2>&1 ||
   { cat "$tmp/tp.log"; echo "FAIL: mpirun -np 2 with pipeline.tensor_parallel=2 on two GPUs"; exit 1; }
-paste <(losses < "$tmp/one.log") <(losses < "$tmp/tp.log") > "$tmp/tp_pairs.txt"
-[ "$(wc -l < "$tmp/tp_pairs.txt")" -eq 12 ] || { cat "$tmp/tp.log"; echo "FAIL: expected 12 step lines"; exit 1; }
-close_enough "$tmp/tp_pairs.txt" || { echo "FAIL: per-step losses differ between one GPU and T=2 on two GPUs"; exit 1; }
+same_losses one tp 12 "between one GPU and T=2 on two GPUs"
 echo "ok: K=1 x T=2 on two GPUs gives the one-GPU losses"
 
 # Sequence parallelism on two GPUs (a language model: its positions split between the
@@ -69,9 +72,7 @@ lm=(--set train.steps=6 --set train.log_interval=1 --set train.eval_interval=0 -
 "${mpirun[@]}" -np 2 "$gpipe" train "$gpt" "${lm[@]}" --set 'pipeline.devices=[cuda]' --set pipeline.tensor_parallel=2 \
   --set pipeline.sequence_parallel=true --set output.dir="$tmp/lmsp" > "$tmp/lmsp.log" 2>&1 ||
   { cat "$tmp/lmsp.log"; echo "FAIL: mpirun -np 2 with sequence parallelism on two GPUs"; exit 1; }
-paste <(losses < "$tmp/lm1.log") <(losses < "$tmp/lmsp.log") > "$tmp/lmsp_pairs.txt"
-[ "$(wc -l < "$tmp/lmsp_pairs.txt")" -eq 6 ] || { cat "$tmp/lmsp.log"; echo "FAIL: expected 6 step lines"; exit 1; }
-close_enough "$tmp/lmsp_pairs.txt" || { echo "FAIL: per-step losses differ between one GPU and T=2 with sequence parallelism"; exit 1; }
+same_losses lm1 lmsp 6 "between one GPU and T=2 with sequence parallelism"
 echo "ok: K=1 x T=2 with sequence parallelism on two GPUs gives the one-GPU losses"
 
 if [ "$gpus" -lt 4 ]; then
@@ -94,7 +95,5 @@ echo "ok: K=2 x D=2 over NCCL gives the single-process losses"
 "${mpirun[@]}" -np 4 "$gpipe" train "$config" "${common[@]}" --set 'pipeline.devices=[cuda,cuda]' \
   --set pipeline.tensor_parallel=2 --set output.dir="$tmp/tp2" > "$tmp/tp2.log" 2>&1 ||
   { cat "$tmp/tp2.log"; echo "FAIL: mpirun -np 4 with K=2 x T=2 over NCCL"; exit 1; }
-paste <(losses < "$tmp/threads.log") <(losses < "$tmp/tp2.log") > "$tmp/tp2_pairs.txt"
-[ "$(wc -l < "$tmp/tp2_pairs.txt")" -eq 12 ] || { cat "$tmp/tp2.log"; echo "FAIL: expected 12 step lines"; exit 1; }
-close_enough "$tmp/tp2_pairs.txt" || { echo "FAIL: per-step losses differ between one process and K=2 x T=2 over NCCL"; exit 1; }
+same_losses threads tp2 12 "between one process and K=2 x T=2 over NCCL"
 echo "ok: K=2 x T=2 over NCCL gives the single-process losses"
