@@ -7,7 +7,6 @@
 #include <filesystem>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <ostream>
 #include <thread>
 #include <utility>
@@ -23,7 +22,6 @@
 #include "pipeline/train/trainer.h"
 #include "runtime/error.h"
 #include "runtime/heartbeat.h"
-#include "runtime/inprocess_replica_group.h"
 #include "runtime/inprocess_transport.h"
 
 namespace gpipe {
@@ -66,66 +64,36 @@ double measure_tensor_parallel_step_ms(const Config& config, int warmup, int ste
   const std::pair<Tensor, Tensor> batch = data->batch(batch_key(c.train.seed, 0), c.train.batch_size);
   const Tensor& x = batch.first;
   const Tensor& y = batch.second;
-  std::vector<std::unique_ptr<InProcessTransport>> pipes;
-  std::vector<std::unique_ptr<InProcessReplicaHub>> hubs;
-  for (int t = 0; t < T; ++t) {
-    pipes.push_back(std::make_unique<InProcessTransport>(K, c.pipeline.timeout_s, /*ordered_repeats=*/true));
-  }
-  for (int k = 0; k < K; ++k) hubs.push_back(std::make_unique<InProcessReplicaHub>(T, c.pipeline.timeout_s));
   std::vector<std::vector<double>> ms(static_cast<size_t>(K * T));
-  // The first failure, the cause: the threads it wakes (their pipes and groups aborted)
-  // fail after it, with messages that only repeat it.
-  std::mutex failed_mu;
-  std::string failed;
-  std::vector<std::thread> threads;
-  for (int k = 0; k < K; ++k) {
-    for (int t = 0; t < T; ++t) {
-      threads.emplace_back([&, k, t] {
-        const size_t at = static_cast<size_t>(k * T + t);
-        try {
-          Config member = c;
-          member.model.member = tensor_member(c, t);
-          std::vector<bool> mine(static_cast<size_t>(shapes.model->size()), false);
-          for (int cell : plan.schedule.cells[k]) {
-            const CellSpec& s = plan.cells[cell];
-            for (int i = s.first_layer; i < s.first_layer + s.num_layers; ++i) mine[static_cast<size_t>(i)] = true;
-          }
-          auto model = layers::build_model(member.model, [&](int i) { return mine[static_cast<size_t>(i)]; });
-          InProcessReplicaGroup group(*hubs[static_cast<size_t>(k)], t);
-          Launch launch;
-          launch.rank = k;
-          launch.size = K;
-          launch.transport = pipes[static_cast<size_t>(t)].get();
-          launch.member = t;
-          launch.tensor = T;
-          launch.tensor_group = &group;
-          ExecutorOptions opts = executor_options(c, launch, plan, 0);
-          opts.pin_threads = false;  // K x T threads: stage k's core is not one member's
-          Executor ex(*model, plan.cells, plan.schedule, *pipes[static_cast<size_t>(t)], opts);
-          ex.set_lr(c.optimizer.optimizer.lr);
-          for (int i = 0; i < warmup + steps; ++i) {
-            if (at == 0) heartbeat();
-            const auto t0 = std::chrono::steady_clock::now();
-            ex.step(x, y);
-            const auto t1 = std::chrono::steady_clock::now();
-            if (i >= warmup) ms[at].push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
-          }
-        } catch (const std::exception& e) {
-          {
-            std::lock_guard<std::mutex> lock(failed_mu);
-            if (failed.empty()) failed = e.what();
-          }
-          for (auto& p : pipes) p->abort(e.what());  // no thread waits for this one
-          for (auto& h : hubs) h->abort(e.what());
-        }
-      });
-    }
+  try {
+    run_ranks_as_threads(K, T, c.pipeline.timeout_s, [&](const Launch& launch) {
+      const int k = launch.rank;
+      const size_t at = static_cast<size_t>(launch.world_rank());
+      Config member = c;
+      member.model.member = tensor_member(c, launch.member);
+      std::vector<bool> mine(static_cast<size_t>(shapes.model->size()), false);
+      for (int cell : plan.schedule.cells[k]) {
+        const CellSpec& s = plan.cells[cell];
+        for (int i = s.first_layer; i < s.first_layer + s.num_layers; ++i) mine[static_cast<size_t>(i)] = true;
+      }
+      auto model = layers::build_model(member.model, [&](int i) { return mine[static_cast<size_t>(i)]; });
+      ExecutorOptions opts = executor_options(c, launch, plan, 0);
+      opts.pin_threads = false;  // K x T threads: stage k's core is not one member's
+      Executor ex(*model, plan.cells, plan.schedule, *launch.transport, opts);
+      ex.set_lr(c.optimizer.optimizer.lr);
+      for (int i = 0; i < warmup + steps; ++i) {
+        if (at == 0) heartbeat();
+        const auto t0 = std::chrono::steady_clock::now();
+        ex.step(x, y);
+        const auto t1 = std::chrono::steady_clock::now();
+        if (i >= warmup) ms[at].push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+      }
+    });
+  } catch (const std::exception& e) {
+    set_cpu_blas_threads(config.train.blas_threads);
+    throw UserError("timing the plan at pipeline.tensor_parallel = " + std::to_string(T) + ": " + e.what());
   }
-  for (std::thread& th : threads) th.join();
   set_cpu_blas_threads(config.train.blas_threads);
-  if (!failed.empty()) {
-    throw UserError("timing the plan at pipeline.tensor_parallel = " + std::to_string(T) + ": " + failed);
-  }
   std::vector<double> slowest(static_cast<size_t>(steps), 0.0);
   for (const std::vector<double>& m : ms) {
     for (size_t i = 0; i < m.size() && i < slowest.size(); ++i) slowest[i] = std::max(slowest[i], m[i]);

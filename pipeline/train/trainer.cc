@@ -365,14 +365,57 @@ TrainResult train(const Config& config, std::ostream& out, const Launch& launch)
   return train(config, MakeModel{}, out, launch);
 }
 
+void run_ranks_as_threads(int stages, int members, double timeout_s, const std::function<void(const Launch&)>& rank) {
+  const int K = stages, T = members;
+  std::vector<std::unique_ptr<InProcessTransport>> pipes;
+  std::vector<std::unique_ptr<InProcessReplicaHub>> hubs;
+  for (int t = 0; t < T; ++t) pipes.push_back(std::make_unique<InProcessTransport>(K, timeout_s, /*ordered_repeats=*/true));
+  for (int k = 0; k < K; ++k) hubs.push_back(std::make_unique<InProcessReplicaHub>(T, timeout_s));
+  std::mutex failed_mu;
+  std::exception_ptr failed;
+  bool failed_is_abort = false;
+  std::vector<std::thread> threads;
+  for (int k = 0; k < K; ++k) {
+    for (int t = 0; t < T; ++t) {
+      threads.emplace_back([&, k, t] {
+        InProcessReplicaGroup group(*hubs[static_cast<size_t>(k)], t);
+        Launch launch;
+        launch.rank = k;
+        launch.size = K;
+        launch.transport = pipes[static_cast<size_t>(t)].get();  // train() at K = 1 keeps its own
+        launch.member = t;
+        launch.tensor = T;
+        launch.tensor_group = &group;
+        launch.threads = true;
+        set_thread_context(launch.world_rank(), -1);
+        try {
+          rank(launch);
+        } catch (const std::exception& e) {
+          const bool abort = dynamic_cast<const Aborted*>(&e) != nullptr;
+          {
+            std::lock_guard<std::mutex> lock(failed_mu);
+            if (!failed || (failed_is_abort && !abort)) {
+              failed = std::current_exception();
+              failed_is_abort = abort;
+            }
+          }
+          const std::string why = "rank " + std::to_string(launch.world_rank()) + " failed: " + e.what();
+          for (auto& p : pipes) p->abort(why);
+          for (auto& h : hubs) h->abort(why);
+        }
+      });
+    }
+  }
+  for (std::thread& th : threads) th.join();
+  if (failed) std::rethrow_exception(failed);
+}
+
 namespace {
 
 // pipeline.tensor_parallel = T > 1 in one process (no mpirun): the job's K x T ranks as
-// threads, laid out as Plan::ranks lays out processes (D = 1), each running train() as
-// its rank would under mpirun: an in-process transport per member (its pipeline of K
-// stages), an in-process group per stage (its T members), one run id. Only the first
-// rank writes (to `out`, the reports, the checkpoints' index). The first failure wakes
-// the others (their transports and groups aborted) and is rethrown, its cause first.
+// threads (run_ranks_as_threads), each running train() as its rank would under mpirun,
+// with one run id. Only the first rank writes (to `out`, the reports, the checkpoints'
+// index).
 TrainResult train_tensor_threads(const Config& config, const MakeModel& make_model, std::ostream& out) {
   check_auto_launch(config, config.pipeline.tensor_parallel);  // each rank would choose on its own
   const RankLayout layout = plan_sizes(config).ranks();
@@ -390,52 +433,10 @@ TrainResult train_tensor_threads(const Config& config, const MakeModel& make_mod
   spdlog::info("pipeline.tensor_parallel = {}: {} ranks as threads of this process ({} stage(s) x {} members; "
                "mpirun runs them as processes)",
                T, layout.size(), K, T);
-  std::vector<std::unique_ptr<InProcessTransport>> pipes;
-  std::vector<std::unique_ptr<InProcessReplicaHub>> hubs;
-  for (int t = 0; t < T; ++t) {
-    // Stages of separate executors: one may start its next program (an evaluation chunk)
-    // before its neighbour ends this one.
-    pipes.push_back(std::make_unique<InProcessTransport>(K, c.pipeline.timeout_s, /*ordered_repeats=*/true));
-  }
-  for (int k = 0; k < K; ++k) hubs.push_back(std::make_unique<InProcessReplicaHub>(T, c.pipeline.timeout_s));
   std::vector<TrainResult> results(static_cast<size_t>(K * T));
-  std::mutex failed_mu;
-  std::exception_ptr failed;  // the first failure that was not a wake-up (Aborted), else the first
-  bool failed_is_abort = false;
-  std::vector<std::thread> threads;
-  for (int k = 0; k < K; ++k) {
-    for (int t = 0; t < T; ++t) {
-      threads.emplace_back([&, k, t] {
-        const int rank = layout.rank({k, t, 0});
-        set_thread_context(rank, -1);
-        try {
-          InProcessReplicaGroup group(*hubs[static_cast<size_t>(k)], t);
-          Launch launch;
-          launch.rank = k;
-          launch.size = K;
-          launch.transport = K > 1 ? pipes[static_cast<size_t>(t)].get() : nullptr;
-          launch.member = t;
-          launch.tensor = T;
-          launch.tensor_group = &group;
-          launch.threads = true;
-          results[static_cast<size_t>(rank)] = train(c, make_model, out, launch);
-        } catch (const std::exception& e) {
-          const bool abort = dynamic_cast<const Aborted*>(&e) != nullptr;
-          {
-            std::lock_guard<std::mutex> lock(failed_mu);
-            if (!failed || (failed_is_abort && !abort)) {
-              failed = std::current_exception();
-              failed_is_abort = abort;
-            }
-          }
-          for (auto& p : pipes) p->abort("rank " + std::to_string(rank) + " failed: " + e.what());
-          for (auto& h : hubs) h->abort("rank " + std::to_string(rank) + " failed: " + e.what());
-        }
-      });
-    }
-  }
-  for (std::thread& th : threads) th.join();
-  if (failed) std::rethrow_exception(failed);
+  run_ranks_as_threads(K, T, c.pipeline.timeout_s, [&](const Launch& launch) {
+    results[static_cast<size_t>(launch.world_rank())] = train(c, make_model, out, launch);
+  });
   return results[0];
 }
 
