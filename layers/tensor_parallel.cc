@@ -87,11 +87,18 @@ void count_sum(const Tensor& t) {
   g_shape_sum_bytes += group_bytes(t);
 }
 
+// A sequence collective's operands: `whole` (B, S, ...) is `members` shares of `shard`.
+void check_shares(const Tensor& shard, const Tensor& whole, int members, const char* what) {
+  GPIPE_CHECK(whole.numel() == shard.numel() * members && whole.dim() >= 2 && whole.size(0) == shard.size(0) &&
+                  whole.dtype() == shard.dtype(),
+              std::string(what) + ": " + whole.str() + " is not " + std::to_string(members) + " shares of " +
+                  shard.str());
+}
+
 void count_gather(const Tensor& shard, const Tensor& whole, int size) {
   check_on_shapes(shard);
   check_on_shapes(whole);
-  GPIPE_CHECK(whole.numel() == shard.numel() * size && whole.dim() >= 2 && whole.size(0) == shard.size(0),
-              "a sequence collective of " + shard.str() + " and " + whole.str() + " over " + std::to_string(size));
+  check_shares(shard, whole, size, "a sequence collective on shapes");
   g_shape_gathers += 1;
   g_shape_gather_bytes += group_bytes(whole);
 }
@@ -180,9 +187,7 @@ void GroupCollectives::run(Backend& be, const Tensor& in, Tensor& out, F&& move)
 
 void GroupCollectives::all_gather_positions(Backend& be, const Tensor& shard, Tensor& whole) {
   const int T = group_.size();
-  GPIPE_CHECK(whole.numel() == shard.numel() * T && whole.dim() >= 2 && whole.size(0) == shard.size(0) &&
-                  whole.dtype() == shard.dtype(),
-              "all_gather_positions: " + whole.str() + " is not " + std::to_string(T) + " shares of " + shard.str());
+  check_shares(shard, whole, T, "all_gather_positions");
   run(be, shard, whole, [&](Backend& b, const Tensor& in, Tensor& out) {
     // The members' shares member-major, (T, B, run), as the group gathers them; then
     // each sample's positions in member order, (B, T, run).
@@ -194,10 +199,7 @@ void GroupCollectives::all_gather_positions(Backend& be, const Tensor& shard, Te
 
 void GroupCollectives::reduce_scatter_positions(Backend& be, const Tensor& whole, Tensor& shard) {
   const int T = group_.size();
-  GPIPE_CHECK(whole.numel() == shard.numel() * T && whole.dim() >= 2 && whole.size(0) == shard.size(0) &&
-                  whole.dtype() == shard.dtype(),
-              "reduce_scatter_positions: " + whole.str() + " is not " + std::to_string(T) + " shares of " +
-                  shard.str());
+  check_shares(shard, whole, T, "reduce_scatter_positions");
   run(be, whole, shard, [&](Backend& b, const Tensor& in, Tensor& out) {
     // (B, T, run) to the member-major blocks the group scatters, (T, B, run).
     Tensor members = b.empty({in.numel()}, in.dtype());
