@@ -28,6 +28,10 @@ const char* op_name(Op op) {
     case Op::kGradientNorm: return "gradient_norm";
     case Op::kReduceScatterGradients: return "reduce_scatter_gradients";
     case Op::kGatherParameters: return "gather_parameters";
+    case Op::kTensorSum: return "tensor_all_reduce";
+    case Op::kTensorMax: return "tensor_all_reduce_max";
+    case Op::kTensorGather: return "tensor_all_gather";
+    case Op::kTensorScatter: return "tensor_reduce_scatter";
   }
   return "?";
 }
@@ -48,6 +52,10 @@ const char* op_short_name(Op op) {
     case Op::kGradientNorm: return "NORM";
     case Op::kReduceScatterGradients: return "RS";
     case Op::kGatherParameters: return "AG";
+    case Op::kTensorSum: return "tAR";
+    case Op::kTensorMax: return "tMAX";
+    case Op::kTensorGather: return "tAG";
+    case Op::kTensorScatter: return "tRS";
   }
   return "?";
 }
@@ -65,6 +73,10 @@ bool is_collective(Op op) {
 bool after_optimizer(Op op) { return op == Op::kGatherParameters; }
 
 bool has_cell(Op op) { return is_compute(op) || is_communication(op); }
+
+bool is_tensor_collective(Op op) {
+  return op == Op::kTensorSum || op == Op::kTensorMax || op == Op::kTensorGather || op == Op::kTensorScatter;
+}
 
 bool is_compute(Op op) {
   return op == Op::kForward || op == Op::kRecompute || op == Op::kBackward || op == Op::kBackwardWeight;
@@ -471,6 +483,7 @@ Schedule forward_only_program(const Schedule& s, int num_micro_batches, CommMode
   out.forward_only = true;
   out.collectives = {};  // no gradients: no collectives
   out.collectives_lowered = false;
+  out.tensor_lowered = false;  // lowered again below: an evaluation's F asks its own
   for (size_t k = 0; k < s.stages.size(); ++k) {
     out.stages[k].clear();
     if (!s.lines.empty()) out.lines[k].clear();
@@ -482,6 +495,7 @@ Schedule forward_only_program(const Schedule& s, int num_micro_batches, CommMode
     }
   }
   lower_communication(out, comm);
+  if (s.tensor_lowered) lower_tensor_collectives(out, s.tensor);
   return out;
 }
 
@@ -621,6 +635,97 @@ MicroBatchRoles micro_batch_roles(const Schedule& s, int stage) {
     }
   }
   return roles;
+}
+
+ChunkFinals chunk_finals(const Schedule& s, int stage, const MicroBatchRoles& roles) {
+  const int v = s.num_chunks();
+  ChunkFinals f;
+  f.last_backward.assign(static_cast<size_t>(v), -1);
+  f.last_weights.assign(static_cast<size_t>(v), -1);
+  const auto& prog = s.stages.at(static_cast<size_t>(stage));
+  for (size_t i = 0; i < prog.size(); ++i) {
+    const Instruction& ins = prog[i];
+    if (ins.op == Op::kBackward) f.last_backward[static_cast<size_t>(ins.chunk)] = static_cast<long>(i);
+    if (ins.op == Op::kBackwardWeight || (ins.op == Op::kBackward && !roles.split[ins.chunk][ins.micro_batch])) {
+      f.last_weights[static_cast<size_t>(ins.chunk)] = static_cast<long>(i);
+    }
+  }
+  return f;
+}
+
+std::vector<std::vector<TensorOp>> stage_tensor_ops(const Schedule& s, const TensorProgram& t, int stage) {
+  const auto& prog = s.stages.at(static_cast<size_t>(stage));
+  std::vector<std::vector<TensorOp>> out(prog.size());
+  if (t.members <= 1) return out;
+  GPIPE_CHECK(static_cast<int>(t.cells.size()) == s.num_cells(),
+              "the tensor group's program has " + std::to_string(t.cells.size()) + " cells for a schedule of " +
+                  std::to_string(s.num_cells()));
+  const MicroBatchRoles roles = micro_batch_roles(s, stage);
+  const ChunkFinals finals = chunk_finals(s, stage, roles);
+  const int C = s.num_cells();
+  for (size_t pc = 0; pc < prog.size(); ++pc) {
+    const Instruction& ins = prog[pc];
+    if (!is_compute(ins.op)) continue;
+    const int c = s.cell(stage, ins.chunk);
+    const CellTensorOps& cell = t.cells[static_cast<size_t>(c)];
+    std::vector<TensorOp>& ops = out[pc];
+    auto add = [&ops](const std::vector<TensorOp>& more) { ops.insert(ops.end(), more.begin(), more.end()); };
+    switch (ins.op) {
+      case Op::kForward: add(s.forward_only ? cell.evaluate : cell.forward); break;
+      case Op::kRecompute: add(cell.recompute); break;
+      case Op::kBackward: {
+        const bool split = roles.split[ins.chunk][ins.micro_batch] != 0;
+        if (c == C - 1) add(cell.loss_backward);
+        for (size_t i = cell.layers.size(); i-- > 0;) {
+          const CellTensorOps::Layer& l = cell.layers[i];
+          add(split ? l.backward_input : l.backward);
+          if (finals.at(ins.chunk, l.splits) == static_cast<long>(pc)) add(l.step);
+        }
+        break;
+      }
+      default: {  // W
+        for (size_t i = cell.layers.size(); i-- > 0;) {
+          const CellTensorOps::Layer& l = cell.layers[i];
+          if (l.splits) add(l.weight);
+          if (finals.at(ins.chunk, l.splits) == static_cast<long>(pc)) add(l.step);
+        }
+        break;
+      }
+    }
+  }
+  return out;
+}
+
+void lower_tensor_collectives(Schedule& s, const TensorProgram& t) {
+  if (s.tensor_lowered) {
+    if (s.tensor == t) return;
+    throw Error("schedule '" + s.name + "' already holds other tensor-group collectives than this run's");
+  }
+  for (const auto& prog : s.stages) {
+    for (const Instruction& ins : prog) {
+      if (is_tensor_collective(ins.op)) {
+        throw Error("schedule '" + s.name + "' holds a tensor-group collective before lower_tensor_collectives");
+      }
+    }
+  }
+  for (size_t k = 0; k < s.stages.size(); ++k) {
+    const std::vector<std::vector<TensorOp>> ops = stage_tensor_ops(s, t, static_cast<int>(k));
+    std::vector<Instruction> prog;
+    std::vector<int> lines;
+    for (size_t pc = 0; pc < s.stages[k].size(); ++pc) {
+      const Instruction& ins = s.stages[k][pc];
+      prog.push_back(ins);
+      if (!s.lines.empty()) lines.push_back(s.lines[k][pc]);
+      for (const TensorOp& op : ops[pc]) {
+        prog.push_back({op.op, ins.micro_batch, ins.chunk});
+        if (!s.lines.empty()) lines.push_back(0);
+      }
+    }
+    s.stages[k] = std::move(prog);
+    if (!s.lines.empty()) s.lines[k] = std::move(lines);
+  }
+  s.tensor = t;
+  s.tensor_lowered = true;
 }
 
 double formula_bubble(const Schedule& s) {

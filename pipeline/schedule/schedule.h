@@ -68,8 +68,22 @@ enum class Op {
                             // (shard_partition.h), and the statistics folded as RG does
   kGatherParameters,        // AG: after OPT, each replica's updated shard all-gathered
                             // so that every replica holds the whole stage's parameters
+  // The tensor group's collectives (issue 38; layers/tensor_parallel.h): what a split
+  // layer (or the executor, for sequence-partial gradients) asks of the T members of its
+  // stage while a compute instruction runs. lower_tensor_collectives() puts each right
+  // after the compute instruction that asks for it (F, R, B or W), in the order asked,
+  // with that instruction's micro-batch and chunk: `F3 tAR3 tAR3 sA3`. The executor runs
+  // them when the layer asks, each checked against the program; the checker holds every
+  // compute instruction to the ones its cell asks (Schedule::tensor); the simulator and
+  // the planner price each. The members of a stage run the same program, so the i-th
+  // tensor collective of each is the same one.
+  kTensorSum,      // tAR: an all-reduce sum over the tensor group (a row-parallel output,
+                   // a column-parallel input gradient, a loss's sums, partial gradients)
+  kTensorMax,      // tMAX: an all-reduce maximum (a vocabulary-parallel loss's row maxima)
+  kTensorGather,   // tAG: sequence parallelism's all-gather of positions
+  kTensorScatter,  // tRS: sequence parallelism's reduce-scatter to positions
 };
-constexpr int kNumOps = static_cast<int>(Op::kGatherParameters) + 1;  // keep with the last Op
+constexpr int kNumOps = static_cast<int>(Op::kTensorScatter) + 1;  // keep with the last Op
 
 const char* op_name(Op op);        // "forward", ...
 const char* op_short_name(Op op);  // "F", "B", "W", "R", "sA", "rA", "sG", "rG", "OPT"
@@ -78,6 +92,7 @@ bool is_collective(Op op);         // RG, TIE, NORM, RS, AG: stages (or replicas
 bool after_optimizer(Op op);       // AG: the one collective that runs after OPT
 bool is_compute(Op op);            // F, R, B, W
 bool has_cell(Op op);              // runs on one of the stage's cells (compute and point-to-point)
+bool is_tensor_collective(Op op);  // tAR, tMAX, tAG, tRS: inside the compute instruction before them
 
 struct Instruction {
   Op op;
@@ -113,6 +128,48 @@ bool is_recomputed(RecomputeMode mode, const std::vector<Instruction>& program, 
 inline bool recomputes(RecomputeMode mode) { return mode != RecomputeMode::kNever; }
 using CheckpointMode [[deprecated("RecomputeMode: checkpoint now means saved state only")]] = RecomputeMode;
 
+// What a stage's tensor group is asked inside each compute instruction, on shapes
+// (pipeline/executor/tensor_program.h derives it from a member's model): per cell, the
+// collectives of its F, R and an evaluation's F, and per layer those of its backward.
+// The program of each instruction follows from these and the stage's program
+// (stage_tensor_ops).
+struct TensorOp {
+  Op op = Op::kTensorSum;  // a tensor collective (is_tensor_collective)
+  // Its tensor's bytes as the group moves them (narrow types in float32): at a
+  // micro-batch of one sample when per_sample (activations, which grow with the batch),
+  // else whatever the micro-batch (a parameter's gradient).
+  int64_t bytes = 0;
+  bool per_sample = true;
+  int64_t bytes_at(int64_t micro_batch) const { return per_sample ? bytes * micro_batch : bytes; }
+  bool operator==(const TensorOp& o) const { return op == o.op && bytes == o.bytes && per_sample == o.per_sample; }
+};
+struct CellTensorOps {
+  // F (the loss's after the model's last cell), R (the same forward again, and the
+  // loss's), and an evaluation's F (the loss's and its count of correct predictions).
+  std::vector<TensorOp> forward, recompute, evaluate;
+  std::vector<TensorOp> loss_backward;  // the model's last cell: first in its B
+  struct Layer {
+    bool splits = false;  // Layer::splits_backward: its weight gradients in W
+    // Its whole backward, B (backward_input) and W; `step`: once a step, where its
+    // gradients become final, its sequence-partial gradients summed (one tAR or none).
+    std::vector<TensorOp> backward, backward_input, weight, step;
+    bool operator==(const Layer& o) const {
+      return splits == o.splits && backward == o.backward && backward_input == o.backward_input &&
+             weight == o.weight && step == o.step;
+    }
+  };
+  std::vector<Layer> layers;  // the cell's layers, in model order
+  bool operator==(const CellTensorOps& o) const {
+    return forward == o.forward && recompute == o.recompute && evaluate == o.evaluate &&
+           loss_backward == o.loss_backward && layers == o.layers;
+  }
+};
+struct TensorProgram {
+  int members = 1;                   // T; 1: no tensor group, nothing lowered
+  std::vector<CellTensorOps> cells;  // per cell of the schedule
+  bool operator==(const TensorProgram& o) const { return members == o.members && cells == o.cells; }
+};
+
 struct Schedule {
   std::string name;
   int num_stages = 0;
@@ -138,6 +195,9 @@ struct Schedule {
     }
   } collectives;
   bool collectives_lowered = false;
+  // The tensor group's collectives lowered into the program (lower_tensor_collectives).
+  TensorProgram tensor;
+  bool tensor_lowered = false;
   // Schedule files: the file line of each instruction (0 for lowered communication),
   // so that errors name it; empty for generated schedules.
   std::vector<std::vector<int>> lines;
@@ -173,6 +233,27 @@ struct MicroBatchRoles {
   std::vector<std::vector<char>> split;       // [chunk][micro-batch]
 };
 MicroBatchRoles micro_batch_roles(const Schedule& s, int stage);
+
+// Where a stage's gradients become final, per chunk (program positions, -1: none): after
+// its last B for a layer that does all its backward in B, after its last W or whole
+// backward (a B without a W) for one that splits (Layer::splits_backward). Read by the
+// executor (when to sum and bucket a layer's gradients) and stage_tensor_ops.
+struct ChunkFinals {
+  std::vector<long> last_backward, last_weights;  // [chunk]
+  long at(int chunk, bool splits) const { return (splits ? last_weights : last_backward)[static_cast<size_t>(chunk)]; }
+};
+ChunkFinals chunk_finals(const Schedule& s, int stage, const MicroBatchRoles& roles);
+
+// The tensor collectives each compute instruction of stage `stage` asks, in order, by
+// program position (empty for the rest), as the executor runs the cell: F's layers in
+// order (and the loss after the last cell; an evaluation's program, forward_only, its
+// `evaluate` ones), R likewise, B from the loss's backward down the layers (each layer's
+// whole backward, or with a W to come its B), W down the layers; a layer whose gradients
+// become final there (chunk_finals) adds its `step` after its own.
+std::vector<std::vector<TensorOp>> stage_tensor_ops(const Schedule& s, const TensorProgram& t, int stage);
+// Inserts them after their compute instructions (members > 1; nothing otherwise), after
+// every other pass. Idempotent: the same facts again change nothing; others throw Error.
+void lower_tensor_collectives(Schedule& s, const TensorProgram& t);
 
 // ---- Generators. Each returns a lowered schedule, ready to check and run.
 

@@ -82,6 +82,7 @@ class Interpreter {
     const int K = s_.num_stages, M = s_.num_micro_batches, v = s_.num_chunks();
     st_.resize(K);
     sim_.timeline.assign(K, {});
+    for (int k = 0; k < K; ++k) check_tensor_ops(k);
     for (int k = 0; k < K; ++k) {
       st_[k].chunks.assign(v, ChunkState(M));
       st_[k].collectives_expected = collectives_of_stage(s_, k);
@@ -169,9 +170,50 @@ class Interpreter {
     }
   }
 
+  // The tensor group's collectives: each right after the compute instruction that asks
+  // for it, with its micro-batch and chunk, exactly those stage_tensor_ops gives it, in
+  // that order. The T members of a stage run this one program, so their i-th tensor
+  // collectives meet; one stage's members wait for no other stage there, so these add
+  // no wait between stages beyond their compute instruction's (the deadlock proof below
+  // holds as for the compute instruction alone).
+  void check_tensor_ops(int k) const {
+    const auto& prog = s_.stages[k];
+    const std::vector<std::vector<TensorOp>> expected =
+        s_.tensor_lowered ? stage_tensor_ops(s_, s_.tensor, k) : std::vector<std::vector<TensorOp>>(prog.size());
+    size_t owner = prog.size(), next = 0;  // the compute instruction the ops follow, and its next op
+    for (size_t pc = 0; pc < prog.size(); ++pc) {
+      const Instruction& ins = prog[pc];
+      if (!is_tensor_collective(ins.op)) {
+        if (owner < prog.size() && next < expected[owner].size()) {
+          fail(k, owner, "its cell asks the tensor group for " + std::to_string(expected[owner].size()) +
+                             " collectives and the program has " + std::to_string(next) + " after it");
+        }
+        owner = is_compute(ins.op) ? pc : prog.size();
+        next = 0;
+        continue;
+      }
+      if (!s_.tensor_lowered) fail(k, pc, "tensor-group collectives are inserted by lower_tensor_collectives, not written");
+      if (owner == prog.size()) fail(k, pc, "a tensor-group collective runs inside a compute instruction (F, R, B, W), after it");
+      if (ins.micro_batch != prog[owner].micro_batch || ins.chunk != prog[owner].chunk || ins.count != 1) {
+        fail(k, pc, "a tensor-group collective carries its compute instruction's micro-batch and chunk");
+      }
+      if (next >= expected[owner].size() || expected[owner][next].op != ins.op) {
+        fail(k, pc, next >= expected[owner].size()
+                        ? "its cell asks the tensor group for " + std::to_string(expected[owner].size()) +
+                              " collectives in " + instruction_str(s_, k, prog[owner]) + ", not more"
+                        : "its cell asks for " + std::string(op_short_name(expected[owner][next].op)) + " here");
+      }
+      ++next;
+    }
+    if (owner < prog.size() && next < expected[owner].size()) {
+      fail(k, owner, "its cell asks the tensor group for " + std::to_string(expected[owner].size()) +
+                         " collectives and the program has " + std::to_string(next) + " after it");
+    }
+  }
+
   void validate_indices(int k, size_t pc) const {
     const Instruction& ins = s_.stages[k][pc];
-    if (ins.op == Op::kOptimizerStep) return;
+    if (ins.op == Op::kOptimizerStep || is_tensor_collective(ins.op)) return;  // the latter: check_tensor_ops
     if (is_collective(ins.op)) {
       const auto& c = s_.collectives;
       if (!s_.collectives_lowered) fail(k, pc, "collectives are inserted by lower_collectives, not written");
@@ -350,6 +392,12 @@ class Interpreter {
     const auto& prog = s_.stages[k];
     const Instruction& ins = prog[S.pc];
     if (is_collective(ins.op)) return collective(k);
+    if (is_tensor_collective(ins.op)) {  // its members meet (they run this program): its cost, after its F, R, B or W
+      const double start = S.clock;
+      record(k, S.pc, start, start + cost_(k, ins));
+      ++S.pc;
+      return 1;
+    }
     if (!is_communication(ins.op)) {
       const double start = S.clock;
       const double d = run_compute(k, S.pc);
@@ -510,6 +558,7 @@ class RendezvousRun {
     x.start.assign(prog.size(), 0);
     x.end.assign(prog.size(), 0);
     std::map<std::tuple<int, int, int>, size_t> recv_at, produced_at;  // (op, chunk, m)
+    Op producer_op = Op::kForward;  // the last compute instruction's
     for (size_t i = 0; i < prog.size(); ++i) {
       const Instruction& ins = prog[i];
       if (is_communication(ins.op)) {
@@ -522,11 +571,16 @@ class RendezvousRun {
           const Op consumer = ins.op == Op::kRecvActivation ? Op::kForward : Op::kBackward;
           recv_at[{static_cast<int>(consumer), ins.chunk, ins.micro_batch}] = i;
         }
+      } else if (is_tensor_collective(ins.op)) {
+        // Inside the compute instruction before it: what that one sends is there after its last.
+        x.compute.push_back(i);
+        produced_at[{static_cast<int>(producer_op), ins.chunk, ins.micro_batch}] = i;
       } else {
         x.compute.push_back(i);
         auto it = recv_at.find({static_cast<int>(ins.op), ins.chunk, ins.micro_batch});
         if (it != recv_at.end()) x.needs[i] = static_cast<long>(it->second);
         produced_at[{static_cast<int>(ins.op), ins.chunk, ins.micro_batch}] = i;
+        producer_op = ins.op;
       }
     }
   }

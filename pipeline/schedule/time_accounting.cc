@@ -49,6 +49,7 @@ StepTime account_step(const std::vector<std::vector<OpSpan>>& stages) {
     bool gathers = false;
     for (const OpSpan& op : stages[k]) gathers = gathers || after_optimizer(op.op);
     for (const OpSpan& op : stages[k]) {
+      if (is_tensor_collective(op.op)) continue;  // inside its compute instruction's span, as its group_ms
       double d = op.end_ms - op.start_ms;
       switch (time_category(op.op)) {
         case TimeCategory::kCompute: {

@@ -52,8 +52,9 @@ struct OpSpan {
   Op op;
   double start_ms = 0, end_ms = 0;
   int micro_batch = -1;  // the instruction's; a TIE's tie index, which names the collective
-  // A compute instruction's time in its tensor group's sums (a split layer's all-reduces
-  // inside F, R and B): communication, not compute.
+  // A compute instruction's time in its tensor group's collectives (the tensor
+  // collectives it ran, tAR tMAX tAG tRS: a split layer's sums inside F, R, B and W):
+  // communication, not compute. Their own spans, if given, are skipped: this holds them.
   double group_ms = 0;
 };
 
