@@ -204,6 +204,11 @@ bool run_instruction(StepState& st, int k, const Instruction& ins,
     case Op::kGatherParameters:
       throw Error("the direct runner runs one replica of a model without ties or clipping; a schedule with "
                   "collectives needs the executor");
+    case Op::kTensorSum:
+    case Op::kTensorMax:
+    case Op::kTensorGather:
+    case Op::kTensorScatter:
+      throw Error("the direct runner runs no tensor group; a schedule with tensor collectives needs the executor");
     case Op::kBackwardWeight:
       throw Error("the direct runner runs GPipe and 1F1B schedules, whose backward computes the weight gradients; "
                   "a schedule with W instructions needs the executor");

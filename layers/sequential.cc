@@ -52,6 +52,7 @@ Layer& Sequential::add(std::unique_ptr<Layer> layer, const std::string& name) {
 }
 
 void Sequential::set_collectives(TensorCollectives* group) {
+  collectives_ = group;
   for (auto& l : layers_) l->set_collectives(group);
   if (loss_) loss_->set_collectives(group);
 }

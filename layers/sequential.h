@@ -47,6 +47,7 @@ class Sequential {
   // Every layer's and the loss's tensor group (Layer::set_collectives), for a model built
   // as one member of a group (layers::ModelSpec::member).
   void set_collectives(TensorCollectives* group);
+  TensorCollectives* collectives() const { return collectives_; }  // the last set (nullptr: none)
 
   int size() const { return static_cast<int>(layers_.size()); }
   // The layer's name in checkpoints: its own, or "layers.<i>".
@@ -100,6 +101,7 @@ class Sequential {
   std::vector<std::string> names_;  // per layer; empty: "layers.<i>"
   std::unique_ptr<Loss> loss_;
   std::vector<Tie> ties_;
+  TensorCollectives* collectives_ = nullptr;
 };
 
 // The model's input made from data: float data for a model whose input is a narrow type

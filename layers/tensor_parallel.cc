@@ -111,39 +111,21 @@ int64_t GroupSumCount::bytes() const { return g_shape_sum_bytes - bytes_; }
 int64_t GroupSumCount::gathers() const { return g_shape_gathers - gathers_; }
 int64_t GroupSumCount::gather_bytes() const { return g_shape_gather_bytes - gather_bytes_; }
 
-void ShapeCollectives::all_reduce_sum(Backend&, Tensor& t) { count_sum(t); }
-void ShapeCollectives::all_reduce_max(Backend&, Tensor& t) { count_sum(t); }
+void ShapeCollectives::all_reduce_sum(Backend&, Tensor& t) {
+  count_sum(t);
+  asked_.push_back({Kind::kSum, group_bytes(t)});
+}
+void ShapeCollectives::all_reduce_max(Backend&, Tensor& t) {
+  count_sum(t);
+  asked_.push_back({Kind::kMax, group_bytes(t)});
+}
 void ShapeCollectives::all_gather_positions(Backend&, const Tensor& shard, Tensor& whole) {
   count_gather(shard, whole, size_);
+  asked_.push_back({Kind::kGather, group_bytes(whole)});
 }
 void ShapeCollectives::reduce_scatter_positions(Backend&, const Tensor& whole, Tensor& shard) {
   count_gather(shard, whole, size_);
-}
-
-Event& GroupCollectives::next_event(Device device) {
-  if (!pool_device_) pool_device_ = device;
-  GPIPE_CHECK(device == *pool_device_, "a tensor group's collectives on " + device.str() + " after " +
-                                           pool_device_->str() + ": one member, one device");
-  if (used_ == pool_.size()) pool_.push_back(make_event(device));
-  return *pool_[used_++];
-}
-
-void GroupCollectives::clear_spans() {
-  spans_.clear();
-  used_ = 0;
-}
-
-double GroupCollectives::span_ms(size_t from, size_t to) const {
-  GPIPE_CHECK(from <= to && to <= spans_.size(), "span_ms: spans " + std::to_string(from) + " to " +
-                                                     std::to_string(to) + " of " + std::to_string(spans_.size()));
-  double ms = 0;
-  for (size_t i = from; i < to; ++i) {
-    const auto& [before, after] = spans_[i];
-    if (after == nullptr) continue;
-    after->synchronize();
-    ms += before->elapsed_ms(*after);
-  }
-  return ms;
+  asked_.push_back({Kind::kScatter, group_bytes(whole)});
 }
 
 template <typename F>
@@ -161,10 +143,6 @@ void GroupCollectives::run(Backend& be, const Tensor& in, Tensor& out, F&& move)
   }
   GPIPE_CHECK(in.is_contiguous() && out.is_contiguous(), "a tensor group's collective of " + in.str() + " into " +
                                                              out.str() + ": contiguous tensors");
-  Event& before = next_event(be.device());
-  before.record(be.stream());
-  spans_.push_back({&before, nullptr});
-  const size_t span = spans_.size() - 1;
   if (group_.takes(in.device()) && group_.takes(out.device())) {
     move(be, in, out);  // queued on a GPU, done on return on a CPU
   } else {
@@ -180,9 +158,6 @@ void GroupCollectives::run(Backend& be, const Tensor& in, Tensor& out, F&& move)
     move(host, hin, hout);
     if (!out.device().is_cpu()) copy_tensor(hout, out);
   }
-  Event& after = next_event(be.device());
-  after.record(be.stream());
-  spans_[span].second = &after;
 }
 
 void GroupCollectives::all_gather_positions(Backend& be, const Tensor& shard, Tensor& whole) {

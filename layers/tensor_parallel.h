@@ -141,11 +141,8 @@ class TensorCollectives {
 // and back with Backend::transpose_blocks; a maximum is an all-gather and each element's
 // largest (reduce_rows: a NaN wins), exact over any group.
 //
-// Each collective's time is a span between two events recorded on the backend's stream
-// before and after it: on a GPU the device's time (from the moment its queued work
-// reached the collective until the result was there for the next kernel), on a CPU the
-// host's. The executor reads each compute instruction's spans once its stream has
-// synchronised: the split layer's communication.
+// The executor runs each of them as an instruction of its program (the tensor
+// collectives, tAR tMAX tAG tRS: pipeline/schedule/schedule.h), timed there.
 class GroupCollectives : public TensorCollectives {
  public:
   explicit GroupCollectives(ReplicaGroup& group) : group_(group) {}
@@ -156,28 +153,14 @@ class GroupCollectives : public TensorCollectives {
   void all_gather_positions(Backend& be, const Tensor& shard, Tensor& whole) override;
   void reduce_scatter_positions(Backend& be, const Tensor& whole, Tensor& shard) override;
   void await_queued() override { group_.await_device(); }
-  // The spans recorded since clear_spans(), one per collective (the executor clears them
-  // at each program's start; another caller clears them itself).
-  size_t spans() const { return spans_.size(); }
-  // Milliseconds of spans [from, to) (waiting for their events; call it once the stream
-  // has synchronised). A span whose collective failed half-way counts nothing.
-  double span_ms(size_t from, size_t to) const;
-  // Forgets the spans and reuses their events: at the start of each program.
-  void clear_spans();
 
  private:
   // `in` to `out` (the same tensor for a sum or a maximum, in place) by move(backend,
   // in, out), on the tensors' device or through host copies (above); narrow types in
-  // float32; timed as one span.
+  // float32.
   template <typename F>
   void run(Backend& be, const Tensor& in, Tensor& out, F&& move);
-  Event& next_event(Device device);
   ReplicaGroup& group_;
-  // Events reused from step to step, on one device (the member's).
-  std::vector<std::unique_ptr<Event>> pool_;
-  size_t used_ = 0;
-  std::optional<Device> pool_device_;
-  std::vector<std::pair<Event*, Event*>> spans_;  // (before, after); after null: failed half-way
 };
 
 // A member's place in a tensor group without the group: planning a member's model on
@@ -193,9 +176,21 @@ class ShapeCollectives : public TensorCollectives {
   void all_reduce_max(Backend& be, Tensor& t) override;
   void all_gather_positions(Backend& be, const Tensor& shard, Tensor& whole) override;
   void reduce_scatter_positions(Backend& be, const Tensor& whole, Tensor& shard) override;
+  // What was asked of it, in order (the tensor-group program's facts on shapes,
+  // pipeline/executor/cell.h's run_tensor_program): the kind and the bytes the group
+  // moves, a narrow tensor as float32 (a sum's or maximum's tensor; a sequence
+  // collective's whole one).
+  enum class Kind { kSum, kMax, kGather, kScatter };
+  struct Asked {
+    Kind kind;
+    int64_t bytes;
+  };
+  const std::vector<Asked>& asked() const { return asked_; }
+  void clear_asked() { asked_.clear(); }
 
  private:
   int rank_, size_;
+  std::vector<Asked> asked_;
 };
 
 // The tensor-group sums ShapeCollectives saw on this thread since this object was made

@@ -137,8 +137,9 @@ int run_plan(Invocation& inv, const std::string& schedule_out = "") {
               << " processes (mpirun -np " << pipeline::plan_sizes(config).ranks().size()
               << "; without mpirun, gpipe train runs them as threads of one process on CPU stages when "
                  "pipeline.replicas is 1); the plan below "
-                 "is one member's share of each stage (its parameters, memory and compute, and its sums over the "
-                 "group inside the layers' forward and backward, priced over this machine's MPI link).\n";
+                 "is one member's share of each stage (its parameters, memory and compute, and its collectives over "
+                 "the group, the program's tAR, tMAX, tAG and tRS after the F, R, B or W whose layers ask them, priced "
+                 "over this machine's MPI link).\n";
     if (config.pipeline.sequence_parallel) {
       std::cout << "pipeline.sequence_parallel: between the split layers each member holds 1/" << T
                 << " of each sample's positions (its norms', dropouts' and messages' activations); the split layers "

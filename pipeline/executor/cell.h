@@ -42,6 +42,17 @@ int cell_of_layer(const std::vector<CellSpec>& cells, int layer);
 Schedule::Collectives run_collectives(const layers::Sequential& model, const std::vector<CellSpec>& cells,
                                       bool replicas, bool gradient_norm, bool shard_optimizer = false);
 
+// What the T members of each stage's tensor group are asked inside each compute
+// instruction (Schedule::tensor), found by running member `rank`'s model (its layers
+// split for `members`) on shapes, at a micro-batch of one sample: each layer's forward
+// (as F, as R, and as an evaluation's), whole backward, B and W, the loss's forward,
+// backward and count of correct predictions, and each layer's sequence-partial
+// gradients, summed once a step (Executor::gradients_final). Microseconds a layer; the
+// model's own group is set back after. members 1: an empty program (nothing to lower).
+// The plan lowers it into its schedule (lower_tensor_collectives); the executor into
+// one made by hand.
+TensorProgram run_tensor_program(layers::Sequential& model, const std::vector<CellSpec>& cells, int rank, int members);
+
 // Sizes of M micro-batches of an N-sample batch: as even as possible, larger first
 // (10 into 4 -> 3 3 2 2). Throws UserError when N < M.
 std::vector<int64_t> split_sizes(int64_t n, int m);

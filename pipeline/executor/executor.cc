@@ -76,6 +76,37 @@ std::string layer_range(const CellSpec& c) {
 
 }  // namespace
 
+// What a split layer asks of its tensor group, run as the program says
+// (Executor::tensor_collective) over the stage's real group.
+class Executor::ProgramCollectives : public layers::TensorCollectives {
+ public:
+  ProgramCollectives(Executor& executor, layers::GroupCollectives& group) : ex_(executor), group_(group) {}
+  int size() const override { return group_.size(); }
+  int rank() const override { return group_.rank(); }
+  void all_reduce_sum(Backend& be, Tensor& t) override {
+    ex_.tensor_collective(Op::kTensorSum, moved_bytes(t), [&] { group_.all_reduce_sum(be, t); });
+  }
+  void all_reduce_max(Backend& be, Tensor& t) override {
+    ex_.tensor_collective(Op::kTensorMax, moved_bytes(t), [&] { group_.all_reduce_max(be, t); });
+  }
+  void all_gather_positions(Backend& be, const Tensor& shard, Tensor& whole) override {
+    ex_.tensor_collective(Op::kTensorGather, moved_bytes(whole), [&] { group_.all_gather_positions(be, shard, whole); });
+  }
+  void reduce_scatter_positions(Backend& be, const Tensor& whole, Tensor& shard) override {
+    ex_.tensor_collective(Op::kTensorScatter, moved_bytes(whole),
+                          [&] { group_.reduce_scatter_positions(be, whole, shard); });
+  }
+  void await_queued() override { group_.await_queued(); }
+
+ private:
+  // As the group moves it: a narrow tensor in float32 (TensorOp::bytes).
+  static int64_t moved_bytes(const Tensor& t) {
+    return t.numel() * static_cast<int64_t>(is_narrow(t.dtype()) ? 4 : dtype_size(t.dtype()));
+  }
+  Executor& ex_;
+  layers::GroupCollectives& group_;
+};
+
 Executor::Executor(layers::Sequential& model, std::vector<CellSpec> cells, Schedule schedule, Transport& transport,
                    ExecutorOptions options)
     : model_(model), cells_(std::move(cells)), schedule_(std::move(schedule)), transport_(transport),
@@ -87,6 +118,16 @@ Executor::Executor(layers::Sequential& model, std::vector<CellSpec> cells, Sched
   lower_collectives(schedule_, run_collectives(model_, cells_, options_.replicas != nullptr && options_.replicas->size() > 1,
                                                options_.clip_grad_norm > 0 || options_.loss_scale > 0,
                                                options_.shard_optimizer));
+  // The tensor group's collectives, each where a compute instruction asks it (the plan's
+  // schedule holds them already).
+  const bool tensor = options_.tensor_group != nullptr && options_.tensor_group->size() > 1;
+  if (tensor) {
+    lower_tensor_collectives(schedule_, run_tensor_program(model_, cells_, options_.tensor_group->rank(),
+                                                           options_.tensor_group->size()));
+  } else if (schedule_.tensor_lowered && schedule_.tensor.members > 1) {
+    throw Error("schedule '" + schedule_.name + "' holds a tensor group's collectives, but the executor has no tensor "
+                "group (ExecutorOptions::tensor_group)");
+  }
   check_schedule(schedule_, transport_.sends_wait_for_receiver() ? CommModel::kRendezvous : CommModel::kBuffered);
   model_.loss();  // the last cell needs one: fail now, not in a worker
   if (!options_.micro_batch_sizes.empty() &&
@@ -102,10 +143,11 @@ Executor::Executor(layers::Sequential& model, std::vector<CellSpec> cells, Sched
     throw UserError("loss scaling needs a positive, finite initial scale and a window of at least 1 step");
   }
   loss_scale_ = options_.loss_scale;
-  if (options_.tensor_group != nullptr && options_.tensor_group->size() > 1) {
+  if (tensor) {
     // One group per stage: a process (or thread) runs one stage of its tensor group.
     GPIPE_CHECK(options_.local_stage >= 0, "a tensor group needs its stage local to this executor (local_stage)");
-    tensor_collectives_ = std::make_unique<layers::GroupCollectives>(*options_.tensor_group);
+    tensor_group_ = std::make_unique<layers::GroupCollectives>(*options_.tensor_group);
+    tensor_collectives_ = std::make_unique<ProgramCollectives>(*this, *tensor_group_);
     model_.set_collectives(tensor_collectives_.get());  // only the local stage's layers (and loss) run here
   }
   for (int k = 0; k < K; ++k) runtimes_.push_back(make_stage(k));
@@ -188,26 +230,19 @@ void Executor::read_program(StageRuntime& rt) {
   const auto& prog = schedule_.stages[k];
   const int v = schedule_.num_chunks();
   MicroBatchRoles roles = micro_batch_roles(schedule_, k);
-  rt.checkpointed = std::move(roles.recomputed);
-  rt.split = std::move(roles.split);
   // A layer's gradients are final after the last instruction that adds to them: the
   // chunk's last backward, or for a layer that splits its backward, the last weight
   // gradient or whole backward (one without a W) of the chunk.
-  std::vector<long> last_b(v, -1), last_weights(v, -1);
-  for (size_t i = 0; i < prog.size(); ++i) {
-    const Instruction& ins = prog[i];
-    if (ins.op == Op::kBackward) last_b[ins.chunk] = static_cast<long>(i);
-    if (ins.op == Op::kBackwardWeight || (ins.op == Op::kBackward && !rt.split[ins.chunk][ins.micro_batch])) {
-      last_weights[ins.chunk] = static_cast<long>(i);
-    }
-  }
+  const ChunkFinals finals = chunk_finals(schedule_, k, roles);
+  rt.checkpointed = std::move(roles.recomputed);
+  rt.split = std::move(roles.split);
   message_groups(prog, rt.group_begins, rt.group_ends);
   rt.zero_at = first_gradient_wait(prog);
   rt.final_layers.assign(prog.size(), {});
   for (int j = 0; j < v; ++j) {
     const CellSpec& cell = cells_[rt.cells[j]];
     for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) {
-      const long at = model_.layer(i).splits_backward() ? last_weights[j] : last_b[j];
+      const long at = finals.at(j, model_.layer(i).splits_backward());
       if (at >= 0) rt.final_layers[at].push_back(i);
     }
   }
@@ -508,7 +543,8 @@ void Executor::optimizer_step(StageRuntime& rt) {
   // On a device the step's time is its own kernels', from here: the wait above is the
   // last backward's, already in that instruction's span (the first H100 run showed a
   // host-timed OPT of 35 ms in a 62 ms step whose update takes about 1 ms).
-  rt.clock->before(rt.backend->stream(), rt.trace.ops.size());
+  const size_t slot = rt.trace.ops.size() - 1;  // run_stage's, reserved for this instruction
+  rt.clock->before(rt.backend->stream(), slot);
   if (!overflowed(rt.grad_norm)) {  // loss scaling: every stage skips an overflowed step alike
     double coef = 1.0 / cur_.loss_scale;  // exact for a power of two
     if (options_.clip_grad_norm > 0 && rt.grad_norm >= 0) {
@@ -528,7 +564,7 @@ void Executor::optimizer_step(StageRuntime& rt) {
     if (!rt.sharding) layers::refresh_all(*rt.backend, rt.params);
   }
   if (!rt.statistics_folded) fold_statistics(rt);
-  rt.clock->after(rt.backend->stream(), rt.trace.ops.size());
+  rt.clock->after(rt.backend->stream(), slot);
   rt.trace.optimizer_bytes = state_bytes(*rt.optimizer);
 }
 
@@ -564,23 +600,23 @@ int64_t Executor::run_instruction(StageRuntime& rt, size_t pc) {
     case Op::kForward:
     case Op::kRecompute: {
       auto turn = device_turn(k);
-      rt.clock->before(rt.backend->stream(), rt.trace.ops.size());
+      rt.clock->before(rt.backend->stream(), pc);
       forward(rt, ins, ins.op == Op::kRecompute);
-      rt.clock->after(rt.backend->stream(), rt.trace.ops.size());
+      rt.clock->after(rt.backend->stream(), pc);
       break;
     }
     case Op::kBackward: {
       auto turn = device_turn(k);
-      rt.clock->before(rt.backend->stream(), rt.trace.ops.size());
+      rt.clock->before(rt.backend->stream(), pc);
       backward(rt, ins, pc);
-      rt.clock->after(rt.backend->stream(), rt.trace.ops.size());
+      rt.clock->after(rt.backend->stream(), pc);
       break;
     }
     case Op::kBackwardWeight: {
       auto turn = device_turn(k);
-      rt.clock->before(rt.backend->stream(), rt.trace.ops.size());
+      rt.clock->before(rt.backend->stream(), pc);
       weight_gradient(rt, ins, pc);
-      rt.clock->after(rt.backend->stream(), rt.trace.ops.size());
+      rt.clock->after(rt.backend->stream(), pc);
       break;
     }
     case Op::kOptimizerStep:
@@ -596,8 +632,46 @@ int64_t Executor::run_instruction(StageRuntime& rt, size_t pc) {
       return reduce_scatter_gradients(rt);
     case Op::kGatherParameters:
       return gather_parameters(rt);
+    case Op::kTensorSum:
+    case Op::kTensorMax:
+    case Op::kTensorGather:
+    case Op::kTensorScatter:
+      GPIPE_CHECK(false, "a tensor collective runs inside its compute instruction (tensor_collective), not on its own");
   }
   return 0;
+}
+
+double Executor::now_ms() const {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - cur_.epoch).count();
+}
+
+void Executor::tensor_collective(Op op, int64_t bytes, const std::function<void()>& run) {
+  StageRuntime& rt = *runtimes_[static_cast<size_t>(options_.local_stage)];
+  const int k = rt.index;
+  const auto& prog = program(k);
+  const size_t pc = rt.tensor_next;
+  if (rt.tensor_owner == static_cast<size_t>(-1)) {
+    throw Error(std::string("a layer of stage ") + std::to_string(k) + " asked its tensor group for " + op_short_name(op) +
+                " outside a compute instruction (F, R, B, W)");
+  }
+  const Instruction& owner = prog[rt.tensor_owner];
+  if (pc >= prog.size() || prog[pc].op != op) {
+    const bool tensor_op = pc < prog.size() && is_tensor_collective(prog[pc].op);
+    throw Error("a layer of stage " + std::to_string(k) + " asked its tensor group for " + op_short_name(op) + " in " +
+                instruction_str(schedule_, k, owner) + " where the program has " +
+                (tensor_op ? instruction_str(schedule_, k, prog[pc]) : std::string("no more")) +
+                ": the tensor-group program (Schedule::tensor) does not match the model");
+  }
+  GPIPE_CHECK(rt.trace.ops.size() == pc, "stage " + std::to_string(k) + "'s trace is not its program's");
+  rt.trace.ops.push_back({op, owner.micro_batch, now_ms(), 0.0, owner.chunk});
+  rt.tensor_next = pc + 1;  // taken, whether it succeeds or not
+  rt.clock->before(rt.backend->stream(), pc);
+  heartbeat();
+  run();
+  rt.clock->after(rt.backend->stream(), pc);
+  TimedOp& t = rt.trace.ops[pc];
+  t.bytes = bytes;
+  t.end_ms = now_ms();
 }
 
 void Executor::run_stage(int k) {
@@ -613,11 +687,9 @@ void Executor::run_stage(int k) {
   rt.live_bytes = 0;
   rt.error = nullptr;
   rt.error_is_abort = false;
+  rt.tensor_owner = static_cast<size_t>(-1);
   rt.grad_norm = -1;
   rt.local_ties_summed = rt.statistics_folded = false;
-  auto now_ms = [&] {
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - cur_.epoch).count();
-  };
   // The activation meter: what (chunk, m) holds now, folded into the stage's total.
   auto meter = [&](int chunk, int m) {
     MicroBatch& mb = rt.mbs[chunk][m];
@@ -632,13 +704,6 @@ void Executor::run_stage(int k) {
       auto turn = device_turn(k);
       rt.clock->start_step(rt.backend->stream(), now_ms());
     }
-    // The tensor group's collectives of each compute instruction: (trace index, its
-    // first span, past its last), read once the stream has synchronised.
-    struct GroupSpans {
-      size_t op, from, to;
-    };
-    std::vector<GroupSpans> group_spans;
-    if (tensor_collectives_ != nullptr) tensor_collectives_->clear_spans();
     // No instruction but the optimizer step writes this stage's parameters (the
     // collectives write gradients): the weights stay frozen from one step to the next, so
     // a CPU stage's packed copies of them (kernels/cpu_gemm.h) serve every micro-batch.
@@ -646,6 +711,11 @@ void Executor::run_stage(int k) {
     std::optional<FrozenWeights> frozen;
     for (size_t pc = 0; pc < prog.size(); ++pc) {
       const Instruction& ins = prog[pc];
+      if (is_tensor_collective(ins.op)) {  // ran inside the compute instruction before it (tensor_collective)
+        GPIPE_CHECK(rt.trace.ops.size() > pc, "stage " + std::to_string(k) + "'s " + instruction_str(schedule_, k, ins) +
+                                                  " at " + std::to_string(pc) + " did not run in its compute instruction");
+        continue;
+      }
       if (ins.op == Op::kOptimizerStep || after_optimizer(ins.op)) {  // they write the parameters
         frozen.reset();
       } else if (!frozen) {
@@ -663,13 +733,27 @@ void Executor::run_stage(int k) {
         rt.backend->synchronize();
       }
       const double t0 = now_ms();
-      const size_t span0 = tensor_collectives_ != nullptr ? tensor_collectives_->spans() : 0;
       if (pc == rt.zero_at && eval == nullptr) {  // inside the receive's slot: its wait, usually
         auto turn = device_turn(k);
         zero_grads(rt);
       }
+      GPIPE_CHECK(rt.trace.ops.size() == pc, "stage " + std::to_string(k) + "'s trace is not its program's");
+      rt.trace.ops.emplace_back();  // its slot, before the tensor collectives it runs (program order)
       if (group_begins[pc]) transport_.begin_group(k);
+      if (tensor_collectives_ != nullptr && is_compute(ins.op)) {
+        rt.tensor_owner = pc;
+        rt.tensor_next = pc + 1;
+      }
       const int64_t bytes = run_instruction(rt, pc);
+      if (rt.tensor_owner == pc) {  // every tensor collective the program has after it ran
+        rt.tensor_owner = static_cast<size_t>(-1);
+        if (rt.tensor_next < prog.size() && is_tensor_collective(prog[rt.tensor_next].op)) {
+          throw Error("stage " + std::to_string(k) + "'s program has " +
+                      instruction_str(schedule_, k, prog[rt.tensor_next]) + " in " + instruction_str(schedule_, k, ins) +
+                      ", which its layers did not ask the tensor group for: the tensor-group program (Schedule::tensor) "
+                      "does not match the model");
+        }
+      }
       if (group_ends[pc]) transport_.end_group(k);
       TimedOp op{ins.op, ins.micro_batch, t0, 0.0, ins.chunk};
       if (is_collective(ins.op)) {
@@ -700,11 +784,8 @@ void Executor::run_stage(int k) {
         }
       }
       op.live_bytes = rt.live_bytes;
-      if (tensor_collectives_ != nullptr && is_compute(ins.op)) {
-        group_spans.push_back({rt.trace.ops.size(), span0, tensor_collectives_->spans()});
-      }
       op.end_ms = now_ms();
-      rt.trace.ops.push_back(op);
+      rt.trace.ops[pc] = op;
     }
     transport_.flush(k);
     auto turn = device_turn(k);
@@ -713,8 +794,15 @@ void Executor::run_stage(int k) {
       rt.trace.ops[span.index].start_ms = span.start_ms;
       rt.trace.ops[span.index].end_ms = span.end_ms;
     }
-    for (const GroupSpans& g : group_spans) {  // inside their instruction's, on the same stream
-      rt.trace.ops[g.op].group_ms = tensor_collectives_->span_ms(g.from, g.to);
+    // A compute instruction's tensor collectives ran inside it: their time is its
+    // communication (TimedOp::group_ms), on the same clock.
+    for (size_t pc = 0, owner = 0; pc < prog.size(); ++pc) {
+      if (!is_tensor_collective(prog[pc].op)) {
+        owner = pc;
+        continue;
+      }
+      const TimedOp& t = rt.trace.ops[pc];
+      rt.trace.ops[owner].group_ms += std::max(0.0, t.end_ms - t.start_ms);
     }
   } catch (const Aborted& e) {
     rt.error = std::current_exception();

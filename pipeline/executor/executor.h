@@ -17,6 +17,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -101,13 +102,15 @@ struct TimedOp {
   double start_ms, end_ms;  // since the step began
   int chunk = 0;
   // Sends and receives: the message's size; collectives: the bytes this stage
-  // contributed (RG: its gradients, TIE: the weight's gradient, NORM: one double).
+  // contributed (RG: its gradients, TIE: the weight's gradient, NORM: one double); a
+  // tensor collective: the bytes its group moved (a narrow tensor as float32).
   int64_t bytes = 0;
   int peer = -1;           // sends, receives and TIE: the other stage
   int64_t live_bytes = 0;  // activations the stage holds after the instruction
   // A compute instruction of a stage split over a tensor group: the part of its time its
-  // layers spent in the group's collectives (GroupCollectives' spans: the device's time
-  // on a GPU), communication, not compute.
+  // layers spent in the group's collectives, the tensor collectives after it in the
+  // program (which ran inside it and are in the trace too, each with its own times: the
+  // device's on a GPU); communication, not compute.
   double group_ms = 0;
 };
 
@@ -267,6 +270,13 @@ class Executor {
   // its sequence-partial ones summed over the tensor group, then its replicas' bucket.
   void gradients_final(StageRuntime& rt, layers::Layer& layer);
   void sum_over_tensor_group(Backend& be, const std::vector<layers::Parameter*>& params);
+  // The tensor group's collectives as the program's instructions (Schedule::tensor): a
+  // layer's request, made while a compute instruction runs, is run as the program's next
+  // instruction after it, which must be a tensor collective of that kind (an Error
+  // otherwise: the program and the model disagree), timed and traced as its own.
+  class ProgramCollectives;
+  void tensor_collective(Op op, int64_t bytes, const std::function<void()>& run);
+  double now_ms() const;
   void sum_local_ties(StageRuntime& rt);
   void fold_statistics(StageRuntime& rt);
   void zero_grads(StageRuntime& rt);
@@ -279,7 +289,8 @@ class Executor {
   bool overflowed(double grad_norm) const { return options_.loss_scale > 0 && !std::isfinite(grad_norm); }
 
   layers::Sequential& model_;
-  std::unique_ptr<layers::GroupCollectives> tensor_collectives_;  // over options_.tensor_group
+  std::unique_ptr<layers::GroupCollectives> tensor_group_;         // over options_.tensor_group
+  std::unique_ptr<ProgramCollectives> tensor_collectives_;  // what the layers ask: tensor_group_'s, by the program
   std::vector<CellSpec> cells_;
   Schedule schedule_;
   Transport& transport_;

@@ -1,5 +1,7 @@
 #include "pipeline/executor/op_clock.h"
 
+#include <algorithm>
+
 #include "runtime/error.h"
 
 namespace gpipe {
@@ -30,11 +32,12 @@ void OpClock::before(Stream& stream, size_t index) {
 
 void OpClock::after(Stream& stream, size_t index) {
   if (!enabled_) return;
-  GPIPE_CHECK(!spans_.empty() && spans_.back().first == index && spans_.back().second.second == nullptr,
-              "OpClock::after without its before");
+  // The innermost open span: a tensor collective's inside its compute instruction's.
+  auto open = std::find_if(spans_.rbegin(), spans_.rend(), [](const auto& s) { return s.second.second == nullptr; });
+  GPIPE_CHECK(open != spans_.rend() && open->first == index, "OpClock::after without its before");
   Event& e = next_event();
   e.record(stream);
-  spans_.back().second.second = &e;
+  open->second.second = &e;
 }
 
 std::vector<OpClock::Span> OpClock::resolve() {

@@ -33,7 +33,8 @@ class OpClock {
 
   // At the step's start: the reference, taken at host time `host_ms` (any clock).
   void start_step(Stream& stream, double host_ms);
-  // Around compute instruction `index` of the stage's trace; returns nothing to wait for.
+  // Around compute instruction `index` of the stage's trace, or a tensor collective's
+  // inside it (spans nest: after closes the innermost open one); returns nothing to wait for.
   void before(Stream& stream, size_t index);
   void after(Stream& stream, size_t index);
   // After the stage's stream has synchronised: (index, start_ms, end_ms) on the host

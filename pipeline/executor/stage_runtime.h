@@ -84,6 +84,10 @@ struct Executor::StageRuntime {
   std::vector<std::vector<MicroBatch>> mbs;  // [chunk][micro-batch]
   StageTrace trace;
   std::unique_ptr<OpClock> clock;  // device times of compute instructions (GPU stages)
+  // The tensor group's program (Schedule::tensor) while a compute instruction runs: the
+  // compute instruction's position (npos outside one) and the next tensor collective's,
+  // which the layer's next request must be (Executor::tensor_collective).
+  size_t tensor_owner = static_cast<size_t>(-1), tensor_next = 0;
   int64_t live_bytes = 0;
   std::exception_ptr error;
   bool error_is_abort = false;

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "layers/loss.h"
 #include "layers/optimizer.h"
 #include "layers/registry.h"
 #include "layers/tensor_parallel.h"
@@ -417,4 +418,165 @@ TEST_CASE("sequence parallelism: a checkpoint saved with it (T = 2, sharded over
   check_resume(gpt.c_str(), saved);
   check_resume(gpipe::testing::with_positions(gpipe::testing::kTensorParallelLlama, 8).c_str(), Run{2, 2, 2, true},
                /*resume_sequence=*/true);
+}
+
+// The tensor group's collectives are instructions of the program (Schedule::tensor,
+// found on the member's shapes): each runs when a layer asks for it, as the program's
+// instruction after its compute instruction, and the stage's trace holds it in program
+// order, with the bytes it moved, inside that compute instruction, whose group_ms is
+// their time. Checked at K = 2 x T = 2 on GPT, with and without sequence parallelism,
+// for a training step and an evaluation (whose F ask for the loss's count too).
+TEST_CASE("the tensor group's collectives run as the program's instructions, traced with the bytes found on shapes") {
+  for (bool sequence : {false, true}) {
+    CAPTURE(sequence);
+    const std::string text = gpipe::testing::with_positions(gpipe::testing::kTensorParallelGpt, 8);
+    const Config config = parse_config(text, "tp.yaml");
+    const int K = 2, T = 2;
+    std::vector<std::unique_ptr<InProcessTransport>> pipes;
+    std::vector<std::unique_ptr<InProcessReplicaHub>> hubs;
+    for (int t = 0; t < T; ++t) pipes.push_back(std::make_unique<InProcessTransport>(K, 30));
+    for (int k = 0; k < K; ++k) hubs.push_back(std::make_unique<InProcessReplicaHub>(T, 30));
+    std::vector<Schedule> programs(K * T);
+    std::vector<StageTrace> traces(K * T);
+    std::vector<double> correct(K * T, -1);
+    const std::vector<std::string> errors = on_threads(K * T, [&](int rank) {
+      const int t = rank % T, k = rank / T;
+      layers::ModelSpec spec = config.model;
+      spec.member = layers::TensorShard{t, T, sequence};
+      auto model = layers::build_model(spec);
+      InProcessReplicaGroup tensor(*hubs[k], t);
+      ExecutorOptions opts;
+      opts.local_stage = k;
+      opts.rank = rank;
+      opts.tensor_group = &tensor;
+      opts.pin_threads = false;
+      Executor ex(*model, make_stages({2, 3}, {Device::cpu(0), Device::cpu(1)}),
+                  make_schedule(ScheduleRequest{"1f1b", K, 1, 2, RecomputeMode::kExceptLast}), *pipes[t], opts);
+      const Batch b = batch(0, 8);
+      const StepResult r = ex.step(b.x, b.y);
+      programs[rank] = ex.schedule();
+      traces[rank] = r.stages.at(k);
+      correct[rank] = ex.evaluate(b.x, b.y, 5).correct;  // micro-batches of 5 and 3 rows
+    });
+    for (const std::string& e : errors) REQUIRE(e == "");
+    for (int rank = 0; rank < K * T; ++rank) {
+      CAPTURE(rank);
+      const int k = rank / T;
+      const Schedule& s = programs[rank];
+      REQUIRE(s.tensor_lowered);
+      CHECK(s.tensor.members == T);
+      CHECK(schedule_table(s) == schedule_table(programs[k * T]));  // the members of a stage run one program
+      CHECK(s.tensor == programs[k * T].tensor);
+      const auto& prog = s.stages[k];
+      const std::vector<std::vector<TensorOp>> asked = stage_tensor_ops(s, s.tensor, k);
+      const StageTrace& trace = traces[rank];
+      REQUIRE(trace.ops.size() == prog.size());
+      int tensor_ops = 0;
+      for (size_t pc = 0, owner = 0, next = 0; pc < prog.size(); ++pc) {
+        const TimedOp& op = trace.ops[pc];
+        CHECK(op.op == prog[pc].op);
+        CHECK(op.micro_batch == prog[pc].micro_batch);
+        if (!is_tensor_collective(prog[pc].op)) {
+          if (is_compute(prog[pc].op)) {
+            // Its group time is the tensor collectives after it, which ran inside it.
+            double inside = 0;
+            for (size_t j = pc + 1; j < prog.size() && is_tensor_collective(prog[j].op); ++j) {
+              inside += trace.ops[j].end_ms - trace.ops[j].start_ms;
+            }
+            CHECK(op.group_ms == doctest::Approx(inside).epsilon(1e-12));
+          }
+          owner = pc;
+          next = 0;
+          continue;
+        }
+        ++tensor_ops;
+        const TimedOp& in = trace.ops[owner];
+        CHECK(is_compute(prog[owner].op));
+        CHECK(op.start_ms >= in.start_ms);
+        CHECK(op.end_ms <= in.end_ms);
+        // The bytes the layers' tensors moved are those found on shapes for a micro-batch of 4.
+        REQUIRE(next < asked[owner].size());
+        CHECK(op.bytes == asked[owner][next].bytes_at(4));
+        ++next;
+      }
+      // Every F, R, B and W of both stages asks something: the embedding's and the head's
+      // vocabulary-parallel sums, the blocks' row-parallel ones (or gathers and scatters).
+      CHECK(tensor_ops > 0);
+      for (size_t pc = 0; pc < prog.size(); ++pc) {
+        if (prog[pc].op == Op::kForward || prog[pc].op == Op::kBackward) {
+          CHECK(pc + 1 < prog.size());
+          CHECK(is_tensor_collective(prog[pc + 1].op));
+        }
+      }
+    }
+    // The evaluation's count came back on the last stage's members (their F's tMAX and tAR).
+    CHECK(correct[(K - 1) * T] >= 0);
+    CHECK(correct[(K - 1) * T] == correct[(K - 1) * T + 1]);
+  }
+}
+
+namespace {
+// An identity layer whose tensor-group collectives depend on its data (a layer bug the
+// executor catches): on shapes, where the program is found, it asks as `on_shapes` says,
+// and with data as `with_data` says (kNone: nothing).
+enum class Ask { kNone, kSum, kMax };
+class AsksByData : public layers::Layer {
+ public:
+  AsksByData(int64_t width, Ask on_shapes, Ask with_data)
+      : Layer({width}, {width}, DType::kF64), on_shapes_(on_shapes), with_data_(with_data) {}
+  std::string type() const override { return "asks_by_data"; }
+  std::string describe() const override { return "asks_by_data"; }
+  layers::LayerCost cost(int64_t) const override { return {}; }
+  void set_collectives(layers::TensorCollectives* group) override { group_ = group; }
+
+ private:
+  Tensor forward_impl(Backend& be, const Tensor& x, layers::Context*, const layers::ForwardArgs&) override {
+    Tensor y = be.empty(x.shape(), x.dtype());
+    be.copy(x, y);
+    const Ask ask = x.is_meta() ? on_shapes_ : with_data_;
+    if (ask == Ask::kSum) group_->all_reduce_sum(be, y);
+    if (ask == Ask::kMax) group_->all_reduce_max(be, y);
+    return y;
+  }
+  Tensor backward_impl(Backend&, const Tensor& dy, const layers::Context&, bool) override { return dy; }
+  Ask on_shapes_, with_data_;
+  layers::TensorCollectives* group_ = nullptr;
+};
+}  // namespace
+
+TEST_CASE("a layer that asks its tensor group for what the program does not have stops the run, naming the mismatch") {
+  struct Case {
+    Ask on_shapes, with_data;
+    const char* message;
+  };
+  const Case cases[] = {
+      {Ask::kNone, Ask::kSum, "asked its tensor group for tAR in F0 where the program has no more"},
+      {Ask::kSum, Ask::kMax, "asked its tensor group for tMAX in F0 where the program has tAR0"},
+      {Ask::kSum, Ask::kNone, "has tAR0 in F0, which its layers did not ask the tensor group for"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.message);
+    const int T = 2;
+    InProcessReplicaHub hub(T, 30);
+    const std::vector<std::string> errors = on_threads(T, [&](int t) {
+      layers::Sequential model({4}, DType::kF64);
+      model.emplace<AsksByData>(4, c.on_shapes, c.with_data);
+      model.set_loss(std::make_unique<layers::SoftmaxCrossEntropy>(4, DType::kF64));
+      InProcessReplicaGroup tensor(hub, t);
+      InProcessTransport transport(1, 30);
+      ExecutorOptions opts;
+      opts.local_stage = 0;
+      opts.tensor_group = &tensor;
+      opts.pin_threads = false;
+      Executor ex(model, make_stages({1}, {Device::cpu(0)}), gpipe_schedule(1, 2, RecomputeMode::kNever), transport,
+                  opts);
+      CHECK(ex.schedule().tensor_lowered);
+      ex.step(gpipe::testing::random_tensor({4, 4}, DType::kF64, 1), gpipe::testing::random_labels(4, 4, 2));
+    });
+    for (const std::string& e : errors) {
+      CAPTURE(e);
+      CHECK(e.find(c.message) != std::string::npos);
+      CHECK(e.find("does not match the model") != std::string::npos);
+    }
+  }
 }

@@ -12,12 +12,25 @@
 namespace gpipe {
 namespace pipeline {
 
+double CostTable::tensor_ms(const TensorOp& op, int64_t micro_batch) const {
+  partition::CostModel cm;
+  cm.tensor_members = tensor_members;
+  cm.group_latency_seconds = group_latency_seconds;
+  cm.group_bytes_per_second = group_bytes_per_second;
+  const double bytes = static_cast<double>(op.bytes_at(micro_batch));
+  const bool pass = op.op == Op::kTensorGather || op.op == Op::kTensorScatter;  // one ring pass, not two
+  return 1e3 * (pass ? cm.group_time(0, 0, 1, bytes) : cm.group_time(1, bytes));
+}
+
 CostTable estimate_costs(const layers::Sequential& model, int64_t micro, const partition::CostModel& cm,
                          const std::vector<std::optional<double>>& overrides, const layers::OptimizerConfig& opt) {
   auto counts = model.costs(micro);
   CostTable t;
   t.source = "estimate";
   t.micro_batch = micro;
+  t.tensor_members = cm.tensor_members;
+  t.group_latency_seconds = cm.group_latency_seconds;
+  t.group_bytes_per_second = cm.group_bytes_per_second;
   const double slots = optimizer_slots(opt);
   for (size_t i = 0; i < counts.size(); ++i) {
     // Nothing needs the model input's gradient (partition::layer_costs does the same).
@@ -251,28 +264,32 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
       default: return 0.0;
     }
   };
-  // Where each cell's gradients become final on its stage: its last B or W of the step,
-  // which also sums the cell's sequence-partial gradients over the tensor group
-  // (Executor::gradients_final; LayerTimes::step_group).
-  std::vector<std::vector<const Instruction*>> finals(static_cast<size_t>(K));
-  for (int k = 0; k < K; ++k) {
-    finals[static_cast<size_t>(k)].assign(static_cast<size_t>(s.num_chunks()), nullptr);
-    for (const Instruction& ins : s.stages[static_cast<size_t>(k)]) {
-      if (ins.op == Op::kBackward || ins.op == Op::kBackwardWeight) finals[k][static_cast<size_t>(ins.chunk)] = &ins;
+  // The tensor group's collectives, each priced on its own (CostTable::tensor_ms); the
+  // simulator runs each after the compute instruction that asks it, whose own cost is
+  // then its layers' compute alone (their times less their group parts).
+  std::map<const Instruction*, TensorOp> tensor_ops;
+  if (s.tensor_lowered) {
+    for (int k = 0; k < K; ++k) {
+      const auto& prog = s.stages[static_cast<size_t>(k)];
+      const std::vector<std::vector<TensorOp>> asked = stage_tensor_ops(s, s.tensor, k);
+      for (size_t pc = 0, owner = 0, next = 0; pc < prog.size(); ++pc) {
+        if (!is_tensor_collective(prog[pc].op)) {
+          owner = pc;
+          next = 0;
+          continue;
+        }
+        tensor_ops[&prog[pc]] = asked[owner].at(next++);
+      }
     }
   }
-  auto step_group_ms = [&](int k, const Instruction& ins) {
-    if (ins.op != Op::kBackward && ins.op != Op::kBackwardWeight) return 0.0;
-    const Instruction* f = finals[static_cast<size_t>(k)][static_cast<size_t>(ins.chunk)];
-    if (f == nullptr || f->op != ins.op || f->micro_batch != ins.micro_batch) return 0.0;
-    const CellSpec& cell = plan.cells[s.cell(k, ins.chunk)];
-    const CostTable& table = costs.at(plan.micro_batch_sizes[ins.micro_batch]);
-    double ms = 0;
-    for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) ms += table.layers[i].step_group;
-    return ms;
-  };
   const CostFn cost = [&](int k, const Instruction& ins) -> double {
-    double t = options.instruction_overhead_ms + step_group_ms(k, ins);
+    if (is_tensor_collective(ins.op)) {
+      auto it = tensor_ops.find(&ins);
+      GPIPE_CHECK(it != tensor_ops.end(), "predict: a tensor collective that is not the plan's schedule's");
+      const int64_t n = plan.micro_batch_sizes[ins.micro_batch];
+      return costs.at(n).tensor_ms(it->second, n);
+    }
+    double t = options.instruction_overhead_ms;
     if (ins.op == Op::kOptimizerStep) {
       const CostTable& table = costs.at(plan.micro_batch_sizes.front());
       for (int c : s.cells[k]) {
@@ -297,8 +314,6 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
           t += table.layers[i].backward_weight - table.layers[i].weight_group;
         }
       }
-      const CostTable& first = costs.at(plan.micro_batch_sizes[ins.micro_batch]);
-      for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) t += first.layers[i].weight_group;
       return t;
     }
     const int m = ins.micro_batch, c = s.cell(k, ins.chunk);
@@ -320,10 +335,13 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
     }
     for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) {
       const LayerTimes& l = table.layers[i];
-      switch (ins.op) {
-        case Op::kForward: t += ckpt[k][ins.chunk][m] ? l.forward_nograd : l.forward; break;
-        case Op::kRecompute: t += l.recompute; break;
-        case Op::kBackward: t += split[k][ins.chunk][m] ? l.backward_input : l.backward; break;
+      switch (ins.op) {  // less their sums over the tensor group, which are instructions of their own
+        case Op::kForward: t += (ckpt[k][ins.chunk][m] ? l.forward_nograd : l.forward) - l.forward_group; break;
+        case Op::kRecompute: t += l.recompute - l.forward_group; break;
+        case Op::kBackward:
+          t += split[k][ins.chunk][m] ? l.backward_input - l.backward_group
+                                      : l.backward - l.backward_group - l.weight_group;
+          break;
         default: break;
       }
     }
@@ -338,27 +356,16 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
   out.step_ms = sim.makespan;
   // Where the time goes: the report's accounting, of the simulated step.
   std::vector<std::vector<OpSpan>> spans(K);
-  // A split layer's sums over its tensor group, inside F, R, B and W: communication.
-  auto group_ms = [&](int k, const Instruction& ins) {
-    if (!is_compute(ins.op)) return 0.0;
-    const CellSpec& cell = plan.cells[s.cell(k, ins.chunk)];
-    const CostTable& table = costs.at(plan.micro_batch_sizes[ins.micro_batch]);
-    const bool split_b = ins.op == Op::kBackward && split[k][ins.chunk][ins.micro_batch];
-    double g = 0;
-    for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) {
-      const LayerTimes& l = table.layers[i];
-      switch (ins.op) {
-        case Op::kForward:
-        case Op::kRecompute: g += l.forward_group; break;
-        case Op::kBackward: g += l.backward_group + (split_b ? 0.0 : l.weight_group); break;  // a whole backward: its W's too
-        default: g += l.weight_group; break;  // W: once, however many micro-batches it covers
-      }
-    }
-    return g + step_group_ms(k, ins);
-  };
+  // A tensor collective runs inside the compute instruction that asks it, as the
+  // executor's trace has it: its time is that instruction's communication (OpSpan::group_ms).
   for (int k = 0; k < K; ++k) {
     for (const TimedInstruction& ti : sim.timeline[k]) {
-      spans[k].push_back({ti.ins.op, ti.start, ti.end, ti.ins.micro_batch, group_ms(k, ti.ins)});
+      if (is_tensor_collective(ti.ins.op) && !spans[k].empty()) {
+        spans[k].back().end_ms = ti.end;
+        spans[k].back().group_ms += ti.end - ti.start;
+        continue;
+      }
+      spans[k].push_back({ti.ins.op, ti.start, ti.end, ti.ins.micro_batch, 0.0});
     }
   }
   const StepTime time = account_step(spans);

@@ -47,6 +47,14 @@ struct CostTable {
   int64_t micro_batch = 0;
   std::vector<LayerTimes> layers;
   double loss_forward = 0, loss_backward = 0;  // ms; estimates count the loss in the last layer
+  // A tensor-group member's collectives (the program's tAR, tMAX, tAG, tRS), priced one
+  // by one as the cost model prices the layers' sums (CostModel::group_time): the group
+  // is set in an estimate. A measured table has its layers' sums inside their times and
+  // no group parts (LayerTimes::forward_group and the rest 0), and prices them at 0.
+  int tensor_members = 1;
+  double group_latency_seconds = 0, group_bytes_per_second = 0;
+  // ms of `op` at a micro-batch of `micro_batch` samples.
+  double tensor_ms(const TensorOp& op, int64_t micro_batch) const;
 };
 
 // From the cost model: forward max(FLOPs / rate, bytes / bandwidth), backward likewise

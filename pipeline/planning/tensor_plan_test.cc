@@ -260,32 +260,63 @@ TEST_CASE("sequence parallelism: the partial gradients' sums, once a step where 
     CHECK(cm.group_seconds(i, 3).step * 1e3 == doctest::Approx(want));
     step_ms += want;
   }
-  // In the simulated step: the stage's last backward (where the executor sums them) is
-  // longer by those sums than with them left out, and the other backward is not.
-  std::vector<partition::LayerLaunches> none = s;
-  for (partition::LayerLaunches& n : none) n.group_sums_step = n.group_bytes_step = 0;
-  partition::CostModel cm0 = cm;
-  cm0.launches = std::make_shared<const std::vector<partition::LayerLaunches>>(none);
-  const Plan plan = make_plan(seq.config, *seq.model);
+  // In the simulated step: the stage's last backward (where the executor sums them) runs
+  // one tAR more per layer with partial gradients than the other backward, each a tensor
+  // collective of its own after it, longer in all by exactly those sums (two micro-batches
+  // of 2 samples: the backwards' other collectives alike).
+  Config even = seq.config;
+  even.train.batch_size = 4;
+  const Plan plan = make_plan(even, *seq.model);
+  REQUIRE(plan.micro_batch_sizes == std::vector<int64_t>{2, 2});
+  REQUIRE(plan.schedule.tensor_lowered);
   PredictOptions o;
   o.instruction_overhead_ms = 0;
   const LinkCost link{"test", 0.0, 0.0};
-  auto backwards = [&](const partition::CostModel& m) {
-    const CostSource costs(*seq.model, ProfileStore{}, "none", Device::cpu(), 1, m, {}, seq.config.optimizer.optimizer);
-    const PlannedRun run =
-        predict(plan, *seq.model, costs, [&](int, int) { return link; }, seq.config.optimizer.optimizer, o);
-    std::vector<double> out;
-    for (const TimedInstruction& x : run.timeline.at(0)) {
-      if (x.ins.op == Op::kBackward) out.push_back(x.end - x.start);
+  const CostSource costs(*seq.model, ProfileStore{}, "none", Device::cpu(), 1, cm, {}, seq.config.optimizer.optimizer);
+  const PlannedRun run =
+      predict(plan, *seq.model, costs, [&](int, int) { return link; }, seq.config.optimizer.optimizer, o);
+  std::vector<int> count;   // per backward: its tensor collectives
+  std::vector<double> ms;   // and their time
+  double group = 0;         // every tensor collective's
+  Op owner = Op::kForward;
+  for (const TimedInstruction& x : run.timeline.at(0)) {
+    if (!is_tensor_collective(x.ins.op)) {
+      owner = x.ins.op;
+      if (owner == Op::kBackward) {
+        count.push_back(0);
+        ms.push_back(0);
+      }
+      continue;
     }
-    out.push_back(run.stages.at(0).group_ms);  // the planned tensor-group time
-    return out;
-  };
-  const std::vector<double> with = backwards(cm), without = backwards(cm0);
-  REQUIRE(with.size() == 3);
-  REQUIRE(without.size() == 3);
-  CHECK(with[0] == doctest::Approx(without[0]));
-  CHECK(with[1] - without[1] == doctest::Approx(step_ms));
-  CHECK(with[2] - without[2] == doctest::Approx(step_ms));
+    group += x.end - x.start;
+    if (owner == Op::kBackward) {
+      ++count.back();
+      ms.back() += x.end - x.start;
+    }
+  }
+  REQUIRE(count.size() == 2);
+  CHECK(count[1] - count[0] == 4);
+  CHECK(ms[1] - ms[0] == doctest::Approx(step_ms));
+  // The plan's tensor-group time is its tensor collectives' (the accounting folds each
+  // into the compute instruction that ran it).
+  CHECK(run.stages.at(0).group_ms == doctest::Approx(group));
+  CHECK(group > step_ms);
+  // Compute and collectives together are what the layers' times give for the program's
+  // F, R and B (LayerTimes, their sums counted per layer inside them) and the step sums:
+  // the collectives priced one by one from the program add up to the layers' counted sums,
+  // and each compute instruction is priced without them.
+  const CostTable& table = costs.at(2);
+  double layers_ms = 0;
+  for (const Instruction& ins : plan.schedule.stages[0]) {
+    for (const LayerTimes& l : table.layers) {
+      if (ins.op == Op::kForward) layers_ms += l.forward;
+      if (ins.op == Op::kRecompute) layers_ms += l.recompute;
+      if (ins.op == Op::kBackward) layers_ms += l.backward;
+    }
+    if (ins.op == Op::kForward || ins.op == Op::kRecompute) layers_ms += table.loss_forward;
+    if (ins.op == Op::kBackward) layers_ms += table.loss_backward;
+  }
+  for (const LayerTimes& l : table.layers) layers_ms += l.step_group;
+  CHECK(run.stages.at(0).busy_ms + run.stages.at(0).group_ms == doctest::Approx(layers_ms));
   CHECK(step_ms > 0);
 }

@@ -72,7 +72,9 @@ void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool ti
     s.add(time.stages[k]);
     for (const auto& op : trace.ops) {
       auto& t = op_time_[k][{static_cast<int>(op.op), op.chunk}];
-      t.first += op.end_ms - op.start_ms;
+      // A compute instruction's own: its tensor collectives, which ran inside it, are
+      // instructions of their own in the simulation below.
+      t.first += op.end_ms - op.start_ms - (is_compute(op.op) ? op.group_ms : 0.0);
       ++t.second;
     }
     s.peak_activation_bytes = std::max(s.peak_activation_bytes, trace.peak_activation_bytes);

@@ -64,6 +64,10 @@ const char* colour(Op op) {
     case Op::kGradientNorm:
     case Op::kReduceScatterGradients:
     case Op::kGatherParameters: return "#b07aa1";
+    case Op::kTensorSum:
+    case Op::kTensorMax:
+    case Op::kTensorGather:
+    case Op::kTensorScatter: return "#e15759";
   }
   return "#000";
 }
@@ -114,7 +118,8 @@ std::string timeline_svg(const Schedule& s, const std::vector<std::vector<Block>
     o << "<rect x=\"" << kLeft << "\" y=\"" << y << "\" width=\"" << kWidth << "\" height=\"" << kLane + kCommLane
       << "\" class=\"lane\"/>\n";
     for (const Block& b : rows[k]) {
-      const bool comm = is_communication(b.ins.op) || is_collective(b.ins.op);
+      // A tensor collective in the lane under the compute instruction that ran it.
+      const bool comm = is_communication(b.ins.op) || is_collective(b.ins.op) || is_tensor_collective(b.ins.op);
       const double x = kLeft + b.start * px;
       const double w = std::max(0.0, (b.end - b.start) * px);
       if (w <= 0 && comm) continue;
@@ -143,7 +148,7 @@ std::string timeline_svg(const Schedule& s, const std::vector<std::vector<Block>
   return o.str();
 }
 
-std::string legend(int num_chunks) {
+std::string legend(int num_chunks, bool tensor) {
   std::ostringstream o;
   o << "<div class=\"legend\">";
   const std::pair<Op, const char*> items[] = {
@@ -154,6 +159,10 @@ std::string legend(int num_chunks) {
       {Op::kReduceGradients, "collective (replicas' gradient sum or RS/AG, tied weight, gradient norm)"}};
   for (const auto& [op, text] : items) {
     o << "<span><i style=\"background:" << colour(op) << "\"></i>" << text << "</span>";
+  }
+  if (tensor) {
+    o << "<span><i style=\"background:" << colour(Op::kTensorSum)
+      << "\"></i>tensor group (tAR, tMAX, tAG, tRS: the split layers' collectives, inside their F, R, B or W)</span>";
   }
   o << "<span><i class=\"gap\"></i>idle (gap)</span>";
   if (num_chunks > 1) {
@@ -447,7 +456,7 @@ void write_timelines(std::ostream& o, const HtmlReportInput& in, bool plan) {
   const auto simulated = from_simulation(in.measured_simulation.timeline);
   const auto planned = plan ? from_simulation(s.plan.timeline) : std::vector<std::vector<Block>>{};
   const double scale = std::max({extent(measured), extent(simulated), extent(planned), 1e-6}) * 1.01;
-  o << legend(sched.num_chunks());
+  o << legend(sched.num_chunks(), sched.tensor_lowered && sched.tensor.members > 1);
   if (!measured.empty()) {
     o << "<h3>Measured: step " << in.step->step << " (the median wall time of steps " << in.recorded_first << " to "
       << in.recorded_last << "), " << num(in.step->wall_ms) << " ms</h3>\n"

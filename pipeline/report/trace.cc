@@ -112,16 +112,16 @@ nlohmann::json chrome_trace(const Schedule& s, const std::vector<TraceProcess>& 
           args["chunk"] = op.chunk;
           args["cell"] = s.cell(k, op.chunk);
         }
-        if (comm || is_collective(op.op)) args["bytes"] = op.bytes;
+        if (comm || is_collective(op.op) || is_tensor_collective(op.op)) args["bytes"] = op.bytes;
         if (op.peer >= 0) args["peer"] = op.peer;
-        args["activation_bytes"] = op.live_bytes;
+        if (!is_tensor_collective(op.op)) args["activation_bytes"] = op.live_bytes;
         // A split layer's collectives over its tensor group inside this F, R, B or W.
         if (op.group_ms > 0) args["tensor_group_ms"] = op.group_ms;
         events.push_back({{"ph", "X"},
                           {"name", instruction_str(s, k, prog[i])},
                           {"cat", op_name(op.op)},
                           {"pid", k},
-                          {"tid", comm || is_collective(op.op) ? kCommTrack : kComputeTrack},
+                          {"tid", comm || is_collective(op.op) || is_tensor_collective(op.op) ? kCommTrack : kComputeTrack},
                           {"ts", ts},
                           {"dur", dur},
                           {"args", std::move(args)}});
@@ -129,7 +129,7 @@ nlohmann::json chrome_trace(const Schedule& s, const std::vector<TraceProcess>& 
           const bool send = op.op == Op::kSendActivation || op.op == Op::kSendGradient;
           (send ? sent : received)[message_key(s, k, prog[i])] = {k, ts, ts + dur};
         }
-        counter(ts + dur, op.live_bytes);
+        if (!is_tensor_collective(op.op)) counter(ts + dur, op.live_bytes);  // inside its compute instruction's
       }
     }
     for (const auto& [key, from] : sent) {
