@@ -118,17 +118,19 @@ Executor::Executor(layers::Sequential& model, std::vector<CellSpec> cells, Sched
   lower_collectives(schedule_, run_collectives(model_, cells_, options_.replicas != nullptr && options_.replicas->size() > 1,
                                                options_.clip_grad_norm > 0 || options_.loss_scale > 0,
                                                options_.shard_optimizer));
+  const CommModel comm = transport_.sends_wait_for_receiver() ? CommModel::kRendezvous : CommModel::kBuffered;
+  check_schedule(schedule_, comm);
   // The tensor group's collectives, each where a compute instruction asks it (the plan's
-  // schedule holds them already).
+  // schedule holds them already), on the program checked above; then checked with them.
   const bool tensor = options_.tensor_group != nullptr && options_.tensor_group->size() > 1;
   if (tensor) {
     lower_tensor_collectives(schedule_, run_tensor_program(model_, cells_, options_.tensor_group->rank(),
                                                            options_.tensor_group->size()));
+    check_schedule(schedule_, comm);
   } else if (schedule_.tensor_lowered && schedule_.tensor.members > 1) {
     throw Error("schedule '" + schedule_.name + "' holds a tensor group's collectives, but the executor has no tensor "
                 "group (ExecutorOptions::tensor_group)");
   }
-  check_schedule(schedule_, transport_.sends_wait_for_receiver() ? CommModel::kRendezvous : CommModel::kBuffered);
   model_.loss();  // the last cell needs one: fail now, not in a worker
   if (!options_.micro_batch_sizes.empty() &&
       static_cast<int>(options_.micro_batch_sizes.size()) != schedule_.num_micro_batches) {

@@ -19,11 +19,14 @@
 #include <string>
 #include <vector>
 
+#include "layers/batchnorm2d.h"
+#include "layers/flatten.h"
 #include "layers/loss.h"
 #include "layers/optimizer.h"
 #include "layers/registry.h"
 #include "layers/tensor_parallel.h"
 #include "pipeline/config/config.h"
+#include "pipeline/executor/cell.h"
 #include "pipeline/executor/executor.h"
 #include "runtime/inprocess_replica_group.h"
 #include "runtime/inprocess_transport.h"
@@ -424,14 +427,29 @@ TEST_CASE("sequence parallelism: a checkpoint saved with it (T = 2, sharded over
 // found on the member's shapes): each runs when a layer asks for it, as the program's
 // instruction after its compute instruction, and the stage's trace holds it in program
 // order, with the bytes it moved, inside that compute instruction, whose group_ms is
-// their time. Checked at K = 2 x T = 2 on GPT, with and without sequence parallelism,
-// for a training step and an evaluation (whose F ask for the loss's count too).
+// their time. Checked at K = 2 x T = 2 on GPT, with and without sequence parallelism, and
+// at K = 1 x T = 4 on LLaMA with 2 key/value heads (each replicated over 2 members: a whole
+// B sums their weight gradients, whose bytes do not grow with the batch), for a training
+// step and an evaluation (whose F ask for the loss's count too).
 TEST_CASE("the tensor group's collectives run as the program's instructions, traced with the bytes found on shapes") {
-  for (bool sequence : {false, true}) {
-    CAPTURE(sequence);
-    const std::string text = gpipe::testing::with_positions(gpipe::testing::kTensorParallelGpt, 8);
-    const Config config = parse_config(text, "tp.yaml");
-    const int K = 2, T = 2;
+  struct Case {
+    std::string text;
+    int K, T;
+    std::vector<int> balance;
+    bool sequence;
+  };
+  const std::string gpt = gpipe::testing::with_positions(gpipe::testing::kTensorParallelGpt, 8);
+  const Case cases[] = {
+      {gpt, 2, 2, {2, 3}, false},
+      {gpt, 2, 2, {2, 3}, true},
+      {gpipe::testing::with_positions(gpipe::testing::kTensorParallelLlamaFewKv.c_str(), 8), 1, 4, {5}, false},
+  };
+  for (const Case& c : cases) {
+    const int K = c.K, T = c.T;
+    CAPTURE(K);
+    CAPTURE(T);
+    CAPTURE(c.sequence);
+    const Config config = parse_config(c.text, "tp.yaml");
     std::vector<std::unique_ptr<InProcessTransport>> pipes;
     std::vector<std::unique_ptr<InProcessReplicaHub>> hubs;
     for (int t = 0; t < T; ++t) pipes.push_back(std::make_unique<InProcessTransport>(K, 30));
@@ -442,7 +460,7 @@ TEST_CASE("the tensor group's collectives run as the program's instructions, tra
     const std::vector<std::string> errors = on_threads(K * T, [&](int rank) {
       const int t = rank % T, k = rank / T;
       layers::ModelSpec spec = config.model;
-      spec.member = layers::TensorShard{t, T, sequence};
+      spec.member = layers::TensorShard{t, T, c.sequence};
       auto model = layers::build_model(spec);
       InProcessReplicaGroup tensor(*hubs[k], t);
       ExecutorOptions opts;
@@ -450,7 +468,9 @@ TEST_CASE("the tensor group's collectives run as the program's instructions, tra
       opts.rank = rank;
       opts.tensor_group = &tensor;
       opts.pin_threads = false;
-      Executor ex(*model, make_stages({2, 3}, {Device::cpu(0), Device::cpu(1)}),
+      std::vector<Device> devices;
+      for (int s = 0; s < K; ++s) devices.push_back(Device::cpu(s));
+      Executor ex(*model, make_stages(c.balance, devices),
                   make_schedule(ScheduleRequest{"1f1b", K, 1, 2, RecomputeMode::kExceptLast}), *pipes[t], opts);
       const Batch b = batch(0, 8);
       const StepResult r = ex.step(b.x, b.y);
@@ -459,6 +479,7 @@ TEST_CASE("the tensor group's collectives run as the program's instructions, tra
       correct[rank] = ex.evaluate(b.x, b.y, 5).correct;  // micro-batches of 5 and 3 rows
     });
     for (const std::string& e : errors) REQUIRE(e == "");
+    int fixed = 0;  // collectives whose bytes do not grow with the batch
     for (int rank = 0; rank < K * T; ++rank) {
       CAPTURE(rank);
       const int k = rank / T;
@@ -497,6 +518,7 @@ TEST_CASE("the tensor group's collectives run as the program's instructions, tra
         // The bytes the layers' tensors moved are those found on shapes for a micro-batch of 4.
         REQUIRE(next < asked[owner].size());
         CHECK(op.bytes == asked[owner][next].bytes_at(4));
+        fixed += asked[owner][next].bytes_per_sample == 0;
         ++next;
       }
       // Every F, R, B and W of both stages asks something: the embedding's and the head's
@@ -509,10 +531,44 @@ TEST_CASE("the tensor group's collectives run as the program's instructions, tra
         }
       }
     }
+    // Fixed-size ones: the replicated key/value heads' weight gradients in each whole B, and
+    // with sequence parallelism the partial gradients' sums once a step.
+    CHECK((fixed > 0) == (c.sequence || T == 4));
     // The evaluation's count came back on the last stage's members (their F's tMAX and tAR).
     CHECK(correct[(K - 1) * T] >= 0);
-    CHECK(correct[(K - 1) * T] == correct[(K - 1) * T + 1]);
+    for (int t = 1; t < T; ++t) CHECK(correct[(K - 1) * T + t] == correct[(K - 1) * T]);
   }
+}
+
+// Finding the program runs the layers' forwards on shapes, at a training step no run
+// takes: what a layer keeps per step (BatchNorm's statistics) is dropped at the run's
+// first step, and folds as if the finding had not been.
+TEST_CASE("finding what a tensor group is asked leaves a layer's per-step state alone") {
+  auto make = [] {
+    auto model = std::make_unique<layers::Sequential>(Shape{2, 3, 3}, DType::kF64);
+    layers::BatchNorm2dOptions o({2, 3, 3});
+    o.dtype = DType::kF64;
+    model->emplace<layers::BatchNorm2d>(o);
+    model->emplace<layers::Flatten>(Shape{2, 3, 3}, DType::kF64);
+    model->set_loss(std::make_unique<layers::SoftmaxCrossEntropy>(18, DType::kF64));
+    return model;
+  };
+  auto found = make(), plain = make();
+  const TensorProgram t = run_tensor_program(*found, make_stages({2}, {Device::cpu()}), 0, 2);
+  CHECK(t.members == 2);
+  REQUIRE(t.cells.size() == 1);
+  CHECK(t.cells[0].forward.empty());  // nothing here is split
+  Backend& be = backend_for(Device::cpu());
+  const Tensor x = gpipe::testing::random_tensor({4, 2, 3, 3}, DType::kF64, 3);
+  for (layers::Sequential* m : {found.get(), plain.get()}) {
+    layers::ForwardArgs step0;  // a run's first step
+    m->layer(0).forward(be, x, nullptr, step0);
+    m->layer(0).end_step(be);
+  }
+  auto& a = static_cast<layers::BatchNorm2d&>(found->layer(0));
+  auto& b = static_cast<layers::BatchNorm2d&>(plain->layer(0));
+  CHECK(to_doubles(a.running_mean()) == to_doubles(b.running_mean()));
+  CHECK(to_doubles(a.running_var()) == to_doubles(b.running_var()));
 }
 
 namespace {

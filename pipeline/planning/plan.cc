@@ -122,8 +122,7 @@ Plan make_plan(const Config& c, const layers::Sequential& model, const PlanOptio
   // member's shapes (any member's: they ask the same).
   if (p.tensor_parallel > 1) {
     auto& member = const_cast<layers::Sequential&>(model);  // run on shapes; its group is set back
-    const int rank = member.collectives() != nullptr ? member.collectives()->rank() : 0;
-    lower_tensor_collectives(p.schedule, run_tensor_program(member, p.cells, rank, p.tensor_parallel));
+    lower_tensor_collectives(p.schedule, run_tensor_program(member, p.cells, c.model.member.rank, p.tensor_parallel));
   }
   p.stage_flops = useful_flops(model, p);
   // One probe of the model on shapes (or the sweep's, made once for many plans): what

@@ -13,6 +13,9 @@ namespace gpipe {
 namespace pipeline {
 
 double CostTable::tensor_ms(const TensorOp& op, int64_t micro_batch) const {
+  if (op.layer >= 0 && op.layer < static_cast<int>(layers.size()) && layers[static_cast<size_t>(op.layer)].group_in_times) {
+    return 0.0;  // a user's cost for the layer: its sums are inside its times
+  }
   partition::CostModel cm;
   cm.tensor_members = tensor_members;
   cm.group_latency_seconds = group_latency_seconds;
@@ -77,6 +80,7 @@ CostTable estimate_costs(const layers::Sequential& model, int64_t micro, const p
       l.backward = l.backward_input = 2 * total / 3;
       l.backward_weight = 0;
       l.forward_group = l.backward_group = l.weight_group = l.step_group = 0;  // what the user's figure holds is not known
+      l.group_in_times = true;
     }
     // The update reads the value, the gradient and each state slot and writes the value
     // and the slots; a bf16 or fp16 model's then writes its working copies.
@@ -165,9 +169,14 @@ const CostTable& CostSource::at(int64_t micro) const {
   }
   if (compute_scale_ != 1.0) {
     for (LayerTimes& l : t.layers) {
-      for (double* x : {&l.forward, &l.forward_nograd, &l.recompute, &l.backward, &l.backward_input, &l.backward_weight}) {
-        *x *= compute_scale_;
-      }
+      // The compute only: more BLAS threads do not speed up the sums over a tensor group.
+      auto scale = [this](double& x, double group) { x = compute_scale_ * (x - group) + group; };
+      scale(l.forward, l.forward_group);
+      scale(l.forward_nograd, l.forward_group);
+      scale(l.recompute, l.forward_group);
+      scale(l.backward, l.backward_group + l.weight_group);
+      scale(l.backward_input, l.backward_group);
+      scale(l.backward_weight, l.weight_group);
     }
     t.loss_forward *= compute_scale_;
     t.loss_backward *= compute_scale_;

@@ -40,6 +40,9 @@ struct LayerTimes {
   // Once a step, in the instruction where the layer's gradients become final (its
   // stage's last B or W of its cell): its sequence-partial gradients' sum over the group.
   double step_group = 0;
+  // A user's cost for the layer (`cost:`): its times hold whatever sums it makes, which
+  // are then not priced apart (CostTable::tensor_ms).
+  bool group_in_times = false;
 };
 
 struct CostTable {
@@ -50,7 +53,8 @@ struct CostTable {
   // A tensor-group member's collectives (the program's tAR, tMAX, tAG, tRS), priced one
   // by one as the cost model prices the layers' sums (CostModel::group_time): the group
   // is set in an estimate. A measured table has its layers' sums inside their times and
-  // no group parts (LayerTimes::forward_group and the rest 0), and prices them at 0.
+  // no group parts (LayerTimes::forward_group and the rest 0), and prices them at 0; so
+  // does a layer with a user's cost (LayerTimes::group_in_times).
   int tensor_members = 1;
   double group_latency_seconds = 0, group_bytes_per_second = 0;
   // ms of `op` at a micro-batch of `micro_batch` samples.

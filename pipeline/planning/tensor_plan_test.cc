@@ -6,6 +6,7 @@
 // group, counted on shapes and priced over the group's link as the planner prices them.
 #include <doctest/doctest.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -145,6 +146,46 @@ TEST_CASE("a member's sums over its group, counted on shapes and priced over the
   CHECK(cb[3] - ca[3] == doctest::Approx(one_sum_ms / 1e3));
   CHECK(cb[1] - ca[1] == doctest::Approx(one_sum_ms / 1e3));
   CHECK(cb[0] == doctest::Approx(ca[0]));
+}
+
+TEST_CASE("a tensor collective is priced on its own: over the group's ring, 0 for a layer with a user's cost; more BLAS threads speed up compute, not sums") {
+  Config c = parse_config(kSplitMlp, "t.yaml", {"pipeline.tensor_parallel=2"});
+  c.model.member = layers::TensorShard{1, 2};
+  RunModel run = build_run_model_on_shapes(c);
+  partition::CostModel cm;
+  cm.launches = std::make_shared<const std::vector<partition::LayerLaunches>>(count_launches(*run.model));
+  price_tensor_group(cm, 2, LinkCost{"test", 0.01, 1e6});
+  const layers::OptimizerConfig sgd;
+  // Layer 1 has a user's cost (seconds of its forward and backward): its sums are in it.
+  std::vector<std::optional<double>> overrides(4);
+  overrides[1] = 0.003;
+  const CostTable table = estimate_costs(*run.model, 4, cm, overrides, sgd);
+  const int64_t row = 12 * 8;
+  const TensorOp sum3{Op::kTensorSum, 0, row, 3}, sum1{Op::kTensorSum, 0, row, 1};
+  const TensorOp gather3{Op::kTensorGather, 0, row, 3};
+  // A sum: 2 (T - 1) latencies and 2 (T - 1) / T of 4 samples' bytes; an all-gather half.
+  CHECK(table.tensor_ms(sum3, 4) == doctest::Approx((2 * 1e-5 + 4.0 * row * 2 * 1 / 2 / 1e9) * 1e3));
+  CHECK(table.tensor_ms(gather3, 4) == doctest::Approx((1e-5 + 4.0 * row * 1 / 2 / 1e9) * 1e3));
+  CHECK(table.tensor_ms(sum1, 4) == 0.0);
+  CHECK(table.layers[1].group_in_times);
+  // Twice the compute rate (the sweep's guess for two BLAS threads): each layer's time
+  // less its sums halves, its sums stay.
+  const CostSource one(*run.model, ProfileStore{}, "none", Device::cpu(), 1, cm, {}, sgd);
+  const CostSource two(*run.model, ProfileStore{}, "none", Device::cpu(), 1, cm, {}, sgd, 0.5);
+  const CostTable &a = one.at(4), &b = two.at(4);
+  for (int i = 0; i < 4; ++i) {
+    CAPTURE(i);
+    const LayerTimes &x = a.layers[i], &y = b.layers[i];
+    CHECK(y.forward - y.forward_group == doctest::Approx(0.5 * (x.forward - x.forward_group)));
+    CHECK(y.recompute - y.forward_group == doctest::Approx(0.5 * (x.recompute - x.forward_group)));
+    CHECK(y.backward_input - y.backward_group == doctest::Approx(0.5 * (x.backward_input - x.backward_group)));
+    CHECK(y.backward_weight - y.weight_group == doctest::Approx(0.5 * (x.backward_weight - x.weight_group)));
+    CHECK(y.backward - y.backward_group - y.weight_group ==
+          doctest::Approx(0.5 * (x.backward - x.backward_group - x.weight_group)));
+    CHECK(y.forward_group == x.forward_group);
+    CHECK(y.backward_group == x.backward_group);
+  }
+  CHECK(a.layers[3].forward_group > 0);
 }
 
 TEST_CASE("replicated key/value heads: their weight gradients' sums counted in W, priced whatever the batch") {

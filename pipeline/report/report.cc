@@ -35,7 +35,7 @@ ReportBuilder::ReportBuilder(std::vector<std::string> stage_layers, std::vector<
                              Schedule program, RecomputeMode recompute, int64_t batch_size)
     : layers_(std::move(stage_layers)), devices_(std::move(stage_devices)), program_(std::move(program)),
       recompute_(recompute), batch_size_(batch_size), launch_first_{1}, acc_(layers_.size()),
-      op_time_(layers_.size()) {
+      op_time_(layers_.size()), tensor_time_(layers_.size()) {
   if (static_cast<int>(layers_.size()) != program_.num_stages || devices_.size() != layers_.size()) {
     throw Error("ReportBuilder: " + std::to_string(layers_.size()) + " stage descriptions and " +
                 std::to_string(devices_.size()) + " devices for a program of " + std::to_string(program_.num_stages) +
@@ -70,7 +70,15 @@ void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool ti
     StageSummary& s = acc_[k];
     const StageTrace& trace = r.stages[k];
     s.add(time.stages[k]);
-    for (const auto& op : trace.ops) {
+    for (size_t pc = 0; pc < trace.ops.size(); ++pc) {
+      const TimedOp& op = trace.ops[pc];
+      if (is_tensor_collective(op.op)) {
+        if (trace.ops.size() != program_.stages[k].size()) continue;  // not this schedule's timings
+        auto& t = tensor_time_[k][pc];
+        t.first += op.end_ms - op.start_ms;
+        ++t.second;
+        continue;
+      }
       auto& t = op_time_[k][{static_cast<int>(op.op), op.chunk}];
       // A compute instruction's own: its tensor collectives, which ran inside it, are
       // instructions of their own in the simulation below.
@@ -315,6 +323,12 @@ Simulation ReportBuilder::measured_simulation() const {
         }
       }
       return std::max(0.0, quickest);
+    }
+    if (is_tensor_collective(ins.op)) {  // its own mean, found by its place in the program
+      const auto& prog = program_.stages[static_cast<size_t>(stage)];
+      GPIPE_CHECK(&ins >= prog.data() && &ins < prog.data() + prog.size(), "a tensor collective of another program");
+      auto it = tensor_time_[static_cast<size_t>(stage)].find(static_cast<size_t>(&ins - prog.data()));
+      return it == tensor_time_[static_cast<size_t>(stage)].end() ? 0.0 : it->second.first / it->second.second;
     }
     auto it = op_time_[stage].find({static_cast<int>(ins.op), ins.chunk});
     return it == op_time_[stage].end() ? 0.0 : it->second.first / it->second.second;

@@ -155,6 +155,9 @@ class ReportBuilder {
   std::vector<StageSummary> acc_;
   // Per stage: total time and count of each (instruction kind, chunk).
   std::vector<std::map<std::pair<int, int>, std::pair<double, int>>> op_time_;
+  // Per stage: total time and count of each tensor collective, by its place in the
+  // program (each is its own: a layer's sum, the loss's, a step sum).
+  std::vector<std::map<size_t, std::pair<double, int>>> tensor_time_;
   std::vector<std::pair<double, int>> delivery_;  // per stage: sum and count of waiting receives' delivery times
   PlannedRun plan_;
   bool has_plan_ = false;

@@ -162,7 +162,7 @@ std::string legend(int num_chunks, bool tensor) {
   }
   if (tensor) {
     o << "<span><i style=\"background:" << colour(Op::kTensorSum)
-      << "\"></i>tensor group (tAR, tMAX, tAG, tRS: the split layers' collectives, inside their F, R, B or W)</span>";
+      << "\"></i>tensor group (tAR, tMAX, tAG, tRS: the split layers' collectives, which run inside their F, R, B or W)</span>";
   }
   o << "<span><i class=\"gap\"></i>idle (gap)</span>";
   if (num_chunks > 1) {

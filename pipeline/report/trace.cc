@@ -108,7 +108,7 @@ nlohmann::json chrome_trace(const Schedule& s, const std::vector<TraceProcess>& 
         nlohmann::json args = {{"step", step.step}};
         if (op.micro_batch >= 0) args["micro_batch"] = op.micro_batch;
         if (prog[i].count > 1) args["micro_batches"] = prog[i].count;  // a batched W: micro_batch onwards
-        if (has_cell(op.op)) {
+        if (has_cell(op.op) || is_tensor_collective(op.op)) {
           args["chunk"] = op.chunk;
           args["cell"] = s.cell(k, op.chunk);
         }

@@ -577,7 +577,8 @@ std::string schedule_file_text(const Schedule& s, ScheduleNotation notation, con
 
 std::string instruction_str(const Schedule& s, int stage, const Instruction& ins) {
   std::string out;
-  if (s.num_chunks() > 1 && has_cell(ins.op) && ins.chunk >= 0 && ins.chunk < s.num_chunks()) {
+  if (s.num_chunks() > 1 && (has_cell(ins.op) || is_tensor_collective(ins.op)) && ins.chunk >= 0 &&
+      ins.chunk < s.num_chunks()) {
     out += std::to_string(s.cell(stage, ins.chunk));
   }
   out += op_short_name(ins.op);

@@ -129,19 +129,21 @@ inline bool recomputes(RecomputeMode mode) { return mode != RecomputeMode::kNeve
 using CheckpointMode [[deprecated("RecomputeMode: checkpoint now means saved state only")]] = RecomputeMode;
 
 // What a stage's tensor group is asked inside each compute instruction, on shapes
-// (pipeline/executor/tensor_program.h derives it from a member's model): per cell, the
-// collectives of its F, R and an evaluation's F, and per layer those of its backward.
-// The program of each instruction follows from these and the stage's program
+// (run_tensor_program in pipeline/executor/cell.h finds it from a member's model): per
+// cell, the collectives of its F, R and an evaluation's F, and per layer those of its
+// backward. The program of each instruction follows from these and the stage's program
 // (stage_tensor_ops).
 struct TensorOp {
   Op op = Op::kTensorSum;  // a tensor collective (is_tensor_collective)
-  // Its tensor's bytes as the group moves them (narrow types in float32): at a
-  // micro-batch of one sample when per_sample (activations, which grow with the batch),
-  // else whatever the micro-batch (a parameter's gradient).
-  int64_t bytes = 0;
-  bool per_sample = true;
-  int64_t bytes_at(int64_t micro_batch) const { return per_sample ? bytes * micro_batch : bytes; }
-  bool operator==(const TensorOp& o) const { return op == o.op && bytes == o.bytes && per_sample == o.per_sample; }
+  // Its tensor's bytes as the group moves them (narrow types in float32) at a
+  // micro-batch of n samples: bytes + bytes_per_sample x n (an activation's grow with
+  // the batch; a parameter's gradient's do not).
+  int64_t bytes = 0, bytes_per_sample = 0;
+  int layer = -1;  // the model layer that asks it (the loss's: the model's last layer)
+  int64_t bytes_at(int64_t micro_batch) const { return bytes + bytes_per_sample * micro_batch; }
+  bool operator==(const TensorOp& o) const {
+    return op == o.op && bytes == o.bytes && bytes_per_sample == o.bytes_per_sample && layer == o.layer;
+  }
 };
 struct CellTensorOps {
   // F (the loss's after the model's last cell), R (the same forward again, and the

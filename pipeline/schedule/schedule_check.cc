@@ -82,7 +82,6 @@ class Interpreter {
     const int K = s_.num_stages, M = s_.num_micro_batches, v = s_.num_chunks();
     st_.resize(K);
     sim_.timeline.assign(K, {});
-    for (int k = 0; k < K; ++k) check_tensor_ops(k);
     for (int k = 0; k < K; ++k) {
       st_[k].chunks.assign(v, ChunkState(M));
       st_[k].collectives_expected = collectives_of_stage(s_, k);
@@ -98,6 +97,7 @@ class Interpreter {
         }
       }
     }
+    for (int k = 0; k < K; ++k) check_tensor_ops(k);  // on valid indices
     size_t done = 0, total = 0;
     for (const auto& p : s_.stages) total += p.size();
     bool progress = true;

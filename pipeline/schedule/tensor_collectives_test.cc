@@ -15,10 +15,13 @@ using namespace gpipe::pipeline;
 
 namespace {
 
-TensorOp sum(int64_t bytes, bool per_sample = true) { return {Op::kTensorSum, bytes, per_sample}; }
-TensorOp max_of(int64_t bytes) { return {Op::kTensorMax, bytes, true}; }
-TensorOp gather(int64_t bytes) { return {Op::kTensorGather, bytes, true}; }
-TensorOp scatter(int64_t bytes) { return {Op::kTensorScatter, bytes, true}; }
+// Bytes per sample, or with per_sample false whatever the micro-batch.
+TensorOp sum(int64_t bytes, bool per_sample = true) {
+  return {Op::kTensorSum, per_sample ? 0 : bytes, per_sample ? bytes : 0};
+}
+TensorOp max_of(int64_t bytes) { return {Op::kTensorMax, 0, bytes}; }
+TensorOp gather(int64_t bytes) { return {Op::kTensorGather, 0, bytes}; }
+TensorOp scatter(int64_t bytes) { return {Op::kTensorScatter, 0, bytes}; }
 
 // Two cells. Cell 0: one layer that does all its backward in B, whose gradients are
 // partial (a sum once a step). Cell 1 (the model's last): a layer that splits its
