@@ -14,15 +14,18 @@
 #     K=1 x T=4 with the uninterrupted run's losses (1e-12);
 #  3. pipeline.memory_limit: a limit the whole stage is over is refused at T=1 (naming
 #     pipeline.tensor_parallel), and the same run trains at T=2, each process under it;
-#  4. clear errors: T > 1 with D > 1 without mpirun, T > 1 on GPUs in one process, the
-#     wrong process count, a vocabulary T does not divide;
+#  4. clear errors: T > 1 on GPUs in one process, the wrong process count, a vocabulary T
+#     does not divide;
 #  5. a member killed with kill -9 mid-run: gpipe run restarts the job from its newest
 #     checkpoint and it ends with the losses of the run that was not killed;
 #  6. gpipe plan at T=2 counts the whole model's parameters and each member's as the run
 #     held them; gpipe plan --sweep tries T and, where no plan fits at T=1 (an MLP whose
 #     layers are each over the limit), recommends T > 1, which trains;
 #  7. without mpirun, T > 1 runs the job's ranks as threads of one process (GPT at K=1 x
-#     T=4 and K=2 x T=2, with sequence parallelism at K=2 x T=2): the same losses.
+#     T=4, K=2 x T=2 and K=2 x T=2 x D=2 sharded, with sequence parallelism at K=2 x T=2):
+#     the same losses;
+#  8. trace.json holds each tensor-group collective of the program as a slice of its own,
+#     with its bytes, inside the compute slice that ran it, whose tensor_group_ms is theirs.
 set -uo pipefail
 gpipe="$(realpath "$1")"
 compare="$(realpath "$2")"
@@ -134,6 +137,32 @@ for e in grouped:
     assert 0 < e["args"]["tensor_group_ms"] * 1e3 <= e["dur"] + 1, e
 PY
 grep -q "<th>tensor group</th>" g221/report.html || fail "the page has no tensor group column"
+# 8. Each of the program's tensor-group collectives is a slice of its own (every rank's,
+# gathered to the first), with its bytes, inside one compute slice of its stage and step on
+# the communication track, and a compute slice's tensor_group_ms is its collectives' time.
+python3 - g221/trace.json <<'PY' || fail "trace.json's tensor-group collectives"
+import json, sys
+events = [e for e in json.load(open(sys.argv[1]))["traceEvents"] if e.get("ph") == "X"]
+compute = [e for e in events if e["cat"] in ("forward", "recompute", "backward", "weight_gradient")]
+collectives = [e for e in events if e["cat"].startswith("tensor_")]
+assert collectives, "no tensor collective slice"
+inside = {}
+for c in collectives:
+    assert c["name"][:3] in ("tAR", "tMA", "tAG", "tRS"), c
+    assert c["args"]["bytes"] > 0, c
+    owners = [e for e in compute if e["pid"] == c["pid"] and e["args"]["step"] == c["args"]["step"]
+              and e["args"].get("micro_batch") == c["args"].get("micro_batch")
+              and e["ts"] - 0.01 <= c["ts"] and c["ts"] + c["dur"] <= e["ts"] + e["dur"] + 0.01]
+    assert len(owners) == 1, (c, owners)
+    assert owners[0]["tid"] != c["tid"], (c, owners[0])
+    key = (owners[0]["pid"], owners[0]["ts"])
+    inside[key] = inside.get(key, 0.0) + c["dur"]
+for e in compute:
+    got = inside.get((e["pid"], e["ts"]), 0.0)
+    want = e["args"].get("tensor_group_ms", 0.0) * 1e3
+    assert abs(got - want) <= 0.01 * 40 + 1e-6 * want, (e, got)
+PY
+echo "ok: trace.json holds the tensor-group collectives inside their compute slices"
 grep -q '"tensor_parallel": 2' g121/report.json || fail "report.json does not say tensor_parallel"
 run g222s gpt64.yaml 2 2 2 --set pipeline.shard_optimizer=optimizer
 same g1 g222s "GPT at K=2 x T=2 x D=2 with the optimizer state sharded"
@@ -347,9 +376,6 @@ run m2 gpt64.yaml 1 2 1 "${limit[@]}"
 same g1 m2 "over pipeline.memory_limit whole, trained at T=2"
 
 # 4. Clear errors.
-"$gpipe" train gpt64.yaml --set output.dir="$tmp/e1" --set pipeline.tensor_parallel=2 --set pipeline.replicas=2 \
-  > e1.log 2>&1 && fail "T=2 x D=2 ran in one process"
-grep -q "pipeline.replicas = 2 needs 2 copies of the pipeline: launch mpirun -np 4" e1.log || { cat e1.log; fail "T=2 x D=2 alone"; }
 "$gpipe" train gpt64.yaml --set output.dir="$tmp/e4" --set pipeline.tensor_parallel=2 --set 'pipeline.devices=[cuda]' \
   > e4.log 2>&1 && fail "T=2 on a GPU ran in one process"
 grep -q "pipeline.tensor_parallel = 2 on GPUs runs one process per GPU (NCCL between them): launch mpirun -np 2" e4.log ||
@@ -364,11 +390,15 @@ grep -q "a vocabulary of 256 tokens does not split over a tensor group of 3" e3.
 echo "ok: errors name the fix"
 
 # 7. Without mpirun: the ranks as threads of this process, the same losses.
+# threads NAME K T [D [--set ...]]
 threads() {
-  local name="$1" K="$2" T="$3"; shift 3
+  local name="$1" K="$2" T="$3" D="${4:-1}"; shift 3; [ $# -gt 0 ] && shift
+  local what="pipeline.tensor_parallel = $T"
+  [ "$D" -gt 1 ] && what="$what and pipeline.replicas = $D"
   timeout 300 "$gpipe" train gpt64.yaml --set output.dir="$tmp/$name" --set pipeline.partitions="$K" \
-    --set pipeline.tensor_parallel="$T" "$@" > "$name.log" 2>&1 || { cat "$name.log"; fail "run $name (threads)"; }
-  grep -q "pipeline.tensor_parallel = $T: $((K * T)) ranks as threads of this process" "$name.log" ||
+    --set pipeline.tensor_parallel="$T" --set pipeline.replicas="$D" "$@" > "$name.log" 2>&1 ||
+    { cat "$name.log"; fail "run $name (threads)"; }
+  grep -q "$what: $((K * T * D)) ranks as threads of this process" "$name.log" ||
     { cat "$name.log"; fail "$name: not run as threads"; }
 }
 threads t14 1 4
@@ -392,6 +422,12 @@ rc=$?
 [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] || { cat t22again.log; fail "threads into a folder another run holds: status $rc"; }
 grep -q "holds another run" t22again.log || { cat t22again.log; fail "threads into a used folder: no message naming it"; }
 grep -q "<th>tensor group</th>" t22/report.html || fail "the threads' page has no tensor group column"
-threads ts22 2 2 "${seq[@]}"
+threads ts22 2 2 1 "${seq[@]}"
 same g1 ts22 "GPT with sequence parallelism at K=2 x T=2 as threads of one process"
+threads t222s 2 2 2 --set pipeline.shard_optimizer=optimizer
+same g1 t222s "GPT at K=2 x T=2 x D=2 with the optimizer state sharded, as threads of one process"
+# D > 1 at T = 1 still takes mpirun (a process per replica, as PyTorch's DDP).
+"$gpipe" train gpt64.yaml --set output.dir="$tmp/e1" --set pipeline.replicas=2 > e1.log 2>&1 &&
+  fail "D=2 at T=1 ran in one process"
+grep -q "pipeline.replicas = 2 needs 2 copies of the pipeline: launch mpirun -np 2" e1.log || { cat e1.log; fail "D=2 alone"; }
 echo "PASS"

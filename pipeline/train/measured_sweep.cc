@@ -66,7 +66,7 @@ double measure_tensor_parallel_step_ms(const Config& config, int warmup, int ste
   const Tensor& y = batch.second;
   std::vector<std::vector<double>> ms(static_cast<size_t>(K * T));
   try {
-    run_ranks_as_threads(K, T, c.pipeline.timeout_s, [&](const Launch& launch) {
+    run_ranks_as_threads(RankLayout{K, T, 1}, c.pipeline.timeout_s, [&](const Launch& launch) {
       const int k = launch.rank;
       const size_t at = static_cast<size_t>(launch.world_rank());
       Config member = c;

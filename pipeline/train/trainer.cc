@@ -365,46 +365,51 @@ TrainResult train(const Config& config, std::ostream& out, const Launch& launch)
   return train(config, MakeModel{}, out, launch);
 }
 
-void run_ranks_as_threads(int stages, int members, double timeout_s, const std::function<void(const Launch&)>& rank) {
-  const int K = stages, T = members;
-  std::vector<std::unique_ptr<InProcessTransport>> pipes;
-  std::vector<std::unique_ptr<InProcessReplicaHub>> hubs;
-  for (int t = 0; t < T; ++t) pipes.push_back(std::make_unique<InProcessTransport>(K, timeout_s, /*ordered_repeats=*/true));
-  for (int k = 0; k < K; ++k) hubs.push_back(std::make_unique<InProcessReplicaHub>(T, timeout_s));
+void run_ranks_as_threads(const RankLayout& layout, double timeout_s, const std::function<void(const Launch&)>& rank) {
+  const int K = layout.stages, T = layout.tensor, D = layout.replicas;
+  std::vector<std::unique_ptr<InProcessTransport>> pipes;              // per (replica, member)
+  std::vector<std::unique_ptr<InProcessReplicaHub>> tensor_hubs, replica_hubs;  // per (replica, stage); per (stage, member)
+  for (int i = 0; i < D * T; ++i) pipes.push_back(std::make_unique<InProcessTransport>(K, timeout_s, /*ordered_repeats=*/true));
+  for (int i = 0; i < D * K; ++i) tensor_hubs.push_back(std::make_unique<InProcessReplicaHub>(T, timeout_s));
+  for (int i = 0; i < K * T; ++i) replica_hubs.push_back(std::make_unique<InProcessReplicaHub>(D, timeout_s));
   std::mutex failed_mu;
   std::exception_ptr failed;
   bool failed_is_abort = false;
   std::vector<std::thread> threads;
-  for (int k = 0; k < K; ++k) {
-    for (int t = 0; t < T; ++t) {
-      threads.emplace_back([&, k, t] {
-        InProcessReplicaGroup group(*hubs[static_cast<size_t>(k)], t);
-        Launch launch;
-        launch.rank = k;
-        launch.size = K;
-        launch.transport = pipes[static_cast<size_t>(t)].get();  // train() at K = 1 keeps its own
-        launch.member = t;
-        launch.tensor = T;
-        launch.tensor_group = &group;
-        launch.threads = true;
-        set_thread_context(launch.world_rank(), -1);
-        try {
-          rank(launch);
-        } catch (const std::exception& e) {
-          const bool abort = dynamic_cast<const Aborted*>(&e) != nullptr;
-          {
-            std::lock_guard<std::mutex> lock(failed_mu);
-            if (!failed || (failed_is_abort && !abort)) {
-              failed = std::current_exception();
-              failed_is_abort = abort;
-            }
+  for (int r = 0; r < layout.size(); ++r) {
+    threads.emplace_back([&, r] {
+      const RankPlace at = layout.place(r);
+      const int d = at.replica, k = at.stage, t = at.member;
+      InProcessReplicaGroup tensor(*tensor_hubs[static_cast<size_t>(d * K + k)], t);
+      InProcessReplicaGroup replicas(*replica_hubs[static_cast<size_t>(k * T + t)], d);
+      Launch launch;
+      launch.rank = k;
+      launch.size = K;
+      launch.transport = pipes[static_cast<size_t>(d * T + t)].get();  // train() at K = 1 keeps its own
+      launch.member = t;
+      launch.tensor = T;
+      launch.tensor_group = T > 1 ? &tensor : nullptr;
+      launch.replica = d;
+      launch.replicas = D > 1 ? &replicas : nullptr;
+      launch.threads = true;
+      set_thread_context(launch.world_rank(), -1);
+      try {
+        rank(launch);
+      } catch (const std::exception& e) {
+        const bool abort = dynamic_cast<const Aborted*>(&e) != nullptr;
+        {
+          std::lock_guard<std::mutex> lock(failed_mu);
+          if (!failed || (failed_is_abort && !abort)) {
+            failed = std::current_exception();
+            failed_is_abort = abort;
           }
-          const std::string why = "rank " + std::to_string(launch.world_rank()) + " failed: " + e.what();
-          for (auto& p : pipes) p->abort(why);
-          for (auto& h : hubs) h->abort(why);
         }
-      });
-    }
+        const std::string why = "rank " + std::to_string(launch.world_rank()) + " failed: " + e.what();
+        for (auto& p : pipes) p->abort(why);
+        for (auto& h : tensor_hubs) h->abort(why);
+        for (auto& h : replica_hubs) h->abort(why);
+      }
+    });
   }
   for (std::thread& th : threads) th.join();
   if (failed) std::rethrow_exception(failed);
@@ -412,29 +417,32 @@ void run_ranks_as_threads(int stages, int members, double timeout_s, const std::
 
 namespace {
 
-// pipeline.tensor_parallel = T > 1 in one process (no mpirun): the job's K x T ranks as
-// threads (run_ranks_as_threads), each running train() as its rank would under mpirun,
+// pipeline.tensor_parallel = T > 1 in one process (no mpirun): the job's K x T x D ranks
+// as threads (run_ranks_as_threads), each running train() as its rank would under mpirun,
 // with one run id. Only the first rank writes (to `out`, the reports, the checkpoints'
-// index).
-TrainResult train_tensor_threads(const Config& config, const MakeModel& make_model, std::ostream& out) {
-  check_auto_launch(config, config.pipeline.tensor_parallel);  // each rank would choose on its own
+// index). (D > 1 at T = 1 still takes mpirun, as PyTorch's DDP takes a process per
+// replica: check_launch says so.)
+TrainResult train_ranks_as_threads(const Config& config, const MakeModel& make_model, std::ostream& out) {
   const RankLayout layout = plan_sizes(config).ranks();
-  const int K = layout.stages, T = layout.tensor;
+  const int K = layout.stages, T = layout.tensor, D = layout.replicas;
+  check_auto_launch(config, T);  // each rank would choose on its own
+  const std::string what = "pipeline.tensor_parallel = " + std::to_string(T) +
+                           (D > 1 ? " and pipeline.replicas = " + std::to_string(D) : std::string());
   for (const std::string& d : config.pipeline.devices) {
     if (parse_device(d).is_cuda()) {
-      throw UserError("pipeline.tensor_parallel = " + std::to_string(T) + " on GPUs runs one process per GPU (NCCL "
-                      "between them): launch mpirun -np " + std::to_string(layout.size()) +
-                      " (pipeline.partitions x pipeline.tensor_parallel x pipeline.replicas); in one process a "
-                      "tensor group's members are threads on CPU stages");
+      throw UserError(what + " on GPUs runs one process per GPU (NCCL between them): launch mpirun -np " +
+                      std::to_string(layout.size()) +
+                      " (pipeline.partitions x pipeline.tensor_parallel x pipeline.replicas); in one process the "
+                      "ranks are threads on CPU stages");
     }
   }
   Config c = config;
   if (c.run.id.empty()) c.run.id = new_run_id();  // one run, as MpiLaunch::join gives every rank
-  spdlog::info("pipeline.tensor_parallel = {}: {} ranks as threads of this process ({} stage(s) x {} members; "
+  spdlog::info("{}: {} ranks as threads of this process ({} stage(s) x {} tensor-group member(s) x {} replica(s); "
                "mpirun runs them as processes)",
-               T, layout.size(), K, T);
-  std::vector<TrainResult> results(static_cast<size_t>(K * T));
-  run_ranks_as_threads(K, T, c.pipeline.timeout_s, [&](const Launch& launch) {
+               what, layout.size(), K, T, D);
+  std::vector<TrainResult> results(static_cast<size_t>(layout.size()));
+  run_ranks_as_threads(layout, c.pipeline.timeout_s, [&](const Launch& launch) {
     results[static_cast<size_t>(launch.world_rank())] = train(c, make_model, out, launch);
   });
   return results[0];
@@ -443,9 +451,9 @@ TrainResult train_tensor_threads(const Config& config, const MakeModel& make_mod
 }  // namespace
 
 TrainResult train(const Config& config, const MakeModel& make_model, std::ostream& out, const Launch& launch) {
-  if (launch.transport == nullptr && launch.size == 1 && launch.tensor == 1 && config.pipeline.tensor_parallel > 1 &&
-      config.pipeline.replicas == 1) {
-    return train_tensor_threads(config, make_model, out);  // they come back here, one per rank
+  if (launch.transport == nullptr && launch.size == 1 && launch.tensor == 1 && launch.replicas == nullptr &&
+      config.pipeline.tensor_parallel > 1) {
+    return train_ranks_as_threads(config, make_model, out);  // they come back here, one per rank
   }
   // One run per directory: the job's first process holds its directories' lock.
   const bool owner = launch.first();

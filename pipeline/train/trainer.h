@@ -44,15 +44,16 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
 ExecutorOptions executor_options(const Config& config, const Launch& launch, const Plan& plan,
                                  double clock_offset_ms);
 
-// A job's K x T ranks (D = 1) as threads of this process, laid out as Plan::ranks lays
-// out processes: an in-process transport per member (its pipeline of K stages; a
+// A job's K x T x D ranks as threads of this process, laid out as Plan::ranks lays out
+// processes: an in-process transport per (replica, member) (its pipeline of K stages; a
 // repeated message key waits in order, as MPI's: a stage may start its next program
-// before its neighbour ends this one), an in-process group per stage (its T members).
-// Calls rank(launch) on each rank's thread with its Launch (`threads` set). The first
-// failure aborts every transport and group, so the other ranks wake; once all threads
-// have ended it is rethrown (the first that was not a wake-up, Aborted, if any). What
-// train() runs without mpirun at T > 1, and what the measured sweep times T > 1 plans on.
-void run_ranks_as_threads(int stages, int members, double timeout_s, const std::function<void(const Launch&)>& rank);
+// before its neighbour ends this one), an in-process tensor group per (replica, stage)
+// (its T members) and replica group per (stage, member) (its D replicas). Calls
+// rank(launch) on each rank's thread with its Launch (`threads` set). The first failure
+// aborts every transport and group, so the other ranks wake; once all threads have ended
+// it is rethrown (the first that was not a wake-up, Aborted, if any). What train() runs
+// without mpirun at T > 1 (any D), and what the measured sweep times T > 1 plans on.
+void run_ranks_as_threads(const RankLayout& layout, double timeout_s, const std::function<void(const Launch&)>& rank);
 
 // The cells a config asks for: its balance, or the balancer's from layer costs.
 std::vector<int> plan_balance(const Config& config, const layers::Sequential& model);
