@@ -135,8 +135,7 @@ int run_plan(Invocation& inv, const std::string& schedule_out = "") {
     whole = std::move(pipeline::build_run_model_on_shapes(config).model);
     std::cout << "pipeline.tensor_parallel = " << T << ": each stage is split over " << T
               << " processes (mpirun -np " << pipeline::plan_sizes(config).ranks().size()
-              << "; without mpirun, gpipe train runs them as threads of one process on CPU stages when "
-                 "pipeline.replicas is 1); the plan below "
+              << "; without mpirun, gpipe train runs them as threads of one process on CPU stages); the plan below "
                  "is one member's share of each stage (its parameters, memory and compute, and its collectives over "
                  "the group, the program's tAR, tMAX, tAG and tRS after the F, R, B or W whose layers ask them, priced "
                  "over this machine's MPI link).\n";

@@ -124,7 +124,7 @@ for part in (whole["stages"], whole["prediction"]["stages"]):
     for s in part:
         assert s["tensor_group_ms"] == 0, s
 PY
-grep -q "Tensor group's sums (in comm ms, not in fwd, recomp or bwd): stage 0" g221.log || { cat g221.log; fail "the table's tensor group line"; }
+grep -q "Tensor group's collectives, waits for the other members included (in comm ms, not in fwd, recomp or bwd): stage 0" g221.log || { cat g221.log; fail "the table's tensor group line"; }
 # The trace: each compute slice's time in the group's collectives, within the slice; the
 # page: a tensor group column.
 python3 - g221/trace.json <<'PY' || fail "trace.json's tensor_group_ms"
@@ -239,7 +239,7 @@ grep -q "positions does not split into 3 equal shares" es1.log || { cat es1.log;
 python3 - plan2.txt g121.log <<'PY' || fail "gpipe plan's parameter counts at T=2"
 import re, sys
 plan, log = open(sys.argv[1]).read(), open(sys.argv[2]).read()
-whole, member = map(int, re.search(r"model: \d+ layers, (\d+) parameters \((\d+) on each of a stage's 2 processes\)", plan).groups())
+whole, member = map(int, re.search(r"model: \d+ layers, (\d+) parameters \(each of a stage's 2 processes holds (\d+)\)", plan).groups())
 held = re.findall(r"member (\d)/2: this process holds (\d+) of the model's (\d+) parameters", log)
 assert len(held) == 2, held
 for m, mine, all_ in held:
@@ -293,6 +293,24 @@ own = re.search(r"^\s+\d+\s+(K=\S+ .*? T=2)\s+[0-9.]+\s+([0-9.]+)\s+[0-9.]+\s+.*
 assert own and float(own.group(2)) > 0, own
 PY
 echo "ok: a T=2 config's own plan is timed by the sweep"
+# One whose K x T is more than the sweep's devices: its own plan is still its T=2 plan, with
+# the member's memory that gpipe plan shows.
+"$gpipe" plan gpt64.yaml --sweep --devices 2 --set pipeline.tensor_parallel=2 --set pipeline.partitions=2 \
+  > sweepOwn2.txt 2>&1 || { cat sweepOwn2.txt; fail "the sweep of a K=2 x T=2 config"; }
+"$gpipe" plan gpt64.yaml --set pipeline.tensor_parallel=2 --set pipeline.partitions=2 > planOwn2.txt 2>&1 ||
+  { cat planOwn2.txt; fail "the plan of a K=2 x T=2 config"; }
+python3 - sweepOwn2.txt planOwn2.txt <<'PY' || { cat sweepOwn2.txt planOwn2.txt; fail "the sweep's own K=2 x T=2 plan"; }
+import re, sys
+text, plan = (open(p).read() for p in sys.argv[1:])
+# rank, plan, predicted ms, measured ms, samples/s, bubble, peak MiB
+own = re.search(r"^\s+\d+\s+(K=2 .*? T=2)\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+\s+([0-9.]+)\s+.*the config's own plan",
+                text, re.M)
+assert own, "no K=2 x T=2 own row"
+fullest = re.search(r"the fullest device holds ([0-9.]+) (KiB|MiB)", plan)
+mib = float(fullest.group(1)) / (1024 if fullest.group(2) == "KiB" else 1)
+assert abs(float(own.group(2)) - mib) < 0.06, (own.group(0), fullest.group(0))
+PY
+echo "ok: a K=2 x T=2 config's own plan in the sweep is its T=2 plan"
 "$gpipe" plan mlp.yaml --sweep --devices 4 --rows 500 > sweep4.txt 2>&1 || { cat sweep4.txt; fail "the sweep over T"; }
 recommended=$(python3 - sweep4.txt <<'PY'
 import re, sys

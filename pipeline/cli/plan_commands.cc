@@ -93,10 +93,23 @@ void print_plan(const Config& c, layers::Sequential& model, const Plan& p, std::
   // Each layer's backward and its B and W halves as the planner estimates them.
   const CostTable times = estimate_costs(model, micro, cm, cost_overrides(c), c.optimizer.optimizer);
   layers::Sequential& unsplit = whole != nullptr ? *whole : model;
-  const std::string member =
-      whole != nullptr ? format(" (%lld on each of a stage's %d processes)", static_cast<long long>(model.parameter_count()),
-                                p.tensor_parallel)
-                       : "";
+  // A member's share of each stage: what each of that stage's processes holds.
+  std::string member;
+  if (whole != nullptr) {
+    std::string held;
+    for (int k = 0; k < p.stages; ++k) {
+      int64_t n = 0;
+      for (int cell : p.schedule.cells[static_cast<size_t>(k)]) {
+        for (int i = p.cells[cell].first_layer; i < p.cells[cell].first_layer + p.cells[cell].num_layers; ++i) {
+          for (const layers::Parameter* q : model.layer(i).parameters()) {
+            if (!model.is_tied_copy(q)) n += q->value.numel();
+          }
+        }
+      }
+      held += (p.stages > 1 ? (k == 0 ? ": stage 0 " : ", stage " + std::to_string(k) + " ") : " ") + std::to_string(n);
+    }
+    member = format(" (each of a stage's %d processes holds", p.tensor_parallel) + held + ")";
+  }
   out << format("model: %d layers, %lld parameters%s, input %s; a checkpoint takes %s\n", unsplit.size(),
                 static_cast<long long>(unsplit.parameter_count()), member.c_str(), shape_str(model.input_shape()).c_str(),
                 bytes_str(checkpoint_bytes(unsplit, c.optimizer.optimizer)).c_str());

@@ -344,6 +344,9 @@ RunSummary ReportBuilder::summary() const {
   out.micro_batches = program_.num_micro_batches;
   out.recompute = recompute_;
   out.schedule = program_.name;
+  out.replicas = replicas_;
+  out.tensor_parallel = tensor_parallel_;
+  out.sequence_parallel = sequence_parallel_;
   out.batch_size = batch_size_;
   out.timed_steps = timed_;
   out.ideal_bubble = ideal_bubble(out.partitions, out.micro_batches);
@@ -397,13 +400,22 @@ void ReportBuilder::set_flops(std::vector<double> stage_flops, std::vector<doubl
   stage_peaks_ = std::move(stage_peaks);
 }
 
+std::string layout_text(const RunSummary& s) {
+  std::string out;
+  if (s.tensor_parallel > 1) {
+    out += ", tensor parallel T=" + std::to_string(s.tensor_parallel) + (s.sequence_parallel ? " (sequence parallel)" : "");
+  }
+  if (s.replicas > 1) out += ", replicas D=" + std::to_string(s.replicas);
+  return out;
+}
+
 std::string ReportBuilder::table() const {
   const RunSummary s = summary();
   std::ostringstream os;
   char line[512];
-  std::snprintf(line, sizeof line, "Pipeline: K=%d stages, M=%d micro-batches, recompute=%s, schedule=%s, batch=%lld\n",
+  std::snprintf(line, sizeof line, "Pipeline: K=%d stages, M=%d micro-batches, recompute=%s, schedule=%s, batch=%lld%s\n",
                 s.partitions, s.micro_batches, recompute_mode_name(s.recompute), s.schedule.c_str(),
-                static_cast<long long>(s.batch_size));
+                static_cast<long long>(s.batch_size), layout_text(s).c_str());
   os << line;
   if (s.launches.size() > 1 && !losses_.empty()) {
     const LaunchSummary& now = s.launches.back();
@@ -438,7 +450,8 @@ std::string ReportBuilder::table() const {
                   st.group_ms, st.comm_ms > 0 ? 100 * st.group_ms / st.comm_ms : 0.0);
     group += line;
   }
-  if (!group.empty()) os << "Tensor group's sums (in comm ms, not in fwd, recomp or bwd): " << group << "\n";
+  if (!group.empty()) os << "Tensor group's collectives, waits for the other members included (in comm ms, not in fwd, recomp or bwd): "
+                           << group << "\n";
   if (s.predicted_bubble >= 0) {
     std::snprintf(line, sizeof line,
                   "Bubble: measured %.3f, predicted %.3f (the schedule simulated with the measured op and delivery times), "

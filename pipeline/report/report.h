@@ -59,6 +59,10 @@ struct LaunchSummary {
 
 struct RunSummary {
   int partitions = 0, micro_batches = 0;
+  // The job's other axes (set_layout): data-parallel replicas, the tensor group's size and
+  // whether it splits the positions between its split layers.
+  int replicas = 1, tensor_parallel = 1;
+  bool sequence_parallel = false;
   RecomputeMode recompute = RecomputeMode::kExceptLast;  // "checkpoint" in report.json (recompute_mode_name)
   std::string schedule;
   int64_t batch_size = 0;
@@ -85,6 +89,10 @@ struct RunSummary {
   PlannedRun plan;
 };
 
+// The job's axes beyond the pipeline, for the table's and the page's heading: ", tensor
+// parallel T=2 (sequence parallel), replicas D=2", or "" for one pipeline of whole stages.
+std::string layout_text(const RunSummary& s);
+
 class ReportBuilder {
  public:
   // One entry per stage of the pipeline (a multi-process run gathers every stage's
@@ -103,6 +111,12 @@ class ReportBuilder {
   void set_flops(std::vector<double> stage_flops, std::vector<double> stage_peaks);
   // What the planner predicted for this run, shown beside the measurements.
   void set_prediction(PlannedRun plan) { plan_ = std::move(plan); has_plan_ = true; }
+  // The job's replicas and tensor group (1, 1, false: one pipeline of whole stages).
+  void set_layout(int replicas, int tensor_parallel, bool sequence_parallel) {
+    replicas_ = replicas;
+    tensor_parallel_ = tensor_parallel;
+    sequence_parallel_ = sequence_parallel;
+  }
   // A validation score taken after step number `step`.
   void add_validation(int step, double loss, double accuracy);
   RunSummary summary() const;
@@ -161,6 +175,8 @@ class ReportBuilder {
   std::vector<std::pair<double, int>> delivery_;  // per stage: sum and count of waiting receives' delivery times
   PlannedRun plan_;
   bool has_plan_ = false;
+  int replicas_ = 1, tensor_parallel_ = 1;
+  bool sequence_parallel_ = false;
   int timed_ = 0;
   double span_total_ = 0, wall_total_ = 0;
   std::vector<double> stage_flops_, stage_peaks_;

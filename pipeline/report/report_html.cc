@@ -363,7 +363,8 @@ void write_heading(std::ostream& o, const HtmlReportInput& in) {
   o << "<h1>gpipe run report: " << esc(in.title) << "</h1>\n<div class=\"sub\">" << esc(in.config) << " &middot; K="
     << s.partitions << " stages, M=" << s.micro_batches << " micro-batches, schedule " << esc(s.schedule)
     << ", recompute "
-    << esc(recompute_mode_name(s.recompute)) << ", batch " << s.batch_size << " &middot; " << s.timed_steps << " timed steps";
+    << esc(recompute_mode_name(s.recompute)) << ", batch " << s.batch_size << esc(layout_text(s)) << " &middot; "
+    << s.timed_steps << " timed steps";
   if (s.launches.size() > 1) {
     const LaunchSummary& now = s.launches.back();
     o << " of launch " << s.timed_launch << " (steps " << now.first_step << " to " << now.last_step

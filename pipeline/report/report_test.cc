@@ -161,7 +161,8 @@ TEST_CASE("a tensor group's sums inside F and B: the report's comm, its own figu
   CHECK(j["stages"][0]["tensor_group_ms"].get<double>() == doctest::Approx(1.5));
   CHECK(j["stages"][1]["tensor_group_ms"].get<double>() == doctest::Approx(0.25));
   const std::string table = b.table();
-  CHECK(table.find("Tensor group's sums (in comm ms, not in fwd, recomp or bwd): stage 0 1.50 ms (60% of its comm), "
+  CHECK(table.find("Tensor group's collectives, waits for the other members included (in comm ms, not in fwd, recomp "
+                   "or bwd): stage 0 1.50 ms (60% of its comm), "
                    "stage 1 0.25 ms (20% of its comm)") != std::string::npos);
   // The page: stage 0's sends 1 and its group's 1.5 apart (forward 3.5, recompute 0, B 5,
   // W 0, sends 1, collectives 0, tensor group 1.5, idle 5).
@@ -174,11 +175,19 @@ TEST_CASE("a tensor group's sums inside F and B: the report's comm, its own figu
   CHECK(page.find("<th>sends</th><th>collectives</th><th>tensor group</th><th>idle</th>") != std::string::npos);
   CHECK(page.find("<td>3.50</td><td>0.00</td><td>5.00</td><td>0.00</td><td>1.00</td><td>0.00</td><td>1.50</td>"
                   "<td>5.00</td>") != std::string::npos);
+  // The job's axes in the table's first line and the page's heading.
+  b.set_layout(2, 4, true);
+  const std::string axes = "batch=8, tensor parallel T=4 (sequence parallel), replicas D=2\n";
+  CHECK(b.table().find(axes) != std::string::npos);
+  in.summary = b.summary();
+  CHECK(render_report_html(in).find("batch 8, tensor parallel T=4 (sequence parallel), replicas D=2 &middot;") !=
+        std::string::npos);
   // Without a tensor group: no such line.
   ReportBuilder plain = builder();
   plain.add_step(1, 2.5, hand_step(1.0, 1000, 3000), true);
   CHECK(plain.table().find("Tensor group") == std::string::npos);
   CHECK(plain.json()["stages"][0]["tensor_group_ms"].get<double>() == 0);
+  CHECK(plain.table().find("batch=8\n") != std::string::npos);
 }
 
 TEST_CASE("several steps: warm-up left out, the rest averaged, peaks kept") {

@@ -167,8 +167,13 @@ bool is_own(const Config& c, const Candidate& k, const std::vector<int>& own_bal
 
 void measure_candidates(const Config& config, const layers::Sequential& model, SweepResult& r,
                         const MeasureOptions& o, std::ostream& out) {
-  // The config's own plan: the candidate that is exactly it, or one of its own.
-  const Plan own_plan = make_plan(config, model);
+  // The config's own plan: the candidate that is exactly it, or one of its own (at T > 1,
+  // its member 0's, as the sweep plans each T).
+  const int T = config.pipeline.tensor_parallel;
+  const RunModel member = T > 1 ? build_member_on_shapes(config, 0) : RunModel{};
+  const Config& own_config = T > 1 ? member.config : config;
+  const layers::Sequential& own_model = T > 1 ? *member.model : model;
+  const Plan own_plan = make_plan(own_config, own_model);
   int own = -1;
   for (size_t i = 0; i < r.candidates.size(); ++i) {
     if (is_own(config, r.candidates[i], own_plan.balance)) own = static_cast<int>(i);
@@ -183,8 +188,10 @@ void measure_candidates(const Config& config, const layers::Sequential& model, S
     k.blas_threads = config.train.blas_threads;
     k.replicas = config.pipeline.replicas;
     k.shard_optimizer = config.pipeline.shard_optimizer != "none";
+    k.tensor_parallel = T;
+    k.sequence_parallel = config.pipeline.sequence_parallel && T > 1;
     k.balance = own_plan.balance;
-    k.run = predict_config(config, model, own_plan);
+    k.run = predict_config(own_config, own_model, own_plan);
     for (const StageMemory& m : own_plan.memory) {
       k.peak_device_bytes = std::max(k.peak_device_bytes, m.total());
       k.total_bytes += m.total();

@@ -553,6 +553,25 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
                  model->ties().empty() ? "" : ", and the embedding a head of its own is tied to");
     startup.end("model build+init (this stage)");
   }
+  if (plan.tensor_parallel > 1 && launch.first()) {
+    // Linear layers the config leaves whole: every member of their stage computes them alike.
+    std::string whole_linear;
+    for (int i = 0; i < model->size(); ++i) {
+      if (model->layer(i).type() != "linear") continue;
+      bool split = false;
+      for (const layers::Parameter* p : model->layer(i).parameters()) split = split || p->shard_count > 1;
+      if (!split) whole_linear += (whole_linear.empty() ? "" : ", ") + std::to_string(i);
+    }
+    if (!whole_linear.empty()) {
+      spdlog::warn("pipeline.tensor_parallel = {}: linear layer(s) {} are not split (no `parallel: column` or "
+                   "`parallel: row`), so every member of their stage computes them whole, alike",
+                   plan.tensor_parallel, whole_linear);
+    }
+  }
+  if (c.pipeline.sequence_parallel && plan.tensor_parallel == 1 && launch.first()) {
+    spdlog::warn("pipeline.sequence_parallel splits the positions between a tensor group's members; at "
+                 "pipeline.tensor_parallel = 1 it does nothing");
+  }
   if (plan.sequence_parallel && yaml_layers) {
     const int64_t mine = model->layer(0).output_shape().at(0), whole = whole_shapes->layer(0).output_shape().at(0);
     spdlog::info("sequence parallelism: member {} holds positions {} to {} of each sample's {} between the split "
@@ -606,6 +625,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   const bool reports = launch.rank == 0 && launch.member == 0;
   const bool writes = reports && launch.replica == 0;
   ReportBuilder report(names.layers, names.devices, plan.schedule, plan.recompute, plan.batch_size);
+  report.set_layout(plan.replicas, plan.tensor_parallel, plan.sequence_parallel);
   // Saved state: resume where a checkpoint left off, save every checkpoint.every steps,
   // on SIGUSR1, and before stopping on SIGINT or SIGTERM.
   RunCheckpoints checkpoints(c, plan, *model, executor, launch, transport, whole_shapes.get());
