@@ -146,7 +146,7 @@ void print_plan(const Config& c, layers::Sequential& model, const Plan& p, std::
   out << format("schedule %s, recompute %s (formula bubble %.3f):\n", p.schedule.name.c_str(),
                 recompute_mode_name(p.recompute), formula_bubble(p.schedule))
       << schedule_chart(p.schedule) << "\n"
-      << schedule_table(p.schedule);
+      << compact_schedule_table(p.schedule);
 }
 
 void print_prediction(const Config& c, const layers::Sequential& model, const Plan& plan, std::ostream& out) {

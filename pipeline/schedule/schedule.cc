@@ -597,6 +597,23 @@ std::string schedule_table(const Schedule& s) {
   return os.str();
 }
 
+std::string compact_schedule_table(const Schedule& s) {
+  std::ostringstream os;
+  for (size_t k = 0; k < s.stages.size(); ++k) {
+    os << "stage " << k << ":";
+    const auto& prog = s.stages[k];
+    for (size_t i = 0; i < prog.size();) {
+      size_t j = i + 1;
+      while (is_tensor_collective(prog[i].op) && j < prog.size() && prog[j] == prog[i]) ++j;
+      os << " " << instruction_str(s, static_cast<int>(k), prog[i]);
+      if (j - i > 1) os << "*" << j - i;
+      i = j;
+    }
+    os << "\n";
+  }
+  return os.str();
+}
+
 std::string schedule_chart(const Schedule& s) {
   OpCosts unit;
   unit.forward = unit.backward = unit.weight = unit.recompute = 1.0;

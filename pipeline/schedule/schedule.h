@@ -417,6 +417,9 @@ std::string instruction_str(const Schedule& s, int stage, const Instruction& ins
 // One line per stage: "stage 0: rA0 F0 sA0 ...", the lowered program in the log form,
 // for tests, logs and checker errors.
 std::string schedule_table(const Schedule& s);
+// The same, with a run of one tensor collective repeated n times written once as `tAR0*n`
+// (`F0 tAR0*9 sA0`): what gpipe plan prints, where a split stage's F asks a sum per block.
+std::string compact_schedule_table(const Schedule& s);
 // The stages' compute instructions as a time chart, one row per stage and one column
 // per time slot ('.' where the stage waits), simulated with a unit cost per compute
 // instruction: the picture at the top of this file, for any schedule.

@@ -73,6 +73,13 @@ TEST_CASE("the tensor collectives follow the compute instruction that asks them,
         "OPT\n");
   CHECK(refusal(s) == "accepted");
   CHECK(s.tensor_lowered);
+  // gpipe plan's form writes a run of one collective once.
+  CHECK(compact_schedule_table(s) ==
+        "stage 0: F0 tAR0 sA0 F1 tAR1 sA1 rG1 B1 tAR1 R0 tAR0 rG0 B0 tAR0*2 OPT\n"
+        "stage 1: rA0 F0 tAG0 tAR0 tMAX0 rA1 F1 tAG1 tAR1 tMAX1 B1 tRS1 tAR1 sG1 R0 tAG0 tAR0 tMAX0 B0 tRS0 tAR0 sG0 "
+        "OPT\n");
+  CHECK(compact_schedule_table(gpipe_schedule(2, 2, RecomputeMode::kExceptLast)) ==
+        schedule_table(gpipe_schedule(2, 2, RecomputeMode::kExceptLast)));
   // Again with the same facts: nothing changes; with others, an Error.
   const Schedule before = s;
   lower_tensor_collectives(s, program());
