@@ -28,14 +28,10 @@
 // sums and whole-by-name checkpoints of the shards build on this (docs/ARCHITECTURE.md).
 #pragma once
 
-#include <memory>
-#include <optional>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "kernels/backend.h"
-#include "runtime/stream.h"
 #include "runtime/transport.h"
 #include "runtime/tensor.h"
 

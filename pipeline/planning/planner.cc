@@ -276,27 +276,27 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
   // The tensor group's collectives, each priced on its own (CostTable::tensor_ms); the
   // simulator runs each after the compute instruction that asks it, whose own cost is
   // then its layers' compute alone (their times less their group parts).
-  std::map<const Instruction*, TensorOp> tensor_ops;
+  std::vector<std::vector<TensorOp>> tensor_ops(static_cast<size_t>(K));  // [stage][position], at tensor collectives
   if (s.tensor_lowered) {
     for (int k = 0; k < K; ++k) {
       const auto& prog = s.stages[static_cast<size_t>(k)];
       const std::vector<std::vector<TensorOp>> asked = stage_tensor_ops(s, s.tensor, k);
+      tensor_ops[static_cast<size_t>(k)].resize(prog.size());
       for (size_t pc = 0, owner = 0, next = 0; pc < prog.size(); ++pc) {
         if (!is_tensor_collective(prog[pc].op)) {
           owner = pc;
           next = 0;
           continue;
         }
-        tensor_ops[&prog[pc]] = asked[owner].at(next++);
+        tensor_ops[static_cast<size_t>(k)][pc] = asked[owner].at(next++);
       }
     }
   }
   const CostFn cost = [&](int k, const Instruction& ins) -> double {
     if (is_tensor_collective(ins.op)) {
-      auto it = tensor_ops.find(&ins);
-      GPIPE_CHECK(it != tensor_ops.end(), "predict: a tensor collective that is not the plan's schedule's");
+      const TensorOp& op = tensor_ops[static_cast<size_t>(k)].at(program_position(s, k, ins));
       const int64_t n = plan.micro_batch_sizes[ins.micro_batch];
-      return costs.at(n).tensor_ms(it->second, n);
+      return costs.at(n).tensor_ms(op, n);
     }
     double t = options.instruction_overhead_ms;
     if (ins.op == Op::kOptimizerStep) {

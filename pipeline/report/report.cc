@@ -325,10 +325,9 @@ Simulation ReportBuilder::measured_simulation() const {
       return std::max(0.0, quickest);
     }
     if (is_tensor_collective(ins.op)) {  // its own mean, found by its place in the program
-      const auto& prog = program_.stages[static_cast<size_t>(stage)];
-      GPIPE_CHECK(&ins >= prog.data() && &ins < prog.data() + prog.size(), "a tensor collective of another program");
-      auto it = tensor_time_[static_cast<size_t>(stage)].find(static_cast<size_t>(&ins - prog.data()));
-      return it == tensor_time_[static_cast<size_t>(stage)].end() ? 0.0 : it->second.first / it->second.second;
+      const auto& times = tensor_time_[static_cast<size_t>(stage)];
+      auto it = times.find(program_position(program_, stage, ins));
+      return it == times.end() ? 0.0 : it->second.first / it->second.second;
     }
     auto it = op_time_[stage].find({static_cast<int>(ins.op), ins.chunk});
     return it == op_time_[stage].end() ? 0.0 : it->second.first / it->second.second;

@@ -714,6 +714,13 @@ std::vector<std::vector<TensorOp>> stage_tensor_ops(const Schedule& s, const Ten
   return out;
 }
 
+size_t program_position(const Schedule& s, int stage, const Instruction& ins) {
+  const auto& prog = s.stages.at(static_cast<size_t>(stage));
+  GPIPE_CHECK(!prog.empty() && &ins >= prog.data() && &ins < prog.data() + prog.size(),
+              "an instruction that is not one of stage " + std::to_string(stage) + "'s program");
+  return static_cast<size_t>(&ins - prog.data());
+}
+
 void lower_tensor_collectives(Schedule& s, const TensorProgram& t) {
   if (s.tensor_lowered) {
     if (s.tensor == t) return;

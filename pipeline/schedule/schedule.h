@@ -253,6 +253,10 @@ ChunkFinals chunk_finals(const Schedule& s, int stage, const MicroBatchRoles& ro
 // whole backward, or with a W to come its B), W down the layers; a layer whose gradients
 // become final there (chunk_finals) adds its `step` after its own.
 std::vector<std::vector<TensorOp>> stage_tensor_ops(const Schedule& s, const TensorProgram& t, int stage);
+// The position of `ins` in stage `stage`'s program, `ins` being an element of it (as
+// simulate() hands a CostFn its instructions): what tells apart two tensor collectives of
+// the same kind, micro-batch and chunk. An Error for an instruction of another program.
+size_t program_position(const Schedule& s, int stage, const Instruction& ins);
 // Inserts them after their compute instructions (members > 1; nothing otherwise), after
 // every other pass. Idempotent: the same facts again change nothing; others throw Error.
 void lower_tensor_collectives(Schedule& s, const TensorProgram& t);
