@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernels/broadcast.h"
+#include "kernels/step_scalars.h"
 #include "kernels/unary.h"
 #include "runtime/device.h"
 #include "runtime/stream.h"
@@ -35,6 +36,36 @@ struct SgdParams {
   double weight_decay = 0.0;
   bool nesterov = false;
 };
+
+// A dropout mask's key (Backend::dropout): a fixed key, or one mixed from the step,
+// mixed_key(base, multiplier, step) (runtime/philox.h), whose step is the host's `step`
+// or, when `scalars` is defined, the step's scalars' kStepIndex (kernels/step_scalars.h),
+// read by the op when it runs: then a training step's dropout calls are the same at every
+// step. The same key either way, for the same step.
+struct DropoutKey {
+  DropoutKey(uint64_t key = 0) : key(key) {}  // NOLINT: a fixed key converts
+  static DropoutKey of_step(uint64_t base, uint64_t multiplier, uint64_t step, Tensor scalars = {}) {
+    DropoutKey k;
+    k.base = base;
+    k.multiplier = multiplier;
+    k.step = step;
+    k.scalars = std::move(scalars);
+    return k;
+  }
+  uint64_t key = 0;                            // when multiplier is 0
+  uint64_t base = 0, multiplier = 0, step = 0;  // else
+  Tensor scalars;
+  bool from_device() const { return multiplier != 0 && scalars.defined(); }
+  // The key for the host's step (what the device computes from kStepIndex when that
+  // holds the same step).
+  uint64_t host_key() const;
+};
+
+// The step's scalars (kernels/step_scalars.h) of step `step` (from 1) of Adam or SGD
+// with p, as the host computes them (in double): the learning rate and count, and
+// Adam's decay and bias corrections; no norm, a scale of 1, no skip.
+StepScalarValues adam_step_scalars(const AdamParams& p, int64_t step);
+StepScalarValues sgd_step_scalars(const SgdParams& p, int64_t step);
 
 class Backend {
  public:
@@ -108,6 +139,13 @@ class Backend {
     (void)dims;
     return false;
   }
+
+  // A step's scalars (kernels/step_scalars.h) as the host sees them: read back (waits for
+  // the work queued before), or written (before any op queued after reads them). The
+  // tensor: float64, kStepScalarCount elements, on this backend's device.
+  StepScalarValues read_step_scalars(const Tensor& scalars);
+  void write_step_scalars(const StepScalarValues& values, Tensor& scalars);
+  Tensor step_scalars(const StepScalarValues& values);  // a new tensor holding `values`
 
   // Every other op, declared once (its semantics beside its declaration there).
 #define GPIPE_OP(R, name, params, call) virtual R name params = 0;

@@ -19,6 +19,7 @@
 #include "runtime/bf16.h"
 #include "runtime/fp16.h"
 #include "runtime/error.h"
+#include "runtime/philox.h"
 
 #ifdef GPIPE_WITH_CUDA
 #include "kernels/cuda_backend.h"
@@ -160,27 +161,132 @@ void Backend::fused_attention_backward(const Tensor&, const Tensor& q, const Ten
               q.str() + " (ask has_fused_attention first)");
 }
 
+namespace {
+void check_step_scalars(const Tensor& scalars, Device device, const char* op) {
+  if (!scalars.defined() || scalars.dtype() != DType::kF64 || scalars.numel() != kStepScalarCount ||
+      !scalars.is_contiguous() || !(scalars.device() == device)) {
+    throw Error(std::string(op) + ": the step's scalars must be " + std::to_string(kStepScalarCount) +
+                " contiguous float64 values on " + device.str() + ", not " + scalars.str());
+  }
+}
+
+// The step count of a step's scalars: a whole number from 1.
+int64_t step_number(const StepScalarValues& s, const char* op) {
+  const double n = s[kStepNumber];
+  if (!(n >= 1 && n <= 9007199254740992.0 && n == static_cast<double>(static_cast<int64_t>(n)))) {
+    throw Error(std::string(op) + ": step count " + std::to_string(n) + " in the step's scalars; it counts from 1");
+  }
+  return static_cast<int64_t>(n);
+}
+}  // namespace
+
+uint64_t DropoutKey::host_key() const { return multiplier == 0 ? key : mixed_key(base, multiplier, step); }
+
+StepScalarValues adam_step_scalars(const AdamParams& p, int64_t step) {
+  StepScalarValues s = initial_step_scalars();
+  const double n = static_cast<double>(step);
+  s[kStepNumber] = n;
+  s[kStepLr] = p.lr;
+  s[kStepDecay] = 1.0 - p.lr * p.weight_decay;
+  s[kStepBiasCorrection1] = 1.0 - std::pow(p.beta1, n);
+  s[kStepBiasCorrection2] = 1.0 - std::pow(p.beta2, n);
+  return s;
+}
+
+StepScalarValues sgd_step_scalars(const SgdParams& p, int64_t step) {
+  StepScalarValues s = initial_step_scalars();
+  s[kStepNumber] = static_cast<double>(step);
+  s[kStepLr] = p.lr;
+  return s;
+}
+
+Tensor Backend::step_scalars(const StepScalarValues& values) {
+  Tensor t = empty({kStepScalarCount}, DType::kF64);
+  write_step_scalars(values, t);
+  return t;
+}
+
+StepScalarValues Backend::read_step_scalars(const Tensor& scalars) {
+  check_step_scalars(scalars, device(), "read_step_scalars");
+  StepScalarValues v{};
+  if (scalars.device().is_cpu()) {
+    std::copy(scalars.data<double>(), scalars.data<double>() + kStepScalarCount, v.begin());
+    return v;
+  }
+  Tensor host = Tensor::empty({kStepScalarCount}, DType::kF64, Device::cpu());
+  copy(scalars, host);  // a copy to the host returns once the data is there
+  std::copy(host.data<double>(), host.data<double>() + kStepScalarCount, v.begin());
+  return v;
+}
+
+void Backend::write_step_scalars(const StepScalarValues& values, Tensor& scalars) {
+  check_step_scalars(scalars, device(), "write_step_scalars");
+  if (scalars.device().is_cpu()) {
+    std::copy(values.begin(), values.end(), scalars.data<double>());
+    return;
+  }
+  Tensor host = Tensor::empty({kStepScalarCount}, DType::kF64, Device::cpu());
+  std::copy(values.begin(), values.end(), host.data<double>());
+  copy(host, scalars);
+}
+
 void Backend::sgd_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-                           const std::vector<Tensor>& bufs, const SgdParams& p, bool first_step) {
+                           const std::vector<Tensor>& bufs, const SgdParams& p, const Tensor& scalars) {
   check_lists(params.size(), {grads.size(), bufs.size()}, "sgd_step_all");
+  const StepScalarValues s = read_step_scalars(scalars);
+  const bool first_step = step_number(s, "sgd_step_all") == 1;
+  if (s[kStepSkip] != 0) return;
+  SgdParams at = p;
+  at.lr = s[kStepLr];
   for (size_t i = 0; i < params.size(); ++i) {
     Tensor param = params[i], buf = bufs[i];  // handles: they write the same storage
-    sgd_step(param, grads[i], buf, p, first_step);
+    sgd_step(param, grads[i], buf, at, first_step);
   }
 }
 
 void Backend::adam_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                             const std::vector<Tensor>& m, const std::vector<Tensor>& v, const AdamParams& p,
-                            int64_t step) {
+                            const Tensor& scalars) {
   check_lists(params.size(), {grads.size(), m.size(), v.size()}, "adam_step_all");
+  const StepScalarValues s = read_step_scalars(scalars);
+  const int64_t step = step_number(s, "adam_step_all");
+  if (s[kStepSkip] != 0) return;  // every tensor as it was, and its moments
+  AdamParams at = p;
+  at.lr = s[kStepLr];
   for (size_t i = 0; i < params.size(); ++i) {
     Tensor param = params[i], mi = m[i], vi = v[i];
-    adam_step(param, grads[i], mi, vi, p, step);
+    adam_step(param, grads[i], mi, vi, at, step);
   }
 }
 
 void Backend::scale_all(const std::vector<Tensor>& xs, double alpha) {
   for (Tensor x : xs) scale(x, alpha);
+}
+
+void Backend::sum_squares_all_to(const std::vector<Tensor>& xs, Tensor& scalars) {
+  StepScalarValues s = read_step_scalars(scalars);
+  s[kStepNormSquared] = sum_squares_all(xs);
+  write_step_scalars(s, scalars);
+}
+
+void Backend::step_grad_scale(Tensor& scalars, double max_norm, double inv_loss_scale, bool skip_nonfinite) {
+  StepScalarValues s = read_step_scalars(scalars);
+  const double norm_squared = s[kStepNormSquared];
+  const double norm = norm_squared < 0 ? -1.0 : std::sqrt(norm_squared);  // NaN stays NaN
+  if (skip_nonfinite && !std::isfinite(norm)) s[kStepSkip] = 1.0;
+  double scale = inv_loss_scale;
+  if (max_norm > 0 && norm >= 0) {
+    const double clip = max_norm / (norm * inv_loss_scale + 1e-6);
+    if (clip < 1.0) scale *= clip;
+  }
+  s[kStepGradScale] = scale;
+  write_step_scalars(s, scalars);
+}
+
+void Backend::scale_all_by(const std::vector<Tensor>& xs, const Tensor& scalars) {
+  const StepScalarValues s = read_step_scalars(scalars);
+  if (s[kStepSkip] != 0 || s[kStepGradScale] == 1.0) return;
+  scale_all(xs, s[kStepGradScale]);
 }
 
 void Backend::fill_all(const std::vector<Tensor>& xs, double value) {

@@ -96,8 +96,19 @@ void apply_dropout(const Real* in, Real* out, int64_t rows, int64_t per_row, dou
   }
 }
 
-void dropout_impl(const Tensor& in, double p, uint64_t key, int64_t sample_offset, int64_t element_offset,
-                  Tensor& out, const char* op) {
+// The key itself: with the step's scalars, their step index as the host reads them.
+uint64_t resolve_key(const DropoutKey& key, const char* op) {
+  if (!key.from_device()) return key.host_key();
+  const Tensor& s = key.scalars;
+  if (s.dtype() != DType::kF64 || s.numel() != kStepScalarCount || !s.device().is_cpu() || !s.is_contiguous()) {
+    throw Error(std::string(op) + ": the step's scalars must be " + std::to_string(kStepScalarCount) +
+                " contiguous float64 values on the host, not " + s.str());
+  }
+  return mixed_key(key.base, key.multiplier, static_cast<uint64_t>(s.data<double>()[kStepIndex]));
+}
+
+void dropout_impl(const Tensor& in, double p, const DropoutKey& dropout_key, int64_t sample_offset,
+                  int64_t element_offset, Tensor& out, const char* op) {
   ops::check_float(in, op);
   ops::check_same(in, out, op);
   if (in.dim() < 1) throw Error(std::string(op) + ": " + in.str() + " needs a batch dimension");
@@ -110,6 +121,7 @@ void dropout_impl(const Tensor& in, double p, uint64_t key, int64_t sample_offse
     if (out.raw_data() != in.raw_data()) std::memcpy(out.raw_data(), in.raw_data(), in.nbytes());
     return;
   }
+  const uint64_t key = resolve_key(dropout_key, op);
   dispatch_float(in, [&](auto* tag) {
     using Real = std::remove_pointer_t<decltype(tag)>;
     apply_dropout(in.data<Real>(), out.data<Real>(), rows, in.numel() / rows, p, key, sample_offset, element_offset);
@@ -559,12 +571,12 @@ void CpuBackend::fused_attention_backward(const Tensor& dout, const Tensor& q, c
 
 // ---- Dropout.
 
-void CpuBackend::dropout(const Tensor& x, double p, uint64_t key, int64_t sample_offset, int64_t element_offset,
-                         Tensor& y) {
+void CpuBackend::dropout(const Tensor& x, double p, const DropoutKey& key, int64_t sample_offset,
+                         int64_t element_offset, Tensor& y) {
   dropout_impl(x, p, key, sample_offset, element_offset, y, "dropout");
 }
 
-void CpuBackend::dropout_backward(const Tensor& dy, double p, uint64_t key, int64_t sample_offset,
+void CpuBackend::dropout_backward(const Tensor& dy, double p, const DropoutKey& key, int64_t sample_offset,
                                   int64_t element_offset, Tensor& dx) {
   dropout_impl(dy, p, key, sample_offset, element_offset, dx, "dropout_backward");
 }

@@ -10,6 +10,7 @@
 #include "kernels/backend.h"
 #include "runtime/error.h"
 #include "runtime/philox.h"
+#include "runtime/random.h"
 #include "tests/testing.h"
 
 using namespace gpipe;
@@ -256,6 +257,36 @@ TEST_CASE("attention rejects heads that do not divide the channels") {
   Tensor qkv = random_tensor({1, 2, 3 * 6}, DType::kF32, 1);
   Tensor probs = cpu().empty({1, 4, 2, 2}, DType::kF32), out = cpu().empty({1, 2, 6}, DType::kF32);
   CHECK_THROWS_WITH(cpu().attention(qkv, 4, probs, out), doctest::Contains("6 channels do not split into 4 heads"));
+}
+
+TEST_CASE("a dropout key mixed from the step: mix_seed's, from the host or from the step's scalars") {
+  // mixed_key finishes mix_seed with the step in any of its three slots.
+  for (uint64_t step : {0ull, 1ull, 7ull, 123456789ull, (1ull << 52) + 3}) {
+    CAPTURE(step);
+    const uint64_t seed = 0xC0FFEE1234ull;
+    CHECK(mixed_key(mix_seed_base(seed), kMixA, step) == mix_seed(seed, step));
+    CHECK(mixed_key(mix_seed_base(seed, 5, 0, 9), kMixB, step) == mix_seed(seed, 5, step, 9));
+    CHECK(mixed_key(mix_seed_base(seed, 0x64726f70u, 4), kMixC, step) == mix_seed(seed, 0x64726f70u, 4, step));
+  }
+  // The op's mask is the same with the step on the host and read from the step's scalars
+  // (kStepIndex), and another step draws another.
+  const Tensor x = random_tensor({6, 37}, DType::kF64, 3, 0.5, 1.5);
+  StepScalarValues v = initial_step_scalars();
+  v[kStepIndex] = 41;
+  const Tensor scalars = cpu().step_scalars(v);
+  Tensor host = cpu().empty(x.shape(), DType::kF64), device = cpu().empty(x.shape(), DType::kF64),
+         other = cpu().empty(x.shape(), DType::kF64);
+  cpu().dropout(x, 0.4, DropoutKey::of_step(99, kMixA, 41), 2, 0, host);
+  cpu().dropout(x, 0.4, DropoutKey::of_step(99, kMixA, 0, scalars), 2, 0, device);
+  cpu().dropout(x, 0.4, DropoutKey::of_step(99, kMixA, 42), 2, 0, other);
+  CHECK(to_doubles(host) == to_doubles(device));
+  CHECK(to_doubles(host) != to_doubles(other));
+  CHECK(to_doubles(host) != to_doubles(x));
+  // The plain key is the mixed one.
+  cpu().dropout(x, 0.4, mix_seed(99, 41), 2, 0, other);
+  CHECK(to_doubles(host) == to_doubles(other));
+  CHECK_THROWS_WITH_AS(cpu().dropout(x, 0.4, DropoutKey::of_step(99, kMixA, 0, cpu().zeros({2}, DType::kF64)), 2, 0, other),
+                       doctest::Contains("the step's scalars"), Error);
 }
 
 TEST_CASE("dropout keeps 1 - p of the elements, scaled, with the Philox mask") {

@@ -835,18 +835,18 @@ void CudaBackend::attention_backward(const Tensor& dout, const Tensor& qkv, cons
   });
 }
 
-void CudaBackend::dropout(const Tensor& x, double p, uint64_t key, int64_t sample_offset, int64_t element_offset,
-                          Tensor& y) {
+void CudaBackend::dropout(const Tensor& x, double p, const DropoutKey& key, int64_t sample_offset,
+                          int64_t element_offset, Tensor& y) {
   dropout_impl(x, p, key, sample_offset, element_offset, y, "dropout");
 }
 
-void CudaBackend::dropout_backward(const Tensor& dy, double p, uint64_t key, int64_t sample_offset,
+void CudaBackend::dropout_backward(const Tensor& dy, double p, const DropoutKey& key, int64_t sample_offset,
                                    int64_t element_offset, Tensor& dx) {
   dropout_impl(dy, p, key, sample_offset, element_offset, dx, "dropout_backward");  // the same linear map as forward
 }
 
-void CudaBackend::dropout_impl(const Tensor& in, double p, uint64_t key, int64_t sample_offset, int64_t element_offset,
-                               Tensor& out, const char* op) {
+void CudaBackend::dropout_impl(const Tensor& in, double p, const DropoutKey& key, int64_t sample_offset,
+                               int64_t element_offset, Tensor& out, const char* op) {
   ops::check_float(in, op);
   ops::check_same(in, out, op);
   if (in.dim() < 1) throw Error(std::string(op) + ": " + in.str() + " needs a batch dimension");
@@ -857,10 +857,18 @@ void CudaBackend::dropout_impl(const Tensor& in, double p, uint64_t key, int64_t
   check_on_device(out, op);
   const int64_t rows = in.size(0);
   if (rows == 0 || in.numel() == 0) return;
+  cuda::DropoutKeyArgs k;
+  if (key.from_device()) {  // finished by the kernel from the step's index on the device
+    k.base = key.base;
+    k.multiplier = key.multiplier;
+    k.step = step_scalars_on_device(key.scalars, op);
+  } else {
+    k.key = key.host_key();
+  }
   DeviceGuard guard(device_.index);
   dispatch_float(in, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    cuda::dropout(in.data<T>(), out.data<T>(), rows, in.numel() / rows, p, key, sample_offset, element_offset,
+    cuda::dropout(in.data<T>(), out.data<T>(), rows, in.numel() / rows, p, k, sample_offset, element_offset,
                   cuda_stream());
   });
 }

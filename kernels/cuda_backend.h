@@ -102,7 +102,7 @@ class CudaBackend : public Backend {
   // ~CudaBackend: logs what the pending checks flagged instead of throwing.
   void log_unreported_errors() noexcept;
   // dropout and dropout_backward: the same map (dropout is linear and diagonal).
-  void dropout_impl(const Tensor& in, double p, uint64_t key, int64_t sample_offset, int64_t element_offset,
+  void dropout_impl(const Tensor& in, double p, const DropoutKey& key, int64_t sample_offset, int64_t element_offset,
                     Tensor& out, const char* op);
   void release() noexcept;
   // The device table of a multi-tensor launch over `lists` (parallel lists of tensors,
@@ -121,6 +121,8 @@ class CudaBackend : public Backend {
   void* attention_graphs_ = nullptr;
   void release_attention_graphs() noexcept;
   // rope and rope_backward on bfloat16 or float16 (kernels/cuda_llama_ops.cc).
+  // The device pointer of a step's scalars (kernels/step_scalars.h), checked.
+  const double* step_scalars_on_device(const Tensor& scalars, const char* op) const;
   void rope_narrow(const Tensor& x, int heads, double base, double sign, Tensor& y, const char* op);
 
   Device device_;

@@ -1214,7 +1214,7 @@ TEST_CASE("multi-tensor adam_step_all and sgd_step_all equal the single-tensor s
       std::vector<Tensor> w1 = copies(w), m1 = zeros_of(w), v1 = zeros_of(w);
       for (int64_t step = 1; step <= 3; ++step) {
         const std::vector<Tensor> g = multi_tensors(dt, seed);
-        gpu().adam_step_all(w, g, m, v, p, step);
+        gpu().adam_step_all(w, g, m, v, p, gpu().step_scalars(adam_step_scalars(p, step)));
         for (size_t i = 0; i < w.size(); ++i) gpu().adam_step(w1[i], g[i], m1[i], v1[i], p, step);
       }
       check_bitwise(w, w1);
@@ -1236,7 +1236,7 @@ TEST_CASE("multi-tensor adam_step_all and sgd_step_all equal the single-tensor s
         std::vector<Tensor> b1 = momentum != 0.0 ? zeros_of(w) : std::vector<Tensor>(w.size());
         for (int step = 0; step < 3; ++step) {
           const std::vector<Tensor> g = multi_tensors(dt, seed);
-          gpu().sgd_step_all(w, g, b, p, step == 0);
+          gpu().sgd_step_all(w, g, b, p, gpu().step_scalars(sgd_step_scalars(p, step + 1)));
           for (size_t i = 0; i < w.size(); ++i) gpu().sgd_step(w1[i], g[i], b1[i], p, step == 0);
         }
         check_bitwise(w, w1);
@@ -1249,7 +1249,8 @@ TEST_CASE("multi-tensor adam_step_all and sgd_step_all equal the single-tensor s
   w.insert(w.end(), w64.begin(), w64.end());
   std::vector<Tensor> w1 = copies(w), g = copies(w), m = zeros_of(w), v = zeros_of(w), m1 = zeros_of(w),
                       v1 = zeros_of(w);
-  gpu().adam_step_all(w, g, m, v, AdamParams{}, 1);
+  const Tensor first = gpu().step_scalars(adam_step_scalars(AdamParams{}, 1));
+  gpu().adam_step_all(w, g, m, v, AdamParams{}, first);
   for (size_t i = 0; i < w.size(); ++i) gpu().adam_step(w1[i], g[i], m1[i], v1[i], AdamParams{}, 1);
   check_bitwise(w, w1);
   // The same tensor twice takes the loop: scaled twice in turn, not by two blocks at once.
@@ -1259,9 +1260,9 @@ TEST_CASE("multi-tensor adam_step_all and sgd_step_all equal the single-tensor s
   gpu().scale(twice1[0], 0.5);
   gpu().scale(twice1[0], 0.5);
   check_bitwise({twice}, twice1);
-  // Lists of different lengths, and a step 0, are errors.
-  CHECK_THROWS_AS(gpu().adam_step_all(w, g, m, {}, AdamParams{}, 1), Error);
-  CHECK_THROWS_AS(gpu().adam_step_all(w1, g, m1, v1, AdamParams{}, 0), Error);
+  // Lists of different lengths, and scalars that are not a step's, are errors.
+  CHECK_THROWS_AS(gpu().adam_step_all(w, g, m, {}, AdamParams{}, first), Error);
+  CHECK_THROWS_AS(gpu().adam_step_all(w1, g, m1, v1, AdamParams{}, gpu().zeros({3}, DType::kF64)), Error);
 }
 
 TEST_CASE("multi-tensor scale_all, fill_all, cast_all and sum_squares_all equal their single-tensor ops") {
@@ -1304,6 +1305,61 @@ TEST_CASE("multi-tensor scale_all, fill_all, cast_all and sum_squares_all equal 
     check_bitwise(work, work1);
   }
   CHECK(gpu().sum_squares_all({gpu().empty({0}, DType::kF32)}) == 0.0);
+}
+
+TEST_CASE("the step's scalars on the GPU: the norm, the clip's scale and the skip equal the CPU's bit for bit") {
+  uint64_t seed = 1320;
+  // The norm left on the device is sum_squares_all's, bit for bit.
+  for (DType dt : kFloatTypes) {
+    const std::vector<Tensor> x = multi_tensors(dt, seed);
+    Tensor scalars = gpu().step_scalars(initial_step_scalars());
+    gpu().sum_squares_all_to(x, scalars);
+    CHECK(gpu().read_step_scalars(scalars)[kStepNormSquared] == gpu().sum_squares_all(x));
+    gpu().sum_squares_all_to({}, scalars);
+    CHECK(gpu().read_step_scalars(scalars)[kStepNormSquared] == 0.0);
+  }
+  // step_grad_scale: no norm, a norm below and above the clip, an overflow with and
+  // without loss scaling; then scale_all_by and an Adam step that reads the skip.
+  const double inf = std::numeric_limits<double>::infinity();
+  for (double norm_squared : {-1.0, 0.25, 9.0, 1e6, inf, std::nan("")}) {
+    for (double max_norm : {0.0, 1.0}) {
+      for (double inv_scale : {1.0, 1.0 / 1024}) {
+        for (bool skip_nonfinite : {false, true}) {
+          CAPTURE(norm_squared);
+          CAPTURE(max_norm);
+          CAPTURE(inv_scale);
+          CAPTURE(skip_nonfinite);
+          StepScalarValues v = adam_step_scalars(AdamParams{}, 3);
+          v[kStepNormSquared] = norm_squared;
+          Tensor host = cpu().step_scalars(v), dev = gpu().step_scalars(v);
+          cpu().step_grad_scale(host, max_norm, inv_scale, skip_nonfinite);
+          gpu().step_grad_scale(dev, max_norm, inv_scale, skip_nonfinite);
+          const StepScalarValues want = cpu().read_step_scalars(host), got = gpu().read_step_scalars(dev);
+          CHECK(got[kStepGradScale] == want[kStepGradScale]);
+          CHECK(got[kStepSkip] == want[kStepSkip]);
+          std::vector<Tensor> g = multi_tensors(DType::kF32, seed), g1 = copies(g);
+          gpu().scale_all_by(g, dev);
+          if (want[kStepSkip] == 0 && want[kStepGradScale] != 1.0) gpu().scale_all(g1, want[kStepGradScale]);
+          check_bitwise(g, g1);
+          std::vector<Tensor> w = multi_tensors(DType::kF32, seed), w1 = copies(w), m = zeros_of(w), vv = zeros_of(w);
+          gpu().adam_step_all(w, g, m, vv, AdamParams{}, dev);
+          if (want[kStepSkip] != 0) check_bitwise(w, w1);  // a skipped step changes nothing
+        }
+      }
+    }
+  }
+  // Bad data an op flagged since the last wait skips the step on the device; the error
+  // comes at the wait.
+  Tensor ids = to_gpu(Tensor::from_vector<int32_t>({0, 5}, {1, 2}));  // 5 is outside [0, 4)
+  Tensor table = to_gpu(random_tensor({4, 3}, DType::kF32, seed++)), out = gpu().empty({1, 2, 3}, DType::kF32);
+  Tensor dev = gpu().step_scalars(adam_step_scalars(AdamParams{}, 1));
+  gpu().embedding(ids, table, Tensor(), out);
+  gpu().step_grad_scale(dev, 0.0, 1.0, false);
+  std::vector<Tensor> w = multi_tensors(DType::kF32, seed), w1 = copies(w), m = zeros_of(w), vv = zeros_of(w);
+  gpu().adam_step_all(w, copies(w), m, vv, AdamParams{}, dev);
+  CHECK_THROWS_AS(gpu().synchronize(), UserError);
+  check_bitwise(w, w1);
+  CHECK(gpu().read_step_scalars(dev)[kStepSkip] == 1.0);
 }
 
 // ---------------------------------------------------------------------------------
@@ -1656,6 +1712,23 @@ TEST_CASE("dropout: the mask and the output are the CPU's bit for bit, forward a
     CHECK(gpu_msg == cpu_msg);
   }
   CHECK_THROWS_AS(gpu().dropout(x, 0.5, key, -1, 0, whole), Error);
+
+  // A key the kernel finishes from the step's scalars on the device (kStepIndex) is the
+  // CPU's with the step on the host, forward and backward; another step, another mask.
+  StepScalarValues v = initial_step_scalars();
+  v[kStepIndex] = 1234567;
+  const Tensor scalars = gpu().step_scalars(v);
+  const Tensor hx = random_tensor({6, 41}, DType::kF32, 1770);
+  Tensor want = Tensor::empty({6, 41}, DType::kF32, Device::cpu()), got = gpu().empty({6, 41}, DType::kF32);
+  cpu().dropout(hx, 0.3, DropoutKey::of_step(key, 0x8CB92BA72F3D8DD7ull, 1234567), 9, 2, want);
+  gpu().dropout(to_gpu(hx), 0.3, DropoutKey::of_step(key, 0x8CB92BA72F3D8DD7ull, 0, scalars), 9, 2, got);
+  CHECK(to_doubles(got) == to_doubles(want));
+  cpu().dropout_backward(hx, 0.3, DropoutKey::of_step(key, 0x8CB92BA72F3D8DD7ull, 1234567), 9, 2, want);
+  gpu().dropout_backward(to_gpu(hx), 0.3, DropoutKey::of_step(key, 0x8CB92BA72F3D8DD7ull, 0, scalars), 9, 2, got);
+  CHECK(to_doubles(got) == to_doubles(want));
+  v[kStepIndex] = 1234568;
+  gpu().dropout(to_gpu(hx), 0.3, DropoutKey::of_step(key, 0x8CB92BA72F3D8DD7ull, 0, gpu().step_scalars(v)), 9, 2, got);
+  CHECK(to_doubles(got) != to_doubles(want));
 }
 
 

@@ -27,6 +27,7 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include "kernels/cuda_elementwise.h"  // Master
+#include "kernels/step_scalars.h"
 
 #include "runtime/bf16.h"
 #include "runtime/fp16.h"
@@ -596,9 +597,17 @@ __device__ __forceinline__ T* multi_ptr(const MultiTensorTable& tab, int list, i
   return static_cast<T*>(tab.ptrs[list * tab.tensors + tensor]);
 }
 
+// The multi-tensor optimizer kernels read the step's scalars (kernels/step_scalars.h)
+// from the device when they run: the learning rate, the step's count (SGD's first step),
+// and what the host computed of them for Adam (its decay and bias corrections, converted
+// to T as adam_scalars converts them); a set kStepSkip leaves everything as it is.
+
 // Lists: params, grads, momentum buffers (null pointers without momentum).
 template <typename T>
-__global__ void multi_sgd_kernel(MultiTensorTable tab, SgdScalars<T> s) {
+__global__ void multi_sgd_kernel(MultiTensorTable tab, SgdScalars<T> s, const double* step) {
+  if (step[kStepSkip] != 0.0) return;
+  s.lr = static_cast<T>(step[kStepLr]);
+  s.first_step = step[kStepNumber] == 1.0;
   for_each_chunk(tab, [&](int64_t t, int64_t begin, int64_t end) {
     T* w = multi_ptr<T>(tab, 0, t);
     const T* g = multi_ptr<T>(tab, 1, t);
@@ -609,7 +618,12 @@ __global__ void multi_sgd_kernel(MultiTensorTable tab, SgdScalars<T> s) {
 
 // Lists: params, grads, m, v.
 template <typename T>
-__global__ void multi_adam_kernel(MultiTensorTable tab, AdamScalars<T> s) {
+__global__ void multi_adam_kernel(MultiTensorTable tab, AdamScalars<T> s, const double* step) {
+  if (step[kStepSkip] != 0.0) return;
+  s.lr = static_cast<T>(step[kStepLr]);
+  s.decay = static_cast<T>(step[kStepDecay]);
+  s.bias_correction1 = static_cast<T>(step[kStepBiasCorrection1]);
+  s.bias_correction2 = static_cast<T>(step[kStepBiasCorrection2]);
   for_each_chunk(tab, [&](int64_t t, int64_t begin, int64_t end) {
     T* w = multi_ptr<T>(tab, 0, t);
     const T* g = multi_ptr<T>(tab, 1, t);
@@ -626,6 +640,44 @@ __global__ void multi_scale_kernel(MultiTensorTable tab, T alpha, bool fill) {
     T* x = multi_ptr<T>(tab, 0, t);
     for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) x[i] = fill ? alpha : x[i] * alpha;
   });
+}
+
+// One list: x *= the step's gradient scale (0 clears, as multi_scale's fill); nothing when
+// the scale is 1 or the step is skipped.
+template <typename T>
+__global__ void multi_scale_by_kernel(MultiTensorTable tab, const double* step) {
+  const double scale = step[kStepGradScale];
+  if (step[kStepSkip] != 0.0 || scale == 1.0) return;
+  const T alpha = static_cast<T>(scale);
+  const bool clear = scale == 0.0;
+  for_each_chunk(tab, [&](int64_t t, int64_t begin, int64_t end) {
+    T* x = multi_ptr<T>(tab, 0, t);
+    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) x[i] = clear ? T(0) : x[i] * alpha;
+  });
+}
+
+// One block: the step's gradient scale and skip from its norm (Backend::step_grad_scale),
+// with the host's double arithmetic written out (_rn: never contracted into an FMA, so
+// the bits are the host's); any flagged error slot of `slots` also skips the step.
+__global__ void step_grad_scale_kernel(double* step, double max_norm, double inv_loss_scale, bool skip_nonfinite,
+                                       const ErrorSlot* slots, int64_t slot_count) {
+  __shared__ int bad;
+  if (threadIdx.x == 0) bad = 0;
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < slot_count; i += blockDim.x) {
+    if (slots[i] != kNoError) atomicOr(&bad, 1);
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  const double norm_squared = step[kStepNormSquared];
+  const double norm = norm_squared < 0.0 ? -1.0 : __dsqrt_rn(norm_squared);  // NaN stays NaN
+  if (bad != 0 || (skip_nonfinite && !isfinite(norm))) step[kStepSkip] = 1.0;
+  double scale = inv_loss_scale;
+  if (max_norm > 0.0 && norm >= 0.0) {
+    const double clip = __ddiv_rn(max_norm, __dadd_rn(__dmul_rn(norm, inv_loss_scale), 1e-6));
+    if (clip < 1.0) scale = __dmul_rn(scale, clip);
+  }
+  step[kStepGradScale] = scale;
 }
 
 // partial[blockIdx.x] = the sum of squares (in double) of this block's chunks; one list.
@@ -949,9 +1001,13 @@ __global__ void causal_softmax_backward_kernel(const T* probs, T* d, int64_t seq
 // (k, sample)), computed once; lane j of the block is the value
 // philox_uniform(key, sample, 4k + j) returns, by the same expression
 // (runtime/philox.h). The first and last groups of a row may lie partly outside it.
+// The key: k.key, or with k.step mixed_key of k's base and the step's scalars' step index.
 template <typename T>
 __global__ void dropout_kernel(const T* x, T* y, int64_t rows, int64_t per_row, int64_t groups_per_row, double p,
-                               T scale, uint64_t key, uint64_t sample_offset, int64_t first) {
+                               T scale, DropoutKeyArgs k_args, uint64_t sample_offset, int64_t first) {
+  const uint64_t key = k_args.step == nullptr
+                           ? k_args.key
+                           : mixed_key(k_args.base, k_args.multiplier, static_cast<uint64_t>(k_args.step[kStepIndex]));
   const int64_t n = rows * groups_per_row;
   const int64_t first_group = first / 4, last = first + per_row;
   GRID_STRIDE_LOOP(idx, n) {
@@ -1395,8 +1451,8 @@ void launch_causal_softmax_backward(const T* probs, T* dprobs, int64_t rows, int
 }
 
 template <typename T>
-void launch_dropout(const T* x, T* y, int64_t rows, int64_t per_row, double p, uint64_t key, int64_t sample_offset,
-                    int64_t element_offset, cudaStream_t stream) {
+void launch_dropout(const T* x, T* y, int64_t rows, int64_t per_row, double p, const DropoutKeyArgs& key,
+                    int64_t sample_offset, int64_t element_offset, cudaStream_t stream) {
   if (rows == 0 || per_row == 0) return;
   if (p == 0.0) {  // no mask to draw: a plain copy, bit for bit (as the CPU reference)
     if (y != x) {
@@ -1675,11 +1731,11 @@ void causal_softmax_backward(const double* probs, double* dprobs, int64_t rows, 
   launch_causal_softmax_backward(probs, dprobs, rows, seq, stream);
 }
 
-void dropout(const float* x, float* y, int64_t rows, int64_t per_row, double p, uint64_t key,
+void dropout(const float* x, float* y, int64_t rows, int64_t per_row, double p, const DropoutKeyArgs& key,
              int64_t sample_offset, int64_t element_offset, cudaStream_t stream) {
   launch_dropout(x, y, rows, per_row, p, key, sample_offset, element_offset, stream);
 }
-void dropout(const double* x, double* y, int64_t rows, int64_t per_row, double p, uint64_t key,
+void dropout(const double* x, double* y, int64_t rows, int64_t per_row, double p, const DropoutKeyArgs& key,
              int64_t sample_offset, int64_t element_offset, cudaStream_t stream) {
   launch_dropout(x, y, rows, per_row, p, key, sample_offset, element_offset, stream);
 }
@@ -1738,33 +1794,31 @@ unsigned multi_blocks(const MultiTensorTable& tab, int64_t cap) {
 }
 }  // namespace
 
-void multi_sgd_step(const MultiTensorTable& tab, DType t, double lr, double momentum, double weight_decay,
-                    bool nesterov, bool first_step, cudaStream_t stream) {
+void multi_sgd_step(const MultiTensorTable& tab, DType t, double momentum, double weight_decay, bool nesterov,
+                    const double* step, cudaStream_t stream) {
   if (tab.chunks == 0) return;
   if (t == DType::kF32) {
     multi_sgd_kernel<float><<<multi_blocks(tab, kMaxBlocks), kThreads, 0, stream>>>(
-        tab, sgd_scalars<float>(lr, momentum, weight_decay, nesterov, first_step));
+        tab, sgd_scalars<float>(0.0, momentum, weight_decay, nesterov, false), step);
   } else if (t == DType::kF64) {
     multi_sgd_kernel<double><<<multi_blocks(tab, kMaxBlocks), kThreads, 0, stream>>>(
-        tab, sgd_scalars<double>(lr, momentum, weight_decay, nesterov, first_step));
+        tab, sgd_scalars<double>(0.0, momentum, weight_decay, nesterov, false), step);
   } else {
     throw Error(std::string("multi_sgd_step: ") + dtype_name(t) + " tensors; float32 or float64 only");
   }
   GPIPE_CUDA_CHECK(cudaGetLastError());
 }
 
-void multi_adam_step(const MultiTensorTable& tab, DType t, double lr, double beta1, double beta2, double eps,
-                     double weight_decay, bool decoupled, double bias_correction1, double bias_correction2,
-                     cudaStream_t stream) {
+void multi_adam_step(const MultiTensorTable& tab, DType t, double beta1, double beta2, double eps,
+                     double weight_decay, bool decoupled, const double* step, cudaStream_t stream) {
   if (tab.chunks == 0) return;
+  // lr, decay and the bias corrections: the kernel's, from `step`.
   if (t == DType::kF32) {
     multi_adam_kernel<float><<<multi_blocks(tab, kMaxBlocks), kThreads, 0, stream>>>(
-        tab, adam_scalars<float>(lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction1,
-                                 bias_correction2));
+        tab, adam_scalars<float>(0.0, beta1, beta2, eps, weight_decay, decoupled, 1.0, 1.0), step);
   } else if (t == DType::kF64) {
     multi_adam_kernel<double><<<multi_blocks(tab, kMaxBlocks), kThreads, 0, stream>>>(
-        tab, adam_scalars<double>(lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction1,
-                                  bias_correction2));
+        tab, adam_scalars<double>(0.0, beta1, beta2, eps, weight_decay, decoupled, 1.0, 1.0), step);
   } else {
     throw Error(std::string("multi_adam_step: ") + dtype_name(t) + " tensors; float32 or float64 only");
   }
@@ -1781,6 +1835,25 @@ void multi_scale(const MultiTensorTable& tab, DType t, double alpha, bool fill, 
   } else {
     throw Error(std::string("multi_scale: ") + dtype_name(t) + " tensors; float32 or float64 only");
   }
+  GPIPE_CUDA_CHECK(cudaGetLastError());
+}
+
+void multi_scale_by(const MultiTensorTable& tab, DType t, const double* step, cudaStream_t stream) {
+  if (tab.chunks == 0) return;
+  if (t == DType::kF32) {
+    multi_scale_by_kernel<float><<<multi_blocks(tab, kMaxBlocks), kThreads, 0, stream>>>(tab, step);
+  } else if (t == DType::kF64) {
+    multi_scale_by_kernel<double><<<multi_blocks(tab, kMaxBlocks), kThreads, 0, stream>>>(tab, step);
+  } else {
+    throw Error(std::string("multi_scale_by: ") + dtype_name(t) + " tensors; float32 or float64 only");
+  }
+  GPIPE_CUDA_CHECK(cudaGetLastError());
+}
+
+void step_grad_scale(double* step, double max_norm, double inv_loss_scale, bool skip_nonfinite,
+                     const ErrorSlot* slots, int64_t slot_count, cudaStream_t stream) {
+  step_grad_scale_kernel<<<1, kThreads, 0, stream>>>(step, max_norm, inv_loss_scale, skip_nonfinite, slots,
+                                                     slot_count);
   GPIPE_CUDA_CHECK(cudaGetLastError());
 }
 

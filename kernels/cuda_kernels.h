@@ -188,15 +188,24 @@ std::vector<int64_t> multi_tensor_image(const std::vector<std::vector<const void
                                         const std::vector<int64_t>& numel);
 // The table over `image` (device memory holding host_image's words).
 MultiTensorTable multi_tensor_view(const int64_t* image, const std::vector<int64_t>& host_image, int lists);
+// `step`: the step's scalars on the device (kernels/step_scalars.h), read when the
+// kernels run: the learning rate, the step's count and Adam's host-computed decay and
+// bias corrections; nothing changes when its kStepSkip is set.
 // Lists: params, grads, momentum buffers (nullptr entries without momentum); float32 or float64.
-void multi_sgd_step(const MultiTensorTable& tab, DType t, double lr, double momentum, double weight_decay,
-                    bool nesterov, bool first_step, cudaStream_t stream);
+void multi_sgd_step(const MultiTensorTable& tab, DType t, double momentum, double weight_decay, bool nesterov,
+                    const double* step, cudaStream_t stream);
 // Lists: params, grads, m, v; float32 or float64.
-void multi_adam_step(const MultiTensorTable& tab, DType t, double lr, double beta1, double beta2, double eps,
-                     double weight_decay, bool decoupled, double bias_correction1, double bias_correction2,
-                     cudaStream_t stream);
+void multi_adam_step(const MultiTensorTable& tab, DType t, double beta1, double beta2, double eps,
+                     double weight_decay, bool decoupled, const double* step, cudaStream_t stream);
 // One list: x *= alpha, or x = alpha when fill; float32 or float64.
 void multi_scale(const MultiTensorTable& tab, DType t, double alpha, bool fill, cudaStream_t stream);
+// One list: x *= step[kStepGradScale] (0 clears); nothing when it is 1 or kStepSkip is set.
+void multi_scale_by(const MultiTensorTable& tab, DType t, const double* step, cudaStream_t stream);
+// step[kStepGradScale] and step[kStepSkip] from step[kStepNormSquared]
+// (Backend::step_grad_scale); the step is skipped too when any of the `slot_count`
+// error slots is flagged.
+void step_grad_scale(double* step, double max_norm, double inv_loss_scale, bool skip_nonfinite,
+                     const ErrorSlot* slots, int64_t slot_count, cudaStream_t stream);
 // One list: *result (device) = the sum of every element's square, in double.
 // workspace: multi_sum_squares_workspace(tab) doubles.
 int64_t multi_sum_squares_workspace(const MultiTensorTable& tab);
@@ -315,14 +324,22 @@ void causal_softmax_backward(const float* probs, float* dprobs, int64_t rows, in
 void causal_softmax_backward(const double* probs, double* dprobs, int64_t rows, int64_t seq,
                              cudaStream_t stream);
 
+// A dropout mask's key as a kernel takes it (Backend's DropoutKey): `key`, or with
+// `step` (the step's scalars on the device, kernels/step_scalars.h) mixed_key(base,
+// multiplier, step[kStepIndex]), read when the kernel runs.
+struct DropoutKeyArgs {
+  uint64_t key = 0;
+  uint64_t base = 0, multiplier = 0;
+  const double* step = nullptr;
+};
 // Inverted dropout, the mask of Backend::dropout: x, y: (rows, per_row); element e of
 // row i is kept iff double(philox_uniform(key, sample_offset + i, element_offset + e))
 // >= p, and kept values are multiplied by T(1 / (1 - p)); p == 0 copies. Bit for bit
 // the CPU reference's output. p in [0, 1), sample_offset, element_offset >= 0 (the
 // caller checks). y may alias x.
-void dropout(const float* x, float* y, int64_t rows, int64_t per_row, double p, uint64_t key,
+void dropout(const float* x, float* y, int64_t rows, int64_t per_row, double p, const DropoutKeyArgs& key,
              int64_t sample_offset, int64_t element_offset, cudaStream_t stream);
-void dropout(const double* x, double* y, int64_t rows, int64_t per_row, double p, uint64_t key,
+void dropout(const double* x, double* y, int64_t rows, int64_t per_row, double p, const DropoutKeyArgs& key,
              int64_t sample_offset, int64_t element_offset, cudaStream_t stream);
 
 }  // namespace cuda

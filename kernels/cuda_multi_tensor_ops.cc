@@ -14,6 +14,7 @@
 
 #include "kernels/cuda_backend.h"
 #include "kernels/op_checks.h"
+#include "kernels/step_scalars.h"
 #include "kernels/transformer_checks.h"
 #include "runtime/cuda_check.h"
 #include "runtime/cuda_device.h"
@@ -139,40 +140,49 @@ double CudaBackend::sum_squares_all(const std::vector<Tensor>& xs) {
   return *host;
 }
 
+// The step's scalars as a kernel reads them: on this device, float64, kStepScalarCount.
+const double* CudaBackend::step_scalars_on_device(const Tensor& scalars, const char* op) const {
+  check_on_device(scalars, op);
+  if (scalars.dtype() != DType::kF64 || scalars.numel() != kStepScalarCount || !scalars.is_contiguous()) {
+    throw Error(std::string(op) + ": the step's scalars must be " + std::to_string(kStepScalarCount) +
+                " contiguous float64 values, not " + scalars.str());
+  }
+  return scalars.data<double>();
+}
+
 void CudaBackend::sgd_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-                               const std::vector<Tensor>& bufs, const SgdParams& p, bool first_step) {
+                               const std::vector<Tensor>& bufs, const SgdParams& p, const Tensor& scalars) {
   const std::vector<const std::vector<Tensor>*> lists{&params, &grads, &bufs};
   check_lengths(lists, "sgd_step_all");
   const DType t = common_float(lists);
-  if (t == DType::kI32 || !disjoint(params)) return Backend::sgd_step_all(params, grads, bufs, p, first_step);
+  if (t == DType::kI32 || !disjoint(params)) return Backend::sgd_step_all(params, grads, bufs, p, scalars);
   const bool momentum = p.momentum != 0.0;
   for (size_t i = 0; i < params.size(); ++i) {  // sgd_step's checks
     ops::check_float(params[i], "sgd_step");
     ops::check_same(params[i], grads[i], "sgd_step");
     if (momentum) ops::check_same(params[i], bufs[i], "sgd_step");
   }
+  const double* step = step_scalars_on_device(scalars, "sgd_step_all");
   DeviceGuard guard(device_.index);
   // Without momentum the buffers are not read: their list holds null pointers.
   const std::vector<Tensor> none(params.size());
   const cuda::MultiTensorTable tab = multi_table({&params, &grads, momentum ? &bufs : &none}, "sgd_step_all");
-  cuda::multi_sgd_step(tab, t, p.lr, p.momentum, p.weight_decay, p.nesterov, first_step, cuda_stream());
+  cuda::multi_sgd_step(tab, t, p.momentum, p.weight_decay, p.nesterov, step, cuda_stream());
 }
 
 void CudaBackend::adam_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                                 const std::vector<Tensor>& m, const std::vector<Tensor>& v, const AdamParams& p,
-                                int64_t step) {
+                                const Tensor& scalars) {
   const std::vector<const std::vector<Tensor>*> lists{&params, &grads, &m, &v};
   check_lengths(lists, "adam_step_all");
   const DType t = common_float(lists);
-  if (t == DType::kI32 || !disjoint(params)) return Backend::adam_step_all(params, grads, m, v, p, step);
-  for (size_t i = 0; i < params.size(); ++i) ops::check_adam(params[i], grads[i], m[i], v[i], step);
-  // Bias corrections in double on the host, as adam_step and the CPU reference compute them.
-  const double bc1 = 1.0 - std::pow(p.beta1, static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(p.beta2, static_cast<double>(step));
+  if (t == DType::kI32 || !disjoint(params)) return Backend::adam_step_all(params, grads, m, v, p, scalars);
+  // adam_step's checks (a step count of 1 stands for the device's, which the host wrote).
+  for (size_t i = 0; i < params.size(); ++i) ops::check_adam(params[i], grads[i], m[i], v[i], 1);
+  const double* step = step_scalars_on_device(scalars, "adam_step_all");
   DeviceGuard guard(device_.index);
   const cuda::MultiTensorTable tab = multi_table(lists, "adam_step_all");
-  cuda::multi_adam_step(tab, t, p.lr, p.beta1, p.beta2, p.eps, p.weight_decay, p.decoupled, bc1, bc2,
-                        cuda_stream());
+  cuda::multi_adam_step(tab, t, p.beta1, p.beta2, p.eps, p.weight_decay, p.decoupled, step, cuda_stream());
 }
 
 void CudaBackend::scale_all(const std::vector<Tensor>& xs, double alpha) {
@@ -182,6 +192,40 @@ void CudaBackend::scale_all(const std::vector<Tensor>& xs, double alpha) {
   for (const Tensor& x : xs) ops::check_float(x, "scale");
   DeviceGuard guard(device_.index);
   cuda::multi_scale(multi_table({&xs}, "scale_all"), t, alpha, /*fill=*/false, cuda_stream());
+}
+
+void CudaBackend::scale_all_by(const std::vector<Tensor>& xs, const Tensor& scalars) {
+  const DType t = common_float({&xs});
+  if (t == DType::kI32 || !disjoint(xs)) return Backend::scale_all_by(xs, scalars);
+  for (const Tensor& x : xs) ops::check_float(x, "scale");
+  const double* step = step_scalars_on_device(scalars, "scale_all_by");
+  DeviceGuard guard(device_.index);
+  cuda::multi_scale_by(multi_table({&xs}, "scale_all_by"), t, step, cuda_stream());
+}
+
+// The norm's sum as sum_squares_all's, written into the step's scalars: no copy back, no wait.
+void CudaBackend::sum_squares_all_to(const std::vector<Tensor>& xs, Tensor& scalars) {
+  const DType t = common_float({&xs});
+  if (t == DType::kI32) return Backend::sum_squares_all_to(xs, scalars);  // sum_squares's errors, or another type
+  double* step = const_cast<double*>(step_scalars_on_device(scalars, "sum_squares_all_to"));
+  DeviceGuard guard(device_.index);
+  const cuda::MultiTensorTable tab = multi_table({&xs}, "sum_squares_all_to");
+  cudaStream_t s = cuda_stream();
+  if (tab.tensors == 0) {
+    GPIPE_CUDA_CHECK(cudaMemsetAsync(step + kStepNormSquared, 0, sizeof(double), s));  // +0.0: all bits 0
+    return;
+  }
+  Tensor work = empty({cuda::multi_sum_squares_workspace(tab)}, DType::kF64);  // partial sums
+  cuda::multi_sum_squares(tab, t, work.data<double>(), step + kStepNormSquared, s);
+}
+
+// Every error slot is read: a flagged one is this step's bad data (or a stage's that
+// shares this GPU, whose step fails too), reported at the next wait.
+void CudaBackend::step_grad_scale(Tensor& scalars, double max_norm, double inv_loss_scale, bool skip_nonfinite) {
+  double* step = const_cast<double*>(step_scalars_on_device(scalars, "step_grad_scale"));
+  DeviceGuard guard(device_.index);
+  cuda::step_grad_scale(step, max_norm, inv_loss_scale, skip_nonfinite, slots_,
+                        static_cast<int64_t>(kMaxDeferredChecks), cuda_stream());
 }
 
 void CudaBackend::fill_all(const std::vector<Tensor>& xs, double value) {

@@ -1,5 +1,8 @@
 #include "kernels/widening_backend.h"
 
+#include <cstdio>
+#include <string>
+
 #include <algorithm>
 #include <array>
 #include <deque>
@@ -8,6 +11,8 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include "kernels/op_log.h"
 
 namespace gpipe {
 
@@ -98,6 +103,73 @@ const A& stand_in(Widen&, const A& a) {
   return a;
 }
 
+// ---- OpLog (kernels/op_log.h): each call's arguments as text, tensors by type and shape.
+void describe(std::string& out, const Tensor& t) {
+  if (!t.defined()) {
+    out += "-";
+    return;
+  }
+  out += dtype_name(t.dtype());
+  out += "[";
+  for (int d = 0; d < t.dim(); ++d) out += (d > 0 ? "," : "") + std::to_string(t.size(d));
+  out += "]";
+}
+void describe(std::string& out, const std::vector<Tensor>& ts) {
+  out += "{";
+  for (const Tensor& t : ts) describe(out, t);
+  out += "}";
+}
+void describe(std::string& out, double v) {
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%a", v);  // exact
+  out += buf;
+}
+void describe(std::string& out, const AdamParams& p) {
+  for (double v : {p.lr, p.beta1, p.beta2, p.eps, p.weight_decay, p.decoupled ? 1.0 : 0.0}) describe(out, v), out += "/";
+}
+void describe(std::string& out, const SgdParams& p) {
+  for (double v : {p.lr, p.momentum, p.weight_decay, p.nesterov ? 1.0 : 0.0}) describe(out, v), out += "/";
+}
+void describe(std::string& out, const DropoutKey& k) {
+  if (k.multiplier == 0) {
+    out += "key=" + std::to_string(k.key);
+    return;
+  }
+  out += "key(" + std::to_string(k.base) + "," + std::to_string(k.multiplier) + ",";
+  if (k.from_device()) {
+    describe(out, k.scalars);  // the step read on the device
+  } else {
+    out += "step=" + std::to_string(k.step);
+  }
+  out += ")";
+}
+void describe(std::string& out, const In& a) { describe(out, a.t); }
+void describe(std::string& out, const Out& a) { describe(out, a.t); }
+void describe(std::string& out, const InOut& a) { describe(out, a.t); }
+template <typename A>
+void describe(std::string& out, const A& a) {
+  if constexpr (std::is_enum_v<A>) {
+    out += std::to_string(static_cast<long long>(a));
+  } else if constexpr (std::is_same_v<A, bool>) {
+    out += a ? "true" : "false";
+  } else {
+    static_assert(std::is_integral_v<A>, "OpLog: describe this argument type");
+    out += std::to_string(a);
+  }
+}
+
+// Records the call in the OpLog, if one is alive.
+template <typename... A>
+void note_call(const char* op, bool returns, const A&... args) {
+  if (!OpLog::active()) return;
+  OpLog::Call call;
+  call.thread = std::this_thread::get_id();
+  call.op = op;
+  call.returns = returns;
+  ((describe(call.args, args), call.args += " "), ...);
+  OpLog::note(std::move(call));
+}
+
 // The body of every generated op: `op` on the wrapped backend with the marked call's
 // arguments. As they are when no marked operand is narrow, or when the wrapped backend
 // computes `narrow` itself in the one narrow type of every defined marked operand;
@@ -129,6 +201,7 @@ R widening_call(Backend& inner, std::optional<Backend::NarrowOp> narrow, R (Back
 
 void WideningBackend::matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, double alpha,
                              double beta) {
+  note_call("matmul", false, a, ta, b, tb, c, alpha, beta);
   if (!any_narrow(a, b, c) || native_matmul(*inner_, a, b, c)) return inner_->matmul(a, ta, b, tb, c, alpha, beta);
   Widen w(*inner_);
   inner_->matmul(w.in(a), ta, w.in(b), tb, beta != 0.0 ? w.inout(c) : w.out(c), alpha, beta);
@@ -137,6 +210,7 @@ void WideningBackend::matmul(const Tensor& a, bool ta, const Tensor& b, bool tb,
 
 void WideningBackend::matmul_weight(const Tensor& a, bool ta, const Tensor& wt, bool tw, Tensor& c, double alpha,
                                     double beta) {
+  note_call("matmul_weight", false, a, ta, wt, tw, c, alpha, beta);
   if (!any_narrow(a, wt, c) || native_matmul(*inner_, a, wt, c)) {
     return inner_->matmul_weight(a, ta, wt, tw, c, alpha, beta);
   }
@@ -146,6 +220,7 @@ void WideningBackend::matmul_weight(const Tensor& a, bool ta, const Tensor& wt, 
 }
 
 void WideningBackend::bias_grad(const Tensor& dy, Tensor& db, double beta) {
+  note_call("bias_grad", false, dy, db, beta);
   if (!any_narrow(dy, db)) return inner_->bias_grad(dy, db, beta);
   Widen w(*inner_);
   inner_->bias_grad(w.in(dy), beta != 0.0 ? w.inout(db) : w.out(db), beta);
@@ -153,6 +228,7 @@ void WideningBackend::bias_grad(const Tensor& dy, Tensor& db, double beta) {
 }
 
 double WideningBackend::sum_squares_all(const std::vector<Tensor>& xs) {
+  note_call("sum_squares_all", true, xs);
   for (const Tensor& x : xs) {
     if (any_narrow(x)) return Backend::sum_squares_all(xs);  // each widened on its own
   }
@@ -177,6 +253,7 @@ bool native_fused(const Backend& inner, Backend::NarrowOp op, std::initializer_l
 }  // namespace
 
 void WideningBackend::rmsnorm(const Tensor& x, const Tensor& g, double eps, Tensor& y, Tensor& rstd) {
+  note_call("rmsnorm", false, x, g, eps, y, rstd);
   if (!any_narrow(x, g, y, rstd) || native_fused(*inner_, NarrowOp::kRmsNorm, {&x, &g, &y}, {&rstd})) {
     return inner_->rmsnorm(x, g, eps, y, rstd);
   }
@@ -185,6 +262,7 @@ void WideningBackend::rmsnorm(const Tensor& x, const Tensor& g, double eps, Tens
 
 void WideningBackend::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& rstd,
                                        Tensor& dx) {
+  note_call("rmsnorm_backward", false, dy, x, g, rstd, dx);
   if (!any_narrow(dy, x, g, rstd, dx) ||
       native_fused(*inner_, NarrowOp::kRmsNorm, {&x, &dy, &g, &dx}, {&rstd})) {
     return inner_->rmsnorm_backward(dy, x, g, rstd, dx);
@@ -193,6 +271,7 @@ void WideningBackend::rmsnorm_backward(const Tensor& dy, const Tensor& x, const 
 }
 
 void WideningBackend::rmsnorm_weight_grad(const Tensor& dy, const Tensor& x, const Tensor& rstd, Tensor& dg) {
+  note_call("rmsnorm_weight_grad", false, dy, x, rstd, dg);
   if (!any_narrow(dy, x, rstd, dg) || native_fused(*inner_, NarrowOp::kRmsNorm, {&x, &dy}, {&rstd, &dg})) {
     return inner_->rmsnorm_weight_grad(dy, x, rstd, dg);
   }
@@ -200,6 +279,7 @@ void WideningBackend::rmsnorm_weight_grad(const Tensor& dy, const Tensor& x, con
 }
 
 void WideningBackend::swiglu(const Tensor& a, const Tensor& b, Tensor& y) {
+  note_call("swiglu", false, a, b, y);
   if (!any_narrow(a, b, y) || native_fused(*inner_, NarrowOp::kSwiglu, {&a, &b, &y}, {})) {
     return inner_->swiglu(a, b, y);
   }
@@ -207,6 +287,7 @@ void WideningBackend::swiglu(const Tensor& a, const Tensor& b, Tensor& y) {
 }
 
 void WideningBackend::swiglu_backward(const Tensor& dy, const Tensor& a, const Tensor& b, Tensor& da, Tensor& db) {
+  note_call("swiglu_backward", false, dy, a, b, da, db);
   if (!any_narrow(dy, a, b, da, db) || native_fused(*inner_, NarrowOp::kSwiglu, {&dy, &a, &b, &da, &db}, {})) {
     return inner_->swiglu_backward(dy, a, b, da, db);
   }
@@ -221,24 +302,45 @@ bool any_narrow_in(const Lists&... lists) {
 }  // namespace
 
 void WideningBackend::sgd_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-                                   const std::vector<Tensor>& bufs, const SgdParams& p, bool first_step) {
-  if (any_narrow_in(params, grads, bufs)) return Backend::sgd_step_all(params, grads, bufs, p, first_step);
-  inner_->sgd_step_all(params, grads, bufs, p, first_step);
+                                   const std::vector<Tensor>& bufs, const SgdParams& p, const Tensor& scalars) {
+  note_call("sgd_step_all", false, params, grads, bufs, p, scalars);
+  if (any_narrow_in(params, grads, bufs)) return Backend::sgd_step_all(params, grads, bufs, p, scalars);
+  inner_->sgd_step_all(params, grads, bufs, p, scalars);
 }
 
 void WideningBackend::adam_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                                     const std::vector<Tensor>& m, const std::vector<Tensor>& v, const AdamParams& p,
-                                    int64_t step) {
-  if (any_narrow_in(params, grads, m, v)) return Backend::adam_step_all(params, grads, m, v, p, step);
-  inner_->adam_step_all(params, grads, m, v, p, step);
+                                    const Tensor& scalars) {
+  note_call("adam_step_all", false, params, grads, m, v, p, scalars);
+  if (any_narrow_in(params, grads, m, v)) return Backend::adam_step_all(params, grads, m, v, p, scalars);
+  inner_->adam_step_all(params, grads, m, v, p, scalars);
 }
 
 void WideningBackend::scale_all(const std::vector<Tensor>& xs, double alpha) {
+  note_call("scale_all", false, xs, alpha);
   if (any_narrow_in(xs)) return Backend::scale_all(xs, alpha);
   inner_->scale_all(xs, alpha);
 }
 
+void WideningBackend::sum_squares_all_to(const std::vector<Tensor>& xs, Tensor& scalars) {
+  note_call("sum_squares_all_to", false, xs, scalars);
+  if (any_narrow_in(xs)) return Backend::sum_squares_all_to(xs, scalars);  // each widened on its own
+  inner_->sum_squares_all_to(xs, scalars);
+}
+
+void WideningBackend::step_grad_scale(Tensor& scalars, double max_norm, double inv_loss_scale, bool skip_nonfinite) {
+  note_call("step_grad_scale", false, scalars, max_norm, inv_loss_scale, skip_nonfinite);
+  inner_->step_grad_scale(scalars, max_norm, inv_loss_scale, skip_nonfinite);
+}
+
+void WideningBackend::scale_all_by(const std::vector<Tensor>& xs, const Tensor& scalars) {
+  note_call("scale_all_by", false, xs, scalars);
+  if (any_narrow_in(xs)) return Backend::scale_all_by(xs, scalars);
+  inner_->scale_all_by(xs, scalars);
+}
+
 void WideningBackend::fill_all(const std::vector<Tensor>& xs, double value) {
+  note_call("fill_all", false, xs, value);
   if (any_narrow_in(xs)) return Backend::fill_all(xs, value);
   inner_->fill_all(xs, value);
 }
@@ -246,10 +348,14 @@ void WideningBackend::fill_all(const std::vector<Tensor>& xs, double value) {
 // ---- The generated ops: one definition per line of kernels/backend_ops.inc.
 
 #define GPIPE_UNPAREN(...) __VA_ARGS__
-#define GPIPE_OP(R, name, params, call) \
-  R WideningBackend::name params { return widening_call(*inner_, std::nullopt, &Backend::name, GPIPE_UNPAREN call); }
-#define GPIPE_NARROW_OP(R, name, params, call, narrow)                                          \
-  R WideningBackend::name params {                                                              \
+#define GPIPE_OP(R, name, params, call)                                          \
+  R WideningBackend::name params {                                               \
+    note_call(#name, !std::is_void_v<R>, GPIPE_UNPAREN call);                    \
+    return widening_call(*inner_, std::nullopt, &Backend::name, GPIPE_UNPAREN call); \
+  }
+#define GPIPE_NARROW_OP(R, name, params, call, narrow)                                   \
+  R WideningBackend::name params {                                                       \
+    note_call(#name, !std::is_void_v<R>, GPIPE_UNPAREN call);                            \
     return widening_call(*inner_, NarrowOp::narrow, &Backend::name, GPIPE_UNPAREN call); \
   }
 #define GPIPE_OWN_OP(R, name, params)
@@ -260,24 +366,38 @@ void WideningBackend::fill_all(const std::vector<Tensor>& xs, double value) {
 
 void WideningBackend::fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, int heads, Tensor& out,
                                       Tensor& stats) {
+  note_call("fused_attention", false, q, k, v, heads, out, stats);
   inner_->fused_attention(q, k, v, heads, out, stats);
 }
 
 void WideningBackend::fused_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                                const Tensor& out, const Tensor& stats, int heads, Tensor& dq,
                                                Tensor& dk, Tensor& dv) {
+  note_call("fused_attention_backward", false, dout, q, k, v, out, stats, heads, dq, dk, dv);
   inner_->fused_attention_backward(dout, q, k, v, out, stats, heads, dq, dk, dv);
 }
 
 void WideningBackend::cast_all(const std::vector<Tensor>& srcs, const std::vector<Tensor>& dsts) {
+  note_call("cast_all", false, srcs, dsts);
   inner_->cast_all(srcs, dsts);
 }
 
-void WideningBackend::copy(const Tensor& src, Tensor& dst) { inner_->copy(src, dst); }
-void WideningBackend::cast(const Tensor& src, Tensor& dst) { inner_->cast(src, dst); }
+// A copy to the host waits for the device and hands the host its values.
+void WideningBackend::copy(const Tensor& src, Tensor& dst) {
+  note_call("copy", dst.device().is_cpu() && !src.device().is_cpu(), src, dst);
+  inner_->copy(src, dst);
+}
+void WideningBackend::cast(const Tensor& src, Tensor& dst) {
+  note_call("cast", false, src, dst);
+  inner_->cast(src, dst);
+}
 void WideningBackend::transpose_blocks(const Tensor& src, int64_t rows, int64_t cols, Tensor& dst) {
+  note_call("transpose_blocks", false, src, rows, cols, dst);
   inner_->transpose_blocks(src, rows, cols, dst);
 }
-void WideningBackend::synchronize() { inner_->synchronize(); }
+void WideningBackend::synchronize() {
+  note_call("synchronize", true);
+  inner_->synchronize();
+}
 
 }  // namespace gpipe

@@ -293,7 +293,7 @@ TEST_CASE("multi-tensor ops equal the single-tensor op on each tensor, narrow te
     for (Tensor& t : v) be.scale(t, 0.0);  // second moments start at 0
     std::vector<Tensor> w1 = copies(w), m1 = copies(m), v1 = copies(v);
     const std::vector<Tensor> g = list(dt, 40);
-    be.adam_step_all(w, g, m, v, ap, 2);
+    be.adam_step_all(w, g, m, v, ap, be.step_scalars(adam_step_scalars(ap, 2)));
     for (size_t i = 0; i < w.size(); ++i) be.adam_step(w1[i], g[i], m1[i], v1[i], ap, 2);
     same(w, w1);
     same(m, m1);
@@ -302,12 +302,12 @@ TEST_CASE("multi-tensor ops equal the single-tensor op on each tensor, narrow te
     SgdParams sp;
     sp.momentum = 0.9;
     std::vector<Tensor> b = list(dt, 50), b1 = copies(b), u = copies(w1), u1 = copies(w1);
-    be.sgd_step_all(w, g, b, sp, false);
+    be.sgd_step_all(w, g, b, sp, be.step_scalars(sgd_step_scalars(sp, 2)));
     for (size_t i = 0; i < w1.size(); ++i) be.sgd_step(w1[i], g[i], b1[i], sp, false);
     same(w, w1);
     same(b, b1);
     sp.momentum = 0.0;  // no momentum: undefined buffers
-    be.sgd_step_all(u, g, std::vector<Tensor>(u.size()), sp, true);
+    be.sgd_step_all(u, g, std::vector<Tensor>(u.size()), sp, be.step_scalars(sgd_step_scalars(sp, 1)));
     for (size_t i = 0; i < u1.size(); ++i) {
       Tensor none;
       be.sgd_step(u1[i], g[i], none, sp, true);
@@ -332,7 +332,7 @@ TEST_CASE("multi-tensor ops equal the single-tensor op on each tensor, narrow te
   same(work, work1);
   // One entry per tensor in every list.
   std::vector<Tensor> w = list(DType::kF32, 70);
-  CHECK_THROWS_WITH_AS(be.adam_step_all(w, w, w, {}, AdamParams{}, 1),
+  CHECK_THROWS_WITH_AS(be.adam_step_all(w, w, w, {}, AdamParams{}, be.step_scalars(adam_step_scalars(AdamParams{}, 1))),
                        doctest::Contains("each list needs one entry per tensor"), Error);
   CHECK_THROWS_AS(be.cast_all(masters, {}), Error);
 }

@@ -24,7 +24,7 @@ struct Node {
   Unary unary = Unary::kRelu;
   Reduce reduce = Reduce::kSum;
   double scalar = 0;  // kAddScalar, kMulScalar: the constant; kDropout: p
-  uint64_t key = 0;   // kDropout: the mask's key and the batch's first sample
+  DropoutKey key;     // kDropout: the mask's key and the batch's first sample
   int64_t offset = 0;
   Shape shape;              // (batch, ...)
   bool reaches_param = false;  // computed from a parameter: its gradient flows on to W
@@ -402,7 +402,10 @@ Var Graph::dropout(Var x, double p) {
   n.kind = OpKind::kDropout;
   n.a = x.id();
   n.scalar = p;
-  n.key = mix_seed(impl_.seed, 0x64726f70u /* "drop" */, static_cast<uint64_t>(index), impl_.args.step);
+  // mix_seed(seed, "drop", index, step), the step mixed in last (from the step's scalars
+  // when the executor gives them: DropoutKey).
+  n.key = DropoutKey::of_step(mix_seed_base(impl_.seed, 0x64726f70u /* "drop" */, static_cast<uint64_t>(index)),
+                              kMixC, impl_.args.step, impl_.args.step_scalars);
   n.offset = impl_.args.sample_offset;
   Exec& e = impl_.exec;
   const Val vx = impl_.value(x.id());

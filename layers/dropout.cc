@@ -10,23 +10,23 @@ namespace layers {
 
 namespace {
 
-// The context keeps the mask's key and sample offset, not the mask: four int32 words
-// (key lo, key hi, offset lo, offset hi) in a host tensor.
+// The context keeps the mask's step and sample offset, not the mask: four int32 words
+// (step lo, step hi, offset lo, offset hi) in a host tensor.
 constexpr int64_t kStateWords = 4;
 
-Tensor pack_state(uint64_t key, int64_t offset) {
+Tensor pack_state(uint64_t step, int64_t offset) {
   const uint64_t off = static_cast<uint64_t>(offset);
-  return Tensor::from_vector<int32_t>({static_cast<int32_t>(static_cast<uint32_t>(key)),
-                                       static_cast<int32_t>(static_cast<uint32_t>(key >> 32)),
+  return Tensor::from_vector<int32_t>({static_cast<int32_t>(static_cast<uint32_t>(step)),
+                                       static_cast<int32_t>(static_cast<uint32_t>(step >> 32)),
                                        static_cast<int32_t>(static_cast<uint32_t>(off)),
                                        static_cast<int32_t>(static_cast<uint32_t>(off >> 32))},
                                       {kStateWords});
 }
 
-void unpack_state(const Tensor& state, uint64_t* key, int64_t* offset) {
+void unpack_state(const Tensor& state, uint64_t* step, int64_t* offset) {
   const int32_t* w = state.data<int32_t>();
   auto word = [&](int i) { return static_cast<uint64_t>(static_cast<uint32_t>(w[i])); };
-  *key = word(0) | (word(1) << 32);
+  *step = word(0) | (word(1) << 32);
   *offset = static_cast<int64_t>(word(2) | (word(3) << 32));
 }
 
@@ -46,7 +46,10 @@ std::string Dropout::describe() const {
   return os.str();
 }
 
-uint64_t Dropout::key(uint64_t step) const { return mix_seed(opts_.seed, step); }
+// mix_seed(seed, step): the step in mix_seed's first slot.
+DropoutKey Dropout::key(uint64_t step, const Tensor& step_scalars) const {
+  return DropoutKey::of_step(mix_seed_base(opts_.seed), kMixA, step, step_scalars);
+}
 
 LayerCost Dropout::cost(int64_t batch) const {
   LayerCost c;
@@ -68,21 +71,21 @@ LayerCost Dropout::cost(int64_t batch) const {
 Tensor Dropout::forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) {
   if (ctx != nullptr) ctx->saved.clear();
   if (!args.training || opts_.p == 0.0) return x;
-  const uint64_t k = key(args.step);
+  step_scalars_ = args.step_scalars;
   Tensor y = be.empty(x.shape(), dtype_);
-  be.dropout(x, opts_.p, k, args.sample_offset, opts_.element_offset, y);
-  if (ctx != nullptr) ctx->saved = {pack_state(k, args.sample_offset)};
+  be.dropout(x, opts_.p, key(args.step, args.step_scalars), args.sample_offset, opts_.element_offset, y);
+  if (ctx != nullptr) ctx->saved = {pack_state(args.step, args.sample_offset)};
   return y;
 }
 
 Tensor Dropout::backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) {
   if (!need_dx) return Tensor();
   if (ctx.saved.empty()) return dy;  // the forward was the identity
-  uint64_t k = 0;
+  uint64_t step = 0;
   int64_t offset = 0;
-  unpack_state(ctx.saved.at(0), &k, &offset);
+  unpack_state(ctx.saved.at(0), &step, &offset);
   Tensor dx = be.empty(dy.shape(), dtype_);
-  be.dropout_backward(dy, opts_.p, k, offset, opts_.element_offset, dx);
+  be.dropout_backward(dy, opts_.p, key(step, step_scalars_), offset, opts_.element_offset, dx);
   return dx;
 }
 

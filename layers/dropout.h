@@ -28,14 +28,18 @@ class Dropout : public Layer {
   std::string describe() const override;
   LayerCost cost(int64_t batch) const override;
   double p() const { return opts_.p; }
-  // The mask's key for an optimizer step: mix_seed(seed, step).
-  uint64_t key(uint64_t step) const;
+  // The mask's key for an optimizer step: mix_seed(seed, step), the step taken from the
+  // step's scalars when there are some (ForwardArgs::step_scalars).
+  DropoutKey key(uint64_t step, const Tensor& step_scalars = {}) const;
 
  private:
   // Identity (returning x itself, saving nothing) when args.training is false or p == 0.
   Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
   Tensor backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) override;
   DropoutOptions opts_;
+  // The last training forward's step scalars, for its backward's key: a step's forwards
+  // and backwards share them (with none, the key takes the step kept in the context).
+  Tensor step_scalars_;
 };
 
 }  // namespace layers

@@ -172,6 +172,11 @@ struct ForwardArgs {
   bool recompute = false;     // a rematerialization of a forward that already ran
   uint64_t step = 0;          // the optimizer step this forward belongs to
   int64_t sample_offset = 0;  // index of the input's first sample in the mini-batch
+  // The executor's training steps: the step's scalars on the stage's device
+  // (kernels/step_scalars.h), whose kStepIndex holds `step`. A dropout mask's key takes
+  // the step from there when the op runs (DropoutKey), so that the step's calls are the
+  // same at every step. Undefined elsewhere: the key takes `step`. The same mask either way.
+  Tensor step_scalars;
 };
 
 // Sums `values` in place over the data-parallel replicas of a stage; empty without

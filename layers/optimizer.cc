@@ -46,17 +46,40 @@ std::vector<Tensor> slice(const std::vector<Tensor>& xs, size_t begin, size_t en
 }
 }  // namespace
 
-Sgd::Sgd(std::vector<Parameter*> params, const SgdParams& p) : Optimizer(std::move(params)), p_(p) {
+Sgd::Sgd(std::vector<Parameter*> params, const SgdParams& p) : Optimizer(std::move(params)), p_(p), lr_(p.lr) {
   if (p_.momentum != 0.0) momentum_ = zeros_like(params_);
   momentum_.resize(params_.size());
 }
 
-void Sgd::step() {
+void Optimizer::step() {
+  StepScalarValues s = initial_step_scalars();
+  write_step_scalars(s);
   for_device_runs(params_, [&](Backend& be, size_t begin, size_t end) {
-    be.sgd_step_all(values(params_, begin, end), grads(params_, begin, end), slice(momentum_, begin, end), p_,
-                    steps_ == 0);
+    Tensor scalars = be.empty({kStepScalarCount}, DType::kF64);
+    be.write_step_scalars(s, scalars);
+    apply_run(be, begin, end, scalars);
   });
-  ++steps_;
+  stepped();
+}
+
+void Optimizer::apply(const Tensor& scalars) {
+  for_device_runs(params_, [&](Backend& be, size_t begin, size_t end) {
+    GPIPE_CHECK(be.device() == scalars.device(), "an optimizer step with its scalars on " + scalars.device().str() +
+                                                     " and parameters on " + be.device().str());
+    apply_run(be, begin, end, scalars);
+  });
+}
+
+void Sgd::write_step_scalars(StepScalarValues& s) const {
+  SgdParams now = p_;
+  now.lr = lr_;
+  const StepScalarValues mine = sgd_step_scalars(now, steps_ + 1);
+  s[kStepNumber] = mine[kStepNumber];
+  s[kStepLr] = mine[kStepLr];
+}
+
+void Sgd::apply_run(Backend& be, size_t begin, size_t end, const Tensor& scalars) {
+  be.sgd_step_all(values(params_, begin, end), grads(params_, begin, end), slice(momentum_, begin, end), p_, scalars);
 }
 
 std::vector<OptimizerSlot> Sgd::slots(size_t i) {
@@ -67,14 +90,20 @@ std::vector<OptimizerSlot> Sgd::slots(size_t i) {
 std::vector<OptimizerSlot> Adam::slots(size_t i) { return {{".exp_avg", &m_.at(i)}, {".exp_avg_sq", &v_.at(i)}}; }
 
 Adam::Adam(std::vector<Parameter*> params, const AdamParams& p)
-    : Optimizer(std::move(params)), m_(zeros_like(params_)), v_(zeros_like(params_)), p_(p) {}
+    : Optimizer(std::move(params)), m_(zeros_like(params_)), v_(zeros_like(params_)), p_(p), lr_(p.lr) {}
 
-void Adam::step() {
-  ++steps_;
-  for_device_runs(params_, [&](Backend& be, size_t begin, size_t end) {
-    be.adam_step_all(values(params_, begin, end), grads(params_, begin, end), slice(m_, begin, end),
-                     slice(v_, begin, end), p_, steps_);
-  });
+void Adam::write_step_scalars(StepScalarValues& s) const {
+  AdamParams now = p_;
+  now.lr = lr_;
+  const StepScalarValues mine = adam_step_scalars(now, steps_ + 1);
+  for (StepScalar slot : {kStepNumber, kStepLr, kStepDecay, kStepBiasCorrection1, kStepBiasCorrection2}) {
+    s[slot] = mine[slot];
+  }
+}
+
+void Adam::apply_run(Backend& be, size_t begin, size_t end, const Tensor& scalars) {
+  be.adam_step_all(values(params_, begin, end), grads(params_, begin, end), slice(m_, begin, end),
+                   slice(v_, begin, end), p_, scalars);
 }
 
 std::unique_ptr<Optimizer> make_optimizer(std::vector<Parameter*> params, const OptimizerConfig& c) {

@@ -30,10 +30,24 @@ struct OptimizerSlot {
   Tensor* value = nullptr;
 };
 
+// A step reads its learning rate and count from the step's scalars on the device
+// (kernels/step_scalars.h), so that its launches are the same at every step: the host
+// writes them before the step (write_step_scalars), the update reads them, and the count
+// advances once the host knows that the step was not skipped (an overflow, bad data).
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
-  virtual void step() = 0;
+  // One whole step, decided on the host: the scalars written for each device of the
+  // parameters, the update, the count advanced.
+  void step();
+  // The update of the pipeline's optimizer step (pipeline/executor): every parameter on
+  // `scalars`' device, which hold write_step_scalars' values, and perhaps the norm's
+  // scale and skip (kernels/step_scalars.h). The count is not advanced: stepped() does.
+  void apply(const Tensor& scalars);
+  // This optimizer's part of the next step's scalars (step steps() + 1): kStepNumber,
+  // kStepLr, and for Adam its decay and bias corrections.
+  virtual void write_step_scalars(StepScalarValues& s) const = 0;
+  void stepped() { set_steps(steps() + 1); }
   virtual void set_lr(double lr) = 0;
   const std::vector<Parameter*>& params() const { return params_; }
   // For checkpoints: parameter i's state (on its device), and the steps taken, which
@@ -44,6 +58,8 @@ class Optimizer {
 
  protected:
   explicit Optimizer(std::vector<Parameter*> params) : params_(std::move(params)) {}
+  // The update of parameters [begin, end), all on be's device, one multi-tensor call.
+  virtual void apply_run(Backend& be, size_t begin, size_t end, const Tensor& scalars) = 0;
   std::vector<Parameter*> params_;
 };
 
@@ -51,15 +67,17 @@ class Optimizer {
 class Sgd : public Optimizer {
  public:
   Sgd(std::vector<Parameter*> params, const SgdParams& p);
-  void step() override;
-  void set_lr(double lr) override { p_.lr = lr; }
+  void write_step_scalars(StepScalarValues& s) const override;
+  void set_lr(double lr) override { lr_ = lr; }
   std::vector<OptimizerSlot> slots(size_t param) override;  // momentum_buffer, with momentum
   int64_t steps() const override { return steps_; }
   void set_steps(int64_t steps) override { steps_ = steps; }
 
  private:
+  void apply_run(Backend& be, size_t begin, size_t end, const Tensor& scalars) override;
   std::vector<Tensor> momentum_;  // one buffer per parameter, on its device
-  SgdParams p_;
+  SgdParams p_;  // as configured, the same at every step: the update reads lr_ from the step's scalars
+  double lr_;
   int64_t steps_ = 0;
 };
 
@@ -68,15 +86,17 @@ class Sgd : public Optimizer {
 class Adam : public Optimizer {
  public:
   Adam(std::vector<Parameter*> params, const AdamParams& p);
-  void step() override;
-  void set_lr(double lr) override { p_.lr = lr; }
+  void write_step_scalars(StepScalarValues& s) const override;
+  void set_lr(double lr) override { lr_ = lr; }
   std::vector<OptimizerSlot> slots(size_t param) override;  // exp_avg, exp_avg_sq
   int64_t steps() const override { return steps_; }
   void set_steps(int64_t steps) override { steps_ = steps; }
 
  private:
+  void apply_run(Backend& be, size_t begin, size_t end, const Tensor& scalars) override;
   std::vector<Tensor> m_, v_;
-  AdamParams p_;
+  AdamParams p_;  // as configured, the same at every step: the update reads lr_ from the step's scalars
+  double lr_;
   int64_t steps_ = 0;
 };
 

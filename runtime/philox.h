@@ -15,6 +15,18 @@
 
 namespace gpipe {
 
+// mix_seed (runtime/random.h) with one identifier left for last, so that a kernel can
+// finish a key whose step it reads from the device: mixed_key(base, multiplier, step) is
+// the first value of an Rng seeded with base ^ step * multiplier, where base holds the
+// seed and the other identifiers, and multiplier is the step's slot's constant in
+// mix_seed (kernels:cpu_transformer_ops_test checks it against mix_seed).
+GPIPE_HOST_DEVICE uint64_t mixed_key(uint64_t base, uint64_t multiplier, uint64_t step) {
+  uint64_t z = (base ^ (step * multiplier)) * 0x9E3779B97F4A7C15ULL + 0x632BE59BD9B4E019ULL + 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
 struct Philox4x32 {
   uint32_t v[4];
 };

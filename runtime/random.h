@@ -34,10 +34,20 @@ class Rng {
   uint64_t state_;
 };
 
+// The constants mix_seed multiplies its identifiers by (mixed_key, runtime/philox.h,
+// finishes a key from all but one of them).
+constexpr uint64_t kMixA = 0xD1B54A32D192ED03ULL, kMixB = 0xABC98388FB8FAC03ULL, kMixC = 0x8CB92BA72F3D8DD7ULL;
+
 // A seed derived from a base seed and up to three stream identifiers (step, layer, ...).
 inline uint64_t mix_seed(uint64_t seed, uint64_t a, uint64_t b = 0, uint64_t c = 0) {
-  Rng r(seed ^ (a * 0xD1B54A32D192ED03ULL) ^ (b * 0xABC98388FB8FAC03ULL) ^ (c * 0x8CB92BA72F3D8DD7ULL));
+  Rng r(seed ^ (a * kMixA) ^ (b * kMixB) ^ (c * kMixC));
   return r.next();
+}
+// mix_seed's argument before the one identifier left out (mixed_key, runtime/philox.h,
+// mixes it in): mix_seed(seed, a, b, c) == mixed_key(mix_seed_base(seed, 0, b, c), kMixA, a),
+// and likewise for b (kMixB) or c (kMixC) left out as 0.
+inline uint64_t mix_seed_base(uint64_t seed, uint64_t a = 0, uint64_t b = 0, uint64_t c = 0) {
+  return seed ^ (a * kMixA) ^ (b * kMixB) ^ (c * kMixC);
 }
 
 }  // namespace gpipe

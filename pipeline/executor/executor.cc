@@ -204,6 +204,7 @@ std::unique_ptr<Executor::StageRuntime> Executor::make_stage(int k) {
       }
     }
     rt->params = params;
+    rt->scalars = rt->backend->empty({kStepScalarCount}, DType::kF64);
     if (schedule_.collectives.replicas && schedule_.collectives.shard_optimizer) {
       make_sharding(*rt);  // the optimizer over this replica's shard
     } else {
@@ -375,6 +376,7 @@ void Executor::forward(StageRuntime& rt, const Instruction& ins, bool recompute)
   layers::ForwardArgs args;
   args.training = !eval;
   args.step = cur_.step;
+  if (!eval) args.step_scalars = rt.scalars;  // holding cur_.step: dropout's keys read it there
   args.sample_offset = options_.sample_offset + cur_.offsets[m];
   args.recompute = recompute;
   if (keep) mb.ctx.assign(cell.num_layers, {});
@@ -526,8 +528,11 @@ void Executor::sum_local_ties(StageRuntime& rt) {
 }
 
 // The optimizer step, local: the collectives before it (RG, TIE, NORM) have finished
-// the gradients. Waits for the device, clips by the norm NORM found, steps, clears the
-// gradients and lets layers fold their statistics (unless RG did, over the replicas).
+// the gradients. Clips by the norm NORM found, steps, and lets layers fold their
+// statistics (unless RG did, over the replicas). The host neither waits nor reads here:
+// the clip's scale, the step's skip (an overflow; on a GPU also bad data that an op
+// flagged, reported at the step's end) and the learning rate are the step's scalars on
+// the device, which its kernels read when they run (kernels/step_scalars.h).
 void Executor::optimizer_step(StageRuntime& rt) {
   const int k = rt.index;
   sum_local_ties(rt);
@@ -538,36 +543,42 @@ void Executor::optimizer_step(StageRuntime& rt) {
   // One turn on the device for the whole step, so that on a GPU shared by stages no other
   // stage's kernels fall inside the events that time it.
   auto turn = device_turn(k);
-  // A device backend reports bad data (a token id, a label) at its next wait: wait here,
-  // once per step, so that such an error stops the step before this stage's weights
-  // change.
-  rt.backend->synchronize();
-  // On a device the step's time is its own kernels', from here: the wait above is the
-  // last backward's, already in that instruction's span (the first H100 run showed a
-  // host-timed OPT of 35 ms in a 62 ms step whose update takes about 1 ms).
   const size_t slot = rt.trace.ops.size() - 1;  // run_stage's, reserved for this instruction
   rt.clock->before(rt.backend->stream(), slot);
-  if (!overflowed(rt.grad_norm)) {  // loss scaling: every stage skips an overflowed step alike
-    double coef = 1.0 / cur_.loss_scale;  // exact for a power of two
-    if (options_.clip_grad_norm > 0 && rt.grad_norm >= 0) {
-      // As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when above,
-      // on the unscaled norm.
-      const double clip = options_.clip_grad_norm / (rt.grad_norm * coef + 1e-6);
-      if (clip < 1.0) coef *= clip;
-    }
-    if (coef != 1.0) {
-      std::vector<Tensor> grads;
-      for (layers::Parameter* p : rt.optimizer->params()) grads.push_back(p->grad);
-      rt.backend->scale_all(grads, coef);
-    }
-    rt.optimizer->step();  // one launch per stage on a GPU (multi-tensor)
-    // The working copies of a narrow model, from the stepped masters (a sharded
-    // optimizer's after AG has gathered them).
-    if (!rt.sharding) layers::refresh_all(*rt.backend, rt.params);
-  }
+  // As torch.nn.utils.clip_grad_norm_ on the unscaled norm: scale by max_norm / (norm +
+  // 1e-6) when above; the loss scale divided out (exact for a power of two); every stage
+  // skips an overflowed step alike (they share the norm).
+  rt.backend->step_grad_scale(rt.scalars, options_.clip_grad_norm, 1.0 / cur_.loss_scale, options_.loss_scale > 0);
+  std::vector<Tensor> grads;
+  for (layers::Parameter* p : rt.optimizer->params()) grads.push_back(p->grad);
+  rt.backend->scale_all_by(grads, rt.scalars);
+  rt.optimizer->apply(rt.scalars);  // one launch per stage on a GPU (multi-tensor)
+  // The working copies of a narrow model, from the stepped masters (a sharded
+  // optimizer's after AG has gathered them); unchanged masters after a skipped step.
+  if (!rt.sharding) layers::refresh_all(*rt.backend, rt.params);
   if (!rt.statistics_folded) fold_statistics(rt);
   rt.clock->after(rt.backend->stream(), slot);
   rt.trace.optimizer_bytes = state_bytes(*rt.optimizer);
+}
+
+// Before a training step's first kernel: the optimizer's scalars for this step, the
+// step's index (dropout's keys), no norm, a scale of 1 and no skip, in one copy to the
+// device.
+void Executor::write_step_scalars(StageRuntime& rt) {
+  rt.written = initial_step_scalars();
+  rt.optimizer->write_step_scalars(rt.written);
+  rt.written[kStepIndex] = static_cast<double>(cur_.step);
+  rt.backend->write_step_scalars(rt.written, rt.scalars);
+}
+
+// After the step's last wait: what the device decided, in one copy back; the optimizer
+// counts the step unless it was skipped.
+void Executor::read_step_scalars(StageRuntime& rt) {
+  const StepScalarValues s = rt.backend->read_step_scalars(rt.scalars);
+  const double norm_squared = s[kStepNormSquared];
+  rt.grad_norm = norm_squared < 0 ? -1.0 : std::sqrt(norm_squared);  // NaN stays NaN
+  rt.skipped = s[kStepSkip] != 0;
+  if (!rt.skipped) rt.optimizer->stepped();
 }
 
 int64_t Executor::run_instruction(StageRuntime& rt, size_t pc) {
@@ -691,6 +702,7 @@ void Executor::run_stage(int k) {
   rt.error_is_abort = false;
   rt.tensor_owner = static_cast<size_t>(-1);
   rt.grad_norm = -1;
+  rt.skipped = false;
   rt.local_ties_summed = rt.statistics_folded = false;
   // The activation meter: what (chunk, m) holds now, folded into the stage's total.
   auto meter = [&](int chunk, int m) {
@@ -705,6 +717,7 @@ void Executor::run_stage(int k) {
     {
       auto turn = device_turn(k);
       rt.clock->start_step(rt.backend->stream(), now_ms());
+      if (eval == nullptr) write_step_scalars(rt);
     }
     // No instruction but the optimizer step writes this stage's parameters (the
     // collectives write gradients): the weights stay frozen from one step to the next, so
@@ -723,7 +736,7 @@ void Executor::run_stage(int k) {
       } else if (!frozen) {
         frozen.emplace();
       }
-      if (ins.op == Op::kGradientNorm && cur_.apply_optimizer && !rt.device.is_cpu()) {
+      if (ins.op == Op::kGradientNorm && cur_.apply_optimizer && !rt.device.is_cpu() && !norm_on_device()) {
         // NORM reads a sum back from the device, so its call waits for every kernel queued
         // before it: the backward's, which their own events time. Wait before NORM's clock
         // starts, so that its time is its own (the H200 run's report gave NORM 31 ms of a
@@ -792,6 +805,7 @@ void Executor::run_stage(int k) {
     transport_.flush(k);
     auto turn = device_turn(k);
     rt.backend->synchronize();
+    if (eval == nullptr && cur_.apply_optimizer) read_step_scalars(rt);
     for (const OpClock::Span& span : rt.clock->resolve()) {  // device times replace the host's
       rt.trace.ops[span.index].start_ms = span.start_ms;
       rt.trace.ops[span.index].end_ms = span.end_ms;

@@ -247,6 +247,11 @@ class Executor {
   void backward(StageRuntime& rt, const Instruction& ins, size_t pc);
   void weight_gradient(StageRuntime& rt, const Instruction& ins, size_t pc);
   void optimizer_step(StageRuntime& rt);
+  // The step's scalars (kernels/step_scalars.h): written before a training step, read
+  // back after it; NORM leaves the norm on the device where nothing is summed across.
+  void write_step_scalars(StageRuntime& rt);
+  void read_step_scalars(StageRuntime& rt);
+  bool norm_on_device() const;
   int64_t reduce_gradients(StageRuntime& rt);
   int64_t exchange_tied_gradient(StageRuntime& rt, int tie);
   int64_t reduce_gradient_norm(StageRuntime& rt);

@@ -73,10 +73,29 @@ int64_t Executor::exchange_tied_gradient(StageRuntime& rt, int tie) {
 // group (each member holds its block), a whole one's counted once (every member holds
 // the same gradient). Skipped by every stage alike in a step that keeps its gradients
 // for inspection.
+//
+// One stage with no group to sum over (K = 1, no replicas, no tensor group) leaves the
+// norm on its device, in the step's scalars (kernels/step_scalars.h): the host neither
+// waits nor reads before OPT. Otherwise the host sums one number per stage, replica and
+// member, and writes the total into the scalars for OPT.
+bool Executor::norm_on_device() const {
+  return schedule_.num_stages == 1 && tensor_collectives_ == nullptr &&
+         (options_.replicas == nullptr || options_.replicas->size() == 1);
+}
+
 int64_t Executor::reduce_gradient_norm(StageRuntime& rt) {
   if (!cur_.apply_optimizer) return 0;
   const int k = rt.index;
   sum_local_ties(rt);
+  if (norm_on_device()) {
+    std::vector<Tensor> grads;
+    for (layers::Parameter* p : rt.params) {
+      if (!model_.is_tied_copy(p)) grads.push_back(p->grad);  // a tied weight counts once
+    }
+    auto turn = device_turn(k);
+    rt.backend->sum_squares_all_to(grads, rt.scalars);
+    return static_cast<int64_t>(sizeof(double));
+  }
   SumSquares local;
   if (rt.sharding) {
     // Each replica holds its shard of the summed gradients: the squares over the
@@ -103,7 +122,9 @@ int64_t Executor::reduce_gradient_norm(StageRuntime& rt) {
     local.whole = whole.empty() ? 0.0 : rt.backend->sum_squares_all(whole);
   }
   if (tensor_collectives_ != nullptr) local.split = options_.tensor_group->all_reduce_sum(local.split);
-  rt.grad_norm = std::sqrt(transport_.all_reduce_sum(k, local.split + local.whole));
+  rt.written[kStepNormSquared] = transport_.all_reduce_sum(k, local.split + local.whole);
+  auto turn = device_turn(k);
+  rt.backend->write_step_scalars(rt.written, rt.scalars);  // nothing on the device wrote them yet
   return static_cast<int64_t>(sizeof(double));
 }
 

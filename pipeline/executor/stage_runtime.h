@@ -80,7 +80,14 @@ struct Executor::StageRuntime {
   // receive, where the stage usually waits anyway, or else the first that adds to or
   // reads the gradients (zero_grads).
   size_t zero_at = 0;
+  // The step's scalars (kernels/step_scalars.h) on the stage's device: written once
+  // before a training step's first kernel (`written`: the host's values), read by NORM
+  // and OPT's ops when they run, and read back once at the step's end, which sets
+  // grad_norm (-1 when no norm was taken) and skipped.
+  Tensor scalars;
+  StepScalarValues written{};
   double grad_norm = -1;
+  bool skipped = false;
   std::vector<std::vector<MicroBatch>> mbs;  // [chunk][micro-batch]
   StageTrace trace;
   std::unique_ptr<OpClock> clock;  // device times of compute instructions (GPU stages)

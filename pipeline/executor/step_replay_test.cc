@@ -1,0 +1,178 @@
+// A training step that can be captured once and replayed (a CUDA graph, issue 37 item
+// 4) calls the same ops with the same arguments at every step: nothing the host decides
+// from step to step (the learning rate, Adam's step count, the clip) may reach a kernel
+// as an argument, and the host must not wait for the device inside the step. The step's
+// scalars on the device (kernels/step_scalars.h) carry those numbers; this test records
+// every op call of a stage's steps (OpLog) and compares them, step after step.
+// Dropout's keys take the step's index from there too.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/op_log.h"
+#include "layers/optimizer.h"
+#include "layers/registry.h"
+#include "pipeline/executor/executor.h"
+#include "runtime/inprocess_transport.h"
+#include "tests/testing.h"
+
+using namespace gpipe;
+using namespace gpipe::pipeline;
+
+namespace {
+
+using gpipe::testing::cpu_devices;
+
+layers::ModelSpec spec(bool dropout) {
+  layers::ModelSpec s;
+  s.input = {6};
+  s.dtype = DType::kF32;
+  s.seed = 29;
+  s.layers = {{"linear", {{"out", "8"}}, {}, ""},    {"gelu", {}, {}, ""},
+              {"layernorm", {}, {}, ""},             {"linear", {{"out", "8"}}, {}, ""},
+              {"relu", {}, {}, ""},                  {"linear", {{"out", "4"}}, {}, ""}};
+  if (dropout) s.layers.insert(s.layers.begin() + 2, {"dropout", {{"p", "0.25"}}, {}, ""});
+  s.loss = {"softmax_cross_entropy", {}, {}, ""};
+  return s;
+}
+
+struct Setup {
+  std::string name;
+  layers::OptimizerConfig opt;
+  layers::LrSchedule lr;
+  double clip = 0;
+  double loss_scale = 0;
+};
+
+std::vector<Setup> setups() {
+  std::vector<Setup> out(3);
+  out[0].name = "adamw, warm-up and cosine, clip";
+  out[0].opt.type = "adamw";
+  out[0].opt.weight_decay = 0.1;
+  out[0].lr = {"cosine", 0.01, 2, 6, 0.001};
+  out[0].clip = 0.05;  // below the gradients' norm: every step clips, by a scale of its own
+  out[1].name = "sgd with momentum, cosine, clip";
+  out[1].opt.type = "sgd";
+  out[1].opt.momentum = 0.9;  // its first step differs on the device (kStepNumber)
+  out[1].lr = {"cosine", 0.1, 0, 6, 0.0};
+  out[1].clip = 0.05;
+  out[2].name = "adam, loss scaling";
+  out[2].opt.type = "adam";
+  out[2].lr = {"constant", 0.01, 0, 6, 0.0};
+  out[2].loss_scale = 256;  // the window below is longer than the run: a constant scale
+  return out;
+}
+
+// Each step's calls by thread: the stages' workers (one thread per stage here); the
+// caller's own calls (before and after its workers run) are left out.
+using Calls = std::map<std::thread::id, std::vector<OpLog::Call>>;
+
+std::vector<Calls> run_steps(const Setup& c, int K, bool dropout, int steps, int loss_scale_window = 1000) {
+  auto model = layers::build_model(spec(dropout));
+  InProcessTransport transport(K);
+  ExecutorOptions o;
+  o.optimizer = c.opt;
+  o.clip_grad_norm = c.clip;
+  o.loss_scale = c.loss_scale;
+  o.loss_scale_window = loss_scale_window;
+  const Schedule s = make_schedule("1f1b", K, 3, RecomputeMode::kExceptLast);
+  Executor ex(*model, make_cells(K == 1 ? std::vector<int>{model->size()} : std::vector<int>{3, model->size() - 3},
+                                 s, cpu_devices(K)),
+              s, transport, o);
+  std::vector<Calls> out;
+  OpLog log;
+  for (int t = 0; t < steps; ++t) {
+    ex.set_lr(c.lr.at(t));
+    const Tensor x = gpipe::testing::random_tensor({9, 6}, DType::kF32, 40 + t, -2, 2);
+    const Tensor y = gpipe::testing::random_labels(9, 4, 50 + t);
+    log.take();
+    const StepResult r = ex.step(x, y);
+    REQUIRE(!r.skipped);
+    Calls calls;
+    for (OpLog::Call& call : log.take()) {
+      if (call.thread != std::this_thread::get_id()) calls[call.thread].push_back(std::move(call));
+    }
+    REQUIRE(static_cast<int>(calls.size()) == K);
+    out.push_back(std::move(calls));
+  }
+  return out;
+}
+
+std::vector<std::string> lines(const std::vector<OpLog::Call>& calls) {
+  std::vector<std::string> out;
+  for (const OpLog::Call& c : calls) out.push_back(c.op + "(" + c.args + ")");
+  return out;
+}
+
+// The calls that hand the host a value (the host waits for the device for them).
+std::vector<std::string> host_reads(const std::vector<OpLog::Call>& calls) {
+  std::vector<std::string> out;
+  for (const OpLog::Call& c : calls) {
+    if (c.returns) out.push_back(c.op);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("a stage calls the same ops with the same arguments at every step: the step's numbers are on the device") {
+  for (const Setup& c : setups()) {
+    for (int K : {1, 2}) {
+    for (bool dropout : {false, true}) {  // dropout's keys take the step from the device
+      CAPTURE(c.name);
+      CAPTURE(K);
+      CAPTURE(dropout);
+      const std::vector<Calls> steps = run_steps(c, K, dropout, 5);
+      for (const auto& [thread, first] : steps[0]) {
+        const std::vector<std::string> want = lines(first);
+        CHECK(want.size() > 20);
+        for (size_t t = 1; t < steps.size(); ++t) {
+          CAPTURE(t);
+          REQUIRE(steps[t].count(thread) == 1);
+          const std::vector<std::string> got = lines(steps[t].at(thread));
+          CHECK(got.size() == want.size());
+          for (size_t i = 0; i < std::min(got.size(), want.size()); ++i) {
+            if (got[i] == want[i]) continue;
+            INFO("call ", i, ": step 0 ", want[i], ", step ", t, " ", got[i]);
+            CHECK(got[i] == want[i]);
+            break;  // the first difference
+          }
+        }
+        // The optimizer's update and the clip read the scalars; no host value reaches them.
+        int updates = 0;
+        for (const OpLog::Call& call : first) updates += call.op == "adam_step_all" || call.op == "sgd_step_all";
+        CHECK(updates == 1);
+        // The host waits once, at the step's end, except where NORM sums the stages' norms
+        // on the host (K > 1): one number read per stage there.
+        std::vector<std::string> expected_reads;
+        if (K > 1 && (c.clip > 0 || c.loss_scale > 0)) expected_reads.push_back("sum_squares_all");
+        expected_reads.push_back("synchronize");
+        CHECK(host_reads(first) == expected_reads);
+        CHECK(first.back().op == "synchronize");
+      }
+    }
+    }
+  }
+}
+
+TEST_CASE("the comparison sees a host value that changes from step to step: a new loss scale") {
+  // Loss scaling's scale reaches the loss and the clip as a host value: with a window of
+  // one step it doubles at every clean step, and those calls differ (a captured step would
+  // be captured again for a new scale). Everything else stays the same.
+  const Setup c = setups()[2];
+  REQUIRE(c.loss_scale > 0);
+  const std::vector<Calls> steps = run_steps(c, 1, /*dropout=*/true, 2, /*loss_scale_window=*/1);
+  const auto& a = steps[0].begin()->second;
+  const auto& b = steps[1].begin()->second;
+  REQUIRE(a.size() == b.size());
+  std::set<std::string> differ;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].op + a[i].args != b[i].op + b[i].args) differ.insert(a[i].op);
+  }
+  CHECK(differ == std::set<std::string>{"softmax_xent", "softmax_xent_backward", "step_grad_scale"});
+}
