@@ -10,9 +10,11 @@
 #include <initializer_list>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "kernels/cpu_blas.h"
+#include "kernels/op_log.h"
 #include "kernels/op_checks.h"
 #include "kernels/transformer_checks.h"
 #include "kernels/widening_backend.h"
@@ -206,34 +208,60 @@ Tensor Backend::step_scalars(const StepScalarValues& values) {
   return t;
 }
 
-StepScalarValues Backend::read_step_scalars(const Tensor& scalars) {
-  check_step_scalars(scalars, device(), "read_step_scalars");
+namespace {
+
+// The scalars' values on the host, and back: the ops' own reads and writes (a CPU
+// reference's part of its op), not logged as the host's.
+StepScalarValues scalar_values(Backend& be, const Tensor& scalars, const char* op) {
+  check_step_scalars(scalars, be.device(), op);
   StepScalarValues v{};
   if (scalars.device().is_cpu()) {
     std::copy(scalars.data<double>(), scalars.data<double>() + kStepScalarCount, v.begin());
     return v;
   }
   Tensor host = Tensor::empty({kStepScalarCount}, DType::kF64, Device::cpu());
-  copy(scalars, host);  // a copy to the host returns once the data is there
+  be.copy(scalars, host);  // a copy to the host returns once the data is there
   std::copy(host.data<double>(), host.data<double>() + kStepScalarCount, v.begin());
   return v;
 }
 
-void Backend::write_step_scalars(const StepScalarValues& values, Tensor& scalars) {
-  check_step_scalars(scalars, device(), "write_step_scalars");
+void set_scalar_values(Backend& be, const StepScalarValues& values, Tensor& scalars, const char* op) {
+  check_step_scalars(scalars, be.device(), op);
   if (scalars.device().is_cpu()) {
     std::copy(values.begin(), values.end(), scalars.data<double>());
     return;
   }
   Tensor host = Tensor::empty({kStepScalarCount}, DType::kF64, Device::cpu());
   std::copy(values.begin(), values.end(), host.data<double>());
-  copy(host, scalars);
+  be.copy(host, scalars);
+}
+
+// The host's reads and writes, in the OpLog (kernels/op_log.h) as calls of their own: a
+// read waits for the device and hands the host its values.
+void note_scalars(const char* op, bool read) {
+  if (!OpLog::counted()) return;
+  OpLog::Call call;
+  call.thread = std::this_thread::get_id();
+  call.op = op;
+  call.returns = read;
+  OpLog::note(std::move(call));
+}
+}  // namespace
+
+StepScalarValues Backend::read_step_scalars(const Tensor& scalars) {
+  note_scalars("read_step_scalars", true);
+  return scalar_values(*this, scalars, "read_step_scalars");
+}
+
+void Backend::write_step_scalars(const StepScalarValues& values, Tensor& scalars) {
+  note_scalars("write_step_scalars", false);
+  set_scalar_values(*this, values, scalars, "write_step_scalars");
 }
 
 void Backend::sgd_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                            const std::vector<Tensor>& bufs, const SgdParams& p, const Tensor& scalars) {
   check_lists(params.size(), {grads.size(), bufs.size()}, "sgd_step_all");
-  const StepScalarValues s = read_step_scalars(scalars);
+  const StepScalarValues s = scalar_values(*this, scalars, "sgd_step_all");
   const bool first_step = step_number(s, "sgd_step_all") == 1;
   if (s[kStepSkip] != 0) return;
   SgdParams at = p;
@@ -248,7 +276,7 @@ void Backend::adam_step_all(const std::vector<Tensor>& params, const std::vector
                             const std::vector<Tensor>& m, const std::vector<Tensor>& v, const AdamParams& p,
                             const Tensor& scalars) {
   check_lists(params.size(), {grads.size(), m.size(), v.size()}, "adam_step_all");
-  const StepScalarValues s = read_step_scalars(scalars);
+  const StepScalarValues s = scalar_values(*this, scalars, "adam_step_all");
   const int64_t step = step_number(s, "adam_step_all");
   if (s[kStepSkip] != 0) return;  // every tensor as it was, and its moments
   AdamParams at = p;
@@ -264,27 +292,29 @@ void Backend::scale_all(const std::vector<Tensor>& xs, double alpha) {
 }
 
 void Backend::sum_squares_all_to(const std::vector<Tensor>& xs, Tensor& scalars) {
-  StepScalarValues s = read_step_scalars(scalars);
+  StepScalarValues s = scalar_values(*this, scalars, "sum_squares_all_to");
   s[kStepNormSquared] = sum_squares_all(xs);
-  write_step_scalars(s, scalars);
+  set_scalar_values(*this, s, scalars, "sum_squares_all_to");
 }
 
 void Backend::step_grad_scale(Tensor& scalars, double max_norm, double inv_loss_scale, bool skip_nonfinite) {
-  StepScalarValues s = read_step_scalars(scalars);
+  StepScalarValues s = scalar_values(*this, scalars, "step_grad_scale");
   const double norm_squared = s[kStepNormSquared];
   const double norm = norm_squared < 0 ? -1.0 : std::sqrt(norm_squared);  // NaN stays NaN
   if (skip_nonfinite && !std::isfinite(norm)) s[kStepSkip] = 1.0;
   double scale = inv_loss_scale;
   if (max_norm > 0 && norm >= 0) {
-    const double clip = max_norm / (norm * inv_loss_scale + 1e-6);
+    // One rounding for norm * inv_loss_scale + 1e-6 (an FMA), written out so that the
+    // GPU's kernel (__fma_rn) gives the same bits whatever the compilers contract.
+    const double clip = max_norm / std::fma(norm, inv_loss_scale, 1e-6);
     if (clip < 1.0) scale *= clip;
   }
   s[kStepGradScale] = scale;
-  write_step_scalars(s, scalars);
+  set_scalar_values(*this, s, scalars, "step_grad_scale");
 }
 
 void Backend::scale_all_by(const std::vector<Tensor>& xs, const Tensor& scalars) {
-  const StepScalarValues s = read_step_scalars(scalars);
+  const StepScalarValues s = scalar_values(*this, scalars, "scale_all_by");
   if (s[kStepSkip] != 0 || s[kStepGradScale] == 1.0) return;
   scale_all(xs, s[kStepGradScale]);
 }

@@ -608,14 +608,15 @@ void CudaBackend::adam_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor
   check_on_device(grad, "adam_step");
   check_on_device(m, "adam_step");
   check_on_device(v, "adam_step");
-  // Bias corrections in double on the host, as the CPU reference computes them.
-  const double bc1 = 1.0 - std::pow(p.beta1, static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(p.beta2, static_cast<double>(step));
+  // Decay and bias corrections in double on the host, in the one place the multi-tensor
+  // step's come from too (adam_step_scalars), so that both give the same bits.
+  const StepScalarValues s = adam_step_scalars(p, step);
   DeviceGuard guard(device_.index);
   dispatch_float(param, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     cuda::adam_step(param.data<T>(), grad.data<T>(), m.data<T>(), v.data<T>(), param.numel(), p.lr, p.beta1,
-                    p.beta2, p.eps, p.weight_decay, p.decoupled, bc1, bc2, cuda_stream());
+                    p.beta2, p.eps, p.weight_decay, p.decoupled, s[kStepDecay], s[kStepBiasCorrection1],
+                    s[kStepBiasCorrection2], cuda_stream());
   });
 }
 

@@ -111,6 +111,8 @@ class CudaBackend : public Backend {
   // nullopt-like: a table with tensors == 0 when every tensor is empty.
   cuda::MultiTensorTable multi_table(const std::vector<const std::vector<Tensor>*>& lists, const char* op);
   void release_multi_tables() noexcept;
+  // The device pointer of a step's scalars (kernels/step_scalars.h), checked.
+  const double* step_scalars_on_device(const Tensor& scalars, const char* op) const;
   // The cuDNN state (handle bound to stream_, descriptors, chosen algorithms), created
   // on first use by a convolution op; kernels/cuda_conv_ops.cc.
   struct CudnnState& cudnn();
@@ -121,8 +123,6 @@ class CudaBackend : public Backend {
   void* attention_graphs_ = nullptr;
   void release_attention_graphs() noexcept;
   // rope and rope_backward on bfloat16 or float16 (kernels/cuda_llama_ops.cc).
-  // The device pointer of a step's scalars (kernels/step_scalars.h), checked.
-  const double* step_scalars_on_device(const Tensor& scalars, const char* op) const;
   void rope_narrow(const Tensor& x, int heads, double base, double sign, Tensor& y, const char* op);
 
   Device device_;

@@ -657,8 +657,8 @@ __global__ void multi_scale_by_kernel(MultiTensorTable tab, const double* step) 
 }
 
 // One block: the step's gradient scale and skip from its norm (Backend::step_grad_scale),
-// with the host's double arithmetic written out (_rn: never contracted into an FMA, so
-// the bits are the host's); any flagged error slot of `slots` also skips the step.
+// with the host's double arithmetic written out (the same FMA as its std::fma, the same
+// roundings); any flagged error slot of `slots` also skips the step.
 __global__ void step_grad_scale_kernel(double* step, double max_norm, double inv_loss_scale, bool skip_nonfinite,
                                        const ErrorSlot* slots, int64_t slot_count) {
   __shared__ int bad;
@@ -674,7 +674,7 @@ __global__ void step_grad_scale_kernel(double* step, double max_norm, double inv
   if (bad != 0 || (skip_nonfinite && !isfinite(norm))) step[kStepSkip] = 1.0;
   double scale = inv_loss_scale;
   if (max_norm > 0.0 && norm >= 0.0) {
-    const double clip = __ddiv_rn(max_norm, __dadd_rn(__dmul_rn(norm, inv_loss_scale), 1e-6));
+    const double clip = __ddiv_rn(max_norm, __fma_rn(norm, inv_loss_scale, 1e-6));
     if (clip < 1.0) scale = __dmul_rn(scale, clip);
   }
   step[kStepGradScale] = scale;
@@ -1243,16 +1243,18 @@ void launch_sgd_step(T* param, const T* grad, T* buf, int64_t n, double lr, doub
   GPIPE_CHECK_LAUNCH();
 }
 
+// decay: 1 - lr * weight_decay, computed by the caller (adam_step_scalars, the host's one
+// place for it: the multi-tensor kernels read the same value from the step's scalars).
 template <typename T>
 AdamScalars<T> adam_scalars(double lr, double beta1, double beta2, double eps, double weight_decay, bool decoupled,
-                            double bias_correction1, double bias_correction2) {
+                            double decay, double bias_correction1, double bias_correction2) {
   AdamScalars<T> s;
   s.lr = static_cast<T>(lr);
   s.beta1 = static_cast<T>(beta1);
   s.beta2 = static_cast<T>(beta2);
   s.eps = static_cast<T>(eps);
   s.weight_decay = static_cast<T>(weight_decay);
-  s.decay = static_cast<T>(1.0 - lr * weight_decay);
+  s.decay = static_cast<T>(decay);
   s.bias_correction1 = static_cast<T>(bias_correction1);
   s.bias_correction2 = static_cast<T>(bias_correction2);
   s.decoupled = decoupled;
@@ -1262,11 +1264,11 @@ AdamScalars<T> adam_scalars(double lr, double beta1, double beta2, double eps, d
 
 template <typename T>
 void launch_adam_step(T* param, const T* grad, T* m, T* v, int64_t n, double lr, double beta1, double beta2,
-                      double eps, double weight_decay, bool decoupled, double bias_correction1,
+                      double eps, double weight_decay, bool decoupled, double decay, double bias_correction1,
                       double bias_correction2, cudaStream_t stream) {
   if (n == 0) return;
   const AdamScalars<T> s =
-      adam_scalars<T>(lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction1, bias_correction2);
+      adam_scalars<T>(lr, beta1, beta2, eps, weight_decay, decoupled, decay, bias_correction1, bias_correction2);
   adam_step_kernel<T><<<elementwise_blocks(n), kThreads, 0, stream>>>(param, grad, m, v, n, s);
   GPIPE_CHECK_LAUNCH();
 }
@@ -1621,15 +1623,15 @@ void sgd_step(double* param, const double* grad, double* buf, int64_t n, double 
 }
 
 void adam_step(float* param, const float* grad, float* m, float* v, int64_t n, double lr, double beta1,
-               double beta2, double eps, double weight_decay, bool decoupled, double bias_correction1,
+               double beta2, double eps, double weight_decay, bool decoupled, double decay, double bias_correction1,
                double bias_correction2, cudaStream_t stream) {
-  launch_adam_step(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction1,
+  launch_adam_step(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, decoupled, decay, bias_correction1,
                    bias_correction2, stream);
 }
 void adam_step(double* param, const double* grad, double* m, double* v, int64_t n, double lr, double beta1,
-               double beta2, double eps, double weight_decay, bool decoupled, double bias_correction1,
+               double beta2, double eps, double weight_decay, bool decoupled, double decay, double bias_correction1,
                double bias_correction2, cudaStream_t stream) {
-  launch_adam_step(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction1,
+  launch_adam_step(param, grad, m, v, n, lr, beta1, beta2, eps, weight_decay, decoupled, decay, bias_correction1,
                    bias_correction2, stream);
 }
 
@@ -1815,10 +1817,10 @@ void multi_adam_step(const MultiTensorTable& tab, DType t, double beta1, double 
   // lr, decay and the bias corrections: the kernel's, from `step`.
   if (t == DType::kF32) {
     multi_adam_kernel<float><<<multi_blocks(tab, kMaxBlocks), kThreads, 0, stream>>>(
-        tab, adam_scalars<float>(0.0, beta1, beta2, eps, weight_decay, decoupled, 1.0, 1.0), step);
+        tab, adam_scalars<float>(0.0, beta1, beta2, eps, weight_decay, decoupled, 1.0, 1.0, 1.0), step);
   } else if (t == DType::kF64) {
     multi_adam_kernel<double><<<multi_blocks(tab, kMaxBlocks), kThreads, 0, stream>>>(
-        tab, adam_scalars<double>(0.0, beta1, beta2, eps, weight_decay, decoupled, 1.0, 1.0), step);
+        tab, adam_scalars<double>(0.0, beta1, beta2, eps, weight_decay, decoupled, 1.0, 1.0, 1.0), step);
   } else {
     throw Error(std::string("multi_adam_step: ") + dtype_name(t) + " tensors; float32 or float64 only");
   }

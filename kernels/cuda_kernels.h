@@ -148,13 +148,14 @@ void sgd_step(double* param, const double* grad, double* buf, int64_t n, double 
               double weight_decay, bool nesterov, bool first_step, cudaStream_t stream);
 
 // One Adam / AdamW step, the formula of Backend::adam_step. param, grad, m, v: (n).
-// bias_correction1 = 1 - beta1^step and bias_correction2 = 1 - beta2^step come from the
-// host (computed in double), so the kernel is purely elementwise.
+// decay = 1 - lr * weight_decay, bias_correction1 = 1 - beta1^step and bias_correction2 =
+// 1 - beta2^step come from the host (computed in double: adam_step_scalars), so the
+// kernel is purely elementwise.
 void adam_step(float* param, const float* grad, float* m, float* v, int64_t n, double lr, double beta1,
-               double beta2, double eps, double weight_decay, bool decoupled, double bias_correction1,
+               double beta2, double eps, double weight_decay, bool decoupled, double decay, double bias_correction1,
                double bias_correction2, cudaStream_t stream);
 void adam_step(double* param, const double* grad, double* m, double* v, int64_t n, double lr, double beta1,
-               double beta2, double eps, double weight_decay, bool decoupled, double bias_correction1,
+               double beta2, double eps, double weight_decay, bool decoupled, double decay, double bias_correction1,
                double bias_correction2, cudaStream_t stream);
 
 // Sum of squares of x: (n), in double, in a fixed order (a fixed grid for a given n,

@@ -154,6 +154,7 @@ void CudaBackend::sgd_step_all(const std::vector<Tensor>& params, const std::vec
                                const std::vector<Tensor>& bufs, const SgdParams& p, const Tensor& scalars) {
   const std::vector<const std::vector<Tensor>*> lists{&params, &grads, &bufs};
   check_lengths(lists, "sgd_step_all");
+  if (params.empty()) return;  // no fallback that reads the scalars back
   const DType t = common_float(lists);
   if (t == DType::kI32 || !disjoint(params)) return Backend::sgd_step_all(params, grads, bufs, p, scalars);
   const bool momentum = p.momentum != 0.0;
@@ -175,6 +176,7 @@ void CudaBackend::adam_step_all(const std::vector<Tensor>& params, const std::ve
                                 const Tensor& scalars) {
   const std::vector<const std::vector<Tensor>*> lists{&params, &grads, &m, &v};
   check_lengths(lists, "adam_step_all");
+  if (params.empty()) return;  // no fallback that reads the scalars back
   const DType t = common_float(lists);
   if (t == DType::kI32 || !disjoint(params)) return Backend::adam_step_all(params, grads, m, v, p, scalars);
   // adam_step's checks (a step count of 1 stands for the device's, which the host wrote).
@@ -195,6 +197,8 @@ void CudaBackend::scale_all(const std::vector<Tensor>& xs, double alpha) {
 }
 
 void CudaBackend::scale_all_by(const std::vector<Tensor>& xs, const Tensor& scalars) {
+  step_scalars_on_device(scalars, "scale_all_by");
+  if (xs.empty()) return;  // nothing to scale: no fallback that reads the scalars back
   const DType t = common_float({&xs});
   if (t == DType::kI32 || !disjoint(xs)) return Backend::scale_all_by(xs, scalars);
   for (const Tensor& x : xs) ops::check_float(x, "scale");
@@ -205,12 +209,13 @@ void CudaBackend::scale_all_by(const std::vector<Tensor>& xs, const Tensor& scal
 
 // The norm's sum as sum_squares_all's, written into the step's scalars: no copy back, no wait.
 void CudaBackend::sum_squares_all_to(const std::vector<Tensor>& xs, Tensor& scalars) {
-  const DType t = common_float({&xs});
-  if (t == DType::kI32) return Backend::sum_squares_all_to(xs, scalars);  // sum_squares's errors, or another type
   double* step = const_cast<double*>(step_scalars_on_device(scalars, "sum_squares_all_to"));
+  const DType t = xs.empty() ? DType::kF32 : common_float({&xs});
+  if (t == DType::kI32) return Backend::sum_squares_all_to(xs, scalars);  // sum_squares's errors, or another type
   DeviceGuard guard(device_.index);
-  const cuda::MultiTensorTable tab = multi_table({&xs}, "sum_squares_all_to");
   cudaStream_t s = cuda_stream();
+  const cuda::MultiTensorTable tab =
+      xs.empty() ? cuda::MultiTensorTable{} : multi_table({&xs}, "sum_squares_all_to");
   if (tab.tensors == 0) {
     GPIPE_CUDA_CHECK(cudaMemsetAsync(step + kStepNormSquared, 0, sizeof(double), s));  // +0.0: all bits 0
     return;

@@ -23,7 +23,16 @@ std::vector<OpLog::Call> OpLog::take() {
   return std::exchange(calls_, {});
 }
 
-bool OpLog::active() { return alive.load(std::memory_order_relaxed) != nullptr; }
+namespace {
+thread_local int64_t calls = 0;
+}  // namespace
+
+int64_t OpLog::calls_on_this_thread() { return calls; }
+
+bool OpLog::counted() {
+  ++calls;
+  return alive.load(std::memory_order_relaxed) != nullptr;
+}
 
 void OpLog::note(Call call) {
   OpLog* log = alive.load();

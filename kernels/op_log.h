@@ -6,6 +6,7 @@
 // step's op calls. Recorded by WideningBackend, which wraps every backend_for() backend.
 #pragma once
 
+#include <cstdint>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -28,8 +29,13 @@ class OpLog {
   // The calls recorded since the last take(), in the order they were made.
   std::vector<Call> take();
 
-  // WideningBackend's side: whether a log is alive (one atomic load), and a call to record.
-  static bool active();
+  // The backend calls this thread has made so far (counted whether or not a log is
+  // alive): the executor's measured ops per instruction (TimedOp::ops).
+  static int64_t calls_on_this_thread();
+
+  // WideningBackend's side: counts the call, and whether a log is alive (one atomic
+  // load); a call to record.
+  static bool counted();
   static void note(Call call);
 
  private:

@@ -158,10 +158,10 @@ void describe(std::string& out, const A& a) {
   }
 }
 
-// Records the call in the OpLog, if one is alive.
+// Counts the call on this thread, and records it in the OpLog, if one is alive.
 template <typename... A>
 void note_call(const char* op, bool returns, const A&... args) {
-  if (!OpLog::active()) return;
+  if (!OpLog::counted()) return;
   OpLog::Call call;
   call.thread = std::this_thread::get_id();
   call.op = op;

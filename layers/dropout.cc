@@ -72,6 +72,7 @@ Tensor Dropout::forward_impl(Backend& be, const Tensor& x, Context* ctx, const F
   if (ctx != nullptr) ctx->saved.clear();
   if (!args.training || opts_.p == 0.0) return x;
   step_scalars_ = args.step_scalars;
+  step_scalars_step_ = args.step;
   Tensor y = be.empty(x.shape(), dtype_);
   be.dropout(x, opts_.p, key(args.step, args.step_scalars), args.sample_offset, opts_.element_offset, y);
   if (ctx != nullptr) ctx->saved = {pack_state(args.step, args.sample_offset)};
@@ -85,7 +86,8 @@ Tensor Dropout::backward_impl(Backend& be, const Tensor& dy, const Context& ctx,
   int64_t offset = 0;
   unpack_state(ctx.saved.at(0), &step, &offset);
   Tensor dx = be.empty(dy.shape(), dtype_);
-  be.dropout_backward(dy, opts_.p, key(step, step_scalars_), offset, opts_.element_offset, dx);
+  be.dropout_backward(dy, opts_.p, key(step, step == step_scalars_step_ ? step_scalars_ : Tensor()), offset,
+                      opts_.element_offset, dx);
   return dx;
 }
 

@@ -37,9 +37,11 @@ class Dropout : public Layer {
   Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
   Tensor backward_impl(Backend& be, const Tensor& dy, const Context& ctx, bool need_dx) override;
   DropoutOptions opts_;
-  // The last training forward's step scalars, for its backward's key: a step's forwards
-  // and backwards share them (with none, the key takes the step kept in the context).
+  // The last training forward's step scalars and step, for a backward's key of that step
+  // (a step's forwards and backwards share them); another step's backward, or none given,
+  // takes the step kept in its context: the same key.
   Tensor step_scalars_;
+  uint64_t step_scalars_step_ = 0;
 };
 
 }  // namespace layers

@@ -54,8 +54,11 @@ Sgd::Sgd(std::vector<Parameter*> params, const SgdParams& p) : Optimizer(std::mo
 void Optimizer::step() {
   StepScalarValues s = initial_step_scalars();
   write_step_scalars(s);
+  size_t run = 0;
   for_device_runs(params_, [&](Backend& be, size_t begin, size_t end) {
-    Tensor scalars = be.empty({kStepScalarCount}, DType::kF64);
+    if (run_scalars_.size() <= run) run_scalars_.emplace_back();
+    Tensor& scalars = run_scalars_[run++];
+    if (!scalars.defined() || !(scalars.device() == be.device())) scalars = be.empty({kStepScalarCount}, DType::kF64);
     be.write_step_scalars(s, scalars);
     apply_run(be, begin, end, scalars);
   });

@@ -61,6 +61,9 @@ class Optimizer {
   // The update of parameters [begin, end), all on be's device, one multi-tensor call.
   virtual void apply_run(Backend& be, size_t begin, size_t end, const Tensor& scalars) = 0;
   std::vector<Parameter*> params_;
+
+ private:
+  std::vector<Tensor> run_scalars_;  // step(): each device run's scalars, made once and rewritten
 };
 
 // SGD with momentum, Nesterov and weight decay, as torch.optim.SGD (dampening 0).

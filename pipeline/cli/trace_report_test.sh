@@ -137,6 +137,27 @@ python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); assert r["mfu"] 
 run mpi_dp 4 --set pipeline.replicas=2
 python3 "$trace_check" "$tmp/mpi_dp/trace.json" 2,5 21,21 --all-reduce || { echo "FAIL: mpi_dp's trace"; exit 1; }
 python3 "$report_check" "$tmp/mpi_dp/report.html" 2 2,5 || { echo "FAIL: mpi_dp's page"; exit 1; }
+# The backend ops each stage called: the trace's per instruction (step 5) add up to
+# report.json's per step, in F, R, B and W and in all, and those in F, R, B and W are the
+# plan's count on shapes; in one process and gathered from two (the trace's wire format).
+for name in gpipe_k2 mpi_1f1b; do
+  python3 - "$tmp/$name/trace.json" "$tmp/$name/report.json" <<'PY' ||
+import json, sys
+events = json.load(open(sys.argv[1]))["traceEvents"]
+report = json.load(open(sys.argv[2]))
+compute = {"forward", "recompute", "backward", "weight_gradient"}
+for k, st in enumerate(report["stages"]):
+    mine = [e for e in events if e.get("ph") == "X" and e.get("pid") == k and e.get("args", {}).get("step") == 5
+            and e.get("cat") != "step"]
+    assert mine, k
+    all_ops = sum(e["args"].get("ops", 0) for e in mine)
+    compute_ops = sum(e["args"].get("ops", 0) for e in mine if e["cat"] in compute)
+    assert compute_ops == st["ops_per_step"] > 0, (k, compute_ops, st)
+    assert all_ops == st["ops_per_step_all"] > compute_ops, (k, all_ops, st)
+    assert st["ops_per_step"] == report["prediction"]["stages"][k]["ops_per_step"], (k, st, report["prediction"])
+PY
+    { echo "FAIL: $name's ops per instruction, per step and planned disagree"; exit 1; }
+done
 grep -q '"rank 1' "$tmp/mpi_1f1b/trace.json" || grep -q 'rank 1 ' "$tmp/mpi_1f1b/trace.json" ||
   { echo "FAIL: the merged trace does not name rank 1"; exit 1; }
 

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <optional>
 
+#include "kernels/op_log.h"
 #include "layers/loss.h"
 #include "pipeline/executor/held_bytes.h"
 #include "pipeline/executor/stage_runtime.h"
@@ -543,6 +544,11 @@ void Executor::optimizer_step(StageRuntime& rt) {
   // One turn on the device for the whole step, so that on a GPU shared by stages no other
   // stage's kernels fall inside the events that time it.
   auto turn = device_turn(k);
+  // Stages sharing a device share its backend, whose wait reports each stage's bad data
+  // to that stage only, and clears the flags the skip below reads: one stage's wait could
+  // hide another's bad batch from its skip. Such a stage waits here, as every stage did
+  // before the skip was decided on the device, so that its error stops it first.
+  if (rt.device_turn != nullptr) rt.backend->synchronize();
   const size_t slot = rt.trace.ops.size() - 1;  // run_stage's, reserved for this instruction
   rt.clock->before(rt.backend->stream(), slot);
   // As torch.nn.utils.clip_grad_norm_ on the unscaled norm: scale by max_norm / (norm +
@@ -680,10 +686,13 @@ void Executor::tensor_collective(Op op, int64_t bytes, const std::function<void(
   rt.tensor_next = pc + 1;  // taken, whether it succeeds or not
   rt.clock->before(rt.backend->stream(), pc);
   heartbeat();
+  const int64_t calls0 = OpLog::calls_on_this_thread();
   run();
+  const int64_t calls = OpLog::calls_on_this_thread() - calls0;
   rt.clock->after(rt.backend->stream(), pc);
   TimedOp& t = rt.trace.ops[pc];
   t.bytes = bytes;
+  t.ops = calls;
   t.end_ms = now_ms();
 }
 
@@ -748,6 +757,7 @@ void Executor::run_stage(int k) {
         rt.backend->synchronize();
       }
       const double t0 = now_ms();
+      const int64_t calls0 = OpLog::calls_on_this_thread();
       if (pc == rt.zero_at && eval == nullptr) {  // inside the receive's slot: its wait, usually
         auto turn = device_turn(k);
         zero_grads(rt);
@@ -800,6 +810,7 @@ void Executor::run_stage(int k) {
       }
       op.live_bytes = rt.live_bytes;
       op.end_ms = now_ms();
+      op.ops = OpLog::calls_on_this_thread() - calls0;  // its tensor collectives' included
       rt.trace.ops[pc] = op;
     }
     transport_.flush(k);

@@ -112,6 +112,11 @@ struct TimedOp {
   // program (which ran inside it and are in the trace too, each with its own times: the
   // device's on a GPU); communication, not compute.
   double group_ms = 0;
+  // The backend ops the stage's thread called during it (kernels/op_log.h): its layers'
+  // (what the plan counts on shapes, Plan::launches), its loss's, and for the others what
+  // they compute (OPT's update and clip, NORM's sum, the gradients' zeroing inside the
+  // instruction where it happens). On a GPU each is one kernel launch or more.
+  int64_t ops = 0;
 };
 
 struct StageTrace {

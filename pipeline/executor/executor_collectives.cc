@@ -93,7 +93,10 @@ int64_t Executor::reduce_gradient_norm(StageRuntime& rt) {
       if (!model_.is_tied_copy(p)) grads.push_back(p->grad);  // a tied weight counts once
     }
     auto turn = device_turn(k);
+    const size_t slot = rt.trace.ops.size() - 1;  // run_stage's, reserved for this instruction
+    rt.clock->before(rt.backend->stream(), slot);  // device time on a GPU, as OPT's
     rt.backend->sum_squares_all_to(grads, rt.scalars);
+    rt.clock->after(rt.backend->stream(), slot);
     return static_cast<int64_t>(sizeof(double));
   }
   SumSquares local;

@@ -80,6 +80,9 @@ StageStateNames Executor::state_names(int k) const {
 }
 
 StageState Executor::save_state(int k) {
+  // A step that failed may have updated weights on a device without counting the step
+  // (the count follows the step's end): what it left is not a state to save.
+  if (failed_) throw Error("the pipeline stopped after a failure; its state is not saved (the last checkpoint is)");
   StageRuntime& rt = *runtimes_.at(k);
   GPIPE_CHECK(rt.local, "stage " + std::to_string(k) + " runs in another process");
   rt.backend->synchronize();  // between steps: no worker holds the device

@@ -235,6 +235,7 @@ TEST_CASE("every instruction is timed, in order, within the step") {
       CHECK(back.ops[j].peer == ops[j].peer);
       CHECK(back.ops[j].live_bytes == ops[j].live_bytes);
       CHECK(back.ops[j].group_ms == (j == 0 ? 0.25 + k : 0.0));
+      CHECK(back.ops[j].ops == ops[j].ops);
     }
   }
 }

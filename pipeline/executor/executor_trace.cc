@@ -9,7 +9,7 @@ namespace pipeline {
 
 namespace {
 constexpr size_t kHeader = 3;    // peak activation bytes, start, optimizer bytes
-constexpr size_t kOpFields = 9;  // op, micro-batch, start, end, chunk, bytes, peer, live bytes, group ms
+constexpr size_t kOpFields = 10;  // op, micro-batch, start, end, chunk, bytes, peer, live bytes, group ms, ops
 }  // namespace
 
 std::vector<double> encode_trace(const StageTrace& t) {
@@ -19,7 +19,7 @@ std::vector<double> encode_trace(const StageTrace& t) {
   for (const TimedOp& op : t.ops) {
     v.insert(v.end(), {static_cast<double>(op.op), static_cast<double>(op.micro_batch), op.start_ms, op.end_ms,
                        static_cast<double>(op.chunk), static_cast<double>(op.bytes), static_cast<double>(op.peer),
-                       static_cast<double>(op.live_bytes), op.group_ms});
+                       static_cast<double>(op.live_bytes), op.group_ms, static_cast<double>(op.ops)});
   }
   return v;
 }
@@ -38,6 +38,7 @@ StageTrace decode_trace(const std::vector<double>& v, int stage) {
     op.peer = static_cast<int>(v[i + 6]);
     op.live_bytes = static_cast<int64_t>(v[i + 7]);
     op.group_ms = v[i + 8];
+    op.ops = static_cast<int64_t>(v[i + 9]);
     t.ops.push_back(op);
   }
   return t;

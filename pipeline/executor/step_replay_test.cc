@@ -98,6 +98,15 @@ std::vector<Calls> run_steps(const Setup& c, int K, bool dropout, int steps, int
       if (call.thread != std::this_thread::get_id()) calls[call.thread].push_back(std::move(call));
     }
     REQUIRE(static_cast<int>(calls.size()) == K);
+    // Each instruction's count of ops (TimedOp::ops, which the report sums) is what it
+    // called: the stages' calls are those of their instructions, and outside them the
+    // scalars' write before the step, its final wait and the scalars' read after it.
+    int64_t counted = 0, logged = 0;
+    for (const StageTrace& trace : r.stages) {
+      for (const TimedOp& op : trace.ops) counted += op.ops;
+    }
+    for (const auto& [thread, list] : calls) logged += static_cast<int64_t>(list.size());
+    CHECK(counted + 3 * K == logged);
     out.push_back(std::move(calls));
   }
   return out;
@@ -147,13 +156,19 @@ TEST_CASE("a stage calls the same ops with the same arguments at every step: the
         int updates = 0;
         for (const OpLog::Call& call : first) updates += call.op == "adam_step_all" || call.op == "sgd_step_all";
         CHECK(updates == 1);
-        // The host waits once, at the step's end, except where NORM sums the stages' norms
-        // on the host (K > 1): one number read per stage there.
+        // The host writes the step's scalars once before it and waits and reads them once
+        // at its end, except where NORM sums the stages' norms on the host (K > 1): one
+        // number read per stage there, and the total written back.
         std::vector<std::string> expected_reads;
-        if (K > 1 && (c.clip > 0 || c.loss_scale > 0)) expected_reads.push_back("sum_squares_all");
-        expected_reads.push_back("synchronize");
+        const bool host_norm = K > 1 && (c.clip > 0 || c.loss_scale > 0);
+        if (host_norm) expected_reads.push_back("sum_squares_all");
+        expected_reads.insert(expected_reads.end(), {"synchronize", "read_step_scalars"});
         CHECK(host_reads(first) == expected_reads);
-        CHECK(first.back().op == "synchronize");
+        CHECK(first.front().op == "write_step_scalars");
+        CHECK(first.back().op == "read_step_scalars");
+        int writes = 0;
+        for (const OpLog::Call& call : first) writes += call.op == "write_step_scalars";
+        CHECK(writes == (host_norm ? 2 : 1));
       }
     }
     }

@@ -87,6 +87,12 @@ void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool ti
     }
     s.peak_activation_bytes = std::max(s.peak_activation_bytes, trace.peak_activation_bytes);
     s.optimizer_bytes = std::max(s.optimizer_bytes, trace.optimizer_bytes);
+    s.ops_per_step = s.all_ops_per_step = 0;
+    for (const TimedOp& op : trace.ops) {
+      if (is_tensor_collective(op.op)) continue;  // counted in the compute instruction it ran in
+      s.all_ops_per_step += op.ops;
+      if (is_compute(op.op)) s.ops_per_step += op.ops;
+    }
   }
   add_deliveries(r);
   span_total_ += time.span_ms;
@@ -451,6 +457,14 @@ std::string ReportBuilder::table() const {
   }
   if (!group.empty()) os << "Tensor group's collectives, waits for the other members included (in comm ms, not in fwd, recomp or bwd): "
                            << group << "\n";
+  if (!s.stages.empty() && s.stages.front().ops_per_step >= 0) {
+    os << "Ops per step, measured (backend calls; on a GPU each one kernel launch or more, none captured in a graph):";
+    for (const auto& st : s.stages) {
+      os << (st.stage == 0 ? " " : ", ") << "stage " << st.stage << " " << st.ops_per_step << " in F, R, B and W of "
+         << st.all_ops_per_step << " in all";
+    }
+    os << "\n";
+  }
   if (s.predicted_bubble >= 0) {
     std::snprintf(line, sizeof line,
                   "Bubble: measured %.3f, predicted %.3f (the schedule simulated with the measured op and delivery times), "
@@ -539,6 +553,7 @@ nlohmann::json stage_json(const StageSummary& st) {
             {"delivery_ms", st.delivery_ms},
             {"peak_activation_bytes", st.peak_activation_bytes},
             {"optimizer_bytes", st.optimizer_bytes}});
+  if (st.ops_per_step >= 0) j.update({{"ops_per_step", st.ops_per_step}, {"ops_per_step_all", st.all_ops_per_step}});
   if (st.mfu >= 0) {
     j.update({{"mfu", st.mfu}, {"useful_flops", st.useful_flops}, {"peak_flops_per_second", st.peak_flops_per_second}});
   }

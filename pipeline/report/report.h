@@ -37,6 +37,10 @@ struct StageSummary : StageTime {
   // stage that were waiting for their message (a thread's wake-up, a transfer); -1: none.
   double delivery_ms = -1;
   int64_t peak_activation_bytes = 0;
+  // Backend ops the stage's thread called per step (TimedOp::ops), in the last timed step:
+  // in its F, R, B and W (what the plan counts on shapes: PlannedStage::launches), and in
+  // all its instructions (OPT, NORM, the gradients' zeroing too). -1: none timed.
+  int64_t ops_per_step = -1, all_ops_per_step = -1;
   // The optimizer state the stage's device holds (one replica's; its shard's, when
   // sharded), measured after each step: the most of any timed step.
   int64_t optimizer_bytes = 0;

@@ -113,6 +113,21 @@ TEST_CASE("report.json carries steps, stages and the bubble") {
   CHECK(j["bubble"]["theoretical"].get<double>() == doctest::Approx(1.0 / 5));  // (K-1)/(M+K-1), K=2, M=4
   CHECK(j["balance"] == nlohmann::json(r.balance));
   CHECK(r.balance == std::vector<int>{2, 3});
+  // The ops each stage's layers called per step, measured, are the ones the plan counted
+  // on shapes (the meta backend, before the run); the step's other instructions (the
+  // optimizer's update and the gradients' zeroing) add a few more.
+  REQUIRE(j.contains("prediction"));
+  for (size_t k = 0; k < 2; ++k) {
+    CAPTURE(k);
+    const int64_t planned = j["prediction"]["stages"][k]["ops_per_step"].get<int64_t>();
+    CHECK(planned > 0);
+    CHECK(j["stages"][k]["ops_per_step"].get<int64_t>() == planned);
+    CHECK(j["stages"][k]["ops_per_step_all"].get<int64_t>() > planned);
+  }
+  // By hand: stage 0 (linear, the first layer, and relu; 4 micro-batches, 3 of them
+  // recomputed): F linear 2 + relu 1 = 3, recomputed 3, B relu 1, W linear 2: 4 x 3 + 3 x 3
+  // + 4 x 3 = 33.
+  CHECK(j["stages"][0]["ops_per_step"].get<int64_t>() == 33);
   CHECK(j["stages"][0]["layers"] == "0-1 linear, relu");
   CHECK(!std::filesystem::exists(r.report_path + ".tmp"));
 }
