@@ -12,8 +12,10 @@
 #include <chrono>
 #include <cmath>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "kernels/op_log.h"
 #include "layers/registry.h"
 #include "partition/balance.h"
 #include "pipeline/executor/executor.h"
@@ -126,6 +128,41 @@ TEST_CASE("a pipeline on GPU 1 alone leaves no context on GPU 0") {
   CHECK_FALSE(cuda_device_selector().has_context(0));
   CHECK(cuda_device_selector().has_context(1));
 #endif
+}
+
+TEST_CASE("one stage on cuda:0 keeps the norm, the clip and dropout's step on the device, and equals one CPU stage") {
+  // K = 1: NORM and OPT do not wait for the GPU (kernels/step_scalars.h); the clipped
+  // AdamW steps and the dropout masks must still track the CPU's.
+  const Tensor ids = random_labels(12 * 16, 64, 7).reshape({12, 16});
+  const Tensor y = random_labels(12 * 16, 64, 8).reshape({12, 16});
+  compare(run(gpt_spec(), {Device::cuda(0)}, 3, ids, y), run(gpt_spec(), cpus(1), 3, ids, y));
+  // The stage's thread calls the same ops with the same arguments at every step, and the
+  // host reads nothing back before the step's end (its wait and the scalars' one copy).
+  auto model = layers::build_model(gpt_spec());
+  InProcessTransport transport(1);
+  ExecutorOptions opts;
+  opts.optimizer.type = "adamw";
+  opts.clip_grad_norm = 1.0;
+  Executor ex(*model, make_stages({model->size()}, {Device::cuda(0)}), gpipe_schedule(1, 3, RecomputeMode::kExceptLast),
+              transport, opts);
+  ex.step(ids, y);  // warm-up: tables and graphs built on first use
+  OpLog log;
+  std::vector<std::vector<std::string>> steps;
+  for (int t = 0; t < 3; ++t) {
+    ex.set_lr(1e-3 * (t + 1));
+    log.take();
+    ex.step(ids, y);
+    std::vector<std::string> calls, reads;
+    for (const OpLog::Call& c : log.take()) {
+      if (c.thread == std::this_thread::get_id()) continue;  // the caller's, after the step
+      calls.push_back(c.op + "(" + c.args + ")");
+      if (c.returns) reads.push_back(c.op);
+    }
+    CHECK(reads == std::vector<std::string>{"synchronize", "read_step_scalars"});
+    steps.push_back(calls);
+  }
+  CHECK(steps[1] == steps[0]);
+  CHECK(steps[2] == steps[0]);
 }
 
 TEST_CASE("two stages sharing cuda:0 equal two CPU stages (MLP, uneven micro-batches)") {
