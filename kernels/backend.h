@@ -61,6 +61,17 @@ struct DropoutKey {
   uint64_t host_key() const;
 };
 
+// A loss's factor (the loss ops' `scale`): a host value, or when `scalars` is defined the
+// step's scalars' kStepLossScale (kernels/step_scalars.h), read by the op when it runs,
+// which holds `value` (so that a step's loss calls are the same whatever its factor).
+struct LossScale {
+  LossScale(double value = 1.0) : value(value) {}  // NOLINT: a value converts
+  LossScale(double value, Tensor scalars) : value(value), scalars(std::move(scalars)) {}
+  double value;
+  Tensor scalars;
+  bool from_device() const { return scalars.defined(); }
+};
+
 // The step's scalars (kernels/step_scalars.h) of step `step` (from 1) of Adam or SGD
 // with p, as the host computes them (in double): the learning rate and count, and
 // Adam's decay and bias corrections; no norm, a scale of 1, no skip.

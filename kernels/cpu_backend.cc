@@ -236,25 +236,17 @@ void set_scalar_values(Backend& be, const StepScalarValues& values, Tensor& scal
   be.copy(host, scalars);
 }
 
-// The host's reads and writes, in the OpLog (kernels/op_log.h) as calls of their own: a
-// read waits for the device and hands the host its values.
-void note_scalars(const char* op, bool read) {
-  if (!OpLog::counted()) return;
-  OpLog::Call call;
-  call.thread = std::this_thread::get_id();
-  call.op = op;
-  call.returns = read;
-  OpLog::note(std::move(call));
-}
 }  // namespace
 
+// The host's reads and writes, calls of their own in the OpLog (kernels/op_log.h), their
+// copies inside them: a read waits for the device and hands the host its values.
 StepScalarValues Backend::read_step_scalars(const Tensor& scalars) {
-  note_scalars("read_step_scalars", true);
+  const OpCall call("read_step_scalars", true);
   return scalar_values(*this, scalars, "read_step_scalars");
 }
 
 void Backend::write_step_scalars(const StepScalarValues& values, Tensor& scalars) {
-  note_scalars("write_step_scalars", false);
+  const OpCall call("write_step_scalars", false);
   set_scalar_values(*this, values, scalars, "write_step_scalars");
 }
 
@@ -297,8 +289,9 @@ void Backend::sum_squares_all_to(const std::vector<Tensor>& xs, Tensor& scalars)
   set_scalar_values(*this, s, scalars, "sum_squares_all_to");
 }
 
-void Backend::step_grad_scale(Tensor& scalars, double max_norm, double inv_loss_scale, bool skip_nonfinite) {
+void Backend::step_grad_scale(Tensor& scalars, double max_norm, bool skip_nonfinite) {
   StepScalarValues s = scalar_values(*this, scalars, "step_grad_scale");
+  const double inv_loss_scale = s[kStepUnscale];
   const double norm_squared = s[kStepNormSquared];
   const double norm = norm_squared < 0 ? -1.0 : std::sqrt(norm_squared);  // NaN stays NaN
   if (skip_nonfinite && !std::isfinite(norm)) s[kStepSkip] = 1.0;
@@ -445,8 +438,20 @@ void CpuBackend::gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {
   });
 }
 
-void CpuBackend::softmax_xent(const Tensor& logits, const Tensor& labels, double scale, int ignore_index,
-                              Tensor& probs, Tensor& loss) {
+namespace {
+// A loss's factor as the CPU reads it: with the step's scalars, their kStepLossScale.
+double loss_scale_value(const LossScale& scale, const char* op) {
+  if (!scale.from_device()) return scale.value;
+  const Tensor& s = scale.scalars;
+  if (!s.device().is_cpu()) throw Error(std::string(op) + ": the step's scalars on " + s.device().str() + ", not the host");
+  check_step_scalars(s, s.device(), op);
+  return s.data<double>()[kStepLossScale];
+}
+}  // namespace
+
+void CpuBackend::softmax_xent(const Tensor& logits, const Tensor& labels, const LossScale& loss_scale,
+                              int ignore_index, Tensor& probs, Tensor& loss) {
+  const double scale = loss_scale_value(loss_scale, "softmax_xent");
   ops::check_xent(logits, labels, probs);
   GPIPE_CHECK(loss.numel() == 1 && loss.dtype() == logits.dtype(), "softmax_xent: loss " + loss.str());
   dispatch_float(logits, [&](auto* tag) {
@@ -477,8 +482,9 @@ void CpuBackend::softmax_xent(const Tensor& logits, const Tensor& labels, double
   });
 }
 
-void CpuBackend::softmax_xent_backward(const Tensor& probs, const Tensor& labels, double scale, int ignore_index,
-                                       Tensor& dlogits) {
+void CpuBackend::softmax_xent_backward(const Tensor& probs, const Tensor& labels, const LossScale& loss_scale,
+                                       int ignore_index, Tensor& dlogits) {
+  const double scale = loss_scale_value(loss_scale, "softmax_xent_backward");
   ops::check_xent(probs, labels, dlogits);
   dispatch_float(probs, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -525,7 +531,8 @@ void CpuBackend::softmax_xent_slice_sums(const Tensor& logits, const Tensor& lab
 }
 
 void CpuBackend::softmax_xent_slice_loss(const Tensor& sums, const Tensor& rowmax, const Tensor& labels,
-                                         int ignore_index, double scale, Tensor& lse, Tensor& loss) {
+                                         int ignore_index, const LossScale& loss_scale, Tensor& lse, Tensor& loss) {
+  const double scale = loss_scale_value(loss_scale, "softmax_xent_slice_loss");
   ops::check_xent_slice_loss(sums, rowmax, labels, lse, loss);
   const int64_t rows = rowmax.numel();
   dispatch_float(rowmax, [&](auto* tag) {
@@ -546,7 +553,9 @@ void CpuBackend::softmax_xent_slice_loss(const Tensor& sums, const Tensor& rowma
 }
 
 void CpuBackend::softmax_xent_slice_backward(const Tensor& logits, const Tensor& labels, int64_t first,
-                                             int ignore_index, const Tensor& lse, double scale, Tensor& dlogits) {
+                                             int ignore_index, const Tensor& lse, const LossScale& loss_scale,
+                                             Tensor& dlogits) {
+  const double scale = loss_scale_value(loss_scale, "softmax_xent_slice_backward");
   ops::check_xent_slice(logits, labels, first, INT32_MAX, lse, "softmax_xent_slice_backward");
   ops::check_same(logits, dlogits, "softmax_xent_slice_backward");
   dispatch_float(logits, [&](auto* tag) {

@@ -420,8 +420,9 @@ void CudaBackend::log_unreported_errors() noexcept {
   }
 }
 
-void CudaBackend::softmax_xent(const Tensor& logits, const Tensor& labels, double scale, int ignore_index,
+void CudaBackend::softmax_xent(const Tensor& logits, const Tensor& labels, const LossScale& loss_scale, int ignore_index,
                                Tensor& probs, Tensor& loss) {
+  const cuda::LossScaleArg scale = loss_scale_arg(loss_scale, "softmax_xent");
   ops::check_xent(logits, labels, probs);
   GPIPE_CHECK(loss.numel() == 1 && loss.dtype() == logits.dtype(), "softmax_xent: loss " + loss.str());
   check_on_device(logits, "softmax_xent");
@@ -458,7 +459,8 @@ void CudaBackend::softmax_xent_slice_sums(const Tensor& logits, const Tensor& la
 }
 
 void CudaBackend::softmax_xent_slice_loss(const Tensor& sums, const Tensor& rowmax, const Tensor& labels,
-                                          int ignore_index, double scale, Tensor& lse, Tensor& loss) {
+                                          int ignore_index, const LossScale& loss_scale, Tensor& lse, Tensor& loss) {
+  const cuda::LossScaleArg scale = loss_scale_arg(loss_scale, "softmax_xent_slice_loss");
   ops::check_xent_slice_loss(sums, rowmax, labels, lse, loss);
   const int64_t rows = rowmax.numel();
   for (const Tensor* t : std::initializer_list<const Tensor*>{&sums, &rowmax, &labels, &lse, &loss}) {
@@ -474,7 +476,9 @@ void CudaBackend::softmax_xent_slice_loss(const Tensor& sums, const Tensor& rowm
 }
 
 void CudaBackend::softmax_xent_slice_backward(const Tensor& logits, const Tensor& labels, int64_t first,
-                                              int ignore_index, const Tensor& lse, double scale, Tensor& dlogits) {
+                                              int ignore_index, const Tensor& lse, const LossScale& loss_scale,
+                                              Tensor& dlogits) {
+  const cuda::LossScaleArg scale = loss_scale_arg(loss_scale, "softmax_xent_slice_backward");
   ops::check_xent_slice(logits, labels, first, INT32_MAX, lse, "softmax_xent_slice_backward");
   ops::check_same(logits, dlogits, "softmax_xent_slice_backward");
   for (const Tensor* t : std::initializer_list<const Tensor*>{&logits, &labels, &lse, &dlogits}) {
@@ -502,8 +506,9 @@ void CudaBackend::first_column_equal(const Tensor& logits, const Tensor& value, 
   });
 }
 
-void CudaBackend::softmax_xent_backward(const Tensor& probs, const Tensor& labels, double scale, int ignore_index,
-                                        Tensor& dlogits) {
+void CudaBackend::softmax_xent_backward(const Tensor& probs, const Tensor& labels, const LossScale& loss_scale,
+                                        int ignore_index, Tensor& dlogits) {
+  const cuda::LossScaleArg scale = loss_scale_arg(loss_scale, "softmax_xent_backward");
   ops::check_xent(probs, labels, dlogits);
   check_on_device(probs, "softmax_xent_backward");
   check_on_device(labels, "softmax_xent_backward");

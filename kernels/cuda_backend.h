@@ -111,8 +111,10 @@ class CudaBackend : public Backend {
   // nullopt-like: a table with tensors == 0 when every tensor is empty.
   cuda::MultiTensorTable multi_table(const std::vector<const std::vector<Tensor>*>& lists, const char* op);
   void release_multi_tables() noexcept;
-  // The device pointer of a step's scalars (kernels/step_scalars.h), checked.
+  // The device pointer of a step's scalars (kernels/step_scalars.h), checked; a loss's
+  // factor as the kernels take it (its slot there, or its value).
   const double* step_scalars_on_device(const Tensor& scalars, const char* op) const;
+  cuda::LossScaleArg loss_scale_arg(const LossScale& scale, const char* op) const;
   // The cuDNN state (handle bound to stream_, descriptors, chosen algorithms), created
   // on first use by a convolution op; kernels/cuda_conv_ops.cc.
   struct CudnnState& cudnn();

@@ -1331,9 +1331,10 @@ TEST_CASE("the step's scalars on the GPU: the norm, the clip's scale and the ski
           CAPTURE(skip_nonfinite);
           StepScalarValues v = adam_step_scalars(AdamParams{}, 3);
           v[kStepNormSquared] = norm_squared;
+          v[kStepUnscale] = inv_scale;
           Tensor host = cpu().step_scalars(v), dev = gpu().step_scalars(v);
-          cpu().step_grad_scale(host, max_norm, inv_scale, skip_nonfinite);
-          gpu().step_grad_scale(dev, max_norm, inv_scale, skip_nonfinite);
+          cpu().step_grad_scale(host, max_norm, skip_nonfinite);
+          gpu().step_grad_scale(dev, max_norm, skip_nonfinite);
           const StepScalarValues want = cpu().read_step_scalars(host), got = gpu().read_step_scalars(dev);
           CHECK(got[kStepGradScale] == want[kStepGradScale]);
           CHECK(got[kStepSkip] == want[kStepSkip]);
@@ -1354,7 +1355,7 @@ TEST_CASE("the step's scalars on the GPU: the norm, the clip's scale and the ski
   Tensor table = to_gpu(random_tensor({4, 3}, DType::kF32, seed++)), out = gpu().empty({1, 2, 3}, DType::kF32);
   Tensor dev = gpu().step_scalars(adam_step_scalars(AdamParams{}, 1));
   gpu().embedding(ids, table, Tensor(), out);
-  gpu().step_grad_scale(dev, 0.0, 1.0, false);
+  gpu().step_grad_scale(dev, 0.0, false);
   std::vector<Tensor> w = multi_tensors(DType::kF32, seed), w1 = copies(w), m = zeros_of(w), vv = zeros_of(w);
   gpu().adam_step_all(w, copies(w), m, vv, AdamParams{}, dev);
   CHECK_THROWS_AS(gpu().synchronize(), UserError);

@@ -294,7 +294,8 @@ __global__ void softmax_xent_forward_kernel(const T* logits, const int32_t* labe
 // One block: *loss = scale * sum of row_loss: (rows), accumulated in double (as the CPU
 // reference does) in a fixed order: strided per-thread sums, then block_allreduce.
 template <typename T>
-__global__ void loss_sum_kernel(const T* row_loss, int64_t rows, double scale, T* loss) {
+__global__ void loss_sum_kernel(const T* row_loss, int64_t rows, LossScaleArg scale_arg, T* loss) {
+  const double scale = scale_arg.at != nullptr ? *scale_arg.at : scale_arg.value;
   __shared__ double shared[32];
   double acc = 0.0;
   for (int64_t i = threadIdx.x; i < rows; i += blockDim.x) acc += static_cast<double>(row_loss[i]);
@@ -306,8 +307,9 @@ __global__ void loss_sum_kernel(const T* row_loss, int64_t rows, double scale, T
 // label == ignore_index. An invalid label is flagged as (r, label); its row gets
 // s * probs (no column matches it).
 template <typename T>
-__global__ void softmax_xent_backward_kernel(const T* probs, const int32_t* labels, int64_t cols, T s,
-                                             int ignore_index, T* dlogits, ErrorSlot* error) {
+__global__ void softmax_xent_backward_kernel(const T* probs, const int32_t* labels, int64_t cols,
+                                             LossScaleArg scale, int ignore_index, T* dlogits, ErrorSlot* error) {
+  const T s = static_cast<T>(scale.at != nullptr ? *scale.at : scale.value);
   const int64_t row = blockIdx.x;
   const int32_t label = labels[row];
   const T* in = probs + row * cols;
@@ -371,7 +373,9 @@ __global__ void softmax_xent_slice_rows_kernel(const T* sums, const T* rowmax, c
 // One block per row: dlogits = s * (exp(x - lse[r]) - onehot(label - first)), 0 for ignore_index.
 template <typename T>
 __global__ void softmax_xent_slice_backward_kernel(const T* logits, const int32_t* labels, int64_t cols,
-                                                   int64_t first, int ignore_index, const T* lse, T s, T* dlogits) {
+                                                   int64_t first, int ignore_index, const T* lse, LossScaleArg scale,
+                                                   T* dlogits) {
+  const T s = static_cast<T>(scale.at != nullptr ? *scale.at : scale.value);
   const int64_t row = blockIdx.x;
   const int32_t label = labels[row];
   const T* in = logits + row * cols;
@@ -659,7 +663,7 @@ __global__ void multi_scale_by_kernel(MultiTensorTable tab, const double* step) 
 // One block: the step's gradient scale and skip from its norm (Backend::step_grad_scale),
 // with the host's double arithmetic written out (the same FMA as its std::fma, the same
 // roundings); any flagged error slot of `slots` also skips the step.
-__global__ void step_grad_scale_kernel(double* step, double max_norm, double inv_loss_scale, bool skip_nonfinite,
+__global__ void step_grad_scale_kernel(double* step, double max_norm, bool skip_nonfinite,
                                        const ErrorSlot* slots, int64_t slot_count) {
   __shared__ int bad;
   if (threadIdx.x == 0) bad = 0;
@@ -672,6 +676,7 @@ __global__ void step_grad_scale_kernel(double* step, double max_norm, double inv
   const double norm_squared = step[kStepNormSquared];
   const double norm = norm_squared < 0.0 ? -1.0 : __dsqrt_rn(norm_squared);  // NaN stays NaN
   if (bad != 0 || (skip_nonfinite && !isfinite(norm))) step[kStepSkip] = 1.0;
+  const double inv_loss_scale = step[kStepUnscale];
   double scale = inv_loss_scale;
   if (max_norm > 0.0 && norm >= 0.0) {
     const double clip = __ddiv_rn(max_norm, __fma_rn(norm, inv_loss_scale, 1e-6));
@@ -1119,7 +1124,7 @@ void launch_gelu_backward(const T* x, const T* dy, T* dx, int64_t n, cudaStream_
 }
 
 template <typename T>
-void launch_softmax_xent(const T* logits, const int32_t* labels, int64_t rows, int64_t cols, double scale,
+void launch_softmax_xent(const T* logits, const int32_t* labels, int64_t rows, int64_t cols, LossScaleArg scale,
                          int ignore_index, T* probs, T* row_loss, T* loss, ErrorSlot* error,
                          cudaStream_t stream) {
   check_row_grid(rows, "softmax_xent");
@@ -1134,12 +1139,12 @@ void launch_softmax_xent(const T* logits, const int32_t* labels, int64_t rows, i
 
 template <typename T>
 void launch_softmax_xent_backward(const T* probs, const int32_t* labels, int64_t rows, int64_t cols,
-                                  double scale, int ignore_index, T* dlogits, ErrorSlot* error,
+                                  LossScaleArg scale, int ignore_index, T* dlogits, ErrorSlot* error,
                                   cudaStream_t stream) {
   check_row_grid(rows, "softmax_xent_backward");
   if (rows == 0) return;
   softmax_xent_backward_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(
-      probs, labels, cols, static_cast<T>(scale), ignore_index, dlogits, error);
+      probs, labels, cols, scale, ignore_index, dlogits, error);
   GPIPE_CHECK_LAUNCH();
 }
 
@@ -1156,7 +1161,7 @@ void launch_softmax_xent_slice_sums(const T* logits, const int32_t* labels, int6
 
 template <typename T>
 void launch_softmax_xent_slice_loss(const T* sums, const T* rowmax, const int32_t* labels, int64_t rows,
-                                    int ignore_index, double scale, T* lse, T* row_loss, T* loss,
+                                    int ignore_index, LossScaleArg scale, T* lse, T* row_loss, T* loss,
                                     cudaStream_t stream) {
   if (rows > 0) {
     softmax_xent_slice_rows_kernel<T><<<elementwise_blocks(rows), kThreads, 0, stream>>>(sums, rowmax, labels, rows,
@@ -1169,12 +1174,12 @@ void launch_softmax_xent_slice_loss(const T* sums, const T* rowmax, const int32_
 
 template <typename T>
 void launch_softmax_xent_slice_backward(const T* logits, const int32_t* labels, int64_t rows, int64_t cols,
-                                        int64_t first, int ignore_index, const T* lse, double scale, T* dlogits,
+                                        int64_t first, int ignore_index, const T* lse, LossScaleArg scale, T* dlogits,
                                         cudaStream_t stream) {
   check_row_grid(rows, "softmax_xent_slice_backward");
   if (rows == 0) return;
   softmax_xent_slice_backward_kernel<T><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(
-      logits, labels, cols, first, ignore_index, lse, static_cast<T>(scale), dlogits);
+      logits, labels, cols, first, ignore_index, lse, scale, dlogits);
   GPIPE_CHECK_LAUNCH();
 }
 
@@ -1552,11 +1557,11 @@ void gelu_backward(const Half* x, const Half* dy, Half* dx, int64_t n, cudaStrea
                                    stream);                                                                       \
   }                                                                                                               \
   void softmax_xent_slice_loss(const T* sums, const T* rowmax, const int32_t* labels, int64_t rows,               \
-                               int ignore_index, double scale, T* lse, T* row_loss, T* loss, cudaStream_t stream) { \
+                               int ignore_index, LossScaleArg scale, T* lse, T* row_loss, T* loss, cudaStream_t stream) { \
     launch_softmax_xent_slice_loss(sums, rowmax, labels, rows, ignore_index, scale, lse, row_loss, loss, stream); \
   }                                                                                                               \
   void softmax_xent_slice_backward(const T* logits, const int32_t* labels, int64_t rows, int64_t cols,            \
-                                   int64_t first, int ignore_index, const T* lse, double scale, T* dlogits,       \
+                                   int64_t first, int ignore_index, const T* lse, LossScaleArg scale, T* dlogits,       \
                                    cudaStream_t stream) {                                                         \
     launch_softmax_xent_slice_backward(logits, labels, rows, cols, first, ignore_index, lse, scale, dlogits,      \
                                        stream);                                                                   \
@@ -1569,23 +1574,23 @@ GPIPE_XENT_SLICE(float)
 GPIPE_XENT_SLICE(double)
 #undef GPIPE_XENT_SLICE
 
-void softmax_xent(const float* logits, const int32_t* labels, int64_t rows, int64_t cols, double scale,
+void softmax_xent(const float* logits, const int32_t* labels, int64_t rows, int64_t cols, LossScaleArg scale,
                   int ignore_index, float* probs, float* row_loss, float* loss, ErrorSlot* error,
                   cudaStream_t stream) {
   launch_softmax_xent(logits, labels, rows, cols, scale, ignore_index, probs, row_loss, loss, error, stream);
 }
-void softmax_xent(const double* logits, const int32_t* labels, int64_t rows, int64_t cols, double scale,
+void softmax_xent(const double* logits, const int32_t* labels, int64_t rows, int64_t cols, LossScaleArg scale,
                   int ignore_index, double* probs, double* row_loss, double* loss, ErrorSlot* error,
                   cudaStream_t stream) {
   launch_softmax_xent(logits, labels, rows, cols, scale, ignore_index, probs, row_loss, loss, error, stream);
 }
 
-void softmax_xent_backward(const float* probs, const int32_t* labels, int64_t rows, int64_t cols, double scale,
+void softmax_xent_backward(const float* probs, const int32_t* labels, int64_t rows, int64_t cols, LossScaleArg scale,
                            int ignore_index, float* dlogits, ErrorSlot* error, cudaStream_t stream) {
   launch_softmax_xent_backward(probs, labels, rows, cols, scale, ignore_index, dlogits, error, stream);
 }
 void softmax_xent_backward(const double* probs, const int32_t* labels, int64_t rows, int64_t cols,
-                           double scale, int ignore_index, double* dlogits, ErrorSlot* error,
+                           LossScaleArg scale, int ignore_index, double* dlogits, ErrorSlot* error,
                            cudaStream_t stream) {
   launch_softmax_xent_backward(probs, labels, rows, cols, scale, ignore_index, dlogits, error, stream);
 }
@@ -1852,9 +1857,9 @@ void multi_scale_by(const MultiTensorTable& tab, DType t, const double* step, cu
   GPIPE_CUDA_CHECK(cudaGetLastError());
 }
 
-void step_grad_scale(double* step, double max_norm, double inv_loss_scale, bool skip_nonfinite,
+void step_grad_scale(double* step, double max_norm, bool skip_nonfinite,
                      const ErrorSlot* slots, int64_t slot_count, cudaStream_t stream) {
-  step_grad_scale_kernel<<<1, kThreads, 0, stream>>>(step, max_norm, inv_loss_scale, skip_nonfinite, slots,
+  step_grad_scale_kernel<<<1, kThreads, 0, stream>>>(step, max_norm, skip_nonfinite, slots,
                                                      slot_count);
   GPIPE_CUDA_CHECK(cudaGetLastError());
 }

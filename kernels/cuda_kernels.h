@@ -92,6 +92,14 @@ __device__ __forceinline__ void flag_error(ErrorSlot* slot, int64_t index, int32
 }
 #endif
 
+// The loss's factor as a kernel takes it (Backend's LossScale): `value`, or with `at` (the
+// step's scalars on the device, kernels/step_scalars.h) *at, read when the kernel runs.
+struct LossScaleArg {
+  LossScaleArg(double value = 1.0, const double* at = nullptr) : value(value), at(at) {}  // NOLINT: a value converts
+  double value;
+  const double* at;
+};
+
 // Softmax cross-entropy forward over the rows of logits: (rows, cols).
 //   probs:    (rows, cols)  softmax of each row
 //   row_loss: (rows)        workspace: -log probs[r, labels[r]], 0 for ignored rows
@@ -101,19 +109,19 @@ __device__ __forceinline__ void flag_error(ErrorSlot* slot, int64_t index, int32
 //                           label that is neither ignore_index nor in [0, cols); such
 //                           rows add 0 to the loss
 // Always writes loss (0 when rows == 0). rows must be < 2^31 - 1.
-void softmax_xent(const float* logits, const int32_t* labels, int64_t rows, int64_t cols, double scale,
+void softmax_xent(const float* logits, const int32_t* labels, int64_t rows, int64_t cols, LossScaleArg scale,
                   int ignore_index, float* probs, float* row_loss, float* loss, ErrorSlot* error,
                   cudaStream_t stream);
-void softmax_xent(const double* logits, const int32_t* labels, int64_t rows, int64_t cols, double scale,
+void softmax_xent(const double* logits, const int32_t* labels, int64_t rows, int64_t cols, LossScaleArg scale,
                   int ignore_index, double* probs, double* row_loss, double* loss, ErrorSlot* error,
                   cudaStream_t stream);
 
 // dlogits: (rows, cols) = scale * (probs - onehot(labels)); rows with ignore_index get 0.
 // error as for softmax_xent (rows with a bad label get scale * probs).
-void softmax_xent_backward(const float* probs, const int32_t* labels, int64_t rows, int64_t cols, double scale,
+void softmax_xent_backward(const float* probs, const int32_t* labels, int64_t rows, int64_t cols, LossScaleArg scale,
                            int ignore_index, float* dlogits, ErrorSlot* error, cudaStream_t stream);
 void softmax_xent_backward(const double* probs, const int32_t* labels, int64_t rows, int64_t cols,
-                           double scale, int ignore_index, double* dlogits, ErrorSlot* error,
+                           LossScaleArg scale, int ignore_index, double* dlogits, ErrorSlot* error,
                            cudaStream_t stream);
 
 // *count (device, one unsigned 64-bit integer, zeroed by the caller) += the number of
@@ -202,10 +210,10 @@ void multi_adam_step(const MultiTensorTable& tab, DType t, double beta1, double 
 void multi_scale(const MultiTensorTable& tab, DType t, double alpha, bool fill, cudaStream_t stream);
 // One list: x *= step[kStepGradScale] (0 clears); nothing when it is 1 or kStepSkip is set.
 void multi_scale_by(const MultiTensorTable& tab, DType t, const double* step, cudaStream_t stream);
-// step[kStepGradScale] and step[kStepSkip] from step[kStepNormSquared]
+// step[kStepGradScale] and step[kStepSkip] from step[kStepNormSquared] and step[kStepUnscale]
 // (Backend::step_grad_scale); the step is skipped too when any of the `slot_count`
 // error slots is flagged.
-void step_grad_scale(double* step, double max_norm, double inv_loss_scale, bool skip_nonfinite,
+void step_grad_scale(double* step, double max_norm, bool skip_nonfinite,
                      const ErrorSlot* slots, int64_t slot_count, cudaStream_t stream);
 // One list: *result (device) = the sum of every element's square, in double.
 // workspace: multi_sum_squares_workspace(tab) doubles.
@@ -260,9 +268,9 @@ void embedding_backward(const int32_t* ids, const double* dout, double* dtable, 
                                int64_t vocab, int ignore_index, const T* rowmax, T* sums, ErrorSlot* error,       \
                                cudaStream_t stream);                                                              \
   void softmax_xent_slice_loss(const T* sums, const T* rowmax, const int32_t* labels, int64_t rows,               \
-                               int ignore_index, double scale, T* lse, T* row_loss, T* loss, cudaStream_t stream); \
+                               int ignore_index, LossScaleArg scale, T* lse, T* row_loss, T* loss, cudaStream_t stream); \
   void softmax_xent_slice_backward(const T* logits, const int32_t* labels, int64_t rows, int64_t cols,            \
-                                   int64_t first, int ignore_index, const T* lse, double scale, T* dlogits,       \
+                                   int64_t first, int ignore_index, const T* lse, LossScaleArg scale, T* dlogits,       \
                                    cudaStream_t stream);                                                          \
   void first_column_equal(const T* logits, const T* value, int64_t rows, int64_t cols, int64_t first, int64_t none, \
                           T* index, cudaStream_t stream);

@@ -150,10 +150,17 @@ const double* CudaBackend::step_scalars_on_device(const Tensor& scalars, const c
   return scalars.data<double>();
 }
 
+// A loss's factor as the kernels take it: the value, or its slot in the step's scalars.
+cuda::LossScaleArg CudaBackend::loss_scale_arg(const LossScale& scale, const char* op) const {
+  if (!scale.from_device()) return cuda::LossScaleArg(scale.value);
+  return cuda::LossScaleArg(scale.value, step_scalars_on_device(scale.scalars, op) + kStepLossScale);
+}
+
 void CudaBackend::sgd_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                                const std::vector<Tensor>& bufs, const SgdParams& p, const Tensor& scalars) {
   const std::vector<const std::vector<Tensor>*> lists{&params, &grads, &bufs};
   check_lengths(lists, "sgd_step_all");
+  step_scalars_on_device(scalars, "sgd_step_all");
   if (params.empty()) return;  // no fallback that reads the scalars back
   const DType t = common_float(lists);
   if (t == DType::kI32 || !disjoint(params)) return Backend::sgd_step_all(params, grads, bufs, p, scalars);
@@ -176,6 +183,7 @@ void CudaBackend::adam_step_all(const std::vector<Tensor>& params, const std::ve
                                 const Tensor& scalars) {
   const std::vector<const std::vector<Tensor>*> lists{&params, &grads, &m, &v};
   check_lengths(lists, "adam_step_all");
+  step_scalars_on_device(scalars, "adam_step_all");
   if (params.empty()) return;  // no fallback that reads the scalars back
   const DType t = common_float(lists);
   if (t == DType::kI32 || !disjoint(params)) return Backend::adam_step_all(params, grads, m, v, p, scalars);
@@ -226,10 +234,10 @@ void CudaBackend::sum_squares_all_to(const std::vector<Tensor>& xs, Tensor& scal
 
 // Every error slot is read: a flagged one is this step's bad data (or a stage's that
 // shares this GPU, whose step fails too), reported at the next wait.
-void CudaBackend::step_grad_scale(Tensor& scalars, double max_norm, double inv_loss_scale, bool skip_nonfinite) {
+void CudaBackend::step_grad_scale(Tensor& scalars, double max_norm, bool skip_nonfinite) {
   double* step = const_cast<double*>(step_scalars_on_device(scalars, "step_grad_scale"));
   DeviceGuard guard(device_.index);
-  cuda::step_grad_scale(step, max_norm, inv_loss_scale, skip_nonfinite, slots_,
+  cuda::step_grad_scale(step, max_norm, skip_nonfinite, slots_,
                         static_cast<int64_t>(kMaxDeferredChecks), cuda_stream());
 }
 

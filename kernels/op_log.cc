@@ -25,13 +25,31 @@ std::vector<OpLog::Call> OpLog::take() {
 
 namespace {
 thread_local int64_t calls = 0;
+thread_local int depth = 0;           // OpCalls alive on this thread
+thread_local bool inner_read = false;  // a call inside the outermost returned a value
 }  // namespace
 
 int64_t OpLog::calls_on_this_thread() { return calls; }
 
-bool OpLog::counted() {
+OpCall::OpCall(const char* op, bool returns) : outermost_(depth++ == 0) {
+  if (!outermost_) {
+    inner_read = inner_read || returns;
+    return;
+  }
   ++calls;
-  return alive.load(std::memory_order_relaxed) != nullptr;
+  inner_read = false;
+  recording_ = alive.load(std::memory_order_relaxed) != nullptr;
+  if (!recording_) return;
+  call_.thread = std::this_thread::get_id();
+  call_.op = op;
+  call_.returns = returns;
+}
+
+OpCall::~OpCall() {
+  --depth;
+  if (!recording_) return;
+  call_.returns = call_.returns || inner_read;
+  OpLog::note(std::move(call_));
 }
 
 void OpLog::note(Call call) {

@@ -32,15 +32,31 @@ class OpLog {
   // The backend calls this thread has made so far (counted whether or not a log is
   // alive): the executor's measured ops per instruction (TimedOp::ops).
   static int64_t calls_on_this_thread();
-
-  // WideningBackend's side: counts the call, and whether a log is alive (one atomic
-  // load); a call to record.
-  static bool counted();
   static void note(Call call);
 
  private:
   std::mutex mu_;
   std::vector<Call> calls_;
+};
+
+// One backend call as the OpLog and the count see it, for as long as it lives: only the
+// outermost on its thread counts and is recorded (at its end), so that the calls an op
+// makes inside (a composition of other ops, the copy of a host read) are part of it; it
+// returns a value to the host if it or any call inside did. WideningBackend opens one
+// per op, Backend::read_step_scalars and write_step_scalars one each.
+class OpCall {
+ public:
+  OpCall(const char* op, bool returns);
+  ~OpCall();
+  OpCall(const OpCall&) = delete;
+  OpCall& operator=(const OpCall&) = delete;
+  // The outermost call with a log alive: its caller writes the arguments here.
+  bool recording() const { return recording_; }
+  std::string& args() { return call_.args; }
+
+ private:
+  bool outermost_ = false, recording_ = false;
+  OpLog::Call call_;
 };
 
 }  // namespace gpipe

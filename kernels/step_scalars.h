@@ -7,8 +7,10 @@
 // the step's outcome once, at its end, instead of waiting for the device mid-step.
 //
 //   host, before the step's first kernel:  number, lr, decay, bias corrections, index,
-//                                          norm^2 = -1 (none), scale = 1, skip = 0
+//                                          the loss's factor, 1 / S, norm^2 = -1 (none),
+//                                          scale = 1, skip = 0
 //   F, R, B (device): dropout's keys       from the index (DropoutKey)
+//                     the loss             times its factor (LossScale)
 //   NORM (device): norm^2                  sum_squares_all_to
 //   OPT  (device): scale, skip             step_grad_scale (the clip, an overflow, bad data)
 //                  grads *= scale          scale_all_by
@@ -32,17 +34,22 @@ enum StepScalar : int64_t {
   kStepSkip,             // non-zero: no update this step (an overflow, or bad data on a GPU)
   kStepIndex,            // the executor's count of steps before this one (ForwardArgs::step):
                          // what a dropout mask's key mixes in (DropoutKey, kernels/backend.h)
+  kStepLossScale,        // the loss's factor: loss scaling's S over the targets the mini-batch
+                         // counts (LossScale, kernels/backend.h)
+  kStepUnscale,          // 1 / S: what the gradients are divided by before the clip (1 without)
   kStepScalarCount
 };
 
 using StepScalarValues = std::array<double, kStepScalarCount>;
 
 // The values the host writes before a step, before the optimizer adds its own: no norm,
-// a scale of 1, no skip.
+// scales of 1, no skip.
 inline StepScalarValues initial_step_scalars() {
   StepScalarValues v{};
   v[kStepNormSquared] = -1.0;
   v[kStepGradScale] = 1.0;
+  v[kStepLossScale] = 1.0;
+  v[kStepUnscale] = 1.0;
   return v;
 }
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <array>
 #include <deque>
+#include <memory>
 #include <initializer_list>
 #include <optional>
 #include <type_traits>
@@ -143,6 +144,15 @@ void describe(std::string& out, const DropoutKey& k) {
   }
   out += ")";
 }
+void describe(std::string& out, const LossScale& s) {
+  if (s.from_device()) {
+    out += "scale(";
+    describe(out, s.scalars);  // read on the device
+    out += ")";
+  } else {
+    describe(out, s.value);
+  }
+}
 void describe(std::string& out, const In& a) { describe(out, a.t); }
 void describe(std::string& out, const Out& a) { describe(out, a.t); }
 void describe(std::string& out, const InOut& a) { describe(out, a.t); }
@@ -158,16 +168,11 @@ void describe(std::string& out, const A& a) {
   }
 }
 
-// Counts the call on this thread, and records it in the OpLog, if one is alive.
+// The arguments of a call as the OpLog records them (OpCall: counted once, recorded at its
+// end when it is the thread's outermost and a log is alive).
 template <typename... A>
-void note_call(const char* op, bool returns, const A&... args) {
-  if (!OpLog::counted()) return;
-  OpLog::Call call;
-  call.thread = std::this_thread::get_id();
-  call.op = op;
-  call.returns = returns;
-  ((describe(call.args, args), call.args += " "), ...);
-  OpLog::note(std::move(call));
+void describe_call(OpCall& call, const A&... args) {
+  if (call.recording()) ((describe(call.args(), args), call.args() += " "), ...);
 }
 
 // The body of every generated op: `op` on the wrapped backend with the marked call's
@@ -201,7 +206,8 @@ R widening_call(Backend& inner, std::optional<Backend::NarrowOp> narrow, R (Back
 
 void WideningBackend::matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, double alpha,
                              double beta) {
-  note_call("matmul", false, a, ta, b, tb, c, alpha, beta);
+  OpCall op_call("matmul", false);
+  describe_call(op_call, a, ta, b, tb, c, alpha, beta);
   if (!any_narrow(a, b, c) || native_matmul(*inner_, a, b, c)) return inner_->matmul(a, ta, b, tb, c, alpha, beta);
   Widen w(*inner_);
   inner_->matmul(w.in(a), ta, w.in(b), tb, beta != 0.0 ? w.inout(c) : w.out(c), alpha, beta);
@@ -210,7 +216,8 @@ void WideningBackend::matmul(const Tensor& a, bool ta, const Tensor& b, bool tb,
 
 void WideningBackend::matmul_weight(const Tensor& a, bool ta, const Tensor& wt, bool tw, Tensor& c, double alpha,
                                     double beta) {
-  note_call("matmul_weight", false, a, ta, wt, tw, c, alpha, beta);
+  OpCall op_call("matmul_weight", false);
+  describe_call(op_call, a, ta, wt, tw, c, alpha, beta);
   if (!any_narrow(a, wt, c) || native_matmul(*inner_, a, wt, c)) {
     return inner_->matmul_weight(a, ta, wt, tw, c, alpha, beta);
   }
@@ -220,7 +227,8 @@ void WideningBackend::matmul_weight(const Tensor& a, bool ta, const Tensor& wt, 
 }
 
 void WideningBackend::bias_grad(const Tensor& dy, Tensor& db, double beta) {
-  note_call("bias_grad", false, dy, db, beta);
+  OpCall op_call("bias_grad", false);
+  describe_call(op_call, dy, db, beta);
   if (!any_narrow(dy, db)) return inner_->bias_grad(dy, db, beta);
   Widen w(*inner_);
   inner_->bias_grad(w.in(dy), beta != 0.0 ? w.inout(db) : w.out(db), beta);
@@ -228,7 +236,8 @@ void WideningBackend::bias_grad(const Tensor& dy, Tensor& db, double beta) {
 }
 
 double WideningBackend::sum_squares_all(const std::vector<Tensor>& xs) {
-  note_call("sum_squares_all", true, xs);
+  OpCall op_call("sum_squares_all", true);
+  describe_call(op_call, xs);
   for (const Tensor& x : xs) {
     if (any_narrow(x)) return Backend::sum_squares_all(xs);  // each widened on its own
   }
@@ -253,7 +262,8 @@ bool native_fused(const Backend& inner, Backend::NarrowOp op, std::initializer_l
 }  // namespace
 
 void WideningBackend::rmsnorm(const Tensor& x, const Tensor& g, double eps, Tensor& y, Tensor& rstd) {
-  note_call("rmsnorm", false, x, g, eps, y, rstd);
+  OpCall op_call("rmsnorm", false);
+  describe_call(op_call, x, g, eps, y, rstd);
   if (!any_narrow(x, g, y, rstd) || native_fused(*inner_, NarrowOp::kRmsNorm, {&x, &g, &y}, {&rstd})) {
     return inner_->rmsnorm(x, g, eps, y, rstd);
   }
@@ -262,7 +272,8 @@ void WideningBackend::rmsnorm(const Tensor& x, const Tensor& g, double eps, Tens
 
 void WideningBackend::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& rstd,
                                        Tensor& dx) {
-  note_call("rmsnorm_backward", false, dy, x, g, rstd, dx);
+  OpCall op_call("rmsnorm_backward", false);
+  describe_call(op_call, dy, x, g, rstd, dx);
   if (!any_narrow(dy, x, g, rstd, dx) ||
       native_fused(*inner_, NarrowOp::kRmsNorm, {&x, &dy, &g, &dx}, {&rstd})) {
     return inner_->rmsnorm_backward(dy, x, g, rstd, dx);
@@ -271,7 +282,8 @@ void WideningBackend::rmsnorm_backward(const Tensor& dy, const Tensor& x, const 
 }
 
 void WideningBackend::rmsnorm_weight_grad(const Tensor& dy, const Tensor& x, const Tensor& rstd, Tensor& dg) {
-  note_call("rmsnorm_weight_grad", false, dy, x, rstd, dg);
+  OpCall op_call("rmsnorm_weight_grad", false);
+  describe_call(op_call, dy, x, rstd, dg);
   if (!any_narrow(dy, x, rstd, dg) || native_fused(*inner_, NarrowOp::kRmsNorm, {&x, &dy}, {&rstd, &dg})) {
     return inner_->rmsnorm_weight_grad(dy, x, rstd, dg);
   }
@@ -279,7 +291,8 @@ void WideningBackend::rmsnorm_weight_grad(const Tensor& dy, const Tensor& x, con
 }
 
 void WideningBackend::swiglu(const Tensor& a, const Tensor& b, Tensor& y) {
-  note_call("swiglu", false, a, b, y);
+  OpCall op_call("swiglu", false);
+  describe_call(op_call, a, b, y);
   if (!any_narrow(a, b, y) || native_fused(*inner_, NarrowOp::kSwiglu, {&a, &b, &y}, {})) {
     return inner_->swiglu(a, b, y);
   }
@@ -287,7 +300,8 @@ void WideningBackend::swiglu(const Tensor& a, const Tensor& b, Tensor& y) {
 }
 
 void WideningBackend::swiglu_backward(const Tensor& dy, const Tensor& a, const Tensor& b, Tensor& da, Tensor& db) {
-  note_call("swiglu_backward", false, dy, a, b, da, db);
+  OpCall op_call("swiglu_backward", false);
+  describe_call(op_call, dy, a, b, da, db);
   if (!any_narrow(dy, a, b, da, db) || native_fused(*inner_, NarrowOp::kSwiglu, {&dy, &a, &b, &da, &db}, {})) {
     return inner_->swiglu_backward(dy, a, b, da, db);
   }
@@ -303,7 +317,8 @@ bool any_narrow_in(const Lists&... lists) {
 
 void WideningBackend::sgd_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                                    const std::vector<Tensor>& bufs, const SgdParams& p, const Tensor& scalars) {
-  note_call("sgd_step_all", false, params, grads, bufs, p, scalars);
+  OpCall op_call("sgd_step_all", false);
+  describe_call(op_call, params, grads, bufs, p, scalars);
   if (any_narrow_in(params, grads, bufs)) return Backend::sgd_step_all(params, grads, bufs, p, scalars);
   inner_->sgd_step_all(params, grads, bufs, p, scalars);
 }
@@ -311,36 +326,42 @@ void WideningBackend::sgd_step_all(const std::vector<Tensor>& params, const std:
 void WideningBackend::adam_step_all(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                                     const std::vector<Tensor>& m, const std::vector<Tensor>& v, const AdamParams& p,
                                     const Tensor& scalars) {
-  note_call("adam_step_all", false, params, grads, m, v, p, scalars);
+  OpCall op_call("adam_step_all", false);
+  describe_call(op_call, params, grads, m, v, p, scalars);
   if (any_narrow_in(params, grads, m, v)) return Backend::adam_step_all(params, grads, m, v, p, scalars);
   inner_->adam_step_all(params, grads, m, v, p, scalars);
 }
 
 void WideningBackend::scale_all(const std::vector<Tensor>& xs, double alpha) {
-  note_call("scale_all", false, xs, alpha);
+  OpCall op_call("scale_all", false);
+  describe_call(op_call, xs, alpha);
   if (any_narrow_in(xs)) return Backend::scale_all(xs, alpha);
   inner_->scale_all(xs, alpha);
 }
 
 void WideningBackend::sum_squares_all_to(const std::vector<Tensor>& xs, Tensor& scalars) {
-  note_call("sum_squares_all_to", false, xs, scalars);
+  OpCall op_call("sum_squares_all_to", false);
+  describe_call(op_call, xs, scalars);
   if (any_narrow_in(xs)) return Backend::sum_squares_all_to(xs, scalars);  // each widened on its own
   inner_->sum_squares_all_to(xs, scalars);
 }
 
-void WideningBackend::step_grad_scale(Tensor& scalars, double max_norm, double inv_loss_scale, bool skip_nonfinite) {
-  note_call("step_grad_scale", false, scalars, max_norm, inv_loss_scale, skip_nonfinite);
-  inner_->step_grad_scale(scalars, max_norm, inv_loss_scale, skip_nonfinite);
+void WideningBackend::step_grad_scale(Tensor& scalars, double max_norm, bool skip_nonfinite) {
+  OpCall op_call("step_grad_scale", false);
+  describe_call(op_call, scalars, max_norm, skip_nonfinite);
+  inner_->step_grad_scale(scalars, max_norm, skip_nonfinite);
 }
 
 void WideningBackend::scale_all_by(const std::vector<Tensor>& xs, const Tensor& scalars) {
-  note_call("scale_all_by", false, xs, scalars);
+  OpCall op_call("scale_all_by", false);
+  describe_call(op_call, xs, scalars);
   if (any_narrow_in(xs)) return Backend::scale_all_by(xs, scalars);
   inner_->scale_all_by(xs, scalars);
 }
 
 void WideningBackend::fill_all(const std::vector<Tensor>& xs, double value) {
-  note_call("fill_all", false, xs, value);
+  OpCall op_call("fill_all", false);
+  describe_call(op_call, xs, value);
   if (any_narrow_in(xs)) return Backend::fill_all(xs, value);
   inner_->fill_all(xs, value);
 }
@@ -348,14 +369,16 @@ void WideningBackend::fill_all(const std::vector<Tensor>& xs, double value) {
 // ---- The generated ops: one definition per line of kernels/backend_ops.inc.
 
 #define GPIPE_UNPAREN(...) __VA_ARGS__
-#define GPIPE_OP(R, name, params, call)                                          \
-  R WideningBackend::name params {                                               \
-    note_call(#name, !std::is_void_v<R>, GPIPE_UNPAREN call);                    \
+#define GPIPE_OP(R, name, params, call)                                              \
+  R WideningBackend::name params {                                                   \
+    OpCall op_call(#name, !std::is_void_v<R>);                                       \
+    describe_call(op_call, GPIPE_UNPAREN call);                                      \
     return widening_call(*inner_, std::nullopt, &Backend::name, GPIPE_UNPAREN call); \
   }
 #define GPIPE_NARROW_OP(R, name, params, call, narrow)                                   \
   R WideningBackend::name params {                                                       \
-    note_call(#name, !std::is_void_v<R>, GPIPE_UNPAREN call);                            \
+    OpCall op_call(#name, !std::is_void_v<R>);                                           \
+    describe_call(op_call, GPIPE_UNPAREN call);                                          \
     return widening_call(*inner_, NarrowOp::narrow, &Backend::name, GPIPE_UNPAREN call); \
   }
 #define GPIPE_OWN_OP(R, name, params)
@@ -366,37 +389,43 @@ void WideningBackend::fill_all(const std::vector<Tensor>& xs, double value) {
 
 void WideningBackend::fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, int heads, Tensor& out,
                                       Tensor& stats) {
-  note_call("fused_attention", false, q, k, v, heads, out, stats);
+  OpCall op_call("fused_attention", false);
+  describe_call(op_call, q, k, v, heads, out, stats);
   inner_->fused_attention(q, k, v, heads, out, stats);
 }
 
 void WideningBackend::fused_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                                const Tensor& out, const Tensor& stats, int heads, Tensor& dq,
                                                Tensor& dk, Tensor& dv) {
-  note_call("fused_attention_backward", false, dout, q, k, v, out, stats, heads, dq, dk, dv);
+  OpCall op_call("fused_attention_backward", false);
+  describe_call(op_call, dout, q, k, v, out, stats, heads, dq, dk, dv);
   inner_->fused_attention_backward(dout, q, k, v, out, stats, heads, dq, dk, dv);
 }
 
 void WideningBackend::cast_all(const std::vector<Tensor>& srcs, const std::vector<Tensor>& dsts) {
-  note_call("cast_all", false, srcs, dsts);
+  OpCall op_call("cast_all", false);
+  describe_call(op_call, srcs, dsts);
   inner_->cast_all(srcs, dsts);
 }
 
 // A copy to the host waits for the device and hands the host its values.
 void WideningBackend::copy(const Tensor& src, Tensor& dst) {
-  note_call("copy", dst.device().is_cpu() && !src.device().is_cpu(), src, dst);
+  OpCall op_call("copy", dst.device().is_cpu() && !src.device().is_cpu());
+  describe_call(op_call, src, dst);
   inner_->copy(src, dst);
 }
 void WideningBackend::cast(const Tensor& src, Tensor& dst) {
-  note_call("cast", false, src, dst);
+  OpCall op_call("cast", false);
+  describe_call(op_call, src, dst);
   inner_->cast(src, dst);
 }
 void WideningBackend::transpose_blocks(const Tensor& src, int64_t rows, int64_t cols, Tensor& dst) {
-  note_call("transpose_blocks", false, src, rows, cols, dst);
+  OpCall op_call("transpose_blocks", false);
+  describe_call(op_call, src, rows, cols, dst);
   inner_->transpose_blocks(src, rows, cols, dst);
 }
 void WideningBackend::synchronize() {
-  note_call("synchronize", true);
+  OpCall op_call("synchronize", true);
   inner_->synchronize();
 }
 

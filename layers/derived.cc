@@ -403,7 +403,8 @@ Var Graph::dropout(Var x, double p) {
   n.a = x.id();
   n.scalar = p;
   // mix_seed(seed, "drop", index, step), the step mixed in last (from the step's scalars
-  // when the executor gives them: DropoutKey).
+  // when the executor gives them: DropoutKey). The tape keeps the key for B, which runs in
+  // the same step (the executor keeps no context from one step to the next).
   n.key = DropoutKey::of_step(mix_seed_base(impl_.seed, 0x64726f70u /* "drop" */, static_cast<uint64_t>(index)),
                               kMixC, impl_.args.step, impl_.args.step_scalars);
   n.offset = impl_.args.sample_offset;

@@ -23,8 +23,8 @@ SoftmaxCrossEntropy::SoftmaxCrossEntropy(Shape sample_shape, DType dtype, int ig
   if (classes_ < 1) throw UserError("softmax_cross_entropy needs logits with a class dimension");
 }
 
-Tensor SoftmaxCrossEntropy::forward(Backend& be, const Tensor& logits_in, const Tensor& targets_in, double scale,
-                                    Context* ctx) {
+Tensor SoftmaxCrossEntropy::forward(Backend& be, const Tensor& logits_in, const Tensor& targets_in,
+                                    const LossScale& scale, Context* ctx) {
   check_batch(logits_in, sample_shape_, dtype_, "softmax_cross_entropy", "logits");
   Shape want{logits_in.size(0)};
   want.insert(want.end(), sample_shape_.begin(), sample_shape_.end() - 1);
@@ -39,16 +39,17 @@ Tensor SoftmaxCrossEntropy::forward(Backend& be, const Tensor& logits_in, const 
   Tensor probs = be.empty(logits.shape(), master_dtype(dtype_));                      // (R, C)
   Tensor loss = be.empty({1}, master_dtype(dtype_));
   be.softmax_xent(logits, targets, scale, ignore_index_, probs, loss);
+  remember(scale);
   if (ctx != nullptr) {
     // saved: probs, targets, and the scale as a one-element host tensor.
-    ctx->saved = {probs, targets, Tensor::from_vector<double>({scale}, {1})};
+    ctx->saved = {probs, targets, Tensor::from_vector<double>({scale.value}, {1})};
   }
   return loss;
 }
 
 Tensor SoftmaxCrossEntropy::backward(Backend& be, const Context& ctx) {
   const Tensor& probs = ctx.saved.at(0);  // (R, C)
-  const double scale = ctx.saved.at(2).data<double>()[0];
+  const LossScale scale = for_backward(ctx.saved.at(2).data<double>()[0]);
   Tensor dlogits = be.empty(probs.shape(), dtype_);
   be.softmax_xent_backward(probs, ctx.saved.at(1), scale, ignore_index_, dlogits);
   Shape out{probs.size(0) / shape_numel(Shape(sample_shape_.begin(), sample_shape_.end() - 1))};
@@ -109,7 +110,7 @@ VocabParallelCrossEntropy::Rows VocabParallelCrossEntropy::rows_and_maxima(Backe
 }
 
 Tensor VocabParallelCrossEntropy::forward(Backend& be, const Tensor& logits_in, const Tensor& targets_in,
-                                          double scale, Context* ctx) {
+                                          const LossScale& scale, Context* ctx) {
   check_batch(logits_in, sample_shape_, dtype_, "softmax_cross_entropy", "logits");
   const int64_t rows = logits_in.numel() / classes_;
   Shape want{logits_in.size(0)};
@@ -128,13 +129,14 @@ Tensor VocabParallelCrossEntropy::forward(Backend& be, const Tensor& logits_in, 
   Tensor lse = be.empty({rows}, master);
   Tensor loss = be.empty({1}, master);
   be.softmax_xent_slice_loss(sums, rowmax, targets, ignore_index_, scale, lse, loss);
-  if (ctx != nullptr) ctx->saved = {logits, targets, lse, Tensor::from_vector<double>({scale}, {1})};
+  remember(scale);
+  if (ctx != nullptr) ctx->saved = {logits, targets, lse, Tensor::from_vector<double>({scale.value}, {1})};
   return loss;
 }
 
 Tensor VocabParallelCrossEntropy::backward(Backend& be, const Context& ctx) {
   const Tensor& logits = ctx.saved.at(0);  // (R, V / T), in the master type
-  const double scale = ctx.saved.at(3).data<double>()[0];
+  const LossScale scale = for_backward(ctx.saved.at(3).data<double>()[0]);
   Tensor d = be.empty(logits.shape(), logits.dtype());
   be.softmax_xent_slice_backward(logits, ctx.saved.at(1), shard_.rank * classes_, ignore_index_, ctx.saved.at(2), scale,
                                  d);

@@ -17,8 +17,10 @@ class Loss {
   virtual ~Loss() = default;
   virtual std::string type() const = 0;
   // logits: (batch, *input_shape); targets: int32 (batch, *input_shape minus its last
-  // dimension). Returns the scaled loss (1).
-  virtual Tensor forward(Backend& be, const Tensor& logits, const Tensor& targets, double scale,
+  // dimension). Returns the scaled loss (1). scale: a value, or in the executor's training
+  // steps also its slot in the step's scalars (LossScale, kernels/backend.h), which the
+  // loss's ops then read when they run.
+  virtual Tensor forward(Backend& be, const Tensor& logits, const Tensor& targets, const LossScale& scale,
                          Context* ctx) = 0;
   // d(scaled loss)/d logits.
   virtual Tensor backward(Backend& be, const Context& ctx) = 0;
@@ -32,6 +34,18 @@ class Loss {
   // target's column, over the counted targets (evaluation's accuracy); a host value. The
   // default: Backend::argmax_correct with PyTorch's ignore_index, -100.
   virtual int64_t correct(Backend& be, const Tensor& logits, const Tensor& targets);
+
+ protected:
+  // The last forward's factor, with its step scalars: a backward whose context saved the
+  // same value reads it from there too (a step's forwards and backwards share it); any
+  // other takes its saved value. The same factor either way.
+  void remember(const LossScale& scale) { last_scale_ = scale; }
+  LossScale for_backward(double saved) const {
+    return last_scale_.from_device() && last_scale_.value == saved ? last_scale_ : LossScale(saved);
+  }
+
+ private:
+  LossScale last_scale_;
 };
 
 // Softmax over the last dimension of the logits, then the negative log-likelihood of
@@ -45,7 +59,8 @@ class SoftmaxCrossEntropy : public Loss {
   SoftmaxCrossEntropy(int64_t classes, DType dtype = DType::kF32, int ignore_index = -100)
       : SoftmaxCrossEntropy(Shape{classes}, dtype, ignore_index) {}
   std::string type() const override { return "softmax_cross_entropy"; }
-  Tensor forward(Backend& be, const Tensor& logits, const Tensor& targets, double scale, Context* ctx) override;
+  Tensor forward(Backend& be, const Tensor& logits, const Tensor& targets, const LossScale& scale,
+                 Context* ctx) override;
   Tensor backward(Backend& be, const Context& ctx) override;
   LayerCost cost(int64_t batch) const override;
   int64_t counted_targets(const Tensor& targets) const override;  // those != ignore_index
@@ -72,7 +87,8 @@ class VocabParallelCrossEntropy : public Loss {
   VocabParallelCrossEntropy(Shape sample_shape, int64_t vocab, TensorShard shard, DType dtype = DType::kF32,
                             int ignore_index = -100);
   std::string type() const override { return "softmax_cross_entropy"; }
-  Tensor forward(Backend& be, const Tensor& logits, const Tensor& targets, double scale, Context* ctx) override;
+  Tensor forward(Backend& be, const Tensor& logits, const Tensor& targets, const LossScale& scale,
+                 Context* ctx) override;
   Tensor backward(Backend& be, const Context& ctx) override;
   LayerCost cost(int64_t batch) const override;
   int64_t counted_targets(const Tensor& targets) const override;  // those != ignore_index

@@ -138,8 +138,9 @@ run mpi_dp 4 --set pipeline.replicas=2
 python3 "$trace_check" "$tmp/mpi_dp/trace.json" 2,5 21,21 --all-reduce || { echo "FAIL: mpi_dp's trace"; exit 1; }
 python3 "$report_check" "$tmp/mpi_dp/report.html" 2 2,5 || { echo "FAIL: mpi_dp's page"; exit 1; }
 # The backend ops each stage called: the trace's per instruction (step 5) add up to
-# report.json's per step, in F, R, B and W and in all, and those in F, R, B and W are the
-# plan's count on shapes; in one process and gathered from two (the trace's wire format).
+# report.json's per step in F, R, B and W, which is the plan's count on shapes, and stay
+# below its count in all (which has the calls outside the instructions too); in one
+# process and gathered from two (the trace's wire format).
 for name in gpipe_k2 mpi_1f1b; do
   python3 - "$tmp/$name/trace.json" "$tmp/$name/report.json" <<'PY' ||
 import json, sys
@@ -153,7 +154,7 @@ for k, st in enumerate(report["stages"]):
     all_ops = sum(e["args"].get("ops", 0) for e in mine)
     compute_ops = sum(e["args"].get("ops", 0) for e in mine if e["cat"] in compute)
     assert compute_ops == st["ops_per_step"] > 0, (k, compute_ops, st)
-    assert all_ops == st["ops_per_step_all"] > compute_ops, (k, all_ops, st)
+    assert compute_ops < all_ops < st["ops_per_step_all"], (k, all_ops, st)  # and the calls outside them
     assert st["ops_per_step"] == report["prediction"]["stages"][k]["ops_per_step"], (k, st, report["prediction"])
 PY
     { echo "FAIL: $name's ops per instruction, per step and planned disagree"; exit 1; }

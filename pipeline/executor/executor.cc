@@ -387,7 +387,9 @@ void Executor::forward(StageRuntime& rt, const Instruction& ins, bool recompute)
   }
   if (c == C - 1) {
     if (!mb.targets.defined()) mb.targets = to_device(rt, cur_.targets.narrow_rows(cur_.offsets[m], cur_.sizes[m]));
-    Tensor l = model_.loss().forward(be, h, mb.targets, cur_.scale, keep ? &mb.loss_ctx : nullptr);
+    // The loss's factor read from the step's scalars in a training step (LossScale).
+    const LossScale scale = eval ? LossScale(cur_.scale) : LossScale(cur_.scale, rt.scalars);
+    Tensor l = model_.loss().forward(be, h, mb.targets, scale, keep ? &mb.loss_ctx : nullptr);
     if (!recompute) mb.loss = l;
     if (eval) mb.correct = model_.loss().correct(be, h, mb.targets);  // on the logits' device: only the count comes back
   } else if (!recompute) {
@@ -548,13 +550,13 @@ void Executor::optimizer_step(StageRuntime& rt) {
   // to that stage only, and clears the flags the skip below reads: one stage's wait could
   // hide another's bad batch from its skip. Such a stage waits here, as every stage did
   // before the skip was decided on the device, so that its error stops it first.
-  if (rt.device_turn != nullptr) rt.backend->synchronize();
+  if (rt.device_turn != nullptr && !rt.device.is_cpu()) rt.backend->synchronize();
   const size_t slot = rt.trace.ops.size() - 1;  // run_stage's, reserved for this instruction
   rt.clock->before(rt.backend->stream(), slot);
   // As torch.nn.utils.clip_grad_norm_ on the unscaled norm: scale by max_norm / (norm +
   // 1e-6) when above; the loss scale divided out (exact for a power of two); every stage
   // skips an overflowed step alike (they share the norm).
-  rt.backend->step_grad_scale(rt.scalars, options_.clip_grad_norm, 1.0 / cur_.loss_scale, options_.loss_scale > 0);
+  rt.backend->step_grad_scale(rt.scalars, options_.clip_grad_norm, options_.loss_scale > 0);
   std::vector<Tensor> grads;
   for (layers::Parameter* p : rt.optimizer->params()) grads.push_back(p->grad);
   rt.backend->scale_all_by(grads, rt.scalars);
@@ -568,12 +570,14 @@ void Executor::optimizer_step(StageRuntime& rt) {
 }
 
 // Before a training step's first kernel: the optimizer's scalars for this step, the
-// step's index (dropout's keys), no norm, a scale of 1 and no skip, in one copy to the
-// device.
+// step's index (dropout's keys), the loss's factor and 1 / S, no norm, a gradient scale
+// of 1 and no skip, in one copy to the device.
 void Executor::write_step_scalars(StageRuntime& rt) {
   rt.written = initial_step_scalars();
   rt.optimizer->write_step_scalars(rt.written);
   rt.written[kStepIndex] = static_cast<double>(cur_.step);
+  rt.written[kStepLossScale] = cur_.scale;
+  rt.written[kStepUnscale] = 1.0 / cur_.loss_scale;  // exact for a power of two
   rt.backend->write_step_scalars(rt.written, rt.scalars);
 }
 
@@ -722,6 +726,7 @@ void Executor::run_stage(int k) {
   };
   rt.trace.start_ms =
       std::chrono::duration<double, std::milli>(cur_.epoch.time_since_epoch()).count() - options_.clock_offset_ms;
+  const int64_t step_calls0 = OpLog::calls_on_this_thread();
   try {
     {
       auto turn = device_turn(k);
@@ -757,11 +762,11 @@ void Executor::run_stage(int k) {
         rt.backend->synchronize();
       }
       const double t0 = now_ms();
-      const int64_t calls0 = OpLog::calls_on_this_thread();
       if (pc == rt.zero_at && eval == nullptr) {  // inside the receive's slot: its wait, usually
         auto turn = device_turn(k);
         zero_grads(rt);
       }
+      const int64_t calls0 = OpLog::calls_on_this_thread();  // the instruction's own, not the zeroing
       GPIPE_CHECK(rt.trace.ops.size() == pc, "stage " + std::to_string(k) + "'s trace is not its program's");
       rt.trace.ops.emplace_back();  // its slot, before the tensor collectives it runs (program order)
       if (group_begins[pc]) transport_.begin_group(k);
@@ -817,6 +822,10 @@ void Executor::run_stage(int k) {
     auto turn = device_turn(k);
     rt.backend->synchronize();
     if (eval == nullptr && cur_.apply_optimizer) read_step_scalars(rt);
+    rt.trace.other_ops = OpLog::calls_on_this_thread() - step_calls0;
+    for (const TimedOp& op : rt.trace.ops) {
+      if (!is_tensor_collective(op.op)) rt.trace.other_ops -= op.ops;  // a tensor collective's are its owner's
+    }
     for (const OpClock::Span& span : rt.clock->resolve()) {  // device times replace the host's
       rt.trace.ops[span.index].start_ms = span.start_ms;
       rt.trace.ops[span.index].end_ms = span.end_ms;

@@ -112,15 +112,20 @@ struct TimedOp {
   // program (which ran inside it and are in the trace too, each with its own times: the
   // device's on a GPU); communication, not compute.
   double group_ms = 0;
-  // The backend ops the stage's thread called during it (kernels/op_log.h): its layers'
-  // (what the plan counts on shapes, Plan::launches), its loss's, and for the others what
-  // they compute (OPT's update and clip, NORM's sum, the gradients' zeroing inside the
-  // instruction where it happens). On a GPU each is one kernel launch or more.
+  // The backend ops the stage's thread called during it (kernels/op_log.h, a call counted
+  // once whatever it calls inside): its layers' and its loss's (what the plan counts on
+  // shapes, Plan::launches; on a GPU also the copies of a first cell's inputs and a last
+  // cell's targets, and a tensor group's sums), and for the others what they compute
+  // (OPT's update and clip, NORM's sum); the gradients' zeroing is the stage's other_ops.
   int64_t ops = 0;
 };
 
 struct StageTrace {
   std::vector<TimedOp> ops;
+  // Backend ops the stage's thread called in the step outside its instructions' own
+  // (TimedOp::ops): the gradients' zeroing, the step's scalars written and read, the
+  // final wait.
+  int64_t other_ops = 0;
   int64_t peak_activation_bytes = 0;  // largest sum of activations held at once
   // The optimizer state this stage's replica holds after its step (its shard's, when
   // sharded): the bytes of every slot, measured; 0 in a step without an update.

@@ -87,7 +87,8 @@ void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool ti
     }
     s.peak_activation_bytes = std::max(s.peak_activation_bytes, trace.peak_activation_bytes);
     s.optimizer_bytes = std::max(s.optimizer_bytes, trace.optimizer_bytes);
-    s.ops_per_step = s.all_ops_per_step = 0;
+    s.ops_per_step = 0;
+    s.all_ops_per_step = trace.other_ops;
     for (const TimedOp& op : trace.ops) {
       if (is_tensor_collective(op.op)) continue;  // counted in the compute instruction it ran in
       s.all_ops_per_step += op.ops;
@@ -458,7 +459,7 @@ std::string ReportBuilder::table() const {
   if (!group.empty()) os << "Tensor group's collectives, waits for the other members included (in comm ms, not in fwd, recomp or bwd): "
                            << group << "\n";
   if (!s.stages.empty() && s.stages.front().ops_per_step >= 0) {
-    os << "Ops per step, measured (backend calls; on a GPU each one kernel launch or more, none captured in a graph):";
+    os << "Ops per step, measured (backend calls: on a GPU most launch one kernel or more, none captured in a graph):";
     for (const auto& st : s.stages) {
       os << (st.stage == 0 ? " " : ", ") << "stage " << st.stage << " " << st.ops_per_step << " in F, R, B and W of "
          << st.all_ops_per_step << " in all";

@@ -38,8 +38,8 @@ struct StageSummary : StageTime {
   double delivery_ms = -1;
   int64_t peak_activation_bytes = 0;
   // Backend ops the stage's thread called per step (TimedOp::ops), in the last timed step:
-  // in its F, R, B and W (what the plan counts on shapes: PlannedStage::launches), and in
-  // all its instructions (OPT, NORM, the gradients' zeroing too). -1: none timed.
+  // in its F, R, B and W (what the plan counts on shapes, PlannedStage::launches, on the
+  // CPU), and in all (its other instructions and StageTrace::other_ops too). -1: none timed.
   int64_t ops_per_step = -1, all_ops_per_step = -1;
   // The optimizer state the stage's device holds (one replica's; its shard's, when
   // sharded), measured after each step: the most of any timed step.

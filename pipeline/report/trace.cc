@@ -117,7 +117,8 @@ nlohmann::json chrome_trace(const Schedule& s, const std::vector<TraceProcess>& 
         if (!is_tensor_collective(op.op)) args["activation_bytes"] = op.live_bytes;
         // A split layer's collectives over its tensor group inside this F, R, B or W.
         if (op.group_ms > 0) args["tensor_group_ms"] = op.group_ms;
-        if (op.ops > 0) args["ops"] = op.ops;  // backend calls (TimedOp::ops)
+        // Backend calls (TimedOp::ops); a tensor collective's are in its compute instruction's.
+        if (op.ops > 0 && !is_tensor_collective(op.op)) args["ops"] = op.ops;
         events.push_back({{"ph", "X"},
                           {"name", instruction_str(s, k, prog[i])},
                           {"cat", op_name(op.op)},
