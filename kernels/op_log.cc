@@ -38,18 +38,18 @@ OpCall::OpCall(const char* op, bool returns) : outermost_(depth++ == 0) {
   }
   ++calls;
   inner_read = false;
-  recording_ = alive.load(std::memory_order_relaxed) != nullptr;
-  if (!recording_) return;
-  call_.thread = std::this_thread::get_id();
-  call_.op = op;
-  call_.returns = returns;
+  if (alive.load(std::memory_order_relaxed) == nullptr) return;
+  call_ = std::make_unique<OpLog::Call>();
+  call_->thread = std::this_thread::get_id();
+  call_->op = op;
+  call_->returns = returns;
 }
 
 OpCall::~OpCall() {
   --depth;
-  if (!recording_) return;
-  call_.returns = call_.returns || inner_read;
-  OpLog::note(std::move(call_));
+  if (call_ == nullptr) return;
+  call_->returns = call_->returns || inner_read;
+  OpLog::note(std::move(*call_));
 }
 
 void OpLog::note(Call call) {

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -51,12 +52,12 @@ class OpCall {
   OpCall(const OpCall&) = delete;
   OpCall& operator=(const OpCall&) = delete;
   // The outermost call with a log alive: its caller writes the arguments here.
-  bool recording() const { return recording_; }
-  std::string& args() { return call_.args; }
+  bool recording() const { return call_ != nullptr; }
+  std::string& args() { return call_->args; }
 
  private:
-  bool outermost_ = false, recording_ = false;
-  OpLog::Call call_;
+  bool outermost_ = false;
+  std::unique_ptr<OpLog::Call> call_;  // made only while a log is alive: nothing else on the op's path
 };
 
 }  // namespace gpipe
