@@ -72,6 +72,12 @@ struct LossScale {
   bool from_device() const { return scalars.defined(); }
 };
 
+// Throws unless `scalars` is a step's scalars (float64, kStepScalarCount, contiguous) on
+// `device`; and one slot of a step's scalars that live on the host, checked so (what a CPU
+// op reads when it runs).
+void check_step_scalars(const Tensor& scalars, Device device, const char* op);
+double host_step_scalar(const Tensor& scalars, StepScalar slot, const char* op);
+
 // The step's scalars (kernels/step_scalars.h) of step `step` (from 1) of Adam or SGD
 // with p, as the host computes them (in double): the learning rate and count, and
 // Adam's decay and bias corrections; no norm, a scale of 1, no skip.

@@ -163,7 +163,6 @@ void Backend::fused_attention_backward(const Tensor&, const Tensor& q, const Ten
               q.str() + " (ask has_fused_attention first)");
 }
 
-namespace {
 void check_step_scalars(const Tensor& scalars, Device device, const char* op) {
   if (!scalars.defined() || scalars.dtype() != DType::kF64 || scalars.numel() != kStepScalarCount ||
       !scalars.is_contiguous() || !(scalars.device() == device)) {
@@ -171,6 +170,13 @@ void check_step_scalars(const Tensor& scalars, Device device, const char* op) {
                 " contiguous float64 values on " + device.str() + ", not " + scalars.str());
   }
 }
+
+double host_step_scalar(const Tensor& scalars, StepScalar slot, const char* op) {
+  check_step_scalars(scalars, scalars.defined() && scalars.device().is_cpu() ? scalars.device() : Device::cpu(), op);
+  return scalars.data<double>()[slot];
+}
+
+namespace {
 
 // The step count of a step's scalars: a whole number from 1.
 int64_t step_number(const StepScalarValues& s, const char* op) {
@@ -441,11 +447,7 @@ void CpuBackend::gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {
 namespace {
 // A loss's factor as the CPU reads it: with the step's scalars, their kStepLossScale.
 double loss_scale_value(const LossScale& scale, const char* op) {
-  if (!scale.from_device()) return scale.value;
-  const Tensor& s = scale.scalars;
-  if (!s.device().is_cpu()) throw Error(std::string(op) + ": the step's scalars on " + s.device().str() + ", not the host");
-  check_step_scalars(s, s.device(), op);
-  return s.data<double>()[kStepLossScale];
+  return scale.from_device() ? host_step_scalar(scale.scalars, kStepLossScale, op) : scale.value;
 }
 }  // namespace
 

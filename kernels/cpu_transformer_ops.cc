@@ -99,12 +99,7 @@ void apply_dropout(const Real* in, Real* out, int64_t rows, int64_t per_row, dou
 // The key itself: with the step's scalars, their step index as the host reads them.
 uint64_t resolve_key(const DropoutKey& key, const char* op) {
   if (!key.from_device()) return key.host_key();
-  const Tensor& s = key.scalars;
-  if (s.dtype() != DType::kF64 || s.numel() != kStepScalarCount || !s.device().is_cpu() || !s.is_contiguous()) {
-    throw Error(std::string(op) + ": the step's scalars must be " + std::to_string(kStepScalarCount) +
-                " contiguous float64 values on the host, not " + s.str());
-  }
-  return mixed_key(key.base, key.multiplier, static_cast<uint64_t>(s.data<double>()[kStepIndex]));
+  return mixed_key(key.base, key.multiplier, static_cast<uint64_t>(host_step_scalar(key.scalars, kStepIndex, op)));
 }
 
 void dropout_impl(const Tensor& in, double p, const DropoutKey& dropout_key, int64_t sample_offset,

@@ -291,11 +291,14 @@ __global__ void softmax_xent_forward_kernel(const T* logits, const int32_t* labe
   }
 }
 
+// A loss's factor as a kernel reads it when it runs (LossScaleArg).
+__device__ __forceinline__ double loss_scale(const LossScaleArg& s) { return s.at != nullptr ? *s.at : s.value; }
+
 // One block: *loss = scale * sum of row_loss: (rows), accumulated in double (as the CPU
 // reference does) in a fixed order: strided per-thread sums, then block_allreduce.
 template <typename T>
 __global__ void loss_sum_kernel(const T* row_loss, int64_t rows, LossScaleArg scale_arg, T* loss) {
-  const double scale = scale_arg.at != nullptr ? *scale_arg.at : scale_arg.value;
+  const double scale = loss_scale(scale_arg);
   __shared__ double shared[32];
   double acc = 0.0;
   for (int64_t i = threadIdx.x; i < rows; i += blockDim.x) acc += static_cast<double>(row_loss[i]);
@@ -309,7 +312,7 @@ __global__ void loss_sum_kernel(const T* row_loss, int64_t rows, LossScaleArg sc
 template <typename T>
 __global__ void softmax_xent_backward_kernel(const T* probs, const int32_t* labels, int64_t cols,
                                              LossScaleArg scale, int ignore_index, T* dlogits, ErrorSlot* error) {
-  const T s = static_cast<T>(scale.at != nullptr ? *scale.at : scale.value);
+  const T s = static_cast<T>(loss_scale(scale));
   const int64_t row = blockIdx.x;
   const int32_t label = labels[row];
   const T* in = probs + row * cols;
@@ -375,7 +378,7 @@ template <typename T>
 __global__ void softmax_xent_slice_backward_kernel(const T* logits, const int32_t* labels, int64_t cols,
                                                    int64_t first, int ignore_index, const T* lse, LossScaleArg scale,
                                                    T* dlogits) {
-  const T s = static_cast<T>(scale.at != nullptr ? *scale.at : scale.value);
+  const T s = static_cast<T>(loss_scale(scale));
   const int64_t row = blockIdx.x;
   const int32_t label = labels[row];
   const T* in = logits + row * cols;

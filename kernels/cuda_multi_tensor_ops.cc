@@ -142,11 +142,7 @@ double CudaBackend::sum_squares_all(const std::vector<Tensor>& xs) {
 
 // The step's scalars as a kernel reads them: on this device, float64, kStepScalarCount.
 const double* CudaBackend::step_scalars_on_device(const Tensor& scalars, const char* op) const {
-  check_on_device(scalars, op);
-  if (scalars.dtype() != DType::kF64 || scalars.numel() != kStepScalarCount || !scalars.is_contiguous()) {
-    throw Error(std::string(op) + ": the step's scalars must be " + std::to_string(kStepScalarCount) +
-                " contiguous float64 values, not " + scalars.str());
-  }
+  check_step_scalars(scalars, device_, op);
   return scalars.data<double>();
 }
 
@@ -160,7 +156,7 @@ void CudaBackend::sgd_step_all(const std::vector<Tensor>& params, const std::vec
                                const std::vector<Tensor>& bufs, const SgdParams& p, const Tensor& scalars) {
   const std::vector<const std::vector<Tensor>*> lists{&params, &grads, &bufs};
   check_lengths(lists, "sgd_step_all");
-  step_scalars_on_device(scalars, "sgd_step_all");
+  const double* step = step_scalars_on_device(scalars, "sgd_step_all");
   if (params.empty()) return;  // no fallback that reads the scalars back
   const DType t = common_float(lists);
   if (t == DType::kI32 || !disjoint(params)) return Backend::sgd_step_all(params, grads, bufs, p, scalars);
@@ -170,7 +166,6 @@ void CudaBackend::sgd_step_all(const std::vector<Tensor>& params, const std::vec
     ops::check_same(params[i], grads[i], "sgd_step");
     if (momentum) ops::check_same(params[i], bufs[i], "sgd_step");
   }
-  const double* step = step_scalars_on_device(scalars, "sgd_step_all");
   DeviceGuard guard(device_.index);
   // Without momentum the buffers are not read: their list holds null pointers.
   const std::vector<Tensor> none(params.size());
@@ -183,13 +178,12 @@ void CudaBackend::adam_step_all(const std::vector<Tensor>& params, const std::ve
                                 const Tensor& scalars) {
   const std::vector<const std::vector<Tensor>*> lists{&params, &grads, &m, &v};
   check_lengths(lists, "adam_step_all");
-  step_scalars_on_device(scalars, "adam_step_all");
+  const double* step = step_scalars_on_device(scalars, "adam_step_all");
   if (params.empty()) return;  // no fallback that reads the scalars back
   const DType t = common_float(lists);
   if (t == DType::kI32 || !disjoint(params)) return Backend::adam_step_all(params, grads, m, v, p, scalars);
   // adam_step's checks (a step count of 1 stands for the device's, which the host wrote).
   for (size_t i = 0; i < params.size(); ++i) ops::check_adam(params[i], grads[i], m[i], v[i], 1);
-  const double* step = step_scalars_on_device(scalars, "adam_step_all");
   DeviceGuard guard(device_.index);
   const cuda::MultiTensorTable tab = multi_table(lists, "adam_step_all");
   cuda::multi_adam_step(tab, t, p.beta1, p.beta2, p.eps, p.weight_decay, p.decoupled, step, cuda_stream());
@@ -205,12 +199,11 @@ void CudaBackend::scale_all(const std::vector<Tensor>& xs, double alpha) {
 }
 
 void CudaBackend::scale_all_by(const std::vector<Tensor>& xs, const Tensor& scalars) {
-  step_scalars_on_device(scalars, "scale_all_by");
+  const double* step = step_scalars_on_device(scalars, "scale_all_by");
   if (xs.empty()) return;  // nothing to scale: no fallback that reads the scalars back
   const DType t = common_float({&xs});
   if (t == DType::kI32 || !disjoint(xs)) return Backend::scale_all_by(xs, scalars);
   for (const Tensor& x : xs) ops::check_float(x, "scale");
-  const double* step = step_scalars_on_device(scalars, "scale_all_by");
   DeviceGuard guard(device_.index);
   cuda::multi_scale_by(multi_table({&xs}, "scale_all_by"), t, step, cuda_stream());
 }

@@ -52,8 +52,7 @@ Sgd::Sgd(std::vector<Parameter*> params, const SgdParams& p) : Optimizer(std::mo
 }
 
 void Optimizer::step() {
-  StepScalarValues s = initial_step_scalars();
-  write_step_scalars(s);
+  const StepScalarValues s = step_scalars();
   size_t run = 0;
   for_device_runs(params_, [&](Backend& be, size_t begin, size_t end) {
     if (run_scalars_.size() <= run) run_scalars_.emplace_back();
@@ -73,12 +72,10 @@ void Optimizer::apply(const Tensor& scalars) {
   });
 }
 
-void Sgd::write_step_scalars(StepScalarValues& s) const {
+StepScalarValues Sgd::step_scalars() const {
   SgdParams now = p_;
   now.lr = lr_;
-  const StepScalarValues mine = sgd_step_scalars(now, steps_ + 1);
-  s[kStepNumber] = mine[kStepNumber];
-  s[kStepLr] = mine[kStepLr];
+  return sgd_step_scalars(now, steps_ + 1);
 }
 
 void Sgd::apply_run(Backend& be, size_t begin, size_t end, const Tensor& scalars) {
@@ -95,13 +92,10 @@ std::vector<OptimizerSlot> Adam::slots(size_t i) { return {{".exp_avg", &m_.at(i
 Adam::Adam(std::vector<Parameter*> params, const AdamParams& p)
     : Optimizer(std::move(params)), m_(zeros_like(params_)), v_(zeros_like(params_)), p_(p), lr_(p.lr) {}
 
-void Adam::write_step_scalars(StepScalarValues& s) const {
+StepScalarValues Adam::step_scalars() const {
   AdamParams now = p_;
   now.lr = lr_;
-  const StepScalarValues mine = adam_step_scalars(now, steps_ + 1);
-  for (StepScalar slot : {kStepNumber, kStepLr, kStepDecay, kStepBiasCorrection1, kStepBiasCorrection2}) {
-    s[slot] = mine[slot];
-  }
+  return adam_step_scalars(now, steps_ + 1);
 }
 
 void Adam::apply_run(Backend& be, size_t begin, size_t end, const Tensor& scalars) {

@@ -32,7 +32,7 @@ struct OptimizerSlot {
 
 // A step reads its learning rate and count from the step's scalars on the device
 // (kernels/step_scalars.h), so that its launches are the same at every step: the host
-// writes them before the step (write_step_scalars), the update reads them, and the count
+// writes them before the step (step_scalars()), the update reads them, and the count
 // advances once the host knows that the step was not skipped (an overflow, bad data).
 class Optimizer {
  public:
@@ -41,12 +41,12 @@ class Optimizer {
   // parameters, the update, the count advanced.
   void step();
   // The update of the pipeline's optimizer step (pipeline/executor): every parameter on
-  // `scalars`' device, which hold write_step_scalars' values, and perhaps the norm's
+  // `scalars`' device, which hold step_scalars()' values, and perhaps the norm's
   // scale and skip (kernels/step_scalars.h). The count is not advanced: stepped() does.
   void apply(const Tensor& scalars);
-  // This optimizer's part of the next step's scalars (step steps() + 1): kStepNumber,
-  // kStepLr, and for Adam its decay and bias corrections.
-  virtual void write_step_scalars(StepScalarValues& s) const = 0;
+  // The next step's scalars (step steps() + 1) with this optimizer's part (kStepNumber,
+  // kStepLr, and for Adam its decay and bias corrections), the others initial.
+  virtual StepScalarValues step_scalars() const = 0;
   void stepped() { set_steps(steps() + 1); }
   virtual void set_lr(double lr) = 0;
   const std::vector<Parameter*>& params() const { return params_; }
@@ -70,7 +70,7 @@ class Optimizer {
 class Sgd : public Optimizer {
  public:
   Sgd(std::vector<Parameter*> params, const SgdParams& p);
-  void write_step_scalars(StepScalarValues& s) const override;
+  StepScalarValues step_scalars() const override;
   void set_lr(double lr) override { lr_ = lr; }
   std::vector<OptimizerSlot> slots(size_t param) override;  // momentum_buffer, with momentum
   int64_t steps() const override { return steps_; }
@@ -89,7 +89,7 @@ class Sgd : public Optimizer {
 class Adam : public Optimizer {
  public:
   Adam(std::vector<Parameter*> params, const AdamParams& p);
-  void write_step_scalars(StepScalarValues& s) const override;
+  StepScalarValues step_scalars() const override;
   void set_lr(double lr) override { lr_ = lr; }
   std::vector<OptimizerSlot> slots(size_t param) override;  // exp_avg, exp_avg_sq
   int64_t steps() const override { return steps_; }

@@ -573,8 +573,7 @@ void Executor::optimizer_step(StageRuntime& rt) {
 // step's index (dropout's keys), the loss's factor and 1 / S, no norm, a gradient scale
 // of 1 and no skip, in one copy to the device.
 void Executor::write_step_scalars(StageRuntime& rt) {
-  rt.written = initial_step_scalars();
-  rt.optimizer->write_step_scalars(rt.written);
+  rt.written = rt.optimizer->step_scalars();
   rt.written[kStepIndex] = static_cast<double>(cur_.step);
   rt.written[kStepLossScale] = cur_.scale;
   rt.written[kStepUnscale] = 1.0 / cur_.loss_scale;  // exact for a power of two
