@@ -10,6 +10,7 @@
 // Outputs are written, never resized: the caller allocates them with empty()/zeros().
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include "kernels/step_scalars.h"
 #include "kernels/unary.h"
 #include "runtime/device.h"
+#include "runtime/error.h"
 #include "runtime/stream.h"
 #include "runtime/tensor.h"
 
@@ -83,6 +85,25 @@ double host_step_scalar(const Tensor& scalars, StepScalar slot, const char* op);
 // Adam's decay and bias corrections; no norm, a scale of 1, no skip.
 StepScalarValues adam_step_scalars(const AdamParams& p, int64_t step);
 StepScalarValues sgd_step_scalars(const SgdParams& p, int64_t step);
+
+// What end_capture returns: a stage's captured ops, replayed in order with the same
+// operands (the same buffers, whatever they hold by then). Destroying it frees what the
+// capture kept (a GPU's graph and its memory pool) once no replay is queued.
+class CapturedOps {
+ public:
+  virtual ~CapturedOps() = default;
+  // Queues every captured op again, in the order captured, on the capturing backend's
+  // stream (runs them, on the CPU). The calling thread must be the capturing one.
+  virtual void replay() = 0;
+  // The captured ops' count: backend calls (CPU) or the graph's nodes (GPU).
+  virtual int64_t nodes() const = 0;
+};
+
+// An op a capture cannot hold (Backend::begin_capture): the caller runs the step without.
+class CaptureError : public Error {
+ public:
+  using Error::Error;
+};
 
 class Backend {
  public:
@@ -163,6 +184,24 @@ class Backend {
   StepScalarValues read_step_scalars(const Tensor& scalars);
   void write_step_scalars(const StepScalarValues& values, Tensor& scalars);
   Tensor step_scalars(const StepScalarValues& values);  // a new tensor holding `values`
+
+  // Capture (pipeline.capture): between begin_capture and
+  // end_capture the ops this thread calls on this backend are captured, not run, and
+  // end_capture returns them, to be replayed as often as wanted with the same operands:
+  // on a GPU, stream capture into a CUDA graph, its memory from a pool kept for it; on
+  // the CPU, the calls themselves (WideningBackend). An op that hands the host a value
+  // (item, sum_squares_all, a copy to the host, synchronize on a GPU) cannot be
+  // captured: it throws CaptureError, and the caller then calls abort_capture, which
+  // drops what was captured. Nothing captured has run. A backend that cannot capture
+  // throws CaptureError from begin_capture.
+  virtual void begin_capture();
+  virtual std::unique_ptr<CapturedOps> end_capture();
+  virtual void abort_capture() noexcept {}
+  virtual bool capturing() const { return false; }
+  // Host work between ops that must run in their order at every replay (the CPU's
+  // FrozenWeights windows): runs now, or while the CPU captures, is captured with them.
+  // On a GPU it runs now only: a replay does no host work.
+  virtual void host_step(const std::function<void()>& work) { work(); }
 
   // Every other op, declared once (its semantics beside its declaration there).
 #define GPIPE_OP(R, name, params, call) virtual R name params = 0;

@@ -98,6 +98,14 @@ Tensor Backend::zeros(const Shape& shape, DType dtype) {
   return t;
 }
 
+void Backend::begin_capture() {
+  throw CaptureError("the backend of " + device().str() + " cannot capture a step");
+}
+
+std::unique_ptr<CapturedOps> Backend::end_capture() {
+  throw CaptureError("the backend of " + device().str() + " is not capturing");
+}
+
 double Backend::sum_squares_all(const std::vector<Tensor>& xs) {
   double total = 0;
   for (const Tensor& x : xs) total += sum_squares(x);

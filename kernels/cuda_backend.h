@@ -34,8 +34,10 @@
 #include <array>
 #include <cstdint>
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -82,7 +84,33 @@ class CudaBackend : public Backend {
 #define GPIPE_FUSED_OP(R, name, params) R name params override;
 #include "kernels/backend_ops.inc"
 
+  // Capture into a CUDA graph (Backend::begin_capture; kernels/cuda_capture.cc): stream
+  // capture of this backend's stream in relaxed mode, its blocks from a private pool of
+  // the device's allocator, each deferred check kept with the graph and registered again
+  // before each replay (the replay's kernels flag the same slots), the multi-tensor
+  // tables it uses kept while it lives. An op that waits for the stream or reads it back
+  // (item, sum_squares, a host copy, synchronize, a full set of checks) or copies from
+  // pageable host memory fails the capture; abort_capture drops it.
+  void begin_capture() override;
+  std::unique_ptr<CapturedOps> end_capture() override;
+  void abort_capture() noexcept override;
+  bool capturing() const override { return capture_ != nullptr; }
+
  private:
+  friend class CudaCapturedOps;
+  // A capture in progress: its private pool's name (the address of `key`), its thread,
+  // the multi-tensor tables its graph reads.
+  struct Capture {
+    std::unique_ptr<char> key = std::make_unique<char>();
+    std::thread::id thread = std::this_thread::get_id();
+    std::vector<const int64_t*> tables;
+  };
+  std::unique_ptr<Capture> capture_;
+  // Tables a capture's graph reads (multi_table): release_multi_tables keeps them.
+  std::multiset<const int64_t*> captured_tables_;
+  // A captured graph's launch, its checks registered first (CudaCapturedOps::replay).
+  void replay_graph(void* exec, const std::vector<DeferredChecks::Queued>& checks);
+  void note_captured_table(const int64_t* table);  // multi_table, while capturing
   // At most this many checks wait for one read-back; the next one waits first (only a
   // caller that queues this many validating ops with no sum_squares, item, host copy or
   // synchronize in between pays that wait).
@@ -110,7 +138,8 @@ class CudaBackend : public Backend {
   // parameters, gradients and state do not move, so every later step finds it.
   // nullopt-like: a table with tensors == 0 when every tensor is empty.
   cuda::MultiTensorTable multi_table(const std::vector<const std::vector<Tensor>*>& lists, const char* op);
-  void release_multi_tables() noexcept;
+  // Frees the tables (keep_captured: not those a captured graph reads).
+  void release_multi_tables(bool keep_captured = false) noexcept;
   // The device pointer of a step's scalars (kernels/step_scalars.h), checked; a loss's
   // factor as the kernels take it (its slot there, or its value).
   const double* step_scalars_on_device(const Tensor& scalars, const char* op) const;

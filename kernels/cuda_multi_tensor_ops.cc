@@ -100,9 +100,12 @@ cuda::MultiTensorTable CudaBackend::multi_table(const std::vector<const std::vec
   std::vector<int64_t> image = cuda::multi_tensor_image(ptrs, numel);
   auto found = multi_tables_.find(image);
   if (found == multi_tables_.end()) {
+    if (capture_) {  // its copy from the host would be read again at every replay
+      throw CaptureError(std::string(op) + " on a list of tensors no step before the capture used");
+    }
     if (multi_tables_.size() >= kMaxMultiTables) {
       GPIPE_CUDA_CHECK(cudaStreamSynchronize(cuda_stream()));  // no queued launch reads them any more
-      release_multi_tables();
+      release_multi_tables(true);
     }
     int64_t* device = nullptr;
     GPIPE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&device), image.size() * sizeof(int64_t)));
@@ -111,15 +114,20 @@ cuda::MultiTensorTable CudaBackend::multi_table(const std::vector<const std::vec
     GPIPE_CUDA_CHECK(cudaMemcpyAsync(device, found->first.data(), found->first.size() * sizeof(int64_t),
                                      cudaMemcpyHostToDevice, cuda_stream()));
   }
+  if (capture_) note_captured_table(found->second);  // the graph's until it is destroyed
   return cuda::multi_tensor_view(found->second, found->first, static_cast<int>(lists.size()));
 }
 
-void CudaBackend::release_multi_tables() noexcept {
-  for (auto& [image, device] : multi_tables_) {
-    const cudaError_t e = cudaFree(device);
+void CudaBackend::release_multi_tables(bool keep_captured) noexcept {
+  for (auto it = multi_tables_.begin(); it != multi_tables_.end();) {
+    if (keep_captured && captured_tables_.count(it->second) != 0) {  // a captured graph reads it
+      ++it;
+      continue;
+    }
+    const cudaError_t e = cudaFree(it->second);
     if (e != cudaSuccess) spdlog::warn("cudaFree failed: {}", cudaGetErrorString(e));
+    it = multi_tables_.erase(it);
   }
-  multi_tables_.clear();
 }
 
 // One launch over every tensor (then one block over the partial sums), one copy back

@@ -23,6 +23,21 @@ size_t DeferredChecks::add(const DeferredCheck& check, Owner owner) {
   return pending_.size() - 1;
 }
 
+std::vector<DeferredChecks::Queued> DeferredChecks::take_unread() {
+  std::vector<Queued> out;
+  out.reserve(pending_.size());
+  for (const Pending& p : pending_) out.emplace_back(p.check, p.owner);
+  pending_.clear();
+  return out;
+}
+
+void DeferredChecks::put_back(const std::vector<Queued>& checks) {
+  GPIPE_CHECK(pending_.empty(), "a captured step's checks put back over " + std::to_string(pending_.size()) +
+                                    " pending ones");
+  GPIPE_CHECK(checks.size() <= capacity_, "a captured step with more checks than slots");
+  for (const Queued& q : checks) pending_.push_back({q.first, q.second});
+}
+
 bool DeferredChecks::resolve(const cuda::ErrorSlot* slots, Device device) {
   bool flagged = false;
   for (size_t i = 0; i < pending_.size(); ++i) {

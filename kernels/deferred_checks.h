@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "runtime/device.h"
@@ -55,6 +56,12 @@ class DeferredChecks {
 
   // Registers the check of an op `owner` is queuing; returns its slot's index.
   size_t add(const DeferredCheck& check, Owner owner);
+  // A captured step's checks (CudaBackend::begin_capture): every pending one, taken out
+  // unread (the captured kernels have not run, their slots are untouched), and put back
+  // in the same slots before each replay (which needs none pending).
+  using Queued = std::pair<DeferredCheck, Owner>;
+  std::vector<Queued> take_unread();
+  void put_back(const std::vector<Queued>& checks);
   size_t size() const { return pending_.size(); }
   bool full() const { return pending_.size() == capacity_; }
 

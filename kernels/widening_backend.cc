@@ -208,6 +208,7 @@ void WideningBackend::matmul(const Tensor& a, bool ta, const Tensor& b, bool tb,
                              double beta) {
   OpCall op_call("matmul", false);
   describe_call(op_call, a, ta, b, tb, c, alpha, beta);
+  if (capturing_here()) return capture("matmul", [=]() mutable { matmul(a, ta, b, tb, c, alpha, beta); });
   if (!any_narrow(a, b, c) || native_matmul(*inner_, a, b, c)) return inner_->matmul(a, ta, b, tb, c, alpha, beta);
   Widen w(*inner_);
   inner_->matmul(w.in(a), ta, w.in(b), tb, beta != 0.0 ? w.inout(c) : w.out(c), alpha, beta);
@@ -218,6 +219,7 @@ void WideningBackend::matmul_weight(const Tensor& a, bool ta, const Tensor& wt, 
                                     double beta) {
   OpCall op_call("matmul_weight", false);
   describe_call(op_call, a, ta, wt, tw, c, alpha, beta);
+  if (capturing_here()) return capture("matmul_weight", [=]() mutable { matmul_weight(a, ta, wt, tw, c, alpha, beta); });
   if (!any_narrow(a, wt, c) || native_matmul(*inner_, a, wt, c)) {
     return inner_->matmul_weight(a, ta, wt, tw, c, alpha, beta);
   }
@@ -229,6 +231,7 @@ void WideningBackend::matmul_weight(const Tensor& a, bool ta, const Tensor& wt, 
 void WideningBackend::bias_grad(const Tensor& dy, Tensor& db, double beta) {
   OpCall op_call("bias_grad", false);
   describe_call(op_call, dy, db, beta);
+  if (capturing_here()) return capture("bias_grad", [=]() mutable { bias_grad(dy, db, beta); });
   if (!any_narrow(dy, db)) return inner_->bias_grad(dy, db, beta);
   Widen w(*inner_);
   inner_->bias_grad(w.in(dy), beta != 0.0 ? w.inout(db) : w.out(db), beta);
@@ -238,6 +241,7 @@ void WideningBackend::bias_grad(const Tensor& dy, Tensor& db, double beta) {
 double WideningBackend::sum_squares_all(const std::vector<Tensor>& xs) {
   OpCall op_call("sum_squares_all", true);
   describe_call(op_call, xs);
+  if (capturing_here()) throw CaptureError("sum_squares_all hands the host a value");
   for (const Tensor& x : xs) {
     if (any_narrow(x)) return Backend::sum_squares_all(xs);  // each widened on its own
   }
@@ -264,6 +268,7 @@ bool native_fused(const Backend& inner, Backend::NarrowOp op, std::initializer_l
 void WideningBackend::rmsnorm(const Tensor& x, const Tensor& g, double eps, Tensor& y, Tensor& rstd) {
   OpCall op_call("rmsnorm", false);
   describe_call(op_call, x, g, eps, y, rstd);
+  if (capturing_here()) return capture("rmsnorm", [=]() mutable { rmsnorm(x, g, eps, y, rstd); });
   if (!any_narrow(x, g, y, rstd) || native_fused(*inner_, NarrowOp::kRmsNorm, {&x, &g, &y}, {&rstd})) {
     return inner_->rmsnorm(x, g, eps, y, rstd);
   }
@@ -274,6 +279,7 @@ void WideningBackend::rmsnorm_backward(const Tensor& dy, const Tensor& x, const 
                                        Tensor& dx) {
   OpCall op_call("rmsnorm_backward", false);
   describe_call(op_call, dy, x, g, rstd, dx);
+  if (capturing_here()) return capture("rmsnorm_backward", [=]() mutable { rmsnorm_backward(dy, x, g, rstd, dx); });
   if (!any_narrow(dy, x, g, rstd, dx) ||
       native_fused(*inner_, NarrowOp::kRmsNorm, {&x, &dy, &g, &dx}, {&rstd})) {
     return inner_->rmsnorm_backward(dy, x, g, rstd, dx);
@@ -284,6 +290,7 @@ void WideningBackend::rmsnorm_backward(const Tensor& dy, const Tensor& x, const 
 void WideningBackend::rmsnorm_weight_grad(const Tensor& dy, const Tensor& x, const Tensor& rstd, Tensor& dg) {
   OpCall op_call("rmsnorm_weight_grad", false);
   describe_call(op_call, dy, x, rstd, dg);
+  if (capturing_here()) return capture("rmsnorm_weight_grad", [=]() mutable { rmsnorm_weight_grad(dy, x, rstd, dg); });
   if (!any_narrow(dy, x, rstd, dg) || native_fused(*inner_, NarrowOp::kRmsNorm, {&x, &dy}, {&rstd, &dg})) {
     return inner_->rmsnorm_weight_grad(dy, x, rstd, dg);
   }
@@ -293,6 +300,7 @@ void WideningBackend::rmsnorm_weight_grad(const Tensor& dy, const Tensor& x, con
 void WideningBackend::swiglu(const Tensor& a, const Tensor& b, Tensor& y) {
   OpCall op_call("swiglu", false);
   describe_call(op_call, a, b, y);
+  if (capturing_here()) return capture("swiglu", [=]() mutable { swiglu(a, b, y); });
   if (!any_narrow(a, b, y) || native_fused(*inner_, NarrowOp::kSwiglu, {&a, &b, &y}, {})) {
     return inner_->swiglu(a, b, y);
   }
@@ -302,6 +310,7 @@ void WideningBackend::swiglu(const Tensor& a, const Tensor& b, Tensor& y) {
 void WideningBackend::swiglu_backward(const Tensor& dy, const Tensor& a, const Tensor& b, Tensor& da, Tensor& db) {
   OpCall op_call("swiglu_backward", false);
   describe_call(op_call, dy, a, b, da, db);
+  if (capturing_here()) return capture("swiglu_backward", [=]() mutable { swiglu_backward(dy, a, b, da, db); });
   if (!any_narrow(dy, a, b, da, db) || native_fused(*inner_, NarrowOp::kSwiglu, {&dy, &a, &b, &da, &db}, {})) {
     return inner_->swiglu_backward(dy, a, b, da, db);
   }
@@ -319,6 +328,7 @@ void WideningBackend::sgd_step_all(const std::vector<Tensor>& params, const std:
                                    const std::vector<Tensor>& bufs, const SgdParams& p, const Tensor& scalars) {
   OpCall op_call("sgd_step_all", false);
   describe_call(op_call, params, grads, bufs, p, scalars);
+  if (capturing_here()) return capture("sgd_step_all", [=]() mutable { sgd_step_all(params, grads, bufs, p, scalars); });
   if (any_narrow_in(params, grads, bufs)) return Backend::sgd_step_all(params, grads, bufs, p, scalars);
   inner_->sgd_step_all(params, grads, bufs, p, scalars);
 }
@@ -328,6 +338,7 @@ void WideningBackend::adam_step_all(const std::vector<Tensor>& params, const std
                                     const Tensor& scalars) {
   OpCall op_call("adam_step_all", false);
   describe_call(op_call, params, grads, m, v, p, scalars);
+  if (capturing_here()) return capture("adam_step_all", [=]() mutable { adam_step_all(params, grads, m, v, p, scalars); });
   if (any_narrow_in(params, grads, m, v)) return Backend::adam_step_all(params, grads, m, v, p, scalars);
   inner_->adam_step_all(params, grads, m, v, p, scalars);
 }
@@ -335,6 +346,7 @@ void WideningBackend::adam_step_all(const std::vector<Tensor>& params, const std
 void WideningBackend::scale_all(const std::vector<Tensor>& xs, double alpha) {
   OpCall op_call("scale_all", false);
   describe_call(op_call, xs, alpha);
+  if (capturing_here()) return capture("scale_all", [=]() mutable { scale_all(xs, alpha); });
   if (any_narrow_in(xs)) return Backend::scale_all(xs, alpha);
   inner_->scale_all(xs, alpha);
 }
@@ -342,6 +354,7 @@ void WideningBackend::scale_all(const std::vector<Tensor>& xs, double alpha) {
 void WideningBackend::sum_squares_all_to(const std::vector<Tensor>& xs, Tensor& scalars) {
   OpCall op_call("sum_squares_all_to", false);
   describe_call(op_call, xs, scalars);
+  if (capturing_here()) return capture("sum_squares_all_to", [=]() mutable { sum_squares_all_to(xs, scalars); });
   if (any_narrow_in(xs)) return Backend::sum_squares_all_to(xs, scalars);  // each widened on its own
   inner_->sum_squares_all_to(xs, scalars);
 }
@@ -349,12 +362,14 @@ void WideningBackend::sum_squares_all_to(const std::vector<Tensor>& xs, Tensor& 
 void WideningBackend::step_grad_scale(Tensor& scalars, double max_norm, bool skip_nonfinite) {
   OpCall op_call("step_grad_scale", false);
   describe_call(op_call, scalars, max_norm, skip_nonfinite);
+  if (capturing_here()) return capture("step_grad_scale", [=]() mutable { step_grad_scale(scalars, max_norm, skip_nonfinite); });
   inner_->step_grad_scale(scalars, max_norm, skip_nonfinite);
 }
 
 void WideningBackend::scale_all_by(const std::vector<Tensor>& xs, const Tensor& scalars) {
   OpCall op_call("scale_all_by", false);
   describe_call(op_call, xs, scalars);
+  if (capturing_here()) return capture("scale_all_by", [=]() mutable { scale_all_by(xs, scalars); });
   if (any_narrow_in(xs)) return Backend::scale_all_by(xs, scalars);
   inner_->scale_all_by(xs, scalars);
 }
@@ -362,6 +377,7 @@ void WideningBackend::scale_all_by(const std::vector<Tensor>& xs, const Tensor& 
 void WideningBackend::fill_all(const std::vector<Tensor>& xs, double value) {
   OpCall op_call("fill_all", false);
   describe_call(op_call, xs, value);
+  if (capturing_here()) return capture("fill_all", [=]() mutable { fill_all(xs, value); });
   if (any_narrow_in(xs)) return Backend::fill_all(xs, value);
   inner_->fill_all(xs, value);
 }
@@ -369,21 +385,36 @@ void WideningBackend::fill_all(const std::vector<Tensor>& xs, double value) {
 // ---- The generated ops: one definition per line of kernels/backend_ops.inc.
 
 #define GPIPE_UNPAREN(...) __VA_ARGS__
+// While this thread captures on the CPU (WideningBackend::begin_capture), the call is
+// captured with copies of its operands (tensors share their buffers), to run at each
+// replay as it would have run now; an op that returns a value cannot be.
+#define GPIPE_CAPTURE_GENERATED(R, name, call, narrow)                                \
+  if (capturing_here()) {                                                           \
+    capture_as<R>(#name, [=]() mutable {                                            \
+      OpCall replayed(#name, false);                                                \
+      describe_call(replayed, GPIPE_UNPAREN call);                                  \
+      widening_call(*inner_, narrow, &Backend::name, GPIPE_UNPAREN call);           \
+    });                                                                             \
+    return R();                                                                     \
+  }
 #define GPIPE_OP(R, name, params, call)                                              \
   R WideningBackend::name params {                                                   \
     OpCall op_call(#name, !std::is_void_v<R>);                                       \
     describe_call(op_call, GPIPE_UNPAREN call);                                      \
+    GPIPE_CAPTURE_GENERATED(R, name, call, std::nullopt)                             \
     return widening_call(*inner_, std::nullopt, &Backend::name, GPIPE_UNPAREN call); \
   }
 #define GPIPE_NARROW_OP(R, name, params, call, narrow)                                   \
   R WideningBackend::name params {                                                       \
     OpCall op_call(#name, !std::is_void_v<R>);                                           \
     describe_call(op_call, GPIPE_UNPAREN call);                                          \
+    GPIPE_CAPTURE_GENERATED(R, name, call, NarrowOp::narrow)                             \
     return widening_call(*inner_, NarrowOp::narrow, &Backend::name, GPIPE_UNPAREN call); \
   }
 #define GPIPE_OWN_OP(R, name, params)
 #include "kernels/backend_ops.inc"
 #undef GPIPE_UNPAREN
+#undef GPIPE_CAPTURE_GENERATED
 
 // ---- As they are: the wrapped backend takes 16-bit operands of these itself.
 
@@ -391,6 +422,7 @@ void WideningBackend::fused_attention(const Tensor& q, const Tensor& k, const Te
                                       Tensor& stats) {
   OpCall op_call("fused_attention", false);
   describe_call(op_call, q, k, v, heads, out, stats);
+  if (capturing_here()) return capture("fused_attention", [=]() mutable { fused_attention(q, k, v, heads, out, stats); });
   inner_->fused_attention(q, k, v, heads, out, stats);
 }
 
@@ -399,12 +431,14 @@ void WideningBackend::fused_attention_backward(const Tensor& dout, const Tensor&
                                                Tensor& dk, Tensor& dv) {
   OpCall op_call("fused_attention_backward", false);
   describe_call(op_call, dout, q, k, v, out, stats, heads, dq, dk, dv);
+  if (capturing_here()) return capture("fused_attention_backward", [=]() mutable { fused_attention_backward(dout, q, k, v, out, stats, heads, dq, dk, dv); });
   inner_->fused_attention_backward(dout, q, k, v, out, stats, heads, dq, dk, dv);
 }
 
 void WideningBackend::cast_all(const std::vector<Tensor>& srcs, const std::vector<Tensor>& dsts) {
   OpCall op_call("cast_all", false);
   describe_call(op_call, srcs, dsts);
+  if (capturing_here()) return capture("cast_all", [=]() mutable { cast_all(srcs, dsts); });
   inner_->cast_all(srcs, dsts);
 }
 
@@ -412,21 +446,103 @@ void WideningBackend::cast_all(const std::vector<Tensor>& srcs, const std::vecto
 void WideningBackend::copy(const Tensor& src, Tensor& dst) {
   OpCall op_call("copy", dst.device().is_cpu() && !src.device().is_cpu());
   describe_call(op_call, src, dst);
+  if (capturing_here()) {
+    if (dst.device().is_cpu() && !src.device().is_cpu()) throw CaptureError("a copy to the host hands it values");
+    return capture("copy", [=]() mutable { copy(src, dst); });
+  }
   inner_->copy(src, dst);
 }
 void WideningBackend::cast(const Tensor& src, Tensor& dst) {
   OpCall op_call("cast", false);
   describe_call(op_call, src, dst);
+  if (capturing_here()) return capture("cast", [=]() mutable { cast(src, dst); });
   inner_->cast(src, dst);
 }
 void WideningBackend::transpose_blocks(const Tensor& src, int64_t rows, int64_t cols, Tensor& dst) {
   OpCall op_call("transpose_blocks", false);
   describe_call(op_call, src, rows, cols, dst);
+  if (capturing_here()) return capture("transpose_blocks", [=]() mutable { transpose_blocks(src, rows, cols, dst); });
   inner_->transpose_blocks(src, rows, cols, dst);
 }
 void WideningBackend::synchronize() {
   OpCall op_call("synchronize", true);
+  if (capturing_here()) throw CaptureError("synchronize waits for the device");
   inner_->synchronize();
+}
+
+// ---- Capture on the CPU (the header's begin_capture): the calls of one thread.
+
+namespace {
+struct CpuCapture {
+  const WideningBackend* backend = nullptr;
+  struct Call {
+    const char* op;  // nullptr: host work or an event's record
+    std::function<void()> run;
+  };
+  std::vector<Call> calls;
+  std::function<void(std::function<void()>)> events;  // the CPU events' hook (runtime/stream.h)
+};
+thread_local CpuCapture* t_capture = nullptr;
+
+class CpuCapturedOps : public CapturedOps {
+ public:
+  explicit CpuCapturedOps(std::vector<CpuCapture::Call> calls)
+      : calls_(std::move(calls)), thread_(std::this_thread::get_id()) {}
+  void replay() override {
+    GPIPE_CHECK(std::this_thread::get_id() == thread_, "a captured step replayed on another thread than its own");
+    for (auto& c : calls_) c.run();
+  }
+  int64_t nodes() const override {
+    return static_cast<int64_t>(
+        std::count_if(calls_.begin(), calls_.end(), [](const CpuCapture::Call& c) { return c.op != nullptr; }));
+  }
+
+ private:
+  std::vector<CpuCapture::Call> calls_;
+  std::thread::id thread_;
+};
+}  // namespace
+
+bool WideningBackend::capturing_here() const { return t_capture != nullptr && t_capture->backend == this; }
+
+void WideningBackend::capture(const char* op, std::function<void()> run) {
+  t_capture->calls.push_back({op, std::move(run)});
+}
+
+void WideningBackend::begin_capture() {
+  if (!inner_->device().is_cpu()) return inner_->begin_capture();
+  if (t_capture != nullptr) throw CaptureError("this thread is capturing already");
+  auto* c = new CpuCapture;
+  c->backend = this;
+  c->events = [c](std::function<void()> record) { c->calls.push_back({nullptr, std::move(record)}); };
+  t_capture = c;
+  set_cpu_event_capture(&c->events);
+}
+
+std::unique_ptr<CapturedOps> WideningBackend::end_capture() {
+  if (!inner_->device().is_cpu()) return inner_->end_capture();
+  if (!capturing_here()) throw CaptureError("end_capture without begin_capture on this thread");
+  std::unique_ptr<CpuCapture> c(t_capture);
+  t_capture = nullptr;
+  set_cpu_event_capture(nullptr);
+  return std::make_unique<CpuCapturedOps>(std::move(c->calls));
+}
+
+void WideningBackend::abort_capture() noexcept {
+  if (!inner_->device().is_cpu()) return inner_->abort_capture();
+  if (!capturing_here()) return;
+  delete t_capture;
+  t_capture = nullptr;
+  set_cpu_event_capture(nullptr);
+}
+
+bool WideningBackend::capturing() const {
+  return inner_->device().is_cpu() ? capturing_here() : inner_->capturing();
+}
+
+void WideningBackend::host_step(const std::function<void()>& work) {
+  if (capturing_here()) return capture(nullptr, work);
+  work();
 }
 
 }  // namespace gpipe

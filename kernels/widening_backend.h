@@ -21,7 +21,10 @@
 // measured in bench/RESULTS.md ("Mixed precision").
 #pragma once
 
+#include <functional>
 #include <memory>
+#include <string>
+#include <type_traits>
 
 #include "kernels/backend.h"
 
@@ -55,7 +58,29 @@ class WideningBackend : public Backend {
 #define GPIPE_FUSED_OP(R, name, params) R name params override;
 #include "kernels/backend_ops.inc"
 
+  // Capture (Backend::begin_capture). A GPU backend captures its own stream (a CUDA
+  // graph): these go to it. On the CPU this backend captures the calls themselves: from
+  // begin_capture to end_capture each op this thread calls is kept, with copies of its
+  // operands (tensors share their buffers, so they live as long as the capture), instead
+  // of run, and so are host_step's work and the CPU events recorded on its stream (an
+  // OpClock's); a replay makes the same calls in the same order.
+  void begin_capture() override;
+  std::unique_ptr<CapturedOps> end_capture() override;
+  void abort_capture() noexcept override;
+  bool capturing() const override;
+  void host_step(const std::function<void()>& work) override;
+
  private:
+  bool capturing_here() const;  // this thread captures the calls made to this backend
+  void capture(const char* op, std::function<void()> run);
+  template <typename R>
+  void capture_as(const char* op, std::function<void()> run) {
+    if constexpr (std::is_void_v<R>) {
+      capture(op, std::move(run));
+    } else {
+      throw CaptureError(std::string(op) + " hands the host a value");
+    }
+  }
   std::unique_ptr<Backend> inner_;
 };
 

@@ -44,6 +44,15 @@ class Allocator {
   void reset_peak();
   // Returns every cached block to the system.
   virtual void release_cache() = 0;
+  // A captured step (Backend::begin_capture on a GPU): from begin_private_pool to
+  // end_private_pool, the blocks handed out for the compute stream come from the pool
+  // named `key` (any distinct address), which no other request draws on; its blocks are
+  // kept when freed, for the capture's replays, and release_cache leaves them alone
+  // until release_private_pool(key) (the replays are over). No-ops on the host, whose
+  // captured calls keep their own tensors.
+  virtual void begin_private_pool(const void* /*key*/) {}
+  virtual void end_private_pool() {}
+  virtual void release_private_pool(const void* /*key*/) {}
 
  protected:
   void note_alloc(size_t bytes);

@@ -200,7 +200,7 @@ void BlockPool::release_cached_locked() {
   for (FreeSet* pool : {&small_, &large_}) {
     for (auto it = pool->begin(); it != pool->end();) {
       Block* b = *it;
-      if (b->prev != nullptr || b->next != nullptr) {
+      if (b->prev != nullptr || b->next != nullptr || held_.count(b->stream) != 0) {
         ++it;
         continue;
       }
@@ -211,6 +211,16 @@ void BlockPool::release_cached_locked() {
       delete b;
     }
   }
+}
+
+void BlockPool::hold(StreamId stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  held_.insert(stream);
+}
+
+void BlockPool::let_go(StreamId stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  held_.erase(stream);
 }
 
 PoolStats BlockPool::stats() const {

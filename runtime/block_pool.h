@@ -81,8 +81,13 @@ class BlockPool {
   size_t free(void* ptr);
   // Work queued on `stream` uses the block: once freed, it waits for that work.
   void record_stream(void* ptr, StreamId stream);
-  // Waits for the device, then frees every segment that is one free block.
+  // Waits for the device, then frees every segment that is one free block, except
+  // those of a held stream.
   void release_cached();
+  // A stream whose free blocks stay cached (a captured step's private pool,
+  // Allocator::begin_private_pool), until let go.
+  void hold(StreamId stream);
+  void let_go(StreamId stream);
   PoolStats stats() const;
 
   // The size a request is rounded to, and the segment allocated for a rounded size.
@@ -120,6 +125,7 @@ class BlockPool {
   mutable std::mutex mu_;
   FreeSet small_, large_;
   std::map<void*, Block*> active_;                         // handed out, by address
+  std::set<StreamId> held_;                                // streams whose segments release_cached keeps
   std::deque<std::pair<std::unique_ptr<PoolEvent>, Block*>> events_;  // in recording order
   PoolStats stats_;
 };

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 #include <spdlog/spdlog.h>
 
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -156,8 +157,13 @@ class CudaAllocator : public Allocator {
   void* allocate_for(size_t bytes, Stream& stream) override {
     GPIPE_CHECK(stream.device() == device_ && stream.native() != nullptr,
                 "the allocator of " + device_.str() + " asked for a block for a stream of " + stream.device().str());
+    // A captured step's blocks (begin_private_pool) are its pool's: kept for its replays,
+    // reused only by its own requests, in the order the capture made them, which its
+    // graph keeps (one stream, one chain of nodes).
+    const void* key = private_.load();
+    if (key == nullptr || stream.native() != compute_stream_for(device_).native()) key = stream.native();
     size_t size = 0;
-    void* p = pool_.allocate(bytes, stream.native(), &size);
+    void* p = pool_.allocate(bytes, key, &size);
     if (p == nullptr) throw out_of_memory(BlockPool::round_size(bytes));
     note_alloc(size);
     note_pool();
@@ -184,6 +190,15 @@ class CudaAllocator : public Allocator {
     note_pool();
   }
 
+  void begin_private_pool(const void* key) override {
+    GPIPE_CHECK(key != nullptr && private_.load() == nullptr, "the allocator of " + device_.str() +
+                                                                  " is already giving a captured step its blocks");
+    pool_.hold(key);
+    private_.store(key);
+  }
+  void end_private_pool() override { private_.store(nullptr); }
+  void release_private_pool(const void* key) override { pool_.let_go(key); }
+
  private:
   void note_pool() {
     const PoolStats s = pool_.stats();
@@ -204,6 +219,7 @@ class CudaAllocator : public Allocator {
   Device device_;
   DeviceMemory memory_;
   BlockPool pool_;  // after memory_: destroyed first
+  std::atomic<const void*> private_{nullptr};  // a capture's pool, while it captures
 };
 
 struct Staging {
@@ -231,6 +247,14 @@ std::unique_ptr<Allocator> make_cuda_allocator(Device device) {
 
 void stage_to_device(const void* src, void* dst, size_t bytes, Device device, cudaStream_t stream) {
   if (bytes == 0) return;
+  // A captured copy would read the pinned block at every replay, long after it went back
+  // to the staging pool for other copies.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  GPIPE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) {
+    throw Error("a copy from host memory to " + device.str() + " inside a captured step: a step that reads new "
+                "host data at each replay cannot be captured");
+  }
   Staging& st = staging_for(device);
   // Staging blocks belong to no stream: each is reused only after the event of its copy.
   static const char host_side = 0;

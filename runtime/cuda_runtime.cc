@@ -117,7 +117,15 @@ class CudaEvent : public Event {
     GPIPE_CHECK(s->device() == device_, "a CUDA event on " + device_.str() + " recorded on a stream of " +
                                             s->device().str() + "; events must be recorded on their own device");
     DeviceGuard guard(device_.index);
-    GPIPE_CUDA_CHECK(cudaEventRecord(event_, s->handle()));
+    // In a captured step (Backend::begin_capture) the record becomes the graph's own
+    // node, so that each replay records the event again (the OpClock's times).
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    GPIPE_CUDA_CHECK(cudaStreamIsCapturing(s->handle(), &capture));
+    if (capture == cudaStreamCaptureStatusActive) {
+      GPIPE_CUDA_CHECK(cudaEventRecordWithFlags(event_, s->handle(), cudaEventRecordExternal));
+    } else {
+      GPIPE_CUDA_CHECK(cudaEventRecord(event_, s->handle()));
+    }
     recorded_ = true;
   }
   void synchronize() override {

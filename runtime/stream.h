@@ -5,6 +5,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 
 #include "runtime/device.h"
@@ -45,9 +46,14 @@ class CpuStream : public Stream {
   Device device_;
 };
 
+// While a step is captured on the CPU on this thread (WideningBackend::begin_capture), a
+// CPU event's record is handed to `hook` to run at each replay, in its place among the
+// captured ops, instead of taking the time now; nullptr ends it.
+void set_cpu_event_capture(std::function<void(std::function<void()>)>* hook);
+
 class CpuEvent : public Event {
  public:
-  void record(Stream&) override { time_ = std::chrono::steady_clock::now(); }
+  void record(Stream&) override;
   void synchronize() override {}
   double elapsed_ms(const Event& later) const override;
 

@@ -165,6 +165,67 @@ TEST_CASE("one stage on cuda:0 keeps the norm, the clip and dropout's step on th
   CHECK(steps[2] == steps[0]);
 }
 
+// pipeline.capture on cuda:0 (kernels/cuda_capture.cc): the second training step is
+// captured into a CUDA graph and every later one is one launch of it. It must train as
+// the same stage op by op (the same kernels: equal to float32 rounding, in practice
+// bit for bit), time its instructions with the graph's event nodes, and still report a
+// bad label of a replayed step (its deferred checks put back before each launch).
+TEST_CASE("one stage on cuda:0 captured as a CUDA graph trains as the same stage op by op") {
+  layers::ModelSpec llama;
+  llama.input = {16};
+  llama.input_dtype = DType::kI32;
+  llama.dtype = DType::kBF16;  // cuDNN's fused attention where the build has its frontend
+  llama.seed = 11;
+  llama.layers = {{"embedding", {{"vocab", "64"}, {"dim", "64"}, {"positions", "0"}}, {}, ""},
+                  {"llama_block", {{"heads", "4"}, {"kv_heads", "2"}, {"hidden", "96"}, {"dropout", "0.1"}}, {}, ""},
+                  {"llama_block", {{"heads", "4"}, {"kv_heads", "2"}, {"hidden", "96"}}, {}, ""},
+                  {"rmsnorm", {}, {}, ""},
+                  {"linear", {{"out", "64"}, {"bias", "false"}}, {}, ""}};
+  llama.loss = {"softmax_cross_entropy", {}, {}, ""};
+  for (const layers::ModelSpec& spec : {gpt_spec(), llama}) {
+    CAPTURE(dtype_name(spec.dtype));
+    auto train = [&](bool capture, std::vector<StepResult>& out) {
+      auto model = layers::build_model(spec);
+      InProcessTransport transport(1);
+      ExecutorOptions opts;
+      opts.optimizer.type = "adamw";
+      opts.optimizer.weight_decay = 0.01;
+      opts.clip_grad_norm = 1.0;
+      opts.capture = capture;
+      Executor ex(*model, make_stages({model->size()}, {Device::cuda(0)}),
+                  gpipe_schedule(1, 3, RecomputeMode::kExceptLast), transport, opts);
+      for (int t = 0; t < 5; ++t) {
+        ex.set_lr(1e-3 * (t + 1));
+        const Tensor ids = random_labels(12 * 16, 64, 20 + 2 * t).reshape({12, 16});
+        const Tensor y = random_labels(12 * 16, 64, 21 + 2 * t).reshape({12, 16});
+        out.push_back(ex.step(ids, y));
+      }
+      if (capture) {
+        // A label outside the vocabulary in a replayed step: the CPU's error, at its end.
+        Tensor ids = random_labels(12 * 16, 64, 90).reshape({12, 16});
+        Tensor y = random_labels(12 * 16, 64, 91).reshape({12, 16});
+        y.data<int32_t>()[37] = 64;
+        CHECK_THROWS_AS(ex.step(ids, y), UserError);
+      }
+    };
+    std::vector<StepResult> eager, captured;
+    train(false, eager);
+    train(true, captured);
+    for (size_t t = 0; t < eager.size(); ++t) {
+      INFO("step " << t);
+      CHECK(captured[t].loss == doctest::Approx(eager[t].loss).epsilon(1e-6));
+      CHECK(captured[t].grad_norm == doctest::Approx(eager[t].grad_norm).epsilon(1e-5));
+      const StageTrace& trace = captured[t].stages.at(0);
+      CHECK(trace.captured_nodes == (t == 0 ? 0 : captured[1].stages[0].captured_nodes));
+      if (t > 0) {
+        CHECK(trace.captured_nodes > 20);
+        for (const TimedOp& op : trace.ops) CHECK(op.end_ms >= op.start_ms);  // the graph's event nodes
+      }
+      if (captured[t].loss != eager[t].loss) MESSAGE("step " << t << ": captured and eager losses differ in their bits");
+    }
+  }
+}
+
 TEST_CASE("two stages sharing cuda:0 equal two CPU stages (MLP, uneven micro-batches)") {
   Tensor x = random_tensor({13, 24}, DType::kF32, 3);
   Tensor y = random_labels(13, 10, 4);

@@ -378,7 +378,7 @@ void decode_pipeline(Decoder& dec, const YAML::Node& root, Config& c) {
                                   "virtual_stages", "schedule_file", "balance", "devices", "pin_threads",
                                   "bucket_mb", "timeout_s", "balance_by", "profile", "memory_limit",
                                   "batch_weight_gradients", "shard_optimizer", "tensor_parallel",
-                                  "sequence_parallel"});
+                                  "sequence_parallel", "capture"});
     if (p["shard_optimizer"]) {
       const std::string mode = dec.str(p["shard_optimizer"], "pipeline.shard_optimizer");
       if (mode == "gradients") {
@@ -491,6 +491,17 @@ void decode_pipeline(Decoder& dec, const YAML::Node& root, Config& c) {
       for (size_t i = 0; i < d.size(); ++i) c.pipeline.devices.push_back(dec.str(d[i], "pipeline.devices"));
     }
     if (p["pin_threads"]) c.pipeline.pin_threads = dec.boolean(p["pin_threads"], "pipeline.pin_threads");
+    if (p["capture"]) {
+      c.pipeline.capture = dec.boolean(p["capture"], "pipeline.capture");
+      if (c.pipeline.capture &&
+          (c.pipeline.partitions > 1 || c.pipeline.replicas > 1 || c.pipeline.tensor_parallel > 1)) {
+        dec.fail(p["capture"], "pipeline.capture",
+                 "captures the training step of one stage, without replicas or a tensor group; this config has " +
+                     std::to_string(c.pipeline.partitions) + " partitions, " + std::to_string(c.pipeline.replicas) +
+                     " replicas and tensor_parallel " + std::to_string(c.pipeline.tensor_parallel) +
+                     ": set pipeline.capture: false, or partitions, replicas and tensor_parallel to 1");
+      }
+    }
     if (p["batch_weight_gradients"]) {
       c.pipeline.batch_weight_gradients = dec.boolean(p["batch_weight_gradients"], "pipeline.batch_weight_gradients");
     }

@@ -62,6 +62,9 @@ struct PipelineConfig {
   std::vector<int> balance;          // layers per partition; empty = balance automatically
   std::vector<std::string> devices;  // one per partition; empty = cpu:0 .. cpu:K-1
   bool pin_threads = true;
+  // Capture a training step once and replay it (a CUDA graph on a GPU, the recorded calls
+  // on the CPU; ExecutorOptions::capture): one stage, no replicas, no tensor group.
+  bool capture = false;
   // Deadline of every transport wait (a receive, a send's completion, a reduction), in
   // seconds: a stuck or stopped peer ends the job after it instead of hanging it. 0: none.
   double timeout_s = kDefaultTimeoutS;

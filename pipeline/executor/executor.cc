@@ -153,6 +153,13 @@ Executor::Executor(layers::Sequential& model, std::vector<CellSpec> cells, Sched
     tensor_collectives_ = std::make_unique<ProgramCollectives>(*this, *tensor_group_);
     model_.set_collectives(tensor_collectives_.get());  // only the local stage's layers (and loss) run here
   }
+  if (options_.capture && !(K == 1 && norm_on_device())) {
+    throw UserError(std::string("pipeline.capture captures a step of one stage without replicas or a tensor group; this "
+                                "run has ") + std::to_string(K) + " stages" +
+                    (options_.replicas != nullptr && options_.replicas->size() > 1 ? ", replicas" : "") +
+                    (tensor ? ", a tensor group" : "") +
+                    ": set pipeline.capture: false, or train on one stage (pipeline.partitions: 1)");
+  }
   for (int k = 0; k < K; ++k) runtimes_.push_back(make_stage(k));
   share_devices();
   start_workers();
@@ -196,7 +203,9 @@ std::unique_ptr<Executor::StageRuntime> Executor::make_stage(int k) {
   rt->local = options_.local_stage < 0 || options_.local_stage == k;
   if (rt->local) {
     rt->backend = &backend_for(rt->device);
-    rt->clock = std::make_unique<OpClock>(rt->device, options_.device_clock_on_cpu);
+    // A captured step's instructions are timed by the events it records (a replay
+    // runs no host code between them), on the CPU too.
+    rt->clock = std::make_unique<OpClock>(rt->device, options_.device_clock_on_cpu || options_.capture);
     std::vector<layers::Parameter*> params;
     for (int c : rt->cells) {
       for (int i = cells_[c].first_layer; i < cells_[c].first_layer + cells_[c].num_layers; ++i) {
@@ -369,7 +378,9 @@ void Executor::forward(StageRuntime& rt, const Instruction& ins, bool recompute)
   const CellSpec& cell = cells_[c];
   Backend& be = *rt.backend;
   MicroBatch& mb = rt.mbs[ins.chunk][m];
-  if (c == 0 && !recompute) mb.input = to_device(rt, cur_.inputs.narrow_rows(cur_.offsets[m], cur_.sizes[m]));
+  if (c == 0 && !recompute) {
+    mb.input = rt.fixed_io ? rt.fixed_inputs[m] : to_device(rt, cur_.inputs.narrow_rows(cur_.offsets[m], cur_.sizes[m]));
+  }
   GPIPE_CHECK(mb.input.defined(), "forward of micro-batch " + std::to_string(m) + " of cell " + std::to_string(c) +
                                       " without its input");
   const bool eval = cur_.eval != nullptr;
@@ -386,7 +397,9 @@ void Executor::forward(StageRuntime& rt, const Instruction& ins, bool recompute)
     h = model_.layer(cell.first_layer + i).forward(be, h, keep ? &mb.ctx[i] : nullptr, args);
   }
   if (c == C - 1) {
-    if (!mb.targets.defined()) mb.targets = to_device(rt, cur_.targets.narrow_rows(cur_.offsets[m], cur_.sizes[m]));
+    if (!mb.targets.defined()) {
+      mb.targets = rt.fixed_io ? rt.fixed_targets[m] : to_device(rt, cur_.targets.narrow_rows(cur_.offsets[m], cur_.sizes[m]));
+    }
     // The loss's factor read from the step's scalars in a training step (LossScale).
     const LossScale scale = eval ? LossScale(cur_.scale) : LossScale(cur_.scale, rt.scalars);
     Tensor l = model_.loss().forward(be, h, mb.targets, scale, keep ? &mb.loss_ctx : nullptr);
@@ -699,7 +712,109 @@ void Executor::tensor_collective(Op op, int64_t bytes, const std::function<void(
   t.end_ms = now_ms();
 }
 
+// A training step of a stage that captures (ExecutorOptions::capture): a replay where a
+// capture with these micro-batch sizes exists; otherwise the program op by op, captured
+// once the first step has run (warm-up), and run again op by op if the capture fails.
 void Executor::run_stage(int k) {
+  StageRuntime& rt = *runtimes_[k];
+  rt.fixed_io = rt.local && capture_eligible(rt);
+  if (rt.fixed_io && rt.captured) return replay_stage(rt);
+  rt.capturing = rt.fixed_io && rt.warmed_up && !rt.capture_failed;
+  run_program(k);
+  if (!rt.capture_error.empty()) {
+    spdlog::warn("stage {}: its training step could not be captured ({}); the run goes on without capture", k,
+                 rt.capture_error);
+    rt.capture_error.clear();
+    rt.capture_failed = true;
+    run_program(k);
+  }
+}
+
+bool Executor::capture_eligible(const StageRuntime& rt) const {
+  if (!options_.capture || cur_.eval != nullptr || !cur_.apply_optimizer) return false;
+  // Other micro-batch sizes than the capture's: op by op, the capture kept for later.
+  return !rt.captured || rt.captured->sizes == cur_.sizes;
+}
+
+// Each micro-batch's inputs and targets into the stage's buffers for them (made at the
+// first step that uses them, with its sizes, which a capture then keeps).
+void Executor::fill_fixed_buffers(StageRuntime& rt) {
+  const int M = static_cast<int>(cur_.sizes.size());
+  if (static_cast<int>(rt.fixed_inputs.size()) != M || rt.fixed_inputs[0].size(0) != cur_.sizes[0] ||
+      rt.fixed_inputs.back().size(0) != cur_.sizes.back()) {
+    GPIPE_CHECK(!rt.captured, "a captured step's buffers remade");
+    rt.fixed_inputs.clear();
+    rt.fixed_targets.clear();
+    for (int m = 0; m < M; ++m) {
+      const Tensor in = cur_.inputs.narrow_rows(cur_.offsets[m], cur_.sizes[m]);
+      const Tensor tg = cur_.targets.narrow_rows(cur_.offsets[m], cur_.sizes[m]);
+      rt.fixed_inputs.push_back(rt.backend->empty(in.shape(), in.dtype()));
+      rt.fixed_targets.push_back(rt.backend->empty(tg.shape(), tg.dtype()));
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    rt.backend->copy(cur_.inputs.narrow_rows(cur_.offsets[m], cur_.sizes[m]), rt.fixed_inputs[m]);
+    rt.backend->copy(cur_.targets.narrow_rows(cur_.offsets[m], cur_.sizes[m]), rt.fixed_targets[m]);
+  }
+}
+
+// The CPU's FrozenWeights window opened or closed, in its place among the stage's ops
+// (captured with them).
+void Executor::set_frozen(StageRuntime& rt, bool frozen) {
+  rt.backend->host_step([&rt, frozen] {
+    if (!frozen) {
+      rt.frozen.reset();
+    } else if (!rt.frozen) {
+      rt.frozen = std::make_unique<FrozenWeights>();
+    }
+  });
+}
+
+// A training step as one replay of the captured one: the step's scalars and the
+// micro-batches' data written to the device, the replay, one wait, the scalars read
+// back. The trace is the capture's, with this replay's times.
+void Executor::replay_stage(StageRuntime& rt) {
+  const int k = rt.index;
+  StageRuntime::Captured& cap = *rt.captured;
+  rt.trace = StageTrace{};
+  rt.mbs.assign(schedule_.num_chunks(), std::vector<MicroBatch>(schedule_.num_micro_batches));
+  rt.error = nullptr;
+  rt.error_is_abort = false;
+  rt.grad_norm = -1;
+  rt.skipped = false;
+  rt.trace.start_ms =
+      std::chrono::duration<double, std::milli>(cur_.epoch.time_since_epoch()).count() - options_.clock_offset_ms;
+  const int64_t calls0 = OpLog::calls_on_this_thread();
+  try {
+    heartbeat();
+    rt.clock->start_step(rt.backend->stream(), now_ms());
+    write_step_scalars(rt);
+    fill_fixed_buffers(rt);
+    rt.clock->set_spans(cap.spans);
+    const int64_t replay0 = OpLog::calls_on_this_thread();
+    cap.ops->replay();
+    const int64_t replayed = OpLog::calls_on_this_thread() - replay0;  // on the CPU, the ops it called again
+    rt.backend->synchronize();
+    read_step_scalars(rt);
+    const double start_ms = rt.trace.start_ms;
+    rt.trace = cap.trace;
+    rt.trace.start_ms = start_ms;
+    rt.trace.captured_nodes = cap.ops->nodes();
+    rt.trace.other_ops = cap.other_ops_inside + (OpLog::calls_on_this_thread() - calls0 - replayed);
+    for (const OpClock::Span& span : rt.clock->resolve()) {
+      rt.trace.ops[span.index].start_ms = span.start_ms;
+      rt.trace.ops[span.index].end_ms = span.end_ms;
+    }
+    auto& last = rt.mbs[schedule_.chunk_of_cell(schedule_.num_cells() - 1)];
+    for (size_t m = 0; m < cap.losses.size(); ++m) last[m].loss = cap.losses[m];
+  } catch (const std::exception& e) {
+    rt.error = std::current_exception();
+    rt.error_text = e.what();
+    transport_.abort("stage " + std::to_string(k) + " failed: " + rt.error_text);
+  }
+}
+
+void Executor::run_program(int k) {
   StageRuntime& rt = *runtimes_[k];
   const auto& prog = program(k);
   const EvalProgram* eval = cur_.eval;
@@ -726,17 +841,22 @@ void Executor::run_stage(int k) {
   rt.trace.start_ms =
       std::chrono::duration<double, std::milli>(cur_.epoch.time_since_epoch()).count() - options_.clock_offset_ms;
   const int64_t step_calls0 = OpLog::calls_on_this_thread();
+  int64_t capture_calls0 = step_calls0, replayed = 0;
   try {
     {
       auto turn = device_turn(k);
       rt.clock->start_step(rt.backend->stream(), now_ms());
       if (eval == nullptr) write_step_scalars(rt);
+      if (rt.fixed_io) fill_fixed_buffers(rt);
+      if (rt.capturing) {
+        rt.backend->begin_capture();  // nothing from here on runs until the replay below
+        capture_calls0 = OpLog::calls_on_this_thread();
+      }
     }
     // No instruction but the optimizer step writes this stage's parameters (the
     // collectives write gradients): the weights stay frozen from one step to the next, so
     // a CPU stage's packed copies of them (kernels/cpu_gemm.h) serve every micro-batch.
     // The window closes before the step and whenever this function leaves.
-    std::optional<FrozenWeights> frozen;
     for (size_t pc = 0; pc < prog.size(); ++pc) {
       const Instruction& ins = prog[pc];
       if (is_tensor_collective(ins.op)) {  // ran inside the compute instruction before it (tensor_collective)
@@ -744,11 +864,7 @@ void Executor::run_stage(int k) {
                                                   " at " + std::to_string(pc) + " did not run in its compute instruction");
         continue;
       }
-      if (ins.op == Op::kOptimizerStep || after_optimizer(ins.op)) {  // they write the parameters
-        frozen.reset();
-      } else if (!frozen) {
-        frozen.emplace();
-      }
+      set_frozen(rt, !(ins.op == Op::kOptimizerStep || after_optimizer(ins.op)));  // OPT and after write the parameters
       if (ins.op == Op::kGradientNorm && cur_.apply_optimizer && !rt.device.is_cpu() && !norm_on_device()) {
         // NORM reads a sum back from the device, so its call waits for every kernel queued
         // before it: the backward's, which their own events time. Wait before NORM's clock
@@ -817,11 +933,36 @@ void Executor::run_stage(int k) {
       op.ops = OpLog::calls_on_this_thread() - calls0;  // its tensor collectives' included
       rt.trace.ops[pc] = op;
     }
+    set_frozen(rt, false);
     transport_.flush(k);
     auto turn = device_turn(k);
+    if (rt.capturing) {
+      // The step so far is captured, not run: keep what a replay needs, then run it.
+      auto cap = std::make_unique<StageRuntime::Captured>();
+      cap->ops = rt.backend->end_capture();
+      rt.capturing = false;
+      cap->sizes = cur_.sizes;
+      cap->trace = rt.trace;
+      cap->spans = rt.clock->spans();
+      rt.clock->keep_captured_events();
+      for (const MicroBatch& mb : rt.mbs[schedule_.chunk_of_cell(schedule_.num_cells() - 1)]) cap->losses.push_back(mb.loss);
+      int64_t instructions = 0;
+      for (const TimedOp& op : rt.trace.ops) {
+        if (!is_tensor_collective(op.op)) instructions += op.ops;
+      }
+      cap->other_ops_inside = OpLog::calls_on_this_thread() - capture_calls0 - instructions;
+      rt.captured = std::move(cap);
+      spdlog::info("stage {}: captured its training step on {} ({} ops); later steps replay it", k, rt.device.str(),
+                   rt.captured->ops->nodes());
+      const int64_t replay0 = OpLog::calls_on_this_thread();
+      rt.captured->ops->replay();
+      replayed = OpLog::calls_on_this_thread() - replay0;  // on the CPU, each captured op called again
+      rt.trace.captured_nodes = rt.captured->ops->nodes();
+    }
     rt.backend->synchronize();
     if (eval == nullptr && cur_.apply_optimizer) read_step_scalars(rt);
-    rt.trace.other_ops = OpLog::calls_on_this_thread() - step_calls0;
+    if (eval == nullptr) rt.warmed_up = true;
+    rt.trace.other_ops = OpLog::calls_on_this_thread() - step_calls0 - replayed;
     for (const TimedOp& op : rt.trace.ops) {
       if (!is_tensor_collective(op.op)) rt.trace.other_ops -= op.ops;  // a tensor collective's are its owner's
     }
@@ -840,10 +981,19 @@ void Executor::run_stage(int k) {
       rt.trace.ops[owner].group_ms += std::max(0.0, t.end_ms - t.start_ms);
     }
   } catch (const Aborted& e) {
+    rt.backend->abort_capture();
+    rt.frozen.reset();
     rt.error = std::current_exception();
     rt.error_is_abort = true;
     rt.error_text = e.what();
   } catch (const std::exception& e) {
+    rt.frozen.reset();
+    if (rt.capturing) {  // nothing captured has run: run_stage runs the step again, op by op
+      rt.backend->abort_capture();
+      rt.capturing = false;
+      rt.capture_error = e.what();
+      return;
+    }
     rt.error = std::current_exception();
     rt.error_text = e.what();
     transport_.abort("stage " + std::to_string(k) + " failed: " + rt.error_text);

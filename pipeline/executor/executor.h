@@ -94,6 +94,17 @@ struct ExecutorOptions {
   // Time compute instructions with device events even on CPU devices (tests of the
   // GPU path's bookkeeping; CUDA devices always use them, see op_clock.h).
   bool device_clock_on_cpu = false;
+  // Capture a training step once and replay it (pipeline.capture; Backend::begin_capture):
+  // on a GPU a CUDA graph, one launch a step; on the CPU the recorded calls. Needs one
+  // stage without replicas or a tensor group (UserError otherwise). Each micro-batch's
+  // inputs and targets are copied into buffers kept on the device for the run, which the
+  // captured step reads. The first training step runs as before (it makes the
+  // optimizer's state, the multi-tensor tables, cuDNN's plans), the second is captured
+  // and replayed, and every later one with the same micro-batch sizes is a replay; a
+  // step with other sizes, without the optimizer, or evaluation runs as before. A
+  // capture that fails (an op that reads the device back or copies from the host) is
+  // logged and the run goes on without it. The device clock times every instruction.
+  bool capture = false;
 };
 
 struct TimedOp {
@@ -133,6 +144,10 @@ struct StageTrace {
   // When the step started, on the job clock: ms of std::chrono::steady_clock since its
   // epoch, minus ExecutorOptions::clock_offset_ms. Op times are relative to it.
   double start_ms = 0;
+  // A captured step (ExecutorOptions::capture): the captured ops' count (the graph's
+  // nodes on a GPU, the backend calls on the CPU) when this step was one replay of them;
+  // 0 when it ran op by op. The instructions' ops are the capture's.
+  int64_t captured_nodes = 0;
 };
 // A stage's timings as numbers, and back, for gathering them across processes.
 std::vector<double> encode_trace(const StageTrace& t);
@@ -250,6 +265,15 @@ class Executor {
   // program's when evaluating.
   const std::vector<Instruction>& program(int k) const;
   void run_stage(int k);
+  // The stage's program op by op, as run_stage's body: eagerly, or captured
+  // (ExecutorOptions::capture; StageRuntime::capturing) and then replayed once.
+  void run_program(int k);
+  // pipeline.capture: whether this training step of stage `rt` reads its inputs from the
+  // fixed buffers, and a replay of the captured step.
+  bool capture_eligible(const StageRuntime& rt) const;
+  void fill_fixed_buffers(StageRuntime& rt);
+  void replay_stage(StageRuntime& rt);
+  void set_frozen(StageRuntime& rt, bool frozen);
   // One handler per instruction kind; run_stage times, meters and dispatches. Returns
   // the bytes a send or receive moved.
   int64_t run_instruction(StageRuntime& rt, size_t pc);

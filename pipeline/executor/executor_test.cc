@@ -220,10 +220,12 @@ TEST_CASE("every instruction is timed, in order, within the step") {
     sent.optimizer_bytes = 12345 + k;  // whatever the optimizer holds, it travels
     sent.ops.front().group_ms = 0.25 + k;  // a tensor group's sums inside a compute op too
     sent.other_ops = 7 + k;
+    sent.captured_nodes = 300 + k;  // a replayed step's, as pipeline.capture sets it
     const StageTrace back = decode_trace(encode_trace(sent), k);
     CHECK(back.peak_activation_bytes == r.stages[k].peak_activation_bytes);
     CHECK(back.optimizer_bytes == 12345 + k);
     CHECK(back.other_ops == 7 + k);
+    CHECK(back.captured_nodes == 300 + k);
     CHECK(back.start_ms == r.stages[k].start_ms);
     REQUIRE(back.ops.size() == ops.size());
     for (size_t j = 0; j < ops.size(); ++j) {

@@ -8,13 +8,14 @@ namespace gpipe {
 namespace pipeline {
 
 namespace {
-constexpr size_t kHeader = 4;    // peak activation bytes, start, optimizer bytes, other ops
+constexpr size_t kHeader = 5;    // peak activation bytes, start, optimizer bytes, other ops, captured nodes
 constexpr size_t kOpFields = 10;  // op, micro-batch, start, end, chunk, bytes, peer, live bytes, group ms, ops
 }  // namespace
 
 std::vector<double> encode_trace(const StageTrace& t) {
   std::vector<double> v{static_cast<double>(t.peak_activation_bytes), t.start_ms,
-                        static_cast<double>(t.optimizer_bytes), static_cast<double>(t.other_ops)};
+                        static_cast<double>(t.optimizer_bytes), static_cast<double>(t.other_ops),
+                        static_cast<double>(t.captured_nodes)};
   v.reserve(kHeader + kOpFields * t.ops.size());
   for (const TimedOp& op : t.ops) {
     v.insert(v.end(), {static_cast<double>(op.op), static_cast<double>(op.micro_batch), op.start_ms, op.end_ms,
@@ -32,6 +33,7 @@ StageTrace decode_trace(const std::vector<double>& v, int stage) {
   t.start_ms = v[1];
   t.optimizer_bytes = static_cast<int64_t>(v[2]);
   t.other_ops = static_cast<int64_t>(v[3]);
+  t.captured_nodes = static_cast<int64_t>(v[4]);
   for (size_t i = kHeader; i < v.size(); i += kOpFields) {
     TimedOp op{static_cast<Op>(static_cast<int>(v[i])), static_cast<int>(v[i + 1]), v[i + 2], v[i + 3]};
     op.chunk = static_cast<int>(v[i + 4]);

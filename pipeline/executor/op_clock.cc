@@ -17,7 +17,7 @@ Event& OpClock::next_event() {
 void OpClock::start_step(Stream& stream, double host_ms) {
   if (!enabled_) return;
   if (!ref_) ref_ = make_event(device_);
-  used_ = 0;
+  used_ = kept_;
   spans_.clear();
   ref_->record(stream);
   host_ref_ms_ = host_ms;

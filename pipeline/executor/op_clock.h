@@ -44,6 +44,15 @@ class OpClock {
     double start_ms, end_ms;
   };
   std::vector<Span> resolve();
+  // A captured step (Backend::begin_capture): the spans its capture recorded, whose
+  // events every replay records again, kept after the capture and set before each
+  // replay's resolve (after start_step).
+  using Spans = std::vector<std::pair<size_t, std::pair<Event*, Event*>>>;
+  Spans spans() const { return spans_; }
+  void set_spans(Spans spans) { spans_ = std::move(spans); }
+  // Events recorded by a captured step's graph are its own: the events of later steps
+  // not captured come after them in the pool (start_step's reuse begins there).
+  void keep_captured_events() { kept_ = used_; }
 
  private:
   Event& next_event();
@@ -53,6 +62,7 @@ class OpClock {
   std::unique_ptr<Event> ref_;
   std::vector<std::unique_ptr<Event>> pool_;  // reused from step to step
   size_t used_ = 0;
+  size_t kept_ = 0;  // pool_[0, kept_): a captured step's
   std::vector<std::pair<size_t, std::pair<Event*, Event*>>> spans_;  // index, (before, after)
 };
 

@@ -89,6 +89,7 @@ void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool ti
     s.optimizer_bytes = std::max(s.optimizer_bytes, trace.optimizer_bytes);
     s.ops_per_step = 0;
     s.all_ops_per_step = trace.other_ops;
+    s.captured_nodes = trace.captured_nodes;
     for (const TimedOp& op : trace.ops) {
       if (is_tensor_collective(op.op)) continue;  // counted in the compute instruction it ran in
       s.all_ops_per_step += op.ops;
@@ -459,10 +460,13 @@ std::string ReportBuilder::table() const {
   if (!group.empty()) os << "Tensor group's collectives, waits for the other members included (in comm ms, not in fwd, recomp or bwd): "
                            << group << "\n";
   if (!s.stages.empty() && s.stages.front().ops_per_step >= 0) {
-    os << "Ops per step, measured (backend calls: on a GPU most launch one kernel or more, none captured in a graph):";
+    const bool captured = std::any_of(s.stages.begin(), s.stages.end(), [](const StageSummary& st) { return st.captured_nodes > 0; });
+    os << (captured ? "Ops per step, measured (backend calls, captured once and replayed: on a GPU one graph launch a step):"
+                    : "Ops per step, measured (backend calls: on a GPU most launch one kernel or more, none captured in a graph):");
     for (const auto& st : s.stages) {
       os << (st.stage == 0 ? " " : ", ") << "stage " << st.stage << " " << st.ops_per_step << " in F, R, B and W of "
          << st.all_ops_per_step << " in all";
+      if (st.captured_nodes > 0) os << ", " << st.captured_nodes << " of them replayed";
     }
     os << "\n";
   }
@@ -554,7 +558,10 @@ nlohmann::json stage_json(const StageSummary& st) {
             {"delivery_ms", st.delivery_ms},
             {"peak_activation_bytes", st.peak_activation_bytes},
             {"optimizer_bytes", st.optimizer_bytes}});
-  if (st.ops_per_step >= 0) j.update({{"ops_per_step", st.ops_per_step}, {"ops_per_step_all", st.all_ops_per_step}});
+  if (st.ops_per_step >= 0) {
+    j.update({{"ops_per_step", st.ops_per_step}, {"ops_per_step_all", st.all_ops_per_step},
+              {"captured_ops", st.captured_nodes}});
+  }
   if (st.mfu >= 0) {
     j.update({{"mfu", st.mfu}, {"useful_flops", st.useful_flops}, {"peak_flops_per_second", st.peak_flops_per_second}});
   }

@@ -41,6 +41,9 @@ struct StageSummary : StageTime {
   // in its F, R, B and W (what the plan counts on shapes, PlannedStage::launches, on the
   // CPU), and in all (its other instructions and StageTrace::other_ops too). -1: none timed.
   int64_t ops_per_step = -1, all_ops_per_step = -1;
+  // pipeline.capture: the captured step's ops (StageTrace::captured_nodes) when the last
+  // timed step was a replay of it (on a GPU one graph launch); 0 when it ran op by op.
+  int64_t captured_nodes = 0;
   // The optimizer state the stage's device holds (one replica's; its shard's, when
   // sharded), measured after each step: the most of any timed step.
   int64_t optimizer_bytes = 0;

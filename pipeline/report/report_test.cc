@@ -276,6 +276,18 @@ TEST_CASE("the table and report.json show the same figures, and the scores") {
   CHECK(j["eval"]["accuracy"] == 0.625);
   REQUIRE(j["validation"].size() == 1);
   CHECK(j["validation"][0]["loss"] == 1.75);
+  CHECK(j["stages"][0]["captured_ops"] == 0);
+  // A step that was a replay of a captured one (pipeline.capture): the line says so and
+  // gives each stage's captured ops; the JSON has them.
+  step.stages[0].captured_nodes = 15;
+  step.stages[1].captured_nodes = 19;
+  b.add_step(2, 2.0, step, true);
+  const std::string t2 = b.table();
+  CAPTURE(t2);
+  CHECK(t2.find("Ops per step, measured (backend calls, captured once and replayed: on a GPU one graph launch a step): "
+                "stage 0 14 in F, R, B and W of 21 in all, 15 of them replayed, stage 1 17 in F, R, B and W of 25 in "
+                "all, 19 of them replayed\n") != std::string::npos);
+  CHECK(b.json()["stages"][1]["captured_ops"] == 19);
 }
 
 TEST_CASE("MFU: each stage's useful FLOPs per second of step over its peak, and the pipeline's over their sum") {

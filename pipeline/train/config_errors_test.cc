@@ -104,6 +104,11 @@ TEST_CASE("each config mistake given with --set names the --set, the key and the
       {"pipeline.bucket_mb=2e6", {"pipeline.bucket_mb: must be at least 0 (0: one reduction per parameter) and at most 1e6"}},
       {"pipeline.devices=cpu:0", {"pipeline.devices: expected a list such as [cpu:0, cpu:1]"}},
       {"pipeline.devices=[[cpu:0]]", {"pipeline.devices: expected a single value"}},
+      {"pipeline.capture=yes please", {"pipeline.capture: "}},
+      {"pipeline.capture=true",
+       {"pipeline.capture: captures the training step of one stage, without replicas or a tensor group; this config "
+        "has 2 partitions",
+        "set pipeline.capture: false, or partitions, replicas and tensor_parallel to 1"}},
       {"pipeline.shard_optimizer=optimizer",
        {"pipeline.shard_optimizer: optimizer shards the optimizer state over pipeline.replicas, which is 1: one replica "
         "has nothing to shard; set pipeline.replicas to 2 or more",

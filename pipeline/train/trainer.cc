@@ -354,6 +354,7 @@ ExecutorOptions executor_options(const Config& c, const Launch& launch, const Pl
   opts.sample_offset = launch.replica * plan.replica_batch;
   opts.micro_batch_sizes = plan.micro_batch_sizes;
   opts.clock_offset_ms = clock_offset_ms;
+  opts.capture = c.pipeline.capture;
   return opts;
 }
 

@@ -1,0 +1,305 @@
+// pipeline.capture (ExecutorOptions::capture) on the CPU: a stage's training step
+// captured once (the backend's calls, WideningBackend::begin_capture) and replayed at
+// every later step trains exactly as the same run op by op: the same losses, norms and
+// parameters, bit for bit, with dropout, clipping, loss scaling and recomputation; a step
+// of other sizes, one without the optimizer, and evaluation in between run op by op and
+// leave the capture valid; a step that cannot be captured runs op by op, as before.
+// The GPU's capture (a CUDA graph) is checked the same way by tests/gpu_pipeline_test.
+#include <doctest/doctest.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "layers/layer.h"
+#include "layers/optimizer.h"
+#include "layers/registry.h"
+#include "pipeline/executor/executor.h"
+#include "runtime/inprocess_transport.h"
+#include "tests/testing.h"
+
+using namespace gpipe;
+using namespace gpipe::pipeline;
+
+namespace {
+
+layers::ModelSpec mlp_spec() {
+  layers::ModelSpec s;
+  s.input = {6};
+  s.dtype = DType::kF32;
+  s.seed = 29;
+  s.layers = {{"linear", {{"out", "8"}}, {}, ""},    {"gelu", {}, {}, ""},       {"dropout", {{"p", "0.25"}}, {}, ""},
+              {"layernorm", {}, {}, ""},             {"linear", {{"out", "8"}}, {}, ""},
+              {"relu", {}, {}, ""},                  {"linear", {{"out", "4"}}, {}, ""}};
+  s.loss = {"softmax_cross_entropy", {}, {}, ""};
+  return s;
+}
+
+// A small LLaMA: token embedding, two blocks with dropout, RMSNorm, an untied head.
+layers::ModelSpec llama_spec(DType dtype) {
+  layers::ModelSpec s;
+  s.input = {6};
+  s.input_dtype = DType::kI32;
+  s.dtype = dtype;
+  s.seed = 31;
+  s.layers = {{"embedding", {{"vocab", "16"}, {"dim", "8"}, {"positions", "0"}}, {}, ""}};
+  for (int b = 0; b < 2; ++b) {
+    s.layers.push_back({"llama_block", {{"heads", "2"}, {"kv_heads", "1"}, {"hidden", "12"}, {"dropout", "0.2"}}, {}, ""});
+  }
+  s.layers.push_back({"rmsnorm", {}, {}, ""});
+  s.layers.push_back({"linear", {{"out", "16"}, {"bias", "false"}}, {}, ""});
+  s.loss = {"softmax_cross_entropy", {}, {}, ""};
+  return s;
+}
+
+struct Batch {
+  Tensor x, y;
+};
+
+Batch batch(const layers::ModelSpec& spec, int64_t n, uint64_t seed) {
+  if (spec.input_dtype == DType::kI32) {
+    return {gpipe::testing::random_labels(n * 6, 16, seed).reshape({n, 6}),
+            gpipe::testing::random_labels(n * 6, 16, seed + 1).reshape({n, 6})};
+  }
+  return {gpipe::testing::random_tensor({n, 6}, DType::kF32, seed, -2, 2), gpipe::testing::random_labels(n, 4, seed + 1)};
+}
+
+struct Run {
+  std::vector<StepResult> steps;
+  std::vector<EvalResult> evals;
+  std::vector<std::vector<float>> params;  // after the run, as float32
+};
+
+// What happens between the training steps of a run.
+struct Plan {
+  int steps = 6;
+  int other_size_at = -1;   // this step's batch is split into other micro-batch sizes
+  int no_update_at = -1;    // this step does not apply the optimizer
+  bool evaluate = false;    // an evaluation pass after every step
+};
+
+Run train(const layers::ModelSpec& spec, const layers::OptimizerConfig& opt, double clip, double loss_scale,
+          RecomputeMode recompute, bool capture, const Plan& plan) {
+  auto model = layers::build_model(spec);
+  InProcessTransport transport(1);
+  ExecutorOptions o;
+  o.optimizer = opt;
+  o.clip_grad_norm = clip;
+  o.loss_scale = loss_scale;
+  o.loss_scale_window = 2;  // the scale changes during the run
+  o.capture = capture;
+  const Schedule s = make_schedule("gpipe", 1, 3, recompute);
+  Executor ex(*model, make_cells({model->size()}, s, gpipe::testing::cpu_devices(1)), s, transport, o);
+  Run run;
+  for (int t = 0; t < plan.steps; ++t) {
+    ex.set_lr(0.01 * (1.0 + 0.1 * t));  // a learning rate of its own every step
+    const int64_t n = t == plan.other_size_at ? 7 : 9;
+    const Batch b = batch(spec, n, 100 + 3 * t);
+    run.steps.push_back(ex.step(b.x, b.y, t != plan.no_update_at));
+    if (plan.evaluate) {
+      const Batch e = batch(spec, 5, 500 + t);
+      run.evals.push_back(ex.evaluate(e.x, e.y, 2));
+    }
+  }
+  for (int i = 0; i < model->size(); ++i) {
+    for (layers::Parameter* p : model->layer(i).parameters()) {
+      Tensor host = Tensor::empty(p->value.shape(), DType::kF32, Device::cpu());
+      backend_for(p->value.device()).cast(p->value, host);
+      run.params.push_back(host.to_vector<float>());
+    }
+  }
+  return run;
+}
+
+void check_equal(const Run& eager, const Run& captured) {
+  REQUIRE(eager.steps.size() == captured.steps.size());
+  for (size_t t = 0; t < eager.steps.size(); ++t) {
+    CAPTURE(t);
+    CHECK(captured.steps[t].loss == eager.steps[t].loss);  // bit for bit
+    CHECK(captured.steps[t].grad_norm == eager.steps[t].grad_norm);
+    CHECK(captured.steps[t].skipped == eager.steps[t].skipped);
+    CHECK(captured.steps[t].loss_scale == eager.steps[t].loss_scale);
+  }
+  REQUIRE(eager.evals.size() == captured.evals.size());
+  for (size_t t = 0; t < eager.evals.size(); ++t) {
+    CHECK(captured.evals[t].loss_sum == eager.evals[t].loss_sum);
+    CHECK(captured.evals[t].correct == eager.evals[t].correct);
+  }
+  REQUIRE(eager.params.size() == captured.params.size());
+  for (size_t i = 0; i < eager.params.size(); ++i) {
+    CAPTURE(i);
+    CHECK(captured.params[i] == eager.params[i]);
+  }
+}
+
+// Which steps were replays of the capture, and whether each replay's trace is the
+// eager step's: the same instructions with the same ops and held bytes.
+std::vector<int64_t> replays(const Run& r) {
+  std::vector<int64_t> out;
+  for (const StepResult& s : r.steps) out.push_back(s.stages.at(0).captured_nodes);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("a captured step replayed trains as the same steps op by op, bit for bit") {
+  layers::OptimizerConfig adamw;
+  adamw.type = "adamw";
+  adamw.weight_decay = 0.1;
+  layers::OptimizerConfig sgd;
+  sgd.type = "sgd";
+  sgd.momentum = 0.9;
+  struct Case {
+    std::string name;
+    layers::ModelSpec spec;
+    layers::OptimizerConfig opt;
+    double clip, loss_scale;
+    RecomputeMode recompute;
+  };
+  const std::vector<Case> cases = {
+      {"mlp, adamw, clip, recompute except last", mlp_spec(), adamw, 0.05, 0, RecomputeMode::kExceptLast},
+      {"mlp, sgd with momentum, recompute always", mlp_spec(), sgd, 0, 0, RecomputeMode::kAlways},
+      {"llama float32, adamw, clip", llama_spec(DType::kF32), adamw, 0.5, 0, RecomputeMode::kExceptLast},
+      {"llama bfloat16, adamw, clip", llama_spec(DType::kBF16), adamw, 0.5, 0, RecomputeMode::kNever},
+      {"llama float16, adam, loss scaling", llama_spec(DType::kF16), adamw, 0, 1024, RecomputeMode::kExceptLast},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.name);
+    const Plan plan;
+    const Run eager = train(c.spec, c.opt, c.clip, c.loss_scale, c.recompute, false, plan);
+    const Run captured = train(c.spec, c.opt, c.clip, c.loss_scale, c.recompute, true, plan);
+    check_equal(eager, captured);
+    // The first step runs op by op (it makes the optimizer's state); the second is
+    // captured and run as a replay, and so is every later one.
+    const std::vector<int64_t> r = replays(captured);
+    CHECK(r[0] == 0);
+    for (size_t t = 1; t < r.size(); ++t) {
+      CHECK(r[t] > 20);
+      CHECK(r[t] == r[1]);
+    }
+    for (int64_t nodes : replays(eager)) CHECK(nodes == 0);
+    // A replay's trace is the capture's: each instruction's ops (the count the report
+    // shows) and the activations it held are the eager step's; the captured ops are
+    // those of the instructions plus the zeroing of the gradients.
+    for (size_t t = 1; t < r.size(); ++t) {
+      const StageTrace& a = eager.steps[t].stages[0];
+      const StageTrace& b = captured.steps[t].stages[0];
+      REQUIRE(a.ops.size() == b.ops.size());
+      int64_t instructions = 0;
+      for (size_t i = 0; i < a.ops.size(); ++i) {
+        CHECK(b.ops[i].op == a.ops[i].op);
+        CHECK(b.ops[i].ops == a.ops[i].ops);
+        CHECK(b.ops[i].live_bytes == a.ops[i].live_bytes);
+        CHECK(b.ops[i].end_ms >= b.ops[i].start_ms);  // this replay's own times, from its events
+        instructions += b.ops[i].ops;
+      }
+      CHECK(b.peak_activation_bytes == a.peak_activation_bytes);
+      CHECK(r[t] == instructions + 1);  // and fill_all, the gradients' zeroing
+    }
+  }
+}
+
+TEST_CASE("steps of other sizes, without the optimizer, and evaluation run op by op and keep the capture") {
+  layers::OptimizerConfig adamw;
+  adamw.type = "adamw";
+  Plan plan;
+  plan.steps = 7;
+  plan.other_size_at = 3;
+  plan.no_update_at = 4;
+  plan.evaluate = true;
+  for (const layers::ModelSpec& spec : {mlp_spec(), llama_spec(DType::kBF16)}) {
+    const Run eager = train(spec, adamw, 0.05, 0, RecomputeMode::kExceptLast, false, plan);
+    const Run captured = train(spec, adamw, 0.05, 0, RecomputeMode::kExceptLast, true, plan);
+    check_equal(eager, captured);
+    const std::vector<int64_t> r = replays(captured);
+    CHECK(r[0] == 0);
+    CHECK(r[1] > 0);
+    CHECK(r[2] == r[1]);
+    CHECK(r[3] == 0);  // 7 rows: other micro-batch sizes
+    CHECK(r[4] == 0);  // no optimizer step
+    CHECK(r[5] == r[1]);
+    CHECK(r[6] == r[1]);
+  }
+}
+
+namespace {
+// An identity that reads a value back from its device in forward (as a layer whose work
+// depends on its data would): its step cannot be captured.
+class HostReading : public layers::Layer {
+ public:
+  HostReading(const Shape& shape, DType dtype) : Layer(shape, shape, dtype) {}
+  std::string type() const override { return "test_host_reading"; }
+  std::string describe() const override { return "test_host_reading"; }
+  layers::LayerCost cost(int64_t) const override { return {}; }
+
+ private:
+  Tensor forward_impl(Backend& be, const Tensor& x, layers::Context*, const layers::ForwardArgs&) override {
+    sum_ += be.sum_squares(x);
+    return x;
+  }
+  Tensor backward_impl(Backend&, const Tensor& dy, const layers::Context&, bool need_dx) override {
+    return need_dx ? dy : Tensor();
+  }
+  double sum_ = 0;
+};
+
+layers::ModelSpec host_reading_spec() {
+  static const bool registered = [] {
+    layers::register_layer("test_host_reading", [](layers::LayerArgs&, const Shape& input, DType dtype, uint64_t) {
+      return std::unique_ptr<layers::Layer>(std::make_unique<HostReading>(input, dtype));
+    });
+    return true;
+  }();
+  (void)registered;
+  layers::ModelSpec s = mlp_spec();
+  s.layers.insert(s.layers.begin() + 1, {"test_host_reading", {}, {}, ""});
+  return s;
+}
+}  // namespace
+
+TEST_CASE("a step that reads the device back inside cannot be captured: it runs op by op, as before") {
+  layers::OptimizerConfig adamw;
+  adamw.type = "adamw";
+  const Plan plan;
+  const Run eager = train(host_reading_spec(), adamw, 0.05, 0, RecomputeMode::kExceptLast, false, plan);
+  const Run captured = train(host_reading_spec(), adamw, 0.05, 0, RecomputeMode::kExceptLast, true, plan);
+  check_equal(eager, captured);
+  for (int64_t nodes : replays(captured)) CHECK(nodes == 0);
+}
+
+TEST_CASE("capture needs one stage without replicas or a tensor group") {
+  auto model = layers::build_model(mlp_spec());
+  InProcessTransport transport(2);
+  ExecutorOptions o;
+  o.capture = true;
+  const Schedule s = make_schedule("gpipe", 2, 2, RecomputeMode::kExceptLast);
+  try {
+    Executor ex(*model, make_cells({3, model->size() - 3}, s, gpipe::testing::cpu_devices(2)), s, transport, o);
+    FAIL("a two-stage pipeline was accepted for capture");
+  } catch (const UserError& e) {
+    const std::string what = e.what();
+    CHECK(what.find("pipeline.capture") != std::string::npos);
+    CHECK(what.find("2 stages") != std::string::npos);
+    CHECK(what.find("pipeline.capture: false") != std::string::npos);
+  }
+}
+
+TEST_CASE("a bad label in a replayed step fails the step with the CPU's message; the run then stops") {
+  auto model = layers::build_model(mlp_spec());
+  InProcessTransport transport(1);
+  ExecutorOptions o;
+  o.optimizer.type = "adamw";
+  o.capture = true;
+  const Schedule s = make_schedule("gpipe", 1, 3, RecomputeMode::kExceptLast);
+  Executor ex(*model, make_cells({model->size()}, s, gpipe::testing::cpu_devices(1)), s, transport, o);
+  for (int t = 0; t < 3; ++t) {
+    const Batch b = batch(mlp_spec(), 9, 700 + t);
+    const StepResult r = ex.step(b.x, b.y);
+    CHECK((r.stages[0].captured_nodes > 0) == (t > 0));
+  }
+  Batch bad = batch(mlp_spec(), 9, 800);
+  bad.y.data<int32_t>()[5] = 4;  // 4 classes: 0..3
+  CHECK_THROWS_WITH_AS(ex.step(bad.x, bad.y), doctest::Contains("label 4"), UserError);
+  const Batch good = batch(mlp_spec(), 9, 801);
+  CHECK_THROWS_WITH(ex.step(good.x, good.y), doctest::Contains("earlier failure"));
+}
