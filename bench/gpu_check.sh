@@ -333,7 +333,9 @@ step_speed() {
   local sizes ks precisions size precision k m dir
   read -ra sizes <<< "${GPU_CHECK_SPEED_SIZES:-95m 1b}"
   read -ra precisions <<< "${GPU_CHECK_SPEED_PRECISIONS:-bf16 float32}"
-  read -ra ks <<< "${GPU_CHECK_SPEED_KS:-1 2 4}"
+  # "1g": K = 1 with pipeline.capture (its training step captured as a CUDA graph and
+  # replayed, one launch a step).
+  read -ra ks <<< "${GPU_CHECK_SPEED_KS:-1 1g 2 4}"
   local steps="${GPU_CHECK_SPEED_STEPS:-12}" timed="${GPU_CHECK_SPEED_TIMED:-8}"
   local recompute="${GPU_CHECK_SPEED_RECOMPUTE:-never}" per_run="${GPU_CHECK_SPEED_TIMEOUT:-180}"
   local budget="${GPU_CHECK_SPEED_BUDGET:-360}" started=$SECONDS
@@ -368,14 +370,17 @@ step_speed() {
             --steps "$steps" --timed "$timed" $([ "$torch_device" = cpu ] && echo --threads 1)  # a CPU stage's one thread
           continue
         fi
+        local capture=false
+        [[ "$k" == *g ]] && { capture=true; k="${k%g}"; }
         m="${GPU_CHECK_SPEED_M:-$k}"
-        dir="$out/speed_${size}_${precision}_k$k"
+        dir="$out/speed_${size}_${precision}_k$k$([ "$capture" = true ] && echo g)"
         rm -rf "$dir"
-        speed_run "\"impl\": \"gpipe\", $label, \"k\": $k, \"m\": $m, \"dir\": \"$dir\"" "$dir.log" "$limit" \
+        speed_run "\"impl\": \"gpipe\", $label, \"k\": $k, \"m\": $m, \"capture\": $capture, \"dir\": \"$dir\"" \
+          "$dir.log" "$limit" \
           "$carry/gpipe" train "$config" --set "model.dtype=$precision" --set "pipeline.partitions=$k" \
           --set "pipeline.micro_batches=$m" --set "pipeline.devices=[$(yes "$speed_device" | head -n "$k" | paste -sd,)]" \
           --set "pipeline.recompute=$recompute" --set "train.steps=$steps" --set "trace.steps=[1,$steps]" \
-          --set "data.path=$carry/GPL-3" --set "output.dir=$dir"
+          --set "pipeline.capture=$capture" --set "data.path=$carry/GPL-3" --set "output.dir=$dir"
       done
     done
   done
@@ -445,7 +450,7 @@ for (size, precision), rs in groups.items():
     flops = model_flops(shape)
     problems, times = [], {}
     for r in rs:
-        what = "PyTorch" if r["impl"] == "pytorch" else f"gpipe K={r['k']}"
+        what = "PyTorch" if r["impl"] == "pytorch" else f"gpipe K={r['k']}" + (" captured" if r.get("capture") else "")
         why = fail_why(r)
         if not why:
             try:
@@ -463,7 +468,8 @@ for (size, precision), rs in groups.items():
             torch_version = r["torch"]["torch"]
         mfu = flops / (r["ms"] / 1e3) / peaks[precision] if precision in peaks else None
         table.append([f"llama_{size}_speed", f"{params / 1e6:.1f} M", precision,
-                      "PyTorch eager" if r["impl"] == "pytorch" else "gpipe",
+                      "PyTorch eager" if r["impl"] == "pytorch" else
+                      "gpipe, captured (CUDA graph)" if r.get("capture") else "gpipe",
                       "" if r["impl"] == "pytorch" else str(r["k"]), "" if r["impl"] == "pytorch" else str(r["m"]),
                       f"{r['ms']:.2f}", "" if r["impl"] == "pytorch" or torch_ms is None else f"{torch_ms / r['ms']:.2f}",
                       "n/a" if mfu is None else f"{100 * mfu:.1f}%",

@@ -388,3 +388,41 @@ TEST_CASE("the generated wrappers: added-into operands keep their values, int32 
     CHECK(be.argmax_correct(x, labels, -100) == reference().argmax_correct(as(x, F), labels, -100));
   }
 }
+
+TEST_CASE("capture on the CPU: the calls are kept, not run; a replay runs them on the buffers as they are then") {
+  Backend& be = backend_for(Device::cpu());
+  Tensor x = Tensor::from_vector<float>({1, 2, 3, 4}, {2, 2});
+  Tensor w = Tensor::from_vector<float>({1, 0, 0, 2}, {2, 2});
+  Tensor y = Tensor::from_vector<float>({0, 0, 0, 0}, {2, 2});
+  Tensor yb = be.empty({2, 2}, DType::kBF16);
+  int host_steps = 0;
+  be.begin_capture();
+  CHECK(be.capturing());
+  be.matmul(x, false, w, false, y, 1.0, 0.0);  // y = x w
+  be.host_step([&] { ++host_steps; });
+  be.cast(y, yb);                              // a narrow output: widened at each replay
+  CHECK_THROWS_AS(be.item(y), CaptureError);   // a value for the host cannot be captured
+  std::unique_ptr<CapturedOps> ops = be.end_capture();
+  CHECK_FALSE(be.capturing());
+  CHECK(ops->nodes() == 2);
+  CHECK(y.to_vector<float>() == std::vector<float>{0, 0, 0, 0});  // nothing ran
+  CHECK(host_steps == 0);
+  ops->replay();
+  CHECK(y.to_vector<float>() == std::vector<float>{1, 4, 3, 8});
+  CHECK(host_steps == 1);
+  std::memcpy(x.data<float>(), std::vector<float>{2, 0, 0, 2}.data(), 4 * sizeof(float));  // new data, same buffer
+  ops->replay();
+  CHECK(y.to_vector<float>() == std::vector<float>{2, 0, 0, 4});
+  Tensor back = be.empty({2, 2}, DType::kF32);
+  be.cast(yb, back);
+  CHECK(back.to_vector<float>() == std::vector<float>{2, 0, 0, 4});
+  CHECK(host_steps == 2);
+  // An aborted capture runs nothing and leaves the backend as before.
+  be.begin_capture();
+  be.fill(y, 7.0);
+  be.abort_capture();
+  CHECK_FALSE(be.capturing());
+  CHECK(y.to_vector<float>() == std::vector<float>{2, 0, 0, 4});
+  be.fill(y, 7.0);
+  CHECK(y.to_vector<float>() == std::vector<float>{7, 7, 7, 7});
+}

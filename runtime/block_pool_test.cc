@@ -187,6 +187,27 @@ TEST_CASE("a segment with a block in use is not freed by release_cached") {
   CHECK(pool.stats().reserved == 0);
 }
 
+TEST_CASE("a captured step's private pool: its blocks go to its own requests only, and stay cached while held") {
+  // Allocator::begin_private_pool: a capture's requests name a key of their own, so no
+  // other stream's request takes its freed blocks, which its graph still uses at each
+  // replay; release_cached (out of memory elsewhere) leaves them until let go.
+  HostBacking backing(64 * kMiB);
+  BlockPool pool(backing);
+  int private_key = 0;
+  const StreamId kCapture = &private_key;
+  pool.hold(kCapture);
+  void* a = pool.allocate(4096, kCapture);
+  pool.free(a);  // the capture's temporary, freed inside it
+  CHECK(pool.allocate(4096, kCompute) != a);  // the compute stream's own request: another block
+  CHECK(pool.allocate(4096, kCapture) == a);  // the capture's next request reuses it, in capture order
+  pool.free(a);
+  pool.release_cached();
+  CHECK(pool.stats().segments == 2);  // the compute stream's (in use) and the held one
+  pool.let_go(kCapture);  // the graph is gone
+  pool.release_cached();
+  CHECK(pool.stats().segments == 1);
+}
+
 TEST_CASE("freeing a pointer twice is an Error that says so") {
   HostBacking backing(8 * kMiB);
   BlockPool pool(backing);
