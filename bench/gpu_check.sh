@@ -469,7 +469,7 @@ for (size, precision), rs in groups.items():
         mfu = flops / (r["ms"] / 1e3) / peaks[precision] if precision in peaks else None
         table.append([f"llama_{size}_speed", f"{params / 1e6:.1f} M", precision,
                       "PyTorch eager" if r["impl"] == "pytorch" else
-                      "gpipe, captured (CUDA graph)" if r.get("capture") else "gpipe",
+                      "gpipe, captured" if r.get("capture") else "gpipe",
                       "" if r["impl"] == "pytorch" else str(r["k"]), "" if r["impl"] == "pytorch" else str(r["m"]),
                       f"{r['ms']:.2f}", "" if r["impl"] == "pytorch" or torch_ms is None else f"{torch_ms / r['ms']:.2f}",
                       "n/a" if mfu is None else f"{100 * mfu:.1f}%",
@@ -499,7 +499,9 @@ md += ["", f"Each run trains the config's model for {steps} steps and times the 
        f"of the last {timed} (gpipe: trace.json's per-step wall time, which ends when every stage has waited for "
        "its device; PyTorch: its clock around each step, the device waited for). Both: AdamW (PyTorch's fused=True), clip_grad_norm 1.0; "
        "bf16 is bfloat16 compute with float32 master weights (PyTorch: autocast), float32 has TF32 off on both. "
-       f"gpipe: recompute {recompute}, M micro-batches, its K stages all on the one GPU. PyTorch: eager, "
+       f"gpipe: recompute {recompute}, M micro-batches, its K stages all on the one GPU; captured: "
+       "pipeline.capture, the training step captured once and replayed (a CUDA graph, one launch a step; on CPU "
+       "stages the recorded calls). PyTorch: eager, "
        "F.scaled_dot_product_attention (causal; grouped-query attention by " +
        ("; ".join(f"{p}: {a}" for p, a in attention.items()) or "not run") +
        "), random byte tokens (gpipe reads the GPL-3 text; the speed does not depend on the values).",

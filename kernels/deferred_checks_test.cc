@@ -64,6 +64,32 @@ TEST_CASE("a stage's wait throws its own flagged check, not the other stage's") 
   CHECK_NOTHROW(checks.throw_first(s.b));  // reported once
 }
 
+TEST_CASE("a captured step's checks, taken out unread and put back before each replay, report its bad batch") {
+  // CudaBackend::end_capture takes the capture's checks out (nothing ran); each replay
+  // puts them back in the same slots, which its kernels flag; the wait then reads them.
+  Stages s;
+  const Device gpu = Device::cuda(0);
+  DeferredChecks checks(8);
+  checks.add(check("embedding", 6), s.a);
+  checks.add(check("softmax_xent", 4), s.a);
+  const std::vector<DeferredChecks::Queued> captured = checks.take_unread();
+  CHECK(captured.size() == 2);
+  CHECK(checks.size() == 0);
+  for (int replay = 0; replay < 2; ++replay) {
+    checks.put_back(captured);
+    CHECK(checks.size() == 2);
+    const std::vector<cuda::ErrorSlot> slots = {cuda::kNoError, replay == 1 ? flag(3, 11) : cuda::kNoError};
+    CHECK(checks.resolve(slots.data(), gpu) == (replay == 1));
+    if (replay == 0) {
+      CHECK_NOTHROW(checks.throw_first(s.a));
+    } else {
+      CHECK_THROWS_WITH_AS(checks.throw_first(s.a), "softmax_xent: label 11 in row 3 on cuda:0", UserError);
+    }
+  }
+  checks.add(check("embedding", 6), s.a);
+  CHECK_THROWS_AS(checks.put_back(captured), Error);  // over a pending check: the slots would not match
+}
+
 TEST_CASE("a stage gets the first of its errors in queue order; Error stays Error") {
   Stages s;
   DeferredChecks checks(8);
