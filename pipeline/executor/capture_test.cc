@@ -76,6 +76,8 @@ struct Plan {
   int other_size_at = -1;   // this step's batch is split into other micro-batch sizes
   int no_update_at = -1;    // this step does not apply the optimizer
   bool evaluate = false;    // an evaluation pass after every step
+  int restore_at = -1;      // after this step, the stage's state saved and restored
+  std::string schedule = "gpipe";
 };
 
 Run train(const layers::ModelSpec& spec, const layers::OptimizerConfig& opt, double clip, double loss_scale,
@@ -88,7 +90,7 @@ Run train(const layers::ModelSpec& spec, const layers::OptimizerConfig& opt, dou
   o.loss_scale = loss_scale;
   o.loss_scale_window = 2;  // the scale changes during the run
   o.capture = capture;
-  const Schedule s = make_schedule("gpipe", 1, 3, recompute);
+  const Schedule s = make_schedule(plan.schedule, 1, 3, recompute);
   Executor ex(*model, make_cells({model->size()}, s, gpipe::testing::cpu_devices(1)), s, transport, o);
   Run run;
   for (int t = 0; t < plan.steps; ++t) {
@@ -99,6 +101,10 @@ Run train(const layers::ModelSpec& spec, const layers::OptimizerConfig& opt, dou
     if (plan.evaluate) {
       const Batch e = batch(spec, 5, 500 + t);
       run.evals.push_back(ex.evaluate(e.x, e.y, 2));
+    }
+    if (t == plan.restore_at) {
+      const StageState saved = ex.save_state(0);
+      ex.restore_state(0, saved.model, saved.optimizer);
     }
   }
   for (int i = 0; i < model->size(); ++i) {
@@ -155,6 +161,7 @@ TEST_CASE("a captured step replayed trains as the same steps op by op, bit for b
     layers::OptimizerConfig opt;
     double clip, loss_scale;
     RecomputeMode recompute;
+    std::string schedule = "gpipe";
   };
   const std::vector<Case> cases = {
       {"mlp, adamw, clip, recompute except last", mlp_spec(), adamw, 0.05, 0, RecomputeMode::kExceptLast},
@@ -162,10 +169,13 @@ TEST_CASE("a captured step replayed trains as the same steps op by op, bit for b
       {"llama float32, adamw, clip", llama_spec(DType::kF32), adamw, 0.5, 0, RecomputeMode::kExceptLast},
       {"llama bfloat16, adamw, clip", llama_spec(DType::kBF16), adamw, 0.5, 0, RecomputeMode::kNever},
       {"llama float16, adam, loss scaling", llama_spec(DType::kF16), adamw, 0, 1024, RecomputeMode::kExceptLast},
+      // Weight gradients split off the backward (W instructions).
+      {"llama float32, zero bubble", llama_spec(DType::kF32), adamw, 0.5, 0, RecomputeMode::kNever, "zero_bubble"},
   };
   for (const Case& c : cases) {
     CAPTURE(c.name);
-    const Plan plan;
+    Plan plan;
+    plan.schedule = c.schedule;
     const Run eager = train(c.spec, c.opt, c.clip, c.loss_scale, c.recompute, false, plan);
     const Run captured = train(c.spec, c.opt, c.clip, c.loss_scale, c.recompute, true, plan);
     check_equal(eager, captured);
@@ -206,10 +216,11 @@ TEST_CASE("steps of other sizes, without the optimizer, and evaluation run op by
   layers::OptimizerConfig adamw;
   adamw.type = "adamw";
   Plan plan;
-  plan.steps = 7;
   plan.other_size_at = 3;
   plan.no_update_at = 4;
   plan.evaluate = true;
+  plan.steps = 9;
+  plan.restore_at = 6;  // a checkpoint loaded: the next step runs op by op, the one after is captured again
   for (const layers::ModelSpec& spec : {mlp_spec(), llama_spec(DType::kBF16)}) {
     const Run eager = train(spec, adamw, 0.05, 0, RecomputeMode::kExceptLast, false, plan);
     const Run captured = train(spec, adamw, 0.05, 0, RecomputeMode::kExceptLast, true, plan);
@@ -222,6 +233,8 @@ TEST_CASE("steps of other sizes, without the optimizer, and evaluation run op by
     CHECK(r[4] == 0);  // no optimizer step
     CHECK(r[5] == r[1]);
     CHECK(r[6] == r[1]);
+    CHECK(r[7] == 0);
+    CHECK(r[8] == r[1]);
   }
 }
 

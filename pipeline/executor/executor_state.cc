@@ -216,6 +216,13 @@ void Executor::restore_state(int k, const std::map<std::string, Tensor>& whole_m
   layers::refresh_all(*rt.backend, params);  // a bf16 or fp16 model's working copies
   if (rt.sharding) restore_sharded_optimizer(rt, names, optimizer);
   if (steps >= 0) rt.optimizer->set_steps(steps);
+  // A captured step (pipeline.capture) read the state it was captured with in place;
+  // restored values are copied into the same tensors, but the next steps run op by op
+  // and capture again, so that nothing a restore makes anew is missed.
+  rt.captured.reset();
+  rt.fixed_inputs.clear();
+  rt.fixed_targets.clear();
+  rt.warmed_up = false;
 }
 
 }  // namespace pipeline
