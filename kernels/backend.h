@@ -99,12 +99,6 @@ class CapturedOps {
   virtual int64_t nodes() const = 0;
 };
 
-// An op a capture cannot hold (Backend::begin_capture): the caller runs the step without.
-class CaptureError : public Error {
- public:
-  using Error::Error;
-};
-
 class Backend {
  public:
   virtual ~Backend() = default;

@@ -380,7 +380,11 @@ void CudaBackend::gelu_backward(const Tensor& x, const Tensor& dy, Tensor& dx) {
 // garbage until then; the kernels never index with it.
 
 cuda::ErrorSlot* CudaBackend::defer_check(const DeferredCheck& check) {
-  // Every slot taken: read them back now (throwing the first error, if any) to free them.
+  // Every slot taken: read them back now (throwing the first error, if any) to free them;
+  // a captured step cannot wait, so it cannot hold more checked ops than there are slots.
+  if (checks_.full() && capture_) {
+    throw CaptureError("a step with more than " + std::to_string(kMaxDeferredChecks) + " ops that check their data");
+  }
   if (checks_.full()) wait();
   return slots_ + checks_.add(check, std::this_thread::get_id());
 }

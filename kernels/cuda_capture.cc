@@ -86,6 +86,10 @@ void CudaBackend::begin_capture() {
   wait();  // the stream idle and no check pending: the capture's checks take slots from 0
   auto c = std::make_unique<Capture>();
   Allocator& alloc = allocator_for(device_);
+  // The capture draws on a pool of its own, which cannot take the blocks the earlier
+  // steps cached for the stream: give those back to the device first, so that the step
+  // fits a second time (an out-of-memory inside the capture cannot wait to free them).
+  alloc.release_cache();
   alloc.begin_private_pool(c->key.get());
   const cudaError_t e = cudaStreamBeginCapture(cuda_stream(), cudaStreamCaptureModeRelaxed);
   if (e != cudaSuccess) {
@@ -126,15 +130,15 @@ std::unique_ptr<CapturedOps> CudaBackend::end_capture() {
 void CudaBackend::abort_capture() noexcept {
   if (!capture_) return;
   std::unique_ptr<Capture> c = std::move(capture_);
-  NoThrowDeviceGuard guard(device_.index, "abort_capture");
-  if (!guard.ok()) return;
-  try {
+  try {  // host bookkeeping only: the thread's requests go back to the stream's pool
     Allocator& alloc = allocator_for(device_);
     alloc.end_private_pool();
     alloc.release_private_pool(c->key.get());
   } catch (const std::exception& e) {
     spdlog::warn("abort_capture on {}: {}", device_.str(), e.what());
   }
+  NoThrowDeviceGuard guard(device_.index, "abort_capture");
+  if (!guard.ok()) return;
   checks_.take_unread();  // the captured ops never ran
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(cuda_stream(), &status) == cudaSuccess && status != cudaStreamCaptureStatusNone) {

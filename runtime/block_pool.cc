@@ -38,7 +38,7 @@ BlockPool::~BlockPool() {
   for (Block* b : all) delete b;
 }
 
-void* BlockPool::allocate(size_t bytes, StreamId stream, size_t* size_out) {
+void* BlockPool::allocate(size_t bytes, StreamId stream, size_t* size_out, bool may_release) {
   std::lock_guard<std::mutex> lock(mu_);
   process_events();
   const size_t size = round_size(bytes);
@@ -47,7 +47,7 @@ void* BlockPool::allocate(size_t bytes, StreamId stream, size_t* size_out) {
   if (b == nullptr) {
     const size_t seg = segment_size(size);
     void* p = backing_.allocate_segment(seg);
-    if (p == nullptr) {
+    if (p == nullptr && may_release) {
       release_cached_locked();
       p = backing_.allocate_segment(seg);
     }

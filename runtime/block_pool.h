@@ -74,8 +74,10 @@ class BlockPool {
   BlockPool& operator=(const BlockPool&) = delete;
 
   // A block of round_size(bytes) or more for work queued on `stream`, its size in
-  // *size; nullptr when the backing has no memory left even after release_cached().
-  void* allocate(size_t bytes, StreamId stream, size_t* size = nullptr);
+  // *size; nullptr when the backing has no memory left even after release_cached()
+  // (or at once, without that wait for the device, when may_release is false: a
+  // captured step's request, during which the device may not be waited for).
+  void* allocate(size_t bytes, StreamId stream, size_t* size = nullptr, bool may_release = true);
   // Takes a block back (any thread) and returns its size. Throws Error for a pointer the
   // pool did not hand out.
   size_t free(void* ptr);

@@ -7,7 +7,6 @@
 #include <cuda_runtime.h>
 #include <spdlog/spdlog.h>
 
-#include <atomic>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -135,6 +134,13 @@ class PinnedMemory : public CudaBacking {
   }
 };
 
+// The capture this thread runs (Allocator::begin_private_pool): its pool's key and device.
+struct PrivatePool {
+  const void* key = nullptr;
+  int device = -1;
+};
+thread_local PrivatePool t_private;
+
 // The device allocator: blocks belong to the stream they were allocated for (the
 // device's compute stream unless allocate_for names another).
 class CudaAllocator : public Allocator {
@@ -157,13 +163,19 @@ class CudaAllocator : public Allocator {
   void* allocate_for(size_t bytes, Stream& stream) override {
     GPIPE_CHECK(stream.device() == device_ && stream.native() != nullptr,
                 "the allocator of " + device_.str() + " asked for a block for a stream of " + stream.device().str());
-    // A captured step's blocks (begin_private_pool) are its pool's: kept for its replays,
-    // reused only by its own requests, in the order the capture made them, which its
-    // graph keeps (one stream, one chain of nodes).
-    const void* key = private_.load();
-    if (key == nullptr || stream.native() != compute_stream_for(device_).native()) key = stream.native();
+    // A captured step's blocks (begin_private_pool, on the capturing thread) are its
+    // pool's: kept for its replays, reused only by its own requests, in the order the
+    // capture made them, which its graph keeps (one stream, one chain of nodes).
+    const bool captured = t_private.key != nullptr && t_private.device == device_.index &&
+                          stream.native() == compute_stream_for(device_).native();
     size_t size = 0;
-    void* p = pool_.allocate(bytes, key, &size);
+    // No wait for the device while capturing (it would end the capture): out of memory
+    // fails the capture instead, and the step runs op by op, with the whole cache.
+    void* p = pool_.allocate(bytes, captured ? t_private.key : stream.native(), &size, !captured);
+    if (p == nullptr && captured) {
+      throw CaptureError("out of GPU memory on " + device_.str() + " capturing a step (" +
+                         std::to_string(BlockPool::round_size(bytes)) + " bytes more)");
+    }
     if (p == nullptr) throw out_of_memory(BlockPool::round_size(bytes));
     note_alloc(size);
     note_pool();
@@ -191,12 +203,11 @@ class CudaAllocator : public Allocator {
   }
 
   void begin_private_pool(const void* key) override {
-    GPIPE_CHECK(key != nullptr && private_.load() == nullptr, "the allocator of " + device_.str() +
-                                                                  " is already giving a captured step its blocks");
+    GPIPE_CHECK(key != nullptr && t_private.key == nullptr, "this thread is already capturing a step");
     pool_.hold(key);
-    private_.store(key);
+    t_private = {key, device_.index};
   }
-  void end_private_pool() override { private_.store(nullptr); }
+  void end_private_pool() override { t_private = {}; }
   void release_private_pool(const void* key) override { pool_.let_go(key); }
 
  private:
@@ -219,7 +230,6 @@ class CudaAllocator : public Allocator {
   Device device_;
   DeviceMemory memory_;
   BlockPool pool_;  // after memory_: destroyed first
-  std::atomic<const void*> private_{nullptr};  // a capture's pool, while it captures
 };
 
 struct Staging {

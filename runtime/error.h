@@ -28,6 +28,14 @@ class Aborted : public Error {
   explicit Aborted(const std::string& what) : Error(what) {}
 };
 
+// Something a captured step cannot hold (Backend::begin_capture, pipeline.capture): a
+// value read back to the host, a copy from host memory, a wait for the device. The
+// executor then runs the step op by op, as without capture.
+class CaptureError : public Error {
+ public:
+  explicit CaptureError(const std::string& what) : Error(what) {}
+};
+
 // "file:line" prefix for checked calls; includes the rank and stage of the calling
 // thread (see logging.h) so a message from a multi-stage run says who failed.
 std::string error_location(const char* file, int line);

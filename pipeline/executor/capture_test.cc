@@ -238,6 +238,22 @@ TEST_CASE("steps of other sizes, without the optimizer, and evaluation run op by
   }
 }
 
+TEST_CASE("a first step without the optimizer is no warm-up: the first with it is, and the next one is captured") {
+  layers::OptimizerConfig adamw;
+  adamw.type = "adamw";
+  Plan plan;
+  plan.steps = 4;
+  plan.no_update_at = 0;
+  const Run eager = train(llama_spec(DType::kBF16), adamw, 0.5, 0, RecomputeMode::kExceptLast, false, plan);
+  const Run captured = train(llama_spec(DType::kBF16), adamw, 0.5, 0, RecomputeMode::kExceptLast, true, plan);
+  check_equal(eager, captured);
+  const std::vector<int64_t> r = replays(captured);
+  CHECK(r[0] == 0);
+  CHECK(r[1] == 0);
+  CHECK(r[2] > 0);
+  CHECK(r[3] == r[2]);
+}
+
 namespace {
 // An identity that reads a value back from its device in forward (as a layer whose work
 // depends on its data would): its step cannot be captured.

@@ -732,16 +732,30 @@ void Executor::run_stage(int k) {
 
 bool Executor::capture_eligible(const StageRuntime& rt) const {
   if (!options_.capture || cur_.eval != nullptr || !cur_.apply_optimizer) return false;
-  // Other micro-batch sizes than the capture's: op by op, the capture kept for later.
-  return !rt.captured || rt.captured->sizes == cur_.sizes;
+  // Other micro-batch shapes than the capture's: op by op, the capture kept for later.
+  return !rt.captured || fixed_buffers_fit(rt);
+}
+
+// Whether the stage's fixed buffers have this step's micro-batches' shapes and types.
+bool Executor::fixed_buffers_fit(const StageRuntime& rt) const {
+  const size_t M = cur_.sizes.size();
+  if (rt.fixed_inputs.size() != M || rt.fixed_targets.size() != M) return false;
+  for (size_t m = 0; m < M; ++m) {
+    const Tensor in = cur_.inputs.narrow_rows(cur_.offsets[m], cur_.sizes[m]);
+    const Tensor tg = cur_.targets.narrow_rows(cur_.offsets[m], cur_.sizes[m]);
+    if (rt.fixed_inputs[m].shape() != in.shape() || rt.fixed_inputs[m].dtype() != in.dtype() ||
+        rt.fixed_targets[m].shape() != tg.shape() || rt.fixed_targets[m].dtype() != tg.dtype()) {
+      return false;
+    }
+  }
+  return true;
 }
 
 // Each micro-batch's inputs and targets into the stage's buffers for them (made at the
-// first step that uses them, with its sizes, which a capture then keeps).
+// first step that uses them, with its shapes, which a capture then keeps).
 void Executor::fill_fixed_buffers(StageRuntime& rt) {
   const int M = static_cast<int>(cur_.sizes.size());
-  if (static_cast<int>(rt.fixed_inputs.size()) != M || rt.fixed_inputs[0].size(0) != cur_.sizes[0] ||
-      rt.fixed_inputs.back().size(0) != cur_.sizes.back()) {
+  if (!fixed_buffers_fit(rt)) {
     GPIPE_CHECK(!rt.captured, "a captured step's buffers remade");
     rt.fixed_inputs.clear();
     rt.fixed_targets.clear();
@@ -941,7 +955,6 @@ void Executor::run_program(int k) {
       auto cap = std::make_unique<StageRuntime::Captured>();
       cap->ops = rt.backend->end_capture();
       rt.capturing = false;
-      cap->sizes = cur_.sizes;
       cap->trace = rt.trace;
       cap->spans = rt.clock->spans();
       rt.clock->keep_captured_events();
@@ -961,7 +974,9 @@ void Executor::run_program(int k) {
     }
     rt.backend->synchronize();
     if (eval == nullptr && cur_.apply_optimizer) read_step_scalars(rt);
-    if (eval == nullptr) rt.warmed_up = true;
+    // Warmed up for capture: the step's every op has run once (the optimizer's and the
+    // norm's too, whose multi-tensor tables a capture cannot make).
+    if (eval == nullptr && cur_.apply_optimizer) rt.warmed_up = true;
     rt.trace.other_ops = OpLog::calls_on_this_thread() - step_calls0 - replayed;
     for (const TimedOp& op : rt.trace.ops) {
       if (!is_tensor_collective(op.op)) rt.trace.other_ops -= op.ops;  // a tensor collective's are its owner's

@@ -271,6 +271,7 @@ class Executor {
   // pipeline.capture: whether this training step of stage `rt` reads its inputs from the
   // fixed buffers, and a replay of the captured step.
   bool capture_eligible(const StageRuntime& rt) const;
+  bool fixed_buffers_fit(const StageRuntime& rt) const;
   void fill_fixed_buffers(StageRuntime& rt);
   void replay_stage(StageRuntime& rt);
   void set_frozen(StageRuntime& rt, bool frozen);

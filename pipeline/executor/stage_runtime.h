@@ -89,6 +89,9 @@ struct Executor::StageRuntime {
   double grad_norm = -1;
   bool skipped = false;
   std::vector<std::vector<MicroBatch>> mbs;  // [chunk][micro-batch]
+  StageTrace trace;
+  std::unique_ptr<OpClock> clock;  // device times of compute instructions (GPU stages)
+  // After the clock: a captured graph records its events, and goes first.
   // pipeline.capture (ExecutorOptions::capture). Per micro-batch, the device buffers its
   // inputs and targets are copied into before a step that uses them (fixed_io), made at
   // the first such step and kept: a captured step reads them at every replay.
@@ -98,13 +101,12 @@ struct Executor::StageRuntime {
   // a capture failed (never tried again in the run).
   bool capturing = false, warmed_up = false, capture_failed = false;
   std::string capture_error;  // why the capture in progress failed
-  // What a replay needs of the capture: its ops, the micro-batch sizes it was captured
-  // with, its trace (instructions, their ops and held bytes; times replaced at each
+  // What a replay needs of the capture: its ops (the micro-batches' shapes it was
+  // captured with are the fixed buffers'), its trace (instructions, their ops and held bytes; times replaced at each
   // replay), its clock's spans, the loss tensors it writes, and the backend calls its
   // stage made inside it outside instructions (StageTrace::other_ops).
   struct Captured {
     std::unique_ptr<CapturedOps> ops;
-    std::vector<int64_t> sizes;
     StageTrace trace;
     OpClock::Spans spans;
     std::vector<Tensor> losses;
@@ -115,8 +117,6 @@ struct Executor::StageRuntime {
   // OPT, opened and closed through Backend::host_step, so that a captured step's replay
   // does so in the same places.
   std::unique_ptr<FrozenWeights> frozen;
-  StageTrace trace;
-  std::unique_ptr<OpClock> clock;  // device times of compute instructions (GPU stages)
   // The tensor group's program (Schedule::tensor) while a compute instruction runs: the
   // compute instruction's position (npos outside one) and the next tensor collective's,
   // which the layer's next request must be (Executor::tensor_collective).

@@ -393,6 +393,35 @@ TEST_CASE("a tiny GPT learns a text file through the pipeline, with validation")
   CHECK(j["validation"].size() == 2);  // step 30 and the end
 }
 
+TEST_CASE("pipeline.capture: a tiny GPT trains as without it, and the report says its steps were replays") {
+  // One stage: the first step runs op by op, the second is captured, every later one is
+  // a replay of it (on the CPU the recorded calls), with validation in between.
+  const std::string text = write_text("fox_capture.txt", 60);
+  auto go = [&](bool capture) {
+    std::ostringstream log;
+    const Config c = parse_config(kTinyGpt, "tiny_gpt.yaml",
+                                  {"data.path=" + text, "output.dir=" + out_dir(capture ? "gpt_cap" : "gpt_nocap"),
+                                   "pipeline.partitions=1", "train.steps=12", "train.eval_interval=5",
+                                   std::string("pipeline.capture=") + (capture ? "true" : "false")});
+    TrainResult r = train(c, log);
+    return std::make_pair(r, log.str());
+  };
+  const auto [plain, plain_log] = go(false);
+  const auto [captured, captured_log] = go(true);
+  REQUIRE(captured.losses.size() == plain.losses.size());
+  for (size_t i = 0; i < plain.losses.size(); ++i) CHECK(captured.losses[i] == plain.losses[i]);  // bit for bit
+  CHECK(captured.eval_loss == plain.eval_loss);
+  std::ifstream f(captured.report_path);
+  const nlohmann::json j = nlohmann::json::parse(f);
+  const int64_t replayed = j["stages"][0]["captured_ops"].get<int64_t>();
+  // What a replay runs: the instructions' ops, and the gradients' zeroing.
+  CHECK(replayed == j["stages"][0]["ops_per_step"].get<int64_t>() + 1 + 5);  // + NORM's 1 and OPT's 4
+  CHECK(captured_log.find("captured once and replayed") != std::string::npos);
+  CHECK(captured_log.find(std::to_string(replayed) + " of them replayed") != std::string::npos);
+  std::ifstream g(plain.report_path);
+  CHECK(nlohmann::json::parse(g)["stages"][0]["captured_ops"].get<int64_t>() == 0);
+}
+
 TEST_CASE("validation runs without dropout: dropout 0.5 or 0 on the same weights scores the same") {
   // One step at a learning rate far too small to move a float32 weight, so both runs
   // keep the initial weights (seeded per layer; dropout has none). Training draws
