@@ -151,6 +151,13 @@ nlohmann::json chrome_trace(const Schedule& s, const std::vector<TraceProcess>& 
                         {"pid", at.pid}, {"tid", kCommTrack}, {"ts", std::round(arrive * 1e3) / 1e3}});
     }
     if (step_end > step_start) {
+      nlohmann::json args = {{"step", step.step}, {"loss", step.loss}, {"wall_ms", step.wall_ms}};
+      // pipeline.capture: a step that was one replay of the captured step's ops (per stage).
+      nlohmann::json captured = nlohmann::json::array();
+      for (const StageTrace& st : step.stages) captured.push_back(st.captured_nodes);
+      if (std::any_of(step.stages.begin(), step.stages.end(), [](const StageTrace& st) { return st.captured_nodes > 0; })) {
+        args["captured_ops"] = captured;
+      }
       events.push_back({{"ph", "X"},
                         {"name", "step " + std::to_string(step.step)},
                         {"cat", "step"},
@@ -158,7 +165,7 @@ nlohmann::json chrome_trace(const Schedule& s, const std::vector<TraceProcess>& 
                         {"tid", 0},
                         {"ts", step_start},
                         {"dur", std::round((step_end - step_start) * 1e3) / 1e3},
-                        {"args", {{"step", step.step}, {"loss", step.loss}, {"wall_ms", step.wall_ms}}}});
+                        {"args", std::move(args)}});
     }
   }
   return {{"traceEvents", std::move(events)},

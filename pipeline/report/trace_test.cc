@@ -114,6 +114,20 @@ TEST_CASE("chrome_trace refuses timings that do not follow the schedule") {
   RecordedStep good{1, 0.5, r.wall_ms, r.stages};
   const nlohmann::json j = chrome_trace(s, procs, {good}, good.stages[0].start_ms);
   CHECK(j.at("traceEvents").size() > s.stages[0].size() + s.stages[1].size());
+  // A step replayed from a capture (pipeline.capture) says so in its step event, per stage.
+  RecordedStep replayed = good;
+  replayed.stages[0].captured_nodes = 42;
+  int steps_seen = 0;
+  for (const auto& [trace, want] : {std::make_pair(j, nlohmann::json()),
+                                    std::make_pair(chrome_trace(s, procs, {replayed}, good.stages[0].start_ms),
+                                                   nlohmann::json::array({42, 0}))}) {
+    for (const auto& e : trace.at("traceEvents")) {
+      if (e.value("cat", "") != "step") continue;
+      ++steps_seen;
+      CHECK(e.at("args").value("captured_ops", nlohmann::json()) == want);
+    }
+  }
+  CHECK(steps_seen == 2);
   RecordedStep short_step = good;
   short_step.stages[1].ops.pop_back();
   CHECK_THROWS_AS(chrome_trace(s, procs, {short_step}, 0), Error);
