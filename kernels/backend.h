@@ -187,7 +187,9 @@ class Backend {
   // (item, sum_squares_all, a copy to the host, synchronize on a GPU) cannot be
   // captured: it throws CaptureError, and the caller then calls abort_capture, which
   // drops what was captured. Nothing captured has run. A backend that cannot capture
-  // throws CaptureError from begin_capture.
+  // throws CaptureError from begin_capture. On the CPU a copy between host tensors is a
+  // captured call like any other: host code that reads values it copied must wait for them
+  // (synchronize), which a capture refuses.
   virtual void begin_capture();
   virtual std::unique_ptr<CapturedOps> end_capture();
   virtual void abort_capture() noexcept {}

@@ -713,8 +713,9 @@ void Executor::tensor_collective(Op op, int64_t bytes, const std::function<void(
 }
 
 // A training step of a stage that captures (ExecutorOptions::capture): a replay where a
-// capture with these micro-batch sizes exists; otherwise the program op by op, captured
-// once the first step has run (warm-up), and run again op by op if the capture fails.
+// capture with these micro-batches' shapes exists; otherwise the program op by op,
+// captured once a step with the optimizer has run (warm-up), and run again op by op if
+// the capture fails. Any other step (evaluation, or without capture): the program.
 void Executor::run_stage(int k) {
   StageRuntime& rt = *runtimes_[k];
   rt.fixed_io = rt.local && capture_eligible(rt);
@@ -822,6 +823,7 @@ void Executor::replay_stage(StageRuntime& rt) {
     auto& last = rt.mbs[schedule_.chunk_of_cell(schedule_.num_cells() - 1)];
     for (size_t m = 0; m < cap.losses.size(); ++m) last[m].loss = cap.losses[m];
   } catch (const std::exception& e) {
+    rt.frozen.reset();  // a CPU replay that failed half-way may have left its window open
     rt.error = std::current_exception();
     rt.error_text = e.what();
     transport_.abort("stage " + std::to_string(k) + " failed: " + rt.error_text);
@@ -870,7 +872,8 @@ void Executor::run_program(int k) {
     // No instruction but the optimizer step writes this stage's parameters (the
     // collectives write gradients): the weights stay frozen from one step to the next, so
     // a CPU stage's packed copies of them (kernels/cpu_gemm.h) serve every micro-batch.
-    // The window closes before the step and whenever this function leaves.
+    // The window (set_frozen) closes before the optimizer step, at the program's end and
+    // on a failure.
     for (size_t pc = 0; pc < prog.size(); ++pc) {
       const Instruction& ins = prog[pc];
       if (is_tensor_collective(ins.op)) {  // ran inside the compute instruction before it (tensor_collective)
@@ -997,6 +1000,7 @@ void Executor::run_program(int k) {
     }
   } catch (const Aborted& e) {
     rt.backend->abort_capture();
+    rt.capturing = false;
     rt.frozen.reset();
     rt.error = std::current_exception();
     rt.error_is_abort = true;
