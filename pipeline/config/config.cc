@@ -493,6 +493,11 @@ void decode_pipeline(Decoder& dec, const YAML::Node& root, Config& c) {
     if (p["pin_threads"]) c.pipeline.pin_threads = dec.boolean(p["pin_threads"], "pipeline.pin_threads");
     if (p["capture"]) {
       c.pipeline.capture = dec.boolean(p["capture"], "pipeline.capture");
+      if (c.pipeline.capture && c.autos.partitions) {
+        dec.fail(p["capture"], "pipeline.capture",
+                 "captures the training step of one stage; pipeline.partitions: auto may choose more: set "
+                 "pipeline.partitions: 1, or pipeline.capture: false");
+      }
       if (c.pipeline.capture &&
           (c.pipeline.partitions > 1 || c.pipeline.replicas > 1 || c.pipeline.tensor_parallel > 1)) {
         dec.fail(p["capture"], "pipeline.capture",

@@ -114,6 +114,13 @@ TEST_CASE("a wrong type names the key with line and column") {
   CHECK(error_of(kBase, {"pipeline.bucket_mb=-1"}).find("pipeline.bucket_mb: must be at least 0") !=
         std::string::npos);
   CHECK(parse_config(kBase, "t.yaml", {"pipeline.bucket_mb=0.5"}).pipeline.bucket_mb == 0.5);
+  // pipeline.capture: one stage, named, not left to auto.
+  CHECK(parse_config(kBase, "t.yaml", {"pipeline.partitions=1", "pipeline.capture=true"}).pipeline.capture);
+  CHECK(error_of(kBase, {"pipeline.partitions=auto", "pipeline.capture=true"})
+            .find("pipeline.capture: captures the training step of one stage; pipeline.partitions: auto may choose "
+                  "more: set pipeline.partitions: 1") != std::string::npos);
+  CHECK(error_of(kBase, {"pipeline.partitions=1", "pipeline.replicas=2", "pipeline.capture=true"})
+            .find("pipeline.capture: captures the training step of one stage, without replicas") != std::string::npos);
 }
 
 TEST_CASE("pipeline.timeout_s: a default for real jobs, 0 for none, never negative") {
