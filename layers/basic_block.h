@@ -46,6 +46,8 @@ class BasicBlock : public Layer {
   bool has_projection() const { return proj_conv_ != nullptr; }
   // Batch norms in forward order (bn1, bn2, then the projection's); empty without.
   std::vector<BatchNorm2d*> batchnorms();
+  // Not with batch norms (BatchNorm2d::capturable).
+  bool capturable() const override { return bn1_ == nullptr; }
 
  private:
   Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;

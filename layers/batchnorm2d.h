@@ -49,6 +49,8 @@ class BatchNorm2d : public Layer {
   const Tensor& running_var() const { return running_var_; }    // (C), initially 1
   // Micro-batches whose statistics wait for end_step.
   int pending_micro_batches() const { return static_cast<int>(kept_.size()); }
+  // The statistics are kept and folded on the host (end_step): not a replayable step.
+  bool capturable() const override { return false; }
 
  private:
   Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;

@@ -233,6 +233,11 @@ class Layer {
   // data-parallel replicas, `replicas` sums statistics over them, so that every replica
   // folds in those of the whole mini-batch; every replica calls it.
   void end_step(Backend& be, const ReplicaSum& replicas = {}) { end_step_impl(be, replicas); }
+  // Whether a training step through this layer can be captured once and replayed
+  // (pipeline.capture): a replay runs the step's ops and no host code, so a layer whose
+  // step keeps or computes host state (BatchNorm's statistics, folded on the host at
+  // end_step) says false, and its stage's steps run op by op.
+  virtual bool capturable() const { return true; }
   // Moves parameters (and fresh zero gradients) to `device`.
   void to(Device device);
   // The tensor group a layer split over its stage's devices sums over (not owned;

@@ -501,9 +501,10 @@ void decode_pipeline(Decoder& dec, const YAML::Node& root, Config& c) {
       if (c.pipeline.capture &&
           (c.pipeline.partitions > 1 || c.pipeline.replicas > 1 || c.pipeline.tensor_parallel > 1)) {
         dec.fail(p["capture"], "pipeline.capture",
-                 "captures the training step of one stage, without replicas or a tensor group; this config has " +
-                     std::to_string(c.pipeline.partitions) + " partitions, " + std::to_string(c.pipeline.replicas) +
-                     " replicas and tensor_parallel " + std::to_string(c.pipeline.tensor_parallel) +
+                 "captures the training step of one stage, without replicas or a tensor group; this config has "
+                 "partitions " + std::to_string(c.pipeline.partitions) + ", replicas " +
+                     std::to_string(c.pipeline.replicas) + " and tensor_parallel " +
+                     std::to_string(c.pipeline.tensor_parallel) +
                      ": set pipeline.capture: false, or partitions, replicas and tensor_parallel to 1");
       }
     }

@@ -214,6 +214,18 @@ std::unique_ptr<Executor::StageRuntime> Executor::make_stage(int k) {
       }
     }
     rt->params = params;
+    if (options_.capture) {
+      // A layer that does host work of its own in a step cannot be replayed: say so once
+      // and run the stage's steps op by op.
+      for (int c : rt->cells) {
+        for (int i = cells_[c].first_layer; i < cells_[c].first_layer + cells_[c].num_layers && !rt->capture_failed; ++i) {
+          if (model_.layer(i).capturable()) continue;
+          rt->capture_failed = true;
+          spdlog::warn("stage {}: its training step cannot be captured: layer {} ({}) does host work in each step; "
+                       "the run goes on without capture", k, i, model_.layer(i).describe());
+        }
+      }
+    }
     rt->scalars = rt->backend->empty({kStepScalarCount}, DType::kF64);
     if (schedule_.collectives.replicas && schedule_.collectives.shard_optimizer) {
       make_sharding(*rt);  // the optimizer over this replica's shard
@@ -727,12 +739,13 @@ void Executor::run_stage(int k) {
                  rt.capture_error);
     rt.capture_error.clear();
     rt.capture_failed = true;
+    rt.fixed_io = false;
     run_program(k);
   }
 }
 
 bool Executor::capture_eligible(const StageRuntime& rt) const {
-  if (!options_.capture || cur_.eval != nullptr || !cur_.apply_optimizer) return false;
+  if (!options_.capture || rt.capture_failed || cur_.eval != nullptr || !cur_.apply_optimizer) return false;
   // Other micro-batch shapes than the capture's: op by op, the capture kept for later.
   return !rt.captured || fixed_buffers_fit(rt);
 }

@@ -107,7 +107,7 @@ TEST_CASE("each config mistake given with --set names the --set, the key and the
       {"pipeline.capture=yes please", {"pipeline.capture: "}},
       {"pipeline.capture=true",
        {"pipeline.capture: captures the training step of one stage, without replicas or a tensor group; this config "
-        "has 2 partitions",
+        "has partitions 2, replicas 1 and tensor_parallel 1",
         "set pipeline.capture: false, or partitions, replicas and tensor_parallel to 1"}},
       {"pipeline.shard_optimizer=optimizer",
        {"pipeline.shard_optimizer: optimizer shards the optimizer state over pipeline.replicas, which is 1: one replica "

@@ -687,8 +687,12 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
           << static_cast<long long>(r.loss_scale) << "; the step was skipped and the scale is now "
           << static_cast<long long>(executor.loss_scale()) << std::endl;
     }
-    // The first step warms caches and allocators; it is left out of the timings.
-    if (reports) report.add_step(number, r.loss, r, c.train.steps - start == 1 || step > start);
+    // The first step warms caches and allocators; it is left out of the timings, and so
+    // is the second with pipeline.capture, which captures the step before it runs it
+    // (when the launch has more than those, else its last step is timed).
+    const int warm = c.pipeline.capture ? 2 : 1;
+    const bool timed = c.train.steps - start <= warm ? step + 1 == c.train.steps : step >= start + warm;
+    if (reports) report.add_step(number, r.loss, r, timed);
     if (reports) artifacts.add_step(number, r.loss, r);
     window_ms += r.wall_ms;
     ++window_steps;
