@@ -160,8 +160,7 @@ void check_equal(const Run& eager, const Run& captured) {
   }
 }
 
-// Which steps were replays of the capture, and whether each replay's trace is the
-// eager step's: the same instructions with the same ops and held bytes.
+// Per step, the captured ops it replayed (StageTrace::captured_nodes; 0: op by op).
 std::vector<int64_t> replays(const Run& r) {
   std::vector<int64_t> out;
   for (const StepResult& s : r.steps) out.push_back(s.stages.at(0).captured_nodes);
@@ -190,7 +189,7 @@ TEST_CASE("a captured step replayed trains as the same steps op by op, bit for b
       {"mlp, sgd with momentum, recompute always", mlp_spec(), sgd, 0, 0, RecomputeMode::kAlways},
       {"llama float32, adamw, clip", llama_spec(DType::kF32), adamw, 0.5, 0, RecomputeMode::kExceptLast},
       {"llama bfloat16, adamw, clip", llama_spec(DType::kBF16), adamw, 0.5, 0, RecomputeMode::kNever},
-      {"llama float16, adam, loss scaling", llama_spec(DType::kF16), adamw, 0, 1024, RecomputeMode::kExceptLast},
+      {"llama float16, adamw, loss scaling", llama_spec(DType::kF16), adamw, 0, 1024, RecomputeMode::kExceptLast},
       // Weight gradients split off the backward (W instructions).
       {"llama float32, zero bubble", llama_spec(DType::kF32), adamw, 0.5, 0, RecomputeMode::kNever, "zero_bubble"},
   };
