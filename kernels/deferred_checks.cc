@@ -2,6 +2,7 @@
 #include "kernels/deferred_checks.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "runtime/error.h"
 
@@ -23,19 +24,13 @@ size_t DeferredChecks::add(const DeferredCheck& check, Owner owner) {
   return pending_.size() - 1;
 }
 
-std::vector<DeferredChecks::Queued> DeferredChecks::take_unread() {
-  std::vector<Queued> out;
-  out.reserve(pending_.size());
-  for (const Pending& p : pending_) out.emplace_back(p.check, p.owner);
-  pending_.clear();
-  return out;
-}
+std::vector<DeferredChecks::Queued> DeferredChecks::take_unread() { return std::exchange(pending_, {}); }
 
 void DeferredChecks::put_back(const std::vector<Queued>& checks) {
   GPIPE_CHECK(pending_.empty(), "a captured step's checks put back over " + std::to_string(pending_.size()) +
                                     " pending ones");
   GPIPE_CHECK(checks.size() <= capacity_, "a captured step with more checks than slots");
-  for (const Queued& q : checks) pending_.push_back({q.first, q.second});
+  pending_ = checks;
 }
 
 bool DeferredChecks::resolve(const cuda::ErrorSlot* slots, Device device) {
@@ -43,7 +38,7 @@ bool DeferredChecks::resolve(const cuda::ErrorSlot* slots, Device device) {
   for (size_t i = 0; i < pending_.size(); ++i) {
     if (slots[i] == cuda::kNoError) continue;
     flagged = true;
-    const Pending& p = pending_[i];
+    const Queued& p = pending_[i];
     const bool has_one = std::any_of(kept_.begin(), kept_.end(), [&](const Kept& k) { return k.owner == p.owner; });
     if (!has_one) kept_.push_back({p.owner, describe(p.check, slots[i], device), p.check.user_error});
   }

@@ -59,7 +59,10 @@ class DeferredChecks {
   // A captured step's checks (CudaBackend::begin_capture): every pending one, taken out
   // unread (the captured kernels have not run, their slots are untouched), and put back
   // in the same slots before each replay (which needs none pending).
-  using Queued = std::pair<DeferredCheck, Owner>;
+  struct Queued {
+    DeferredCheck check;
+    Owner owner;
+  };
   std::vector<Queued> take_unread();
   void put_back(const std::vector<Queued>& checks);
   size_t size() const { return pending_.size(); }
@@ -82,12 +85,8 @@ class DeferredChecks {
     std::string message;
     bool user_error;
   };
-  struct Pending {
-    DeferredCheck check;
-    Owner owner;
-  };
   size_t capacity_;
-  std::vector<Pending> pending_;  // in queue order: slot i belongs to pending_[i]
+  std::vector<Queued> pending_;  // in queue order: slot i belongs to pending_[i]
   std::vector<Kept> kept_;        // oldest first, at most one per owner
 };
 

@@ -9,6 +9,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "layers/layer.h"
@@ -160,6 +161,15 @@ void check_equal(const Run& eager, const Run& captured) {
   }
 }
 
+// The run without capture and with it, checked equal (check_equal).
+std::pair<Run, Run> eager_and_captured(const layers::ModelSpec& spec, const layers::OptimizerConfig& opt, double clip,
+                                       double loss_scale, RecomputeMode recompute, const Plan& plan) {
+  Run eager = train(spec, opt, clip, loss_scale, recompute, false, plan);
+  Run captured = train(spec, opt, clip, loss_scale, recompute, true, plan);
+  check_equal(eager, captured);
+  return {std::move(eager), std::move(captured)};
+}
+
 // Per step, the captured ops it replayed (StageTrace::captured_nodes; 0: op by op).
 std::vector<int64_t> replays(const Run& r) {
   std::vector<int64_t> out;
@@ -197,9 +207,7 @@ TEST_CASE("a captured step replayed trains as the same steps op by op, bit for b
     CAPTURE(c.name);
     Plan plan;
     plan.schedule = c.schedule;
-    const Run eager = train(c.spec, c.opt, c.clip, c.loss_scale, c.recompute, false, plan);
-    const Run captured = train(c.spec, c.opt, c.clip, c.loss_scale, c.recompute, true, plan);
-    check_equal(eager, captured);
+    const auto [eager, captured] = eager_and_captured(c.spec, c.opt, c.clip, c.loss_scale, c.recompute, plan);
     // The first step runs op by op (it makes the optimizer's state); the second is
     // captured and run as a replay, and so is every later one.
     const std::vector<int64_t> r = replays(captured);
@@ -243,9 +251,7 @@ TEST_CASE("steps of other sizes, without the optimizer, and evaluation run op by
   plan.steps = 9;
   plan.restore_at = 6;  // a checkpoint loaded: the next step runs op by op, the one after is captured again
   for (const layers::ModelSpec& spec : {mlp_spec(), llama_spec(DType::kBF16)}) {
-    const Run eager = train(spec, adamw, 0.05, 0, RecomputeMode::kExceptLast, false, plan);
-    const Run captured = train(spec, adamw, 0.05, 0, RecomputeMode::kExceptLast, true, plan);
-    check_equal(eager, captured);
+    const auto [eager, captured] = eager_and_captured(spec, adamw, 0.05, 0, RecomputeMode::kExceptLast, plan);
     const std::vector<int64_t> r = replays(captured);
     CHECK(r[0] == 0);
     CHECK(r[1] > 0);
@@ -265,9 +271,8 @@ TEST_CASE("a first step without the optimizer is no warm-up: the first with it i
   Plan plan;
   plan.steps = 4;
   plan.no_update_at = 0;
-  const Run eager = train(llama_spec(DType::kBF16), adamw, 0.5, 0, RecomputeMode::kExceptLast, false, plan);
-  const Run captured = train(llama_spec(DType::kBF16), adamw, 0.5, 0, RecomputeMode::kExceptLast, true, plan);
-  check_equal(eager, captured);
+  const auto [eager, captured] =
+      eager_and_captured(llama_spec(DType::kBF16), adamw, 0.5, 0, RecomputeMode::kExceptLast, plan);
   const std::vector<int64_t> r = replays(captured);
   CHECK(r[0] == 0);
   CHECK(r[1] == 0);
@@ -314,9 +319,8 @@ TEST_CASE("a step that reads the device back inside cannot be captured: it runs 
   layers::OptimizerConfig adamw;
   adamw.type = "adamw";
   const Plan plan;
-  const Run eager = train(host_reading_spec(), adamw, 0.05, 0, RecomputeMode::kExceptLast, false, plan);
-  const Run captured = train(host_reading_spec(), adamw, 0.05, 0, RecomputeMode::kExceptLast, true, plan);
-  check_equal(eager, captured);
+  const auto [eager, captured] =
+      eager_and_captured(host_reading_spec(), adamw, 0.05, 0, RecomputeMode::kExceptLast, plan);
   for (int64_t nodes : replays(captured)) CHECK(nodes == 0);
 }
 
@@ -331,9 +335,7 @@ TEST_CASE("a model with batch norms is not captured (its statistics fold on the 
   plan.evaluate = true;
   for (bool batchnorm : {true, false}) {
     CAPTURE(batchnorm);
-    const Run eager = train(conv_spec(batchnorm), sgd, 0, 0, RecomputeMode::kExceptLast, false, plan);
-    const Run captured = train(conv_spec(batchnorm), sgd, 0, 0, RecomputeMode::kExceptLast, true, plan);
-    check_equal(eager, captured);
+    const auto [eager, captured] = eager_and_captured(conv_spec(batchnorm), sgd, 0, 0, RecomputeMode::kExceptLast, plan);
     const std::vector<int64_t> r = replays(captured);
     for (size_t t = 0; t < r.size(); ++t) CHECK((r[t] > 0) == (!batchnorm && t > 0));
   }

@@ -730,7 +730,7 @@ void Executor::tensor_collective(Op op, int64_t bytes, const std::function<void(
 // the capture fails. Any other step (evaluation, or without capture): the program.
 void Executor::run_stage(int k) {
   StageRuntime& rt = *runtimes_[k];
-  rt.fixed_io = rt.local && capture_eligible(rt);
+  rt.fixed_io = capture_eligible(rt);  // workers run local stages only
   if (rt.fixed_io && rt.captured) return replay_stage(rt);
   rt.capturing = rt.fixed_io && rt.warmed_up && !rt.capture_failed;
   run_program(k);
