@@ -33,11 +33,10 @@ CostModel::GroupSeconds CostModel::group_seconds(int layer, int64_t batch) const
 double CostModel::seconds(const layers::LayerCost& c, bool recompute, int layer, int64_t batch) const {
   const LayerLaunches n = launches_of(layer);
   const GroupSeconds g = group_seconds(layer, batch);
-  const double fwd = std::max(c.forward_flops / flops_per_second, c.forward_bytes / bytes_per_second) +
-                     launch_time(n.forward) + g.forward;
+  const double fwd = std::max(c.forward_flops / flops_per_second, c.forward_bytes / bytes_per_second) + g.forward;
   const double bwd = std::max(c.backward_flops / flops_per_second, c.backward_bytes / bytes_per_second) +
                      launch_time(n.backward()) + g.backward + g.weight;
-  return (recompute ? 2 : 1) * fwd + bwd;
+  return (recompute ? 2 : 1) * fwd + launch_time(n.forward) + (recompute ? launch_time(n.recompute) : 0.0) + bwd;
 }
 
 LayerLaunches CostModel::launches_of(int layer) const {

@@ -17,7 +17,8 @@ namespace partition {
 // by the planner's probe (pipeline/planning/plan.h: probe_activations; MetaOpCount in
 // kernels/meta_backend.h); the model's last layer counts the loss's ops with its own.
 struct LayerLaunches {
-  int64_t forward = 0;         // F, and R (the same forward again)
+  int64_t forward = 0;         // F: the training forward (BatchNorm keeps its statistics)
+  int64_t recompute = 0;       // R: the same forward again, which keeps nothing
   int64_t backward_input = 0;  // B; a layer that does not split its backward: all of it
   int64_t backward_weight = 0;  // W of one micro-batch (0 for a layer that does not split)
   int64_t backward() const { return backward_input + backward_weight; }

@@ -134,7 +134,8 @@ void print_plan(const Config& c, layers::Sequential& model, const Plan& p, std::
         std::string ops;  // the layer's ops per phase, where counted
         if (p.launches != nullptr) {
           const partition::LayerLaunches& n = p.launches->at(static_cast<size_t>(i));
-          ops = format("; ops F %lld, B %lld, W %lld", static_cast<long long>(n.forward),
+          ops = format("; ops F %lld, R %lld, B %lld, W %lld", static_cast<long long>(n.forward),
+                       static_cast<long long>(n.recompute),
                        static_cast<long long>(n.backward_input), static_cast<long long>(n.backward_weight));
         }
         out << format("    %3d %-28s %10.3f ms all  (backward %.3f: B %.3f + W %.3f%s)\n", i,

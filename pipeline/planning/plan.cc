@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -298,8 +299,12 @@ std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& m
   for (int64_t d : model.input_shape()) shape.push_back(d);
   Backend* be = &meta_backend(model.layer(0).device());
   Tensor h = be->zeros(shape, model.input_dtype());
-  layers::ForwardArgs args;  // training, as F runs: dropout's ops counted
-  args.recompute = true;
+  layers::ForwardArgs args;  // training, as F runs: dropout's ops counted, BatchNorm's statistics kept
+  // At a step no run takes, as the executor's shape probe (executor/cell.cc): what a
+  // layer keeps per training step (BatchNorm's statistics) is dropped at the run's first.
+  args.step = std::numeric_limits<uint64_t>::max();
+  layers::ForwardArgs again = args;  // R: the same forward, keeping nothing
+  again.recompute = true;
   for (int i = 0; i < L; ++i) {
     be = &meta_backend(model.layer(i).device());
     h = handed_over(*be, h);  // the executor's hand-over, not the layer's ops
@@ -309,6 +314,11 @@ std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& m
     Tensor y;
     count_phase(n.forward, n.group_sums_forward, n.group_bytes_forward, n.group_gathers_forward,
                 n.group_gather_bytes_forward, [&] { y = layer.forward(*be, h, &ctx, args); });
+    {  // R's ops; its sums and gathers over the group are F's (GroupSumCount counted once)
+      int64_t sums = 0, bytes = 0, gathers = 0, gather_bytes = 0;
+      layers::Context rctx;
+      count_phase(n.recompute, sums, bytes, gathers, gather_bytes, [&] { layer.forward(*be, h, &rctx, again); });
+    }
     const Tensor dy = be->zeros(y.shape(), y.dtype());
     auto backward_input = [&] { layer.backward_input(*be, dy, ctx, i > 0); };
     auto whole_backward = [&] { layer.backward(*be, dy, ctx, i > 0); };
@@ -341,6 +351,10 @@ std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& m
     partition::LayerLaunches& last = out.back();
     count_phase(last.forward, last.group_sums_forward, last.group_bytes_forward, last.group_gathers_forward,
                 last.group_gather_bytes_forward, [&] { model.loss().forward(*be, h, targets, 1.0, &lctx); });
+    int64_t sums = 0, bytes = 0, gathers = 0, gather_bytes = 0;  // R runs the loss's forward again too
+    layers::Context rctx;
+    count_phase(last.recompute, sums, bytes, gathers, gather_bytes,
+                [&] { model.loss().forward(*be, h, targets, 1.0, &rctx); });
     count_phase(last.backward_input, last.group_sums_backward, last.group_bytes_backward, last.group_gathers_backward,
                 last.group_gather_bytes_backward, [&] { model.loss().backward(*be, lctx); });
   }

@@ -151,8 +151,8 @@ std::vector<int> plan_balance(const Config& config, const layers::Sequential& mo
 
 ActivationLayout probe_activations(const layers::Sequential& model);
 // Each layer's ops (kernels/meta_backend.h: MetaOpCount) on shapes at a batch of one,
-// as the executor calls them: F in training as R runs it (recompute: BatchNorm's running
-// statistics, folded in the optimizer step, are left out); B on a zero output gradient (with the input
+// as the executor calls them: F in training (BatchNorm's copies of its micro-batch
+// statistics included) and R, the forward again without them; B on a zero output gradient (with the input
 // gradient on every layer but the first) and W, or the whole backward of a layer that
 // does not split; the loss's forward and backward with the last layer. The counts of
 // the built-in layers do not depend on the batch size. Throws where a layer cannot run

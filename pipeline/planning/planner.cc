@@ -70,7 +70,8 @@ CostTable estimate_costs(const layers::Sequential& model, int64_t micro, const p
     l.backward_group = g.backward * 1e3;
     l.weight_group = g.weight * 1e3;
     l.step_group = g.step * 1e3;
-    l.forward = l.forward_nograd = l.recompute = fwd + cm.launch_time(n.forward) * 1e3 + l.forward_group;
+    l.forward = l.forward_nograd = fwd + cm.launch_time(n.forward) * 1e3 + l.forward_group;
+    l.recompute = fwd + cm.launch_time(n.recompute) * 1e3 + l.forward_group;
     l.backward_input += cm.launch_time(n.backward_input) * 1e3 + l.backward_group;
     l.backward_weight += cm.launch_time(n.backward_weight) * 1e3 + l.weight_group;
     l.backward = l.backward_input + l.backward_weight;
@@ -156,7 +157,7 @@ const CostTable& CostSource::at(int64_t micro) const {
         const LayerTimes &num = est.layers[i], &den = base.layers[i];
         l.forward *= ratio(num.forward, den.forward);
         l.forward_nograd *= ratio(num.forward, den.forward);
-        l.recompute *= ratio(num.forward, den.forward);
+        l.recompute *= ratio(num.recompute, den.recompute);
         l.backward *= ratio(num.backward, den.backward);
         l.backward_input *= ratio(num.backward, den.backward);
         l.backward_weight *= ratio(num.backward, den.backward);
@@ -415,8 +416,8 @@ int64_t stage_launches(const Plan& plan, int k) {
     for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) {
       const partition::LayerLaunches& l = plan.launches->at(static_cast<size_t>(i));
       switch (ins.op) {
-        case Op::kForward:
-        case Op::kRecompute: n += l.forward; break;
+        case Op::kForward: n += l.forward; break;
+        case Op::kRecompute: n += l.recompute; break;
         case Op::kBackward: n += roles.split[ins.chunk][ins.micro_batch] ? l.backward_input : l.backward(); break;
         // A batched W counted as its micro-batches' W one by one (an upper bound: Linear's
         // batched product is one launch).

@@ -720,15 +720,18 @@ TEST_CASE("a layer's ops are counted on shapes as its code calls them, and a pla
   REQUIRE(n.size() == 3);
   // linear, the first layer: F matmul + add_bias; B nothing (no input gradient); W matmul + bias_grad.
   CHECK(n[0].forward == 2);
+  CHECK(n[0].recompute == 2);
   CHECK(n[0].backward_input == 0);
   CHECK(n[0].backward_weight == 2);
   // relu: F relu; B relu_backward (it does not split: all in B).
   CHECK(n[1].forward == 1);
+  CHECK(n[1].recompute == 1);
   CHECK(n[1].backward_input == 1);
   CHECK(n[1].backward_weight == 0);
   // linear, the last layer, with the loss: F matmul + add_bias + softmax_xent; B the loss's
   // softmax_xent_backward + matmul for dx; W matmul + bias_grad.
   CHECK(n[2].forward == 3);
+  CHECK(n[2].recompute == 3);
   CHECK(n[2].backward_input == 2);
   CHECK(n[2].backward_weight == 2);
   // A micro-batch: F 6 ops, its whole backward 7; a recompute another 6.
@@ -760,6 +763,41 @@ TEST_CASE("a layer's ops are counted on shapes as its code calls them, and a pla
   }
 }
 
+TEST_CASE("BatchNorm's F counts the copies of its statistics, which its R does not make") {
+  const char* bn = R"(model:
+  input: [2, 4, 4]
+  dtype: float64
+  layers:
+    - {type: conv2d, out: 3, kernel: 3, bias: false}
+    - {type: batchnorm2d}
+    - {type: relu}
+    - {type: flatten}
+    - {type: linear, out: 3}
+  loss: softmax_cross_entropy
+data: {classes: 3}
+train: {steps: 1, batch_size: 4}
+)";
+  const Config base = parse_config(bn, "t.yaml", {});
+  RunModel run = build_run_model(base);
+  const std::vector<partition::LayerLaunches> n = count_launches(*run.model);
+  REQUIRE(n.size() == 5);
+  // batchnorm2d (layers/batchnorm2d.cc): F batchnorm_train and the two copies of the
+  // micro-batch's mean and variance; R batchnorm_train only.
+  CHECK(n[1].forward == 3);
+  CHECK(n[1].recompute == 1);
+  for (int i : {0, 2, 3, 4}) CHECK(n[i].forward == n[i].recompute);
+  // Per step at M = 2 with every micro-batch recomputed: R's ops are F's less 2 x 2 copies.
+  const Config c = parse_config(bn, "t.yaml", {"pipeline.micro_batches=2", "pipeline.recompute=always"});
+  RunModel r = build_run_model(c);
+  const Plan plan = make_plan(r.config, *r.model);
+  int64_t f = 0, b = 0;
+  for (const partition::LayerLaunches& l : n) {
+    f += l.forward;
+    b += l.backward();
+  }
+  CHECK(stage_launches(plan, 0) == 2 * f + 2 * (f - 2) + 2 * b);
+}
+
 TEST_CASE("the estimate charges each of a layer's ops a launch's cost, and nothing on a CPU") {
   const Config c = parse_config(kSmall, "t.yaml", {});
   RunModel run = build_run_model(c);
@@ -775,14 +813,14 @@ TEST_CASE("the estimate charges each of a layer's ops a launch's cost, and nothi
     CAPTURE(i);
     const partition::LayerLaunches& n = (*cpu.launches)[static_cast<size_t>(i)];
     CHECK(b.layers[i].forward - a.layers[i].forward == doctest::Approx(static_cast<double>(n.forward)));
-    CHECK(b.layers[i].recompute - a.layers[i].recompute == doctest::Approx(static_cast<double>(n.forward)));
+    CHECK(b.layers[i].recompute - a.layers[i].recompute == doctest::Approx(static_cast<double>(n.recompute)));
     CHECK(b.layers[i].backward_input - a.layers[i].backward_input ==
           doctest::Approx(static_cast<double>(n.backward_input)));
     CHECK(b.layers[i].backward_weight - a.layers[i].backward_weight ==
           doctest::Approx(static_cast<double>(n.backward_weight)));
     CHECK(b.layers[i].backward - a.layers[i].backward == doctest::Approx(static_cast<double>(n.backward())));
-    // The balancer's seconds: a recomputing layer pays its forward's launches twice.
-    CHECK((cb[i] - ca[i]) * 1e3 == doctest::Approx(static_cast<double>(2 * n.forward + n.backward())));
+    // The balancer's seconds: a recomputing layer pays its forward's launches and its recompute's.
+    CHECK((cb[i] - ca[i]) * 1e3 == doctest::Approx(static_cast<double>(n.forward + n.recompute + n.backward())));
   }
   // A device description's launch cost reaches the cost model.
   const DeviceSpec h100 = load_device_spec("configs/devices/h100_nvlink_ib.yaml");

@@ -587,6 +587,15 @@ TEST_CASE("the ResNet config trains on a CIFAR-10 binary file, as one stage woul
     CHECK(two.losses[i] == doctest::Approx(one.losses[i]).epsilon(1e-5));
   }
   CHECK(two.eval_loss == doctest::Approx(one.eval_loss).epsilon(1e-5));
+  // The ops each stage's layers called per step, measured, are those the plan counted on
+  // shapes: F with BatchNorm's copies of its micro-batch statistics, R without them.
+  std::ifstream f(two.report_path);
+  const nlohmann::json j = nlohmann::json::parse(f);
+  REQUIRE(j.contains("prediction"));
+  for (size_t k = 0; k < 2; ++k) {
+    CAPTURE(k);
+    CHECK(j["stages"][k]["ops_per_step"].get<int64_t>() == j["prediction"]["stages"][k]["ops_per_step"].get<int64_t>());
+  }
   // And it learns: the image determines the label.
   CHECK(two.losses.front() > 1.5);  // about ln 10 = 2.3 at the start
   CHECK((two.losses[7] + two.losses[8] + two.losses[9]) / 3 < 0.5 * (two.losses[0] + two.losses[1] + two.losses[2]) / 3);
