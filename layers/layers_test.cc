@@ -248,8 +248,12 @@ TEST_CASE("a tied head needs an embedding before it with the same table shape") 
                        doctest::Contains("tied (at cfg.yaml:3:7): the head's weight (9, 6) must match embedding layer 0"),
                        UserError);
   spec.layers[1].args["out"] = "10";
-  spec.layers[1].args["tied"] = "yes";
-  CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("expected true or false, got 'yes'"), UserError);
+  spec.layers[1].args["tied"] = "maybe";
+  CHECK_THROWS_WITH_AS(build_model(spec), doctest::Contains("expected true or false, got 'maybe'"), UserError);
+  spec.layers[1].args["tied"] = "on";  // a boolean as YAML 1.1 writes it (runtime/text.h)
+  CHECK(build_model(spec)->ties().size() == 1);
+  spec.layers[1].args["tied"] = "Off";
+  CHECK(build_model(spec)->ties().empty());
   spec.input_dtype.reset();
   spec.input = {4, 6};
   spec.layers.erase(spec.layers.begin());

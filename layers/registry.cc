@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cctype>
 #include <mutex>
+#include <optional>
 
 #include "layers/activation.h"
 #include "layers/attention.h"
@@ -19,6 +20,7 @@
 #include "layers/transformer.h"
 #include "runtime/error.h"
 #include "runtime/random.h"
+#include "runtime/text.h"
 
 namespace gpipe {
 namespace layers {
@@ -309,8 +311,7 @@ double LayerArgs::get_double(const std::string& key, double fallback) {
 bool LayerArgs::get_bool(const std::string& key, bool fallback) {
   const std::string* v = find(key);
   if (v == nullptr) return fallback;
-  if (*v == "true") return true;
-  if (*v == "false") return false;
+  if (const std::optional<bool> b = parse_boolean(*v)) return *b;
   throw UserError(what_ + " '" + spec_.type + "'" + at(spec_) + ": option '" + key + "' must be true or false, got '" +
                   *v + "'");
 }
@@ -439,7 +440,7 @@ std::unique_ptr<Sequential> build_model(const ModelSpec& spec, const LayerFilter
     for (size_t i = 0; i < spec.layers.size(); ++i) data[i] = with_data(static_cast<int>(i));
     for (size_t i = 0; i < spec.layers.size(); ++i) {
       const auto it = spec.layers[i].args.find("tied");
-      if (it == spec.layers[i].args.end() || it->second != "true") continue;
+      if (it == spec.layers[i].args.end() || parse_boolean(it->second) != std::optional<bool>(true)) continue;
       for (int owner = static_cast<int>(i) - 1; owner >= 0; --owner) {
         if (spec.layers[owner].type != "embedding") continue;
         data[owner] = data[owner] || data[i];
@@ -517,10 +518,9 @@ std::unique_ptr<Sequential> build_model(const ModelSpec& spec, const LayerFilter
     LayerSpec ls = spec.layers[i];
     bool tied = false;
     if (auto it = ls.args.find("tied"); it != ls.args.end()) {
-      if (it->second != "true" && it->second != "false") {
-        throw UserError("tied" + at(ls) + ": expected true or false, got '" + it->second + "'");
-      }
-      tied = it->second == "true";
+      const std::optional<bool> b = parse_boolean(it->second);
+      if (!b) throw UserError("tied" + at(ls) + ": expected true or false, got '" + it->second + "'");
+      tied = *b;
       ls.args.erase(it);
     }
     std::optional<ShapesOnly> shapes;

@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "runtime/error.h"
+#include "runtime/text.h"
 
 namespace gpipe {
 namespace pipeline {
@@ -120,8 +121,7 @@ class Decoder {
 
   bool boolean(const YAML::Node& n, const std::string& path) const {
     const std::string s = str(n, path);
-    if (s == "true" || s == "True" || s == "yes") return true;
-    if (s == "false" || s == "False" || s == "no") return false;
+    if (const std::optional<bool> b = parse_boolean(s)) return *b;
     fail(n, path, "expected true or false, got '" + s + "'");
   }
 

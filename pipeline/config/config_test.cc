@@ -179,6 +179,36 @@ TEST_CASE("trace and planner keys: defaults, values and errors naming the key") 
   CHECK(error_of(kBase, {"trace.every=3"}).find("unknown key 'every'") != std::string::npos);
 }
 
+TEST_CASE("a boolean is read as YAML 1.1 (PyYAML) reads one, and as 1 or 0, for keys and layer options alike") {
+  const std::vector<std::pair<std::string, bool>> words = {
+      {"true", true},   {"True", true},   {"TRUE", true},   {"yes", true},  {"Yes", true},   {"YES", true},
+      {"on", true},     {"On", true},     {"ON", true},     {"1", true},    {"false", false}, {"False", false},
+      {"FALSE", false}, {"no", false},    {"No", false},    {"NO", false},  {"off", false},  {"Off", false},
+      {"OFF", false},   {"0", false}};
+  for (const auto& [word, value] : words) {
+    CAPTURE(word);
+    // Over the default (a short run traces): each word sets the key both ways.
+    CHECK(parse_config(kBase, "t.yaml", {"output.trace=" + word}).output.trace == value);
+    CHECK(parse_config(kBase, "t.yaml", {"train.steps=5000", "output.trace=" + word}).output.trace == value);
+    // A layer's option (layers/registry.cc: LayerArgs::get_bool): linear's bias.
+    const Config c = parse_config(kBase, "t.yaml", {"model.layers.0.bias=" + word});
+    CHECK(gpipe::layers::build_model(c.model)->layer(0).parameters().size() == (value ? 2u : 1u));
+  }
+  for (const char* bad : {"maybe", "y", "n", "2", "truee", "Yes please", "oN"}) {
+    CAPTURE(bad);
+    CHECK(error_of(kBase, {std::string("output.trace=") + bad}).find("output.trace: expected true or false, got '" +
+                                                                    std::string(bad) + "'") != std::string::npos);
+    const Config c = parse_config(kBase, "t.yaml", {std::string("model.layers.0.bias=") + bad});
+    std::string message = "no error";
+    try {
+      gpipe::layers::build_model(c.model);
+    } catch (const UserError& e) {
+      message = e.what();
+    }
+    CHECK(message.find("option 'bias' must be true or false, got '" + std::string(bad) + "'") != std::string::npos);
+  }
+}
+
 TEST_CASE("checkpoint.allow_changes takes the identity's keys or all, and refuses any other key by name") {
   using V = std::vector<std::string>;
   CHECK(parse_config(kBase, "t.yaml").checkpoint.allow_changes.empty());
