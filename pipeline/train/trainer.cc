@@ -698,6 +698,13 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
     ++window_steps;
     const bool last = step + 1 == c.train.steps;
     const bool eval_now = eval_n > 0 && c.train.eval_interval > 0 && (step + 1) % c.train.eval_interval == 0 && !last;
+    // The run's last validation, in the history before the last checkpoint is saved
+    // (checkpoints.after_step below), so that a run resumed from it keeps it.
+    if (eval_n > 0 && last) {
+      std::tie(result.eval_loss, result.eval_accuracy) = validate();
+      report.add_validation(number, result.eval_loss, result.eval_accuracy);
+      report.set_eval(result.eval_loss, result.eval_accuracy);
+    }
     if ((step + 1) % c.train.log_interval == 0 || last || step == 0 || eval_now) {
       double val_loss = -1;
       if (eval_now) {
@@ -715,11 +722,6 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   }
   checkpoints.wait_for_last_save();
   result.checkpoint_path = checkpoints.last_saved();
-  if (eval_n > 0) {
-    std::tie(result.eval_loss, result.eval_accuracy) = validate();
-    report.add_validation(c.train.steps, result.eval_loss, result.eval_accuracy);
-    report.set_eval(result.eval_loss, result.eval_accuracy);
-  }
   if (reports) result.summary = report.summary();  // stage 0 of the pipeline reports for it
   if (writes) {
     out << "\n" << report.table();

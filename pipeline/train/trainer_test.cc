@@ -170,6 +170,32 @@ std::pair<double, double> direct_validation(const Config& c, int64_t n, int igno
 }
 }  // namespace
 
+TEST_CASE("a resumed run's report.json keeps every validation of the launches before it, the last one included") {
+  const std::string dir = out_dir("resume_validations");
+  std::filesystem::remove_all(dir);
+  const std::vector<std::string> common = {"output.dir=" + dir, "train.eval_interval=3", "checkpoint.every=3"};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), common.begin(), common.end());
+    return more;
+  };
+  const TrainResult first = run(with({"train.steps=6"}));
+  const TrainResult second = run(with({"train.steps=9", "checkpoint.resume=auto"}));
+  CHECK(second.start_step == 6);
+  std::ifstream f(second.report_path);
+  const nlohmann::json v = nlohmann::json::parse(f)["validation"];
+  REQUIRE(v.size() == 3);
+  const int steps[3] = {3, 6, 9}, launches[3] = {1, 1, 2};
+  for (size_t i = 0; i < 3; ++i) {
+    CAPTURE(i);
+    CHECK(v[i]["step"].get<int>() == steps[i]);
+    CHECK(v[i]["launch"].get<int>() == launches[i]);
+  }
+  // The first launch's last validation is the one it scored, and the second's its own.
+  CHECK(v[1]["loss"].get<double>() == first.eval_loss);
+  CHECK(v[1]["accuracy"].get<double>() == first.eval_accuracy);
+  CHECK(v[2]["loss"].get<double>() == second.eval_loss);
+}
+
 TEST_CASE("validation over a partial last chunk scores exactly eval_samples samples") {
   // 67 = 2 * 32 + 3: chunks of 32, 32 and 3, through K=2. One step at a learning rate
   // far too small to move a float32 weight keeps the initial weights, so the
