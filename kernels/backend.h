@@ -132,9 +132,11 @@ class Backend {
   //   kAxpy, kRope (rope and rope_backward): x and y of type t; kEmbedding (embedding, embedding_slice):
   //   table, pos and out of type t; the fused ops (kRmsNorm: rmsnorm and its two backward
   //   ops; kSwiglu: swiglu and swiglu_backward): their activations of type t, their
-  //   per-row statistics and the weight gradient of the master type (float32).
+  //   per-row statistics and the weight gradient of the master type (float32); kLinear
+  //   (linear_bias, linear_weight_grad): x, w, bias, y and dy of type t, dw and db float32.
   enum class NarrowOp {
-    kMatmul, kAddBias, kRelu, kReluBackward, kGelu, kGeluBackward, kAxpy, kRmsNorm, kSwiglu, kRope, kEmbedding
+    kMatmul, kAddBias, kRelu, kReluBackward, kGelu, kGeluBackward, kAxpy, kRmsNorm, kSwiglu, kRope, kEmbedding,
+    kLinear
   };
   virtual bool computes_narrow(NarrowOp op, DType t) const {
     (void)op;

@@ -148,6 +148,16 @@ void Backend::rmsnorm_weight_grad(const Tensor& dy, const Tensor& x, const Tenso
   bias_grad(t.reshape({rstd.numel(), dg.numel()}), dg, /*beta=*/1.0);
 }
 
+void Backend::linear_bias(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y) {
+  matmul_weight(x, false, w, true, y);  // x (R, K) @ w^T (K, N)
+  add_bias(y, bias);
+}
+
+void Backend::linear_weight_grad(const Tensor& dy, const Tensor& x, Tensor& dw, Tensor& db) {
+  matmul(dy, true, x, false, dw, 1.0, 1.0);  // dw += dy^T (N, R) @ x (R, K)
+  bias_grad(dy, db, 1.0);
+}
+
 void Backend::swiglu(const Tensor& a, const Tensor& b, Tensor& y) {
   unary(Unary::kSilu, a, y);  // s
   mul(y, b, y);               // s * b

@@ -201,6 +201,7 @@ void CudaBackend::release() noexcept {
   release_attention_graphs();  // kernels/cuda_attention_ops.cc; before the cuDNN handle they were built with
   release_cudnn();  // kernels/cuda_conv_ops.cc
   release_multi_tables();  // kernels/cuda_multi_tensor_ops.cc
+  release_lt();            // kernels/cuda_linear_ops.cc
   if (blas_ != nullptr) {
     const cublasStatus_t st = cublasDestroy(blas_);
     if (st != CUBLAS_STATUS_SUCCESS) spdlog::warn("cublasDestroy failed: {}", cublas_status_string(st));
@@ -219,7 +220,9 @@ void CudaBackend::check_on_device(const Tensor& t, const char* op) const {
 }
 
 bool CudaBackend::computes_narrow(NarrowOp op, DType t) const {
-  (void)op;  // every NarrowOp: the products and the elementwise ops below
+  // Every NarrowOp: the products and the elementwise ops below; the linear ops through
+  // cuBLASLt (without it, WideningBackend composes them as before).
+  if (op == NarrowOp::kLinear) return is_narrow(t) && cuda_cublaslt_enabled();
   return is_narrow(t);
 }
 

@@ -1,4 +1,5 @@
-// The CUDA backend: cuBLAS for matrix products, the kernels of kernels/cuda_kernels.cu
+// The CUDA backend: cuBLAS for matrix products (cuBLASLt for a linear layer's product
+// with its bias: kernels/cuda_linear_ops.cc), the kernels of kernels/cuda_kernels.cu
 // for everything else, all queued on one non-blocking stream per backend. Same
 // semantics as the CPU reference (kernels/cpu_backend.cc) for float32 and float64.
 // bfloat16 and float16: the matrix products (cublasGemmEx, 16-bit inputs, float32
@@ -36,6 +37,7 @@
 #include <map>
 #include <set>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -45,6 +47,9 @@
 #include "kernels/deferred_checks.h"
 
 namespace gpipe {
+
+struct LtState;  // kernels/cuda_linear_ops.cc
+struct LtCall;
 
 class CudaBackend : public Backend {
  public:
@@ -153,6 +158,15 @@ class CudaBackend : public Backend {
   // kernels/cuda_attention_ops.cc).
   void* attention_graphs_ = nullptr;
   void release_attention_graphs() noexcept;
+  // cuBLASLt for linear_bias and linear_weight_grad (kernels/cuda_linear_ops.cc): its
+  // handle, workspace and chosen algorithms, created on first use; lt_matmul queues one
+  // call and returns true, or returns false (nothing queued) where cuBLASLt has no
+  // algorithm for it. The device must be current.
+  LtState& lt();
+  void release_lt() noexcept;
+  bool lt_matmul(const LtCall& call);
+  LtState* lt_ = nullptr;
+  std::mutex lt_mu_;  // lt_ and its algorithms: stages sharing the GPU share this backend
   // rope and rope_backward on bfloat16 or float16 (kernels/cuda_llama_ops.cc).
   void rope_narrow(const Tensor& x, int heads, double base, double sign, Tensor& y, const char* op);
 
@@ -176,5 +190,13 @@ std::unique_ptr<Backend> make_cuda_backend(Device device);
 // a multiple of 8 up to 128, a cuDNN of 9.0 or later, and GPIPE_FUSED_ATTENTION not "0"
 // (the way to keep the exact attention). Needs no device.
 bool cuda_fused_attention_available(DType t, int64_t head_dim);
+
+// Whether CudaBackend computes linear_bias and linear_weight_grad through cuBLASLt's
+// epilogues: unless GPIPE_CUBLASLT is "0" (then they compose matmul and the bias ops, as
+// the CPU reference does).
+bool cuda_cublaslt_enabled();
+// How many cuBLASLt matmuls the CUDA backends have queued so far (the tests' evidence
+// that a call took cuBLASLt, not the composition it falls back to).
+int64_t cuda_cublaslt_calls();
 
 }  // namespace gpipe

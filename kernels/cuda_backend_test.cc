@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/cuda_backend.h"
 #include "kernels/cuda_kernels.h"
 #include "kernels/widening_backend.h"
 #include "runtime/allocator.h"
@@ -526,6 +527,80 @@ TEST_CASE("16-bit products and elementwise ops on the GPU itself equal the widen
 
 // ---------------------------------------------------------------------------------
 // Ops against the CPU reference
+
+// A linear layer's product with its bias in one cuBLASLt call each way (issue 37 item 5:
+// the BIAS epilogue forward, BGRADB's column sums in W), called on the bare backend for
+// the 16-bit types (nothing widened around it), against the CPU: its float32 product and
+// bias on the widened operands, rounded once as the epilogue rounds (the CPU's 16-bit
+// composition rounds the product, then the sum, and a bias that cancels the product
+// leaves that first rounding larger than a step of the result), and its matmul and
+// bias_grad for W. Aligned and odd sizes, and operands one row into their allocation
+// (down to 2-byte alignment: cuBLASLt must not assume 256); W adds into gradients that
+// hold values. float32: the sums' order and the bias's one rounding; 16-bit: under a
+// step of the type. The aligned sizes must have gone through cuBLASLt (its call count),
+// not the composition it falls back to.
+TEST_CASE("linear_bias and linear_weight_grad (cuBLASLt's epilogues) equal the CPU's matmul, add_bias and bias_grad") {
+  Backend& bare = static_cast<WideningBackend&>(gpu()).inner();
+  Backend& cpu_be = backend_for(Device::cpu());  // widening: the 16-bit reference
+  uint64_t seed = 9100;
+  for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
+    if (t != DType::kF32) CHECK(bare.computes_narrow(Backend::NarrowOp::kLinear, t));
+    const double step = t == DType::kF32 ? 1e-5 : std::ldexp(1.0, t == DType::kBF16 ? -7 : -10);
+    struct Size {
+      int64_t r, k, n;
+      int64_t offset;  // rows of x and dy skipped: a view that starts off the allocation's alignment
+    };
+    for (const Size& z : {Size{64, 96, 48, 0}, Size{37, 67, 19, 0}, Size{33, 40, 24, 1}, Size{33, 41, 23, 1},
+                          Size{2048, 64, 32, 0}}) {
+      CAPTURE(dtype_name(t));
+      CAPTURE(z.r);
+      CAPTURE(z.k);
+      CAPTURE(z.n);
+      CAPTURE(z.offset);
+      const Tensor x_all = random_tensor({z.r + z.offset, z.k}, t, ++seed);
+      const Tensor dy_all = random_tensor({z.r + z.offset, z.n}, t, ++seed);
+      const Tensor w = random_tensor({z.n, z.k}, t, ++seed), bias = random_tensor({z.n}, t, ++seed);
+      const Tensor dw0 = random_tensor({z.n, z.k}, DType::kF32, ++seed), db0 = random_tensor({z.n}, DType::kF32, ++seed);
+      const Tensor x = x_all.narrow_rows(z.offset, z.r), dy = dy_all.narrow_rows(z.offset, z.r);
+      const Tensor x_gpu_all = to_gpu(x_all), dy_gpu_all = to_gpu(dy_all);
+      const Tensor x_gpu = x_gpu_all.narrow_rows(z.offset, z.r), dy_gpu = dy_gpu_all.narrow_rows(z.offset, z.r);
+      const bool aligned = z.offset == 0 && z.k % 8 == 0 && z.n % 8 == 0;
+      const int64_t calls_before = cuda_cublaslt_calls();
+      // Forward: the reference in float32 on the widened operands, rounded once.
+      auto wide = [&](const Tensor& u) {
+        Tensor out = Tensor::empty(u.shape(), DType::kF32, Device::cpu());
+        cpu_be.cast(u, out);
+        return out;
+      };
+      Tensor y_wide = Tensor::empty({z.r, z.n}, DType::kF32, Device::cpu());
+      cpu_be.linear_bias(wide(x), wide(w), wide(bias), y_wide);
+      Tensor y_cpu = Tensor::empty({z.r, z.n}, t, Device::cpu());
+      cpu_be.cast(y_wide, y_cpu);
+      Tensor y_gpu = bare.empty({z.r, z.n}, t);
+      bare.linear_bias(x_gpu, to_gpu(w), to_gpu(bias), y_gpu);
+      GPIPE_EXPECT_CLOSE(y_gpu, y_cpu, step, t == DType::kF32 ? 1e-5 : 1e-3);
+      // W, into float32 gradients (a 16-bit model's masters; a float32 model's own).
+      Tensor dw_cpu = clone(dw0), db_cpu = clone(db0);
+      Tensor dw_gpu = to_gpu(dw0), db_gpu = to_gpu(db0);
+      cpu_be.linear_weight_grad(dy, x, dw_cpu, db_cpu);
+      bare.linear_weight_grad(dy_gpu, x_gpu, dw_gpu, db_gpu);
+      // float32 sums of R products or values of |.| <= 1: R 2^-24 each, far under 1e-5 of R.
+      GPIPE_EXPECT_CLOSE(dw_gpu, dw_cpu, 1e-5, 1e-5 * static_cast<double>(z.r));
+      GPIPE_EXPECT_CLOSE(db_gpu, db_cpu, 1e-5, 1e-5 * static_cast<double>(z.r));
+      if (aligned) CHECK(cuda_cublaslt_calls() == calls_before + 2);
+    }
+  }
+  // float64 and a mixed call are the composition's: float64 computed, mixed types refused
+  // by matmul's check, not by a cuBLASLt error.
+  const Tensor x = random_tensor({5, 4}, DType::kF64, 1), w = random_tensor({3, 4}, DType::kF64, 2);
+  const Tensor bias = random_tensor({3}, DType::kF64, 3);
+  Tensor y_cpu = Tensor::empty({5, 3}, DType::kF64, Device::cpu()), y_gpu = gpu().empty({5, 3}, DType::kF64);
+  cpu().linear_bias(x, w, bias, y_cpu);
+  gpu().linear_bias(to_gpu(x), to_gpu(w), to_gpu(bias), y_gpu);
+  GPIPE_EXPECT_CLOSE(y_gpu, y_cpu, 1e-12, 1e-12);
+  Tensor y32 = gpu().empty({5, 3}, DType::kF32);
+  CHECK_THROWS_AS(bare.linear_bias(to_gpu(x), to_gpu(w), to_gpu(bias), y32), Error);
+}
 
 TEST_CASE("matmul: all transposes, odd sizes, alpha and beta") {
   struct Dims {

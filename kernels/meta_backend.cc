@@ -11,6 +11,22 @@ namespace {
 
 thread_local std::optional<Device> answers_as;  // MetaAnswersAs's device, on this thread
 thread_local int64_t ops_called = 0;            // every meta backend's ops on this thread (MetaOpCount)
+thread_local MetaProducts* products = nullptr;  // the innermost MetaProducts alive on this thread
+
+// A product of `op`: c = op(a) op(b), as Backend::matmul's arguments describe it.
+void list_product(const char* op, const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& c) {
+  if (products == nullptr || a.dim() != 2 || b.dim() != 2) return;
+  MetaProduct p;
+  p.op = op;
+  p.m = ta ? a.size(1) : a.size(0);
+  p.k = ta ? a.size(0) : a.size(1);
+  p.n = tb ? b.size(0) : b.size(1);
+  p.trans_a = ta;
+  p.trans_b = tb;
+  p.dtype = a.dtype();
+  p.c_dtype = c.dtype();
+  products->add(std::move(p));
+}
 
 // Every op a no-op: outputs keep the shapes their callers allocated, and no data.
 class MetaBackend final : public Backend {
@@ -18,8 +34,23 @@ class MetaBackend final : public Backend {
   explicit MetaBackend(Device device) : device_(device), stream_(device) {}
   Device device() const override { return device_; }
   Stream& stream() override { return stream_; }
-  void matmul(const Tensor&, bool, const Tensor&, bool, Tensor&, double, double) override { ++ops_called; }
-  void matmul_weight(const Tensor&, bool, const Tensor&, bool, Tensor&, double, double) override { ++ops_called; }
+  void matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, double, double) override {
+    ++ops_called;
+    list_product("matmul", a, ta, b, tb, c);
+  }
+  void matmul_weight(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, double, double) override {
+    ++ops_called;
+    list_product("matmul_weight", a, ta, b, tb, c);
+  }
+  // The fused ops around a product (GPIPE_PRODUCT_OP): one op, and the product listed.
+  void linear_bias(const Tensor& x, const Tensor& w, const Tensor&, Tensor& y) override {
+    ++ops_called;
+    list_product("linear_bias", x, false, w, true, y);
+  }
+  void linear_weight_grad(const Tensor& dy, const Tensor& x, Tensor& dw, Tensor&) override {
+    ++ops_called;
+    list_product("linear_weight_grad", dy, true, x, false, dw);
+  }
   // As the device's backend would (what the layer keeps depends on it), asked without it;
   // as MetaAnswersAs's device's, where one is alive.
   bool has_fused_attention(DType t, const AttentionSizes& dims) override {
@@ -38,6 +69,7 @@ class MetaBackend final : public Backend {
     ++ops_called;                       \
     return R();                         \
   }
+#define GPIPE_PRODUCT_OP(R, name, params)  // written above
 #include "kernels/backend_ops.inc"
 
  private:
@@ -49,6 +81,10 @@ class MetaBackend final : public Backend {
 
 MetaAnswersAs::MetaAnswersAs(Device device) : outer_(answers_as) { answers_as = device; }
 MetaAnswersAs::~MetaAnswersAs() { answers_as = outer_; }
+
+MetaProducts::MetaProducts() : outer_(products) { products = this; }
+MetaProducts::~MetaProducts() { products = outer_; }
+std::vector<MetaProduct> MetaProducts::take() { return std::exchange(list_, {}); }
 
 MetaOpCount::MetaOpCount() : start_(ops_called) {}
 int64_t MetaOpCount::count() const { return ops_called - start_; }

@@ -10,6 +10,9 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "kernels/backend.h"
 
@@ -49,6 +52,35 @@ class MetaOpCount {
 
  private:
   int64_t start_;
+};
+
+// A matrix product a meta backend was called for: c (m, n) = op(a) (m, k) op(b) (k, n),
+// row-major as Backend::matmul takes it, a and b of `dtype`, c of `c_dtype`; `op` the
+// backend op that makes it (matmul, matmul_weight, linear_bias, linear_weight_grad).
+struct MetaProduct {
+  std::string op;
+  int64_t m = 0, n = 0, k = 0;
+  bool trans_a = false, trans_b = false;
+  DType dtype = DType::kF32, c_dtype = DType::kF32;
+  double flops() const { return 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k); }
+};
+
+// While one is alive on its thread, the matrix products meta backends are called for on
+// that thread are listed (in call order) for take(). Nests: an inner one lists what is
+// called while it lives, then the outer one lists on.
+class MetaProducts {
+ public:
+  MetaProducts();
+  ~MetaProducts();
+  MetaProducts(const MetaProducts&) = delete;
+  MetaProducts& operator=(const MetaProducts&) = delete;
+  // The products listed since the last take().
+  std::vector<MetaProduct> take();
+  void add(MetaProduct p) { list_.push_back(std::move(p)); }
+
+ private:
+  MetaProducts* outer_;
+  std::vector<MetaProduct> list_;
 };
 
 }  // namespace gpipe

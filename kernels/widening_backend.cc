@@ -297,6 +297,26 @@ void WideningBackend::rmsnorm_weight_grad(const Tensor& dy, const Tensor& x, con
   Backend::rmsnorm_weight_grad(dy, x, rstd, dg);
 }
 
+void WideningBackend::linear_bias(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y) {
+  OpCall op_call("linear_bias", false);
+  describe_call(op_call, x, w, bias, y);
+  if (capturing_here()) return capture("linear_bias", [=]() mutable { linear_bias(x, w, bias, y); });
+  if (!any_narrow(x, w, bias, y) || native_fused(*inner_, NarrowOp::kLinear, {&x, &w, &bias, &y}, {})) {
+    return inner_->linear_bias(x, w, bias, y);
+  }
+  Backend::linear_bias(x, w, bias, y);  // this backend's matmul_weight and add_bias
+}
+
+void WideningBackend::linear_weight_grad(const Tensor& dy, const Tensor& x, Tensor& dw, Tensor& db) {
+  OpCall op_call("linear_weight_grad", false);
+  describe_call(op_call, dy, x, dw, db);
+  if (capturing_here()) return capture("linear_weight_grad", [=]() mutable { linear_weight_grad(dy, x, dw, db); });
+  if (!any_narrow(dy, x, dw, db) || native_fused(*inner_, NarrowOp::kLinear, {&dy, &x}, {&dw, &db})) {
+    return inner_->linear_weight_grad(dy, x, dw, db);
+  }
+  Backend::linear_weight_grad(dy, x, dw, db);  // this backend's matmul and bias_grad
+}
+
 void WideningBackend::swiglu(const Tensor& a, const Tensor& b, Tensor& y) {
   OpCall op_call("swiglu", false);
   describe_call(op_call, a, b, y);

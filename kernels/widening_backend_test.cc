@@ -10,6 +10,8 @@
 #include "kernels/backend.h"
 #include "kernels/cpu_backend.h"
 #include "kernels/cpu_gemm.h"
+#include "kernels/meta_backend.h"
+#include "kernels/op_log.h"
 #include "kernels/widening_backend.h"
 #include "tests/testing.h"
 
@@ -260,6 +262,50 @@ TEST_CASE("an op the backend computes in 16 bits itself reaches it unwidened; an
   inner.seen.clear();
   be.relu(x, y = be.empty(x.shape(), F));  // mixed: widened
   CHECK(inner.seen == std::vector<std::vector<DType>>{{F, F}});
+}
+
+// A linear layer's product with its bias (Backend::linear_bias, linear_weight_grad): on
+// the CPU, in every float type, the composition the layer used to call (matmul_weight
+// and add_bias; matmul and bias_grad), bit for bit; one op in the log and in the
+// planner's count on shapes, as a GPU's one cuBLASLt call.
+TEST_CASE("linear_bias and linear_weight_grad are the CPU's products and bias ops, bit for bit, one op each") {
+  Backend& be = backend_for(Device::cpu());
+  uint64_t seed = 800;
+  for (DType t : {DType::kF32, DType::kF64, DType::kBF16, DType::kF16}) {
+    CAPTURE(dtype_name(t));
+    const DType master = master_dtype(t);
+    const Tensor x = random_tensor({7, 5}, t, ++seed), w = random_tensor({3, 5}, t, ++seed);
+    const Tensor bias = random_tensor({3}, t, ++seed), dy = random_tensor({7, 3}, t, ++seed);
+    const Tensor dw0 = random_tensor({3, 5}, master, ++seed), db0 = random_tensor({3}, master, ++seed);
+    Tensor want = be.empty({7, 3}, t), got = be.empty({7, 3}, t);
+    be.matmul_weight(x, false, w, true, want);
+    be.add_bias(want, bias);
+    OpLog log;
+    be.linear_bias(x, w, bias, got);
+    const std::vector<OpLog::Call> forward = log.take();
+    REQUIRE(forward.size() == 1);
+    CHECK(forward[0].op == "linear_bias");
+    CHECK(same_bits(got, want));
+    Tensor dw_want = as(dw0, master), db_want = as(db0, master), dw = as(dw0, master), db = as(db0, master);
+    be.matmul(dy, true, x, false, dw_want, 1.0, 1.0);
+    be.bias_grad(dy, db_want, 1.0);
+    log.take();
+    be.linear_weight_grad(dy, x, dw, db);
+    const std::vector<OpLog::Call> calls = log.take();
+    REQUIRE(calls.size() == 1);
+    CHECK(calls[0].op == "linear_weight_grad");
+    CHECK(same_bits(dw, dw_want));
+    CHECK(same_bits(db, db_want));
+  }
+  // On shapes: one op each.
+  ShapesOnly shapes;
+  Backend& meta = meta_backend(Device::cpu());
+  const Tensor x = meta.empty({7, 5}, DType::kF32), w = meta.empty({3, 5}, DType::kF32);
+  Tensor y = meta.empty({7, 3}, DType::kF32), dw = meta.empty({3, 5}, DType::kF32), db = meta.empty({3}, DType::kF32);
+  const MetaOpCount count;
+  meta.linear_bias(x, w, meta.empty({3}, DType::kF32), y);
+  meta.linear_weight_grad(y, x, dw, db);
+  CHECK(count.count() == 2);
 }
 
 // The multi-tensor ops (Backend::*_all) through the backend every device gets: float32

@@ -142,7 +142,14 @@ Tensor Linear::forward_impl(Backend& be, const Tensor& xin, Context* ctx, const 
   const Tensor xs = s.sequence_split() && column ? by_positions(s).gather_positions(be, group_, xin, describe()) : xin;
   const Tensor x = xs.reshape({xs.numel() / in, in});  // (R, in)
   Tensor y = be.empty({x.size(0), out_here()}, dtype_);  // (R, out)
-  be.matmul_weight(x, false, weight_.compute(), true, y);    // x (R, in) @ W^T (in, out)
+  // The bias in the product's op (Backend::linear_bias), except where a row-parallel
+  // member's partial sums are summed first.
+  const bool bias_now = opts_.bias && !row;
+  if (bias_now) {
+    be.linear_bias(x, weight_.compute(), bias_.compute(), y);  // x (R, in) @ W^T (in, out) + b
+  } else {
+    be.matmul_weight(x, false, weight_.compute(), true, y);    // x (R, in) @ W^T (in, out)
+  }
   if (ctx != nullptr) ctx->saved = {x};
   Shape out{B};
   out.insert(out.end(), output_shape_.begin(), output_shape_.end());
@@ -155,7 +162,7 @@ Tensor Linear::forward_impl(Backend& be, const Tensor& xin, Context* ctx, const 
   } else if (row) {
     group().all_reduce_sum(be, y);  // the partial sums, whole
   }
-  if (opts_.bias) be.add_bias(y, bias_.compute());
+  if (opts_.bias && !bias_now) be.add_bias(y, bias_.compute());
   return y.reshape(out);
 }
 
@@ -193,15 +200,19 @@ void Linear::backward_weight_impl(Backend& be, Context& ctx) {
   GPIPE_CHECK(ctx.saved.size() == 2, describe() + ": weight gradient without its backward_input");
   const Tensor& x = ctx.saved[0];                          // (R, in)
   const Tensor& dy = ctx.saved[1];                         // (R, out)
-  be.matmul(dy, true, x, false, weight_.grad, 1.0, 1.0);   // dW += dy^T (out, R) @ x (R, in)
-  if (opts_.bias) be.bias_grad(dy, bias_.grad, 1.0);       // db += sum_R dy
+  weight_grad(be, dy, x);
+}
+
+// dW += dy^T (out, R) @ x (R, in); db += sum_R dy, in the same op (Backend::linear_weight_grad).
+void Linear::weight_grad(Backend& be, const Tensor& dy, const Tensor& x) {
+  if (opts_.bias) return be.linear_weight_grad(dy, x, weight_.grad, bias_.grad);
+  be.matmul(dy, true, x, false, weight_.grad, 1.0, 1.0);
 }
 
 void Linear::backward_weight_batch_impl(Backend& be, const std::vector<Context*>& ctxs) {
   const Tensor x = concat_saved(be, ctxs, 0, describe());   // (sum R, in)
   const Tensor dy = concat_saved(be, ctxs, 1, describe());  // (sum R, out)
-  be.matmul(dy, true, x, false, weight_.grad, 1.0, 1.0);
-  if (opts_.bias) be.bias_grad(dy, bias_.grad, 1.0);
+  weight_grad(be, dy, x);
 }
 
 }  // namespace layers

@@ -43,6 +43,7 @@ class Linear : public Layer {
   Tensor backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) override;
   void backward_weight_impl(Backend& be, Context& ctx) override;
   void backward_weight_batch_impl(Backend& be, const std::vector<Context*>& ctxs) override;
+  void weight_grad(Backend& be, const Tensor& dy, const Tensor& x);  // W's sums into the gradients
   TensorCollectives& group() const;
   int64_t in_here() const;   // the input features this member takes
   int64_t out_here() const;  // the output features it computes
