@@ -289,13 +289,22 @@ Tensor handed_over(Backend& be, const Tensor& h) {
 }
 }  // namespace
 
-std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& model_in) {
+std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& model_in, int64_t batch,
+                                                     std::vector<LayerProducts>* products) {
   // Recompute mode changes no layer state (as in probe_layers below).
   auto& model = const_cast<layers::Sequential&>(model_in);
   ShapesOnly shapes;
   const int L = model.size();
   std::vector<partition::LayerLaunches> out(static_cast<size_t>(L));
-  Shape shape{1};
+  if (products != nullptr) products->assign(static_cast<size_t>(L), {});
+  MetaProducts listed;  // each phase's products, taken into `products` after it
+  auto take = [&](int layer, std::vector<MetaProduct> LayerProducts::*phase) {
+    std::vector<MetaProduct> got = listed.take();
+    if (products == nullptr) return;
+    auto& to = (*products)[static_cast<size_t>(layer)].*phase;
+    to.insert(to.end(), got.begin(), got.end());
+  };
+  Shape shape{batch};
   for (int64_t d : model.input_shape()) shape.push_back(d);
   Backend* be = &meta_backend(model.layer(0).device());
   Tensor h = be->zeros(shape, model.input_dtype());
@@ -314,10 +323,12 @@ std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& m
     Tensor y;
     count_phase(n.forward, n.group_sums_forward, n.group_bytes_forward, n.group_gathers_forward,
                 n.group_gather_bytes_forward, [&] { y = layer.forward(*be, h, &ctx, args); });
+    take(i, &LayerProducts::forward);
     {  // R's ops; its sums and gathers over the group are F's (GroupSumCount counted once)
       int64_t sums = 0, bytes = 0, gathers = 0, gather_bytes = 0;
       layers::Context rctx;
       count_phase(n.recompute, sums, bytes, gathers, gather_bytes, [&] { layer.forward(*be, h, &rctx, again); });
+      listed.take();  // R's products are F's
     }
     const Tensor dy = be->zeros(y.shape(), y.dtype());
     auto backward_input = [&] { layer.backward_input(*be, dy, ctx, i > 0); };
@@ -325,15 +336,18 @@ std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& m
     if (layer.splits_backward()) {
       count_phase(n.backward_input, n.group_sums_backward, n.group_bytes_backward, n.group_gathers_backward,
                   n.group_gather_bytes_backward, backward_input);
+      take(i, &LayerProducts::backward);
       // W's sums: replicated key/value heads' weight gradients (W gathers nothing: B kept
       // what it gathered).
       int64_t gathers = 0, gather_bytes = 0;
       count_phase(n.backward_weight, n.group_sums_weight, n.group_bytes_weight, gathers, gather_bytes,
                   [&] { layer.backward_weight(*be, ctx); });
+      take(i, &LayerProducts::weight);
       GPIPE_CHECK(gathers == 0, "layer " + std::to_string(i) + "'s W gathers positions");
     } else {
       count_phase(n.backward_input, n.group_sums_backward, n.group_bytes_backward, n.group_gathers_backward,
                   n.group_gather_bytes_backward, whole_backward);
+      take(i, &LayerProducts::backward);
     }
     // Once a step: its sequence-partial gradients summed over the group in one collective
     // (Executor::gradients_final), a narrow one as float32 (GroupCollectives).
@@ -351,12 +365,15 @@ std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& m
     partition::LayerLaunches& last = out.back();
     count_phase(last.forward, last.group_sums_forward, last.group_bytes_forward, last.group_gathers_forward,
                 last.group_gather_bytes_forward, [&] { model.loss().forward(*be, h, targets, 1.0, &lctx); });
+    take(L - 1, &LayerProducts::forward);
     int64_t sums = 0, bytes = 0, gathers = 0, gather_bytes = 0;  // R runs the loss's forward again too
     layers::Context rctx;
     count_phase(last.recompute, sums, bytes, gathers, gather_bytes,
                 [&] { model.loss().forward(*be, h, targets, 1.0, &rctx); });
+    listed.take();
     count_phase(last.backward_input, last.group_sums_backward, last.group_bytes_backward, last.group_gathers_backward,
                 last.group_gather_bytes_backward, [&] { model.loss().backward(*be, lctx); });
+    take(L - 1, &LayerProducts::backward);
   }
   return out;
 }

@@ -9,6 +9,7 @@
 #include <optional>
 #include <vector>
 
+#include "kernels/meta_backend.h"
 #include "layers/sequential.h"
 #include "partition/balance.h"
 #include "pipeline/config/config.h"
@@ -157,7 +158,14 @@ ActivationLayout probe_activations(const layers::Sequential& model);
 // does not split; the loss's forward and backward with the last layer. The counts of
 // the built-in layers do not depend on the batch size. Throws where a layer cannot run
 // on shapes.
-std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& model);
+// With `products`, the matrix products of each layer's phases are listed there too
+// (MetaProducts: F's, the loss's with the last layer's; B's; W's), at a batch of `batch`
+// samples, where the products' sizes depend on it.
+struct LayerProducts {
+  std::vector<MetaProduct> forward, backward, weight;
+};
+std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& model, int64_t batch = 1,
+                                                     std::vector<LayerProducts>* products = nullptr);
 // The same probe answering as the first GPU of `devices` would, where there is one
 // (MetaAnswersAs: a bf16 attention keeps cuDNN's fused operands there, a float32 one its
 // probabilities): the model's layers are on the CPU until the executor moves them, and

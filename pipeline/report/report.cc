@@ -347,6 +347,7 @@ RunSummary ReportBuilder::summary() const {
   RunSummary out;
   out.has_plan = has_plan_;
   out.plan = plan_;
+  out.gemms = gemms_;
   out.partitions = static_cast<int>(acc_.size());
   out.micro_batches = program_.num_micro_batches;
   out.recompute = recompute_;
@@ -489,6 +490,36 @@ std::string ReportBuilder::table() const {
                   100 * s.mfu, s.useful_flops / 1e9, s.step_ms, s.useful_flops / (s.step_ms / 1e3) / 1e9,
                   s.peak_flops_per_second / 1e9);
     os << line;
+  }
+  if (!s.gemms.empty()) {
+    os << "Matrix products, each timed alone on its device after the run (one call; against the device's probed "
+          "peak), the longest per micro-batch first:\n";
+    constexpr size_t kShown = 8;
+    for (size_t i = 0; i < s.gemms.size() && i < kShown; ++i) {
+      const GemmRate& g = s.gemms[i];
+      std::string stages;
+      for (int k : g.stages) stages += (stages.empty() ? "" : ",") + std::to_string(k);
+      std::string peak;
+      if (g.peak_flops_per_second > 0) {
+        std::snprintf(line, sizeof line, ", %.1f%% of %.1f", 100 * g.flops_per_second / g.peak_flops_per_second,
+                      g.peak_flops_per_second / 1e9);
+        peak = line;
+      }
+      // Each operand as stored, ^T where the product reads it transposed.
+      auto operand = [](int64_t rows, int64_t cols, bool t) {
+        const std::string s = std::to_string(t ? cols : rows) + "x" + std::to_string(t ? rows : cols);
+        return t ? "(" + s + ")^T" : s;
+      };
+      std::snprintf(line, sizeof line,
+                    "  %s %s @ %s -> %lldx%lld, %s in, %s out: stage %s, layers %s, %s, %lld a micro-batch: %.3f ms, "
+                    "%.1f GFLOP/s%s\n",
+                    g.op.c_str(), operand(g.m, g.k, g.trans_a).c_str(), operand(g.k, g.n, g.trans_b).c_str(),
+                    static_cast<long long>(g.m), static_cast<long long>(g.n), g.dtype.c_str(), g.c_dtype.c_str(),
+                    stages.c_str(), g.layers.c_str(), g.phases.c_str(), static_cast<long long>(g.calls), g.ms,
+                    g.flops_per_second / 1e9, peak.c_str());
+      os << line;
+    }
+    if (s.gemms.size() > kShown) os << "  and " << s.gemms.size() - kShown << " more in report.json\n";
   }
   if (s.has_plan && s.plan.stages.size() == s.stages.size()) {
     const PlannedRun& p = s.plan;
@@ -638,6 +669,36 @@ nlohmann::json ReportBuilder::json() const {
   if (has_eval_) j["eval"] = {{"loss", eval_loss_}, {"accuracy", eval_accuracy_}};
   if (last_loss_scale_ > 0) j["loss_scaling"] = {{"skipped_steps", skipped_steps_}, {"last_scale", last_loss_scale_}};
   if (s.has_plan) j["prediction"] = prediction_json(s.plan);
+  if (!s.gemms.empty()) {
+    // Each matrix product timed alone: c (m, n) = op(a) (m, k) op(b) (k, n); flops 2 m n k
+    // a call; flops_per_second = flops / (ms / 1000); peak_fraction over the device's
+    // whole probed peak.
+    j["gemms"] = nlohmann::json::array();
+    for (const GemmRate& g : s.gemms) {
+      nlohmann::json e = {{"op", g.op},
+                          {"m", g.m},
+                          {"n", g.n},
+                          {"k", g.k},
+                          {"trans_a", g.trans_a},
+                          {"trans_b", g.trans_b},
+                          {"dtype", g.dtype},
+                          {"c_dtype", g.c_dtype},
+                          {"device", g.device},
+                          {"stages", g.stages},
+                          {"layers", g.layers},
+                          {"phases", g.phases},
+                          {"calls_per_micro_batch", g.calls},
+                          {"timed_calls", g.timed_calls},
+                          {"ms", g.ms},
+                          {"flops", g.flops()},
+                          {"flops_per_second", g.flops_per_second}};
+      if (g.peak_flops_per_second > 0) {
+        e["peak_flops_per_second"] = g.peak_flops_per_second;
+        e["peak_fraction"] = g.flops_per_second / g.peak_flops_per_second;
+      }
+      j["gemms"].push_back(std::move(e));
+    }
+  }
   j["validation"] = nlohmann::json::array();
   for (const auto& v : validations_) {
     j["validation"].push_back(

@@ -64,6 +64,25 @@ struct LaunchSummary {
   int steps = 0;  // the steps of the report that ran in it
 };
 
+// One matrix product of the run timed alone on its stage's device after the last step
+// (pipeline/train/gemm_rates.h): c (m, n) = op(a) (m, k) op(b) (k, n), row-major.
+struct GemmRate {
+  std::string op;  // the backend op: matmul, matmul_weight, linear_bias, linear_weight_grad
+  int64_t m = 0, n = 0, k = 0;
+  bool trans_a = false, trans_b = false;
+  std::string dtype, c_dtype;  // a's and b's; c's
+  std::string device;
+  std::vector<int> stages;  // the stages whose layers call it
+  std::string layers;       // those layers' indices, "0, 2, 4-7"
+  std::string phases;       // where they call it: "F", "B", "W", or several ("FB")
+  int64_t calls = 0;        // calls per micro-batch over those stages: F, B and W (R repeats F's)
+  int timed_calls = 0;
+  double ms = 0;            // one call's time (device time on a GPU), the mean of the timed calls
+  double flops_per_second = 0;       // 2 m n k / ms
+  double peak_flops_per_second = 0;  // the device's probed peak, whole (0: not known)
+  double flops() const { return 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k); }
+};
+
 struct RunSummary {
   int partitions = 0, micro_batches = 0;
   // The job's other axes (set_layout): data-parallel replicas, the tensor group's size and
@@ -94,6 +113,8 @@ struct RunSummary {
   // The planner's prediction made before the run (planner.h), when it was given one.
   bool has_plan = false;
   PlannedRun plan;
+  // The run's matrix products, each timed alone (empty: not measured).
+  std::vector<GemmRate> gemms;
 };
 
 // The job's axes beyond the pipeline, for the table's and the page's heading: ", tensor
@@ -116,6 +137,8 @@ class ReportBuilder {
   // MFU's inputs, per stage: useful FLOPs per step (Plan::stage_flops) and the device's
   // peak FLOP/s (device_peaks). Without them the report shows no MFU.
   void set_flops(std::vector<double> stage_flops, std::vector<double> stage_peaks);
+  // The run's matrix products, each timed alone after the last step (gemm_rates.h).
+  void set_gemms(std::vector<GemmRate> gemms) { gemms_ = std::move(gemms); }
   // What the planner predicted for this run, shown beside the measurements.
   void set_prediction(PlannedRun plan) { plan_ = std::move(plan); has_plan_ = true; }
   // The job's replicas and tensor group (1, 1, false: one pipeline of whole stages).
@@ -187,6 +210,7 @@ class ReportBuilder {
   int timed_ = 0;
   double span_total_ = 0, wall_total_ = 0;
   std::vector<double> stage_flops_, stage_peaks_;
+  std::vector<GemmRate> gemms_;
   bool has_eval_ = false;
   double eval_loss_ = 0, eval_accuracy_ = 0;
   // fp16's loss scaling (this launch's steps): the steps skipped on overflow, and the

@@ -290,6 +290,48 @@ TEST_CASE("the table and report.json show the same figures, and the scores") {
   CHECK(b.json()["stages"][1]["captured_ops"] == 19);
 }
 
+TEST_CASE("the matrix products timed alone: a line each, the first 8, and every one in report.json") {
+  ReportBuilder b = builder();
+  b.add_step(1, 2.0, hand_step(1.0, 1, 1), true);
+  std::vector<GemmRate> gemms;
+  for (int i = 0; i < 9; ++i) {
+    GemmRate g;
+    g.op = i == 0 ? "linear_weight_grad" : "matmul";
+    g.m = 64;
+    g.n = 32;
+    g.k = 128 + i;
+    g.trans_a = i == 0;  // a is (k, m): shown as it is stored, 128x64
+    g.dtype = "bfloat16";
+    g.c_dtype = i == 0 ? "float32" : "bfloat16";
+    g.device = "cuda:0";
+    g.stages = {0, 1};
+    g.layers = "1-16";
+    g.phases = "W";
+    g.calls = 16;
+    g.timed_calls = 20;
+    g.ms = 0.002;
+    g.flops_per_second = g.flops() / (g.ms / 1e3);  // 2 x 64 x 32 x 128 = 524288 / 2 us = 262.1 GFLOP/s
+    g.peak_flops_per_second = i == 0 ? 1000e9 : 0;
+    gemms.push_back(g);
+  }
+  b.set_gemms(gemms);
+  const std::string t = b.table();
+  CAPTURE(t);
+  CHECK(t.find("  linear_weight_grad (128x64)^T @ 128x32 -> 64x32, bfloat16 in, float32 out: stage 0,1, layers "
+               "1-16, W, 16 a micro-batch: 0.002 ms, 262.1 GFLOP/s, 26.2% of 1000.0\n") != std::string::npos);
+  CHECK(t.find("  matmul 64x135 @ 135x32 -> 64x32, bfloat16 in, bfloat16 out: stage 0,1, layers 1-16, W, 16 a "
+               "micro-batch: 0.002 ms, 276.5 GFLOP/s\n") != std::string::npos);  // no peak: no fraction
+  CHECK(t.find("matmul 64x136") == std::string::npos);  // the ninth: only in report.json
+  CHECK(t.find("  and 1 more in report.json\n") != std::string::npos);
+  const nlohmann::json j = b.json();
+  REQUIRE(j["gemms"].size() == 9);
+  CHECK(j["gemms"][0]["flops"] == 524288.0);
+  CHECK(j["gemms"][0]["peak_fraction"].get<double>() == doctest::Approx(524288.0 / 2e-6 / 1000e9));
+  CHECK_FALSE(j["gemms"][1].contains("peak_fraction"));
+  CHECK(j["gemms"][8]["k"] == 136);
+  CHECK(j["gemms"][8]["stages"] == nlohmann::json({0, 1}));
+}
+
 TEST_CASE("MFU: each stage's useful FLOPs per second of step over its peak, and the pipeline's over their sum") {
   ReportBuilder b = builder();
   b.add_step(1, 2.0, hand_step(1.0, 1, 1), true);  // a step of 20.5 ms wall

@@ -20,6 +20,7 @@
 #include "pipeline/planning/plan.h"
 #include "pipeline/train/checkpointing.h"
 #include "pipeline/train/datasets.h"
+#include "pipeline/train/gemm_rates.h"
 #include "pipeline/train/auto_plan.h"
 #include "pipeline/train/run_artifacts.h"
 #include "pipeline/train/run_directory.h"
@@ -722,6 +723,19 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   }
   checkpoints.wait_for_last_save();
   result.checkpoint_path = checkpoints.last_saved();
+  if (reports) {
+    // Each matrix product of this process's stages (under mpirun the reporting process
+    // runs stage 0), timed alone now that they are idle.
+    std::vector<int> local;
+    for (int k = 0; k < plan.stages; ++k) {
+      if (launch.size <= 1 || k == 0) local.push_back(k);
+    }
+    try {
+      report.set_gemms(measure_gemm_rates(*model, plan, local, artifacts.stage_peaks(), c.train.blas_threads));
+    } catch (const std::exception& e) {
+      spdlog::warn("the run's matrix products could not be timed ({}): the report goes without them", e.what());
+    }
+  }
   if (reports) result.summary = report.summary();  // stage 0 of the pipeline reports for it
   if (writes) {
     out << "\n" << report.table();

@@ -10,7 +10,9 @@
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
+#include <tuple>
 
 #include "kernels/backend.h"
 #include "layers/registry.h"
@@ -128,6 +130,39 @@ TEST_CASE("report.json carries steps, stages and the bubble") {
   // recomputed): F linear_bias 1 + relu 1 = 2, recomputed 2, B relu 1, W linear_weight_grad
   // 1: 4 x 2 + 3 x 2 + 4 x 2 = 22.
   CHECK(j["stages"][0]["ops_per_step"].get<int64_t>() == 22);
+  // Each matrix product, timed alone after the run (gemm_rates.h), against a hand list of
+  // the layers' products at the micro-batch of 8: linear 16 -> 32 (the first layer: no
+  // input gradient), 32 -> 32 and 32 -> 4, each with its bias, on stages 0 and 1 (2, 3).
+  //   F: linear_bias x (8, in) W^T (in, out): m 8, n out, k in;
+  //   B: matmul_weight dy (8, out) W (out, in): m 8, n in, k out;
+  //   W: linear_weight_grad dy^T (out, 8) x (8, in): m out, n in, k 8.
+  REQUIRE(j.contains("gemms"));
+  using Product = std::tuple<std::string, int64_t, int64_t, int64_t, std::string, std::string, std::vector<int>>;
+  std::set<Product> got;
+  const std::set<Product> want = {
+      {"linear_bias", 8, 32, 16, "F", "0", {0}},          {"linear_weight_grad", 32, 16, 8, "W", "0", {0}},
+      {"linear_bias", 8, 32, 32, "F", "2", {1}},          {"matmul_weight", 8, 32, 32, "B", "2", {1}},
+      {"linear_weight_grad", 32, 32, 8, "W", "2", {1}},   {"linear_bias", 8, 4, 32, "F", "4", {1}},
+      {"matmul_weight", 8, 32, 4, "B", "4", {1}},         {"linear_weight_grad", 4, 32, 8, "W", "4", {1}}};
+  for (const auto& g : j["gemms"]) {
+    CAPTURE(g.dump());
+    // Its stage's device (cpu:0, cpu:1: one stage each) and that device's peak.
+    const int stage = g["stages"][0].get<int>();
+    CHECK(g["device"] == j["stages"][stage]["device"]);
+    const double peak = j["stages"][stage]["peak_flops_per_second"].get<double>();
+    got.insert({g["op"], g["m"], g["n"], g["k"], g["phases"], g["layers"], g["stages"].get<std::vector<int>>()});
+    const double flops = 2.0 * g["m"].get<double>() * g["n"].get<double>() * g["k"].get<double>();
+    CHECK(g["flops"].get<double>() == flops);
+    CHECK(g["calls_per_micro_batch"] == 1);
+    CHECK(g["timed_calls"].get<int>() >= 1);
+    CHECK(g["ms"].get<double>() > 0);
+    CHECK(g["flops_per_second"].get<double>() == doctest::Approx(flops / (g["ms"].get<double>() / 1e3)).epsilon(1e-9));
+    CHECK(g["peak_flops_per_second"].get<double>() == doctest::Approx(peak).epsilon(1e-9));
+    CHECK(g["peak_fraction"].get<double>() ==
+          doctest::Approx(g["flops_per_second"].get<double>() / peak).epsilon(1e-9));
+    CHECK(g["dtype"] == "float32");
+  }
+  CHECK(got == want);
   CHECK(j["stages"][0]["layers"] == "0-1 linear, relu");
   CHECK(!std::filesystem::exists(r.report_path + ".tmp"));
 }
@@ -194,6 +229,23 @@ TEST_CASE("a resumed run's report.json keeps every validation of the launches be
   CHECK(v[1]["loss"].get<double>() == first.eval_loss);
   CHECK(v[1]["accuracy"].get<double>() == first.eval_accuracy);
   CHECK(v[2]["loss"].get<double>() == second.eval_loss);
+}
+
+TEST_CASE("a matrix product timed on a device two stages share is measured against the device's whole peak") {
+  const TrainResult r = run({"output.dir=" + out_dir("gemm_shared"), "train.steps=2", "pipeline.partitions=2",
+                             "pipeline.devices=[cpu:0, cpu:0]"});
+  std::ifstream f(r.report_path);
+  const nlohmann::json j = nlohmann::json::parse(f);
+  REQUIRE(j["stages"].size() == 2);
+  // Each stage's peak is its share of cpu:0 (device_peaks); the device's is their sum.
+  const double whole = j["stages"][0]["peak_flops_per_second"].get<double>() +
+                       j["stages"][1]["peak_flops_per_second"].get<double>();
+  REQUIRE(j["gemms"].size() == 8);
+  for (const auto& g : j["gemms"]) {
+    CAPTURE(g.dump());
+    CHECK(g["device"] == "cpu:0");
+    CHECK(g["peak_flops_per_second"].get<double>() == doctest::Approx(whole).epsilon(1e-9));
+  }
 }
 
 TEST_CASE("validation over a partial last chunk scores exactly eval_samples samples") {

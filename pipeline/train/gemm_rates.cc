@@ -1,0 +1,185 @@
+#include "pipeline/train/gemm_rates.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <tuple>
+
+#include "kernels/backend.h"
+#include "kernels/meta_backend.h"
+#include "runtime/heartbeat.h"
+#include "runtime/stream.h"
+
+namespace gpipe {
+namespace pipeline {
+
+namespace {
+
+// Timing stops adding calls once this much has been timed (after at least one).
+constexpr double kBudgetMs = 50;
+constexpr int kMaxCalls = 20;
+
+// Layer indices as ranges: "0, 2, 4-7".
+std::string index_ranges(const std::set<int>& xs) {
+  std::string out;
+  for (auto it = xs.begin(); it != xs.end();) {
+    const int first = *it;
+    int last = first;
+    for (++it; it != xs.end() && *it == last + 1; ++it) last = *it;
+    if (!out.empty()) out += ", ";
+    out += last == first ? std::to_string(first) : std::to_string(first) + "-" + std::to_string(last);
+  }
+  return out;
+}
+
+// The product called as its op calls it, on operands of its sizes on `be`'s device.
+class ProductCall {
+ public:
+  ProductCall(Backend& be, const MetaProduct& p) : be_(be), p_(p) {
+    auto filled = [&](const Shape& s, DType t, double v) {
+      Tensor x = be.empty(s, t);
+      be.fill(x, v);
+      return x;
+    };
+    const Shape a_shape = p.trans_a ? Shape{p.k, p.m} : Shape{p.m, p.k};
+    const Shape b_shape = p.trans_b ? Shape{p.n, p.k} : Shape{p.k, p.n};
+    a_ = filled(a_shape, p.dtype, 0.01);
+    b_ = filled(b_shape, p.dtype, 0.02);
+    c_ = filled({p.m, p.n}, p.c_dtype, 0.0);
+    // linear_bias adds a bias of c's columns; linear_weight_grad sums into one of c's rows.
+    if (p.op == "linear_bias") bias_ = filled({p.n}, p.dtype, 0.5);
+    if (p.op == "linear_weight_grad") bias_ = filled({p.m}, p.c_dtype, 0.0);
+  }
+  void operator()() {
+    if (p_.op == "linear_bias") return be_.linear_bias(a_, b_, bias_, c_);
+    if (p_.op == "linear_weight_grad") return be_.linear_weight_grad(a_, b_, c_, bias_);
+    if (p_.op == "matmul_weight") {
+      FrozenWeights frozen;  // as the executor holds it around a stage's instructions
+      return be_.matmul_weight(a_, p_.trans_a, b_, p_.trans_b, c_);
+    }
+    be_.matmul(a_, p_.trans_a, b_, p_.trans_b, c_);
+  }
+
+ private:
+  Backend& be_;
+  const MetaProduct& p_;
+  Tensor a_, b_, c_, bias_;
+};
+
+// Milliseconds of one call of `p` on `device` (the mean of the timed calls), and how many
+// were timed.
+std::pair<double, int> time_product(Device device, const MetaProduct& p) {
+  Backend& be = backend_for(device);
+  ProductCall call(be, p);
+  call();  // warm-up: the library's choice of kernel, its buffers, the device's clocks
+  be.synchronize();
+  std::unique_ptr<Event> start = make_event(device), end = make_event(device);
+  double total = 0;
+  int calls = 0;
+  while (calls < kMaxCalls && (calls == 0 || total < kBudgetMs)) {
+    heartbeat();  // progress, for gpipe run (runtime/heartbeat.h)
+    // One call at first; then as many as the rest of the budget holds, between one pair of events.
+    int n = 1;
+    if (calls > 0) {  // a clock too coarse to see the calls so far: the rest at once
+      const double per_call = total / calls;
+      n = per_call > 0 ? static_cast<int>(std::min<double>((kBudgetMs - total) / per_call, kMaxCalls - calls))
+                       : kMaxCalls - calls;
+      n = std::max(n, 1);
+    }
+    start->record(be.stream());
+    for (int i = 0; i < n; ++i) call();
+    end->record(be.stream());
+    end->synchronize();
+    total += start->elapsed_ms(*end);
+    calls += n;
+  }
+  return {total / calls, calls};
+}
+
+using ProductKey = std::tuple<std::string, int64_t, int64_t, int64_t, bool, bool, DType, DType, std::string>;
+
+ProductKey key_of(const MetaProduct& p, Device d) {
+  return {p.op, p.m, p.n, p.k, p.trans_a, p.trans_b, p.dtype, p.c_dtype, d.str()};
+}
+
+}  // namespace
+
+std::vector<GemmRate> measure_gemm_rates(const layers::Sequential& model, const Plan& plan,
+                                         const std::vector<int>& stages, const std::vector<double>& stage_peaks,
+                                         int blas_threads) {
+  if (plan.micro_batch_sizes.empty()) return {};
+  set_cpu_blas_threads(blas_threads);  // a CPU's products at the run's threads per call
+  std::vector<LayerProducts> products;  // on shapes, at the run's micro-batch size
+  count_launches(model, plan.micro_batch_sizes.front(), &products);
+  struct Entry {
+    MetaProduct product;
+    Device device;
+    std::set<int> stages, layers;
+    std::set<char> phases;
+    int64_t calls = 0;
+  };
+  std::map<ProductKey, Entry> entries;
+  for (int stage : stages) {
+    const Device device = plan.devices.at(static_cast<size_t>(stage));
+    for (int c = 0; c < plan.num_cells(); ++c) {
+      if (plan.schedule.stage_of_cell(c) != stage) continue;
+      const CellSpec& cell = plan.cells.at(static_cast<size_t>(c));
+      for (int i = cell.first_layer; i < cell.first_layer + cell.num_layers; ++i) {
+        const LayerProducts& lp = products.at(static_cast<size_t>(i));
+        for (const auto& [phase, list] : {std::pair<char, const std::vector<MetaProduct>*>{'F', &lp.forward},
+                                          {'B', &lp.backward}, {'W', &lp.weight}}) {
+          for (const MetaProduct& p : *list) {
+            Entry& e = entries.try_emplace(key_of(p, device), Entry{p, device}).first->second;
+            e.stages.insert(stage);
+            e.layers.insert(i);
+            e.phases.insert(phase);
+            ++e.calls;
+          }
+        }
+      }
+    }
+  }
+  // A device's whole peak: the shares of its stages added (device_peaks gives each stage
+  // on a shared device its share).
+  auto device_peak = [&](Device d) {
+    double sum = 0;
+    for (size_t k = 0; k < plan.devices.size() && k < stage_peaks.size(); ++k) {
+      if (plan.devices[k] == d) sum += stage_peaks[k];
+    }
+    return sum;
+  };
+  std::vector<GemmRate> out;
+  for (auto& [key, e] : entries) {
+    (void)key;
+    GemmRate r;
+    r.op = e.product.op;
+    r.m = e.product.m;
+    r.n = e.product.n;
+    r.k = e.product.k;
+    r.trans_a = e.product.trans_a;
+    r.trans_b = e.product.trans_b;
+    r.dtype = dtype_name(e.product.dtype);
+    r.c_dtype = dtype_name(e.product.c_dtype);
+    r.device = e.device.str();
+    r.stages.assign(e.stages.begin(), e.stages.end());
+    r.layers = index_ranges(e.layers);
+    for (char ph : {'F', 'B', 'W'}) {
+      if (e.phases.count(ph) > 0) r.phases += ph;
+    }
+    r.calls = e.calls;
+    std::tie(r.ms, r.timed_calls) = time_product(e.device, e.product);
+    r.flops_per_second = r.ms > 0 ? e.product.flops() / (r.ms / 1e3) : 0;
+    r.peak_flops_per_second = device_peak(e.device);
+    out.push_back(std::move(r));
+  }
+  std::stable_sort(out.begin(), out.end(), [](const GemmRate& a, const GemmRate& b) {
+    return a.ms * static_cast<double>(a.calls) > b.ms * static_cast<double>(b.calls);
+  });
+  return out;
+}
+
+}  // namespace pipeline
+}  // namespace gpipe
