@@ -224,6 +224,12 @@ bool gemm_weight(bool ta, int m, int n, int k, float alpha, const float* a, int 
                  float beta, float* c, int ldc) {
   const Library lib = library();
   if (lib == Library::kOpenblas) return false;
+  // auto: oneDNN only at one thread a product. With more, its OpenMP team and OpenBLAS's
+  // threads each spin-wait for their next product on the cores the other needs (libgomp
+  // spins unless OMP_WAIT_POLICY=passive): at 2 threads on 2 cores an MLP's step took
+  // 53x as long as at one, and OpenBLAS alone at 2 threads was as fast as oneDNN there
+  // (bench/RESULTS.md).
+  if (lib == Library::kAuto && g_threads.load(std::memory_order_relaxed) != 1) return false;
   ThreadState& s = state();
   const int ldw = static_cast<int>(w.size(1));
   if (s.windows == 0) {  // no promise that w stays: read it where it is

@@ -11,10 +11,13 @@ namespace gpipe {
 namespace cpu_blas {
 
 // GPIPE_GEMM=auto (the default): OpenBLAS, except the products with a layer's weight
-// inside a FrozenWeights window, which go to oneDNN when oneDNN's matmul prefers a
+// inside a FrozenWeights window at one thread a product (set_threads(1), the default of
+// train.blas_threads), which go to oneDNN when oneDNN's matmul prefers a
 // blocked (packed) weight layout on this CPU (its AVX-512 kernels; issue 21 measured
 // them at 1.2 to 2.1x OpenBLAS on the thin micro-batch products). Where oneDNN would
-// only use a plain layout (AVX2 CPUs), it measured no faster, and auto stays on OpenBLAS.
+// only use a plain layout (AVX2 CPUs), it measured no faster, and auto stays on OpenBLAS;
+// at more threads a product, oneDNN's OpenMP team and OpenBLAS's threads spin against
+// each other, and auto stays on OpenBLAS too.
 // GPIPE_GEMM=onednn: every float32 product through oneDNN. GPIPE_GEMM=openblas: none.
 enum class Library { kAuto, kOpenblas, kOnednn };
 

@@ -209,3 +209,24 @@ TEST_CASE("a packed weight serves only inside its window; a changed weight is re
   cpu_blas::set_always_pack(false);
   cpu_blas::set_library(cpu_blas::Library::kAuto);
 }
+
+// GPIPE_GEMM=auto takes a weight's product to oneDNN only at one thread a product: at
+// more (or the libraries' default, all cores), oneDNN's OpenMP team and OpenBLAS's
+// threads spin against each other (an MLP's step 53x as long at 2 threads on 2 cores;
+// bench/RESULTS.md), and OpenBLAS takes every product. Packing forced, so that a product
+// oneDNN takes keeps a copy on any CPU: the count of copies says which library ran.
+TEST_CASE("auto: a weight's product goes to oneDNN only at one thread a product") {
+  Backend& be = backend_for(Device::cpu());
+  cpu_blas::set_library(cpu_blas::Library::kAuto);
+  cpu_blas::set_always_pack(true);
+  const Tensor x = matrix(8, 24, 21), w = matrix(40, 24, 22);
+  Tensor y = be.empty({8, 40}, DType::kF32);
+  for (int threads : {1, 2, 0, 1}) {
+    CAPTURE(threads);
+    set_cpu_blas_threads(threads);
+    FrozenWeights frozen;
+    be.matmul_weight(x, false, w, true, y);
+    CHECK(cpu_blas::packed_weights_held() == (threads == 1 ? 1 : 0));
+  }
+  cpu_blas::set_always_pack(false);
+}
