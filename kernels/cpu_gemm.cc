@@ -5,10 +5,13 @@
 #include <cblas.h>
 #include <omp.h>
 
+#include <spdlog/spdlog.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -206,6 +209,18 @@ void set_threads(int threads) {
     set = true;
   }
   g_threads.store(threads);
+  // GPIPE_GEMM=onednn at more than one thread: every product through oneDNN's OpenMP
+  // team, which libgomp keeps spinning between products unless told to wait passively
+  // (read when the library loads, so only the environment can say it).
+  const char* policy = std::getenv("OMP_WAIT_POLICY");
+  const bool passive = policy != nullptr && (std::string(policy) == "passive" || std::string(policy) == "PASSIVE");
+  static std::atomic<bool> warned{false};
+  if (library() == Library::kOnednn && threads != 1 && !passive && !warned.exchange(true)) {
+    spdlog::warn("GPIPE_GEMM=onednn at {} BLAS threads a product: OpenMP's threads spin-wait between products and "
+                 "can take the cores from the stage's other work (53x slower at 2 threads on 2 cores, "
+                 "bench/RESULTS.md); export OMP_WAIT_POLICY=passive, or leave GPIPE_GEMM at auto",
+                 threads == 0 ? std::string("all cores'") : std::to_string(threads));
+  }
   // Applies to the calling thread now; every other thread at its next oneDNN call.
   if (threads > 0) {
     omp_set_num_threads(threads);
