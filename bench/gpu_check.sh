@@ -514,6 +514,30 @@ md += ["", f"Each run trains the config's model for {steps} steps and times the 
        "torch.cuda.max_memory_allocated; gpipe's own count, which it does not measure on the device: the plan's "
        "weights, gradients and optimizer state plus the measured peak activations, summed over the stages "
        "(report.json), without workspaces and temporaries."]
+# Each K = 1 run's matrix products, timed alone after it (report.json's gemms: the longest
+# per micro-batch first), against the datasheet peak of the MFU column and the one gpipe probed.
+gemm_rows = []
+for r in rows:
+    if r["impl"] != "gpipe" or r.get("k") != 1 or r.get("capture") or "ms" not in r:
+        continue
+    try:
+        gemms = json.load(open(os.path.join(r["dir"], "report.json"))).get("gemms", [])
+    except (OSError, ValueError):
+        continue
+    for g in gemms[:5]:
+        sheet = f"{100 * g['flops_per_second'] / peaks[r['precision']]:.1f}%" if r["precision"] in peaks else "-"
+        probed = f"{100 * g['peak_fraction']:.1f}%" if "peak_fraction" in g else "-"
+        ops = ("T" if g["trans_a"] else "N") + ("T" if g["trans_b"] else "N")  # op(a), op(b): BLAS's letters
+        gemm_rows.append([f"llama_{r['size']}_speed", r["precision"], g["op"], f"{g['m']}x{g['n']}x{g['k']} {ops}",
+                          g["phases"], str(g["calls_per_micro_batch"]), f"{g['ms']:.3f}",
+                          f"{g['flops_per_second'] / 1e12:.4g}", sheet, probed])
+if gemm_rows:
+    gh = ["model", "precision", "op", "m x n x k, a b transposed", "phase", "calls a micro-batch", "ms a call", "TFLOP/s",
+          "of the datasheet peak", "of the probed peak"]
+    md += ["", "Matrix products of gpipe's K = 1 runs, each timed alone on the GPU after the run (report.json's "
+           "gemms, the 5 longest per micro-batch; device time between two CUDA events):", "",
+           "| " + " | ".join(gh) + " |", "|" + "---|" * len(gh)]
+    md += ["| " + " | ".join(row) + " |" for row in gemm_rows]
 if not_run:
     md += ["", "Not run, the step's time budget spent: " + "; ".join(not_run) + "."]
 with open(os.path.join(out, "speed.md"), "w") as f:
