@@ -11,8 +11,9 @@ namespace gpipe {
 namespace cpu_blas {
 
 // GPIPE_GEMM=auto (the default): OpenBLAS, except the products with a layer's weight
-// inside a FrozenWeights window at one thread a product (set_threads(1), the default of
-// train.blas_threads), which go to oneDNN when oneDNN's matmul prefers a
+// inside a FrozenWeights window at one thread a product (set_threads(1), as the trainer
+// sets it at train.blas_threads' default; never set, the libraries use all cores and
+// auto stays on OpenBLAS), which go to oneDNN when oneDNN's matmul prefers a
 // blocked (packed) weight layout on this CPU (its AVX-512 kernels; issue 21 measured
 // them at 1.2 to 2.1x OpenBLAS on the thin micro-batch products). Where oneDNN would
 // only use a plain layout (AVX2 CPUs), it measured no faster, and auto stays on OpenBLAS;

@@ -30,6 +30,8 @@
 #include <optional>
 #include <string>
 
+#include <spdlog/spdlog.h>
+
 #include "kernels/cuda_backend.h"
 #include "runtime/cuda_check.h"
 #include "runtime/cuda_device.h"
@@ -153,6 +155,15 @@ class LtDescriptors {
   cublasLtMatrixLayout_t a_ = nullptr, b_ = nullptr, c_ = nullptr;
 };
 
+// A cuBLASLt call that failed where the composition can stand in: said once a process.
+void warn_once(const char* what, cublasStatus_t st) {
+  static std::atomic<bool> warned{false};
+  if (warned.exchange(true)) return;
+  spdlog::warn("cuBLASLt: {} failed ({}); the linear ops with a bias compose cuBLAS's product and the bias kernels "
+               "instead where it does (GPIPE_CUBLASLT=0 always does)",
+               what, cublas_status_string(st));
+}
+
 // The heuristic's first algorithm for the call, or nullopt.
 std::optional<cublasLtMatmulAlgo_t> choose(cublasLtHandle_t handle, const LtCall& call, const LtDescriptors& d) {
   cublasLtMatmulPreference_t pref = nullptr;
@@ -174,8 +185,9 @@ std::optional<cublasLtMatmulAlgo_t> choose(cublasLtHandle_t handle, const LtCall
     int found = 0;
     const cublasStatus_t st =
         cublasLtMatmulAlgoGetHeuristic(handle, d.op(), d.a(), d.b(), d.c(), d.c(), pref, 1, &result, &found);
-    // NOT_SUPPORTED: no algorithm for this configuration (an answer, not an error).
-    if (st != CUBLAS_STATUS_NOT_SUPPORTED) GPIPE_CUBLAS_CHECK(st);
+    // NOT_SUPPORTED: no algorithm for this configuration (an answer, not an error). Any
+    // other failure: the same, said once (the composition computes the op).
+    if (st != CUBLAS_STATUS_SUCCESS && st != CUBLAS_STATUS_NOT_SUPPORTED) warn_once("the heuristic", st);
     if (st == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS &&
         result.workspaceSize <= LtState::kWorkspaceBytes) {
       out = result.algo;
@@ -228,8 +240,18 @@ bool CudaBackend::lt_matmul(const LtCall& call) {
   }
   if (!algo) return false;
   const float alpha = 1.0f;
-  GPIPE_CUBLAS_CHECK(cublasLtMatmul(s.handle, d.op(), &alpha, call.a, d.a(), call.b, d.b(), &call.beta, call.c, d.c(),
-                                    call.c, d.c(), &*algo, s.workspace, LtState::kWorkspaceBytes, cuda_stream()));
+  const cublasStatus_t st = cublasLtMatmul(s.handle, d.op(), &alpha, call.a, d.a(), call.b, d.b(), &call.beta, call.c,
+                                           d.c(), call.c, d.c(), &*algo, s.workspace, LtState::kWorkspaceBytes,
+                                           cuda_stream());
+  // A refusal (the call's arguments, not the device) queues nothing: this shape is the
+  // composition's from now on. A launch or execution failure is the device's: thrown.
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED || st == CUBLAS_STATUS_INVALID_VALUE) {
+    warn_once("cublasLtMatmul", st);
+    std::lock_guard<std::mutex> lock(lt_mu_);
+    s.algos[call.key()] = std::nullopt;
+    return false;
+  }
+  GPIPE_CUBLAS_CHECK(st);
   ++lt_calls;
   return true;
 }

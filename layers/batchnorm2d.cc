@@ -106,13 +106,17 @@ Tensor BatchNorm2d::forward_impl(Backend& be, const Tensor& x, Context* ctx, con
   // A recompute sees the same micro-batch again: counting it twice would skew the
   // running statistics.
   if (!args.recompute) {
-    if (!kept_.empty() && kept_step_ != args.step) kept_.clear();  // left over from a step without end_step
-    kept_step_ = args.step;
     // Copies, so that nothing that later reuses the context's buffers can change them.
     Kept k{be.empty({C}, stats), be.empty({C}, stats), x.size(0) * input_shape_[1] * input_shape_[2]};
     be.copy(mean, k.mean);
     be.copy(var, k.var);
-    kept_.push_back(std::move(k));
+    // On shapes (the planner counting a training forward's ops) the copies are made and
+    // nothing is kept: statistics without data must never reach end_step.
+    if (!ShapesOnly::active()) {
+      if (!kept_.empty() && kept_step_ != args.step) kept_.clear();  // left over from a step without end_step
+      kept_step_ = args.step;
+      kept_.push_back(std::move(k));
+    }
   }
   if (ctx != nullptr) ctx->saved = {x, mean, var};
   return y;

@@ -308,9 +308,10 @@ std::vector<partition::LayerLaunches> count_launches(const layers::Sequential& m
   for (int64_t d : model.input_shape()) shape.push_back(d);
   Backend* be = &meta_backend(model.layer(0).device());
   Tensor h = be->zeros(shape, model.input_dtype());
-  layers::ForwardArgs args;  // training, as F runs: dropout's ops counted, BatchNorm's statistics kept
-  // At a step no run takes, as the executor's shape probe (executor/cell.cc): what a
-  // layer keeps per training step (BatchNorm's statistics) is dropped at the run's first.
+  // Training, as F runs: dropout's ops counted, and BatchNorm's copies of its statistics
+  // (which it keeps nothing of on shapes); at a step no run takes, as the executor's
+  // shape probe (executor/cell.cc).
+  layers::ForwardArgs args;
   args.step = std::numeric_limits<uint64_t>::max();
   layers::ForwardArgs again = args;  // R: the same forward, keeping nothing
   again.recompute = true;

@@ -112,8 +112,8 @@ struct PredictOptions {
   const ActivationLayout* layout = nullptr;
 };
 
-// The ops stage k's layers call in one step (PlannedStage::launches): F and R a
-// forward's, B its part of the backward (all of it for a micro-batch that does not
+// The ops stage k's layers call in one step (PlannedStage::launches): F a training
+// forward's, R the forward's again (LayerLaunches::recompute), B its part of the backward (all of it for a micro-batch that does not
 // defer W), W the weight gradient's for each micro-batch it covers. The plan's ops must
 // have been counted (Plan::launches).
 int64_t stage_launches(const Plan& plan, int k);

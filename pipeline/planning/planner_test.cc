@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "layers/batchnorm2d.h"
 #include "layers/layer.h"
 #include "pipeline/config/config.h"
 #include "pipeline/config/run_model.h"
@@ -786,6 +787,14 @@ train: {steps: 1, batch_size: 4}
   CHECK(n[1].forward == 3);
   CHECK(n[1].recompute == 1);
   for (int i : {0, 2, 3, 4}) CHECK(n[i].forward == n[i].recompute);
+  // The count keeps nothing: an end of step right after it (a replica that saw no
+  // micro-batch still joins the sum) finds no statistics without data, and the running
+  // statistics stay as they were.
+  auto& norm = dynamic_cast<layers::BatchNorm2d&>(run.model->layer(1));
+  const std::vector<double> before = gpipe::testing::to_doubles(norm.running_mean());
+  const layers::ReplicaSum none = [](std::vector<double>&) {};
+  CHECK_NOTHROW(norm.end_step(backend_for(Device::cpu()), none));
+  CHECK(gpipe::testing::to_doubles(norm.running_mean()) == before);
   // Per step at M = 2 with every micro-batch recomputed: R's ops are F's less 2 x 2 copies.
   const Config c = parse_config(bn, "t.yaml", {"pipeline.micro_batches=2", "pipeline.recompute=always"});
   RunModel r = build_run_model(c);

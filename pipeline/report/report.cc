@@ -492,8 +492,8 @@ std::string ReportBuilder::table() const {
     os << line;
   }
   if (!s.gemms.empty()) {
-    os << "Matrix products, each timed alone on its device after the run (one call; against the device's probed "
-          "peak), the longest per micro-batch first:\n";
+    os << "Matrix products, each timed alone on its device after the run (a call's time, the mean of up to 20; "
+          "against the device's probed peak), the longest per micro-batch first:\n";
     constexpr size_t kShown = 8;
     for (size_t i = 0; i < s.gemms.size() && i < kShown; ++i) {
       const GemmRate& g = s.gemms[i];

@@ -1,6 +1,9 @@
 #include "pipeline/train/gemm_rates.h"
 
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <map>
 #include <memory>
@@ -10,6 +13,7 @@
 
 #include "kernels/backend.h"
 #include "kernels/meta_backend.h"
+#include "layers/tensor_parallel.h"
 #include "runtime/heartbeat.h"
 #include "runtime/stream.h"
 
@@ -56,10 +60,7 @@ class ProductCall {
   void operator()() {
     if (p_.op == "linear_bias") return be_.linear_bias(a_, b_, bias_, c_);
     if (p_.op == "linear_weight_grad") return be_.linear_weight_grad(a_, b_, c_, bias_);
-    if (p_.op == "matmul_weight") {
-      FrozenWeights frozen;  // as the executor holds it around a stage's instructions
-      return be_.matmul_weight(a_, p_.trans_a, b_, p_.trans_b, c_);
-    }
+    if (p_.op == "matmul_weight") return be_.matmul_weight(a_, p_.trans_a, b_, p_.trans_b, c_);
     be_.matmul(a_, p_.trans_a, b_, p_.trans_b, c_);
   }
 
@@ -70,22 +71,26 @@ class ProductCall {
 };
 
 // Milliseconds of one call of `p` on `device` (the mean of the timed calls), and how many
-// were timed.
-std::pair<double, int> time_product(Device device, const MetaProduct& p) {
+// were timed: one, then more while the time so far is under `budget_ms` (at most kBudgetMs).
+std::pair<double, int> time_product(Device device, const MetaProduct& p, double budget_ms) {
+  budget_ms = std::min(budget_ms, kBudgetMs);
   Backend& be = backend_for(device);
   ProductCall call(be, p);
+  // The weights stay as they are, as the executor promises around a stage's instructions:
+  // a CPU's oneDNN packs a weight at the first call and reads the copy after, as in a step.
+  FrozenWeights frozen;
   call();  // warm-up: the library's choice of kernel, its buffers, the device's clocks
   be.synchronize();
   std::unique_ptr<Event> start = make_event(device), end = make_event(device);
   double total = 0;
   int calls = 0;
-  while (calls < kMaxCalls && (calls == 0 || total < kBudgetMs)) {
+  while (calls < kMaxCalls && (calls == 0 || total < budget_ms)) {
     heartbeat();  // progress, for gpipe run (runtime/heartbeat.h)
     // One call at first; then as many as the rest of the budget holds, between one pair of events.
     int n = 1;
     if (calls > 0) {  // a clock too coarse to see the calls so far: the rest at once
       const double per_call = total / calls;
-      n = per_call > 0 ? static_cast<int>(std::min<double>((kBudgetMs - total) / per_call, kMaxCalls - calls))
+      n = per_call > 0 ? static_cast<int>(std::min<double>((budget_ms - total) / per_call, kMaxCalls - calls))
                        : kMaxCalls - calls;
       n = std::max(n, 1);
     }
@@ -107,13 +112,26 @@ ProductKey key_of(const MetaProduct& p, Device d) {
 
 }  // namespace
 
-std::vector<GemmRate> measure_gemm_rates(const layers::Sequential& model, const Plan& plan,
-                                         const std::vector<int>& stages, const std::vector<double>& stage_peaks,
-                                         int blas_threads) {
+std::vector<GemmRate> measure_gemm_rates(layers::Sequential& model, const Plan& plan, const std::vector<int>& stages,
+                                         const std::vector<double>& stage_peaks, int blas_threads, int tensor_rank,
+                                         double budget_seconds) {
   if (plan.micro_batch_sizes.empty()) return {};
   set_cpu_blas_threads(blas_threads);  // a CPU's products at the run's threads per call
   std::vector<LayerProducts> products;  // on shapes, at the run's micro-batch size
-  count_launches(model, plan.micro_batch_sizes.front(), &products);
+  {
+    // A tensor group's layers ask their group for sums: on shapes, a group that only
+    // answers with shapes (as the executor's probe does, executor/cell.cc), then the
+    // run's group back.
+    layers::ShapeCollectives group(tensor_rank, plan.tensor_parallel);
+    layers::TensorCollectives* const before = model.collectives();
+    struct Restore {
+      layers::Sequential& model;
+      layers::TensorCollectives* group;
+      ~Restore() { model.set_collectives(group); }
+    } restore{model, before};
+    if (before != nullptr) model.set_collectives(&group);
+    count_launches(model, plan.micro_batch_sizes.front(), &products);
+  }
   struct Entry {
     MetaProduct product;
     Device device;
@@ -151,9 +169,18 @@ std::vector<GemmRate> measure_gemm_rates(const layers::Sequential& model, const 
     }
     return sum;
   };
+  // The most FLOPs a micro-batch first, so that a budget spent leaves out the smallest.
+  std::vector<Entry*> order;
+  for (auto& kv : entries) order.push_back(&kv.second);
+  std::stable_sort(order.begin(), order.end(), [](const Entry* a, const Entry* b) {
+    return a->product.flops() * static_cast<double>(a->calls) > b->product.flops() * static_cast<double>(b->calls);
+  });
+  const auto start = std::chrono::steady_clock::now();
+  auto spent_ms = [&] { return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count(); };
   std::vector<GemmRate> out;
-  for (auto& [key, e] : entries) {
-    (void)key;
+  for (Entry* ep : order) {
+    const Entry& e = *ep;
+    if (spent_ms() >= budget_seconds * 1e3) break;
     GemmRate r;
     r.op = e.product.op;
     r.m = e.product.m;
@@ -170,10 +197,15 @@ std::vector<GemmRate> measure_gemm_rates(const layers::Sequential& model, const 
       if (e.phases.count(ph) > 0) r.phases += ph;
     }
     r.calls = e.calls;
-    std::tie(r.ms, r.timed_calls) = time_product(e.device, e.product);
+    std::tie(r.ms, r.timed_calls) = time_product(e.device, e.product, budget_seconds * 1e3 - spent_ms());
     r.flops_per_second = r.ms > 0 ? e.product.flops() / (r.ms / 1e3) : 0;
     r.peak_flops_per_second = device_peak(e.device);
     out.push_back(std::move(r));
+  }
+  if (out.size() < order.size()) {
+    spdlog::warn("the run's matrix products: {} of {} timed within {:.2g} s (a quarter of pipeline.timeout_s, at most "
+                 "10 s); the others, the fewest FLOPs a micro-batch, are not in the report",
+                 out.size(), order.size(), budget_seconds);
   }
   std::stable_sort(out.begin(), out.end(), [](const GemmRate& a, const GemmRate& b) {
     return a.ms * static_cast<double>(a.calls) > b.ms * static_cast<double>(b.calls);

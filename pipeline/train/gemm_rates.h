@@ -22,11 +22,19 @@ namespace pipeline {
 // The products of `stages` (the stages this process runs), timed; `stage_peaks`: every
 // stage's peak in FLOP/s (RunArtifacts::stage_peaks; empty or 0: not known, no
 // fraction); a CPU's products run with `blas_threads` threads a call (train.blas_threads).
-// Ordered by the time they take per micro-batch, longest first. Throws what a device
-// throws (out of memory); the caller reports without them then.
-std::vector<GemmRate> measure_gemm_rates(const layers::Sequential& model, const Plan& plan,
-                                         const std::vector<int>& stages, const std::vector<double>& stage_peaks,
-                                         int blas_threads);
+// `tensor_rank`: this process's member of a tensor group (its layers' shards); the
+// model's tensor group is set back as it was. Timing stops starting products once
+// `budget_seconds` are spent (the other ranks wait for this one in a collective with a
+// deadline), the most FLOPs a micro-batch timed first; a warning says how many were
+// left out. Ordered by the time they take per
+// micro-batch, longest first. Throws what a device throws (out of memory); the caller
+// reports without them then.
+// What a timed call is not: a product the run adds into a gradient (W's matmul) is timed
+// writing it (beta 0), and with pipeline.batch_weight_gradients a W is timed one
+// micro-batch's, where the run makes one product of several.
+std::vector<GemmRate> measure_gemm_rates(layers::Sequential& model, const Plan& plan, const std::vector<int>& stages,
+                                         const std::vector<double>& stage_peaks, int blas_threads, int tensor_rank,
+                                         double budget_seconds);
 
 }  // namespace pipeline
 }  // namespace gpipe

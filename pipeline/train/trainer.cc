@@ -723,15 +723,20 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   }
   checkpoints.wait_for_last_save();
   result.checkpoint_path = checkpoints.last_saved();
-  if (reports) {
+  if (writes) {
     // Each matrix product of this process's stages (under mpirun the reporting process
-    // runs stage 0), timed alone now that they are idle.
+    // runs stage 0), timed alone now that they are idle: by the one process or thread
+    // that writes the report (replica 0's), so that no other replica times at once.
     std::vector<int> local;
     for (int k = 0; k < plan.stages; ++k) {
       if (launch.size <= 1 || k == 0) local.push_back(k);
     }
     try {
-      report.set_gemms(measure_gemm_rates(*model, plan, local, artifacts.stage_peaks(), c.train.blas_threads));
+      // The other ranks wait in checkpoints.finish's collective meanwhile: a quarter of its
+      // deadline at most, and never more than 10 s.
+      const double budget = c.pipeline.timeout_s > 0 ? std::min(10.0, c.pipeline.timeout_s / 4) : 10.0;
+      report.set_gemms(measure_gemm_rates(*model, plan, local, artifacts.stage_peaks(), c.train.blas_threads,
+                                          launch.member, budget));
     } catch (const std::exception& e) {
       spdlog::warn("the run's matrix products could not be timed ({}): the report goes without them", e.what());
     }

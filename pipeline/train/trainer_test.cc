@@ -248,6 +248,52 @@ TEST_CASE("a matrix product timed on a device two stages share is measured again
   }
 }
 
+TEST_CASE("a tensor group's products are listed at its member's shards, and the run's group is kept") {
+  // Two members as threads; the column layer's 32 outputs and the row layer's 32 inputs
+  // are 16 a member. Micro-batches of 2 (batch 8, M = 4).
+  const char* split = R"(model:
+  input: [12]
+  layers:
+    - {type: linear, out: 12}
+    - {type: linear, out: 32, parallel: column}
+    - {type: gelu}
+    - {type: linear, out: 12, parallel: row}
+  loss: softmax_cross_entropy
+data: {classes: 12}
+pipeline: {partitions: 1, micro_batches: 4, tensor_parallel: 2}
+train: {steps: 2, batch_size: 8}
+)";
+  std::ostringstream log;
+  const TrainResult r = train(parse_config(split, "split.yaml", {"output.dir=" + out_dir("gemm_split")}), log);
+  std::ifstream f(r.report_path);
+  const nlohmann::json j = nlohmann::json::parse(f);
+  REQUIRE(j.contains("gemms"));
+  bool column = false, row = false;
+  for (const auto& g : j["gemms"]) {
+    CAPTURE(g.dump());
+    // The column layer's forward, with its bias: x (2, 12) W^T, its 16 rows of W.
+    if (g["layers"] == "1" && g["phases"] == "F") {
+      column = true;
+      CHECK(g["op"] == "linear_bias");
+      CHECK(g["m"] == 2);
+      CHECK(g["n"] == 16);
+      CHECK(g["k"] == 12);
+    }
+    // The row layer's: a partial product over its 16 inputs, summed over the group, then
+    // the bias (so not linear_bias).
+    if (g["layers"] == "3" && g["phases"] == "F") {
+      row = true;
+      CHECK(g["op"] == "matmul_weight");
+      CHECK(g["m"] == 2);
+      CHECK(g["n"] == 12);
+      CHECK(g["k"] == 16);
+    }
+  }
+  CHECK(column);
+  CHECK(row);
+  CHECK(r.losses.size() == 2);
+}
+
 TEST_CASE("validation over a partial last chunk scores exactly eval_samples samples") {
   // 67 = 2 * 32 + 3: chunks of 32, 32 and 3, through K=2. One step at a learning rate
   // far too small to move a float32 weight keeps the initial weights, so the
