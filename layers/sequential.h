@@ -48,6 +48,21 @@ class Sequential {
   // as one member of a group (layers::ModelSpec::member).
   void set_collectives(TensorCollectives* group);
   TensorCollectives* collectives() const { return collectives_; }  // the last set (nullptr: none)
+  // Sets the model's tensor group for as long as it lives, then the one it had back (a
+  // probe on shapes asks a group that only answers with shapes).
+  class CollectivesFor {
+   public:
+    CollectivesFor(Sequential& model, TensorCollectives* group) : model_(model), before_(model.collectives()) {
+      model_.set_collectives(group);
+    }
+    ~CollectivesFor() { model_.set_collectives(before_); }
+    CollectivesFor(const CollectivesFor&) = delete;
+    CollectivesFor& operator=(const CollectivesFor&) = delete;
+
+   private:
+    Sequential& model_;
+    TensorCollectives* before_;
+  };
 
   int size() const { return static_cast<int>(layers_.size()); }
   // The layer's name in checkpoints: its own, or "layers.<i>".

@@ -190,13 +190,7 @@ TensorProgram run_tensor_program(layers::Sequential& model, const std::vector<Ce
   if (members <= 1) return out;
   const ShapesOnly shapes;
   layers::ShapeCollectives group(rank, members);
-  layers::TensorCollectives* const before = model.collectives();
-  struct Restore {
-    layers::Sequential& model;
-    layers::TensorCollectives* group;
-    ~Restore() { model.set_collectives(group); }
-  } restore{model, before};
-  model.set_collectives(&group);
+  const layers::Sequential::CollectivesFor shapes_group(model, &group);
   // Twice: what grows with the micro-batch (activations) and what does not (gradients).
   TensorProgram one = asked_at(model, cells, group, 1);
   const TensorProgram two = asked_at(model, cells, group, 2);

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <tuple>
@@ -123,13 +124,8 @@ std::vector<GemmRate> measure_gemm_rates(layers::Sequential& model, const Plan& 
     // answers with shapes (as the executor's probe does, executor/cell.cc), then the
     // run's group back.
     layers::ShapeCollectives group(tensor_rank, plan.tensor_parallel);
-    layers::TensorCollectives* const before = model.collectives();
-    struct Restore {
-      layers::Sequential& model;
-      layers::TensorCollectives* group;
-      ~Restore() { model.set_collectives(group); }
-    } restore{model, before};
-    if (before != nullptr) model.set_collectives(&group);
+    std::optional<layers::Sequential::CollectivesFor> shapes_group;
+    if (model.collectives() != nullptr) shapes_group.emplace(model, &group);
     count_launches(model, plan.micro_batch_sizes.front(), &products);
   }
   struct Entry {
