@@ -498,7 +498,7 @@ std::string ReportBuilder::table() const {
     for (size_t i = 0; i < s.gemms.size() && i < kShown; ++i) {
       const GemmRate& g = s.gemms[i];
       std::string stages;
-      for (int k : g.stages) stages += (stages.empty() ? "" : ",") + std::to_string(k);
+      for (int k : g.stages) stages += (stages.empty() ? "" : ", ") + std::to_string(k);
       std::string peak;
       if (g.peak_flops_per_second > 0) {
         std::snprintf(line, sizeof line, ", %.1f%% of %.1f", 100 * g.flops_per_second / g.peak_flops_per_second,
@@ -511,7 +511,7 @@ std::string ReportBuilder::table() const {
         return t ? "(" + s + ")^T" : s;
       };
       std::snprintf(line, sizeof line,
-                    "  %s %s @ %s -> %lldx%lld, %s in, %s out: stage %s, layers %s, %s, %lld a micro-batch: %.3f ms, "
+                    "  %s %s @ %s -> %lldx%lld, %s in, %s out: stage %s, layers %s, %s, %lld a micro-batch: %.4g ms, "
                     "%.1f GFLOP/s%s\n",
                     g.op.c_str(), operand(g.m, g.k, g.trans_a).c_str(), operand(g.k, g.n, g.trans_b).c_str(),
                     static_cast<long long>(g.m), static_cast<long long>(g.n), g.dtype.c_str(), g.c_dtype.c_str(),

@@ -317,9 +317,9 @@ TEST_CASE("the matrix products timed alone: a line each, the first 8, and every 
   b.set_gemms(gemms);
   const std::string t = b.table();
   CAPTURE(t);
-  CHECK(t.find("  linear_weight_grad (128x64)^T @ 128x32 -> 64x32, bfloat16 in, float32 out: stage 0,1, layers "
+  CHECK(t.find("  linear_weight_grad (128x64)^T @ 128x32 -> 64x32, bfloat16 in, float32 out: stage 0, 1, layers "
                "1-16, W, 16 a micro-batch: 0.002 ms, 262.1 GFLOP/s, 26.2% of 1000.0\n") != std::string::npos);
-  CHECK(t.find("  matmul 64x135 @ 135x32 -> 64x32, bfloat16 in, bfloat16 out: stage 0,1, layers 1-16, W, 16 a "
+  CHECK(t.find("  matmul 64x135 @ 135x32 -> 64x32, bfloat16 in, bfloat16 out: stage 0, 1, layers 1-16, W, 16 a "
                "micro-batch: 0.002 ms, 276.5 GFLOP/s\n") != std::string::npos);  // no peak: no fraction
   CHECK(t.find("matmul 64x136") == std::string::npos);  // the ninth: only in report.json
   CHECK(t.find("  and 1 more in report.json\n") != std::string::npos);

@@ -113,6 +113,18 @@ ProductKey key_of(const MetaProduct& p, Device d) {
 
 }  // namespace
 
+double product_peak(const Plan& plan, const std::vector<double>& stage_peaks, int stage) {
+  const auto k = static_cast<size_t>(stage);
+  if (k >= stage_peaks.size() || k >= plan.devices.size()) return 0;
+  const Device d = plan.devices[k];
+  if (d.is_cpu()) return stage_peaks[k];  // the rate of the stage's threads, which time the product
+  double sum = 0;  // a GPU's whole: the shares of the stages on it added
+  for (size_t j = 0; j < plan.devices.size() && j < stage_peaks.size(); ++j) {
+    if (plan.devices[j] == d) sum += stage_peaks[j];
+  }
+  return sum;
+}
+
 std::vector<GemmRate> measure_gemm_rates(layers::Sequential& model, const Plan& plan, const std::vector<int>& stages,
                                          const std::vector<double>& stage_peaks, int blas_threads, int tensor_rank,
                                          double budget_seconds) {
@@ -156,15 +168,6 @@ std::vector<GemmRate> measure_gemm_rates(layers::Sequential& model, const Plan& 
       }
     }
   }
-  // A device's whole peak: the shares of its stages added (device_peaks gives each stage
-  // on a shared device its share).
-  auto device_peak = [&](Device d) {
-    double sum = 0;
-    for (size_t k = 0; k < plan.devices.size() && k < stage_peaks.size(); ++k) {
-      if (plan.devices[k] == d) sum += stage_peaks[k];
-    }
-    return sum;
-  };
   // The most FLOPs a micro-batch first, so that a budget spent leaves out the smallest.
   std::vector<Entry*> order;
   for (auto& kv : entries) order.push_back(&kv.second);
@@ -195,7 +198,7 @@ std::vector<GemmRate> measure_gemm_rates(layers::Sequential& model, const Plan& 
     r.calls = e.calls;
     std::tie(r.ms, r.timed_calls) = time_product(e.device, e.product, budget_seconds * 1e3 - spent_ms());
     r.flops_per_second = r.ms > 0 ? e.product.flops() / (r.ms / 1e3) : 0;
-    r.peak_flops_per_second = device_peak(e.device);
+    r.peak_flops_per_second = product_peak(plan, stage_peaks, *e.stages.begin());
     out.push_back(std::move(r));
   }
   if (out.size() < order.size()) {

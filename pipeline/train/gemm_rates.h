@@ -6,8 +6,7 @@
 // and types. Equal products of a stage's layers, and of stages on one device, are timed
 // once: a warm-up call, then calls between two of the device's events (device time on a
 // GPU), for about 50 ms at most. The rate is 2 m n k over the time of a call, against the
-// device's probed peak (device_peak.h) whole: a stage's peak is its share of its device,
-// so the shares of the stages on the device are added back.
+// probed peak (device_peak.h) of what runs the product: product_peak.
 #pragma once
 
 #include <vector>
@@ -18,6 +17,13 @@
 
 namespace gpipe {
 namespace pipeline {
+
+// The peak a product of `stage` is held against (0: not known). On a GPU, the device's
+// whole: device_peaks gives each stage on a shared GPU its share, so the shares of the
+// stages on it are added back; a product timed alone has the whole GPU. On the CPU, the
+// stage's own: its share is the rate of its BLAS threads (probed with every stage
+// computing at once), which are the threads a product is timed with.
+double product_peak(const Plan& plan, const std::vector<double>& stage_peaks, int stage);
 
 // The products of `stages` (the stages this process runs), timed; `stage_peaks`: every
 // stage's peak in FLOP/s (RunArtifacts::stage_peaks; empty or 0: not known, no

@@ -21,6 +21,7 @@
 #include "pipeline/planning/memory_check.h"
 #include "pipeline/planning/plan.h"
 #include "pipeline/train/datasets.h"
+#include "pipeline/train/gemm_rates.h"
 #include "pipeline/train/trainer.h"
 #include "runtime/device.h"
 #include "runtime/error.h"
@@ -231,21 +232,33 @@ TEST_CASE("a resumed run's report.json keeps every validation of the launches be
   CHECK(v[2]["loss"].get<double>() == second.eval_loss);
 }
 
-TEST_CASE("a matrix product timed on a device two stages share is measured against the device's whole peak") {
+TEST_CASE("a product is held against its GPU's whole peak, or its CPU stage's own: the threads that time it") {
+  // Two stages on cpu:0: each stage's peak is the rate of its own BLAS threads (probed with
+  // both computing at once), and a product is timed with those threads: its stage's.
   const TrainResult r = run({"output.dir=" + out_dir("gemm_shared"), "train.steps=2", "pipeline.partitions=2",
                              "pipeline.devices=[cpu:0, cpu:0]"});
   std::ifstream f(r.report_path);
   const nlohmann::json j = nlohmann::json::parse(f);
   REQUIRE(j["stages"].size() == 2);
-  // Each stage's peak is its share of cpu:0 (device_peaks); the device's is their sum.
-  const double whole = j["stages"][0]["peak_flops_per_second"].get<double>() +
-                       j["stages"][1]["peak_flops_per_second"].get<double>();
   REQUIRE(j["gemms"].size() == 8);
   for (const auto& g : j["gemms"]) {
     CAPTURE(g.dump());
     CHECK(g["device"] == "cpu:0");
-    CHECK(g["peak_flops_per_second"].get<double>() == doctest::Approx(whole).epsilon(1e-9));
+    const int stage = g["stages"][0].get<int>();
+    CHECK(g["peak_flops_per_second"].get<double>() ==
+          doctest::Approx(j["stages"][stage]["peak_flops_per_second"].get<double>()).epsilon(1e-9));
   }
+  // GPUs: device_peaks gives each of the stages on cuda:0 its share (here 40 and 60), and a
+  // product timed alone has the whole GPU: 100; cuda:1's one stage, its own 70.
+  Plan plan;
+  plan.devices = {Device::cuda(0), Device::cuda(0), Device::cuda(1), Device::cpu(0), Device::cpu(0)};
+  const std::vector<double> peaks = {40e12, 60e12, 70e12, 1e11, 2e11};
+  CHECK(product_peak(plan, peaks, 0) == 100e12);
+  CHECK(product_peak(plan, peaks, 1) == 100e12);
+  CHECK(product_peak(plan, peaks, 2) == 70e12);
+  CHECK(product_peak(plan, peaks, 3) == 1e11);
+  CHECK(product_peak(plan, peaks, 4) == 2e11);
+  CHECK(product_peak(plan, {}, 0) == 0);  // no peak probed: no fraction
 }
 
 TEST_CASE("a tensor group's products are listed at its member's shards, and the run's group is kept") {
