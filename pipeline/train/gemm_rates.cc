@@ -126,10 +126,9 @@ double product_peak(const Plan& plan, const std::vector<double>& stage_peaks, in
 }
 
 std::vector<GemmRate> measure_gemm_rates(layers::Sequential& model, const Plan& plan, const std::vector<int>& stages,
-                                         const std::vector<double>& stage_peaks, int blas_threads, int tensor_rank,
+                                         const std::vector<double>& stage_peaks, int tensor_rank,
                                          double budget_seconds) {
   if (plan.micro_batch_sizes.empty()) return {};
-  set_cpu_blas_threads(blas_threads);  // a CPU's products at the run's threads per call
   std::vector<LayerProducts> products;  // on shapes, at the run's micro-batch size
   {
     // A tensor group's layers ask their group for sums: on shapes, a group that only

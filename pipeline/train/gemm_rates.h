@@ -27,7 +27,8 @@ double product_peak(const Plan& plan, const std::vector<double>& stage_peaks, in
 
 // The products of `stages` (the stages this process runs), timed; `stage_peaks`: every
 // stage's peak in FLOP/s (RunArtifacts::stage_peaks; empty or 0: not known, no
-// fraction); a CPU's products run with `blas_threads` threads a call (train.blas_threads).
+// fraction); a CPU's products run with the BLAS threads the run set (train.blas_threads,
+// set_cpu_blas_threads at its start).
 // `tensor_rank`: this process's member of a tensor group (its layers' shards); the
 // model's tensor group is set back as it was. Timing stops starting products once
 // `budget_seconds` are spent (the other ranks wait for this one in a collective with a
@@ -39,7 +40,7 @@ double product_peak(const Plan& plan, const std::vector<double>& stage_peaks, in
 // writing it (beta 0), and with pipeline.batch_weight_gradients a W is timed one
 // micro-batch's, where the run makes one product of several.
 std::vector<GemmRate> measure_gemm_rates(layers::Sequential& model, const Plan& plan, const std::vector<int>& stages,
-                                         const std::vector<double>& stage_peaks, int blas_threads, int tensor_rank,
+                                         const std::vector<double>& stage_peaks, int tensor_rank,
                                          double budget_seconds);
 
 }  // namespace pipeline

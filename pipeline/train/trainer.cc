@@ -735,8 +735,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
       // The other ranks wait in checkpoints.finish's collective meanwhile: a quarter of its
       // deadline at most, and never more than 10 s.
       const double budget = c.pipeline.timeout_s > 0 ? std::min(10.0, c.pipeline.timeout_s / 4) : 10.0;
-      report.set_gemms(measure_gemm_rates(*model, plan, local, artifacts.stage_peaks(), c.train.blas_threads,
-                                          launch.member, budget));
+      report.set_gemms(measure_gemm_rates(*model, plan, local, artifacts.stage_peaks(), launch.member, budget));
     } catch (const std::exception& e) {
       spdlog::warn("the run's matrix products could not be timed ({}): the report goes without them", e.what());
     }
