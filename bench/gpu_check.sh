@@ -333,9 +333,9 @@ step_speed() {
   local sizes ks precisions size precision k m dir
   read -ra sizes <<< "${GPU_CHECK_SPEED_SIZES:-95m 1b}"
   read -ra precisions <<< "${GPU_CHECK_SPEED_PRECISIONS:-bf16 float32}"
-  # "1g": K = 1 with pipeline.capture (its training step captured as a CUDA graph and
-  # replayed, one launch a step).
-  read -ra ks <<< "${GPU_CHECK_SPEED_KS:-1 1g 2 4}"
+  # "1g", "4g": K = 1 or 4 with pipeline.capture (the training step of the K stages on the
+  # one GPU captured as one CUDA graph and replayed, one launch a step).
+  read -ra ks <<< "${GPU_CHECK_SPEED_KS:-1 1g 2 4 4g}"
   local steps="${GPU_CHECK_SPEED_STEPS:-12}" timed="${GPU_CHECK_SPEED_TIMED:-8}"
   local recompute="${GPU_CHECK_SPEED_RECOMPUTE:-never}" per_run="${GPU_CHECK_SPEED_TIMEOUT:-180}"
   local budget="${GPU_CHECK_SPEED_BUDGET:-360}" started=$SECONDS
@@ -500,8 +500,8 @@ md += ["", f"Each run trains the config's model for {steps} steps and times the 
        "its device; PyTorch: its clock around each step, the device waited for). Both: AdamW (PyTorch's fused=True), clip_grad_norm 1.0; "
        "bf16 is bfloat16 compute with float32 master weights (PyTorch: autocast), float32 has TF32 off on both. "
        f"gpipe: recompute {recompute}, M micro-batches, its K stages all on the one GPU; captured: "
-       "pipeline.capture, the training step captured once and replayed (a CUDA graph, one launch a step; on CPU "
-       "stages the recorded calls). PyTorch: eager, "
+       "pipeline.capture, the training step (of all K stages together) captured once and replayed (a CUDA graph, "
+       "one launch a step; on CPU stages the recorded calls). PyTorch: eager, "
        "F.scaled_dot_product_attention (causal; grouped-query attention by " +
        ("; ".join(f"{p}: {a}" for p, a in attention.items()) or "not run") +
        "), random byte tokens (gpipe reads the GPL-3 text; the speed does not depend on the values).",

@@ -196,6 +196,14 @@ class Backend {
   virtual std::unique_ptr<CapturedOps> end_capture();
   virtual void abort_capture() noexcept {}
   virtual bool capturing() const { return false; }
+  // Stages on other threads that share this backend (K stages on one device, pipeline.capture)
+  // are captured with the one that began: each of their threads joins the capture in
+  // progress before its first op of the step and leaves it after its last, before the
+  // beginning thread ends (or aborts) it; the ops of all are then one capture, in the order
+  // they were called, replayed by the beginning thread. A backend that cannot throws
+  // CaptureError from join_capture.
+  virtual void join_capture();
+  virtual void leave_capture() noexcept {}
   // Host work between ops that must run in their order at every replay (the CPU's
   // FrozenWeights windows): runs now, or while the CPU captures, is captured with them.
   // On a GPU it runs now only: a replay does no host work.

@@ -106,6 +106,10 @@ std::unique_ptr<CapturedOps> Backend::end_capture() {
   throw CaptureError("the backend of " + device().str() + " is not capturing");
 }
 
+void Backend::join_capture() {
+  throw CaptureError("the backend of " + device().str() + " cannot capture a step");
+}
+
 double Backend::sum_squares_all(const std::vector<Tensor>& xs) {
   double total = 0;
   for (const Tensor& x : xs) total += sum_squares(x);

@@ -100,6 +100,9 @@ class CudaBackend : public Backend {
   std::unique_ptr<CapturedOps> end_capture() override;
   void abort_capture() noexcept override;
   bool capturing() const override { return capture_ != nullptr; }
+  // Another stage's thread on this device: its blocks from the capture's pool too.
+  void join_capture() override;
+  void leave_capture() noexcept override;
 
  private:
   friend class CudaCapturedOps;

@@ -149,6 +149,23 @@ void CudaBackend::abort_capture() noexcept {
   cudaGetLastError();  // the capture's error, not the next call's
 }
 
+// The stream is the backend's, whichever thread queues on it: a joining thread's ops are
+// captured as they are queued; only its blocks need the capture's pool.
+void CudaBackend::join_capture() {
+  if (!capture_) throw CaptureError("the backend of " + device_.str() + " is not capturing: nothing to join");
+  GPIPE_CHECK(capture_->thread != std::this_thread::get_id(), "join_capture on the thread that began the capture");
+  allocator_for(device_).join_private_pool(capture_->key.get());
+}
+
+void CudaBackend::leave_capture() noexcept {
+  if (!capture_ || capture_->thread == std::this_thread::get_id()) return;  // the beginning thread ends it
+  try {
+    allocator_for(device_).end_private_pool();
+  } catch (const std::exception& e) {
+    spdlog::warn("leave_capture on {}: {}", device_.str(), e.what());
+  }
+}
+
 void CudaBackend::replay_graph(void* exec, const std::vector<DeferredChecks::Queued>& checks) {
   GPIPE_CHECK(!capture_, "a captured step replayed while the backend of " + device_.str() + " captures");
   DeviceGuard guard(device_.index);

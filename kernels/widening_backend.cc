@@ -7,6 +7,8 @@
 #include <array>
 #include <deque>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <initializer_list>
 #include <optional>
 #include <type_traits>
@@ -492,16 +494,25 @@ void WideningBackend::synchronize() {
 
 // ---- Capture on the CPU (the header's begin_capture): the calls of one thread.
 
-namespace {
+// The calls of the threads that capture on one backend: the beginning one's and those
+// that joined it, in the order they were made (each under the lock).
 struct CpuCapture {
   const WideningBackend* backend = nullptr;
+  std::thread::id owner = std::this_thread::get_id();  // the thread that began it
   struct Call {
     const char* op;  // nullptr: host work or an event's record
     std::function<void()> run;
   };
+  std::mutex mu;
   std::vector<Call> calls;
   std::function<void(std::function<void()>)> events;  // the CPU events' hook (runtime/stream.h)
+  void add(const char* op, std::function<void()> run) {
+    std::lock_guard<std::mutex> lock(mu);
+    calls.push_back({op, std::move(run)});
+  }
 };
+
+namespace {
 thread_local CpuCapture* t_capture = nullptr;
 
 class CpuCapturedOps : public CapturedOps {
@@ -525,33 +536,53 @@ class CpuCapturedOps : public CapturedOps {
 
 bool WideningBackend::capturing_here() const { return t_capture != nullptr && t_capture->backend == this; }
 
-void WideningBackend::capture(const char* op, std::function<void()> run) {
-  t_capture->calls.push_back({op, std::move(run)});
-}
+void WideningBackend::capture(const char* op, std::function<void()> run) { t_capture->add(op, std::move(run)); }
 
 void WideningBackend::begin_capture() {
   if (!inner_->device().is_cpu()) return inner_->begin_capture();
   if (t_capture != nullptr) throw CaptureError("this thread is capturing already");
+  if (cpu_capture_.load() != nullptr) throw CaptureError("the backend of " + device().str() + " is capturing already");
   auto* c = new CpuCapture;
   c->backend = this;
-  c->events = [c](std::function<void()> record) { c->calls.push_back({nullptr, std::move(record)}); };
+  c->events = [c](std::function<void()> record) { c->add(nullptr, std::move(record)); };
   t_capture = c;
+  cpu_capture_.store(c);
   set_cpu_event_capture(&c->events);
 }
 
 std::unique_ptr<CapturedOps> WideningBackend::end_capture() {
   if (!inner_->device().is_cpu()) return inner_->end_capture();
-  if (!capturing_here()) throw CaptureError("end_capture without begin_capture on this thread");
+  if (!capturing_here() || t_capture->owner != std::this_thread::get_id()) {
+    throw CaptureError("end_capture without begin_capture on this thread");
+  }
   std::unique_ptr<CpuCapture> c(t_capture);
   t_capture = nullptr;
+  cpu_capture_.store(nullptr);
   set_cpu_event_capture(nullptr);
   return std::make_unique<CpuCapturedOps>(std::move(c->calls));
 }
 
 void WideningBackend::abort_capture() noexcept {
   if (!inner_->device().is_cpu()) return inner_->abort_capture();
-  if (!capturing_here()) return;
+  if (!capturing_here() || t_capture->owner != std::this_thread::get_id()) return;  // only the beginning thread drops it
   delete t_capture;
+  t_capture = nullptr;
+  cpu_capture_.store(nullptr);
+  set_cpu_event_capture(nullptr);
+}
+
+void WideningBackend::join_capture() {
+  if (!inner_->device().is_cpu()) return inner_->join_capture();
+  CpuCapture* c = cpu_capture_.load();
+  if (c == nullptr) throw CaptureError("the backend of " + device().str() + " is not capturing: nothing to join");
+  if (t_capture != nullptr) throw CaptureError("this thread is capturing already");
+  t_capture = c;
+  set_cpu_event_capture(&c->events);
+}
+
+void WideningBackend::leave_capture() noexcept {
+  if (!inner_->device().is_cpu()) return inner_->leave_capture();
+  if (!capturing_here() || t_capture->owner == std::this_thread::get_id()) return;  // the beginning thread ends it
   t_capture = nullptr;
   set_cpu_event_capture(nullptr);
 }

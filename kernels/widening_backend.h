@@ -21,6 +21,7 @@
 // measured in bench/RESULTS.md ("Mixed precision").
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -29,6 +30,8 @@
 #include "kernels/backend.h"
 
 namespace gpipe {
+
+struct CpuCapture;  // widening_backend.cc
 
 class WideningBackend : public Backend {
  public:
@@ -68,6 +71,10 @@ class WideningBackend : public Backend {
   std::unique_ptr<CapturedOps> end_capture() override;
   void abort_capture() noexcept override;
   bool capturing() const override;
+  // Other threads' calls join the capture this backend's beginning thread holds
+  // (Backend::join_capture): one list, in the order of the calls.
+  void join_capture() override;
+  void leave_capture() noexcept override;
   void host_step(const std::function<void()>& work) override;
 
  private:
@@ -82,6 +89,9 @@ class WideningBackend : public Backend {
     }
   }
   std::unique_ptr<Backend> inner_;
+  // The CPU capture begun on this backend (begin_capture to end_capture or
+  // abort_capture), which other threads join.
+  std::atomic<CpuCapture*> cpu_capture_{nullptr};
 };
 
 }  // namespace gpipe

@@ -51,6 +51,9 @@ class Allocator {
   // until release_private_pool(key) (the replays are over). No-ops on the host, whose
   // captured calls keep their own tensors.
   virtual void begin_private_pool(const void* /*key*/) {}
+  // Another thread's requests drawn on the pool `key` another thread began, until this
+  // thread's end_private_pool (the stages of one device captured together).
+  virtual void join_private_pool(const void* /*key*/) {}
   virtual void end_private_pool() {}
   virtual void release_private_pool(const void* /*key*/) {}
 

@@ -207,6 +207,10 @@ class CudaAllocator : public Allocator {
     pool_.hold(key);
     t_private = {key, device_.index};
   }
+  void join_private_pool(const void* key) override {
+    GPIPE_CHECK(key != nullptr && t_private.key == nullptr, "this thread is already capturing a step");
+    t_private = {key, device_.index};  // held by the thread that began it
+  }
   void end_private_pool() override { t_private = {}; }
   void release_private_pool(const void* key) override { pool_.let_go(key); }
 

@@ -88,6 +88,11 @@ class CudaStream : public Stream {
   void synchronize() override { GPIPE_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
   void wait(Event& event) override;
   void* native() const override { return stream_; }
+  bool capturing() const override {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    GPIPE_CUDA_CHECK(cudaStreamIsCapturing(stream_, &status));
+    return status != cudaStreamCaptureStatusNone;
+  }
   cudaStream_t handle() const { return stream_; }
 
  private:

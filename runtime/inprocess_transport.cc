@@ -29,7 +29,10 @@ void InProcessTransport::expire(int stage, const std::string& awaited) const {
 void InProcessTransport::send(int src, int dst, const MessageTag& tag, const Tensor& t) {
   GPIPE_CHECK(dst >= 0 && dst < static_cast<int>(boxes_.size()), "send to stage " + std::to_string(dst));
   Message message{t, nullptr};
-  if (t.defined() && t.device().is_cuda()) {
+  // Stages that capture their step together share the device's compute stream, which
+  // orders the hand-over by itself: an event recorded inside the capture would become a
+  // node of its graph that outlives the event.
+  if (t.defined() && t.device().is_cuda() && !compute_stream_for(t.device()).capturing()) {
     // The work that produced t, and not what this stage queues after the send.
     message.ready = make_event(t.device());
     message.ready->record(compute_stream_for(t.device()));
@@ -127,6 +130,18 @@ void InProcessTransport::abort(const std::string& why) {
   why_ = why;
   for (auto& box : boxes_) box.cv.notify_all();
   reduce_cv_.notify_all();
+}
+
+bool InProcessTransport::recover(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!aborted_ || why_ != why) return false;  // not aborted, or for something else: that stands
+  aborted_ = false;
+  why_.clear();
+  for (auto& box : boxes_) box.messages.clear();
+  reduce_arrived_ = 0;
+  gather_arrived_ = 0;
+  gather_partial_.clear();
+  return true;
 }
 
 size_t InProcessTransport::pending() const {

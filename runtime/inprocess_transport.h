@@ -39,6 +39,7 @@ class InProcessTransport : public Transport {
   double all_reduce_sum(int stage, double value) override;
   std::vector<std::vector<double>> gather_to_first(int stage, const std::vector<double>& values) override;
   void abort(const std::string& why) override;
+  bool recover(const std::string& why) override;
   // Messages sent and not yet received (a finished schedule leaves none).
   size_t pending() const;
 

@@ -24,6 +24,9 @@ class Stream {
   virtual void wait(Event& event) = 0;
   // The native handle (cudaStream_t) or nullptr on the CPU.
   virtual void* native() const { return nullptr; }
+  // Whether its work is being captured into a graph now (Backend::begin_capture on a GPU)
+  // rather than run.
+  virtual bool capturing() const { return false; }
 };
 
 class Event {

@@ -64,6 +64,12 @@ class Transport {
   virtual void flush(int /*stage*/) {}
   // Wakes every waiting receiver with Aborted(why). Idempotent.
   virtual void abort(const std::string& why) = 0;
+  // Takes the transport back into use after abort(why), its messages and collectives in
+  // flight dropped, when `why` is what it was aborted for and it can (InProcessTransport:
+  // stages that captured their step together and stopped it when one of them could not,
+  // all of them out of their sends, receives and collectives). Returns whether it did;
+  // an abort for another reason stands.
+  virtual bool recover(const std::string& /*why*/) { return false; }
   // Whether a send completes only once its receiver has reached it (NCCL), rather than
   // at once (in-process hand-over, MPI_Isend): the schedule checker models which.
   virtual bool sends_wait_for_receiver() const { return false; }

@@ -226,6 +226,71 @@ TEST_CASE("one stage on cuda:0 captured as a CUDA graph trains as the same stage
   }
 }
 
+// pipeline.capture with stages that share cuda:0 (pipeline/executor/executor_capture.cc):
+// their training step is captured together, one CUDA graph on the device's stream, which
+// stage 0's thread launches once a step. It must train as the same stages op by op (their
+// host sums the gradient norm; the graph sums it on the device, in the same order), carry
+// the tied head's gradient between stages 0 and 2 inside the graph, time each stage's
+// instructions with its event nodes, and report a bad label of a replayed step.
+TEST_CASE("stages sharing cuda:0 captured together as one CUDA graph train as the same stages op by op") {
+  layers::ModelSpec llama;
+  llama.input = {16};
+  llama.input_dtype = DType::kI32;
+  llama.dtype = DType::kBF16;
+  llama.seed = 13;
+  llama.layers = {{"embedding", {{"vocab", "64"}, {"dim", "64"}, {"positions", "0"}}, {}, ""},
+                  {"llama_block", {{"heads", "4"}, {"kv_heads", "2"}, {"hidden", "96"}, {"dropout", "0.1"}}, {}, ""},
+                  {"llama_block", {{"heads", "4"}, {"kv_heads", "2"}, {"hidden", "96"}}, {}, ""},
+                  {"rmsnorm", {}, {}, ""},
+                  {"linear", {{"out", "64"}, {"bias", "false"}}, {}, ""}};
+  llama.loss = {"softmax_cross_entropy", {}, {}, ""};
+  const std::vector<std::pair<layers::ModelSpec, std::vector<int>>> cases = {{gpt_spec(), {2, 1, 2}}, {llama, {2, 3}}};
+  for (const auto& [spec, balance] : cases) {
+    CAPTURE(dtype_name(spec.dtype));
+    const int K = static_cast<int>(balance.size());
+    auto train = [&, &spec = spec, &balance = balance](bool capture, std::vector<StepResult>& out) {
+      auto model = layers::build_model(spec);
+      InProcessTransport transport(K);
+      ExecutorOptions opts;
+      opts.optimizer.type = "adamw";
+      opts.optimizer.weight_decay = 0.01;
+      opts.clip_grad_norm = 1.0;
+      opts.capture = capture;
+      Executor ex(*model, make_stages(balance, std::vector<Device>(static_cast<size_t>(K), Device::cuda(0))),
+                  gpipe_schedule(K, 3, RecomputeMode::kExceptLast), transport, opts);
+      for (int t = 0; t < 5; ++t) {
+        ex.set_lr(1e-3 * (t + 1));
+        const Tensor ids = random_labels(12 * 16, 64, 40 + 2 * t).reshape({12, 16});
+        const Tensor y = random_labels(12 * 16, 64, 41 + 2 * t).reshape({12, 16});
+        out.push_back(ex.step(ids, y));
+      }
+      if (capture) {
+        Tensor ids = random_labels(12 * 16, 64, 92).reshape({12, 16});
+        Tensor y = random_labels(12 * 16, 64, 93).reshape({12, 16});
+        y.data<int32_t>()[37] = 64;
+        CHECK_THROWS_AS(ex.step(ids, y), UserError);
+      }
+    };
+    std::vector<StepResult> eager, captured;
+    train(false, eager);
+    train(true, captured);
+    for (size_t t = 0; t < eager.size(); ++t) {
+      INFO("step " << t);
+      CHECK(captured[t].loss == doctest::Approx(eager[t].loss).epsilon(1e-6));
+      CHECK(captured[t].grad_norm == doctest::Approx(eager[t].grad_norm).epsilon(1e-5));
+      for (int k = 0; k < K; ++k) {
+        const StageTrace& trace = captured[t].stages.at(static_cast<size_t>(k));
+        CHECK(trace.captured_nodes == (t == 0 ? 0 : captured[1].stages[static_cast<size_t>(k)].captured_nodes));
+        if (t > 0) {
+          CHECK(trace.captured_nodes > 5);
+          for (const TimedOp& op : trace.ops) CHECK(op.end_ms >= op.start_ms);  // the graph's event nodes
+        }
+      }
+      if (captured[t].loss != eager[t].loss) MESSAGE("step " << t << ": captured and eager losses differ in their bits");
+    }
+  }
+}
+
 TEST_CASE("two stages sharing cuda:0 equal two CPU stages (MLP, uneven micro-batches)") {
   Tensor x = random_tensor({13, 24}, DType::kF32, 3);
   Tensor y = random_labels(13, 10, 4);

@@ -498,15 +498,8 @@ void decode_pipeline(Decoder& dec, const YAML::Node& root, Config& c) {
                  "captures the training step of one stage; pipeline.partitions: auto may choose more: set "
                  "pipeline.partitions: 1, or pipeline.capture: false");
       }
-      if (c.pipeline.capture &&
-          (c.pipeline.partitions > 1 || c.pipeline.replicas > 1 || c.pipeline.tensor_parallel > 1)) {
-        dec.fail(p["capture"], "pipeline.capture",
-                 "captures the training step of one stage, without replicas or a tensor group; this config has "
-                 "partitions " + std::to_string(c.pipeline.partitions) + ", replicas " +
-                     std::to_string(c.pipeline.replicas) + " and tensor_parallel " +
-                     std::to_string(c.pipeline.tensor_parallel) +
-                     ": set pipeline.capture: false, or partitions, replicas and tensor_parallel to 1");
-      }
+      const std::string refusal = c.pipeline.capture ? capture_refusal(c.pipeline) : std::string();
+      if (!refusal.empty()) dec.fail(p["capture"], "pipeline.capture", refusal);
     }
     if (p["batch_weight_gradients"]) {
       c.pipeline.batch_weight_gradients = dec.boolean(p["batch_weight_gradients"], "pipeline.batch_weight_gradients");
@@ -783,6 +776,27 @@ TraceConfig default_trace_window(int first, int steps) {
   w.first_step = std::min(first + 1, steps);  // the launch's first step warms up
   w.last_step = std::min(first + kTraceDefaultSteps, steps);
   return w;
+}
+
+std::string capture_refusal(const PipelineConfig& p) {
+  const std::string rule =
+      "captures the training step of one stage, or of stages that all run on one device (pipeline.devices naming it "
+      "for every stage, e.g. [cuda:0, cuda:0]), without replicas or a tensor group; this config has ";
+  if (p.replicas > 1 || p.tensor_parallel > 1) {
+    return rule + "partitions " + std::to_string(p.partitions) + ", replicas " + std::to_string(p.replicas) +
+           " and tensor_parallel " + std::to_string(p.tensor_parallel) +
+           ": set pipeline.capture: false, or replicas and tensor_parallel to 1";
+  }
+  if (p.partitions <= 1) return std::string();
+  bool one_device = static_cast<int>(p.devices.size()) == p.partitions;
+  for (const std::string& d : p.devices) one_device = one_device && d == p.devices[0];
+  if (one_device) return std::string();
+  std::string devices;
+  for (const std::string& d : p.devices) devices += (devices.empty() ? "" : ", ") + d;
+  return rule + "partitions " + std::to_string(p.partitions) + " on " +
+         (p.devices.empty() ? std::string("cpu:0 to cpu:") + std::to_string(p.partitions - 1) + " (the default)"
+                            : "[" + devices + "]") +
+         ": set pipeline.capture: false, or pipeline.partitions: 1, or one device for every stage in pipeline.devices";
 }
 
 std::string checkpoint_dir(const Config& c) {

@@ -63,7 +63,8 @@ struct PipelineConfig {
   std::vector<std::string> devices;  // one per partition; empty = cpu:0 .. cpu:K-1
   bool pin_threads = true;
   // Capture a training step once and replay it (a CUDA graph on a GPU, the recorded calls
-  // on the CPU; ExecutorOptions::capture): one stage, no replicas, no tensor group.
+  // on the CPU; ExecutorOptions::capture): one stage, or stages all on one device (their
+  // steps captured together, one graph), no replicas, no tensor group (capture_refusal).
   bool capture = false;
   // Deadline of every transport wait (a receive, a send's completion, a reduction), in
   // seconds: a stuck or stopped peer ends the job after it instead of hanging it. 0: none.
@@ -186,6 +187,11 @@ struct Config {
 
 // The checkpoints folder: checkpoint.dir, or <output.dir>/checkpoints.
 std::string checkpoint_dir(const Config& config);
+
+// Why pipeline.capture cannot take this pipeline (partitions, replicas, tensor_parallel and
+// devices as given), with the fix; empty when it can: one stage, or stages that all name
+// one device, without replicas or a tensor group.
+std::string capture_refusal(const PipelineConfig& p);
 
 // "20GiB", "512 MB", "1.5e9": a byte count with an optional unit (B, KB, MB, GB, TB in
 // powers of 1000; KiB, MiB, GiB, TiB in powers of 1024). Throws UserError naming `what`.

@@ -120,7 +120,22 @@ TEST_CASE("a wrong type names the key with line and column") {
             .find("pipeline.capture: captures the training step of one stage; pipeline.partitions: auto may choose "
                   "more: set pipeline.partitions: 1") != std::string::npos);
   CHECK(error_of(kBase, {"pipeline.partitions=1", "pipeline.replicas=2", "pipeline.capture=true"})
-            .find("pipeline.capture: captures the training step of one stage, without replicas") != std::string::npos);
+            .find("pipeline.capture: captures the training step of one stage, or of stages that all run on one device "
+                  "(pipeline.devices naming it for every stage, e.g. [cuda:0, cuda:0]), without replicas or a tensor "
+                  "group; this config has partitions 1, replicas 2 and tensor_parallel 1: set pipeline.capture: false, "
+                  "or replicas and tensor_parallel to 1") != std::string::npos);
+  // More stages: captured together when they share one device.
+  const Config two = parse_config(kBase, "t.yaml", {"pipeline.partitions=2", "pipeline.devices=[cpu:0, cpu:0]",
+                                                    "pipeline.capture=yes"});
+  CHECK(two.pipeline.capture);
+  CHECK(capture_refusal(two.pipeline).empty());
+  CHECK(error_of(kBase, {"pipeline.partitions=2", "pipeline.capture=true"})
+            .find("this config has partitions 2 on cpu:0 to cpu:1 (the default): set pipeline.capture: false, or "
+                  "pipeline.partitions: 1, or one device for every stage in pipeline.devices") != std::string::npos);
+  CHECK(error_of(kBase, {"pipeline.partitions=2", "pipeline.devices=[cuda:0, cuda:1]", "pipeline.capture=true"})
+            .find("partitions 2 on [cuda:0, cuda:1]: set") != std::string::npos);
+  CHECK(error_of(kBase, {"pipeline.partitions=3", "pipeline.devices=[cuda:0, cuda:0]", "pipeline.capture=true"})
+            .find("partitions 3 on [cuda:0, cuda:0]: set") != std::string::npos);
 }
 
 TEST_CASE("pipeline.timeout_s: a default for real jobs, 0 for none, never negative") {

@@ -99,22 +99,36 @@ struct Plan {
   int other_size_at = -1;   // this step's batch is split into other micro-batch sizes
   int no_update_at = -1;    // this step does not apply the optimizer
   bool evaluate = false;    // an evaluation pass after every step
-  int restore_at = -1;      // after this step, the stage's state saved and restored
+  int restore_at = -1;      // after this step, the stages' state saved and restored
   std::string schedule = "gpipe";
+  int chunks = 1;  // cells per stage (interleaved_1f1b)
+  int micro_batches = 3;
+  // Layers per cell; one stage unless given. Its stages all on cpu:0, which they share
+  // (their steps captured together, Executor::CaptureGroup).
+  std::vector<int> balance;
 };
 
 Run train(const layers::ModelSpec& spec, const layers::OptimizerConfig& opt, double clip, double loss_scale,
           RecomputeMode recompute, bool capture, const Plan& plan) {
   auto model = layers::build_model(spec);
-  InProcessTransport transport(1);
+  const std::vector<int> balance = plan.balance.empty() ? std::vector<int>{model->size()} : plan.balance;
+  const int K = static_cast<int>(balance.size()) / plan.chunks;
+  InProcessTransport transport(K);
   ExecutorOptions o;
   o.optimizer = opt;
   o.clip_grad_norm = clip;
   o.loss_scale = loss_scale;
   o.loss_scale_window = 2;  // the scale changes during the run
   o.capture = capture;
-  const Schedule s = make_schedule(plan.schedule, 1, 3, recompute);
-  Executor ex(*model, make_cells({model->size()}, s, gpipe::testing::cpu_devices(1)), s, transport, o);
+  ScheduleRequest request;
+  request.name = plan.schedule;
+  request.num_stages = K;
+  request.num_chunks = plan.chunks;
+  request.num_micro_batches = plan.micro_batches;
+  request.mode = recompute;
+  const Schedule s = make_schedule(request);
+  Executor ex(*model, make_cells(balance, s, std::vector<Device>(static_cast<size_t>(K), Device::cpu(0))), s, transport,
+              o);
   Run run;
   for (int t = 0; t < plan.steps; ++t) {
     ex.set_lr(0.01 * (1.0 + 0.1 * t));  // a learning rate of its own every step
@@ -126,8 +140,10 @@ Run train(const layers::ModelSpec& spec, const layers::OptimizerConfig& opt, dou
       run.evals.push_back(ex.evaluate(e.x, e.y, 2));
     }
     if (t == plan.restore_at) {
-      const StageState saved = ex.save_state(0);
-      ex.restore_state(0, saved.model, saved.optimizer);
+      for (int k = 0; k < K; ++k) {
+        const StageState saved = ex.save_state(k);
+        ex.restore_state(k, saved.model, saved.optimizer);
+      }
     }
   }
   for (int i = 0; i < model->size(); ++i) {
@@ -170,10 +186,10 @@ std::pair<Run, Run> eager_and_captured(const layers::ModelSpec& spec, const laye
   return {std::move(eager), std::move(captured)};
 }
 
-// Per step, the captured ops it replayed (StageTrace::captured_nodes; 0: op by op).
-std::vector<int64_t> replays(const Run& r) {
+// Per step, the captured ops stage `k` replayed (StageTrace::captured_nodes; 0: op by op).
+std::vector<int64_t> replays(const Run& r, size_t k = 0) {
   std::vector<int64_t> out;
-  for (const StepResult& s : r.steps) out.push_back(s.stages.at(0).captured_nodes);
+  for (const StepResult& s : r.steps) out.push_back(s.stages.at(k).captured_nodes);
   return out;
 }
 
@@ -341,21 +357,171 @@ TEST_CASE("a model with batch norms is not captured (its statistics fold on the 
   }
 }
 
-TEST_CASE("capture needs one stage without replicas or a tensor group") {
+TEST_CASE("capture needs one stage, or stages one process runs on one device, without replicas or a tensor group") {
   auto model = layers::build_model(mlp_spec());
   InProcessTransport transport(2);
   ExecutorOptions o;
   o.capture = true;
   const Schedule s = make_schedule("gpipe", 2, 2, RecomputeMode::kExceptLast);
-  try {
-    Executor ex(*model, make_cells({3, model->size() - 3}, s, gpipe::testing::cpu_devices(2)), s, transport, o);
-    FAIL("a two-stage pipeline was accepted for capture");
-  } catch (const UserError& e) {
-    const std::string what = e.what();
-    CHECK(what.find("pipeline.capture") != std::string::npos);
-    CHECK(what.find("2 stages") != std::string::npos);
-    CHECK(what.find("pipeline.capture: false") != std::string::npos);
+  auto refused = [&](const std::vector<Device>& devices, const std::string& why) {
+    CAPTURE(why);
+    try {
+      Executor ex(*model, make_cells({3, model->size() - 3}, s, devices), s, transport, o);
+      FAIL("a two-stage pipeline was accepted for capture");
+    } catch (const UserError& e) {
+      const std::string what = e.what();
+      CHECK(what.find("pipeline.capture") != std::string::npos);
+      CHECK(what.find("2 stages " + why) != std::string::npos);
+      CHECK(what.find("pipeline.capture: false") != std::string::npos);
+      CHECK(what.find("pipeline.devices") != std::string::npos);
+    }
+  };
+  refused(gpipe::testing::cpu_devices(2), "on several devices");
+  o.local_stage = 1;  // this process runs stage 1 only
+  refused({Device::cpu(0), Device::cpu(0)}, "in several processes");
+}
+
+TEST_CASE("stages sharing one device capture their step together and train as op by op, bit for bit") {
+  layers::OptimizerConfig adamw;
+  adamw.type = "adamw";
+  adamw.weight_decay = 0.1;
+  layers::OptimizerConfig sgd;
+  sgd.type = "sgd";
+  sgd.momentum = 0.9;
+  struct Case {
+    std::string name;
+    layers::ModelSpec spec;
+    layers::OptimizerConfig opt;
+    double clip, loss_scale;
+    RecomputeMode recompute;
+    std::string schedule;
+    std::vector<int> balance;
+    int chunks = 1, micro_batches = 3;
+  };
+  const std::vector<Case> cases = {
+      {"mlp, K 2, adamw, clip", mlp_spec(), adamw, 0.05, 0, RecomputeMode::kExceptLast, "gpipe", {3, 4}},
+      {"mlp, K 3, sgd, 1f1b, recompute always", mlp_spec(), sgd, 0, 0, RecomputeMode::kAlways, "1f1b", {2, 2, 3}},
+      {"llama float32, K 2, 1f1b, clip", llama_spec(DType::kF32), adamw, 0.5, 0, RecomputeMode::kExceptLast, "1f1b",
+       {2, 3}},
+      {"llama bfloat16, K 3, clip", llama_spec(DType::kBF16), adamw, 0.5, 0, RecomputeMode::kNever, "gpipe", {1, 2, 2}},
+      {"llama float16, K 2, loss scaling", llama_spec(DType::kF16), adamw, 0, 1024, RecomputeMode::kExceptLast, "gpipe",
+       {2, 3}},
+      {"llama float32, K 2, zero bubble", llama_spec(DType::kF32), adamw, 0.5, 0, RecomputeMode::kNever, "zero_bubble",
+       {2, 3}},
+      {"llama float32, K 2, interleaved", llama_spec(DType::kF32), adamw, 0.5, 0, RecomputeMode::kExceptLast,
+       "interleaved_1f1b", {1, 1, 1, 2}, 2, 4},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.name);
+    Plan plan;
+    plan.schedule = c.schedule;
+    plan.balance = c.balance;
+    plan.chunks = c.chunks;
+    plan.micro_batches = c.micro_batches;
+    // Against the same stages op by op, whose host sums the norm: the same bits.
+    const auto [eager, captured] = eager_and_captured(c.spec, c.opt, c.clip, c.loss_scale, c.recompute, plan);
+    const size_t K = c.balance.size() / static_cast<size_t>(c.chunks);
+    for (size_t k = 0; k < K; ++k) {
+      CAPTURE(k);
+      const std::vector<int64_t> r = replays(captured, k);
+      CHECK(r[0] == 0);
+      for (size_t t = 1; t < r.size(); ++t) {
+        CHECK(r[t] > 5);
+        CHECK(r[t] == r[1]);
+      }
+      for (int64_t nodes : replays(eager, k)) CHECK(nodes == 0);
+      // Each stage's share of the capture: the ops of its instructions and its zeroing; its
+      // trace the op by op step's, but NORM, which sums on the device here.
+      for (size_t t = 1; t < r.size(); ++t) {
+        const StageTrace& a = eager.steps[t].stages[k];
+        const StageTrace& b = captured.steps[t].stages[k];
+        REQUIRE(a.ops.size() == b.ops.size());
+        int64_t instructions = 0;
+        for (size_t i = 0; i < a.ops.size(); ++i) {
+          CHECK(b.ops[i].op == a.ops[i].op);
+          if (a.ops[i].op != Op::kGradientNorm) CHECK(b.ops[i].ops == a.ops[i].ops);
+          CHECK(b.ops[i].live_bytes == a.ops[i].live_bytes);
+          CHECK(b.ops[i].start_ms >= 0);
+          CHECK(b.ops[i].end_ms >= b.ops[i].start_ms);
+          CHECK(b.ops[i].end_ms <= captured.steps[t].wall_ms);
+          instructions += b.ops[i].ops;
+          // NORM: this stage's sum, then the K stages' parts added into its scalars.
+          if (a.ops[i].op == Op::kGradientNorm) CHECK(b.ops[i].ops == 1 + static_cast<int64_t>(K));
+        }
+        CHECK(b.peak_activation_bytes == a.peak_activation_bytes);
+        CHECK(r[t] == instructions + 1);  // and fill_all, the gradients' zeroing
+      }
+    }
   }
+}
+
+TEST_CASE("stages captured together: steps of other sizes, without the optimizer, evaluation and a restore") {
+  layers::OptimizerConfig adamw;
+  adamw.type = "adamw";
+  Plan plan;
+  plan.other_size_at = 3;
+  plan.no_update_at = 4;
+  plan.evaluate = true;
+  plan.steps = 9;
+  plan.restore_at = 6;  // every stage restored: all run the next step op by op and capture the one after
+  plan.balance = {2, 3};
+  const auto [eager, captured] = eager_and_captured(llama_spec(DType::kBF16), adamw, 0.05, 0, RecomputeMode::kExceptLast, plan);
+  for (size_t k = 0; k < 2; ++k) {
+    CAPTURE(k);
+    const std::vector<int64_t> r = replays(captured, k);
+    CHECK(r[0] == 0);
+    CHECK(r[1] > 0);
+    for (size_t t : {2, 5, 6, 8}) CHECK(r[t] == r[1]);
+    for (size_t t : {3, 4, 7}) CHECK(r[t] == 0);
+  }
+}
+
+TEST_CASE("a stage whose part of the step cannot be captured stops the others: all run op by op, as before") {
+  // The layer reading the device back on stage 1 (balance 1, 3, 4) or on stage 0, which
+  // begins and ends the capture (2, 6): it fails there, inside its F, while the other
+  // stages wait for it or run their own part; all stop, and the step runs again op by op.
+  layers::OptimizerConfig adamw;
+  adamw.type = "adamw";
+  for (const std::vector<int>& balance : {std::vector<int>{1, 3, 4}, std::vector<int>{2, 6}}) {
+    CAPTURE(balance.size());
+    Plan plan;
+    plan.balance = balance;
+    const auto [eager, captured] = eager_and_captured(host_reading_spec(), adamw, 0.05, 0, RecomputeMode::kExceptLast, plan);
+    for (size_t k = 0; k < balance.size(); ++k) {
+      for (int64_t nodes : replays(captured, k)) CHECK(nodes == 0);
+    }
+  }
+}
+
+TEST_CASE("a batch norm on one stage keeps every stage of the device op by op") {
+  layers::OptimizerConfig sgd;
+  sgd.type = "sgd";
+  Plan plan;
+  plan.balance = {2, 5};  // the batch norm on stage 0
+  const auto [eager, captured] = eager_and_captured(conv_spec(true), sgd, 0, 0, RecomputeMode::kExceptLast, plan);
+  for (size_t k = 0; k < 2; ++k) {
+    for (int64_t nodes : replays(captured, k)) CHECK(nodes == 0);
+  }
+}
+
+TEST_CASE("a bad label in a replay of stages captured together fails the step with the CPU's message") {
+  auto model = layers::build_model(mlp_spec());
+  InProcessTransport transport(2);
+  ExecutorOptions o;
+  o.optimizer.type = "adamw";
+  o.capture = true;
+  const Schedule s = make_schedule("1f1b", 2, 3, RecomputeMode::kExceptLast);
+  Executor ex(*model, make_cells({3, 4}, s, {Device::cpu(0), Device::cpu(0)}), s, transport, o);
+  for (int t = 0; t < 3; ++t) {
+    const Batch b = batch(mlp_spec(), 9, 700 + t);
+    const StepResult r = ex.step(b.x, b.y);
+    CHECK((r.stages[1].captured_nodes > 0) == (t > 0));
+  }
+  Batch bad = batch(mlp_spec(), 9, 800);
+  bad.y.data<int32_t>()[5] = 4;  // 4 classes: 0..3
+  CHECK_THROWS_WITH_AS(ex.step(bad.x, bad.y), doctest::Contains("label 4"), UserError);
+  const Batch good = batch(mlp_spec(), 9, 801);
+  CHECK_THROWS_WITH(ex.step(good.x, good.y), doctest::Contains("earlier failure"));
 }
 
 TEST_CASE("a bad label in a replayed step fails the step with the CPU's message; the run then stops") {

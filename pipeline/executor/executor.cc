@@ -153,15 +153,33 @@ Executor::Executor(layers::Sequential& model, std::vector<CellSpec> cells, Sched
     tensor_collectives_ = std::make_unique<ProgramCollectives>(*this, *tensor_group_);
     model_.set_collectives(tensor_collectives_.get());  // only the local stage's layers (and loss) run here
   }
-  if (options_.capture && !(K == 1 && norm_on_device())) {
-    throw UserError(std::string("pipeline.capture captures a step of one stage without replicas or a tensor group; this "
-                                "run has ") + std::to_string(K) + " stages" +
-                    (options_.replicas != nullptr && options_.replicas->size() > 1 ? ", replicas" : "") +
-                    (tensor ? ", a tensor group" : "") +
-                    ": set pipeline.capture: false, or train on one stage (pipeline.partitions: 1)");
+  if (options_.capture) {
+    const bool replicas = options_.replicas != nullptr && options_.replicas->size() > 1;
+    bool one_device = true;
+    for (const CellSpec& cell : cells_) one_device = one_device && cell.device == cells_[0].device;
+    const bool here = options_.local_stage < 0;  // every stage a thread of this process
+    if (replicas || tensor || (K > 1 && !(one_device && here))) {
+      throw UserError(std::string("pipeline.capture captures the step of one stage, or of stages that one process "
+                                  "runs on one device, without replicas or a tensor group; this run has ") +
+                      std::to_string(K) + " stages" + (K > 1 && !one_device ? " on several devices" : "") +
+                      (K > 1 && !here ? " in several processes" : "") + (replicas ? ", replicas" : "") +
+                      (tensor ? ", a tensor group" : "") +
+                      ": set pipeline.capture: false, or train on one stage (pipeline.partitions: 1), or put every "
+                      "stage on one device (pipeline.devices)");
+    }
+    if (K > 1) capture_group_ = std::make_unique<CaptureGroup>(K);
   }
   for (int k = 0; k < K; ++k) runtimes_.push_back(make_stage(k));
   share_devices();
+  if (capture_group_) {
+    // Captured together or not at all: a stage that cannot be captured keeps them all op by op.
+    bool failed = false;
+    for (const auto& rt : runtimes_) failed = failed || rt->capture_failed;
+    for (auto& rt : runtimes_) {
+      rt->capture_failed = failed;
+      rt->norm_part = rt->backend->zeros({kStepScalarCount}, DType::kF64);
+    }
+  }
   start_workers();
 }
 
@@ -574,8 +592,10 @@ void Executor::optimizer_step(StageRuntime& rt) {
   // Stages sharing a device share its backend, whose wait reports each stage's bad data
   // to that stage only, and clears the flags the skip below reads: one stage's wait could
   // hide another's bad batch from its skip. Such a stage waits here, as every stage did
-  // before the skip was decided on the device, so that its error stops it first.
-  if (rt.device_turn != nullptr && !rt.device.is_cpu()) rt.backend->synchronize();
+  // before the skip was decided on the device, so that its error stops it first. Stages
+  // captured together wait nowhere inside a step (a capture cannot): each skip then reads
+  // every stage's flags, and the error is reported at the step's end.
+  if (rt.device_turn != nullptr && !rt.device.is_cpu() && !capture_group_) rt.backend->synchronize();
   const size_t slot = rt.trace.ops.size() - 1;  // run_stage's, reserved for this instruction
   rt.clock->before(rt.backend->stream(), slot);
   // As torch.nn.utils.clip_grad_norm_ on the unscaled norm: scale by max_norm / (norm +
@@ -731,12 +751,17 @@ void Executor::tensor_collective(Op op, int64_t bytes, const std::function<void(
 void Executor::run_stage(int k) {
   StageRuntime& rt = *runtimes_[k];
   rt.fixed_io = capture_eligible(rt);  // workers run local stages only
-  if (rt.fixed_io && rt.captured) return replay_stage(rt);
+  if (rt.fixed_io && rt.captured) return capture_group_ ? replay_group(rt) : replay_stage(rt);
   rt.capturing = rt.fixed_io && rt.warmed_up && !rt.capture_failed;
   run_program(k);
   if (!rt.capture_error.empty()) {
-    spdlog::warn("stage {}: its training step could not be captured ({}); the run goes on without capture", k,
-                 rt.capture_error);
+    if (!capture_group_) {
+      spdlog::warn("stage {}: its training step could not be captured ({}); the run goes on without capture", k,
+                   rt.capture_error);
+    } else if (k == 0) {  // the group's first failure, which every stage of it got
+      spdlog::warn("stages 0 to {}: their training step could not be captured ({}); the run goes on without capture",
+                   schedule_.num_stages - 1, rt.capture_error);
+    }
     rt.capture_error.clear();
     rt.capture_failed = true;
     rt.fixed_io = false;
@@ -827,7 +852,7 @@ void Executor::replay_stage(StageRuntime& rt) {
     const double start_ms = rt.trace.start_ms;
     rt.trace = cap.trace;
     rt.trace.start_ms = start_ms;
-    rt.trace.captured_nodes = cap.ops->nodes();
+    rt.trace.captured_nodes = cap.nodes;
     rt.trace.other_ops = cap.other_ops_inside + (OpLog::calls_on_this_thread() - calls0 - replayed);
     for (const OpClock::Span& span : rt.clock->resolve()) {
       rt.trace.ops[span.index].start_ms = span.start_ms;
@@ -872,15 +897,23 @@ void Executor::run_program(int k) {
   const int64_t step_calls0 = OpLog::calls_on_this_thread();
   int64_t capture_calls0 = step_calls0, replayed = 0;
   try {
-    {
+    std::exception_ptr not_written;  // a stage capturing with others tells them before it stops
+    try {
       auto turn = device_turn(k);
       rt.clock->start_step(rt.backend->stream(), now_ms());
       if (eval == nullptr) write_step_scalars(rt);
       if (rt.fixed_io) fill_fixed_buffers(rt);
-      if (rt.capturing) {
+      if (rt.capturing && !capture_group_) {
         rt.backend->begin_capture();  // nothing from here on runs until the replay below
         capture_calls0 = OpLog::calls_on_this_thread();
       }
+    } catch (const std::exception&) {
+      if (!(rt.capturing && capture_group_)) throw;
+      not_written = std::current_exception();
+    }
+    if (rt.capturing && capture_group_) {  // out of the device's turn: it waits for the other stages
+      group_begin(rt, not_written);
+      capture_calls0 = OpLog::calls_on_this_thread();
     }
     // No instruction but the optimizer step writes this stage's parameters (the
     // collectives write gradients): the weights stay frozen from one step to the next, so
@@ -965,6 +998,7 @@ void Executor::run_program(int k) {
     }
     set_frozen(rt, false);
     transport_.flush(k);
+    if (rt.capturing && capture_group_ && !group_end(rt, std::string(), capture_calls0, &replayed)) return;
     auto turn = device_turn(k);
     if (rt.capturing) {
       // The step so far is captured, not run: keep what a replay needs, then run it.
@@ -980,6 +1014,7 @@ void Executor::run_program(int k) {
         if (!is_tensor_collective(op.op)) instructions += op.ops;
       }
       cap->other_ops_inside = OpLog::calls_on_this_thread() - capture_calls0 - instructions;
+      cap->nodes = cap->ops->nodes();
       rt.captured = std::move(cap);
       spdlog::info("stage {}: captured its training step on {} ({} ops); later steps replay it", k, rt.device.str(),
                    rt.captured->ops->nodes());
@@ -997,9 +1032,13 @@ void Executor::run_program(int k) {
     for (const TimedOp& op : rt.trace.ops) {
       if (!is_tensor_collective(op.op)) rt.trace.other_ops -= op.ops;  // a tensor collective's are its owner's
     }
-    for (const OpClock::Span& span : rt.clock->resolve()) {  // device times replace the host's
-      rt.trace.ops[span.index].start_ms = span.start_ms;
-      rt.trace.ops[span.index].end_ms = span.end_ms;
+    if (rt.trace.captured_nodes > 0 && capture_group_) {  // the capture of the stages together, just replayed
+      place_replayed(rt.trace, rt.clock->resolve());
+    } else {
+      for (const OpClock::Span& span : rt.clock->resolve()) {  // device times replace the host's
+        rt.trace.ops[span.index].start_ms = span.start_ms;
+        rt.trace.ops[span.index].end_ms = span.end_ms;
+      }
     }
     // A compute instruction's tensor collectives ran inside it: their time is its
     // communication (TimedOp::group_ms), on the same clock.
@@ -1012,14 +1051,29 @@ void Executor::run_program(int k) {
       rt.trace.ops[owner].group_ms += std::max(0.0, t.end_ms - t.start_ms);
     }
   } catch (const Aborted& e) {
+    rt.frozen.reset();
+    // Stopped inside a capture of the stages together: by a stage whose part could not be
+    // captured (the step then runs again op by op), or by a failure elsewhere, which
+    // stands (group_end's recover leaves it).
+    if (rt.capturing && capture_group_) {
+      // The stage that stopped the others brings the reason; an abort from elsewhere is its own.
+      const std::string why = e.what();
+      group_end(rt, why == kGroupCaptureStopped ? std::string() : why, capture_calls0, &replayed);
+      return;  // the stage that stopped it failed the capture: run_stage runs the step op by op
+    }
     rt.backend->abort_capture();
     rt.capturing = false;
-    rt.frozen.reset();
     rt.error = std::current_exception();
     rt.error_is_abort = true;
     rt.error_text = e.what();
   } catch (const std::exception& e) {
     rt.frozen.reset();
+    if (rt.capturing && capture_group_) {  // the others stop too, and all run the step again op by op
+      transport_.abort(kGroupCaptureStopped);
+      const std::string why = e.what();
+      group_end(rt, why.empty() ? std::string("an error without a message") : why, capture_calls0, &replayed);
+      return;
+    }
     if (rt.capturing) {  // nothing captured has run: run_stage runs the step again, op by op
       rt.backend->abort_capture();
       rt.capturing = false;

@@ -96,7 +96,12 @@ struct ExecutorOptions {
   bool device_clock_on_cpu = false;
   // Capture a training step once and replay it (pipeline.capture; Backend::begin_capture):
   // on a GPU a CUDA graph, one launch a step; on the CPU the recorded calls. Needs one
-  // stage without replicas or a tensor group (UserError otherwise). Each micro-batch's
+  // stage, or stages all run by this process on one device (their steps captured
+  // together, as one graph), without replicas or a tensor group (UserError otherwise).
+  // With several stages the gradient norm is summed on the device, in stage order, as the
+  // host sums it otherwise (the same bits), and a stage sharing the device no longer waits
+  // for it at its optimizer step: bad data found by a kernel is reported at the step's
+  // end, every stage skipping the step alike. Each micro-batch's
   // inputs and targets are copied into buffers kept on the device for the run, which the
   // captured step reads. The first training step runs as before (it makes the
   // optimizer's state, the multi-tensor tables, cuDNN's plans), the second is captured
@@ -146,7 +151,8 @@ struct StageTrace {
   double start_ms = 0;
   // A captured step (ExecutorOptions::capture): the captured ops' count (the graph's
   // nodes on a GPU, the backend calls on the CPU) when this step was one replay of them;
-  // 0 when it ran op by op. The instructions' ops are the capture's.
+  // 0 when it ran op by op. The instructions' ops are the capture's. Stages captured
+  // together (one graph) each count the backend calls their thread captured.
   int64_t captured_nodes = 0;
 };
 // A stage's timings as numbers, and back, for gathering them across processes.
@@ -275,6 +281,17 @@ class Executor {
   void fill_fixed_buffers(StageRuntime& rt);
   void replay_stage(StageRuntime& rt);
   void set_frozen(StageRuntime& rt, bool frozen);
+  // pipeline.capture with K > 1 stages on one device (CaptureGroup; executor_capture.cc):
+  // the capture begun by stage 0 and joined by the others once all have written their
+  // step's scalars and buffers (`failed`: this stage could not, and the step fails on
+  // every stage); ended together (`failure`: why this stage's part could not
+  // be captured), stage 0 ending it and replaying it once, false if it failed anywhere
+  // (the step then runs op by op); a later step replayed by stage 0 for all.
+  void group_begin(StageRuntime& rt, const std::exception_ptr& failed);
+  bool group_end(StageRuntime& rt, const std::string& failure, int64_t capture_calls0, int64_t* replayed);
+  void replay_group(StageRuntime& rt);
+  void sum_group_norm(StageRuntime& rt, const std::vector<Tensor>& grads);
+  static void place_replayed(StageTrace& trace, const std::vector<OpClock::Span>& spans);
   // One handler per instruction kind; run_stage times, meters and dispatches. Returns
   // the bytes a send or receive moved.
   int64_t run_instruction(StageRuntime& rt, size_t pc);
@@ -337,6 +354,8 @@ class Executor {
   ExecutorOptions options_;
   std::vector<std::unique_ptr<StageRuntime>> runtimes_;
   std::vector<std::unique_ptr<std::mutex>> device_turns_;  // one per device shared by local stages
+  struct CaptureGroup;
+  std::unique_ptr<CaptureGroup> capture_group_;  // pipeline.capture with K > 1 stages on one device
 
   // The current step, shared with the workers.
   struct StepInputs {

@@ -78,7 +78,11 @@ int64_t Executor::exchange_tied_gradient(StageRuntime& rt, int tie) {
 // norm on its device, in the step's scalars (kernels/step_scalars.h): the host neither
 // waits nor reads before OPT. Otherwise the host sums one number per stage, replica and
 // member, and writes the total into the scalars for OPT.
+//
+// Stages captured together on one device (CaptureGroup) leave it there too: each its own
+// sum, then each the total of all, in stage order (sum_group_norm).
 bool Executor::norm_on_device() const {
+  if (capture_group_ != nullptr) return true;
   return schedule_.num_stages == 1 && tensor_collectives_ == nullptr &&
          (options_.replicas == nullptr || options_.replicas->size() == 1);
 }
@@ -91,6 +95,10 @@ int64_t Executor::reduce_gradient_norm(StageRuntime& rt) {
     std::vector<Tensor> grads;
     for (layers::Parameter* p : rt.params) {
       if (!model_.is_tied_copy(p)) grads.push_back(p->grad);  // a tied weight counts once
+    }
+    if (capture_group_ != nullptr) {
+      sum_group_norm(rt, grads);
+      return static_cast<int64_t>(sizeof(double));
     }
     auto turn = device_turn(k);
     const size_t slot = rt.trace.ops.size() - 1;  // run_stage's, reserved for this instruction

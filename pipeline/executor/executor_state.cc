@@ -218,11 +218,15 @@ void Executor::restore_state(int k, const std::map<std::string, Tensor>& whole_m
   if (steps >= 0) rt.optimizer->set_steps(steps);
   // A captured step (pipeline.capture) read the state it was captured with in place;
   // restored values are copied into the same tensors, but the next steps run op by op
-  // and capture again, so that nothing a restore makes anew is missed.
-  rt.captured.reset();
-  rt.fixed_inputs.clear();
-  rt.fixed_targets.clear();
-  rt.warmed_up = false;
+  // and capture again, so that nothing a restore makes anew is missed. Stages captured
+  // together (CaptureGroup) capture again together.
+  for (auto& other : runtimes_) {
+    if (other.get() != &rt && (capture_group_ == nullptr || !other->local)) continue;
+    other->captured.reset();
+    other->fixed_inputs.clear();
+    other->fixed_targets.clear();
+    other->warmed_up = false;
+  }
 }
 
 }  // namespace pipeline

@@ -4,6 +4,7 @@
 // state saved and restored by name). Not part of the executor's interface.
 #pragma once
 
+#include <condition_variable>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -85,6 +86,10 @@ struct Executor::StageRuntime {
   // and OPT's ops when they run, and read back once at the step's end, which sets
   // grad_norm (-1 when no norm was taken) and skipped.
   Tensor scalars;
+  // Stages capturing their step together (Executor::CaptureGroup): NORM's sum of this
+  // stage's squares, a step-scalars tensor whose norm slot every stage of the group adds
+  // into its own `scalars`, in stage order.
+  Tensor norm_part;
   StepScalarValues written{};
   double grad_norm = -1;
   bool skipped = false;
@@ -101,7 +106,8 @@ struct Executor::StageRuntime {
   // a capture failed (never tried again in the run).
   bool capturing = false, warmed_up = false, capture_failed = false;
   std::string capture_error;  // why the capture in progress failed
-  // What a replay needs of the capture: its ops (the micro-batches' shapes it was
+  // What a replay needs of the capture: its ops (stage 0's alone when the stages
+  // capture together; the micro-batches' shapes it was
   // captured with are the fixed buffers'), its trace (instructions, their ops and held bytes; times replaced at each
   // replay), its clock's spans, the loss tensors it writes, and the backend calls its
   // stage made inside it outside instructions (StageTrace::other_ops).
@@ -111,6 +117,7 @@ struct Executor::StageRuntime {
     OpClock::Spans spans;
     std::vector<Tensor> losses;
     int64_t other_ops_inside = 0;
+    int64_t nodes = 0;  // StageTrace::captured_nodes at each replay
   };
   std::unique_ptr<Captured> captured;
   // The CPU's FrozenWeights window (kernels/backend.h) over the stage's instructions but
@@ -125,6 +132,48 @@ struct Executor::StageRuntime {
   std::exception_ptr error;
   bool error_is_abort = false;
   std::string error_text;
+};
+
+// pipeline.capture with K > 1 stages of this process on one device: their training step
+// captured together, as one graph on a GPU (the stages share the device's backend and
+// stream, and take turns on it), which stage 0's thread begins, ends and replays; the other
+// stages' threads join the capture (Backend::join_capture) and wait for the replay. Every
+// stage's thread calls arrive() at the same points of a captured or replayed step
+// (executor_capture.cc), so that none waits for one that is not coming.
+// What a stage whose part of a capture together failed aborts the transport with, so
+// that the others stop too (Transport::recover takes it back).
+inline constexpr char kGroupCaptureStopped[] = "another stage's part of the step could not be captured";
+
+struct Executor::CaptureGroup {
+  explicit CaptureGroup(int stages) : size(stages) {}
+  // Waits until every stage has arrived; `failure` (empty: none) is this round's if it is
+  // the first one brought. Returns the round's first failure, which every stage sees.
+  std::string arrive(const std::string& failure = std::string()) {
+    std::unique_lock<std::mutex> lock(mu);
+    if (arrived == 0) round_failure.clear();
+    if (round_failure.empty()) round_failure = failure;
+    const uint64_t my_round = round;
+    if (++arrived == size) {
+      arrived = 0;
+      ++round;
+      last_failure = round_failure;
+      cv.notify_all();
+    } else {
+      cv.wait(lock, [&] { return round != my_round; });
+    }
+    return last_failure;
+  }
+  const int size;
+  std::mutex mu;
+  std::condition_variable cv;
+  int arrived = 0;
+  uint64_t round = 0;
+  std::string round_failure, last_failure;
+  // Stage 0's, between two rounds: the capture ended (to replay) or why it failed (the
+  // stages then run the step op by op), and how many ops its graph holds.
+  std::unique_ptr<CapturedOps> ops;
+  std::string capture_failure;
+  int64_t nodes = 0;
 };
 
 }  // namespace pipeline

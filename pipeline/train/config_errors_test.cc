@@ -106,9 +106,9 @@ TEST_CASE("each config mistake given with --set names the --set, the key and the
       {"pipeline.devices=[[cpu:0]]", {"pipeline.devices: expected a single value"}},
       {"pipeline.capture=yes please", {"pipeline.capture: "}},
       {"pipeline.capture=true",
-       {"pipeline.capture: captures the training step of one stage, without replicas or a tensor group; this config "
-        "has partitions 2, replicas 1 and tensor_parallel 1",
-        "set pipeline.capture: false, or partitions, replicas and tensor_parallel to 1"}},
+       {"pipeline.capture: captures the training step of one stage, or of stages that all run on one device",
+        "this config has partitions 2 on cpu:0 to cpu:1 (the default)",
+        "set pipeline.capture: false, or pipeline.partitions: 1, or one device for every stage in pipeline.devices"}},
       {"pipeline.shard_optimizer=optimizer",
        {"pipeline.shard_optimizer: optimizer shards the optimizer state over pipeline.replicas, which is 1: one replica "
         "has nothing to shard; set pipeline.replicas to 2 or more",

@@ -39,11 +39,12 @@ Config candidate_config(const Config& base, const Candidate& k) {
   c.train.blas_threads = k.blas_threads;
   c.pipeline.tensor_parallel = k.tensor_parallel;
   c.pipeline.sequence_parallel = k.sequence_parallel;
-  // pipeline.capture captures one stage's step: a candidate of more stages, replicas or a
-  // tensor group runs without it, as the config would be refused with it.
-  c.pipeline.capture = base.pipeline.capture && k.stages == 1 && k.tensor_parallel == 1 && c.pipeline.replicas == 1;
   if (!k.precision.empty()) c.model.dtype = parse_dtype(k.precision);
   if (static_cast<int>(c.pipeline.devices.size()) > k.stages) c.pipeline.devices.resize(k.stages);
+  // pipeline.capture captures one stage's step, or the steps of stages on one device: a
+  // candidate that it cannot take (more devices, replicas, a tensor group) runs without it,
+  // as the config would be refused with it.
+  c.pipeline.capture = base.pipeline.capture && capture_refusal(c.pipeline).empty();
   c.autos = AutoKeys{};
   return c;
 }

@@ -559,6 +559,39 @@ TEST_CASE("pipeline.capture: a tiny GPT trains as without it, and the report say
   CHECK(nlohmann::json::parse(g)["stages"][0]["captured_ops"].get<int64_t>() == 0);
 }
 
+TEST_CASE("pipeline.capture with two stages on one device: captured together, trains as without it") {
+  const std::string text = write_text("fox_capture2.txt", 60);
+  auto go = [&](bool capture) {
+    std::ostringstream log;
+    const Config c = parse_config(kTinyGpt, "tiny_gpt.yaml",
+                                  {"data.path=" + text, "output.dir=" + out_dir(capture ? "gpt_cap2" : "gpt_nocap2"),
+                                   "pipeline.partitions=2", "pipeline.devices=[cpu:0, cpu:0]", "train.steps=8",
+                                   "train.eval_interval=4", std::string("pipeline.capture=") + (capture ? "true" : "false")});
+    TrainResult r = train(c, log);
+    return std::make_pair(r, log.str());
+  };
+  const auto [plain, plain_log] = go(false);
+  const auto [captured, captured_log] = go(true);
+  REQUIRE(captured.losses.size() == plain.losses.size());
+  for (size_t i = 0; i < plain.losses.size(); ++i) CHECK(captured.losses[i] == plain.losses[i]);  // bit for bit
+  CHECK(captured.eval_loss == plain.eval_loss);
+  std::ifstream f(captured.report_path);
+  const nlohmann::json j = nlohmann::json::parse(f);
+  std::ifstream g(plain.report_path);
+  const nlohmann::json jp = nlohmann::json::parse(g);
+  for (int k = 0; k < 2; ++k) {
+    CAPTURE(k);
+    // Each stage's share of the one capture: its instructions' ops and more (the zeroing,
+    // NORM's and OPT's), all it calls in a step but writing its scalars and inputs.
+    const int64_t replayed = j["stages"][k]["captured_ops"].get<int64_t>();
+    CHECK(replayed > j["stages"][k]["ops_per_step"].get<int64_t>());
+    CHECK(replayed < j["stages"][k]["ops_per_step_all"].get<int64_t>());
+    CHECK(captured_log.find(std::to_string(replayed) + " of them replayed") != std::string::npos);
+    CHECK(jp["stages"][k]["captured_ops"].get<int64_t>() == 0);
+  }
+  CHECK(captured_log.find("captured once and replayed") != std::string::npos);
+}
+
 TEST_CASE("validation runs without dropout: dropout 0.5 or 0 on the same weights scores the same") {
   // One step at a learning rate far too small to move a float32 weight, so both runs
   // keep the initial weights (seeded per layer; dropout has none). Training draws

@@ -1,0 +1,271 @@
+// pipeline.capture with K > 1 stages that this process runs on one device
+// (Executor::CaptureGroup): their training step captured together and replayed with one
+// launch (a CUDA graph on a GPU; the calls themselves on the CPU).
+//
+// The stages share the device's backend and its stream and take turns on it, so the ops
+// they queue during a step are one sequence on that stream, in an order that already
+// respects what each hands the next (a receive queues its work after the send's). The
+// capture keeps that sequence:
+//
+//   group_begin   every stage has written its step's scalars and fixed buffers (outside
+//                 the capture); stage 0 begins the capture, the others join it
+//                 (Backend::join_capture: on a GPU their blocks come from its pool)
+//   ...programs   as op by op; NORM sums on the device (sum_group_norm), no stage waits
+//   group_end     every stage out of its program; stage 0 ends the capture and replays it
+//                 once for the step; a stage whose part could not be captured stopped the
+//                 others (transport abort, taken back with recover) and every stage runs
+//                 the step again op by op, never capturing again
+//   replay_group  a later step: scalars and buffers written by each stage, stage 0's one
+//                 replay, each stage's wait, scalars and times read back
+//
+// Every stage's thread arrives at the group's rounds (CaptureGroup::arrive) at the same
+// points, whatever happens in between, so that none waits for a stage that is not coming.
+#include <chrono>
+#include <exception>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/op_log.h"
+#include "kernels/step_scalars.h"
+#include "pipeline/executor/executor.h"
+#include "pipeline/executor/stage_runtime.h"
+#include "runtime/error.h"
+#include "runtime/heartbeat.h"
+#include "runtime/logging.h"
+
+namespace gpipe {
+namespace pipeline {
+
+void Executor::group_begin(StageRuntime& rt, const std::exception_ptr& failed) {
+  CaptureGroup& g = *capture_group_;
+  const int k = rt.index;
+  std::string failure;
+  if (failed) {
+    try {
+      std::rethrow_exception(failed);
+    } catch (const std::exception& e) {
+      failure = "stage " + std::to_string(k) + " failed: " + e.what();
+    }
+  }
+  // Every stage's scalars and buffers are written: from here on nothing runs.
+  const std::string first = g.arrive(failure);
+  if (k == 0) {
+    g.ops.reset();
+    g.capture_failure.clear();
+    if (first.empty()) {
+      try {
+        rt.backend->begin_capture();
+      } catch (const CaptureError& e) {
+        g.capture_failure = e.what();
+      }
+    }
+  }
+  g.arrive();  // stage 0 began (or could not)
+  if (!first.empty()) {  // a stage failed before the capture: the step fails, nothing began
+    rt.capturing = false;
+    if (failed) std::rethrow_exception(failed);
+    throw Aborted(first);
+  }
+  if (!g.capture_failure.empty()) {
+    // Nothing was captured: this step and every later one run op by op.
+    if (k == 0) {
+      spdlog::warn("stages 0 to {}: their training step could not be captured ({}); the run goes on without capture",
+                   schedule_.num_stages - 1, g.capture_failure);
+    }
+    rt.capturing = false;
+    rt.capture_failed = true;
+    return;
+  }
+  if (k != 0) rt.backend->join_capture();  // a CaptureError stops the others (run_program)
+}
+
+bool Executor::group_end(StageRuntime& rt, const std::string& failure, int64_t capture_calls0, int64_t* replayed) {
+  CaptureGroup& g = *capture_group_;
+  const int k = rt.index;
+  const int64_t captured_calls = OpLog::calls_on_this_thread() - capture_calls0;
+  if (k != 0) rt.backend->leave_capture();
+  const std::string first = g.arrive(failure);  // every stage is out of its program
+  if (k == 0) {
+    g.capture_failure = first;
+    g.ops.reset();
+    if (first.empty()) {
+      try {
+        g.ops = rt.backend->end_capture();
+        g.nodes = g.ops->nodes();
+      } catch (const CaptureError& e) {
+        g.capture_failure = e.what();
+      }
+    } else {
+      rt.backend->abort_capture();  // nothing captured has run
+      transport_.recover(kGroupCaptureStopped);  // an abort for anything else stands
+    }
+  }
+  g.arrive();  // stage 0's verdict
+  rt.capturing = false;
+  if (!g.capture_failure.empty()) {
+    rt.capture_error = g.capture_failure;  // run_stage runs the step again, op by op
+    return false;
+  }
+  // What a replay needs: this stage's trace, its clock's spans (their events the graph's),
+  // its losses and what its thread called inside the capture outside its instructions.
+  auto cap = std::make_unique<StageRuntime::Captured>();
+  cap->trace = rt.trace;
+  cap->spans = rt.clock->spans();
+  rt.clock->keep_captured_events();
+  for (const MicroBatch& mb : rt.mbs[schedule_.chunk_of_cell(schedule_.num_cells() - 1)]) cap->losses.push_back(mb.loss);
+  int64_t instructions = 0;
+  for (const TimedOp& op : rt.trace.ops) {
+    if (!is_tensor_collective(op.op)) instructions += op.ops;
+  }
+  cap->other_ops_inside = captured_calls - instructions;
+  cap->nodes = captured_calls;  // this stage's share of the one capture
+  rt.trace.captured_nodes = cap->nodes;
+  rt.captured = std::move(cap);
+  std::exception_ptr replay_error;
+  std::string replay_failure;
+  if (k == 0) {
+    rt.captured->ops = std::move(g.ops);
+    spdlog::info("stages 0 to {}: captured their training step on {} together ({} ops); later steps replay it",
+                 schedule_.num_stages - 1, rt.device.str(), g.nodes);
+    const int64_t replay0 = OpLog::calls_on_this_thread();
+    try {
+      rt.captured->ops->replay();
+    } catch (const std::exception& e) {
+      // The step's ops ran (on the CPU) up to one that failed: a failure of the step. A
+      // FrozenWeights window a stage's replayed ops opened was opened on this thread.
+      for (auto& other : runtimes_) other->frozen.reset();
+      replay_error = std::current_exception();
+      replay_failure = std::string("stage 0 replaying the step captured together failed: ") + e.what();
+    }
+    *replayed = OpLog::calls_on_this_thread() - replay0;  // on the CPU, each captured op called again
+  }
+  const std::string after = g.arrive(replay_failure);  // the replay queued (run, on the CPU)
+  if (!after.empty()) {
+    if (k == 0) std::rethrow_exception(replay_error);  // run_program's failure
+    throw Aborted(after);
+  }
+  return true;
+}
+
+// The times of a step of stages captured together, from the events its graph recorded:
+// each compute instruction's, NORM's and OPT's span; a send or receive, which a replay
+// does not do on the host (the stream orders the hand-over), takes no time, at the end of
+// the stage's instruction before it (or the start of the first one after it).
+void Executor::place_replayed(StageTrace& trace, const std::vector<OpClock::Span>& spans) {
+  std::vector<char> clocked(trace.ops.size(), 0);
+  for (const OpClock::Span& span : spans) {
+    trace.ops[span.index].start_ms = span.start_ms;
+    trace.ops[span.index].end_ms = span.end_ms;
+    clocked[span.index] = 1;
+  }
+  double at = -1;
+  for (size_t i = 0; i < trace.ops.size() && at < 0; ++i) {
+    if (clocked[i]) at = trace.ops[i].start_ms;
+  }
+  if (at < 0) return;  // nothing timed (a step that failed half-way)
+  for (size_t i = 0; i < trace.ops.size(); ++i) {
+    if (clocked[i]) {
+      at = trace.ops[i].end_ms;
+    } else {
+      trace.ops[i].start_ms = trace.ops[i].end_ms = at;
+    }
+  }
+}
+
+void Executor::replay_group(StageRuntime& rt) {
+  CaptureGroup& g = *capture_group_;
+  const int k = rt.index;
+  StageRuntime::Captured& cap = *rt.captured;
+  rt.trace = StageTrace{};
+  rt.mbs.assign(schedule_.num_chunks(), std::vector<MicroBatch>(schedule_.num_micro_batches));
+  rt.error = nullptr;
+  rt.error_is_abort = false;
+  rt.grad_norm = -1;
+  rt.skipped = false;
+  rt.trace.start_ms =
+      std::chrono::duration<double, std::milli>(cur_.epoch.time_since_epoch()).count() - options_.clock_offset_ms;
+  const int64_t calls0 = OpLog::calls_on_this_thread();
+  auto fail = [&](const std::exception& e) {
+    rt.error = std::current_exception();
+    rt.error_text = e.what();
+    return "stage " + std::to_string(k) + " failed: " + rt.error_text;
+  };
+  std::string failure;
+  try {
+    heartbeat();
+    auto turn = device_turn(k);
+    rt.clock->start_step(rt.backend->stream(), now_ms());
+    write_step_scalars(rt);
+    fill_fixed_buffers(rt);
+    rt.clock->set_spans(cap.spans);
+  } catch (const std::exception& e) {
+    failure = fail(e);
+  }
+  const std::string before = g.arrive(failure);  // every stage's scalars and buffers written
+  int64_t replayed = 0;
+  if (k == 0 && before.empty()) {
+    const int64_t replay0 = OpLog::calls_on_this_thread();
+    try {
+      cap.ops->replay();
+    } catch (const std::exception& e) {
+      for (auto& other : runtimes_) other->frozen.reset();  // opened on this thread (group_end)
+      failure = fail(e);
+    }
+    replayed = OpLog::calls_on_this_thread() - replay0;
+  }
+  const std::string after = g.arrive(k == 0 ? failure : std::string());  // the replay queued (run, on the CPU)
+  const std::string& why = !before.empty() ? before : after;
+  if (!why.empty()) {
+    if (!rt.error) {  // stopped by another stage's failure
+      rt.error = std::make_exception_ptr(Aborted(why));
+      rt.error_is_abort = true;
+      rt.error_text = why;
+    }
+    return;
+  }
+  try {
+    rt.backend->synchronize();
+    read_step_scalars(rt);
+    const double start_ms = rt.trace.start_ms;
+    rt.trace = cap.trace;
+    rt.trace.start_ms = start_ms;
+    rt.trace.captured_nodes = cap.nodes;
+    rt.trace.other_ops = cap.other_ops_inside + (OpLog::calls_on_this_thread() - calls0 - replayed);
+    place_replayed(rt.trace, rt.clock->resolve());
+    auto& last = rt.mbs[schedule_.chunk_of_cell(schedule_.num_cells() - 1)];
+    for (size_t m = 0; m < cap.losses.size(); ++m) last[m].loss = cap.losses[m];
+  } catch (const std::exception& e) {
+    fail(e);
+  }
+}
+
+// NORM of stages captured together: each stage's squares into its own norm_part, then,
+// once every stage has queued that (the transport's all-reduce as the host's barrier),
+// each stage's norm slot the parts' sum in stage order, as the host sums them otherwise
+// (InProcessTransport::all_reduce_sum): the same bits, with nothing read back.
+void Executor::sum_group_norm(StageRuntime& rt, const std::vector<Tensor>& grads) {
+  const int k = rt.index;
+  {
+    auto turn = device_turn(k);
+    const size_t slot = rt.trace.ops.size() - 1;  // run_program's, reserved for this instruction
+    rt.clock->before(rt.backend->stream(), slot);
+    rt.backend->sum_squares_all_to(grads, rt.norm_part);
+    rt.clock->after(rt.backend->stream(), slot);
+  }
+  transport_.all_reduce_sum(k, 0.0);
+  auto turn = device_turn(k);
+  Tensor total = rt.scalars.narrow_rows(kStepNormSquared, 1);
+  for (int j = 0; j < schedule_.num_stages; ++j) {
+    const Tensor part = runtimes_[static_cast<size_t>(j)]->norm_part.narrow_rows(kStepNormSquared, 1);
+    if (j == 0) {
+      rt.backend->copy(part, total);
+    } else {
+      rt.backend->axpy(1.0, part, total);
+    }
+  }
+}
+
+}  // namespace pipeline
+}  // namespace gpipe
