@@ -53,6 +53,17 @@ struct CostModel {
   // description's launch_overhead_us).
   double launch_seconds = 0;
   bool launch_probed = false;  // launch_seconds was measured on this machine's GPU
+  // A GPU's cost of that kernel as a node of a captured step's graph, replayed
+  // (DevicePeak::graph_node_seconds, or a device description's graph_node_us; 0: not
+  // known), and whether launch_seconds is it: a run whose step is captured
+  // (pipeline.capture) pays it for each op instead of a launch (price_captured).
+  double graph_node_seconds = 0;
+  bool launches_captured = false;
+  void price_captured() {
+    if (graph_node_seconds <= 0) return;  // not known: each op stays a launch
+    launch_seconds = graph_node_seconds;
+    launches_captured = true;
+  }
   // The model's launches per layer (nullptr: not counted, so no launch term).
   std::shared_ptr<const std::vector<LayerLaunches>> launches;
   // A member of a tensor group of this many (1: not split): each of its layers' sums

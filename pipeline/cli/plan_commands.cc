@@ -243,6 +243,7 @@ int plan_other_runs(const Config& config, layers::Sequential& model, const PlanC
   }
   partition::CostModel cm = spec.cost_model_for(planned.output_dtype());
   cm.launches = plan.launches;  // the model's ops, for the spec's launch cost
+  if (captures(c, planned)) cm.price_captured();  // at the spec's graph_node_us, where it gives one
   if (T > 1) price_tensor_group(cm, T, spec.link(0, 1));  // a stage's members: one node
   const CostSource costs(planned, ProfileStore{}, "", Device::cuda(0), 0, cm, {}, c.optimizer.optimizer);
   // The balancer's split by the spec's roofline.
@@ -251,8 +252,9 @@ int plan_other_runs(const Config& config, layers::Sequential& model, const PlanC
       plan.num_cells());
   const Plan spec_plan = plan_for(c);
   // Stage k's first device is k T: the link between stages.
-  const PlannedRun run = predict(spec_plan, planned, costs, [&spec, T](int a, int b) { return spec.link(a * T, b * T); },
-                                 c.optimizer.optimizer);
+  PlannedRun run = predict(spec_plan, planned, costs, [&spec, T](int a, int b) { return spec.link(a * T, b * T); },
+                           c.optimizer.optimizer);
+  run.launches_captured = cm.launches_captured;
   out << "Plan for " << (T > 1 ? devices_text + " of " : std::to_string(n) + " x ") << spec.name << " (" << spec.source
       << "; " << spec.devices_per_node << " per node, " << spec.intra_node.kind << " within, " << spec.inter_node.kind
       << " between nodes), balance";

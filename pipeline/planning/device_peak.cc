@@ -135,6 +135,39 @@ double probe_launch(Device d) {
   return best;
 }
 
+// A GPU's cost of a captured launch: the same 1000 launches captured as one graph
+// (Backend::begin_capture, as pipeline.capture captures a step), the best of three
+// replays over their count. 0 where the device cannot capture (the planner then keeps
+// the launch's cost). Not taken on a CPU.
+double probe_graph_node(Device d) {
+  Backend& be = backend_for(d);
+  Tensor x = be.empty({256}, DType::kF32);
+  constexpr int kLaunches = 1000;
+  be.synchronize();
+  std::unique_ptr<CapturedOps> graph;
+  try {
+    be.begin_capture();
+    for (int i = 0; i < kLaunches; ++i) be.fill(x, static_cast<double>(i));
+    graph = be.end_capture();
+  } catch (const CaptureError& e) {
+    be.abort_capture();
+    spdlog::warn("{}: a captured launch's cost could not be measured ({}); the planner prices a captured step's "
+                 "ops as launches", d.str(), e.what());
+    return 0;
+  }
+  graph->replay();  // warm-up: the graph's first launch uploads it
+  be.synchronize();
+  double best = 0;
+  for (int r = 0; r < 3; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    graph->replay();
+    be.synchronize();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / kLaunches;
+    best = best > 0 ? std::min(best, s) : s;
+  }
+  return best;
+}
+
 nlohmann::json read_cache(const std::string& path) {
   std::ifstream f(path);
   if (!f) return nlohmann::json::object();
@@ -186,6 +219,7 @@ std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType d
   for (Device d : devices) keys.push_back(peak_key(d, dtype, blas_threads, d.is_cpu() ? cpus * processes : 1));
   auto copy_key = [&](size_t i) { return keys[i] + "|copy"; };
   auto launch_key = [&](size_t i) { return keys[i] + "|launch"; };
+  auto node_key = [&](size_t i) { return keys[i] + "|graph_node"; };
 
   const std::string path = peak_cache_path();
   nlohmann::json cache = read_cache(path);
@@ -197,7 +231,8 @@ std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType d
       each[i] = out[first[i]];
       each[i].flops_per_second /= sharing[i];
       each[i].bytes_per_second /= sharing[i];
-      // launch_seconds stays whole: a launch costs each stage on the GPU the same.
+      // launch_seconds (and graph_node_seconds) stay whole: a launch costs each stage on
+      // the GPU the same.
     }
     return each;
   };
@@ -205,14 +240,20 @@ std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType d
     const auto it = cache.find(key);
     return it != cache.end() && it->is_number() && it->get<double>() > 0 ? it->get<double>() : 0.0;
   };
+  // A graph node's cost is stored as 0 where the device could not capture: known, not missing.
+  auto cached_node = [&](const std::string& key) {
+    const auto it = cache.find(key);
+    return it != cache.end() && it->is_number() && it->get<double>() >= 0 ? it->get<double>() : -1.0;
+  };
   std::vector<size_t> to_probe;
   for (size_t i = 0; i < devices.size(); ++i) {
     if (first[i] != i) continue;
     const double flops = cached(keys[i]);
     const double bytes = devices[i].is_cpu() ? 0.0 : cached(copy_key(i));
     const double launch = devices[i].is_cpu() ? 0.0 : cached(launch_key(i));
-    if (flops > 0 && (devices[i].is_cpu() || (bytes > 0 && launch > 0))) {
-      out[i] = {flops, bytes, launch, true};
+    const double node = devices[i].is_cpu() ? 0.0 : cached_node(node_key(i));
+    if (flops > 0 && (devices[i].is_cpu() || (bytes > 0 && launch > 0 && node >= 0))) {
+      out[i] = {flops, bytes, launch, node, true};
     } else {
       to_probe.push_back(i);
     }
@@ -231,7 +272,8 @@ std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType d
     if (--waiting == 0) cv.notify_all();
     cv.wait(lock, [&] { return waiting == 0; });
   };
-  std::vector<double> rate(to_probe.size(), 0), copy_rate(to_probe.size(), 0), launch(to_probe.size(), 0);
+  std::vector<double> rate(to_probe.size(), 0), copy_rate(to_probe.size(), 0), launch(to_probe.size(), 0),
+      node(to_probe.size(), 0);
   std::vector<std::exception_ptr> error(to_probe.size());
   std::vector<std::thread> threads;
   for (size_t j = 0; j < to_probe.size(); ++j) {
@@ -245,6 +287,7 @@ std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType d
         if (!devices[to_probe[j]].is_cpu()) {
           copy_rate[j] = probe_copy(devices[to_probe[j]]);
           launch[j] = probe_launch(devices[to_probe[j]]);
+          node[j] = probe_graph_node(devices[to_probe[j]]);
         }
       } catch (...) {
         error[j] = std::current_exception();
@@ -264,11 +307,12 @@ std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType d
   }
   for (size_t j = 0; j < to_probe.size(); ++j) {
     const size_t i = to_probe[j];
-    out[i] = {devices[i].is_cpu() ? cpu_sum / cpu_n : rate[j], copy_rate[j], launch[j], false};
+    out[i] = {devices[i].is_cpu() ? cpu_sum / cpu_n : rate[j], copy_rate[j], launch[j], node[j], false};
     cache[keys[i]] = out[i].flops_per_second;
     if (!devices[i].is_cpu()) {
       cache[copy_key(i)] = out[i].bytes_per_second;
       cache[launch_key(i)] = out[i].launch_seconds;
+      cache[node_key(i)] = out[i].graph_node_seconds;
     }
   }
   try {

@@ -23,6 +23,10 @@ struct DevicePeak {
   // A GPU's cost of one launch of its smallest kernel, back to back (the cost model's
   // per-launch term); 0 on a CPU, whose ops are calls.
   double launch_seconds = 0;
+  // A GPU's cost of that kernel as a node of a captured step's graph, replayed
+  // (pipeline.capture: the cost model's per-launch term then); 0 on a CPU, or where the
+  // device could not capture.
+  double graph_node_seconds = 0;
   bool cached = false;  // read from the cache file instead of measured now
 };
 

@@ -87,6 +87,7 @@ TEST_CASE("stages sharing a GPU share its rates, so MFU's denominator counts the
     peaks[key] = 40e12 + g * 1e12;
     peaks[key + "|copy"] = 3e12;
     peaks[key + "|launch"] = 3e-6 + g * 1e-6;
+    peaks[key + "|graph_node"] = 1e-6 + g * 0.5e-6;  // a launch's cost in a captured graph
   }
   std::ofstream(path) << nlohmann::json{{"version", 2}, {"peaks", peaks}}.dump();
   const std::vector<DevicePeak> p =
@@ -97,16 +98,20 @@ TEST_CASE("stages sharing a GPU share its rates, so MFU's denominator counts the
     CHECK(p[i].flops_per_second == doctest::Approx(40e12 / 3));
     CHECK(p[i].bytes_per_second == doctest::Approx(1e12));
     CHECK(p[i].launch_seconds == 3e-6);  // a launch costs each stage on the GPU the same
+    CHECK(p[i].graph_node_seconds == 1e-6);  // and so does a captured one
   }
   CHECK(p[2].flops_per_second == 41e12);  // alone on cuda:1: all of it
   CHECK(p[2].bytes_per_second == 3e12);
   CHECK(p[2].launch_seconds == 4e-6);
+  CHECK(p[2].graph_node_seconds == 1.5e-6);
   // The planner's cost model takes the slowest GPU's launch (a run that probed passes it in).
   Plan both;
   both.devices = {Device::cuda(0), Device::cuda(1)};
   const partition::CostModel cm = probed_cost_model(both, DType::kF32, 1);
   CHECK(cm.launch_seconds == 4e-6);
   CHECK(cm.launch_probed);
+  CHECK(cm.graph_node_seconds == 1.5e-6);  // what a captured step would pay instead (price_captured)
+  CHECK_FALSE(cm.launches_captured);
   const DevicePeak cpu = device_peaks({Device::cpu()}, DType::kF32, 1).at(0);
   CHECK(cpu.bytes_per_second == 0);  // a CPU's byte rate is the cost model's fixed one
   CHECK(cpu.launch_seconds == 0);    // and its ops are calls

@@ -21,6 +21,7 @@ partition::CostModel DeviceSpec::cost_model(const std::string& dtype) const {
   cm.flops_per_second = it->second * efficiency;
   cm.bytes_per_second = memory_bandwidth * efficiency;
   cm.launch_seconds = launch_seconds;
+  cm.graph_node_seconds = graph_node_seconds;
   return cm;
 }
 
@@ -108,6 +109,9 @@ DeviceSpec load_device_spec(const std::string& path) {
   }
   if (d["launch_overhead_us"]) {
     s.launch_seconds = positive(path, d["launch_overhead_us"], "device.launch_overhead_us") / 1e6;
+  }
+  if (d["graph_node_us"]) {
+    s.graph_node_seconds = positive(path, d["graph_node_us"], "device.graph_node_us") / 1e6;
   }
   s.devices_per_node = static_cast<int>(positive(path, need(path, root, "devices_per_node", "devices_per_node"),
                                                  "devices_per_node"));

@@ -23,6 +23,9 @@ struct DeviceSpec {
   int64_t memory_bytes = 0;
   double efficiency = 0.5;  // the fraction of peak FLOP/s and bandwidth a layer reaches
   double launch_seconds = 0;  // device.launch_overhead_us: one kernel launch's cost (absent: none charged)
+  // device.graph_node_us: that kernel's cost as a node of a captured step's graph, which a
+  // run with pipeline.capture pays instead (absent: a captured step is priced as launches).
+  double graph_node_seconds = 0;
   int devices_per_node = 1;
   LinkCost intra_node, inter_node;
 

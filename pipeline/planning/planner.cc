@@ -195,8 +195,8 @@ std::string CostSource::describe_sources() const {
   char rates[192];
   char launch[64] = "";
   if (cm_.launch_seconds > 0 && cm_.launches != nullptr) {
-    std::snprintf(launch, sizeof launch, ", %.1f us%s a launch", cm_.launch_seconds * 1e6,
-                  cm_.launch_probed ? " probed" : "");
+    std::snprintf(launch, sizeof launch, ", %.1f us%s a %s", cm_.launch_seconds * 1e6,
+                  cm_.launch_probed ? " probed" : "", cm_.launches_captured ? "captured op" : "launch");
   }
   std::snprintf(rates, sizeof rates, "the cost model (%.0f GFLOP/s%s, %.0f GB/s%s%s per device)",
                 cm_.flops_per_second / 1e9, cm_.probed ? " probed" : "", cm_.bytes_per_second / 1e9,
@@ -451,7 +451,7 @@ int stages_at_once(const Plan& plan) {
 }
 
 partition::CostModel probed_cost_model(const Plan& plan, DType dtype, int blas_threads, double flops_per_second,
-                                       double bytes_per_second, double launch_seconds) {
+                                       double bytes_per_second, double launch_seconds, double graph_node_seconds) {
   partition::CostModel cm;
   cm.launches = plan.launches;
   if (flops_per_second == 0) {  // probe (or read the cache): the slowest stage's rates, each its device's share
@@ -472,6 +472,7 @@ partition::CostModel probed_cost_model(const Plan& plan, DType dtype, int blas_t
               bytes_per_second > 0 ? std::min(bytes_per_second, p.bytes_per_second) : p.bytes_per_second;
         }
         launch_seconds = std::max(launch_seconds, p.launch_seconds);  // the slowest device's
+        graph_node_seconds = std::max(graph_node_seconds, p.graph_node_seconds);
       }
     } catch (const std::exception& e) {  // the fixed rates instead
       spdlog::warn("the devices' peak could not be probed ({}); the planner assumes {:.0f} GFLOP/s", e.what(),
@@ -479,6 +480,7 @@ partition::CostModel probed_cost_model(const Plan& plan, DType dtype, int blas_t
       flops_per_second = 0;
       bytes_per_second = 0;
       launch_seconds = 0;
+      graph_node_seconds = 0;
     }
   }
   if (flops_per_second > 0) {
@@ -496,21 +498,32 @@ partition::CostModel probed_cost_model(const Plan& plan, DType dtype, int blas_t
     cm.launch_seconds = launch_seconds;
     cm.launch_probed = true;
   }
+  cm.graph_node_seconds = graph_node_seconds;  // what a captured step's op costs instead (price_captured)
   return cm;
+}
+
+bool captures(const Config& c, const layers::Sequential& model) {
+  if (!c.pipeline.capture || !capture_refusal(c.pipeline).empty()) return false;
+  for (int i = 0; i < model.size(); ++i) {
+    if (!model.layer(i).capturable()) return false;
+  }
+  return true;
 }
 
 PlannedRun predict_config(const Config& c, const layers::Sequential& model, const Plan& plan, bool across_processes,
                           double flops_per_second, double bytes_per_second, double launch_seconds,
-                          bool group_across_processes) {
+                          bool group_across_processes, double graph_node_seconds) {
   const ProfileStore store = load_profile(c.pipeline.profile);
   partition::CostModel cm = probed_cost_model(plan, model.output_dtype(), c.train.blas_threads, flops_per_second,
-                                              bytes_per_second, launch_seconds);
+                                              bytes_per_second, launch_seconds, graph_node_seconds);
+  if (captures(c, model)) cm.price_captured();
   price_tensor_group(cm, plan.tensor_parallel, local_link(store, group_across_processes));
   const CostSource costs(model, store, c.pipeline.profile, plan.devices.front(), c.train.blas_threads, cm,
                          cost_overrides(c), c.optimizer.optimizer, 1.0, stages_at_once(plan));
   const LinkCost link = local_link(store, across_processes);
   PlannedRun run = predict(plan, model, costs, [link](int, int) { return link; }, c.optimizer.optimizer);
   run.source += "; messages: " + link.kind;
+  run.launches_captured = cm.launches_captured;
   return run;
 }
 

@@ -144,19 +144,28 @@ int stages_at_once(const Plan& plan);
 // (the CPU's fixed 10 GB/s otherwise). `flops_per_second` > 0: that rate and
 // `bytes_per_second` (when > 0) instead, probing nothing (a run that probed already:
 // under mpirun a rank must not probe the other ranks' devices); < 0: the fixed rates.
-// `launch_seconds` with a given rate: a GPU's measured launch cost (DevicePeak). The
+// `launch_seconds` with a given rate: a GPU's measured launch cost (DevicePeak), and
+// `graph_node_seconds` its cost in a captured graph (CostModel::price_captured). The
 // model's counted ops (Plan::launches) go with it.
 partition::CostModel probed_cost_model(const Plan& plan, DType dtype, int blas_threads, double flops_per_second = 0,
-                                       double bytes_per_second = 0, double launch_seconds = 0);
+                                       double bytes_per_second = 0, double launch_seconds = 0,
+                                       double graph_node_seconds = 0);
+
+// Whether the config's training step is captured (pipeline.capture, on a pipeline it
+// takes, and no layer that does host work in a step): the cost model then prices each op
+// at a graph node's cost where it knows one (CostModel::price_captured).
+bool captures(const Config& config, const layers::Sequential& model);
 
 // The run's prediction as `train` and `gpipe plan` make it: the config's profile file
 // when it has entries for this model, the cost model otherwise (probed_cost_model, at
-// `flops_per_second`, `bytes_per_second` and `launch_seconds` when given). Messages
+// `flops_per_second`, `bytes_per_second`, `launch_seconds` and `graph_node_seconds` when
+// given; a captured step's ops at the graph node's cost, captures()). Messages
 // between stages cross processes when `across_processes`; a tensor group's members are
 // processes unless `group_across_processes` is false (threads of one process).
 PlannedRun predict_config(const Config& config, const layers::Sequential& model, const Plan& plan,
                           bool across_processes = false, double flops_per_second = 0, double bytes_per_second = 0,
-                          double launch_seconds = 0, bool group_across_processes = true);
+                          double launch_seconds = 0, bool group_across_processes = true,
+                          double graph_node_seconds = 0);
 
 }  // namespace pipeline
 }  // namespace gpipe

@@ -846,3 +846,76 @@ TEST_CASE("the estimate charges each of a layer's ops a launch's cost, and nothi
   std::ofstream(dir / "spec.yaml") << text;
   CHECK_THROWS_WITH_AS(load_device_spec(dir / "spec.yaml"), doctest::Contains("device.launch_overhead_us"), UserError);
 }
+
+// pipeline.capture: a captured step's ops are priced at a graph node's replay cost
+// (DevicePeak::graph_node_seconds, a device description's graph_node_us), not a launch's,
+// where that cost is known; nothing changes where it is not, or without capture.
+TEST_CASE("a captured step's ops are priced at a graph node's cost where it is known") {
+  partition::CostModel cm;
+  cm.launch_seconds = 1e-3;
+  cm.price_captured();  // no node cost known: each op stays a launch
+  CHECK(cm.launch_seconds == 1e-3);
+  CHECK_FALSE(cm.launches_captured);
+  cm.graph_node_seconds = 2e-4;
+  cm.price_captured();
+  CHECK(cm.launch_seconds == 2e-4);
+  CHECK(cm.launches_captured);
+
+  auto predicted = [](bool capture, double node_seconds) {
+    const Config c = parse_config(kSmall, "t.yaml", {"pipeline.micro_batches=2",
+                                                     std::string("pipeline.capture=") + (capture ? "true" : "false")});
+    RunModel r = build_run_model(c);
+    CHECK(captures(r.config, *r.model) == capture);
+    const Plan plan = make_plan(r.config, *r.model);
+    // The fixed rates (-1: no probe), a millisecond a launch, `node_seconds` a captured op.
+    return std::make_pair(predict_config(r.config, *r.model, plan, false, -1, 0, 1e-3, true, node_seconds),
+                          stage_launches(plan, 0));
+  };
+  const auto [plain, launches] = predicted(false, 2e-4);
+  const auto [captured, same] = predicted(true, 2e-4);
+  const auto [unknown, again] = predicted(true, 0);
+  REQUIRE(launches > 0);
+  CHECK_FALSE(plain.launches_captured);
+  CHECK(captured.launches_captured);
+  CHECK_FALSE(unknown.launches_captured);
+  // One stage: the step is its ops one after another, each 0.8 ms cheaper captured.
+  CHECK(plain.step_ms - captured.step_ms == doctest::Approx(0.8 * static_cast<double>(launches)));
+  CHECK(unknown.step_ms == doctest::Approx(plain.step_ms));
+  CHECK(captured.source.find("200.0 us probed a captured op") != std::string::npos);
+  CHECK(plain.source.find("1000.0 us probed a launch") != std::string::npos);
+
+  // A layer that does host work in its step is never captured: priced as launches.
+  const char* bn = R"(model:
+  input: [2, 4, 4]
+  layers:
+    - {type: conv2d, out: 3, kernel: 3, bias: false}
+    - {type: batchnorm2d}
+    - {type: flatten}
+    - {type: linear, out: 3}
+  loss: softmax_cross_entropy
+data: {classes: 3}
+train: {steps: 1, batch_size: 4}
+)";
+  const Config with_bn = parse_config(bn, "t.yaml", {"pipeline.capture=true"});
+  RunModel r = build_run_model(with_bn);
+  CHECK_FALSE(captures(r.config, *r.model));
+
+  // A device description's graph node cost reaches the cost model; a bad one is refused.
+  const gpipe::testing::TempDir dir;
+  std::string text;
+  {
+    std::ifstream in("configs/devices/h100_nvlink_ib.yaml");
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  const size_t at = text.find("launch_overhead_us: 4");
+  REQUIRE(at != std::string::npos);
+  const std::string indent = text.substr(text.rfind('\n', at) + 1, at - text.rfind('\n', at) - 1);
+  std::string good = text, bad = text;
+  good.insert(at + std::string("launch_overhead_us: 4").size(), "\n" + indent + "graph_node_us: 1.5");
+  bad.insert(at + std::string("launch_overhead_us: 4").size(), "\n" + indent + "graph_node_us: 0");
+  std::ofstream(dir / "good.yaml") << good;
+  std::ofstream(dir / "bad.yaml") << bad;
+  CHECK(load_device_spec(dir / "good.yaml").cost_model_for(DType::kBF16).graph_node_seconds == doctest::Approx(1.5e-6));
+  CHECK(load_device_spec("configs/devices/h100_nvlink_ib.yaml").cost_model_for(DType::kBF16).graph_node_seconds == 0);
+  CHECK_THROWS_WITH_AS(load_device_spec(dir / "bad.yaml"), doctest::Contains("device.graph_node_us"), UserError);
+}

@@ -32,6 +32,9 @@ struct PlannedRun {
   double span_ms = 0;  // to the end of the last backward, as the report's span
   double bubble = 0;   // 1 - sum(busy) / (K span), as the report's measured bubble
   double samples_per_second = 0;
+  // Each op priced as a node of the captured step's graph (pipeline.capture, with a
+  // measured or described node cost: CostModel::price_captured), not a launch.
+  bool launches_captured = false;
   std::vector<PlannedStage> stages;
   // The simulated step, per stage in program order (start and end in ms).
   std::vector<std::vector<TimedInstruction>> timeline;

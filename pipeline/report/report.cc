@@ -545,10 +545,12 @@ std::string ReportBuilder::table() const {
     os << line;
     if (p.stages.front().launches >= 0) {
       const bool captured = std::any_of(s.stages.begin(), s.stages.end(), [](const StageSummary& st) { return st.captured_nodes > 0; });
-      os << (captured ? "Ops per step, planned (the layers' F, R, B and W counted on shapes; the plan prices each as a "
-                        "kernel launch of its own, as if the step were not captured):"
-                      : "Ops per step, planned (the layers' F, R, B and W counted on shapes; on a GPU each one kernel "
-                        "launch or more, not captured in a graph):");
+      os << (p.launches_captured ? "Ops per step, planned (the layers' F, R, B and W counted on shapes; the plan prices "
+                                   "each as a node of the captured step's graph):"
+             : captured ? "Ops per step, planned (the layers' F, R, B and W counted on shapes; the plan prices each as a "
+                          "kernel launch of its own, as if the step were not captured):"
+                        : "Ops per step, planned (the layers' F, R, B and W counted on shapes; on a GPU each one kernel "
+                          "launch or more, not captured in a graph):");
       for (size_t k = 0; k < p.stages.size(); ++k) os << (k == 0 ? " " : ", ") << "stage " << k << " " << p.stages[k].launches;
       os << "\n";
     }

@@ -32,7 +32,8 @@ RunArtifacts::RunArtifacts(const Config& c, const layers::Sequential& model, con
     // process's own on the others, whose prediction is not shown).
     // Rates this process probed already (a failed probe: the fixed rates, not another probe).
     prediction_ = predict_config(c, model, plan, multi && !launch.threads, planning_peak_ > 0 ? planning_peak_ : -1,
-                                 planning_bytes_, planning_launch_, /*group_across_processes=*/!launch.threads);
+                                 planning_bytes_, planning_launch_, /*group_across_processes=*/!launch.threads,
+                                 planning_node_);
     has_prediction_ = true;
   } catch (const UserError& e) {
     spdlog::warn("no prediction for this run: {}", e.what());
@@ -71,6 +72,7 @@ void RunArtifacts::probe_peaks(const Config& c, const layers::Sequential& model,
     planning_peak_ = mine.flops_per_second;
     planning_bytes_ = mine.bytes_per_second;
     planning_launch_ = mine.launch_seconds;
+    planning_node_ = mine.graph_node_seconds;
     for (const auto& v : launch.transport->gather_to_first(launch.rank, {mine.flops_per_second})) {
       stage_peaks_.push_back(v.at(0));
     }
@@ -84,6 +86,7 @@ void RunArtifacts::probe_peaks(const Config& c, const layers::Sequential& model,
         planning_bytes_ = planning_bytes_ > 0 ? std::min(planning_bytes_, p.bytes_per_second) : p.bytes_per_second;
       }
       planning_launch_ = std::max(planning_launch_, p.launch_seconds);  // the slowest GPU's
+      planning_node_ = std::max(planning_node_, p.graph_node_seconds);
       how = p.cached ? "cached" : "probed";
     }
   }

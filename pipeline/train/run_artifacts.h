@@ -68,6 +68,7 @@ class RunArtifacts {
   double planning_peak_ = 0;   // the planner's FLOP/s without a profile
   double planning_bytes_ = 0;  // and its bytes/s (GPUs; 0: the CPU's fixed rate)
   double planning_launch_ = 0;  // and a launch's seconds (GPUs; 0 on a CPU)
+  double planning_node_ = 0;    // and a captured graph node's (GPUs; 0 on a CPU or unknown)
 };
 
 }  // namespace pipeline
