@@ -21,12 +21,12 @@ namespace layers {
 
 namespace {
 
-std::string at(const LayerSpec& s) { return s.where.empty() ? "" : " (at " + s.where + ")"; }
+std::string at(const LayerSpec& s) { return s.at(); }
 
 // An option that a layer stores as int (kernel, stride, pad).
 int small_int(LayerArgs& a, const std::string& key, int64_t value) {
   if (value < INT_MIN || value > INT_MAX) {
-    throw UserError("layer '" + a.spec().type + "'" + at(a.spec()) + ": option '" + key +
+    throw UserError("layer '" + a.spec().type + "'" + a.spec().at(key) + ": option '" + key +
                     "' is out of range: " + std::to_string(value));
   }
   return static_cast<int>(value);

@@ -27,7 +27,7 @@ namespace layers {
 
 namespace {
 
-std::string at(const LayerSpec& s) { return s.where.empty() ? "" : " (at " + s.where + ")"; }
+std::string at(const LayerSpec& s) { return s.at(); }
 
 // The tensor-group member build_model builds on this thread (ModelSpec::member), read by
 // the built-in layers' factories; size 1 outside build_model.
@@ -79,6 +79,9 @@ auto located(const LayerSpec& spec, const Make& make) -> decltype(make()) {
   } catch (const UserError& e) {
     const std::string msg = e.what();
     if (spec.where.empty() || msg.find(at(spec)) != std::string::npos) throw;
+    for (const auto& [key, place] : spec.option_where) {
+      if (msg.find(spec.at(key)) != std::string::npos) throw;  // placed at the option's --set
+    }
     const std::string own = spec.type + ": ";  // the constructor's own "linear: "
     throw UserError(spec.type + at(spec) + ": " + (msg.rfind(own, 0) == 0 ? msg.substr(own.size()) : msg));
   }
@@ -282,7 +285,7 @@ int64_t LayerArgs::get_int(const std::string& key, int64_t fallback) {
   char* end = nullptr;
   const long long n = std::strtoll(v->c_str(), &end, 10);
   if (v->empty() || *end != '\0') {
-    throw UserError(what_ + " '" + spec_.type + "'" + at(spec_) + ": option '" + key + "' must be an integer, got '" +
+    throw UserError(what_ + " '" + spec_.type + "'" + spec_.at(key) + ": option '" + key + "' must be an integer, got '" +
                     *v + "'");
   }
   return n;
@@ -302,7 +305,7 @@ double LayerArgs::get_double(const std::string& key, double fallback) {
   char* end = nullptr;
   const double d = std::strtod(v->c_str(), &end);
   if (v->empty() || *end != '\0' || !std::isfinite(d)) {
-    throw UserError(what_ + " '" + spec_.type + "'" + at(spec_) + ": option '" + key + "' must be a number, got '" +
+    throw UserError(what_ + " '" + spec_.type + "'" + spec_.at(key) + ": option '" + key + "' must be a number, got '" +
                     *v + "'");
   }
   return d;
@@ -312,7 +315,7 @@ bool LayerArgs::get_bool(const std::string& key, bool fallback) {
   const std::string* v = find(key);
   if (v == nullptr) return fallback;
   if (const std::optional<bool> b = parse_boolean(*v)) return *b;
-  throw UserError(what_ + " '" + spec_.type + "'" + at(spec_) + ": option '" + key + "' must be true or false, got '" +
+  throw UserError(what_ + " '" + spec_.type + "'" + spec_.at(key) + ": option '" + key + "' must be true or false, got '" +
                   *v + "'");
 }
 
@@ -325,7 +328,7 @@ void LayerArgs::finish() const {
   for (const auto& kv : spec_.args) {
     if (!used_.count(kv.first)) {
       std::vector<std::string> known(used_.begin(), used_.end());
-      throw UserError(what_ + " '" + spec_.type + "'" + at(spec_) + ": unknown option '" + kv.first + "'" +
+      throw UserError(what_ + " '" + spec_.type + "'" + spec_.at(kv.first) + ": unknown option '" + kv.first + "'" +
                       (known.empty() ? std::string("; it takes no options")
                                      : ";" + did_you_mean(kv.first, known) + " valid options: " + join(known)));
     }

@@ -25,6 +25,19 @@ struct LayerSpec {
   std::optional<double> cost;               // a user's cost for the balancer, overriding the estimate
   std::string where;                        // "configs/default.yaml:12:7", for messages
   std::string name;                         // what checkpoints call the layer; empty: layers.<i>
+  // An option given somewhere else than the layer (a --set): its place, for messages about it.
+  std::map<std::string, std::string> option_where;
+  // " (at PLACE)" for a message about option `key`: its own place, else the layer's; "" when
+  // neither is known. For the layer as a whole, the options given elsewhere follow its
+  // place: " (at cfg.yaml:4:7, its out from --set model.layers.0.out=-1)".
+  std::string at(const std::string& key = std::string()) const {
+    const auto it = option_where.find(key);
+    if (it != option_where.end()) return " (at " + it->second + ")";
+    if (where.empty()) return std::string();
+    std::string out = " (at " + where;
+    for (const auto& [option, place] : option_where) out += ", its " + option + " from " + place;
+    return out + ")";
+  }
 };
 
 struct ModelSpec {

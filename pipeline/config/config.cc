@@ -180,6 +180,9 @@ class Decoder {
       }
       if (!it->second.IsScalar()) fail(it->second, p + "." + key, "layer options take single values");
       spec.args[key] = it->second.Scalar();
+      const std::string own = where(it->second, p + "." + key);
+      // Its messages name its own --set (not one that wrote the whole layer: the layer's place).
+      if (own.rfind("--set ", 0) == 0 && own != spec.where) spec.option_where[key] = own;
     }
     return spec;
   }

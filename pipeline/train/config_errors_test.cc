@@ -315,13 +315,15 @@ TEST_CASE("a layer's own refusal of its options names the layer's file:line:colu
       {error_in("    - {type: linear, out: 16}\n", "    - {type: conv2d, out: 4, kernel: 9, pad: 0}\n",
                 {"model.input=[3, 8, 8]"}),
        "conv2d (at t.yaml:4:7): conv2d(3 -> 4, "},
-      // A --set of one option: the layer is still the one written at its line (a --set
-      // that writes the whole layer names the --set, as conv2d's above).
+      // A --set of one option: the layer is still the one written at its line, and the
+      // option's --set follows (a --set that writes the whole layer names the --set, as
+      // conv2d's above).
       {error_in("", "", {"model.layers.0.out=-1"}),
-       "linear (at t.yaml:4:7): in and out must be positive, got in=8, out=-1"},
-      // A message that names its place already keeps it once.
+       "linear (at t.yaml:4:7, its out from --set model.layers.0.out=-1): in and out must be positive, got in=8, "
+       "out=-1"},
+      // A message about that option alone names its --set, once.
       {error_in("", "", {"model.layers.0.out=many"}),
-       "layer 'linear' (at t.yaml:4:7): option 'out' must be an integer, got 'many'"},
+       "layer 'linear' (at --set model.layers.0.out=many): option 'out' must be an integer, got 'many'"},
   };
   for (const auto& [e, says] : rows) {
     CAPTURE(e);
@@ -357,4 +359,34 @@ TEST_CASE("the executor refuses stages that do not fit the schedule or the model
   ExecutorOptions far;
   far.local_stage = 2;
   CHECK(error(make_stages({2, 1}, two), g2, far) == "this process was asked to run stage 2 of a 2-stage pipeline");
+}
+
+TEST_CASE("a layer option given with --set is placed at the --set, one in the file at its layer") {
+  auto build_error = [](const std::string& text, const std::vector<std::string>& sets) {
+    try {
+      const Config c = parse_config(text, "base.yaml", sets);
+      layers::build_model(c.model);
+    } catch (const UserError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  CHECK(build_error(kBase, {"model.layers.0.out=many"}) ==
+        "layer 'linear' (at --set model.layers.0.out=many): option 'out' must be an integer, got 'many'");
+  // Inside a repeat block, and an option the layer does not have.
+  CHECK(build_error(kBase, {"model.layers.1.layers.1.bias=perhaps"}) ==
+        "layer 'linear' (at --set model.layers.1.layers.1.bias=perhaps): option 'bias' must be true or false, got "
+        "'perhaps'");
+  CHECK(build_error(kBase, {"model.layers.2.outs=4"})
+            .find("layer 'linear' (at --set model.layers.2.outs=4): unknown option 'outs'") == 0);
+  // Another layer's --set leaves this one's mistake at its place in the file.
+  std::string text = kBase;
+  const std::string first = "- {type: linear, out: 16}";
+  const size_t at = text.find(first);
+  REQUIRE(at != std::string::npos);
+  text.replace(at, first.size(), "- {type: linear, out: sixteen}");
+  const std::string e = build_error(text, {"model.layers.2.out=4"});
+  CHECK(e.find("layer 'linear' (at base.yaml:") == 0);
+  CHECK(e.find("option 'out' must be an integer, got 'sixteen'") != std::string::npos);
+  CHECK(build_error(kBase, {"model.layers.2.out=4"}) == "no error");
 }
