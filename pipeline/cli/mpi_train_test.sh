@@ -21,15 +21,15 @@ mpirun=(timeout 120 mpirun --allow-run-as-root --oversubscribe)
 common=(--set train.steps=12 --set train.log_interval=1 --set train.eval_interval=6 --set data.eval_samples=256)
 
 losses() { grep -E '^step ' | awk '{print $2, $4}'; }
-# "step 6/12 ... val_loss X" and the final "Validation: loss X, accuracy Y%".
+# "step 6/12 ... val_loss X", "step 12/12 ... val_loss X" and the final "Validation: loss X, accuracy Y%".
 validation() { grep -oE 'val_loss [0-9.]+|Validation: .*'; }
 close_validation() {  # the same numbers within 1e-3, and the same count of them
   paste <(validation < "$1" | grep -oE '[0-9]+\.[0-9]+' ) <(validation < "$2" | grep -oE '[0-9]+\.[0-9]+') |
     awk 'NF != 2 { bad = 1 } { d = $1 - $2; if (d < 0) d = -d; if (d > 1e-3) bad = 1 } END { exit bad }' &&
-    [ "$(validation < "$2" | wc -l)" -eq 2 ] || { cat "$2"; echo "FAIL: validation differs between $1 and $2"; exit 1; }
+    [ "$(validation < "$2" | wc -l)" -eq 3 ] || { cat "$2"; echo "FAIL: validation differs between $1 and $2"; exit 1; }
 }
 same_validation() {
-  if ! diff <(validation < "$1") <(validation < "$2") || [ "$(validation < "$2" | wc -l)" -ne 2 ]; then
+  if ! diff <(validation < "$1") <(validation < "$2") || [ "$(validation < "$2" | wc -l)" -ne 3 ]; then
     cat "$2"; echo "FAIL: validation differs between $1 and $2"; exit 1
   fi
 }

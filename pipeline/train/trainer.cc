@@ -707,7 +707,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
       report.set_eval(result.eval_loss, result.eval_accuracy);
     }
     if ((step + 1) % c.train.log_interval == 0 || last || step == 0 || eval_now) {
-      double val_loss = -1;
+      double val_loss = last && eval_n > 0 ? result.eval_loss : -1;  // the last step's, taken above
       if (eval_now) {
         const auto [vl, va] = validate();
         report.add_validation(number, vl, va);

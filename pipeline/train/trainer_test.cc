@@ -528,6 +528,11 @@ TEST_CASE("a tiny GPT learns a text file through the pipeline, with validation")
   std::ifstream f(r.report_path);
   const nlohmann::json j = nlohmann::json::parse(f);
   CHECK(j["validation"].size() == 2);  // step 30 and the end
+  // The last step's line shows the end's validation, as the report has it.
+  char last[64];
+  std::snprintf(last, sizeof last, "val_loss %.4f", j["validation"][1]["loss"].get<double>());
+  const std::string tail = log.str().substr(log.str().find("step    60/60"));
+  CHECK(tail.substr(0, tail.find('\n')).find(last) != std::string::npos);
 }
 
 TEST_CASE("pipeline.capture: a tiny GPT trains as without it, and the report says its steps were replays") {
