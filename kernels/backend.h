@@ -97,6 +97,10 @@ class CapturedOps {
   virtual void replay() = 0;
   // The captured ops' count: backend calls (CPU) or the graph's nodes (GPU).
   virtual int64_t nodes() const = 0;
+  // After a replay() that threw: the stage (runtime/logging.h's thread_stage()) whose
+  // thread captured the call that failed, where the replay runs the calls (the CPU; stages
+  // captured together are replayed on one thread); -1 where not known.
+  virtual int failed_stage() const { return -1; }
 };
 
 class Backend {

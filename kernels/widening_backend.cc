@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kernels/op_log.h"
+#include "runtime/logging.h"
 
 namespace gpipe {
 
@@ -502,13 +503,14 @@ struct CpuCapture {
   struct Call {
     const char* op;  // nullptr: host work or an event's record
     std::function<void()> run;
+    int stage = thread_stage();  // the stage whose thread captured it (runtime/logging.h)
   };
   std::mutex mu;
   std::vector<Call> calls;
   std::function<void(std::function<void()>)> events;  // the CPU events' hook (runtime/stream.h)
   void add(const char* op, std::function<void()> run) {
     std::lock_guard<std::mutex> lock(mu);
-    calls.push_back({op, std::move(run)});
+    calls.push_back({op, std::move(run), thread_stage()});
   }
 };
 
@@ -521,8 +523,17 @@ class CpuCapturedOps : public CapturedOps {
       : calls_(std::move(calls)), thread_(std::this_thread::get_id()) {}
   void replay() override {
     GPIPE_CHECK(std::this_thread::get_id() == thread_, "a captured step replayed on another thread than its own");
-    for (auto& c : calls_) c.run();
+    failed_stage_ = -1;
+    for (auto& c : calls_) {
+      try {
+        c.run();
+      } catch (...) {
+        failed_stage_ = c.stage;
+        throw;
+      }
+    }
   }
+  int failed_stage() const override { return failed_stage_; }
   int64_t nodes() const override {
     return static_cast<int64_t>(
         std::count_if(calls_.begin(), calls_.end(), [](const CpuCapture::Call& c) { return c.op != nullptr; }));
@@ -531,6 +542,7 @@ class CpuCapturedOps : public CapturedOps {
  private:
   std::vector<CpuCapture::Call> calls_;
   std::thread::id thread_;
+  int failed_stage_ = -1;
 };
 }  // namespace
 

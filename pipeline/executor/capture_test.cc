@@ -527,9 +527,29 @@ TEST_CASE("a bad label in a replay of stages captured together fails the step wi
   }
   Batch bad = batch(mlp_spec(), 9, 800);
   bad.y.data<int32_t>()[5] = 4;  // 4 classes: 0..3
-  CHECK_THROWS_WITH_AS(ex.step(bad.x, bad.y), doctest::Contains("label 4"), UserError);
+  // Stage 1's loss found it, as op by op: the replay ran on stage 0's thread, and names stage 1.
+  try {
+    ex.step(bad.x, bad.y);
+    FAIL("a bad label was taken");
+  } catch (const UserError& e) {
+    CHECK(std::string(e.what()).find("stage 1 (layers 3..6 on cpu:0) failed: label 4") == 0);
+    CHECK(std::string(e.what()).find("label 4") != std::string::npos);
+  }
   const Batch good = batch(mlp_spec(), 9, 801);
   CHECK_THROWS_WITH(ex.step(good.x, good.y), doctest::Contains("earlier failure"));
+  // The step that captures runs the replay first: its bad label is placed the same way.
+  auto fresh = layers::build_model(mlp_spec());
+  InProcessTransport t2(2);
+  Executor ex2(*fresh, make_cells({3, 4}, s, {Device::cpu(0), Device::cpu(0)}), s, t2, o);
+  const Batch first = batch(mlp_spec(), 9, 810);
+  ex2.step(first.x, first.y);  // op by op; the next is captured, then replayed
+  try {
+    ex2.step(bad.x, bad.y);
+    FAIL("a bad label was taken");
+  } catch (const UserError& e) {
+    CHECK(std::string(e.what()).find("stage 1 (layers 3..6 on cpu:0) failed: label 4") == 0);
+    CHECK(std::string(e.what()).find("label 4") != std::string::npos);
+  }
 }
 
 TEST_CASE("a bad label in a replayed step fails the step with the CPU's message; the run then stops") {

@@ -292,6 +292,7 @@ class Executor {
   void replay_group(StageRuntime& rt);
   void sum_group_norm(StageRuntime& rt, const std::vector<Tensor>& grads);
   static void place_replayed(StageTrace& trace, const std::vector<OpClock::Span>& spans);
+  std::string blame_replay(const CapturedOps& ops, const std::exception& e);
   // One handler per instruction kind; run_stage times, meters and dispatches. Returns
   // the bytes a send or receive moved.
   int64_t run_instruction(StageRuntime& rt, size_t pc);

@@ -123,7 +123,6 @@ bool Executor::group_end(StageRuntime& rt, const std::string& failure, int64_t c
   cap->nodes = captured_calls;  // this stage's share of the one capture
   rt.trace.captured_nodes = cap->nodes;
   rt.captured = std::move(cap);
-  std::exception_ptr replay_error;
   std::string replay_failure;
   if (k == 0) {
     rt.captured->ops = std::move(g.ops);
@@ -136,17 +135,29 @@ bool Executor::group_end(StageRuntime& rt, const std::string& failure, int64_t c
       // The step's ops ran (on the CPU) up to one that failed: a failure of the step. A
       // FrozenWeights window a stage's replayed ops opened was opened on this thread.
       for (auto& other : runtimes_) other->frozen.reset();
-      replay_error = std::current_exception();
-      replay_failure = std::string("stage 0 replaying the step captured together failed: ") + e.what();
+      replay_failure = blame_replay(*rt.captured->ops, e);
     }
     *replayed = OpLog::calls_on_this_thread() - replay0;  // on the CPU, each captured op called again
   }
   const std::string after = g.arrive(replay_failure);  // the replay queued (run, on the CPU)
   if (!after.empty()) {
-    if (k == 0) std::rethrow_exception(replay_error);  // run_program's failure
+    // The stage whose call failed fails with its error (run_program's failure); the others stop.
+    if (rt.error) std::rethrow_exception(std::exchange(rt.error, nullptr));
     throw Aborted(after);
   }
   return true;
+}
+
+// A replay of the stages captured together that threw on stage 0's thread (the CPU runs
+// the calls there): the error goes to the stage whose call failed (CapturedOps::failed_stage;
+// stage 0 where not known), as the step op by op would have reported it, and the others stop
+// with the returned reason. The other stages wait at their round meanwhile.
+std::string Executor::blame_replay(const CapturedOps& ops, const std::exception& e) {
+  const int who = ops.failed_stage() >= 0 && ops.failed_stage() < schedule_.num_stages ? ops.failed_stage() : 0;
+  StageRuntime& failed = *runtimes_[static_cast<size_t>(who)];
+  failed.error = std::current_exception();
+  failed.error_text = e.what();
+  return "stage " + std::to_string(who) + " failed in the replay of the step captured together: " + e.what();
 }
 
 // The times of a step of stages captured together, from the events its graph recorded:
@@ -211,7 +222,7 @@ void Executor::replay_group(StageRuntime& rt) {
       cap.ops->replay();
     } catch (const std::exception& e) {
       for (auto& other : runtimes_) other->frozen.reset();  // opened on this thread (group_end)
-      failure = fail(e);
+      failure = blame_replay(*cap.ops, e);
     }
     replayed = OpLog::calls_on_this_thread() - replay0;
   }
