@@ -593,9 +593,11 @@ void Executor::optimizer_step(StageRuntime& rt) {
   // to that stage only, and clears the flags the skip below reads: one stage's wait could
   // hide another's bad batch from its skip. Such a stage waits here, as every stage did
   // before the skip was decided on the device, so that its error stops it first. Stages
-  // captured together wait nowhere inside a step (a capture cannot): each skip then reads
-  // every stage's flags, and the error is reported at the step's end.
-  if (rt.device_turn != nullptr && !rt.device.is_cpu() && !capture_group_) rt.backend->synchronize();
+  // capturing their step together wait nowhere inside it (a capture cannot): each skip then
+  // reads every stage's flags, and the error is reported at the step's end.
+  if (rt.device_turn != nullptr && !rt.device.is_cpu() && !(capture_group_ && rt.capturing)) {
+    rt.backend->synchronize();
+  }
   const size_t slot = rt.trace.ops.size() - 1;  // run_stage's, reserved for this instruction
   rt.clock->before(rt.backend->stream(), slot);
   // As torch.nn.utils.clip_grad_norm_ on the unscaled norm: scale by max_norm / (norm +

@@ -99,9 +99,9 @@ struct ExecutorOptions {
   // stage, or stages all run by this process on one device (their steps captured
   // together, as one graph), without replicas or a tensor group (UserError otherwise).
   // With several stages the gradient norm is summed on the device, in stage order, as the
-  // host sums it otherwise (the same bits), and a stage sharing the device no longer waits
-  // for it at its optimizer step: bad data found by a kernel is reported at the step's
-  // end, every stage skipping the step alike. Each micro-batch's
+  // host sums it otherwise (the same bits), and in a captured step a stage sharing the
+  // device does not wait for it at its optimizer step: bad data found by a kernel is
+  // reported at the step's end, every stage skipping the step alike. Each micro-batch's
   // inputs and targets are copied into buffers kept on the device for the run, which the
   // captured step reads. The first training step runs as before (it makes the
   // optimizer's state, the multi-tensor tables, cuDNN's plans), the second is captured

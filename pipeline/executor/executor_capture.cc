@@ -20,6 +20,13 @@
 //
 // Every stage's thread arrives at the group's rounds (CaptureGroup::arrive) at the same
 // points, whatever happens in between, so that none waits for a stage that is not coming.
+//
+// On the CPU stage 0's thread runs every stage's calls at a replay, their FrozenWeights
+// windows (Executor::set_frozen) included: the windows of the stages still computing stay
+// open on it while another stage's optimizer step writes its parameters. That is safe
+// because no call after a stage's optimizer step in the same step reads that stage's
+// weights, and every window is closed at the replay's end (or reset on its failure), which
+// frees the packed copies before the next step.
 #include <chrono>
 #include <exception>
 #include <memory>
@@ -57,8 +64,10 @@ void Executor::group_begin(StageRuntime& rt, const std::exception_ptr& failed) {
     if (first.empty()) {
       try {
         rt.backend->begin_capture();
-      } catch (const CaptureError& e) {
+      } catch (const std::exception& e) {  // any failure: no capture (an error that stays shows op by op)
+        rt.backend->abort_capture();
         g.capture_failure = e.what();
+        if (g.capture_failure.empty()) g.capture_failure = "begin_capture failed";
       }
     }
   }
@@ -94,8 +103,11 @@ bool Executor::group_end(StageRuntime& rt, const std::string& failure, int64_t c
       try {
         g.ops = rt.backend->end_capture();
         g.nodes = g.ops->nodes();
-      } catch (const CaptureError& e) {
+      } catch (const std::exception& e) {  // any failure: the step runs again op by op
+        g.ops.reset();
+        rt.backend->abort_capture();
         g.capture_failure = e.what();
+        if (g.capture_failure.empty()) g.capture_failure = "end_capture failed";
       }
     } else {
       rt.backend->abort_capture();  // nothing captured has run
@@ -237,8 +249,12 @@ void Executor::replay_group(StageRuntime& rt) {
     return;
   }
   try {
-    rt.backend->synchronize();
-    read_step_scalars(rt);
+    {
+      // The stages share the backend, whose waits read and clear its checks: one at a time.
+      auto turn = device_turn(k);
+      rt.backend->synchronize();
+      read_step_scalars(rt);
+    }
     const double start_ms = rt.trace.start_ms;
     rt.trace = cap.trace;
     rt.trace.start_ms = start_ms;

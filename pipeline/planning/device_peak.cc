@@ -137,8 +137,9 @@ double probe_launch(Device d) {
 
 // A GPU's cost of a captured launch: the same 1000 launches captured as one graph
 // (Backend::begin_capture, as pipeline.capture captures a step), the best of three
-// replays over their count. 0 where the device cannot capture (the planner then keeps
-// the launch's cost). Not taken on a CPU.
+// replays over their count. 0 where the device cannot capture (kept in the cache), -1
+// where capturing failed otherwise (not kept: the next run measures again); the planner
+// then keeps the launch's cost. Not taken on a CPU.
 double probe_graph_node(Device d) {
   Backend& be = backend_for(d);
   Tensor x = be.empty({256}, DType::kF32);
@@ -149,11 +150,12 @@ double probe_graph_node(Device d) {
     be.begin_capture();
     for (int i = 0; i < kLaunches; ++i) be.fill(x, static_cast<double>(i));
     graph = be.end_capture();
-  } catch (const CaptureError& e) {
-    be.abort_capture();
+  } catch (const std::exception& e) {
+    be.abort_capture();  // the stream left as it was, for the run
+    const bool cannot = dynamic_cast<const CaptureError*>(&e) != nullptr;
     spdlog::warn("{}: a captured launch's cost could not be measured ({}); the planner prices a captured step's "
                  "ops as launches", d.str(), e.what());
-    return 0;
+    return cannot ? 0.0 : -1.0;
   }
   graph->replay();  // warm-up: the graph's first launch uploads it
   be.synchronize();
@@ -307,12 +309,12 @@ std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType d
   }
   for (size_t j = 0; j < to_probe.size(); ++j) {
     const size_t i = to_probe[j];
-    out[i] = {devices[i].is_cpu() ? cpu_sum / cpu_n : rate[j], copy_rate[j], launch[j], node[j], false};
+    out[i] = {devices[i].is_cpu() ? cpu_sum / cpu_n : rate[j], copy_rate[j], launch[j], std::max(0.0, node[j]), false};
     cache[keys[i]] = out[i].flops_per_second;
     if (!devices[i].is_cpu()) {
       cache[copy_key(i)] = out[i].bytes_per_second;
       cache[launch_key(i)] = out[i].launch_seconds;
-      cache[node_key(i)] = out[i].graph_node_seconds;
+      if (node[j] >= 0) cache[node_key(i)] = node[j];  // a failure that may pass is measured again
     }
   }
   try {
