@@ -825,12 +825,9 @@ void Executor::set_frozen(StageRuntime& rt, bool frozen) {
   });
 }
 
-// A training step as one replay of the captured one: the step's scalars and the
-// micro-batches' data written to the device, the replay, one wait, the scalars read
-// back. The trace is the capture's, with this replay's times.
-void Executor::replay_stage(StageRuntime& rt) {
-  const int k = rt.index;
-  StageRuntime::Captured& cap = *rt.captured;
+// A replayed step's state before it, as run_program's, its trace started; returns the
+// thread's backend calls so far.
+int64_t Executor::begin_replay(StageRuntime& rt) {
   rt.trace = StageTrace{};
   rt.mbs.assign(schedule_.num_chunks(), std::vector<MicroBatch>(schedule_.num_micro_batches));
   rt.error = nullptr;
@@ -839,29 +836,56 @@ void Executor::replay_stage(StageRuntime& rt) {
   rt.skipped = false;
   rt.trace.start_ms =
       std::chrono::duration<double, std::milli>(cur_.epoch.time_since_epoch()).count() - options_.clock_offset_ms;
-  const int64_t calls0 = OpLog::calls_on_this_thread();
-  try {
-    heartbeat();
-    rt.clock->start_step(rt.backend->stream(), now_ms());
-    write_step_scalars(rt);
-    fill_fixed_buffers(rt);
-    rt.clock->set_spans(cap.spans);
-    const int64_t replay0 = OpLog::calls_on_this_thread();
-    cap.ops->replay();
-    const int64_t replayed = OpLog::calls_on_this_thread() - replay0;  // on the CPU, the ops it called again
-    rt.backend->synchronize();
-    read_step_scalars(rt);
-    const double start_ms = rt.trace.start_ms;
-    rt.trace = cap.trace;
-    rt.trace.start_ms = start_ms;
-    rt.trace.captured_nodes = cap.nodes;
-    rt.trace.other_ops = cap.other_ops_inside + (OpLog::calls_on_this_thread() - calls0 - replayed);
+  return OpLog::calls_on_this_thread();
+}
+
+// Before the replay: the step's scalars and the micro-batches' data on the device, the
+// clock started with the capture's spans, whose events the replay records.
+void Executor::load_replay(StageRuntime& rt) {
+  heartbeat();
+  rt.clock->start_step(rt.backend->stream(), now_ms());
+  write_step_scalars(rt);
+  fill_fixed_buffers(rt);
+  rt.clock->set_spans(rt.captured->spans);
+}
+
+// After the replay and the wait for it: the capture's trace with this replay's times
+// (stages captured together: place_replayed), its backend calls, and the loss tensors
+// the replay wrote. `calls0`: begin_replay's; `replayed`: the calls the replay made on
+// this thread (the CPU's).
+void Executor::end_replay(StageRuntime& rt, int64_t calls0, int64_t replayed) {
+  const StageRuntime::Captured& cap = *rt.captured;
+  const double start_ms = rt.trace.start_ms;
+  rt.trace = cap.trace;
+  rt.trace.start_ms = start_ms;
+  rt.trace.captured_nodes = cap.nodes;
+  rt.trace.other_ops = cap.other_ops_inside + (OpLog::calls_on_this_thread() - calls0 - replayed);
+  if (capture_group_) {
+    place_replayed(rt.trace, rt.clock->resolve());
+  } else {
     for (const OpClock::Span& span : rt.clock->resolve()) {
       rt.trace.ops[span.index].start_ms = span.start_ms;
       rt.trace.ops[span.index].end_ms = span.end_ms;
     }
-    auto& last = rt.mbs[schedule_.chunk_of_cell(schedule_.num_cells() - 1)];
-    for (size_t m = 0; m < cap.losses.size(); ++m) last[m].loss = cap.losses[m];
+  }
+  auto& last = rt.mbs[schedule_.chunk_of_cell(schedule_.num_cells() - 1)];
+  for (size_t m = 0; m < cap.losses.size(); ++m) last[m].loss = cap.losses[m];
+}
+
+// A training step as one replay of the captured one: the step's scalars and the
+// micro-batches' data written to the device, the replay, one wait, the scalars read
+// back. The trace is the capture's, with this replay's times.
+void Executor::replay_stage(StageRuntime& rt) {
+  const int k = rt.index;
+  const int64_t calls0 = begin_replay(rt);
+  try {
+    load_replay(rt);
+    const int64_t replay0 = OpLog::calls_on_this_thread();
+    rt.captured->ops->replay();
+    const int64_t replayed = OpLog::calls_on_this_thread() - replay0;  // on the CPU, the ops it called again
+    rt.backend->synchronize();
+    read_step_scalars(rt);
+    end_replay(rt, calls0, replayed);
   } catch (const std::exception& e) {
     rt.frozen.reset();  // a CPU replay that failed half-way may have left its window open
     rt.error = std::current_exception();

@@ -280,6 +280,9 @@ class Executor {
   bool fixed_buffers_fit(const StageRuntime& rt) const;
   void fill_fixed_buffers(StageRuntime& rt);
   void replay_stage(StageRuntime& rt);
+  int64_t begin_replay(StageRuntime& rt);
+  void load_replay(StageRuntime& rt);
+  void end_replay(StageRuntime& rt, int64_t calls0, int64_t replayed);
   void set_frozen(StageRuntime& rt, bool frozen);
   // pipeline.capture with K > 1 stages on one device (CaptureGroup; executor_capture.cc):
   // the capture begun by stage 0 and joined by the others once all have written their

@@ -201,15 +201,7 @@ void Executor::replay_group(StageRuntime& rt) {
   CaptureGroup& g = *capture_group_;
   const int k = rt.index;
   StageRuntime::Captured& cap = *rt.captured;
-  rt.trace = StageTrace{};
-  rt.mbs.assign(schedule_.num_chunks(), std::vector<MicroBatch>(schedule_.num_micro_batches));
-  rt.error = nullptr;
-  rt.error_is_abort = false;
-  rt.grad_norm = -1;
-  rt.skipped = false;
-  rt.trace.start_ms =
-      std::chrono::duration<double, std::milli>(cur_.epoch.time_since_epoch()).count() - options_.clock_offset_ms;
-  const int64_t calls0 = OpLog::calls_on_this_thread();
+  const int64_t calls0 = begin_replay(rt);
   auto fail = [&](const std::exception& e) {
     rt.error = std::current_exception();
     rt.error_text = e.what();
@@ -217,12 +209,8 @@ void Executor::replay_group(StageRuntime& rt) {
   };
   std::string failure;
   try {
-    heartbeat();
     auto turn = device_turn(k);
-    rt.clock->start_step(rt.backend->stream(), now_ms());
-    write_step_scalars(rt);
-    fill_fixed_buffers(rt);
-    rt.clock->set_spans(cap.spans);
+    load_replay(rt);
   } catch (const std::exception& e) {
     failure = fail(e);
   }
@@ -255,14 +243,7 @@ void Executor::replay_group(StageRuntime& rt) {
       rt.backend->synchronize();
       read_step_scalars(rt);
     }
-    const double start_ms = rt.trace.start_ms;
-    rt.trace = cap.trace;
-    rt.trace.start_ms = start_ms;
-    rt.trace.captured_nodes = cap.nodes;
-    rt.trace.other_ops = cap.other_ops_inside + (OpLog::calls_on_this_thread() - calls0 - replayed);
-    place_replayed(rt.trace, rt.clock->resolve());
-    auto& last = rt.mbs[schedule_.chunk_of_cell(schedule_.num_cells() - 1)];
-    for (size_t m = 0; m < cap.losses.size(); ++m) last[m].loss = cap.losses[m];
+    end_replay(rt, calls0, replayed);
   } catch (const std::exception& e) {
     fail(e);
   }
