@@ -165,130 +165,91 @@ TEST_CASE("one stage on cuda:0 keeps the norm, the clip and dropout's step on th
   CHECK(steps[2] == steps[0]);
 }
 
-// pipeline.capture on cuda:0 (kernels/cuda_capture.cc): the second training step is
-// captured into a CUDA graph and every later one is one launch of it. It must train as
-// the same stage op by op (the same kernels: equal to float32 rounding, in practice
-// bit for bit), time its instructions with the graph's event nodes, and still report a
-// bad label of a replayed step (its deferred checks put back before each launch).
-TEST_CASE("one stage on cuda:0 captured as a CUDA graph trains as the same stage op by op") {
-  layers::ModelSpec llama;
-  llama.input = {16};
-  llama.input_dtype = DType::kI32;
-  llama.dtype = DType::kBF16;  // cuDNN's fused attention where the build has its frontend
-  llama.seed = 11;
-  llama.layers = {{"embedding", {{"vocab", "64"}, {"dim", "64"}, {"positions", "0"}}, {}, ""},
-                  {"llama_block", {{"heads", "4"}, {"kv_heads", "2"}, {"hidden", "96"}, {"dropout", "0.1"}}, {}, ""},
-                  {"llama_block", {{"heads", "4"}, {"kv_heads", "2"}, {"hidden", "96"}}, {}, ""},
-                  {"rmsnorm", {}, {}, ""},
-                  {"linear", {{"out", "64"}, {"bias", "false"}}, {}, ""}};
-  llama.loss = {"softmax_cross_entropy", {}, {}, ""};
-  for (const layers::ModelSpec& spec : {gpt_spec(), llama}) {
-    CAPTURE(dtype_name(spec.dtype));
-    auto train = [&](bool capture, std::vector<StepResult>& out) {
-      auto model = layers::build_model(spec);
-      InProcessTransport transport(1);
-      ExecutorOptions opts;
-      opts.optimizer.type = "adamw";
-      opts.optimizer.weight_decay = 0.01;
-      opts.clip_grad_norm = 1.0;
-      opts.capture = capture;
-      Executor ex(*model, make_stages({model->size()}, {Device::cuda(0)}),
-                  gpipe_schedule(1, 3, RecomputeMode::kExceptLast), transport, opts);
-      for (int t = 0; t < 5; ++t) {
-        ex.set_lr(1e-3 * (t + 1));
-        const Tensor ids = random_labels(12 * 16, 64, 20 + 2 * t).reshape({12, 16});
-        const Tensor y = random_labels(12 * 16, 64, 21 + 2 * t).reshape({12, 16});
-        out.push_back(ex.step(ids, y));
-      }
-      if (capture) {
-        // A label outside the vocabulary in a replayed step: the CPU's error, at its end.
-        Tensor ids = random_labels(12 * 16, 64, 90).reshape({12, 16});
-        Tensor y = random_labels(12 * 16, 64, 91).reshape({12, 16});
-        y.data<int32_t>()[37] = 64;
-        CHECK_THROWS_AS(ex.step(ids, y), UserError);
-      }
-    };
-    std::vector<StepResult> eager, captured;
-    train(false, eager);
-    train(true, captured);
-    for (size_t t = 0; t < eager.size(); ++t) {
-      INFO("step " << t);
-      CHECK(captured[t].loss == doctest::Approx(eager[t].loss).epsilon(1e-6));
-      CHECK(captured[t].grad_norm == doctest::Approx(eager[t].grad_norm).epsilon(1e-5));
-      const StageTrace& trace = captured[t].stages.at(0);
-      CHECK(trace.captured_nodes == (t == 0 ? 0 : captured[1].stages[0].captured_nodes));
-      if (t > 0) {
-        CHECK(trace.captured_nodes > 20);
-        for (const TimedOp& op : trace.ops) CHECK(op.end_ms >= op.start_ms);  // the graph's event nodes
-      }
-      if (captured[t].loss != eager[t].loss) MESSAGE("step " << t << ": captured and eager losses differ in their bits");
-    }
-  }
-}
-
-// pipeline.capture with stages that share cuda:0 (pipeline/executor/executor_capture.cc):
-// their training step is captured together, one CUDA graph on the device's stream, which
-// stage 0's thread launches once a step. It must train as the same stages op by op (their
-// host sums the gradient norm; the graph sums it on the device, in the same order), carry
-// the tied head's gradient between stages 0 and 2 inside the graph, time each stage's
-// instructions with its event nodes, and report a bad label of a replayed step.
-TEST_CASE("stages sharing cuda:0 captured together as one CUDA graph train as the same stages op by op") {
+namespace {
+// A small bf16 LLaMA (cuDNN's fused attention where the build has its frontend).
+layers::ModelSpec small_llama(uint64_t seed) {
   layers::ModelSpec llama;
   llama.input = {16};
   llama.input_dtype = DType::kI32;
   llama.dtype = DType::kBF16;
-  llama.seed = 13;
+  llama.seed = seed;
   llama.layers = {{"embedding", {{"vocab", "64"}, {"dim", "64"}, {"positions", "0"}}, {}, ""},
                   {"llama_block", {{"heads", "4"}, {"kv_heads", "2"}, {"hidden", "96"}, {"dropout", "0.1"}}, {}, ""},
                   {"llama_block", {{"heads", "4"}, {"kv_heads", "2"}, {"hidden", "96"}}, {}, ""},
                   {"rmsnorm", {}, {}, ""},
                   {"linear", {{"out", "64"}, {"bias", "false"}}, {}, ""}};
   llama.loss = {"softmax_cross_entropy", {}, {}, ""};
-  const std::vector<std::pair<layers::ModelSpec, std::vector<int>>> cases = {{gpt_spec(), {2, 1, 2}}, {llama, {2, 3}}};
-  for (const auto& [spec, balance] : cases) {
-    CAPTURE(dtype_name(spec.dtype));
-    const int K = static_cast<int>(balance.size());
-    auto train = [&, &spec = spec, &balance = balance](bool capture, std::vector<StepResult>& out) {
-      auto model = layers::build_model(spec);
-      InProcessTransport transport(K);
-      ExecutorOptions opts;
-      opts.optimizer.type = "adamw";
-      opts.optimizer.weight_decay = 0.01;
-      opts.clip_grad_norm = 1.0;
-      opts.capture = capture;
-      Executor ex(*model, make_stages(balance, std::vector<Device>(static_cast<size_t>(K), Device::cuda(0))),
-                  gpipe_schedule(K, 3, RecomputeMode::kExceptLast), transport, opts);
-      for (int t = 0; t < 5; ++t) {
-        ex.set_lr(1e-3 * (t + 1));
-        const Tensor ids = random_labels(12 * 16, 64, 40 + 2 * t).reshape({12, 16});
-        const Tensor y = random_labels(12 * 16, 64, 41 + 2 * t).reshape({12, 16});
-        out.push_back(ex.step(ids, y));
-      }
-      if (capture) {
-        Tensor ids = random_labels(12 * 16, 64, 92).reshape({12, 16});
-        Tensor y = random_labels(12 * 16, 64, 93).reshape({12, 16});
-        y.data<int32_t>()[37] = 64;
-        CHECK_THROWS_AS(ex.step(ids, y), UserError);
-      }
-    };
-    std::vector<StepResult> eager, captured;
-    train(false, eager);
-    train(true, captured);
-    for (size_t t = 0; t < eager.size(); ++t) {
-      INFO("step " << t);
-      CHECK(captured[t].loss == doctest::Approx(eager[t].loss).epsilon(1e-6));
-      CHECK(captured[t].grad_norm == doctest::Approx(eager[t].grad_norm).epsilon(1e-5));
-      for (int k = 0; k < K; ++k) {
-        const StageTrace& trace = captured[t].stages.at(static_cast<size_t>(k));
-        CHECK(trace.captured_nodes == (t == 0 ? 0 : captured[1].stages[static_cast<size_t>(k)].captured_nodes));
-        if (t > 0) {
-          CHECK(trace.captured_nodes > 5);
-          for (const TimedOp& op : trace.ops) CHECK(op.end_ms >= op.start_ms);  // the graph's event nodes
-        }
-      }
-      if (captured[t].loss != eager[t].loss) MESSAGE("step " << t << ": captured and eager losses differ in their bits");
+  return llama;
+}
+
+// `spec` on stages of `balance` layers, all on cuda:0, five steps op by op and five with
+// pipeline.capture (data from `seed`): the second step is captured and every later one
+// is one launch of it. It must train as the same stages op by op (the same kernels:
+// equal to float32 rounding, in practice bit for bit), each stage replaying more than
+// `least` ops every step after the first, time its instructions with the graph's event
+// nodes, and still report a bad label of a replayed step (its deferred checks put back
+// before each launch).
+void check_captured_training(const layers::ModelSpec& spec, const std::vector<int>& balance, uint64_t seed,
+                             int64_t least) {
+  CAPTURE(dtype_name(spec.dtype));
+  const int K = static_cast<int>(balance.size());
+  auto train = [&](bool capture, std::vector<StepResult>& out) {
+    auto model = layers::build_model(spec);
+    InProcessTransport transport(K);
+    ExecutorOptions opts;
+    opts.optimizer.type = "adamw";
+    opts.optimizer.weight_decay = 0.01;
+    opts.clip_grad_norm = 1.0;
+    opts.capture = capture;
+    Executor ex(*model, make_stages(balance, std::vector<Device>(static_cast<size_t>(K), Device::cuda(0))),
+                gpipe_schedule(K, 3, RecomputeMode::kExceptLast), transport, opts);
+    for (int t = 0; t < 5; ++t) {
+      ex.set_lr(1e-3 * (t + 1));
+      const Tensor ids = random_labels(12 * 16, 64, seed + 2 * t).reshape({12, 16});
+      const Tensor y = random_labels(12 * 16, 64, seed + 1 + 2 * t).reshape({12, 16});
+      out.push_back(ex.step(ids, y));
     }
+    if (capture) {
+      // A label outside the vocabulary in a replayed step: the CPU's error, at its end.
+      Tensor ids = random_labels(12 * 16, 64, seed + 70).reshape({12, 16});
+      Tensor y = random_labels(12 * 16, 64, seed + 71).reshape({12, 16});
+      y.data<int32_t>()[37] = 64;
+      CHECK_THROWS_AS(ex.step(ids, y), UserError);
+    }
+  };
+  std::vector<StepResult> eager, captured;
+  train(false, eager);
+  train(true, captured);
+  for (size_t t = 0; t < eager.size(); ++t) {
+    INFO("step " << t);
+    CHECK(captured[t].loss == doctest::Approx(eager[t].loss).epsilon(1e-6));
+    CHECK(captured[t].grad_norm == doctest::Approx(eager[t].grad_norm).epsilon(1e-5));
+    for (size_t k = 0; k < balance.size(); ++k) {
+      const StageTrace& trace = captured[t].stages.at(k);
+      CHECK(trace.captured_nodes == (t == 0 ? 0 : captured[1].stages[k].captured_nodes));
+      if (t > 0) {
+        CHECK(trace.captured_nodes > least);
+        for (const TimedOp& op : trace.ops) CHECK(op.end_ms >= op.start_ms);  // the graph's event nodes
+      }
+    }
+    if (captured[t].loss != eager[t].loss) MESSAGE("step " << t << ": captured and eager losses differ in their bits");
   }
+}
+}  // namespace
+
+// pipeline.capture on cuda:0 (kernels/cuda_capture.cc), one stage: its step is one graph.
+TEST_CASE("one stage on cuda:0 captured as a CUDA graph trains as the same stage op by op") {
+  for (const layers::ModelSpec& spec : {gpt_spec(), small_llama(11)}) check_captured_training(spec, {5}, 20, 20);
+}
+
+// pipeline.capture with stages that share cuda:0 (pipeline/executor/executor_capture.cc):
+// their training step is captured together, one CUDA graph on the device's stream, which
+// stage 0's thread launches once a step. Their host sums the gradient norm op by op; the
+// graph sums it on the device, in the same order. The GPT's tied head's gradient crosses
+// stages 0 and 2 inside the graph.
+TEST_CASE("stages sharing cuda:0 captured together as one CUDA graph train as the same stages op by op") {
+  check_captured_training(gpt_spec(), {2, 1, 2}, 40, 5);
+  check_captured_training(small_llama(13), {2, 3}, 40, 5);
 }
 
 TEST_CASE("two stages sharing cuda:0 equal two CPU stages (MLP, uneven micro-batches)") {

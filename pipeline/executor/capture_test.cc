@@ -230,39 +230,67 @@ void check_replays(const Run& eager, const Run& captured, size_t k, int64_t leas
   }
 }
 
+layers::OptimizerConfig adamw() {
+  layers::OptimizerConfig o;
+  o.type = "adamw";
+  o.weight_decay = 0.1;
+  return o;
+}
+
+layers::OptimizerConfig sgd_momentum() {
+  layers::OptimizerConfig o;
+  o.type = "sgd";
+  o.momentum = 0.9;
+  return o;
+}
+
+// A run's schedule and stages (Plan's; one stage without a balance).
+Plan run_as(const std::string& schedule, std::vector<int> balance = {}, int chunks = 1, int micro_batches = 3) {
+  Plan p;
+  p.schedule = schedule;
+  p.balance = std::move(balance);
+  p.chunks = chunks;
+  p.micro_batches = micro_batches;
+  return p;
+}
+
+struct CaptureCase {
+  std::string name;
+  layers::ModelSpec spec;
+  layers::OptimizerConfig opt;
+  double clip, loss_scale;
+  RecomputeMode recompute;
+  Plan plan = run_as("gpipe");
+};
+
+// A case run without capture and with it: equal bit for bit (eager_and_captured), and each
+// stage's replays as check_replays says. Stages on one device capture together, and their
+// NORM sums on the device (this stage's sum, then the K stages' parts added into its
+// scalars), where op by op the host sums it.
+void check_case(const CaptureCase& c) {
+  CAPTURE(c.name);
+  const auto [eager, captured] = eager_and_captured(c.spec, c.opt, c.clip, c.loss_scale, c.recompute, c.plan);
+  const size_t K = c.plan.balance.empty() ? 1 : c.plan.balance.size() / static_cast<size_t>(c.plan.chunks);
+  for (size_t k = 0; k < K; ++k) {
+    check_replays(eager, captured, k, K == 1 ? 20 : 5, K == 1 ? -1 : 1 + static_cast<int64_t>(K));
+  }
+}
+
 }  // namespace
 
 TEST_CASE("a captured step replayed trains as the same steps op by op, bit for bit") {
-  layers::OptimizerConfig adamw;
-  adamw.type = "adamw";
-  adamw.weight_decay = 0.1;
-  layers::OptimizerConfig sgd;
-  sgd.type = "sgd";
-  sgd.momentum = 0.9;
-  struct Case {
-    std::string name;
-    layers::ModelSpec spec;
-    layers::OptimizerConfig opt;
-    double clip, loss_scale;
-    RecomputeMode recompute;
-    std::string schedule = "gpipe";
+  const std::vector<CaptureCase> cases = {
+           {"mlp, adamw, clip, recompute except last", mlp_spec(), adamw(), 0.05, 0, RecomputeMode::kExceptLast},
+           {"mlp, sgd with momentum, recompute always", mlp_spec(), sgd_momentum(), 0, 0, RecomputeMode::kAlways},
+           {"llama float32, adamw, clip", llama_spec(DType::kF32), adamw(), 0.5, 0, RecomputeMode::kExceptLast},
+           {"llama bfloat16, adamw, clip", llama_spec(DType::kBF16), adamw(), 0.5, 0, RecomputeMode::kNever},
+           {"llama float16, adamw, loss scaling", llama_spec(DType::kF16), adamw(), 0, 1024,
+            RecomputeMode::kExceptLast},
+           // Weight gradients split off the backward (W instructions).
+           {"llama float32, zero bubble", llama_spec(DType::kF32), adamw(), 0.5, 0, RecomputeMode::kNever,
+            run_as("zero_bubble")},
   };
-  const std::vector<Case> cases = {
-      {"mlp, adamw, clip, recompute except last", mlp_spec(), adamw, 0.05, 0, RecomputeMode::kExceptLast},
-      {"mlp, sgd with momentum, recompute always", mlp_spec(), sgd, 0, 0, RecomputeMode::kAlways},
-      {"llama float32, adamw, clip", llama_spec(DType::kF32), adamw, 0.5, 0, RecomputeMode::kExceptLast},
-      {"llama bfloat16, adamw, clip", llama_spec(DType::kBF16), adamw, 0.5, 0, RecomputeMode::kNever},
-      {"llama float16, adamw, loss scaling", llama_spec(DType::kF16), adamw, 0, 1024, RecomputeMode::kExceptLast},
-      // Weight gradients split off the backward (W instructions).
-      {"llama float32, zero bubble", llama_spec(DType::kF32), adamw, 0.5, 0, RecomputeMode::kNever, "zero_bubble"},
-  };
-  for (const Case& c : cases) {
-    CAPTURE(c.name);
-    Plan plan;
-    plan.schedule = c.schedule;
-    const auto [eager, captured] = eager_and_captured(c.spec, c.opt, c.clip, c.loss_scale, c.recompute, plan);
-    check_replays(eager, captured, 0, 20);
-  }
+  for (const CaptureCase& c : cases) check_case(c);
 }
 
 TEST_CASE("steps of other sizes, without the optimizer, and evaluation run op by op and keep the capture") {
@@ -390,49 +418,22 @@ TEST_CASE("capture needs one stage, or stages one process runs on one device, wi
 }
 
 TEST_CASE("stages sharing one device capture their step together and train as op by op, bit for bit") {
-  layers::OptimizerConfig adamw;
-  adamw.type = "adamw";
-  adamw.weight_decay = 0.1;
-  layers::OptimizerConfig sgd;
-  sgd.type = "sgd";
-  sgd.momentum = 0.9;
-  struct Case {
-    std::string name;
-    layers::ModelSpec spec;
-    layers::OptimizerConfig opt;
-    double clip, loss_scale;
-    RecomputeMode recompute;
-    std::string schedule;
-    std::vector<int> balance;
-    int chunks = 1, micro_batches = 3;
+  const std::vector<CaptureCase> cases = {
+           {"mlp, K 2, adamw, clip", mlp_spec(), adamw(), 0.05, 0, RecomputeMode::kExceptLast, run_as("gpipe", {3, 4})},
+           {"mlp, K 3, sgd, 1f1b, recompute always", mlp_spec(), sgd_momentum(), 0, 0, RecomputeMode::kAlways,
+            run_as("1f1b", {2, 2, 3})},
+           {"llama float32, K 2, 1f1b, clip", llama_spec(DType::kF32), adamw(), 0.5, 0, RecomputeMode::kExceptLast,
+            run_as("1f1b", {2, 3})},
+           {"llama bfloat16, K 3, clip", llama_spec(DType::kBF16), adamw(), 0.5, 0, RecomputeMode::kNever,
+            run_as("gpipe", {1, 2, 2})},
+           {"llama float16, K 2, loss scaling", llama_spec(DType::kF16), adamw(), 0, 1024, RecomputeMode::kExceptLast,
+            run_as("gpipe", {2, 3})},
+           {"llama float32, K 2, zero bubble", llama_spec(DType::kF32), adamw(), 0.5, 0, RecomputeMode::kNever,
+            run_as("zero_bubble", {2, 3})},
+           {"llama float32, K 2, interleaved", llama_spec(DType::kF32), adamw(), 0.5, 0, RecomputeMode::kExceptLast,
+            run_as("interleaved_1f1b", {1, 1, 1, 2}, 2, 4)},
   };
-  const std::vector<Case> cases = {
-      {"mlp, K 2, adamw, clip", mlp_spec(), adamw, 0.05, 0, RecomputeMode::kExceptLast, "gpipe", {3, 4}},
-      {"mlp, K 3, sgd, 1f1b, recompute always", mlp_spec(), sgd, 0, 0, RecomputeMode::kAlways, "1f1b", {2, 2, 3}},
-      {"llama float32, K 2, 1f1b, clip", llama_spec(DType::kF32), adamw, 0.5, 0, RecomputeMode::kExceptLast, "1f1b",
-       {2, 3}},
-      {"llama bfloat16, K 3, clip", llama_spec(DType::kBF16), adamw, 0.5, 0, RecomputeMode::kNever, "gpipe", {1, 2, 2}},
-      {"llama float16, K 2, loss scaling", llama_spec(DType::kF16), adamw, 0, 1024, RecomputeMode::kExceptLast, "gpipe",
-       {2, 3}},
-      {"llama float32, K 2, zero bubble", llama_spec(DType::kF32), adamw, 0.5, 0, RecomputeMode::kNever, "zero_bubble",
-       {2, 3}},
-      {"llama float32, K 2, interleaved", llama_spec(DType::kF32), adamw, 0.5, 0, RecomputeMode::kExceptLast,
-       "interleaved_1f1b", {1, 1, 1, 2}, 2, 4},
-  };
-  for (const Case& c : cases) {
-    CAPTURE(c.name);
-    Plan plan;
-    plan.schedule = c.schedule;
-    plan.balance = c.balance;
-    plan.chunks = c.chunks;
-    plan.micro_batches = c.micro_batches;
-    // Against the same stages op by op, whose host sums the norm: the same bits.
-    const auto [eager, captured] = eager_and_captured(c.spec, c.opt, c.clip, c.loss_scale, c.recompute, plan);
-    // Each stage's share of the capture; NORM sums on the device here (this stage's sum,
-    // then the K stages' parts added into its scalars), where op by op the host sums it.
-    const size_t K = c.balance.size() / static_cast<size_t>(c.chunks);
-    for (size_t k = 0; k < K; ++k) check_replays(eager, captured, k, 5, 1 + static_cast<int64_t>(K));
-  }
+  for (const CaptureCase& c : cases) check_case(c);
 }
 
 TEST_CASE("stages captured together: steps of other sizes, without the optimizer, evaluation and a restore") {

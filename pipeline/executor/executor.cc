@@ -850,7 +850,7 @@ void Executor::load_replay(StageRuntime& rt) {
 }
 
 // After the replay and the wait for it: the capture's trace with this replay's times
-// (stages captured together: place_replayed), its backend calls, and the loss tensors
+// (place_device_times), its backend calls, and the loss tensors
 // the replay wrote. `calls0`: begin_replay's; `replayed`: the calls the replay made on
 // this thread (the CPU's).
 void Executor::end_replay(StageRuntime& rt, int64_t calls0, int64_t replayed) {
@@ -860,14 +860,7 @@ void Executor::end_replay(StageRuntime& rt, int64_t calls0, int64_t replayed) {
   rt.trace.start_ms = start_ms;
   rt.trace.captured_nodes = cap.nodes;
   rt.trace.other_ops = cap.other_ops_inside + (OpLog::calls_on_this_thread() - calls0 - replayed);
-  if (capture_group_) {
-    place_replayed(rt.trace, rt.clock->resolve());
-  } else {
-    for (const OpClock::Span& span : rt.clock->resolve()) {
-      rt.trace.ops[span.index].start_ms = span.start_ms;
-      rt.trace.ops[span.index].end_ms = span.end_ms;
-    }
-  }
+  place_device_times(rt.trace, rt.clock->resolve(), capture_group_ != nullptr);
   auto& last = rt.mbs[schedule_.chunk_of_cell(schedule_.num_cells() - 1)];
   for (size_t m = 0; m < cap.losses.size(); ++m) last[m].loss = cap.losses[m];
 }
@@ -1028,20 +1021,11 @@ void Executor::run_program(int k) {
     auto turn = device_turn(k);
     if (rt.capturing) {
       // The step so far is captured, not run: keep what a replay needs, then run it.
-      auto cap = std::make_unique<StageRuntime::Captured>();
-      cap->ops = rt.backend->end_capture();
+      std::unique_ptr<CapturedOps> ops = rt.backend->end_capture();
       rt.capturing = false;
-      cap->trace = rt.trace;
-      cap->spans = rt.clock->spans();
-      rt.clock->keep_captured_events();
-      for (const MicroBatch& mb : rt.mbs[schedule_.chunk_of_cell(schedule_.num_cells() - 1)]) cap->losses.push_back(mb.loss);
-      int64_t instructions = 0;
-      for (const TimedOp& op : rt.trace.ops) {
-        if (!is_tensor_collective(op.op)) instructions += op.ops;
-      }
-      cap->other_ops_inside = OpLog::calls_on_this_thread() - capture_calls0 - instructions;
-      cap->nodes = cap->ops->nodes();
-      rt.captured = std::move(cap);
+      keep_capture(rt, OpLog::calls_on_this_thread() - capture_calls0);
+      rt.captured->nodes = ops->nodes();
+      rt.captured->ops = std::move(ops);
       spdlog::info("stage {}: captured its training step on {} ({} ops); later steps replay it", k, rt.device.str(),
                    rt.captured->ops->nodes());
       const int64_t replay0 = OpLog::calls_on_this_thread();
@@ -1058,14 +1042,9 @@ void Executor::run_program(int k) {
     for (const TimedOp& op : rt.trace.ops) {
       if (!is_tensor_collective(op.op)) rt.trace.other_ops -= op.ops;  // a tensor collective's are its owner's
     }
-    if (rt.trace.captured_nodes > 0 && capture_group_) {  // the capture of the stages together, just replayed
-      place_replayed(rt.trace, rt.clock->resolve());
-    } else {
-      for (const OpClock::Span& span : rt.clock->resolve()) {  // device times replace the host's
-        rt.trace.ops[span.index].start_ms = span.start_ms;
-        rt.trace.ops[span.index].end_ms = span.end_ms;
-      }
-    }
+    // Device times replace the host's (the capture of the stages together just replayed:
+    // its messages' host times are the capture's).
+    place_device_times(rt.trace, rt.clock->resolve(), rt.trace.captured_nodes > 0 && capture_group_);
     // A compute instruction's tensor collectives ran inside it: their time is its
     // communication (TimedOp::group_ms), on the same clock.
     for (size_t pc = 0, owner = 0; pc < prog.size(); ++pc) {

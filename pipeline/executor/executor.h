@@ -294,7 +294,8 @@ class Executor {
   bool group_end(StageRuntime& rt, const std::string& failure, int64_t capture_calls0, int64_t* replayed);
   void replay_group(StageRuntime& rt);
   void sum_group_norm(StageRuntime& rt, const std::vector<Tensor>& grads);
-  static void place_replayed(StageTrace& trace, const std::vector<OpClock::Span>& spans);
+  void keep_capture(StageRuntime& rt, int64_t captured_calls);
+  static void place_device_times(StageTrace& trace, const std::vector<OpClock::Span>& spans, bool replayed_together);
   std::string blame_replay(const CapturedOps& ops, const std::exception& e);
   // One handler per instruction kind; run_stage times, meters and dispatches. Returns
   // the bytes a send or receive moved.

@@ -120,21 +120,9 @@ bool Executor::group_end(StageRuntime& rt, const std::string& failure, int64_t c
     rt.capture_error = g.capture_failure;  // run_stage runs the step again, op by op
     return false;
   }
-  // What a replay needs: this stage's trace, its clock's spans (their events the graph's),
-  // its losses and what its thread called inside the capture outside its instructions.
-  auto cap = std::make_unique<StageRuntime::Captured>();
-  cap->trace = rt.trace;
-  cap->spans = rt.clock->spans();
-  rt.clock->keep_captured_events();
-  for (const MicroBatch& mb : rt.mbs[schedule_.chunk_of_cell(schedule_.num_cells() - 1)]) cap->losses.push_back(mb.loss);
-  int64_t instructions = 0;
-  for (const TimedOp& op : rt.trace.ops) {
-    if (!is_tensor_collective(op.op)) instructions += op.ops;
-  }
-  cap->other_ops_inside = captured_calls - instructions;
-  cap->nodes = captured_calls;  // this stage's share of the one capture
-  rt.trace.captured_nodes = cap->nodes;
-  rt.captured = std::move(cap);
+  keep_capture(rt, captured_calls);
+  rt.captured->nodes = captured_calls;  // this stage's share of the one capture
+  rt.trace.captured_nodes = rt.captured->nodes;
   std::string replay_failure;
   if (k == 0) {
     rt.captured->ops = std::move(g.ops);
@@ -172,17 +160,36 @@ std::string Executor::blame_replay(const CapturedOps& ops, const std::exception&
   return "stage " + std::to_string(who) + " failed in the replay of the step captured together: " + e.what();
 }
 
-// The times of a step of stages captured together, from the events its graph recorded:
-// each compute instruction's, NORM's and OPT's span; a send or receive, which a replay
-// does not do on the host (the stream orders the hand-over), takes no time, at the end of
-// the stage's instruction before it (or the start of the first one after it).
-void Executor::place_replayed(StageTrace& trace, const std::vector<OpClock::Span>& spans) {
+// What a replay needs of the capture just ended (rt.captured, but its ops and nodes): this
+// stage's trace, its clock's spans (their events the capture's), its losses, and what its
+// thread called inside the capture (`captured_calls`) outside its instructions.
+void Executor::keep_capture(StageRuntime& rt, int64_t captured_calls) {
+  auto cap = std::make_unique<StageRuntime::Captured>();
+  cap->trace = rt.trace;
+  cap->spans = rt.clock->spans();
+  rt.clock->keep_captured_events();
+  for (const MicroBatch& mb : rt.mbs[schedule_.chunk_of_cell(schedule_.num_cells() - 1)]) cap->losses.push_back(mb.loss);
+  int64_t instructions = 0;
+  for (const TimedOp& op : rt.trace.ops) {
+    if (!is_tensor_collective(op.op)) instructions += op.ops;
+  }
+  cap->other_ops_inside = captured_calls - instructions;
+  rt.captured = std::move(cap);
+}
+
+// A step's instructions timed by the device (the clock's spans). In a replay of stages
+// captured together (`replayed_together`) a send or receive, which the host does not do
+// there (the stream orders the hand-over), takes no time, at the end of the stage's
+// instruction before it (or the start of the first one after it); elsewhere it keeps its
+// host times.
+void Executor::place_device_times(StageTrace& trace, const std::vector<OpClock::Span>& spans, bool replayed_together) {
   std::vector<char> clocked(trace.ops.size(), 0);
   for (const OpClock::Span& span : spans) {
     trace.ops[span.index].start_ms = span.start_ms;
     trace.ops[span.index].end_ms = span.end_ms;
     clocked[span.index] = 1;
   }
+  if (!replayed_together) return;
   double at = -1;
   for (size_t i = 0; i < trace.ops.size() && at < 0; ++i) {
     if (clocked[i]) at = trace.ops[i].start_ms;

@@ -807,6 +807,27 @@ train: {steps: 1, batch_size: 4}
   CHECK(stage_launches(plan, 0) == 2 * f + 2 * (f - 2) + 2 * b);
 }
 
+namespace {
+// configs/devices/h100_nvlink_ib.yaml written to dir/name with its line "launch_overhead_us: 4"
+// replaced by `lines` (each at that line's indent); returns the path.
+std::filesystem::path h100_with(const gpipe::testing::TempDir& dir, const std::string& name, const std::string& lines) {
+  std::string text;
+  {
+    std::ifstream in("configs/devices/h100_nvlink_ib.yaml");
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  const std::string line = "launch_overhead_us: 4";
+  const size_t at = text.find(line);
+  REQUIRE(at != std::string::npos);
+  const std::string indent = text.substr(text.rfind('\n', at) + 1, at - text.rfind('\n', at) - 1);
+  std::string with;
+  for (char c : lines) with += c == '\n' ? "\n" + indent : std::string(1, c);
+  text.replace(at, line.size(), with);
+  std::ofstream(dir / name) << text;
+  return dir / name;
+}
+}  // namespace
+
 TEST_CASE("the estimate charges each of a layer's ops a launch's cost, and nothing on a CPU") {
   const Config c = parse_config(kSmall, "t.yaml", {});
   RunModel run = build_run_model(c);
@@ -835,16 +856,8 @@ TEST_CASE("the estimate charges each of a layer's ops a launch's cost, and nothi
   const DeviceSpec h100 = load_device_spec("configs/devices/h100_nvlink_ib.yaml");
   CHECK(h100.cost_model_for(DType::kBF16).launch_seconds == doctest::Approx(4e-6));
   const gpipe::testing::TempDir dir;
-  std::string text;
-  {
-    std::ifstream in("configs/devices/h100_nvlink_ib.yaml");
-    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  }
-  const size_t at = text.find("launch_overhead_us: 4");
-  REQUIRE(at != std::string::npos);
-  text.replace(at, std::string("launch_overhead_us: 4").size(), "launch_overhead_us: -1");
-  std::ofstream(dir / "spec.yaml") << text;
-  CHECK_THROWS_WITH_AS(load_device_spec(dir / "spec.yaml"), doctest::Contains("device.launch_overhead_us"), UserError);
+  CHECK_THROWS_WITH_AS(load_device_spec(h100_with(dir, "spec.yaml", "launch_overhead_us: -1")),
+                       doctest::Contains("device.launch_overhead_us"), UserError);
 }
 
 // pipeline.capture: a captured step's ops are priced at a graph node's replay cost
@@ -902,19 +915,8 @@ train: {steps: 1, batch_size: 4}
 
   // A device description's graph node cost reaches the cost model; a bad one is refused.
   const gpipe::testing::TempDir dir;
-  std::string text;
-  {
-    std::ifstream in("configs/devices/h100_nvlink_ib.yaml");
-    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  }
-  const size_t at = text.find("launch_overhead_us: 4");
-  REQUIRE(at != std::string::npos);
-  const std::string indent = text.substr(text.rfind('\n', at) + 1, at - text.rfind('\n', at) - 1);
-  std::string good = text, bad = text;
-  good.insert(at + std::string("launch_overhead_us: 4").size(), "\n" + indent + "graph_node_us: 1.5");
-  bad.insert(at + std::string("launch_overhead_us: 4").size(), "\n" + indent + "graph_node_us: 0");
-  std::ofstream(dir / "good.yaml") << good;
-  std::ofstream(dir / "bad.yaml") << bad;
+  h100_with(dir, "good.yaml", "launch_overhead_us: 4\ngraph_node_us: 1.5");
+  h100_with(dir, "bad.yaml", "launch_overhead_us: 4\ngraph_node_us: 0");
   CHECK(load_device_spec(dir / "good.yaml").cost_model_for(DType::kBF16).graph_node_seconds == doctest::Approx(1.5e-6));
   CHECK(load_device_spec("configs/devices/h100_nvlink_ib.yaml").cost_model_for(DType::kBF16).graph_node_seconds == 0);
   CHECK_THROWS_WITH_AS(load_device_spec(dir / "bad.yaml"), doctest::Contains("device.graph_node_us"), UserError);

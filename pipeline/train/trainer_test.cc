@@ -535,66 +535,63 @@ TEST_CASE("a tiny GPT learns a text file through the pipeline, with validation")
   CHECK(tail.substr(0, tail.find('\n')).find(last) != std::string::npos);
 }
 
+namespace {
+// The tiny GPT on a text of its own, without pipeline.capture and with it (`sets` added):
+// the losses and the validation equal bit for bit; both reports read back.
+struct CapturePair {
+  TrainResult plain, captured;
+  std::string captured_log;
+  nlohmann::json plain_report, captured_report;
+};
+CapturePair with_and_without_capture(const std::string& name, const std::vector<std::string>& sets) {
+  const std::string text = write_text("fox_" + name + ".txt", 60);
+  CapturePair out;
+  for (bool capture : {false, true}) {
+    std::ostringstream log;
+    std::vector<std::string> all = {"data.path=" + text, "output.dir=" + out_dir(name + (capture ? "_cap" : "_nocap")),
+                                    std::string("pipeline.capture=") + (capture ? "true" : "false")};
+    all.insert(all.end(), sets.begin(), sets.end());
+    const TrainResult r = train(parse_config(kTinyGpt, "tiny_gpt.yaml", all), log);
+    std::ifstream f(r.report_path);
+    (capture ? out.captured_report : out.plain_report) = nlohmann::json::parse(f);
+    (capture ? out.captured : out.plain) = r;
+    if (capture) out.captured_log = log.str();
+  }
+  REQUIRE(out.captured.losses.size() == out.plain.losses.size());
+  for (size_t i = 0; i < out.plain.losses.size(); ++i) CHECK(out.captured.losses[i] == out.plain.losses[i]);
+  CHECK(out.captured.eval_loss == out.plain.eval_loss);
+  return out;
+}
+}  // namespace
+
 TEST_CASE("pipeline.capture: a tiny GPT trains as without it, and the report says its steps were replays") {
   // One stage: the first step runs op by op, the second is captured, every later one is
   // a replay of it (on the CPU the recorded calls), with validation in between.
-  const std::string text = write_text("fox_capture.txt", 60);
-  auto go = [&](bool capture) {
-    std::ostringstream log;
-    const Config c = parse_config(kTinyGpt, "tiny_gpt.yaml",
-                                  {"data.path=" + text, "output.dir=" + out_dir(capture ? "gpt_cap" : "gpt_nocap"),
-                                   "pipeline.partitions=1", "train.steps=12", "train.eval_interval=5",
-                                   std::string("pipeline.capture=") + (capture ? "true" : "false")});
-    TrainResult r = train(c, log);
-    return std::make_pair(r, log.str());
-  };
-  const auto [plain, plain_log] = go(false);
-  const auto [captured, captured_log] = go(true);
-  REQUIRE(captured.losses.size() == plain.losses.size());
-  for (size_t i = 0; i < plain.losses.size(); ++i) CHECK(captured.losses[i] == plain.losses[i]);  // bit for bit
-  CHECK(captured.eval_loss == plain.eval_loss);
-  std::ifstream f(captured.report_path);
-  const nlohmann::json j = nlohmann::json::parse(f);
+  const CapturePair p =
+      with_and_without_capture("gpt", {"pipeline.partitions=1", "train.steps=12", "train.eval_interval=5"});
+  const nlohmann::json& j = p.captured_report;
   const int64_t replayed = j["stages"][0]["captured_ops"].get<int64_t>();
   // What a replay runs: the instructions' ops, and the gradients' zeroing.
   CHECK(replayed == j["stages"][0]["ops_per_step"].get<int64_t>() + 1 + 5);  // + NORM's 1 and OPT's 4
-  CHECK(captured_log.find("captured once and replayed") != std::string::npos);
-  CHECK(captured_log.find(std::to_string(replayed) + " of them replayed") != std::string::npos);
-  std::ifstream g(plain.report_path);
-  CHECK(nlohmann::json::parse(g)["stages"][0]["captured_ops"].get<int64_t>() == 0);
+  CHECK(p.captured_log.find("captured once and replayed") != std::string::npos);
+  CHECK(p.captured_log.find(std::to_string(replayed) + " of them replayed") != std::string::npos);
+  CHECK(p.plain_report["stages"][0]["captured_ops"].get<int64_t>() == 0);
 }
 
 TEST_CASE("pipeline.capture with two stages on one device: captured together, trains as without it") {
-  const std::string text = write_text("fox_capture2.txt", 60);
-  auto go = [&](bool capture) {
-    std::ostringstream log;
-    const Config c = parse_config(kTinyGpt, "tiny_gpt.yaml",
-                                  {"data.path=" + text, "output.dir=" + out_dir(capture ? "gpt_cap2" : "gpt_nocap2"),
-                                   "pipeline.partitions=2", "pipeline.devices=[cpu:0, cpu:0]", "train.steps=8",
-                                   "train.eval_interval=4", std::string("pipeline.capture=") + (capture ? "true" : "false")});
-    TrainResult r = train(c, log);
-    return std::make_pair(r, log.str());
-  };
-  const auto [plain, plain_log] = go(false);
-  const auto [captured, captured_log] = go(true);
-  REQUIRE(captured.losses.size() == plain.losses.size());
-  for (size_t i = 0; i < plain.losses.size(); ++i) CHECK(captured.losses[i] == plain.losses[i]);  // bit for bit
-  CHECK(captured.eval_loss == plain.eval_loss);
-  std::ifstream f(captured.report_path);
-  const nlohmann::json j = nlohmann::json::parse(f);
-  std::ifstream g(plain.report_path);
-  const nlohmann::json jp = nlohmann::json::parse(g);
+  const CapturePair p = with_and_without_capture(
+      "gpt2", {"pipeline.partitions=2", "pipeline.devices=[cpu:0, cpu:0]", "train.steps=8", "train.eval_interval=4"});
   for (int k = 0; k < 2; ++k) {
     CAPTURE(k);
     // Each stage's share of the one capture: its instructions' ops and more (the zeroing,
     // NORM's and OPT's), all it calls in a step but writing its scalars and inputs.
-    const int64_t replayed = j["stages"][k]["captured_ops"].get<int64_t>();
-    CHECK(replayed > j["stages"][k]["ops_per_step"].get<int64_t>());
-    CHECK(replayed < j["stages"][k]["ops_per_step_all"].get<int64_t>());
-    CHECK(captured_log.find(std::to_string(replayed) + " of them replayed") != std::string::npos);
-    CHECK(jp["stages"][k]["captured_ops"].get<int64_t>() == 0);
+    const int64_t replayed = p.captured_report["stages"][k]["captured_ops"].get<int64_t>();
+    CHECK(replayed > p.captured_report["stages"][k]["ops_per_step"].get<int64_t>());
+    CHECK(replayed < p.captured_report["stages"][k]["ops_per_step_all"].get<int64_t>());
+    CHECK(p.captured_log.find(std::to_string(replayed) + " of them replayed") != std::string::npos);
+    CHECK(p.plain_report["stages"][k]["captured_ops"].get<int64_t>() == 0);
   }
-  CHECK(captured_log.find("captured once and replayed") != std::string::npos);
+  CHECK(p.captured_log.find("captured once and replayed") != std::string::npos);
 }
 
 TEST_CASE("validation runs without dropout: dropout 0.5 or 0 on the same weights scores the same") {
