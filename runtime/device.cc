@@ -14,6 +14,16 @@ std::string Device::str() const {
   return std::string(kind == DeviceKind::kCpu ? "cpu" : "cuda") + ":" + std::to_string(index);
 }
 
+std::vector<int> device_turns(const std::vector<Device>& devices, bool one_process) {
+  std::vector<int> first(devices.size());
+  for (size_t k = 0; k < devices.size(); ++k) {
+    size_t j = 0;
+    while (one_process && j < k && devices[j] != devices[k]) ++j;
+    first[k] = static_cast<int>(one_process ? j : k);
+  }
+  return first;
+}
+
 Device parse_device(const std::string& text) {
   auto colon = text.find(':');
   std::string kind = text.substr(0, colon);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 namespace gpipe {
 
@@ -24,6 +25,12 @@ struct Device {
 
 // Parses "cpu", "cpu:3", "cuda", "cuda:1"; throws UserError naming the text otherwise.
 Device parse_device(const std::string& text);
+
+// Stages that one process runs on the same device share its backend and take turns on
+// it, an instruction at a time (the executor's device turns): per stage, the first stage
+// on its device, which is itself when it has the device alone. Under mpirun each process
+// runs one stage (`one_process` false): no two take turns, even on one GPU.
+std::vector<int> device_turns(const std::vector<Device>& devices, bool one_process);
 
 // Number of CUDA devices visible to this process; 0 when built without CUDA or when
 // no GPU (or no driver) is present.

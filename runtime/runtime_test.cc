@@ -25,6 +25,13 @@ TEST_CASE("devices parse and print") {
   CHECK_THROWS_AS(parse_device("cuda:x"), UserError);
 }
 
+TEST_CASE("stages on one device of one process take turns on it; across processes none do") {
+  const std::vector<Device> d = {Device::cpu(0), Device::cuda(0), Device::cpu(0), Device::cpu(1), Device::cuda(0)};
+  CHECK(device_turns(d, true) == std::vector<int>{0, 1, 0, 3, 1});
+  CHECK(device_turns(d, false) == std::vector<int>{0, 1, 2, 3, 4});
+  CHECK(device_turns({}, true).empty());
+}
+
 TEST_CASE("tensor shapes, views and copies") {
   Tensor t = Tensor::from_vector<float>({1, 2, 3, 4, 5, 6}, {3, 2});
   CHECK(t.numel() == 6);

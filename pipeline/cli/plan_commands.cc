@@ -62,6 +62,20 @@ void print_planned(const Plan& plan, const PlannedRun& run, int64_t memory_limit
         << " (pipeline.memory_limit)";
   }
   out << "\n";
+  // Stages that take turns on one device: their idle time is mostly the others' work.
+  for (size_t k = 0; k < plan.turns.size(); ++k) {
+    if (plan.turns[k] != static_cast<int>(k)) continue;
+    std::string who;
+    int n = 0;
+    for (size_t j = k; j < plan.turns.size(); ++j) {
+      if (plan.turns[j] == static_cast<int>(k)) who += (n++ == 0 ? "" : ", ") + std::to_string(j);
+    }
+    if (n > 1) {
+      out << "stages " << who << " take turns on " << plan.devices[k].str()
+          << ": each waits (idle) while another computes, so the step adds up their work; stages on devices of "
+             "their own (pipeline.devices) compute at once\n";
+    }
+  }
   if (!run.stages.empty() && run.stages.front().launches >= 0) {
     out << "ops per step (the layers' F, R, B and W, counted on shapes; on a GPU each one kernel launch or more):";
     for (size_t k = 0; k < run.stages.size(); ++k) {

@@ -294,18 +294,17 @@ void Executor::read_program(StageRuntime& rt) {
 // Stages of this process that share a device take turns on its backend.
 void Executor::share_devices() {
   const int K = schedule_.num_stages;
+  std::vector<Device> devices;
+  for (const auto& rt : runtimes_) devices.push_back(rt->device);
+  const std::vector<int> turns = device_turns(devices, options_.local_stage < 0);  // as the Plan has them
   for (int k = 0; k < K; ++k) {
-    if (!runtimes_[k]->local) continue;
-    for (int j = 0; j < k; ++j) {
-      if (runtimes_[j]->local && runtimes_[j]->device == runtimes_[k]->device) {
-        if (runtimes_[j]->device_turn == nullptr) {
-          device_turns_.push_back(std::make_unique<std::mutex>());
-          runtimes_[j]->device_turn = device_turns_.back().get();
-        }
-        runtimes_[k]->device_turn = runtimes_[j]->device_turn;
-        break;
-      }
+    const int j = turns[k];
+    if (j == k || !runtimes_[k]->local) continue;
+    if (runtimes_[j]->device_turn == nullptr) {
+      device_turns_.push_back(std::make_unique<std::mutex>());
+      runtimes_[j]->device_turn = device_turns_.back().get();
     }
+    runtimes_[k]->device_turn = runtimes_[j]->device_turn;
   }
   for (const auto& rt : runtimes_) {
     // A replica's collectives block; a stage must not block while other stages wait for
@@ -367,9 +366,12 @@ void Executor::worker_main(int k) {
   }
 }
 
-std::unique_lock<std::mutex> Executor::device_turn(int k) {
-  std::mutex* m = runtimes_[k]->device_turn;
-  return m != nullptr ? std::unique_lock<std::mutex>(*m) : std::unique_lock<std::mutex>();
+Executor::Turn Executor::device_turn(int k) {
+  StageRuntime& rt = *runtimes_[k];  // called by stage k's own thread
+  if (rt.device_turn == nullptr) return {};
+  Turn turn(*rt.device_turn, this, &rt.turn_end_ms);
+  if (rt.turn_at_ms < 0) rt.turn_at_ms = now_ms();
+  return turn;
 }
 
 void Executor::set_loss_scale(double scale, int clean_steps) {
@@ -959,6 +961,7 @@ void Executor::run_program(int k) {
         rt.backend->synchronize();
       }
       const double t0 = now_ms();
+      rt.turn_at_ms = rt.turn_end_ms = -1;
       if (pc == rt.zero_at && eval == nullptr) {  // inside the receive's slot: its wait, usually
         auto turn = device_turn(k);
         zero_grads(rt);
@@ -982,7 +985,12 @@ void Executor::run_program(int k) {
         }
       }
       if (group_ends[pc]) transport_.end_group(k);
-      TimedOp op{ins.op, ins.micro_batch, t0, 0.0, ins.chunk};
+      // A compute instruction of a CPU stage that shares its device runs while it holds
+      // its turn: the other stages' work before and after is this one's wait (on a GPU
+      // the stream's events time the work, OpClock).
+      const bool by_turn = rt.device.is_cpu() && rt.turn_at_ms >= t0 && rt.turn_end_ms >= rt.turn_at_ms &&
+                           (is_compute(ins.op) || ins.op == Op::kOptimizerStep);
+      TimedOp op{ins.op, ins.micro_batch, by_turn ? rt.turn_at_ms : t0, 0.0, ins.chunk};
       if (is_collective(ins.op)) {
         op.bytes = bytes;
         if (ins.op == Op::kTiedGradients) {
@@ -1011,7 +1019,7 @@ void Executor::run_program(int k) {
         }
       }
       op.live_bytes = rt.live_bytes;
-      op.end_ms = now_ms();
+      op.end_ms = by_turn ? rt.turn_end_ms : now_ms();
       op.ops = OpLog::calls_on_this_thread() - calls0;  // its tensor collectives' included
       rt.trace.ops[pc] = op;
     }

@@ -342,8 +342,25 @@ class Executor {
   void sum_local_ties(StageRuntime& rt);
   void fold_statistics(StageRuntime& rt);
   void zero_grads(StageRuntime& rt);
-  // Stage k's turn on its device's backend (no-op unless it shares the device).
-  std::unique_lock<std::mutex> device_turn(int k);
+  // Stage k's turn on its device's backend (no-op unless it shares the device), held
+  // until the Turn goes; it notes when it was first taken and when last given back
+  // (StageRuntime::turn_at_ms, turn_end_ms), which time a CPU stage's work.
+  class Turn {
+   public:
+    Turn() = default;
+    Turn(std::mutex& m, const Executor* ex, double* end_ms) : lock_(m), ex_(ex), end_ms_(end_ms) {}
+    Turn(Turn&&) = default;
+    Turn& operator=(Turn&&) = default;
+    ~Turn() {
+      if (end_ms_ != nullptr && lock_.owns_lock()) *end_ms_ = ex_->now_ms();  // still held
+    }
+
+   private:
+    std::unique_lock<std::mutex> lock_;
+    const Executor* ex_ = nullptr;
+    double* end_ms_ = nullptr;
+  };
+  Turn device_turn(int k);
   int stage_of_layer(int layer) const;
   Tensor to_device(StageRuntime& rt, const Tensor& host);
   // Loss scaling's verdict on a step, from NORM's global norm of the scaled gradients:

@@ -49,6 +49,11 @@ struct Executor::StageRuntime {
   // BLAS and cuDNN handles, error checks) they also use: a stage queues work on the
   // device only while it holds it, and never while it waits for a message.
   std::mutex* device_turn = nullptr;
+  // When the instruction running now first got its turn (ms of the step's clock; -1: not
+  // yet): on a CPU, whose host clock times the work, its wait for the turn before that
+  // is waiting, not its compute.
+  double turn_at_ms = -1;
+  double turn_end_ms = -1;  // when it last gave the turn back
   // The stage's parameters, in layer order (the optimizer's too, unless it is sharded).
   std::vector<layers::Parameter*> params;
   // Sharded optimizer state (ZeRO-1, executor_sharded.cc): this replica's shard of the

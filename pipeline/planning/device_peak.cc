@@ -22,6 +22,7 @@
 #include "kernels/cpu_gemm.h"
 #include "pipeline/planning/profile.h"
 #include "runtime/atomic_file.h"
+#include "runtime/error.h"
 #include "runtime/logging.h"
 
 namespace gpipe {
@@ -202,6 +203,32 @@ std::string peak_cache_path() {
   }
   const char* home = std::getenv("HOME");
   return (std::filesystem::path(home != nullptr ? home : "/tmp") / ".cache" / "gpipe" / "peaks.json").string();
+}
+
+std::vector<DevicePeak> stage_peaks(const std::vector<Device>& devices, const std::vector<int>& turns, DType dtype,
+                                    int blas_threads, int processes) {
+  GPIPE_CHECK(turns.size() == devices.size(), "stage_peaks: a turn per stage");
+  std::vector<Device> probed;  // one per device the stages take turns on
+  std::vector<size_t> at(devices.size());
+  std::vector<int> sharing(devices.size(), 0);
+  for (size_t k = 0; k < devices.size(); ++k) {
+    const auto first = static_cast<size_t>(turns[k]);
+    GPIPE_CHECK(first <= k && turns[first] == static_cast<int>(first), "stage_peaks: not device_turns");
+    if (first == k) {
+      at[k] = probed.size();
+      probed.push_back(devices[k]);
+    }
+    ++sharing[first];
+  }
+  const std::vector<DevicePeak> whole = device_peaks(probed, dtype, blas_threads, processes);
+  std::vector<DevicePeak> out(devices.size());
+  for (size_t k = 0; k < devices.size(); ++k) {
+    const auto first = static_cast<size_t>(turns[k]);
+    out[k] = whole[at[first]];
+    out[k].flops_per_second /= sharing[first];
+    out[k].bytes_per_second /= sharing[first];
+  }
+  return out;
 }
 
 std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType dtype, int blas_threads, int processes) {

@@ -53,5 +53,13 @@ std::string peak_cache_path();
 std::vector<DevicePeak> device_peaks(const std::vector<Device>& devices, DType dtype, int blas_threads,
                                      int processes = 1);
 
+// The peak of each stage of one process, where stages that take turns on one device
+// (`turns`, device_turns; Plan::turns) hold it together: the device is probed once (a
+// CPU's beside the other devices computing at once), and each of its stages gets its
+// share, as device_peaks gives stages on one GPU. MFU then counts each device once, and
+// the shares of a device add up to its whole rate.
+std::vector<DevicePeak> stage_peaks(const std::vector<Device>& devices, const std::vector<int>& turns, DType dtype,
+                                    int blas_threads, int processes = 1);
+
 }  // namespace pipeline
 }  // namespace gpipe

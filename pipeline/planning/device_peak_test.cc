@@ -12,6 +12,7 @@
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <thread>
 
 #include "kernels/backend.h"
 #include "pipeline/planning/device_peak.h"
@@ -115,4 +116,59 @@ TEST_CASE("stages sharing a GPU share its rates, so MFU's denominator counts the
   const DevicePeak cpu = device_peaks({Device::cpu()}, DType::kF32, 1).at(0);
   CHECK(cpu.bytes_per_second == 0);  // a CPU's byte rate is the cost model's fixed one
   CHECK(cpu.launch_seconds == 0);    // and its ops are calls
+}
+
+TEST_CASE("stages that take turns on a device share its peak, probed once; the planner prices the device whole") {
+  // Hand entries per key, read from the cache (nothing is probed): cpu:0 and cpu:1
+  // computing at once (concurrent=2), cpu:0 alone (concurrent=1), and cuda:0 alone.
+  const std::string path = tmp_path("turn_peaks.json");
+  ::setenv("GPIPE_PEAK_CACHE", path.c_str(), 1);
+  nlohmann::json peaks;
+  peaks[peak_key(Device::cpu(0), DType::kF32, 1, 2)] = 90e9;
+  peaks[peak_key(Device::cpu(0), DType::kF32, 1, 1)] = 100e9;
+  peaks[peak_key(Device::cpu(0), DType::kF32, 1, 3)] = 60e9;  // three at once: what no-turns would probe
+  const std::string gpu = peak_key(Device::cuda(0), DType::kF32, 1, 1);
+  peaks[gpu] = 40e12;
+  peaks[gpu + "|copy"] = 3e12;
+  peaks[gpu + "|launch"] = 3e-6;
+  peaks[gpu + "|graph_node"] = 1e-6;
+  std::ofstream(path) << nlohmann::json{{"version", 2}, {"peaks", peaks}}.dump();
+
+  // Stages 0 and 1 take turns on cpu:0 while stage 2 computes on cpu:1: two devices at once.
+  const std::vector<Device> three = {Device::cpu(0), Device::cpu(0), Device::cpu(1)};
+  const std::vector<DevicePeak> p = stage_peaks(three, device_turns(three, true), DType::kF32, 1);
+  REQUIRE(p.size() == 3);
+  CHECK(p[0].flops_per_second == 45e9);  // half of cpu:0's 90 each
+  CHECK(p[1].flops_per_second == 45e9);
+  CHECK(p[2].flops_per_second == 90e9);  // cpu:1 whole
+  // Under mpirun (no turns) the same devices are three processes computing at once.
+  const std::vector<DevicePeak> apart = stage_peaks(three, device_turns(three, false), DType::kF32, 1);
+  for (const DevicePeak& x : apart) CHECK(x.flops_per_second == 60e9);
+  // Four stages taking turns on cuda:0: a quarter of its rates each, the launch whole.
+  const std::vector<Device> gpus(4, Device::cuda(0));
+  for (const DevicePeak& x : stage_peaks(gpus, device_turns(gpus, true), DType::kF32, 1)) {
+    CHECK(x.flops_per_second == 10e12);
+    CHECK(x.bytes_per_second == 0.75e12);
+    CHECK(x.launch_seconds == 3e-6);
+  }
+
+  // The planner simulates stages that take turns one at a time, each at the whole device.
+  Plan shared;
+  shared.stages = 2;
+  shared.devices = {Device::cpu(0), Device::cpu(0)};
+  shared.turns = device_turns(shared.devices, true);
+  CHECK(probed_cost_model(shared, DType::kF32, 1).flops_per_second == 100e9);  // cpu:0 alone
+  CHECK(stages_at_once(shared) == 1);
+  Plan own = shared;
+  own.devices = {Device::cpu(0), Device::cpu(1)};
+  own.turns = device_turns(own.devices, true);
+  CHECK(probed_cost_model(own, DType::kF32, 1).flops_per_second == 90e9);  // two at once
+  CHECK(stages_at_once(own) == std::min(2, static_cast<int>(std::thread::hardware_concurrency())));
+  Plan on_gpu;
+  on_gpu.stages = 4;
+  on_gpu.devices = gpus;
+  on_gpu.turns = device_turns(gpus, true);
+  const partition::CostModel cm = probed_cost_model(on_gpu, DType::kF32, 1);
+  CHECK(cm.flops_per_second == 40e12);  // whole, not the 10 of each stage's share
+  CHECK(cm.bytes_per_second == 3e12);
 }

@@ -100,6 +100,10 @@ struct Plan {
   Schedule schedule;
   std::vector<int> balance;     // layers per cell, v K of them
   std::vector<Device> devices;  // per stage
+  // Per stage, the first stage on its device in this process (device_turns): stages that
+  // one process runs on one device take turns on it. The planner's simulation has them
+  // wait for each other, and their device's peak is counted once (stage_peaks).
+  std::vector<int> turns;
   std::vector<CellSpec> cells;  // per cell, on its stage's device
   // Useful FLOPs of one step of one pipeline, per stage: the forward and backward of its
   // layers over the M micro-batches (exact counts, LayerCost; the loss's with the last

@@ -359,7 +359,7 @@ PlannedRun predict(const Plan& plan, const layers::Sequential& model, const Cost
     if (last && ins.op == Op::kBackward) t += table.loss_backward;
     return t;
   };
-  const Simulation sim = simulate(s, cost);
+  const Simulation sim = simulate(s, cost, CommModel::kBuffered, plan.turns);
   PlannedRun out;
   out.source = costs.describe();
   out.timeline = sim.timeline;
@@ -447,21 +447,29 @@ void price_tensor_group(partition::CostModel& cm, int members, const LinkCost& l
 
 int stages_at_once(const Plan& plan) {
   if (!plan.devices.front().is_cpu()) return 1;
-  return std::max(1, std::min(plan.stages, static_cast<int>(std::thread::hardware_concurrency())));
+  int devices = 0;  // stages that take turns on one device compute one at a time
+  for (size_t k = 0; k < plan.devices.size(); ++k) devices += plan.turns.empty() || plan.turns[k] == static_cast<int>(k);
+  return std::max(1, std::min(devices, static_cast<int>(std::thread::hardware_concurrency())));
 }
 
 partition::CostModel probed_cost_model(const Plan& plan, DType dtype, int blas_threads, double flops_per_second,
                                        double bytes_per_second, double launch_seconds, double graph_node_seconds) {
   partition::CostModel cm;
   cm.launches = plan.launches;
-  if (flops_per_second == 0) {  // probe (or read the cache): the slowest stage's rates, each its device's share
+  if (flops_per_second == 0) {  // probe (or read the cache): the slowest device's rates
+    // Stages that take turns on a device (Plan::turns) each have all of it while they
+    // compute, which the simulation serialises: the device is probed once, whole.
     // CPU stages: each stage's T x D members and replicas are processes (or threads)
     // computing at once on this machine's cores, as a run's ranks probe them
     // (run_artifacts.cc): probe that many at once (the cache keys a rate by how many ran).
-    std::vector<Device> probing = plan.devices;
+    std::vector<Device> devices;
+    for (size_t k = 0; k < plan.devices.size(); ++k) {
+      if (plan.turns.empty() || plan.turns[k] == static_cast<int>(k)) devices.push_back(plan.devices[k]);
+    }
+    std::vector<Device> probing = devices;
     if (!plan.devices.empty() && plan.devices.front().is_cpu()) {
       for (int copy = 1; copy < std::max(1, plan.tensor_parallel) * std::max(1, plan.replicas); ++copy) {
-        probing.insert(probing.end(), plan.devices.begin(), plan.devices.end());
+        probing.insert(probing.end(), devices.begin(), devices.end());
       }
     }
     try {

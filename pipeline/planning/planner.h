@@ -134,13 +134,16 @@ LinkCost local_link(const ProfileStore& profile, bool across_processes);
 // description's link within a node.
 void price_tensor_group(partition::CostModel& cm, int members, const LinkCost& link);
 
-// How many of a plan's stages compute at once on their own cores: K on CPUs (at most
-// the cores), 1 on GPUs (each its own device).
+// How many of a plan's stages compute at once on their own cores: on CPUs one per device
+// (stages that take turns on one, Plan::turns, count once), at most the cores; 1 on GPUs
+// (each its own device).
 int stages_at_once(const Plan& plan);
 
 // The cost model of a plan's devices where nothing was measured of the model: their
-// matrix-product peak as a run probes it (device_peaks with all of the plan's stages at
-// once, the slowest stage's share of its device) and, on GPUs, their probed copy rate
+// matrix-product peak as a run probes it (device_peaks with all of the plan's devices at
+// once, the slowest device's whole rate: stages that take turns on one, Plan::turns, each
+// have all of it while they compute, and the simulation has them wait for each other)
+// and, on GPUs, their probed copy rate
 // (the CPU's fixed 10 GB/s otherwise). `flops_per_second` > 0: that rate and
 // `bytes_per_second` (when > 0) instead, probing nothing (a run that probed already:
 // under mpirun a rank must not probe the other ranks' devices); < 0: the fixed rates.

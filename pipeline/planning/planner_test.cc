@@ -101,6 +101,23 @@ TEST_CASE("the prediction equals a hand-computed makespan on a synthetic profile
     // 11.5-15.5 and B0 16-20.
     CHECK(predict_synthetic(run.config, *run.model, plan, 1.0, 2.0, 0.5).step_ms == doctest::Approx(20.0));
   }
+  SUBCASE("GPipe K=2 M=2 with both stages on cpu:0: they take turns, and the step adds up their work") {
+    const Config c = parse_config(kLinear4, "t.yaml",
+                                  {"pipeline.partitions=2", "pipeline.micro_batches=2", "pipeline.recompute=never",
+                                   "pipeline.balance=[2,2]", "pipeline.devices=[cpu:0, cpu:0]"});
+    RunModel run = build_run_model(c);
+    const Plan plan = make_plan(run.config, *run.model);
+    CHECK(plan.turns == std::vector<int>{0, 0});
+    CHECK(make_plan(run.config, *run.model, PlanOptions{1}).turns == std::vector<int>{0, 1});  // under mpirun
+    // F = 2, B = 4 a stage. By hand: s0 F0 0-2, F1 2-4; s1 F0 4-6 (the device busy until
+    // 4), F1 6-8, B1 8-12; s0 B1 12-16 (asked at 12, as s1's B0, and first on the tie);
+    // s1 B0 16-20; s0 B0 20-24: the device never idles, 2 x 2 x (2 + 4) = 24 ms.
+    const PlannedRun p = predict_synthetic(run.config, *run.model, plan, 1.0, 2.0, 0.0);
+    CHECK(p.step_ms == doctest::Approx(24.0));
+    CHECK(p.stages[0].busy_ms == doctest::Approx(12.0));
+    CHECK(p.stages[1].busy_ms == doctest::Approx(12.0));
+    CHECK(p.bubble == doctest::Approx(0.5));
+  }
   SUBCASE("1F1B K=2 M=3, one layer per stage") {
     const Config c = parse_config(kLinear4, "t.yaml",
                                   {"pipeline.partitions=2", "pipeline.micro_batches=4", "pipeline.recompute=never",

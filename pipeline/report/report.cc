@@ -340,7 +340,7 @@ Simulation ReportBuilder::measured_simulation() const {
     auto it = op_time_[stage].find({static_cast<int>(ins.op), ins.chunk});
     return it == op_time_[stage].end() ? 0.0 : it->second.first / it->second.second;
   };
-  return simulate(program_, cost);
+  return simulate(program_, cost, CommModel::kBuffered, turns_);
 }
 
 RunSummary ReportBuilder::summary() const {

@@ -147,6 +147,9 @@ class ReportBuilder {
     tensor_parallel_ = tensor_parallel;
     sequence_parallel_ = sequence_parallel;
   }
+  // Stages that take turns on one device (Plan::turns): the predicted bubble's simulation
+  // has them wait for each other, as they did. None set: each stage its own device.
+  void set_turns(std::vector<int> turns) { turns_ = std::move(turns); }
   // A validation score taken after step number `step`.
   void add_validation(int step, double loss, double accuracy);
   RunSummary summary() const;
@@ -189,6 +192,7 @@ class ReportBuilder {
   void add_deliveries(const StepResult& r);
 
   std::vector<std::string> layers_, devices_;
+  std::vector<int> turns_;
   Schedule program_;  // the run's program: K, M and the schedule's name are its
   RecomputeMode recompute_;
   int64_t batch_size_;

@@ -407,6 +407,38 @@ TEST_CASE("the simulation charges each receive the delivery time measured when i
   CHECK(b.json()["stages"][0]["delivery_ms"].get<double>() == doctest::Approx(0.3));
 }
 
+TEST_CASE("stages that took turns on one device are simulated taking turns (Plan::turns)") {
+  // GPipe, K = 2, M = 2, F 1 and B 2 on each stage, timed as they ran on one device: by
+  // hand (schedule_test), stage 0 F0 0-1 F1 1-2 B1 6-8 B0 10-12, stage 1 F0 2-3 F1 3-4
+  // B1 4-6 B0 8-10. Taking turns, the measured times give that span again, 12; each on its
+  // own device they would give GPipe's (M + K - 1)(F + B) = 9.
+  const Schedule sched = gpipe_schedule(2, 2, RecomputeMode::kNever);
+  const CostFn f1b2 = [](int, const Instruction& i) {
+    return i.op == Op::kForward ? 1.0 : i.op == Op::kBackward ? 2.0 : 0.0;
+  };
+  const Simulation ran = simulate(sched, f1b2, CommModel::kBuffered, {0, 0});
+  REQUIRE(ran.makespan == doctest::Approx(12.0));
+  StepResult r;
+  r.loss = 1.0;
+  r.wall_ms = 12;
+  for (const auto& timeline : ran.timeline) {
+    StageTrace t;
+    for (const TimedInstruction& ti : timeline) t.ops.push_back({ti.ins.op, ti.ins.micro_batch, ti.start, ti.end, ti.ins.chunk});
+    r.stages.push_back(t);
+  }
+  auto predicted = [&](bool turns) {
+    ReportBuilder b({"0 linear", "1 linear"}, {"cpu:0", "cpu:0"}, sched, RecomputeMode::kNever, 8);
+    if (turns) b.set_turns({0, 0});
+    b.add_step(1, 1.0, r, true);
+    return b.summary();
+  };
+  const RunSummary shared = predicted(true);
+  CHECK(shared.predicted_span_ms == doctest::Approx(12.0));
+  CHECK(shared.predicted_bubble == doctest::Approx(0.5));
+  CHECK(shared.measured_bubble == doctest::Approx(0.5));
+  CHECK(predicted(false).predicted_span_ms == doctest::Approx(9.0));
+}
+
 TEST_CASE("the simulation charges each tensor collective its own measured time, each compute instruction its own less them") {
   // GPipe, K = 2, M = 2, no recompute; stage 0's cell asks one sum in F and one in B, stage
   // 1's none: stage 0 F0 tAR0 sA0 F1 tAR1 sA1 rG1 B1 tAR1 rG0 B0 tAR0 OPT.

@@ -389,7 +389,13 @@ struct Simulation {
   double bubble = 0;         // 1 - sum(busy) / (K * makespan)
   std::vector<std::vector<TimedInstruction>> timeline;  // per stage, in program order
 };
-Simulation simulate(const Schedule& s, const CostFn& cost, CommModel comm = CommModel::kBuffered);
+// `turns`: per stage, the first stage on its device (device_turns, Plan::turns), where
+// stages of one process share a device and take turns on it: each one's F, R, B, W, OPT
+// and collectives' own time then wait for the device to be free, in the order the stages
+// ask for it. Empty: every stage has its own device. The buffered model's only (stages
+// that take turns are threads of one process, which hand over in memory).
+Simulation simulate(const Schedule& s, const CostFn& cost, CommModel comm = CommModel::kBuffered,
+                    const std::vector<int>& turns = {});
 // Unit costs per instruction kind, the same for every stage and cell.
 struct OpCosts {
   double forward = 1.0, backward = 2.0, weight = 0.0, recompute = 1.0, send = 0.0, optimizer = 0.0,

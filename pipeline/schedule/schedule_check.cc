@@ -75,7 +75,8 @@ int collectives_of_stage(const Schedule& s, int k) {
 
 class Interpreter {
  public:
-  Interpreter(const Schedule& s, const CostFn& cost) : s_(s), cost_(cost) {}
+  Interpreter(const Schedule& s, const CostFn& cost, const std::vector<int>& turns = {})
+      : s_(s), cost_(cost), turns_(turns) {}
 
   Simulation run() {
     check_shape();
@@ -98,11 +99,32 @@ class Interpreter {
       }
     }
     for (int k = 0; k < K; ++k) check_tensor_ops(k);  // on valid indices
+    if (!turns_.empty() && static_cast<int>(turns_.size()) != K) {
+      throw Error("simulate: " + std::to_string(turns_.size()) + " device turns for " + std::to_string(K) + " stages");
+    }
+    for (int k = 0; k < static_cast<int>(turns_.size()); ++k) shared_ = shared_ || turns_[k] != k;
     size_t done = 0, total = 0;
     for (const auto& p : s_.stages) total += p.size();
     bool progress = true;
     while (done < total && progress) {
       progress = false;
+      if (shared_) {
+        // Stages taking turns on a device: they ask for it in time order, so each
+        // instruction runs on the stage that is earliest, of those not waiting.
+        std::vector<int> order;
+        for (int k = 0; k < K; ++k) {
+          if (st_[k].pc < s_.stages[k].size()) order.push_back(k);
+        }
+        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return st_[a].clock < st_[b].clock; });
+        for (int k : order) {
+          if (const size_t n = step(k); n > 0) {
+            done += n;
+            progress = true;
+            break;
+          }
+        }
+        continue;
+      }
       for (int k = 0; k < K; ++k) {
         size_t n = 0;
         while (st_[k].pc < s_.stages[k].size() && (n = step(k)) > 0) {
@@ -373,7 +395,8 @@ class Interpreter {
       if (it == c.arrived.end()) return 0;  // wait for it
       last = std::max(last, it->second);
     }
-    record(k, pc, S.clock, last + cost_(k, ins));
+    const double d = cost_(k, ins);
+    record(k, pc, S.clock, take_turn(k, last, d) + d);
     c.done.insert(k);
     ++S.collectives_done;
     ++S.pc;
@@ -385,6 +408,16 @@ class Interpreter {
     st_[k].clock = end;
   }
 
+  // When stage k's work of `d` asked for at `at` starts: on a device it shares with other
+  // stages (turns_), once the device is free, which it then holds until the work's end.
+  double take_turn(int k, double at, double d) {
+    if (!shared_ || d <= 0) return at;
+    double& free = device_free_[turns_[k]];
+    const double start = std::max(at, free);
+    free = start + d;
+    return start;
+  }
+
   // Advances stage k by one instruction (or one communication group); returns how
   // many instructions ran, 0 when blocked.
   size_t step(int k) {
@@ -393,14 +426,15 @@ class Interpreter {
     const Instruction& ins = prog[S.pc];
     if (is_collective(ins.op)) return collective(k);
     if (is_tensor_collective(ins.op)) {  // its members meet (they run this program): its cost, after its F, R, B or W
-      const double start = S.clock;
-      record(k, S.pc, start, start + cost_(k, ins));
+      const double d = cost_(k, ins);
+      const double start = take_turn(k, S.clock, d);
+      record(k, S.pc, start, start + d);
       ++S.pc;
       return 1;
     }
     if (!is_communication(ins.op)) {
-      const double start = S.clock;
       const double d = run_compute(k, S.pc);
+      const double start = take_turn(k, S.clock, d);
       record(k, S.pc, start, start + d);
       ++S.pc;
       return 1;
@@ -468,6 +502,9 @@ class Interpreter {
 
   const Schedule& s_;
   const CostFn& cost_;
+  const std::vector<int>& turns_;  // per stage, the first stage on its device (device_turns), or none
+  bool shared_ = false;            // some stages take turns
+  std::map<int, double> device_free_;  // by turns_' first stage: when the device is next free
   std::vector<StageProgress> st_;
   std::map<MessageKey, double> arrived_;  // arrival time of sent messages
   std::set<MessageKey> consumed_;
@@ -688,8 +725,8 @@ void check_schedule(const Schedule& s, CommModel comm) {
   simulate(s, unit, comm);
 }
 
-Simulation simulate(const Schedule& s, const CostFn& cost, CommModel comm) {
-  Simulation sim = Interpreter(s, cost).run();  // validates the order, names the first problem
+Simulation simulate(const Schedule& s, const CostFn& cost, CommModel comm, const std::vector<int>& turns) {
+  Simulation sim = Interpreter(s, cost, turns).run();  // validates the order, names the first problem
   if (comm == CommModel::kRendezvous) sim = RendezvousRun(s, cost).run();
   return sim;
 }

@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <map>
 #include <string>
 
 #include "pipeline/schedule/schedule.h"
@@ -538,6 +539,89 @@ TEST_CASE("the simulator prices a collective after the last stage arrives") {
   CHECK(norm_of(0).start == doctest::Approx(6.0));
   CHECK(norm_of(0).end == doctest::Approx(6.5));
   CHECK(sim.makespan == doctest::Approx(6.5));
+}
+
+TEST_CASE("stages taking turns on one device: their work never overlaps, and the device idles only when nothing is ready") {
+  // GPipe, K=2, M=2, F 1, B 2, both stages on one device: stage 0's F0 0-1 and F1 1-2;
+  // stage 1's F0 waits for the device until 2 (2-3), F1 3-4, B1 4-6; stage 0's B1 asks
+  // at 6 as stage 1's B0 does and is first (the lower stage on a tie) at 6-8; stage 1's
+  // B0 8-10; stage 0's B0 10-12. The device is never idle: the makespan is all the work.
+  const CostFn f1b2 = [](int, const Instruction& i) {
+    return i.op == Op::kForward ? 1.0 : i.op == Op::kBackward ? 2.0 : 0.0;
+  };
+  const Simulation two = simulate(gpipe_schedule(2, 2, RecomputeMode::kNever), f1b2, CommModel::kBuffered, {0, 0});
+  auto spans = [](const Simulation& sim, int k) {
+    std::string out;
+    for (const TimedInstruction& t : sim.timeline[k]) {
+      if (!is_compute(t.ins.op)) continue;
+      out += (out.empty() ? "" : " ") + std::string(t.ins.op == Op::kForward ? "F" : "B") +
+             std::to_string(t.ins.micro_batch) + "@" + std::to_string(static_cast<int>(t.start)) + "-" +
+             std::to_string(static_cast<int>(t.end));
+    }
+    return out;
+  };
+  CHECK(spans(two, 0) == "F0@0-1 F1@1-2 B1@6-8 B0@10-12");
+  CHECK(spans(two, 1) == "F0@2-3 F1@3-4 B1@4-6 B0@8-10");
+  CHECK(two.makespan == doctest::Approx(12.0));
+
+  // Every schedule, all its stages on one device, or on two devices of two stages each.
+  OpCosts c;  // F 1, B 1 and W 1 where split (zero bubble), R 1, no messages
+  c.backward = 1;
+  c.weight = 1;
+  const CostFn cost = [&c](int, const Instruction& i) {
+    switch (i.op) {
+      case Op::kForward: case Op::kRecompute: return c.forward;
+      case Op::kBackward: return c.backward;
+      case Op::kBackwardWeight: return c.weight * i.count;
+      default: return 0.0;
+    }
+  };
+  for (int K : {2, 3, 4}) {
+    for (int M : {1, 4, 8}) {
+      std::vector<Schedule> all = {gpipe_schedule(K, M, RecomputeMode::kExceptLast),
+                                   one_f_one_b_schedule(K, M, RecomputeMode::kNever),
+                                   zero_bubble_schedule(K, 1, M, RecomputeMode::kNever)};
+      if (M % K == 0) all.push_back(interleaved_1f1b_schedule(K, 2, M, RecomputeMode::kNever));
+      for (const Schedule& s : all) {
+        CAPTURE(s.name);
+        CAPTURE(K);
+        CAPTURE(M);
+        std::vector<int> own(K), one(K, 0), pairs(K);
+        for (int k = 0; k < K; ++k) {
+          own[k] = k;
+          pairs[k] = k - k % 2;
+        }
+        const Simulation alone = simulate(s, cost);
+        const Simulation apart = simulate(s, cost, CommModel::kBuffered, own);  // no stage shares: as without
+        CHECK(apart.makespan == alone.makespan);
+        for (int k = 0; k < K; ++k) CHECK(spans(apart, k) == spans(alone, k));
+
+        const Simulation shared = simulate(s, cost, CommModel::kBuffered, one);
+        double work = 0;
+        for (double b : shared.busy) work += b;
+        CHECK(shared.makespan == doctest::Approx(work));
+        for (const std::vector<int>& turns : {one, pairs}) {
+          const Simulation sim = simulate(s, cost, CommModel::kBuffered, turns);
+          std::map<int, std::vector<std::pair<double, double>>> by_device;
+          std::map<int, double> device_work;
+          for (int k = 0; k < K; ++k) {
+            CHECK(sim.busy[k] == doctest::Approx(alone.busy[k]));
+            device_work[turns[k]] += sim.busy[k];
+            for (const TimedInstruction& t : sim.timeline[k]) {
+              if (is_compute(t.ins.op)) by_device[turns[k]].push_back({t.start, t.end});  // a receive's span is its wait
+            }
+          }
+          for (auto& [device, spans_on] : by_device) {
+            std::sort(spans_on.begin(), spans_on.end());
+            for (size_t i = 1; i < spans_on.size(); ++i) CHECK(spans_on[i].first >= spans_on[i - 1].second - 1e-12);
+            CHECK(sim.makespan >= device_work[device] - 1e-9);
+          }
+          CHECK(sim.makespan >= alone.makespan - 1e-9);
+        }
+      }
+    }
+  }
+  CHECK_THROWS_AS(simulate(gpipe_schedule(2, 2, RecomputeMode::kNever), cost, CommModel::kBuffered, {0}), Error);
 }
 
 TEST_CASE("the file form: both notations, compute instructions only, a header saying what wrote it") {

@@ -117,10 +117,14 @@ double product_peak(const Plan& plan, const std::vector<double>& stage_peaks, in
   const auto k = static_cast<size_t>(stage);
   if (k >= stage_peaks.size() || k >= plan.devices.size()) return 0;
   const Device d = plan.devices[k];
-  if (d.is_cpu()) return stage_peaks[k];  // the rate of the stage's threads, which time the product
+  // A CPU stage's own threads time the product: its peak, or, where stages take turns on
+  // its device (Plan::turns), the device's whole, their shares added.
+  const bool turns = k < plan.turns.size();
   double sum = 0;  // a GPU's whole: the shares of the stages on it added
   for (size_t j = 0; j < plan.devices.size() && j < stage_peaks.size(); ++j) {
-    if (plan.devices[j] == d) sum += stage_peaks[j];
+    if (d.is_cpu() ? j == k || (turns && j < plan.turns.size() && plan.turns[j] == plan.turns[k]) : plan.devices[j] == d) {
+      sum += stage_peaks[j];
+    }
   }
   return sum;
 }

@@ -21,8 +21,9 @@ namespace pipeline {
 // The peak a product of `stage` is held against (0: not known). On a GPU, the device's
 // whole: device_peaks gives each stage on a shared GPU its share, so the shares of the
 // stages on it are added back; a product timed alone has the whole GPU. On the CPU, the
-// stage's own: its share is the rate of its BLAS threads (probed with every stage
-// computing at once), which are the threads a product is timed with.
+// stage's device's: the rate of its BLAS threads (probed with every device computing at
+// once), which are the threads a product is timed with; stages that take turns on one
+// device (Plan::turns) have shares of it (stage_peaks), added back likewise.
 double product_peak(const Plan& plan, const std::vector<double>& stage_peaks, int stage);
 
 // The products of `stages` (the stages this process runs), timed; `stage_peaks`: every

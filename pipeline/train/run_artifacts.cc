@@ -45,9 +45,9 @@ void RunArtifacts::probe_peaks(const Config& c, const layers::Sequential& model,
   const DType dtype = model.output_dtype();
   // A probe that fails (a device out of memory) costs the report its MFU, not the run;
   // under mpirun every rank still takes part in the gather, with 0 for "unknown".
-  auto probe = [&](const std::vector<Device>& devices, int processes) {
+  auto probe = [&](const std::vector<Device>& devices, const std::vector<int>& turns, int processes) {
     try {
-      return device_peaks(devices, dtype, c.train.blas_threads, processes);
+      return pipeline::stage_peaks(devices, turns, dtype, c.train.blas_threads, processes);
     } catch (const std::exception& e) {
       spdlog::warn("the devices' peak could not be probed ({}): no MFU in this run's report", e.what());
       return std::vector<DevicePeak>(devices.size());
@@ -68,7 +68,7 @@ void RunArtifacts::probe_peaks(const Config& c, const layers::Sequential& model,
   const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
   const int processes = local != nullptr ? std::max(1, std::atoi(local)) : launch.layout().size();
   if (launch.size > 1) {
-    const DevicePeak mine = probe({plan.devices.at(launch.rank)}, processes).at(0);
+    const DevicePeak mine = probe({plan.devices.at(launch.rank)}, {0}, processes).at(0);
     planning_peak_ = mine.flops_per_second;
     planning_bytes_ = mine.bytes_per_second;
     planning_launch_ = mine.launch_seconds;
@@ -80,10 +80,18 @@ void RunArtifacts::probe_peaks(const Config& c, const layers::Sequential& model,
   } else {
     // One stage a process: alone (1), or the members or replicas of a one-stage job, each
     // its own process (or thread) probing beside the others.
-    for (const DevicePeak& p : probe(plan.devices, processes)) {
+    // Stages that take turns on a device have shares of it (stage_peaks); the planner
+    // prices each at the whole device, the slowest one's, as it has them take turns.
+    const std::vector<DevicePeak> peaks = probe(plan.devices, plan.turns, processes);
+    for (size_t k = 0; k < peaks.size(); ++k) {
+      const DevicePeak& p = peaks[k];
       stage_peaks_.push_back(p.flops_per_second);
+      const auto sharing = static_cast<double>(std::count(plan.turns.begin(), plan.turns.end(), plan.turns[k]));
+      const double whole = p.flops_per_second * sharing;
+      planning_peak_ = planning_peak_ > 0 ? std::min(planning_peak_, whole) : whole;
       if (p.bytes_per_second > 0) {
-        planning_bytes_ = planning_bytes_ > 0 ? std::min(planning_bytes_, p.bytes_per_second) : p.bytes_per_second;
+        const double bytes = p.bytes_per_second * sharing;
+        planning_bytes_ = planning_bytes_ > 0 ? std::min(planning_bytes_, bytes) : bytes;
       }
       planning_launch_ = std::max(planning_launch_, p.launch_seconds);  // the slowest GPU's
       planning_node_ = std::max(planning_node_, p.graph_node_seconds);
@@ -92,12 +100,19 @@ void RunArtifacts::probe_peaks(const Config& c, const layers::Sequential& model,
   }
   if (std::any_of(stage_peaks_.begin(), stage_peaks_.end(), [](double p) { return !(p > 0); })) {
     stage_peaks_.clear();  // some stage's is unknown: no MFU
+    planning_peak_ = 0;
     return;
   }
-  if (!stage_peaks_.empty()) planning_peak_ = *std::min_element(stage_peaks_.begin(), stage_peaks_.end());
+  if (launch.size > 1 && !stage_peaks_.empty()) {
+    planning_peak_ = *std::min_element(stage_peaks_.begin(), stage_peaks_.end());
+  }
   for (size_t k = 0; k < stage_peaks_.size(); ++k) {
-    spdlog::info("stage {} device peak: {:.1f} GFLOP/s ({} matrix products, {}{}; {})", k, stage_peaks_[k] / 1e9,
+    const auto sharing = launch.size > 1 ? 1 : std::count(plan.turns.begin(), plan.turns.end(), plan.turns.at(k));
+    spdlog::info("stage {} device peak: {:.1f} GFLOP/s ({} matrix products, {}{}{}; {})", k, stage_peaks_[k] / 1e9,
                  dtype_name(dtype), how,
+                 sharing > 1 ? ", its 1/" + std::to_string(sharing) + " share of " + plan.devices.at(k).str() +
+                                   ", which " + std::to_string(sharing) + " stages take turns on"
+                             : std::string(),
                  processes > 1 && plan.devices.at(k).is_cpu()
                      ? ", its share with " + std::to_string(processes) + " ranks on this machine computing at once"
                      : std::string(),

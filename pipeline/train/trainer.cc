@@ -628,6 +628,7 @@ TrainResult train(const Config& config, const MakeModel& make_model, std::ostrea
   const bool writes = reports && launch.replica == 0;
   ReportBuilder report(names.layers, names.devices, plan.schedule, plan.recompute, plan.batch_size);
   report.set_layout(plan.replicas, plan.tensor_parallel, plan.sequence_parallel);
+  report.set_turns(plan.turns);
   // Saved state: resume where a checkpoint left off, save every checkpoint.every steps,
   // on SIGUSR1, and before stopping on SIGINT or SIGTERM.
   RunCheckpoints checkpoints(c, plan, *model, executor, launch, transport, whole_shapes.get());

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -18,6 +19,7 @@
 #include "layers/registry.h"
 #include "partition/balance.h"
 #include "pipeline/config/config.h"
+#include "pipeline/planning/device_peak.h"
 #include "pipeline/planning/memory_check.h"
 #include "pipeline/planning/plan.h"
 #include "pipeline/train/datasets.h"
@@ -232,30 +234,60 @@ TEST_CASE("a resumed run's report.json keeps every validation of the launches be
   CHECK(v[2]["loss"].get<double>() == second.eval_loss);
 }
 
-TEST_CASE("a product is held against its GPU's whole peak, or its CPU stage's own: the threads that time it") {
-  // Two stages on cpu:0: each stage's peak is the rate of its own BLAS threads (probed with
-  // both computing at once), and a product is timed with those threads: its stage's.
-  const TrainResult r = run({"output.dir=" + out_dir("gemm_shared"), "train.steps=2", "pipeline.partitions=2",
+TEST_CASE("stages taking turns on cpu:0: each has half its peak, a product all of it, and a wait for the turn is not work") {
+  // Two stages on cpu:0 take turns on it (Plan::turns): the device is probed once, alone,
+  // each stage's peak is half of it, and a product timed alone has all of it.
+  const TrainResult r = run({"output.dir=" + out_dir("gemm_shared"), "train.steps=3", "pipeline.partitions=2",
                              "pipeline.devices=[cpu:0, cpu:0]"});
   std::ifstream f(r.report_path);
   const nlohmann::json j = nlohmann::json::parse(f);
   REQUIRE(j["stages"].size() == 2);
   REQUIRE(j["gemms"].size() == 8);
+  const double s0 = j["stages"][0]["peak_flops_per_second"].get<double>();
+  const double s1 = j["stages"][1]["peak_flops_per_second"].get<double>();
+  CHECK(s0 == s1);
+  // The cache's entry for cpu:0 alone, as the run stored it (the run's one BLAS thread).
+  CHECK(s0 + s1 == doctest::Approx(device_peaks({Device::cpu(0)}, DType::kF32, 1).at(0).flops_per_second));
+  CHECK(j["peak_flops_per_second"].get<double>() == doctest::Approx(s0 + s1));  // MFU's: the device once
   for (const auto& g : j["gemms"]) {
     CAPTURE(g.dump());
     CHECK(g["device"] == "cpu:0");
-    const int stage = g["stages"][0].get<int>();
-    CHECK(g["peak_flops_per_second"].get<double>() ==
-          doctest::Approx(j["stages"][stage]["peak_flops_per_second"].get<double>()).epsilon(1e-9));
+    CHECK(g["peak_flops_per_second"].get<double>() == doctest::Approx(s0 + s1).epsilon(1e-9));
   }
-  // GPUs: device_peaks gives each of the stages on cuda:0 its share (here 40 and 60), and a
-  // product timed alone has the whole GPU: 100; cuda:1's one stage, its own 70.
+  // Their compute never overlaps in the trace (one holds the device at a time), and each
+  // stage's busy time is its own work: the two add up to at most the step.
+  std::ifstream t(std::filesystem::path(r.report_path).parent_path() / j["trace"]["file"].get<std::string>());
+  const nlohmann::json trace = nlohmann::json::parse(t);
+  std::map<int, std::vector<std::pair<double, double>>> by_step;
+  for (const auto& e : trace["traceEvents"]) {
+    if (e.value("ph", "") != "X") continue;
+    const std::string cat = e.value("cat", "");
+    if (cat != "forward" && cat != "recompute" && cat != "backward" && cat != "weight" && cat != "optimizer") continue;
+    const double ts = e["ts"].get<double>();
+    by_step[e["args"]["step"].get<int>()].push_back({ts, ts + e["dur"].get<double>()});
+  }
+  REQUIRE(!by_step.empty());
+  for (auto& [step, spans] : by_step) {
+    CAPTURE(step);
+    std::sort(spans.begin(), spans.end());
+    for (size_t i = 1; i < spans.size(); ++i) CHECK(spans[i].first >= spans[i - 1].second - 0.01);  // us
+  }
+  CHECK(j["stages"][0]["busy_ms"].get<double>() + j["stages"][1]["busy_ms"].get<double>() <=
+        j["span_ms"].get<double>() * 1.001);
+
+  // By hand: GPUs: device_peaks gives each of the stages on cuda:0 its share (here 40 and
+  // 60), and a product timed alone has the whole GPU: 100; cuda:1's one stage, its own 70.
+  // CPU stages taking turns on cpu:0 likewise (1 + 2); under mpirun (no turns) each its own.
   Plan plan;
   plan.devices = {Device::cuda(0), Device::cuda(0), Device::cuda(1), Device::cpu(0), Device::cpu(0)};
+  plan.turns = device_turns(plan.devices, true);
   const std::vector<double> peaks = {40e12, 60e12, 70e12, 1e11, 2e11};
   CHECK(product_peak(plan, peaks, 0) == 100e12);
   CHECK(product_peak(plan, peaks, 1) == 100e12);
   CHECK(product_peak(plan, peaks, 2) == 70e12);
+  CHECK(product_peak(plan, peaks, 3) == 3e11);
+  CHECK(product_peak(plan, peaks, 4) == 3e11);
+  plan.turns = device_turns(plan.devices, false);
   CHECK(product_peak(plan, peaks, 3) == 1e11);
   CHECK(product_peak(plan, peaks, 4) == 2e11);
   CHECK(product_peak(plan, {}, 0) == 0);  // no peak probed: no fraction
