@@ -59,8 +59,12 @@ struct CostModel {
   // (pipeline.capture) pays it for each op instead of a launch (price_captured).
   double graph_node_seconds = 0;
   bool launches_captured = false;
+  // With launches_captured: what an op's launch cost before (a profile measured op by op
+  // has it in its times, which a captured step does not pay).
+  double uncaptured_launch_seconds = 0;
   void price_captured() {
-    if (graph_node_seconds <= 0) return;  // not known: each op stays a launch
+    if (graph_node_seconds <= 0 || launches_captured) return;  // not known: each op stays a launch
+    uncaptured_launch_seconds = launch_seconds;
     launch_seconds = graph_node_seconds;
     launches_captured = true;
   }

@@ -188,7 +188,10 @@ failures() {  # log
     testlog="$tree/bazel-testlogs/${t#//}"
     testlog="${testlog/://}/test.log"
     why=""
-    [ -f "$testlog" ] && why="$(grep -m1 -E '^TEST CASE:|FAIL:' "$testlog" | sed -E 's/^TEST CASE:[[:space:]]*//; s/^.*FAIL:[[:space:]]*//')"
+    # The test case of the first ERROR (a case that only warned printed its header too), or a FAIL line.
+    [ -f "$testlog" ] && why="$(awk '/^TEST CASE:/ { c = $0; sub(/^TEST CASE:[[:space:]]*/, "", c) }
+                                      / ERROR: / && c != "" { print c; exit }
+                                      /FAIL:/ { sub(/^.*FAIL:[[:space:]]*/, ""); print; exit }' "$testlog")"
     grep -qE "^$t[[:space:]].*TIMEOUT" "$1" && why="timed out${why:+; $why}"
     out+="${out:+; }$t${why:+ (${why:0:100})}"
   done < <(grep -E '^//[^[:space:]]+[[:space:]].*(FAILED|TIMEOUT|NO STATUS|INCOMPLETE)' "$1" | awk '{print $1}' | sort -u)

@@ -168,6 +168,27 @@ const CostTable& CostSource::at(int64_t micro) const {
       t.source = "profile at micro-batch " + std::to_string(near->key.micro_batch) + ", scaled";
     }
   }
+  // A profile is measured op by op, each op a launch; a captured step replays its ops as
+  // a graph's nodes instead: each phase of a layer is its ops x (launch - node) shorter,
+  // and never shorter than its nodes (nor longer than measured).
+  const double saved_ms = (cm_.uncaptured_launch_seconds - cm_.launch_seconds) * 1e3;
+  if (near != nullptr && cm_.launches_captured && saved_ms > 0 && cm_.launches != nullptr &&
+      cm_.launches->size() == t.layers.size()) {
+    auto less = [&](double& ms, int64_t ops) {
+      const double n = static_cast<double>(ops);
+      ms = std::max(ms - n * saved_ms, std::min(ms, n * cm_.launch_seconds * 1e3));
+    };
+    for (size_t i = 0; i < t.layers.size(); ++i) {
+      const partition::LayerLaunches& l = (*cm_.launches)[i];
+      LayerTimes& x = t.layers[i];
+      less(x.forward, l.forward);
+      less(x.forward_nograd, l.recompute);  // a forward that keeps nothing: R's ops
+      less(x.recompute, l.recompute);
+      less(x.backward, l.backward());
+      less(x.backward_input, l.backward_input);
+      less(x.backward_weight, l.backward_weight);
+    }
+  }
   if (compute_scale_ != 1.0) {
     for (LayerTimes& l : t.layers) {
       // The compute only: more BLAS threads do not speed up the sums over a tensor group.
@@ -211,7 +232,12 @@ std::string CostSource::describe_sources() const {
   const int measured = entries.front()->key.concurrency;
   std::string at_once = measured > 1 ? ", " + std::to_string(measured) + " stages at once"
                         : base_key_.concurrency > 1 ? ", measured alone" : "";
-  return "profile " + path_ + " (micro-batch " + sizes + at_once + "; other sizes scaled by " + rates + ")";
+  char captured[96] = "";
+  if (cm_.launches_captured && cm_.uncaptured_launch_seconds > cm_.launch_seconds && cm_.launches != nullptr) {
+    std::snprintf(captured, sizeof captured, "; each op %.1f us less, captured, than the launch it was measured with",
+                  (cm_.uncaptured_launch_seconds - cm_.launch_seconds) * 1e6);
+  }
+  return "profile " + path_ + " (micro-batch " + sizes + at_once + captured + "; other sizes scaled by " + rates + ")";
 }
 
 PlannedRun predict(const Plan& plan, const layers::Sequential& model, const CostSource& costs, const LinkFn& link,

@@ -914,6 +914,30 @@ TEST_CASE("a captured step's ops are priced at a graph node's cost where it is k
   CHECK(captured.source.find("200.0 us probed a captured op") != std::string::npos);
   CHECK(plain.source.find("1000.0 us probed a launch") != std::string::npos);
 
+  // A profile measured op by op has each op's launch in its times: captured, each op is
+  // 0.8 ms shorter there too. Every layer 50 ms F and R, 100 ms B.
+  const gpipe::testing::TempDir profiled;
+  const std::string profile_path = profiled / "profile.json";
+  {
+    const Config c = parse_config(kSmall, "t.yaml", {"pipeline.micro_batches=2"});
+    RunModel r = build_run_model(c);
+    ProfileStore store;
+    store.put(synthetic(*r.model, 2, 50.0, 100.0));
+    save_profile(profile_path, store);
+  }
+  auto from_profile = [&](bool capture) {
+    const Config c = parse_config(kSmall, "t.yaml", {"pipeline.micro_batches=2", "pipeline.profile=" + profile_path,
+                                                     std::string("pipeline.capture=") + (capture ? "true" : "false")});
+    RunModel r = build_run_model(c);
+    const Plan plan = make_plan(r.config, *r.model);
+    return predict_config(r.config, *r.model, plan, false, -1, 0, 1e-3, true, 2e-4);
+  };
+  const PlannedRun measured_plain = from_profile(false), measured_captured = from_profile(true);
+  CHECK(measured_plain.source.find("profile " + profile_path) == 0);
+  CHECK(measured_captured.source.find("each op 800.0 us less, captured") != std::string::npos);
+  CHECK(measured_plain.source.find("captured") == std::string::npos);
+  CHECK(measured_plain.step_ms - measured_captured.step_ms == doctest::Approx(0.8 * static_cast<double>(launches)));
+
   // A layer that does host work in its step is never captured: priced as launches.
   const char* bn = R"(model:
   input: [2, 4, 4]
@@ -937,4 +961,38 @@ train: {steps: 1, batch_size: 4}
   CHECK(load_device_spec(dir / "good.yaml").cost_model_for(DType::kBF16).graph_node_seconds == doctest::Approx(1.5e-6));
   CHECK(load_device_spec("configs/devices/h100_nvlink_ib.yaml").cost_model_for(DType::kBF16).graph_node_seconds == 0);
   CHECK_THROWS_WITH_AS(load_device_spec(dir / "bad.yaml"), doctest::Contains("device.graph_node_us"), UserError);
+
+  // The sweep prices a candidate that takes capture (one stage) at the node's cost, 2.5 us
+  // less an op; a candidate of several stages on devices of their own runs op by op.
+  const DeviceSpec spec = load_device_spec(dir / "good.yaml");
+  auto swept = [&](bool capture) {
+    const Config c = parse_config(kSmall, "t.yaml", {std::string("pipeline.capture=") + (capture ? "true" : "false")});
+    RunModel r = build_run_model(c);
+    SweepOptions o;
+    o.devices = 2;
+    o.spec = &spec;
+    std::map<std::string, Candidate> by_shape;
+    for (const Candidate& x : sweep(r.config, *r.model, o).candidates) {
+      by_shape[std::to_string(x.stages) + " " + std::to_string(x.micro_batches) + " " + x.schedule + " " +
+               std::to_string(static_cast<int>(x.recompute))] = x;
+    }
+    return by_shape;
+  };
+  const auto op_by_op = swept(false), with_capture = swept(true);
+  REQUIRE(op_by_op.size() == with_capture.size());
+  int one_stage = 0, several = 0;
+  for (const auto& [shape, x] : op_by_op) {
+    CAPTURE(shape);
+    const Candidate& y = with_capture.at(shape);
+    if (x.stages == 1) {
+      ++one_stage;
+      REQUIRE(x.run.stages[0].launches > 0);
+      CHECK(x.run.step_ms - y.run.step_ms == doctest::Approx(2.5e-3 * static_cast<double>(x.run.stages[0].launches)));
+    } else {
+      ++several;
+      CHECK(y.run.step_ms == x.run.step_ms);
+    }
+  }
+  CHECK(one_stage > 0);
+  CHECK(several > 0);
 }

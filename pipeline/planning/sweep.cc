@@ -143,15 +143,18 @@ class SweepCosts {
 
   const ProfileStore& store() const { return store_; }
 
-  // The costs of k stages (CPU stages computing at once slow each other down).
-  const CostSource& for_stages(int k) {
+  // The costs of k stages (CPU stages computing at once slow each other down); of a
+  // candidate whose step is captured (captures()), each op at a graph node's cost.
+  const CostSource& for_stages(int k, bool captured = false) {
     const int at_once =
         cpu_ && o_.spec == nullptr ? std::min(k, static_cast<int>(std::thread::hardware_concurrency())) : 1;
-    auto& slot = by_concurrency_[at_once];
+    auto& slot = by_concurrency_[{at_once, captured}];
     if (!slot) {
+      partition::CostModel cm = cost_model(at_once);
+      if (captured) cm.price_captured();
       slot = std::make_unique<CostSource>(model_, o_.spec != nullptr ? none_ : store_,
                                           o_.spec != nullptr ? "" : base_.pipeline.profile, device_,
-                                          base_.train.blas_threads, cost_model(at_once), overrides_,
+                                          base_.train.blas_threads, cm, overrides_,
                                           base_.optimizer.optimizer, 1.0, at_once);
     }
     return *slot;
@@ -201,7 +204,7 @@ class SweepCosts {
   const std::shared_ptr<const std::vector<partition::LayerLaunches>> launches_;
   // On a device description there is no profile: the spec's roofline.
   const ProfileStore none_;
-  std::map<int, std::unique_ptr<CostSource>> by_concurrency_;
+  std::map<std::pair<int, bool>, std::unique_ptr<CostSource>> by_concurrency_;  // (at once, captured)
 };
 
 // A way to split the model: stages, virtual stages per stage, BLAS threads per stage, schedule.
@@ -482,10 +485,11 @@ SweepResult sweep(const Config& base, const layers::Sequential& model, const Swe
       if (m > batch) continue;
       for (RecomputeMode mode : {RecomputeMode::kNever, RecomputeMode::kExceptLast, RecomputeMode::kAlways}) {
         if (sh.k == 1 && sh.schedule != "gpipe") continue;  // one stage: every schedule is the same
-        const CostSource& src = sh.threads > 1 ? *threaded : costs.for_stages(sh.k * D * T);
         for (bool shard : shard_modes) {
-          std::optional<Candidate> cand =
-              predict_candidate(candidate_config(base, sh, m, mode, shard), model, src, link, po);
+          const Config c = candidate_config(base, sh, m, mode, shard);
+          // With pipeline.capture, a candidate that takes it (one stage) is priced captured.
+          const CostSource& src = sh.threads > 1 ? *threaded : costs.for_stages(sh.k * D * T, captures(c, model));
+          std::optional<Candidate> cand = predict_candidate(c, model, src, link, po);
           if (!cand) continue;
           if (o.spec == nullptr) calibrate(*cand, costs.store(), hash, device, dtype);  // this machine's timings
           weigh_memory(*cand, out.memory_limit, o);
