@@ -564,11 +564,11 @@ void Executor::sum_over_tensor_group(Backend& be, const std::vector<layers::Para
 }
 
 // The ties whose two copies are both on this stage: each gets the sum, locally.
-void Executor::sum_local_ties(StageRuntime& rt) {
+void Executor::sum_local_ties(StageRuntime& rt, bool holding_turn) {
   if (rt.local_ties_summed) return;
   for (const layers::Tie& t : model_.ties()) {
     if (stage_of_layer(t.owner_layer) == rt.index && stage_of_layer(t.copy_layer) == rt.index) {
-      auto turn = device_turn(rt.index);
+      auto turn = holding_turn ? Turn() : device_turn(rt.index);
       layers::Sequential::sum_tied_gradient(*rt.backend, t);
     }
   }
@@ -583,14 +583,17 @@ void Executor::sum_local_ties(StageRuntime& rt) {
 // the device, which its kernels read when they run (kernels/step_scalars.h).
 void Executor::optimizer_step(StageRuntime& rt) {
   const int k = rt.index;
-  sum_local_ties(rt);
-  if (!cur_.apply_optimizer) return;  // the gradients stay for inspection
+  if (!cur_.apply_optimizer) {  // the gradients stay for inspection
+    sum_local_ties(rt);
+    return;
+  }
   // A GPU transport's transfers, waited for under its deadline: the wait below then
   // waits for no peer.
   transport_.flush(k);
   // One turn on the device for the whole step, so that on a GPU shared by stages no other
-  // stage's kernels fall inside the events that time it.
+  // stage's kernels fall inside the events that time it (nor, on a CPU, inside its span).
   auto turn = device_turn(k);
+  sum_local_ties(rt, /*holding_turn=*/true);
   // Stages sharing a device share its backend, whose wait reports each stage's bad data
   // to that stage only, and clears the flags the skip below reads: one stage's wait could
   // hide another's bad batch from its skip. Such a stage waits here, as every stage did
@@ -963,8 +966,11 @@ void Executor::run_program(int k) {
       const double t0 = now_ms();
       rt.turn_at_ms = rt.turn_end_ms = -1;
       if (pc == rt.zero_at && eval == nullptr) {  // inside the receive's slot: its wait, usually
-        auto turn = device_turn(k);
-        zero_grads(rt);
+        {
+          auto turn = device_turn(k);
+          zero_grads(rt);
+        }
+        rt.turn_at_ms = rt.turn_end_ms = -1;  // a compute instruction's own turn times it
       }
       const int64_t calls0 = OpLog::calls_on_this_thread();  // the instruction's own, not the zeroing
       GPIPE_CHECK(rt.trace.ops.size() == pc, "stage " + std::to_string(k) + "'s trace is not its program's");

@@ -339,7 +339,8 @@ class Executor {
   class ProgramCollectives;
   void tensor_collective(Op op, int64_t bytes, const std::function<void()>& run);
   double now_ms() const;
-  void sum_local_ties(StageRuntime& rt);
+  // holding_turn: the caller holds the stage's device turn already.
+  void sum_local_ties(StageRuntime& rt, bool holding_turn = false);
   void fold_statistics(StageRuntime& rt);
   void zero_grads(StageRuntime& rt);
   // Stage k's turn on its device's backend (no-op unless it shares the device), held
@@ -350,7 +351,7 @@ class Executor {
     Turn() = default;
     Turn(std::mutex& m, const Executor* ex, double* end_ms) : lock_(m), ex_(ex), end_ms_(end_ms) {}
     Turn(Turn&&) = default;
-    Turn& operator=(Turn&&) = default;
+    Turn& operator=(Turn&&) = delete;  // would give back the turn it holds without noting when
     ~Turn() {
       if (end_ms_ != nullptr && lock_.owns_lock()) *end_ms_ = ex_->now_ms();  // still held
     }

@@ -114,7 +114,8 @@ Plan make_plan(const Config& c, const layers::Sequential& model, const PlanOptio
   p.schedule = make_schedule(request);
   p.balance = plan_balance(c, model, cells, p.largest_micro_batch());
   p.devices = plan_devices(c, options.local_stage);
-  p.turns = device_turns(p.devices, options.local_stage < 0);
+  // A tensor group's members are processes, each running its stage alone (as under mpirun).
+  p.turns = device_turns(p.devices, options.local_stage < 0 && p.tensor_parallel <= 1);
   p.cells = make_cells(p.balance, p.schedule, p.devices);
   // NORM: clipping's global norm, and fp16 loss scaling's overflow check.
   lower_collectives(p.schedule, run_collectives(model, p.cells, p.replicas > 1,

@@ -141,16 +141,42 @@ const CostTable& CostSource::at(int64_t micro) const {
     auto dist = [&](int64_t n) { return std::abs(std::log(static_cast<double>(n) / static_cast<double>(micro))); };
     if (near == nullptr || dist(e->key.micro_batch) < dist(near->key.micro_batch)) near = e;
   }
+  // A profile is measured op by op, each op a launch; a captured step replays its ops as
+  // a graph's nodes instead: each phase of a layer is its ops x (launch - node) shorter,
+  // and never shorter than its nodes (nor longer than measured). Before any scaling to
+  // another size, whose ratio comes from estimates priced as captured.
+  const double saved_ms = (cm_.uncaptured_launch_seconds - cm_.launch_seconds) * 1e3;
+  auto profiled = [&](const ProfileEntry& e) {
+    CostTable p = profile_costs(e);
+    if (!cm_.launches_captured || saved_ms <= 0 || cm_.launches == nullptr || cm_.launches->size() != p.layers.size()) {
+      return p;
+    }
+    auto less = [&](double& ms, int64_t ops) {
+      const double n = static_cast<double>(ops);
+      ms = std::max(ms - n * saved_ms, std::min(ms, n * cm_.launch_seconds * 1e3));
+    };
+    for (size_t i = 0; i < p.layers.size(); ++i) {
+      const partition::LayerLaunches& l = (*cm_.launches)[i];
+      LayerTimes& x = p.layers[i];
+      less(x.forward, l.forward);
+      less(x.forward_nograd, l.recompute);  // a forward that keeps nothing: R's ops
+      less(x.recompute, l.recompute);
+      less(x.backward, l.backward());
+      less(x.backward_input, l.backward_input);
+      less(x.backward_weight, l.backward_weight);
+    }
+    return p;
+  };
   CostTable t;
   if (near != nullptr && near->key.micro_batch == micro) {
-    t = profile_costs(*near);
+    t = profiled(*near);
   } else {
     const CostTable est = estimate_costs(model_, micro, cm_, overrides_, optimizer_);
     if (near == nullptr) {
       t = est;
     } else {  // scaled per layer by the cost model's ratio between the two sizes
       const CostTable base = estimate_costs(model_, near->key.micro_batch, cm_, overrides_, optimizer_);
-      t = profile_costs(*near);
+      t = profiled(*near);
       auto ratio = [](double a, double b) { return b > 0 ? a / b : 1.0; };
       for (size_t i = 0; i < t.layers.size(); ++i) {
         LayerTimes& l = t.layers[i];
@@ -166,27 +192,6 @@ const CostTable& CostSource::at(int64_t micro) const {
       t.loss_forward *= rows;
       t.loss_backward *= rows;
       t.source = "profile at micro-batch " + std::to_string(near->key.micro_batch) + ", scaled";
-    }
-  }
-  // A profile is measured op by op, each op a launch; a captured step replays its ops as
-  // a graph's nodes instead: each phase of a layer is its ops x (launch - node) shorter,
-  // and never shorter than its nodes (nor longer than measured).
-  const double saved_ms = (cm_.uncaptured_launch_seconds - cm_.launch_seconds) * 1e3;
-  if (near != nullptr && cm_.launches_captured && saved_ms > 0 && cm_.launches != nullptr &&
-      cm_.launches->size() == t.layers.size()) {
-    auto less = [&](double& ms, int64_t ops) {
-      const double n = static_cast<double>(ops);
-      ms = std::max(ms - n * saved_ms, std::min(ms, n * cm_.launch_seconds * 1e3));
-    };
-    for (size_t i = 0; i < t.layers.size(); ++i) {
-      const partition::LayerLaunches& l = (*cm_.launches)[i];
-      LayerTimes& x = t.layers[i];
-      less(x.forward, l.forward);
-      less(x.forward_nograd, l.recompute);  // a forward that keeps nothing: R's ops
-      less(x.recompute, l.recompute);
-      less(x.backward, l.backward());
-      less(x.backward_input, l.backward_input);
-      less(x.backward_weight, l.backward_weight);
     }
   }
   if (compute_scale_ != 1.0) {

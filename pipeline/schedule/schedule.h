@@ -390,10 +390,11 @@ struct Simulation {
   std::vector<std::vector<TimedInstruction>> timeline;  // per stage, in program order
 };
 // `turns`: per stage, the first stage on its device (device_turns, Plan::turns), where
-// stages of one process share a device and take turns on it: each one's F, R, B, W, OPT
-// and collectives' own time then wait for the device to be free, in the order the stages
-// ask for it. Empty: every stage has its own device. The buffered model's only (stages
-// that take turns are threads of one process, which hand over in memory).
+// stages of one process share a device and take turns on it: each one's F, R, B, W and
+// OPT (and tensor collectives) then wait for the device to be free, in the order the
+// stages ask for it; a collective's small device part holds no turn. Empty: every stage
+// has its own device. The buffered model's only (stages that take turns are threads of
+// one process, which hand over in memory): an Error with kRendezvous.
 Simulation simulate(const Schedule& s, const CostFn& cost, CommModel comm = CommModel::kBuffered,
                     const std::vector<int>& turns = {});
 // Unit costs per instruction kind, the same for every stage and cell.

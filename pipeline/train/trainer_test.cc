@@ -236,7 +236,18 @@ TEST_CASE("a resumed run's report.json keeps every validation of the launches be
 
 TEST_CASE("stages taking turns on cpu:0: each has half its peak, a product all of it, and a wait for the turn is not work") {
   // Two stages on cpu:0 take turns on it (Plan::turns): the device is probed once, alone,
-  // each stage's peak is half of it, and a product timed alone has all of it.
+  // each stage's peak is half of it, and a product timed alone has all of it. A peak cache
+  // of this test's own, which no other test process rewrites meanwhile.
+  const char* shared_cache = std::getenv("GPIPE_PEAK_CACHE");
+  const std::string saved_cache = shared_cache != nullptr ? shared_cache : "";
+  const std::string own_cache = out_dir("gemm_shared_peaks.json");
+  std::filesystem::remove(own_cache);
+  ::setenv("GPIPE_PEAK_CACHE", own_cache.c_str(), 1);
+  struct Restore {
+    const char* was;
+    std::string value;
+    ~Restore() { was != nullptr ? ::setenv("GPIPE_PEAK_CACHE", value.c_str(), 1) : ::unsetenv("GPIPE_PEAK_CACHE"); }
+  } restore{shared_cache, saved_cache};
   const TrainResult r = run({"output.dir=" + out_dir("gemm_shared"), "train.steps=3", "pipeline.partitions=2",
                              "pipeline.devices=[cpu:0, cpu:0]"});
   std::ifstream f(r.report_path);
@@ -262,11 +273,15 @@ TEST_CASE("stages taking turns on cpu:0: each has half its peak, a product all o
   for (const auto& e : trace["traceEvents"]) {
     if (e.value("ph", "") != "X") continue;
     const std::string cat = e.value("cat", "");
-    if (cat != "forward" && cat != "recompute" && cat != "backward" && cat != "weight" && cat != "optimizer") continue;
+    if (cat != op_name(Op::kForward) && cat != op_name(Op::kRecompute) && cat != op_name(Op::kBackward) &&
+        cat != op_name(Op::kBackwardWeight) && cat != op_name(Op::kOptimizerStep)) {
+      continue;
+    }
     const double ts = e["ts"].get<double>();
     by_step[e["args"]["step"].get<int>()].push_back({ts, ts + e["dur"].get<double>()});
   }
   REQUIRE(!by_step.empty());
+  for (const auto& [step, spans] : by_step) CHECK(spans.size() == 2 * (4 + 4 + 3) + 2);  // F, B, R and OPT of both
   for (auto& [step, spans] : by_step) {
     CAPTURE(step);
     std::sort(spans.begin(), spans.end());
