@@ -1,7 +1,9 @@
 #include "kernels/meta_backend.h"
 
+#include <initializer_list>
 #include <map>
 #include <memory>
+#include <string>
 #include <mutex>
 #include <utility>
 
@@ -28,10 +30,33 @@ void list_product(const char* op, const Tensor& a, bool ta, const Tensor& b, boo
   products->add(std::move(p));
 }
 
+// An op of several products (MetaProduct's second form): its tensors' shapes, its ints.
+void list_op(const char* op, std::vector<const Tensor*> tensors, std::vector<int64_t> ints, const Tensor& output,
+             double flops) {
+  if (products == nullptr) return;
+  MetaProduct p;
+  p.op = op;
+  for (const Tensor* t : tensors) {
+    p.tensors.push_back(t->shape());
+    p.types.push_back(t->dtype());
+  }
+  p.ints = std::move(ints);
+  p.dtype = tensors.front()->dtype();
+  p.c_dtype = output.dtype();
+  p.op_flops = flops;
+  products->add(std::move(p));
+}
+
+double product(std::initializer_list<int64_t> xs) {
+  double out = 1;
+  for (int64_t x : xs) out *= static_cast<double>(x);
+  return out;
+}
+
 // Every op a no-op: outputs keep the shapes their callers allocated, and no data.
-class MetaBackend final : public Backend {
+class MetaOps : public Backend {
  public:
-  explicit MetaBackend(Device device) : device_(device), stream_(device) {}
+  explicit MetaOps(Device device) : device_(device), stream_(device) {}
   Device device() const override { return device_; }
   Stream& stream() override { return stream_; }
   void matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, double, double) override {
@@ -77,10 +102,91 @@ class MetaBackend final : public Backend {
   CpuStream stream_;  // never waited on: nothing is queued
 };
 
+// The ops made of several products, listed as well (MetaProducts), and counted as MetaOps
+// counts every op.
+class MetaBackend final : public MetaOps {
+ public:
+  using MetaOps::MetaOps;
+  void attention(const Tensor& qkv, int heads, Tensor& probs, Tensor& out) override {
+    MetaOps::attention(qkv, heads, probs, out);
+    const int64_t B = qkv.size(0), T = qkv.size(1), C = qkv.size(2) / 3;
+    list_op("attention", {&qkv, &probs, &out}, {heads}, out, 4 * product({B, T, T, C}));
+  }
+  void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& probs, int heads,
+                          Tensor& dqkv) override {
+    MetaOps::attention_backward(dout, qkv, probs, heads, dqkv);
+    const int64_t B = qkv.size(0), T = qkv.size(1), C = qkv.size(2) / 3;
+    list_op("attention_backward", {&dout, &qkv, &probs, &dqkv}, {heads}, dqkv, 8 * product({B, T, T, C}));
+  }
+  void fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, int heads, Tensor& out,
+                       Tensor& stats) override {
+    MetaOps::fused_attention(q, k, v, heads, out, stats);
+    const int64_t B = q.size(0), T = q.size(1), C = q.size(2);
+    list_op("fused_attention", {&q, &k, &v, &out, &stats}, {heads}, out, 4 * product({B, T, T, C}));
+  }
+  void fused_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                const Tensor& out, const Tensor& stats, int heads, Tensor& dq, Tensor& dk,
+                                Tensor& dv) override {
+    MetaOps::fused_attention_backward(dout, q, k, v, out, stats, heads, dq, dk, dv);
+    const int64_t B = q.size(0), T = q.size(1), C = q.size(2);
+    list_op("fused_attention_backward", {&dout, &q, &k, &v, &out, &stats, &dq, &dk, &dv}, {heads}, dq,
+            8 * product({B, T, T, C}));
+  }
+  void conv2d(const Tensor& x, const Tensor& w, int stride, int pad, Tensor& y) override {
+    MetaOps::conv2d(x, w, stride, pad, y);
+    list_op("conv2d", {&x, &w, &y}, {stride, pad}, y, conv_flops(w, y));
+  }
+  void conv2d_backward(const Tensor& dy, const Tensor& x, const Tensor& w, int stride, int pad, Tensor& dx,
+                       Tensor& dw) override {
+    MetaOps::conv2d_backward(dy, x, w, stride, pad, dx, dw);
+    const int computed = (dx.shape().empty() ? 0 : 1) + (dw.shape().empty() ? 0 : 1);
+    list_op("conv2d_backward", {&dy, &x, &w, &dx, &dw}, {stride, pad}, dx.shape().empty() ? dw : dx,
+            computed * conv_flops(w, dy));
+  }
+
+ private:
+  // y (N, K, P, Q) from w (K, C, R, S): 2 N K P Q C R S.
+  static double conv_flops(const Tensor& w, const Tensor& y) {
+    return 2 * product({y.size(0), y.size(1), y.size(2), y.size(3), w.size(1), w.size(2), w.size(3)});
+  }
+};
+
 }  // namespace
 
 MetaAnswersAs::MetaAnswersAs(Device device) : outer_(answers_as) { answers_as = device; }
 MetaAnswersAs::~MetaAnswersAs() { answers_as = outer_; }
+
+std::string MetaProduct::describe() const {
+  if (is_gemm()) return "";
+  auto dims = [](const Shape& s) {
+    std::string out;
+    for (int64_t d : s) out += (out.empty() ? "" : "x") + std::to_string(d);
+    return out;
+  };
+  // The arguments' names in each op's signature (kernels/backend_ops.inc); a `->` before its outputs.
+  static const std::map<std::string, std::pair<std::vector<std::string>, size_t>> names = {
+      {"attention", {{"qkv", "probs", "out"}, 1}},
+      {"attention_backward", {{"dout", "qkv", "probs", "dqkv"}, 3}},
+      {"fused_attention", {{"q", "k", "v", "out", "stats"}, 3}},
+      {"fused_attention_backward", {{"dout", "q", "k", "v", "out", "stats", "dq", "dk", "dv"}, 6}},
+      {"conv2d", {{"x", "w", "y"}, 2}},
+      {"conv2d_backward", {{"dy", "x", "w", "dx", "dw"}, 3}}};
+  const auto it = names.find(op);
+  std::string out;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const std::string name = it != names.end() && i < it->second.first.size() ? it->second.first[i] : "t" + std::to_string(i);
+    if (it != names.end() && i == it->second.second) {
+      for (size_t j = 0; j < ints.size(); ++j) {
+        out += std::string(", ") + (op.rfind("conv2d", 0) == 0 ? (j == 0 ? "stride " : "pad ") : "heads ") +
+               std::to_string(ints[j]);
+      }
+      out += " ->";
+    }
+    if (tensors[i].empty()) continue;  // a gradient this call skips
+    out += (out.empty() || out.back() == '>' ? " " : ", ") + name + " " + dims(tensors[i]);
+  }
+  return !out.empty() && out.front() == ' ' ? out.substr(1) : out;
+}
 
 MetaProducts::MetaProducts() : outer_(products) { products = this; }
 MetaProducts::~MetaProducts() { products = outer_; }

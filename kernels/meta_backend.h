@@ -57,12 +57,33 @@ class MetaOpCount {
 // A matrix product a meta backend was called for: c (m, n) = op(a) (m, k) op(b) (k, n),
 // row-major as Backend::matmul takes it, a and b of `dtype`, c of `c_dtype`; `op` the
 // backend op that makes it (matmul, matmul_weight, linear_bias, linear_weight_grad).
+//
+// Or an op made of several products, with m, n and k 0: attention and attention_backward
+// (the exact path), fused_attention and fused_attention_backward, conv2d and
+// conv2d_backward. Then `tensors` are the shapes of its tensor arguments in the op's order
+// (an undefined one, a gradient the call skips, empty), `ints` its integer arguments
+// (heads; stride and pad), `dtype` its first tensor's type and `c_dtype` its output's, and
+// `op_flops` the FLOPs of its products a call: attention 4 B T^2 C forward (q k^T and the
+// probabilities by v, every T x T score, C = H D of the query heads) and 8 B T^2 C
+// backward (its four products; a flash backward's recomputed scores not counted); a
+// convolution 2 N K P Q C R S for y, and as much again
+// for each of dx and dw that its backward computes.
 struct MetaProduct {
   std::string op;
   int64_t m = 0, n = 0, k = 0;
   bool trans_a = false, trans_b = false;
   DType dtype = DType::kF32, c_dtype = DType::kF32;
-  double flops() const { return 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k); }
+  std::vector<Shape> tensors;
+  std::vector<DType> types;  // of each of `tensors`
+  std::vector<int64_t> ints;
+  double op_flops = 0;
+  bool is_gemm() const { return tensors.empty(); }
+  double flops() const {
+    return is_gemm() ? 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) : op_flops;
+  }
+  // A non-GEMM op's arguments as its signature names them: "qkv 4x128x384, heads 4 -> probs
+  // 4x4x128x128, out 4x128x128" ("" for a product).
+  std::string describe() const;
 };
 
 // While one is alive on its thread, the matrix products meta backends are called for on

@@ -492,8 +492,9 @@ std::string ReportBuilder::table() const {
     os << line;
   }
   if (!s.gemms.empty()) {
-    os << "Matrix products, each timed alone on its device after the run (a call's time, the mean of up to 20; "
-          "against the device's probed peak), the longest per micro-batch first:\n";
+    os << "Matrix products, and attention and convolutions (their products together), each timed alone on its "
+          "device after the run (a call's time, the mean of up to 20; against the device's probed peak), the longest "
+          "per micro-batch first:\n";
     constexpr size_t kShown = 8;
     for (size_t i = 0; i < s.gemms.size() && i < kShown; ++i) {
       const GemmRate& g = s.gemms[i];
@@ -510,13 +511,14 @@ std::string ReportBuilder::table() const {
         const std::string s = std::to_string(t ? cols : rows) + "x" + std::to_string(t ? rows : cols);
         return t ? "(" + s + ")^T" : s;
       };
+      const std::string what =
+          g.operands.empty() ? operand(g.m, g.k, g.trans_a) + " @ " + operand(g.k, g.n, g.trans_b) + " -> " +
+                                   std::to_string(g.m) + "x" + std::to_string(g.n)
+                             : g.operands;
       std::snprintf(line, sizeof line,
-                    "  %s %s @ %s -> %lldx%lld, %s in, %s out: stage %s, layers %s, %s, %lld a micro-batch: %.4g ms, "
-                    "%.1f GFLOP/s%s\n",
-                    g.op.c_str(), operand(g.m, g.k, g.trans_a).c_str(), operand(g.k, g.n, g.trans_b).c_str(),
-                    static_cast<long long>(g.m), static_cast<long long>(g.n), g.dtype.c_str(), g.c_dtype.c_str(),
-                    stages.c_str(), g.layers.c_str(), g.phases.c_str(), static_cast<long long>(g.calls), g.ms,
-                    g.flops_per_second / 1e9, peak.c_str());
+                    "  %s %s, %s in, %s out: stage %s, layers %s, %s, %lld a micro-batch: %.4g ms, %.1f GFLOP/s%s\n",
+                    g.op.c_str(), what.c_str(), g.dtype.c_str(), g.c_dtype.c_str(), stages.c_str(), g.layers.c_str(),
+                    g.phases.c_str(), static_cast<long long>(g.calls), g.ms, g.flops_per_second / 1e9, peak.c_str());
       os << line;
     }
     if (s.gemms.size() > kShown) os << "  and " << s.gemms.size() - kShown << " more in report.json\n";
@@ -674,7 +676,8 @@ nlohmann::json ReportBuilder::json() const {
   if (!s.gemms.empty()) {
     // Each matrix product timed alone: c (m, n) = op(a) (m, k) op(b) (k, n); flops 2 m n k
     // a call; flops_per_second = flops / (ms / 1000); peak_fraction over the device's
-    // whole probed peak.
+    // whole probed peak. Attention and convolutions: m, n, k 0, their `operands`, and the
+    // flops of their products (kernels/meta_backend.h, MetaProduct).
     j["gemms"] = nlohmann::json::array();
     for (const GemmRate& g : s.gemms) {
       nlohmann::json e = {{"op", g.op},
@@ -694,6 +697,7 @@ nlohmann::json ReportBuilder::json() const {
                           {"ms", g.ms},
                           {"flops", g.flops()},
                           {"flops_per_second", g.flops_per_second}};
+      if (!g.operands.empty()) e["operands"] = g.operands;
       if (g.peak_flops_per_second > 0) {
         e["peak_flops_per_second"] = g.peak_flops_per_second;
         e["peak_fraction"] = g.flops_per_second / g.peak_flops_per_second;

@@ -67,7 +67,13 @@ struct LaunchSummary {
 // One matrix product of the run timed alone on its stage's device after the last step
 // (pipeline/train/gemm_rates.h): c (m, n) = op(a) (m, k) op(b) (k, n), row-major.
 struct GemmRate {
-  std::string op;  // the backend op: matmul, matmul_weight, linear_bias, linear_weight_grad
+  // The backend op: matmul, matmul_weight, linear_bias, linear_weight_grad; or one made of
+  // several products (MetaProduct), with m, n, k 0, its `operands` and its `op_flops`:
+  // attention, attention_backward, fused_attention, fused_attention_backward, conv2d,
+  // conv2d_backward.
+  std::string op;
+  std::string operands;  // "qkv 4x128x384, heads 4 -> probs ..., out ..." ("" for a product)
+  double op_flops = 0;
   int64_t m = 0, n = 0, k = 0;
   bool trans_a = false, trans_b = false;
   std::string dtype, c_dtype;  // a's and b's; c's
@@ -80,7 +86,9 @@ struct GemmRate {
   double ms = 0;            // one call's time (device time on a GPU), the mean of the timed calls
   double flops_per_second = 0;       // 2 m n k / ms
   double peak_flops_per_second = 0;  // the device's probed peak, whole (0: not known)
-  double flops() const { return 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k); }
+  double flops() const {
+    return operands.empty() ? 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) : op_flops;
+  }
 };
 
 struct RunSummary {

@@ -332,6 +332,37 @@ TEST_CASE("the matrix products timed alone: a line each, the first 8, and every 
   CHECK(j["gemms"][8]["stages"] == nlohmann::json({0, 1}));
 }
 
+TEST_CASE("attention's line names its operands, and report.json its operands and the FLOPs of its products") {
+  ReportBuilder b = builder();
+  b.add_step(1, 2.0, hand_step(1.0, 1, 1), true);
+  GemmRate g;
+  g.op = "fused_attention";
+  g.operands = "q 4x16x32, k 4x16x16, v 4x16x16, heads 2 -> out 4x16x32, stats 4x2x16";
+  g.op_flops = 131072;  // 4 B T^2 C
+  g.dtype = g.c_dtype = "bfloat16";
+  g.device = "cuda:0";
+  g.stages = {1};
+  g.layers = "2";
+  g.phases = "F";
+  g.calls = 1;
+  g.timed_calls = 20;
+  g.ms = 0.004;
+  g.flops_per_second = g.flops() / (g.ms / 1e3);  // 131072 / 4 us = 32.8 GFLOP/s
+  g.peak_flops_per_second = 100e9;
+  b.set_gemms({g});
+  const std::string t = b.table();
+  CAPTURE(t);
+  CHECK(t.find("  fused_attention q 4x16x32, k 4x16x16, v 4x16x16, heads 2 -> out 4x16x32, stats 4x2x16, bfloat16 "
+               "in, bfloat16 out: stage 1, layers 2, F, 1 a micro-batch: 0.004 ms, 32.8 GFLOP/s, 32.8% of 100.0\n") !=
+        std::string::npos);
+  const nlohmann::json j = b.json();
+  REQUIRE(j["gemms"].size() == 1);
+  CHECK(j["gemms"][0]["operands"] == g.operands);
+  CHECK(j["gemms"][0]["flops"] == 131072.0);
+  CHECK(j["gemms"][0]["m"] == 0);
+  CHECK(j["gemms"][0]["peak_fraction"].get<double>() == doctest::Approx(131072.0 / 4e-6 / 100e9));
+}
+
 TEST_CASE("MFU: each stage's useful FLOPs per second of step over its peak, and the pipeline's over their sum") {
   ReportBuilder b = builder();
   b.add_step(1, 2.0, hand_step(1.0, 1, 1), true);  // a step of 20.5 ms wall

@@ -49,6 +49,20 @@ class ProductCall {
       be.fill(x, v);
       return x;
     };
+    if (!p.is_gemm()) {  // attention or a convolution: its tensors as listed, in the op's order
+      for (size_t i = 0; i < p.tensors.size(); ++i) {
+        t_.push_back(p.tensors[i].empty() ? Tensor() : filled(p.tensors[i], p.types.at(i), 0.01 * (1 + i % 3)));
+      }
+      // What a backward reads of its forward, made by the forward.
+      if (p.op == "attention_backward") {
+        Tensor out = be.empty(t_[0].shape(), t_[0].dtype());
+        be.attention(t_[1], static_cast<int>(p.ints.at(0)), t_[2], out);
+      }
+      if (p.op == "fused_attention_backward") {
+        be.fused_attention(t_[1], t_[2], t_[3], static_cast<int>(p.ints.at(0)), t_[4], t_[5]);
+      }
+      return;
+    }
     const Shape a_shape = p.trans_a ? Shape{p.k, p.m} : Shape{p.m, p.k};
     const Shape b_shape = p.trans_b ? Shape{p.n, p.k} : Shape{p.k, p.n};
     a_ = filled(a_shape, p.dtype, 0.01);
@@ -59,6 +73,7 @@ class ProductCall {
     if (p.op == "linear_weight_grad") bias_ = filled({p.m}, p.c_dtype, 0.0);
   }
   void operator()() {
+    if (!p_.is_gemm()) return call_op();
     if (p_.op == "linear_bias") return be_.linear_bias(a_, b_, bias_, c_);
     if (p_.op == "linear_weight_grad") return be_.linear_weight_grad(a_, b_, c_, bias_);
     if (p_.op == "matmul_weight") return be_.matmul_weight(a_, p_.trans_a, b_, p_.trans_b, c_);
@@ -66,9 +81,24 @@ class ProductCall {
   }
 
  private:
+  void call_op() {
+    const auto& t = t_;
+    const int a = p_.ints.empty() ? 0 : static_cast<int>(p_.ints[0]);
+    const int b = p_.ints.size() < 2 ? 0 : static_cast<int>(p_.ints[1]);
+    if (p_.op == "attention") return be_.attention(t[0], a, t_[1], t_[2]);
+    if (p_.op == "attention_backward") return be_.attention_backward(t[0], t[1], t[2], a, t_[3]);
+    if (p_.op == "fused_attention") return be_.fused_attention(t[0], t[1], t[2], a, t_[3], t_[4]);
+    if (p_.op == "fused_attention_backward") {
+      return be_.fused_attention_backward(t[0], t[1], t[2], t[3], t[4], t[5], a, t_[6], t_[7], t_[8]);
+    }
+    if (p_.op == "conv2d") return be_.conv2d(t[0], t[1], a, b, t_[2]);
+    if (p_.op == "conv2d_backward") return be_.conv2d_backward(t[0], t[1], t[2], a, b, t_[3], t_[4]);
+    throw Error("no timed call for the op " + p_.op);
+  }
   Backend& be_;
   const MetaProduct& p_;
   Tensor a_, b_, c_, bias_;
+  std::vector<Tensor> t_;  // a non-GEMM op's tensors
 };
 
 // Milliseconds of one call of `p` on `device` (the mean of the timed calls), and how many
@@ -105,10 +135,13 @@ std::pair<double, int> time_product(Device device, const MetaProduct& p, double 
   return {total / calls, calls};
 }
 
-using ProductKey = std::tuple<std::string, int64_t, int64_t, int64_t, bool, bool, DType, DType, std::string>;
+using ProductKey =
+    std::tuple<std::string, int64_t, int64_t, int64_t, bool, bool, DType, DType, std::string, std::string>;
 
 ProductKey key_of(const MetaProduct& p, Device d) {
-  return {p.op, p.m, p.n, p.k, p.trans_a, p.trans_b, p.dtype, p.c_dtype, d.str()};
+  std::string types;  // a non-GEMM op's each tensor's
+  for (DType t : p.types) types += dtype_name(t) + std::string(" ");
+  return {p.op, p.m, p.n, p.k, p.trans_a, p.trans_b, p.dtype, p.c_dtype, d.str(), p.describe() + types};
 }
 
 }  // namespace
@@ -141,6 +174,15 @@ std::vector<GemmRate> measure_gemm_rates(layers::Sequential& model, const Plan& 
     layers::ShapeCollectives group(tensor_rank, plan.tensor_parallel);
     std::optional<layers::Sequential::CollectivesFor> shapes_group;
     if (model.collectives() != nullptr) shapes_group.emplace(model, &group);
+    // Attention as the stages' GPU runs it (cuDNN's fused path in bf16), as the planner's
+    // probe answers (probe_activations).
+    std::optional<MetaAnswersAs> as_gpu;
+    for (int stage : stages) {
+      if (!plan.devices.at(static_cast<size_t>(stage)).is_cpu()) {
+        as_gpu.emplace(plan.devices.at(static_cast<size_t>(stage)));
+        break;
+      }
+    }
     count_launches(model, plan.micro_batch_sizes.front(), &products);
   }
   struct Entry {
@@ -190,6 +232,8 @@ std::vector<GemmRate> measure_gemm_rates(layers::Sequential& model, const Plan& 
     r.k = e.product.k;
     r.trans_a = e.product.trans_a;
     r.trans_b = e.product.trans_b;
+    r.operands = e.product.describe();
+    r.op_flops = e.product.is_gemm() ? 0 : e.product.flops();
     r.dtype = dtype_name(e.product.dtype);
     r.c_dtype = dtype_name(e.product.c_dtype);
     r.device = e.device.str();

@@ -3,9 +3,12 @@
 // products are listed on shapes (count_launches' probe at the run's micro-batch size,
 // MetaProducts): a layer's forward (F), input gradient (B) and weight gradient (W), each
 // product with its op (matmul, matmul_weight, linear_bias, linear_weight_grad), its sizes
-// and types. Equal products of a stage's layers, and of stages on one device, are timed
-// once: a warm-up call, then calls between two of the device's events (device time on a
-// GPU), for about 50 ms at most. The rate is 2 m n k over the time of a call, against the
+// and types; and each op made of several products (attention, fused_attention, conv2d and
+// their backwards) with its tensors' shapes and the FLOPs of its products (MetaProduct).
+// Equal products of a stage's layers, and of stages on one device, are timed
+// once: a warm-up call (a backward's forward first, for what it reads), then calls between
+// two of the device's events (device time on a GPU), for about 50 ms at most. The rate is
+// 2 m n k (an op's FLOPs) over the time of a call, against the
 // probed peak (device_peak.h) of what runs the product: product_peak.
 #pragma once
 

@@ -546,6 +546,32 @@ std::string write_text(const std::string& name, int repeats) {
   return path;
 }
 
+// report.json's entry for `op` (attention, a convolution: m 0) has these operands, FLOPs
+// a call, phases and layers, one call a micro-batch, its rate over its time; and the
+// table's line says so where it shows the entry (the first 8).
+void check_listed_op(const nlohmann::json& report, const std::string& log, const std::string& op,
+                     const std::string& operands, double flops, const std::string& phases, const std::string& layers) {
+  CAPTURE(op);
+  int found = 0;
+  for (size_t i = 0; i < report["gemms"].size(); ++i) {
+    const nlohmann::json& g = report["gemms"][i];
+    if (g["op"] != op) continue;
+    ++found;
+    CHECK(g["m"] == 0);
+    CHECK(g["operands"] == operands);
+    CHECK(g["flops"].get<double>() == flops);
+    CHECK(g["phases"] == phases);
+    CHECK(g["layers"] == layers);
+    CHECK(g["calls_per_micro_batch"] == 1);
+    CHECK(g["dtype"] == "float32");
+    CHECK(g["flops_per_second"].get<double>() == doctest::Approx(flops / (g["ms"].get<double>() / 1e3)));
+    const bool shown = log.find("  " + op + " " + operands + ", float32 in, float32 out: stage 0, layers " + layers +
+                                ", " + phases + ", 1 a micro-batch: ") != std::string::npos;
+    CHECK(shown == (i < 8));
+  }
+  CHECK(found == 1);
+}
+
 const char* kTinyGpt = R"(model:
   input: [16]
   layers:
@@ -561,6 +587,40 @@ optimizer: {type: adamw, lr: 0.01, weight_decay: 0.01, schedule: cosine, warmup_
 train: {steps: 60, batch_size: 8, log_interval: 20, eval_interval: 30, eval_samples: 16}
 )";
 }  // namespace
+
+TEST_CASE("attention is timed with the matrix products, its FLOPs those of its products") {
+  // Batch 8, M = 2: micro-batches of 4 samples of 16 positions, width 32, two heads.
+  // GPT's block: the exact attention on qkv (4, 16, 96), 4 B T^2 C = 4 x 4 x 16^2 x 32 =
+  // 131072 FLOPs forward, twice that backward. The LLaMA block's fused attention on q
+  // (4, 16, 32) and k, v (4, 16, 16) (one key/value head of 16): the same.
+  const std::string text = write_text("fox_ops.txt", 60);
+  const char* both = R"(model:
+  input: [16]
+  layers:
+    - {type: embedding, vocab: 256, dim: 32}
+    - {type: transformer_block, heads: 2}
+    - {type: llama_block, heads: 2, kv_heads: 1, hidden: 64}
+    - {type: linear, out: 256}
+  loss: softmax_cross_entropy
+data: {type: text, seq_len: 16, validation_fraction: 0.2}
+pipeline: {partitions: 1, micro_batches: 2}
+train: {steps: 2, batch_size: 8, eval_interval: 0}
+)";
+  std::ostringstream log;
+  const TrainResult r =
+      train(parse_config(both, "ops.yaml", {"data.path=" + text, "output.dir=" + out_dir("attention_ops")}), log);
+  std::ifstream f(r.report_path);
+  const nlohmann::json j = nlohmann::json::parse(f);
+  check_listed_op(j, log.str(), "attention", "qkv 4x16x96, heads 2 -> probs 4x2x16x16, out 4x16x32", 131072, "F", "1");
+  check_listed_op(j, log.str(), "attention_backward",
+                  "dout 4x16x32, qkv 4x16x96, probs 4x2x16x16, heads 2 -> dqkv 4x16x96", 262144, "B", "1");
+  check_listed_op(j, log.str(), "fused_attention",
+                  "q 4x16x32, k 4x16x16, v 4x16x16, heads 2 -> out 4x16x32, stats 4x2x16", 131072, "F", "2");
+  check_listed_op(j, log.str(), "fused_attention_backward",
+                  "dout 4x16x32, q 4x16x32, k 4x16x16, v 4x16x16, out 4x16x32, stats 4x2x16, heads 2 -> dq "
+                  "4x16x32, dk 4x16x16, dv 4x16x16",
+                  262144, "B", "2");
+}
 
 TEST_CASE("a tiny GPT learns a text file through the pipeline, with validation") {
   const std::string text = write_text("fox.txt", 60);
@@ -783,6 +843,32 @@ std::string write_cifar(const std::string& name) {
   return path;
 }
 }  // namespace
+
+TEST_CASE("a convolution is timed with the matrix products, its FLOPs those of its products") {
+  // Micro-batches of 2 CIFAR images (3, 32, 32), 2 filters of 3 x 3 at stride 2, pad 1:
+  // y (2, 2, 16, 16), 2 x 2 x 2 x 16 x 16 x 3 x 3 x 3 = 55296 FLOPs; its backward, the
+  // model's first layer, computes dw only (a weight gradient: W): 55296 again.
+  const std::string path = write_cifar("cifar_ops.bin");
+  const char* conv = R"(model:
+  input: [3, 32, 32]
+  layers:
+    - {type: conv2d, out: 2, kernel: 3, stride: 2, pad: 1, bias: false}
+    - {type: flatten}
+    - {type: linear, out: 10}
+  loss: softmax_cross_entropy
+data: {type: cifar10}
+pipeline: {partitions: 1, micro_batches: 2}
+train: {steps: 2, batch_size: 4, eval_interval: 0}
+)";
+  std::ostringstream log;
+  const TrainResult r =
+      train(parse_config(conv, "conv.yaml", {"data.path=" + path, "output.dir=" + out_dir("conv_ops")}), log);
+  std::ifstream f(r.report_path);
+  const nlohmann::json j = nlohmann::json::parse(f);
+  check_listed_op(j, log.str(), "conv2d", "x 2x3x32x32, w 2x3x3x3, stride 2, pad 1 -> y 2x2x16x16", 55296, "F", "0");
+  check_listed_op(j, log.str(), "conv2d_backward",
+                  "dy 2x2x16x16, x 2x3x32x32, w 2x3x3x3, stride 2, pad 1 -> dw 2x3x3x3", 55296, "W", "0");
+}
 
 TEST_CASE("the ResNet config trains on a CIFAR-10 binary file, as one stage would") {
   const std::string path = write_cifar("cifar_batch.bin");
