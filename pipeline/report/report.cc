@@ -515,11 +515,11 @@ std::string ReportBuilder::table() const {
           g.operands.empty() ? operand(g.m, g.k, g.trans_a) + " @ " + operand(g.k, g.n, g.trans_b) + " -> " +
                                    std::to_string(g.m) + "x" + std::to_string(g.n)
                              : g.operands;
-      std::snprintf(line, sizeof line,
-                    "  %s %s, %s in, %s out: stage %s, layers %s, %s, %lld a micro-batch: %.4g ms, %.1f GFLOP/s%s\n",
-                    g.op.c_str(), what.c_str(), g.dtype.c_str(), g.c_dtype.c_str(), stages.c_str(), g.layers.c_str(),
-                    g.phases.c_str(), static_cast<long long>(g.calls), g.ms, g.flops_per_second / 1e9, peak.c_str());
-      os << line;
+      // The texts of any length; the figures through a buffer.
+      std::snprintf(line, sizeof line, ", %lld a micro-batch: %.4g ms, %.1f GFLOP/s", static_cast<long long>(g.calls),
+                    g.ms, g.flops_per_second / 1e9);
+      os << "  " << g.op << " " << what << ", " << g.dtype << " in, " << g.c_dtype << " out: stage " << stages
+         << ", layers " << g.layers << ", " << g.phases << line << peak << "\n";
     }
     if (s.gemms.size() > kShown) os << "  and " << s.gemms.size() - kShown << " more in report.json\n";
   }

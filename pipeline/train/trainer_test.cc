@@ -552,6 +552,7 @@ std::string write_text(const std::string& name, int repeats) {
 void check_listed_op(const nlohmann::json& report, const std::string& log, const std::string& op,
                      const std::string& operands, double flops, const std::string& phases, const std::string& layers) {
   CAPTURE(op);
+  REQUIRE(report.contains("gemms"));
   int found = 0;
   for (size_t i = 0; i < report["gemms"].size(); ++i) {
     const nlohmann::json& g = report["gemms"][i];
@@ -564,6 +565,8 @@ void check_listed_op(const nlohmann::json& report, const std::string& log, const
     CHECK(g["layers"] == layers);
     CHECK(g["calls_per_micro_batch"] == 1);
     CHECK(g["dtype"] == "float32");
+    CHECK(g["timed_calls"].get<int>() >= 1);
+    REQUIRE(g["ms"].get<double>() > 0);
     CHECK(g["flops_per_second"].get<double>() == doctest::Approx(flops / (g["ms"].get<double>() / 1e3)));
     const bool shown = log.find("  " + op + " " + operands + ", float32 in, float32 out: stage 0, layers " + layers +
                                 ", " + phases + ", 1 a micro-batch: ") != std::string::npos;
