@@ -433,6 +433,8 @@ def measure(r):
     if len(steps) < timed:
         raise ValueError(f"trace.json holds {len(steps)} steps, {timed} wanted")
     report = json.load(open(os.path.join(r["dir"], "report.json")))
+    # The step the run's plan predicted before its first step (stages sharing the GPU take turns there).
+    r["planned_ms"] = report.get("prediction", {}).get("step_ms")
     own = sum(q["weight_bytes"] + q["gradient_bytes"] + q["optimizer_bytes"] for q in report["prediction"]["stages"]) + \
         sum(st["peak_activation_bytes"] for st in report["stages"])
     return statistics.median(walls[s] for s in steps[-timed:]), own / 2**20
@@ -440,8 +442,8 @@ def measure(r):
 groups = {}
 for r in rows:
     groups.setdefault((r["size"], r["precision"]), []).append(r)
-header = ["model", "parameters", "precision", "run", "K", "M", "step ms", "PyTorch / this", "MFU",
-          "GPU memory MiB (nvidia-smi)", "allocated MiB"]
+header = ["model", "parameters", "precision", "run", "K", "M", "step ms", "planned ms (plan / measured)",
+          "PyTorch / this", "MFU", "GPU memory MiB (nvidia-smi)", "allocated MiB"]
 table, records, torch_version = [], [], ""
 for (size, precision), rs in groups.items():
     shape = shape_from_config(rs[0]["config"])
@@ -471,7 +473,9 @@ for (size, precision), rs in groups.items():
                       "PyTorch eager" if r["impl"] == "pytorch" else
                       "gpipe, captured" if r.get("capture") else "gpipe",
                       "" if r["impl"] == "pytorch" else str(r["k"]), "" if r["impl"] == "pytorch" else str(r["m"]),
-                      f"{r['ms']:.2f}", "" if r["impl"] == "pytorch" or torch_ms is None else f"{torch_ms / r['ms']:.2f}",
+                      f"{r['ms']:.2f}",
+                      "" if not r.get("planned_ms") else f"{r['planned_ms']:.2f} ({r['planned_ms'] / r['ms']:.2f})",
+                      "" if r["impl"] == "pytorch" or torch_ms is None else f"{torch_ms / r['ms']:.2f}",
                       "n/a" if mfu is None else f"{100 * mfu:.1f}%",
                       "n/a" if r["gpu_mib"] is None else str(r["gpu_mib"]),
                       "n/a" if r["alloc"] is None else f"{r['alloc']:.0f}"])
@@ -528,14 +532,16 @@ for r in rows:
         sheet = f"{100 * g['flops_per_second'] / peaks[r['precision']]:.1f}%" if r["precision"] in peaks else "-"
         probed = f"{100 * g['peak_fraction']:.1f}%" if "peak_fraction" in g else "-"
         ops = ("T" if g["trans_a"] else "N") + ("T" if g["trans_b"] else "N")  # op(a), op(b): BLAS's letters
-        gemm_rows.append([f"llama_{r['size']}_speed", r["precision"], g["op"], f"{g['m']}x{g['n']}x{g['k']} {ops}",
+        # Attention (and a convolution) is an op of several products: its operands instead.
+        sizes = g["operands"] if g.get("operands") else f"{g['m']}x{g['n']}x{g['k']} {ops}"
+        gemm_rows.append([f"llama_{r['size']}_speed", r["precision"], g["op"], sizes,
                           g["phases"], str(g["calls_per_micro_batch"]), f"{g['ms']:.3f}",
                           f"{g['flops_per_second'] / 1e12:.4g}", sheet, probed])
 if gemm_rows:
-    gh = ["model", "precision", "op", "m x n x k, a b transposed", "phase", "calls a micro-batch", "ms a call", "TFLOP/s",
+    gh = ["model", "precision", "op", "m x n x k, a b transposed (or the op's operands)", "phase", "calls a micro-batch", "ms a call", "TFLOP/s",
           "of the datasheet peak", "of the probed peak"]
-    md += ["", "Matrix products of gpipe's K = 1 runs, each timed alone on the GPU after the run (report.json's "
-           "gemms, the 5 longest per micro-batch; device time between two CUDA events):", "",
+    md += ["", "Matrix products and attention of gpipe's K = 1 runs, each timed alone on the GPU after the run "
+           "(report.json's gemms, the 5 longest per micro-batch; device time between two CUDA events):", "",
            "| " + " | ".join(gh) + " |", "|" + "---|" * len(gh)]
     md += ["| " + " | ".join(row) + " |" for row in gemm_rows]
 if not_run:
