@@ -237,6 +237,28 @@ layers::OptimizerConfig adamw() {
   return o;
 }
 
+// Steps of every kind around the captured ones: 9 steps, evaluation after each, step 3's
+// batch in other micro-batch sizes, step 4 without the optimizer, and a restore after step 6.
+Plan mixed_steps() {
+  Plan plan;
+  plan.other_size_at = 3;
+  plan.no_update_at = 4;
+  plan.evaluate = true;
+  plan.steps = 9;
+  plan.restore_at = 6;
+  return plan;
+}
+
+// Replays per step of such a run: step 0 warms up, step 1 captures; the steps of other
+// sizes (7 rows), without the optimizer and right after the restore run op by op; the
+// others replay the capture.
+void check_mixed_replays(const std::vector<int64_t>& r) {
+  CHECK(r[0] == 0);
+  CHECK(r[1] > 0);
+  for (size_t t : {2, 5, 6, 8}) CHECK(r[t] == r[1]);
+  for (size_t t : {3, 4, 7}) CHECK(r[t] == 0);
+}
+
 layers::OptimizerConfig sgd_momentum() {
   layers::OptimizerConfig o;
   o.type = "sgd";
@@ -294,37 +316,19 @@ TEST_CASE("a captured step replayed trains as the same steps op by op, bit for b
 }
 
 TEST_CASE("steps of other sizes, without the optimizer, and evaluation run op by op and keep the capture") {
-  layers::OptimizerConfig adamw;
-  adamw.type = "adamw";
-  Plan plan;
-  plan.other_size_at = 3;
-  plan.no_update_at = 4;
-  plan.evaluate = true;
-  plan.steps = 9;
-  plan.restore_at = 6;  // a checkpoint loaded: the next step runs op by op, the one after is captured again
+  // A checkpoint loaded after step 6: the next step runs op by op, the one after is captured again.
   for (const layers::ModelSpec& spec : {mlp_spec(), llama_spec(DType::kBF16)}) {
-    const auto [eager, captured] = eager_and_captured(spec, adamw, 0.05, 0, RecomputeMode::kExceptLast, plan);
-    const std::vector<int64_t> r = replays(captured);
-    CHECK(r[0] == 0);
-    CHECK(r[1] > 0);
-    CHECK(r[2] == r[1]);
-    CHECK(r[3] == 0);  // 7 rows: other micro-batch sizes
-    CHECK(r[4] == 0);  // no optimizer step
-    CHECK(r[5] == r[1]);
-    CHECK(r[6] == r[1]);
-    CHECK(r[7] == 0);
-    CHECK(r[8] == r[1]);
+    const auto [eager, captured] = eager_and_captured(spec, adamw(), 0.05, 0, RecomputeMode::kExceptLast, mixed_steps());
+    check_mixed_replays(replays(captured));
   }
 }
 
 TEST_CASE("a first step without the optimizer is no warm-up: the first with it is, and the next one is captured") {
-  layers::OptimizerConfig adamw;
-  adamw.type = "adamw";
   Plan plan;
   plan.steps = 4;
   plan.no_update_at = 0;
   const auto [eager, captured] =
-      eager_and_captured(llama_spec(DType::kBF16), adamw, 0.5, 0, RecomputeMode::kExceptLast, plan);
+      eager_and_captured(llama_spec(DType::kBF16), adamw(), 0.5, 0, RecomputeMode::kExceptLast, plan);
   const std::vector<int64_t> r = replays(captured);
   CHECK(r[0] == 0);
   CHECK(r[1] == 0);
@@ -368,11 +372,9 @@ layers::ModelSpec host_reading_spec() {
 }  // namespace
 
 TEST_CASE("a step that reads the device back inside cannot be captured: it runs op by op, as before") {
-  layers::OptimizerConfig adamw;
-  adamw.type = "adamw";
   const Plan plan;
   const auto [eager, captured] =
-      eager_and_captured(host_reading_spec(), adamw, 0.05, 0, RecomputeMode::kExceptLast, plan);
+      eager_and_captured(host_reading_spec(), adamw(), 0.05, 0, RecomputeMode::kExceptLast, plan);
   for (int64_t nodes : replays(captured)) CHECK(nodes == 0);
 }
 
@@ -437,14 +439,7 @@ TEST_CASE("stages sharing one device capture their step together and train as op
 }
 
 TEST_CASE("stages captured together: steps of other sizes, without the optimizer, evaluation and a restore") {
-  layers::OptimizerConfig adamw;
-  adamw.type = "adamw";
-  Plan plan;
-  plan.other_size_at = 3;
-  plan.no_update_at = 4;
-  plan.evaluate = true;
-  plan.steps = 9;
-  plan.restore_at = 6;  // every stage restored: all run the next step op by op and capture the one after
+  Plan plan = mixed_steps();  // every stage restored: all run the next step op by op and capture the one after
   plan.balance = {2, 3};
   for (bool first_only : {false, true}) {
     // Stage 0 alone restored: the stages still capture again together (a stage replaying
@@ -452,14 +447,10 @@ TEST_CASE("stages captured together: steps of other sizes, without the optimizer
     CAPTURE(first_only);
     plan.restore_first_only = first_only;
     const auto [eager, captured] =
-        eager_and_captured(llama_spec(DType::kBF16), adamw, 0.05, 0, RecomputeMode::kExceptLast, plan);
+        eager_and_captured(llama_spec(DType::kBF16), adamw(), 0.05, 0, RecomputeMode::kExceptLast, plan);
     for (size_t k = 0; k < 2; ++k) {
       CAPTURE(k);
-      const std::vector<int64_t> r = replays(captured, k);
-      CHECK(r[0] == 0);
-      CHECK(r[1] > 0);
-      for (size_t t : {2, 5, 6, 8}) CHECK(r[t] == r[1]);
-      for (size_t t : {3, 4, 7}) CHECK(r[t] == 0);
+      check_mixed_replays(replays(captured, k));
     }
   }
 }
@@ -468,13 +459,11 @@ TEST_CASE("a stage whose part of the step cannot be captured stops the others: a
   // The layer reading the device back on stage 1 (balance 1, 3, 4) or on stage 0, which
   // begins and ends the capture (2, 6): it fails there, inside its F, while the other
   // stages wait for it or run their own part; all stop, and the step runs again op by op.
-  layers::OptimizerConfig adamw;
-  adamw.type = "adamw";
   for (const std::vector<int>& balance : {std::vector<int>{1, 3, 4}, std::vector<int>{2, 6}}) {
     CAPTURE(balance.size());
     Plan plan;
     plan.balance = balance;
-    const auto [eager, captured] = eager_and_captured(host_reading_spec(), adamw, 0.05, 0, RecomputeMode::kExceptLast, plan);
+    const auto [eager, captured] = eager_and_captured(host_reading_spec(), adamw(), 0.05, 0, RecomputeMode::kExceptLast, plan);
     for (size_t k = 0; k < balance.size(); ++k) {
       for (int64_t nodes : replays(captured, k)) CHECK(nodes == 0);
     }

@@ -369,8 +369,10 @@ void Executor::worker_main(int k) {
 Executor::Turn Executor::device_turn(int k) {
   StageRuntime& rt = *runtimes_[k];  // called by stage k's own thread
   if (rt.device_turn == nullptr) return {};
-  Turn turn(*rt.device_turn, this, &rt.turn_end_ms);
-  if (rt.turn_at_ms < 0) rt.turn_at_ms = now_ms();
+  // The times only a CPU's instructions are timed by (a GPU's by its stream's events).
+  const bool timed = rt.device.is_cpu();
+  Turn turn(*rt.device_turn, this, timed ? &rt.turn_end_ms : nullptr);
+  if (timed && rt.turn_at_ms < 0) rt.turn_at_ms = now_ms();
   return turn;
 }
 

@@ -718,6 +718,21 @@ TEST_CASE("bytes in prose take the unit that shows them") {
 // the ops per step of a plan, against the same hand count over its program; and the
 // estimate's times, against the roofline plus the ops times a launch's cost.
 namespace {
+// A convolution, BatchNorm (whose F copies its statistics, and which does host work in a
+// step), and a linear head.
+const char* kConvBatchNorm = R"(model:
+  input: [2, 4, 4]
+  dtype: float64
+  layers:
+    - {type: conv2d, out: 3, kernel: 3, bias: false}
+    - {type: batchnorm2d}
+    - {type: relu}
+    - {type: flatten}
+    - {type: linear, out: 3}
+  loss: softmax_cross_entropy
+data: {classes: 3}
+train: {steps: 1, batch_size: 4}
+)";
 const char* kSmall = R"(model:
   input: [4]
   dtype: float64
@@ -782,20 +797,7 @@ TEST_CASE("a layer's ops are counted on shapes as its code calls them, and a pla
 }
 
 TEST_CASE("BatchNorm's F counts the copies of its statistics, which its R does not make") {
-  const char* bn = R"(model:
-  input: [2, 4, 4]
-  dtype: float64
-  layers:
-    - {type: conv2d, out: 3, kernel: 3, bias: false}
-    - {type: batchnorm2d}
-    - {type: relu}
-    - {type: flatten}
-    - {type: linear, out: 3}
-  loss: softmax_cross_entropy
-data: {classes: 3}
-train: {steps: 1, batch_size: 4}
-)";
-  const Config base = parse_config(bn, "t.yaml", {});
+  const Config base = parse_config(kConvBatchNorm, "t.yaml", {});
   RunModel run = build_run_model(base);
   const std::vector<partition::LayerLaunches> n = count_launches(*run.model);
   REQUIRE(n.size() == 5);
@@ -813,7 +815,7 @@ train: {steps: 1, batch_size: 4}
   CHECK_NOTHROW(norm.end_step(backend_for(Device::cpu()), none));
   CHECK(gpipe::testing::to_doubles(norm.running_mean()) == before);
   // Per step at M = 2 with every micro-batch recomputed: R's ops are F's less 2 x 2 copies.
-  const Config c = parse_config(bn, "t.yaml", {"pipeline.micro_batches=2", "pipeline.recompute=always"});
+  const Config c = parse_config(kConvBatchNorm, "t.yaml", {"pipeline.micro_batches=2", "pipeline.recompute=always"});
   RunModel r = build_run_model(c);
   const Plan plan = make_plan(r.config, *r.model);
   int64_t f = 0, b = 0;
@@ -939,18 +941,7 @@ TEST_CASE("a captured step's ops are priced at a graph node's cost where it is k
   CHECK(measured_plain.step_ms - measured_captured.step_ms == doctest::Approx(0.8 * static_cast<double>(launches)));
 
   // A layer that does host work in its step is never captured: priced as launches.
-  const char* bn = R"(model:
-  input: [2, 4, 4]
-  layers:
-    - {type: conv2d, out: 3, kernel: 3, bias: false}
-    - {type: batchnorm2d}
-    - {type: flatten}
-    - {type: linear, out: 3}
-  loss: softmax_cross_entropy
-data: {classes: 3}
-train: {steps: 1, batch_size: 4}
-)";
-  const Config with_bn = parse_config(bn, "t.yaml", {"pipeline.capture=true"});
+  const Config with_bn = parse_config(kConvBatchNorm, "t.yaml", {"pipeline.capture=true"});
   RunModel r = build_run_model(with_bn);
   CHECK_FALSE(captures(r.config, *r.model));
 

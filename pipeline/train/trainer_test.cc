@@ -14,6 +14,7 @@
 #include <set>
 #include <sstream>
 #include <tuple>
+#include <utility>
 
 #include "kernels/backend.h"
 #include "layers/registry.h"
@@ -248,7 +249,7 @@ TEST_CASE("stages taking turns on cpu:0: each has half its peak, a product all o
     std::string value;
     ~Restore() { was != nullptr ? ::setenv("GPIPE_PEAK_CACHE", value.c_str(), 1) : ::unsetenv("GPIPE_PEAK_CACHE"); }
   } restore{shared_cache, saved_cache};
-  const TrainResult r = run({"output.dir=" + out_dir("gemm_shared"), "train.steps=3", "pipeline.partitions=2",
+  const TrainResult r = run({"output.dir=" + out_dir("gemm_shared"), "train.steps=8", "pipeline.partitions=2",
                              "pipeline.devices=[cpu:0, cpu:0]"});
   std::ifstream f(r.report_path);
   const nlohmann::json j = nlohmann::json::parse(f);
@@ -266,7 +267,8 @@ TEST_CASE("stages taking turns on cpu:0: each has half its peak, a product all o
     CHECK(g["peak_flops_per_second"].get<double>() == doctest::Approx(s0 + s1).epsilon(1e-9));
   }
   // Their compute never overlaps in the trace (one holds the device at a time), and each
-  // stage's busy time is its own work: the two add up to at most the step.
+  // stage's busy time is its own work: the two add up to at most the step. (A stage waits
+  // for its turn only now and then: 7 traced steps give the check waits to see.)
   std::ifstream t(std::filesystem::path(r.report_path).parent_path() / j["trace"]["file"].get<std::string>());
   const nlohmann::json trace = nlohmann::json::parse(t);
   std::map<int, std::vector<std::pair<double, double>>> by_step;
@@ -546,6 +548,14 @@ std::string write_text(const std::string& name, int repeats) {
   return path;
 }
 
+// A run of the config `yaml` with the overrides `sets`: its terminal output and report.json.
+std::pair<std::string, nlohmann::json> train_and_report(const char* yaml, const std::vector<std::string>& sets) {
+  std::ostringstream log;
+  const TrainResult r = train(parse_config(yaml, "t.yaml", sets), log);
+  std::ifstream f(r.report_path);
+  return {log.str(), nlohmann::json::parse(f)};
+}
+
 // report.json's entry for `op` (attention, a convolution: m 0) has these operands, FLOPs
 // a call, phases and layers, one call a micro-batch, its rate over its time; and the
 // table's line says so where it shows the entry (the first 8).
@@ -609,17 +619,13 @@ data: {type: text, seq_len: 16, validation_fraction: 0.2}
 pipeline: {partitions: 1, micro_batches: 2}
 train: {steps: 2, batch_size: 8, eval_interval: 0}
 )";
-  std::ostringstream log;
-  const TrainResult r =
-      train(parse_config(both, "ops.yaml", {"data.path=" + text, "output.dir=" + out_dir("attention_ops")}), log);
-  std::ifstream f(r.report_path);
-  const nlohmann::json j = nlohmann::json::parse(f);
-  check_listed_op(j, log.str(), "attention", "qkv 4x16x96, heads 2 -> probs 4x2x16x16, out 4x16x32", 131072, "F", "1");
-  check_listed_op(j, log.str(), "attention_backward",
+  const auto [log, j] = train_and_report(both, {"data.path=" + text, "output.dir=" + out_dir("attention_ops")});
+  check_listed_op(j, log, "attention", "qkv 4x16x96, heads 2 -> probs 4x2x16x16, out 4x16x32", 131072, "F", "1");
+  check_listed_op(j, log, "attention_backward",
                   "dout 4x16x32, qkv 4x16x96, probs 4x2x16x16, heads 2 -> dqkv 4x16x96", 262144, "B", "1");
-  check_listed_op(j, log.str(), "fused_attention",
+  check_listed_op(j, log, "fused_attention",
                   "q 4x16x32, k 4x16x16, v 4x16x16, heads 2 -> out 4x16x32, stats 4x2x16", 131072, "F", "2");
-  check_listed_op(j, log.str(), "fused_attention_backward",
+  check_listed_op(j, log, "fused_attention_backward",
                   "dout 4x16x32, q 4x16x32, k 4x16x16, v 4x16x16, out 4x16x32, stats 4x2x16, heads 2 -> dq "
                   "4x16x32, dk 4x16x16, dv 4x16x16",
                   262144, "B", "2");
@@ -863,13 +869,9 @@ data: {type: cifar10}
 pipeline: {partitions: 1, micro_batches: 2}
 train: {steps: 2, batch_size: 4, eval_interval: 0}
 )";
-  std::ostringstream log;
-  const TrainResult r =
-      train(parse_config(conv, "conv.yaml", {"data.path=" + path, "output.dir=" + out_dir("conv_ops")}), log);
-  std::ifstream f(r.report_path);
-  const nlohmann::json j = nlohmann::json::parse(f);
-  check_listed_op(j, log.str(), "conv2d", "x 2x3x32x32, w 2x3x3x3, stride 2, pad 1 -> y 2x2x16x16", 55296, "F", "0");
-  check_listed_op(j, log.str(), "conv2d_backward",
+  const auto [log, j] = train_and_report(conv, {"data.path=" + path, "output.dir=" + out_dir("conv_ops")});
+  check_listed_op(j, log, "conv2d", "x 2x3x32x32, w 2x3x3x3, stride 2, pad 1 -> y 2x2x16x16", 55296, "F", "0");
+  check_listed_op(j, log, "conv2d_backward",
                   "dy 2x2x16x16, x 2x3x32x32, w 2x3x3x3, stride 2, pad 1 -> dw 2x3x3x3", 55296, "W", "0");
 }
 
