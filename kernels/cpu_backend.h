@@ -21,9 +21,16 @@ class CpuBackend : public Backend {
   // cpu_transformer_ops.cc; LLaMA's in cpu_llama_ops.cc; convolution ops in
   // cpu_conv_ops.cc; the generic elementwise and row ops in cpu_elementwise_ops.cc,
   // broadcasting, reductions and softmax in cpu_tensor_ops.cc. The fused and
-  // multi-tensor ops are Backend's defaults (the composition is the reference).
+  // multi-tensor ops are Backend's defaults (the composition is the reference), but
+  // for the few below that compute the composition's bits in one pass.
 #define GPIPE_OP(R, name, params, call) R name params override;
 #include "kernels/backend_ops.inc"
+  // SwiGLU in one pass over the elements (cpu_elementwise_ops.cc), each element by the
+  // formulas of Backend::swiglu's composition (unary silu, then mul), so the outputs are
+  // the composition's bit for bit; the backward takes each element's sigmoid once for
+  // SiLU's value and its slope, where the composition takes it twice.
+  void swiglu(const Tensor& a, const Tensor& b, Tensor& y) override;
+  void swiglu_backward(const Tensor& dy, const Tensor& a, const Tensor& b, Tensor& da, Tensor& db) override;
   // Fused attention in float32 and float64 (cpu_transformer_ops.cc): the exact path's
   // per-head code, keeping what a flash kernel keeps; its backward recomputes each
   // head's probabilities, so outputs and gradients are pack_qkv then attention's, bit

@@ -56,6 +56,47 @@ void CpuBackend::mul(const Tensor& a, const Tensor& b, Tensor& y) {
   });
 }
 
+void CpuBackend::swiglu(const Tensor& a, const Tensor& b, Tensor& y) {
+  ops::check_float(a, "swiglu");
+  ops::check_same(a, b, "swiglu");
+  ops::check_same(a, y, "swiglu");
+  dispatch_float(a, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* pa = a.data<T>();
+    const T* pb = b.data<T>();
+    T* py = y.data<T>();
+    const int64_t n = a.numel();
+    for (int64_t i = 0; i < n; ++i) {
+      const T s = ops::unary_value(Unary::kSilu, pa[i]);  // rounded to T, as unary's output
+      py[i] = s * pb[i];
+    }
+  });
+}
+
+void CpuBackend::swiglu_backward(const Tensor& dy, const Tensor& a, const Tensor& b, Tensor& da, Tensor& db) {
+  ops::check_float(a, "swiglu_backward");
+  for (const Tensor* t : {&dy, &b, static_cast<const Tensor*>(&da), static_cast<const Tensor*>(&db)}) {
+    ops::check_same(a, *t, "swiglu_backward");
+  }
+  dispatch_float(a, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* pdy = dy.data<T>();
+    const T* pa = a.data<T>();
+    const T* pb = b.data<T>();
+    T* pda = da.data<T>();
+    T* pdb = db.data<T>();
+    const int64_t n = a.numel();
+    for (int64_t i = 0; i < n; ++i) {
+      const T x = pa[i], d = pdy[i];
+      const T sig = ops::sigmoid_of(x);
+      const T silu = ops::silu_from_sigmoid(x, sig);  // each product rounded to T, as the composition's
+      const T dyb = d * pb[i];
+      pdb[i] = d * silu;
+      pda[i] = dyb * ops::silu_slope_from_sigmoid(x, sig);
+    }
+  });
+}
+
 void CpuBackend::scale_rows(const Tensor& x, const Tensor& s, Tensor& y) {
   const ops::RowView d = ops::check_rows(x, "scale_rows");
   ops::check_same(x, y, "scale_rows");

@@ -16,13 +16,14 @@ using ops::dispatch_float;
 
 namespace {
 
-// y = x rotated by sign * angle per pair, rows (b, t) of H heads of D.
+// y = x rotated by sign * angle per pair, rows (b, t) of H heads of D. Each position's
+// turns are computed once, for all its samples and heads.
 void rope_rotate(const Tensor& x, int heads, double base, double sign, Tensor& y, const char* op) {
   const ops::RopeDims d = ops::check_rope(x, y, heads, base, op);
   const int64_t half = d.head_dim / 2, C = heads * d.head_dim;
-  std::vector<double> angle(static_cast<size_t>(d.seq * half));  // (T, D/2)
+  std::vector<ops::RopeTurn> turn(static_cast<size_t>(d.seq * half));  // (T, D/2)
   for (int64_t t = 0; t < d.seq; ++t) {
-    for (int64_t i = 0; i < half; ++i) angle[t * half + i] = ops::rope_angle(t, i, d.head_dim, base);
+    for (int64_t i = 0; i < half; ++i) turn[t * half + i] = ops::rope_turn(t, i, d.head_dim, base, sign);
   }
   dispatch_float(x, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -30,9 +31,10 @@ void rope_rotate(const Tensor& x, int heads, double base, double sign, Tensor& y
     T* py = y.data<T>();
     for (int64_t b = 0; b < d.batch; ++b) {
       for (int64_t t = 0; t < d.seq; ++t) {
+        const ops::RopeTurn* row = turn.data() + t * half;
         for (int64_t h = 0; h < heads; ++h) {
           const int64_t off = (b * d.seq + t) * C + h * d.head_dim;
-          for (int64_t i = 0; i < half; ++i) ops::rope_pair(px + off, py + off, i, half, angle[t * half + i], sign);
+          for (int64_t i = 0; i < half; ++i) ops::rope_pair(px + off, py + off, i, half, row[i]);
         }
       }
     }

@@ -67,7 +67,9 @@ void check_attention_blas_dims(const Tensor& qkv, const char* op) {
 //
 // philox_uniform draws one Philox block for every four consecutive elements and
 // keeps one word; here each block is drawn once and all four words are used, which
-// gives the same values (the test checks element by element) at a quarter of the cost.
+// gives the same values (the test checks element by element) at a quarter of the cost,
+// eight blocks are drawn side by side (philox4x32_10_lanes), and the comparison is the
+// integer one.
 //
 // With an element offset, x's element e is the sample's element element_offset + e:
 // the blocks are those of the whole sample's elements, the first and last maybe in part.
@@ -77,21 +79,30 @@ void apply_dropout(const Real* in, Real* out, int64_t rows, int64_t per_row, dou
   const Real scale = static_cast<Real>(1.0 / (1.0 - p));
   const uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
   const int64_t first = element_offset, last = element_offset + per_row;  // [first, last) of the sample
+  // u = bits * 2^-24 >= p, exactly: u and p * 2^24 are exact in double, and bits an integer.
+  const uint32_t threshold = static_cast<uint32_t>(std::ceil(p * 16777216.0));
+  constexpr int64_t kSpan = 4 * kPhiloxLanes;
   for (int64_t i = 0; i < rows; ++i) {
     const uint64_t sample = static_cast<uint64_t>(sample_offset + i);
     const Real* x = in + i * per_row;  // x[e - first]: the sample's element e
     Real* y = out + i * per_row;
-    for (int64_t e0 = first & ~int64_t{3}; e0 < last; e0 += 4) {
-      const uint64_t block = static_cast<uint64_t>(e0) >> 2;  // the counter layout of philox_uniform
-      const Philox4x32 r = philox4x32_10(Philox4x32{{static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
-                                                     static_cast<uint32_t>(sample),
-                                                     static_cast<uint32_t>(sample >> 32)}},
-                                         k0, k1);
-      for (int64_t j = std::max<int64_t>(0, first - e0); j < 4 && e0 + j < last; ++j) {
-        const float u = static_cast<float>(r.v[j] >> 8) * (1.0f / 16777216.0f);
-        const int64_t e = e0 + j - first;
-        y[e] = static_cast<double>(u) >= p ? x[e] * scale : Real(0);
+    // kPhiloxLanes blocks at a time (their lanes computed side by side), element g of the
+    // sample taking word g & 3 of block g >> 2, as philox_uniform does.
+    for (int64_t e0 = first & ~int64_t{3}; e0 < last; e0 += kSpan) {
+      uint32_t r[4][kPhiloxLanes];
+      philox4x32_10_lanes(static_cast<uint64_t>(e0) >> 2, sample, k0, k1, r);
+      uint32_t bits[kSpan];  // each element's uniform's 24 bits, in element order
+      for (int j = 0; j < kPhiloxLanes; ++j) {
+        for (int w = 0; w < 4; ++w) bits[4 * j + w] = r[w][j] >> 8;
       }
+      if (e0 >= first && e0 + kSpan <= last) {  // the whole span: a loop the compiler vectorizes
+        const Real* xs = x + (e0 - first);
+        Real* ys = y + (e0 - first);
+        for (int64_t g = 0; g < kSpan; ++g) ys[g] = bits[g] >= threshold ? xs[g] * scale : Real(0);
+        continue;
+      }
+      const int64_t begin = std::max(first, e0), end = std::min(last, e0 + kSpan);
+      for (int64_t g = begin; g < end; ++g) y[g - first] = bits[g - e0] >= threshold ? x[g - first] * scale : Real(0);
     }
   }
 }

@@ -405,6 +405,52 @@ TEST_CASE("dropout of a part of each sample, at its element offset, is that part
   CHECK_THROWS_WITH_AS(cpu().dropout(x, 0.5, 1, 0, -1, y), doctest::Contains("negative element offset"), Error);
 }
 
+TEST_CASE("dropout at any element offset and length is philox_uniform's mask, and p equal to a uniform keeps it") {
+  // The CPU draws eight Philox blocks (32 elements) at a time and compares the uniform's
+  // 24 bits with ceil(p 2^24): parts that start and end inside a span and on one, and p
+  // placed exactly on one element's uniform (kept) and just above it (dropped).
+  const uint64_t key = 0xC0FFEEull;
+  const int64_t rows = 3, sample_offset = 11;
+  const float probe_u = philox_uniform(key, sample_offset + 1, 45);  // row 1, element 45
+  const double just_above = std::nextafter(static_cast<double>(probe_u), 1.0);
+  for (DType dt : {DType::kF32, DType::kF64}) {
+    for (int64_t offset : {0, 1, 3, 4, 31, 32, 33, 37}) {
+      for (int64_t length : {1, 5, 31, 32, 33, 100}) {
+        for (double p : {0.3, 0.5, 0.25, 1e-9, 0.999999, static_cast<double>(probe_u), just_above}) {
+          CAPTURE(dtype_name(dt));
+          CAPTURE(offset);
+          CAPTURE(length);
+          CAPTURE(p);
+          Tensor x = random_tensor({rows, length}, dt, 5, 0.5, 1.5);  // no zeros
+          Tensor y = cpu().empty({rows, length}, dt);
+          cpu().dropout(x, p, key, sample_offset, offset, y);
+          const auto xv = to_doubles(x), yv = to_doubles(y);
+          const double scale = dt == DType::kF32 ? static_cast<double>(static_cast<float>(1.0 / (1.0 - p)))
+                                                 : 1.0 / (1.0 - p);
+          bool same = true;
+          for (int64_t i = 0; i < rows; ++i) {
+            for (int64_t e = 0; e < length; ++e) {
+              const bool keep = philox_uniform(key, sample_offset + i, offset + e) >= p;
+              const double x_e = xv[i * length + e];
+              const double want = !keep ? 0.0
+                                        : dt == DType::kF32 ? static_cast<double>(static_cast<float>(x_e) *
+                                                                                  static_cast<float>(scale))
+                                                            : x_e * scale;
+              same &= yv[i * length + e] == want;
+            }
+          }
+          CHECK(same);
+          if (offset <= 45 && 45 < offset + length) {  // the probed element: kept at p = u, dropped just above
+            const bool kept = yv[1 * length + (45 - offset)] != 0.0;
+            if (p == static_cast<double>(probe_u)) CHECK(kept);
+            if (p == just_above) CHECK_FALSE(kept);
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("dropout backward matches finite differences") {
   const int64_t N = 3, E = 6;
   const double p = 0.4;

@@ -512,29 +512,33 @@ __global__ void swiglu_backward_kernel(const S* dy, const S* a, const S* b, S* d
   using M = Master<S>;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const M av = load(a[i]), d = load(dy[i]);
-    store(d * ops::unary_value(Unary::kSilu, av), db[i]);
-    store((d * load(b[i])) * ops::unary_slope(Unary::kSilu, av), da[i]);
+    const M sig = ops::sigmoid_of(av);  // once, for SiLU's value and its slope
+    store(d * ops::silu_from_sigmoid(av, sig), db[i]);
+    store((d * load(b[i])) * ops::silu_slope_from_sigmoid(av, sig), da[i]);
   }
 }
 
-// One thread per pair: n = B T H D/2 pairs, pair p = ((b T + t) H + h) D/2 + i.
+// One thread per position's pair, for all heads: n = B T D/2, index p = (b T + t) D/2 + i.
+// Its turn (a double pow, cos and sin) is computed once and turns pair i of each head.
 template <typename S>
 __global__ void rope_narrow_kernel(const S* x, S* y, int64_t n, int64_t seq, int64_t heads, int64_t head_dim,
                                    double base, double sign) {
   const int64_t half = head_dim / 2;
   for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < n; p += int64_t(gridDim.x) * blockDim.x) {
     const int64_t i = p % half;
-    const int64_t head = p / half;  // (b T + t) H + h
-    const int64_t t = (head / heads) % seq;
-    const S* px = x + head * head_dim;
-    S* py = y + head * head_dim;
-    // The pair as the float32 reference holds it, turned by its formula (rope_pair on a
-    // two-element row: element 0 pairs with element 1), then rounded to S.
-    const float in[2] = {load(px[i]), load(px[i + half])};
-    float out[2];
-    ops::rope_pair(in, out, 0, 1, ops::rope_angle(t, i, head_dim, base), sign);
-    store(out[0], py[i]);
-    store(out[1], py[i + half]);
+    const int64_t row = p / half;  // b T + t
+    const ops::RopeTurn turn = ops::rope_turn(row % seq, i, head_dim, base, sign);
+    for (int64_t h = 0; h < heads; ++h) {
+      const S* px = x + (row * heads + h) * head_dim;
+      S* py = y + (row * heads + h) * head_dim;
+      // The pair as the float32 reference holds it, turned by its formula (rope_pair on a
+      // two-element row: element 0 pairs with element 1), then rounded to S.
+      const float in[2] = {load(px[i]), load(px[i + half])};
+      float out[2];
+      ops::rope_pair(in, out, 0, 1, turn);
+      store(out[0], py[i]);
+      store(out[1], py[i + half]);
+    }
   }
 }
 
@@ -613,8 +617,8 @@ GPIPE_FUSED_INSTANTIATE(Half)
 template <typename S>
 void rope_narrow(const S* x, S* y, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, double base,
                  double sign, cudaStream_t stream) {
-  const int64_t n = batch * seq * heads * (head_dim / 2);
-  if (n == 0) return;
+  const int64_t n = batch * seq * (head_dim / 2);
+  if (n == 0 || heads == 0) return;
   rope_narrow_kernel<S><<<elementwise_blocks(n), kThreads, 0, stream>>>(x, y, n, seq, heads, head_dim, base, sign);
   GPIPE_CUDA_CHECK(cudaGetLastError());
 }

@@ -24,17 +24,20 @@ unsigned blocks_for(int64_t n) { return static_cast<unsigned>(std::min<int64_t>(
 // ---------------------------------------------------------------------------------
 // Kernels
 
-// One thread per pair: n = B T H D/2 pairs, pair p = ((b T + t) H + h) D/2 + i.
+// One thread per position's pair, for all heads: n = B T D/2, index p = (b T + t) D/2 + i.
+// Its turn (a double pow, cos and sin) is computed once and turns pair i of each head.
 template <typename T>
 __global__ void rope_kernel(const T* x, T* y, int64_t n, int64_t seq, int64_t heads, int64_t head_dim, double base,
                             double sign) {
   const int64_t half = head_dim / 2;
   for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < n; p += int64_t(gridDim.x) * blockDim.x) {
     const int64_t i = p % half;
-    const int64_t head = p / half;  // (b T + t) H + h
-    const int64_t t = (head / heads) % seq;
-    const int64_t off = head * head_dim;
-    ops::rope_pair(x + off, y + off, i, half, ops::rope_angle(t, i, head_dim, base), sign);
+    const int64_t row = p / half;  // b T + t
+    const ops::RopeTurn turn = ops::rope_turn(row % seq, i, head_dim, base, sign);
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t off = (row * heads + h) * head_dim;
+      ops::rope_pair(x + off, y + off, i, half, turn);
+    }
   }
 }
 
@@ -77,8 +80,8 @@ __global__ void pack_qkv_backward_kernel(const T* dqkv, T* dq, T* dk, T* dv, int
 template <typename T>
 void rope_impl(const T* x, T* y, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, double base,
                double sign, cudaStream_t stream) {
-  const int64_t n = batch * seq * heads * (head_dim / 2);
-  if (n == 0) return;
+  const int64_t n = batch * seq * (head_dim / 2);
+  if (n == 0 || heads == 0) return;
   rope_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(x, y, n, seq, heads, head_dim, base, sign);
   GPIPE_CUDA_CHECK(cudaGetLastError());
 }

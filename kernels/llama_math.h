@@ -23,16 +23,26 @@ GPIPE_ROPE_FN double rope_angle(int64_t t, int64_t i, int64_t head_dim, double b
   return static_cast<double>(t) * pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
 }
 
+// The turn of pair i at position t: the cosine of its angle and `sign` times its sine,
+// in double. The backward is the inverse rotation (the transpose): the same with -sin,
+// which `sign` = -1 selects. A kernel computes it once for every head and sample that
+// share the position, and turns each pair with rope_pair.
+struct RopeTurn {
+  double c, s;
+};
+GPIPE_ROPE_FN RopeTurn rope_turn(int64_t t, int64_t i, int64_t head_dim, double base, double sign) {
+  const double angle = rope_angle(t, i, head_dim, base);
+  return RopeTurn{cos(angle), sign * sin(angle)};
+}
+
 // HF's rotate_half convention: element i of a head pairs with element i + D/2,
 //   y_i = x_i cos - x_{i+D/2} sin,   y_{i+D/2} = x_{i+D/2} cos + x_i sin.
-// The backward is the inverse rotation (the transpose): the same with -sin, which
-// `sign` = -1 selects. Reads both inputs before writing, so y may be x.
+// Reads both inputs before writing, so y may be x.
 template <typename T>
-GPIPE_ROPE_FN void rope_pair(const T* x, T* y, int64_t i, int64_t half, double angle, double sign) {
-  const double c = cos(angle), s = sign * sin(angle);
+GPIPE_ROPE_FN void rope_pair(const T* x, T* y, int64_t i, int64_t half, RopeTurn turn) {
   const double a = static_cast<double>(x[i]), b = static_cast<double>(x[i + half]);
-  y[i] = static_cast<T>(a * c - b * s);
-  y[i + half] = static_cast<T>(b * c + a * s);
+  y[i] = static_cast<T>(a * turn.c - b * turn.s);
+  y[i + half] = static_cast<T>(b * turn.c + a * turn.s);
 }
 
 }  // namespace ops

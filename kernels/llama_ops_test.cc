@@ -10,6 +10,7 @@
 #include <complex>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <utility>
 #include <vector>
 
@@ -111,6 +112,43 @@ TEST_CASE("rope_backward is rope's adjoint and inverse, and equals finite differ
   cpu().rope_backward(z, 2, 10000.0, z);
   const std::vector<double> xv = to_doubles(x), zv = to_doubles(z);
   for (size_t e = 0; e < zv.size(); ++e) CHECK(zv[e] == doctest::Approx(xv[e]).epsilon(1e-14));
+}
+
+TEST_CASE("SwiGLU on the CPU in one pass is the composition of unary silu and mul, bit for bit") {
+  // CpuBackend computes swiglu and its backward in one loop (one sigmoid per element in
+  // the backward); Backend's composition is the reference it must equal in every bit,
+  // across the sigmoid's two branches, large arguments, zeros and both float types.
+  for (DType dt : {DType::kF32, DType::kF64}) {
+    CAPTURE(dtype_name(dt));
+    const int64_t n = 4099;  // not a multiple of any vector width
+    Tensor a = random_tensor({n}, dt, 11, -12.0, 12.0), b = random_tensor({n}, dt, 12, -3.0, 3.0);
+    Tensor dy = random_tensor({n}, dt, 13, -2.0, 2.0);
+    const double specials[] = {0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 100.0, -100.0, 700.0, -700.0};
+    for (size_t i = 0; i < std::size(specials); ++i) {
+      if (dt == DType::kF32) {
+        a.data<float>()[i] = static_cast<float>(specials[i]);
+      } else {
+        a.data<double>()[i] = specials[i];
+      }
+    }
+    Tensor y = Tensor::empty({n}, dt, Device::cpu()), y_ref = Tensor::empty({n}, dt, Device::cpu());
+    reference().swiglu(a, b, y);
+    reference().Backend::swiglu(a, b, y_ref);
+    CHECK(same_bits(y, y_ref));
+    Tensor da = Tensor::empty({n}, dt, Device::cpu()), db = Tensor::empty({n}, dt, Device::cpu());
+    Tensor da_ref = Tensor::empty({n}, dt, Device::cpu()), db_ref = Tensor::empty({n}, dt, Device::cpu());
+    reference().swiglu_backward(dy, a, b, da, db);
+    reference().Backend::swiglu_backward(dy, a, b, da_ref, db_ref);
+    CHECK(same_bits(da, da_ref));
+    CHECK(same_bits(db, db_ref));
+    // And the widening backend hands float32 and float64 to it.
+    Tensor y_wide = cpu().empty({n}, dt);
+    cpu().swiglu(a, b, y_wide);
+    CHECK(same_bits(y_wide, y_ref));
+  }
+  Tensor a = random_tensor({4}, DType::kF32, 1), b = random_tensor({5}, DType::kF32, 2);
+  Tensor y = Tensor::empty({4}, DType::kF32, Device::cpu());
+  CHECK_THROWS_AS(reference().swiglu(a, b, y), Error);
 }
 
 TEST_CASE("pack_qkv repeats each key/value head for its group of query heads; its backward sums the group") {

@@ -71,11 +71,22 @@ GPIPE_UNARY_FN T sigmoid_of(T x) {
   return e / (T(1) + e);
 }
 
+// SiLU's value x s and its slope s + x s (1 - s), from s = sigmoid(x): unary_value and
+// unary_slope compute them this way, and a fused SwiGLU's backward both from one sigmoid.
+template <typename T>
+GPIPE_UNARY_FN T silu_from_sigmoid(T x, T s) {
+  return x * s;
+}
+template <typename T>
+GPIPE_UNARY_FN T silu_slope_from_sigmoid(T x, T s) {
+  return s * (T(1) + x * (T(1) - s));
+}
+
 // f(x) for f other than ReLU and GELU.
 template <typename T>
 GPIPE_UNARY_FN T unary_value(Unary f, T x) {
   switch (f) {
-    case Unary::kSilu: return x * sigmoid_of(x);
+    case Unary::kSilu: return silu_from_sigmoid(x, sigmoid_of(x));
     case Unary::kSigmoid: return sigmoid_of(x);
     case Unary::kTanh: return tanh_of(x);
     case Unary::kExp: return exp_of(x);
@@ -90,10 +101,7 @@ GPIPE_UNARY_FN T unary_value(Unary f, T x) {
 template <typename T>
 GPIPE_UNARY_FN T unary_slope(Unary f, T x) {
   switch (f) {
-    case Unary::kSilu: {  // s + x s (1 - s)
-      const T s = sigmoid_of(x);
-      return s * (T(1) + x * (T(1) - s));
-    }
+    case Unary::kSilu: return silu_slope_from_sigmoid(x, sigmoid_of(x));
     case Unary::kSigmoid: {
       const T s = sigmoid_of(x);
       return s * (T(1) - s);
