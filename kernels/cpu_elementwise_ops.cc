@@ -2,6 +2,7 @@
 // building blocks of layers of one's own such as an RMSNorm or a gated unit. The CUDA
 // twins are in kernels/cuda_elementwise.cu. Row sums accumulate in double, so float32
 // rows of any width keep their precision.
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -56,6 +57,21 @@ void CpuBackend::mul(const Tensor& a, const Tensor& b, Tensor& y) {
   });
 }
 
+namespace {
+
+// ops::sigmoid_of(x[i]) for n elements into s: first each exponential, a call each as
+// sigmoid_of takes them (exp(-x) for x >= 0, else exp(x)), then the divisions in a loop
+// the compiler vectorizes: the same IEEE operations on the same operands, so the same bits.
+template <typename T>
+void sigmoid_run(const T* x, int64_t n, T* s) {
+  for (int64_t i = 0; i < n; ++i) s[i] = ops::exp_of(x[i] >= T(0) ? -x[i] : x[i]);
+  for (int64_t i = 0; i < n; ++i) s[i] = (x[i] >= T(0) ? T(1) : s[i]) / (T(1) + s[i]);
+}
+
+constexpr int64_t kSigmoidRun = 512;  // elements per run: its sigmoids stay in the L1 cache
+
+}  // namespace
+
 void CpuBackend::swiglu(const Tensor& a, const Tensor& b, Tensor& y) {
   ops::check_float(a, "swiglu");
   ops::check_same(a, b, "swiglu");
@@ -65,10 +81,14 @@ void CpuBackend::swiglu(const Tensor& a, const Tensor& b, Tensor& y) {
     const T* pa = a.data<T>();
     const T* pb = b.data<T>();
     T* py = y.data<T>();
-    const int64_t n = a.numel();
-    for (int64_t i = 0; i < n; ++i) {
-      const T s = ops::unary_value(Unary::kSilu, pa[i]);  // rounded to T, as unary's output
-      py[i] = s * pb[i];
+    T sig[kSigmoidRun];
+    for (int64_t at = 0; at < a.numel(); at += kSigmoidRun) {
+      const int64_t n = std::min(kSigmoidRun, a.numel() - at);
+      sigmoid_run(pa + at, n, sig);
+      for (int64_t i = 0; i < n; ++i) {
+        const T s = ops::silu_from_sigmoid(pa[at + i], sig[i]);  // rounded to T, as unary's output
+        py[at + i] = s * pb[at + i];
+      }
     }
   });
 }
@@ -85,14 +105,17 @@ void CpuBackend::swiglu_backward(const Tensor& dy, const Tensor& a, const Tensor
     const T* pb = b.data<T>();
     T* pda = da.data<T>();
     T* pdb = db.data<T>();
-    const int64_t n = a.numel();
-    for (int64_t i = 0; i < n; ++i) {
-      const T x = pa[i], d = pdy[i];
-      const T sig = ops::sigmoid_of(x);
-      const T silu = ops::silu_from_sigmoid(x, sig);  // each product rounded to T, as the composition's
-      const T dyb = d * pb[i];
-      pdb[i] = d * silu;
-      pda[i] = dyb * ops::silu_slope_from_sigmoid(x, sig);
+    T sig[kSigmoidRun];
+    for (int64_t at = 0; at < a.numel(); at += kSigmoidRun) {
+      const int64_t n = std::min(kSigmoidRun, a.numel() - at);
+      sigmoid_run(pa + at, n, sig);
+      for (int64_t i = 0; i < n; ++i) {
+        const T x = pa[at + i], d = pdy[at + i];
+        const T silu = ops::silu_from_sigmoid(x, sig[i]);  // each product rounded to T, as the composition's
+        const T dyb = d * pb[at + i];
+        pdb[at + i] = d * silu;
+        pda[at + i] = dyb * ops::silu_slope_from_sigmoid(x, sig[i]);
+      }
     }
   });
 }
