@@ -405,6 +405,27 @@ TEST_CASE("dropout of a part of each sample, at its element offset, is that part
   CHECK_THROWS_WITH_AS(cpu().dropout(x, 0.5, 1, 0, -1, y), doctest::Contains("negative element offset"), Error);
 }
 
+TEST_CASE("Philox's side-by-side lanes are philox4x32_10 of each lane's counter") {
+  // Counters whose low word carries into the high one inside the eight lanes, and samples
+  // with a high word.
+  for (uint64_t sample : {0ull, 5ull, 0x123456789ull}) {
+    for (uint64_t first : {0ull, 7ull, 0xFFFFFFFCull, 0x1FFFFFFF9ull}) {
+      uint32_t out[4][kPhiloxLanes];
+      philox4x32_10_lanes(first, sample, 0xDEADBEEFu, 0x12345678u, out);
+      bool same = true;
+      for (int j = 0; j < kPhiloxLanes; ++j) {
+        const uint64_t block = first + static_cast<uint64_t>(j);
+        const Philox4x32 r = philox4x32_10(
+            Philox4x32{{static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32), static_cast<uint32_t>(sample),
+                        static_cast<uint32_t>(sample >> 32)}},
+            0xDEADBEEFu, 0x12345678u);
+        for (int w = 0; w < 4; ++w) same &= r.v[w] == out[w][j];
+      }
+      CHECK(same);
+    }
+  }
+}
+
 TEST_CASE("dropout at any element offset and length is philox_uniform's mask, and p equal to a uniform keeps it") {
   // The CPU draws eight Philox blocks (32 elements) at a time and compares the uniform's
   // 24 bits with ceil(p 2^24): parts that start and end inside a span and on one, and p
