@@ -15,6 +15,21 @@ namespace gpipe {
 
 using ops::dispatch_float;
 
+namespace {
+
+// ops::sigmoid_of(x[i]) for n elements into s: first each exponential, a call each as
+// sigmoid_of takes them (exp(-x) for x >= 0, else exp(x)), then the divisions in a loop
+// the compiler vectorizes: the same IEEE operations on the same operands, so the same bits.
+template <typename T>
+void sigmoid_run(const T* x, int64_t n, T* s) {
+  for (int64_t i = 0; i < n; ++i) s[i] = ops::exp_of(x[i] >= T(0) ? -x[i] : x[i]);
+  for (int64_t i = 0; i < n; ++i) s[i] = (x[i] >= T(0) ? T(1) : s[i]) / (T(1) + s[i]);
+}
+
+constexpr int64_t kSigmoidRun = 512;  // elements per run: its sigmoids stay in the L1 cache
+
+}  // namespace
+
 void CpuBackend::unary_impl(Unary f, const Tensor& x, Tensor& y) {
   const std::string op = std::string("unary ") + unary_name(f);
   ops::check_float(x, op.c_str());
@@ -24,6 +39,15 @@ void CpuBackend::unary_impl(Unary f, const Tensor& x, Tensor& y) {
     const T* px = x.data<T>();
     T* py = y.data<T>();
     const int64_t n = x.numel();
+    if (f == Unary::kSilu || f == Unary::kSigmoid) {  // unary_value's formulas, the sigmoids a run at a time
+      T sig[kSigmoidRun];
+      for (int64_t at = 0; at < n; at += kSigmoidRun) {
+        const int64_t m = std::min(kSigmoidRun, n - at);
+        sigmoid_run(px + at, m, sig);
+        for (int64_t i = 0; i < m; ++i) py[at + i] = f == Unary::kSilu ? ops::silu_from_sigmoid(px[at + i], sig[i]) : sig[i];
+      }
+      return;
+    }
     for (int64_t i = 0; i < n; ++i) py[i] = ops::unary_value(f, px[i]);
   });
 }
@@ -39,6 +63,19 @@ void CpuBackend::unary_backward_impl(Unary f, const Tensor& x, const Tensor& dy,
     const T* pdy = dy.data<T>();
     T* pdx = dx.data<T>();
     const int64_t n = x.numel();
+    if (f == Unary::kSilu || f == Unary::kSigmoid) {  // unary_slope's formulas, the sigmoids a run at a time
+      T sig[kSigmoidRun];
+      for (int64_t at = 0; at < n; at += kSigmoidRun) {
+        const int64_t m = std::min(kSigmoidRun, n - at);
+        sigmoid_run(px + at, m, sig);
+        for (int64_t i = 0; i < m; ++i) {
+          const T slope = f == Unary::kSilu ? ops::silu_slope_from_sigmoid(px[at + i], sig[i])
+                                            : ops::sigmoid_slope_from_sigmoid(sig[i]);
+          pdx[at + i] = pdy[at + i] * slope;
+        }
+      }
+      return;
+    }
     for (int64_t i = 0; i < n; ++i) pdx[i] = pdy[i] * ops::unary_slope(f, px[i]);
   });
 }
@@ -57,20 +94,6 @@ void CpuBackend::mul(const Tensor& a, const Tensor& b, Tensor& y) {
   });
 }
 
-namespace {
-
-// ops::sigmoid_of(x[i]) for n elements into s: first each exponential, a call each as
-// sigmoid_of takes them (exp(-x) for x >= 0, else exp(x)), then the divisions in a loop
-// the compiler vectorizes: the same IEEE operations on the same operands, so the same bits.
-template <typename T>
-void sigmoid_run(const T* x, int64_t n, T* s) {
-  for (int64_t i = 0; i < n; ++i) s[i] = ops::exp_of(x[i] >= T(0) ? -x[i] : x[i]);
-  for (int64_t i = 0; i < n; ++i) s[i] = (x[i] >= T(0) ? T(1) : s[i]) / (T(1) + s[i]);
-}
-
-constexpr int64_t kSigmoidRun = 512;  // elements per run: its sigmoids stay in the L1 cache
-
-}  // namespace
 
 void CpuBackend::swiglu(const Tensor& a, const Tensor& b, Tensor& y) {
   ops::check_float(a, "swiglu");

@@ -71,8 +71,9 @@ GPIPE_UNARY_FN T sigmoid_of(T x) {
   return e / (T(1) + e);
 }
 
-// SiLU's value x s and its slope s + x s (1 - s), from s = sigmoid(x): unary_value and
-// unary_slope compute them this way, and a fused SwiGLU's backward both from one sigmoid.
+// SiLU's value x s and its slope s + x s (1 - s), and the sigmoid's slope s (1 - s), from
+// s = sigmoid(x): unary_value and unary_slope compute them this way, and a fused SwiGLU's
+// backward both of SiLU's from one sigmoid.
 template <typename T>
 GPIPE_UNARY_FN T silu_from_sigmoid(T x, T s) {
   return x * s;
@@ -80,6 +81,11 @@ GPIPE_UNARY_FN T silu_from_sigmoid(T x, T s) {
 template <typename T>
 GPIPE_UNARY_FN T silu_slope_from_sigmoid(T x, T s) {
   return s * (T(1) + x * (T(1) - s));
+}
+// The sigmoid's slope s (1 - s), from s.
+template <typename T>
+GPIPE_UNARY_FN T sigmoid_slope_from_sigmoid(T s) {
+  return s * (T(1) - s);
 }
 
 // f(x) for f other than ReLU and GELU.
@@ -102,10 +108,7 @@ template <typename T>
 GPIPE_UNARY_FN T unary_slope(Unary f, T x) {
   switch (f) {
     case Unary::kSilu: return silu_slope_from_sigmoid(x, sigmoid_of(x));
-    case Unary::kSigmoid: {
-      const T s = sigmoid_of(x);
-      return s * (T(1) - s);
-    }
+    case Unary::kSigmoid: return sigmoid_slope_from_sigmoid(sigmoid_of(x));
     case Unary::kTanh: {
       const T t = tanh_of(x);
       return T(1) - t * t;

@@ -7,10 +7,12 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <vector>
 
 #include "kernels/backend.h"
 #include "kernels/cpu_backend.h"
+#include "kernels/unary_math.h"
 #include "runtime/error.h"
 #include "tests/testing.h"
 
@@ -154,6 +156,43 @@ TEST_CASE("float32 equals float64 to float32's rounding, and the upstream gradie
         CHECK(std::fabs(yv[i] - want) <= 16 * u * std::fabs(want) + 1e-300);
         CHECK(std::fabs(dxv[i] - slope) <= 16 * u * static_cast<double>(slope_terms(f, xs[i])) * std::fabs(dys[i]) + 1e-300);
       }
+    }
+  }
+}
+
+TEST_CASE("the CPU's silu and sigmoid, forward and backward, are unary_math.h's formulas in every bit") {
+  // The CPU takes their exponentials a run at a time and the divisions after
+  // (cpu_elementwise_ops.cc); each element must still be unary_value's and unary_slope's,
+  // across runs (1500 elements), both branches of the sigmoid, large arguments and zeros.
+  for (Unary f : {Unary::kSilu, Unary::kSigmoid}) {
+    for (DType t : {DType::kF32, DType::kF64}) {
+      CAPTURE(unary_name(f));
+      CAPTURE(dtype_name(t));
+      const int64_t n = 1500;
+      Tensor x = random_tensor({n}, t, 31, -20.0, 20.0), dy = random_tensor({n}, t, 32);
+      const double specials[] = {0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 104.0, -104.0, 750.0, -750.0};
+      const std::vector<double> xs0 = gpipe::testing::to_doubles(x);
+      std::vector<double> xs(xs0);
+      for (size_t i = 0; i < std::size(specials); ++i) xs[i * 97] = specials[i];
+      x = from(xs, t);
+      Tensor y = cpu().empty(x.shape(), t), dx = cpu().empty(x.shape(), t);
+      cpu().unary(f, x, y);
+      cpu().unary_backward(f, x, dy, dx);
+      bool same = true;
+      for (int64_t i = 0; i < n; ++i) {
+        if (t == DType::kF32) {
+          const float xv = x.data<float>()[i], want = ops::unary_value(f, xv);
+          const float want_dx = dy.data<float>()[i] * ops::unary_slope(f, xv);
+          same &= std::memcmp(&want, y.data<float>() + i, sizeof want) == 0;
+          same &= std::memcmp(&want_dx, dx.data<float>() + i, sizeof want_dx) == 0;
+        } else {
+          const double xv = x.data<double>()[i], want = ops::unary_value(f, xv);
+          const double want_dx = dy.data<double>()[i] * ops::unary_slope(f, xv);
+          same &= std::memcmp(&want, y.data<double>() + i, sizeof want) == 0;
+          same &= std::memcmp(&want_dx, dx.data<double>() + i, sizeof want_dx) == 0;
+        }
+      }
+      CHECK(same);
     }
   }
 }
