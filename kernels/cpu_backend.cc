@@ -163,6 +163,12 @@ void Backend::linear_weight_grad(const Tensor& dy, const Tensor& x, Tensor& dw, 
 }
 
 void Backend::swiglu(const Tensor& a, const Tensor& b, Tensor& y) {
+  if (y.raw_data() == b.raw_data() && y.raw_data() != a.raw_data()) {  // y may alias b: s in a temporary
+    Tensor s = empty(a.shape(), a.dtype());
+    unary(Unary::kSilu, a, s);
+    mul(s, b, y);
+    return;
+  }
   unary(Unary::kSilu, a, y);  // s
   mul(y, b, y);               // s * b
 }

@@ -80,6 +80,7 @@ void apply_dropout(const Real* in, Real* out, int64_t rows, int64_t per_row, dou
   const uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
   const int64_t first = element_offset, last = element_offset + per_row;  // [first, last) of the sample
   // u = bits * 2^-24 >= p, exactly: u and p * 2^24 are exact in double, and bits an integer.
+  // p is in [0, 1) (check_dropout_p), so the threshold is at most 2^24.
   const uint32_t threshold = static_cast<uint32_t>(std::ceil(p * 16777216.0));
   constexpr int64_t kSpan = 4 * kPhiloxLanes;
   for (int64_t i = 0; i < rows; ++i) {

@@ -461,6 +461,10 @@ TEST_CASE("dropout at any element offset and length is philox_uniform's mask, an
             }
           }
           CHECK(same);
+          // In place (y in x's storage): a row's span must not write past the row into the next one's input.
+          Tensor inplace = random_tensor({rows, length}, dt, 5, 0.5, 1.5);
+          cpu().dropout(inplace, p, key, sample_offset, offset, inplace);
+          CHECK(to_doubles(inplace) == yv);
           if (offset <= 45 && 45 < offset + length) {  // the probed element: kept at p = u, dropped just above
             const bool kept = yv[1 * length + (45 - offset)] != 0.0;
             if (p == static_cast<double>(probe_u)) CHECK(kept);

@@ -11,11 +11,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "kernels/backend.h"
 #include "kernels/cpu_backend.h"
+#include "kernels/unary_math.h"
 #include "runtime/error.h"
 #include "tests/testing.h"
 
@@ -114,37 +116,79 @@ TEST_CASE("rope_backward is rope's adjoint and inverse, and equals finite differ
   for (size_t e = 0; e < zv.size(); ++e) CHECK(zv[e] == doctest::Approx(xv[e]).epsilon(1e-14));
 }
 
-TEST_CASE("SwiGLU on the CPU in one pass is the composition of unary silu and mul, bit for bit") {
+TEST_CASE("SwiGLU on the CPU in one pass is the composition's formulas, bit for bit, and y may alias a or b") {
   // CpuBackend computes swiglu and its backward in one loop (one sigmoid per element in
-  // the backward); Backend's composition is the reference it must equal in every bit,
-  // across the sigmoid's two branches, large arguments, zeros and both float types.
+  // the backward). Each element must be what the composition (unary silu, then mul)
+  // computes, written here from unary_math.h's formulas: y = silu(a) b, db = dy silu(a),
+  // da = (dy b) silu'(a), each product rounded to the type. Across the sigmoid's two
+  // branches, large arguments, zeros and both float types; and with y in a's or b's
+  // storage, where Backend's composition must agree too.
   for (DType dt : {DType::kF32, DType::kF64}) {
     CAPTURE(dtype_name(dt));
-    const int64_t n = 4099;  // not a multiple of any vector width
+    const int64_t n = 4099;  // not a multiple of any vector width, nor of the CPU's runs of 512
     Tensor a = random_tensor({n}, dt, 11, -12.0, 12.0), b = random_tensor({n}, dt, 12, -3.0, 3.0);
     Tensor dy = random_tensor({n}, dt, 13, -2.0, 2.0);
     const double specials[] = {0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 100.0, -100.0, 700.0, -700.0};
     for (size_t i = 0; i < std::size(specials); ++i) {
       if (dt == DType::kF32) {
-        a.data<float>()[i] = static_cast<float>(specials[i]);
+        a.data<float>()[i * 397] = static_cast<float>(specials[i]);
       } else {
-        a.data<double>()[i] = specials[i];
+        a.data<double>()[i * 397] = specials[i];
       }
     }
-    Tensor y = Tensor::empty({n}, dt, Device::cpu()), y_ref = Tensor::empty({n}, dt, Device::cpu());
+    // The formulas, element by element.
+    Tensor y_want = Tensor::empty({n}, dt, Device::cpu()), da_want = Tensor::empty({n}, dt, Device::cpu());
+    Tensor db_want = Tensor::empty({n}, dt, Device::cpu());
+    auto fill = [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      for (int64_t i = 0; i < n; ++i) {
+        const T x = a.data<T>()[i], g = dy.data<T>()[i], u = b.data<T>()[i];
+        const T silu = ops::unary_value(Unary::kSilu, x);
+        y_want.data<T>()[i] = silu * u;
+        db_want.data<T>()[i] = g * silu;
+        const T gu = g * u;
+        da_want.data<T>()[i] = gu * ops::unary_slope(Unary::kSilu, x);
+      }
+    };
+    if (dt == DType::kF32) {
+      fill(static_cast<float*>(nullptr));
+    } else {
+      fill(static_cast<double*>(nullptr));
+    }
+    Tensor y = Tensor::empty({n}, dt, Device::cpu());
     reference().swiglu(a, b, y);
-    reference().Backend::swiglu(a, b, y_ref);
-    CHECK(same_bits(y, y_ref));
+    CHECK(same_bits(y, y_want));
     Tensor da = Tensor::empty({n}, dt, Device::cpu()), db = Tensor::empty({n}, dt, Device::cpu());
-    Tensor da_ref = Tensor::empty({n}, dt, Device::cpu()), db_ref = Tensor::empty({n}, dt, Device::cpu());
     reference().swiglu_backward(dy, a, b, da, db);
+    CHECK(same_bits(da, da_want));
+    CHECK(same_bits(db, db_want));
+    // The composition (Backend's default, a GPU's reference) gives the same.
+    Tensor y_ref = Tensor::empty({n}, dt, Device::cpu()), da_ref = Tensor::empty({n}, dt, Device::cpu());
+    Tensor db_ref = Tensor::empty({n}, dt, Device::cpu());
+    reference().Backend::swiglu(a, b, y_ref);
     reference().Backend::swiglu_backward(dy, a, b, da_ref, db_ref);
-    CHECK(same_bits(da, da_ref));
-    CHECK(same_bits(db, db_ref));
-    // And the widening backend hands float32 and float64 to it.
+    CHECK(same_bits(y_ref, y_want));
+    CHECK(same_bits(da_ref, da_want));
+    CHECK(same_bits(db_ref, db_want));
+    // y in a's storage, then in b's: one pass and composition alike.
+    for (bool into_a : {true, false}) {
+      CAPTURE(into_a);
+      for (bool composed : {false, true}) {
+        CAPTURE(composed);
+        Tensor a2 = as(a, dt), b2 = as(b, dt);
+        Tensor& out = into_a ? a2 : b2;
+        if (composed) {
+          reference().Backend::swiglu(a2, b2, out);
+        } else {
+          reference().swiglu(a2, b2, out);
+        }
+        CHECK(same_bits(out, y_want));
+      }
+    }
+    // And the widening backend hands float32 and float64 to the one pass.
     Tensor y_wide = cpu().empty({n}, dt);
     cpu().swiglu(a, b, y_wide);
-    CHECK(same_bits(y_wide, y_ref));
+    CHECK(same_bits(y_wide, y_want));
   }
   Tensor a = random_tensor({4}, DType::kF32, 1), b = random_tensor({5}, DType::kF32, 2);
   Tensor y = Tensor::empty({4}, DType::kF32, Device::cpu());

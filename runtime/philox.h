@@ -61,8 +61,9 @@ GPIPE_HOST_DEVICE Philox4x32 philox4x32_10(Philox4x32 c, uint32_t k0, uint32_t k
 // run side by side, one round at a time: with AVX2 (the build's x86-64-v3), in vector
 // registers, 32 x 32 -> 64-bit products of the even and the odd lanes; else lane by lane.
 // A host's dropout draws a block for every four elements.
+// Internal linkage (static): its body depends on the including file's -march.
 constexpr int kPhiloxLanes = 8;
-inline void philox4x32_10_lanes(uint64_t first_block, uint64_t sample, uint32_t k0, uint32_t k1,
+static inline void philox4x32_10_lanes(uint64_t first_block, uint64_t sample, uint32_t k0, uint32_t k1,
                                 uint32_t out[4][kPhiloxLanes]) {
   constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
   uint32_t v[4][kPhiloxLanes];
