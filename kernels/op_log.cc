@@ -1,6 +1,8 @@
 #include "kernels/op_log.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <utility>
 
 #include "runtime/error.h"
@@ -38,6 +40,10 @@ OpCall::OpCall(const char* op, bool returns) : outermost_(depth++ == 0) {
   }
   ++calls;
   inner_read = false;
+  if (OpTimer* timer = OpTimer::on_this_thread()) {
+    timer->before(op);
+    timed_ = true;
+  }
   if (alive.load(std::memory_order_relaxed) == nullptr) return;
   call_ = std::make_unique<OpLog::Call>();
   call_->thread = std::this_thread::get_id();
@@ -47,6 +53,9 @@ OpCall::OpCall(const char* op, bool returns) : outermost_(depth++ == 0) {
 
 OpCall::~OpCall() {
   --depth;
+  if (timed_) {
+    if (OpTimer* timer = OpTimer::on_this_thread()) timer->after();
+  }
   if (call_ == nullptr) return;
   call_->returns = call_->returns || inner_read;
   OpLog::note(std::move(*call_));
@@ -57,6 +66,58 @@ void OpLog::note(Call call) {
   if (log == nullptr) return;
   std::lock_guard<std::mutex> lock(log->mu_);
   log->calls_.push_back(std::move(call));
+}
+
+// ---- OpTimer
+
+namespace {
+thread_local OpTimer* thread_timer = nullptr;
+}  // namespace
+
+OpTimer::OpTimer(Device device, Stream& stream) : device_(device), stream_(stream) {}
+
+OpTimer* OpTimer::on_this_thread() { return thread_timer; }
+
+OpTimer::Scope::Scope(OpTimer* timer) : outer_(thread_timer) { thread_timer = timer; }
+OpTimer::Scope::~Scope() { thread_timer = outer_; }
+
+Event& OpTimer::next_event() {
+  if (used_ == pool_.size()) pool_.push_back(make_event(device_));
+  return *pool_[used_++];
+}
+
+void OpTimer::before(const char* op) {
+  Event& e = next_event();
+  e.record(stream_);
+  spans_.push_back({op, &e, nullptr});
+}
+
+void OpTimer::after() {
+  // The outermost call's: the last span opened on this thread, which nothing inside it
+  // closed (only outermost calls are timed).
+  GPIPE_CHECK(!spans_.empty() && spans_.back().end == nullptr, "OpTimer: an op's end without its start");
+  Event& e = next_event();
+  e.record(stream_);
+  spans_.back().end = &e;
+}
+
+std::vector<OpTimer::Total> OpTimer::resolve() {
+  std::vector<Total> out;
+  for (const Span& s : spans_) {
+    if (s.end == nullptr) continue;
+    s.end->synchronize();
+    auto it = std::find_if(out.begin(), out.end(), [&](const Total& t) { return t.op == s.op; });
+    if (it == out.end()) it = out.insert(out.end(), Total{s.op, 0, 0.0});
+    ++it->calls;
+    it->ms += s.begin->elapsed_ms(*s.end);
+  }
+  clear();
+  return out;
+}
+
+void OpTimer::clear() {
+  spans_.clear();
+  used_ = 0;
 }
 
 }  // namespace gpipe

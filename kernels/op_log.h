@@ -13,6 +13,9 @@
 #include <thread>
 #include <vector>
 
+#include "runtime/device.h"
+#include "runtime/stream.h"
+
 namespace gpipe {
 
 class OpLog {
@@ -57,7 +60,63 @@ class OpCall {
 
  private:
   bool outermost_ = false;
+  bool timed_ = false;  // an OpTimer on this thread recorded its start
   std::unique_ptr<OpLog::Call> call_;  // made only while a log is alive: nothing else on the op's path
+};
+
+// Each op's time, op by op (trace.ops): while an OpTimer is set on a thread
+// (OpTimer::Scope), every outermost backend call there (OpCall) records an event on the
+// timer's stream before it and one after it. On a GPU the pair times the op's kernels on
+// the device; on a CPU, whose ops run on the calling thread, the call itself. The events
+// cost the host a record each, so a run that times its ops is one to read, not to time.
+class OpTimer {
+ public:
+  OpTimer(Device device, Stream& stream);
+  OpTimer(const OpTimer&) = delete;
+  OpTimer& operator=(const OpTimer&) = delete;
+
+  // One op's calls and milliseconds over the spans resolved.
+  struct Total {
+    std::string op;  // its name in kernels/backend_ops.inc (or read_step_scalars, write_step_scalars)
+    int64_t calls = 0;
+    double ms = 0;
+  };
+  // After the stream has synchronised: the ops recorded since the last resolve, in the
+  // order each was first called; their events are reused by the next ones. An op whose
+  // end was not recorded (it failed) is left out.
+  std::vector<Total> resolve();
+  // Drops what was recorded (a step that failed before its resolve).
+  void clear();
+
+  // Sets the timer on this thread for the scope's life (nullptr: none), restoring the one before.
+  class Scope {
+   public:
+    explicit Scope(OpTimer* timer);
+    ~Scope();
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    OpTimer* outer_;
+  };
+
+ private:
+  friend class OpCall;
+  static OpTimer* on_this_thread();
+  void before(const char* op);
+  void after();
+  Event& next_event();
+
+  Device device_;
+  Stream& stream_;
+  struct Span {
+    const char* op;  // a literal: OpCall's names are
+    Event* begin;
+    Event* end;  // nullptr until the op returns
+  };
+  std::vector<Span> spans_;
+  std::vector<std::unique_ptr<Event>> pool_;  // reused from step to step
+  size_t used_ = 0;
 };
 
 }  // namespace gpipe

@@ -664,7 +664,15 @@ void decode_trace(Decoder& dec, const YAML::Node& root, const std::optional<YAML
   c.trace = default_trace_window(1, c.train.steps);
   c.output.trace = c.train.steps <= kTraceDefaultMaxSteps;
   if (const YAML::Node tr = root["trace"]) {
-    dec.check_map(tr, "trace", {"steps"});
+    dec.check_map(tr, "trace", {"steps", "ops"});
+    if (const YAML::Node ops = tr["ops"]) {
+      c.trace.ops = dec.boolean(ops, "trace.ops");
+      if (c.trace.ops && c.pipeline.capture) {
+        dec.fail(ops, "trace.ops",
+                 "times each op of a step one by one, and pipeline.capture replays the step as one launch: set "
+                 "trace.ops: false, or pipeline.capture: false for the run that times the ops");
+      }
+    }
     if (const YAML::Node st = tr["steps"]) {
       const std::vector<int64_t> v = dec.int_list(st, "trace.steps");
       if (v.size() != 2) dec.fail(st, "trace.steps", "expected [first, last], e.g. [2, 11]");

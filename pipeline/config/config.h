@@ -153,6 +153,11 @@ struct RunOptions {
 struct TraceConfig {
   int first_step = 2, last_step = 11;
   bool given = false;  // trace.steps written in the config (a resumed run keeps it)
+  // trace.ops: time each backend op of every training step (ExecutorOptions::op_times):
+  // the report lists each stage's ops by their time (the device's on a GPU). Each op
+  // records two events, which slows a step whose host is its bound: a run to read where
+  // the time goes, not to time the step. Not with pipeline.capture.
+  bool ops = false;
 };
 constexpr int kTraceDefaultMaxSteps = 1000;
 constexpr int kTraceDefaultSteps = 10;

@@ -192,6 +192,15 @@ TEST_CASE("trace and planner keys: defaults, values and errors naming the key") 
         std::string::npos);
   CHECK(error_of(kBase, {"pipeline.balance_by=time"}).find("pipeline.balance_by: unknown 'time'") != std::string::npos);
   CHECK(error_of(kBase, {"trace.every=3"}).find("unknown key 'every'") != std::string::npos);
+  // trace.ops: off by default; times each op, which a captured step does not run one by one.
+  CHECK_FALSE(c.trace.ops);
+  CHECK(parse_config(kBase, "t.yaml", {"trace.ops=true"}).trace.ops);
+  CHECK(error_of(kBase, {"trace.ops=yes please"}).find("trace.ops: expected true or false") != std::string::npos);
+  CHECK(error_of(kBase, {"pipeline.partitions=1", "pipeline.capture=true", "trace.ops=true"})
+            .find("trace.ops: times each op of a step one by one, and pipeline.capture replays the step as one launch: "
+                  "set trace.ops: false, or pipeline.capture: false") != std::string::npos);
+  CHECK_FALSE(parse_config(kBase, "t.yaml", {"pipeline.partitions=1", "pipeline.capture=true", "trace.ops=false"})
+                  .trace.ops);
 }
 
 TEST_CASE("a boolean is read as YAML 1.1 (PyYAML) reads one, and as 1 or 0, for keys and layer options alike") {

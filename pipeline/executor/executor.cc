@@ -153,6 +153,11 @@ Executor::Executor(layers::Sequential& model, std::vector<CellSpec> cells, Sched
     tensor_collectives_ = std::make_unique<ProgramCollectives>(*this, *tensor_group_);
     model_.set_collectives(tensor_collectives_.get());  // only the local stage's layers (and loss) run here
   }
+  if (options_.capture && options_.op_times) {
+    throw UserError(
+        "trace.ops times each op of a step one by one, and pipeline.capture replays the step as one launch, whose ops "
+        "are not run one by one: set trace.ops: false, or pipeline.capture: false for the run that times the ops");
+  }
   if (options_.capture) {
     const bool replicas = options_.replicas != nullptr && options_.replicas->size() > 1;
     bool one_device = true;
@@ -224,6 +229,7 @@ std::unique_ptr<Executor::StageRuntime> Executor::make_stage(int k) {
     // A captured step's instructions are timed by the events it records (a replay
     // runs no host code between them), on the CPU too.
     rt->clock = std::make_unique<OpClock>(rt->device, options_.device_clock_on_cpu || options_.capture);
+    if (options_.op_times) rt->op_timer = std::make_unique<OpTimer>(rt->device, rt->backend->stream());
     std::vector<layers::Parameter*> params;
     for (int c : rt->cells) {
       for (int i = cells_[c].first_layer; i < cells_[c].first_layer + cells_[c].num_layers; ++i) {
@@ -922,6 +928,10 @@ void Executor::run_program(int k) {
       std::chrono::duration<double, std::milli>(cur_.epoch.time_since_epoch()).count() - options_.clock_offset_ms;
   const int64_t step_calls0 = OpLog::calls_on_this_thread();
   int64_t capture_calls0 = step_calls0, replayed = 0;
+  // Each op of a training step timed on this thread (ExecutorOptions::op_times).
+  OpTimer* const op_timer = eval == nullptr ? rt.op_timer.get() : nullptr;
+  if (op_timer != nullptr) op_timer->clear();
+  const OpTimer::Scope timing(op_timer);
   try {
     std::exception_ptr not_written;  // a stage capturing with others tells them before it stops
     try {
@@ -1054,6 +1064,7 @@ void Executor::run_program(int k) {
     // Warmed up for capture: the step's every op has run once (the optimizer's and the
     // norm's too, whose multi-tensor tables a capture cannot make).
     if (eval == nullptr && cur_.apply_optimizer) rt.warmed_up = true;
+    if (op_timer != nullptr) rt.trace.op_times = op_timer->resolve();  // after the wait above: every op has run
     rt.trace.other_ops = OpLog::calls_on_this_thread() - step_calls0 - replayed;
     for (const TimedOp& op : rt.trace.ops) {
       if (!is_tensor_collective(op.op)) rt.trace.other_ops -= op.ops;  // a tensor collective's are its owner's

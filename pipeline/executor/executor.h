@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "kernels/op_log.h"
 #include "layers/optimizer.h"
 #include "layers/sequential.h"
 #include "layers/tensor_parallel.h"
@@ -110,6 +111,10 @@ struct ExecutorOptions {
   // capture that fails (an op that reads the device back or copies from the host) is
   // logged and the run goes on without it. The device clock times every instruction.
   bool capture = false;
+  // Time each backend op of a training step (trace.ops; kernels/op_log.h, OpTimer): on a
+  // GPU its kernels' device time, on a CPU its call; StageTrace::op_times. Not with capture
+  // (a captured step does not run op by op: UserError).
+  bool op_times = false;
 };
 
 struct TimedOp {
@@ -154,6 +159,9 @@ struct StageTrace {
   // 0 when it ran op by op. The instructions' ops are the capture's. Stages captured
   // together (one graph) each count the backend calls their thread captured.
   int64_t captured_nodes = 0;
+  // ExecutorOptions::op_times: each backend op the stage's thread called in the training
+  // step, in the order first called, with its calls and milliseconds. Empty otherwise.
+  std::vector<OpTimer::Total> op_times;
 };
 // A stage's timings as numbers, and back, for gathering them across processes.
 std::vector<double> encode_trace(const StageTrace& t);

@@ -221,7 +221,14 @@ TEST_CASE("every instruction is timed, in order, within the step") {
     sent.ops.front().group_ms = 0.25 + k;  // a tensor group's sums inside a compute op too
     sent.other_ops = 7 + k;
     sent.captured_nodes = 300 + k;  // a replayed step's, as pipeline.capture sets it
+    sent.op_times = {{"matmul_weight", 12 + k, 3.5}, {"", 1, 0.0}, {"fused_attention_backward", 2, 0.125 + k}};  // trace.ops
     const StageTrace back = decode_trace(encode_trace(sent), k);
+    REQUIRE(back.op_times.size() == 3);
+    for (size_t i = 0; i < 3; ++i) {
+      CHECK(back.op_times[i].op == sent.op_times[i].op);
+      CHECK(back.op_times[i].calls == sent.op_times[i].calls);
+      CHECK(back.op_times[i].ms == sent.op_times[i].ms);
+    }
     CHECK(back.peak_activation_bytes == r.stages[k].peak_activation_bytes);
     CHECK(back.optimizer_bytes == 12345 + k);
     CHECK(back.other_ops == 7 + k);

@@ -101,6 +101,7 @@ struct Executor::StageRuntime {
   std::vector<std::vector<MicroBatch>> mbs;  // [chunk][micro-batch]
   StageTrace trace;
   std::unique_ptr<OpClock> clock;  // device times of compute instructions (GPU stages)
+  std::unique_ptr<OpTimer> op_timer;  // each op's time (ExecutorOptions::op_times), else null
   // After the clock: a captured graph records its events, and goes first.
   // pipeline.capture (ExecutorOptions::capture). Per micro-batch, the device buffers its
   // inputs and targets are copied into before a step that uses them (fixed_io), made at

@@ -85,6 +85,13 @@ void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool ti
       t.first += op.end_ms - op.start_ms - (is_compute(op.op) ? op.group_ms : 0.0);
       ++t.second;
     }
+    for (const OpTimer::Total& o : trace.op_times) {  // trace.ops: every training step has them
+      auto it = std::find_if(s.op_times.begin(), s.op_times.end(),
+                             [&](const StageSummary::OpTime& t) { return t.op == o.op; });
+      if (it == s.op_times.end()) it = s.op_times.insert(s.op_times.end(), StageSummary::OpTime{o.op, 0, 0});
+      it->calls += static_cast<double>(o.calls);
+      it->ms += o.ms;
+    }
     s.peak_activation_bytes = std::max(s.peak_activation_bytes, trace.peak_activation_bytes);
     s.optimizer_bytes = std::max(s.optimizer_bytes, trace.optimizer_bytes);
     s.ops_per_step = 0;
@@ -385,6 +392,12 @@ RunSummary ReportBuilder::summary() const {
     s.busy_ms /= timed_;
     s.utilization = out.span_ms > 0 ? s.busy_ms / out.span_ms : 0;
     busy += s.busy_ms;
+    for (StageSummary::OpTime& o : s.op_times) {
+      o.calls /= timed_;
+      o.ms /= timed_;
+    }
+    std::stable_sort(s.op_times.begin(), s.op_times.end(),
+                     [](const StageSummary::OpTime& a, const StageSummary::OpTime& b) { return a.ms > b.ms; });
   }
   out.measured_bubble = out.span_ms > 0 ? 1.0 - busy / (static_cast<double>(acc_.size()) * out.span_ms) : 0;
   if (stage_flops_.size() == out.stages.size() && stage_peaks_.size() == out.stages.size() && out.step_ms > 0) {
@@ -523,6 +536,36 @@ std::string ReportBuilder::table() const {
     }
     if (s.gemms.size() > kShown) os << "  and " << s.gemms.size() - kShown << " more in report.json\n";
   }
+  if (std::any_of(s.stages.begin(), s.stages.end(), [](const StageSummary& st) { return !st.op_times.empty(); })) {
+    os << "Time by op (trace.ops: each backend op's time per step, the device's on a GPU; the longest first):\n";
+    constexpr size_t kShownOps = 6;
+    for (const StageSummary& st : s.stages) {
+      if (st.op_times.empty()) continue;
+      double calls = 0, ms = 0;
+      for (const StageSummary::OpTime& o : st.op_times) {
+        calls += o.calls;
+        ms += o.ms;
+      }
+      std::snprintf(line, sizeof line, "  stage %d: %.3f ms in %.0f calls:", st.stage, ms, calls);
+      os << line;
+      double rest_calls = 0, rest_ms = 0;
+      for (size_t i = 0; i < st.op_times.size(); ++i) {
+        const StageSummary::OpTime& o = st.op_times[i];
+        if (i >= kShownOps) {
+          rest_calls += o.calls;
+          rest_ms += o.ms;
+          continue;
+        }
+        std::snprintf(line, sizeof line, " %.3f ms (%.0f calls, %.0f%%)", o.ms, o.calls, ms > 0 ? 100 * o.ms / ms : 0.0);
+        os << (i ? "," : "") << " " << o.op << line;
+      }
+      if (st.op_times.size() > kShownOps) {
+        std::snprintf(line, sizeof line, " %.3f ms (%.0f calls)", rest_ms, rest_calls);
+        os << ", and " << st.op_times.size() - kShownOps << " more ops" << line;
+      }
+      os << "\n";
+    }
+  }
   if (s.has_plan && s.plan.stages.size() == s.stages.size()) {
     const PlannedRun& p = s.plan;
     os << "Planned vs measured (the plan's costs: " << p.source << "):\n";
@@ -602,6 +645,13 @@ nlohmann::json stage_json(const StageSummary& st) {
   }
   if (st.mfu >= 0) {
     j.update({{"mfu", st.mfu}, {"useful_flops", st.useful_flops}, {"peak_flops_per_second", st.peak_flops_per_second}});
+  }
+  if (!st.op_times.empty()) {  // trace.ops, per step, the longest first
+    nlohmann::json ops = nlohmann::json::array();
+    for (const StageSummary::OpTime& o : st.op_times) {
+      ops.push_back({{"op", o.op}, {"calls_per_step", o.calls}, {"ms_per_step", o.ms}});
+    }
+    j["op_times"] = std::move(ops);
   }
   return j;
 }

@@ -52,6 +52,14 @@ struct StageSummary : StageTime {
   double useful_flops = 0;      // per step
   double peak_flops_per_second = 0;
   double mfu = -1;
+  // trace.ops: each backend op the stage's thread called, with its calls and milliseconds
+  // per step (the device's time on a GPU; StageTrace::op_times), the mean over the timed
+  // steps, the longest first. Empty when the ops were not timed.
+  struct OpTime {
+    std::string op;
+    double calls = 0, ms = 0;
+  };
+  std::vector<OpTime> op_times;
 };
 
 // One launch of the run as the report shows it: its steps are [first_step, last_step]

@@ -356,6 +356,7 @@ ExecutorOptions executor_options(const Config& c, const Launch& launch, const Pl
   opts.micro_batch_sizes = plan.micro_batch_sizes;
   opts.clock_offset_ms = clock_offset_ms;
   opts.capture = c.pipeline.capture;
+  opts.op_times = c.trace.ops;
   return opts;
 }
 

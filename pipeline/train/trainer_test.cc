@@ -631,6 +631,67 @@ train: {steps: 2, batch_size: 8, eval_interval: 0}
                   262144, "B", "2");
 }
 
+TEST_CASE("trace.ops times each op of a step: its calls are the stage's ops, counted apart, and the table says so") {
+  // Two stages, M = 4, recompute except_last: stage 0 holds the embedding and one LLaMA
+  // block, stage 1 the other block, the norm and the head. A block's fused attention runs
+  // in each F (4) and each R (3: the last micro-batch keeps its activations), so 7 calls a
+  // step on each stage, and its backward in each B (4); the optimizer one multi-tensor
+  // AdamW a step.
+  const std::string text = write_text("fox_optimes.txt", 60);
+  const char* llama = R"(model:
+  input: [16]
+  layers:
+    - {type: embedding, vocab: 256, dim: 32, positions: 0}
+    - {type: llama_block, heads: 2, kv_heads: 1, hidden: 64}
+    - {type: llama_block, heads: 2, kv_heads: 1, hidden: 64}
+    - {type: rmsnorm}
+    - {type: linear, out: 256, bias: false}
+  loss: softmax_cross_entropy
+data: {type: text, seq_len: 16, validation_fraction: 0.2}
+pipeline: {partitions: 2, micro_batches: 4, recompute: except_last, balance: [2, 3]}
+optimizer: {type: adamw, lr: 0.001}
+train: {steps: 4, batch_size: 8, eval_interval: 0}
+trace: {ops: true}
+)";
+  const auto [log, j] = train_and_report(llama, {"data.path=" + text, "output.dir=" + out_dir("op_times")});
+  REQUIRE(j["stages"].size() == 2);
+  for (int k = 0; k < 2; ++k) {
+    CAPTURE(k);
+    const nlohmann::json& st = j["stages"][k];
+    REQUIRE(st.contains("op_times"));
+    double calls = 0, ms = 0, last_ms = 1e300;
+    std::map<std::string, double> by_op;
+    for (const nlohmann::json& o : st["op_times"]) {
+      const double c = o["calls_per_step"].get<double>(), t = o["ms_per_step"].get<double>();
+      CHECK(c == std::floor(c));  // every timed step called the same ops
+      CHECK(t >= 0);
+      CHECK(t <= last_ms);  // the longest first
+      last_ms = t;
+      calls += c;
+      ms += t;
+      by_op[o["op"].get<std::string>()] = c;
+    }
+    // Every backend call of the step, as the executor's own count has them (OpLog's
+    // per-thread counter, not the timer's spans).
+    CHECK(calls == st["ops_per_step_all"].get<double>());
+    CHECK(by_op["fused_attention"] == 7);
+    CHECK(by_op["fused_attention_backward"] == 4);
+    CHECK(by_op["adam_step_all"] == 1);
+    CHECK(ms > 0);
+    CHECK(ms <= j["step_ms"].get<double>());  // the ops ran inside the step
+    // The table's line for the stage, with the JSON's total.
+    char head[96];
+    std::snprintf(head, sizeof head, "  stage %d: %.3f ms in %.0f calls:", k, ms, calls);
+    CHECK(log.find(head) != std::string::npos);
+  }
+  CHECK(log.find("Time by op (trace.ops:") != std::string::npos);
+  // A run without trace.ops has none.
+  const auto [plain_log, plain] = train_and_report(llama, {"data.path=" + text, "output.dir=" + out_dir("op_times_off"),
+                                                           "trace.ops=false"});
+  CHECK_FALSE(plain["stages"][0].contains("op_times"));
+  CHECK(plain_log.find("Time by op") == std::string::npos);
+}
+
 TEST_CASE("a tiny GPT learns a text file through the pipeline, with validation") {
   const std::string text = write_text("fox.txt", 60);
   std::ostringstream log;
