@@ -384,6 +384,24 @@ step_speed() {
       done
     done
   done
+  # Where a K = 1 step's time goes, op by op (trace.ops), for the first size and precision:
+  # a run of its own, since two events around every op slow a step whose host is its bound.
+  # GPU_CHECK_SPEED_OPS=0 leaves it out.
+  local ops_size="${sizes[0]}" ops_precision="${precisions[0]}"
+  if [ "${GPU_CHECK_SPEED_OPS:-1}" != 0 ] && [ -f "$carry/llama_${ops_size}_speed.yaml" ]; then
+    local left=$((budget - (SECONDS - started)))
+    dir="$out/speed_${ops_size}_${ops_precision}_ops"
+    rm -rf "$dir"
+    if [ "$left" -ge 30 ]; then
+      timeout "$((left < per_run ? left : per_run))" "$carry/gpipe" train "$carry/llama_${ops_size}_speed.yaml" \
+        --set "model.dtype=$ops_precision" --set "pipeline.partitions=1" --set "pipeline.micro_batches=1" \
+        --set "pipeline.devices=[$speed_device]" --set "pipeline.recompute=$recompute" --set "train.steps=$steps" \
+        --set "trace.ops=true" --set "data.path=$carry/GPL-3" --set "output.dir=$dir" > "$dir.log" 2>&1 ||
+        record "speed_ops_${ops_size}_${ops_precision}" FAIL "gpipe with trace.ops: exit status $? ($dir.log)"
+    else
+      echo "$ops_size $ops_precision gpipe K=1 with trace.ops" >> "$out/speed_not_run.txt"
+    fi
+  fi
   local gpu_name="cpu" driver="" lines
   if [ -n "$speed_gpu" ]; then
     gpu_name="$(nvidia-smi -i "$speed_gpu" --query-gpu=name --format=csv,noheader)"
@@ -544,6 +562,22 @@ if gemm_rows:
            "(report.json's gemms, the 5 longest per micro-batch; device time between two CUDA events):", "",
            "| " + " | ".join(gh) + " |", "|" + "---|" * len(gh)]
     md += ["| " + " | ".join(row) + " |" for row in gemm_rows]
+# The trace.ops run: its stage's ops by their time a step (report.json's stages[0].op_times).
+import glob
+for path in sorted(glob.glob(os.path.join(out, "speed_*_ops", "report.json"))):
+    try:
+        rep = json.load(open(path))
+        ops = rep["stages"][0]["op_times"]
+    except (OSError, ValueError, KeyError, IndexError):
+        continue
+    name = os.path.basename(os.path.dirname(path))[len("speed_"):-len("_ops")]
+    total = sum(o["ms_per_step"] for o in ops)
+    oh = ["op", "calls a step", "ms a step", "share of the ops' time"]
+    md += ["", f"Where gpipe's K = 1 step goes, op by op ({name}; its own run with trace.ops, two events "
+           f"around every op, CUDA events on a GPU; that run's step: {rep['step_ms']:.2f} ms, its ops' device time {total:.2f} ms; the "
+           "12 longest):", "", "| " + " | ".join(oh) + " |", "|" + "---|" * len(oh)]
+    md += [f"| {o['op']} | {o['calls_per_step']:.0f} | {o['ms_per_step']:.3f} | "
+           f"{100 * o['ms_per_step'] / total:.1f}% |" for o in ops[:12]] if total > 0 else []
 if not_run:
     md += ["", "Not run, the step's time budget spent: " + "; ".join(not_run) + "."]
 with open(os.path.join(out, "speed.md"), "w") as f:
