@@ -351,6 +351,25 @@ step_speed() {
   fi
   # Runs left out when the budget is spent: "size precision what" lines, for the table's notes.
   : > "$out/speed_not_run.txt"
+  # Where a K = 1 step's time goes, op by op (trace.ops), for the first size and precision:
+  # a run of its own, since two events around every op slow a step whose host is its bound;
+  # first, so that the budget the timed runs share cannot leave it out. GPU_CHECK_SPEED_OPS=0
+  # leaves it out.
+  local ops_size="${sizes[0]}" ops_precision="${precisions[0]}"
+  if [ "${GPU_CHECK_SPEED_OPS:-1}" != 0 ] && [ -f "$carry/llama_${ops_size}_speed.yaml" ]; then
+    local left=$((budget - (SECONDS - started)))
+    dir="$out/speed_${ops_size}_${ops_precision}_ops"
+    rm -rf "$dir"
+    if [ "$left" -ge 30 ]; then
+      timeout "$((left < per_run ? left : per_run))" "$carry/gpipe" train "$carry/llama_${ops_size}_speed.yaml" \
+        --set "model.dtype=$ops_precision" --set "pipeline.partitions=1" --set "pipeline.micro_batches=1" \
+        --set "pipeline.devices=[$speed_device]" --set "pipeline.recompute=$recompute" --set "train.steps=6" \
+        --set "trace.ops=true" --set "data.path=$carry/GPL-3" --set "output.dir=$dir" > "$dir.log" 2>&1 ||
+        record "speed_ops_${ops_size}_${ops_precision}" FAIL "gpipe with trace.ops: exit status $? ($dir.log)"
+    else
+      echo "$ops_size $ops_precision gpipe K=1 with trace.ops" >> "$out/speed_not_run.txt"
+    fi
+  fi
   for size in "${sizes[@]}"; do
     local config="$carry/llama_${size}_speed.yaml"
     [ -f "$config" ] || { record "speed_$size" FAIL "no $config (run prepare; sizes: GPU_CHECK_SPEED_SIZES)"; continue; }
@@ -384,24 +403,6 @@ step_speed() {
       done
     done
   done
-  # Where a K = 1 step's time goes, op by op (trace.ops), for the first size and precision:
-  # a run of its own, since two events around every op slow a step whose host is its bound.
-  # GPU_CHECK_SPEED_OPS=0 leaves it out.
-  local ops_size="${sizes[0]}" ops_precision="${precisions[0]}"
-  if [ "${GPU_CHECK_SPEED_OPS:-1}" != 0 ] && [ -f "$carry/llama_${ops_size}_speed.yaml" ]; then
-    local left=$((budget - (SECONDS - started)))
-    dir="$out/speed_${ops_size}_${ops_precision}_ops"
-    rm -rf "$dir"
-    if [ "$left" -ge 30 ]; then
-      timeout "$((left < per_run ? left : per_run))" "$carry/gpipe" train "$carry/llama_${ops_size}_speed.yaml" \
-        --set "model.dtype=$ops_precision" --set "pipeline.partitions=1" --set "pipeline.micro_batches=1" \
-        --set "pipeline.devices=[$speed_device]" --set "pipeline.recompute=$recompute" --set "train.steps=$steps" \
-        --set "trace.ops=true" --set "data.path=$carry/GPL-3" --set "output.dir=$dir" > "$dir.log" 2>&1 ||
-        record "speed_ops_${ops_size}_${ops_precision}" FAIL "gpipe with trace.ops: exit status $? ($dir.log)"
-    else
-      echo "$ops_size $ops_precision gpipe K=1 with trace.ops" >> "$out/speed_not_run.txt"
-    fi
-  fi
   local gpu_name="cpu" driver="" lines
   if [ -n "$speed_gpu" ]; then
     gpu_name="$(nvidia-smi -i "$speed_gpu" --query-gpu=name --format=csv,noheader)"

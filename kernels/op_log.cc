@@ -41,8 +41,7 @@ OpCall::OpCall(const char* op, bool returns) : outermost_(depth++ == 0) {
   ++calls;
   inner_read = false;
   if (OpTimer* timer = OpTimer::on_this_thread()) {
-    timer->before(op);
-    timed_ = true;
+    if (timer->before(op, &span_)) timer_ = timer;
   }
   if (alive.load(std::memory_order_relaxed) == nullptr) return;
   call_ = std::make_unique<OpLog::Call>();
@@ -53,9 +52,7 @@ OpCall::OpCall(const char* op, bool returns) : outermost_(depth++ == 0) {
 
 OpCall::~OpCall() {
   --depth;
-  if (timed_) {
-    if (OpTimer* timer = OpTimer::on_this_thread()) timer->after();
-  }
+  if (timer_ != nullptr) timer_->after(span_);
   if (call_ == nullptr) return;
   call_->returns = call_->returns || inner_read;
   OpLog::note(std::move(*call_));
@@ -86,30 +83,43 @@ Event& OpTimer::next_event() {
   return *pool_[used_++];
 }
 
-void OpTimer::before(const char* op) {
-  Event& e = next_event();
-  e.record(stream_);
-  spans_.push_back({op, &e, nullptr});
+bool OpTimer::before(const char* op, size_t* span) noexcept {
+  if (failed_) return false;
+  try {
+    Event& e = next_event();
+    e.record(stream_);
+    *span = spans_.size();
+    spans_.push_back({op, &e, nullptr});
+    return true;
+  } catch (...) {  // a device error: the op itself meets it, and the step reports it
+    failed_ = true;
+    return false;
+  }
 }
 
-void OpTimer::after() {
-  // The outermost call's: the last span opened on this thread, which nothing inside it
-  // closed (only outermost calls are timed).
-  GPIPE_CHECK(!spans_.empty() && spans_.back().end == nullptr, "OpTimer: an op's end without its start");
-  Event& e = next_event();
-  e.record(stream_);
-  spans_.back().end = &e;
+void OpTimer::after(size_t span) noexcept {
+  if (failed_ || span >= spans_.size()) return;
+  try {
+    Event& e = next_event();
+    e.record(stream_);
+    spans_[span].end = &e;
+  } catch (...) {
+    failed_ = true;
+  }
 }
 
 std::vector<OpTimer::Total> OpTimer::resolve() {
   std::vector<Total> out;
+  if (failed_) {
+    clear();
+    return out;
+  }
   for (const Span& s : spans_) {
-    if (s.end == nullptr) continue;
-    s.end->synchronize();
+    if (s.end == nullptr) continue;  // still open: an op the step left (none in a step that ended)
     auto it = std::find_if(out.begin(), out.end(), [&](const Total& t) { return t.op == s.op; });
     if (it == out.end()) it = out.insert(out.end(), Total{s.op, 0, 0.0});
     ++it->calls;
-    it->ms += s.begin->elapsed_ms(*s.end);
+    it->ms += s.begin->elapsed_ms(*s.end);  // waits for both events (done: the stream has synchronised)
   }
   clear();
   return out;
@@ -118,6 +128,7 @@ std::vector<OpTimer::Total> OpTimer::resolve() {
 void OpTimer::clear() {
   spans_.clear();
   used_ = 0;
+  failed_ = false;
 }
 
 }  // namespace gpipe

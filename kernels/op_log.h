@@ -48,6 +48,8 @@ class OpLog {
 // makes inside (a composition of other ops, the copy of a host read) are part of it; it
 // returns a value to the host if it or any call inside did. WideningBackend opens one
 // per op, Backend::read_step_scalars and write_step_scalars one each.
+class OpTimer;
+
 class OpCall {
  public:
   OpCall(const char* op, bool returns);
@@ -60,7 +62,8 @@ class OpCall {
 
  private:
   bool outermost_ = false;
-  bool timed_ = false;  // an OpTimer on this thread recorded its start
+  OpTimer* timer_ = nullptr;  // the OpTimer that recorded its start (its span: timer_->spans_[span_])
+  size_t span_ = 0;
   std::unique_ptr<OpLog::Call> call_;  // made only while a log is alive: nothing else on the op's path
 };
 
@@ -82,9 +85,11 @@ class OpTimer {
     double ms = 0;
   };
   // After the stream has synchronised: the ops recorded since the last resolve, in the
-  // order each was first called; their events are reused by the next ones. An op whose
-  // end was not recorded (it failed) is left out.
+  // order each was first called; their events are reused by the next ones. An op that
+  // threw is timed to where it stopped. Nothing when an event could not be recorded
+  // (failed(): a device error, which the step reports on its own).
   std::vector<Total> resolve();
+  bool failed() const { return failed_; }
   // Drops what was recorded (a step that failed before its resolve).
   void clear();
 
@@ -103,8 +108,9 @@ class OpTimer {
  private:
   friend class OpCall;
   static OpTimer* on_this_thread();
-  void before(const char* op);
-  void after();
+  // Never throw (OpCall's destructor calls after): a failure marks the timer failed.
+  bool before(const char* op, size_t* span) noexcept;
+  void after(size_t span) noexcept;
   Event& next_event();
 
   Device device_;
@@ -117,6 +123,7 @@ class OpTimer {
   std::vector<Span> spans_;
   std::vector<std::unique_ptr<Event>> pool_;  // reused from step to step
   size_t used_ = 0;
+  bool failed_ = false;
 };
 
 }  // namespace gpipe

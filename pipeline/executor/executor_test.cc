@@ -229,6 +229,13 @@ TEST_CASE("every instruction is timed, in order, within the step") {
       CHECK(back.op_times[i].calls == sent.op_times[i].calls);
       CHECK(back.op_times[i].ms == sent.op_times[i].ms);
     }
+    CHECK(decode_trace(encode_trace(r.stages[k]), k).op_times.empty());  // none timed: none back
+    // A name's length that is not a count within the message is refused, not read.
+    std::vector<double> bad = encode_trace(sent);
+    for (double len : {-1.0, 1e30, 2.5, std::nan("")}) {
+      bad[6 + 2] = len;  // the first op time's name length, after its calls and ms
+      CHECK_THROWS_WITH_AS(decode_trace(bad, k), doctest::Contains("malformed timings from stage"), Error);
+    }
     CHECK(back.peak_activation_bytes == r.stages[k].peak_activation_bytes);
     CHECK(back.optimizer_bytes == 12345 + k);
     CHECK(back.other_ops == 7 + k);

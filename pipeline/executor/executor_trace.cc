@@ -2,6 +2,7 @@
 // (encode_trace, decode_trace in executor.h): the trace's wire format.
 #include "pipeline/executor/executor.h"
 
+#include <cmath>
 #include <string>
 #include <utility>
 
@@ -44,15 +45,19 @@ StageTrace decode_trace(const std::vector<double>& v, int stage) {
   t.optimizer_bytes = static_cast<int64_t>(v[2]);
   t.other_ops = static_cast<int64_t>(v[3]);
   t.captured_nodes = static_cast<int64_t>(v[4]);
+  // A count or a length: a whole number from 0 to `most`, checked before it is cast.
+  auto count = [&](double x, size_t most) {
+    GPIPE_CHECK(std::isfinite(x) && x >= 0 && x == std::floor(x) && x <= static_cast<double>(most), malformed);
+    return static_cast<size_t>(x);
+  };
   size_t at = kHeader;
-  for (int64_t n = static_cast<int64_t>(v[5]); n > 0; --n) {
-    GPIPE_CHECK(at + 3 <= v.size(), malformed);
+  for (size_t n = count(v[5], v.size()); n > 0; --n) {
+    GPIPE_CHECK(v.size() - at >= 3, malformed);
     OpTimer::Total o;
-    o.calls = static_cast<int64_t>(v[at]);
+    o.calls = static_cast<int64_t>(count(v[at], size_t{1} << 53));
     o.ms = v[at + 1];
-    const size_t len = static_cast<size_t>(v[at + 2]);
+    const size_t len = count(v[at + 2], v.size() - at - 3);
     at += 3;
-    GPIPE_CHECK(at + len <= v.size(), malformed);
     for (size_t c = 0; c < len; ++c) o.op.push_back(static_cast<char>(static_cast<unsigned char>(v[at + c])));
     at += len;
     t.op_times.push_back(std::move(o));

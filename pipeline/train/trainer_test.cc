@@ -679,6 +679,13 @@ trace: {ops: true}
     CHECK(by_op["adam_step_all"] == 1);
     CHECK(ms > 0);
     CHECK(ms <= j["step_ms"].get<double>());  // the ops ran inside the step
+    // On a CPU a compute instruction is its ops' calls, and little else: their time is most
+    // of the stage's busy time (a timer that closed each span at its start would give ~0).
+    CHECK(ms >= 0.5 * st["busy_ms"].get<double>());
+    // The table shows the 6 longest and counts the rest.
+    const std::string rest = ", and " + std::to_string(st["op_times"].size() - 6) + " more ops ";
+    CHECK(st["op_times"].size() > 6);
+    CHECK(log.find(rest) != std::string::npos);
     // The table's line for the stage, with the JSON's total.
     char head[96];
     std::snprintf(head, sizeof head, "  stage %d: %.3f ms in %.0f calls:", k, ms, calls);
