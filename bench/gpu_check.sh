@@ -28,6 +28,9 @@
 #                   torch in python3 the PyTorch half is skipped. GPU_CHECK_SPEED_* change it
 #                   (see step_speed); GPU_CHECK_SPEED_DEVICE=cpu:0 GPU_CHECK_SPEED_SIZES=tiny
 #                   is a smoke run on a machine without a GPU
+#         plan      the planner after `gpipe profile` on the GPU: the 95M model profiled,
+#                   then trained at K = 1 and 4 with the profile; planned step against
+#                   measured, a FAIL beyond 20% (GPU_CHECK_PLAN_*)
 #       Full logs under $OUT (or /tmp/gpu_check); the table is printed last. A step that
 #       the machine cannot run (one GPU, no mpirun, no compute-sanitizer) is reported as
 #       skipped, never as passed.
@@ -37,7 +40,8 @@
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/.."
 carry="${GPU_CHECK_CARRY:-.gpu_carry}"  # another folder of prepare's files, e.g. for a smoke run
-tests=(cuda_backend_test cuda_conv_test cuda_elementwise_test cuda_llama_test gpu_layers_test gpu_pipeline_test)
+# GPU_CHECK_TESTS (a space-separated list) runs some of them, in tests and sanitize.
+read -ra tests <<< "${GPU_CHECK_TESTS:-cuda_backend_test cuda_conv_test cuda_elementwise_test cuda_llama_test gpu_layers_test gpu_pipeline_test}"
 
 prepare() {
   set -e
@@ -594,13 +598,55 @@ PY
   fi
 }
 
+# The planner after `gpipe profile` (issue 37: within 20% of the measured step on the GPU):
+# the config profiled on the device at the micro-batches of K = 1 and K = 4 (M = K), then
+# trained at both with that profile; each run's planned step against its measured one (the
+# report's mean of the timed steps). A plan further off than 20% is a FAIL.
+step_plan() {
+  local size="${GPU_CHECK_PLAN_SIZE:-95m}" precision="${GPU_CHECK_PLAN_PRECISION:-bf16}"
+  local dev="${GPU_CHECK_SPEED_DEVICE:-cuda:0}" k dir line
+  local config="$carry/llama_${size}_speed.yaml" prof="$out/plan_${size}_profile.json"
+  [ -f "$config" ] || { record plan FAIL "no $config (run prepare)"; return; }
+  local batch
+  batch="$(python3 -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['train']['batch_size'])" "$config" 2>/dev/null ||
+           sed -n -E 's/.*batch_size: *([0-9]+).*/\1/p' "$config" | head -n 1)"
+  local common=(--set "model.dtype=$precision" --set "data.path=$carry/GPL-3" --set "pipeline.profile=$prof")
+  if ! timeout "${GPU_CHECK_PLAN_TIMEOUT:-240}" "$carry/gpipe" profile "$config" "${common[@]}" \
+         --set "pipeline.devices=[$dev]" --micro-batches "$batch,$((batch / 4))" > "$out/plan_profile.log" 2>&1; then
+    record plan FAIL "gpipe profile failed ($out/plan_profile.log)"
+    return
+  fi
+  for k in 1 4; do
+    dir="$out/plan_${size}_k$k"
+    rm -rf "$dir"
+    if ! timeout "${GPU_CHECK_PLAN_TIMEOUT:-240}" "$carry/gpipe" train "$config" "${common[@]}" \
+           --set "pipeline.partitions=$k" --set "pipeline.micro_batches=$k" \
+           --set "pipeline.devices=[$(yes "$dev" | head -n "$k" | paste -sd,)]" --set "pipeline.recompute=never" \
+           --set "train.steps=12" --set "output.dir=$dir" > "$dir.log" 2>&1; then
+      record "plan_${size}_k$k" FAIL "gpipe train failed ($dir.log)"
+      continue
+    fi
+    line="$(python3 - "$dir/report.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+planned, measured = r["prediction"]["step_ms"], r["step_ms"]
+off = planned / measured - 1
+src = r["prediction"]["source"]
+print(("pass" if abs(off) <= 0.2 else "FAIL") +
+      f"|planned {planned:.2f} ms, measured {measured:.2f} ms ({100 * off:+.1f}%); costs: {src}")
+PY
+)" || line="FAIL|no report ($dir)"
+    record "plan_${size}_k$k" "${line%%|*}" "${line#*|}"
+  done
+}
+
 run() {
   out="${OUT:-/tmp/gpu_check}"
   mkdir -p "$out"
   [ -d "$carry/lib" ] || tar -C "$carry" -xJf "$carry/lib.tar.xz" ||
     { echo "gpu_check: cannot unpack $carry/lib.tar.xz; run prepare here first" >&2; exit 2; }
   local cuda_libs steps=("$@") s
-  [ "${#steps[@]}" -gt 0 ] || steps=(tests sanitize lm smi nccl bench speed)
+  [ "${#steps[@]}" -gt 0 ] || steps=(tests sanitize lm smi nccl bench speed plan)
   run_command="bench/gpu_check.sh run $*"
   cuda_libs="$(ls -d /usr/local/cuda*/lib64 2>/dev/null | tr '\n' ':')"
   cuda_libs+="$(ldconfig -p | awk '/libcublas|libnccl|libcudnn|libnvrtc/ { sub(/\/[^\/]*$/, "", $NF); print $NF }' | sort -u | tr '\n' ':')"
@@ -609,8 +655,11 @@ run() {
                   -o -name 'libcudart.so.13' -o -name 'libnvrtc.so.13' \) 2>/dev/null | xargs -r -n1 dirname | sort -u | tr '\n' ':')"
   export LD_LIBRARY_PATH="$(cd "$carry" && pwd)/lib:${cuda_libs}${LD_LIBRARY_PATH:-}"
   export CUDA_DEVICE_ORDER=PCI_BUS_ID  # CUDA's device numbers are nvidia-smi's
-  if [ "${steps[*]}" = speed ] && [[ "${GPU_CHECK_SPEED_DEVICE:-cuda:0}" == cpu* ]]; then
-    echo "none: a smoke run of the speed step on CPU stages (GPU_CHECK_SPEED_DEVICE=$GPU_CHECK_SPEED_DEVICE)" > "$out/gpu.txt"
+  local smoke=1  # only speed and plan, on CPU stages: a smoke run without a GPU
+  for s in "${steps[@]}"; do [[ "$s" == speed || "$s" == plan ]] || smoke=0; done
+  [[ "${GPU_CHECK_SPEED_DEVICE:-cuda:0}" == cpu* ]] || smoke=0
+  if [ "$smoke" = 1 ]; then
+    echo "none: a smoke run of the ${steps[*]} step on CPU stages (GPU_CHECK_SPEED_DEVICE=$GPU_CHECK_SPEED_DEVICE)" > "$out/gpu.txt"
   else
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1 ||
       { echo "gpu_check: nvidia-smi failed; is this the GPU machine?" >&2; exit 2; }
@@ -618,8 +667,8 @@ run() {
   fi
   for s in "${steps[@]}"; do
     case "$s" in
-      tests|sanitize|lm|smi|nccl|bench|speed) "step_$s" ;;
-      *) echo "gpu_check: unknown step '$s'; use tests, sanitize, lm, smi, nccl, bench or speed" >&2; exit 2 ;;
+      tests|sanitize|lm|smi|nccl|bench|speed|plan) "step_$s" ;;
+      *) echo "gpu_check: unknown step '$s'; use tests, sanitize, lm, smi, nccl, bench, speed or plan" >&2; exit 2 ;;
     esac
   done
   echo "GPU: $(tail -n 1 "$out/gpu.txt")"
@@ -633,5 +682,5 @@ run() {
 case "${1:-}" in
   prepare) prepare ;;
   run) shift; run "$@" ;;
-  *) echo "usage: bench/gpu_check.sh prepare | run [tests|sanitize|lm|smi|nccl|bench|speed]..." >&2; exit 2 ;;
+  *) echo "usage: bench/gpu_check.sh prepare | run [tests|sanitize|lm|smi|nccl|bench|speed|plan]..." >&2; exit 2 ;;
 esac

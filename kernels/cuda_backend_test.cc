@@ -578,7 +578,28 @@ TEST_CASE("linear_bias and linear_weight_grad (cuBLASLt's epilogues) equal the C
       cpu_be.cast(y_wide, y_cpu);
       Tensor y_gpu = bare.empty({z.r, z.n}, t);
       bare.linear_bias(x_gpu, to_gpu(w), to_gpu(bias), y_gpu);
-      GPIPE_EXPECT_CLOSE(y_gpu, y_cpu, step, t == DType::kF32 ? 1e-5 : 1e-3);
+      if (t == DType::kF32) {
+        GPIPE_EXPECT_CLOSE(y_gpu, y_cpu, step, 1e-5);
+      } else {
+        // cuBLASLt may round the product to the 16-bit type before its epilogue adds the
+        // bias: on an H200, for operands whose rows are not a multiple of 16 bytes, one
+        // element of a product that the bias cancelled came out 0 where rounding once gives
+        // -0.0013. Each element within a step of rounding once, or of the CPU's 16-bit
+        // composition, which rounds the product and then the sum.
+        Tensor y_twice = Tensor::empty({z.r, z.n}, t, Device::cpu());
+        cpu_be.linear_bias(x, w, bias, y_twice);
+        const std::vector<double> got = to_doubles(y_gpu), once = to_doubles(y_cpu), twice = to_doubles(y_twice);
+        int off = 0;
+        for (size_t e = 0; e < got.size(); ++e) {
+          auto near = [&](double want) { return std::fabs(got[e] - want) <= 1e-3 + step * std::fabs(want); };
+          if (!near(once[e]) && !near(twice[e]) && off++ < 5) {
+            INFO("element " << e << ": " << got[e] << ", rounded once " << once[e] << ", twice " << twice[e]);
+            CHECK(false);
+          }
+        }
+        CHECK(off == 0);
+        if (aligned) GPIPE_EXPECT_CLOSE(y_gpu, y_cpu, step, 1e-3);  // one rounding where cuBLASLt takes the epilogue
+      }
       // W, into float32 gradients (a 16-bit model's masters; a float32 model's own).
       Tensor dw_cpu = clone(dw0), db_cpu = clone(db0);
       Tensor dw_gpu = to_gpu(dw0), db_gpu = to_gpu(db0);

@@ -526,21 +526,34 @@ struct AdamScalars {
   bool decay_weights;   // decoupled && weight_decay != 0
 };
 
-// Element i of one Adam step (the single-tensor and the multi-tensor kernel's arithmetic).
+// Products and sums rounded each on its own: never contracted into an FMA, whose use the
+// compiler decides kernel by kernel (an H200 found the single-tensor and the multi-tensor
+// AdamW a bit apart where the decay's product met the update's difference).
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
+
+// Element i of one Adam step (the single-tensor and the multi-tensor kernel's arithmetic),
+// every operation rounded on its own, so that both kernels give the same bits.
 template <typename T>
 __device__ __forceinline__ void adam_update(T* w, const T* grad, T* m, T* v, int64_t i, const AdamScalars<T>& s) {
   T param = w[i];
   T g = grad[i];
   if (s.decoupled) {
-    if (s.decay_weights) param *= s.decay;
+    if (s.decay_weights) param = mul_rn(param, s.decay);
   } else {
-    g += s.weight_decay * param;
+    g = add_rn(g, mul_rn(s.weight_decay, param));
   }
-  const T mi = s.beta1 * m[i] + (T(1) - s.beta1) * g;
-  const T vi = s.beta2 * v[i] + (T(1) - s.beta2) * g * g;
+  const T mi = add_rn(mul_rn(s.beta1, m[i]), mul_rn(T(1) - s.beta1, g));
+  const T vi = add_rn(mul_rn(s.beta2, v[i]), mul_rn(mul_rn(T(1) - s.beta2, g), g));
   m[i] = mi;
   v[i] = vi;
-  w[i] = param - s.lr * (mi / s.bias_correction1) / (dev_sqrt(vi / s.bias_correction2) + s.eps);
+  const T step = div_rn(mul_rn(s.lr, div_rn(mi, s.bias_correction1)),
+                        add_rn(dev_sqrt(div_rn(vi, s.bias_correction2)), s.eps));
+  w[i] = add_rn(param, -step);
 }
 
 template <typename T>
