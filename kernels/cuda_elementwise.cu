@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "kernels/broadcast.h"
@@ -498,23 +500,108 @@ __global__ void rmsnorm_weight_terms_kernel(const S* dy, const S* x, const Maste
   }
 }
 
+// 16-bit operands eight at a time: one 16-byte load or store for eight elements, where every
+// pointer of the call is 16-byte aligned (the allocator's blocks are; a view into one need not
+// be: vec8_aligned), and one element at a time otherwise and for the last n % 8. Each
+// element's formula is the same either way.
+constexpr int kVec = 8;
+union Bits8 {
+  uint4 raw;
+  uint16_t bits[kVec];
+};
 template <typename S>
-__global__ void swiglu_kernel(const S* a, const S* b, S* y, int64_t n) {
-  using M = Master<S>;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const M s = ops::unary_value(Unary::kSilu, load(a[i]));
-    store(s * load(b[i]), y[i]);
+__device__ __forceinline__ Bits8 load8(const S* p, int64_t j) {
+  Bits8 v;
+  v.raw = reinterpret_cast<const uint4*>(p)[j];
+  return v;
+}
+template <typename S>
+__device__ __forceinline__ void store8(S* p, int64_t j, const Bits8& v) {
+  reinterpret_cast<uint4*>(p)[j] = v.raw;
+}
+template <typename S>
+__device__ __forceinline__ float lane(const Bits8& v, int e) {
+  S s;
+  s.bits = v.bits[e];
+  return load(s);
+}
+template <typename S>
+__device__ __forceinline__ void set_lane(float f, Bits8& v, int e) {
+  S s;
+  store(f, s);
+  v.bits[e] = s.bits;
+}
+bool vec8_aligned(std::initializer_list<const void*> ptrs) {
+  for (const void* p : ptrs) {
+    if (reinterpret_cast<uintptr_t>(p) % sizeof(uint4) != 0) return false;
   }
+  return true;
+}
+// Blocks for n elements, n / 8 of them eight at a time when `vec`.
+unsigned vec8_blocks(int64_t n, bool vec) { return elementwise_blocks(vec ? (n + kVec - 1) / kVec : n); }
+
+// SwiGLU's gate of one element, and its two gradients (da, db).
+template <typename M>
+__device__ __forceinline__ M swiglu_value(M a, M b) {
+  const M s = ops::unary_value(Unary::kSilu, a);
+  return s * b;
+}
+template <typename M>
+__device__ __forceinline__ void swiglu_grads(M d, M a, M b, M* da, M* db) {
+  const M sig = ops::sigmoid_of(a);  // once, for SiLU's value and its slope
+  *db = d * ops::silu_from_sigmoid(a, sig);
+  *da = (d * b) * ops::silu_slope_from_sigmoid(a, sig);
+}
+
+// `vec` (16-bit S only): every pointer 16-byte aligned, eight elements a load.
+template <typename S>
+__global__ void swiglu_kernel(const S* a, const S* b, S* y, int64_t n, bool vec) {
+  using M = Master<S>;
+  const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
+  int64_t done = 0;
+  if constexpr (sizeof(S) == 2) {
+    if (vec) {
+      for (int64_t j = first; j < n / kVec; j += stride) {
+        const Bits8 av = load8(a, j), bv = load8(b, j);
+        Bits8 yv;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) set_lane<S>(swiglu_value(lane<S>(av, e), lane<S>(bv, e)), yv, e);
+        store8(y, j, yv);
+      }
+      done = n / kVec * kVec;
+    }
+  }
+  for (int64_t i = done + first; i < n; i += stride) store(swiglu_value<M>(load(a[i]), load(b[i])), y[i]);
 }
 
 template <typename S>
-__global__ void swiglu_backward_kernel(const S* dy, const S* a, const S* b, S* da, S* db, int64_t n) {
+__global__ void swiglu_backward_kernel(const S* dy, const S* a, const S* b, S* da, S* db, int64_t n, bool vec) {
   using M = Master<S>;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const M av = load(a[i]), d = load(dy[i]);
-    const M sig = ops::sigmoid_of(av);  // once, for SiLU's value and its slope
-    store(d * ops::silu_from_sigmoid(av, sig), db[i]);
-    store((d * load(b[i])) * ops::silu_slope_from_sigmoid(av, sig), da[i]);
+  const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
+  int64_t done = 0;
+  if constexpr (sizeof(S) == 2) {
+    if (vec) {
+      for (int64_t j = first; j < n / kVec; j += stride) {
+        const Bits8 dv = load8(dy, j), av = load8(a, j), bv = load8(b, j);
+        Bits8 dav, dbv;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          float ga, gb;
+          swiglu_grads(lane<S>(dv, e), lane<S>(av, e), lane<S>(bv, e), &ga, &gb);
+          set_lane<S>(gb, dbv, e);
+          set_lane<S>(ga, dav, e);
+        }
+        store8(db, j, dbv);
+        store8(da, j, dav);
+      }
+      done = n / kVec * kVec;
+    }
+  }
+  for (int64_t i = done + first; i < n; i += stride) {
+    M ga, gb;
+    swiglu_grads<M>(load(dy[i]), load(a[i]), load(b[i]), &ga, &gb);
+    store(gb, db[i]);
+    store(ga, da[i]);
   }
 }
 
@@ -543,10 +630,20 @@ __global__ void rope_narrow_kernel(const S* x, S* y, int64_t n, int64_t seq, int
 }
 
 template <typename S>
-__global__ void axpy_narrow_kernel(float alpha, const S* x, S* y, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    store(load(y[i]) + alpha * load(x[i]), y[i]);
+__global__ void axpy_narrow_kernel(float alpha, const S* x, S* y, int64_t n, bool vec) {
+  const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
+  int64_t done = 0;
+  if (vec) {
+    for (int64_t j = first; j < n / kVec; j += stride) {
+      const Bits8 xv = load8(x, j);
+      Bits8 yv = load8(y, j);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) set_lane<S>(lane<S>(yv, e) + alpha * lane<S>(xv, e), yv, e);
+      store8(y, j, yv);
+    }
+    done = n / kVec * kVec;
   }
+  for (int64_t i = done + first; i < n; i += stride) store(load(y[i]) + alpha * load(x[i]), y[i]);
 }
 
 }  // namespace
@@ -583,21 +680,24 @@ void rmsnorm_weight_terms(const S* dy, const S* x, const Master<S>* rstd, Master
 template <typename S>
 void swiglu(const S* a, const S* b, S* y, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
-  swiglu_kernel<S><<<elementwise_blocks(n), kThreads, 0, stream>>>(a, b, y, n);
+  const bool vec = sizeof(S) == 2 && vec8_aligned({a, b, y});
+  swiglu_kernel<S><<<vec8_blocks(n, vec), kThreads, 0, stream>>>(a, b, y, n, vec);
   GPIPE_CUDA_CHECK(cudaGetLastError());
 }
 
 template <typename S>
 void swiglu_backward(const S* dy, const S* a, const S* b, S* da, S* db, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
-  swiglu_backward_kernel<S><<<elementwise_blocks(n), kThreads, 0, stream>>>(dy, a, b, da, db, n);
+  const bool vec = sizeof(S) == 2 && vec8_aligned({dy, a, b, da, db});
+  swiglu_backward_kernel<S><<<vec8_blocks(n, vec), kThreads, 0, stream>>>(dy, a, b, da, db, n, vec);
   GPIPE_CUDA_CHECK(cudaGetLastError());
 }
 
 template <typename S>
 void axpy_narrow(double alpha, const S* x, S* y, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
-  axpy_narrow_kernel<S><<<elementwise_blocks(n), kThreads, 0, stream>>>(static_cast<float>(alpha), x, y, n);
+  const bool vec = vec8_aligned({x, y});
+  axpy_narrow_kernel<S><<<vec8_blocks(n, vec), kThreads, 0, stream>>>(static_cast<float>(alpha), x, y, n, vec);
   GPIPE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -17,6 +17,7 @@
 using namespace gpipe;
 using namespace gpipe::gpu_testing;
 using gpipe::testing::random_tensor;
+using gpipe::testing::to_doubles;
 
 TEST_CASE("rope and rope_backward match the CPU") {
   for (DType dt : kFloatTypes) {
@@ -195,6 +196,28 @@ TEST_CASE("fused ops, axpy, rope and embedding on bfloat16 and float16 round as 
       cpu().axpy(-0.75, dy64, r64);
       gpu().axpy(-0.75, dyg, rg);
       EXPECT_CLOSE_TOL(rg, r64, once);
+
+      // SwiGLU and the residual add take eight 16-bit elements a load where every operand is
+      // 16-byte aligned, and one at a time otherwise: views one row into their allocation
+      // (odd widths: 2-byte aligned) give the same bits as the aligned tensors above.
+      if (rows > 0 && cols % 8 != 0) {
+        auto view = [&](const Tensor& host) {  // host's rows, on the GPU one row into a larger allocation
+          Tensor all = to_gpu(random_tensor({rows + 1, cols}, t, 999));
+          Tensor v = all.narrow_rows(1, rows);
+          gpu().copy(to_gpu(host), v);
+          return v;
+        };
+        Tensor av = view(a), bv = view(b), dyv = view(dy), sv = view(a);
+        gpu().swiglu(av, bv, sv);
+        CHECK(to_doubles(sv) == to_doubles(sg));
+        Tensor dav = view(a), dbv = view(b);
+        gpu().swiglu_backward(dyv, av, bv, dav, dbv);
+        CHECK(to_doubles(dav) == to_doubles(dag));
+        CHECK(to_doubles(dbv) == to_doubles(dbg));
+        Tensor rv = view(x);
+        gpu().axpy(-0.75, dyv, rv);
+        CHECK(to_doubles(rv) == to_doubles(rg));
+      }
     }
     // rope on 16-bit storage: the widened CPU reference's rounding (float32, then the type),
     // so equal but where CUDA's cos and sin differ from glibc's in the last bit of a double.
