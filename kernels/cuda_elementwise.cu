@@ -491,15 +491,6 @@ __global__ void rmsnorm_backward_kernel(const S* dy, const S* x, const S* g, con
   }
 }
 
-template <typename S>
-__global__ void rmsnorm_weight_terms_kernel(const S* dy, const S* x, const Master<S>* rstd, Master<S>* terms,
-                                            int64_t rows, int64_t cols) {
-  const int64_t n = rows * cols;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    terms[i] = load(dy[i]) * (load(x[i]) * rstd[i / cols]);
-  }
-}
-
 // 16-bit operands eight at a time: one 16-byte load or store for eight elements, where every
 // pointer of the call is 16-byte aligned (the allocator's blocks are; a view into one need not
 // be: vec8_aligned), and one element at a time otherwise and for the last n % 8. Each
@@ -668,14 +659,6 @@ void rmsnorm_backward(const S* dy, const S* x, const S* g, const Master<S>* rstd
   GPIPE_CUDA_CHECK(cudaGetLastError());
 }
 
-template <typename S>
-void rmsnorm_weight_terms(const S* dy, const S* x, const Master<S>* rstd, Master<S>* terms, int64_t rows,
-                          int64_t cols, cudaStream_t stream) {
-  if (rows == 0 || cols == 0) return;
-  rmsnorm_weight_terms_kernel<S><<<elementwise_blocks(rows * cols), kThreads, 0, stream>>>(dy, x, rstd, terms, rows,
-                                                                                           cols);
-  GPIPE_CUDA_CHECK(cudaGetLastError());
-}
 
 template <typename S>
 void swiglu(const S* a, const S* b, S* y, int64_t n, cudaStream_t stream) {
@@ -705,8 +688,6 @@ void axpy_narrow(double alpha, const S* x, S* y, int64_t n, cudaStream_t stream)
   template void rmsnorm<S>(const S*, const S*, double, S*, Master<S>*, int64_t, int64_t, cudaStream_t);         \
   template void rmsnorm_backward<S>(const S*, const S*, const S*, const Master<S>*, S*, int64_t, int64_t,       \
                                     cudaStream_t);                                                              \
-  template void rmsnorm_weight_terms<S>(const S*, const S*, const Master<S>*, Master<S>*, int64_t, int64_t,     \
-                                        cudaStream_t);                                                          \
   template void swiglu<S>(const S*, const S*, S*, int64_t, cudaStream_t);                                       \
   template void swiglu_backward<S>(const S*, const S*, const S*, S*, S*, int64_t, cudaStream_t);
 GPIPE_FUSED_INSTANTIATE(float)

@@ -91,11 +91,14 @@ void rmsnorm(const S* x, const S* g, double eps, S* y, Master<S>* rstd, int64_t 
 template <typename S>
 void rmsnorm_backward(const S* dy, const S* x, const S* g, const Master<S>* rstd, S* dx, int64_t rows,
                       int64_t cols, cudaStream_t stream);
-// terms[r, c] = dy[r, c] x[r, c] rstd[r], the addends of RMSNorm's weight gradient
-// (whose column sums bias_grad adds into dg, in a fixed order).
+// RMSNorm's weight gradient: dg (cols) += the column sums of dy (x rstd) over (rows, cols),
+// each term dy (x rstd) made and rounded in the master type, summed as bias_grad
+// (kernels/cuda_kernels.h) sums (the same workspace, chunks and order), without a temporary
+// of the terms. Defined in cuda_kernels.cu, beside bias_grad.
 template <typename S>
-void rmsnorm_weight_terms(const S* dy, const S* x, const Master<S>* rstd, Master<S>* terms, int64_t rows,
-                          int64_t cols, cudaStream_t stream);
+void rmsnorm_weight_grad(const S* dy, const S* x, const Master<S>* rstd, Master<S>* dg, int64_t rows, int64_t cols,
+                         double* workspace, cudaStream_t stream);
+
 // y = silu(a) b; (n) elements. y may alias a or b.
 template <typename S>
 void swiglu(const S* a, const S* b, S* y, int64_t n, cudaStream_t stream);

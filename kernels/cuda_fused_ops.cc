@@ -2,11 +2,13 @@
 // swiglu, swiglu_backward): the checks of kernels/row_checks.h, one kernel of
 // kernels/cuda_elementwise.cu each (the weight gradient: its terms, then bias_grad's fixed-order
 // column sums). A file of its own, so that it merges apart from cuda_backend.cc.
+#include <algorithm>
 #include <initializer_list>
 #include <type_traits>
 
 #include "kernels/cuda_backend.h"
 #include "kernels/cuda_elementwise.h"
+#include "kernels/cuda_kernels.h"
 #include "kernels/row_checks.h"
 #include "runtime/cuda_device.h"
 
@@ -47,17 +49,16 @@ void CudaBackend::rmsnorm_weight_grad(const Tensor& dy, const Tensor& x, const T
   for (const Tensor* t : std::initializer_list<const Tensor*>{&dy, &x, &rstd, &dg}) {
     check_on_device(*t, "rmsnorm_weight_grad");
   }
-  Tensor terms = empty({d.rows, d.cols}, master_dtype(x.dtype()));  // dy * xhat, in the master type
-  {
-    DeviceGuard guard(device_.index);
-    dispatch_storage(x, [&](auto* tag) {
-      using S = std::remove_pointer_t<decltype(tag)>;
-      using M = cuda::Master<S>;
-      cuda::rmsnorm_weight_terms(dy.data<S>(), x.data<S>(), rstd.data<M>(), terms.data<M>(), d.rows, d.cols,
-                                 cuda_stream());
-    });
-  }
-  bias_grad(terms, dg, /*beta=*/1.0);
+  // bias_grad of the terms dy * xhat, each made where it is added: the same sums, in the
+  // same order, without a (rows, cols) temporary.
+  Tensor work = empty({std::max<int64_t>(cuda::bias_grad_workspace(d.rows, d.cols), 1)}, DType::kF64);
+  DeviceGuard guard(device_.index);
+  dispatch_storage(x, [&](auto* tag) {
+    using S = std::remove_pointer_t<decltype(tag)>;
+    using M = cuda::Master<S>;
+    cuda::rmsnorm_weight_grad(dy.data<S>(), x.data<S>(), rstd.data<M>(), dg.data<M>(), d.rows, d.cols,
+                              work.data<double>(), cuda_stream());
+  });
 }
 
 void CudaBackend::swiglu(const Tensor& a, const Tensor& b, Tensor& y) {

@@ -190,10 +190,12 @@ __global__ void add_bias_kernel(S* y, const S* bias, int64_t rows, int64_t cols)
 // partial (chunks, cols). Block (kTileCols, kBiasGradRowLanes): thread (x, y) sums rows
 // start + y, start + y + 16, ... of column x (coalesced across the warp), then a
 // shared-memory tree over y adds the 16 partial sums. Chunks spread a tall matrix over
-// the whole GPU (a few column tiles alone would occupy a handful of SMs).
-template <typename T>
-__global__ void bias_grad_partial_kernel(const T* dy, double* partial, int64_t rows, int64_t cols,
-                                         int64_t rows_per_chunk) {
+// the whole GPU (a few column tiles alone would occupy a handful of SMs). `Elem` gives the
+// addend at (row, col): dy's element (ColumnOf), or RMSNorm's weight-gradient term
+// (RmsNormWeightTerm), so that both sum in the same order.
+template <typename Elem>
+__global__ void column_sums_partial_kernel(Elem elem, double* partial, int64_t rows, int64_t cols,
+                                           int64_t rows_per_chunk) {
   __shared__ double part[kBiasGradRowLanes][kTileCols];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t col = static_cast<int64_t>(blockIdx.x) * kTileCols + tx;
@@ -202,7 +204,7 @@ __global__ void bias_grad_partial_kernel(const T* dy, double* partial, int64_t r
   const int64_t end = start + rows_per_chunk < rows ? start + rows_per_chunk : rows;
   double acc = 0.0;
   if (col < cols) {
-    for (int64_t r = start + ty; r < end; r += kBiasGradRowLanes) acc += static_cast<double>(dy[r * cols + col]);
+    for (int64_t r = start + ty; r < end; r += kBiasGradRowLanes) acc += elem(r, col);
   }
   part[ty][tx] = acc;
   __syncthreads();
@@ -212,6 +214,30 @@ __global__ void bias_grad_partial_kernel(const T* dy, double* partial, int64_t r
   }
   if (ty == 0 && col < cols) partial[chunk * cols + col] = part[0][tx];
 }
+
+// dy[r, c], widened to double.
+template <typename T>
+struct ColumnOf {
+  const T* dy;
+  int64_t cols;
+  __device__ double operator()(int64_t r, int64_t c) const { return static_cast<double>(dy[r * cols + c]); }
+};
+
+// RMSNorm's weight-gradient addend dy[r, c] (x[r, c] rstd[r]), computed in the master type
+// M and rounded to it (as the (rows, cols) temporary of terms before held it), then widened
+// to double.
+template <typename S>
+struct RmsNormWeightTerm {
+  const S* dy;
+  const S* x;
+  const Wide<S>* rstd;
+  int64_t cols;
+  __device__ double operator()(int64_t r, int64_t c) const {
+    const int64_t i = r * cols + c;
+    const Wide<S> term = load(dy[i]) * (load(x[i]) * rstd[r]);
+    return static_cast<double>(term);
+  }
+};
 
 // db: (cols) = (accumulate ? beta * db : 0) + the chunks' partial sums, added in chunk
 // order (deterministic) and rounded once.
@@ -1104,10 +1130,29 @@ void launch_bias_grad(const T* dy, T* db, int64_t rows, int64_t cols, double bet
   const int64_t rows_per_chunk = std::max<int64_t>((rows + chunks - 1) / chunks, 1);
   const dim3 block(kTileCols, kBiasGradRowLanes);
   const dim3 grid(static_cast<unsigned>((cols + kTileCols - 1) / kTileCols), static_cast<unsigned>(chunks));
-  bias_grad_partial_kernel<T><<<grid, block, 0, stream>>>(dy, workspace, rows, cols, rows_per_chunk);
+  column_sums_partial_kernel<<<grid, block, 0, stream>>>(ColumnOf<T>{dy, cols}, workspace, rows, cols,
+                                                         rows_per_chunk);
   GPIPE_CHECK_LAUNCH();
   bias_grad_final_kernel<T><<<elementwise_blocks(cols), kThreads, 0, stream>>>(workspace, db, chunks, cols,
                                                                               static_cast<T>(beta), beta != 0.0);
+  GPIPE_CHECK_LAUNCH();
+}
+
+// RMSNorm's weight gradient, dg += column sums of dy (x rstd): bias_grad of the terms, with
+// each term made where it is added (no (rows, cols) temporary), in the same order.
+template <typename S>
+void launch_rmsnorm_weight_grad(const S* dy, const S* x, const Wide<S>* rstd, Wide<S>* dg, int64_t rows,
+                                int64_t cols, double* workspace, cudaStream_t stream) {
+  if (cols == 0) return;
+  const int64_t chunks = row_chunks(rows);
+  const int64_t rows_per_chunk = std::max<int64_t>((rows + chunks - 1) / chunks, 1);
+  const dim3 block(kTileCols, kBiasGradRowLanes);
+  const dim3 grid(static_cast<unsigned>((cols + kTileCols - 1) / kTileCols), static_cast<unsigned>(chunks));
+  column_sums_partial_kernel<<<grid, block, 0, stream>>>(RmsNormWeightTerm<S>{dy, x, rstd, cols}, workspace, rows,
+                                                         cols, rows_per_chunk);
+  GPIPE_CHECK_LAUNCH();
+  bias_grad_final_kernel<Wide<S>><<<elementwise_blocks(cols), kThreads, 0, stream>>>(workspace, dg, chunks, cols,
+                                                                                    Wide<S>(1), true);
   GPIPE_CHECK_LAUNCH();
 }
 
@@ -1513,6 +1558,19 @@ void add_bias(double* y, const double* bias, int64_t rows, int64_t cols, cudaStr
 }
 
 int64_t bias_grad_workspace(int64_t rows, int64_t cols) { return row_chunks(rows) * cols; }
+template <typename S>
+void rmsnorm_weight_grad(const S* dy, const S* x, const Master<S>* rstd, Master<S>* dg, int64_t rows, int64_t cols,
+                         double* workspace, cudaStream_t stream) {
+  launch_rmsnorm_weight_grad(dy, x, rstd, dg, rows, cols, workspace, stream);
+}
+template void rmsnorm_weight_grad<float>(const float*, const float*, const float*, float*, int64_t, int64_t, double*,
+                                         cudaStream_t);
+template void rmsnorm_weight_grad<double>(const double*, const double*, const double*, double*, int64_t, int64_t,
+                                          double*, cudaStream_t);
+template void rmsnorm_weight_grad<BFloat16>(const BFloat16*, const BFloat16*, const float*, float*, int64_t, int64_t,
+                                            double*, cudaStream_t);
+template void rmsnorm_weight_grad<Half>(const Half*, const Half*, const float*, float*, int64_t, int64_t, double*,
+                                        cudaStream_t);
 void bias_grad(const float* dy, float* db, int64_t rows, int64_t cols, double beta, double* workspace,
                cudaStream_t stream) {
   launch_bias_grad(dy, db, rows, cols, beta, workspace, stream);
