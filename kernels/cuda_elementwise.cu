@@ -443,9 +443,9 @@ GPIPE_TENSOR_OPS(double)
 namespace {
 
 
-// One block per row: the sum of squares, then rstd and y = (x rstd) g. Each loop is unrolled
-// by 4, so that a thread's next loads are in flight while it adds (the H200 ran these at
-// half a device copy's rate one load at a time); the additions keep their order.
+// One block per row: the sum of squares, then rstd and y = (x rstd) g. The loops are
+// unrolled by 4: in the sums, a thread's next loads are in flight while it adds (the H200 ran
+// these at half a device copy's rate one load at a time), the additions in their order.
 template <typename S>
 __global__ void rmsnorm_kernel(const S* x, const S* g, double eps, S* y, Master<S>* rstd, int64_t cols) {
   using M = Master<S>;

@@ -100,6 +100,18 @@ __device__ __forceinline__ double neg_infinity<double>() { return -static_cast<d
 __device__ __forceinline__ float dev_sqrt(float x) { return sqrtf(x); }  // IEEE (no fast-math)
 __device__ __forceinline__ double dev_sqrt(double x) { return sqrt(x); }
 
+// Products and sums rounded each on its own: never contracted into an FMA, whose use the
+// compiler decides kernel by kernel (an H200 found the single-tensor and the multi-tensor
+// AdamW a bit apart where the decay's product met the update's difference; RMSNorm's
+// weight-gradient term would fuse into the sum that adds it).
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
+
+
 struct SumOp {
   template <typename T>
   __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
@@ -234,7 +246,10 @@ struct RmsNormWeightTerm {
   int64_t cols;
   __device__ double operator()(int64_t r, int64_t c) const {
     const int64_t i = r * cols + c;
-    const Wide<S> term = load(dy[i]) * (load(x[i]) * rstd[r]);
+    // Each product rounded, as when the term was stored before being added: for float64
+    // a plain product would fuse with the caller's sum into one FMA.
+    using W = Wide<S>;
+    const W term = mul_rn(static_cast<W>(load(dy[i])), mul_rn(static_cast<W>(load(x[i])), rstd[r]));
     return static_cast<double>(term);
   }
 };
@@ -551,16 +566,6 @@ struct AdamScalars {
   bool decoupled;
   bool decay_weights;   // decoupled && weight_decay != 0
 };
-
-// Products and sums rounded each on its own: never contracted into an FMA, whose use the
-// compiler decides kernel by kernel (an H200 found the single-tensor and the multi-tensor
-// AdamW a bit apart where the decay's product met the update's difference).
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ float div_rn(float a, float b) { return __fdiv_rn(a, b); }
-__device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(a, b); }
 
 // Element i of one Adam step (the single-tensor and the multi-tensor kernel's arithmetic),
 // every operation rounded on its own, so that both kernels give the same bits.
