@@ -28,6 +28,18 @@ void sigmoid_run(const T* x, int64_t n, T* s) {
 
 constexpr int64_t kSigmoidRun = 512;  // elements per run: its sigmoids stay in the L1 cache
 
+// f(i, sigmoid_of(x[i])) for each of the n elements, in order, their sigmoids a run of
+// kSigmoidRun at a time (sigmoid_run).
+template <typename T, typename F>
+void for_each_sigmoid(const T* x, int64_t n, F f) {
+  T sig[kSigmoidRun];
+  for (int64_t at = 0; at < n; at += kSigmoidRun) {
+    const int64_t m = std::min(kSigmoidRun, n - at);
+    sigmoid_run(x + at, m, sig);
+    for (int64_t i = 0; i < m; ++i) f(at + i, sig[i]);
+  }
+}
+
 }  // namespace
 
 void CpuBackend::unary_impl(Unary f, const Tensor& x, Tensor& y) {
@@ -40,12 +52,8 @@ void CpuBackend::unary_impl(Unary f, const Tensor& x, Tensor& y) {
     T* py = y.data<T>();
     const int64_t n = x.numel();
     if (f == Unary::kSilu || f == Unary::kSigmoid) {  // unary_value's formulas, the sigmoids a run at a time
-      T sig[kSigmoidRun];
-      for (int64_t at = 0; at < n; at += kSigmoidRun) {
-        const int64_t m = std::min(kSigmoidRun, n - at);
-        sigmoid_run(px + at, m, sig);
-        for (int64_t i = 0; i < m; ++i) py[at + i] = f == Unary::kSilu ? ops::silu_from_sigmoid(px[at + i], sig[i]) : sig[i];
-      }
+      const bool silu = f == Unary::kSilu;
+      for_each_sigmoid(px, n, [&](int64_t i, T sig) { py[i] = silu ? ops::silu_from_sigmoid(px[i], sig) : sig; });
       return;
     }
     for (int64_t i = 0; i < n; ++i) py[i] = ops::unary_value(f, px[i]);
@@ -64,16 +72,10 @@ void CpuBackend::unary_backward_impl(Unary f, const Tensor& x, const Tensor& dy,
     T* pdx = dx.data<T>();
     const int64_t n = x.numel();
     if (f == Unary::kSilu || f == Unary::kSigmoid) {  // unary_slope's formulas, the sigmoids a run at a time
-      T sig[kSigmoidRun];
-      for (int64_t at = 0; at < n; at += kSigmoidRun) {
-        const int64_t m = std::min(kSigmoidRun, n - at);
-        sigmoid_run(px + at, m, sig);
-        for (int64_t i = 0; i < m; ++i) {
-          const T slope = f == Unary::kSilu ? ops::silu_slope_from_sigmoid(px[at + i], sig[i])
-                                            : ops::sigmoid_slope_from_sigmoid(sig[i]);
-          pdx[at + i] = pdy[at + i] * slope;
-        }
-      }
+      const bool silu = f == Unary::kSilu;
+      for_each_sigmoid(px, n, [&](int64_t i, T sig) {
+        pdx[i] = pdy[i] * (silu ? ops::silu_slope_from_sigmoid(px[i], sig) : ops::sigmoid_slope_from_sigmoid(sig));
+      });
       return;
     }
     for (int64_t i = 0; i < n; ++i) pdx[i] = pdy[i] * ops::unary_slope(f, px[i]);
@@ -94,7 +96,6 @@ void CpuBackend::mul(const Tensor& a, const Tensor& b, Tensor& y) {
   });
 }
 
-
 void CpuBackend::swiglu(const Tensor& a, const Tensor& b, Tensor& y) {
   ops::check_float(a, "swiglu");
   ops::check_same(a, b, "swiglu");
@@ -104,15 +105,10 @@ void CpuBackend::swiglu(const Tensor& a, const Tensor& b, Tensor& y) {
     const T* pa = a.data<T>();
     const T* pb = b.data<T>();
     T* py = y.data<T>();
-    T sig[kSigmoidRun];
-    for (int64_t at = 0; at < a.numel(); at += kSigmoidRun) {
-      const int64_t n = std::min(kSigmoidRun, a.numel() - at);
-      sigmoid_run(pa + at, n, sig);
-      for (int64_t i = 0; i < n; ++i) {
-        const T s = ops::silu_from_sigmoid(pa[at + i], sig[i]);  // rounded to T, as unary's output
-        py[at + i] = s * pb[at + i];
-      }
-    }
+    for_each_sigmoid(pa, a.numel(), [&](int64_t i, T sig) {
+      const T s = ops::silu_from_sigmoid(pa[i], sig);  // rounded to T, as unary's output
+      py[i] = s * pb[i];
+    });
   });
 }
 
@@ -128,18 +124,13 @@ void CpuBackend::swiglu_backward(const Tensor& dy, const Tensor& a, const Tensor
     const T* pb = b.data<T>();
     T* pda = da.data<T>();
     T* pdb = db.data<T>();
-    T sig[kSigmoidRun];
-    for (int64_t at = 0; at < a.numel(); at += kSigmoidRun) {
-      const int64_t n = std::min(kSigmoidRun, a.numel() - at);
-      sigmoid_run(pa + at, n, sig);
-      for (int64_t i = 0; i < n; ++i) {
-        const T x = pa[at + i], d = pdy[at + i];
-        const T silu = ops::silu_from_sigmoid(x, sig[i]);  // each product rounded to T, as the composition's
-        const T dyb = d * pb[at + i];
-        pdb[at + i] = d * silu;
-        pda[at + i] = dyb * ops::silu_slope_from_sigmoid(x, sig[i]);
-      }
-    }
+    for_each_sigmoid(pa, a.numel(), [&](int64_t i, T sig) {
+      const T x = pa[i], d = pdy[i];
+      const T silu = ops::silu_from_sigmoid(x, sig);  // each product rounded to T, as the composition's
+      const T dyb = d * pb[i];
+      pdb[i] = d * silu;
+      pda[i] = dyb * ops::silu_slope_from_sigmoid(x, sig);
+    });
   });
 }
 

@@ -604,7 +604,6 @@ __global__ void swiglu_backward_kernel(const S* dy, const S* a, const S* b, S* d
 
 // One thread per position's pair, for all heads: n = B T D/2, index p = (b T + t) D/2 + i.
 // Its turn (a double pow, cos and sin) is computed once and turns pair i of each head.
-constexpr int kRopeGroup = 8;
 template <typename S>
 __global__ void rope_narrow_kernel(const S* x, S* y, int64_t n, int64_t seq, int64_t heads, int64_t head_dim,
                                    double base, double sign) {
@@ -613,30 +612,9 @@ __global__ void rope_narrow_kernel(const S* x, S* y, int64_t n, int64_t seq, int
     const int64_t i = p % half;
     const int64_t row = p / half;  // b T + t
     const ops::RopeTurn turn = ops::rope_turn(row % seq, i, head_dim, base, sign);
-    // kRopeGroup heads' pairs loaded before any is stored: y may be x, so a load after a
-    // store would wait for it.
-    for (int64_t h0 = 0; h0 < heads; h0 += kRopeGroup) {
-      const int64_t group = heads - h0 < kRopeGroup ? heads - h0 : kRopeGroup;
-      // Each pair as the float32 reference holds it, turned by its formula (rope_pair on a
-      // two-element row: element 0 pairs with element 1), then rounded to S.
-      float in[kRopeGroup][2];
-#pragma unroll
-      for (int k = 0; k < kRopeGroup; ++k) {
-        if (k >= group) break;
-        const S* px = x + (row * heads + h0 + k) * head_dim;
-        in[k][0] = load(px[i]);
-        in[k][1] = load(px[i + half]);
-      }
-#pragma unroll
-      for (int k = 0; k < kRopeGroup; ++k) {
-        if (k >= group) break;
-        S* py = y + (row * heads + h0 + k) * head_dim;
-        float out[2];
-        ops::rope_pair(in[k], out, 0, 1, turn);
-        store(out[0], py[i]);
-        store(out[1], py[i + half]);
-      }
-    }
+    // Each pair as the float32 reference holds it, turned by its formula, then rounded to S.
+    ops::rope_heads<float>(x + row * heads * head_dim, y + row * heads * head_dim, heads, head_dim, i, turn,
+                           [](S v) { return load(v); }, [](float v, S& out) { store(v, out); });
   }
 }
 

@@ -34,29 +34,8 @@ __global__ void rope_kernel(const T* x, T* y, int64_t n, int64_t seq, int64_t he
     const int64_t i = p % half;
     const int64_t row = p / half;  // b T + t
     const ops::RopeTurn turn = ops::rope_turn(row % seq, i, head_dim, base, sign);
-    // kGroup heads' pairs loaded before any is stored: y may be x, so a load after a store
-    // would wait for it. rope_pair on each two-element copy (element 0 pairs with 1).
-    constexpr int kGroup = 8;
-    for (int64_t h0 = 0; h0 < heads; h0 += kGroup) {
-      const int64_t group = heads - h0 < kGroup ? heads - h0 : kGroup;
-      T in[kGroup][2];
-#pragma unroll
-      for (int k = 0; k < kGroup; ++k) {
-        if (k >= group) break;
-        const T* px = x + (row * heads + h0 + k) * head_dim;
-        in[k][0] = px[i];
-        in[k][1] = px[i + half];
-      }
-#pragma unroll
-      for (int k = 0; k < kGroup; ++k) {
-        if (k >= group) break;
-        T* py = y + (row * heads + h0 + k) * head_dim;
-        T out[2];
-        ops::rope_pair(in[k], out, 0, 1, turn);
-        py[i] = out[0];
-        py[i + half] = out[1];
-      }
-    }
+    ops::rope_heads<T>(x + row * heads * head_dim, y + row * heads * head_dim, heads, head_dim, i, turn,
+                       [](T v) { return v; }, [](T v, T& out) { out = v; });
   }
 }
 

@@ -10,8 +10,10 @@
 
 #if defined(__CUDACC__)
 #define GPIPE_ROPE_FN __host__ __device__ inline
+#define GPIPE_ROPE_UNROLL _Pragma("unroll")
 #else
 #define GPIPE_ROPE_FN inline
+#define GPIPE_ROPE_UNROLL
 #endif
 
 namespace gpipe {
@@ -43,6 +45,38 @@ GPIPE_ROPE_FN void rope_pair(const T* x, T* y, int64_t i, int64_t half, RopeTurn
   const double a = static_cast<double>(x[i]), b = static_cast<double>(x[i + half]);
   y[i] = static_cast<T>(a * turn.c - b * turn.s);
   y[i + half] = static_cast<T>(b * turn.c + a * turn.s);
+}
+
+// Turns pair i of each of `heads` heads of one position: x and y point at the position's
+// first element, y may be x. kRopeGroup heads' pairs are read (load: an element into M) before
+// any is written (store: M into an element), since in place a read after a write waits for
+// it; each is turned by rope_pair on its two-element copy (element 0 pairs with 1). The CUDA
+// kernels' loop over the heads of a thread's pair.
+constexpr int kRopeGroup = 8;
+template <typename M, typename S, typename Load, typename Store>
+GPIPE_ROPE_FN void rope_heads(const S* x, S* y, int64_t heads, int64_t head_dim, int64_t i, RopeTurn turn, Load load,
+                              Store store) {
+  const int64_t half = head_dim / 2;
+  for (int64_t h0 = 0; h0 < heads; h0 += kRopeGroup) {
+    const int64_t group = heads - h0 < kRopeGroup ? heads - h0 : kRopeGroup;
+    M in[kRopeGroup][2];
+    GPIPE_ROPE_UNROLL
+    for (int k = 0; k < kRopeGroup; ++k) {
+      if (k >= group) break;
+      const S* px = x + (h0 + k) * head_dim;
+      in[k][0] = load(px[i]);
+      in[k][1] = load(px[i + half]);
+    }
+    GPIPE_ROPE_UNROLL
+    for (int k = 0; k < kRopeGroup; ++k) {
+      if (k >= group) break;
+      S* py = y + (h0 + k) * head_dim;
+      M out[2];
+      rope_pair(in[k], out, 0, 1, turn);
+      store(out[0], py[i]);
+      store(out[1], py[i + half]);
+    }
+  }
 }
 
 }  // namespace ops
