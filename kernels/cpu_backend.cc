@@ -162,6 +162,23 @@ void Backend::linear_weight_grad(const Tensor& dy, const Tensor& x, Tensor& dw, 
   bias_grad(dy, db, 1.0);
 }
 
+void Backend::linear_residual(const Tensor& x, const Tensor& w, const Tensor& residual, Tensor& y) {
+  matmul_weight(x, false, w, true, y);  // x (R, K) @ w^T (K, N)
+  axpy(1.0, residual, y);
+}
+
+void Backend::linear_input_grad_add(const Tensor& dy, const Tensor& w, Tensor& dx) {
+  Tensor part = empty(dx.shape(), dx.dtype());
+  matmul_weight(dy, false, w, false, part);  // dy (R, N) @ w (N, K)
+  axpy(1.0, part, dx);
+}
+
+void Backend::rmsnorm_backward_add(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& rstd,
+                                   const Tensor& residual, Tensor& dx) {
+  rmsnorm_backward(dy, x, g, rstd, dx);
+  axpy(1.0, residual, dx);
+}
+
 void Backend::swiglu(const Tensor& a, const Tensor& b, Tensor& y) {
   if (y.raw_data() == b.raw_data() && y.raw_data() != a.raw_data()) {  // y may alias b: s in a temporary
     Tensor s = empty(a.shape(), a.dtype());

@@ -623,6 +623,88 @@ TEST_CASE("linear_bias and linear_weight_grad (cuBLASLt's epilogues) equal the C
   CHECK_THROWS_AS(bare.linear_bias(to_gpu(x), to_gpu(w), to_gpu(bias), y32), Error);
 }
 
+// A residual block's sums in the product (linear_residual: cuBLASLt with the residual as
+// C; linear_input_grad_add: cuBLAS with beta 1), against the CPU's composition on the
+// same values: float32 to its sums' order; 16-bit within a step of the type of the sum
+// rounded once (or, for linear_residual on shapes cuBLASLt may round the product first,
+// of the CPU's 16-bit composition, which rounds the product and then the sum).
+TEST_CASE("linear_residual and linear_input_grad_add equal the CPU's product then axpy") {
+  Backend& bare = static_cast<WideningBackend&>(gpu()).inner();
+  Backend& cpu_be = backend_for(Device::cpu());
+  uint64_t seed = 9300;
+  for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
+    const double step = t == DType::kF32 ? 1e-5 : std::ldexp(1.0, t == DType::kBF16 ? -7 : -10);
+    struct Size {
+      int64_t r, k, n, offset;
+    };
+    for (const Size& z : {Size{64, 96, 48, 0}, Size{37, 67, 19, 0}, Size{33, 40, 24, 1}, Size{2048, 64, 32, 0}}) {
+      CAPTURE(dtype_name(t));
+      CAPTURE(z.r);
+      CAPTURE(z.k);
+      CAPTURE(z.n);
+      CAPTURE(z.offset);
+      const Tensor x_all = random_tensor({z.r + z.offset, z.k}, t, ++seed);
+      const Tensor x = x_all.narrow_rows(z.offset, z.r);
+      const Tensor w = random_tensor({z.n, z.k}, t, ++seed), res = random_tensor({z.r, z.n}, t, ++seed);
+      const Tensor dy = random_tensor({z.r, z.n}, t, ++seed), dx0 = random_tensor({z.r, z.k}, t, ++seed);
+      const Tensor x_gpu_all = to_gpu(x_all), x_gpu = x_gpu_all.narrow_rows(z.offset, z.r);
+      const bool aligned = z.offset == 0 && z.k % 8 == 0 && z.n % 8 == 0;
+      auto wide = [&](const Tensor& u) {
+        Tensor out = Tensor::empty(u.shape(), DType::kF32, Device::cpu());
+        cpu_be.cast(u, out);
+        return out;
+      };
+      auto rounded = [&](const Tensor& u) {
+        Tensor out = Tensor::empty(u.shape(), t, Device::cpu());
+        cpu_be.cast(u, out);
+        return out;
+      };
+      // Each element within a step of one of the references.
+      auto near_either = [&](const Tensor& got_gpu, const Tensor& once, const Tensor& twice) {
+        const std::vector<double> got = to_doubles(got_gpu), a = to_doubles(once), b = to_doubles(twice);
+        int off = 0;
+        for (size_t e = 0; e < got.size(); ++e) {
+          auto near = [&](double want) { return std::fabs(got[e] - want) <= 1e-3 + step * std::fabs(want); };
+          if (!near(a[e]) && !near(b[e]) && off++ < 5) {
+            INFO("element " << e << ": " << got[e] << ", rounded once " << a[e] << ", twice " << b[e]);
+            CHECK(false);
+          }
+        }
+        CHECK(off == 0);
+      };
+      const int64_t calls_before = cuda_cublaslt_calls();
+      // y = x w^T + residual.
+      Tensor y_wide = Tensor::empty({z.r, z.n}, DType::kF32, Device::cpu());
+      cpu_be.linear_residual(wide(x), wide(w), wide(res), y_wide);
+      const Tensor y_once = rounded(y_wide);
+      Tensor y_twice = Tensor::empty({z.r, z.n}, t, Device::cpu());
+      cpu_be.linear_residual(x, w, res, y_twice);
+      Tensor y_gpu = bare.empty({z.r, z.n}, t);
+      bare.linear_residual(x_gpu, to_gpu(w), to_gpu(res), y_gpu);
+      if (t == DType::kF32) {
+        GPIPE_EXPECT_CLOSE(y_gpu, y_once, step, 1e-5);
+      } else {
+        near_either(y_gpu, y_once, y_twice);
+        if (aligned) GPIPE_EXPECT_CLOSE(y_gpu, y_once, step, 1e-3);
+      }
+      if (aligned) CHECK(cuda_cublaslt_calls() == calls_before + 1);
+      // dx += dy w.
+      Tensor dx_wide = wide(dx0);
+      cpu_be.linear_input_grad_add(wide(dy), wide(w), dx_wide);
+      const Tensor dx_once = rounded(dx_wide);
+      Tensor dx_twice = clone(dx0);
+      cpu_be.linear_input_grad_add(dy, w, dx_twice);
+      Tensor dx_gpu = to_gpu(dx0);
+      bare.linear_input_grad_add(to_gpu(dy), to_gpu(w), dx_gpu);
+      if (t == DType::kF32) {
+        GPIPE_EXPECT_CLOSE(dx_gpu, dx_once, step, 1e-5);
+      } else {
+        GPIPE_EXPECT_CLOSE(dx_gpu, dx_once, step, 1e-3);  // beta 1: one rounding
+      }
+    }
+  }
+}
+
 TEST_CASE("matmul: all transposes, odd sizes, alpha and beta") {
   struct Dims {
     int64_t m, n, k;

@@ -469,16 +469,18 @@ __global__ void rmsnorm_kernel(const S* x, const S* g, double eps, S* y, Master<
   }
 }
 
-// One block per row: dot = mean_c(gdy xhat), then dx = rstd (gdy - xhat dot).
+// One block per row: dot = mean_c(gdy xhat), then dx = rstd (gdy - xhat dot), plus the
+// residual's gradient where there is one (rmsnorm_backward_add), added before the one rounding.
 template <typename S>
-__global__ void rmsnorm_backward_kernel(const S* dy, const S* x, const S* g, const Master<S>* rstd, S* dx,
-                                        int64_t cols) {
+__global__ void rmsnorm_backward_kernel(const S* dy, const S* x, const S* g, const Master<S>* rstd,
+                                        const S* residual, S* dx, int64_t cols) {
   using M = Master<S>;
   __shared__ double shared[32];
   const int64_t row = blockIdx.x;
   const S* px = x + row * cols;
   const S* pdy = dy + row * cols;
   S* pdx = dx + row * cols;
+  const S* pres = residual != nullptr ? residual + row * cols : nullptr;
   const M r = rstd[row];
   double acc = 0.0;
 #pragma unroll 4
@@ -493,7 +495,8 @@ __global__ void rmsnorm_backward_kernel(const S* dy, const S* x, const S* g, con
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
     const M xhat = load(px[c]) * r;
     const M gdy = load(pdy[c]) * load(g[c]);
-    store((gdy - xhat * dot) * r, pdx[c]);
+    const M v = (gdy - xhat * dot) * r;
+    store(pres != nullptr ? v + static_cast<M>(load(pres[c])) : v, pdx[c]);
   }
 }
 
@@ -648,12 +651,12 @@ void rmsnorm(const S* x, const S* g, double eps, S* y, Master<S>* rstd, int64_t 
 }
 
 template <typename S>
-void rmsnorm_backward(const S* dy, const S* x, const S* g, const Master<S>* rstd, S* dx, int64_t rows,
-                      int64_t cols, cudaStream_t stream) {
+void rmsnorm_backward(const S* dy, const S* x, const S* g, const Master<S>* rstd, const S* residual, S* dx,
+                      int64_t rows, int64_t cols, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return;
   check_rows(rows, "rmsnorm_backward");
-  rmsnorm_backward_kernel<S><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(dy, x, g, rstd, dx,
-                                                                                             cols);
+  rmsnorm_backward_kernel<S><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(dy, x, g, rstd,
+                                                                                             residual, dx, cols);
   GPIPE_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -684,8 +687,8 @@ void axpy_narrow(double alpha, const S* x, S* y, int64_t n, cudaStream_t stream)
 
 #define GPIPE_FUSED_INSTANTIATE(S)                                                                              \
   template void rmsnorm<S>(const S*, const S*, double, S*, Master<S>*, int64_t, int64_t, cudaStream_t);         \
-  template void rmsnorm_backward<S>(const S*, const S*, const S*, const Master<S>*, S*, int64_t, int64_t,       \
-                                    cudaStream_t);                                                              \
+  template void rmsnorm_backward<S>(const S*, const S*, const S*, const Master<S>*, const S*, S*, int64_t,     \
+                                    int64_t, cudaStream_t);                                                     \
   template void swiglu<S>(const S*, const S*, S*, int64_t, cudaStream_t);                                       \
   template void swiglu_backward<S>(const S*, const S*, const S*, S*, S*, int64_t, cudaStream_t);
 GPIPE_FUSED_INSTANTIATE(float)

@@ -87,10 +87,11 @@ using Master = typename MasterOf<S>::type;
 template <typename S>
 void rmsnorm(const S* x, const S* g, double eps, S* y, Master<S>* rstd, int64_t rows, int64_t cols,
              cudaStream_t stream);
-// dx = rstd (gdy - xhat mean_c(gdy xhat)), xhat = x rstd, gdy = dy g. dx may not alias.
+// dx = rstd (gdy - xhat mean_c(gdy xhat)) (+ residual, when not null: added in the master
+// type before the one rounding), xhat = x rstd, gdy = dy g. dx may not alias.
 template <typename S>
-void rmsnorm_backward(const S* dy, const S* x, const S* g, const Master<S>* rstd, S* dx, int64_t rows,
-                      int64_t cols, cudaStream_t stream);
+void rmsnorm_backward(const S* dy, const S* x, const S* g, const Master<S>* rstd, const S* residual, S* dx,
+                      int64_t rows, int64_t cols, cudaStream_t stream);
 // RMSNorm's weight gradient: dg (cols) += the column sums of dy (x rstd) over (rows, cols),
 // each term dy (x rstd) made and rounded in the master type, summed as bias_grad
 // (kernels/cuda_kernels.h) sums (the same workspace, chunks and order), without a temporary

@@ -1,4 +1,4 @@
-// The CUDA backend's fused ops (Backend::rmsnorm, rmsnorm_backward, rmsnorm_weight_grad,
+// The CUDA backend's fused ops (Backend::rmsnorm, rmsnorm_backward and its _add, rmsnorm_weight_grad,
 // swiglu, swiglu_backward): the checks of kernels/row_checks.h, one kernel of
 // kernels/cuda_elementwise.cu each (the weight gradient: its terms, then bias_grad's fixed-order
 // column sums). A file of its own, so that it merges apart from cuda_backend.cc.
@@ -39,8 +39,24 @@ void CudaBackend::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tens
   dispatch_storage(x, [&](auto* tag) {
     using S = std::remove_pointer_t<decltype(tag)>;
     using M = cuda::Master<S>;
-    cuda::rmsnorm_backward(dy.data<S>(), x.data<S>(), g.data<S>(), rstd.data<M>(), dx.data<S>(), d.rows, d.cols,
-                           cuda_stream());
+    const S* no_residual = nullptr;
+    cuda::rmsnorm_backward(dy.data<S>(), x.data<S>(), g.data<S>(), rstd.data<M>(), no_residual, dx.data<S>(), d.rows,
+                           d.cols, cuda_stream());
+  });
+}
+
+void CudaBackend::rmsnorm_backward_add(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& rstd,
+                                       const Tensor& residual, Tensor& dx) {
+  const ops::RowView d = ops::check_fused(x, {&dy, &residual, &dx}, &g, &rstd, nullptr, "rmsnorm_backward_add");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&dy, &x, &g, &rstd, &residual, &dx}) {
+    check_on_device(*t, "rmsnorm_backward_add");
+  }
+  DeviceGuard guard(device_.index);
+  dispatch_storage(x, [&](auto* tag) {
+    using S = std::remove_pointer_t<decltype(tag)>;
+    using M = cuda::Master<S>;
+    cuda::rmsnorm_backward(dy.data<S>(), x.data<S>(), g.data<S>(), rstd.data<M>(), residual.data<S>(), dx.data<S>(),
+                           d.rows, d.cols, cuda_stream());
   });
 }
 

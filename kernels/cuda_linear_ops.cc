@@ -1,6 +1,6 @@
-// The CUDA backend's linear ops (Backend::linear_bias, linear_weight_grad; issue 37 item
-// 5): one cuBLASLt matmul each, float32 compute (no TF32) on float32, bfloat16 or float16
-// operands.
+// The CUDA backend's linear ops (Backend::linear_bias, linear_weight_grad, linear_residual,
+// linear_input_grad_add; issue 37 item 5): one cuBLASLt matmul each (the last one a cuBLAS
+// product), float32 compute (no TF32) on float32, bfloat16 or float16 operands.
 //   linear_bias         the BIAS epilogue adds the bias to the product before the one
 //                       rounding into y's type, so the bias costs no pass of its own.
 //   linear_weight_grad  dw += dy^T x with the BGRADB epilogue, which sums dy's columns
@@ -8,6 +8,9 @@
 //                       over dy, and on 16-bit dy no float32 copy of it. cuBLASLt writes
 //                       the sums (it cannot add into db), so they land in a float32
 //                       temporary that one axpy adds into db.
+//   linear_residual     y = x w^T + residual: the residual as the product's C (beta 1),
+//                       read in its type and added in float32 before the one rounding.
+//   linear_input_grad_add  dx += dy w: cuBLAS's product with beta 1 (CudaBackend::matmul).
 // The row-major call is the column-major product with the operands swapped, as
 // CudaBackend::matmul explains: y^T (N x R) = w (N x K, read as K x N, transposed) x^T.
 // An algorithm is chosen by cuBLASLt's heuristic once per shape, type and operand
@@ -59,7 +62,7 @@ struct LtState {
   void* workspace = nullptr;
   static constexpr size_t kWorkspaceBytes = size_t{32} << 20;
   // Key: LtCall::key(); nullopt: the heuristic found no algorithm.
-  std::map<std::array<int64_t, 16>, std::optional<cublasLtMatmulAlgo_t>> algos;
+  std::map<std::array<int64_t, 17>, std::optional<cublasLtMatmulAlgo_t>> algos;
 };
 
 namespace {
@@ -93,16 +96,18 @@ struct LtCall {
   const void* b = nullptr;
   int64_t ldb = 0;
   cudaDataType ab_type = CUDA_R_32F;
-  void* c = nullptr;
+  void* c = nullptr;  // D, and C where c_in is null
+  const void* c_in = nullptr;  // C where it is not D (beta != 0): linear_residual's residual
   int64_t ldc = 0;
   cudaDataType c_type = CUDA_R_32F;
   float beta = 0;
   cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
   void* bias = nullptr;
 
-  std::array<int64_t, 16> key() const {
+  const void* c_source() const { return c_in != nullptr ? c_in : c; }
+  std::array<int64_t, 17> key() const {
     return {op_a, op_b, m, n, k, lda, ldb, ab_type, ldc, c_type, epilogue, alignment(a), alignment(b),
-            alignment(c), alignment(bias), beta != 0};
+            alignment(c), alignment(c_source()), alignment(bias), beta != 0};
   }
 };
 
@@ -178,7 +183,7 @@ std::optional<cublasLtMatmulAlgo_t> choose(cublasLtHandle_t handle, const LtCall
         static_cast<uint32_t>(CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE));
     set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment(call.a));
     set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment(call.b));
-    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment(call.c));
+    set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment(call.c_source()));
     set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment(call.c));
     cublasLtMatmulHeuristicResult_t result;
     std::memset(&result, 0, sizeof(result));
@@ -240,8 +245,8 @@ bool CudaBackend::lt_matmul(const LtCall& call) {
   }
   if (!algo) return false;
   const float alpha = 1.0f;
-  const cublasStatus_t st = cublasLtMatmul(s.handle, d.op(), &alpha, call.a, d.a(), call.b, d.b(), &call.beta, call.c,
-                                           d.c(), call.c, d.c(), &*algo, s.workspace, LtState::kWorkspaceBytes,
+  const cublasStatus_t st = cublasLtMatmul(s.handle, d.op(), &alpha, call.a, d.a(), call.b, d.b(), &call.beta,
+                                           call.c_source(), d.c(), call.c, d.c(), &*algo, s.workspace, LtState::kWorkspaceBytes,
                                            cuda_stream());
   // A refusal (the call's arguments, not the device) queues nothing: this shape is the
   // composition's from now on. A launch or execution failure is the device's: thrown.
@@ -299,6 +304,42 @@ void CudaBackend::linear_bias(const Tensor& x, const Tensor& w, const Tensor& bi
   call.epilogue = CUBLASLT_EPILOGUE_BIAS;  // bias (N): D's rows
   call.bias = const_cast<void*>(bias.raw_data());
   if (!lt_matmul(call)) Backend::linear_bias(x, w, bias, y);
+}
+
+void CudaBackend::linear_residual(const Tensor& x, const Tensor& w, const Tensor& residual, Tensor& y) {
+  check_contiguous({&x, &w, &residual, &y}, "linear_residual");
+  const DType t = x.dtype();
+  const bool fits = x.dim() == 2 && w.dim() == 2 && y.dim() == 2 && w.size(1) == x.size(1) &&
+                    y.size(0) == x.size(0) && y.size(1) == w.size(0) && residual.shape() == y.shape();
+  const bool typed = (t == DType::kF32 || is_narrow(t)) && w.dtype() == t && residual.dtype() == t && y.dtype() == t;
+  if (!cuda_cublaslt_enabled() || !fits || !typed || x.numel() == 0 || y.numel() == 0) {
+    return Backend::linear_residual(x, w, residual, y);
+  }
+  for (const Tensor* u : Operands{&x, &w, &residual, &y}) check_on_device(*u, "linear_residual");
+  DeviceGuard guard(device_.index);
+  LtCall call;  // linear_bias's product, with the residual as C (beta 1) and y as D
+  call.op_a = CUBLAS_OP_T;
+  call.op_b = CUBLAS_OP_N;
+  call.m = w.size(0);
+  call.n = x.size(0);
+  call.k = x.size(1);
+  call.a = w.raw_data();
+  call.lda = w.size(1);
+  call.b = x.raw_data();
+  call.ldb = x.size(1);
+  call.ab_type = lt_type(t);
+  call.c = y.raw_data();
+  call.c_in = residual.raw_data();
+  call.ldc = y.size(1);
+  call.c_type = lt_type(t);
+  call.beta = 1;
+  if (!lt_matmul(call)) Backend::linear_residual(x, w, residual, y);
+}
+
+// One product adding into dx (cuBLAS's beta 1; a 16-bit dx read, added to in float32 and
+// rounded once).
+void CudaBackend::linear_input_grad_add(const Tensor& dy, const Tensor& w, Tensor& dx) {
+  matmul_weight(dy, false, w, false, dx, 1.0, 1.0);
 }
 
 void CudaBackend::linear_weight_grad(const Tensor& dy, const Tensor& x, Tensor& dw, Tensor& db) {

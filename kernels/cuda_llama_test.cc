@@ -111,6 +111,12 @@ TEST_CASE("fused RMSNorm forward, input gradient and weight gradient match the C
       cpu().rmsnorm_backward(dy, x, g, rstd, dx);
       gpu().rmsnorm_backward(dyg, xg, gg, rstdg, dxg);
       EXPECT_CLOSE_TOL(dxg, dx, reduction_tol(dt, cols));
+      // With the residual's gradient added in the kernel (rmsnorm_backward_add).
+      const Tensor res = random_tensor({rows, cols}, dt, 7000 + seed);
+      Tensor dxa = cpu().empty(x.shape(), dt), dxag = gpu().empty(x.shape(), dt);
+      cpu().rmsnorm_backward_add(dy, x, g, rstd, res, dxa);
+      gpu().rmsnorm_backward_add(dyg, xg, gg, rstdg, to_gpu(res), dxag);
+      EXPECT_CLOSE_TOL(dxag, dxa, reduction_tol(dt, cols));
 
       Tensor dg = clone(dg0), dgg = to_gpu(dg0);  // accumulated into
       cpu().rmsnorm_weight_grad(dy, x, rstd, dg);
@@ -173,6 +179,11 @@ TEST_CASE("fused ops, axpy, rope and embedding on bfloat16 and float16 round as 
       cpu().rmsnorm_backward(dy64, x64, g64, rstd64, dx64);
       gpu().rmsnorm_backward(dyg, xg, gg, rstdg, dxg);
       EXPECT_CLOSE_TOL(dxg, dx64, (Tol{2 * unit, 1e-5}));
+      // The residual's gradient (here x) added before the one rounding.
+      Tensor dxa64 = clone(dx64), dxag = gpu().empty(x.shape(), t);
+      cpu().axpy(1.0, x64, dxa64);
+      gpu().rmsnorm_backward_add(dyg, xg, gg, rstdg, xg, dxag);
+      EXPECT_CLOSE_TOL(dxag, dxa64, (Tol{2 * unit, 1e-5}));
       Tensor dg64 = cpu().zeros({cols}, DType::kF64), dgg = gpu().zeros({cols}, DType::kF32);
       cpu().rmsnorm_weight_grad(dy64, x64, rstd64, dg64);
       gpu().rmsnorm_weight_grad(dyg, xg, rstdg, dgg);

@@ -76,6 +76,14 @@ class MetaOps : public Backend {
     ++ops_called;
     list_product("linear_weight_grad", dy, true, x, false, dw);
   }
+  void linear_residual(const Tensor& x, const Tensor& w, const Tensor&, Tensor& y) override {
+    ++ops_called;
+    list_product("linear_residual", x, false, w, true, y);
+  }
+  void linear_input_grad_add(const Tensor& dy, const Tensor& w, Tensor& dx) override {
+    ++ops_called;
+    list_product("linear_input_grad_add", dy, false, w, false, dx);
+  }
   // As the device's backend would (what the layer keeps depends on it), asked without it;
   // as MetaAnswersAs's device's, where one is alive.
   bool has_fused_attention(DType t, const AttentionSizes& dims) override {

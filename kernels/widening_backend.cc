@@ -320,6 +320,41 @@ void WideningBackend::linear_weight_grad(const Tensor& dy, const Tensor& x, Tens
   Backend::linear_weight_grad(dy, x, dw, db);  // this backend's matmul and bias_grad
 }
 
+void WideningBackend::linear_residual(const Tensor& x, const Tensor& w, const Tensor& residual, Tensor& y) {
+  OpCall op_call("linear_residual", false);
+  describe_call(op_call, x, w, residual, y);
+  if (capturing_here()) return capture("linear_residual", [=]() mutable { linear_residual(x, w, residual, y); });
+  if (!any_narrow(x, w, residual, y) || native_fused(*inner_, NarrowOp::kLinear, {&x, &w, &residual, &y}, {})) {
+    return inner_->linear_residual(x, w, residual, y);
+  }
+  Backend::linear_residual(x, w, residual, y);  // this backend's matmul_weight and axpy
+}
+
+void WideningBackend::linear_input_grad_add(const Tensor& dy, const Tensor& w, Tensor& dx) {
+  OpCall op_call("linear_input_grad_add", false);
+  describe_call(op_call, dy, w, dx);
+  if (capturing_here()) return capture("linear_input_grad_add", [=]() mutable { linear_input_grad_add(dy, w, dx); });
+  if (!any_narrow(dy, w, dx) || native_matmul(*inner_, dy, w, dx)) {
+    return inner_->linear_input_grad_add(dy, w, dx);
+  }
+  Backend::linear_input_grad_add(dy, w, dx);  // this backend's matmul_weight and axpy
+}
+
+void WideningBackend::rmsnorm_backward_add(const Tensor& dy, const Tensor& x, const Tensor& g, const Tensor& rstd,
+                                           const Tensor& residual, Tensor& dx) {
+  OpCall op_call("rmsnorm_backward_add", false);
+  describe_call(op_call, dy, x, g, rstd, residual, dx);
+  if (capturing_here()) {
+    return capture("rmsnorm_backward_add",
+                   [=]() mutable { rmsnorm_backward_add(dy, x, g, rstd, residual, dx); });
+  }
+  if (!any_narrow(dy, x, g, rstd, residual, dx) ||
+      native_fused(*inner_, NarrowOp::kRmsNorm, {&x, &dy, &g, &residual, &dx}, {&rstd})) {
+    return inner_->rmsnorm_backward_add(dy, x, g, rstd, residual, dx);
+  }
+  Backend::rmsnorm_backward_add(dy, x, g, rstd, residual, dx);  // this backend's rmsnorm_backward and axpy
+}
+
 void WideningBackend::swiglu(const Tensor& a, const Tensor& b, Tensor& y) {
   OpCall op_call("swiglu", false);
   describe_call(op_call, a, b, y);

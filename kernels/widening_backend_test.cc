@@ -3,6 +3,7 @@
 // once: each operand read, written or added into is handled as its role says.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -306,6 +307,99 @@ TEST_CASE("linear_bias and linear_weight_grad are the CPU's products and bias op
   meta.linear_bias(x, w, meta.empty({3}, DType::kF32), y);
   meta.linear_weight_grad(y, x, dw, db);
   CHECK(count.count() == 2);
+}
+
+// A residual block's sums in the op before them (Backend::linear_residual,
+// linear_input_grad_add, rmsnorm_backward_add): on the CPU, in every float type, the op
+// then axpy as the layers used to call them, bit for bit, one op in the log; and against
+// sums written out here in double, so that the composition itself is the right one (a
+// transposed operand would still be the same bits as itself).
+TEST_CASE("the residual sums are the CPU's op then axpy, bit for bit, one op each, and the sums written out") {
+  Backend& be = backend_for(Device::cpu());
+  uint64_t seed = 900;
+  const int64_t R = 6, K = 5, N = 4;
+  for (DType t : {DType::kF32, DType::kF64, DType::kBF16, DType::kF16}) {
+    CAPTURE(dtype_name(t));
+    const double tol = t == DType::kF64 ? 1e-12 : t == DType::kF32 ? 1e-5 : t == DType::kBF16 ? 3e-2 : 4e-3;
+    const Tensor x = random_tensor({R, K}, t, ++seed), w = random_tensor({N, K}, t, ++seed);
+    const Tensor res = random_tensor({R, N}, t, ++seed), dy = random_tensor({R, N}, t, ++seed);
+    const Tensor dx0 = random_tensor({R, K}, t, ++seed);
+    const std::vector<double> xv = testing::to_doubles(x), wv = testing::to_doubles(w), rv = testing::to_doubles(res),
+                              dyv = testing::to_doubles(dy), dx0v = testing::to_doubles(dx0);
+    // y = x w^T + residual.
+    Tensor want = be.empty({R, N}, t), got = be.empty({R, N}, t);
+    be.matmul_weight(x, false, w, true, want);
+    be.axpy(1.0, res, want);
+    OpLog log;
+    be.linear_residual(x, w, res, got);
+    std::vector<OpLog::Call> calls = log.take();
+    REQUIRE(calls.size() == 1);
+    CHECK(calls[0].op == "linear_residual");
+    CHECK(same_bits(got, want));
+    const std::vector<double> y = testing::to_doubles(got);
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t n = 0; n < N; ++n) {
+        double e = rv[r * N + n];
+        for (int64_t k = 0; k < K; ++k) e += xv[r * K + k] * wv[n * K + k];
+        CHECK(std::fabs(y[r * N + n] - e) <= tol * (1 + std::fabs(e)));
+      }
+    }
+    // dx += dy w.
+    Tensor dx_want = as(dx0, t), dx = as(dx0, t), part = be.empty({R, K}, t);
+    be.matmul_weight(dy, false, w, false, part);
+    be.axpy(1.0, part, dx_want);
+    log.take();
+    be.linear_input_grad_add(dy, w, dx);
+    calls = log.take();
+    REQUIRE(calls.size() == 1);
+    CHECK(calls[0].op == "linear_input_grad_add");
+    CHECK(same_bits(dx, dx_want));
+    const std::vector<double> d = testing::to_doubles(dx);
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t k = 0; k < K; ++k) {
+        double e = dx0v[r * K + k];
+        for (int64_t n = 0; n < N; ++n) e += dyv[r * N + n] * wv[n * K + k];
+        CHECK(std::fabs(d[r * K + k] - e) <= tol * (1 + std::fabs(e)));
+      }
+    }
+    // dx = rmsnorm_backward's dx + residual, x (R, K) normalised over K.
+    const Tensor g = random_tensor({K}, t, ++seed), ny = random_tensor({R, K}, t, ++seed);
+    const Tensor nres = random_tensor({R, K}, t, ++seed);
+    Tensor y_norm = be.empty({R, K}, t), rstd = be.empty({R}, master_dtype(t));
+    be.rmsnorm(x, g, 1e-5, y_norm, rstd);
+    Tensor n_want = be.empty({R, K}, t), n_got = be.empty({R, K}, t);
+    be.rmsnorm_backward(ny, x, g, rstd, n_want);
+    const std::vector<double> plain = testing::to_doubles(n_want), nresv = testing::to_doubles(nres);
+    be.axpy(1.0, nres, n_want);
+    log.take();
+    be.rmsnorm_backward_add(ny, x, g, rstd, nres, n_got);
+    calls = log.take();
+    REQUIRE(calls.size() == 1);
+    CHECK(calls[0].op == "rmsnorm_backward_add");
+    CHECK(same_bits(n_got, n_want));
+    const std::vector<double> ng = testing::to_doubles(n_got);
+    for (size_t e = 0; e < ng.size(); ++e) {
+      CHECK(std::fabs(ng[e] - (plain[e] + nresv[e])) <= tol * (1 + std::fabs(plain[e] + nresv[e])));
+    }
+  }
+  // On shapes: one op each, the two products listed as such.
+  ShapesOnly shapes;
+  Backend& meta = meta_backend(Device::cpu());
+  const Tensor x = meta.empty({R, K}, DType::kF32), w = meta.empty({N, K}, DType::kF32);
+  Tensor y = meta.empty({R, N}, DType::kF32), dx = meta.empty({R, K}, DType::kF32);
+  Tensor rstd = meta.empty({R}, DType::kF32), g = meta.empty({K}, DType::kF32);
+  const MetaOpCount count;
+  MetaProducts products;
+  meta.linear_residual(x, w, y, y);
+  meta.linear_input_grad_add(y, w, dx);
+  meta.rmsnorm_backward_add(dx, x, g, rstd, x, dx);
+  CHECK(count.count() == 3);
+  const std::vector<MetaProduct> listed = products.take();
+  REQUIRE(listed.size() == 2);
+  CHECK(listed[0].op == "linear_residual");  // (R, K) @ (N, K)^T: m R, n N, k K
+  CHECK((listed[0].m == R && listed[0].n == N && listed[0].k == K));
+  CHECK(listed[1].op == "linear_input_grad_add");  // (R, N) @ (N, K): m R, n K, k N
+  CHECK((listed[1].m == R && listed[1].n == K && listed[1].k == N));
 }
 
 // The multi-tensor ops (Backend::*_all) through the backend every device gets: float32

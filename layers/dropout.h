@@ -28,6 +28,9 @@ class Dropout : public Layer {
   std::string describe() const override;
   LayerCost cost(int64_t batch) const override;
   double p() const { return opts_.p; }
+  // Whether forward is the identity for these arguments (not training, or p == 0): it
+  // returns x itself and saves nothing, and backward returns dy itself.
+  bool identity(const ForwardArgs& args) const { return !args.training || opts_.p == 0.0; }
   // The mask's key for an optimizer step: mix_seed(seed, step), the step taken from the
   // step's scalars when there are some (ForwardArgs::step_scalars).
   DropoutKey key(uint64_t step, const Tensor& step_scalars = {}) const;

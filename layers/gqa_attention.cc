@@ -184,6 +184,17 @@ LayerCost GqaAttention::cost(int64_t batch) const {
 }
 
 Tensor GqaAttention::forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) {
+  return forward_with(be, x, nullptr, ctx, args);
+}
+
+Tensor GqaAttention::forward_add(Backend& be, const Tensor& x, const Tensor& residual, Context* ctx,
+                                 const ForwardArgs& args) {
+  check_batch(x, input_shape_, input_dtype_, describe(), "input");
+  return forward_with(be, x, &residual, ctx, args);
+}
+
+Tensor GqaAttention::forward_with(Backend& be, const Tensor& x, const Tensor* residual, Context* ctx,
+                                  const ForwardArgs& args) {
   // This member's heads and channels (all of them unsplit).
   const int64_t B = x.size(0), T = opts_.seq_len, C = opts_.dim / opts_.shard.size;
   const int H = static_cast<int>(heads_here()), KV = static_cast<int>(kv_heads_here());
@@ -212,6 +223,7 @@ Tensor GqaAttention::forward_impl(Backend& be, const Tensor& x, Context* ctx, co
     be.attention(qkv, H, probs, att);
     if (ctx != nullptr) ctx->saved = {qkv, probs};
   }
+  if (residual != nullptr) return o_.forward_add(be, att, *residual, child(ctx, kO), args);  // (B, T, C)
   return o_.forward(be, att, child(ctx, kO), args);  // (B, T, C)
 }
 
@@ -243,11 +255,13 @@ Tensor GqaAttention::backward_input_impl(Backend& be, const Tensor& dy, Context&
     be.rope_backward(dk, KV, opts_.rope_base, dk);
   }
   Tensor dx = q_.backward_input(be, dq, ch[kQ], need_dx);
-  const Tensor dx_k = k_.backward_input(be, dk, ch[kK], need_dx);
-  const Tensor dx_v = v_.backward_input(be, dv, ch[kV], need_dx);
-  if (!need_dx) return Tensor();
-  be.axpy(1.0, dx_k, dx);
-  be.axpy(1.0, dx_v, dx);
+  if (!need_dx) {
+    k_.backward_input(be, dk, ch[kK], false);
+    v_.backward_input(be, dv, ch[kV], false);
+    return Tensor();
+  }
+  k_.backward_input_add(be, dk, ch[kK], dx);  // dx += k's and v's input gradients, each in its product
+  v_.backward_input_add(be, dv, ch[kV], dx);
   // Split: each member's share of dx, summed once (at this member's positions under
   // sequence parallelism).
   return opts_.shard.sum_to_positions(be, group_, dx, describe());

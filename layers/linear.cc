@@ -195,6 +195,43 @@ Tensor Linear::backward_input_impl(Backend& be, const Tensor& dyin, Context& ctx
   return dx.reshape(in);
 }
 
+Tensor Linear::forward_add(Backend& be, const Tensor& xin, const Tensor& residual, Context* ctx,
+                           const ForwardArgs& args) {
+  if (opts_.bias || opts_.split.split()) {
+    Tensor y = forward(be, xin, ctx, args);
+    be.axpy(1.0, residual, y);
+    return y;
+  }
+  check_batch(xin, input_shape_, input_dtype_, describe(), "input");
+  check_batch(residual, output_shape_, dtype_, describe(), "residual");
+  GPIPE_CHECK(residual.size(0) == xin.size(0), describe() + ": a residual of " + std::to_string(residual.size(0)) +
+                                                    " samples for an input of " + std::to_string(xin.size(0)));
+  const int64_t in = in_here(), out = out_here();
+  const Tensor x = xin.reshape({xin.numel() / in, in});  // (R, in)
+  Tensor y = be.empty({x.size(0), out}, dtype_);         // (R, out)
+  be.linear_residual(x, weight_.compute(), residual.reshape({x.size(0), out}), y);  // x @ W^T + residual
+  if (ctx != nullptr) ctx->saved = {x};
+  return y.reshape(residual.shape());
+}
+
+void Linear::backward_input_add(Backend& be, const Tensor& dyin, Context& ctx, Tensor& dx) {
+  const TensorSplit& s = opts_.split;
+  if (s.split() && (s.kind == TensorSplitKind::kRow || s.sum_input_grad)) {
+    const Tensor part = backward_input(be, dyin, ctx);
+    be.axpy(1.0, part, dx);
+    return;
+  }
+  check_batch(dyin, output_shape_, dtype_, describe(), "output gradient");
+  GPIPE_CHECK(ctx.saved.size() == 1, describe() + ": backward without its forward");
+  const int64_t rows = ctx.saved[0].size(0);  // x: (R, in)
+  GPIPE_CHECK(dx.dtype() == dtype_ && dx.numel() == rows * in_here(),
+              describe() + ": an input gradient " + dx.str() + " to add into, for " + ctx.saved[0].str());
+  const Tensor dy = dyin.reshape({rows, out_here()});  // (R, out)
+  ctx.saved.push_back(dy);
+  Tensor sum = dx.reshape({rows, in_here()});  // (R, in), dx's elements
+  be.linear_input_grad_add(dy, weight_.compute(), sum);  // dx += dy (R, out) @ W (out, in)
+}
+
 // W: dW += dy^T x, db += sum over rows of dy.
 void Linear::backward_weight_impl(Backend& be, Context& ctx) {
   GPIPE_CHECK(ctx.saved.size() == 2, describe() + ": weight gradient without its backward_input");

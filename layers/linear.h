@@ -37,6 +37,15 @@ class Linear : public Layer {
   Parameter& bias() { return bias_; }
   // The group a split layer sums over (not owned; it outlives the layer's calls).
   void set_collectives(TensorCollectives* group) override { group_ = group; }
+  // A residual block's sums in the product's op. forward_add returns forward(x) +
+  // residual (residual of the output's shape and type) through Backend::linear_residual;
+  // backward_input_add adds the input gradient into dx (of x's shape and type) through
+  // Backend::linear_input_grad_add, for an input that feeds several layers. Where the
+  // product is not the last op before the sum (a bias, a member's output or input
+  // gradient summed over its group) they are forward or backward_input, then axpy. On
+  // the CPU the results are those of that composition, bit for bit.
+  Tensor forward_add(Backend& be, const Tensor& x, const Tensor& residual, Context* ctx, const ForwardArgs& args = {});
+  void backward_input_add(Backend& be, const Tensor& dy, Context& ctx, Tensor& dx);
 
  private:
   Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;

@@ -128,35 +128,47 @@ Tensor LlamaBlock::forward_impl(Backend& be, const Tensor& x, Context* ctx, cons
   if (ctx != nullptr) ctx->children.assign(kChildren, Context{});
   // h = x + drop(attn(norm1(x))), summed into the branch's fresh output (the
   // projection's, or its dropout's; x is kept by norm1's context, so it is never written).
+  // Where the dropout is the identity the output projection's op adds x
+  // (Linear::forward_add): on a GPU in its epilogue, on the CPU the same axpy after it.
   Tensor a = norm1_.forward(be, x, child(ctx, kNorm1), args);  // (B, T, C)
-  a = attn_.forward(be, a, child(ctx, kAttn), args);            // (B, T, C)
-  a = drop_attn_.forward(be, a, child(ctx, kDropAttn), args);   // (B, T, C)
-  be.axpy(1.0, x, a);
+  if (drop_attn_.identity(args)) {
+    a = attn_.forward_add(be, a, x, child(ctx, kAttn), args);  // (B, T, C)
+    a = drop_attn_.forward(be, a, child(ctx, kDropAttn), args);  // itself; its context saves nothing
+  } else {
+    a = attn_.forward(be, a, child(ctx, kAttn), args);           // (B, T, C)
+    a = drop_attn_.forward(be, a, child(ctx, kDropAttn), args);  // (B, T, C)
+    be.axpy(1.0, x, a);
+  }
   const Tensor h = a;  // (B, T, C)
   // y = h + ffn(norm2(h)), likewise into the feed-forward's fresh output.
   Tensor m = norm2_.forward(be, h, child(ctx, kNorm2), args);  // (B, T, C)
-  m = ffn_.forward(be, m, child(ctx, kFfn), args);              // (B, T, C)
-  m = drop_ffn_.forward(be, m, child(ctx, kDropFfn), args);     // (B, T, C)
-  be.axpy(1.0, h, m);
+  if (drop_ffn_.identity(args)) {
+    m = ffn_.forward_add(be, m, h, child(ctx, kFfn), args);    // (B, T, C)
+    m = drop_ffn_.forward(be, m, child(ctx, kDropFfn), args);  // itself
+  } else {
+    m = ffn_.forward(be, m, child(ctx, kFfn), args);           // (B, T, C)
+    m = drop_ffn_.forward(be, m, child(ctx, kDropFfn), args);  // (B, T, C)
+    be.axpy(1.0, h, m);
+  }
   return m;  // (B, T, C)
 }
 
 Tensor LlamaBlock::backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) {
   std::vector<Context>& ch = ctx.children;
   GPIPE_CHECK(ch.size() == kChildren, describe() + ": backward without its forward");
-  // dh = dy + d(ffn branch). norm2's dx is a fresh tensor owned here (kept by no
-  // context), so the residual's gradient is added into it in place.
+  // dh = d(ffn branch) + dy, the residual's gradient added in norm2's op
+  // (RmsNorm::backward_input_add: on a GPU in its kernel, on the CPU an axpy after it).
   Tensor g = drop_ffn_.backward_input(be, dy, ch[kDropFfn]);  // (B, T, C)
   g = ffn_.backward_input(be, g, ch[kFfn]);                     // (B, T, C)
-  Tensor dh = norm2_.backward_input(be, g, ch[kNorm2]);    // (B, T, C)
-  be.axpy(1.0, dy, dh);
-  // dx = dh + d(attention branch).
-  g = drop_attn_.backward_input(be, dh, ch[kDropAttn]);             // (B, T, C)
-  g = attn_.backward_input(be, g, ch[kAttn]);                        // (B, T, C)
-  Tensor dx = norm1_.backward_input(be, g, ch[kNorm1], need_dx);    // (B, T, C), fresh
-  if (!need_dx) return Tensor();
-  be.axpy(1.0, dh, dx);
-  return dx;
+  const Tensor dh = norm2_.backward_input_add(be, g, ch[kNorm2], dy);  // (B, T, C)
+  // dx = d(attention branch) + dh, likewise in norm1's op.
+  g = drop_attn_.backward_input(be, dh, ch[kDropAttn]);  // (B, T, C)
+  g = attn_.backward_input(be, g, ch[kAttn]);             // (B, T, C)
+  if (!need_dx) {
+    norm1_.backward_input(be, g, ch[kNorm1], false);  // keeps g for W
+    return Tensor();
+  }
+  return norm1_.backward_input_add(be, g, ch[kNorm1], dh);  // (B, T, C)
 }
 
 // Every sub-layer's deferred weight gradients, in backward order.

@@ -84,6 +84,19 @@ Tensor RmsNorm::backward_input_impl(Backend& be, const Tensor& dy, Context& ctx,
   return dx;
 }
 
+Tensor RmsNorm::backward_input_add(Backend& be, const Tensor& dy, Context& ctx, const Tensor& residual) {
+  check_batch(dy, output_shape_, dtype_, describe(), "output gradient");
+  GPIPE_CHECK(ctx.saved.size() == 2, describe() + ": backward without its forward");
+  const Tensor x = ctx.saved[0];
+  const Tensor rstd = ctx.saved[1];
+  GPIPE_CHECK(residual.shape() == x.shape() && residual.dtype() == dtype_,
+              describe() + ": a residual gradient " + residual.str() + " for an input " + x.str());
+  ctx.saved.push_back(dy);
+  Tensor dx = be.empty(x.shape(), dtype_);  // (B, ..., C)
+  be.rmsnorm_backward_add(dy, x, weight_.compute(), rstd, residual, dx);
+  return dx;
+}
+
 // dg += sum over rows of dy * xhat (accumulated: the executor sums the micro-batches).
 void RmsNorm::backward_weight_impl(Backend& be, Context& ctx) {
   GPIPE_CHECK(ctx.saved.size() == 3, describe() + ": weight gradient without its backward_input");

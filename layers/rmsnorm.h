@@ -30,6 +30,9 @@ class RmsNorm : public Layer {
   std::vector<Parameter*> parameters() override { return {&weight_}; }
   Parameter& weight() { return weight_; }
   bool splits_backward() const override { return true; }  // dg in W
+  // backward_input's dx plus a residual's gradient (of x's shape and type), in the norm's
+  // op (Backend::rmsnorm_backward_add): on the CPU backward_input then axpy, bit for bit.
+  Tensor backward_input_add(Backend& be, const Tensor& dy, Context& ctx, const Tensor& residual);
 
  private:
   Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;

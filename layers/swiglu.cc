@@ -109,6 +109,17 @@ LayerCost SwiGLU::cost(int64_t batch) const {
 }
 
 Tensor SwiGLU::forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) {
+  return forward_with(be, x, nullptr, ctx, args);
+}
+
+Tensor SwiGLU::forward_add(Backend& be, const Tensor& x, const Tensor& residual, Context* ctx,
+                           const ForwardArgs& args) {
+  check_batch(x, input_shape_, input_dtype_, describe(), "input");
+  return forward_with(be, x, &residual, ctx, args);
+}
+
+Tensor SwiGLU::forward_with(Backend& be, const Tensor& x, const Tensor* residual, Context* ctx,
+                            const ForwardArgs& args) {
   if (ctx != nullptr) ctx->children.assign(kChildren, Context{});
   // Under sequence parallelism x is this member's positions: all of them, gathered once.
   const Tensor xw = opts_.shard.gather_positions(be, group_, x, describe());
@@ -117,6 +128,7 @@ Tensor SwiGLU::forward_impl(Backend& be, const Tensor& x, Context* ctx, const Fo
   Tensor g = be.empty(a.shape(), dtype_);
   be.swiglu(a, b, g);  // g = silu(a) * b
   if (ctx != nullptr) ctx->saved = {a, b};
+  if (residual != nullptr) return down_.forward_add(be, g, *residual, child(ctx, kDown), args);  // (B, *leading, dim)
   return down_.forward(be, g, child(ctx, kDown), args);  // (B, *leading, dim)
 }
 
@@ -131,10 +143,12 @@ Tensor SwiGLU::backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, 
   Tensor db = be.empty(a.shape(), dtype_);
   be.swiglu_backward(dg, a, b, da, db);
   Tensor dx = gate_.backward_input(be, da, ch[kGate], need_dx);
-  const Tensor dx_up = up_.backward_input(be, db, ch[kUp], need_dx);
   ctx.saved.clear();  // W needs only the projections' contexts
-  if (!need_dx) return Tensor();
-  be.axpy(1.0, dx_up, dx);
+  if (!need_dx) {
+    up_.backward_input(be, db, ch[kUp], false);
+    return Tensor();
+  }
+  up_.backward_input_add(be, db, ch[kUp], dx);  // dx += the up projection's input gradient, in its product
   // Split: each member's share of dx, summed once (at its positions under sequence parallelism).
   return opts_.shard.sum_to_positions(be, group_, dx, describe());
 }

@@ -36,9 +36,14 @@ class SwiGLU : public Layer {
   std::vector<Parameter*> parameters() override;  // gate.weight, up.weight, down.weight
   bool splits_backward() const override { return true; }
   void set_collectives(TensorCollectives* group) override;
+  // forward(x) + residual (of the output's shape and type), the sum in the last
+  // projection's op (Linear::forward_add): a residual block's, without a pass of its own.
+  Tensor forward_add(Backend& be, const Tensor& x, const Tensor& residual, Context* ctx, const ForwardArgs& args = {});
 
  private:
   Tensor forward_impl(Backend& be, const Tensor& x, Context* ctx, const ForwardArgs& args) override;
+  // forward, with the residual added by the last projection where one is given.
+  Tensor forward_with(Backend& be, const Tensor& x, const Tensor* residual, Context* ctx, const ForwardArgs& args);
   Tensor backward_input_impl(Backend& be, const Tensor& dy, Context& ctx, bool need_dx) override;
   void backward_weight_impl(Backend& be, Context& ctx) override;
   void backward_weight_batch_impl(Backend& be, const std::vector<Context*>& ctxs) override;
