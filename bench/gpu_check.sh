@@ -362,24 +362,29 @@ step_speed() {
   fi
   # Runs left out when the budget is spent: "size precision what" lines, for the table's notes.
   : > "$out/speed_not_run.txt"
-  # Where a K = 1 step's time goes, op by op (trace.ops), for the first size and precision:
-  # a run of its own, since two events around every op slow a step whose host is its bound;
-  # first, so that the budget the timed runs share cannot leave it out. GPU_CHECK_SPEED_OPS=0
-  # leaves it out.
-  local ops_size="${sizes[0]}" ops_precision="${precisions[0]}"
+  # Where a step's time goes, op by op (trace.ops), for the first size and precision, at each
+  # K of GPU_CHECK_SPEED_OPS_KS ("1 4": K stages on the one GPU, M = K), so that the table
+  # shows which ops K = 4's extra time is in: runs of their own, since two events around
+  # every op slow a step whose host is its bound; first, so that the budget the timed runs
+  # share cannot leave them out. GPU_CHECK_SPEED_OPS=0 leaves them out.
+  local ops_size="${sizes[0]}" ops_precision="${precisions[0]}" ops_ks ops_k
+  read -ra ops_ks <<< "${GPU_CHECK_SPEED_OPS_KS:-1 4}"
   if [ "${GPU_CHECK_SPEED_OPS:-1}" != 0 ] && [ -f "$carry/llama_${ops_size}_speed.yaml" ]; then
-    local left=$((budget - (SECONDS - started)))
-    dir="$out/speed_${ops_size}_${ops_precision}_ops"
-    rm -rf "$dir"
-    if [ "$left" -ge 30 ]; then
-      timeout "$((left < per_run ? left : per_run))" "$carry/gpipe" train "$carry/llama_${ops_size}_speed.yaml" \
-        --set "model.dtype=$ops_precision" --set "pipeline.partitions=1" --set "pipeline.micro_batches=1" \
-        --set "pipeline.devices=[$speed_device]" --set "pipeline.recompute=$recompute" --set "train.steps=6" \
-        --set "trace.ops=true" --set "data.path=$carry/GPL-3" --set "output.dir=$dir" > "$dir.log" 2>&1 ||
-        record "speed_ops_${ops_size}_${ops_precision}" FAIL "gpipe with trace.ops: exit status $? ($dir.log)"
-    else
-      echo "$ops_size $ops_precision gpipe K=1 with trace.ops" >> "$out/speed_not_run.txt"
-    fi
+    for ops_k in "${ops_ks[@]}"; do
+      local left=$((budget - (SECONDS - started)))
+      dir="$out/speed_${ops_size}_${ops_precision}$([ "$ops_k" = 1 ] || echo "_k$ops_k")_ops"
+      rm -rf "$dir"
+      if [ "$left" -ge 30 ]; then
+        timeout "$((left < per_run ? left : per_run))" "$carry/gpipe" train "$carry/llama_${ops_size}_speed.yaml" \
+          --set "model.dtype=$ops_precision" --set "pipeline.partitions=$ops_k" --set "pipeline.micro_batches=$ops_k" \
+          --set "pipeline.devices=[$(yes "$speed_device" | head -n "$ops_k" | paste -sd,)]" \
+          --set "pipeline.recompute=$recompute" --set "train.steps=6" \
+          --set "trace.ops=true" --set "data.path=$carry/GPL-3" --set "output.dir=$dir" > "$dir.log" 2>&1 ||
+          record "speed_ops_${ops_size}_${ops_precision}_k$ops_k" FAIL "gpipe with trace.ops: exit status $? ($dir.log)"
+      else
+        echo "$ops_size $ops_precision gpipe K=$ops_k with trace.ops" >> "$out/speed_not_run.txt"
+      fi
+    done
   fi
   for size in "${sizes[@]}"; do
     local config="$carry/llama_${size}_speed.yaml"
@@ -574,22 +579,52 @@ if gemm_rows:
            "(report.json's gemms, the 5 longest per micro-batch; device time between two CUDA events):", "",
            "| " + " | ".join(gh) + " |", "|" + "---|" * len(gh)]
     md += ["| " + " | ".join(row) + " |" for row in gemm_rows]
-# The trace.ops run: its stage's ops by their time a step (report.json's stages[0].op_times).
+# The trace.ops runs: each run's ops by their time a step, summed over its stages (report.json's
+# stages[].op_times; K stages take turns on the one GPU, so their sums add up to its busy time),
+# and where K = 1 and K > 1 ran for one size and precision, the ops side by side, by the
+# difference: where K > 1's extra time goes.
 import glob
+op_runs = {}  # name -> (k, {op: [calls, ms]}, step ms)
 for path in sorted(glob.glob(os.path.join(out, "speed_*_ops", "report.json"))):
     try:
         rep = json.load(open(path))
-        ops = rep["stages"][0]["op_times"]
-    except (OSError, ValueError, KeyError, IndexError):
+        summed = {}
+        for st in rep["stages"]:
+            for o in st["op_times"]:
+                e = summed.setdefault(o["op"], [0.0, 0.0])
+                e[0] += o["calls_per_step"]
+                e[1] += o["ms_per_step"]
+        step_ms = rep["step_ms"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
         continue
     name = os.path.basename(os.path.dirname(path))[len("speed_"):-len("_ops")]
-    total = sum(o["ms_per_step"] for o in ops)
+    k = 1
+    if "_k" in name:
+        name, _, kk = name.rpartition("_k")
+        k = int(kk)
+    op_runs[(name, k)] = (summed, step_ms)
+for (name, k), (summed, step_ms) in sorted(op_runs.items()):
+    ops = sorted(summed.items(), key=lambda kv: -kv[1][1])
+    total = sum(v[1] for _, v in ops)
     oh = ["op", "calls a step", "ms a step", "share of the ops' time"]
-    md += ["", f"Where gpipe's K = 1 step goes, op by op ({name}; its own run with trace.ops, two events "
-           f"around every op, CUDA events on a GPU; that run's step: {rep['step_ms']:.2f} ms, its ops' device time {total:.2f} ms; the "
-           "12 longest):", "", "| " + " | ".join(oh) + " |", "|" + "---|" * len(oh)]
-    md += [f"| {o['op']} | {o['calls_per_step']:.0f} | {o['ms_per_step']:.3f} | "
-           f"{100 * o['ms_per_step'] / total:.1f}% |" for o in ops[:12]] if total > 0 else []
+    md += ["", f"Where gpipe's K = {k} step goes, op by op ({name}, M = {k}; its own run with trace.ops, two events "
+           f"around every op, CUDA events on a GPU; that run's step: {step_ms:.2f} ms, its ops' device time {total:.2f} ms"
+           + (", summed over the stages" if k > 1 else "") + "; the 12 longest):", "",
+           "| " + " | ".join(oh) + " |", "|" + "---|" * len(oh)]
+    md += [f"| {op} | {v[0]:.0f} | {v[1]:.3f} | {100 * v[1] / total:.1f}% |" for op, v in ops[:12]] if total > 0 else []
+for (name, k), (summed, step_ms) in sorted(op_runs.items()):
+    if k == 1 or (name, 1) not in op_runs:
+        continue
+    one, one_ms = op_runs[(name, 1)]
+    names = sorted(set(one) | set(summed), key=lambda op: -(summed.get(op, [0, 0])[1] - one.get(op, [0, 0])[1]))
+    t1, tk = sum(v[1] for v in one.values()), sum(v[1] for v in summed.values())
+    ch = ["op", "calls, K = 1", "ms, K = 1", f"calls, K = {k}", f"ms, K = {k}", "difference ms"]
+    md += ["", f"K = {k} against K = 1, op by op ({name}; the runs above): steps {step_ms:.2f} and {one_ms:.2f} ms, "
+           f"ops {tk:.2f} and {t1:.2f} ms of device time; by the difference, the 12 largest:", "",
+           "| " + " | ".join(ch) + " |", "|" + "---|" * len(ch)]
+    for op in names[:12]:
+        a, b = one.get(op, [0, 0]), summed.get(op, [0, 0])
+        md.append(f"| {op} | {a[0]:.0f} | {a[1]:.3f} | {b[0]:.0f} | {b[1]:.3f} | {b[1] - a[1]:+.3f} |")
 if not_run:
     md += ["", "Not run, the step's time budget spent: " + "; ".join(not_run) + "."]
 with open(os.path.join(out, "speed.md"), "w") as f:

@@ -146,6 +146,67 @@ TEST_CASE("a column- then row-parallel MLP on T threads equals the unsplit MLP, 
   }
 }
 
+// Linear::forward_add and backward_input_add where the product is not the last op before
+// the sum: a row-parallel member's output and a column-parallel member's input gradient are
+// summed over the group first (and a bias added), so each is the plain call and then the
+// sum. Checked against the unsplit layer's output and input gradient plus the same tensor.
+TEST_CASE("a split linear layer's forward_add and backward_input_add sum after the group's sum") {
+  const int64_t batch = 3, in = 4, out = 8;
+  Backend& be = backend_for(Device::cpu());
+  const Tensor x = random_tensor({batch, 2, in}, DType::kF64, 31);
+  const Tensor dy = random_tensor({batch, 2, out}, DType::kF64, 33), res = random_tensor({batch, 2, out}, DType::kF64, 34);
+  const Tensor acc = random_tensor({batch, 2, in}, DType::kF64, 35);
+  for (bool bias : {true, false}) {
+    CAPTURE(bias);
+    // Unsplit: the output plus the residual, and the input gradient plus what it is added into.
+    Linear row_whole(options(in, out, bias, 41)), col_whole(options(in, out, bias, 42));
+    Context c1, c2;
+    std::vector<double> y_want = to_doubles(row_whole.forward(be, x, &c1));
+    const std::vector<double> rv = to_doubles(res);
+    for (size_t i = 0; i < y_want.size(); ++i) y_want[i] += rv[i];
+    col_whole.forward(be, x, &c2);
+    std::vector<double> dx_want = to_doubles(col_whole.backward_input(be, dy, c2));
+    const std::vector<double> av = to_doubles(acc);
+    for (size_t i = 0; i < dx_want.size(); ++i) dx_want[i] += av[i];
+    for (int T : {2, 4}) {
+      CAPTURE(T);
+      std::vector<std::vector<double>> ys(static_cast<size_t>(T)), dxs(static_cast<size_t>(T));
+      const std::vector<std::string> errors = run_members(T, [&](int r, TensorCollectives& group) {
+        Linear row(options(in, out, bias, 41, {TensorSplitKind::kRow, r, T}));
+        Linear col(options(in, out, bias, 42, {TensorSplitKind::kColumn, r, T}));
+        row.set_collectives(&group);
+        col.set_collectives(&group);
+        Tensor xs = be.empty({batch, 2, in / T}, DType::kF64);  // the row member's input features
+        const std::vector<double> xv = to_doubles(x);
+        std::vector<double> part;
+        for (int64_t i = 0; i < batch * 2; ++i) {
+          for (int64_t j = 0; j < in / T; ++j) part.push_back(xv[static_cast<size_t>(i * in + r * (in / T) + j)]);
+        }
+        std::copy(part.begin(), part.end(), xs.data<double>());
+        Context k1, k2;
+        ys[static_cast<size_t>(r)] = to_doubles(row.forward_add(be, xs, res, &k1));
+        col.forward(be, x, &k2);
+        Tensor dy_block = be.empty({batch, 2, out / T}, DType::kF64);  // the column member's outputs
+        const std::vector<double> dv = to_doubles(dy);
+        double* d = dy_block.data<double>();
+        for (int64_t i = 0; i < batch * 2; ++i) {
+          for (int64_t j = 0; j < out / T; ++j) *d++ = dv[static_cast<size_t>(i * out + r * (out / T) + j)];
+        }
+        Tensor sum = be.empty(acc.shape(), DType::kF64);
+        be.copy(acc, sum);
+        col.backward_input_add(be, dy_block, k2, sum);
+        dxs[static_cast<size_t>(r)] = to_doubles(sum);
+      });
+      for (int r = 0; r < T; ++r) {
+        CAPTURE(r);
+        REQUIRE_MESSAGE(errors[static_cast<size_t>(r)].empty(), errors[static_cast<size_t>(r)]);
+        check_close(ys[static_cast<size_t>(r)], y_want, "row-parallel forward_add: the group's sum, then the residual");
+        check_close(dxs[static_cast<size_t>(r)], dx_want, "column-parallel backward_input_add: the group's sum, added");
+      }
+    }
+  }
+}
+
 TEST_CASE("a split that does not divide, and a split layer without its group, are refused by name") {
   CHECK_THROWS_WITH_AS(Linear(options(6, 7, true, 1, {TensorSplitKind::kColumn, 0, 2})),
                        doctest::Contains("linear(6 -> 7) split by output features (column-parallel): 7 does not "
