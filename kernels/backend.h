@@ -128,16 +128,18 @@ class Backend {
   // it loads them into float32, computes in float32 and rounds what it stores once, to
   // nearest even, which is what WideningBackend does around the float32 op, less the
   // float32 temporaries. WideningBackend hands such a call to the backend as it is.
-  //   kMatmul (matmul, matmul_weight): a and b of type t, c of type t or float32;
+  //   kMatmul (matmul, matmul_weight, linear_input_grad_add): a and b of type t, c of type t or
+  //   float32 (dx of type t);
   //   the others: every floating-point operand of type t.
   // The CPU reference computes none (the widening is the reference); the CUDA backend
   // computes the products (cublasGemmEx) and the elementwise ops of backend_ops.inc
   // marked GPIPE_NARROW_OP.
   //   kAxpy, kRope (rope and rope_backward): x and y of type t; kEmbedding (embedding, embedding_slice):
-  //   table, pos and out of type t; the fused ops (kRmsNorm: rmsnorm and its two backward
+  //   table, pos and out of type t; the fused ops (kRmsNorm: rmsnorm and its three backward
   //   ops; kSwiglu: swiglu and swiglu_backward): their activations of type t, their
   //   per-row statistics and the weight gradient of the master type (float32); kLinear
-  //   (linear_bias, linear_weight_grad): x, w, bias, y and dy of type t, dw and db float32.
+  //   (linear_bias, linear_weight_grad, linear_residual): x, w, bias, residual, y and dy of
+  //   type t, dw and db float32.
   enum class NarrowOp {
     kMatmul, kAddBias, kRelu, kReluBackward, kGelu, kGeluBackward, kAxpy, kRmsNorm, kSwiglu, kRope, kEmbedding,
     kLinear

@@ -654,7 +654,7 @@ template <typename S>
 void rmsnorm_backward(const S* dy, const S* x, const S* g, const Master<S>* rstd, const S* residual, S* dx,
                       int64_t rows, int64_t cols, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return;
-  check_rows(rows, "rmsnorm_backward");
+  check_rows(rows, residual != nullptr ? "rmsnorm_backward_add" : "rmsnorm_backward");
   rmsnorm_backward_kernel<S><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(dy, x, g, rstd,
                                                                                              residual, dx, cols);
   GPIPE_CUDA_CHECK(cudaGetLastError());

@@ -18,7 +18,7 @@
 // allocated on first use. Split-K sums are never kept in a 16-bit output's type
 // (CUBLASLT_REDUCTION_SCHEME_INPLACE and OUTPUT_TYPE are excluded), as the backend's
 // cuBLAS handle disallows reduced-precision reductions. Where the heuristic finds no
-// algorithm, or GPIPE_CUBLASLT=0, the ops compose matmul and the bias ops as the CPU
+// algorithm, or GPIPE_CUBLASLT=0, the ops compose matmul and the bias ops (or axpy) as the CPU
 // reference does.
 #include <cublasLt.h>
 
@@ -86,7 +86,8 @@ uint32_t alignment(const void* p) {
 
 }  // namespace
 
-// Column-major D (m x n) = op(A) (m x k) op(B) (k x n) + beta C, C and D one buffer, with
+// Column-major D (m x n) = op(A) (m x k) op(B) (k x n) + beta C, C and D one buffer unless c_in
+// is given (of D's layout), with
 // an epilogue whose vector (a bias to add, or the bias gradient written) is `bias`.
 struct LtCall {
   cublasOperation_t op_a = CUBLAS_OP_N, op_b = CUBLAS_OP_N;
@@ -164,8 +165,8 @@ class LtDescriptors {
 void warn_once(const char* what, cublasStatus_t st) {
   static std::atomic<bool> warned{false};
   if (warned.exchange(true)) return;
-  spdlog::warn("cuBLASLt: {} failed ({}); the linear ops with a bias compose cuBLAS's product and the bias kernels "
-               "instead where it does (GPIPE_CUBLASLT=0 always does)",
+  spdlog::warn("cuBLASLt: {} failed ({}); the linear ops with a bias or a residual compose cuBLAS's product and the "
+               "bias or axpy kernels instead where it does (GPIPE_CUBLASLT=0 always does)",
                what, cublas_status_string(st));
 }
 

@@ -107,6 +107,8 @@ TEST_CASE("a model of forward-only layers agrees on CPU and CUDA, dropout includ
 }
 
 
+// The second llama_block has no dropout: its residual sums are in its projections' products
+// (Linear::forward_add), the first's after its dropouts.
 TEST_CASE("a small LLaMA-style model agrees on CPU and CUDA: rmsnorm, gqa_attention, llama_block, dropout") {
   layers::ModelSpec spec;
   spec.input = {16};
@@ -114,6 +116,7 @@ TEST_CASE("a small LLaMA-style model agrees on CPU and CUDA: rmsnorm, gqa_attent
   spec.seed = 5;
   spec.layers = {{"embedding", {{"vocab", "64"}, {"dim", "32"}, {"positions", "0"}}, {}, ""},
                  {"llama_block", {{"heads", "4"}, {"kv_heads", "2"}, {"hidden", "48"}, {"dropout", "0.1"}}, {}, ""},
+                 {"llama_block", {{"heads", "4"}, {"kv_heads", "2"}, {"hidden", "48"}}, {}, ""},
                  {"gqa_attention", {{"heads", "4"}, {"kv_heads", "1"}}, {}, ""},
                  {"rmsnorm", {}, {}, ""},
                  {"linear", {{"out", "64"}, {"bias", "false"}}, {}, ""}};

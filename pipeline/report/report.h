@@ -75,7 +75,8 @@ struct LaunchSummary {
 // One matrix product of the run timed alone on its stage's device after the last step
 // (pipeline/train/gemm_rates.h): c (m, n) = op(a) (m, k) op(b) (k, n), row-major.
 struct GemmRate {
-  // The backend op: matmul, matmul_weight, linear_bias, linear_weight_grad; or one made of
+  // The backend op: matmul, matmul_weight, linear_bias, linear_weight_grad, linear_residual,
+  // linear_input_grad_add; or one made of
   // several products (MetaProduct), with m, n, k 0, its `operands` and its `op_flops`:
   // attention, attention_backward, fused_attention, fused_attention_backward, conv2d,
   // conv2d_backward.

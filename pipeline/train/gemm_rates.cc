@@ -68,14 +68,18 @@ class ProductCall {
     a_ = filled(a_shape, p.dtype, 0.01);
     b_ = filled(b_shape, p.dtype, 0.02);
     c_ = filled({p.m, p.n}, p.c_dtype, 0.0);
-    // linear_bias adds a bias of c's columns; linear_weight_grad sums into one of c's rows.
+    // linear_bias adds a bias of c's columns; linear_weight_grad sums into one of c's rows;
+    // linear_residual reads a residual of c's shape (and linear_input_grad_add c itself).
     if (p.op == "linear_bias") bias_ = filled({p.n}, p.dtype, 0.5);
     if (p.op == "linear_weight_grad") bias_ = filled({p.m}, p.c_dtype, 0.0);
+    if (p.op == "linear_residual") bias_ = filled({p.m, p.n}, p.c_dtype, 0.5);
   }
   void operator()() {
     if (!p_.is_gemm()) return call_op();
     if (p_.op == "linear_bias") return be_.linear_bias(a_, b_, bias_, c_);
     if (p_.op == "linear_weight_grad") return be_.linear_weight_grad(a_, b_, c_, bias_);
+    if (p_.op == "linear_residual") return be_.linear_residual(a_, b_, bias_, c_);
+    if (p_.op == "linear_input_grad_add") return be_.linear_input_grad_add(a_, b_, c_);
     if (p_.op == "matmul_weight") return be_.matmul_weight(a_, p_.trans_a, b_, p_.trans_b, c_);
     be_.matmul(a_, p_.trans_a, b_, p_.trans_b, c_);
   }

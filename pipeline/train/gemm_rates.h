@@ -2,7 +2,8 @@
 // (issue 37 item 5: "the report gives each GEMM's rate against the probed peak"). The
 // products are listed on shapes (count_launches' probe at the run's micro-batch size,
 // MetaProducts): a layer's forward (F), input gradient (B) and weight gradient (W), each
-// product with its op (matmul, matmul_weight, linear_bias, linear_weight_grad), its sizes
+// product with its op (matmul, matmul_weight, linear_bias, linear_weight_grad,
+// linear_residual, linear_input_grad_add), its sizes
 // and types; and each op made of several products (attention, fused_attention, conv2d and
 // their backwards) with its tensors' shapes and the FLOPs of its products (MetaProduct).
 // Equal products of a stage's layers, and of stages on one device, are timed
