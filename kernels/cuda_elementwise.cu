@@ -443,7 +443,8 @@ GPIPE_TENSOR_OPS(double)
 namespace {
 
 
-// One block per row: the sum of squares, then rstd and y = (x rstd) g. The loops are
+// float32 and float64 (16-bit rows: rmsnorm_chunks_kernel, below, the same formulas eight
+// elements a load). One block per row: the sum of squares, then rstd and y = (x rstd) g. The loops are
 // unrolled by 4: in the sums, a thread's next loads are in flight while it adds (the H200 ran
 // these at half a device copy's rate one load at a time), the additions in their order.
 template <typename S>
@@ -469,7 +470,8 @@ __global__ void rmsnorm_kernel(const S* x, const S* g, double eps, S* y, Master<
   }
 }
 
-// One block per row: dot = mean_c(gdy xhat), then dx = rstd (gdy - xhat dot), plus the
+// float32 and float64 (16-bit: rmsnorm_backward_chunks_kernel, below). One block per row:
+// dot = mean_c(gdy xhat), then dx = rstd (gdy - xhat dot), plus the
 // residual's gradient where there is one (rmsnorm_backward_add), added before the one rounding.
 template <typename S>
 __global__ void rmsnorm_backward_kernel(const S* dy, const S* x, const S* g, const Master<S>* rstd,
@@ -638,6 +640,109 @@ __global__ void axpy_narrow_kernel(float alpha, const S* x, S* y, int64_t n, boo
   for (int64_t i = done + first; i < n; i += stride) store(load(y[i]) + alpha * load(x[i]), y[i]);
 }
 
+// RMSNorm on 16-bit rows in chunks of eight elements: thread t of a row's block takes chunks
+// t, t + blockDim.x, ..., each as one 16-byte load or store where `vec` (cols a multiple of 8
+// and every pointer 16-byte aligned, so every row is), and as eight single ones otherwise (the
+// row's last chunk up to cols). The order of every sum is the same either way, so the results
+// are the same bits; each element's formula is rmsnorm_kernel's and rmsnorm_backward_kernel's.
+// Positions past cols load as 0 and add 0 to the sums.
+template <typename S>
+__device__ __forceinline__ void load_chunk(const S* p, int64_t c, int64_t cols, bool vec, float (&v)[kVec]) {
+  if (vec) {
+    const Bits8 b = load8(p, c);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) v[e] = lane<S>(b, e);
+    return;
+  }
+  const int64_t first = c * kVec;
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) v[e] = first + e < cols ? load(p[first + e]) : 0.0f;
+}
+template <typename S>
+__device__ __forceinline__ void store_chunk(S* p, int64_t c, int64_t cols, bool vec, const float (&v)[kVec]) {
+  if (vec) {
+    Bits8 b;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) set_lane<S>(v[e], b, e);
+    store8(p, c, b);
+    return;
+  }
+  const int64_t first = c * kVec;
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) {
+    if (first + e < cols) store(v[e], p[first + e]);
+  }
+}
+
+template <typename S>
+__global__ void rmsnorm_chunks_kernel(const S* x, const S* g, double eps, S* y, float* rstd, int64_t cols, bool vec) {
+  __shared__ double shared[32];
+  const int64_t row = blockIdx.x, chunks = (cols + kVec - 1) / kVec;
+  const S* px = x + row * cols;
+  S* py = y + row * cols;
+  double acc = 0.0;
+  float v[kVec], gv[kVec], out[kVec];
+  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+    load_chunk(px, c, cols, vec, v);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) acc += static_cast<double>(v[e]) * static_cast<double>(v[e]);
+  }
+  acc = block_sum_all(acc, shared);
+  const float r = static_cast<float>(1.0 / sqrt(acc / static_cast<double>(cols) + eps));
+  if (threadIdx.x == 0) rstd[row] = r;
+  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+    load_chunk(px, c, cols, vec, v);
+    load_chunk(g, c, cols, vec, gv);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const float xhat = v[e] * r;
+      out[e] = xhat * gv[e];
+    }
+    store_chunk(py, c, cols, vec, out);
+  }
+}
+
+template <typename S>
+__global__ void rmsnorm_backward_chunks_kernel(const S* dy, const S* x, const S* g, const float* rstd,
+                                               const S* residual, S* dx, int64_t cols, bool vec) {
+  __shared__ double shared[32];
+  const int64_t row = blockIdx.x, chunks = (cols + kVec - 1) / kVec;
+  const S* px = x + row * cols;
+  const S* pdy = dy + row * cols;
+  const S* pres = residual != nullptr ? residual + row * cols : nullptr;
+  S* pdx = dx + row * cols;
+  const float r = rstd[row];
+  double acc = 0.0;
+  float xv[kVec], dyv[kVec], gv[kVec], rv[kVec], out[kVec];
+  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+    load_chunk(px, c, cols, vec, xv);
+    load_chunk(pdy, c, cols, vec, dyv);
+    load_chunk(g, c, cols, vec, gv);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const float xhat = xv[e] * r;
+      const float gdy = dyv[e] * gv[e];
+      acc += static_cast<double>(gdy) * static_cast<double>(xhat);
+    }
+  }
+  acc = block_sum_all(acc, shared);
+  const float dot = static_cast<float>((1.0 / static_cast<double>(cols)) * acc);
+  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+    load_chunk(px, c, cols, vec, xv);
+    load_chunk(pdy, c, cols, vec, dyv);
+    load_chunk(g, c, cols, vec, gv);
+    if (pres != nullptr) load_chunk(pres, c, cols, vec, rv);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const float xhat = xv[e] * r;
+      const float gdy = dyv[e] * gv[e];
+      const float d = (gdy - xhat * dot) * r;
+      out[e] = pres != nullptr ? d + rv[e] : d;
+    }
+    store_chunk(pdx, c, cols, vec, out);
+  }
+}
+
 }  // namespace
 
 
@@ -646,6 +751,15 @@ void rmsnorm(const S* x, const S* g, double eps, S* y, Master<S>* rstd, int64_t 
              cudaStream_t stream) {
   if (rows == 0) return;
   check_rows(rows, "rmsnorm");
+  if constexpr (sizeof(S) == 2) {
+    if (cols > 0) {  // eight elements a thread's step
+      const bool vec = cols % kVec == 0 && vec8_aligned({x, g, y});
+      rmsnorm_chunks_kernel<S><<<static_cast<unsigned>(rows), row_threads((cols + kVec - 1) / kVec), 0, stream>>>(
+          x, g, eps, y, rstd, cols, vec);
+      GPIPE_CUDA_CHECK(cudaGetLastError());
+      return;
+    }
+  }
   rmsnorm_kernel<S><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(x, g, eps, y, rstd, cols);
   GPIPE_CUDA_CHECK(cudaGetLastError());
 }
@@ -655,6 +769,13 @@ void rmsnorm_backward(const S* dy, const S* x, const S* g, const Master<S>* rstd
                       int64_t rows, int64_t cols, cudaStream_t stream) {
   if (rows == 0 || cols == 0) return;
   check_rows(rows, residual != nullptr ? "rmsnorm_backward_add" : "rmsnorm_backward");
+  if constexpr (sizeof(S) == 2) {
+    const bool vec = cols % kVec == 0 && vec8_aligned({dy, x, g, dx}) && (residual == nullptr || vec8_aligned({residual}));
+    rmsnorm_backward_chunks_kernel<S><<<static_cast<unsigned>(rows), row_threads((cols + kVec - 1) / kVec), 0,
+                                        stream>>>(dy, x, g, rstd, residual, dx, cols, vec);
+    GPIPE_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
   rmsnorm_backward_kernel<S><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(dy, x, g, rstd,
                                                                                              residual, dx, cols);
   GPIPE_CUDA_CHECK(cudaGetLastError());

@@ -208,6 +208,27 @@ TEST_CASE("fused ops, axpy, rope and embedding on bfloat16 and float16 round as 
       gpu().axpy(-0.75, dyg, rg);
       EXPECT_CLOSE_TOL(rg, r64, once);
 
+      // RMSNorm takes a row's 16-bit elements eight a load where cols is a multiple of 8 and
+      // every operand 16-byte aligned, and one at a time otherwise: operands one element into
+      // their allocation give the same bits as the aligned ones above.
+      if (rows > 0 && cols % 8 == 0) {
+        auto shifted = [&](const Tensor& host) {  // host's values, on the GPU one element into an allocation
+          Tensor all = to_gpu(random_tensor({host.numel() + 1}, t, 998));
+          Tensor v = all.narrow_rows(1, host.numel()).reshape(host.shape());
+          gpu().copy(to_gpu(host), v);
+          return v;
+        };
+        Tensor xs = shifted(x), gs = shifted(g), ys = shifted(x), rstds = gpu().empty({rows}, DType::kF32);
+        gpu().rmsnorm(xs, gs, 1e-5, ys, rstds);
+        CHECK(to_doubles(ys) == to_doubles(yg));
+        CHECK(to_doubles(rstds) == to_doubles(rstdg));
+        Tensor dys = shifted(dy), dxs = shifted(x);
+        gpu().rmsnorm_backward_add(dys, xs, gs, rstdg, xs, dxs);
+        CHECK(to_doubles(dxs) == to_doubles(dxag));
+        gpu().rmsnorm_backward(dys, xs, gs, rstdg, dxs);
+        CHECK(to_doubles(dxs) == to_doubles(dxg));
+      }
+
       // SwiGLU and the residual add take eight 16-bit elements a load where every operand is
       // 16-byte aligned, and one at a time otherwise: views one row into their allocation
       // (odd widths: 2-byte aligned) give the same bits as the aligned tensors above.
