@@ -645,7 +645,7 @@ __global__ void axpy_narrow_kernel(float alpha, const S* x, S* y, int64_t n, boo
 // and every pointer 16-byte aligned, so every row is), and as eight single ones otherwise (the
 // row's last chunk up to cols). The order of every sum is the same either way, so the results
 // are the same bits; each element's formula is rmsnorm_kernel's and rmsnorm_backward_kernel's.
-// Positions past cols load as 0 and add 0 to the sums.
+// Positions past cols load as 0 and add nothing to the sums.
 template <typename S>
 __device__ __forceinline__ void load_chunk(const S* p, int64_t c, int64_t cols, bool vec, float (&v)[kVec]) {
   if (vec) {
@@ -718,8 +718,10 @@ __global__ void rmsnorm_backward_chunks_kernel(const S* dy, const S* x, const S*
     load_chunk(px, c, cols, vec, xv);
     load_chunk(pdy, c, cols, vec, dyv);
     load_chunk(g, c, cols, vec, gv);
+    const int valid = vec ? kVec : static_cast<int>(cols - c * kVec < kVec ? cols - c * kVec : kVec);
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
+      if (e >= valid) continue;  // past cols: nothing (0 * an infinite rstd would be NaN)
       const float xhat = xv[e] * r;
       const float gdy = dyv[e] * gv[e];
       acc += static_cast<double>(gdy) * static_cast<double>(xhat);
@@ -773,11 +775,10 @@ void rmsnorm_backward(const S* dy, const S* x, const S* g, const Master<S>* rstd
     const bool vec = cols % kVec == 0 && vec8_aligned({dy, x, g, dx}) && (residual == nullptr || vec8_aligned({residual}));
     rmsnorm_backward_chunks_kernel<S><<<static_cast<unsigned>(rows), row_threads((cols + kVec - 1) / kVec), 0,
                                         stream>>>(dy, x, g, rstd, residual, dx, cols, vec);
-    GPIPE_CUDA_CHECK(cudaGetLastError());
-    return;
+  } else {
+    rmsnorm_backward_kernel<S><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(dy, x, g, rstd,
+                                                                                               residual, dx, cols);
   }
-  rmsnorm_backward_kernel<S><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(dy, x, g, rstd,
-                                                                                             residual, dx, cols);
   GPIPE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -80,7 +80,9 @@ int main(int argc, char** argv) { return run_gpu_tests(argc, argv); }
 namespace {
 
 // Row shapes: one element, odd widths, a row wider than a block (4097 > 256 threads), no rows.
-const std::pair<int64_t, int64_t> kFusedRows[] = {{1, 1}, {3, 7}, {37, 1024}, {5, 4097}, {0, 8}};
+// {2, 4104}: 16-bit RMSNorm's threads take two or three chunks of eight; {2, 8}: one chunk, the
+// rest of the block's warp idle.
+const std::pair<int64_t, int64_t> kFusedRows[] = {{1, 1}, {3, 7}, {37, 1024}, {5, 4097}, {0, 8}, {2, 4104}, {2, 8}};
 
 Tensor widened(const Tensor& t, DType to) {  // on the host
   Tensor out = cpu().empty(t.shape(), to);
@@ -227,6 +229,9 @@ TEST_CASE("fused ops, axpy, rope and embedding on bfloat16 and float16 round as 
         CHECK(to_doubles(dxs) == to_doubles(dxag));
         gpu().rmsnorm_backward(dys, xs, gs, rstdg, dxs);
         CHECK(to_doubles(dxs) == to_doubles(dxg));
+        Tensor dx_res = gpu().empty(x.shape(), t);  // only the residual off alignment
+        gpu().rmsnorm_backward_add(dyg, xg, gg, rstdg, xs, dx_res);
+        CHECK(to_doubles(dx_res) == to_doubles(dxag));
       }
 
       // SwiGLU and the residual add take eight 16-bit elements a load where every operand is
