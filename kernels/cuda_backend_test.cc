@@ -528,6 +528,22 @@ TEST_CASE("16-bit products and elementwise ops on the GPU itself equal the widen
 // ---------------------------------------------------------------------------------
 // Ops against the CPU reference
 
+// Each element of a 16-bit GPU result within a step of the type (and 1e-3) of one of two
+// references: rounded once, or rounded as the CPU's 16-bit composition rounds (the product,
+// then the sum). At most five elements named.
+void check_near_either(const Tensor& got_gpu, const Tensor& once, const Tensor& twice, double step) {
+  const std::vector<double> got = to_doubles(got_gpu), a = to_doubles(once), b = to_doubles(twice);
+  int off = 0;
+  for (size_t e = 0; e < got.size(); ++e) {
+    auto near = [&](double want) { return std::fabs(got[e] - want) <= 1e-3 + step * std::fabs(want); };
+    if (!near(a[e]) && !near(b[e]) && off++ < 5) {
+      INFO("element " << e << ": " << got[e] << ", rounded once " << a[e] << ", twice " << b[e]);
+      CHECK(false);
+    }
+  }
+  CHECK(off == 0);
+}
+
 // A linear layer's product with its bias in one cuBLASLt call each way (issue 37 item 5:
 // the BIAS epilogue forward, BGRADB's column sums in W), called on the bare backend for
 // the 16-bit types (nothing widened around it), against the CPU: its float32 product and
@@ -588,16 +604,7 @@ TEST_CASE("linear_bias and linear_weight_grad (cuBLASLt's epilogues) equal the C
         // composition, which rounds the product and then the sum.
         Tensor y_twice = Tensor::empty({z.r, z.n}, t, Device::cpu());
         cpu_be.linear_bias(x, w, bias, y_twice);
-        const std::vector<double> got = to_doubles(y_gpu), once = to_doubles(y_cpu), twice = to_doubles(y_twice);
-        int off = 0;
-        for (size_t e = 0; e < got.size(); ++e) {
-          auto near = [&](double want) { return std::fabs(got[e] - want) <= 1e-3 + step * std::fabs(want); };
-          if (!near(once[e]) && !near(twice[e]) && off++ < 5) {
-            INFO("element " << e << ": " << got[e] << ", rounded once " << once[e] << ", twice " << twice[e]);
-            CHECK(false);
-          }
-        }
-        CHECK(off == 0);
+        check_near_either(y_gpu, y_cpu, y_twice, step);
         if (aligned) GPIPE_EXPECT_CLOSE(y_gpu, y_cpu, step, 1e-3);  // one rounding where cuBLASLt takes the epilogue
       }
       // W, into float32 gradients (a 16-bit model's masters; a float32 model's own).
@@ -662,19 +669,6 @@ TEST_CASE("linear_residual and linear_input_grad_add equal the CPU's product the
         cpu_be.cast(u, out);
         return out;
       };
-      // Each element within a step of one of the references.
-      auto near_either = [&](const Tensor& got_gpu, const Tensor& once, const Tensor& twice) {
-        const std::vector<double> got = to_doubles(got_gpu), a = to_doubles(once), b = to_doubles(twice);
-        int off = 0;
-        for (size_t e = 0; e < got.size(); ++e) {
-          auto near = [&](double want) { return std::fabs(got[e] - want) <= 1e-3 + step * std::fabs(want); };
-          if (!near(a[e]) && !near(b[e]) && off++ < 5) {
-            INFO("element " << e << ": " << got[e] << ", rounded once " << a[e] << ", twice " << b[e]);
-            CHECK(false);
-          }
-        }
-        CHECK(off == 0);
-      };
       const int64_t calls_before = cuda_cublaslt_calls();
       // y = x w^T + residual.
       Tensor y_wide = Tensor::empty({z.r, z.n}, DType::kF32, Device::cpu());
@@ -689,11 +683,11 @@ TEST_CASE("linear_residual and linear_input_grad_add equal the CPU's product the
       bare.linear_residual(x_gpu, to_gpu(w), to_gpu(res), y_first);
       bare.linear_residual(x_gpu, to_gpu(w), res_gpu, y_gpu);
       if (t == DType::kF32) GPIPE_EXPECT_CLOSE(y_first, y_once, step, 1e-5);
-      else near_either(y_first, y_once, y_twice);
+      else check_near_either(y_first, y_once, y_twice, step);
       if (t == DType::kF32) {
         GPIPE_EXPECT_CLOSE(y_gpu, y_once, step, 1e-5);
       } else {
-        near_either(y_gpu, y_once, y_twice);
+        check_near_either(y_gpu, y_once, y_twice, step);
         if (aligned) GPIPE_EXPECT_CLOSE(y_gpu, y_once, step, 1e-3);
       }
       if (aligned) CHECK(cuda_cublaslt_calls() == calls_before + 2);

@@ -272,6 +272,27 @@ void check_contiguous(Operands ts, const char* op) {
   }
 }
 
+// A linear layer's forward product, y (R x N) = x (R x K) w^T, all of x's type, into y (D and
+// C, beta 0, no epilogue): linear_bias and linear_residual add theirs.
+LtCall forward_call(const Tensor& x, const Tensor& w, Tensor& y) {
+  LtCall call;
+  call.op_a = CUBLAS_OP_T;  // w (N x K) read column-major as K x N, transposed: N x K
+  call.op_b = CUBLAS_OP_N;  // x (R x K) read column-major as K x R
+  call.m = w.size(0);
+  call.n = x.size(0);
+  call.k = x.size(1);
+  call.a = w.raw_data();
+  call.lda = w.size(1);
+  call.b = x.raw_data();
+  call.ldb = x.size(1);
+  call.ab_type = lt_type(x.dtype());
+  call.c = y.raw_data();
+  call.ldc = y.size(1);
+  call.c_type = lt_type(x.dtype());
+  call.beta = 0;
+  return call;
+}
+
 }  // namespace
 
 void CudaBackend::linear_bias(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y) {
@@ -287,21 +308,7 @@ void CudaBackend::linear_bias(const Tensor& x, const Tensor& w, const Tensor& bi
   }
   for (const Tensor* u : Operands{&x, &w, &bias, &y}) check_on_device(*u, "linear_bias");
   DeviceGuard guard(device_.index);
-  LtCall call;
-  call.op_a = CUBLAS_OP_T;  // w (N x K) read column-major as K x N, transposed: N x K
-  call.op_b = CUBLAS_OP_N;  // x (R x K) read column-major as K x R
-  call.m = w.size(0);
-  call.n = x.size(0);
-  call.k = x.size(1);
-  call.a = w.raw_data();
-  call.lda = w.size(1);
-  call.b = x.raw_data();
-  call.ldb = x.size(1);
-  call.ab_type = lt_type(t);
-  call.c = y.raw_data();
-  call.ldc = y.size(1);
-  call.c_type = lt_type(t);
-  call.beta = 0;
+  LtCall call = forward_call(x, w, y);
   call.epilogue = CUBLASLT_EPILOGUE_BIAS;  // bias (N): D's rows
   call.bias = const_cast<void*>(bias.raw_data());
   if (!lt_matmul(call)) Backend::linear_bias(x, w, bias, y);
@@ -318,21 +325,8 @@ void CudaBackend::linear_residual(const Tensor& x, const Tensor& w, const Tensor
   }
   for (const Tensor* u : Operands{&x, &w, &residual, &y}) check_on_device(*u, "linear_residual");
   DeviceGuard guard(device_.index);
-  LtCall call;  // linear_bias's product, with the residual as C (beta 1) and y as D
-  call.op_a = CUBLAS_OP_T;
-  call.op_b = CUBLAS_OP_N;
-  call.m = w.size(0);
-  call.n = x.size(0);
-  call.k = x.size(1);
-  call.a = w.raw_data();
-  call.lda = w.size(1);
-  call.b = x.raw_data();
-  call.ldb = x.size(1);
-  call.ab_type = lt_type(t);
-  call.c = y.raw_data();
-  call.c_in = residual.raw_data();
-  call.ldc = y.size(1);
-  call.c_type = lt_type(t);
+  LtCall call = forward_call(x, w, y);
+  call.c_in = residual.raw_data();  // C, added (beta 1); y is D
   call.beta = 1;
   if (!lt_matmul(call)) Backend::linear_residual(x, w, residual, y);
 }
