@@ -753,16 +753,13 @@ void rmsnorm(const S* x, const S* g, double eps, S* y, Master<S>* rstd, int64_t 
              cudaStream_t stream) {
   if (rows == 0) return;
   check_rows(rows, "rmsnorm");
-  if constexpr (sizeof(S) == 2) {
-    if (cols > 0) {  // eight elements a thread's step
-      const bool vec = cols % kVec == 0 && vec8_aligned({x, g, y});
-      rmsnorm_chunks_kernel<S><<<static_cast<unsigned>(rows), row_threads((cols + kVec - 1) / kVec), 0, stream>>>(
-          x, g, eps, y, rstd, cols, vec);
-      GPIPE_CUDA_CHECK(cudaGetLastError());
-      return;
-    }
+  if constexpr (sizeof(S) == 2) {  // eight elements a thread's step (cols 0: rstd as rmsnorm_kernel's, NaN)
+    const bool vec = cols % kVec == 0 && vec8_aligned({x, g, y});
+    rmsnorm_chunks_kernel<S><<<static_cast<unsigned>(rows), row_threads((cols + kVec - 1) / kVec), 0, stream>>>(
+        x, g, eps, y, rstd, cols, vec);
+  } else {
+    rmsnorm_kernel<S><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(x, g, eps, y, rstd, cols);
   }
-  rmsnorm_kernel<S><<<static_cast<unsigned>(rows), row_threads(cols), 0, stream>>>(x, g, eps, y, rstd, cols);
   GPIPE_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -326,15 +326,19 @@ TEST_CASE("the residual sums are the CPU's op then axpy, bit for bit, one op eac
     const Tensor dx0 = random_tensor({R, K}, t, ++seed);
     const std::vector<double> xv = testing::to_doubles(x), wv = testing::to_doubles(w), rv = testing::to_doubles(res),
                               dyv = testing::to_doubles(dy), dx0v = testing::to_doubles(dx0);
+    OpLog log;
+    auto one_op = [&](const char* op) {  // the calls since the last take: this op alone
+      const std::vector<OpLog::Call> calls = log.take();
+      REQUIRE(calls.size() == 1);
+      CHECK(calls[0].op == op);
+    };
     // y = x w^T + residual.
     Tensor want = be.empty({R, N}, t), got = be.empty({R, N}, t);
     be.matmul_weight(x, false, w, true, want);
     be.axpy(1.0, res, want);
-    OpLog log;
+    log.take();
     be.linear_residual(x, w, res, got);
-    std::vector<OpLog::Call> calls = log.take();
-    REQUIRE(calls.size() == 1);
-    CHECK(calls[0].op == "linear_residual");
+    one_op("linear_residual");
     CHECK(same_bits(got, want));
     const std::vector<double> y = testing::to_doubles(got);
     for (int64_t r = 0; r < R; ++r) {
@@ -350,9 +354,7 @@ TEST_CASE("the residual sums are the CPU's op then axpy, bit for bit, one op eac
     be.axpy(1.0, part, dx_want);
     log.take();
     be.linear_input_grad_add(dy, w, dx);
-    calls = log.take();
-    REQUIRE(calls.size() == 1);
-    CHECK(calls[0].op == "linear_input_grad_add");
+    one_op("linear_input_grad_add");
     CHECK(same_bits(dx, dx_want));
     const std::vector<double> d = testing::to_doubles(dx);
     for (int64_t r = 0; r < R; ++r) {
@@ -373,9 +375,7 @@ TEST_CASE("the residual sums are the CPU's op then axpy, bit for bit, one op eac
     be.axpy(1.0, nres, n_want);
     log.take();
     be.rmsnorm_backward_add(ny, x, g, rstd, nres, n_got);
-    calls = log.take();
-    REQUIRE(calls.size() == 1);
-    CHECK(calls[0].op == "rmsnorm_backward_add");
+    one_op("rmsnorm_backward_add");
     CHECK(same_bits(n_got, n_want));
     const std::vector<double> ng = testing::to_doubles(n_got);
     for (size_t e = 0; e < ng.size(); ++e) {
