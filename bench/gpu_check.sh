@@ -22,7 +22,9 @@
 #         bench     the GPU benchmarks (block_bench, pipeline_bench K = 1, 2, 4)
 #         speed     gpipe against PyTorch on the same LLaMA-style models (bench/torch_llama.py;
 #                   bench/configs/llama_95m_speed.yaml, llama_1b_speed.yaml): bf16 and
-#                   float32, gpipe at K = 1, 2, 4 stages on one GPU; one table of step times,
+#                   float32, gpipe at K = 1, 2, 4 stages on one GPU (M = K), and K = 1 at
+#                   M = 4 and K = 4 at M = 1, which split K = 4's extra time between its
+#                   thinner micro-batches and its stages; one table of step times,
 #                   PyTorch/gpipe ratios, MFU and peak memory, and $OUT/speed.md to paste into
 #                   bench/RESULTS.md. A run that fails is FAIL, a slow one is not. Without
 #                   torch in python3 the PyTorch half is skipped. GPU_CHECK_SPEED_* change it
@@ -133,18 +135,26 @@ step_sanitize() {
       # memcheck (clean there) and racecheck.
       [ "$tool" = synccheck ] && exclude+=',*fused attention*,*captured*'
       # GPU_CHECK_SANITIZE_ARGS: more of the sanitizer's options (e.g. --num-cuda-barriers N).
+      # GPU_CHECK_SANITIZE_CASES: only the test cases whose names match (doctest's
+      # --test-case, e.g. '*residual*,*rmsnorm*'), for a tool too slow for a whole binary in
+      # the time a session has (racecheck of cuda_backend_test and gpu_pipeline_test).
+      local cases=()
+      [ -n "${GPU_CHECK_SANITIZE_CASES:-}" ] && cases=(--test-case="$GPU_CHECK_SANITIZE_CASES")
       # shellcheck disable=SC2086
       timeout "${GPU_CHECK_SANITIZE_TIMEOUT:-900}" "$sanitizer" --tool "$tool" --error-exitcode 97 \
         ${GPU_CHECK_SANITIZE_ARGS:-} "$carry/$t" \
-        --test-case-exclude="$exclude" > "$log" 2>&1
-      local status=$?
-      if [ "$status" -eq 0 ]; then
-        record "$t/$tool" pass "$(grep -m1 -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log")"
+        --test-case-exclude="$exclude" "${cases[@]}" > "$log" 2>&1
+      local status=$? only=""
+      [ -n "${GPU_CHECK_SANITIZE_CASES:-}" ] && only=", only the cases '$GPU_CHECK_SANITIZE_CASES'"
+      if [ -n "$only" ] && grep -qE 'test cases: +0 \|' "$log"; then
+        record "$t/$tool" FAIL "no test case matched GPU_CHECK_SANITIZE_CASES='$GPU_CHECK_SANITIZE_CASES' ($log)"
+      elif [ "$status" -eq 0 ]; then
+        record "$t/$tool" pass "$(grep -m1 -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log")$only"
       elif [ "$status" -eq 124 ]; then
         record "$t/$tool" FAIL "did not finish in ${GPU_CHECK_SANITIZE_TIMEOUT:-900} s ($log)"
       elif [ "$tool" = racecheck ] && grep -q 'test cases:.* 0 failed' "$log" && races_only_in_nvidia "$log"; then
         record "$t/$tool" pass "hazards only inside NVIDIA's kernels ($(race_kernels "$log" | sed -E 's/_kernel0_0$//' |
-          cut -c1-40 | sort -u | paste -sd' ')), none in ours ($log)"
+          cut -c1-40 | sort -u | paste -sd' ')), none in ours$only ($log)"
       else
         record "$t/$tool" FAIL "$(grep -m1 -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log") ($log)"
       fi
@@ -322,6 +332,18 @@ gpu_peak_mib() {  # pid gpu base
 # Runs one timed job (command in "$@", its output to `log`) within `limit` seconds, the
 # GPU's memory sampled while it runs; appends its row to $out/speed.jsonl for the table.
 # A job past its limit is killed outright: gpipe would save a checkpoint on SIGTERM.
+# "K", "KmM", "Kg" or "KmMg" (GPU_CHECK_SPEED_KS) into k, m, capture and the run's name in
+# its folder (kK, kKmM when M is not K, then g when captured); a malformed one is an error.
+speed_km() {
+  local token="$1"
+  [[ "$token" =~ ^([1-9][0-9]*)(m([1-9][0-9]*))?(g?)$ ]] ||
+    { echo "gpu_check: '$token' in GPU_CHECK_SPEED_KS or _OPS_KS is not K, KmM, Kg or KmMg (e.g. 4, 4m1g)" >&2; return 1; }
+  k="${BASH_REMATCH[1]}" m="${BASH_REMATCH[3]:-${GPU_CHECK_SPEED_M:-${BASH_REMATCH[1]}}}"
+  capture=false km_name="k$k"
+  [ "$m" = "$k" ] || km_name+="m$m"
+  [ -z "${BASH_REMATCH[4]}" ] || { capture=true; km_name+=g; }
+}
+
 speed_run() {  # json_fields log limit command...
   local fields="$1" log="$2" limit="$3" base="" mib=null status begin=$SECONDS
   shift 3
@@ -344,9 +366,12 @@ step_speed() {
   local sizes ks precisions size precision k m dir
   read -ra sizes <<< "${GPU_CHECK_SPEED_SIZES:-95m 1b}"
   read -ra precisions <<< "${GPU_CHECK_SPEED_PRECISIONS:-bf16 float32}"
-  # "1g", "4g": K = 1 or 4 with pipeline.capture (the training step of the K stages on the
-  # one GPU captured as one CUDA graph and replayed, one launch a step).
-  read -ra ks <<< "${GPU_CHECK_SPEED_KS:-1 1g 2 4 4g}"
+  # Each run is "K", "KmM" or either with "g" after it (speed_km): K stages on the one GPU,
+  # M micro-batches (GPU_CHECK_SPEED_M, or K), "g" with pipeline.capture (the training step
+  # of the K stages captured as one CUDA graph and replayed, one launch a step). "1m4g" and
+  # "4m1g" split K = 4's extra time: the same kernels as K = 4 at K = 1, and K = 4's stages
+  # with K = 1's kernels (on one GPU the stages take turns, so M buys no overlap).
+  read -ra ks <<< "${GPU_CHECK_SPEED_KS:-1 1g 2 4 4g 1m4g 4m1g}"
   local steps="${GPU_CHECK_SPEED_STEPS:-12}" timed="${GPU_CHECK_SPEED_TIMED:-8}"
   local recompute="${GPU_CHECK_SPEED_RECOMPUTE:-never}" per_run="${GPU_CHECK_SPEED_TIMEOUT:-180}"
   local budget="${GPU_CHECK_SPEED_BUDGET:-360}" started=$SECONDS
@@ -362,27 +387,29 @@ step_speed() {
   fi
   # Runs left out when the budget is spent: "size precision what" lines, for the table's notes.
   : > "$out/speed_not_run.txt"
+  rm -rf "$out"/speed_*_ops "$out"/speed_*_ops.log  # an earlier call's: the tables read every one there
   # Where a step's time goes, op by op (trace.ops), for the first size and precision, at each
-  # K of GPU_CHECK_SPEED_OPS_KS ("1 4": K stages on the one GPU, M = K), so that the table
-  # shows which ops K = 4's extra time is in: runs of their own, since two events around
+  # run of GPU_CHECK_SPEED_OPS_KS ("1 4 4m1", as speed_km reads them), so that the tables
+  # show which ops K = 4's extra time is in: runs of their own, since two events around
   # every op slow a step whose host is its bound; first, so that the budget the timed runs
   # share cannot leave them out. GPU_CHECK_SPEED_OPS=0 leaves them out.
-  local ops_size="${sizes[0]}" ops_precision="${precisions[0]}" ops_ks ops_k
-  read -ra ops_ks <<< "${GPU_CHECK_SPEED_OPS_KS:-1 4}"
+  local ops_size="${sizes[0]}" ops_precision="${precisions[0]}" ops_ks ops_k capture km_name
+  read -ra ops_ks <<< "${GPU_CHECK_SPEED_OPS_KS:-1 4 4m1}"
   if [ "${GPU_CHECK_SPEED_OPS:-1}" != 0 ] && [ -f "$carry/llama_${ops_size}_speed.yaml" ]; then
     for ops_k in "${ops_ks[@]}"; do
+      speed_km "$ops_k" || { record "speed_ops_$ops_k" FAIL "not a run of GPU_CHECK_SPEED_OPS_KS"; continue; }
       local left=$((budget - (SECONDS - started)))
-      dir="$out/speed_${ops_size}_${ops_precision}$([ "$ops_k" = 1 ] || echo "_k$ops_k")_ops"
+      dir="$out/speed_${ops_size}_${ops_precision}$([ "$km_name" = k1 ] || echo "_$km_name")_ops"
       rm -rf "$dir"
       if [ "$left" -ge 30 ]; then
         timeout "$((left < per_run ? left : per_run))" "$carry/gpipe" train "$carry/llama_${ops_size}_speed.yaml" \
-          --set "model.dtype=$ops_precision" --set "pipeline.partitions=$ops_k" --set "pipeline.micro_batches=$ops_k" \
-          --set "pipeline.devices=[$(yes "$speed_device" | head -n "$ops_k" | paste -sd,)]" \
-          --set "pipeline.recompute=$recompute" --set "train.steps=6" \
+          --set "model.dtype=$ops_precision" --set "pipeline.partitions=$k" --set "pipeline.micro_batches=$m" \
+          --set "pipeline.devices=[$(yes "$speed_device" | head -n "$k" | paste -sd,)]" \
+          --set "pipeline.recompute=$recompute" --set "train.steps=6" --set "pipeline.capture=$capture" \
           --set "trace.ops=true" --set "data.path=$carry/GPL-3" --set "output.dir=$dir" > "$dir.log" 2>&1 ||
-          record "speed_ops_${ops_size}_${ops_precision}_k$ops_k" FAIL "gpipe with trace.ops: exit status $? ($dir.log)"
+          record "speed_ops_${ops_size}_${ops_precision}_$km_name" FAIL "gpipe with trace.ops: exit status $? ($dir.log)"
       else
-        echo "$ops_size $ops_precision gpipe K=$ops_k with trace.ops" >> "$out/speed_not_run.txt"
+        echo "$ops_size $ops_precision gpipe $ops_k with trace.ops" >> "$out/speed_not_run.txt"
       fi
     done
   fi
@@ -395,7 +422,7 @@ step_speed() {
         [ "$k" = torch ] && [ -z "$torch_device" ] && continue
         local left=$((budget - (SECONDS - started)))
         if [ "$left" -lt 30 ]; then
-          echo "$size $precision $([ "$k" = torch ] && echo PyTorch || echo "gpipe K=$k")" >> "$out/speed_not_run.txt"
+          echo "$size $precision $([ "$k" = torch ] && echo PyTorch || echo "gpipe $k")" >> "$out/speed_not_run.txt"
           continue
         fi
         local limit=$((left < per_run ? left : per_run))
@@ -405,10 +432,8 @@ step_speed() {
             --steps "$steps" --timed "$timed" $([ "$torch_device" = cpu ] && echo --threads 1)  # a CPU stage's one thread
           continue
         fi
-        local capture=false
-        [[ "$k" == *g ]] && { capture=true; k="${k%g}"; }
-        m="${GPU_CHECK_SPEED_M:-$k}"
-        dir="$out/speed_${size}_${precision}_k$k$([ "$capture" = true ] && echo g)"
+        speed_km "$k" || { record "speed_$k" FAIL "not a run of GPU_CHECK_SPEED_KS"; continue; }
+        dir="$out/speed_${size}_${precision}_$km_name"
         rm -rf "$dir"
         speed_run "\"impl\": \"gpipe\", $label, \"k\": $k, \"m\": $m, \"capture\": $capture, \"dir\": \"$dir\"" \
           "$dir.log" "$limit" \
@@ -487,7 +512,8 @@ for (size, precision), rs in groups.items():
     flops = model_flops(shape)
     problems, times = [], {}
     for r in rs:
-        what = "PyTorch" if r["impl"] == "pytorch" else f"gpipe K={r['k']}" + (" captured" if r.get("capture") else "")
+        what = "PyTorch" if r["impl"] == "pytorch" else f"gpipe K={r['k']}" + \
+            (f" M={r['m']}" if r["m"] != r["k"] else "") + (" captured" if r.get("capture") else "")
         why = fail_why(r)
         if not why:
             try:
@@ -557,7 +583,7 @@ md += ["", f"Each run trains the config's model for {steps} steps and times the 
 # per micro-batch first), against the datasheet peak of the MFU column and the one gpipe probed.
 gemm_rows = []
 for r in rows:
-    if r["impl"] != "gpipe" or r.get("k") != 1 or r.get("capture") or "ms" not in r:
+    if r["impl"] != "gpipe" or r.get("k") != 1 or r.get("m") != 1 or r.get("capture") or "ms" not in r:
         continue
     try:
         gemms = json.load(open(os.path.join(r["dir"], "report.json"))).get("gemms", [])
@@ -583,8 +609,8 @@ if gemm_rows:
 # stages[].op_times; K stages take turns on the one GPU, so their sums add up to its busy time),
 # and where K = 1 and K > 1 ran for one size and precision, the ops side by side, by the
 # difference: where K > 1's extra time goes.
-import glob
-op_runs = {}  # name -> (k, {op: [calls, ms]}, step ms)
+import glob, re
+op_runs = {}  # (name, k, m, captured) -> ({op: [calls, ms]}, step ms)
 for path in sorted(glob.glob(os.path.join(out, "speed_*_ops", "report.json"))):
     try:
         rep = json.load(open(path))
@@ -598,28 +624,33 @@ for path in sorted(glob.glob(os.path.join(out, "speed_*_ops", "report.json"))):
     except (OSError, ValueError, KeyError, IndexError, TypeError):
         continue
     name = os.path.basename(os.path.dirname(path))[len("speed_"):-len("_ops")]
-    k = 1
-    if "_k" in name:
-        name, _, kk = name.rpartition("_k")
-        k = int(kk)
-    op_runs[(name, k)] = (summed, step_ms)
-for (name, k), (summed, step_ms) in sorted(op_runs.items()):
+    # speed_km's folder names: none for K = 1 (M = 1), else _kK, _kKmM, then g when captured.
+    found = re.fullmatch(r"(.*)_k(\d+)(?:m(\d+))?(g?)", name)
+    k, m, captured = 1, 1, False
+    if found:
+        name, k, captured = found.group(1), int(found.group(2)), found.group(4) == "g"
+        m = int(found.group(3)) if found.group(3) else k
+    op_runs[(name, k, m, captured)] = (summed, step_ms)
+def run_label(k, m, captured):
+    return f"K = {k}, M = {m}" + (", captured" if captured else "")
+for (name, k, m, captured), (summed, step_ms) in sorted(op_runs.items()):
     ops = sorted(summed.items(), key=lambda kv: -kv[1][1])
     total = sum(v[1] for _, v in ops)
     oh = ["op", "calls a step", "ms a step", "share of the ops' time"]
-    md += ["", f"Where gpipe's K = {k} step goes, op by op ({name}, M = {k}; its own run with trace.ops, two events "
-           f"around every op, CUDA events on a GPU; that run's step: {step_ms:.2f} ms, its ops' device time {total:.2f} ms"
-           + (", summed over the stages" if k > 1 else "") + "; the 12 longest):", "",
+    md += ["", f"Where gpipe's step goes, op by op ({name}, {run_label(k, m, captured)}; its own run with trace.ops, two "
+           f"events around every op, CUDA events on a GPU; that run's step: {step_ms:.2f} ms, its ops' device time "
+           f"{total:.2f} ms" + (", summed over the stages" if k > 1 else "") + "; the 12 longest):", "",
            "| " + " | ".join(oh) + " |", "|" + "---|" * len(oh)]
     md += [f"| {op} | {v[0]:.0f} | {v[1]:.3f} | {100 * v[1] / total:.1f}% |" for op, v in ops[:12]] if total > 0 else []
-for (name, k), (summed, step_ms) in sorted(op_runs.items()):
-    if k == 1 or (name, 1) not in op_runs:
+for (name, k, m, captured), (summed, step_ms) in sorted(op_runs.items()):
+    if (k, m, captured) == (1, 1, False) or (name, 1, 1, False) not in op_runs:
         continue
-    one, one_ms = op_runs[(name, 1)]
+    one, one_ms = op_runs[(name, 1, 1, False)]
     names = sorted(set(one) | set(summed), key=lambda op: -(summed.get(op, [0, 0])[1] - one.get(op, [0, 0])[1]))
     t1, tk = sum(v[1] for v in one.values()), sum(v[1] for v in summed.values())
-    ch = ["op", "calls, K = 1", "ms, K = 1", f"calls, K = {k}", f"ms, K = {k}", "difference ms"]
-    md += ["", f"K = {k} against K = 1, op by op ({name}; the runs above): steps {step_ms:.2f} and {one_ms:.2f} ms, "
+    label = run_label(k, m, captured)
+    ch = ["op", "calls, K = 1", "ms, K = 1", f"calls, {label}", f"ms, {label}", "difference ms"]
+    md += ["", f"{label} against K = 1, op by op ({name}; the runs above): steps {step_ms:.2f} and {one_ms:.2f} ms, "
            f"ops {tk:.2f} and {t1:.2f} ms of device time; by the difference, the 12 largest:", "",
            "| " + " | ".join(ch) + " |", "|" + "---|" * len(ch)]
     for op in names[:12]:
