@@ -370,8 +370,9 @@ step_speed() {
   # M micro-batches (GPU_CHECK_SPEED_M, or K), "g" with pipeline.capture (the training step
   # of the K stages captured as one CUDA graph and replayed, one launch a step). "1m4g" and
   # "4m1g" split K = 4's extra time: the same kernels as K = 4 at K = 1, and K = 4's stages
-  # with K = 1's kernels (on one GPU the stages take turns, so M buys no overlap).
-  read -ra ks <<< "${GPU_CHECK_SPEED_KS:-1 1g 2 4 4g 1m4g 4m1g}"
+  # with K = 1's kernels (on one GPU the stages take turns, so M buys no overlap). The
+  # captured runs come first, so that a spent budget leaves out uncaptured K = 2 and 4.
+  read -ra ks <<< "${GPU_CHECK_SPEED_KS:-1 1g 2g 4g 4m1g 1m4g 2 4}"
   local steps="${GPU_CHECK_SPEED_STEPS:-12}" timed="${GPU_CHECK_SPEED_TIMED:-8}"
   local recompute="${GPU_CHECK_SPEED_RECOMPUTE:-never}" per_run="${GPU_CHECK_SPEED_TIMEOUT:-180}"
   local budget="${GPU_CHECK_SPEED_BUDGET:-360}" started=$SECONDS
