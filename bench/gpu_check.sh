@@ -496,8 +496,14 @@ def measure(r):
     report = json.load(open(os.path.join(r["dir"], "report.json")))
     # The step the run's plan predicted before its first step (stages sharing the GPU take turns there).
     r["planned_ms"] = report.get("prediction", {}).get("step_ms")
-    own = sum(q["weight_bytes"] + q["gradient_bytes"] + q["optimizer_bytes"] for q in report["prediction"]["stages"]) + \
-        sum(st["peak_activation_bytes"] for st in report["stages"])
+    # The GPU's allocator at its most from step 1 (every stage on it reads the one count),
+    # as PyTorch's max_memory_allocated counts; a report from before it: the plan's weights,
+    # gradients and optimizer state plus the measured peak activations.
+    own = max((st.get("device_peak_bytes", 0) for st in report["stages"]), default=0)
+    if own <= 0:
+        r["alloc_planned"] = True
+        own = sum(q["weight_bytes"] + q["gradient_bytes"] + q["optimizer_bytes"] for q in report["prediction"]["stages"]) + \
+            sum(st["peak_activation_bytes"] for st in report["stages"])
     return statistics.median(walls[s] for s in steps[-timed:]), own / 2**20
 
 groups = {}
@@ -540,7 +546,7 @@ for (size, precision), rs in groups.items():
                       "" if r["impl"] == "pytorch" or torch_ms is None else f"{torch_ms / r['ms']:.2f}",
                       "n/a" if mfu is None else f"{100 * mfu:.1f}%",
                       "n/a" if r["gpu_mib"] is None else str(r["gpu_mib"]),
-                      "n/a" if r["alloc"] is None else f"{r['alloc']:.0f}"])
+                      "n/a" if r["alloc"] is None else f"{r['alloc']:.0f}" + (" (planned)" if r.get("alloc_planned") else "")])
     ratios = ", ".join(f"{w} {ms:.2f} ms" + (f" ({torch_ms / ms:.2f})" if torch_ms and w != "PyTorch" else "")
                        for w, ms in times.items())
     if problems:
@@ -576,10 +582,11 @@ md += ["", f"Each run trains the config's model for {steps} steps and times the 
        "parameters of matrix products (the embedding and the norms left out), L blocks, T the sequence, d the width "
        f"(PaLM's count: attention not halved for causality, no recompute); peak: {peak_text}.",
        "GPU memory: nvidia-smi's memory.used every 0.2 s during the run, above what was used before it (CUDA "
-       "context and allocator caches included, alike for both). allocated: PyTorch's "
-       "torch.cuda.max_memory_allocated; gpipe's own count, which it does not measure on the device: the plan's "
-       "weights, gradients and optimizer state plus the measured peak activations, summed over the stages "
-       "(report.json), without workspaces and temporaries."]
+       "context and allocator caches included, alike for both). allocated: the most the allocator had handed out "
+       "at once during the steps (every tensor, temporaries included, not its cache): PyTorch's "
+       "torch.cuda.max_memory_allocated, gpipe's report.json device_peak_bytes (from step 1; its stages on the one GPU "
+       "read the one count). \"(planned)\": a gpipe that reports none, given as its plan's weights, gradients and "
+       "optimizer state plus the measured peak activations, summed over the stages."]
 # Each K = 1 run's matrix products, timed alone after it (report.json's gemms: the longest
 # per micro-batch first), against the datasheet peak of the MFU column and the one gpipe probed.
 gemm_rows = []

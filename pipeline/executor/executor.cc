@@ -12,6 +12,7 @@
 #include "layers/loss.h"
 #include "pipeline/executor/held_bytes.h"
 #include "pipeline/executor/stage_runtime.h"
+#include "runtime/allocator.h"
 #include "runtime/device_binding.h"
 #include "runtime/error.h"
 #include "runtime/heartbeat.h"
@@ -1200,6 +1201,12 @@ StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool appl
   cur_.step = steps_done_++;
   cur_.eval = nullptr;
   cur_.epoch = std::chrono::steady_clock::now();
+  if (!peaks_reset_) {  // the stages' threads wait for run_workers: no tensor is in flight
+    for (const auto& rt : runtimes_) {
+      if (rt->local) allocator_for(rt->device).reset_peak();
+    }
+    peaks_reset_ = true;
+  }
   run_workers();
   StepResult result;
   result.wall_ms =
@@ -1239,6 +1246,7 @@ StepResult Executor::step(const Tensor& inputs, const Tensor& targets, bool appl
     if (result.grad_norm >= 0) result.grad_norm /= cur_.loss_scale;
   }
   for (auto& rt : runtimes_) {
+    if (rt->local) rt->trace.device_peak_bytes = allocator_for(rt->device).stats().peak;
     result.stages.push_back(std::move(rt->trace));  // empty for stages of other processes
     rt->mbs.clear();
   }

@@ -148,6 +148,12 @@ struct StageTrace {
   // final wait.
   int64_t other_ops = 0;
   int64_t peak_activation_bytes = 0;  // largest sum of activations held at once
+  // The most bytes the stage's device's allocator (runtime/allocator.h) had handed out at
+  // once, from the executor's first training step to the end of this one: every tensor
+  // this process holds there (weights, gradients, optimizer state, activations, the ops'
+  // temporaries; on a CPU device also the host's batches), as PyTorch's
+  // max_memory_allocated counts. Stages sharing a device read the same count.
+  int64_t device_peak_bytes = 0;
   // The optimizer state this stage's replica holds after its step (its shard's, when
   // sharded): the bytes of every slot, measured; 0 in a step without an update.
   int64_t optimizer_bytes = 0;
@@ -414,6 +420,10 @@ class Executor {
   int running_ = 0;
   bool shutdown_ = false;
   bool failed_ = false;
+  // Whether the first training step has reset its devices' peaks (device_peak_bytes),
+  // so that start-up's work there (the device's peak probed, a checkpoint loaded) is not
+  // counted.
+  bool peaks_reset_ = false;
   std::vector<std::thread> workers_;
 };
 

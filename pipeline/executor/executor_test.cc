@@ -11,6 +11,7 @@
 #include "layers/registry.h"
 #include "partition/balance.h"
 #include "pipeline/executor/executor.h"
+#include "runtime/allocator.h"
 #include "runtime/error.h"
 #include "runtime/inprocess_transport.h"
 #include "tests/testing.h"
@@ -189,6 +190,52 @@ TEST_CASE("rematerialization lowers the activation memory a stage holds") {
   CHECK(peak[1] < peak[0]);
 }
 
+// StageTrace::device_peak_bytes: the allocator of the stage's device at its most from the
+// first step on. Devices cpu:6 and cpu:7 are this test's alone (tensors of other tests live
+// on cpu:0 to cpu:4), so what the count must hold is known: each stage's weights, gradients
+// and optimizer state, with the largest of its activations.
+TEST_CASE("a stage's device peak counts its device's tensors from the first step on") {
+  const Device a = Device::cpu(6), b = Device::cpu(7);
+  {
+    // Start-up's work on a device (a probe, a checkpoint loaded) is not the run's.
+    Tensor big = Tensor::empty({int64_t{8} << 20}, DType::kF32, a);  // 32 MiB, freed before step 1
+    backend_for(a).fill(big, 1.0);
+  }
+  REQUIRE(allocator_for(a).stats().peak >= int64_t{32} << 20);
+  auto model = layers::build_model(mlp_spec(DType::kF32));
+  InProcessTransport transport(3);
+  ExecutorOptions opts;
+  opts.optimizer.type = "adamw";  // two state slots a parameter, made in the first step
+  // Stages 0 and 1 take turns on cpu:6, stage 2 has cpu:7 (layers 0-2, 3-4, 5-6).
+  Executor ex(*model, make_stages({3, 2, 2}, {a, a, b}), gpipe_schedule(3, 4, RecomputeMode::kNever), transport,
+              opts);
+  Tensor x = gpipe::testing::random_tensor({16, 6}, DType::kF32, 1);
+  Tensor y = gpipe::testing::random_labels(16, 4, 2);
+  ex.step(x, y);
+  const StepResult r = ex.step(x, y);  // the optimizer's state held throughout
+  // Floats of each stage's parameters: linear 6->8 and 8->8; 8->7; 7->4, with biases.
+  const int64_t floats[3] = {6 * 8 + 8 + 8 * 8 + 8, 8 * 7 + 7, 7 * 4 + 4};
+  auto held = [&](int k) { return 4 * floats[k] * 2 + r.stages[k].optimizer_bytes; };  // weights, gradients, state
+  for (int k = 0; k < 3; ++k) {
+    CAPTURE(k);
+    CHECK(r.stages[k].optimizer_bytes == 4 * floats[k] * 2);  // AdamW: exp_avg and exp_avg_sq
+    CHECK(r.stages[k].peak_activation_bytes > 0);
+    CHECK(r.stages[k].device_peak_bytes < int64_t{32} << 20);  // the freed start-up tensor is not counted
+  }
+  // One device, one count: both stages on cpu:6 read its allocator's.
+  CHECK(r.stages[0].device_peak_bytes == r.stages[1].device_peak_bytes);
+  CHECK(r.stages[0].device_peak_bytes == allocator_for(a).stats().peak);
+  CHECK(r.stages[2].device_peak_bytes == allocator_for(b).stats().peak);
+  // At a stage's largest activations every weight, gradient and state of the device's
+  // stages is held too.
+  CHECK(r.stages[0].device_peak_bytes >=
+        held(0) + held(1) + std::max(r.stages[0].peak_activation_bytes, r.stages[1].peak_activation_bytes));
+  CHECK(r.stages[2].device_peak_bytes >= held(2) + r.stages[2].peak_activation_bytes);
+  // The model is tiny: everything on cpu:7 (one stage, its inputs and activations of 16
+  // rows) is far below a megabyte.
+  CHECK(r.stages[2].device_peak_bytes < int64_t{1} << 20);
+}
+
 TEST_CASE("every instruction is timed, in order, within the step") {
   auto model = layers::build_model(mlp_spec(DType::kF32));
   InProcessTransport transport(2);
@@ -221,6 +268,7 @@ TEST_CASE("every instruction is timed, in order, within the step") {
     sent.ops.front().group_ms = 0.25 + k;  // a tensor group's sums inside a compute op too
     sent.other_ops = 7 + k;
     sent.captured_nodes = 300 + k;  // a replayed step's, as pipeline.capture sets it
+    sent.device_peak_bytes = (int64_t{7} << 40) + k;  // a large device's, exactly (below 2^53)
     sent.op_times = {{"matmul_weight", 12 + k, 3.5}, {"", 1, 0.0}, {"fused_attention_backward", 2, 0.125 + k}};  // trace.ops
     const StageTrace back = decode_trace(encode_trace(sent), k);
     REQUIRE(back.op_times.size() == 3);
@@ -233,13 +281,14 @@ TEST_CASE("every instruction is timed, in order, within the step") {
     // A name's length that is not a count within the message is refused, not read.
     std::vector<double> bad = encode_trace(sent);
     for (double len : {-1.0, 1e30, 2.5, std::nan("")}) {
-      bad[6 + 2] = len;  // the first op time's name length, after its calls and ms
+      bad[7 + 2] = len;  // the first op time's name length, after the header (7) and its calls and ms
       CHECK_THROWS_WITH_AS(decode_trace(bad, k), doctest::Contains("malformed timings from stage"), Error);
     }
     CHECK(back.peak_activation_bytes == r.stages[k].peak_activation_bytes);
     CHECK(back.optimizer_bytes == 12345 + k);
     CHECK(back.other_ops == 7 + k);
     CHECK(back.captured_nodes == 300 + k);
+    CHECK(back.device_peak_bytes == (int64_t{7} << 40) + k);
     CHECK(back.start_ms == r.stages[k].start_ms);
     REQUIRE(back.ops.size() == ops.size());
     for (size_t j = 0; j < ops.size(); ++j) {

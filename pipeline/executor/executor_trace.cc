@@ -12,8 +12,9 @@ namespace gpipe {
 namespace pipeline {
 
 namespace {
-// peak activation bytes, start, optimizer bytes, other ops, captured nodes, op times' count
-constexpr size_t kHeader = 6;
+// peak activation bytes, start, optimizer bytes, other ops, captured nodes, device peak
+// bytes, op times' count
+constexpr size_t kHeader = 7;
 constexpr size_t kOpFields = 10;  // op, micro-batch, start, end, chunk, bytes, peer, live bytes, group ms, ops
 }  // namespace
 
@@ -22,7 +23,8 @@ constexpr size_t kOpFields = 10;  // op, micro-batch, start, end, chunk, bytes, 
 std::vector<double> encode_trace(const StageTrace& t) {
   std::vector<double> v{static_cast<double>(t.peak_activation_bytes), t.start_ms,
                         static_cast<double>(t.optimizer_bytes), static_cast<double>(t.other_ops),
-                        static_cast<double>(t.captured_nodes), static_cast<double>(t.op_times.size())};
+                        static_cast<double>(t.captured_nodes), static_cast<double>(t.device_peak_bytes),
+                        static_cast<double>(t.op_times.size())};
   v.reserve(kHeader + kOpFields * t.ops.size());
   for (const OpTimer::Total& o : t.op_times) {
     v.insert(v.end(), {static_cast<double>(o.calls), o.ms, static_cast<double>(o.op.size())});
@@ -45,13 +47,14 @@ StageTrace decode_trace(const std::vector<double>& v, int stage) {
   t.optimizer_bytes = static_cast<int64_t>(v[2]);
   t.other_ops = static_cast<int64_t>(v[3]);
   t.captured_nodes = static_cast<int64_t>(v[4]);
+  t.device_peak_bytes = static_cast<int64_t>(v[5]);
   // A count or a length: a whole number from 0 to `most`, checked before it is cast.
   auto count = [&](double x, size_t most) {
     GPIPE_CHECK(std::isfinite(x) && x >= 0 && x == std::floor(x) && x <= static_cast<double>(most), malformed);
     return static_cast<size_t>(x);
   };
   size_t at = kHeader;
-  for (size_t n = count(v[5], v.size()); n > 0; --n) {
+  for (size_t n = count(v[6], v.size()); n > 0; --n) {
     GPIPE_CHECK(v.size() - at >= 3, malformed);
     OpTimer::Total o;
     o.calls = static_cast<int64_t>(count(v[at], size_t{1} << 53));

@@ -93,6 +93,7 @@ void ReportBuilder::add_step(int step, double loss, const StepResult& r, bool ti
       it->ms += o.ms;
     }
     s.peak_activation_bytes = std::max(s.peak_activation_bytes, trace.peak_activation_bytes);
+    s.device_peak_bytes = std::max(s.device_peak_bytes, trace.device_peak_bytes);
     s.optimizer_bytes = std::max(s.optimizer_bytes, trace.optimizer_bytes);
     s.ops_per_step = 0;
     s.all_ops_per_step = trace.other_ops;
@@ -464,6 +465,17 @@ std::string ReportBuilder::table() const {
   if (cut) {
     for (const auto& st : s.stages) os << "  stage " << st.stage << " layers: " << st.layers << "\n";
   }
+  if (std::any_of(s.stages.begin(), s.stages.end(), [](const StageSummary& st) { return st.device_peak_bytes > 0; })) {
+    os << "Device memory, measured (the most the stage's device's allocator had handed out at once from step 1: "
+          "every tensor of its process there, the temporaries too; stages sharing a device in one process read one "
+          "count):";
+    for (const auto& st : s.stages) {
+      std::snprintf(line, sizeof line, "%s stage %d %s %.2f MiB", st.stage == s.stages.front().stage ? "" : ",",
+                    st.stage, st.device.c_str(), st.device_peak_bytes / kMiB);
+      os << line;
+    }
+    os << "\n";
+  }
   std::string group;  // a tensor-parallel run's sums over each stage's group, inside F, R, B and W
   for (const auto& st : s.stages) {
     if (st.group_ms <= 0) continue;
@@ -638,6 +650,7 @@ nlohmann::json stage_json(const StageSummary& st) {
             {"optimizer_reduce_ms", st.collective_ms},  // the old name, for one release
             {"delivery_ms", st.delivery_ms},
             {"peak_activation_bytes", st.peak_activation_bytes},
+            {"device_peak_bytes", st.device_peak_bytes},
             {"optimizer_bytes", st.optimizer_bytes}});
   if (st.ops_per_step >= 0) {
     j.update({{"ops_per_step", st.ops_per_step}, {"ops_per_step_all", st.all_ops_per_step},

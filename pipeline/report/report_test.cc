@@ -188,13 +188,17 @@ TEST_CASE("a tensor group's sums inside F and B: the report's comm, its own figu
   CHECK(plain.table().find("Tensor group") == std::string::npos);
   CHECK(plain.json()["stages"][0]["tensor_group_ms"].get<double>() == 0);
   CHECK(plain.table().find("batch=8\n") != std::string::npos);
+  CHECK(plain.table().find("Device memory") == std::string::npos);  // no device measured (traces from before it)
 }
 
 TEST_CASE("several steps: warm-up left out, the rest averaged, peaks kept") {
   ReportBuilder b = builder();
   b.add_step(1, 3.0, hand_step(100.0, 99999, 99999), /*timed=*/false);  // a slow warm-up: loss only
-  b.add_step(2, 2.0, hand_step(1.0, 1000, 3000), true);
-  b.add_step(3, 1.0, hand_step(3.0, 2000, 2500), true);  // every time x3
+  StepResult second = hand_step(1.0, 1000, 3000), third = hand_step(3.0, 2000, 2500);  // every time x3
+  second.stages[0].device_peak_bytes = 6000;
+  third.stages[0].device_peak_bytes = 4000;  // stage 1's device measured nothing: no count
+  b.add_step(2, 2.0, second, true);
+  b.add_step(3, 1.0, third, true);
   const RunSummary s = b.summary();
   CHECK(s.timed_steps == 2);
   CHECK(s.span_ms == doctest::Approx((16 + 48) / 2.0));
@@ -209,6 +213,8 @@ TEST_CASE("several steps: warm-up left out, the rest averaged, peaks kept") {
   CHECK(s.stages[0].peak_activation_bytes == 2000);  // the most of any timed step
   CHECK(s.stages[1].peak_activation_bytes == 3000);
   CHECK(s.stages[0].optimizer_bytes == 0);  // hand_step's optimizer holds no state
+  CHECK(s.stages[0].device_peak_bytes == 6000);  // the most of any timed step
+  CHECK(s.stages[1].device_peak_bytes == 0);
 
   const nlohmann::json j = b.json();
   REQUIRE(j["steps"].size() == 3);  // every step's loss, the warm-up's too
@@ -243,6 +249,8 @@ TEST_CASE("the table and report.json show the same figures, and the scores") {
   }
   step.stages[0].ops[4].ops = 1;  // rG1
   step.stages[1].other_ops = 2;  // the zeroing, the scalars' write (outside any instruction's own)
+  step.stages[0].device_peak_bytes = (5 << 20) + (512 << 10);  // 5.5 MiB
+  step.stages[1].device_peak_bytes = 7 << 20;
   b.add_step(1, 2.0, step, true);
   b.add_validation(1, 1.75, 0.5);
   b.set_eval(1.5, 0.625);
@@ -263,11 +271,16 @@ TEST_CASE("the table and report.json show the same figures, and the scores") {
   CHECK(t.find("Bubble: measured 0.422, predicted 0.393 (the schedule simulated with the measured op and delivery "
                "times), formula 0.333") != std::string::npos);
   CHECK(t.find("Throughput: 390.2 samples/s") != std::string::npos);
+  CHECK(t.find("Device memory, measured (the most the stage's device's allocator had handed out at once from step 1: "
+               "every tensor of its process there, the temporaries too; stages sharing a device in one process read "
+               "one count): stage 0 cpu:0 5.50 MiB, stage 1 cpu:1 7.00 MiB\n") != std::string::npos);
   CHECK(t.find("Validation: loss 1.5000, accuracy 62.50%") != std::string::npos);
   CHECK(t.find("Ops per step, measured (backend calls: on a GPU most launch one kernel or more, none captured in a "
                "graph): stage 0 14 in F, R, B and W of 21 in all, stage 1 17 in F, R, B and W of 25 in all\n") !=
         std::string::npos);
   const nlohmann::json j = b.json();
+  CHECK(j["stages"][0]["device_peak_bytes"] == (5 << 20) + (512 << 10));
+  CHECK(j["stages"][1]["device_peak_bytes"] == 7 << 20);
   CHECK(j["stages"][0]["ops_per_step"] == 14);
   CHECK(j["stages"][0]["ops_per_step_all"] == 21);
   CHECK(j["stages"][1]["ops_per_step"] == 17);
