@@ -42,8 +42,10 @@
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/.."
 carry="${GPU_CHECK_CARRY:-.gpu_carry}"  # another folder of prepare's files, e.g. for a smoke run
-# GPU_CHECK_TESTS (a space-separated list) runs some of them, in tests and sanitize.
+# GPU_CHECK_TESTS (a space-separated list) runs some of them, in tests and sanitize;
+# GPU_CHECK_SANITIZE_TESTS, in sanitize only (e.g. every binary plainly, two under racecheck).
 read -ra tests <<< "${GPU_CHECK_TESTS:-cuda_backend_test cuda_conv_test cuda_elementwise_test cuda_llama_test gpu_layers_test gpu_pipeline_test}"
+read -ra sanitize_tests <<< "${GPU_CHECK_SANITIZE_TESTS:-${tests[*]}}"
 
 prepare() {
   set -e
@@ -122,7 +124,7 @@ step_sanitize() {
     return
   fi
   for tool in ${GPU_CHECK_SANITIZERS:-memcheck racecheck synccheck}; do
-    for t in "${tests[@]}"; do
+    for t in "${sanitize_tests[@]}"; do
       local log="$out/$t.$tool.log" exclude='*out of memory is a UserError*'
       # --error-exitcode: a finding fails the run even when the test itself passes. The
       # allocator's out-of-memory case asks for more than the card has on purpose, and the
