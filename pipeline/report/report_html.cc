@@ -561,6 +561,9 @@ void write_memory_table(std::ostream& o, const RunSummary& s, bool plan) {
   }
   o << "<th>optimizer state measured</th>";
   if (plan) o << "<th>total planned</th>";
+  // The stage's device's allocator at its most (StageTrace::device_peak_bytes): every tensor
+  // of the process there; stages sharing a device in one process read one count.
+  o << "<th>device at its most, measured</th>";
   o << "</tr>\n";
   for (int k = 0; k < s.partitions; ++k) {
     const double measured = static_cast<double>(s.stages[k].peak_activation_bytes);
@@ -574,6 +577,8 @@ void write_memory_table(std::ostream& o, const RunSummary& s, bool plan) {
     }
     o << "<td>" << mb(static_cast<double>(s.stages[k].optimizer_bytes)) << "</td>";
     if (plan) o << "<td>" << mb(static_cast<double>(s.plan.stages[k].total_bytes())) << "</td>";
+    const int64_t device = s.stages[k].device_peak_bytes;
+    o << "<td>" << (device > 0 ? mb(static_cast<double>(device)) + " (" + s.stages[k].device + ")" : "-") << "</td>";
     o << "</tr>\n";
   }
   o << "</table></div>\n";

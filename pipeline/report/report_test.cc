@@ -854,6 +854,7 @@ TEST_CASE("the page shows B, W, sends and collectives apart, and the peak card o
   StepResult with_state = r;
   with_state.stages[0].optimizer_bytes = 3 << 20;  // and the step's trace measuring 3 MiB
   with_state.stages[1].optimizer_bytes = 1 << 20;
+  with_state.stages[0].device_peak_bytes = 9 << 20;  // stage 1's device measured nothing
   b.add_step(1, 2.0, with_state, true);
   HtmlReportInput in;
   in.title = "t";
@@ -875,7 +876,12 @@ TEST_CASE("the page shows B, W, sends and collectives apart, and the peak card o
   // (weights and gradients 0 here), then measured.
   CHECK(page.find("<td class=\"l\">0</td><td>2.00 MiB</td><td>4.00 MiB</td><td>+100.0%</td><td>0.00 MiB</td>"
                   "<td>0.00 MiB</td><td>3.00 MiB</td><td>3.00 MiB</td>") != std::string::npos);
-  CHECK(page.find("<th>optimizer state planned</th><th>optimizer state measured</th>") != std::string::npos);
+  CHECK(page.find("<th>optimizer state planned</th><th>optimizer state measured</th><th>total planned</th>"
+                  "<th>device at its most, measured</th>") != std::string::npos);
+  // The total planned is the plan's weights, gradients, optimizer state and activations:
+  // stage 0's 3 + 4 MiB; its device measured 9 MiB; stage 1's device nothing.
+  CHECK(page.find("<td>3.00 MiB</td><td>7.00 MiB</td><td>9.00 MiB (cpu:0)</td></tr>") != std::string::npos);
+  CHECK(page.find("<td>1.00 MiB</td><td>2.50 MiB</td><td>-</td></tr>") != std::string::npos);
   // A measured step more than 15% off the planned one is said; within 15%, nothing.
   CHECK(page.find("id=\"prediction-off\"") == std::string::npos);  // no planned step time here
   REQUIRE(in.summary.step_ms > 0);
