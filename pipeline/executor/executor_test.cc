@@ -191,8 +191,8 @@ TEST_CASE("rematerialization lowers the activation memory a stage holds") {
 }
 
 // StageTrace::device_peak_bytes: the allocator of the stage's device at its most from the
-// first step on. Devices cpu:6 and cpu:7 are this test's alone (tensors of other tests live
-// on cpu:0 to cpu:4), so what the count must hold is known: each stage's weights, gradients
+// first step on. Devices cpu:6 and cpu:7 are this test's alone (the other tests of this file
+// use cpu:0 to cpu:3), so what the count must hold is known: each stage's weights, gradients
 // and optimizer state, with the largest of its activations.
 TEST_CASE("a stage's device peak counts its device's tensors from the first step on") {
   const Device a = Device::cpu(6), b = Device::cpu(7);
