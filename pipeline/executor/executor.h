@@ -149,10 +149,12 @@ struct StageTrace {
   int64_t other_ops = 0;
   int64_t peak_activation_bytes = 0;  // largest sum of activations held at once
   // The most bytes the stage's device's allocator (runtime/allocator.h) had handed out at
-  // once, from the executor's first training step to the end of this one: every tensor
-  // this process holds there (weights, gradients, optimizer state, activations, the ops'
-  // temporaries; on a CPU device also the host's batches), as PyTorch's
-  // max_memory_allocated counts. Stages sharing a device read the same count.
+  // once, from the executor's first training step (a launch's) to the end of this one,
+  // evaluations and checkpoint saves between them included: every tensor this process
+  // holds there (weights, gradients, optimizer state, activations, the ops' temporaries),
+  // as PyTorch's max_memory_allocated counts. Stages sharing a device read the same count.
+  // CPU devices hand tensors between stages without a copy, so there a message counts on
+  // the device that made it, and cpu:0 also holds the host's batches.
   int64_t device_peak_bytes = 0;
   // The optimizer state this stage's replica holds after its step (its shard's, when
   // sharded): the bytes of every slot, measured; 0 in a step without an update.

@@ -192,8 +192,10 @@ TEST_CASE("rematerialization lowers the activation memory a stage holds") {
 
 // StageTrace::device_peak_bytes: the allocator of the stage's device at its most from the
 // first step on. Devices cpu:6 and cpu:7 are this test's alone (the other tests of this file
-// use cpu:0 to cpu:3), so what the count must hold is known: each stage's weights, gradients
-// and optimizer state, with the largest of its activations.
+// use cpu:0 to cpu:3), so what the count must hold is known: the weights, gradients and
+// optimizer state of the stages on the device, held throughout. (Activations are not all
+// their stage's device's: CPU stages hand messages over without a copy, so stage 2's inputs
+// count on cpu:6, where stage 1 made them, and stage 0's on cpu:0, the host's batch.)
 TEST_CASE("a stage's device peak counts its device's tensors from the first step on") {
   const Device a = Device::cpu(6), b = Device::cpu(7);
   {
@@ -226,11 +228,10 @@ TEST_CASE("a stage's device peak counts its device's tensors from the first step
   CHECK(r.stages[0].device_peak_bytes == r.stages[1].device_peak_bytes);
   CHECK(r.stages[0].device_peak_bytes == allocator_for(a).stats().peak);
   CHECK(r.stages[2].device_peak_bytes == allocator_for(b).stats().peak);
-  // At a stage's largest activations every weight, gradient and state of the device's
-  // stages is held too.
-  CHECK(r.stages[0].device_peak_bytes >=
-        held(0) + held(1) + std::max(r.stages[0].peak_activation_bytes, r.stages[1].peak_activation_bytes));
-  CHECK(r.stages[2].device_peak_bytes >= held(2) + r.stages[2].peak_activation_bytes);
+  // Every weight, gradient and state of the device's stages is held throughout, with
+  // activations beside them.
+  CHECK(r.stages[0].device_peak_bytes > held(0) + held(1));
+  CHECK(r.stages[2].device_peak_bytes > held(2));
   // The model is tiny: everything on cpu:7 (one stage, its inputs and activations of 16
   // rows) is far below a megabyte.
   CHECK(r.stages[2].device_peak_bytes < int64_t{1} << 20);

@@ -466,7 +466,8 @@ std::string ReportBuilder::table() const {
     for (const auto& st : s.stages) os << "  stage " << st.stage << " layers: " << st.layers << "\n";
   }
   if (std::any_of(s.stages.begin(), s.stages.end(), [](const StageSummary& st) { return st.device_peak_bytes > 0; })) {
-    os << "Device memory, measured (the most the stage's device's allocator had handed out at once from step 1: "
+    os << "Device memory, measured (the most the stage's device's allocator had handed out at once from this launch's "
+          "first step: "
           "every tensor of its process there, the temporaries too; stages sharing a device in one process read one "
           "count):";
     for (const auto& st : s.stages) {

@@ -37,8 +37,9 @@ struct StageSummary : StageTime {
   // stage that were waiting for their message (a thread's wake-up, a transfer); -1: none.
   double delivery_ms = -1;
   int64_t peak_activation_bytes = 0;
-  // The stage's device's allocator at its most (StageTrace::device_peak_bytes): the most
-  // of any timed step; stages sharing a device in one process read one count.
+  // The stage's device's allocator at its most (StageTrace::device_peak_bytes), from the
+  // launch's first step to its last timed one (the count never falls within a launch, so
+  // the largest reading is the last); stages sharing a device in one process read one count.
   int64_t device_peak_bytes = 0;
   // Backend ops the stage's thread called per step (TimedOp::ops), in the last timed step:
   // in its F, R, B and W (what the plan counts on shapes, PlannedStage::launches, on the

@@ -271,8 +271,8 @@ TEST_CASE("the table and report.json show the same figures, and the scores") {
   CHECK(t.find("Bubble: measured 0.422, predicted 0.393 (the schedule simulated with the measured op and delivery "
                "times), formula 0.333") != std::string::npos);
   CHECK(t.find("Throughput: 390.2 samples/s") != std::string::npos);
-  CHECK(t.find("Device memory, measured (the most the stage's device's allocator had handed out at once from step 1: "
-               "every tensor of its process there, the temporaries too; stages sharing a device in one process read "
+  CHECK(t.find("Device memory, measured (the most the stage's device's allocator had handed out at once from this "
+               "launch's first step: every tensor of its process there, the temporaries too; stages sharing a device in one process read "
                "one count): stage 0 cpu:0 5.50 MiB, stage 1 cpu:1 7.00 MiB\n") != std::string::npos);
   CHECK(t.find("Validation: loss 1.5000, accuracy 62.50%") != std::string::npos);
   CHECK(t.find("Ops per step, measured (backend calls: on a GPU most launch one kernel or more, none captured in a "
