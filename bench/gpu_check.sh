@@ -341,9 +341,6 @@ gpu_peak_mib() {  # pid gpu base
   echo $((peak - $3))
 }
 
-# Runs one timed job (command in "$@", its output to `log`) within `limit` seconds, the
-# GPU's memory sampled while it runs; appends its row to $out/speed.jsonl for the table.
-# A job past its limit is killed outright: gpipe would save a checkpoint on SIGTERM.
 # "K", "KmM", "Kg" or "KmMg" (GPU_CHECK_SPEED_KS) into k, m, capture and the run's name in
 # its folder (kK, kKmM when M is not K, then g when captured); a malformed one is an error.
 speed_km() {
@@ -356,6 +353,9 @@ speed_km() {
   [ -z "${BASH_REMATCH[4]}" ] || { capture=true; km_name+=g; }
 }
 
+# Runs one timed job (command in "$@", its output to `log`) within `limit` seconds, the
+# GPU's memory sampled while it runs; appends its row to $out/speed.jsonl for the table.
+# A job past its limit is killed outright: gpipe would save a checkpoint on SIGTERM.
 speed_run() {  # json_fields log limit command...
   local fields="$1" log="$2" limit="$3" base="" mib=null status begin=$SECONDS
   shift 3
@@ -411,6 +411,8 @@ step_speed() {
   if [ "${GPU_CHECK_SPEED_OPS:-1}" != 0 ] && [ -f "$carry/llama_${ops_size}_speed.yaml" ]; then
     for ops_k in "${ops_ks[@]}"; do
       speed_km "$ops_k" || { record "speed_ops_$ops_k" FAIL "not a run of GPU_CHECK_SPEED_OPS_KS"; continue; }
+      [ "$capture" = false ] ||
+        { record "speed_ops_$ops_k" FAIL "trace.ops times a step op by op, so GPU_CHECK_SPEED_OPS_KS takes no captured (g) run"; continue; }
       local left=$((budget - (SECONDS - started)))
       dir="$out/speed_${ops_size}_${ops_precision}$([ "$km_name" = k1 ] || echo "_$km_name")_ops"
       rm -rf "$dir"
@@ -418,7 +420,7 @@ step_speed() {
         timeout "$((left < per_run ? left : per_run))" "$carry/gpipe" train "$carry/llama_${ops_size}_speed.yaml" \
           --set "model.dtype=$ops_precision" --set "pipeline.partitions=$k" --set "pipeline.micro_batches=$m" \
           --set "pipeline.devices=[$(yes "$speed_device" | head -n "$k" | paste -sd,)]" \
-          --set "pipeline.recompute=$recompute" --set "train.steps=6" --set "pipeline.capture=$capture" \
+          --set "pipeline.recompute=$recompute" --set "train.steps=6" \
           --set "trace.ops=true" --set "data.path=$carry/GPL-3" --set "output.dir=$dir" > "$dir.log" 2>&1 ||
           record "speed_ops_${ops_size}_${ops_precision}_$km_name" FAIL "gpipe with trace.ops: exit status $? ($dir.log)"
       else
@@ -508,7 +510,7 @@ def measure(r):
     report = json.load(open(os.path.join(r["dir"], "report.json")))
     # The step the run's plan predicted before its first step (stages sharing the GPU take turns there).
     r["planned_ms"] = report.get("prediction", {}).get("step_ms")
-    # The GPU's allocator at its most from step 1 (every stage on it reads the one count),
+    # The GPU's allocator at its most from the run's first step (every stage on it reads the one count),
     # as PyTorch's max_memory_allocated counts; a report from before it: the plan's weights,
     # gradients and optimizer state plus the measured peak activations.
     own = max((st.get("device_peak_bytes", 0) for st in report["stages"]), default=0)
@@ -596,7 +598,7 @@ md += ["", f"Each run trains the config's model for {steps} steps and times the 
        "GPU memory: nvidia-smi's memory.used every 0.2 s during the run, above what was used before it (CUDA "
        "context and allocator caches included, alike for both). allocated: the most the allocator had handed out "
        "at once during the steps (every tensor, temporaries included, not its cache): PyTorch's "
-       "torch.cuda.max_memory_allocated, gpipe's report.json device_peak_bytes (from step 1; its stages on the one GPU "
+       "torch.cuda.max_memory_allocated, gpipe's report.json device_peak_bytes (from its first step; its stages on the one GPU "
        "read the one count). \"(planned)\": a gpipe that reports none, given as its plan's weights, gradients and "
        "optimizer state plus the measured peak activations, summed over the stages."]
 # Each K = 1 run's matrix products, timed alone after it (report.json's gemms: the longest
