@@ -528,6 +528,14 @@ TEST_CASE("16-bit products and elementwise ops on the GPU itself equal the widen
 // ---------------------------------------------------------------------------------
 // Ops against the CPU reference
 
+// u cast to `to` on the host (backend_for(cpu)'s cast: widened exactly, or rounded once to
+// nearest even): the float32 operands of a reference, or its result in the 16-bit type.
+Tensor on_host_as(const Tensor& u, DType to) {
+  Tensor out = Tensor::empty(u.shape(), to, Device::cpu());
+  backend_for(Device::cpu()).cast(u, out);
+  return out;
+}
+
 // Each element of a 16-bit GPU result within a step of the type (and 1e-3) of one of two
 // references: rounded once, or rounded as the CPU's 16-bit composition rounds (the product,
 // then the sum). At most five elements named.
@@ -583,15 +591,10 @@ TEST_CASE("linear_bias and linear_weight_grad (cuBLASLt's epilogues) equal the C
       const bool aligned = z.offset == 0 && z.k % 8 == 0 && z.n % 8 == 0;
       const int64_t calls_before = cuda_cublaslt_calls();
       // Forward: the reference in float32 on the widened operands, rounded once.
-      auto wide = [&](const Tensor& u) {
-        Tensor out = Tensor::empty(u.shape(), DType::kF32, Device::cpu());
-        cpu_be.cast(u, out);
-        return out;
-      };
+      auto wide = [](const Tensor& u) { return on_host_as(u, DType::kF32); };
       Tensor y_wide = Tensor::empty({z.r, z.n}, DType::kF32, Device::cpu());
       cpu_be.linear_bias(wide(x), wide(w), wide(bias), y_wide);
-      Tensor y_cpu = Tensor::empty({z.r, z.n}, t, Device::cpu());
-      cpu_be.cast(y_wide, y_cpu);
+      const Tensor y_cpu = on_host_as(y_wide, t);
       Tensor y_gpu = bare.empty({z.r, z.n}, t);
       bare.linear_bias(x_gpu, to_gpu(w), to_gpu(bias), y_gpu);
       if (t == DType::kF32) {
@@ -659,16 +662,8 @@ TEST_CASE("linear_residual and linear_input_grad_add equal the CPU's product the
       const Tensor dy = random_tensor({z.r, z.n}, t, ++seed), dx0 = random_tensor({z.r, z.k}, t, ++seed);
       const Tensor x_gpu_all = to_gpu(x_all), x_gpu = x_gpu_all.narrow_rows(z.offset, z.r);
       const bool aligned = z.offset == 0 && z.k % 8 == 0 && z.n % 8 == 0;
-      auto wide = [&](const Tensor& u) {
-        Tensor out = Tensor::empty(u.shape(), DType::kF32, Device::cpu());
-        cpu_be.cast(u, out);
-        return out;
-      };
-      auto rounded = [&](const Tensor& u) {
-        Tensor out = Tensor::empty(u.shape(), t, Device::cpu());
-        cpu_be.cast(u, out);
-        return out;
-      };
+      auto wide = [](const Tensor& u) { return on_host_as(u, DType::kF32); };
+      auto rounded = [&](const Tensor& u) { return on_host_as(u, t); };
       const int64_t calls_before = cuda_cublaslt_calls();
       // y = x w^T + residual.
       Tensor y_wide = Tensor::empty({z.r, z.n}, DType::kF32, Device::cpu());

@@ -326,6 +326,16 @@ TEST_CASE("the residual sums are the CPU's op then axpy, bit for bit, one op eac
     const Tensor dx0 = random_tensor({R, K}, t, ++seed);
     const std::vector<double> xv = testing::to_doubles(x), wv = testing::to_doubles(w), rv = testing::to_doubles(res),
                               dyv = testing::to_doubles(dy), dx0v = testing::to_doubles(dx0);
+    // Each element of `got` (rows x cols) within tol of expected(r, c), written out in double.
+    auto near_each = [&](const Tensor& got, int64_t rows, int64_t cols, auto expected) {
+      const std::vector<double> v = testing::to_doubles(got);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c) {
+          const double e = expected(r, c);
+          CHECK(std::fabs(v[r * cols + c] - e) <= tol * (1 + std::fabs(e)));
+        }
+      }
+    };
     OpLog log;
     auto one_op = [&](const char* op) {  // the calls since the last take: this op alone
       const std::vector<OpLog::Call> calls = log.take();
@@ -340,14 +350,11 @@ TEST_CASE("the residual sums are the CPU's op then axpy, bit for bit, one op eac
     be.linear_residual(x, w, res, got);
     one_op("linear_residual");
     CHECK(same_bits(got, want));
-    const std::vector<double> y = testing::to_doubles(got);
-    for (int64_t r = 0; r < R; ++r) {
-      for (int64_t n = 0; n < N; ++n) {
-        double e = rv[r * N + n];
-        for (int64_t k = 0; k < K; ++k) e += xv[r * K + k] * wv[n * K + k];
-        CHECK(std::fabs(y[r * N + n] - e) <= tol * (1 + std::fabs(e)));
-      }
-    }
+    near_each(got, R, N, [&](int64_t r, int64_t n) {
+      double e = rv[r * N + n];
+      for (int64_t k = 0; k < K; ++k) e += xv[r * K + k] * wv[n * K + k];
+      return e;
+    });
     // dx += dy w.
     Tensor dx_want = as(dx0, t), dx = as(dx0, t), part = be.empty({R, K}, t);
     be.matmul_weight(dy, false, w, false, part);
@@ -356,14 +363,11 @@ TEST_CASE("the residual sums are the CPU's op then axpy, bit for bit, one op eac
     be.linear_input_grad_add(dy, w, dx);
     one_op("linear_input_grad_add");
     CHECK(same_bits(dx, dx_want));
-    const std::vector<double> d = testing::to_doubles(dx);
-    for (int64_t r = 0; r < R; ++r) {
-      for (int64_t k = 0; k < K; ++k) {
-        double e = dx0v[r * K + k];
-        for (int64_t n = 0; n < N; ++n) e += dyv[r * N + n] * wv[n * K + k];
-        CHECK(std::fabs(d[r * K + k] - e) <= tol * (1 + std::fabs(e)));
-      }
-    }
+    near_each(dx, R, K, [&](int64_t r, int64_t k) {
+      double e = dx0v[r * K + k];
+      for (int64_t n = 0; n < N; ++n) e += dyv[r * N + n] * wv[n * K + k];
+      return e;
+    });
     // dx = rmsnorm_backward's dx + residual, x (R, K) normalised over K.
     const Tensor g = random_tensor({K}, t, ++seed), ny = random_tensor({R, K}, t, ++seed);
     const Tensor nres = random_tensor({R, K}, t, ++seed);
@@ -377,10 +381,7 @@ TEST_CASE("the residual sums are the CPU's op then axpy, bit for bit, one op eac
     be.rmsnorm_backward_add(ny, x, g, rstd, nres, n_got);
     one_op("rmsnorm_backward_add");
     CHECK(same_bits(n_got, n_want));
-    const std::vector<double> ng = testing::to_doubles(n_got);
-    for (size_t e = 0; e < ng.size(); ++e) {
-      CHECK(std::fabs(ng[e] - (plain[e] + nresv[e])) <= tol * (1 + std::fabs(plain[e] + nresv[e])));
-    }
+    near_each(n_got, R, K, [&](int64_t r, int64_t k) { return plain[r * K + k] + nresv[r * K + k]; });
   }
   // On shapes: one op each, the two products listed as such.
   ShapesOnly shapes;
