@@ -682,9 +682,8 @@ trace: {ops: true}
     CHECK(by_op["adam_step_all"] == 1);
     CHECK(ms > 0);
     CHECK(ms <= j["step_ms"].get<double>());  // the ops ran inside the step
-    // On a CPU a compute instruction is its ops' calls, and little else: their time is most
-    // of the stage's busy time (a timer that closed each span at its start would give ~0).
-    CHECK(ms >= 0.5 * st["busy_ms"].get<double>());
+    // That each span runs from its op's start to its end is kernels:op_log_test's, from
+    // below with ops of a known least length: a share of busy time here is the machine's.
     // The table shows the 6 longest and counts the rest.
     const std::string rest = ", and " + std::to_string(st["op_times"].size() - 6) + " more ops ";
     CHECK(st["op_times"].size() > 6);
