@@ -267,14 +267,14 @@ echo "ok: the supervisor's restart skipped the damaged $newest, resumed at step 
 
 # 6. A frozen single-process child.
 GPIPE_CHECKPOINT_PAUSE_MS=50 timeout 300 "$gpipe" run --max-restarts 1 mlp.yaml --set output.dir=frozen --set train.steps=60 --set checkpoint.every=5 \
-  --set pipeline.timeout_s=2 > frozen.log 2>&1 &
+  --set pipeline.timeout_s=4 > frozen.log 2>&1 &
 sup=$!
 for _ in $(seq 600); do [ -e frozen/checkpoints/step-5/COMPLETE ] && break; sleep 0.05; done
 child="$(pgrep -f "gpipe train mlp.yaml --set output.dir=frozen" | head -1)"
 [ -n "$child" ] || { kill $sup; cat frozen.log; fail "the supervised job is not running"; }
 kill -STOP "$child"
 wait $sup
-expect 0 frozen.log $? "(pid $child on " "made no progress for 4 s" "restart 1 of 1"
+expect 0 frozen.log $? "(pid $child on " "made no progress for 8 s" "restart 1 of 1"
 at="$(resumed_from frozen.log)"
 [ ! -e frozen/.heartbeat ] || fail "gpipe run left its heartbeat files behind"
 python3 -c "
@@ -285,7 +285,7 @@ echo "ok: kill -STOP of the child: killed after 2 x pipeline.timeout_s without p
 # Both ranks of a two-process job frozen (so no transport deadline fires): the
 # supervisor kills the ranks and mpirun, and restarts the job.
 GPIPE_CHECKPOINT_PAUSE_MS=50 timeout 300 "$gpipe" run --np 2 --max-restarts 1 mlp.yaml --set output.dir=frozen2 \
-  --set train.steps=60 --set checkpoint.every=5 --set pipeline.timeout_s=2 > frozen2.log 2>&1 &
+  --set train.steps=60 --set checkpoint.every=5 --set pipeline.timeout_s=4 > frozen2.log 2>&1 &
 sup=$!
 for _ in $(seq 600); do [ -e frozen2/checkpoints/step-5/COMPLETE ] && break; sleep 0.05; done
 ranks="$(pgrep -f "gpipe train mlp.yaml --set output.dir=frozen2" | while read -r p; do
@@ -293,7 +293,7 @@ ranks="$(pgrep -f "gpipe train mlp.yaml --set output.dir=frozen2" | while read -
 [ "$(echo "$ranks" | wc -w)" -eq 2 ] || { kill $sup; cat frozen2.log; fail "the two ranks are not running: $ranks"; }
 kill -STOP $ranks
 wait $sup
-expect 0 frozen2.log $? "made no progress for 4 s" "restart 1 of 1"
+expect 0 frozen2.log $? "made no progress for 8 s" "restart 1 of 1"
 for r in $ranks; do
   case "$(ps -o stat= -p "$r" 2>/dev/null)" in ""|Z*) ;; *) fail "frozen rank $r is still there";; esac
 done

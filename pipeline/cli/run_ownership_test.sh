@@ -140,8 +140,14 @@ GPIPE_CHECKPOINT_PAUSE_MS=20 "${g[@]}" train mlp.yaml --set output.dir=live --se
   --set checkpoint.keep=1 --set train.log_interval=1 > live.log 2>&1 &
 job=$!
 for _ in $(seq 600); do [ -e live/checkpoints/step-10/COMPLETE ] && break; sleep 0.05; done
+# The run is held while the steps are copied in, so that step-80 is whole before the run
+# gets there however slow the copies are (its saves pause 20 ms a file, not more).
+trainer="$(pgrep -P $job)"  # gpipe, under timeout
+[ -n "$trainer" ] && kill -STOP "$trainer" || { cat live.log; fail "no gpipe train under $job to hold"; }
+[ "$(sed 's/step-//' live/checkpoints/latest 2>/dev/null || echo 0)" -lt 80 ] || { kill -CONT "$trainer"; fail "the run saved step 80 before it was held"; }
 cp -a moved-40 live/checkpoints/step-5  # copied in while the run rotates around it
-cp -a moved-40 staged-80 && mv staged-80 live/checkpoints/step-80  # whole before the run gets there
+cp -a moved-40 staged-80 && mv staged-80 live/checkpoints/step-80
+kill -CONT "$trainer"
 foreign="$(sums live/checkpoints/step-5 live/checkpoints/step-80)"
 wait $job
 expect 2 live.log $? "cannot save step 80: live/checkpoints/step-80 holds a checkpoint of another run ($E)" \
